@@ -1,0 +1,89 @@
+"""The public entry points. Each reads as the pipeline stages it composes (DESIGN.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autofit.batch import Batch, as_batch
+from autofit.errors import InvalidInputError
+from autofit.loss import LossFn
+from autofit.measure.allocator import measure_step
+from autofit.report import Measurement, MemoryEstimate
+from autofit.simulate.run import simulate_step
+from autofit.simulate.timeline import Phase
+from autofit.step import StepConfig, make_step_config
+
+__all__ = ["estimate", "measure"]
+
+
+def _check_model(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def _inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
+    batch = as_batch(sample)
+    if target is None:
+        return batch, None
+    target_batch = as_batch(target, what="target")
+    if target_batch.size != batch.size:
+        raise InvalidInputError(
+            f"target has {target_batch.size} rows along dim 0 but the sample has {batch.size}: "
+            "give one target row per sample row"
+        )
+    return batch, target_batch
+
+
+def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device) -> StepConfig:
+    return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
+                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device)
+
+
+def estimate(
+    model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
+    optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
+    accumulation_steps: int = 1,
+) -> MemoryEstimate:
+    """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
+
+    The step (DESIGN.md): forward and loss under the precision's autocast, backward; after ``accumulation_steps``
+    micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters, buffers, optimizer state,
+    inputs and targets are counted. ``model`` may live on the meta device. It is never modified.
+    """
+    model = _check_model(model)
+    batch, target_batch = _inputs(sample, target)
+    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
+    sim = simulate_step(model, batch, target_batch, loss_fn, config)
+    return _to_estimate(sim, config)
+
+
+def _to_estimate(sim, config: StepConfig) -> MemoryEstimate:
+    ops = sim.timeline.ops
+    at = ""
+    if 0 <= sim.replay.peak_op < len(ops):
+        op = ops[sim.replay.peak_op]
+        at = f"{op.name} in {op.module or 'top level'}"
+    phase = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
+             Phase.OPTIMIZER: "optimizer"}[sim.replay.peak_phase]
+    return MemoryEstimate(
+        peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=config.device,
+        peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
+    )
+
+
+def measure(
+    model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
+    optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
+    accumulation_steps: int = 1, steps: int = 1,
+) -> Measurement:
+    """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator."""
+    model = _check_model(model)
+    batch, target_batch = _inputs(sample, target)
+    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
+    return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)

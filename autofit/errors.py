@@ -1,0 +1,46 @@
+"""Typed errors. Each message says what is wrong and what to do next (see STYLE.md, habit 6)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutofitError",
+    "InvalidInputError",
+    "ForwardError",
+    "LossError",
+    "UnsupportedModelError",
+    "InfeasibleBudgetError",
+]
+
+
+class AutofitError(Exception):
+    """Base class of every error autofit raises on purpose."""
+
+
+class InvalidInputError(AutofitError, ValueError):
+    """An argument is malformed: a sample without a batch dimension, an unknown name, a bad size string."""
+
+
+class ForwardError(AutofitError, RuntimeError):
+    """The model's forward (or the loss) raised; ``module`` names the innermost module that was running."""
+
+    def __init__(self, message: str, *, module: str | None = None) -> None:
+        super().__init__(message)
+        self.module = module
+
+
+class LossError(AutofitError, ValueError):
+    """The loss is not a differentiable scalar, or no loss could be derived from the model's output."""
+
+
+class UnsupportedModelError(AutofitError, RuntimeError):
+    """The model cannot be simulated the way it was given (for example data-dependent code on the meta device)."""
+
+
+class InfeasibleBudgetError(AutofitError):
+    """No configuration fits the budget. ``min_budget_bytes`` is the smallest budget any allowed one reaches."""
+
+    def __init__(self, message: str, *, min_budget_bytes: int, budget_bytes: int, dominant: str | None = None) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+        self.budget_bytes = budget_bytes
+        self.dominant = dominant

@@ -1,0 +1,115 @@
+"""Measure real training steps with the allocator's own record.
+
+CPU: the step runs under ``torch.profiler.profile(activities=[CPU], profile_memory=True)``; its Allocation events
+(``alloc_size`` negative on free) are replayed in time order, and the running sum's maximum plus the bytes alive
+before the step is the peak. CUDA: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from autofit.batch import Batch
+from autofit.capture.model_copy import module_tensor_attributes, real_copy
+from autofit.categories import Category
+from autofit.loss import LossFn
+from autofit.report import Measurement
+from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
+
+__all__ = ["measure_step", "allocation_sizes"]
+
+
+def allocation_sizes(prof) -> list[int]:
+    """The profiler's Allocation events in time order: positive on allocation, negative on free."""
+    events: list[tuple[int, int]] = []
+
+    def walk(node) -> None:
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    events.sort(key=lambda e: e[0])
+    return [size for _, size in events]
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | None) -> dict[Category, int]:
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if scaler is not None and scaler.is_enabled():
+        state += [t for t in (scaler._scale, scaler._growth_tracker) if isinstance(t, torch.Tensor)]
+    inputs = micro.tensors() + (micro_target.tensors() if micro_target is not None else [])
+    buffers = list(model.buffers()) + [t for _, t in module_tensor_attributes(model)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return {
+        Category.PARAMETERS: _storage_bytes(model.parameters()),
+        Category.BUFFERS: _storage_bytes(buffers),
+        Category.OPTIMIZER_STATE: _storage_bytes(state),
+        Category.INPUTS: _storage_bytes(inputs),
+        Category.GRADIENTS: _storage_bytes(grads),
+    }
+
+
+def measure_step(
+    model: torch.nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
+    *, steps: int = 1,
+) -> Measurement:
+    """Run ``config`` for real on a copy of ``model``: one warm-up window (creates optimizer state), then ``steps``
+    measured windows of ``accumulation_steps`` micro-batches each. Returns the highest peak."""
+    device = torch.device(config.device)
+    work = real_copy(model).to(device)
+    micro = batch.map_tensors(lambda t: t.to(device)).resize(config.micro_batch_size)
+    micro_target = None if target is None else target.map_tensors(lambda t: t.to(device)).resize(
+        config.micro_batch_size)
+    optimizer = config.optimizer.build(work.parameters())
+    scaler = new_grad_scaler(config, device.type)
+
+    def window() -> None:
+        for _ in range(config.accumulation_steps):
+            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type,
+                            weight=1.0 / config.accumulation_steps, scaler=scaler)
+        optimizer_step(optimizer, scaler)
+
+    with patched_model(work, config, device.type):
+        window()  # warm-up: optimizer state now exists, as in the steady state
+        gc.collect()
+        before = _live_before(work, optimizer, scaler, micro, micro_target)
+        base = sum(before.values())
+        peak_step = 0
+        for _ in range(steps):
+            peak_step = max(peak_step, _measure_window(window, device))
+    breakdown: dict[Any, int] = dict(before)
+    breakdown[Category.STEP] = peak_step
+    return Measurement(base + peak_step, breakdown, device=config.device)
+
+
+def _measure_window(window, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        window()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        window()
+    running = peak = 0
+    for size in allocation_sizes(prof):
+        running += size
+        peak = max(peak, running)
+    return peak

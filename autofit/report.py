@@ -1,0 +1,75 @@
+"""The memory figures ``estimate`` and ``measure`` hand back: a peak and where its bytes go."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from autofit.units import format_bytes
+
+__all__ = ["MemoryEstimate", "Measurement"]
+
+
+def _frozen(breakdown: Mapping) -> Mapping[str, int]:
+    return MappingProxyType({str(k): int(v) for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1]) if v})
+
+
+def _table(title: str, peak: int, breakdown: Mapping[str, int]) -> str:
+    lines = [f"{title}: {format_bytes(peak)} ({peak:,} bytes)"]
+    width = max((len(k) for k in breakdown), default=0)
+    for key, value in breakdown.items():
+        share = 100 * value / peak if peak else 0.0
+        lines.append(f"  {key:<{width}}  {format_bytes(value):>12}  {share:5.1f} %")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak of one steady-state training step.
+
+    ``peak_bytes`` is comparable with what the allocator reports (the CPU allocator's high-water mark, or
+    ``torch.cuda.max_memory_allocated``); ``device_bytes`` is what the process needs on the device in all (on CUDA
+    the caching allocator's reserve and the context come on top; on the CPU it equals ``peak_bytes``).
+    """
+
+    peak_bytes: int
+    breakdown: Mapping[str, int]
+    device: str = "cpu"
+    device_bytes: int = 0
+    peak_phase: str = ""  # "forward", "backward" or "optimizer"
+    peak_at: str = ""  # the op and module at the peak, e.g. "convolution_backward in layer1.0.conv1"
+    method: str = "fake"  # "fake" (fake tensors) or "real" (data-dependent model run on the CPU)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "breakdown", _frozen(self.breakdown))
+        if not self.device_bytes:
+            object.__setattr__(self, "device_bytes", self.peak_bytes)
+
+    def __str__(self) -> str:
+        text = _table(f"estimated peak ({self.device}, at {self.peak_phase}: {self.peak_at})", self.peak_bytes,
+                      self.breakdown)
+        return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Measured peak of real training steps: the allocator's high-water mark plus the bytes alive before them.
+
+    The allocator cannot say which of its blocks were activations or gradients, so the breakdown has the tensors
+    that existed before the step by category and everything allocated during the step under ``step``.
+    """
+
+    peak_bytes: int
+    breakdown: Mapping[str, int]
+    device: str = "cpu"
+    reserved_bytes: int = 0  # CUDA: max_memory_reserved; CPU: equal to peak_bytes
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "breakdown", _frozen(self.breakdown))
+        if not self.reserved_bytes:
+            object.__setattr__(self, "reserved_bytes", self.peak_bytes)
+
+    def __str__(self) -> str:
+        return _table(f"measured peak ({self.device})", self.peak_bytes, self.breakdown)

@@ -1,0 +1,262 @@
+"""Run one steady-state training step on a copy of the model, under the :class:`StepTracker`.
+
+The copy is fake (no memory) unless the model's code depends on tensor values (``.item()``, ``if x.norm() > c``,
+``nonzero``): fake tensors have no values, so such steps run on a real copy at the requested micro-batch instead,
+with the same tracker (see Note [data-dependent models]).
+
+Steady state (DESIGN.md): optimizer state exists before the step. It is created by one optimizer step over zero
+gradients before tracking starts; state of parameters that then receive no gradient in the step is dropped from the
+timeline, since a real optimizer never creates it.
+
+Note [checkpoint RNG state]
+    Non-reentrant checkpointing stashes the CPU RNG state (``torch.get_rng_state()``, a 5056-byte tensor on current
+    builds) when a checkpointed module runs forward, keeps it until that region's backward, and takes another copy
+    while it recomputes (``torch.random.fork_rng``). Those tensors are made outside the dispatcher, so the tracker
+    would not see them; during the simulation ``get_rng_state`` returns a tensor of the real state's size made by an
+    op (so it is tracked with the same lifetime) and ``set_rng_state`` ignores fake tensors.
+
+Note [data-dependent models]
+    A fake tensor cannot answer ``bool(x.norm() > c)``: FakeTensorMode raises DataDependentOutputException (or
+    DynamicOutputShapeException for ``nonzero``). The branch taken depends on the data, so no value-free simulation
+    can be right; autofit runs the step for real on the CPU with the user's sample rows, tracked exactly like the fake
+    run (the kernel probes supply the workspace terms). This needs real weights and enough host memory for one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+
+from autofit.batch import Batch
+from autofit.capture.model_copy import fake_copy, module_tensor_attributes, real_copy
+from autofit.capture.module_stack import install_module_stack
+from autofit.categories import Category
+from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
+from autofit.loss import LossFn
+from autofit.simulate.probe import KernelProber
+from autofit.simulate.timeline import Phase, Replay, Timeline, replay
+from autofit.simulate.tracker import StepTracker
+from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
+
+__all__ = ["Simulation", "simulate_step", "DATA_DEPENDENT_ERRORS"]
+
+DATA_DEPENDENT_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
+
+# One prober per process: kernel scratch sizes depend only on the kernel signature and the machine.
+_PROBER = KernelProber()
+
+
+@dataclass(frozen=True)
+class Simulation:
+    timeline: Timeline
+    replay: Replay
+    method: str  # "fake" or "real" (see Note [data-dependent models])
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+class _SimulatedGradScaler(torch.amp.GradScaler):
+    """GradScaler whose step skips the ``found_inf.item()`` check: fake tensors have no values, and the step the
+    memory model describes is the normal one, where the optimizer steps. Allocations are the same as the real one's."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+
+def simulate_step(
+    model: nn.Module, batch: Batch, target: Any, loss_fn: LossFn | None, config: StepConfig, *,
+    probe_kernels: bool = True,
+) -> Simulation:
+    """Simulate one training step of ``config`` and return its timeline and replayed peak."""
+    try:
+        return _simulate(model, batch, target, loss_fn, config, fake=True, probe_kernels=probe_kernels)
+    except _DataDependent as e:
+        try:
+            sim = _simulate(model, batch, target, loss_fn, config, fake=False, probe_kernels=probe_kernels)
+        except UnsupportedModelError as e2:
+            raise UnsupportedModelError(
+                f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}), so autofit must run "
+                f"the step for real, but: {e2}"
+            ) from e
+        note = (f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}); the step was run "
+                "for real on the CPU with the sample's rows (see Note [data-dependent models])")
+        return Simulation(sim.timeline, sim.replay, "real", sim.notes + (note,))
+
+
+class _DataDependent(Exception):
+    def __init__(self, module: str, cause: str) -> None:
+        super().__init__(cause)
+        self.module, self.cause = module, cause
+
+
+def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool) -> Simulation:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    prober = _PROBER if probe_kernels and config.device == "cpu" else None
+    if prober is not None:
+        prober.skipped = prober.failed = 0
+    if fake:
+        work = fake_copy(model, fake_mode)
+    else:
+        work = real_copy(model).to("cpu")
+    mode_ctx = fake_mode if fake else contextlib.nullcontext()
+    with mode_ctx:
+        to_sim = _fake_converter(fake_mode) if fake else (lambda t: t.to("cpu"))
+        micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
+        micro_target = None
+        if target is not None:
+            micro_target = target.map_tensors(to_sim).resize(config.micro_batch_size)
+        optimizer = config.optimizer.build(work.parameters())
+        scaler = _SimulatedGradScaler("cpu") if config.precision.needs_grad_scaler else None
+        _create_optimizer_state(work, optimizer, scaler)
+
+        tracker = StepTracker(prober=prober)
+        _register_state(tracker, work, optimizer, scaler, micro, micro_target)
+        handles = install_module_stack(work, tracker.module_stack)
+        try:
+            with patched_model(work, config, "cpu"), _tracked_rng_state(fake), tracker:
+                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config)
+        finally:
+            for h in handles:
+                h.remove()
+    notes = []
+    if prober is not None and prober.skipped:
+        notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
+    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))
+
+
+@contextlib.contextmanager
+def _tracked_rng_state(fake: bool) -> Iterator[None]:
+    """See Note [checkpoint RNG state]."""
+    get_state, set_state = torch.get_rng_state, torch.set_rng_state
+    size = get_state().numel()
+
+    def tracked_get_state() -> torch.Tensor:
+        state = torch.empty(size, dtype=torch.uint8)
+        if not fake:
+            state.copy_(get_state())
+        return state
+
+    def tracked_set_state(state: torch.Tensor) -> None:
+        if not fake:
+            set_state(state)
+
+    torch.get_rng_state, torch.set_rng_state = tracked_get_state, tracked_set_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = get_state, set_state
+
+
+def _fake_converter(fake_mode: FakeTensorMode):
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:
+            return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="cpu")
+        return fake_mode.from_tensor(t.detach().cpu() if t.device.type != "cpu" else t)
+
+    return convert
+
+
+def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
+    """Steady state: one optimizer step over zero gradients creates every piece of state a real step would."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    if scaler is not None:
+        scaler.scale(torch.ones((), device="cpu"))  # creates the scale tensor
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target) -> None:
+    for p in model.parameters():
+        tracker.register(p, Category.PARAMETERS)
+    for b in model.buffers():
+        tracker.register(b, Category.BUFFERS)
+    for _, t in module_tensor_attributes(model):
+        tracker.register(t, Category.BUFFERS)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tracker.register(value, Category.OPTIMIZER_STATE)
+    if scaler is not None:
+        for value in (scaler._scale, scaler._growth_tracker):
+            if isinstance(value, torch.Tensor):
+                tracker.register(value, Category.OPTIMIZER_STATE)
+    for t in micro.tensors():
+        tracker.register(t, Category.INPUTS)
+    if micro_target is not None:
+        for t in micro_target.tensors():
+            tracker.register(t, Category.INPUTS)
+
+
+def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config) -> None:
+    """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
+    last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
+    forward and backward exactly, so they cannot raise the peak."""
+    steps = min(config.accumulation_steps, 2)
+    weight = 1.0 / config.accumulation_steps
+    phases = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD}
+
+    def on_phase(name: str) -> None:
+        tracker.phase = phases[name]
+        tracker.autocast_device = "cpu" if (name == "forward" and config.precision.autocast) else None
+
+    received_grad: set[int] = set()
+    for _ in range(steps):
+        with _forward_errors(tracker):
+            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=weight, scaler=scaler,
+                            on_phase=on_phase)
+        for p in model.parameters():
+            if p.grad is not None:
+                tracker.recategorize(p.grad, Category.GRADIENTS)
+                received_grad.add(id(p))
+    tracker.phase = Phase.OPTIMIZER
+    tracker.autocast_device = None
+    optimizer_step(optimizer, scaler)
+    tracker.phase = Phase.SETUP
+    _drop_phantom_state(tracker, model, optimizer, received_grad)
+
+
+def _drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: set[int]) -> None:
+    """State created by the zero-gradient warm-up for parameters that never get a gradient does not exist in a real
+    run (optimizers skip parameters whose grad is None); it was alive all step, so removing it is exact."""
+    for p in model.parameters():
+        if id(p) in received_grad or p not in optimizer.state:
+            continue
+        for value in optimizer.state[p].values():
+            if isinstance(value, torch.Tensor):
+                sid = tracker.sid_of(value)
+                if sid is not None:
+                    tracker.timeline.storages[sid].nbytes = 0
+
+
+@contextlib.contextmanager
+def _forward_errors(tracker: StepTracker) -> Iterator[None]:
+    """Turn exceptions of the user's code into typed errors naming the innermost module that was running."""
+    try:
+        yield
+    except DATA_DEPENDENT_ERRORS as e:
+        module = tracker.module
+        tracker.module_stack.clear()
+        raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0]) from e
+    except AutofitError:
+        tracker.module_stack.clear()
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the user's forward gets the module's name attached
+        module = tracker.module
+        tracker.module_stack.clear()
+        where = f"module {module!r}" if module else "the model's top-level forward (or the loss)"
+        raise ForwardError(f"{where} raised {type(e).__name__}: {e}", module=module or None) from e

@@ -1,0 +1,117 @@
+"""The allocation timeline of one simulated step, and its replay into a peak with a breakdown.
+
+The tracker (``tracker.py``) appends events while the step runs on fake tensors; categories and kernel workspaces
+can be settled afterwards (a storage only turns out to be a gradient once backward has finished), so the peak is
+computed by replaying the finished timeline, not on the fly. See Note [peak inside a kernel] below.
+
+Note [peak inside a kernel]
+    The CPU allocator sees a kernel's outputs *and* the scratch memory it allocates and frees before returning
+    (oneDNN reorders and scratchpads, type-promotion buffers). Each op therefore ends with an ``OP`` event: at that
+    instant the live bytes are everything allocated so far plus the op's ``workspace``, the transient bytes the
+    kernel needs beyond its outputs. The peak of the step is the maximum over all events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from autofit.categories import Category
+
+__all__ = ["Phase", "EventKind", "StorageRecord", "OpRecord", "Timeline", "Replay", "replay"]
+
+
+class Phase(IntEnum):
+    SETUP = 0  # tensors alive before the step: parameters, buffers, optimizer state, inputs
+    FORWARD = 1
+    BACKWARD = 2
+    OPTIMIZER = 3
+
+
+class EventKind(IntEnum):
+    ALLOC = 0  # value: storage id
+    FREE = 1  # value: storage id
+    OP = 2  # value: op index; the op's workspace is transiently live here
+
+
+@dataclass(slots=True)
+class StorageRecord:
+    nbytes: int
+    category: Category
+    op: int  # index of the op that created it, -1 for tensors that existed before the step
+    module: str  # innermost module running when it was created ("" at top level)
+    phase: Phase
+
+
+@dataclass(slots=True)
+class OpRecord:
+    name: str
+    module: str
+    phase: Phase
+    workspace: int = 0
+    flops: int = 0
+
+
+@dataclass
+class Timeline:
+    storages: list[StorageRecord] = field(default_factory=list)
+    ops: list[OpRecord] = field(default_factory=list)
+    events: list[tuple[EventKind, int]] = field(default_factory=list)
+
+    def new_storage(self, record: StorageRecord) -> int:
+        self.storages.append(record)
+        sid = len(self.storages) - 1
+        self.events.append((EventKind.ALLOC, sid))
+        return sid
+
+    def free(self, sid: int) -> None:
+        self.events.append((EventKind.FREE, sid))
+
+    def new_op(self, record: OpRecord) -> int:
+        self.ops.append(record)
+        index = len(self.ops) - 1
+        self.events.append((EventKind.OP, index))
+        return index
+
+
+@dataclass(frozen=True)
+class Replay:
+    peak_bytes: int
+    breakdown: dict[Category, int]  # live bytes per category at the peak (sums to peak_bytes)
+    peak_op: int  # index of the op at (or just before) the peak, -1 if the peak is the starting state
+    peak_phase: Phase
+
+
+def replay(timeline: Timeline) -> Replay:
+    """Walk the events in order, keeping live bytes per category, and return the state at the highest point."""
+    live: dict[Category, int] = {c: 0 for c in Category}
+    total = 0
+    peak = -1
+    best: dict[Category, int] = {}
+    peak_op, last_op, peak_phase = -1, -1, Phase.SETUP
+    storages, ops = timeline.storages, timeline.ops
+    for kind, value in timeline.events:
+        if kind is EventKind.ALLOC:
+            record = storages[value]
+            live[record.category] += record.nbytes
+            total += record.nbytes
+            candidate = total
+            workspace = 0
+        elif kind is EventKind.FREE:
+            record = storages[value]
+            live[record.category] -= record.nbytes
+            total -= record.nbytes
+            continue
+        else:
+            last_op = value
+            workspace = ops[value].workspace
+            candidate = total + workspace
+        if candidate > peak:
+            peak = candidate
+            best = dict(live)
+            best[Category.WORKSPACE] = workspace
+            peak_op = last_op
+            peak_phase = storages[value].phase if kind is EventKind.ALLOC else ops[value].phase
+    if peak < 0:
+        return Replay(0, {}, -1, Phase.SETUP)
+    return Replay(peak, {c: b for c, b in best.items() if b}, peak_op, peak_phase)

@@ -1,0 +1,157 @@
+"""A dispatch mode that turns a step run on fake tensors into an allocation :class:`Timeline`.
+
+Every aten op passes through ``__torch_dispatch__`` below autograd and autocast, so it sees the ops that really run
+(the backward's, the optimizer's, the low-precision casts autocast inserts). A storage the op returns that the
+tracker has not seen is an allocation; a weak reference on the storage object reports its death as a free. PyTorch
+keeps a storage's Python object alive exactly as long as the C++ storage (PyObject preservation), so frees land
+where the real allocator frees. This is the technique of ``torch.distributed._tools.mem_tracker``, rebuilt here
+on public pieces so the core does not depend on that private module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from autofit.categories import Category
+from autofit.simulate.probe import KernelProber
+from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
+
+__all__ = ["StepTracker"]
+
+aten = torch.ops.aten
+
+_PHASE_CATEGORY = {
+    Phase.SETUP: Category.BUFFERS,
+    Phase.FORWARD: Category.ACTIVATIONS,
+    Phase.BACKWARD: Category.TEMPORARIES,
+    Phase.OPTIMIZER: Category.TEMPORARIES,
+}
+
+
+class StepTracker(TorchDispatchMode):
+    """Records allocations, frees, per-op workspace and FLOPs of whatever runs inside it."""
+
+    def __init__(self, *, prober: KernelProber | None = None, count_flops: bool = True) -> None:
+        super().__init__()
+        self.timeline = Timeline()
+        self.phase = Phase.SETUP
+        self.module_stack: list[str] = []
+        self.prober = prober
+        self.count_flops = count_flops
+        self.autocast_device: str | None = None  # set while forward runs under autocast
+        # id(storage object) -> (weak reference, storage id); the weak reference guards against id reuse
+        self._known: dict[int, tuple[weakref.ref, int]] = {}
+        self._parameter_sids: set[int] = set()
+        self._external: dict[int, weakref.ref] = {}  # storages that existed before tracking, not counted
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------------
+    @property
+    def module(self) -> str:
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        st = t.untyped_storage()
+        entry = self._known.get(id(st))
+        if entry is not None and entry[0]() is st:
+            return entry[1]
+        return None
+
+    def register(self, t: torch.Tensor, category: Category) -> int | None:
+        """Count a tensor that exists before the step (parameters, buffers, state, inputs). Returns its storage id."""
+        sid = self.sid_of(t)
+        if sid is not None or t.untyped_storage().nbytes() == 0:
+            return sid
+        sid = self._track(t.untyped_storage(), category, op=-1)
+        if category is Category.PARAMETERS:
+            self._parameter_sids.add(sid)
+        return sid
+
+    def recategorize(self, t: torch.Tensor, category: Category) -> None:
+        sid = self.sid_of(t)
+        if sid is not None:
+            self.timeline.storages[sid].category = category
+
+    def _track(self, st, category: Category, op: int) -> int:
+        record = StorageRecord(st.nbytes(), category, op, self.module, self.phase)
+        sid = self.timeline.new_storage(record)
+        timeline = self.timeline
+        known = self._known
+        key = id(st)
+
+        def on_free(_ref, sid=sid, key=key) -> None:
+            timeline.free(sid)
+            entry = known.get(key)
+            if entry is not None and entry[1] == sid:
+                del known[key]
+
+        self._known[key] = (weakref.ref(st, on_free), sid)
+        return sid
+
+    def _is_known_or_external(self, st) -> bool:
+        entry = self._known.get(id(st))
+        if entry is not None and entry[0]() is st:
+            return True
+        ref = self._external.get(id(st))
+        return ref is not None and ref() is st
+
+    # ---- the mode ------------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        for t in inputs:
+            # A storage made before tracking and never registered (a global constant, a tensor nested in a
+            # module attribute) is not part of the step; views of it must not look like allocations.
+            st = t.untyped_storage()
+            if not self._is_known_or_external(st):
+                self._external[id(st)] = weakref.ref(st)
+        out = func(*args, **kwargs)
+        probe = self.prober.probe(func, args, kwargs) if self.prober is not None else None
+        if probe is not None:
+            out = _with_probed_shapes(out, probe.output_shapes)
+        record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
+                          workspace=probe.workspace if probe is not None else 0)
+        if self.count_flops and func.overloadpacket in flop_registry:
+            try:
+                record.flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            except Exception:  # noqa: BLE001 - a FLOP formula that cannot read these args counts nothing
+                record.flops = 0
+        category = self._category_for(func, inputs)
+        op_index = len(self.timeline.ops)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if not self._is_known_or_external(st) and st.nbytes() > 0:
+                    self._track(st, category, op_index)
+        self.timeline.new_op(record)
+        return out
+
+    def _category_for(self, func, inputs: list[torch.Tensor]) -> Category:
+        if (
+            self.phase is Phase.FORWARD
+            and self.autocast_device is not None
+            and func is aten._to_copy.default
+            and inputs
+            and self.sid_of(inputs[0]) in self._parameter_sids
+        ):
+            # autocast casts a weight once per autocast region and caches the copy until the region exits
+            return Category.AUTOCAST_CACHE
+        return _PHASE_CATEGORY[self.phase]
+
+
+def _with_probed_shapes(out: Any, shapes: tuple) -> Any:
+    """Replace fake outputs whose shape the real kernel disagrees with (a fake kernel that returns the wrong size)."""
+    leaves, spec = pytree.tree_flatten(out)
+    if len(leaves) != len(shapes):
+        return out
+    changed = False
+    for i, (leaf, real) in enumerate(zip(leaves, shapes)):
+        if isinstance(leaf, torch.Tensor) and real is not None and tuple(leaf.shape) != real[0]:
+            leaves[i] = torch.empty_strided(real[0], real[1], dtype=leaf.dtype, device=leaf.device)
+            changed = True
+    return pytree.tree_unflatten(leaves, spec) if changed else out

@@ -1,0 +1,166 @@
+"""One training step, the same code for ``estimate``, ``measure`` and the emitted trainer.
+
+For one micro-batch: forward and loss (under autocast when the precision asks for it), backward of the loss weighted
+by the micro-batch's share of the effective batch; after the last micro-batch of the window, ``optimizer.step()``
+(through the GradScaler for fp16) then ``zero_grad(set_to_none=True)``. See DESIGN.md, "What the step is".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from autofit.batch import Batch
+from autofit.errors import InvalidInputError
+from autofit.loss import LossFn, compute_loss
+from autofit.optim import OptimizerSpec, as_optimizer_spec
+from autofit.precision import PrecisionPolicy, as_policy
+
+__all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler"]
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """Everything that decides the memory of one training step, validated once."""
+
+    micro_batch_size: int
+    accumulation_steps: int = 1
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    checkpoint: tuple[str, ...] = ()
+    optimizer: OptimizerSpec = field(default_factory=lambda: as_optimizer_spec("adamw"))
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int):
+            raise InvalidInputError(f"micro_batch_size must be an int, got {self.micro_batch_size!r}")
+        if self.micro_batch_size < 1:
+            raise InvalidInputError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise InvalidInputError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+        if self.device not in DEVICES:
+            raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+
+def make_step_config(
+    *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
+    optimizer: Any = "adamw", device: str = "cpu",
+) -> StepConfig:
+    if isinstance(checkpoint, str):
+        checkpoint = (checkpoint,)
+    try:
+        checkpoint = tuple(checkpoint)
+    except TypeError as e:
+        raise InvalidInputError(f"checkpoint must be a sequence of module names, got {checkpoint!r}") from e
+    if not all(isinstance(name, str) for name in checkpoint):
+        raise InvalidInputError(f"checkpoint must hold module qualified names (strings), got {checkpoint!r}")
+    device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
+    return StepConfig(
+        micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
+        checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
+    )
+
+
+def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str) -> list[torch.nn.Module]:
+    """Look up qualified names, with a typed error that suggests the closest existing names."""
+    known = dict(model.named_modules())
+    modules = []
+    for name in names:
+        if name == "":
+            raise InvalidInputError(f"{what}: '' is the whole model; name a submodule such as 'layers.0'")
+        if name not in known:
+            close = difflib.get_close_matches(name, [n for n in known if n], n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise InvalidInputError(f"{what}: the model has no module named {name!r}{hint}")
+        modules.append(known[name])
+    return modules
+
+
+def _checkpointed_forward(forward, *args, **kwargs):
+    # Always non-reentrant (DESIGN.md): it supports keyword arguments, nesting and inputs that need no grad.
+    return _checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _fp32_forward(forward, device_type: str, *args, **kwargs):
+    def to_fp32(x):
+        return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    args, kwargs = torch.utils._pytree.tree_map(to_fp32, (args, kwargs))
+    with torch.autocast(device_type, enabled=False):
+        return forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str) -> Iterator[torch.nn.Module]:
+    """Apply the step's module-level knobs (checkpointed modules, fp32-pinned modules) and undo them on exit.
+
+    The knobs are instance-level ``forward`` overrides, so the class, the parameters and the user's hooks stay as
+    they are, and leaving the context restores the module exactly (``forward`` removed from the instance dict).
+    """
+    patches: list[tuple[torch.nn.Module, bool, Any]] = []
+    pinned = resolve_modules(model, config.precision.fp32_modules, what="precision.fp32_modules")
+    ckpt = resolve_modules(model, config.checkpoint, what="checkpoint")
+    try:
+        for module in pinned:
+            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
+            module.forward = functools.partial(_fp32_forward, module.forward, device_type)
+            patches.append((module, had, old))
+        for module in ckpt:
+            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
+            module.forward = functools.partial(_checkpointed_forward, module.forward)
+            patches.append((module, had, old))
+        yield model
+    finally:
+        for module, had, old in reversed(patches):
+            if had:
+                module.forward = old
+            else:
+                del module.forward
+
+
+def new_grad_scaler(config: StepConfig, device_type: str) -> torch.amp.GradScaler | None:
+    return torch.amp.GradScaler(device_type) if config.precision.needs_grad_scaler else None
+
+
+def run_micro_batch(
+    model: torch.nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
+    device_type: str, *, weight: float = 1.0, scaler: torch.amp.GradScaler | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch; gradients accumulate into ``.grad``. Returns the loss, detached.
+
+    ``weight`` is this micro-batch's share of the effective batch (its size over the batch size), so that summing
+    the weighted mean losses of the micro-batches gives the mean loss of the whole batch (and its gradient).
+    ``on_phase`` is told "forward" and "backward" as they start (the simulator files allocations by phase).
+    """
+    policy = config.precision
+    if on_phase is not None:
+        on_phase("forward")
+    with torch.autocast(device_type, dtype=policy.dtype, enabled=policy.autocast):
+        output = batch.call(model)
+        loss = compute_loss(loss_fn, output, None if target is None else target.value)
+    del output  # the logits need not outlive the loss (whatever backward needs, autograd saved)
+    scaled = loss if weight == 1.0 else loss * weight
+    if scaler is not None:
+        scaled = scaler.scale(scaled)
+    if on_phase is not None:
+        on_phase("backward")
+    scaled.backward()
+    return loss.detach()
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

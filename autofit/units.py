@@ -1,0 +1,88 @@
+"""Byte quantities at the edges: parsing budget strings and formatting tables.
+
+Inside autofit every size is an ``int`` of bytes. Units appear only here, so there is one place that decides what
+"8GB" means. The convention follows the Hugging Face ecosystem (accelerate's ``convert_file_size_to_int``):
+decimal suffixes are powers of 1000 ("8GB" = 8e9 bytes), binary suffixes are powers of 1024 ("8GiB" = 8 * 2**30).
+Percentages ("90%") are resolved against a device total by the caller, see :func:`parse_budget`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from autofit.errors import InvalidInputError
+
+__all__ = ["parse_bytes", "parse_budget", "format_bytes"]
+
+_DECIMAL = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_BINARY = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
+    """Turn ``8GB``, ``8GiB``, ``512MiB``, ``1e9`` or an int into a number of bytes."""
+    if isinstance(value, bool):
+        raise InvalidInputError(f"{what} must be a number of bytes or a string like '8GB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise InvalidInputError(f"{what} must be positive, got {value}")
+        return value
+    if isinstance(value, float):
+        if not value > 0 or value != value:
+            raise InvalidInputError(f"{what} must be positive, got {value}")
+        return int(value)
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} must be an int or a string like '8GB', got {type(value).__name__}")
+    try:
+        number = float(value)  # plain numbers of bytes: "1000", "1e9"
+    except ValueError:
+        return _parse_suffixed(value, what)
+    return parse_bytes(number, what=what)
+
+
+def _parse_suffixed(value: str, what: str) -> int:
+    match = _PATTERN.match(value)
+    if match is None:
+        raise InvalidInputError(
+            f"cannot read {what} {value!r}: write a number with a unit, e.g. '8GB' (10^9), '8GiB' (2^30) or '512MiB'"
+        )
+    number, unit = float(match.group(1)), match.group(2).upper() or "B"
+    factor = _DECIMAL.get(unit) or _BINARY.get(unit)
+    if factor is None:
+        raise InvalidInputError(
+            f"unknown unit {match.group(2)!r} in {what} {value!r}: use B, KB, MB, GB, TB (powers of 1000) "
+            "or KiB, MiB, GiB, TiB (powers of 1024)"
+        )
+    result = int(number * factor)
+    if result <= 0:
+        raise InvalidInputError(f"{what} must be positive, got {value!r}")
+    return result
+
+
+def parse_budget(value: int | float | str, *, device_total_bytes: int | None = None) -> int:
+    """A budget in bytes: anything :func:`parse_bytes` reads, or a percentage of ``device_total_bytes``."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        text = value.strip()[:-1]
+        try:
+            percent = float(text)
+        except ValueError as e:
+            raise InvalidInputError(f"cannot read budget {value!r}: a percentage looks like '90%'") from e
+        if not 0 < percent <= 100:
+            raise InvalidInputError(f"budget percentage must be in (0, 100], got {value!r}")
+        if device_total_bytes is None:
+            raise InvalidInputError(
+                f"budget {value!r} is a percentage, but no device memory is known: pass gpu='A100-80GB' "
+                "(or --gpu) or give the budget in bytes, e.g. '8GB'"
+            )
+        return int(device_total_bytes * percent / 100)
+    return parse_bytes(value, what="budget")
+
+
+def format_bytes(n: int) -> str:
+    """Binary units, as ``torch.cuda.memory_summary`` prints them: ``1.50 GiB``."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= factor:
+            return f"{sign}{n / factor:.2f} {unit}"
+    return f"{sign}{n} B"
