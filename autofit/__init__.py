@@ -1,6 +1,7 @@
 """autofit: make PyTorch training fit in GPU memory without trial and error."""
 
-from autofit.api import estimate, measure
+from autofit.analyse import Analysis, LayerRow, LayerTable
+from autofit.api import analyse, estimate, measure
 from autofit.categories import Category
 from autofit.errors import (
     AutofitError,
@@ -16,16 +17,20 @@ from autofit.report import Measurement, MemoryEstimate
 __version__ = "0.1.0"
 
 __all__ = [
+    "Analysis",
     "AutofitError",
     "Category",
     "ForwardError",
     "InfeasibleBudgetError",
     "InvalidInputError",
+    "LayerRow",
+    "LayerTable",
     "LossError",
     "Measurement",
     "MemoryEstimate",
     "PrecisionPolicy",
     "UnsupportedModelError",
+    "analyse",
     "estimate",
     "measure",
 ]

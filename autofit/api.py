@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autofit.analyse.analyse import analyse_model
+from autofit.analyse.table import Analysis
 from autofit.batch import Batch, as_batch
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
@@ -14,9 +16,10 @@ from autofit.measure.allocator import measure_step
 from autofit.report import Measurement, MemoryEstimate
 from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import Phase
+from autofit.precision import as_policy
 from autofit.step import StepConfig, make_step_config
 
-__all__ = ["estimate", "measure"]
+__all__ = ["analyse", "estimate", "measure"]
 
 
 def _check_model(model: Any) -> nn.Module:
@@ -87,3 +90,14 @@ def measure(
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
+
+
+def analyse(
+    model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",
+) -> Analysis:
+    """Trace the forward and tabulate every module: parameter bytes, bytes saved for backward, output bytes and
+    FLOPs (per sample and fixed), and whether it may be a checkpoint segment. Fake tensors only, unless the forward
+    reads tensor values (then a real copy runs at batch 1 and 2). ``model`` is never modified."""
+    model = _check_model(model)
+    batch, target_batch = _inputs(sample, target)
+    return analyse_model(model, batch, target_batch, loss_fn, as_policy(precision))

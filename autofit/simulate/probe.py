@@ -91,15 +91,14 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 
 def _real_like(t: torch.Tensor) -> torch.Tensor:
-    """A real CPU tensor with ``t``'s shape, strides and dtype. Floats are uniform in [0, 1) (valid for logs,
-    square roots and probabilities), integers and booleans are zero (valid indices and targets)."""
+    """A real CPU tensor with ``t``'s shape, strides and dtype. Floats are 0.5 (valid for logs, square roots and
+    probabilities; random numbers would cost more than most kernels), integers and booleans are zero (valid indices
+    and targets)."""
     if t.numel() == 0:
         return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype)
     extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        base = torch.rand(extent, dtype=t.dtype)
-    else:
-        base = torch.zeros(extent, dtype=t.dtype)
+    fill = 0.5 if (t.dtype.is_floating_point or t.dtype.is_complex) else 0
+    base = torch.full((extent,), fill, dtype=t.dtype)
     return base.as_strided(tuple(t.shape), t.stride())
 
 

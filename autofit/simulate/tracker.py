@@ -103,6 +103,8 @@ class StepTracker(TorchDispatchMode):
     # ---- the mode ------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "prim":  # metadata queries (prim.device): no memory, nothing to record
+            return func(*args, **kwargs)
         inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         for t in inputs:
             # A storage made before tracking and never registered (a global constant, a tensor nested in a

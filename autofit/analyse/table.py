@@ -1,0 +1,104 @@
+"""Typed results of the analysis: one row per module, and the table and graph they came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autofit.capture.graph import Graph
+from autofit.units import format_bytes
+
+__all__ = ["LayerRow", "LayerTable", "Analysis"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRow:
+    """One module (totals over its whole subtree and all its calls in one forward).
+
+    Activation figures are linear in the micro-batch ``b``: ``fixed + per_sample * b``, fitted on forwards at b = 1
+    and b = 2. "Saved" bytes are tensors created inside the module that autograd keeps for backward: what
+    checkpointing the module frees during forward (its outputs and inputs stay, see ``checkpoint_savings``).
+    """
+
+    name: str  # qualified name; "" is the whole model
+    type: str
+    calls: int  # times the module ran in one forward
+    param_bytes: int
+    saved_bytes_per_sample: int
+    saved_bytes_fixed: int
+    output_bytes_per_sample: int
+    output_bytes_fixed: int
+    input_bytes_per_sample: int
+    input_bytes_fixed: int
+    flops_per_sample: int  # forward FLOPs
+    flops_fixed: int
+    checkpointable: bool
+    reason: str = ""  # why the module cannot be a checkpoint segment ("" when it can)
+
+    def saved_bytes(self, batch: int) -> int:
+        return self.saved_bytes_fixed + self.saved_bytes_per_sample * batch
+
+    def output_bytes(self, batch: int) -> int:
+        return self.output_bytes_fixed + self.output_bytes_per_sample * batch
+
+    def input_bytes(self, batch: int) -> int:
+        return self.input_bytes_fixed + self.input_bytes_per_sample * batch
+
+    def flops(self, batch: int) -> int:
+        return self.flops_fixed + self.flops_per_sample * batch
+
+    def checkpoint_savings(self, batch: int) -> int:
+        """Bytes checkpointing this module frees during forward: what it saves, except what it returns."""
+        return max(0, self.saved_bytes(batch) - self.output_bytes(batch))
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    rows: tuple[LayerRow, ...]
+    precision: str
+
+    def row(self, name: str) -> LayerRow:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def largest(self, n: int = 10, *, batch: int = 1, leaves_only: bool = True) -> list[LayerRow]:
+        """The ``n`` modules that save the most activation memory at ``batch`` (leaf modules by default)."""
+        names = [r.name for r in self.rows]
+        leaves = [r for r in self.rows if r.name and not any(o.startswith(r.name + ".") for o in names)]
+        pool = leaves if leaves_only else [r for r in self.rows if r.name]
+        return sorted(pool, key=lambda r: -r.saved_bytes(batch))[:n]
+
+    def format(self, batch: int = 1, limit: int | None = None) -> str:
+        head = f"{'module':<40} {'type':<22} {'params':>11} {'saved/b':>11} {'output/b':>11} {'GFLOP/b':>9} ckpt"
+        lines = [head, "-" * len(head)]
+        for r in self.rows[: limit or len(self.rows)]:
+            lines.append(
+                f"{(r.name or '(model)')[:40]:<40} {r.type[:22]:<22} {format_bytes(r.param_bytes):>11} "
+                f"{format_bytes(r.saved_bytes(batch)):>11} {format_bytes(r.output_bytes(batch)):>11} "
+                f"{r.flops(batch) / 1e9:>9.3f} {'yes' if r.checkpointable else 'no'}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What ``autofit.analyse`` returns: the traced graph, the per-layer table and the valid checkpoint segments."""
+
+    graph: Graph
+    table: LayerTable
+
+    @property
+    def boundaries(self) -> tuple[str, ...]:
+        """Modules that may be checkpoint segments: their inputs and outputs are the only tensors crossing them."""
+        return tuple(r.name for r in self.table.rows if r.name and r.checkpointable)
+
+    @property
+    def layers(self) -> tuple[LayerRow, ...]:
+        return self.table.rows
+
+    def __str__(self) -> str:
+        return f"graph captured by {self.graph.method}, {len(list(self.graph.graph.nodes))} nodes\n{self.table}"
