@@ -16,6 +16,7 @@ from autofit.measure.allocator import measure_step
 from autofit.report import Measurement, MemoryEstimate
 from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import Phase
+from autofit.optim import as_optimizer_spec
 from autofit.precision import as_policy
 from autofit.step import StepConfig, make_step_config
 
@@ -94,10 +95,12 @@ def measure(
 
 def analyse(
     model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",
+    optimizer: Any = "adamw",
 ) -> Analysis:
     """Trace the forward and tabulate every module: parameter bytes, bytes saved for backward, output bytes and
-    FLOPs (per sample and fixed), and whether it may be a checkpoint segment. Fake tensors only, unless the forward
-    reads tensor values (then a real copy runs at batch 1 and 2). ``model`` is never modified."""
+    FLOPs (per sample and fixed), and whether it may be a checkpoint segment; plus the step's peak per stage as a
+    function of the micro-batch. Fake tensors only, unless the forward reads tensor values (then a real copy runs at
+    batch 1 and 2). ``model`` is never modified."""
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
-    return analyse_model(model, batch, target_batch, loss_fn, as_policy(precision))
+    return analyse_model(model, batch, target_batch, loss_fn, as_policy(precision), as_optimizer_spec(optimizer))

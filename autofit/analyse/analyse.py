@@ -1,41 +1,55 @@
-"""Compose the analysis: trace the graph, measure forwards at two batch sizes, fit the linear per-sample figures."""
+"""Compose the analysis: trace the graph, simulate the window at two batch sizes, fit per-sample figures."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from autofit.analyse.boundaries import segment_problems
-from autofit.analyse.layers import ForwardStats, forward_stats
+from autofit.analyse.layers import ForwardStats, LayerObserver
+from autofit.analyse.profile import build_profile
 from autofit.analyse.table import Analysis, LayerRow, LayerTable
 from autofit.batch import Batch
 from autofit.capture.graph import capture_graph
 from autofit.loss import LossFn
+from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy
-from autofit.simulate.run import DATA_DEPENDENT_ERRORS
+from autofit.simulate.run import simulate_step
+from autofit.step import StepConfig
 
-__all__ = ["analyse_model"]
+__all__ = ["analyse_model", "SIZES"]
+
+SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference
 
 
 def analyse_model(
     model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, precision: PrecisionPolicy,
+    optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False,
 ) -> Analysis:
+    """Graph, per-layer table and step profile of ``model`` at ``precision``.
+
+    The window is simulated with two micro-batches (the second starts with gradients, as every later micro-batch
+    of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1); kernel probes are off unless asked for (the planner adds
+    their scratch memory when it verifies its winner with a full estimate).
+    """
     graph = capture_graph(model, batch)
-    fake = graph.method != "dispatch-real"
-    try:
-        one = forward_stats(model, batch, target, loss_fn, precision, 1, fake=fake)
-        two = forward_stats(model, batch, target, loss_fn, precision, 2, fake=fake)
-    except DATA_DEPENDENT_ERRORS:  # traced by symbolic_trace, yet reads values when it runs
-        one = forward_stats(model, batch, target, loss_fn, precision, 1, fake=False)
-        two = forward_stats(model, batch, target, loss_fn, precision, 2, fake=False)
+    optimizer = optimizer or as_optimizer_spec("adamw")
+    runs = []
+    for size in SIZES:
+        config = StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer)
+        observer = LayerObserver()
+        sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer)
+        runs.append((sim, observer.stats))
+    (sim1, one), (sim2, two) = runs
+    profile = build_profile(sim1.timeline, sim2.timeline, precision.name, SIZES[0])
     problems = segment_problems(model, graph)
     rows = tuple(_row(name, module, one, two, problems) for name, module in model.named_modules())
-    return Analysis(graph, LayerTable(rows, precision.name))
+    return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method)
 
 
 def _linear(one: dict[str, int], two: dict[str, int], name: str) -> tuple[int, int]:
-    """(per_sample, fixed) of a figure measured at b = 1 and b = 2."""
+    """(per_sample, fixed) of a figure measured at the two analysis sizes (consecutive, so the slope is the difference)."""
     per_sample = two.get(name, 0) - one.get(name, 0)
-    return per_sample, one.get(name, 0) - per_sample
+    return per_sample, one.get(name, 0) - SIZES[0] * per_sample
 
 
 def _row(name: str, module: nn.Module, one: ForwardStats, two: ForwardStats, problems: dict[str, str]) -> LayerRow:

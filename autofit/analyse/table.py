@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autofit.analyse.profile import StepProfile
 from autofit.capture.graph import Graph
 from autofit.units import format_bytes
 
@@ -14,8 +15,8 @@ __all__ = ["LayerRow", "LayerTable", "Analysis"]
 class LayerRow:
     """One module (totals over its whole subtree and all its calls in one forward).
 
-    Activation figures are linear in the micro-batch ``b``: ``fixed + per_sample * b``, fitted on forwards at b = 1
-    and b = 2. "Saved" bytes are tensors created inside the module that autograd keeps for backward: what
+    Activation figures are linear in the micro-batch ``b``: ``fixed + per_sample * b``, fitted on simulations at b = 2
+    and b = 3. "Saved" bytes are tensors created inside the module that autograd keeps for backward: what
     checkpointing the module frees during forward (its outputs and inputs stay, see ``checkpoint_savings``).
     """
 
@@ -90,6 +91,8 @@ class Analysis:
 
     graph: Graph
     table: LayerTable
+    profile: StepProfile  # peak of each stage of the step as a function of the micro-batch (no checkpointing)
+    method: str = "fake"  # how the step was simulated: "fake", or "real" for data-dependent models
 
     @property
     def boundaries(self) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -72,16 +72,23 @@ class _SimulatedGradScaler(torch.amp.GradScaler):
         return optimizer.step(*args, **kwargs)
 
 
+class Observer(Protocol):
+    """Extra instrumentation for a simulation (the analysis attaches saved-tensor and module hooks this way)."""
+
+    def attach(self, tracker: StepTracker, model: nn.Module) -> contextlib.AbstractContextManager: ...
+
+
 def simulate_step(
     model: nn.Module, batch: Batch, target: Any, loss_fn: LossFn | None, config: StepConfig, *,
-    probe_kernels: bool = True,
+    probe_kernels: bool = True, observer: Observer | None = None,
 ) -> Simulation:
     """Simulate one training step of ``config`` and return its timeline and replayed peak."""
+    kw = dict(probe_kernels=probe_kernels, observer=observer)
     try:
-        return _simulate(model, batch, target, loss_fn, config, fake=True, probe_kernels=probe_kernels)
+        return _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
     except _DataDependent as e:
         try:
-            sim = _simulate(model, batch, target, loss_fn, config, fake=False, probe_kernels=probe_kernels)
+            sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
                 f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}), so autofit must run "
@@ -98,7 +105,8 @@ class _DataDependent(Exception):
         self.module, self.cause = module, cause
 
 
-def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool) -> Simulation:
+def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
+              observer: Observer | None) -> Simulation:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     prober = _PROBER if probe_kernels and config.device == "cpu" else None
     if prober is not None:
@@ -122,7 +130,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         _register_state(tracker, work, optimizer, scaler, micro, micro_target)
         handles = install_module_stack(work, tracker.module_stack)
         try:
-            with patched_model(work, config, "cpu"), _tracked_rng_state(fake), tracker:
+            observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
+            with patched_model(work, config, "cpu"), _tracked_rng_state(fake), tracker, observe:
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config)
         finally:
             for h in handles:
@@ -210,12 +219,15 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     weight = 1.0 / config.accumulation_steps
     phases = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD}
 
+    micro_index = 0
+
     def on_phase(name: str) -> None:
         tracker.phase = phases[name]
         tracker.autocast_device = "cpu" if (name == "forward" and config.precision.autocast) else None
+        tracker.timeline.mark(micro_index, tracker.phase)
 
     received_grad: set[int] = set()
-    for _ in range(steps):
+    for micro_index in range(steps):
         with _forward_errors(tracker):
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=weight, scaler=scaler,
                             on_phase=on_phase)
@@ -225,6 +237,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
                 received_grad.add(id(p))
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
+    tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
     optimizer_step(optimizer, scaler)
     tracker.phase = Phase.SETUP
     _drop_phantom_state(tracker, model, optimizer, received_grad)

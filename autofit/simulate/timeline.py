@@ -57,6 +57,11 @@ class Timeline:
     storages: list[StorageRecord] = field(default_factory=list)
     ops: list[OpRecord] = field(default_factory=list)
     events: list[tuple[EventKind, int]] = field(default_factory=list)
+    # (index of the first event, micro-batch index, phase): where each stage of the window begins
+    marks: list[tuple[int, int, Phase]] = field(default_factory=list)
+
+    def mark(self, micro_batch: int, phase: Phase) -> None:
+        self.marks.append((len(self.events), micro_batch, phase))
 
     def new_storage(self, record: StorageRecord) -> int:
         self.storages.append(record)
