@@ -11,12 +11,15 @@ from autofit.errors import (
     LossError,
     UnsupportedModelError,
 )
+from autofit.plan import Alternative, Plan
+from autofit.planner import plan
 from autofit.precision import PrecisionPolicy
 from autofit.report import Measurement, MemoryEstimate
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Alternative",
     "Analysis",
     "AutofitError",
     "Category",
@@ -28,9 +31,11 @@ __all__ = [
     "LossError",
     "Measurement",
     "MemoryEstimate",
+    "Plan",
     "PrecisionPolicy",
     "UnsupportedModelError",
     "analyse",
     "estimate",
     "measure",
+    "plan",
 ]

@@ -6,7 +6,7 @@ from torch import nn
 
 from autofit.analyse.boundaries import segment_problems
 from autofit.analyse.layers import ForwardStats, LayerObserver
-from autofit.analyse.profile import build_profile
+from autofit.analyse.profile import CallRecord, build_profile
 from autofit.analyse.table import Analysis, LayerRow, LayerTable
 from autofit.batch import Batch
 from autofit.capture.graph import capture_graph
@@ -38,12 +38,36 @@ def analyse_model(
         config = StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer)
         observer = LayerObserver()
         sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer)
-        runs.append((sim, observer.stats))
-    (sim1, one), (sim2, two) = runs
-    profile = build_profile(sim1.timeline, sim2.timeline, precision.name, SIZES[0])
+        runs.append((sim, observer))
+    (sim1, obs1), (sim2, obs2) = runs
+    profile = build_profile(sim1.timeline, sim2.timeline, precision.name, SIZES[0], _call_records(obs1, obs2))
     problems = segment_problems(model, graph)
+    one, two = obs1.stats, obs2.stats
     rows = tuple(_row(name, module, one, two, problems) for name, module in model.named_modules())
-    return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method)
+    return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method, sim1.timeline)
+
+
+def _call_records(obs1: LayerObserver, obs2: LayerObserver) -> tuple[CallRecord, ...]:
+    """Calls of the smaller run, with their saved bytes fitted linearly against the same call in the larger run."""
+    second = {c.key: c for c in obs2.calls}
+    freed = obs1.freed_at()
+    never = 1 << 62
+    records = []
+    for call in obs1.calls:
+        if call.end < 0:
+            continue
+        other = second.get(call.key)
+        s1 = obs1.saved_bytes(call)
+        s2 = obs2.saved_bytes(other) if other is not None else s1
+        per_sample = s2 - s1
+        inputs = []
+        for i, sid in enumerate(call.input_sids):
+            n1 = obs1.nbytes(sid)
+            n2 = obs2.nbytes(other.input_sids[i]) if other is not None and i < len(other.input_sids) else n1
+            inputs.append((freed.get(sid, never), n1 - SIZES[0] * (n2 - n1), n2 - n1))
+        records.append(CallRecord(call.name, call.micro, call.start, call.end, call.recompute_at,
+                                  call.backward_end, (s1 - SIZES[0] * per_sample, per_sample), tuple(inputs)))
+    return tuple(records)
 
 
 def _linear(one: dict[str, int], two: dict[str, int], name: str) -> tuple[int, int]:

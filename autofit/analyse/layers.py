@@ -1,10 +1,13 @@
-"""Per-module activation figures, observed while the analysis simulates the step.
+"""Per-module and per-call activation figures, observed while the analysis simulates the step.
 
-During the first micro-batch's forward the observer records, per module call: the bytes of its tensor inputs and of
-the new tensors it returned, and, through ``saved_tensors_hooks``, which tensors autograd saved for backward. A saved
-tensor counts for the module that *created* it (the innermost module running when its storage was allocated) and
-for all that module's ancestors; parameters and inputs of the step never count. FLOPs come from the tracker's
-per-op count (PyTorch's ``flop_registry``), attributed the same way.
+During each micro-batch's forward the observer records every module call: the events it spans, the bytes of its
+tensor inputs and of the new tensors it returned, and, through ``saved_tensors_hooks``, which tensors autograd saved
+for backward. It also tags the autograd nodes each call created (``node.metadata``), so that during backward it can
+tell where each call's backward begins: the moment checkpointing would recompute it (see ``solve``).
+
+A saved tensor counts for the call that *created* it (its storage was allocated while the call ran) and for that
+call's ancestors; parameters and inputs of the step never count. FLOPs come from the tracker's per-op count
+(PyTorch's ``flop_registry``), attributed to the innermost module and its ancestors.
 """
 
 from __future__ import annotations
@@ -20,21 +23,43 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autofit.capture.module_stack import install_module_stack
-from autofit.simulate.timeline import Phase
+from autofit.simulate.timeline import EventKind, Phase
 from autofit.simulate.tracker import StepTracker
 
-__all__ = ["ForwardStats", "LayerObserver"]
+__all__ = ["ForwardStats", "LayerObserver", "CallObservation", "ancestors"]
+
+_TAG = "autofit_calls"
 
 
 @dataclass
 class ForwardStats:
-    """Subtree totals per module name over one forward at one micro-batch size."""
+    """Subtree totals per module name over the first micro-batch's forward."""
 
     saved: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     outputs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     inputs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+@dataclass
+class CallObservation:
+    name: str
+    micro: int
+    index: int  # k for the k-th call of this module in this micro-batch
+    start: int
+    first_sid: int  # storages with ids >= this were created during the call
+    last_sid: int = 1 << 62  # ... and with ids < this (set when the call returns)
+    end: int = -1
+    recompute_at: int = -1
+    backward_end: int = -1  # last event of the call's backward
+    input_sids: tuple[int, ...] = ()
+    saved: set[int] = field(default_factory=set)
+    returned: set[int] = field(default_factory=set)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.name, self.micro, self.index)
 
 
 def ancestors(name: str) -> list[str]:
@@ -44,46 +69,109 @@ def ancestors(name: str) -> list[str]:
 
 
 class LayerObserver:
-    """Attach to a simulation (``simulate_step(observer=...)``); read ``stats`` afterwards."""
+    """Attach to a simulation (``simulate_step(observer=...)``); read ``stats`` and ``calls`` afterwards."""
 
     def __init__(self) -> None:
         self.stats = ForwardStats()
+        self.calls: list[CallObservation] = []
         self._tracker: StepTracker | None = None
         self._saved: set[int] = set()
+        self._stack: list[CallObservation] = []
+        self._counts: dict[tuple[str, int], int] = defaultdict(int)
+        self._packed_outside: dict[int, set[int]] = defaultdict(set)  # sid -> ids of calls NOT running at a pack
 
-    def _first_forward(self) -> bool:
+    def _stage(self) -> tuple[int, Phase] | None:
         marks = self._tracker.timeline.marks
-        return bool(marks) and marks[-1][1:] == (0, Phase.FORWARD)
+        return marks[-1][1:] if marks else None
 
     @contextlib.contextmanager
     def attach(self, tracker: StepTracker, model: nn.Module) -> Iterator[None]:
         self._tracker = tracker
-
-        def on_enter(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self._first_forward():
-                self.stats.calls[name] += 1
-                self.stats.inputs[name] += self._unique_bytes((args, kwargs), created_in=None)
-
-        def on_exit(name: str, module: nn.Module, args: Any, output: Any) -> None:
-            if self._first_forward():
-                self.stats.outputs[name] += self._unique_bytes(output, created_in=name)
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if self._first_forward():
-                sid = tracker.sid_of(t)
-                if sid is not None:
-                    self._saved.add(sid)
-            return t
-
-        handles = install_module_stack(model, [], on_enter=on_enter, on_exit=on_exit)
+        handles = install_module_stack(model, [], on_enter=self._enter, on_exit=self._exit)
+        tracker.op_listeners.append(self._on_op)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield
         finally:
             for h in handles:
                 h.remove()
+            tracker.op_listeners.remove(self._on_op)
         self._collect()
 
+    # ---- hooks ---------------------------------------------------------------------------------------------------
+    def _enter(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        stage = self._stage()
+        if stage is None or stage[1] is not Phase.FORWARD:
+            return
+        micro = stage[0]
+        timeline = self._tracker.timeline
+        index = self._counts[(name, micro)]
+        self._counts[(name, micro)] += 1
+        call = CallObservation(name, micro, index, len(timeline.events), len(timeline.storages))
+        call.input_sids = tuple(dict.fromkeys(
+            sid for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            for sid in [self._tracker.sid_of(t)] if sid is not None))
+        call.inputs = (args, kwargs)  # grad_fns of the inputs bound the call's autograd nodes
+        self.calls.append(call)
+        self._stack.append(call)
+        if micro == 0:
+            self.stats.calls[name] += 1
+            self.stats.inputs[name] += self._unique_bytes((args, kwargs), created_in=None)
+
+    def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._stack or self._stack[-1].name != name:
+            return
+        call = self._stack.pop()
+        call.end = len(self._tracker.timeline.events) - 1
+        call.last_sid = len(self._tracker.timeline.storages)
+        call.returned = {sid for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)
+                         for sid in [self._tracker.sid_of(t)] if sid is not None}
+        _tag_nodes(output, call.inputs, id(call))
+        del call.inputs
+        if call.micro == 0:
+            self.stats.outputs[name] += self._unique_bytes(output, created_in=name)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        sid = self._tracker.sid_of(t)
+        if sid is None:
+            return t
+        if self._stack and self._stack[-1].micro == 0:
+            self._saved.add(sid)
+        running = {id(call) for call in self._stack}
+        for call in self._stack:
+            if sid >= call.first_sid:
+                call.saved.add(sid)
+        # remember saves from outside a call that made the tensor: checkpointing that call would not free it
+        for call in self.calls:
+            if id(call) not in running and sid >= call.first_sid and call.end >= 0 and sid < call.last_sid:
+                self._packed_outside[sid].add(id(call))
+        return t
+
+    def _on_op(self, op_index: int) -> None:
+        if self._tracker.phase is not Phase.BACKWARD:
+            return
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return
+        tagged = node.metadata.get(_TAG)
+        if not tagged:
+            return
+        by_id = self._by_id
+        for call_id in tagged:
+            call = by_id.get(call_id)
+            if call is None:
+                continue
+            if call.recompute_at < 0:
+                call.recompute_at = self._tracker.op_first_event
+            call.backward_end = len(self._tracker.timeline.events)
+
+    @property
+    def _by_id(self) -> dict[int, CallObservation]:
+        if getattr(self, "_ids", None) is None or len(self._ids) != len(self.calls):
+            self._ids = {id(c): c for c in self.calls}
+        return self._ids
+
+    # ---- results -------------------------------------------------------------------------------------------------
     def _collect(self) -> None:
         timeline = self._tracker.timeline
         for sid in self._saved:
@@ -93,12 +181,25 @@ class LayerObserver:
                     self.stats.saved[name] += record.nbytes
         first_backward = next((start for start, micro, phase in timeline.marks if phase is not Phase.FORWARD),
                               len(timeline.events))
-        forward_ops = {value for kind, value in timeline.events[:first_backward] if kind == 2}
-        for index in forward_ops:
-            op = timeline.ops[index]
-            if op.flops and op.phase is Phase.FORWARD:
-                for name in ancestors(op.module):
-                    self.stats.flops[name] += op.flops
+        for kind, value in timeline.events[:first_backward]:
+            if kind is EventKind.OP:
+                op = timeline.ops[value]
+                if op.flops and op.phase is Phase.FORWARD:
+                    for name in ancestors(op.module):
+                        self.stats.flops[name] += op.flops
+
+    def freed_at(self) -> dict[int, int]:
+        """Storage id -> index of the event that freed it (storages alive at the end are absent)."""
+        return {value: j for j, (kind, value) in enumerate(self._tracker.timeline.events) if kind is EventKind.FREE}
+
+    def nbytes(self, sid: int) -> int:
+        return self._tracker.timeline.storages[sid].nbytes
+
+    def saved_bytes(self, call: CallObservation) -> int:
+        """What checkpointing the call drops: bytes it made that autograd saved only from inside it. A tensor it
+        returns is dropped too unless an op after the call saves it (then it stays alive either way)."""
+        storages = self._tracker.timeline.storages
+        return sum(storages[sid].nbytes for sid in call.saved if id(call) not in self._packed_outside.get(sid, ()))
 
     def _unique_bytes(self, value: Any, *, created_in: str | None) -> int:
         """Bytes of the distinct storages of the tensors in ``value``; with ``created_in``, only those allocated
@@ -119,3 +220,19 @@ class LayerObserver:
                 continue
             total += record.nbytes
         return total
+
+
+def _tag_nodes(output: Any, inputs: Any, call_id: int) -> None:
+    """Mark the autograd nodes between the call's outputs and its inputs as belonging to the call."""
+    stop = {t.grad_fn for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or node in stop:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "AccumulateGrad":
+            continue  # a parameter's accumulator is shared by every call that uses the parameter
+        node.metadata.setdefault(_TAG, []).append(call_id)
+        todo.extend(fn for fn, _ in node.next_functions)

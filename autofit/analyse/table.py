@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from autofit.analyse.profile import StepProfile
 from autofit.capture.graph import Graph
+from autofit.simulate.timeline import Timeline
 from autofit.units import format_bytes
 
 __all__ = ["LayerRow", "LayerTable", "Analysis"]
@@ -93,6 +94,7 @@ class Analysis:
     table: LayerTable
     profile: StepProfile  # peak of each stage of the step as a function of the micro-batch (no checkpointing)
     method: str = "fake"  # how the step was simulated: "fake", or "real" for data-dependent models
+    timeline: Timeline | None = None  # the simulated window at the smaller analysis size (ops, for the time model)
 
     @property
     def boundaries(self) -> tuple[str, ...]:

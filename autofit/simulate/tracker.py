@@ -45,6 +45,8 @@ class StepTracker(TorchDispatchMode):
         self.prober = prober
         self.count_flops = count_flops
         self.autocast_device: str | None = None  # set while forward runs under autocast
+        self.op_listeners: list = []  # called with each new op's index (the analysis attributes backward ops)
+        self.op_first_event = 0  # index of the first event of the op being recorded
         # id(storage object) -> (weak reference, storage id); the weak reference guards against id reuse
         self._known: dict[int, tuple[weakref.ref, int]] = {}
         self._parameter_sids: set[int] = set()
@@ -125,12 +127,15 @@ class StepTracker(TorchDispatchMode):
                 record.flops = 0
         category = self._category_for(func, inputs)
         op_index = len(self.timeline.ops)
+        self.op_first_event = len(self.timeline.events)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 if not self._is_known_or_external(st) and st.nbytes() > 0:
                     self._track(st, category, op_index)
         self.timeline.new_op(record)
+        for listener in self.op_listeners:
+            listener(op_index)
         return out
 
     def _category_for(self, func, inputs: list[torch.Tensor]) -> Category:

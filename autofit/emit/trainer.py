@@ -1,0 +1,110 @@
+"""The training wrapper a plan emits: it runs exactly the step the estimate simulated.
+
+``trainer.step(inputs, target)`` splits the batch into micro-batches of ``plan.micro_batch_size`` (the last one may
+be shorter), runs each through :func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated
+gradient equals the gradient of the mean loss over the whole batch, then steps the optimizer (through the
+GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients.
+Checkpointed and fp32-pinned modules are patched on the model while the trainer is active; ``unwrap()`` restores it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autofit.batch import as_batch
+from autofit.errors import InvalidInputError
+from autofit.loss import LossFn
+from autofit.optim import OptimizerSpec
+from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
+
+if TYPE_CHECKING:
+    from autofit.plan import Plan
+
+__all__ = ["Trainer"]
+
+_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+
+
+class Trainer:
+    """Executes a :class:`~autofit.Plan` on the user's model and optimizer."""
+
+    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 loss_fn: LossFn | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidInputError(f"wrap() needs the model (an nn.Module), got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidInputError(
+                f"wrap() needs the optimizer instance built over model.parameters(), got {type(optimizer).__name__}"
+            )
+        self.plan = plan
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device_type = _device_type(model)
+        self.config = StepConfig(
+            micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+            precision=plan.precision, checkpoint=plan.checkpoint,
+            optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
+        )
+        self.scaler = new_grad_scaler(self.config, self.device_type)
+        if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
+            warnings.warn(
+                f"the model has BatchNorm layers and the plan accumulates {plan.gradient_accumulation_steps} "
+                f"micro-batches of {plan.micro_batch_size}: batch statistics are computed per micro-batch, not over "
+                "the whole batch, so training differs from one large batch (consider GroupNorm/LayerNorm or "
+                "SyncBatchNorm semantics, or a budget that fits the batch at once)", stacklevel=2,
+            )
+        self._patch = patched_model(model, self.config, self.device_type)
+        self._patch.__enter__()
+        self._active = True
+
+    def step(self, inputs: Any, target: Any = None) -> float:
+        """One optimizer step over one batch; returns the batch's mean loss."""
+        if not self._active:
+            raise RuntimeError("this trainer was unwrapped; call plan.wrap(model, optimizer) again")
+        batch = as_batch(inputs, what="inputs")
+        target_batch = None if target is None else as_batch(target, what="target")
+        if target_batch is not None and target_batch.size != batch.size:
+            raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
+        device = _parameter_device(self.model)
+        total, loss_sum = batch.size, 0.0
+        size = self.plan.micro_batch_size
+        for start in range(0, total, size):
+            stop = min(start + size, total)
+            micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+            micro_target = None
+            if target_batch is not None:
+                micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+            weight = (stop - start) / total
+            loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config, self.device_type,
+                                   weight=weight, scaler=self.scaler)
+            loss_sum += float(loss) * weight
+        optimizer_step(self.optimizer, self.scaler)
+        return loss_sum
+
+    def unwrap(self) -> nn.Module:
+        """Undo the plan's patches (checkpointing, fp32 pins); the model is as it was before ``wrap``."""
+        if self._active:
+            self._patch.__exit__(None, None, None)
+            self._active = False
+        return self.model
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unwrap()
+
+
+def _parameter_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _device_type(model: nn.Module) -> str:
+    return _parameter_device(model).type

@@ -1,0 +1,139 @@
+"""The plan: the chosen knobs, the verified estimate behind them, the alternatives, and the wrapper they emit."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autofit.errors import InvalidInputError
+from autofit.precision import PrecisionPolicy
+from autofit.report import MemoryEstimate
+from autofit.units import format_bytes
+
+__all__ = ["Alternative", "Plan"]
+
+_FORMAT = "autofit.plan/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """A point of the memory/time front: another configuration and what the models predict for it."""
+
+    precision: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    checkpoint: tuple[str, ...]
+    peak_bytes: int  # modelled (not verified) peak
+    step_seconds: float  # modelled step time
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What ``autofit.plan`` decided. ``peak_bytes`` is the verified estimate of exactly this configuration."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    batch_size: int  # effective batch: samples per optimizer step over all ranks
+    last_micro_batch_size: int  # the last micro-batch of a window when batch_size does not divide evenly
+    precision: PrecisionPolicy
+    checkpoint: tuple[str, ...]
+    peak_bytes: int
+    device_bytes: int  # what the budget is checked against (CUDA: allocator reserve and context included)
+    budget_bytes: int
+    device: str
+    optimizer: str
+    predicted_step_seconds: float
+    estimate: MemoryEstimate
+    world_size: int = 1
+    strategy: str | None = None
+    gpu: str | None = None
+    frontier: tuple[Alternative, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    # ---- the emitted wrapper ---------------------------------------------------------------------------------------
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn=None):
+        """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned."""
+        from autofit.emit.trainer import Trainer
+
+        return Trainer(self, model, optimizer, loss_fn=loss_fn)
+
+    # ---- serialisation (plain JSON; loading runs no code) -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules)}
+        data["estimate"] = {
+            "peak_bytes": self.estimate.peak_bytes, "device_bytes": self.estimate.device_bytes,
+            "breakdown": dict(self.estimate.breakdown), "device": self.estimate.device,
+            "peak_phase": self.estimate.peak_phase, "peak_at": self.estimate.peak_at,
+            "method": self.estimate.method, "notes": list(self.estimate.notes),
+        }
+        data["checkpoint"] = list(self.checkpoint)
+        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.frontier]
+        data["notes"] = list(self.notes)
+        return {"format": _FORMAT, **data}
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidInputError(f"not a plan: invalid JSON ({e})") from e
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise InvalidInputError(f"not an autofit plan: expected \"format\": \"{_FORMAT}\"")
+        data = dict(data)
+        data.pop("format")
+        try:
+            est = data["estimate"]
+            data["estimate"] = MemoryEstimate(
+                peak_bytes=int(est["peak_bytes"]), breakdown=est["breakdown"], device=est["device"],
+                device_bytes=int(est["device_bytes"]), peak_phase=est["peak_phase"], peak_at=est["peak_at"],
+                method=est["method"], notes=tuple(est["notes"]),
+            )
+            data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
+                                                fp32_modules=tuple(data["precision"]["fp32_modules"]))
+            data["checkpoint"] = tuple(data["checkpoint"])
+            data["notes"] = tuple(data["notes"])
+            data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"])))
+                                     for a in data["frontier"])
+            return cls(**data)
+        except (KeyError, TypeError) as e:
+            raise InvalidInputError(f"plan JSON is missing or has a malformed field: {e}") from e
+
+    # ---- the human table the CLI prints ---------------------------------------------------------------------------
+    def __str__(self) -> str:
+        ckpt = ", ".join(self.checkpoint) if self.checkpoint else "none"
+        if len(ckpt) > 100:
+            ckpt = f"{len(self.checkpoint)} modules: {ckpt[:90]}..."
+        rows = [
+            ("effective batch", f"{self.batch_size}"),
+            ("micro-batch", f"{self.micro_batch_size}"),
+            ("accumulation steps", f"{self.gradient_accumulation_steps}" + (
+                f" (last micro-batch {self.last_micro_batch_size})"
+                if self.last_micro_batch_size != self.micro_batch_size else "")),
+            ("precision", str(self.precision)),
+            ("checkpointed", ckpt),
+            ("optimizer", self.optimizer),
+            ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
+            ("predicted peak", f"{format_bytes(self.peak_bytes)}"),
+            ("budget", f"{format_bytes(self.budget_bytes)} ({100 * self.device_bytes / self.budget_bytes:.0f} % used)"),
+            ("predicted step", f"{self.predicted_step_seconds:.3g} s (model, for ranking)"),
+        ]
+        if self.world_size > 1:
+            rows.insert(1, ("world size", f"{self.world_size} ({self.strategy})"))
+        width = max(len(k) for k, _ in rows)
+        lines = ["autofit plan", *(f"  {k:<{width}}  {v}" for k, v in rows), "", str(self.estimate)]
+        if self.frontier:
+            lines += ["", "alternatives (memory / time front, modelled):",
+                      f"  {'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'peak MiB':>10} {'step s':>9}"]
+            for a in self.frontier:
+                lines.append(f"  {a.precision:<9} {a.micro_batch_size:>5} {a.gradient_accumulation_steps:>5} "
+                             f"{len(a.checkpoint):>4} {a.peak_bytes / 2**20:>10.1f} {a.step_seconds:>9.3g}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)

@@ -1,0 +1,189 @@
+"""``autofit.plan``: the pipeline of DESIGN.md, composed.
+
+capture + analyse (per allowed precision) -> models -> search (MILP per micro-batch) -> verify the winner with a
+full estimate -> Plan. If the verified peak overshoots the budget, the overshoot is the models' error for that
+configuration: the search runs again under a budget lowered by it (at most a few times).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from autofit.analyse.analyse import analyse_model
+from autofit.api import _check_model, _inputs
+from autofit.device import DeviceTarget, resolve_device
+from autofit.errors import InfeasibleBudgetError, InvalidInputError
+from autofit.loss import LossFn
+from autofit.optim import as_optimizer_spec
+from autofit.plan import Alternative, Plan
+from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
+from autofit.report import MemoryEstimate
+from autofit.simulate.run import simulate_step
+from autofit.simulate.timeline import EventKind, Phase
+from autofit.solve.memory_model import MemoryModel
+from autofit.solve.search import Candidate, SearchSpace, pareto_front, search, smallest_peak
+from autofit.solve.time_model import TimeModel
+from autofit.step import make_step_config, resolve_modules
+from autofit.units import format_bytes, parse_budget
+
+__all__ = ["plan"]
+
+_MAX_VERIFICATIONS = 4
+
+# What to suggest when one category dominates the smallest reachable peak.
+_ADVICE = {
+    "optimizer_state": "optimizer state dominates: use SGD (one buffer) instead of Adam (two), bf16/fp16 "
+                       "parameters, or shard it across GPUs (FSDP2, world_size > 1)",
+    "parameters": "parameters dominate: keep them in bf16, or shard them (FSDP2, world_size > 1)",
+    "gradients": "gradients dominate: bf16 parameters halve them; sharding (FSDP2) splits them across ranks",
+    "activations": "activations dominate even at micro-batch 1 with checkpointing: shorten the sequence or "
+                   "image size, or use a lower precision",
+    "temporaries": "temporaries of backward or the optimizer step dominate: a lower precision or a smaller "
+                   "largest layer helps",
+}
+
+
+def plan(
+    model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
+    device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
+) -> Plan:
+    """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
+    over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified."""
+    model = _check_model(model)
+    batch, target_batch = _inputs(sample, target)
+    target_device = resolve_device(device, gpu)
+    budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
+    notes: list[str] = []
+    if batch_size is None:
+        batch_size = batch.size
+        notes.append(f"no batch_size given: planning for the sample's batch of {batch.size}")
+    per_rank = _per_rank_batch(batch_size, world_size, strategy)
+    policies = _precisions(precision, target_device)
+    opt = as_optimizer_spec(optimizer)
+    fixed = _fixed_checkpoint(model, checkpoint)
+
+    probe = target_device.kind == "cpu"  # CPU kernels scratch memory the allocator sees (see simulate/probe.py)
+    analyses = {p.name: analyse_model(model, batch, target_batch, loss_fn, p, opt, probe_kernels=probe)
+                for p in policies}
+    space = SearchSpace(
+        batch_size=per_rank,
+        memory={name: _memory_model(a, fixed) for name, a in analyses.items()},
+        time={name: _time_model(a, target_device) for name, a in analyses.items()},
+        precisions=tuple(p.name for p in policies),
+        allow_checkpoint=checkpoint == "auto",
+        fixed_checkpoint=fixed,
+    )
+    policy_of = {p.name: p for p in policies}
+
+    def verify(c: Candidate) -> MemoryEstimate:
+        config = make_step_config(micro_batch_size=c.micro_batch_size, accumulation_steps=c.accumulation_steps,
+                                  precision=policy_of[c.precision], checkpoint=c.checkpoint, optimizer=opt,
+                                  device=target_device.kind)
+        from autofit.api import _to_estimate
+
+        return _to_estimate(simulate_step(model, batch, target_batch, loss_fn, config), config)
+
+    correction = 0
+    for _ in range(_MAX_VERIFICATIONS):
+        best, fitting = search(space, budget_bytes - correction)
+        if best is None:
+            break
+        est = verify(best)
+        if est.device_bytes <= budget_bytes:
+            if correction:
+                notes.append(f"the first choices' verified peaks exceeded their modelled peaks; re-planned with "
+                             f"{format_bytes(correction)} of margin")
+            return _make_plan(best, est, fitting, budget_bytes, batch_size, world_size, strategy, policy_of,
+                              target_device, opt.name, notes + list(est.notes))
+        correction += max(est.device_bytes - best.peak_bytes, est.device_bytes - budget_bytes, 1)
+
+    smallest = smallest_peak(space)
+    est = verify(smallest)
+    if est.device_bytes <= budget_bytes:  # the models were pessimistic: the smallest configuration does fit
+        return _make_plan(smallest, est, [smallest], budget_bytes, batch_size, world_size, strategy, policy_of,
+                          target_device, opt.name, notes + list(est.notes))
+    dominant = max(est.breakdown, key=est.breakdown.get)
+    raise InfeasibleBudgetError(
+        f"no configuration fits {format_bytes(budget_bytes)}: the smallest reachable peak is "
+        f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch 1, {smallest.precision}, "
+        f"{len(smallest.checkpoint)} modules checkpointed). {_ADVICE.get(dominant, dominant + ' dominates')}",
+        min_budget_bytes=est.device_bytes, budget_bytes=budget_bytes, dominant=dominant,
+    )
+
+
+def _per_rank_batch(batch_size: Any, world_size: Any, strategy: str | None) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidInputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidInputError(f"world_size must be an int >= 1, got {world_size!r}")
+    if world_size > 1 or strategy is not None:
+        raise InvalidInputError("multi-GPU plans (world_size > 1, strategy=) are not in this version yet")
+    if batch_size % world_size:
+        raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
+    return batch_size // world_size
+
+
+def _precisions(precision: Any, target: DeviceTarget) -> list[PrecisionPolicy]:
+    if isinstance(precision, str) and precision.strip().lower() == "auto":
+        return [PrecisionPolicy(name=n) for n in target.default_precisions()]
+    if isinstance(precision, (list, tuple)):
+        return [as_policy(p) for p in precision]
+    policy = as_policy(precision)
+    if policy.name not in PRECISION_NAMES:
+        raise InvalidInputError(f"unknown precision {precision!r}")
+    return [policy]
+
+
+def _fixed_checkpoint(model: nn.Module, checkpoint: Any) -> tuple[str, ...] | None:
+    """None: the planner chooses ("auto"); a tuple: exactly these modules (empty: no checkpointing)."""
+    if checkpoint == "auto":
+        return None
+    if checkpoint in (None, False, "none"):
+        return ()
+    names = (checkpoint,) if isinstance(checkpoint, str) else tuple(checkpoint)
+    resolve_modules(model, names, what="checkpoint")
+    return names
+
+
+def _memory_model(analysis, fixed: Sequence[str] | None) -> MemoryModel:
+    return MemoryModel.from_analysis(analysis.profile, analysis.table)
+
+
+def _time_model(analysis, target: DeviceTarget) -> TimeModel:
+    root = analysis.table.row("")
+    ops = _ops_per_micro_batch(analysis)
+    optimizer_bytes = 4 * sum(r.param_bytes for r in analysis.table.rows if r.name == "")
+    recompute = {r.name: (r.flops_fixed, r.flops_per_sample) for r in analysis.table.rows}
+    return TimeModel(target.throughput, root.flops_fixed, root.flops_per_sample, ops, optimizer_bytes, recompute)
+
+
+def _ops_per_micro_batch(analysis) -> int:
+    """Ops launched by the first micro-batch's forward and backward in the analysis run."""
+    timeline = analysis.timeline
+    marks = timeline.marks
+    start = next((s for s, m, p in marks if (m, p) == (0, Phase.FORWARD)), 0)
+    end = next((s for s, m, p in marks if m == 1), len(timeline.events))
+    return sum(1 for kind, _ in timeline.events[start:end] if kind is EventKind.OP)
+
+
+def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], budget_bytes: int, batch_size: int,
+               world_size: int, strategy: str | None, policy_of: dict[str, PrecisionPolicy],
+               target: DeviceTarget, optimizer: str, notes: list[str]) -> Plan:
+    front = tuple(
+        Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
+                    gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
+                    peak_bytes=c.peak_bytes, step_seconds=c.seconds)
+        for c in pareto_front(fitting)
+    )
+    return Plan(
+        micro_batch_size=best.micro_batch_size, gradient_accumulation_steps=best.accumulation_steps,
+        batch_size=batch_size, last_micro_batch_size=best.last_micro_batch_size,
+        precision=policy_of[best.precision], checkpoint=best.checkpoint, peak_bytes=est.peak_bytes,
+        device_bytes=est.device_bytes, budget_bytes=budget_bytes, device=target.kind, optimizer=optimizer,
+        predicted_step_seconds=best.seconds, estimate=est, world_size=world_size, strategy=strategy,
+        gpu=target.name, frontier=front, notes=tuple(dict.fromkeys(notes)),
+    )

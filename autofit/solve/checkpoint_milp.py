@@ -1,0 +1,104 @@
+"""Which modules to recompute: an exact 0/1 program solved with ``scipy.optimize.milp`` (HiGHS).
+
+The memory model (``memory_model.py``) turns a micro-batch size into constraints of one shape: at each stretch of the
+window, ``base_i + sum_u coef_iu x_u`` bytes are live, where ``x_u`` says whether unit u is recomputed (negative
+coefficients: saved tensors it drops; positive: its RNG stash and recompute spike). The cheapest set keeps every
+stretch under the budget. Following ``torch/distributed/_tools/sac_ilp.py``, variables and constraints are labelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+__all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "brute_force_checkpoint"]
+
+
+@dataclass(frozen=True, eq=False)
+class CheckpointProblem:
+    names: tuple[str, ...]  # the units (modules) that may be recomputed
+    costs: np.ndarray  # [U] recompute cost of each unit (FLOPs)
+    base: np.ndarray  # [I] live bytes of each stretch without checkpointing
+    coef: np.ndarray  # [I, U] bytes each unit adds (+) or drops (-) in each stretch when recomputed
+    exclusive: tuple[tuple[int, int], ...] = ()  # (ancestor, descendant) pairs that cannot both be chosen
+
+    def peak(self, chosen) -> int:
+        x = np.zeros(len(self.names))
+        x[list(chosen)] = 1.0
+        return int(np.max(self.base + self.coef @ x)) if len(self.base) else 0
+
+    def allowed(self, chosen) -> bool:
+        picked = set(chosen)
+        return not any(a in picked and d in picked for a, d in self.exclusive)
+
+    def cost(self, chosen) -> float:
+        return float(sum(self.costs[i] for i in chosen))
+
+
+def _solve(problem: CheckpointProblem, budget: float | None, minimise_cost: bool) -> tuple[int, ...] | None:
+    n, rows = len(problem.names), len(problem.base)
+    if n == 0:
+        return () if budget is None or problem.peak(()) <= budget else None
+    # Decision variables: x_0..x_{n-1} in {0, 1}: x_u = 1 when unit u is recomputed (checkpointed);
+    #                     p (index n), continuous: the peak, max over stretches of live bytes
+    cost_scale = max(float(problem.costs.max()), 1.0)
+    byte_scale = max(float(np.abs(problem.base).max()), 1.0)
+    c = np.zeros(n + 1)
+    if minimise_cost:
+        # primary: recompute FLOPs; then a lower peak; then fewer modules (all tie-breaks far below one FLOP unit)
+        c[:n] = problem.costs / cost_scale + 1e-7
+        c[n] = 1e-4 / byte_scale
+    else:
+        c[n] = 1.0 / byte_scale  # the smallest peak, whatever it costs
+        c[:n] = 1e-7
+    # [Constraint] stretch i: base_i + sum_u coef_iu x_u <= p
+    a = np.hstack([problem.coef, -np.ones((rows, 1))])
+    constraints = [LinearConstraint(a, -np.inf, -problem.base)]
+    # [Constraint] nesting: a module and one of its descendants are never both recomputed: x_a + x_d <= 1
+    if problem.exclusive:
+        nest = np.zeros((len(problem.exclusive), n + 1))
+        for k, (i, j) in enumerate(problem.exclusive):
+            nest[k, i] = nest[k, j] = 1.0
+        constraints.append(LinearConstraint(nest, -np.inf, 1.0))
+    # [Constraint] budget: p <= budget (as a bound on p)
+    upper_p = np.inf if budget is None else float(budget)
+    bounds = Bounds(np.concatenate([np.zeros(n), [-np.inf]]), np.concatenate([np.ones(n), [upper_p]]))
+    result = milp(c, constraints=constraints, integrality=np.concatenate([np.ones(n), [0]]), bounds=bounds)
+    if not result.success or result.x is None:
+        return None
+    chosen = tuple(int(i) for i in np.flatnonzero(np.round(result.x[:n]) > 0.5))
+    if budget is not None and problem.peak(chosen) > budget:
+        return None
+    return chosen
+
+
+def solve_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...] | None:
+    """Indices of the cheapest set whose peak fits ``budget`` (ties: lower peak, then fewer modules); None if none."""
+    if problem.peak(()) <= budget:
+        return ()
+    return _solve(problem, budget, minimise_cost=True)
+
+
+def most_freeing_checkpoint(problem: CheckpointProblem) -> tuple[int, ...]:
+    """The set with the lowest peak, whatever it costs: what the smallest feasible budget uses."""
+    chosen = _solve(problem, None, minimise_cost=False)
+    return chosen if chosen is not None and problem.peak(chosen) < problem.peak(()) else ()
+
+
+def brute_force_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...] | None:
+    """Every subset, for tests on small instances: the cheapest that fits (ties: lower peak, then fewer)."""
+    best, best_key = None, None
+    n = len(problem.names)
+    for mask in range(1 << n):
+        chosen = tuple(i for i in range(n) if mask >> i & 1)
+        if not problem.allowed(chosen):
+            continue
+        peak = problem.peak(chosen)
+        if peak > budget:
+            continue
+        key = (round(problem.cost(chosen), 6), peak, len(chosen))
+        if best_key is None or key < best_key:
+            best, best_key = chosen, key
+    return best

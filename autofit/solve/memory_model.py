@@ -1,0 +1,188 @@
+"""Predicted peak of a configuration, from the analysis alone (no simulation per candidate).
+
+Without checkpointing, the profile gives the live bytes after every event of the window as a line in the
+micro-batch b (``analyse/profile.py``), so any stage's peak is exact. Checkpointing a module m edits those lines,
+call by call (non-reentrant ``torch.utils.checkpoint``; see Chen et al. 2016, "Training Deep Nets with Sublinear
+Memory Cost", for the idea):
+- from the end of the call's forward until its backward begins, what it saved for backward and did not return is
+  gone: ``saved_c(b)`` comes off every event in between;
+- when its backward begins, the call's forward runs again: its saved tensors are back from then on (as in the
+  plain run), and its non-saved intermediates come and go at that instant (the call's high-water mark above what
+  it saved);
+- non-reentrant checkpoint keeps the call's inputs and a copy of the CPU RNG state (``torch.get_rng_state()``)
+  until the call's backward is done: an input the plain run frees earlier lives longer.
+The optimizer stage does not change. The planner verifies its winner with a full simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from autofit.analyse.profile import CallRecord, StepProfile
+from autofit.analyse.table import LayerTable
+from autofit.simulate.timeline import Phase
+from autofit.solve.checkpoint_milp import CheckpointProblem
+
+__all__ = ["CheckpointUnit", "MemoryModel", "Edit", "rng_state_bytes"]
+
+
+def rng_state_bytes() -> int:
+    """Bytes of ``torch.get_rng_state()`` (5056 on current builds): stashed per checkpointed call."""
+    return torch.get_rng_state().numel()
+
+
+@dataclass(frozen=True)
+class CheckpointUnit:
+    """A module that may be recomputed: its calls in the window and the FLOPs recomputing one forward costs."""
+
+    name: str
+    calls: tuple[CallRecord, ...]
+    flops_fixed: int
+    flops_per_sample: int
+
+    def flops(self, batch: int) -> int:
+        return max(0, self.flops_fixed + self.flops_per_sample * batch)
+
+
+@dataclass(frozen=True)
+class Edit:
+    """What checkpointing one call does to the live-bytes line, at one batch size."""
+
+    unit: int  # index of the unit
+    start: int  # the RNG stash is live from here...
+    end: int  # ...saved bytes leave after this event...
+    recompute_at: int  # ...and come back here, where the recompute's own intermediates also peak
+    stage_end: int  # the call's backward is over here (exclusive): inputs and RNG stash are released
+    saved: int
+    spike: int
+    kept: tuple[tuple[int, int], ...] = ()  # (event the plain run frees it, bytes) of inputs held longer
+
+
+def units_from(profile: StepProfile, table: LayerTable) -> tuple[CheckpointUnit, ...]:
+    by_name: dict[str, list[CallRecord]] = {}
+    for call in profile.calls:
+        by_name.setdefault(call.name, []).append(call)
+    units = []
+    for row in table.rows:
+        calls = tuple(c for c in by_name.get(row.name, ()) if c.recompute_at >= 0)
+        if not row.checkpointable or not calls:
+            continue
+        if all(c.saved[0] <= 0 and c.saved[1] <= 0 for c in calls):
+            continue  # nothing to drop: recomputing it would only cost time
+        units.append(CheckpointUnit(row.name, calls, row.flops_fixed, row.flops_per_sample))
+    return tuple(units)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    profile: StepProfile
+    units: tuple[CheckpointUnit, ...]
+    rng_bytes: int
+
+    @classmethod
+    def from_analysis(cls, profile: StepProfile, table: LayerTable) -> MemoryModel:
+        return cls(profile, units_from(profile, table), rng_state_bytes())
+
+    def index(self, name: str) -> int:
+        for i, u in enumerate(self.units):
+            if u.name == name:
+                return i
+        raise KeyError(name)
+
+    # ---- the pieces the search and the MILP use -----------------------------------------------------------------
+    def activation_ranges(self, accumulation_steps: int) -> list[tuple[int, int]]:
+        """Event ranges of the forward and backward stages the window runs (checkpointing acts on these)."""
+        ranges = []
+        for micro in self.profile.micro_batches(accumulation_steps):
+            lo, _ = self.profile.bounds(micro, Phase.FORWARD)
+            _, hi = self.profile.bounds(micro, Phase.BACKWARD)
+            if hi > lo:
+                ranges.append((lo, hi))
+        return ranges
+
+    def optimizer_peak(self, batch: int) -> int:
+        return self.profile.stage(1, Phase.OPTIMIZER, batch)
+
+    def activation_peak(self, batch: int, accumulation_steps: int) -> int:
+        live = self.profile.live(batch)
+        return max((int(live[lo:hi].max()) for lo, hi in self.activation_ranges(accumulation_steps)), default=0)
+
+    def edits(self, batch: int, accumulation_steps: int, units: Iterable[int]) -> list[Edit]:
+        micros = self.profile.micro_batches(accumulation_steps)
+        edits = []
+        for u in units:
+            for call in self.units[u].calls:
+                if call.micro not in micros:
+                    continue
+                saved = call.saved_bytes(batch)
+                spike = max(0, self.profile.internal_bytes(call, batch) - saved)
+                release = call.backward_end + 1
+                kept = tuple((f, call.input_bytes(i, batch)) for i, (f, _, _) in enumerate(call.inputs)
+                             if f < release)
+                edits.append(Edit(u, call.start, call.end, call.recompute_at, release, saved, spike, kept))
+        return edits
+
+    # ---- the constraints of the checkpoint MILP, and the prediction --------------------------------------------
+    def problem(self, batch: int, accumulation_steps: int) -> CheckpointProblem:
+        """Constraints ``base_i + coef_i . x`` over the stretches of the window where the set of checkpoint edits in
+        force is constant (so each stretch's peak is its plain peak plus a constant), the recompute instants, and
+        the optimizer stage (which checkpointing does not touch)."""
+        live = self.profile.live(batch)
+        n_units = len(self.units)
+        edits = self.edits(batch, accumulation_steps, range(n_units))
+        unit = np.array([e.unit for e in edits], dtype=np.int64)
+        start = np.array([e.start for e in edits], dtype=np.int64)
+        end = np.array([e.end for e in edits], dtype=np.int64)
+        rec = np.array([e.recompute_at for e in edits], dtype=np.int64)
+        send = np.array([e.stage_end for e in edits], dtype=np.int64)
+        saved = np.array([e.saved for e in edits], dtype=np.int64)
+        spike = np.array([e.spike for e in edits], dtype=np.int64)
+        onehot = np.zeros((len(edits), n_units))
+        onehot[np.arange(len(edits)), unit] = 1.0
+        # inputs held longer than in the plain run: one pseudo-edit each, from its plain free to the release
+        k_unit = np.array([e.unit for e in edits for _ in e.kept], dtype=np.int64)
+        k_from = np.array([f for e in edits for f, _ in e.kept], dtype=np.int64)
+        k_to = np.array([e.stage_end for e in edits for _ in e.kept], dtype=np.int64)
+        k_bytes = np.array([n for e in edits for _, n in e.kept], dtype=np.int64)
+        k_onehot = np.zeros((len(k_unit), n_units))
+        k_onehot[np.arange(len(k_unit)), k_unit] = 1.0
+
+        def coefficients(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+            dropped = (lo[:, None] >= end[None, :] + 1) & (hi[:, None] <= rec[None, :])
+            stashed = (lo[:, None] >= start[None, :]) & (hi[:, None] <= send[None, :])
+            held = (lo[:, None] >= k_from[None, :]) & (hi[:, None] <= k_to[None, :])
+            return ((-(dropped * saved[None, :]) + stashed * self.rng_bytes) @ onehot
+                    + (held * k_bytes[None, :]) @ k_onehot)
+
+        los, his = [], []
+        for lo, hi in self.activation_ranges(accumulation_steps):
+            cuts = np.concatenate([[lo, hi], end + 1, rec, start, send, k_from, k_to])
+            cuts = np.unique(cuts[(cuts >= lo) & (cuts <= hi)])
+            los.append(cuts[:-1])
+            his.append(cuts[1:])
+        lo = np.concatenate(los) if los else np.zeros(0, dtype=np.int64)
+        hi = np.concatenate(his) if his else np.zeros(0, dtype=np.int64)
+        base = np.array([live[a:b].max() for a, b in zip(lo, hi)], dtype=np.float64)
+        coef = coefficients(lo, hi) if len(edits) else np.zeros((len(lo), n_units))
+        # the recompute instants: the call's saved tensors are back, its own intermediates peak on top
+        spike_coef = coefficients(rec, rec + 1) + onehot * (spike[:, None])
+        rows_base = np.concatenate([base, live[rec].astype(np.float64), [float(self.optimizer_peak(batch))]])
+        rows_coef = np.vstack([coef, spike_coef, np.zeros((1, n_units))])
+        names = tuple(u.name for u in self.units)
+        exclusive = tuple((i, j) for i, a in enumerate(names) for j, d in enumerate(names)
+                          if i != j and d.startswith(a + "."))
+        costs = np.array([float(u.flops(batch)) for u in self.units])
+        return CheckpointProblem(names, costs, rows_base, rows_coef, exclusive)
+
+    def peak(self, batch: int, accumulation_steps: int, checkpoint: Iterable[str] = ()) -> int:
+        """Modelled peak of the window with ``checkpoint`` recomputed."""
+        names = list(checkpoint)
+        known = {u.name for u in self.units}
+        chosen = [self.index(n) for n in names if n in known]
+        # modules the user forces that the analysis saw nothing to gain from still stash the RNG state
+        extra = sum(1 for n in names if n not in known) * self.rng_bytes
+        return self.problem(batch, accumulation_steps).peak(chosen) + extra

@@ -1,0 +1,129 @@
+"""The search over micro-batch, accumulation, precision and checkpoint sets, on the models (no simulation).
+
+For each allowed precision and each micro-batch b (one per distinct accumulation count k = ceil(B / b)), the
+checkpoint MILP finds the cheapest set of recomputed modules that brings the modelled peak under the budget; the
+time model ranks the survivors. The winner is the fastest; ties go to the lower peak, then to the earlier
+precision in the allowed order (the more accurate one). See Note [monotonic budgets].
+
+Note [monotonic budgets]
+    For a fixed precision and b, the MILP's feasible sets under a budget contain those under any smaller budget, so
+    its minimal cost can only grow as the budget falls, and so can the best time over all (precision, b). The peak
+    of the winner can only fall: if the old winner still fits, it stays the winner (same candidates, same
+    tie-break); if not, the new winner fits under the smaller budget, below the old peak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpoint
+from autofit.solve.memory_model import MemoryModel
+from autofit.solve.time_model import TimeModel
+
+__all__ = ["Candidate", "SearchSpace", "batch_options", "search", "smallest_peak", "pareto_front"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    precision: str
+    micro_batch_size: int
+    accumulation_steps: int
+    last_micro_batch_size: int
+    checkpoint: tuple[str, ...]
+    peak_bytes: int  # modelled
+    seconds: float  # modelled step time for the whole effective batch
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Everything the search needs, per allowed precision (in order of preference)."""
+
+    batch_size: int  # samples per rank per optimizer step
+    memory: Mapping[str, MemoryModel]
+    time: Mapping[str, TimeModel]
+    precisions: tuple[str, ...]
+    allow_checkpoint: bool = True  # False: the planner may not add checkpointed modules
+    fixed_checkpoint: tuple[str, ...] | None = None  # the user's own set: used as is, never searched
+
+
+def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
+    """(b, k, last) for every distinct accumulation count k: b = ceil(B / k), the last micro-batch takes the rest."""
+    options, seen = [], set()
+    for k in range(1, batch_size + 1):
+        b = math.ceil(batch_size / k)
+        if b in seen:
+            continue
+        seen.add(b)
+        steps = math.ceil(batch_size / b)
+        options.append((b, steps, batch_size - b * (steps - 1)))
+    return options
+
+
+def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
+    memory, time = space.memory[precision], space.time[precision]
+    if memory.optimizer_peak(b) > budget:
+        return None
+    if space.fixed_checkpoint is not None:
+        names = space.fixed_checkpoint
+        peak = memory.peak(b, k, names)
+    else:
+        problem = memory.problem(b, k)
+        if not space.allow_checkpoint:
+            chosen = () if problem.peak(()) <= budget else None
+        else:
+            chosen = solve_checkpoint(problem, budget)
+        if chosen is None:
+            return None
+        names = tuple(memory.units[i].name for i in chosen)
+        peak = problem.peak(chosen)
+    if peak > budget:
+        return None
+    seconds = time.step_time(precision, b, k, names, last).total
+    return Candidate(precision, b, k, last, names, peak, seconds)
+
+
+def _rank(space: SearchSpace, c: Candidate) -> tuple:
+    return (round(c.seconds, 12), c.peak_bytes, space.precisions.index(c.precision), -c.micro_batch_size)
+
+
+def search(space: SearchSpace, budget: int) -> tuple[Candidate | None, list[Candidate]]:
+    """The best candidate under ``budget`` (None if none fits) and every candidate that fit."""
+    fitting: list[Candidate] = []
+    for precision in space.precisions:
+        for b, k, last in batch_options(space.batch_size):
+            candidate = _evaluate(space, precision, b, k, last, budget)
+            if candidate is None:
+                continue
+            fitting.append(candidate)
+            if not candidate.checkpoint or space.fixed_checkpoint is not None:
+                break  # smaller micro-batches with the same checkpointing only add per-micro-batch overhead
+    best = min(fitting, key=lambda c: _rank(space, c)) if fitting else None
+    return best, fitting
+
+
+def smallest_peak(space: SearchSpace) -> Candidate:
+    """The configuration with the lowest modelled peak: micro-batch 1 and the most freeing checkpoint set."""
+    best = None
+    b, k, last = 1, space.batch_size, 1
+    for precision in space.precisions:
+        memory, time = space.memory[precision], space.time[precision]
+        names: tuple[str, ...] = space.fixed_checkpoint or ()
+        if space.allow_checkpoint and space.fixed_checkpoint is None:
+            chosen = most_freeing_checkpoint(memory.problem(b, k))
+            names = tuple(memory.units[i].name for i in chosen)
+        peak = memory.peak(b, k, names)
+        candidate = Candidate(precision, b, k, last, names, peak, time.step_time(precision, b, k, names, last).total)
+        if best is None or peak < best.peak_bytes:
+            best = candidate
+    return best
+
+
+def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Candidates no other beats on both peak and time, sorted from the fastest (and largest) to the smallest."""
+    front: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: (c.seconds, c.peak_bytes)):
+        if not front or c.peak_bytes < front[-1].peak_bytes:
+            front.append(c)
+    return front
