@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ class Plan:
 
     # ---- serialisation (plain JSON; loading runs no code) -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules)}
         data["estimate"] = {
             "peak_bytes": self.estimate.peak_bytes, "device_bytes": self.estimate.device_bytes,

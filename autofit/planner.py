@@ -14,6 +14,7 @@ from torch import nn
 
 from autofit.analyse.analyse import analyse_model
 from autofit.api import _check_model, _inputs
+from autofit.batch import Batch
 from autofit.device import DeviceTarget, resolve_device
 from autofit.errors import InfeasibleBudgetError, InvalidInputError
 from autofit.loss import LossFn
@@ -71,7 +72,9 @@ def plan(
                 for p in policies}
     space = SearchSpace(
         batch_size=per_rank,
-        memory={name: _memory_model(a, fixed) for name, a in analyses.items()},
+        memory={name: MemoryModel.from_analysis(a.profile, a.table, held_rows=per_rank,
+                                                row_bytes=_row_bytes(batch, target_batch))
+                for name, a in analyses.items()},
         time={name: _time_model(a, target_device) for name, a in analyses.items()},
         precisions=tuple(p.name for p in policies),
         allow_checkpoint=checkpoint == "auto",
@@ -82,7 +85,7 @@ def plan(
     def verify(c: Candidate) -> MemoryEstimate:
         config = make_step_config(micro_batch_size=c.micro_batch_size, accumulation_steps=c.accumulation_steps,
                                   precision=policy_of[c.precision], checkpoint=c.checkpoint, optimizer=opt,
-                                  device=target_device.kind)
+                                  device=target_device.kind, held_rows=per_rank)
         from autofit.api import _to_estimate
 
         return _to_estimate(simulate_step(model, batch, target_batch, loss_fn, config), config)
@@ -149,8 +152,16 @@ def _fixed_checkpoint(model: nn.Module, checkpoint: Any) -> tuple[str, ...] | No
     return names
 
 
-def _memory_model(analysis, fixed: Sequence[str] | None) -> MemoryModel:
-    return MemoryModel.from_analysis(analysis.profile, analysis.table)
+def _row_bytes(batch: Batch, target: Batch | None) -> int:
+    """Bytes one sample adds to the inputs and targets (batch tensors only)."""
+    total = 0
+    for b in (batch, target):
+        if b is None:
+            continue
+        for t in b.tensors():
+            if t.dim() >= 1 and t.shape[0] == b.size:
+                total += t[:1].nelement() * t.element_size()
+    return total
 
 
 def _time_model(analysis, target: DeviceTarget) -> TimeModel:

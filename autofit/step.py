@@ -38,6 +38,9 @@ class StepConfig:
     checkpoint: tuple[str, ...] = ()
     optimizer: OptimizerSpec = field(default_factory=lambda: as_optimizer_spec("adamw"))
     device: str = "cpu"
+    # Rows of input data resident during the window: the trainer receives the whole batch at once and slices it, so
+    # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
+    held_rows: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int):
@@ -46,13 +49,15 @@ class StepConfig:
             raise InvalidInputError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise InvalidInputError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+        if not isinstance(self.held_rows, int) or self.held_rows < 0:
+            raise InvalidInputError(f"held_rows must be an int >= 0, got {self.held_rows!r}")
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
 
 def make_step_config(
     *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
-    optimizer: Any = "adamw", device: str = "cpu",
+    optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0,
 ) -> StepConfig:
     if isinstance(checkpoint, str):
         checkpoint = (checkpoint,)
@@ -66,6 +71,7 @@ def make_step_config(
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
+        held_rows=held_rows,
     )
 
 

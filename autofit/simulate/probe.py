@@ -4,7 +4,10 @@ A fake tensor says what an op *returns*; the CPU allocator also sees what the ke
 before returning: oneDNN's weight and activation reorders and its matmul scratchpad (bf16/fp16 GEMMs, convolutions),
 type-promotion buffers of mixed-dtype element-wise ops, reduction buffers of low-precision means. Some fake kernels
 also return other shapes than the CPU kernel (``mkldnn_rnn_layer``'s workspace is empty on fake tensors but a few
-hundred KiB on the CPU, which is why PyTorch's MemTracker is 16 % low on ``nn.LSTM``).
+hundred KiB on the CPU, which is why PyTorch's MemTracker is 16 % low on ``nn.LSTM``), other dtypes (mixed-dtype
+norms return fp32 statistics on the CPU, bf16 ones on fake tensors), aliased outputs the CPU kernel returns apart
+(``mkldnn_rnn_layer_backward``'s bias gradients), or storages larger than their shape (CPU ``mse_loss`` returns a
+0-dim view of a buffer as large as its input).
 
 Those sizes depend on the oneDNN version, the instruction set and the thread count, so they are not written down
 here: the prober runs the real kernel once per distinct signature (op, shapes, strides, dtypes, other arguments) on
@@ -25,7 +28,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autofit.measure.allocator import allocation_sizes
 
-__all__ = ["ProbeResult", "KernelProber"]
+__all__ = ["ProbeResult", "RealOutput", "KernelProber"]
 
 aten = torch.ops.aten
 
@@ -42,9 +45,20 @@ _NEVER_PROBE = {
 
 
 @dataclass(frozen=True)
+class RealOutput:
+    """What the CPU kernel really returned for one output."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    storage_bytes: int  # can exceed the shape's bytes (CPU mse_loss returns a 0-dim view of a full-size buffer)
+    alias_of: int | None  # index of an earlier output sharing its storage, None if it has its own
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     workspace: int  # bytes allocated and freed inside the kernel, beyond its outputs
-    output_shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...]  # (shape, stride) of tensor outputs
+    outputs: tuple[RealOutput | None, ...]  # per pytree leaf of the output, None for non-tensors
 
 
 @dataclass
@@ -113,11 +127,18 @@ def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
         for size in allocation_sizes(prof):
             running += size
             internal_peak = max(internal_peak, running)
-        shapes = tuple(
-            (tuple(o.shape), o.stride()) if isinstance(o, torch.Tensor) else None for o in pytree.tree_leaves(out)
-        )
+        outputs, first_of = [], {}
+        for i, o in enumerate(pytree.tree_leaves(out)):
+            if not isinstance(o, torch.Tensor):
+                outputs.append(None)
+                continue
+            key = o.untyped_storage().data_ptr() if o.untyped_storage().nbytes() else None
+            alias = first_of.get(key) if key is not None else None
+            if key is not None and alias is None:
+                first_of[key] = i
+            outputs.append(RealOutput(tuple(o.shape), o.stride(), o.dtype, o.untyped_storage().nbytes(), alias))
         del out
     # running is what the op left allocated (its new outputs); the rest of the high-water mark was scratch.
-    return ProbeResult(workspace=max(0, internal_peak - running), output_shapes=shapes)
+    return ProbeResult(workspace=max(0, internal_peak - running), outputs=tuple(outputs))
 
 

@@ -128,6 +128,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
 
         tracker = StepTracker(prober=prober)
         _register_state(tracker, work, optimizer, scaler, micro, micro_target)
+        held = _held_rows(micro, micro_target, config)  # the rest of the batch the trainer slices from
+        for t in held:
+            tracker.register(t, Category.INPUTS)
         handles = install_module_stack(work, tracker.module_stack)
         try:
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
@@ -209,6 +212,15 @@ def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch
     if micro_target is not None:
         for t in micro_target.tensors():
             tracker.register(t, Category.INPUTS)
+
+
+def _held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> list[torch.Tensor]:
+    """Rows of the batch beyond the micro-batch that stay resident (see StepConfig.held_rows), counted as inputs."""
+    extra = config.held_rows - config.micro_batch_size
+    if extra <= 0:
+        return []
+    rows = [micro] + ([micro_target] if micro_target is not None else [])
+    return [t for b in rows for t in b.resize(extra).tensors() if t.dim() >= 1 and t.shape[0] == extra]
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config) -> None:

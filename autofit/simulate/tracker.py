@@ -79,8 +79,9 @@ class StepTracker(TorchDispatchMode):
         if sid is not None:
             self.timeline.storages[sid].category = category
 
-    def _track(self, st, category: Category, op: int) -> int:
-        record = StorageRecord(st.nbytes(), category, op, self.module, self.phase)
+    def _track(self, st, category: Category, op: int, nbytes: int | None = None) -> int:
+        size = st.nbytes() if nbytes is None else max(nbytes, st.nbytes())
+        record = StorageRecord(size, category, op, self.module, self.phase)
         sid = self.timeline.new_storage(record)
         timeline = self.timeline
         known = self._known
@@ -116,8 +117,9 @@ class StepTracker(TorchDispatchMode):
                 self._external[id(st)] = weakref.ref(st)
         out = func(*args, **kwargs)
         probe = self.prober.probe(func, args, kwargs) if self.prober is not None else None
+        real_bytes: dict[int, int] = {}
         if probe is not None:
-            out = _with_probed_shapes(out, probe.output_shapes)
+            out, real_bytes = _match_real_outputs(out, probe.outputs)
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
                           workspace=probe.workspace if probe is not None else 0)
         if self.count_flops and func.overloadpacket in flop_registry:
@@ -132,7 +134,7 @@ class StepTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 if not self._is_known_or_external(st) and st.nbytes() > 0:
-                    self._track(st, category, op_index)
+                    self._track(st, category, op_index, nbytes=real_bytes.get(id(t)))
         self.timeline.new_op(record)
         for listener in self.op_listeners:
             listener(op_index)
@@ -151,14 +153,24 @@ class StepTracker(TorchDispatchMode):
         return _PHASE_CATEGORY[self.phase]
 
 
-def _with_probed_shapes(out: Any, shapes: tuple) -> Any:
-    """Replace fake outputs whose shape the real kernel disagrees with (a fake kernel that returns the wrong size)."""
+def _match_real_outputs(out: Any, real: tuple) -> tuple[Any, dict[int, int]]:
+    """Make the fake outputs look like the CPU kernel's (see simulate/probe.py): replace outputs whose shape or
+    dtype differ, split outputs the fake kernel aliased but the CPU kernel returns apart, and report storages the
+    CPU kernel made larger than the shape needs (id(tensor) -> bytes)."""
     leaves, spec = pytree.tree_flatten(out)
-    if len(leaves) != len(shapes):
-        return out
-    changed = False
-    for i, (leaf, real) in enumerate(zip(leaves, shapes)):
-        if isinstance(leaf, torch.Tensor) and real is not None and tuple(leaf.shape) != real[0]:
-            leaves[i] = torch.empty_strided(real[0], real[1], dtype=leaf.dtype, device=leaf.device)
+    if len(leaves) != len(real):
+        return out, {}
+    changed, sizes = False, {}
+    fake_first: dict[int, int] = {}
+    for i, (leaf, r) in enumerate(zip(leaves, real)):
+        if not isinstance(leaf, torch.Tensor) or r is None:
+            continue
+        st = leaf.untyped_storage()
+        fake_alias = fake_first.setdefault(id(st), i) if st.nbytes() else i
+        split = fake_alias != i and r.alias_of is None
+        if split or tuple(leaf.shape) != r.shape or leaf.dtype != r.dtype:
+            leaves[i] = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=leaf.device)
             changed = True
-    return pytree.tree_unflatten(leaves, spec) if changed else out
+        if r.alias_of is None and r.storage_bytes > leaves[i].untyped_storage().nbytes():
+            sizes[id(leaves[i])] = r.storage_bytes
+    return (pytree.tree_unflatten(leaves, spec) if changed else out), sizes

@@ -82,10 +82,17 @@ class MemoryModel:
     profile: StepProfile
     units: tuple[CheckpointUnit, ...]
     rng_bytes: int
+    held_rows: int = 0  # rows of the batch resident all window (the trainer slices micro-batches from them)
+    row_bytes: int = 0  # input + target bytes per row
 
     @classmethod
-    def from_analysis(cls, profile: StepProfile, table: LayerTable) -> MemoryModel:
-        return cls(profile, units_from(profile, table), rng_state_bytes())
+    def from_analysis(cls, profile: StepProfile, table: LayerTable, *, held_rows: int = 0,
+                      row_bytes: int = 0) -> MemoryModel:
+        return cls(profile, units_from(profile, table), rng_state_bytes(), held_rows, row_bytes)
+
+    def held_bytes(self, batch: int) -> int:
+        """Input rows resident beyond the micro-batch's own (the profile already counts those)."""
+        return max(0, self.held_rows - batch) * self.row_bytes
 
     def index(self, name: str) -> int:
         for i, u in enumerate(self.units):
@@ -105,11 +112,12 @@ class MemoryModel:
         return ranges
 
     def optimizer_peak(self, batch: int) -> int:
-        return self.profile.stage(1, Phase.OPTIMIZER, batch)
+        return self.profile.stage(1, Phase.OPTIMIZER, batch) + self.held_bytes(batch)
 
     def activation_peak(self, batch: int, accumulation_steps: int) -> int:
         live = self.profile.live(batch)
-        return max((int(live[lo:hi].max()) for lo, hi in self.activation_ranges(accumulation_steps)), default=0)
+        peaks = (int(live[lo:hi].max()) for lo, hi in self.activation_ranges(accumulation_steps))
+        return max(peaks, default=0) + self.held_bytes(batch)
 
     def edits(self, batch: int, accumulation_steps: int, units: Iterable[int]) -> list[Edit]:
         micros = self.profile.micro_batches(accumulation_steps)
@@ -170,7 +178,9 @@ class MemoryModel:
         coef = coefficients(lo, hi) if len(edits) else np.zeros((len(lo), n_units))
         # the recompute instants: the call's saved tensors are back, its own intermediates peak on top
         spike_coef = coefficients(rec, rec + 1) + onehot * (spike[:, None])
-        rows_base = np.concatenate([base, live[rec].astype(np.float64), [float(self.optimizer_peak(batch))]])
+        held = self.held_bytes(batch)
+        rows_base = np.concatenate([base + held, live[rec].astype(np.float64) + held,
+                                    [float(self.optimizer_peak(batch))]])
         rows_coef = np.vstack([coef, spike_coef, np.zeros((1, n_units))])
         names = tuple(u.name for u in self.units)
         exclusive = tuple((i, j) for i, a in enumerate(names) for j, d in enumerate(names)
