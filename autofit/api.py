@@ -18,7 +18,7 @@ from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import Phase
 from autofit.optim import as_optimizer_spec
 from autofit.precision import as_policy
-from autofit.step import StepConfig, make_step_config
+from autofit.step import StepConfig, forward_errors, make_step_config
 
 __all__ = ["analyse", "estimate", "measure"]
 
@@ -90,7 +90,8 @@ def measure(
     config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
-    return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
+    with forward_errors():
+        return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 
 
 def analyse(
@@ -103,4 +104,6 @@ def analyse(
     batch 1 and 2). ``model`` is never modified."""
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
-    return analyse_model(model, batch, target_batch, loss_fn, as_policy(precision), as_optimizer_spec(optimizer))
+    policy, opt = as_policy(precision), as_optimizer_spec(optimizer)
+    with forward_errors():  # the graph capture runs the forward outside the simulator's own error handling
+        return analyse_model(model, batch, target_batch, loss_fn, policy, opt)

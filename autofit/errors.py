@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
 __all__ = [
     "AutofitError",
     "InvalidInputError",
@@ -44,3 +47,9 @@ class InfeasibleBudgetError(AutofitError):
         self.min_budget_bytes = min_budget_bytes
         self.budget_bytes = budget_bytes
         self.dominant = dominant
+
+
+# Exceptions autofit lets through untouched when it turns failures of the user's code into typed errors: fake tensors'
+# data-dependent errors (the simulator and the tracer catch them and fall back to a real run, see Note
+# [data-dependent models] in simulate/run.py) and running out of memory (a real result of measure and the trainer).
+PASSTHROUGH_ERRORS = (AutofitError, DataDependentOutputException, DynamicOutputShapeException, torch.OutOfMemoryError)

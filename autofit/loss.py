@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autofit.errors import LossError
+from autofit.errors import PASSTHROUGH_ERRORS, LossError
 
 __all__ = ["LossFn", "compute_loss"]
 
@@ -41,10 +41,20 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
         return loss
     prediction = _first_tensor(output)
     if target is not None and prediction is not None and isinstance(target, torch.Tensor):
-        if not target.is_floating_point():
-            # logits (..., C) against class indices (...): flatten everything but the class dimension
-            return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
-        return F.mse_loss(prediction, target.to(prediction.dtype))
+        kind = "mean squared error" if target.is_floating_point() else "cross-entropy"
+        try:
+            if not target.is_floating_point():
+                # logits (..., C) against class indices (...): flatten everything but the class dimension
+                return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1))
+            return F.mse_loss(prediction, target.to(prediction.dtype))
+        except PASSTHROUGH_ERRORS:
+            raise
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise LossError(
+                f"the default loss ({kind} of the output, shape {tuple(prediction.shape)}, against the {target.dtype} "
+                f"target, shape {tuple(target.shape)}) failed: {e}; pass loss_fn=lambda output, target: ... "
+                "that fits the model's output"
+            ) from e
     if target is None and prediction is not None and prediction.numel() == 1:
         return prediction.reshape(())
     raise LossError(

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from autofit.analyse.analyse import analyse_model
+from autofit.analyse.table import Analysis
 from autofit.api import _check_model, _inputs
 from autofit.batch import Batch
 from autofit.device import DeviceTarget, resolve_device
@@ -25,12 +26,12 @@ from autofit.report import MemoryEstimate
 from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.solve.memory_model import MemoryModel
-from autofit.solve.search import Candidate, SearchSpace, pareto_front, search, smallest_peak
+from autofit.solve.search import Candidate, SearchSpace, alternatives, pareto_front, search, smallest_peak
 from autofit.solve.time_model import TimeModel
 from autofit.step import make_step_config, resolve_modules
 from autofit.units import format_bytes, parse_budget
 
-__all__ = ["plan"]
+__all__ = ["plan", "plan_with_analysis"]
 
 _MAX_VERIFICATIONS = 4
 
@@ -54,6 +55,18 @@ def plan(
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified."""
+    return plan_with_analysis(
+        model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
+        precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
+    )[0]
+
+
+def plan_with_analysis(
+    model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
+    device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
+) -> tuple[Plan, dict[str, Analysis]]:
+    """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table)."""
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
     target_device = resolve_device(device, gpu)
@@ -97,18 +110,19 @@ def plan(
             break
         est = verify(best)
         if est.device_bytes <= budget_bytes:
+            fitting = fitting + alternatives(space, budget_bytes - correction)
             if correction:
                 notes.append(f"the first choices' verified peaks exceeded their modelled peaks; re-planned with "
                              f"{format_bytes(correction)} of margin")
             return _make_plan(best, est, fitting, budget_bytes, batch_size, world_size, strategy, policy_of,
-                              target_device, opt.name, notes + list(est.notes))
+                              target_device, opt.name, notes + list(est.notes)), analyses
         correction += max(est.device_bytes - best.peak_bytes, est.device_bytes - budget_bytes, 1)
 
     smallest = smallest_peak(space)
     est = verify(smallest)
     if est.device_bytes <= budget_bytes:  # the models were pessimistic: the smallest configuration does fit
         return _make_plan(smallest, est, [smallest], budget_bytes, batch_size, world_size, strategy, policy_of,
-                          target_device, opt.name, notes + list(est.notes))
+                          target_device, opt.name, notes + list(est.notes)), analyses
     dominant = max(est.breakdown, key=est.breakdown.get)
     raise InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget_bytes)}: the smallest reachable peak is "

@@ -18,12 +18,13 @@ import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from autofit.batch import Batch
-from autofit.errors import InvalidInputError
+from autofit.errors import PASSTHROUGH_ERRORS, ForwardError, InvalidInputError
 from autofit.loss import LossFn, compute_loss
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy, as_policy
 
-__all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler"]
+__all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
+           "forward_errors"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -47,7 +48,8 @@ class StepConfig:
             raise InvalidInputError(f"micro_batch_size must be an int, got {self.micro_batch_size!r}")
         if self.micro_batch_size < 1:
             raise InvalidInputError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+        if isinstance(self.accumulation_steps, bool) or not isinstance(self.accumulation_steps, int) \
+                or self.accumulation_steps < 1:
             raise InvalidInputError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
         if not isinstance(self.held_rows, int) or self.held_rows < 0:
             raise InvalidInputError(f"held_rows must be an int >= 0, got {self.held_rows!r}")
@@ -170,3 +172,50 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+# Frames of ``Module.__call__``: while an exception unwinds, its traceback still holds one per module call it left.
+_CALL_CODES = frozenset(
+    f.__code__ for f in (torch.nn.Module._call_impl, getattr(torch.nn.Module, "_wrapped_call_impl", None)) if f
+)
+
+
+@contextlib.contextmanager
+def forward_errors() -> Iterator[None]:
+    """Turn an exception raised by the user's forward or loss while autofit runs them on its own copy of the model
+    into a :class:`ForwardError` naming the innermost module that was running.
+
+    The module is read off the traceback (the ``Module.__call__`` frames it unwound through), so nothing is installed
+    on the model. The trainer, which runs the user's own model, does not use this: its exceptions stay the user's.
+    Exceptions raised outside any forward or loss, and :data:`PASSTHROUGH_ERRORS`, propagate unchanged.
+    """
+    try:
+        yield
+    except PASSTHROUGH_ERRORS:
+        raise
+    except Exception as e:  # noqa: BLE001 - only failures located in a forward or the loss are rewrapped below
+        in_loss, root, innermost = False, None, None
+        tb = e.__traceback__
+        while tb is not None:  # outermost frame first
+            code = tb.tb_frame.f_code
+            if code is compute_loss.__code__:
+                in_loss = True  # modules called from here on belong to the loss, not the model
+            elif code in _CALL_CODES and not in_loss:
+                module = tb.tb_frame.f_locals.get("self")
+                if isinstance(module, torch.nn.Module):
+                    root = module if root is None else root
+                    innermost = module
+            tb = tb.tb_next
+        if in_loss:
+            raise ForwardError(
+                f"the loss raised {type(e).__name__}: {e}; check loss_fn (or the default loss) against the model's "
+                "output and the target"
+            ) from e
+        if root is None:
+            raise
+        name = next((n for n, m in root.named_modules() if m is innermost), "")
+        where = f"module {name!r}" if name else "the model's top-level forward"
+        raise ForwardError(
+            f"{where} raised {type(e).__name__}: {e}; check that the model runs on this sample outside autofit",
+            module=name or None,
+        ) from e

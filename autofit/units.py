@@ -8,6 +8,7 @@ Percentages ("90%") are resolved against a device total by the caller, see :func
 
 from __future__ import annotations
 
+import math
 import re
 
 from autofit.errors import InvalidInputError
@@ -28,8 +29,8 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
             raise InvalidInputError(f"{what} must be positive, got {value}")
         return value
     if isinstance(value, float):
-        if not value > 0 or value != value:
-            raise InvalidInputError(f"{what} must be positive, got {value}")
+        if not value > 0 or not math.isfinite(value):
+            raise InvalidInputError(f"{what} must be a positive, finite number of bytes, got {value}")
         return int(value)
     if not isinstance(value, str):
         raise InvalidInputError(f"{what} must be an int or a string like '8GB', got {type(value).__name__}")
@@ -42,6 +43,8 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
 
 def _parse_suffixed(value: str, what: str) -> int:
     match = _PATTERN.match(value)
+    if match is None and value.strip().startswith("-"):
+        raise InvalidInputError(f"{what} must be positive, got {value!r}")
     if match is None:
         raise InvalidInputError(
             f"cannot read {what} {value!r}: write a number with a unit, e.g. '8GB' (10^9), '8GiB' (2^30) or '512MiB'"
@@ -53,6 +56,8 @@ def _parse_suffixed(value: str, what: str) -> int:
             f"unknown unit {match.group(2)!r} in {what} {value!r}: use B, KB, MB, GB, TB (powers of 1000) "
             "or KiB, MiB, GiB, TiB (powers of 1024)"
         )
+    if not math.isfinite(number * factor):
+        raise InvalidInputError(f"{what} {value!r} is not a finite number of bytes")
     result = int(number * factor)
     if result <= 0:
         raise InvalidInputError(f"{what} must be positive, got {value!r}")

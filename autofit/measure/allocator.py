@@ -7,7 +7,11 @@ before the step is the peak. CUDA: ``torch.cuda.max_memory_allocated()`` after `
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,7 +25,40 @@ from autofit.loss import LossFn
 from autofit.report import Measurement
 from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
 
-__all__ = ["measure_step", "allocation_sizes"]
+__all__ = ["measure_step", "measure_callable", "allocation_sizes", "memory_profile"]
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto prints a 'profiler_start' / 'profiler_stop' line on the C stderr each time a profiler starts and stops,
+    whatever its log level; autofit starts one per kernel probe, so those writes go to /dev/null."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class memory_profile:  # noqa: N801 - used like torch.profiler.profile
+    """``torch.profiler.profile(activities=[CPU], profile_memory=True)`` without Kineto's stderr lines."""
+
+    def __enter__(self):
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._prof.__enter__()
+        return self._prof
+
+    def __exit__(self, *exc):
+        with _quiet_stderr():
+            return self._prof.__exit__(*exc)
 
 
 def allocation_sizes(prof) -> list[int]:
@@ -106,10 +143,18 @@ def _measure_window(window, device: torch.device) -> int:
         window()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with memory_profile() as prof:
         window()
     running = peak = 0
     for size in allocation_sizes(prof):
         running += size
         peak = max(peak, running)
     return peak
+
+
+def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu") -> int:
+    """Peak bytes while ``fn()`` runs: the distinct storages of ``live`` (what exists before it: parameters,
+    optimizer state, the batch) plus the allocator's high-water mark during the call. Used to check a trainer's
+    real step against its plan."""
+    gc.collect()
+    return _storage_bytes(live) + _measure_window(fn, torch.device(device))

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autofit.measure.allocator import allocation_sizes
+from autofit.measure.allocator import allocation_sizes, memory_profile
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber"]
 
@@ -121,7 +120,7 @@ def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
     # the inputs do not require grad, so no graph is recorded either way.
     with _disable_current_modes(), torch.autocast("cpu", enabled=False):
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with memory_profile() as prof:
             out = func(*real_args, **real_kwargs)
         running, internal_peak = 0, 0
         for size in allocation_sizes(prof):

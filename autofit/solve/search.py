@@ -22,7 +22,7 @@ from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpo
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
-__all__ = ["Candidate", "SearchSpace", "batch_options", "search", "smallest_peak", "pareto_front"]
+__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peak", "pareto_front"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,23 @@ def search(space: SearchSpace, budget: int) -> tuple[Candidate | None, list[Cand
                 break  # smaller micro-batches with the same checkpointing only add per-micro-batch overhead
     best = min(fitting, key=lambda c: _rank(space, c)) if fitting else None
     return best, fitting
+
+
+def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
+    """Candidates for the memory/time front beyond those the search needed: for each precision, micro-batches
+    halving from the batch size down to 1 (each with the cheapest checkpoint set that fits)."""
+    out = []
+    for precision in space.precisions:
+        b = space.batch_size
+        while True:
+            k = math.ceil(space.batch_size / b)
+            candidate = _evaluate(space, precision, b, k, space.batch_size - b * (k - 1), budget)
+            if candidate is not None:
+                out.append(candidate)
+            if b == 1:
+                break
+            b = max(1, b // 2)
+    return out
 
 
 def smallest_peak(space: SearchSpace) -> Candidate:

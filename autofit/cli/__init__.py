@@ -1,0 +1,1 @@
+"""The ``autofit`` command: parser (``app.py``), model specs (``specs.py``), rendering (``render.py``)."""

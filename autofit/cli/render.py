@@ -1,0 +1,93 @@
+"""Rich tables for a plan: the knobs, the peak's breakdown, the largest layers, the alternatives. Units (MiB/GiB)
+go in the column headers, as the issue asks; numbers are right-aligned."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from autofit.analyse.table import LayerTable
+from autofit.plan import Plan
+
+__all__ = ["render_plan"]
+
+MIB = 2**20
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:,.1f}"
+
+
+def knobs_table(plan: Plan, model_description: str) -> Table:
+    table = Table(title=f"autofit plan: {model_description}", show_header=False, title_justify="left")
+    table.add_column("knob", style="bold")
+    table.add_column("value")
+    last = (f" (last micro-batch {plan.last_micro_batch_size})"
+            if plan.last_micro_batch_size != plan.micro_batch_size else "")
+    rows = [
+        ("effective batch", f"{plan.batch_size}"),
+        ("micro-batch", f"{plan.micro_batch_size}"),
+        ("accumulation steps", f"{plan.gradient_accumulation_steps}{last}"),
+        ("precision", str(plan.precision)),
+        ("checkpointed modules", ", ".join(plan.checkpoint) if plan.checkpoint else "none"),
+        ("optimizer", plan.optimizer),
+        ("device", plan.device + (f" ({plan.gpu})" if plan.gpu else "")),
+        ("predicted peak", f"{_mib(plan.device_bytes)} MiB of {_mib(plan.budget_bytes)} MiB budget "
+                           f"({100 * plan.device_bytes / plan.budget_bytes:.0f} %)"),
+        ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
+    ]
+    if plan.world_size > 1:
+        rows.insert(1, ("world size", f"{plan.world_size} ({plan.strategy})"))
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def breakdown_table(plan: Plan) -> Table:
+    table = Table(title="predicted peak by category", title_justify="left")
+    table.add_column("category")
+    table.add_column("MiB", justify="right")
+    table.add_column("share", justify="right")
+    total = plan.estimate.device_bytes or 1
+    for key, value in plan.estimate.breakdown.items():
+        table.add_row(key, _mib(value), f"{100 * value / total:.1f} %")
+    table.add_row("[bold]total[/]", f"[bold]{_mib(plan.estimate.device_bytes)}[/]", "100.0 %")
+    return table
+
+
+def layers_table(layers: LayerTable, batch: int, limit: int = 8) -> Table:
+    table = Table(title=f"largest layers by activation memory (micro-batch {batch})", title_justify="left")
+    table.add_column("module")
+    table.add_column("type")
+    table.add_column("saved MiB", justify="right")
+    table.add_column("params MiB", justify="right")
+    table.add_column("GFLOP", justify="right")
+    for row in layers.largest(limit, batch=batch):
+        table.add_row(row.name, row.type, _mib(row.saved_bytes(batch)), _mib(row.param_bytes),
+                      f"{row.flops(batch) / 1e9:.2f}")
+    return table
+
+
+def frontier_table(plan: Plan) -> Table:
+    table = Table(title="alternatives (memory / time front, modelled)", title_justify="left")
+    for column, justify in (("precision", "left"), ("micro", "right"), ("accum", "right"),
+                            ("checkpointed", "right"), ("peak MiB", "right"), ("step s", "right")):
+        table.add_column(column, justify=justify)
+    for alt in plan.frontier:
+        chosen = (alt.precision, alt.micro_batch_size, alt.checkpoint) == (
+            plan.precision.name, plan.micro_batch_size, plan.checkpoint)
+        style = "bold green" if chosen else None
+        table.add_row(alt.precision, str(alt.micro_batch_size), str(alt.gradient_accumulation_steps),
+                      str(len(alt.checkpoint)), _mib(alt.peak_bytes), f"{alt.step_seconds:.3g}", style=style)
+    return table
+
+
+def render_plan(console: Console, plan: Plan, model_description: str, layers: LayerTable | None) -> None:
+    parts = [knobs_table(plan, model_description), breakdown_table(plan)]
+    if layers is not None:
+        parts.append(layers_table(layers, plan.micro_batch_size))
+    if plan.frontier:
+        parts.append(frontier_table(plan))
+    console.print(Group(*parts))
+    for note in plan.notes:
+        console.print(f"[dim]note: {note}[/]")

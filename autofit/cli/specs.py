@@ -1,0 +1,182 @@
+"""Turn a MODEL argument into a model, an example batch and a target (pure data: tested without the CLI).
+
+MODEL is one of
+- ``pkg.module:factory`` or ``path/to/file.py:factory``: a callable returning a module, ``(module, sample)`` or
+  ``(module, sample, target)``;
+- ``torchvision:NAME``: ``torchvision.models.get_model(NAME, weights=None)`` (random weights, never downloaded);
+- ``hf:MODEL_TYPE``: ``transformers.AutoConfig.for_model(MODEL_TYPE, **overrides)`` then
+  ``AutoModelForCausalLM.from_config`` (falling back to ``AutoModel``); never downloaded.
+Library models are built on the meta device: planning needs shapes, not weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autofit.errors import InvalidInputError
+
+__all__ = ["ModelSpec", "load_spec", "parse_overrides", "SAMPLE_ROWS"]
+
+SAMPLE_ROWS = 2  # rows of the example batch autofit builds; it resizes them to every micro-batch it plans
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model: nn.Module
+    sample: Any
+    target: Any
+    description: str
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
+           "int32": torch.int32, "long": torch.int64, "float": torch.float32}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InvalidInputError(f"unknown --input-dtype {name!r}: use one of {', '.join(_DTYPES)}") from None
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """'3,224,224' or '3x224x224' -> (3, 224, 224): one sample's shape, without the batch dimension."""
+    parts = [p for p in text.replace("x", ",").replace(" ", "").split(",") if p]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise InvalidInputError(f"cannot read --input-shape {text!r}: write sizes like 3,224,224") from None
+    if not shape or any(s < 1 for s in shape):
+        raise InvalidInputError(f"--input-shape {text!r} must list positive sizes, e.g. 3,224,224")
+    return shape
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """--config key=value pairs; values are read as JSON when they parse (numbers, booleans), else as strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise InvalidInputError(f"--config {item!r} must look like key=value, e.g. n_layer=12")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _random_input(shape: tuple[int, ...], dtype: torch.dtype, high: int = 1000) -> torch.Tensor:
+    full = (SAMPLE_ROWS, *shape)
+    if dtype.is_floating_point:
+        return torch.randn(full, dtype=dtype)
+    return torch.randint(0, high, full, dtype=dtype)
+
+
+def load_spec(spec: str, *, input_shapes: list[tuple[int, ...]] | None = None, input_dtype: torch.dtype | None = None,
+              config: dict[str, Any] | None = None) -> ModelSpec:
+    if spec.startswith("torchvision:"):
+        return _torchvision(spec.split(":", 1)[1], input_shapes, config or {})
+    if spec.startswith("hf:"):
+        return _huggingface(spec.split(":", 1)[1], input_shapes, config or {})
+    if ":" not in spec:
+        raise InvalidInputError(
+            f"cannot read MODEL {spec!r}: use pkg.module:factory, path/file.py:factory, torchvision:NAME or "
+            "hf:MODEL_TYPE"
+        )
+    return _factory(spec, input_shapes, input_dtype)
+
+
+def _load_callable(spec: str):
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.exists():
+                raise InvalidInputError(f"MODEL file {module_name!r} does not exist")
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules.setdefault(path.stem, module)
+            loader.loader.exec_module(module)
+        else:
+            sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise InvalidInputError(f"cannot import {module_name!r} for MODEL {spec!r}: {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise InvalidInputError(f"{module_name!r} has no attribute {attr!r} (MODEL {spec!r})") from None
+
+
+def _factory(spec: str, input_shapes, input_dtype) -> ModelSpec:
+    result = _load_callable(spec)()
+    target = None
+    if isinstance(result, nn.Module):
+        model, sample = result, None
+    elif isinstance(result, tuple) and result and isinstance(result[0], nn.Module) and len(result) in (2, 3):
+        model, sample = result[0], result[1]
+        target = result[2] if len(result) == 3 else None
+    else:
+        raise InvalidInputError(
+            f"factory {spec!r} returned {type(result).__name__}: return a module, (module, sample) or "
+            "(module, sample, target)"
+        )
+    if input_shapes:
+        dtype = input_dtype or torch.float32
+        tensors = [_random_input(s, dtype) for s in input_shapes]
+        sample = tensors[0] if len(tensors) == 1 else tuple(tensors)
+    if sample is None:
+        raise InvalidInputError(
+            f"factory {spec!r} returned only a module: give one sample's shape with --input-shape (e.g. 3,224,224)"
+        )
+    return ModelSpec(model, sample, target, spec)
+
+
+def _torchvision(name: str, input_shapes, config: dict[str, Any]) -> ModelSpec:
+    try:
+        import torchvision
+    except ImportError as e:
+        raise InvalidInputError("torchvision:NAME needs torchvision installed (pip install torchvision)") from e
+    try:
+        with torch.device("meta"):
+            model = torchvision.models.get_model(name, weights=None, **config)
+    except ValueError as e:
+        raise InvalidInputError(f"torchvision has no model {name!r}: {e}") from e
+    shape = input_shapes[0] if input_shapes else (3, 224, 224)
+    classes = int(config.get("num_classes", 1000))
+    sample = torch.randn(SAMPLE_ROWS, *shape)
+    target = torch.randint(0, classes, (SAMPLE_ROWS,))
+    return ModelSpec(model, sample, target, f"torchvision {name} (random weights), input {shape}")
+
+
+def _huggingface(model_type: str, input_shapes, overrides: dict[str, Any]) -> ModelSpec:
+    try:
+        import transformers
+    except ImportError as e:
+        raise InvalidInputError("hf:MODEL_TYPE needs transformers installed (pip install transformers)") from e
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
+    except ValueError as e:
+        raise InvalidInputError(f"transformers knows no model type {model_type!r}: {e}") from e
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            model = transformers.AutoModel.from_config(config)
+    seq = input_shapes[0][0] if input_shapes else min(int(getattr(config, "max_position_embeddings", 512) or 512), 1024)
+    vocab = int(getattr(config, "vocab_size", 1000))
+    ids = torch.randint(0, vocab, (SAMPLE_ROWS, seq))
+    sample = {"input_ids": ids, "labels": ids.clone()}
+    params = sum(p.numel() for p in model.parameters())
+    return ModelSpec(model, sample, None,
+                     f"Hugging Face {type(model).__name__} ({params / 1e6:.0f}M parameters, from config), "
+                     f"sequence {seq}")

@@ -1,0 +1,67 @@
+"""``autofit verify``: run a plan for real on this machine's device and compare the peak with the prediction."""
+
+from __future__ import annotations
+
+import torch
+from rich.table import Table
+from torch import nn
+
+from autofit.batch import as_batch
+from autofit.capture.model_copy import has_meta_tensors
+from autofit.cli.specs import ModelSpec
+from autofit.measure.allocator import measure_callable
+from autofit.plan import Plan
+
+__all__ = ["run_verification", "materialise"]
+
+
+def materialise(model: nn.Module, device: torch.device) -> nn.Module:
+    """Real weights for a model built on the meta device: allocate, then each module's own initialiser."""
+    if not has_meta_tensors(model):
+        return model.to(device)
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+    return model
+
+
+def run_verification(spec: ModelSpec, plan: Plan, *, steps: int = 3) -> Table:
+    device = torch.device("cuda" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
+    model = materialise(spec.model, device)
+    optimizer = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+                 "adam": lambda p: torch.optim.Adam(p, lr=1e-3)}.get(plan.optimizer,
+                                                                     lambda p: torch.optim.AdamW(p, lr=1e-3))(
+        model.parameters())
+    batch = as_batch(spec.sample).resize(plan.batch_size).map_tensors(lambda t: t.to(device))
+    target = None if spec.target is None else as_batch(spec.target, what="target").resize(plan.batch_size)
+    target = None if target is None else target.map_tensors(lambda t: t.to(device))
+    inputs = batch.value
+    trainer = plan.wrap(model, optimizer)
+    trainer.step(inputs, None if target is None else target.value)  # optimizer state now exists
+    measured = 0
+    for _ in range(steps):
+        live = list(model.parameters()) + list(model.buffers()) + batch.tensors()
+        live += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        live += target.tensors() if target is not None else []
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            trainer.step(inputs, None if target is None else target.value)
+            torch.cuda.synchronize()
+            measured = max(measured, torch.cuda.max_memory_allocated())
+        else:
+            measured = max(measured, measure_callable(
+                lambda: trainer.step(inputs, None if target is None else target.value), live))
+    trainer.unwrap()
+    table = Table(title=f"verify: {spec.description} on {device.type}", title_justify="left")
+    table.add_column("")
+    table.add_column("MiB", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_row("predicted peak", f"{plan.peak_bytes / 2**20:,.2f}", f"{plan.peak_bytes:,}")
+    table.add_row("measured peak", f"{measured / 2**20:,.2f}", f"{measured:,}")
+    error = 100 * (plan.peak_bytes - measured) / measured if measured else float("nan")
+    table.add_row("error", f"{error:+.2f} %", "")
+    table.add_row("budget", f"{plan.budget_bytes / 2**20:,.2f}", f"{plan.budget_bytes:,}")
+    return table

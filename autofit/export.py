@@ -1,0 +1,56 @@
+"""A plan in other frameworks' terms: keyword arguments as plain dicts (no dependency on those packages).
+
+- Hugging Face ``transformers.TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+  ``bf16`` / ``fp16``, ``gradient_checkpointing`` (HF checkpoints whole decoder layers; the plan's module list is
+  reported beside it so nothing is silently dropped).
+- DeepSpeed config fragment: ``train_batch_size = micro x accumulation x world``, ``bf16.enabled`` /
+  ``fp16.enabled`` with dynamic loss scaling, as in DeepSpeed's config JSON documentation.
+- Lightning ``Trainer``: ``precision`` ("32-true", "bf16-mixed", "16-mixed"), ``accumulate_grad_batches``; the
+  micro-batch is the DataLoader's batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autofit.plan import Plan
+
+__all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "EXPORTERS"]
+
+
+def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "bf16": plan.precision.name == "bf16",
+        "fp16": plan.precision.name == "fp16",
+        "gradient_checkpointing": bool(plan.checkpoint),
+    }
+    if plan.checkpoint:
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    return {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint)}
+
+
+def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "train_batch_size": plan.micro_batch_size * plan.gradient_accumulation_steps * plan.world_size,
+        "bf16": {"enabled": plan.precision.name == "bf16"},
+        "fp16": {"enabled": plan.precision.name == "fp16", "loss_scale": 0},  # 0: dynamic loss scaling
+    }
+    if plan.checkpoint:
+        config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
+    return config
+
+
+def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
+    precision = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[plan.precision.name]
+    return {
+        "trainer": {"precision": precision, "accumulate_grad_batches": plan.gradient_accumulation_steps},
+        "dataloader_batch_size": plan.micro_batch_size,
+        "autofit_checkpoint_modules": list(plan.checkpoint),
+    }
+
+
+EXPORTERS = {"hf": to_hf_training_arguments, "deepspeed": to_deepspeed_config, "lightning": to_lightning_trainer}
