@@ -1,0 +1,99 @@
+"""autofit at scale: the peak of one Llama-7B training step, estimated on a laptop-class CPU without its weights.
+
+The model is built on the meta device (no storage), its parameters in bf16; the step is AdamW, batch 1, sequence
+2048, bf16 autocast, every decoder block checkpointed. The script prints the wall time of ``autofit.estimate``, the
+peak and its breakdown, a back-of-the-envelope check of the weight-sized terms, and the process's max RSS, which
+stays far below the ~13 GB of bf16 weights (let alone the ~54 GB of weights, gradients and AdamW state): nothing of
+the model was allocated. The goal the issue sets: an estimate in under 60 s.
+
+    /work/venv/bin/python benchmarks/scale.py                # autofit only
+    /work/venv/bin/python benchmarks/scale.py --memtracker   # also time PyTorch's MemTracker (a minute or more)
+    /work/venv/bin/python benchmarks/scale.py --layers 4     # a shallower model (quick check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import autofit  # noqa: E402
+from autofit.units import format_bytes  # noqa: E402
+from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
+
+GOAL_SECONDS = 60.0
+
+
+def max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def weight_sized_terms(model: torch.nn.Module) -> int:
+    """Parameters + gradients + AdamW's exp_avg and exp_avg_sq, all in the parameters' dtype: 4 x the weights.
+    (The per-parameter fp32 ``step`` scalars, activations and temporaries come on top.)"""
+    return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32, help="decoder blocks (default: 32, Llama-7B)")
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    parser.add_argument("--memtracker", action="store_true",
+                        help="also time torch.distributed._tools.mem_tracker.MemTracker on the same step")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    cfg = LlamaConfig(num_layers=args.layers, max_seq_len=args.seq)
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, args.seq))
+    keywords = dict(micro_batch_size=1, target=ids, optimizer="adamw", precision="bf16",
+                    checkpoint=[f"layers.{i}" for i in range(cfg.num_layers)])
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"Llama: {cfg.num_layers} layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
+          f"{cfg.num_heads} heads, vocab {cfg.vocab_size}; {n_params / 1e9:.2f} B parameters in bf16 on the meta "
+          f"device; batch 1 x {args.seq} tokens, AdamW, bf16 autocast, every block checkpointed")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; max RSS before: "
+          f"{format_bytes(max_rss_bytes())}")
+
+    start = time.perf_counter()
+    est = autofit.estimate(model, ids, device="cpu", **keywords)
+    seconds = time.perf_counter() - start
+    verdict = "within" if seconds < GOAL_SECONDS else "OVER"
+    print(f"\nautofit.estimate: {seconds:.1f} s ({verdict} the {GOAL_SECONDS:.0f} s goal), method {est.method}")
+    print(est)
+    weights4 = weight_sized_terms(model)
+    print(f"check: parameters + gradients + AdamW exp_avg/exp_avg_sq = 4 x bf16 weights = {format_bytes(weights4)}; "
+          f"the estimate adds {format_bytes(est.peak_bytes - weights4)}")
+    print(f"max RSS after the estimate: {format_bytes(max_rss_bytes())} (the peak it predicts: "
+          f"{format_bytes(est.peak_bytes)}): no weights were allocated")
+
+    if args.memtracker:
+        run_memtracker(model, ids, keywords, est.peak_bytes)
+
+
+def run_memtracker(model, ids, keywords, autofit_peak: int) -> None:
+    from benchmarks.memtracker_baseline import memtracker_estimate
+
+    print("\nPyTorch MemTracker (FakeTensorMode, one warm-up step then one tracked step, same step code): "
+          "this takes a minute or more ...", flush=True)
+    result = memtracker_estimate(model, ids, **keywords)
+    if result.peak_bytes is None:
+        print(f"MemTracker: {result.error} after {result.seconds:.1f} s")
+        return
+    diff = 100.0 * (result.peak_bytes - autofit_peak) / autofit_peak
+    print(f"MemTracker: {result.seconds:.1f} s, peak {format_bytes(result.peak_bytes)} ({result.peak_bytes:,} bytes),"
+          f" {diff:+.2f}% against autofit's estimate")
+    print(f"max RSS after MemTracker: {format_bytes(max_rss_bytes())}")
+
+
+if __name__ == "__main__":
+    main()
