@@ -42,25 +42,29 @@ def _inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
     return batch, target_batch
 
 
-def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device) -> StepConfig:
+def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None) -> StepConfig:
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
-                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device)
+                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu)
 
 
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
-    accumulation_steps: int = 1,
+    accumulation_steps: int = 1, gpu: str | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
     The step (DESIGN.md): forward and loss under the precision's autocast, backward; after ``accumulation_steps``
     micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters, buffers, optimizer state,
     inputs and targets are counted. ``model`` may live on the meta device. It is never modified.
+
+    ``device="cuda"`` adds the CUDA model (``autofit.cuda``) for ``gpu`` (a catalog name; default: this machine's
+    GPU, else A100-80GB): ``peak_bytes`` is then comparable with ``torch.cuda.max_memory_allocated`` and
+    ``device_bytes`` with what the process holds on the GPU.
     """
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
-    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
+    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config)
     return _to_estimate(sim, config)
 
@@ -73,6 +77,15 @@ def _to_estimate(sim, config: StepConfig) -> MemoryEstimate:
         at = f"{op.name} in {op.module or 'top level'}"
     phase = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
              Phase.OPTIMIZER: "optimizer"}[sim.replay.peak_phase]
+    if config.device == "cuda":
+        from autofit.cuda.model import cuda_memory
+        from autofit.cuda.target import resolve_gpu
+
+        gpu, note = resolve_gpu(config.gpu)
+        peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, gpu)
+        notes = sim.notes + ((note,) if note else ())
+        return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
+                              peak_phase=phase, peak_at=at, method=sim.method, notes=notes)
     return MemoryEstimate(
         peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=config.device,
         peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
@@ -96,7 +109,7 @@ def measure(
 
 def analyse(
     model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",
-    optimizer: Any = "adamw",
+    optimizer: Any = "adamw", device: str = "cpu", gpu: str | None = None,
 ) -> Analysis:
     """Trace the forward and tabulate every module: parameter bytes, bytes saved for backward, output bytes and
     FLOPs (per sample and fixed), and whether it may be a checkpoint segment; plus the step's peak per stage as a

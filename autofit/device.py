@@ -18,6 +18,8 @@ class DeviceTarget:
     throughput: Throughput
     name: str | None = None  # the GPU model, e.g. "A100-80GB"
     supports_bf16: bool = True
+    gpu: object | None = None  # the GPUSpec for "cuda"
+    note: str | None = None  # an assumption the plan should state (e.g. the default GPU)
 
     def default_precisions(self) -> tuple[str, ...]:
         """"auto" precision: fastest first. On the CPU autocast does not speed matmuls up, so fp32 leads and a

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from autofit.analyse.analyse import analyse_model
+from autofit.analyse.analyse import SIZES, analyse_model
 from autofit.analyse.table import Analysis
 from autofit.api import _check_model, _inputs
 from autofit.batch import Batch
@@ -24,7 +24,6 @@ from autofit.plan import Alternative, Plan
 from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.report import MemoryEstimate
 from autofit.simulate.run import simulate_step
-from autofit.simulate.timeline import EventKind, Phase
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.search import Candidate, SearchSpace, alternatives, pareto_front, search, smallest_peak
 from autofit.solve.time_model import TimeModel
@@ -72,6 +71,8 @@ def plan_with_analysis(
     target_device = resolve_device(device, gpu)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
     notes: list[str] = []
+    if target_device.note:
+        notes.append(target_device.note)
     if batch_size is None:
         batch_size = batch.size
         notes.append(f"no batch_size given: planning for the sample's batch of {batch.size}")
@@ -81,12 +82,14 @@ def plan_with_analysis(
     fixed = _fixed_checkpoint(model, checkpoint)
 
     probe = target_device.kind == "cpu"  # CPU kernels scratch memory the allocator sees (see simulate/probe.py)
-    analyses = {p.name: analyse_model(model, batch, target_batch, loss_fn, p, opt, probe_kernels=probe)
+    analyses = {p.name: analyse_model(model, batch, target_batch, loss_fn, p, opt, probe_kernels=probe,
+                                      device=target_device.kind, gpu=target_device.name)
                 for p in policies}
     space = SearchSpace(
         batch_size=per_rank,
         memory={name: MemoryModel.from_analysis(a.profile, a.table, held_rows=per_rank,
-                                                row_bytes=_row_bytes(batch, target_batch))
+                                                row_bytes=_row_bytes(batch, target_batch),
+                                                **_device_terms(a, target_device, per_rank))
                 for name, a in analyses.items()},
         time={name: _time_model(a, target_device) for name, a in analyses.items()},
         precisions=tuple(p.name for p in policies),
@@ -98,7 +101,7 @@ def plan_with_analysis(
     def verify(c: Candidate) -> MemoryEstimate:
         config = make_step_config(micro_batch_size=c.micro_batch_size, accumulation_steps=c.accumulation_steps,
                                   precision=policy_of[c.precision], checkpoint=c.checkpoint, optimizer=opt,
-                                  device=target_device.kind, held_rows=per_rank)
+                                  device=target_device.kind, held_rows=per_rank, gpu=target_device.name)
         from autofit.api import _to_estimate
 
         return _to_estimate(simulate_step(model, batch, target_batch, loss_fn, config), config)
@@ -161,7 +164,12 @@ def _fixed_checkpoint(model: nn.Module, checkpoint: Any) -> tuple[str, ...] | No
         return None
     if checkpoint in (None, False, "none"):
         return ()
-    names = (checkpoint,) if isinstance(checkpoint, str) else tuple(checkpoint)
+    try:
+        names = (checkpoint,) if isinstance(checkpoint, str) else tuple(checkpoint)
+    except TypeError as e:
+        raise InvalidInputError(
+            f"checkpoint must be 'auto', None or a sequence of module names, got {checkpoint!r}"
+        ) from e
     resolve_modules(model, names, what="checkpoint")
     return names
 
@@ -178,21 +186,27 @@ def _row_bytes(batch: Batch, target: Batch | None) -> int:
     return total
 
 
+def _device_terms(analysis, target: DeviceTarget, batch: int) -> dict[str, float | int]:
+    """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant``. The constant is the cuBLAS workspace and
+    the context; the scale (allocator rounding and reserve) comes from replaying the caching allocator over the
+    analysed window with every tensor sized for ``batch`` (sizes are linear in b, see analyse/profile.py)."""
+    if target.kind != "cuda":
+        return {}
+    from autofit.analyse.profile import timeline_at
+    from autofit.cuda.model import context_bytes, cublas_workspace_bytes, cuda_memory
+    from autofit.simulate.timeline import replay
+
+    timeline = timeline_at(analysis.timeline, analysis.timeline_next, SIZES[0], batch)
+    raw = replay(timeline)
+    _, device_bytes, _ = cuda_memory(timeline, raw, target.gpu)
+    constant = context_bytes() + cublas_workspace_bytes(target.gpu)
+    scale = max(1.0, (device_bytes - constant) / max(raw.peak_bytes, 1))
+    return {"scale": scale, "constant": constant}
+
+
 def _time_model(analysis, target: DeviceTarget) -> TimeModel:
-    root = analysis.table.row("")
-    ops = _ops_per_micro_batch(analysis)
-    optimizer_bytes = 4 * sum(r.param_bytes for r in analysis.table.rows if r.name == "")
-    recompute = {r.name: (r.flops_fixed, r.flops_per_sample) for r in analysis.table.rows}
-    return TimeModel(target.throughput, root.flops_fixed, root.flops_per_sample, ops, optimizer_bytes, recompute)
-
-
-def _ops_per_micro_batch(analysis) -> int:
-    """Ops launched by the first micro-batch's forward and backward in the analysis run."""
-    timeline = analysis.timeline
-    marks = timeline.marks
-    start = next((s for s, m, p in marks if (m, p) == (0, Phase.FORWARD)), 0)
-    end = next((s for s, m, p in marks if m == 1), len(timeline.events))
-    return sum(1 for kind, _ in timeline.events[start:end] if kind is EventKind.OP)
+    optimizer_bytes = 4 * analysis.table.row("").param_bytes  # read weight, grad and two states, write back
+    return TimeModel(target.throughput, analysis.ops, optimizer_bytes)
 
 
 def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], budget_bytes: int, batch_size: int,

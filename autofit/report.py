@@ -48,8 +48,11 @@ class MemoryEstimate:
             object.__setattr__(self, "device_bytes", self.peak_bytes)
 
     def __str__(self) -> str:
-        text = _table(f"estimated peak ({self.device}, at {self.peak_phase}: {self.peak_at})", self.peak_bytes,
-                      self.breakdown)
+        title = f"estimated peak ({self.device}, at {self.peak_phase}: {self.peak_at})"
+        if self.device_bytes != self.peak_bytes:  # CUDA: the breakdown adds up to what the process holds
+            title = (f"{title}: allocated {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} bytes); "
+                     f"on the device in all")
+        text = _table(title, self.device_bytes, self.breakdown)
         return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 
 

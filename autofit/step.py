@@ -42,6 +42,7 @@ class StepConfig:
     # Rows of input data resident during the window: the trainer receives the whole batch at once and slices it, so
     # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
     held_rows: int = 0
+    gpu: str | None = None  # the GPU a "cuda" step is simulated for (autofit.gpu_spec names)
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int):
@@ -59,7 +60,7 @@ class StepConfig:
 
 def make_step_config(
     *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
-    optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0,
+    optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
 ) -> StepConfig:
     if isinstance(checkpoint, str):
         checkpoint = (checkpoint,)
@@ -73,7 +74,7 @@ def make_step_config(
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
-        held_rows=held_rows,
+        held_rows=held_rows, gpu=gpu,
     )
 
 
@@ -82,6 +83,8 @@ def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str
     known = dict(model.named_modules())
     modules = []
     for name in names:
+        if not isinstance(name, str):
+            raise InvalidInputError(f"{what} must hold module qualified names (strings), got {name!r}")
         if name == "":
             raise InvalidInputError(f"{what}: '' is the whole model; name a submodule such as 'layers.0'")
         if name not in known:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from torch import nn
 
 from autofit.analyse.boundaries import segment_problems
@@ -14,6 +15,8 @@ from autofit.loss import LossFn
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy
 from autofit.simulate.run import simulate_step
+from autofit.simulate.timeline import EventKind, Phase
+from autofit.solve.time_model import OpCosts, precision_of
 from autofit.step import StepConfig
 
 __all__ = ["analyse_model", "SIZES"]
@@ -23,7 +26,8 @@ SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample f
 
 def analyse_model(
     model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, precision: PrecisionPolicy,
-    optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False,
+    optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False, device: str = "cpu",
+    gpu: str | None = None,
 ) -> Analysis:
     """Graph, per-layer table and step profile of ``model`` at ``precision``.
 
@@ -35,7 +39,8 @@ def analyse_model(
     optimizer = optimizer or as_optimizer_spec("adamw")
     runs = []
     for size in SIZES:
-        config = StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer)
+        config = StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
+                            device=device, gpu=gpu)
         observer = LayerObserver()
         sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer)
         runs.append((sim, observer))
@@ -44,7 +49,34 @@ def analyse_model(
     problems = segment_problems(model, graph)
     one, two = obs1.stats, obs2.stats
     rows = tuple(_row(name, module, one, two, problems) for name, module in model.named_modules())
-    return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method, sim1.timeline)
+    ops = op_costs(sim1.timeline, sim2.timeline)
+    return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method, sim1.timeline, sim2.timeline, ops)
+
+
+def op_costs(t1, t2) -> OpCosts:
+    """FLOPs and bytes of each op of the first micro-batch's forward and backward, linear in b (the two runs
+    differ by one sample; if they did not align, per-sample figures are the smaller run's divided by its size)."""
+    def ops_of(timeline):
+        marks = timeline.marks
+        start = next((s for s, m, p in marks if (m, p) == (0, Phase.FORWARD)), 0)
+        end = next((s for s, m, p in marks if m == 1 or p is Phase.OPTIMIZER), len(timeline.events))
+        return [timeline.ops[v] for k, v in timeline.events[start:end] if k is EventKind.OP]
+
+    one, two = ops_of(t1), ops_of(t2)
+    f1 = np.array([o.flops for o in one], dtype=np.float64)
+    b1 = np.array([o.io_bytes for o in one], dtype=np.float64)
+    if len(one) == len(two) and all(a.name == b.name for a, b in zip(one, two)):
+        f2 = np.array([o.flops for o in two], dtype=np.float64)
+        b2 = np.array([o.io_bytes for o in two], dtype=np.float64)
+        fs, bs = f2 - f1, b2 - b1
+    else:
+        fs, bs = f1 / SIZES[0], b1 / SIZES[0]
+    return OpCosts(
+        flops_fixed=f1 - SIZES[0] * fs, flops_per_sample=fs, bytes_fixed=b1 - SIZES[0] * bs, bytes_per_sample=bs,
+        precision=tuple(precision_of(o.dtype) for o in one),
+        forward=np.array([o.phase is Phase.FORWARD for o in one], dtype=bool),
+        module=tuple(o.module for o in one),
+    )
 
 
 def _call_records(obs1: LayerObserver, obs2: LayerObserver) -> tuple[CallRecord, ...]:

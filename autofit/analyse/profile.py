@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autofit.simulate.timeline import EventKind, Phase, Timeline
+from autofit.simulate.timeline import EventKind, Phase, StorageRecord, Timeline
 
-__all__ = ["CallRecord", "StepProfile", "build_profile", "live_lines"]
+__all__ = ["CallRecord", "StepProfile", "build_profile", "live_lines", "timeline_at"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,16 @@ def build_profile(t1: Timeline, t2: Timeline, precision: str, b1: int,
         peak2 = live2[max(s2 - 1, 0):e2].max(initial=0)
         slopes[start:end] = peak2 - peak1
     return StepProfile(live1 - slopes * b1, slopes, marks, precision, False, calls)
+
+
+def timeline_at(t1: Timeline, t2: Timeline | None, b1: int, batch: int) -> Timeline:
+    """``t1``'s events with every storage sized for ``batch`` (from the line through ``t1`` at ``b1`` and ``t2`` at
+    ``b1 + 1``); ``t1`` itself when the two runs do not align."""
+    if t2 is None or not aligned(t1, t2):
+        return t1
+    storages = [
+        StorageRecord(max(0, s1.nbytes + (s2.nbytes - s1.nbytes) * (batch - b1)), s1.category, s1.op, s1.module,
+                      s1.phase)
+        for s1, s2 in zip(t1.storages, t2.storages)
+    ]
+    return Timeline(storages, t1.ops, t1.events, t1.marks)

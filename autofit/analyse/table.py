@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from autofit.analyse.profile import StepProfile
 from autofit.capture.graph import Graph
 from autofit.simulate.timeline import Timeline
+from autofit.solve.time_model import OpCosts
 from autofit.units import format_bytes
 
 __all__ = ["LayerRow", "LayerTable", "Analysis"]
@@ -94,7 +95,9 @@ class Analysis:
     table: LayerTable
     profile: StepProfile  # peak of each stage of the step as a function of the micro-batch (no checkpointing)
     method: str = "fake"  # how the step was simulated: "fake", or "real" for data-dependent models
-    timeline: Timeline | None = None  # the simulated window at the smaller analysis size (ops, for the time model)
+    timeline: Timeline | None = None  # the simulated window at the smaller analysis size
+    timeline_next: Timeline | None = None  # ... and at the larger one
+    ops: OpCosts | None = None  # per-op FLOPs and bytes of one micro-batch (the roofline time model's input)
 
     @property
     def boundaries(self) -> tuple[str, ...]:

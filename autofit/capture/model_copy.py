@@ -9,6 +9,7 @@ the same for models on CPU, on CUDA and on the meta device (``with torch.device(
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Iterator
 
 import torch
@@ -50,7 +51,7 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, *, device: str = "cpu
             if id(t) not in memo:
                 memo[id(t)] = _fake_like(t, device)
     try:
-        return copy.deepcopy(model, memo)
+        return _deepcopy(model, memo)
     except Exception as e:  # noqa: BLE001 - any deepcopy failure means the same thing to the user
         raise UnsupportedModelError(
             f"autofit could not copy the model ({type(e).__name__}: {e}); it copies the module tree to simulate "
@@ -65,4 +66,46 @@ def real_copy(model: nn.Module) -> nn.Module:
             "this needs real weights, but the model has tensors on the meta device: build it on the CPU "
             "(or call model.to_empty(device='cpu') and initialise it)"
         )
-    return copy.deepcopy(model)
+    return _deepcopy(model, {})
+
+
+def _deepcopy(model: nn.Module, memo: dict[int, object]) -> nn.Module:
+    """``copy.deepcopy``, plus the functions stored on the modules themselves (see Note [copied closures])."""
+    result = copy.deepcopy(model, memo)
+    for module in result.modules():
+        for key, value in list(vars(module).items()):
+            if isinstance(value, types.FunctionType) and value.__closure__:
+                module.__dict__[key] = _copy_closure(value, memo)
+    return result
+
+
+# Note [copied closures]
+#     copy.deepcopy returns functions as they are. A function the user stored on a module instance, typically a
+#     wrapped forward (``orig = m.forward; m.forward = lambda *a, **k: orig(*a, **k)``), still closes over the
+#     ORIGINAL module after the copy, so running the copy would run the user's module: real gradients and BatchNorm
+#     statistics on the user's model, or fake gradients on it during a simulation. Such functions are rebuilt with
+#     their closure cells deep-copied through the same memo, so they reach the copy's modules and tensors instead.
+#     A cell that cannot be deep-copied keeps the original value (then that one object stays shared), and a captured
+#     tensor that is not a parameter, buffer or tensor attribute is copied for real, even into the fake copy.
+def _copy_closure(fn: types.FunctionType, memo: dict[int, object]) -> types.FunctionType:
+    if id(fn) in memo:
+        return memo[id(fn)]  # type: ignore[return-value]
+    cells = tuple(types.CellType() for _ in fn.__closure__)
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    new.__dict__.update(fn.__dict__)
+    memo[id(fn)] = new
+    memo.setdefault(id(memo), []).append(fn)  # keep fn alive while its id is a memo key, as deepcopy does
+    for old_cell, cell in zip(fn.__closure__, cells):
+        try:
+            value = old_cell.cell_contents
+        except ValueError:  # an empty cell (a variable not yet assigned in the enclosing scope)
+            continue
+        if isinstance(value, types.FunctionType) and value.__closure__:
+            cell.cell_contents = _copy_closure(value, memo)
+            continue
+        try:
+            cell.cell_contents = copy.deepcopy(value, memo)
+        except Exception:  # noqa: BLE001 - see Note [copied closures]
+            cell.cell_contents = value
+    return new

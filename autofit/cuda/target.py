@@ -1,12 +1,57 @@
-"""Resolve ``device="cuda"`` into a :class:`~autofit.device.DeviceTarget` (see issue: CUDA memory model)."""
+"""Resolve ``device="cuda"`` (and ``gpu=``) into the GPU a plan or an estimate targets."""
 
 from __future__ import annotations
 
-from autofit.errors import InvalidInputError
+import torch
+
+from autofit.cuda.catalog import GPUS, GPUSpec, gpu_spec
+from autofit.solve.time_model import Throughput
+
+__all__ = ["resolve_gpu", "cuda_target", "DEFAULT_GPU"]
+
+DEFAULT_GPU = "A100-80GB"
 
 
-def cuda_target(gpu: str | None):
-    raise InvalidInputError(
-        "device='cuda' planning needs autofit's CUDA memory model, which is not in this version yet: "
-        "plan with device='cpu' for now"
+def _detect() -> GPUSpec | None:
+    """The current device, when this machine has one: the catalog entry whose name and memory match, else the
+    default entry's throughput with the device's own name, memory and compute capability."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = props.name.lower().replace(" ", "").replace("nvidia", "")
+    gib = round(props.total_memory / 2**30)
+    for spec in GPUS.values():
+        model = spec.name.split("-")[0].lower() if not spec.name.startswith("RTX") else spec.name.lower()
+        if model.replace("-", "") in name and abs(spec.memory_bytes / 2**30 - gib) <= 2:
+            return GPUSpec(**{**spec.__dict__, "memory_bytes": props.total_memory})
+    base = GPUS[DEFAULT_GPU]
+    return GPUSpec(**{**base.__dict__, "name": props.name, "memory_bytes": props.total_memory,
+                      "compute_capability": (props.major, props.minor),
+                      "source": f"detected device; throughput of {DEFAULT_GPU} assumed"})
+
+
+def resolve_gpu(gpu: str | GPUSpec | None) -> tuple[GPUSpec, str | None]:
+    """(spec, note): the named GPU, else the detected one, else the default (with a note saying so)."""
+    if gpu is not None:
+        return gpu_spec(gpu), None
+    detected = _detect()
+    if detected is not None:
+        return detected, None
+    return GPUS[DEFAULT_GPU], f"no gpu given and no CUDA device here: assumed {DEFAULT_GPU}"
+
+
+def cuda_target(gpu: str | GPUSpec | None):
+    from autofit.device import DeviceTarget
+
+    spec, note = resolve_gpu(gpu)
+    # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
+    throughput = Throughput(
+        name=spec.name,
+        flops_per_second={"fp32": spec.fp32_flops, "bf16": spec.bf16_flops or spec.fp32_flops,
+                          "fp16": spec.fp16_flops},
+        bytes_per_second=spec.bandwidth,
+        op_overhead_seconds=5e-6,  # kernel launch plus dispatcher, a few microseconds per op
+        saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"
     )
+    return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
+                        gpu=spec, note=note)

@@ -134,8 +134,13 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         handles = install_module_stack(work, tracker.module_stack)
         try:
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
-            with patched_model(work, config, "cpu"), _tracked_rng_state(fake), tracker, observe:
-                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config)
+            with contextlib.ExitStack() as stack:
+                caster = _device_model(stack, config)
+                stack.enter_context(patched_model(work, config, "cpu"))
+                stack.enter_context(_tracked_rng_state(fake))
+                stack.enter_context(tracker)
+                stack.enter_context(observe)
+                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster)
         finally:
             for h in handles:
                 h.remove()
@@ -223,7 +228,24 @@ def _held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> 
     return [t for b in rows for t in b.resize(extra).tensors() if t.dim() >= 1 and t.shape[0] == extra]
 
 
-def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config) -> None:
+def _device_model(stack: contextlib.ExitStack, config: StepConfig):
+    """For a CUDA step: CUDA's autocast op policy and attention kernels on the CPU simulation (``autofit.cuda``).
+    Returns the autocast caster whose weight cache must be cleared when each micro-batch's autocast region exits."""
+    if config.device != "cuda":
+        return None
+    from autofit.cuda.autocast_policy import cuda_autocast_policy
+    from autofit.cuda.kernels import cuda_kernels
+    from autofit.cuda.target import resolve_gpu
+
+    gpu, _ = resolve_gpu(config.gpu)
+    stack.enter_context(cuda_kernels(gpu))
+    if config.precision.autocast:
+        return stack.enter_context(cuda_autocast_policy(config.precision.dtype))
+    return None
+
+
+def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
+                caster=None) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
@@ -234,6 +256,11 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     micro_index = 0
 
     def on_phase(name: str) -> None:
+        # Non-reentrant checkpoint stops recomputing with an internal exception once it has what it needs, which
+        # skips forward hooks: entries it left on the module stack must not label the next phase.
+        tracker.module_stack.clear()
+        if name == "backward" and caster is not None:
+            caster.clear()  # torch.autocast clears its weight-cast cache when the region exits
         tracker.phase = phases[name]
         tracker.autocast_device = "cpu" if (name == "forward" and config.precision.autocast) else None
         tracker.timeline.mark(micro_index, tracker.phase)
@@ -247,6 +274,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
             if p.grad is not None:
                 tracker.recategorize(p.grad, Category.GRADIENTS)
                 received_grad.add(id(p))
+    tracker.module_stack.clear()
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)

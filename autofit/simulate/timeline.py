@@ -50,6 +50,8 @@ class OpRecord:
     phase: Phase
     workspace: int = 0
     flops: int = 0
+    io_bytes: int = 0  # bytes of the tensors it reads and writes (for the roofline time model)
+    dtype: str = ""  # floating dtype it computes in ("float32", "bfloat16", ...), "" if none
 
 
 @dataclass

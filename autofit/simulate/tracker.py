@@ -127,6 +127,8 @@ class StepTracker(TorchDispatchMode):
                 record.flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
             except Exception:  # noqa: BLE001 - a FLOP formula that cannot read these args counts nothing
                 record.flops = 0
+        if self.count_flops:
+            record.io_bytes, record.dtype = _traffic(inputs, out)
         category = self._category_for(func, inputs)
         op_index = len(self.timeline.ops)
         self.op_first_event = len(self.timeline.events)
@@ -151,6 +153,14 @@ class StepTracker(TorchDispatchMode):
             # autocast casts a weight once per autocast region and caches the copy until the region exits
             return Category.AUTOCAST_CACHE
         return _PHASE_CATEGORY[self.phase]
+
+
+def _traffic(inputs: list[torch.Tensor], out: Any) -> tuple[int, str]:
+    """Bytes an op reads and writes (each tensor's own elements) and the floating dtype it computes in."""
+    tensors = inputs + [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    total = sum(t.nelement() * t.element_size() for t in tensors)
+    dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+    return total, str(dtype).removeprefix("torch.") if dtype is not None else ""
 
 
 def _match_real_outputs(out: Any, real: tuple) -> tuple[Any, dict[int, int]]:

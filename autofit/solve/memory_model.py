@@ -84,11 +84,22 @@ class MemoryModel:
     rng_bytes: int
     held_rows: int = 0  # rows of the batch resident all window (the trainer slices micro-batches from them)
     row_bytes: int = 0  # input + target bytes per row
+    # Device terms on top of the tensors (CUDA: allocator reserve, cuBLAS workspace, context), as an affine map
+    # calibrated on the analysis run: device_bytes = scale * tensor_bytes + constant.
+    scale: float = 1.0
+    constant: int = 0
+
+    def to_device(self, tensor_bytes: int) -> int:
+        return int(round(tensor_bytes * self.scale)) + self.constant
+
+    def tensor_budget(self, device_budget: int) -> int:
+        """The tensor bytes that map to ``device_budget`` device bytes (the inverse of ``to_device``)."""
+        return int((device_budget - self.constant) / self.scale)
 
     @classmethod
-    def from_analysis(cls, profile: StepProfile, table: LayerTable, *, held_rows: int = 0,
-                      row_bytes: int = 0) -> MemoryModel:
-        return cls(profile, units_from(profile, table), rng_state_bytes(), held_rows, row_bytes)
+    def from_analysis(cls, profile: StepProfile, table: LayerTable, *, held_rows: int = 0, row_bytes: int = 0,
+                      scale: float = 1.0, constant: int = 0) -> MemoryModel:
+        return cls(profile, units_from(profile, table), rng_state_bytes(), held_rows, row_bytes, scale, constant)
 
     def held_bytes(self, batch: int) -> int:
         """Input rows resident beyond the micro-batch's own (the profile already counts those)."""

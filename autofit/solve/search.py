@@ -63,6 +63,7 @@ def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
 
 def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
     memory, time = space.memory[precision], space.time[precision]
+    device_budget, budget = budget, memory.tensor_budget(budget)  # the models below count tensor bytes
     if memory.optimizer_peak(b) > budget:
         return None
     if space.fixed_checkpoint is not None:
@@ -81,6 +82,9 @@ def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, bud
     if peak > budget:
         return None
     seconds = time.step_time(precision, b, k, names, last).total
+    peak = memory.to_device(peak)
+    if peak > device_budget:
+        return None
     return Candidate(precision, b, k, last, names, peak, seconds)
 
 
@@ -130,7 +134,7 @@ def smallest_peak(space: SearchSpace) -> Candidate:
         if space.allow_checkpoint and space.fixed_checkpoint is None:
             chosen = most_freeing_checkpoint(memory.problem(b, k))
             names = tuple(memory.units[i].name for i in chosen)
-        peak = memory.peak(b, k, names)
+        peak = memory.to_device(memory.peak(b, k, names))
         candidate = Candidate(precision, b, k, last, names, peak, time.step_time(precision, b, k, names, last).total)
         if best is None or peak < best.peak_bytes:
             best = candidate

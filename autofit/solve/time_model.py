@@ -1,11 +1,13 @@
-"""Predicted step time, for ranking configurations (not a promise of wall-clock seconds).
+"""Predicted step time, for ranking configurations (a model, not a promise of wall-clock seconds).
 
-For one micro-batch of b samples: the forward's FLOPs F(b) from the analysis, backward ~ 2 F(b) (the usual
-fwd:bwd = 1:2 of Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1), plus the forward of
-every recomputed module; divided by the device's throughput at that precision and by its utilisation at that size.
-Each micro-batch also pays a fixed cost per op launched (Python, dispatcher, kernel launch), which is why larger
-micro-batches win when they fit. The optimizer step streams parameters, gradients and state once per window.
-See docs/planner.md for the assumptions; ``autofit.gpu`` supplies the GPU figures.
+Roofline per op (Williams et al. 2009, "Roofline: an insightful visual performance model"): each op of the analysed
+forward and backward takes ``max(FLOPs / (peak at its dtype x utilisation), bytes / bandwidth)`` plus a fixed
+launch cost. FLOPs come from PyTorch's ``flop_registry``, bytes from the tensors each op reads and writes; both are
+linear in the micro-batch b (the analysis ran at two sizes). Small ops reach a fraction of peak: utilisation
+``f / (f + knee)`` with ``knee`` the FLOPs at which a GPU reaches half its peak, which is why large micro-batches win
+when they fit, together with the per-op launch cost paid once per micro-batch. A recomputed module costs its
+forward ops again. The optimizer streams parameters, gradients and state once per step.
+Assumptions, and what is not modelled (overlap, cuDNN algorithm choice, data loading): docs/planner.md.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["Throughput", "CPU", "TimeModel"]
+import numpy as np
+
+__all__ = ["Throughput", "CPU", "TimeModel", "StepTime", "OpCosts"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,12 +34,6 @@ class Throughput:
     def __post_init__(self) -> None:
         object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
 
-    def utilisation(self, flops_per_op: float) -> float:
-        """Fraction of peak reached by ops of this size (1 / (1 + knee / size), a roofline-style knee)."""
-        if self.saturation_flops <= 0:
-            return 1.0
-        return flops_per_op / (flops_per_op + self.saturation_flops)
-
 
 # A nominal CPU: autocast to bf16 or fp16 does not make CPU matmuls faster by itself, so the CPU ranking is decided by
 # memory (micro-batch size) and overhead; the absolute numbers only scale the printed seconds.
@@ -43,6 +41,21 @@ CPU = Throughput(
     name="cpu", flops_per_second={"fp32": 1.0e11, "bf16": 1.0e11, "fp16": 0.5e11}, bytes_per_second=2.0e10,
     op_overhead_seconds=1.0e-5,
 )
+
+_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp32"}
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Per-op FLOPs and bytes of one micro-batch's forward and backward, linear in b: fixed + per_sample * b."""
+
+    flops_fixed: np.ndarray
+    flops_per_sample: np.ndarray
+    bytes_fixed: np.ndarray
+    bytes_per_sample: np.ndarray
+    precision: tuple[str, ...]  # "fp32" / "bf16" / "fp16" per op
+    forward: np.ndarray  # bool per op
+    module: tuple[str, ...]  # innermost module per op
 
 
 @dataclass(frozen=True)
@@ -60,25 +73,44 @@ class StepTime:
 @dataclass(frozen=True)
 class TimeModel:
     throughput: Throughput
-    flops_fixed: int  # forward FLOPs of one micro-batch: fixed + per_sample * b
-    flops_per_sample: int
-    ops_per_micro_batch: int  # ops launched by one forward + backward
+    ops: OpCosts
     optimizer_bytes: int  # bytes the optimizer step reads and writes
-    recompute_flops: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # module -> (fixed, per_sample)
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _op_seconds(self, batch: int) -> np.ndarray:
+        if batch not in self._cache:
+            ops, tp = self.ops, self.throughput
+            flops = np.maximum(ops.flops_fixed + ops.flops_per_sample * batch, 0.0)
+            nbytes = np.maximum(ops.bytes_fixed + ops.bytes_per_sample * batch, 0.0)
+            peak = np.array([tp.flops_per_second[p] for p in ops.precision])
+            util = flops / (flops + tp.saturation_flops) if tp.saturation_flops > 0 else np.ones_like(flops)
+            compute = np.divide(flops, peak * np.maximum(util, 1e-9), out=np.zeros_like(flops), where=flops > 0)
+            self._cache[batch] = np.maximum(compute, nbytes / tp.bytes_per_second)
+        return self._cache[batch]
 
     def step_time(self, precision: str, batch: int, accumulation_steps: int, checkpoint: tuple[str, ...] = (),
                   last_batch: int | None = None) -> StepTime:
         """Time of one optimizer step: ``accumulation_steps`` micro-batches (the last may be ``last_batch``)."""
+        del precision  # each op already carries the dtype it ran in
         sizes = [batch] * (accumulation_steps - 1) + [last_batch or batch]
-        peak = self.throughput.flops_per_second[precision]
+        mask = self._recompute_mask(checkpoint)
         compute = recompute = 0.0
         for b in sizes:
-            forward = self.flops_fixed + self.flops_per_sample * b
-            extra = sum(f + s * b for f, s in (self.recompute_flops[n] for n in checkpoint))
-            per_op = 3 * forward / max(self.ops_per_micro_batch, 1)
-            rate = peak * self.throughput.utilisation(per_op)
-            compute += 3 * forward / rate
-            recompute += extra / rate
-        overhead = len(sizes) * self.ops_per_micro_batch * self.throughput.op_overhead_seconds
+            seconds = self._op_seconds(b)
+            compute += float(seconds.sum())
+            recompute += float(seconds[mask].sum())
+        launches = len(self.ops.precision) + int(mask.sum())
+        overhead = len(sizes) * launches * self.throughput.op_overhead_seconds
         optimizer = self.optimizer_bytes / self.throughput.bytes_per_second
         return StepTime(compute, recompute, overhead, optimizer)
+
+    def _recompute_mask(self, checkpoint: tuple[str, ...]) -> np.ndarray:
+        if not checkpoint:
+            return np.zeros(len(self.ops.module), dtype=bool)
+        prefixes = tuple(checkpoint) + tuple(n + "." for n in checkpoint)
+        inside = np.array([m in checkpoint or m.startswith(prefixes) for m in self.ops.module], dtype=bool)
+        return inside & self.ops.forward
+
+
+def precision_of(dtype: str) -> str:
+    return _PRECISION_OF_DTYPE.get(dtype, "fp32")

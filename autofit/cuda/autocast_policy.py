@@ -1,0 +1,168 @@
+"""CUDA's autocast op policy, applied to the CPU simulation.
+
+The simulation runs on fake CPU tensors (a fake CUDA backward aborts the process on CPU-only builds), but CPU
+autocast casts other ops than CUDA autocast: CPU keeps ``layer_norm``, ``softmax`` or ``exp`` in bf16, CUDA runs
+them in fp32, so activations differ in size. While a CUDA step is simulated, the AutocastCPU kernels of every op
+below are replaced (``torch.library``, removed afterwards) by Python kernels with CUDA's policy, and every op CPU
+autocast handles that CUDA does not is passed through unchanged.
+
+The lists are ``aten/src/ATen/autocast_mode.cpp`` (``TORCH_LIBRARY_IMPL(aten, AutocastCUDA, m)``), grouped by
+``CastPolicy``; ``tests/test_cuda_model.py`` checks them against the AutocastCUDA kernels this torch build registers
+and, on fake CUDA tensors (forward works there), against the dtypes CUDA autocast really produces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["LOWER_PRECISION_FP", "FP32", "FP32_SET_OPT_DTYPE", "FP32_APPEND_DTYPE", "PROMOTE", "BANNED",
+           "cuda_autocast_policy", "policy_of"]
+
+# CastPolicy::lower_precision_fp: run in fp16/bf16 (tensor-core ops)
+LOWER_PRECISION_FP = (
+    "_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "cudnn_convolution",
+    "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
+    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+)
+# CastPolicy::fp32: numerically sensitive ops run in fp32
+FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+    "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity",
+    "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div",
+    "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
+    "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d",
+    "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
+    "upsample_bicubic2d", "_upsample_bicubic2d_aa", "rms_norm", "linalg_vector_norm", "linalg_matrix_norm",
+    "linalg_matrix_norm.str_ord",
+)
+# CastPolicy::fp32_set_opt_dtype: redispatched with dtype=float32 when no dtype is given
+FP32_SET_OPT_DTYPE = ("prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "sum",
+                      "sum.dim_IntList")
+# CastPolicy::fp32_append_dtype: redispatched to the overload that takes a dtype, with float32
+FP32_APPEND_DTYPE = ("norm.Scalar", "norm.ScalarOpt_dim")
+# CastPolicy::promote: run in the widest floating type among the inputs
+PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "tensordot",
+           "scatter_add", "vdot")
+# Banned under CUDA autocast (raises): binary_cross_entropy is unsafe in low precision
+BANNED = ("binary_cross_entropy",)
+
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def policy_of(name: str) -> str | None:
+    """The CUDA cast policy of an op ("mm", "pow.Tensor_Scalar") or None when CUDA autocast leaves it alone."""
+    for policy, names in (("lower_precision_fp", LOWER_PRECISION_FP), ("fp32", FP32),
+                          ("fp32_set_opt_dtype", FP32_SET_OPT_DTYPE), ("fp32_append_dtype", FP32_APPEND_DTYPE),
+                          ("promote", PROMOTE), ("banned", BANNED)):
+        if name in names:
+            return policy
+    return None
+
+
+def _overload(name: str):
+    op, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, op)
+    return getattr(packet, overload or "default")
+
+
+def _eligible(t: object) -> bool:
+    # autocast_mode.h, is_autocast_eligible + is_eligible: floating, defined, not double
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+class _Caster:
+    """The Python twin of autocast's ``cached_cast``: low-precision copies of leaf weights are cached until the
+    autocast region exits (``clear`` is called then), exactly like ``at::autocast::cached_casts``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def lower(self, t: object) -> object:
+        if not _eligible(t) or t.dtype == self.dtype:
+            return t
+        cacheable = t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
+        if cacheable:
+            hit = self.cache.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+        cast = t.to(self.dtype)
+        if cacheable:
+            self.cache[id(t)] = (t, cast)
+        return cast
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+
+def _kernel(op, policy: str, caster: _Caster):
+    def call(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            if policy == "lower_precision_fp":
+                args, kwargs = pytree.tree_map(caster.lower, (args, kwargs))
+            elif policy in ("fp32", "fp32_append_dtype"):
+                args, kwargs = pytree.tree_map(lambda t: t.float() if _eligible(t) else t, (args, kwargs))
+            elif policy == "fp32_set_opt_dtype":
+                first = next((t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)), None)
+                if _eligible(first) and kwargs.get("dtype") is None and not _has_dtype_arg(op, args):
+                    kwargs = dict(kwargs, dtype=torch.float32)
+            elif policy == "promote":
+                floats = [t.dtype for t in pytree.tree_leaves((args, kwargs)) if _eligible(t)]
+                if floats:
+                    widest = max(floats, key=lambda d: torch.finfo(d).bits)
+                    args, kwargs = pytree.tree_map(lambda t: t.to(widest) if _eligible(t) else t, (args, kwargs))
+            elif policy == "banned":
+                raise RuntimeError(
+                    f"{op} is unsafe to autocast on CUDA (autocast_mode.cpp bans it): use "
+                    "binary_cross_entropy_with_logits / BCEWithLogitsLoss, which is safe under autocast"
+                )
+            return op(*args, **kwargs)
+
+    return call
+
+
+def _has_dtype_arg(op, args: tuple) -> bool:
+    names = [a.name for a in op._schema.arguments]
+    return "dtype" in names and names.index("dtype") < len(args) and args[names.index("dtype")] is not None
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
+    """Within this context CPU autocast follows CUDA's op policy. Yields the caster (call ``clear()`` when the
+    autocast region of a micro-batch exits, as torch.autocast clears its cache)."""
+    caster = _Caster(dtype)
+    lib = torch.library.Library("aten", "IMPL")
+    cuda_names = set(LOWER_PRECISION_FP + FP32 + FP32_SET_OPT_DTYPE + FP32_APPEND_DTYPE + PROMOTE + BANNED)
+    cpu_only = [n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
+                if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCPU")
+                and n.removeprefix("aten::") not in cuda_names]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
+        for name in sorted(cuda_names):
+            try:
+                op = _overload(name)
+            except AttributeError:  # an op this torch version does not have
+                continue
+            lib.impl(name, _kernel(op, policy_of(name), caster), "AutocastCPU")
+        for name in cpu_only:
+            try:
+                op = _overload(name)
+            except AttributeError:
+                continue
+            lib.impl(name, _kernel(op, "passthrough", caster), "AutocastCPU")
+    try:
+        yield caster
+    finally:
+        caster.clear()
+        lib._destroy()

@@ -1,0 +1,100 @@
+"""Common training GPUs: memory, dense throughput per precision, memory bandwidth.
+
+Figures are NVIDIA's published datasheet numbers for dense (not 2:4 sparse) math, SXM/PCIe variant as named:
+- V100: "NVIDIA Tesla V100 GPU Architecture" whitepaper (2017), table 1 (SXM2: 15.7 TFLOPS fp32, 125 tensor fp16).
+- T4: "NVIDIA T4 Tensor Core GPU" datasheet (8.1 TFLOPS fp32, 65 fp16 tensor, 320 GB/s).
+- A10G: AWS G5 instance documentation / A10 datasheet (31.2 TFLOPS fp32, 125 bf16/fp16 tensor dense, 600 GB/s).
+- L4: "NVIDIA L4 Tensor Core GPU" datasheet (30.3 fp32, 121 bf16/fp16 dense, 300 GB/s).
+- L40S: "NVIDIA L40S" datasheet (91.6 fp32, 362 bf16/fp16 dense, 864 GB/s).
+- A100: "NVIDIA A100 Tensor Core GPU" datasheet (19.5 fp32, 156 tf32, 312 bf16/fp16; 1555 GB/s 40GB, 2039 GB/s 80GB).
+- H100 SXM: "NVIDIA H100 Tensor Core GPU" datasheet (67 fp32, 495 tf32, 989 bf16/fp16 dense; 3.35 TB/s).
+- H200: "NVIDIA H200 Tensor Core GPU" datasheet (same compute as H100 SXM; 141 GB, 4.8 TB/s).
+- RTX 3090: GA102 whitepaper (35.6 fp32, 71 fp16/bf16 tensor dense with fp32 accumulate; 936 GB/s).
+- RTX 4090: AD102 whitepaper (82.6 fp32, 165 fp16/bf16 tensor dense with fp32 accumulate; 1008 GB/s).
+Memory is the vendor's capacity, read as GiB where it is a power-of-two multiple (16 GiB, 80 GiB) and as decimal
+for H200 (141 GB). torch reports a little less (``total_memory`` excludes what the driver keeps); "90%" budgets
+are shares of these totals, or of the current device's ``total_memory`` when autofit runs on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autofit.errors import InvalidInputError
+
+__all__ = ["GPUSpec", "GPUS", "gpu_spec"]
+
+GiB = 2**30
+T = 1e12
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    name: str
+    memory_bytes: int
+    fp32_flops: float
+    tf32_flops: float  # 0 when the GPU has no TF32 tensor cores
+    bf16_flops: float  # 0 when the GPU has no bf16 support (V100, T4): plan fp16 instead
+    fp16_flops: float
+    bandwidth: float  # bytes per second
+    compute_capability: tuple[int, int]
+    source: str
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.bf16_flops > 0
+
+
+GPUS: dict[str, GPUSpec] = {
+    spec.name: spec
+    for spec in (
+        GPUSpec(name="V100-16GB", memory_bytes=16 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
+                fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0), source="V100 whitepaper, table 1"),
+        GPUSpec(name="V100-32GB", memory_bytes=32 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
+                fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0), source="V100 whitepaper, table 1"),
+        GPUSpec(name="T4", memory_bytes=16 * GiB, fp32_flops=8.1 * T, tf32_flops=0, bf16_flops=0,
+                fp16_flops=65 * T, bandwidth=320e9, compute_capability=(7, 5), source="T4 datasheet"),
+        GPUSpec(name="A10G", memory_bytes=24 * GiB, fp32_flops=31.2 * T, tf32_flops=62.5 * T, bf16_flops=125 * T,
+                fp16_flops=125 * T, bandwidth=600e9, compute_capability=(8, 6), source="A10 datasheet"),
+        GPUSpec(name="L4", memory_bytes=24 * GiB, fp32_flops=30.3 * T, tf32_flops=60 * T, bf16_flops=121 * T,
+                fp16_flops=121 * T, bandwidth=300e9, compute_capability=(8, 9), source="L4 datasheet"),
+        GPUSpec(name="L40S", memory_bytes=48 * GiB, fp32_flops=91.6 * T, tf32_flops=183 * T, bf16_flops=362 * T,
+                fp16_flops=362 * T, bandwidth=864e9, compute_capability=(8, 9), source="L40S datasheet"),
+        GPUSpec(name="A100-40GB", memory_bytes=40 * GiB, fp32_flops=19.5 * T, tf32_flops=156 * T, bf16_flops=312 * T,
+                fp16_flops=312 * T, bandwidth=1555e9, compute_capability=(8, 0), source="A100 datasheet"),
+        GPUSpec(name="A100-80GB", memory_bytes=80 * GiB, fp32_flops=19.5 * T, tf32_flops=156 * T, bf16_flops=312 * T,
+                fp16_flops=312 * T, bandwidth=2039e9, compute_capability=(8, 0), source="A100 datasheet"),
+        GPUSpec(name="H100-80GB", memory_bytes=80 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
+                fp16_flops=989 * T, bandwidth=3.35e12, compute_capability=(9, 0), source="H100 SXM datasheet"),
+        GPUSpec(name="H200", memory_bytes=141 * 10**9, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
+                fp16_flops=989 * T, bandwidth=4.8e12, compute_capability=(9, 0), source="H200 datasheet"),
+        GPUSpec(name="RTX-3090", memory_bytes=24 * GiB, fp32_flops=35.6 * T, tf32_flops=35.6 * T,
+                bf16_flops=71 * T, fp16_flops=71 * T, bandwidth=936e9, compute_capability=(8, 6),
+                source="GA102 whitepaper"),
+        GPUSpec(name="RTX-4090", memory_bytes=24 * GiB, fp32_flops=82.6 * T, tf32_flops=82.6 * T,
+                bf16_flops=165 * T, fp16_flops=165 * T, bandwidth=1008e9, compute_capability=(8, 9),
+                source="AD102 whitepaper"),
+    )
+}
+
+_ALIASES = {"h100": "H100-80GB", "h100-sxm": "H100-80GB", "a100": "A100-80GB", "v100": "V100-32GB",
+            "3090": "RTX-3090", "4090": "RTX-4090", "rtx3090": "RTX-3090", "rtx4090": "RTX-4090"}
+
+
+def _key(name: str) -> str:
+    return name.lower().replace(" ", "").replace("_", "-").replace("nvidia", "").strip("-")
+
+
+def gpu_spec(name: str) -> GPUSpec:
+    """Look a GPU up by name ("A100-40GB", "a100 80gb", "H100", "RTX 4090"...). Unknown names list the catalog."""
+    if isinstance(name, GPUSpec):
+        return name
+    if not isinstance(name, str):
+        raise InvalidInputError(f"gpu must be a GPU name such as 'A100-80GB', got {type(name).__name__}")
+    wanted = _key(name)
+    for spec_name, spec in GPUS.items():
+        if _key(spec_name) == wanted or _key(spec_name).replace("-", "") == wanted.replace("-", ""):
+            return spec
+    if wanted in _ALIASES:
+        return GPUS[_ALIASES[wanted]]
+    raise InvalidInputError(f"unknown GPU {name!r}: autofit knows {', '.join(GPUS)}")

@@ -1,0 +1,74 @@
+"""CUDA kernels whose memory differs from the CPU simulation's, chosen as PyTorch chooses them on the GPU.
+
+Scaled dot-product attention (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, ``select_sdp_backend``):
+PyTorch tries flash attention, then memory-efficient attention, then the math path.
+- flash: needs sm80 or newer, fp16/bf16 inputs, no explicit attention mask, equal head dims <= 256 that are a
+  multiple of 8. It saves the output and an fp32 logsumexp (B, H, S) for backward: no S x S matrix.
+- memory-efficient: sm50 or newer (bf16 needs sm80), fp16/bf16/fp32, head dim a multiple of 8 (4 for fp32), any
+  mask, no grouped-query attention. It also saves the output and an fp32 logsumexp.
+- math: everything else; it materialises the attention matrix, upcasting fp16/bf16 to fp32 unless
+  ``allowFP16BF16ReductionMathSDP`` is set (``_scaled_dot_product_attention_math``).
+During a CUDA simulation ``aten::scaled_dot_product_attention`` is re-registered (CompositeImplicitAutograd, removed
+afterwards) to call the chosen kernel's aten op on the fake CPU tensors; their meta kernels give CUDA's shapes.
+
+Not modelled (documented in docs/cuda.md): the cuDNN attention backend, cuDNN convolution workspaces (chosen by
+cuDNN at run time), the cuDNN batch-norm reserve space of NHWC persistent kernels (0 for the default NCHW path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from autofit.cuda.catalog import GPUSpec
+
+__all__ = ["sdpa_backend", "cuda_kernels"]
+
+aten = torch.ops.aten
+
+
+def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                 gpu: GPUSpec, *, enable_gqa: bool = False) -> str:
+    """"flash", "efficient" or "math", as ``select_sdp_backend`` would pick on ``gpu``."""
+    dtype = query.dtype
+    head = query.shape[-1]
+    same_heads = key.shape[-1] == head and value.shape[-1] == head
+    four_d = query.dim() == 4 and key.dim() == 4 and value.dim() == 4
+    sm = gpu.compute_capability
+    if (four_d and sm >= (8, 0) and dtype in (torch.float16, torch.bfloat16) and attn_mask is None and same_heads
+            and head <= 256 and head % 8 == 0):
+        return "flash"
+    low = dtype in (torch.float16, torch.bfloat16)
+    dtype_ok = dtype == torch.float32 or dtype == torch.float16 or (dtype == torch.bfloat16 and sm >= (8, 0))
+    if four_d and sm >= (5, 0) and dtype_ok and not enable_gqa and head % (8 if low else 4) == 0:
+        return "efficient"
+    return "math"
+
+
+@contextlib.contextmanager
+def cuda_kernels(gpu: GPUSpec) -> Iterator[None]:
+    """Route SDPA to the kernel PyTorch would run on ``gpu`` for the duration of a simulation."""
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        backend = sdpa_backend(query, key, value, attn_mask, gpu, enable_gqa=enable_gqa)
+        if backend == "flash":
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                            scale=scale)[0]
+        if backend == "efficient":
+            needs_grad = query.requires_grad or key.requires_grad or value.requires_grad
+            return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, needs_grad,
+                                                                dropout_p, is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
+                                                       scale=scale, enable_gqa=enable_gqa)[0]
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("scaled_dot_product_attention", attention, "CompositeImplicitAutograd")
+    try:
+        yield
+    finally:
+        lib._destroy()

@@ -1,0 +1,67 @@
+"""The CUDA memory model: the CPU simulation's timeline, turned into what a CUDA process needs.
+
+Terms, each in the estimate's breakdown (see docs/cuda.md for sources and what is not modelled):
+- the tensors of the step, as the simulation saw them under CUDA's autocast policy and attention kernels
+  (``autocast_policy.py``, ``kernels.py``);
+- ``allocator_rounding``: the caching allocator rounds every block up to 512 bytes (``allocator.py``);
+- ``cublas_workspace``: one cuBLAS workspace per (device, stream), allocated through the caching allocator on the
+  first matmul and kept: 32 MiB on compute capability 9.x/10.x/12.x, else 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 bytes
+  (``aten/src/ATen/cuda/CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``; ``CUBLAS_WORKSPACE_CONFIG`` overrides).
+  cuBLASLt shares it (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``, on by default);
+- ``fragmentation``: segments reserved beyond the blocks in use at the peak, from replaying the allocator's
+  best-fit / split / merge rules over the timeline (``max_memory_reserved - max_memory_allocated``);
+- ``cuda_context``: the CUDA context, cuBLAS/cuDNN handles and loaded kernels, outside PyTorch's allocator. It
+  depends on driver, CUDA version and lazy loading; autofit assumes ``CUDA_CONTEXT_BYTES`` (override with the
+  environment variable ``AUTOFIT_CUDA_CONTEXT_MIB``) and ``benchmarks/gpu_validate.py`` measures it.
+``peak_bytes`` (comparable with ``torch.cuda.max_memory_allocated``) is the first three; ``device_bytes`` (what
+nvidia-smi shows, and what the budget is checked against) adds the last two.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from autofit.categories import Category
+from autofit.cuda.allocator import replay_allocator
+from autofit.cuda.catalog import GPUSpec
+from autofit.simulate.timeline import Replay, Timeline
+
+__all__ = ["CUDA_CONTEXT_BYTES", "cublas_workspace_bytes", "context_bytes", "cuda_memory"]
+
+# A typical CUDA 12 context with lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7 in
+# PyTorch) plus cuBLAS/cuDNN handles: a few hundred MiB (PyTorch docs, "CUDA semantics > Memory management").
+CUDA_CONTEXT_BYTES = 512 * 2**20
+
+
+def cublas_workspace_bytes(gpu: GPUSpec, config: str | None = None) -> int:
+    """``parseChosenWorkspaceSize``: ``CUBLAS_WORKSPACE_CONFIG`` ":SIZE_KiB:COUNT..." pairs, else the default."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    if gpu.compute_capability[0] in (9, 10, 12):
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def context_bytes() -> int:
+    override = os.environ.get("AUTOFIT_CUDA_CONTEXT_MIB")
+    return int(float(override) * 2**20) if override else CUDA_CONTEXT_BYTES
+
+
+def cuda_memory(timeline: Timeline, raw: Replay, gpu: GPUSpec) -> tuple[int, int, dict[Category, int]]:
+    """(peak_bytes, device_bytes, breakdown) of the simulated step on ``gpu``."""
+    workspace = cublas_workspace_bytes(gpu)
+    replay = replay_allocator(timeline, persistent=(workspace,))
+    peak = replay.peak_allocated
+    breakdown: dict[Category, int] = dict(raw.breakdown)
+    breakdown.pop(Category.WORKSPACE, None)  # CPU kernel scratch: not part of the CUDA model
+    tensors = sum(breakdown.values())
+    breakdown[Category.CUBLAS_WORKSPACE] = workspace
+    breakdown[Category.ALLOCATOR_ROUNDING] = max(0, peak - workspace - tensors)
+    breakdown[Category.FRAGMENTATION] = max(0, replay.peak_reserved - peak)
+    context = context_bytes()
+    breakdown[Category.CUDA_CONTEXT] = context
+    return peak, max(replay.peak_reserved, peak) + context, breakdown
