@@ -27,7 +27,7 @@ from autofit.simulate.run import simulate_step
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.search import Candidate, SearchSpace, alternatives, pareto_front, search, smallest_peak
 from autofit.solve.time_model import TimeModel
-from autofit.step import make_step_config, resolve_modules
+from autofit.step import forward_errors, make_step_config, resolve_modules
 from autofit.units import format_bytes, parse_budget
 
 __all__ = ["plan", "plan_with_analysis"]
@@ -82,9 +82,10 @@ def plan_with_analysis(
     fixed = _fixed_checkpoint(model, checkpoint)
 
     probe = target_device.kind == "cpu"  # CPU kernels scratch memory the allocator sees (see simulate/probe.py)
-    analyses = {p.name: analyse_model(model, batch, target_batch, loss_fn, p, opt, probe_kernels=probe,
-                                      device=target_device.kind, gpu=target_device.name)
-                for p in policies}
+    with forward_errors():
+        analyses = {p.name: analyse_model(model, batch, target_batch, loss_fn, p, opt, probe_kernels=probe,
+                                          device=target_device.kind, gpu=target_device.name)
+                    for p in policies}
     space = SearchSpace(
         batch_size=per_rank,
         memory={name: MemoryModel.from_analysis(a.profile, a.table, held_rows=per_rank,
