@@ -163,6 +163,7 @@ def _huggingface(model_type: str, input_shapes, overrides: dict[str, Any]) -> Mo
         import transformers
     except ImportError as e:
         raise InvalidInputError("hf:MODEL_TYPE needs transformers installed (pip install transformers)") from e
+    transformers.logging.set_verbosity_error()  # the command's output is the plan, not config chatter
     try:
         config = transformers.AutoConfig.for_model(model_type, **overrides)
     except ValueError as e:
