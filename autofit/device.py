@@ -20,6 +20,7 @@ class DeviceTarget:
     supports_bf16: bool = True
     gpu: object | None = None  # the GPUSpec for "cuda"
     note: str | None = None  # an assumption the plan should state (e.g. the default GPU)
+    interconnect_bytes_per_second: float = 5e9  # between ranks (CPU processes: gloo over shared memory / TCP)
 
     def default_precisions(self) -> tuple[str, ...]:
         """"auto" precision: fastest first. On the CPU autocast does not speed matmuls up, so fp32 leads and a

@@ -53,10 +53,18 @@ class Plan:
     gpu: str | None = None
     frontier: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
 
     # ---- the emitted wrapper ---------------------------------------------------------------------------------------
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss_fn=None):
-        """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned."""
+    def wrap(self, model: nn.Module, optimizer, *, loss_fn=None):
+        """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned.
+
+        For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
+        to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
+        if self.world_size > 1:
+            from autofit.emit.distributed import DistributedTrainer
+
+            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn)
         from autofit.emit.trainer import Trainer
 
         return Trainer(self, model, optimizer, loss_fn=loss_fn)
@@ -72,6 +80,7 @@ class Plan:
             "method": self.estimate.method, "notes": list(self.estimate.notes),
         }
         data["checkpoint"] = list(self.checkpoint)
+        data["shard_units"] = list(self.shard_units)
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.frontier]
         data["notes"] = list(self.notes)
         return {"format": _FORMAT, **data}
@@ -99,6 +108,7 @@ class Plan:
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]))
             data["checkpoint"] = tuple(data["checkpoint"])
+            data["shard_units"] = tuple(data.get("shard_units", ()))
             data["notes"] = tuple(data["notes"])
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"])))
                                      for a in data["frontier"])

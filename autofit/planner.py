@@ -8,6 +8,7 @@ configuration: the search runs again under a budget lowered by it (at most a few
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -19,13 +20,14 @@ from autofit.batch import Batch
 from autofit.device import DeviceTarget, resolve_device
 from autofit.errors import InfeasibleBudgetError, InvalidInputError
 from autofit.loss import LossFn
-from autofit.optim import as_optimizer_spec
+from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.plan import Alternative, Plan
 from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.report import MemoryEstimate
 from autofit.simulate.run import simulate_step
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.search import Candidate, SearchSpace, alternatives, pareto_front, search, smallest_peak
+from autofit.solve.sharding import collective_seconds, shard_units
 from autofit.solve.time_model import TimeModel
 from autofit.step import forward_errors, make_step_config, resolve_modules
 from autofit.units import format_bytes, parse_budget
@@ -77,36 +79,94 @@ def plan_with_analysis(
         batch_size = batch.size
         notes.append(f"no batch_size given: planning for the sample's batch of {batch.size}")
     per_rank = _per_rank_batch(batch_size, world_size, strategy)
-    policies = _precisions(precision, target_device)
-    opt = as_optimizer_spec(optimizer)
-    fixed = _fixed_checkpoint(model, checkpoint)
+    ctx = _Context(model, batch, target_batch, loss_fn, target_device, budget_bytes, batch_size, per_rank,
+                   world_size, _precisions(precision, target_device), as_optimizer_spec(optimizer),
+                   _fixed_checkpoint(model, checkpoint), checkpoint == "auto", notes)
+    strategies = [strategy] if strategy is not None or world_size == 1 else ["ddp", "fsdp2"]
+    results, infeasible = [], []
+    for name in strategies:
+        try:
+            results.append(_plan_strategy(ctx, name))
+        except InfeasibleBudgetError as e:
+            infeasible.append(e)
+    if not results:
+        raise min(infeasible, key=lambda e: e.min_budget_bytes)
+    chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
+    if len(strategies) > 1:
+        chosen = replace(chosen, notes=chosen.notes + (_why_strategy(chosen, [r[0] for r in results]),))
+    return chosen, analyses
 
+
+@dataclass(frozen=True)
+class _Context:
+    """The validated inputs every strategy's planning shares."""
+
+    model: nn.Module
+    batch: Batch
+    target: Batch | None
+    loss_fn: LossFn | None
+    device: DeviceTarget
+    budget: int
+    batch_size: int
+    per_rank: int
+    world_size: int
+    policies: list[PrecisionPolicy]
+    optimizer: OptimizerSpec
+    fixed_checkpoint: tuple[str, ...] | None
+    allow_checkpoint: bool
+    notes: list[str]
+
+
+def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:
+    other = [p for p in all_plans if p is not chosen]
+    if not other:
+        return f"{chosen.strategy} chosen: it is the only strategy that fits the budget"
+    o = other[0]
+    return (f"{chosen.strategy} chosen over {o.strategy}: predicted step {chosen.predicted_step_seconds:.3g} s vs "
+            f"{o.predicted_step_seconds:.3g} s (micro-batch {chosen.micro_batch_size} vs {o.micro_batch_size}; "
+            "FSDP2 shards parameters, gradients and optimizer state but gathers parameters every micro-batch)")
+
+
+def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str, Analysis]]:
+    """Analyse, search and verify for one data-parallel strategy (None: a single process)."""
+    units = shard_units(ctx.model) if strategy == "fsdp2" else ()
+    parallel = dict(strategy=strategy, world_size=ctx.world_size if strategy else 1, shard_units=units)
+    target_device = ctx.device
     probe = target_device.kind == "cpu"  # CPU kernels scratch memory the allocator sees (see simulate/probe.py)
     with forward_errors():
-        analyses = {p.name: analyse_model(model, batch, target_batch, loss_fn, p, opt, probe_kernels=probe,
-                                          device=target_device.kind, gpu=target_device.name)
-                    for p in policies}
+        analyses = {p.name: analyse_model(ctx.model, ctx.batch, ctx.target, ctx.loss_fn, p, ctx.optimizer,
+                                          probe_kernels=probe, device=target_device.kind, gpu=target_device.name,
+                                          **parallel)
+                    for p in ctx.policies}
     space = SearchSpace(
-        batch_size=per_rank,
-        memory={name: MemoryModel.from_analysis(a.profile, a.table, held_rows=per_rank,
-                                                row_bytes=_row_bytes(batch, target_batch),
-                                                **_device_terms(a, target_device, per_rank))
+        batch_size=ctx.per_rank,
+        memory={name: MemoryModel.from_analysis(a.profile, a.table, held_rows=ctx.per_rank,
+                                                row_bytes=_row_bytes(ctx.batch, ctx.target),
+                                                **_device_terms(a, target_device, ctx.per_rank))
                 for name, a in analyses.items()},
-        time={name: _time_model(a, target_device) for name, a in analyses.items()},
-        precisions=tuple(p.name for p in policies),
-        allow_checkpoint=checkpoint == "auto",
-        fixed_checkpoint=fixed,
+        time={name: _time_model(a, target_device, strategy, ctx.world_size) for name, a in analyses.items()},
+        precisions=tuple(p.name for p in ctx.policies),
+        allow_checkpoint=ctx.allow_checkpoint,
+        fixed_checkpoint=ctx.fixed_checkpoint,
     )
-    policy_of = {p.name: p for p in policies}
+    policy_of = {p.name: p for p in ctx.policies}
+    budget_bytes = ctx.budget
 
     def verify(c: Candidate) -> MemoryEstimate:
         config = make_step_config(micro_batch_size=c.micro_batch_size, accumulation_steps=c.accumulation_steps,
-                                  precision=policy_of[c.precision], checkpoint=c.checkpoint, optimizer=opt,
-                                  device=target_device.kind, held_rows=per_rank, gpu=target_device.name)
+                                  precision=policy_of[c.precision], checkpoint=c.checkpoint, optimizer=ctx.optimizer,
+                                  device=target_device.kind, held_rows=ctx.per_rank, gpu=target_device.name,
+                                  **parallel)
         from autofit.api import _to_estimate
 
-        return _to_estimate(simulate_step(model, batch, target_batch, loss_fn, config), config)
+        with forward_errors():
+            return _to_estimate(simulate_step(ctx.model, ctx.batch, ctx.target, ctx.loss_fn, config), config)
 
+    def make(c: Candidate, est: MemoryEstimate, fitting: list[Candidate], notes: list[str]) -> Plan:
+        return _make_plan(c, est, fitting, budget_bytes, ctx.batch_size, parallel["world_size"], strategy,
+                          policy_of, target_device, ctx.optimizer.name, notes, units)
+
+    notes = list(ctx.notes)
     correction = 0
     for _ in range(_MAX_VERIFICATIONS):
         best, fitting = search(space, budget_bytes - correction)
@@ -118,20 +178,19 @@ def plan_with_analysis(
             if correction:
                 notes.append(f"the first choices' verified peaks exceeded their modelled peaks; re-planned with "
                              f"{format_bytes(correction)} of margin")
-            return _make_plan(best, est, fitting, budget_bytes, batch_size, world_size, strategy, policy_of,
-                              target_device, opt.name, notes + list(est.notes)), analyses
+            return make(best, est, fitting, notes + list(est.notes)), analyses
         correction += max(est.device_bytes - best.peak_bytes, est.device_bytes - budget_bytes, 1)
 
     smallest = smallest_peak(space)
     est = verify(smallest)
     if est.device_bytes <= budget_bytes:  # the models were pessimistic: the smallest configuration does fit
-        return _make_plan(smallest, est, [smallest], budget_bytes, batch_size, world_size, strategy, policy_of,
-                          target_device, opt.name, notes + list(est.notes)), analyses
+        return make(smallest, est, [smallest], notes + list(est.notes)), analyses
     dominant = max(est.breakdown, key=est.breakdown.get)
+    where = f", {strategy} over {ctx.world_size} ranks" if strategy else ""
     raise InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget_bytes)}: the smallest reachable peak is "
         f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch 1, {smallest.precision}, "
-        f"{len(smallest.checkpoint)} modules checkpointed). {_ADVICE.get(dominant, dominant + ' dominates')}",
+        f"{len(smallest.checkpoint)} modules checkpointed{where}). {_ADVICE.get(dominant, dominant + ' dominates')}",
         min_budget_bytes=est.device_bytes, budget_bytes=budget_bytes, dominant=dominant,
     )
 
@@ -141,8 +200,10 @@ def _per_rank_batch(batch_size: Any, world_size: Any, strategy: str | None) -> i
         raise InvalidInputError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidInputError(f"world_size must be an int >= 1, got {world_size!r}")
-    if world_size > 1 or strategy is not None:
-        raise InvalidInputError("multi-GPU plans (world_size > 1, strategy=) are not in this version yet")
+    if strategy not in (None, "ddp", "fsdp2"):
+        raise InvalidInputError(f"strategy must be 'ddp', 'fsdp2' or None (autofit chooses), got {strategy!r}")
+    if strategy is not None and world_size == 1:
+        raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
         raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
     return batch_size // world_size
@@ -205,14 +266,20 @@ def _device_terms(analysis, target: DeviceTarget, batch: int) -> dict[str, float
     return {"scale": scale, "constant": constant}
 
 
-def _time_model(analysis, target: DeviceTarget) -> TimeModel:
-    optimizer_bytes = 4 * analysis.table.row("").param_bytes  # read weight, grad and two states, write back
-    return TimeModel(target.throughput, analysis.ops, optimizer_bytes)
+def _time_model(analysis, target: DeviceTarget, strategy: str | None, world_size: int) -> TimeModel:
+    params = analysis.table.row("").param_bytes
+    optimizer_bytes = 4 * params // (world_size if strategy == "fsdp2" else 1)  # weight, grad, two states
+
+    def collectives(micro_batches: int) -> float:
+        return collective_seconds(strategy, world_size, params, params, micro_batches,
+                                  target.interconnect_bytes_per_second)
+
+    return TimeModel(target.throughput, analysis.ops, optimizer_bytes, collectives if strategy else None)
 
 
 def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], budget_bytes: int, batch_size: int,
                world_size: int, strategy: str | None, policy_of: dict[str, PrecisionPolicy],
-               target: DeviceTarget, optimizer: str, notes: list[str]) -> Plan:
+               target: DeviceTarget, optimizer: str, notes: list[str], units: tuple[str, ...] = ()) -> Plan:
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
@@ -225,5 +292,5 @@ def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], b
         precision=policy_of[best.precision], checkpoint=best.checkpoint, peak_bytes=est.peak_bytes,
         device_bytes=est.device_bytes, budget_bytes=budget_bytes, device=target.kind, optimizer=optimizer,
         predicted_step_seconds=best.seconds, estimate=est, world_size=world_size, strategy=strategy,
-        gpu=target.name, frontier=front, notes=tuple(dict.fromkeys(notes)),
+        gpu=target.name, frontier=front, notes=tuple(dict.fromkeys(notes)), shard_units=units,
     )

@@ -43,6 +43,10 @@ class StepConfig:
     # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
     held_rows: int = 0
     gpu: str | None = None  # the GPU a "cuda" step is simulated for (autofit.gpu_spec names)
+    # Data parallelism (see autofit/emit/distributed.py): the step of one rank out of world_size.
+    strategy: str | None = None  # None (one process), "ddp" or "fsdp2"
+    world_size: int = 1
+    shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
 
     def __post_init__(self) -> None:
         if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int):
@@ -54,6 +58,10 @@ class StepConfig:
             raise InvalidInputError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
         if not isinstance(self.held_rows, int) or self.held_rows < 0:
             raise InvalidInputError(f"held_rows must be an int >= 0, got {self.held_rows!r}")
+        if self.strategy not in (None, "ddp", "fsdp2"):
+            raise InvalidInputError(f"strategy must be 'ddp', 'fsdp2' or None, got {self.strategy!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise InvalidInputError(f"world_size must be an int >= 1, got {self.world_size!r}")
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
@@ -61,6 +69,7 @@ class StepConfig:
 def make_step_config(
     *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
+    strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
 ) -> StepConfig:
     if isinstance(checkpoint, str):
         checkpoint = (checkpoint,)
@@ -74,7 +83,7 @@ def make_step_config(
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
-        held_rows=held_rows, gpu=gpu,
+        held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
     )
 
 

@@ -39,6 +39,9 @@ class GPUSpec:
     bandwidth: float  # bytes per second
     compute_capability: tuple[int, int]
     source: str
+    # GPU-to-GPU bandwidth per direction: NVLink on SXM data-centre parts (V100 150, A100 300, H100/H200 450 GB/s),
+    # else PCIe 4.0 x16 (~25 GB/s usable)
+    interconnect: float = 25e9
 
     @property
     def supports_bf16(self) -> bool:
@@ -49,9 +52,11 @@ GPUS: dict[str, GPUSpec] = {
     spec.name: spec
     for spec in (
         GPUSpec(name="V100-16GB", memory_bytes=16 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
-                fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0), source="V100 whitepaper, table 1"),
+                fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0),
+                source="V100 whitepaper, table 1", interconnect=150e9),
         GPUSpec(name="V100-32GB", memory_bytes=32 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
-                fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0), source="V100 whitepaper, table 1"),
+                fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0),
+                source="V100 whitepaper, table 1", interconnect=150e9),
         GPUSpec(name="T4", memory_bytes=16 * GiB, fp32_flops=8.1 * T, tf32_flops=0, bf16_flops=0,
                 fp16_flops=65 * T, bandwidth=320e9, compute_capability=(7, 5), source="T4 datasheet"),
         GPUSpec(name="A10G", memory_bytes=24 * GiB, fp32_flops=31.2 * T, tf32_flops=62.5 * T, bf16_flops=125 * T,
@@ -61,13 +66,17 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec(name="L40S", memory_bytes=48 * GiB, fp32_flops=91.6 * T, tf32_flops=183 * T, bf16_flops=362 * T,
                 fp16_flops=362 * T, bandwidth=864e9, compute_capability=(8, 9), source="L40S datasheet"),
         GPUSpec(name="A100-40GB", memory_bytes=40 * GiB, fp32_flops=19.5 * T, tf32_flops=156 * T, bf16_flops=312 * T,
-                fp16_flops=312 * T, bandwidth=1555e9, compute_capability=(8, 0), source="A100 datasheet"),
+                fp16_flops=312 * T, bandwidth=1555e9, compute_capability=(8, 0),
+                source="A100 datasheet", interconnect=300e9),
         GPUSpec(name="A100-80GB", memory_bytes=80 * GiB, fp32_flops=19.5 * T, tf32_flops=156 * T, bf16_flops=312 * T,
-                fp16_flops=312 * T, bandwidth=2039e9, compute_capability=(8, 0), source="A100 datasheet"),
+                fp16_flops=312 * T, bandwidth=2039e9, compute_capability=(8, 0),
+                source="A100 datasheet", interconnect=300e9),
         GPUSpec(name="H100-80GB", memory_bytes=80 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
-                fp16_flops=989 * T, bandwidth=3.35e12, compute_capability=(9, 0), source="H100 SXM datasheet"),
+                fp16_flops=989 * T, bandwidth=3.35e12, compute_capability=(9, 0),
+                source="H100 SXM datasheet", interconnect=450e9),
         GPUSpec(name="H200", memory_bytes=141 * 10**9, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
-                fp16_flops=989 * T, bandwidth=4.8e12, compute_capability=(9, 0), source="H200 datasheet"),
+                fp16_flops=989 * T, bandwidth=4.8e12, compute_capability=(9, 0),
+                source="H200 datasheet", interconnect=450e9),
         GPUSpec(name="RTX-3090", memory_bytes=24 * GiB, fp32_flops=35.6 * T, tf32_flops=35.6 * T,
                 bf16_flops=71 * T, fp16_flops=71 * T, bandwidth=936e9, compute_capability=(8, 6),
                 source="GA102 whitepaper"),

@@ -54,4 +54,4 @@ def cuda_target(gpu: str | GPUSpec | None):
         saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"
     )
     return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
-                        gpu=spec, note=note)
+                        gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect)

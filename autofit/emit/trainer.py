@@ -9,6 +9,7 @@ Checkpointed and fp32-pinned modules are patched on the model while the trainer 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +59,7 @@ class Trainer:
                 "the whole batch, so training differs from one large batch (consider GroupNorm/LayerNorm or "
                 "SyncBatchNorm semantics, or a budget that fits the batch at once)", stacklevel=2,
             )
-        self._patch = patched_model(model, self.config, self.device_type)
+        self._patch = patched_model(getattr(self, "_inner", model), self.config, self.device_type)
         self._patch.__enter__()
         self._active = True
 
@@ -70,21 +71,33 @@ class Trainer:
         target_batch = None if target is None else as_batch(target, what="target")
         if target_batch is not None and target_batch.size != batch.size:
             raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
+        batch, target_batch = self._shard(batch, target_batch)
         device = _parameter_device(self.model)
         total, loss_sum = batch.size, 0.0
         size = self.plan.micro_batch_size
-        for start in range(0, total, size):
+        starts = list(range(0, total, size))
+        for start in starts:
             stop = min(start + size, total)
             micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
             micro_target = None
             if target_batch is not None:
                 micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
             weight = (stop - start) / total
-            loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config, self.device_type,
-                                   weight=weight, scaler=self.scaler)
+            with self._micro_batch(last=start == starts[-1]):
+                loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config,
+                                       self.device_type, weight=weight, scaler=self.scaler)
             loss_sum += float(loss) * weight
         optimizer_step(self.optimizer, self.scaler)
         return loss_sum
+
+    # ---- hooks the distributed trainer overrides ---------------------------------------------------------------
+    def _shard(self, batch, target):
+        """The rows this process trains on (all of them without data parallelism)."""
+        return batch, target
+
+    def _micro_batch(self, *, last: bool):
+        """Context around one micro-batch (data parallelism skips gradient synchronisation until the last)."""
+        return contextlib.nullcontext()
 
     def unwrap(self) -> nn.Module:
         """Undo the plan's patches (checkpointing, fp32 pins); the model is as it was before ``wrap``."""

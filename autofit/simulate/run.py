@@ -43,6 +43,7 @@ from autofit.capture.module_stack import install_module_stack
 from autofit.categories import Category
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.loss import LossFn
+from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
@@ -116,7 +117,13 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     else:
         work = real_copy(model).to("cpu")
     mode_ctx = fake_mode if fake else contextlib.nullcontext()
-    with mode_ctx:
+    # the device mesh holds real tensors: it is made before the fake mode is entered
+    mesh_ctx = fake_mesh(config.world_size) if config.strategy == "fsdp2" else contextlib.nullcontext()
+    with mesh_ctx as mesh, mode_ctx:
+        if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
+            from autofit.emit.distributed import apply_fsdp2
+
+            apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None)
         to_sim = _fake_converter(fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None
@@ -125,9 +132,12 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         optimizer = config.optimizer.build(work.parameters())
         scaler = _SimulatedGradScaler("cpu") if config.precision.needs_grad_scaler else None
         _create_optimizer_state(work, optimizer, scaler)
+        buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
         tracker = StepTracker(prober=prober)
         _register_state(tracker, work, optimizer, scaler, micro, micro_target)
+        for bucket in buckets:
+            tracker.register(bucket, Category.GRADIENTS)
         held = _held_rows(micro, micro_target, config)  # the rest of the batch the trainer slices from
         for t in held:
             tracker.register(t, Category.INPUTS)
@@ -267,6 +277,8 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
 
     received_grad: set[int] = set()
     for micro_index in range(steps):
+        if config.strategy == "fsdp2" and steps > 1:  # FSDP2 reduce-scatters only on the window's last micro-batch
+            model.set_requires_gradient_sync(micro_index == steps - 1)
         with _forward_errors(tracker):
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=weight, scaler=scaler,
                             on_phase=on_phase)

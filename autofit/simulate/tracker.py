@@ -58,7 +58,7 @@ class StepTracker(TorchDispatchMode):
         return self.module_stack[-1] if self.module_stack else ""
 
     def sid_of(self, t: torch.Tensor) -> int | None:
-        st = t.untyped_storage()
+        st = _local(t).untyped_storage()
         entry = self._known.get(id(st))
         if entry is not None and entry[0]() is st:
             return entry[1]
@@ -66,6 +66,7 @@ class StepTracker(TorchDispatchMode):
 
     def register(self, t: torch.Tensor, category: Category) -> int | None:
         """Count a tensor that exists before the step (parameters, buffers, state, inputs). Returns its storage id."""
+        t = _local(t)
         sid = self.sid_of(t)
         if sid is not None or t.untyped_storage().nbytes() == 0:
             return sid
@@ -80,7 +81,7 @@ class StepTracker(TorchDispatchMode):
             self.timeline.storages[sid].category = category
 
     def _track(self, st, category: Category, op: int, nbytes: int | None = None) -> int:
-        size = st.nbytes() if nbytes is None else max(nbytes, st.nbytes())
+        size = st.nbytes() if nbytes is None else max(nbytes, 0)
         record = StorageRecord(size, category, op, self.module, self.phase)
         sid = self.timeline.new_storage(record)
         timeline = self.timeline
@@ -96,6 +97,18 @@ class StepTracker(TorchDispatchMode):
         self._known[key] = (weakref.ref(st, on_free), sid)
         return sid
 
+    def resized(self, st, new_bytes: int) -> None:
+        """A storage's memory was replaced in place (``UntypedStorage.resize_``: FSDP2 frees and re-allocates its
+        unsharded parameters this way): the old allocation ends and, if the new size is not 0, a new one starts."""
+        entry = self._known.get(id(st))
+        if entry is not None and entry[0]() is st:
+            self.timeline.free(entry[1])
+            del self._known[id(st)]
+            if new_bytes > 0:
+                self._track(st, _PHASE_CATEGORY[self.phase], op=len(self.timeline.ops), nbytes=new_bytes)
+        elif new_bytes > 0 and not self._is_known_or_external(st):
+            self._track(st, _PHASE_CATEGORY[self.phase], op=len(self.timeline.ops), nbytes=new_bytes)
+
     def _is_known_or_external(self, st) -> bool:
         entry = self._known.get(id(st))
         if entry is not None and entry[0]() is st:
@@ -103,12 +116,33 @@ class StepTracker(TorchDispatchMode):
         ref = self._external.get(id(st))
         return ref is not None and ref() is st
 
+    def __enter__(self):
+        # UntypedStorage.resize_ is not an op the mode sees; wrap it for as long as the tracker is active
+        # (PyTorch's MemTracker does the same, see torch/distributed/_tools/mem_tracker.py, _track_resize).
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            tracker.resized(storage, int(size))
+            return result
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
     # ---- the mode ------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "prim":  # metadata queries (prim.device): no memory, nothing to record
             return func(*args, **kwargs)
-        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        inputs = [_local(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        distributed = any(x is not y for x, y in zip(inputs, (t for t in pytree.tree_leaves((args, kwargs))
+                                                              if isinstance(t, torch.Tensor))))
         for t in inputs:
             # A storage made before tracking and never registered (a global constant, a tensor nested in a
             # module attribute) is not part of the step; views of it must not look like allocations.
@@ -116,7 +150,8 @@ class StepTracker(TorchDispatchMode):
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
         out = func(*args, **kwargs)
-        probe = self.prober.probe(func, args, kwargs) if self.prober is not None else None
+        # DTensor ops (FSDP2's sharded optimizer step) run their local kernels below this mode: no probe
+        probe = self.prober.probe(func, args, kwargs) if self.prober is not None and not distributed else None
         real_bytes: dict[int, int] = {}
         if probe is not None:
             out, real_bytes = _match_real_outputs(out, probe.outputs)
@@ -134,9 +169,10 @@ class StepTracker(TorchDispatchMode):
         self.op_first_event = len(self.timeline.events)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
+                t = _local(t)
                 st = t.untyped_storage()
                 if not self._is_known_or_external(st) and st.nbytes() > 0:
-                    self._track(st, category, op_index, nbytes=real_bytes.get(id(t)))
+                    self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
         self.timeline.new_op(record)
         for listener in self.op_listeners:
             listener(op_index)
@@ -153,6 +189,12 @@ class StepTracker(TorchDispatchMode):
             # autocast casts a weight once per autocast region and caches the copy until the region exits
             return Category.AUTOCAST_CACHE
         return _PHASE_CATEGORY[self.phase]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores); any other tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def _traffic(inputs: list[torch.Tensor], out: Any) -> tuple[int, str]:

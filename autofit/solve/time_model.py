@@ -63,7 +63,7 @@ class StepTime:
     compute_seconds: float
     recompute_seconds: float
     overhead_seconds: float
-    optimizer_seconds: float
+    optimizer_seconds: float  # the optimizer step, and the gradient/parameter collectives of data parallelism
 
     @property
     def total(self) -> float:
@@ -75,6 +75,7 @@ class TimeModel:
     throughput: Throughput
     ops: OpCosts
     optimizer_bytes: int  # bytes the optimizer step reads and writes
+    collectives: object = None  # micro_batches -> seconds of communication per step (data parallelism)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _op_seconds(self, batch: int) -> np.ndarray:
@@ -102,6 +103,8 @@ class TimeModel:
         launches = len(self.ops.precision) + int(mask.sum())
         overhead = len(sizes) * launches * self.throughput.op_overhead_seconds
         optimizer = self.optimizer_bytes / self.throughput.bytes_per_second
+        if self.collectives is not None:
+            optimizer += self.collectives(len(sizes))
         return StepTime(compute, recompute, overhead, optimizer)
 
     def _recompute_mask(self, checkpoint: tuple[str, ...]) -> np.ndarray:

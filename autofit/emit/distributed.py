@@ -1,0 +1,130 @@
+"""The wrapper of a multi-process plan, on PyTorch's own engine: DDP or FSDP2 (``fully_shard``). Nothing home-made.
+
+- DDP: ``DistributedDataParallel(model, gradient_as_bucket_view=True)`` (gradients live in the communication buckets,
+  no second copy), ``no_sync()`` on every micro-batch but the last of a window.
+- FSDP2: ``fully_shard`` on each planned unit and on the root, with a ``MixedPrecisionPolicy`` gathering parameters
+  in the plan's low precision (reductions in fp32); ``set_requires_gradient_sync(False)`` on every micro-batch but
+  the last. Sharding replaces the parameters, so the optimizer is built afterwards: ``wrap`` takes a factory.
+Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
+``batch_size / world_size`` rows (pass ``local=True`` to ``step`` when a DistributedSampler already split the data),
+so every sample of the global batch is used exactly once; DDP and FSDP2 average gradients over ranks, which with
+equal slices is the gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autofit.batch import Batch
+from autofit.emit.trainer import Trainer
+from autofit.errors import InvalidInputError
+from autofit.loss import LossFn
+
+if TYPE_CHECKING:
+    from autofit.plan import Plan
+
+__all__ = ["DistributedTrainer", "apply_fsdp2"]
+
+
+def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype: torch.dtype | None) -> nn.Module:
+    """``fully_shard`` each unit, then the root (FSDP2's recommended order: leaves before parents)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32) \
+        if precision_dtype is not None else MixedPrecisionPolicy()
+    for name in units:
+        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+class DistributedTrainer(Trainer):
+    def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
+                 loss_fn: LossFn | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidInputError(
+                f"this plan is for {plan.world_size} processes ({plan.strategy}): call "
+                "torch.distributed.init_process_group() first (e.g. run under torchrun)"
+            )
+        if dist.get_world_size() != plan.world_size:
+            raise InvalidInputError(
+                f"the plan is for world_size {plan.world_size} but this job has {dist.get_world_size()} processes: "
+                "plan again with world_size=torch.distributed.get_world_size()"
+            )
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        inner = model
+        if plan.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            if isinstance(optimizer, torch.optim.Optimizer):
+                built = optimizer
+            else:
+                built = optimizer(model.parameters())
+            device = next(model.parameters()).device
+            ids = [device.index] if device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        elif plan.strategy == "fsdp2":
+            if isinstance(optimizer, torch.optim.Optimizer):
+                raise InvalidInputError(
+                    "FSDP2 replaces the parameters when it shards them, so wrap() needs an optimizer factory: "
+                    "plan.wrap(model, lambda params: torch.optim.AdamW(params, lr=...))"
+                )
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device_type = next(model.parameters()).device.type
+            mesh = init_device_mesh(device_type, (self.world_size,))
+            low = plan.precision.dtype if plan.precision.autocast else None
+            wrapped = apply_fsdp2(model, plan.shard_units, mesh, low)
+            built = optimizer(wrapped.parameters())
+        else:
+            raise InvalidInputError(f"unknown strategy {plan.strategy!r}: plans use 'ddp' or 'fsdp2'")
+        self._inner = inner
+        super().__init__(plan, wrapped, built, loss_fn=loss_fn)
+
+    def _shard(self, batch: Batch, target: Batch | None):
+        if self._local:
+            return batch, target
+        if batch.size != self.plan.batch_size:
+            raise InvalidInputError(
+                f"step() takes the global batch of {self.plan.batch_size} samples on every rank (got {batch.size}); "
+                "pass local=True with this rank's own batch of "
+                f"{self.plan.batch_size // self.world_size} samples instead"
+            )
+        rows = batch.size // self.world_size
+        start, stop = self.rank * rows, (self.rank + 1) * rows
+        return batch.slice(start, stop), (None if target is None else target.slice(start, stop))
+
+    def _micro_batch(self, *, last: bool):
+        if last:
+            return contextlib.nullcontext()
+        if self.plan.strategy == "ddp":
+            return self.model.no_sync()
+        return _no_gradient_sync(self.model)
+
+    def step(self, inputs: Any, target: Any = None, *, local: bool = False) -> float:
+        """One optimizer step. ``inputs``: the global batch (every rank the same), or this rank's rows with
+        ``local=True``. Returns this rank's mean loss."""
+        self._local = local
+        return super().step(inputs, target)
+
+    def unwrap(self) -> nn.Module:
+        """Undo autofit's patches and return the model (DDP's module; FSDP2's sharding cannot be undone)."""
+        super().unwrap()
+        return self._inner
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+

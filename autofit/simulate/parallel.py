@@ -1,0 +1,60 @@
+"""One rank of a data-parallel step, simulated with PyTorch's own DDP / FSDP2 machinery where it can run.
+
+- FSDP2 runs for real on the fake copy: ``fully_shard`` over a device mesh of a *fake* process group
+  (``torch.testing._internal.distributed.fake_pg``, whose collectives return at once with the right shapes), so the
+  sharded parameters, the all-gathered units and the reduce-scattered gradients are FSDP2's own allocations.
+  The fake group needs no other process; it is the default group only while the simulation runs, so plan before
+  ``init_process_group`` in a real job (the example does).
+- DDP with ``gradient_as_bucket_view=True`` keeps every gradient inside its flat communication buckets for the whole
+  run; each gradient backward produces is copied in and freed. That is exactly a micro-batch that starts with
+  gradients already allocated, so the simulation gives each parameter a view into one flat bucket per dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autofit.errors import UnsupportedModelError
+
+__all__ = ["fake_mesh", "ddp_buckets"]
+
+
+@contextlib.contextmanager
+def fake_mesh(world_size: int) -> Iterator[object]:
+    """A 1-D CPU device mesh over a fake process group of ``world_size`` ranks (this process is rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UnsupportedModelError(
+            "autofit simulates FSDP2 with a fake process group, which needs the default group to be free: "
+            "call autofit.plan before torch.distributed.init_process_group (or in a separate process)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_buckets(model: nn.Module) -> list[torch.Tensor]:
+    """Point every trainable parameter's ``.grad`` at a slice of one flat buffer per dtype (DDP's buckets with
+    ``gradient_as_bucket_view=True``). Returns the buffers, which must stay referenced while the step runs."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            by_dtype.setdefault(p.dtype, []).append(p)
+    buffers = []
+    for dtype, params in by_dtype.items():
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        buffers.append(flat)
+    return buffers
