@@ -55,6 +55,21 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
 
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
+                     "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"Plan.{name} must be an int >= 1, got {value!r}")
+        for name in ("peak_bytes", "device_bytes", "budget_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInputError(f"Plan.{name} must be a number of bytes (int >= 0), got {value!r}")
+        if self.strategy not in (None, "ddp", "fsdp2"):
+            raise InvalidInputError(f"Plan.strategy must be 'ddp', 'fsdp2' or None, got {self.strategy!r}")
+        if not isinstance(self.precision, PrecisionPolicy):
+            raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
+
     # ---- the emitted wrapper ---------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer, *, loss_fn=None):
         """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned.
@@ -113,7 +128,9 @@ class Plan:
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"])))
                                      for a in data["frontier"])
             return cls(**data)
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, InvalidInputError):
+                raise
             raise InvalidInputError(f"plan JSON is missing or has a malformed field: {e}") from e
 
     # ---- the human table the CLI prints ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The simulation runs on fake CPU tensors (a fake CUDA backward aborts the process
 autocast casts other ops than CUDA autocast: CPU keeps ``layer_norm``, ``softmax`` or ``exp`` in bf16, CUDA runs
 them in fp32, so activations differ in size. While a CUDA step is simulated, the AutocastCPU kernels of every op
 below are replaced (``torch.library``, removed afterwards) by Python kernels with CUDA's policy, and every op CPU
-autocast handles that CUDA does not is passed through unchanged.
+autocast handles that CUDA does not falls through unchanged (the ops it decomposes into still meet the policy).
 
 The lists are ``aten/src/ATen/autocast_mode.cpp`` (``TORCH_LIBRARY_IMPL(aten, AutocastCUDA, m)``), grouped by
 ``CastPolicy``; ``tests/test_cuda_model.py`` checks them against the AutocastCUDA kernels this torch build registers
@@ -156,11 +156,9 @@ def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
                 continue
             lib.impl(name, _kernel(op, policy_of(name), caster), "AutocastCPU")
         for name in cpu_only:
-            try:
-                op = _overload(name)
-            except AttributeError:
-                continue
-            lib.impl(name, _kernel(op, "passthrough", caster), "AutocastCPU")
+            # fall through to the next key *without* excluding AutocastCPU: a composite op (cross_entropy,
+            # conv2d with padding="same") must still meet CUDA's policy for the ops it decomposes into
+            lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
     try:
         yield caster
     finally:

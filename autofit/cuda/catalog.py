@@ -11,8 +11,8 @@ Figures are NVIDIA's published datasheet numbers for dense (not 2:4 sparse) math
 - H200: "NVIDIA H200 Tensor Core GPU" datasheet (same compute as H100 SXM; 141 GB, 4.8 TB/s).
 - RTX 3090: GA102 whitepaper (35.6 fp32, 71 fp16/bf16 tensor dense with fp32 accumulate; 936 GB/s).
 - RTX 4090: AD102 whitepaper (82.6 fp32, 165 fp16/bf16 tensor dense with fp32 accumulate; 1008 GB/s).
-Memory is the vendor's capacity, read as GiB where it is a power-of-two multiple (16 GiB, 80 GiB) and as decimal
-for H200 (141 GB). torch reports a little less (``total_memory`` excludes what the driver keeps); "90%" budgets
+Memory is the vendor's capacity read as GiB (16 GiB, 80 GiB; the H200's "141 GB" is ~141 GiB: nvidia-smi shows
+143,771 MiB). torch reports a little less (``total_memory`` excludes what the driver keeps); "90%" budgets
 are shares of these totals, or of the current device's ``total_memory`` when autofit runs on a GPU.
 """
 
@@ -74,7 +74,7 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec(name="H100-80GB", memory_bytes=80 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
                 fp16_flops=989 * T, bandwidth=3.35e12, compute_capability=(9, 0),
                 source="H100 SXM datasheet", interconnect=450e9),
-        GPUSpec(name="H200", memory_bytes=141 * 10**9, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
+        GPUSpec(name="H200", memory_bytes=141 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
                 fp16_flops=989 * T, bandwidth=4.8e12, compute_capability=(9, 0),
                 source="H200 datasheet", interconnect=450e9),
         GPUSpec(name="RTX-3090", memory_bytes=24 * GiB, fp32_flops=35.6 * T, tf32_flops=35.6 * T,

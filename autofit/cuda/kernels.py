@@ -2,10 +2,12 @@
 
 Scaled dot-product attention (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, ``select_sdp_backend``):
 PyTorch tries flash attention, then memory-efficient attention, then the math path.
-- flash: needs sm80 or newer, fp16/bf16 inputs, no explicit attention mask, equal head dims <= 256 that are a
-  multiple of 8. It saves the output and an fp32 logsumexp (B, H, S) for backward: no S x S matrix.
-- memory-efficient: sm50 or newer (bf16 needs sm80), fp16/bf16/fp32, head dim a multiple of 8 (4 for fp32), any
-  mask, no grouped-query attention. It also saves the output and an fp32 logsumexp.
+- flash: needs sm80 or newer, fp16/bf16 inputs, no explicit attention mask, equal head dims <= 256
+  (``attention.cpp`` pads them to a multiple of 8). It saves the output and an fp32 logsumexp (B, H, S) for
+  backward: no S x S matrix.
+- memory-efficient: sm50 or newer (bf16 needs sm80), fp16/bf16/fp32, any mask, no grouped-query attention, head dim
+  a multiple of ``minimum_gemm_alignment``: 8 for fp16/bf16 on tensor cores, 4 for fp32 on sm80+, 1 for fp32 on
+  sm7x. It also saves the output and an fp32 logsumexp.
 - math: everything else; it materialises the attention matrix, upcasting fp16/bf16 to fp32 unless
   ``allowFP16BF16ReductionMathSDP`` is set (``_scaled_dot_product_attention_math``).
 During a CUDA simulation ``aten::scaled_dot_product_attention`` is re-registered (CompositeImplicitAutograd, removed
@@ -39,13 +41,21 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     four_d = query.dim() == 4 and key.dim() == 4 and value.dim() == 4
     sm = gpu.compute_capability
     if (four_d and sm >= (8, 0) and dtype in (torch.float16, torch.bfloat16) and attn_mask is None and same_heads
-            and head <= 256 and head % 8 == 0):
+            and head <= 256):
         return "flash"
-    low = dtype in (torch.float16, torch.bfloat16)
     dtype_ok = dtype == torch.float32 or dtype == torch.float16 or (dtype == torch.bfloat16 and sm >= (8, 0))
-    if four_d and sm >= (5, 0) and dtype_ok and not enable_gqa and head % (8 if low else 4) == 0:
+    if four_d and sm >= (5, 0) and dtype_ok and not enable_gqa and head % _gemm_alignment(dtype, sm) == 0:
         return "efficient"
     return "math"
+
+
+def _gemm_alignment(dtype: torch.dtype, sm: tuple[int, int]) -> int:
+    """``minimum_gemm_alignment`` (sdp_utils.cpp): 4 on sm80+, raised to 128 bits / scalar width where tensor cores
+    are used (sm80+ always, sm7x for fp16/bf16)."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    tensor_cores = sm >= (8, 0) or (sm >= (7, 0) and half)
+    alignment = 4 if sm >= (8, 0) else 1
+    return max(alignment, 128 // (16 if half else 32)) if tensor_cores else alignment
 
 
 @contextlib.contextmanager

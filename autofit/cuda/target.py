@@ -13,17 +13,19 @@ DEFAULT_GPU = "A100-80GB"
 
 
 def _detect() -> GPUSpec | None:
-    """The current device, when this machine has one: the catalog entry whose name and memory match, else the
-    default entry's throughput with the device's own name, memory and compute capability."""
+    """The current device, when this machine has one: the catalog entry of that model (the closest in memory when
+    several share the name: A100 40/80 GB), else the default entry's throughput with the device's own name, memory
+    and compute capability. torch reports less memory than the nominal size (ECC on GDDR boards takes 1/16)."""
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    name = props.name.lower().replace(" ", "").replace("nvidia", "")
-    gib = round(props.total_memory / 2**30)
-    for spec in GPUS.values():
-        model = spec.name.split("-")[0].lower() if not spec.name.startswith("RTX") else spec.name.lower()
-        if model.replace("-", "") in name and abs(spec.memory_bytes / 2**30 - gib) <= 2:
-            return GPUSpec(**{**spec.__dict__, "memory_bytes": props.total_memory})
+    name = props.name.lower().replace(" ", "").replace("nvidia", "").replace("geforce", "")
+    matches = [spec for spec in GPUS.values()
+               if (spec.name.split("-")[0] if not spec.name.startswith("RTX") else spec.name).lower().replace("-", "")
+               in name.replace("-", "")]
+    if matches:
+        spec = min(matches, key=lambda s: abs(s.memory_bytes - props.total_memory))
+        return GPUSpec(**{**spec.__dict__, "memory_bytes": props.total_memory})
     base = GPUS[DEFAULT_GPU]
     return GPUSpec(**{**base.__dict__, "name": props.name, "memory_bytes": props.total_memory,
                       "compute_capability": (props.major, props.minor),

@@ -87,6 +87,7 @@ class Trainer:
                 loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config,
                                        self.device_type, weight=weight, scaler=self.scaler)
             loss_sum += float(loss) * weight
+            del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
         optimizer_step(self.optimizer, self.scaler)
         return loss_sum
 

@@ -37,35 +37,40 @@ class CheckpointProblem:
         return float(sum(self.costs[i] for i in chosen))
 
 
-def _solve(problem: CheckpointProblem, budget: float | None, minimise_cost: bool) -> tuple[int, ...] | None:
+def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
+           max_cost: float | None = None) -> tuple[int, ...] | None:
+    """One MILP. ``objective``: "cost" (recompute FLOPs) or "peak"; ``max_cost`` caps the FLOPs (second stage)."""
     n, rows = len(problem.names), len(problem.base)
     if n == 0:
         return () if budget is None or problem.peak(()) <= budget else None
     # Decision variables: x_0..x_{n-1} in {0, 1}: x_u = 1 when unit u is recomputed (checkpointed);
-    #                     p (index n), continuous: the peak, max over stretches of live bytes
-    cost_scale = max(float(problem.costs.max()), 1.0)
+    #                     p (index n), continuous: the peak, max over stretches of live bytes (in units of byte_scale)
     byte_scale = max(float(np.abs(problem.base).max()), 1.0)
+    cost_scale = max(float(problem.costs.max()), 1.0)
     c = np.zeros(n + 1)
-    if minimise_cost:
-        # primary: recompute FLOPs; then a lower peak; then fewer modules (all tie-breaks far below one FLOP unit)
-        c[:n] = problem.costs / cost_scale + 1e-7
-        c[n] = 1e-4 / byte_scale
+    if objective == "cost":
+        c[:n] = problem.costs / cost_scale + 1e-6  # the small constant prefers fewer modules among free ones
     else:
-        c[n] = 1.0 / byte_scale  # the smallest peak, whatever it costs
-        c[:n] = 1e-7
+        c[n] = 1.0
+        c[:n] = 1e-9
     # [Constraint] stretch i: base_i + sum_u coef_iu x_u <= p
-    a = np.hstack([problem.coef, -np.ones((rows, 1))])
-    constraints = [LinearConstraint(a, -np.inf, -problem.base)]
+    a = np.hstack([problem.coef / byte_scale, -np.ones((rows, 1))])
+    constraints = [LinearConstraint(a, -np.inf, -problem.base / byte_scale)]
     # [Constraint] nesting: a module and one of its descendants are never both recomputed: x_a + x_d <= 1
     if problem.exclusive:
         nest = np.zeros((len(problem.exclusive), n + 1))
         for k, (i, j) in enumerate(problem.exclusive):
             nest[k, i] = nest[k, j] = 1.0
         constraints.append(LinearConstraint(nest, -np.inf, 1.0))
+    # [Constraint] cost cap (second stage): sum_u c_u x_u <= the first stage's optimum
+    if max_cost is not None:
+        constraints.append(LinearConstraint(np.concatenate([problem.costs, [0.0]])[None, :], -np.inf,
+                                            max_cost * (1 + 1e-9) + 1e-9))
     # [Constraint] budget: p <= budget (as a bound on p)
-    upper_p = np.inf if budget is None else float(budget)
+    upper_p = np.inf if budget is None else float(budget) / byte_scale
     bounds = Bounds(np.concatenate([np.zeros(n), [-np.inf]]), np.concatenate([np.ones(n), [upper_p]]))
-    result = milp(c, constraints=constraints, integrality=np.concatenate([np.ones(n), [0]]), bounds=bounds)
+    result = milp(c, constraints=constraints, integrality=np.concatenate([np.ones(n), [0]]), bounds=bounds,
+                  options={"mip_rel_gap": 0.0})
     if not result.success or result.x is None:
         return None
     chosen = tuple(int(i) for i in np.flatnonzero(np.round(result.x[:n]) > 0.5))
@@ -78,17 +83,25 @@ def solve_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...]
     """Indices of the cheapest set whose peak fits ``budget`` (ties: lower peak, then fewer modules); None if none."""
     if problem.peak(()) <= budget:
         return ()
-    return _solve(problem, budget, minimise_cost=True)
+    cheapest = _solve(problem, budget, "cost")
+    if cheapest is None:
+        return None
+    # among sets that cost no more, the lowest peak (two stages: a tie-break weight small enough never to trade
+    # FLOPs for bytes would be below the solver's tolerances)
+    lowest = _solve(problem, budget, "peak", max_cost=problem.cost(cheapest))
+    return lowest if lowest is not None and problem.peak(lowest) <= problem.peak(cheapest) else cheapest
 
 
 def most_freeing_checkpoint(problem: CheckpointProblem) -> tuple[int, ...]:
     """The set with the lowest peak, whatever it costs: what the smallest feasible budget uses."""
-    chosen = _solve(problem, None, minimise_cost=False)
+    chosen = _solve(problem, None, "peak")
     return chosen if chosen is not None and problem.peak(chosen) < problem.peak(()) else ()
 
 
 def brute_force_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...] | None:
     """Every subset, for tests on small instances: the cheapest that fits (ties: lower peak, then fewer)."""
+    if problem.peak(()) <= budget:
+        return ()
     best, best_key = None, None
     n = len(problem.names)
     for mask in range(1 << n):

@@ -125,19 +125,21 @@ def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
 
 
 def smallest_peak(space: SearchSpace) -> Candidate:
-    """The configuration with the lowest modelled peak: micro-batch 1 and the most freeing checkpoint set."""
+    """The configuration with the lowest modelled peak: every precision and micro-batch, each with the most freeing
+    checkpoint set. (Micro-batch 1 is not always lowest: accumulation keeps gradients through every micro-batch,
+    which can cost more than the activations it saves when parameters dominate.)"""
     best = None
-    b, k, last = 1, space.batch_size, 1
     for precision in space.precisions:
         memory, time = space.memory[precision], space.time[precision]
-        names: tuple[str, ...] = space.fixed_checkpoint or ()
-        if space.allow_checkpoint and space.fixed_checkpoint is None:
-            chosen = most_freeing_checkpoint(memory.problem(b, k))
-            names = tuple(memory.units[i].name for i in chosen)
-        peak = memory.to_device(memory.peak(b, k, names))
-        candidate = Candidate(precision, b, k, last, names, peak, time.step_time(precision, b, k, names, last).total)
-        if best is None or peak < best.peak_bytes:
-            best = candidate
+        for b, k, last in batch_options(space.batch_size):
+            names: tuple[str, ...] = space.fixed_checkpoint or ()
+            if space.allow_checkpoint and space.fixed_checkpoint is None:
+                chosen = most_freeing_checkpoint(memory.problem(b, k))
+                names = tuple(memory.units[i].name for i in chosen)
+            peak = memory.to_device(memory.peak(b, k, names))
+            if best is None or peak < best.peak_bytes:
+                seconds = time.step_time(precision, b, k, names, last).total
+                best = Candidate(precision, b, k, last, names, peak, seconds)
     return best
 
 

@@ -1,0 +1,79 @@
+"""Worker processes for tests/test_distributed.py (spawned; importable by module name)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import autofit
+from autofit.batch import as_batch
+from autofit.measure.allocator import measure_callable
+from zoo import ZOO
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
+def _build(case_name: str, plan: autofit.Plan, optimizer: str, eval_mode: bool = False):
+    torch.manual_seed(0)
+    case = ZOO[case_name]()
+    if eval_mode:
+        case.model.eval()  # dropout off: the reference step must see the same forward
+    if optimizer == "sgd":
+        factory = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    else:
+        factory = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    opt = factory if plan.strategy == "fsdp2" else factory(case.model.parameters())
+    return case, plan.wrap(case.model, opt, loss_fn=case.loss_fn)
+
+
+def _global_batch(case, size: int):
+    batch = as_batch(case.sample).resize(size)
+    target = None if case.target is None else as_batch(case.target, what="target").resize(size)
+    return batch, target
+
+
+def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = []
+    try:
+        for job in jobs:
+            plan = autofit.Plan.from_json(job["plan"])
+            case, trainer = _build(job["case"], plan, job["optimizer"], job["kind"] == "equivalence")
+            batch, target = _global_batch(case, plan.batch_size)
+            if job["kind"] == "equivalence":
+                trainer.step(batch.value, None if target is None else target.value)
+                params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
+                          for n, p in getattr(trainer.model, "module", trainer.model).named_parameters()}
+                results.append({"params": params})
+            else:  # memory: each rank trains on its own slice (local=True), as with a DistributedSampler
+                rows = plan.batch_size // world_size
+                mine = batch.slice(rank * rows, (rank + 1) * rows).map_tensors(lambda t: t.clone())
+                mine_target = None if target is None else target.slice(rank * rows, (rank + 1) * rows).map_tensors(
+                    lambda t: t.clone())
+                args = (mine.value, None if mine_target is None else mine_target.value)
+                trainer.step(*args, local=True)  # optimizer state exists from here on
+                trainer.step(*args, local=True)  # DDP rebuilds its buckets after its first iteration
+                # DDP's gradient buckets outlive every step (gradient_as_bucket_view) but no tensor we hold points
+                # at them once zero_grad(set_to_none=True) has run: count their bytes, sized by the reducer itself
+                resident = 0
+                if plan.strategy == "ddp":
+                    resident = sum(b.buffer().nbytes for b in trainer.model.reducer._get_zeros_like_grad_buckets())
+                peaks = []
+                for _ in range(3):
+                    live = [_local(p) for p in trainer.model.parameters()] + list(trainer.model.buffers())
+                    live += mine.tensors() + (mine_target.tensors() if mine_target is not None else [])
+                    live += [_local(v) for s in trainer.optimizer.state.values() for v in s.values()
+                             if isinstance(v, torch.Tensor)]
+                    peaks.append(resident + measure_callable(lambda: trainer.step(*args, local=True), live))
+                results.append({"peaks": peaks})
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
