@@ -18,7 +18,7 @@ from autofit.analyse.table import Analysis
 from autofit.api import _check_model, _inputs
 from autofit.batch import Batch
 from autofit.device import DeviceTarget, resolve_device
-from autofit.errors import InfeasibleBudgetError, InvalidInputError
+from autofit.errors import AutofitError, InfeasibleBudgetError, InvalidInputError, UnsupportedModelError
 from autofit.loss import LossFn
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.plan import Alternative, Plan
@@ -59,6 +59,7 @@ def plan(
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
+        alternatives=False,
     )[0]
 
 
@@ -66,8 +67,12 @@ def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
+    alternatives: bool = True,
 ) -> tuple[Plan, dict[str, Analysis]]:
-    """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table)."""
+    """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
+
+    With ``alternatives=False`` the planner first checks the fastest configuration the time model allows (see
+    Note [the quick path]) and skips the analysis when it fits; the plan then has no front and no analyses."""
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
     target_device = resolve_device(device, gpu)
@@ -81,19 +86,26 @@ def plan_with_analysis(
     per_rank = _per_rank_batch(batch_size, world_size, strategy)
     ctx = _Context(model, batch, target_batch, loss_fn, target_device, budget_bytes, batch_size, per_rank,
                    world_size, _precisions(precision, target_device), as_optimizer_spec(optimizer),
-                   _fixed_checkpoint(model, checkpoint), checkpoint == "auto", notes)
+                   _fixed_checkpoint(model, checkpoint), checkpoint == "auto", notes, quick=not alternatives)
     strategies = [strategy] if strategy is not None or world_size == 1 else ["ddp", "fsdp2"]
-    results, infeasible = [], []
+    results, infeasible, failed = [], [], []
     for name in strategies:
         try:
             results.append(_plan_strategy(ctx, name))
         except InfeasibleBudgetError as e:
             infeasible.append(e)
+        except AutofitError as e:
+            if len(strategies) == 1:
+                raise
+            failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
     if not results:
-        raise min(infeasible, key=lambda e: e.min_budget_bytes)
+        if infeasible:
+            raise min(infeasible, key=lambda e: e.min_budget_bytes)
+        raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(strategies) > 1:
-        chosen = replace(chosen, notes=chosen.notes + (_why_strategy(chosen, [r[0] for r in results]),))
+        why = _why_strategy(chosen, [r[0] for r in results])
+        chosen = replace(chosen, notes=chosen.notes + (why, *failed))
     return chosen, analyses
 
 
@@ -115,6 +127,7 @@ class _Context:
     fixed_checkpoint: tuple[str, ...] | None
     allow_checkpoint: bool
     notes: list[str]
+    quick: bool = False  # try the quick path first (see Note [the quick path])
 
 
 def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:
@@ -128,10 +141,38 @@ def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:
 
 
 def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str, Analysis]]:
-    """Analyse, search and verify for one data-parallel strategy (None: a single process)."""
+    """Analyse, search and verify for one data-parallel strategy (None: a single process).
+
+    Note [the quick path]
+        The time model ranks the preferred precision (the device's fastest: bf16/fp16 on GPUs, fp32 on the CPU),
+        one micro-batch for the whole batch and no recomputation as the fastest configuration there is: every other
+        precision is slower per op, every extra micro-batch adds launches and loses utilisation, every checkpointed
+        module adds its forward again. So when that configuration's full estimate fits the budget, it is the plan,
+        and the analysis (two simulations per precision) is not needed. Budgets are still monotonic: when it stops
+        fitting, the search's winner is slower and, being under the smaller budget, lower.
+    """
     units = shard_units(ctx.model) if strategy == "fsdp2" else ()
     parallel = dict(strategy=strategy, world_size=ctx.world_size if strategy else 1, shard_units=units)
     target_device = ctx.device
+    if ctx.quick:
+        preferred = ctx.policies[0]
+        config = make_step_config(micro_batch_size=ctx.per_rank, precision=preferred,
+                                  checkpoint=ctx.fixed_checkpoint or (), optimizer=ctx.optimizer,
+                                  device=target_device.kind, held_rows=ctx.per_rank, gpu=target_device.name,
+                                  **parallel)
+        from autofit.api import _to_estimate
+
+        with forward_errors():
+            sim = simulate_step(ctx.model, ctx.batch, ctx.target, ctx.loss_fn, config)
+        est = _to_estimate(sim, config)
+        if est.device_bytes <= ctx.budget:
+            seconds = _quick_seconds(ctx, strategy, preferred, config, sim)
+            best = Candidate(preferred.name, ctx.per_rank, 1, ctx.per_rank, config.checkpoint, est.device_bytes,
+                             seconds)
+            return _make_plan(best, est, [], ctx.budget, ctx.batch_size, parallel["world_size"], strategy,
+                              {preferred.name: preferred}, target_device, ctx.optimizer.name,
+                              list(ctx.notes) + list(est.notes), units), {}
+
     probe = target_device.kind == "cpu"  # CPU kernels scratch memory the allocator sees (see simulate/probe.py)
     with forward_errors():
         analyses = {p.name: analyse_model(ctx.model, ctx.batch, ctx.target, ctx.loss_fn, p, ctx.optimizer,
@@ -246,6 +287,19 @@ def _row_bytes(batch: Batch, target: Batch | None) -> int:
             if t.dim() >= 1 and t.shape[0] == b.size:
                 total += t[:1].nelement() * t.element_size()
     return total
+
+
+def _quick_seconds(ctx: _Context, strategy: str | None, policy: PrecisionPolicy, config, sim) -> float:
+    """The time model's figure for the quick path's plan, from the op costs of its own simulation."""
+    from autofit.analyse.analyse import op_costs
+
+    ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
+    params = sum(p.numel() * p.element_size() for p in ctx.model.parameters())
+    world = ctx.world_size if strategy else 1
+    model = TimeModel(ctx.device.throughput, ops, 4 * params // (world if strategy == "fsdp2" else 1),
+                      (lambda k: collective_seconds(strategy, world, params, params, k,
+                                                    ctx.device.interconnect_bytes_per_second)) if strategy else None)
+    return model.step_time(policy.name, config.micro_batch_size, 1, config.checkpoint).total
 
 
 def _device_terms(analysis, target: DeviceTarget, batch: int) -> dict[str, float | int]:

@@ -54,9 +54,10 @@ def analyse_model(
     return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method, sim1.timeline, sim2.timeline, ops)
 
 
-def op_costs(t1, t2) -> OpCosts:
+def op_costs(t1, t2, *, per_sample_from: int = SIZES[0]) -> OpCosts:
     """FLOPs and bytes of each op of the first micro-batch's forward and backward, linear in b (the two runs
-    differ by one sample; if they did not align, per-sample figures are the smaller run's divided by its size)."""
+    differ by one sample; if they did not align, or the same run is given twice, per-sample figures are the first
+    run's divided by its micro-batch ``per_sample_from``)."""
     def ops_of(timeline):
         marks = timeline.marks
         start = next((s for s, m, p in marks if (m, p) == (0, Phase.FORWARD)), 0)
@@ -66,14 +67,16 @@ def op_costs(t1, t2) -> OpCosts:
     one, two = ops_of(t1), ops_of(t2)
     f1 = np.array([o.flops for o in one], dtype=np.float64)
     b1 = np.array([o.io_bytes for o in one], dtype=np.float64)
-    if len(one) == len(two) and all(a.name == b.name for a, b in zip(one, two)):
+    if t1 is not t2 and len(one) == len(two) and all(a.name == b.name for a, b in zip(one, two)):
         f2 = np.array([o.flops for o in two], dtype=np.float64)
         b2 = np.array([o.io_bytes for o in two], dtype=np.float64)
         fs, bs = f2 - f1, b2 - b1
+        size = SIZES[0]
     else:
-        fs, bs = f1 / SIZES[0], b1 / SIZES[0]
+        size = per_sample_from
+        fs, bs = f1 / size, b1 / size
     return OpCosts(
-        flops_fixed=f1 - SIZES[0] * fs, flops_per_sample=fs, bytes_fixed=b1 - SIZES[0] * bs, bytes_per_sample=bs,
+        flops_fixed=f1 - size * fs, flops_per_sample=fs, bytes_fixed=b1 - size * bs, bytes_per_sample=bs,
         precision=tuple(precision_of(o.dtype) for o in one),
         forward=np.array([o.phase is Phase.FORWARD for o in one], dtype=bool),
         module=tuple(o.module for o in one),

@@ -24,7 +24,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 EXIT_INPUT, EXIT_INFEASIBLE = 2, 3
 
 ModelArg = Annotated[str, typer.Argument(help="pkg.module:factory, file.py:factory, torchvision:NAME or hf:MODEL_TYPE")]
-BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="'8GB' (10^9), '8GiB' (2^30), bytes, or '90%' of the GPU")]
+BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB' (10^9), '8GiB' (2^30), bytes, or "
+                                        "'90%' of the GPU (of host memory with --device cpu)")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-n", help="effective batch: samples per optimizer step")]
 ShapeOpt = Annotated[Optional[list[str]], typer.Option("--input-shape", help="one sample's shape without the batch "
                                                        "dimension, e.g. 3,224,224 (repeat for several inputs)")]
@@ -34,6 +35,9 @@ GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for devi
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="auto, fp32, bf16 or fp16")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw, adam or sgd")]
 ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", help="hf:/torchvision: config override key=value")]
+WorldOpt = Annotated[int, typer.Option("--world-size", help="processes (GPUs) training together; batch-size is global")]
+StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
+                                                    "--world-size > 1)")]
 
 
 def _fail(console: Console, message: str, code: int) -> None:
@@ -51,7 +55,8 @@ def _spec(model: str, input_shape, input_dtype, config):
 def plan(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, precision: PrecisionOpt = "auto",
-    optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None,
+    optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, world_size: WorldOpt = 1,
+    strategy: StrategyOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
@@ -69,7 +74,7 @@ def plan(
         with console.status("analysing and solving (fake tensors, no memory allocated)...", spinner="dots"):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, optimizer=optimizer,
-                precision=precision, device=device, gpu=gpu,
+                precision=precision, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
             )
     except InfeasibleBudgetError as e:
         _fail(console, f"{e} Smallest budget that works: {format_bytes(e.min_budget_bytes)} "

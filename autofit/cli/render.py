@@ -37,7 +37,11 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
     ]
     if plan.world_size > 1:
-        rows.insert(1, ("world size", f"{plan.world_size} ({plan.strategy})"))
+        rows.insert(1, ("world size", f"{plan.world_size} processes, {plan.strategy}, "
+                                      f"{plan.batch_size // plan.world_size} samples each"))
+        if plan.shard_units:
+            rows.insert(2, ("FSDP2 units", f"{len(plan.shard_units)}: {', '.join(plan.shard_units[:4])}"
+                                           + (" ..." if len(plan.shard_units) > 4 else "")))
     for key, value in rows:
         table.add_row(key, value)
     return table

@@ -1,0 +1,87 @@
+"""How long a whole ``autofit.plan()`` takes next to one ``autofit.estimate()`` of the same model.
+
+The goal (issue: planner) is that a plan costs at most about two estimates. Two regimes:
+- generous budget: the fastest configuration the time model allows (whole batch in one micro-batch, preferred
+  precision, no recomputation) fits, which one full estimate shows: no analysis is needed (Note [the quick path]);
+- tight budget (60 % of that configuration's peak, besides the CUDA context): the planner simulates the window at two small micro-batches
+  per precision, models every other configuration, solves, and verifies its winner with one full estimate.
+The kernel-probe cache is cleared before each timing; the estimate timed is of the configuration the plan chose.
+
+    python benchmarks/planning.py            # a few zoo models and a small Llama, CPU and CUDA planning
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import autofit  # noqa: E402
+from autofit.simulate import run as simulation  # noqa: E402
+from llama import Llama, LlamaConfig  # noqa: E402
+from zoo import ZOO  # noqa: E402
+
+
+def _cases():
+    for name in ("resnet_bn", "gpt_sdpa", "lstm", "unet"):
+        case = ZOO[name]()
+        yield name, case.model, case.sample, case.target, case.loss_fn, 32
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_layers=4, hidden_size=256, intermediate_size=688, num_heads=4, vocab_size=4000)
+    ids = torch.randint(0, 4000, (2, 256))
+    yield "llama-4x256", Llama(cfg), ids, ids, None, 16
+
+
+def _clear_probe_cache() -> None:
+    simulation._PROBER.cache.clear()
+
+
+def _timed(fn):
+    _clear_probe_cache()
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def main() -> None:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    header = (f"{'case':<14} {'device':<18} {'budget':<8} {'plan s':>7} {'estimate s':>11} {'ratio':>6}  plan")
+    print(header)
+    print("-" * len(header))
+    ratios = {"generous": [], "tight": []}
+    for name, model, sample, target, loss_fn, batch in _cases():
+        for device, gpu in (("cpu", None), ("cuda", "A100-80GB")):
+            kw = dict(target=target, loss_fn=loss_fn, device=device, **({"gpu": gpu} if gpu else {}))
+            autofit.estimate(model, sample, micro_batch_size=1, **kw)  # imports and first-use costs, untimed
+            roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, **kw))
+            # tight: 60 % of what the fastest configuration needs, the CUDA context (fixed) excepted
+            context = roomy.estimate.breakdown.get("cuda_context", 0)
+            tight = context + int(0.6 * (roomy.device_bytes - context))
+            for regime, budget in (("generous", "1TB"), ("tight", tight)):
+                try:
+                    plan, plan_s = _timed(lambda: autofit.plan(model, sample, budget, batch_size=batch, **kw))
+                except autofit.InfeasibleBudgetError:
+                    print(f"{name:<14} {device:<18} {regime:<8} infeasible at 60 %")
+                    continue
+                _, est_s = _timed(lambda: autofit.estimate(
+                    model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+                    accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint, **kw))
+                ratios[regime].append(plan_s / est_s)
+                label = device + (f" {gpu}" if gpu else "")
+                print(f"{name:<14} {label:<18} {regime:<8} {plan_s:>7.2f} {est_s:>11.2f} {plan_s / est_s:>6.2f}  "
+                      f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
+                      f"ckpt={len(plan.checkpoint)}")
+    for regime, values in ratios.items():
+        if values:
+            print(f"{regime:<8} plan / estimate: median {sorted(values)[len(values) // 2]:.2f}, "
+                  f"max {max(values):.2f} over {len(values)} rows")
+
+
+if __name__ == "__main__":
+    main()
