@@ -3,6 +3,7 @@
 from autofit.analyse import Analysis, LayerRow, LayerTable
 from autofit.api import analyse, estimate, measure
 from autofit.categories import Category
+from autofit.cuda.catalog import gpu_spec
 from autofit.errors import (
     AutofitError,
     ForwardError,
@@ -36,6 +37,7 @@ __all__ = [
     "UnsupportedModelError",
     "analyse",
     "estimate",
+    "gpu_spec",
     "measure",
     "plan",
 ]

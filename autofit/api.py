@@ -1,4 +1,4 @@
-"""The public entry points. Each reads as the pipeline stages it composes (DESIGN.md)."""
+"""The public entry points. Each reads as the pipeline stages it composes (docs/index.md, "The pipeline")."""
 
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ def estimate(
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
-    The step (DESIGN.md): forward and loss under the precision's autocast, backward; after ``accumulation_steps``
-    micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters, buffers, optimizer state,
-    inputs and targets are counted. ``model`` may live on the meta device. It is never modified.
+    The step (docs/memory-model.md): forward and loss under the precision's autocast, backward; after
+    ``accumulation_steps`` micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters,
+    buffers, optimizer state, inputs and targets (one micro-batch of them) are counted. ``model`` may live on the
+    meta device. It is never modified.
 
     ``device="cuda"`` adds the CUDA model (``autofit.cuda``) for ``gpu`` (a catalog name; default: this machine's
     GPU, else A100-80GB): ``peak_bytes`` is then comparable with ``torch.cuda.max_memory_allocated`` and
@@ -114,7 +115,8 @@ def analyse(
     """Trace the forward and tabulate every module: parameter bytes, bytes saved for backward, output bytes and
     FLOPs (per sample and fixed), and whether it may be a checkpoint segment; plus the step's peak per stage as a
     function of the micro-batch. Fake tensors only, unless the forward reads tensor values (then a real copy runs at
-    batch 1 and 2). ``model`` is never modified."""
+    the analysis' micro-batches, 2 and 3). No CPU kernel probes (``plan`` adds them for CPU targets), so on the CPU
+    the profile leaves out kernel scratch memory. ``model`` is never modified."""
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
     policy, opt = as_policy(precision), as_optimizer_spec(optimizer)

@@ -1,8 +1,10 @@
-"""``autofit.plan``: the pipeline of DESIGN.md, composed.
+"""``autofit.plan``: the pipeline stages (capture, analyse, simulate, solve), composed.
 
-capture + analyse (per allowed precision) -> models -> search (MILP per micro-batch) -> verify the winner with a
-full estimate -> Plan. If the verified peak overshoots the budget, the overshoot is the models' error for that
-configuration: the search runs again under a budget lowered by it (at most a few times).
+First the quick path (Note [the quick path]): the fastest configuration, checked with one full estimate, is the plan
+when it fits. Otherwise: capture + analyse (per allowed precision) -> memory and time models -> search (MILP per
+micro-batch) -> verify the winner with a full estimate -> Plan. If the verified peak overshoots the budget, the
+overshoot is the models' error for that configuration: the search runs again under a budget lowered by it (at most
+a few times). With ``world_size > 1`` and no strategy given, DDP and FSDP2 are both planned and the faster wins.
 """
 
 from __future__ import annotations
@@ -36,16 +38,33 @@ __all__ = ["plan", "plan_with_analysis"]
 
 _MAX_VERIFICATIONS = 4
 
-# What to suggest when one category dominates the smallest reachable peak.
+# What to suggest when one category dominates the smallest reachable peak (one entry per Category an estimate can
+# report; each is a sentence without its final period, which the message adds).
 _ADVICE = {
-    "optimizer_state": "optimizer state dominates: use SGD (one buffer) instead of Adam (two), bf16/fp16 "
+    "optimizer_state": "Optimizer state dominates: use SGD (one buffer) instead of Adam (two), bf16/fp16 "
                        "parameters, or shard it across GPUs (FSDP2, world_size > 1)",
-    "parameters": "parameters dominate: keep them in bf16, or shard them (FSDP2, world_size > 1)",
-    "gradients": "gradients dominate: bf16 parameters halve them; sharding (FSDP2) splits them across ranks",
-    "activations": "activations dominate even at micro-batch 1 with checkpointing: shorten the sequence or "
-                   "image size, or use a lower precision",
-    "temporaries": "temporaries of backward or the optimizer step dominate: a lower precision or a smaller "
+    "parameters": "Parameters dominate: keep them in bf16, or shard them (FSDP2, world_size > 1)",
+    "gradients": "Gradients dominate: bf16 parameters halve them; sharding (FSDP2) splits them across ranks",
+    "activations": "Activations dominate even in the configuration with the smallest peak: shorten the sequence "
+                   "or image size, or use a lower precision",
+    "temporaries": "Temporaries of backward or the optimizer step dominate: a lower precision or a smaller "
                    "largest layer helps",
+    "inputs": "Inputs dominate: the trainer receives the whole batch at once, so the plan holds all of its rows; "
+              "plan a smaller batch_size (or more ranks), or shorter sequences / smaller images",
+    "buffers": "Buffers dominate (registered buffers and tensor attributes such as causal masks or rotary caches): "
+               "size them for the sequence length you train at, or keep large constant tables off the model",
+    "workspace": "CPU kernel scratch memory dominates (oneDNN reorders and scratchpads inside the largest "
+                 "convolutions and matmuls): try another precision, or a smaller largest layer",
+    "autocast_cache": "Autocast's low-precision copies of the weights dominate: they live until the forward's "
+                      "autocast region exits; fp32 makes none, and neither do weights already in the autocast dtype",
+    "cuda_context": "The CUDA context dominates: it is a constant (512 MiB unless AUTOFIT_CUDA_CONTEXT_MIB says "
+                    "otherwise, see benchmarks/gpu_validate.py) that every budget on a GPU must hold",
+    "cublas_workspace": "The cuBLAS workspace dominates: it is a constant per process (CUBLAS_WORKSPACE_CONFIG "
+                        "sets its size) that every budget on a GPU must hold",
+    "fragmentation": "The caching allocator's reserve dominates: segments reserved beyond the blocks in use are "
+                     "part of what the process holds, so the budget must cover them",
+    "allocator_rounding": "Allocator rounding dominates: every CUDA block is rounded up to 512 bytes, so many tiny "
+                          "tensors cost more than their bytes",
 }
 
 
@@ -55,7 +74,11 @@ def plan(
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
-    over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified."""
+    over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
+
+    ``world_size > 1`` plans one rank of a data-parallel job: ``batch_size`` is the global batch, ``budget`` is per
+    device, and ``strategy`` is "ddp", "fsdp2" or None (autofit plans both and keeps the faster). When the fastest
+    configuration fits, its full estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
@@ -144,12 +167,13 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
     """Analyse, search and verify for one data-parallel strategy (None: a single process).
 
     Note [the quick path]
-        The time model ranks the preferred precision (the device's fastest: bf16/fp16 on GPUs, fp32 on the CPU),
-        one micro-batch for the whole batch and no recomputation as the fastest configuration there is: every other
-        precision is slower per op, every extra micro-batch adds launches and loses utilisation, every checkpointed
-        module adds its forward again. So when that configuration's full estimate fits the budget, it is the plan,
-        and the analysis (two simulations per precision) is not needed. Budgets are still monotonic: when it stops
-        fitting, the search's winner is slower and, being under the smaller budget, lower.
+        The time model ranks the preferred precision (the first allowed one; for "auto" the device's fastest:
+        bf16/fp16 on GPUs, fp32 on the CPU), one micro-batch for the whole batch and no recomputation (or the
+        user's fixed checkpoint set) as the fastest configuration there is: every other precision is slower per
+        op, every extra micro-batch adds launches and loses utilisation, every checkpointed module adds its forward
+        again. So when that configuration's full estimate fits the budget, it is the plan, and the analysis (two
+        simulations per precision) is not needed. Budgets are still monotonic: when it stops fitting, the search's
+        winner is slower and, being under the smaller budget, lower.
     """
     units = shard_units(ctx.model) if strategy == "fsdp2" else ()
     parallel = dict(strategy=strategy, world_size=ctx.world_size if strategy else 1, shard_units=units)
@@ -230,8 +254,9 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
     where = f", {strategy} over {ctx.world_size} ranks" if strategy else ""
     raise InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget_bytes)}: the smallest reachable peak is "
-        f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch 1, {smallest.precision}, "
-        f"{len(smallest.checkpoint)} modules checkpointed{where}). {_ADVICE.get(dominant, dominant + ' dominates')}",
+        f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch {smallest.micro_batch_size}, "
+        f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed{where}). "
+        f"{_ADVICE.get(dominant, f'{dominant} dominates the smallest peak')}.",
         min_budget_bytes=est.device_bytes, budget_bytes=budget_bytes, dominant=dominant,
     )
 

@@ -58,10 +58,12 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class Measurement:
-    """Measured peak of real training steps: the allocator's high-water mark plus the bytes alive before them.
+    """Measured peak of real training steps. CPU: the allocator's high-water mark during the steps plus the bytes
+    alive before them. CUDA: ``torch.cuda.max_memory_allocated`` over the steps (every block of the process, rounded,
+    the cuBLAS workspace included), with ``reserved_bytes`` from ``max_memory_reserved``.
 
     The allocator cannot say which of its blocks were activations or gradients, so the breakdown has the tensors
-    that existed before the step by category and everything allocated during the step under ``step``.
+    that existed before the step by category and everything else at the peak under ``step``.
     """
 
     peak_bytes: int

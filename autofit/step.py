@@ -2,7 +2,8 @@
 
 For one micro-batch: forward and loss (under autocast when the precision asks for it), backward of the loss weighted
 by the micro-batch's share of the effective batch; after the last micro-batch of the window, ``optimizer.step()``
-(through the GradScaler for fp16) then ``zero_grad(set_to_none=True)``. See DESIGN.md, "What the step is".
+(through the GradScaler for fp16) then ``zero_grad(set_to_none=True)``. See "What the step is" in
+docs/memory-model.md.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class StepConfig:
     # Rows of input data resident during the window: the trainer receives the whole batch at once and slices it, so
     # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
     held_rows: int = 0
-    gpu: str | None = None  # the GPU a "cuda" step is simulated for (autofit.gpu_spec names)
+    gpu: str | None = None  # the GPU a "cuda" step is simulated for (a name autofit.gpu_spec knows)
     # Data parallelism (see autofit/emit/distributed.py): the step of one rank out of world_size.
     strategy: str | None = None  # None (one process), "ddp" or "fsdp2"
     world_size: int = 1
@@ -105,7 +106,7 @@ def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str
 
 
 def _checkpointed_forward(forward, *args, **kwargs):
-    # Always non-reentrant (DESIGN.md): it supports keyword arguments, nesting and inputs that need no grad.
+    # Always non-reentrant (docs/memory-model.md): it supports keyword arguments, nesting and inputs that need no grad.
     return _checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -32,8 +32,10 @@ def analyse_model(
     """Graph, per-layer table and step profile of ``model`` at ``precision``.
 
     The window is simulated with two micro-batches (the second starts with gradients, as every later micro-batch
-    of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1); kernel probes are off unless asked for (the planner adds
-    their scratch memory when it verifies its winner with a full estimate).
+    of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1). CPU kernel probes run
+    only with ``probe_kernels=True`` and ``device="cpu"``: the planner asks for them on CPU targets, so the scratch
+    memory of CPU kernels is in its models; ``autofit.analyse`` does not. ``strategy``, ``world_size`` and
+    ``shard_units`` simulate one rank of a data-parallel step (``simulate/parallel.py``).
     """
     graph = capture_graph(model, batch)
     optimizer = optimizer or as_optimizer_spec("adamw")

@@ -1,5 +1,7 @@
 """``autofit plan`` and ``autofit verify``: parse, call the library, render. Exit codes: 0 plan printed, 2 usage or
-bad input (one line, no traceback), 3 infeasible budget (the message names the smallest budget that works)."""
+bad input, 3 infeasible budget (the message names the smallest budget that works). The commands' own errors are one
+line starting with ``error:``, no traceback, on stdout (stderr with ``--json``); click's usage errors (a missing or
+malformed option) go to stderr with the usage line."""
 
 from __future__ import annotations
 
@@ -45,6 +47,14 @@ def _fail(console: Console, message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def _infeasible(e: InfeasibleBudgetError) -> str:
+    """The planner's message, then the smallest budget that works (as the planner words it, one sentence each)."""
+    message = str(e).rstrip()
+    if not message.endswith("."):
+        message += "."
+    return f"{message} Smallest budget that works: {format_bytes(e.min_budget_bytes)} ({e.min_budget_bytes} bytes)."
+
+
 def _spec(model: str, input_shape, input_dtype, config):
     shapes = [parse_shape(s) for s in input_shape or []]
     dtype = parse_dtype(input_dtype) if input_dtype else None
@@ -77,8 +87,7 @@ def plan(
                 precision=precision, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
             )
     except InfeasibleBudgetError as e:
-        _fail(console, f"{e} Smallest budget that works: {format_bytes(e.min_budget_bytes)} "
-                       f"({e.min_budget_bytes} bytes).", EXIT_INFEASIBLE)
+        _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except (AutofitError, typer.BadParameter) as e:
         _fail(console, str(e), EXIT_INPUT)
     if as_json:
@@ -120,7 +129,7 @@ def verify(
         with console.status(f"running {steps} real steps...", spinner="dots"):
             report = run_verification(spec, result, steps=steps)
     except InfeasibleBudgetError as e:
-        _fail(console, f"{e} Smallest budget that works: {format_bytes(e.min_budget_bytes)}.", EXIT_INFEASIBLE)
+        _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except AutofitError as e:
         _fail(console, str(e), EXIT_INPUT)
     console.print(report)

@@ -30,6 +30,9 @@ T = 1e12
 
 @dataclass(frozen=True, kw_only=True)
 class GPUSpec:
+    """A GPU as autofit models it: memory in bytes, dense FLOP/s per precision, memory bandwidth and GPU-to-GPU
+    bandwidth in bytes/s, compute capability, and the datasheet the figures come from."""
+
     name: str
     memory_bytes: int
     fp32_flops: float
@@ -95,7 +98,9 @@ def _key(name: str) -> str:
 
 
 def gpu_spec(name: str) -> GPUSpec:
-    """Look a GPU up by name ("A100-40GB", "a100 80gb", "H100", "RTX 4090"...). Unknown names list the catalog."""
+    """The catalog entry for a GPU name, case-, space- and underscore-insensitive, "NVIDIA" optional ("A100-40GB",
+    "a100 80gb", "NVIDIA H200", "RTX 4090"), or an alias ("H100": the 80 GB SXM, "A100": 80 GB, "V100": 32 GB).
+    A :class:`GPUSpec` is returned as is. An unknown name raises ``InvalidInputError`` listing the catalog."""
     if isinstance(name, GPUSpec):
         return name
     if not isinstance(name, str):

@@ -45,6 +45,11 @@ def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype:
 
 
 class DistributedTrainer(Trainer):
+    """Executes a multi-process plan (``plan.world_size > 1``) on this rank: :meth:`Plan.wrap <autofit.Plan.wrap>`
+    returns it. Needs ``torch.distributed`` initialised with ``plan.world_size`` processes. ``optimizer`` is an
+    instance or a factory ``params -> Optimizer`` for DDP, and must be a factory for FSDP2. ``trainer.model`` is
+    the DDP- or FSDP2-wrapped model; ``unwrap()`` returns the model itself."""
+
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():

@@ -1,10 +1,12 @@
 """The training wrapper a plan emits: it runs exactly the step the estimate simulated.
 
 ``trainer.step(inputs, target)`` splits the batch into micro-batches of ``plan.micro_batch_size`` (the last one may
-be shorter), runs each through :func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated
-gradient equals the gradient of the mean loss over the whole batch, then steps the optimizer (through the
+be shorter), moves each to the device of the model's parameters, runs it through
+:func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
+mean loss over the whole batch, and drops its loss before the next; then it steps the optimizer (through the
 GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients.
-Checkpointed and fp32-pinned modules are patched on the model while the trainer is active; ``unwrap()`` restores it.
+Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
+the model while the trainer is active; ``unwrap()`` restores it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
 
 class Trainer:
-    """Executes a :class:`~autofit.Plan` on the user's model and optimizer."""
+    """Executes a single-process :class:`~autofit.Plan` on the user's model and optimizer (an instance built over
+    ``model.parameters()``); :meth:`Plan.wrap <autofit.Plan.wrap>` builds it. Also a context manager that unwraps on
+    exit. With BatchNorm layers and more than one micro-batch it warns: batch statistics are then per micro-batch."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  loss_fn: LossFn | None = None) -> None:

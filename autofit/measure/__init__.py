@@ -1,1 +1,1 @@
-"""The truth an estimate is judged by: real steps, measured by the allocator (see DESIGN.md, ground truth)."""
+"""The truth an estimate is judged by: real steps, measured by the allocator (docs/memory-model.md, the oracle)."""

@@ -25,26 +25,34 @@ from autofit.loss import LossFn
 from autofit.report import Measurement
 from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
 
-__all__ = ["measure_step", "measure_callable", "allocation_sizes", "memory_profile"]
+__all__ = ["measure_step", "measure_callable", "allocation_sizes", "memory_profile", "quiet_native_output"]
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Kineto prints a 'profiler_start' / 'profiler_stop' line on the C stderr each time a profiler starts and stops,
-    whatever its log level; autofit starts one per kernel probe, so those writes go to /dev/null."""
+def quiet_native_output(fds: tuple[int, ...] = (2,)) -> Iterator[None]:
+    """Send what native code writes to these file descriptors to /dev/null for a while. Kineto prints a
+    'profiler_start' / 'profiler_stop' line on the C stderr each time a profiler starts and stops, whatever its log
+    level (autofit starts one per kernel probe); HiGHS prints solver internals on stdout."""
+    sys.stdout.flush()
     sys.stderr.flush()
+    saved = {}
     try:
-        saved = os.dup(2)
-    except OSError:  # no file descriptor 2 (embedded interpreters): nothing to silence
+        for fd in fds:
+            saved[fd] = os.dup(fd)
+    except OSError:  # no such descriptor (embedded interpreters): nothing to silence
+        for fd in saved.values():
+            os.close(fd)
         yield
         return
     try:
         with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
+            for fd in fds:
+                os.dup2(devnull.fileno(), fd)
         yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 class memory_profile:  # noqa: N801 - used like torch.profiler.profile
@@ -52,12 +60,12 @@ class memory_profile:  # noqa: N801 - used like torch.profiler.profile
 
     def __enter__(self):
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
+        with quiet_native_output():
             self._prof.__enter__()
         return self._prof
 
     def __exit__(self, *exc):
-        with _quiet_stderr():
+        with quiet_native_output():
             return self._prof.__exit__(*exc)
 
 

@@ -11,9 +11,11 @@ norms return fp32 statistics on the CPU, bf16 ones on fake tensors), aliased out
 
 Those sizes depend on the oneDNN version, the instruction set and the thread count, so they are not written down
 here: the prober runs the real kernel once per distinct signature (op, shapes, strides, dtypes, other arguments) on
-small random tensors under the CPU profiler and reads what the allocator saw, which is exactly the term the estimate
-needs. Results are cached per process. Kernels whose inputs and outputs together exceed ``max_probe_bytes`` are not
-probed (their scratch is small next to tensors that size); the estimate lists how many were skipped.
+real tensors of the full shapes and strides, floats filled with 0.5 and integers and booleans with 0 (see
+``_real_like``), under the CPU profiler, and reads what the allocator saw, which is exactly the term the estimate
+needs. Results are cached per process. Kernels whose tensor arguments (the storage each spans, outputs not counted)
+together exceed ``max_probe_bytes`` are not probed (their scratch is small next to tensors that size); the estimate
+lists how many were skipped. Creation, view and copy ops, and ops outside ``aten``, are never probed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class ProbeResult:
 
 @dataclass
 class KernelProber:
-    max_probe_bytes: int = 256 * 2**20
+    max_probe_bytes: int = 256 * 2**20  # a kernel whose tensor arguments span more bytes is not probed
     cache: dict[Any, ProbeResult | None] = field(default_factory=dict)
     skipped: int = 0  # kernels too large to probe in the last simulation
     failed: int = 0
@@ -80,7 +82,7 @@ class KernelProber:
             return None
         try:
             result = _run_probe(func, args, kwargs)
-        except Exception:  # noqa: BLE001 - a kernel that rejects random inputs keeps its fake size, no workspace
+        except Exception:  # noqa: BLE001 - a kernel that rejects these inputs keeps its fake size, no workspace
             self.failed += 1
             result = None
         self.cache[key] = result

@@ -4,9 +4,9 @@ The copy is fake (no memory) unless the model's code depends on tensor values (`
 ``nonzero``): fake tensors have no values, so such steps run on a real copy at the requested micro-batch instead,
 with the same tracker (see Note [data-dependent models]).
 
-Steady state (DESIGN.md): optimizer state exists before the step. It is created by one optimizer step over zero
-gradients before tracking starts; state of parameters that then receive no gradient in the step is dropped from the
-timeline, since a real optimizer never creates it.
+Steady state (docs/memory-model.md): optimizer state exists before the step. It is created by one optimizer step
+over zero gradients before tracking starts; state of parameters that then receive no gradient in the step is dropped
+from the timeline, since a real optimizer never creates it.
 
 Note [checkpoint RNG state]
     Non-reentrant checkpointing stashes the CPU RNG state (``torch.get_rng_state()``, a 5056-byte tensor on current

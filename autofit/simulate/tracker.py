@@ -1,11 +1,14 @@
-"""A dispatch mode that turns a step run on fake tensors into an allocation :class:`Timeline`.
+"""A dispatch mode that turns a step run on fake tensors (or, for data-dependent models, real CPU tensors) into an
+allocation :class:`Timeline`.
 
 Every aten op passes through ``__torch_dispatch__`` below autograd and autocast, so it sees the ops that really run
 (the backward's, the optimizer's, the low-precision casts autocast inserts). A storage the op returns that the
 tracker has not seen is an allocation; a weak reference on the storage object reports its death as a free. PyTorch
 keeps a storage's Python object alive exactly as long as the C++ storage (PyObject preservation), so frees land
 where the real allocator frees. This is the technique of ``torch.distributed._tools.mem_tracker``, rebuilt here
-on public pieces so the core does not depend on that private module.
+on public pieces so the core does not depend on that private module. Two things the mode alone would miss:
+``UntypedStorage.resize_`` (FSDP2 frees and re-allocates unsharded parameters with it) is wrapped while the tracker
+is active, and a DTensor is counted by its local shard (``_local``), what this rank stores.
 """
 
 from __future__ import annotations

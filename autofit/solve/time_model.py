@@ -6,7 +6,9 @@ launch cost. FLOPs come from PyTorch's ``flop_registry``, bytes from the tensors
 linear in the micro-batch b (the analysis ran at two sizes). Small ops reach a fraction of peak: utilisation
 ``f / (f + knee)`` with ``knee`` the FLOPs at which a GPU reaches half its peak, which is why large micro-batches win
 when they fit, together with the per-op launch cost paid once per micro-batch. A recomputed module costs its
-forward ops again. The optimizer streams parameters, gradients and state once per step.
+forward ops again. The optimizer streams parameters, gradients and state once per step; with data parallelism
+the strategy's collectives (``sharding.py``) are added, not overlapped with compute. Each op is costed at the
+precision of the dtype it computed in (``precision_of``), so under autocast the ops that stay in fp32 cost fp32.
 Assumptions, and what is not modelled (overlap, cuDNN algorithm choice, data loading): docs/planner.md.
 """
 
@@ -35,9 +37,11 @@ class Throughput:
         object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
 
 
-# A nominal CPU, compute-bound (caches hide most memory traffic at these sizes): autocast to bf16/fp16 adds casts
-# and does not speed up most CPU kernels, so low precision ranks slower and is chosen only when it lets a larger
-# micro-batch fit. The absolute numbers only scale the printed seconds.
+# A nominal CPU, compute-bound (bandwidth infinite: caches hide most memory traffic at these sizes, so ops without
+# FLOPs cost only their launch, and the optimizer step costs nothing). Autocast to bf16/fp16 adds casts and does not
+# speed up most CPU kernels, so low precision ranks slower per op (bf16 0.8x, fp16 0.5x the fp32 rate) and is chosen
+# only when the memory it saves buys a faster configuration (a larger micro-batch, less recomputation). No knee:
+# every op runs at the nominal rate. The absolute numbers only scale the printed seconds.
 CPU = Throughput(
     name="cpu", flops_per_second={"fp32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11}, bytes_per_second=float("inf"),
     op_overhead_seconds=1.0e-5,

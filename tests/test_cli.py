@@ -1,0 +1,138 @@
+"""The ``autofit`` command through typer's runner: model specs, JSON, exports, exit codes and their messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import autofit
+from autofit.cli.app import app
+from autofit.cli.specs import load_spec, parse_overrides, parse_shape
+from autofit.errors import InvalidInputError
+
+ROOT = Path(__file__).resolve().parent.parent
+FACTORY = f"{ROOT / 'examples' / 'factories.py'}:small_cnn"
+runner = CliRunner()
+
+
+def _plan(*args: str):
+    return runner.invoke(app, ["plan", *args], catch_exceptions=False)
+
+
+def test_factory_spec_prints_the_plan_tables():
+    result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    for text in ("micro-batch", "accumulation steps", "predicted peak", "MiB", "largest layers"):
+        assert text in result.output, result.output
+
+
+def test_json_parses_and_round_trips_into_a_plan():
+    result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    start = result.stdout.index("{")
+    data = json.loads(result.stdout[start:])
+    plan = autofit.Plan.from_json(json.dumps(data))
+    assert plan.batch_size == 32 and plan.budget_bytes == 50_000_000
+    assert isinstance(data["peak_bytes"], int) and plan.peak_bytes == data["peak_bytes"] <= 50_000_000
+    assert plan.to_json() == autofit.Plan.from_json(plan.to_json()).to_json()
+
+
+@pytest.mark.parametrize("name,key", [("hf", "training_arguments"), ("deepspeed", "train_micro_batch_size_per_gpu"),
+                                      ("lightning", "trainer")])
+def test_exports_are_plain_dicts(name, key):
+    result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", "--json", "--export", name)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout[result.stdout.index("{"):])
+    exported = json.loads(result.stderr[result.stderr.index("{"):])
+    assert key in exported
+    if name == "deepspeed":
+        assert exported["train_batch_size"] == plan["micro_batch_size"] * plan["gradient_accumulation_steps"]
+
+
+@pytest.mark.parametrize("budget", ["8 gigs", "-1GB", "", "12XB"])
+def test_bad_budget_exits_2_without_traceback(budget):
+    result = runner.invoke(app, ["plan", FACTORY, "--budget", budget, "--batch-size", "32", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "budget" in result.output.lower()
+    assert len([line for line in result.output.splitlines() if line.strip()]) <= 3  # one clear message
+
+
+def test_budget_below_the_floor_exits_3_naming_the_minimum():
+    result = runner.invoke(app, ["plan", FACTORY, "--budget", "100KB", "--batch-size", "32", "--device", "cpu"])
+    assert result.exit_code == 3, result.output
+    assert "Traceback" not in result.output
+    assert "Smallest budget that works" in result.output
+    minimum = int(result.output.split("Smallest budget that works:")[1].split("(")[1].split(" bytes")[0])
+    assert minimum > 100_000
+    # and that minimum does plan
+    ok = runner.invoke(app, ["plan", FACTORY, "--budget", str(minimum), "--batch-size", "32", "--device", "cpu"])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_unknown_model_spec_exits_2():
+    result = runner.invoke(app, ["plan", "no_such_module_xyz:factory", "--budget", "1GB", "--batch-size", "4"])
+    assert result.exit_code == 2 and "Traceback" not in result.output and "no_such_module_xyz" in result.output
+
+
+def test_module_only_factory_needs_an_input_shape():
+    spec = f"{ROOT / 'examples' / 'factories.py'}:mlp"
+    result = runner.invoke(app, ["plan", spec, "--budget", "10MB", "--batch-size", "8", "--device", "cpu"])
+    assert result.exit_code == 2 and "--input-shape" in result.output
+    result = runner.invoke(app, ["plan", spec, "--budget", "10MB", "--batch-size", "8", "--device", "cpu",
+                                 "--input-shape", "128"])
+    assert result.exit_code == 0, result.output
+
+
+def test_world_size_and_strategy_options():
+    result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", "--world-size", "2",
+                   "--strategy", "ddp", "--json")
+    assert result.exit_code == 0, result.output
+    plan = autofit.Plan.from_json(result.stdout[result.stdout.index("{"):])
+    assert (plan.world_size, plan.strategy, plan.micro_batch_size * plan.gradient_accumulation_steps) == (2, "ddp", 16)
+
+
+def test_cuda_plan_for_a_named_gpu_with_a_percentage_budget():
+    result = _plan(FACTORY, "--budget", "90%", "--batch-size", "32", "--device", "cuda", "--gpu", "T4", "--json")
+    assert result.exit_code == 0, result.output
+    plan = autofit.Plan.from_json(result.stdout[result.stdout.index("{"):])
+    assert plan.gpu == "T4" and plan.precision.name == "fp16"  # T4 has no bf16
+    assert plan.budget_bytes == int(0.9 * 16 * 2**30) and plan.device_bytes <= plan.budget_bytes
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", "--plot", str(out))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_torchvision_spec():
+    pytest.importorskip("torchvision")
+    result = _plan("torchvision:resnet18", "--budget", "16GB", "--batch-size", "8", "--input-shape", "3,64,64",
+                   "--device", "cuda", "--gpu", "T4", "--json")
+    assert result.exit_code == 0, result.output
+
+
+def test_hf_spec_builds_from_a_config_without_downloading():
+    pytest.importorskip("transformers")
+    result = _plan("hf:gpt2", "--config", "n_layer=1", "--config", "n_embd=32", "--config", "n_head=2",
+                   "--config", "vocab_size=100", "--input-shape", "16", "--budget", "1GB", "--batch-size", "4",
+                   "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    plan = autofit.Plan.from_json(result.stdout[result.stdout.index("{"):])
+    assert plan.batch_size == 4
+
+
+def test_spec_helpers():
+    assert parse_shape("3,224,224") == (3, 224, 224) == parse_shape("3x224x224")
+    assert parse_overrides(["n_layer=2", "name=tiny", "flag=true"]) == {"n_layer": 2, "name": "tiny", "flag": True}
+    with pytest.raises(InvalidInputError, match="key=value"):
+        parse_overrides(["oops"])
+    with pytest.raises(InvalidInputError, match="positive"):
+        parse_shape("3,0")
+    with pytest.raises(InvalidInputError, match="MODEL"):
+        load_spec("just-a-name")
