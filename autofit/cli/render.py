@@ -3,6 +3,8 @@ go in the column headers, as the issue asks; numbers are right-aligned."""
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -59,16 +61,28 @@ def breakdown_table(plan: Plan) -> Table:
     return table
 
 
+def _pattern(name: str) -> str:
+    """'transformer.h.7.mlp.act' -> 'transformer.h.*.mlp.act': repeated layers share one row."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+
+
 def layers_table(layers: LayerTable, batch: int, limit: int = 8) -> Table:
-    table = Table(title=f"largest layers by activation memory (micro-batch {batch})", title_justify="left")
+    table = Table(title=f"largest layers by activation memory (micro-batch {batch}; per layer)",
+                  title_justify="left")
     table.add_column("module")
     table.add_column("type")
+    table.add_column("count", justify="right")
     table.add_column("saved MiB", justify="right")
     table.add_column("params MiB", justify="right")
     table.add_column("GFLOP", justify="right")
-    for row in layers.largest(limit, batch=batch):
-        table.add_row(row.name, row.type, _mib(row.saved_bytes(batch)), _mib(row.param_bytes),
-                      f"{row.flops(batch) / 1e9:.2f}")
+    groups: dict[tuple[str, str], list] = {}
+    for row in layers.largest(len(layers.rows), batch=batch):
+        groups.setdefault((_pattern(row.name), row.type), []).append(row)
+    ranked = sorted(groups.items(), key=lambda kv: -max(r.saved_bytes(batch) for r in kv[1]))
+    for (pattern, kind), rows in ranked[:limit]:
+        first = max(rows, key=lambda r: r.saved_bytes(batch))
+        table.add_row(pattern, kind, str(len(rows)), _mib(first.saved_bytes(batch)), _mib(first.param_bytes),
+                      f"{first.flops(batch) / 1e9:.2f}")
     return table
 
 
