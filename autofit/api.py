@@ -119,6 +119,7 @@ def analyse(
     the profile leaves out kernel scratch memory. ``model`` is never modified."""
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
-    policy, opt = as_policy(precision), as_optimizer_spec(optimizer)
+    config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)
     with forward_errors():  # the graph capture runs the forward outside the simulator's own error handling
-        return analyse_model(model, batch, target_batch, loss_fn, policy, opt)
+        return analyse_model(model, batch, target_batch, loss_fn, config.precision, config.optimizer,
+                             device=config.device, gpu=config.gpu)

@@ -59,7 +59,8 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
         return prediction.reshape(())
     raise LossError(
         "no loss could be derived from the model's output "
-        f"({type(output).__name__}{'' if target is None else ' with a target'}): pass loss_fn=lambda output, target: ..."
+        f"({type(output).__name__}{'' if target is None else ' with a target'}): "
+        "pass loss_fn=lambda output, target: ..."
     )
 
 

@@ -109,7 +109,8 @@ def plan_with_analysis(
     per_rank = _per_rank_batch(batch_size, world_size, strategy)
     ctx = _Context(model, batch, target_batch, loss_fn, target_device, budget_bytes, batch_size, per_rank,
                    world_size, _precisions(precision, target_device), as_optimizer_spec(optimizer),
-                   _fixed_checkpoint(model, checkpoint), checkpoint == "auto", notes, quick=not alternatives)
+                   _fixed_checkpoint(model, checkpoint), checkpoint == "auto", notes, quick=not alternatives,
+                   auto_precision=isinstance(precision, str) or isinstance(precision, PrecisionPolicy))
     strategies = [strategy] if strategy is not None or world_size == 1 else ["ddp", "fsdp2"]
     results, infeasible, failed = [], [], []
     for name in strategies:
@@ -151,6 +152,7 @@ class _Context:
     allow_checkpoint: bool
     notes: list[str]
     quick: bool = False  # try the quick path first (see Note [the quick path])
+    auto_precision: bool = True  # precision="auto": the first policy is the device's fastest
 
 
 def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:
@@ -178,7 +180,7 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
     units = shard_units(ctx.model) if strategy == "fsdp2" else ()
     parallel = dict(strategy=strategy, world_size=ctx.world_size if strategy else 1, shard_units=units)
     target_device = ctx.device
-    if ctx.quick:
+    if ctx.quick and ctx.auto_precision:
         preferred = ctx.policies[0]
         config = make_step_config(micro_batch_size=ctx.per_rank, precision=preferred,
                                   checkpoint=ctx.fixed_checkpoint or (), optimizer=ctx.optimizer,

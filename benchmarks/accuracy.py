@@ -12,7 +12,7 @@ checkpointed modules, Adam by default) it prints:
 Error is (estimate - measured) / measured. Nothing is asserted: this is a report, the tests hold the tolerances.
 
     /work/venv/bin/python benchmarks/accuracy.py                   # every case, every configuration
-    /work/venv/bin/python benchmarks/accuracy.py --cases mlp,lstm  # a subset
+    /work/venv/bin/python benchmarks/accuracy.py --cases vit,lstm  # a subset
     /work/venv/bin/python benchmarks/accuracy.py --no-memtracker   # autofit only (faster)
 """
 

@@ -12,8 +12,8 @@ compares:
   ``torch.cuda.max_memory_reserved()``;
 - device: ``device_bytes`` against what the process holds on the GPU in all (NVML's per-process figure when
   ``pynvml`` is installed and sees this process; else reserved plus the context measured once at start-up);
-- measure: ``autofit.measure(..., device="cuda").peak_bytes`` (autofit's own measurement: what was alive before
-  the step plus the allocator's high-water mark of the step);
+- measure: ``autofit.measure(..., device="cuda").peak_bytes`` (autofit's own measurement:
+  ``torch.cuda.max_memory_allocated()`` over its measured steps);
 - time: the plan's ``predicted_step_seconds`` (``autofit.plan`` with the whole device as budget, this precision and
   checkpoint, ``batch_size`` = the micro-batch) against ``plan.wrap(...).step`` timed with CUDA events after warm-up.
 

@@ -8,7 +8,7 @@ What it shows:
 3. ``plan.wrap(model, optimizer)``: two real training steps over the full batch, as planned;
 4. ``autofit.measure``: the same step run for real, its peak read from the CPU allocator, next to the estimate.
 
-Everything runs on the CPU in a few seconds (CUDA planning arrives in a later version).
+Everything runs on the CPU in a few seconds (for a GPU, plan with device="cuda", see docs/cuda.md).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ PUBLIC = [
     "UnsupportedModelError",
     "analyse",
     "estimate",
+    "gpu_spec",
     "measure",
     "plan",
 ]

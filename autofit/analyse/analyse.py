@@ -109,7 +109,7 @@ def _call_records(obs1: LayerObserver, obs2: LayerObserver) -> tuple[CallRecord,
 
 
 def _linear(one: dict[str, int], two: dict[str, int], name: str) -> tuple[int, int]:
-    """(per_sample, fixed) of a figure measured at the two analysis sizes (consecutive, so the slope is the difference)."""
+    """(per_sample, fixed) of a figure measured at the two analysis sizes (consecutive: the slope is the difference)."""
     per_sample = two.get(name, 0) - one.get(name, 0)
     return per_sample, one.get(name, 0) - SIZES[0] * per_sample
 

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from autofit.cli.render import render_plan
 from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
-from autofit.errors import AutofitError, InfeasibleBudgetError
+from autofit.errors import AutofitError, InfeasibleBudgetError, InvalidInputError
 from autofit.export import EXPORTERS
 from autofit.units import format_bytes
 
@@ -31,7 +31,8 @@ BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-n", help="effective batch: samples per optimizer step")]
 ShapeOpt = Annotated[Optional[list[str]], typer.Option("--input-shape", help="one sample's shape without the batch "
                                                        "dimension, e.g. 3,224,224 (repeat for several inputs)")]
-DtypeOpt = Annotated[Optional[str], typer.Option("--input-dtype", help="dtype of generated inputs: float32, int64, ...")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--input-dtype",
+                                                  help="dtype of generated inputs: float32, int64, ...")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda")]
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="auto, fp32, bf16 or fp16")]
@@ -58,7 +59,13 @@ def _infeasible(e: InfeasibleBudgetError) -> str:
 def _spec(model: str, input_shape, input_dtype, config):
     shapes = [parse_shape(s) for s in input_shape or []]
     dtype = parse_dtype(input_dtype) if input_dtype else None
-    return load_spec(model, input_shapes=shapes or None, input_dtype=dtype, config=parse_overrides(config or []))
+    try:
+        return load_spec(model, input_shapes=shapes or None, input_dtype=dtype,
+                         config=parse_overrides(config or []))
+    except AutofitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's factory (or file) failed: say so in one line
+        raise InvalidInputError(f"building MODEL {model!r} failed: {type(e).__name__}: {e}") from e
 
 
 @app.command()
@@ -68,7 +75,8 @@ def plan(
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, world_size: WorldOpt = 1,
     strategy: StrategyOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")] = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot",
+                                                 help="write memory per layer and the front to a PNG")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
                                                   "lightning arguments")] = None,
 ) -> None:

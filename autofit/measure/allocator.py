@@ -155,13 +155,7 @@ def measure_step(
 
 
 def _measure_window(window, device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        window()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
+    """High-water mark of the CPU allocator while ``window`` runs, above what was allocated before it."""
     with memory_profile() as prof:
         window()
     running = peak = 0
@@ -174,6 +168,12 @@ def _measure_window(window, device: torch.device) -> int:
 def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu") -> int:
     """Peak bytes while ``fn()`` runs: the distinct storages of ``live`` (what exists before it: parameters,
     optimizer state, the batch) plus the allocator's high-water mark during the call. Used to check a trainer's
-    real step against its plan."""
+    real step against its plan. On CUDA the allocator's own ``max_memory_allocated`` (the whole process)."""
     gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
     return _storage_bytes(live) + _measure_window(fn, torch.device(device))
