@@ -69,8 +69,8 @@ def _pattern(name: str) -> str:
 def layers_table(layers: LayerTable, batch: int, limit: int = 8) -> Table:
     table = Table(title=f"largest layers by activation memory (micro-batch {batch}; per layer)",
                   title_justify="left")
-    table.add_column("module")
-    table.add_column("type")
+    table.add_column("module", overflow="fold")  # full names in narrow terminals: fold, never cut
+    table.add_column("type", overflow="fold")
     table.add_column("count", justify="right")
     table.add_column("saved MiB", justify="right")
     table.add_column("params MiB", justify="right")
