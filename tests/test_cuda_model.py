@@ -702,3 +702,15 @@ def test_gpu_validate_without_cuda_says_so_and_exits_0():
                           text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "no CUDA device: nothing to validate"
+
+
+def test_weight_cast_cache_is_cleared_when_an_autocast_region_closes():
+    # torch/amp/autocast_mode.py: __exit__ calls torch.clear_autocast_cache() when the outermost region closes. That
+    # includes the region non-reentrant checkpoint opens to recompute a module during backward; the emulation's own
+    # cache must be emptied then too, or recomputed weight casts would pile up through backward.
+    layer = torch.nn.Linear(8, 8)
+    with cuda_autocast_policy(torch.bfloat16) as caster:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(torch.randn(2, 8))
+            assert len(caster.cache) == 2  # the weight and the bias, cast once each
+        assert len(caster.cache) == 0

@@ -159,8 +159,18 @@ def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
             # fall through to the next key *without* excluding AutocastCPU: a composite op (cross_entropy,
             # conv2d with padding="same") must still meet CUDA's policy for the ops it decomposes into
             lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+    # torch.autocast's __exit__ calls torch.clear_autocast_cache() when the outermost region closes: the forward's
+    # region, and also each region non-reentrant checkpoint opens to recompute a module during backward
+    clear_cache = torch.clear_autocast_cache
+
+    def clear_both() -> None:
+        caster.clear()
+        clear_cache()
+
+    torch.clear_autocast_cache = clear_both
     try:
         yield caster
     finally:
+        torch.clear_autocast_cache = clear_cache
         caster.clear()
         lib._destroy()
