@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autofit.batch import Batch
 from autofit.capture.dispatch_trace import record_forward
-from autofit.capture.model_copy import fake_copy, real_copy
+from autofit.capture.model_copy import fake_copy, fake_input, real_copy
 from autofit.errors import UnsupportedModelError
 from autofit.simulate.run import DATA_DEPENDENT_ERRORS
 
@@ -79,7 +79,7 @@ def capture_graph(model: nn.Module, batch: Batch) -> Graph:
     work = fake_copy(model, fake_mode)
     try:
         with fake_mode:
-            graph, outputs = record_forward(work, batch.map_tensors(lambda t: _to_fake(fake_mode, t)))
+            graph, outputs = record_forward(work, batch.map_tensors(lambda t: fake_input(fake_mode, t)))
         return Graph(graph, "dispatch", _module_calls(graph, outputs))
     except DATA_DEPENDENT_ERRORS:
         pass  # reads tensor values: trace a real copy below
@@ -98,12 +98,6 @@ def _skeleton(model: nn.Module) -> nn.Module:
             for t in model.parameters()}
     memo.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
     return copy.deepcopy(model, memo)
-
-
-def _to_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    if t.is_meta:
-        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="cpu")
-    return fake_mode.from_tensor(t.cpu())
 
 
 def _has_module_stacks(graph: fx.Graph) -> bool:

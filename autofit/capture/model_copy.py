@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autofit.errors import UnsupportedModelError
 
-__all__ = ["fake_copy", "real_copy", "module_tensor_attributes", "has_meta_tensors"]
+__all__ = ["fake_copy", "fake_input", "real_copy", "module_tensor_attributes", "has_meta_tensors"]
 
 
 def module_tensor_attributes(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -35,6 +35,13 @@ def has_meta_tensors(model: nn.Module) -> bool:
 
 def _fake_like(t: torch.Tensor, device: str) -> torch.Tensor:
     return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=device)
+
+
+def fake_input(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU twin of an input tensor (inputs on the meta device or a GPU included); call inside ``fake_mode``."""
+    if t.is_meta:
+        return _fake_like(t, "cpu")
+    return fake_mode.from_tensor(t.detach().cpu() if t.device.type != "cpu" else t)
 
 
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, *, device: str = "cpu") -> nn.Module:

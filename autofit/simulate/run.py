@@ -25,6 +25,7 @@ Note [data-dependent models]
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,7 +39,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from autofit.batch import Batch
-from autofit.capture.model_copy import fake_copy, module_tensor_attributes, real_copy
+from autofit.capture.model_copy import fake_copy, fake_input, module_tensor_attributes, real_copy
 from autofit.capture.module_stack import install_module_stack
 from autofit.categories import Category
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
@@ -124,7 +125,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             from autofit.emit.distributed import apply_fsdp2
 
             apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None)
-        to_sim = _fake_converter(fake_mode) if fake else (lambda t: t.to("cpu"))
+        to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None
         if target is not None:
@@ -181,15 +182,6 @@ def _tracked_rng_state(fake: bool) -> Iterator[None]:
         yield
     finally:
         torch.get_rng_state, torch.set_rng_state = get_state, set_state
-
-
-def _fake_converter(fake_mode: FakeTensorMode):
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        if t.is_meta:
-            return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="cpu")
-        return fake_mode.from_tensor(t.detach().cpu() if t.device.type != "cpu" else t)
-
-    return convert
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
