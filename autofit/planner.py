@@ -218,7 +218,8 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
                                                     row_bytes=_row_bytes(ctx.batch, ctx.target),
                                                     **_device_terms(a, target_device, ctx.per_rank))
                     for name, a in chosen.items()},
-            time={name: _time_model(a, target_device, strategy, ctx.world_size) for name, a in chosen.items()},
+            time={name: _time_model(a.ops, a.table.row("").param_bytes, target_device, strategy, ctx.world_size)
+                  for name, a in chosen.items()},
             precisions=tuple(p.name for p in policies),
             allow_checkpoint=ctx.allow_checkpoint,
             fixed_checkpoint=ctx.fixed_checkpoint,
@@ -334,10 +335,7 @@ def _quick_seconds(ctx: _Context, strategy: str | None, policy: PrecisionPolicy,
 
     ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
     params = sum(p.numel() * p.element_size() for p in ctx.model.parameters())
-    world = ctx.world_size if strategy else 1
-    model = TimeModel(ctx.device.throughput, ops, 4 * params // (world if strategy == "fsdp2" else 1),
-                      (lambda k: collective_seconds(strategy, world, params, params, k,
-                                                    ctx.device.interconnect_bytes_per_second)) if strategy else None)
+    model = _time_model(ops, params, ctx.device, strategy, ctx.world_size)
     return model.step_time(policy.name, config.micro_batch_size, 1, config.checkpoint).total
 
 
@@ -359,15 +357,15 @@ def _device_terms(analysis, target: DeviceTarget, batch: int) -> dict[str, float
     return {"scale": scale, "constant": constant}
 
 
-def _time_model(analysis, target: DeviceTarget, strategy: str | None, world_size: int) -> TimeModel:
-    params = analysis.table.row("").param_bytes
+def _time_model(ops, params: int, target: DeviceTarget, strategy: str | None, world_size: int) -> TimeModel:
+    """The roofline over ``ops``, the optimizer streaming ``params`` bytes four times, and the collectives."""
     optimizer_bytes = 4 * params // (world_size if strategy == "fsdp2" else 1)  # weight, grad, two states
 
     def collectives(micro_batches: int) -> float:
         return collective_seconds(strategy, world_size, params, params, micro_batches,
                                   target.interconnect_bytes_per_second)
 
-    return TimeModel(target.throughput, analysis.ops, optimizer_bytes, collectives if strategy else None)
+    return TimeModel(target.throughput, ops, optimizer_bytes, collectives if strategy else None)
 
 
 def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], budget_bytes: int, batch_size: int,

@@ -61,9 +61,6 @@ class Graph:
                 g.add_edge(used.name, node.name)
         return g
 
-    def calls_of(self, name: str) -> list[ModuleCall]:
-        return [c for c in self.calls if c.name == name]
-
 
 def capture_graph(model: nn.Module, batch: Batch) -> Graph:
     """Trace ``model``'s forward on ``batch`` without touching ``model``."""

@@ -76,7 +76,7 @@ class KernelProber:
         key = (func, tuple(_signature(x) for x in leaves), pytree.tree_structure((args, kwargs)))
         if key in self.cache:
             return self.cache[key]
-        size = sum(_storage_bytes(x) for x in leaves if isinstance(x, torch.Tensor))
+        size = sum(_extent(x) * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
         if size > self.max_probe_bytes:
             self.skipped += 1
             return None
@@ -98,11 +98,11 @@ def _signature(x: Any) -> Any:
     return type(x).__name__
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
+def _extent(t: torch.Tensor) -> int:
+    """Elements of storage the tensor's shape and strides reach (0 for an empty tensor)."""
     if t.numel() == 0:
         return 0
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return extent * t.element_size()
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
 
 
 def _real_like(t: torch.Tensor) -> torch.Tensor:
@@ -111,9 +111,8 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
     and targets)."""
     if t.numel() == 0:
         return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype)
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     fill = 0.5 if (t.dtype.is_floating_point or t.dtype.is_complex) else 0
-    base = torch.full((extent,), fill, dtype=t.dtype)
+    base = torch.full((_extent(t),), fill, dtype=t.dtype)
     return base.as_strided(tuple(t.shape), t.stride())
 
 

@@ -125,11 +125,6 @@ class MemoryModel:
     def optimizer_peak(self, batch: int) -> int:
         return self.profile.stage(1, Phase.OPTIMIZER, batch) + self.held_bytes(batch)
 
-    def activation_peak(self, batch: int, accumulation_steps: int) -> int:
-        live = self.profile.live(batch)
-        peaks = (int(live[lo:hi].max()) for lo, hi in self.activation_ranges(accumulation_steps))
-        return max(peaks, default=0) + self.held_bytes(batch)
-
     def edits(self, batch: int, accumulation_steps: int, units: Iterable[int]) -> list[Edit]:
         micros = self.profile.micro_batches(accumulation_steps)
         edits = []
