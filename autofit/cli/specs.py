@@ -1,11 +1,12 @@
-"""Turn a MODEL argument into a model, an example batch and a target (pure data: tested without the CLI).
+"""Turn a MODEL argument into a model, an example batch, a target and a loss (pure data: tested without the CLI).
 
 MODEL is one of
 - ``pkg.module:factory`` or ``path/to/file.py:factory``: a callable returning a module, ``(module, sample)`` or
-  ``(module, sample, target)``;
+  ``(module, sample, target)``; ``--task`` supplies the target and loss a factory does not (autofit/cli/tasks.py);
 - ``torchvision:NAME``: ``torchvision.models.get_model(NAME, weights=None)`` (random weights, never downloaded);
-- ``hf:MODEL_TYPE``: ``transformers.AutoConfig.for_model(MODEL_TYPE, **overrides)`` then
-  ``AutoModelForCausalLM.from_config`` (falling back to ``AutoModel``); never downloaded.
+- ``hf:NAME``: a Hugging Face checkpoint name (``hf:bert-base-uncased``, ``hf:meta-llama/Llama-2-7b-hf``), a local
+  directory with ``config.json``, or a model type (``hf:llama --config num_hidden_layers=2``); only the config is
+  read, see autofit/cli/hf_spec.py.
 Library models are built on the meta device: planning needs shapes, not weights.
 """
 
@@ -17,11 +18,12 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from autofit.cli import tasks
 from autofit.errors import InvalidInputError
 
 __all__ = ["ModelSpec", "load_spec", "parse_overrides", "SAMPLE_ROWS"]
@@ -35,6 +37,7 @@ class ModelSpec:
     sample: Any
     target: Any
     description: str
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None  # None: autofit's default (output.loss for HF models)
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
@@ -82,17 +85,19 @@ def _random_input(shape: tuple[int, ...], dtype: torch.dtype, high: int = 1000) 
 
 
 def load_spec(spec: str, *, input_shapes: list[tuple[int, ...]] | None = None, input_dtype: torch.dtype | None = None,
-              config: dict[str, Any] | None = None) -> ModelSpec:
+              config: dict[str, Any] | None = None, task: str | None = None) -> ModelSpec:
+    if task is not None:
+        tasks.check_task(task)
     if spec.startswith("torchvision:"):
         return _torchvision(spec.split(":", 1)[1], input_shapes, config or {})
     if spec.startswith("hf:"):
-        return _huggingface(spec.split(":", 1)[1], input_shapes, config or {})
+        return _huggingface(spec.split(":", 1)[1], input_shapes, config or {}, task)
     if ":" not in spec:
         raise InvalidInputError(
             f"cannot read MODEL {spec!r}: use pkg.module:factory, path/file.py:factory, torchvision:NAME or "
-            "hf:MODEL_TYPE"
+            "hf:NAME (a checkpoint name such as hf:gpt2, or hf:TYPE --config key=value)"
         )
-    return _factory(spec, input_shapes, input_dtype)
+    return _factory(spec, input_shapes, input_dtype, task)
 
 
 def _load_callable(spec: str):
@@ -117,7 +122,7 @@ def _load_callable(spec: str):
         raise InvalidInputError(f"{module_name!r} has no attribute {attr!r} (MODEL {spec!r})") from None
 
 
-def _factory(spec: str, input_shapes, input_dtype) -> ModelSpec:
+def _factory(spec: str, input_shapes, input_dtype, task: str | None) -> ModelSpec:
     result = _load_callable(spec)()
     target = None
     if isinstance(result, nn.Module):
@@ -130,15 +135,31 @@ def _factory(spec: str, input_shapes, input_dtype) -> ModelSpec:
             f"factory {spec!r} returned {type(result).__name__}: return a module, (module, sample) or "
             "(module, sample, target)"
         )
+    lm = task in tasks.LM_TASKS
     if input_shapes:
-        dtype = input_dtype or torch.float32
-        tensors = [_random_input(s, dtype) for s in input_shapes]
+        dtype = input_dtype or (torch.int64 if lm else torch.float32)
+        high = (tasks.vocab_size(model) or 1000) if lm else 1000
+        tensors = [_random_input(s, dtype, high) for s in input_shapes]
         sample = tensors[0] if len(tensors) == 1 else tuple(tensors)
     if sample is None:
         raise InvalidInputError(
             f"factory {spec!r} returned only a module: give one sample's shape with --input-shape (e.g. 3,224,224)"
         )
-    return ModelSpec(model, sample, target, spec)
+    if task is None:
+        return ModelSpec(model, sample, target, spec)
+    rows = _rows(sample)
+    if target is None:
+        target = tasks.task_target(task, model, sample, rows)
+    return ModelSpec(model, sample, target, f"{spec} ({task})", tasks.task_loss(task))
+
+
+def _rows(sample: Any) -> int:
+    first = sample[0] if isinstance(sample, (tuple, list)) else sample
+    if isinstance(sample, dict):
+        first = next(iter(sample.values()))
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise InvalidInputError("--task needs a sample whose first input is a tensor with a batch dimension")
+    return first.shape[0]
 
 
 def _torchvision(name: str, input_shapes, config: dict[str, Any]) -> ModelSpec:
@@ -158,26 +179,15 @@ def _torchvision(name: str, input_shapes, config: dict[str, Any]) -> ModelSpec:
     return ModelSpec(model, sample, target, f"torchvision {name} (random weights), input {shape}")
 
 
-def _huggingface(model_type: str, input_shapes, overrides: dict[str, Any]) -> ModelSpec:
-    try:
-        import transformers
-    except ImportError as e:
-        raise InvalidInputError("hf:MODEL_TYPE needs transformers installed (pip install transformers)") from e
-    transformers.logging.set_verbosity_error()  # the command's output is the plan, not config chatter
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **overrides)
-    except ValueError as e:
-        raise InvalidInputError(f"transformers knows no model type {model_type!r}: {e}") from e
-    with torch.device("meta"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = transformers.AutoModel.from_config(config)
-    seq = input_shapes[0][0] if input_shapes else min(int(getattr(config, "max_position_embeddings", 512) or 512), 1024)
-    vocab = int(getattr(config, "vocab_size", 1000))
-    ids = torch.randint(0, vocab, (SAMPLE_ROWS, seq))
-    sample = {"input_ids": ids, "labels": ids.clone()}
-    params = sum(p.numel() for p in model.parameters())
-    return ModelSpec(model, sample, None,
-                     f"Hugging Face {type(model).__name__} ({params / 1e6:.0f}M parameters, from config), "
-                     f"sequence {seq}")
+def _huggingface(name: str, input_shapes, overrides: dict[str, Any], task: str | None) -> ModelSpec:
+    from autofit.cli.hf_spec import build_model
+
+    built = build_model(name, overrides, task=task, shape=input_shapes[0] if input_shapes else None,
+                        rows=SAMPLE_ROWS)
+    params = sum(p.numel() for p in built.model.parameters())
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    first = next(iter(built.sample.values()))
+    shape = f"sequence {first.shape[1]}" if first.dim() == 2 else f"input {tuple(first.shape[1:])}"
+    return ModelSpec(built.model, built.sample, None,
+                     f"{name}: {type(built.model).__name__} ({size} parameters, config from {built.source}), "
+                     f"{built.task}, {shape}")

@@ -1,0 +1,166 @@
+"""``hf:NAME``: a Hugging Face model built from its config on the meta device (nothing downloaded but a config).
+
+NAME is resolved, first match wins (so the common checkpoints never touch the network):
+1. a local directory holding ``config.json``: ``AutoConfig.from_pretrained(directory)``;
+2. the local Hugging Face cache: ``AutoConfig.from_pretrained(NAME, local_files_only=True)``;
+3. autofit's offline table of common checkpoints (:mod:`autofit.cli.hf_checkpoints`);
+4. a model type transformers knows (``hf:llama``): ``AutoConfig.for_model(TYPE)``, its defaults;
+5. the Hub, unless ``HF_HUB_OFFLINE`` is set: ``AutoConfig.from_pretrained(NAME)``.
+An unknown name is one short line naming the closest known names and the ``hf:TYPE --config key=value`` form.
+``--config`` keys the config class does not define are an error (a typo would otherwise be silently ignored).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config
+from autofit.errors import InvalidInputError
+
+__all__ = ["resolve_config", "build_model", "default_task", "HFModel"]
+
+
+@dataclass(frozen=True)
+class HFModel:
+    model: torch.nn.Module
+    sample: dict[str, torch.Tensor]
+    task: str
+    source: str  # where the config came from: "offline table", "cache", "directory", "model type", "hub"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise InvalidInputError("hf:NAME needs transformers installed (pip install 'torch-autofit[hf]')") from e
+    transformers.logging.set_verbosity_error()  # the command's output is the plan, not config chatter
+    return transformers
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "")
+    return constants.HF_HUB_OFFLINE or flag.upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _check_overrides(config, overrides: dict[str, Any]) -> None:
+    for key in overrides:
+        if not hasattr(config, key):
+            fields = [k for k in config.to_dict() if not k.startswith("_")]
+            close = difflib.get_close_matches(key, fields, n=2)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise InvalidInputError(f"--config {key}=...: {type(config).__name__} has no field {key!r}{hint}")
+
+
+def _unknown(name: str, known_types) -> InvalidInputError:
+    close = difflib.get_close_matches(name, [*CHECKPOINTS, *known_types], n=3, cutoff=0.5)
+    where = "offline, not cached" if _offline() else "not on the Hub"
+    hint = f"closest: {', '.join(close)}; " if close else ""
+    return InvalidInputError(f"unknown Hugging Face name {name!r} ({where}); {hint}or build from a model type: "
+                             "hf:TYPE --config key=value (e.g. hf:llama --config num_hidden_layers=2)")
+
+
+def resolve_config(name: str, overrides: dict[str, Any]):
+    """The config for ``hf:NAME`` with ``--config`` overrides applied, and where it came from."""
+    transformers = _transformers()
+    auto, types = transformers.AutoConfig, transformers.CONFIG_MAPPING
+
+    def pretrained(source: str, **kw):
+        config = auto.from_pretrained(name, **kw)
+        _check_overrides(config, overrides)
+        return auto.from_pretrained(name, **kw, **overrides), source
+
+    if (Path(name) / "config.json").is_file():
+        return pretrained("directory")
+    if "/" in name or name not in types:
+        try:
+            return pretrained("cache", local_files_only=True)
+        except (OSError, ValueError):
+            pass
+    entry = checkpoint_config(name)
+    if entry is not None or name in types:
+        model_type = entry.pop("model_type") if entry is not None else name
+        base = auto.for_model(model_type, **(entry or {}))
+        _check_overrides(base, overrides)
+        source = "offline table" if entry is not None else "model type defaults"
+        return auto.for_model(model_type, **{**(entry or {}), **overrides}), source
+    if not _offline():
+        try:
+            return pretrained("hub")
+        except (OSError, ValueError):
+            pass
+    raise _unknown(name, types.keys())
+
+
+_HEADS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+          "seq2seq-lm": "AutoModelForSeq2SeqLM"}
+
+
+def _is_vision(config) -> bool:
+    return hasattr(config, "image_size") and hasattr(config, "num_channels") and not hasattr(config, "vocab_size")
+
+
+def default_task(config) -> str:
+    """The head the checkpoint was published with (``architectures``), else causal LM (seq2seq for T5-like)."""
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    for suffix, task in (("ForMaskedLM", "masked-lm"), ("ForSequenceClassification", "classification"),
+                         ("ForImageClassification", "classification")):
+        if arch.endswith(suffix):
+            return task
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
+    return "classification" if _is_vision(config) else "causal-lm"
+
+
+def _head(transformers, config, task: str):
+    if task in _HEADS:
+        return getattr(transformers, _HEADS[task])
+    if task == "regression":
+        config.num_labels, config.problem_type = 1, "regression"
+    if _is_vision(config):
+        return transformers.AutoModelForImageClassification
+    if getattr(config, "pad_token_id", None) is None:  # sequence classification finds each row's last real token
+        config.pad_token_id = getattr(config, "eos_token_id", None) or 0
+    return transformers.AutoModelForSequenceClassification
+
+
+def _sample(config, task: str, shape: tuple[int, ...] | None, rows: int) -> dict[str, torch.Tensor]:
+    if _is_vision(config):
+        shape = shape or (config.num_channels, config.image_size, config.image_size)
+        sample = {"pixel_values": torch.randn(rows, *shape)}
+    else:
+        positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 512)
+        seq = shape[0] if shape else min(positions, 1024)
+        sample = {"input_ids": torch.randint(0, int(config.vocab_size), (rows, seq))}
+    if task in ("causal-lm", "masked-lm", "seq2seq-lm"):
+        sample["labels"] = sample["input_ids"].clone()
+    elif task == "regression":
+        sample["labels"] = torch.randn(rows)
+    else:
+        sample["labels"] = torch.randint(0, int(config.num_labels), (rows,))
+    return sample
+
+
+def build_model(name: str, overrides: dict[str, Any], *, task: str | None, shape: tuple[int, ...] | None,
+                rows: int) -> HFModel:
+    """The model on the meta device with the task's head, and a sample whose ``labels`` make it return its loss."""
+    transformers = _transformers()
+    config, source = resolve_config(name, overrides)
+    task = task or default_task(config)
+    if task in ("causal-lm", "masked-lm", "seq2seq-lm") and _is_vision(config):
+        raise InvalidInputError(f"--task {task} needs a text model; {name!r} is a vision model: use classification")
+    head = _head(transformers, config, task)
+    with torch.device("meta"):
+        try:
+            model = head.from_config(config)
+        except ValueError as e:
+            raise InvalidInputError(f"transformers has no {task} head for {type(config).__name__}: choose another "
+                                    f"--task ({', '.join([*_HEADS, 'classification', 'regression'])})") from e
+    return HFModel(model, _sample(config, task, shape, rows), task, source)
