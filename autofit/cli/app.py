@@ -7,25 +7,31 @@ from __future__ import annotations
 
 import json
 import sys
+from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from autofit.cli.render import render_plan
+from autofit.cli.help import Command, Group
+from autofit.cli.messages import cli_words, gpu_note, one_line_warnings
+from autofit.cli.render import console_for, render_plan
 from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
+from autofit.cli.tasks import TASKS
 from autofit.errors import AutofitError, InfeasibleBudgetError, InvalidInputError
 from autofit.export import EXPORTERS
 from autofit.units import format_bytes
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "
                        "activation checkpointing.")
 
 EXIT_INPUT, EXIT_INFEASIBLE = 2, 3
 
-ModelArg = Annotated[str, typer.Argument(help="pkg.module:factory, file.py:factory, torchvision:NAME or hf:MODEL_TYPE")]
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
+                                         help="pkg.module:factory, file.py:factory, torchvision:NAME, hf:NAME (a "
+                                              "checkpoint such as hf:bert-base-uncased) or hf:TYPE --config k=v")]
 BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB' (10^9), '8GiB' (2^30), bytes, or "
                                         "'90%' of the GPU (of host memory with --device cpu)")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-n", help="effective batch: samples per optimizer step")]
@@ -37,14 +43,19 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda")]
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="auto, fp32, bf16 or fp16")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw, adam or sgd")]
-ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", help="hf:/torchvision: config override key=value")]
-WorldOpt = Annotated[int, typer.Option("--world-size", help="processes (GPUs) training together; batch-size is global")]
+ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", metavar="KEY=VALUE",
+                                                       help="hf:/torchvision: config override (repeatable)")]
+TaskOpt = Annotated[Optional[str], typer.Option("--task", metavar="TASK", help=f"target and loss for a MODEL that "
+                                                f"has none: {', '.join(TASKS)} (hf: picks the head)")]
+WorldOpt = Annotated[int, typer.Option("--world-size", help="processes (GPUs) training together; --batch-size is "
+                                                             "global")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
 
 def _fail(console: Console, message: str, code: int) -> None:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {cli_words(message)}", soft_wrap=True, markup=True, highlight=False)
     raise typer.Exit(code)
 
 
@@ -56,25 +67,39 @@ def _infeasible(e: InfeasibleBudgetError) -> str:
     return f"{message} Smallest budget that works: {format_bytes(e.min_budget_bytes)} ({e.min_budget_bytes} bytes)."
 
 
-def _spec(model: str, input_shape, input_dtype, config):
+def _version(value: bool) -> None:
+    if value:
+        try:
+            typer.echo(f"autofit {package_version('torch-autofit')}")
+        except PackageNotFoundError:  # running from a source tree that was never installed
+            typer.echo("autofit (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the version and exit")] = False) -> None:
+    """Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, activation checkpointing."""
+
+
+def _spec(model: str, input_shape, input_dtype, config, task=None):
     shapes = [parse_shape(s) for s in input_shape or []]
     dtype = parse_dtype(input_dtype) if input_dtype else None
     try:
         return load_spec(model, input_shapes=shapes or None, input_dtype=dtype,
-                         config=parse_overrides(config or []))
+                         config=parse_overrides(config or []), task=task)
     except AutofitError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's factory (or file) failed: say so in one line
         raise InvalidInputError(f"building MODEL {model!r} failed: {type(e).__name__}: {e}") from e
 
 
-@app.command()
+@app.command(cls=Command)
 def plan(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, precision: PrecisionOpt = "auto",
-    optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, world_size: WorldOpt = 1,
-    strategy: StrategyOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")] = False,
+    optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
+    strategy: StrategyOpt = None, as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot",
                                                  help="write memory per layer and the front to a PNG")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
@@ -83,16 +108,21 @@ def plan(
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.planner import plan_with_analysis
 
-    console = Console(stderr=as_json)
+    console = console_for(stderr=as_json)
     try:
         if export is not None and export not in EXPORTERS:
             raise typer.BadParameter(f"--export must be one of {', '.join(EXPORTERS)}")
-        with console.status("tracing the model...", spinner="dots"):
-            spec = _spec(model, input_shape, input_dtype, config)
-        with console.status("analysing and solving (fake tensors, no memory allocated)...", spinner="dots"):
+        note = gpu_note(gpu) if device == "cuda" else None
+        if note:
+            console.print(f"[dim]note: {note}[/]", highlight=False)
+        with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
+            spec = _spec(model, input_shape, input_dtype, config, task)
+        with console.status("analysing and solving (fake tensors, no memory allocated)...", spinner="dots"), \
+                one_line_warnings(console):
             result, analyses = plan_with_analysis(
-                spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, optimizer=optimizer,
-                precision=precision, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
+                spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
+                optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
+                strategy=strategy,
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
@@ -103,7 +133,7 @@ def plan(
     else:
         render_plan(console, result, spec.description, analyses[result.precision.name].table)
     if export is not None:
-        out = Console() if not as_json else Console(stderr=True)
+        out = console_for(stderr=as_json)
         out.print_json(json.dumps(EXPORTERS[export](result)))
     if plot is not None:
         from autofit.cli.plot import write_plot
@@ -115,11 +145,12 @@ def plan(
         console.print(f"wrote {plot}")
 
 
-@app.command()
+@app.command(cls=Command)
 def verify(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, precision: PrecisionOpt = "auto", optimizer: OptimizerOpt = "adamw",
-    config: ConfigOpt = None, steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3,
+    config: ConfigOpt = None, task: TaskOpt = None,
+    steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3,
 ) -> None:
     """Plan for this machine's device, run the plan for a few real steps, print predicted vs measured peak."""
     import torch
@@ -127,15 +158,16 @@ def verify(
     from autofit.cli.verify import run_verification
     from autofit.planner import plan as make_plan
 
-    console = Console()
+    console = console_for()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        spec = _spec(model, input_shape, input_dtype, config)
-        with console.status(f"planning for {device}...", spinner="dots"):
-            result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
-                               optimizer=optimizer, precision=precision, device=device)
-        with console.status(f"running {steps} real steps...", spinner="dots"):
-            report = run_verification(spec, result, steps=steps)
+        with one_line_warnings(console):
+            spec = _spec(model, input_shape, input_dtype, config, task)
+            with console.status(f"planning for {device}...", spinner="dots"):
+                result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
+                                   loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, device=device)
+            with console.status(f"running {steps} real steps...", spinner="dots"):
+                report = run_verification(spec, result, steps=steps)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except AutofitError as e:
@@ -147,5 +179,5 @@ def main() -> None:
     try:
         app()
     except typer.BadParameter as e:  # raised outside a command (option parsing)
-        Console(stderr=True).print(f"[bold red]error:[/] {e}")
+        Console(stderr=True).print(f"[bold red]error:[/] {cli_words(str(e))}", highlight=False)
         sys.exit(EXIT_INPUT)

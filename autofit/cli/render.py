@@ -11,9 +11,20 @@ from rich.table import Table
 from autofit.analyse.table import LayerTable
 from autofit.plan import Plan
 
-__all__ = ["render_plan"]
+__all__ = ["render_plan", "console_for", "group_names"]
 
 MIB = 2**20
+# Piped output has no terminal width to fit: rich would assume 80 columns and fold module names mid-word. Give it
+# room for the widest table instead (tables only take the width their content needs).
+PIPE_WIDTH = 240
+
+
+def console_for(*, stderr: bool = False) -> Console:
+    """The command's console: the terminal's width on a terminal, :data:`PIPE_WIDTH` columns when piped."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console = Console(stderr=stderr, width=PIPE_WIDTH)
+    return console
 
 
 def _mib(n: int) -> str:
@@ -31,7 +42,7 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         ("micro-batch", f"{plan.micro_batch_size}"),
         ("accumulation steps", f"{plan.gradient_accumulation_steps}{last}"),
         ("precision", str(plan.precision)),
-        ("checkpointed modules", ", ".join(plan.checkpoint) if plan.checkpoint else "none"),
+        ("checkpointed modules", "\n".join(group_names(plan.checkpoint)) if plan.checkpoint else "none"),
         ("optimizer", plan.optimizer),
         ("device", plan.device + (f" ({plan.gpu})" if plan.gpu else "")),
         ("predicted peak", f"{_mib(plan.device_bytes)} MiB of {_mib(plan.budget_bytes)} MiB budget "
@@ -64,6 +75,15 @@ def breakdown_table(plan: Plan) -> Table:
 def _pattern(name: str) -> str:
     """'transformer.h.7.mlp.act' -> 'transformer.h.*.mlp.act': repeated layers share one row."""
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+
+
+def group_names(names: tuple[str, ...]) -> list[str]:
+    """Module names grouped as the layer table groups them: 'model.layers.*.input_norm x 32', in first-seen order;
+    a pattern that matches one module keeps its real name."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(_pattern(name), []).append(name)
+    return [members[0] if len(members) == 1 else f"{pattern} x {len(members)}" for pattern, members in groups.items()]
 
 
 def layers_table(layers: LayerTable, batch: int, limit: int = 8) -> Table:

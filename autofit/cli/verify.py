@@ -38,7 +38,7 @@ def run_verification(spec: ModelSpec, plan: Plan, *, steps: int = 3) -> Table:
     target = None if spec.target is None else as_batch(spec.target, what="target").resize(plan.batch_size)
     target = None if target is None else target.map_tensors(lambda t: t.to(device))
     inputs = batch.value
-    trainer = plan.wrap(model, optimizer)
+    trainer = plan.wrap(model, optimizer, loss_fn=spec.loss_fn)
     trainer.step(inputs, None if target is None else target.value)  # optimizer state now exists
     measured = 0
     for _ in range(steps):

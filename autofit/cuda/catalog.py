@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autofit.errors import InvalidInputError
 
-__all__ = ["GPUSpec", "GPUS", "gpu_spec"]
+__all__ = ["GPUSpec", "GPUS", "gpu_spec", "resolve_alias"]
 
 GiB = 2**30
 T = 1e12
@@ -112,3 +112,15 @@ def gpu_spec(name: str) -> GPUSpec:
     if wanted in _ALIASES:
         return GPUS[_ALIASES[wanted]]
     raise InvalidInputError(f"unknown GPU {name!r}: autofit knows {', '.join(GPUS)}")
+
+
+def resolve_alias(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """For an alias that stands for several catalog parts ("A100": 40 and 80 GB), the part :func:`gpu_spec` picks
+    and the other parts of that family; None for an exact catalog name or a name naming one part only."""
+    wanted = _key(name) if isinstance(name, str) else ""
+    if wanted not in _ALIASES:
+        return None
+    picked = _ALIASES[wanted]
+    family = picked.split("-")[0]
+    others = tuple(n for n in GPUS if n != picked and n.split("-")[0] == family)
+    return (picked, others) if others else None

@@ -1,0 +1,53 @@
+"""Library messages in the command line's words: flags instead of keyword arguments, one-line warnings, and a
+note when a GPU name stands for several parts."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import Iterator
+
+from rich.console import Console
+
+from autofit.cuda.catalog import resolve_alias
+
+__all__ = ["cli_words", "one_line_warnings", "gpu_note"]
+
+# The library's keyword arguments the command line spells as flags (planner.py and step.py messages name them).
+_FLAGS = {
+    "world_size": "--world-size", "batch_size": "--batch-size", "input_shape": "--input-shape",
+    "input_dtype": "--input-dtype", "loss_fn": "--task", "strategy=": "--strategy ",
+}
+_WORDS = re.compile(r"(?<![\w-])(" + "|".join(re.escape(k) for k in _FLAGS) + r")(?![\w])")
+
+
+def cli_words(message: str) -> str:
+    """'batch_size 30 does not split evenly over world_size 4' -> '--batch-size 30 ... over --world-size 4'."""
+    return _WORDS.sub(lambda m: _FLAGS[m.group(1)], message)
+
+
+@contextlib.contextmanager
+def one_line_warnings(console: Console) -> Iterator[None]:
+    """Print each warning as one line ``warning: ...`` (Python's default adds the source file, line and code)."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        console.print(f"[yellow]warning:[/] {cli_words(text)}", soft_wrap=True, highlight=False)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = show
+        yield
+
+
+def gpu_note(gpu: str | None) -> str | None:
+    """For a name that stands for several parts ('A100': 40 and 80 GB), which one the plan uses and how to pick
+    the other."""
+    if gpu is None:
+        return None
+    alias = resolve_alias(gpu)
+    if alias is None:
+        return None
+    picked, others = alias
+    other = f"; for the {' or '.join(others)} say --gpu {others[0]}" if others else ""
+    return f"--gpu {gpu} means the {picked}{other}"
