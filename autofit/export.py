@@ -1,12 +1,14 @@
 """A plan in other frameworks' terms: keyword arguments as plain dicts (no dependency on those packages).
 
 - Hugging Face ``transformers.TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-  ``bf16`` / ``fp16``, ``gradient_checkpointing`` (HF checkpoints whole decoder layers; the plan's module list is
-  reported beside it so nothing is silently dropped).
+  ``bf16`` / ``fp16``, and ``gradient_checkpointing`` off: HF's switch recomputes every decoder layer, which is not
+  the plan's memory or speed. The plan's modules are listed beside it; ``autofit.integrations.hf.AutofitCallback``
+  checkpoints exactly those.
 - DeepSpeed config fragment: ``train_batch_size = micro x accumulation x world``, ``bf16.enabled`` /
   ``fp16.enabled`` with dynamic loss scaling, as in DeepSpeed's config JSON documentation.
 - Lightning ``Trainer``: ``precision`` ("32-true", "bf16-mixed", "16-mixed"), ``accumulate_grad_batches``; the
-  micro-batch is the DataLoader's batch size.
+  micro-batch is the DataLoader's batch size (``autofit.integrations.lightning.AutofitLightningCallback`` sets all
+  of it, checkpointing included).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
         "bf16": plan.precision.name == "bf16",
         "fp16": plan.precision.name == "fp16",
-        "gradient_checkpointing": bool(plan.checkpoint),
+        # off: HF would recompute every decoder layer; autofit.integrations.hf.AutofitCallback applies the plan's
+        # modules (autofit_checkpoint_modules) instead
+        "gradient_checkpointing": False,
     }
-    if plan.checkpoint:
-        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     return {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint)}
 
 

@@ -32,7 +32,7 @@ def _mib(n: int) -> str:
 
 
 def knobs_table(plan: Plan, model_description: str) -> Table:
-    table = Table(title=f"autofit plan: {model_description}", show_header=False, title_justify="left")
+    table = Table(title="autofit plan", show_header=False, title_justify="left")
     table.add_column("knob", style="bold")
     table.add_column("value")
     last = (f" (last micro-batch {plan.last_micro_batch_size})"
@@ -121,6 +121,8 @@ def frontier_table(plan: Plan) -> Table:
 
 
 def render_plan(console: Console, plan: Plan, model_description: str, layers: LayerTable | None) -> None:
+    # the model's description is a line of its own: as the table's title it would wrap at the table's width
+    console.print(f"[bold]model:[/] {model_description}", soft_wrap=True, highlight=False)
     parts = [knobs_table(plan, model_description), breakdown_table(plan)]
     if layers is not None:
         parts.append(layers_table(layers, plan.micro_batch_size))

@@ -1,0 +1,46 @@
+"""Apply a :class:`~autofit.Plan` inside other training loops: Hugging Face ``Trainer`` (:mod:`autofit.integrations.hf`)
+and Lightning (:mod:`autofit.integrations.lightning`). Each imports its library lazily and raises
+:class:`~autofit.errors.InvalidInputError` naming the package to install when it is missing."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from types import ModuleType
+
+from torch import nn
+
+from autofit.errors import InvalidInputError
+from autofit.optim import as_optimizer_spec
+from autofit.plan import Plan
+from autofit.step import StepConfig, patched_model
+
+__all__ = ["require", "plan_patches"]
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import ``module`` or say which package to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise InvalidInputError(f"this integration needs {module.split('.')[0]}: pip install '{extra}'") from e
+
+
+def _device_type(model: nn.Module) -> str:
+    return next((p.device.type for p in model.parameters()), "cpu")
+
+
+def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """The plan's module-level knobs on ``model`` (exactly ``plan.checkpoint`` recomputed with non-reentrant
+    checkpointing, ``plan.precision.fp32_modules`` out of autocast), undone on exit: the same patch the emitted
+    Trainer applies (autofit.step.patched_model), so another training loop runs the step autofit simulated."""
+    if plan.world_size > 1 and plan.strategy == "fsdp2":
+        raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(model, optimizer)")
+    device_type = _device_type(model)
+    config = StepConfig(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+                        precision=plan.precision, checkpoint=plan.checkpoint,
+                        optimizer=as_optimizer_spec(plan.optimizer), device=device_type if device_type in
+                        ("cpu", "cuda") else "cpu")
+    return patched_model(model, config, device_type)
+
+

@@ -1,0 +1,106 @@
+"""A plan inside Lightning's ``Trainer``: one callback sets accumulation, precision and checkpointing.
+
+    plan = autofit.plan(model, sample, "16GB", batch_size=32, gpu="T4")
+    trainer = lightning.Trainer(callbacks=[AutofitLightningCallback(plan)], ...)
+    trainer.fit(module, DataLoader(data, batch_size=plan.micro_batch_size))
+
+In the callback's ``setup`` hook (Lightning's ``Trainer._run`` calls it before ``strategy.setup``, which applies
+the precision plugin to the model and optimizers) it sets ``trainer.accumulate_grad_batches`` (read by the fit
+loop at every batch) and replaces the strategy's precision plugin with the plan's: ``Precision()`` for fp32,
+``MixedPrecision("bf16-mixed" | "16-mixed", device)`` otherwise, with a ``GradScaler`` for fp16 as Lightning's own
+accelerator connector builds it. At ``on_fit_start`` it checkpoints exactly the plan's modules of the
+LightningModule (autofit's patch, the one the estimate simulated) and removes the patch at ``teardown``. The
+micro-batch is the DataLoader's batch size, which a callback cannot change: the first training batch is checked
+against ``plan.micro_batch_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autofit.batch import as_batch
+from autofit.errors import InvalidInputError
+from autofit.integrations import plan_patches, require
+from autofit.plan import Plan
+
+__all__ = ["AutofitLightningCallback", "lightning_precision"]
+
+_EXTRA = "lightning"
+_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def lightning_precision(plan: Plan) -> str:
+    """The plan's precision as Lightning's ``Trainer(precision=...)`` names it."""
+    return _PRECISIONS[plan.precision.name]
+
+
+def _pl():
+    try:
+        return require("lightning.pytorch", _EXTRA)
+    except InvalidInputError:
+        return require("pytorch_lightning", _EXTRA)
+
+
+def _precision_plugin(pl, plan: Plan, device_type: str):
+    if plan.precision.name == "fp32":
+        return pl.plugins.precision.Precision()
+    # lightning/pytorch/trainer/connectors/accelerator_connector.py (_check_and_init_precision): 16-mixed gets a
+    # GradScaler for the device, bf16-mixed none
+    scaler = torch.amp.GradScaler(device_type) if plan.precision.name == "fp16" else None
+    return pl.plugins.precision.MixedPrecision(lightning_precision(plan), device_type, scaler)
+
+
+def _callback_class():
+    pl = _pl()
+
+    class AutofitLightningCallback(pl.Callback):
+        """Applies a :class:`~autofit.Plan` to a Lightning ``Trainer`` and its LightningModule (see the module)."""
+
+        def __init__(self, plan: Plan) -> None:
+            if not isinstance(plan, Plan):
+                raise InvalidInputError(f"AutofitLightningCallback needs an autofit.Plan, got {type(plan).__name__}")
+            if plan.world_size > 1 and plan.strategy == "fsdp2":
+                raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(...)")
+            self.plan = plan
+            self._patch = None
+            self._checked = False
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            if stage != "fit":
+                return
+            if trainer.world_size != self.plan.world_size:
+                raise InvalidInputError(f"the Trainer runs {trainer.world_size} processes but the plan is for "
+                                        f"{self.plan.world_size}: plan with world_size={trainer.world_size}")
+            trainer.accumulate_grad_batches = self.plan.gradient_accumulation_steps
+            trainer.strategy.precision_plugin = _precision_plugin(pl, self.plan, trainer.strategy.root_device.type)
+
+        def on_fit_start(self, trainer, pl_module) -> None:
+            self._patch = plan_patches(self.plan, pl_module)
+            self._patch.__enter__()
+
+        def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+            if self._checked:
+                return
+            self._checked = True
+            rows = as_batch(batch, what="the training batch").size
+            if rows > self.plan.micro_batch_size:
+                raise InvalidInputError(f"the DataLoader gives batches of {rows} rows but the plan's micro-batch is "
+                                        f"{self.plan.micro_batch_size}: build it with "
+                                        f"batch_size=plan.micro_batch_size ({self.plan.micro_batch_size})")
+
+        def teardown(self, trainer, pl_module, stage: str) -> None:
+            if self._patch is not None:
+                self._patch.__exit__(None, None, None)
+                self._patch = None
+
+    return AutofitLightningCallback
+
+
+def __getattr__(name: str):
+    if name == "AutofitLightningCallback":  # a subclass of lightning's Callback, built on first use
+        cls = _callback_class()
+        globals()["AutofitLightningCallback"] = cls
+        return cls
+    raise AttributeError(name)
