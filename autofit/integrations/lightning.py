@@ -27,7 +27,7 @@ from autofit.plan import Plan
 
 __all__ = ["AutofitLightningCallback", "lightning_precision"]
 
-_EXTRA = "lightning"
+_EXTRA = "torch-autofit[lightning]"
 _PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
