@@ -202,3 +202,19 @@ def test_lightning_callback_checks_the_dataloader_batch():
                          callbacks=[AutofitLightningCallback(plan)])
     with pytest.raises(InvalidInputError, match="batch_size=plan.micro_batch_size"):
         trainer.fit(module, loader)
+
+
+@pytest.mark.parametrize("module,attribute,package", [("autofit.integrations.hf", "AutofitCallback", "transformers"),
+                                                      ("autofit.integrations.lightning", "AutofitLightningCallback",
+                                                       "lightning")])
+def test_a_missing_library_is_a_typed_error_naming_the_install(monkeypatch, module, attribute, package):
+    import importlib
+    import sys
+
+    for name in ("transformers", "lightning", "lightning.pytorch", "pytorch_lightning"):
+        monkeypatch.setitem(sys.modules, name, None)  # import of a None entry raises ImportError
+    integration = importlib.reload(importlib.import_module(module))
+    with pytest.raises(InvalidInputError, match=f"needs {package}: pip install"):
+        getattr(integration, attribute)
+    monkeypatch.undo()
+    importlib.reload(integration)

@@ -37,10 +37,14 @@ def lightning_precision(plan: Plan) -> str:
 
 
 def _pl():
+    """``lightning.pytorch``, or the older standalone ``pytorch_lightning`` package."""
     try:
         return require("lightning.pytorch", _EXTRA)
-    except InvalidInputError:
-        return require("pytorch_lightning", _EXTRA)
+    except InvalidInputError as e:
+        try:
+            return require("pytorch_lightning", _EXTRA)
+        except InvalidInputError:
+            raise e from None
 
 
 def _precision_plugin(pl, plan: Plan, device_type: str):
