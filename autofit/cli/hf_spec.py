@@ -61,9 +61,10 @@ def _check_overrides(config, overrides: dict[str, Any]) -> None:
 
 def _unknown(name: str, known_types) -> InvalidInputError:
     close = difflib.get_close_matches(name, [*CHECKPOINTS, *known_types], n=3, cutoff=0.5)
-    where = "offline, not cached" if _offline() else "not on the Hub"
+    where = "offline, not cached" if _offline() else "not found locally or on the Hub"
     hint = f"closest: {', '.join(close)}; " if close else ""
-    return InvalidInputError(f"unknown Hugging Face name {name!r} ({where}); {hint}or build from a model type: "
+    shown = name if len(name) <= 60 else name[:57] + "..."  # the message stays one short line
+    return InvalidInputError(f"unknown Hugging Face name {shown!r} ({where}); {hint}or build from a model type: "
                              "hf:TYPE --config key=value (e.g. hf:llama --config num_hidden_layers=2)")
 
 
