@@ -89,6 +89,9 @@ def load_spec(spec: str, *, input_shapes: list[tuple[int, ...]] | None = None, i
     if task is not None:
         tasks.check_task(task)
     if spec.startswith("torchvision:"):
+        if task not in (None, "classification"):
+            raise InvalidInputError(f"--task {task}: torchvision: models are planned as classifiers (their target is "
+                                    "class labels); use a factory for another task")
         return _torchvision(spec.split(":", 1)[1], input_shapes, config or {})
     if spec.startswith("hf:"):
         return _huggingface(spec.split(":", 1)[1], input_shapes, config or {}, task)
