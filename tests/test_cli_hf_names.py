@@ -8,7 +8,6 @@ from typer.testing import CliRunner
 
 import autofit
 from autofit.cli.app import app
-from autofit.cli.hf_checkpoints import CHECKPOINTS
 from autofit.cli.specs import load_spec
 from autofit.errors import InvalidInputError
 

@@ -59,7 +59,9 @@ def _expected_forwards(plain: dict[str, int], checkpoint: tuple[str, ...]) -> di
     checkpointed module's own hook fires once (its __call__ runs once, the recomputation calls the original forward
     directly). Recomputation stops early once it has what backward needs unless early stop is off (the tests turn
     it off with torch.utils.checkpoint.set_checkpoint_early_stop(False), see torch/utils/checkpoint.py)."""
-    inside = lambda name: any(name.startswith(c + ".") for c in checkpoint)  # noqa: E731
+    def inside(name: str) -> bool:
+        return any(name.startswith(c + ".") for c in checkpoint)
+
     return {name: n * (2 if inside(name) else 1) for name, n in plain.items()}
 
 

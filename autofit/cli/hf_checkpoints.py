@@ -12,8 +12,9 @@ of the organisation ids (``openai-community/gpt2``, ``google-bert/bert-base-unca
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["CHECKPOINTS", "checkpoint_config"]
 

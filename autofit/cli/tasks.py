@@ -14,7 +14,8 @@ The losses read ``output.logits`` when the output has it (Hugging Face models), 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
