@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
 __all__ = [
     "AutofitError",
     "InvalidInputError",
@@ -12,6 +9,7 @@ __all__ = [
     "LossError",
     "UnsupportedModelError",
     "InfeasibleBudgetError",
+    "UnsupportedTorchError",
 ]
 
 
@@ -49,7 +47,7 @@ class InfeasibleBudgetError(AutofitError):
         self.dominant = dominant
 
 
-# Exceptions autofit lets through untouched when it turns failures of the user's code into typed errors: fake tensors'
-# data-dependent errors (the simulator and the tracer catch them and fall back to a real run, see Note
-# [data-dependent models] in simulate/run.py) and running out of memory (a real result of measure and the trainer).
-PASSTHROUGH_ERRORS = (AutofitError, DataDependentOutputException, DynamicOutputShapeException, torch.OutOfMemoryError)
+
+class UnsupportedTorchError(AutofitError, ImportError):
+    """The installed torch lacks an internal autofit relies on (see autofit/_torch.py); the message names it and the
+    supported range."""

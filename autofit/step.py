@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from autofit._torch import PASSTHROUGH_ERRORS, module_call_codes, tree_map
 from autofit.batch import Batch
-from autofit.errors import PASSTHROUGH_ERRORS, ForwardError, InvalidInputError
+from autofit.errors import ForwardError, InvalidInputError
 from autofit.loss import LossFn, compute_loss
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy, as_policy
@@ -114,7 +115,7 @@ def _fp32_forward(forward, device_type: str, *args, **kwargs):
     def to_fp32(x):
         return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-    args, kwargs = torch.utils._pytree.tree_map(to_fp32, (args, kwargs))
+    args, kwargs = tree_map(to_fp32, (args, kwargs))
     with torch.autocast(device_type, enabled=False):
         return forward(*args, **kwargs)
 
@@ -188,9 +189,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
 
 
 # Frames of ``Module.__call__``: while an exception unwinds, its traceback still holds one per module call it left.
-_CALL_CODES = frozenset(
-    f.__code__ for f in (torch.nn.Module._call_impl, getattr(torch.nn.Module, "_wrapped_call_impl", None)) if f
-)
+_CALL_CODES = module_call_codes()
 
 
 @contextlib.contextmanager
