@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from autofit.errors import InvalidInputError
-from autofit.solve.time_model import CPU, Throughput
 
-__all__ = ["DeviceTarget", "resolve_device"]
+__all__ = ["DeviceTarget", "Throughput", "CPU", "resolve_device"]
 
+
+@dataclass(frozen=True, kw_only=True)
+class Throughput:
+    """What the device does per second, by precision name ("fp32", "bf16", "fp16")."""
+
+    name: str
+    flops_per_second: Mapping[str, float]
+    bytes_per_second: float  # memory bandwidth
+    op_overhead_seconds: float  # fixed cost of launching one op
+    saturation_flops: float = 0.0  # FLOPs per op at which the device reaches half its peak (0: always at peak)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
+
+
+# A nominal CPU, compute-bound (bandwidth infinite: caches hide most memory traffic at these sizes, so ops without
+# FLOPs cost only their launch, and the optimizer step costs nothing). Autocast to bf16/fp16 adds casts and does not
+# speed up most CPU kernels, so low precision ranks slower per op (bf16 0.8x, fp16 0.5x the fp32 rate) and is chosen
+# only when the memory it saves buys a faster configuration (a larger micro-batch, less recomputation). No knee:
+# every op runs at the nominal rate. The absolute numbers only scale the printed seconds.
+CPU = Throughput(
+    name="cpu", flops_per_second={"fp32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11}, bytes_per_second=float("inf"),
+    op_overhead_seconds=1.0e-5,
+)
 
 @dataclass(frozen=True)
 class DeviceTarget:
@@ -46,7 +71,22 @@ def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
             raise InvalidInputError("gpu= names a GPU model; it only applies with device='cuda'")
         return DeviceTarget("cpu", _host_memory(), CPU)
     if kind == "cuda":
-        from autofit.cuda.target import cuda_target
-
-        return cuda_target(gpu)
+        return _cuda(gpu)
     raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+def _cuda(gpu) -> DeviceTarget:
+    from autofit.cuda.target import resolve_gpu
+
+    spec, note = resolve_gpu(gpu)
+    # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
+    throughput = Throughput(
+        name=spec.name,
+        flops_per_second={"fp32": spec.fp32_flops, "bf16": spec.bf16_flops or spec.fp32_flops,
+                          "fp16": spec.fp16_flops},
+        bytes_per_second=spec.bandwidth,
+        op_overhead_seconds=5e-6,  # kernel launch plus dispatcher, a few microseconds per op
+        saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"
+    )
+    return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
+                        gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect)
