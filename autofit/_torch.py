@@ -28,7 +28,7 @@ from autofit.errors import AutofitError, UnsupportedTorchError
 
 __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
-    "TorchDispatchMode", "disable_current_modes", "tree_map", "current_autograd_node", "module_call_codes",
+    "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "fake_store", "Patch", "patch",
 ]
@@ -63,6 +63,7 @@ PASSTHROUGH_ERRORS: tuple[type[BaseException], ...] = (AutofitError, *DATA_DEPEN
 # ---- dispatch (tracker, tracer, probes) --------------------------------------------------------------------------
 TorchDispatchMode = _need("torch.utils._python_dispatch", "TorchDispatchMode")
 disable_current_modes = _need("torch.utils._python_dispatch", "_disable_current_modes")
+pytree = importlib.import_module("torch.utils._pytree")  # tree_leaves / tree_map / tree_flatten over args and outputs
 tree_map = _need("torch.utils._pytree", "tree_map")
 _current_autograd_node = _need("torch._C", "_current_autograd_node")
 _all_op_names = _need("torch._C", "_dispatch_get_all_op_names")

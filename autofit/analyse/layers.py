@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from autofit._torch import current_autograd_node
+from autofit._torch import current_autograd_node, pytree
 from autofit.capture.module_stack import install_module_stack
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.simulate.tracker import StepTracker
