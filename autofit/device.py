@@ -1,4 +1,11 @@
-"""The device a plan targets: how much memory it has, how fast it is, and how an estimate maps onto it."""
+"""The Target stage: the device a plan targets (the CPU or one catalog GPU), resolved once per request, and the one
+place its memory model is applied to what the simulation saw.
+
+- :meth:`DeviceTarget.estimate`: a simulated step -> the :class:`MemoryEstimate` for this device (on CUDA the caching
+  allocator, cuBLAS workspace and context of ``autofit.cuda.model``; on the CPU the allocator's own peak);
+- :meth:`DeviceTarget.memory_terms`: the same model as a linear calibration the planner's memory model applies to
+  every candidate without simulating it.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from autofit.errors import InvalidInputError
+from autofit.report import MemoryEstimate
+from autofit.simulate.run import Simulation
+from autofit.simulate.timeline import Phase
 
-__all__ = ["DeviceTarget", "Throughput", "CPU", "resolve_device"]
+__all__ = ["DeviceTarget", "DeviceTerms", "Throughput", "CPU", "resolve_device"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +47,19 @@ CPU = Throughput(
 )
 
 @dataclass(frozen=True)
+class DeviceTerms:
+    """``device_bytes = scale * tensor_bytes + constant``: what the device adds to the tensors of a step, as the
+    planner's memory model applies it (CPU: scale 1, constant 0)."""
+
+    scale: float = 1.0
+    constant: int = 0
+
+
+_PHASE_NAMES = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
+                Phase.OPTIMIZER: "optimizer"}
+
+
+@dataclass(frozen=True)
 class DeviceTarget:
     kind: str  # "cpu" or "cuda"
     total_bytes: int | None  # what "90%" budgets are a share of
@@ -56,6 +79,46 @@ class DeviceTarget:
             return ("fp32", "bf16")
         return ("bf16", "fp32") if self.supports_bf16 else ("fp16", "fp32")
 
+
+    def estimate(self, sim: Simulation) -> MemoryEstimate:
+        """The estimate of one simulated step on this device."""
+        ops = sim.timeline.ops
+        at = ""
+        if 0 <= sim.replay.peak_op < len(ops):
+            op = ops[sim.replay.peak_op]
+            at = f"{op.name} in {op.module or 'top level'}"
+        phase = _PHASE_NAMES[sim.replay.peak_phase]
+        if self.kind != "cuda":
+            return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
+                                  peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes)
+        from autofit.cuda.model import cuda_memory
+
+        peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
+        notes = sim.notes + ((self.note,) if self.note else ())
+        return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
+                              peak_phase=phase, peak_at=at, method=sim.method, notes=notes)
+
+    def memory_terms(self, analysis, rows: int) -> DeviceTerms:
+        """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant`` on the analysed window with every tensor
+        sized for ``rows`` (sizes are linear in the micro-batch, see analyse/profile.py). The constant is the cuBLAS
+        workspace and the context; the scale (allocator rounding and reserve) comes from replaying the caching
+        allocator over that window."""
+        if self.kind != "cuda":
+            return DeviceTerms()
+        from autofit.analyse.analyse import SIZES
+        from autofit.analyse.profile import timeline_at
+        from autofit.cuda.model import (
+            context_bytes,
+            cublas_workspace_bytes,
+            cuda_memory,
+        )
+        from autofit.simulate.timeline import replay
+
+        timeline = timeline_at(analysis.timeline, analysis.timeline_next, SIZES[0], rows)
+        raw = replay(timeline)
+        _, device_bytes, _ = cuda_memory(timeline, raw, self.gpu)
+        constant = context_bytes() + cublas_workspace_bytes(self.gpu)
+        return DeviceTerms(scale=max(1.0, (device_bytes - constant) / max(raw.peak_bytes, 1)), constant=constant)
 
 def _host_memory() -> int | None:
     try:

@@ -10,6 +10,9 @@ __all__ = [
     "UnsupportedModelError",
     "InfeasibleBudgetError",
     "UnsupportedTorchError",
+    "STRATEGIES",
+    "require_int",
+    "require_strategy",
 ]
 
 
@@ -51,3 +54,20 @@ class InfeasibleBudgetError(AutofitError):
 class UnsupportedTorchError(AutofitError, ImportError):
     """The installed torch lacks an internal autofit relies on (see autofit/_torch.py); the message names it and the
     supported range."""
+
+
+# ---- validation shared by every value that holds these fields (StepConfig, Plan, the plan request) -----------------
+STRATEGIES = (None, "ddp", "fsdp2")
+
+
+def require_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum`` (bools are not ints here), else an InvalidInputError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def require_strategy(value: object, name: str = "strategy") -> None:
+    if value not in STRATEGIES:
+        raise InvalidInputError(f"{name} must be 'ddp', 'fsdp2' or None (None: one process, or autofit chooses "
+                                f"when world_size > 1), got {value!r}")

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from autofit._torch import PASSTHROUGH_ERRORS, module_call_codes, tree_map
 from autofit.batch import Batch
-from autofit.errors import ForwardError, InvalidInputError
+from autofit.errors import ForwardError, InvalidInputError, require_int, require_strategy
 from autofit.loss import LossFn, compute_loss
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy, as_policy
@@ -51,19 +51,11 @@ class StepConfig:
     shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
 
     def __post_init__(self) -> None:
-        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int):
-            raise InvalidInputError(f"micro_batch_size must be an int, got {self.micro_batch_size!r}")
-        if self.micro_batch_size < 1:
-            raise InvalidInputError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if isinstance(self.accumulation_steps, bool) or not isinstance(self.accumulation_steps, int) \
-                or self.accumulation_steps < 1:
-            raise InvalidInputError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
-        if not isinstance(self.held_rows, int) or self.held_rows < 0:
-            raise InvalidInputError(f"held_rows must be an int >= 0, got {self.held_rows!r}")
-        if self.strategy not in (None, "ddp", "fsdp2"):
-            raise InvalidInputError(f"strategy must be 'ddp', 'fsdp2' or None, got {self.strategy!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise InvalidInputError(f"world_size must be an int >= 1, got {self.world_size!r}")
+        require_int("micro_batch_size", self.micro_batch_size)
+        require_int("accumulation_steps", self.accumulation_steps)
+        require_int("held_rows", self.held_rows, minimum=0)
+        require_strategy(self.strategy)
+        require_int("world_size", self.world_size)
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autofit.analyse.table import OpCosts
-from autofit.device import Throughput
+from autofit.device import DeviceTarget, Throughput
+from autofit.solve.sharding import collective_seconds
 
-__all__ = ["TimeModel", "StepTime"]
+__all__ = ["TimeModel", "StepTime", "build_time_model"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,16 @@ class TimeModel:
         return inside & self.ops.forward
 
 
+
+
+def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strategy: str | None,
+                     world_size: int) -> TimeModel:
+    """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
+    states; FSDP2 streams one shard), and the data-parallel collectives of ``strategy``."""
+    optimizer_bytes = 4 * param_bytes // (world_size if strategy == "fsdp2" else 1)
+
+    def collectives(micro_batches: int) -> float:
+        return collective_seconds(strategy, world_size, param_bytes, param_bytes, micro_batches,
+                                  target.interconnect_bytes_per_second)
+
+    return TimeModel(target.throughput, ops, optimizer_bytes, collectives if strategy else None)
