@@ -29,7 +29,7 @@ from autofit.errors import AutofitError, UnsupportedTorchError
 __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
-    "allocation_sizes", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
+    "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "fake_store", "Patch", "patch",
 ]
 
@@ -119,6 +119,15 @@ def allocation_sizes(prof: torch.profiler.profile) -> list[int]:
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
     return [size for _, size in events]
+
+
+def high_water_mark(sizes: list[int]) -> tuple[int, int]:
+    """(highest running sum, final running sum) of allocation sizes (negative on free), in order."""
+    running = peak = 0
+    for size in sizes:
+        running += size
+        peak = max(peak, running)
+    return peak, running
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ def test_a_missing_internal_names_itself_and_the_supported_range() -> None:
 
 def test_the_supported_range_is_the_one_pyproject_states() -> None:
     import pathlib
+
     import tomllib
 
     pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
@@ -92,6 +93,12 @@ def test_allocation_sizes_read_the_allocator() -> None:
     sizes = _torch.allocation_sizes(prof)
     assert 2**20 in sizes and -(2**20) in sizes
     assert sizes.index(2**20) < sizes.index(-(2**20))
+
+
+def test_high_water_mark_by_hand() -> None:
+    # +4 +6 (10) -4 (6) +8 (14) -6 (8): the running sum peaks at 14 and ends at 8
+    assert _torch.high_water_mark([4, 6, -4, 8, -6]) == (14, 8)
+    assert _torch.high_water_mark([]) == (0, 0)
 
 
 def test_dispatch_helpers_agree_with_known_registrations() -> None:

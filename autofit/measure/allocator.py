@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from autofit._torch import allocation_sizes, grad_scaler_state, memory_profile
+from autofit._torch import allocation_sizes, grad_scaler_state, high_water_mark, memory_profile
 from autofit.batch import Batch
 from autofit.capture.model_copy import module_tensor_attributes, real_copy
 from autofit.categories import Category
@@ -102,11 +102,7 @@ def _measure_window(window, device: torch.device) -> int:
     """High-water mark of the CPU allocator while ``window`` runs, above what was allocated before it."""
     with memory_profile() as prof:
         window()
-    running = peak = 0
-    for size in allocation_sizes(prof):
-        running += size
-        peak = max(peak, running)
-    return peak
+    return high_water_mark(allocation_sizes(prof))[0]
 
 
 def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu") -> int:
