@@ -11,6 +11,7 @@ from autofit.errors import (
     InvalidInputError,
     LossError,
     UnsupportedModelError,
+    UnsupportedTorchError,
 )
 from autofit.plan import Alternative, Plan
 from autofit.planner import plan
@@ -35,6 +36,7 @@ __all__ = [
     "Plan",
     "PrecisionPolicy",
     "UnsupportedModelError",
+    "UnsupportedTorchError",
     "analyse",
     "estimate",
     "gpu_spec",

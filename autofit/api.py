@@ -9,37 +9,16 @@ from torch import nn
 
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
-from autofit.batch import Batch, as_batch
+from autofit.device import resolve_device
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.report import Measurement, MemoryEstimate
+from autofit.request import as_inputs, check_model
 from autofit.simulate.run import simulate_step
-from autofit.simulate.timeline import Phase
-from autofit.optim import as_optimizer_spec
-from autofit.precision import as_policy
 from autofit.step import StepConfig, forward_errors, make_step_config
 
 __all__ = ["analyse", "estimate", "measure"]
-
-
-def _check_model(model: Any) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return model
-
-
-def _inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
-    batch = as_batch(sample)
-    if target is None:
-        return batch, None
-    target_batch = as_batch(target, what="target")
-    if target_batch.size != batch.size:
-        raise InvalidInputError(
-            f"target has {target_batch.size} rows along dim 0 but the sample has {batch.size}: "
-            "give one target row per sample row"
-        )
-    return batch, target_batch
 
 
 def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None) -> StepConfig:
@@ -63,34 +42,11 @@ def estimate(
     GPU, else A100-80GB): ``peak_bytes`` is then comparable with ``torch.cuda.max_memory_allocated`` and
     ``device_bytes`` with what the process holds on the GPU.
     """
-    model = _check_model(model)
-    batch, target_batch = _inputs(sample, target)
+    model = check_model(model)
+    batch, target_batch = as_inputs(sample, target)
     config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config)
-    return _to_estimate(sim, config)
-
-
-def _to_estimate(sim, config: StepConfig) -> MemoryEstimate:
-    ops = sim.timeline.ops
-    at = ""
-    if 0 <= sim.replay.peak_op < len(ops):
-        op = ops[sim.replay.peak_op]
-        at = f"{op.name} in {op.module or 'top level'}"
-    phase = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
-             Phase.OPTIMIZER: "optimizer"}[sim.replay.peak_phase]
-    if config.device == "cuda":
-        from autofit.cuda.model import cuda_memory
-        from autofit.cuda.target import resolve_gpu
-
-        gpu, note = resolve_gpu(config.gpu)
-        peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, gpu)
-        notes = sim.notes + ((note,) if note else ())
-        return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
-                              peak_phase=phase, peak_at=at, method=sim.method, notes=notes)
-    return MemoryEstimate(
-        peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=config.device,
-        peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
-    )
+    return resolve_device(config.device, config.gpu).estimate(sim)
 
 
 def measure(
@@ -99,8 +55,8 @@ def measure(
     accumulation_steps: int = 1, steps: int = 1,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator."""
-    model = _check_model(model)
-    batch, target_batch = _inputs(sample, target)
+    model = check_model(model)
+    batch, target_batch = as_inputs(sample, target)
     config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
@@ -117,8 +73,8 @@ def analyse(
     function of the micro-batch. Fake tensors only, unless the forward reads tensor values (then a real copy runs at
     the analysis' micro-batches, 2 and 3). No CPU kernel probes (``plan`` adds them for CPU targets), so on the CPU
     the profile leaves out kernel scratch memory. ``model`` is never modified."""
-    model = _check_model(model)
-    batch, target_batch = _inputs(sample, target)
+    model = check_model(model)
+    batch, target_batch = as_inputs(sample, target)
     config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)
     with forward_errors():  # the graph capture runs the forward outside the simulator's own error handling
         return analyse_model(model, batch, target_batch, loss_fn, config.precision, config.optimizer,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from autofit._torch import pytree
 from autofit.errors import InvalidInputError
 
 __all__ = ["Batch", "as_batch"]

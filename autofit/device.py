@@ -1,14 +1,62 @@
-"""The device a plan targets: how much memory it has, how fast it is, and how an estimate maps onto it."""
+"""The Target stage: the device a plan targets (the CPU or one catalog GPU), resolved once per request, and the one
+place its memory model is applied to what the simulation saw.
+
+- :meth:`DeviceTarget.estimate`: a simulated step -> the :class:`MemoryEstimate` for this device (on CUDA the caching
+  allocator, cuBLAS workspace and context of ``autofit.cuda.model``; on the CPU the allocator's own peak);
+- :meth:`DeviceTarget.memory_terms`: the same model as a linear calibration the planner's memory model applies to
+  every candidate without simulating it.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from autofit.errors import InvalidInputError
-from autofit.solve.time_model import CPU, Throughput
+from autofit.report import MemoryEstimate
+from autofit.simulate.run import Simulation
+from autofit.simulate.timeline import Phase
 
-__all__ = ["DeviceTarget", "resolve_device"]
+__all__ = ["DeviceTarget", "DeviceTerms", "Throughput", "CPU", "resolve_device"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Throughput:
+    """What the device does per second, by precision name ("fp32", "bf16", "fp16")."""
+
+    name: str
+    flops_per_second: Mapping[str, float]
+    bytes_per_second: float  # memory bandwidth
+    op_overhead_seconds: float  # fixed cost of launching one op
+    saturation_flops: float = 0.0  # FLOPs per op at which the device reaches half its peak (0: always at peak)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
+
+
+# A nominal CPU, compute-bound (bandwidth infinite: caches hide most memory traffic at these sizes, so ops without
+# FLOPs cost only their launch, and the optimizer step costs nothing). Autocast to bf16/fp16 adds casts and does not
+# speed up most CPU kernels, so low precision ranks slower per op (bf16 0.8x, fp16 0.5x the fp32 rate) and is chosen
+# only when the memory it saves buys a faster configuration (a larger micro-batch, less recomputation). No knee:
+# every op runs at the nominal rate. The absolute numbers only scale the printed seconds.
+CPU = Throughput(
+    name="cpu", flops_per_second={"fp32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11}, bytes_per_second=float("inf"),
+    op_overhead_seconds=1.0e-5,
+)
+
+@dataclass(frozen=True)
+class DeviceTerms:
+    """``device_bytes = scale * tensor_bytes + constant``: what the device adds to the tensors of a step, as the
+    planner's memory model applies it (CPU: scale 1, constant 0)."""
+
+    scale: float = 1.0
+    constant: int = 0
+
+
+_PHASE_NAMES = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
+                Phase.OPTIMIZER: "optimizer"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +80,46 @@ class DeviceTarget:
         return ("bf16", "fp32") if self.supports_bf16 else ("fp16", "fp32")
 
 
+    def estimate(self, sim: Simulation) -> MemoryEstimate:
+        """The estimate of one simulated step on this device."""
+        ops = sim.timeline.ops
+        at = ""
+        if 0 <= sim.replay.peak_op < len(ops):
+            op = ops[sim.replay.peak_op]
+            at = f"{op.name} in {op.module or 'top level'}"
+        phase = _PHASE_NAMES[sim.replay.peak_phase]
+        if self.kind != "cuda":
+            return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
+                                  peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes)
+        from autofit.cuda.model import cuda_memory
+
+        peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
+        notes = sim.notes + ((self.note,) if self.note else ())
+        return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
+                              peak_phase=phase, peak_at=at, method=sim.method, notes=notes)
+
+    def memory_terms(self, analysis, rows: int) -> DeviceTerms:
+        """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant`` on the analysed window with every tensor
+        sized for ``rows`` (sizes are linear in the micro-batch, see analyse/profile.py). The constant is the cuBLAS
+        workspace and the context; the scale (allocator rounding and reserve) comes from replaying the caching
+        allocator over that window."""
+        if self.kind != "cuda":
+            return DeviceTerms()
+        from autofit.analyse.analyse import SIZES
+        from autofit.analyse.profile import timeline_at
+        from autofit.cuda.model import (
+            context_bytes,
+            cublas_workspace_bytes,
+            cuda_memory,
+        )
+        from autofit.simulate.timeline import replay
+
+        timeline = timeline_at(analysis.timeline, analysis.timeline_next, SIZES[0], rows)
+        raw = replay(timeline)
+        _, device_bytes, _ = cuda_memory(timeline, raw, self.gpu)
+        constant = context_bytes() + cublas_workspace_bytes(self.gpu)
+        return DeviceTerms(scale=max(1.0, (device_bytes - constant) / max(raw.peak_bytes, 1)), constant=constant)
+
 def _host_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -46,7 +134,22 @@ def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
             raise InvalidInputError("gpu= names a GPU model; it only applies with device='cuda'")
         return DeviceTarget("cpu", _host_memory(), CPU)
     if kind == "cuda":
-        from autofit.cuda.target import cuda_target
-
-        return cuda_target(gpu)
+        return _cuda(gpu)
     raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+def _cuda(gpu) -> DeviceTarget:
+    from autofit.cuda.target import resolve_gpu
+
+    spec, note = resolve_gpu(gpu)
+    # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
+    throughput = Throughput(
+        name=spec.name,
+        flops_per_second={"fp32": spec.fp32_flops, "bf16": spec.bf16_flops or spec.fp32_flops,
+                          "fp16": spec.fp16_flops},
+        bytes_per_second=spec.bandwidth,
+        op_overhead_seconds=5e-6,  # kernel launch plus dispatcher, a few microseconds per op
+        saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"
+    )
+    return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
+                        gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect)

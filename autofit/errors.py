@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
 __all__ = [
     "AutofitError",
     "InvalidInputError",
@@ -12,6 +9,10 @@ __all__ = [
     "LossError",
     "UnsupportedModelError",
     "InfeasibleBudgetError",
+    "UnsupportedTorchError",
+    "STRATEGIES",
+    "require_int",
+    "require_strategy",
 ]
 
 
@@ -49,7 +50,24 @@ class InfeasibleBudgetError(AutofitError):
         self.dominant = dominant
 
 
-# Exceptions autofit lets through untouched when it turns failures of the user's code into typed errors: fake tensors'
-# data-dependent errors (the simulator and the tracer catch them and fall back to a real run, see Note
-# [data-dependent models] in simulate/run.py) and running out of memory (a real result of measure and the trainer).
-PASSTHROUGH_ERRORS = (AutofitError, DataDependentOutputException, DynamicOutputShapeException, torch.OutOfMemoryError)
+
+class UnsupportedTorchError(AutofitError, ImportError):
+    """The installed torch lacks an internal autofit relies on (see autofit/_torch.py); the message names it and the
+    supported range."""
+
+
+# ---- validation shared by every value that holds these fields (StepConfig, Plan, the plan request) -----------------
+STRATEGIES = (None, "ddp", "fsdp2")
+
+
+def require_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum`` (bools are not ints here), else an InvalidInputError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def require_strategy(value: object, name: str = "strategy") -> None:
+    if value not in STRATEGIES:
+        raise InvalidInputError(f"{name} must be 'ddp', 'fsdp2' or None (None: one process, or autofit chooses "
+                                f"when world_size > 1), got {value!r}")

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autofit.errors import PASSTHROUGH_ERRORS, LossError
+from autofit._torch import PASSTHROUGH_ERRORS
+from autofit.errors import LossError
 
 __all__ = ["LossFn", "compute_loss"]
 

@@ -6,15 +6,15 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import torch
 from torch import nn
 
-from autofit.errors import InvalidInputError
+from autofit.errors import InvalidInputError, require_int, require_strategy
 from autofit.precision import PrecisionPolicy
 from autofit.report import MemoryEstimate
+from autofit.solve.search import Candidate, pareto_front
 from autofit.units import format_bytes
 
-__all__ = ["Alternative", "Plan"]
+__all__ = ["Alternative", "Plan", "assemble_plan"]
 
 _FORMAT = "autofit.plan/1"
 
@@ -58,15 +58,10 @@ class Plan:
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
                      "world_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInputError(f"Plan.{name} must be an int >= 1, got {value!r}")
+            require_int(f"Plan.{name}", getattr(self, name))
         for name in ("peak_bytes", "device_bytes", "budget_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidInputError(f"Plan.{name} must be a number of bytes (int >= 0), got {value!r}")
-        if self.strategy not in (None, "ddp", "fsdp2"):
-            raise InvalidInputError(f"Plan.strategy must be 'ddp', 'fsdp2' or None, got {self.strategy!r}")
+            require_int(f"Plan.{name} (bytes)", getattr(self, name), minimum=0)
+        require_strategy(self.strategy, "Plan.strategy")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
 
@@ -164,3 +159,23 @@ class Plan:
                              f"{len(a.checkpoint):>4} {a.peak_bytes / 2**20:>10.1f} {a.step_seconds:>9.3g}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, budget_bytes: int,
+                  batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
+                  gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...]) -> Plan:
+    """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
+    front = tuple(
+        Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
+                    gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
+                    peak_bytes=c.peak_bytes, step_seconds=c.seconds)
+        for c in pareto_front(list(fitting))
+    )
+    return Plan(
+        micro_batch_size=chosen.micro_batch_size, gradient_accumulation_steps=chosen.accumulation_steps,
+        batch_size=batch_size, last_micro_batch_size=chosen.last_micro_batch_size, precision=policy,
+        checkpoint=chosen.checkpoint, peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
+        budget_bytes=budget_bytes, device=device, optimizer=optimizer, predicted_step_seconds=chosen.seconds,
+        estimate=est, world_size=world_size, strategy=strategy, gpu=gpu, frontier=front,
+        notes=tuple(dict.fromkeys(notes)), shard_units=shard_units,
+    )

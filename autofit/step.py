@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from autofit._torch import PASSTHROUGH_ERRORS, module_call_codes, tree_map
 from autofit.batch import Batch
-from autofit.errors import PASSTHROUGH_ERRORS, ForwardError, InvalidInputError
+from autofit.errors import ForwardError, InvalidInputError, require_int, require_strategy
 from autofit.loss import LossFn, compute_loss
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy, as_policy
@@ -50,19 +51,11 @@ class StepConfig:
     shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
 
     def __post_init__(self) -> None:
-        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int):
-            raise InvalidInputError(f"micro_batch_size must be an int, got {self.micro_batch_size!r}")
-        if self.micro_batch_size < 1:
-            raise InvalidInputError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if isinstance(self.accumulation_steps, bool) or not isinstance(self.accumulation_steps, int) \
-                or self.accumulation_steps < 1:
-            raise InvalidInputError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
-        if not isinstance(self.held_rows, int) or self.held_rows < 0:
-            raise InvalidInputError(f"held_rows must be an int >= 0, got {self.held_rows!r}")
-        if self.strategy not in (None, "ddp", "fsdp2"):
-            raise InvalidInputError(f"strategy must be 'ddp', 'fsdp2' or None, got {self.strategy!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise InvalidInputError(f"world_size must be an int >= 1, got {self.world_size!r}")
+        require_int("micro_batch_size", self.micro_batch_size)
+        require_int("accumulation_steps", self.accumulation_steps)
+        require_int("held_rows", self.held_rows, minimum=0)
+        require_strategy(self.strategy)
+        require_int("world_size", self.world_size)
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
@@ -114,7 +107,7 @@ def _fp32_forward(forward, device_type: str, *args, **kwargs):
     def to_fp32(x):
         return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-    args, kwargs = torch.utils._pytree.tree_map(to_fp32, (args, kwargs))
+    args, kwargs = tree_map(to_fp32, (args, kwargs))
     with torch.autocast(device_type, enabled=False):
         return forward(*args, **kwargs)
 
@@ -188,9 +181,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
 
 
 # Frames of ``Module.__call__``: while an exception unwinds, its traceback still holds one per module call it left.
-_CALL_CODES = frozenset(
-    f.__code__ for f in (torch.nn.Module._call_impl, getattr(torch.nn.Module, "_wrapped_call_impl", None)) if f
-)
+_CALL_CODES = module_call_codes()
 
 
 @contextlib.contextmanager

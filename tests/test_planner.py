@@ -19,6 +19,7 @@ import torch
 import autofit
 from autofit.batch import as_batch
 from autofit.measure.allocator import measure_callable
+from autofit.optim import as_optimizer_spec
 
 try:
     from tests.zoo import ZOO, ZooCase
@@ -31,12 +32,6 @@ BATCH = 8  # effective batch: up to 8 accumulation steps
 TOLERANCE = 0.02
 GENEROUS = 10**10
 
-# The optimizers as autofit's names build them (autofit/optim.py): the user's instance must match the plan's.
-OPTIMIZERS = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
-}
 
 # Architectures (>= 8 kinds of layers and calling conventions) and the optimizer each is planned with.
 ARCHITECTURES = {
@@ -86,7 +81,7 @@ def _measured_step_peak(case: ZooCase, plan: autofit.Plan, optimizer: str) -> in
     state): the allocator's high-water mark plus parameters, buffers, optimizer state and the batch."""
     model = case.model  # in training mode, as the user has it
     assert model.training
-    opt = OPTIMIZERS[optimizer](model.parameters())
+    opt = as_optimizer_spec(optimizer).build(model.parameters())  # the instance the plan was made for
     inputs, target = _full_batch(case.sample, plan.batch_size), _full_batch(case.target, plan.batch_size)
     trainer = plan.wrap(model, opt, loss_fn=case.loss_fn)
     try:

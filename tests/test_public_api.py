@@ -27,6 +27,7 @@ PUBLIC = [
     "Plan",
     "PrecisionPolicy",
     "UnsupportedModelError",
+    "UnsupportedTorchError",
     "analyse",
     "estimate",
     "gpu_spec",
@@ -63,7 +64,8 @@ def test_star_import_gives_exactly_all() -> None:
 
 
 def test_errors_share_a_base() -> None:
-    for name in ("ForwardError", "InfeasibleBudgetError", "InvalidInputError", "LossError", "UnsupportedModelError"):
+    for name in ("ForwardError", "InfeasibleBudgetError", "InvalidInputError", "LossError", "UnsupportedModelError",
+                 "UnsupportedTorchError"):
         assert issubclass(getattr(autofit, name), autofit.AutofitError), name
     assert issubclass(autofit.AutofitError, Exception)
 

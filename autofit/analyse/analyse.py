@@ -8,7 +8,7 @@ from torch import nn
 from autofit.analyse.boundaries import segment_problems
 from autofit.analyse.layers import ForwardStats, LayerObserver
 from autofit.analyse.profile import CallRecord, build_profile
-from autofit.analyse.table import Analysis, LayerRow, LayerTable
+from autofit.analyse.table import Analysis, LayerRow, LayerTable, OpCosts, precision_of
 from autofit.batch import Batch
 from autofit.capture.graph import capture_graph
 from autofit.loss import LossFn
@@ -16,7 +16,6 @@ from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy
 from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import EventKind, Phase
-from autofit.solve.time_model import OpCosts, precision_of
 from autofit.step import StepConfig
 
 __all__ = ["analyse_model", "SIZES"]

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from autofit._torch import current_autograd_node, pytree
 from autofit.capture.module_stack import install_module_stack
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.simulate.tracker import StepTracker
@@ -150,7 +150,7 @@ class LayerObserver:
     def _on_op(self, op_index: int) -> None:
         if self._tracker.phase is not Phase.BACKWARD:
             return
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return
         tagged = node.metadata.get(_TAG)

@@ -4,13 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from autofit.analyse.profile import StepProfile
 from autofit.capture.graph import Graph
 from autofit.simulate.timeline import Timeline
-from autofit.solve.time_model import OpCosts
 from autofit.units import format_bytes
 
-__all__ = ["LayerRow", "LayerTable", "Analysis"]
+__all__ = ["LayerRow", "LayerTable", "Analysis", "OpCosts", "precision_of"]
+
+
+_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp32"}
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Per-op FLOPs and bytes of one micro-batch's forward and backward, linear in b: fixed + per_sample * b."""
+
+    flops_fixed: np.ndarray
+    flops_per_sample: np.ndarray
+    bytes_fixed: np.ndarray
+    bytes_per_sample: np.ndarray
+    precision: tuple[str, ...]  # "fp32" / "bf16" / "fp16" per op
+    forward: np.ndarray  # bool per op
+    module: tuple[str, ...]  # innermost module per op
+
+
+def precision_of(dtype: str) -> str:
+    return _PRECISION_OF_DTYPE.get(dtype, "fp32")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from autofit._torch import TorchDispatchMode, pytree
 from autofit.batch import Batch
 from autofit.capture.module_stack import install_module_stack
 

@@ -25,13 +25,12 @@ import networkx as nx
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autofit._torch import DATA_DEPENDENT_ERRORS, FakeTensorMode
 from autofit.batch import Batch
 from autofit.capture.dispatch_trace import record_forward
 from autofit.capture.model_copy import fake_copy, fake_input, real_copy
 from autofit.errors import UnsupportedModelError
-from autofit.simulate.run import DATA_DEPENDENT_ERRORS
 
 __all__ = ["ModuleCall", "Graph", "capture_graph"]
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autofit._torch import FakeTensorMode
 from autofit.errors import UnsupportedModelError
 
 __all__ = ["fake_copy", "fake_input", "real_copy", "module_tensor_attributes", "has_meta_tensors"]

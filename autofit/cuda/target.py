@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from autofit.cuda.catalog import GPUS, GPUSpec, gpu_spec
-from autofit.solve.time_model import Throughput
 
-__all__ = ["resolve_gpu", "cuda_target", "DEFAULT_GPU"]
+__all__ = ["resolve_gpu", "DEFAULT_GPU"]
 
 DEFAULT_GPU = "A100-80GB"
 
@@ -40,20 +39,3 @@ def resolve_gpu(gpu: str | GPUSpec | None) -> tuple[GPUSpec, str | None]:
     if detected is not None:
         return detected, None
     return GPUS[DEFAULT_GPU], f"no gpu given and no CUDA device here: assumed {DEFAULT_GPU}"
-
-
-def cuda_target(gpu: str | GPUSpec | None):
-    from autofit.device import DeviceTarget
-
-    spec, note = resolve_gpu(gpu)
-    # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
-    throughput = Throughput(
-        name=spec.name,
-        flops_per_second={"fp32": spec.fp32_flops, "bf16": spec.bf16_flops or spec.fp32_flops,
-                          "fp16": spec.fp16_flops},
-        bytes_per_second=spec.bandwidth,
-        op_overhead_seconds=5e-6,  # kernel launch plus dispatcher, a few microseconds per op
-        saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"
-    )
-    return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
-                        gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect)

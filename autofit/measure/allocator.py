@@ -7,82 +7,26 @@ before the step is the peak. CUDA: ``torch.cuda.max_memory_allocated()`` after `
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
+from autofit._torch import allocation_sizes, grad_scaler_state, high_water_mark, memory_profile
 from autofit.batch import Batch
 from autofit.capture.model_copy import module_tensor_attributes, real_copy
 from autofit.categories import Category
 from autofit.loss import LossFn
 from autofit.report import Measurement
-from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
+from autofit.step import (
+    StepConfig,
+    new_grad_scaler,
+    optimizer_step,
+    patched_model,
+    run_micro_batch,
+)
 
-__all__ = ["measure_step", "measure_callable", "allocation_sizes", "memory_profile", "quiet_native_output"]
-
-
-@contextlib.contextmanager
-def quiet_native_output(fds: tuple[int, ...] = (2,)) -> Iterator[None]:
-    """Send what native code writes to these file descriptors to /dev/null for a while. Kineto prints a
-    'profiler_start' / 'profiler_stop' line on the C stderr each time a profiler starts and stops, whatever its log
-    level (autofit starts one per kernel probe); HiGHS prints solver internals on stdout."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {}
-    try:
-        for fd in fds:
-            saved[fd] = os.dup(fd)
-    except OSError:  # no such descriptor (embedded interpreters): nothing to silence
-        for fd in saved.values():
-            os.close(fd)
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            for fd in fds:
-                os.dup2(devnull.fileno(), fd)
-        yield
-    finally:
-        for fd, copy in saved.items():
-            os.dup2(copy, fd)
-            os.close(copy)
-
-
-class memory_profile:  # noqa: N801 - used like torch.profiler.profile
-    """``torch.profiler.profile(activities=[CPU], profile_memory=True)`` without Kineto's stderr lines."""
-
-    def __enter__(self):
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with quiet_native_output():
-            self._prof.__enter__()
-        return self._prof
-
-    def __exit__(self, *exc):
-        with quiet_native_output():
-            return self._prof.__exit__(*exc)
-
-
-def allocation_sizes(prof) -> list[int]:
-    """The profiler's Allocation events in time order: positive on allocation, negative on free."""
-    events: list[tuple[int, int]] = []
-
-    def walk(node) -> None:
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    events.sort(key=lambda e: e[0])
-    return [size for _, size in events]
+__all__ = ["measure_step", "measure_callable"]
 
 
 def _storage_bytes(tensors) -> int:
@@ -97,7 +41,7 @@ def _storage_bytes(tensors) -> int:
 def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | None) -> dict[Category, int]:
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     if scaler is not None and scaler.is_enabled():
-        state += [t for t in (scaler._scale, scaler._growth_tracker) if isinstance(t, torch.Tensor)]
+        state += grad_scaler_state(scaler)
     inputs = micro.tensors() + (micro_target.tensors() if micro_target is not None else [])
     buffers = list(model.buffers()) + [t for _, t in module_tensor_attributes(model)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -158,11 +102,7 @@ def _measure_window(window, device: torch.device) -> int:
     """High-water mark of the CPU allocator while ``window`` runs, above what was allocated before it."""
     with memory_profile() as prof:
         window()
-    running = peak = 0
-    for size in allocation_sizes(prof):
-        running += size
-        peak = max(peak, running)
-    return peak
+    return high_water_mark(allocation_sizes(prof))[0]
 
 
 def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu") -> int:

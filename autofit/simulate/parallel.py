@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autofit._torch import fake_store
 from autofit.errors import UnsupportedModelError
 
 __all__ = ["fake_mesh", "ddp_buckets"]
@@ -28,14 +29,13 @@ __all__ = ["fake_mesh", "ddp_buckets"]
 def fake_mesh(world_size: int) -> Iterator[object]:
     """A 1-D CPU device mesh over a fake process group of ``world_size`` ranks (this process is rank 0)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise UnsupportedModelError(
             "autofit simulates FSDP2 with a fake process group, which needs the default group to be free: "
             "call autofit.plan before torch.distributed.init_process_group (or in a separate process)"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:

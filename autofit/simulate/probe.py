@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autofit.measure.allocator import allocation_sizes, memory_profile
+from autofit._torch import allocation_sizes, memory_profile
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber"]
 

@@ -14,53 +14,15 @@ Assumptions, and what is not modelled (overlap, cuDNN algorithm choice, data loa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import numpy as np
 
-__all__ = ["Throughput", "CPU", "TimeModel", "StepTime", "OpCosts"]
+from autofit.analyse.table import OpCosts
+from autofit.device import DeviceTarget, Throughput
+from autofit.solve.sharding import collective_seconds
 
-
-@dataclass(frozen=True, kw_only=True)
-class Throughput:
-    """What the device does per second, by precision name ("fp32", "bf16", "fp16")."""
-
-    name: str
-    flops_per_second: Mapping[str, float]
-    bytes_per_second: float  # memory bandwidth
-    op_overhead_seconds: float  # fixed cost of launching one op
-    saturation_flops: float = 0.0  # FLOPs per op at which the device reaches half its peak (0: always at peak)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
-
-
-# A nominal CPU, compute-bound (bandwidth infinite: caches hide most memory traffic at these sizes, so ops without
-# FLOPs cost only their launch, and the optimizer step costs nothing). Autocast to bf16/fp16 adds casts and does not
-# speed up most CPU kernels, so low precision ranks slower per op (bf16 0.8x, fp16 0.5x the fp32 rate) and is chosen
-# only when the memory it saves buys a faster configuration (a larger micro-batch, less recomputation). No knee:
-# every op runs at the nominal rate. The absolute numbers only scale the printed seconds.
-CPU = Throughput(
-    name="cpu", flops_per_second={"fp32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11}, bytes_per_second=float("inf"),
-    op_overhead_seconds=1.0e-5,
-)
-
-_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp32"}
-
-
-@dataclass(frozen=True)
-class OpCosts:
-    """Per-op FLOPs and bytes of one micro-batch's forward and backward, linear in b: fixed + per_sample * b."""
-
-    flops_fixed: np.ndarray
-    flops_per_sample: np.ndarray
-    bytes_fixed: np.ndarray
-    bytes_per_sample: np.ndarray
-    precision: tuple[str, ...]  # "fp32" / "bf16" / "fp16" per op
-    forward: np.ndarray  # bool per op
-    module: tuple[str, ...]  # innermost module per op
+__all__ = ["TimeModel", "StepTime", "build_time_model"]
 
 
 @dataclass(frozen=True)
@@ -120,5 +82,16 @@ class TimeModel:
         return inside & self.ops.forward
 
 
-def precision_of(dtype: str) -> str:
-    return _PRECISION_OF_DTYPE.get(dtype, "fp32")
+
+
+def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strategy: str | None,
+                     world_size: int) -> TimeModel:
+    """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
+    states; FSDP2 streams one shard), and the data-parallel collectives of ``strategy``."""
+    optimizer_bytes = 4 * param_bytes // (world_size if strategy == "fsdp2" else 1)
+
+    def collectives(micro_batches: int) -> float:
+        return collective_seconds(strategy, world_size, param_bytes, param_bytes, micro_batches,
+                                  target.interconnect_bytes_per_second)
+
+    return TimeModel(target.throughput, ops, optimizer_bytes, collectives if strategy else None)

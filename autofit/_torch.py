@@ -1,0 +1,226 @@
+"""The torch boundary: every private torch symbol autofit uses, checked once at import.
+
+autofit simulates a training step on fake tensors, watches it below autograd with a dispatch mode, re-registers
+autocast kernels, and reads the profiler's event tree. None of that is public API, so it all goes through this
+module: a release that moves or removes a piece fails here, at import, with an :class:`UnsupportedTorchError` naming
+the piece and the supported range, instead of deep inside a simulation. Nothing else in autofit imports a private
+torch module or reads a private attribute of a torch object (tests/test_architecture.py checks that).
+
+Process-wide patches (a module attribute that torch's own code looks up at call time) go through :func:`patch`: one
+lock for all of them, restored on exit, and a count of how often torch really called the replacement, so a caller can
+check the patch still takes effect (:meth:`Patch.require_hit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from autofit.errors import AutofitError, UnsupportedTorchError
+
+__all__ = [
+    "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
+    "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
+    "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
+    "is_view", "grad_scaler_state", "fake_store", "Patch", "patch",
+]
+
+SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
+TESTED_TORCH = ("2.13.0", "2.15.0")  # tests/matrix.sh: the oldest supported release and the newest on 2026-11-22
+
+
+def _need(module: str, name: str) -> Any:
+    """``module.name``, or an UnsupportedTorchError that names it (raised at autofit's import)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedTorchError(
+            f"this torch ({torch.__version__}) has no {module}.{name}, which autofit needs; autofit supports torch "
+            f"{SUPPORTED_TORCH} and is tested on {', '.join(TESTED_TORCH)}: install one of those"
+        ) from e
+
+
+# ---- fake tensors (simulate, capture) ----------------------------------------------------------------------------
+FakeTensorMode = _need("torch._subclasses.fake_tensor", "FakeTensorMode")
+# Fake tensors have no values: code that reads them raises these (see Note [data-dependent models], simulate/run.py).
+DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
+    _need("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+    _need("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+)
+# What autofit lets through untouched when it turns failures of the user's code into typed errors: its own errors,
+# the data-dependent errors above (the simulator and the tracer fall back to a real run on them), and running out of
+# memory (a real result of measure and the trainer).
+PASSTHROUGH_ERRORS: tuple[type[BaseException], ...] = (AutofitError, *DATA_DEPENDENT_ERRORS, torch.OutOfMemoryError)
+
+# ---- dispatch (tracker, tracer, probes) --------------------------------------------------------------------------
+TorchDispatchMode = _need("torch.utils._python_dispatch", "TorchDispatchMode")
+disable_current_modes = _need("torch.utils._python_dispatch", "_disable_current_modes")
+pytree = importlib.import_module("torch.utils._pytree")  # tree_leaves / tree_map / tree_flatten over args and outputs
+tree_map = _need("torch.utils._pytree", "tree_map")
+_current_autograd_node = _need("torch._C", "_current_autograd_node")
+_all_op_names = _need("torch._C", "_dispatch_get_all_op_names")
+_has_kernel = _need("torch._C", "_dispatch_has_kernel_for_dispatch_key")
+_ExcludeGuard = _need("torch._C", "_ExcludeDispatchKeyGuard")
+_DispatchKeySet = _need("torch._C", "DispatchKeySet")
+_DispatchKey = _need("torch._C", "DispatchKey")
+
+# ---- profiler (measure, probes) ----------------------------------------------------------------------------------
+EventType = _need("torch._C._profiler", "_EventType")
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward is running (None outside backward)."""
+    return _current_autograd_node()
+
+
+def module_call_codes() -> frozenset:
+    """Code objects of ``Module.__call__``'s implementation: a traceback holds one frame per module call it left."""
+    impls = (getattr(torch.nn.Module, "_call_impl", None), getattr(torch.nn.Module, "_wrapped_call_impl", None))
+    return frozenset(f.__code__ for f in impls if f is not None)
+
+
+def all_aten_op_names() -> list[str]:
+    """Every aten operator the dispatcher knows, without the ``aten::`` prefix."""
+    return [n.removeprefix("aten::") for n in _all_op_names() if n.startswith("aten::")]
+
+
+def has_dispatch_kernel(op: str, key: str) -> bool:
+    """Whether ``aten::op`` has a kernel registered for dispatch key ``key`` (e.g. "AutocastCUDA")."""
+    return bool(_has_kernel(op if "::" in op else f"aten::{op}", key))
+
+
+def exclude_dispatch_key(key: str) -> Any:
+    """A guard that skips dispatch key ``key`` while it is alive (as the key's own kernels do to call further)."""
+    return _ExcludeGuard(_DispatchKeySet(getattr(_DispatchKey, key)))
+
+
+def is_view(t: torch.Tensor) -> bool:
+    return t._is_view()
+
+
+def allocation_sizes(prof: torch.profiler.profile) -> list[int]:
+    """Bytes of every Allocation event a ``profile_memory=True`` CPU profile recorded, in time order; negative on
+    free. Read from the profiler's event tree (``kineto_results.experimental_event_tree``), the allocator's own
+    record (DESIGN.md, "Ground truth without a GPU")."""
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    events.sort(key=lambda e: e[0])
+    return [size for _, size in events]
+
+
+def high_water_mark(sizes: list[int]) -> tuple[int, int]:
+    """(highest running sum, final running sum) of allocation sizes (negative on free), in order."""
+    running = peak = 0
+    for size in sizes:
+        running += size
+        peak = max(peak, running)
+    return peak, running
+
+
+@contextlib.contextmanager
+def quiet_native_output(fds: tuple[int, ...] = (2,)) -> Iterator[None]:
+    """Send what native code writes to these file descriptors to /dev/null for a while. Kineto prints a
+    'profiler_start' / 'profiler_stop' line on the C stderr each time a profiler starts and stops, whatever its log
+    level (autofit starts one per kernel probe); HiGHS prints solver internals on stdout."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {}
+    try:
+        for fd in fds:
+            saved[fd] = os.dup(fd)
+    except OSError:  # no such descriptor (embedded interpreters): nothing to silence
+        for fd in saved.values():
+            os.close(fd)
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            for fd in fds:
+                os.dup2(devnull.fileno(), fd)
+        yield
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+class memory_profile:  # noqa: N801 - used like torch.profiler.profile
+    """``torch.profiler.profile(activities=[CPU], profile_memory=True)`` without Kineto's stderr lines."""
+
+    def __enter__(self):
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with quiet_native_output():
+            self._prof.__enter__()
+        return self._prof
+
+    def __exit__(self, *exc):
+        with quiet_native_output():
+            return self._prof.__exit__(*exc)
+
+
+def grad_scaler_state(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
+    """The tensors a GradScaler keeps between steps (its scale and growth tracker), once created."""
+    return [t for t in (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
+            if isinstance(t, torch.Tensor)]
+
+
+def fake_store() -> Any:
+    """A store for ``init_process_group("fake", ...)``: collectives return at once with the right shapes. Loaded on
+    first use: only FSDP2 simulations need it, and it lives in torch's test utilities."""
+    return _need("torch.testing._internal.distributed.fake_pg", "FakeStore")()
+
+
+# ---- process-wide patches ----------------------------------------------------------------------------------------
+_PATCH_LOCK = threading.RLock()
+
+
+class Patch:
+    """One attribute replaced for a while; ``hits`` counts the calls torch made to the replacement."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name, self.hits = owner, name, 0
+
+    def require_hit(self, why: str) -> None:
+        """Raise if torch never called the replacement although ``why`` says it must have."""
+        if self.hits == 0:
+            where = getattr(self.owner, "__name__", type(self.owner).__name__)
+            raise UnsupportedTorchError(
+                f"autofit replaces {where}.{self.name} while it simulates, because {why}, but this torch "
+                f"({torch.__version__}) never called it, so the estimate would miss that term; autofit supports torch "
+                f"{SUPPORTED_TORCH} and is tested on {', '.join(TESTED_TORCH)}"
+            )
+
+
+@contextlib.contextmanager
+def patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterator[Patch]:
+    """Replace ``owner.name`` by ``make(original)`` under the process-wide patch lock; restore it on exit.
+
+    The lock is held for the whole context: two simulations in two threads would otherwise restore each other's
+    patches. It is re-entrant, so one simulation can nest several patches."""
+    with _PATCH_LOCK:
+        original = getattr(owner, name)
+        record = Patch(owner, name)
+        replacement = make(original)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            record.hits += 1
+            return replacement(*args, **kwargs)
+
+        setattr(owner, name, counted)
+        try:
+            yield record
+        finally:
+            setattr(owner, name, original)

@@ -1,0 +1,147 @@
+"""The request: what the user asked ``plan`` for, validated once into a frozen value every later stage reads.
+
+Everything a stage could reject is checked here (model, sample and target, budget, batch and world size, strategy,
+precision, optimizer, checkpoint names), so the stages after it take typed values and never re-validate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from autofit.batch import Batch, as_batch
+from autofit.device import DeviceTarget, resolve_device
+from autofit.errors import InvalidInputError, require_int, require_strategy
+from autofit.loss import LossFn
+from autofit.optim import OptimizerSpec, as_optimizer_spec
+from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
+from autofit.step import resolve_modules
+from autofit.units import parse_budget
+
+__all__ = ["Parallel", "PlanRequest", "make_request", "check_model", "as_inputs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """How one rank's step is distributed: no strategy (one process), DDP or FSDP2 over ``world_size`` ranks."""
+
+    strategy: str | None = None
+    world_size: int = 1
+    shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """The validated inputs of ``plan``; built by :func:`make_request`."""
+
+    model: nn.Module
+    batch: Batch
+    target: Batch | None
+    loss_fn: LossFn | None
+    device: DeviceTarget  # resolved once: the CPU or one catalog GPU
+    budget_bytes: int
+    batch_size: int  # effective batch, all ranks
+    per_rank: int  # samples per rank per optimizer step
+    world_size: int
+    strategies: tuple[str | None, ...]  # to plan, in order; the fastest wins
+    policies: tuple[PrecisionPolicy, ...]  # allowed compute precisions, preferred first
+    optimizer: OptimizerSpec
+    fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
+    quick: bool  # try the quick path first (Note [the quick path], solve/quick.py)
+    auto_precision: bool  # the first policy is the device's fastest ("auto", or a single policy)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def allow_checkpoint(self) -> bool:
+        return self.fixed_checkpoint is None
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one sample adds to the inputs and targets (batch tensors only)."""
+        total = 0
+        for b in (self.batch, self.target):
+            if b is None:
+                continue
+            for t in b.tensors():
+                if t.dim() >= 1 and t.shape[0] == b.size:
+                    total += t[:1].nelement() * t.element_size()
+        return total
+
+
+def check_model(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def as_inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
+    """The sample and target as batches with the same number of rows."""
+    batch = as_batch(sample)
+    if target is None:
+        return batch, None
+    target_batch = as_batch(target, what="target")
+    if target_batch.size != batch.size:
+        raise InvalidInputError(
+            f"target has {target_batch.size} rows along dim 0 but the sample has {batch.size}: "
+            "give one target row per sample row"
+        )
+    return batch, target_batch
+
+
+def make_request(
+    model: Any, sample: Any, budget: int | str, *, batch_size: int | None, target: Any, loss_fn: LossFn | None,
+    optimizer: Any, precision: Any, checkpoint: Any, device: str, gpu: str | None, world_size: int,
+    strategy: str | None, quick: bool,
+) -> PlanRequest:
+    model = check_model(model)
+    batch, target_batch = as_inputs(sample, target)
+    target_device = resolve_device(device, gpu)
+    budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
+    notes = [target_device.note] if target_device.note else []
+    if batch_size is None:
+        batch_size = batch.size
+        notes.append(f"no batch_size given: planning for the sample's batch of {batch.size}")
+    require_int("batch_size", batch_size)
+    require_int("world_size", world_size)
+    require_strategy(strategy)
+    if strategy is not None and world_size == 1:
+        raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
+    if batch_size % world_size:
+        raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
+    return PlanRequest(
+        model=model, batch=batch, target=target_batch, loss_fn=loss_fn, device=target_device,
+        budget_bytes=budget_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
+        strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
+        policies=_precisions(precision, target_device), optimizer=as_optimizer_spec(optimizer),
+        fixed_checkpoint=_fixed_checkpoint(model, checkpoint), quick=quick,
+        auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
+    )
+
+
+def _precisions(precision: Any, target: DeviceTarget) -> tuple[PrecisionPolicy, ...]:
+    if isinstance(precision, str) and precision.strip().lower() == "auto":
+        return tuple(PrecisionPolicy(name=n) for n in target.default_precisions())
+    if isinstance(precision, (list, tuple)):
+        return tuple(as_policy(p) for p in precision)
+    policy = as_policy(precision)
+    if policy.name not in PRECISION_NAMES:
+        raise InvalidInputError(f"unknown precision {precision!r}")
+    return (policy,)
+
+
+def _fixed_checkpoint(model: nn.Module, checkpoint: Any) -> tuple[str, ...] | None:
+    """None: the planner chooses ("auto"); a tuple: exactly these modules (empty: no checkpointing)."""
+    if checkpoint == "auto":
+        return None
+    if checkpoint in (None, False, "none"):
+        return ()
+    try:
+        names = (checkpoint,) if isinstance(checkpoint, str) else tuple(checkpoint)
+    except TypeError as e:
+        raise InvalidInputError(
+            f"checkpoint must be 'auto', None or a sequence of module names, got {checkpoint!r}"
+        ) from e
+    resolve_modules(model, names, what="checkpoint")
+    return names

@@ -1,0 +1,39 @@
+"""The quick path: when the fastest configuration fits, one full estimate is the whole plan.
+
+Note [the quick path]
+    The time model ranks the preferred precision (the first allowed one; for "auto" the device's fastest:
+    bf16/fp16 on GPUs, fp32 on the CPU), one micro-batch for the whole batch and no recomputation (or the
+    user's fixed checkpoint set) as the fastest configuration there is: every other precision is slower per
+    op, every extra micro-batch adds launches and loses utilisation, every checkpointed module adds its forward
+    again. So when that configuration's full estimate fits the budget, it is the plan, and the analysis (two
+    simulations per precision) is not needed. Budgets are still monotonic: when it stops fitting, the search's
+    winner is slower and, being under the smaller budget, lower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from autofit.analyse.analyse import op_costs
+from autofit.device import DeviceTarget
+from autofit.simulate.run import Simulation
+from autofit.solve.search import Candidate
+from autofit.solve.time_model import build_time_model
+from autofit.solve.verify import Verified
+from autofit.step import StepConfig
+
+__all__ = ["quick_path"]
+
+
+def quick_path(config: StepConfig, simulate: Callable[[StepConfig], Simulation], target: DeviceTarget, budget: int,
+               param_bytes: int) -> Verified | None:
+    """``config`` (the fastest configuration) verified, with its modelled time, if it fits ``budget``; else None."""
+    sim = simulate(config)
+    est = target.estimate(sim)
+    if est.device_bytes > budget:
+        return None
+    ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
+    time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size)
+    seconds = time.step_time(config.precision.name, config.micro_batch_size, 1, config.checkpoint).total
+    b = config.micro_batch_size
+    return Verified(Candidate(config.precision.name, b, 1, b, config.checkpoint, est.device_bytes, seconds), est, ())

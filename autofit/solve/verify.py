@@ -1,0 +1,104 @@
+"""Search, then verify the winner with one full simulation; the models' error, where it shows, becomes a margin.
+
+The memory model is exact for the configurations it was built on and close for the others (docs/planner.md). When
+the verified peak of the search's winner overshoots the budget, the overshoot is the model's error for that kind of
+configuration: the search runs again under a budget lowered by it, at most ``MAX_VERIFICATIONS`` times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autofit.errors import InfeasibleBudgetError
+from autofit.report import MemoryEstimate
+from autofit.solve.search import (
+    Candidate,
+    SearchSpace,
+    alternatives,
+    search,
+    smallest_peak,
+)
+from autofit.units import format_bytes
+
+__all__ = ["Verified", "MAX_VERIFICATIONS", "search_verified", "smallest_verified", "infeasible"]
+
+MAX_VERIFICATIONS = 4
+
+Verify = Callable[[Candidate], MemoryEstimate]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A candidate whose full estimate fits the budget, the configurations that fit the models, and a note."""
+
+    candidate: Candidate
+    estimate: MemoryEstimate
+    fitting: tuple[Candidate, ...]
+    notes: tuple[str, ...] = ()
+
+
+def search_verified(space: SearchSpace, budget: int, verify: Verify) -> Verified | None:
+    """The fastest configuration whose verified estimate fits ``budget``, or None when the search finds none."""
+    correction = 0
+    for _ in range(MAX_VERIFICATIONS):
+        best, fitting = search(space, budget - correction)
+        if best is None:
+            return None
+        est = verify(best)
+        if est.device_bytes <= budget:
+            notes = ()
+            if correction:
+                notes = (f"the first choices' verified peaks exceeded their modelled peaks; re-planned with "
+                         f"{format_bytes(correction)} of margin",)
+            return Verified(best, est, tuple(fitting) + tuple(alternatives(space, budget - correction)), notes)
+        correction += max(est.device_bytes - best.peak_bytes, est.device_bytes - budget, 1)
+    return None
+
+
+def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
+    """The configuration with the smallest modelled peak, and its verified estimate."""
+    smallest = smallest_peak(space)
+    return smallest, verify(smallest)
+
+
+# What to suggest when one category dominates the smallest reachable peak (one entry per Category an estimate can
+# report; each is a sentence without its final period, which the message adds).
+ADVICE = {
+    "optimizer_state": "Optimizer state dominates: use SGD (one buffer) instead of Adam (two), bf16/fp16 "
+                       "parameters, or shard it across GPUs (FSDP2, world_size > 1)",
+    "parameters": "Parameters dominate: keep them in bf16, or shard them (FSDP2, world_size > 1)",
+    "gradients": "Gradients dominate: bf16 parameters halve them; sharding (FSDP2) splits them across ranks",
+    "activations": "Activations dominate even in the configuration with the smallest peak: shorten the sequence "
+                   "or image size, or use a lower precision",
+    "temporaries": "Temporaries of backward or the optimizer step dominate: a lower precision or a smaller "
+                   "largest layer helps",
+    "inputs": "Inputs dominate: the trainer receives the whole batch at once, so the plan holds all of its rows; "
+              "plan a smaller batch_size (or more ranks), or shorter sequences / smaller images",
+    "buffers": "Buffers dominate (registered buffers and tensor attributes such as causal masks or rotary caches): "
+               "size them for the sequence length you train at, or keep large constant tables off the model",
+    "workspace": "CPU kernel scratch memory dominates (oneDNN reorders and scratchpads inside the largest "
+                 "convolutions and matmuls): try another precision, or a smaller largest layer",
+    "autocast_cache": "Autocast's low-precision copies of the weights dominate: they live until the forward's "
+                      "autocast region exits; fp32 makes none, and neither do weights already in the autocast dtype",
+    "cuda_context": "The CUDA context dominates: it is a constant (512 MiB unless AUTOFIT_CUDA_CONTEXT_MIB says "
+                    "otherwise, see benchmarks/gpu_validate.py) that every budget on a GPU must hold",
+    "cublas_workspace": "The cuBLAS workspace dominates: it is a constant per process (CUBLAS_WORKSPACE_CONFIG "
+                        "sets its size) that every budget on a GPU must hold",
+    "fragmentation": "The caching allocator's reserve dominates: segments reserved beyond the blocks in use are "
+                     "part of what the process holds, so the budget must cover them",
+    "allocator_rounding": "Allocator rounding dominates: every CUDA block is rounded up to 512 bytes, so many tiny "
+                          "tensors cost more than their bytes",
+}
+
+
+def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str = "") -> InfeasibleBudgetError:
+    """The error for a budget below the smallest verified peak: the minimum, what dominates it, and what helps."""
+    dominant = max(est.breakdown, key=est.breakdown.get)
+    return InfeasibleBudgetError(
+        f"no configuration fits {format_bytes(budget)}: the smallest reachable peak is "
+        f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch {smallest.micro_batch_size}, "
+        f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed{where}). "
+        f"{ADVICE.get(dominant, f'{dominant} dominates the smallest peak')}.",
+        min_budget_bytes=est.device_bytes, budget_bytes=budget, dominant=dominant,
+    )

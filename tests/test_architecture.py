@@ -1,0 +1,115 @@
+"""The layout is the pipeline (docs/architecture.md): imports run one way, and private torch symbols are read in one
+module only. Both are checked on the source text (ast), so a backwards import fails here even when nothing runs it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).parents[1] / "autofit"
+
+# The stages in pipeline order (docs/architecture.md). A module may import its own layer and the layers above it in
+# this list, never one below: values flow down the pipeline, callables are passed in, not imported back.
+LAYERS: list[set[str]] = [
+    {"_torch", "errors", "units", "categories"},  # foundations: the torch boundary, typed errors, byte units
+    {"batch", "loss", "optim", "precision", "report"},  # the request's values and the estimate's
+    {"step", "strategy"},  # what one training step is, shared by simulate, measure and the trainer
+    {"capture"},  # 1. model copies and the traced graph
+    {"simulate"},  # 2. one step on fake tensors -> Timeline
+    {"analyse"},  # 3. per-layer table and the peak as a function of the knobs
+    {"device", "cuda"},  # 4. the Target: CPU or a catalog GPU and its memory / speed model
+    {"solve"},  # 5. memory and time models, search
+    {"measure"},  # ground truth on the real device
+    {"plan", "emit", "export"},  # 6. the Plan and the training wrapper it emits
+    {"api", "planner", "request"},  # the public entry points that compose the stages
+    {"cli"},
+    {"__init__", "__main__"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+# A torch module or attribute whose name has a component starting with "_" is private.
+BOUNDARY = "_torch"
+
+
+def _unit(path: pathlib.Path) -> str:
+    """The layer unit of a module: its sub-package, or the module itself for top-level files."""
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _modules() -> list[pathlib.Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import, except those under ``if TYPE_CHECKING:`` (annotations only)."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+            found.extend((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    units = {_unit(p) for p in _modules()}
+    assert units <= set(RANK), f"modules without a layer in LAYERS: {sorted(units - set(RANK))}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_follow_the_pipeline(path: pathlib.Path) -> None:
+    unit = _unit(path)
+    backwards = []
+    for line, module in _imports(ast.parse(path.read_text())):
+        parts = module.split(".")
+        if parts[0] != "autofit" or len(parts) < 2 or parts[1] not in RANK:
+            continue
+        if RANK[parts[1]] > RANK[unit]:
+            backwards.append(f"line {line}: {module} ({parts[1]} comes after {unit} in the pipeline)")
+    assert not backwards, "imports that run against the pipeline:\n" + "\n".join(backwards)
+
+
+def _private_torch(tree: ast.AST) -> list[str]:
+    found = []
+    for line, module in _imports(tree):
+        parts = module.split(".")
+        if parts[0] == "torch" and any(p.startswith("_") for p in parts[1:]):
+            found.append(f"line {line}: import {module}")
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            chain = ast.unparse(node)
+            if chain.split(".")[0] == "torch" and node.lineno not in lines:
+                lines.add(node.lineno)
+                found.append(f"line {node.lineno}: {chain}")
+    return found
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_private_torch_only_through_the_boundary(path: pathlib.Path) -> None:
+    if _unit(path) == BOUNDARY:
+        return
+    found = _private_torch(ast.parse(path.read_text()))
+    assert not found, f"private torch symbols outside autofit/_torch.py:\n" + "\n".join(found)
+
+
+def test_the_checks_catch_what_they_should() -> None:
+    """The two checks, on source written to break them (else an empty result proves nothing)."""
+    bad = ast.parse("import torch\nfrom torch._C import _EventType\nx = torch._C._current_autograd_node()\n"
+                    "from autofit.planner import plan\n")
+    assert [f.split(":")[0] for f in _private_torch(bad)] == ["line 2", "line 2", "line 3"]
+    assert (4, "autofit.planner") in _imports(bad)
+    assert RANK["planner"] > RANK["simulate"]

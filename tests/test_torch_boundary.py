@@ -1,0 +1,108 @@
+"""autofit/_torch.py, the one place private torch symbols are read: missing pieces fail with a typed error that
+names them, process-wide patches are restored, serialised and counted, and the profiler primitives read the
+allocator's record."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from autofit import _torch
+from autofit.errors import AutofitError, UnsupportedTorchError
+
+
+def test_a_missing_internal_names_itself_and_the_supported_range() -> None:
+    with pytest.raises(UnsupportedTorchError) as info:
+        _torch._need("torch._subclasses.fake_tensor", "NoSuchThing")
+    message = str(info.value)
+    assert "torch._subclasses.fake_tensor.NoSuchThing" in message
+    assert _torch.SUPPORTED_TORCH in message and torch.__version__ in message
+    with pytest.raises(UnsupportedTorchError, match="torch.no_such_module.X"):
+        _torch._need("torch.no_such_module", "X")
+    assert issubclass(UnsupportedTorchError, AutofitError) and issubclass(UnsupportedTorchError, ImportError)
+
+
+def test_the_supported_range_is_the_one_pyproject_states() -> None:
+    import pathlib
+
+    import tomllib
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    torch_requirement = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
+    assert torch_requirement == "torch" + _torch.SUPPORTED_TORCH
+
+
+def test_patch_replaces_counts_and_restores() -> None:
+    original = torch.get_rng_state
+    with _torch.patch(torch, "get_rng_state", lambda orig: lambda: orig()[:4]) as p:
+        assert torch.get_rng_state().numel() == 4
+        torch.get_rng_state()
+        assert p.hits == 2
+        p.require_hit("it must be called")
+    assert torch.get_rng_state is original
+
+
+def test_patch_restores_after_an_exception() -> None:
+    original = torch.UntypedStorage.resize_
+    with pytest.raises(RuntimeError, match="boom"):
+        with _torch.patch(torch.UntypedStorage, "resize_", lambda orig: orig):
+            raise RuntimeError("boom")
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_a_patch_torch_never_called_is_reported() -> None:
+    with _torch.patch(torch, "get_rng_state", lambda orig: orig) as p:
+        pass
+    with pytest.raises(UnsupportedTorchError, match=r"torch\.get_rng_state.*never called it"):
+        p.require_hit("checkpointing stashes the RNG state")
+
+
+def test_patches_from_two_threads_do_not_interleave() -> None:
+    """The second thread's patch waits until the first is restored: otherwise each would restore the other's."""
+    order: list[str] = []
+    entered = threading.Event()
+
+    def first() -> None:
+        with _torch.patch(torch, "get_rng_state", lambda orig: orig):
+            order.append("first in")
+            entered.set()
+            time.sleep(0.2)
+            order.append("first out")
+
+    def second() -> None:
+        entered.wait()
+        with _torch.patch(torch, "get_rng_state", lambda orig: orig):
+            order.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert order == ["first in", "first out", "second in"]
+
+
+def test_allocation_sizes_read_the_allocator() -> None:
+    """A 1 MiB tensor made and freed under the profiler: +1 MiB then -1 MiB (hand computation: 2**18 fp32)."""
+    with _torch.memory_profile() as prof:
+        t = torch.empty(2**18, dtype=torch.float32)
+        del t
+    sizes = _torch.allocation_sizes(prof)
+    assert 2**20 in sizes and -(2**20) in sizes
+    assert sizes.index(2**20) < sizes.index(-(2**20))
+
+
+def test_high_water_mark_by_hand() -> None:
+    # +4 +6 (10) -4 (6) +8 (14) -6 (8): the running sum peaks at 14 and ends at 8
+    assert _torch.high_water_mark([4, 6, -4, 8, -6]) == (14, 8)
+    assert _torch.high_water_mark([]) == (0, 0)
+
+
+def test_dispatch_helpers_agree_with_known_registrations() -> None:
+    # aten::mm has a CPU autocast kernel (autocast_mode.cpp lists mm as lower_precision_fp); aten::relu has none
+    assert _torch.has_dispatch_kernel("mm", "AutocastCPU")
+    assert not _torch.has_dispatch_kernel("relu", "AutocastCPU")
+    assert "mm" in _torch.all_aten_op_names()
