@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"measure"},  # ground truth on the real device
     {"plan", "emit", "export"},  # 6. the Plan and the training wrapper it emits
     {"api", "planner", "request"},  # the public entry points that compose the stages
+    {"integrations"},  # a Plan applied inside other trainers (Hugging Face, Lightning)
     {"cli"},
     {"__init__", "__main__"},
 ]
