@@ -13,6 +13,7 @@ from autofit.errors import (
     UnsupportedModelError,
     UnsupportedTorchError,
 )
+from autofit.normalisation import ItemMeanLoss
 from autofit.plan import Alternative, Plan
 from autofit.planner import plan
 from autofit.precision import PrecisionPolicy
@@ -28,6 +29,7 @@ __all__ = [
     "ForwardError",
     "InfeasibleBudgetError",
     "InvalidInputError",
+    "ItemMeanLoss",
     "LayerRow",
     "LayerTable",
     "LossError",

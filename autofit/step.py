@@ -65,6 +65,13 @@ def make_step_config(
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
 ) -> StepConfig:
+    if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
+        checkpoint = ()
+    if checkpoint == "auto":
+        raise InvalidInputError(
+            "checkpoint='auto' asks the planner to choose, and only plan() chooses: give estimate/measure the module "
+            "names to recompute (plan.checkpoint), or None for none"
+        )
     if isinstance(checkpoint, str):
         checkpoint = (checkpoint,)
     try:
@@ -98,9 +105,34 @@ def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str
     return modules
 
 
+def _copy_containers(tree: Any) -> Any:
+    """The same leaves (tensors included: no tensor memory) in new lists, tuples and dicts."""
+    return torch.utils._pytree.tree_map(lambda leaf: leaf, tree)
+
+
 def _checkpointed_forward(forward, *args, **kwargs):
+    """See Note [checkpoint arguments]."""
     # Always non-reentrant (docs/memory-model.md): it supports keyword arguments, nesting and inputs that need no grad.
-    return _checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    args, kwargs = _copy_containers((args, kwargs))
+    return _checkpoint(functools.partial(_on_fresh_containers, forward), *args, use_reentrant=False, **kwargs)
+
+
+def _on_fresh_containers(forward, *args, **kwargs):
+    return forward(*_copy_containers(args), **_copy_containers(kwargs))
+
+
+# Note [checkpoint arguments]
+#     Non-reentrant checkpoint keeps references to the arguments a module was called with and calls the module on
+#     them again in backward (torch/utils/checkpoint.py, _checkpoint_without_reentrant_generator: ``recompute_fn``
+#     closes over ``args`` and ``kwargs``). A list is a reference: a caller that appends to it after the call
+#     (torchvision's _DenseBlock appends each layer's output to the ``features`` list every layer receives) makes the
+#     recomputation see a longer list than the first forward saw, which fails on a shape, or with a shape that
+#     happens to fit, trains on the wrong input. So the containers (lists, tuples, dicts, any pytree node) are
+#     copied when the module is called, and each run (forward, then recomputation) gets its own copy of that
+#     snapshot, in case the module itself mutates its arguments. Only containers are copied: the leaves, tensors
+#     among them, are the same objects, so no tensor memory is added, and the simulation, which runs this same
+#     wrapper, sees exactly what the real step allocates. Leaves that are not containers (an object with state)
+#     are not copied.
 
 
 def _fp32_forward(forward, device_type: str, *args, **kwargs):
@@ -151,8 +183,9 @@ def run_micro_batch(
 ) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; gradients accumulate into ``.grad``. Returns the loss, detached.
 
-    ``weight`` is this micro-batch's share of the effective batch (its size over the batch size), so that summing
-    the weighted mean losses of the micro-batches gives the mean loss of the whole batch (and its gradient).
+    ``weight`` is this micro-batch's share of the effective batch (its rows, or the items a token-mean loss averages
+    over, out of the batch's: :class:`autofit.normalisation.LossNormalisation`), so that summing the weighted mean
+    losses of the micro-batches gives the mean loss of the whole batch (and its gradient).
     ``on_phase`` is told "forward" and "backward" as they start (the simulator files allocations by phase).
     """
     policy = config.precision

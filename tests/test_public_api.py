@@ -19,6 +19,7 @@ PUBLIC = [
     "ForwardError",
     "InfeasibleBudgetError",
     "InvalidInputError",
+    "ItemMeanLoss",
     "LayerRow",
     "LayerTable",
     "LossError",

@@ -7,8 +7,10 @@
   the last. Sharding replaces the parameters, so the optimizer is built afterwards: ``wrap`` takes a factory.
 Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
 ``batch_size / world_size`` rows (pass ``local=True`` to ``step`` when a DistributedSampler already split the data),
-so every sample of the global batch is used exactly once; DDP and FSDP2 average gradients over ranks, which with
-equal slices is the gradient of the global mean loss.
+so every sample of the global batch is used exactly once; DDP and FSDP2 average gradients over ranks, so each rank
+weights its micro-batches by their share of the rows, or items, of the whole global batch (counted on every rank and
+summed with one all_reduce before the first micro-batch) times the world size: the gradient of the global mean loss
+even when the ranks hold different numbers of tokens.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ class DistributedTrainer(Trainer):
         rows = batch.size // self.world_size
         start, stop = self.rank * rows, (self.rank + 1) * rows
         return batch.slice(start, stop), (None if target is None else target.slice(start, stop))
+
+    def _across_ranks(self, count: int) -> tuple[int, int]:
+        """Items (or rows) summed over every rank: DDP and FSDP2 average gradients over ranks, so each rank's
+        weights are its share of the global count times the world size (See Note [loss normalisation])."""
+        device = next(iter(self.model.parameters())).device
+        total = torch.tensor([count], dtype=torch.int64, device=device)
+        dist.all_reduce(total)
+        return int(total.item()), self.world_size
 
     def _micro_batch(self, *, last: bool):
         if last:

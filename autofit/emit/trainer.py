@@ -3,7 +3,8 @@
 ``trainer.step(inputs, target)`` splits the batch into micro-batches of ``plan.micro_batch_size`` (the last one may
 be shorter), moves each to the device of the model's parameters, runs it through
 :func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
-mean loss over the whole batch, and drops its loss before the next; then it steps the optimizer (through the
+mean loss over the whole batch (n_i counts rows, or the items a token-mean loss averages over: See Note [loss
+normalisation] in autofit/normalisation.py), and drops its loss before the next; then it steps the optimizer (through the
 GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients.
 Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
 the model while the trainer is active; ``unwrap()`` restores it.
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit.batch import as_batch
+from autofit.batch import Batch, as_batch
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
+from autofit.normalisation import LossNormalisation, count_items, item_counter
 from autofit.optim import OptimizerSpec
 from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
 
@@ -68,7 +70,8 @@ class Trainer:
         self._active = True
 
     def step(self, inputs: Any, target: Any = None) -> float:
-        """One optimizer step over one batch; returns the batch's mean loss."""
+        """One optimizer step over one batch; returns the batch's mean loss (over rows, or over the items a
+        token-mean loss averages over)."""
         if not self._active:
             raise RuntimeError("this trainer was unwrapped; call plan.wrap(model, optimizer) again")
         batch = as_batch(inputs, what="inputs")
@@ -77,28 +80,38 @@ class Trainer:
             raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
         batch, target_batch = self._shard(batch, target_batch)
         device = _parameter_device(self.model)
-        total, loss_sum = batch.size, 0.0
         size = self.plan.micro_batch_size
-        starts = list(range(0, total, size))
-        for start in starts:
-            stop = min(start + size, total)
+        bounds = [(start, min(start + size, batch.size)) for start in range(0, batch.size, size)]
+        norm = self._normalisation(batch, target_batch, bounds)
+        losses = []
+        for i, (start, stop) in enumerate(bounds):
             micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
             micro_target = None
             if target_batch is not None:
                 micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
-            weight = (stop - start) / total
-            with self._micro_batch(last=start == starts[-1]):
+            with self._micro_batch(last=i == len(bounds) - 1):
                 loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config,
-                                       self.device_type, weight=weight, scaler=self.scaler)
-            loss_sum += float(loss) * weight
+                                       self.device_type, weight=norm.weight(i), scaler=self.scaler)
+            losses.append(float(loss))
             del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
         optimizer_step(self.optimizer, self.scaler)
-        return loss_sum
+        return norm.local_mean(losses)
+
+    def _normalisation(self, batch: Batch, target: Batch | None, bounds: list[tuple[int, int]]) -> LossNormalisation:
+        """Each micro-batch's weight, from the whole batch before the first runs (See Note [loss normalisation])."""
+        counter = item_counter(getattr(self, "_inner", self.model), self.loss_fn, batch, target)
+        counts = count_items(counter, batch, target, bounds)
+        total, ranks = self._across_ranks(sum(counts))
+        return LossNormalisation("rows" if counter is None else "items", counts, total, ranks)
 
     # ---- hooks the distributed trainer overrides ---------------------------------------------------------------
     def _shard(self, batch, target):
         """The rows this process trains on (all of them without data parallelism)."""
         return batch, target
+
+    def _across_ranks(self, count: int) -> tuple[int, int]:
+        """The count over every rank, and the number of ranks gradients are averaged over (one process: itself)."""
+        return count, 1
 
     def _micro_batch(self, *, last: bool):
         """Context around one micro-batch (data parallelism skips gradient synchronisation until the last)."""

@@ -17,6 +17,7 @@ from autofit.batch import Batch
 from autofit.capture.model_copy import module_tensor_attributes, real_copy
 from autofit.categories import Category
 from autofit.loss import LossFn
+from autofit.normalisation import LossNormalisation
 from autofit.report import Measurement
 from autofit.step import (
     StepConfig,
@@ -68,10 +69,12 @@ def measure_step(
     optimizer = config.optimizer.build(work.parameters())
     scaler = new_grad_scaler(config, device.type)
 
+    norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
+
     def window() -> None:
-        for _ in range(config.accumulation_steps):
-            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type,
-                            weight=1.0 / config.accumulation_steps, scaler=scaler)
+        for i in range(config.accumulation_steps):
+            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
+                            scaler=scaler)
         optimizer_step(optimizer, scaler)
 
     with patched_model(work, config, device.type):

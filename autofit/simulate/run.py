@@ -44,6 +44,7 @@ from autofit.capture.module_stack import install_module_stack
 from autofit.categories import Category
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.loss import LossFn
+from autofit.normalisation import LossNormalisation
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
@@ -252,7 +253,9 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
     steps = min(config.accumulation_steps, 2)
-    weight = 1.0 / config.accumulation_steps
+    # the sample's micro-batches are copies of one another: equal shares, however the loss counts (the weight only
+    # decides whether a scalar multiply runs, not its size)
+    norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
     phases = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD}
 
     micro_index = 0
@@ -272,7 +275,8 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
         if config.strategy == "fsdp2" and steps > 1:  # FSDP2 reduce-scatters only on the window's last micro-batch
             model.set_requires_gradient_sync(micro_index == steps - 1)
         with _forward_errors(tracker):
-            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=weight, scaler=scaler,
+            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
+                            scaler=scaler,
                             on_phase=on_phase)
         for p in model.parameters():
             if p.grad is not None:
