@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,15 +111,32 @@ def _copy_containers(tree: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda leaf: leaf, tree)
 
 
-def _checkpointed_forward(forward, *args, **kwargs):
-    """See Note [checkpoint arguments]."""
+def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
+    """See Note [checkpoint arguments] and Note [recomputed BatchNorm]."""
     # Always non-reentrant (docs/memory-model.md): it supports keyword arguments, nesting and inputs that need no grad.
     args, kwargs = _copy_containers((args, kwargs))
-    return _checkpoint(functools.partial(_on_fresh_containers, forward), *args, use_reentrant=False, **kwargs)
+    runs = itertools.count()
+
+    def run(*args, **kwargs):
+        recompute = next(runs) > 0
+        with _running_stats_frozen(module) if recompute else contextlib.nullcontext():
+            return forward(*_copy_containers(args), **_copy_containers(kwargs))
+
+    return _checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def _on_fresh_containers(forward, *args, **kwargs):
-    return forward(*_copy_containers(args), **_copy_containers(kwargs))
+@contextlib.contextmanager
+def _running_stats_frozen(module: torch.nn.Module) -> Iterator[None]:
+    """See Note [recomputed BatchNorm]."""
+    norms = [(m, m.momentum, m.num_batches_tracked) for m in module.modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+    for m, _, _ in norms:
+        m.momentum, m.num_batches_tracked = 0.0, None
+    try:
+        yield
+    finally:
+        for m, momentum, tracked in norms:
+            m.momentum, m.num_batches_tracked = momentum, tracked
 
 
 # Note [checkpoint arguments]
@@ -133,6 +151,17 @@ def _on_fresh_containers(forward, *args, **kwargs):
 #     among them, are the same objects, so no tensor memory is added, and the simulation, which runs this same
 #     wrapper, sees exactly what the real step allocates. Leaves that are not containers (an object with state)
 #     are not copied.
+
+# Note [recomputed BatchNorm]
+#     A BatchNorm in training mode updates its running statistics in place on every forward
+#     (torch/nn/modules/batchnorm.py, _BatchNorm.forward: num_batches_tracked += 1, and F.batch_norm blends the batch
+#     statistics into running_mean / running_var with the momentum). The recomputation is a second forward, so under
+#     checkpointing the statistics would move twice per micro-batch. While it recomputes, the BatchNorms inside the
+#     checkpointed module run with momentum 0 and no num_batches_tracked: the update becomes
+#     ``running = 0 * batch + 1 * running``, exact in floating point (aten/src/ATen/native/Normalization.cpp,
+#     batch_norm_cpu_update_stats_template), and no counter moves. The running buffers are still passed to the
+#     kernel, so the recomputation saves the same tensors as the first forward (torch.utils.checkpoint checks that),
+#     and its output, normalised with the batch's own statistics in training mode, is the same.
 
 
 def _fp32_forward(forward, device_type: str, *args, **kwargs):
@@ -161,7 +190,7 @@ def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str) 
             patches.append((module, had, old))
         for module in ckpt:
             had, old = "forward" in module.__dict__, module.__dict__.get("forward")
-            module.forward = functools.partial(_checkpointed_forward, module.forward)
+            module.forward = functools.partial(_checkpointed_forward, module, module.forward)
             patches.append((module, had, old))
         yield model
     finally:
