@@ -37,6 +37,13 @@ def _global_batch(case, size: int):
     return batch, target
 
 
+def pad_target(target: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    padded = target.clone()
+    for row, n in enumerate(lengths):
+        padded[row, n:] = -100
+    return padded
+
+
 def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -46,6 +53,8 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
             plan = autofit.Plan.from_json(job["plan"])
             case, trainer = _build(job["case"], plan, job["optimizer"], job["kind"] == "equivalence")
             batch, target = _global_batch(case, plan.batch_size)
+            if job.get("pad_lengths"):  # a token-mean loss: -100 after each row's length (ranks hold unequal counts)
+                target = as_batch(pad_target(target.value, job["pad_lengths"]), what="target")
             if job["kind"] == "equivalence":
                 trainer.step(batch.value, None if target is None else target.value)
                 params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()

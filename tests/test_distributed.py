@@ -83,6 +83,37 @@ def test_one_step_equals_a_full_batch_step_with_accumulation(strategy, tmp_path)
         torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
 
 
+# rank 0 trains rows 0-7 (97 real tokens), rank 1 rows 8-15 (20): weighting by rows, or by each rank's own count,
+# moves the parameters differently from one full-batch step of the token-mean loss
+PAD_LENGTHS = [16, 16, 15, 14, 1, 16, 3, 16, 2, 1, 5, 1, 1, 2, 7, 1]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_token_mean_loss_across_ranks_equals_a_full_batch_step(strategy, tmp_path):
+    from dist_workers import pad_target
+
+    torch.manual_seed(0)
+    case = ZOO["tied_lm"]()
+    plan = dataclasses.replace(_plan(case, strategy), micro_batch_size=3, gradient_accumulation_steps=3,
+                               last_micro_batch_size=2)  # 3 + 3 + 2 rows per rank: an uneven last micro-batch
+    result0, result1 = _run([{"kind": "equivalence", "case": "tied_lm", "plan": plan.to_json(), "optimizer": "sgd",
+                              "pad_lengths": PAD_LENGTHS}], tmp_path)
+    torch.manual_seed(0)
+    reference_case = ZOO["tied_lm"]()
+    model = reference_case.model.eval()  # dropout off, as in the workers
+    batch = as_batch(reference_case.sample).resize(plan.batch_size)
+    target = pad_target(as_batch(reference_case.target, what="target").resize(plan.batch_size).value, PAD_LENGTHS)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compute_loss(None, batch.call(model), target).backward()  # the default loss: cross-entropy, -100 ignored
+    optimizer.step()
+    for name, p in model.named_parameters():
+        got = torch.tensor(result0[0]["params"][name], dtype=p.dtype)
+        assert not torch.equal(p.detach(), before[name]), f"{name}: the reference did not move it"
+        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
+        torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_per_rank_peak_matches_the_estimate(strategy, tmp_path):
     plans = {}
