@@ -117,12 +117,16 @@ def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
     args, kwargs = _copy_containers((args, kwargs))
     runs = itertools.count()
 
-    def run(*args, **kwargs):
+    def run(args: tuple, kwargs: dict):
         recompute = next(runs) > 0
         with _running_stats_frozen(module) if recompute else contextlib.nullcontext():
             return forward(*_copy_containers(args), **_copy_containers(kwargs))
 
-    return _checkpoint(run, *args, use_reentrant=False, **kwargs)
+    # The arguments travel as two positional values: torch.utils.checkpoint stashes the RNG state of the devices of
+    # its positional tensors only (_checkpoint_without_reentrant_generator: get_device_states(*args)), so tensors
+    # given by keyword would leave a CUDA dropout mask unrestored in the recomputation; and it takes keywords named
+    # debug, context_fn, determinism_check or preserve_rng_state as its own.
+    return _checkpoint(run, args, kwargs, use_reentrant=False)
 
 
 @contextlib.contextmanager

@@ -193,3 +193,37 @@ def test_checkpoint_none_means_none_in_estimate_and_measure(checkpoint):
 def test_checkpoint_auto_is_refused_outside_plan():
     with pytest.raises(autofit.InvalidInputError, match="plan"):
         autofit.estimate(DenseNet(), _data()[0], micro_batch_size=2, checkpoint="auto")
+
+
+def test_recomputation_replays_dropout_and_keyword_arguments():
+    # dropout draws the same mask in the recomputation (checkpoint restores the RNG state), and keyword arguments
+    # reach the module, also those named like checkpoint's own options
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x, *, scale, debug=False):
+            return self.drop(self.fc(x)) * scale * (2.0 if debug else 1.0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.noisy = Noisy()
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.out(self.noisy(x, scale=x, debug=True))
+
+    torch.manual_seed(0)
+    model = Net()
+    plain, ckpt = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(16, 8)
+    torch.manual_seed(1)
+    plain(x).pow(2).sum().backward()
+    with patched_model(ckpt, make_step_config(micro_batch_size=16, checkpoint=("noisy",)), "cpu"):
+        torch.manual_seed(1)
+        ckpt(x).pow(2).sum().backward()
+    for (name, a), b in zip(ckpt.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
