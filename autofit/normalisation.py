@@ -39,7 +39,7 @@ from autofit.batch import Batch
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
 
-__all__ = ["IGNORE_INDEX", "ItemMeanLoss", "LossNormalisation", "item_counter", "count_items"]
+__all__ = ["IGNORE_INDEX", "ItemMeanLoss", "LossNormalisation", "count_items", "item_counter"]
 
 # F.cross_entropy's default ignore_index (torch/nn/functional.py, cross_entropy), which Hugging Face losses use too
 # (transformers/loss/loss_utils.py, fixed_cross_entropy).
@@ -66,7 +66,8 @@ class ItemMeanLoss:
             raise InvalidInputError(f"ItemMeanLoss.loss must be callable, got {type(self.loss).__name__}")
         if not callable(self.count_items):
             raise InvalidInputError(
-                f"ItemMeanLoss.count_items must be callable (inputs, target) -> int, got {type(self.count_items).__name__}"
+                "ItemMeanLoss.count_items must be callable (inputs, target) -> int, "
+                f"got {type(self.count_items).__name__}"
             )
 
     def __call__(self, *args: Any) -> torch.Tensor:

@@ -92,7 +92,7 @@ def test_checkpointed_dense_block_estimate_equals_measure():
     torch.manual_seed(0)
     model = DenseNet()
     x, y = _data()
-    kwargs = dict(target=y, micro_batch_size=4, checkpoint=LAYERS, optimizer="adamw")
+    kwargs = {"target": y, "micro_batch_size": 4, "checkpoint": LAYERS, "optimizer": "adamw"}
     est = autofit.estimate(model, x, **kwargs)
     meas = autofit.measure(model, x, **kwargs)
     assert est.peak_bytes == meas.peak_bytes, (est.peak_bytes, meas.peak_bytes)
@@ -146,7 +146,7 @@ def test_plan_under_a_tight_budget_for_a_densenet():
     torch.manual_seed(0)
     model = DenseNet(blocks=2, channels=8, growth=8, layers=3, norm=lambda c: nn.GroupNorm(4, c))
     x, y = _data(batch=16, size=32)
-    kwargs = dict(batch_size=16, target=y, optimizer="sgd", precision="fp32", device="cpu")
+    kwargs = {"batch_size": 16, "target": y, "optimizer": "sgd", "precision": "fp32", "device": "cpu"}
 
     def smallest_budget(checkpoint) -> int:
         try:
@@ -181,7 +181,7 @@ def test_checkpoint_none_means_none_in_estimate_and_measure(checkpoint):
     torch.manual_seed(0)
     model = DenseNet()
     x, y = _data()
-    kwargs = dict(target=y, micro_batch_size=4)
+    kwargs = {"target": y, "micro_batch_size": 4}
     assert autofit.estimate(model, x, checkpoint=checkpoint, **kwargs).peak_bytes == \
         autofit.estimate(model, x, **kwargs).peak_bytes
     assert make_step_config(micro_batch_size=1, checkpoint=checkpoint).checkpoint == ()

@@ -4,8 +4,8 @@
 be shorter), moves each to the device of the model's parameters, runs it through
 :func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
 mean loss over the whole batch (n_i counts rows, or the items a token-mean loss averages over: See Note [loss
-normalisation] in autofit/normalisation.py), and drops its loss before the next; then it steps the optimizer (through the
-GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients.
+normalisation] in autofit/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
+the GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients.
 Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
 the model while the trainer is active; ``unwrap()`` restores it.
 """
