@@ -41,6 +41,11 @@ def estimate(
     ``device="cuda"`` adds the CUDA model (``autofit.cuda``) for ``gpu`` (a catalog name; default: this machine's
     GPU, else A100-80GB): ``peak_bytes`` is then comparable with ``torch.cuda.max_memory_allocated`` and
     ``device_bytes`` with what the process holds on the GPU.
+
+    ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
+    ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
+    an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
+    :func:`measure`, which must run on any machine, so that the two calls with the same arguments compare.
     """
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -54,7 +59,11 @@ def measure(
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, steps: int = 1,
 ) -> Measurement:
-    """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator."""
+    """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
+
+    Same arguments and defaults as :func:`estimate` (``checkpoint=None`` for none; ``device="cpu"`` and
+    ``precision="fp32"`` so that it runs on any machine; ``plan`` defaults to ``"cuda"`` and ``"auto"`` because it
+    chooses for a GPU)."""
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
