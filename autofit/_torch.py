@@ -30,7 +30,7 @@ __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
-    "is_view", "grad_scaler_state", "fake_store", "Patch", "patch",
+    "is_view", "grad_scaler_state", "fake_store", "Patch", "patch", "BatchNormBase",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -71,6 +71,11 @@ _has_kernel = _need("torch._C", "_dispatch_has_kernel_for_dispatch_key")
 _ExcludeGuard = _need("torch._C", "_ExcludeDispatchKeyGuard")
 _DispatchKeySet = _need("torch._C", "DispatchKeySet")
 _DispatchKey = _need("torch._C", "DispatchKey")
+
+# ---- modules (step) ------------------------------------------------------------------------------------------------
+# The base of every BatchNorm (1d/2d/3d, their lazy forms, SyncBatchNorm): the checkpoint wrapper freezes their
+# running statistics while it recomputes (Note [recomputed BatchNorm], step.py).
+BatchNormBase = _need("torch.nn.modules.batchnorm", "_BatchNorm")
 
 # ---- profiler (measure, probes) ----------------------------------------------------------------------------------
 EventType = _need("torch._C._profiler", "_EventType")

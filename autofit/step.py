@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from autofit._torch import PASSTHROUGH_ERRORS, module_call_codes, tree_map
+from autofit._torch import PASSTHROUGH_ERRORS, BatchNormBase, module_call_codes, tree_map
 from autofit.batch import Batch
 from autofit.errors import ForwardError, InvalidInputError, require_int, require_strategy
 from autofit.loss import LossFn, compute_loss
@@ -108,7 +108,7 @@ def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str
 
 def _copy_containers(tree: Any) -> Any:
     """The same leaves (tensors included: no tensor memory) in new lists, tuples and dicts."""
-    return torch.utils._pytree.tree_map(lambda leaf: leaf, tree)
+    return tree_map(lambda leaf: leaf, tree)
 
 
 def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
@@ -133,7 +133,7 @@ def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
 def _running_stats_frozen(module: torch.nn.Module) -> Iterator[None]:
     """See Note [recomputed BatchNorm]."""
     norms = [(m, m.momentum, m.num_batches_tracked) for m in module.modules()
-             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+             if isinstance(m, BatchNormBase) and m.training and m.track_running_stats]
     for m, _, _ in norms:
         m.momentum, m.num_batches_tracked = 0.0, None
     try:

@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(__file__).parents[1] / "autofit"
 LAYERS: list[set[str]] = [
     {"_torch", "errors", "units", "categories"},  # foundations: the torch boundary, typed errors, byte units
     {"batch", "loss", "optim", "precision", "report"},  # the request's values and the estimate's
-    {"step", "strategy"},  # what one training step is, shared by simulate, measure and the trainer
+    {"step", "strategy", "normalisation"},  # what one training step is, shared by simulate, measure and the trainer
     {"capture"},  # 1. model copies and the traced graph
     {"simulate"},  # 2. one step on fake tensors -> Timeline
     {"analyse"},  # 3. per-layer table and the peak as a function of the knobs

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
-from autofit.measure.allocator import allocation_sizes, memory_profile
+from autofit._torch import allocation_sizes, memory_profile
 from autofit.step import _copy_containers, make_step_config, patched_model
 
 
