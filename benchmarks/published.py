@@ -27,7 +27,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +87,7 @@ def run_case(case: Case) -> Row:
     with _context_mib(case.context_mib), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = autofit.estimate(model, sample, device="cuda", gpu=case.gpu, **kwargs)
-    return Row(case=case, autofit_bytes=_figure(est, case.measures), seconds=time.perf_counter() - start,
+    return Row(case=case, autofit_bytes=_figure(est, case.measures) + case.outside_bytes, seconds=time.perf_counter() - start,
                phase=est.peak_phase)
 
 

@@ -1,0 +1,41 @@
+"""autofit's CUDA estimate against GPU figures others measured and published (benchmarks/published_cases.py).
+
+Only the cases that take well under a second or two run here; ``benchmarks/published.py`` runs them all. The truth is
+the published ``torch.cuda.max_memory_allocated()``, never autofit's own output.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.published import run_case  # noqa: E402
+from benchmarks.published_cases import CASES  # noqa: E402
+
+_BY_NAME = {case.name: case for case in CASES}
+
+
+@pytest.mark.parametrize("name, tolerance", [
+    # exact bytes on a T4: 3 x Linear(4096, 4096), batch 512, fp32, SGD, gradients kept allocated (torch 1.11)
+    ("amp-recipe-t4-fp32", 0.005),
+    # optimum-benchmark, gpt2 under HF Trainer defaults: foreach AdamW's intermediates are one parameter-sized copy
+    ("optimum-gpt2", 0.03),
+])
+def test_allocated_matches_published(name, tolerance):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = run_case(_BY_NAME[name])
+    assert abs(row.error) <= tolerance, f"{name}: autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}"
+
+
+def test_every_case_outside_the_goal_says_why():
+    # a case may stay outside the 3 % / 5 % goal only with a sentence that explains it (issue 9's must-show)
+    fp16 = _BY_NAME["amp-recipe-t4-fp16"]
+    assert fp16.why and "AccumulateGrad" in fp16.why
+    for case in CASES:
+        assert case.source and case.uncertainty and case.uncertainty_bytes > 0, case.name
