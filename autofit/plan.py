@@ -54,6 +54,7 @@ class Plan:
     frontier: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
+    clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
