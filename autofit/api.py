@@ -10,6 +10,7 @@ from torch import nn
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.batch import Batch, as_batch
+from autofit.categories import Category
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
 from autofit.measure.allocator import measure_step
@@ -64,8 +65,9 @@ def estimate(
     runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
 
     ``device="cuda"`` adds the CUDA model (``autofit.cuda``) for ``gpu`` (a catalog name; default: this machine's
-    GPU, else A100-80GB): ``peak_bytes`` is then comparable with ``torch.cuda.max_memory_allocated`` and
-    ``device_bytes`` with what the process holds on the GPU.
+    GPU, else A100-80GB) and three figures: ``peak_allocated_bytes`` (= ``peak_bytes``, comparable with
+    ``torch.cuda.max_memory_allocated``), ``peak_reserved_bytes`` (``max_memory_reserved``) and ``device_bytes``
+    (nvidia-smi: reserved plus the CUDA context; budgets apply to it). On the CPU the three are equal.
     """
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
@@ -90,8 +92,10 @@ def _to_estimate(sim, config: StepConfig) -> MemoryEstimate:
         gpu, note = resolve_gpu(config.gpu)
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, gpu)
         notes = sim.notes + ((note,) if note else ())
+        reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
         return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
-                              peak_phase=phase, peak_at=at, method=sim.method, notes=notes)
+                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
+                              notes=notes)
     return MemoryEstimate(
         peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=config.device,
         peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,

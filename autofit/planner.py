@@ -395,5 +395,5 @@ def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], b
         device_bytes=est.device_bytes, budget_bytes=budget_bytes, device=target.kind, optimizer=optimizer,
         predicted_step_seconds=best.seconds, estimate=est, world_size=world_size, strategy=strategy,
         gpu=target.name, frontier=front, notes=tuple(dict.fromkeys(notes)), shard_units=units,
-        clip_grad_norm=clip_grad_norm,
+        clip_grad_norm=clip_grad_norm, peak_reserved_bytes=est.peak_reserved_bytes,
     )
