@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from autofit.categories import Category
 from autofit.units import format_bytes
 
 __all__ = ["MemoryEstimate", "Measurement"]
@@ -51,8 +52,9 @@ class MemoryEstimate:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))
-        if not self.peak_reserved_bytes:
-            object.__setattr__(self, "peak_reserved_bytes", self.peak_bytes)
+        if not self.peak_reserved_bytes:  # the reserve beyond the allocated blocks is the fragmentation term
+            reserved = self.peak_bytes + self.breakdown.get(str(Category.FRAGMENTATION), 0)
+            object.__setattr__(self, "peak_reserved_bytes", reserved)
         if not self.device_bytes:
             object.__setattr__(self, "device_bytes", self.peak_reserved_bytes)
 
