@@ -10,6 +10,7 @@ from torch import nn
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.batch import Batch, as_batch
+from autofit.categories import Category
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
 from autofit.measure.allocator import measure_step
@@ -42,30 +43,36 @@ def _inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
     return batch, target_batch
 
 
-def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None) -> StepConfig:
+def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
+            clip_grad_norm=None) -> StepConfig:
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
-                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu)
+                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
+                            clip_grad_norm=clip_grad_norm)
 
 
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
-    accumulation_steps: int = 1, gpu: str | None = None,
+    accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
     The step (docs/memory-model.md): forward and loss under the precision's autocast, backward; after
     ``accumulation_steps`` micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters,
     buffers, optimizer state, inputs and targets (one micro-batch of them) are counted. ``model`` may live on the
-    meta device. It is never modified.
+    meta device. It is never modified. ``clip_grad_norm``: clip the gradients to this norm before the step
+    (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
+    runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
 
     ``device="cuda"`` adds the CUDA model (``autofit.cuda``) for ``gpu`` (a catalog name; default: this machine's
-    GPU, else A100-80GB): ``peak_bytes`` is then comparable with ``torch.cuda.max_memory_allocated`` and
-    ``device_bytes`` with what the process holds on the GPU.
+    GPU, else A100-80GB) and three figures: ``peak_allocated_bytes`` (= ``peak_bytes``, comparable with
+    ``torch.cuda.max_memory_allocated``), ``peak_reserved_bytes`` (``max_memory_reserved``) and ``device_bytes``
+    (nvidia-smi: reserved plus the CUDA context; budgets apply to it). On the CPU the three are equal.
     """
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
-    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu)
+    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
+                     clip_grad_norm)
     sim = simulate_step(model, batch, target_batch, loss_fn, config)
     return _to_estimate(sim, config)
 
@@ -85,8 +92,10 @@ def _to_estimate(sim, config: StepConfig) -> MemoryEstimate:
         gpu, note = resolve_gpu(config.gpu)
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, gpu)
         notes = sim.notes + ((note,) if note else ())
+        reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
         return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
-                              peak_phase=phase, peak_at=at, method=sim.method, notes=notes)
+                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
+                              notes=notes)
     return MemoryEstimate(
         peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=config.device,
         peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
@@ -96,12 +105,13 @@ def _to_estimate(sim, config: StepConfig) -> MemoryEstimate:
 def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
-    accumulation_steps: int = 1, steps: int = 1,
+    accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator."""
     model = _check_model(model)
     batch, target_batch = _inputs(sample, target)
-    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
+    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
+                     clip_grad_norm=clip_grad_norm)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     with forward_errors():

@@ -72,17 +72,19 @@ def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
+    clip_grad_norm: float | None = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
 
     ``world_size > 1`` plans one rank of a data-parallel job: ``batch_size`` is the global batch, ``budget`` is per
     device, and ``strategy`` is "ddp", "fsdp2" or None (autofit plans both and keeps the faster). When the fastest
-    configuration fits, its full estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty."""
+    configuration fits, its full estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty.
+    ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
-        alternatives=False,
+        clip_grad_norm=clip_grad_norm, alternatives=False,
     )[0]
 
 
@@ -90,7 +92,7 @@ def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
-    alternatives: bool = True,
+    clip_grad_norm: float | None = None, alternatives: bool = True,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -110,7 +112,8 @@ def plan_with_analysis(
     ctx = _Context(model, batch, target_batch, loss_fn, target_device, budget_bytes, batch_size, per_rank,
                    world_size, _precisions(precision, target_device), as_optimizer_spec(optimizer),
                    _fixed_checkpoint(model, checkpoint), checkpoint == "auto", notes, quick=not alternatives,
-                   auto_precision=isinstance(precision, str) or isinstance(precision, PrecisionPolicy))
+                   auto_precision=isinstance(precision, str) or isinstance(precision, PrecisionPolicy),
+                   clip_grad_norm=_clip(clip_grad_norm))
     strategies = [strategy] if strategy is not None or world_size == 1 else ["ddp", "fsdp2"]
     results, infeasible, failed = [], [], []
     for name in strategies:
@@ -153,6 +156,7 @@ class _Context:
     notes: list[str]
     quick: bool = False  # try the quick path first (see Note [the quick path])
     auto_precision: bool = True  # precision="auto": the first policy is the device's fastest
+    clip_grad_norm: float | None = None  # max_norm of clip_grad_norm_ before each optimizer step
 
 
 def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:
@@ -178,7 +182,8 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
         winner is slower and, being under the smaller budget, lower.
     """
     units = shard_units(ctx.model) if strategy == "fsdp2" else ()
-    parallel = dict(strategy=strategy, world_size=ctx.world_size if strategy else 1, shard_units=units)
+    parallel = dict(strategy=strategy, world_size=ctx.world_size if strategy else 1, shard_units=units,
+                    clip_grad_norm=ctx.clip_grad_norm)
     target_device = ctx.device
     if ctx.quick and ctx.auto_precision:
         preferred = ctx.policies[0]
@@ -197,7 +202,7 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
                              seconds)
             return _make_plan(best, est, [], ctx.budget, ctx.batch_size, parallel["world_size"], strategy,
                               {preferred.name: preferred}, target_device, ctx.optimizer.name,
-                              list(ctx.notes) + list(est.notes), units), {}
+                              list(ctx.notes) + list(est.notes), units, ctx.clip_grad_norm), {}
 
     probe = target_device.kind == "cpu"  # CPU kernels scratch memory the allocator sees (see simulate/probe.py)
     analyses: dict[str, Analysis] = {}
@@ -237,7 +242,7 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
 
     def make(c: Candidate, est: MemoryEstimate, fitting: list[Candidate], notes: list[str]) -> Plan:
         return _make_plan(c, est, fitting, budget_bytes, ctx.batch_size, parallel["world_size"], strategy,
-                          policy_of, target_device, ctx.optimizer.name, notes, units)
+                          policy_of, target_device, ctx.optimizer.name, notes, units, ctx.clip_grad_norm)
 
     # On a GPU the preferred low precision is faster than fp32 for every configuration and saves activation memory,
     # so fp32 is analysed only when no low-precision configuration fits (the analysis is most of planning's cost).
@@ -274,6 +279,11 @@ def _plan_strategy(ctx: _Context, strategy: str | None) -> tuple[Plan, dict[str,
         f"{_ADVICE.get(dominant, f'{dominant} dominates the smallest peak')}.",
         min_budget_bytes=est.device_bytes, budget_bytes=budget_bytes, dominant=dominant,
     )
+
+
+def _clip(clip_grad_norm: Any) -> float | None:
+    """Validated once, by the step's own rules (StepConfig), before any simulation."""
+    return make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm
 
 
 def _per_rank_batch(batch_size: Any, world_size: Any, strategy: str | None) -> int:
@@ -370,7 +380,8 @@ def _time_model(ops, params: int, target: DeviceTarget, strategy: str | None, wo
 
 def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], budget_bytes: int, batch_size: int,
                world_size: int, strategy: str | None, policy_of: dict[str, PrecisionPolicy],
-               target: DeviceTarget, optimizer: str, notes: list[str], units: tuple[str, ...] = ()) -> Plan:
+               target: DeviceTarget, optimizer: str, notes: list[str], units: tuple[str, ...] = (),
+               clip_grad_norm: float | None = None) -> Plan:
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
@@ -384,4 +395,5 @@ def _make_plan(best: Candidate, est: MemoryEstimate, fitting: list[Candidate], b
         device_bytes=est.device_bytes, budget_bytes=budget_bytes, device=target.kind, optimizer=optimizer,
         predicted_step_seconds=best.seconds, estimate=est, world_size=world_size, strategy=strategy,
         gpu=target.name, frontier=front, notes=tuple(dict.fromkeys(notes)), shard_units=units,
+        clip_grad_norm=clip_grad_norm, peak_reserved_bytes=est.peak_reserved_bytes,
     )
