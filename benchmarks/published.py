@@ -6,7 +6,7 @@ hub access, no weights; models on the meta device), run through ``autofit.estima
 with the same optimizer, precision, batch and step, and compared with the published figure:
 
 - ``allocated``: ``torch.cuda.max_memory_allocated()`` (autofit: ``peak_bytes``, alias ``peak_allocated_bytes``);
-- ``reserved``: ``torch.cuda.max_memory_reserved()`` (autofit: the allocator replay's reserve);
+- ``reserved``: ``torch.cuda.max_memory_reserved()`` (autofit: ``peak_reserved_bytes``);
 - ``nvidia-smi``: what NVML reports the process (or the whole GPU) using: reserved plus the CUDA context
   (autofit: ``device_bytes``, with the context the source itself measured when it printed one).
 
@@ -35,10 +35,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-import autofit  # noqa: E402
-from benchmarks.published_cases import CASES, Case  # noqa: E402
+import autofit
+from benchmarks.published_cases import CASES, Case
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,15 +70,8 @@ def _context_mib(mib: float | None) -> Iterator[None]:
 
 def _figure(est: Any, measures: str) -> int:
     """autofit's figure that matches what the source measured."""
-    allocated = getattr(est, "peak_allocated_bytes", est.peak_bytes)
-    if measures == "allocated":
-        return allocated
-    if measures == "reserved":
-        reserved = getattr(est, "peak_reserved_bytes", None)
-        if reserved is None:
-            reserved = allocated + est.breakdown.get("fragmentation", 0)
-        return reserved
-    return est.device_bytes  # nvidia-smi
+    return {"allocated": est.peak_allocated_bytes, "reserved": est.peak_reserved_bytes,
+            "nvidia-smi": est.device_bytes}[measures]
 
 
 def run_case(case: Case) -> Row:
@@ -87,7 +80,8 @@ def run_case(case: Case) -> Row:
     with _context_mib(case.context_mib), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = autofit.estimate(model, sample, device="cuda", gpu=case.gpu, **kwargs)
-    return Row(case=case, autofit_bytes=_figure(est, case.measures) + case.outside_bytes, seconds=time.perf_counter() - start,
+    figure = _figure(est, case.measures) + case.outside_bytes
+    return Row(case=case, autofit_bytes=figure, seconds=time.perf_counter() - start,
                phase=est.peak_phase)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from benchmarks.vit import VIT_L_16_PARAMETERS, VitL16
 
-__all__ = ["Case", "CASES"]
+__all__ = ["CASES", "Case"]
 
 Built = tuple[torch.nn.Module, Any, dict[str, Any]]
 
@@ -69,10 +69,10 @@ def _bert(cls_name: str, *, hidden: int, layers: int, heads: int, intermediate: 
 
 
 def _adamw_torch(params):
-    """HF Trainer's default ``optim="adamw_torch"`` (transformers >= 4.38 or so): torch.optim.AdamW, lr 5e-5, with
-    torch's own default implementation on CUDA (foreach; ``_default_to_fused_or_foreach`` in torch/optim/optimizer.py).
-    foreach=True is spelled out so the CPU simulation runs the same multi-tensor code (see docs/published.md)."""
-    return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0, foreach=True)
+    """HF Trainer's default ``optim="adamw_torch"`` (transformers >= 4.38 or so): torch.optim.AdamW, lr 5e-5, with no
+    implementation flag, so autofit simulates what torch picks on CUDA (foreach: ``_default_to_fused_or_foreach`` in
+    torch/optim/optimizer.py)."""
+    return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0)
 
 
 def _adamw_per_parameter(params):
@@ -81,18 +81,23 @@ def _adamw_per_parameter(params):
     return torch.optim.AdamW(params, lr=5e-5, foreach=False)
 
 
+# HF Trainer defaults: torch AdamW, max_grad_norm 1.0 (clip_grad_norm_ before every optimizer step)
+_TRAINER_DEFAULTS = {"micro_batch_size": 2, "optimizer": _adamw_torch, "clip_grad_norm": 1.0}
+
+
 def _optimum_gpt2() -> Built:
     ids = torch.randint(0, 50257, (2, 16))
-    return _gpt2(), {"input_ids": ids, "labels": ids}, {"micro_batch_size": 2, "optimizer": _adamw_torch}
+    return _gpt2(), {"input_ids": ids, "labels": ids}, _TRAINER_DEFAULTS
 
 
 def _optimum_bert() -> Built:
     model = _bert("BertForMaskedLM", hidden=768, layers=12, heads=12, intermediate=3072, attn="sdpa")
     ids = torch.randint(0, 30522, (2, 16))
-    return model, {"input_ids": ids, "labels": ids}, {"micro_batch_size": 2, "optimizer": _adamw_torch}
+    return model, {"input_ids": ids, "labels": ids}, _TRAINER_DEFAULTS
 
 
-def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32", checkpoint: bool = False) -> Callable[[], Built]:
+def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32",
+             checkpoint: bool = False) -> Callable[[], Built]:
     """The 2022 Trainer called ``model.zero_grad()``, whose default in torch 1.10 was ``set_to_none=False``
     (torch/nn/modules/module.py, ``Module.zero_grad``; True since torch 2.0): gradients stay allocated, zeroed, through
     the next forward. autofit's step sets them to None, so an accumulation window of at least 2 stands in for it: its
@@ -105,7 +110,8 @@ def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32", checkpo
         sample = {"input_ids": torch.randint(100, 30000, (4, 512)), "labels": torch.zeros(4, dtype=torch.long)}
         layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
         return model, sample, {"micro_batch_size": micro, "accumulation_steps": accumulation,
-                               "precision": precision, "checkpoint": layers, "optimizer": _adamw_per_parameter}
+                               "precision": precision, "checkpoint": layers, "optimizer": _adamw_per_parameter,
+                               "clip_grad_norm": 1.0}
 
     return build
 
@@ -140,8 +146,8 @@ def _vit_tutorial() -> Built:
     assert sum(p.numel() for p in model.parameters()) == VIT_L_16_PARAMETERS
     return (model, torch.rand(1, 3, 224, 224),
             {"micro_batch_size": 1, "loss_fn": lambda out: out.sum(),
-             # torch.optim.Adam(model.parameters()) on CUDA: foreach by default
-             "optimizer": lambda params: torch.optim.Adam(params, foreach=True)})
+             # torch.optim.Adam(model.parameters()): on CUDA torch picks foreach, and so does autofit's CUDA step
+             "optimizer": "adam"})
 
 
 _OPTIMUM = ("huggingface/optimum-benchmark, training scenario (optimum_benchmark/scenarios/training/config.py: "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["VitL16", "VIT_L_16_PARAMETERS"]
+__all__ = ["VIT_L_16_PARAMETERS", "VitL16"]
 
 VIT_L_16_PARAMETERS = 304_326_632
 

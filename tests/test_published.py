@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.published import run_case  # noqa: E402
-from benchmarks.published_cases import CASES  # noqa: E402
+from benchmarks.published import run_case
+from benchmarks.published_cases import CASES
 
 _BY_NAME = {case.name: case for case in CASES}
 
@@ -30,7 +30,8 @@ def test_allocated_matches_published(name, tolerance):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         row = run_case(_BY_NAME[name])
-    assert abs(row.error) <= tolerance, f"{name}: autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}"
+    assert abs(row.error) <= tolerance, (
+        f"{name}: autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}")
 
 
 def test_every_case_outside_the_goal_says_why():
