@@ -96,8 +96,16 @@ def _optimum_bert() -> Built:
     return model, {"input_ids": ids, "labels": ids}, _TRAINER_DEFAULTS
 
 
-def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32",
-             checkpoint: bool = False) -> Callable[[], Built]:
+def _adafactor(params):
+    """HF Trainer's ``optim="adafactor"``: transformers.Adafactor(scale_parameter=False, relative_step=False),
+    lr 5e-5 (transformers/trainer_optimizer.py, ``_get_adafactor``); per-parameter, factored second moments."""
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False)
+
+
+def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32", checkpoint: bool = False,
+             optimizer: Callable = _adamw_per_parameter) -> Callable[[], Built]:
     """The 2022 Trainer called ``model.zero_grad()``, whose default in torch 1.10 was ``set_to_none=False``
     (torch/nn/modules/module.py, ``Module.zero_grad``; True since torch 2.0): gradients stay allocated, zeroed, through
     the next forward. autofit's step sets them to None, so an accumulation window of at least 2 stands in for it: its
@@ -110,7 +118,7 @@ def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32",
         sample = {"input_ids": torch.randint(100, 30000, (4, 512)), "labels": torch.zeros(4, dtype=torch.long)}
         layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
         return model, sample, {"micro_batch_size": micro, "accumulation_steps": accumulation,
-                               "precision": precision, "checkpoint": layers, "optimizer": _adamw_per_parameter,
+                               "precision": precision, "checkpoint": layers, "optimizer": optimizer,
                                "clip_grad_norm": 1.0}
 
     return build
@@ -211,6 +219,20 @@ CASES: tuple[Case, ...] = (
              "fp16=True",
          published_bytes=7275 * 2**20, unit="MiB", uncertainty_bytes=145 * 2**20, uncertainty=_ANATOMY_UNC,
          build=_anatomy(1, 4, "fp16", checkpoint=True), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b1xga4-gc", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with batch 1 x accumulation 4 and gradient_checkpointing, fp32",
+         published_bytes=6775 * 2**20, unit="MiB", uncertainty_bytes=135 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(1, 4, checkpoint=True), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b4-adafactor", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with optim='adafactor' (transformers.Adafactor), fp32",
+         published_bytes=12295 * 2**20, unit="MiB", uncertainty_bytes=245 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(4, optimizer=_adafactor), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b1xga4-gc-fp16-adafactor", source=_ANATOMY, gpu="V100-16GB",
+         measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with batch 1 x accumulation 4, gradient_checkpointing, fp16=True and "
+             "optim='adafactor'",
+         published_bytes=4847 * 2**20, unit="MiB", uncertainty_bytes=100 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(1, 4, "fp16", checkpoint=True, optimizer=_adafactor), context_mib=1343),
     Case(name="amp-recipe-t4-fp32", source=_AMP, gpu="T4", measures="allocated",
          ran="PyTorch AMP recipe, 'Default precision': 3 x Linear(4096, 4096) with ReLU, batch 512, MSE, SGD, fp32, "
              "3 epochs x 50 batches, data and targets made on the GPU beforehand",
