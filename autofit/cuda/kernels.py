@@ -13,6 +13,13 @@ PyTorch tries flash attention, then memory-efficient attention, then the math pa
 During a CUDA simulation ``aten::scaled_dot_product_attention`` is re-registered (CompositeImplicitAutograd, removed
 afterwards) to call the chosen kernel's aten op on the fake CPU tensors; their meta kernels give CUDA's shapes.
 
+The flash backward also allocates scratch that its meta kernel does not (``flash_backward_scratch``): the CUDA
+wrapper ``_flash_attention_backward`` (aten/src/ATen/native/transformers/cuda/attention_backward.cu) makes
+``grad_out`` and ``out`` contiguous in (batch, seq, heads, dim) layout, and ``mha_bwd`` (.../flash_attn/flash_api.cpp)
+allocates an fp32 ``softmax_d`` (batch, heads, seq_q rounded up to 128) and an fp32 ``dq_accum`` (batch, seq_q rounded
+to 128, heads, head dim rounded to 32, or 64 above 128), plus q-sized ``dk_expanded`` / ``dv_expanded`` when key and
+value have fewer heads (grouped-query attention). They live for the duration of the kernel.
+
 Not modelled (documented in docs/cuda.md): the cuDNN attention backend, cuDNN convolution workspaces (chosen by
 cuDNN at run time), the cuDNN batch-norm reserve space of NHWC persistent kernels (0 for the default NCHW path).
 """
@@ -27,7 +34,7 @@ import torch
 
 from autofit.cuda.catalog import GPUSpec
 
-__all__ = ["sdpa_backend", "cuda_kernels"]
+__all__ = ["sdpa_backend", "cuda_kernels", "flash_backward_scratch"]
 
 aten = torch.ops.aten
 
@@ -58,6 +65,46 @@ def _gemm_alignment(dtype: torch.dtype, sm: tuple[int, int]) -> int:
     return max(alignment, 128 // (16 if half else 32)) if tensor_cores else alignment
 
 
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def flash_backward_scratch(batch: int, heads: int, seq_q: int, head_dim: int, seq_k: int, kv_heads: int,
+                           dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """(shape, dtype) of every buffer ``mha_bwd`` allocates beyond dq, dk, dv (flash_api.cpp, non-deterministic
+    path: ``loop`` is always true there)."""
+    head_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
+    seq_q_rounded = _round_up(seq_q, 128)
+    scratch = [((batch, heads, seq_q_rounded), torch.float32),  # softmax_d
+               ((batch, seq_q_rounded, heads, head_rounded), torch.float32)]  # dq_accum
+    if kv_heads != heads:  # dk_expanded, dv_expanded, summed into dk, dv afterwards
+        scratch += [((batch, seq_k, heads, head_dim), dtype)] * 2
+    return tuple(scratch)
+
+
+_AUTOGRAD_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
+
+
+def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                    is_causal, philox_seed, philox_offset, *, scale=None):
+    """``_scaled_dot_product_flash_attention_backward`` as CUDA runs it: the meta kernel's gradients plus the
+    buffers the CUDA kernel holds while it runs. Registered for AutogradCPU during a simulation, so the forward's
+    native autograd node (and what it saves) is untouched."""
+    # attention_backward.cu, _flash_attention_backward: "CUDA code assumes that dout is contiguous" (in the
+    # (batch, seq, heads, dim) layout _scaled_dot_product_flash_attention_backward_cuda transposes to)
+    grad_bshd = grad_out.transpose(1, 2).contiguous()
+    out_bshd = out.transpose(1, 2).contiguous()
+    batch, heads, seq_q, head_dim = query.shape
+    scratch = [query.new_empty(shape, dtype=dtype) for shape, dtype in flash_backward_scratch(
+        batch, heads, seq_q, head_dim, key.shape[2], key.shape[1], query.dtype)]
+    with torch._C._ExcludeDispatchKeyGuard(_AUTOGRAD_CPU):
+        grads = aten._scaled_dot_product_flash_attention_backward(
+            grad_bshd.transpose(1, 2), query, key, value, out_bshd.transpose(1, 2), logsumexp, cum_seq_q, cum_seq_k,
+            max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
+    del scratch, grad_bshd, out_bshd  # freed when the kernel returns
+    return grads
+
+
 @contextlib.contextmanager
 def cuda_kernels(gpu: GPUSpec) -> Iterator[None]:
     """Route SDPA to the kernel PyTorch would run on ``gpu`` for the duration of a simulation."""
@@ -78,6 +125,7 @@ def cuda_kernels(gpu: GPUSpec) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lib.impl("scaled_dot_product_attention", attention, "CompositeImplicitAutograd")
+        lib.impl("_scaled_dot_product_flash_attention_backward", _flash_backward, "AutogradCPU")
     try:
         yield
     finally:
