@@ -34,7 +34,7 @@ import torch
 
 from autofit.cuda.catalog import GPUSpec
 
-__all__ = ["sdpa_backend", "cuda_kernels", "flash_backward_scratch"]
+__all__ = ["cuda_kernels", "flash_backward_scratch", "sdpa_backend"]
 
 aten = torch.ops.aten
 
