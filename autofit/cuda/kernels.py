@@ -20,6 +20,12 @@ allocates an fp32 ``softmax_d`` (batch, heads, seq_q rounded up to 128) and an f
 to 128, heads, head dim rounded to 32, or 64 above 128), plus q-sized ``dk_expanded`` / ``dv_expanded`` when key and
 value have fewer heads (grouped-query attention). They live for the duration of the kernel.
 
+Softmax of fp16 into fp32 (``softmax(x, dim, dtype=torch.float32)``, which CUDA autocast also asks for): on CUDA
+``softmax`` and ``log_softmax`` (aten/src/ATen/native/SoftMax.cpp) call ``_softmax(x, dim, half_to_float=True)``, one
+kernel reading fp16 and writing fp32, and its backward returns the fp16 gradient directly; everywhere else (and for
+bf16 on CUDA) they convert the input to fp32 first, a full fp32 copy, and backward goes through that cast too. During
+a simulation ``softmax.int`` and ``log_softmax.int`` take CUDA's branch.
+
 Not modelled (documented in docs/cuda.md): the cuDNN attention backend, cuDNN convolution workspaces (chosen by
 cuDNN at run time), the cuDNN batch-norm reserve space of NHWC persistent kernels (0 for the default NCHW path).
 """
@@ -34,7 +40,7 @@ import torch
 
 from autofit.cuda.catalog import GPUSpec
 
-__all__ = ["cuda_kernels", "flash_backward_scratch", "sdpa_backend"]
+__all__ = ["cuda_kernels", "flash_backward_scratch", "sdpa_backend", "softmax_cuda"]
 
 aten = torch.ops.aten
 
@@ -105,9 +111,26 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
     return grads
 
 
+def _softmax_like(fused):
+    def kernel(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if x.dtype == torch.float16 and dtype == torch.float32:
+            try:
+                return fused(x, dim, True)  # SoftMax.cpp: the CUDA fp16 -> fp32 kernel, no fp32 copy of x
+            except RuntimeError:  # a real CPU tensor (data-dependent models run for real): CPU has no such kernel
+                pass
+        return fused(x.to(dtype) if dtype is not None else x, dim, False)
+
+    return kernel
+
+
+softmax_cuda = _softmax_like(aten._softmax)
+_log_softmax_cuda = _softmax_like(aten._log_softmax)
+
+
 @contextlib.contextmanager
 def cuda_kernels(gpu: GPUSpec) -> Iterator[None]:
-    """Route SDPA to the kernel PyTorch would run on ``gpu`` for the duration of a simulation."""
+    """Route SDPA to the kernel PyTorch would run on ``gpu``, and softmax to CUDA's fp16 -> fp32 kernel, for the
+    duration of a simulation."""
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         backend = sdpa_backend(query, key, value, attn_mask, gpu, enable_gqa=enable_gqa)
@@ -126,6 +149,8 @@ def cuda_kernels(gpu: GPUSpec) -> Iterator[None]:
         warnings.simplefilter("ignore")
         lib.impl("scaled_dot_product_attention", attention, "CompositeImplicitAutograd")
         lib.impl("_scaled_dot_product_flash_attention_backward", _flash_backward, "AutogradCPU")
+        lib.impl("softmax.int", softmax_cuda, "CompositeImplicitAutograd")
+        lib.impl("log_softmax.int", _log_softmax_cuda, "CompositeImplicitAutograd")
     try:
         yield
     finally:
