@@ -86,12 +86,12 @@ def _to_estimate(sim, config: StepConfig) -> MemoryEstimate:
     phase = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
              Phase.OPTIMIZER: "optimizer"}[sim.replay.peak_phase]
     if config.device == "cuda":
-        from autofit.cuda.model import cuda_memory
+        from autofit.cuda.model import cuda_memory, cudnn_workspace_note
         from autofit.cuda.target import resolve_gpu
 
         gpu, note = resolve_gpu(config.gpu)
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, gpu)
-        notes = sim.notes + ((note,) if note else ())
+        notes = sim.notes + tuple(n for n in (note, cudnn_workspace_note(sim.timeline)) if n)
         reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
         return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
                               peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,

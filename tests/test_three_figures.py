@@ -88,3 +88,15 @@ def test_a_plan_json_written_before_the_three_figures_still_loads():
     # the reserve beyond the allocated blocks was recorded as the breakdown's fragmentation
     assert plan.peak_reserved_bytes == plan.estimate.peak_reserved_bytes \
         == plan.peak_bytes + plan.estimate.breakdown["fragmentation"] == _cuda_plan().peak_reserved_bytes
+
+
+def test_cudnn_workspace_bound_is_stated_where_the_step_runs_convolutions():
+    """Conv_v8.cpp: ``run_conv_plan`` allocates the engine's workspace for the call; ``try_configs`` skips engines
+    whose workspace allocation fails. The estimate says so wherever a convolution runs, and only there."""
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
+    est = autofit.estimate(conv, torch.randn(2, 3, 8, 8), micro_batch_size=2, loss_fn=_loss, device="cuda",
+                           gpu="A100-80GB")
+    assert any("cuDNN convolution workspaces" in note for note in est.notes)
+    est = autofit.estimate(_model(), torch.randn(2, 256), micro_batch_size=2, loss_fn=_loss, device="cuda",
+                           gpu="A100-80GB")
+    assert not any("cuDNN" in note for note in est.notes)
