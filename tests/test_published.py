@@ -1,7 +1,8 @@
 """autofit's CUDA estimate against GPU figures others measured and published (benchmarks/published_cases.py).
 
-Only a fast case of each kind runs here (tests/test_published_cuda.py holds issue 9's three); ``benchmarks/published.py`` runs them all. The truth is
-the published ``torch.cuda.max_memory_allocated()``, never autofit's own output.
+Only a fast case of each kind runs here (tests/test_published_cuda.py holds issue 9's three);
+``benchmarks/published.py`` runs them all. The truth is the published figure (``torch.cuda.max_memory_allocated()``
+or nvidia-smi), never autofit's own output.
 """
 
 from __future__ import annotations
