@@ -21,26 +21,31 @@ from autofit.step import StepConfig, forward_errors, make_step_config
 __all__ = ["analyse", "estimate", "measure"]
 
 
-def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None) -> StepConfig:
+def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
+            clip_grad_norm=None) -> StepConfig:
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
-                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu)
+                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
+                            clip_grad_norm=clip_grad_norm)
 
 
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
-    accumulation_steps: int = 1, gpu: str | None = None,
+    accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
     The step (docs/memory-model.md): forward and loss under the precision's autocast, backward; after
     ``accumulation_steps`` micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters,
     buffers, optimizer state, inputs and targets (one micro-batch of them) are counted. ``model`` may live on the
-    meta device. It is never modified.
+    meta device. It is never modified. ``clip_grad_norm``: clip the gradients to this norm before the step
+    (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
+    runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
 
     ``device="cuda"`` adds the CUDA model (``autofit.cuda``) for ``gpu`` (a catalog name; default: this machine's
-    GPU, else A100-80GB): ``peak_bytes`` is then comparable with ``torch.cuda.max_memory_allocated`` and
-    ``device_bytes`` with what the process holds on the GPU.
+    GPU, else A100-80GB) and three figures: ``peak_allocated_bytes`` (= ``peak_bytes``, comparable with
+    ``torch.cuda.max_memory_allocated``), ``peak_reserved_bytes`` (``max_memory_reserved``) and ``device_bytes``
+    (nvidia-smi: reserved plus the CUDA context; budgets apply to it). On the CPU the three are equal.
 
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
@@ -49,7 +54,8 @@ def estimate(
     """
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
-    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu)
+    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
+                     clip_grad_norm)
     sim = simulate_step(model, batch, target_batch, loss_fn, config)
     return resolve_device(config.device, config.gpu).estimate(sim)
 
@@ -57,7 +63,7 @@ def estimate(
 def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
-    accumulation_steps: int = 1, steps: int = 1,
+    accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -66,7 +72,8 @@ def measure(
     chooses for a GPU)."""
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
-    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device)
+    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
+                     clip_grad_norm=clip_grad_norm)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     with forward_errors():

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from autofit.categories import Category
 from autofit.errors import InvalidInputError
 from autofit.report import MemoryEstimate
 from autofit.simulate.run import Simulation
@@ -91,12 +92,14 @@ class DeviceTarget:
         if self.kind != "cuda":
             return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
                                   peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes)
-        from autofit.cuda.model import cuda_memory
+        from autofit.cuda.model import cuda_memory, cudnn_workspace_note
 
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
-        notes = sim.notes + ((self.note,) if self.note else ())
+        notes = sim.notes + tuple(n for n in (self.note, cudnn_workspace_note(sim.timeline)) if n)
+        reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
         return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
-                              peak_phase=phase, peak_at=at, method=sim.method, notes=notes)
+                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
+                              notes=notes)
 
     def memory_terms(self, analysis, rows: int) -> DeviceTerms:
         """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant`` on the analysed window with every tensor

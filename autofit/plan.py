@@ -33,7 +33,10 @@ class Alternative:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What ``autofit.plan`` decided. ``peak_bytes`` is the verified estimate of exactly this configuration."""
+    """What ``autofit.plan`` decided, with the verified estimate of exactly this configuration as three figures
+    (see :class:`~autofit.MemoryEstimate`): ``peak_allocated_bytes`` (~ ``torch.cuda.max_memory_allocated``; the
+    same number as ``peak_bytes``), ``peak_reserved_bytes`` (~ ``max_memory_reserved``) and ``device_bytes``
+    (~ nvidia-smi: reserved plus the CUDA context), which the budget is checked against."""
 
     micro_batch_size: int
     gradient_accumulation_steps: int
@@ -41,7 +44,7 @@ class Plan:
     last_micro_batch_size: int  # the last micro-batch of a window when batch_size does not divide evenly
     precision: PrecisionPolicy
     checkpoint: tuple[str, ...]
-    peak_bytes: int
+    peak_bytes: int  # = peak_allocated_bytes (the name the API began with)
     device_bytes: int  # what the budget is checked against (CUDA: allocator reserve and context included)
     budget_bytes: int
     device: str
@@ -54,16 +57,25 @@ class Plan:
     frontier: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
+    clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
+    peak_reserved_bytes: int = 0  # ~ max_memory_reserved (0: taken from the estimate)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
                      "world_size"):
             require_int(f"Plan.{name}", getattr(self, name))
-        for name in ("peak_bytes", "device_bytes", "budget_bytes"):
+        if not self.peak_reserved_bytes:
+            object.__setattr__(self, "peak_reserved_bytes", self.estimate.peak_reserved_bytes)
+        for name in ("peak_bytes", "device_bytes", "budget_bytes", "peak_reserved_bytes"):
             require_int(f"Plan.{name} (bytes)", getattr(self, name), minimum=0)
         require_strategy(self.strategy, "Plan.strategy")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """~ ``torch.cuda.max_memory_allocated()`` (the CPU allocator's peak on the CPU): ``peak_bytes``."""
+        return self.peak_bytes
 
     # ---- the emitted wrapper ---------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer, *, loss_fn=None):
@@ -83,8 +95,11 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules)}
+        data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
         data["estimate"] = {
             "peak_bytes": self.estimate.peak_bytes, "device_bytes": self.estimate.device_bytes,
+            "peak_allocated_bytes": self.estimate.peak_allocated_bytes,
+            "peak_reserved_bytes": self.estimate.peak_reserved_bytes,
             "breakdown": dict(self.estimate.breakdown), "device": self.estimate.device,
             "peak_phase": self.estimate.peak_phase, "peak_at": self.estimate.peak_at,
             "method": self.estimate.method, "notes": list(self.estimate.notes),
@@ -108,11 +123,13 @@ class Plan:
             raise InvalidInputError(f"not an autofit plan: expected \"format\": \"{_FORMAT}\"")
         data = dict(data)
         data.pop("format")
+        data.pop("peak_allocated_bytes", None)  # = peak_bytes
         try:
             est = data["estimate"]
             data["estimate"] = MemoryEstimate(
                 peak_bytes=int(est["peak_bytes"]), breakdown=est["breakdown"], device=est["device"],
-                device_bytes=int(est["device_bytes"]), peak_phase=est["peak_phase"], peak_at=est["peak_at"],
+                device_bytes=int(est["device_bytes"]), peak_reserved_bytes=int(est.get("peak_reserved_bytes", 0)),
+                peak_phase=est["peak_phase"], peak_at=est["peak_at"],
                 method=est["method"], notes=tuple(est["notes"]),
             )
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
@@ -129,6 +146,17 @@ class Plan:
             raise InvalidInputError(f"plan JSON is missing or has a malformed field: {e}") from e
 
     # ---- the human table the CLI prints ---------------------------------------------------------------------------
+    def memory_rows(self, fmt) -> list[tuple[str, str]]:
+        """The three figures as (label, value) rows, each saying what it compares with; ``fmt`` formats bytes."""
+        if self.device != "cuda":
+            return [("peak (CPU allocator)", fmt(self.device_bytes))]
+        return [
+            ("peak allocated", f"{fmt(self.peak_allocated_bytes)} (~ torch.cuda.max_memory_allocated)"),
+            ("peak reserved", f"{fmt(self.peak_reserved_bytes)} (~ torch.cuda.max_memory_reserved)"),
+            ("on the device", f"{fmt(self.device_bytes)} (~ nvidia-smi: reserved + CUDA context; the budget "
+                              "applies to this)"),
+        ]
+
     def __str__(self) -> str:
         ckpt = ", ".join(self.checkpoint) if self.checkpoint else "none"
         if len(ckpt) > 100:
@@ -143,8 +171,9 @@ class Plan:
             ("checkpointed", ckpt),
             ("optimizer", self.optimizer),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
-            ("predicted peak", f"{format_bytes(self.peak_bytes)}"),
+            *self.memory_rows(format_bytes),
             ("budget", f"{format_bytes(self.budget_bytes)} ({100 * self.device_bytes / self.budget_bytes:.0f} % used)"),
+            ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
             ("predicted step", f"{self.predicted_step_seconds:.3g} s (model, for ranking)"),
         ]
         if self.world_size > 1:
@@ -163,7 +192,8 @@ class Plan:
 
 def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, budget_bytes: int,
                   batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
-                  gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...]) -> Plan:
+                  gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
+                  clip_grad_norm: float | None = None) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -177,5 +207,6 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         checkpoint=chosen.checkpoint, peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
         budget_bytes=budget_bytes, device=device, optimizer=optimizer, predicted_step_seconds=chosen.seconds,
         estimate=est, world_size=world_size, strategy=strategy, gpu=gpu, frontier=front,
-        notes=tuple(dict.fromkeys(notes)), shard_units=shard_units,
+        notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
+        peak_reserved_bytes=est.peak_reserved_bytes,
     )

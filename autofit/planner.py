@@ -44,17 +44,19 @@ def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
+    clip_grad_norm: float | None = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
 
     ``world_size > 1`` plans one rank of a data-parallel job: ``batch_size`` is the global batch, ``budget`` is per
     device, and ``strategy`` is "ddp", "fsdp2" or None (autofit plans both and keeps the faster). When the fastest
-    configuration fits, its full estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty."""
+    configuration fits, its full estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty.
+    ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
-        alternatives=False,
+        clip_grad_norm=clip_grad_norm, alternatives=False,
     )[0]
 
 
@@ -62,7 +64,7 @@ def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
-    alternatives: bool = True,
+    clip_grad_norm: float | None = None, alternatives: bool = True,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -70,7 +72,8 @@ def plan_with_analysis(
     Note [the quick path]) and skips the analysis when it fits; the plan then has no front and no analyses."""
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
                            optimizer=optimizer, precision=precision, checkpoint=checkpoint, device=device, gpu=gpu,
-                           world_size=world_size, strategy=strategy, quick=not alternatives)
+                           world_size=world_size, strategy=strategy, quick=not alternatives,
+                           clip_grad_norm=clip_grad_norm)
     results, infeasible_errors, failed = [], [], []
     for name in request.strategies:
         try:
@@ -146,7 +149,7 @@ def _config(request: PlanRequest, parallel: Parallel, c: Candidate, policy: Prec
         micro_batch_size=c.micro_batch_size, accumulation_steps=c.accumulation_steps, precision=policy,
         checkpoint=c.checkpoint, optimizer=request.optimizer, device=request.device.kind,
         held_rows=request.per_rank, gpu=request.device.name, strategy=parallel.strategy,
-        world_size=parallel.world_size, shard_units=parallel.shard_units,
+        world_size=parallel.world_size, shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
     )
 
 
@@ -195,7 +198,7 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
         batch_size=request.batch_size, world_size=parallel.world_size, strategy=parallel.strategy,
         policy=policy_of[found.candidate.precision], device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
-        shard_units=parallel.shard_units,
+        shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
     )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from autofit.categories import Category
 from autofit.units import format_bytes
 
 __all__ = ["MemoryEstimate", "Measurement"]
@@ -26,17 +27,24 @@ def _table(title: str, peak: int, breakdown: Mapping[str, int]) -> str:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Predicted peak of one steady-state training step.
+    """Predicted peak of one steady-state training step, as three figures (docs/cuda.md, "The three figures"):
 
-    ``peak_bytes`` is comparable with what the allocator reports (the CPU allocator's high-water mark, or
-    ``torch.cuda.max_memory_allocated``); ``device_bytes`` is what the process needs on the device in all (on CUDA
-    the caching allocator's reserve and the context come on top; on the CPU it equals ``peak_bytes``).
+    - ``peak_allocated_bytes``: bytes in allocated blocks at the peak, comparable with
+      ``torch.cuda.max_memory_allocated()`` (CUDA: tensors rounded to 512 bytes plus the cuBLAS workspace) or the
+      CPU allocator's high-water mark. ``peak_bytes`` is the same number, under the name the API began with.
+    - ``peak_reserved_bytes``: what the caching allocator has reserved from the driver at that point, comparable with
+      ``torch.cuda.max_memory_reserved()`` (allocated plus the ``fragmentation`` reserve).
+    - ``device_bytes``: what the process holds on the device, comparable with nvidia-smi: reserved plus the CUDA
+      context. The budget is checked against this one, and the breakdown adds up to it.
+
+    On the CPU there is no reserve and no context: the three are equal.
     """
 
     peak_bytes: int
     breakdown: Mapping[str, int]
     device: str = "cpu"
     device_bytes: int = 0
+    peak_reserved_bytes: int = 0
     peak_phase: str = ""  # "forward", "backward" or "optimizer"
     peak_at: str = ""  # the op and module at the peak, e.g. "convolution_backward in layer1.0.conv1"
     method: str = "fake"  # "fake" (fake tensors) or "real" (data-dependent model run on the CPU)
@@ -44,14 +52,23 @@ class MemoryEstimate:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))
+        if not self.peak_reserved_bytes:  # the reserve beyond the allocated blocks is the fragmentation term
+            reserved = self.peak_bytes + self.breakdown.get(str(Category.FRAGMENTATION), 0)
+            object.__setattr__(self, "peak_reserved_bytes", reserved)
         if not self.device_bytes:
-            object.__setattr__(self, "device_bytes", self.peak_bytes)
+            object.__setattr__(self, "device_bytes", self.peak_reserved_bytes)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """``torch.cuda.max_memory_allocated()``'s counterpart: ``peak_bytes`` by its plain name."""
+        return self.peak_bytes
 
     def __str__(self) -> str:
         title = f"estimated peak ({self.device}, at {self.peak_phase}: {self.peak_at})"
         if self.device_bytes != self.peak_bytes:  # CUDA: the breakdown adds up to what the process holds
-            title = (f"{title}: allocated {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} bytes); "
-                     f"on the device in all")
+            title = (f"{title}: allocated {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} bytes), "
+                     f"reserved {format_bytes(self.peak_reserved_bytes)} ({self.peak_reserved_bytes:,} bytes); "
+                     f"on the device in all (reserved + CUDA context)")
         text = _table(title, self.device_bytes, self.breakdown)
         return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 

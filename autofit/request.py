@@ -17,7 +17,7 @@ from autofit.errors import InvalidInputError, require_int, require_strategy
 from autofit.loss import LossFn
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
-from autofit.step import resolve_modules
+from autofit.step import make_step_config, resolve_modules
 from autofit.units import parse_budget
 
 __all__ = ["Parallel", "PlanRequest", "make_request", "check_model", "as_inputs"]
@@ -49,6 +49,7 @@ class PlanRequest:
     policies: tuple[PrecisionPolicy, ...]  # allowed compute precisions, preferred first
     optimizer: OptimizerSpec
     fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
+    clip_grad_norm: float | None  # max_norm of clip_grad_norm_ before each optimizer step (None: no clipping)
     quick: bool  # try the quick path first (Note [the quick path], solve/quick.py)
     auto_precision: bool  # the first policy is the device's fastest ("auto", or a single policy)
     notes: tuple[str, ...] = ()
@@ -93,7 +94,7 @@ def as_inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
 def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None, target: Any, loss_fn: LossFn | None,
     optimizer: Any, precision: Any, checkpoint: Any, device: str, gpu: str | None, world_size: int,
-    strategy: str | None, quick: bool,
+    strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -116,6 +117,8 @@ def make_request(
         strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
         policies=_precisions(precision, target_device), optimizer=as_optimizer_spec(optimizer),
         fixed_checkpoint=_fixed_checkpoint(model, checkpoint), quick=quick,
+        # validated by the step's own rules (StepConfig), before any simulation
+        clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
     )
 

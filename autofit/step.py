@@ -1,8 +1,9 @@
 """One training step, the same code for ``estimate``, ``measure`` and the emitted trainer.
 
 For one micro-batch: forward and loss (under autocast when the precision asks for it), backward of the loss weighted
-by the micro-batch's share of the effective batch; after the last micro-batch of the window, ``optimizer.step()``
-(through the GradScaler for fp16) then ``zero_grad(set_to_none=True)``. See "What the step is" in
+by the micro-batch's share of the effective batch; after the last micro-batch of the window, optional gradient
+clipping (``clip_grad_norm_``, after the GradScaler unscaled the gradients for fp16), ``optimizer.step()`` (through
+the GradScaler for fp16) then ``zero_grad(set_to_none=True)``. See "What the step is" in
 docs/memory-model.md.
 """
 
@@ -50,6 +51,8 @@ class StepConfig:
     strategy: str | None = None  # None (one process), "ddp" or "fsdp2"
     world_size: int = 1
     shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
+    # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -59,12 +62,19 @@ class StepConfig:
         require_int("world_size", self.world_size)
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        clip = self.clip_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise InvalidInputError(
+                f"clip_grad_norm must be a positive number (the max_norm of torch.nn.utils.clip_grad_norm_, e.g. 1.0) "
+                f"or None for no clipping, got {clip!r}"
+            )
 
 
 def make_step_config(
     *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
+    clip_grad_norm: float | None = None,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -86,6 +96,7 @@ def make_step_config(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
         held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
+        clip_grad_norm=clip_grad_norm,
     )
 
 
@@ -237,7 +248,17 @@ def run_micro_batch(
     return loss.detach()
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, *,
+                   clip_grad_norm: float | None = None) -> None:
+    """Clip (optionally), step, zero the gradients. Clipping follows the AMP recipe (PyTorch "Automatic Mixed
+    Precision examples", "Gradient clipping"): ``scaler.unscale_`` first, so the norm is that of the true gradients;
+    ``scaler.step`` then does not unscale again. ``clip_grad_norm_`` picks its own implementation (foreach where
+    ``torch/utils/_foreach_utils.py::_has_foreach_support`` allows, as on CUDA)."""
+    if clip_grad_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()

@@ -5,13 +5,15 @@ For every case of ``tests/zoo.py`` plus a small Llama (``benchmarks/llama.py``),
 where the GPU has no bf16), without and with the case's checkpointed modules, at two micro-batch sizes, one row
 compares:
 
-- alloc: ``autofit.estimate(..., device="cuda").peak_bytes`` against ``torch.cuda.max_memory_allocated()`` over
-  real steady-state steps (after a warm-up step, so the optimizer state exists; everything alive counts: weights,
-  optimizer state, inputs, the cuBLAS workspace);
-- reserved: the estimate's ``device_bytes - cuda_context`` (allocated plus the allocator's reserve) against
+- alloc: the estimate's ``peak_allocated_bytes`` against ``torch.cuda.max_memory_allocated()`` over real
+  steady-state steps of the emitted trainer (after warm-up steps, so the optimizer state exists; everything alive
+  counts: weights, optimizer state, inputs, the cuBLAS workspace). The optimizer is torch's default on CUDA
+  (foreach AdamW), as in the estimate;
+- reserved: the estimate's ``peak_reserved_bytes`` (allocated plus the allocator's reserve) against
   ``torch.cuda.max_memory_reserved()``;
-- device: ``device_bytes`` against what the process holds on the GPU in all (NVML's per-process figure when
-  ``pynvml`` is installed and sees this process; else reserved plus the context measured once at start-up);
+- device: ``device_bytes`` (reserved plus the CUDA context) against what the process holds on the GPU in all
+  (NVML's per-process figure when ``pynvml`` is installed and sees this process; else reserved plus the context
+  measured once at start-up);
 - measure: ``autofit.measure(..., device="cuda").peak_bytes`` (autofit's own measurement:
   ``torch.cuda.max_memory_allocated()`` over its measured steps);
 - time: the plan's ``predicted_step_seconds`` (``autofit.plan`` with the whole device as budget, this precision and
@@ -24,6 +26,9 @@ assumption, and how many cuBLAS workspaces the allocator holds (autofit assumes 
     python benchmarks/gpu_validate.py                        # everything (~15 min: each row is also simulated)
     python benchmarks/gpu_validate.py --cases gpt_sdpa,llama # a subset ("llama" is the Llama case)
     python benchmarks/gpu_validate.py --no-time              # memory only
+    python benchmarks/gpu_validate.py --clip-grad-norm 1.0   # with gradient clipping, as HF Trainer does
+
+``pytest -m gpu`` (tests/test_gpu.py) runs the same rows for a few cases and asserts the design's tolerances.
 
 Without a CUDA device it prints "no CUDA device: nothing to validate" and exits 0.
 """
@@ -191,20 +196,21 @@ def _resized(value: Any, rows: int, what: str) -> Any:
 
 
 def run_config(case: ZooCase, precision: str, checkpoint: tuple[str, ...], micro: int, *, steps: int, time_it: bool,
-               memory: DeviceMemory, context: int, device: torch.device) -> Row:
+               memory: DeviceMemory, context: int, device: torch.device, clip_grad_norm: float | None = None) -> Row:
     row = Row(case.name, precision, bool(checkpoint), micro)
     common = dict(target=case.target, loss_fn=case.loss_fn, optimizer=OPTIMIZER, precision=precision,
-                  checkpoint=checkpoint, device="cuda")
+                  checkpoint=checkpoint, device="cuda", clip_grad_norm=clip_grad_norm)
     est = autofit.estimate(case.model, case.sample, micro_batch_size=micro, **common)
-    row.est_alloc, row.est_device = est.peak_bytes, est.device_bytes
-    row.est_reserved = est.device_bytes - est.breakdown.get("cuda_context", 0)
+    row.est_alloc, row.est_reserved, row.est_device = est.peak_allocated_bytes, est.peak_reserved_bytes, \
+        est.device_bytes
 
     meas = autofit.measure(case.model, case.sample, micro_batch_size=micro, steps=2, **common)
     row.measured = meas.peak_bytes
     _release()
 
     plan = autofit.plan(case.model, case.sample, "100%", batch_size=micro, target=case.target, loss_fn=case.loss_fn,
-                        optimizer=OPTIMIZER, precision=precision, checkpoint=checkpoint or None, device="cuda")
+                        optimizer=OPTIMIZER, precision=precision, checkpoint=checkpoint or None, device="cuda",
+                        clip_grad_norm=clip_grad_norm)
     row.predicted_s = plan.predicted_step_seconds
     if (plan.micro_batch_size, plan.gradient_accumulation_steps) != (micro, 1):
         row.note = f"plan chose {plan.micro_batch_size}x{plan.gradient_accumulation_steps}"
@@ -284,29 +290,37 @@ def summary(rows: list[Row]) -> list[str]:
     return lines
 
 
+def open_device() -> tuple[DeviceMemory, torch.device, int]:
+    """(memory reader, device, measured CUDA context bytes), with cuBLAS/cuDNN loaded. Call it before anything
+    initialises CUDA in this process, so NVML can tell the device's use before this process's context."""
+    memory = DeviceMemory()
+    device = torch.device("cuda", torch.cuda.current_device())
+    memory.attach(device)
+    warm_up_libraries(device)
+    _release()
+    context = memory.process_bytes() - torch.cuda.memory_reserved(device)
+    return memory, device, context
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help="comma-separated case names (zoo names, or llama); default: all")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default: 10)")
     parser.add_argument("--no-time", action="store_true", help="skip the step-time comparison")
+    parser.add_argument("--clip-grad-norm", type=float, default=None,
+                        help="clip gradients to this norm in the step (HF Trainer: 1.0); default: no clipping")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to validate")
         return 0
     warnings.filterwarnings("ignore")
-    memory = DeviceMemory()  # before this process creates its CUDA context
-    device = torch.device("cuda", torch.cuda.current_device())
-    memory.attach(device)
+    memory, device, context = open_device()
     spec, note = resolve_gpu(None)
     props = torch.cuda.get_device_properties(device)
     print(f"device: {props.name}, {format_bytes(props.total_memory)}, sm {props.major}.{props.minor}; "
           f"autofit models it as {spec.name} ({spec.source})" + (f"; {note}" if note else ""))
 
-    warm_up_libraries(device)
-    _release()
-    held = memory.process_bytes()
-    context = held - torch.cuda.memory_reserved(device)
     print(f"CUDA context (with cuBLAS/cuDNN loaded): measured {format_bytes(context)} by {memory.how}; "
           f"autofit assumes {format_bytes(context_bytes())} (set AUTOFIT_CUDA_CONTEXT_MIB={context / MiB:.0f} "
           "to use the measured value)")
@@ -326,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                 for micro in (case.micro_batch_size, 4 * case.micro_batch_size):
                     try:
                         row = run_config(case, precision, checkpoint, micro, steps=args.steps,
-                                         time_it=not args.no_time, memory=memory, context=context, device=device)
+                                         time_it=not args.no_time, memory=memory, context=context, device=device,
+                                         clip_grad_norm=args.clip_grad_norm)
                     except Exception as e:  # noqa: BLE001 - a report goes on past one failing configuration
                         _release()
                         print(f"{name:<15} {precision:<4} {'yes' if checkpoint else 'no':<4} {micro:>3} | "

@@ -45,8 +45,10 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         ("checkpointed modules", "\n".join(group_names(plan.checkpoint)) if plan.checkpoint else "none"),
         ("optimizer", plan.optimizer),
         ("device", plan.device + (f" ({plan.gpu})" if plan.gpu else "")),
-        ("predicted peak", f"{_mib(plan.device_bytes)} MiB of {_mib(plan.budget_bytes)} MiB budget "
-                           f"({100 * plan.device_bytes / plan.budget_bytes:.0f} %)"),
+        # the three figures, each named after what it compares with (docs/cuda.md, "The three figures")
+        *plan.memory_rows(lambda n: f"{_mib(n)} MiB"),
+        ("budget", f"{_mib(plan.budget_bytes)} MiB ({100 * plan.device_bytes / plan.budget_bytes:.0f} % used "
+                   f"on the device)"),
         ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
     ]
     if plan.world_size > 1:
@@ -68,7 +70,8 @@ def breakdown_table(plan: Plan) -> Table:
     total = plan.estimate.device_bytes or 1
     for key, value in plan.estimate.breakdown.items():
         table.add_row(key, _mib(value), f"{100 * value / total:.1f} %")
-    table.add_row("[bold]total[/]", f"[bold]{_mib(plan.estimate.device_bytes)}[/]", "100.0 %")
+    label = "total (on the device)" if plan.device == "cuda" else "total"
+    table.add_row(f"[bold]{label}[/]", f"[bold]{_mib(plan.estimate.device_bytes)}[/]", "100.0 %")
     return table
 
 

@@ -6,9 +6,10 @@ them in fp32, so activations differ in size. While a CUDA step is simulated, the
 below are replaced (``torch.library``, removed afterwards) by Python kernels with CUDA's policy, and every op CPU
 autocast handles that CUDA does not falls through unchanged (the ops it decomposes into still meet the policy).
 
-The lists are ``aten/src/ATen/autocast_mode.cpp`` (``TORCH_LIBRARY_IMPL(aten, AutocastCUDA, m)``), grouped by
-``CastPolicy``; ``tests/test_cuda_model.py`` checks them against the AutocastCUDA kernels this torch build registers
-and, on fake CUDA tensors (forward works there), against the dtypes CUDA autocast really produces.
+The lists are those of the running torch build: the ops with an ``AutocastCUDA`` kernel (``aten/src/ATen/
+autocast_mode.cpp``, ``TORCH_LIBRARY_IMPL(aten, AutocastCUDA, m)``), each with the ``CastPolicy`` its kernel is seen to
+apply on fake CUDA tensors (``autocast_lists.py``). ``tests/test_autocast_lists.py`` checks them against
+``autocast_mode.h``'s lists; ``tests/test_cuda_model.py`` against the dtypes CUDA autocast really produces.
 """
 
 from __future__ import annotations
@@ -20,51 +21,35 @@ from collections.abc import Iterator
 import torch
 from torch.utils import _pytree as pytree
 
+from autofit.cuda.autocast_lists import autocast_cuda_lists
+
 __all__ = ["LOWER_PRECISION_FP", "FP32", "FP32_SET_OPT_DTYPE", "FP32_APPEND_DTYPE", "PROMOTE", "BANNED",
            "cuda_autocast_policy", "policy_of"]
 
-# CastPolicy::lower_precision_fp: run in fp16/bf16 (tensor-core ops)
-LOWER_PRECISION_FP = (
-    "_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
-    "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "cudnn_convolution",
-    "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
-    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
-    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
-)
-# CastPolicy::fp32: numerically sensitive ops run in fp32
-FP32 = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
-    "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity",
-    "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div",
-    "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
-    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
-    "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d",
-    "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
-    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
-    "upsample_bicubic2d", "_upsample_bicubic2d_aa", "rms_norm", "linalg_vector_norm", "linalg_matrix_norm",
-    "linalg_matrix_norm.str_ord",
-)
-# CastPolicy::fp32_set_opt_dtype: redispatched with dtype=float32 when no dtype is given
-FP32_SET_OPT_DTYPE = ("prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "sum",
-                      "sum.dim_IntList")
-# CastPolicy::fp32_append_dtype: redispatched to the overload that takes a dtype, with float32
-FP32_APPEND_DTYPE = ("norm.Scalar", "norm.ScalarOpt_dim")
-# CastPolicy::promote: run in the widest floating type among the inputs
-PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "tensordot",
-           "scatter_add", "vdot")
-# Banned under CUDA autocast (raises): binary_cross_entropy is unsafe in low precision
-BANNED = ("binary_cross_entropy",)
+# The lists by CastPolicy, as this torch build registers and runs them (``autocast_lists.py``, Note [observing a cast
+# policy]); module attributes computed on first use, so importing autofit stays cheap.
+_LIST_NAMES = {
+    "LOWER_PRECISION_FP": "lower_precision_fp",  # run in fp16/bf16 (tensor-core ops)
+    "FP32": "fp32",  # numerically sensitive ops run in fp32
+    "FP32_SET_OPT_DTYPE": "fp32_set_opt_dtype",  # redispatched with dtype=float32 when no dtype is given
+    "FP32_APPEND_DTYPE": "fp32_append_dtype",  # redispatched to the overload that takes a dtype, with float32
+    "PROMOTE": "promote",  # run in the widest floating type among the inputs
+    "BANNED": "banned",  # raises under CUDA autocast (binary_cross_entropy is unsafe in low precision)
+}
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name in _LIST_NAMES:
+        return autocast_cuda_lists().by_policy[_LIST_NAMES[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
 def policy_of(name: str) -> str | None:
     """The CUDA cast policy of an op ("mm", "pow.Tensor_Scalar") or None when CUDA autocast leaves it alone."""
-    for policy, names in (("lower_precision_fp", LOWER_PRECISION_FP), ("fp32", FP32),
-                          ("fp32_set_opt_dtype", FP32_SET_OPT_DTYPE), ("fp32_append_dtype", FP32_APPEND_DTYPE),
-                          ("promote", PROMOTE), ("banned", BANNED)):
+    for policy, names in autocast_cuda_lists().by_policy.items():
         if name in names:
             return policy
     return None
@@ -143,7 +128,7 @@ def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
     autocast region of a micro-batch exits, as torch.autocast clears its cache)."""
     caster = _Caster(dtype)
     lib = torch.library.Library("aten", "IMPL")
-    cuda_names = set(LOWER_PRECISION_FP + FP32 + FP32_SET_OPT_DTYPE + FP32_APPEND_DTYPE + PROMOTE + BANNED)
+    cuda_names = {name for names in autocast_cuda_lists().by_policy.values() for name in names}
     cpu_only = [n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
                 if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCPU")
                 and n.removeprefix("aten::") not in cuda_names]

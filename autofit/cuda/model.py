@@ -27,7 +27,7 @@ from autofit.cuda.allocator import replay_allocator
 from autofit.cuda.catalog import GPUSpec
 from autofit.simulate.timeline import Replay, Timeline
 
-__all__ = ["CUDA_CONTEXT_BYTES", "cublas_workspace_bytes", "context_bytes", "cuda_memory"]
+__all__ = ["CUDA_CONTEXT_BYTES", "cublas_workspace_bytes", "context_bytes", "cuda_memory", "cudnn_workspace_note"]
 
 # A typical CUDA 12 context with lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7 in
 # PyTorch) plus cuBLAS/cuDNN handles: a few hundred MiB (PyTorch docs, "CUDA semantics > Memory management").
@@ -49,6 +49,21 @@ def cublas_workspace_bytes(gpu: GPUSpec, config: str | None = None) -> int:
 def context_bytes() -> int:
     override = os.environ.get("AUTOFIT_CUDA_CONTEXT_MIB")
     return int(float(override) * 2**20) if override else CUDA_CONTEXT_BYTES
+
+
+_CONVOLUTIONS = ("convolution", "convolution_backward", "_convolution", "cudnn_convolution",
+                 "cudnn_convolution_transpose")
+
+
+def cudnn_workspace_note(timeline: Timeline) -> str | None:
+    """The documented bound for cuDNN convolution workspaces (docs/cuda.md, "cuDNN convolution workspaces"), as a
+    note on estimates whose step runs convolutions; None when it runs none."""
+    if not any(op.name in _CONVOLUTIONS for op in timeline.ops):
+        return None
+    return ("cuDNN convolution workspaces are not counted: each convolution allocates its engine's workspace for "
+            "the duration of the call (Conv_v8.cpp run_conv_plan), and an engine whose workspace does not fit is "
+            "skipped for the next (try_configs); with torch.backends.cudnn.benchmark=True the first step's search "
+            "also takes up to the largest free cached block (generate_and_filter_plans). See docs/cuda.md")
 
 
 def cuda_memory(timeline: Timeline, raw: Replay, gpu: GPUSpec) -> tuple[int, int, dict[Category, int]]:

@@ -5,8 +5,8 @@ be shorter), moves each to the device of the model's parameters, runs it through
 :func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
 mean loss over the whole batch (n_i counts rows, or the items a token-mean loss averages over: See Note [loss
 normalisation] in autofit/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
-the GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients.
-Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
+the GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients;
+with ``plan.clip_grad_norm`` it first clips the (unscaled) gradients to that norm. Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
 the model while the trainer is active; ``unwrap()`` restores it.
 """
 
@@ -56,6 +56,7 @@ class Trainer:
             micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
             precision=plan.precision, checkpoint=plan.checkpoint,
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
+            clip_grad_norm=plan.clip_grad_norm,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
@@ -94,7 +95,7 @@ class Trainer:
                                        self.device_type, weight=norm.weight(i), scaler=self.scaler)
             losses.append(float(loss))
             del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
-        optimizer_step(self.optimizer, self.scaler)
+        optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm)
         return norm.local_mean(losses)
 
     def _normalisation(self, batch: Batch, target: Batch | None, bounds: list[tuple[int, int]]) -> LossNormalisation:

@@ -75,7 +75,7 @@ def measure_step(
         for i in range(config.accumulation_steps):
             run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                             scaler=scaler)
-        optimizer_step(optimizer, scaler)
+        optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm)
 
     with patched_model(work, config, device.type):
         window()  # warm-up: optimizer state now exists, as in the steady state

@@ -45,6 +45,7 @@ from autofit.categories import Category
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
+from autofit.simulate.foreach import target_implementation
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
@@ -121,7 +122,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     mode_ctx = fake_mode if fake else contextlib.nullcontext()
     # the device mesh holds real tensors: it is made before the fake mode is entered
     mesh_ctx = fake_mesh(config.world_size) if config.strategy == "fsdp2" else contextlib.nullcontext()
-    with mesh_ctx as mesh, mode_ctx:
+    # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
+    with mesh_ctx as mesh, mode_ctx, target_implementation(config.device):
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
             from autofit.emit.distributed import apply_fsdp2
 
@@ -286,7 +288,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    optimizer_step(optimizer, scaler)
+    optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm)
     tracker.phase = Phase.SETUP
     _drop_phantom_state(tracker, model, optimizer, received_grad)
 

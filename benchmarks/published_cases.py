@@ -1,0 +1,253 @@
+"""The published GPU memory figures ``published.py`` compares autofit with: what ran, what was measured, the number,
+its source and its uncertainty, and how to rebuild the run from its configuration (no weights, no hub access).
+
+Model configurations are written out from the published ``config.json`` of each model (the numbers that matter for
+memory: vocabulary, hidden size, layers, heads, MLP size, positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.vit import VIT_L_16_PARAMETERS, VitL16
+
+__all__ = ["CASES", "Case"]
+
+Built = tuple[torch.nn.Module, Any, dict[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    name: str
+    source: str  # URL or repository + path, and the exact place of the figure
+    ran: str  # what ran, in words
+    gpu: str  # autofit catalog name of the GPU that ran it
+    measures: str  # "allocated", "reserved" or "nvidia-smi"
+    published_bytes: int
+    unit: str  # "MB" (10^6) or "MiB" (2^20): how the source printed it
+    uncertainty_bytes: int
+    uncertainty: str
+    build: Callable[[], Built]
+    context_mib: float | None = None  # the CUDA context the source measured (nvidia-smi cases)
+    outside_bytes: int = 0  # tensors the source kept alive outside the step (counted by its figure, not by a step)
+    why: str = ""  # for a case outside the goal: the reason, in a sentence
+
+    def __post_init__(self) -> None:
+        if self.measures not in ("allocated", "reserved", "nvidia-smi"):
+            raise ValueError(f"Case {self.name}: measures must be allocated, reserved or nvidia-smi")
+
+
+def _meta(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    with torch.device("meta"):
+        return factory().train()
+
+
+# --- Hugging Face models, from their config.json --------------------------------------------------------------------
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # openai-community/gpt2 config.json: n_layer 12, n_head 12, n_embd 768, n_positions 1024, vocab 50257
+    config = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+    return _meta(lambda: GPT2LMHeadModel(config))
+
+
+def _bert(cls_name: str, *, hidden: int, layers: int, heads: int, intermediate: int, attn: str, **extra):
+    import transformers
+
+    # google-bert/bert-{base,large}-uncased config.json: vocab 30522, 512 positions, 2 token types, GELU
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=heads, intermediate_size=intermediate,
+                                     max_position_embeddings=512, type_vocab_size=2, **extra)
+    config._attn_implementation = attn
+    return _meta(lambda: getattr(transformers, cls_name)(config))
+
+
+def _adamw_torch(params):
+    """HF Trainer's default ``optim="adamw_torch"`` (transformers >= 4.38 or so): torch.optim.AdamW, lr 5e-5, with no
+    implementation flag, so autofit simulates what torch picks on CUDA (foreach: ``_default_to_fused_or_foreach`` in
+    torch/optim/optimizer.py)."""
+    return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0)
+
+
+def _adamw_per_parameter(params):
+    """transformers.AdamW (``optim="adamw_hf"``, the Trainer default in 2022) stepped parameter by parameter; torch
+    1.10's AdamW did the same: no multi-tensor intermediates."""
+    return torch.optim.AdamW(params, lr=5e-5, foreach=False)
+
+
+# HF Trainer defaults: torch AdamW, max_grad_norm 1.0 (clip_grad_norm_ before every optimizer step)
+_TRAINER_DEFAULTS = {"micro_batch_size": 2, "optimizer": _adamw_torch, "clip_grad_norm": 1.0}
+
+
+def _optimum_gpt2() -> Built:
+    ids = torch.randint(0, 50257, (2, 16))
+    return _gpt2(), {"input_ids": ids, "labels": ids}, _TRAINER_DEFAULTS
+
+
+def _optimum_bert() -> Built:
+    model = _bert("BertForMaskedLM", hidden=768, layers=12, heads=12, intermediate=3072, attn="sdpa")
+    ids = torch.randint(0, 30522, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}, _TRAINER_DEFAULTS
+
+
+def _adafactor(params):
+    """HF Trainer's ``optim="adafactor"``: transformers.Adafactor(scale_parameter=False, relative_step=False),
+    lr 5e-5 (transformers/trainer_optimizer.py, ``_get_adafactor``); per-parameter, factored second moments."""
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False)
+
+
+def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32", checkpoint: bool = False,
+             optimizer: Callable = _adamw_per_parameter) -> Callable[[], Built]:
+    """The 2022 Trainer called ``model.zero_grad()``, whose default in torch 1.10 was ``set_to_none=False``
+    (torch/nn/modules/module.py, ``Module.zero_grad``; True since torch 2.0): gradients stay allocated, zeroed, through
+    the next forward. autofit's step sets them to None, so an accumulation window of at least 2 stands in for it: its
+    last micro-batch runs forward and backward with every gradient already allocated, as each step did then."""
+    accumulation = max(accumulation, 2)
+
+    def build() -> Built:
+        model = _bert("BertForSequenceClassification", hidden=1024, layers=24, heads=16, intermediate=4096,
+                      attn="eager", num_labels=2)
+        sample = {"input_ids": torch.randint(100, 30000, (4, 512)), "labels": torch.zeros(4, dtype=torch.long)}
+        layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
+        return model, sample, {"micro_batch_size": micro, "accumulation_steps": accumulation,
+                               "precision": precision, "checkpoint": layers, "optimizer": optimizer,
+                               "clip_grad_norm": 1.0}
+
+    return build
+
+
+# --- PyTorch's AMP recipe (recipes_source/recipes/amp_recipe.py) -------------------------------------------------
+
+_AMP_DATA = 50 * 2 * 512 * 4096 * 4  # data and targets: 50 batches each of 512 x 4096 fp32, made on the GPU first
+
+
+def _amp_recipe(precision: str) -> Callable[[], Built]:
+    """make_model(4096, 4096, 3): Linear, ReLU, Linear, ReLU, Linear; MSELoss; SGD(lr=0.001) (no state); batch 512.
+    torch 1.11's ``opt.zero_grad()`` kept gradients allocated (set_to_none=False): accumulation 2 stands in for it,
+    as in ``_anatomy``."""
+
+    def build() -> Built:
+        def net() -> torch.nn.Module:
+            return torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
+                                       torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
+
+        return (_meta(net), torch.randn(512, 4096),
+                {"target": torch.randn(512, 4096), "micro_batch_size": 512, "accumulation_steps": 2,
+                 "precision": precision, "loss_fn": F.mse_loss,
+                 "optimizer": lambda params: torch.optim.SGD(params, lr=1e-3)})
+
+    return build
+
+
+# --- torchvision vit_l_16 (benchmarks/vit.py) ---------------------------------------------------------------------
+
+def _vit_tutorial() -> Built:
+    model = _meta(VitL16)
+    assert sum(p.numel() for p in model.parameters()) == VIT_L_16_PARAMETERS
+    return (model, torch.rand(1, 3, 224, 224),
+            {"micro_batch_size": 1, "loss_fn": lambda out: out.sum(),
+             # torch.optim.Adam(model.parameters()): on CUDA torch picks foreach, and so does autofit's CUDA step
+             "optimizer": "adam"})
+
+
+_OPTIMUM = ("huggingface/optimum-benchmark, training scenario (optimum_benchmark/scenarios/training/config.py: "
+            "per_device_train_batch_size 2, dataset sequence_length 16, 140 steps) with memory tracking "
+            "(optimum_benchmark/trackers/memory.py: torch.cuda.max_memory_allocated() / 1e6 after "
+            "reset_peak_memory_stats, over the whole trainer.train()); figure as quoted in issue 9")
+_ANATOMY = ("Hugging Face transformers docs, 'Model training anatomy' (docs/source/en/model_memory_anatomy.md) and "
+            "'Methods and tools for efficient training on a single GPU' (docs/source/en/perf_train_gpu_one.md, "
+            "v4.2x): google-bert/bert-large-uncased sequence classification, 512 random sequences of 512 tokens, "
+            "Trainer, Tesla V100-SXM2 16 GB, driver 460.91, CUDA 11.2 (Jan 2022); pynvml used // 1024**2 printed "
+            "as 'MB', after trainer.train(); the same page measures the context at 1343 MiB")
+_ANATOMY_UNC = ("nvidia-smi counts the whole GPU (one process here): reserved + context (measured on the page: "
+                "1343 MiB); 'MB' is MiB, floored (±1 MiB); 2022 software (torch ~1.10, eager BERT attention, "
+                "transformers' own AdamW): ±2 % for what the allocator of that torch version reserved")
+
+_AMP = ("PyTorch recipe 'Automatic Mixed Precision' (pytorch/tutorials recipes_source/recipes/amp_recipe.py: "
+        "end_timer_and_print prints torch.cuda.max_memory_allocated() after reset_peak_memory_stats), as run and "
+        "published in a public GitHub README 'Comparison for training CNN models using Tensor Cores with PyTorch' "
+        "(Tesla T4, PyTorch 1.11, driver 470.57.02, CUDA 11.4), found by full-text search for the printed figure; "
+        "the index does not name its repository")
+_AMP_UNC = ("exact bytes; the step is the recipe's (its helper is unchanged in the tutorials repository); the peak "
+            "counts the 100 data/target batches made before the timer (838.9 MB, added to autofit's figure); "
+            "torch 1.11 cuBLAS workspace through the allocator or not: ±8.5 MB (±0.6 %)")
+
+CASES: tuple[Case, ...] = (
+    Case(name="optimum-gpt2", source=_OPTIMUM, gpu="A100-80GB", measures="allocated",
+         ran="openai-community/gpt2 causal LM, HF Trainer defaults (torch AdamW, fp32, max_grad_norm 1.0), "
+             "batch 2 x 16 tokens",
+         published_bytes=2_506_740_000, unit="MB", uncertainty_bytes=26_000_000,
+         uncertainty="MB = 10^6 (trackers/memory.py); GPU not stated: the cuBLAS workspace is 8.1 MiB before "
+                     "sm90 and 32 MiB on sm90 (±1 %)",
+         build=_optimum_gpt2),
+    Case(name="optimum-bert-mlm", source=_OPTIMUM, gpu="A100-80GB", measures="allocated",
+         ran="google-bert/bert-base-uncased masked LM, HF Trainer defaults (torch AdamW, fp32, max_grad_norm "
+             "1.0), batch 2 x 16 tokens",
+         published_bytes=2_195_350_000, unit="MB", uncertainty_bytes=26_000_000,
+         uncertainty="as optimum-gpt2 (±1 % for the GPU's cuBLAS workspace)",
+         build=_optimum_bert),
+    Case(name="tutorial-vit_l_16-adam", gpu="A100-80GB", measures="allocated",
+         source="pytorch/tutorials intermediate_source/optimizer_step_in_backward_tutorial.py ('How to save memory "
+                "by fusing the optimizer step into the backward pass'), first memory snapshot",
+         ran="torchvision vit_l_16, batch 1 of 224x224, torch.optim.Adam (foreach), loss logits.sum(), fp32",
+         published_bytes=6_000_000_000, unit="MB", uncertainty_bytes=300_000_000,
+         uncertainty="'~6GB' read off the CUDA memory visualizer: ±0.3 GB; it is 1.2 weights + 1.2 grads + "
+                     "2.4 Adam state + 1.2 foreach intermediates (5 x 304.3M x 4 B = 6.09 GB)",
+         build=_vit_tutorial),
+    Case(name="hf-anatomy-bert-large-b4", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="bert-large-uncased seq. classification, batch 4 x 512, fp32, AdamW (transformers'), max_grad_norm 1.0",
+         published_bytes=14949 * 2**20, unit="MiB", uncertainty_bytes=300 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(4), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b1xga4", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with per_device_train_batch_size 1, gradient_accumulation_steps 4",
+         published_bytes=8681 * 2**20, unit="MiB", uncertainty_bytes=175 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(1, 4), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b4-fp16", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with fp16=True (torch.cuda.amp autocast + GradScaler)",
+         published_bytes=13939 * 2**20, unit="MiB", uncertainty_bytes=280 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(4, precision="fp16"), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b1xga4-gc-fp16", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with batch 1 x accumulation 4, gradient_checkpointing (every BertLayer), "
+             "fp16=True",
+         published_bytes=7275 * 2**20, unit="MiB", uncertainty_bytes=145 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(1, 4, "fp16", checkpoint=True), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b1xga4-gc", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with batch 1 x accumulation 4 and gradient_checkpointing, fp32",
+         published_bytes=6775 * 2**20, unit="MiB", uncertainty_bytes=135 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(1, 4, checkpoint=True), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b4-adafactor", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with optim='adafactor' (transformers.Adafactor), fp32",
+         published_bytes=12295 * 2**20, unit="MiB", uncertainty_bytes=245 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(4, optimizer=_adafactor), context_mib=1343),
+    Case(name="hf-anatomy-bert-large-b1xga4-gc-fp16-adafactor", source=_ANATOMY, gpu="V100-16GB",
+         measures="nvidia-smi",
+         ran="as hf-anatomy-bert-large-b4 with batch 1 x accumulation 4, gradient_checkpointing, fp16=True and "
+             "optim='adafactor'",
+         published_bytes=4847 * 2**20, unit="MiB", uncertainty_bytes=100 * 2**20, uncertainty=_ANATOMY_UNC,
+         build=_anatomy(1, 4, "fp16", checkpoint=True, optimizer=_adafactor), context_mib=1343),
+    Case(name="amp-recipe-t4-fp32", source=_AMP, gpu="T4", measures="allocated",
+         ran="PyTorch AMP recipe, 'Default precision': 3 x Linear(4096, 4096) with ReLU, batch 512, MSE, SGD, fp32, "
+             "3 epochs x 50 batches, data and targets made on the GPU beforehand",
+         published_bytes=1_350_681_600, unit="MB", uncertainty_bytes=9_000_000, uncertainty=_AMP_UNC,
+         build=_amp_recipe("fp32"), outside_bytes=_AMP_DATA - 2 * 512 * 4096 * 4),
+    Case(name="amp-recipe-t4-fp16", source=_AMP, gpu="T4", measures="allocated",
+         ran="PyTorch AMP recipe, 'All together': the same with torch.cuda.amp.autocast (fp16) and GradScaler, "
+             "a new model made after the fp32 section in the same process",
+         published_bytes=1_577_232_384, unit="MB", uncertainty_bytes=9_000_000, uncertainty=_AMP_UNC,
+         build=_amp_recipe("fp16"), outside_bytes=_AMP_DATA - 2 * 512 * 4096 * 4,
+         why="not a missing term of the step: the recipe is a script, and its globals `output` and `loss` from the "
+             "fp32 section keep that section's autograd graph, whose AccumulateGrad nodes hold the old model's "
+             "parameters (201.4 MB) and their zeroed gradients (201.4 MB), alive until the first fp16 iteration "
+             "reassigns them. By hand, that first forward holds 3 x 201.4 (old weights and gradients, new weights) "
+             "+ 838.9 data + 100.7 fp16 weight casts + 25.2 activations + 8.5 cuBLAS workspace = 1,577.4 MB against "
+             "1,577.2 MB published; the steady-state step autofit models peaks lower (its figure is right for a "
+             "run that does not keep the old graph alive)."),
+)

@@ -1,0 +1,43 @@
+"""autofit's CUDA estimate against GPU figures others measured and published (benchmarks/published_cases.py).
+
+Only a fast case of each kind runs here (tests/test_published_cuda.py holds issue 9's three);
+``benchmarks/published.py`` runs them all. The truth is the published figure (``torch.cuda.max_memory_allocated()``
+or nvidia-smi), never autofit's own output.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.published import run_case
+from benchmarks.published_cases import CASES
+
+_BY_NAME = {case.name: case for case in CASES}
+
+
+@pytest.mark.parametrize("name, tolerance", [
+    # exact bytes on a T4: 3 x Linear(4096, 4096), batch 512, fp32, SGD, gradients kept allocated (torch 1.11)
+    ("amp-recipe-t4-fp32", 0.005),
+    # nvidia-smi on a V100 (HF docs): bert-large, batch 1 x accumulation 4, the context the page measured (1343 MiB)
+    ("hf-anatomy-bert-large-b1xga4", 0.05),
+])
+def test_estimate_matches_published(name, tolerance):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = run_case(_BY_NAME[name])
+    assert abs(row.error) <= tolerance, (
+        f"{name}: autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}")
+
+
+def test_every_case_outside_the_goal_says_why():
+    # a case may stay outside the 3 % / 5 % goal only with a sentence that explains it (issue 9's must-show)
+    fp16 = _BY_NAME["amp-recipe-t4-fp16"]
+    assert fp16.why and "AccumulateGrad" in fp16.why
+    for case in CASES:
+        assert case.source and case.uncertainty and case.uncertainty_bytes > 0, case.name
