@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autofit.measure.allocator import allocation_sizes, memory_profile
+from autofit.simulate.corrections import probe_inputs
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber"]
 
@@ -121,6 +122,9 @@ def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
     # the inputs do not require grad, so no graph is recorded either way.
     with _disable_current_modes(), torch.autocast("cpu", enabled=False):
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
+        worst_case = probe_inputs(func)  # kernels whose memory depends on values (simulate/corrections.py)
+        if worst_case is not None:
+            real_args, real_kwargs = worst_case(real_args, real_kwargs)
         with memory_profile() as prof:
             out = func(*real_args, **real_kwargs)
         running, internal_peak = 0, 0

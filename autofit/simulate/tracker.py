@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autofit.categories import Category
+from autofit.simulate.accumulation import AccumulationWatch
+from autofit.simulate.corrections import fake_kernel
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
 
@@ -54,6 +56,7 @@ class StepTracker(TorchDispatchMode):
         self._known: dict[int, tuple[weakref.ref, int]] = {}
         self._parameter_sids: set[int] = set()
         self._external: dict[int, weakref.ref] = {}  # storages that existed before tracking, not counted
+        self.accumulation = AccumulationWatch(self.timeline)  # see Note [engine accumulation]
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     @property
@@ -135,6 +138,7 @@ class StepTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self.accumulation.settle()
         torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
 
@@ -143,6 +147,7 @@ class StepTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "prim":  # metadata queries (prim.device): no memory, nothing to record
             return func(*args, **kwargs)
+        epoch = self.accumulation.before_op()
         inputs = [_local(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         distributed = any(x is not y for x, y in zip(inputs, (t for t in pytree.tree_leaves((args, kwargs))
                                                               if isinstance(t, torch.Tensor))))
@@ -152,7 +157,8 @@ class StepTracker(TorchDispatchMode):
             st = t.untyped_storage()
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
-        out = func(*args, **kwargs)
+        replacement = fake_kernel(func, args, kwargs)  # a fake kernel stricter than the CPU's (corrections.py)
+        out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)
         # DTensor ops (FSDP2's sharded optimizer step) run their local kernels below this mode: no probe
         probe = self.prober.probe(func, args, kwargs) if self.prober is not None and not distributed else None
         real_bytes: dict[int, int] = {}
@@ -175,8 +181,11 @@ class StepTracker(TorchDispatchMode):
                 t = _local(t)
                 st = t.untyped_storage()
                 if not self._is_known_or_external(st) and st.nbytes() > 0:
-                    self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
+                    sid = self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
+                    self.accumulation.created(sid, epoch)
         self.timeline.new_op(record)
+        if self.phase is Phase.BACKWARD and not kwargs:
+            self.accumulation.after_op(func, args, out, epoch, self.sid_of, self.op_first_event)
         for listener in self.op_listeners:
             listener(op_index)
         return out
