@@ -122,3 +122,34 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     padded = (size[-1] + alignment - 1) // alignment * alignment
     stride = [padded, 1] if a2 != b2 else [size[1] * padded, padded, 1]
     return torch.empty_strided(size, stride, dtype=mat_a.dtype, device=mat_a.device)
+
+
+# ---- corrected from the probe's real outputs (see _match_real_outputs in tracker.py) --------------------------------
+@correction(aten.mkldnn_rnn_layer.default, kind="probe")
+def _mkldnn_rnn_layer():
+    """The fake kernel returns an empty workspace; the CPU kernel (aten/src/ATen/native/mkldnn/RNN.cpp,
+    ``mkldnn_rnn_layer``) returns oneDNN's training workspace, kept for backward (why MemTracker is low on
+    ``nn.LSTM``). Corrected to the probed size."""
+
+
+@correction(aten.mkldnn_rnn_layer_backward.default, kind="probe")
+def _mkldnn_rnn_layer_backward():
+    """The fake kernel aliases the two bias gradients; the CPU kernel (aten/src/ATen/native/mkldnn/RNN.cpp,
+    ``mkldnn_rnn_layer_backward``) returns them in storages of their own. Split."""
+
+
+@correction(aten.mse_loss.default, kind="probe")
+def _mse_loss():
+    """The CPU kernel (aten/src/ATen/native/Loss.cpp, ``mse_loss``) computes the element-wise loss into a buffer as
+    large as the input and returns the reduced 0-dim result as a view of it; the fake kernel returns one element.
+    Tracked at the buffer's size."""
+
+
+@correction(aten.native_batch_norm.default, aten.native_layer_norm.default, aten.native_group_norm.default,
+            aten.native_group_norm_backward.default, kind="probe")
+def _mixed_dtype_norms():
+    """With low-precision input and fp32 weight (autocast leaves the parameters in fp32), the CPU kernels return fp32
+    statistics and parameter gradients (aten/src/ATen/native/mixed_dtype.h ``is_mixed_type`` /
+    ``param_scalar_type``, used by Normalization.cpp ``batch_norm_cpu``, layer_norm.cpp ``layer_norm_cpu``,
+    group_norm.cpp ``native_group_norm``); the fake kernels return them in the input's dtype. Output dtypes
+    corrected."""

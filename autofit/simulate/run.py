@@ -156,6 +156,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             for h in handles:
                 h.remove()
     notes = []
+    if tracker.unregistered_corrections:
+        notes.append("the CPU kernels of " + ", ".join(sorted(tracker.unregistered_corrections)) + " return other "
+                     "outputs than their fake kernels; corrected from a probe (not yet listed in simulate/corrections.py)")
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))

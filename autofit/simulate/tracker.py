@@ -17,13 +17,14 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autofit.categories import Category
 from autofit.simulate.accumulation import AccumulationWatch
-from autofit.simulate.corrections import fake_kernel
+from autofit.simulate.corrections import CORRECTIONS, fake_kernel
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
 
@@ -57,6 +58,7 @@ class StepTracker(TorchDispatchMode):
         self._parameter_sids: set[int] = set()
         self._external: dict[int, weakref.ref] = {}  # storages that existed before tracking, not counted
         self.accumulation = AccumulationWatch(self.timeline)  # see Note [engine accumulation]
+        self.unregistered_corrections: set[str] = set()  # ops the probe corrected that corrections.py does not list
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     @property
@@ -162,8 +164,13 @@ class StepTracker(TorchDispatchMode):
         # DTensor ops (FSDP2's sharded optimizer step) run their local kernels below this mode: no probe
         probe = self.prober.probe(func, args, kwargs) if self.prober is not None and not distributed else None
         real_bytes: dict[int, int] = {}
-        if probe is not None:
-            out, real_bytes = _match_real_outputs(out, probe.outputs)
+        if probe is not None and _is_fake(out):
+            # a real run (Note [data-dependent models]) already has the CPU kernel's outputs, with their values:
+            # replacing them by the probe's (run on dummy values) would corrupt value-dependent ops such as nonzero
+            matched, real_bytes = _match_real_outputs(out, probe.outputs)
+            if (matched is not out or real_bytes) and func not in CORRECTIONS and not func._schema.is_mutable:
+                self.unregistered_corrections.add(str(func))
+            out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
                           workspace=probe.workspace if probe is not None else 0)
         if self.count_flops and func.overloadpacket in flop_registry:
@@ -201,6 +208,10 @@ class StepTracker(TorchDispatchMode):
             # autocast casts a weight once per autocast region and caches the copy until the region exits
             return Category.AUTOCAST_CACHE
         return _PHASE_CATEGORY[self.phase]
+
+
+def _is_fake(out: Any) -> bool:
+    return any(isinstance(t, FakeTensor) for t in pytree.tree_leaves(out))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""Reference tests on current Hugging Face architectures (tiny configs, tests/hf_archs.py): estimate against the CPU
+allocator, the MoE routing question, and the fake-kernel corrections behind them (autofit/simulate/corrections.py,
+accumulation.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autofit
+from autofit.simulate import corrections
+from autofit.simulate.probe import KernelProber
+
+try:
+    from tests.hf_archs import ARCHS, mixtral, token_batch
+except ImportError:  # tests/ on sys.path rather than the repository root
+    from hf_archs import ARCHS, mixtral, token_batch
+
+TOLERANCE = 0.001  # 0.1 % of the measured peak
+
+
+def _error(model, sample, **knobs) -> tuple[int, int]:
+    meas = autofit.measure(model, sample, micro_batch_size=2, **knobs)
+    est = autofit.estimate(model, sample, micro_batch_size=2, **knobs)
+    return meas.peak_bytes, est.peak_bytes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_estimate_matches_measure(name: str, precision: str) -> None:
+    model, sample = ARCHS[name]()
+    measured, estimated = _error(model, sample, precision=precision)
+    error = (estimated - measured) / measured
+    assert abs(error) <= TOLERANCE, f"{name} {precision}: estimated {estimated:,} B, measured {measured:,} B " \
+                                    f"({100 * error:+.3f} %)"
+
+
+def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
+    """transformers' grouped-GEMM experts (the default in 5.x) sort the token-expert pairs and run one GEMM over all
+    of them: every buffer is sized by tokens x top-k, whatever the routing. A batch of one repeated token routes
+    every token to the same two experts; a random batch spreads them. Both peaks are measured, estimated, and planned."""
+    model, random_batch = mixtral()
+    uniform = token_batch(torch.full((2, 16), 7))
+    with torch.no_grad():  # the premise: the uniform batch really sends every token to the same experts
+        logits = model.model.layers[0].mlp.gate(model.model.embed_tokens(uniform["input_ids"]).reshape(-1, 32))
+    assert logits.topk(2).indices.unique(dim=0).shape[0] == 1
+    peaks = {name: _error(model, s) for name, s in (("uniform", uniform), ("random", random_batch))}
+    assert peaks["uniform"] == peaks["random"], peaks  # measured and estimated, equal across routings
+    assert peaks["uniform"][0] == peaks["uniform"][1]
+    budget = 3 * peaks["uniform"][0]
+    plans = [autofit.plan(model, s, budget=budget, batch_size=8, device="cpu", precision="fp32", checkpoint=())
+             for s in (uniform, random_batch)]
+    assert plans[0].micro_batch_size == plans[1].micro_batch_size
+    assert plans[0].peak_bytes == plans[1].peak_bytes <= budget
+
+
+def test_grouped_mm_fake_kernel_matches_cpu_kernel() -> None:
+    """The registered fake kernel gives the CPU kernel's output shape, strides and dtype (the meta kernel refuses
+    fp32), in the three layouts an MoE forward and backward use."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_fn = corrections.CORRECTIONS[torch.ops.aten._grouped_mm.default].fake
+    offs = torch.tensor([3, 5, 8], dtype=torch.int32)
+    cases = [  # (mat_a, mat_b): 2d x 3d (forward), 2d x 2d (weight gradient), with a width that needs padding
+        (torch.randn(8, 6), torch.randn(3, 6, 5)),
+        (torch.randn(6, 8), torch.randn(8, 5)),
+        (torch.randn(8, 6, dtype=torch.bfloat16), torch.randn(3, 6, 4, dtype=torch.bfloat16)),
+    ]
+    for a, b in cases:
+        real = torch._grouped_mm(a, b, offs)
+        with FakeTensorMode() as mode:
+            out = fake_fn(mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(offs))
+        assert (out.shape, out.stride(), out.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+def test_corrections_refuse_duplicates_and_need_a_source() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        corrections.correction(torch.ops.aten._grouped_mm.default, kind="fake")(lambda: None)
+    with pytest.raises(ValueError, match="docstring"):
+        corrections.correction(torch.ops.aten.cosh.default, kind="probe")(lambda: None)
+    assert torch.ops.aten.cosh.default not in corrections.CORRECTIONS
+
+
+def test_grouped_mm_probe_uses_worst_case_offsets() -> None:
+    """The probe's default integer fill (zeros) would make every group empty; the registered inputs put every row in
+    one group, the largest GEMM any routing can ask for."""
+    a, b, offs = torch.randn(8, 6), torch.randn(3, 6, 5), torch.zeros(3, dtype=torch.int32)
+    (_, _, worst), _ = corrections.probe_inputs(torch.ops.aten._grouped_mm.default)((a, b, offs), {})
+    assert worst.tolist() == [8, 8, 8]
+    assert KernelProber().probe(torch.ops.aten._grouped_mm.default, (a, b, offs), {}) is not None
+
+
+class _SelectLoop(torch.nn.Module):
+    """The pattern of Mamba's slow selective scan: one tensor read step by step, so backward accumulates one
+    full-size ``select_backward`` gradient per step into the same input buffer (Note [engine accumulation])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8 * 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).view(x.shape[0], 8, 64)
+        state = torch.zeros(x.shape[0], 64)
+        for i in range(8):
+            state = state * 0.5 + h[:, i]
+        return state.sum(-1)
+
+
+def test_in_place_gradient_accumulation() -> None:
+    model = _SelectLoop()
+    x, y = torch.randn(4, 8), torch.randn(4)
+    kw = dict(micro_batch_size=4, target=y, loss_fn=torch.nn.functional.mse_loss)
+    measured = autofit.measure(model, x, **kw).peak_bytes
+    assert autofit.estimate(model, x, **kw).peak_bytes == measured
