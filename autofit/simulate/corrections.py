@@ -48,12 +48,13 @@ def correction(*ops, kind: str, probe_inputs: Callable | None = None):
         raise ValueError(f"correction kind must be 'fake' or 'probe', got {kind!r}")
 
     def register(fn: Callable) -> Callable:
+        for op in ops:
+            if op in CORRECTIONS:
+                raise ValueError(f"a correction for {op} is already registered ({CORRECTIONS[op].doc[:60]}...)")
         doc = (fn.__doc__ or "").strip()
         if not doc:
             raise ValueError(f"correction {fn.__name__} needs a docstring citing its torch source")
         for op in ops:
-            if op in CORRECTIONS:
-                raise ValueError(f"a correction for {op} is already registered ({CORRECTIONS[op].doc[:60]}...)")
             CORRECTIONS[op] = Correction(op=op, kind=kind, doc=doc, fake=fn if kind == "fake" else None,
                                          probe_inputs=probe_inputs)
         return fn
