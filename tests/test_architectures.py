@@ -131,3 +131,17 @@ def test_in_place_gradient_accumulation() -> None:
     kw = dict(micro_batch_size=4, target=y, loss_fn=torch.nn.functional.mse_loss)
     measured = autofit.measure(model, x, **kw).peak_bytes
     assert autofit.estimate(model, x, **kw).peak_bytes == measured
+
+
+def test_per_expert_loop_peak_depends_on_routing_and_says_so() -> None:
+    """transformers' "eager" experts loop over the experts that were hit (``nonzero``: the real-run fallback), with
+    buffers sized by each expert's tokens: the measured peak differs between a batch that routes every token alike
+    and a random one, and the estimate, which sees the sample's routing only, says so (Note [MoE routing])."""
+    model, random_batch = mixtral("eager")
+    uniform = token_batch(torch.full((2, 16), 7))
+    measured = {name: autofit.measure(model, s, micro_batch_size=2).peak_bytes
+                for name, s in (("uniform", uniform), ("random", random_batch))}
+    assert measured["uniform"] != measured["random"], measured
+    est = autofit.estimate(model, uniform, micro_batch_size=2)
+    assert est.peak_bytes == measured["uniform"]
+    assert any("depends on the routing" in note for note in est.notes), est.notes

@@ -20,6 +20,19 @@ Note [data-dependent models]
     DynamicOutputShapeException for ``nonzero``). The branch taken depends on the data, so no value-free simulation
     can be right; autofit runs the step for real on the CPU with the user's sample rows, tracked exactly like the fake
     run (the kernel probes supply the workspace terms). This needs real weights and enough host memory for one step.
+
+Note [MoE routing]
+    Whether a mixture-of-experts layer's memory depends on the routing depends on its implementation (transformers
+    5.x, integrations/moe.py). ``grouped_mm_experts_forward`` (the default) sorts the tokens x top-k (token, expert)
+    pairs by expert and runs one grouped GEMM over all of them: every tensor is sized by tokens x top-k, whatever
+    the routing, and the grouped GEMM's CPU kernel writes one ``mm`` per group into slices of a fixed-size output
+    (aten/src/ATen/native/GroupedMMUtils.h, ``_grouped_mm_fallback``), so only its scratch could depend on the group
+    sizes; the kernel probe measures it with every row in one group, the largest GEMM a routing can ask for
+    (simulate/corrections.py). Measured on Mixtral: identical peaks for a batch that routes every token alike and a
+    random batch (tests/test_architectures.py). The ``eager`` implementation loops over the experts that were hit
+    (``nonzero``, a data-dependent shape: the real-run fallback), and its buffers are sized by the tokens each
+    expert receives and by how many experts are hit: measured on the same model, a random batch peaks 3.6 % above a
+    batch that routes every token alike. Its estimate holds for the sample's routing only, and says so in ``notes``.
 """
 
 from __future__ import annotations
@@ -98,7 +111,24 @@ def simulate_step(
             ) from e
         note = (f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
-        return Simulation(sim.timeline, sim.replay, "real", sim.notes + (note,))
+        notes = sim.notes + (note,) + _routing_note(model, e.module)
+        return Simulation(sim.timeline, sim.replay, "real", notes)
+
+
+def _routing_note(model: nn.Module, module: str) -> tuple[str, ...]:
+    """A mixture-of-experts layer that loops over the experts its tokens were routed to (transformers' "eager"
+    experts) allocates per-expert buffers sized by the tokens each expert receives: its peak depends on the routing,
+    which the real run only sees for the sample (see Note [MoE routing])."""
+    try:
+        target = model.get_submodule(module) if module else model
+    except AttributeError:
+        return ()
+    if not isinstance(getattr(target, "num_experts", None), int):
+        return ()
+    return (f"module {module!r} loops over the experts its tokens are routed to: its peak depends on the routing, "
+            "and this estimate holds for the sample's routing only (another batch can route differently); "
+            "transformers' grouped_mm experts implementation has a peak that does not depend on the routing "
+            "(see Note [MoE routing])",)
 
 
 class _DataDependent(Exception):
