@@ -38,7 +38,7 @@ def test_estimate_matches_measure(name: str, precision: str) -> None:
 def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
     """transformers' grouped-GEMM experts (the default in 5.x) sort the token-expert pairs and run one GEMM over all
     of them: every buffer is sized by tokens x top-k, whatever the routing. A batch of one repeated token routes
-    every token to the same two experts; a random batch spreads them. Both peaks are measured, estimated, and planned."""
+    every token to the same two experts; a random batch spreads them. Both are measured, estimated and planned."""
     model, random_batch = mixtral()
     uniform = token_batch(torch.full((2, 16), 7))
     assert _distinct_routings(model, uniform) == 1  # the premise: every token goes to the same experts

@@ -36,6 +36,10 @@ __all__ = ["AccumulationWatch"]
 
 aten = torch.ops.aten
 
+# Private (declared in torch/_C/__init__.pyi; torch/autograd/graph.py uses it too). Without it no accumulation is
+# recognised and the estimate keeps the engine's out-of-place sums (an overestimate), as before this correction.
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
 
 @dataclass(frozen=True)
 class _Pending:
@@ -57,7 +61,7 @@ class AccumulationWatch:
     def before_op(self) -> int:
         """Settle the previous op and return the current node epoch (call first in each dispatch)."""
         self.settle()
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         if node is not self._node:
             self._node = node
             self._epoch += 1

@@ -107,7 +107,8 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     one ``mm_out`` per group into slices of it."""
     valid = (torch.float32, torch.bfloat16, torch.float16)
     torch._check(mat_a.dtype in valid and mat_b.dtype in valid,
-                 lambda: f"Expected mat_a and mat_b to be Float32, BFloat16 or Float16, got {mat_a.dtype}, {mat_b.dtype}")
+                 lambda: f"Expected mat_a and mat_b to be Float32, BFloat16 or Float16, got {mat_a.dtype}, "
+                         f"{mat_b.dtype}")
     torch._check(out_dtype is None or out_dtype == mat_a.dtype,
                  lambda: "Grouped gemm output dtype must match `mat_a` dtype")
     a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2

@@ -125,10 +125,11 @@ def _routing_note(model: nn.Module, module: str) -> tuple[str, ...]:
         return ()
     if not isinstance(getattr(target, "num_experts", None), int):
         return ()
-    return (f"module {module!r} loops over the experts its tokens are routed to: its peak depends on the routing, "
+    note = (f"module {module!r} loops over the experts its tokens are routed to: its peak depends on the routing, "
             "and this estimate holds for the sample's routing only (another batch can route differently); "
             "transformers' grouped_mm experts implementation has a peak that does not depend on the routing "
-            "(see Note [MoE routing])",)
+            "(see Note [MoE routing])")
+    return (note,)
 
 
 class _DataDependent(Exception):
@@ -187,8 +188,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 h.remove()
     notes = []
     if tracker.unregistered_corrections:
-        notes.append("the CPU kernels of " + ", ".join(sorted(tracker.unregistered_corrections)) + " return other "
-                     "outputs than their fake kernels; corrected from a probe (not yet listed in simulate/corrections.py)")
+        ops = ", ".join(sorted(tracker.unregistered_corrections))
+        notes.append(f"the CPU kernels of {ops} return other outputs than their fake kernels; corrected from a probe "
+                     "(not yet listed in simulate/corrections.py)")
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))
