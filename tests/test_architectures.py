@@ -164,3 +164,30 @@ def test_heavy_routing_hits_every_expert_and_fills_the_first() -> None:
     assert all(len(set(row)) == 2 for row in index.tolist())  # top-k choices are distinct experts
     assert (index[:, 0] == 0).all()  # expert 0 receives every token
     assert set(index.flatten().tolist()) == {0, 1, 2, 3}  # every expert is hit
+
+
+def test_uncorrected_strict_fake_kernel_falls_back_to_a_real_run(monkeypatch) -> None:
+    """Without its registered correction, ``_grouped_mm``'s fake kernel refuses fp32 while the CPU kernel accepts
+    it: the step runs for real, exactly, and the notes name the op."""
+    monkeypatch.delitem(corrections.CORRECTIONS, torch.ops.aten._grouped_mm.default)
+    model, sample = mixtral()
+    measured, estimated = _error(model, sample)
+    assert estimated == measured
+    est = autofit.estimate(model, sample, micro_batch_size=2)
+    assert est.method == "real"
+    assert any("cannot be simulated" in n and "aten._grouped_mm" in n for n in est.notes), est.notes
+
+
+def test_genuine_kernel_errors_stay_errors() -> None:
+    """A fake kernel that refuses inputs the CPU kernel refuses too is a bug in the model, not in the simulation."""
+
+    class Bad(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, x):
+            return x @ self.w  # (4, 8) @ (5, 3): wrong inner size
+
+    with pytest.raises(autofit.ForwardError):
+        autofit.estimate(Bad(), torch.randn(4, 8), micro_batch_size=4, loss_fn=lambda out: out.sum())

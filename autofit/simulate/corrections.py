@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["Correction", "CORRECTIONS", "correction", "fake_kernel", "probe_inputs"]
+__all__ = ["Correction", "CORRECTIONS", "FakeKernelStricter", "correction", "fake_kernel", "probe_inputs"]
 
 aten = torch.ops.aten
 
@@ -39,6 +39,16 @@ class Correction:
 
 
 CORRECTIONS: dict[Any, Correction] = {}
+
+
+class FakeKernelStricter(Exception):
+    """An op's fake kernel raised where its CPU kernel accepts the same inputs, and no correction is registered:
+    the simulation cannot go on with fake tensors, so the step runs for real (Note [data-dependent models])."""
+
+    def __init__(self, op: str, error: Exception) -> None:
+        super().__init__(f"the fake kernel of {op} raised {type(error).__name__}: {str(error).splitlines()[0]}; "
+                         "its CPU kernel accepts these inputs, and simulate/corrections.py has no correction for it")
+        self.op = op
 
 
 def correction(*ops, kind: str, probe_inputs: Callable | None = None):

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from autofit.measure.allocator import allocation_sizes, memory_profile
 from autofit.simulate.corrections import probe_inputs
 
-__all__ = ["ProbeResult", "RealOutput", "KernelProber"]
+__all__ = ["ProbeResult", "RealOutput", "KernelProber", "real_kernel_accepts"]
 
 aten = torch.ops.aten
 
@@ -146,3 +146,18 @@ def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
     return ProbeResult(workspace=max(0, internal_peak - running), outputs=tuple(outputs))
 
 
+
+
+def real_kernel_accepts(func, args: tuple, kwargs: dict, max_bytes: int = 256 * 2**20) -> bool:
+    """Whether the CPU kernel runs on real tensors shaped like these (fake) arguments: tells a fake kernel that is
+    stricter than the CPU kernel from a genuine error. Arguments spanning more than ``max_bytes`` are not tried."""
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if sum(_extent(x) * x.element_size() for x in leaves) > max_bytes:
+        return False
+    with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+        real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
+        try:
+            func(*real_args, **real_kwargs)
+        except Exception:  # noqa: BLE001 - the real kernel refuses them too: the error is genuine
+            return False
+    return True

@@ -62,6 +62,7 @@ from autofit.capture.module_stack import install_module_stack
 from autofit.categories import Category
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.loss import LossFn
+from autofit.simulate.corrections import FakeKernelStricter
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing_during
@@ -112,19 +113,19 @@ def simulate_step(
             sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
-                f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}), so autofit must run "
+                f"module {e.module or '(top level)'!r} {e.why} ({e.cause}), so autofit must run "
                 f"the step for real, but: {e2}"
             ) from e
-        note = (f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}); the step was run "
+        note = (f"module {e.module or '(top level)'!r} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
         return Simulation(sim.timeline, sim.replay, "real", notes)
 
 
 class _DataDependent(Exception):
-    def __init__(self, module: str, cause: str) -> None:
+    def __init__(self, module: str, cause: str, why: str = "depends on tensor values") -> None:
         super().__init__(cause)
-        self.module, self.cause = module, cause
+        self.module, self.cause, self.why = module, cause, why
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
@@ -337,6 +338,10 @@ def _forward_errors(tracker: StepTracker) -> Iterator[None]:
         module = tracker.module
         tracker.module_stack.clear()
         raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0]) from e
+    except FakeKernelStricter as e:
+        module = tracker.module
+        tracker.module_stack.clear()
+        raise _DataDependent(module, str(e), why="runs an op that cannot be simulated") from e
     except AutofitError:
         tracker.module_stack.clear()
         raise

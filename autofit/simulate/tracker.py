@@ -17,20 +17,21 @@ import weakref
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autofit.categories import Category
 from autofit.simulate.accumulation import AccumulationWatch
-from autofit.simulate.corrections import CORRECTIONS, fake_kernel
-from autofit.simulate.probe import KernelProber
+from autofit.simulate.corrections import CORRECTIONS, FakeKernelStricter, fake_kernel
+from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
 
 __all__ = ["StepTracker"]
 
 aten = torch.ops.aten
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 _PHASE_CATEGORY = {
     Phase.SETUP: Category.BUFFERS,
@@ -160,7 +161,13 @@ class StepTracker(TorchDispatchMode):
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
         replacement = fake_kernel(func, args, kwargs)  # a fake kernel stricter than the CPU's (corrections.py)
-        out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)
+        try:
+            out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)
+        except Exception as e:
+            if (_is_fake(args) and not isinstance(e, _DATA_DEPENDENT) and func.namespace == "aten"
+                    and real_kernel_accepts(func, args, kwargs)):
+                raise FakeKernelStricter(str(func), e) from e  # no correction possible: run for real
+            raise
         # DTensor ops (FSDP2's sharded optimizer step) run their local kernels below this mode: no probe
         probe = self.prober.probe(func, args, kwargs) if self.prober is not None and not distributed else None
         real_bytes: dict[int, int] = {}
