@@ -20,6 +20,8 @@ Note [data-dependent models]
     DynamicOutputShapeException for ``nonzero``). The branch taken depends on the data, so no value-free simulation
     can be right; autofit runs the step for real on the CPU with the user's sample rows, tracked exactly like the fake
     run (the kernel probes supply the workspace terms). This needs real weights and enough host memory for one step.
+    A fake kernel that refuses inputs its CPU kernel accepts, with no correction in simulate/corrections.py
+    (``FakeKernelStricter``), falls back the same way.
 
 Note [MoE routing]
     Whether a mixture-of-experts layer's memory depends on the routing depends on its implementation (transformers
