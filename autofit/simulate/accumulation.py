@@ -10,7 +10,8 @@ Note [engine accumulation]
     ``old_var + var``. Under a Python dispatch mode every tensor that passes through Python has a Python object that
     holds a reference, so the reference counts are never 1 and the engine always allocates: the simulation would see
     a transient gradient-sized buffer at every accumulation the real run does in place (Mamba's slow selective scan
-    accumulates sixteen ``select_backward`` gradients into one ``deltaA`` gradient per layer: +6.9 % on the peak).
+    accumulates sixteen ``select_backward`` gradients into one ``deltaA`` gradient per layer: +5.7 % on the
+    peak of the tiny Mamba of tests/hf_archs.py, 6.9 % in the issue's configuration).
 
     The tracker restores the real behaviour. An engine accumulation is recognised as an ``add.Tensor`` during
     backward with grad mode off (the engine runs with ``create_graph=False``), both operands of the output's shape,
