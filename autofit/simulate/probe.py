@@ -28,8 +28,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autofit._torch import allocation_sizes, memory_profile
+from autofit.simulate.corrections import probe_inputs
 
-__all__ = ["ProbeResult", "RealOutput", "KernelProber"]
+__all__ = ["ProbeResult", "RealOutput", "KernelProber", "real_kernel_accepts"]
 
 aten = torch.ops.aten
 
@@ -121,6 +122,9 @@ def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
     # the inputs do not require grad, so no graph is recorded either way.
     with _disable_current_modes(), torch.autocast("cpu", enabled=False):
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
+        worst_case = probe_inputs(func)  # kernels whose memory depends on values (simulate/corrections.py)
+        if worst_case is not None:
+            real_args, real_kwargs = worst_case(real_args, real_kwargs)
         with memory_profile() as prof:
             out = func(*real_args, **real_kwargs)
         running, internal_peak = 0, 0
@@ -142,3 +146,18 @@ def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
     return ProbeResult(workspace=max(0, internal_peak - running), outputs=tuple(outputs))
 
 
+
+
+def real_kernel_accepts(func, args: tuple, kwargs: dict, max_bytes: int = 256 * 2**20) -> bool:
+    """Whether the CPU kernel runs on real tensors shaped like these (fake) arguments: tells a fake kernel that is
+    stricter than the CPU kernel from a genuine error. Arguments spanning more than ``max_bytes`` are not tried."""
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if sum(_extent(x) * x.element_size() for x in leaves) > max_bytes:
+        return False
+    with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+        real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
+        try:
+            func(*real_args, **real_kwargs)
+        except Exception:  # noqa: BLE001 - the real kernel refuses them too: the error is genuine
+            return False
+    return True

@@ -20,6 +20,26 @@ Note [data-dependent models]
     DynamicOutputShapeException for ``nonzero``). The branch taken depends on the data, so no value-free simulation
     can be right; autofit runs the step for real on the CPU with the user's sample rows, tracked exactly like the fake
     run (the kernel probes supply the workspace terms). This needs real weights and enough host memory for one step.
+    A fake kernel that refuses inputs its CPU kernel accepts, with no correction in simulate/corrections.py
+    (``FakeKernelStricter``), falls back the same way.
+
+Note [MoE routing]
+    Whether a mixture-of-experts layer's memory depends on the routing depends on its implementation (transformers
+    5.x, integrations/moe.py). ``grouped_mm_experts_forward`` (the default) sorts the tokens x top-k (token, expert)
+    pairs by expert and runs one grouped GEMM over all of them: every tensor is sized by tokens x top-k, whatever
+    the routing, and the grouped GEMM's CPU kernel writes one ``mm`` per group into slices of a fixed-size output
+    (aten/src/ATen/native/GroupedMMUtils.h, ``_grouped_mm_fallback``), so only its scratch could depend on the group
+    sizes; the kernel probe measures it with every row in one group, the largest GEMM a routing can ask for
+    (simulate/corrections.py). Measured on Mixtral: identical peaks for a batch that routes every token alike and a
+    random batch (tests/test_architectures.py). The ``eager`` implementation loops over the experts that were hit
+    (``nonzero``, a data-dependent shape: the real-run fallback), and its buffers are sized by the tokens each
+    expert receives and by how many experts are hit. Measured on the same model (micro-batch 2): every token to the
+    same two experts 1,154,688 B, a random batch 1,196,720 B, balanced round-robin 1,191,164 B, every token to the
+    last expert plus a spread 1,176,020 B, every token to the first expert plus a spread 1,206,152 B (+4.5 %). The
+    real run therefore does not use the sample's routing: ``routing.py`` reroutes each per-expert loop to that
+    heaviest measured routing (a forward pre-hook on ``top_k_index``; router and gradients untouched), so the
+    estimate and the plan do not change with the batch, and a note says so. It is the heaviest routing measured,
+    not a proven bound over all routings.
 """
 
 from __future__ import annotations
@@ -45,9 +65,11 @@ from autofit.categories import Category
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
+from autofit.simulate.corrections import FakeKernelStricter
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
+from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
 from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
@@ -95,18 +117,19 @@ def simulate_step(
             sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
-                f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}), so autofit must run "
+                f"module {e.module or '(top level)'!r} {e.why} ({e.cause}), so autofit must run "
                 f"the step for real, but: {e2}"
             ) from e
-        note = (f"module {e.module or '(top level)'!r} depends on tensor values ({e.cause}); the step was run "
+        note = (f"module {e.module or '(top level)'!r} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
-        return Simulation(sim.timeline, sim.replay, "real", sim.notes + (note,))
+        notes = sim.notes + (note,)
+        return Simulation(sim.timeline, sim.replay, "real", notes)
 
 
 class _DataDependent(Exception):
-    def __init__(self, module: str, cause: str) -> None:
+    def __init__(self, module: str, cause: str, why: str = "depends on tensor values") -> None:
         super().__init__(cause)
-        self.module, self.cause = module, cause
+        self.module, self.cause, self.why = module, cause, why
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
@@ -152,6 +175,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 caster = _device_model(stack, config)
                 stack.enter_context(patched_model(work, config, "cpu"))
                 stack.enter_context(_tracked_rng_state(fake))
+                rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 stack.enter_context(tracker)
                 stack.enter_context(observe)
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster)
@@ -159,6 +183,13 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             for h in handles:
                 h.remove()
     notes = []
+    if rerouted:
+        notes.append(f"{', '.join(rerouted)}: per-expert loops whose peak depends on the routing; simulated with the "
+                     "heaviest routing measured (see Note [MoE routing]), not the sample's")
+    if tracker.unregistered_corrections:
+        ops = ", ".join(sorted(tracker.unregistered_corrections))
+        notes.append(f"the CPU kernels of {ops} return other outputs than their fake kernels; corrected from a probe "
+                     "(not yet listed in simulate/corrections.py)")
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))
@@ -315,6 +346,10 @@ def _forward_errors(tracker: StepTracker) -> Iterator[None]:
         module = tracker.module
         tracker.module_stack.clear()
         raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0]) from e
+    except FakeKernelStricter as e:
+        module = tracker.module
+        tracker.module_stack.clear()
+        raise _DataDependent(module, str(e), why="runs an op that cannot be simulated") from e
     except AutofitError:
         tracker.module_stack.clear()
         raise

@@ -17,17 +17,21 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autofit.categories import Category
-from autofit.simulate.probe import KernelProber
+from autofit.simulate.accumulation import AccumulationWatch
+from autofit.simulate.corrections import CORRECTIONS, FakeKernelStricter, fake_kernel
+from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
 
 __all__ = ["StepTracker"]
 
 aten = torch.ops.aten
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 _PHASE_CATEGORY = {
     Phase.SETUP: Category.BUFFERS,
@@ -54,6 +58,8 @@ class StepTracker(TorchDispatchMode):
         self._known: dict[int, tuple[weakref.ref, int]] = {}
         self._parameter_sids: set[int] = set()
         self._external: dict[int, weakref.ref] = {}  # storages that existed before tracking, not counted
+        self.accumulation = AccumulationWatch(self.timeline)  # see Note [engine accumulation]
+        self.unregistered_corrections: set[str] = set()  # ops the probe corrected that corrections.py does not list
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     @property
@@ -135,6 +141,7 @@ class StepTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self.accumulation.settle()
         torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
 
@@ -143,6 +150,7 @@ class StepTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "prim":  # metadata queries (prim.device): no memory, nothing to record
             return func(*args, **kwargs)
+        epoch = self.accumulation.before_op()
         inputs = [_local(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         distributed = any(x is not y for x, y in zip(inputs, (t for t in pytree.tree_leaves((args, kwargs))
                                                               if isinstance(t, torch.Tensor))))
@@ -152,12 +160,24 @@ class StepTracker(TorchDispatchMode):
             st = t.untyped_storage()
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
-        out = func(*args, **kwargs)
+        replacement = fake_kernel(func, args, kwargs)  # a fake kernel stricter than the CPU's (corrections.py)
+        try:
+            out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)
+        except Exception as e:
+            if (_is_fake(args) and not isinstance(e, _DATA_DEPENDENT) and func.namespace == "aten"
+                    and real_kernel_accepts(func, args, kwargs)):
+                raise FakeKernelStricter(str(func), e) from e  # no correction possible: run for real
+            raise
         # DTensor ops (FSDP2's sharded optimizer step) run their local kernels below this mode: no probe
         probe = self.prober.probe(func, args, kwargs) if self.prober is not None and not distributed else None
         real_bytes: dict[int, int] = {}
-        if probe is not None:
-            out, real_bytes = _match_real_outputs(out, probe.outputs)
+        if probe is not None and _is_fake(out):
+            # a real run (Note [data-dependent models]) already has the CPU kernel's outputs, with their values:
+            # replacing them by the probe's (run on dummy values) would corrupt value-dependent ops such as nonzero
+            matched, real_bytes = _match_real_outputs(out, probe.outputs)
+            if (matched is not out or real_bytes) and func not in CORRECTIONS and not func._schema.is_mutable:
+                self.unregistered_corrections.add(str(func))
+            out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
                           workspace=probe.workspace if probe is not None else 0)
         if self.count_flops and func.overloadpacket in flop_registry:
@@ -175,8 +195,11 @@ class StepTracker(TorchDispatchMode):
                 t = _local(t)
                 st = t.untyped_storage()
                 if not self._is_known_or_external(st) and st.nbytes() > 0:
-                    self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
+                    sid = self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
+                    self.accumulation.created(sid, epoch)
         self.timeline.new_op(record)
+        if self.phase is Phase.BACKWARD and not kwargs:
+            self.accumulation.after_op(func, args, out, epoch, self.sid_of, self.op_first_event)
         for listener in self.op_listeners:
             listener(op_index)
         return out
@@ -192,6 +215,10 @@ class StepTracker(TorchDispatchMode):
             # autocast casts a weight once per autocast region and caches the copy until the region exits
             return Category.AUTOCAST_CACHE
         return _PHASE_CATEGORY[self.phase]
+
+
+def _is_fake(out: Any) -> bool:
+    return any(isinstance(t, FakeTensor) for t in pytree.tree_leaves(out))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
