@@ -30,7 +30,8 @@ __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
-    "is_view", "grad_scaler_state", "fake_store", "Patch", "patch", "BatchNormBase",
+    "is_view", "grad_scaler_state", "FakeTensor", "optimizer_internals", "foreach_utils", "destroy_library",
+    "value_free_grad_scaler", "patch_lock", "fake_store", "Patch", "patch", "BatchNormBase",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -50,6 +51,7 @@ def _need(module: str, name: str) -> Any:
 
 # ---- fake tensors (simulate, capture) ----------------------------------------------------------------------------
 FakeTensorMode = _need("torch._subclasses.fake_tensor", "FakeTensorMode")
+FakeTensor = _need("torch._subclasses.fake_tensor", "FakeTensor")
 # Fake tensors have no values: code that reads them raises these (see Note [data-dependent models], simulate/run.py).
 DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
     _need("torch._subclasses.fake_tensor", "DataDependentOutputException"),
@@ -76,6 +78,17 @@ _DispatchKey = _need("torch._C", "DispatchKey")
 # The base of every BatchNorm (1d/2d/3d, their lazy forms, SyncBatchNorm): the checkpoint wrapper freezes their
 # running statistics while it recomputes (Note [recomputed BatchNorm], step.py).
 BatchNormBase = _need("torch.nn.modules.batchnorm", "_BatchNorm")
+
+# ---- optimizer implementation choice (simulate/foreach.py) ------------------------------------------------------
+# torch picks foreach / fused / for-loop per parameter group from these (torch/optim/optimizer.py,
+# torch/utils/_foreach_utils.py); the simulation makes fake CPU tensors count as the target's.
+optimizer_internals = importlib.import_module("torch.optim.optimizer")
+foreach_utils = importlib.import_module("torch.utils._foreach_utils")
+for _module, _name in ((optimizer_internals, "_foreach_supported_types"),
+                       (optimizer_internals, "_get_foreach_kernels_supported_devices"),
+                       (optimizer_internals, "_default_to_fused_or_foreach"),
+                       (foreach_utils, "_foreach_supported_types")):
+    _need(_module.__name__, _name)
 
 # ---- profiler (measure, probes) ----------------------------------------------------------------------------------
 EventType = _need("torch._C._profiler", "_EventType")
@@ -176,6 +189,26 @@ class memory_profile:  # noqa: N801 - used like torch.profiler.profile
             return self._prof.__exit__(*exc)
 
 
+def destroy_library(lib: torch.library.Library) -> None:
+    """Remove every kernel a ``torch.library.Library`` registered (there is no public way to undo ``impl``)."""
+    lib._destroy()
+
+
+def value_free_grad_scaler(device: str) -> torch.amp.GradScaler:
+    """A GradScaler whose step skips the ``found_inf.item()`` check: fake tensors have no values, and the step the
+    memory model describes is the normal one, where the optimizer steps. It allocates what the real one does."""
+    return _ValueFreeGradScaler(device)
+
+
+class _ValueFreeGradScaler(torch.amp.GradScaler):
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+
+if not hasattr(torch.amp.GradScaler, "_maybe_opt_step"):
+    _need("torch.amp.GradScaler", "_maybe_opt_step")  # raises: the override above would silently do nothing
+
+
 def grad_scaler_state(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
     """The tensors a GradScaler keeps between steps (its scale and growth tracker), once created."""
     return [t for t in (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
@@ -190,6 +223,12 @@ def fake_store() -> Any:
 
 # ---- process-wide patches ----------------------------------------------------------------------------------------
 _PATCH_LOCK = threading.RLock()
+
+
+def patch_lock() -> threading.RLock:
+    """The lock every process-wide change to torch's state holds (for changes that are not one attribute, such as
+    an entry appended to a module-level list)."""
+    return _PATCH_LOCK
 
 
 class Patch:

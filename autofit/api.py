@@ -56,8 +56,9 @@ def estimate(
     batch, target_batch = as_inputs(sample, target)
     config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm)
-    sim = simulate_step(model, batch, target_batch, loss_fn, config)
-    return resolve_device(config.device, config.gpu).estimate(sim)
+    device_model = resolve_device(config.device, config.gpu)
+    sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
+    return device_model.estimate(sim)
 
 
 def measure(
@@ -94,4 +95,5 @@ def analyse(
     config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)
     with forward_errors():  # the graph capture runs the forward outside the simulator's own error handling
         return analyse_model(model, batch, target_batch, loss_fn, config.precision, config.optimizer,
-                             device=config.device, gpu=config.gpu)
+                             device=config.device, gpu=config.gpu,
+                             device_rules=resolve_device(config.device, config.gpu).simulation_rules)

@@ -101,6 +101,20 @@ class DeviceTarget:
                               peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
                               notes=notes)
 
+    def simulation_rules(self, stack, config):
+        """This device's part of a simulation (``simulate_step(device_rules=...)``): on CUDA, CUDA's autocast op
+        policy and attention kernels on the CPU simulation (``autofit.cuda``). Returns the autocast caster whose
+        weight cache must be cleared when each micro-batch's autocast region exits, or None."""
+        if self.kind != "cuda":
+            return None
+        from autofit.cuda.autocast_policy import cuda_autocast_policy
+        from autofit.cuda.kernels import cuda_kernels
+
+        stack.enter_context(cuda_kernels(self.gpu))
+        if config.precision.autocast:
+            return stack.enter_context(cuda_autocast_policy(config.precision.dtype))
+        return None
+
     def memory_terms(self, analysis, rows: int) -> DeviceTerms:
         """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant`` on the analysed window with every tensor
         sized for ``rows`` (sizes are linear in the micro-batch, see analyse/profile.py). The constant is the cuBLAS

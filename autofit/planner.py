@@ -101,7 +101,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
 
     def simulate(config: StepConfig):
         with forward_errors():
-            return simulate_step(request.model, request.batch, request.target, request.loss_fn, config)
+            return simulate_step(request.model, request.batch, request.target, request.loss_fn, config,
+                                 device_rules=request.device.simulation_rules)
 
     def verify(c: Candidate) -> MemoryEstimate:
         return request.device.estimate(simulate(_config(request, parallel, c, policy_of[c.precision])))
@@ -170,7 +171,8 @@ def _analyse(request: PlanRequest, parallel: Parallel, policies: tuple[Precision
             p.name: analyse_model(request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
                                   probe_kernels=request.device.kind == "cpu", device=request.device.kind,
                                   gpu=request.device.name, strategy=parallel.strategy,
-                                  world_size=parallel.world_size, shard_units=parallel.shard_units)
+                                  world_size=parallel.world_size, shard_units=parallel.shard_units,
+                                  clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules)
             for p in policies if p.name not in done
         }
 

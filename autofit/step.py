@@ -20,9 +20,19 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from autofit._torch import PASSTHROUGH_ERRORS, BatchNormBase, module_call_codes, tree_map
+from autofit._torch import (
+    PASSTHROUGH_ERRORS,
+    BatchNormBase,
+    module_call_codes,
+    tree_map,
+)
 from autofit.batch import Batch
-from autofit.errors import ForwardError, InvalidInputError, require_int, require_strategy
+from autofit.errors import (
+    ForwardError,
+    InvalidInputError,
+    require_int,
+    require_strategy,
+)
 from autofit.loss import LossFn, compute_loss
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy, as_policy

@@ -1,5 +1,5 @@
 """Reference tests on current Hugging Face architectures (tiny configs, tests/hf_archs.py): estimate against the CPU
-allocator, the MoE routing question, and the fake-kernel corrections behind them (autofit/simulate/corrections.py,
+allocator, the MoE routing question, and the fake-kernel corrections behind them (autofit/corrections.py,
 accumulation.py)."""
 
 from __future__ import annotations

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 import autofit
+from autofit.batch import as_batch
+from autofit.device import resolve_device
 from autofit.errors import InvalidInputError
 from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import EventKind, Phase
-from autofit.batch import as_batch
 from autofit.step import make_step_config
 
 
@@ -48,7 +49,9 @@ def _param_bytes(model: nn.Module) -> list[int]:
 
 def _simulate(model: nn.Module, device: str, optimizer, **kw):
     config = make_step_config(micro_batch_size=2, optimizer=optimizer, device=device, **kw)
-    return simulate_step(model, as_batch(torch.randn(2, 64)), None, _loss, config, probe_kernels=False)
+    rules = resolve_device(config.device, config.gpu).simulation_rules
+    return simulate_step(model, as_batch(torch.randn(2, 64)), None, _loss, config, probe_kernels=False,
+                         device_rules=rules)
 
 
 def _optimizer_ops(sim) -> list[str]:

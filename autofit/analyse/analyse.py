@@ -14,7 +14,7 @@ from autofit.capture.graph import capture_graph
 from autofit.loss import LossFn
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy
-from autofit.simulate.run import simulate_step
+from autofit.simulate.run import DeviceRules, simulate_step
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.step import StepConfig
 
@@ -27,7 +27,7 @@ def analyse_model(
     model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, precision: PrecisionPolicy,
     optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False, device: str = "cpu",
     gpu: str | None = None, strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
-    clip_grad_norm: float | None = None,
+    clip_grad_norm: float | None = None, device_rules: DeviceRules | None = None,
 ) -> Analysis:
     """Graph, per-layer table and step profile of ``model`` at ``precision``.
 
@@ -45,7 +45,8 @@ def analyse_model(
                             device=device, gpu=gpu, strategy=strategy, world_size=world_size,
                             shard_units=shard_units, clip_grad_norm=clip_grad_norm)
         observer = LayerObserver()
-        sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer)
+        sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
+                            device_rules=device_rules)
         runs.append((sim, observer))
     (sim1, obs1), (sim2, obs2) = runs
     profile = build_profile(sim1.timeline, sim2.timeline, precision.name, SIZES[0], _call_records(obs1, obs2))

@@ -31,8 +31,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from autofit._torch import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    all_aten_op_names,
+    has_dispatch_kernel,
+)
 
 __all__ = ["AutocastLists", "autocast_cuda_lists", "ops_with_kernel", "cuda_autocast_state"]
 
@@ -49,8 +54,7 @@ class AutocastLists:
 
 def ops_with_kernel(key: str) -> tuple[str, ...]:
     """aten ops ("mm", "norm.Scalar") with a kernel registered for dispatch key ``key`` in this build."""
-    return tuple(sorted(name.removeprefix("aten::") for name in torch._C._dispatch_get_all_op_names()
-                        if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)))
+    return tuple(sorted(name for name in all_aten_op_names() if has_dispatch_kernel(name, key)))
 
 
 @contextlib.contextmanager

@@ -19,8 +19,16 @@ import warnings
 from collections.abc import Iterator
 
 import torch
-from torch.utils import _pytree as pytree
 
+from autofit._torch import (
+    all_aten_op_names,
+    destroy_library,
+    exclude_dispatch_key,
+    has_dispatch_kernel,
+    is_view,
+    patch,
+    pytree,
+)
 from autofit.cuda.autocast_lists import autocast_cuda_lists
 
 __all__ = ["LOWER_PRECISION_FP", "FP32", "FP32_SET_OPT_DTYPE", "FP32_APPEND_DTYPE", "PROMOTE", "BANNED",
@@ -44,7 +52,6 @@ def __getattr__(name: str) -> tuple[str, ...]:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
 def policy_of(name: str) -> str | None:
@@ -77,7 +84,7 @@ class _Caster:
     def lower(self, t: object) -> object:
         if not _eligible(t) or t.dtype == self.dtype:
             return t
-        cacheable = t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
+        cacheable = t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not is_view(t)
         if cacheable:
             hit = self.cache.get(id(t))
             if hit is not None and hit[0] is t:
@@ -93,7 +100,7 @@ class _Caster:
 
 def _kernel(op, policy: str, caster: _Caster):
     def call(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+        with exclude_dispatch_key("AutocastCPU"):
             if policy == "lower_precision_fp":
                 args, kwargs = pytree.tree_map(caster.lower, (args, kwargs))
             elif policy in ("fp32", "fp32_append_dtype"):
@@ -129,9 +136,7 @@ def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
     caster = _Caster(dtype)
     lib = torch.library.Library("aten", "IMPL")
     cuda_names = {name for names in autocast_cuda_lists().by_policy.values() for name in names}
-    cpu_only = [n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
-                if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCPU")
-                and n.removeprefix("aten::") not in cuda_names]
+    cpu_only = [n for n in all_aten_op_names() if has_dispatch_kernel(n, "AutocastCPU") and n not in cuda_names]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
         for name in sorted(cuda_names):
@@ -146,16 +151,15 @@ def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
             lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
     # torch.autocast's __exit__ calls torch.clear_autocast_cache() when the outermost region closes: the forward's
     # region, and also each region non-reentrant checkpoint opens to recompute a module during backward
-    clear_cache = torch.clear_autocast_cache
+    def clear_both(clear_cache):
+        def clear() -> None:
+            caster.clear()
+            clear_cache()
+        return clear
 
-    def clear_both() -> None:
-        caster.clear()
-        clear_cache()
-
-    torch.clear_autocast_cache = clear_both
     try:
-        yield caster
+        with patch(torch, "clear_autocast_cache", clear_both):
+            yield caster
     finally:
-        torch.clear_autocast_cache = clear_cache
         caster.clear()
-        lib._destroy()
+        destroy_library(lib)

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 
 import torch
 
+from autofit._torch import destroy_library, exclude_dispatch_key
 from autofit.cuda.catalog import GPUSpec
 
 __all__ = ["cuda_kernels", "flash_backward_scratch", "sdpa_backend", "softmax_cuda"]
@@ -88,9 +89,6 @@ def flash_backward_scratch(batch: int, heads: int, seq_q: int, head_dim: int, se
     return tuple(scratch)
 
 
-_AUTOGRAD_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
-
-
 def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                     is_causal, philox_seed, philox_offset, *, scale=None):
     """``_scaled_dot_product_flash_attention_backward`` as CUDA runs it: the meta kernel's gradients plus the
@@ -103,7 +101,7 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
     batch, heads, seq_q, head_dim = query.shape
     scratch = [query.new_empty(shape, dtype=dtype) for shape, dtype in flash_backward_scratch(
         batch, heads, seq_q, head_dim, key.shape[2], key.shape[1], query.dtype)]
-    with torch._C._ExcludeDispatchKeyGuard(_AUTOGRAD_CPU):
+    with exclude_dispatch_key("AutogradCPU"):
         grads = aten._scaled_dot_product_flash_attention_backward(
             grad_bshd.transpose(1, 2), query, key, value, out_bshd.transpose(1, 2), logsumexp, cum_seq_q, cum_seq_k,
             max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
@@ -154,4 +152,4 @@ def cuda_kernels(gpu: GPUSpec) -> Iterator[None]:
     try:
         yield
     finally:
-        lib._destroy()
+        destroy_library(lib)

@@ -27,23 +27,12 @@ from autofit.batch import Batch
 from autofit.emit.trainer import Trainer
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
+from autofit.strategy import apply_fsdp2
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
 
-__all__ = ["DistributedTrainer", "apply_fsdp2"]
-
-
-def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype: torch.dtype | None) -> nn.Module:
-    """``fully_shard`` each unit, then the root (FSDP2's recommended order: leaves before parents)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32) \
-        if precision_dtype is not None else MixedPrecisionPolicy()
-    for name in units:
-        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
+__all__ = ["DistributedTrainer"]
 
 
 class DistributedTrainer(Trainer):

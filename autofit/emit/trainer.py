@@ -19,19 +19,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autofit._torch import BatchNormBase
 from autofit.batch import Batch, as_batch
 from autofit.errors import InvalidInputError
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation, count_items, item_counter
 from autofit.optim import OptimizerSpec
-from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
+from autofit.step import (
+    StepConfig,
+    new_grad_scaler,
+    optimizer_step,
+    patched_model,
+    run_micro_batch,
+)
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
 
 __all__ = ["Trainer"]
 
-_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+_BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
 
 
 class Trainer:

@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from autofit._torch import allocation_sizes, grad_scaler_state, high_water_mark, memory_profile
+from autofit._torch import (
+    allocation_sizes,
+    grad_scaler_state,
+    high_water_mark,
+    memory_profile,
+)
 from autofit.batch import Batch
 from autofit.capture.model_copy import module_tensor_attributes, real_copy
 from autofit.categories import Category

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autofit._torch import current_autograd_node, is_view
 from autofit.simulate.timeline import EventKind, Timeline
 
 __all__ = ["AccumulationWatch"]
@@ -39,7 +40,7 @@ aten = torch.ops.aten
 
 # Private (declared in torch/_C/__init__.pyi; torch/autograd/graph.py uses it too). Without it no accumulation is
 # recognised and the estimate keeps the engine's out-of-place sums (an overestimate), as before this correction.
-_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_current_autograd_node = current_autograd_node
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class AccumulationWatch:
             return
         if not all(_same_dense(t, out) for t in (old, new)):
             return
-        if old._is_view():  # an autograd view shares its storage with its base: storage().use_count() > 1
+        if is_view(old):  # an autograd view shares its storage with its base: storage().use_count() > 1
             return
         old_sid, out_sid = sid_of(old), sid_of(out)
         if old_sid is None or out_sid is None or self._epoch_of.get(old_sid, 0) == epoch:

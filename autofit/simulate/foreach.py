@@ -9,9 +9,9 @@ Note [optimizer implementation on the target]
     user set neither ``foreach`` nor ``fused``: ``adam.py::adam``, ``sgd.py::sgd``, ``adamw`` through ``adam``, ...)
     returns foreach=True when nothing is differentiable and every parameter is of a type in
     ``torch.optim.optimizer._foreach_supported_types`` on a device in
-    ``torch/utils/_foreach_utils.py::_get_foreach_kernels_supported_devices`` (cuda, xpu, mtia, privateuse1; not
-    cpu). ``torch.nn.utils.clip_grad_norm_`` asks ``_foreach_utils._has_foreach_support``: the device (cpu included
-    there) and every gradient's type in ``_foreach_utils._foreach_supported_types``.
+    ``torch/utils/foreach_utils.py::_get_foreach_kernels_supported_devices`` (cuda, xpu, mtia, privateuse1; not
+    cpu). ``torch.nn.utils.clip_grad_norm_`` asks ``foreach_utils._has_foreach_support``: the device (cpu included
+    there) and every gradient's type in ``foreach_utils._foreach_supported_types``.
 
     Two things differ in the simulation: the tensors are ``FakeTensor`` (not ``torch.Tensor`` or ``Parameter``, so
     the type checks fail on both targets) and the device is cpu (so the optimizer's device check fails for a CUDA
@@ -26,26 +26,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from unittest import mock
 
-import torch
-import torch.optim.optimizer as _optimizer
-import torch.utils._foreach_utils as _foreach_utils
-from torch._subclasses.fake_tensor import FakeTensor
+from autofit._torch import (
+    FakeTensor,
+    foreach_utils,
+    optimizer_internals,
+    patch,
+    patch_lock,
+)
 
 __all__ = ["target_implementation"]
-
-
-def _check_torch() -> None:
-    """The private names this module relies on: fail loudly if a torch release moves them."""
-    for module, name in ((_optimizer, "_foreach_supported_types"), (_optimizer, "_get_foreach_kernels_supported_devices"),
-                         (_optimizer, "_default_to_fused_or_foreach"), (_foreach_utils, "_foreach_supported_types")):
-        if not hasattr(module, name):
-            raise ImportError(f"autofit needs {module.__name__}.{name}, which this torch build ({torch.__version__}) "
-                              "lacks: see Note [optimizer implementation on the target] in autofit/simulate/foreach.py")
-
-
-_check_torch()
 
 
 @contextlib.contextmanager
@@ -64,13 +54,15 @@ def _appended(types: list, extra: type) -> Iterator[None]:
 def target_implementation(device: str) -> Iterator[None]:
     """See Note [optimizer implementation on the target]."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_appended(_optimizer._foreach_supported_types, FakeTensor))
-        stack.enter_context(_appended(_foreach_utils._foreach_supported_types, FakeTensor))
+        stack.enter_context(patch_lock())
+        stack.enter_context(_appended(optimizer_internals._foreach_supported_types, FakeTensor))
+        stack.enter_context(_appended(foreach_utils._foreach_supported_types, FakeTensor))
         if device == "cuda":
-            cuda_devices = _optimizer._get_foreach_kernels_supported_devices
+            cuda_devices = optimizer_internals._get_foreach_kernels_supported_devices
 
             def with_cpu() -> list[str]:  # the simulation's cpu tensors stand for cuda ones
                 return [*cuda_devices(), "cpu"]
 
-            stack.enter_context(mock.patch.object(_optimizer, "_get_foreach_kernels_supported_devices", with_cpu))
+            stack.enter_context(patch(optimizer_internals, "_get_foreach_kernels_supported_devices",
+                                      lambda original: with_cpu))
         yield

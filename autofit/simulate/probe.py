@@ -24,11 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
 
-from autofit._torch import allocation_sizes, memory_profile
-from autofit.simulate.corrections import probe_inputs
+from autofit._torch import (
+    allocation_sizes,
+    disable_current_modes,
+    memory_profile,
+    pytree,
+)
+from autofit.corrections import probe_inputs
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber", "real_kernel_accepts"]
 
@@ -120,9 +123,9 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
 def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
     # Grad mode stays as it is: some kernels (mkldnn_rnn_layer) only return their workspace when it is enabled;
     # the inputs do not require grad, so no graph is recorded either way.
-    with _disable_current_modes(), torch.autocast("cpu", enabled=False):
+    with disable_current_modes(), torch.autocast("cpu", enabled=False):
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
-        worst_case = probe_inputs(func)  # kernels whose memory depends on values (simulate/corrections.py)
+        worst_case = probe_inputs(func)  # kernels whose memory depends on values (autofit/corrections.py)
         if worst_case is not None:
             real_args, real_kwargs = worst_case(real_args, real_kwargs)
         with memory_profile() as prof:
@@ -154,7 +157,7 @@ def real_kernel_accepts(func, args: tuple, kwargs: dict, max_bytes: int = 256 * 
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     if sum(_extent(x) * x.element_size() for x in leaves) > max_bytes:
         return False
-    with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+    with disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
         try:
             func(*real_args, **real_kwargs)

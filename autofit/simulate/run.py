@@ -20,7 +20,7 @@ Note [data-dependent models]
     DynamicOutputShapeException for ``nonzero``). The branch taken depends on the data, so no value-free simulation
     can be right; autofit runs the step for real on the CPU with the user's sample rows, tracked exactly like the fake
     run (the kernel probes supply the workspace terms). This needs real weights and enough host memory for one step.
-    A fake kernel that refuses inputs its CPU kernel accepts, with no correction in simulate/corrections.py
+    A fake kernel that refuses inputs its CPU kernel accepts, with no correction in autofit/corrections.py
     (``FakeKernelStricter``), falls back the same way.
 
 Note [MoE routing]
@@ -30,7 +30,7 @@ Note [MoE routing]
     the routing, and the grouped GEMM's CPU kernel writes one ``mm`` per group into slices of a fixed-size output
     (aten/src/ATen/native/GroupedMMUtils.h, ``_grouped_mm_fallback``), so only its scratch could depend on the group
     sizes; the kernel probe measures it with every row in one group, the largest GEMM a routing can ask for
-    (simulate/corrections.py). Measured on Mixtral: identical peaks for a batch that routes every token alike and a
+    (autofit/corrections.py). Measured on Mixtral: identical peaks for a batch that routes every token alike and a
     random batch (tests/test_architectures.py). The ``eager`` implementation loops over the experts that were hit
     (``nonzero``, a data-dependent shape: the real-run fallback), and its buffers are sized by the tokens each
     expert receives and by how many experts are hit. Measured on the same model (micro-batch 2): every token to the
@@ -46,37 +46,49 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 
+from autofit._torch import (
+    DATA_DEPENDENT_ERRORS,
+    FakeTensorMode,
+    grad_scaler_state,
+    patch,
+    value_free_grad_scaler,
+)
 from autofit.batch import Batch
-from autofit.capture.model_copy import fake_copy, fake_input, module_tensor_attributes, real_copy
+from autofit.capture.model_copy import (
+    fake_copy,
+    fake_input,
+    module_tensor_attributes,
+    real_copy,
+)
 from autofit.capture.module_stack import install_module_stack
 from autofit.categories import Category
+from autofit.corrections import FakeKernelStricter
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
-from autofit.simulate.corrections import FakeKernelStricter
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
-from autofit.step import StepConfig, new_grad_scaler, optimizer_step, patched_model, run_micro_batch
+from autofit.step import (
+    StepConfig,
+    optimizer_step,
+    patched_model,
+    run_micro_batch,
+)
+from autofit.strategy import apply_fsdp2
 
-__all__ = ["Simulation", "simulate_step", "DATA_DEPENDENT_ERRORS"]
+__all__ = ["Simulation", "simulate_step", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
 
-DATA_DEPENDENT_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
 
 # One prober per process: kernel scratch sizes depend only on the kernel signature and the machine.
 _PROBER = KernelProber()
@@ -90,12 +102,9 @@ class Simulation:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-class _SimulatedGradScaler(torch.amp.GradScaler):
-    """GradScaler whose step skips the ``found_inf.item()`` check: fake tensors have no values, and the step the
-    memory model describes is the normal one, where the optimizer steps. Allocations are the same as the real one's."""
-
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        return optimizer.step(*args, **kwargs)
+# The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
+# autocast caster whose weight cache must be cleared when each micro-batch's autocast region exits (or None).
+DeviceRules = Callable[[contextlib.ExitStack, StepConfig], Any]
 
 
 class Observer(Protocol):
@@ -106,10 +115,15 @@ class Observer(Protocol):
 
 def simulate_step(
     model: nn.Module, batch: Batch, target: Any, loss_fn: LossFn | None, config: StepConfig, *,
-    probe_kernels: bool = True, observer: Observer | None = None,
+    probe_kernels: bool = True, observer: Observer | None = None, device_rules: DeviceRules | None = None,
 ) -> Simulation:
-    """Simulate one training step of ``config`` and return its timeline and replayed peak."""
-    kw = dict(probe_kernels=probe_kernels, observer=observer)
+    """Simulate one training step of ``config`` and return its timeline and replayed peak.
+
+    ``device_rules`` is the target device's part of the simulation (``DeviceTarget.simulation_rules``: on CUDA the
+    autocast op policy and attention kernels); a CUDA step needs it, and the caller resolves the device once."""
+    if config.device == "cuda" and device_rules is None:
+        raise TypeError("simulate_step: a CUDA step needs device_rules=resolve_device('cuda', gpu).simulation_rules")
+    kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
     try:
         return _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
     except _DataDependent as e:
@@ -133,7 +147,7 @@ class _DataDependent(Exception):
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
-              observer: Observer | None) -> Simulation:
+              observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     prober = _PROBER if probe_kernels and config.device == "cpu" else None
     if prober is not None:
@@ -148,8 +162,6 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     with mesh_ctx as mesh, mode_ctx, target_implementation(config.device):
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
-            from autofit.emit.distributed import apply_fsdp2
-
             apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
@@ -157,7 +169,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         if target is not None:
             micro_target = target.map_tensors(to_sim).resize(config.micro_batch_size)
         optimizer = config.optimizer.build(work.parameters())
-        scaler = _SimulatedGradScaler("cpu") if config.precision.needs_grad_scaler else None
+        scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
         _create_optimizer_state(work, optimizer, scaler)
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
@@ -172,7 +184,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         try:
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
             with contextlib.ExitStack() as stack:
-                caster = _device_model(stack, config)
+                caster = device_rules(stack, config) if device_rules is not None else None
                 stack.enter_context(patched_model(work, config, "cpu"))
                 stack.enter_context(_tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
@@ -189,7 +201,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if tracker.unregistered_corrections:
         ops = ", ".join(sorted(tracker.unregistered_corrections))
         notes.append(f"the CPU kernels of {ops} return other outputs than their fake kernels; corrected from a probe "
-                     "(not yet listed in simulate/corrections.py)")
+                     "(not yet listed in autofit/corrections.py)")
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))
@@ -198,24 +210,24 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
 @contextlib.contextmanager
 def _tracked_rng_state(fake: bool) -> Iterator[None]:
     """See Note [checkpoint RNG state]."""
-    get_state, set_state = torch.get_rng_state, torch.set_rng_state
-    size = get_state().numel()
+    size = torch.get_rng_state().numel()
 
-    def tracked_get_state() -> torch.Tensor:
-        state = torch.empty(size, dtype=torch.uint8)
-        if not fake:
-            state.copy_(get_state())
-        return state
+    def tracked_get_state(get_state):
+        def get() -> torch.Tensor:
+            state = torch.empty(size, dtype=torch.uint8)
+            if not fake:
+                state.copy_(get_state())
+            return state
+        return get
 
-    def tracked_set_state(state: torch.Tensor) -> None:
-        if not fake:
-            set_state(state)
+    def tracked_set_state(set_state):
+        def set_(state: torch.Tensor) -> None:
+            if not fake:
+                set_state(state)
+        return set_
 
-    torch.get_rng_state, torch.set_rng_state = tracked_get_state, tracked_set_state
-    try:
+    with patch(torch, "get_rng_state", tracked_get_state), patch(torch, "set_rng_state", tracked_set_state):
         yield
-    finally:
-        torch.get_rng_state, torch.set_rng_state = get_state, set_state
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
@@ -245,9 +257,8 @@ def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch
             if isinstance(value, torch.Tensor):
                 tracker.register(value, Category.OPTIMIZER_STATE)
     if scaler is not None:
-        for value in (scaler._scale, scaler._growth_tracker):
-            if isinstance(value, torch.Tensor):
-                tracker.register(value, Category.OPTIMIZER_STATE)
+        for value in grad_scaler_state(scaler):
+            tracker.register(value, Category.OPTIMIZER_STATE)
     for t in micro.tensors():
         tracker.register(t, Category.INPUTS)
     if micro_target is not None:
@@ -262,22 +273,6 @@ def _held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> 
         return []
     rows = [micro] + ([micro_target] if micro_target is not None else [])
     return [t for b in rows for t in b.resize(extra).tensors() if t.dim() >= 1 and t.shape[0] == extra]
-
-
-def _device_model(stack: contextlib.ExitStack, config: StepConfig):
-    """For a CUDA step: CUDA's autocast op policy and attention kernels on the CPU simulation (``autofit.cuda``).
-    Returns the autocast caster whose weight cache must be cleared when each micro-batch's autocast region exits."""
-    if config.device != "cuda":
-        return None
-    from autofit.cuda.autocast_policy import cuda_autocast_policy
-    from autofit.cuda.kernels import cuda_kernels
-    from autofit.cuda.target import resolve_gpu
-
-    gpu, _ = resolve_gpu(config.gpu)
-    stack.enter_context(cuda_kernels(gpu))
-    if config.precision.autocast:
-        return stack.enter_context(cuda_autocast_policy(config.precision.dtype))
-    return None
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,

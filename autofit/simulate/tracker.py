@@ -17,21 +17,25 @@ import weakref
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autofit._torch import (
+    DATA_DEPENDENT_ERRORS,
+    FakeTensor,
+    TorchDispatchMode,
+    patch,
+    pytree,
+)
 from autofit.categories import Category
+from autofit.corrections import CORRECTIONS, FakeKernelStricter, fake_kernel
 from autofit.simulate.accumulation import AccumulationWatch
-from autofit.simulate.corrections import CORRECTIONS, FakeKernelStricter, fake_kernel
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
 
 __all__ = ["StepTracker"]
 
 aten = torch.ops.aten
-_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+_DATA_DEPENDENT = DATA_DEPENDENT_ERRORS
 
 _PHASE_CATEGORY = {
     Phase.SETUP: Category.BUFFERS,
@@ -128,21 +132,22 @@ class StepTracker(TorchDispatchMode):
     def __enter__(self):
         # UntypedStorage.resize_ is not an op the mode sees; wrap it for as long as the tracker is active
         # (PyTorch's MemTracker does the same, see torch/distributed/_tools/mem_tracker.py, _track_resize).
-        original = torch.UntypedStorage.resize_
         tracker = self
 
-        def resize_(storage, size):
-            result = original(storage, size)
-            tracker.resized(storage, int(size))
-            return result
+        def tracked(original):
+            def resize_(storage, size):
+                result = original(storage, size)
+                tracker.resized(storage, int(size))
+                return result
+            return resize_
 
-        self._original_resize = original
-        torch.UntypedStorage.resize_ = resize_
+        self._resize_patch = patch(torch.UntypedStorage, "resize_", tracked)
+        self.resize_patch = self._resize_patch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         self.accumulation.settle()
-        torch.UntypedStorage.resize_ = self._original_resize
+        self._resize_patch.__exit__(None, None, None)
         return super().__exit__(*exc)
 
     # ---- the mode ------------------------------------------------------------------------------------------------
