@@ -112,7 +112,7 @@ class DeviceTarget:
 
         stack.enter_context(cuda_kernels(self.gpu))
         if config.precision.autocast:
-            return stack.enter_context(cuda_autocast_policy(config.precision.dtype))
+            return stack.enter_context(cuda_autocast_policy(config.precision.dtype, require_clear=True))
         return None
 
     def memory_terms(self, analysis, rows: int) -> DeviceTerms:

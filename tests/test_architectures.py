@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autofit
-from autofit.simulate import corrections
+from autofit import corrections
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing, heavy_routing_during
 

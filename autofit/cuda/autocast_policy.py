@@ -130,7 +130,7 @@ def _has_dtype_arg(op, args: tuple) -> bool:
 
 
 @contextlib.contextmanager
-def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
+def cuda_autocast_policy(dtype: torch.dtype, *, require_clear: bool = False) -> Iterator[_Caster]:
     """Within this context CPU autocast follows CUDA's op policy. Yields the caster (call ``clear()`` when the
     autocast region of a micro-batch exits, as torch.autocast clears its cache)."""
     caster = _Caster(dtype)
@@ -158,8 +158,11 @@ def cuda_autocast_policy(dtype: torch.dtype) -> Iterator[_Caster]:
         return clear
 
     try:
-        with patch(torch, "clear_autocast_cache", clear_both):
+        with patch(torch, "clear_autocast_cache", clear_both) as cleared:
             yield caster
+        if require_clear:  # a simulation ran a forward under torch.autocast, whose exit must have cleared the cache
+            cleared.require_hit("torch.autocast clears its weight-cast cache through it when a region exits, and the "
+                                "emulated CUDA cache must be cleared with it")
     finally:
         caster.clear()
         destroy_library(lib)
