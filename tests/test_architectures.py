@@ -166,10 +166,26 @@ def test_heavy_routing_hits_every_expert_and_fills_the_first() -> None:
     assert set(index.flatten().tolist()) == {0, 1, 2, 3}  # every expert is hit
 
 
+def _fake_grouped_mm_refuses_fp32() -> bool:
+    """Whether this build's meta kernel of ``_grouped_mm`` is stricter than the CPU kernel (torch 2.13: bf16 only)."""
+    from autofit._torch import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b = torch.zeros(4, 8), torch.zeros(2, 8, 8)
+        offs = torch.tensor([2, 4], dtype=torch.int32)
+        try:
+            torch.ops.aten._grouped_mm.default(a, b, offs)
+        except RuntimeError:
+            return True
+    return False
+
+
 def test_uncorrected_strict_fake_kernel_falls_back_to_a_real_run(monkeypatch) -> None:
     """Without its registered correction, ``_grouped_mm``'s fake kernel refuses fp32 while the CPU kernel accepts
     it: the step runs for real, exactly, and the notes name the op."""
     monkeypatch.delitem(corrections.CORRECTIONS, torch.ops.aten._grouped_mm.default)
+    if not _fake_grouped_mm_refuses_fp32():
+        pytest.skip(f"torch {torch.__version__}'s fake _grouped_mm accepts fp32: there is nothing to fall back from")
     model, sample = mixtral()
     measured, estimated = _error(model, sample)
     assert estimated == measured

@@ -174,12 +174,22 @@ def observed_policy(name: str) -> str | None:
     return None
 
 
+# Ops whose AutocastCUDA kernel cannot be observed on fake tensors without a CUDA device, with the policy their
+# source gives. Used only when observation finds nothing, so a build where observation works still decides.
+UNOBSERVABLE = {
+    # aten/src/ATen/cudnn/AutocastRNN.cpp, _cudnn_rnn_cast_reflatten: casts the input, hx, cx and every weight to the
+    # autocast dtype (and reflattens the weights into one buffer); it asks cuDNN for the flat weight size first, so it
+    # needs a device. Registered for AutocastCUDA from torch 2.15 on.
+    "_cudnn_rnn": "lower_precision_fp",
+}
+
+
 @functools.cache
 def autocast_cuda_lists() -> AutocastLists:
     """The ops with an AutocastCUDA kernel in this build, by observed policy (computed once, about a second)."""
     by_policy: dict[str, list[str]] = {p: [] for p in POLICIES}
     unclassified = []
     for name in ops_with_kernel("AutocastCUDA"):
-        policy = observed_policy(name)
+        policy = observed_policy(name) or UNOBSERVABLE.get(name)
         (by_policy[policy] if policy else unclassified).append(name)
     return AutocastLists({p: tuple(names) for p, names in by_policy.items()}, tuple(unclassified))
