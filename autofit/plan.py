@@ -12,7 +12,7 @@ from autofit.errors import InvalidInputError, require_int, require_strategy
 from autofit.precision import PrecisionPolicy
 from autofit.report import MemoryEstimate
 from autofit.solve.search import Candidate, pareto_front
-from autofit.units import format_bytes
+from autofit.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Plan", "assemble_plan"]
 
@@ -185,7 +185,7 @@ class Plan:
                       f"  {'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'peak MiB':>10} {'step s':>9}"]
             for a in self.frontier:
                 lines.append(f"  {a.precision:<9} {a.micro_batch_size:>5} {a.gradient_accumulation_steps:>5} "
-                             f"{len(a.checkpoint):>4} {a.peak_bytes / 2**20:>10.1f} {a.step_seconds:>9.3g}")
+                             f"{len(a.checkpoint):>4} {format_mib(a.peak_bytes):>10} {a.step_seconds:>9.3g}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -13,7 +13,9 @@ import re
 
 from autofit.errors import InvalidInputError
 
-__all__ = ["parse_bytes", "parse_budget", "format_bytes"]
+__all__ = ["parse_bytes", "parse_budget", "format_bytes", "format_mib", "MiB"]
+
+MiB = 2**20
 
 _DECIMAL = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _BINARY = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -91,3 +93,8 @@ def format_bytes(n: int) -> str:
         if n >= factor:
             return f"{sign}{n / factor:.2f} {unit}"
     return f"{sign}{n} B"
+
+
+def format_mib(n: int, digits: int = 1) -> str:
+    """A number of bytes in MiB with thousands separators, for table columns headed "MiB": ``13,571.3``."""
+    return f"{n / MiB:,.{digits}f}"

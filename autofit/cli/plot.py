@@ -6,6 +6,7 @@ from pathlib import Path
 
 from autofit.analyse.table import LayerTable
 from autofit.plan import Plan
+from autofit.units import MiB
 
 __all__ = ["write_plot"]
 
@@ -19,13 +20,13 @@ def write_plot(path: Path, plan: Plan, layers: LayerTable) -> None:
     batch = plan.micro_batch_size
     rows = layers.largest(20, batch=batch)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    left.barh([r.name for r in reversed(rows)], [r.saved_bytes(batch) / 2**20 for r in reversed(rows)])
+    left.barh([r.name for r in reversed(rows)], [r.saved_bytes(batch) / MiB for r in reversed(rows)])
     left.set_xlabel(f"saved for backward at micro-batch {batch} (MiB)")
     left.set_title("activation memory per layer")
     if plan.frontier:
-        right.plot([a.peak_bytes / 2**20 for a in plan.frontier], [a.step_seconds for a in plan.frontier], "o-")
-    right.axvline(plan.budget_bytes / 2**20, color="red", linestyle="--", label="budget")
-    right.plot([plan.device_bytes / 2**20], [plan.predicted_step_seconds], "g*", markersize=14, label="chosen")
+        right.plot([a.peak_bytes / MiB for a in plan.frontier], [a.step_seconds for a in plan.frontier], "o-")
+    right.axvline(plan.budget_bytes / MiB, color="red", linestyle="--", label="budget")
+    right.plot([plan.device_bytes / MiB], [plan.predicted_step_seconds], "g*", markersize=14, label="chosen")
     right.set_xlabel("predicted peak (MiB)")
     right.set_ylabel("predicted step time (s)")
     right.set_title("memory / time front")

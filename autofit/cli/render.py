@@ -10,10 +10,10 @@ from rich.table import Table
 
 from autofit.analyse.table import LayerTable
 from autofit.plan import Plan
+from autofit.units import format_mib
 
 __all__ = ["render_plan", "console_for", "group_names"]
 
-MIB = 2**20
 # Piped output has no terminal width to fit: rich would assume 80 columns and fold module names mid-word. Give it
 # room for the widest table instead (tables only take the width their content needs).
 PIPE_WIDTH = 240
@@ -25,10 +25,6 @@ def console_for(*, stderr: bool = False) -> Console:
     if not console.is_terminal:
         console = Console(stderr=stderr, width=PIPE_WIDTH)
     return console
-
-
-def _mib(n: int) -> str:
-    return f"{n / MIB:,.1f}"
 
 
 def knobs_table(plan: Plan, model_description: str) -> Table:
@@ -46,8 +42,8 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         ("optimizer", plan.optimizer),
         ("device", plan.device + (f" ({plan.gpu})" if plan.gpu else "")),
         # the three figures, each named after what it compares with (docs/cuda.md, "The three figures")
-        *plan.memory_rows(lambda n: f"{_mib(n)} MiB"),
-        ("budget", f"{_mib(plan.budget_bytes)} MiB ({100 * plan.device_bytes / plan.budget_bytes:.0f} % used "
+        *plan.memory_rows(lambda n: f"{format_mib(n)} MiB"),
+        ("budget", f"{format_mib(plan.budget_bytes)} MiB ({100 * plan.device_bytes / plan.budget_bytes:.0f} % used "
                    f"on the device)"),
         ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
     ]
@@ -69,9 +65,9 @@ def breakdown_table(plan: Plan) -> Table:
     table.add_column("share", justify="right")
     total = plan.estimate.device_bytes or 1
     for key, value in plan.estimate.breakdown.items():
-        table.add_row(key, _mib(value), f"{100 * value / total:.1f} %")
+        table.add_row(key, format_mib(value), f"{100 * value / total:.1f} %")
     label = "total (on the device)" if plan.device == "cuda" else "total"
-    table.add_row(f"[bold]{label}[/]", f"[bold]{_mib(plan.estimate.device_bytes)}[/]", "100.0 %")
+    table.add_row(f"[bold]{label}[/]", f"[bold]{format_mib(plan.estimate.device_bytes)}[/]", "100.0 %")
     return table
 
 
@@ -104,7 +100,7 @@ def layers_table(layers: LayerTable, batch: int, limit: int = 8) -> Table:
     ranked = sorted(groups.items(), key=lambda kv: -max(r.saved_bytes(batch) for r in kv[1]))
     for (pattern, kind), rows in ranked[:limit]:
         first = max(rows, key=lambda r: r.saved_bytes(batch))
-        table.add_row(pattern, kind, str(len(rows)), _mib(first.saved_bytes(batch)), _mib(first.param_bytes),
+        table.add_row(pattern, kind, str(len(rows)), format_mib(first.saved_bytes(batch)), format_mib(first.param_bytes),
                       f"{first.flops(batch) / 1e9:.2f}")
     return table
 
@@ -119,7 +115,7 @@ def frontier_table(plan: Plan) -> Table:
             plan.precision.name, plan.micro_batch_size, plan.checkpoint)
         style = "bold green" if chosen else None
         table.add_row(alt.precision, str(alt.micro_batch_size), str(alt.gradient_accumulation_steps),
-                      str(len(alt.checkpoint)), _mib(alt.peak_bytes), f"{alt.step_seconds:.3g}", style=style)
+                      str(len(alt.checkpoint)), format_mib(alt.peak_bytes), f"{alt.step_seconds:.3g}", style=style)
     return table
 
 

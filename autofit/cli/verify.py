@@ -10,7 +10,9 @@ from autofit.batch import as_batch
 from autofit.capture.model_copy import has_meta_tensors
 from autofit.cli.specs import ModelSpec
 from autofit.measure.allocator import measure_callable
+from autofit.optim import OPTIMIZER_NAMES, as_optimizer_spec
 from autofit.plan import Plan
+from autofit.units import format_mib
 
 __all__ = ["run_verification", "materialise"]
 
@@ -30,10 +32,9 @@ def materialise(model: nn.Module, device: torch.device) -> nn.Module:
 def run_verification(spec: ModelSpec, plan: Plan, *, steps: int = 3) -> Table:
     device = torch.device("cuda" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
     model = materialise(spec.model, device)
-    optimizer = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
-                 "adam": lambda p: torch.optim.Adam(p, lr=1e-3)}.get(plan.optimizer,
-                                                                     lambda p: torch.optim.AdamW(p, lr=1e-3))(
-        model.parameters())
+    # the optimizer the plan was made for, built as autofit builds it (a custom optimizer's name falls back to AdamW)
+    name = plan.optimizer if plan.optimizer in OPTIMIZER_NAMES else "adamw"
+    optimizer = as_optimizer_spec(name).build(model.parameters())
     batch = as_batch(spec.sample).resize(plan.batch_size).map_tensors(lambda t: t.to(device))
     target = None if spec.target is None else as_batch(spec.target, what="target").resize(plan.batch_size)
     target = None if target is None else target.map_tensors(lambda t: t.to(device))
@@ -59,9 +60,9 @@ def run_verification(spec: ModelSpec, plan: Plan, *, steps: int = 3) -> Table:
     table.add_column("")
     table.add_column("MiB", justify="right")
     table.add_column("bytes", justify="right")
-    table.add_row("predicted peak", f"{plan.peak_bytes / 2**20:,.2f}", f"{plan.peak_bytes:,}")
-    table.add_row("measured peak", f"{measured / 2**20:,.2f}", f"{measured:,}")
+    table.add_row("predicted peak", format_mib(plan.peak_bytes, 2), f"{plan.peak_bytes:,}")
+    table.add_row("measured peak", format_mib(measured, 2), f"{measured:,}")
     error = 100 * (plan.peak_bytes - measured) / measured if measured else float("nan")
     table.add_row("error", f"{error:+.2f} %", "")
-    table.add_row("budget", f"{plan.budget_bytes / 2**20:,.2f}", f"{plan.budget_bytes:,}")
+    table.add_row("budget", format_mib(plan.budget_bytes, 2), f"{plan.budget_bytes:,}")
     return table

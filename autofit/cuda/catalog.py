@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autofit.errors import InvalidInputError
 
-__all__ = ["GPUSpec", "GPUS", "gpu_spec", "resolve_alias"]
+__all__ = ["GPUSpec", "GPUS", "gpu_spec", "resolve_alias", "normalise_gpu_name"]
 
 GiB = 2**30
 T = 1e12
@@ -93,8 +93,12 @@ _ALIASES = {"h100": "H100-80GB", "h100-sxm": "H100-80GB", "a100": "A100-80GB", "
             "3090": "RTX-3090", "4090": "RTX-4090", "rtx3090": "RTX-3090", "rtx4090": "RTX-4090"}
 
 
-def _key(name: str) -> str:
-    return name.lower().replace(" ", "").replace("_", "-").replace("nvidia", "").strip("-")
+def normalise_gpu_name(name: str) -> str:
+    """A GPU name as the catalog compares names: lower case, no spaces, "-" for "_", no "NVIDIA"/"GeForce"."""
+    return name.lower().replace(" ", "").replace("_", "-").replace("nvidia", "").replace("geforce", "").strip("-")
+
+
+_key = normalise_gpu_name
 
 
 def gpu_spec(name: str) -> GPUSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autofit.cuda.catalog import GPUS, GPUSpec, gpu_spec
+from autofit.cuda.catalog import GPUS, GPUSpec, gpu_spec, normalise_gpu_name
 
 __all__ = ["resolve_gpu", "DEFAULT_GPU"]
 
@@ -18,10 +18,11 @@ def _detect() -> GPUSpec | None:
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    name = props.name.lower().replace(" ", "").replace("nvidia", "").replace("geforce", "")
+    name = normalise_gpu_name(props.name).replace("-", "")
+    # the device name contains the family ("a100sxm480gb" contains "a100"); RTX names keep their number
     matches = [spec for spec in GPUS.values()
-               if (spec.name.split("-")[0] if not spec.name.startswith("RTX") else spec.name).lower().replace("-", "")
-               in name.replace("-", "")]
+               if normalise_gpu_name(spec.name if spec.name.startswith("RTX") else spec.name.split("-")[0])
+               .replace("-", "") in name]
     if matches:
         spec = min(matches, key=lambda s: abs(s.memory_bytes - props.total_memory))
         return GPUSpec(**{**spec.__dict__, "memory_bytes": props.total_memory})
