@@ -141,5 +141,5 @@ def test_format_mib_by_hand() -> None:
     from autofit.units import format_mib
 
     assert format_mib(3 * 2**19) == "1.5"  # 1.5 MiB
-    assert format_mib(14_230_810_624) == "13,571.4"  # 14,230,810,624 / 1,048,576 = 13,571.36
+    assert format_mib(14_230_810_624) == "13,571.6"  # 14,230,810,624 / 1,048,576 = 13,571.56
     assert format_mib(2**20, 2) == "1.00"
