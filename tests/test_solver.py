@@ -276,3 +276,26 @@ def test_pareto_front_is_non_dominated_and_sorted() -> None:
                            and (o.peak_bytes, o.seconds) != (c.peak_bytes, c.seconds) for o in cands)
         for c in cands:  # everything off the front is dominated (or a duplicate) by a front member
             assert any(f.peak_bytes <= c.peak_bytes and f.seconds <= c.seconds for f in front)
+
+
+def test_smallest_verified_checks_micro_batch_one_too(monkeypatch) -> None:
+    """The lowest *modelled* peak can be a large micro-batch the model underestimates (Llama-2-7b on a T4: micro-batch
+    32 modelled lowest, verified at 159.77 GiB, while micro-batch 1 verifies at 131.93 GiB). The infeasibility error
+    must name the smallest verified budget, so micro-batch 1 is verified as well."""
+    from autofit.report import MemoryEstimate
+    from autofit.solve import verify as verify_stage
+    from autofit.solve.search import Candidate
+
+    ranked = [Candidate("fp16", 32, 1, 32, (), 100, 1.0), Candidate("fp16", 16, 2, 16, (), 110, 1.1),
+              Candidate("fp16", 8, 4, 8, (), 120, 1.2), Candidate("fp16", 1, 32, 1, (), 130, 3.0)]
+    verified = {32: 160, 16: 150, 8: 140, 1: 132}  # hand-made "full estimates" by micro-batch
+    monkeypatch.setattr(verify_stage, "smallest_peaks", lambda space: ranked)
+    seen = []
+
+    def verify(c):
+        seen.append(c.micro_batch_size)
+        return MemoryEstimate(peak_bytes=verified[c.micro_batch_size], breakdown={"parameters": 1})
+
+    chosen, est = verify_stage.smallest_verified(None, verify)
+    assert (chosen.micro_batch_size, est.device_bytes) == (1, 132)
+    assert seen == [32, 16, 1]  # the two lowest modelled, and micro-batch 1: three simulations, not all of them

@@ -22,7 +22,8 @@ from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpo
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
-__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peak", "pareto_front"]
+__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peak", "smallest_peaks",
+           "pareto_front"]
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,11 @@ def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
     return out
 
 
-def smallest_peak(space: SearchSpace) -> Candidate:
-    """The configuration with the lowest modelled peak: every precision and micro-batch, each with the most freeing
-    checkpoint set. (Micro-batch 1 is not always lowest: accumulation keeps gradients through every micro-batch,
-    which can cost more than the activations it saves when parameters dominate.)"""
-    best = None
+def smallest_peaks(space: SearchSpace) -> list[Candidate]:
+    """Every precision and micro-batch, each with its most freeing checkpoint set, lowest modelled peak first.
+    (Micro-batch 1 is not always lowest: accumulation keeps gradients through every micro-batch, which can cost more
+    than the activations it saves when parameters dominate.)"""
+    found = []
     for precision in space.precisions:
         memory, time = space.memory[precision], space.time[precision]
         for b, k, last in batch_options(space.batch_size):
@@ -137,10 +138,13 @@ def smallest_peak(space: SearchSpace) -> Candidate:
                 chosen = most_freeing_checkpoint(memory.problem(b, k))
                 names = tuple(memory.units[i].name for i in chosen)
             peak = memory.to_device(memory.peak(b, k, names))
-            if best is None or peak < best.peak_bytes:
-                seconds = time.step_time(precision, b, k, names, last).total
-                best = Candidate(precision, b, k, last, names, peak, seconds)
-    return best
+            found.append(Candidate(precision, b, k, last, names, peak, time.step_time(precision, b, k, names, last).total))
+    return sorted(found, key=lambda c: c.peak_bytes)
+
+
+def smallest_peak(space: SearchSpace) -> Candidate:
+    """The configuration with the lowest modelled peak (see :func:`smallest_peaks`)."""
+    return smallest_peaks(space)[0]
 
 
 def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
