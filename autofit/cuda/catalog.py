@@ -98,7 +98,6 @@ def normalise_gpu_name(name: str) -> str:
     return name.lower().replace(" ", "").replace("_", "-").replace("nvidia", "").replace("geforce", "").strip("-")
 
 
-_key = normalise_gpu_name
 
 
 def gpu_spec(name: str) -> GPUSpec:
@@ -109,9 +108,9 @@ def gpu_spec(name: str) -> GPUSpec:
         return name
     if not isinstance(name, str):
         raise InvalidInputError(f"gpu must be a GPU name such as 'A100-80GB', got {type(name).__name__}")
-    wanted = _key(name)
+    wanted = normalise_gpu_name(name)
     for spec_name, spec in GPUS.items():
-        if _key(spec_name) == wanted or _key(spec_name).replace("-", "") == wanted.replace("-", ""):
+        if normalise_gpu_name(spec_name) == wanted or normalise_gpu_name(spec_name).replace("-", "") == wanted.replace("-", ""):
             return spec
     if wanted in _ALIASES:
         return GPUS[_ALIASES[wanted]]
@@ -121,7 +120,7 @@ def gpu_spec(name: str) -> GPUSpec:
 def resolve_alias(name: str) -> tuple[str, tuple[str, ...]] | None:
     """For an alias that stands for several catalog parts ("A100": 40 and 80 GB), the part :func:`gpu_spec` picks
     and the other parts of that family; None for an exact catalog name or a name naming one part only."""
-    wanted = _key(name) if isinstance(name, str) else ""
+    wanted = normalise_gpu_name(name) if isinstance(name, str) else ""
     if wanted not in _ALIASES:
         return None
     picked = _ALIASES[wanted]

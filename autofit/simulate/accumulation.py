@@ -38,10 +38,6 @@ __all__ = ["AccumulationWatch"]
 
 aten = torch.ops.aten
 
-# Private (declared in torch/_C/__init__.pyi; torch/autograd/graph.py uses it too). Without it no accumulation is
-# recognised and the estimate keeps the engine's out-of-place sums (an overestimate), as before this correction.
-_current_autograd_node = current_autograd_node
-
 
 @dataclass(frozen=True)
 class _Pending:
@@ -63,7 +59,7 @@ class AccumulationWatch:
     def before_op(self) -> int:
         """Settle the previous op and return the current node epoch (call first in each dispatch)."""
         self.settle()
-        node = _current_autograd_node()
+        node = current_autograd_node()
         if node is not self._node:
             self._node = node
             self._epoch += 1

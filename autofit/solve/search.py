@@ -22,8 +22,7 @@ from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpo
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
-__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peak", "smallest_peaks",
-           "pareto_front"]
+__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front"]
 
 
 @dataclass(frozen=True)
@@ -140,11 +139,6 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
             peak = memory.to_device(memory.peak(b, k, names))
             found.append(Candidate(precision, b, k, last, names, peak, time.step_time(precision, b, k, names, last).total))
     return sorted(found, key=lambda c: c.peak_bytes)
-
-
-def smallest_peak(space: SearchSpace) -> Candidate:
-    """The configuration with the lowest modelled peak (see :func:`smallest_peaks`)."""
-    return smallest_peaks(space)[0]
 
 
 def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
