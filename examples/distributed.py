@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -106,8 +107,10 @@ def main() -> None:
             loss = box["loss"]
     peak = min(peaks)
     error = 100 * (plan.peak_bytes - peak) / peak
-    print(f"rank {rank}/{world_size} {plan.strategy or 'single'}: loss {loss:.4f}, predicted peak "
-          f"{plan.peak_bytes:,} B, measured {peak:,} B ({error:+.2f} %)", flush=True)
+    # one write per line: the ranks share stdout, and print() writes the text and its newline separately
+    sys.stdout.write(f"rank {rank}/{world_size} {plan.strategy or 'single'}: loss {loss:.4f}, predicted peak "
+                     f"{plan.peak_bytes:,} B, measured {peak:,} B ({error:+.2f} %)\n")
+    sys.stdout.flush()
     if world_size > 1:
         dist.barrier()
         dist.destroy_process_group()
