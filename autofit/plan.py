@@ -9,8 +9,10 @@ from typing import Any
 from torch import nn
 
 from autofit.errors import InvalidInputError, require_int, require_strategy
+from autofit.length import LengthSpec
 from autofit.precision import PrecisionPolicy
 from autofit.report import MemoryEstimate
+from autofit.solve.lengths import rows_for_length
 from autofit.solve.search import Candidate, pareto_front
 from autofit.units import format_bytes, format_mib
 
@@ -59,6 +61,10 @@ class Plan:
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
     clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
     peak_reserved_bytes: int = 0  # ~ max_memory_reserved (0: taken from the estimate)
+    # Variable-length batches (Note [the length of a batch], autofit/length.py): the sample's maximum sizes, and
+    # the rows per micro-batch each length fits, longest first (Note [rows by length], solve/lengths.py).
+    lengths: LengthSpec | None = None
+    rows_by_length: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
@@ -76,6 +82,34 @@ class Plan:
     def peak_allocated_bytes(self) -> int:
         """~ ``torch.cuda.max_memory_allocated()`` (the CPU allocator's peak on the CPU): ``peak_bytes``."""
         return self.peak_bytes
+
+    def micro_batch_size_for(self, shape: int | tuple[int, ...]) -> int:
+        """Rows per micro-batch for a batch of this length: ``shape`` is the length, or the shape of the batch's
+        ``[batch, length, ...]`` tensors (dim 1 is the length). Shorter batches take the entry of the smallest
+        tabulated length at least theirs; a plan without a length (or a batch at full length) gives
+        ``micro_batch_size``. A length over the planned maximum is an error naming both."""
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            length = shape
+        else:
+            try:
+                dims = tuple(int(s) for s in shape)
+            except (TypeError, ValueError) as e:
+                raise InvalidInputError(f"micro_batch_size_for: give a length or a shape, got {shape!r}") from e
+            if len(dims) < 2:
+                raise InvalidInputError(
+                    f"micro_batch_size_for: shape {dims} has no length dim; give (batch, length, ...) or the length"
+                )
+            length = dims[1]
+        require_int("micro_batch_size_for: length", length)
+        longest = self.lengths.length if self.lengths is not None else None
+        if longest is None or not self.rows_by_length:
+            return self.micro_batch_size
+        if length > longest:
+            raise InvalidInputError(
+                f"a batch of length {length} is longer than the plan's maximum {longest} (the sample given to plan() "
+                "is the longest batch): plan with the longest batch you train on, or truncate this one"
+            )
+        return rows_for_length(self.rows_by_length, length)
 
     # ---- the emitted wrapper ---------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer, *, loss_fn=None):
@@ -108,6 +142,11 @@ class Plan:
         data["shard_units"] = list(self.shard_units)
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.frontier]
         data["notes"] = list(self.notes)
+        data["lengths"] = None if self.lengths is None else {
+            "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
+            "length_tensors": list(self.lengths.length_tensors),
+        }
+        data["rows_by_length"] = [list(r) for r in self.rows_by_length]
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -139,6 +178,12 @@ class Plan:
             data["notes"] = tuple(data["notes"])
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"])))
                                      for a in data["frontier"])
+            lengths = data.get("lengths")  # absent from plans written before variable-length batches
+            data["lengths"] = None if lengths is None else LengthSpec(
+                length=lengths["length"], shapes=tuple(tuple(int(d) for d in s) for s in lengths["shapes"]),
+                length_tensors=tuple(bool(b) for b in lengths["length_tensors"]),
+            )
+            data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):
@@ -156,6 +201,10 @@ class Plan:
             ("on the device", f"{fmt(self.device_bytes)} (~ nvidia-smi: reserved + CUDA context; the budget "
                               "applies to this)"),
         ]
+
+    def rows_by_length_text(self) -> str:
+        """``length: rows`` for each tabulated length, longest first (what ``micro_batch_size_for`` reads)."""
+        return ", ".join(f"{n}: {r}" for n, r in self.rows_by_length) + " (length: rows per micro-batch)"
 
     def __str__(self) -> str:
         ckpt = ", ".join(self.checkpoint) if self.checkpoint else "none"
@@ -176,6 +225,8 @@ class Plan:
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
             ("predicted step", f"{self.predicted_step_seconds:.3g} s (model, for ranking)"),
         ]
+        if len(self.rows_by_length) > 1:
+            rows.insert(2, ("rows by length", self.rows_by_length_text()))
         if self.world_size > 1:
             rows.insert(1, ("world size", f"{self.world_size} ({self.strategy})"))
         width = max(len(k) for k, _ in rows)

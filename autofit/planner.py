@@ -1,6 +1,6 @@
 """``autofit.plan``: the pipeline's stages, composed (docs/architecture.md).
 
-    request -> quick path -> analyse -> models -> search + verify -> Plan
+    request -> quick path -> analyse -> models -> search + verify -> rows by length -> Plan
 
 :func:`make_request` validates everything once and resolves the device; the quick path (Note [the quick path],
 solve/quick.py) proves the fastest configuration with one estimate when it fits; otherwise each allowed precision is
@@ -18,12 +18,14 @@ from torch import nn
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.errors import AutofitError, InfeasibleBudgetError, UnsupportedModelError
+from autofit.length import cut_to_length, length_spec
 from autofit.loss import LossFn
 from autofit.plan import Plan, assemble_plan
 from autofit.precision import PrecisionPolicy
 from autofit.report import MemoryEstimate
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.simulate.run import simulate_step
+from autofit.solve.lengths import rows_by_length
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace
@@ -195,13 +197,38 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
 
 def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
              policy_of: dict[str, PrecisionPolicy]) -> Plan:
-    return assemble_plan(
+    plan = assemble_plan(
         found.candidate, found.estimate, found.fitting, budget_bytes=request.budget_bytes,
         batch_size=request.batch_size, world_size=parallel.world_size, strategy=parallel.strategy,
         policy=policy_of[found.candidate.precision], device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
     )
+    return _with_rows_by_length(request, parallel, plan, found.candidate, policy_of[found.candidate.precision])
+
+
+def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, chosen: Candidate,
+                         policy: PrecisionPolicy) -> Plan:
+    """The plan with the rows each shorter length fits (Note [rows by length], solve/lengths.py): full estimates of
+    the winner's precision and recomputed modules on the sample cut to that length. Without a length, or when the
+    whole batch already runs in one micro-batch, there is nothing to tabulate."""
+    spec = length_spec(request.batch, request.target)
+    if spec.length is None or chosen.micro_batch_size >= request.per_rank:
+        return replace(plan, lengths=spec)
+    rows = request.per_rank
+
+    def peak(length: int, micro: int) -> int:
+        steps = -(-rows // micro)
+        c = replace(chosen, micro_batch_size=micro, accumulation_steps=steps,
+                    last_micro_batch_size=rows - micro * (steps - 1))
+        with forward_errors():
+            sim = simulate_step(request.model, cut_to_length(request.batch, spec, length),
+                                cut_to_length(request.target, spec, length), request.loss_fn,
+                                _config(request, parallel, c, policy), device_rules=request.device.simulation_rules)
+        return request.device.estimate(sim).device_bytes
+
+    table = rows_by_length(spec.length, chosen.micro_batch_size, rows, request.budget_bytes, peak)
+    return replace(plan, lengths=spec, rows_by_length=table)
 
 
 def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:

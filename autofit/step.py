@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
     """See Note [checkpoint arguments] and Note [recomputed BatchNorm]."""
     # Always non-reentrant (docs/memory-model.md): it supports keyword arguments, nesting and inputs that need no grad.
     args, kwargs = _copy_containers((args, kwargs))
+    args, kwargs = _without_kv_cache(forward, args, kwargs)
     runs = itertools.count()
 
     def run(args: tuple, kwargs: dict):
@@ -148,6 +150,23 @@ def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
     # given by keyword would leave a CUDA dropout mask unrestored in the recomputation; and it takes keywords named
     # debug, context_fn, determinism_check or preserve_rng_state as its own.
     return _checkpoint(run, args, kwargs, use_reentrant=False)
+
+
+_KV_CACHE_KEYWORDS = ("past_key_values", "layer_past")
+
+
+def _without_kv_cache(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """See Note [checkpoint arguments]: a recomputed layer is not given the KV cache, which it would update twice.
+    The cache may come by keyword (GPT-2's attention) or by position (GPT2Model calls each block with it second)."""
+    try:
+        names = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):  # a builtin or C forward: no named cache to drop
+        names = []
+    args = tuple(None if i < len(names) and names[i] in _KV_CACHE_KEYWORDS else a for i, a in enumerate(args))
+    kwargs = {k: None if k in _KV_CACHE_KEYWORDS else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 @contextlib.contextmanager
@@ -175,7 +194,12 @@ def _running_stats_frozen(module: torch.nn.Module) -> Iterator[None]:
 #     snapshot, in case the module itself mutates its arguments. Only containers are copied: the leaves, tensors
 #     among them, are the same objects, so no tensor memory is added, and the simulation, which runs this same
 #     wrapper, sees exactly what the real step allocates. Leaves that are not containers (an object with state)
-#     are not copied.
+#     are not copied. One such object is a Hugging Face KV cache (``DynamicCache``, which GPT-2 and others create in
+#     training when ``config.use_cache`` is True): each layer appends its keys and values to it, so the recomputation
+#     would append them again and attend over twice the length. Training never reads the cache, and transformers'
+#     own checkpointed layers drop it (transformers/modeling_layers.py, ``GradientCheckpointingLayer.__call__``:
+#     ``use_cache=False``, ``past_key_values=None``, ``layer_past=None`` under gradient checkpointing); a
+#     checkpointed module here is called the same way.
 
 # Note [recomputed BatchNorm]
 #     A BatchNorm in training mode updates its running statistics in place on every forward

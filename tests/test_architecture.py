@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(__file__).parents[1] / "autofit"
 # this list, never one below: values flow down the pipeline, callables are passed in, not imported back.
 LAYERS: list[set[str]] = [
     {"_torch", "errors", "units", "categories"},  # foundations: the torch boundary, typed errors, byte units
-    {"batch", "loss", "optim", "precision", "report"},  # the request's values and the estimate's
+    {"batch", "length", "loss", "optim", "precision", "report"},  # the request's values and the estimate's
     {"step", "strategy", "normalisation"},  # what one training step is, shared by simulate, measure and the trainer
     {"corrections"},  # fake kernels corrected to the CPU's (shared by capture and simulate)
     {"capture"},  # 1. model copies and the traced graph

@@ -104,6 +104,23 @@ class DistributedTrainer(Trainer):
         dist.all_reduce(total)
         return int(total.item()), self.world_size
 
+    def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
+        """Every rank runs the same number of micro-batches: DDP broadcasts buffers and FSDP2 gathers parameters in
+        each forward, so a rank that ran fewer would leave the others waiting. A rank whose batch is shorter (more
+        rows fit) than another's splits its rows evenly into the larger count, never more rows than fit."""
+        own = super()._bounds(batch_rows, rows)
+        count = torch.tensor([len(own)], dtype=torch.int64, device=next(iter(self.model.parameters())).device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        n = int(count.item())
+        if n == len(own):
+            return own
+        if batch_rows < n:
+            raise InvalidInputError(
+                f"this rank has {batch_rows} rows but another rank's batch needs {n} micro-batches: give every rank "
+                "at least as many rows as the longest batch's micro-batches (or batches of similar length per step)"
+            )
+        return [(i * batch_rows // n, (i + 1) * batch_rows // n) for i in range(n)]
+
     def _micro_batch(self, *, last: bool):
         if last:
             return contextlib.nullcontext()

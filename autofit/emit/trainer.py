@@ -1,7 +1,9 @@
 """The training wrapper a plan emits: it runs exactly the step the estimate simulated.
 
-``trainer.step(inputs, target)`` splits the batch into micro-batches of ``plan.micro_batch_size`` (the last one may
-be shorter), moves each to the device of the model's parameters, runs it through
+``trainer.step(inputs, target)`` splits the batch into micro-batches of ``plan.micro_batch_size_for`` its length
+(``plan.micro_batch_size`` at the sample's length, more rows for a shorter batch, see Note [rows by length] in
+autofit/solve/lengths.py; the last one may be shorter); a batch longer than the sample given to ``plan()`` is refused
+before anything runs (Note [the length of a batch], autofit/length.py). It moves each to the device of the model's parameters, runs it through
 :func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
 mean loss over the whole batch (n_i counts rows, or the items a token-mean loss averages over: See Note [loss
 normalisation] in autofit/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
@@ -22,6 +24,7 @@ from torch import nn
 from autofit._torch import BatchNormBase
 from autofit.batch import Batch, as_batch
 from autofit.errors import InvalidInputError
+from autofit.length import batch_length
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation, count_items, item_counter
 from autofit.optim import OptimizerSpec
@@ -76,6 +79,7 @@ class Trainer:
         self._patch = patched_model(getattr(self, "_inner", model), self.config, self.device_type)
         self._patch.__enter__()
         self._active = True
+        self.micro_batches = 0  # how many micro-batches the last step ran (fewer for shorter batches)
 
     def step(self, inputs: Any, target: Any = None) -> float:
         """One optimizer step over one batch; returns the batch's mean loss (over rows, or over the items a
@@ -88,8 +92,8 @@ class Trainer:
             raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
         batch, target_batch = self._shard(batch, target_batch)
         device = _parameter_device(self.model)
-        size = self.plan.micro_batch_size
-        bounds = [(start, min(start + size, batch.size)) for start in range(0, batch.size, size)]
+        bounds = self._bounds(batch.size, self._rows_for(batch, target_batch))
+        self.micro_batches = len(bounds)
         norm = self._normalisation(batch, target_batch, bounds)
         losses = []
         for i, (start, stop) in enumerate(bounds):
@@ -112,7 +116,18 @@ class Trainer:
         total, ranks = self._across_ranks(sum(counts))
         return LossNormalisation("rows" if counter is None else "items", counts, total, ranks)
 
+    def _rows_for(self, batch: Batch, target: Batch | None) -> int:
+        """Rows per micro-batch at this batch's length; a longer batch is refused here, before anything runs."""
+        if self.plan.lengths is None:  # a plan written before variable-length batches: its one size
+            return self.plan.micro_batch_size
+        length = batch_length(self.plan.lengths, batch, target)
+        return self.plan.micro_batch_size if length is None else self.plan.micro_batch_size_for(length)
+
     # ---- hooks the distributed trainer overrides ---------------------------------------------------------------
+    def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
+        """The micro-batches' row ranges: ``rows`` each, the last one takes the rest (as the plan simulated)."""
+        return [(start, min(start + rows, batch_rows)) for start in range(0, batch_rows, rows)]
+
     def _shard(self, batch, target):
         """The rows this process trains on (all of them without data parallelism)."""
         return batch, target

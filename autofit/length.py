@@ -1,0 +1,104 @@
+"""Variable-length batches: which sizes of a batch are its "length", and how a batch is cut to a shorter one.
+
+See Note [the length of a batch].
+
+Note [the length of a batch]
+    The sample given to ``plan()`` is the longest batch the user trains on: its non-batch sizes are the maxima. Its
+    *length* is dim 1 of its 2-D and 3-D batch tensors (token ids, attention masks and labels are ``[batch,
+    length]``; frame features ``[batch, length, features]``): the largest such size, ``L``. Every batch tensor whose
+    dim 1 equals ``L`` is a length tensor and is cut together with the others. Tensors of 4 dims or more (images,
+    ``[batch, channels, height, width]``) and 1-D tensors (a label per row) have no length; a sample without a
+    length tensor has no length, and the plan then holds one micro-batch size for every batch.
+
+    A batch the trainer is given may be shorter: each of its tensors must have the sample's number of dims and
+    non-batch sizes at most the sample's, and its length is dim 1 of the tensors at the positions of the sample's
+    length tensors. A longer batch, or one of another structure, is refused (:func:`batch_length`): the plan cannot
+    promise that it fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autofit._torch import pytree
+from autofit.batch import Batch
+from autofit.errors import InvalidInputError
+
+__all__ = ["LengthSpec", "batch_length", "cut_to_length", "length_spec"]
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """The sample's maximum sizes: ``length`` (None: no length tensor) and the non-batch shape of each batch
+    tensor of the inputs, then of the target, in pytree leaf order; ``length_tensors`` marks those cut together."""
+
+    length: int | None
+    shapes: tuple[tuple[int, ...], ...]
+    length_tensors: tuple[bool, ...]
+
+
+def _batch_leaves(batch: Batch | None) -> list[torch.Tensor]:
+    if batch is None:
+        return []
+    leaves = pytree.tree_leaves((batch.args, batch.kwargs))
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == batch.size]
+
+
+def _has_length(t: torch.Tensor) -> bool:
+    return t.dim() in (2, 3)
+
+
+def length_spec(batch: Batch, target: Batch | None) -> LengthSpec:
+    """The sample's maximum sizes (See Note [the length of a batch])."""
+    leaves = _batch_leaves(batch) + _batch_leaves(target)
+    lengths = [int(t.shape[1]) for t in leaves if _has_length(t)]
+    length = max(lengths) if lengths else None
+    return LengthSpec(
+        length=length,
+        shapes=tuple(tuple(int(s) for s in t.shape[1:]) for t in leaves),
+        length_tensors=tuple(length is not None and _has_length(t) and t.shape[1] == length for t in leaves),
+    )
+
+
+def cut_to_length(batch: Batch | None, spec: LengthSpec, length: int) -> Batch | None:
+    """``batch`` (shaped like the sample) with every length tensor cut to its first ``length`` positions."""
+    if batch is None or spec.length is None or length == spec.length:
+        return batch
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and _has_length(t) and t.shape[0] == batch.size and t.shape[1] == spec.length:
+            return t[:, :length].contiguous()
+        return t
+
+    args, kwargs = pytree.tree_map(cut, (batch.args, batch.kwargs))
+    return Batch(args, kwargs, batch.size, batch.kind)
+
+
+def batch_length(spec: LengthSpec, batch: Batch, target: Batch | None) -> int | None:
+    """The length of a batch the trainer is given, checked against the sample's maxima: a typed error naming both
+    shapes when the batch is longer or shaped otherwise (See Note [the length of a batch])."""
+    leaves = _batch_leaves(batch) + _batch_leaves(target)
+    got = tuple(tuple(int(s) for s in t.shape[1:]) for t in leaves)
+    if len(got) != len(spec.shapes) or any(len(g) != len(s) for g, s in zip(got, spec.shapes)):
+        raise InvalidInputError(
+            f"this batch's tensors have non-batch shapes {_shapes(got)} but the plan was made for {_shapes(spec.shapes)}:"
+            " give batches with the same tensors as the sample given to plan()"
+        )
+    over = [(g, s) for g, s in zip(got, spec.shapes) if any(a > b for a, b in zip(g, s))]
+    if over:
+        g, s = over[0]
+        raise InvalidInputError(
+            f"batch is longer than the plan allows: a tensor of non-batch shape {g} against the planned maximum {s} "
+            f"(all: {_shapes(got)} against {_shapes(spec.shapes)}); plan() with the longest batch you train on, or "
+            "truncate this one"
+        )
+    if spec.length is None:
+        return None
+    return max(g[0] for g, is_length in zip(got, spec.length_tensors) if is_length)
+
+
+def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return ", ".join(str(tuple(s)) for s in shapes)

@@ -1,0 +1,81 @@
+"""Rows per micro-batch at shorter lengths: the plan's table for variable-length batches.
+
+See Note [rows by length] and, for what "length" means, Note [the length of a batch] in autofit/length.py.
+
+Note [rows by length]
+    The planner chooses its configuration at the sample's length ``L`` (the longest batch). A batch of length
+    ``l < L`` holds fewer bytes per row, so more rows fit in one micro-batch and the batch runs in fewer of them.
+    After the winner is chosen, the table gives the rows per micro-batch at ``L/2``, ``L/4`` and ``L/8``, with the
+    same precision and recomputed modules, each checked by a full estimate against the budget:
+    - at a fixed row count the peak does not grow as the length falls (every activation, input and attention
+      matrix is at most as long), so the rows found at a longer length are a floor for every shorter one;
+    - the first guess is ``rows(L) * L / l`` (activations linear in length, as with flash or memory-efficient
+      attention), capped at the batch; when it misses, the floor is estimated too and the next try is where the
+      line through the two meets the budget (at a fixed length the peak is close to linear in the rows), four full
+      estimates at most, and the floor when those find nothing larger. A quadratic (math) attention path only makes the
+      shorter batch cheaper than the guess assumes, so the guess stays on the safe side of the real peak: each
+      entry is what a simulation showed, never extrapolated.
+    A batch of length ``l`` takes the entry of the smallest tabulated length ``>= l``, so it never runs more rows
+    than were shown to fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+__all__ = ["DIVISORS", "table_lengths", "rows_by_length", "rows_for_length"]
+
+DIVISORS = (2, 4, 8)  # the table's lengths: L/2, L/4, L/8 (and L itself)
+_TRIES = 4  # full estimates per length at most
+
+
+def table_lengths(length: int) -> tuple[int, ...]:
+    """The lengths the table holds, longest first: L, then ceil(L/2), ceil(L/4), ceil(L/8) (distinct)."""
+    return tuple(dict.fromkeys([length, *(math.ceil(length / d) for d in DIVISORS)]))
+
+
+def rows_by_length(length: int, micro_batch_size: int, batch_rows: int, budget: int,
+                   peak: Callable[[int, int], int]) -> tuple[tuple[int, int], ...]:
+    """``((l, rows), ...)`` longest first, from ``(L, micro_batch_size)``; ``peak(l, rows)`` is the device bytes of
+    a full estimate, checked against ``budget`` (See Note [rows by length])."""
+    table = [(length, micro_batch_size)]
+    for short in table_lengths(length)[1:]:
+        floor = table[-1][1]  # fits at a longer length, so here too
+        guess = min(batch_rows, micro_batch_size * length // short)
+        table.append((short, _largest_fitting(short, floor, guess, budget, peak)))
+    return tuple(table)
+
+
+def _largest_fitting(length: int, floor: int, guess: int, budget: int, peak: Callable[[int, int], int]) -> int:
+    """The largest rows in ``[floor, guess]`` an estimate shows to fit, with at most ``_TRIES`` estimates: the guess,
+    then the floor, then where the line through the last two estimates meets the budget (the peak is close to
+    linear in the rows at a fixed length), until one fits."""
+    if guess <= floor:
+        return floor
+    over = (guess, peak(length, guess))
+    if over[1] <= budget:
+        return guess
+    below = (floor, peak(length, floor))
+    for _ in range(_TRIES - 2):
+        if below[1] > budget or over[0] - below[0] <= 1:
+            break
+        slope = (over[1] - below[1]) / (over[0] - below[0])
+        rows = min(over[0] - 1, below[0] + int((budget - below[1]) / slope))
+        if rows <= below[0]:
+            break
+        point = (rows, peak(length, rows))
+        if point[1] <= budget:
+            below = point
+        else:
+            over = point
+    return below[0] if below[1] <= budget else floor
+
+
+def rows_for_length(table: tuple[tuple[int, int], ...], length: int) -> int:
+    """The rows of the smallest tabulated length ``>= length`` (the table is longest first)."""
+    rows = table[0][1]
+    for tabulated, r in table:
+        if tabulated >= length:
+            rows = r
+    return rows
