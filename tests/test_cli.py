@@ -136,3 +136,25 @@ def test_spec_helpers():
         parse_shape("3,0")
     with pytest.raises(InvalidInputError, match="MODEL"):
         load_spec("just-a-name")
+
+
+def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
+    """The rows-per-micro-batch table at 1/8, 1/4, 1/2 and the full length (Note [rows by length]); its figures are
+    the plan's own (the library's table is checked against the allocator in tests/test_variable_length.py)."""
+    pytest.importorskip("transformers")
+    spec = ["hf:gpt2", "--config", "n_layer=1", "--config", "n_embd=32", "--config", "n_head=2",
+            "--config", "vocab_size=100", "--input-shape", "64", "--batch-size", "16", "--device", "cpu",
+            "--precision", "fp32"]
+    loose = _plan(*spec, "--budget", "1GB", "--json")
+    assert loose.exit_code == 0, loose.output
+    full = autofit.Plan.from_json(loose.stdout[loose.stdout.index("{"):])
+    assert full.micro_batch_size == 16 and full.rows_by_length == ()  # one micro-batch: nothing to tabulate
+    tight = _plan(*spec, "--budget", str(full.device_bytes // 4), "--json")
+    assert tight.exit_code == 0, tight.output
+    plan = autofit.Plan.from_json(tight.stdout[tight.stdout.index("{"):])
+    assert plan.micro_batch_size < 16 and [n for n, _ in plan.rows_by_length] == [64, 32, 16, 8]
+    shown = _plan(*spec, "--budget", str(full.device_bytes // 4))
+    assert "rows per micro-batch by length" in shown.stdout
+    for length, rows in plan.rows_by_length:
+        assert any(line.split()[:1] == [str(length)] and str(rows) in line.split() for line in
+                   shown.stdout.replace("│", " ").splitlines()), (length, rows, shown.stdout)

@@ -119,12 +119,27 @@ def frontier_table(plan: Plan) -> Table:
     return table
 
 
+def lengths_table(plan: Plan) -> Table:
+    """Rows per micro-batch at shorter lengths (Note [rows by length], autofit/solve/lengths.py)."""
+    table = Table(title="rows per micro-batch by length (shorter batches)", title_justify="left")
+    for column in ("length", "of the sample's", "rows per micro-batch", "micro-batches per batch"):
+        table.add_column(column, justify="right")
+    longest = plan.rows_by_length[0][0]
+    per_rank = plan.batch_size // plan.world_size
+    for length, rows in plan.rows_by_length:
+        share = "1" if length == longest else f"1/{round(longest / length)}"
+        table.add_row(str(length), share, str(rows), str(-(-per_rank // rows)))
+    return table
+
+
 def render_plan(console: Console, plan: Plan, model_description: str, layers: LayerTable | None) -> None:
     # the model's description is a line of its own: as the table's title it would wrap at the table's width
     console.print(f"[bold]model:[/] {model_description}", soft_wrap=True, highlight=False)
     parts = [knobs_table(plan, model_description), breakdown_table(plan)]
     if layers is not None:
         parts.append(layers_table(layers, plan.micro_batch_size))
+    if len(plan.rows_by_length) > 1:
+        parts.append(lengths_table(plan))
     if plan.frontier:
         parts.append(frontier_table(plan))
     console.print(Group(*parts))
