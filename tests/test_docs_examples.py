@@ -28,6 +28,7 @@ EXPECTED = {
     "custom_loop.py": ["epoch 2: mean loss", "unwrapped: 0 modules still patched"],
     "distributed.py": ["autofit plan", "rank 0/1 single: loss"],  # one process here; tests/test_distributed.py runs 2
     "factories.py": ["small_cnn: micro-batch", "tiny_lm: micro-batch"],
+    "variable_length.py": ["rows by length", "1 micro-batch(es) of up to", "length-adapted:"],
 }
 
 
