@@ -4,11 +4,13 @@ See Note [the length of a batch].
 
 Note [the length of a batch]
     The sample given to ``plan()`` is the longest batch the user trains on: its non-batch sizes are the maxima. Its
-    *length* is dim 1 of its 2-D and 3-D batch tensors (token ids, attention masks and labels are ``[batch,
-    length]``; frame features ``[batch, length, features]``): the largest such size, ``L``. Every batch tensor whose
-    dim 1 equals ``L`` is a length tensor and is cut together with the others. Tensors of 4 dims or more (images,
-    ``[batch, channels, height, width]``) and 1-D tensors (a label per row) have no length; a sample without a
-    length tensor has no length, and the plan then holds one micro-batch size for every batch.
+    *length* ``L`` is dim 1 of its 2-D integer or boolean batch tensors, the token sequences (ids, attention masks,
+    labels: ``[batch, length]``), the largest if they differ. A 2-D float tensor alone is not a sequence (``[batch,
+    features]`` is the input of an MLP), nor is a 3-D one (``[batch, channels, time]`` for a 1-D convolution has its
+    length in dim 2). Once ``L`` is known, every 2-D or 3-D batch tensor whose dim 1 equals ``L`` (a float mask,
+    ``inputs_embeds`` ``[batch, length, hidden]``) is a length tensor too, and all are cut together. A sample
+    without a token sequence (images, feature vectors, float-only audio features) has no length, and the plan holds
+    one micro-batch size for every batch.
 
     A batch the trainer is given may be shorter: each of its tensors must have the sample's number of dims and
     non-batch sizes at most the sample's, and its length is dim 1 of the tensors at the positions of the sample's
@@ -51,10 +53,15 @@ def _has_length(t: torch.Tensor) -> bool:
     return t.dim() in (2, 3)
 
 
+def _is_sequence(t: torch.Tensor) -> bool:
+    """Token ids, masks or labels: ``[batch, length]`` of integers or booleans."""
+    return t.dim() == 2 and not t.is_floating_point() and not t.is_complex()
+
+
 def length_spec(batch: Batch, target: Batch | None) -> LengthSpec:
     """The sample's maximum sizes (See Note [the length of a batch])."""
     leaves = _batch_leaves(batch) + _batch_leaves(target)
-    lengths = [int(t.shape[1]) for t in leaves if _has_length(t)]
+    lengths = [int(t.shape[1]) for t in leaves if _is_sequence(t)]
     length = max(lengths) if lengths else None
     return LengthSpec(
         length=length,

@@ -122,6 +122,10 @@ def test_length_rule_cuts_ids_masks_and_labels_together_and_leaves_images_alone(
     assert short.kwargs["input_ids"].shape == (4, 3) and short.kwargs["attention_mask"].shape == (4, 3)
     assert short.kwargs["pixel_values"].shape == (4, 3, 10, 10)
     assert length_spec(as_batch(torch.zeros(2, 3, 8, 8)), None).length is None  # images: no length
+    assert length_spec(as_batch(torch.zeros(2, 6)), None).length is None  # an MLP's [batch, features]: no length
+    assert length_spec(as_batch(torch.zeros(2, 6, 100)), None).length is None  # [batch, channels, time]: none
+    embeds = length_spec(as_batch({"inputs_embeds": torch.zeros(2, 7, 4), "labels": torch.zeros(2, 7).long()}), None)
+    assert embeds.length == 7 and embeds.length_tensors == (True, True)
     assert batch_length(spec, short, None) == 3
 
 
