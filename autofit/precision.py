@@ -4,6 +4,8 @@
 own op lists decide what runs in low precision (matmuls, convolutions) and what stays in fp32 (softmax, norms, losses).
 A policy can pin modules to fp32: their forward runs with autocast disabled and floating inputs cast back to fp32.
 fp16 needs loss scaling (``torch.amp.GradScaler``); bf16 does not (same exponent range as fp32).
+``stored`` is the other half: the dtype parameters, gradients and optimizer state are kept in between steps, with or
+without an fp32 master copy (See Note [stored precision] in autofit/stored.py).
 """
 
 from __future__ import annotations
@@ -14,18 +16,32 @@ import torch
 
 from autofit.errors import InvalidInputError
 
-__all__ = ["PrecisionPolicy", "as_policy", "PRECISION_NAMES"]
+__all__ = ["PrecisionPolicy", "as_policy", "PRECISION_NAMES", "STORED_NAMES", "stored_dtype"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_NAMES = tuple(_DTYPES)
 
+# Stored precisions, from the highest (the least risk) to the lowest: the planner prefers the first that fits.
+# Pure fp16 is not one of them (Note [stored precision]).
+_STORED_DTYPES = {"fp32": torch.float32, "bf16-master": torch.bfloat16, "fp16-master": torch.float16,
+                  "bf16": torch.bfloat16}
+STORED_NAMES = tuple(_STORED_DTYPES)
+_STORED_COMPUTE = {"bf16-master": "bf16", "fp16-master": "fp16", "bf16": "bf16"}  # the autocast each one needs
+
+
+def stored_dtype(stored: str) -> torch.dtype:
+    """The dtype of the parameters (and their gradients) under the stored precision ``stored``."""
+    return _STORED_DTYPES[stored]
+
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
-    """``name`` is "fp32", "bf16" or "fp16"; ``fp32_modules`` are qualified module names kept out of autocast."""
+    """``name`` is "fp32", "bf16" or "fp16"; ``fp32_modules`` are qualified module names kept out of autocast;
+    ``stored`` is the stored precision (None: as the model was built; else one of :data:`STORED_NAMES`)."""
 
     name: str = "fp32"
     fp32_modules: tuple[str, ...] = field(default_factory=tuple)
+    stored: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _DTYPES:
@@ -33,6 +49,29 @@ class PrecisionPolicy:
                 f"PrecisionPolicy.name: unknown precision {self.name!r}; use one of {', '.join(PRECISION_NAMES)}"
             )
         object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
+        if self.stored is None:
+            return
+        if self.stored == "fp16":
+            raise InvalidInputError(
+                "PrecisionPolicy.stored='fp16' (pure fp16) is not offered: fp16 updates underflow without an fp32 "
+                "master copy; use stored='fp16-master'"
+            )
+        if self.stored not in _STORED_DTYPES:
+            raise InvalidInputError(
+                f"PrecisionPolicy.stored: unknown stored precision {self.stored!r}; use None (as loaded) or one of "
+                f"{', '.join(STORED_NAMES)}"
+            )
+        needs = _STORED_COMPUTE.get(self.stored)
+        if needs is not None and self.name != needs:
+            raise InvalidInputError(
+                f"stored precision {self.stored!r} keeps {needs} parameters, which need {needs} autocast: use "
+                f"PrecisionPolicy(name={needs!r}, stored={self.stored!r})"
+            )
+
+    @property
+    def label(self) -> str:
+        """The compute precision, and the stored one when it is set: how plans and tables name this policy."""
+        return self.name if self.stored is None else f"{self.name}/{self.stored}"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -48,7 +87,12 @@ class PrecisionPolicy:
 
     def __str__(self) -> str:
         pinned = f", fp32 modules: {', '.join(self.fp32_modules)}" if self.fp32_modules else ""
-        return f"{self.name}{' autocast' if self.autocast else ''}{pinned}"
+        stored = "" if self.stored is None else f", stored {_STORED_TEXT[self.stored]}"
+        return f"{self.name}{' autocast' if self.autocast else ''}{stored}{pinned}"
+
+
+_STORED_TEXT = {"fp32": "fp32", "bf16-master": "bf16 with fp32 master copy",
+                "fp16-master": "fp16 with fp32 master copy", "bf16": "pure bf16 (parameters, gradients, state)"}
 
 
 def as_policy(precision: str | PrecisionPolicy) -> PrecisionPolicy:

@@ -37,6 +37,7 @@ from autofit.errors import (
 from autofit.loss import LossFn, compute_loss
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy, as_policy
+from autofit.stored import StoredState
 
 __all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
            "forward_errors"]
@@ -283,11 +284,15 @@ def run_micro_batch(
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, *,
-                   clip_grad_norm: float | None = None) -> None:
+                   clip_grad_norm: float | None = None, stored: StoredState | None = None) -> None:
     """Clip (optionally), step, zero the gradients. Clipping follows the AMP recipe (PyTorch "Automatic Mixed
     Precision examples", "Gradient clipping"): ``scaler.unscale_`` first, so the norm is that of the true gradients;
     ``scaler.step`` then does not unscale again. ``clip_grad_norm_`` picks its own implementation (foreach where
-    ``torch/utils/_foreach_utils.py::_has_foreach_support`` allows, as on CUDA)."""
+    ``torch/utils/_foreach_utils.py::_has_foreach_support`` allows, as on CUDA). With an fp32 master copy
+    (``stored``, Note [stored precision]) the gradients move to the master copy first, so unscaling, clipping and the
+    step all see fp32, and the stepped master copy is copied back into the parameters last."""
+    if stored is not None:
+        stored.before_step()
     if clip_grad_norm is not None:
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -299,6 +304,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if stored is not None:
+        stored.after_step()
 
 
 # Frames of ``Module.__call__``: while an exception unwinds, its traceback still holds one per module call it left.

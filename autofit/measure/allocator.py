@@ -24,6 +24,7 @@ from autofit.categories import Category
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
 from autofit.report import Measurement
+from autofit.stored import apply_stored
 from autofit.step import (
     StepConfig,
     new_grad_scaler,
@@ -44,8 +45,11 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | None) -> dict[Category, int]:
+def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | None,
+                 stored=None) -> dict[Category, int]:
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if stored is not None:  # the fp32 master copy (Note [stored precision])
+        state += stored.master_tensors()
     if scaler is not None and scaler.is_enabled():
         state += grad_scaler_state(scaler)
     inputs = micro.tensors() + (micro_target.tensors() if micro_target is not None else [])
@@ -72,6 +76,7 @@ def measure_step(
     micro_target = None if target is None else target.map_tensors(lambda t: t.to(device)).resize(
         config.micro_batch_size)
     optimizer = config.optimizer.build(work.parameters())
+    stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
     scaler = new_grad_scaler(config, device.type)
 
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
@@ -80,12 +85,12 @@ def measure_step(
         for i in range(config.accumulation_steps):
             run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                             scaler=scaler)
-        optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm)
+        optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored)
 
     with patched_model(work, config, device.type):
         window()  # warm-up: optimizer state now exists, as in the steady state
         gc.collect()
-        before = _live_before(work, optimizer, scaler, micro, micro_target)
+        before = _live_before(work, optimizer, scaler, micro, micro_target, stored)
         base = sum(before.values())
         if device.type == "cuda":
             # the allocator's own figures: every block of the process, rounded, the cuBLAS workspace included

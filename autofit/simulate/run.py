@@ -85,6 +85,7 @@ from autofit.step import (
     patched_model,
     run_micro_batch,
 )
+from autofit.stored import apply_stored
 from autofit.strategy import apply_fsdp2
 
 __all__ = ["Simulation", "simulate_step", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
@@ -169,12 +170,15 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         if target is not None:
             micro_target = target.map_tensors(to_sim).resize(config.micro_batch_size)
         optimizer = config.optimizer.build(work.parameters())
+        # stored precision: the parameters converted and, with a master copy, the optimizer on fp32 copies of them,
+        # exactly as the trainer does (Note [stored precision])
+        stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
-        _create_optimizer_state(work, optimizer, scaler)
+        _create_optimizer_state(work, optimizer, scaler, stored)
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
         tracker = StepTracker(prober=prober)
-        _register_state(tracker, work, optimizer, scaler, micro, micro_target)
+        _register_state(tracker, work, optimizer, scaler, micro, micro_target, stored)
         for bucket in buckets:
             tracker.register(bucket, Category.GRADIENTS)
         held = _held_rows(micro, micro_target, config)  # the rest of the batch the trainer slices from
@@ -190,7 +194,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 stack.enter_context(tracker)
                 stack.enter_context(observe)
-                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster)
+                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored)
         finally:
             for h in handles:
                 h.remove()
@@ -230,11 +234,13 @@ def _tracked_rng_state(fake: bool) -> Iterator[None]:
         yield
 
 
-def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
+def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, stored=None) -> None:
     """Steady state: one optimizer step over zero gradients creates every piece of state a real step would."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+    if stored is not None:
+        stored.before_step()
     if scaler is not None:
         scaler.scale(torch.ones((), device="cpu"))  # creates the scale tensor
         scaler.unscale_(optimizer)
@@ -243,9 +249,11 @@ def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if stored is not None:
+        stored.after_step()
 
 
-def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target) -> None:
+def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target, stored=None) -> None:
     for p in model.parameters():
         tracker.register(p, Category.PARAMETERS)
     for b in model.buffers():
@@ -258,6 +266,9 @@ def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch
                 tracker.register(value, Category.OPTIMIZER_STATE)
     if scaler is not None:
         for value in grad_scaler_state(scaler):
+            tracker.register(value, Category.OPTIMIZER_STATE)
+    if stored is not None:  # the fp32 master copy is the optimizer's (Note [stored precision])
+        for value in stored.master_tensors():
             tracker.register(value, Category.OPTIMIZER_STATE)
     for t in micro.tensors():
         tracker.register(t, Category.INPUTS)
@@ -276,7 +287,7 @@ def _held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> 
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
-                caster=None) -> None:
+                caster=None, stored=None) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
@@ -314,18 +325,19 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm)
+    optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored)
     tracker.phase = Phase.SETUP
-    _drop_phantom_state(tracker, model, optimizer, received_grad)
+    _drop_phantom_state(tracker, model, optimizer, received_grad, stored)
 
 
-def _drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: set[int]) -> None:
+def _drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: set[int], stored=None) -> None:
     """State created by the zero-gradient warm-up for parameters that never get a gradient does not exist in a real
     run (optimizers skip parameters whose grad is None); it was alive all step, so removing it is exact."""
     for p in model.parameters():
-        if id(p) in received_grad or p not in optimizer.state:
+        key = p if stored is None else stored.state_key(p)
+        if id(p) in received_grad or key not in optimizer.state:
             continue
-        for value in optimizer.state[p].values():
+        for value in optimizer.state[key].values():
             if isinstance(value, torch.Tensor):
                 sid = tracker.sid_of(value)
                 if sid is not None:
