@@ -128,7 +128,8 @@ class Plan:
     # ---- serialisation (plain JSON; loading runs no code) -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules)}
+        data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
+                             "stored": self.precision.stored}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
         data["estimate"] = {
             "peak_bytes": self.estimate.peak_bytes, "device_bytes": self.estimate.device_bytes,
@@ -172,7 +173,8 @@ class Plan:
                 method=est["method"], notes=tuple(est["notes"]),
             )
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
-                                                fp32_modules=tuple(data["precision"]["fp32_modules"]))
+                                                fp32_modules=tuple(data["precision"]["fp32_modules"]),
+                                                stored=data["precision"].get("stored"))
             data["checkpoint"] = tuple(data["checkpoint"])
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["notes"] = tuple(data["notes"])

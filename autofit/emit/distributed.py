@@ -43,6 +43,11 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None) -> None:
+        if plan.precision.stored not in (None, "fp32"):
+            raise InvalidInputError(
+                f"stored precision {plan.precision.stored!r} is planned for one process only; with DDP or FSDP2 use "
+                "stored=None (FSDP2's own MixedPrecisionPolicy keeps fp32 sharded parameters)"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidInputError(
                 f"this plan is for {plan.world_size} processes ({plan.strategy}): call "

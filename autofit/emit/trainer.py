@@ -35,6 +35,7 @@ from autofit.step import (
     patched_model,
     run_micro_batch,
 )
+from autofit.stored import apply_stored
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -76,6 +77,10 @@ class Trainer:
                 "the whole batch, so training differs from one large batch (consider GroupNorm/LayerNorm or "
                 "SyncBatchNorm semantics, or a budget that fits the batch at once)", stacklevel=2,
             )
+        # stored precision: parameters converted in place, the optimizer on fp32 master copies (Note [stored
+        # precision]); unwrap() undoes both
+        self._stored = apply_stored(getattr(self, "_inner", model), optimizer, plan.precision.stored,
+                                    plan.precision.fp32_modules)
         self._patch = patched_model(getattr(self, "_inner", model), self.config, self.device_type)
         self._patch.__enter__()
         self._active = True
@@ -106,7 +111,7 @@ class Trainer:
                                        self.device_type, weight=norm.weight(i), scaler=self.scaler)
             losses.append(float(loss))
             del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
-        optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm)
+        optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm, stored=self._stored)
         return norm.local_mean(losses)
 
     def _normalisation(self, batch: Batch, target: Batch | None, bounds: list[tuple[int, int]]) -> LossNormalisation:
@@ -141,9 +146,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     def unwrap(self) -> nn.Module:
-        """Undo the plan's patches (checkpointing, fp32 pins); the model is as it was before ``wrap``."""
+        """Undo the plan's patches (checkpointing, fp32 pins) and its stored precision: parameters back in their
+        dtype (from the fp32 master copy when the plan keeps one; after pure bf16 their values stay rounded to bf16),
+        the optimizer back on the parameters with its state in their dtype. The model is as before ``wrap``, trained."""
         if self._active:
             self._patch.__exit__(None, None, None)
+            if self._stored is not None:
+                self._stored.restore()
             self._active = False
         return self.model
 
