@@ -37,6 +37,16 @@ class OptimizerSpec:
             )
         return optimizer
 
+    def state_values_per_parameter(self) -> int:
+        """Parameter-sized tensors of state the optimizer keeps per parameter (AdamW 2, SGD with momentum 1), read
+        off one real step over a small parameter, so a custom factory is counted as it behaves."""
+        p = torch.nn.Parameter(torch.zeros(8))
+        p.grad = torch.ones(8)
+        optimizer = self.build([p])
+        optimizer.step()
+        state = optimizer.state.get(p, {})
+        return sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0) // 8
+
 
 def as_optimizer_spec(optimizer: Any) -> OptimizerSpec:
     if isinstance(optimizer, OptimizerSpec):

@@ -38,6 +38,7 @@ from autofit.solve.verify import (
     smallest_verified,
 )
 from autofit.step import StepConfig, forward_errors, make_step_config
+from autofit.stored import stored_bytes_per_parameter
 
 __all__ = ["plan", "plan_with_analysis"]
 
@@ -46,7 +47,7 @@ def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
-    clip_grad_norm: float | None = None,
+    clip_grad_norm: float | None = None, min_stored_precision: str | None = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -54,11 +55,16 @@ def plan(
     ``world_size > 1`` plans one rank of a data-parallel job: ``batch_size`` is the global batch, ``budget`` is per
     device, and ``strategy`` is "ddp", "fsdp2" or None (autofit plans both and keeps the faster). When the fastest
     configuration fits, its full estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty.
-    ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer."""
+    ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer.
+
+    With ``precision="auto"`` on one GPU, when nothing fits with the parameters in the dtype the model was built in
+    (fp32), the planner stores them lower, in order of risk: bf16 (or fp16) with an fp32 master copy, then pure bf16
+    (Note [stored precision] in autofit/stored.py). ``min_stored_precision`` is the floor: "fp32" (never lower),
+    "fp32-master" (low-precision parameters only with an fp32 master copy) or "bf16" (the default: any)."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
-        clip_grad_norm=clip_grad_norm, alternatives=False,
+        clip_grad_norm=clip_grad_norm, alternatives=False, min_stored_precision=min_stored_precision,
     )[0]
 
 
@@ -66,7 +72,7 @@ def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
-    clip_grad_norm: float | None = None, alternatives: bool = True,
+    clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -75,7 +81,7 @@ def plan_with_analysis(
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
                            optimizer=optimizer, precision=precision, checkpoint=checkpoint, device=device, gpu=gpu,
                            world_size=world_size, strategy=strategy, quick=not alternatives,
-                           clip_grad_norm=clip_grad_norm)
+                           clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision)
     results, infeasible_errors, failed = [], [], []
     for name in request.strategies:
         try:
@@ -99,7 +105,7 @@ def plan_with_analysis(
 
 def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict[str, Analysis]]:
     """Quick path, else analyse -> models -> search + verify, for one data-parallel setting."""
-    policy_of = {p.name: p for p in request.policies}
+    policy_of = {p.label: p for p in request.policies + request.stored_options}
 
     def simulate(config: StepConfig):
         with forward_errors():
@@ -109,7 +115,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     def verify(c: Candidate) -> MemoryEstimate:
         return request.device.estimate(simulate(_config(request, parallel, c, policy_of[c.precision])))
 
-    if request.quick and request.auto_precision:
+    if request.quick and request.auto_precision and _states_bytes(request, request.policies[0]) <= request.budget_bytes:
         fastest = _fastest(request)
         params = sum(p.numel() * p.element_size() for p in request.model.parameters())
         found = quick_path(_config(request, parallel, fastest, request.policies[0]), simulate, request.device,
@@ -119,11 +125,23 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
 
     analyses: dict[str, Analysis] = {}
     space = None
-    for policies in _precision_stages(request):
+    stages = _precision_stages(request)
+    skipped = []
+    for i, policies in enumerate(stages):
+        floor = _states_bytes(request, policies[0])
+        if i < len(stages) - 1 and floor > request.budget_bytes:
+            # not worth an analysis: parameters, gradients and optimizer state alone miss the budget
+            what = (f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype")
+            skipped.append(f"{what}: parameters, gradients and optimizer state alone take {floor / 2**30:.1f} GiB")
+            continue
         analyses.update(_analyse(request, parallel, policies, analyses))
         space = _search_space(request, parallel, policies, analyses)
         found = search_verified(space, request.budget_bytes, verify)
         if found is not None:
+            if skipped:
+                found = replace(found, notes=found.notes + (
+                    "stored precisions that could not fit, skipped without analysis: "
+                    + "; ".join(dict.fromkeys(skipped)),))
             return _plan_of(request, parallel, found, policy_of), analyses
 
     smallest, est = smallest_verified(space, verify)
@@ -144,7 +162,7 @@ def _parallel(request: PlanRequest, strategy: str | None) -> Parallel:
 def _fastest(request: PlanRequest) -> Candidate:
     """The configuration the time model ranks first (Note [the quick path]); its peak and time are not known yet."""
     b = request.per_rank
-    return Candidate(request.policies[0].name, b, 1, b, request.fixed_checkpoint or (), 0, 0.0)
+    return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0)
 
 
 def _config(request: PlanRequest, parallel: Parallel, c: Candidate, policy: PrecisionPolicy) -> StepConfig:
@@ -158,10 +176,27 @@ def _config(request: PlanRequest, parallel: Parallel, c: Candidate, policy: Prec
 
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:
     """On a GPU the preferred low precision is faster than fp32 for every configuration and saves activation memory,
-    so fp32 is analysed only when no low-precision configuration fits (the analysis is most of planning's cost)."""
+    so fp32 is analysed only when no low-precision configuration fits (the analysis is most of planning's cost).
+    Then each lower stored precision, one at a time and in order of risk, only when nothing above it fits: at equal
+    fit the higher stored precision wins (Note [stored precision])."""
     if request.device.kind == "cuda" and request.auto_precision and len(request.policies) > 1:
-        return [request.policies[:1], request.policies]
-    return [request.policies]
+        stages = [request.policies[:1], request.policies]
+    else:
+        stages = [request.policies]
+    return stages + [(p,) for p in request.stored_options]
+
+
+def _states_bytes(request: PlanRequest, policy: PrecisionPolicy) -> int:
+    """Parameters, gradients and optimizer state of ``policy``'s stored precision: a floor of any step's peak."""
+    k = request.optimizer.state_values_per_parameter()
+    total = 0
+    for p in request.model.parameters():
+        if policy.stored is None or not p.is_floating_point():
+            size = p.element_size()
+            total += p.numel() * size * (2 + k)
+        else:
+            total += p.numel() * stored_bytes_per_parameter(policy.stored, k)
+    return total
 
 
 def _analyse(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
@@ -170,12 +205,12 @@ def _analyse(request: PlanRequest, parallel: Parallel, policies: tuple[Precision
     simulate/probe.py); the CUDA model has its own terms."""
     with forward_errors():
         return {
-            p.name: analyse_model(request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
+            p.label: analyse_model(request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
                                   probe_kernels=request.device.kind == "cpu", device=request.device.kind,
                                   gpu=request.device.name, strategy=parallel.strategy,
                                   world_size=parallel.world_size, shard_units=parallel.shard_units,
                                   clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules)
-            for p in policies if p.name not in done
+            for p in policies if p.label not in done
         }
 
 
@@ -185,13 +220,13 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
     rows = request.per_rank
     memory, time = {}, {}
     for p in policies:
-        a = analyses[p.name]
+        a = analyses[p.label]
         terms = request.device.memory_terms(a, rows)
-        memory[p.name] = MemoryModel.from_analysis(a.profile, a.table, held_rows=rows, row_bytes=request.row_bytes,
+        memory[p.label] = MemoryModel.from_analysis(a.profile, a.table, held_rows=rows, row_bytes=request.row_bytes,
                                                    scale=terms.scale, constant=terms.constant)
-        time[p.name] = build_time_model(a.ops, a.table.row("").param_bytes, request.device, parallel.strategy,
+        time[p.label] = build_time_model(a.ops, a.table.row("").param_bytes, request.device, parallel.strategy,
                                         request.world_size)
-    return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.name for p in policies),
+    return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint)
 
 

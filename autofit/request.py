@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from autofit.batch import Batch, as_batch
@@ -53,6 +54,9 @@ class PlanRequest:
     quick: bool  # try the quick path first (Note [the quick path], solve/quick.py)
     auto_precision: bool  # the first policy is the device's fastest ("auto", or a single policy)
     notes: tuple[str, ...] = ()
+    # Stored precisions the planner may turn to when the model's own does not fit, in order of risk (Note [stored
+    # precision], autofit/stored.py): each a policy whose ``stored`` is set
+    stored_options: tuple[PrecisionPolicy, ...] = ()
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -95,6 +99,7 @@ def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None, target: Any, loss_fn: LossFn | None,
     optimizer: Any, precision: Any, checkpoint: Any, device: str, gpu: str | None, world_size: int,
     strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
+    min_stored_precision: str | None = None,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -120,7 +125,36 @@ def make_request(
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
+        stored_options=_stored_options(model, precision, target_device, world_size, min_stored_precision),
     )
+
+
+# The floors a user may set (plan(min_stored_precision=...)): the lowest stored precision the planner may choose.
+STORED_FLOORS = {"fp32": (), "fp32-master": ("bf16-master", "fp16-master"),
+                 "bf16": ("bf16-master", "fp16-master", "bf16")}
+
+
+def _stored_options(model: nn.Module, precision: Any, target: DeviceTarget, world_size: int,
+                    floor: str | None) -> tuple[PrecisionPolicy, ...]:
+    """What the planner may store the parameters in when the model's own dtype does not fit, in order of risk
+    (Note [stored precision]): only for precision="auto" on one GPU, for a model built in fp32 (a bf16 model is
+    already at the lowest), bf16 choices only on GPUs with bf16 and never pure fp16."""
+    if floor is not None and floor not in STORED_FLOORS:
+        raise InvalidInputError(
+            f"min_stored_precision must be one of {', '.join(STORED_FLOORS)} (or None: any), got {floor!r}"
+        )
+    allowed = STORED_FLOORS[floor or "bf16"]
+    auto = isinstance(precision, str) and precision.strip().lower() == "auto"
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if not auto or target.kind != "cuda" or world_size > 1 or not floating:
+        return ()
+    if sum(p.numel() for p in floating if p.dtype == torch.float32) * 2 < sum(p.numel() for p in floating):
+        return ()
+    if target.supports_bf16:
+        names = [("bf16", "bf16-master"), ("bf16", "bf16")]
+    else:
+        names = [("fp16", "fp16-master")]
+    return tuple(PrecisionPolicy(name=c, stored=s) for c, s in names if s in allowed)
 
 
 def _precisions(precision: Any, target: DeviceTarget) -> tuple[PrecisionPolicy, ...]:

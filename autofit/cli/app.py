@@ -50,6 +50,9 @@ TaskOpt = Annotated[Optional[str], typer.Option("--task", metavar="TASK", help=f
                                                 f"has none: {', '.join(TASKS)} (hf: picks the head)")]
 WorldOpt = Annotated[int, typer.Option("--world-size", help="processes (GPUs) training together; --batch-size is "
                                                              "global")]
+StoredOpt = Annotated[Optional[str], typer.Option(
+    "--min-stored-precision", help="lowest stored precision of parameters/gradients/optimizer state the planner may "
+    "choose when fp32 does not fit: fp32, fp32-master or bf16 (default: any)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
@@ -100,7 +103,7 @@ def plan(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, precision: PrecisionOpt = "auto",
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
-    strategy: StrategyOpt = None, as_json: JsonOpt = False,
+    strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot",
                                                  help="write memory per layer and the front to a PNG")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
@@ -123,7 +126,7 @@ def plan(
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
-                strategy=strategy,
+                strategy=strategy, min_stored_precision=min_stored_precision,
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
@@ -132,7 +135,7 @@ def plan(
     if as_json:
         sys.stdout.write(result.to_json() + "\n")
     else:
-        render_plan(console, result, spec.description, analyses[result.precision.name].table)
+        render_plan(console, result, spec.description, analyses[result.precision.label].table)
     if export is not None:
         out = console_for(stderr=as_json)
         out.print_json(json.dumps(EXPORTERS[export](result)))
@@ -140,7 +143,7 @@ def plan(
         from autofit.cli.plot import write_plot
 
         try:
-            write_plot(plot, result, analyses[result.precision.name].table)
+            write_plot(plot, result, analyses[result.precision.label].table)
         except ImportError:
             _fail(console, "--plot needs matplotlib: pip install 'torch-autofit[plot]'", EXIT_INPUT)
         console.print(f"wrote {plot}")

@@ -112,7 +112,7 @@ def frontier_table(plan: Plan) -> Table:
         table.add_column(column, justify=justify)
     for alt in plan.frontier:
         chosen = (alt.precision, alt.micro_batch_size, alt.checkpoint) == (
-            plan.precision.name, plan.micro_batch_size, plan.checkpoint)
+            plan.precision.label, plan.micro_batch_size, plan.checkpoint)
         style = "bold green" if chosen else None
         table.add_row(alt.precision, str(alt.micro_batch_size), str(alt.gradient_accumulation_steps),
                       str(len(alt.checkpoint)), format_mib(alt.peak_bytes), f"{alt.step_seconds:.3g}", style=style)

@@ -57,6 +57,12 @@ def _callback_class():
         def __init__(self, plan: Plan) -> None:
             if not isinstance(plan, Plan):
                 raise InvalidInputError(f"AutofitCallback needs an autofit.Plan, got {type(plan).__name__}")
+            if plan.precision.stored not in (None, "fp32"):
+                raise InvalidInputError(
+                    f"this plan stores the parameters as {plan.precision.stored} (Note [stored precision]), which "
+                    "AutofitCallback does not apply: train it with plan.wrap(model, optimizer), or plan with "
+                    "min_stored_precision='fp32'"
+                )
             self.plan = plan
             self._patch = None
 

@@ -65,6 +65,12 @@ def _callback_class():
         def __init__(self, plan: Plan) -> None:
             if not isinstance(plan, Plan):
                 raise InvalidInputError(f"AutofitLightningCallback needs an autofit.Plan, got {type(plan).__name__}")
+            if plan.precision.stored not in (None, "fp32"):
+                raise InvalidInputError(
+                    f"this plan stores the parameters as {plan.precision.stored} (Note [stored precision]), which "
+                    "AutofitLightningCallback does not apply: train it with plan.wrap(model, optimizer), or plan with "
+                    "min_stored_precision='fp32'"
+                )
             if plan.world_size > 1 and plan.strategy == "fsdp2":
                 raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(...)")
             self.plan = plan

@@ -34,6 +34,6 @@ def quick_path(config: StepConfig, simulate: Callable[[StepConfig], Simulation],
         return None
     ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
     time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size)
-    seconds = time.step_time(config.precision.name, config.micro_batch_size, 1, config.checkpoint).total
+    seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint).total
     b = config.micro_batch_size
-    return Verified(Candidate(config.precision.name, b, 1, b, config.checkpoint, est.device_bytes, seconds), est, ())
+    return Verified(Candidate(config.precision.label, b, 1, b, config.checkpoint, est.device_bytes, seconds), est, ())

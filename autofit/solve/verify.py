@@ -70,11 +70,15 @@ def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, Me
 
 # What to suggest when one category dominates the smallest reachable peak (one entry per Category an estimate can
 # report; each is a sentence without its final period, which the message adds).
+_STORE_LOWER = ("precision=PrecisionPolicy(name='bf16', stored='bf16-master' or 'bf16'), which precision='auto' "
+                "tries by itself on one GPU")
 ADVICE = {
-    "optimizer_state": "Optimizer state dominates: use SGD (one buffer) instead of Adam (two), bf16/fp16 "
-                       "parameters, or shard it across GPUs (FSDP2, world_size > 1)",
-    "parameters": "Parameters dominate: keep them in bf16, or shard them (FSDP2, world_size > 1)",
-    "gradients": "Gradients dominate: bf16 parameters halve them; sharding (FSDP2) splits them across ranks",
+    "optimizer_state": "Optimizer state dominates: use SGD (one buffer) instead of Adam (two), store it lower ("
+                       + _STORE_LOWER + "), or shard it across GPUs (FSDP2, world_size > 1)",
+    "parameters": "Parameters dominate: store them in bf16 (" + _STORE_LOWER + "), or shard them (FSDP2, "
+                  "world_size > 1)",
+    "gradients": "Gradients dominate: bf16 parameters halve them (" + _STORE_LOWER + "); sharding (FSDP2) splits "
+                 "them across ranks",
     "activations": "Activations dominate even in the configuration with the smallest peak: shorten the sequence "
                    "or image size, or use a lower precision",
     "temporaries": "Temporaries of backward or the optimizer step dominate: a lower precision or a smaller "
@@ -96,15 +100,24 @@ ADVICE = {
     "allocator_rounding": "Allocator rounding dominates: every CUDA block is rounded up to 512 bytes, so many tiny "
                           "tensors cost more than their bytes",
 }
+# When the smallest configuration already stores the parameters low (the planner tried it), advice that says so
+# would offer what the planner could not do (Note [stored precision]).
+ADVICE_STORED_LOW = {
+    "optimizer_state": "Optimizer state dominates even with the parameters stored low: use SGD (one buffer) instead "
+                       "of Adam (two), or shard it across GPUs (FSDP2, world_size > 1)",
+    "parameters": "Parameters dominate even stored in 16 bits: shard them across GPUs (FSDP2, world_size > 1)",
+    "gradients": "Gradients dominate even in 16 bits: shard them across GPUs (FSDP2, world_size > 1)",
+}
 
 
 def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str = "") -> InfeasibleBudgetError:
     """The error for a budget below the smallest verified peak: the minimum, what dominates it, and what helps."""
     dominant = max(est.breakdown, key=est.breakdown.get)
+    advice = ADVICE_STORED_LOW if "/" in smallest.precision else ADVICE  # a label "bf16/bf16": stored low
     return InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget)}: the smallest reachable peak is "
         f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch {smallest.micro_batch_size}, "
         f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed{where}). "
-        f"{ADVICE.get(dominant, f'{dominant} dominates the smallest peak')}.",
+        f"{advice.get(dominant, ADVICE.get(dominant, f'{dominant} dominates the smallest peak'))}.",
         min_budget_bytes=est.device_bytes, budget_bytes=budget, dominant=dominant,
     )
