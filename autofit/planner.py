@@ -39,6 +39,7 @@ from autofit.solve.verify import (
 )
 from autofit.step import StepConfig, forward_errors, make_step_config
 from autofit.stored import stored_bytes_per_parameter
+from autofit.units import format_bytes
 
 __all__ = ["plan", "plan_with_analysis"]
 
@@ -47,7 +48,7 @@ def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
-    clip_grad_norm: float | None = None, min_stored_precision: str | None = None,
+    clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -60,11 +61,15 @@ def plan(
     With ``precision="auto"`` on one GPU, when nothing fits with the parameters in the dtype the model was built in
     (fp32), the planner stores them lower, in order of risk: bf16 (or fp16) with an fp32 master copy, then pure bf16
     (Note [stored precision] in autofit/stored.py). ``min_stored_precision`` is the floor: "fp32" (never lower),
-    "fp32-master" (low-precision parameters only with an fp32 master copy) or "bf16" (the default: any)."""
+    "fp32-master" (low-precision parameters only with an fp32 master copy) or "bf16" (the default: any).
+
+    ``fp32_modules``: module classes, class names or qualified names that must compute in fp32 (say the final norm
+    and the LM head); the plan's notes give each one's memory and time cost (Note [the cost of an fp32 pin])."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
         clip_grad_norm=clip_grad_norm, alternatives=False, min_stored_precision=min_stored_precision,
+        fp32_modules=fp32_modules,
     )[0]
 
 
@@ -73,6 +78,7 @@ def plan_with_analysis(
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
+    fp32_modules: Any = None,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -81,7 +87,8 @@ def plan_with_analysis(
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
                            optimizer=optimizer, precision=precision, checkpoint=checkpoint, device=device, gpu=gpu,
                            world_size=world_size, strategy=strategy, quick=not alternatives,
-                           clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision)
+                           clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
+                           fp32_modules=fp32_modules)
     results, infeasible_errors, failed = [], [], []
     for name in request.strategies:
         try:
@@ -142,11 +149,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                 found = replace(found, notes=found.notes + (
                     "stored precisions that could not fit, skipped without analysis: "
                     + "; ".join(dict.fromkeys(skipped)),))
-            return _plan_of(request, parallel, found, policy_of), analyses
+            return _plan_of(request, parallel, found, policy_of, analyses), analyses
 
     smallest, est = smallest_verified(space, verify)
     if est.device_bytes <= request.budget_bytes:  # the models were pessimistic: the smallest configuration fits
-        return _plan_of(request, parallel, Verified(smallest, est, (smallest,)), policy_of), analyses
+        return _plan_of(request, parallel, Verified(smallest, est, (smallest,)), policy_of, analyses), analyses
     where = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
     raise infeasible(smallest, est, request.budget_bytes, where)
 
@@ -231,7 +238,7 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
 
 
 def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
-             policy_of: dict[str, PrecisionPolicy]) -> Plan:
+             policy_of: dict[str, PrecisionPolicy], analyses: dict[str, Analysis] | None = None) -> Plan:
     plan = assemble_plan(
         found.candidate, found.estimate, found.fitting, budget_bytes=request.budget_bytes,
         batch_size=request.batch_size, world_size=parallel.world_size, strategy=parallel.strategy,
@@ -239,7 +246,54 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
     )
-    return _with_rows_by_length(request, parallel, plan, found.candidate, policy_of[found.candidate.precision])
+    policy = policy_of[found.candidate.precision]
+    plan = _with_pin_costs(request, parallel, plan, found.candidate, policy, (analyses or {}).get(policy.label))
+    return _with_rows_by_length(request, parallel, plan, found.candidate, policy)
+
+
+# Note [the cost of an fp32 pin]
+#     A module the user keeps in fp32 (plan(fp32_modules=...)) costs memory and time. Memory: one full estimate of the
+#     chosen configuration without that pin, against the plan's own; exact for that configuration. Time: the
+#     roofline of the module's FLOPs at fp32's peak against the autocast dtype's, an upper bound: under autocast some
+#     of its ops (norms, softmax) would run in fp32 anyway. The analysis files backward ops under no module, so the
+#     module's backward is counted as twice its forward FLOPs (a matmul's input and weight gradients: the
+#     6 x parameters x tokens rule of Kaplan et al. 2020, "Scaling Laws for Neural Language Models", 2.1).
+def _with_pin_costs(request: PlanRequest, parallel: Parallel, plan: Plan, chosen: Candidate,
+                    policy: PrecisionPolicy, analysis: Analysis | None) -> Plan:
+    if not request.pins or not policy.autocast:
+        return plan
+    notes = []
+    throughput = request.device.throughput
+    for label, names in request.pins:
+        unpinned = replace(policy, fp32_modules=tuple(n for n in policy.fp32_modules if n not in names))
+        with forward_errors():
+            sim = simulate_step(request.model, request.batch, request.target, request.loss_fn,
+                                _config(request, parallel, chosen, unpinned),
+                                device_rules=request.device.simulation_rules)
+        saved = plan.device_bytes - request.device.estimate(sim).device_bytes
+        if analysis is None:  # the quick path made the plan: the per-op costs of its policy, once
+            analysis = _analyse(request, parallel, (policy,), {})[policy.label]
+        flops = _pinned_flops(analysis, names, chosen)
+        fp32, low = throughput.flops_per_second["fp32"], throughput.flops_per_second[policy.name]
+        seconds = flops * (1 / fp32 - 1 / low) if fp32 and low else 0.0
+        sign = "+" if saved >= 0 else "-"
+        notes.append(f"fp32 pin {label} ({len(names)} module{'s' if len(names) > 1 else ''}): "
+                     f"{sign}{format_bytes(abs(saved))} on the device ({saved:+,} B), {seconds * 1e3:+.3g} ms per "
+                     "step at most (Note [the cost of an fp32 pin])")
+    return replace(plan, notes=plan.notes + tuple(notes))
+
+
+def _pinned_flops(analysis: Analysis, names: tuple[str, ...], chosen: Candidate) -> float:
+    """FLOPs of one optimizer step (every micro-batch) in the pinned modules, forward and backward (See Note [the
+    cost of an fp32 pin])."""
+    ops = analysis.ops
+    prefixes = tuple(names) + tuple(n + "." for n in names)
+    inside = [bool(f) and (m in names or m.startswith(prefixes)) for m, f in zip(ops.module, ops.forward)]
+    total = 0.0
+    for i, hit in enumerate(inside):
+        if hit:
+            total += max(ops.flops_fixed[i] + ops.flops_per_sample[i] * chosen.micro_batch_size, 0.0)
+    return 3 * total * chosen.accumulation_steps
 
 
 def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, chosen: Candidate,

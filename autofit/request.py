@@ -6,7 +6,7 @@ precision, optimizer, checkpoint names), so the stages after it take typed value
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -57,6 +57,8 @@ class PlanRequest:
     # Stored precisions the planner may turn to when the model's own does not fit, in order of risk (Note [stored
     # precision], autofit/stored.py): each a policy whose ``stored`` is set
     stored_options: tuple[PrecisionPolicy, ...] = ()
+    # plan(fp32_modules=...): what the user named, and the qualified names each resolved to
+    pins: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -99,7 +101,7 @@ def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None, target: Any, loss_fn: LossFn | None,
     optimizer: Any, precision: Any, checkpoint: Any, device: str, gpu: str | None, world_size: int,
     strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
-    min_stored_precision: str | None = None,
+    min_stored_precision: str | None = None, fp32_modules: Any = None,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -116,17 +118,56 @@ def make_request(
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
         raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
+    pins = fp32_module_names(model, fp32_modules)
+    policies = _pinned(_precisions(precision, target_device), pins)
+    stored = _pinned(_stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
     return PlanRequest(
         model=model, batch=batch, target=target_batch, loss_fn=loss_fn, device=target_device,
         budget_bytes=budget_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
         strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
-        policies=_precisions(precision, target_device), optimizer=as_optimizer_spec(optimizer),
+        policies=policies, optimizer=as_optimizer_spec(optimizer),
         fixed_checkpoint=_fixed_checkpoint(model, checkpoint), quick=quick,
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
-        stored_options=_stored_options(model, precision, target_device, world_size, min_stored_precision),
+        stored_options=stored, pins=pins,
     )
+
+
+def fp32_module_names(model: nn.Module, wanted: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``plan(fp32_modules=...)``: module classes, class names or qualified names that must compute in fp32, each
+    resolved to the qualified names it covers: ``(("LayerNorm", ("ln_f",)), ("lm_head", ("lm_head",)))``."""
+    if wanted is None:
+        return ()
+    items = (wanted,) if isinstance(wanted, (str, type)) else tuple(wanted)
+    named = [(n, m) for n, m in model.named_modules() if n]
+    found = []
+    for item in items:
+        if isinstance(item, type):
+            names = tuple(n for n, m in named if isinstance(m, item))
+            label = item.__name__
+        elif isinstance(item, str):
+            names = tuple(n for n, m in named if type(m).__name__ == item)
+            if not names:  # not a class name: a qualified name (a typed error suggesting close names otherwise)
+                resolve_modules(model, (item,), what="fp32_modules (a module class, class name or qualified name)")
+                names = (item,)
+            label = item
+        else:
+            raise InvalidInputError(f"fp32_modules must hold module classes, class names or qualified names, got "
+                                    f"{item!r}")
+        if not names:
+            raise InvalidInputError(f"fp32_modules: the model has no module of type {label!r}")
+        found.append((label, names))
+    return tuple(found)
+
+
+def _pinned(policies: tuple[PrecisionPolicy, ...], pins) -> tuple[PrecisionPolicy, ...]:
+    """Every autocast policy keeps the pinned modules in fp32 (an fp32 policy has no autocast to leave)."""
+    names = tuple(dict.fromkeys(n for _, group in pins for n in group))
+    if not names:
+        return policies
+    return tuple(replace(p, fp32_modules=tuple(dict.fromkeys(p.fp32_modules + names))) if p.autocast else p
+                 for p in policies)
 
 
 # The floors a user may set (plan(min_stored_precision=...)): the lowest stored precision the planner may choose.

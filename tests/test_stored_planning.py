@@ -75,3 +75,57 @@ def test_llama_7b_in_fp32_plans_for_one_a100_at_72_gib():
     assert plan.precision.stored == "bf16" and plan.device_bytes <= 72 * GiB
     n = sum(p.numel() for p in model.parameters())
     assert plan.estimate.breakdown["parameters"] == 2 * n
+
+
+# ---- modules the user keeps in fp32 (Note [the cost of an fp32 pin]) ------------------------------------------------
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (4, 32))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _pin_note(plan, label):
+    import re
+
+    note = next(n for n in plan.notes if n.startswith(f"fp32 pin {label} "))
+    nbytes = int(re.search(r"\(([-+][0-9,]+) B\)", note).group(1).replace(",", ""))
+    ms = float(re.search(r"([-+][0-9.e-]+) ms per step", note).group(1))
+    return nbytes, ms
+
+
+def test_pins_by_class_and_name_and_their_memory_cost_against_the_allocator():
+    model, sample = _tiny_gpt2()
+    plan = autofit.plan(model, sample, "1GB", device="cpu", precision="bf16", checkpoint=None,
+                        fp32_modules=["LayerNorm", "lm_head"])
+    assert set(plan.precision.fp32_modules) == {"transformer.h.0.ln_1", "transformer.h.0.ln_2",
+                                                "transformer.h.1.ln_1", "transformer.h.1.ln_2", "transformer.ln_f",
+                                                "lm_head"}
+    nbytes, _ = _pin_note(plan, "lm_head")
+    knobs = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+                 optimizer="adamw")
+    pinned = autofit.measure(model, sample, precision=plan.precision, **knobs).peak_bytes
+    unpinned_policy = autofit.PrecisionPolicy(name="bf16", fp32_modules=tuple(
+        n for n in plan.precision.fp32_modules if n != "lm_head"))
+    unpinned = autofit.measure(model, sample, precision=unpinned_policy, **knobs).peak_bytes
+    assert nbytes == pinned - unpinned
+
+
+def test_pin_time_cost_is_the_roofline_of_its_flops_by_hand():
+    model, sample = _tiny_gpt2()
+    plan = autofit.plan(model, sample, "1GB", device="cuda", gpu="A100-80GB", fp32_modules=["lm_head"])
+    _, ms = _pin_note(plan, "lm_head")
+    # lm_head: forward 2 x tokens x 64 x 512 FLOPs, backward twice that (input and weight gradients), per micro-batch
+    tokens = 4 * 32
+    flops = 6 * tokens * 64 * 512
+    by_hand = flops * (1 / 19.5e12 - 1 / 312e12) * 1e3  # A100 fp32 vs bf16 dense peaks (cuda/catalog.py)
+    assert ms == pytest.approx(by_hand, rel=1e-2)
+
+
+def test_unknown_pin_is_a_typed_error():
+    model, sample = _tiny_gpt2()
+    with pytest.raises(autofit.InvalidInputError, match="lm_haed"):
+        autofit.plan(model, sample, "1GB", device="cpu", fp32_modules=["lm_haed"])
