@@ -55,7 +55,16 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
             batch, target = _global_batch(case, plan.batch_size)
             if job.get("pad_lengths"):  # a token-mean loss: -100 after each row's length (ranks hold unequal counts)
                 target = as_batch(pad_target(target.value, job["pad_lengths"]), what="target")
-            if job["kind"] == "equivalence":
+            if job["kind"] == "lengths":  # ranks hold batches of different lengths (Note [rows by length])
+                rows = plan.batch_size // world_size
+                length = job["lengths"][rank]
+                ids = batch.value[rank * rows:(rank + 1) * rows, :length].clone()
+                labels = target.value[rank * rows:(rank + 1) * rows, :length].clone()
+                trainer.step(ids, labels, local=True)
+                params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
+                          for n, p in getattr(trainer.model, "module", trainer.model).named_parameters()}
+                results.append({"params": params, "micro_batches": trainer.micro_batches})
+            elif job["kind"] == "equivalence":
                 trainer.step(batch.value, None if target is None else target.value)
                 params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
                           for n, p in getattr(trainer.model, "module", trainer.model).named_parameters()}

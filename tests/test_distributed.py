@@ -115,6 +115,41 @@ def test_token_mean_loss_across_ranks_equals_a_full_batch_step(strategy, tmp_pat
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ranks_with_batches_of_different_lengths_run_the_same_micro_batches(strategy, tmp_path):
+    """Rank 0 trains 8 rows at the full length 16 (2 rows per micro-batch: 4 micro-batches), rank 1 8 rows at length
+    4 (8 rows fit: 1). DDP broadcasts buffers and FSDP2 gathers parameters in every forward, so rank 1 must run 4 too
+    (a hang otherwise); the step still equals one full-batch step of the token mean over both ranks."""
+    from autofit.batch import as_batch as batch_of
+    from autofit.length import length_spec
+
+    torch.manual_seed(0)
+    case = ZOO["tied_lm"]()
+    sample, target = batch_of(case.sample), batch_of(case.target, what="target")
+    assert sample.value.shape[1] == 16
+    plan = dataclasses.replace(_plan(case, strategy), micro_batch_size=2, gradient_accumulation_steps=4,
+                               last_micro_batch_size=2, lengths=length_spec(sample, target),
+                               rows_by_length=((16, 2), (8, 4), (4, 8)))
+    result0, result1 = _run([{"kind": "lengths", "case": "tied_lm", "plan": plan.to_json(), "optimizer": "sgd",
+                              "lengths": [16, 4]}], tmp_path)
+    assert result0[0]["micro_batches"] == result1[0]["micro_batches"] == 4
+    torch.manual_seed(0)
+    reference_case = ZOO["tied_lm"]()
+    model = reference_case.model.eval()
+    ids = as_batch(reference_case.sample).resize(plan.batch_size).value
+    labels = as_batch(reference_case.target, what="target").resize(plan.batch_size).value
+    parts = [(ids[:8, :16], labels[:8, :16]), (ids[8:, :4], labels[8:, :4])]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = sum(t.numel() for _, t in parts)
+    loss = sum(compute_loss(None, model(x), t) * t.numel() for x, t in parts) / total  # the token mean of both
+    loss.backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        got = torch.tensor(result0[0]["params"][name], dtype=p.dtype)
+        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
+        torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_per_rank_peak_matches_the_estimate(strategy, tmp_path):
     plans = {}
     for name in MEMORY_CASES:
