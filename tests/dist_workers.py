@@ -51,7 +51,7 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
     try:
         for job in jobs:
             plan = autofit.Plan.from_json(job["plan"])
-            case, trainer = _build(job["case"], plan, job["optimizer"], job["kind"] == "equivalence")
+            case, trainer = _build(job["case"], plan, job["optimizer"], job["kind"] in ("equivalence", "lengths"))
             batch, target = _global_batch(case, plan.batch_size)
             if job.get("pad_lengths"):  # a token-mean loss: -100 after each row's length (ranks hold unequal counts)
                 target = as_batch(pad_target(target.value, job["pad_lengths"]), what="target")
