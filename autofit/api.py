@@ -22,16 +22,17 @@ __all__ = ["analyse", "estimate", "measure"]
 
 
 def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
-            clip_grad_norm=None) -> StepConfig:
+            clip_grad_norm=None, optimizer_in_backward=False) -> StepConfig:
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
                             precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
-                            clip_grad_norm=clip_grad_norm)
+                            clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward)
 
 
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
+    optimizer_in_backward: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -47,6 +48,10 @@ def estimate(
     ``torch.cuda.max_memory_allocated``), ``peak_reserved_bytes`` (``max_memory_reserved``) and ``device_bytes``
     (nvidia-smi: reserved plus the CUDA context; budgets apply to it). On the CPU the three are equal.
 
+    ``optimizer_in_backward``: each parameter is stepped in backward as soon as its gradient is ready, and the
+    gradient freed (Note [optimizer step in backward], autofit/in_backward.py); not with accumulation, clipping,
+    fp16 loss scaling or an fp32 master copy.
+
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
@@ -55,7 +60,7 @@ def estimate(
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
-                     clip_grad_norm)
+                     clip_grad_norm, optimizer_in_backward)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     return device_model.estimate(sim)
@@ -65,6 +70,7 @@ def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
+    optimizer_in_backward: bool = False,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -74,7 +80,7 @@ def measure(
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
-                     clip_grad_norm=clip_grad_norm)
+                     clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     with forward_errors():

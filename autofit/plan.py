@@ -65,6 +65,8 @@ class Plan:
     # the rows per micro-batch each length fits, longest first (Note [rows by length], solve/lengths.py).
     lengths: LengthSpec | None = None
     rows_by_length: tuple[tuple[int, int], ...] = ()
+    # the optimizer steps each parameter in backward (Note [optimizer step in backward], autofit/in_backward.py)
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
@@ -225,6 +227,7 @@ class Plan:
             *self.memory_rows(format_bytes),
             ("budget", f"{format_bytes(self.budget_bytes)} ({100 * self.device_bytes / self.budget_bytes:.0f} % used)"),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
+            *([("optimizer step", "in backward, parameter by parameter")] if self.optimizer_in_backward else []),
             ("predicted step", f"{self.predicted_step_seconds:.3g} s (model, for ranking)"),
         ]
         if len(self.rows_by_length) > 1:

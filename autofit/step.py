@@ -34,6 +34,7 @@ from autofit.errors import (
     require_int,
     require_strategy,
 )
+from autofit.in_backward import check_in_backward
 from autofit.loss import LossFn, compute_loss
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy, as_policy
@@ -65,6 +66,8 @@ class StepConfig:
     shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
     # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
     clip_grad_norm: float | None = None
+    # step each parameter in backward as soon as its gradient is ready (Note [optimizer step in backward])
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -80,13 +83,17 @@ class StepConfig:
                 f"clip_grad_norm must be a positive number (the max_norm of torch.nn.utils.clip_grad_norm_, e.g. 1.0) "
                 f"or None for no clipping, got {clip!r}"
             )
+        if self.optimizer_in_backward:
+            check_in_backward(accumulation_steps=self.accumulation_steps, clip_grad_norm=clip,
+                              grad_scaler=self.precision.needs_grad_scaler,
+                              master_copy=str(self.precision.stored).endswith("-master"))
 
 
 def make_step_config(
     *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
-    clip_grad_norm: float | None = None,
+    clip_grad_norm: float | None = None, optimizer_in_backward: bool = False,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -108,7 +115,7 @@ def make_step_config(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
         held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
-        clip_grad_norm=clip_grad_norm,
+        clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
     )
 
 
@@ -284,13 +291,18 @@ def run_micro_batch(
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, *,
-                   clip_grad_norm: float | None = None, stored: StoredState | None = None) -> None:
+                   clip_grad_norm: float | None = None, stored: StoredState | None = None,
+                   in_backward: bool = False) -> None:
     """Clip (optionally), step, zero the gradients. Clipping follows the AMP recipe (PyTorch "Automatic Mixed
     Precision examples", "Gradient clipping"): ``scaler.unscale_`` first, so the norm is that of the true gradients;
     ``scaler.step`` then does not unscale again. ``clip_grad_norm_`` picks its own implementation (foreach where
     ``torch/utils/_foreach_utils.py::_has_foreach_support`` allows, as on CUDA). With an fp32 master copy
     (``stored``, Note [stored precision]) the gradients move to the master copy first, so unscaling, clipping and the
-    step all see fp32, and the stepped master copy is copied back into the parameters last."""
+    step all see fp32, and the stepped master copy is copied back into the parameters last. ``in_backward``: backward
+    has stepped every parameter already (Note [optimizer step in backward]); only the zeroing is left."""
+    if in_backward:
+        optimizer.zero_grad(set_to_none=True)
+        return
     if stored is not None:
         stored.before_step()
     if clip_grad_norm is not None:

@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(__file__).parents[1] / "autofit"
 LAYERS: list[set[str]] = [
     {"_torch", "errors", "units", "categories"},  # foundations: the torch boundary, typed errors, byte units
     {"batch", "length", "loss", "optim", "precision", "report"},  # the request's values and the estimate's
-    {"step", "stored", "strategy", "normalisation"},  # what one training step is, shared by simulate, measure and the trainer
+    {"step", "stored", "in_backward", "strategy", "normalisation"},  # what one training step is, shared by simulate, measure and the trainer
     {"corrections"},  # fake kernels corrected to the CPU's (shared by capture and simulate)
     {"capture"},  # 1. model copies and the traced graph
     {"simulate"},  # 2. one step on fake tensors -> Timeline

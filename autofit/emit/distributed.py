@@ -43,6 +43,11 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None) -> None:
+        if plan.optimizer_in_backward:
+            raise InvalidInputError(
+                "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
+                "after the collective that averages it, which runs after autograd's hooks"
+            )
         if plan.precision.stored not in (None, "fp32"):
             raise InvalidInputError(
                 f"stored precision {plan.precision.stored!r} is planned for one process only; with DDP or FSDP2 use "

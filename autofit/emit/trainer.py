@@ -24,6 +24,7 @@ from torch import nn
 from autofit._torch import BatchNormBase
 from autofit.batch import Batch, as_batch
 from autofit.errors import InvalidInputError
+from autofit.in_backward import stepping_in_backward
 from autofit.length import batch_length
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation, count_items, item_counter
@@ -67,7 +68,7 @@ class Trainer:
             micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
             precision=plan.precision, checkpoint=plan.checkpoint,
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
-            clip_grad_norm=plan.clip_grad_norm,
+            clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
@@ -81,8 +82,10 @@ class Trainer:
         # precision]); unwrap() undoes both
         self._stored = apply_stored(getattr(self, "_inner", model), optimizer, plan.precision.stored,
                                     plan.precision.fp32_modules)
-        self._patch = patched_model(getattr(self, "_inner", model), self.config, self.device_type)
-        self._patch.__enter__()
+        self._patch = contextlib.ExitStack()
+        self._patch.enter_context(patched_model(getattr(self, "_inner", model), self.config, self.device_type))
+        if plan.optimizer_in_backward:  # Note [optimizer step in backward]
+            self._patch.enter_context(stepping_in_backward(getattr(self, "_inner", model), optimizer))
         self._active = True
         self.micro_batches = 0  # how many micro-batches the last step ran (fewer for shorter batches)
 
@@ -111,7 +114,8 @@ class Trainer:
                                        self.device_type, weight=norm.weight(i), scaler=self.scaler)
             losses.append(float(loss))
             del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
-        optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm, stored=self._stored)
+        optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm, stored=self._stored,
+                       in_backward=self.plan.optimizer_in_backward)
         return norm.local_mean(losses)
 
     def _normalisation(self, batch: Batch, target: Batch | None, bounds: list[tuple[int, int]]) -> LossNormalisation:

@@ -7,6 +7,8 @@ before the step is the peak. CUDA: ``torch.cuda.max_memory_allocated()`` after `
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 from typing import Any
 
@@ -21,6 +23,7 @@ from autofit._torch import (
 from autofit.batch import Batch
 from autofit.capture.model_copy import module_tensor_attributes, real_copy
 from autofit.categories import Category
+from autofit.in_backward import stepping_in_backward
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
 from autofit.report import Measurement
@@ -85,9 +88,11 @@ def measure_step(
         for i in range(config.accumulation_steps):
             run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                             scaler=scaler)
-        optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored)
+        optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
+                       in_backward=config.optimizer_in_backward)
 
-    with patched_model(work, config, device.type):
+    in_backward = stepping_in_backward(work, optimizer) if config.optimizer_in_backward else contextlib.nullcontext()
+    with patched_model(work, config, device.type), in_backward:
         window()  # warm-up: optimizer state now exists, as in the steady state
         gc.collect()
         before = _live_before(work, optimizer, scaler, micro, micro_target, stored)

@@ -71,6 +71,7 @@ from autofit.capture.module_stack import install_module_stack
 from autofit.categories import Category
 from autofit.corrections import FakeKernelStricter
 from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
+from autofit.in_backward import stepping_in_backward
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
 from autofit.simulate.foreach import target_implementation
@@ -190,11 +191,15 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             with contextlib.ExitStack() as stack:
                 caster = device_rules(stack, config) if device_rules is not None else None
                 stack.enter_context(patched_model(work, config, "cpu"))
+                stepped: set[int] = set()  # parameters the optimizer stepped in backward
+                if config.optimizer_in_backward:
+                    stack.enter_context(stepping_in_backward(work, optimizer, stepped))
                 stack.enter_context(_tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 stack.enter_context(tracker)
                 stack.enter_context(observe)
-                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored)
+                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
+                            stepped)
         finally:
             for h in handles:
                 h.remove()
@@ -287,7 +292,7 @@ def _held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> 
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
-                caster=None, stored=None) -> None:
+                caster=None, stored=None, stepped: set[int] = frozenset()) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
@@ -325,7 +330,9 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored)
+    optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
+                   in_backward=config.optimizer_in_backward)
+    received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
     tracker.phase = Phase.SETUP
     _drop_phantom_state(tracker, model, optimizer, received_grad, stored)
 

@@ -1,0 +1,90 @@
+"""The optimizer step fused into backward (Note [optimizer step in backward], autofit/in_backward.py). Truths: the CPU
+allocator (``autofit.measure``) for the peak, and a plain optimizer step for the parameters."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import autofit
+from autofit.errors import InvalidInputError
+from autofit.precision import PrecisionPolicy
+from autofit.report import MemoryEstimate
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 10))
+
+
+def _data(rows: int = 1):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 256, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_estimate_equals_measure_and_the_peak_loses_the_gradients(optimizer):
+    x, y = _data()
+    model = _model()
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    peaks = {}
+    for in_backward in (False, True):
+        kw = dict(micro_batch_size=1, target=y, optimizer=optimizer, optimizer_in_backward=in_backward)
+        est = autofit.estimate(model, x, **kw)
+        peaks[in_backward] = autofit.measure(model, x, **kw).peak_bytes
+        assert est.peak_bytes == peaks[in_backward]
+    saved = peaks[False] - peaks[True]
+    # at micro-batch 1 the plain step's peak holds every gradient; in backward one parameter's gradient (and its
+    # step) is live at a time, next to the gradients flowing back through the activations
+    assert grads - 2 * largest <= saved <= grads, (saved, grads, largest)
+
+
+def _plan(optimizer: str, **changes) -> autofit.Plan:
+    plan = autofit.Plan(
+        micro_batch_size=4, gradient_accumulation_steps=1, batch_size=4, last_micro_batch_size=4,
+        precision=PrecisionPolicy(), checkpoint=(), peak_bytes=1, device_bytes=1, budget_bytes=1, device="cpu",
+        optimizer=optimizer, predicted_step_seconds=0.0, estimate=MemoryEstimate(peak_bytes=1, breakdown={}),
+        optimizer_in_backward=True,
+    )
+    return dataclasses.replace(plan, **changes)
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                  lambda p: torch.optim.AdamW(p, lr=1e-2)], ids=["sgd", "adamw"])
+def test_trainer_step_equals_a_plain_step_and_unwrap_removes_the_hooks(make):
+    x, y = _data(4)
+    reference, ours = _model(), _model()
+    for _ in range(2):  # a second step uses the state the first one made
+        opt = make(reference.parameters()) if _ == 0 else opt
+        nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    optimizer = make(ours.parameters())
+    trainer = _plan("sgd").wrap(ours, optimizer)
+    trainer.step(x, y)
+    trainer.step(x, y)
+    assert all(p.grad is None for p in ours.parameters())
+    for a, b in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert set(optimizer.state) == set(ours.parameters())  # the user's optimizer holds the state
+    trainer.unwrap()
+    before = [p.detach().clone() for p in ours.parameters()]
+    nn.functional.cross_entropy(ours(x), y).backward()  # no hook steps any more
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(accumulation_steps=2), "accumulation"),
+    (dict(clip_grad_norm=1.0), "clipping"),
+    (dict(precision="fp16"), "loss scaling"),
+    (dict(precision=PrecisionPolicy(name="bf16", stored="bf16-master")), "master copy"),
+])
+def test_invalid_combinations_are_typed_errors(kwargs, match):
+    x, y = _data()
+    with pytest.raises(InvalidInputError, match=match):
+        autofit.estimate(_model(), x, micro_batch_size=1, target=y, optimizer_in_backward=True, **kwargs)
