@@ -122,7 +122,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     def verify(c: Candidate) -> MemoryEstimate:
         return request.device.estimate(simulate(_config(request, parallel, c, policy_of[c.precision])))
 
-    if request.quick and request.auto_precision and _states_bytes(request, request.policies[0]) <= request.budget_bytes:
+    if request.quick and request.auto_precision and \
+            _states_bytes(request, parallel, request.policies[0]) <= request.budget_bytes:
         fastest = _fastest(request)
         params = sum(p.numel() * p.element_size() for p in request.model.parameters())
         found = quick_path(_config(request, parallel, fastest, request.policies[0]), simulate, request.device,
@@ -135,7 +136,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     stages = _precision_stages(request)
     skipped = []
     for i, policies in enumerate(stages):
-        floor = _states_bytes(request, policies[0])
+        floor = _states_bytes(request, parallel, policies[0])
         if i < len(stages) - 1 and floor > request.budget_bytes:
             # not worth an analysis: parameters, gradients and optimizer state alone miss the budget
             what = (f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype")
@@ -193,8 +194,9 @@ def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]
     return stages + [(p,) for p in request.stored_options]
 
 
-def _states_bytes(request: PlanRequest, policy: PrecisionPolicy) -> int:
-    """Parameters, gradients and optimizer state of ``policy``'s stored precision: a floor of any step's peak."""
+def _states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPolicy) -> int:
+    """Parameters, gradients and optimizer state of ``policy``'s stored precision on one rank (FSDP2 shards them):
+    a floor of any step's peak."""
     k = request.optimizer.state_values_per_parameter()
     total = 0
     for p in request.model.parameters():
@@ -203,7 +205,7 @@ def _states_bytes(request: PlanRequest, policy: PrecisionPolicy) -> int:
             total += p.numel() * size * (2 + k)
         else:
             total += p.numel() * stored_bytes_per_parameter(policy.stored, k)
-    return total
+    return total // parallel.world_size if parallel.strategy == "fsdp2" else total
 
 
 def _analyse(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
