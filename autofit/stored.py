@@ -63,10 +63,9 @@ class StoredState:
 
     def state_key(self, p: nn.Parameter) -> torch.Tensor:
         """The tensor the optimizer keys ``p``'s state by (its master copy, if it has one)."""
-        for q, m in self.masters:
-            if q is p:
-                return m
-        return p
+        if not hasattr(self, "_master_of"):
+            self._master_of = {id(q): m for q, m in self.masters}
+        return self._master_of.get(id(p), p)
 
     def before_step(self) -> None:
         """The parameters' gradients become fp32 gradients of the master copies, each freed as it is copied."""
