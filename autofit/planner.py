@@ -64,7 +64,8 @@ def plan(
     "fp32-master" (low-precision parameters only with an fp32 master copy) or "bf16" (the default: any).
 
     ``fp32_modules``: module classes, class names or qualified names that must compute in fp32 (say the final norm
-    and the LM head); the plan's notes give each one's memory and time cost (Note [the cost of an fp32 pin])."""
+    and the LM head); the plan's notes give each one's memory and time cost (Note [the cost of an fp32 pin]).
+    ``"auto"``: the final norm and the output head, kept in fp32 when the plan still fits with them."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
@@ -241,16 +242,38 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
 
 def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
              policy_of: dict[str, PrecisionPolicy], analyses: dict[str, Analysis] | None = None) -> Plan:
+    policy = policy_of[found.candidate.precision]
+    found, policy, pins = _with_optional_pins(request, parallel, found, policy)
     plan = assemble_plan(
         found.candidate, found.estimate, found.fitting, budget_bytes=request.budget_bytes,
         batch_size=request.batch_size, world_size=parallel.world_size, strategy=parallel.strategy,
-        policy=policy_of[found.candidate.precision], device=request.device.kind, gpu=request.device.name,
+        policy=policy, device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
     )
-    policy = policy_of[found.candidate.precision]
-    plan = _with_pin_costs(request, parallel, plan, found.candidate, policy, (analyses or {}).get(policy.label))
+    plan = _with_pin_costs(request, parallel, plan, found.candidate, policy, (analyses or {}).get(policy.label),
+                           request.pins + pins)
     return _with_rows_by_length(request, parallel, plan, found.candidate, policy)
+
+
+def _with_optional_pins(request: PlanRequest, parallel: Parallel, found: Verified, policy: PrecisionPolicy):
+    """``plan(fp32_modules="auto")``: the final norm and the output head (``request.optional_pins``) are kept in fp32
+    when the chosen configuration still fits with them, shown by a full estimate; otherwise the plan stays as found
+    and a note says why."""
+    names = tuple(n for _, group in request.optional_pins for n in group if n not in policy.fp32_modules)
+    if not names or not policy.autocast:
+        return found, policy, ()
+    pinned = replace(policy, fp32_modules=policy.fp32_modules + names)
+    with forward_errors():
+        sim = simulate_step(request.model, request.batch, request.target, request.loss_fn,
+                            _config(request, parallel, found.candidate, pinned),
+                            device_rules=request.device.simulation_rules)
+    est = request.device.estimate(sim)
+    if est.device_bytes > request.budget_bytes:
+        note = (f"fp32 pins {', '.join(names)} left out: with them the plan needs {format_bytes(est.device_bytes)}, "
+                f"over the budget {format_bytes(request.budget_bytes)}")
+        return replace(found, notes=found.notes + (note,)), policy, ()
+    return replace(found, estimate=est), pinned, request.optional_pins
 
 
 # Note [the cost of an fp32 pin]
@@ -261,12 +284,12 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
 #     module's backward is counted as twice its forward FLOPs (a matmul's input and weight gradients: the
 #     6 x parameters x tokens rule of Kaplan et al. 2020, "Scaling Laws for Neural Language Models", 2.1).
 def _with_pin_costs(request: PlanRequest, parallel: Parallel, plan: Plan, chosen: Candidate,
-                    policy: PrecisionPolicy, analysis: Analysis | None) -> Plan:
-    if not request.pins or not policy.autocast:
+                    policy: PrecisionPolicy, analysis: Analysis | None, pins) -> Plan:
+    if not pins or not policy.autocast:
         return plan
     notes = []
     throughput = request.device.throughput
-    for label, names in request.pins:
+    for label, names in pins:
         unpinned = replace(policy, fp32_modules=tuple(n for n in policy.fp32_modules if n not in names))
         with forward_errors():
             sim = simulate_step(request.model, request.batch, request.target, request.loss_fn,

@@ -59,6 +59,8 @@ class PlanRequest:
     stored_options: tuple[PrecisionPolicy, ...] = ()
     # plan(fp32_modules=...): what the user named, and the qualified names each resolved to
     pins: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # plan(fp32_modules="auto"): the final norm and the output head, pinned only when the plan still fits with them
+    optional_pins: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -118,7 +120,8 @@ def make_request(
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
         raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
-    pins = fp32_module_names(model, fp32_modules)
+    optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
+    pins = () if optional else fp32_module_names(model, fp32_modules)
     policies = _pinned(_precisions(precision, target_device), pins)
     stored = _pinned(_stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
     return PlanRequest(
@@ -130,7 +133,7 @@ def make_request(
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
-        stored_options=stored, pins=pins,
+        stored_options=stored, pins=pins, optional_pins=optional,
     )
 
 
@@ -159,6 +162,17 @@ def fp32_module_names(model: nn.Module, wanted: Any) -> tuple[tuple[str, tuple[s
             raise InvalidInputError(f"fp32_modules: the model has no module of type {label!r}")
         found.append((label, names))
     return tuple(found)
+
+
+def auto_pins(model: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The modules ``fp32_modules="auto"`` pins when memory allows: the last norm and the last ``nn.Linear`` outside
+    the repeated blocks (no numbered component in their names), as the final norm and the LM head of a transformer
+    are (``transformer.ln_f`` and ``lm_head`` in GPT-2, ``model.norm`` and ``lm_head`` in Llama): the softmax over
+    the vocabulary reads the head's logits, where fp32 matters most."""
+    outside = [(n, m) for n, m in model.named_modules() if n and not any(part.isdigit() for part in n.split("."))]
+    norms = [n for n, m in outside if "Norm" in type(m).__name__ and any(True for _ in m.parameters())]
+    heads = [n for n, m in outside if isinstance(m, nn.Linear)]
+    return tuple((n, (n,)) for n in (norms[-1:] + heads[-1:]))
 
 
 def _pinned(policies: tuple[PrecisionPolicy, ...], pins) -> tuple[PrecisionPolicy, ...]:
