@@ -58,6 +58,14 @@ def _plan(case, strategy: str, budget: str = "64MB", precision: str = "fp32"):
                         precision=precision, optimizer="adamw")
 
 
+def _assert_both_ranks_equal(model, result0, result1, strategy: str) -> None:
+    """Both ranks' parameters after the step equal the reference model's (and so each other's)."""
+    for name, p in model.named_parameters():
+        got = torch.tensor(result0[0]["params"][name], dtype=p.dtype)
+        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
+        torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_one_step_equals_a_full_batch_step_with_accumulation(strategy, tmp_path):
     torch.manual_seed(0)
@@ -76,11 +84,7 @@ def test_one_step_equals_a_full_batch_step_with_accumulation(strategy, tmp_path)
     loss = compute_loss(reference_case.loss_fn, batch.call(model), target.value)
     loss.backward()
     optimizer.step()
-    for name, p in model.named_parameters():
-        got = torch.tensor(result0[0]["params"][name], dtype=p.dtype)
-        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
-        # both ranks hold the same parameters after the step
-        torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
+    _assert_both_ranks_equal(model, result0, result1, strategy)
 
 
 # rank 0 trains rows 0-7 (97 real tokens), rank 1 rows 8-15 (20): weighting by rows, or by each rank's own count,
@@ -108,10 +112,8 @@ def test_token_mean_loss_across_ranks_equals_a_full_batch_step(strategy, tmp_pat
     compute_loss(None, batch.call(model), target).backward()  # the default loss: cross-entropy, -100 ignored
     optimizer.step()
     for name, p in model.named_parameters():
-        got = torch.tensor(result0[0]["params"][name], dtype=p.dtype)
         assert not torch.equal(p.detach(), before[name]), f"{name}: the reference did not move it"
-        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
-        torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
+    _assert_both_ranks_equal(model, result0, result1, strategy)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -143,10 +145,7 @@ def test_ranks_with_batches_of_different_lengths_run_the_same_micro_batches(stra
     loss = sum(compute_loss(None, model(x), t) * t.numel() for x, t in parts) / total  # the token mean of both
     loss.backward()
     optimizer.step()
-    for name, p in model.named_parameters():
-        got = torch.tensor(result0[0]["params"][name], dtype=p.dtype)
-        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
-        torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
+    _assert_both_ranks_equal(model, result0, result1, strategy)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

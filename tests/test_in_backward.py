@@ -3,7 +3,6 @@ allocator (``autofit.measure``) for the peak, and a plain optimizer step for the
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -59,8 +58,8 @@ def _plan(optimizer: str, **changes) -> autofit.Plan:
 def test_trainer_step_equals_a_plain_step_and_unwrap_removes_the_hooks(make):
     x, y = _data(4)
     reference, ours = _model(), _model()
+    opt = make(reference.parameters())
     for _ in range(2):  # a second step uses the state the first one made
-        opt = make(reference.parameters()) if _ == 0 else opt
         nn.functional.cross_entropy(reference(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -4,8 +4,6 @@ References: ``autofit.measure`` (the allocator), a plain fp32 PyTorch step, and 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
