@@ -123,8 +123,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     def verify(c: Candidate) -> MemoryEstimate:
         return request.device.estimate(simulate(_config(request, parallel, c, policy_of[c.precision])))
 
+    state_values = request.optimizer.state_values_per_parameter()  # read off one real step, once
     if request.quick and request.auto_precision and \
-            _states_bytes(request, parallel, request.policies[0]) <= request.budget_bytes:
+            _states_bytes(request, parallel, request.policies[0], state_values) <= request.budget_bytes:
         fastest = _fastest(request)
         params = sum(p.numel() * p.element_size() for p in request.model.parameters())
         found = quick_path(_config(request, parallel, fastest, request.policies[0]), simulate, request.device,
@@ -137,11 +138,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     stages = _precision_stages(request)
     skipped = []
     for i, policies in enumerate(stages):
-        floor = _states_bytes(request, parallel, policies[0])
+        floor = _states_bytes(request, parallel, policies[0], state_values)
         if i < len(stages) - 1 and floor > request.budget_bytes:
             # not worth an analysis: parameters, gradients and optimizer state alone miss the budget
             what = (f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype")
-            skipped.append(f"{what}: parameters, gradients and optimizer state alone take {floor / 2**30:.1f} GiB")
+            skipped.append(f"{what} ({floor / 2**30:.1f} GiB)")
             continue
         analyses.update(_analyse(request, parallel, policies, analyses))
         space = _search_space(request, parallel, policies, analyses)
@@ -149,7 +150,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         if found is not None:
             if skipped:
                 found = replace(found, notes=found.notes + (
-                    "stored precisions that could not fit, skipped without analysis: "
+                    "skipped without analysis, as their parameters, gradients and optimizer state alone miss the "
+                    "budget: "
                     + "; ".join(dict.fromkeys(skipped)),))
             return _plan_of(request, parallel, found, policy_of, analyses), analyses
 
@@ -195,10 +197,9 @@ def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]
     return stages + [(p,) for p in request.stored_options]
 
 
-def _states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPolicy) -> int:
-    """Parameters, gradients and optimizer state of ``policy``'s stored precision on one rank (FSDP2 shards them):
-    a floor of any step's peak."""
-    k = request.optimizer.state_values_per_parameter()
+def _states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPolicy, k: int) -> int:
+    """Parameters, gradients and optimizer state (``k`` parameter-sized tensors per parameter) of ``policy``'s stored
+    precision on one rank (FSDP2 shards them): a floor of any step's peak."""
     total = 0
     for p in request.model.parameters():
         if policy.stored is None or not p.is_floating_point():
