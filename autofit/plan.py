@@ -264,5 +264,6 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         budget_bytes=budget_bytes, device=device, optimizer=optimizer, predicted_step_seconds=chosen.seconds,
         estimate=est, world_size=world_size, strategy=strategy, gpu=gpu, frontier=front,
         notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
+        optimizer_in_backward=chosen.in_backward,
         peak_reserved_bytes=est.peak_reserved_bytes,
     )

@@ -34,7 +34,9 @@ from autofit.solve.time_model import build_time_model
 from autofit.solve.verify import (
     Verified,
     infeasible,
+    search_in_backward,
     search_verified,
+    smallest_in_backward,
     smallest_verified,
 )
 from autofit.step import StepConfig, forward_errors, make_step_config
@@ -137,6 +139,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     space = None
     stages = _precision_stages(request)
     skipped = []
+    loaded_space = None  # the last space of the model's own dtype (where the optimizer may step in backward)
     for i, policies in enumerate(stages):
         floor = _states_bytes(request, parallel, policies[0], state_values)
         if i < len(stages) - 1 and floor > request.budget_bytes:
@@ -147,6 +150,13 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         analyses.update(_analyse(request, parallel, policies, analyses))
         space = _search_space(request, parallel, policies, analyses)
         found = search_verified(space, request.budget_bytes, verify)
+        if found is None and i == len(stages) - len(request.stored_options) - 1:
+            # the model's own dtype does not fit with every gradient alive: step the optimizer in backward before
+            # storing anything lower, as it changes no number of the update
+            loaded_space = space
+            narrowed = _in_backward_space(request, parallel, space, policy_of)
+            if narrowed is not None:
+                found = search_in_backward(narrowed, request.budget_bytes, _gradient_bytes(request.model), verify)
         if found is not None:
             if skipped:
                 found = replace(found, notes=found.notes + (
@@ -156,6 +166,10 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
             return _plan_of(request, parallel, found, policy_of, analyses), analyses
 
     smallest, est = smallest_verified(space, verify)
+    narrowed = _in_backward_space(request, parallel, loaded_space, policy_of)
+    in_backward = smallest_in_backward(narrowed, verify) if narrowed is not None else None
+    if in_backward is not None and in_backward[1].device_bytes < est.device_bytes:
+        smallest, est = in_backward
     if est.device_bytes <= request.budget_bytes:  # the models were pessimistic: the smallest configuration fits
         return _plan_of(request, parallel, Verified(smallest, est, (smallest,)), policy_of, analyses), analyses
     where = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
@@ -182,7 +196,19 @@ def _config(request: PlanRequest, parallel: Parallel, c: Candidate, policy: Prec
         checkpoint=c.checkpoint, optimizer=request.optimizer, device=request.device.kind,
         held_rows=request.per_rank, gpu=request.device.name, strategy=parallel.strategy,
         world_size=parallel.world_size, shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
+        optimizer_in_backward=c.in_backward,
     )
+
+
+def _in_backward_space(request: PlanRequest, parallel: Parallel, space: SearchSpace | None,
+                       policy_of: dict[str, PrecisionPolicy]) -> SearchSpace | None:
+    """The part of ``space`` whose configurations may step the optimizer in backward (Note [optimizer step in
+    backward]): one process, no clipping, no GradScaler, no master copy; None when nothing is left."""
+    if space is None or parallel.strategy is not None or request.clip_grad_norm is not None:
+        return None
+    allowed = tuple(name for name in space.precisions if not policy_of[name].needs_grad_scaler
+                    and not str(policy_of[name].stored).endswith("-master"))
+    return replace(space, precisions=allowed) if allowed else None
 
 
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:
@@ -195,6 +221,10 @@ def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]
     else:
         stages = [request.policies]
     return stages + [(p,) for p in request.stored_options]
+
+
+def _gradient_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPolicy, k: int) -> int:

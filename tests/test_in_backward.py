@@ -87,3 +87,33 @@ def test_invalid_combinations_are_typed_errors(kwargs, match):
     x, y = _data()
     with pytest.raises(InvalidInputError, match=match):
         autofit.estimate(_model(), x, micro_batch_size=1, target=y, optimizer_in_backward=True, **kwargs)
+
+
+# ---- the planner turns to it when nothing fits with every gradient alive -------------------------------------------
+def test_planner_steps_in_backward_when_nothing_else_fits_and_the_step_really_fits():
+    from autofit.measure.allocator import measure_callable
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(8)], nn.Linear(512, 10))
+    x, y = torch.randn(2, 512), torch.randint(0, 10, (2,))
+    knobs = dict(target=y, device="cpu", precision="fp32", optimizer="adamw")
+    # by the allocator: the smallest plain step (micro-batch 1 x 2) and the whole batch stepped in backward
+    plain = autofit.measure(model, x, micro_batch_size=1, accumulation_steps=2, target=y).peak_bytes
+    fused = autofit.measure(model, x, micro_batch_size=2, target=y, optimizer_in_backward=True).peak_bytes
+    assert fused < plain
+    with pytest.raises(autofit.InfeasibleBudgetError) as info:
+        autofit.plan(model, x, 1, **knobs)
+    assert info.value.min_budget_bytes == fused and "in backward" in str(info.value)
+    budget = (plain + fused) // 2
+    plan = autofit.plan(model, x, budget, **knobs)
+    assert plan.optimizer_in_backward and plan.gradient_accumulation_steps == 1 and plan.peak_bytes <= budget
+    assert autofit.Plan.from_json(plan.to_json()).optimizer_in_backward
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with plan.wrap(model, optimizer) as trainer:
+        trainer.step(x, y)  # the state exists from here on
+        state = [v for s in optimizer.state.values() for v in s.values()]
+        live = [*model.parameters(), x, y, *state]
+        assert measure_callable(lambda: trainer.step(x, y), live) <= budget
+    # clipping needs every gradient: then nothing fits
+    with pytest.raises(autofit.InfeasibleBudgetError):
+        autofit.plan(model, x, budget, clip_grad_norm=1.0, **knobs)

@@ -34,6 +34,7 @@ class Candidate:
     checkpoint: tuple[str, ...]
     peak_bytes: int  # modelled
     seconds: float  # modelled step time for the whole effective batch
+    in_backward: bool = False  # the optimizer steps each parameter in backward (Note [optimizer step in backward])
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ configuration: the search runs again under a budget lowered by it, at most ``MAX
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autofit.errors import InfeasibleBudgetError
 from autofit.report import MemoryEstimate
@@ -21,7 +21,7 @@ from autofit.solve.search import (
 )
 from autofit.units import format_bytes
 
-__all__ = ["Verified", "MAX_VERIFICATIONS", "search_verified", "smallest_verified", "infeasible"]
+__all__ = ["Verified", "MAX_VERIFICATIONS", "search_verified", "search_in_backward", "smallest_in_backward", "smallest_verified", "infeasible"]
 
 MAX_VERIFICATIONS = 4
 
@@ -54,6 +54,35 @@ def search_verified(space: SearchSpace, budget: int, verify: Verify) -> Verified
             return Verified(best, est, tuple(fitting) + tuple(alternatives(space, budget - correction)), notes)
         correction += max(est.device_bytes - best.peak_bytes, est.device_bytes - budget, 1)
     return None
+
+
+def search_in_backward(space: SearchSpace, budget: int, gradient_bytes: int, verify: Verify) -> Verified | None:
+    """Configurations with the optimizer stepped in backward (Note [optimizer step in backward]): one micro-batch
+    per step, so the whole batch at once. The models know nothing of the freed gradients, so the search runs with
+    their bytes added to the budget; the first configurations it ranks, and the most freeing one, are verified
+    with the step in backward, against the real budget."""
+    _, fitting = search(space, budget + gradient_bytes)
+    whole = [c for c in fitting if c.accumulation_steps == 1]
+    whole.sort(key=lambda c: (c.seconds, c.peak_bytes))
+    freeing = [c for c in smallest_peaks(space) if c.accumulation_steps == 1][:1]
+    for c in dict.fromkeys(whole[:2] + freeing):
+        c = replace(c, in_backward=True)
+        est = verify(c)
+        if est.device_bytes <= budget:
+            note = ("the optimizer steps each parameter in backward and frees its gradient (Note [optimizer step in "
+                    "backward]): nothing fit with every gradient alive at once")
+            return Verified(c, est, (c,), (note,))
+    return None
+
+
+def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate] | None:
+    """The most freeing whole-batch configuration with the optimizer stepped in backward, verified; None when the
+    space has no whole-batch configuration."""
+    whole = [c for c in smallest_peaks(space) if c.accumulation_steps == 1]
+    if not whole:
+        return None
+    c = replace(whole[0], in_backward=True)
+    return c, verify(c)
 
 
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
@@ -117,7 +146,8 @@ def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str
     return InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget)}: the smallest reachable peak is "
         f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch {smallest.micro_batch_size}, "
-        f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed{where}). "
+        f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed"
+        f"{', optimizer stepped in backward' if smallest.in_backward else ''}{where}). "
         f"{advice.get(dominant, ADVICE.get(dominant, f'{dominant} dominates the smallest peak'))}.",
         min_budget_bytes=est.device_bytes, budget_bytes=budget, dominant=dominant,
     )
