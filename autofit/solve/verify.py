@@ -106,8 +106,9 @@ ADVICE = {
                        + _STORE_LOWER + "), or shard it across GPUs (FSDP2, world_size > 1)",
     "parameters": "Parameters dominate: store them in bf16 (" + _STORE_LOWER + "), or shard them (FSDP2, "
                   "world_size > 1)",
-    "gradients": "Gradients dominate: bf16 parameters halve them (" + _STORE_LOWER + "); sharding (FSDP2) splits "
-                 "them across ranks",
+    "gradients": "Gradients dominate: bf16 parameters halve them (" + _STORE_LOWER + "); without gradient "
+                 "clipping on one process the planner can step the optimizer in backward and free them; sharding "
+                 "(FSDP2) splits them across ranks",
     "activations": "Activations dominate even in the configuration with the smallest peak: shorten the sequence "
                    "or image size, or use a lower precision",
     "temporaries": "Temporaries of backward or the optimizer step dominate: a lower precision or a smaller "
