@@ -117,3 +117,13 @@ def test_planner_steps_in_backward_when_nothing_else_fits_and_the_step_really_fi
     # clipping needs every gradient: then nothing fits
     with pytest.raises(autofit.InfeasibleBudgetError):
         autofit.plan(model, x, budget, clip_grad_norm=1.0, **knobs)
+
+
+def test_a_batch_larger_than_the_plan_is_refused_rather_than_stepped_twice():
+    x, y = _data(8)
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with _plan("sgd").wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)) as trainer:
+        with pytest.raises(InvalidInputError, match="at most 4 rows"):
+            trainer.step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

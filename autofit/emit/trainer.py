@@ -3,7 +3,8 @@
 ``trainer.step(inputs, target)`` splits the batch into micro-batches of ``plan.micro_batch_size_for`` its length
 (``plan.micro_batch_size`` at the sample's length, more rows for a shorter batch, see Note [rows by length] in
 autofit/solve/lengths.py; the last one may be shorter); a batch longer than the sample given to ``plan()`` is refused
-before anything runs (Note [the length of a batch], autofit/length.py). It moves each to the device of the model's parameters, runs it through
+before anything runs (Note [the length of a batch], autofit/length.py). It moves each to the device of the model's
+parameters, runs it through
 :func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
 mean loss over the whole batch (n_i counts rows, or the items a token-mean loss averages over: See Note [loss
 normalisation] in autofit/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
@@ -101,6 +102,11 @@ class Trainer:
         batch, target_batch = self._shard(batch, target_batch)
         device = _parameter_device(self.model)
         bounds = self._bounds(batch.size, self._rows_for(batch, target_batch))
+        if self.plan.optimizer_in_backward and len(bounds) > 1:  # each backward would step the optimizer again
+            raise InvalidInputError(
+                f"this plan steps the optimizer in backward, so a step takes one micro-batch of at most "
+                f"{self.plan.micro_batch_size} rows; this batch has {batch.size}: give batches of at most that size"
+            )
         self.micro_batches = len(bounds)
         norm = self._normalisation(batch, target_batch, bounds)
         losses = []
