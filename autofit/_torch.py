@@ -31,7 +31,7 @@ __all__ = [
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "optimizer_internals", "foreach_utils", "destroy_library",
-    "value_free_grad_scaler", "patch_lock", "fake_store", "Patch", "patch", "BatchNormBase",
+    "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -219,6 +219,13 @@ def fake_store() -> Any:
     """A store for ``init_process_group("fake", ...)``: collectives return at once with the right shapes. Loaded on
     first use: only FSDP2 simulations need it, and it lives in torch's test utilities."""
     return _need("torch.testing._internal.distributed.fake_pg", "FakeStore")()
+
+
+def fsdp_internals() -> tuple[type, type]:
+    """FSDP2's ``FSDPParam`` and ``FSDPParamGroup``: the simulation of a CPU-offloaded step wraps where a unit's
+    parameters are copied to the device and where its reduced gradients go back to the host (simulate/offload.py)."""
+    return (_need("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
+            _need("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup"))
 
 
 # ---- process-wide patches ----------------------------------------------------------------------------------------

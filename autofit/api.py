@@ -16,23 +16,28 @@ from autofit.measure.allocator import measure_step
 from autofit.report import Measurement, MemoryEstimate
 from autofit.request import as_inputs, check_model
 from autofit.simulate.run import simulate_step
+from autofit.solve.sharding import shard_units
 from autofit.step import StepConfig, forward_errors, make_step_config
 
 __all__ = ["analyse", "estimate", "measure"]
 
 
-def _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
-            clip_grad_norm=None, optimizer_in_backward=False) -> StepConfig:
+def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
+            clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False) -> StepConfig:
+    # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload])
+    units = shard_units(model) if offload_states else ()
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
                             precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
-                            clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward)
+                            clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
+                            offload=offload, offload_states=offload_states,
+                            strategy="fsdp2" if offload_states else None, shard_units=units)
 
 
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
-    optimizer_in_backward: bool = False,
+    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -52,6 +57,11 @@ def estimate(
     gradient freed (Note [optimizer step in backward], autofit/in_backward.py); not with accumulation, clipping,
     fp16 loss scaling or an fp32 master copy.
 
+    ``offload``: module names whose saved activations live in host memory between forward and backward
+    (``torch.autograd.graph.save_on_cpu``); ``offload_states``: parameters, gradients and optimizer state in host
+    memory, the optimizer stepping on the CPU (FSDP2's ``CPUOffloadPolicy`` on one process). On a GPU target what
+    they keep on the host is ``host_bytes``, apart from the device's figures (Note [offload], docs/offload.md).
+
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
@@ -59,8 +69,8 @@ def estimate(
     """
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
-    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
-                     clip_grad_norm, optimizer_in_backward)
+    config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
+                     clip_grad_norm, optimizer_in_backward, offload, offload_states)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     return device_model.estimate(sim)
@@ -70,7 +80,7 @@ def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
-    optimizer_in_backward: bool = False,
+    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -79,10 +89,16 @@ def measure(
     chooses for a GPU)."""
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
-    config = _config(micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
-                     clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward)
+    config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
+                     clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward, offload=offload,
+                     offload_states=offload_states)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
+    if config.offload_states:
+        raise InvalidInputError(
+            "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
+            "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
+        )
     with forward_errors():
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 

@@ -18,7 +18,7 @@ from autofit.categories import Category
 from autofit.errors import InvalidInputError
 from autofit.report import MemoryEstimate
 from autofit.simulate.run import Simulation
-from autofit.simulate.timeline import Phase
+from autofit.simulate.timeline import Phase, host_replay
 
 __all__ = ["DeviceTarget", "DeviceTerms", "Throughput", "CPU", "resolve_device"]
 
@@ -89,6 +89,7 @@ class DeviceTarget:
             op = ops[sim.replay.peak_op]
             at = f"{op.name} in {op.module or 'top level'}"
         phase = _PHASE_NAMES[sim.replay.peak_phase]
+        host, host_breakdown = host_replay(sim.timeline)
         if self.kind != "cuda":
             return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
                                   peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes)
@@ -99,7 +100,7 @@ class DeviceTarget:
         reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
         return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
                               peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
-                              notes=notes)
+                              notes=notes, host_bytes=host, host_breakdown=host_breakdown)
 
     def simulation_rules(self, stack, config):
         """This device's part of a simulation (``simulate_step(device_rules=...)``): on CUDA, CUDA's autocast op

@@ -49,9 +49,14 @@ class MemoryEstimate:
     peak_at: str = ""  # the op and module at the peak, e.g. "convolution_backward in layer1.0.conv1"
     method: str = "fake"  # "fake" (fake tensors) or "real" (data-dependent model run on the CPU)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # host memory an offloading step holds (Note [host storages]): its high-water mark, pinned by the CUDA engines
+    # (save_on_cpu and FSDP2's CPUOffloadPolicy pin what they offload), with its breakdown; 0 when nothing offloads
+    host_bytes: int = 0
+    host_breakdown: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))
+        object.__setattr__(self, "host_breakdown", _frozen(self.host_breakdown))
         if not self.peak_reserved_bytes:  # the reserve beyond the allocated blocks is the fragmentation term
             reserved = self.peak_bytes + self.breakdown.get(str(Category.FRAGMENTATION), 0)
             object.__setattr__(self, "peak_reserved_bytes", reserved)
@@ -70,6 +75,8 @@ class MemoryEstimate:
                      f"reserved {format_bytes(self.peak_reserved_bytes)} ({self.peak_reserved_bytes:,} bytes); "
                      f"on the device in all (reserved + CUDA context)")
         text = _table(title, self.device_bytes, self.breakdown)
+        if self.host_bytes:
+            text += "\n" + _table("host memory (offloaded, pinned)", self.host_bytes, self.host_breakdown)
         return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 
 

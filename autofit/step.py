@@ -68,6 +68,11 @@ class StepConfig:
     clip_grad_norm: float | None = None
     # step each parameter in backward as soon as its gradient is ready (Note [optimizer step in backward])
     optimizer_in_backward: bool = False
+    # modules whose saved activations live in host memory between forward and backward (Note [offload])
+    offload: tuple[str, ...] = ()
+    # parameters, gradients and optimizer state in host memory, the optimizer stepping on the CPU: FSDP2's
+    # CPUOffloadPolicy (strategy "fsdp2", any world size, 1 included; Note [offload])
+    offload_states: bool = False
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -83,6 +88,22 @@ class StepConfig:
                 f"clip_grad_norm must be a positive number (the max_norm of torch.nn.utils.clip_grad_norm_, e.g. 1.0) "
                 f"or None for no clipping, got {clip!r}"
             )
+        overlap = _nested(self.offload, self.checkpoint)
+        if overlap:
+            raise InvalidInputError(
+                f"{overlap[0]!r} and {overlap[1]!r} are both recomputed and offloaded (one inside the other): each "
+                "module keeps, recomputes or offloads its activations; give it to checkpoint= or offload=, not both"
+            )
+        if self.offload_states and self.strategy != "fsdp2":
+            raise InvalidInputError(
+                "offload_states keeps parameters, gradients and optimizer state in host memory with FSDP2's "
+                f"CPUOffloadPolicy, so it needs strategy='fsdp2' (world_size 1 included), got {self.strategy!r}"
+            )
+        if self.offload_states and self.precision.stored not in (None, "fp32"):
+            raise InvalidInputError(
+                f"offload_states with stored precision {self.precision.stored!r}: FSDP2 keeps fp32 sharded "
+                "parameters on the host and gathers them in the compute dtype, so leave stored=None"
+            )
         if self.optimizer_in_backward:
             check_in_backward(accumulation_steps=self.accumulation_steps, clip_grad_norm=clip,
                               grad_scaler=self.precision.needs_grad_scaler,
@@ -93,7 +114,8 @@ def make_step_config(
     *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
-    clip_grad_norm: float | None = None, optimizer_in_backward: bool = False,
+    clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
+    offload_states: bool = False,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -116,7 +138,34 @@ def make_step_config(
         checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
         held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
+        offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
     )
+
+
+def _module_names(names: Any, what: str) -> tuple[str, ...]:
+    if names is None or names is False:
+        return ()
+    if isinstance(names, str):
+        names = (names,)
+    try:
+        names = tuple(names)
+    except TypeError as e:
+        raise InvalidInputError(f"{what} must be a sequence of module names, got {names!r}") from e
+    if not all(isinstance(name, str) for name in names):
+        raise InvalidInputError(f"{what} must hold module qualified names (strings), got {names!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def _nested(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, str] | None:
+    """A pair (x in a, y in b) where x and y are the same module or one contains the other ("" is the root)."""
+    def within(inner: str, outer: str) -> bool:
+        return inner == outer or outer == "" or inner.startswith(outer + ".")
+
+    for x in a:
+        for y in b:
+            if within(x, y) or within(y, x):
+                return x, y
+    return None
 
 
 def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str) -> list[torch.nn.Module]:
@@ -230,20 +279,56 @@ def _fp32_forward(forward, device_type: str, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
+def saved_on_host(device_type: str) -> contextlib.AbstractContextManager:
+    """PyTorch's own activation offload (Note [offload]): saved tensors packed into (pinned, on a GPU) host memory
+    and brought back for backward."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=device_type == "cuda" and torch.cuda.is_available())
+
+
+def _offloaded_forward(forward, to_host: Callable[[], contextlib.AbstractContextManager], *args, **kwargs):
+    with to_host():
+        return forward(*args, **kwargs)
+
+
+# Note [offload]
+#     Three ways to hold less on the GPU than a step needs, each PyTorch's own engine (docs/offload.md):
+#     - activations: ``torch.autograd.graph.save_on_cpu`` around a module's forward packs every tensor autograd
+#       saves inside it into host memory (pinned on a GPU) as it is saved, and copies it back when backward
+#       unpacks it (torch/autograd/graph.py). The device holds no saved tensor of the module between its forward
+#       and its backward, at the price of two PCIe copies of those bytes; the pack's device-to-host copy is a plain
+#       ``copy_`` on the compute stream (synchronous), so the time model does not overlap it;
+#     - parameters, gradients and optimizer state: FSDP2's ``CPUOffloadPolicy``, at world size 1 too. The sharded
+#       fp32 parameters live in pinned host memory, each unit's are copied to the GPU and gathered in the compute
+#       dtype for its forward and again for its backward, reduced gradients are copied back to the host and the
+#       optimizer steps there, on the CPU;
+#     - the optimizer step in backward (Note [optimizer step in backward]), which keeps no gradient alive.
+#     A module keeps, recomputes or offloads its activations, never two of them at once.
+
+
 @contextlib.contextmanager
-def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str) -> Iterator[torch.nn.Module]:
-    """Apply the step's module-level knobs (checkpointed modules, fp32-pinned modules) and undo them on exit.
+def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str, *,
+                  to_host: Callable[[], contextlib.AbstractContextManager] | None = None) -> Iterator[torch.nn.Module]:
+    """Apply the step's module-level knobs (checkpointed, offloaded and fp32-pinned modules) and undo them on exit.
 
     The knobs are instance-level ``forward`` overrides, so the class, the parameters and the user's hooks stay as
     they are, and leaving the context restores the module exactly (``forward`` removed from the instance dict).
+    ``to_host`` makes the context that offloads a module's saved tensors (default :func:`saved_on_host`; the
+    simulation passes its tracked twin).
     """
     patches: list[tuple[torch.nn.Module, bool, Any]] = []
     pinned = resolve_modules(model, config.precision.fp32_modules, what="precision.fp32_modules")
     ckpt = resolve_modules(model, config.checkpoint, what="checkpoint")
+    offloaded = resolve_modules(model, config.offload, what="offload")
+    if to_host is None:
+        to_host = functools.partial(saved_on_host, device_type)
     try:
         for module in pinned:
             had, old = "forward" in module.__dict__, module.__dict__.get("forward")
             module.forward = functools.partial(_fp32_forward, module.forward, device_type)
+            patches.append((module, had, old))
+        for module in offloaded:
+            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
+            module.forward = functools.partial(_offloaded_forward, module.forward, to_host)
             patches.append((module, had, old))
         for module in ckpt:
             had, old = "forward" in module.__dict__, module.__dict__.get("forward")

@@ -75,6 +75,7 @@ from autofit.in_backward import stepping_in_backward
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
 from autofit.simulate.foreach import target_implementation
+from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing_during
@@ -162,9 +163,12 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     # the device mesh holds real tensors: it is made before the fake mode is entered
     mesh_ctx = fake_mesh(config.world_size) if config.strategy == "fsdp2" else contextlib.nullcontext()
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
-    with mesh_ctx as mesh, mode_ctx, target_implementation(config.device):
+    # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
+    implementation = "cpu" if config.offload_states else config.device
+    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation):
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
-            apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None)
+            apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None,
+                        offload=config.offload_states)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None
@@ -179,7 +183,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
         tracker = StepTracker(prober=prober)
-        _register_state(tracker, work, optimizer, scaler, micro, micro_target, stored)
+        # Note [host storages]: on a GPU target, what offloading keeps in host memory is not the device's
+        host_states = config.offload_states and config.device == "cuda"
+        _register_state(tracker, work, optimizer, scaler, micro, micro_target, stored, host_states=host_states)
         for bucket in buckets:
             tracker.register(bucket, Category.GRADIENTS)
         held = _held_rows(micro, micro_target, config)  # the rest of the batch the trainer slices from
@@ -190,7 +196,10 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
             with contextlib.ExitStack() as stack:
                 caster = device_rules(stack, config) if device_rules is not None else None
-                stack.enter_context(patched_model(work, config, "cpu"))
+                to_host = tracked_save_on_cpu(tracker) if config.device == "cuda" else None
+                stack.enter_context(patched_model(work, config, "cpu", to_host=to_host))
+                if host_states:
+                    stack.enter_context(offloaded_states(tracker))
                 stepped: set[int] = set()  # parameters the optimizer stepped in backward
                 if config.optimizer_in_backward:
                     stack.enter_context(stepping_in_backward(work, optimizer, stepped))
@@ -258,9 +267,10 @@ def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
         stored.after_step()
 
 
-def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target, stored=None) -> None:
+def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target, stored=None, *,
+                    host_states: bool = False) -> None:
     for p in model.parameters():
-        tracker.register(p, Category.PARAMETERS)
+        tracker.register(p, Category.PARAMETERS, host=host_states)
     for b in model.buffers():
         tracker.register(b, Category.BUFFERS)
     for _, t in module_tensor_attributes(model):
@@ -268,7 +278,7 @@ def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                tracker.register(value, Category.OPTIMIZER_STATE)
+                tracker.register(value, Category.OPTIMIZER_STATE, host=host_states)
     if scaler is not None:
         for value in grad_scaler_state(scaler):
             tracker.register(value, Category.OPTIMIZER_STATE)
@@ -330,8 +340,9 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
-                   in_backward=config.optimizer_in_backward)
+    with host_optimizer(tracker, config.offload_states and config.device == "cuda"):
+        optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
+                       in_backward=config.optimizer_in_backward)
     received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
     tracker.phase = Phase.SETUP
     _drop_phantom_state(tracker, model, optimizer, received_grad, stored)

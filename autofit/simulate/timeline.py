@@ -18,7 +18,7 @@ from enum import IntEnum
 
 from autofit.categories import Category
 
-__all__ = ["Phase", "EventKind", "StorageRecord", "OpRecord", "Timeline", "Replay", "replay"]
+__all__ = ["Phase", "EventKind", "StorageRecord", "OpRecord", "Timeline", "Replay", "replay", "host_replay"]
 
 
 class Phase(IntEnum):
@@ -61,18 +61,35 @@ class Timeline:
     events: list[tuple[EventKind, int]] = field(default_factory=list)
     # (index of the first event, micro-batch index, phase): where each stage of the window begins
     marks: list[tuple[int, int, Phase]] = field(default_factory=list)
+    # Host memory (Note [host storages]): storages that live in the host's RAM, not on the device. Their ALLOC and
+    # FREE events go here, in order, never into ``events``, so every device replay ignores them.
+    host_events: list[tuple[EventKind, int]] = field(default_factory=list)
+    host_sids: set[int] = field(default_factory=set)
 
     def mark(self, micro_batch: int, phase: Phase) -> None:
         self.marks.append((len(self.events), micro_batch, phase))
 
-    def new_storage(self, record: StorageRecord) -> int:
+    def new_storage(self, record: StorageRecord, *, host: bool = False) -> int:
         self.storages.append(record)
         sid = len(self.storages) - 1
-        self.events.append((EventKind.ALLOC, sid))
+        if host:
+            self.host_sids.add(sid)
+            self.host_events.append((EventKind.ALLOC, sid))
+        else:
+            self.events.append((EventKind.ALLOC, sid))
         return sid
 
     def free(self, sid: int) -> None:
+        (self.host_events if sid in self.host_sids else self.events).append((EventKind.FREE, sid))
+
+    def move_to_host(self, sid: int) -> None:
+        """The storage's bytes were copied to the host and its device memory freed (FSDP2's CPU offload of a
+        reduced gradient): it ends on the device here and lives on in host memory until it is freed."""
+        if sid in self.host_sids:
+            return
         self.events.append((EventKind.FREE, sid))
+        self.host_sids.add(sid)
+        self.host_events.append((EventKind.ALLOC, sid))
 
     def new_op(self, record: OpRecord) -> int:
         self.ops.append(record)
@@ -87,6 +104,21 @@ class Replay:
     breakdown: dict[Category, int]  # live bytes per category at the peak (sums to peak_bytes)
     peak_op: int  # index of the op at (or just before) the peak, -1 if the peak is the starting state
     peak_phase: Phase
+
+
+def host_replay(timeline: Timeline) -> tuple[int, dict[Category, int]]:
+    """The host-memory high-water mark of the timeline's host storages, with its breakdown by category."""
+    live: dict[Category, int] = {c: 0 for c in Category}
+    total = peak = 0
+    best: dict[Category, int] = {}
+    for kind, sid in timeline.host_events:
+        record = timeline.storages[sid]
+        sign = 1 if kind is EventKind.ALLOC else -1
+        live[record.category] += sign * record.nbytes
+        total += sign * record.nbytes
+        if total > peak:
+            peak, best = total, dict(live)
+    return peak, {c: b for c, b in best.items() if b}
 
 
 def replay(timeline: Timeline) -> Replay:

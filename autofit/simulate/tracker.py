@@ -64,6 +64,9 @@ class StepTracker(TorchDispatchMode):
         self._external: dict[int, weakref.ref] = {}  # storages that existed before tracking, not counted
         self.accumulation = AccumulationWatch(self.timeline)  # see Note [engine accumulation]
         self.unregistered_corrections: set[str] = set()  # ops the probe corrected that corrections.py does not list
+        # while True, new storages are host memory, not the device's (Note [host storages]); simulate/offload.py
+        # sets it around what runs on the host: save_on_cpu's packing, the CPU-offloaded optimizer step
+        self.on_host = False
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     @property
@@ -77,13 +80,14 @@ class StepTracker(TorchDispatchMode):
             return entry[1]
         return None
 
-    def register(self, t: torch.Tensor, category: Category) -> int | None:
-        """Count a tensor that exists before the step (parameters, buffers, state, inputs). Returns its storage id."""
+    def register(self, t: torch.Tensor, category: Category, *, host: bool = False) -> int | None:
+        """Count a tensor that exists before the step (parameters, buffers, state, inputs). Returns its storage id.
+        ``host``: it lives in host memory (Note [host storages])."""
         t = _local(t)
         sid = self.sid_of(t)
         if sid is not None or t.untyped_storage().nbytes() == 0:
             return sid
-        sid = self._track(t.untyped_storage(), category, op=-1)
+        sid = self._track(t.untyped_storage(), category, op=-1, host=host)
         if category is Category.PARAMETERS:
             self._parameter_sids.add(sid)
         return sid
@@ -93,10 +97,16 @@ class StepTracker(TorchDispatchMode):
         if sid is not None:
             self.timeline.storages[sid].category = category
 
-    def _track(self, st, category: Category, op: int, nbytes: int | None = None) -> int:
+    def move_to_host(self, t: torch.Tensor) -> None:
+        """``t``'s storage was copied to host memory and its device memory freed (Note [host storages])."""
+        sid = self.sid_of(t)
+        if sid is not None:
+            self.timeline.move_to_host(sid)
+
+    def _track(self, st, category: Category, op: int, nbytes: int | None = None, host: bool = False) -> int:
         size = st.nbytes() if nbytes is None else max(nbytes, 0)
         record = StorageRecord(size, category, op, self.module, self.phase)
-        sid = self.timeline.new_storage(record)
+        sid = self.timeline.new_storage(record, host=host or self.on_host)
         timeline = self.timeline
         known = self._known
         key = id(st)
