@@ -7,6 +7,7 @@ from autofit.cuda.catalog import gpu_spec
 from autofit.errors import (
     AutofitError,
     ForwardError,
+    HostMemoryError,
     InfeasibleBudgetError,
     InvalidInputError,
     LossError,
@@ -27,6 +28,7 @@ __all__ = [
     "AutofitError",
     "Category",
     "ForwardError",
+    "HostMemoryError",
     "InfeasibleBudgetError",
     "InvalidInputError",
     "ItemMeanLoss",

@@ -32,6 +32,9 @@ class Throughput:
     bytes_per_second: float  # memory bandwidth
     op_overhead_seconds: float  # fixed cost of launching one op
     saturation_flops: float = 0.0  # FLOPs per op at which the device reaches half its peak (0: always at peak)
+    # host <-> device bytes per second per direction (PCIe, what offloading pays); None where host and device are one
+    # memory (the CPU), so there is nothing to offload to
+    host_transfer_bytes_per_second: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
@@ -168,6 +171,7 @@ def _cuda(gpu) -> DeviceTarget:
         bytes_per_second=spec.bandwidth,
         op_overhead_seconds=5e-6,  # kernel launch plus dispatcher, a few microseconds per op
         saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"
+        host_transfer_bytes_per_second=spec.host_transfer,
     )
     return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
                         gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect)

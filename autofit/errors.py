@@ -50,6 +50,14 @@ class InfeasibleBudgetError(AutofitError):
         self.dominant = dominant
 
 
+class HostMemoryError(AutofitError):
+    """A plan that fits the GPU would keep more in host memory than ``host_budget`` allows (Note [offload])."""
+
+    def __init__(self, message: str, *, host_bytes: int, host_budget_bytes: int) -> None:
+        super().__init__(message)
+        self.host_bytes = host_bytes
+        self.host_budget_bytes = host_budget_bytes
+
 
 class UnsupportedTorchError(AutofitError, ImportError):
     """The installed torch lacks an internal autofit relies on (see autofit/_torch.py); the message names it and the

@@ -67,6 +67,16 @@ class Plan:
     rows_by_length: tuple[tuple[int, int], ...] = ()
     # the optimizer steps each parameter in backward (Note [optimizer step in backward], autofit/in_backward.py)
     optimizer_in_backward: bool = False
+    # offloading (Note [offload], docs/offload.md): modules whose saved activations live in host memory, and whether
+    # parameters, gradients and optimizer state do (FSDP2's CPUOffloadPolicy, strategy "fsdp2" on world_size ranks)
+    offload: tuple[str, ...] = ()
+    offload_states: bool = False
+    host_budget_bytes: int | None = None  # the host memory the plan was allowed (None: not checked)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the offloaded tensors need at their high-water mark (pinned on a GPU); 0 without offload."""
+        return self.estimate.host_bytes
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
@@ -119,7 +129,7 @@ class Plan:
 
         For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
         to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
-        if self.world_size > 1:
+        if self.world_size > 1 or self.strategy is not None:
             from autofit.emit.distributed import DistributedTrainer
 
             return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn)
@@ -140,8 +150,10 @@ class Plan:
             "breakdown": dict(self.estimate.breakdown), "device": self.estimate.device,
             "peak_phase": self.estimate.peak_phase, "peak_at": self.estimate.peak_at,
             "method": self.estimate.method, "notes": list(self.estimate.notes),
+            "host_bytes": self.estimate.host_bytes, "host_breakdown": dict(self.estimate.host_breakdown),
         }
         data["checkpoint"] = list(self.checkpoint)
+        data["offload"] = list(self.offload)
         data["shard_units"] = list(self.shard_units)
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.frontier]
         data["notes"] = list(self.notes)
@@ -172,12 +184,14 @@ class Plan:
                 peak_bytes=int(est["peak_bytes"]), breakdown=est["breakdown"], device=est["device"],
                 device_bytes=int(est["device_bytes"]), peak_reserved_bytes=int(est.get("peak_reserved_bytes", 0)),
                 peak_phase=est["peak_phase"], peak_at=est["peak_at"],
-                method=est["method"], notes=tuple(est["notes"]),
+                method=est["method"], notes=tuple(est["notes"]), host_bytes=int(est.get("host_bytes", 0)),
+                host_breakdown=est.get("host_breakdown", {}),
             )
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
                                                 stored=data["precision"].get("stored"))
             data["checkpoint"] = tuple(data["checkpoint"])
+            data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["notes"] = tuple(data["notes"])
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"])))
@@ -206,6 +220,22 @@ class Plan:
                               "applies to this)"),
         ]
 
+    def offload_rows(self, fmt) -> list[tuple[str, str]]:
+        """What the plan keeps in host memory, as (label, value) rows; none without offload."""
+        rows = []
+        if self.offload:
+            names = ", ".join(self.offload)
+            if len(names) > 100:
+                names = f"{len(self.offload)} modules: {names[:90]}..."
+            rows.append(("offloaded activations", f"{names} (save_on_cpu)"))
+        if self.offload_states:
+            rows.append(("offloaded states", "parameters, gradients, optimizer state; the optimizer steps on the CPU "
+                                             "(FSDP2 CPUOffloadPolicy)"))
+        if self.host_bytes:
+            allowed = "" if self.host_budget_bytes is None else f" of {fmt(self.host_budget_bytes)} allowed"
+            rows.append(("host memory", f"{fmt(self.host_bytes)} pinned{allowed}"))
+        return rows
+
     def rows_by_length_text(self) -> str:
         """``length: rows`` for each tabulated length, longest first (what ``micro_batch_size_for`` reads)."""
         return ", ".join(f"{n}: {r}" for n, r in self.rows_by_length) + " (length: rows per micro-batch)"
@@ -228,6 +258,7 @@ class Plan:
             ("budget", f"{format_bytes(self.budget_bytes)} ({100 * self.device_bytes / self.budget_bytes:.0f} % used)"),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
             *([("optimizer step", "in backward, parameter by parameter")] if self.optimizer_in_backward else []),
+            *self.offload_rows(format_bytes),
             ("predicted step", f"{self.predicted_step_seconds:.3g} s (model, for ranking)"),
         ]
         if len(self.rows_by_length) > 1:
@@ -249,7 +280,7 @@ class Plan:
 def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, budget_bytes: int,
                   batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
                   gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
-                  clip_grad_norm: float | None = None) -> Plan:
+                  clip_grad_norm: float | None = None, host_budget_bytes: int | None = None) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -264,6 +295,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         budget_bytes=budget_bytes, device=device, optimizer=optimizer, predicted_step_seconds=chosen.seconds,
         estimate=est, world_size=world_size, strategy=strategy, gpu=gpu, frontier=front,
         notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
-        optimizer_in_backward=chosen.in_backward,
+        optimizer_in_backward=chosen.in_backward, offload=chosen.offload, offload_states=chosen.offload_states,
+        host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes,
     )

@@ -17,7 +17,7 @@ from torch import nn
 
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
-from autofit.errors import AutofitError, InfeasibleBudgetError, UnsupportedModelError
+from autofit.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.length import cut_to_length, length_spec
 from autofit.loss import LossFn
 from autofit.plan import Plan, assemble_plan
@@ -51,6 +51,7 @@ def plan(
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
+    offload: Any = "auto", host_budget: int | str | None = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -67,12 +68,19 @@ def plan(
 
     ``fp32_modules``: module classes, class names or qualified names that must compute in fp32 (say the final norm
     and the LM head); the plan's notes give each one's memory and time cost (Note [the cost of an fp32 pin]).
-    ``"auto"``: the final norm and the output head, kept in fp32 when the plan still fits with them."""
+    ``"auto"``: the final norm and the output head, kept in fp32 when the plan still fits with them.
+
+    ``offload`` (GPU targets; docs/offload.md): with "auto" (or True) a module whose activations must leave the GPU
+    is offloaded to host memory instead of recomputed where the time model finds the PCIe copies cheaper, and when
+    nothing fits with the parameters, gradients and optimizer state on the GPU, they live in host memory and the
+    optimizer steps on the CPU (FSDP2's CPUOffloadPolicy on one process). ``plan.host_bytes`` is the host memory it
+    pins; a plan needing more than ``host_budget`` (bytes or "64GB"; default this machine's RAM) is refused with a
+    ``HostMemoryError``. False: never offload."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
         clip_grad_norm=clip_grad_norm, alternatives=False, min_stored_precision=min_stored_precision,
-        fp32_modules=fp32_modules,
+        fp32_modules=fp32_modules, offload=offload, host_budget=host_budget,
     )[0]
 
 
@@ -81,7 +89,7 @@ def plan_with_analysis(
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
-    fp32_modules: Any = None,
+    fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -91,7 +99,7 @@ def plan_with_analysis(
                            optimizer=optimizer, precision=precision, checkpoint=checkpoint, device=device, gpu=gpu,
                            world_size=world_size, strategy=strategy, quick=not alternatives,
                            clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
-                           fp32_modules=fp32_modules)
+                           fp32_modules=fp32_modules, offload=offload, host_budget=host_budget)
     results, infeasible_errors, failed = [], [], []
     for name in request.strategies:
         try:
@@ -122,8 +130,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
             return simulate_step(request.model, request.batch, request.target, request.loss_fn, config,
                                  device_rules=request.device.simulation_rules)
 
+    def verify_in(where: Parallel, c: Candidate) -> MemoryEstimate:
+        return request.device.estimate(simulate(_config(request, where, c, policy_of[c.precision])))
+
     def verify(c: Candidate) -> MemoryEstimate:
-        return request.device.estimate(simulate(_config(request, parallel, c, policy_of[c.precision])))
+        return verify_in(parallel, c)
 
     state_values = request.optimizer.state_values_per_parameter()  # read off one real step, once
     if request.quick and request.auto_precision and \
@@ -140,9 +151,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     stages = _precision_stages(request)
     skipped = []
     loaded_space = None  # the last space of the model's own dtype (where the optimizer may step in backward)
+    # with host offload as the last stage, any stage whose states alone miss the budget can be skipped
+    last = len(stages) if _offloaded_states(request, parallel) is not None else len(stages) - 1
     for i, policies in enumerate(stages):
         floor = _states_bytes(request, parallel, policies[0], state_values)
-        if i < len(stages) - 1 and floor > request.budget_bytes:
+        if i < last and floor > request.budget_bytes:
             # not worth an analysis: parameters, gradients and optimizer state alone miss the budget
             what = (f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype")
             skipped.append(f"{what} ({floor / 2**30:.1f} GiB)")
@@ -165,6 +178,22 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                     + "; ".join(dict.fromkeys(skipped)),))
             return _plan_of(request, parallel, found, policy_of, analyses), analyses
 
+    offloaded = _offloaded_states(request, parallel)
+    if offloaded is not None:  # the last stage: parameters, gradients and optimizer state in host memory
+        off_analyses = _analyse(request, offloaded, request.policies, {})
+        off_space = _search_space(request, offloaded, request.policies, off_analyses)
+        off_verify = _host_checked(request, lambda c: verify_in(offloaded, c))
+        found = search_verified(off_space, request.budget_bytes, off_verify)
+        if found is not None:
+            found = replace(found, notes=found.notes + (
+                "nothing fits with the parameters, gradients and optimizer state on the GPU (" + "; ".join(
+                    dict.fromkeys(skipped)) + "): they live in host memory and the optimizer steps on the CPU "
+                "(FSDP2 CPUOffloadPolicy, see docs/offload.md)",) if skipped else found.notes)
+            return _plan_of(request, offloaded, found, policy_of, off_analyses), off_analyses
+
+    if space is None:  # every stage was skipped: analyse the last, to name the smallest budget
+        analyses.update(_analyse(request, parallel, stages[-1], analyses))
+        space = _search_space(request, parallel, stages[-1], analyses)
     smallest, est = smallest_verified(space, verify)
     narrowed = _in_backward_space(request, parallel, loaded_space, policy_of)
     in_backward = smallest_in_backward(narrowed, verify) if narrowed is not None else None
@@ -173,7 +202,10 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     if est.device_bytes <= request.budget_bytes:  # the models were pessimistic: the smallest configuration fits
         return _plan_of(request, parallel, Verified(smallest, est, (smallest,)), policy_of, analyses), analyses
     where = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
-    raise infeasible(smallest, est, request.budget_bytes, where)
+    error = infeasible(smallest, est, request.budget_bytes, where)
+    if offloaded is not None:
+        error = _with_offload_minimum(error, smallest_verified(off_space, lambda c: verify_in(offloaded, c)))
+    raise error
 
 
 # ---- the stages' inputs and outputs ----------------------------------------------------------------------------------
@@ -182,6 +214,46 @@ def _parallel(request: PlanRequest, strategy: str | None) -> Parallel:
         return Parallel()
     units = shard_units(request.model) if strategy == "fsdp2" else ()
     return Parallel(strategy=strategy, world_size=request.world_size, shard_units=units)
+
+
+def _offloaded_states(request: PlanRequest, parallel: Parallel) -> Parallel | None:
+    """The setting of the planner's last stage, FSDP2's CPUOffloadPolicy on this one process (Note [offload]), or
+    None where it does not apply: offload not allowed (or a CPU target), or a data-parallel plan (its own stages)."""
+    if not request.offload or parallel.strategy is not None or request.world_size != 1:
+        return None
+    return Parallel(strategy="fsdp2", world_size=1, shard_units=shard_units(request.model), offload_states=True)
+
+
+def _host_checked(request: PlanRequest, verify):
+    """``verify``, where an estimate whose host memory exceeds ``host_budget`` counts as not fitting (its device
+    figure is reported as infinite to the search, and the error says why)."""
+    def checked(c: Candidate) -> MemoryEstimate:
+        est = verify(c)
+        limit = request.host_budget_bytes
+        if limit is not None and est.host_bytes > limit:
+            raise HostMemoryError(
+                f"the plan that fits keeps {format_bytes(est.host_bytes)} in host memory (parameters, gradients and "
+                f"optimizer state, pinned), more than host_budget {format_bytes(limit)}: give the machine's RAM as "
+                "host_budget=..., or a larger GPU budget, SGD, or more GPUs (FSDP2 over world_size ranks)",
+                host_bytes=est.host_bytes, host_budget_bytes=limit,
+            )
+        return est
+    return checked
+
+
+def _with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate, MemoryEstimate]):
+    """The infeasibility error naming the smallest budget with the states offloaded as well as without."""
+    candidate, est = smallest
+    with_offload = est.device_bytes
+    minimum = min(error.min_budget_bytes, with_offload)
+    return InfeasibleBudgetError(
+        f"{error} With parameters, gradients and optimizer state offloaded to the host (FSDP2 CPUOffloadPolicy) the "
+        f"smallest is {format_bytes(with_offload)} ({with_offload:,} bytes; micro-batch {candidate.micro_batch_size},"
+        f" {candidate.precision}, {len(candidate.checkpoint)} modules checkpointed, {len(candidate.offload)} "
+        f"offloaded; {format_bytes(est.host_bytes)} of host memory); without offloading it is "
+        f"{format_bytes(error.min_budget_bytes)}.",
+        min_budget_bytes=minimum, budget_bytes=error.budget_bytes, dominant=error.dominant,
+    )
 
 
 def _fastest(request: PlanRequest) -> Candidate:
@@ -196,7 +268,7 @@ def _config(request: PlanRequest, parallel: Parallel, c: Candidate, policy: Prec
         checkpoint=c.checkpoint, optimizer=request.optimizer, device=request.device.kind,
         held_rows=request.per_rank, gpu=request.device.name, strategy=parallel.strategy,
         world_size=parallel.world_size, shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
-        optimizer_in_backward=c.in_backward,
+        optimizer_in_backward=c.in_backward, offload=c.offload, offload_states=parallel.offload_states,
     )
 
 
@@ -250,7 +322,8 @@ def _analyse(request: PlanRequest, parallel: Parallel, policies: tuple[Precision
                                   probe_kernels=request.device.kind == "cpu", device=request.device.kind,
                                   gpu=request.device.name, strategy=parallel.strategy,
                                   world_size=parallel.world_size, shard_units=parallel.shard_units,
-                                  clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules)
+                                  clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
+                                  offload_states=parallel.offload_states)
             for p in policies if p.label not in done
         }
 
@@ -265,10 +338,13 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
         terms = request.device.memory_terms(a, rows)
         memory[p.label] = MemoryModel.from_analysis(a.profile, a.table, held_rows=rows, row_bytes=request.row_bytes,
                                                    scale=terms.scale, constant=terms.constant)
+        saved = {r.name: (float(r.saved_bytes_fixed), float(r.saved_bytes_per_sample)) for r in a.table.rows if r.name}
         time[p.label] = build_time_model(a.ops, a.table.row("").param_bytes, request.device, parallel.strategy,
-                                        request.world_size)
+                                        parallel.world_size, saved_bytes=saved,
+                                        offload_states=parallel.offload_states)
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
-                       allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint)
+                       allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
+                       allow_offload=request.offload, offload_states=parallel.offload_states)
 
 
 def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
@@ -281,6 +357,7 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
         policy=policy, device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
+        host_budget_bytes=request.host_budget_bytes,
     )
     plan = _with_pin_costs(request, parallel, plan, found.candidate, policy, (analyses or {}).get(policy.label),
                            request.pins + pins)

@@ -6,6 +6,8 @@ precision, optimizer, checkpoint names), so the stages after it take typed value
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +33,7 @@ class Parallel:
     strategy: str | None = None
     world_size: int = 1
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
+    offload_states: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and state on the host
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +64,10 @@ class PlanRequest:
     pins: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # plan(fp32_modules="auto"): the final norm and the output head, pinned only when the plan still fits with them
     optional_pins: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # plan(offload=...): whether the planner may keep activations or states in host memory (Note [offload]); only
+    # on a GPU, whose host link the time model prices. host_budget_bytes: the host memory a plan may pin.
+    offload: bool = False
+    host_budget_bytes: int | None = None
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -103,7 +110,8 @@ def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None, target: Any, loss_fn: LossFn | None,
     optimizer: Any, precision: Any, checkpoint: Any, device: str, gpu: str | None, world_size: int,
     strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
-    min_stored_precision: str | None = None, fp32_modules: Any = None,
+    min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
+    host_budget: int | str | None = None,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -120,6 +128,13 @@ def make_request(
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
         raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
+    if offload not in ("auto", True, False):
+        raise InvalidInputError(
+            f"offload must be 'auto' (the planner may keep activations or states in host memory when that is what "
+            f"fits, or is faster), True (the same) or False (never), got {offload!r}"
+        )
+    may_offload = offload is not False and target_device.kind == "cuda"
+    host_budget_bytes = _host_budget(host_budget) if may_offload else None
     optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
     pins = () if optional else fp32_module_names(model, fp32_modules)
     policies = _pinned(_precisions(precision, target_device), pins)
@@ -133,8 +148,22 @@ def make_request(
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
-        stored_options=stored, pins=pins, optional_pins=optional,
+        stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
+        host_budget_bytes=host_budget_bytes,
     )
+
+
+def _host_budget(host_budget: int | str | None) -> int | None:
+    """``plan(host_budget=...)``: bytes or a size string ("64GB"); default this machine's RAM, the host the plan is
+    most likely made on (say the training machine's when it differs). None when the RAM cannot be read."""
+    if host_budget is None:
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
+        raise InvalidInputError(f"host_budget must be bytes or a size such as '64GB', got {host_budget!r}")
+    return parse_budget(host_budget, device_total_bytes=None)
 
 
 def fp32_module_names(model: nn.Module, wanted: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -27,7 +27,7 @@ def analyse_model(
     model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, precision: PrecisionPolicy,
     optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False, device: str = "cpu",
     gpu: str | None = None, strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
-    clip_grad_norm: float | None = None, device_rules: DeviceRules | None = None,
+    clip_grad_norm: float | None = None, device_rules: DeviceRules | None = None, offload_states: bool = False,
 ) -> Analysis:
     """Graph, per-layer table and step profile of ``model`` at ``precision``.
 
@@ -43,7 +43,7 @@ def analyse_model(
     for size in SIZES:
         config = StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
                             device=device, gpu=gpu, strategy=strategy, world_size=world_size,
-                            shard_units=shard_units, clip_grad_norm=clip_grad_norm)
+                            shard_units=shard_units, clip_grad_norm=clip_grad_norm, offload_states=offload_states)
         observer = LayerObserver()
         sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
                             device_rules=device_rules)

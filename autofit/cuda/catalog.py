@@ -11,6 +11,12 @@ Figures are NVIDIA's published datasheet numbers for dense (not 2:4 sparse) math
 - H200: "NVIDIA H200 Tensor Core GPU" datasheet (same compute as H100 SXM; 141 GB, 4.8 TB/s).
 - RTX 3090: GA102 whitepaper (35.6 fp32, 71 fp16/bf16 tensor dense with fp32 accumulate; 936 GB/s).
 - RTX 4090: AD102 whitepaper (82.6 fp32, 165 fp16/bf16 tensor dense with fp32 accumulate; 1008 GB/s).
+Host-to-device bandwidth (``host_transfer``, what offloading pays over PCIe) is the PCIe link each datasheet names,
+x16: a Gen3 lane moves 8 GT/s, Gen4 16, Gen5 32, with 128b/130b encoding (PCI-SIG base specifications 3.0-5.0), so
+15.75 / 31.5 / 63 GB/s per direction, times 0.8 for transaction-layer packet headers and flow control (a 256-byte
+payload carries about 24 bytes of TLP and DLLP overhead, and copies from pinned memory reach about 80 % of the link
+in NVIDIA's bandwidthTest sample; pageable memory is slower and is not what the offload engines use). V100 and T4:
+PCIe Gen3; A10G, L4, L40S, A100, RTX 3090/4090: Gen4; H100 SXM, H200: Gen5.
 Memory is the vendor's capacity read as GiB (16 GiB, 80 GiB; the H200's "141 GB" is ~141 GiB: nvidia-smi shows
 143,771 MiB). torch reports a little less (``total_memory`` excludes what the driver keeps); "90%" budgets
 are shares of these totals, or of the current device's ``total_memory`` when autofit runs on a GPU.
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 
 from autofit.errors import InvalidInputError
 
-__all__ = ["GPUSpec", "GPUS", "gpu_spec", "resolve_alias", "normalise_gpu_name"]
+__all__ = ["GPUSpec", "GPUS", "pcie_bytes_per_second", "gpu_spec", "resolve_alias", "normalise_gpu_name"]
 
 GiB = 2**30
 T = 1e12
@@ -45,10 +51,25 @@ class GPUSpec:
     # GPU-to-GPU bandwidth per direction: NVLink on SXM data-centre parts (V100 150, A100 300, H100/H200 450 GB/s),
     # else PCIe 4.0 x16 (~25 GB/s usable)
     interconnect: float = 25e9
+    pcie_generation: int = 4  # the host link, x16 (see the module docstring)
+
+    @property
+    def host_transfer(self) -> float:
+        """Usable host <-> device bytes per second per direction over the PCIe x16 link (see the module docstring)."""
+        return pcie_bytes_per_second(self.pcie_generation)
 
     @property
     def supports_bf16(self) -> bool:
         return self.bf16_flops > 0
+
+
+_PCIE_LANE_GT_PER_SECOND = {3: 8e9, 4: 16e9, 5: 32e9}  # PCI-SIG base specifications: transfers per lane
+PCIE_EFFICIENCY = 0.8  # TLP/DLLP overhead and what pinned copies reach (module docstring)
+
+
+def pcie_bytes_per_second(generation: int, lanes: int = 16) -> float:
+    """Usable bytes per second per direction of a PCIe link: lanes x rate x 128/130 (encoding) / 8 x efficiency."""
+    return lanes * _PCIE_LANE_GT_PER_SECOND[generation] * 128 / 130 / 8 * PCIE_EFFICIENCY
 
 
 GPUS: dict[str, GPUSpec] = {
@@ -56,12 +77,13 @@ GPUS: dict[str, GPUSpec] = {
     for spec in (
         GPUSpec(name="V100-16GB", memory_bytes=16 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
                 fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0),
-                source="V100 whitepaper, table 1", interconnect=150e9),
+                source="V100 whitepaper, table 1", interconnect=150e9, pcie_generation=3),
         GPUSpec(name="V100-32GB", memory_bytes=32 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
                 fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0),
-                source="V100 whitepaper, table 1", interconnect=150e9),
+                source="V100 whitepaper, table 1", interconnect=150e9, pcie_generation=3),
         GPUSpec(name="T4", memory_bytes=16 * GiB, fp32_flops=8.1 * T, tf32_flops=0, bf16_flops=0,
-                fp16_flops=65 * T, bandwidth=320e9, compute_capability=(7, 5), source="T4 datasheet"),
+                fp16_flops=65 * T, bandwidth=320e9, compute_capability=(7, 5), source="T4 datasheet",
+                pcie_generation=3),
         GPUSpec(name="A10G", memory_bytes=24 * GiB, fp32_flops=31.2 * T, tf32_flops=62.5 * T, bf16_flops=125 * T,
                 fp16_flops=125 * T, bandwidth=600e9, compute_capability=(8, 6), source="A10 datasheet"),
         GPUSpec(name="L4", memory_bytes=24 * GiB, fp32_flops=30.3 * T, tf32_flops=60 * T, bf16_flops=121 * T,
@@ -76,10 +98,10 @@ GPUS: dict[str, GPUSpec] = {
                 source="A100 datasheet", interconnect=300e9),
         GPUSpec(name="H100-80GB", memory_bytes=80 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
                 fp16_flops=989 * T, bandwidth=3.35e12, compute_capability=(9, 0),
-                source="H100 SXM datasheet", interconnect=450e9),
+                source="H100 SXM datasheet", interconnect=450e9, pcie_generation=5),
         GPUSpec(name="H200", memory_bytes=141 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
                 fp16_flops=989 * T, bandwidth=4.8e12, compute_capability=(9, 0),
-                source="H200 datasheet", interconnect=450e9),
+                source="H200 datasheet", interconnect=450e9, pcie_generation=5),
         GPUSpec(name="RTX-3090", memory_bytes=24 * GiB, fp32_flops=35.6 * T, tf32_flops=35.6 * T,
                 bf16_flops=71 * T, fp16_flops=71 * T, bandwidth=936e9, compute_capability=(8, 6),
                 source="GA102 whitepaper"),

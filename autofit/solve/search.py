@@ -35,6 +35,8 @@ class Candidate:
     peak_bytes: int  # modelled
     seconds: float  # modelled step time for the whole effective batch
     in_backward: bool = False  # the optimizer steps each parameter in backward (Note [optimizer step in backward])
+    offload: tuple[str, ...] = ()  # modules whose saved activations go to the host (Note [offload])
+    offload_states: bool = False  # parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,12 @@ class SearchSpace:
     precisions: tuple[str, ...]
     allow_checkpoint: bool = True  # False: the planner may not add checkpointed modules
     fixed_checkpoint: tuple[str, ...] | None = None  # the user's own set: used as is, never searched
+    # a module whose activations must leave the device may go to the host instead of being recomputed, whichever
+    # the time model says is faster (Note [offload time]); the memory model counts it as recomputed, which holds
+    # at least as much on the device (an offloaded module keeps not even its inputs, and brings its saved tensors
+    # back one backward node at a time), so the verifying estimate can only come out lower
+    allow_offload: bool = False
+    offload_states: bool = False  # every candidate keeps its states on the host (the planner's last stage)
 
 
 def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
@@ -82,11 +90,15 @@ def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, bud
         peak = problem.peak(chosen)
     if peak > budget:
         return None
-    seconds = time.step_time(precision, b, k, names, last).total
+    offload: tuple[str, ...] = ()
+    if space.allow_offload and space.fixed_checkpoint is None:
+        names, offload = time.keep_recompute_or_offload(names, b)
+    seconds = time.step_time(precision, b, k, names, last, offload).total
     peak = memory.to_device(peak)
     if peak > device_budget:
         return None
-    return Candidate(precision, b, k, last, names, peak, seconds)
+    return Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
+                     offload_states=space.offload_states)
 
 
 def _rank(space: SearchSpace, c: Candidate) -> tuple:
@@ -138,7 +150,12 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
                 chosen = most_freeing_checkpoint(memory.problem(b, k))
                 names = tuple(memory.units[i].name for i in chosen)
             peak = memory.to_device(memory.peak(b, k, names))
-            found.append(Candidate(precision, b, k, last, names, peak, time.step_time(precision, b, k, names, last).total))
+            offload: tuple[str, ...] = ()
+            if space.allow_offload and space.fixed_checkpoint is None:
+                names, offload = time.keep_recompute_or_offload(names, b)
+            seconds = time.step_time(precision, b, k, names, last, offload).total
+            found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
+                                   offload_states=space.offload_states))
     return sorted(found, key=lambda c: c.peak_bytes)
 
 

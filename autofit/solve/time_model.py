@@ -10,10 +10,24 @@ forward ops again. The optimizer streams parameters, gradients and state once pe
 the strategy's collectives (``sharding.py``) are added, not overlapped with compute. Each op is costed at the
 precision of the dtype it computed in (``precision_of``), so under autocast the ops that stay in fp32 cost fp32.
 Assumptions, and what is not modelled (overlap, cuDNN algorithm choice, data loading): docs/planner.md.
+
+Note [offload time]
+    Offloading (Note [offload], step.py) adds PCIe transfers at the GPU's ``host_transfer`` bandwidth (catalog.py):
+    - activations: each offloaded module's saved bytes go to the host in forward and come back in backward, per
+      micro-batch: ``2 x saved / bandwidth``. Not overlapped: ``save_on_cpu`` packs with a plain ``copy_`` on the
+      compute stream (torch/autograd/graph.py), and its unpack blocks the backward node that needs the tensor;
+    - states (FSDP2 ``CPUOffloadPolicy``): the fp32 sharded parameters go to the device for each unit's forward and
+      again for its backward (units reshard after forward), per micro-batch, and the fp32 gradients come back once
+      per step. FSDP2 issues these copies with the all-gathers it prefetches on their own streams, so they hide
+      behind compute: only ``max(0, transfers - compute)`` is added. The optimizer then steps on the CPU, streaming
+      parameters, gradients and state through host memory at ``HOST_OPTIMIZER_BYTES_PER_SECOND``, after backward
+      (not overlapped).
+    Both are checked against hand computations in tests/test_offload.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +36,14 @@ from autofit.analyse.table import OpCosts
 from autofit.device import DeviceTarget, Throughput
 from autofit.solve.sharding import collective_seconds
 
-__all__ = ["TimeModel", "StepTime", "build_time_model"]
+__all__ = ["TimeModel", "StepTime", "build_time_model", "HOST_OPTIMIZER_BYTES_PER_SECOND"]
+
+# What a CPU optimizer step streams per second through host memory: torch's for-loop (single-tensor) Adam on CPU
+# tensors, which is what a CPU-offloaded FSDP2 step runs (foreach kernels are CUDA-only: torch/utils/_foreach_utils.py).
+# An assumption for ranking, not a measurement: a few GB/s, well under a server's memory bandwidth, as the per-tensor
+# loop and its temporaries cost several passes over memory (the ZeRO-Offload paper, Ren et al. 2021, section 5.1,
+# reports PyTorch's CPU Adam several times slower than its vectorised CPU-Adam for the same reason).
+HOST_OPTIMIZER_BYTES_PER_SECOND = 5e9
 
 
 @dataclass(frozen=True)
@@ -31,10 +52,12 @@ class StepTime:
     recompute_seconds: float
     overhead_seconds: float
     optimizer_seconds: float  # the optimizer step, and the gradient/parameter collectives of data parallelism
+    transfer_seconds: float = 0.0  # host <-> device copies of offloading that compute does not hide
 
     @property
     def total(self) -> float:
-        return self.compute_seconds + self.recompute_seconds + self.overhead_seconds + self.optimizer_seconds
+        return (self.compute_seconds + self.recompute_seconds + self.overhead_seconds + self.optimizer_seconds
+                + self.transfer_seconds)
 
 
 @dataclass(frozen=True)
@@ -43,7 +66,43 @@ class TimeModel:
     ops: OpCosts
     optimizer_bytes: int  # bytes the optimizer step reads and writes
     collectives: object = None  # micro_batches -> seconds of communication per step (data parallelism)
+    # Note [offload time]: saved bytes of each module (fixed, per sample), the host link (None: no offloading),
+    # and for FSDP2's CPUOffloadPolicy the host copy of the parameters (fp32 shards) and gradients it moves
+    saved_bytes: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    host_transfer: float | None = None
+    offload_states: bool = False
+    state_param_bytes: int = 0
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def offload_seconds(self, names: tuple[str, ...], batch: int) -> float:
+        """Copies of the saved activations of ``names`` to the host and back, for one micro-batch of ``batch``."""
+        if not names:
+            return 0.0
+        if self.host_transfer is None:
+            raise ValueError("this device has no host link to offload over (a CPU target)")
+        saved = sum(max(0.0, fixed + per * batch) for fixed, per in (self.saved_bytes[n] for n in names))
+        return 2 * saved / self.host_transfer
+
+    def recompute_seconds(self, name: str, batch: int) -> float:
+        """What recomputing module ``name`` costs for one micro-batch of ``batch``: its forward ops again."""
+        return float(self._op_seconds(batch)[self._recompute_mask((name,))].sum())
+
+    def keep_recompute_or_offload(self, dropped: tuple[str, ...], batch: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Split modules whose activations must leave the device into (recomputed, offloaded), each by whichever
+        costs less time (Note [offload time]). Without a host link every one is recomputed."""
+        if self.host_transfer is None:
+            return dropped, ()
+        offloaded = tuple(n for n in dropped if n in self.saved_bytes
+                          and self.offload_seconds((n,), batch) < self.recompute_seconds(n, batch))
+        return tuple(n for n in dropped if n not in offloaded), offloaded
+
+    def _states_transfer(self, compute_per_micro: list[float]) -> tuple[float, float]:
+        """(exposed transfer seconds, CPU optimizer seconds) of FSDP2's CPUOffloadPolicy (Note [offload time])."""
+        link = self.host_transfer
+        h2d = 2 * self.state_param_bytes / link  # each micro-batch gathers every unit for forward and for backward
+        exposed = sum(max(0.0, h2d - c) for c in compute_per_micro)
+        exposed += max(0.0, self.state_param_bytes / link - compute_per_micro[-1])  # fp32 gradients back, once
+        return exposed, 4 * self.state_param_bytes / HOST_OPTIMIZER_BYTES_PER_SECOND
 
     def _op_seconds(self, batch: int) -> np.ndarray:
         if batch not in self._cache:
@@ -57,22 +116,29 @@ class TimeModel:
         return self._cache[batch]
 
     def step_time(self, precision: str, batch: int, accumulation_steps: int, checkpoint: tuple[str, ...] = (),
-                  last_batch: int | None = None) -> StepTime:
-        """Time of one optimizer step: ``accumulation_steps`` micro-batches (the last may be ``last_batch``)."""
+                  last_batch: int | None = None, offload: tuple[str, ...] = ()) -> StepTime:
+        """Time of one optimizer step: ``accumulation_steps`` micro-batches (the last may be ``last_batch``);
+        ``offload``: modules whose saved activations go to the host (Note [offload time])."""
         del precision  # each op already carries the dtype it ran in
         sizes = [batch] * (accumulation_steps - 1) + [last_batch or batch]
         mask = self._recompute_mask(checkpoint)
-        compute = recompute = 0.0
+        compute = recompute = transfer = 0.0
+        per_micro = []
         for b in sizes:
             seconds = self._op_seconds(b)
             compute += float(seconds.sum())
             recompute += float(seconds[mask].sum())
+            transfer += self.offload_seconds(offload, b)
+            per_micro.append(float(seconds.sum()) + float(seconds[mask].sum()))
         launches = len(self.ops.precision) + int(mask.sum())
         overhead = len(sizes) * launches * self.throughput.op_overhead_seconds
         optimizer = self.optimizer_bytes / self.throughput.bytes_per_second
+        if self.offload_states:
+            exposed, optimizer = self._states_transfer(per_micro)
+            transfer += exposed
         if self.collectives is not None:
             optimizer += self.collectives(len(sizes))
-        return StepTime(compute, recompute, overhead, optimizer)
+        return StepTime(compute, recompute, overhead, optimizer, transfer)
 
     def _recompute_mask(self, checkpoint: tuple[str, ...]) -> np.ndarray:
         if not checkpoint:
@@ -85,13 +151,21 @@ class TimeModel:
 
 
 def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strategy: str | None,
-                     world_size: int) -> TimeModel:
+                     world_size: int, *, saved_bytes: Mapping[str, tuple[float, float]] | None = None,
+                     offload_states: bool = False) -> TimeModel:
     """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
-    states; FSDP2 streams one shard), and the data-parallel collectives of ``strategy``."""
+    states; FSDP2 streams one shard), the data-parallel collectives of ``strategy``, and offloading's transfers
+    (``saved_bytes``: each module's saved activations, fixed and per sample; ``offload_states``: FSDP2's
+    CPUOffloadPolicy) over the target's host link (Note [offload time])."""
     optimizer_bytes = 4 * param_bytes // (world_size if strategy == "fsdp2" else 1)
 
     def collectives(micro_batches: int) -> float:
         return collective_seconds(strategy, world_size, param_bytes, param_bytes, micro_batches,
                                   target.interconnect_bytes_per_second)
 
-    return TimeModel(target.throughput, ops, optimizer_bytes, collectives if strategy else None)
+    # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
+    shard = param_bytes // world_size
+    return TimeModel(target.throughput, ops, optimizer_bytes,
+                     collectives if strategy and world_size > 1 else None, saved_bytes=dict(saved_bytes or {}),
+                     host_transfer=target.throughput.host_transfer_bytes_per_second,
+                     offload_states=offload_states, state_param_bytes=shard if offload_states else 0)
