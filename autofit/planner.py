@@ -338,7 +338,9 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
         terms = request.device.memory_terms(a, rows)
         memory[p.label] = MemoryModel.from_analysis(a.profile, a.table, held_rows=rows, row_bytes=request.row_bytes,
                                                    scale=terms.scale, constant=terms.constant)
-        saved = {r.name: (float(r.saved_bytes_fixed), float(r.saved_bytes_per_sample)) for r in a.table.rows if r.name}
+        # what save_on_cpu would copy: the module's saved activations, and its weights (it packs every saved tensor)
+        saved = {r.name: (float(r.saved_bytes_fixed + r.param_bytes), float(r.saved_bytes_per_sample))
+                 for r in a.table.rows if r.name}
         time[p.label] = build_time_model(a.ops, a.table.row("").param_bytes, request.device, parallel.strategy,
                                         parallel.world_size, saved_bytes=saved,
                                         offload_states=parallel.offload_states)

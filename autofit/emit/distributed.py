@@ -53,6 +53,12 @@ class DistributedTrainer(Trainer):
                 f"stored precision {plan.precision.stored!r} is planned for one process only; with DDP or FSDP2 use "
                 "stored=None (FSDP2's own MixedPrecisionPolicy keeps fp32 sharded parameters)"
             )
+        self._own_group = False
+        if plan.offload_states and plan.world_size == 1 and dist.is_available() and not dist.is_initialized():
+            # FSDP2 on one process (Note [offload]): a process group of one, torch's own, made and destroyed here
+            backend = "cpu:gloo,cuda:nccl" if plan.device == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._own_group = True
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidInputError(
                 f"this plan is for {plan.world_size} processes ({plan.strategy}): call "
@@ -84,14 +90,28 @@ class DistributedTrainer(Trainer):
             from torch.distributed.device_mesh import init_device_mesh
 
             device_type = next(model.parameters()).device.type
+            if plan.offload_states:  # the parameters stay on the host; the plan's device computes
+                device_type = plan.device
+                if any(p.device.type != "cpu" for p in model.parameters()):
+                    raise InvalidInputError(
+                        "this plan keeps the parameters in host memory (FSDP2 CPUOffloadPolicy): give wrap() the "
+                        "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
+                        "it runs)"
+                    )
             mesh = init_device_mesh(device_type, (self.world_size,))
+            self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
+                if device_type == "cuda" else torch.device(device_type)
             low = plan.precision.dtype if plan.precision.autocast else None
-            wrapped = apply_fsdp2(model, plan.shard_units, mesh, low)
+            wrapped = apply_fsdp2(model, plan.shard_units, mesh, low, offload=plan.offload_states,
+                                  pin_memory=device_type == "cuda")
             built = optimizer(wrapped.parameters())
         else:
             raise InvalidInputError(f"unknown strategy {plan.strategy!r}: plans use 'ddp' or 'fsdp2'")
         self._inner = inner
         super().__init__(plan, wrapped, built, loss_fn=loss_fn)
+
+    def _input_device(self) -> torch.device:
+        return getattr(self, "_compute_device", None) or super()._input_device()
 
     def _shard(self, batch: Batch, target: Batch | None):
         if self._local:
@@ -145,8 +165,12 @@ class DistributedTrainer(Trainer):
         return super().step(inputs, target)
 
     def unwrap(self) -> nn.Module:
-        """Undo autofit's patches and return the model (DDP's module; FSDP2's sharding cannot be undone)."""
+        """Undo autofit's patches and return the model (DDP's module; FSDP2's sharding cannot be undone). A process
+        group this trainer made for a one-process offloaded plan is destroyed."""
         super().unwrap()
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_group = False
         return self._inner
 
 

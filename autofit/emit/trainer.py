@@ -64,12 +64,15 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.device_type = _device_type(model)
+        # where the step computes: the parameters' device, but a plan whose parameters live in host memory (FSDP2
+        # CPUOffloadPolicy, Note [offload]) computes on the plan's device
+        self.device_type = plan.device if plan.offload_states else _device_type(model)
         self.config = StepConfig(
             micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
             precision=plan.precision, checkpoint=plan.checkpoint,
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
             clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
+            offload=plan.offload,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
@@ -100,7 +103,7 @@ class Trainer:
         if target_batch is not None and target_batch.size != batch.size:
             raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
         batch, target_batch = self._shard(batch, target_batch)
-        device = _parameter_device(self.model)
+        device = self._input_device()
         bounds = self._bounds(batch.size, self._rows_for(batch, target_batch))
         if self.plan.optimizer_in_backward and len(bounds) > 1:  # each backward would step the optimizer again
             raise InvalidInputError(
@@ -123,6 +126,10 @@ class Trainer:
         optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm, stored=self._stored,
                        in_backward=self.plan.optimizer_in_backward)
         return norm.local_mean(losses)
+
+    def _input_device(self) -> torch.device:
+        """Where the micro-batches go: the parameters' device."""
+        return _parameter_device(self.model)
 
     def _normalisation(self, batch: Batch, target: Batch | None, bounds: list[tuple[int, int]]) -> LossNormalisation:
         """Each micro-batch's weight, from the whole batch before the first runs (See Note [loss normalisation])."""

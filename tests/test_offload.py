@@ -1,0 +1,244 @@
+"""Offloading (Note [offload], docs/offload.md): activations through ``save_on_cpu``, parameters, gradients and
+optimizer state through FSDP2's ``CPUOffloadPolicy``. Truths: a plain full-batch step for the trained parameters, the
+CPU allocator, hand counts of the tensors ``save_on_cpu`` packs, and hand computations of the transfer terms."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autofit
+from autofit.analyse.table import OpCosts
+from autofit.cuda.catalog import GPUS, pcie_bytes_per_second
+from autofit.device import resolve_device
+from autofit.errors import InvalidInputError
+from autofit.solve.sharding import shard_units
+from autofit.solve.time_model import HOST_OPTIMIZER_BYTES_PER_SECOND, TimeModel
+
+BLOCKS = [str(i) for i in range(6)]
+
+
+def _model(width: int = 256) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(6)], nn.Linear(width, 10))
+
+
+def _data(rows: int, width: int = 256):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, width, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+def _reference(model: nn.Module, x, y, steps: int = 2) -> nn.Module:
+    """Plain AdamW steps on the whole batch: what every offloaded configuration must train."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    return ref
+
+
+def _cpu_plan(model, x, y, **changes) -> autofit.Plan:
+    base = autofit.plan(model, x, "1GB", target=y, device="cpu", precision="fp32", checkpoint=None)
+    return dataclasses.replace(base, **changes)
+
+
+# ---- activations: save_on_cpu ------------------------------------------------------------------------------------
+def test_offloaded_activations_train_exactly_the_plain_step_and_unwrap_restores_forward():
+    x, y = _data(16)
+    model = _model()
+    ref = _reference(model, x, y)
+    plan = _cpu_plan(model, x, y, micro_batch_size=8, gradient_accumulation_steps=2, last_micro_batch_size=8,
+                     offload=("1", "3"), checkpoint=("0",))
+    trained = {}
+    for offload in ((), ("1", "3")):
+        mine = copy.deepcopy(model)
+        trainer = dataclasses.replace(plan, offload=offload).wrap(mine, torch.optim.AdamW(mine.parameters(), lr=1e-2))
+        for _ in range(2):
+            trainer.step(x, y)
+        assert trainer.micro_batches == 2
+        out = trainer.unwrap()
+        assert all("forward" not in m.__dict__ for m in out.modules())
+        trained[offload] = out
+    for a, b, c in zip(ref.parameters(), trained[()].parameters(), trained[("1", "3")].parameters()):
+        assert torch.equal(c, b)  # offloading changes no number of the step
+        torch.testing.assert_close(c, a, rtol=0, atol=1e-5)  # and the window trains the full batch
+
+
+def test_on_the_cpu_offloading_activations_is_free_and_estimate_equals_measure():
+    """On a CPU target host and device are one memory: save_on_cpu's pack returns the tensor itself
+    (``tensor.cpu()``), so the measured peak does not move, and the estimate follows the allocator."""
+    x, y = _data(64)
+    model = _model()
+    kw = dict(micro_batch_size=64, target=y)
+    plain = autofit.measure(model, x, **kw).peak_bytes
+    measured = autofit.measure(model, x, offload=BLOCKS, **kw).peak_bytes
+    assert measured == plain
+    assert autofit.estimate(model, x, offload=BLOCKS, **kw).peak_bytes == measured
+
+
+def test_on_a_gpu_the_host_holds_exactly_what_save_on_cpu_packs():
+    """Hand count, fp32, rows r = 512, width 256: each Linear saves its input (r x 256 x 4 = 524,288 B) and, when
+    its input needs a gradient, its weight (256 x 256 x 4 = 262,144 B); each GELU saves its input (524,288 B).
+    Block 0's input needs no gradient, so it saves no weight. All six blocks' packs are alive at the end of forward:
+    5 x 1,310,720 + 1,048,576 = 7,602,176 B of host memory."""
+    x, y = _data(512)
+    model = _model()
+    kw = dict(micro_batch_size=512, target=y, device="cuda", gpu="T4")
+    plain = autofit.estimate(model, x, **kw)
+    offloaded = autofit.estimate(model, x, offload=BLOCKS, **kw)
+    assert plain.host_bytes == 0
+    assert offloaded.host_bytes == 5 * (524_288 + 262_144 + 524_288) + (524_288 + 524_288) == 7_602_176
+    assert offloaded.peak_bytes < plain.peak_bytes  # the saved activations left the device
+    recomputed = autofit.estimate(model, x, checkpoint=BLOCKS, **kw)
+    # the memory model counts an offloaded module as recomputed: that must never be below what offloading holds
+    assert offloaded.peak_bytes <= recomputed.peak_bytes
+
+
+def test_a_module_cannot_be_both_recomputed_and_offloaded():
+    x, y = _data(4)
+    with pytest.raises(InvalidInputError, match="both recomputed and offloaded"):
+        autofit.estimate(_model(), x, target=y, micro_batch_size=4, checkpoint=["1"], offload=["1.0"])
+    with pytest.raises(InvalidInputError, match="no module named|not a module|offload"):
+        autofit.estimate(_model(), x, target=y, micro_batch_size=4, offload=["nope"])
+
+
+# ---- states: FSDP2 CPUOffloadPolicy on one process ------------------------------------------------------------------
+def test_offloaded_states_train_exactly_the_plain_step_on_one_process():
+    x, y = _data(8, 32)
+    model = _model(32)
+    ref = _reference(model, x, y)
+    plan = _cpu_plan(model, x, y, strategy="fsdp2", world_size=1, offload_states=True,
+                     shard_units=shard_units(model), micro_batch_size=4, gradient_accumulation_steps=2,
+                     last_micro_batch_size=4)
+    trainer = plan.wrap(copy.deepcopy(model), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    for _ in range(2):
+        trainer.step(x, y)
+    assert trainer.micro_batches == 2
+    assert all(p.to_local().device.type == "cpu" for p in trainer.model.parameters())
+    out = trainer.unwrap()
+    assert not dist.is_initialized()  # the one-process group the trainer made is gone
+    for a, b in zip(ref.parameters(), out.parameters()):
+        torch.testing.assert_close(b.full_tensor(), a, rtol=1e-5, atol=1e-6)
+
+
+def test_offloaded_states_live_on_the_host_of_a_gpu_target():
+    """Hand count, AdamW, fp32: 6 x (256 x 256 + 256) + 256 x 10 + 10 = 397,322 parameters; on the host their
+    shards (4 B each), their gradients (4 B) and the two moments (8 B)."""
+    x, y = _data(512)
+    model = _model()
+    n = sum(p.numel() for p in model.parameters())
+    assert n == 397_322
+    kw = dict(micro_batch_size=512, target=y, device="cuda", gpu="T4")
+    plain = autofit.estimate(model, x, **kw)
+    states = autofit.estimate(model, x, offload_states=True, **kw)
+    host = dict(states.host_breakdown)
+    assert host["parameters"] == 4 * n
+    assert host["gradients"] == 4 * n
+    assert host["optimizer_state"] - 8 * n < 1024  # plus AdamW's step counters
+    assert states.peak_bytes < plain.peak_bytes
+    assert "optimizer_state" not in states.breakdown  # no optimizer state on the device
+
+
+def test_measure_refuses_offloaded_states_with_a_reason():
+    x, y = _data(4)
+    with pytest.raises(InvalidInputError, match="through plan.wrap"):
+        autofit.measure(_model(), x, target=y, micro_batch_size=4, offload_states=True)
+
+
+# ---- time model: transfer terms against hand computations ---------------------------------------------------------
+def test_pcie_bandwidth_from_the_link_generation():
+    # Gen3 x16: 16 lanes x 8 GT/s x 128/130 / 8 bits = 15.75 GB/s, x 0.8 usable
+    assert pcie_bytes_per_second(3) == pytest.approx(16 * 8e9 * 128 / 130 / 8 * 0.8)
+    assert GPUS["T4"].host_transfer == pytest.approx(12.6e9, rel=1e-3)
+    assert GPUS["A100-80GB"].host_transfer == pytest.approx(2 * GPUS["T4"].host_transfer)
+    assert GPUS["H100-80GB"].host_transfer == pytest.approx(4 * GPUS["T4"].host_transfer)
+    assert resolve_device("cpu").throughput.host_transfer_bytes_per_second is None
+
+
+def _hand_model(**kw) -> TimeModel:
+    """Two forward ops of 1 GFLOP (per sample 0) in module "a", one backward op of 2 GFLOP, on a device of
+    1 TFLOP/s, infinite bandwidth, no launch cost, a 10 GB/s host link."""
+    from autofit.device import Throughput
+
+    tp = Throughput(name="hand", flops_per_second={"fp32": 1e12}, bytes_per_second=float("inf"),
+                    op_overhead_seconds=0.0, host_transfer_bytes_per_second=10e9)
+    ops = OpCosts(flops_fixed=np.array([1e9, 1e9, 2e9]), flops_per_sample=np.zeros(3),
+                  bytes_fixed=np.zeros(3), bytes_per_sample=np.zeros(3), precision=("fp32",) * 3,
+                  forward=np.array([True, True, False]), module=("a", "a", "a"))
+    return TimeModel(tp, ops, optimizer_bytes=0, host_transfer=10e9, **kw)
+
+
+def test_activation_offload_time_is_two_copies_not_overlapped():
+    # module a saves 10 MB fixed + 1 MB per sample; at 4 samples 14 MB, out and back at 10 GB/s: 2.8 ms per
+    # micro-batch; two micro-batches: 5.6 ms on top of 2 x 4 ms of compute
+    model = _hand_model(saved_bytes={"a": (10e6, 1e6)})
+    t = model.step_time("fp32", 4, 2, offload=("a",))
+    assert t.transfer_seconds == pytest.approx(2 * (2 * 14e6 / 10e9))
+    assert t.compute_seconds == pytest.approx(2 * 4e-3)
+    assert t.total == pytest.approx(8e-3 + 5.6e-3)
+    # recomputing a costs its two forward ops again: 2 ms per micro-batch, less than 2.8 ms of copies
+    assert model.recompute_seconds("a", 4) == pytest.approx(2e-3)
+    assert model.keep_recompute_or_offload(("a",), 4) == (("a",), ())
+    cheap = _hand_model(saved_bytes={"a": (1e6, 0.0)})  # 1 MB: 0.2 ms of copies beat 2 ms of recompute
+    assert cheap.keep_recompute_or_offload(("a",), 4) == ((), ("a",))
+
+
+def test_state_offload_time_hides_copies_behind_compute_and_adds_the_cpu_step():
+    # 1 GB of fp32 shards: gathered twice per micro-batch (2 GB, 0.2 s at 10 GB/s) against 4 ms of compute, so
+    # 0.196 s exposed per micro-batch; gradients back once (0.1 s - 4 ms); the CPU step streams 4 GB
+    model = _hand_model(offload_states=True, state_param_bytes=10**9)
+    t = model.step_time("fp32", 4, 2)
+    assert t.transfer_seconds == pytest.approx(2 * (0.2 - 4e-3) + (0.1 - 4e-3))
+    assert t.optimizer_seconds == pytest.approx(4e9 / HOST_OPTIMIZER_BYTES_PER_SECOND)
+    small = _hand_model(offload_states=True, state_param_bytes=10**6)  # 0.2 ms of copies: hidden entirely
+    assert small.step_time("fp32", 4, 1).transfer_seconds == 0.0
+
+
+# ---- the planner -------------------------------------------------------------------------------------------------
+def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_host_budget():
+    x, y = _data(64)
+    model = _model()
+    kw = dict(target=y, device="cuda", gpu="T4", precision="fp32", checkpoint="auto")
+    with pytest.raises(autofit.InfeasibleBudgetError) as info:
+        autofit.plan(model, x, 1, offload=False, **kw)
+    without = info.value.min_budget_bytes
+    with pytest.raises(autofit.InfeasibleBudgetError) as info:
+        autofit.plan(model, x, 1, **kw)
+    assert "offloaded to the host" in str(info.value) and "without offloading" in str(info.value)
+    with_offload = info.value.min_budget_bytes
+    assert with_offload < without
+    budget = (with_offload + without) // 2
+    plan = autofit.plan(model, x, budget, host_budget="1GB", **kw)
+    assert plan.offload_states and plan.strategy == "fsdp2" and plan.world_size == 1
+    assert plan.device_bytes <= budget
+    assert plan.host_bytes >= 16 * 397_322  # parameters, gradients, two moments (fp32)
+    assert "host memory" in str(plan)
+    assert autofit.Plan.from_json(plan.to_json()).offload_states
+    with pytest.raises(autofit.HostMemoryError, match="host_budget"):
+        autofit.plan(model, x, budget, host_budget=10**6, **kw)
+
+
+@pytest.mark.slow
+def test_gpt2_xl_on_a_t4_plans_with_its_states_on_the_host():
+    """Issue 15's case: GPT-2-XL (48 x 1600, 1,557,611,200 parameters, fp32 on meta), a 16 GB T4 (no bf16: fp16),
+    effective batch 32 x 1024, 90 % of the card; a T4 machine with 64 GB of RAM. Without offload the states alone
+    (16 B/param, 23.2 GiB) exceed the card."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=48, n_embd=1600, n_head=25, n_positions=1024, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 1_557_611_200
+    ids = torch.zeros(32, 1024, dtype=torch.long)
+    plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, "90%", gpu="T4", host_budget="64GB")
+    assert plan.offload_states and plan.precision.name == "fp16"
+    assert plan.device_bytes <= plan.budget_bytes == int(0.9 * 16 * 2**30)
+    assert plan.host_bytes >= 16 * 1_557_611_200
+    assert "host memory" in str(plan)
