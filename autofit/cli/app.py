@@ -53,6 +53,11 @@ WorldOpt = Annotated[int, typer.Option("--world-size", help="processes (GPUs) tr
 StoredOpt = Annotated[Optional[str], typer.Option(
     "--min-stored-precision", help="lowest stored precision of parameters/gradients/optimizer state the planner may "
     "choose when fp32 does not fit: fp32, fp32-master or bf16 (default: any)")]
+OffloadOpt = Annotated[bool, typer.Option(
+    "--offload/--no-offload", help="let the planner keep activations, or parameters, gradients and optimizer state, "
+    "in host memory when that fits or is faster (GPU targets; docs/offload.md)")]
+HostBudgetOpt = Annotated[Optional[str], typer.Option(
+    "--host-budget", help="host memory (RAM) an offloading plan may pin, e.g. 64GB (default: this machine's RAM)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
@@ -104,6 +109,7 @@ def plan(
     input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, precision: PrecisionOpt = "auto",
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
+    offload: OffloadOpt = True, host_budget: HostBudgetOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot",
                                                  help="write memory per layer and the front to a PNG")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
@@ -127,6 +133,7 @@ def plan(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
                 strategy=strategy, min_stored_precision=min_stored_precision,
+                offload="auto" if offload else False, host_budget=host_budget,
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)

@@ -45,6 +45,7 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         *plan.memory_rows(lambda n: f"{format_mib(n)} MiB"),
         ("budget", f"{format_mib(plan.budget_bytes)} MiB ({100 * plan.device_bytes / plan.budget_bytes:.0f} % used "
                    f"on the device)"),
+        *plan.offload_rows(lambda n: f"{format_mib(n)} MiB"),
         ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
     ]
     if plan.world_size > 1:
