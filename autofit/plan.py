@@ -233,7 +233,9 @@ class Plan:
                                              "(FSDP2 CPUOffloadPolicy)"))
         if self.host_bytes:
             allowed = "" if self.host_budget_bytes is None else f" of {fmt(self.host_budget_bytes)} allowed"
-            rows.append(("host memory", f"{fmt(self.host_bytes)} pinned{allowed}"))
+            pinned = self.estimate.host_pinned_bytes
+            rows.append(("host memory", f"{fmt(self.host_bytes)} ({fmt(pinned)} pinned, "
+                                        f"{fmt(self.host_bytes - pinned)} pageable){allowed}"))
         return rows
 
     def rows_by_length_text(self) -> str:

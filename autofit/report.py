@@ -57,6 +57,14 @@ class MemoryEstimate:
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))
         object.__setattr__(self, "host_breakdown", _frozen(self.host_breakdown))
+
+    @property
+    def host_pinned_bytes(self) -> int:
+        """The part of ``host_bytes`` in pinned (page-locked) memory: what the engines copy over PCIe, i.e. packed
+        activations, parameter shards and offloaded gradients (save_on_cpu and FSDP2's CPUOffloadPolicy pin them).
+        The rest, optimizer state and the CPU step's temporaries, is ordinary pageable memory made by CPU ops."""
+        pinned = (str(Category.ACTIVATIONS), str(Category.PARAMETERS), str(Category.GRADIENTS))
+        return sum(v for k, v in self.host_breakdown.items() if k in pinned)
         if not self.peak_reserved_bytes:  # the reserve beyond the allocated blocks is the fragmentation term
             reserved = self.peak_bytes + self.breakdown.get(str(Category.FRAGMENTATION), 0)
             object.__setattr__(self, "peak_reserved_bytes", reserved)
@@ -76,7 +84,8 @@ class MemoryEstimate:
                      f"on the device in all (reserved + CUDA context)")
         text = _table(title, self.device_bytes, self.breakdown)
         if self.host_bytes:
-            text += "\n" + _table("host memory (offloaded, pinned)", self.host_bytes, self.host_breakdown)
+            text += "\n" + _table(f"host memory (offloaded; {format_bytes(self.host_pinned_bytes)} pinned)",
+                                   self.host_bytes, self.host_breakdown)
         return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 
 

@@ -145,6 +145,8 @@ def test_offloaded_states_live_on_the_host_of_a_gpu_target():
     assert host["optimizer_state"] - 8 * n < 1024  # plus AdamW's step counters
     assert states.peak_bytes < plain.peak_bytes
     assert "optimizer_state" not in states.breakdown  # no optimizer state on the device
+    # pinned: what crosses PCIe (shards and gradients); the state and the CPU step's temporaries are pageable
+    assert states.host_pinned_bytes == 8 * n
 
 
 def test_measure_refuses_offloaded_states_with_a_reason():
