@@ -124,18 +124,11 @@ def make_step_config(
             "checkpoint='auto' asks the planner to choose, and only plan() chooses: give estimate/measure the module "
             "names to recompute (plan.checkpoint), or None for none"
         )
-    if isinstance(checkpoint, str):
-        checkpoint = (checkpoint,)
-    try:
-        checkpoint = tuple(checkpoint)
-    except TypeError as e:
-        raise InvalidInputError(f"checkpoint must be a sequence of module names, got {checkpoint!r}") from e
-    if not all(isinstance(name, str) for name in checkpoint):
-        raise InvalidInputError(f"checkpoint must hold module qualified names (strings), got {checkpoint!r}")
+    checkpoint = _module_names(checkpoint, "checkpoint")
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
-        checkpoint=tuple(dict.fromkeys(checkpoint)), optimizer=as_optimizer_spec(optimizer), device=device,
+        checkpoint=checkpoint, optimizer=as_optimizer_spec(optimizer), device=device,
         held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
