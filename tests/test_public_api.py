@@ -17,6 +17,7 @@ PUBLIC = [
     "AutofitError",
     "Category",
     "ForwardError",
+    "HostMemoryError",
     "InfeasibleBudgetError",
     "InvalidInputError",
     "ItemMeanLoss",
