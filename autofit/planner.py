@@ -179,11 +179,17 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
             return _plan_of(request, parallel, found, policy_of, analyses), analyses
 
     offloaded = _offloaded_states(request, parallel)
+    off_smallest = None
     if offloaded is not None:  # the last stage: parameters, gradients and optimizer state in host memory
         off_analyses = _analyse(request, offloaded, request.policies, {})
         off_space = _search_space(request, offloaded, request.policies, off_analyses)
         off_verify = _host_checked(request, lambda c: verify_in(offloaded, c))
         found = search_verified(off_space, request.budget_bytes, off_verify)
+        if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
+            off_smallest = smallest_verified(off_space, lambda c: verify_in(offloaded, c))
+            candidate, est = off_smallest
+            if est.device_bytes <= request.budget_bytes:
+                found = Verified(candidate, _host_fits(request, est), (candidate,))
         if found is not None:
             found = replace(found, notes=found.notes + (
                 "nothing fits with the parameters, gradients and optimizer state on the GPU (" + "; ".join(
@@ -203,8 +209,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         return _plan_of(request, parallel, Verified(smallest, est, (smallest,)), policy_of, analyses), analyses
     where = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
     error = infeasible(smallest, est, request.budget_bytes, where)
-    if offloaded is not None:
-        error = _with_offload_minimum(error, smallest_verified(off_space, lambda c: verify_in(offloaded, c)))
+    if off_smallest is not None:
+        error = _with_offload_minimum(error, off_smallest, request.host_budget_bytes)
     raise error
 
 
@@ -225,33 +231,45 @@ def _offloaded_states(request: PlanRequest, parallel: Parallel) -> Parallel | No
 
 
 def _host_checked(request: PlanRequest, verify):
-    """``verify``, where an estimate whose host memory exceeds ``host_budget`` counts as not fitting (its device
-    figure is reported as infinite to the search, and the error says why)."""
+    """``verify``, where an estimate that fits the GPU but whose host memory exceeds ``host_budget`` raises
+    ``HostMemoryError`` (nothing fit with the states on the GPU: this was the last way)."""
     def checked(c: Candidate) -> MemoryEstimate:
         est = verify(c)
-        limit = request.host_budget_bytes
-        if limit is not None and est.host_bytes > limit:
-            raise HostMemoryError(
-                f"the plan that fits keeps {format_bytes(est.host_bytes)} in host memory (parameters, gradients and "
-                f"optimizer state, pinned), more than host_budget {format_bytes(limit)}: give the machine's RAM as "
-                "host_budget=..., or a larger GPU budget, SGD, or more GPUs (FSDP2 over world_size ranks)",
-                host_bytes=est.host_bytes, host_budget_bytes=limit,
-            )
-        return est
+        return _host_fits(request, est) if est.device_bytes <= request.budget_bytes else est
     return checked
 
 
-def _with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate, MemoryEstimate]):
-    """The infeasibility error naming the smallest budget with the states offloaded as well as without."""
+def _host_fits(request: PlanRequest, est: MemoryEstimate) -> MemoryEstimate:
+    """``est``, or ``HostMemoryError`` when its host memory exceeds ``host_budget``."""
+    limit = request.host_budget_bytes
+    if limit is not None and est.host_bytes > limit:
+        raise HostMemoryError(
+            f"the plan that fits the GPU keeps {format_bytes(est.host_bytes)} ({est.host_bytes:,} bytes) in host "
+            f"memory (parameters, gradients and optimizer state; {format_bytes(est.host_pinned_bytes)} pinned), "
+            f"more than host_budget {format_bytes(limit)} ({limit:,} bytes), and nothing fits with them on the GPU: "
+            "give the machine's RAM as host_budget=... (--host-budget), or use SGD, or more GPUs (FSDP2 over "
+            "world_size ranks)",
+            host_bytes=est.host_bytes, host_budget_bytes=limit,
+        )
+    return est
+
+
+def _with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate, MemoryEstimate],
+                          host_budget: int | None) -> InfeasibleBudgetError:
+    """The infeasibility error naming the smallest budget with the states offloaded as well as without. The
+    offloaded one counts as a budget that works only when its host memory fits ``host_budget``."""
     candidate, est = smallest
     with_offload = est.device_bytes
-    minimum = min(error.min_budget_bytes, with_offload)
+    host_fits = host_budget is None or est.host_bytes <= host_budget
+    minimum = min(error.min_budget_bytes, with_offload) if host_fits else error.min_budget_bytes
+    host = f"{format_bytes(est.host_bytes)} of host memory"
+    if not host_fits:
+        host += f", more than host_budget {format_bytes(host_budget)}"
     return InfeasibleBudgetError(
         f"{error} With parameters, gradients and optimizer state offloaded to the host (FSDP2 CPUOffloadPolicy) the "
         f"smallest is {format_bytes(with_offload)} ({with_offload:,} bytes; micro-batch {candidate.micro_batch_size},"
         f" {candidate.precision}, {len(candidate.checkpoint)} modules checkpointed, {len(candidate.offload)} "
-        f"offloaded; {format_bytes(est.host_bytes)} of host memory); without offloading it is "
-        f"{format_bytes(error.min_budget_bytes)}.",
+        f"offloaded; {host}); without offloading it is {format_bytes(error.min_budget_bytes)}.",
         min_budget_bytes=minimum, budget_bytes=error.budget_bytes, dominant=error.dominant,
     )
 

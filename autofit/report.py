@@ -58,6 +58,12 @@ class MemoryEstimate:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))
         object.__setattr__(self, "host_breakdown", _frozen(self.host_breakdown))
 
+        if not self.peak_reserved_bytes:  # the reserve beyond the allocated blocks is the fragmentation term
+            reserved = self.peak_bytes + self.breakdown.get(str(Category.FRAGMENTATION), 0)
+            object.__setattr__(self, "peak_reserved_bytes", reserved)
+        if not self.device_bytes:
+            object.__setattr__(self, "device_bytes", self.peak_reserved_bytes)
+
     @property
     def host_pinned_bytes(self) -> int:
         """The part of ``host_bytes`` in pinned (page-locked) memory: what the engines copy over PCIe, i.e. packed
@@ -65,11 +71,6 @@ class MemoryEstimate:
         The rest, optimizer state and the CPU step's temporaries, is ordinary pageable memory made by CPU ops."""
         pinned = (str(Category.ACTIVATIONS), str(Category.PARAMETERS), str(Category.GRADIENTS))
         return sum(v for k, v in self.host_breakdown.items() if k in pinned)
-        if not self.peak_reserved_bytes:  # the reserve beyond the allocated blocks is the fragmentation term
-            reserved = self.peak_bytes + self.breakdown.get(str(Category.FRAGMENTATION), 0)
-            object.__setattr__(self, "peak_reserved_bytes", reserved)
-        if not self.device_bytes:
-            object.__setattr__(self, "device_bytes", self.peak_reserved_bytes)
 
     @property
     def peak_allocated_bytes(self) -> int:

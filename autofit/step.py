@@ -293,7 +293,10 @@ def _offloaded_forward(forward, to_host: Callable[[], contextlib.AbstractContext
 #     - parameters, gradients and optimizer state: FSDP2's ``CPUOffloadPolicy``, at world size 1 too. The sharded
 #       fp32 parameters live in pinned host memory, each unit's are copied to the GPU and gathered in the compute
 #       dtype for its forward and again for its backward, reduced gradients are copied back to the host and the
-#       optimizer steps there, on the CPU;
+#       optimizer steps there, on the CPU. Under accumulation every micro-batch reduces (no
+#       ``set_requires_gradient_sync(False)``): FSDP2 then adds each micro-batch's shards into the host gradients
+#       (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, ``foreach_reduce``), where skipping the sync would
+#       keep a whole model's unsharded gradients on the device until the last micro-batch;
 #     - the optimizer step in backward (Note [optimizer step in backward]), which keeps no gradient alive.
 #     A module keeps, recomputes or offloads its activations, never two of them at once.
 

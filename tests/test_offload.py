@@ -147,6 +147,13 @@ def test_offloaded_states_live_on_the_host_of_a_gpu_target():
     assert "optimizer_state" not in states.breakdown  # no optimizer state on the device
     # pinned: what crosses PCIe (shards and gradients); the state and the CPU step's temporaries are pageable
     assert states.host_pinned_bytes == 8 * n
+    # under accumulation FSDP2 reduces every micro-batch into the host gradients (Note [offload]): the first
+    # micro-batch leaves nothing on the device but a scalar's 512-byte block, where keeping its unsharded gradients
+    # for the last micro-batch would add 4 n = 1.59 MB
+    one, two = (autofit.estimate(model, x, micro_batch_size=256, accumulation_steps=k, target=y, device="cuda",
+                                 gpu="T4", offload_states=True) for k in (1, 2))
+    assert two.peak_bytes - one.peak_bytes <= 512
+    assert dict(two.host_breakdown)["gradients"] == 4 * n
 
 
 def test_measure_refuses_offloaded_states_with_a_reason():
@@ -194,11 +201,11 @@ def test_activation_offload_time_is_two_copies_not_overlapped():
 
 
 def test_state_offload_time_hides_copies_behind_compute_and_adds_the_cpu_step():
-    # 1 GB of fp32 shards: gathered twice per micro-batch (2 GB, 0.2 s at 10 GB/s) against 4 ms of compute, so
-    # 0.196 s exposed per micro-batch; gradients back once (0.1 s - 4 ms); the CPU step streams 4 GB
+    # 1 GB of fp32 shards: gathered twice per micro-batch and the gradients sent back each micro-batch (3 GB,
+    # 0.3 s at 10 GB/s) against 4 ms of compute, so 0.296 s exposed per micro-batch; the CPU step streams 4 GB
     model = _hand_model(offload_states=True, state_param_bytes=10**9)
     t = model.step_time("fp32", 4, 2)
-    assert t.transfer_seconds == pytest.approx(2 * (0.2 - 4e-3) + (0.1 - 4e-3))
+    assert t.transfer_seconds == pytest.approx(2 * (0.3 - 4e-3))
     assert t.optimizer_seconds == pytest.approx(4e9 / HOST_OPTIMIZER_BYTES_PER_SECOND)
     small = _hand_model(offload_states=True, state_param_bytes=10**6)  # 0.2 ms of copies: hidden entirely
     assert small.step_time("fp32", 4, 1).transfer_seconds == 0.0
@@ -226,6 +233,10 @@ def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_hos
     assert autofit.Plan.from_json(plan.to_json()).offload_states
     with pytest.raises(autofit.HostMemoryError, match="host_budget"):
         autofit.plan(model, x, budget, host_budget=10**6, **kw)
+    # below what offloading reaches, with too little host memory for it: the budget that works is the one without
+    with pytest.raises(autofit.InfeasibleBudgetError, match="more than host_budget") as info:
+        autofit.plan(model, x, 1, host_budget=10**6, **kw)
+    assert info.value.min_budget_bytes >= without > with_offload  # the states stay on the GPU in what it names
 
 
 @pytest.mark.slow

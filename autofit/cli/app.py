@@ -20,7 +20,7 @@ from autofit.cli.messages import cli_words, gpu_note, one_line_warnings
 from autofit.cli.render import console_for, render_plan
 from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
 from autofit.cli.tasks import TASKS
-from autofit.errors import AutofitError, InfeasibleBudgetError, InvalidInputError
+from autofit.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
 from autofit.export import EXPORTERS
 from autofit.units import format_bytes
 
@@ -137,6 +137,8 @@ def plan(
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
+    except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too
+        _fail(console, str(e), EXIT_INFEASIBLE)
     except (AutofitError, typer.BadParameter) as e:
         _fail(console, str(e), EXIT_INPUT)
     if as_json:

@@ -17,9 +17,10 @@ Note [offload time]
       micro-batch: ``2 x saved / bandwidth``. Not overlapped: ``save_on_cpu`` packs with a plain ``copy_`` on the
       compute stream (torch/autograd/graph.py), and its unpack blocks the backward node that needs the tensor;
     - states (FSDP2 ``CPUOffloadPolicy``): the fp32 sharded parameters go to the device for each unit's forward and
-      again for its backward (units reshard after forward), per micro-batch, and the fp32 gradients come back once
-      per step. FSDP2 issues these copies with the all-gathers it prefetches on their own streams, so they hide
-      behind compute: only ``max(0, transfers - compute)`` is added. The optimizer then steps on the CPU, streaming
+      again for its backward (units reshard after forward), and the fp32 gradients come back, per micro-batch
+      (offloading FSDP2 reduces every micro-batch and accumulates on the host): ``3 x shard`` each micro-batch.
+      FSDP2 issues these copies with the collectives it runs on their own streams, so they hide behind compute:
+      only ``max(0, transfers - compute)`` of each micro-batch is added. The optimizer then steps on the CPU, streaming
       parameters, gradients and state through host memory at ``HOST_OPTIMIZER_BYTES_PER_SECOND``, after backward
       (not overlapped).
     Both are checked against hand computations in tests/test_offload.py.
@@ -99,9 +100,10 @@ class TimeModel:
     def _states_transfer(self, compute_per_micro: list[float]) -> tuple[float, float]:
         """(exposed transfer seconds, CPU optimizer seconds) of FSDP2's CPUOffloadPolicy (Note [offload time])."""
         link = self.host_transfer
-        h2d = 2 * self.state_param_bytes / link  # each micro-batch gathers every unit for forward and for backward
-        exposed = sum(max(0.0, h2d - c) for c in compute_per_micro)
-        exposed += max(0.0, self.state_param_bytes / link - compute_per_micro[-1])  # fp32 gradients back, once
+        # each micro-batch gathers every unit for forward and for backward (2 shards in), and reduces its fp32
+        # gradients to the host (1 shard out): FSDP2 syncs every micro-batch when offloading (Note [offload])
+        per_micro = 3 * self.state_param_bytes / link
+        exposed = sum(max(0.0, per_micro - c) for c in compute_per_micro)
         return exposed, 4 * self.state_param_bytes / HOST_OPTIMIZER_BYTES_PER_SECOND
 
     def _op_seconds(self, batch: int) -> np.ndarray:
