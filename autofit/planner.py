@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from autofit import progress
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
@@ -126,6 +127,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     policy_of = {p.label: p for p in request.policies + request.stored_options}
 
     def simulate(config: StepConfig):
+        progress.report(f"simulating micro-batch {config.micro_batch_size} x {config.accumulation_steps} "
+                        f"({config.precision.label}) in full")
         with forward_errors():
             return simulate_step(request.model, request.batch, request.target, request.loss_fn, config,
                                  device_rules=request.device.simulation_rules)
@@ -334,16 +337,20 @@ def _analyse(request: PlanRequest, parallel: Parallel, policies: tuple[Precision
              done: dict[str, Analysis]) -> dict[str, Analysis]:
     """The analysis of every policy not analysed yet. CPU targets probe kernels for their scratch memory (see
     simulate/probe.py); the CUDA model has its own terms."""
+    todo = [p for p in policies if p.label not in done]
+    where = " (states on the host)" if parallel.offload_states else (
+        f" ({parallel.strategy} over {parallel.world_size})" if parallel.strategy else "")
+    analyses = {}
     with forward_errors():
-        return {
-            p.label: analyse_model(request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
-                                  probe_kernels=request.device.kind == "cpu", device=request.device.kind,
-                                  gpu=request.device.name, strategy=parallel.strategy,
-                                  world_size=parallel.world_size, shard_units=parallel.shard_units,
-                                  clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
-                                  offload_states=parallel.offload_states)
-            for p in policies if p.label not in done
-        }
+        for i, p in enumerate(todo):
+            progress.report(f"analysing {p.label}{where}: two small simulations", i, len(todo))
+            analyses[p.label] = analyse_model(
+                request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
+                probe_kernels=request.device.kind == "cpu", device=request.device.kind, gpu=request.device.name,
+                strategy=parallel.strategy, world_size=parallel.world_size, shard_units=parallel.shard_units,
+                clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
+                offload_states=parallel.offload_states)
+    return analyses
 
 
 def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],

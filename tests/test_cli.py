@@ -158,3 +158,34 @@ def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
     for length, rows in plan.rows_by_length:
         assert any(line.split()[:1] == [str(length)] and str(rows) in line.split() for line in
                    shown.stdout.replace("│", " ").splitlines()), (length, rows, shown.stdout)
+
+
+def test_progress_shows_the_planners_stages_only_on_long_plans():
+    """The planner reports each stage (autofit/progress.py); the CLI's display starts after SHOW_AFTER_SECONDS."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from autofit.cli.progress import planning_progress
+    from autofit.cli.specs import load_spec
+
+    spec = load_spec(FACTORY)
+    kw = dict(batch_size=32, target=spec.target, device="cpu", precision="fp32")
+    # a budget the fastest configuration misses: the planner analyses, then simulates its winner in full
+    full = autofit.estimate(spec.model, spec.sample, micro_batch_size=32, target=spec.target, precision="fp32")
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    with planning_progress(console, delay=0.0) as stages:
+        time.sleep(0.05)  # let the timer start the display
+        autofit.plan(spec.model, spec.sample, full.peak_bytes // 2, **kw)
+    whats = [s.what for s in stages]
+    assert whats[0].startswith("simulating micro-batch 32 x 1 (fp32)")  # the quick path's check comes first
+    assert any(w.startswith("analysing fp32") for w in whats), whats
+    assert whats[-1].startswith("simulating") and "in full" in whats[-1]  # the winner's verification ends it
+    assert "analysing fp32" in out.getvalue()  # shown on the terminal
+    # a plan that is over before the delay shows nothing
+    quiet = io.StringIO()
+    with planning_progress(Console(file=quiet, force_terminal=True)) as stages:
+        autofit.plan(spec.model, spec.sample, "1GB", **kw)
+    assert stages and quiet.getvalue() == ""

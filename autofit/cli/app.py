@@ -17,6 +17,7 @@ from rich.console import Console
 
 from autofit.cli.help import Command, Group
 from autofit.cli.messages import cli_words, gpu_note, one_line_warnings
+from autofit.cli.progress import planning_progress
 from autofit.cli.render import console_for, render_plan
 from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
 from autofit.cli.tasks import TASKS
@@ -127,8 +128,7 @@ def plan(
             console.print(f"[dim]note: {note}[/]", highlight=False)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
-        with console.status("analysing and solving (fake tensors, no memory allocated)...", spinner="dots"), \
-                one_line_warnings(console):
+        with planning_progress(console), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
@@ -176,7 +176,7 @@ def verify(
     try:
         with one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
-            with console.status(f"planning for {device}...", spinner="dots"):
+            with planning_progress(console, f"planning for {device}"):
                 result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
                                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, device=device)
             with console.status(f"running {steps} real steps...", spinner="dots"):
