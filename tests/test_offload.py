@@ -5,6 +5,7 @@ CPU allocator, hand counts of the tensors ``save_on_cpu`` packs, and hand comput
 from __future__ import annotations
 
 import copy
+import sys
 import dataclasses
 
 import numpy as np
@@ -118,6 +119,7 @@ def test_offloaded_states_train_exactly_the_plain_step_on_one_process():
     plan = _cpu_plan(model, x, y, strategy="fsdp2", world_size=1, offload_states=True,
                      shard_units=shard_units(model), micro_batch_size=4, gradient_accumulation_steps=2,
                      last_micro_batch_size=4)
+    hook = sys.excepthook
     trainer = plan.wrap(copy.deepcopy(model), lambda params: torch.optim.AdamW(params, lr=1e-2))
     for _ in range(2):
         trainer.step(x, y)
@@ -125,6 +127,7 @@ def test_offloaded_states_train_exactly_the_plain_step_on_one_process():
     assert all(p.to_local().device.type == "cpu" for p in trainer.model.parameters())
     out = trainer.unwrap()
     assert not dist.is_initialized()  # the one-process group the trainer made is gone
+    assert sys.excepthook is hook  # and tracebacks are not left prefixed with "[rank0]" by init_process_group
     for a, b in zip(ref.parameters(), out.parameters()):
         torch.testing.assert_close(b.full_tensor(), a, rtol=1e-5, atol=1e-6)
 
@@ -225,7 +228,9 @@ def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_hos
     with_offload = info.value.min_budget_bytes
     assert with_offload < without
     budget = (with_offload + without) // 2
+    hook = sys.excepthook
     plan = autofit.plan(model, x, budget, host_budget="1GB", **kw)
+    assert sys.excepthook is hook  # the simulation's fake process group left no "[rank0]" traceback prefix
     assert plan.offload_states and plan.strategy == "fsdp2" and plan.world_size == 1
     assert plan.device_bytes <= budget
     assert plan.host_bytes >= 16 * 397_322  # parameters, gradients, two moments (fp32)

@@ -17,6 +17,7 @@ even when the ranks hold different numbers of tokens.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ class DistributedTrainer(Trainer):
         if plan.offload_states and plan.world_size == 1 and dist.is_available() and not dist.is_initialized():
             # FSDP2 on one process (Note [offload]): a process group of one, torch's own, made and destroyed here
             backend = "cpu:gloo,cuda:nccl" if plan.device == "cuda" else "gloo"
+            self._excepthook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]" for good
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
         if not dist.is_available() or not dist.is_initialized():
@@ -173,6 +175,7 @@ class DistributedTrainer(Trainer):
         super().unwrap()
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
+            sys.excepthook = self._excepthook
             self._own_group = False
         return self._inner
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -35,11 +36,15 @@ def fake_mesh(world_size: int) -> Iterator[object]:
             "autofit simulates FSDP2 with a fake process group, which needs the default group to be free: "
             "call autofit.plan before torch.distributed.init_process_group (or in a separate process)"
         )
+    # init_process_group wraps sys.excepthook to prefix every later traceback with "[rank0]" and
+    # destroy_process_group leaves it (torch/distributed/distributed_c10d.py): a plan leaves the process as it was
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def ddp_buckets(model: nn.Module) -> list[torch.Tensor]:
