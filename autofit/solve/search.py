@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpoint
 from autofit.solve.memory_model import MemoryModel
@@ -55,6 +55,9 @@ class SearchSpace:
     # back one backward node at a time), so the verifying estimate can only come out lower
     allow_offload: bool = False
     offload_states: bool = False  # every candidate keeps its states on the host (the planner's last stage)
+    # what _evaluate found for (precision, b, k, last, budget): the search, the front and the verification loop ask
+    # for the same configurations again, and each may cost a checkpoint MILP
+    evaluated: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
@@ -71,6 +74,13 @@ def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
 
 
 def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
+    key = (precision, b, k, last, budget)
+    if key not in space.evaluated:
+        space.evaluated[key] = _evaluated(space, precision, b, k, last, budget)
+    return space.evaluated[key]
+
+
+def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
     memory, time = space.memory[precision], space.time[precision]
     device_budget, budget = budget, memory.tensor_budget(budget)  # the models below count tensor bytes
     if memory.optimizer_peak(b) > budget:
