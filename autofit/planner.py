@@ -165,6 +165,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
             continue
         analyses.update(_analyse(request, parallel, policies, analyses))
         space = _search_space(request, parallel, policies, analyses)
+        progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
         found = search_verified(space, request.budget_bytes, verify)
         if found is None and i == len(stages) - len(request.stored_options) - 1:
             # the model's own dtype does not fit with every gradient alive: step the optimizer in backward before
@@ -187,6 +188,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         off_analyses = _analyse(request, offloaded, request.policies, {})
         off_space = _search_space(request, offloaded, request.policies, off_analyses)
         off_verify = _host_checked(request, lambda c: verify_in(offloaded, c))
+        progress.report("searching with the states on the host (checkpoint MILP)")
         found = search_verified(off_space, request.budget_bytes, off_verify)
         if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
             off_smallest = smallest_verified(off_space, lambda c: verify_in(offloaded, c))
@@ -476,6 +478,7 @@ def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, c
                                 _config(request, parallel, c, policy), device_rules=request.device.simulation_rules)
         return request.device.estimate(sim).device_bytes
 
+    progress.report("rows per micro-batch at shorter lengths (full simulations)")
     table = rows_by_length(spec.length, chosen.micro_batch_size, rows, request.budget_bytes, peak)
     return replace(plan, lengths=spec, rows_by_length=table)
 

@@ -21,6 +21,7 @@ class LlamaConfig:
     intermediate_size: int = 11008
     num_layers: int = 32
     num_heads: int = 32
+    num_kv_heads: int | None = None  # grouped-query attention (Llama-2-70B: 8); None: one per query head
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     eps: float = 1e-6
@@ -48,18 +49,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads = cfg.num_heads
+        self.kv_heads = cfg.num_kv_heads or cfg.num_heads
+        kv_size = cfg.hidden_size // cfg.num_heads * self.kv_heads
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        shape = (b, t, self.heads, d // self.heads)
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        head_dim = d // self.heads
+        q = self.q_proj(x).view(b, t, self.heads, head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, head_dim).transpose(1, 2)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        if self.kv_heads != self.heads:  # each key/value head serves heads / kv_heads query heads
+            k, v = (z.repeat_interleave(self.heads // self.kv_heads, dim=1) for z in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
 
@@ -113,5 +118,12 @@ class Llama(nn.Module):
 
 def llama_7b_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**overrides)
+
+
+def llama_70b_config(**overrides) -> LlamaConfig:
+    """Llama-2-70B's shape (its config.json: 80 layers, hidden 8192, intermediate 28672, 64 heads, 8 key/value
+    heads, vocab 32000): 68,976,648,192 parameters."""
+    return LlamaConfig(**{**dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                                 num_kv_heads=8), **overrides})
 
 

@@ -1,4 +1,4 @@
-"""autofit at scale: the peak of one Llama-7B training step, estimated on a laptop-class CPU without its weights.
+"""autofit at scale: the peak of one Llama-7B (or Llama-2-70B) training step, estimated on a CPU without weights.
 
 The model is built on the meta device (no storage), its parameters in bf16; the step is AdamW, batch 1, sequence
 2048, bf16 autocast, every decoder block checkpointed. The script prints the wall time of ``autofit.estimate``, the
@@ -9,6 +9,7 @@ the model was allocated. The goal the issue sets: an estimate in under 60 s.
     /work/venv/bin/python benchmarks/scale.py                # autofit only
     /work/venv/bin/python benchmarks/scale.py --memtracker   # also time PyTorch's MemTracker (a minute or more)
     /work/venv/bin/python benchmarks/scale.py --layers 4     # a shallower model (quick check)
+    /work/venv/bin/python benchmarks/scale.py --shape 70b    # Llama-2-70B's shape: 80 x 8192, 69.0 B parameters
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 
 import autofit  # noqa: E402
 from autofit.units import format_bytes  # noqa: E402
-from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
+from benchmarks.llama import Llama, llama_7b_config, llama_70b_config  # noqa: E402
 
 GOAL_SECONDS = 60.0
 
@@ -44,14 +45,20 @@ def weight_sized_terms(model: torch.nn.Module) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32, help="decoder blocks (default: 32, Llama-7B)")
+    parser.add_argument("--shape", choices=("7b", "70b"), default="7b",
+                        help="Llama-7B (32 x 4096) or Llama-2-70B (80 x 8192, 8 key/value heads) (default: 7b)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the shape's)")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
     parser.add_argument("--memtracker", action="store_true",
                         help="also time torch.distributed._tools.mem_tracker.MemTracker on the same step")
+    parser.add_argument("--plan", action="store_true",
+                        help="also time a whole autofit.plan for the model in fp32 on an A100-80GB at 90 %% of the card, "
+                             "effective batch 64 x the sequence")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    cfg = LlamaConfig(num_layers=args.layers, max_seq_len=args.seq)
+    shape = llama_70b_config if args.shape == "70b" else llama_7b_config
+    cfg = shape(max_seq_len=args.seq, **({"num_layers": args.layers} if args.layers else {}))
     with torch.device("meta"):
         model = Llama(cfg).to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq))
@@ -76,8 +83,31 @@ def main(argv: list[str] | None = None) -> None:
     print(f"max RSS after the estimate: {format_bytes(max_rss_bytes())} (the peak it predicts: "
           f"{format_bytes(est.peak_bytes)}): no weights were allocated")
 
+    if args.plan:
+        run_plan(cfg, args.seq)
     if args.memtracker:
         run_memtracker(model, ids, keywords, est.peak_bytes)
+
+
+def run_plan(cfg, seq: int) -> None:
+    """A whole plan, as a user would ask for it: the model as built (fp32), an A100-80GB at 90 %, 64 x ``seq``."""
+    from autofit.progress import listening
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    stages = []
+    start = time.perf_counter()
+    with listening(lambda stage: stages.append((time.perf_counter() - start, stage.what))):
+        plan = autofit.plan(model, ids, "90%", batch_size=64, target=ids, gpu="A100-80GB")
+    seconds = time.perf_counter() - start
+    print(f"\nautofit.plan (fp32 model, A100-80GB at 90 %, effective batch 64 x {seq}): {seconds:.1f} s; "
+          f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps}, {plan.precision.label}, "
+          f"{len(plan.checkpoint)} modules recomputed, {format_bytes(plan.device_bytes)} on the device")
+    for i, (at, what) in enumerate(stages):  # where the time went, by the planner's own stages
+        until = stages[i + 1][0] if i + 1 < len(stages) else seconds
+        print(f"  {at:6.1f} s  +{until - at:5.1f} s  {what}")
+    print(f"max RSS after the plan: {format_bytes(max_rss_bytes())}")
 
 
 def run_memtracker(model, ids, keywords, autofit_peak: int) -> None:

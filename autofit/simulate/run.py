@@ -301,12 +301,18 @@ def _held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> 
     return [t for b in rows for t in b.resize(extra).tensors() if t.dim() >= 1 and t.shape[0] == extra]
 
 
+# Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
+# (every later micro-batch starts from the same live set and runs the same ops). tests/test_repetition.py compares it
+# with simulating every micro-batch, byte for byte.
+WINDOW_MICRO_BATCHES = 2
+
+
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
                 caster=None, stored=None, stepped: set[int] = frozenset()) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
-    steps = min(config.accumulation_steps, 2)
+    steps = min(config.accumulation_steps, WINDOW_MICRO_BATCHES)
     # the sample's micro-batches are copies of one another: equal shares, however the loss counts (the weight only
     # decides whether a scalar multiply runs, not its size)
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
