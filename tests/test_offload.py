@@ -260,3 +260,18 @@ def test_gpt2_xl_on_a_t4_plans_with_its_states_on_the_host():
     assert plan.device_bytes <= plan.budget_bytes == int(0.9 * 16 * 2**30)
     assert plan.host_bytes >= 16 * 1_557_611_200
     assert "host memory" in str(plan)
+
+
+def test_planning_with_fsdp2_repeats_none_of_its_warnings_about_user_code():
+    """FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip the all-gather). The last
+    stage simulates FSDP2 on every configuration it tries: the warning is about training code, not a plan."""
+    import warnings
+
+    from zoo import ZOO
+
+    case = ZOO["lstm"]()  # nn.LSTM's output is a view
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(autofit.InfeasibleBudgetError, match="offloaded to the host"):
+            autofit.plan(case.model, case.sample, 1, batch_size=32, target=case.target, gpu="A100-80GB")
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)]

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -128,7 +129,8 @@ def simulate_step(
         raise TypeError("simulate_step: a CUDA step needs device_rules=resolve_device('cuda', gpu).simulation_rules")
     kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
     try:
-        return _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
+        with _quiet_engines():
+            return _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
     except _DataDependent as e:
         try:
             sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
@@ -141,6 +143,16 @@ def simulate_step(
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
         return Simulation(sim.timeline, sim.replay, "real", notes)
+
+
+@contextlib.contextmanager
+def _quiet_engines() -> Iterator[None]:
+    """Warnings FSDP2 gives about the user's training code, not about a simulation: that a wrapped module returns a
+    view (an in-place op on it would skip the all-gather: torch/distributed/fsdp/_fully_shard/_fsdp_state.py). A
+    plan simulates FSDP2 on many configurations, so it would repeat; the trainer's real ``fully_shard`` still warns."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        yield
 
 
 class _DataDependent(Exception):
