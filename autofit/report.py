@@ -57,7 +57,6 @@ class MemoryEstimate:
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))
         object.__setattr__(self, "host_breakdown", _frozen(self.host_breakdown))
-
         if not self.peak_reserved_bytes:  # the reserve beyond the allocated blocks is the fragmentation term
             reserved = self.peak_bytes + self.breakdown.get(str(Category.FRAGMENTATION), 0)
             object.__setattr__(self, "peak_reserved_bytes", reserved)

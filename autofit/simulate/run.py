@@ -133,7 +133,8 @@ def simulate_step(
             return _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
     except _DataDependent as e:
         try:
-            sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
+            with _quiet_engines():
+                sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
                 f"module {e.module or '(top level)'!r} {e.why} ({e.cause}), so autofit must run "

@@ -78,7 +78,7 @@ def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
     # the incumbent being feasible. What the search ranks is the step time, of which recomputation is at most about a
     # third (one more forward), so the gap is at most ~0.3 % of a step, below the time model's own error. On
     # Llama-7B (161 units) a 0.1 % gap ran into the 10 s limit on 6 of 15 micro-batches; 1 % closes in 0.3-3.3 s,
-    # 5 of 7 at the same optimum and 2 within 0.5 % of its FLOPs (benchmarks/planning.py).
+    # 5 of 7 at the same optimum and 2 within 0.5 % of its FLOPs (benchmarks/scale.py --plan).
     options = {"mip_rel_gap": 0.0} if n <= 40 else {"mip_rel_gap": 1e-2, "time_limit": 10.0}
     with quiet_native_output((1, 2)):  # HiGHS reports solver internals on the C stdout
         result = milp(c, constraints=constraints, integrality=np.concatenate([np.ones(n), [0]]), bounds=bounds,
