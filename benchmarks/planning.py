@@ -3,7 +3,8 @@
 The goal (issue: planner) is that a plan costs at most about two estimates. Two regimes:
 - generous budget: the fastest configuration the time model allows (whole batch in one micro-batch, preferred
   precision, no recomputation) fits, which one full estimate shows: no analysis is needed (Note [the quick path]);
-- tight budget (60 % of that configuration's peak, besides the CUDA context): the planner simulates the window at two small micro-batches
+- tight budget, halfway between the smallest budget that works (with the states on the device) and what that
+  fastest configuration needs, as the issue defines it: the planner simulates the window at two small micro-batches
   per precision, models every other configuration, solves, and verifies its winner with one full estimate.
 The kernel-probe cache is cleared before each timing; the estimate timed is of the configuration the plan chose.
 
@@ -60,14 +61,18 @@ def main() -> None:
             kw = dict(target=target, loss_fn=loss_fn, device=device, **({"gpu": gpu} if gpu else {}))
             autofit.estimate(model, sample, micro_batch_size=1, **kw)  # imports and first-use costs, untimed
             roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, **kw))
-            # tight: 60 % of what the fastest configuration needs, the CUDA context (fixed) excepted
-            context = roomy.estimate.breakdown.get("cuda_context", 0)
-            tight = context + int(0.6 * (roomy.device_bytes - context))
+            # tight: halfway between the smallest budget that works and what the fastest configuration needs
+            try:
+                autofit.plan(model, sample, 1, batch_size=batch, **kw, **({"offload": False} if gpu else {}))
+                raise AssertionError("a 1-byte budget fits")
+            except autofit.InfeasibleBudgetError as e:
+                smallest = e.min_budget_bytes
+            tight = (smallest + roomy.device_bytes) // 2
             for regime, budget in (("generous", "1TB"), ("tight", tight)):
                 try:
                     plan, plan_s = _timed(lambda: autofit.plan(model, sample, budget, batch_size=batch, **kw))
                 except autofit.InfeasibleBudgetError:
-                    print(f"{name:<14} {device:<18} {regime:<8} infeasible at 60 %")
+                    print(f"{name:<14} {device:<18} {regime:<8} infeasible halfway")
                     continue
                 _, est_s = _timed(lambda: autofit.estimate(
                     model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
