@@ -12,7 +12,7 @@ import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Stage", "report", "listening"]
+__all__ = ["Stage", "report", "listening", "silence"]
 
 
 @dataclass(frozen=True)
@@ -43,3 +43,9 @@ def listening(callback: Callable[[Stage], None]) -> Iterator[None]:
         yield
     finally:
         _listener.reset(token)
+
+
+def silence() -> None:
+    """Stop reporting in this context for good (a forked worker: its parent's listener draws on the parent's
+    terminal, see autofit/workers.py)."""
+    _listener.set(None)

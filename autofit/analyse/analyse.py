@@ -14,11 +14,12 @@ from autofit.capture.graph import capture_graph
 from autofit.loss import LossFn
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy
-from autofit.simulate.run import DeviceRules, simulate_step
+from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.step import StepConfig
+from autofit.workers import Pending, run_all, start
 
-__all__ = ["analyse_model", "SIZES"]
+__all__ = ["analyse_model", "begin_analysis", "AnalysisRuns", "analysis_run", "SIZES"]
 
 SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference
 
@@ -32,22 +33,62 @@ def analyse_model(
     """Graph, per-layer table and step profile of ``model`` at ``precision``.
 
     The window is simulated with two micro-batches (the second starts with gradients, as every later micro-batch
-    of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1). CPU kernel probes run
+    of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1), side by side where a
+    second core allows (Note [parallel simulations], autofit/workers.py). CPU kernel probes run
     only with ``probe_kernels=True`` and ``device="cpu"``: the planner asks for them on CPU targets, so the scratch
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. ``strategy``, ``world_size`` and
     ``shard_units`` simulate one rank of a data-parallel step (``simulate/parallel.py``).
     """
-    graph = capture_graph(model, batch)
+    return begin_analysis(model, batch, target, loss_fn, precision, optimizer, probe_kernels=probe_kernels,
+                          device=device, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=shard_units,
+                          clip_grad_norm=clip_grad_norm, device_rules=device_rules,
+                          offload_states=offload_states).result()
+
+
+class AnalysisRuns:
+    """An analysis whose simulations may be running in worker processes: ``result()`` collects them and builds the
+    :class:`Analysis`; ``cancel()`` stops them when it is not needed after all."""
+
+    def __init__(self, assemble, pending: list[Pending] | None, jobs) -> None:
+        self._assemble, self._pending, self._jobs = assemble, pending, jobs
+
+    def result(self) -> Analysis:
+        if self._pending is not None:
+            runs = [p.result() for p in self._pending]
+        else:
+            runs = run_all(self._jobs[0], fork=self._jobs[1])
+        return self._assemble(runs)
+
+    def cancel(self) -> None:
+        for p in self._pending or ():
+            p.cancel()
+
+
+def begin_analysis(
+    model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, precision: PrecisionPolicy,
+    optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False, device: str = "cpu",
+    gpu: str | None = None, strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
+    clip_grad_norm: float | None = None, device_rules: DeviceRules | None = None, offload_states: bool = False,
+    background: bool = False,
+) -> AnalysisRuns:
+    """:func:`analyse_model`, to be collected with ``.result()``. With ``background`` both simulations start now in
+    low-priority worker processes, where they may (the planner runs them while the quick path simulates, Note
+    [parallel simulations]); otherwise they run when the result is asked for."""
     optimizer = optimizer or as_optimizer_spec("adamw")
-    runs = []
-    for size in SIZES:
-        config = StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
-                            device=device, gpu=gpu, strategy=strategy, world_size=world_size,
-                            shard_units=shard_units, clip_grad_norm=clip_grad_norm, offload_states=offload_states)
-        observer = LayerObserver()
-        sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
-                            device_rules=device_rules)
-        runs.append((sim, observer))
+    configs = [StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
+                          device=device, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=shard_units,
+                          clip_grad_norm=clip_grad_norm, offload_states=offload_states) for size in SIZES]
+    jobs = [analysis_run(model, batch, target, loss_fn, c, probe_kernels, device_rules) for c in configs]
+    fork = not probes_kernels(configs[0], probe_kernels)
+    if background:
+        pending = [start(job, fork=fork, nice=19) for job in jobs]
+        return AnalysisRuns(lambda runs: _assemble(model, capture_graph(model, batch), precision, runs), pending,
+                            (jobs, fork))
+    graph = capture_graph(model, batch)  # first: a model that cannot be traced says so before any simulation
+    return AnalysisRuns(lambda runs: _assemble(model, graph, precision, runs), None, (jobs, fork))
+
+
+def _assemble(model: nn.Module, graph, precision: PrecisionPolicy, runs) -> Analysis:
     (sim1, obs1), (sim2, obs2) = runs
     profile = build_profile(sim1.timeline, sim2.timeline, precision.name, SIZES[0], _call_records(obs1, obs2))
     problems = segment_problems(model, graph)
@@ -55,6 +96,18 @@ def analyse_model(
     rows = tuple(_row(name, module, one, two, problems) for name, module in model.named_modules())
     ops = op_costs(sim1.timeline, sim2.timeline)
     return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method, sim1.timeline, sim2.timeline, ops)
+
+
+def analysis_run(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
+                 probe_kernels: bool = False, device_rules: DeviceRules | None = None):
+    """One of the analysis's simulations, as a job: its ``Simulation`` and the ``LayerObserver`` that watched it
+    (both picklable, so a worker process can run it)."""
+    def run() -> tuple[Simulation, LayerObserver]:
+        observer = LayerObserver()
+        sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
+                            device_rules=device_rules)
+        return sim, observer
+    return run
 
 
 def op_costs(t1, t2, *, per_sample_from: int = SIZES[0]) -> OpCosts:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -171,6 +171,25 @@ class LayerObserver:
             self._ids = {id(c): c for c in self.calls}
         return self._ids
 
+    # ---- a worker's results travel pickled (autofit/workers.py) ---------------------------------------------------
+    def __getstate__(self) -> dict:
+        """What the analysis reads after the run: the results and the timeline they index, without the tracker, the
+        hooks or any fake tensor. Calls are referred to by their position, as ids do not survive pickling."""
+        state = dict(self.__dict__)
+        position = {id(c): i for i, c in enumerate(self.calls)}
+        state["calls"] = [_without_inputs(c) for c in self.calls]
+        state["_packed_outside"] = {sid: {position[i] for i in ids if i in position}
+                                    for sid, ids in self._packed_outside.items()}
+        state["_tracker"] = _Detached(self._tracker.timeline) if self._tracker is not None else None
+        state["_stack"], state["_ids"] = [], None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        ids = [id(c) for c in self.calls]
+        self._packed_outside = defaultdict(set, {sid: {ids[i] for i in positions}
+                                                 for sid, positions in state["_packed_outside"].items()})
+
     # ---- results -------------------------------------------------------------------------------------------------
     def _collect(self) -> None:
         timeline = self._tracker.timeline
@@ -220,6 +239,18 @@ class LayerObserver:
                 continue
             total += record.nbytes
         return total
+
+
+@dataclass(frozen=True)
+class _Detached:
+    """The part of a tracker a finished observer reads: its timeline."""
+
+    timeline: Any
+
+
+def _without_inputs(call: CallObservation) -> CallObservation:
+    """A call that never returned still holds its (fake) inputs; its copy for pickling does not."""
+    return replace(call) if "inputs" in call.__dict__ else call
 
 
 def _tag_nodes(output: Any, inputs: Any, call_id: int) -> None:

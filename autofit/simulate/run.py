@@ -91,11 +91,17 @@ from autofit.step import (
 from autofit.stored import apply_stored
 from autofit.strategy import apply_fsdp2
 
-__all__ = ["Simulation", "simulate_step", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
+__all__ = ["Simulation", "simulate_step", "probes_kernels", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
 
 
 # One prober per process: kernel scratch sizes depend only on the kernel signature and the machine.
 _PROBER = KernelProber()
+
+
+def probes_kernels(config: StepConfig, probe_kernels: bool = True) -> bool:
+    """Whether a simulation of ``config`` runs real CPU kernels to measure their scratch memory: then it must run in
+    this process, with its thread count (Note [parallel simulations], autofit/workers.py)."""
+    return probe_kernels and config.device == "cpu"
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,7 @@ class _DataDependent(Exception):
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
               observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    prober = _PROBER if probe_kernels and config.device == "cpu" else None
+    prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
         prober.skipped = prober.failed = 0
     if fake:

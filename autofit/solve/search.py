@@ -55,8 +55,8 @@ class SearchSpace:
     # back one backward node at a time), so the verifying estimate can only come out lower
     allow_offload: bool = False
     offload_states: bool = False  # every candidate keeps its states on the host (the planner's last stage)
-    # what _evaluate found for (precision, b, k, last, budget): the search, the front and the verification loop ask
-    # for the same configurations again, and each may cost a checkpoint MILP
+    # what _evaluate found for (precision, b, k, last), by budget: the search, the front and the verification loop
+    # ask for the same configurations again, and each may cost a checkpoint MILP
     evaluated: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
@@ -74,10 +74,31 @@ def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
 
 
 def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
-    key = (precision, b, k, last, budget)
-    if key not in space.evaluated:
-        space.evaluated[key] = _evaluated(space, precision, b, k, last, budget)
-    return space.evaluated[key]
+    key = (precision, b, k, last)
+    known = space.evaluated.setdefault(key, {})
+    if budget not in known:
+        known[budget] = _reused(known, budget)
+    if known[budget] is _UNKNOWN:
+        known[budget] = _evaluated(space, precision, b, k, last, budget)
+    return known[budget]
+
+
+_UNKNOWN = object()
+
+
+def _reused(known: dict[int, Candidate | None], budget: int):
+    """What an evaluation under a larger budget already says about ``budget`` (the verification loop lowers the
+    budget and searches again): the feasible checkpoint sets under ``budget`` are a subset of those under any larger
+    one, so nothing fitting there means nothing fits here, and a cheapest set found there that also fits here is
+    the cheapest here too (within the MILP's relative gap, which the larger budget's optimum only tightens)."""
+    for larger, found in known.items():
+        if larger < budget:
+            continue
+        if found is None:
+            return None
+        if found is not _UNKNOWN and found.peak_bytes <= budget:
+            return found
+    return _UNKNOWN
 
 
 def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
@@ -118,16 +139,32 @@ def _rank(space: SearchSpace, c: Candidate) -> tuple:
 def search(space: SearchSpace, budget: int) -> tuple[Candidate | None, list[Candidate]]:
     """The best candidate under ``budget`` (None if none fits) and every candidate that fit."""
     fitting: list[Candidate] = []
+    best = None
     for precision in space.precisions:
         for b, k, last in batch_options(space.batch_size):
+            if best is not None and _time_floor(space, precision, b, k, last) > round(best.seconds, 12):
+                continue  # cannot win, whatever its checkpoint set: no MILP needed (Note [pruned search])
             candidate = _evaluate(space, precision, b, k, last, budget)
             if candidate is None:
                 continue
             fitting.append(candidate)
+            if best is None or _rank(space, candidate) < _rank(space, best):
+                best = candidate
             if not candidate.checkpoint or space.fixed_checkpoint is not None:
                 break  # smaller micro-batches with the same checkpointing only add per-micro-batch overhead
-    best = min(fitting, key=lambda c: _rank(space, c)) if fitting else None
     return best, fitting
+
+
+# Note [pruned search]
+#     Recomputing or offloading a module only adds time (its forward ops again, or its PCIe copies), so the
+#     modelled time of (precision, b) with no module recomputed is a floor for every checkpoint set the MILP could
+#     choose there. A (precision, b) whose floor is already slower than the best candidate found so far cannot win
+#     (the rank's first key is the time), so its MILP is not solved; the winner is the same as without pruning.
+#     Such configurations are missing from ``fitting``; the plan's front also holds the halving micro-batches of
+#     ``alternatives``. A Llama-7B plan on an A100-80GB solved 15 MILPs per search before (benchmarks/scale.py).
+def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int) -> float:
+    floor = space.time[precision].step_time(precision, b, k, space.fixed_checkpoint or (), last).total
+    return round(floor, 12)
 
 
 def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:

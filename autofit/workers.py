@@ -1,0 +1,204 @@
+"""Independent simulations side by side, in forked worker processes (Note [parallel simulations]).
+
+Note [parallel simulations]
+    A simulation is single-threaded Python (fake tensors dispatch one op at a time), and a plan runs several that do
+    not depend on each other: the analysis's two micro-batch sizes, the first guesses of the rows-by-length table,
+    and, while the quick path checks the fastest configuration, the analysis it needs if that does not fit. On a
+    machine with a second core, :func:`start` forks a child that runs one of them while this process runs another;
+    the child sends its result back pickled through a pipe. A forked child starts as an exact copy of this process,
+    so it computes exactly what this process would: the same timeline, byte for byte (tests/test_workers.py).
+
+    When it does not run in parallel, and why:
+    - a simulation that probes CPU kernels (CPU targets): the scratch memory a oneDNN kernel allocates depends on the
+      thread count, and a child must run with one thread: GNU OpenMP's thread pool does not survive ``fork``
+      (a child that uses it after the parent did hangs; seen here with torch 2.13), the reason DataLoader workers
+      run single-threaded too;
+    - no ``fork`` (Windows), not Linux (macOS forks unsafely once system frameworks are loaded), one usable core,
+      inside a worker already, or ``AUTOFIT_WORKERS=1`` in the environment.
+    Anything wrong with a child (it died, or its result does not unpickle, or it raised) makes this process run the
+    job itself: a failure is then the same typed error a serial run raises, and a result is never lost.
+
+    A speculative child (``nice``: the quick path's analysis) runs at a low priority, so when the quick path's own
+    simulation fits and the child is cancelled, that simulation ran at full speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from autofit import progress
+
+__all__ = ["Pending", "start", "run_all", "parallel_available", "ENV"]
+
+T = TypeVar("T")
+
+ENV = "AUTOFIT_WORKERS"  # "1": every simulation in this process; a number n > 1: at most n at once (default: cores)
+
+_in_worker = False  # set in a child: a worker never forks again
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def parallel_available() -> int:
+    """How many simulations may run at once here (1: none side by side). See Note [parallel simulations]."""
+    if _in_worker or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return 1
+    cores = _cores()
+    setting = os.environ.get(ENV, "").strip()
+    if setting:
+        try:
+            return max(1, min(int(setting), cores))
+        except ValueError:
+            return 1  # an unreadable setting is the safe one: no workers
+    return cores
+
+
+class Pending(Generic[T]):
+    """A job that runs in a forked child, or later in this process (when it cannot, or the child failed)."""
+
+    def __init__(self, job: Callable[[], T], pid: int | None = None, fd: int | None = None) -> None:
+        self._job, self._pid, self._fd = job, pid, fd
+        self._done = False
+        self._value: Any = None
+
+    @property
+    def forked(self) -> bool:
+        return self._pid is not None
+
+    def result(self) -> T:
+        """The job's value; raises what the job raises (run again in this process, see the Note)."""
+        if not self._done:
+            value = self._collect() if self._pid is not None else _FAILED
+            self._value = self._job() if value is _FAILED else value
+            self._done = True
+        return self._value
+
+    def cancel(self) -> None:
+        """Stop the child (its result is not wanted); the job is never run here."""
+        if self._pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
+            self._reap()
+        self._done = True
+
+    def _collect(self) -> Any:
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            self._reap()
+        try:
+            status, value = pickle.loads(b"".join(chunks))
+        except Exception:  # noqa: BLE001 - the child died or wrote nothing usable: run the job here
+            return _FAILED
+        return value if status == "ok" else _FAILED
+
+    def _reap(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._pid is not None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self._pid, 0)
+            self._pid = None
+            _child_gone()
+
+    def __del__(self) -> None:  # a result nobody asked for: no zombie, no orphan
+        if getattr(self, "_pid", None) is not None:
+            self.cancel()
+
+
+_FAILED = object()
+_alive = 0  # forked children not yet reaped: the objects frozen for them stay frozen until the last is gone
+
+
+def _child_gone() -> None:
+    global _alive
+    _alive -= 1
+    if _alive == 0:
+        gc.unfreeze()
+
+
+def start(job: Callable[[], T], *, fork: bool = True, nice: int = 0) -> Pending[T]:
+    """Begin ``job`` in a forked child when ``fork`` and this machine allow it (Note [parallel simulations]), else
+    return it to run in this process when its result is asked for."""
+    if not fork or parallel_available() < 2:
+        return Pending(job)
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the collector would touch every object in both processes, copying their shared pages (each side's writes to
+    # a page after fork copy it): freezing them first keeps the collector off them in the child and the parent
+    global _alive
+    gc.freeze()
+    pid = os.fork()
+    if pid == 0:  # the child: run the job, send the result, leave without running the parent's exit handlers
+        status = 1
+        try:
+            os.close(read)
+            _child_setup(nice)
+            try:
+                payload = pickle.dumps(("ok", job()), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException:  # noqa: BLE001 - the parent runs the job itself and raises the real error
+                payload = pickle.dumps(("error", None))
+            with os.fdopen(write, "wb") as out:
+                out.write(payload)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    _alive += 1
+    return Pending(job, pid, read)
+
+
+def _child_setup(nice: int) -> None:
+    global _in_worker
+    _in_worker = True
+    gc.disable()  # a short-lived process: what it allocates goes when it exits
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
+    import torch
+
+    torch.set_num_threads(1)  # see Note [parallel simulations]: OpenMP's pool does not survive fork
+    progress.silence()  # the parent's listener draws on the parent's terminal
+
+
+def run_all(jobs: Sequence[Callable[[], T]], *, fork: bool = True) -> list[T]:
+    """Every job's value, in order: up to ``parallel_available()`` at once, this process running its share."""
+    width = parallel_available() if fork else 1
+    if width < 2 or len(jobs) < 2:
+        return [job() for job in jobs]
+    # this process takes jobs 0, width, 2 x width, ...; child i the jobs i, i + width, ...
+    children = [start(_chain(jobs[i::width])) for i in range(1, min(width, len(jobs)))]
+    mine = [job() for job in jobs[::width]]
+    try:
+        theirs = [c.result() for c in children]
+    finally:
+        for c in children:
+            c.cancel()
+    out: list[Any] = [None] * len(jobs)
+    out[::width] = mine
+    for i, values in enumerate(theirs, start=1):
+        out[i::width] = values
+    return out
+
+
+def _chain(jobs: Sequence[Callable[[], T]]) -> Callable[[], list[T]]:
+    return lambda: [job() for job in jobs]
