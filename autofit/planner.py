@@ -10,6 +10,7 @@ analysed, turned into memory and time models, searched, and the winner verified 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +26,7 @@ from autofit.plan import Plan, assemble_plan
 from autofit.precision import PrecisionPolicy
 from autofit.report import MemoryEstimate
 from autofit.request import Parallel, PlanRequest, make_request
-from autofit.simulate.run import simulate_step
+from autofit.simulate.run import probes_kernels, simulate_step
 from autofit.solve.lengths import rows_by_length
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.quick import quick_path
@@ -43,6 +44,7 @@ from autofit.solve.verify import (
 from autofit.step import StepConfig, forward_errors, make_step_config
 from autofit.stored import stored_bytes_per_parameter
 from autofit.units import format_bytes
+from autofit.workers import run_all
 
 __all__ = ["plan", "plan_with_analysis"]
 
@@ -487,18 +489,24 @@ def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, c
         return replace(plan, lengths=spec)
     rows = request.per_rank
 
-    def peak(length: int, micro: int) -> int:
+    def config(micro: int) -> StepConfig:
         steps = -(-rows // micro)
-        c = replace(chosen, micro_batch_size=micro, accumulation_steps=steps,
-                    last_micro_batch_size=rows - micro * (steps - 1))
+        return _config(request, parallel, replace(chosen, micro_batch_size=micro, accumulation_steps=steps,
+                                                  last_micro_batch_size=rows - micro * (steps - 1)), policy)
+
+    def peak(length: int, micro: int) -> int:
         with forward_errors():
             sim = simulate_step(request.model, cut_to_length(request.batch, spec, length),
-                                cut_to_length(request.target, spec, length), request.loss_fn,
-                                _config(request, parallel, c, policy), device_rules=request.device.simulation_rules)
+                                cut_to_length(request.target, spec, length), request.loss_fn, config(micro),
+                                device_rules=request.device.simulation_rules)
         return request.device.estimate(sim).device_bytes
 
+    def peaks(points: list[tuple[int, int]]) -> list[int]:  # side by side (Note [parallel simulations])
+        return run_all([functools.partial(peak, length, micro) for length, micro in points],
+                       fork=not probes_kernels(config(chosen.micro_batch_size)))
+
     progress.report("rows per micro-batch at shorter lengths (full simulations)")
-    table = rows_by_length(spec.length, chosen.micro_batch_size, rows, request.budget_bytes, peak)
+    table = rows_by_length(spec.length, chosen.micro_batch_size, rows, request.budget_bytes, peak, peaks)
     return replace(plan, lengths=spec, rows_by_length=table)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["DIVISORS", "table_lengths", "rows_by_length", "rows_for_length"]
+__all__ = ["DIVISORS", "table_lengths", "rows_by_length", "first_guesses", "rows_for_length"]
 
 DIVISORS = (2, 4, 8)  # the table's lengths: L/2, L/4, L/8 (and L itself)
 _TRIES = 4  # full estimates per length at most
@@ -36,15 +36,41 @@ def table_lengths(length: int) -> tuple[int, ...]:
 
 
 def rows_by_length(length: int, micro_batch_size: int, batch_rows: int, budget: int,
-                   peak: Callable[[int, int], int]) -> tuple[tuple[int, int], ...]:
+                   peak: Callable[[int, int], int],
+                   peaks: Callable[[list[tuple[int, int]]], list[int]] | None = None) -> tuple[tuple[int, int], ...]:
     """``((l, rows), ...)`` longest first, from ``(L, micro_batch_size)``; ``peak(l, rows)`` is the device bytes of
-    a full estimate, checked against ``budget`` (See Note [rows by length])."""
+    a full estimate, checked against ``budget`` (See Note [rows by length]). ``peaks``, if given, estimates several
+    ``(l, rows)`` at once (side by side, Note [parallel simulations]): it is asked for every length's first guess
+    up front, each of which the table needs whatever the others show (see ``first_guesses``)."""
+    guesses = first_guesses(length, micro_batch_size, batch_rows)
+    known: dict[tuple[int, int], int] = {}
+    if peaks is not None and len(guesses) > 1:
+        known.update(zip(guesses, peaks(guesses)))
+
+    def cached(short: int, rows: int) -> int:
+        if (short, rows) not in known:
+            known[(short, rows)] = peak(short, rows)
+        return known[(short, rows)]
+
     table = [(length, micro_batch_size)]
     for short in table_lengths(length)[1:]:
         floor = table[-1][1]  # fits at a longer length, so here too
         guess = min(batch_rows, micro_batch_size * length // short)
-        table.append((short, _largest_fitting(short, floor, guess, budget, peak)))
+        table.append((short, _largest_fitting(short, floor, guess, budget, cached)))
     return tuple(table)
+
+
+def first_guesses(length: int, micro_batch_size: int, batch_rows: int) -> list[tuple[int, int]]:
+    """The ``(l, rows)`` the table estimates first at each shorter length: every guess larger than the one before.
+    Each is needed: the floor at a length is the rows found at the longer one, at most that length's guess, so a
+    guess above the previous guess is above the floor, and ``_largest_fitting`` estimates it first."""
+    out, previous = [], micro_batch_size
+    for short in table_lengths(length)[1:]:
+        guess = min(batch_rows, micro_batch_size * length // short)
+        if guess > previous:
+            out.append((short, guess))
+        previous = guess
+    return out
 
 
 def _largest_fitting(length: int, floor: int, guess: int, budget: int, peak: Callable[[int, int], int]) -> int:

@@ -18,6 +18,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpoint
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
@@ -58,6 +60,7 @@ class SearchSpace:
     # what _evaluate found for (precision, b, k, last), by budget: the search, the front and the verification loop
     # ask for the same configurations again, and each may cost a checkpoint MILP
     evaluated: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    problems: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # (precision, b, k) -> MILP
 
 
 def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
@@ -110,7 +113,7 @@ def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int, bu
         names = space.fixed_checkpoint
         peak = memory.peak(b, k, names)
     else:
-        problem = memory.problem(b, k)
+        problem = _problem(space, precision, b, k)
         if not space.allow_checkpoint:
             chosen = () if problem.peak(()) <= budget else None
         else:
@@ -136,35 +139,97 @@ def _rank(space: SearchSpace, c: Candidate) -> tuple:
     return (round(c.seconds, 12), c.peak_bytes, space.precisions.index(c.precision), -c.micro_batch_size)
 
 
-def search(space: SearchSpace, budget: int) -> tuple[Candidate | None, list[Candidate]]:
-    """The best candidate under ``budget`` (None if none fits) and every candidate that fit."""
-    fitting: list[Candidate] = []
-    best = None
+def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Candidate | None, list[Candidate]]:
+    """The best candidate under ``budget`` (None if none fits) and the candidates that fit among those evaluated.
+
+    For each precision, micro-batches from the largest down to the first that fits with no (further) module
+    recomputed: smaller ones with the same checkpointing only add per-micro-batch overhead. With ``prune`` they are
+    evaluated cheapest time floor first, and those whose floor cannot beat the best found are skipped (Note [pruned
+    search]): the same winner, fewer checkpoint MILPs, and fewer candidates in ``fitting``."""
+    options = []
     for precision in space.precisions:
         for b, k, last in batch_options(space.batch_size):
-            if best is not None and _time_floor(space, precision, b, k, last) > round(best.seconds, 12):
-                continue  # cannot win, whatever its checkpoint set: no MILP needed (Note [pruned search])
-            candidate = _evaluate(space, precision, b, k, last, budget)
-            if candidate is None:
-                continue
-            fitting.append(candidate)
-            if best is None or _rank(space, candidate) < _rank(space, best):
-                best = candidate
-            if not candidate.checkpoint or space.fixed_checkpoint is not None:
-                break  # smaller micro-batches with the same checkpointing only add per-micro-batch overhead
+            options.append((precision, b, k, last))
+            if _fits_as_is(space, precision, b, k, last, budget):
+                break
+    floors = {}
+    if prune:
+        floors = {o: _time_floor(space, *o, budget) for o in options}
+        options.sort(key=lambda o: floors[o])
+    fitting: list[Candidate] = []
+    best = None
+    for o in options:
+        if prune and best is not None and floors[o] > round(best.seconds, 12):
+            break  # sorted by floor: no later option can win either
+        candidate = _evaluate(space, *o, budget)
+        if candidate is None:
+            continue
+        fitting.append(candidate)
+        if best is None or _rank(space, candidate) < _rank(space, best):
+            best = candidate
     return best, fitting
 
 
+def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> bool:
+    """Whether (precision, b) fits with the user's fixed set, or with nothing recomputed: what ``_evaluate`` finds
+    without a MILP."""
+    memory = space.memory[precision]
+    tensor_budget = memory.tensor_budget(budget)
+    if memory.optimizer_peak(b) > tensor_budget:
+        return False
+    if space.fixed_checkpoint is not None:
+        peak = memory.peak(b, k, space.fixed_checkpoint)
+    else:
+        peak = _problem(space, precision, b, k).peak(())
+    return peak <= tensor_budget and memory.to_device(peak) <= budget
+
+
 # Note [pruned search]
-#     Recomputing or offloading a module only adds time (its forward ops again, or its PCIe copies), so the
-#     modelled time of (precision, b) with no module recomputed is a floor for every checkpoint set the MILP could
-#     choose there. A (precision, b) whose floor is already slower than the best candidate found so far cannot win
-#     (the rank's first key is the time), so its MILP is not solved; the winner is the same as without pruning.
-#     Such configurations are missing from ``fitting``; the plan's front also holds the halving micro-batches of
-#     ``alternatives``. A Llama-7B plan on an A100-80GB solved 15 MILPs per search before (benchmarks/scale.py).
-def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int) -> float:
-    floor = space.time[precision].step_time(precision, b, k, space.fixed_checkpoint or (), last).total
+#     Recomputing or offloading a module only adds time (its forward ops again, or its PCIe copies), and a set that
+#     fits must free, in every stretch of the window over the budget, at least that stretch's excess. So the
+#     modelled time of (precision, b) with nothing recomputed, plus the cheapest fractional way to free the worst
+#     stretch's excess (a fractional knapsack: units by time per byte freed there, the last one in part; nesting and
+#     the bytes a unit adds elsewhere ignored, which can only lower it), is a floor for every checkpoint set the MILP
+#     could choose. Options are evaluated in order of their floors; once a floor exceeds the best time found, no
+#     later option can win (the rank's first key is the time), so their MILPs are not solved and the winner is the
+#     same. On a Llama-7B plan for an A100-80GB, 15 MILPs per search became NN (benchmarks/scale.py --plan).
+def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> float:
+    time = space.time[precision]
+    floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last).total
+    if space.fixed_checkpoint is None and space.allow_checkpoint:
+        problem = _problem(space, precision, b, k)
+        excess = problem.base - space.memory[precision].tensor_budget(budget)
+        if np.any(excess > 0):
+            for size, times in ((b, k - 1), (last, 1)):
+                seconds = time.cheapest_removal_seconds(problem.names, size, space.allow_offload)
+                floor += times * _knapsack_floor(problem, excess, seconds)
     return round(floor, 12)
+
+
+def _knapsack_floor(problem, excess: np.ndarray, seconds: np.ndarray) -> float:
+    """The least time to free ``excess`` bytes in the worst stretch, units taken fractionally (Note [pruned
+    search]); infinite when even every unit at once cannot."""
+    worst = 0.0
+    for i in np.flatnonzero(excess > 0):
+        freed = -problem.coef[i]
+        useful = freed > 0
+        freed, cost = freed[useful], seconds[useful]
+        if freed.sum() < excess[i]:
+            return math.inf
+        per_byte = cost / freed
+        order = np.argsort(per_byte, kind="stable")
+        taken = np.cumsum(freed[order])
+        j = min(int(np.searchsorted(taken, excess[i])), len(order) - 1)  # the unit that completes it, in part
+        before = float(taken[j - 1]) if j else 0.0
+        worst = max(worst, float(cost[order][:j].sum()) + (float(excess[i]) - before) * float(per_byte[order][j]))
+    return worst
+
+
+def _problem(space: SearchSpace, precision: str, b: int, k: int):
+    key = (precision, b, k)
+    if key not in space.problems:
+        space.problems[key] = space.memory[precision].problem(b, k)
+    return space.problems[key]
 
 
 def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:

@@ -86,7 +86,24 @@ class TimeModel:
 
     def recompute_seconds(self, name: str, batch: int) -> float:
         """What recomputing module ``name`` costs for one micro-batch of ``batch``: its forward ops again."""
-        return float(self._op_seconds(batch)[self._recompute_mask((name,))].sum())
+        return float(self._op_seconds(batch)[self._module_mask(name)].sum())
+
+    def cheapest_removal_seconds(self, names: tuple[str, ...], batch: int, allow_offload: bool) -> np.ndarray:
+        """Per module, the least time that getting its activations off the device costs for one micro-batch of
+        ``batch``: recomputing it, or with ``allow_offload`` and a host link, copying them out and back."""
+        seconds = self._op_seconds(batch)
+        out = np.array([float(seconds[self._module_mask(n)].sum()) for n in names])
+        if allow_offload and self.host_transfer is not None:
+            for i, n in enumerate(names):
+                if n in self.saved_bytes:
+                    out[i] = min(out[i], self.offload_seconds((n,), batch))
+        return out
+
+    def _module_mask(self, name: str) -> np.ndarray:
+        key = ("mask", name)
+        if key not in self._cache:
+            self._cache[key] = self._recompute_mask((name,))
+        return self._cache[key]
 
     def keep_recompute_or_offload(self, dropped: tuple[str, ...], batch: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Split modules whose activations must leave the device into (recomputed, offloaded), each by whichever

@@ -61,7 +61,7 @@ def search_in_backward(space: SearchSpace, budget: int, gradient_bytes: int, ver
     per step, so the whole batch at once. The models know nothing of the freed gradients, so the search runs with
     their bytes added to the budget; the first configurations it ranks, and the most freeing one, are verified
     with the step in backward, against the real budget."""
-    _, fitting = search(space, budget + gradient_bytes)
+    _, fitting = search(space, budget + gradient_bytes, prune=False)  # every whole-batch candidate
     whole = [c for c in fitting if c.accumulation_steps == 1]
     whole.sort(key=lambda c: (c.seconds, c.peak_bytes))
     freeing = [c for c in smallest_peaks(space) if c.accumulation_steps == 1][:1]
