@@ -77,38 +77,38 @@ def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
 
 
 def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
-    key = (precision, b, k, last)
-    known = space.evaluated.setdefault(key, {})
+    known = space.evaluated.setdefault((precision, b, k, last), {})
     if budget not in known:
-        known[budget] = _reused(known, budget)
-    if known[budget] is _UNKNOWN:
-        known[budget] = _evaluated(space, precision, b, k, last, budget)
-    return known[budget]
+        known[budget] = _reused(space.memory[precision], b, known, budget) or _evaluated(space, precision, b, k, last,
+                                                                                         budget)
+    return known[budget][0]
 
 
-_UNKNOWN = object()
-
-
-def _reused(known: dict[int, Candidate | None], budget: int):
+def _reused(memory: MemoryModel, b: int, known: dict[int, tuple[Candidate | None, int]], budget: int):
     """What an evaluation under a larger budget already says about ``budget`` (the verification loop lowers the
-    budget and searches again): the feasible checkpoint sets under ``budget`` are a subset of those under any larger
-    one, so nothing fitting there means nothing fits here, and a cheapest set found there that also fits here is
-    the cheapest here too (within the MILP's relative gap, which the larger budget's optimum only tightens)."""
-    for larger, found in known.items():
+    budget and searches again), or None: the feasible checkpoint sets under ``budget`` are a subset of those under
+    any larger one, so nothing fitting there means nothing fits here, and a cheapest set found there that passes
+    here the checks ``_evaluated`` makes is the cheapest here too (within the MILP's relative gap, which the larger
+    budget's optimum only tightens)."""
+    tensor_budget = memory.tensor_budget(budget)
+    for larger, (found, tensor_peak) in known.items():
         if larger < budget:
             continue
         if found is None:
-            return None
-        if found is not _UNKNOWN and found.peak_bytes <= budget:
-            return found
-    return _UNKNOWN
+            return None, 0
+        if tensor_peak <= tensor_budget and memory.optimizer_peak(b) <= tensor_budget and found.peak_bytes <= budget:
+            return found, tensor_peak
+    return None
 
 
-def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
+def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int,
+               budget: int) -> tuple[Candidate | None, int]:
+    """The candidate of (precision, b) under ``budget`` with the cheapest checkpoint set (or None), and its modelled
+    tensor peak."""
     memory, time = space.memory[precision], space.time[precision]
     device_budget, budget = budget, memory.tensor_budget(budget)  # the models below count tensor bytes
     if memory.optimizer_peak(b) > budget:
-        return None
+        return None, 0
     if space.fixed_checkpoint is not None:
         names = space.fixed_checkpoint
         peak = memory.peak(b, k, names)
@@ -119,20 +119,20 @@ def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int, bu
         else:
             chosen = solve_checkpoint(problem, budget)
         if chosen is None:
-            return None
+            return None, 0
         names = tuple(memory.units[i].name for i in chosen)
         peak = problem.peak(chosen)
     if peak > budget:
-        return None
+        return None, 0
     offload: tuple[str, ...] = ()
     if space.allow_offload and space.fixed_checkpoint is None:
         names, offload = time.keep_recompute_or_offload(names, b)
     seconds = time.step_time(precision, b, k, names, last, offload).total
-    peak = memory.to_device(peak)
-    if peak > device_budget:
-        return None
-    return Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
-                     offload_states=space.offload_states)
+    device_peak = memory.to_device(peak)
+    if device_peak > device_budget:
+        return None, 0
+    return Candidate(precision, b, k, last, names, device_peak, seconds, offload=offload,
+                     offload_states=space.offload_states), peak
 
 
 def _rank(space: SearchSpace, c: Candidate) -> tuple:

@@ -1,0 +1,258 @@
+"""What makes a plan cheaper must not change it: worker processes (Note [parallel simulations]), the pruned search
+(Note [pruned search]) and the rows-by-length guesses estimated up front.
+
+The truths: the same computation run in this process (a forked worker is a copy of it, so the timelines must be
+equal to the byte); the search without pruning (every micro-batch's MILP solved); hand-computed guesses.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+import autofit
+from autofit import progress, workers
+from autofit.analyse.analyse import analyse_model
+from autofit.errors import ForwardError
+from autofit.planner import _analyse, _parallel, _search_space
+from autofit.request import make_request
+from autofit.solve.lengths import first_guesses, rows_by_length
+from autofit.solve.search import _evaluate, _time_floor, batch_options, search
+from zoo import ZOO
+
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork") or not os.sys.platform.startswith("linux"),
+                                reason="worker processes need fork (Linux)")
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    monkeypatch.setenv(workers.ENV, "2")
+    monkeypatch.setattr(workers, "_cores", lambda: 2)
+
+
+# ---- the workers themselves ------------------------------------------------------------------------------------------
+@needs_fork
+def test_run_all_keeps_order_and_uses_a_child(two_workers):
+    values = workers.run_all([lambda i=i: (i * i, os.getpid()) for i in range(5)])
+    assert [v for v, _ in values] == [0, 1, 4, 9, 16]
+    pids = {pid for _, pid in values}
+    assert os.getpid() in pids and len(pids) == 2, "jobs 0, 2, 4 here, 1 and 3 in one child"
+
+
+def test_one_worker_runs_everything_here(monkeypatch):
+    monkeypatch.setenv(workers.ENV, "1")
+    assert workers.parallel_available() == 1
+    assert {pid for pid in workers.run_all([os.getpid] * 3)} == {os.getpid()}
+
+
+def test_an_unreadable_setting_means_no_workers(monkeypatch):
+    monkeypatch.setenv(workers.ENV, "many")
+    assert workers.parallel_available() == 1
+
+
+@needs_fork
+def test_a_child_that_raises_is_rerun_here_and_raises_the_typed_error(two_workers):
+    calls = []
+
+    def job():
+        calls.append(os.getpid())  # only this process's list survives
+        raise ForwardError("module 'x' raised ValueError: bad", module="x")
+
+    with pytest.raises(ForwardError, match="module 'x'"):
+        workers.start(job).result()
+    assert calls == [os.getpid()], "the error raised is the one this process's own run raised"
+
+
+@needs_fork
+def test_a_child_that_dies_is_replaced_by_a_run_here(two_workers):
+    parent = os.getpid()
+
+    def job():
+        if os.getpid() != parent:
+            os._exit(9)  # as if killed: no result written
+        return "ran here"
+
+    assert workers.start(job).result() == "ran here"
+
+
+@needs_fork
+def test_cancel_stops_a_running_child(two_workers):
+    pending = workers.start(lambda: time.sleep(60))
+    assert pending.forked
+    started = time.perf_counter()
+    pending.cancel()
+    assert time.perf_counter() - started < 5
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)  # reaped: no child left
+
+
+@needs_fork
+def test_a_child_reports_no_progress(two_workers, tmp_path):
+    log = tmp_path / "stages"
+
+    def listener(stage):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {stage.what}\n")
+
+    with progress.listening(listener):
+        workers.run_all([lambda: progress.report("here"), lambda: progress.report("in the child")])
+    assert log.read_text().splitlines() == [f"{os.getpid()} here"]
+
+
+# ---- simulations in workers equal simulations here --------------------------------------------------------------------
+def _request(name, device="cuda", **kw):
+    case = ZOO[name]()
+    kw = dict(batch_size=32, optimizer="adamw", precision="auto", checkpoint="auto", world_size=1, strategy=None,
+              quick=True, **kw)
+    kw["gpu"] = "A100-80GB" if device == "cuda" else None
+    return make_request(case.model, case.sample, "1TB", target=case.target, loss_fn=case.loss_fn, device=device, **kw)
+
+
+def _analysis(request, policy):
+    return analyse_model(request.model, request.batch, request.target, request.loss_fn, policy, request.optimizer,
+                         device=request.device.kind, gpu=request.device.name,
+                         device_rules=request.device.simulation_rules, probe_kernels=request.device.kind == "cpu")
+
+
+def _same_analysis(a, b) -> None:
+    for t1, t2 in ((a.timeline, b.timeline), (a.timeline_next, b.timeline_next)):
+        assert t1.events == t2.events
+        assert [(s.nbytes, s.category, s.op, s.module, s.phase) for s in t1.storages] == \
+            [(s.nbytes, s.category, s.op, s.module, s.phase) for s in t2.storages]
+    assert pickle.dumps(a.profile) == pickle.dumps(b.profile)
+    assert a.table == b.table
+    assert pickle.dumps(a.ops) == pickle.dumps(b.ops)
+
+
+@needs_fork
+@pytest.mark.parametrize("name", ["gpt_sdpa", "resnet_bn", "lstm", "unet"])
+def test_an_analysis_in_workers_equals_one_here(name, monkeypatch):
+    request = _request(name)
+    policy = request.policies[0]
+    monkeypatch.setenv(workers.ENV, "1")
+    _analysis(request, policy)  # first-use effects of this process (see the closing note of issue 12) out of the way
+    here = _analysis(request, policy)
+    monkeypatch.setenv(workers.ENV, "2")
+    monkeypatch.setattr(workers, "_cores", lambda: 2)
+    forks = []
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
+    there = _analysis(request, policy)
+    assert forks, "the second size ran in a worker"
+    _same_analysis(here, there)
+
+
+def test_a_cpu_target_never_forks(monkeypatch, two_workers):
+    """CPU kernel probes measure scratch memory under this process's thread count (Note [parallel simulations])."""
+    def refuse():
+        raise AssertionError("forked a simulation that probes CPU kernels")
+    monkeypatch.setattr(os, "fork", refuse)
+    request = _request("resnet_bn", device="cpu")
+    assert _analysis(request, request.policies[0]).profile is not None
+
+
+@needs_fork
+@pytest.mark.slow
+def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
+    """The quick path's analysis begun beside it, the analysis's sizes and the rows-by-length guesses in workers: the
+    same plan, to the byte, as with every simulation here."""
+    torch.manual_seed(0)
+    from benchmarks.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=172, num_heads=4, vocab_size=500))
+    ids = torch.randint(0, 500, (2, 64))
+    kw = dict(batch_size=16, target=ids, gpu="A100-80GB")
+    roomy = autofit.plan(model, ids, "1TB", **kw)
+    assert roomy.micro_batch_size == 16
+    smallest = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, ids, 1, offload=False, **kw)
+    budget = (smallest.value.min_budget_bytes + roomy.device_bytes) // 2
+    monkeypatch.setenv(workers.ENV, "1")
+    here = autofit.plan(model, ids, budget, **kw)
+    monkeypatch.setenv(workers.ENV, "2")
+    monkeypatch.setattr(workers, "_cores", lambda: 2)
+    there = autofit.plan(model, ids, budget, **kw)
+    assert here.micro_batch_size < 16 and len(here.rows_by_length) > 1, "a plan that needs the table"
+    assert there.to_json() == here.to_json()
+
+
+# ---- the pruned search --------------------------------------------------------------------------------------------
+def _space(name, device):
+    request = _request(name, device=device)
+    parallel = _parallel(request, None)
+    analyses = _analyse(request, parallel, request.policies, {})
+    return _search_space(request, parallel, request.policies, analyses)
+
+
+@pytest.mark.parametrize("name,device", [("gpt_sdpa", "cuda"), ("unet", "cuda"), ("resnet_bn", "cpu"),
+                                         ("torch_encoder", "cpu")])
+def test_pruned_search_finds_the_winner_of_the_full_search(name, device):
+    space = _space(name, device)
+    full_best, _ = search(space, 10**15, prune=False)
+    smallest = min(c.peak_bytes for c in search(space, 10**15, prune=False)[1])
+    largest = full_best.peak_bytes
+    checked = 0
+    for i in range(12):  # budgets from the roomiest candidate's peak down to below the smallest
+        budget = int(largest - (largest - smallest) * i / 10)
+        space.evaluated.clear()
+        full, _ = search(space, budget, prune=False)
+        space.evaluated.clear()
+        pruned, _ = search(space, budget)
+        assert (pruned is None) == (full is None), budget
+        if full is not None:
+            checked += 1
+            assert (pruned.precision, pruned.micro_batch_size, pruned.checkpoint, pruned.seconds) == \
+                (full.precision, full.micro_batch_size, full.checkpoint, full.seconds), budget
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("name,device", [("gpt_sdpa", "cuda"), ("unet", "cuda")])
+def test_time_floor_is_below_every_candidate(name, device):
+    """Note [pruned search]: the floor must not exceed the modelled time of what the MILP finds, for every
+    micro-batch and budget tried."""
+    space = _space(name, device)
+    _, everything = search(space, 10**15, prune=False)
+    peaks = sorted({c.peak_bytes for c in everything})
+    tried = 0
+    for budget in peaks[:: max(1, len(peaks) // 6)]:
+        for precision in space.precisions:
+            for b, k, last in batch_options(space.batch_size):
+                candidate = _evaluate(space, precision, b, k, last, budget)
+                if candidate is not None:
+                    tried += 1
+                    assert _time_floor(space, precision, b, k, last, budget) <= round(candidate.seconds, 12)
+    assert tried > 10
+
+
+# ---- rows by length: the first guesses ----------------------------------------------------------------------------
+def test_first_guesses_by_hand():
+    # L = 2048, 2 rows per micro-batch of 64: 4 rows at 1024, 8 at 512, 16 at 256
+    assert first_guesses(2048, 2, 64) == [(1024, 4), (512, 8), (256, 16)]
+    # 16 of 32 rows: 32 at 1024 (capped at the batch), then the cap again: no new guess
+    assert first_guesses(2048, 16, 32) == [(1024, 32)]
+    assert first_guesses(100, 3, 64) == [(50, 6), (25, 12), (13, 23)]
+
+
+@pytest.mark.parametrize("budget", [50, 120, 400, 10**6])
+def test_rows_by_length_with_guesses_up_front_is_the_same_table(budget):
+    def peak(length, rows):  # a quadratic-attention-like peak, with a fixed part
+        return 20 + rows * length // 64 + rows * length * length // 65536
+
+    asked = []
+
+    def counted(length, rows):
+        asked.append((length, rows))
+        return peak(length, rows)
+
+    plain = rows_by_length(2048, 2, 64, budget, counted)
+    one_by_one = list(asked)
+    asked.clear()
+    batched = []
+    ahead = rows_by_length(2048, 2, 64, budget, counted,
+                           lambda points: batched.extend(points) or [counted(*p) for p in points])
+    assert ahead == plain
+    assert batched == first_guesses(2048, 2, 64)
+    assert set(asked) == set(one_by_one), "every guess estimated up front is one the table asks for"
