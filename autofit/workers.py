@@ -12,7 +12,9 @@ Note [parallel simulations]
     - a simulation that probes CPU kernels (CPU targets): the scratch memory a oneDNN kernel allocates depends on the
       thread count, and a child must run with one thread: GNU OpenMP's thread pool does not survive ``fork``
       (a child that uses it after the parent did hangs; seen here with torch 2.13), the reason DataLoader workers
-      run single-threaded too;
+      run single-threaded too. (Tried: a worker that asks this process to run each probe, with its thread count.
+      Byte-exact, but no faster on the CPU plans of benchmarks/planning.py, unet's 1.8 s becoming 2.2 s: the probes,
+      most of a CPU simulation's time, then all run here, one after another);
     - no ``fork`` (Windows), not Linux (macOS forks unsafely once system frameworks are loaded), one usable core,
       inside a worker already, or ``AUTOFIT_WORKERS=1`` in the environment.
     Anything wrong with a child (it died, or its result does not unpickle, or it raised) makes this process run the

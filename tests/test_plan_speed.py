@@ -83,11 +83,12 @@ def test_a_child_that_dies_is_replaced_by_a_run_here(two_workers):
 def test_cancel_stops_a_running_child(two_workers):
     pending = workers.start(lambda: time.sleep(60))
     assert pending.forked
+    pid = pending._pid
     started = time.perf_counter()
     pending.cancel()
     assert time.perf_counter() - started < 5
     with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)  # reaped: no child left
+        os.waitpid(pid, os.WNOHANG)  # reaped: no such child any more
 
 
 @needs_fork
@@ -147,7 +148,8 @@ def test_an_analysis_in_workers_equals_one_here(name, monkeypatch):
 
 
 def test_a_cpu_target_never_forks(monkeypatch, two_workers):
-    """CPU kernel probes measure scratch memory under this process's thread count (Note [parallel simulations])."""
+    """CPU kernel probes measure scratch memory under this process's thread count, and a forked worker can run only
+    one thread (Note [parallel simulations])."""
     def refuse():
         raise AssertionError("forked a simulation that probes CPU kernels")
     monkeypatch.setattr(os, "fork", refuse)
