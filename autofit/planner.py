@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from autofit import progress
-from autofit.analyse.analyse import AnalysisRuns, begin_analysis
+from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.length import cut_to_length, length_spec
@@ -143,21 +143,13 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
 
     state_values = request.optimizer.state_values_per_parameter()  # read off one real step, once
     stages = _precision_stages(request)
-    early: dict[str, AnalysisRuns] = {}
     if request.quick and request.auto_precision and \
             _states_bytes(request, parallel, request.policies[0], state_values) <= request.budget_bytes:
         fastest = _fastest(request)
         params = sum(p.numel() * p.element_size() for p in request.model.parameters())
-        # the first stage's analysis, in low-priority workers beside the quick path (Note [parallel simulations])
-        early = _begin_analyses(request, parallel, stages[0], background=True)
-        try:
-            found = quick_path(_config(request, parallel, fastest, request.policies[0]), simulate, request.device,
-                               request.budget_bytes, params)
-        except BaseException:
-            _cancel(early)
-            raise
+        found = quick_path(_config(request, parallel, fastest, request.policies[0]), simulate, request.device,
+                           request.budget_bytes, params)
         if found is not None:
-            _cancel(early)
             return _plan_of(request, parallel, found, policy_of), {}
 
     analyses: dict[str, Analysis] = {}
@@ -173,7 +165,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
             what = (f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype")
             skipped.append(f"{what} ({floor / 2**30:.1f} GiB)")
             continue
-        analyses.update(_analyse(request, parallel, policies, analyses, early))
+        analyses.update(_analyse(request, parallel, policies, analyses))
         space = _search_space(request, parallel, policies, analyses)
         progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
         found = search_verified(space, request.budget_bytes, verify)
@@ -346,34 +338,23 @@ def _states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPol
 
 
 def _analyse(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
-             done: dict[str, Analysis], early: dict[str, AnalysisRuns] | None = None) -> dict[str, Analysis]:
-    """The analysis of every policy not analysed yet (``early``: ones already begun, Note [parallel simulations]).
-    CPU targets probe kernels for their scratch memory (see simulate/probe.py); the CUDA model has its own terms."""
-    todo = tuple(p for p in policies if p.label not in done)
+             done: dict[str, Analysis]) -> dict[str, Analysis]:
+    """The analysis of every policy not analysed yet. CPU targets probe kernels for their scratch memory (see
+    simulate/probe.py); the CUDA model has its own terms."""
+    todo = [p for p in policies if p.label not in done]
     where = " (states on the host)" if parallel.offload_states else (
         f" ({parallel.strategy} over {parallel.world_size})" if parallel.strategy else "")
     analyses = {}
     with forward_errors():
         for i, p in enumerate(todo):
             progress.report(f"analysing {p.label}{where}: two small simulations", i, len(todo))
-            runs = (early or {}).get(p.label) or _begin_analyses(request, parallel, (p,))[p.label]
-            analyses[p.label] = runs.result()
+            analyses[p.label] = analyse_model(
+                request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
+                probe_kernels=request.device.kind == "cpu", device=request.device.kind, gpu=request.device.name,
+                strategy=parallel.strategy, world_size=parallel.world_size, shard_units=parallel.shard_units,
+                clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
+                offload_states=parallel.offload_states)
     return analyses
-
-
-def _cancel(runs: dict[str, AnalysisRuns]) -> None:
-    for r in runs.values():
-        r.cancel()
-
-
-def _begin_analyses(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...], *,
-                    background: bool = False) -> dict[str, AnalysisRuns]:
-    return {p.label: begin_analysis(
-        request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
-        probe_kernels=request.device.kind == "cpu", device=request.device.kind, gpu=request.device.name,
-        strategy=parallel.strategy, world_size=parallel.world_size, shard_units=parallel.shard_units,
-        clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
-        offload_states=parallel.offload_states, background=background) for p in policies}
 
 
 def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],

@@ -2,11 +2,12 @@
 
 Note [parallel simulations]
     A simulation is single-threaded Python (fake tensors dispatch one op at a time), and a plan runs several that do
-    not depend on each other: the analysis's two micro-batch sizes, the first guesses of the rows-by-length table,
-    and, while the quick path checks the fastest configuration, the analysis it needs if that does not fit. On a
-    machine with a second core, :func:`start` forks a child that runs one of them while this process runs another;
-    the child sends its result back pickled through a pipe. A forked child starts as an exact copy of this process,
-    so it computes exactly what this process would: the same timeline, byte for byte (tests/test_workers.py).
+    not depend on each other: the analysis's two micro-batch sizes, and the first guesses of the rows-by-length
+    table. On a machine with a second core, :func:`start` forks a child that runs one of them while this process
+    runs another; the child sends its result back pickled through a pipe. A forked child starts as an exact copy of
+    this process, so it computes exactly what this process would: the same timeline, byte for byte
+    (tests/test_plan_speed.py). The collector is frozen before each fork (``gc.freeze``): otherwise its passes in
+    both processes touch every object and copy the pages they share.
 
     When it does not run in parallel, and why:
     - a simulation that probes CPU kernels (CPU targets): the scratch memory a oneDNN kernel allocates depends on the
@@ -20,8 +21,10 @@ Note [parallel simulations]
     Anything wrong with a child (it died, or its result does not unpickle, or it raised) makes this process run the
     job itself: a failure is then the same typed error a serial run raises, and a result is never lost.
 
-    A speculative child (``nice``: the quick path's analysis) runs at a low priority, so when the quick path's own
-    simulation fits and the child is cancelled, that simulation ran at full speed.
+    Not done: beginning the analysis in workers while the quick path simulates, in case it does not fit. Measured
+    with benchmarks/planning.py, it saved under 10 % of a tight plan on the GPU targets, and made the plans the quick
+    path settles (one simulation) 1.5-2.3 times slower: after ``fork`` every page the planning process writes is
+    copied, and a simulation writes reference counts all over the heap.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def _child_gone() -> None:
         gc.unfreeze()
 
 
-def start(job: Callable[[], T], *, fork: bool = True, nice: int = 0) -> Pending[T]:
+def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
     """Begin ``job`` in a forked child when ``fork`` and this machine allow it (Note [parallel simulations]), else
     return it to run in this process when its result is asked for."""
     if not fork or parallel_available() < 2:
@@ -154,7 +157,7 @@ def start(job: Callable[[], T], *, fork: bool = True, nice: int = 0) -> Pending[
         status = 1
         try:
             os.close(read)
-            _child_setup(nice)
+            _child_setup()
             try:
                 payload = pickle.dumps(("ok", job()), protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException:  # noqa: BLE001 - the parent runs the job itself and raises the real error
@@ -169,13 +172,10 @@ def start(job: Callable[[], T], *, fork: bool = True, nice: int = 0) -> Pending[
     return Pending(job, pid, read)
 
 
-def _child_setup(nice: int) -> None:
+def _child_setup() -> None:
     global _in_worker
     _in_worker = True
     gc.disable()  # a short-lived process: what it allocates goes when it exits
-    if nice:
-        with contextlib.suppress(OSError):
-            os.nice(nice)
     import torch
 
     torch.set_num_threads(1)  # see Note [parallel simulations]: OpenMP's pool does not survive fork

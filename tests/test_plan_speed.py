@@ -160,7 +160,7 @@ def test_a_cpu_target_never_forks(monkeypatch, two_workers):
 @needs_fork
 @pytest.mark.slow
 def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
-    """The quick path's analysis begun beside it, the analysis's sizes and the rows-by-length guesses in workers: the
+    """The analysis's two sizes and the rows-by-length guesses in workers: the
     same plan, to the byte, as with every simulation here."""
     torch.manual_seed(0)
     from benchmarks.llama import Llama, LlamaConfig

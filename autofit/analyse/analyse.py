@@ -17,9 +17,9 @@ from autofit.precision import PrecisionPolicy
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.step import StepConfig
-from autofit.workers import Pending, run_all, start
+from autofit.workers import run_all
 
-__all__ = ["analyse_model", "begin_analysis", "AnalysisRuns", "analysis_run", "SIZES"]
+__all__ = ["analyse_model", "analysis_run", "SIZES"]
 
 SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference
 
@@ -39,53 +39,14 @@ def analyse_model(
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. ``strategy``, ``world_size`` and
     ``shard_units`` simulate one rank of a data-parallel step (``simulate/parallel.py``).
     """
-    return begin_analysis(model, batch, target, loss_fn, precision, optimizer, probe_kernels=probe_kernels,
-                          device=device, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=shard_units,
-                          clip_grad_norm=clip_grad_norm, device_rules=device_rules,
-                          offload_states=offload_states).result()
-
-
-class AnalysisRuns:
-    """An analysis whose simulations may be running in worker processes: ``result()`` collects them and builds the
-    :class:`Analysis`; ``cancel()`` stops them when it is not needed after all."""
-
-    def __init__(self, assemble, pending: list[Pending] | None, jobs) -> None:
-        self._assemble, self._pending, self._jobs = assemble, pending, jobs
-
-    def result(self) -> Analysis:
-        if self._pending is not None:
-            runs = [p.result() for p in self._pending]
-        else:
-            runs = run_all(self._jobs[0], fork=self._jobs[1])
-        return self._assemble(runs)
-
-    def cancel(self) -> None:
-        for p in self._pending or ():
-            p.cancel()
-
-
-def begin_analysis(
-    model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, precision: PrecisionPolicy,
-    optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False, device: str = "cpu",
-    gpu: str | None = None, strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
-    clip_grad_norm: float | None = None, device_rules: DeviceRules | None = None, offload_states: bool = False,
-    background: bool = False,
-) -> AnalysisRuns:
-    """:func:`analyse_model`, to be collected with ``.result()``. With ``background`` both simulations start now in
-    low-priority worker processes, where they may (the planner runs them while the quick path simulates, Note
-    [parallel simulations]); otherwise they run when the result is asked for."""
+    graph = capture_graph(model, batch)
     optimizer = optimizer or as_optimizer_spec("adamw")
     configs = [StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
                           device=device, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=shard_units,
                           clip_grad_norm=clip_grad_norm, offload_states=offload_states) for size in SIZES]
     jobs = [analysis_run(model, batch, target, loss_fn, c, probe_kernels, device_rules) for c in configs]
-    fork = not probes_kernels(configs[0], probe_kernels)
-    if background:
-        pending = [start(job, fork=fork, nice=19) for job in jobs]
-        return AnalysisRuns(lambda runs: _assemble(model, capture_graph(model, batch), precision, runs), pending,
-                            (jobs, fork))
-    graph = capture_graph(model, batch)  # first: a model that cannot be traced says so before any simulation
-    return AnalysisRuns(lambda runs: _assemble(model, graph, precision, runs), None, (jobs, fork))
+    runs = run_all(jobs, fork=not probes_kernels(configs[0], probe_kernels))
+    return _assemble(model, graph, precision, runs)
 
 
 def _assemble(model: nn.Module, graph, precision: PrecisionPolicy, runs) -> Analysis:
