@@ -35,6 +35,7 @@ import os
 import pickle
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -66,7 +67,9 @@ def parallel_available() -> int:
         try:
             return max(1, min(int(setting), cores))
         except ValueError:
-            return 1  # an unreadable setting is the safe one: no workers
+            warnings.warn(f"{ENV}={setting!r} is not a number of worker processes; running every simulation in "
+                          f"this process (set {ENV}=1 for that, or a number such as 2)", stacklevel=2)
+            return 1
     return cores
 
 
@@ -180,6 +183,10 @@ def _child_setup() -> None:
 
     torch.set_num_threads(1)  # see Note [parallel simulations]: OpenMP's pool does not survive fork
     progress.silence()  # the parent's listener draws on the parent's terminal
+    # What the job prints or warns, the parent's own run of the same code shows; and another thread of the parent
+    # (a progress display) may have held the streams' locks at the fork, which the child would wait on forever.
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's, until os._exit
+    warnings.simplefilter("ignore")
 
 
 def run_all(jobs: Sequence[Callable[[], T]], *, fork: bool = True) -> list[T]:
@@ -189,8 +196,8 @@ def run_all(jobs: Sequence[Callable[[], T]], *, fork: bool = True) -> list[T]:
         return [job() for job in jobs]
     # this process takes jobs 0, width, 2 x width, ...; child i the jobs i, i + width, ...
     children = [start(_chain(jobs[i::width])) for i in range(1, min(width, len(jobs)))]
-    mine = [job() for job in jobs[::width]]
     try:
+        mine = [job() for job in jobs[::width]]
         theirs = [c.result() for c in children]
     finally:
         for c in children:

@@ -49,9 +49,10 @@ def test_one_worker_runs_everything_here(monkeypatch):
     assert {pid for pid in workers.run_all([os.getpid] * 3)} == {os.getpid()}
 
 
-def test_an_unreadable_setting_means_no_workers(monkeypatch):
+def test_an_unreadable_setting_means_no_workers_and_says_so(monkeypatch):
     monkeypatch.setenv(workers.ENV, "many")
-    assert workers.parallel_available() == 1
+    with pytest.warns(UserWarning, match="AUTOFIT_WORKERS='many' is not a number"):
+        assert workers.parallel_available() == 1
 
 
 @needs_fork
