@@ -104,9 +104,19 @@ def plan_with_analysis(
                            clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
                            fp32_modules=fp32_modules, offload=offload, host_budget=host_budget)
     results, infeasible_errors, failed = [], [], []
-    for name in request.strategies:
+    parallels = [_parallel(request, name) for name in request.strategies]
+    # a strategy whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
+    # its analysis would only name its smallest budget, which the error needs only if no strategy fits
+    floors = {p.strategy: _states_floor(request, p) for p in parallels} if len(parallels) > 1 else {}
+    hopeless = {name for name, floor in floors.items() if floor is not None and floor > request.budget_bytes}
+    for parallel in sorted(parallels, key=lambda p: p.strategy in hopeless):
+        name = parallel.strategy
+        if name in hopeless and results:
+            failed.append(f"{name} not planned: its parameters, gradients and optimizer state alone need at least "
+                          f"{format_bytes(floors[name])} per rank, over the budget")
+            continue
         try:
-            results.append(_plan_parallel(request, _parallel(request, name)))
+            results.append(_plan_parallel(request, parallel))
         except InfeasibleBudgetError as e:
             infeasible_errors.append(e)
         except AutofitError as e:
@@ -318,6 +328,15 @@ def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]
     else:
         stages = [request.policies]
     return stages + [(p,) for p in request.stored_options]
+
+
+def _states_floor(request: PlanRequest, parallel: Parallel) -> int | None:
+    """The smallest states-only floor over the precision stages of ``parallel`` (``_states_bytes``), or None when a
+    stage with the states in host memory follows, which no such floor bounds."""
+    if _offloaded_states(request, parallel) is not None:
+        return None
+    k = request.optimizer.state_values_per_parameter()
+    return min(_states_bytes(request, parallel, stage[0], k) for stage in _precision_stages(request))
 
 
 def _gradient_bytes(model: nn.Module) -> int:

@@ -259,3 +259,33 @@ def test_rows_by_length_with_guesses_up_front_is_the_same_table(budget):
     assert ahead == plain
     assert batched == first_guesses(2048, 2, 64)
     assert set(asked) == set(one_by_one), "every guess estimated up front is one the table asks for"
+
+
+# ---- a data-parallel strategy that cannot fit is not planned when another fits -----------------------------------------
+def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else_fits(monkeypatch):
+    import autofit.planner as planner
+
+    planned = []
+    real = planner._plan_parallel
+    monkeypatch.setattr(planner, "_plan_parallel", lambda request, parallel: planned.append(parallel.strategy)
+                        or real(request, parallel))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    x, y = torch.randn(2, 1024), torch.randn(2, 1024)
+    kw = dict(batch_size=16, target=y, loss_fn=torch.nn.functional.mse_loss, device="cpu", world_size=4)
+    # DDP keeps every fp32 parameter, gradient and both AdamW moments on each rank: 16 bytes per parameter
+    ddp_states = 4 * (1024 * 1024 + 1024) * 16
+    assert ddp_states == 67_174_400 and ddp_states > 40 * 2**20
+    plan = autofit.plan(model, x, "40MB", **kw)
+    assert plan.strategy == "fsdp2" and planned == ["fsdp2"]
+    assert any(n.startswith("ddp not planned") and "64.06 MiB" in n for n in plan.notes), plan.notes
+    alone = autofit.plan(model, x, "40MB", strategy="fsdp2", **kw)
+    assert (plan.micro_batch_size, plan.checkpoint, plan.device_bytes) == \
+        (alone.micro_batch_size, alone.checkpoint, alone.device_bytes)
+    # when nothing fits, both are planned and the error names the smaller of their smallest budgets
+    planned.clear()
+    with pytest.raises(autofit.InfeasibleBudgetError) as info:
+        autofit.plan(model, x, "10MB", **kw)
+    assert sorted(planned) == ["ddp", "fsdp2"]
+    fsdp2_min = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, x, "10MB", strategy="fsdp2", **kw)
+    assert info.value.min_budget_bytes == fsdp2_min.value.min_budget_bytes
