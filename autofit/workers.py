@@ -17,7 +17,9 @@ Note [parallel simulations]
       Byte-exact, but no faster on the CPU plans of benchmarks/planning.py, unet's 1.8 s becoming 2.2 s: the probes,
       most of a CPU simulation's time, then all run here, one after another);
     - no ``fork`` (Windows), not Linux (macOS forks unsafely once system frameworks are loaded), one usable core,
-      inside a worker already, or ``AUTOFIT_WORKERS=1`` in the environment.
+      inside a worker already, or ``AUTOFIT_WORKERS=1`` in the environment;
+    - another thread of this process that is not a daemon (a user's thread may be inside a torch op, holding a lock
+      the child would inherit locked; daemon threads, such as a progress display's, are taken to be helpers).
     Anything wrong with a child (it died, or its result does not unpickle, or it raised) makes this process run the
     job itself: a failure is then the same typed error a serial run raises, and a result is never lost.
 
@@ -35,6 +37,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -60,6 +63,9 @@ def _cores() -> int:
 def parallel_available() -> int:
     """How many simulations may run at once here (1: none side by side). See Note [parallel simulations]."""
     if _in_worker or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return 1
+    this = threading.current_thread()
+    if any(t is not this and not t.daemon for t in threading.enumerate()):
         return 1
     cores = _cores()
     setting = os.environ.get(ENV, "").strip()

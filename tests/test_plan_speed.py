@@ -49,6 +49,28 @@ def test_one_worker_runs_everything_here(monkeypatch):
     assert {pid for pid in workers.run_all([os.getpid] * 3)} == {os.getpid()}
 
 
+def test_no_workers_beside_a_thread_that_is_not_a_daemon(two_workers):
+    import threading
+
+    assert workers.parallel_available() == 2
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait)
+    busy.start()
+    try:
+        assert workers.parallel_available() == 1
+    finally:
+        stop.set()
+        busy.join()
+    helper = threading.Thread(target=stop.wait, daemon=True)
+    stop.clear()
+    helper.start()
+    try:
+        assert workers.parallel_available() == 2
+    finally:
+        stop.set()
+        helper.join()
+
+
 def test_an_unreadable_setting_means_no_workers_and_says_so(monkeypatch):
     monkeypatch.setenv(workers.ENV, "many")
     with pytest.warns(UserWarning, match="AUTOFIT_WORKERS='many' is not a number"):
