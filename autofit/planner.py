@@ -152,7 +152,6 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         return verify_in(parallel, c)
 
     state_values = request.optimizer.state_values_per_parameter()  # read off one real step, once
-    stages = _precision_stages(request)
     if request.quick and request.auto_precision and \
             _states_bytes(request, parallel, request.policies[0], state_values) <= request.budget_bytes:
         fastest = _fastest(request)
@@ -164,6 +163,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
 
     analyses: dict[str, Analysis] = {}
     space = None
+    stages = _precision_stages(request)
     skipped = []
     loaded_space = None  # the last space of the model's own dtype (where the optimizer may step in backward)
     # with host offload as the last stage, any stage whose states alone miss the budget can be skipped

@@ -19,7 +19,7 @@ from autofit.simulate.timeline import EventKind, Phase
 from autofit.step import StepConfig
 from autofit.workers import run_all
 
-__all__ = ["analyse_model", "analysis_run", "SIZES"]
+__all__ = ["analyse_model", "SIZES"]
 
 SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference
 
@@ -44,31 +44,22 @@ def analyse_model(
     configs = [StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
                           device=device, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=shard_units,
                           clip_grad_norm=clip_grad_norm, offload_states=offload_states) for size in SIZES]
-    jobs = [analysis_run(model, batch, target, loss_fn, c, probe_kernels, device_rules) for c in configs]
-    runs = run_all(jobs, fork=not probes_kernels(configs[0], probe_kernels))
-    return _assemble(model, graph, precision, runs)
 
+    def job(config: StepConfig):  # a worker sends back the Simulation and the observer, both picklable
+        def run() -> tuple[Simulation, LayerObserver]:
+            observer = LayerObserver()
+            sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels,
+                                observer=observer, device_rules=device_rules)
+            return sim, observer
+        return run
 
-def _assemble(model: nn.Module, graph, precision: PrecisionPolicy, runs) -> Analysis:
-    (sim1, obs1), (sim2, obs2) = runs
+    (sim1, obs1), (sim2, obs2) = run_all([job(c) for c in configs], fork=not probes_kernels(configs[0], probe_kernels))
     profile = build_profile(sim1.timeline, sim2.timeline, precision.name, SIZES[0], _call_records(obs1, obs2))
     problems = segment_problems(model, graph)
     one, two = obs1.stats, obs2.stats
     rows = tuple(_row(name, module, one, two, problems) for name, module in model.named_modules())
     ops = op_costs(sim1.timeline, sim2.timeline)
     return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method, sim1.timeline, sim2.timeline, ops)
-
-
-def analysis_run(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
-                 probe_kernels: bool = False, device_rules: DeviceRules | None = None):
-    """One of the analysis's simulations, as a job: its ``Simulation`` and the ``LayerObserver`` that watched it
-    (both picklable, so a worker process can run it)."""
-    def run() -> tuple[Simulation, LayerObserver]:
-        observer = LayerObserver()
-        sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
-                            device_rules=device_rules)
-        return sim, observer
-    return run
 
 
 def op_costs(t1, t2, *, per_sample_from: int = SIZES[0]) -> OpCosts:

