@@ -127,7 +127,7 @@ def test_a_child_reports_no_progress(two_workers, tmp_path):
     assert log.read_text().splitlines() == [f"{os.getpid()} here"]
 
 
-# ---- simulations in workers equal simulations here --------------------------------------------------------------------
+# ---- simulations in workers equal simulations here ---------------------------------------------------------------
 def _request(name, device="cuda", **kw):
     case = ZOO[name]()
     kw = dict(batch_size=32, optimizer="adamw", precision="auto", checkpoint="auto", world_size=1, strategy=None,
@@ -283,7 +283,7 @@ def test_rows_by_length_with_guesses_up_front_is_the_same_table(budget):
     assert set(asked) == set(one_by_one), "every guess estimated up front is one the table asks for"
 
 
-# ---- a data-parallel strategy that cannot fit is not planned when another fits -----------------------------------------
+# ---- a data-parallel strategy that cannot fit is not planned when another fits -----------------------------------
 def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else_fits(monkeypatch):
     import autofit.planner as planner
 
