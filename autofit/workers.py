@@ -20,8 +20,9 @@ Note [parallel simulations]
       inside a worker already, or ``AUTOFIT_WORKERS=1`` in the environment;
     - another thread of this process that is not a daemon (a user's thread may be inside a torch op, holding a lock
       the child would inherit locked; daemon threads, such as a progress display's, are taken to be helpers).
-    Anything wrong with a child (it died, or its result does not unpickle, or it raised) makes this process run the
-    job itself: a failure is then the same typed error a serial run raises, and a result is never lost.
+    Anything wrong with a child (it died, or its result does not unpickle, or it raised, or it takes far longer
+    than this process took for its own share: ``CHILD_PATIENCE``) makes this process run the job itself: a failure
+    is then the same typed error a serial run raises, a result is never lost, and a stuck child cannot hang a plan.
 
     Not done: beginning the analysis in workers while the quick path simulates, in case it does not fit. Measured
     with benchmarks/planning.py, it saved under 10 % of a tight plan on the GPU targets, and made the plans the quick
@@ -35,9 +36,11 @@ import contextlib
 import gc
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -51,6 +54,7 @@ T = TypeVar("T")
 ENV = "AUTOFIT_WORKERS"  # "1": every simulation in this process; a number n > 1: at most n at once (default: cores)
 
 _in_worker = False  # set in a child: a worker never forks again
+CHILD_PATIENCE = 10  # run_all waits this many times its own share's time (plus 30 s) for a child, then runs it here
 
 
 def _cores() -> int:
@@ -91,10 +95,11 @@ class Pending(Generic[T]):
     def forked(self) -> bool:
         return self._pid is not None
 
-    def result(self) -> T:
-        """The job's value; raises what the job raises (run again in this process, see the Note)."""
+    def result(self, timeout: float | None = None) -> T:
+        """The job's value; raises what the job raises (run again in this process, see the Note). A child that has
+        not answered within ``timeout`` seconds is stopped and the job runs here instead."""
         if not self._done:
-            value = self._collect() if self._pid is not None else _FAILED
+            value = self._collect(timeout) if self._pid is not None else _FAILED
             self._value = self._job() if value is _FAILED else value
             self._done = True
         return self._value
@@ -107,10 +112,17 @@ class Pending(Generic[T]):
             self._reap()
         self._done = True
 
-    def _collect(self) -> Any:
+    def _collect(self, timeout: float | None) -> Any:
         chunks = []
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
+                if deadline is not None:
+                    ready, _, _ = select.select([self._fd], [], [], max(0.0, deadline - time.monotonic()))
+                    if not ready:  # hung, or far slower than this process doing the same: give up on it
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(self._pid, signal.SIGKILL)
+                        return _FAILED
                 chunk = os.read(self._fd, 1 << 20)
                 if not chunk:
                     break
@@ -203,8 +215,12 @@ def run_all(jobs: Sequence[Callable[[], T]], *, fork: bool = True) -> list[T]:
     # this process takes jobs 0, width, 2 x width, ...; child i the jobs i, i + width, ...
     children = [start(_chain(jobs[i::width])) for i in range(1, min(width, len(jobs)))]
     try:
+        started = time.monotonic()
         mine = [job() for job in jobs[::width]]
-        theirs = [c.result() for c in children]
+        # a child does as much as this process did: one that needs many times longer is stuck (a lock another
+        # thread held at the fork, say), and the plan must not hang on it
+        patience = CHILD_PATIENCE * (time.monotonic() - started) + 30.0
+        theirs = [c.result(timeout=patience) for c in children]
     finally:
         for c in children:
             c.cancel()

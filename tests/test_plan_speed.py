@@ -103,6 +103,21 @@ def test_a_child_that_dies_is_replaced_by_a_run_here(two_workers):
 
 
 @needs_fork
+def test_a_child_that_hangs_is_given_up_on_and_the_job_runs_here(two_workers):
+    parent = os.getpid()
+
+    def job():
+        if os.getpid() != parent:
+            time.sleep(600)  # as if waiting on a lock another thread held at the fork
+        return os.getpid()
+
+    started = time.perf_counter()
+    pending = workers.start(job)
+    assert pending.result(timeout=0.5) == parent
+    assert time.perf_counter() - started < 10
+
+
+@needs_fork
 def test_cancel_stops_a_running_child(two_workers):
     pending = workers.start(lambda: time.sleep(60))
     assert pending.forked
