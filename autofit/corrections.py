@@ -4,8 +4,9 @@ A fake (meta) kernel is written for shape inference and for the device its autho
 allocator sees can differ. Two kinds of correction exist:
 
 - ``fake``: the fake kernel refuses inputs the CPU kernel accepts, or returns other shapes, strides or dtypes that a
-  probe cannot repair because the fake kernel raises first. The registered function *replaces* the fake kernel: it
-  builds the CPU kernel's outputs as empty fake tensors.
+  probe cannot repair because the fake kernel raises first, or outputs that share a storage (FakeTensorMode's
+  dispatch cache splits those on a hit but not on the first call). The registered function *replaces* the fake
+  kernel: it builds the CPU kernel's outputs as empty fake tensors.
 - ``probe``: the fake kernel runs, and the CPU kernel probe (``probe.py``) measures the real outputs; the tracker
   replaces the fake outputs by them (``_match_real_outputs`` in ``tracker.py``). ``probe_inputs`` may give the probe
   other values than the default fill, for kernels whose memory depends on the data (a worst case).
@@ -145,10 +146,26 @@ def _mkldnn_rnn_layer():
     ``nn.LSTM``). Corrected to the probed size."""
 
 
-@correction(aten.mkldnn_rnn_layer_backward.default, kind="probe")
-def _mkldnn_rnn_layer_backward():
-    """The fake kernel aliases the two bias gradients; the CPU kernel (aten/src/ATen/native/mkldnn/RNN.cpp,
-    ``mkldnn_rnn_layer_backward``) returns them in storages of their own. Split."""
+@correction(aten.mkldnn_rnn_layer_backward.default, kind="fake")
+def _mkldnn_rnn_layer_backward(input, weight0, weight1, weight2, weight3, hx_, cx_tmp, output, hy_, cy_,
+                               grad_output_r_opt, grad_hy_r_opt, grad_cy_r_opt, reverse, mode, hidden_size,
+                               *rest):
+    """The meta kernel (torch/_meta_registrations.py, ``mkldnn_rnn_layer_backward``) returns one tensor for both bias
+    gradients; the CPU kernel (aten/src/ATen/native/mkldnn/RNN.cpp, ``mkldnn_rnn_layer_backward``) returns them in
+    storages of their own. FakeTensorMode's dispatch cache does not keep outputs aliased either: a cache hit returns
+    them apart, the first (uncached) call together, so before this replacement the first simulation of an LSTM in a
+    process (on a GPU target, where no probe corrects it) differed from every later one. The replacement returns
+    the meta kernel's shapes and dtypes with the two bias gradients apart, every time."""
+    diff_x = input.new_empty(input.shape, dtype=torch.float)
+    diff_hx = hx_.new_empty(hx_.shape, dtype=torch.float)
+    diff_cx = cx_tmp.new_empty(cx_tmp.shape, dtype=torch.float)
+    diff_w1 = weight0.new_empty(weight0.shape, dtype=torch.float)
+    diff_w2 = weight1.new_empty(weight1.shape, dtype=torch.float)
+    gru = 3  # the GRU mode: its shuffled bias has 4 x hidden entries; LSTM and RNN keep bias_ih's size
+    bias_size = 4 * hidden_size if mode == gru else weight2.shape[0]
+    diff_b1 = weight2.new_empty([bias_size], dtype=torch.float)
+    diff_b2 = weight2.new_empty([bias_size], dtype=torch.float)
+    return diff_x, diff_w1, diff_w2, diff_b1, diff_b2, diff_hx, diff_cx
 
 
 @correction(aten.mse_loss.default, kind="probe")
