@@ -164,6 +164,7 @@ def _child_gone() -> None:
 def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
     """Begin ``job`` in a forked child when ``fork`` and this machine allow it (Note [parallel simulations]), else
     return it to run in this process when its result is asked for."""
+    global _alive
     if not fork or parallel_available() < 2:
         return Pending(job)
     read, write = os.pipe()
@@ -171,7 +172,6 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
     sys.stderr.flush()
     # the collector would touch every object in both processes, copying their shared pages (each side's writes to
     # a page after fork copy it): freezing them first keeps the collector off them in the child and the parent
-    global _alive
     gc.freeze()
     pid = os.fork()
     if pid == 0:  # the child: run the job, send the result, leave without running the parent's exit handlers
@@ -196,7 +196,6 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
 def _child_setup() -> None:
     global _in_worker
     _in_worker = True
-    gc.disable()  # a short-lived process: what it allocates goes when it exits
     import torch
 
     torch.set_num_threads(1)  # see Note [parallel simulations]: OpenMP's pool does not survive fork
