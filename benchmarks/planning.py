@@ -7,6 +7,8 @@ The goal (issue: planner) is that a plan costs at most about two estimates. Two 
   fastest configuration needs, as the issue defines it: the planner simulates the window at two small micro-batches
   per precision, models every other configuration, solves, and verifies its winner with one full estimate.
 The kernel-probe cache is cleared before each timing; the estimate timed is of the configuration the plan chose.
+A second table splits each tight plan into its stages (from the planner's progress reports), in units of that one
+estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
 
     python benchmarks/planning.py            # a few zoo models and a small Llama, CPU and CUDA planning
 """
@@ -24,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import autofit  # noqa: E402
-from autofit import workers  # noqa: E402
+from autofit import progress, workers  # noqa: E402
 from autofit.workers import parallel_available  # noqa: E402
 from autofit.simulate import run as simulation  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
@@ -52,6 +54,44 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
+STAGES = ("quick path", "analysis", "search", "verify", "rows by length")
+
+
+def _stage_of(what: str, seen: set[str]) -> str:
+    """The stage a progress report begins: the first full simulation is the quick path, later ones verify."""
+    if what.startswith("simulating"):
+        return "verify" if seen & {"analysis", "search"} else "quick path"
+    if what.startswith("analysing"):
+        return "analysis"
+    if what.startswith("searching"):
+        return "search"
+    return "rows by length" if what.startswith("rows") else "other"
+
+
+def _staged_plan(fn) -> tuple[object, float, dict[str, float], int]:
+    """``fn()`` timed as ``_timed`` does, with the seconds spent in each stage and the number of verifications."""
+    marks: list[tuple[float, str]] = []
+    seen: set[str] = set()
+
+    def listen(stage: progress.Stage) -> None:
+        name = _stage_of(stage.what, seen)
+        seen.add(name)
+        marks.append((time.perf_counter(), name))
+
+    _clear_probe_cache()
+    start = time.perf_counter()
+    with progress.listening(listen):
+        result = fn()
+    end = time.perf_counter()
+    spent = dict.fromkeys(STAGES, 0.0)
+    edges = [start] + [t for t, _ in marks] + [end]
+    names = ["setup"] + [n for _, n in marks]
+    for name, a, b in zip(names, edges, edges[1:]):
+        if name in spent:
+            spent[name] += b - a
+    return result, end - start, spent, sum(1 for _, n in marks if n == "verify")
+
+
 def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {parallel_available()} simulation(s) at once "
           f"(Note [parallel simulations]; {workers.ENV}=1 for one)")
@@ -59,6 +99,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     ratios = {"generous": [], "tight": []}
+    breakdown = []
     for name, model, sample, target, loss_fn, batch in _cases():
         for device, gpu in (("cpu", None), ("cuda", "A100-80GB")):
             kw = dict(target=target, loss_fn=loss_fn, device=device, **({"gpu": gpu} if gpu else {}))
@@ -73,7 +114,8 @@ def main() -> None:
             tight = (smallest + roomy.device_bytes) // 2
             for regime, budget in (("generous", "1TB"), ("tight", tight)):
                 try:
-                    plan, plan_s = _timed(lambda: autofit.plan(model, sample, budget, batch_size=batch, **kw))
+                    plan, plan_s, spent, verifies = _staged_plan(
+                        lambda: autofit.plan(model, sample, budget, batch_size=batch, **kw))
                 except autofit.InfeasibleBudgetError:
                     print(f"{name:<14} {device:<18} {regime:<8} infeasible halfway")
                     continue
@@ -82,6 +124,8 @@ def main() -> None:
                     accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint, **kw))
                 ratios[regime].append(plan_s / est_s)
                 label = device + (f" {gpu}" if gpu else "")
+                if regime == "tight":
+                    breakdown.append((name, label, plan_s / est_s, {k: v / est_s for k, v in spent.items()}, verifies))
                 print(f"{name:<14} {label:<18} {regime:<8} {plan_s:>7.2f} {est_s:>11.2f} {plan_s / est_s:>6.2f}  "
                       f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
                       f"ckpt={len(plan.checkpoint)}")
@@ -90,6 +134,14 @@ def main() -> None:
             print(f"{regime:<8} plan / estimate: median {sorted(values)[len(values) // 2]:.2f}, "
                   f"max {max(values):.2f} over {len(values)} rows")
     print("the issue's goal for tight budgets: median at most 2, max at most 3")
+    print()
+    print("tight plans by stage, in units of the one estimate (verify: how many full simulations)")
+    head = f"{'case':<14} {'device':<18} " + " ".join(f"{s:>14}" for s in STAGES) + f" {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    for name, label, ratio, units, verifies in breakdown:
+        cells = [f"{units[s]:>14.2f}" if s != "verify" else f"{units[s]:>10.2f} ({verifies})" for s in STAGES]
+        print(f"{name:<14} {label:<18} " + " ".join(cells) + f" {ratio:>6.2f}")
 
 
 if __name__ == "__main__":
