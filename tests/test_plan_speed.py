@@ -355,3 +355,48 @@ def test_an_lstms_first_simulation_in_a_process_equals_the_next():
     same, bias_gradients = out.stdout.split()
     assert same == "True"
     assert int(bias_gradients) >= 2, "the two bias gradients of the first micro-batch, each in its own storage"
+
+
+
+_EVERY_FIRST_AND_SECOND = """
+import os, sys
+os.environ["AUTOFIT_WORKERS"] = "1"
+sys.path.insert(0, {tests!r})
+from dataclasses import replace
+from autofit.planner import _config, _parallel
+from autofit.simulate.run import simulate_step
+from autofit.solve.search import Candidate
+from test_plan_speed import _request
+from zoo import ZOO
+differ, runs = [], 0
+for name in sorted(ZOO):
+    if name == "data_dependent":  # runs for real (Note [data-dependent models]): no fake tensor, no cache
+        continue
+    for device in ("cpu", "cuda"):
+        request = _request(name, device=device)
+        for policy in request.policies:
+            config = _config(request, _parallel(request, None), Candidate(policy.label, 3, 2, 3, (), 0, 0.0), policy)
+            first, second = (simulate_step(request.model, request.batch, request.target, request.loss_fn, config,
+                                           device_rules=request.device.simulation_rules).timeline for _ in range(2))
+            runs += 1
+            if first.events != second.events or [s.nbytes for s in first.storages] != \
+                    [s.nbytes for s in second.storages]:
+                differ.append(f"{{name}}/{{device}}/{{policy.label}}")
+print(runs, ",".join(differ) or "none")
+"""
+
+
+@pytest.mark.slow
+def test_every_zoo_models_first_simulation_in_a_process_equals_the_next():
+    """The same, over the accuracy zoo on both targets and every precision the planner tries, each simulated twice
+    in one fresh process (the first run of each model meets its own shapes, so PyTorch's caches are cold for it).
+    It found the order of autocast's cache frees changing from run to run (Note [autocast cache frees])."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _EVERY_FIRST_AND_SECOND.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, check=True)
+    runs, differ = out.stdout.split()
+    assert int(runs) >= 40, "every zoo model on both targets, fp32 and bf16 on the CPU"
+    assert differ == "none", f"first and second simulations differ: {differ}"
