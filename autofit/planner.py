@@ -27,7 +27,7 @@ from autofit.precision import PrecisionPolicy
 from autofit.report import MemoryEstimate
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.simulate.run import probes_kernels, simulate_step
-from autofit.solve.lengths import rows_by_length
+from autofit.solve.lengths import first_guesses, rows_by_length
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace
@@ -44,7 +44,7 @@ from autofit.solve.verify import (
 from autofit.step import StepConfig, forward_errors, make_step_config
 from autofit.stored import stored_bytes_per_parameter
 from autofit.units import format_bytes
-from autofit.workers import run_all
+from autofit.workers import parallel_available, run_all
 
 __all__ = ["plan", "plan_with_analysis"]
 
@@ -151,6 +151,21 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     def verify(c: Candidate) -> MemoryEstimate:
         return verify_in(parallel, c)
 
+    rows_known: dict[tuple, int] = {}
+
+    def verify_beside_rows(c: Candidate) -> MemoryEstimate:  # Note [rows beside the verification]
+        beside = _guesses_beside(request, parallel, c, policy_of[c.precision])
+        if not beside:
+            return verify(c)
+        jobs = [functools.partial(verify, c)] + [
+            functools.partial(_guessed_peak, request, parallel, c, policy_of[c.precision], length, micro)
+            for length, micro in beside]
+        est, *peaks = run_all(jobs)
+        for (length, micro), peak in zip(beside, peaks):
+            if peak is not None:
+                rows_known[_rows_key(parallel, c, policy_of[c.precision], length, micro)] = peak
+        return est
+
     state_values = request.optimizer.state_values_per_parameter()  # read off one real step, once
     if request.quick and request.auto_precision and \
             _states_bytes(request, parallel, request.policies[0], state_values) <= request.budget_bytes:
@@ -178,7 +193,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         analyses.update(_analyse(request, parallel, policies, analyses))
         space = _search_space(request, parallel, policies, analyses)
         progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
-        found = search_verified(space, request.budget_bytes, verify)
+        found = search_verified(space, request.budget_bytes, verify_beside_rows)
         if found is None and i == len(stages) - len(request.stored_options) - 1:
             # the model's own dtype does not fit with every gradient alive: step the optimizer in backward before
             # storing anything lower, as it changes no number of the update
@@ -192,7 +207,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                     "skipped without analysis, as their parameters, gradients and optimizer state alone miss the "
                     "budget: "
                     + "; ".join(dict.fromkeys(skipped)),))
-            return _plan_of(request, parallel, found, policy_of, analyses), analyses
+            return _plan_of(request, parallel, found, policy_of, analyses, rows_known), analyses
 
     offloaded = _offloaded_states(request, parallel)
     off_smallest = None
@@ -398,7 +413,8 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
 
 
 def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
-             policy_of: dict[str, PrecisionPolicy], analyses: dict[str, Analysis] | None = None) -> Plan:
+             policy_of: dict[str, PrecisionPolicy], analyses: dict[str, Analysis] | None = None,
+             rows_known: dict[tuple, int] | None = None) -> Plan:
     policy = policy_of[found.candidate.precision]
     found, policy, pins = _with_optional_pins(request, parallel, found, policy)
     plan = assemble_plan(
@@ -411,7 +427,7 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
     )
     plan = _with_pin_costs(request, parallel, plan, found.candidate, policy, (analyses or {}).get(policy.label),
                            request.pins + pins)
-    return _with_rows_by_length(request, parallel, plan, found.candidate, policy)
+    return _with_rows_by_length(request, parallel, plan, found.candidate, policy, rows_known or {})
 
 
 def _with_optional_pins(request: PlanRequest, parallel: Parallel, found: Verified, policy: PrecisionPolicy):
@@ -480,34 +496,88 @@ def _pinned_flops(analysis: Analysis, names: tuple[str, ...], chosen: Candidate)
 
 
 def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, chosen: Candidate,
-                         policy: PrecisionPolicy) -> Plan:
+                         policy: PrecisionPolicy, known: dict[tuple, int]) -> Plan:
     """The plan with the rows each shorter length fits (Note [rows by length], solve/lengths.py): full estimates of
     the winner's precision and recomputed modules on the sample cut to that length. Without a length, or when the
-    whole batch already runs in one micro-batch, there is nothing to tabulate."""
+    whole batch already runs in one micro-batch, there is nothing to tabulate. ``known`` holds the estimates made
+    beside the verification (Note [rows beside the verification])."""
     spec = length_spec(request.batch, request.target)
     if spec.length is None or chosen.micro_batch_size >= request.per_rank:
         return replace(plan, lengths=spec)
-    rows = request.per_rank
-
-    def config(micro: int) -> StepConfig:
-        steps = -(-rows // micro)
-        return _config(request, parallel, replace(chosen, micro_batch_size=micro, accumulation_steps=steps,
-                                                  last_micro_batch_size=rows - micro * (steps - 1)), policy)
 
     def peak(length: int, micro: int) -> int:
-        with forward_errors():
-            sim = simulate_step(request.model, cut_to_length(request.batch, spec, length),
-                                cut_to_length(request.target, spec, length), request.loss_fn, config(micro),
-                                device_rules=request.device.simulation_rules)
-        return request.device.estimate(sim).device_bytes
+        key = _rows_key(parallel, chosen, policy, length, micro)
+        if key not in known:
+            known[key] = _rows_peak(request, parallel, chosen, policy, length, micro)
+        return known[key]
 
     def peaks(points: list[tuple[int, int]]) -> list[int]:  # side by side (Note [parallel simulations])
-        return run_all([functools.partial(peak, length, micro) for length, micro in points],
-                       fork=not probes_kernels(config(chosen.micro_batch_size)))
+        todo = [p for p in points if _rows_key(parallel, chosen, policy, *p) not in known]
+        probing = probes_kernels(_rows_config(request, parallel, chosen, policy, chosen.micro_batch_size))
+        values = run_all([functools.partial(_rows_peak, request, parallel, chosen, policy, length, micro)
+                          for length, micro in todo], fork=not probing)
+        for point, value in zip(todo, values):
+            known[_rows_key(parallel, chosen, policy, *point)] = value
+        return [peak(length, micro) for length, micro in points]
 
     progress.report("rows per micro-batch at shorter lengths (full simulations)")
-    table = rows_by_length(spec.length, chosen.micro_batch_size, rows, request.budget_bytes, peak, peaks)
+    table = rows_by_length(spec.length, chosen.micro_batch_size, request.per_rank, request.budget_bytes, peak, peaks)
     return replace(plan, lengths=spec, rows_by_length=table)
+
+
+# Note [rows beside the verification]
+#     The rows-by-length table (Note [rows by length]) begins with full estimates at the first guess of each shorter
+#     length, whatever the others show. Where workers run simulations side by side (Note [parallel simulations]),
+#     the planner's verification of a search winner runs the first of those guesses for that winner beside it, one
+#     per free worker: if the winner fits it becomes the plan, and its table starts with those estimates done. If it
+#     does not fit, they are dropped; they took no time of their own, the verification being as long. A guess is
+#     the same full estimate the table would have made later, so the table, and the plan, are the same as without
+#     workers (tests/test_plan_speed.py); one that fails is simply left for the table to estimate, and to report.
+def _guesses_beside(request: PlanRequest, parallel: Parallel, c: Candidate,
+                    policy: PrecisionPolicy) -> list[tuple[int, int]]:
+    """The table's first guesses to estimate beside the verification of ``c``: as many as there are free workers."""
+    spec = length_spec(request.batch, request.target)
+    if spec.length is None or c.micro_batch_size >= request.per_rank or c.in_backward or c.offload_states:
+        return []
+    free = parallel_available() - 1
+    if free < 1 or probes_kernels(_rows_config(request, parallel, c, policy, c.micro_batch_size)):
+        return []
+    return first_guesses(spec.length, c.micro_batch_size, request.per_rank)[:free]
+
+
+def _rows_key(parallel: Parallel, c: Candidate, policy: PrecisionPolicy, length: int, micro: int) -> tuple:
+    return parallel, c, policy, length, micro
+
+
+def _rows_config(request: PlanRequest, parallel: Parallel, chosen: Candidate, policy: PrecisionPolicy,
+                 micro: int) -> StepConfig:
+    """``chosen`` with ``micro`` rows per micro-batch, over the rows one rank trains per step."""
+    rows = request.per_rank
+    steps = -(-rows // micro)
+    return _config(request, parallel, replace(chosen, micro_batch_size=micro, accumulation_steps=steps,
+                                              last_micro_batch_size=rows - micro * (steps - 1)), policy)
+
+
+def _rows_peak(request: PlanRequest, parallel: Parallel, chosen: Candidate, policy: PrecisionPolicy, length: int,
+               micro: int) -> int:
+    """Device bytes of a full estimate of ``chosen`` at ``micro`` rows per micro-batch, on the sample cut to
+    ``length``."""
+    spec = length_spec(request.batch, request.target)
+    with forward_errors():
+        sim = simulate_step(request.model, cut_to_length(request.batch, spec, length),
+                            cut_to_length(request.target, spec, length), request.loss_fn,
+                            _rows_config(request, parallel, chosen, policy, micro),
+                            device_rules=request.device.simulation_rules)
+    return request.device.estimate(sim).device_bytes
+
+
+def _guessed_peak(request: PlanRequest, parallel: Parallel, chosen: Candidate, policy: PrecisionPolicy, length: int,
+                  micro: int) -> int | None:
+    """``_rows_peak`` beside a verification: None when it fails (the table estimates it again, and reports it)."""
+    try:
+        return _rows_peak(request, parallel, chosen, policy, length, micro)
+    except Exception:  # noqa: BLE001 - a guess is never needed: the table estimates it again if this is the plan
+        return None
 
 
 def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:

@@ -198,8 +198,11 @@ def test_a_cpu_target_never_forks(monkeypatch, two_workers):
 @needs_fork
 @pytest.mark.slow
 def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
-    """The analysis's two sizes and the rows-by-length guesses in workers: the
-    same plan, to the byte, as with every simulation here."""
+    """The analysis's two sizes, the rows-by-length guesses and the first guess beside the verification (Note [rows
+    beside the verification]) in workers: the same plan, to the byte, as with every simulation here."""
+    import autofit.planner as planner
+    from autofit.solve.lengths import first_guesses
+
     torch.manual_seed(0)
     from benchmarks.llama import Llama, LlamaConfig
 
@@ -210,13 +213,21 @@ def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
     assert roomy.micro_batch_size == 16
     smallest = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, ids, 1, offload=False, **kw)
     budget = (smallest.value.min_budget_bytes + roomy.device_bytes) // 2
+    estimated_here = []  # (length, rows) of every table estimate this process makes (a child's are not seen)
+    real_peak = planner._rows_peak
+    monkeypatch.setattr(planner, "_rows_peak", lambda *a: estimated_here.append(a[-2:]) or real_peak(*a))
     monkeypatch.setenv(workers.ENV, "1")
     here = autofit.plan(model, ids, budget, **kw)
+    serial = list(estimated_here)
+    estimated_here.clear()
     monkeypatch.setenv(workers.ENV, "2")
     monkeypatch.setattr(workers, "_cores", lambda: 2)
     there = autofit.plan(model, ids, budget, **kw)
     assert here.micro_batch_size < 16 and len(here.rows_by_length) > 1, "a plan that needs the table"
     assert there.to_json() == here.to_json()
+    first = first_guesses(64, here.micro_batch_size, 16)[0]
+    assert first in serial, "without workers this process estimates the first guess itself"
+    assert first not in estimated_here, "with a second worker it ran beside the verification, and was kept"
 
 
 # ---- the pruned search --------------------------------------------------------------------------------------------
