@@ -11,6 +11,8 @@ A second table splits each tight plan into its stages (from the planner's progre
 estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
 
     python benchmarks/planning.py            # a few zoo models and a small Llama, CPU and CUDA planning
+    python benchmarks/planning.py --hf       # also the issue's two Hugging Face rows (needs transformers):
+                                             # GPT-2 and a Llama, 4 layers each, batch 32 x 128, from configs
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from llama import Llama, LlamaConfig  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 
-def _cases():
+def _cases(hf: bool = False):
     for name in ("resnet_bn", "gpt_sdpa", "lstm", "unet"):
         case = ZOO[name]()
         yield name, case.model, case.sample, case.target, case.loss_fn, 32
@@ -41,6 +43,18 @@ def _cases():
     cfg = LlamaConfig(num_layers=4, hidden_size=256, intermediate_size=688, num_heads=4, vocab_size=4000)
     ids = torch.randint(0, 4000, (2, 256))
     yield "llama-4x256", Llama(cfg), ids, ids, None, 16
+    if hf:  # the issue's rows: Hugging Face models nobody here wrote, built from configs (no hub, no weights)
+        import transformers
+
+        torch.manual_seed(0)
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4))
+        ids = torch.randint(0, gpt2.config.vocab_size, (2, 128))
+        yield "hf-gpt2-4L", gpt2, {"input_ids": ids, "labels": ids.clone()}, None, None, 32
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=4, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+            num_key_value_heads=8, vocab_size=32000))
+        ids = torch.randint(0, 32000, (2, 128))
+        yield "hf-llama-4L", llama, {"input_ids": ids, "labels": ids.clone()}, None, None, 32
 
 
 def _clear_probe_cache() -> None:
@@ -100,7 +114,7 @@ def main() -> None:
     print("-" * len(header))
     ratios = {"generous": [], "tight": []}
     breakdown = []
-    for name, model, sample, target, loss_fn, batch in _cases():
+    for name, model, sample, target, loss_fn, batch in _cases(hf="--hf" in sys.argv[1:]):
         for device, gpu in (("cpu", None), ("cuda", "A100-80GB")):
             kw = dict(target=target, loss_fn=loss_fn, device=device, **({"gpu": gpu} if gpu else {}))
             autofit.estimate(model, sample, micro_batch_size=1, **kw)  # imports and first-use costs, untimed
