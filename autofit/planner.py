@@ -530,7 +530,7 @@ def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, c
 #     length, whatever the others show. Where workers run simulations side by side (Note [parallel simulations]),
 #     the planner's verification of a search winner runs the first of those guesses for that winner beside it, one
 #     per free worker: if the winner fits it becomes the plan, and its table starts with those estimates done. If it
-#     does not fit, they are dropped; they took no time of their own, the verification being as long. A guess is
+#     does not fit, they are dropped, having cost little wall time: they ran while the verification did. A guess is
 #     the same full estimate the table would have made later, so the table, and the plan, are the same as without
 #     workers (tests/test_plan_speed.py); one that fails is simply left for the table to estimate, and to report.
 def _guesses_beside(request: PlanRequest, parallel: Parallel, c: Candidate,
