@@ -151,19 +151,17 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     def verify(c: Candidate) -> MemoryEstimate:
         return verify_in(parallel, c)
 
-    rows_known: dict[tuple, int] = {}
+    rows_known: dict[tuple, dict[tuple[int, int], int]] = {}  # (candidate, policy) -> {(length, rows): bytes}
 
     def verify_beside_rows(c: Candidate) -> MemoryEstimate:  # Note [rows beside the verification]
-        beside = _guesses_beside(request, parallel, c, policy_of[c.precision])
+        policy = policy_of[c.precision]
+        beside = _guesses_beside(request, parallel, c, policy)
         if not beside:
             return verify(c)
         jobs = [functools.partial(verify, c)] + [
-            functools.partial(_guessed_peak, request, parallel, c, policy_of[c.precision], length, micro)
-            for length, micro in beside]
+            functools.partial(_guessed_peak, request, parallel, c, policy, length, micro) for length, micro in beside]
         est, *peaks = run_all(jobs)
-        for (length, micro), peak in zip(beside, peaks):
-            if peak is not None:
-                rows_known[_rows_key(parallel, c, policy_of[c.precision], length, micro)] = peak
+        rows_known[(c, policy)] = {point: peak for point, peak in zip(beside, peaks) if peak is not None}
         return est
 
     state_values = request.optimizer.state_values_per_parameter()  # read off one real step, once
@@ -414,7 +412,7 @@ def _search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Prec
 
 def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
              policy_of: dict[str, PrecisionPolicy], analyses: dict[str, Analysis] | None = None,
-             rows_known: dict[tuple, int] | None = None) -> Plan:
+             rows_known: dict[tuple, dict[tuple[int, int], int]] | None = None) -> Plan:
     policy = policy_of[found.candidate.precision]
     found, policy, pins = _with_optional_pins(request, parallel, found, policy)
     plan = assemble_plan(
@@ -427,7 +425,8 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
     )
     plan = _with_pin_costs(request, parallel, plan, found.candidate, policy, (analyses or {}).get(policy.label),
                            request.pins + pins)
-    return _with_rows_by_length(request, parallel, plan, found.candidate, policy, rows_known or {})
+    known = (rows_known or {}).get((found.candidate, policy), {})
+    return _with_rows_by_length(request, parallel, plan, found.candidate, policy, known)
 
 
 def _with_optional_pins(request: PlanRequest, parallel: Parallel, found: Verified, policy: PrecisionPolicy):
@@ -496,32 +495,23 @@ def _pinned_flops(analysis: Analysis, names: tuple[str, ...], chosen: Candidate)
 
 
 def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, chosen: Candidate,
-                         policy: PrecisionPolicy, known: dict[tuple, int]) -> Plan:
+                         policy: PrecisionPolicy, known: dict[tuple[int, int], int]) -> Plan:
     """The plan with the rows each shorter length fits (Note [rows by length], solve/lengths.py): full estimates of
     the winner's precision and recomputed modules on the sample cut to that length. Without a length, or when the
     whole batch already runs in one micro-batch, there is nothing to tabulate. ``known`` holds the estimates made
-    beside the verification (Note [rows beside the verification])."""
+    beside the verification, ``(length, rows) -> bytes`` (Note [rows beside the verification])."""
     spec = length_spec(request.batch, request.target)
     if spec.length is None or chosen.micro_batch_size >= request.per_rank:
         return replace(plan, lengths=spec)
-
-    def peak(length: int, micro: int) -> int:
-        key = _rows_key(parallel, chosen, policy, length, micro)
-        if key not in known:
-            known[key] = _rows_peak(request, parallel, chosen, policy, length, micro)
-        return known[key]
+    peak = functools.partial(_rows_peak, request, parallel, chosen, policy)
+    probing = probes_kernels(_rows_config(request, parallel, chosen, policy, chosen.micro_batch_size))
 
     def peaks(points: list[tuple[int, int]]) -> list[int]:  # side by side (Note [parallel simulations])
-        todo = [p for p in points if _rows_key(parallel, chosen, policy, *p) not in known]
-        probing = probes_kernels(_rows_config(request, parallel, chosen, policy, chosen.micro_batch_size))
-        values = run_all([functools.partial(_rows_peak, request, parallel, chosen, policy, length, micro)
-                          for length, micro in todo], fork=not probing)
-        for point, value in zip(todo, values):
-            known[_rows_key(parallel, chosen, policy, *point)] = value
-        return [peak(length, micro) for length, micro in points]
+        return run_all([functools.partial(peak, length, micro) for length, micro in points], fork=not probing)
 
     progress.report("rows per micro-batch at shorter lengths (full simulations)")
-    table = rows_by_length(spec.length, chosen.micro_batch_size, request.per_rank, request.budget_bytes, peak, peaks)
+    table = rows_by_length(spec.length, chosen.micro_batch_size, request.per_rank, request.budget_bytes, peak, peaks,
+                           known)
     return replace(plan, lengths=spec, rows_by_length=table)
 
 
@@ -543,10 +533,6 @@ def _guesses_beside(request: PlanRequest, parallel: Parallel, c: Candidate,
     if free < 1 or probes_kernels(_rows_config(request, parallel, c, policy, c.micro_batch_size)):
         return []
     return first_guesses(spec.length, c.micro_batch_size, request.per_rank)[:free]
-
-
-def _rows_key(parallel: Parallel, c: Candidate, policy: PrecisionPolicy, length: int, micro: int) -> tuple:
-    return parallel, c, policy, length, micro
 
 
 def _rows_config(request: PlanRequest, parallel: Parallel, chosen: Candidate, policy: PrecisionPolicy,

@@ -22,7 +22,7 @@ Note [rows by length]
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 __all__ = ["DIVISORS", "table_lengths", "rows_by_length", "first_guesses", "rows_for_length"]
 
@@ -37,13 +37,15 @@ def table_lengths(length: int) -> tuple[int, ...]:
 
 def rows_by_length(length: int, micro_batch_size: int, batch_rows: int, budget: int,
                    peak: Callable[[int, int], int],
-                   peaks: Callable[[list[tuple[int, int]]], list[int]] | None = None) -> tuple[tuple[int, int], ...]:
+                   peaks: Callable[[list[tuple[int, int]]], list[int]] | None = None,
+                   known: Mapping[tuple[int, int], int] | None = None) -> tuple[tuple[int, int], ...]:
     """``((l, rows), ...)`` longest first, from ``(L, micro_batch_size)``; ``peak(l, rows)`` is the device bytes of
     a full estimate, checked against ``budget`` (See Note [rows by length]). ``peaks``, if given, estimates several
     ``(l, rows)`` at once (side by side, Note [parallel simulations]): it is asked for every length's first guess
-    up front, each of which the table needs whatever the others show (see ``first_guesses``)."""
-    guesses = first_guesses(length, micro_batch_size, batch_rows)
-    known: dict[tuple[int, int], int] = {}
+    up front, each of which the table needs whatever the others show (see ``first_guesses``). ``known`` holds
+    estimates already made, ``(l, rows) -> bytes`` (Note [rows beside the verification], autofit/planner.py)."""
+    known = dict(known or {})
+    guesses = [g for g in first_guesses(length, micro_batch_size, batch_rows) if g not in known]
     if peaks is not None and len(guesses) > 1:
         known.update(zip(guesses, peaks(guesses)))
 
