@@ -72,6 +72,13 @@ class Plan:
     offload: tuple[str, ...] = ()
     offload_states: bool = False
     host_budget_bytes: int | None = None  # the host memory the plan was allowed (None: not checked)
+    # kept free for what the estimate does not model (Note [the margin], autofit/request.py): device_bytes fits
+    # budget_bytes - margin_bytes
+    margin_bytes: int = 0
+    # an uneven plan (last_micro_batch_size < micro_batch_size) in the terms other frameworks can express: equal
+    # micro-batches (micro, accumulation) over the same effective batch, verified to fit (Note [even split]); the
+    # exports use it. None when the plan is even already.
+    even_split: tuple[int, int] | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -84,7 +91,7 @@ class Plan:
             require_int(f"Plan.{name}", getattr(self, name))
         if not self.peak_reserved_bytes:
             object.__setattr__(self, "peak_reserved_bytes", self.estimate.peak_reserved_bytes)
-        for name in ("peak_bytes", "device_bytes", "budget_bytes", "peak_reserved_bytes"):
+        for name in ("peak_bytes", "device_bytes", "budget_bytes", "peak_reserved_bytes", "margin_bytes"):
             require_int(f"Plan.{name} (bytes)", getattr(self, name), minimum=0)
         require_strategy(self.strategy, "Plan.strategy")
         if not isinstance(self.precision, PrecisionPolicy):
@@ -162,6 +169,7 @@ class Plan:
             "length_tensors": list(self.lengths.length_tensors),
         }
         data["rows_by_length"] = [list(r) for r in self.rows_by_length]
+        data["even_split"] = None if self.even_split is None else list(self.even_split)
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -202,6 +210,8 @@ class Plan:
                 length_tensors=tuple(bool(b) for b in lengths["length_tensors"]),
             )
             data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
+            split = data.get("even_split")
+            data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):
@@ -219,6 +229,13 @@ class Plan:
             ("on the device", f"{fmt(self.device_bytes)} (~ nvidia-smi: reserved + CUDA context; the budget "
                               "applies to this)"),
         ]
+
+    def budget_text(self, fmt, used_where: str = "") -> str:
+        """The budget, the share of it the plan uses and the margin it keeps free; ``fmt`` formats bytes."""
+        used = f"{100 * self.device_bytes / self.budget_bytes:.0f} % used{used_where}"
+        if self.margin_bytes:
+            used += f"; {fmt(self.margin_bytes)} margin kept free for what is not modelled"
+        return f"{fmt(self.budget_bytes)} ({used})"
 
     def offload_rows(self, fmt) -> list[tuple[str, str]]:
         """What the plan keeps in host memory, as (label, value) rows; none without offload."""
@@ -257,7 +274,7 @@ class Plan:
             ("optimizer", self.optimizer),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
             *self.memory_rows(format_bytes),
-            ("budget", f"{format_bytes(self.budget_bytes)} ({100 * self.device_bytes / self.budget_bytes:.0f} % used)"),
+            ("budget", self.budget_text(format_bytes)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
             *([("optimizer step", "in backward, parameter by parameter")] if self.optimizer_in_backward else []),
             *self.offload_rows(format_bytes),
@@ -282,7 +299,8 @@ class Plan:
 def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, budget_bytes: int,
                   batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
                   gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
-                  clip_grad_norm: float | None = None, host_budget_bytes: int | None = None) -> Plan:
+                  clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
+                  margin_bytes: int = 0) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -299,5 +317,5 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
         optimizer_in_backward=chosen.in_backward, offload=chosen.offload, offload_states=chosen.offload_states,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
-        peak_reserved_bytes=est.peak_reserved_bytes,
+        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes,
     )

@@ -54,7 +54,8 @@ def plan(
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
-    offload: Any = "auto", host_budget: int | str | None = None,
+    offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
+    allow_over_capacity: bool = False,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -78,12 +79,18 @@ def plan(
     nothing fits with the parameters, gradients and optimizer state on the GPU, they live in host memory and the
     optimizer steps on the CPU (FSDP2's CPUOffloadPolicy on one process). ``plan.host_bytes`` is the host memory it
     pins; a plan needing more than ``host_budget`` (bytes or "64GB"; default this machine's RAM) is refused with a
-    ``HostMemoryError``. False: never offload."""
+    ``HostMemoryError``. False: never offload.
+
+    ``margin``: bytes kept free for what the estimate does not model (bytes, "512MB" or a share of the budget such
+    as "5%"); the default is 0 except on GPUs with ``world_size > 1``, where NCCL's buffers live outside the
+    caching allocator (Note [the margin], autofit/request.py). A budget above the GPU's memory is refused unless
+    ``allow_over_capacity=True``."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
         clip_grad_norm=clip_grad_norm, alternatives=False, min_stored_precision=min_stored_precision,
-        fp32_modules=fp32_modules, offload=offload, host_budget=host_budget,
+        fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
+        allow_over_capacity=allow_over_capacity,
     )[0]
 
 
@@ -93,6 +100,7 @@ def plan_with_analysis(
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
+    margin: int | str | None = None, allow_over_capacity: bool = False,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -102,13 +110,14 @@ def plan_with_analysis(
                            optimizer=optimizer, precision=precision, checkpoint=checkpoint, device=device, gpu=gpu,
                            world_size=world_size, strategy=strategy, quick=not alternatives,
                            clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
-                           fp32_modules=fp32_modules, offload=offload, host_budget=host_budget)
+                           fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
+                           allow_over_capacity=allow_over_capacity)
     results, infeasible_errors, failed = [], [], []
     parallels = [_parallel(request, name) for name in request.strategies]
     # a strategy whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
     # its analysis would only name its smallest budget, which the error needs only if no strategy fits
     floors = {p.strategy: _states_floor(request, p) for p in parallels} if len(parallels) > 1 else {}
-    hopeless = {name for name, floor in floors.items() if floor is not None and floor > request.budget_bytes}
+    hopeless = {name for name, floor in floors.items() if floor is not None and floor > request.fit_bytes}
     for parallel in sorted(parallels, key=lambda p: p.strategy in hopeless):
         name = parallel.strategy
         if name in hopeless and results:
@@ -166,11 +175,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
 
     state_values = request.optimizer.state_values_per_parameter()  # read off one real step, once
     if request.quick and request.auto_precision and \
-            _states_bytes(request, parallel, request.policies[0], state_values) <= request.budget_bytes:
+            _states_bytes(request, parallel, request.policies[0], state_values) <= request.fit_bytes:
         fastest = _fastest(request)
         params = sum(p.numel() * p.element_size() for p in request.model.parameters())
         found = quick_path(_config(request, parallel, fastest, request.policies[0]), simulate, request.device,
-                           request.budget_bytes, params)
+                           request.fit_bytes, params)
         if found is not None:
             return _plan_of(request, parallel, found, policy_of), {}
 
@@ -183,7 +192,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     last = len(stages) if _offloaded_states(request, parallel) is not None else len(stages) - 1
     for i, policies in enumerate(stages):
         floor = _states_bytes(request, parallel, policies[0], state_values)
-        if i < last and floor > request.budget_bytes:
+        if i < last and floor > request.fit_bytes:
             # not worth an analysis: parameters, gradients and optimizer state alone miss the budget
             what = (f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype")
             skipped.append(f"{what} ({floor / 2**30:.1f} GiB)")
@@ -191,14 +200,14 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         analyses.update(_analyse(request, parallel, policies, analyses))
         space = _search_space(request, parallel, policies, analyses)
         progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
-        found = search_verified(space, request.budget_bytes, verify_beside_rows)
+        found = search_verified(space, request.fit_bytes, verify_beside_rows)
         if found is None and i == len(stages) - len(request.stored_options) - 1:
             # the model's own dtype does not fit with every gradient alive: step the optimizer in backward before
             # storing anything lower, as it changes no number of the update
             loaded_space = space
             narrowed = _in_backward_space(request, parallel, space, policy_of)
             if narrowed is not None:
-                found = search_in_backward(narrowed, request.budget_bytes, _gradient_bytes(request.model), verify)
+                found = search_in_backward(narrowed, request.fit_bytes, _gradient_bytes(request.model), verify)
         if found is not None:
             if skipped:
                 found = replace(found, notes=found.notes + (
@@ -214,11 +223,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         off_space = _search_space(request, offloaded, request.policies, off_analyses)
         off_verify = _host_checked(request, lambda c: verify_in(offloaded, c))
         progress.report("searching with the states on the host (checkpoint MILP)")
-        found = search_verified(off_space, request.budget_bytes, off_verify)
+        found = search_verified(off_space, request.fit_bytes, off_verify)
         if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
             off_smallest = smallest_verified(off_space, lambda c: verify_in(offloaded, c))
             candidate, est = off_smallest
-            if est.device_bytes <= request.budget_bytes:
+            if est.device_bytes <= request.fit_bytes:
                 found = Verified(candidate, _host_fits(request, est), (candidate,))
         if found is not None:
             found = replace(found, notes=found.notes + (
@@ -235,12 +244,12 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     in_backward = smallest_in_backward(narrowed, verify) if narrowed is not None else None
     if in_backward is not None and in_backward[1].device_bytes < est.device_bytes:
         smallest, est = in_backward
-    if est.device_bytes <= request.budget_bytes:  # the models were pessimistic: the smallest configuration fits
+    if est.device_bytes <= request.fit_bytes:  # the models were pessimistic: the smallest configuration fits
         return _plan_of(request, parallel, Verified(smallest, est, (smallest,)), policy_of, analyses), analyses
     where = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
-    error = infeasible(smallest, est, request.budget_bytes, where)
+    error = infeasible(smallest, est, request.budget_bytes, where, margin=request.margin_bytes)
     if off_smallest is not None:
-        error = _with_offload_minimum(error, off_smallest, request.host_budget_bytes)
+        error = _with_offload_minimum(error, off_smallest, request.host_budget_bytes, request.margin_bytes)
     raise error
 
 
@@ -265,7 +274,7 @@ def _host_checked(request: PlanRequest, verify):
     ``HostMemoryError`` (nothing fit with the states on the GPU: this was the last way)."""
     def checked(c: Candidate) -> MemoryEstimate:
         est = verify(c)
-        return _host_fits(request, est) if est.device_bytes <= request.budget_bytes else est
+        return _host_fits(request, est) if est.device_bytes <= request.fit_bytes else est
     return checked
 
 
@@ -285,11 +294,11 @@ def _host_fits(request: PlanRequest, est: MemoryEstimate) -> MemoryEstimate:
 
 
 def _with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate, MemoryEstimate],
-                          host_budget: int | None) -> InfeasibleBudgetError:
+                          host_budget: int | None, margin: int) -> InfeasibleBudgetError:
     """The infeasibility error naming the smallest budget with the states offloaded as well as without. The
     offloaded one counts as a budget that works only when its host memory fits ``host_budget``."""
     candidate, est = smallest
-    with_offload = est.device_bytes
+    with_offload = est.device_bytes + margin
     host_fits = host_budget is None or est.host_bytes <= host_budget
     minimum = min(error.min_budget_bytes, with_offload) if host_fits else error.min_budget_bytes
     host = f"{format_bytes(est.host_bytes)} of host memory"
@@ -417,6 +426,7 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
     found, policy, pins = _with_optional_pins(request, parallel, found, policy)
     plan = assemble_plan(
         found.candidate, found.estimate, found.fitting, budget_bytes=request.budget_bytes,
+        margin_bytes=request.margin_bytes,
         batch_size=request.batch_size, world_size=parallel.world_size, strategy=parallel.strategy,
         policy=policy, device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
@@ -426,7 +436,36 @@ def _plan_of(request: PlanRequest, parallel: Parallel, found: Verified,
     plan = _with_pin_costs(request, parallel, plan, found.candidate, policy, (analyses or {}).get(policy.label),
                            request.pins + pins)
     known = (rows_known or {}).get((found.candidate, policy), {})
+    plan = _with_even_split(request, parallel, plan, found.candidate, policy)
     return _with_rows_by_length(request, parallel, plan, found.candidate, policy, known)
+
+
+# Note [even split]
+#     The trainer runs an uneven window (micro-batches of b rows and a last one of fewer), which keeps the effective
+#     batch exactly as asked. Hugging Face's Trainer, DeepSpeed and Lightning cannot express that: their effective
+#     batch is micro x accumulation (x world). An export of an uneven plan therefore carries the largest b' <= b that
+#     divides the rows one rank trains per step, with the same precision and recomputed modules: the same
+#     effective batch in equal micro-batches. Its peak is verified by one full estimate, as the plan's own was; a
+#     smaller b' is tried when it does not fit (the CPU's kernel scratch need not fall with the micro-batch).
+def _with_even_split(request: PlanRequest, parallel: Parallel, plan: Plan, chosen: Candidate,
+                     policy: PrecisionPolicy) -> Plan:
+    rows = request.per_rank
+    if chosen.last_micro_batch_size == chosen.micro_batch_size or chosen.in_backward:
+        return plan
+    for micro in [d for d in range(chosen.micro_batch_size - 1, 0, -1) if rows % d == 0][:3]:
+        even = replace(chosen, micro_batch_size=micro, accumulation_steps=rows // micro, last_micro_batch_size=micro)
+        progress.report(f"verifying the even split {micro} x {rows // micro} for the exports")
+        with forward_errors():
+            sim = simulate_step(request.model, request.batch, request.target, request.loss_fn,
+                                _config(request, parallel, even, policy), device_rules=request.device.simulation_rules)
+        device_bytes = request.device.estimate(sim).device_bytes
+        if device_bytes <= request.fit_bytes:
+            note = (f"frameworks need equal micro-batches: the exports use {micro} x {rows // micro} (= {rows} per "
+                    f"rank), verified at {format_bytes(device_bytes)} (Note [even split])")
+            return replace(plan, even_split=(micro, rows // micro), notes=plan.notes + (note,))
+    note = ("no even split of the batch into equal micro-batches was verified to fit: the exports carry the plan's "
+            "micro-batch and accumulation, whose effective batch differs; train with plan.wrap()")
+    return replace(plan, notes=plan.notes + (note,))
 
 
 def _with_optional_pins(request: PlanRequest, parallel: Parallel, found: Verified, policy: PrecisionPolicy):
@@ -442,9 +481,9 @@ def _with_optional_pins(request: PlanRequest, parallel: Parallel, found: Verifie
                             _config(request, parallel, found.candidate, pinned),
                             device_rules=request.device.simulation_rules)
     est = request.device.estimate(sim)
-    if est.device_bytes > request.budget_bytes:
+    if est.device_bytes > request.fit_bytes:
         note = (f"fp32 pins {', '.join(names)} left out: with them the plan needs {format_bytes(est.device_bytes)}, "
-                f"over the budget {format_bytes(request.budget_bytes)}")
+                f"over the budget {format_bytes(request.fit_bytes)}")
         return replace(found, notes=found.notes + (note,)), policy, ()
     return replace(found, estimate=est), pinned, request.optional_pins
 
@@ -510,7 +549,7 @@ def _with_rows_by_length(request: PlanRequest, parallel: Parallel, plan: Plan, c
         return run_all([functools.partial(peak, length, micro) for length, micro in points], fork=not probing)
 
     progress.report("rows per micro-batch at shorter lengths (full simulations)")
-    table = rows_by_length(spec.length, chosen.micro_batch_size, request.per_rank, request.budget_bytes, peak, peaks,
+    table = rows_by_length(spec.length, chosen.micro_batch_size, request.per_rank, request.fit_bytes, peak, peaks,
                            known)
     return replace(plan, lengths=spec, rows_by_length=table)
 

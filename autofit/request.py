@@ -17,13 +17,15 @@ from torch import nn
 from autofit.batch import Batch, as_batch
 from autofit.device import DeviceTarget, resolve_device
 from autofit.errors import InvalidInputError, require_int, require_strategy
+from autofit.length import length_spec
 from autofit.loss import LossFn
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.step import make_step_config, resolve_modules
-from autofit.units import parse_budget
+from autofit.units import format_bytes, parse_budget
 
-__all__ = ["Parallel", "PlanRequest", "make_request", "check_model", "as_inputs"]
+__all__ = ["Parallel", "PlanRequest", "make_request", "check_model", "as_inputs", "check_capacity", "check_positions",
+           "margin_for", "NCCL_RESERVE_BYTES"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +47,8 @@ class PlanRequest:
     target: Batch | None
     loss_fn: LossFn | None
     device: DeviceTarget  # resolved once: the CPU or one catalog GPU
-    budget_bytes: int
+    budget_bytes: int  # what the user gave, per device
+    margin_bytes: int  # kept free for what the estimate does not model (Note [the margin]); plans fit the rest
     batch_size: int  # effective batch, all ranks
     per_rank: int  # samples per rank per optimizer step
     world_size: int
@@ -68,6 +71,11 @@ class PlanRequest:
     # on a GPU, whose host link the time model prices. host_budget_bytes: the host memory a plan may pin.
     offload: bool = False
     host_budget_bytes: int | None = None
+
+    @property
+    def fit_bytes(self) -> int:
+        """What a plan's estimate must fit: the budget less the margin."""
+        return self.budget_bytes - self.margin_bytes
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -111,12 +119,14 @@ def make_request(
     optimizer: Any, precision: Any, checkpoint: Any, device: str, gpu: str | None, world_size: int,
     strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
     min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
-    host_budget: int | str | None = None,
+    host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     target_device = resolve_device(device, gpu)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
+    check_capacity(budget_bytes, target_device, allow_over_capacity)
+    check_positions(model, batch, target_batch)
     notes = [target_device.note] if target_device.note else []
     if batch_size is None:
         batch_size = batch.size
@@ -133,6 +143,7 @@ def make_request(
             f"offload must be 'auto' (the planner may keep activations or states in host memory when that is what "
             f"fits, or is faster), True (the same) or False (never), got {offload!r}"
         )
+    margin_bytes = margin_for(margin, budget_bytes, target_device, world_size)
     may_offload = offload is not False and target_device.kind == "cuda"
     host_budget_bytes = _host_budget(host_budget) if may_offload else None
     optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
@@ -141,7 +152,7 @@ def make_request(
     stored = _pinned(_stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
     return PlanRequest(
         model=model, batch=batch, target=target_batch, loss_fn=loss_fn, device=target_device,
-        budget_bytes=budget_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
+        budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
         strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
         policies=policies, optimizer=as_optimizer_spec(optimizer),
         fixed_checkpoint=_fixed_checkpoint(model, checkpoint), quick=quick,
@@ -151,6 +162,81 @@ def make_request(
         stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
         host_budget_bytes=host_budget_bytes,
     )
+
+
+def check_capacity(budget_bytes: int, target: DeviceTarget, allow_over_capacity: bool = False) -> None:
+    """A budget above the GPU's memory cannot be a budget for that GPU: a plan made for it would not fit the card.
+    ``allow_over_capacity`` is for whoever means it (a catalog figure older than their card, say)."""
+    if target.kind != "cuda" or allow_over_capacity or target.total_bytes is None:
+        return
+    if budget_bytes > target.total_bytes:
+        raise InvalidInputError(
+            f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is more than the {target.name}'s memory, "
+            f"{format_bytes(target.total_bytes)} ({target.total_bytes:,} bytes): give a budget the card has (e.g. "
+            "'90%'), name the GPU you train on (gpu=..., --gpu), or pass allow_over_capacity=True "
+            "(--allow-over-capacity) if you really mean it"
+        )
+
+
+# Note [the margin]
+#     A plan's estimate must fit the budget less a margin: memory the process uses that the estimate does not model.
+#     On the CPU the allocator's record is the estimate's truth, so the default margin is 0. On a GPU, one process:
+#     0 as well: what docs/cuda.md lists as not modelled there either never makes a step fail (a cuDNN engine whose
+#     workspace does not fit is skipped for the next, Conv_v8.cpp try_configs) or is a setting the user changes
+#     (allocator configuration, streams, CUDA graphs). With world_size > 1 the collectives' buffers live outside the
+#     caching allocator: NCCL keeps, per communicator, one buffer of NCCL_BUFFSIZE (4 MiB by default, NCCL's
+#     environment variable documentation) in each direction on each of up to NCCL_MAX_NCHANNELS = 32 channels for
+#     its simple protocol: 2 x 32 x 4 MiB = 256 MiB, the default margin there. A user who measured their own gives
+#     margin=... (bytes, a size such as "1GB", or a share of the budget such as "5%").
+NCCL_RESERVE_BYTES = 2 * 32 * 4 * 2**20
+
+
+def margin_for(margin: int | str | None, budget_bytes: int, target: DeviceTarget, world_size: int) -> int:
+    """The bytes kept free (Note [the margin]): ``margin`` as given, or the default for this device and world."""
+    if margin is None:
+        return NCCL_RESERVE_BYTES if target.kind == "cuda" and world_size > 1 else 0
+    if isinstance(margin, bool):
+        raise InvalidInputError(f"margin must be bytes, a size such as '512MB' or a share such as '5%', got {margin!r}")
+    if str(margin).strip() in ("0", "0.0", "0%", "0B"):
+        return 0
+    try:
+        value = parse_budget(margin, device_total_bytes=budget_bytes)  # a percentage is a share of the budget
+    except InvalidInputError as e:
+        raise InvalidInputError(f"margin: {e} (bytes, a size such as '512MB', a share of the budget such as '5%', "
+                                "or 0)") from e
+    if value >= budget_bytes:
+        raise InvalidInputError(
+            f"margin {format_bytes(value)} leaves nothing of the budget {format_bytes(budget_bytes)}: give a margin "
+            "smaller than the budget"
+        )
+    return value
+
+
+def check_positions(model: nn.Module, batch: Batch, target: Batch | None) -> None:
+    """The sample's sequence length against the model's learned position embeddings (GPT-2's ``wpe``, BERT's
+    ``position_embeddings``, OPT's ``embed_positions``): a longer sequence would index past the table, so the real
+    step fails however it is planned. Rotary and sinusoidal positions have no table and no such limit."""
+    length = length_spec(batch, target).length
+    if length is None:
+        return
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(module, nn.Embedding) or leaf not in _POSITION_TABLES:
+            continue
+        # positions start after a padding index (RoBERTa) or at a fixed offset (OPT's learned positions)
+        offset = getattr(module, "offset", None)
+        if not isinstance(offset, int):
+            offset = 0 if module.padding_idx is None else module.padding_idx + 1
+        positions = module.num_embeddings - offset
+        if length > positions:
+            raise InvalidInputError(
+                f"the sample's sequence length {length} is longer than the model's {positions} positions (learned "
+                f"position embedding {name!r}): its forward would index past the table. Plan with sequences of at "
+                f"most {positions} tokens (--input-shape {positions})"
+            )
+
+
+_POSITION_TABLES = frozenset({"wpe", "position_embeddings", "embed_positions", "pos_embed", "pos_embedding"})
 
 
 def _host_budget(host_budget: int | str | None) -> int | None:

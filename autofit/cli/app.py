@@ -1,5 +1,6 @@
 """``autofit plan`` and ``autofit verify``: parse, call the library, render. Exit codes: 0 plan printed, 2 usage or
-bad input, 3 infeasible budget (the message names the smallest budget that works). The commands' own errors are one
+bad input, 3 infeasible budget (the message names the smallest budget that works), 4 (``verify``) the measured peak
+exceeds the budget. The commands' own errors are one
 line starting with ``error:``, no traceback, on stdout (stderr with ``--json``); click's usage errors (a missing or
 malformed option) go to stderr with the usage line."""
 
@@ -29,7 +30,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "
                        "activation checkpointing.")
 
-EXIT_INPUT, EXIT_INFEASIBLE = 2, 3
+EXIT_INPUT, EXIT_INFEASIBLE, EXIT_OVER_BUDGET = 2, 3, 4
 
 ModelArg = Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
                                          help="pkg.module:factory, file.py:factory, torchvision:NAME, hf:NAME (a "
@@ -59,6 +60,11 @@ OffloadOpt = Annotated[bool, typer.Option(
     "in host memory when that fits or is faster (GPU targets; docs/offload.md)")]
 HostBudgetOpt = Annotated[Optional[str], typer.Option(
     "--host-budget", help="host memory (RAM) an offloading plan may pin, e.g. 64GB (default: this machine's RAM)")]
+MarginOpt = Annotated[Optional[str], typer.Option(
+    "--margin", help="memory kept free for what the estimate does not model: bytes, '512MB' or a share of the budget "
+    "('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
+OverCapacityOpt = Annotated[bool, typer.Option(
+    "--allow-over-capacity", help="accept a --budget above the GPU's memory (refused otherwise)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
@@ -110,7 +116,8 @@ def plan(
     input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, precision: PrecisionOpt = "auto",
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
-    offload: OffloadOpt = True, host_budget: HostBudgetOpt = None,
+    offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
+    allow_over_capacity: OverCapacityOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot",
                                                  help="write memory per layer and the front to a PNG")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
@@ -133,7 +140,8 @@ def plan(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
                 strategy=strategy, min_stored_precision=min_stored_precision,
-                offload="auto" if offload else False, host_budget=host_budget,
+                offload="auto" if offload else False, host_budget=host_budget, margin=margin,
+                allow_over_capacity=allow_over_capacity,
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
@@ -162,10 +170,11 @@ def plan(
 def verify(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, precision: PrecisionOpt = "auto", optimizer: OptimizerOpt = "adamw",
-    config: ConfigOpt = None, task: TaskOpt = None,
+    config: ConfigOpt = None, task: TaskOpt = None, margin: MarginOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3,
 ) -> None:
-    """Plan for this machine's device, run the plan for a few real steps, print predicted vs measured peak."""
+    """Plan for this machine's device, run the plan for a few real steps, print predicted vs measured peak. Exits 4
+    when the measured peak exceeds the budget."""
     import torch
 
     from autofit.cli.verify import run_verification
@@ -178,14 +187,18 @@ def verify(
             spec = _spec(model, input_shape, input_dtype, config, task)
             with planning_progress(console, f"planning for {device}"):
                 result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
-                                   loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, device=device)
+                                   loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, device=device,
+                                   margin=margin)
             with console.status(f"running {steps} real steps...", spinner="dots"):
                 report = run_verification(spec, result, steps=steps)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except AutofitError as e:
         _fail(console, str(e), EXIT_INPUT)
-    console.print(report)
+    console.print(report.table())
+    if not report.fits:
+        _fail(console, report.verdict(), EXIT_OVER_BUDGET)
+    console.print(report.verdict(), highlight=False)
 
 
 def main() -> None:

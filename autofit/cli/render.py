@@ -43,8 +43,7 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         ("device", plan.device + (f" ({plan.gpu})" if plan.gpu else "")),
         # the three figures, each named after what it compares with (docs/cuda.md, "The three figures")
         *plan.memory_rows(lambda n: f"{format_mib(n)} MiB"),
-        ("budget", f"{format_mib(plan.budget_bytes)} MiB ({100 * plan.device_bytes / plan.budget_bytes:.0f} % used "
-                   f"on the device)"),
+        ("budget", plan.budget_text(lambda n: f"{format_mib(n)} MiB", " on the device")),
         *plan.offload_rows(lambda n: f"{format_mib(n)} MiB"),
         ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
     ]

@@ -140,15 +140,18 @@ ADVICE_STORED_LOW = {
 }
 
 
-def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str = "") -> InfeasibleBudgetError:
-    """The error for a budget below the smallest verified peak: the minimum, what dominates it, and what helps."""
+def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str = "", *,
+               margin: int = 0) -> InfeasibleBudgetError:
+    """The error for a budget below the smallest verified peak plus ``margin`` (the bytes a plan keeps free, Note [the
+    margin] in autofit/request.py): that sum is the smallest budget that works; what dominates it, and what helps."""
     dominant = max(est.breakdown, key=est.breakdown.get)
     advice = ADVICE_STORED_LOW if "/" in smallest.precision else ADVICE  # a label "bf16/bf16": stored low
+    kept = f" (less a margin of {format_bytes(margin)} kept free)" if margin else ""
     return InfeasibleBudgetError(
-        f"no configuration fits {format_bytes(budget)}: the smallest reachable peak is "
+        f"no configuration fits {format_bytes(budget)}{kept}: the smallest reachable peak is "
         f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch {smallest.micro_batch_size}, "
         f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed"
         f"{', optimizer stepped in backward' if smallest.in_backward else ''}{where}). "
         f"{advice.get(dominant, ADVICE.get(dominant, f'{dominant} dominates the smallest peak'))}.",
-        min_budget_bytes=est.device_bytes, budget_bytes=budget, dominant=dominant,
+        min_budget_bytes=est.device_bytes + margin, budget_bytes=budget, dominant=dominant,
     )

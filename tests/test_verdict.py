@@ -1,0 +1,245 @@
+"""The verdict users check first: "fits" means it fits, "infeasible" means nothing fits (issue: trust in the verdict).
+
+(a) A property over random small models, batches and budgets: whenever some configuration's estimate fits the
+    budget, ``plan`` finds a plan; when it raises, the smallest budget it names works (a plan at that budget
+    succeeds, and its configuration is the one the error named). The truth is each configuration's own estimate
+    (``autofit.estimate``, held to the CPU allocator by tests/test_accuracy.py) plus the rows of the batch the trainer
+    keeps resident, computed by hand.
+(b) The MLP of the report plans at the budget its best configuration's estimate fits.
+(c) The floor is monotone in the batch size.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import autofit
+
+SEEDS = range(200)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _case(seed: int):
+    """A random small model (an MLP or a small convolutional net), its batch, target and loss."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    batch = rng.choice([4, 6, 8, 12, 16, 24, 32])
+    if rng.random() < 0.7:
+        widths = [rng.choice([8, 16, 32, 64, 128, 256]) for _ in range(rng.randint(2, 4))]
+        layers: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Linear(a, b), rng.choice([nn.ReLU, nn.GELU, nn.Tanh])()]
+        layers.append(nn.Linear(widths[-1], 4))
+        model = nn.Sequential(*layers)
+        sample = torch.randn(batch, widths[0])
+    else:
+        c = rng.choice([4, 8, 16])
+        size = rng.choice([8, 12, 16])
+        model = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 4))
+        sample = torch.randn(batch, 3, size, size)
+    target = torch.randint(0, 4, (batch,))
+    optimizer = rng.choice(["adamw", "sgd", "adam"])
+    return model, sample, target, nn.CrossEntropyLoss(), optimizer, rng
+
+
+def _configuration_peaks(model, sample, target, loss_fn, optimizer) -> dict[tuple[int, tuple[str, ...]], int]:
+    """The peak of every configuration with equal micro-batches (micro-batch b dividing the batch, no recomputation
+    or every parametrised layer recomputed) as the trainer runs it: the estimate of one window of B / b micro-batches
+    of b rows, plus the B - b rows of the inputs and targets the trainer keeps resident beside the micro-batch."""
+    batch = sample.shape[0]
+    row_bytes = sample[:1].nelement() * sample.element_size() + target[:1].nelement() * target.element_size()
+    layers = tuple(name for name, m in model.named_children() if any(True for _ in m.parameters()))
+    peaks = {}
+    for b in _divisors(batch):
+        for checkpoint in ((), layers):
+            est = autofit.estimate(model, sample, micro_batch_size=b, accumulation_steps=batch // b, target=target,
+                                   loss_fn=loss_fn, optimizer=optimizer, precision="fp32", checkpoint=checkpoint,
+                                   device="cpu")
+            peaks[(b, checkpoint)] = est.peak_bytes + (batch - b) * row_bytes
+    return peaks
+
+
+def _plan(model, sample, target, loss_fn, optimizer, budget):
+    return autofit.plan(model, sample, budget, batch_size=sample.shape[0], target=target, loss_fn=loss_fn,
+                        optimizer=optimizer, precision="fp32", device="cpu")
+
+
+def _named_micro_batch(error: autofit.InfeasibleBudgetError) -> int:
+    return int(re.search(r"micro-batch (\d+)", str(error)).group(1))
+
+
+def _counterexamples(seeds) -> list[str]:
+    found = []
+    for seed in seeds:
+        model, sample, target, loss_fn, optimizer, rng = _case(seed)
+        peaks = _configuration_peaks(model, sample, target, loss_fn, optimizer)
+        smallest = min(peaks.values())
+        # budgets around the smallest configuration's peak: just under it, at it, and a little above
+        budget = int(smallest * rng.choice([0.99, 1.0, 1.0, 1.002, 1.01, 1.05]))
+        try:
+            plan = _plan(model, sample, target, loss_fn, optimizer, budget)
+        except autofit.InfeasibleBudgetError as e:
+            if smallest <= budget:
+                found.append(f"seed {seed}: infeasible at {budget:,} B but {smallest:,} B fits "
+                             f"({min(peaks, key=peaks.get)})")
+                continue
+            try:  # the budget the error names works, with the configuration it names
+                again = _plan(model, sample, target, loss_fn, optimizer, e.min_budget_bytes)
+            except autofit.InfeasibleBudgetError as e2:
+                found.append(f"seed {seed}: the named minimum {e.min_budget_bytes:,} B is infeasible too ({e2})")
+                continue
+            if again.micro_batch_size != _named_micro_batch(e):
+                found.append(f"seed {seed}: named micro-batch {_named_micro_batch(e)}, planned "
+                             f"{again.micro_batch_size} at the named minimum")
+            continue
+        if plan.device_bytes > budget:
+            found.append(f"seed {seed}: the plan's peak {plan.device_bytes:,} B is over the budget {budget:,} B")
+    return found
+
+
+@pytest.mark.slow
+def test_plan_finds_a_plan_whenever_a_configuration_fits():
+    counterexamples = _counterexamples(SEEDS)
+    print(f"{len(SEEDS)} random cases, {len(counterexamples)} counterexamples")
+    assert not counterexamples, "\n".join(counterexamples)
+
+
+def test_plan_finds_a_plan_whenever_a_configuration_fits_quick():
+    assert not _counterexamples(range(12))
+
+
+def test_the_reported_mlp_plans_where_its_best_configuration_fits():
+    """The report's MLP (32-256-256-4, AdamW, batch 256): the budget is what its best configuration needs on this
+    machine (its peak depends on the CPU's kernels), and a plan must come back, fitting it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    sample, target = torch.randn(256, 32), torch.randint(0, 4, (256,))
+    peaks = _configuration_peaks(model, sample, target, nn.CrossEntropyLoss(), "adamw")
+    budget = min(peaks.values())
+    plan = _plan(model, sample, target, nn.CrossEntropyLoss(), "adamw", budget)
+    assert plan.device_bytes <= budget
+
+
+# ---- checks before planning -------------------------------------------------------------------------------------------
+def _small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
+
+
+def test_a_budget_above_the_card_is_refused_with_its_memory():
+    model, sample = _small()
+    kw = dict(target=torch.randint(0, 4, (8,)), loss_fn=nn.CrossEntropyLoss(), device="cuda", gpu="T4")
+    with pytest.raises(autofit.InvalidInputError, match=r"T4's memory, 16\.00 GiB"):
+        autofit.plan(model, sample, "100GB", **kw)
+    plan = autofit.plan(model, sample, "100GB", allow_over_capacity=True, **kw)
+    assert plan.budget_bytes == 100 * 10**9
+
+
+def test_cli_budget_above_the_card_exits_2_before_planning(monkeypatch):
+    from typer.testing import CliRunner
+
+    import autofit.planner
+    from autofit.cli.app import app
+
+    def never(*args, **kwargs):
+        raise AssertionError("planning ran")
+
+    monkeypatch.setattr(autofit.planner, "_plan_parallel", never)  # the checks come before any simulation
+    result = CliRunner().invoke(app, ["plan", "hf:gpt2", "--budget", "100GB", "--batch-size", "64", "--input-shape",
+                                      "1024", "--gpu", "T4"])
+    assert result.exit_code == 2, result.output
+    assert "T4" in result.output and "16.00 GiB" in result.output and "Traceback" not in result.output
+
+
+def test_a_sequence_longer_than_learned_positions_is_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=64, vocab_size=100)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(2, 128, dtype=torch.long)
+    with pytest.raises(autofit.InvalidInputError, match=r"128 is longer than the model's 64 positions.*'transformer\.wpe'"):
+        autofit.plan(model, {"input_ids": ids, "labels": ids}, "8GB", device="cuda", gpu="A100-80GB")
+    # at the limit it plans
+    ids = ids[:, :64]
+    autofit.plan(model, {"input_ids": ids, "labels": ids}, "8GB", device="cuda", gpu="A100-80GB")
+
+
+# ---- the margin -------------------------------------------------------------------------------------------------------
+def test_the_margin_is_kept_free_and_named_in_the_error():
+    model, sample = _small()
+    target = torch.randint(0, 4, (8,))
+    kw = dict(target=target, loss_fn=nn.CrossEntropyLoss(), precision="fp32", device="cpu", checkpoint=())
+    free = autofit.plan(model, sample, "1GB", **kw)
+    assert free.margin_bytes == 0  # the CPU's default: its allocator is the truth
+    budget = free.device_bytes + 1000
+    plan = autofit.plan(model, sample, budget, margin=500, **kw)
+    assert plan.margin_bytes == 500 and plan.device_bytes <= budget - 500
+    assert "margin kept free" in str(plan)
+    assert autofit.Plan.from_json(plan.to_json()).margin_bytes == 500
+    with pytest.raises(autofit.InfeasibleBudgetError) as bare:
+        autofit.plan(model, sample, 1000, **kw)
+    margin = free.device_bytes // 2
+    with pytest.raises(autofit.InfeasibleBudgetError) as e:
+        autofit.plan(model, sample, bare.value.min_budget_bytes, margin=margin, **kw)
+    # the budget that works is the smallest peak plus the margin, and it works
+    assert e.value.min_budget_bytes == bare.value.min_budget_bytes + margin
+    assert autofit.plan(model, sample, e.value.min_budget_bytes, margin=margin, **kw).margin_bytes == margin
+
+
+def test_default_margin_holds_ncll_buffers_on_several_gpus():
+    from autofit.device import resolve_device
+    from autofit.request import NCCL_RESERVE_BYTES, margin_for
+
+    gpu = resolve_device("cuda", "H100-80GB")
+    assert NCCL_RESERVE_BYTES == 2 * 32 * 4 * 2**20  # NCCL_BUFFSIZE 4 MiB, both ways, 32 channels (Note [the margin])
+    assert margin_for(None, 10**10, gpu, 8) == NCCL_RESERVE_BYTES
+    assert margin_for(None, 10**10, gpu, 1) == 0
+    assert margin_for(None, 10**10, resolve_device("cpu"), 2) == 0
+    assert margin_for("5%", 10**10, gpu, 1) == 5 * 10**8
+    with pytest.raises(autofit.InvalidInputError, match="margin"):
+        margin_for("12XB", 10**10, gpu, 1)
+    with pytest.raises(autofit.InvalidInputError, match="leaves nothing"):
+        margin_for("20GB", 10**10, gpu, 1)
+
+
+# ---- verify's verdict -------------------------------------------------------------------------------------------------
+def test_verification_verdict_says_by_how_much():
+    from autofit.cli.verify import Verification
+
+    over = Verification(predicted_bytes=1_000, measured_bytes=1_500, budget_bytes=1_200, device="cpu", description="m")
+    assert not over.fits and "exceeds the budget" in over.verdict() and "300 bytes, 25.0 %" in over.verdict()
+    assert round(over.error_percent, 3) == round(100 * (1_000 - 1_500) / 1_500, 3)
+    assert Verification(predicted_bytes=1, measured_bytes=1_200, budget_bytes=1_200, device="cpu",
+                        description="m").fits
+
+
+def test_cli_verify_exits_4_on_a_blown_budget_and_0_when_it_fits(monkeypatch):
+    from typer.testing import CliRunner
+
+    import autofit.cli.verify
+    from autofit.cli.app import app
+    from autofit.cli.verify import Verification
+
+    factory = "examples/factories.py:small_cnn"
+    args = ["verify", factory, "--budget", "50MB", "--batch-size", "8", "--steps", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "fits: measured peak" in result.output
+
+    def blown(spec, plan, *, steps):
+        return Verification(predicted_bytes=plan.peak_bytes, measured_bytes=plan.budget_bytes + 2**20,
+                            budget_bytes=plan.budget_bytes, device="cpu", description="blown")
+
+    monkeypatch.setattr(autofit.cli.verify, "run_verification", blown)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 4, result.output
+    assert "exceeds the budget" in result.output and "1.00 MiB" in result.output
