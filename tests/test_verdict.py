@@ -243,3 +243,23 @@ def test_cli_verify_exits_4_on_a_blown_budget_and_0_when_it_fits(monkeypatch):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 4, result.output
     assert "exceeds the budget" in result.output and "1.00 MiB" in result.output
+
+
+# ---- the floor is monotone in the batch --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_smallest_budget_does_not_grow_as_the_batch_shrinks():
+    """The report's Llama-2-7B on an H200 (fp16, no offload) named 128.85 GiB at batch 8 and 149.13 GiB at batch 1.
+    Four of its layers, on meta, with the same knobs: the floor at batch 1 is at most the floor at batch 8."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+                                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    floors = {}
+    for batch in (1, 8):
+        ids = torch.zeros(batch, 2048, dtype=torch.long)
+        with pytest.raises(autofit.InfeasibleBudgetError) as e:
+            autofit.plan(model, {"input_ids": ids, "labels": ids}, "1GiB", precision="fp16", device="cuda",
+                         gpu="H200", offload=False)
+        floors[batch] = e.value.min_budget_bytes
+    assert floors[1] <= floors[8], floors

@@ -111,9 +111,22 @@ def solve_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...]
 
 
 def most_freeing_checkpoint(problem: CheckpointProblem) -> tuple[int, ...]:
-    """The set with the lowest peak, whatever it costs: what the smallest feasible budget uses."""
+    """The set with the lowest peak, whatever it costs: what the smallest feasible budget uses. Among sets with that
+    peak, every further unit that lowers the live bytes somewhere without raising the peak is added (largest drop
+    first): the peak's stretch may lie where no unit helps (a loss over the logits), while what a GPU's caching
+    allocator keeps reserved follows the bytes of the whole window (Note [the smallest budget] in solve/verify.py)."""
     chosen = _solve(problem, None, "peak")
-    return chosen if chosen is not None and problem.peak(chosen) < problem.peak(()) else ()
+    if chosen is None or problem.peak(chosen) >= problem.peak(()):
+        chosen = ()
+    peak = problem.peak(chosen)
+    drops = -problem.coef.sum(axis=0) if len(problem.base) else np.zeros(len(problem.names))
+    for u in sorted(range(len(problem.names)), key=lambda u: -drops[u]):
+        if drops[u] <= 0:
+            break
+        grown = tuple(sorted((*chosen, u)))
+        if u not in chosen and problem.allowed(grown) and problem.peak(grown) <= peak:
+            chosen = grown
+    return chosen
 
 
 def brute_force_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...] | None:

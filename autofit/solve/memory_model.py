@@ -17,7 +17,7 @@ The optimizer stage does not change. The planner verifies its winner with a full
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -193,6 +193,14 @@ class MemoryModel:
                           if i != j and d.startswith(a + "."))
         costs = np.array([float(u.flops(batch)) for u in self.units])
         return CheckpointProblem(names, costs, rows_base, rows_coef, exclusive)
+
+    def window_problem(self, batch: int, accumulation_steps: int) -> CheckpointProblem:
+        """:meth:`problem` without the optimizer stage's row: the forward and backward stretches alone. Where the
+        optimizer step holds the peak, every checkpoint set has the same modelled peak, but not the same device
+        bytes: the caching allocator keeps the segments the activations needed reserved through the optimizer step
+        (cuda/allocator.py), so the set that lowers the window most is the one the smallest budget needs."""
+        full = self.problem(batch, accumulation_steps)
+        return replace(full, base=full.base[:-1], coef=full.coef[:-1])
 
     def peak(self, batch: int, accumulation_steps: int, checkpoint: Iterable[str] = ()) -> int:
         """Modelled peak of the window with ``checkpoint`` recomputed."""

@@ -260,7 +260,10 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
         for b, k, last in batch_options(space.batch_size):
             names: tuple[str, ...] = space.fixed_checkpoint or ()
             if space.allow_checkpoint and space.fixed_checkpoint is None:
-                chosen = most_freeing_checkpoint(memory.problem(b, k))
+                # the set that lowers forward and backward most: it also lowers the whole step's peak most (the
+                # optimizer stage is the same for all), and where that stage dominates it still lowers what a GPU
+                # keeps reserved (MemoryModel.window_problem)
+                chosen = most_freeing_checkpoint(memory.window_problem(b, k))
                 names = tuple(memory.units[i].name for i in chosen)
             peak = memory.to_device(memory.peak(b, k, names))
             offload: tuple[str, ...] = ()

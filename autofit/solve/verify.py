@@ -85,6 +85,17 @@ def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate,
     return c, verify(c)
 
 
+# Note [the smallest budget]
+#     An infeasibility error names the smallest budget that works: the verified peak of the configuration with the
+#     smallest one found, so that planning again at that budget succeeds with that configuration (the search's
+#     models may pick another, whose verification then fails, and the fallback comes back to this one). Each
+#     (precision, micro-batch) is ranked with its most freeing checkpoint set (checkpoint_milp.py), and the set
+#     matters beyond the modelled peak: where the optimizer step holds the tensor peak, every set has the same one,
+#     but a GPU's caching allocator keeps reserved the segments forward and backward needed, so the set that lowers
+#     the window most lowers the device bytes. Ranking micro-batch 1 with only the set that lowers the window's own
+#     peak (the loss over the logits, which no module's recomputation helps) made a 4-layer Llama-2-shaped model
+#     on an H200 (fp16, 1 x 2048) name 23.36 GiB at batch 1 and 22.16 GiB at batch 8; with every unit that lowers
+#     bytes somewhere added, batch 1 names 21.84 GiB (tests/test_verdict.py): a smaller batch never needs more.
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
     """The configuration with the smallest verified peak among the two lowest modelled ones and the smallest
     micro-batch of each precision, with its estimate. The models are least exact far from the configurations they
