@@ -263,3 +263,67 @@ def test_the_smallest_budget_does_not_grow_as_the_batch_shrinks():
                          gpu="H200", offload=False)
         floors[batch] = e.value.min_budget_bytes
     assert floors[1] <= floors[8], floors
+
+
+# ---- exports carry the plan's effective batch --------------------------------------------------------------------------
+def _uneven_plan():
+    """A plan of 10 rows whose budget fits micro-batches of 4 but not 5: 4 x 3 with a last micro-batch of 2 (with
+    clipping, so that the optimizer cannot step in backward instead)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    sample, target = torch.randn(10, 3, 32, 32), torch.randint(0, 4, (10,))
+    kw = dict(target=target, loss_fn=nn.CrossEntropyLoss(), optimizer="sgd", precision="fp32", device="cpu",
+              checkpoint=(), clip_grad_norm=1.0)
+    row_bytes = 3 * 32 * 32 * 4 + 8
+    peak = {b: autofit.estimate(model, sample, micro_batch_size=b, accumulation_steps=-(-10 // b), **kw).peak_bytes
+            + (10 - b) * row_bytes for b in (4, 5)}
+    assert peak[5] > peak[4]
+    return autofit.plan(model, sample, peak[4], batch_size=10, **kw), model, sample, kw, row_bytes
+
+
+def test_an_uneven_plan_is_exported_as_a_verified_even_split():
+    from autofit.export import EXPORTERS
+
+    plan, model, sample, kw, row_bytes = _uneven_plan()
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.last_micro_batch_size) == (4, 3, 2)
+    assert plan.even_split == (2, 5)
+    # the split fits: its own estimate, with the rows the trainer keeps resident
+    est = autofit.estimate(model, sample, micro_batch_size=2, accumulation_steps=5, **kw)
+    assert est.peak_bytes + 8 * row_bytes <= plan.budget_bytes
+    hf = EXPORTERS["hf"](plan)["training_arguments"]
+    assert hf["per_device_train_batch_size"] * hf["gradient_accumulation_steps"] == plan.batch_size
+    ds = EXPORTERS["deepspeed"](plan)
+    assert ds["train_batch_size"] == plan.batch_size == ds["train_micro_batch_size_per_gpu"] * ds[
+        "gradient_accumulation_steps"]
+    assert ds["zero_optimization"] == {"stage": 0}
+    lightning = EXPORTERS["lightning"](plan)
+    assert lightning["dataloader_batch_size"] * lightning["trainer"]["accumulate_grad_batches"] == plan.batch_size
+    assert autofit.Plan.from_json(plan.to_json()).even_split == (2, 5)
+
+
+def test_without_an_even_split_the_export_says_its_batch_differs():
+    from dataclasses import replace
+
+    from autofit.export import EXPORTERS
+
+    plan = replace(_uneven_plan()[0], even_split=None)
+    notes = EXPORTERS["deepspeed"](plan)["autofit_notes"]
+    assert any("12 samples per step, not 10" in n for n in notes), notes
+
+
+def test_a_sharded_plan_exports_zero_stage_3():
+    from dataclasses import replace
+
+    from autofit.export import EXPORTERS
+
+    plan = replace(_small_plan(), world_size=2, strategy="fsdp2", batch_size=16)
+    assert EXPORTERS["deepspeed"](plan)["zero_optimization"]["stage"] == 3
+    assert EXPORTERS["hf"](plan)["training_arguments"]["fsdp"] == "full_shard"
+    assert EXPORTERS["lightning"](plan)["trainer"]["strategy"] == "fsdp"
+
+
+def _small_plan():
+    model, sample = _small()
+    return autofit.plan(model, sample, "1GB", target=torch.randint(0, 4, (8,)), loss_fn=nn.CrossEntropyLoss(),
+                        precision="fp32", device="cpu")
