@@ -1,7 +1,8 @@
-"""``autofit plan``, ``autofit verify`` and ``autofit models``: parse, call the library, render. Exit codes: 0 plan printed, 2 usage or
-bad input, 3 infeasible budget (the message names the smallest budget that works). The commands' own errors are one
-line starting with ``error:``, no traceback, on stdout (stderr with ``--json``); click's usage errors (a missing or
-malformed option) go to stderr with the usage line."""
+"""``autofit plan``, ``autofit verify`` and ``autofit models``: parse, call the library, render. Exit codes: 0 plan
+(or list) printed, 2 usage or bad input, 3 infeasible budget (the message names the smallest budget that works). The
+commands' own errors are one line starting with ``error:``, no traceback, on stdout (stderr with ``--json``); click's
+usage errors (a missing or malformed option) go to stderr with the usage line. Output paths are checked before
+planning (:mod:`autofit.cli.outputs`)."""
 
 from __future__ import annotations
 
