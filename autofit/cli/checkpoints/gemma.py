@@ -55,7 +55,7 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     _entry("gemma-2b", "Gemma", _gemma(18, 2048, 16384, 8, 1)),
     _entry("gemma-7b", "Gemma", _gemma(28, 3072, 24576, 16, 16)),
     _entry("gemma-2-2b", "Gemma 2", _gemma2(26, 2304, 9216, 8, 4, 256, 256)),
-    _entry("gemma-2-9b", "Gemma 2", _gemma2(42, 3584, 14336, 16, 8, 256, 256)),
+    _entry("gemma-2-9b", "Gemma 2", _gemma2(42, 3584, 14336, 16, 8, 256, 224)),
     _entry("gemma-2-27b", "Gemma 2", _gemma2(46, 4608, 36864, 32, 16, 128, 144)),
     _entry("gemma-3-270m", "Gemma 3", _gemma3(18, 640, 2048, 4)),
     _entry("gemma-3-1b", "Gemma 3", _gemma3(26, 1152, 6912, 4), base_suffix="-pt"),
