@@ -23,7 +23,7 @@ import torch
 from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config
 from autofit.errors import InvalidInputError
 
-__all__ = ["resolve_config", "build_model", "model_from_config", "default_task", "HFModel"]
+__all__ = ["resolve_config", "offline_config", "build_model", "model_from_config", "default_task", "HFModel"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,14 @@ def resolve_config(name: str, overrides: dict[str, Any]):
         except (OSError, ValueError):
             pass
     raise _unknown(name, types.keys())
+
+
+def offline_config(name: str):
+    """The config of the offline table's entry for ``name`` alone (no directory, cache or Hub), or None."""
+    entry = checkpoint_config(name)
+    if entry is None:
+        return None
+    return _transformers().AutoConfig.for_model(entry.pop("model_type"), **entry)
 
 
 _HEADS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",

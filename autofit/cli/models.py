@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from autofit.cli.hf_checkpoints import TABLE, Checkpoint
-from autofit.cli.hf_spec import model_from_config
+from autofit.cli.hf_spec import model_from_config, offline_config
 
 __all__ = ["ModelRow", "model_rows", "models_table"]
 
@@ -29,11 +29,7 @@ def _matches(entry: Checkpoint, match: str) -> bool:
 
 
 def _row(entry: Checkpoint) -> ModelRow:
-    import transformers
-
-    kwargs = dict(entry.config)
-    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    model, _ = model_from_config(config, name=entry.name)
+    model, _ = model_from_config(offline_config(entry.name), name=entry.name)
     return ModelRow(name=entry.name, family=entry.family, model_class=type(model).__name__,
                     parameters=sum(p.numel() for p in model.parameters()), aliases=entry.aliases)
 
