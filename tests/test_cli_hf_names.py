@@ -53,7 +53,11 @@ def test_offline_table_matches_published_parameter_counts(name, head, count):
 
 
 @pytest.mark.parametrize("name", ["hf:bert-base-uncased", "hf:gpt2-medium", "hf:facebook/opt-125m",
-                                  "hf:meta-llama/Llama-2-7b-hf", "hf:google/vit-large-patch16-224", "hf:t5-base"])
+                                  "hf:meta-llama/Llama-2-7b-hf", "hf:google/vit-large-patch16-224", "hf:t5-base",
+                                  # issue 29's names, which exited 2 offline before
+                                  "hf:Qwen/Qwen2.5-0.5B", "hf:google/gemma-2-2b", "hf:microsoft/phi-2",
+                                  "hf:EleutherAI/pythia-160m", "hf:mistralai/Mixtral-8x7B-v0.1",
+                                  "hf:state-spaces/mamba-130m-hf", "hf:microsoft/deberta-v3-base"])
 def test_the_issues_names_resolve_offline(name):
     spec = load_spec(name)
     assert "offline table" in spec.description and "labels" in spec.sample

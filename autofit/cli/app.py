@@ -1,8 +1,8 @@
-"""``autofit plan`` and ``autofit verify``: parse, call the library, render. Exit codes: 0 plan printed, 2 usage or
-bad input, 3 infeasible budget (the message names the smallest budget that works), 4 (``verify``) the measured peak
-exceeds the budget. The commands' own errors are one
-line starting with ``error:``, no traceback, on stdout (stderr with ``--json``); click's usage errors (a missing or
-malformed option) go to stderr with the usage line."""
+"""``autofit plan``, ``autofit verify`` and ``autofit models``: parse, call the library, render. Exit codes: 0 plan
+(or list) printed, 2 usage or bad input, 3 infeasible budget (the message names the smallest budget that works), 4
+(``verify``) the measured peak exceeds the budget. The commands' own errors are one line starting with ``error:``, no
+traceback, on stdout (stderr with ``--json``); click's usage errors (a missing or malformed option) go to stderr with
+the usage line. Output paths are checked before planning (:mod:`autofit.cli.outputs`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from rich.console import Console
 
 from autofit.cli.help import Command, Group
 from autofit.cli.messages import cli_words, gpu_note, one_line_warnings
+from autofit.cli.outputs import check_plot
 from autofit.cli.progress import planning_progress
 from autofit.cli.render import console_for, render_plan
 from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
@@ -34,7 +35,8 @@ EXIT_INPUT, EXIT_INFEASIBLE, EXIT_OVER_BUDGET = 2, 3, 4
 
 ModelArg = Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
                                          help="pkg.module:factory, file.py:factory, torchvision:NAME, hf:NAME (a "
-                                              "checkpoint such as hf:bert-base-uncased) or hf:TYPE --config k=v")]
+                                              "checkpoint such as hf:Qwen/Qwen2.5-0.5B; 'autofit models' lists "
+                                              "those known offline) or hf:TYPE --config k=v")]
 BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB' (10^9), '8GiB' (2^30), bytes, or "
                                         "'90%' of the GPU (of host memory with --device cpu)")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-n", help="effective batch: samples per optimizer step")]
@@ -118,8 +120,8 @@ def plan(
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
     allow_over_capacity: OverCapacityOpt = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot",
-                                                 help="write memory per layer and the front to a PNG")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
+                                                 "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
                                                   "lightning arguments")] = None,
 ) -> None:
@@ -130,6 +132,8 @@ def plan(
     try:
         if export is not None and export not in EXPORTERS:
             raise typer.BadParameter(f"--export must be one of {', '.join(EXPORTERS)}")
+        if plot is not None:
+            check_plot(plot)
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
             console.print(f"[dim]note: {note}[/]", highlight=False)
@@ -161,8 +165,8 @@ def plan(
 
         try:
             write_plot(plot, result, analyses[result.precision.label].table)
-        except ImportError:
-            _fail(console, "--plot needs matplotlib: pip install 'torch-autofit[plot]'", EXIT_INPUT)
+        except OSError as e:  # checked before planning, but the disk may fill or the folder go meanwhile
+            _fail(console, f"--plot {plot}: {e.strerror or e}", EXIT_INPUT)
         console.print(f"wrote {plot}")
 
 
@@ -199,6 +203,28 @@ def verify(
     if not report.fits:
         _fail(console, report.verdict(), EXIT_OVER_BUDGET)
     console.print(report.verdict(), highlight=False)
+
+
+@app.command(cls=Command)
+def models(
+    match: Annotated[Optional[str], typer.Argument(metavar="[MATCH]", show_default=False, help=(
+        "only names, aliases or families containing this (case-insensitive), e.g. qwen, gemma-2, mistralai/"))] = None,
+) -> None:
+    """List the Hugging Face checkpoints hf:NAME knows offline: name, family, parameters, the model class it builds
+    and the names that share the entry (instruct variants, legacy ids)."""
+    from autofit.cli.models import model_rows, models_table
+
+    console = console_for()
+    try:
+        with console.status("counting parameters on the meta device...", spinner="dots"), \
+                one_line_warnings(console):
+            rows = model_rows(match)
+        if not rows:
+            raise InvalidInputError(f"no checkpoint of the offline table matches {match!r}; 'autofit models' "
+                                    "lists them all")
+    except AutofitError as e:
+        _fail(console, str(e), EXIT_INPUT)
+    console.print(models_table(rows))
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import torch
 from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config
 from autofit.errors import InvalidInputError
 
-__all__ = ["resolve_config", "build_model", "default_task", "HFModel"]
+__all__ = ["resolve_config", "offline_config", "build_model", "model_from_config", "default_task", "HFModel"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,14 @@ def resolve_config(name: str, overrides: dict[str, Any]):
     raise _unknown(name, types.keys())
 
 
+def offline_config(name: str):
+    """The config of the offline table's entry for ``name`` alone (no directory, cache or Hub), or None."""
+    entry = checkpoint_config(name)
+    if entry is None:
+        return None
+    return _transformers().AutoConfig.for_model(entry.pop("model_type"), **entry)
+
+
 _HEADS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
           "seq2seq-lm": "AutoModelForSeq2SeqLM"}
 
@@ -109,7 +117,8 @@ def _is_vision(config) -> bool:
 
 
 def default_task(config) -> str:
-    """The head the checkpoint was published with (``architectures``), else causal LM (seq2seq for T5-like)."""
+    """The head the checkpoint was published with (``architectures``), else causal LM (seq2seq for T5-like), or
+    masked LM for an encoder transformers has no causal-LM head for (DeBERTa-v3's config names no architecture)."""
     arch = (getattr(config, "architectures", None) or [""])[0]
     for suffix, task in (("ForMaskedLM", "masked-lm"), ("ForSequenceClassification", "classification"),
                          ("ForImageClassification", "classification")):
@@ -117,7 +126,13 @@ def default_task(config) -> str:
             return task
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq-lm"
-    return "classification" if _is_vision(config) else "causal-lm"
+    if _is_vision(config):
+        return "classification"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked
+
+    kind = getattr(config, "model_type", "")
+    return "masked-lm" if kind not in causal and kind in masked else "causal-lm"
 
 
 def _head(transformers, config, task: str):
@@ -149,19 +164,25 @@ def _sample(config, task: str, shape: tuple[int, ...] | None, rows: int) -> dict
     return sample
 
 
-def build_model(name: str, overrides: dict[str, Any], *, task: str | None, shape: tuple[int, ...] | None,
-                rows: int) -> HFModel:
-    """The model on the meta device with the task's head, and a sample whose ``labels`` make it return its loss."""
+def model_from_config(config, task: str | None = None, *, name: str = "MODEL") -> tuple[torch.nn.Module, str]:
+    """The model for ``config`` on the meta device with the task's head (the checkpoint's own head when ``task`` is
+    None), and that task. ``autofit models`` counts parameters on it."""
     transformers = _transformers()
-    config, source = resolve_config(name, overrides)
     task = task or default_task(config)
     if task in ("causal-lm", "masked-lm", "seq2seq-lm") and _is_vision(config):
         raise InvalidInputError(f"--task {task} needs a text model; {name!r} is a vision model: use classification")
     head = _head(transformers, config, task)
     with torch.device("meta"):
         try:
-            model = head.from_config(config)
+            return head.from_config(config), task
         except ValueError as e:
             raise InvalidInputError(f"transformers has no {task} head for {type(config).__name__}: choose another "
                                     f"--task ({', '.join([*_HEADS, 'classification', 'regression'])})") from e
+
+
+def build_model(name: str, overrides: dict[str, Any], *, task: str | None, shape: tuple[int, ...] | None,
+                rows: int) -> HFModel:
+    """The model on the meta device with the task's head, and a sample whose ``labels`` make it return its loss."""
+    config, source = resolve_config(name, overrides)
+    model, task = model_from_config(config, task, name=name)
     return HFModel(model, _sample(config, task, shape, rows), task, source)
