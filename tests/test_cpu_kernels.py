@@ -167,3 +167,38 @@ def test_gpu_target_plans_do_not_depend_on_the_planning_cpu() -> None:
     reduced = json.loads(_run(_GPU_PLANS, "SSE41").splitlines()[-1])
     assert [p["precision"] for p in plain] == [p["precision"] for p in reduced]
     assert plain == reduced
+
+
+_SMALL_PROBES = """
+    import json
+    import autofit
+    import autofit.simulate.probe as probe
+    from autofit.simulate.run import _PROBER
+    from zoo import ZOO
+    found = []
+    for name in ("gpt_sdpa", "tied_lm", "hf_dict"):
+        case = ZOO[name]()
+        kw = dict(micro_batch_size=case.micro_batch_size, target=case.target, loss_fn=case.loss_fn, precision="bf16",
+                  optimizer="adamw", checkpoint=case.checkpoint)
+        _PROBER.cache.clear(); _PROBER.small = 0
+        small = autofit.estimate(case.model, case.sample, device="cpu", **kw)
+        cut = _PROBER.small
+        _PROBER.cache.clear()
+        real = probe._reference_gemm
+        probe._reference_gemm = lambda func, leaves: False  # every GEMM probed at full size, as before the note
+        try:
+            full = autofit.estimate(case.model, case.sample, device="cpu", **kw)
+        finally:
+            probe._reference_gemm = real
+        found.append([name, cut, small.peak_bytes, full.peak_bytes, dict(small.breakdown), dict(full.breakdown)])
+    print(json.dumps(found, default=str))
+"""
+
+
+@needs_x86
+def test_small_gemm_probes_change_no_byte() -> None:
+    # Note [small GEMM probes]: where oneDNN has no bf16 kernel (SSE41 cap), bf16 GEMMs are probed small and not run
+    # at full size; the estimate must equal the one that probes every GEMM at full size
+    for name, cut, small, full, small_parts, full_parts in json.loads(_run(_SMALL_PROBES, "SSE41").splitlines()[-1]):
+        assert cut > 0, name  # the note applied (the comparison is not vacuous)
+        assert small == full and small_parts == full_parts, (name, small, full)
