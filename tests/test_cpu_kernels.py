@@ -7,6 +7,7 @@ run here?), never autofit's answer. To see a CPU with less than this one, a fres
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -31,10 +32,24 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 needs_x86 = pytest.mark.skipif(not X86, reason="ONEDNN_MAX_CPU_ISA caps oneDNN's ISA on x86 CPUs only")
 
 
+@functools.cache
+def _outputs(isa: str | None) -> dict[str, object]:
+    """What each of the scripts below printed (its last line, JSON), all run in one fresh process whose oneDNN is
+    capped at ``isa`` (None: as this process's). One process for all: each start imports torch and autofit again."""
+    names = ("_LSTM_ERRORS", "_AUTO_ON_CPU") if isa is None else ("_FACTS", "_LSTM_ERRORS", "_AUTO_ON_CPU",
+                                                                   "_SMALL_PROBES")
+    code = "\n".join(f"def {name.lower()}():\n" + textwrap.indent(textwrap.dedent(globals()[name]), "    ")
+                     + f"\nprint({name!r}, flush=True)\n{name.lower()}()" for name in names)
+    lines = _run(code, isa).splitlines()
+    return {lines[i]: json.loads(lines[i + 1]) for i in range(len(lines) - 1) if lines[i] in names}
+
+
 def _run(code: str, isa: str | None) -> str:
-    """Run ``code`` in a fresh Python (oneDNN reads its ISA cap once, at start) and return its stdout."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    """Run ``code`` in a fresh Python (oneDNN reads its ISA cap once, at start) whose oneDNN is capped at ``isa``
+    (None: as this process's, so that its answers compare with this process's machine), and return its stdout."""
+    env = dict(os.environ)
     if isa is not None:
+        env = {k: v for k, v in env.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
         env["ONEDNN_MAX_CPU_ISA"] = isa
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True,
@@ -50,16 +65,18 @@ def test_the_bf16_answer_is_the_machines() -> None:
     assert cpu_kernels().capability == torch.backends.cpu.get_cpu_capability()
 
 
+_FACTS = """
+    import json
+    from autofit.cpu import cpu_kernels
+    from zoo import cpu_cannot_run
+    k = cpu_kernels()
+    print(json.dumps([k.bf16, k.fp16, k.isa_cap, cpu_cannot_run("lstm", "bf16")]))
+"""
+
+
 @needs_x86
 def test_a_reduced_onednn_isa_has_no_bf16_kernels() -> None:
-    out = _run("""
-        import json
-        from autofit.cpu import cpu_kernels
-        from zoo import cpu_cannot_run
-        k = cpu_kernels()
-        print(json.dumps([k.bf16, k.fp16, k.isa_cap, cpu_cannot_run("lstm", "bf16")]))
-    """, "SSE41")
-    bf16, fp16, cap, reason = json.loads(out.splitlines()[-1])
+    bf16, fp16, cap, reason = _outputs("SSE41")["_FACTS"]
     assert (bf16, fp16, cap) == (False, False, "SSE41")
     assert reason is not None and "lstm" in reason  # the machine agrees: no bf16 LSTM under that cap
 
@@ -103,12 +120,12 @@ def test_a_cpu_without_a_bf16_lstm_gets_a_typed_error() -> None:
     if cpu_cannot_run("lstm", "bf16") is None:
         pytest.skip("this CPU runs a bf16 LSTM (oneDNN has bf16 kernels here): no error to check in this process; "
                     "test_a_reduced_isa_gets_the_same_typed_error checks it under ONEDNN_MAX_CPU_ISA=SSE41")
-    _check_lstm_errors(json.loads(_run(_LSTM_ERRORS, None).splitlines()[-1]))
+    _check_lstm_errors(_outputs(None)["_LSTM_ERRORS"])
 
 
 @needs_x86
 def test_a_reduced_isa_gets_the_same_typed_error() -> None:
-    _check_lstm_errors(json.loads(_run(_LSTM_ERRORS, "SSE41").splitlines()[-1]))
+    _check_lstm_errors(_outputs("SSE41")["_LSTM_ERRORS"])
 
 
 _AUTO_ON_CPU = """
@@ -125,8 +142,8 @@ _AUTO_ON_CPU = """
 """
 
 
-def _check_auto(out: str, native_bf16: bool) -> None:
-    policies, chosen, notes = json.loads(out.splitlines()[-1])
+def _check_auto(out: list, native_bf16: bool) -> None:
+    policies, chosen, notes = out
     said = [n for n in notes if "precision 'auto' considered fp32 only" in n]
     if native_bf16:
         assert policies == ["fp32", "bf16"] and not said, (policies, notes)
@@ -136,12 +153,12 @@ def _check_auto(out: str, native_bf16: bool) -> None:
 
 
 def test_auto_precision_on_a_cpu_target_considers_what_this_cpu_runs() -> None:
-    _check_auto(_run(_AUTO_ON_CPU, None), native_bf16=cpu_cannot_run("lstm", "bf16") is None)
+    _check_auto(_outputs(None)["_AUTO_ON_CPU"], native_bf16=cpu_cannot_run("lstm", "bf16") is None)
 
 
 @needs_x86
 def test_auto_precision_under_a_reduced_isa_is_fp32_only() -> None:
-    _check_auto(_run(_AUTO_ON_CPU, "SSE41"), native_bf16=False)
+    _check_auto(_outputs("SSE41")["_AUTO_ON_CPU"], native_bf16=False)
 
 
 _GPU_PLANS = """
@@ -158,11 +175,12 @@ _GPU_PLANS = """
 """
 
 
+@pytest.mark.slow
 @needs_x86
 def test_gpu_target_plans_do_not_depend_on_the_planning_cpu() -> None:
     # docs/memory-model.md, "The planning machine's CPU": a GPU-target estimate runs no CPU kernel (fake tensors, no
     # probes), so oneDNN's ISA (its scratch sizes, its bf16 kernels) changes nothing. An LSTM (bf16 on the GPU,
-    # no bf16 CPU kernel under SSE41), a convolutional net and a U-Net, planned with and without the cap.
+    # no bf16 CPU kernel under SSE41), a convolutional net and a U-Net, planned as this process is and under SSE41.
     plain = json.loads(_run(_GPU_PLANS, None).splitlines()[-1])
     reduced = json.loads(_run(_GPU_PLANS, "SSE41").splitlines()[-1])
     assert [p["precision"] for p in plain] == [p["precision"] for p in reduced]
@@ -199,6 +217,6 @@ _SMALL_PROBES = """
 def test_small_gemm_probes_change_no_byte() -> None:
     # Note [small GEMM probes]: where oneDNN has no bf16 kernel (SSE41 cap), bf16 GEMMs are probed small and not run
     # at full size; the estimate must equal the one that probes every GEMM at full size
-    for name, cut, small, full, small_parts, full_parts in json.loads(_run(_SMALL_PROBES, "SSE41").splitlines()[-1]):
+    for name, cut, small, full, small_parts, full_parts in _outputs("SSE41")["_SMALL_PROBES"]:
         assert cut > 0, name  # the note applied (the comparison is not vacuous)
         assert small == full and small_parts == full_parts, (name, small, full)
