@@ -19,7 +19,7 @@ Note [CPU kernels]
       this CPU has no kernel for (:func:`require_kernel`), and ``measure`` turns oneDNN's message into the same error
       (:func:`translate_kernel_error`): both name the op and the module, and say what to do;
     - ``plan(precision="auto")`` on a CPU target considers only the precisions this CPU runs natively
-      (:meth:`CpuKernels.native_precisions`), and says so in the plan's notes;
+      (``DeviceTarget.default_precisions``), and says so in the plan's notes;
     - kernel scratch (oneDNN's reorders and scratchpads, autofit/simulate/probe.py) depends on the ISA, so a
       CPU-target estimate is this machine's; the probes measure it here.
 
@@ -61,10 +61,6 @@ class CpuKernels:
     def native(self, precision: str) -> bool:
         """Whether compute in ``precision`` ("fp32", "bf16", "fp16") has oneDNN kernels on this CPU."""
         return precision == "fp32" or (precision == "bf16" and self.bf16) or (precision == "fp16" and self.fp16)
-
-    def native_precisions(self, candidates: tuple[str, ...]) -> tuple[str, ...]:
-        """``candidates`` without the precisions this CPU does not run natively, order kept."""
-        return tuple(p for p in candidates if self.native(p))
 
     def describe(self) -> str:
         """One phrase for messages: 'AVX2 (oneDNN without bf16 or fp16 kernels; ONEDNN_MAX_CPU_ISA=AVX2)'."""
