@@ -102,7 +102,8 @@ def require_kernel(func, tensors: list[torch.Tensor], module: str | None, *, tar
     raise _no_kernel(op, _LOW[dtype], module, target)
 
 
-def translate_kernel_error(error: BaseException, precision: str, module: str | None) -> UnsupportedPrecisionError | None:
+def translate_kernel_error(error: BaseException, precision: str,
+                           module: str | None) -> UnsupportedPrecisionError | None:
     """The :class:`UnsupportedPrecisionError` that oneDNN's "could not create a primitive descriptor" means when a
     real step runs in ``precision`` on a CPU without oneDNN kernels for it; None for any other error. Matched on
     oneDNN's message because a real run has no dispatch mode to see the op: the exception is all ``measure`` gets."""
