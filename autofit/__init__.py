@@ -12,6 +12,7 @@ from autofit.errors import (
     InvalidInputError,
     LossError,
     UnsupportedModelError,
+    UnsupportedPrecisionError,
     UnsupportedTorchError,
 )
 from autofit.normalisation import ItemMeanLoss
@@ -40,6 +41,7 @@ __all__ = [
     "Plan",
     "PrecisionPolicy",
     "UnsupportedModelError",
+    "UnsupportedPrecisionError",
     "UnsupportedTorchError",
     "analyse",
     "estimate",

@@ -32,6 +32,7 @@ __all__ = [
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "optimizer_internals", "foreach_utils", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
+    "onednn_low_precision",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -89,6 +90,34 @@ for _module, _name in ((optimizer_internals, "_foreach_supported_types"),
                        (optimizer_internals, "_default_to_fused_or_foreach"),
                        (foreach_utils, "_foreach_supported_types")):
     _need(_module.__name__, _name)
+
+# ---- oneDNN's low-precision kernels (autofit/cpu.py, Note [CPU kernels]) -------------------------------------------
+# No public API says whether oneDNN has bf16 / fp16 kernels on this CPU. torch registers two operators that ask ideep
+# (``ideep::has_bf16_type_support``: oneDNN's effective ISA, the CPU's capped by ONEDNN_MAX_CPU_ISA, at least
+# AVX512_CORE; ``has_fp16_type_support``: at least AVX512_CORE_FP16), which torch's own tests use. They exist only in
+# builds with oneDNN (aten/src/ATen/native/mkldnn/RegisterMkldnnOpContextClass.cpp); without oneDNN nothing calls a
+# oneDNN kernel, so there is nothing to ask.
+if torch.backends.mkldnn.is_available():
+    try:
+        _onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported
+        _onednn_fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported
+    except AttributeError as e:
+        raise UnsupportedTorchError(
+            f"this torch ({torch.__version__}) has oneDNN but no torch.ops.mkldnn._is_mkldnn_bf16_supported / "
+            f"_is_mkldnn_fp16_supported, which autofit asks which precisions this CPU runs natively; autofit supports "
+            f"torch {SUPPORTED_TORCH} and is tested on {', '.join(TESTED_TORCH)}: install one of those"
+        ) from e
+else:
+    _onednn_bf16 = _onednn_fp16 = None
+
+
+def onednn_low_precision() -> tuple[bool, bool]:
+    """(bf16, fp16): whether oneDNN has kernels for that dtype on this CPU, after ``ONEDNN_MAX_CPU_ISA`` (read once,
+    when oneDNN first starts: set it before the process starts). (False, False) in a build without oneDNN."""
+    if _onednn_bf16 is None or _onednn_fp16 is None:
+        return False, False
+    return bool(_onednn_bf16()), bool(_onednn_fp16())
+
 
 # ---- profiler (measure, probes) ----------------------------------------------------------------------------------
 EventType = _need("torch._C._profiler", "_EventType")

@@ -99,7 +99,8 @@ def measure(
             "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
             "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
         )
-    with forward_errors():
+    # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
+    with forward_errors(config.precision if config.device == "cpu" else None):
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from autofit.categories import Category
+from autofit.cpu import cpu_kernels
 from autofit.errors import InvalidInputError
 from autofit.report import MemoryEstimate
 from autofit.simulate.run import Simulation
@@ -79,8 +80,8 @@ class DeviceTarget:
         the time model rates bf16 at 0.8x and fp16 at 0.5x the fp32 FLOP rate (autocast adds casts and does not
         speed most CPU kernels up), so fp32 leads and bf16 wins only when the memory it saves buys a faster
         configuration: a larger micro-batch, or less recomputation. GPUs without bf16 (V100, T4) get fp16."""
-        if self.kind == "cpu":
-            return ("fp32", "bf16")
+        if self.kind == "cpu":  # bf16 only where this CPU's oneDNN has bf16 kernels (Note [CPU kernels])
+            return ("fp32", "bf16") if self.supports_bf16 else ("fp32",)
         return ("bf16", "fp32") if self.supports_bf16 else ("fp16", "fp32")
 
 
@@ -153,7 +154,7 @@ def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
     if kind == "cpu":
         if gpu is not None:
             raise InvalidInputError("gpu= names a GPU model; it only applies with device='cuda'")
-        return DeviceTarget("cpu", _host_memory(), CPU)
+        return DeviceTarget("cpu", _host_memory(), CPU, supports_bf16=cpu_kernels().native("bf16"))
     if kind == "cuda":
         return _cuda(gpu)
     raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")

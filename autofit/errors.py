@@ -8,6 +8,7 @@ __all__ = [
     "ForwardError",
     "LossError",
     "UnsupportedModelError",
+    "UnsupportedPrecisionError",
     "InfeasibleBudgetError",
     "UnsupportedTorchError",
     "STRATEGIES",
@@ -38,6 +39,18 @@ class LossError(AutofitError, ValueError):
 
 class UnsupportedModelError(AutofitError, RuntimeError):
     """The model cannot be simulated the way it was given (for example data-dependent code on the meta device)."""
+
+
+class UnsupportedPrecisionError(AutofitError, RuntimeError):
+    """This CPU has no kernel for an op at the precision asked (oneDNN's bf16 and fp16 kernels need AVX-512, see
+    Note [CPU kernels] in autofit/cpu.py). ``op`` names the operator, ``module`` the innermost module running it (None
+    when not known), ``precision`` the precision name ("bf16", "fp16")."""
+
+    def __init__(self, message: str, *, op: str, precision: str, module: str | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+        self.precision = precision
+        self.module = module
 
 
 class InfeasibleBudgetError(AutofitError):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autofit.batch import Batch, as_batch
+from autofit.cpu import cpu_kernels
 from autofit.device import DeviceTarget, resolve_device
 from autofit.errors import InvalidInputError, require_int, require_strategy
 from autofit.length import length_spec
@@ -149,6 +150,7 @@ def make_request(
     optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
     pins = () if optional else fp32_module_names(model, fp32_modules)
     policies = _pinned(_precisions(precision, target_device), pins)
+    notes += _cpu_precision_notes(precision, target_device)
     stored = _pinned(_stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
     return PlanRequest(
         model=model, batch=batch, target=target_batch, loss_fn=loss_fn, device=target_device,
@@ -325,6 +327,16 @@ def _stored_options(model: nn.Module, precision: Any, target: DeviceTarget, worl
     else:
         names = [("fp16", "fp16-master")]
     return tuple(PrecisionPolicy(name=c, stored=s) for c, s in names if s in allowed)
+
+
+def _cpu_precision_notes(precision: Any, target: DeviceTarget) -> list[str]:
+    """precision="auto" on a CPU target leaves out bf16 where this CPU's oneDNN has no bf16 kernels (Note [CPU
+    kernels], autofit/cpu.py): its bf16 matmuls run ATen's slow fallback, and its LSTM cannot run at all. Say so."""
+    auto = isinstance(precision, str) and precision.strip().lower() == "auto"
+    if not auto or target.kind != "cpu" or target.supports_bf16:
+        return []
+    return [f"precision 'auto' considered fp32 only: this CPU is {cpu_kernels().describe()}, and oneDNN runs bf16 "
+            "only on CPUs with AVX-512; pass precision='bf16' to plan bf16 autocast anyway"]
 
 
 def _precisions(precision: Any, target: DeviceTarget) -> tuple[PrecisionPolicy, ...]:

@@ -28,6 +28,7 @@ from autofit._torch import (
     tree_map,
 )
 from autofit.batch import Batch
+from autofit.cpu import translate_kernel_error
 from autofit.errors import (
     ForwardError,
     InvalidInputError,
@@ -406,9 +407,11 @@ _CALL_CODES = module_call_codes()
 
 
 @contextlib.contextmanager
-def forward_errors() -> Iterator[None]:
+def forward_errors(precision: PrecisionPolicy | None = None) -> Iterator[None]:
     """Turn an exception raised by the user's forward or loss while autofit runs them on its own copy of the model
-    into a :class:`ForwardError` naming the innermost module that was running.
+    into a :class:`ForwardError` naming the innermost module that was running. ``precision``: the precision of a step
+    that runs for real on this CPU, whose oneDNN may have no kernel for it (an :class:`UnsupportedPrecisionError`
+    then, Note [CPU kernels] in autofit/cpu.py).
 
     The module is read off the traceback (the ``Module.__call__`` frames it unwound through), so nothing is installed
     on the model. The trainer, which runs the user's own model, does not use this: its exceptions stay the user's.
@@ -439,6 +442,9 @@ def forward_errors() -> Iterator[None]:
         if root is None:
             raise
         name = next((n for n, m in root.named_modules() if m is innermost), "")
+        no_kernel = translate_kernel_error(e, precision.name, name or None) if precision is not None else None
+        if no_kernel is not None:
+            raise no_kernel from e
         where = f"module {name!r}" if name else "the model's top-level forward"
         raise ForwardError(
             f"{where} raised {type(e).__name__}: {e}; check that the model runs on this sample outside autofit",

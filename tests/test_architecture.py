@@ -13,7 +13,8 @@ PACKAGE = pathlib.Path(__file__).parents[1] / "autofit"
 # The stages in pipeline order (docs/architecture.md). A module may import its own layer and the layers above it in
 # this list, never one below: values flow down the pipeline, callables are passed in, not imported back.
 LAYERS: list[set[str]] = [
-    {"_torch", "errors", "units", "categories", "progress", "workers"},  # foundations: the torch boundary, typed errors, byte units, progress, worker processes
+    # foundations: the torch boundary, typed errors, byte units, progress, worker processes, this CPU's kernels
+    {"_torch", "errors", "units", "categories", "progress", "workers", "cpu"},
     {"batch", "length", "loss", "optim", "precision", "report"},  # the request's values and the estimate's
     {"step", "stored", "in_backward", "strategy", "normalisation"},  # what one training step is, shared by simulate, measure and the trainer
     {"corrections"},  # fake kernels corrected to the CPU's (shared by capture and simulate)

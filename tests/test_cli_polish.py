@@ -161,3 +161,15 @@ def test_ambiguous_gpu_name_says_which_part():
     assert gpu_note("V100").startswith("--gpu V100 means the V100-32GB") and gpu_note("A100-40GB") is None
     result = runner.invoke(app, ["plan", FACTORY, "--budget", "90%", "--batch-size", "32", "--gpu", "A100"])
     assert result.exit_code == 0 and "A100-80GB" in result.output and "A100-40GB" in result.output
+
+
+def test_verify_materialises_tied_weights_tied():
+    # issue 30's gpt2 case: to_empty untied lm_head from wte, and verify measured a model the plan was not made for
+    from autofit.cli.verify import materialise
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+    model[1].weight = model[0].weight
+    real = materialise(model, torch.device("cpu"))
+    assert real[1].weight is real[0].weight and real[0].weight.device.type == "cpu"
+    assert len(list(real.parameters())) == 1  # as many parameters as the planned (meta) model has

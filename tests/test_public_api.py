@@ -29,6 +29,7 @@ PUBLIC = [
     "Plan",
     "PrecisionPolicy",
     "UnsupportedModelError",
+    "UnsupportedPrecisionError",
     "UnsupportedTorchError",
     "analyse",
     "estimate",
@@ -67,7 +68,7 @@ def test_star_import_gives_exactly_all() -> None:
 
 def test_errors_share_a_base() -> None:
     for name in ("ForwardError", "InfeasibleBudgetError", "InvalidInputError", "LossError", "UnsupportedModelError",
-                 "UnsupportedTorchError"):
+                 "UnsupportedPrecisionError", "UnsupportedTorchError"):
         assert issubclass(getattr(autofit, name), autofit.AutofitError), name
     assert issubclass(autofit.AutofitError, Exception)
 

@@ -9,6 +9,8 @@ branches, tied weights, dict inputs and outputs).
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ZooCase", "ZOO"]
+__all__ = ["ZooCase", "ZOO", "cpu_cannot_run"]
 
 
 @dataclass(frozen=True)
@@ -523,3 +525,35 @@ def autoencoder() -> ZooCase:
     with a LayerNorm over (C, H, W) and transposed-convolution upsampling."""
     x = _images(size=32)
     return ZooCase("autoencoder", ConvAutoencoder(), x, x.clone(), checkpoint=("encoder",))
+
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.cache
+def cpu_cannot_run(name: str, precision: str) -> str | None:
+    """Why this CPU cannot run zoo case ``name``'s forward and backward in ``precision`` (its first error line), or None
+    when it can. Asked of the machine directly, with torch alone: oneDNN has bf16 and fp16 kernels only on some CPUs
+    (an AVX2-only CPU has no bf16 LSTM), so a test whose truth is a real step skips where the step cannot run."""
+    if precision not in _AUTOCAST:
+        return None
+    case = ZOO[name]()
+    model = copy.deepcopy(case.model)
+    rows = case.micro_batch_size
+    sample = case.sample
+    try:
+        with torch.autocast("cpu", dtype=_AUTOCAST[precision]):
+            if isinstance(sample, dict):
+                out = model(**{k: v[:rows] for k, v in sample.items()})
+            elif isinstance(sample, tuple):
+                out = model(*(v[:rows] for v in sample))
+            else:
+                out = model(sample[:rows])
+        leaves = [out] if isinstance(out, torch.Tensor) else [v for v in (out.values() if isinstance(out, dict)
+                                                                           else vars(out).values())
+                                                              if isinstance(v, torch.Tensor)]
+        sum(t.float().sum() for t in leaves if t.is_floating_point()).backward()
+    except RuntimeError as e:
+        return f"this CPU ({torch.backends.cpu.get_cpu_capability()}) cannot run {name} in {precision}: " + \
+            str(e).splitlines()[0]
+    return None

@@ -15,7 +15,22 @@ real tensors of the full shapes and strides, floats filled with 0.5 and integers
 ``_real_like``), under the CPU profiler, and reads what the allocator saw, which is exactly the term the estimate
 needs. Results are cached per process. Kernels whose tensor arguments (the storage each spans, outputs not counted)
 together exceed ``max_probe_bytes`` are not probed (their scratch is small next to tensors that size); the estimate
-lists how many were skipped. Creation, view and copy ops, and ops outside ``aten``, are never probed.
+lists how many were skipped. Creation, view and copy ops, and ops outside ``aten``, are never probed. A GEMM in a
+dtype this CPU's oneDNN has no kernel for is probed small first (Note [small GEMM probes]).
+
+Note [small GEMM probes]
+    Where oneDNN has no kernel for a GEMM's dtype (bf16 or fp16 on a CPU without AVX-512, Note [CPU kernels] in
+    autofit/cpu.py), ATen runs its reference loops (aten/src/ATen/native/cpu/BlasKernel.cpp, ``gemm_notrans_`` and
+    its transposed siblings): about 1 GFLOP/s on two AVX2 cores, so probing one 2048 x 4096 x 11008 GEMM of a
+    Llama-7B block takes minutes (issue 28: a 7B estimate ran for over 7 minutes where AVX-512 takes 11 s). Those
+    loops keep their fp32 accumulators in ``std::make_unique`` buffers, which the CPU allocator never sees; what it can
+    see are the contiguous copies ``addmm_impl_cpu_`` makes of operands whose layout the loops cannot read, a choice
+    made on strides and on which sizes are 1, not on how large the sizes are. So the prober first runs the GEMM with
+    every size above 1 cut to ``_SMALL`` and each tensor in the same memory order: when that allocates nothing
+    beyond plain outputs, the full-size kernel takes the same path and has no scratch either, and is not run. When
+    the small one does allocate (a copy), or an operand is not dense, the full-size probe runs as before. Estimates
+    are byte-identical either way (tests/test_cpu_kernels.py compares them); where oneDNN has the kernel, its
+    scratchpad depends on the sizes, and GEMMs are probed at full size.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from autofit._torch import (
     pytree,
 )
 from autofit.corrections import probe_inputs
+from autofit.cpu import cpu_kernels
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber", "real_kernel_accepts"]
 
@@ -66,12 +82,20 @@ class ProbeResult:
     outputs: tuple[RealOutput | None, ...]  # per pytree leaf of the output, None for non-tensors
 
 
+# GEMMs ATen runs with its reference loops where oneDNN has no kernel for their dtype (Note [small GEMM probes])
+_GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
+          aten.mv.default, aten.addmv.default, aten.dot.default}
+_SMALL = 16  # sizes above 1 are cut to this in a small GEMM probe
+_LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 @dataclass
 class KernelProber:
     max_probe_bytes: int = 256 * 2**20  # a kernel whose tensor arguments span more bytes is not probed
     cache: dict[Any, ProbeResult | None] = field(default_factory=dict)
     skipped: int = 0  # kernels too large to probe in the last simulation
     failed: int = 0
+    small: int = 0  # GEMMs a small probe showed to have no scratch, not run at full size (Note [small GEMM probes])
 
     def probe(self, func, args: tuple, kwargs: dict) -> ProbeResult | None:
         if func in _NEVER_PROBE or func.is_view or func.namespace != "aten":
@@ -85,12 +109,71 @@ class KernelProber:
             self.skipped += 1
             return None
         try:
-            result = _run_probe(func, args, kwargs)
+            if _reference_gemm(func, leaves) and _no_scratch_when_small(func, args, kwargs):
+                self.small += 1
+                result = None  # no workspace, outputs as the fake kernel gives them
+            else:
+                result = _run_probe(func, args, kwargs)
         except Exception:  # noqa: BLE001 - a kernel that rejects these inputs keeps its fake size, no workspace
             self.failed += 1
             result = None
         self.cache[key] = result
         return result
+
+
+def _reference_gemm(func, leaves: list) -> bool:
+    """A GEMM ATen runs with its reference loops on this CPU: its dtype has no oneDNN kernel here."""
+    if func not in _GEMMS:
+        return False
+    dtype = next((x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+    return dtype in _LOW_PRECISION and not cpu_kernels().native(_LOW_PRECISION[dtype])
+
+
+def _no_scratch_when_small(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the GEMM, run with every size above 1 cut to ``_SMALL`` and each tensor in the same memory order,
+    allocates nothing beyond plain outputs (Note [small GEMM probes]). False when an operand is not dense (its copy
+    could depend on the gaps) or the small run allocates scratch or returns other outputs than a plain GEMM."""
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not all(_dense(t) for t in leaves):
+        return False
+    with disable_current_modes():
+        small_args, small_kwargs = pytree.tree_map_only(torch.Tensor, _shrunk, (args, kwargs))
+    result = _run_probe(func, small_args, small_kwargs)
+    dtype = leaves[0].dtype
+    return result.workspace == 0 and all(
+        o is None or (o.alias_of is None and o.dtype == dtype and o.storage_bytes == _numel(o.shape) * dtype.itemsize)
+        for o in result.outputs
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and without gaps: some order of its dims is contiguous (broadcast and size-1 dims aside)."""
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: t.stride(d))
+    expected = 1
+    for d in dims:
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def _shrunk(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor like ``t`` with every size above 1 cut to ``_SMALL``, dense in ``t``'s memory order. One map for
+    every operand, so sizes that match (the shared k of two GEMM operands) still match."""
+    shape = tuple(min(s, _SMALL) for s in t.shape)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), d))
+    stride, step = [0] * t.dim(), 1
+    for d in order:
+        stride[d] = step
+        step *= shape[d]
+    return torch.empty_strided(shape, tuple(stride), dtype=t.dtype, device="meta")
 
 
 def _signature(x: Any) -> Any:

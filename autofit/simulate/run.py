@@ -201,7 +201,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         _create_optimizer_state(work, optimizer, scaler, stored)
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
-        tracker = StepTracker(prober=prober)
+        # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
+        tracker = StepTracker(prober=prober, kernels_for=config.device if config.device == "cpu" or not fake else None)
         # Note [host storages]: on a GPU target, what offloading keeps in host memory is not the device's
         host_states = config.offload_states and config.device == "cuda"
         _register_state(tracker, work, optimizer, scaler, micro, micro_target, stored, host_states=host_states)

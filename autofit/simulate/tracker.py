@@ -28,6 +28,7 @@ from autofit._torch import (
 )
 from autofit.categories import Category
 from autofit.corrections import CORRECTIONS, FakeKernelStricter, fake_kernel
+from autofit.cpu import require_kernel
 from autofit.simulate.accumulation import AccumulationWatch
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
@@ -48,8 +49,12 @@ _PHASE_CATEGORY = {
 class StepTracker(TorchDispatchMode):
     """Records allocations, frees, per-op workspace and FLOPs of whatever runs inside it."""
 
-    def __init__(self, *, prober: KernelProber | None = None, count_flops: bool = True) -> None:
+    def __init__(self, *, prober: KernelProber | None = None, count_flops: bool = True,
+                 kernels_for: str | None = None) -> None:
         super().__init__()
+        # the target whose step runs on this CPU's kernels ("cpu"; "cuda" for a real run of a GPU-target step), or
+        # None: ops oneDNN has no kernel for at their precision then raise before they run (Note [CPU kernels])
+        self.kernels_for = kernels_for
         self.timeline = Timeline()
         self.phase = Phase.SETUP
         self.module_stack: list[str] = []
@@ -175,6 +180,8 @@ class StepTracker(TorchDispatchMode):
             st = t.untyped_storage()
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
+        if self.kernels_for is not None:
+            require_kernel(func, inputs, self.module or None, target=self.kernels_for)
         replacement = fake_kernel(func, args, kwargs)  # a fake kernel stricter than the CPU's (corrections.py)
         try:
             out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)
