@@ -21,7 +21,7 @@ from autofit._torch import (
     memory_profile,
 )
 from autofit.batch import Batch
-from autofit.capture.model_copy import module_tensor_attributes, real_copy
+from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
 from autofit.categories import Category
 from autofit.in_backward import stepping_in_backward
 from autofit.loss import LossFn
@@ -59,7 +59,8 @@ def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | N
     buffers = list(model.buffers()) + [t for _, t in module_tensor_attributes(model)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return {
-        Category.PARAMETERS: _storage_bytes(model.parameters()),
+        # with the quantization statistics of quantized layers (Note [quantized parameters])
+        Category.PARAMETERS: _storage_bytes(list(model.parameters()) + [t for _, t in attached_tensors(model)]),
         Category.BUFFERS: _storage_bytes(buffers),
         Category.OPTIMIZER_STATE: _storage_bytes(state),
         Category.INPUTS: _storage_bytes(inputs),

@@ -15,7 +15,8 @@ real tensors of the full shapes and strides, floats filled with 0.5 and integers
 ``_real_like``), under the CPU profiler, and reads what the allocator saw, which is exactly the term the estimate
 needs. Results are cached per process. Kernels whose tensor arguments (the storage each spans, outputs not counted)
 together exceed ``max_probe_bytes`` are not probed (their scratch is small next to tensors that size); the estimate
-lists how many were skipped. Creation, view and copy ops, and ops outside ``aten``, are never probed.
+lists how many were skipped. Creation, view and copy ops, and ops outside ``aten`` that autofit/corrections.py
+does not list, are never probed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from autofit._torch import (
     memory_profile,
     pytree,
 )
-from autofit.corrections import probe_inputs
+from autofit.corrections import probe_inputs, registered
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber", "real_kernel_accepts"]
 
@@ -74,7 +75,7 @@ class KernelProber:
     failed: int = 0
 
     def probe(self, func, args: tuple, kwargs: dict) -> ProbeResult | None:
-        if func in _NEVER_PROBE or func.is_view or func.namespace != "aten":
+        if func in _NEVER_PROBE or func.is_view or (func.namespace != "aten" and registered(func) is None):
             return None
         leaves = pytree.tree_leaves((args, kwargs))
         key = (func, tuple(_signature(x) for x in leaves), pytree.tree_structure((args, kwargs)))

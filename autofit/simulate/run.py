@@ -64,6 +64,7 @@ from autofit._torch import (
 from autofit.batch import Batch
 from autofit.capture.model_copy import (
     fake_copy,
+    attached_tensors,
     fake_input,
     module_tensor_attributes,
     real_copy,
@@ -290,6 +291,8 @@ def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch
                     host_states: bool = False) -> None:
     for p in model.parameters():
         tracker.register(p, Category.PARAMETERS, host=host_states)
+    for _, t in attached_tensors(model):  # quantization statistics (Note [quantized parameters])
+        tracker.register(t, Category.PARAMETERS, host=host_states)
     for b in model.buffers():
         tracker.register(b, Category.BUFFERS)
     for _, t in module_tensor_attributes(model):

@@ -27,7 +27,7 @@ from autofit._torch import (
     pytree,
 )
 from autofit.categories import Category
-from autofit.corrections import CORRECTIONS, FakeKernelStricter, fake_kernel
+from autofit.corrections import FakeKernelStricter, fake_kernel, registered
 from autofit.simulate.accumulation import AccumulationWatch
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
@@ -190,7 +190,7 @@ class StepTracker(TorchDispatchMode):
             # a real run (Note [data-dependent models]) already has the CPU kernel's outputs, with their values:
             # replacing them by the probe's (run on dummy values) would corrupt value-dependent ops such as nonzero
             matched, real_bytes = _match_real_outputs(out, probe.outputs)
-            if (matched is not out or real_bytes) and func not in CORRECTIONS and not func._schema.is_mutable:
+            if (matched is not out or real_bytes) and registered(func) is None and not func._schema.is_mutable:
                 self.unregistered_corrections.add(str(func))
             out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
