@@ -30,7 +30,7 @@ __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
-    "is_view", "grad_scaler_state", "FakeTensor", "optimizer_internals", "foreach_utils", "destroy_library",
+    "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors", "optimizer_internals", "foreach_utils", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
 ]
 
@@ -52,6 +52,8 @@ def _need(module: str, name: str) -> Any:
 # ---- fake tensors (simulate, capture) ----------------------------------------------------------------------------
 FakeTensorMode = _need("torch._subclasses.fake_tensor", "FakeTensorMode")
 FakeTensor = _need("torch._subclasses.fake_tensor", "FakeTensor")
+# leaves the fake mode for a while: factory calls in it make real tensors (Note [optimizers that read values])
+unset_fake_temporarily = _need("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 # Fake tensors have no values: code that reads them raises these (see Note [data-dependent models], simulate/run.py).
 DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
     _need("torch._subclasses.fake_tensor", "DataDependentOutputException"),
@@ -118,6 +120,19 @@ def has_dispatch_kernel(op: str, key: str) -> bool:
 def exclude_dispatch_key(key: str) -> Any:
     """A guard that skips dispatch key ``key`` while it is alive (as the key's own kernels do to call further)."""
     return _ExcludeGuard(_DispatchKeySet(getattr(_DispatchKey, key)))
+
+
+_is_wrapper_subclass = _need("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+
+
+def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s memory: ``t`` itself, or for a wrapper subclass without a storage of its own
+    (torchao's ``OptimState8bit``: codes, scale, qmap) its inner tensors, found through ``__tensor_flatten__``
+    (torch/utils/_python_dispatch.py, ``is_traceable_wrapper_subclass``), recursively."""
+    if not _is_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in storage_tensors(getattr(t, name))]
 
 
 def is_view(t: torch.Tensor) -> bool:

@@ -211,3 +211,11 @@ def _bitsandbytes_dequantizing_kernels():
     ``dequantize_4bit`` and ``dequantize_blockwise`` (``backends/cpu/ops.py``) fall back to a Python
     implementation with int32 and fp32 temporaries of the weight's size for odd shapes and, with AVX-512, block
     sizes from 2048."""
+
+
+@correction("bitsandbytes::optimizer_update_8bit_blockwise", "bitsandbytes::optimizer_update_32bit", kind="probe")
+def _bitsandbytes_optimizer_updates():
+    """bitsandbytes' optimizer updates mutate the state in place and return nothing, so their fake kernels
+    (bitsandbytes/_ops.py) allocate nothing; on the CPU the 8-bit update (bitsandbytes/backends/default/ops.py,
+    ``_optimizer_update_8bit_blockwise``) dequantizes both moments to fp32, updates them and the parameter, and
+    quantizes them back, with fp32 temporaries of several parameter sizes. The probe measures them."""

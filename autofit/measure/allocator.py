@@ -19,6 +19,7 @@ from autofit._torch import (
     grad_scaler_state,
     high_water_mark,
     memory_profile,
+    storage_tensors,
 )
 from autofit.batch import Batch
 from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
@@ -40,11 +41,14 @@ __all__ = ["measure_step", "measure_callable"]
 
 
 def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``; a wrapper subclass (torchao's optimizer state) by the storages
+    of its inner tensors, a DTensor by its local shard."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+            for inner in storage_tensors(t):
+                st = inner.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 

@@ -59,6 +59,8 @@ from autofit._torch import (
     FakeTensorMode,
     grad_scaler_state,
     patch,
+    storage_tensors,
+    unset_fake_temporarily,
     value_free_grad_scaler,
 )
 from autofit.batch import Batch
@@ -83,6 +85,7 @@ from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
+from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
 from autofit.step import (
     StepConfig,
     optimizer_step,
@@ -144,10 +147,9 @@ def simulate_step(
                 sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
-                f"module {e.module or '(top level)'!r} {e.why} ({e.cause}), so autofit must run "
-                f"the step for real, but: {e2}"
+                f"{e.subject} {e.why} ({e.cause}), so autofit must run the step for real, but: {e2}"
             ) from e
-        note = (f"module {e.module or '(top level)'!r} {e.why} ({e.cause}); the step was run "
+        note = (f"{e.subject} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
         return Simulation(sim.timeline, sim.replay, "real", notes)
@@ -164,9 +166,23 @@ def _quiet_engines() -> Iterator[None]:
 
 
 class _DataDependent(Exception):
-    def __init__(self, module: str, cause: str, why: str = "depends on tensor values") -> None:
+    def __init__(self, module: str, cause: str, why: str = "depends on tensor values", subject: str = "") -> None:
         super().__init__(cause)
         self.module, self.cause, self.why = module, cause, why
+        self.subject = subject or f"module {module or '(top level)'!r}"
+
+
+@contextlib.contextmanager
+def _optimizer_values(optimizer: torch.optim.Optimizer, fake: bool) -> Iterator[None]:
+    """Around an optimizer step: see Note [optimizers that read values] (simulate/value_free.py)."""
+    free = fake and reads_values_harmlessly(optimizer)
+    try:
+        with ValueFreeStep() if free else contextlib.nullcontext():
+            yield
+    except DATA_DEPENDENT_ERRORS as e:
+        cls = type(optimizer)
+        raise _DataDependent("", f"{type(e).__name__}: {e}".splitlines()[0], why="reads tensor values in its step",
+                             subject=f"the optimizer {cls.__module__}.{cls.__qualname__}") from e
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
@@ -185,7 +201,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = "cpu" if config.offload_states else config.device
-    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation):
+    # Note [compiled code in a simulation]
+    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), torch.compiler.set_stance("force_eager"):
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
             apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None,
                         offload=config.offload_states)
@@ -194,12 +211,14 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         micro_target = None
         if target is not None:
             micro_target = target.map_tensors(to_sim).resize(config.micro_batch_size)
-        optimizer = config.optimizer.build(work.parameters())
+        with unset_fake_temporarily() if fake else contextlib.nullcontext():  # Note [optimizers that read values]
+            optimizer = config.optimizer.build(work.parameters())
         # stored precision: the parameters converted and, with a master copy, the optimizer on fp32 copies of them,
         # exactly as the trainer does (Note [stored precision])
         stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
-        _create_optimizer_state(work, optimizer, scaler, stored)
+        with _optimizer_values(optimizer, fake):
+            _create_optimizer_state(work, optimizer, scaler, stored)
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
         tracker = StepTracker(prober=prober)
@@ -228,7 +247,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 stack.enter_context(tracker)
                 stack.enter_context(observe)
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
-                            stepped)
+                            stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
@@ -330,7 +349,7 @@ WINDOW_MICRO_BATCHES = 2
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
-                caster=None, stored=None, stepped: set[int] = frozenset()) -> None:
+                caster=None, stored=None, stepped: set[int] = frozenset(), fake: bool = True) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
@@ -371,7 +390,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    with host_optimizer(tracker, config.offload_states and config.device == "cuda"):
+    with host_optimizer(tracker, config.offload_states and config.device == "cuda"), _optimizer_values(optimizer, fake):
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward)
     received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
@@ -388,9 +407,10 @@ def _drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: s
             continue
         for value in optimizer.state[key].values():
             if isinstance(value, torch.Tensor):
-                sid = tracker.sid_of(value)
-                if sid is not None:
-                    tracker.timeline.storages[sid].nbytes = 0
+                for inner in storage_tensors(value):  # a low-bit state by its inner tensors
+                    sid = tracker.sid_of(inner)
+                    if sid is not None:
+                        tracker.timeline.storages[sid].nbytes = 0
 
 
 @contextlib.contextmanager
