@@ -216,6 +216,6 @@ def _bitsandbytes_dequantizing_kernels():
 @correction("bitsandbytes::optimizer_update_8bit_blockwise", "bitsandbytes::optimizer_update_32bit", kind="probe")
 def _bitsandbytes_optimizer_updates():
     """bitsandbytes' optimizer updates mutate the state in place and return nothing, so their fake kernels
-    (bitsandbytes/_ops.py) allocate nothing; on the CPU the 8-bit update (bitsandbytes/backends/default/ops.py,
-    ``_optimizer_update_8bit_blockwise``) dequantizes both moments to fp32, updates them and the parameter, and
+    (bitsandbytes/_ops.py) allocate nothing; on the CPU the 8-bit update (bitsandbytes/backends/cpu/ops.py,
+    ``_optimizer_update_8bit_blockwise_cpu``) dequantizes both moments to fp32, updates them and the parameter, and
     quantizes them back, with fp32 temporaries of several parameter sizes. The probe measures them."""

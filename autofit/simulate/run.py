@@ -23,6 +23,16 @@ Note [data-dependent models]
     A fake kernel that refuses inputs its CPU kernel accepts, with no correction in autofit/corrections.py
     (``FakeKernelStricter``), falls back the same way.
 
+Note [compiled code in a simulation]
+    Code compiled with ``torch.compile`` cannot run on fake tensors: inductor's CPU kernels read the tensors' data
+    pointers, and a simulation after a real compiled step segfaulted (torchao's optimizers compile their step).
+    While a simulation runs, compiled functions and modules run their Python code eagerly
+    (``torch.compiler.set_stance("force_eager")``). For a compiled model (Note [compiled models],
+    capture/model_copy.py) the estimate is therefore the eager model's, and its notes say so: what AOTAutograd's
+    partitioner saves for backward and the temporaries inductor fuses away are not modelled. Measured on the CPU
+    (tests/test_fine_tuning.py), compilation lowers the peak, so the eager estimate is an upper bound there. A
+    compiled optimizer step is measured for real instead (Note [compiled optimizer steps], compiled_steps.py).
+
 Note [MoE routing]
     Whether a mixture-of-experts layer's memory depends on the routing depends on its implementation (transformers
     5.x, integrations/moe.py). ``grouped_mm_experts_forward`` (the default) sorts the tokens x top-k (token, expert)
@@ -56,6 +66,8 @@ from torch import nn
 
 from autofit._torch import (
     DATA_DEPENDENT_ERRORS,
+    compiled_code_runs_eagerly,
+    compiled_modules,
     FakeTensorMode,
     grad_scaler_state,
     patch,
@@ -78,6 +90,7 @@ from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.in_backward import stepping_in_backward
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
+from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
@@ -201,8 +214,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = "cpu" if config.offload_states else config.device
-    # Note [compiled code in a simulation]
-    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), torch.compiler.set_stance("force_eager"):
+    # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
+    compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
+    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled:
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
             apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None,
                         offload=config.offload_states)
@@ -252,6 +266,11 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             for h in handles:
                 h.remove()
     notes = []
+    compiled_names = [name or "the model" for name, _ in compiled_modules(model)]
+    if compiled_names:
+        notes.append(f"{', '.join(compiled_names)}: torch.compile'd; simulated eagerly, so what compilation changes "
+                     "(the activations AOTAutograd's partitioner saves, the temporaries fusion removes) is not "
+                     "modelled (see Note [compiled code in a simulation])")
     if rerouted:
         notes.append(f"{', '.join(rerouted)}: per-expert loops whose peak depends on the routing; simulated with the "
                      "heaviest routing measured (see Note [MoE routing]), not the sample's")
