@@ -193,9 +193,24 @@ def _optimizer_values(optimizer: torch.optim.Optimizer, fake: bool) -> Iterator[
         with ValueFreeStep() if free else contextlib.nullcontext():
             yield
     except DATA_DEPENDENT_ERRORS as e:
-        cls = type(optimizer)
         raise _DataDependent("", f"{type(e).__name__}: {e}".splitlines()[0], why="reads tensor values in its step",
-                             subject=f"the optimizer {cls.__module__}.{cls.__qualname__}") from e
+                             subject=f"the optimizer {_qualname(optimizer)}") from e
+    except FakeKernelStricter as e:
+        raise _DataDependent("", str(e), why="runs an op that cannot be simulated",
+                             subject=f"the optimizer {_qualname(optimizer)}") from e
+    except (AutofitError, _DataDependent):
+        raise
+    except Exception as e:  # noqa: BLE001 - an optimizer autofit cannot step on the simulated tensors
+        raise UnsupportedModelError(
+            f"the optimizer {_qualname(optimizer)} failed in the simulated step ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); autofit simulates torch.optim, bitsandbytes and torchao "
+            "optimizers (docs/fine-tuning.md): measure this one with autofit.measure, or report it"
+        ) from e
+
+
+def _qualname(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
