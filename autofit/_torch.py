@@ -30,7 +30,8 @@ __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
-    "is_view", "grad_scaler_state", "FakeTensor", "optimizer_internals", "foreach_utils", "destroy_library",
+    "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
+    "compiled_modules", "rewrap_compiled", "compiled_code_runs_eagerly", "optimizer_internals", "foreach_utils", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "onednn_low_precision",
 ]
@@ -53,6 +54,8 @@ def _need(module: str, name: str) -> Any:
 # ---- fake tensors (simulate, capture) ----------------------------------------------------------------------------
 FakeTensorMode = _need("torch._subclasses.fake_tensor", "FakeTensorMode")
 FakeTensor = _need("torch._subclasses.fake_tensor", "FakeTensor")
+# leaves the fake mode for a while: factory calls in it make real tensors (Note [optimizers that read values])
+unset_fake_temporarily = _need("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 # Fake tensors have no values: code that reads them raises these (see Note [data-dependent models], simulate/run.py).
 DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
     _need("torch._subclasses.fake_tensor", "DataDependentOutputException"),
@@ -147,6 +150,45 @@ def has_dispatch_kernel(op: str, key: str) -> bool:
 def exclude_dispatch_key(key: str) -> Any:
     """A guard that skips dispatch key ``key`` while it is alive (as the key's own kernels do to call further)."""
     return _ExcludeGuard(_DispatchKeySet(getattr(_DispatchKey, key)))
+
+
+def compiled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The ``torch.compile`` wrappers (``torch._dynamo.eval_frame.OptimizedModule``) in ``model``, by name. None when
+    dynamo was never imported: then nothing can have been compiled."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(eval_frame, "OptimizedModule", None)
+    if cls is None:
+        return []
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
+
+
+def rewrap_compiled(module: torch.nn.Module) -> None:
+    """Rebuild a copied ``OptimizedModule``'s forward around its own ``_orig_mod`` (``OptimizedModule._initialize``,
+    torch/_dynamo/eval_frame.py): a deep copy keeps the forward built around the original's."""
+    module.__dict__.pop("forward", None)
+    module.__dict__.pop("_forward", None)
+    module._initialize()
+
+
+def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager:
+    """``torch.compile``d functions and modules run their Python code eagerly for a while
+    (``torch.compiler.set_stance("force_eager")``); nothing to do when dynamo was never imported."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
+_is_wrapper_subclass = _need("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+
+
+def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s memory: ``t`` itself, or for a wrapper subclass without a storage of its own
+    (torchao's ``OptimState8bit``: codes, scale, qmap) its inner tensors, found through ``__tensor_flatten__``
+    (torch/utils/_python_dispatch.py, ``is_traceable_wrapper_subclass``), recursively."""
+    if not _is_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in storage_tensors(getattr(t, name))]
 
 
 def is_view(t: torch.Tensor) -> bool:

@@ -14,6 +14,10 @@ allocator sees can differ. Two kinds of correction exist:
 One small function per aten op, registered with :func:`correction`, which refuses duplicates
 (``torch/utils/flop_counter.py`` keeps its FLOP formulas the same way). Each docstring names the torch source.
 An op the probe had to correct that is not registered here is reported in the estimate's notes.
+
+Ops of other libraries (``bitsandbytes::gemm_4bit``) are registered by their qualified name, a string, so that
+this module does not import the library: the op exists only once the library is imported. The CPU kernel probe
+runs on ``aten`` ops and on the ops registered here, no others.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ import torch
 
 from autofit._torch import FakeTensor
 
-__all__ = ["Correction", "CORRECTIONS", "FakeKernelStricter", "correction", "fake_kernel", "probe_inputs"]
+__all__ = ["Correction", "CORRECTIONS", "FakeKernelStricter", "correction", "fake_kernel", "probe_inputs",
+           "registered"]
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True, kw_only=True)
 class Correction:
-    op: Any  # torch._ops.OpOverload
+    op: Any  # torch._ops.OpOverload, or the qualified name of another library's op ("bitsandbytes::gemm_4bit")
     kind: str  # "fake" (replaces the fake kernel) or "probe" (outputs taken from the CPU kernel probe)
     doc: str  # what differs, and the torch source
     fake: Callable[..., Any] | None = None  # (*args, **kwargs) -> outputs, on fake tensors
@@ -74,9 +79,17 @@ def correction(*ops, kind: str, probe_inputs: Callable | None = None):
     return register
 
 
+def registered(func) -> Correction | None:
+    """The correction registered for ``func`` (an OpOverload), by the op itself or by its qualified name."""
+    entry = CORRECTIONS.get(func)
+    if entry is None and func.namespace != "aten":
+        entry = CORRECTIONS.get(func.name())
+    return entry
+
+
 def fake_kernel(func, args: tuple, kwargs: dict) -> Callable | None:
     """The registered replacement of ``func``'s fake kernel, if the call is on fake tensors."""
-    entry = CORRECTIONS.get(func)
+    entry = registered(func)
     if entry is None or entry.fake is None:
         return None
     if not any(isinstance(a, FakeTensor) for a in args):
@@ -85,7 +98,7 @@ def fake_kernel(func, args: tuple, kwargs: dict) -> Callable | None:
 
 
 def probe_inputs(func) -> Callable | None:
-    entry = CORRECTIONS.get(func)
+    entry = registered(func)
     return entry.probe_inputs if entry is not None else None
 
 
@@ -183,3 +196,26 @@ def _mixed_dtype_norms():
     ``param_scalar_type``, used by Normalization.cpp ``batch_norm_cpu``, layer_norm.cpp ``layer_norm_cpu``,
     group_norm.cpp ``native_group_norm``); the fake kernels return them in the input's dtype. Output dtypes
     corrected."""
+
+
+# ---- other libraries' ops, by qualified name ------------------------------------------------------------------------
+@correction("bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4bit", "bitsandbytes::dequantize_4bit",
+            "bitsandbytes::dequantize_blockwise", kind="probe")
+def _bitsandbytes_dequantizing_kernels():
+    """bitsandbytes' 4-bit matmul dequantizes the whole weight inside one op: the CPU kernel of ``gemm_4bit``
+    (bitsandbytes/backends/default/ops.py, ``_gemm_4bit_default_impl``, registered for CompositeExplicitAutograd)
+    dequantizes the 8-bit absmax of double quantization (``dequantize_blockwise`` plus the offset: two fp32 tensors
+    of one value per block), then the weight (``dequantize_4bit``: an [out, in] tensor in the input's dtype), and
+    multiplies; its fake kernel (bitsandbytes/_ops.py) returns only the product, so the probe measures the
+    dequantized weight as the op's scratch. ``gemv_4bit`` does the same (``default/ops.py``), and the CPU kernels of
+    ``dequantize_4bit`` and ``dequantize_blockwise`` (``backends/cpu/ops.py``) fall back to a Python
+    implementation with int32 and fp32 temporaries of the weight's size for odd shapes and, with AVX-512, block
+    sizes from 2048."""
+
+
+@correction("bitsandbytes::optimizer_update_8bit_blockwise", "bitsandbytes::optimizer_update_32bit", kind="probe")
+def _bitsandbytes_optimizer_updates():
+    """bitsandbytes' optimizer updates mutate the state in place and return nothing, so their fake kernels
+    (bitsandbytes/_ops.py) allocate nothing; on the CPU the 8-bit update (bitsandbytes/backends/cpu/ops.py,
+    ``_optimizer_update_8bit_blockwise_cpu``) dequantizes both moments to fp32, updates them and the parameter, and
+    quantizes them back, with fp32 temporaries of several parameter sizes. The probe measures them."""

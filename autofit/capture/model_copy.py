@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from autofit._torch import FakeTensorMode
+from autofit._torch import FakeTensorMode, compiled_modules, rewrap_compiled
 from autofit.errors import UnsupportedModelError
 
-__all__ = ["fake_copy", "fake_input", "real_copy", "module_tensor_attributes", "has_meta_tensors"]
+__all__ = ["fake_copy", "fake_input", "real_copy", "module_tensor_attributes", "attached_tensors", "has_meta_tensors"]
 
 
 def module_tensor_attributes(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -27,6 +27,56 @@ def module_tensor_attributes(model: nn.Module) -> Iterator[tuple[str, torch.Tens
         for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 yield (f"{name}.{attr}" if name else attr), value
+
+
+# Note [quantized parameters]
+#     A quantized layer keeps part of its weight outside the parameter's storage: bitsandbytes' ``Params4bit`` holds
+#     a ``quant_state`` (absmax per block of 64 values, and with double quantization an 8-bit absmax plus a second
+#     level of fp32 absmax, its code book and offset; bitsandbytes/functional.py, ``QuantState``), and its
+#     ``Linear4bit`` keeps the same object as ``module.quant_state``; ``Int8Params`` holds ``CB`` (the int8 weight,
+#     the parameter's own storage) and ``SCB`` (fp32 row scales), which ``Linear8bitLt`` moves into its
+#     ``MatmulLtState`` (``module.state``) on the first forward. These tensors are memory of the parameter, so
+#     ``attached_tensors`` finds them (attributes of a parameter, and of the plain objects a module holds, two
+#     levels deep) and estimate and measure count them with the parameters. The fake copy keeps them: each becomes
+#     a fake tensor (a view of its parameter's fake storage where it shares the parameter's storage, as ``CB``
+#     does), and the parameter's attributes are copied onto its fake twin through the same memo, so the copy's
+#     ``weight.quant_state`` is the copy's ``module.quant_state`` and holds fake tensors. The fake twin is a plain
+#     parameter, not a ``Params4bit`` (a tensor subclass cannot wrap a FakeTensor); the layers read only its
+#     attributes. ``Params4bit.__deepcopy__`` copies its ``quant_state`` without the memo, so in a real copy the
+#     module's ``quant_state`` would be a second copy: it is linked back to the parameter's (``_relink_attributes``).
+_ATTACHED_DEPTH = 2  # Params4bit.quant_state.state2.absmax: attribute of an attribute of the parameter's object
+
+
+def attached_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors held in the attributes of parameters and of plain objects on modules: the quantization statistics
+    of quantized layers (see Note [quantized parameters]). Private (``_``-prefixed) module attributes, modules and
+    containers are not searched."""
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        yield from _object_tensors(name, p, 0, seen)
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or isinstance(value, (torch.Tensor, nn.Module)) or not _plain_object(value):
+                continue
+            yield from _object_tensors(f"{name}.{attr}" if name else attr, value, 1, seen)
+
+
+def _plain_object(value: object) -> bool:
+    return hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType, types.FunctionType,
+                                                                 types.MethodType, nn.Module))
+
+
+def _object_tensors(name: str, obj: object, depth: int, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    for attr, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            if id(value) not in seen:
+                seen.add(id(value))
+                yield f"{name}.{attr}", value
+        elif depth < _ATTACHED_DEPTH and _plain_object(value):
+            yield from _object_tensors(f"{name}.{attr}", value, depth + 1, seen)
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
@@ -47,23 +97,48 @@ def fake_input(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, *, device: str = "cpu") -> nn.Module:
     """A structural copy of ``model`` whose tensors are fake tensors on ``device`` (shape, stride, dtype kept)."""
     memo: dict[int, object] = {}
+    storages: dict[int, tuple[object, torch.UntypedStorage]] = {}  # id(original storage) -> (it, its fake twin's)
+
+    def twin(t: torch.Tensor, make) -> None:
+        if id(t) in memo:
+            return
+        shared = storages.get(id(t.untyped_storage()))
+        if shared is not None:  # a tensor on a storage already copied (Int8Params.CB): a view of the twin's
+            fake = torch.empty(0, dtype=t.dtype, device=device).set_(shared[1], t.storage_offset(), t.shape,
+                                                                      t.stride())
+        else:
+            fake = make(t)
+        memo[id(t)] = fake
+        storages.setdefault(id(t.untyped_storage()), (t.untyped_storage(), fake.untyped_storage()))
+
     with fake_mode:
         for p in model.parameters():
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(_fake_like(p, device), requires_grad=p.requires_grad)
+            twin(p, lambda p: nn.Parameter(_fake_like(p, device), requires_grad=p.requires_grad))
         for b in model.buffers():
-            if id(b) not in memo:
-                memo[id(b)] = _fake_like(b, device)
+            twin(b, lambda b: _fake_like(b, device))
         for _, t in module_tensor_attributes(model):
-            if id(t) not in memo:
-                memo[id(t)] = _fake_like(t, device)
+            twin(t, lambda t: _fake_like(t, device))
+        for _, t in attached_tensors(model):  # Note [quantized parameters]
+            twin(t, lambda t: _fake_like(t, device))
     try:
-        return _deepcopy(model, memo)
+        result = _deepcopy(model, memo)
+        _copy_parameter_attributes(model, memo)
+        return result
     except Exception as e:  # noqa: BLE001 - any deepcopy failure means the same thing to the user
         raise UnsupportedModelError(
             f"autofit could not copy the model ({type(e).__name__}: {e}); it copies the module tree to simulate "
             "without touching your model: make sure copy.deepcopy works on it"
         ) from e
+
+
+def _copy_parameter_attributes(model: nn.Module, memo: dict[int, object]) -> None:
+    """The Python attributes of each parameter (``quant_state``, ``CB``, ...) on its fake twin, deep-copied through
+    the model's memo, so that they reach the copy's modules and fake tensors (Note [quantized parameters])."""
+    for p in model.parameters():
+        fake = memo[id(p)]
+        for key, value in vars(p).items():
+            if key not in vars(fake):
+                fake.__dict__[key] = copy.deepcopy(value, memo)
 
 
 def real_copy(model: nn.Module) -> nn.Module:
@@ -73,7 +148,26 @@ def real_copy(model: nn.Module) -> nn.Module:
             "this needs real weights, but the model has tensors on the meta device: build it on the CPU "
             "(or call model.to_empty(device='cpu') and initialise it)"
         )
-    return _deepcopy(model, {})
+    result = _deepcopy(model, {})
+    _relink_attributes(model, result)
+    return result
+
+
+def _relink_attributes(model: nn.Module, result: nn.Module) -> None:
+    """A module attribute that is the very object one of the module's parameters holds (``Linear4bit.quant_state``
+    is ``weight.quant_state``) stays that object in the copy, whatever the parameter's ``__deepcopy__`` did
+    (Note [quantized parameters])."""
+    for (_, module), (_, copied) in zip(model.named_modules(), result.named_modules()):
+        params = [(p, c) for (_, p), (_, c) in zip(module.named_parameters(recurse=False),
+                                                   copied.named_parameters(recurse=False))]
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or isinstance(value, torch.Tensor) or not _plain_object(value):
+                continue
+            for p, c in params:
+                key = next((k for k, v in vars(p).items() if v is value), None)
+                if key is not None and key in vars(c):
+                    copied.__dict__[attr] = vars(c)[key]
+                    break
 
 
 def _deepcopy(model: nn.Module, memo: dict[int, object]) -> nn.Module:
@@ -83,7 +177,20 @@ def _deepcopy(model: nn.Module, memo: dict[int, object]) -> nn.Module:
         for key, value in list(vars(module).items()):
             if isinstance(value, types.FunctionType) and value.__closure__:
                 module.__dict__[key] = _copy_closure(value, memo)
+    for _, module in compiled_modules(result):  # Note [compiled models]
+        rewrap_compiled(module)
     return result
+
+
+# Note [compiled models]
+#     ``torch.compile(model)`` returns an ``OptimizedModule`` whose ``forward`` (an instance attribute) is built
+#     around the wrapped module's ``__call__`` (torch/_dynamo/eval_frame.py, ``OptimizedModule._initialize``).
+#     A deep copy of it copies that function's closure apart from the copied ``_orig_mod``, so the copy's forward
+#     ran a third copy of the module, whose parameters the optimizer does not hold: no gradient and no optimizer
+#     state reached the counted parameters, in the simulation (54.9 MB for AdamW and SGD alike on a tiny Llama)
+#     and in ``measure``. The copy's forward is rebuilt around the copy's ``_orig_mod``. A simulation then runs the
+#     compiled code eagerly (Note [compiled code in a simulation], simulate/run.py): the estimate is the eager
+#     model's, and a note says so; ``measure`` and the trainer run the compiled model for real.
 
 
 # Note [copied closures]

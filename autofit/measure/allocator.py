@@ -19,9 +19,10 @@ from autofit._torch import (
     grad_scaler_state,
     high_water_mark,
     memory_profile,
+    storage_tensors,
 )
 from autofit.batch import Batch
-from autofit.capture.model_copy import module_tensor_attributes, real_copy
+from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
 from autofit.categories import Category
 from autofit.in_backward import stepping_in_backward
 from autofit.loss import LossFn
@@ -40,11 +41,14 @@ __all__ = ["measure_step", "measure_callable"]
 
 
 def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``; a wrapper subclass (torchao's optimizer state) by the storages
+    of its inner tensors, a DTensor by its local shard."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+            for inner in storage_tensors(t):
+                st = inner.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 
@@ -59,7 +63,8 @@ def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | N
     buffers = list(model.buffers()) + [t for _, t in module_tensor_attributes(model)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return {
-        Category.PARAMETERS: _storage_bytes(model.parameters()),
+        # with the quantization statistics of quantized layers (Note [quantized parameters])
+        Category.PARAMETERS: _storage_bytes(list(model.parameters()) + [t for _, t in attached_tensors(model)]),
         Category.BUFFERS: _storage_bytes(buffers),
         Category.OPTIMIZER_STATE: _storage_bytes(state),
         Category.INPUTS: _storage_bytes(inputs),

@@ -15,8 +15,9 @@ real tensors of the full shapes and strides, floats filled with 0.5 and integers
 ``_real_like``), under the CPU profiler, and reads what the allocator saw, which is exactly the term the estimate
 needs. Results are cached per process. Kernels whose tensor arguments (the storage each spans, outputs not counted)
 together exceed ``max_probe_bytes`` are not probed (their scratch is small next to tensors that size); the estimate
-lists how many were skipped. Creation, view and copy ops, and ops outside ``aten``, are never probed. A GEMM in a
-dtype this CPU's oneDNN has no kernel for is probed small first (Note [small GEMM probes]).
+lists how many were skipped. Creation, view and copy ops, and ops outside ``aten`` that autofit/corrections.py
+does not list, are never probed. A GEMM in a dtype this CPU's oneDNN has no kernel for is probed small first (Note
+[small GEMM probes]).
 
 Note [small GEMM probes]
     Where oneDNN has no kernel for a GEMM's dtype (bf16 or fp16 on a CPU without AVX-512, Note [CPU kernels] in
@@ -46,7 +47,7 @@ from autofit._torch import (
     memory_profile,
     pytree,
 )
-from autofit.corrections import probe_inputs
+from autofit.corrections import probe_inputs, registered
 from autofit.cpu import cpu_kernels
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber", "real_kernel_accepts"]
@@ -98,7 +99,7 @@ class KernelProber:
     small: int = 0  # GEMMs a small probe showed to have no scratch, not run at full size (Note [small GEMM probes])
 
     def probe(self, func, args: tuple, kwargs: dict) -> ProbeResult | None:
-        if func in _NEVER_PROBE or func.is_view or func.namespace != "aten":
+        if func in _NEVER_PROBE or func.is_view or (func.namespace != "aten" and registered(func) is None):
             return None
         leaves = pytree.tree_leaves((args, kwargs))
         key = (func, tuple(_signature(x) for x in leaves), pytree.tree_structure((args, kwargs)))

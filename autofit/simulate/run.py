@@ -23,6 +23,16 @@ Note [data-dependent models]
     A fake kernel that refuses inputs its CPU kernel accepts, with no correction in autofit/corrections.py
     (``FakeKernelStricter``), falls back the same way.
 
+Note [compiled code in a simulation]
+    Code compiled with ``torch.compile`` cannot run on fake tensors: inductor's CPU kernels read the tensors' data
+    pointers, and a simulation after a real compiled step segfaulted (torchao's optimizers compile their step).
+    While a simulation runs, compiled functions and modules run their Python code eagerly
+    (``torch.compiler.set_stance("force_eager")``). For a compiled model (Note [compiled models],
+    capture/model_copy.py) the estimate is therefore the eager model's, and its notes say so: what AOTAutograd's
+    partitioner saves for backward and the temporaries inductor fuses away are not modelled. On a tiny Llama on the
+    CPU compilation lowered the peak by 15 % (docs/fine-tuning.md): there the eager estimate was an upper bound. A
+    compiled optimizer step is measured for real instead (Note [compiled optimizer steps], compiled_steps.py).
+
 Note [MoE routing]
     Whether a mixture-of-experts layer's memory depends on the routing depends on its implementation (transformers
     5.x, integrations/moe.py). ``grouped_mm_experts_forward`` (the default) sorts the tokens x top-k (token, expert)
@@ -56,14 +66,19 @@ from torch import nn
 
 from autofit._torch import (
     DATA_DEPENDENT_ERRORS,
+    compiled_code_runs_eagerly,
+    compiled_modules,
     FakeTensorMode,
     grad_scaler_state,
     patch,
+    storage_tensors,
+    unset_fake_temporarily,
     value_free_grad_scaler,
 )
 from autofit.batch import Batch
 from autofit.capture.model_copy import (
     fake_copy,
+    attached_tensors,
     fake_input,
     module_tensor_attributes,
     real_copy,
@@ -75,6 +90,7 @@ from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.in_backward import stepping_in_backward
 from autofit.loss import LossFn
 from autofit.normalisation import LossNormalisation
+from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
@@ -82,6 +98,7 @@ from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
+from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
 from autofit.step import (
     StepConfig,
     optimizer_step,
@@ -143,10 +160,9 @@ def simulate_step(
                 sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
-                f"module {e.module or '(top level)'!r} {e.why} ({e.cause}), so autofit must run "
-                f"the step for real, but: {e2}"
+                f"{e.subject} {e.why} ({e.cause}), so autofit must run the step for real, but: {e2}"
             ) from e
-        note = (f"module {e.module or '(top level)'!r} {e.why} ({e.cause}); the step was run "
+        note = (f"{e.subject} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
         return Simulation(sim.timeline, sim.replay, "real", notes)
@@ -163,9 +179,38 @@ def _quiet_engines() -> Iterator[None]:
 
 
 class _DataDependent(Exception):
-    def __init__(self, module: str, cause: str, why: str = "depends on tensor values") -> None:
+    def __init__(self, module: str, cause: str, why: str = "depends on tensor values", subject: str = "") -> None:
         super().__init__(cause)
         self.module, self.cause, self.why = module, cause, why
+        self.subject = subject or f"module {module or '(top level)'!r}"
+
+
+@contextlib.contextmanager
+def _optimizer_values(optimizer: torch.optim.Optimizer, fake: bool) -> Iterator[None]:
+    """Around an optimizer step: see Note [optimizers that read values] (simulate/value_free.py)."""
+    free = fake and reads_values_harmlessly(optimizer)
+    try:
+        with ValueFreeStep() if free else contextlib.nullcontext():
+            yield
+    except DATA_DEPENDENT_ERRORS as e:
+        raise _DataDependent("", f"{type(e).__name__}: {e}".splitlines()[0], why="reads tensor values in its step",
+                             subject=f"the optimizer {_qualname(optimizer)}") from e
+    except FakeKernelStricter as e:
+        raise _DataDependent("", str(e), why="runs an op that cannot be simulated",
+                             subject=f"the optimizer {_qualname(optimizer)}") from e
+    except (AutofitError, _DataDependent):
+        raise
+    except Exception as e:  # noqa: BLE001 - an optimizer autofit cannot step on the simulated tensors
+        raise UnsupportedModelError(
+            f"the optimizer {_qualname(optimizer)} failed in the simulated step ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); autofit simulates torch.optim, bitsandbytes and torchao "
+            "optimizers (docs/fine-tuning.md): measure this one with autofit.measure, or report it"
+        ) from e
+
+
+def _qualname(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
@@ -184,7 +229,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = "cpu" if config.offload_states else config.device
-    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation):
+    # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
+    compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
+    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled:
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
             apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None,
                         offload=config.offload_states)
@@ -193,12 +240,14 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         micro_target = None
         if target is not None:
             micro_target = target.map_tensors(to_sim).resize(config.micro_batch_size)
-        optimizer = config.optimizer.build(work.parameters())
+        with unset_fake_temporarily() if fake else contextlib.nullcontext():  # Note [optimizers that read values]
+            optimizer = config.optimizer.build(work.parameters())
         # stored precision: the parameters converted and, with a master copy, the optimizer on fp32 copies of them,
         # exactly as the trainer does (Note [stored precision])
         stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
-        _create_optimizer_state(work, optimizer, scaler, stored)
+        with _optimizer_values(optimizer, fake):
+            _create_optimizer_state(work, optimizer, scaler, stored)
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
@@ -228,11 +277,16 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 stack.enter_context(tracker)
                 stack.enter_context(observe)
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
-                            stepped)
+                            stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
     notes = []
+    compiled_names = [name or "the model" for name, _ in compiled_modules(model)]
+    if compiled_names:
+        notes.append(f"{', '.join(compiled_names)}: torch.compile'd; simulated eagerly, so what compilation changes "
+                     "(the activations AOTAutograd's partitioner saves, the temporaries fusion removes) is not "
+                     "modelled (see Note [compiled code in a simulation])")
     if rerouted:
         notes.append(f"{', '.join(rerouted)}: per-expert loops whose peak depends on the routing; simulated with the "
                      "heaviest routing measured (see Note [MoE routing]), not the sample's")
@@ -291,6 +345,8 @@ def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch
                     host_states: bool = False) -> None:
     for p in model.parameters():
         tracker.register(p, Category.PARAMETERS, host=host_states)
+    for _, t in attached_tensors(model):  # quantization statistics (Note [quantized parameters])
+        tracker.register(t, Category.PARAMETERS, host=host_states)
     for b in model.buffers():
         tracker.register(b, Category.BUFFERS)
     for _, t in module_tensor_attributes(model):
@@ -328,7 +384,7 @@ WINDOW_MICRO_BATCHES = 2
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
-                caster=None, stored=None, stepped: set[int] = frozenset()) -> None:
+                caster=None, stored=None, stepped: set[int] = frozenset(), fake: bool = True) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
@@ -369,7 +425,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    with host_optimizer(tracker, config.offload_states and config.device == "cuda"):
+    with host_optimizer(tracker, config.offload_states and config.device == "cuda"), _optimizer_values(optimizer, fake):
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward)
     received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
@@ -386,9 +442,10 @@ def _drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: s
             continue
         for value in optimizer.state[key].values():
             if isinstance(value, torch.Tensor):
-                sid = tracker.sid_of(value)
-                if sid is not None:
-                    tracker.timeline.storages[sid].nbytes = 0
+                for inner in storage_tensors(value):  # a low-bit state by its inner tensors
+                    sid = tracker.sid_of(inner)
+                    if sid is not None:
+                        tracker.timeline.storages[sid].nbytes = 0
 
 
 @contextlib.contextmanager

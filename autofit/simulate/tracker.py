@@ -25,9 +25,10 @@ from autofit._torch import (
     TorchDispatchMode,
     patch,
     pytree,
+    storage_tensors,
 )
 from autofit.categories import Category
-from autofit.corrections import CORRECTIONS, FakeKernelStricter, fake_kernel
+from autofit.corrections import FakeKernelStricter, fake_kernel, registered
 from autofit.cpu import require_kernel
 from autofit.simulate.accumulation import AccumulationWatch
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
@@ -87,7 +88,12 @@ class StepTracker(TorchDispatchMode):
 
     def register(self, t: torch.Tensor, category: Category, *, host: bool = False) -> int | None:
         """Count a tensor that exists before the step (parameters, buffers, state, inputs). Returns its storage id.
-        ``host``: it lives in host memory (Note [host storages])."""
+        ``host``: it lives in host memory (Note [host storages]). A wrapper subclass without a storage of its own
+        (torchao's low-bit optimizer state) is counted by its inner tensors; the id returned is the first's."""
+        inner = storage_tensors(_local(t))
+        if len(inner) != 1 or inner[0] is not _local(t):
+            sids = [self.register(x, category, host=host) for x in inner]
+            return next((sid for sid in sids if sid is not None), None)
         t = _local(t)
         sid = self.sid_of(t)
         if sid is not None or t.untyped_storage().nbytes() == 0:
@@ -197,7 +203,7 @@ class StepTracker(TorchDispatchMode):
             # a real run (Note [data-dependent models]) already has the CPU kernel's outputs, with their values:
             # replacing them by the probe's (run on dummy values) would corrupt value-dependent ops such as nonzero
             matched, real_bytes = _match_real_outputs(out, probe.outputs)
-            if (matched is not out or real_bytes) and func not in CORRECTIONS and not func._schema.is_mutable:
+            if (matched is not out or real_bytes) and registered(func) is None and not func._schema.is_mutable:
                 self.unregistered_corrections.add(str(func))
             out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
@@ -212,13 +218,12 @@ class StepTracker(TorchDispatchMode):
         category = self._category_for(func, inputs)
         op_index = len(self.timeline.ops)
         self.op_first_event = len(self.timeline.events)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                t = _local(t)
-                st = t.untyped_storage()
-                if not self._is_known_or_external(st) and st.nbytes() > 0:
-                    sid = self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
-                    self.accumulation.created(sid, epoch)
+        for t in (x for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)
+                  for x in storage_tensors(_local(leaf))):
+            st = t.untyped_storage()
+            if not self._is_known_or_external(st) and st.nbytes() > 0:
+                sid = self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
+                self.accumulation.created(sid, epoch)
         self.timeline.new_op(record)
         if self.phase is Phase.BACKWARD and not kwargs:
             self.accumulation.after_op(func, args, out, epoch, self.sid_of, self.op_first_event)
