@@ -16,6 +16,9 @@ from autofit.errors import UnsupportedModelError
 
 transformers = pytest.importorskip("transformers")
 
+# minutes in all (torchao compiles its optimizer step per shape): with the whole suite, on the oldest torch
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 0.005
 
 
