@@ -7,6 +7,7 @@ host, both data-parallel strategies, fp32 pins, and infeasible budgets (with and
 
     python benchmarks/plan_snapshot.py OUT.json            # write the snapshot
     python benchmarks/plan_snapshot.py OUT.json --compare BASE.json   # write, then compare case by case
+    python benchmarks/plan_snapshot.py OUT.json --only a100,dp        # a part: the zoo on the A100, data parallel
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from zoo import ZOO  # noqa: E402
 
 GiB = 2**30
 GPU = dict(device="cuda", gpu="A100-80GB")
+ROOMY = {"cpu": "1TB", "a100": "79GB"}  # generous, and under the card's memory (a budget above it is refused)
 
 
 def _record(fn) -> dict:
@@ -42,19 +44,21 @@ def _record(fn) -> dict:
         return {"error": type(e).__name__, "message": str(e)}
 
 
-def _zoo_cases():
+def _zoo_cases(only: set[str] | None = None):
     """Each zoo model on the CPU and an A100: 1 byte (infeasible), the smallest budget that works, halfway to what
     the fastest configuration needs, and a generous one (the quick path)."""
     for name in ("resnet_bn", "gpt_sdpa", "lstm", "hf_dict"):
         for where, kw in (("cpu", dict(device="cpu")), ("a100", GPU)):
+            if only is not None and where not in only:
+                continue
             def run(budget, name=name, kw=kw, **more):
                 case = ZOO[name]()
                 return autofit.plan(case.model, case.sample, budget, batch_size=16, target=case.target,
                                     loss_fn=case.loss_fn, **kw, **more)
             tiny = _record(lambda: run(1))
             yield f"{name}/{where}/1B", tiny
-            roomy = _record(lambda: run("1TB"))
-            yield f"{name}/{where}/1TB", roomy
+            roomy = _record(lambda: run(ROOMY[where]))
+            yield f"{name}/{where}/{ROOMY[where]}", roomy
             if "min_budget_bytes" in tiny and "plan" in roomy:
                 least = tiny["min_budget_bytes"]
                 yield f"{name}/{where}/min", _record(lambda: run(least))
@@ -116,13 +120,6 @@ def _special_cases():
     yield "offload/between-host-small", _record(lambda: autofit.plan(off, x, budget, host_budget=10**6, **kw))
     yield "offload/auto-precision-between", _record(lambda: autofit.plan(off, x, budget, host_budget="1GB",
                                                                          target=y, gpu="T4"))
-    # data parallel: both strategies planned, DDP and FSDP2 alone, and an infeasible one
-    case = ZOO["gpt_sdpa"]()
-    for strategy in (None, "ddp", "fsdp2"):
-        for budget in (1, "1TB", "2MB"):
-            yield f"dp/{strategy}/{budget}", _record(lambda: autofit.plan(
-                case.model, case.sample, budget, batch_size=16, target=case.target, world_size=2, strategy=strategy,
-                **GPU))
     # fp32 pins: named and "auto" (tests/test_stored_planning.py)
     case = ZOO["hf_dict"]()
     yield "pins/lm_head", _record(lambda: autofit.plan(case.model, case.sample, "1GB", batch_size=8,
@@ -142,9 +139,27 @@ def _special_cases():
                                                               target=case.target, checkpoint=case.checkpoint, **GPU))
 
 
-def snapshot() -> dict:
+def _dp_cases():
+    """Data parallel: both strategies planned, DDP and FSDP2 alone; 1 byte, the smallest budget, a generous one."""
+    case = ZOO["gpt_sdpa"]()
+    for strategy in (None, "ddp", "fsdp2"):
+        def run(budget, strategy=strategy):
+            return autofit.plan(case.model, case.sample, budget, batch_size=16, target=case.target, world_size=2,
+                                strategy=strategy, **GPU)
+        tiny = _record(lambda: run(1))
+        yield f"dp/{strategy}/1B", tiny
+        if "min_budget_bytes" in tiny:
+            yield f"dp/{strategy}/min", _record(lambda: run(tiny["min_budget_bytes"]))
+        yield f"dp/{strategy}/79GB", _record(lambda: run("79GB"))
+
+
+def snapshot(only: set[str] | None = None) -> dict:
     cases = {}
-    for name, record in itertools.chain(_zoo_cases(), _special_cases()):
+    if only is None:
+        chosen = itertools.chain(_zoo_cases(), _special_cases(), _dp_cases())
+    else:  # a part: the zoo on the targets named, and the data-parallel cases if "dp" is named
+        chosen = itertools.chain(_zoo_cases(only), _dp_cases() if "dp" in only else ())
+    for name, record in chosen:
         cases[name] = record
         print(f"{name:<40} {'plan' if 'plan' in record else record['error']}", flush=True)
     return cases
@@ -153,7 +168,8 @@ def snapshot() -> dict:
 def main() -> None:
     out = Path(sys.argv[1])
     start = time.perf_counter()
-    cases = snapshot()
+    only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else None
+    cases = snapshot(only)
     print(f"{len(cases)} cases in {time.perf_counter() - start:.1f} s (torch {torch.__version__})")
     out.write_text(json.dumps(cases, indent=1, sort_keys=True) + "\n")
     if "--compare" in sys.argv:
