@@ -11,7 +11,7 @@
   of it, checkpointing included).
 
 Every export carries the plan's effective batch: an uneven plan (a shorter last micro-batch, which none of these
-frameworks can express) is exported as its verified even split (Note [even split], autofit/planner.py), and a plan
+frameworks can express) is exported as its verified even split (Note [even split], autofit/solve/finish.py), and a plan
 without one says under ``autofit_notes`` that the exported batch differs. Sharded plans carry their sharding:
 DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp="full_shard"`` with FSDP version 2, and
 Lightning's ``strategy``.
@@ -34,7 +34,7 @@ __all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trai
 
 def _split(plan: Plan) -> tuple[int, int]:
     """(micro-batch, accumulation) with equal micro-batches and the plan's effective batch: an uneven plan's
-    verified even split (Note [even split], autofit/planner.py), else its own. Without one the effective batch
+    verified even split (Note [even split], autofit/solve/finish.py), else its own. Without one the effective batch
     differs, and the exporter says so."""
     return plan.even_split or (plan.micro_batch_size, plan.gradient_accumulation_steps)
 

@@ -121,3 +121,74 @@ def test_the_checks_catch_what_they_should() -> None:
     assert sorted(f.split(":")[0] for f in _private_torch(bad)) == ["line 2", "line 2", "line 3", "line 5"]
     assert (4, "autofit.planner") in _imports(bad)
     assert RANK["planner"] > RANK["simulate"]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the autofit modules it imports when it runs (at the top or inside a function; not annotations).
+    Packages are left out: importing ``autofit.x`` runs ``autofit/__init__.py`` first in any case."""
+    paths = {_module_name(p): p for p in _modules()}
+    packages = {_module_name(p) for p in _modules() if p.name == "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        if name in packages:
+            continue
+        edges = set()
+        for _, module in _imports(ast.parse(path.read_text())):
+            while module and module not in paths:  # ``from autofit.x import Name``: the module is autofit.x
+                module = module.rpartition(".")[0]
+            if module and module not in packages and module != name:
+                edges.add(module)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_among_autofit_modules() -> None:
+    cycles = _cycles(_import_graph())
+    assert not cycles, "modules that import each other (directly or around a loop):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_catches_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -18,7 +18,9 @@ import autofit
 from autofit import progress, workers
 from autofit.analyse.analyse import analyse_model
 from autofit.errors import ForwardError
-from autofit.planner import _analyse, _parallel, _search_space
+from autofit.planner import _parallel
+from autofit.solve.space import analyse_policies as _analyse
+from autofit.solve.space import search_space as _search_space
 from autofit.request import make_request
 from autofit.solve.lengths import first_guesses, rows_by_length
 from autofit.solve.search import _evaluate, _time_floor, batch_options, search
@@ -148,7 +150,9 @@ def _request(name, device="cuda", **kw):
     kw = dict(batch_size=32, optimizer="adamw", precision="auto", checkpoint="auto", world_size=1, strategy=None,
               quick=True, **kw)
     kw["gpu"] = "A100-80GB" if device == "cuda" else None
-    return make_request(case.model, case.sample, "1TB", target=case.target, loss_fn=case.loss_fn, device=device, **kw)
+    # a request, not a plan: any budget; 1 TB is over an A100's memory, which make_request refuses unless told
+    return make_request(case.model, case.sample, "1TB", target=case.target, loss_fn=case.loss_fn, device=device,
+                        allow_over_capacity=True, **kw)
 
 
 def _analysis(request, policy):
@@ -200,7 +204,7 @@ def test_a_cpu_target_never_forks(monkeypatch, two_workers):
 def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
     """The analysis's two sizes, the rows-by-length guesses and the first guess beside the verification (Note [rows
     beside the verification]) in workers: the same plan, to the byte, as with every simulation here."""
-    import autofit.planner as planner
+    import autofit.solve.finish as planner  # the plan's finishing estimates, rows by length among them
     from autofit.solve.lengths import first_guesses
 
     torch.manual_seed(0)
@@ -208,7 +212,7 @@ def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
 
     model = Llama(LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=172, num_heads=4, vocab_size=500))
     ids = torch.randint(0, 500, (2, 64))
-    kw = dict(batch_size=16, target=ids, gpu="A100-80GB")
+    kw = dict(batch_size=16, target=ids, gpu="A100-80GB", allow_over_capacity=True)  # 1 TB: over the card
     roomy = autofit.plan(model, ids, "1TB", **kw)
     assert roomy.micro_batch_size == 16
     smallest = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, ids, 1, offload=False, **kw)
@@ -374,7 +378,8 @@ import os, sys
 os.environ["AUTOFIT_WORKERS"] = "1"
 sys.path.insert(0, {tests!r})
 from dataclasses import replace
-from autofit.planner import _config, _parallel
+from autofit.planner import _parallel
+from autofit.solve.estimator import Estimator
 from autofit.simulate.run import simulate_step
 from autofit.solve.search import Candidate
 from test_plan_speed import _request
@@ -386,7 +391,8 @@ for name in sorted(ZOO):
     for device in ("cpu", "cuda"):
         request = _request(name, device=device)
         for policy in request.policies:
-            config = _config(request, _parallel(request, None), Candidate(policy.label, 3, 2, 3, (), 0, 0.0), policy)
+            config = Estimator(request, _parallel(request, None)).config(Candidate(policy.label, 3, 2, 3, (), 0, 0.0),
+                                                                          policy)
             first, second = (simulate_step(request.model, request.batch, request.target, request.loss_fn, config,
                                            device_rules=request.device.simulation_rules).timeline for _ in range(2))
             runs += 1

@@ -43,7 +43,7 @@ def rows_by_length(length: int, micro_batch_size: int, batch_rows: int, budget: 
     a full estimate, checked against ``budget`` (See Note [rows by length]). ``peaks``, if given, estimates several
     ``(l, rows)`` at once (side by side, Note [parallel simulations]): it is asked for every length's first guess
     up front, each of which the table needs whatever the others show (see ``first_guesses``). ``known`` holds
-    estimates already made, ``(l, rows) -> bytes`` (Note [rows beside the verification], autofit/planner.py)."""
+    estimates already made, ``(l, rows) -> bytes`` (Note [rows beside the verification], autofit/solve/finish.py)."""
     known = dict(known or {})
     guesses = [g for g in first_guesses(length, micro_batch_size, batch_rows) if g not in known]
     if peaks is not None and len(guesses) > 1:

@@ -12,23 +12,24 @@ Note [the quick path]
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from autofit.analyse.analyse import op_costs
-from autofit.device import DeviceTarget
-from autofit.simulate.run import Simulation
+from autofit.precision import PrecisionPolicy
+from autofit.solve.estimator import Estimator, announce
 from autofit.solve.search import Candidate
 from autofit.solve.time_model import build_time_model
 from autofit.solve.verify import Verified
-from autofit.step import StepConfig
 
 __all__ = ["quick_path"]
 
 
-def quick_path(config: StepConfig, simulate: Callable[[StepConfig], Simulation], target: DeviceTarget, budget: int,
+def quick_path(estimator: Estimator, fastest: Candidate, policy: PrecisionPolicy, budget: int,
                param_bytes: int) -> Verified | None:
-    """``config`` (the fastest configuration) verified, with its modelled time, if it fits ``budget``; else None."""
-    sim = simulate(config)
+    """``fastest`` (the fastest configuration, in ``policy``) verified, with its modelled time, if it fits
+    ``budget``; else None."""
+    config = estimator.config(fastest, policy)
+    announce(fastest, policy)
+    sim = estimator.simulate(fastest, policy)
+    target = estimator.request.device
     est = target.estimate(sim)
     if est.device_bytes > budget:
         return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from autofit.errors import InfeasibleBudgetError
+from autofit.errors import HostMemoryError, InfeasibleBudgetError
 from autofit.report import MemoryEstimate
 from autofit.solve.search import (
     Candidate,
@@ -21,7 +21,8 @@ from autofit.solve.search import (
 )
 from autofit.units import format_bytes
 
-__all__ = ["Verified", "MAX_VERIFICATIONS", "search_verified", "search_in_backward", "smallest_in_backward", "smallest_verified", "infeasible"]
+__all__ = ["Verified", "MAX_VERIFICATIONS", "search_verified", "search_in_backward", "smallest_in_backward",
+           "smallest_verified", "infeasible", "host_checked", "host_fits", "with_offload_minimum"]
 
 MAX_VERIFICATIONS = 4
 
@@ -165,4 +166,48 @@ def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str
         f"{', optimizer stepped in backward' if smallest.in_backward else ''}{where}). "
         f"{advice.get(dominant, ADVICE.get(dominant, f'{dominant} dominates the smallest peak'))}.",
         min_budget_bytes=est.device_bytes + margin, budget_bytes=budget, dominant=dominant,
+    )
+
+
+def host_checked(verify: Verify, fit_bytes: int, host_budget: int | None) -> Verify:
+    """``verify``, where an estimate that fits the GPU but whose host memory exceeds ``host_budget`` raises
+    ``HostMemoryError`` (nothing fit with the states on the GPU: this was the last way)."""
+    def checked(c: Candidate) -> MemoryEstimate:
+        est = verify(c)
+        return host_fits(est, host_budget) if est.device_bytes <= fit_bytes else est
+    return checked
+
+
+def host_fits(est: MemoryEstimate, host_budget: int | None) -> MemoryEstimate:
+    """``est``, or ``HostMemoryError`` when its host memory exceeds ``host_budget``."""
+    limit = host_budget
+    if limit is not None and est.host_bytes > limit:
+        raise HostMemoryError(
+            f"the plan that fits the GPU keeps {format_bytes(est.host_bytes)} ({est.host_bytes:,} bytes) in host "
+            f"memory (parameters, gradients and optimizer state; {format_bytes(est.host_pinned_bytes)} pinned), "
+            f"more than host_budget {format_bytes(limit)} ({limit:,} bytes), and nothing fits with them on the GPU: "
+            "give the machine's RAM as host_budget=... (--host-budget), or use SGD, or more GPUs (FSDP2 over "
+            "world_size ranks)",
+            host_bytes=est.host_bytes, host_budget_bytes=limit,
+        )
+    return est
+
+
+def with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate, MemoryEstimate],
+                         host_budget: int | None, margin: int) -> InfeasibleBudgetError:
+    """The infeasibility error naming the smallest budget with the states offloaded as well as without. The
+    offloaded one counts as a budget that works only when its host memory fits ``host_budget``."""
+    candidate, est = smallest
+    with_offload = est.device_bytes + margin
+    on_host = host_budget is None or est.host_bytes <= host_budget
+    minimum = min(error.min_budget_bytes, with_offload) if on_host else error.min_budget_bytes
+    host = f"{format_bytes(est.host_bytes)} of host memory"
+    if not on_host:
+        host += f", more than host_budget {format_bytes(host_budget)}"
+    return InfeasibleBudgetError(
+        f"{error} With parameters, gradients and optimizer state offloaded to the host (FSDP2 CPUOffloadPolicy) the "
+        f"smallest is {format_bytes(with_offload)} ({with_offload:,} bytes; micro-batch {candidate.micro_batch_size},"
+        f" {candidate.precision}, {len(candidate.checkpoint)} modules checkpointed, {len(candidate.offload)} "
+        f"offloaded; {host}); without offloading it is {format_bytes(error.min_budget_bytes)}.",
+        min_budget_bytes=minimum, budget_bytes=error.budget_bytes, dominant=error.dominant,
     )

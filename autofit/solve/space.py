@@ -1,0 +1,61 @@
+"""A rung's search space: each of its precisions analysed (two small simulations), then turned into the memory and
+time models the search reads (docs/planner.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autofit import progress
+from autofit.analyse.analyse import analyse_model
+from autofit.analyse.table import Analysis
+from autofit.precision import PrecisionPolicy
+from autofit.solve.memory_model import MemoryModel
+from autofit.solve.search import SearchSpace
+from autofit.solve.time_model import build_time_model
+from autofit.step import forward_errors
+
+if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
+    from autofit.request import Parallel, PlanRequest
+
+__all__ = ["analyse_policies", "search_space"]
+
+
+def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
+                     done: dict[str, Analysis]) -> dict[str, Analysis]:
+    """The analysis of every policy not analysed yet. CPU targets probe kernels for their scratch memory (see
+    simulate/probe.py); the CUDA model has its own terms."""
+    todo = [p for p in policies if p.label not in done]
+    where = " (states on the host)" if parallel.offload_states else (
+        f" ({parallel.strategy} over {parallel.world_size})" if parallel.strategy else "")
+    analyses = {}
+    with forward_errors():
+        for i, p in enumerate(todo):
+            progress.report(f"analysing {p.label}{where}: two small simulations", i, len(todo))
+            analyses[p.label] = analyse_model(
+                request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
+                probe_kernels=request.device.kind == "cpu", device=request.device.kind, gpu=request.device.name,
+                strategy=parallel.strategy, world_size=parallel.world_size, shard_units=parallel.shard_units,
+                clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
+                offload_states=parallel.offload_states)
+    return analyses
+
+
+def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
+                 analyses: dict[str, Analysis]) -> SearchSpace:
+    """The memory and time models of each policy, over the rows one rank trains per step."""
+    rows = request.per_rank
+    memory, time = {}, {}
+    for p in policies:
+        a = analyses[p.label]
+        terms = request.device.memory_terms(a, rows)
+        memory[p.label] = MemoryModel.from_analysis(a.profile, a.table, held_rows=rows, row_bytes=request.row_bytes,
+                                                   scale=terms.scale, constant=terms.constant)
+        # what save_on_cpu would copy: the module's saved activations, and its weights (it packs every saved tensor)
+        saved = {r.name: (float(r.saved_bytes_fixed + r.param_bytes), float(r.saved_bytes_per_sample))
+                 for r in a.table.rows if r.name}
+        time[p.label] = build_time_model(a.ops, a.table.row("").param_bytes, request.device, parallel.strategy,
+                                        parallel.world_size, saved_bytes=saved,
+                                        offload_states=parallel.offload_states)
+    return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
+                       allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
+                       allow_offload=request.offload, offload_states=parallel.offload_states)

@@ -1,0 +1,96 @@
+"""The planner's ladder (Note [the ladder], autofit/solve/ladder.py) is a pure function of the request: these tests
+build requests by hand and simulate nothing. Truths: byte counts by hand (4 B per fp32 value, AdamW's two moments),
+and the order of the rungs the docs give (docs/planner.md, "When nothing fits")."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autofit.batch import as_batch
+from autofit.device import resolve_device
+from autofit.optim import as_optimizer_spec
+from autofit.precision import PrecisionPolicy
+from autofit.request import Parallel, PlanRequest
+from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
+from autofit.solve.sharding import shard_units
+
+N = 3 * (64 * 64 + 64)  # parameters of the model below
+BF16, FP32, FP16 = PrecisionPolicy(name="bf16"), PrecisionPolicy(name="fp32"), PrecisionPolicy(name="fp16")
+MASTER, PURE = PrecisionPolicy(name="bf16", stored="bf16-master"), PrecisionPolicy(name="bf16", stored="bf16")
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+
+
+def _request(*, device: str = "cuda", gpu: str | None = "A100-80GB", policies=(BF16, FP32), stored=(MASTER, PURE),
+             offload: bool = True, optimizer: str = "adamw", world_size: int = 1, clip: float | None = None,
+             budget: int = 10**6) -> PlanRequest:
+    x = torch.zeros(4, 64)
+    return PlanRequest(
+        model=_model(), batch=as_batch(x), target=None, loss_fn=None, device=resolve_device(device, gpu),
+        budget_bytes=budget, margin_bytes=0, batch_size=4 * world_size, per_rank=4, world_size=world_size,
+        strategies=(None,), policies=tuple(policies), optimizer=as_optimizer_spec(optimizer), fixed_checkpoint=None,
+        clip_grad_norm=clip, quick=True, auto_precision=True, stored_options=tuple(stored), offload=offload,
+    )
+
+
+def test_one_gpu_climbs_low_precision_fp32_stored_lower_then_the_host():
+    request = _request()
+    rungs = ladder(request, Parallel())
+    assert [s.policies for s in rungs] == [(BF16,), (BF16, FP32), (MASTER,), (PURE,), (BF16, FP32)]
+    assert [s.what for s in rungs] == ["the model's own dtype", "the model's own dtype", "stored bf16-master",
+                                       "stored bf16", "the states on the host"]
+    # by hand, AdamW (two moments): fp32 4 + 4 + 8; bf16 with an fp32 master 2 + 2 + 4 + 8; pure bf16 2 + 2 + 4
+    assert [s.floor_bytes for s in rungs] == [16 * N, 16 * N, 16 * N, 8 * N, None]
+    # the optimizer may step in backward only on the last rung in the model's own dtype, before storing lower
+    assert [s.in_backward for s in rungs] == [(), (BF16, FP32), (), (), ()]
+    host = rungs[-1]
+    assert host.host_check and not host.skippable
+    assert host.parallel == Parallel(strategy="fsdp2", world_size=1, shard_units=shard_units(request.model),
+                                     offload_states=True)
+    assert all(s.parallel == Parallel() and s.skippable and not s.host_check for s in rungs[:-1])
+    assert states_floor(rungs) is None  # the host rung has no floor on the device
+
+
+def test_without_the_host_rung_the_last_is_never_skipped():
+    rungs = ladder(_request(offload=False), Parallel())
+    assert [s.skippable for s in rungs] == [True, True, True, False]
+    assert [s.skipped(1) for s in rungs] == [True, True, True, False]  # 1 byte: all but the last pass over
+    assert not any(s.skipped(16 * N) for s in rungs)  # floors are not over the budget: every rung is analysed
+    assert states_floor(rungs) == 8 * N
+
+
+def test_the_cpu_has_one_rung_and_sgd_keeps_one_buffer():
+    rungs = ladder(_request(device="cpu", gpu=None, policies=(FP32, BF16), stored=(), offload=False,
+                            optimizer="sgd"), Parallel())
+    assert rungs == (Stage(what="the model's own dtype", policies=(FP32, BF16), parallel=Parallel(),
+                           in_backward=(FP32, BF16), floor_bytes=12 * N, skippable=False),)  # momentum: 4 + 4 + 4
+
+
+def test_clipping_ranks_and_grad_scaling_keep_the_optimizer_out_of_backward():
+    assert all(not s.in_backward for s in ladder(_request(clip=1.0), Parallel()))
+    ddp = Parallel(strategy="ddp", world_size=2)
+    assert all(not s.in_backward for s in ladder(_request(world_size=2, offload=False), ddp))
+    fp16 = ladder(_request(gpu="V100-32GB", policies=(FP16, FP32), stored=(), offload=False), Parallel())
+    assert [s.in_backward for s in fp16] == [(), (FP32,)]  # fp16 needs a GradScaler, which steps after backward
+
+
+def test_data_parallel_plans_have_no_host_rung_and_fsdp2_shards_the_floor():
+    request = _request(world_size=2, stored=())
+    fsdp2 = Parallel(strategy="fsdp2", world_size=2, shard_units=("0", "1", "2"))
+    rungs = ladder(request, fsdp2)
+    assert [s.parallel for s in rungs] == [fsdp2, fsdp2]
+    assert [s.floor_bytes for s in rungs] == [16 * N // 2] * 2 and [s.skippable for s in rungs] == [True, False]
+    assert states_floor(ladder(request, Parallel(strategy="ddp", world_size=2))) == 16 * N
+
+
+def test_skipped_rungs_are_named_once_in_the_note_of_the_rung_that_fits():
+    request = _request()
+    rungs = ladder(request, Parallel())
+    assert skipped_note(rungs[1], []) == ()
+    (note,) = skipped_note(rungs[3], ["the model's own dtype (1.0 GiB)", "the model's own dtype (1.0 GiB)"])
+    assert note.startswith("skipped without analysis") and note.count("own dtype") == 1
+    (note,) = skipped_note(rungs[-1], ["stored bf16 (0.5 GiB)"])
+    assert "live in host memory" in note and "stored bf16 (0.5 GiB)" in note
