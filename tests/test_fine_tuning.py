@@ -19,6 +19,17 @@ transformers = pytest.importorskip("transformers")
 # minutes in all (torchao compiles its optimizer step per shape): with the whole suite, on the oldest torch
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True)
+def _compile_in_this_thread():
+    """The compiles these tests make (torch.compile of a model, torchao's steps) leave no inductor thread pool
+    behind: its non-daemon worker would keep later tests' plans from forking simulation workers
+    (tests/test_plan_speed.py)."""
+    from autofit._torch import compile_in_this_thread
+
+    with compile_in_this_thread():
+        yield
+
 TOLERANCE = 0.005
 
 

@@ -29,6 +29,7 @@ import torch
 
 from autofit._torch import (
     allocation_sizes,
+    compile_in_this_thread,
     disable_current_modes,
     high_water_mark,
     memory_profile,
@@ -81,7 +82,8 @@ def _signature(x: Any) -> Any:
 
 
 def _scratch(fn: Callable, options: dict[str, Any], args: tuple) -> int:
-    with unset_fake_temporarily(), disable_current_modes(), torch.compiler.set_stance("default"):
+    with unset_fake_temporarily(), disable_current_modes(), torch.compiler.set_stance("default"), \
+            compile_in_this_thread():
         real = tuple(_real_zeros(a) if isinstance(a, torch.Tensor) else a for a in args)
         compiled = torch.compile(fn, **options)
         compiled(*real)  # compiles
