@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 
 import pytest
@@ -28,6 +29,16 @@ from zoo import ZOO
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork") or not os.sys.platform.startswith("linux"),
                                 reason="worker processes need fork (Linux)")
+
+
+@pytest.fixture(autouse=True)
+def _threads_of_this_test_only(monkeypatch):
+    """Threads that earlier tests in this process left behind (a library's non-daemon pool, such as inductor's
+    compile workers) are not this test's: the rule under test, no workers beside a non-daemon thread, sees the
+    threads each test starts itself and those of autofit."""
+    before = set(threading.enumerate()) - {threading.current_thread()}
+    alive = threading.enumerate
+    monkeypatch.setattr(threading, "enumerate", lambda: [t for t in alive() if t not in before])
 
 
 @pytest.fixture
