@@ -2,9 +2,9 @@
 
 from autofit.analyse import Analysis, LayerRow, LayerTable
 from autofit.api import analyse, estimate, measure
-from autofit.categories import Category
+from autofit.core.categories import Category
 from autofit.cuda.catalog import gpu_spec
-from autofit.errors import (
+from autofit.core.errors import (
     AutofitError,
     ForwardError,
     HostMemoryError,
@@ -15,11 +15,11 @@ from autofit.errors import (
     UnsupportedPrecisionError,
     UnsupportedTorchError,
 )
-from autofit.normalisation import ItemMeanLoss
-from autofit.plan import Alternative, Plan
+from autofit.training.normalisation import ItemMeanLoss
+from autofit.emit.plan import Alternative, Plan
 from autofit.planner import plan
-from autofit.precision import PrecisionPolicy
-from autofit.report import Measurement, MemoryEstimate
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import Measurement, MemoryEstimate
 
 __version__ = "0.1.0"
 

@@ -10,14 +10,14 @@ from torch import nn
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.device import resolve_device
-from autofit.errors import InvalidInputError
-from autofit.loss import LossFn
+from autofit.core.errors import InvalidInputError
+from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
-from autofit.report import Measurement, MemoryEstimate
+from autofit.core.report import Measurement, MemoryEstimate
 from autofit.request import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
-from autofit.step import StepConfig, forward_errors, make_step_config
+from autofit.training.step import StepConfig, forward_errors, make_step_config
 
 __all__ = ["analyse", "estimate", "measure"]
 
@@ -54,7 +54,7 @@ def estimate(
     (nvidia-smi: reserved plus the CUDA context; budgets apply to it). On the CPU the three are equal.
 
     ``optimizer_in_backward``: each parameter is stepped in backward as soon as its gradient is ready, and the
-    gradient freed (Note [optimizer step in backward], autofit/in_backward.py); not with accumulation, clipping,
+    gradient freed (Note [optimizer step in backward], autofit/training/in_backward.py); not with accumulation, clipping,
     fp16 loss scaling or an fp32 master copy.
 
     ``offload``: module names whose saved activations live in host memory between forward and backward

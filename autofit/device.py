@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autofit.categories import Category
-from autofit.cpu import cpu_kernels
-from autofit.errors import InvalidInputError
-from autofit.report import MemoryEstimate
+from autofit.core.categories import Category
+from autofit.core.cpu import cpu_kernels
+from autofit.core.errors import InvalidInputError
+from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import Simulation
 from autofit.simulate.timeline import Phase, host_replay
 

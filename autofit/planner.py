@@ -18,11 +18,11 @@ from typing import Any
 
 from torch import nn
 
-from autofit import progress
+from autofit.core import progress
 from autofit.analyse.table import Analysis
-from autofit.errors import AutofitError, InfeasibleBudgetError, UnsupportedModelError
-from autofit.loss import LossFn
-from autofit.plan import Plan, assemble_plan
+from autofit.core.errors import AutofitError, InfeasibleBudgetError, UnsupportedModelError
+from autofit.training.loss import LossFn
+from autofit.emit.plan import Plan, assemble_plan
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.finish import even_split, optional_pins, pin_cost_notes, rows_table, verify_beside_rows
@@ -33,7 +33,7 @@ from autofit.solve.sharding import shard_units
 from autofit.solve.space import analyse_policies, search_space
 from autofit.solve.verify import (Verified, host_checked, host_fits, infeasible, search_in_backward, search_verified,
                                   smallest_in_backward, smallest_verified, with_offload_minimum)
-from autofit.units import format_bytes
+from autofit.core.units import format_bytes
 
 __all__ = ["plan", "plan_with_analysis"]
 
@@ -56,7 +56,7 @@ def plan(
 
     With ``precision="auto"`` on one GPU, when nothing fits with the parameters in the dtype the model was built in
     (fp32), the planner stores them lower, in order of risk: bf16 (or fp16) with an fp32 master copy, then pure bf16
-    (Note [stored precision] in autofit/stored.py). ``min_stored_precision`` is the floor: "fp32" (never lower),
+    (Note [stored precision] in autofit/training/stored.py). ``min_stored_precision`` is the floor: "fp32" (never lower),
     "fp32-master" (low-precision parameters only with an fp32 master copy) or "bf16" (the default: any).
 
     ``fp32_modules``: module classes, class names or qualified names that must compute in fp32 (say the final norm

@@ -14,16 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit.batch import Batch, as_batch
-from autofit.cpu import cpu_kernels
+from autofit.training.batch import Batch, as_batch
+from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget, resolve_device
-from autofit.errors import InvalidInputError, require_int, require_strategy
-from autofit.length import length_spec
-from autofit.loss import LossFn
-from autofit.optim import OptimizerSpec, as_optimizer_spec
-from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
-from autofit.step import make_step_config, resolve_modules
-from autofit.units import format_bytes, parse_budget
+from autofit.core.errors import InvalidInputError, require_int, require_strategy
+from autofit.training.length import length_spec
+from autofit.training.loss import LossFn
+from autofit.training.optim import OptimizerSpec, as_optimizer_spec
+from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
+from autofit.training.step import make_step_config, resolve_modules
+from autofit.core.units import format_bytes, parse_budget
 
 __all__ = ["Parallel", "PlanRequest", "make_request", "check_model", "as_inputs", "check_capacity", "check_positions",
            "margin_for", "NCCL_RESERVE_BYTES"]
@@ -62,7 +62,7 @@ class PlanRequest:
     auto_precision: bool  # the first policy is the device's fastest ("auto", or a single policy)
     notes: tuple[str, ...] = ()
     # Stored precisions the planner may turn to when the model's own does not fit, in order of risk (Note [stored
-    # precision], autofit/stored.py): each a policy whose ``stored`` is set
+    # precision], autofit/training/stored.py): each a policy whose ``stored`` is set
     stored_options: tuple[PrecisionPolicy, ...] = ()
     # plan(fp32_modules=...): what the user named, and the qualified names each resolved to
     pins: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -331,7 +331,7 @@ def _stored_options(model: nn.Module, precision: Any, target: DeviceTarget, worl
 
 def _cpu_precision_notes(precision: Any, target: DeviceTarget) -> list[str]:
     """precision="auto" on a CPU target leaves out bf16 where this CPU's oneDNN has no bf16 kernels (Note [CPU
-    kernels], autofit/cpu.py): its bf16 matmuls run ATen's slow fallback, and its LSTM cannot run at all. Say so."""
+    kernels], autofit/core/cpu.py): its bf16 matmuls run ATen's slow fallback, and its LSTM cannot run at all. Say so."""
     auto = isinstance(precision, str) and precision.strip().lower() == "auto"
     if not auto or target.kind != "cpu" or target.supports_bf16:
         return []

@@ -54,12 +54,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import autofit  # noqa: E402
-from autofit.batch import as_batch  # noqa: E402
+from autofit.training.batch import as_batch  # noqa: E402
 from autofit.cuda.allocator import round_size  # noqa: E402
 from autofit.cuda.model import context_bytes, cublas_workspace_bytes  # noqa: E402
 from autofit.cuda.target import resolve_gpu  # noqa: E402
-from autofit.optim import as_optimizer_spec  # noqa: E402
-from autofit.units import format_bytes  # noqa: E402
+from autofit.training.optim import as_optimizer_spec  # noqa: E402
+from autofit.core.units import format_bytes  # noqa: E402
 from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
 from zoo import ZOO, ZooCase  # noqa: E402 - tests/zoo.py
 

@@ -7,7 +7,7 @@ parameters, buffers, gradients, optimizer state and every tensor an op makes, an
 warm-up iteration so the optimizer state exists, ``track_external(model, optimizer, inputs)``, then track one
 iteration and read ``get_tracker_snapshot("peak")``.
 
-To be fair the step is autofit's own step code (``autofit.step``): the same checkpoint wrapping, autocast, loss,
+To be fair the step is autofit's own step code (``autofit.training.step``): the same checkpoint wrapping, autocast, loss,
 ``del output`` before backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. What differs is only the
 estimator: MemTracker does not see tensors made outside the dispatcher (checkpoint's RNG state) nor kernel scratch
 memory, and it cannot run code that reads tensor values (``.item()``, data-dependent branches) on fake tensors.
@@ -26,8 +26,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from autofit.batch import as_batch
-from autofit.step import make_step_config, optimizer_step, patched_model, run_micro_batch
+from autofit.training.batch import as_batch
+from autofit.training.step import make_step_config, optimizer_step, patched_model, run_micro_batch
 
 __all__ = ["MemTrackerResult", "memtracker_estimate"]
 

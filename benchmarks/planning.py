@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import autofit  # noqa: E402
-from autofit import progress, workers  # noqa: E402
-from autofit.workers import parallel_available  # noqa: E402
+from autofit.core import progress, workers  # noqa: E402
+from autofit.core.workers import parallel_available  # noqa: E402
 from autofit.simulate import run as simulation  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 from zoo import ZOO  # noqa: E402

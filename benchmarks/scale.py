@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import autofit  # noqa: E402
-from autofit.units import format_bytes  # noqa: E402
+from autofit.core.units import format_bytes  # noqa: E402
 from benchmarks.llama import Llama, llama_7b_config, llama_70b_config  # noqa: E402
 
 GOAL_SECONDS = 60.0
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_plan(cfg, seq: int) -> float:
     """A whole plan, as a user would ask for it: the model as built (fp32), an A100-80GB at 90 %, 64 x ``seq``."""
-    from autofit.progress import listening
+    from autofit.core.progress import listening
 
     with torch.device("meta"):
         model = Llama(cfg)

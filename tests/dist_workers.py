@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autofit
-from autofit.batch import as_batch
+from autofit.training.batch import as_batch
 from autofit.measure.allocator import measure_callable
 from zoo import ZOO
 

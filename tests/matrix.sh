@@ -2,7 +2,7 @@
 # The project's test matrix: the README's test command and what .ci/run runs, from the repository root.
 #   1. the whole suite on torch 2.13.0, the oldest supported release (a CPU build on these machines' disk), in .venv;
 #   2. the suite without the tests marked slow on the newest torch the registry serves, in .venv-newest, so that a
-#      new release that breaks a private API autofit relies on (autofit/_torch.py) fails here first.
+#      new release that breaks a private API autofit relies on (autofit/core/_torch.py) fails here first.
 # A venv that already exists is reused (pip then installs only what changed). Both runs always run; the script exits
 # with the first failing run's status after a one-line summary of both. -rs prints why each skipped test skipped
 # (tests whose truth is a real step on this CPU skip where its kernels cannot run it, Note [CPU kernels]).

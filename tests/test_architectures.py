@@ -1,5 +1,5 @@
 """Reference tests on current Hugging Face architectures (tiny configs, tests/hf_archs.py): estimate against the CPU
-allocator, the MoE routing question, and the fake-kernel corrections behind them (autofit/corrections.py,
+allocator, the MoE routing question, and the fake-kernel corrections behind them (autofit/capture/corrections.py,
 accumulation.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autofit
-from autofit import corrections
+from autofit.capture import corrections
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing, heavy_routing_during
 
@@ -168,7 +168,7 @@ def test_heavy_routing_hits_every_expert_and_fills_the_first() -> None:
 
 def _fake_grouped_mm_refuses_fp32() -> bool:
     """Whether this build's meta kernel of ``_grouped_mm`` is stricter than the CPU kernel (torch 2.13: bf16 only)."""
-    from autofit._torch import FakeTensorMode
+    from autofit.core._torch import FakeTensorMode
 
     with FakeTensorMode():
         a, b = torch.zeros(4, 8), torch.zeros(2, 8, 8)

@@ -1,6 +1,6 @@
 """Checkpointed modules whose arguments are containers the caller mutates afterwards (torchvision's DenseNet: every
 layer gets the growing ``features`` list, the block appends the layer's output after the call). The recomputation
-must see what the first forward saw (Note [checkpoint arguments] in autofit/step.py); a BatchNorm inside a
+must see what the first forward saw (Note [checkpoint arguments] in autofit/training/step.py); a BatchNorm inside a
 checkpointed module must update its running statistics once, as without checkpointing (Note [recomputed BatchNorm]).
 References: plain PyTorch without checkpointing, and the CPU allocator (``autofit.measure``).
 """
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
-from autofit._torch import allocation_sizes, memory_profile
-from autofit.step import _copy_containers, make_step_config, patched_model
+from autofit.core._torch import allocation_sizes, memory_profile
+from autofit.training.step import _copy_containers, make_step_config, patched_model
 
 
 class DenseLayer(nn.Module):

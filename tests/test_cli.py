@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import autofit
 from autofit.cli.app import app
 from autofit.cli.specs import load_spec, parse_overrides, parse_shape
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORY = f"{ROOT / 'examples' / 'factories.py'}:small_cnn"
@@ -161,7 +161,7 @@ def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
 
 
 def test_progress_shows_the_planners_stages_only_on_long_plans():
-    """The planner reports each stage (autofit/progress.py); the CLI's display starts after SHOW_AFTER_SECONDS."""
+    """The planner reports each stage (autofit/core/progress.py); the CLI's display starts after SHOW_AFTER_SECONDS."""
     import io
     import time
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 import autofit
 from autofit.cli.app import app
 from autofit.cli.specs import load_spec
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()

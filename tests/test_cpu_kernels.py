@@ -1,4 +1,4 @@
-"""What this CPU's kernels run natively (autofit/cpu.py, Note [CPU kernels]), and what depends on it.
+"""What this CPU's kernels run natively (autofit/core/cpu.py, Note [CPU kernels]), and what depends on it.
 
 The truth each test compares with is the machine's own behaviour, asked with torch alone (does a bf16 autocast LSTM
 run here?), never autofit's answer. To see a CPU with less than this one, a fresh process runs with
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import autofit
-from autofit.cpu import cpu_kernels
+from autofit.core.cpu import cpu_kernels
 
 try:
     from tests.zoo import ZOO, cpu_cannot_run
@@ -67,7 +67,7 @@ def test_the_bf16_answer_is_the_machines() -> None:
 
 _FACTS = """
     import json
-    from autofit.cpu import cpu_kernels
+    from autofit.core.cpu import cpu_kernels
     from zoo import cpu_cannot_run
     k = cpu_kernels()
     print(json.dumps([k.bf16, k.fp16, k.isa_cap, cpu_cannot_run("lstm", "bf16")]))

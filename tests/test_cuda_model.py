@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autofit
-from autofit.categories import Category
+from autofit.core.categories import Category
 from autofit.cuda import autocast_policy
 from autofit.cuda.allocator import (
     CachingAllocator,

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 import autofit
-from autofit.batch import as_batch
+from autofit.training.batch import as_batch
 from autofit.device import resolve_device
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import EventKind, Phase
-from autofit.step import make_step_config
+from autofit.training.step import make_step_config
 
 
 def _mlp(layers: int = 6, width: int = 64) -> nn.Module:

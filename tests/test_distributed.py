@@ -16,10 +16,10 @@ import torch
 import torch.multiprocessing as mp
 
 import autofit
-from autofit.batch import as_batch
-from autofit.loss import compute_loss
+from autofit.training.batch import as_batch
+from autofit.training.loss import compute_loss
 from autofit.simulate.run import simulate_step
-from autofit.step import make_step_config
+from autofit.training.step import make_step_config
 from zoo import ZOO
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
@@ -121,8 +121,8 @@ def test_ranks_with_batches_of_different_lengths_run_the_same_micro_batches(stra
     """Rank 0 trains 8 rows at the full length 16 (2 rows per micro-batch: 4 micro-batches), rank 1 8 rows at length
     4 (8 rows fit: 1). DDP broadcasts buffers and FSDP2 gathers parameters in every forward, so rank 1 must run 4 too
     (a hang otherwise); the step still equals one full-batch step of the token mean over both ranks."""
-    from autofit.batch import as_batch as batch_of
-    from autofit.length import length_spec
+    from autofit.training.batch import as_batch as batch_of
+    from autofit.training.length import length_spec
 
     torch.manual_seed(0)
     case = ZOO["tied_lm"]()

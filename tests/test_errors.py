@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import autofit
-from autofit.units import parse_budget
+from autofit.core.units import parse_budget
 
 try:
     from tests.zoo import ZOO

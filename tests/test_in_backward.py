@@ -1,4 +1,4 @@
-"""The optimizer step fused into backward (Note [optimizer step in backward], autofit/in_backward.py). Truths: the CPU
+"""The optimizer step fused into backward (Note [optimizer step in backward], autofit/training/in_backward.py). Truths: the CPU
 allocator (``autofit.measure``) for the peak, and a plain optimizer step for the parameters."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import autofit
-from autofit.errors import InvalidInputError
-from autofit.precision import PrecisionPolicy
-from autofit.report import MemoryEstimate
+from autofit.core.errors import InvalidInputError
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import MemoryEstimate
 
 
 def _model() -> nn.Module:

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import autofit
-from autofit.errors import InvalidInputError
-from autofit.export import to_hf_training_arguments
+from autofit.core.errors import InvalidInputError
+from autofit.emit.export import to_hf_training_arguments
 from autofit.planner import plan_with_analysis
 
 ROWS, SEQ, BATCH = 16, 16, 8

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autofit.batch import as_batch
+from autofit.training.batch import as_batch
 from autofit.device import resolve_device
-from autofit.optim import as_optimizer_spec
-from autofit.precision import PrecisionPolicy
+from autofit.training.optim import as_optimizer_spec
+from autofit.training.precision import PrecisionPolicy
 from autofit.request import Parallel, PlanRequest
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.sharding import shard_units

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
-from autofit.plan import Plan
-from autofit.precision import PrecisionPolicy
-from autofit.report import MemoryEstimate
+from autofit.emit.plan import Plan
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import MemoryEstimate
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32: only the order of additions differs from the full-batch step
 LR = 0.1
@@ -131,8 +131,8 @@ def test_hf_causal_lm_padded_labels_match_a_full_batch_step():
 
 def test_hf_counts_shifted_labels():
     # ForCausalLMLoss predicts label t+1 from position t: the first label of each row is never a target
-    from autofit.batch import as_batch
-    from autofit.normalisation import count_items, item_counter
+    from autofit.training.batch import as_batch
+    from autofit.training.normalisation import count_items, item_counter
 
     model = _tiny_gpt2()
     labels = torch.tensor([[5, 6, 7, -100], [8, -100, -100, -100]])

@@ -18,7 +18,7 @@ import autofit
 from autofit.analyse.table import OpCosts
 from autofit.cuda.catalog import GPUS, pcie_bytes_per_second
 from autofit.device import resolve_device
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 from autofit.solve.sharding import shard_units
 from autofit.solve.time_model import HOST_OPTIMIZER_BYTES_PER_SECOND, TimeModel
 

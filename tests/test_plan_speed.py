@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import autofit
-from autofit import progress, workers
+from autofit.core import progress, workers
 from autofit.analyse.analyse import analyse_model
-from autofit.errors import ForwardError
+from autofit.core.errors import ForwardError
 from autofit.planner import _parallel
 from autofit.solve.space import analyse_policies as _analyse
 from autofit.solve.space import search_space as _search_space

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import autofit
-from autofit.batch import as_batch
+from autofit.training.batch import as_batch
 from autofit.measure.allocator import measure_callable
-from autofit.optim import as_optimizer_spec
+from autofit.training.optim import as_optimizer_spec
 
 try:
     from tests.zoo import ZOO, ZooCase

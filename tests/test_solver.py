@@ -282,7 +282,7 @@ def test_smallest_verified_checks_micro_batch_one_too(monkeypatch) -> None:
     """The lowest *modelled* peak can be a large micro-batch the model underestimates (Llama-2-7b on a T4: micro-batch
     32 modelled lowest, verified at 159.77 GiB, while micro-batch 1 verifies at 131.93 GiB). The infeasibility error
     must name the smallest verified budget, so micro-batch 1 is verified as well."""
-    from autofit.report import MemoryEstimate
+    from autofit.core.report import MemoryEstimate
     from autofit.solve import verify as verify_stage
     from autofit.solve.search import Candidate
 

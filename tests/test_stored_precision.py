@@ -1,4 +1,4 @@
-"""Stored precision (Note [stored precision], autofit/stored.py): for each choice the estimate equals the CPU
+"""Stored precision (Note [stored precision], autofit/training/stored.py): for each choice the estimate equals the CPU
 allocator's record, the trainer's step is the step of that scheme, the master copy is fp32, and unwrap() undoes it.
 References: ``autofit.measure`` (the allocator), a plain fp32 PyTorch step, and hand byte counts."""
 
@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import autofit
-from autofit.errors import InvalidInputError
-from autofit.precision import PrecisionPolicy
-from autofit.report import MemoryEstimate
-from autofit.stored import stored_bytes_per_parameter
+from autofit.core.errors import InvalidInputError
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import MemoryEstimate
+from autofit.training.stored import stored_bytes_per_parameter
 
 CHOICES = [
     PrecisionPolicy(name="bf16", stored="fp32"),

@@ -12,7 +12,7 @@ from torch import nn
 import autofit
 from autofit.cli.render import render_plan
 from autofit.cuda.model import CUDA_CONTEXT_BYTES
-from autofit.units import format_bytes
+from autofit.core.units import format_bytes
 
 MiB = 1 << 20
 

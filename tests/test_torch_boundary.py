@@ -1,4 +1,4 @@
-"""autofit/_torch.py, the one place private torch symbols are read: missing pieces fail with a typed error that
+"""autofit/core/_torch.py, the one place private torch symbols are read: missing pieces fail with a typed error that
 names them, process-wide patches are restored, serialised and counted, and the profiler primitives read the
 allocator's record."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from autofit import _torch
-from autofit.errors import AutofitError, UnsupportedTorchError
+from autofit.core import _torch
+from autofit.core.errors import AutofitError, UnsupportedTorchError
 
 
 def test_a_missing_internal_names_itself_and_the_supported_range() -> None:

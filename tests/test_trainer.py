@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
-from autofit.plan import Plan
-from autofit.precision import PrecisionPolicy
-from autofit.report import MemoryEstimate
+from autofit.emit.plan import Plan
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import MemoryEstimate
 
 # fp32: the trainer sums per-micro-batch gradients (weights n_i / N) where the reference reduces the whole batch at
 # once; only the order of float32 additions differs, a few ulps of the gradient, times lr = 0.1.

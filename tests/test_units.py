@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import autofit
-from autofit.units import format_bytes, parse_budget, parse_bytes
+from autofit.core.units import format_bytes, parse_budget, parse_bytes
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_format_then_parse_round_trips(n: int) -> None:
 
 
 def test_format_mib_by_hand() -> None:
-    from autofit.units import format_mib
+    from autofit.core.units import format_mib
 
     assert format_mib(3 * 2**19) == "1.5"  # 1.5 MiB
     assert format_mib(14_230_810_624) == "13,571.6"  # 14,230,810,624 / 1,048,576 = 13,571.56

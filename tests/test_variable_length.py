@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import autofit
-from autofit.batch import as_batch
-from autofit.errors import InvalidInputError
-from autofit.length import batch_length, cut_to_length, length_spec
+from autofit.training.batch import as_batch
+from autofit.core.errors import InvalidInputError
+from autofit.training.length import batch_length, cut_to_length, length_spec
 from autofit.measure.allocator import measure_callable
 from autofit.solve.lengths import rows_by_length, rows_for_length, table_lengths
 

@@ -283,7 +283,7 @@ def _uneven_plan():
 
 
 def test_an_uneven_plan_is_exported_as_a_verified_even_split():
-    from autofit.export import EXPORTERS
+    from autofit.emit.export import EXPORTERS
 
     plan, model, sample, kw, row_bytes = _uneven_plan()
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.last_micro_batch_size) == (4, 3, 2)
@@ -305,7 +305,7 @@ def test_an_uneven_plan_is_exported_as_a_verified_even_split():
 def test_without_an_even_split_the_export_says_its_batch_differs():
     from dataclasses import replace
 
-    from autofit.export import EXPORTERS
+    from autofit.emit.export import EXPORTERS
 
     plan = replace(_uneven_plan()[0], even_split=None)
     notes = EXPORTERS["deepspeed"](plan)["autofit_notes"]
@@ -315,7 +315,7 @@ def test_without_an_even_split_the_export_says_its_batch_differs():
 def test_a_sharded_plan_exports_zero_stage_3():
     from dataclasses import replace
 
-    from autofit.export import EXPORTERS
+    from autofit.emit.export import EXPORTERS
 
     plan = replace(_small_plan(), world_size=2, strategy="fsdp2", batch_size=16)
     assert EXPORTERS["deepspeed"](plan)["zero_optimization"]["stage"] == 3

@@ -9,15 +9,15 @@ from autofit.analyse.boundaries import segment_problems
 from autofit.analyse.layers import ForwardStats, LayerObserver
 from autofit.analyse.profile import CallRecord, build_profile
 from autofit.analyse.table import Analysis, LayerRow, LayerTable, OpCosts, precision_of
-from autofit.batch import Batch
+from autofit.training.batch import Batch
 from autofit.capture.graph import capture_graph
-from autofit.loss import LossFn
-from autofit.optim import OptimizerSpec, as_optimizer_spec
-from autofit.precision import PrecisionPolicy
+from autofit.training.loss import LossFn
+from autofit.training.optim import OptimizerSpec, as_optimizer_spec
+from autofit.training.precision import PrecisionPolicy
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
 from autofit.simulate.timeline import EventKind, Phase
-from autofit.step import StepConfig
-from autofit.workers import run_all
+from autofit.training.step import StepConfig
+from autofit.core.workers import run_all
 
 __all__ = ["analyse_model", "SIZES"]
 
@@ -34,7 +34,7 @@ def analyse_model(
 
     The window is simulated with two micro-batches (the second starts with gradients, as every later micro-batch
     of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1), side by side where a
-    second core allows (Note [parallel simulations], autofit/workers.py). CPU kernel probes run
+    second core allows (Note [parallel simulations], autofit/core/workers.py). CPU kernel probes run
     only with ``probe_kernels=True`` and ``device="cpu"``: the planner asks for them on CPU targets, so the scratch
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. ``strategy``, ``world_size`` and
     ``shard_units`` simulate one rank of a data-parallel step (``simulate/parallel.py``).

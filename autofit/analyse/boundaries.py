@@ -13,6 +13,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from autofit.core._torch import op_schema
 from autofit.capture.graph import Graph, ModuleCall
 
 __all__ = ["segment_problems"]
@@ -46,7 +47,7 @@ def _call_problem(g: nx.DiGraph, nodes: dict, call: ModuleCall) -> str:
             return f"tensors computed inside ({', '.join(sorted(leaks)[:3])}) are used outside it"
     for name in call.nodes:
         node = nodes[name]
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         if node.op != "call_function" or schema is None or not schema.is_mutable:
             continue
         for arg, spec in zip(node.args, schema.arguments):

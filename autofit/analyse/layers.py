@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit._torch import current_autograd_node, pytree
+from autofit.core._torch import current_autograd_node, pytree
 from autofit.capture.module_stack import install_module_stack
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.simulate.tracker import StepTracker
@@ -171,7 +171,7 @@ class LayerObserver:
             self._ids = {id(c): c for c in self.calls}
         return self._ids
 
-    # ---- a worker's results travel pickled (autofit/workers.py) ---------------------------------------------------
+    # ---- a worker's results travel pickled (autofit/core/workers.py) ---------------------------------------------------
     def __getstate__(self) -> dict:
         """What the analysis reads after the run: the results and the timeline they index, without the tracker, the
         hooks or any fake tensor. Calls are referred to by their position, as ids do not survive pickling."""

@@ -9,7 +9,7 @@ import numpy as np
 from autofit.analyse.profile import StepProfile
 from autofit.capture.graph import Graph
 from autofit.simulate.timeline import Timeline
-from autofit.units import format_bytes
+from autofit.core.units import format_bytes
 
 __all__ = ["LayerRow", "LayerTable", "Analysis", "OpCosts", "precision_of"]
 

@@ -12,10 +12,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autofit._torch import TorchDispatchMode, pytree
-from autofit.batch import Batch
+from autofit.core._torch import TorchDispatchMode, pytree
+from autofit.training.batch import Batch
 from autofit.capture.module_stack import install_module_stack
-from autofit.corrections import fake_kernel
+from autofit.capture.corrections import fake_kernel
 
 __all__ = ["record_forward"]
 
@@ -50,7 +50,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        replacement = fake_kernel(func, args, kwargs)  # fake kernels stricter than the CPU's (autofit/corrections.py)
+        replacement = fake_kernel(func, args, kwargs)  # fake kernels stricter than the CPU's (autofit/capture/corrections.py)
         out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)
         if func.namespace == "prim":
             return out

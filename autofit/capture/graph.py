@@ -26,11 +26,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autofit._torch import DATA_DEPENDENT_ERRORS, FakeTensorMode
-from autofit.batch import Batch
+from autofit.core._torch import DATA_DEPENDENT_ERRORS, FakeTensorMode
+from autofit.training.batch import Batch
 from autofit.capture.dispatch_trace import record_forward
 from autofit.capture.model_copy import fake_copy, fake_input, real_copy
-from autofit.errors import UnsupportedModelError
+from autofit.core.errors import UnsupportedModelError
 
 __all__ = ["ModuleCall", "Graph", "capture_graph"]
 

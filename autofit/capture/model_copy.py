@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from autofit._torch import FakeTensorMode, compiled_modules, rewrap_compiled
-from autofit.errors import UnsupportedModelError
+from autofit.core._torch import FakeTensorMode, compiled_modules, rewrap_compiled
+from autofit.core.errors import UnsupportedModelError
 
 __all__ = ["fake_copy", "fake_input", "real_copy", "module_tensor_attributes", "attached_tensors", "has_meta_tensors"]
 

@@ -23,9 +23,9 @@ from autofit.cli.progress import planning_progress
 from autofit.cli.render import console_for, render_plan
 from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
 from autofit.cli.tasks import TASKS
-from autofit.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
-from autofit.export import EXPORTERS
-from autofit.units import format_bytes
+from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
+from autofit.emit.export import EXPORTERS
+from autofit.core.units import format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["resolve_config", "offline_config", "build_model", "model_from_config", "default_task", "HFModel"]
 

@@ -7,7 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["check_output_path", "check_plot"]
 

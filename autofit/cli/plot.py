@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from autofit.analyse.table import LayerTable
-from autofit.plan import Plan
-from autofit.units import MiB
+from autofit.emit.plan import Plan
+from autofit.core.units import MiB
 
 __all__ = ["write_plot"]
 

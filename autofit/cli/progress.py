@@ -1,7 +1,7 @@
 """The planner's stages on the terminal, for plans that take more than about two seconds.
 
 A plan that finishes quickly prints nothing but its result; a longer one shows rich's progress line (spinner, the
-stage the planner reported through ``autofit.progress``, its count, the time so far), removed when the plan is done.
+stage the planner reported through ``autofit.core.progress``, its count, the time so far), removed when the plan is done.
 A timer starts the display, so a long first stage shows up too.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from autofit.progress import Stage, listening
+from autofit.core.progress import Stage, listening
 
 __all__ = ["SHOW_AFTER_SECONDS", "planning_progress"]
 

@@ -9,8 +9,8 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from autofit.analyse.table import LayerTable
-from autofit.plan import Plan
-from autofit.units import format_mib
+from autofit.emit.plan import Plan
+from autofit.core.units import format_mib
 
 __all__ = ["render_plan", "console_for", "group_names"]
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from autofit.cli import tasks
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["ModelSpec", "load_spec", "parse_overrides", "SAMPLE_ROWS"]
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.errors import InvalidInputError, LossError
+from autofit.core.errors import InvalidInputError, LossError
 
 __all__ = ["TASKS", "LM_TASKS", "task_loss", "task_target", "vocab_size", "class_count"]
 

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autofit.batch import as_batch
+from autofit.training.batch import as_batch
 from autofit.capture.model_copy import has_meta_tensors
 from autofit.cli.specs import ModelSpec
 from autofit.measure.allocator import measure_callable
-from autofit.optim import OPTIMIZER_NAMES, as_optimizer_spec
-from autofit.plan import Plan
-from autofit.units import format_mib
+from autofit.training.optim import OPTIMIZER_NAMES, as_optimizer_spec
+from autofit.emit.plan import Plan
+from autofit.core.units import format_mib
 
 __all__ = ["Verification", "run_verification", "materialise"]
 

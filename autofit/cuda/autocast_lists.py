@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit._torch import (
+from autofit.core._torch import (
     FakeTensorMode,
     TorchDispatchMode,
     all_aten_op_names,
     has_dispatch_kernel,
+    op_schema,
 )
 
 __all__ = ["AutocastLists", "autocast_cuda_lists", "ops_with_kernel", "cuda_autocast_state"]
@@ -117,7 +118,7 @@ def _first_op(op, dtypes: list[torch.dtype], dtype_arg: torch.dtype | None = Non
 
         source = tensors()
         args, kwargs = [], {}
-        for arg in op._schema.arguments:
+        for arg in op_schema(op).arguments:
             value = dtype_arg if arg.name == "dtype" and dtype_arg is not None else _argument(arg, source)
             if arg.kwarg_only:
                 kwargs[arg.name] = value
@@ -162,12 +163,12 @@ def observed_policy(name: str) -> str | None:
     b, c = _first_op(op, [f16]), _first_op(op, [f32, f16])
     if any("unsafe to autocast" in str(r) for r in (a, b, c) if not isinstance(r, _Sent)):
         return "banned"
-    if any(arg.name == "dtype" for arg in op._schema.arguments):
+    if any(arg.name == "dtype" for arg in op_schema(op).arguments):
         if _signature(b) != _signature(_first_op(op, [f16], dtype_arg=f16)):
             return "fp32_set_opt_dtype"
     if _is_cast(b, f32):
         return "fp32"
-    if isinstance(b, _Sent) and b.func._overloadpacket is op._overloadpacket and b.func is not op:
+    if isinstance(b, _Sent) and b.func.overloadpacket is op.overloadpacket and b.func is not op:
         return "fp32_append_dtype"
     if _is_cast(c, f32):
         return "promote"

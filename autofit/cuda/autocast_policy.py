@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from autofit._torch import (
+from autofit.core._torch import (
     all_aten_op_names,
     destroy_library,
     exclude_dispatch_key,
@@ -28,6 +28,7 @@ from autofit._torch import (
     is_view,
     patch,
     pytree,
+    op_schema,
 )
 from autofit.cuda.autocast_lists import autocast_cuda_lists
 
@@ -125,7 +126,7 @@ def _kernel(op, policy: str, caster: _Caster):
 
 
 def _has_dtype_arg(op, args: tuple) -> bool:
-    names = [a.name for a in op._schema.arguments]
+    names = [a.name for a in op_schema(op).arguments]
     return "dtype" in names and names.index("dtype") < len(args) and args[names.index("dtype")] is not None
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["GPUSpec", "GPUS", "pcie_bytes_per_second", "gpu_spec", "resolve_alias", "normalise_gpu_name"]
 

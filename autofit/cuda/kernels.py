@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import torch
 
-from autofit._torch import destroy_library, exclude_dispatch_key
+from autofit.core._torch import destroy_library, exclude_dispatch_key
 from autofit.cuda.catalog import GPUSpec
 
 __all__ = ["cuda_kernels", "flash_backward_scratch", "sdpa_backend", "softmax_cuda"]

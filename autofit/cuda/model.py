@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 
-from autofit.categories import Category
+from autofit.core.categories import Category
 from autofit.cuda.allocator import replay_allocator
 from autofit.cuda.catalog import GPUSpec
 from autofit.simulate.timeline import Replay, Timeline

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autofit.batch import Batch
+from autofit.training.batch import Batch
 from autofit.emit.trainer import Trainer
-from autofit.errors import InvalidInputError
-from autofit.loss import LossFn
-from autofit.strategy import apply_fsdp2
+from autofit.core.errors import InvalidInputError
+from autofit.training.loss import LossFn
+from autofit.training.strategy import apply_fsdp2
 
 if TYPE_CHECKING:
-    from autofit.plan import Plan
+    from autofit.emit.plan import Plan
 
 __all__ = ["DistributedTrainer"]
 

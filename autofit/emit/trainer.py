@@ -3,11 +3,11 @@
 ``trainer.step(inputs, target)`` splits the batch into micro-batches of ``plan.micro_batch_size_for`` its length
 (``plan.micro_batch_size`` at the sample's length, more rows for a shorter batch, see Note [rows by length] in
 autofit/solve/lengths.py; the last one may be shorter); a batch longer than the sample given to ``plan()`` is refused
-before anything runs (Note [the length of a batch], autofit/length.py). It moves each to the device of the model's
+before anything runs (Note [the length of a batch], autofit/training/length.py). It moves each to the device of the model's
 parameters, runs it through
-:func:`autofit.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
+:func:`autofit.training.step.run_micro_batch` with the weight n_i / N, so the accumulated gradient equals the gradient of the
 mean loss over the whole batch (n_i counts rows, or the items a token-mean loss averages over: See Note [loss
-normalisation] in autofit/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
+normalisation] in autofit/training/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
 the GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients;
 with ``plan.clip_grad_norm`` it first clips the (unscaled) gradients to that norm. Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
 the model while the trainer is active; ``unwrap()`` restores it.
@@ -22,25 +22,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit._torch import BatchNormBase
-from autofit.batch import Batch, as_batch
-from autofit.errors import InvalidInputError
-from autofit.in_backward import stepping_in_backward
-from autofit.length import batch_length
-from autofit.loss import LossFn
-from autofit.normalisation import LossNormalisation, count_items, item_counter
-from autofit.optim import OptimizerSpec
-from autofit.step import (
+from autofit.core._torch import BatchNormBase
+from autofit.training.batch import Batch, as_batch
+from autofit.core.errors import InvalidInputError
+from autofit.training.in_backward import stepping_in_backward
+from autofit.training.length import batch_length
+from autofit.training.loss import LossFn
+from autofit.training.normalisation import LossNormalisation, count_items, item_counter
+from autofit.training.optim import OptimizerSpec
+from autofit.training.step import (
     StepConfig,
     new_grad_scaler,
     optimizer_step,
     patched_model,
     run_micro_batch,
 )
-from autofit.stored import apply_stored
+from autofit.training.stored import apply_stored
 
 if TYPE_CHECKING:
-    from autofit.plan import Plan
+    from autofit.emit.plan import Plan
 
 __all__ = ["Trainer"]
 

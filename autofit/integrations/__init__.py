@@ -1,6 +1,6 @@
 """Apply a :class:`~autofit.Plan` inside other training loops: Hugging Face ``Trainer`` (:mod:`autofit.integrations.hf`)
 and Lightning (:mod:`autofit.integrations.lightning`). Each imports its library lazily and raises
-:class:`~autofit.errors.InvalidInputError` naming the package to install when it is missing."""
+:class:`~autofit.core.errors.InvalidInputError` naming the package to install when it is missing."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from types import ModuleType
 
 from torch import nn
 
-from autofit.errors import InvalidInputError
-from autofit.optim import as_optimizer_spec
-from autofit.plan import Plan
-from autofit.step import StepConfig, patched_model
+from autofit.core.errors import InvalidInputError
+from autofit.training.optim import as_optimizer_spec
+from autofit.emit.plan import Plan
+from autofit.training.step import StepConfig, patched_model
 
 __all__ = ["require", "plan_patches"]
 
@@ -33,7 +33,7 @@ def _device_type(model: nn.Module) -> str:
 def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
     """The plan's module-level knobs on ``model`` (exactly ``plan.checkpoint`` recomputed with non-reentrant
     checkpointing, ``plan.precision.fp32_modules`` out of autocast), undone on exit: the same patch the emitted
-    Trainer applies (autofit.step.patched_model), so another training loop runs the step autofit simulated."""
+    Trainer applies (autofit.training.step.patched_model), so another training loop runs the step autofit simulated."""
     if plan.world_size > 1 and plan.strategy == "fsdp2":
         raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(model, optimizer)")
     device_type = _device_type(model)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autofit.errors import InvalidInputError
-from autofit.export import to_hf_training_arguments
+from autofit.core.errors import InvalidInputError
+from autofit.emit.export import to_hf_training_arguments
 from autofit.integrations import plan_patches, require
-from autofit.plan import Plan
+from autofit.emit.plan import Plan
 
 __all__ = ["training_arguments", "AutofitCallback", "plan_argument_values"]
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from autofit.batch import as_batch
-from autofit.errors import InvalidInputError
+from autofit.training.batch import as_batch
+from autofit.core.errors import InvalidInputError
 from autofit.integrations import plan_patches, require
-from autofit.plan import Plan
+from autofit.emit.plan import Plan
 
 __all__ = ["AutofitLightningCallback", "lightning_precision"]
 

@@ -14,22 +14,22 @@ from typing import Any
 
 import torch
 
-from autofit._torch import (
+from autofit.core._torch import (
     allocation_sizes,
     grad_scaler_state,
     high_water_mark,
     memory_profile,
     storage_tensors,
 )
-from autofit.batch import Batch
+from autofit.training.batch import Batch
 from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
-from autofit.categories import Category
-from autofit.in_backward import stepping_in_backward
-from autofit.loss import LossFn
-from autofit.normalisation import LossNormalisation
-from autofit.report import Measurement
-from autofit.stored import apply_stored
-from autofit.step import (
+from autofit.core.categories import Category
+from autofit.training.in_backward import stepping_in_backward
+from autofit.training.loss import LossFn
+from autofit.training.normalisation import LossNormalisation
+from autofit.core.report import Measurement
+from autofit.training.stored import apply_stored
+from autofit.training.step import (
     StepConfig,
     new_grad_scaler,
     optimizer_step,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit._torch import current_autograd_node, is_view
+from autofit.core._torch import current_autograd_node, is_view
 from autofit.simulate.timeline import EventKind, Timeline
 
 __all__ = ["AccumulationWatch"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from autofit._torch import (
+from autofit.core._torch import (
     allocation_sizes,
     compile_in_this_thread,
     disable_current_modes,

@@ -27,42 +27,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from autofit._torch import (
-    FakeTensor,
-    foreach_utils,
-    optimizer_internals,
-    patch,
-    patch_lock,
-)
+from autofit.core._torch import FakeTensor, foreach_devices_include, foreach_types_include
 
 __all__ = ["target_implementation"]
-
-
-@contextlib.contextmanager
-def _appended(types: list, extra: type) -> Iterator[None]:
-    added = extra not in types
-    if added:
-        types.append(extra)
-    try:
-        yield
-    finally:
-        if added:
-            types.remove(extra)
 
 
 @contextlib.contextmanager
 def target_implementation(device: str) -> Iterator[None]:
     """See Note [optimizer implementation on the target]."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patch_lock())
-        stack.enter_context(_appended(optimizer_internals._foreach_supported_types, FakeTensor))
-        stack.enter_context(_appended(foreach_utils._foreach_supported_types, FakeTensor))
-        if device == "cuda":
-            cuda_devices = optimizer_internals._get_foreach_kernels_supported_devices
-
-            def with_cpu() -> list[str]:  # the simulation's cpu tensors stand for cuda ones
-                return [*cuda_devices(), "cpu"]
-
-            stack.enter_context(patch(optimizer_internals, "_get_foreach_kernels_supported_devices",
-                                      lambda original: with_cpu))
+        stack.enter_context(foreach_types_include(FakeTensor))
+        if device == "cuda":  # the simulation's cpu tensors stand for cuda ones
+            stack.enter_context(foreach_devices_include("cpu"))
         yield

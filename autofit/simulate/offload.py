@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from autofit._torch import fsdp_internals, patch_lock
+from autofit.core._torch import fsdp_internals, patch_lock
 from autofit.simulate.tracker import StepTracker
 
 __all__ = ["tracked_save_on_cpu", "offloaded_states", "host_optimizer"]

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autofit._torch import fake_store
-from autofit.errors import UnsupportedModelError
+from autofit.core._torch import fake_store
+from autofit.core.errors import UnsupportedModelError
 
 __all__ = ["fake_mesh", "ddp_buckets"]
 

@@ -15,13 +15,13 @@ real tensors of the full shapes and strides, floats filled with 0.5 and integers
 ``_real_like``), under the CPU profiler, and reads what the allocator saw, which is exactly the term the estimate
 needs. Results are cached per process. Kernels whose tensor arguments (the storage each spans, outputs not counted)
 together exceed ``max_probe_bytes`` are not probed (their scratch is small next to tensors that size); the estimate
-lists how many were skipped. Creation, view and copy ops, and ops outside ``aten`` that autofit/corrections.py
+lists how many were skipped. Creation, view and copy ops, and ops outside ``aten`` that autofit/capture/corrections.py
 does not list, are never probed. A GEMM in a dtype this CPU's oneDNN has no kernel for is probed small first (Note
 [small GEMM probes]).
 
 Note [small GEMM probes]
     Where oneDNN has no kernel for a GEMM's dtype (bf16 or fp16 on a CPU without AVX-512, Note [CPU kernels] in
-    autofit/cpu.py), ATen runs its reference loops (aten/src/ATen/native/cpu/BlasKernel.cpp, ``gemm_notrans_`` and
+    autofit/core/cpu.py), ATen runs its reference loops (aten/src/ATen/native/cpu/BlasKernel.cpp, ``gemm_notrans_`` and
     its transposed siblings): about 1 GFLOP/s on two AVX2 cores, so probing one 2048 x 4096 x 11008 GEMM of a
     Llama-7B block takes minutes (issue 28: a 7B estimate ran for over 7 minutes where AVX-512 takes 11 s). Those
     loops keep their fp32 accumulators in ``std::make_unique`` buffers, which the CPU allocator never sees; what it can
@@ -41,14 +41,14 @@ from typing import Any
 
 import torch
 
-from autofit._torch import (
+from autofit.core._torch import (
     allocation_sizes,
     disable_current_modes,
     memory_profile,
     pytree,
 )
-from autofit.corrections import probe_inputs, registered
-from autofit.cpu import cpu_kernels
+from autofit.capture.corrections import probe_inputs, registered
+from autofit.core.cpu import cpu_kernels
 
 __all__ = ["ProbeResult", "RealOutput", "KernelProber", "real_kernel_accepts"]
 
@@ -209,7 +209,7 @@ def _run_probe(func, args: tuple, kwargs: dict) -> ProbeResult:
     # the inputs do not require grad, so no graph is recorded either way.
     with disable_current_modes(), torch.autocast("cpu", enabled=False):
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real_like, (args, kwargs))
-        worst_case = probe_inputs(func)  # kernels whose memory depends on values (autofit/corrections.py)
+        worst_case = probe_inputs(func)  # kernels whose memory depends on values (autofit/capture/corrections.py)
         if worst_case is not None:
             real_args, real_kwargs = worst_case(real_args, real_kwargs)
         with memory_profile() as prof:

@@ -20,7 +20,7 @@ Note [data-dependent models]
     DynamicOutputShapeException for ``nonzero``). The branch taken depends on the data, so no value-free simulation
     can be right; autofit runs the step for real on the CPU with the user's sample rows, tracked exactly like the fake
     run (the kernel probes supply the workspace terms). This needs real weights and enough host memory for one step.
-    A fake kernel that refuses inputs its CPU kernel accepts, with no correction in autofit/corrections.py
+    A fake kernel that refuses inputs its CPU kernel accepts, with no correction in autofit/capture/corrections.py
     (``FakeKernelStricter``), falls back the same way.
 
 Note [compiled code in a simulation]
@@ -40,7 +40,7 @@ Note [MoE routing]
     the routing, and the grouped GEMM's CPU kernel writes one ``mm`` per group into slices of a fixed-size output
     (aten/src/ATen/native/GroupedMMUtils.h, ``_grouped_mm_fallback``), so only its scratch could depend on the group
     sizes; the kernel probe measures it with every row in one group, the largest GEMM a routing can ask for
-    (autofit/corrections.py). Measured on Mixtral: identical peaks for a batch that routes every token alike and a
+    (autofit/capture/corrections.py). Measured on Mixtral: identical peaks for a batch that routes every token alike and a
     random batch (tests/test_architectures.py). The ``eager`` implementation loops over the experts that were hit
     (``nonzero``, a data-dependent shape: the real-run fallback), and its buffers are sized by the tokens each
     expert receives and by how many experts are hit. Measured on the same model (micro-batch 2): every token to the
@@ -64,7 +64,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from autofit._torch import (
+from autofit.core._torch import (
     DATA_DEPENDENT_ERRORS,
     compiled_code_runs_eagerly,
     compiled_modules,
@@ -75,7 +75,7 @@ from autofit._torch import (
     unset_fake_temporarily,
     value_free_grad_scaler,
 )
-from autofit.batch import Batch
+from autofit.training.batch import Batch
 from autofit.capture.model_copy import (
     fake_copy,
     attached_tensors,
@@ -84,12 +84,12 @@ from autofit.capture.model_copy import (
     real_copy,
 )
 from autofit.capture.module_stack import install_module_stack
-from autofit.categories import Category
-from autofit.corrections import FakeKernelStricter
-from autofit.errors import AutofitError, ForwardError, UnsupportedModelError
-from autofit.in_backward import stepping_in_backward
-from autofit.loss import LossFn
-from autofit.normalisation import LossNormalisation
+from autofit.core.categories import Category
+from autofit.capture.corrections import FakeKernelStricter
+from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
+from autofit.training.in_backward import stepping_in_backward
+from autofit.training.loss import LossFn
+from autofit.training.normalisation import LossNormalisation
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
@@ -99,14 +99,14 @@ from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
 from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
-from autofit.step import (
+from autofit.training.step import (
     StepConfig,
     optimizer_step,
     patched_model,
     run_micro_batch,
 )
-from autofit.stored import apply_stored
-from autofit.strategy import apply_fsdp2
+from autofit.training.stored import apply_stored
+from autofit.training.strategy import apply_fsdp2
 
 __all__ = ["Simulation", "simulate_step", "probes_kernels", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
 
@@ -117,7 +117,7 @@ _PROBER = KernelProber()
 
 def probes_kernels(config: StepConfig, probe_kernels: bool = True) -> bool:
     """Whether a simulation of ``config`` runs real CPU kernels to measure their scratch memory: then it must run in
-    this process, with its thread count (Note [parallel simulations], autofit/workers.py)."""
+    this process, with its thread count (Note [parallel simulations], autofit/core/workers.py)."""
     return probe_kernels and config.device == "cpu"
 
 
@@ -293,7 +293,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if tracker.unregistered_corrections:
         ops = ", ".join(sorted(tracker.unregistered_corrections))
         notes.append(f"the CPU kernels of {ops} return other outputs than their fake kernels; corrected from a probe "
-                     "(not yet listed in autofit/corrections.py)")
+                     "(not yet listed in autofit/capture/corrections.py)")
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))

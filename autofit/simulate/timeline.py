@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from autofit.categories import Category
+from autofit.core.categories import Category
 
 __all__ = ["Phase", "EventKind", "StorageRecord", "OpRecord", "Timeline", "Replay", "replay", "host_replay"]
 

@@ -19,17 +19,19 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from autofit._torch import (
+from autofit.core._torch import (
     DATA_DEPENDENT_ERRORS,
     FakeTensor,
     TorchDispatchMode,
     patch,
     pytree,
     storage_tensors,
+    dtensor_local,
+    op_schema,
 )
-from autofit.categories import Category
-from autofit.corrections import FakeKernelStricter, fake_kernel, registered
-from autofit.cpu import require_kernel
+from autofit.core.categories import Category
+from autofit.capture.corrections import FakeKernelStricter, fake_kernel, registered
+from autofit.core.cpu import require_kernel
 from autofit.simulate.accumulation import AccumulationWatch
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
@@ -203,7 +205,7 @@ class StepTracker(TorchDispatchMode):
             # a real run (Note [data-dependent models]) already has the CPU kernel's outputs, with their values:
             # replacing them by the probe's (run on dummy values) would corrupt value-dependent ops such as nonzero
             matched, real_bytes = _match_real_outputs(out, probe.outputs)
-            if (matched is not out or real_bytes) and registered(func) is None and not func._schema.is_mutable:
+            if (matched is not out or real_bytes) and registered(func) is None and not op_schema(func).is_mutable:
                 self.unregistered_corrections.add(str(func))
             out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
@@ -250,7 +252,7 @@ def _is_fake(out: Any) -> bool:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank stores); any other tensor itself."""
-    local = getattr(t, "_local_tensor", None)
+    local = dtensor_local(t)
     return local if isinstance(local, torch.Tensor) else t
 
 

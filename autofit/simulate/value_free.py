@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from autofit._torch import FakeTensor, TorchDispatchMode, pytree
+from autofit.core._torch import FakeTensor, TorchDispatchMode, pytree
 
 __all__ = ["VALUE_FREE_STEPS", "ValueFreeStep", "reads_values_harmlessly"]
 

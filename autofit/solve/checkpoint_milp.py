@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from autofit._torch import quiet_native_output
+from autofit.core._torch import quiet_native_output
 
 __all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "brute_force_checkpoint"]
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from autofit import progress
-from autofit.length import cut_to_length, length_spec
-from autofit.precision import PrecisionPolicy
-from autofit.report import MemoryEstimate
+from autofit.core import progress
+from autofit.training.length import cut_to_length, length_spec
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import Simulation, simulate_step
 from autofit.solve.search import Candidate
-from autofit.step import StepConfig, forward_errors, make_step_config
+from autofit.training.step import StepConfig, forward_errors, make_step_config
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import Parallel, PlanRequest

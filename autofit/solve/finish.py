@@ -9,18 +9,18 @@ import functools
 from collections.abc import Callable
 from dataclasses import replace
 
-from autofit import progress
+from autofit.core import progress
 from autofit.analyse.table import Analysis
-from autofit.length import LengthSpec, length_spec
-from autofit.precision import PrecisionPolicy
-from autofit.report import MemoryEstimate
+from autofit.training.length import LengthSpec, length_spec
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import probes_kernels
 from autofit.solve.estimator import Estimator, with_rows
 from autofit.solve.lengths import first_guesses, rows_by_length
 from autofit.solve.search import Candidate
 from autofit.solve.verify import Verified
-from autofit.units import format_bytes
-from autofit.workers import parallel_available, run_all
+from autofit.core.units import format_bytes
+from autofit.core.workers import parallel_available, run_all
 
 __all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows"]
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from autofit.precision import PrecisionPolicy
+from autofit.training.precision import PrecisionPolicy
 from autofit.solve.sharding import shard_units
-from autofit.stored import stored_bytes_per_parameter
+from autofit.training.stored import stored_bytes_per_parameter
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import Parallel, PlanRequest

@@ -1,6 +1,6 @@
 """Rows per micro-batch at shorter lengths: the plan's table for variable-length batches.
 
-See Note [rows by length] and, for what "length" means, Note [the length of a batch] in autofit/length.py.
+See Note [rows by length] and, for what "length" means, Note [the length of a batch] in autofit/training/length.py.
 
 Note [rows by length]
     The planner chooses its configuration at the sample's length ``L`` (the longest batch). A batch of length

@@ -13,7 +13,7 @@ Note [the quick path]
 from __future__ import annotations
 
 from autofit.analyse.analyse import op_costs
-from autofit.precision import PrecisionPolicy
+from autofit.training.precision import PrecisionPolicy
 from autofit.solve.estimator import Estimator, announce
 from autofit.solve.search import Candidate
 from autofit.solve.time_model import build_time_model

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autofit import progress
+from autofit.core import progress
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
-from autofit.precision import PrecisionPolicy
+from autofit.training.precision import PrecisionPolicy
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.search import SearchSpace
 from autofit.solve.time_model import build_time_model
-from autofit.step import forward_errors
+from autofit.training.step import forward_errors
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import Parallel, PlanRequest

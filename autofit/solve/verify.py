@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from autofit.errors import HostMemoryError, InfeasibleBudgetError
-from autofit.report import MemoryEstimate
+from autofit.core.errors import HostMemoryError, InfeasibleBudgetError
+from autofit.core.report import MemoryEstimate
 from autofit.solve.search import (
     Candidate,
     SearchSpace,
@@ -19,7 +19,7 @@ from autofit.solve.search import (
     search,
     smallest_peaks,
 )
-from autofit.units import format_bytes
+from autofit.core.units import format_bytes
 
 __all__ = ["Verified", "MAX_VERIFICATIONS", "search_verified", "search_in_backward", "smallest_in_backward",
            "smallest_verified", "infeasible", "host_checked", "host_fits", "with_offload_minimum"]

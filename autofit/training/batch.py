@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from autofit._torch import pytree
-from autofit.errors import InvalidInputError
+from autofit.core._torch import pytree
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["Batch", "as_batch"]
 

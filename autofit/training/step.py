@@ -21,25 +21,25 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from autofit._torch import (
+from autofit.core._torch import (
     PASSTHROUGH_ERRORS,
     BatchNormBase,
     module_call_codes,
     tree_map,
 )
-from autofit.batch import Batch
-from autofit.cpu import translate_kernel_error
-from autofit.errors import (
+from autofit.training.batch import Batch
+from autofit.core.cpu import translate_kernel_error
+from autofit.core.errors import (
     ForwardError,
     InvalidInputError,
     require_int,
     require_strategy,
 )
-from autofit.in_backward import check_in_backward
-from autofit.loss import LossFn, compute_loss
-from autofit.optim import OptimizerSpec, as_optimizer_spec
-from autofit.precision import PrecisionPolicy, as_policy
-from autofit.stored import StoredState
+from autofit.training.in_backward import check_in_backward
+from autofit.training.loss import LossFn, compute_loss
+from autofit.training.optim import OptimizerSpec, as_optimizer_spec
+from autofit.training.precision import PrecisionPolicy, as_policy
+from autofit.training.stored import StoredState
 
 __all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
            "forward_errors"]
@@ -352,7 +352,7 @@ def run_micro_batch(
     """Forward, loss and backward of one micro-batch; gradients accumulate into ``.grad``. Returns the loss, detached.
 
     ``weight`` is this micro-batch's share of the effective batch (its rows, or the items a token-mean loss averages
-    over, out of the batch's: :class:`autofit.normalisation.LossNormalisation`), so that summing the weighted mean
+    over, out of the batch's: :class:`autofit.training.normalisation.LossNormalisation`), so that summing the weighted mean
     losses of the micro-batches gives the mean loss of the whole batch (and its gradient).
     ``on_phase`` is told "forward" and "backward" as they start (the simulator files allocations by phase).
     """
@@ -411,7 +411,7 @@ def forward_errors(precision: PrecisionPolicy | None = None) -> Iterator[None]:
     """Turn an exception raised by the user's forward or loss while autofit runs them on its own copy of the model
     into a :class:`ForwardError` naming the innermost module that was running. ``precision``: the precision of a step
     that runs for real on this CPU, whose oneDNN may have no kernel for it (an :class:`UnsupportedPrecisionError`
-    then, Note [CPU kernels] in autofit/cpu.py).
+    then, Note [CPU kernels] in autofit/core/cpu.py).
 
     The module is read off the traceback (the ``Module.__call__`` frames it unwound through), so nothing is installed
     on the model. The trainer, which runs the user's own model, does not use this: its exceptions stay the user's.

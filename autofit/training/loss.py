@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autofit._torch import PASSTHROUGH_ERRORS
-from autofit.errors import LossError
+from autofit.core._torch import PASSTHROUGH_ERRORS
+from autofit.core.errors import LossError
 
 __all__ = ["LossFn", "compute_loss"]
 

@@ -5,7 +5,7 @@ own op lists decide what runs in low precision (matmuls, convolutions) and what 
 A policy can pin modules to fp32: their forward runs with autocast disabled and floating inputs cast back to fp32.
 fp16 needs loss scaling (``torch.amp.GradScaler``); bf16 does not (same exponent range as fp32).
 ``stored`` is the other half: the dtype parameters, gradients and optimizer state are kept in between steps, with or
-without an fp32 master copy (See Note [stored precision] in autofit/stored.py).
+without an fp32 master copy (See Note [stored precision] in autofit/training/stored.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["PrecisionPolicy", "as_policy", "PRECISION_NAMES", "STORED_NAMES", "stored_dtype"]
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from autofit.categories import Category
-from autofit.units import format_bytes
+from autofit.core.categories import Category
+from autofit.core.units import format_bytes
 
 __all__ = ["MemoryEstimate", "Measurement"]
 

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit.batch import Batch
-from autofit.errors import InvalidInputError
-from autofit.loss import LossFn
+from autofit.training.batch import Batch
+from autofit.core.errors import InvalidInputError
+from autofit.training.loss import LossFn
 
 __all__ = ["IGNORE_INDEX", "ItemMeanLoss", "LossNormalisation", "count_items", "item_counter"]
 

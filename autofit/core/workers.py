@@ -45,7 +45,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from autofit import progress
+from autofit.core import progress
 
 __all__ = ["Pending", "start", "run_all", "parallel_available", "ENV"]
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from autofit._torch import pytree
-from autofit.batch import Batch
-from autofit.errors import InvalidInputError
+from autofit.core._torch import pytree
+from autofit.training.batch import Batch
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["LengthSpec", "batch_length", "cut_to_length", "length_spec"]
 

@@ -43,7 +43,7 @@ class UnsupportedModelError(AutofitError, RuntimeError):
 
 class UnsupportedPrecisionError(AutofitError, RuntimeError):
     """This CPU has no kernel for an op at the precision asked (oneDNN's bf16 and fp16 kernels need AVX-512, see
-    Note [CPU kernels] in autofit/cpu.py). ``op`` names the operator, ``module`` the innermost module running it (None
+    Note [CPU kernels] in autofit/core/cpu.py). ``op`` names the operator, ``module`` the innermost module running it (None
     when not known), ``precision`` the precision name ("bf16", "fp16")."""
 
     def __init__(self, message: str, *, op: str, precision: str, module: str | None = None) -> None:
@@ -73,7 +73,7 @@ class HostMemoryError(AutofitError):
 
 
 class UnsupportedTorchError(AutofitError, ImportError):
-    """The installed torch lacks an internal autofit relies on (see autofit/_torch.py); the message names it and the
+    """The installed torch lacks an internal autofit relies on (see autofit/core/_torch.py); the message names it and the
     supported range."""
 
 

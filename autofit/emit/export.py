@@ -16,7 +16,7 @@ without one says under ``autofit_notes`` that the exported batch differs. Sharde
 DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp="full_shard"`` with FSDP version 2, and
 Lightning's ``strategy``.
 
-Stored precision (Note [stored precision], autofit/stored.py) maps where the framework has the same scheme: pure bf16
+Stored precision (Note [stored precision], autofit/training/stored.py) maps where the framework has the same scheme: pure bf16
 is Lightning's "bf16-true" and, for Hugging Face, loading the model with ``torch_dtype=torch.bfloat16``; bf16/fp16
 parameters with an fp32 master copy are DeepSpeed's ``bf16`` / ``fp16`` modes (its optimizer keeps fp32 master
 weights). Where a framework has no such scheme the export says so under ``autofit_notes`` rather than picking a
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autofit.plan import Plan
+from autofit.emit.plan import Plan
 
 __all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "EXPORTERS"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["OptimizerSpec", "as_optimizer_spec", "OPTIMIZER_NAMES"]
 

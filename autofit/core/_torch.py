@@ -24,16 +24,16 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from autofit.errors import AutofitError, UnsupportedTorchError
+from autofit.core.errors import AutofitError, UnsupportedTorchError
 
 __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
-    "compiled_modules", "rewrap_compiled", "compiled_code_runs_eagerly", "compile_in_this_thread", "optimizer_internals", "foreach_utils", "destroy_library",
+    "compiled_modules", "rewrap_compiled", "compiled_code_runs_eagerly", "compile_in_this_thread", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
-    "onednn_low_precision",
+    "onednn_low_precision", "op_schema", "dtensor_local",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -86,15 +86,55 @@ BatchNormBase = _need("torch.nn.modules.batchnorm", "_BatchNorm")
 # ---- optimizer implementation choice (simulate/foreach.py) ------------------------------------------------------
 # torch picks foreach / fused / for-loop per parameter group from these (torch/optim/optimizer.py,
 # torch/utils/_foreach_utils.py); the simulation makes fake CPU tensors count as the target's.
-optimizer_internals = importlib.import_module("torch.optim.optimizer")
-foreach_utils = importlib.import_module("torch.utils._foreach_utils")
-for _module, _name in ((optimizer_internals, "_foreach_supported_types"),
-                       (optimizer_internals, "_get_foreach_kernels_supported_devices"),
-                       (optimizer_internals, "_default_to_fused_or_foreach"),
-                       (foreach_utils, "_foreach_supported_types")):
+_optimizer_internals = importlib.import_module("torch.optim.optimizer")
+_foreach_utils = importlib.import_module("torch.utils._foreach_utils")
+for _module, _name in ((_optimizer_internals, "_foreach_supported_types"),
+                       (_optimizer_internals, "_get_foreach_kernels_supported_devices"),
+                       (_optimizer_internals, "_default_to_fused_or_foreach"),
+                       (_foreach_utils, "_foreach_supported_types")):
     _need(_module.__name__, _name)
 
-# ---- oneDNN's low-precision kernels (autofit/cpu.py, Note [CPU kernels]) -------------------------------------------
+
+@contextlib.contextmanager
+def foreach_types_include(extra: type) -> Iterator[None]:
+    """``extra`` passes the type checks of the optimizer's implementation choice
+    (``optimizer._foreach_supported_types``) and of ``clip_grad_norm_`` (``_foreach_utils._foreach_supported_types``)
+    for the duration, under the patch lock."""
+    lists = (_optimizer_internals._foreach_supported_types, _foreach_utils._foreach_supported_types)
+    with _PATCH_LOCK:
+        added = [types for types in lists if extra not in types]
+        for types in added:
+            types.append(extra)
+        try:
+            yield
+        finally:
+            for types in added:
+                types.remove(extra)
+
+
+@contextlib.contextmanager
+def foreach_devices_include(device: str) -> Iterator[Patch]:
+    """``device`` passes the optimizer's foreach device check
+    (``optimizer._get_foreach_kernels_supported_devices``) for the duration."""
+    with patch(_optimizer_internals, "_get_foreach_kernels_supported_devices",
+               lambda original: lambda: [*original(), device]) as record:
+        yield record
+
+
+# ---- operator schemas and DTensor shards (capture, simulate, cuda) ----------------------------------------------
+def op_schema(op: object) -> Any:
+    """An operator overload's ``FunctionSchema`` (arguments, ``is_mutable``, alias info): ``OpOverload._schema``,
+    which torch names nowhere publicly. None for anything else (a Python function, a module)."""
+    return getattr(op, "_schema", None)
+
+
+def dtensor_local(t: object) -> Any:
+    """A DTensor's local shard as stored (``DTensor._local_tensor``), without the view ``to_local()`` would make
+    (an allocation-free read, as the tracker needs); None for any other tensor."""
+    return getattr(t, "_local_tensor", None)
+
+
+# ---- oneDNN's low-precision kernels (autofit/core/cpu.py, Note [CPU kernels]) -------------------------------------------
 # No public API says whether oneDNN has bf16 / fp16 kernels on this CPU. torch registers two operators that ask ideep
 # (``ideep::has_bf16_type_support``: oneDNN's effective ISA, the CPU's capped by ONEDNN_MAX_CPU_ISA, at least
 # AVX512_CORE; ``has_fp16_type_support``: at least AVX512_CORE_FP16), which torch's own tests use. They exist only in
@@ -181,7 +221,7 @@ def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager:
 def compile_in_this_thread() -> contextlib.AbstractContextManager:
     """Inductor compiles in the calling thread (``compile_threads=1``): with more, it starts a ThreadPoolExecutor
     whose worker is not a daemon and lives as long as the process, and autofit forks no simulation workers beside a
-    non-daemon thread (Note [parallel simulations], autofit/workers.py), so one compiled optimizer step measured in a
+    non-daemon thread (Note [parallel simulations], autofit/core/workers.py), so one compiled optimizer step measured in a
     simulation would make every later plan serial."""
     import torch._inductor.config as inductor_config  # lazily: importing inductor costs seconds
 

@@ -12,7 +12,7 @@ Note [optimizer step in backward]
     The tutorial builds one optimizer per parameter. Here the user's own optimizer steps, restricted for the
     duration of the hook to the one parameter's group holding just that parameter: its state (keyed by the
     parameter), its hyperparameters and an LR scheduler attached to it all stay what the user made. The same code
-    runs in the simulation, in ``measure`` and in the trainer (``autofit/step.py``).
+    runs in the simulation, in ``measure`` and in the trainer (``autofit/training/step.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["check_in_backward", "stepping_in_backward"]
 

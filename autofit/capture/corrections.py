@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from autofit._torch import FakeTensor
+from autofit.core._torch import FakeTensor
 
 __all__ = ["Correction", "CORRECTIONS", "FakeKernelStricter", "correction", "fake_kernel", "probe_inputs",
            "registered"]
@@ -54,7 +54,7 @@ class FakeKernelStricter(Exception):
 
     def __init__(self, op: str, error: Exception) -> None:
         super().__init__(f"the fake kernel of {op} raised {type(error).__name__}: {str(error).splitlines()[0]}; "
-                         "its CPU kernel accepts these inputs, and autofit/corrections.py has no correction for it")
+                         "its CPU kernel accepts these inputs, and autofit/capture/corrections.py has no correction for it")
         self.op = op
 
 

@@ -47,5 +47,5 @@ def listening(callback: Callable[[Stage], None]) -> Iterator[None]:
 
 def silence() -> None:
     """Stop reporting in this context for good (a forked worker: its parent's listener draws on the parent's
-    terminal, see autofit/workers.py)."""
+    terminal, see autofit/core/workers.py)."""
     _listener.set(None)

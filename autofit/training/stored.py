@@ -26,7 +26,7 @@ Note [stored precision]
     DeepSpeed. Modules pinned to fp32 (``PrecisionPolicy.fp32_modules``) keep fp32 parameters: they run outside
     autocast. Low-precision storage needs autocast of the same dtype, so that inputs and fp32-pinned outputs meet
     low-precision weights in ops autocast casts. The same code runs in the simulation, in ``measure`` and in the
-    trainer (``autofit/step.py``), so the estimate counts exactly what the trainer holds.
+    trainer (``autofit/training/step.py``), so the estimate counts exactly what the trainer holds.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autofit.precision import stored_dtype
+from autofit.training.precision import stored_dtype
 
 __all__ = ["StoredState", "apply_stored", "stored_bytes_per_parameter"]
 

@@ -6,7 +6,7 @@ Note [CPU kernels]
     matmuls, the LSTM layer). oneDNN has bf16 kernels only where its effective ISA is at least AVX512_CORE (bf16
     converted in AVX-512 registers, or AVX512_BF16 / AMX instructions where the CPU has them), and fp16 kernels
     from AVX512_CORE_FP16 (ideep's ``has_bf16_type_support`` / ``has_fp16_type_support``; autofit asks them through
-    ``autofit._torch.onednn_low_precision``). The effective ISA is the CPU's, capped by ``ONEDNN_MAX_CPU_ISA``,
+    ``autofit.core._torch.onednn_low_precision``). The effective ISA is the CPU's, capped by ``ONEDNN_MAX_CPU_ISA``,
     which oneDNN reads once when it starts: ``ONEDNN_MAX_CPU_ISA=AVX2`` makes an AVX-512 machine count as one
     without bf16 kernels, which is how the tests emulate an AVX2-only CPU. ``cpuinfo``'s flags
     (``torch.cpu._is_avx512_bf16_supported``) describe the silicon and ignore that cap, so they are not used.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit._torch import onednn_low_precision
-from autofit.errors import UnsupportedPrecisionError
+from autofit.core._torch import onednn_low_precision
+from autofit.core.errors import UnsupportedPrecisionError
 
 __all__ = ["CpuKernels", "cpu_kernels", "require_kernel", "translate_kernel_error", "ISA_VARIABLES"]
 

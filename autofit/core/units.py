@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from autofit.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError
 
 __all__ = ["parse_bytes", "parse_budget", "format_bytes", "format_mib", "MiB"]
 

@@ -8,13 +8,13 @@ from typing import Any
 
 from torch import nn
 
-from autofit.errors import InvalidInputError, require_int, require_strategy
-from autofit.length import LengthSpec
-from autofit.precision import PrecisionPolicy
-from autofit.report import MemoryEstimate
+from autofit.core.errors import InvalidInputError, require_int, require_strategy
+from autofit.training.length import LengthSpec
+from autofit.training.precision import PrecisionPolicy
+from autofit.core.report import MemoryEstimate
 from autofit.solve.lengths import rows_for_length
 from autofit.solve.search import Candidate, pareto_front
-from autofit.units import format_bytes, format_mib
+from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Plan", "assemble_plan"]
 
@@ -61,11 +61,11 @@ class Plan:
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
     clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
     peak_reserved_bytes: int = 0  # ~ max_memory_reserved (0: taken from the estimate)
-    # Variable-length batches (Note [the length of a batch], autofit/length.py): the sample's maximum sizes, and
+    # Variable-length batches (Note [the length of a batch], autofit/training/length.py): the sample's maximum sizes, and
     # the rows per micro-batch each length fits, longest first (Note [rows by length], solve/lengths.py).
     lengths: LengthSpec | None = None
     rows_by_length: tuple[tuple[int, int], ...] = ()
-    # the optimizer steps each parameter in backward (Note [optimizer step in backward], autofit/in_backward.py)
+    # the optimizer steps each parameter in backward (Note [optimizer step in backward], autofit/training/in_backward.py)
     optimizer_in_backward: bool = False
     # offloading (Note [offload], docs/offload.md): modules whose saved activations live in host memory, and whether
     # parameters, gradients and optimizer state do (FSDP2's CPUOffloadPolicy, strategy "fsdp2" on world_size ranks)
