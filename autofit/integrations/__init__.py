@@ -15,7 +15,7 @@ from autofit.training.optim import as_optimizer_spec
 from autofit.emit.plan import Plan
 from autofit.training.step import StepConfig, patched_model
 
-__all__ = ["require", "plan_patches"]
+__all__ = ["require", "plan_patches", "checked_plan"]
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -24,6 +24,20 @@ def require(module: str, extra: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         raise InvalidInputError(f"this integration needs {module.split('.')[0]}: pip install '{extra}'") from e
+
+
+def checked_plan(plan: object, callback: str) -> Plan:
+    """``plan`` if a callback named ``callback`` can apply it: a Plan whose parameters stay in their own precision
+    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision])."""
+    if not isinstance(plan, Plan):
+        raise InvalidInputError(f"{callback} needs an autofit.Plan, got {type(plan).__name__}")
+    if plan.precision.stored not in (None, "fp32"):
+        raise InvalidInputError(
+            f"this plan stores the parameters as {plan.precision.stored} (Note [stored precision]), which "
+            f"{callback} does not apply: train it with plan.wrap(model, optimizer), or plan with "
+            "min_stored_precision='fp32'"
+        )
+    return plan
 
 
 def _device_type(model: nn.Module) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.emit.export import to_hf_training_arguments
-from autofit.integrations import plan_patches, require
+from autofit.integrations import checked_plan, plan_patches, require
 from autofit.emit.plan import Plan
 
 __all__ = ["training_arguments", "AutofitCallback", "plan_argument_values"]
@@ -55,14 +55,7 @@ def _callback_class():
         ``train()`` runs (see the module's docstring)."""
 
         def __init__(self, plan: Plan) -> None:
-            if not isinstance(plan, Plan):
-                raise InvalidInputError(f"AutofitCallback needs an autofit.Plan, got {type(plan).__name__}")
-            if plan.precision.stored not in (None, "fp32"):
-                raise InvalidInputError(
-                    f"this plan stores the parameters as {plan.precision.stored} (Note [stored precision]), which "
-                    "AutofitCallback does not apply: train it with plan.wrap(model, optimizer), or plan with "
-                    "min_stored_precision='fp32'"
-                )
+            plan = checked_plan(plan, "AutofitCallback")
             self.plan = plan
             self._patch = None
 

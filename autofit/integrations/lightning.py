@@ -22,7 +22,7 @@ import torch
 
 from autofit.training.batch import as_batch
 from autofit.core.errors import InvalidInputError
-from autofit.integrations import plan_patches, require
+from autofit.integrations import checked_plan, plan_patches, require
 from autofit.emit.plan import Plan
 
 __all__ = ["AutofitLightningCallback", "lightning_precision"]
@@ -63,14 +63,7 @@ def _callback_class():
         """Applies a :class:`~autofit.Plan` to a Lightning ``Trainer`` and its LightningModule (see the module)."""
 
         def __init__(self, plan: Plan) -> None:
-            if not isinstance(plan, Plan):
-                raise InvalidInputError(f"AutofitLightningCallback needs an autofit.Plan, got {type(plan).__name__}")
-            if plan.precision.stored not in (None, "fp32"):
-                raise InvalidInputError(
-                    f"this plan stores the parameters as {plan.precision.stored} (Note [stored precision]), which "
-                    "AutofitLightningCallback does not apply: train it with plan.wrap(model, optimizer), or plan with "
-                    "min_stored_precision='fp32'"
-                )
+            plan = checked_plan(plan, "AutofitLightningCallback")
             if plan.world_size > 1 and plan.strategy == "fsdp2":
                 raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(...)")
             self.plan = plan

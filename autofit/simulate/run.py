@@ -323,22 +323,15 @@ def _tracked_rng_state(fake: bool) -> Iterator[None]:
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, stored=None) -> None:
-    """Steady state: one optimizer step over zero gradients creates every piece of state a real step would."""
+    """Steady state: one optimizer step over zero gradients creates every piece of state a real step would. It is
+    the trainer's step (``optimizer_step``); a GradScaler's scale tensor is made first, as the first ``scale`` of a
+    loss would (``scaler.step`` unscales by itself, leaving the same per-device ``found_inf``)."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    if stored is not None:
-        stored.before_step()
     if scaler is not None:
         scaler.scale(torch.ones((), device="cpu"))  # creates the scale tensor
-        scaler.unscale_(optimizer)
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if stored is not None:
-        stored.after_step()
+    optimizer_step(optimizer, scaler, stored=stored)
 
 
 def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target, stored=None, *,
