@@ -117,6 +117,5 @@ def analyse(
     batch, target_batch = as_inputs(sample, target)
     config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)
     with forward_errors():  # the graph capture runs the forward outside the simulator's own error handling
-        return analyse_model(model, batch, target_batch, loss_fn, config.precision, config.optimizer,
-                             device=config.device, gpu=config.gpu,
+        return analyse_model(model, batch, target_batch, loss_fn, config,
                              device_rules=resolve_device(config.device, config.gpu).simulation_rules)

@@ -22,7 +22,7 @@ from autofit.training.length import length_spec
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
-from autofit.training.step import make_step_config, resolve_modules
+from autofit.training.step import StepConfig, make_step_config, resolve_modules
 from autofit.core.units import format_bytes, parse_budget
 
 __all__ = ["Parallel", "PlanRequest", "make_request", "check_model", "as_inputs", "check_capacity", "check_positions",
@@ -77,6 +77,17 @@ class PlanRequest:
     def fit_bytes(self) -> int:
         """What a plan's estimate must fit: the budget less the margin."""
         return self.budget_bytes - self.margin_bytes
+
+    def step(self, parallel: Parallel) -> StepConfig:
+        """The step every configuration of this request shares at ``parallel``'s layout: the knobs the user fixed
+        (optimizer, clipping, the target) and the layout's. A stage or a search candidate sets the rest (micro-batch,
+        accumulation, precision, recomputation, offload, in-backward stepping) with ``dataclasses.replace``, so the
+        whole step travels as one value through the analysis, the search and the full estimates."""
+        return make_step_config(
+            micro_batch_size=1, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
+            gpu=self.device.name, strategy=parallel.strategy, world_size=parallel.world_size,
+            shard_units=parallel.shard_units, clip_grad_norm=self.clip_grad_norm,
+            offload_states=parallel.offload_states)
 
     @property
     def allow_checkpoint(self) -> bool:

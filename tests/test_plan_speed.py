@@ -18,6 +18,7 @@ import torch
 import autofit
 from autofit.core import progress, workers
 from autofit.analyse.analyse import analyse_model
+from autofit.training.step import make_step_config
 from autofit.core.errors import ForwardError
 from autofit.planner import _parallel
 from autofit.solve.space import analyse_policies as _analyse
@@ -167,8 +168,9 @@ def _request(name, device="cuda", **kw):
 
 
 def _analysis(request, policy):
-    return analyse_model(request.model, request.batch, request.target, request.loss_fn, policy, request.optimizer,
-                         device=request.device.kind, gpu=request.device.name,
+    step = make_step_config(micro_batch_size=1, precision=policy, optimizer=request.optimizer,
+                            device=request.device.kind, gpu=request.device.name)
+    return analyse_model(request.model, request.batch, request.target, request.loss_fn, step,
                          device_rules=request.device.simulation_rules, probe_kernels=request.device.kind == "cpu")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from torch import nn
 
@@ -12,8 +14,6 @@ from autofit.analyse.table import Analysis, LayerRow, LayerTable, OpCosts, preci
 from autofit.training.batch import Batch
 from autofit.capture.graph import capture_graph
 from autofit.training.loss import LossFn
-from autofit.training.optim import OptimizerSpec, as_optimizer_spec
-from autofit.training.precision import PrecisionPolicy
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.training.step import StepConfig
@@ -25,25 +25,24 @@ SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample f
 
 
 def analyse_model(
-    model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, precision: PrecisionPolicy,
-    optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False, device: str = "cpu",
-    gpu: str | None = None, strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
-    clip_grad_norm: float | None = None, device_rules: DeviceRules | None = None, offload_states: bool = False,
+    model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, step: StepConfig, *,
+    probe_kernels: bool = False, device_rules: DeviceRules | None = None,
 ) -> Analysis:
-    """Graph, per-layer table and step profile of ``model`` at ``precision``.
+    """Graph, per-layer table and step profile of ``model`` trained as ``step`` says (its precision, optimizer,
+    clipping, target device and data-parallel layout; its micro-batch, accumulation, recomputation and offload are
+    the analysis' own).
 
     The window is simulated with two micro-batches (the second starts with gradients, as every later micro-batch
     of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1), side by side where a
     second core allows (Note [parallel simulations], autofit/core/workers.py). CPU kernel probes run
-    only with ``probe_kernels=True`` and ``device="cpu"``: the planner asks for them on CPU targets, so the scratch
-    memory of CPU kernels is in its models; ``autofit.analyse`` does not. ``strategy``, ``world_size`` and
-    ``shard_units`` simulate one rank of a data-parallel step (``simulate/parallel.py``).
+    only with ``probe_kernels=True`` and a CPU step: the planner asks for them on CPU targets, so the scratch
+    memory of CPU kernels is in its models; ``autofit.analyse`` does not. A step with a ``strategy`` simulates one
+    rank of a data-parallel step (``simulate/parallel.py``).
     """
     graph = capture_graph(model, batch)
-    optimizer = optimizer or as_optimizer_spec("adamw")
-    configs = [StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
-                          device=device, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=shard_units,
-                          clip_grad_norm=clip_grad_norm, offload_states=offload_states) for size in SIZES]
+    precision = step.precision
+    configs = [replace(step, micro_batch_size=size, accumulation_steps=2, checkpoint=(), offload=(),
+                       optimizer_in_backward=False, held_rows=0) for size in SIZES]
 
     def job(config: StepConfig):  # a worker sends back the Simulation and the observer, both picklable
         def run() -> tuple[Simulation, LayerObserver]:

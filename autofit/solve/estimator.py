@@ -17,7 +17,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import Simulation, simulate_step
 from autofit.solve.search import Candidate
-from autofit.training.step import StepConfig, forward_errors, make_step_config
+from autofit.training.step import StepConfig, forward_errors
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import Parallel, PlanRequest
@@ -35,14 +35,9 @@ class Estimator:
 
     def config(self, c: Candidate, policy: PrecisionPolicy) -> StepConfig:
         """The step ``c`` describes, holding the rows one rank trains per step as inputs."""
-        request, parallel = self.request, self.parallel
-        return make_step_config(
-            micro_batch_size=c.micro_batch_size, accumulation_steps=c.accumulation_steps, precision=policy,
-            checkpoint=c.checkpoint, optimizer=request.optimizer, device=request.device.kind,
-            held_rows=request.per_rank, gpu=request.device.name, strategy=parallel.strategy,
-            world_size=parallel.world_size, shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
-            optimizer_in_backward=c.in_backward, offload=c.offload, offload_states=parallel.offload_states,
-        )
+        return replace(self.request.step(self.parallel), micro_batch_size=c.micro_batch_size,
+                       accumulation_steps=c.accumulation_steps, precision=policy, checkpoint=c.checkpoint,
+                       optimizer_in_backward=c.in_backward, offload=c.offload)
 
     def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> Simulation:
         """One step of ``c`` on fake tensors, on the sample cut to ``length`` along its length dims (None: as is)."""

@@ -3,6 +3,8 @@ time models the search reads (docs/planner.md)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import TYPE_CHECKING
 
 from autofit.core import progress
@@ -32,11 +34,9 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
         for i, p in enumerate(todo):
             progress.report(f"analysing {p.label}{where}: two small simulations", i, len(todo))
             analyses[p.label] = analyse_model(
-                request.model, request.batch, request.target, request.loss_fn, p, request.optimizer,
-                probe_kernels=request.device.kind == "cpu", device=request.device.kind, gpu=request.device.name,
-                strategy=parallel.strategy, world_size=parallel.world_size, shard_units=parallel.shard_units,
-                clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
-                offload_states=parallel.offload_states)
+                request.model, request.batch, request.target, request.loss_fn,
+                replace(request.step(parallel), precision=p), probe_kernels=request.device.kind == "cpu",
+                device_rules=request.device.simulation_rules)
     return analyses
 
 
