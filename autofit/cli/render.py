@@ -31,28 +31,8 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
     table = Table(title="autofit plan", show_header=False, title_justify="left")
     table.add_column("knob", style="bold")
     table.add_column("value")
-    last = (f" (last micro-batch {plan.last_micro_batch_size})"
-            if plan.last_micro_batch_size != plan.micro_batch_size else "")
-    rows = [
-        ("effective batch", f"{plan.batch_size}"),
-        ("micro-batch", f"{plan.micro_batch_size}"),
-        ("accumulation steps", f"{plan.gradient_accumulation_steps}{last}"),
-        ("precision", str(plan.precision)),
-        ("checkpointed modules", "\n".join(group_names(plan.checkpoint)) if plan.checkpoint else "none"),
-        ("optimizer", plan.optimizer),
-        ("device", plan.device + (f" ({plan.gpu})" if plan.gpu else "")),
-        # the three figures, each named after what it compares with (docs/cuda.md, "The three figures")
-        *plan.memory_rows(lambda n: f"{format_mib(n)} MiB"),
-        ("budget", plan.budget_text(lambda n: f"{format_mib(n)} MiB", " on the device")),
-        *plan.offload_rows(lambda n: f"{format_mib(n)} MiB"),
-        ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
-    ]
-    if plan.world_size > 1:
-        rows.insert(1, ("world size", f"{plan.world_size} processes, {plan.strategy}, "
-                                      f"{plan.batch_size // plan.world_size} samples each"))
-        if plan.shard_units:
-            rows.insert(2, ("FSDP2 units", f"{len(plan.shard_units)}: {', '.join(plan.shard_units[:4])}"
-                                           + (" ..." if len(plan.shard_units) > 4 else "")))
+    rows = plan.summary_rows(lambda n: f"{format_mib(n)} MiB", modules=lambda names: "\n".join(group_names(names)),
+                             budget_where=" on the device")
     for key, value in rows:
         table.add_row(key, value)
     return table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -259,10 +260,15 @@ class Plan:
         """``length: rows`` for each tabulated length, longest first (what ``micro_batch_size_for`` reads)."""
         return ", ".join(f"{n}: {r}" for n, r in self.rows_by_length) + " (length: rows per micro-batch)"
 
-    def __str__(self) -> str:
-        ckpt = ", ".join(self.checkpoint) if self.checkpoint else "none"
-        if len(ckpt) > 100:
-            ckpt = f"{len(self.checkpoint)} modules: {ckpt[:90]}..."
+    def summary_rows(self, fmt: Callable[[int], str], *, modules: Callable[[tuple[str, ...]], str] | None = None,
+                     budget_where: str = "") -> list[tuple[str, str]]:
+        """The plan's knobs and figures as (name, value) rows: what ``str(plan)`` and the CLI's table both show.
+        ``fmt`` renders bytes; ``modules`` renders a list of module names (default: joined, cut at 100 characters);
+        ``budget_where`` is appended to the budget's share ("on the device")."""
+        def joined(names: tuple[str, ...]) -> str:
+            text = ", ".join(names)
+            return text if len(text) <= 100 else f"{len(names)} modules: {text[:90]}..."
+
         rows = [
             ("effective batch", f"{self.batch_size}"),
             ("micro-batch", f"{self.micro_batch_size}"),
@@ -270,20 +276,28 @@ class Plan:
                 f" (last micro-batch {self.last_micro_batch_size})"
                 if self.last_micro_batch_size != self.micro_batch_size else "")),
             ("precision", str(self.precision)),
-            ("checkpointed", ckpt),
+            ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
             ("optimizer", self.optimizer),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
-            *self.memory_rows(format_bytes),
-            ("budget", self.budget_text(format_bytes)),
+            *self.memory_rows(fmt),
+            ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
             *([("optimizer step", "in backward, parameter by parameter")] if self.optimizer_in_backward else []),
-            *self.offload_rows(format_bytes),
-            ("predicted step", f"{self.predicted_step_seconds:.3g} s (model, for ranking)"),
+            *self.offload_rows(fmt),
+            ("predicted step time", f"{self.predicted_step_seconds:.3g} s (time model, for ranking)"),
         ]
         if len(self.rows_by_length) > 1:
             rows.insert(2, ("rows by length", self.rows_by_length_text()))
         if self.world_size > 1:
-            rows.insert(1, ("world size", f"{self.world_size} ({self.strategy})"))
+            rows.insert(1, ("world size", f"{self.world_size} processes, {self.strategy}, "
+                                          f"{self.batch_size // self.world_size} samples each"))
+            if self.shard_units:
+                rows.insert(2, ("FSDP2 units", f"{len(self.shard_units)}: {', '.join(self.shard_units[:4])}"
+                                               + (" ..." if len(self.shard_units) > 4 else "")))
+        return rows
+
+    def __str__(self) -> str:
+        rows = self.summary_rows(format_bytes)
         width = max(len(k) for k, _ in rows)
         lines = ["autofit plan", *(f"  {k:<{width}}  {v}" for k, v in rows), "", str(self.estimate)]
         if self.frontier:
