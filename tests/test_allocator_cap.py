@@ -143,17 +143,40 @@ def _random_steps(rng: random.Random, n: int) -> list[tuple[str, str, int]]:
     return steps
 
 
+# Running under a cap is not monotone in the cap. 43 MiB (a 44 MiB segment) freed, 47 MiB (48) freed, then 24 MiB,
+# 21 MiB and 1000 bytes live together. Under 92 MiB both segments stay cached: 24 MiB splits the 44 MiB one (the
+# smallest that fits), 21 MiB the 48 MiB one, both are pinned, and the 2 MiB small segment finds no room and nothing
+# to free. Under 90 MiB the 48 MiB segment did not fit beside the cached 44 MiB one, which was freed: 24 and 21 MiB
+# both go into the 48 MiB segment and the small one fits (50 MiB). Under 94 MiB (the unconstrained peak) all fit.
+NON_MONOTONE = [("alloc", "a", 43 * MiB), ("free", "a", 0), ("alloc", "b", 47 * MiB), ("free", "b", 0),
+                ("alloc", "c", 24 * MiB), ("alloc", "d", 21 * MiB), ("alloc", "e", 1000)]
+
+
+def test_running_under_a_cap_is_not_monotone_in_the_cap():
+    t = _timeline(NON_MONOTONE)
+    runs = {c: replay_allocator(t, cap_bytes=c * MiB).fits for c in (46, 48, 50, 90, 92, 94)}
+    assert runs == {46: False, 48: False, 50: True, 90: True, 92: False, 94: True}
+    assert replay_allocator(t).peak_reserved == 94 * MiB
+    # bisection (46 fails: below the 45 MiB + 512 live peak's grain; 94 runs) goes 68, 56, 50, 46, 48: 50 MiB
+    assert smallest_cap(t)[0] == 50 * MiB
+
+
 @pytest.mark.parametrize("max_split_size", [None, 40 * MiB])
-def test_running_under_a_cap_is_monotone_and_bisection_finds_the_smallest(max_split_size):
-    """Note [the smallest cap]: over random sequences, every cap on the grain from the allocated peak to the
-    unconstrained reserved peak, a step that runs under a cap runs under every larger one, and bisection returns
-    the smallest such cap (checked against a scan of all of them)."""
+def test_bisection_returns_a_cap_that_runs_with_the_grain_below_failing(max_split_size):
+    """Note [the smallest cap] over random sequences: the cap bisection returns runs and the one a grain below fails;
+    every cap from the unconstrained reserved peak up runs, every cap below the live blocks' peak fails."""
     rng = random.Random(30)
     for _ in range(60):
-        timeline = _timeline(_random_steps(rng, rng.randint(3, 14)))
+        steps = _random_steps(rng, rng.randint(3, 14))
+        timeline = _timeline(steps)
         free = replay_allocator(timeline, max_split_size=max_split_size)
-        caps = range(0, free.peak_reserved + SEGMENT_GRAIN, SEGMENT_GRAIN)
-        runs = [replay_allocator(timeline, cap_bytes=c, max_split_size=max_split_size).fits for c in caps]
-        first = runs.index(True)
-        assert all(runs[first:]), runs
-        assert smallest_cap(timeline, max_split_size=max_split_size)[0] == caps[first]
+        cap, _ = smallest_cap(timeline, max_split_size=max_split_size)
+        runs = lambda c: replay_allocator(timeline, cap_bytes=c, max_split_size=max_split_size).fits  # noqa: E731
+        assert cap % SEGMENT_GRAIN == 0 and runs(cap) and not runs(cap - SEGMENT_GRAIN)
+        assert runs(free.peak_reserved) and runs(free.peak_reserved + 7 * SEGMENT_GRAIN)
+        sizes, live, peak = {}, 0, 0  # the bytes live at once: reserved >= allocated >= that, under any cap
+        for kind, name, nbytes in steps:
+            sizes.setdefault(name, nbytes)
+            live += nbytes if kind == "alloc" else -sizes[name]
+            peak = max(peak, live)
+        assert peak <= cap and not runs(peak - 1)

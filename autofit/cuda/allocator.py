@@ -264,11 +264,12 @@ def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), ca
 #     The smallest cap a step runs under lies between the peak of its live blocks rounded to 512 bytes (every cap
 #     below it fails: reserved >= allocated >= that sum, whatever the history) and the unconstrained reserved peak
 #     (under that cap no cudaMalloc fails, so the replay is the unconstrained one). Reserved bytes are multiples of
-#     SEGMENT_GRAIN, so only caps in those steps differ. Bisection between the two assumes that a step that runs
-#     under a cap runs under every larger one. That is not a theorem: a larger cap frees segments later, and the
-#     blocks placed meanwhile may pin different segments. It holds on every hand-made and random sequence the
-#     tests replay (tests/test_cuda_model.py), and what this returns is in any case a cap the replay ran under,
-#     with the grain below it failing.
+#     SEGMENT_GRAIN, so only caps in those steps differ. Running under a cap is NOT monotone in the cap: a larger
+#     cap frees cached segments later, and the blocks placed meanwhile may split and pin more of them
+#     (tests/test_allocator_cap.py has a 5-step sequence that runs under 50 and 90 MiB, not under 92, and again
+#     under 94; random sequences show it in about 1 in 100). So the bisection's answer is a cap the replay ran under
+#     with the grain below failing, the smallest one in the common case, not a promise for every larger cap: a
+#     verdict at a budget replays under that budget (``cap_bytes``) instead of comparing with this.
 def smallest_cap(timeline: Timeline, *, persistent: tuple[int, ...] = (),
                  max_split_size: int | None = None) -> tuple[int, AllocatorReplay]:
     """The smallest cap on reserved bytes (a multiple of SEGMENT_GRAIN) the step runs under, and the unconstrained
