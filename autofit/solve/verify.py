@@ -164,6 +164,9 @@ def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str
     dominant = max(est.breakdown, key=est.breakdown.get)
     advice = ADVICE_STORED_LOW if "/" in smallest.precision else ADVICE  # a label "bf16/bf16": stored low
     kept = f" (less a margin of {format_bytes(margin)} kept free)" if margin else ""
+    if est.min_device_bytes + margin <= budget:  # a budget in a window where the allocator fails (docs/cuda.md)
+        kept += (f"; the caching allocator runs the configuration below under {format_bytes(est.min_device_bytes)}"
+                 f" but not under this budget: with more room it keeps segments cached that the step later pins")
     return InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget)}{kept}: the smallest reachable peak is "
         f"{format_bytes(est.min_device_bytes)} ({est.min_device_bytes:,} bytes; micro-batch "
