@@ -246,6 +246,38 @@ def test_cli_verify_exits_4_on_a_blown_budget_and_0_when_it_fits(monkeypatch):
     assert "exceeds the budget" in result.output and "1.00 MiB" in result.output
 
 
+# ---- the verdict under a budget (Note [allocating under a cap], autofit/cuda/allocator.py) ----------------------------
+def _estimate(device_bytes: int, min_device_bytes: int, under=None) -> autofit.MemoryEstimate:
+    return autofit.MemoryEstimate(peak_bytes=40, breakdown={"activations": 40}, device="cuda",
+                                  device_bytes=device_bytes, peak_reserved_bytes=device_bytes - 10,
+                                  min_device_bytes=min_device_bytes, under=under)
+
+
+def test_an_estimate_within_a_budget_replays_under_it_only_below_its_unconstrained_bytes():
+    asked = []
+    capped = _estimate(70, 60)
+
+    def under(budget):
+        asked.append(budget)
+        return capped if budget >= 70 else None
+
+    est = _estimate(100, 60, under)
+    assert est.within(100) is est and est.within(120) is est and asked == []  # holds its reserve: no replay
+    assert est.within(80) is capped and est.within(65) is None and asked == [80, 65]  # the replay decides
+    assert _estimate(100, 100).within(99) is None  # no device model under a cap (the CPU): the peak is the verdict
+
+
+def test_the_infeasibility_error_names_the_smallest_budget_the_step_runs_under():
+    from autofit.solve.search import Candidate
+    from autofit.solve.verify import infeasible
+
+    c = Candidate("fp16", 1, 8, 1, (), 50, 1.0)
+    error = infeasible(c, _estimate(100, 60), 55)
+    assert error.min_budget_bytes == 60 and "60 B" in str(error) and "runs the configuration below" not in str(error)
+    window = infeasible(c, _estimate(100, 60), 80)  # 80 lies where this step fails though 60 works
+    assert window.min_budget_bytes == 60 and "not under this budget" in str(window)
+
+
 # ---- the floor is monotone in the batch --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_smallest_budget_does_not_grow_as_the_batch_shrinks():
