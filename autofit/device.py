@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from autofit.core.categories import Category
@@ -20,6 +20,7 @@ from autofit.core.errors import InvalidInputError
 from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import Simulation
 from autofit.simulate.timeline import Phase, host_replay
+from autofit.core.units import format_bytes
 
 __all__ = ["DeviceTarget", "DeviceTerms", "Throughput", "CPU", "resolve_device"]
 
@@ -97,14 +98,33 @@ class DeviceTarget:
         if self.kind != "cuda":
             return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
                                   peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes)
-        from autofit.cuda.model import cuda_memory, cudnn_workspace_note
+        from autofit.cuda.model import cuda_memory, cudnn_workspace_note, smallest_device_bytes
 
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
         notes = sim.notes + tuple(n for n in (self.note, cudnn_workspace_note(sim.timeline)) if n)
         reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
-        return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
-                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
-                              notes=notes, host_bytes=host, host_breakdown=host_breakdown)
+        est = MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
+                             peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
+                             notes=notes, host_bytes=host, host_breakdown=host_breakdown,
+                             min_device_bytes=min(device_bytes, smallest_device_bytes(sim.timeline, self.gpu)))
+        return replace(est, under=lambda budget: self._under(sim, est, budget))
+
+    def _under(self, sim: Simulation, est: MemoryEstimate, budget: int) -> MemoryEstimate | None:
+        """``est`` when the process may hold only ``budget`` device bytes (below ``est.device_bytes``): the caching
+        allocator frees cached segments to stay under it (Note [allocating under a cap], autofit/cuda/allocator.py);
+        None when the step still runs out of memory."""
+        from autofit.cuda.model import cuda_memory_under
+
+        under = cuda_memory_under(sim.timeline, sim.replay, self.gpu, budget)
+        if under is None:
+            return None
+        peak, device_bytes, breakdown, released = under
+        note = (f"under {format_bytes(budget)} the caching allocator frees {released} cached segment(s) when a new "
+                f"one would not fit (cudaFree, then retry: release_cached_blocks), so the process holds "
+                f"{format_bytes(device_bytes)}; on a card with room to spare it would keep them, "
+                f"{format_bytes(est.device_bytes)}")
+        return replace(est, peak_bytes=peak, device_bytes=device_bytes, breakdown=breakdown,
+                       peak_reserved_bytes=device_bytes - breakdown[Category.CUDA_CONTEXT], notes=est.notes + (note,))
 
     def simulation_rules(self, stack, config):
         """This device's part of a simulation (``simulate_step(device_rules=...)``): on CUDA, CUDA's autocast op

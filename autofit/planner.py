@@ -158,8 +158,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
             found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes))
             if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
                 on_host = candidate, est = smallest_verified(space, where.verify)
-                if est.device_bytes <= fit:
-                    found = Verified(candidate, host_fits(est, request.host_budget_bytes), (candidate,))
+                fitted = est.within(fit)
+                if fitted is not None:
+                    found = Verified(candidate, host_fits(fitted, request.host_budget_bytes), (candidate,))
         else:
             progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
             found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known))
@@ -178,11 +179,12 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     space, where = tried
     smallest, est = smallest_verified(space, where.verify)
     stepped = smallest_in_backward(backward, where.verify) if backward is not None else None
-    if stepped is not None and stepped[1].device_bytes < est.device_bytes:
+    if stepped is not None and stepped[1].min_device_bytes < est.min_device_bytes:
         smallest, est = stepped
-    if est.device_bytes <= fit:  # the models were pessimistic: the smallest configuration fits
+    fitted = est.within(fit)
+    if fitted is not None:  # the models were pessimistic: the smallest configuration fits
         done = analyses[where.parallel]
-        return _plan_of(where, Verified(smallest, est, (smallest,)), done), done
+        return _plan_of(where, Verified(smallest, fitted, (smallest,)), done), done
     at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
     error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes)
     if on_host is not None:

@@ -680,7 +680,15 @@ def test_plan_for_a_gpu_respects_a_binding_budget():
     case = ZOO["gpt_sdpa"]()
     kwargs = dict(gpu="A100-40GB", device="cuda", batch_size=256, target=case.target)
     roomy = autofit.plan(case.model, case.sample, budget="90%", **kwargs)
-    budget = roomy.device_bytes - 3 * MiB  # below what the fastest plan needs
+    # Below what the fastest plan reserves with room to spare, but above the smallest budget it runs under (the
+    # allocator frees its cached segments, Note [allocating under a cap]): the same plan, holding what the cap allows.
+    needs = roomy.estimate.min_device_bytes
+    assert needs < roomy.device_bytes - 3 * MiB
+    same = autofit.plan(case.model, case.sample, budget=roomy.device_bytes - 3 * MiB, **kwargs)
+    assert (same.micro_batch_size, same.checkpoint) == (roomy.micro_batch_size, roomy.checkpoint)
+    assert same.peak_bytes + CUDA_CONTEXT_BYTES <= same.device_bytes <= same.budget_bytes
+    assert any("frees" in n and "cached segment" in n for n in same.estimate.notes)
+    budget = needs - 3 * MiB  # below what the fastest plan needs
     tight = autofit.plan(case.model, case.sample, budget=budget, **kwargs)
     assert tight.device_bytes <= tight.budget_bytes == budget
     assert (tight.micro_batch_size, tight.checkpoint) != (roomy.micro_batch_size, roomy.checkpoint)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import autofit
+from autofit.cuda.model import CUDA_CONTEXT_BYTES
 
 SEEDS = range(200)
 
@@ -245,24 +246,60 @@ def test_cli_verify_exits_4_on_a_blown_budget_and_0_when_it_fits(monkeypatch):
     assert "exceeds the budget" in result.output and "1.00 MiB" in result.output
 
 
+# ---- the verdict under a budget (Note [allocating under a cap], autofit/cuda/allocator.py) ----------------------------
+def _estimate(device_bytes: int, min_device_bytes: int, under=None) -> autofit.MemoryEstimate:
+    return autofit.MemoryEstimate(peak_bytes=40, breakdown={"activations": 40}, device="cuda",
+                                  device_bytes=device_bytes, peak_reserved_bytes=device_bytes - 10,
+                                  min_device_bytes=min_device_bytes, under=under)
+
+
+def test_an_estimate_within_a_budget_replays_under_it_only_below_its_unconstrained_bytes():
+    asked = []
+    capped = _estimate(70, 60)
+
+    def under(budget):
+        asked.append(budget)
+        return capped if budget >= 70 else None
+
+    est = _estimate(100, 60, under)
+    assert est.within(100) is est and est.within(120) is est and asked == []  # holds its reserve: no replay
+    assert est.within(80) is capped and est.within(65) is None and asked == [80, 65]  # the replay decides
+    assert _estimate(100, 100).within(99) is None  # no device model under a cap (the CPU): the peak is the verdict
+
+
+def test_the_infeasibility_error_names_the_smallest_budget_the_step_runs_under():
+    from autofit.solve.search import Candidate
+    from autofit.solve.verify import infeasible
+
+    c = Candidate("fp16", 1, 8, 1, (), 50, 1.0)
+    error = infeasible(c, _estimate(100, 60), 55)
+    assert error.min_budget_bytes == 60 and "60 B" in str(error) and "runs the configuration below" not in str(error)
+    window = infeasible(c, _estimate(100, 60), 80)  # 80 lies where this step fails though 60 works
+    assert window.min_budget_bytes == 60 and "not under this budget" in str(window)
+
+
 # ---- the floor is monotone in the batch --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_smallest_budget_does_not_grow_as_the_batch_shrinks():
     """The report's Llama-2-7B on an H200 (fp16, no offload) named 128.85 GiB at batch 8 and 149.13 GiB at batch 1.
-    Four of its layers, on meta, with the same knobs: the floor at batch 1 is at most the floor at batch 8."""
+    Four of its layers, on meta, with the same knobs: the floors at batch 1, 2, 4 and 8 never grow as the batch
+    shrinks, and a plan at the batch-8 floor comes back. The full model: benchmarks/verdict_floors.py."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
                                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     floors = {}
-    for batch in (1, 8):
+    kw = dict(precision="fp16", device="cuda", gpu="H200", offload=False)
+    for batch in (1, 2, 4, 8):
         ids = torch.zeros(batch, 2048, dtype=torch.long)
         with pytest.raises(autofit.InfeasibleBudgetError) as e:
-            autofit.plan(model, {"input_ids": ids, "labels": ids}, "1GiB", precision="fp16", device="cuda",
-                         gpu="H200", offload=False)
+            autofit.plan(model, {"input_ids": ids, "labels": ids}, "1GiB", **kw)
         floors[batch] = e.value.min_budget_bytes
-    assert floors[1] <= floors[8], floors
+    assert floors[1] <= floors[2] <= floors[4] <= floors[8], floors
+    # the floor works: a plan at it comes back, within it, holding at least what it allocates plus the context
+    plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, floors[8], **kw)
+    assert plan.peak_bytes + CUDA_CONTEXT_BYTES <= plan.device_bytes <= floors[8]
 
 
 # ---- exports carry the plan's effective batch --------------------------------------------------------------------------

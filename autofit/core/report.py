@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -35,9 +35,12 @@ class MemoryEstimate:
     - ``peak_reserved_bytes``: what the caching allocator has reserved from the driver at that point, comparable with
       ``torch.cuda.max_memory_reserved()`` (allocated plus the ``fragmentation`` reserve).
     - ``device_bytes``: what the process holds on the device, comparable with nvidia-smi: reserved plus the CUDA
-      context. The budget is checked against this one, and the breakdown adds up to it.
+      context, on a card with room to spare. The breakdown adds up to it.
 
-    On the CPU there is no reserve and no context: the three are equal.
+    And the one a budget is checked against: ``min_device_bytes``, the smallest budget the step runs under. On CUDA
+    the caching allocator frees cached segments when a new one would not fit (Note [allocating under a cap] in
+    autofit/cuda/allocator.py), so it can be below ``device_bytes``, never below allocated plus context;
+    :meth:`within` is the estimate under a given budget. On the CPU there is no reserve and no context: all are equal.
     """
 
     peak_bytes: int
@@ -53,6 +56,10 @@ class MemoryEstimate:
     # (save_on_cpu and FSDP2's CPUOffloadPolicy pin what they offload), with its breakdown; 0 when nothing offloads
     host_bytes: int = 0
     host_breakdown: Mapping[str, int] = field(default_factory=dict)
+    min_device_bytes: int = 0  # the smallest budget the step runs under (0: device_bytes)
+    # the estimate under a budget below device_bytes, or None when the step does not run under it; set by the
+    # device model that can tell (CUDA), None elsewhere
+    under: Callable[[int], MemoryEstimate | None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))
@@ -62,6 +69,16 @@ class MemoryEstimate:
             object.__setattr__(self, "peak_reserved_bytes", reserved)
         if not self.device_bytes:
             object.__setattr__(self, "device_bytes", self.peak_reserved_bytes)
+        if not self.min_device_bytes:
+            object.__setattr__(self, "min_device_bytes", self.device_bytes)
+
+    def within(self, budget: int) -> MemoryEstimate | None:
+        """This step's estimate when the process may hold ``budget`` device bytes: itself when it holds no more
+        unconstrained, the device model's estimate under the cap when that runs, else None (it runs out of
+        memory)."""
+        if self.device_bytes <= budget:
+            return self
+        return None if self.under is None else self.under(budget)
 
     @property
     def host_pinned_bytes(self) -> int:

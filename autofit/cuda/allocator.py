@@ -11,9 +11,30 @@ Constants and rules from ``c10/cuda/CUDACachingAllocator.cpp`` (default settings
   ``get_free_block``), and the block is split when the rest is at least 512 bytes (small pool) or more than 1 MiB
   (large pool; ``should_split``);
 - a freed block merges with free neighbours of its segment (``try_merge_blocks``); segments are never returned to
-  the driver during a step (no ``empty_cache``).
+  the driver during a step (no ``empty_cache``) unless a ``cudaMalloc`` fails: see Note [allocating under a cap].
 ``allocated`` counts the rounded blocks in use, as ``torch.cuda.memory_allocated`` does; ``reserved`` the
 segments, as ``torch.cuda.memory_reserved`` does.
+
+``max_split_size`` (``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N``; None is the default, unlimited) changes three
+rules: a request under it never takes a free block of at least that size, a request of at least that size takes a
+free block only when less than ``kLargeBuffer`` bigger (``get_free_block``), and a large block is split only for a
+request under it (``should_split``).
+
+Note [allocating under a cap]
+    When no cached block fits, ``DeviceCachingAllocator::malloc`` asks the driver for a segment (``alloc_block``);
+    if that fails it frees cached segments and asks again before raising OutOfMemoryError:
+        alloc_block(params)
+        || (release_available_cached_blocks(params) && alloc_block(params))
+        || (release_cached_blocks() && alloc_block(params, isRetry=true))
+    ``release_available_cached_blocks`` does nothing unless ``max_split_size`` is set; then it frees the smallest
+    free block of at least max(request, max_split_size) in the request's pool, or, when there is none, free blocks
+    of at least max_split_size from the largest down until that many bytes are freed (returning false, with what it
+    freed gone, when it cannot). ``release_cached_blocks`` frees every free block that is a whole segment (not
+    split: ``!prev && !next``) of the large pool, then of the small one. A segment a live block sits in is never
+    freed. Under a cap of ``cap_bytes`` on what is reserved (a GPU with that much memory for the allocator, or
+    ``torch.cuda.set_per_process_memory_fraction``: ``total_allocated_memory + size > allowed_memory_maximum``) a
+    step whose unconstrained reserved peak is above the cap can still run: it fails only where the blocks in use and
+    the segments they pin leave no room for the next segment even after both releases.
 """
 
 from __future__ import annotations
@@ -23,8 +44,8 @@ from dataclasses import dataclass
 
 from autofit.simulate.timeline import EventKind, Timeline
 
-__all__ = ["round_size", "segment_size", "CachingAllocator", "AllocatorReplay", "replay_allocator", "MIN_BLOCK",
-           "SMALL_SIZE"]
+__all__ = ["round_size", "segment_size", "CachingAllocator", "AllocatorReplay", "AllocatorOutOfMemory",
+           "replay_allocator", "smallest_cap", "MIN_BLOCK", "SMALL_SIZE", "SEGMENT_GRAIN"]
 
 MIN_BLOCK = 512  # kMinBlockSize
 SMALL_SIZE = 1 << 20  # kSmallSize
@@ -32,6 +53,9 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer
 LARGE_BUFFER = 20 << 20  # kLargeBuffer
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
+# Every segment is a multiple of this (kSmallBuffer, kLargeBuffer and kRoundLarge are), so reserved bytes are too,
+# and a cap only matters in these steps.
+SEGMENT_GRAIN = 2 << 20
 
 
 def round_size(size: int) -> int:
@@ -59,15 +83,23 @@ class _Block:
     next: _Block | None = None
 
 
-class CachingAllocator:
-    """Blocks and segments of one device, one stream."""
+class AllocatorOutOfMemory(Exception):
+    """A segment the allocator needs does not fit under the cap even after freeing cached segments."""
 
-    def __init__(self) -> None:
+
+class CachingAllocator:
+    """Blocks and segments of one device, one stream. ``cap_bytes``: the most the allocator may reserve (None: no
+    limit); ``max_split_size``: ``PYTORCH_CUDA_ALLOC_CONF``'s max_split_size in bytes (None: unlimited)."""
+
+    def __init__(self, *, cap_bytes: int | None = None, max_split_size: int | None = None) -> None:
         self.free_blocks: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # small? -> sorted
         self.blocks: dict[tuple[int, int], _Block] = {}
         self.segments = 0
         self.allocated = 0
         self.reserved = 0
+        self.cap_bytes = cap_bytes
+        self.max_split_size = max_split_size
+        self.released = 0  # segments freed to make room (Note [allocating under a cap])
 
     @staticmethod
     def _key(block: _Block) -> tuple[int, int, int, int]:
@@ -79,29 +111,86 @@ class CachingAllocator:
         if i < len(pool) and pool[i] == self._key(block):
             pool.pop(i)
 
+    def _oversize(self, size: int) -> bool:
+        return self.max_split_size is not None and size >= self.max_split_size
+
+    def _free_block(self, size: int, small: bool) -> _Block | None:
+        """``get_free_block``: the smallest free block of the pool that fits, within the max_split_size rules."""
+        pool = self.free_blocks[small]
+        i = bisect.bisect_left(pool, (size, -1, -1, -1))
+        if i == len(pool):
+            return None
+        found = pool[i][0]
+        if not self._oversize(size) and self._oversize(found):  # no oversized block for a smaller request
+            return None
+        if self._oversize(size) and found >= size + LARGE_BUFFER:  # oversized: rounded up only so far
+            return None
+        _, seg, off, _ = pool.pop(i)
+        return self.blocks[(seg, off)]
+
+    def _cuda_malloc(self, alloc: int) -> bool:
+        """``alloc_block``: the driver gives a segment while the cap allows it."""
+        return self.cap_bytes is None or self.reserved + alloc <= self.cap_bytes
+
+    def _release(self, small: bool, block: _Block) -> int:
+        """``release_block``: return a free whole segment to the driver."""
+        assert block.prev is None and block.next is None, "only whole segments are freed"
+        self._remove_free(small, block)
+        del self.blocks[(block.segment, block.offset)]
+        self.reserved -= block.size
+        self.released += 1
+        return block.size
+
+    def _release_available(self, size: int, small: bool) -> bool:
+        """``release_available_cached_blocks`` (Note [allocating under a cap])."""
+        if self.max_split_size is None:
+            return False
+        pool = self.free_blocks[small]
+        key = max(size, self.max_split_size)
+        i = bisect.bisect_left(pool, (key, -1, -1, -1))
+        if i < len(pool):
+            _, seg, off, _ = pool[i]
+            self._release(small, self.blocks[(seg, off)])
+            return True
+        released = 0
+        while released < key and pool and pool[-1][0] >= self.max_split_size:  # the largest first
+            _, seg, off, _ = pool[-1]
+            released += self._release(small, self.blocks[(seg, off)])
+        return released >= key
+
+    def _release_cached(self) -> bool:
+        """``release_cached_blocks``: every free block that is a whole segment, large pool first."""
+        for small in (False, True):
+            for _, seg, off, _ in list(self.free_blocks[small]):
+                block = self.blocks[(seg, off)]
+                if block.prev is None and block.next is None:
+                    self._release(small, block)
+        return True
+
     def malloc(self, nbytes: int) -> _Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self.free_blocks[small]
-        i = bisect.bisect_left(pool, (size, -1, -1, -1))
-        if i < len(pool):
-            _, seg, off, _ = pool.pop(i)
-            block = self.blocks[(seg, off)]
-        else:
+        block = self._free_block(size, small)
+        if block is None:
             alloc = segment_size(size)
+            if not (self._cuda_malloc(alloc)
+                    or (self._release_available(size, small) and self._cuda_malloc(alloc))
+                    or (self._release_cached() and self._cuda_malloc(alloc))):
+                raise AllocatorOutOfMemory(f"{alloc} bytes more do not fit under {self.cap_bytes} with "
+                                           f"{self.allocated} allocated and {self.reserved} reserved")
             block = _Block(self.segments, 0, alloc, True, small)
             self.blocks[(block.segment, 0)] = block
             self.segments += 1
             self.reserved += alloc
         remaining = block.size - size
-        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+        if (small and remaining >= MIN_BLOCK) or (not small and not self._oversize(size) and remaining > SMALL_SIZE):
             rest = _Block(block.segment, block.offset + size, remaining, True, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
             block.size = size
             self.blocks[(rest.segment, rest.offset)] = rest
-            bisect.insort(pool, self._key(rest))
+            bisect.insort(self.free_blocks[small], self._key(rest))
         block.free = False
         self.allocated += block.size
         return block
@@ -131,23 +220,34 @@ class AllocatorReplay:
     peak_allocated: int  # comparable with torch.cuda.max_memory_allocated
     peak_reserved: int  # comparable with torch.cuda.max_memory_reserved
     raw_at_peak: int  # unrounded bytes live at the allocated peak (peak_allocated - raw: rounding)
+    fits: bool = True  # False: under the cap, a segment did not fit even after freeing cached ones (the step OOMs)
+    released: int = 0  # segments freed under the cap to make room (Note [allocating under a cap])
 
 
-def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = ()) -> AllocatorReplay:
+def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), cap_bytes: int | None = None,
+                     max_split_size: int | None = None) -> AllocatorReplay:
     """Run the timeline's allocations through the caching allocator. ``persistent`` are allocations made before
-    the step that live through it (the cuBLAS workspace); they count as allocated and reserved."""
-    allocator = CachingAllocator()
-    for nbytes in persistent:
-        allocator.malloc(nbytes)
+    the step that live through it (the cuBLAS workspace); they count as allocated and reserved. ``cap_bytes``: the
+    most the allocator may reserve; a replay that needs more, after freeing what it can, stops there with
+    ``fits=False`` and the peaks it had reached (Note [allocating under a cap])."""
+    allocator = CachingAllocator(cap_bytes=cap_bytes, max_split_size=max_split_size)
     blocks: dict[int, _Block] = {}
     raw = sum(persistent)
+    try:
+        for nbytes in persistent:
+            allocator.malloc(nbytes)
+    except AllocatorOutOfMemory:
+        return AllocatorReplay(allocator.allocated, allocator.reserved, 0, fits=False)
     peak_allocated, peak_reserved, raw_at_peak = allocator.allocated, allocator.reserved, raw
     for kind, value in timeline.events:
         if kind is EventKind.ALLOC:
             nbytes = timeline.storages[value].nbytes
             if nbytes <= 0:
                 continue
-            blocks[value] = allocator.malloc(nbytes)
+            try:
+                blocks[value] = allocator.malloc(nbytes)
+            except AllocatorOutOfMemory:
+                return AllocatorReplay(peak_allocated, peak_reserved, raw_at_peak, False, allocator.released)
             raw += nbytes
             if allocator.allocated > peak_allocated:
                 peak_allocated, raw_at_peak = allocator.allocated, raw
@@ -157,4 +257,45 @@ def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = ()) ->
             if block is not None:
                 allocator.free(block)
                 raw -= timeline.storages[value].nbytes
-    return AllocatorReplay(peak_allocated, peak_reserved, raw_at_peak)
+    return AllocatorReplay(peak_allocated, peak_reserved, raw_at_peak, True, allocator.released)
+
+
+# Note [the smallest cap]
+#     The smallest cap a step runs under lies between the peak of its live blocks rounded to 512 bytes (every cap
+#     below it fails: reserved >= allocated >= that sum, whatever the history) and the unconstrained reserved peak
+#     (under that cap no cudaMalloc fails, so the replay is the unconstrained one). Reserved bytes are multiples of
+#     SEGMENT_GRAIN, so only caps in those steps differ. Running under a cap is NOT monotone in the cap: a larger
+#     cap frees cached segments later, and the blocks placed meanwhile may split and pin more of them
+#     (tests/test_allocator_cap.py has a 5-step sequence that runs under 50 and 90 MiB, not under 92, and again
+#     under 94; random sequences show it in about 1 in 100). So the bisection's answer is a cap the replay ran under
+#     with the grain below failing, the smallest one in the common case, not a promise for every larger cap: a
+#     verdict at a budget replays under that budget (``cap_bytes``) instead of comparing with this.
+def smallest_cap(timeline: Timeline, *, persistent: tuple[int, ...] = (),
+                 max_split_size: int | None = None) -> tuple[int, AllocatorReplay]:
+    """The smallest cap on reserved bytes (a multiple of SEGMENT_GRAIN) the step runs under, and the unconstrained
+    replay (Note [the smallest cap])."""
+    free = replay_allocator(timeline, persistent=persistent, max_split_size=max_split_size)
+    fails = _rounded_live_peak(timeline, persistent)
+    fails = -(-fails // SEGMENT_GRAIN) * SEGMENT_GRAIN - SEGMENT_GRAIN  # the largest grain step below that peak
+    runs = free.peak_reserved
+    while runs - fails > SEGMENT_GRAIN:
+        mid = fails + (runs - fails) // SEGMENT_GRAIN // 2 * SEGMENT_GRAIN
+        if replay_allocator(timeline, persistent=persistent, cap_bytes=mid, max_split_size=max_split_size).fits:
+            runs = mid
+        else:
+            fails = mid
+    return runs, free
+
+
+def _rounded_live_peak(timeline: Timeline, persistent: tuple[int, ...]) -> int:
+    live = peak = sum(round_size(n) for n in persistent)
+    alive: set[int] = set()
+    for kind, value in timeline.events:
+        if kind is EventKind.ALLOC and timeline.storages[value].nbytes > 0:
+            alive.add(value)
+            live += round_size(timeline.storages[value].nbytes)
+            peak = max(peak, live)
+        elif kind is EventKind.FREE and value in alive:
+            alive.remove(value)
+            live -= round_size(timeline.storages[value].nbytes)
+    return peak

@@ -14,7 +14,13 @@ Terms, each in the estimate's breakdown (see docs/cuda.md for sources and what i
   depends on driver, CUDA version and lazy loading; autofit assumes ``CUDA_CONTEXT_BYTES`` (override with the
   environment variable ``AUTOFIT_CUDA_CONTEXT_MIB``) and ``benchmarks/gpu_validate.py`` measures it.
 ``peak_bytes`` (comparable with ``torch.cuda.max_memory_allocated``) is the first three; ``device_bytes`` (what
-nvidia-smi shows, and what the budget is checked against) adds the last two.
+nvidia-smi shows on a card with room to spare) adds the last two.
+
+A budget is not checked against ``device_bytes``: on a card (or under ``set_per_process_memory_fraction``) that
+leaves the allocator less, it frees cached segments when a new one does not fit, and the step still runs unless the
+blocks in use and the segments they pin leave no room (Note [allocating under a cap], allocator.py).
+``cuda_memory_under`` replays the step under a budget; ``smallest_device_bytes`` is the smallest budget it runs
+under (Note [the smallest cap]).
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import os
 import re
 
 from autofit.core.categories import Category
-from autofit.cuda.allocator import replay_allocator
+from autofit.cuda.allocator import AllocatorReplay, replay_allocator, smallest_cap
 from autofit.cuda.catalog import GPUSpec
 from autofit.simulate.timeline import Replay, Timeline
 
-__all__ = ["CUDA_CONTEXT_BYTES", "cublas_workspace_bytes", "context_bytes", "cuda_memory", "cudnn_workspace_note"]
+__all__ = ["CUDA_CONTEXT_BYTES", "cublas_workspace_bytes", "context_bytes", "cuda_memory", "cuda_memory_under",
+           "smallest_device_bytes", "cudnn_workspace_note"]
 
 # A typical CUDA 12 context with lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7 in
 # PyTorch) plus cuBLAS/cuDNN handles: a few hundred MiB (PyTorch docs, "CUDA semantics > Memory management").
@@ -67,9 +74,29 @@ def cudnn_workspace_note(timeline: Timeline) -> str | None:
 
 
 def cuda_memory(timeline: Timeline, raw: Replay, gpu: GPUSpec) -> tuple[int, int, dict[Category, int]]:
-    """(peak_bytes, device_bytes, breakdown) of the simulated step on ``gpu``."""
+    """(peak_bytes, device_bytes, breakdown) of the simulated step on ``gpu``, the allocator unconstrained."""
     workspace = cublas_workspace_bytes(gpu)
-    replay = replay_allocator(timeline, persistent=(workspace,))
+    return _terms(replay_allocator(timeline, persistent=(workspace,)), raw, workspace)
+
+
+def cuda_memory_under(timeline: Timeline, raw: Replay, gpu: GPUSpec,
+                      device_budget: int) -> tuple[int, int, dict[Category, int], int] | None:
+    """(peak_bytes, device_bytes, breakdown, segments freed) of the simulated step on ``gpu`` when the process may
+    hold ``device_budget`` (the allocator's cap is that less the context); None when it runs out of memory."""
+    workspace = cublas_workspace_bytes(gpu)
+    replay = replay_allocator(timeline, persistent=(workspace,), cap_bytes=device_budget - context_bytes())
+    if not replay.fits:
+        return None
+    return (*_terms(replay, raw, workspace), replay.released)
+
+
+def smallest_device_bytes(timeline: Timeline, gpu: GPUSpec) -> int:
+    """The smallest budget (device bytes, context included) the simulated step runs under on ``gpu``."""
+    cap, _ = smallest_cap(timeline, persistent=(cublas_workspace_bytes(gpu),))
+    return cap + context_bytes()
+
+
+def _terms(replay: AllocatorReplay, raw: Replay, workspace: int) -> tuple[int, int, dict[Category, int]]:
     peak = replay.peak_allocated
     breakdown: dict[Category, int] = dict(raw.breakdown)
     breakdown.pop(Category.WORKSPACE, None)  # CPU kernel scratch: not part of the CUDA model

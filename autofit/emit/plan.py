@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from torch import nn
@@ -159,6 +159,7 @@ class Plan:
             "peak_phase": self.estimate.peak_phase, "peak_at": self.estimate.peak_at,
             "method": self.estimate.method, "notes": list(self.estimate.notes),
             "host_bytes": self.estimate.host_bytes, "host_breakdown": dict(self.estimate.host_breakdown),
+            "min_device_bytes": self.estimate.min_device_bytes,
         }
         data["checkpoint"] = list(self.checkpoint)
         data["offload"] = list(self.offload)
@@ -194,7 +195,7 @@ class Plan:
                 device_bytes=int(est["device_bytes"]), peak_reserved_bytes=int(est.get("peak_reserved_bytes", 0)),
                 peak_phase=est["peak_phase"], peak_at=est["peak_at"],
                 method=est["method"], notes=tuple(est["notes"]), host_bytes=int(est.get("host_bytes", 0)),
-                host_breakdown=est.get("host_breakdown", {}),
+                host_breakdown=est.get("host_breakdown", {}), min_device_bytes=int(est.get("min_device_bytes", 0)),
             )
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
@@ -327,7 +328,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         batch_size=batch_size, last_micro_batch_size=chosen.last_micro_batch_size, precision=policy,
         checkpoint=chosen.checkpoint, peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
         budget_bytes=budget_bytes, device=device, optimizer=optimizer, predicted_step_seconds=chosen.seconds,
-        estimate=est, world_size=world_size, strategy=strategy, gpu=gpu, frontier=front,
+        estimate=replace(est, under=None), world_size=world_size, strategy=strategy, gpu=gpu, frontier=front,
         notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
         optimizer_in_backward=chosen.in_backward, offload=chosen.offload, offload_states=chosen.offload_states,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,

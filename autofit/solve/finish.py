@@ -38,11 +38,12 @@ def optional_pins(estimator: Estimator, found: Verified,
         return found, policy, ()
     pinned = replace(policy, fp32_modules=policy.fp32_modules + names)
     est = estimator.estimate(found.candidate, pinned)
-    if est.device_bytes > request.fit_bytes:
-        note = (f"fp32 pins {', '.join(names)} left out: with them the plan needs {format_bytes(est.device_bytes)}, "
-                f"over the budget {format_bytes(request.fit_bytes)}")
+    fitted = est.within(request.fit_bytes)
+    if fitted is None:
+        note = (f"fp32 pins {', '.join(names)} left out: with them the plan needs "
+                f"{format_bytes(est.min_device_bytes)}, over the budget {format_bytes(request.fit_bytes)}")
         return replace(found, notes=found.notes + (note,)), policy, ()
-    return replace(found, estimate=est), pinned, request.optional_pins
+    return replace(found, estimate=fitted), pinned, request.optional_pins
 
 
 # Note [the cost of an fp32 pin]
@@ -107,8 +108,9 @@ def even_split(estimator: Estimator, chosen: Candidate,
     for micro in [d for d in range(chosen.micro_batch_size - 1, 0, -1) if rows % d == 0][:3]:
         even = replace(chosen, micro_batch_size=micro, accumulation_steps=rows // micro, last_micro_batch_size=micro)
         progress.report(f"verifying the even split {micro} x {rows // micro} for the exports")
-        device_bytes = estimator.estimate(even, policy).device_bytes
-        if device_bytes <= request.fit_bytes:
+        fitted = estimator.estimate(even, policy).within(request.fit_bytes)
+        if fitted is not None:
+            device_bytes = fitted.device_bytes
             return (micro, rows // micro), (
                 f"frameworks need equal micro-batches: the exports use {micro} x {rows // micro} (= {rows} per "
                 f"rank), verified at {format_bytes(device_bytes)} (Note [even split])")

@@ -30,8 +30,8 @@ def quick_path(estimator: Estimator, fastest: Candidate, policy: PrecisionPolicy
     announce(fastest, policy)
     sim = estimator.simulate(fastest, policy)
     target = estimator.request.device
-    est = target.estimate(sim)
-    if est.device_bytes > budget:
+    est = target.estimate(sim).within(budget)
+    if est is None:
         return None
     ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
     time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size)

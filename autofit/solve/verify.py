@@ -47,13 +47,14 @@ def search_verified(space: SearchSpace, budget: int, verify: Verify) -> Verified
         if best is None:
             return None
         est = verify(best)
-        if est.device_bytes <= budget:
+        fitted = est.within(budget)
+        if fitted is not None:
             notes = ()
             if correction:
                 notes = (f"the first choices' verified peaks exceeded their modelled peaks; re-planned with "
                          f"{format_bytes(correction)} of margin",)
-            return Verified(best, est, tuple(fitting) + tuple(alternatives(space, budget - correction)), notes)
-        correction += max(est.device_bytes - best.peak_bytes, est.device_bytes - budget, 1)
+            return Verified(best, fitted, tuple(fitting) + tuple(alternatives(space, budget - correction)), notes)
+        correction += max(est.min_device_bytes - best.peak_bytes, est.min_device_bytes - budget, 1)
     return None
 
 
@@ -68,8 +69,8 @@ def search_in_backward(space: SearchSpace, budget: int, gradient_bytes: int, ver
     freeing = [c for c in smallest_peaks(space) if c.accumulation_steps == 1][:1]
     for c in dict.fromkeys(whole[:2] + freeing):
         c = replace(c, in_backward=True)
-        est = verify(c)
-        if est.device_bytes <= budget:
+        est = verify(c).within(budget)
+        if est is not None:
             note = ("the optimizer steps each parameter in backward and frees its gradient (Note [optimizer step in "
                     "backward]): nothing fit with every gradient alive at once")
             return Verified(c, est, (c,), (note,))
@@ -97,6 +98,10 @@ def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate,
 #     peak (the loss over the logits, which no module's recomputation helps) made a 4-layer Llama-2-shaped model
 #     on an H200 (fp16, 1 x 2048) name 23.36 GiB at batch 1 and 22.16 GiB at batch 8; with every unit that lowers
 #     bytes somewhere added, batch 1 names 21.84 GiB (tests/test_verdict.py): a smaller batch never needs more.
+#     The budget compared is the smallest one the step runs under (``min_device_bytes``), not what the process
+#     would reserve on a card with room to spare: under a budget the caching allocator frees the segments it keeps
+#     cached before it gives up (Note [allocating under a cap], autofit/cuda/allocator.py). That takes the cached
+#     segments out of the floor, and with them most of the checkpoint set's effect on it.
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
     """The configuration with the smallest verified peak among the two lowest modelled ones and the smallest
     micro-batch of each precision, with its estimate. The models are least exact far from the configurations they
@@ -106,7 +111,7 @@ def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, Me
     smallest_micro = min(c.micro_batch_size for c in ranked)
     picks = ranked[:2] + [c for c in ranked if c.micro_batch_size == smallest_micro]
     verified = [(c, verify(c)) for c in dict.fromkeys(picks)]
-    return min(verified, key=lambda ce: ce[1].device_bytes)
+    return min(verified, key=lambda ce: ce[1].min_device_bytes)
 
 
 # What to suggest when one category dominates the smallest reachable peak (one entry per Category an estimate can
@@ -159,13 +164,17 @@ def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str
     dominant = max(est.breakdown, key=est.breakdown.get)
     advice = ADVICE_STORED_LOW if "/" in smallest.precision else ADVICE  # a label "bf16/bf16": stored low
     kept = f" (less a margin of {format_bytes(margin)} kept free)" if margin else ""
+    if est.min_device_bytes + margin <= budget:  # a budget in a window where the allocator fails (docs/cuda.md)
+        kept += (f"; the caching allocator runs the configuration below under {format_bytes(est.min_device_bytes)}"
+                 f" but not under this budget: with more room it keeps segments cached that the step later pins")
     return InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget)}{kept}: the smallest reachable peak is "
-        f"{format_bytes(est.device_bytes)} ({est.device_bytes:,} bytes; micro-batch {smallest.micro_batch_size}, "
+        f"{format_bytes(est.min_device_bytes)} ({est.min_device_bytes:,} bytes; micro-batch "
+        f"{smallest.micro_batch_size}, "
         f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed"
         f"{', optimizer stepped in backward' if smallest.in_backward else ''}{where}). "
         f"{advice.get(dominant, ADVICE.get(dominant, f'{dominant} dominates the smallest peak'))}.",
-        min_budget_bytes=est.device_bytes + margin, budget_bytes=budget, dominant=dominant,
+        min_budget_bytes=est.min_device_bytes + margin, budget_bytes=budget, dominant=dominant,
     )
 
 
@@ -174,7 +183,8 @@ def host_checked(verify: Verify, fit_bytes: int, host_budget: int | None) -> Ver
     ``HostMemoryError`` (nothing fit with the states on the GPU: this was the last way)."""
     def checked(c: Candidate) -> MemoryEstimate:
         est = verify(c)
-        return host_fits(est, host_budget) if est.device_bytes <= fit_bytes else est
+        fitted = est.within(fit_bytes)
+        return est if fitted is None else host_fits(fitted, host_budget)
     return checked
 
 
@@ -198,7 +208,7 @@ def with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate
     """The infeasibility error naming the smallest budget with the states offloaded as well as without. The
     offloaded one counts as a budget that works only when its host memory fits ``host_budget``."""
     candidate, est = smallest
-    with_offload = est.device_bytes + margin
+    with_offload = est.min_device_bytes + margin
     on_host = host_budget is None or est.host_bytes <= host_budget
     minimum = min(error.min_budget_bytes, with_offload) if on_host else error.min_budget_bytes
     host = f"{format_bytes(est.host_bytes)} of host memory"
