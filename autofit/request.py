@@ -37,6 +37,9 @@ class Parallel:
     world_size: int = 1
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
     offload_states: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and state on the host
+    # FSDP2 reduce-scatters after every micro-batch, not only the window's last (Note [gradient sync under
+    # accumulation], autofit/step.py): the ladder's rung after the model's own dtype
+    reduce_every_micro_batch: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -408,10 +408,11 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
 
     received_grad: set[int] = set()
     for micro_index in range(steps):
-        if config.strategy == "fsdp2" and steps > 1 and not config.offload_states:
-            # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then.
-            # With the states on the host it reduces every micro-batch instead (Note [offload]): the shards move to
-            # the host and accumulate there, so no full set of gradients ever sits on the device.
+        if config.strategy == "fsdp2" and steps > 1 and not (config.offload_states or config.reduce_every_micro_batch):
+            # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then
+            # (Note [gradient sync under accumulation]). With reduce_every_micro_batch, or with the states on the host
+            # (Note [offload]), it reduces every micro-batch instead: the shards accumulate, so no full set of
+            # gradients ever sits on the device.
             model.set_requires_gradient_sync(micro_index == steps - 1)
         with _forward_errors(tracker):
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
