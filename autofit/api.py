@@ -10,7 +10,7 @@ from torch import nn
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.device import resolve_device
-from autofit.core.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.core.report import Measurement, MemoryEstimate
@@ -23,21 +23,33 @@ __all__ = ["analyse", "estimate", "measure"]
 
 
 def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
-            clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False) -> StepConfig:
-    # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload])
-    units = shard_units(model) if offload_states else ()
+            clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
+            strategy=None, reduce_every_micro_batch=False) -> StepConfig:
+    # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
+    # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
+    require_int("world_size", world_size)
+    require_strategy(strategy)
+    if world_size > 1 and strategy is None:
+        raise InvalidInputError(f"world_size={world_size} needs strategy='ddp' or 'fsdp2': an estimate describes one "
+                                "layout (plan() chooses between them)")
+    if strategy is not None and world_size == 1 and not (strategy == "fsdp2" and offload_states):
+        raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
+    if offload_states:
+        strategy = "fsdp2"
+    units = shard_units(model) if strategy == "fsdp2" else ()
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
                             precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
                             clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
-                            offload=offload, offload_states=offload_states,
-                            strategy="fsdp2" if offload_states else None, shard_units=units)
+                            offload=offload, offload_states=offload_states, strategy=strategy, world_size=world_size,
+                            shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch)
 
 
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
-    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False,
+    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, world_size: int = 1,
+    strategy: str | None = None, reduce_every_micro_batch: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -62,6 +74,11 @@ def estimate(
     memory, the optimizer stepping on the CPU (FSDP2's ``CPUOffloadPolicy`` on one process). On a GPU target what
     they keep on the host is ``host_bytes``, apart from the device's figures (Note [offload], docs/offload.md).
 
+    ``world_size`` and ``strategy`` ("ddp" or "fsdp2"): the step of one rank of a data-parallel job laid out as
+    ``plan`` lays it out (FSDP2 shards the units ``plan`` shards); ``micro_batch_size`` rows per rank.
+    ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
+    sync under accumulation], autofit/training/step.py).
+
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
@@ -70,7 +87,8 @@ def estimate(
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
-                     clip_grad_norm, optimizer_in_backward, offload, offload_states)
+                     clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
+                     reduce_every_micro_batch)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     return device_model.estimate(sim)

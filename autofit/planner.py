@@ -213,8 +213,13 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         policy=policy, device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
-        host_budget_bytes=request.host_budget_bytes,
+        host_budget_bytes=request.host_budget_bytes, reduce_every_micro_batch=parallel.reduce_every_micro_batch,
     )
+    if plan.reduce_every_micro_batch:
+        plan = replace(plan, notes=plan.notes + (
+            "FSDP2 reduce-scatters the gradients after every micro-batch: with the sync left to the last micro-batch "
+            "every rank would hold the whole model's unsharded gradients until then, and nothing fit (Note [gradient "
+            "sync under accumulation])",))
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(
         estimator, plan.device_bytes, chosen, policy, analysis, request.pins + pins,

@@ -37,6 +37,9 @@ class Parallel:
     world_size: int = 1
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
     offload_states: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and state on the host
+    # FSDP2 reduce-scatters after every micro-batch, not only the window's last (Note [gradient sync under
+    # accumulation], autofit/training/step.py): the ladder's rung after the model's own dtype
+    reduce_every_micro_batch: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +90,8 @@ class PlanRequest:
             micro_batch_size=1, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
             gpu=self.device.name, strategy=parallel.strategy, world_size=parallel.world_size,
             shard_units=parallel.shard_units, clip_grad_norm=self.clip_grad_norm,
-            offload_states=parallel.offload_states)
+            offload_states=parallel.offload_states,
+            reduce_every_micro_batch=parallel.reduce_every_micro_batch)
 
     @property
     def allow_checkpoint(self) -> bool:

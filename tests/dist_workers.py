@@ -11,6 +11,7 @@ import torch.distributed as dist
 import autofit
 from autofit.training.batch import as_batch
 from autofit.measure.allocator import measure_callable
+from sharded_models import EXTRA_CASES
 from zoo import ZOO
 
 
@@ -20,7 +21,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _build(case_name: str, plan: autofit.Plan, optimizer: str, eval_mode: bool = False):
     torch.manual_seed(0)
-    case = ZOO[case_name]()
+    case = ZOO[case_name]() if case_name in ZOO else EXTRA_CASES[case_name]()
     if eval_mode:
         case.model.eval()  # dropout off: the reference step must see the same forward
     if optimizer == "sgd":

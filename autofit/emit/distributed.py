@@ -5,7 +5,7 @@
 - FSDP2: ``fully_shard`` on each planned unit and on the root, with a ``MixedPrecisionPolicy`` gathering parameters
   in the plan's low precision (reductions in fp32); ``set_requires_gradient_sync(False)`` on every micro-batch but
   the last, except with the states offloaded to the host, where every micro-batch reduces and the shards accumulate
-  on the host. Sharding replaces the parameters, so the optimizer is built afterwards: ``wrap`` takes a factory.
+  on the host, and in plans with ``reduce_every_micro_batch``, where they accumulate sharded on the device. Sharding replaces the parameters, so the optimizer is built afterwards: ``wrap`` takes a factory.
 Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
 ``batch_size / world_size`` rows (pass ``local=True`` to ``step`` when a DistributedSampler already split the data),
 so every sample of the global batch is used exactly once; DDP and FSDP2 average gradients over ranks, so each rank
@@ -157,7 +157,9 @@ class DistributedTrainer(Trainer):
     def _micro_batch(self, *, last: bool):
         # with the states on the host, FSDP2 reduces every micro-batch and accumulates the shards on the host
         # (Note [offload]): skipping the sync would keep a full set of unsharded gradients on the device
-        if last or self.plan.offload_states:
+        # with reduce_every_micro_batch too: the plan keeps only sharded gradients between micro-batches (Note
+        # [gradient sync under accumulation], autofit/training/step.py)
+        if last or self.plan.offload_states or self.plan.reduce_every_micro_batch:
             return contextlib.nullcontext()
         if self.plan.strategy == "ddp":
             return self.model.no_sync()

@@ -72,6 +72,9 @@ class Plan:
     # parameters, gradients and optimizer state do (FSDP2's CPUOffloadPolicy, strategy "fsdp2" on world_size ranks)
     offload: tuple[str, ...] = ()
     offload_states: bool = False
+    # FSDP2 reduce-scatters the gradients after every micro-batch, not only the window's last (Note [gradient sync
+    # under accumulation], autofit/training/step.py)
+    reduce_every_micro_batch: bool = False
     host_budget_bytes: int | None = None  # the host memory the plan was allowed (None: not checked)
     # kept free for what the estimate does not model (Note [the margin], autofit/request.py): device_bytes fits
     # budget_bytes - margin_bytes
@@ -295,6 +298,9 @@ class Plan:
             if self.shard_units:
                 rows.insert(2, ("FSDP2 units", f"{len(self.shard_units)}: {', '.join(self.shard_units[:4])}"
                                                + (" ..." if len(self.shard_units) > 4 else "")))
+        if self.reduce_every_micro_batch:
+            after = next(i for i, (k, _) in enumerate(rows) if k == "accumulation steps") + 1
+            rows.insert(after, ("gradient sync", "reduce-scatter after every micro-batch"))
         return rows
 
     def __str__(self) -> str:
@@ -315,7 +321,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
                   gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
                   clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
-                  margin_bytes: int = 0) -> Plan:
+                  margin_bytes: int = 0, reduce_every_micro_batch: bool = False) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -333,4 +339,5 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         optimizer_in_backward=chosen.in_backward, offload=chosen.offload, offload_states=chosen.offload_states,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes,
+        reduce_every_micro_batch=reduce_every_micro_batch and chosen.accumulation_steps > 1,
     )

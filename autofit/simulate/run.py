@@ -68,6 +68,7 @@ from autofit.core._torch import (
     DATA_DEPENDENT_ERRORS,
     compiled_code_runs_eagerly,
     compiled_modules,
+    disable_current_modes,
     FakeTensorMode,
     grad_scaler_state,
     patch,
@@ -99,6 +100,7 @@ from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
 from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
+from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins
 from autofit.training.step import (
     StepConfig,
     optimizer_step,
@@ -275,6 +277,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 stack.enter_context(_tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 stack.enter_context(tracker)
+                if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
+                    stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
                 stack.enter_context(observe)
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
                             stepped, fake=fake)
@@ -401,10 +405,11 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
 
     received_grad: set[int] = set()
     for micro_index in range(steps):
-        if config.strategy == "fsdp2" and steps > 1 and not config.offload_states:
-            # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then.
-            # With the states on the host it reduces every micro-batch instead (Note [offload]): the shards move to
-            # the host and accumulate there, so no full set of gradients ever sits on the device.
+        if config.strategy == "fsdp2" and steps > 1 and not (config.offload_states or config.reduce_every_micro_batch):
+            # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then
+            # (Note [gradient sync under accumulation]). With reduce_every_micro_batch, or with the states on the host
+            # (Note [offload]), it reduces every micro-batch instead: the shards accumulate, so no full set of
+            # gradients ever sits on the device.
             model.set_requires_gradient_sync(micro_index == steps - 1)
         with _forward_errors(tracker):
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
@@ -441,6 +446,26 @@ def _drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: s
                         tracker.timeline.storages[sid].nbytes = 0
 
 
+def _twinned(work: nn.Module, model: nn.Module, micro: Batch, micro_target: Any, batch: Batch, target: Any,
+             config: StepConfig) -> ValueTwins:
+    """The value twins of a fake step (Note [value twins]): the micro-batch's rows, and a clone of each real buffer
+    of the user's model (never the buffer itself: an in-place op on a twin runs for real)."""
+    twins = ValueTwins()
+    pairs = [(micro, batch)] + ([(micro_target, target)] if micro_target is not None and target is not None else [])
+    with disable_current_modes():  # real tensors, which neither the fake mode nor the tracker sees
+        for fake, real in pairs:
+            real_rows = real.resize(config.micro_batch_size)
+            for f, r in zip(fake.tensors(), real_rows.tensors()):
+                if not r.is_meta:
+                    twins.add(f, r.detach().cpu())
+        originals = dict(model.named_buffers())
+        for name, fake in work.named_buffers():
+            real = originals.get(name)
+            if real is not None and not real.is_meta and real.nelement() * real.element_size() <= MAX_TWIN_BYTES:
+                twins.add(fake, real.detach().cpu().clone())
+    return twins
+
+
 @contextlib.contextmanager
 def _forward_errors(tracker: StepTracker) -> Iterator[None]:
     """Turn exceptions of the user's code into typed errors naming the innermost module that was running."""
@@ -449,6 +474,10 @@ def _forward_errors(tracker: StepTracker) -> Iterator[None]:
     except DATA_DEPENDENT_ERRORS as e:
         module = tracker.module
         tracker.module_stack.clear()
+        if getattr(e, WEIGHT_READ, False):  # Note [value twins]: not computable from constants and inputs alone
+            raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0],
+                                 why="reads a tensor value computed from its weights or gradients, not only from "
+                                     "constants and the inputs") from e
         raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0]) from e
     except FakeKernelStricter as e:
         module = tracker.module

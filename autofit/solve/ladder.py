@@ -7,8 +7,11 @@ Note [the ladder]
          one (fp32 is analysed only when no low-precision configuration fits: the analysis is most of planning's
          cost); the last of these may step the optimizer in backward (Note [optimizer step in backward]), which
          changes no number of the update, before anything is stored lower;
-      2. each lower stored precision, one at a time and in order of risk (Note [stored precision]);
-      3. the parameters, gradients and optimizer state in host memory (Note [offload]), where allowed: one GPU,
+      2. with FSDP2 over several ranks, every allowed precision again with the gradients reduce-scattered after
+         every micro-batch (Note [gradient sync under accumulation]): more collectives, no unsharded gradients
+         held across micro-batches. It changes no number of the update, so it comes before storing lower;
+      3. each lower stored precision, one at a time and in order of risk (Note [stored precision]);
+      4. the parameters, gradients and optimizer state in host memory (Note [offload]), where allowed: one GPU,
          offload="auto". Its estimates must also fit the host budget.
     A rung whose parameters, gradients and optimizer state alone exceed the budget is skipped without analysis, as
     long as a later rung may still fit: the rungs on the device skip when the host rung follows, and every rung
@@ -58,13 +61,19 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
     stages = _precision_stages(request)
     host = _host_layout(request, parallel)
     own = len(stages) - len(request.stored_options) - 1  # the last rung in the model's own dtype
+    layouts = [parallel] * len(stages)
+    reducing = _reducing_layout(request, parallel)
+    if reducing is not None:  # after the model's own dtype, before anything is stored lower
+        stages.insert(own + 1, request.policies)
+        layouts.insert(own + 1, reducing)
     rungs = []
-    for i, policies in enumerate(stages):
+    for i, (policies, layout) in enumerate(zip(stages, layouts)):
+        what = f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype"
         rungs.append(Stage(
-            what=f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype",
-            policies=policies, parallel=parallel,
-            in_backward=_in_backward(request, parallel, policies) if i == own else (),
-            floor_bytes=states_bytes(request, parallel, policies[0], k),
+            what="FSDP2 reducing every micro-batch" if layout.reduce_every_micro_batch else what,
+            policies=policies, parallel=layout,
+            in_backward=_in_backward(request, layout, policies) if i == own else (),
+            floor_bytes=states_bytes(request, layout, policies[0], k),
             skippable=host is not None or i < len(stages) - 1,
         ))
     if host is not None:
@@ -122,6 +131,15 @@ def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
         return None
     return replace(parallel, strategy="fsdp2", world_size=1, shard_units=shard_units(request.model),
                    offload_states=True)
+
+
+def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
+    """FSDP2 reduce-scattering after every micro-batch (Note [gradient sync under accumulation], autofit/training/step.py), or
+    None where it changes nothing: not FSDP2 over several ranks, the states on the host (which reduce every
+    micro-batch already), or one row per rank (no accumulation possible)."""
+    if parallel.strategy != "fsdp2" or parallel.world_size < 2 or parallel.offload_states or request.per_rank < 2:
+        return None
+    return replace(parallel, reduce_every_micro_batch=True)
 
 
 def _in_backward(request: PlanRequest, parallel: Parallel,

@@ -36,12 +36,15 @@ def shard_units(model: nn.Module) -> tuple[str, ...]:
 
 
 def collective_seconds(strategy: str | None, world_size: int, param_bytes: int, grad_bytes: int,
-                       micro_batches: int, bytes_per_second: float) -> float:
-    """Seconds of communication per optimizer step (no overlap with compute assumed: a ranking, not a forecast)."""
+                       micro_batches: int, bytes_per_second: float, *, reduce_every_micro_batch: bool = False) -> float:
+    """Seconds of communication per optimizer step (no overlap with compute assumed: a ranking, not a forecast).
+    ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not once per window (Note [gradient
+    sync under accumulation], autofit/training/step.py)."""
     if strategy is None or world_size <= 1:
         return 0.0
     ring = (world_size - 1) / world_size
     if strategy == "ddp":
         return 2 * ring * grad_bytes / bytes_per_second
     gathers = 2 * micro_batches * ring * param_bytes  # forward and backward, every micro-batch
-    return (gathers + ring * grad_bytes) / bytes_per_second
+    reductions = micro_batches if reduce_every_micro_batch else 1
+    return (gathers + reductions * ring * grad_bytes) / bytes_per_second

@@ -28,7 +28,8 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
     simulate/probe.py); the CUDA model has its own terms."""
     todo = [p for p in policies if p.label not in done]
     where = " (states on the host)" if parallel.offload_states else (
-        f" ({parallel.strategy} over {parallel.world_size})" if parallel.strategy else "")
+        f" ({parallel.strategy} over {parallel.world_size}"
+        f"{', reducing every micro-batch' if parallel.reduce_every_micro_batch else ''})" if parallel.strategy else "")
     analyses = {}
     with forward_errors():
         for i, p in enumerate(todo):
@@ -55,7 +56,8 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
                  for r in a.table.rows if r.name}
         time[p.label] = build_time_model(a.ops, a.table.row("").param_bytes, request.device, parallel.strategy,
                                         parallel.world_size, saved_bytes=saved,
-                                        offload_states=parallel.offload_states)
+                                        offload_states=parallel.offload_states,
+                                        reduce_every_micro_batch=parallel.reduce_every_micro_batch)
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
                        allow_offload=request.offload, offload_states=parallel.offload_states)

@@ -170,16 +170,18 @@ class TimeModel:
 
 def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strategy: str | None,
                      world_size: int, *, saved_bytes: Mapping[str, tuple[float, float]] | None = None,
-                     offload_states: bool = False) -> TimeModel:
+                     offload_states: bool = False, reduce_every_micro_batch: bool = False) -> TimeModel:
     """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
     states; FSDP2 streams one shard), the data-parallel collectives of ``strategy``, and offloading's transfers
     (``saved_bytes``: each module's saved activations, fixed and per sample; ``offload_states``: FSDP2's
-    CPUOffloadPolicy) over the target's host link (Note [offload time])."""
+    CPUOffloadPolicy) over the target's host link (Note [offload time]); ``reduce_every_micro_batch``: FSDP2's
+    reduce-scatter per micro-batch (Note [gradient sync under accumulation], autofit/training/step.py)."""
     optimizer_bytes = 4 * param_bytes // (world_size if strategy == "fsdp2" else 1)
 
     def collectives(micro_batches: int) -> float:
         return collective_seconds(strategy, world_size, param_bytes, param_bytes, micro_batches,
-                                  target.interconnect_bytes_per_second)
+                                  target.interconnect_bytes_per_second,
+                                  reduce_every_micro_batch=reduce_every_micro_batch)
 
     # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
     shard = param_bytes // world_size

@@ -74,6 +74,9 @@ class StepConfig:
     # parameters, gradients and optimizer state in host memory, the optimizer stepping on the CPU: FSDP2's
     # CPUOffloadPolicy (strategy "fsdp2", any world size, 1 included; Note [offload])
     offload_states: bool = False
+    # FSDP2 reduce-scatters the gradients after every micro-batch of a window, not only after the last (Note [gradient
+    # sync under accumulation]); implied by offload_states
+    reduce_every_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -100,6 +103,12 @@ class StepConfig:
                 "offload_states keeps parameters, gradients and optimizer state in host memory with FSDP2's "
                 f"CPUOffloadPolicy, so it needs strategy='fsdp2' (world_size 1 included), got {self.strategy!r}"
             )
+        if self.reduce_every_micro_batch and self.strategy != "fsdp2":
+            raise InvalidInputError(
+                "reduce_every_micro_batch reduce-scatters FSDP2's gradients after every micro-batch so that no "
+                f"unsharded gradients wait for the last one; it needs strategy='fsdp2', got {self.strategy!r} (DDP "
+                "keeps whole gradients either way)"
+            )
         if self.offload_states and self.precision.stored not in (None, "fp32"):
             raise InvalidInputError(
                 f"offload_states with stored precision {self.precision.stored!r}: FSDP2 keeps fp32 sharded "
@@ -116,7 +125,7 @@ def make_step_config(
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
-    offload_states: bool = False,
+    offload_states: bool = False, reduce_every_micro_batch: bool = False,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -133,6 +142,7 @@ def make_step_config(
         held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
+        reduce_every_micro_batch=bool(reduce_every_micro_batch),
     )
 
 
@@ -300,6 +310,18 @@ def _offloaded_forward(forward, to_host: Callable[[], contextlib.AbstractContext
 #       keep a whole model's unsharded gradients on the device until the last micro-batch;
 #     - the optimizer step in backward (Note [optimizer step in backward]), which keeps no gradient alive.
 #     A module keeps, recomputes or offloads its activations, never two of them at once.
+
+
+# Note [gradient sync under accumulation]
+#     FSDP2 with ``set_requires_gradient_sync(False)`` on every micro-batch but the last (what DDP's ``no_sync`` is
+#     to DDP) skips the reduce-scatters until the window's last backward, but it keeps every unit's unsharded
+#     gradient alive until then, accumulated in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed`` and
+#     ``unsharded_accumulated_grad`` in torch/distributed/fsdp/_fully_shard/_fsdp_param.py): a whole model's
+#     gradients in fp32 on every rank, which undoes most of what sharding saves. Reducing after every micro-batch
+#     (``reduce_every_micro_batch``) keeps only the sharded gradients between micro-batches, at the price of one
+#     reduce-scatter per micro-batch instead of one per window. The planner tries the first, and the second as the
+#     next rung of its ladder (solve/ladder.py) when nothing fits; the trainer applies the plan's choice
+#     (emit/distributed.py). torchtitan reduces every micro-batch (it never disables gradient sync).
 
 
 @contextlib.contextmanager

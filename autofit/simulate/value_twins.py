@@ -1,0 +1,133 @@
+"""Real values for the fake tensors that derive only from constants and the inputs (Note [value twins]).
+
+Note [value twins]
+    A fake tensor has no values, so a forward that reads one (``bool(mask == causal).all()``, ``.item()``,
+    ``torch.equal``) stops a fake simulation with DataDependentOutputException. Many such reads do not depend on the
+    model's weights at all: torch's ``nn.Transformer`` checks whether the ``tgt_mask`` it is given is causal
+    (``_detect_is_causal_mask`` in torch/nn/modules/transformer.py) by comparing it with a mask it builds itself,
+    and the mask a model builds in its forward (``nn.Transformer.generate_square_subsequent_mask``) comes from
+    ``torch.full`` and ``torch.triu`` of constants. :class:`ValueTwins`, a dispatch mode above the tracker, keeps a
+    real twin beside every fake tensor whose every tensor input has one: the micro-batch's inputs (the sample's
+    rows), a clone of each real buffer of the user's model, real tensors the code holds as constants, and what
+    factory ops make from nothing. Each such op runs twice: on the fake tensors (what the tracker records) and on
+    the twins, for real, on the CPU, outside every mode (so nothing of it is counted). A value read whose inputs all
+    have twins is answered from the twins; any other one still raises, marked as depending on the weights (or the
+    gradients), which is what the refusal then says (simulate/run.py). An op that writes into a tensor whose twin it
+    cannot update (its other inputs have none) takes the twin away from every tensor on that storage. A twin is kept
+    only while its op's outputs hold at most ``MAX_TWIN_BYTES``, so a large computation on the inputs (a 4-D
+    attention mask over long sequences) costs no real memory; a value read on it refuses as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from autofit.core._torch import DATA_DEPENDENT_ERRORS, FakeTensor, TorchDispatchMode, disable_current_modes, pytree
+
+__all__ = ["ValueTwins", "MAX_TWIN_BYTES", "WEIGHT_READ"]
+
+MAX_TWIN_BYTES = 64 * 2**20  # outputs of one op above this get no twin (Note [value twins])
+WEIGHT_READ = "autofit_reads_weights"  # set on a data-dependent error whose inputs have no twins
+
+
+class ValueTwins(TorchDispatchMode):
+    """Real twins of fake tensors that depend only on constants and inputs (Note [value twins])."""
+
+    def __init__(self, max_bytes: int = MAX_TWIN_BYTES) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+        self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (its weak reference, twin)
+        self._by_storage: dict[int, set[int]] = {}  # id(fake storage) -> ids of the fakes on it that have twins
+        self.answered = 0  # value reads answered from twins
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Give ``fake`` the real twin ``real`` (same shape and dtype)."""
+        if not isinstance(fake, FakeTensor) or tuple(fake.shape) != tuple(real.shape) or fake.dtype != real.dtype:
+            return
+        key, storage = id(fake), id(fake.untyped_storage())
+        twins, by_storage = self._twins, self._by_storage
+
+        def forget(_ref, key=key, storage=storage) -> None:
+            twins.pop(key, None)
+            by_storage.get(storage, set()).discard(key)
+
+        twins[key] = (weakref.ref(fake, forget), real)
+        by_storage.setdefault(storage, set()).add(key)
+
+    def twin(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s real twin; a plain real CPU tensor (a constant the code holds) is its own; None where unknown."""
+        if isinstance(t, FakeTensor):
+            entry = self._twins.get(id(t))
+            return entry[1] if entry is not None and entry[0]() is t else None
+        if type(t) is torch.Tensor and t.device.type == "cpu":
+            return t
+        return None  # a DTensor, a meta tensor, another subclass: no values known
+
+    def _stale(self, t: torch.Tensor) -> None:
+        """``t`` was written without its twin: every fake on its storage loses its twin."""
+        if isinstance(t, FakeTensor):
+            for key in self._by_storage.pop(id(t.untyped_storage()), set()):
+                self._twins.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        real_leaves = self._real_leaves(func, leaves)
+        try:
+            out = func(*args, **kwargs)
+        except DATA_DEPENDENT_ERRORS as e:
+            real = self._run_real(func, real_leaves, spec) if real_leaves is not None else None
+            if real is None or any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(real)):
+                setattr(e, WEIGHT_READ, real_leaves is None)
+                raise
+            self.answered += 1
+            return real  # a value read (a scalar, a bool) answered from the twins
+        written = _written(func, args, kwargs)
+        outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        small = sum(x.numel() * x.element_size() for x in outs) <= self.max_bytes
+        real = self._run_real(func, real_leaves, spec) if real_leaves is not None and small else None
+        if real is None:
+            for t in written:
+                self._stale(t)
+            return out
+        real_outs = [x for x in pytree.tree_leaves(real) if isinstance(x, torch.Tensor)]
+        if len(real_outs) == len(outs):
+            for fake, twin in zip(outs, real_outs):
+                self.add(fake, twin)
+        return out
+
+    def _real_leaves(self, func, leaves: list[Any]) -> list[Any] | None:
+        """The op's arguments with each tensor replaced by its twin, or None when one has none."""
+        if func.namespace not in ("aten", "prims"):
+            return None
+        real = list(leaves)
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                twin = self.twin(x)
+                if twin is None:
+                    return None
+                real[i] = twin
+        return real
+
+    def _run_real(self, func, real_leaves: list[Any], spec) -> Any:
+        """The op on the twins, for real, outside every mode (the tracker counts nothing of it); None if it fails."""
+        args, kwargs = pytree.tree_unflatten(real_leaves, spec)
+        try:
+            with disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+                return func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - no twin then: a later read of it refuses as without twins
+            return None
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes into (its schema's mutable arguments)."""
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        written += [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+    return written

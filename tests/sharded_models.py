@@ -1,0 +1,56 @@
+"""Small models for the sharded-training tests (importable by the spawned gloo workers, tests/dist_workers.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo import ZooCase
+
+__all__ = ["EXTRA_CASES", "WideBlocks", "wide_blocks"]
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.relu(self.up(x)))
+
+
+class WideBlocks(nn.Module):
+    """Four wide residual MLP blocks over 64 tokens of 128 features, a 10-class head on their mean: parameters
+    (8.4 MB in fp32) large against one row's activations, as in a 7B language model trained on 8 GPUs. A flat
+    (rows, 64 * 128) input, so the batch has no length dim to tabulate."""
+
+    def __init__(self, dim: int = 128, hidden: int = 2048, layers: int = 4, tokens: int = 64) -> None:
+        super().__init__()
+        self.dim, self.tokens = dim, tokens
+        self.blocks = nn.ModuleList(_Block(dim, hidden) for _ in range(layers))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], self.tokens, self.dim)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target)
+
+
+def wide_blocks(device: str | None = None) -> ZooCase:
+    """:class:`WideBlocks` (on ``device``, "meta" for planning without weights), 8 rows and class targets."""
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        model = WideBlocks()
+    sample = torch.randn(8, 64 * 128)
+    target = torch.randint(0, 10, (8,))
+    return ZooCase("wide_blocks", model, sample, target, checkpoint=("blocks.0",), loss_fn=_cross_entropy)
+
+
+EXTRA_CASES = {"wide_blocks": wide_blocks}

@@ -1,0 +1,73 @@
+"""FSDP2 under gradient accumulation: reduce-scatter after every micro-batch, a rung of the planner's ladder (Note
+[gradient sync under accumulation], autofit/training/step.py). Without it an accumulating FSDP2 plan kept the whole model's
+unsharded fp32 gradients on every rank until the window's last micro-batch, so the smallest plan of issue 26's
+Llama-2-7B job on 8 x A100-40GB needed more than the card. The gloo runs are in tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import autofit
+from autofit.request import Parallel, make_request
+from autofit.solve.ladder import ladder
+from autofit.solve.sharding import shard_units
+from sharded_models import wide_blocks
+
+MiB = 2**20
+
+
+def _request(strategy, world_size=8, batch_size=64):
+    case = wide_blocks("meta")
+    return case, make_request(case.model, case.sample, "1GB", batch_size=batch_size, target=case.target,
+                              loss_fn=case.loss_fn, optimizer="adamw", precision="fp32", checkpoint="auto",
+                              device="cpu", gpu=None, world_size=world_size, strategy=strategy, quick=False)
+
+
+def test_the_ladder_reduces_every_micro_batch_next_for_fsdp2_only():
+    case, request = _request("fsdp2")
+    fsdp = Parallel(strategy="fsdp2", world_size=8, shard_units=shard_units(case.model))
+    rungs = ladder(request, fsdp)
+    assert [r.parallel.reduce_every_micro_batch for r in rungs] == [False, True]
+    assert rungs[1].floor_bytes == rungs[0].floor_bytes  # the same sharded states: only the window differs
+    _, ddp_request = _request("ddp")
+    assert not any(r.parallel.reduce_every_micro_batch
+                   for r in ladder(ddp_request, Parallel(strategy="ddp", world_size=8)))
+    _, one_row = _request("fsdp2", batch_size=8)  # one row per rank: no accumulation, nothing to reduce early
+    assert not any(r.parallel.reduce_every_micro_batch for r in ladder(one_row, fsdp))
+
+
+def test_an_accumulating_fsdp2_plan_reduces_every_micro_batch_when_nothing_else_fits():
+    """The issue's mechanism on 8.4 MB of parameters over 8 ranks, 8 rows per rank: the budget is below the sharded
+    states plus the blocks' unsharded fp32 gradients (hand-counted below), so no plan that leaves the sync to the
+    last micro-batch can accumulate within it; whole-batch plans need more than it too (the old planner's smallest
+    was micro-batch 1 at 17.69 MiB). Reducing every micro-batch fits."""
+    case = wide_blocks("meta")
+    budget = 15 * MiB
+    dim, hidden, layers, classes, world = 128, 2048, 4, 10, 8
+    block_params = 2 * dim * hidden + hidden + dim
+    params = layers * block_params + dim * classes + classes
+    sharded_states = 4 * params * 4 // world  # fp32 parameters, gradients and AdamW's two moments, one shard each
+    unsharded_block_grads = layers * block_params * 4
+    assert sum(p.numel() for p in case.model.parameters()) == params
+    assert sharded_states + unsharded_block_grads > budget
+
+    plan = autofit.plan(case.model, case.sample, budget, batch_size=64, target=case.target, loss_fn=case.loss_fn,
+                        device="cpu", precision="fp32", world_size=world, strategy="fsdp2")
+    assert plan.reduce_every_micro_batch
+    assert plan.gradient_accumulation_steps > 1 and plan.micro_batch_size < 8
+    assert plan.device_bytes <= budget
+    assert "gradient sync" in str(plan)
+    assert autofit.Plan.from_json(plan.to_json()).reduce_every_micro_batch
+
+
+@pytest.mark.slow
+def test_llama_2_7b_fsdp2_on_8_a100_40gb_plans():
+    """Issue 26's command, which exited 3 ("the smallest reachable peak is 38.02 GiB (micro-batch 8, ...)")."""
+    from autofit.cli.app import app
+
+    result = CliRunner().invoke(app, ["plan", "hf:meta-llama/Llama-2-7b-hf", "--budget", "40GB", "--batch-size",
+                                      "64", "--input-shape", "2048", "--gpu", "A100-40GB", "--world-size", "8",
+                                      "--strategy", "fsdp2"], env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 0, result.output
+    assert "reduce-scatter after every micro-batch" in result.output

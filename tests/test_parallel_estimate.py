@@ -1,0 +1,54 @@
+"""``autofit.estimate`` takes the parallel layout ``plan`` takes (world_size, strategy): one rank's step, the same
+figure the planner verified its plan with. The gloo comparison with the CPU allocator is in
+tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import autofit
+from autofit.core.errors import InvalidInputError
+from sharded_models import wide_blocks
+
+MiB = 2**20
+ROW_BYTES = 64 * 128 * 4 + 8  # one row of WideBlocks' input (fp32) and its class target (int64)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
+    case = wide_blocks("meta")
+    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, target=case.target, loss_fn=case.loss_fn,
+                        device="cpu", precision="fp32", world_size=2, strategy=strategy)
+    assert plan.gradient_accumulation_steps == 1  # the plan holds one micro-batch of rows, as an estimate does
+    est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+                           loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
+                           world_size=2, strategy=strategy)
+    assert est.peak_bytes == plan.peak_bytes
+    single = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+                              loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint)
+    assert est.peak_bytes != single.peak_bytes  # the layout is simulated, not ignored
+
+
+def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
+    """The plan holds all of its rank's rows (the trainer slices micro-batches from them), an estimate one
+    micro-batch: they differ by the other rows' bytes, counted by hand."""
+    case = wide_blocks("meta")
+    plan = autofit.plan(case.model, case.sample, 26 * MiB, batch_size=16, target=case.target, loss_fn=case.loss_fn,
+                        device="cpu", precision="fp32", world_size=2, strategy="fsdp2")
+    assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
+    est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+                           loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
+                           accumulation_steps=plan.gradient_accumulation_steps, world_size=2, strategy="fsdp2",
+                           reduce_every_micro_batch=True)
+    assert est.peak_bytes + (8 - plan.micro_batch_size) * ROW_BYTES == plan.peak_bytes
+
+
+def test_a_layout_without_its_other_half_is_refused():
+    case = wide_blocks("meta")
+    with pytest.raises(InvalidInputError, match="needs strategy"):
+        autofit.estimate(case.model, case.sample, micro_batch_size=2, world_size=2)
+    with pytest.raises(InvalidInputError, match="needs world_size"):
+        autofit.estimate(case.model, case.sample, micro_batch_size=2, strategy="ddp")
+    with pytest.raises(InvalidInputError, match="reduce_every_micro_batch"):
+        autofit.estimate(case.model, case.sample, micro_batch_size=2, world_size=2, strategy="ddp",
+                         reduce_every_micro_batch=True)
