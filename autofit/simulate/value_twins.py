@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from autofit.core._torch import DATA_DEPENDENT_ERRORS, FakeTensor, TorchDispatchMode, disable_current_modes, pytree
+from autofit.core._torch import (
+    DATA_DEPENDENT_ERRORS, FakeTensor, TorchDispatchMode, disable_current_modes, op_schema, pytree,
+)
 
 __all__ = ["ValueTwins", "MAX_TWIN_BYTES", "WEIGHT_READ"]
 
@@ -125,7 +127,7 @@ class ValueTwins(TorchDispatchMode):
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments ``func`` writes into (its schema's mutable arguments)."""
     written = []
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(op_schema(func).arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
