@@ -211,7 +211,8 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         policy=policy, device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
-        host_budget_bytes=request.host_budget_bytes,
+        host_budget_bytes=request.host_budget_bytes, reshard_after_forward=parallel.reshard_after_forward,
+        replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
     )
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(

@@ -37,6 +37,24 @@ class Parallel:
     world_size: int = 1
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
     offload_states: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and state on the host
+    # FSDP2 layout (docs/multi-gpu.md): True ZeRO-3, False ZeRO-2, an int the group parameters are resharded to after
+    # forward; replicate > 1: HSDP over a (replicate, world_size // replicate) mesh
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
+    gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
+
+    @property
+    def label(self) -> str:
+        """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp over 2 ranks'."""
+        if self.strategy is None:
+            return "one process"
+        if self.strategy == "ddp":
+            return f"ddp over {self.world_size} ranks"
+        raf = self.reshard_after_forward
+        zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}"
+        if self.replicate > 1:
+            return f"hsdp {self.replicate} x {self.world_size // self.replicate} ({zero})"
+        return f"fsdp2 ({zero}) over {self.world_size} ranks"
 
 
 @dataclass(frozen=True, kw_only=True)
