@@ -68,3 +68,45 @@ def test_per_rank_peak_matches_the_allocator(world, reshard, replicate, tmp_path
               f"({(plan.peak_bytes - measured) / measured:+.3%})")
         assert abs(plan.peak_bytes - measured) <= 0.005 * measured, (
             f"{plan.layout} rank {rank}: predicted {plan.peak_bytes}, measured {results[0]['peaks']}")
+
+
+@pytest.mark.parametrize("world,reshard,replicate", [(2, False, 1), (4, 2, 1), (4, False, 2)])
+def test_one_step_equals_a_full_batch_step(world, reshard, replicate, tmp_path):
+    """Two micro-batches per rank (accumulation) on every layout: the parameters after one trainer step on every
+    rank equal those after one plain SGD step over the whole global batch in one process."""
+    torch.manual_seed(0)
+    plan = _plan(ZOO["tied_lm"](), world, reshard, replicate)
+    plan = dataclasses.replace(plan, micro_batch_size=4, gradient_accumulation_steps=2, last_micro_batch_size=4)
+    ranks = _run([{"kind": "equivalence", "case": "tied_lm", "plan": plan.to_json(), "optimizer": "sgd"}], tmp_path,
+                 world)
+    torch.manual_seed(0)
+    reference = ZOO["tied_lm"]()
+    model = reference.model.eval()  # dropout off, as in the workers
+    batch = as_batch(reference.sample).resize(plan.batch_size)
+    target = as_batch(reference.target, what="target").resize(plan.batch_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compute_loss(reference.loss_fn, batch.call(model), target.value).backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        for rank, result in enumerate(ranks):
+            got = torch.tensor(result[0]["params"][name], dtype=p.dtype)
+            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{plan.layout} rank {rank}: {name}")
+
+
+def test_zero2_holds_the_gathered_units_between_forward_and_backward():
+    """Same step, ZeRO-2 vs ZeRO-3: ZeRO-2's peak is higher, by at most the units' unsharded parameters (what it
+    keeps gathered from forward to backward instead of gathering again)."""
+    from autofit.simulate.run import simulate_step
+    from autofit.solve.sharding import shard_units
+    from autofit.step import make_step_config
+
+    case = ZOO["gpt_sdpa"]()
+    units = shard_units(case.model)
+    peaks = {}
+    for raf in (True, False):
+        config = make_step_config(micro_batch_size=4, optimizer="adamw", strategy="fsdp2", world_size=2,
+                                  shard_units=units, reshard_after_forward=raf)
+        peaks[raf] = simulate_step(case.model, as_batch(case.sample), as_batch(case.target, what="target"),
+                                   case.loss_fn, config).replay.peak_bytes
+    unit_bytes = sum(p.numel() * p.element_size() for u in units for p in case.model.get_submodule(u).parameters())
+    assert 0 < peaks[False] - peaks[True] <= unit_bytes, (peaks, unit_bytes)
