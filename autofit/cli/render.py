@@ -48,7 +48,9 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         ("predicted step time", f"{plan.predicted_step_seconds:.3g} s (time model, for ranking)"),
     ]
     if plan.world_size > 1:
-        rows.insert(1, ("world size", f"{plan.world_size} processes, {plan.strategy}, "
+        nodes = f" ({plan.world_size // plan.gpus_per_node} nodes x {plan.gpus_per_node})" \
+            if plan.gpus_per_node and plan.gpus_per_node < plan.world_size else ""
+        rows.insert(1, ("world size", f"{plan.world_size} processes{nodes}, {plan.layout}, "
                                       f"{plan.batch_size // plan.world_size} samples each"))
         if plan.shard_units:
             rows.insert(2, ("FSDP2 units", f"{len(plan.shard_units)}: {', '.join(plan.shard_units[:4])}"
