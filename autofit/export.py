@@ -171,23 +171,24 @@ def _lightning_fsdp(plan: Plan) -> tuple[dict[str, Any], list[str]]:
                      "fully_shard call above runs the plan exactly")
     kwargs: dict[str, Any] = {"sharding_strategy": sharding, "cpu_offload": plan.offload_states}
     if plan.replicate > 1:
-        kwargs["device_mesh"] = [plan.replicate, plan.world_size // plan.replicate]
+        # a tuple: FSDPStrategy turns only a tuple into a DeviceMesh (setup_environment)
+        kwargs["device_mesh"] = (plan.replicate, plan.world_size // plan.replicate)
     return kwargs, notes
 
 
 def to_accelerate_config(plan: Plan) -> dict[str, Any]:
-    """An ``accelerate launch --config_file`` YAML as a dict: the keys ``accelerate config`` writes
-    (accelerate/commands/config/cluster.py) and ``accelerate launch`` reads (its ``--fsdp_*`` and
-    ``--parallelism_config_*`` arguments, accelerate/commands/launch.py), FSDP version 2."""
+    """``config_file``: an ``accelerate launch --config_file`` YAML as a dict, with the keys ``accelerate config``
+    writes (accelerate/commands/config/cluster.py, ``ClusterConfig``) and ``accelerate launch`` reads (its
+    ``--fsdp_*`` and ``--parallelism_config_*`` arguments, accelerate/commands/launch.py), FSDP version 2;
+    ``accelerator``: ``Accelerator(...)`` keyword arguments (the accumulation)."""
     micro, steps = _split(plan)
     per_node = plan.gpus_per_node or plan.world_size
     mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision.name]
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
         "num_machines": plan.world_size // per_node, "num_processes": plan.world_size,
-        "gradient_accumulation_steps": steps,
     }
-    notes = _split_notes(plan) + [f"per-device DataLoader batch size: {micro}"]
+    notes = _split_notes(plan)
     if plan.strategy == "ddp":
         config["distributed_type"] = "MULTI_GPU"
     elif plan.strategy == "fsdp2":
@@ -213,8 +214,9 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
                      + ", ".join(plan.shard_units[:3]) + (" ..." if len(plan.shard_units) > 3 else ""))
     else:
         config["distributed_type"] = "NO"
-    config["autofit_notes"] = notes
-    return config
+    # the accumulation is the Accelerator's argument, not the config file's; the micro-batch the DataLoader's
+    return {"config_file": config, "accelerator": {"gradient_accumulation_steps": steps},
+            "dataloader_batch_size": micro, "autofit_notes": notes}
 
 
 # torchtitan's JobConfig (torchtitan/config/job_config.py): Parallelism.fsdp_reshard_after_forward is "default",
