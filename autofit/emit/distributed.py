@@ -6,7 +6,8 @@
   in the plan's low precision (reductions in fp32), the units' ``reshard_after_forward`` as planned (ZeRO-3 / ZeRO-2
   / an int group), over a 1-D mesh or, for HSDP, a 2-D (replicate, shard) ``init_device_mesh``;
   ``set_requires_gradient_sync(False)`` on every micro-batch but the last, except with the states offloaded to the
-  host, where every micro-batch reduces and the shards accumulate on the host. Sharding replaces the parameters, so the optimizer is built afterwards: ``wrap`` takes a factory.
+  host, where every micro-batch reduces and the shards accumulate on the host. Sharding replaces the parameters,
+  so the optimizer is built afterwards: ``wrap`` takes a factory.
 Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
 ``batch_size / world_size`` rows (pass ``local=True`` to ``step`` when a DistributedSampler already split the data),
 so every sample of the global batch is used exactly once; DDP and FSDP2 average gradients over ranks, so each rank
