@@ -127,7 +127,7 @@ def plan_with_analysis(
         except InfeasibleBudgetError as e:
             infeasible_errors.append(e)
         except AutofitError as e:
-            if len(parallels) == 1:
+            if len(request.strategies) == 1:  # its other layouts would fail the same way
                 raise
             failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
     if not results:

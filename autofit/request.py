@@ -45,11 +45,11 @@ class Parallel:
 
     @property
     def label(self) -> str:
-        """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp over 2 ranks'."""
+        """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
         if self.strategy is None:
             return "one process"
         if self.strategy == "ddp":
-            return f"ddp over {self.world_size} ranks"
+            return "ddp"
         raf = self.reshard_after_forward
         zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}"
         if self.replicate > 1:
