@@ -234,6 +234,11 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     return replace(plan, lengths=spec) if table is None else replace(plan, lengths=spec, rows_by_length=table)
 
 
+def _parallel(request: PlanRequest, strategy: str | None) -> Parallel:
+    """The first layout of ``strategy`` (for FSDP2, the first reshard and replicate options: ZeRO-3, plain FSDP)."""
+    return _parallels(request, strategy)[0]
+
+
 def _parallels(request: PlanRequest, strategy: str | None) -> list[Parallel]:
     """The layouts of ``strategy`` to plan (Note [choosing a layout], docs/multi-gpu.md): FSDP2 once per valid
     (reshard_after_forward, replicate) pair the request allows."""
