@@ -118,7 +118,10 @@ def plan_with_analysis(
     hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
     for parallel in sorted(parallels, key=lambda p: p in hopeless):
         name = parallel.label
-        if parallel in hopeless and results:
+        # Of FSDP2's layouts, ZeRO-3 over every rank holds least at any configuration (ZeRO-2 and the int reshard
+        # hold more of each unit between forward and backward, HSDP a larger shard): when its states miss the
+        # budget the others' smallest budgets are no smaller, and only the smallest is ever reported
+        if parallel in hopeless and (results or not _least_memory(parallel)):
             failed.append(f"{name} not planned: its parameters, gradients and optimizer state alone need at least "
                           f"{format_bytes(floors[parallel])} per rank, over the budget")
             continue
@@ -257,6 +260,11 @@ def _parallels(request: PlanRequest, strategy: str | None) -> list[Parallel]:
                 continue
             layouts.append(replace(base, shard_units=units, reshard_after_forward=raf, replicate=replicate))
     return layouts
+
+
+def _least_memory(parallel: Parallel) -> bool:
+    """DDP, or FSDP2's layout that holds least: ZeRO-3 over every rank."""
+    return parallel.strategy != "fsdp2" or (parallel.reshard_after_forward is True and parallel.replicate == 1)
 
 
 def _fastest(request: PlanRequest) -> Candidate:

@@ -349,7 +349,7 @@ def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else
     planned.clear()
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
         autofit.plan(model, x, "10MB", **kw)
-    assert sorted(planned) == ["ddp", "fsdp2", "fsdp2"]
+    assert sorted(planned) == ["ddp", "fsdp2"]  # FSDP2's ZeRO-2 holds more than its ZeRO-3: not planned
     fsdp2_min = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, x, "10MB", strategy="fsdp2", **kw)
     assert info.value.min_budget_bytes == fsdp2_min.value.min_budget_bytes
 
