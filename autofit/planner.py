@@ -20,7 +20,8 @@ from torch import nn
 
 from autofit import progress
 from autofit.analyse.table import Analysis
-from autofit.errors import AutofitError, InfeasibleBudgetError, InvalidInputError, UnsupportedModelError, require_layout
+from autofit.errors import (AutofitError, InfeasibleBudgetError, InvalidInputError, UnsupportedModelError,
+                            require_layout)
 from autofit.loss import LossFn
 from autofit.plan import Plan, assemble_plan
 from autofit.request import Parallel, PlanRequest, make_request
@@ -243,7 +244,7 @@ def _parallel(request: PlanRequest, strategy: str | None) -> Parallel:
 
 
 def _parallels(request: PlanRequest, strategy: str | None) -> list[Parallel]:
-    """The layouts of ``strategy`` to plan (Note [choosing a layout], docs/multi-gpu.md): FSDP2 once per valid
+    """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): FSDP2 once per valid
     (reshard_after_forward, replicate) pair the request allows."""
     if strategy is None:
         return [Parallel()]

@@ -193,7 +193,7 @@ def make_request(
 
 def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | None, reshard_after_forward: Any,
                   replicate: Any) -> tuple[int, tuple[bool | int, ...], tuple[int, ...]]:
-    """The ranks per node and the FSDP2 layouts to plan (Note [choosing a layout], docs/multi-gpu.md): with "auto",
+    """The ranks per node and the FSDP2 layouts to plan (docs/multi-gpu.md, "How the planner chooses"): with "auto",
     ZeRO-3 and ZeRO-2, and across nodes also the reshard to one node's GPUs and HSDP (replicate across nodes)."""
     per_node = world_size if gpus_per_node is None else require_int("gpus_per_node", gpus_per_node)
     if world_size % per_node:
