@@ -75,6 +75,7 @@ class DeviceTarget:
     gpu: object | None = None  # the GPUSpec for "cuda"
     note: str | None = None  # an assumption the plan should state (e.g. the default GPU)
     interconnect_bytes_per_second: float = 5e9  # between ranks (CPU processes: gloo over shared memory / TCP)
+    network_bytes_per_second: float = 5e9  # between nodes, per rank (GPUs: the catalog's network figure)
 
     def default_precisions(self) -> tuple[str, ...]:
         """"auto" precision, fastest first (the order the quick path and the search's tie-break use). On the CPU
@@ -195,4 +196,5 @@ def _cuda(gpu) -> DeviceTarget:
         host_transfer_bytes_per_second=spec.host_transfer,
     )
     return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
-                        gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect)
+                        gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect,
+                        network_bytes_per_second=spec.network)

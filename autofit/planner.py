@@ -20,7 +20,8 @@ from torch import nn
 
 from autofit.core import progress
 from autofit.analyse.table import Analysis
-from autofit.core.errors import AutofitError, InfeasibleBudgetError, UnsupportedModelError
+from autofit.core.errors import (AutofitError, InfeasibleBudgetError, InvalidInputError, UnsupportedModelError,
+                                 require_layout)
 from autofit.training.loss import LossFn
 from autofit.emit.plan import Plan, assemble_plan
 from autofit.request import Parallel, PlanRequest, make_request
@@ -44,7 +45,8 @@ def plan(
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
-    allow_over_capacity: bool = False,
+    allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
+    replicate: Any = "auto",
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -73,13 +75,19 @@ def plan(
     ``margin``: bytes kept free for what the estimate does not model (bytes, "512MB" or a share of the budget such
     as "5%"); the default is 0 except on GPUs with ``world_size > 1``, where NCCL's buffers live outside the
     caching allocator (Note [the margin], autofit/request.py). A budget above the GPU's memory is refused unless
-    ``allow_over_capacity=True``."""
+    ``allow_over_capacity=True``.
+
+    FSDP2 layouts (docs/multi-gpu.md): ``gpus_per_node`` (default: every rank on one node) splits ``world_size``
+    into nodes; ``reshard_after_forward`` True (ZeRO-3), False (ZeRO-2) or an int group size, and ``replicate``
+    (HSDP: replicate across that many groups, shard within each). With "auto" the planner plans ZeRO-3 and ZeRO-2,
+    across nodes also the reshard to one node and HSDP over the nodes, and keeps the fastest that fits."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
         clip_grad_norm=clip_grad_norm, alternatives=False, min_stored_precision=min_stored_precision,
         fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
-        allow_over_capacity=allow_over_capacity,
+        allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
+        reshard_after_forward=reshard_after_forward, replicate=replicate,
     )[0]
 
 
@@ -89,7 +97,8 @@ def plan_with_analysis(
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
-    margin: int | str | None = None, allow_over_capacity: bool = False,
+    margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
+    reshard_after_forward: Any = "auto", replicate: Any = "auto",
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -100,25 +109,29 @@ def plan_with_analysis(
                            world_size=world_size, strategy=strategy, quick=not alternatives,
                            clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
                            fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
-                           allow_over_capacity=allow_over_capacity)
+                           allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
+                           reshard_after_forward=reshard_after_forward, replicate=replicate)
     results, infeasible_errors, failed = [], [], []
-    parallels = [_parallel(request, name) for name in request.strategies]
-    # a strategy whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
-    # its analysis would only name its smallest budget, which the error needs only if no strategy fits
-    floors = {p.strategy: states_floor(ladder(request, p)) for p in parallels} if len(parallels) > 1 else {}
-    hopeless = {name for name, floor in floors.items() if floor is not None and floor > request.fit_bytes}
-    for parallel in sorted(parallels, key=lambda p: p.strategy in hopeless):
-        name = parallel.strategy
-        if name in hopeless and results:
+    parallels = [p for name in request.strategies for p in _parallels(request, name)]
+    # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
+    # its analysis would only name its smallest budget, which the error needs only if no layout fits
+    floors = {p: states_floor(ladder(request, p)) for p in parallels} if len(parallels) > 1 else {}
+    hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
+    for parallel in sorted(parallels, key=lambda p: p in hopeless):
+        name = parallel.label
+        # Of FSDP2's layouts, ZeRO-3 over every rank holds least at any configuration (ZeRO-2 and the int reshard
+        # hold more of each unit between forward and backward, HSDP a larger shard): when its states miss the
+        # budget the others' smallest budgets are no smaller, and only the smallest is ever reported
+        if parallel in hopeless and (results or not _least_memory(parallel)):
             failed.append(f"{name} not planned: its parameters, gradients and optimizer state alone need at least "
-                          f"{format_bytes(floors[name])} per rank, over the budget")
+                          f"{format_bytes(floors[parallel])} per rank, over the budget")
             continue
         try:
             results.append(_plan_parallel(request, parallel))
         except InfeasibleBudgetError as e:
             infeasible_errors.append(e)
         except AutofitError as e:
-            if len(request.strategies) == 1:
+            if len(request.strategies) == 1:  # its other layouts would fail the same way
                 raise
             failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
     if not results:
@@ -126,7 +139,7 @@ def plan_with_analysis(
             raise min(infeasible_errors, key=lambda e: e.min_budget_bytes)
         raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
-    if len(request.strategies) > 1:
+    if len(parallels) > 1:
         why = _why_strategy(chosen, [r[0] for r in results])
         chosen = replace(chosen, notes=chosen.notes + (why, *failed))
     return chosen, analyses
@@ -214,6 +227,8 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
         host_budget_bytes=request.host_budget_bytes, reduce_every_micro_batch=parallel.reduce_every_micro_batch,
+        reshard_after_forward=parallel.reshard_after_forward,
+        replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
     )
     if plan.reduce_every_micro_batch:
         plan = replace(plan, notes=plan.notes + (
@@ -232,10 +247,33 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
 
 
 def _parallel(request: PlanRequest, strategy: str | None) -> Parallel:
+    """The first layout of ``strategy`` (for FSDP2, the first reshard and replicate options: ZeRO-3, plain FSDP)."""
+    return _parallels(request, strategy)[0]
+
+
+def _parallels(request: PlanRequest, strategy: str | None) -> list[Parallel]:
+    """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): FSDP2 once per valid
+    (reshard_after_forward, replicate) pair the request allows."""
     if strategy is None:
-        return Parallel()
-    units = shard_units(request.model) if strategy == "fsdp2" else ()
-    return Parallel(strategy=strategy, world_size=request.world_size, shard_units=units)
+        return [Parallel()]
+    base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
+    if strategy == "ddp":
+        return [base]
+    units = shard_units(request.model)
+    layouts = []
+    for replicate in request.replicate_options:
+        for raf in request.reshard_options:
+            try:
+                require_layout(strategy, request.world_size, raf, replicate)
+            except InvalidInputError:  # e.g. a reshard to one node's GPUs when HSDP's shard group is one node
+                continue
+            layouts.append(replace(base, shard_units=units, reshard_after_forward=raf, replicate=replicate))
+    return layouts
+
+
+def _least_memory(parallel: Parallel) -> bool:
+    """DDP, or FSDP2's layout that holds least: ZeRO-3 over every rank."""
+    return parallel.strategy != "fsdp2" or (parallel.reshard_after_forward is True and parallel.replicate == 1)
 
 
 def _fastest(request: PlanRequest) -> Candidate:
@@ -253,10 +291,12 @@ def _gradient_bytes(model: nn.Module) -> int:
 
 
 def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:
-    other = [p for p in all_plans if p is not chosen]
+    other = sorted((p for p in all_plans if p is not chosen), key=lambda p: p.predicted_step_seconds)
     if not other:
-        return f"{chosen.strategy} chosen: it is the only strategy that fits the budget"
-    o = other[0]
-    return (f"{chosen.strategy} chosen over {o.strategy}: predicted step {chosen.predicted_step_seconds:.3g} s vs "
-            f"{o.predicted_step_seconds:.3g} s (micro-batch {chosen.micro_batch_size} vs {o.micro_batch_size}; "
-            "FSDP2 shards parameters, gradients and optimizer state but gathers parameters every micro-batch)")
+        return f"{chosen.layout} chosen: it is the only layout that fits the budget"
+    against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
+                        f"{format_bytes(o.device_bytes)})" for o in other)
+    return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
+            f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
+            "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
+            "gathered parameters from forward to backward instead of gathering them again")

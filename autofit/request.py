@@ -17,7 +17,7 @@ from torch import nn
 from autofit.training.batch import Batch, as_batch
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget, resolve_device
-from autofit.core.errors import InvalidInputError, require_int, require_strategy
+from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import length_spec
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
@@ -40,6 +40,24 @@ class Parallel:
     # FSDP2 reduce-scatters after every micro-batch, not only the window's last (Note [gradient sync under
     # accumulation], autofit/training/step.py): the ladder's rung after the model's own dtype
     reduce_every_micro_batch: bool = False
+    # FSDP2 layout (docs/multi-gpu.md): True ZeRO-3, False ZeRO-2, an int the group parameters are resharded to after
+    # forward; replicate > 1: HSDP over a (replicate, world_size // replicate) mesh
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
+    gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
+
+    @property
+    def label(self) -> str:
+        """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
+        if self.strategy is None:
+            return "one process"
+        if self.strategy == "ddp":
+            return "ddp"
+        raf = self.reshard_after_forward
+        zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}"
+        if self.replicate > 1:
+            return f"hsdp {self.replicate} x {self.world_size // self.replicate} ({zero})"
+        return f"fsdp2 ({zero}) over {self.world_size} ranks"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +75,9 @@ class PlanRequest:
     per_rank: int  # samples per rank per optimizer step
     world_size: int
     strategies: tuple[str | None, ...]  # to plan, in order; the fastest wins
+    gpus_per_node: int = 0  # ranks per node (0: one node)
+    reshard_options: tuple[bool | int, ...] = (True,)  # FSDP2 reshard_after_forward values to plan
+    replicate_options: tuple[int, ...] = (1,)  # HSDP replicate sizes to plan (1: plain FSDP)
     policies: tuple[PrecisionPolicy, ...]  # allowed compute precisions, preferred first
     optimizer: OptimizerSpec
     fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
@@ -91,7 +112,8 @@ class PlanRequest:
             gpu=self.device.name, strategy=parallel.strategy, world_size=parallel.world_size,
             shard_units=parallel.shard_units, clip_grad_norm=self.clip_grad_norm,
             offload_states=parallel.offload_states,
-            reduce_every_micro_batch=parallel.reduce_every_micro_batch)
+            reduce_every_micro_batch=parallel.reduce_every_micro_batch,
+            reshard_after_forward=parallel.reshard_after_forward, replicate=parallel.replicate)
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -136,6 +158,7 @@ def make_request(
     strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
     min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
+    gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto",
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -160,6 +183,8 @@ def make_request(
             f"fits, or is faster), True (the same) or False (never), got {offload!r}"
         )
     margin_bytes = margin_for(margin, budget_bytes, target_device, world_size)
+    per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, gpus_per_node, reshard_after_forward,
+                                                   replicate)
     may_offload = offload is not False and target_device.kind == "cuda"
     host_budget_bytes = _host_budget(host_budget) if may_offload else None
     optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
@@ -177,8 +202,39 @@ def make_request(
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
         stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
-        host_budget_bytes=host_budget_bytes,
+        host_budget_bytes=host_budget_bytes, gpus_per_node=per_node, reshard_options=reshards,
+        replicate_options=replicates,
     )
+
+
+def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | None, reshard_after_forward: Any,
+                  replicate: Any) -> tuple[int, tuple[bool | int, ...], tuple[int, ...]]:
+    """The ranks per node and the FSDP2 layouts to plan (docs/multi-gpu.md, "How the planner chooses"): with "auto",
+    ZeRO-3 and ZeRO-2, and across nodes also the reshard to one node's GPUs and HSDP (replicate across nodes)."""
+    per_node = world_size if gpus_per_node is None else require_int("gpus_per_node", gpus_per_node)
+    if world_size % per_node:
+        raise InvalidInputError(f"gpus_per_node {per_node} does not divide world_size {world_size}: world_size is "
+                                "nodes x gpus_per_node")
+    nodes = world_size // per_node
+    if strategy == "ddp" and (reshard_after_forward != "auto" or replicate != "auto"):
+        raise InvalidInputError("reshard_after_forward and replicate are FSDP2 layouts: leave them 'auto' with "
+                                "strategy='ddp', or use strategy='fsdp2'")
+    if replicate == "auto":
+        replicates = (1, nodes) if nodes > 1 else (1,)
+    else:
+        replicates = (replicate,)
+    if reshard_after_forward == "auto":
+        reshards: tuple[bool | int, ...] = (True, False)
+        if nodes > 1 and per_node > 1:
+            reshards += (per_node,)  # the backward all-gather within a node, over NVLink
+    else:
+        reshards = (reshard_after_forward,)
+    if world_size > 1 and strategy != "ddp":  # the explicit ones are checked here, before any simulation
+        for raf in reshards:
+            for r in replicates:
+                if reshard_after_forward != "auto" or replicate != "auto":
+                    require_layout("fsdp2", world_size, raf, r)
+    return per_node, reshards, replicates
 
 
 def check_capacity(budget_bytes: int, target: DeviceTarget, allow_over_capacity: bool = False) -> None:

@@ -194,3 +194,28 @@ def test_progress_shows_the_planners_stages_only_on_long_plans():
     with planning_progress(Console(file=quiet, force_terminal=True), delay=3600.0) as stages:
         autofit.plan(spec.model, spec.sample, "1GB", **kw)
     assert stages and quiet.getvalue() == ""
+
+
+def test_nodes_and_gpus_per_node_plan_a_multi_node_layout():
+    import tomllib
+
+    result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", "--nodes", "2",
+                   "--gpus-per-node", "2", "--strategy", "fsdp2", "--replicate", "2", "--reshard-after-forward",
+                   "false", "--json", "--export", "torchtitan")
+    assert result.exit_code == 0, result.output
+    plan = autofit.Plan.from_json(result.stdout[result.stdout.index("{"):])
+    assert (plan.world_size, plan.gpus_per_node, plan.replicate, plan.reshard_after_forward) == (4, 2, 2, False)
+    titan = tomllib.loads(result.stderr[result.stderr.index("[parallelism]"):])
+    assert titan["parallelism"]["data_parallel_replicate_degree"] == 2
+    assert titan["parallelism"]["fsdp_reshard_after_forward"] == "never"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--nodes", "2"], "--nodes needs --gpus-per-node"),
+    (["--nodes", "2", "--gpus-per-node", "2", "--world-size", "8"], "disagrees"),
+    (["--world-size", "2", "--strategy", "fsdp2", "--reshard-after-forward", "sometimes"], "--reshard-after-forward"),
+])
+def test_bad_layout_options_exit_2_naming_the_option(args, words):
+    result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", *args)
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "Traceback" not in result.output

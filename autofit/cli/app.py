@@ -68,6 +68,16 @@ MarginOpt = Annotated[Optional[str], typer.Option(
 OverCapacityOpt = Annotated[bool, typer.Option(
     "--allow-over-capacity", help="accept a --budget above the GPU's memory (refused otherwise)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
+NodesOpt = Annotated[Optional[int], typer.Option(
+    "--nodes", help="machines training together, --gpus-per-node each (world size = nodes x GPUs per node); "
+    "collectives across nodes run at the catalog's network bandwidth (docs/multi-gpu.md)")]
+PerNodeOpt = Annotated[Optional[int], typer.Option(
+    "--gpus-per-node", help="GPUs (processes) per node, linked by NVLink (default: every rank on one node)")]
+ReshardOpt = Annotated[str, typer.Option(
+    "--reshard-after-forward", help="FSDP2: true (ZeRO-3), false (ZeRO-2), a group size, or auto (the planner "
+    "chooses)")]
+ReplicateOpt = Annotated[str, typer.Option(
+    "--replicate", help="FSDP2: HSDP's replicate size (1: plain FSDP; usually the number of nodes), or auto")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -119,11 +129,12 @@ def plan(
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
-    allow_over_capacity: OverCapacityOpt = False,
+    allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
+    reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
-    export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
-                                                  "lightning arguments")] = None,
+    export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
+                                                  "lightning, accelerate or torchtitan (TOML) settings")] = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.planner import plan_with_analysis
@@ -139,13 +150,16 @@ def plan(
             console.print(f"[dim]note: {note}[/]", highlight=False)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
+        world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
         with planning_progress(console), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
                 strategy=strategy, min_stored_precision=min_stored_precision,
                 offload="auto" if offload else False, host_budget=host_budget, margin=margin,
-                allow_over_capacity=allow_over_capacity,
+                allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
+                reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
+                replicate=layout_option("--replicate", replicate),
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
@@ -159,7 +173,12 @@ def plan(
         render_plan(console, result, spec.description, analyses[result.precision.label].table)
     if export is not None:
         out = console_for(stderr=as_json)
-        out.print_json(json.dumps(EXPORTERS[export](result)))
+        if export == "torchtitan":  # torchtitan reads TOML (its train_configs/*.toml)
+            from autofit.emit.export import to_torchtitan_toml
+
+            out.print(to_torchtitan_toml(result), highlight=False, markup=False)
+        else:
+            out.print_json(json.dumps(EXPORTERS[export](result)))
     if plot is not None:
         from autofit.cli.plot import write_plot
 
@@ -233,3 +252,32 @@ def main() -> None:
     except typer.BadParameter as e:  # raised outside a command (option parsing)
         Console(stderr=True).print(f"[bold red]error:[/] {cli_words(str(e))}", highlight=False)
         sys.exit(EXIT_INPUT)
+
+
+def nodes_layout(world_size: int, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:
+    """``--world-size`` from ``--nodes`` x ``--gpus-per-node`` when given (both, and agreeing with an explicit
+    ``--world-size``), and the ranks per node the planner needs."""
+    if nodes is None:
+        return world_size, gpus_per_node
+    if gpus_per_node is None:
+        raise InvalidInputError("--nodes needs --gpus-per-node (world size = nodes x GPUs per node), e.g. "
+                                "--nodes 4 --gpus-per-node 8")
+    total = nodes * gpus_per_node
+    if world_size not in (1, total):
+        raise InvalidInputError(f"--world-size {world_size} disagrees with --nodes {nodes} x --gpus-per-node "
+                                f"{gpus_per_node} = {total}: give one or the other")
+    return total, gpus_per_node
+
+
+def layout_option(flag: str, value: str, *, boolean: bool = False) -> object:
+    """"auto", an int, or (``boolean``: --reshard-after-forward) true / false, as plan() takes them."""
+    text = value.strip().lower()
+    if text == "auto":
+        return "auto"
+    if boolean and text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidInputError(f"{flag} must be auto, {'true, false or ' if boolean else ''}an int, got "
+                                f"{value!r}") from None

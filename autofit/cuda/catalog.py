@@ -17,6 +17,15 @@ x16: a Gen3 lane moves 8 GT/s, Gen4 16, Gen5 32, with 128b/130b encoding (PCI-SI
 payload carries about 24 bytes of TLP and DLLP overhead, and copies from pinned memory reach about 80 % of the link
 in NVIDIA's bandwidthTest sample; pageable memory is slower and is not what the offload engines use). V100 and T4:
 PCIe Gen3; A10G, L4, L40S, A100, RTX 3090/4090: Gen4; H100 SXM, H200: Gen5.
+GPU-to-GPU links, per GPU and per direction (``interconnect`` within a node, ``network`` across nodes):
+- NVLink, the datasheets' total bidirectional bandwidth halved: V100 SXM2 300 GB/s (whitepaper table 1) -> 150;
+  A100 SXM 600 GB/s ("NVIDIA A100 Tensor Core GPU" datasheet) -> 300; H100 SXM and H200 900 GB/s (their datasheets,
+  "NVLink: 900GB/s") -> 450. Parts without NVLink reach each other over PCIe: 25 GB/s (Gen4 x16, usable).
+- Network, the reference system's NICs per GPU: DGX-1 (V100) datasheet, 4x 100 Gb/s EDR InfiniBand for 8 GPUs ->
+  6.25 GB/s; DGX A100 datasheet, 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand -> 25 GB/s; DGX H100 and DGX
+  H200 datasheets, 8x single-port ConnectX-7 400 Gb/s -> 50 GB/s. PCIe cards have no such reference system: the
+  AWS instance pages' 8-GPU sizes (g4dn.metal T4, g5.48xlarge A10G, g6.48xlarge L4: 100 Gb/s per instance;
+  g6e.48xlarge L40S: 400 Gb/s) -> 1.5625 GB/s per GPU (6.25 for L40S); consumer cards take the 100 Gb/s one.
 Memory is the vendor's capacity read as GiB (16 GiB, 80 GiB; the H200's "141 GB" is ~141 GiB: nvidia-smi shows
 143,771 MiB). torch reports a little less (``total_memory`` excludes what the driver keeps); "90%" budgets
 are shares of these totals, or of the current device's ``total_memory`` when autofit runs on a GPU.
@@ -51,6 +60,8 @@ class GPUSpec:
     # GPU-to-GPU bandwidth per direction: NVLink on SXM data-centre parts (V100 150, A100 300, H100/H200 450 GB/s),
     # else PCIe 4.0 x16 (~25 GB/s usable)
     interconnect: float = 25e9
+    # across nodes, per GPU per direction: the reference system's NICs shared by its GPUs (module docstring)
+    network: float = 100e9 / 8 / 8
     pcie_generation: int = 4  # the host link, x16 (see the module docstring)
 
     @property
@@ -77,10 +88,12 @@ GPUS: dict[str, GPUSpec] = {
     for spec in (
         GPUSpec(name="V100-16GB", memory_bytes=16 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
                 fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0),
-                source="V100 whitepaper, table 1", interconnect=150e9, pcie_generation=3),
+                source="V100 whitepaper, table 1", interconnect=150e9,
+                network=4 * 100e9 / 8 / 8, pcie_generation=3),
         GPUSpec(name="V100-32GB", memory_bytes=32 * GiB, fp32_flops=15.7 * T, tf32_flops=0, bf16_flops=0,
                 fp16_flops=125 * T, bandwidth=900e9, compute_capability=(7, 0),
-                source="V100 whitepaper, table 1", interconnect=150e9, pcie_generation=3),
+                source="V100 whitepaper, table 1", interconnect=150e9,
+                network=4 * 100e9 / 8 / 8, pcie_generation=3),
         GPUSpec(name="T4", memory_bytes=16 * GiB, fp32_flops=8.1 * T, tf32_flops=0, bf16_flops=0,
                 fp16_flops=65 * T, bandwidth=320e9, compute_capability=(7, 5), source="T4 datasheet",
                 pcie_generation=3),
@@ -89,19 +102,24 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec(name="L4", memory_bytes=24 * GiB, fp32_flops=30.3 * T, tf32_flops=60 * T, bf16_flops=121 * T,
                 fp16_flops=121 * T, bandwidth=300e9, compute_capability=(8, 9), source="L4 datasheet"),
         GPUSpec(name="L40S", memory_bytes=48 * GiB, fp32_flops=91.6 * T, tf32_flops=183 * T, bf16_flops=362 * T,
-                fp16_flops=362 * T, bandwidth=864e9, compute_capability=(8, 9), source="L40S datasheet"),
+                fp16_flops=362 * T, bandwidth=864e9, compute_capability=(8, 9), source="L40S datasheet",
+                network=400e9 / 8 / 8),
         GPUSpec(name="A100-40GB", memory_bytes=40 * GiB, fp32_flops=19.5 * T, tf32_flops=156 * T, bf16_flops=312 * T,
                 fp16_flops=312 * T, bandwidth=1555e9, compute_capability=(8, 0),
-                source="A100 datasheet", interconnect=300e9),
+                source="A100 datasheet", interconnect=300e9,
+                network=200e9 / 8),
         GPUSpec(name="A100-80GB", memory_bytes=80 * GiB, fp32_flops=19.5 * T, tf32_flops=156 * T, bf16_flops=312 * T,
                 fp16_flops=312 * T, bandwidth=2039e9, compute_capability=(8, 0),
-                source="A100 datasheet", interconnect=300e9),
+                source="A100 datasheet", interconnect=300e9,
+                network=200e9 / 8),
         GPUSpec(name="H100-80GB", memory_bytes=80 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
                 fp16_flops=989 * T, bandwidth=3.35e12, compute_capability=(9, 0),
-                source="H100 SXM datasheet", interconnect=450e9, pcie_generation=5),
+                source="H100 SXM datasheet", interconnect=450e9, network=400e9 / 8,
+                pcie_generation=5),
         GPUSpec(name="H200", memory_bytes=141 * GiB, fp32_flops=67 * T, tf32_flops=495 * T, bf16_flops=989 * T,
                 fp16_flops=989 * T, bandwidth=4.8e12, compute_capability=(9, 0),
-                source="H200 datasheet", interconnect=450e9, pcie_generation=5),
+                source="H200 datasheet", interconnect=450e9, network=400e9 / 8,
+                pcie_generation=5),
         GPUSpec(name="RTX-3090", memory_bytes=24 * GiB, fp32_flops=35.6 * T, tf32_flops=35.6 * T,
                 bf16_flops=71 * T, fp16_flops=71 * T, bandwidth=936e9, compute_capability=(8, 6),
                 source="GA102 whitepaper"),

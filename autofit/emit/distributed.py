@@ -3,9 +3,12 @@
 - DDP: ``DistributedDataParallel(model, gradient_as_bucket_view=True)`` (gradients live in the communication buckets,
   no second copy), ``no_sync()`` on every micro-batch but the last of a window.
 - FSDP2: ``fully_shard`` on each planned unit and on the root, with a ``MixedPrecisionPolicy`` gathering parameters
-  in the plan's low precision (reductions in fp32); ``set_requires_gradient_sync(False)`` on every micro-batch but
-  the last, except with the states offloaded to the host, where every micro-batch reduces and the shards accumulate
-  on the host, and in plans with ``reduce_every_micro_batch``, where they accumulate sharded on the device. Sharding replaces the parameters, so the optimizer is built afterwards: ``wrap`` takes a factory.
+  in the plan's low precision (reductions in fp32), the units' ``reshard_after_forward`` as planned (ZeRO-3 / ZeRO-2
+  / an int group), over a 1-D mesh or, for HSDP, a 2-D (replicate, shard) ``init_device_mesh``;
+  ``set_requires_gradient_sync(False)`` on every micro-batch but the last, except with the states offloaded to the
+  host, where every micro-batch reduces and the shards accumulate on the host, and in plans with
+  ``reduce_every_micro_batch``, where they accumulate sharded on the device. Sharding replaces the parameters,
+  so the optimizer is built afterwards: ``wrap`` takes a factory.
 Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
 ``batch_size / world_size`` rows (pass ``local=True`` to ``step`` when a DistributedSampler already split the data),
 so every sample of the global batch is used exactly once; DDP and FSDP2 average gradients over ranks, so each rank
@@ -29,7 +32,7 @@ from autofit.training.batch import Batch
 from autofit.emit.trainer import Trainer
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.training.strategy import apply_fsdp2
+from autofit.training.strategy import apply_fsdp2, mesh_shape
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -101,12 +104,14 @@ class DistributedTrainer(Trainer):
                         "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
                         "it runs)"
                     )
-            mesh = init_device_mesh(device_type, (self.world_size,))
+            names = None if plan.replicate == 1 else ("replicate", "shard")
+            mesh = init_device_mesh(device_type, mesh_shape(self.world_size, plan.replicate), mesh_dim_names=names)
             self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
                 if device_type == "cuda" else torch.device(device_type)
             low = plan.precision.dtype if plan.precision.autocast else None
             wrapped = apply_fsdp2(model, plan.shard_units, mesh, low, offload=plan.offload_states,
-                                  pin_memory=device_type == "cuda")
+                                  pin_memory=device_type == "cuda",
+                                  reshard_after_forward=plan.reshard_after_forward)
             built = optimizer(wrapped.parameters())
         else:
             raise InvalidInputError(f"unknown strategy {plan.strategy!r}: plans use 'ddp' or 'fsdp2'")

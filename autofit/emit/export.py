@@ -29,7 +29,8 @@ from typing import Any
 
 from autofit.emit.plan import Plan
 
-__all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "EXPORTERS"]
+__all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
+           "to_torchtitan_config", "to_torchtitan_toml", "EXPORTERS"]
 
 
 def _split(plan: Plan) -> tuple[int, int]:
@@ -98,12 +99,22 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
     # ZeRO stage of the plan's sharding (DeepSpeed's config JSON documentation, "ZeRO Optimizations"): FSDP2 shards
     # parameters, gradients and optimizer state, which is stage 3; DDP replicates them, stage 0; states on the host
     # are ZeRO-Offload of the parameters and the optimizer
-    zero: dict[str, Any] = {"stage": 3 if plan.strategy == "fsdp2" else 0}
+    # ZeRO-2 (reshard_after_forward=False) is stage 2's communication; DeepSpeed's stage 2 keeps every parameter
+    # whole for the whole step, FSDP2's only from forward to backward (a note says so)
+    zero: dict[str, Any] = {"stage": 0 if plan.strategy != "fsdp2" else 2 if plan.reshard_after_forward is False
+                            else 3}
     if plan.offload_states:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config["zero_optimization"] = zero
     notes = _split_notes(plan)
+    if plan.strategy == "fsdp2" and plan.reshard_after_forward is not True:
+        notes.append(f"reshard_after_forward={plan.reshard_after_forward!r}: DeepSpeed's stage "
+                     f"{zero['stage']} is the nearest; its memory differs from the plan's (stage 2 holds whole "
+                     "parameters all step; an int group is ZeRO++'s zero_hpz_partition_size)")
+    if plan.replicate > 1:
+        notes.append(f"HSDP {plan.replicate} x {plan.world_size // plan.replicate}: DeepSpeed's nearest is MiCS "
+                     f"(mics_shard_size {plan.world_size // plan.replicate}), not exported")
     if _stored(plan) == "bf16":
         notes.append("the plan stores pure bf16 (no fp32 master copy, bf16 optimizer state); DeepSpeed's bf16 mode "
                      "keeps fp32 master weights, which need more memory")
@@ -123,14 +134,145 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
         notes.append(f"the plan stores {stored}: Lightning has no fp32-master scheme ('bf16-true' keeps no master "
                      "copy, '-mixed' keeps fp32 parameters); train with plan.wrap()")
     trainer: dict[str, Any] = {"precision": precision, "accumulate_grad_batches": steps}
-    if plan.strategy is not None:
-        trainer["strategy"] = {"ddp": "ddp", "fsdp2": "fsdp"}[plan.strategy]
-        trainer["devices"] = plan.world_size
     out: dict[str, Any] = {"trainer": trainer, "dataloader_batch_size": micro,
                            "autofit_checkpoint_modules": list(plan.checkpoint)}
+    if plan.strategy is not None:
+        trainer["strategy"] = {"ddp": "ddp", "fsdp2": "fsdp"}[plan.strategy]
+        per_node = plan.gpus_per_node or plan.world_size
+        trainer["devices"] = per_node
+        if per_node < plan.world_size:
+            trainer["num_nodes"] = plan.world_size // per_node
+    if plan.strategy == "fsdp2":
+        strategy, more = _lightning_fsdp(plan)
+        out["fsdp_strategy"] = strategy
+        out["model_parallel_strategy"] = {"data_parallel_size": plan.world_size, "tensor_parallel_size": 1}
+        notes += more
     if notes:
         out["autofit_notes"] = notes
     return out
 
 
-EXPORTERS = {"hf": to_hf_training_arguments, "deepspeed": to_deepspeed_config, "lightning": to_lightning_trainer}
+def _lightning_fsdp(plan: Plan) -> tuple[dict[str, Any], list[str]]:
+    """``lightning.pytorch.strategies.FSDPStrategy`` keyword arguments (its docstring: ``sharding_strategy``
+    "FULL_SHARD" / "SHARD_GRAD_OP" / "HYBRID_SHARD" / "_HYBRID_SHARD_ZERO2", ``device_mesh`` a tuple (replication
+    size, sharding size), ``cpu_offload``). That strategy runs FSDP1; ``ModelParallelStrategy(data_parallel_size,
+    tensor_parallel_size)`` runs FSDP2, applied by the user's ``configure_model``, which the notes spell out."""
+    raf = plan.reshard_after_forward
+    notes = [f"ModelParallelStrategy (FSDP2): in configure_model call fully_shard(block, mesh=self.device_mesh"
+             f"['data_parallel'], reshard_after_forward={raf!r}) on each of {', '.join(plan.shard_units[:2])}"
+             f"{', ...' if len(plan.shard_units) > 2 else ''}, then on the model"]
+    if plan.replicate > 1:
+        sharding = "HYBRID_SHARD" if raf is not False else "_HYBRID_SHARD_ZERO2"
+    else:
+        sharding = "SHARD_GRAD_OP" if raf is False else "FULL_SHARD"
+    if not isinstance(raf, bool):
+        notes.append(f"reshard_after_forward={raf} (reshard to groups of {raf}) has no FSDP1 sharding strategy: "
+                     "FSDPStrategy gets FULL_SHARD (more all-gathers, less memory); ModelParallelStrategy with the "
+                     "fully_shard call above runs the plan exactly")
+    kwargs: dict[str, Any] = {"sharding_strategy": sharding, "cpu_offload": plan.offload_states}
+    if plan.replicate > 1:
+        # a tuple: FSDPStrategy turns only a tuple into a DeviceMesh (setup_environment)
+        kwargs["device_mesh"] = (plan.replicate, plan.world_size // plan.replicate)
+    return kwargs, notes
+
+
+def to_accelerate_config(plan: Plan) -> dict[str, Any]:
+    """``config_file``: an ``accelerate launch --config_file`` YAML as a dict, with the keys ``accelerate config``
+    writes (accelerate/commands/config/cluster.py, ``ClusterConfig``) and ``accelerate launch`` reads (its
+    ``--fsdp_*`` and ``--parallelism_config_*`` arguments, accelerate/commands/launch.py), FSDP version 2;
+    ``accelerator``: ``Accelerator(...)`` keyword arguments (the accumulation)."""
+    micro, steps = _split(plan)
+    per_node = plan.gpus_per_node or plan.world_size
+    mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision.name]
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
+        "num_machines": plan.world_size // per_node, "num_processes": plan.world_size,
+    }
+    notes = _split_notes(plan)
+    if plan.strategy == "ddp":
+        config["distributed_type"] = "MULTI_GPU"
+    elif plan.strategy == "fsdp2":
+        raf = plan.reshard_after_forward
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_version": 2,
+            # FSDP_RESHARD_AFTER_FORWARD is read as a bool for version 2 (FullyShardedDataParallelPlugin)
+            "fsdp_reshard_after_forward": raf if isinstance(raf, bool) else True,
+            "fsdp_offload_params": plan.offload_states,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_activation_checkpointing": False,  # autofit recomputes the plan's modules, not every layer
+        }
+        if plan.replicate > 1:
+            config["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": plan.replicate,
+                "parallelism_config_dp_shard_size": plan.world_size // plan.replicate,
+            }
+        if not isinstance(raf, bool):
+            notes.append(f"reshard_after_forward={raf}: Accelerate's FSDP2 plugin takes a bool only; exported as "
+                         "True (ZeRO-3: less memory, the backward all-gather over every shard rank)")
+        notes.append("TRANSFORMER_BASED_WRAP wraps the model's _no_split_modules; the plan's FSDP2 units are "
+                     + ", ".join(plan.shard_units[:3]) + (" ..." if len(plan.shard_units) > 3 else ""))
+    else:
+        config["distributed_type"] = "NO"
+    # the accumulation is the Accelerator's argument, not the config file's; the micro-batch the DataLoader's
+    return {"config_file": config, "accelerator": {"gradient_accumulation_steps": steps},
+            "dataloader_batch_size": micro, "autofit_notes": notes}
+
+
+# torchtitan's JobConfig (torchtitan/config/job_config.py): Parallelism.fsdp_reshard_after_forward is "default",
+# "always" or "never"; "default" reshards every block but the last
+_TITAN_RESHARD = {True: "always", False: "never"}
+
+
+def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
+    """torchtitan's TOML sections as dicts: ``[parallelism]`` (``data_parallel_replicate_degree``,
+    ``data_parallel_shard_degree``, ``fsdp_reshard_after_forward``, ``tensor_parallel_degree``) and ``[training]``
+    (``local_batch_size`` per device, ``global_batch_size``, from which torchtitan derives the accumulation steps,
+    ``mixed_precision_param``); field names and meanings from torchtitan/config/job_config.py."""
+    micro, steps = _split(plan)
+    notes = _split_notes(plan)
+    if plan.strategy == "fsdp2":
+        shard = plan.world_size // plan.replicate
+        raf = plan.reshard_after_forward
+        parallelism = {"data_parallel_replicate_degree": plan.replicate, "data_parallel_shard_degree": shard,
+                       "fsdp_reshard_after_forward": _TITAN_RESHARD.get(raf, "always"),
+                       "tensor_parallel_degree": 1}
+        if not isinstance(raf, bool):
+            notes.append(f"reshard_after_forward={raf} is not a torchtitan policy (default / always / never): "
+                         "exported as 'always' (ZeRO-3)")
+    else:  # DDP: torchtitan replicates when the shard degree is 1
+        parallelism = {"data_parallel_replicate_degree": plan.world_size, "data_parallel_shard_degree": 1,
+                       "tensor_parallel_degree": 1}
+    training: dict[str, Any] = {"local_batch_size": micro, "global_batch_size": micro * steps * plan.world_size}
+    if plan.precision.name != "fp32" or plan.strategy == "fsdp2":
+        training["mixed_precision_param"] = "bfloat16" if plan.precision.name == "bf16" else "float32"
+    if plan.precision.name == "fp16":
+        notes.append("torchtitan's mixed precision is bf16 or fp32; the plan computes in fp16")
+    if plan.checkpoint:
+        notes.append(f"recompute the plan's {len(plan.checkpoint)} modules ([activation_checkpoint] mode='full' "
+                     "recomputes every block, which needs less memory and more time than the plan)")
+    out: dict[str, dict[str, Any]] = {"parallelism": parallelism, "training": training}
+    if notes:
+        out["autofit"] = {"notes": notes}
+    return out
+
+
+def to_torchtitan_toml(plan: Plan) -> str:
+    """:func:`to_torchtitan_config` as TOML text, sections in order (notes as comments)."""
+    config = to_torchtitan_config(plan)
+    lines = [f"# {n}" for n in config.pop("autofit", {}).get("notes", [])]
+    for section, values in config.items():
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return str(value)
+
+
+EXPORTERS = {"hf": to_hf_training_arguments, "deepspeed": to_deepspeed_config, "lightning": to_lightning_trainer,
+             "accelerate": to_accelerate_config, "torchtitan": to_torchtitan_config}

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from autofit.core.errors import InvalidInputError, require_int, require_strategy
+from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import LengthSpec
 from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
@@ -60,6 +60,11 @@ class Plan:
     frontier: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
+    # FSDP2 layout (docs/multi-gpu.md): the units' reshard_after_forward (True: ZeRO-3, False: ZeRO-2, an int: the
+    # group size), HSDP's replicate size (mesh (replicate, world_size // replicate)), and the ranks per node
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
+    gpus_per_node: int = 0  # 0: every rank on one node
     clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
     peak_reserved_bytes: int = 0  # ~ max_memory_reserved (0: taken from the estimate)
     # Variable-length batches (Note [the length of a batch], autofit/training/length.py): the sample's maximum sizes, and
@@ -98,8 +103,20 @@ class Plan:
         for name in ("peak_bytes", "device_bytes", "budget_bytes", "peak_reserved_bytes", "margin_bytes"):
             require_int(f"Plan.{name} (bytes)", getattr(self, name), minimum=0)
         require_strategy(self.strategy, "Plan.strategy")
+        require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, "Plan.")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
+
+    @property
+    def layout(self) -> str:
+        """The parallel layout in words: 'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'hsdp 2 x 4 (ZeRO-3)', 'ddp'."""
+        if self.strategy != "fsdp2":
+            return str(self.strategy)
+        raf = self.reshard_after_forward
+        zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf} after forward"
+        if self.replicate > 1:
+            return f"hsdp {self.replicate} x {self.world_size // self.replicate} ({zero})"
+        return f"fsdp2 ({zero})"
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -293,7 +310,9 @@ class Plan:
         if len(self.rows_by_length) > 1:
             rows.insert(2, ("rows by length", self.rows_by_length_text()))
         if self.world_size > 1:
-            rows.insert(1, ("world size", f"{self.world_size} processes, {self.strategy}, "
+            nodes = (f" ({self.world_size // self.gpus_per_node} nodes x {self.gpus_per_node})"
+                     if self.gpus_per_node and self.gpus_per_node < self.world_size else "")
+            rows.insert(1, ("world size", f"{self.world_size} processes{nodes}, {self.layout}, "
                                           f"{self.batch_size // self.world_size} samples each"))
             if self.shard_units:
                 rows.insert(2, ("FSDP2 units", f"{len(self.shard_units)}: {', '.join(self.shard_units[:4])}"
@@ -321,7 +340,8 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
                   gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
                   clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
-                  margin_bytes: int = 0, reduce_every_micro_batch: bool = False) -> Plan:
+                  margin_bytes: int = 0, reduce_every_micro_batch: bool = False,
+                  reshard_after_forward: bool | int = True, replicate: int = 1, gpus_per_node: int = 0) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -340,4 +360,5 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes,
         reduce_every_micro_batch=reduce_every_micro_batch and chosen.accumulation_steps > 1,
+        reshard_after_forward=reshard_after_forward, replicate=replicate, gpus_per_node=gpus_per_node,
     )

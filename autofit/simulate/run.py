@@ -227,7 +227,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         work = real_copy(model).to("cpu")
     mode_ctx = fake_mode if fake else contextlib.nullcontext()
     # the device mesh holds real tensors: it is made before the fake mode is entered
-    mesh_ctx = fake_mesh(config.world_size) if config.strategy == "fsdp2" else contextlib.nullcontext()
+    mesh_ctx = fake_mesh(config.world_size, config.replicate) if config.strategy == "fsdp2" \
+        else contextlib.nullcontext()
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = "cpu" if config.offload_states else config.device
@@ -236,7 +237,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled:
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
             apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None,
-                        offload=config.offload_states)
+                        offload=config.offload_states, reshard_after_forward=config.reshard_after_forward)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None

@@ -111,7 +111,7 @@ def states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPoli
             total += p.numel() * size * (2 + k)
         else:
             total += p.numel() * stored_bytes_per_parameter(policy.stored, k)
-    return total // parallel.world_size if parallel.strategy == "fsdp2" else total
+    return total // (parallel.world_size // parallel.replicate) if parallel.strategy == "fsdp2" else total
 
 
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:

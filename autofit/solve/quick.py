@@ -34,7 +34,10 @@ def quick_path(estimator: Estimator, fastest: Candidate, policy: PrecisionPolicy
     if est is None:
         return None
     ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
-    time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size)
+    parallel = estimator.parallel
+    time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size,
+                            reshard_after_forward=config.reshard_after_forward, replicate=config.replicate,
+                            gpus_per_node=parallel.gpus_per_node)
     seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint).total
     b = config.micro_batch_size
     return Verified(Candidate(config.precision.label, b, 1, b, config.checkpoint, est.device_bytes, seconds), est, ())

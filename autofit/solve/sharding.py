@@ -5,16 +5,20 @@ then the root): the children of the model's largest ``nn.ModuleList`` / ``nn.Seq
 least two parametrised children; failing that, every top-level child that holds parameters.
 
 Collective time, ring algorithms (NCCL's documented bus bandwidth factors, "NCCL performance" docs): an all-reduce
-moves 2 (N-1)/N of the buffer per rank, an all-gather or a reduce-scatter (N-1)/N. DDP all-reduces the gradients
-once per optimizer step; FSDP2 all-gathers every unit's parameters in forward and again in backward for every
-micro-batch (``reshard_after_forward=True``), and reduce-scatters the gradients once per optimizer step.
+moves 2 (N-1)/N of the buffer per rank, an all-gather or a reduce-scatter (N-1)/N, at the bandwidth of the slowest
+link in the ring (NVLink within a node, the network across nodes: the GPU catalog). DDP all-reduces the gradients
+once per optimizer step; FSDP2 all-gathers every unit's parameters in forward and, with ``reshard_after_forward``
+True, again in backward for every micro-batch, and reduce-scatters the gradients once per optimizer step (see
+:func:`collective_seconds` for ZeRO-2, the int reshard and HSDP).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-__all__ = ["shard_units", "collective_seconds"]
+__all__ = ["shard_units", "collective_seconds", "Layout", "ring_seconds"]
 
 
 def _param_count(module: nn.Module) -> int:
@@ -35,16 +39,64 @@ def shard_units(model: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, child in model.named_children() if _param_count(child) > 0)
 
 
-def collective_seconds(strategy: str | None, world_size: int, param_bytes: int, grad_bytes: int,
-                       micro_batches: int, bytes_per_second: float, *, reduce_every_micro_batch: bool = False) -> float:
-    """Seconds of communication per optimizer step (no overlap with compute assumed: a ranking, not a forecast).
-    ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not once per window (Note [gradient
-    sync under accumulation], autofit/training/step.py)."""
-    if strategy is None or world_size <= 1:
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What the collectives of one optimizer step depend on: the strategy, its ranks, the FSDP2 layout and the
+    links (bytes per second per GPU per direction: NVLink within a node, the network across nodes)."""
+
+    strategy: str | None
+    world_size: int
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
+    gpus_per_node: int = 0  # 0: every rank on one node
+    # FSDP2 reduce-scatters after every micro-batch, not once per window (Note [gradient sync under accumulation],
+    # autofit/training/step.py)
+    reduce_every_micro_batch: bool = False
+    intra_bytes_per_second: float = 5e9
+    inter_bytes_per_second: float = 5e9
+
+    def bandwidth(self, group: int, contiguous: bool = True) -> float:
+        """The slowest link of a ring over ``group`` ranks: NVLink when the group fits in one node (``contiguous``
+        ranks, as FSDP's shard dim and a reshard group are), else the network (a replicate group spans nodes)."""
+        per_node = self.gpus_per_node or self.world_size
+        within = group <= per_node if contiguous else per_node >= self.world_size
+        return self.intra_bytes_per_second if within else self.inter_bytes_per_second
+
+
+def ring_seconds(kind: str, group: int, nbytes: float, bytes_per_second: float) -> float:
+    """One collective over ``group`` ranks on a ring (NCCL's "Performance" notes, nccl-tests doc/PERFORMANCE.md: bus
+    bandwidth = algorithm bandwidth x (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce);
+    ``nbytes`` is the whole (unsharded) buffer."""
+    if group <= 1:
         return 0.0
-    ring = (world_size - 1) / world_size
-    if strategy == "ddp":
-        return 2 * ring * grad_bytes / bytes_per_second
-    gathers = 2 * micro_batches * ring * param_bytes  # forward and backward, every micro-batch
-    reductions = micro_batches if reduce_every_micro_batch else 1
-    return (gathers + reductions * ring * grad_bytes) / bytes_per_second
+    factor = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}[kind]
+    return factor * (group - 1) / group * nbytes / bytes_per_second
+
+
+def collective_seconds(layout: Layout, param_bytes: int, grad_bytes: int, micro_batches: int) -> float:
+    """Seconds of communication per optimizer step (no overlap with compute assumed: a ranking, not a forecast).
+
+    - DDP: one all-reduce of the gradients per step.
+    - FSDP2 over its shard group S = world_size / replicate: an all-gather of the parameters in every micro-batch's
+      forward; in backward another over S (ZeRO-3), none (ZeRO-2: they stayed gathered), or one over the smaller
+      reshard group k (an int); one reduce-scatter of the gradients per step. HSDP then all-reduces each rank's
+      gradient shard (grad_bytes / S) across the replicate groups, over the network.
+    """
+    if layout.strategy is None or layout.world_size <= 1:
+        return 0.0
+    if layout.strategy == "ddp":
+        return ring_seconds("all_reduce", layout.world_size, grad_bytes, layout.bandwidth(layout.world_size))
+    shard = layout.world_size // layout.replicate
+    on_shard = layout.bandwidth(shard)
+    seconds = micro_batches * ring_seconds("all_gather", shard, param_bytes, on_shard)
+    raf = layout.reshard_after_forward
+    if raf is True:
+        seconds += micro_batches * ring_seconds("all_gather", shard, param_bytes, on_shard)
+    elif raf is not False:
+        seconds += micro_batches * ring_seconds("all_gather", raf, param_bytes, layout.bandwidth(raf))
+    reductions = micro_batches if layout.reduce_every_micro_batch else 1
+    seconds += reductions * ring_seconds("reduce_scatter", shard, grad_bytes, on_shard)
+    if layout.replicate > 1:
+        seconds += ring_seconds("all_reduce", layout.replicate, grad_bytes / shard,
+                                layout.bandwidth(layout.replicate, contiguous=False))
+    return seconds

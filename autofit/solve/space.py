@@ -57,7 +57,9 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
         time[p.label] = build_time_model(a.ops, a.table.row("").param_bytes, request.device, parallel.strategy,
                                         parallel.world_size, saved_bytes=saved,
                                         offload_states=parallel.offload_states,
-                                        reduce_every_micro_batch=parallel.reduce_every_micro_batch)
+                                        reduce_every_micro_batch=parallel.reduce_every_micro_batch,
+                                        reshard_after_forward=parallel.reshard_after_forward,
+                                        replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node)
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
                        allow_offload=request.offload, offload_states=parallel.offload_states)

@@ -35,7 +35,7 @@ import numpy as np
 
 from autofit.analyse.table import OpCosts
 from autofit.device import DeviceTarget, Throughput
-from autofit.solve.sharding import collective_seconds
+from autofit.solve.sharding import Layout, collective_seconds
 
 __all__ = ["TimeModel", "StepTime", "build_time_model", "HOST_OPTIMIZER_BYTES_PER_SECOND"]
 
@@ -170,21 +170,24 @@ class TimeModel:
 
 def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strategy: str | None,
                      world_size: int, *, saved_bytes: Mapping[str, tuple[float, float]] | None = None,
-                     offload_states: bool = False, reduce_every_micro_batch: bool = False) -> TimeModel:
+                     offload_states: bool = False, reshard_after_forward: bool | int = True, replicate: int = 1,
+                     gpus_per_node: int = 0, reduce_every_micro_batch: bool = False) -> TimeModel:
     """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
     states; FSDP2 streams one shard), the data-parallel collectives of ``strategy``, and offloading's transfers
     (``saved_bytes``: each module's saved activations, fixed and per sample; ``offload_states``: FSDP2's
     CPUOffloadPolicy) over the target's host link (Note [offload time]); ``reduce_every_micro_batch``: FSDP2's
     reduce-scatter per micro-batch (Note [gradient sync under accumulation], autofit/training/step.py)."""
-    optimizer_bytes = 4 * param_bytes // (world_size if strategy == "fsdp2" else 1)
+    optimizer_bytes = 4 * param_bytes // (world_size // replicate if strategy == "fsdp2" else 1)
+    layout = Layout(strategy=strategy, world_size=world_size, reshard_after_forward=reshard_after_forward,
+                    replicate=replicate, gpus_per_node=gpus_per_node, reduce_every_micro_batch=reduce_every_micro_batch,
+                    intra_bytes_per_second=target.interconnect_bytes_per_second,
+                    inter_bytes_per_second=target.network_bytes_per_second)
 
     def collectives(micro_batches: int) -> float:
-        return collective_seconds(strategy, world_size, param_bytes, param_bytes, micro_batches,
-                                  target.interconnect_bytes_per_second,
-                                  reduce_every_micro_batch=reduce_every_micro_batch)
+        return collective_seconds(layout, param_bytes, param_bytes, micro_batches)
 
     # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
-    shard = param_bytes // world_size
+    shard = param_bytes // (world_size // replicate)
     return TimeModel(target.throughput, ops, optimizer_bytes,
                      collectives if strategy and world_size > 1 else None, saved_bytes=dict(saved_bytes or {}),
                      host_transfer=target.throughput.host_transfer_bytes_per_second,

@@ -33,6 +33,7 @@ from autofit.core.errors import (
     ForwardError,
     InvalidInputError,
     require_int,
+    require_layout,
     require_strategy,
 )
 from autofit.training.in_backward import check_in_backward
@@ -65,6 +66,10 @@ class StepConfig:
     strategy: str | None = None  # None (one process), "ddp" or "fsdp2"
     world_size: int = 1
     shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
+    # FSDP2 layout (docs/multi-gpu.md): the units' reshard_after_forward (True: ZeRO-3, False: ZeRO-2, an int: the
+    # group size parameters are resharded to), and HSDP's replicate size (mesh (replicate, world_size // replicate))
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
     # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
     clip_grad_norm: float | None = None
     # step each parameter in backward as soon as its gradient is ready (Note [optimizer step in backward])
@@ -84,6 +89,7 @@ class StepConfig:
         require_int("held_rows", self.held_rows, minimum=0)
         require_strategy(self.strategy)
         require_int("world_size", self.world_size)
+        require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate)
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         clip = self.clip_grad_norm
@@ -125,7 +131,8 @@ def make_step_config(
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
-    offload_states: bool = False, reduce_every_micro_batch: bool = False,
+    offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
+    replicate: int = 1,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -143,6 +150,7 @@ def make_step_config(
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
+        reshard_after_forward=reshard_after_forward, replicate=replicate,
     )
 
 

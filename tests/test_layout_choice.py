@@ -1,0 +1,99 @@
+"""The time model of each FSDP2 layout (ring collectives over NVLink and the network, hand-computed) and the
+planner's choice among the layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+import autofit
+from autofit.cuda.catalog import gpu_spec
+from autofit.core.errors import InvalidInputError
+from autofit.solve.sharding import Layout, collective_seconds
+from zoo import ZOO
+
+GB = 1e9
+
+
+def _h100(world: int, per_node: int, **kw) -> Layout:
+    return Layout(strategy="fsdp2", world_size=world, gpus_per_node=per_node, intra_bytes_per_second=450 * GB,
+                  inter_bytes_per_second=50 * GB, **kw)
+
+
+def test_catalog_links_are_the_datasheets_halved_and_the_nics_per_gpu():
+    # NVLink totals (bidirectional) from the datasheets: A100 600 GB/s, H100 SXM 900 GB/s; one direction is half.
+    # DGX A100: 8 x 200 Gb/s HDR per 8 GPUs; DGX H100: 8 x 400 Gb/s NDR per 8 GPUs.
+    assert gpu_spec("A100-80GB").interconnect == 300 * GB and gpu_spec("A100-80GB").network == 25 * GB
+    assert gpu_spec("H100-80GB").interconnect == 450 * GB and gpu_spec("H100-80GB").network == 50 * GB
+    assert gpu_spec("V100-32GB").network == 6.25 * GB  # DGX-1: 4 x 100 Gb/s EDR for 8 GPUs
+
+
+def test_zero3_zero2_and_int_reshard_collectives_by_hand():
+    params = grads = 16 * GB  # an 8B model in bf16
+    # one node of 8: ring factor 7/8, NVLink 450 GB/s; 4 micro-batches
+    one_gather = 7 / 8 * 16e9 / 450e9
+    zero3 = collective_seconds(_h100(8, 8), params, grads, 4)
+    zero2 = collective_seconds(_h100(8, 8, reshard_after_forward=False), params, grads, 4)
+    assert zero3 == pytest.approx(4 * 2 * one_gather + one_gather)  # gathers in forward and backward, one RS
+    assert zero2 == pytest.approx(4 * one_gather + one_gather)  # the backward gather is gone
+    # 4 nodes x 8: the shard ring crosses nodes, so it runs at the network's 50 GB/s
+    slow = 31 / 32 * 16e9 / 50e9
+    assert collective_seconds(_h100(32, 8), params, grads, 1) == pytest.approx(3 * slow)
+    # reshard to one node after forward: the backward gather runs over 8 ranks on NVLink
+    grouped = collective_seconds(_h100(32, 8, reshard_after_forward=8), params, grads, 1)
+    assert grouped == pytest.approx(2 * slow + one_gather)
+
+
+def test_hsdp_shards_within_a_node_and_all_reduces_shards_across_nodes():
+    params = grads = 16 * GB
+    # 4 nodes x 8, HSDP (replicate 4, shard 8): gathers and reduce-scatter on NVLink; then an all-reduce of each
+    # rank's gradient shard (16 GB / 8) over the 4 replicas, 2 x 3/4 of it, on the network
+    hsdp = collective_seconds(_h100(32, 8, replicate=4), params, grads, 2)
+    one_gather = 7 / 8 * 16e9 / 450e9
+    assert hsdp == pytest.approx(2 * 2 * one_gather + one_gather + 2 * 3 / 4 * 2e9 / 50e9)
+    ddp = collective_seconds(Layout(strategy="ddp", world_size=32, gpus_per_node=8, intra_bytes_per_second=450 * GB,
+                                    inter_bytes_per_second=50 * GB), params, grads, 2)
+    assert ddp == pytest.approx(2 * 31 / 32 * 16e9 / 50e9)
+
+
+def test_the_planner_keeps_the_faster_layout_and_says_why():
+    case = ZOO["gpt_sdpa"]()
+    plan = autofit.plan(case.model, case.sample, "64MB", batch_size=16, target=case.target, loss_fn=case.loss_fn,
+                        device="cpu", world_size=2, strategy="fsdp2", precision="fp32")
+    # both fit at the same micro-batch here; ZeRO-2 skips the backward all-gather, so it is faster
+    assert plan.reshard_after_forward is False and plan.replicate == 1
+    why = [n for n in plan.notes if "chosen" in n]
+    assert why and "fsdp2 (ZeRO-3)" in why[0], plan.notes
+    assert autofit.Plan.from_json(plan.to_json()).reshard_after_forward is False
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(reshard_after_forward=3, world_size=4), "divisor of the shard group size 4"),
+    (dict(replicate=3, world_size=4), "does not divide world_size 4"),
+    (dict(gpus_per_node=3, world_size=4), "gpus_per_node 3 does not divide world_size 4"),
+    (dict(reshard_after_forward=False, world_size=2, strategy="ddp"), "FSDP2 layouts"),
+])
+def test_bad_layouts_are_refused_before_any_simulation(kwargs, words):
+    case = ZOO["gpt_sdpa"]()
+    kwargs = {"strategy": "fsdp2", **kwargs}
+    with pytest.raises(InvalidInputError, match=words):
+        autofit.plan(case.model, case.sample, "64MB", batch_size=8, target=case.target, loss_fn=case.loss_fn,
+                     device="cpu", **kwargs)
+
+
+def test_auto_layouts_across_nodes():
+    """4 nodes x 8 with "auto": ZeRO-3, ZeRO-2 and the reshard to a node over all 32 ranks, and HSDP 4 x 8 with
+    ZeRO-3 and ZeRO-2 (a reshard to 8 inside a shard group of 8 is no reshard: torch refuses it as an int)."""
+    from autofit.planner import _parallels
+    from autofit.request import fsdp2_layouts
+
+    assert fsdp2_layouts(32, "fsdp2", 8, "auto", "auto") == (8, (True, False, 8), (1, 4))
+    assert fsdp2_layouts(8, "fsdp2", None, "auto", "auto") == (8, (True, False), (1,))
+    case = ZOO["gpt_sdpa"]()
+    from autofit.request import make_request
+
+    request = make_request(case.model, case.sample, "1GB", batch_size=32, target=case.target, loss_fn=case.loss_fn,
+                           optimizer="adamw", precision="auto", checkpoint="auto", device="cpu", gpu=None,
+                           world_size=32, strategy="fsdp2", quick=True, gpus_per_node=8)
+    labels = [p.label for p in _parallels(request, "fsdp2")]
+    assert labels == ["fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks",
+                      "fsdp2 (resharded to 8) over 32 ranks", "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]
