@@ -16,7 +16,7 @@ LAYERS: list[set[str]] = [
     # foundations: the torch boundary, typed errors, byte units, progress, worker processes, this CPU's kernels
     {"_torch", "errors", "units", "categories", "progress", "workers", "cpu"},
     {"batch", "length", "loss", "optim", "precision", "report"},  # the request's values and the estimate's
-    {"step", "stored", "in_backward", "strategy", "normalisation"},  # what one training step is, shared by simulate, measure and the trainer
+    {"step", "stored", "in_backward", "strategy", "normalisation", "recompute"},  # what one training step is, shared by simulate, measure and the trainer
     {"corrections"},  # fake kernels corrected to the CPU's (shared by capture and simulate)
     {"capture"},  # 1. model copies and the traced graph
     {"simulate"},  # 2. one step on fake tensors -> Timeline
