@@ -79,6 +79,19 @@ class Plan:
     # micro-batches (micro, accumulation) over the same effective batch, verified to fit (Note [even split]); the
     # exports use it. None when the plan is even already.
     even_split: tuple[int, int] | None = None
+    # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
+    # rest (Note [selective recomputation], autofit/recompute.py); the others rerun all of their forward
+    selective: tuple[str, ...] = ()
+
+    def checkpoint_policy(self, name: str) -> str:
+        """How module ``name`` is recomputed: "full", "selective", or "none"."""
+        return "none" if name not in self.checkpoint else "selective" if name in self.selective else "full"
+
+    @property
+    def checkpoint_policies(self) -> dict[str, str]:
+        """Recomputed module -> its policy ("full" or "selective"), what ``estimate``/``measure`` take as
+        ``checkpoint=``."""
+        return {n: self.checkpoint_policy(n) for n in self.checkpoint}
 
     @property
     def host_bytes(self) -> int:
@@ -160,6 +173,8 @@ class Plan:
             "host_bytes": self.estimate.host_bytes, "host_breakdown": dict(self.estimate.host_breakdown),
         }
         data["checkpoint"] = list(self.checkpoint)
+        data["selective"] = list(self.selective)
+        data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
         data["offload"] = list(self.offload)
         data["shard_units"] = list(self.shard_units)
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.frontier]
@@ -186,6 +201,7 @@ class Plan:
         data = dict(data)
         data.pop("format")
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
+        data.pop("checkpoint_policies", None)  # = checkpoint and selective
         try:
             est = data["estimate"]
             data["estimate"] = MemoryEstimate(
@@ -199,6 +215,7 @@ class Plan:
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
                                                 stored=data["precision"].get("stored"))
             data["checkpoint"] = tuple(data["checkpoint"])
+            data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
             data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["notes"] = tuple(data["notes"])
@@ -260,9 +277,9 @@ class Plan:
         return ", ".join(f"{n}: {r}" for n, r in self.rows_by_length) + " (length: rows per micro-batch)"
 
     def __str__(self) -> str:
-        ckpt = ", ".join(self.checkpoint) if self.checkpoint else "none"
+        ckpt = ", ".join(f"{n} ({self.checkpoint_policy(n)})" for n in self.checkpoint) or "none"
         if len(ckpt) > 100:
-            ckpt = f"{len(self.checkpoint)} modules: {ckpt[:90]}..."
+            ckpt = f"{len(self.checkpoint)} modules ({_policy_counts(self)}): {ckpt[:90]}..."
         rows = [
             ("effective batch", f"{self.batch_size}"),
             ("micro-batch", f"{self.micro_batch_size}"),
@@ -317,5 +334,10 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
         optimizer_in_backward=chosen.in_backward, offload=chosen.offload, offload_states=chosen.offload_states,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
-        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes,
+        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=chosen.selective,
     )
+
+
+def _policy_counts(plan: Plan) -> str:
+    selective = len(plan.selective)
+    return f"{len(plan.checkpoint) - selective} full, {selective} selective"

@@ -234,7 +234,8 @@ def _parallel(request: PlanRequest, strategy: str | None) -> Parallel:
 def _fastest(request: PlanRequest) -> Candidate:
     """The configuration the time model ranks first (Note [the quick path]); its peak and time are not known yet."""
     b = request.per_rank
-    return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0)
+    return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0,
+                     selective=request.fixed_selective)
 
 
 def _param_bytes(model: nn.Module) -> int:

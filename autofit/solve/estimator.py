@@ -38,7 +38,8 @@ class Estimator:
         request, parallel = self.request, self.parallel
         return make_step_config(
             micro_batch_size=c.micro_batch_size, accumulation_steps=c.accumulation_steps, precision=policy,
-            checkpoint=c.checkpoint, optimizer=request.optimizer, device=request.device.kind,
+            checkpoint={n: "selective" if n in c.selective else "full" for n in c.checkpoint},
+            optimizer=request.optimizer, device=request.device.kind,
             held_rows=request.per_rank, gpu=request.device.name, strategy=parallel.strategy,
             world_size=parallel.world_size, shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
             optimizer_in_backward=c.in_backward, offload=c.offload, offload_states=parallel.offload_states,

@@ -35,6 +35,8 @@ def quick_path(estimator: Estimator, fastest: Candidate, policy: PrecisionPolicy
         return None
     ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
     time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size)
-    seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint).total
+    seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint,
+                             selective=config.selective).total
     b = config.micro_batch_size
-    return Verified(Candidate(config.precision.label, b, 1, b, config.checkpoint, est.device_bytes, seconds), est, ())
+    return Verified(Candidate(config.precision.label, b, 1, b, config.checkpoint, est.device_bytes, seconds,
+                              selective=config.selective), est, ())
