@@ -16,6 +16,11 @@ without one says under ``autofit_notes`` that the exported batch differs. Sharde
 DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp="full_shard"`` with FSDP version 2, and
 Lightning's ``strategy``.
 
+Selective recomputation (autofit/recompute.py): every export lists the policy of each recomputed module under
+``autofit_checkpoint_policies``. Hugging Face's and Lightning's exports apply it through autofit's callbacks; their
+own switches cannot (HF's ``gradient_checkpointing`` recomputes every decoder layer with one policy). DeepSpeed's
+activation checkpointing recomputes whole modules and has no op-level policy, which its export says.
+
 Stored precision (Note [stored precision], autofit/stored.py) maps where the framework has the same scheme: pure bf16
 is Lightning's "bf16-true" and, for Hugging Face, loading the model with ``torch_dtype=torch.bfloat16``; bf16/fp16
 parameters with an fp32 master copy are DeepSpeed's ``bf16`` / ``fp16`` modes (its optimizer keeps fp32 master
@@ -52,6 +57,13 @@ def _split_notes(plan: Plan) -> list[str]:
             f"batch {plan.batch_size})"]
 
 
+def _selective_notes(plan: Plan, how: str) -> list[str]:
+    if not plan.selective:
+        return []
+    return [f"{len(plan.selective)} modules are recomputed selectively (matmul and attention outputs kept, "
+            f"torch.utils.checkpoint.create_selective_checkpoint_contexts): {how}"]
+
+
 def _stored(plan: Plan) -> str | None:
     return None if plan.precision.stored in (None, "fp32") else plan.precision.stored
 
@@ -67,8 +79,10 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
         # modules (autofit_checkpoint_modules) instead
         "gradient_checkpointing": False,
     }
-    out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint)}
-    notes = _split_notes(plan)
+    out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint),
+                           "autofit_checkpoint_policies": plan.checkpoint_policies}
+    notes = _split_notes(plan) + _selective_notes(plan, "gradient_checkpointing_enable() recomputes every decoder "
+                                                        "layer with one policy; AutofitCallback applies the plan's")
     stored = _stored(plan)
     if stored == "bf16":
         out["model_torch_dtype"] = "bfloat16"  # from_pretrained(..., torch_dtype=torch.bfloat16): pure bf16 storage
@@ -104,6 +118,11 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config["zero_optimization"] = zero
     notes = _split_notes(plan)
+    if plan.selective:
+        config["autofit_checkpoint_policies"] = plan.checkpoint_policies
+        notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
+                                        "op-level policy; apply them with autofit.integrations.plan_patches or train "
+                                        "with plan.wrap()")
     if _stored(plan) == "bf16":
         notes.append("the plan stores pure bf16 (no fp32 master copy, bf16 optimizer state); DeepSpeed's bf16 mode "
                      "keeps fp32 master weights, which need more memory")
@@ -127,7 +146,10 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
         trainer["strategy"] = {"ddp": "ddp", "fsdp2": "fsdp"}[plan.strategy]
         trainer["devices"] = plan.world_size
     out: dict[str, Any] = {"trainer": trainer, "dataloader_batch_size": micro,
-                           "autofit_checkpoint_modules": list(plan.checkpoint)}
+                           "autofit_checkpoint_modules": list(plan.checkpoint),
+                           "autofit_checkpoint_policies": plan.checkpoint_policies}
+    notes += _selective_notes(plan, "Lightning has no per-module recomputation policy; AutofitLightningCallback "
+                                    "applies the plan's")
     if notes:
         out["autofit_notes"] = notes
     return out

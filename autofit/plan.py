@@ -16,7 +16,7 @@ from autofit.solve.lengths import rows_for_length
 from autofit.solve.search import Candidate, pareto_front
 from autofit.units import format_bytes, format_mib
 
-__all__ = ["Alternative", "Plan", "assemble_plan"]
+__all__ = ["Alternative", "Plan", "assemble_plan", "selective_note"]
 
 _FORMAT = "autofit.plan/1"
 
@@ -31,6 +31,7 @@ class Alternative:
     checkpoint: tuple[str, ...]
     peak_bytes: int  # modelled (not verified) peak
     step_seconds: float  # modelled step time
+    selective: tuple[str, ...] = ()  # those of checkpoint recomputed selectively
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +83,9 @@ class Plan:
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/recompute.py); the others rerun all of their forward
     selective: tuple[str, ...] = ()
+    # when the plan recomputes selectively: the predicted step time of the fastest configuration, under the same
+    # budget and in the same run, that recomputes whole modules only (None: not searched, or none fits)
+    module_level_step_seconds: float | None = None
 
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
@@ -177,7 +181,8 @@ class Plan:
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
         data["offload"] = list(self.offload)
         data["shard_units"] = list(self.shard_units)
-        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.frontier]
+        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
+                            for a in self.frontier]
         data["notes"] = list(self.notes)
         data["lengths"] = None if self.lengths is None else {
             "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
@@ -219,7 +224,8 @@ class Plan:
             data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["notes"] = tuple(data["notes"])
-            data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"])))
+            data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
+                                                        selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])
             lengths = data.get("lengths")  # absent from plans written before variable-length batches
             data["lengths"] = None if lengths is None else LengthSpec(
@@ -322,7 +328,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
-                    peak_bytes=c.peak_bytes, step_seconds=c.seconds)
+                    peak_bytes=c.peak_bytes, step_seconds=c.seconds, selective=c.selective)
         for c in pareto_front(list(fitting))
     )
     return Plan(
@@ -336,6 +342,14 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=chosen.selective,
     )
+
+
+def selective_note(plan: Plan, versus: Candidate) -> str:
+    """What selective recomputation bought, against the best plan recomputing whole modules only."""
+    return (f"selective recomputation of {len(plan.selective)} modules (matmul and attention outputs kept, the rest "
+            f"rerun): predicted step {plan.predicted_step_seconds:.3g} s; recomputing whole modules only, the best "
+            f"under this budget is {versus.seconds:.3g} s (micro-batch {versus.micro_batch_size}, "
+            f"{len(versus.checkpoint)} modules)")
 
 
 def _policy_counts(plan: Plan) -> str:

@@ -38,7 +38,7 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
         ("micro-batch", f"{plan.micro_batch_size}"),
         ("accumulation steps", f"{plan.gradient_accumulation_steps}{last}"),
         ("precision", str(plan.precision)),
-        ("checkpointed modules", "\n".join(group_names(plan.checkpoint)) if plan.checkpoint else "none"),
+        ("checkpointed modules", _recomputed(plan)),
         ("optimizer", plan.optimizer),
         ("device", plan.device + (f" ({plan.gpu})" if plan.gpu else "")),
         # the three figures, each named after what it compares with (docs/cuda.md, "The three figures")
@@ -74,6 +74,17 @@ def breakdown_table(plan: Plan) -> Table:
 def _pattern(name: str) -> str:
     """'transformer.h.7.mlp.act' -> 'transformer.h.*.mlp.act': repeated layers share one row."""
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+
+
+def _recomputed(plan: Plan) -> str:
+    """The recomputed modules grouped, each group with its policy (full or selective, autofit/recompute.py)."""
+    if not plan.checkpoint:
+        return "none"
+    lines = []
+    for policy in ("full", "selective"):
+        names = tuple(n for n in plan.checkpoint if plan.checkpoint_policy(n) == policy)
+        lines += [f"{g} ({policy})" for g in group_names(names)]
+    return "\n".join(lines)
 
 
 def group_names(names: tuple[str, ...]) -> list[str]:

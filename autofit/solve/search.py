@@ -24,7 +24,8 @@ from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpo
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
-__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front"]
+__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front",
+           "module_level"]
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,12 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
             found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
                                    offload_states=space.offload_states, selective=selective))
     return sorted(found, key=lambda c: c.peak_bytes)
+
+
+def module_level(space: SearchSpace, budget: int) -> Candidate | None:
+    """The best candidate under ``budget`` when every recomputed module reruns all of its forward (no selective
+    recomputation): what the plan is compared with when its winner recomputes selectively."""
+    return search(replace(space, allow_selective=False), budget)[0]
 
 
 def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:

