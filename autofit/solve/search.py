@@ -109,7 +109,20 @@ def _reused(memory: MemoryModel, b: int, known: dict[int, tuple[Candidate | None
 def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int,
                budget: int) -> tuple[Candidate | None, int]:
     """The candidate of (precision, b) under ``budget`` with the cheapest checkpoint set (or None), and its modelled
-    tensor peak."""
+    tensor peak. Where selective recomputation is allowed, the cheapest set with it and the cheapest without are
+    both found, and the faster kept (Note [pricing selective units])."""
+    found = _evaluated_with(space, precision, b, k, last, budget, space.allow_selective)
+    if not space.allow_selective or space.fixed_checkpoint is not None or not space.allow_checkpoint:
+        return found
+    whole = _evaluated_with(space, precision, b, k, last, budget, False)
+    if found[0] is None or (whole[0] is not None and (round(whole[0].seconds, 12), whole[0].peak_bytes)
+                            <= (round(found[0].seconds, 12), found[0].peak_bytes)):
+        return whole
+    return found
+
+
+def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int,
+                    selective_units: bool) -> tuple[Candidate | None, int]:
     memory, time = space.memory[precision], space.time[precision]
     device_budget, budget = budget, memory.tensor_budget(budget)  # the models below count tensor bytes
     if memory.optimizer_peak(b) > budget:
@@ -119,7 +132,7 @@ def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int,
         names, selective = space.fixed_checkpoint, space.fixed_selective
         peak = memory.peak(b, k, names, selective)
     else:
-        problem = _problem(space, precision, b, k)
+        problem = _problem(space, precision, b, k, selective_units)
         if not space.allow_checkpoint:
             chosen = () if problem.peak(()) <= budget else None
         else:
@@ -240,10 +253,11 @@ def _knapsack_floor(problem, excess: np.ndarray, seconds: np.ndarray) -> float:
     return worst
 
 
-def _problem(space: SearchSpace, precision: str, b: int, k: int):
-    key = (precision, b, k)
+def _problem(space: SearchSpace, precision: str, b: int, k: int, selective: bool | None = None):
+    selective = space.allow_selective if selective is None else selective
+    key = (precision, b, k, selective)
     if key not in space.problems:
-        problem = space.memory[precision].problem(b, k, selective=space.allow_selective)
+        problem = space.memory[precision].problem(b, k, selective=selective)
         space.problems[key] = _priced(problem, space.time[precision], b)
     return space.problems[key]
 
@@ -257,8 +271,8 @@ def _priced(problem, time: TimeModel, b: int):
     costs = problem.costs.copy()
     for i, (name, policy) in enumerate(zip(problem.names, problem.policies)):
         if policy == "selective":
-            full = time.recompute_seconds(name, b)
-            costs[i] *= time.recompute_seconds(name, b, selective=True) / full if full > 0 else 1.0
+            full = time.recompute_seconds(name, b, launches=True)
+            costs[i] *= time.recompute_seconds(name, b, selective=True, launches=True) / full if full > 0 else 1.0
     return replace(problem, costs=costs)
 
 
@@ -268,7 +282,10 @@ def _priced(problem, time: TimeModel, b: int):
 #     cost nothing, and the MILP's second stage (the lowest peak among sets of the same cost) would recompute every
 #     module selectively whether needed or not. Its cost is therefore its module's FLOPs times the time model's
 #     ratio of the two recomputations' seconds (bandwidth-bound ops costed by their bytes): in the MILP's own unit,
-#     what the search's ranking will charge for it.
+#     what the search's ranking will charge for it, launches included (a selective recomputation reruns many small
+#     ops). The ratio is exact only where a module's FLOPs and seconds are proportional, so for each (precision, b)
+#     the search also solves the program without selective units and keeps whichever set the time model ranks
+#     faster: a plan with selective recomputation is never slower, in the model, than the best module-level one.
 
 
 def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:

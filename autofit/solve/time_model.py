@@ -84,13 +84,15 @@ class TimeModel:
         saved = sum(max(0.0, fixed + per * batch) for fixed, per in (self.saved_bytes[n] for n in names))
         return 2 * saved / self.host_transfer
 
-    def recompute_seconds(self, name: str, batch: int, *, selective: bool = False) -> float:
+    def recompute_seconds(self, name: str, batch: int, *, selective: bool = False, launches: bool = False) -> float:
         """What recomputing module ``name`` costs for one micro-batch of ``batch``: its forward ops again (with
-        ``selective``, all but those whose outputs it keeps: Note [selective recomputation], autofit/recompute.py)."""
+        ``selective``, all but those whose outputs it keeps: Note [selective recomputation], autofit/recompute.py);
+        with ``launches``, their launch overhead too, as :meth:`step_time` counts it."""
         mask = self._module_mask(name)
         if selective:
             mask = mask & ~self._kept
-        return float(self._op_seconds(batch)[mask].sum())
+        overhead = int(mask.sum()) * self.throughput.op_overhead_seconds if launches else 0.0
+        return float(self._op_seconds(batch)[mask].sum()) + overhead
 
     @property
     def _kept(self) -> np.ndarray:
