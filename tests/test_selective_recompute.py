@@ -15,7 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import autofit
+from autofit.analyse.recompute_costs import recompute_costs
 from autofit.errors import InvalidInputError
+from autofit.export import EXPORTERS
 from autofit.recompute import SAVED_OPS, selective_policy
 from autofit.solve.checkpoint_milp import CheckpointProblem, brute_force_checkpoint, solve_checkpoint
 from autofit.step import make_step_config
@@ -84,6 +86,15 @@ def test_kept_bytes_of_a_residual_mlp_by_hand() -> None:
     assert call.saved[1] == 2 * S * 4 * D * 4
     assert call.kept[1] == S * (4 * D + D) * 4
     assert call.kept[0] == 0 and call.saved[0] == 0
+    # the same per policy, at b = 5, with the block's input (S x D) that every policy holds; FLOPs: the two addmm
+    # (2 x rows x in x out each, torch/utils/flop_counter.py addmm_flop) are the only ones the registry counts, and
+    # the selective recomputation reruns neither
+    costs = recompute_costs(analysis, "blocks.0", 5)
+    rows, x = 5 * S, 5 * S * D * 4
+    assert (costs.held_none, costs.held_selective, costs.held_full) == (
+        x + 5 * 2 * S * 4 * D * 4, x + 5 * S * 5 * D * 4, x)
+    assert costs.full_flops == 2 * (2 * rows * D * 4 * D)
+    assert costs.selective_flops == 0 and 0 < costs.selective_ops < costs.full_ops
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
@@ -215,6 +226,10 @@ def test_selective_plan_beats_module_level_and_fits(arch: str) -> None:
     assert plan.predicted_step_seconds < plan.module_level_step_seconds, str(plan)
     line = next(ln for ln in str(plan).splitlines() if ln.strip().startswith("checkpointed"))
     assert "(selective)" in line or f"{len(plan.selective)} selective" in line, line
+    exports = {name: export(plan) for name, export in EXPORTERS.items()}
+    assert exports["hf"]["autofit_checkpoint_policies"] == plan.checkpoint_policies
+    assert exports["lightning"]["autofit_checkpoint_policies"] == plan.checkpoint_policies
+    assert any("no op-level policy" in n for n in exports["deepspeed"]["autofit_notes"])
     again = autofit.Plan.from_json(plan.to_json())
     assert again.selective == plan.selective and again.checkpoint_policies == plan.checkpoint_policies
     # the CPU allocator's peak of exactly this step fits, and the estimate is within 0.5 % of it
