@@ -252,3 +252,13 @@ def test_selective_plan_beats_module_level_and_fits(arch: str) -> None:
     for (name, a), b, b0 in zip(ours.named_parameters(), ref.parameters(), model.parameters()):
         assert not torch.equal(b, b0), name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_cli_groups_recomputed_modules_by_policy() -> None:
+    from types import SimpleNamespace
+
+    from autofit.cli.render import _recomputed
+
+    plan = SimpleNamespace(checkpoint=("model.layers.0", "model.layers.1", "model.layers.2.mlp"),
+                           checkpoint_policy=lambda n: "full" if n.endswith("mlp") else "selective")
+    assert _recomputed(plan).splitlines() == ["model.layers.2.mlp (full)", "model.layers.* x 2 (selective)"]
