@@ -23,13 +23,13 @@ from autofit.analyse.table import Analysis
 from autofit.core.errors import (AutofitError, InfeasibleBudgetError, InvalidInputError, UnsupportedModelError,
                                  require_layout)
 from autofit.training.loss import LossFn
-from autofit.emit.plan import Plan, assemble_plan
+from autofit.emit.plan import Plan, assemble_plan, selective_note
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.finish import even_split, optional_pins, pin_cost_notes, rows_table, verify_beside_rows
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
-from autofit.solve.search import Candidate, SearchSpace
+from autofit.solve.search import Candidate, SearchSpace, module_level
 from autofit.solve.sharding import shard_units
 from autofit.solve.space import analyse_policies, search_space
 from autofit.solve.verify import (Verified, host_checked, host_fits, infeasible, search_in_backward, search_verified,
@@ -162,6 +162,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     backward = None  # the configurations that may step in backward, once their rung was searched
     on_host = None  # the smallest verified configuration with the states on the host, once that rung was searched
     for stage in stages:
+        versus = None  # the best module-level candidate, when the winner recomputes selectively
         if stage.skipped(fit):  # not worth an analysis: its states alone miss the budget
             skipped.append(f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)")
             continue
@@ -178,12 +179,17 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
             progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
             found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known))
             tried = space, where
+            versus = module_level(space, fit) if found is not None and found.candidate.selective else None
             if found is None and stage.in_backward:  # nothing fits with every gradient alive
                 backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
                 found = search_in_backward(backward, fit, _gradient_bytes(request.model), where.verify)
         if found is not None:
             found = replace(found, notes=found.notes + skipped_note(stage, skipped))
-            return _plan_of(where, found, done, rows_known), done
+            plan = _plan_of(where, found, done, rows_known)
+            if versus is not None:
+                plan = replace(plan, module_level_step_seconds=versus.seconds, notes=plan.notes + (
+                    selective_note(plan, versus),))
+            return plan, done
 
     if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
         last = [s for s in stages if not s.host_check][-1]
@@ -279,7 +285,8 @@ def _least_memory(parallel: Parallel) -> bool:
 def _fastest(request: PlanRequest) -> Candidate:
     """The configuration the time model ranks first (Note [the quick path]); its peak and time are not known yet."""
     b = request.per_rank
-    return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0)
+    return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0,
+                     selective=request.fixed_selective)
 
 
 def _param_bytes(model: nn.Module) -> int:

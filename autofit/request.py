@@ -7,6 +7,7 @@ precision, optimizer, checkpoint names), so the stages after it take typed value
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from dataclasses import dataclass, replace
 from typing import Any
@@ -96,6 +97,8 @@ class PlanRequest:
     # on a GPU, whose host link the time model prices. host_budget_bytes: the host memory a plan may pin.
     offload: bool = False
     host_budget_bytes: int | None = None
+    # plan(checkpoint={name: policy}): (names, those recomputed selectively), as make_step_config reads them
+    fixed_policies: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
     @property
     def fit_bytes(self) -> int:
@@ -118,6 +121,11 @@ class PlanRequest:
     @property
     def allow_checkpoint(self) -> bool:
         return self.fixed_checkpoint is None
+
+    @property
+    def fixed_selective(self) -> tuple[str, ...]:
+        """Those of the user's fixed checkpoint set given as ``{name: "selective"}`` (autofit/training/recompute.py)."""
+        return self.fixed_policies[1]
 
     @property
     def row_bytes(self) -> int:
@@ -198,6 +206,7 @@ def make_request(
         strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
         policies=policies, optimizer=as_optimizer_spec(optimizer),
         fixed_checkpoint=_fixed_checkpoint(model, checkpoint), quick=quick,
+        fixed_policies=_fixed_policies(checkpoint),
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
@@ -419,6 +428,13 @@ def _precisions(precision: Any, target: DeviceTarget) -> tuple[PrecisionPolicy, 
     if policy.name not in PRECISION_NAMES:
         raise InvalidInputError(f"unknown precision {precision!r}")
     return (policy,)
+
+
+def _fixed_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if not isinstance(checkpoint, Mapping):
+        return (), ()
+    config = make_step_config(micro_batch_size=1, checkpoint=checkpoint)
+    return config.checkpoint, config.selective
 
 
 def _fixed_checkpoint(model: nn.Module, checkpoint: Any) -> tuple[str, ...] | None:

@@ -14,6 +14,7 @@ from autofit.analyse.table import Analysis, LayerRow, LayerTable, OpCosts, preci
 from autofit.training.batch import Batch
 from autofit.capture.graph import capture_graph
 from autofit.training.loss import LossFn
+from autofit.training.recompute import saved_op_names
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.training.step import StepConfig
@@ -21,6 +22,7 @@ from autofit.core.workers import run_all
 
 __all__ = ["analyse_model", "SIZES"]
 
+KEPT = saved_op_names()  # ops whose outputs a selective recomputation keeps (Note [selective recomputation])
 SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference
 
 
@@ -87,13 +89,14 @@ def op_costs(t1, t2, *, per_sample_from: int = SIZES[0]) -> OpCosts:
         precision=tuple(precision_of(o.dtype) for o in one),
         forward=np.array([o.phase is Phase.FORWARD for o in one], dtype=bool),
         module=tuple(o.module for o in one),
+        kept=np.array([o.name in KEPT for o in one], dtype=bool),
     )
 
 
 def _call_records(obs1: LayerObserver, obs2: LayerObserver) -> tuple[CallRecord, ...]:
     """Calls of the smaller run, with their saved bytes fitted linearly against the same call in the larger run."""
     second = {c.key: c for c in obs2.calls}
-    freed = obs1.freed_at()
+    freed, freed2 = obs1.freed_at(), obs2.freed_at()
     never = 1 << 62
     records = []
     for call in obs1.calls:
@@ -103,13 +106,17 @@ def _call_records(obs1: LayerObserver, obs2: LayerObserver) -> tuple[CallRecord,
         s1 = obs1.saved_bytes(call)
         s2 = obs2.saved_bytes(other) if other is not None else s1
         per_sample = s2 - s1
+        k1 = obs1.kept_bytes(call, freed)
+        k2 = obs2.kept_bytes(other, freed2) if other is not None else k1
+        kept = (k1 - SIZES[0] * (k2 - k1), k2 - k1)
         inputs = []
         for i, sid in enumerate(call.input_sids):
             n1 = obs1.nbytes(sid)
             n2 = obs2.nbytes(other.input_sids[i]) if other is not None and i < len(other.input_sids) else n1
             inputs.append((freed.get(sid, never), n1 - SIZES[0] * (n2 - n1), n2 - n1))
         records.append(CallRecord(call.name, call.micro, call.start, call.end, call.recompute_at,
-                                  call.backward_end, (s1 - SIZES[0] * per_sample, per_sample), tuple(inputs)))
+                                  call.backward_end, (s1 - SIZES[0] * per_sample, per_sample), tuple(inputs),
+                                  kept))
     return tuple(records)
 
 

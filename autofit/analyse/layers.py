@@ -23,12 +23,14 @@ from torch import nn
 
 from autofit.core._torch import current_autograd_node, pytree
 from autofit.capture.module_stack import install_module_stack
+from autofit.training.recompute import saved_op_names
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.simulate.tracker import StepTracker
 
 __all__ = ["ForwardStats", "LayerObserver", "CallObservation", "ancestors"]
 
 _TAG = "autofit_calls"
+_KEPT_OPS = saved_op_names()
 
 
 @dataclass
@@ -218,7 +220,27 @@ class LayerObserver:
         """What checkpointing the call drops: bytes it made that autograd saved only from inside it. A tensor it
         returns is dropped too unless an op after the call saves it (then it stays alive either way)."""
         storages = self._tracker.timeline.storages
-        return sum(storages[sid].nbytes for sid in call.saved if id(call) not in self._packed_outside.get(sid, ()))
+        return sum(storages[sid].nbytes for sid in self._dropped(call))
+
+    def kept_bytes(self, call: CallObservation, freed: dict[int, int]) -> int:
+        """What a selective recomputation of the call keeps until its backward begins (Note [selective
+        recomputation], autofit/training/recompute.py): the outputs of its matmul and attention ops (storages they made
+        while the call ran) that full checkpointing would drop, or that the plain run frees before the call's
+        backward; outputs that stay alive past it anyway (returned, or saved from outside) cost nothing more."""
+        timeline = self._tracker.timeline
+        storages, ops, dropped = timeline.storages, timeline.ops, self._dropped(call)
+        never = 1 << 62
+        total = 0
+        for sid in range(call.first_sid, min(call.last_sid, len(storages))):
+            record = storages[sid]
+            if record.op < 0 or record.phase is not Phase.FORWARD or ops[record.op].name not in _KEPT_OPS:
+                continue
+            if sid in dropped or freed.get(sid, never) < call.recompute_at:
+                total += record.nbytes
+        return total
+
+    def _dropped(self, call: CallObservation) -> set[int]:
+        return {sid for sid in call.saved if id(call) not in self._packed_outside.get(sid, ())}
 
     def _unique_bytes(self, value: Any, *, created_in: str | None) -> int:
         """Bytes of the distinct storages of the tensors in ``value``; with ``created_in``, only those allocated

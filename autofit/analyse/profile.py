@@ -34,6 +34,10 @@ class CallRecord:
     backward_end: int  # last event of the call's backward: checkpoint releases its inputs and RNG stash there
     saved: tuple[int, int]  # (fixed, per_sample) bytes saved for backward that the call made and did not return
     inputs: tuple[tuple[int, int, int], ...] = ()  # (event that frees it, fixed, per_sample) per tensor input
+    # (fixed, per_sample) bytes a selective recomputation keeps until the call's backward: the outputs of its matmul
+    # and attention ops that checkpointing would otherwise drop, or that the plain run frees before the call's
+    # backward (Note [selective recomputation], autofit/training/recompute.py)
+    kept: tuple[int, int] = (0, 0)
 
     def input_bytes(self, index: int, batch: int) -> int:
         _, fixed, per_sample = self.inputs[index]
@@ -41,6 +45,9 @@ class CallRecord:
 
     def saved_bytes(self, batch: int) -> int:
         return max(0, self.saved[0] + self.saved[1] * batch)
+
+    def kept_bytes(self, batch: int) -> int:
+        return max(0, self.kept[0] + self.kept[1] * batch)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ class OpCosts:
     precision: tuple[str, ...]  # "fp32" / "bf16" / "fp16" per op
     forward: np.ndarray  # bool per op
     module: tuple[str, ...]  # innermost module per op
+    # bool per op: a selective recomputation keeps its outputs and does not run it again (autofit/training/recompute.py);
+    # None: no op is kept
+    kept: np.ndarray | None = None
 
 
 def precision_of(dtype: str) -> str:

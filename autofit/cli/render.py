@@ -31,7 +31,7 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
     table = Table(title="autofit plan", show_header=False, title_justify="left")
     table.add_column("knob", style="bold")
     table.add_column("value")
-    rows = plan.summary_rows(lambda n: f"{format_mib(n)} MiB", modules=lambda names: "\n".join(group_names(names)),
+    rows = plan.summary_rows(lambda n: f"{format_mib(n)} MiB", modules=lambda names: _recomputed(plan),
                              budget_where=" on the device")
     for key, value in rows:
         table.add_row(key, value)
@@ -54,6 +54,17 @@ def breakdown_table(plan: Plan) -> Table:
 def _pattern(name: str) -> str:
     """'transformer.h.7.mlp.act' -> 'transformer.h.*.mlp.act': repeated layers share one row."""
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+
+
+def _recomputed(plan: Plan) -> str:
+    """The recomputed modules grouped, each group with its policy (full or selective, autofit/training/recompute.py)."""
+    if not plan.checkpoint:
+        return "none"
+    lines = []
+    for policy in ("full", "selective"):
+        names = tuple(n for n in plan.checkpoint if plan.checkpoint_policy(n) == policy)
+        lines += [f"{g} ({policy})" for g in group_names(names)]
+    return "\n".join(lines)
 
 
 def group_names(names: tuple[str, ...]) -> list[str]:

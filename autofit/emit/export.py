@@ -16,6 +16,11 @@ without one says under ``autofit_notes`` that the exported batch differs. Sharde
 DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp="full_shard"`` with FSDP version 2, and
 Lightning's ``strategy``.
 
+Selective recomputation (autofit/training/recompute.py): every export lists the policy of each recomputed module under
+``autofit_checkpoint_policies``. Hugging Face's and Lightning's exports apply it through autofit's callbacks; their
+own switches cannot (HF's ``gradient_checkpointing`` recomputes every decoder layer with one policy). DeepSpeed's
+activation checkpointing recomputes whole modules and has no op-level policy, which its export says.
+
 Stored precision (Note [stored precision], autofit/training/stored.py) maps where the framework has the same scheme: pure bf16
 is Lightning's "bf16-true" and, for Hugging Face, loading the model with ``torch_dtype=torch.bfloat16``; bf16/fp16
 parameters with an fp32 master copy are DeepSpeed's ``bf16`` / ``fp16`` modes (its optimizer keeps fp32 master
@@ -53,6 +58,13 @@ def _split_notes(plan: Plan) -> list[str]:
             f"batch {plan.batch_size})"]
 
 
+def _selective_notes(plan: Plan, how: str) -> list[str]:
+    if not plan.selective:
+        return []
+    return [f"{len(plan.selective)} modules are recomputed selectively (matmul and attention outputs kept, "
+            f"torch.utils.checkpoint.create_selective_checkpoint_contexts): {how}"]
+
+
 def _stored(plan: Plan) -> str | None:
     return None if plan.precision.stored in (None, "fp32") else plan.precision.stored
 
@@ -68,8 +80,10 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
         # modules (autofit_checkpoint_modules) instead
         "gradient_checkpointing": False,
     }
-    out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint)}
-    notes = _split_notes(plan)
+    out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint),
+                           "autofit_checkpoint_policies": plan.checkpoint_policies}
+    notes = _split_notes(plan) + _selective_notes(plan, "gradient_checkpointing_enable() recomputes every decoder "
+                                                        "layer with one policy; AutofitCallback applies the plan's")
     stored = _stored(plan)
     if stored == "bf16":
         out["model_torch_dtype"] = "bfloat16"  # from_pretrained(..., torch_dtype=torch.bfloat16): pure bf16 storage
@@ -108,6 +122,11 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config["zero_optimization"] = zero
     notes = _split_notes(plan)
+    if plan.selective:
+        config["autofit_checkpoint_policies"] = plan.checkpoint_policies
+        notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
+                                        "op-level policy; apply them with autofit.integrations.plan_patches or train "
+                                        "with plan.wrap()")
     if plan.strategy == "fsdp2" and plan.reshard_after_forward is not True:
         notes.append(f"reshard_after_forward={plan.reshard_after_forward!r}: DeepSpeed's stage "
                      f"{zero['stage']} is the nearest; its memory differs from the plan's (stage 2 holds whole "
@@ -135,7 +154,10 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
                      "copy, '-mixed' keeps fp32 parameters); train with plan.wrap()")
     trainer: dict[str, Any] = {"precision": precision, "accumulate_grad_batches": steps}
     out: dict[str, Any] = {"trainer": trainer, "dataloader_batch_size": micro,
-                           "autofit_checkpoint_modules": list(plan.checkpoint)}
+                           "autofit_checkpoint_modules": list(plan.checkpoint),
+                           "autofit_checkpoint_policies": plan.checkpoint_policies}
+    notes += _selective_notes(plan, "Lightning has no per-module recomputation policy; AutofitLightningCallback "
+                                    "applies the plan's")
     if plan.strategy is not None:
         trainer["strategy"] = {"ddp": "ddp", "fsdp2": "fsdp"}[plan.strategy]
         per_node = plan.gpus_per_node or plan.world_size

@@ -17,7 +17,7 @@ from autofit.solve.lengths import rows_for_length
 from autofit.solve.search import Candidate, pareto_front
 from autofit.core.units import format_bytes, format_mib
 
-__all__ = ["Alternative", "Plan", "assemble_plan"]
+__all__ = ["Alternative", "Plan", "assemble_plan", "selective_note"]
 
 _FORMAT = "autofit.plan/1"
 
@@ -32,6 +32,7 @@ class Alternative:
     checkpoint: tuple[str, ...]
     peak_bytes: int  # modelled (not verified) peak
     step_seconds: float  # modelled step time
+    selective: tuple[str, ...] = ()  # those of checkpoint recomputed selectively
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,22 @@ class Plan:
     # micro-batches (micro, accumulation) over the same effective batch, verified to fit (Note [even split]); the
     # exports use it. None when the plan is even already.
     even_split: tuple[int, int] | None = None
+    # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
+    # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
+    selective: tuple[str, ...] = ()
+    # when the plan recomputes selectively: the predicted step time of the fastest configuration, under the same
+    # budget and in the same run, that recomputes whole modules only (None: not searched, or none fits)
+    module_level_step_seconds: float | None = None
+
+    def checkpoint_policy(self, name: str) -> str:
+        """How module ``name`` is recomputed: "full", "selective", or "none"."""
+        return "none" if name not in self.checkpoint else "selective" if name in self.selective else "full"
+
+    @property
+    def checkpoint_policies(self) -> dict[str, str]:
+        """Recomputed module -> its policy ("full" or "selective"), what ``estimate``/``measure`` take as
+        ``checkpoint=``."""
+        return {n: self.checkpoint_policy(n) for n in self.checkpoint}
 
     @property
     def host_bytes(self) -> int:
@@ -182,9 +199,12 @@ class Plan:
             "min_device_bytes": self.estimate.min_device_bytes,
         }
         data["checkpoint"] = list(self.checkpoint)
+        data["selective"] = list(self.selective)
+        data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
         data["offload"] = list(self.offload)
         data["shard_units"] = list(self.shard_units)
-        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.frontier]
+        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
+                            for a in self.frontier]
         data["notes"] = list(self.notes)
         data["lengths"] = None if self.lengths is None else {
             "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
@@ -208,6 +228,7 @@ class Plan:
         data = dict(data)
         data.pop("format")
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
+        data.pop("checkpoint_policies", None)  # = checkpoint and selective
         try:
             est = data["estimate"]
             data["estimate"] = MemoryEstimate(
@@ -221,10 +242,12 @@ class Plan:
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
                                                 stored=data["precision"].get("stored"))
             data["checkpoint"] = tuple(data["checkpoint"])
+            data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
             data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["notes"] = tuple(data["notes"])
-            data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"])))
+            data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
+                                                        selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])
             lengths = data.get("lengths")  # absent from plans written before variable-length batches
             data["lengths"] = None if lengths is None else LengthSpec(
@@ -287,8 +310,8 @@ class Plan:
         ``fmt`` renders bytes; ``modules`` renders a list of module names (default: joined, cut at 100 characters);
         ``budget_where`` is appended to the budget's share ("on the device")."""
         def joined(names: tuple[str, ...]) -> str:
-            text = ", ".join(names)
-            return text if len(text) <= 100 else f"{len(names)} modules: {text[:90]}..."
+            text = ", ".join(f"{n} ({self.checkpoint_policy(n)})" for n in names)
+            return text if len(text) <= 100 else f"{len(names)} modules ({_policy_counts(self)}): {text[:90]}..."
 
         rows = [
             ("effective batch", f"{self.batch_size}"),
@@ -346,7 +369,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
-                    peak_bytes=c.peak_bytes, step_seconds=c.seconds)
+                    peak_bytes=c.peak_bytes, step_seconds=c.seconds, selective=c.selective)
         for c in pareto_front(list(fitting))
     )
     return Plan(
@@ -361,4 +384,18 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes,
         reduce_every_micro_batch=reduce_every_micro_batch and chosen.accumulation_steps > 1,
         reshard_after_forward=reshard_after_forward, replicate=replicate, gpus_per_node=gpus_per_node,
+        selective=chosen.selective,
     )
+
+
+def selective_note(plan: Plan, versus: Candidate) -> str:
+    """What selective recomputation bought, against the best plan recomputing whole modules only."""
+    return (f"selective recomputation of {len(plan.selective)} modules (matmul and attention outputs kept, the rest "
+            f"rerun): predicted step {plan.predicted_step_seconds:.3g} s; recomputing whole modules only, the best "
+            f"under this budget is {versus.seconds:.3g} s (micro-batch {versus.micro_batch_size}, "
+            f"{len(versus.checkpoint)} modules)")
+
+
+def _policy_counts(plan: Plan) -> str:
+    selective = len(plan.selective)
+    return f"{len(plan.checkpoint) - selective} full, {selective} selective"

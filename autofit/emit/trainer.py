@@ -69,7 +69,7 @@ class Trainer:
         self.device_type = plan.device if plan.offload_states else _device_type(model)
         self.config = StepConfig(
             micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-            precision=plan.precision, checkpoint=plan.checkpoint,
+            precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
             clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
             offload=plan.offload,

@@ -52,7 +52,7 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
         raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(model, optimizer)")
     device_type = _device_type(model)
     config = StepConfig(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-                        precision=plan.precision, checkpoint=plan.checkpoint,
+                        precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
                         optimizer=as_optimizer_spec(plan.optimizer), device=device_type if device_type in
                         ("cpu", "cuda") else "cpu")
     return patched_model(model, config, device_type)

@@ -4,7 +4,9 @@ The memory model (``memory_model.py``) turns a micro-batch size into constraints
 window, ``base_i + sum_u coef_iu x_u`` bytes are live, where ``x_u`` says whether unit u is recomputed (negative
 coefficients: saved tensors it drops; positive: its RNG stash and recompute spike). Two stages: the cheapest set
 (recompute FLOPs) that keeps every stretch under the budget, then, among sets that cost no more, the one with the
-lowest peak. Exact up to 40 units; beyond, one stage with a 1 % gap and a time limit (see ``_solve``). Following
+lowest peak. A module may come as two units, one per way of recomputing it (``policies``: "full" reruns all of its
+forward, "selective" keeps its matmul and attention outputs, autofit/training/recompute.py), at most one of which is chosen
+(``groups``). Exact up to 40 units; beyond, one stage with a 1 % gap and a time limit (see ``_solve``). Following
 ``torch/distributed/_tools/sac_ilp.py``, variables and constraints are labelled.
 """
 
@@ -27,6 +29,13 @@ class CheckpointProblem:
     base: np.ndarray  # [I] live bytes of each stretch without checkpointing
     coef: np.ndarray  # [I, U] bytes each unit adds (+) or drops (-) in each stretch when recomputed
     exclusive: tuple[tuple[int, int], ...] = ()  # (ancestor, descendant) pairs that cannot both be chosen
+    # how each unit recomputes its module, "full" or "selective" (empty: all "full")
+    policies: tuple[str, ...] = ()
+    # units that are the same module under different policies: at most one of each group is chosen
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def policy(self, unit: int) -> str:
+        return self.policies[unit] if self.policies else "full"
 
     def peak(self, chosen) -> int:
         x = np.zeros(len(self.names))
@@ -35,7 +44,8 @@ class CheckpointProblem:
 
     def allowed(self, chosen) -> bool:
         picked = set(chosen)
-        return not any(a in picked and d in picked for a, d in self.exclusive)
+        return (not any(a in picked and d in picked for a, d in self.exclusive)
+                and all(len(picked.intersection(g)) <= 1 for g in self.groups))
 
     def cost(self, chosen) -> float:
         return float(sum(self.costs[i] for i in chosen))
@@ -47,7 +57,8 @@ def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
     n, rows = len(problem.names), len(problem.base)
     if n == 0:
         return () if budget is None or problem.peak(()) <= budget else None
-    # Decision variables: x_0..x_{n-1} in {0, 1}: x_u = 1 when unit u is recomputed (checkpointed);
+    # Decision variables: x_0..x_{n-1} in {0, 1}: x_u = 1 when unit u is recomputed (checkpointed) by its policy
+    #                     (a module with two policies is two units: x_{m,full}, x_{m,selective});
     #                     p (index n), continuous: the peak, max over stretches of live bytes (in units of byte_scale)
     byte_scale = max(float(np.abs(problem.base).max()), 1.0)
     cost_scale = max(float(problem.costs.max()), 1.0)
@@ -66,6 +77,12 @@ def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
         for k, (i, j) in enumerate(problem.exclusive):
             nest[k, i] = nest[k, j] = 1.0
         constraints.append(LinearConstraint(nest, -np.inf, 1.0))
+    # [Constraint] one policy per module: sum_p x_{m,p} <= 1 over the units of module m
+    if problem.groups:
+        one = np.zeros((len(problem.groups), n + 1))
+        for k, group in enumerate(problem.groups):
+            one[k, list(group)] = 1.0
+        constraints.append(LinearConstraint(one, -np.inf, 1.0))
     # [Constraint] cost cap (second stage): sum_u c_u x_u <= the first stage's optimum
     if max_cost is not None:
         constraints.append(LinearConstraint(np.concatenate([problem.costs, [0.0]])[None, :], -np.inf,

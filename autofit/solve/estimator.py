@@ -37,7 +37,7 @@ class Estimator:
         """The step ``c`` describes, holding the rows one rank trains per step as inputs."""
         return replace(self.request.step(self.parallel), micro_batch_size=c.micro_batch_size,
                        accumulation_steps=c.accumulation_steps, precision=policy, checkpoint=c.checkpoint,
-                       optimizer_in_backward=c.in_backward, offload=c.offload)
+                       selective=c.selective, optimizer_in_backward=c.in_backward, offload=c.offload)
 
     def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> Simulation:
         """One step of ``c`` on fake tensors, on the sample cut to ``length`` along its length dims (None: as is)."""

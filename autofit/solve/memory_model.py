@@ -11,6 +11,9 @@ Memory Cost", for the idea):
   it saved);
 - non-reentrant checkpoint keeps the call's inputs and a copy of the CPU RNG state (``torch.get_rng_state()``)
   until the call's backward is done: an input the plain run frees earlier lives longer.
+A selectively recomputed call (autofit/training/recompute.py) is the same edit with less dropped: from the end of its forward
+to its backward it keeps its matmul and attention outputs (``CallRecord.kept``), so ``saved_c(b) - kept_c(b)``
+comes off. Its recompute spike is counted as the full one's (an upper bound: it reruns fewer ops).
 The optimizer stage does not change. The planner verifies its winner with a full simulation.
 """
 
@@ -125,29 +128,51 @@ class MemoryModel:
     def optimizer_peak(self, batch: int) -> int:
         return self.profile.stage(1, Phase.OPTIMIZER, batch) + self.held_bytes(batch)
 
-    def edits(self, batch: int, accumulation_steps: int, units: Iterable[int]) -> list[Edit]:
+    def variables(self, batch: int, selective: bool = True,
+                  always: frozenset[str] = frozenset()) -> tuple[tuple[int, str], ...]:
+        """The MILP's units as (module unit, policy): every module fully recomputed, and, with ``selective``, each
+        module whose selective recomputation differs from the full one (it keeps something) and drops something
+        (some call saves more than it keeps), or is named in ``always``."""
+        full = tuple((u, "full") for u in range(len(self.units)))
+        if not selective:
+            return full
+        return full + tuple(
+            (u, "selective") for u, unit in enumerate(self.units) if unit.name in always
+            or (any(c.kept_bytes(batch) > 0 for c in unit.calls)
+                and any(c.saved_bytes(batch) > c.kept_bytes(batch) for c in unit.calls)))
+
+    def edits(self, batch: int, accumulation_steps: int, units: Iterable[int | tuple[int, str]]) -> list[Edit]:
+        """The edits of ``units`` (module units, fully recomputed, or (unit, policy) pairs); ``Edit.unit`` is the
+        position in ``units``."""
         micros = self.profile.micro_batches(accumulation_steps)
         edits = []
-        for u in units:
+        for v, spec in enumerate(units):
+            u, policy = spec if isinstance(spec, tuple) else (spec, "full")
             for call in self.units[u].calls:
                 if call.micro not in micros:
                     continue
                 saved = call.saved_bytes(batch)
                 spike = max(0, self.profile.internal_bytes(call, batch) - saved)
+                if policy == "selective":
+                    saved -= call.kept_bytes(batch)
                 release = call.backward_end + 1
                 kept = tuple((f, call.input_bytes(i, batch)) for i, (f, _, _) in enumerate(call.inputs)
                              if f < release)
-                edits.append(Edit(u, call.start, call.end, call.recompute_at, release, saved, spike, kept))
+                edits.append(Edit(v, call.start, call.end, call.recompute_at, release, saved, spike, kept))
         return edits
 
     # ---- the constraints of the checkpoint MILP, and the prediction --------------------------------------------
-    def problem(self, batch: int, accumulation_steps: int) -> CheckpointProblem:
+    def problem(self, batch: int, accumulation_steps: int, *, selective: bool = True,
+                always: frozenset[str] = frozenset()) -> CheckpointProblem:
         """Constraints ``base_i + coef_i . x`` over the stretches of the window where the set of checkpoint edits in
         force is constant (so each stretch's peak is its plain peak plus a constant), the recompute instants, and
-        the optimizer stage (which checkpointing does not touch)."""
+        the optimizer stage (which checkpointing does not touch). Units: every module fully recomputed, then (with
+        ``selective``) those that may be recomputed selectively (:meth:`variables`); a selective unit costs its
+        module's FLOPs until the search prices it (search.py)."""
         live = self.profile.live(batch)
-        n_units = len(self.units)
-        edits = self.edits(batch, accumulation_steps, range(n_units))
+        variables = self.variables(batch, selective, always)
+        n_units = len(variables)
+        edits = self.edits(batch, accumulation_steps, variables)
         unit = np.array([e.unit for e in edits], dtype=np.int64)
         start = np.array([e.start for e in edits], dtype=np.int64)
         end = np.array([e.end for e in edits], dtype=np.int64)
@@ -188,25 +213,32 @@ class MemoryModel:
         rows_base = np.concatenate([base + held, live[rec].astype(np.float64) + held,
                                     [float(self.optimizer_peak(batch))]])
         rows_coef = np.vstack([coef, spike_coef, np.zeros((1, n_units))])
-        names = tuple(u.name for u in self.units)
+        names = tuple(self.units[u].name for u, _ in variables)
         exclusive = tuple((i, j) for i, a in enumerate(names) for j, d in enumerate(names)
                           if i != j and d.startswith(a + "."))
-        costs = np.array([float(u.flops(batch)) for u in self.units])
-        return CheckpointProblem(names, costs, rows_base, rows_coef, exclusive)
+        costs = np.array([float(self.units[u].flops(batch)) for u, _ in variables])
+        policies = tuple(p for _, p in variables)
+        groups = tuple(g for g in ({v for v, (w, _) in enumerate(variables) if w == u} for u in range(len(self.units)))
+                       if len(g) > 1)
+        return CheckpointProblem(names, costs, rows_base, rows_coef, exclusive, policies,
+                                 tuple(tuple(sorted(g)) for g in groups))
 
-    def window_problem(self, batch: int, accumulation_steps: int) -> CheckpointProblem:
+    def window_problem(self, batch: int, accumulation_steps: int, *, selective: bool = True) -> CheckpointProblem:
         """:meth:`problem` without the optimizer stage's row: the forward and backward stretches alone. Where the
         optimizer step holds the peak, every checkpoint set has the same modelled peak, but not the same device
         bytes: the caching allocator keeps the segments the activations needed reserved through the optimizer step
         (cuda/allocator.py), so the set that lowers the window most is the one the smallest budget needs."""
-        full = self.problem(batch, accumulation_steps)
+        full = self.problem(batch, accumulation_steps, selective=selective)
         return replace(full, base=full.base[:-1], coef=full.coef[:-1])
 
-    def peak(self, batch: int, accumulation_steps: int, checkpoint: Iterable[str] = ()) -> int:
-        """Modelled peak of the window with ``checkpoint`` recomputed."""
-        names = list(checkpoint)
+    def peak(self, batch: int, accumulation_steps: int, checkpoint: Iterable[str] = (),
+             selective: Iterable[str] = ()) -> int:
+        """Modelled peak of the window with ``checkpoint`` recomputed, those in ``selective`` selectively."""
+        names, selective = list(checkpoint), set(selective)
         known = {u.name for u in self.units}
-        chosen = [self.index(n) for n in names if n in known]
+        problem = self.problem(batch, accumulation_steps, selective=bool(selective), always=frozenset(selective))
+        where = {(n, p): i for i, (n, p) in enumerate(zip(problem.names, problem.policies))}
+        chosen = [where[(n, "selective" if n in selective else "full")] for n in names if n in known]
         # modules the user forces that the analysis saw nothing to gain from still stash the RNG state
         extra = sum(1 for n in names if n not in known) * self.rng_bytes
-        return self.problem(batch, accumulation_steps).peak(chosen) + extra
+        return problem.peak(chosen) + extra

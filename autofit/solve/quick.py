@@ -38,6 +38,8 @@ def quick_path(estimator: Estimator, fastest: Candidate, policy: PrecisionPolicy
     time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size,
                             reshard_after_forward=config.reshard_after_forward, replicate=config.replicate,
                             gpus_per_node=parallel.gpus_per_node)
-    seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint).total
+    seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint,
+                             selective=config.selective).total
     b = config.micro_batch_size
-    return Verified(Candidate(config.precision.label, b, 1, b, config.checkpoint, est.device_bytes, seconds), est, ())
+    return Verified(Candidate(config.precision.label, b, 1, b, config.checkpoint, est.device_bytes, seconds,
+                              selective=config.selective), est, ())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,7 +24,8 @@ from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpo
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
-__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front"]
+__all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front",
+           "module_level"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Candidate:
     in_backward: bool = False  # the optimizer steps each parameter in backward (Note [optimizer step in backward])
     offload: tuple[str, ...] = ()  # modules whose saved activations go to the host (Note [offload])
     offload_states: bool = False  # parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
+    selective: tuple[str, ...] = ()  # those of ``checkpoint`` recomputed selectively (autofit/training/recompute.py)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class SearchSpace:
     # at least as much on the device (an offloaded module keeps not even its inputs, and brings its saved tensors
     # back one backward node at a time), so the verifying estimate can only come out lower
     allow_offload: bool = False
+    # a recomputed module may keep its matmul and attention outputs and rerun the rest (autofit/training/recompute.py)
+    allow_selective: bool = True
+    fixed_selective: tuple[str, ...] = ()  # with fixed_checkpoint: those of the user's set recomputed selectively
     offload_states: bool = False  # every candidate keeps its states on the host (the planner's last stage)
     # what _evaluate found for (precision, b, k, last), by budget: the search, the front and the verification loop
     # ask for the same configurations again, and each may cost a checkpoint MILP
@@ -104,35 +109,56 @@ def _reused(memory: MemoryModel, b: int, known: dict[int, tuple[Candidate | None
 def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int,
                budget: int) -> tuple[Candidate | None, int]:
     """The candidate of (precision, b) under ``budget`` with the cheapest checkpoint set (or None), and its modelled
-    tensor peak."""
+    tensor peak. Where selective recomputation is allowed, the cheapest set with it and the cheapest without are
+    both found, and the faster kept (Note [pricing selective units])."""
+    found = _evaluated_with(space, precision, b, k, last, budget, space.allow_selective)
+    if not space.allow_selective or space.fixed_checkpoint is not None or not space.allow_checkpoint:
+        return found
+    whole = _evaluated_with(space, precision, b, k, last, budget, False)
+    if found[0] is None or (whole[0] is not None and (round(whole[0].seconds, 12), whole[0].peak_bytes)
+                            <= (round(found[0].seconds, 12), found[0].peak_bytes)):
+        return whole
+    return found
+
+
+def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int,
+                    selective_units: bool) -> tuple[Candidate | None, int]:
     memory, time = space.memory[precision], space.time[precision]
     device_budget, budget = budget, memory.tensor_budget(budget)  # the models below count tensor bytes
     if memory.optimizer_peak(b) > budget:
         return None, 0
+    selective: tuple[str, ...] = ()
     if space.fixed_checkpoint is not None:
-        names = space.fixed_checkpoint
-        peak = memory.peak(b, k, names)
+        names, selective = space.fixed_checkpoint, space.fixed_selective
+        peak = memory.peak(b, k, names, selective)
     else:
-        problem = _problem(space, precision, b, k)
+        problem = _problem(space, precision, b, k, selective_units)
         if not space.allow_checkpoint:
             chosen = () if problem.peak(()) <= budget else None
         else:
             chosen = solve_checkpoint(problem, budget)
         if chosen is None:
             return None, 0
-        names = tuple(memory.units[i].name for i in chosen)
+        names, selective = chosen_names(problem, chosen)
         peak = problem.peak(chosen)
     if peak > budget:
         return None, 0
     offload: tuple[str, ...] = ()
     if space.allow_offload and space.fixed_checkpoint is None:
         names, offload = time.keep_recompute_or_offload(names, b)
-    seconds = time.step_time(precision, b, k, names, last, offload).total
+        selective = tuple(n for n in selective if n in names)
+    seconds = time.step_time(precision, b, k, names, last, offload, selective).total
     device_peak = memory.to_device(peak)
     if device_peak > device_budget:
         return None, 0
     return Candidate(precision, b, k, last, names, device_peak, seconds, offload=offload,
-                     offload_states=space.offload_states), peak
+                     offload_states=space.offload_states, selective=selective), peak
+
+
+def chosen_names(problem, chosen) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(recomputed modules, those of them recomputed selectively) of the MILP's chosen units."""
+    names = tuple(problem.names[i] for i in chosen)
+    return names, tuple(problem.names[i] for i in chosen if problem.policy(i) == "selective")
 
 
 def _rank(space: SearchSpace, c: Candidate) -> tuple:
@@ -178,7 +204,7 @@ def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, b
     if memory.optimizer_peak(b) > tensor_budget:
         return False
     if space.fixed_checkpoint is not None:
-        peak = memory.peak(b, k, space.fixed_checkpoint)
+        peak = memory.peak(b, k, space.fixed_checkpoint, space.fixed_selective)
     else:
         peak = _problem(space, precision, b, k).peak(())
     return peak <= tensor_budget and memory.to_device(peak) <= budget
@@ -196,13 +222,14 @@ def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, b
 #     of 15 and took 0.8 s instead of 5.1 s.
 def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> float:
     time = space.time[precision]
-    floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last).total
+    floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last, (), space.fixed_selective).total
     if space.fixed_checkpoint is None and space.allow_checkpoint:
         problem = _problem(space, precision, b, k)
         excess = problem.base - space.memory[precision].tensor_budget(budget)
         if np.any(excess > 0):
             for size, times in ((b, k - 1), (last, 1)):
-                seconds = time.cheapest_removal_seconds(problem.names, size, space.allow_offload)
+                seconds = time.cheapest_removal_seconds(problem.names, size, space.allow_offload,
+                                                        problem.policies)
                 floor += times * _knapsack_floor(problem, excess, seconds)
     return round(floor, 12)
 
@@ -226,11 +253,39 @@ def _knapsack_floor(problem, excess: np.ndarray, seconds: np.ndarray) -> float:
     return worst
 
 
-def _problem(space: SearchSpace, precision: str, b: int, k: int):
-    key = (precision, b, k)
+def _problem(space: SearchSpace, precision: str, b: int, k: int, selective: bool | None = None):
+    selective = space.allow_selective if selective is None else selective
+    key = (precision, b, k, selective)
     if key not in space.problems:
-        space.problems[key] = space.memory[precision].problem(b, k)
+        problem = space.memory[precision].problem(b, k, selective=selective)
+        space.problems[key] = _priced(problem, space.time[precision], b)
     return space.problems[key]
+
+
+def _priced(problem, time: TimeModel, b: int):
+    """The problem with each selective unit's cost scaled from its module's FLOPs by the time model's ratio of
+    selective to full recomputation: the ops it does not rerun are the FLOP-heavy ones, and what it reruns
+    (pointwise, memory-bound) costs time the FLOP count does not show (Note [pricing selective units])."""
+    if not problem.policies or "selective" not in problem.policies:
+        return problem
+    costs = problem.costs.copy()
+    for i, (name, policy) in enumerate(zip(problem.names, problem.policies)):
+        if policy == "selective":
+            full = time.recompute_seconds(name, b, launches=True)
+            costs[i] *= time.recompute_seconds(name, b, selective=True, launches=True) / full if full > 0 else 1.0
+    return replace(problem, costs=costs)
+
+
+# Note [pricing selective units]
+#     The MILP minimises recompute cost in FLOPs (PyTorch's flop registry), which counts matrix products and
+#     attention only. A selective recomputation reruns only ops the registry counts as free, so in FLOPs it would
+#     cost nothing, and the MILP's second stage (the lowest peak among sets of the same cost) would recompute every
+#     module selectively whether needed or not. Its cost is therefore its module's FLOPs times the time model's
+#     ratio of the two recomputations' seconds (bandwidth-bound ops costed by their bytes): in the MILP's own unit,
+#     what the search's ranking will charge for it, launches included (a selective recomputation reruns many small
+#     ops). The ratio is exact only where a module's FLOPs and seconds are proportional, so for each (precision, b)
+#     the search also solves the program without selective units and keeps whichever set the time model ranks
+#     faster: a plan with selective recomputation is never slower, in the model, than the best module-level one.
 
 
 def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
@@ -263,16 +318,23 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
                 # the set that lowers forward and backward most: it also lowers the whole step's peak most (the
                 # optimizer stage is the same for all), and where that stage dominates it still lowers what a GPU
                 # keeps reserved (MemoryModel.window_problem)
-                chosen = most_freeing_checkpoint(memory.window_problem(b, k))
+                chosen = most_freeing_checkpoint(memory.window_problem(b, k, selective=False))
                 names = tuple(memory.units[i].name for i in chosen)
-            peak = memory.to_device(memory.peak(b, k, names))
+            selective = space.fixed_selective if space.fixed_checkpoint is not None else ()
+            peak = memory.to_device(memory.peak(b, k, names, selective))
             offload: tuple[str, ...] = ()
             if space.allow_offload and space.fixed_checkpoint is None:
                 names, offload = time.keep_recompute_or_offload(names, b)
-            seconds = time.step_time(precision, b, k, names, last, offload).total
+            seconds = time.step_time(precision, b, k, names, last, offload, selective).total
             found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
-                                   offload_states=space.offload_states))
+                                   offload_states=space.offload_states, selective=selective))
     return sorted(found, key=lambda c: c.peak_bytes)
+
+
+def module_level(space: SearchSpace, budget: int) -> Candidate | None:
+    """The best candidate under ``budget`` when every recomputed module reruns all of its forward (no selective
+    recomputation): what the plan is compared with when its winner recomputes selectively."""
+    return search(replace(space, allow_selective=False), budget)[0]
 
 
 def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:

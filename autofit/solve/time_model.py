@@ -84,14 +84,28 @@ class TimeModel:
         saved = sum(max(0.0, fixed + per * batch) for fixed, per in (self.saved_bytes[n] for n in names))
         return 2 * saved / self.host_transfer
 
-    def recompute_seconds(self, name: str, batch: int) -> float:
-        """What recomputing module ``name`` costs for one micro-batch of ``batch``: its forward ops again."""
-        return float(self._op_seconds(batch)[self._module_mask(name)].sum())
+    def recompute_seconds(self, name: str, batch: int, *, selective: bool = False, launches: bool = False) -> float:
+        """What recomputing module ``name`` costs for one micro-batch of ``batch``: its forward ops again (with
+        ``selective``, all but those whose outputs it keeps: Note [selective recomputation], autofit/training/recompute.py);
+        with ``launches``, their launch overhead too, as :meth:`step_time` counts it."""
+        mask = self._module_mask(name)
+        if selective:
+            mask = mask & ~self._kept
+        overhead = int(mask.sum()) * self.throughput.op_overhead_seconds if launches else 0.0
+        return float(self._op_seconds(batch)[mask].sum()) + overhead
 
-    def cheapest_removal_seconds(self, names: tuple[str, ...], batch: int, allow_offload: bool) -> np.ndarray:
-        """Per module, the least time that getting its activations off the device costs for one micro-batch of
-        ``batch``: recomputing it, or with ``allow_offload`` and a host link, copying them out and back."""
-        out = np.array([self.recompute_seconds(n, batch) for n in names])
+    @property
+    def _kept(self) -> np.ndarray:
+        kept = self.ops.kept
+        return np.zeros(len(self.ops.module), dtype=bool) if kept is None else kept
+
+    def cheapest_removal_seconds(self, names: tuple[str, ...], batch: int, allow_offload: bool,
+                                 policies: tuple[str, ...] = ()) -> np.ndarray:
+        """Per unit, the least time that getting its activations off the device costs for one micro-batch of
+        ``batch``: recomputing it (by its policy, "full" when ``policies`` is empty), or with ``allow_offload`` and
+        a host link, copying them out and back."""
+        policies = policies or ("full",) * len(names)
+        out = np.array([self.recompute_seconds(n, batch, selective=p == "selective") for n, p in zip(names, policies)])
         if allow_offload and self.host_transfer is not None:
             for i, n in enumerate(names):
                 if n in self.saved_bytes:
@@ -134,12 +148,15 @@ class TimeModel:
         return self._cache[batch]
 
     def step_time(self, precision: str, batch: int, accumulation_steps: int, checkpoint: tuple[str, ...] = (),
-                  last_batch: int | None = None, offload: tuple[str, ...] = ()) -> StepTime:
+                  last_batch: int | None = None, offload: tuple[str, ...] = (),
+                  selective: tuple[str, ...] = ()) -> StepTime:
         """Time of one optimizer step: ``accumulation_steps`` micro-batches (the last may be ``last_batch``);
-        ``offload``: modules whose saved activations go to the host (Note [offload time])."""
+        ``offload``: modules whose saved activations go to the host (Note [offload time]); ``selective``: those of
+        ``checkpoint`` that rerun only the ops whose outputs they do not keep (autofit/training/recompute.py)."""
         del precision  # each op already carries the dtype it ran in
         sizes = [batch] * (accumulation_steps - 1) + [last_batch or batch]
-        mask = self._recompute_mask(checkpoint)
+        full = tuple(n for n in checkpoint if n not in selective)
+        mask = self._recompute_mask(full) | (self._recompute_mask(tuple(selective)) & ~self._kept)
         compute = recompute = transfer = 0.0
         per_micro = []
         for b in sizes:

@@ -14,7 +14,7 @@ import difflib
 import functools
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from autofit.training.in_backward import check_in_backward
 from autofit.training.loss import LossFn, compute_loss
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy, as_policy
+from autofit.training.recompute import require_policy, selective_context
 from autofit.training.stored import StoredState
 
 __all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
@@ -55,7 +56,10 @@ class StepConfig:
     micro_batch_size: int
     accumulation_steps: int = 1
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
-    checkpoint: tuple[str, ...] = ()
+    checkpoint: tuple[str, ...] = ()  # modules recomputed in backward (non-reentrant checkpoint)
+    # the recomputed modules that keep their matmul and attention outputs (Note [selective recomputation]); a subset
+    # of ``checkpoint``, the others recompute all of their forward
+    selective: tuple[str, ...] = ()
     optimizer: OptimizerSpec = field(default_factory=lambda: as_optimizer_spec("adamw"))
     device: str = "cpu"
     # Rows of input data resident during the window: the trainer receives the whole batch at once and slices it, so
@@ -98,6 +102,11 @@ class StepConfig:
                 f"clip_grad_norm must be a positive number (the max_norm of torch.nn.utils.clip_grad_norm_, e.g. 1.0) "
                 f"or None for no clipping, got {clip!r}"
             )
+        stray = [n for n in self.selective if n not in self.checkpoint]
+        if stray:
+            raise InvalidInputError(
+                f"selective names modules that are not recomputed ({', '.join(map(repr, stray))}): a selectively "
+                "recomputed module is also one of checkpoint (give checkpoint={name: 'selective'})")
         overlap = _nested(self.offload, self.checkpoint)
         if overlap:
             raise InvalidInputError(
@@ -141,17 +150,27 @@ def make_step_config(
             "checkpoint='auto' asks the planner to choose, and only plan() chooses: give estimate/measure the module "
             "names to recompute (plan.checkpoint), or None for none"
         )
-    checkpoint = _module_names(checkpoint, "checkpoint")
+    checkpoint, selective = _checkpoint_policies(checkpoint)
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
-        checkpoint=checkpoint, optimizer=as_optimizer_spec(optimizer), device=device,
+        checkpoint=checkpoint, selective=selective, optimizer=as_optimizer_spec(optimizer), device=device,
         held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
         reshard_after_forward=reshard_after_forward, replicate=replicate,
     )
+
+
+def _checkpoint_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(recomputed modules, those of them recomputed selectively) from module names (all "full") or a mapping of
+    module name to policy, "full" or "selective" (Note [selective recomputation])."""
+    if isinstance(checkpoint, Mapping):
+        names = _module_names(tuple(checkpoint), "checkpoint")
+        policies = {n: require_policy(n, checkpoint[n]) for n in names}
+        return names, tuple(n for n in names if policies[n] == "selective")
+    return _module_names(checkpoint, "checkpoint"), ()
 
 
 def _module_names(names: Any, what: str) -> tuple[str, ...]:
@@ -202,8 +221,9 @@ def _copy_containers(tree: Any) -> Any:
     return tree_map(lambda leaf: leaf, tree)
 
 
-def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
-    """See Note [checkpoint arguments] and Note [recomputed BatchNorm]."""
+def _checkpointed_forward(module: torch.nn.Module, forward, selective: bool, *args, **kwargs):
+    """See Note [checkpoint arguments] and Note [recomputed BatchNorm]; ``selective``: keep the matmul and attention
+    outputs (Note [selective recomputation], autofit/training/recompute.py)."""
     # Always non-reentrant (docs/memory-model.md): it supports keyword arguments, nesting and inputs that need no grad.
     args, kwargs = _copy_containers((args, kwargs))
     args, kwargs = _without_kv_cache(forward, args, kwargs)
@@ -218,6 +238,8 @@ def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
     # its positional tensors only (_checkpoint_without_reentrant_generator: get_device_states(*args)), so tensors
     # given by keyword would leave a CUDA dropout mask unrestored in the recomputation; and it takes keywords named
     # debug, context_fn, determinism_check or preserve_rng_state as its own.
+    if selective:
+        return _checkpoint(run, args, kwargs, use_reentrant=False, context_fn=selective_context)
     return _checkpoint(run, args, kwargs, use_reentrant=False)
 
 
@@ -345,6 +367,7 @@ def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str, 
     patches: list[tuple[torch.nn.Module, bool, Any]] = []
     pinned = resolve_modules(model, config.precision.fp32_modules, what="precision.fp32_modules")
     ckpt = resolve_modules(model, config.checkpoint, what="checkpoint")
+    names = {id(m): n for m, n in zip(ckpt, config.checkpoint)}
     offloaded = resolve_modules(model, config.offload, what="offload")
     if to_host is None:
         to_host = functools.partial(saved_on_host, device_type)
@@ -359,7 +382,8 @@ def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str, 
             patches.append((module, had, old))
         for module in ckpt:
             had, old = "forward" in module.__dict__, module.__dict__.get("forward")
-            module.forward = functools.partial(_checkpointed_forward, module, module.forward)
+            module.forward = functools.partial(_checkpointed_forward, module, module.forward,
+                                               names[id(module)] in config.selective)
             patches.append((module, had, old))
         yield model
     finally:
