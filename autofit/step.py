@@ -28,6 +28,7 @@ from autofit._torch import (
     tree_map,
 )
 from autofit.batch import Batch
+from autofit.chunked_loss import LossChunks, chunked_step_loss
 from autofit.cpu import translate_kernel_error
 from autofit.errors import (
     ForwardError,
@@ -74,6 +75,9 @@ class StepConfig:
     # parameters, gradients and optimizer state in host memory, the optimizer stepping on the CPU: FSDP2's
     # CPUOffloadPolicy (strategy "fsdp2", any world size, 1 included; Note [offload])
     offload_states: bool = False
+    # the output head and the cross-entropy run in chunks of tokens (Note [chunked cross-entropy],
+    # autofit/chunked_loss.py); None: the model's own head and the loss as given
+    chunked_loss: LossChunks | None = None
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -116,7 +120,7 @@ def make_step_config(
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
-    offload_states: bool = False,
+    offload_states: bool = False, chunked_loss: LossChunks | None = None,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -132,7 +136,7 @@ def make_step_config(
         checkpoint=checkpoint, optimizer=as_optimizer_spec(optimizer), device=device,
         held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
-        offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
+        offload=_module_names(offload, "offload"), offload_states=bool(offload_states), chunked_loss=chunked_loss,
     )
 
 
@@ -360,9 +364,14 @@ def run_micro_batch(
     if on_phase is not None:
         on_phase("forward")
     with torch.autocast(device_type, dtype=policy.dtype, enabled=policy.autocast):
-        output = batch.call(model)
-        loss = compute_loss(loss_fn, output, None if target is None else target.value)
-    del output  # the logits need not outlive the loss (whatever backward needs, autograd saved)
+        if config.chunked_loss is not None:  # Note [chunked cross-entropy]
+            loss = chunked_step_loss(model, batch, None if target is None else target.value, config.chunked_loss,
+                                     fp32_head=policy.autocast and config.chunked_loss.head in policy.fp32_modules)
+            loss = compute_loss(lambda value: value, loss, None)  # the checks every loss passes
+        else:
+            output = batch.call(model)
+            loss = compute_loss(loss_fn, output, None if target is None else target.value)
+            del output  # the logits need not outlive the loss (whatever backward needs, autograd saved)
     scaled = loss if weight == 1.0 else loss * weight
     if scaler is not None:
         scaled = scaler.scale(scaled)
