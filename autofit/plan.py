@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from autofit.chunked_loss import LossChunks
 from autofit.errors import InvalidInputError, require_int, require_strategy
 from autofit.length import LengthSpec
 from autofit.precision import PrecisionPolicy
@@ -79,6 +80,11 @@ class Plan:
     # micro-batches (micro, accumulation) over the same effective batch, verified to fit (Note [even split]); the
     # exports use it. None when the plan is even already.
     even_split: tuple[int, int] | None = None
+    # the opt-in rungs the planner climbed (plan(allow=...), Note [the ladder]): the output head and the
+    # cross-entropy in chunks of tokens (Note [chunked cross-entropy]), and the 8-bit optimizer the trainer builds
+    # in place of the one given to wrap() (its dotted class name, Note [8-bit optimizer state])
+    chunked_loss: LossChunks | None = None
+    low_bit_optimizer: str | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -170,6 +176,8 @@ class Plan:
         }
         data["rows_by_length"] = [list(r) for r in self.rows_by_length]
         data["even_split"] = None if self.even_split is None else list(self.even_split)
+        data["chunked_loss"] = None if self.chunked_loss is None else {"head": self.chunked_loss.head,
+                                                                       "chunks": self.chunked_loss.chunks}
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -212,6 +220,9 @@ class Plan:
             data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
+            chunks = data.get("chunked_loss")  # absent from plans written before the opt-in rungs
+            data["chunked_loss"] = None if chunks is None else LossChunks(head=chunks["head"],
+                                                                          chunks=int(chunks["chunks"]))
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):
@@ -271,7 +282,10 @@ class Plan:
                 if self.last_micro_batch_size != self.micro_batch_size else "")),
             ("precision", str(self.precision)),
             ("checkpointed", ckpt),
-            ("optimizer", self.optimizer),
+            ("optimizer", self.optimizer if self.low_bit_optimizer is None
+             else f"{self.low_bit_optimizer} (8-bit state, in place of {self.optimizer})"),
+            *([("loss", f"cross-entropy over {self.chunked_loss.head!r} in {self.chunked_loss.chunks} chunks of "
+                        "tokens")] if self.chunked_loss is not None else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
             *self.memory_rows(format_bytes),
             ("budget", self.budget_text(format_bytes)),
@@ -300,7 +314,8 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
                   gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
                   clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
-                  margin_bytes: int = 0) -> Plan:
+                  margin_bytes: int = 0, chunked_loss: LossChunks | None = None,
+                  low_bit_optimizer: str | None = None) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -317,5 +332,6 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
         optimizer_in_backward=chosen.in_backward, offload=chosen.offload, offload_states=chosen.offload_states,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
-        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes,
+        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, chunked_loss=chunked_loss,
+        low_bit_optimizer=low_bit_optimizer,
     )

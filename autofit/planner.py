@@ -44,7 +44,7 @@ def plan(
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
-    allow_over_capacity: bool = False,
+    allow_over_capacity: bool = False, allow: Any = (),
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -73,13 +73,19 @@ def plan(
     ``margin``: bytes kept free for what the estimate does not model (bytes, "512MB" or a share of the budget such
     as "5%"); the default is 0 except on GPUs with ``world_size > 1``, where NCCL's buffers live outside the
     caching allocator (Note [the margin], autofit/request.py). A budget above the GPU's memory is refused unless
-    ``allow_over_capacity=True``."""
+    ``allow_over_capacity=True``.
+
+    ``allow``: the rungs that change numerics, climbed only when named here and only when nothing fits without
+    them (Note [the ladder], docs/fine-tuning.md): "chunked-loss" (the output head and the cross-entropy in chunks
+    of tokens, for the default loss against an integer target or a Hugging Face causal LM given labels) and
+    "8bit-optimizer" (AdamW's state in 8 bits: bitsandbytes' AdamW8bit, else torchao's; the trainer builds it from
+    the optimizer given to ``wrap``). The plan's notes say which were climbed and what each saved."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
         clip_grad_norm=clip_grad_norm, alternatives=False, min_stored_precision=min_stored_precision,
         fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
-        allow_over_capacity=allow_over_capacity,
+        allow_over_capacity=allow_over_capacity, allow=allow,
     )[0]
 
 
@@ -89,7 +95,7 @@ def plan_with_analysis(
     device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
     clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
-    margin: int | str | None = None, allow_over_capacity: bool = False,
+    margin: int | str | None = None, allow_over_capacity: bool = False, allow: Any = (),
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -100,7 +106,7 @@ def plan_with_analysis(
                            world_size=world_size, strategy=strategy, quick=not alternatives,
                            clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
                            fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
-                           allow_over_capacity=allow_over_capacity)
+                           allow_over_capacity=allow_over_capacity, allow=allow)
     results, infeasible_errors, failed = [], [], []
     parallels = [_parallel(request, name) for name in request.strategies]
     # a strategy whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
@@ -142,7 +148,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         if found is not None:
             return _plan_of(estimator, found), {}
 
-    analyses: dict[Parallel, dict[str, Analysis]] = {}  # per layout, by policy label
+    analyses: dict[tuple, dict[str, Analysis]] = {}  # per layout and opt-in rungs, by policy label
     rows_known: dict[tuple, dict[tuple[int, int], int]] = {}  # (candidate, policy) -> {(length, rows): bytes}
     skipped: list[str] = []
     tried = None  # the space and estimator of the last rung searched on the device: the smallest budget's
@@ -168,7 +174,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                 backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
                 found = search_in_backward(backward, fit, _gradient_bytes(request.model), where.verify)
         if found is not None:
-            found = replace(found, notes=found.notes + skipped_note(stage, skipped))
+            found = replace(found, notes=found.notes + skipped_note(stage, skipped) + _rung_notes(request, stage,
+                                                                                                   where, found))
             return _plan_of(where, found, done, rows_known), done
 
     if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
@@ -181,7 +188,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     if stepped is not None and stepped[1].device_bytes < est.device_bytes:
         smallest, est = stepped
     if est.device_bytes <= fit:  # the models were pessimistic: the smallest configuration fits
-        done = analyses[where.parallel]
+        done = analyses[where.parallel, where.request.chunked_loss, where.request.low_bit_optimizer]
         return _plan_of(where, Verified(smallest, est, (smallest,)), done), done
     at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
     error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes)
@@ -191,11 +198,36 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
 
 
 def _searchable(request: PlanRequest, stage: Stage,
-                analyses: dict[Parallel, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
-    """The rung's estimator and search space, its precisions analysed unless done before in its layout."""
-    done = analyses.setdefault(stage.parallel, {})
+                analyses: dict[tuple, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
+    """The rung's estimator and search space, its precisions analysed unless done before in its layout with its
+    opt-in rungs; the request as the rung runs it (its chunked loss and optimizer)."""
+    request = stage.request_for(request)
+    done = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
     done.update(analyse_policies(request, stage.parallel, stage.policies, done))
     return Estimator(request, stage.parallel), search_space(request, stage.parallel, stage.policies, done), done
+
+
+def _rung_notes(request: PlanRequest, stage: Stage, where: Estimator, found: Verified) -> tuple[str, ...]:
+    """What each opt-in rung in force saved (Note [the ladder]): the same configuration estimated in full without
+    it, one more simulation per rung."""
+    notes = []
+    policy = where.policy(found.candidate.precision)
+    peak = found.estimate.device_bytes
+    for name in stage.opt_in:
+        if name == "chunked-loss":
+            without = replace(where.request, chunked_loss=None)
+            what = (f"rung 'chunked-loss' climbed: the output head {stage.chunked_loss.head!r} and the cross-entropy "
+                    f"run in {stage.chunked_loss.chunks} chunks of tokens, so the full logits and their gradient are "
+                    "never live at once (Note [chunked cross-entropy])")
+        else:
+            without = replace(where.request, optimizer=request.optimizer, low_bit_optimizer=None)
+            what = (f"rung '8bit-optimizer' climbed: {request.optimizer.name} becomes {stage.eight_bit[1]}, its two "
+                    "moments stored in 8 bits (Note [8-bit optimizer state]); the trainer builds it from the "
+                    "optimizer given to wrap()")
+        other = Estimator(without, where.parallel).estimate(found.candidate, policy).device_bytes
+        notes.append(f"{what}; this configuration needs {format_bytes(other)} without it ({other:,} B), "
+                     f"{format_bytes(peak)} with it: it saves {format_bytes(other - peak)} ({other - peak:,} B)")
+    return tuple(notes)
 
 
 def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis] | None = None,
@@ -211,7 +243,8 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         policy=policy, device=request.device.kind, gpu=request.device.name,
         optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
         shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
-        host_budget_bytes=request.host_budget_bytes,
+        host_budget_bytes=request.host_budget_bytes, chunked_loss=request.chunked_loss,
+        low_bit_optimizer=request.low_bit_optimizer,
     )
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(

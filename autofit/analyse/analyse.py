@@ -11,6 +11,7 @@ from autofit.analyse.profile import CallRecord, build_profile
 from autofit.analyse.table import Analysis, LayerRow, LayerTable, OpCosts, precision_of
 from autofit.batch import Batch
 from autofit.capture.graph import capture_graph
+from autofit.chunked_loss import LossChunks
 from autofit.loss import LossFn
 from autofit.optim import OptimizerSpec, as_optimizer_spec
 from autofit.precision import PrecisionPolicy
@@ -29,6 +30,7 @@ def analyse_model(
     optimizer: OptimizerSpec | None = None, *, probe_kernels: bool = False, device: str = "cpu",
     gpu: str | None = None, strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, device_rules: DeviceRules | None = None, offload_states: bool = False,
+    chunked_loss: LossChunks | None = None,
 ) -> Analysis:
     """Graph, per-layer table and step profile of ``model`` at ``precision``.
 
@@ -43,7 +45,8 @@ def analyse_model(
     optimizer = optimizer or as_optimizer_spec("adamw")
     configs = [StepConfig(micro_batch_size=size, accumulation_steps=2, precision=precision, optimizer=optimizer,
                           device=device, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=shard_units,
-                          clip_grad_norm=clip_grad_norm, offload_states=offload_states) for size in SIZES]
+                          clip_grad_norm=clip_grad_norm, offload_states=offload_states, chunked_loss=chunked_loss)
+               for size in SIZES]
 
     def job(config: StepConfig):  # a worker sends back the Simulation and the observer, both picklable
         def run() -> tuple[Simulation, LayerObserver]:

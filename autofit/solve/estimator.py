@@ -42,6 +42,7 @@ class Estimator:
             held_rows=request.per_rank, gpu=request.device.name, strategy=parallel.strategy,
             world_size=parallel.world_size, shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
             optimizer_in_backward=c.in_backward, offload=c.offload, offload_states=parallel.offload_states,
+            chunked_loss=request.chunked_loss,
         )
 
     def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> Simulation:

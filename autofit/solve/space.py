@@ -36,7 +36,7 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
                 probe_kernels=request.device.kind == "cpu", device=request.device.kind, gpu=request.device.name,
                 strategy=parallel.strategy, world_size=parallel.world_size, shard_units=parallel.shard_units,
                 clip_grad_norm=request.clip_grad_norm, device_rules=request.device.simulation_rules,
-                offload_states=parallel.offload_states)
+                offload_states=parallel.offload_states, chunked_loss=request.chunked_loss)
     return analyses
 
 
