@@ -67,6 +67,9 @@ MarginOpt = Annotated[Optional[str], typer.Option(
     "('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
 OverCapacityOpt = Annotated[bool, typer.Option(
     "--allow-over-capacity", help="accept a --budget above the GPU's memory (refused otherwise)")]
+AllowOpt = Annotated[Optional[list[str]], typer.Option(
+    "--allow", metavar="RUNG", help="a rung that changes numerics the planner may climb when nothing fits without "
+    "it (repeatable): 8bit-optimizer, chunked-loss (docs/fine-tuning.md)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
@@ -119,7 +122,7 @@ def plan(
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
-    allow_over_capacity: OverCapacityOpt = False,
+    allow_over_capacity: OverCapacityOpt = False, allow: AllowOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed or "
@@ -145,7 +148,7 @@ def plan(
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
                 strategy=strategy, min_stored_precision=min_stored_precision,
                 offload="auto" if offload else False, host_budget=host_budget, margin=margin,
-                allow_over_capacity=allow_over_capacity,
+                allow_over_capacity=allow_over_capacity, allow=tuple(allow or ()),
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
