@@ -109,18 +109,30 @@ def _opt_in(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionP
     if chunks is not None:
         rungs.append(Stage(what=f"chunked cross-entropy ({chunks.chunks} chunks)", policies=policies,
                            parallel=parallel, in_backward=in_backward, chunked_loss=chunks,
-                           floor_bytes=states_bytes(request, parallel, policies[0], k)))
+                           floor_bytes=_opt_in_floor(request, parallel, policies[0], in_backward, None, k)))
     if request.allow_eight_bit is not None:
-        # a floor: parameters and gradients, one byte per moment (parameters under 4096 values keep 32-bit state)
-        floor = states_bytes(request, parallel, policies[0], 0) + 2 * _trainable(request) // _shards(parallel)
         rungs.append(Stage(what="8-bit optimizer state", policies=policies, parallel=parallel,
                            in_backward=in_backward, chunked_loss=chunks, eight_bit=request.allow_eight_bit,
-                           floor_bytes=floor))
+                           floor_bytes=_opt_in_floor(request, parallel, policies[0], in_backward, 1, k)))
     return rungs
 
 
-def _trainable(request: PlanRequest) -> int:
-    return sum(p.numel() for p in request.model.parameters() if p.requires_grad)
+def _opt_in_floor(request: PlanRequest, parallel: Parallel, policy: PrecisionPolicy,
+                  in_backward: tuple[PrecisionPolicy, ...], state_bytes: int | None, k: int) -> int:
+    """A floor of an opt-in rung's peak: the parameters in ``policy``'s stored precision, the optimizer state
+    (``k`` values per trainable parameter of ``state_bytes`` each; None: the stored dtype's, or the parameter's),
+    the fp32 master copy if any, and the gradients unless the optimizer may step in backward, which frees each as
+    it goes."""
+    total = 0
+    for p in request.model.parameters():
+        low = p.element_size() if policy.stored is None or not p.is_floating_point() else (
+            stored_dtype(policy.stored).itemsize)
+        total += p.numel() * low
+        if p.requires_grad:
+            master = 4 if str(policy.stored).endswith("-master") else 0
+            state = k * (state_bytes if state_bytes is not None else (4 if master else low))
+            total += p.numel() * (state + master + (0 if policy in in_backward else low))
+    return total // _shards(parallel)
 
 
 def _shards(parallel: Parallel) -> int:
