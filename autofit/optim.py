@@ -10,7 +10,8 @@ import torch
 
 from autofit.errors import InvalidInputError
 
-__all__ = ["OptimizerSpec", "as_optimizer_spec", "OPTIMIZER_NAMES", "eight_bit_class", "eight_bit_spec",
+__all__ = ["OptimizerSpec", "as_optimizer_spec", "OPTIMIZER_NAMES", "eight_bit_class", "eight_bit_possible",
+           "eight_bit_spec",
            "to_eight_bit"]
 
 # Default hyper-parameters matter for memory only through the state they create: SGD keeps a momentum buffer
@@ -119,6 +120,19 @@ def _eight_bit_kind(optimizer: torch.optim.Optimizer) -> str | None:
     if type(optimizer) is torch.optim.Adam and all(g.get("weight_decay", 0) == 0 for g in groups):
         return "adam"
     return None
+
+
+def eight_bit_possible(spec: OptimizerSpec) -> bool:
+    """Whether ``spec`` has an 8-bit twin here, without importing bitsandbytes or torchao (the hint of an
+    infeasibility error, Note [the ladder])."""
+    import importlib.util
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    try:
+        kind = _eight_bit_kind(spec.build([p]))
+    except Exception:  # noqa: BLE001 - a factory that cannot build here has no known twin
+        return False
+    return kind is not None and any(importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "torchao"))
 
 
 def eight_bit_spec(spec: OptimizerSpec) -> tuple[OptimizerSpec, str] | None:

@@ -194,6 +194,12 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes)
     if on_host is not None:
         error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes)
+    if request.closed_rungs and parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
+        names = ", ".join(repr(n) for n in request.closed_rungs)
+        error = InfeasibleBudgetError(
+            f"{error} Rungs that change numerics, not allowed, may still fit: allow=({names},) (CLI --allow; "
+            "docs/fine-tuning.md).", min_budget_bytes=error.min_budget_bytes, budget_bytes=error.budget_bytes,
+            dominant=error.dominant)
     raise error
 
 

@@ -21,7 +21,7 @@ from autofit.device import DeviceTarget, resolve_device
 from autofit.errors import InvalidInputError, require_int, require_strategy
 from autofit.length import length_spec
 from autofit.loss import LossFn
-from autofit.optim import OptimizerSpec, as_optimizer_spec, eight_bit_spec
+from autofit.optim import OptimizerSpec, as_optimizer_spec, eight_bit_possible, eight_bit_spec
 from autofit.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.step import make_step_config, resolve_modules
 from autofit.units import format_bytes, parse_budget
@@ -78,6 +78,7 @@ class PlanRequest:
     # was not allowed or does not apply (the notes say why)
     allow_chunked_loss: LossChunks | None = None
     allow_eight_bit: tuple[OptimizerSpec, str] | None = None
+    closed_rungs: tuple[str, ...] = ()  # rungs that would apply here but were not allowed (the error says so)
     # what a rung of the ladder set for the step it searches: the chunked loss, and the 8-bit optimizer's class
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
@@ -164,14 +165,17 @@ def make_request(
     stored = _pinned(_stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
     spec = as_optimizer_spec(optimizer)
     allowed = allow_names(allow)
-    chunks = eight_bit = None
+    chunks = chunkable(model, batch, target_batch, loss_fn)
+    eight_bit = eight_bit_spec(spec) if "8bit-optimizer" in allowed else eight_bit_possible(spec) or None
+    closed = tuple(n for n, found in (("chunked-loss", chunks), ("8bit-optimizer", eight_bit))
+                   if found is not None and n not in allowed)
+    chunks, eight_bit = (chunks if "chunked-loss" in allowed else None), (
+        eight_bit if "8bit-optimizer" in allowed else None)
     if "chunked-loss" in allowed:
-        chunks = chunkable(model, batch, target_batch, loss_fn)
         if chunks is None:
             notes.append("allow 'chunked-loss' does not apply: it needs the default loss (no loss_fn), an nn.Linear "
                          "output head, and an integer target or a Hugging Face causal LM given labels")
     if "8bit-optimizer" in allowed:
-        eight_bit = eight_bit_spec(spec)
         if eight_bit is None:
             notes.append(f"allow '8bit-optimizer' does not apply to optimizer {spec.name!r}: it swaps torch.optim.AdamW "
                          "(or Adam without weight decay) for bitsandbytes' or torchao's 8-bit one, and needs one of "
@@ -187,6 +191,7 @@ def make_request(
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
         stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
         host_budget_bytes=host_budget_bytes, allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
+        closed_rungs=closed,
     )
 
 
