@@ -33,13 +33,16 @@ def test_unknown_rung_is_a_typed_error_listing_the_rungs():
 
 
 def test_cli_allow_is_validated():
+    from pathlib import Path
+
     from typer.testing import CliRunner
 
     from autofit.cli.app import app
 
-    result = CliRunner().invoke(app, ["plan", "torchvision:resnet18", "--budget", "1GB", "--batch-size", "2",
-                                      "--device", "cpu", "--allow", "fast-math"])
-    assert result.exit_code != 0
+    factory = f"{Path(__file__).resolve().parent.parent / 'examples' / 'factories.py'}:small_cnn"
+    result = CliRunner().invoke(app, ["plan", factory, "--budget", "1GB", "--batch-size", "2", "--device", "cpu",
+                                      "--allow", "8bit-optimizer", "--allow", "fast-math"])
+    assert result.exit_code == 2, result.output  # an input error (tests/test_cli.py: EXIT_INPUT)
     assert "unknown rung 'fast-math'" in result.output and "8bit-optimizer" in result.output
 
 
