@@ -203,6 +203,7 @@ def test_the_chunked_rung_is_climbed_when_nothing_else_fits():
     assert plan.chunked_loss == LossChunks(head="lm_head") and plan.low_bit_optimizer is None
     [note] = [n for n in plan.notes if "rung 'chunked-loss' climbed" in n]
     assert "saves" in note and "8 chunks" in note
+    assert autofit.Plan.from_json(plan.to_json()) == plan
     # the trainer runs the chunked step; one step of it equals a plain full-batch step of the model
     reference = copy.deepcopy(model)
     trainer = plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
