@@ -4,10 +4,13 @@ Note [chunked cross-entropy]
     At a 128k vocabulary the output head's logits dominate a language model's activations: N tokens x V classes,
     kept for backward, upcast to fp32 by the loss, and their gradient as large again. torchtune's
     ``CEWithChunkedOutputLoss`` (torchtune/modules/loss/ce_chunked_output_loss.py) splits the head's output into
-    chunks so that each is upcast separately; here the head itself runs per chunk, and each chunk's head and loss run
-    under non-reentrant checkpoint, so forward keeps no logits at all and backward recomputes one chunk's logits at
-    a time: at any moment one chunk's logits and their gradient are live, not the whole of them. The price is the
-    head's forward matmul once more in backward.
+    chunks so that each is upcast separately, but keeps every chunk's logits for backward. Here the head itself
+    runs per chunk, in forward, and each chunk's gradients are made at once: its logits' gradient by autograd on
+    the chunk alone, then the hidden states' gradient and the weight's (and bias'), accumulated in place into one
+    buffer each, as Liger-Kernel's fused linear cross-entropy does. No logits are kept for backward, at any moment
+    one chunk's logits and their gradient are live, not the whole of them, and backward only scales the gradients
+    made in forward by the loss's incoming gradient. The price: the weight's gradient exists from the loss's
+    forward on (it would from the start of backward anyway), in the weight's dtype, as autograd accumulates it.
 
     The step runs it in place of the head and the loss (:func:`chunked_step_loss`, called by
     ``autofit.step.run_micro_batch``, which estimate, measure and the trainer all run): the head's ``forward`` is
@@ -33,7 +36,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from autofit.batch import Batch
 from autofit.errors import InvalidInputError, UnsupportedModelError
@@ -97,26 +99,51 @@ def chunkable(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           labels: torch.Tensor, chunks: int, *, upcast: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``F.linear(hidden, weight, bias)`` against ``labels`` over the labels that are not
-    -100, the head and the loss run ``chunks`` times on as many slices of the tokens, each under checkpoint (Note
-    [chunked cross-entropy]). ``upcast``: the logits are converted to fp32 before the loss (Hugging Face's)."""
+    -100, the head and the loss run ``chunks`` times on as many slices of the tokens, their gradients made as they go
+    (Note [chunked cross-entropy]). ``upcast``: the logits are converted to fp32 before the loss (Hugging Face's)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     if h.shape[0] != y.shape[0]:
         raise InvalidInputError(f"chunked cross-entropy: {h.shape[0]} hidden states but {y.shape[0]} labels")
-    size = -(-h.shape[0] // chunks)
-    total = None
-    for h_c, y_c in zip(h.split(size), y.split(size)):
-        part = checkpoint(_chunk_loss, h_c, weight, bias, y_c, upcast, use_reentrant=False)
-        total = part if total is None else total + part
+    total = _ChunkedLinearCrossEntropy.apply(h, weight, bias, y, chunks, upcast)
     return total / y.ne(IGNORE_INDEX).sum()
 
 
-def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                upcast: bool) -> torch.Tensor:
-    logits = F.linear(h, weight, bias)
-    if upcast:
-        logits = logits.float()
-    return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of the head's logits, chunk by chunk; forward also makes the gradients of the hidden
+    states, the weight and the bias (accumulated in place, one buffer each), which backward scales by the incoming
+    gradient: no logits are saved, and at most one chunk's logits and their gradient are live."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunks, upcast):  # noqa: D102 - see the class
+        size = -(-h.shape[0] // chunks)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros_like(weight)
+        grad_b = None if bias is None else torch.zeros_like(bias)
+        total = None
+        for start in range(0, h.shape[0], size):
+            h_c, y_c = h[start:start + size], y[start:start + size]
+            with torch.enable_grad():
+                logits = F.linear(h_c, weight, bias).detach().requires_grad_()
+                z = logits.float() if upcast else logits
+                part = F.cross_entropy(z, y_c, ignore_index=IGNORE_INDEX, reduction="sum")
+                (g,) = torch.autograd.grad(part, logits)
+            del logits, z
+            part = part.detach()
+            total = part if total is None else total + part
+            grad_h[start:start + size] = g @ weight.to(g.dtype)
+            grad_w.addmm_(g.t().to(grad_w.dtype), h_c.to(grad_w.dtype))
+            if grad_b is not None:
+                grad_b += g.sum(0).to(grad_b.dtype)
+            del g
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102 - see the class
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return (grad_h.mul_(grad_out), grad_w.mul_(grad_out), None if grad_b is None else grad_b.mul_(grad_out),
+                None, None, None)
 
 
 def chunked_step_loss(model: nn.Module, batch: Batch, target: Any, chunks: LossChunks, *,
