@@ -22,7 +22,7 @@ import autofit
 # Llama 3.2 3B (meta-llama/Llama-3.2-3B config.json): hidden 3072, 28 layers, 24 heads, 8 kv heads, intermediate
 # 8192, vocab 128256, tied embeddings, rope theta 500000, 131072 positions
 SEQUENCE = 2048
-BATCH = 4
+BATCH = 1  # one sequence per optimizer step: stepping the optimizer in backward allows no accumulation
 
 
 def llama_3b(dtype: torch.dtype = torch.float32):
