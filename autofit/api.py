@@ -9,6 +9,7 @@ from torch import nn
 
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
+from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import resolve_device
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.training.loss import LossFn
@@ -24,7 +25,8 @@ __all__ = ["analyse", "estimate", "measure"]
 
 def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
             clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
-            strategy=None, reduce_every_micro_batch=False) -> StepConfig:
+            strategy=None, reduce_every_micro_batch=False, chunked_loss=False, batch=None, target=None,
+            loss_fn=None) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -37,11 +39,24 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
     if offload_states:
         strategy = "fsdp2"
     units = shard_units(model) if strategy == "fsdp2" else ()
+    chunks = _loss_chunks(model, batch, target, loss_fn) if chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
                             precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
                             clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
                             offload=offload, offload_states=offload_states, strategy=strategy, world_size=world_size,
-                            shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch)
+                            shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch,
+                            chunked_loss=chunks)
+
+
+def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
+    """``chunked_loss=True``: the chunks this model and batch can run, or a typed error saying why none."""
+    chunks = chunkable(model, batch, target, loss_fn)
+    if chunks is None:
+        raise InvalidInputError(
+            "chunked_loss=True needs the default loss (no loss_fn), an nn.Linear output head, and an integer target "
+            "(class indices) or a Hugging Face causal LM given labels=...: leave chunked_loss out for this model"
+        )
+    return chunks
 
 
 def estimate(
@@ -49,7 +64,7 @@ def estimate(
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, world_size: int = 1,
-    strategy: str | None = None, reduce_every_micro_batch: bool = False,
+    strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -78,6 +93,9 @@ def estimate(
     ``plan`` lays it out (FSDP2 shards the units ``plan`` shards); ``micro_batch_size`` rows per rank.
     ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
     sync under accumulation], autofit/training/step.py).
+    ``chunked_loss``: the output head and the cross-entropy run in chunks of tokens under checkpoint, so the full
+    logits and their gradient are never live at once (Note [chunked cross-entropy], autofit/training/chunked_loss.py); for
+    the default loss against an integer target, or a Hugging Face causal LM given ``labels``.
 
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
@@ -88,7 +106,8 @@ def estimate(
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
-                     reduce_every_micro_batch)
+                     reduce_every_micro_batch, chunked_loss, batch,
+                     target_batch, loss_fn)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     return device_model.estimate(sim)
@@ -98,7 +117,7 @@ def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
-    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False,
+    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, chunked_loss: bool = False,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -109,7 +128,8 @@ def measure(
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
                      clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward, offload=offload,
-                     offload_states=offload_states)
+                     offload_states=offload_states, chunked_loss=chunked_loss, batch=batch, target=target_batch,
+                     loss_fn=loss_fn)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:

@@ -46,7 +46,7 @@ def plan(
     clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
     allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
-    replicate: Any = "auto",
+    replicate: Any = "auto", allow: Any = (),
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -80,7 +80,12 @@ def plan(
     FSDP2 layouts (docs/multi-gpu.md): ``gpus_per_node`` (default: every rank on one node) splits ``world_size``
     into nodes; ``reshard_after_forward`` True (ZeRO-3), False (ZeRO-2) or an int group size, and ``replicate``
     (HSDP: replicate across that many groups, shard within each). With "auto" the planner plans ZeRO-3 and ZeRO-2,
-    across nodes also the reshard to one node and HSDP over the nodes, and keeps the fastest that fits."""
+    across nodes also the reshard to one node and HSDP over the nodes, and keeps the fastest that fits.
+    ``allow``: the rungs that change numerics, climbed only when named here and only when nothing fits without
+    them (Note [the ladder], docs/fine-tuning.md): "chunked-loss" (the output head and the cross-entropy in chunks
+    of tokens, for the default loss against an integer target or a Hugging Face causal LM given labels) and
+    "8bit-optimizer" (AdamW's state in 8 bits: bitsandbytes' AdamW8bit, else torchao's; the trainer builds it from
+    the optimizer given to ``wrap``). The plan's notes say which were climbed and what each saved."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
@@ -88,6 +93,7 @@ def plan(
         fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
         allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
         reshard_after_forward=reshard_after_forward, replicate=replicate,
+        allow=allow,
     )[0]
 
 
@@ -98,7 +104,7 @@ def plan_with_analysis(
     clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
     margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
-    reshard_after_forward: Any = "auto", replicate: Any = "auto",
+    reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -110,7 +116,8 @@ def plan_with_analysis(
                            clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
                            fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
                            allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
-                           reshard_after_forward=reshard_after_forward, replicate=replicate)
+                           reshard_after_forward=reshard_after_forward, replicate=replicate,
+                           allow=allow)
     results, infeasible_errors, failed = [], [], []
     parallels = [p for name in request.strategies for p in _parallels(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
@@ -155,7 +162,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         if found is not None:
             return _plan_of(estimator, found), {}
 
-    analyses: dict[Parallel, dict[str, Analysis]] = {}  # per layout, by policy label
+    analyses: dict[tuple, dict[str, Analysis]] = {}  # per layout and opt-in rungs, by policy label
     rows_known: dict[tuple, dict[tuple[int, int], int]] = {}  # (candidate, policy) -> {(length, rows): bytes}
     skipped: list[str] = []
     tried = None  # the space and estimator of the last rung searched on the device: the smallest budget's
@@ -184,7 +191,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                 backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
                 found = search_in_backward(backward, fit, _gradient_bytes(request.model), where.verify)
         if found is not None:
-            found = replace(found, notes=found.notes + skipped_note(stage, skipped))
+            found = replace(found, notes=found.notes + skipped_note(stage, skipped) + _rung_notes(request, stage,
+                                                                                                   where, found))
             plan = _plan_of(where, found, done, rows_known)
             if versus is not None:
                 plan = replace(plan, module_level_step_seconds=versus.seconds, notes=plan.notes + (
@@ -202,21 +210,52 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         smallest, est = stepped
     fitted = est.within(fit)
     if fitted is not None:  # the models were pessimistic: the smallest configuration fits
-        done = analyses[where.parallel]
+        done = analyses[where.parallel, where.request.chunked_loss, where.request.low_bit_optimizer]
         return _plan_of(where, Verified(smallest, fitted, (smallest,)), done), done
     at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
     error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes)
     if on_host is not None:
         error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes)
+    if request.closed_rungs and parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
+        names = ", ".join(repr(n) for n in request.closed_rungs)
+        error = InfeasibleBudgetError(
+            f"{error} Rungs that change numerics, not allowed, may still fit: allow=({names},) (CLI --allow; "
+            "docs/fine-tuning.md).", min_budget_bytes=error.min_budget_bytes, budget_bytes=error.budget_bytes,
+            dominant=error.dominant)
     raise error
 
 
 def _searchable(request: PlanRequest, stage: Stage,
-                analyses: dict[Parallel, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
-    """The rung's estimator and search space, its precisions analysed unless done before in its layout."""
-    done = analyses.setdefault(stage.parallel, {})
+                analyses: dict[tuple, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
+    """The rung's estimator and search space, its precisions analysed unless done before in its layout with its
+    opt-in rungs; the request as the rung runs it (its chunked loss and optimizer)."""
+    request = stage.request_for(request)
+    done = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
     done.update(analyse_policies(request, stage.parallel, stage.policies, done))
     return Estimator(request, stage.parallel), search_space(request, stage.parallel, stage.policies, done), done
+
+
+def _rung_notes(request: PlanRequest, stage: Stage, where: Estimator, found: Verified) -> tuple[str, ...]:
+    """What each opt-in rung in force saved (Note [the ladder]): the same configuration estimated in full without
+    it, one more simulation per rung."""
+    notes = []
+    policy = where.policy(found.candidate.precision)
+    peak = found.estimate.device_bytes
+    for name in stage.opt_in:
+        if name == "chunked-loss":
+            without = replace(where.request, chunked_loss=None)
+            what = (f"rung 'chunked-loss' climbed: the output head {stage.chunked_loss.head!r} and the cross-entropy "
+                    f"run in {stage.chunked_loss.chunks} chunks of tokens, so the full logits and their gradient are "
+                    "never live at once (Note [chunked cross-entropy])")
+        else:
+            without = replace(where.request, optimizer=request.optimizer, low_bit_optimizer=None)
+            what = (f"rung '8bit-optimizer' climbed: {request.optimizer.name} becomes {stage.eight_bit[1]}, its two "
+                    "moments stored in 8 bits (Note [8-bit optimizer state]); the trainer builds it from the "
+                    "optimizer given to wrap()")
+        other = Estimator(without, where.parallel).estimate(found.candidate, policy).device_bytes
+        notes.append(f"{what}; this configuration needs {format_bytes(other)} without it ({other:,} B), "
+                     f"{format_bytes(peak)} with it: it saves {format_bytes(other - peak)} ({other - peak:,} B)")
+    return tuple(notes)
 
 
 def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis] | None = None,
@@ -235,6 +274,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         host_budget_bytes=request.host_budget_bytes, reduce_every_micro_batch=parallel.reduce_every_micro_batch,
         reshard_after_forward=parallel.reshard_after_forward,
         replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
+        chunked_loss=request.chunked_loss, low_bit_optimizer=request.low_bit_optimizer,
     )
     if plan.reduce_every_micro_batch:
         plan = replace(plan, notes=plan.notes + (

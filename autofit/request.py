@@ -16,17 +16,18 @@ import torch
 from torch import nn
 
 from autofit.training.batch import Batch, as_batch
+from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget, resolve_device
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import length_spec
 from autofit.training.loss import LossFn
-from autofit.training.optim import OptimizerSpec, as_optimizer_spec
+from autofit.training.optim import OptimizerSpec, as_optimizer_spec, eight_bit_possible, eight_bit_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.training.step import StepConfig, make_step_config, resolve_modules
 from autofit.core.units import format_bytes, parse_budget
 
-__all__ = ["Parallel", "PlanRequest", "make_request", "check_model", "as_inputs", "check_capacity", "check_positions",
+__all__ = ["ALLOW_NAMES", "allow_names", "Parallel", "PlanRequest", "make_request", "check_model", "as_inputs", "check_capacity", "check_positions",
            "margin_for", "NCCL_RESERVE_BYTES"]
 
 
@@ -99,6 +100,15 @@ class PlanRequest:
     host_budget_bytes: int | None = None
     # plan(checkpoint={name: policy}): (names, those recomputed selectively), as make_step_config reads them
     fixed_policies: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    # plan(allow=...): the opt-in rungs that change numerics (Note [the ladder]), each resolved for this model: the
+    # chunks of a chunked loss, and the 8-bit twin of the optimizer with its dotted class name; None where the rung
+    # was not allowed or does not apply (the notes say why)
+    allow_chunked_loss: LossChunks | None = None
+    allow_eight_bit: tuple[OptimizerSpec, str] | None = None
+    closed_rungs: tuple[str, ...] = ()  # rungs that would apply here but were not allowed (the error says so)
+    # what a rung of the ladder set for the step it searches: the chunked loss, and the 8-bit optimizer's class
+    chunked_loss: LossChunks | None = None
+    low_bit_optimizer: str | None = None
 
     @property
     def fit_bytes(self) -> int:
@@ -116,7 +126,8 @@ class PlanRequest:
             shard_units=parallel.shard_units, clip_grad_norm=self.clip_grad_norm,
             offload_states=parallel.offload_states,
             reduce_every_micro_batch=parallel.reduce_every_micro_batch,
-            reshard_after_forward=parallel.reshard_after_forward, replicate=parallel.replicate)
+            reshard_after_forward=parallel.reshard_after_forward, replicate=parallel.replicate,
+            chunked_loss=self.chunked_loss)
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -166,7 +177,7 @@ def make_request(
     strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
     min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
-    gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto",
+    gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -200,11 +211,28 @@ def make_request(
     policies = _pinned(_precisions(precision, target_device), pins)
     notes += _cpu_precision_notes(precision, target_device)
     stored = _pinned(_stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
+    spec = as_optimizer_spec(optimizer)
+    allowed = allow_names(allow)
+    chunks = chunkable(model, batch, target_batch, loss_fn)
+    eight_bit = eight_bit_spec(spec) if "8bit-optimizer" in allowed else eight_bit_possible(spec) or None
+    closed = tuple(n for n, found in (("chunked-loss", chunks), ("8bit-optimizer", eight_bit))
+                   if found is not None and n not in allowed)
+    chunks, eight_bit = (chunks if "chunked-loss" in allowed else None), (
+        eight_bit if "8bit-optimizer" in allowed else None)
+    if "chunked-loss" in allowed:
+        if chunks is None:
+            notes.append("allow 'chunked-loss' does not apply: it needs the default loss (no loss_fn), an nn.Linear "
+                         "output head, and an integer target or a Hugging Face causal LM given labels")
+    if "8bit-optimizer" in allowed:
+        if eight_bit is None:
+            notes.append(f"allow '8bit-optimizer' does not apply to optimizer {spec.name!r}: it swaps torch.optim.AdamW "
+                         "(or Adam without weight decay) for bitsandbytes' or torchao's 8-bit one, and needs one of "
+                         "those libraries (Note [8-bit optimizer state], autofit/training/optim.py)")
     return PlanRequest(
         model=model, batch=batch, target=target_batch, loss_fn=loss_fn, device=target_device,
         budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
         strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
-        policies=policies, optimizer=as_optimizer_spec(optimizer),
+        policies=policies, optimizer=spec,
         fixed_checkpoint=_fixed_checkpoint(model, checkpoint), quick=quick,
         fixed_policies=_fixed_policies(checkpoint),
         # validated by the step's own rules (StepConfig), before any simulation
@@ -212,7 +240,8 @@ def make_request(
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
         stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
         host_budget_bytes=host_budget_bytes, gpus_per_node=per_node, reshard_options=reshards,
-        replicate_options=replicates,
+        replicate_options=replicates, allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
+        closed_rungs=closed,
     )
 
 
@@ -244,6 +273,28 @@ def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | No
                 if reshard_after_forward != "auto" or replicate != "auto":
                     require_layout("fsdp2", world_size, raf, r)
     return per_node, reshards, replicates
+
+
+# plan(allow=...): the rungs that change numerics, climbed only when allowed (Note [the ladder])
+ALLOW_NAMES = ("8bit-optimizer", "chunked-loss")
+
+
+def allow_names(allow: Any) -> tuple[str, ...]:
+    """``plan(allow=...)`` validated: a name or a sequence of names out of :data:`ALLOW_NAMES`."""
+    if allow is None:
+        return ()
+    items = (allow,) if isinstance(allow, str) else allow
+    try:
+        items = tuple(items)
+    except TypeError as e:
+        raise InvalidInputError(f"allow must be a sequence of rung names ({', '.join(ALLOW_NAMES)}), got {allow!r}") from e
+    for item in items:
+        if item not in ALLOW_NAMES:
+            raise InvalidInputError(
+                f"allow: unknown rung {item!r}: the rungs that change numerics and need allowing are "
+                f"{', '.join(repr(n) for n in ALLOW_NAMES)}"
+            )
+    return tuple(dict.fromkeys(items))
 
 
 def check_capacity(budget_bytes: int, target: DeviceTarget, allow_over_capacity: bool = False) -> None:

@@ -96,3 +96,29 @@ def test_skipped_rungs_are_named_once_in_the_note_of_the_rung_that_fits():
     assert note.startswith("skipped without analysis") and note.count("own dtype") == 1
     (note,) = skipped_note(rungs[-1], ["stored bf16 (0.5 GiB)"])
     assert "live in host memory" in note and "stored bf16 (0.5 GiB)" in note
+
+
+def test_opt_in_rungs_follow_the_stored_precisions_cumulative_before_the_host():
+    from dataclasses import replace
+
+    from autofit.training.chunked_loss import LossChunks
+    from autofit.training.optim import as_optimizer_spec
+
+    eight = (as_optimizer_spec("adam"), "bitsandbytes.optim.AdamW8bit")  # any spec: the ladder only carries it
+    chunks = LossChunks(head="2")
+    request = replace(_request(), allow_chunked_loss=chunks, allow_eight_bit=eight)
+    rungs = ladder(request, Parallel())
+    assert [s.what for s in rungs] == ["the model's own dtype", "the model's own dtype", "stored bf16-master",
+                                       "stored bf16", "chunked cross-entropy (8 chunks)", "8-bit optimizer state",
+                                       "the states on the host"]
+    assert [s.opt_in for s in rungs] == [(), (), (), (), ("chunked-loss",), ("chunked-loss", "8bit-optimizer"), ()]
+    assert rungs[4].policies == rungs[5].policies == (PURE,)
+    assert rungs[4].in_backward == rungs[5].in_backward == (PURE,)  # pure bf16 keeps no master copy
+    # by hand, pure bf16 stepped in backward (no gradient kept): parameters 2 + AdamW's moments 2 + 2; 8-bit 1 + 1
+    assert [rungs[4].floor_bytes, rungs[5].floor_bytes] == [6 * N, 4 * N]
+    stepped = rungs[5].request_for(request)
+    assert stepped.optimizer is eight[0] and stepped.low_bit_optimizer == eight[1] and stepped.chunked_loss == chunks
+    assert rungs[0].request_for(request) is request
+    # data-parallel layouts get no opt-in rung (the distributed trainers build neither)
+    assert not any(s.opt_in for s in ladder(replace(request, world_size=2, offload=False),
+                                            Parallel(strategy="ddp", world_size=2)))

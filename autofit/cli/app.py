@@ -67,6 +67,9 @@ MarginOpt = Annotated[Optional[str], typer.Option(
     "('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
 OverCapacityOpt = Annotated[bool, typer.Option(
     "--allow-over-capacity", help="accept a --budget above the GPU's memory (refused otherwise)")]
+AllowOpt = Annotated[Optional[list[str]], typer.Option(
+    "--allow", metavar="RUNG", help="a rung that changes numerics the planner may climb when nothing fits without "
+    "it (repeatable): 8bit-optimizer, chunked-loss (docs/fine-tuning.md)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 NodesOpt = Annotated[Optional[int], typer.Option(
     "--nodes", help="machines training together, --gpus-per-node each (world size = nodes x GPUs per node); "
@@ -130,7 +133,7 @@ def plan(
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
-    reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto",
+    reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -160,6 +163,7 @@ def plan(
                 allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
                 reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
                 replicate=layout_option("--replicate", replicate),
+                allow=tuple(allow or ()),
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)

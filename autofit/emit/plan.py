@@ -13,6 +13,7 @@ from autofit.core.errors import InvalidInputError, require_int, require_layout, 
 from autofit.training.length import LengthSpec
 from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
+from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
 from autofit.solve.search import Candidate, pareto_front
 from autofit.core.units import format_bytes, format_mib
@@ -89,6 +90,11 @@ class Plan:
     # micro-batches (micro, accumulation) over the same effective batch, verified to fit (Note [even split]); the
     # exports use it. None when the plan is even already.
     even_split: tuple[int, int] | None = None
+    # the opt-in rungs the planner climbed (plan(allow=...), Note [the ladder]): the output head and the
+    # cross-entropy in chunks of tokens (Note [chunked cross-entropy]), and the 8-bit optimizer the trainer builds
+    # in place of the one given to wrap() (its dotted class name, Note [8-bit optimizer state])
+    chunked_loss: LossChunks | None = None
+    low_bit_optimizer: str | None = None
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
     selective: tuple[str, ...] = ()
@@ -212,6 +218,8 @@ class Plan:
         }
         data["rows_by_length"] = [list(r) for r in self.rows_by_length]
         data["even_split"] = None if self.even_split is None else list(self.even_split)
+        data["chunked_loss"] = None if self.chunked_loss is None else {"head": self.chunked_loss.head,
+                                                                       "chunks": self.chunked_loss.chunks}
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -257,6 +265,9 @@ class Plan:
             data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
+            chunks = data.get("chunked_loss")  # absent from plans written before the opt-in rungs
+            data["chunked_loss"] = None if chunks is None else LossChunks(head=chunks["head"],
+                                                                          chunks=int(chunks["chunks"]))
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):
@@ -322,6 +333,10 @@ class Plan:
             ("precision", str(self.precision)),
             ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
             ("optimizer", self.optimizer),
+            ("optimizer", self.optimizer if self.low_bit_optimizer is None
+             else f"{self.low_bit_optimizer} (8-bit state, in place of {self.optimizer})"),
+            *([("loss", f"cross-entropy over {self.chunked_loss.head!r} in {self.chunked_loss.chunks} chunks of "
+                        "tokens")] if self.chunked_loss is not None else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
@@ -364,7 +379,8 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
                   clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
                   margin_bytes: int = 0, reduce_every_micro_batch: bool = False,
-                  reshard_after_forward: bool | int = True, replicate: int = 1, gpus_per_node: int = 0) -> Plan:
+                  reshard_after_forward: bool | int = True, replicate: int = 1, gpus_per_node: int = 0,
+                  chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -385,6 +401,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         reduce_every_micro_batch=reduce_every_micro_batch and chosen.accumulation_steps > 1,
         reshard_after_forward=reshard_after_forward, replicate=replicate, gpus_per_node=gpus_per_node,
         selective=chosen.selective,
+        chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer,
     )
 
 

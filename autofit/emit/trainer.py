@@ -29,7 +29,7 @@ from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation, count_items, item_counter
-from autofit.training.optim import OptimizerSpec
+from autofit.training.optim import OptimizerSpec, to_eight_bit
 from autofit.training.step import (
     StepConfig,
     new_grad_scaler,
@@ -60,9 +60,11 @@ class Trainer:
             raise InvalidInputError(
                 f"wrap() needs the optimizer instance built over model.parameters(), got {type(optimizer).__name__}"
             )
+        if plan.low_bit_optimizer is not None:  # the rung '8bit-optimizer' (Note [8-bit optimizer state])
+            optimizer = to_eight_bit(optimizer, plan.low_bit_optimizer)
         self.plan = plan
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # the 8-bit one where the plan swapped it: step, save and load this one
         self.loss_fn = loss_fn
         # where the step computes: the parameters' device, but a plan whose parameters live in host memory (FSDP2
         # CPUOffloadPolicy, Note [offload]) computes on the plan's device
@@ -72,7 +74,7 @@ class Trainer:
             precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
             clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
-            offload=plan.offload,
+            offload=plan.offload, chunked_loss=plan.chunked_loss,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):

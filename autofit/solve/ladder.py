@@ -11,7 +11,13 @@ Note [the ladder]
          every micro-batch (Note [gradient sync under accumulation]): more collectives, no unsharded gradients
          held across micro-batches. It changes no number of the update, so it comes before storing lower;
       3. each lower stored precision, one at a time and in order of risk (Note [stored precision]);
-      4. the parameters, gradients and optimizer state in host memory (Note [offload]), where allowed: one GPU,
+      4. the rungs that change numerics, each only where ``plan(allow=...)`` names it, cumulative, in the precisions
+         of the last rung above (the lowest stored precision allowed), the optimizer free to step in backward:
+         "chunked-loss", the output head and the cross-entropy in chunks of tokens (Note [chunked cross-entropy],
+         autofit/training/chunked_loss.py; float rounding only, so first), then "8bit-optimizer", AdamW's moments in 8 bits
+         (Note [8-bit optimizer state], autofit/training/optim.py). They come before the host rung, whose optimizer steps on
+         the CPU, much the slowest, and a user who allows them asked for them;
+      5. the parameters, gradients and optimizer state in host memory (Note [offload]), where allowed: one GPU,
          offload="auto". Its estimates must also fit the host budget.
     A rung whose parameters, gradients and optimizer state alone exceed the budget is skipped without analysis, as
     long as a later rung may still fit: the rungs on the device skip when the host rung follows, and every rung
@@ -25,6 +31,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autofit.training.precision import PrecisionPolicy
+from autofit.training.chunked_loss import LossChunks
+from autofit.training.optim import OptimizerSpec
+from autofit.training.precision import stored_dtype
 from autofit.solve.sharding import shard_units
 from autofit.training.stored import stored_bytes_per_parameter
 
@@ -48,6 +57,24 @@ class Stage:
     # parameters, gradients and optimizer state on one device, a floor of any step's peak; None: they are on the host
     floor_bytes: int | None = None
     skippable: bool = False  # a later rung may fit where this one cannot: skip it when its floor misses the budget
+    # the opt-in rungs (plan(allow=...)) in force on this rung: the chunked loss, and the 8-bit optimizer (its spec
+    # and dotted class name); None: the user's loss and optimizer
+    chunked_loss: LossChunks | None = None
+    eight_bit: tuple[OptimizerSpec, str] | None = None
+
+    @property
+    def opt_in(self) -> tuple[str, ...]:
+        """The names of the opt-in rungs in force here, as ``plan(allow=...)`` gives them."""
+        return (("chunked-loss",) if self.chunked_loss is not None else ()) + (
+            ("8bit-optimizer",) if self.eight_bit is not None else ())
+
+    def request_for(self, request: PlanRequest) -> PlanRequest:
+        """``request`` as this rung runs it: its chunked loss and optimizer in place of the user's."""
+        if not self.opt_in:
+            return request
+        optimizer = request.optimizer if self.eight_bit is None else self.eight_bit[0]
+        return replace(request, optimizer=optimizer, chunked_loss=self.chunked_loss,
+                       low_bit_optimizer=None if self.eight_bit is None else self.eight_bit[1])
 
     def skipped(self, fit_bytes: int) -> bool:
         """Whether the rung is passed over without analysis under ``fit_bytes``: its states alone miss it."""
@@ -74,11 +101,53 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
             policies=policies, parallel=layout,
             in_backward=_in_backward(request, layout, policies) if i == own else (),
             floor_bytes=states_bytes(request, layout, policies[0], k),
-            skippable=host is not None or i < len(stages) - 1,
         ))
+    rungs += _opt_in(request, parallel, stages[-1], k)
+    rungs = [replace(r, skippable=host is not None or i < len(rungs) - 1) for i, r in enumerate(rungs)]
     if host is not None:
         rungs.append(Stage(what="the states on the host", policies=request.policies, parallel=host, host_check=True))
     return tuple(rungs)
+
+
+def _opt_in(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...], k: int) -> list[Stage]:
+    """The rungs ``plan(allow=...)`` opened, cumulative: the chunked loss, then the 8-bit optimizer (Note [the
+    ladder]); the optimizer may step in backward on each. One process only."""
+    if parallel.strategy is not None:  # one process only: the distributed trainers build neither
+        return []
+    rungs, chunks = [], request.allow_chunked_loss
+    in_backward = _in_backward(request, parallel, policies)
+    if chunks is not None:
+        rungs.append(Stage(what=f"chunked cross-entropy ({chunks.chunks} chunks)", policies=policies,
+                           parallel=parallel, in_backward=in_backward, chunked_loss=chunks,
+                           floor_bytes=_opt_in_floor(request, parallel, policies[0], in_backward, None, k)))
+    if request.allow_eight_bit is not None:
+        rungs.append(Stage(what="8-bit optimizer state", policies=policies, parallel=parallel,
+                           in_backward=in_backward, chunked_loss=chunks, eight_bit=request.allow_eight_bit,
+                           floor_bytes=_opt_in_floor(request, parallel, policies[0], in_backward, 1, k)))
+    return rungs
+
+
+def _opt_in_floor(request: PlanRequest, parallel: Parallel, policy: PrecisionPolicy,
+                  in_backward: tuple[PrecisionPolicy, ...], state_bytes: int | None, k: int) -> int:
+    """A floor of an opt-in rung's peak: the parameters in ``policy``'s stored precision, the optimizer state
+    (``k`` values per trainable parameter of ``state_bytes`` each; None: the stored dtype's, or the parameter's),
+    the fp32 master copy if any, and the gradients unless the optimizer may step in backward, which frees each as
+    it goes."""
+    total = 0
+    for p in request.model.parameters():
+        low = p.element_size() if policy.stored is None or not p.is_floating_point() else (
+            stored_dtype(policy.stored).itemsize)
+        total += p.numel() * low
+        if p.requires_grad:
+            master = 4 if str(policy.stored).endswith("-master") else 0
+            state = k * (state_bytes if state_bytes is not None else (4 if master else low))
+            total += p.numel() * (state + master + (0 if policy in in_backward else low))
+    return total // _shards(parallel)
+
+
+def _shards(parallel: Parallel) -> int:
+    """The ranks FSDP2 shards the states over (the shard group of HSDP); 1 for one process or DDP."""
+    return parallel.world_size // parallel.replicate if parallel.strategy == "fsdp2" else 1
 
 
 def skipped_note(stage: Stage, skipped: list[str]) -> tuple[str, ...]:
@@ -106,12 +175,15 @@ def states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPoli
     precision on one rank (FSDP2 shards them): a floor of any step's peak."""
     total = 0
     for p in request.model.parameters():
-        if policy.stored is None or not p.is_floating_point():
+        if not p.requires_grad:  # frozen (LoRA's base weights): no gradient, no optimizer state
+            total += p.numel() * (p.element_size() if policy.stored is None or not p.is_floating_point()
+                                  else stored_dtype(policy.stored).itemsize)
+        elif policy.stored is None or not p.is_floating_point():
             size = p.element_size()
             total += p.numel() * size * (2 + k)
         else:
             total += p.numel() * stored_bytes_per_parameter(policy.stored, k)
-    return total // (parallel.world_size // parallel.replicate) if parallel.strategy == "fsdp2" else total
+    return total // _shards(parallel)
 
 
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:

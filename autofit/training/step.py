@@ -28,6 +28,7 @@ from autofit.core._torch import (
     tree_map,
 )
 from autofit.training.batch import Batch
+from autofit.training.chunked_loss import LossChunks, chunked_step_loss
 from autofit.core.cpu import translate_kernel_error
 from autofit.core.errors import (
     ForwardError,
@@ -86,6 +87,9 @@ class StepConfig:
     # FSDP2 reduce-scatters the gradients after every micro-batch of a window, not only after the last (Note [gradient
     # sync under accumulation]); implied by offload_states
     reduce_every_micro_batch: bool = False
+    # the output head and the cross-entropy run in chunks of tokens (Note [chunked cross-entropy],
+    # autofit/training/chunked_loss.py); None: the model's own head and the loss as given
+    chunked_loss: LossChunks | None = None
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -141,7 +145,7 @@ def make_step_config(
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
-    replicate: int = 1,
+    replicate: int = 1, chunked_loss: LossChunks | None = None,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -160,6 +164,7 @@ def make_step_config(
         offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
         reshard_after_forward=reshard_after_forward, replicate=replicate,
+        chunked_loss=chunked_loss,
     )
 
 
@@ -414,9 +419,14 @@ def run_micro_batch(
     if on_phase is not None:
         on_phase("forward")
     with torch.autocast(device_type, dtype=policy.dtype, enabled=policy.autocast):
-        output = batch.call(model)
-        loss = compute_loss(loss_fn, output, None if target is None else target.value)
-    del output  # the logits need not outlive the loss (whatever backward needs, autograd saved)
+        if config.chunked_loss is not None:  # Note [chunked cross-entropy]
+            loss = chunked_step_loss(model, batch, None if target is None else target.value, config.chunked_loss,
+                                     fp32_head=policy.autocast and config.chunked_loss.head in policy.fp32_modules)
+            loss = compute_loss(lambda value: value, loss, None)  # the checks every loss passes
+        else:
+            output = batch.call(model)
+            loss = compute_loss(loss_fn, output, None if target is None else target.value)
+            del output  # the logits need not outlive the loss (whatever backward needs, autograd saved)
     scaled = loss if weight == 1.0 else loss * weight
     if scaler is not None:
         scaled = scaler.scale(scaled)
