@@ -101,7 +101,11 @@ def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate,
 #     The budget compared is the smallest one the step runs under (``min_device_bytes``), not what the process
 #     would reserve on a card with room to spare: under a budget the caching allocator frees the segments it keeps
 #     cached before it gives up (Note [allocating under a cap], autofit/cuda/allocator.py). That takes the cached
-#     segments out of the floor, and with them most of the checkpoint set's effect on it.
+#     segments out of the floor, and with them most of the checkpoint set's effect on it. Llama-2-7B on an H200 (fp16,
+#     no offload, benchmarks/verdict_floors.py) named 135.02, 128.42, 126.19, 127.91 GiB at batch 1, 2, 4, 8 before
+#     and 128.81, 129.11, 126.50, 126.53 GiB after (2026-11-24): still not monotone. The allocated peak is 125.54 GiB
+#     at every batch (the optimizer step); what stays is the segments the step finds pinned, 2.8 GiB at micro-batch 1
+#     against 0.5 GiB at 4, where the gradients fit the activations' segments exactly.
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
     """The configuration with the smallest verified peak among the two lowest modelled ones and the smallest
     micro-batch of each precision, with its estimate. The models are least exact far from the configurations they
