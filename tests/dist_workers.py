@@ -84,7 +84,7 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                 if plan.strategy == "ddp":
                     resident = sum(b.buffer().nbytes for b in trainer.model.reducer._get_zeros_like_grad_buckets())
                 peaks = []
-                for _ in range(3):
+                for _ in range(job.get("repeats", 3)):
                     live = [_local(p) for p in trainer.model.parameters()] + list(trainer.model.buffers())
                     live += mine.tensors() + (mine_target.tensors() if mine_target is not None else [])
                     live += [_local(v) for s in trainer.optimizer.state.values() for v in s.values()

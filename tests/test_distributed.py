@@ -202,3 +202,46 @@ def test_example_runs_under_torchrun():
         assert abs(error) <= 2.0, line
 
 
+
+
+
+def _reducing_plan():
+    """A plan whose budget leaves no room for the unsharded gradients of a window (Note [gradient sync under
+    accumulation]): it reduce-scatters after every micro-batch."""
+    from sharded_models import wide_blocks
+
+    case = wide_blocks()
+    plan = autofit.plan(case.model, case.sample, 26 * 2**20, batch_size=8 * WORLD, target=case.target,
+                        loss_fn=case.loss_fn, device="cpu", precision="fp32", world_size=WORLD, strategy="fsdp2")
+    assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
+    return plan
+
+
+def test_fsdp2_reducing_every_micro_batch_equals_a_full_batch_step(tmp_path):
+    from sharded_models import wide_blocks
+
+    plan = _reducing_plan()
+    result0, result1 = _run([{"kind": "equivalence", "case": "wide_blocks", "plan": plan.to_json(),
+                              "optimizer": "sgd"}], tmp_path)
+    reference = wide_blocks()
+    batch = as_batch(reference.sample).resize(plan.batch_size)
+    target = as_batch(reference.target, what="target").resize(plan.batch_size)
+    optimizer = torch.optim.SGD(reference.model.parameters(), lr=0.1)
+    reference.loss_fn(batch.call(reference.model), target.value).backward()
+    optimizer.step()
+    _assert_both_ranks_equal(reference.model, result0, result1, "fsdp2 reducing every micro-batch")
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "open (issue 26, part A report): on gloo the measured peak is the planned one plus n unsharded gradients of one "
+    "unit (2,105,856 B each), n from 0 to 7 by timing: reduce-scatters still in flight hold their inputs, which the "
+    "fake process group completes at once. Measured 2026-11-24 over three runs of six steps: 27,267,468 B once "
+    "(planned 27,257,140 B), otherwise 31.5 to 48.3 MB"))
+def test_fsdp2_reducing_every_micro_batch_peak_matches_the_allocator(tmp_path):
+    """The lowest of six measured steps against the plan, within 0.5 %."""
+    plan = _reducing_plan()
+    ranks = _run([{"kind": "memory", "case": "wide_blocks", "plan": plan.to_json(), "optimizer": "adamw",
+                   "repeats": 6}], tmp_path)
+    for rank, results in enumerate(ranks):
+        measured = min(results[0]["peaks"])
+        assert abs(plan.peak_bytes - measured) <= 0.005 * measured, (rank, plan.peak_bytes, results[0]["peaks"])

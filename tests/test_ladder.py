@@ -4,6 +4,8 @@ and the order of the rungs the docs give (docs/planner.md, "When nothing fits").
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -81,10 +83,11 @@ def test_data_parallel_plans_have_no_host_rung_and_fsdp2_shards_the_floor():
     request = _request(world_size=2, stored=())
     fsdp2 = Parallel(strategy="fsdp2", world_size=2, shard_units=("0", "1", "2"))
     rungs = ladder(request, fsdp2)
-    # with 4 rows per rank, FSDP2 may also reduce-scatter after every micro-batch: a last rung, same sharded floor
-    reducing = Parallel(strategy="fsdp2", world_size=2, shard_units=("0", "1", "2"), reduce_every_micro_batch=True)
+    # then every precision again, reduce-scattering after every micro-batch (Note [gradient sync under accumulation])
+    reducing = replace(fsdp2, reduce_every_micro_batch=True)
     assert [s.parallel for s in rungs] == [fsdp2, fsdp2, reducing]
-    assert [s.floor_bytes for s in rungs] == [16 * N // 2] * 3 and [s.skippable for s in rungs] == [True, True, False]
+    assert [s.floor_bytes for s in rungs] == [16 * N // 2] * 3
+    assert [s.skippable for s in rungs] == [True, True, False]
     assert states_floor(ladder(request, Parallel(strategy="ddp", world_size=2))) == 16 * N
 
 
