@@ -15,7 +15,7 @@ from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.core.report import Measurement, MemoryEstimate
-from autofit.request import as_inputs, check_model
+from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.training.step import StepConfig, forward_errors, make_step_config

@@ -20,20 +20,22 @@ from torch import nn
 
 from autofit.core import progress
 from autofit.analyse.table import Analysis
-from autofit.core.errors import (AutofitError, InfeasibleBudgetError, InvalidInputError, UnsupportedModelError,
-                                 require_layout)
+from autofit.core.errors import AutofitError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn
-from autofit.emit.plan import Plan, assemble_plan, selective_note
+from autofit.emit.assemble import assemble_plan, selective_note
+from autofit.emit.plan import Plan
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
-from autofit.solve.finish import even_split, optional_pins, pin_cost_notes, rows_table, verify_beside_rows
-from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
+from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes,
+                                  verify_beside_rows, why_layout)
+from autofit.solve.ladder import ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
-from autofit.solve.search import Candidate, SearchSpace, module_level
-from autofit.solve.sharding import shard_units
-from autofit.solve.space import analyse_policies, search_space
+from autofit.solve.search import module_level
+from autofit.solve.sharding import layouts
+from autofit.solve.space import analyse_policies, searchable
 from autofit.solve.verify import (Verified, host_checked, host_fits, infeasible, search_in_backward, search_verified,
-                                  smallest_in_backward, smallest_verified, with_offload_minimum)
+                                  smallest_in_backward, smallest_verified, with_closed_rungs,
+                                  with_offload_minimum)
 from autofit.core.units import format_bytes
 
 __all__ = ["plan", "plan_with_analysis"]
@@ -74,7 +76,7 @@ def plan(
 
     ``margin``: bytes kept free for what the estimate does not model (bytes, "512MB" or a share of the budget such
     as "5%"); the default is 0 except on GPUs with ``world_size > 1``, where NCCL's buffers live outside the
-    caching allocator (Note [the margin], autofit/request.py). A budget above the GPU's memory is refused unless
+    caching allocator (Note [the margin], autofit/validate.py). A budget above the GPU's memory is refused unless
     ``allow_over_capacity=True``.
 
     FSDP2 layouts (docs/multi-gpu.md): ``gpus_per_node`` (default: every rank on one node) splits ``world_size``
@@ -119,17 +121,16 @@ def plan_with_analysis(
                            reshard_after_forward=reshard_after_forward, replicate=replicate,
                            allow=allow)
     results, infeasible_errors, failed = [], [], []
-    parallels = [p for name in request.strategies for p in _parallels(request, name)]
+    parallels = [p for name in request.strategies for p in layouts(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
     # its analysis would only name its smallest budget, which the error needs only if no layout fits
     floors = {p: states_floor(ladder(request, p)) for p in parallels} if len(parallels) > 1 else {}
     hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
     for parallel in sorted(parallels, key=lambda p: p in hopeless):
         name = parallel.label
-        # Of FSDP2's layouts, ZeRO-3 over every rank holds least at any configuration (ZeRO-2 and the int reshard
-        # hold more of each unit between forward and backward, HSDP a larger shard): when its states miss the
-        # budget the others' smallest budgets are no smaller, and only the smallest is ever reported
-        if parallel in hopeless and (results or not _least_memory(parallel)):
+        # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
+        # the smallest is ever reported
+        if parallel in hopeless and (results or not parallel.least_memory):
             failed.append(f"{name} not planned: its parameters, gradients and optimizer state alone need at least "
                           f"{format_bytes(floors[parallel])} per rank, over the budget")
             continue
@@ -147,7 +148,7 @@ def plan_with_analysis(
         raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
-        why = _why_strategy(chosen, [r[0] for r in results])
+        why = why_layout(chosen, [r[0] for r in results])
         chosen = replace(chosen, notes=chosen.notes + (why, *failed))
     return chosen, analyses
 
@@ -158,7 +159,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     estimator, stages = Estimator(request, parallel), ladder(request, parallel)
     fit = request.fit_bytes
     if request.quick and request.auto_precision and stages[0].floor_bytes <= fit:
-        found = quick_path(estimator, _fastest(request), request.policies[0], fit, _param_bytes(request.model))
+        found = quick_path(estimator, fit)
         if found is not None:
             return _plan_of(estimator, found), {}
 
@@ -173,7 +174,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         if stage.skipped(fit):  # not worth an analysis: its states alone miss the budget
             skipped.append(f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)")
             continue
-        where, space, done = _searchable(request, stage, analyses)
+        where, space, done = searchable(request, stage, analyses)
         if stage.host_check:
             progress.report("searching with the states on the host (checkpoint MILP)")
             found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes))
@@ -191,8 +192,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                 backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
                 found = search_in_backward(backward, fit, _gradient_bytes(request.model), where.verify)
         if found is not None:
-            found = replace(found, notes=found.notes + skipped_note(stage, skipped) + _rung_notes(request, stage,
-                                                                                                   where, found))
+            found = replace(found, notes=found.notes + skipped_note(stage, skipped)
+                            + rung_notes(request, stage, where, found))
             plan = _plan_of(where, found, done, rows_known)
             if versus is not None:
                 plan = replace(plan, module_level_step_seconds=versus.seconds, notes=plan.notes + (
@@ -201,7 +202,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
 
     if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
         last = [s for s in stages if not s.host_check][-1]
-        where, space, _ = _searchable(request, last, analyses)
+        where, space, _ = searchable(request, last, analyses)
         tried = space, where
     space, where = tried
     smallest, est = smallest_verified(space, where.verify)
@@ -216,46 +217,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes)
     if on_host is not None:
         error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes)
-    if request.closed_rungs and parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
-        names = ", ".join(repr(n) for n in request.closed_rungs)
-        error = InfeasibleBudgetError(
-            f"{error} Rungs that change numerics, not allowed, may still fit: allow=({names},) (CLI --allow; "
-            "docs/fine-tuning.md).", min_budget_bytes=error.min_budget_bytes, budget_bytes=error.budget_bytes,
-            dominant=error.dominant)
+    if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
+        error = with_closed_rungs(error, request.closed_rungs)
     raise error
-
-
-def _searchable(request: PlanRequest, stage: Stage,
-                analyses: dict[tuple, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
-    """The rung's estimator and search space, its precisions analysed unless done before in its layout with its
-    opt-in rungs; the request as the rung runs it (its chunked loss and optimizer)."""
-    request = stage.request_for(request)
-    done = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
-    done.update(analyse_policies(request, stage.parallel, stage.policies, done))
-    return Estimator(request, stage.parallel), search_space(request, stage.parallel, stage.policies, done), done
-
-
-def _rung_notes(request: PlanRequest, stage: Stage, where: Estimator, found: Verified) -> tuple[str, ...]:
-    """What each opt-in rung in force saved (Note [the ladder]): the same configuration estimated in full without
-    it, one more simulation per rung."""
-    notes = []
-    policy = where.policy(found.candidate.precision)
-    peak = found.estimate.device_bytes
-    for name in stage.opt_in:
-        if name == "chunked-loss":
-            without = replace(where.request, chunked_loss=None)
-            what = (f"rung 'chunked-loss' climbed: the output head {stage.chunked_loss.head!r} and the cross-entropy "
-                    f"run in {stage.chunked_loss.chunks} chunks of tokens, so the full logits and their gradient are "
-                    "never live at once (Note [chunked cross-entropy])")
-        else:
-            without = replace(where.request, optimizer=request.optimizer, low_bit_optimizer=None)
-            what = (f"rung '8bit-optimizer' climbed: {request.optimizer.name} becomes {stage.eight_bit[1]}, its two "
-                    "moments stored in 8 bits (Note [8-bit optimizer state]); the trainer builds it from the "
-                    "optimizer given to wrap()")
-        other = Estimator(without, where.parallel).estimate(found.candidate, policy).device_bytes
-        notes.append(f"{what}; this configuration needs {format_bytes(other)} without it ({other:,} B), "
-                     f"{format_bytes(peak)} with it: it saves {format_bytes(other - peak)} ({other - peak:,} B)")
-    return tuple(notes)
 
 
 def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis] | None = None,
@@ -276,11 +240,6 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
         chunked_loss=request.chunked_loss, low_bit_optimizer=request.low_bit_optimizer,
     )
-    if plan.reduce_every_micro_batch:
-        plan = replace(plan, notes=plan.notes + (
-            "FSDP2 reduce-scatters the gradients after every micro-batch: with the sync left to the last micro-batch "
-            "every rank would hold the whole model's unsharded gradients until then, and nothing fit (Note [gradient "
-            "sync under accumulation])",))
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(
         estimator, plan.device_bytes, chosen, policy, analysis, request.pins + pins,
@@ -292,58 +251,5 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     return replace(plan, lengths=spec) if table is None else replace(plan, lengths=spec, rows_by_length=table)
 
 
-def _parallel(request: PlanRequest, strategy: str | None) -> Parallel:
-    """The first layout of ``strategy`` (for FSDP2, the first reshard and replicate options: ZeRO-3, plain FSDP)."""
-    return _parallels(request, strategy)[0]
-
-
-def _parallels(request: PlanRequest, strategy: str | None) -> list[Parallel]:
-    """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): FSDP2 once per valid
-    (reshard_after_forward, replicate) pair the request allows."""
-    if strategy is None:
-        return [Parallel()]
-    base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
-    if strategy == "ddp":
-        return [base]
-    units = shard_units(request.model)
-    layouts = []
-    for replicate in request.replicate_options:
-        for raf in request.reshard_options:
-            try:
-                require_layout(strategy, request.world_size, raf, replicate)
-            except InvalidInputError:  # e.g. a reshard to one node's GPUs when HSDP's shard group is one node
-                continue
-            layouts.append(replace(base, shard_units=units, reshard_after_forward=raf, replicate=replicate))
-    return layouts
-
-
-def _least_memory(parallel: Parallel) -> bool:
-    """DDP, or FSDP2's layout that holds least: ZeRO-3 over every rank."""
-    return parallel.strategy != "fsdp2" or (parallel.reshard_after_forward is True and parallel.replicate == 1)
-
-
-def _fastest(request: PlanRequest) -> Candidate:
-    """The configuration the time model ranks first (Note [the quick path]); its peak and time are not known yet."""
-    b = request.per_rank
-    return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0,
-                     selective=request.fixed_selective)
-
-
-def _param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def _gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def _why_strategy(chosen: Plan, all_plans: list[Plan]) -> str:
-    other = sorted((p for p in all_plans if p is not chosen), key=lambda p: p.predicted_step_seconds)
-    if not other:
-        return f"{chosen.layout} chosen: it is the only layout that fits the budget"
-    against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
-                        f"{format_bytes(o.device_bytes)})" for o in other)
-    return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
-            f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
-            "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
-            "gathered parameters from forward to backward instead of gathering them again")

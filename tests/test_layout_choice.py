@@ -83,8 +83,8 @@ def test_bad_layouts_are_refused_before_any_simulation(kwargs, words):
 def test_auto_layouts_across_nodes():
     """4 nodes x 8 with "auto": ZeRO-3, ZeRO-2 and the reshard to a node over all 32 ranks, and HSDP 4 x 8 with
     ZeRO-3 and ZeRO-2 (a reshard to 8 inside a shard group of 8 is no reshard: torch refuses it as an int)."""
-    from autofit.planner import _parallels
-    from autofit.request import fsdp2_layouts
+    from autofit.solve.sharding import layouts
+    from autofit.validate import fsdp2_layouts
 
     assert fsdp2_layouts(32, "fsdp2", 8, "auto", "auto") == (8, (True, False, 8), (1, 4))
     assert fsdp2_layouts(8, "fsdp2", None, "auto", "auto") == (8, (True, False), (1,))
@@ -94,6 +94,6 @@ def test_auto_layouts_across_nodes():
     request = make_request(case.model, case.sample, "1GB", batch_size=32, target=case.target, loss_fn=case.loss_fn,
                            optimizer="adamw", precision="auto", checkpoint="auto", device="cpu", gpu=None,
                            world_size=32, strategy="fsdp2", quick=True, gpus_per_node=8)
-    labels = [p.label for p in _parallels(request, "fsdp2")]
+    labels = [p.label for p in layouts(request, "fsdp2")]
     assert labels == ["fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks",
                       "fsdp2 (resharded to 8) over 32 ranks", "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]

@@ -20,7 +20,7 @@ from autofit.core import progress, workers
 from autofit.analyse.analyse import analyse_model
 from autofit.training.step import make_step_config
 from autofit.core.errors import ForwardError
-from autofit.planner import _parallel
+from autofit.solve.sharding import Parallel
 from autofit.solve.space import analyse_policies as _analyse
 from autofit.solve.space import search_space as _search_space
 from autofit.request import make_request
@@ -250,7 +250,7 @@ def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
 # ---- the pruned search --------------------------------------------------------------------------------------------
 def _space(name, device):
     request = _request(name, device=device)
-    parallel = _parallel(request, None)
+    parallel = Parallel()
     analyses = _analyse(request, parallel, request.policies, {})
     return _search_space(request, parallel, request.policies, analyses)
 
@@ -391,7 +391,7 @@ import os, sys
 os.environ["AUTOFIT_WORKERS"] = "1"
 sys.path.insert(0, {tests!r})
 from dataclasses import replace
-from autofit.planner import _parallel
+from autofit.solve.sharding import Parallel
 from autofit.solve.estimator import Estimator
 from autofit.simulate.run import simulate_step
 from autofit.solve.search import Candidate
@@ -404,7 +404,7 @@ for name in sorted(ZOO):
     for device in ("cpu", "cuda"):
         request = _request(name, device=device)
         for policy in request.policies:
-            config = Estimator(request, _parallel(request, None)).config(Candidate(policy.label, 3, 2, 3, (), 0, 0.0),
+            config = Estimator(request, Parallel()).config(Candidate(policy.label, 3, 2, 3, (), 0, 0.0),
                                                                           policy)
             first, second = (simulate_step(request.model, request.batch, request.target, request.loss_fn, config,
                                            device_rules=request.device.simulation_rules).timeline for _ in range(2))

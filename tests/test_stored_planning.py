@@ -50,18 +50,18 @@ def test_a_floor_keeps_the_master_copy_and_the_error_names_what_is_left():
 
 def test_a_gpu_without_bf16_gets_the_fp16_master_copy_never_pure_fp16():
     from autofit.device import resolve_device
-    from autofit.request import _stored_options
+    from autofit.validate import stored_options
 
     model, _ = _meta_llama()
-    assert [p.label for p in _stored_options(model, "auto", resolve_device("cuda", "T4"), 1, None)] == \
+    assert [p.label for p in stored_options(model, "auto", resolve_device("cuda", "T4"), 1, None)] == \
         ["fp16/fp16-master"]
-    assert [p.label for p in _stored_options(model, "auto", resolve_device("cuda", "A100-80GB"), 1, None)] == \
+    assert [p.label for p in stored_options(model, "auto", resolve_device("cuda", "A100-80GB"), 1, None)] == \
         ["bf16/bf16-master", "bf16/bf16"]
-    assert _stored_options(model, "auto", resolve_device("cuda", "A100-80GB"), 1, "fp32") == ()
-    assert _stored_options(model, "auto", resolve_device("cpu"), 1, None) == ()  # the CPU keeps the model's dtype
-    assert _stored_options(model.to(torch.bfloat16), "auto", resolve_device("cuda", "A100-80GB"), 1, None) == ()
+    assert stored_options(model, "auto", resolve_device("cuda", "A100-80GB"), 1, "fp32") == ()
+    assert stored_options(model, "auto", resolve_device("cpu"), 1, None) == ()  # the CPU keeps the model's dtype
+    assert stored_options(model.to(torch.bfloat16), "auto", resolve_device("cuda", "A100-80GB"), 1, None) == ()
     with pytest.raises(autofit.InvalidInputError, match="min_stored_precision"):
-        _stored_options(model, "auto", resolve_device("cuda", "A100-80GB"), 1, "fp8")
+        stored_options(model, "auto", resolve_device("cuda", "A100-80GB"), 1, "fp8")
 
 
 @pytest.mark.slow

@@ -198,7 +198,7 @@ def test_the_margin_is_kept_free_and_named_in_the_error():
 
 def test_default_margin_holds_ncll_buffers_on_several_gpus():
     from autofit.device import resolve_device
-    from autofit.request import NCCL_RESERVE_BYTES, margin_for
+    from autofit.validate import NCCL_RESERVE_BYTES, margin_for
 
     gpu = resolve_device("cuda", "H100-80GB")
     assert NCCL_RESERVE_BYTES == 2 * 32 * 4 * 2**20  # NCCL_BUFFSIZE 4 MiB, both ways, 32 channels (Note [the margin])

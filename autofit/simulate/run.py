@@ -8,13 +8,6 @@ Steady state (docs/memory-model.md): optimizer state exists before the step. It 
 over zero gradients before tracking starts; state of parameters that then receive no gradient in the step is dropped
 from the timeline, since a real optimizer never creates it.
 
-Note [checkpoint RNG state]
-    Non-reentrant checkpointing stashes the CPU RNG state (``torch.get_rng_state()``, a 5056-byte tensor on current
-    builds) when a checkpointed module runs forward, keeps it until that region's backward, and takes another copy
-    while it recomputes (``torch.random.fork_rng``). Those tensors are made outside the dispatcher, so the tracker
-    would not see them; during the simulation ``get_rng_state`` returns a tensor of the real state's size made by an
-    op (so it is tracked with the same lifetime) and ``set_rng_state`` ignores fake tensors.
-
 Note [data-dependent models]
     A fake tensor cannot answer ``bool(x.norm() > c)``: FakeTensorMode raises DataDependentOutputException (or
     DynamicOutputShapeException for ``nonzero``). The branch taken depends on the data, so no value-free simulation
@@ -70,18 +63,13 @@ from autofit.core._torch import (
     compiled_modules,
     disable_current_modes,
     FakeTensorMode,
-    grad_scaler_state,
-    patch,
-    storage_tensors,
     unset_fake_temporarily,
     value_free_grad_scaler,
 )
 from autofit.training.batch import Batch
 from autofit.capture.model_copy import (
     fake_copy,
-    attached_tensors,
     fake_input,
-    module_tensor_attributes,
     real_copy,
 )
 from autofit.capture.module_stack import install_module_stack
@@ -97,6 +85,8 @@ from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_s
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing_during
+from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
+                                    tracked_rng_state)
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.tracker import StepTracker
 from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
@@ -250,17 +240,17 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
         with _optimizer_values(optimizer, fake):
-            _create_optimizer_state(work, optimizer, scaler, stored)
+            create_optimizer_state(work, optimizer, scaler, stored)
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device == "cpu" or not fake else None)
         # Note [host storages]: on a GPU target, what offloading keeps in host memory is not the device's
         host_states = config.offload_states and config.device == "cuda"
-        _register_state(tracker, work, optimizer, scaler, micro, micro_target, stored, host_states=host_states)
+        register_state(tracker, work, optimizer, scaler, micro, micro_target, stored, host_states=host_states)
         for bucket in buckets:
             tracker.register(bucket, Category.GRADIENTS)
-        held = _held_rows(micro, micro_target, config)  # the rest of the batch the trainer slices from
+        held = held_rows(micro, micro_target, config)  # the rest of the batch the trainer slices from
         for t in held:
             tracker.register(t, Category.INPUTS)
         handles = install_module_stack(work, tracker.module_stack)
@@ -275,7 +265,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 stepped: set[int] = set()  # parameters the optimizer stepped in backward
                 if config.optimizer_in_backward:
                     stack.enter_context(stepping_in_backward(work, optimizer, stepped))
-                stack.enter_context(_tracked_rng_state(fake))
+                stack.enter_context(tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 stack.enter_context(tracker)
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
@@ -302,77 +292,6 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))
-
-
-@contextlib.contextmanager
-def _tracked_rng_state(fake: bool) -> Iterator[None]:
-    """See Note [checkpoint RNG state]."""
-    size = torch.get_rng_state().numel()
-
-    def tracked_get_state(get_state):
-        def get() -> torch.Tensor:
-            state = torch.empty(size, dtype=torch.uint8)
-            if not fake:
-                state.copy_(get_state())
-            return state
-        return get
-
-    def tracked_set_state(set_state):
-        def set_(state: torch.Tensor) -> None:
-            if not fake:
-                set_state(state)
-        return set_
-
-    with patch(torch, "get_rng_state", tracked_get_state), patch(torch, "set_rng_state", tracked_set_state):
-        yield
-
-
-def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, stored=None) -> None:
-    """Steady state: one optimizer step over zero gradients creates every piece of state a real step would. It is
-    the trainer's step (``optimizer_step``); a GradScaler's scale tensor is made first, as the first ``scale`` of a
-    loss would (``scaler.step`` unscales by itself, leaving the same per-device ``found_inf``)."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    if scaler is not None:
-        scaler.scale(torch.ones((), device="cpu"))  # creates the scale tensor
-    optimizer_step(optimizer, scaler, stored=stored)
-
-
-def _register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target, stored=None, *,
-                    host_states: bool = False) -> None:
-    for p in model.parameters():
-        tracker.register(p, Category.PARAMETERS, host=host_states)
-    for _, t in attached_tensors(model):  # quantization statistics (Note [quantized parameters])
-        tracker.register(t, Category.PARAMETERS, host=host_states)
-    for b in model.buffers():
-        tracker.register(b, Category.BUFFERS)
-    for _, t in module_tensor_attributes(model):
-        tracker.register(t, Category.BUFFERS)
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                tracker.register(value, Category.OPTIMIZER_STATE, host=host_states)
-    if scaler is not None:
-        for value in grad_scaler_state(scaler):
-            tracker.register(value, Category.OPTIMIZER_STATE)
-    if stored is not None:  # the fp32 master copy is the optimizer's (Note [stored precision])
-        for value in stored.master_tensors():
-            tracker.register(value, Category.OPTIMIZER_STATE)
-    for t in micro.tensors():
-        tracker.register(t, Category.INPUTS)
-    if micro_target is not None:
-        for t in micro_target.tensors():
-            tracker.register(t, Category.INPUTS)
-
-
-def _held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> list[torch.Tensor]:
-    """Rows of the batch beyond the micro-batch that stay resident (see StepConfig.held_rows), counted as inputs."""
-    extra = config.held_rows - config.micro_batch_size
-    if extra <= 0:
-        return []
-    rows = [micro] + ([micro_target] if micro_target is not None else [])
-    return [t for b in rows for t in b.resize(extra).tensors() if t.dim() >= 1 and t.shape[0] == extra]
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
@@ -429,22 +348,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
                        in_backward=config.optimizer_in_backward)
     received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
     tracker.phase = Phase.SETUP
-    _drop_phantom_state(tracker, model, optimizer, received_grad, stored)
-
-
-def _drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: set[int], stored=None) -> None:
-    """State created by the zero-gradient warm-up for parameters that never get a gradient does not exist in a real
-    run (optimizers skip parameters whose grad is None); it was alive all step, so removing it is exact."""
-    for p in model.parameters():
-        key = p if stored is None else stored.state_key(p)
-        if id(p) in received_grad or key not in optimizer.state:
-            continue
-        for value in optimizer.state[key].values():
-            if isinstance(value, torch.Tensor):
-                for inner in storage_tensors(value):  # a low-bit state by its inner tensors
-                    sid = tracker.sid_of(inner)
-                    if sid is not None:
-                        tracker.timeline.storages[sid].nbytes = 0
+    drop_phantom_state(tracker, model, optimizer, received_grad, stored)
 
 
 def _twinned(work: nn.Module, model: nn.Module, micro: Batch, micro_target: Any, batch: Batch, target: Any,

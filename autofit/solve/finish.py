@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from autofit.core import progress
 from autofit.analyse.table import Analysis
@@ -18,11 +19,17 @@ from autofit.simulate.run import probes_kernels
 from autofit.solve.estimator import Estimator, with_rows
 from autofit.solve.lengths import first_guesses, rows_by_length
 from autofit.solve.search import Candidate
+from autofit.solve.ladder import Stage
 from autofit.solve.verify import Verified
 from autofit.core.units import format_bytes
 from autofit.core.workers import parallel_available, run_all
 
-__all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows"]
+__all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows", "rung_notes",
+           "why_layout"]
+
+if TYPE_CHECKING:  # built after this stage in the import order: only read here
+    from autofit.emit.plan import Plan
+    from autofit.request import PlanRequest
 
 Pins = tuple[tuple[str, tuple[str, ...]], ...]  # (what the user named, the qualified names it resolved to)
 
@@ -190,3 +197,44 @@ def _guessed_peak(estimator: Estimator, chosen: Candidate, policy: PrecisionPoli
         return _rows_peak(estimator, chosen, policy, length, micro)
     except Exception:  # noqa: BLE001 - a guess is never needed: the table estimates it again if this is the plan
         return None
+
+
+def rung_notes(request: PlanRequest, stage: Stage, where: Estimator, found: Verified) -> tuple[str, ...]:
+    """What the rung a plan was found on did: FSDP2's gradient sync every micro-batch, and what each opt-in rung in
+    force saved (Note [the ladder]): the same configuration estimated in full without it, one more simulation per
+    rung."""
+    notes = []
+    if stage.parallel.reduce_every_micro_batch and found.candidate.accumulation_steps > 1:
+        notes.append("FSDP2 reduce-scatters the gradients after every micro-batch: with the sync left to the last "
+                     "micro-batch every rank would hold the whole model's unsharded gradients until then, and nothing "
+                     "fit (Note [gradient sync under accumulation])")
+    policy = where.policy(found.candidate.precision)
+    peak = found.estimate.device_bytes
+    for name in stage.opt_in:
+        if name == "chunked-loss":
+            without = replace(where.request, chunked_loss=None)
+            what = (f"rung 'chunked-loss' climbed: the output head {stage.chunked_loss.head!r} and the cross-entropy "
+                    f"run in {stage.chunked_loss.chunks} chunks of tokens, so the full logits and their gradient are "
+                    "never live at once (Note [chunked cross-entropy])")
+        else:
+            without = replace(where.request, optimizer=request.optimizer, low_bit_optimizer=None)
+            what = (f"rung '8bit-optimizer' climbed: {request.optimizer.name} becomes {stage.eight_bit[1]}, its two "
+                    "moments stored in 8 bits (Note [8-bit optimizer state]); the trainer builds it from the "
+                    "optimizer given to wrap()")
+        other = Estimator(without, where.parallel).estimate(found.candidate, policy).device_bytes
+        notes.append(f"{what}; this configuration needs {format_bytes(other)} without it ({other:,} B), "
+                     f"{format_bytes(peak)} with it: it saves {format_bytes(other - peak)} ({other - peak:,} B)")
+    return tuple(notes)
+
+
+def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
+    """The note saying why ``chosen``'s data-parallel layout won over the other layouts' plans."""
+    other = sorted((p for p in all_plans if p is not chosen), key=lambda p: p.predicted_step_seconds)
+    if not other:
+        return f"{chosen.layout} chosen: it is the only layout that fits the budget"
+    against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
+                        f"{format_bytes(o.device_bytes)})" for o in other)
+    return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
+            f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
+            "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
+            "gathered parameters from forward to backward instead of gathering them again")

@@ -12,23 +12,36 @@ Note [the quick path]
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from autofit.analyse.analyse import op_costs
-from autofit.training.precision import PrecisionPolicy
 from autofit.solve.estimator import Estimator, announce
 from autofit.solve.search import Candidate
 from autofit.solve.time_model import build_time_model
 from autofit.solve.verify import Verified
 
-__all__ = ["quick_path"]
+if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
+    from autofit.request import PlanRequest
+
+__all__ = ["quick_path", "fastest"]
 
 
-def quick_path(estimator: Estimator, fastest: Candidate, policy: PrecisionPolicy, budget: int,
-               param_bytes: int) -> Verified | None:
-    """``fastest`` (the fastest configuration, in ``policy``) verified, with its modelled time, if it fits
-    ``budget``; else None."""
-    config = estimator.config(fastest, policy)
-    announce(fastest, policy)
-    sim = estimator.simulate(fastest, policy)
+def fastest(request: PlanRequest) -> Candidate:
+    """The configuration the time model ranks first (Note [the quick path]): the whole per-rank batch in one
+    micro-batch, the preferred precision, nothing recomputed but what the user fixed; its peak and time are not known
+    yet."""
+    b = request.per_rank
+    return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0,
+                     selective=request.fixed_selective)
+
+
+def quick_path(estimator: Estimator, budget: int) -> Verified | None:
+    """The request's fastest configuration verified, with its modelled time, if it fits ``budget``; else None."""
+    candidate, policy = fastest(estimator.request), estimator.request.policies[0]
+    param_bytes = sum(p.numel() * p.element_size() for p in estimator.request.model.parameters())
+    config = estimator.config(candidate, policy)
+    announce(candidate, policy)
+    sim = estimator.simulate(candidate, policy)
     target = estimator.request.device
     est = target.estimate(sim).within(budget)
     if est is None:

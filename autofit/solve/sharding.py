@@ -14,11 +14,74 @@ True, again in backward for every micro-batch, and reduce-scatters the gradients
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-__all__ = ["shard_units", "collective_seconds", "Layout", "ring_seconds"]
+from autofit.core.errors import InvalidInputError, require_layout
+
+if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
+    from autofit.request import PlanRequest
+
+__all__ = ["Parallel", "layouts", "shard_units", "collective_seconds", "Layout", "ring_seconds"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """How one rank's step is distributed: no strategy (one process), DDP or FSDP2 over ``world_size`` ranks."""
+
+    strategy: str | None = None
+    world_size: int = 1
+    shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
+    offload_states: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and state on the host
+    # FSDP2 reduce-scatters after every micro-batch, not only the window's last (Note [gradient sync under
+    # accumulation], autofit/training/step.py): the ladder's rung after the model's own dtype
+    reduce_every_micro_batch: bool = False
+    # FSDP2 layout (docs/multi-gpu.md): True ZeRO-3, False ZeRO-2, an int the group parameters are resharded to after
+    # forward; replicate > 1: HSDP over a (replicate, world_size // replicate) mesh
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
+    gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
+
+    @property
+    def label(self) -> str:
+        """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
+        if self.strategy is None:
+            return "one process"
+        if self.strategy == "ddp":
+            return "ddp"
+        raf = self.reshard_after_forward
+        zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}"
+        if self.replicate > 1:
+            return f"hsdp {self.replicate} x {self.world_size // self.replicate} ({zero})"
+        return f"fsdp2 ({zero}) over {self.world_size} ranks"
+
+    @property
+    def least_memory(self) -> bool:
+        """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
+        reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
+        return self.strategy != "fsdp2" or (self.reshard_after_forward is True and self.replicate == 1)
+
+
+def layouts(request: PlanRequest, strategy: str | None) -> list[Parallel]:
+    """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): FSDP2 once per valid
+    (reshard_after_forward, replicate) pair the request allows."""
+    if strategy is None:
+        return [Parallel()]
+    base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
+    if strategy == "ddp":
+        return [base]
+    units = shard_units(request.model)
+    found = []
+    for replicate in request.replicate_options:
+        for raf in request.reshard_options:
+            try:
+                require_layout(strategy, request.world_size, raf, replicate)
+            except InvalidInputError:  # e.g. a reshard to one node's GPUs when HSDP's shard group is one node
+                continue
+            found.append(replace(base, shard_units=units, reshard_after_forward=raf, replicate=replicate))
+    return found
 
 
 def _param_count(module: nn.Module) -> int:

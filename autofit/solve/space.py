@@ -11,6 +11,8 @@ from autofit.core import progress
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.training.precision import PrecisionPolicy
+from autofit.solve.estimator import Estimator
+from autofit.solve.ladder import Stage
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.search import SearchSpace
 from autofit.solve.time_model import build_time_model
@@ -19,7 +21,7 @@ from autofit.training.step import forward_errors
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import Parallel, PlanRequest
 
-__all__ = ["analyse_policies", "search_space"]
+__all__ = ["analyse_policies", "search_space", "searchable"]
 
 
 def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
@@ -64,3 +66,13 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
                        fixed_selective=request.fixed_selective,
                        allow_offload=request.offload, offload_states=parallel.offload_states)
+
+
+def searchable(request: PlanRequest, stage: Stage,
+                analyses: dict[tuple, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
+    """The rung's estimator and search space, its precisions analysed unless done before in its layout with its
+    opt-in rungs; the request as the rung runs it (its chunked loss and optimizer)."""
+    request = stage.request_for(request)
+    done = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
+    done.update(analyse_policies(request, stage.parallel, stage.policies, done))
+    return Estimator(request, stage.parallel), search_space(request, stage.parallel, stage.policies, done), done

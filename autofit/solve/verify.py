@@ -164,7 +164,7 @@ ADVICE_STORED_LOW = {
 def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str = "", *,
                margin: int = 0) -> InfeasibleBudgetError:
     """The error for a budget below the smallest verified peak plus ``margin`` (the bytes a plan keeps free, Note [the
-    margin] in autofit/request.py): that sum is the smallest budget that works; what dominates it, and what helps."""
+    margin] in autofit/validate.py): that sum is the smallest budget that works; what dominates it, and what helps."""
     dominant = max(est.breakdown, key=est.breakdown.get)
     advice = ADVICE_STORED_LOW if "/" in smallest.precision else ADVICE  # a label "bf16/bf16": stored low
     kept = f" (less a margin of {format_bytes(margin)} kept free)" if margin else ""
@@ -225,3 +225,15 @@ def with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate
         f"offloaded; {host}); without offloading it is {format_bytes(error.min_budget_bytes)}.",
         min_budget_bytes=minimum, budget_bytes=error.budget_bytes, dominant=error.dominant,
     )
+
+
+def with_closed_rungs(error: InfeasibleBudgetError, closed: tuple[str, ...]) -> InfeasibleBudgetError:
+    """``error``, ending with the opt-in rungs that would apply to this model but were not allowed (Note [the
+    ladder]): they may still fit."""
+    if not closed:
+        return error
+    names = ", ".join(repr(n) for n in closed)
+    return InfeasibleBudgetError(
+        f"{error} Rungs that change numerics, not allowed, may still fit: allow=({names},) (CLI --allow; "
+        "docs/fine-tuning.md).", min_budget_bytes=error.min_budget_bytes, budget_bytes=error.budget_bytes,
+        dominant=error.dominant)

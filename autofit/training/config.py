@@ -1,0 +1,197 @@
+"""The step's configuration: every knob that decides the memory of one training step, as one frozen value validated
+once (:class:`StepConfig`), and :func:`make_step_config`, which reads the user's forms of each knob (module names
+or a mapping of module name to recomputation policy, precision names, optimizer names). The simulation, ``measure``
+and the trainer all run the step this value describes (``step.py``); the planner passes it whole from the request
+through the analysis and the search (docs/architecture.md, "The step as one value").
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
+from autofit.training.chunked_loss import LossChunks
+from autofit.training.in_backward import check_in_backward
+from autofit.training.optim import OptimizerSpec, as_optimizer_spec
+from autofit.training.precision import PrecisionPolicy, as_policy
+from autofit.training.recompute import require_policy
+
+__all__ = ["StepConfig", "make_step_config", "resolve_modules", "DEVICES"]
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """Everything that decides the memory of one training step, validated once."""
+
+    micro_batch_size: int
+    accumulation_steps: int = 1
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    checkpoint: tuple[str, ...] = ()  # modules recomputed in backward (non-reentrant checkpoint)
+    # the recomputed modules that keep their matmul and attention outputs (Note [selective recomputation]); a subset
+    # of ``checkpoint``, the others recompute all of their forward
+    selective: tuple[str, ...] = ()
+    optimizer: OptimizerSpec = field(default_factory=lambda: as_optimizer_spec("adamw"))
+    device: str = "cpu"
+    # Rows of input data resident during the window: the trainer receives the whole batch at once and slices it, so
+    # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
+    held_rows: int = 0
+    gpu: str | None = None  # the GPU a "cuda" step is simulated for (a name autofit.gpu_spec knows)
+    # Data parallelism (see autofit/emit/distributed.py): the step of one rank out of world_size.
+    strategy: str | None = None  # None (one process), "ddp" or "fsdp2"
+    world_size: int = 1
+    shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
+    # FSDP2 layout (docs/multi-gpu.md): the units' reshard_after_forward (True: ZeRO-3, False: ZeRO-2, an int: the
+    # group size parameters are resharded to), and HSDP's replicate size (mesh (replicate, world_size // replicate))
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
+    # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
+    clip_grad_norm: float | None = None
+    # step each parameter in backward as soon as its gradient is ready (Note [optimizer step in backward])
+    optimizer_in_backward: bool = False
+    # modules whose saved activations live in host memory between forward and backward (Note [offload])
+    offload: tuple[str, ...] = ()
+    # parameters, gradients and optimizer state in host memory, the optimizer stepping on the CPU: FSDP2's
+    # CPUOffloadPolicy (strategy "fsdp2", any world size, 1 included; Note [offload])
+    offload_states: bool = False
+    # FSDP2 reduce-scatters the gradients after every micro-batch of a window, not only after the last (Note [gradient
+    # sync under accumulation]); implied by offload_states
+    reduce_every_micro_batch: bool = False
+    # the output head and the cross-entropy run in chunks of tokens (Note [chunked cross-entropy],
+    # autofit/training/chunked_loss.py); None: the model's own head and the loss as given
+    chunked_loss: LossChunks | None = None
+
+    def __post_init__(self) -> None:
+        require_int("micro_batch_size", self.micro_batch_size)
+        require_int("accumulation_steps", self.accumulation_steps)
+        require_int("held_rows", self.held_rows, minimum=0)
+        require_strategy(self.strategy)
+        require_int("world_size", self.world_size)
+        require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate)
+        if self.device not in DEVICES:
+            raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        clip = self.clip_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise InvalidInputError(
+                f"clip_grad_norm must be a positive number (the max_norm of torch.nn.utils.clip_grad_norm_, e.g. 1.0) "
+                f"or None for no clipping, got {clip!r}"
+            )
+        stray = [n for n in self.selective if n not in self.checkpoint]
+        if stray:
+            raise InvalidInputError(
+                f"selective names modules that are not recomputed ({', '.join(map(repr, stray))}): a selectively "
+                "recomputed module is also one of checkpoint (give checkpoint={name: 'selective'})")
+        overlap = _nested(self.offload, self.checkpoint)
+        if overlap:
+            raise InvalidInputError(
+                f"{overlap[0]!r} and {overlap[1]!r} are both recomputed and offloaded (one inside the other): each "
+                "module keeps, recomputes or offloads its activations; give it to checkpoint= or offload=, not both"
+            )
+        if self.offload_states and self.strategy != "fsdp2":
+            raise InvalidInputError(
+                "offload_states keeps parameters, gradients and optimizer state in host memory with FSDP2's "
+                f"CPUOffloadPolicy, so it needs strategy='fsdp2' (world_size 1 included), got {self.strategy!r}"
+            )
+        if self.reduce_every_micro_batch and self.strategy != "fsdp2":
+            raise InvalidInputError(
+                "reduce_every_micro_batch reduce-scatters FSDP2's gradients after every micro-batch so that no "
+                f"unsharded gradients wait for the last one; it needs strategy='fsdp2', got {self.strategy!r} (DDP "
+                "keeps whole gradients either way)"
+            )
+        if self.offload_states and self.precision.stored not in (None, "fp32"):
+            raise InvalidInputError(
+                f"offload_states with stored precision {self.precision.stored!r}: FSDP2 keeps fp32 sharded "
+                "parameters on the host and gathers them in the compute dtype, so leave stored=None"
+            )
+        if self.optimizer_in_backward:
+            check_in_backward(accumulation_steps=self.accumulation_steps, clip_grad_norm=clip,
+                              grad_scaler=self.precision.needs_grad_scaler,
+                              master_copy=str(self.precision.stored).endswith("-master"))
+
+
+def make_step_config(
+    *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
+    optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
+    strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
+    clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
+    offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
+    replicate: int = 1, chunked_loss: LossChunks | None = None,
+) -> StepConfig:
+    if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
+        checkpoint = ()
+    if checkpoint == "auto":
+        raise InvalidInputError(
+            "checkpoint='auto' asks the planner to choose, and only plan() chooses: give estimate/measure the module "
+            "names to recompute (plan.checkpoint), or None for none"
+        )
+    checkpoint, selective = _checkpoint_policies(checkpoint)
+    device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
+    return StepConfig(
+        micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
+        checkpoint=checkpoint, selective=selective, optimizer=as_optimizer_spec(optimizer), device=device,
+        held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
+        clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
+        offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
+        reduce_every_micro_batch=bool(reduce_every_micro_batch),
+        reshard_after_forward=reshard_after_forward, replicate=replicate,
+        chunked_loss=chunked_loss,
+    )
+
+
+def _checkpoint_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(recomputed modules, those of them recomputed selectively) from module names (all "full") or a mapping of
+    module name to policy, "full" or "selective" (Note [selective recomputation])."""
+    if isinstance(checkpoint, Mapping):
+        names = _module_names(tuple(checkpoint), "checkpoint")
+        policies = {n: require_policy(n, checkpoint[n]) for n in names}
+        return names, tuple(n for n in names if policies[n] == "selective")
+    return _module_names(checkpoint, "checkpoint"), ()
+
+
+def _module_names(names: Any, what: str) -> tuple[str, ...]:
+    if names is None or names is False:
+        return ()
+    if isinstance(names, str):
+        names = (names,)
+    try:
+        names = tuple(names)
+    except TypeError as e:
+        raise InvalidInputError(f"{what} must be a sequence of module names, got {names!r}") from e
+    if not all(isinstance(name, str) for name in names):
+        raise InvalidInputError(f"{what} must hold module qualified names (strings), got {names!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def _nested(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, str] | None:
+    """A pair (x in a, y in b) where x and y are the same module or one contains the other ("" is the root)."""
+    def within(inner: str, outer: str) -> bool:
+        return inner == outer or outer == "" or inner.startswith(outer + ".")
+
+    for x in a:
+        for y in b:
+            if within(x, y) or within(y, x):
+                return x, y
+    return None
+
+
+def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str) -> list[torch.nn.Module]:
+    """Look up qualified names, with a typed error that suggests the closest existing names."""
+    known = dict(model.named_modules())
+    modules = []
+    for name in names:
+        if not isinstance(name, str):
+            raise InvalidInputError(f"{what} must hold module qualified names (strings), got {name!r}")
+        if name == "":
+            raise InvalidInputError(f"{what}: '' is the whole model; name a submodule such as 'layers.0'")
+        if name not in known:
+            close = difflib.get_close_matches(name, [n for n in known if n], n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise InvalidInputError(f"{what}: the model has no module named {name!r}{hint}")
+        modules.append(known[name])
+    return modules
