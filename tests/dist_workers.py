@@ -4,15 +4,43 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import autofit
 from autofit.training.batch import as_batch
 from autofit.measure.allocator import measure_callable
 from sharded_models import EXTRA_CASES
 from zoo import ZOO
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(jobs: list[dict], tmp_path: Path, world: int) -> list[list[dict]]:
+    """Spawn ``world`` processes running :func:`run_jobs`; each rank's results, or a test failure (not a hang) after
+    a timeout."""
+    import pytest
+
+    context = mp.start_processes(run_jobs, args=(world, _free_port(), jobs, str(tmp_path)), nprocs=world, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + 600
+    # join() returns False while some workers still run (it raises if one failed): wait for all, up to the deadline
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail("distributed workers timed out")
+    return [json.loads((Path(tmp_path) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

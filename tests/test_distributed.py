@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import autofit
 from autofit.training.batch import as_batch
@@ -29,27 +25,11 @@ WORLD = 2
 MEMORY_CASES = ("gpt_sdpa", "resnet_bn", "tied_lm")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(jobs: list[dict], tmp_path: Path) -> list[list[dict]]:
-    """Spawn WORLD processes running tests/dist_workers.run_jobs; fail (not hang) after a timeout."""
+    """Spawn WORLD processes running tests/dist_workers.run_jobs (dist_workers.launch)."""
     import dist_workers
 
-    context = mp.start_processes(dist_workers.run_jobs, args=(WORLD, _free_port(), jobs, str(tmp_path)),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 600
-    # join() returns False while some workers still run (it raises if one failed): wait for all, up to the deadline
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail("distributed workers timed out")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return dist_workers.launch(jobs, tmp_path, WORLD)
 
 
 def _plan(case, strategy: str, budget: str = "64MB", precision: str = "fp32"):

@@ -5,14 +5,10 @@ on every rank, and one single-process full-batch step for the gradients; the col
 from __future__ import annotations
 
 import dataclasses
-import json
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import autofit
 from autofit.training.batch import as_batch
@@ -22,26 +18,11 @@ from zoo import ZOO
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(jobs: list[dict], tmp_path: Path, world: int) -> list[list[dict]]:
-    """Spawn ``world`` processes running tests/dist_workers.run_jobs; fail (not hang) after a timeout."""
+    """Spawn world processes running tests/dist_workers.run_jobs (dist_workers.launch)."""
     import dist_workers
 
-    context = mp.start_processes(dist_workers.run_jobs, args=(world, _free_port(), jobs, str(tmp_path)),
-                                 nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + 600
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail("distributed workers timed out")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return dist_workers.launch(jobs, tmp_path, world)
 
 
 def _plan(case, world: int, reshard, replicate: int = 1, budget: str = "64MB"):

@@ -15,6 +15,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
+from autofit.solve.sharding import layout_words
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Plan"]
@@ -132,13 +133,10 @@ class Plan:
     @property
     def layout(self) -> str:
         """The parallel layout in words: 'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'hsdp 2 x 4 (ZeRO-3)', 'ddp'."""
-        if self.strategy != "fsdp2":
-            return str(self.strategy)
-        raf = self.reshard_after_forward
-        zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf} after forward"
-        if self.replicate > 1:
-            return f"hsdp {self.replicate} x {self.world_size // self.replicate} ({zero})"
-        return f"fsdp2 ({zero})"
+        if self.strategy is None:
+            return "None"
+        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate,
+                            after_forward=" after forward")
 
     @property
     def peak_allocated_bytes(self) -> int:

@@ -24,7 +24,7 @@ from autofit.core.errors import InvalidInputError, require_layout
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
 
-__all__ = ["Parallel", "layouts", "shard_units", "collective_seconds", "Layout", "ring_seconds"]
+__all__ = ["Parallel", "layouts", "layout_words", "shard_units", "collective_seconds", "Layout", "ring_seconds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,19 +49,27 @@ class Parallel:
         """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
         if self.strategy is None:
             return "one process"
-        if self.strategy == "ddp":
-            return "ddp"
-        raf = self.reshard_after_forward
-        zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}"
-        if self.replicate > 1:
-            return f"hsdp {self.replicate} x {self.world_size // self.replicate} ({zero})"
-        return f"fsdp2 ({zero}) over {self.world_size} ranks"
+        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True)
 
     @property
     def least_memory(self) -> bool:
         """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
         reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
         return self.strategy != "fsdp2" or (self.reshard_after_forward is True and self.replicate == 1)
+
+
+def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
+                 ranks: bool = False, after_forward: str = "") -> str:
+    """A data-parallel layout in words (plan notes, ``Parallel.label``, ``Plan.layout``): 'ddp', 'fsdp2 (ZeRO-3)',
+    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)'; ``ranks`` adds FSDP2's rank count, ``after_forward`` follows
+    an int reshard's group."""
+    if strategy != "fsdp2":
+        return strategy
+    raf = reshard_after_forward
+    zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
+    if replicate > 1:
+        return f"hsdp {replicate} x {world_size // replicate} ({zero})"
+    return f"fsdp2 ({zero})" + (f" over {world_size} ranks" if ranks else "")
 
 
 def layouts(request: PlanRequest, strategy: str | None) -> list[Parallel]:
