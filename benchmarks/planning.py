@@ -118,7 +118,9 @@ def main() -> None:
         for device, gpu in (("cpu", None), ("cuda", "A100-80GB")):
             kw = dict(target=target, loss_fn=loss_fn, device=device, **({"gpu": gpu} if gpu else {}))
             autofit.estimate(model, sample, micro_batch_size=1, **kw)  # imports and first-use costs, untimed
-            roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, **kw))
+            # a generous budget over the A100's memory, which plan() refuses unless told (issue 30)
+            over = {"allow_over_capacity": True}
+            roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, **kw, **over))
             # tight: halfway between the smallest budget that works and what the fastest configuration needs
             try:
                 autofit.plan(model, sample, 1, batch_size=batch, **kw, **({"offload": False} if gpu else {}))
@@ -129,7 +131,7 @@ def main() -> None:
             for regime, budget in (("generous", "1TB"), ("tight", tight)):
                 try:
                     plan, plan_s, spent, verifies = _staged_plan(
-                        lambda: autofit.plan(model, sample, budget, batch_size=batch, **kw))
+                        lambda: autofit.plan(model, sample, budget, batch_size=batch, **kw, **over))
                 except autofit.InfeasibleBudgetError:
                     print(f"{name:<14} {device:<18} {regime:<8} infeasible halfway")
                     continue
