@@ -11,7 +11,7 @@ from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import resolve_device
-from autofit.core.errors import InvalidInputError, require_int, require_strategy
+from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.core.report import Measurement, MemoryEstimate
@@ -26,7 +26,7 @@ __all__ = ["analyse", "estimate", "measure"]
 def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
             clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
             strategy=None, reduce_every_micro_batch=False, chunked_loss=False, batch=None, target=None,
-            loss_fn=None) -> StepConfig:
+            loss_fn=None, reshard_after_forward=True, replicate=1) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -38,6 +38,8 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if offload_states:
         strategy = "fsdp2"
+    if strategy == "fsdp2":  # a bad layout is named here, before any simulation (docs/multi-gpu.md)
+        require_layout(strategy, world_size, reshard_after_forward, replicate)
     units = shard_units(model) if strategy == "fsdp2" else ()
     chunks = _loss_chunks(model, batch, target, loss_fn) if chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
@@ -45,7 +47,7 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
                             offload=offload, offload_states=offload_states, strategy=strategy, world_size=world_size,
                             shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch,
-                            chunked_loss=chunks)
+                            chunked_loss=chunks, reshard_after_forward=reshard_after_forward, replicate=replicate)
 
 
 def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
@@ -65,6 +67,7 @@ def estimate(
     accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, world_size: int = 1,
     strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
+    reshard_after_forward: bool | int = True, replicate: int = 1,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -92,7 +95,8 @@ def estimate(
     ``world_size`` and ``strategy`` ("ddp" or "fsdp2"): the step of one rank of a data-parallel job laid out as
     ``plan`` lays it out (FSDP2 shards the units ``plan`` shards); ``micro_batch_size`` rows per rank.
     ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
-    sync under accumulation], autofit/training/step.py).
+    sync under accumulation], autofit/training/step.py). ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int
+    group) and ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.
     ``chunked_loss``: the output head and the cross-entropy run in chunks of tokens under checkpoint, so the full
     logits and their gradient are never live at once (Note [chunked cross-entropy], autofit/training/chunked_loss.py); for
     the default loss against an integer target, or a Hugging Face causal LM given ``labels``.
@@ -107,7 +111,7 @@ def estimate(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
                      reduce_every_micro_batch, chunked_loss, batch,
-                     target_batch, loss_fn)
+                     target_batch, loss_fn, reshard_after_forward, replicate)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     return device_model.estimate(sim)

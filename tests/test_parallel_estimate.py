@@ -22,7 +22,8 @@ def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
     assert plan.gradient_accumulation_steps == 1  # the plan holds one micro-batch of rows, as an estimate does
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
-                           world_size=2, strategy=strategy)
+                           world_size=2, strategy=strategy, reshard_after_forward=plan.reshard_after_forward,
+                           replicate=plan.replicate)
     assert est.peak_bytes == plan.peak_bytes
     single = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                               loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint)
