@@ -261,8 +261,11 @@ def _torchtune(*, checkpoint: bool = True, in_backward: bool = False, lora: bool
             # output projections, and the MLP
             from peft import LoraConfig, get_peft_model
 
+            # torchtune builds the model, adapters included, under torch.set_default_dtype(bf16)
+            # (lora_finetune_single_device.py, _setup_model): bf16 adapters. peft upcasts bf16 adapters to fp32
+            # unless told not to (get_peft_model's autocast_adapter_dtype).
             model = get_peft_model(model, LoraConfig(r=64, lora_alpha=128, target_modules=[
-                "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+                "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]), autocast_adapter_dtype=False)
         ids = torch.zeros(2, 4096, dtype=torch.long)
         layers = tuple(f"{'base_model.model.' if lora else ''}model.layers.{i}" for i in range(28))
         return model, {"input_ids": ids}, {
