@@ -17,7 +17,7 @@ Multi-GPU cases (``published_multi_gpu.py``) compare one rank: ``estimate(..., w
 the job's layout, against the per-GPU figure the source printed (the largest rank's).
 Nothing is asserted: this is a report. ``docs/published.md`` has a full run and discusses every row.
 
-    python benchmarks/published.py                # all cases (about a minute)
+    python benchmarks/published.py                # all cases (two to three minutes)
     python benchmarks/published.py --cases gpt2   # those whose name contains "gpt2"
     python benchmarks/published.py --cases torchtitan   # the multi-GPU rows (about 30 s each)
 """
