@@ -90,6 +90,6 @@ def test_tables_name_the_layout_and_the_breakdown():
     result = runner.invoke(app, ["estimate", MLP, "--input-shape", "128", "-m", "4", "--gpu", "A100-80GB",
                                  "--world-size", "2", "--strategy", "ddp"])
     assert result.exit_code == 0, result.output
-    for text in ("per rank", "ddp over 2 ranks", "peak allocated", "peak reserved", "on the device", "parameters",
+    for text in ("per rank", "cuda (A100-80GB)", "ddp over 2 ranks", "peak allocated", "peak reserved", "on the device", "parameters",
                  "cuda_context", "total"):
         assert text in result.output, result.output

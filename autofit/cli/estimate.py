@@ -133,7 +133,8 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
                   show_header=False, title_justify="left")
     knobs.add_column("figure", style="bold")
     knobs.add_column("value")
-    rows = [("model", description), ("layout", setup.layout),
+    device = f"{setup.device} ({setup.gpu})" if setup.gpu else setup.device
+    rows = [("model", description), ("device", device), ("layout", setup.layout),
             ("micro-batch", f"{setup.micro_batch_size} x {setup.accumulation_steps} accumulation"),
             ("precision", setup.precision), ("optimizer", setup.optimizer),
             ("recomputed", f"{len(setup.checkpoint)} modules" if setup.checkpoint else "none"),
