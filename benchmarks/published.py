@@ -13,10 +13,13 @@ with the same optimizer, precision, batch and step, and compared with the publis
 Each case states its uncertainty: the rounding of the published number, MB meaning 10^6 or 2^20 bytes, figures read
 off a plot, unknown GPU. Errors are (autofit - published) / published. The goal (DESIGN.md, "Numbers to beat"):
 within 3 % of allocated figures and 5 % of reserved ones; every case outside says why in its ``why`` line.
+Multi-GPU cases (``published_multi_gpu.py``) compare one rank: ``estimate(..., world_size=N, strategy=...)`` with
+the job's layout, against the per-GPU figure the source printed (the largest rank's).
 Nothing is asserted: this is a report. ``docs/published.md`` has a full run and discusses every row.
 
-    python benchmarks/published.py                # all cases (about a minute)
+    python benchmarks/published.py                # all cases (two to three minutes)
     python benchmarks/published.py --cases gpt2   # those whose name contains "gpt2"
+    python benchmarks/published.py --cases torchtitan   # the multi-GPU rows (about 30 s each)
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 import autofit
-from benchmarks.published_cases import CASES, Case
+from benchmarks.published_cases import CASES as SINGLE_GPU_CASES, Case
+from benchmarks.published_multi_gpu import MULTI_GPU_CASES
+
+CASES = SINGLE_GPU_CASES + MULTI_GPU_CASES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +103,8 @@ def render(rows: list[Row]) -> str:
         c = r.case
         goal = 0.03 if c.measures == "allocated" else 0.05
         ok = "ok" if abs(r.error) <= goal else "OUT"
-        lines.append(f"| {c.name} | {c.gpu} | {c.measures} | {_mb(c.published_bytes, c.unit)} | "
+        gpu = c.gpu if c.ranks == 1 else f"{c.gpu}, rank of {c.ranks}"
+        lines.append(f"| {c.name} | {gpu} | {c.measures} | {_mb(c.published_bytes, c.unit)} | "
                      f"{_mb(r.autofit_bytes, c.unit)} | {100 * r.error:+.1f} % | "
                      f"±{100 * c.uncertainty_bytes / c.published_bytes:.1f} % | {ok} (±{goal:.0%}) | {r.phase} |")
     return "\n".join(lines)

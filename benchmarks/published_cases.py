@@ -36,6 +36,7 @@ class Case:
     context_mib: float | None = None  # the CUDA context the source measured (nvidia-smi cases)
     outside_bytes: int = 0  # tensors the source kept alive outside the step (counted by its figure, not by a step)
     why: str = ""  # for a case outside the goal: the reason, in a sentence
+    ranks: int = 1  # a multi-GPU run: the figure is one rank's (benchmarks/published_multi_gpu.py)
 
     def __post_init__(self) -> None:
         if self.measures not in ("allocated", "reserved", "nvidia-smi"):

@@ -15,8 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.published import run_case
-from benchmarks.published_cases import CASES
+from benchmarks.published import CASES, run_case
 
 _BY_NAME = {case.name: case for case in CASES}
 
@@ -44,3 +43,24 @@ def test_every_case_outside_the_goal_says_why():
     assert fp16.why and "AccumulateGrad" in fp16.why
     for case in CASES:
         assert case.source and case.uncertainty and case.uncertainty_bytes > 0, case.name
+
+
+@pytest.mark.slow
+def test_fsdp2_rank_matches_torchtitan_at_128_gpus():
+    # torchtitan's published per-GPU reserved memory for Llama 3.1 8B on 128 H100s, FSDP2, batch 2 x 8192,
+    # selective op recomputation (benchmarks/published_multi_gpu.py): the 5 % goal for reserved figures (about 50 s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = run_case(_BY_NAME["torchtitan-llama3.1-8b-fsdp128"])
+    assert abs(row.error) <= 0.05, f"autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}"
+
+
+def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
+    # each multi-GPU case estimates the job's own layout (world size and strategy), and the 8-GPU row, outside the
+    # goal, says why
+    multi = [c for c in CASES if c.ranks > 1]
+    assert {c.name for c in multi} >= {"torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128"}
+    for case in multi:
+        _, _, kwargs = case.build()
+        assert kwargs["world_size"] == case.ranks and kwargs["strategy"] == "fsdp2", case.name
+    assert "stream" in _BY_NAME["torchtitan-llama3.1-8b-fsdp8"].why

@@ -1,6 +1,6 @@
-"""``autofit plan``, ``autofit verify`` and ``autofit models``: parse, call the library, render. Exit codes: 0 plan
-(or list) printed, 2 usage or bad input, 3 infeasible budget (the message names the smallest budget that works), 4
-(``verify``) the measured peak exceeds the budget. The commands' own errors are one line starting with ``error:``, no
+"""``autofit plan``, ``autofit estimate``, ``autofit verify`` and ``autofit models``: parse, call the library,
+render. Exit codes: 0 plan (estimate, list) printed, 2 usage or bad input, 3 infeasible budget (the message names
+the smallest budget that works), 4 (``verify``) the measured peak exceeds the budget. The commands' own errors are one line starting with ``error:``, no
 traceback, on stdout (stderr with ``--json``); click's usage errors (a missing or malformed option) go to stderr with
 the usage line. Output paths are checked before planning (:mod:`autofit.cli.outputs`)."""
 
@@ -226,6 +226,57 @@ def verify(
     if not report.fits:
         _fail(console, report.verdict(), EXIT_OVER_BUDGET)
     console.print(report.verdict(), highlight=False)
+
+
+@app.command(cls=Command)
+def estimate(
+    model: ModelArg,
+    micro_batch_size: Annotated[int, typer.Option("--micro-batch-size", "-m", help="rows per micro-batch (per rank "
+                                                  "with --world-size)")],
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-n", help="effective batch over all ranks: "
+                                                      "micro-batch x accumulation x world size (default: one "
+                                                      "micro-batch per rank)")] = None,
+    input_shape: ShapeOpt = None, input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "fp32",
+    optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
+    strategy: Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (needs --world-size > 1)")]
+    = None, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
+    reshard_after_forward: Annotated[str, typer.Option("--reshard-after-forward", help="FSDP2: true (ZeRO-3), "
+                                                       "false (ZeRO-2) or a group size")] = "true",
+    replicate: Annotated[str, typer.Option("--replicate", help="FSDP2: HSDP's replicate size (1: plain FSDP)")]
+    = "1",
+    checkpoint: Annotated[Optional[list[str]], typer.Option(
+        "--checkpoint", metavar="NAME[:selective]", help="a module to recompute (repeatable); 'blocks' for the "
+        "model's repeated blocks; ':selective' keeps its matmul and attention outputs")] = None,
+    clip_grad_norm: Annotated[Optional[float], typer.Option("--clip-grad-norm", help="clip the gradients to this "
+                                                             "norm before the step")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
+) -> None:
+    """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
+    device, and the peak's breakdown by category. No search: the knobs are the flags'."""
+    from autofit.cli.estimate import estimate_data, estimate_setup, estimate_tables, run_estimate
+
+    console = console_for(stderr=as_json)
+    try:
+        note = gpu_note(gpu) if device == "cuda" else None
+        if note:
+            console.print(f"[dim]note: {note}[/]", highlight=False)
+        with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
+            spec = _spec(model, input_shape, input_dtype, config, task)
+        world_size, _ = nodes_layout(world_size, nodes, gpus_per_node)
+        setup = estimate_setup(
+            spec, micro_batch_size=micro_batch_size, batch_size=batch_size, precision=precision,
+            optimizer=optimizer, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
+            reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
+            replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm)
+        with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
+            result = run_estimate(spec, setup)
+    except AutofitError as e:
+        _fail(console, str(e), EXIT_INPUT)
+    if as_json:
+        sys.stdout.write(json.dumps(estimate_data(result, setup, spec.description)) + "\n")
+    else:
+        console.print(estimate_tables(result, setup, spec.description))
 
 
 @app.command(cls=Command)

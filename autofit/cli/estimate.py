@@ -1,0 +1,157 @@
+"""``autofit estimate``: the memory of one fixed configuration, per rank, without planning. The command (in
+autofit/cli/app.py) parses with ``plan``'s options; this module holds the pure parts, tested without the CLI: the
+configuration read from the flags (:func:`estimate_setup`), the call of :func:`autofit.estimate`, its figures as
+data (:func:`estimate_data`, the ``--json`` document) and their rendering (:func:`estimate_tables`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from autofit.api import estimate
+from autofit.cli.specs import ModelSpec
+from autofit.core.errors import InvalidInputError
+from autofit.core.report import MemoryEstimate
+from autofit.core.units import format_mib
+from autofit.device import resolve_device
+from autofit.solve.sharding import layout_words, shard_units
+
+__all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS"]
+
+BLOCKS = "blocks"  # --checkpoint blocks: the model's repeated blocks, the units plan shards (solve/sharding.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimateSetup:
+    """The fixed configuration ``autofit estimate`` describes: ``micro_batch_size`` rows per rank and micro-batch,
+    ``accumulation_steps`` micro-batches per optimizer step, and the data-parallel layout."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    precision: str
+    optimizer: str
+    device: str
+    gpu: str | None
+    world_size: int
+    strategy: str | None
+    reshard_after_forward: bool | int
+    replicate: int
+    checkpoint: dict[str, str]  # module -> "full" or "selective"
+    clip_grad_norm: float | None
+
+    @property
+    def layout(self) -> str:
+        """The layout in the plan's words ('fsdp2 (ZeRO-3) over 8 ranks'), 'one process' without one."""
+        if self.strategy is None:
+            return "one process"
+        words = layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True)
+        return words if self.strategy == "fsdp2" else f"{words} over {self.world_size} ranks"
+
+
+def _fixed(flag: str, value: object) -> object:
+    if value == "auto":
+        raise InvalidInputError(f"{flag} auto asks the planner to choose: 'autofit estimate' describes one "
+                                f"configuration, so give a value (or run 'autofit plan')")
+    return value
+
+
+def _accumulation(batch_size: int | None, micro: int, world_size: int) -> int:
+    """--batch-size is the global batch, as for plan: micro-batch x accumulation x world size."""
+    if batch_size is None:
+        return 1
+    rows = micro * world_size
+    if batch_size < rows or batch_size % rows:
+        raise InvalidInputError(
+            f"--batch-size {batch_size} is not a multiple of --micro-batch-size {micro} x --world-size {world_size} "
+            f"= {rows}: the global batch is micro-batch x accumulation steps x world size")
+    return batch_size // rows
+
+
+def _checkpoint(model, items: list[str]) -> dict[str, str]:
+    """--checkpoint NAME[:selective] (repeatable); NAME 'blocks' stands for the model's repeated blocks."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, _, policy = item.partition(":")
+        policy = policy or "full"
+        if policy not in ("full", "selective"):
+            raise InvalidInputError(f"--checkpoint {item!r}: the policy after ':' must be full or selective")
+        names = shard_units(model) if name == BLOCKS else (name,)
+        if not names:
+            raise InvalidInputError("--checkpoint blocks: this model has no repeated blocks; name the modules")
+        out.update({n: policy for n in names})
+    return out
+
+
+def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | None, precision: str,
+                   optimizer: str, device: str, gpu: str | None, world_size: int, strategy: str | None,
+                   reshard_after_forward: object, replicate: object, checkpoint: list[str] | None,
+                   clip_grad_norm: float | None) -> EstimateSetup:
+    """The configuration the flags describe (``reshard_after_forward`` and ``replicate`` as ``layout_option`` read
+    them); "auto" anywhere is refused, since only ``plan`` chooses."""
+    return EstimateSetup(
+        micro_batch_size=micro_batch_size,
+        accumulation_steps=_accumulation(batch_size, micro_batch_size, world_size),
+        precision=_fixed("--precision", precision), optimizer=optimizer, device=device,
+        gpu=resolve_device(device, gpu).name if device == "cuda" else gpu,  # the catalog's name; refuses bad ones
+        world_size=world_size, strategy=strategy,
+        reshard_after_forward=_fixed("--reshard-after-forward", reshard_after_forward),
+        replicate=_fixed("--replicate", replicate), checkpoint=_checkpoint(spec.model, checkpoint or []),
+        clip_grad_norm=clip_grad_norm)
+
+
+def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
+    """``autofit.estimate`` of the spec's model and sample under ``setup`` (one rank's figures)."""
+    return estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
+                    micro_batch_size=setup.micro_batch_size, accumulation_steps=setup.accumulation_steps,
+                    precision=setup.precision, optimizer=setup.optimizer, device=setup.device, gpu=setup.gpu,
+                    world_size=setup.world_size, strategy=setup.strategy,
+                    reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
+                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm)
+
+
+def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:
+    """The ``--json`` document: integer bytes, every figure for one rank."""
+    return {
+        "model": description, "device": est.device, "gpu": setup.gpu, "layout": setup.layout,
+        "world_size": setup.world_size, "strategy": setup.strategy,
+        "reshard_after_forward": setup.reshard_after_forward, "replicate": setup.replicate,
+        "micro_batch_size": setup.micro_batch_size, "accumulation_steps": setup.accumulation_steps,
+        "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.world_size,
+        "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
+        "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
+        "device_bytes": est.device_bytes, "host_bytes": est.host_bytes, "peak_phase": est.peak_phase,
+        "peak_at": est.peak_at, "breakdown": dict(est.breakdown), "notes": list(est.notes),
+    }
+
+
+def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str) -> Group:
+    mib = lambda n: f"{format_mib(n)} MiB"  # noqa: E731
+    knobs = Table(title="autofit estimate (per rank)" if setup.world_size > 1 else "autofit estimate",
+                  show_header=False, title_justify="left")
+    knobs.add_column("figure", style="bold")
+    knobs.add_column("value")
+    device = f"{setup.device} ({setup.gpu})" if setup.gpu else setup.device
+    rows = [("model", description), ("device", device), ("layout", setup.layout),
+            ("micro-batch", f"{setup.micro_batch_size} x {setup.accumulation_steps} accumulation"),
+            ("precision", setup.precision), ("optimizer", setup.optimizer),
+            ("recomputed", f"{len(setup.checkpoint)} modules" if setup.checkpoint else "none"),
+            ("peak allocated", mib(est.peak_allocated_bytes))]
+    if est.device == "cuda":
+        rows += [("peak reserved", mib(est.peak_reserved_bytes)), ("on the device", mib(est.device_bytes))]
+    if est.host_bytes:
+        rows.append(("host memory", mib(est.host_bytes)))
+    rows.append(("peak in", f"{est.peak_phase}{f' ({est.peak_at})' if est.peak_at else ''}"))
+    for key, value in rows:
+        knobs.add_row(key, value)
+    breakdown = Table(title="peak by category", title_justify="left")
+    breakdown.add_column("category")
+    breakdown.add_column("MiB", justify="right")
+    breakdown.add_column("share", justify="right")
+    total = est.device_bytes or 1
+    for key, value in est.breakdown.items():
+        breakdown.add_row(key, format_mib(value), f"{100 * value / total:.1f} %")
+    breakdown.add_row("[bold]total[/]", f"[bold]{format_mib(est.device_bytes)}[/]", "100.0 %")
+    return Group(knobs, breakdown)
