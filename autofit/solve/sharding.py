@@ -59,12 +59,18 @@ class Parallel:
 
 
 def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
-                 ranks: bool = False, after_forward: str = "") -> str:
+                 ranks: bool = False, after_forward: str = "", tensor_parallel: int = 1) -> str:
     """A data-parallel layout in words (plan notes, ``Parallel.label``, ``Plan.layout``): 'ddp', 'fsdp2 (ZeRO-3)',
-    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)'; ``ranks`` adds FSDP2's rank count, ``after_forward`` follows
-    an int reshard's group."""
+    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)', 'tp 8', 'fsdp2 (ZeRO-3) x tp 8'; ``ranks`` adds FSDP2's rank
+    count, ``after_forward`` follows an int reshard's group."""
     if strategy != "fsdp2":
         return strategy
+    if tensor_parallel > 1:
+        if world_size == tensor_parallel:
+            return f"tp {tensor_parallel}"
+        data = layout_words(strategy, world_size // tensor_parallel, reshard_after_forward, replicate, ranks=ranks,
+                            after_forward=after_forward)
+        return f"{data} x tp {tensor_parallel}"
     raf = reshard_after_forward
     zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
     if replicate > 1:
