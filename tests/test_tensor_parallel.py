@@ -140,3 +140,16 @@ def test_per_rank_peak_matches_the_allocator_and_a_step_a_full_batch_step(world,
             got = torch.tensor(results[1]["params"][name], dtype=p.dtype)
             torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6,
                                        msg=f"{equivalence.layout} rank {rank}: {name}")
+
+
+def test_tensor_parallel_alone_on_cuda_is_refused_and_the_model_is_left_alone():
+    """On CUDA the foreach optimizer cannot step plain tensors and DTensors together (torch's own error when the
+    simulation tries: 'got mixed torch.Tensor and DTensor'): refused up front, naming the fix. Estimating never
+    turns the user's parameters into DTensors."""
+    case = tiny_llama("meta")
+    with pytest.raises(InvalidInputError, match="compose it with FSDP2"):
+        autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, world_size=2, strategy="fsdp2",
+                         tensor_parallel=2, device="cuda", gpu="H100-80GB", precision="bf16")
+    autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, world_size=2, strategy="fsdp2",
+                     tensor_parallel=2)
+    assert all(type(p) is torch.nn.Parameter for p in case.model.parameters())

@@ -120,6 +120,8 @@ def tensor_layouts(request: PlanRequest, base: Parallel) -> list[Parallel]:
         except AutofitError:  # no plan, or heads / features T does not divide: the other layouts are still planned
             continue
         data = request.world_size // tp
+        if data == 1 and request.device.kind == "cuda":  # refused on CUDA (StepConfig: foreach optimizers)
+            continue
         for raf in request.reshard_options if data > 1 else (True,):
             try:
                 require_layout("fsdp2", data, raf, 1)

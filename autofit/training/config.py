@@ -90,6 +90,13 @@ class StepConfig:
         if (self.tensor_parallel > 1) != bool(self.tensor_plan):
             raise InvalidInputError("tensor_plan (the modules to split) and tensor_parallel > 1 go together: resolve "
                                     "the plan with autofit.training.tensor_parallel.resolve_tensor_plan")
+        if 1 < self.tensor_parallel == self.world_size and self.device == "cuda":
+            raise InvalidInputError(
+                f"tensor parallel alone (world_size == tensor_parallel == {self.world_size}) on CUDA: the embedding, "
+                "norms and head stay plain tensors beside the split DTensors, and torch's foreach optimizers (the "
+                "default on CUDA) cannot step the two together (aten._foreach_*: mixed torch.Tensor and DTensor); "
+                f"compose it with FSDP2 (world_size = 2 x {self.tensor_parallel} or more), which makes every "
+                "parameter a DTensor")
         if self.tensor_parallel > 1 and self.clip_grad_norm is not None:
             raise InvalidInputError(
                 "clip_grad_norm with tensor_parallel: the gradients are DTensors over different meshes (split and "
