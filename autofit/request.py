@@ -161,6 +161,9 @@ def make_request(
     per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, gpus_per_node, reshard_after_forward,
                                                    replicate)
     tensors = tensor_options(model, world_size, per_node, strategy, tensor_parallel)
+    if tensors != (1,) and tensor_parallel != "auto" and clip_grad_norm is not None:
+        make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
+                         tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
     may_offload = offload is not False and target_device.kind == "cuda"
     host_budget_bytes = resolve_host_budget(host_budget) if may_offload else None
     optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()

@@ -99,3 +99,15 @@ def test_the_cli_takes_tensor_parallel():
     assert result.exit_code == 0, result.output
     plan = autofit.Plan.from_json(result.stdout)
     assert (plan.tensor_parallel, plan.layout) == (2, "tp 2")
+
+
+def test_clipping_leaves_tensor_parallel_out():
+    """clip_grad_norm_ cannot combine the split and whole parameters' DTensors (different meshes): an explicit T
+    is refused naming it; with "auto" the planner plans the other layouts only."""
+    case = tiny_llama("meta")
+    with pytest.raises(InvalidInputError, match="clip_grad_norm with tensor_parallel"):
+        autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", world_size=2, strategy="fsdp2",
+                     tensor_parallel=2, clip_grad_norm=1.0)
+    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32", world_size=2,
+                        strategy="fsdp2", tensor_parallel="auto", clip_grad_norm=1.0, reshard_after_forward=True)
+    assert plan.tensor_parallel == 1

@@ -112,6 +112,8 @@ def tensor_layouts(request: PlanRequest, base: Parallel) -> list[Parallel]:
     or one T does not split evenly, plans no such layout."""
     found = []
     per_node = request.gpus_per_node or request.world_size
+    if request.clip_grad_norm is not None:  # refused with tensor parallel (StepConfig), named by make_request
+        return found
     for tp in request.tensor_options:
         if tp == 1 or per_node % tp or request.world_size % tp:
             continue

@@ -1,5 +1,6 @@
-"""How a data-parallel strategy is applied to a model: shared by the simulation (on a fake process group) and the
-distributed trainer, so both shard exactly alike (see docs/multi-gpu.md)."""
+"""How a parallel layout is applied to a model (FSDP2, HSDP, tensor parallel composed with FSDP2): shared by the
+simulation (on a fake process group) and the distributed trainer, so both shard exactly alike (see
+docs/multi-gpu.md)."""
 
 from __future__ import annotations
 
