@@ -48,7 +48,7 @@ def plan(
     clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
     allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
-    replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
+    replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1, tensor_parallel_plan: Any = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -86,6 +86,7 @@ def plan(
     ``tensor_parallel``: 1 (none), T (FSDP2 over world_size // T x tensor parallel T, with strategy "fsdp2"), or
     "auto" (also T = 2, 4, 8 dividing one node's GPUs, for a model with a tensor-parallel plan: Note [tensor parallel
     plan], autofit/training/tensor_parallel.py); ``batch_size // (world_size // T)`` rows per rank.
+    ``tensor_parallel_plan``: ``{module name pattern: "colwise" | "rowwise"}`` for a model without its own plan.
     ``allow``: the rungs that change numerics, climbed only when named here and only when nothing fits without
     them (Note [the ladder], docs/fine-tuning.md): "chunked-loss" (the output head and the cross-entropy in chunks
     of tokens, for the default loss against an integer target or a Hugging Face causal LM given labels) and
@@ -98,7 +99,7 @@ def plan(
         fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
         allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
         reshard_after_forward=reshard_after_forward, replicate=replicate,
-        allow=allow, tensor_parallel=tensor_parallel,
+        allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan,
     )[0]
 
 
@@ -110,6 +111,7 @@ def plan_with_analysis(
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
     margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
     reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
+    tensor_parallel_plan: Any = None,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -122,7 +124,8 @@ def plan_with_analysis(
                            fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
                            allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
                            reshard_after_forward=reshard_after_forward, replicate=replicate,
-                           allow=allow, tensor_parallel=tensor_parallel)
+                           allow=allow, tensor_parallel=tensor_parallel,
+                           tensor_parallel_plan=tensor_parallel_plan)
     results, infeasible_errors, failed = [], [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:

@@ -7,6 +7,7 @@ precision, optimizer, checkpoint names), so the stages after it take typed value
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -47,6 +48,7 @@ class PlanRequest:
     reshard_options: tuple[bool | int, ...] = (True,)  # FSDP2 reshard_after_forward values to plan
     replicate_options: tuple[int, ...] = (1,)  # HSDP replicate sizes to plan (1: plain FSDP)
     tensor_options: tuple[int, ...] = (1,)  # tensor-parallel degrees to plan (1: none; docs/multi-gpu.md)
+    tensor_parallel_plan: Mapping[str, Any] | None = None  # the user's {pattern: style}; None: the model's own
     policies: tuple[PrecisionPolicy, ...]  # allowed compute precisions, preferred first
     optimizer: OptimizerSpec
     fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
@@ -133,7 +135,7 @@ def make_request(
     min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
     gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
-    tensor_parallel: Any = 1,
+    tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -160,7 +162,7 @@ def make_request(
     margin_bytes = margin_for(margin, budget_bytes, target_device, world_size)
     per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, gpus_per_node, reshard_after_forward,
                                                    replicate)
-    tensors = tensor_options(model, world_size, per_node, strategy, tensor_parallel)
+    tensors = tensor_options(model, world_size, per_node, strategy, tensor_parallel, tensor_parallel_plan)
     if tensors != (1,) and tensor_parallel != "auto" and clip_grad_norm is not None:
         make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
                          tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
@@ -200,6 +202,7 @@ def make_request(
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
         stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
         host_budget_bytes=host_budget_bytes, gpus_per_node=per_node, reshard_options=reshards,
-        replicate_options=replicates, tensor_options=tensors, allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
+        replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
+        allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
         closed_rungs=closed,
     )

@@ -83,10 +83,14 @@ TENSOR_DEGREES = (2, 4, 8)  # "auto": the tensor-parallel degrees tried, each di
 
 
 def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: str | None,
-                   tensor_parallel: Any) -> tuple[int, ...]:
+                   tensor_parallel: Any, user_plan: Mapping[str, Any] | None = None) -> tuple[int, ...]:
     """``plan(tensor_parallel=...)``: 1 (none, the default), an int T (plan FSDP2 x tensor parallel T only; the
     model's plan resolved here, so a model that cannot be split is named before any simulation), or "auto" (also
-    each of 2, 4, 8 that divides one node's GPUs, for a model that carries a plan; docs/multi-gpu.md)."""
+    each of 2, 4, 8 that divides one node's GPUs, for a model that carries a plan; docs/multi-gpu.md). ``user_plan``:
+    ``plan(tensor_parallel_plan=...)``, for a model without its own."""
+    if user_plan is not None and tensor_parallel == 1:
+        raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T or "
+                                "'auto'")
     if tensor_parallel == "auto":
         return (1,) + tuple(t for t in TENSOR_DEGREES if t <= per_node and per_node % t == 0)
     require_int("tensor_parallel", tensor_parallel)
@@ -97,7 +101,7 @@ def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: s
         raise InvalidInputError(
             f"tensor_parallel {tensor_parallel} does not divide the {per_node} GPUs of a node: its all-reduces run in "
             "every layer and must stay on NVLink; choose a divisor of gpus_per_node")
-    resolve_tensor_plan(model, tensor_parallel)
+    resolve_tensor_plan(model, tensor_parallel, user_plan)
     return (tensor_parallel,)
 
 

@@ -111,3 +111,20 @@ def test_clipping_leaves_tensor_parallel_out():
     plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32", world_size=2,
                         strategy="fsdp2", tensor_parallel="auto", clip_grad_norm=1.0, reshard_after_forward=True)
     assert plan.tensor_parallel == 1
+
+
+def test_a_user_plan_is_planned_for_a_model_without_one():
+    """WideBlocks' MLPs split by the user's mapping: the plan carries the resolved pairs and its figure is the
+    estimate of its rank with the same mapping."""
+    case = wide_blocks("meta")
+    mapping = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, target=case.target, loss_fn=case.loss_fn,
+                        device="cpu", precision="fp32", world_size=2, strategy="fsdp2", tensor_parallel=2,
+                        tensor_parallel_plan=mapping, checkpoint=None)
+    assert plan.layout == "tp 2" and len(plan.tensor_plan) == 8
+    # the group's two ranks share all 8 rows, one micro-batch of them (1 GB is generous)
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (8, 1)
+    est = autofit.estimate(case.model, case.sample, target=case.target, loss_fn=case.loss_fn,
+                           micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+                           world_size=2, strategy="fsdp2", tensor_parallel=2, tensor_parallel_plan=mapping)
+    assert est.peak_bytes == plan.peak_bytes

@@ -118,7 +118,7 @@ def tensor_layouts(request: PlanRequest, base: Parallel) -> list[Parallel]:
         if tp == 1 or per_node % tp or request.world_size % tp:
             continue
         try:
-            plan = resolve_tensor_plan(request.model, tp)
+            plan = resolve_tensor_plan(request.model, tp, request.tensor_parallel_plan)
         except AutofitError:  # no plan, or heads / features T does not divide: the other layouts are still planned
             continue
         data = request.world_size // tp
