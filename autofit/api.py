@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.training.step import StepConfig, forward_errors, make_step_config
+from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
 
 __all__ = ["analyse", "estimate", "measure"]
 
@@ -26,7 +28,8 @@ __all__ = ["analyse", "estimate", "measure"]
 def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
             clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
             strategy=None, reduce_every_micro_batch=False, chunked_loss=False, batch=None, target=None,
-            loss_fn=None, reshard_after_forward=True, replicate=1) -> StepConfig:
+            loss_fn=None, reshard_after_forward=True, replicate=1, tensor_parallel=1,
+            tensor_parallel_plan=None) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -40,6 +43,11 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
         strategy = "fsdp2"
     if strategy == "fsdp2":  # a bad layout is named here, before any simulation (docs/multi-gpu.md)
         require_layout(strategy, world_size, reshard_after_forward, replicate)
+    require_tensor_parallel(strategy, world_size, tensor_parallel, replicate, offload_states)
+    if tensor_parallel_plan is not None and tensor_parallel == 1:
+        raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T, the "
+                                "number of ranks that split each layer")
+    tensor_plan = resolve_tensor_plan(model, tensor_parallel, tensor_parallel_plan)
     units = shard_units(model) if strategy == "fsdp2" else ()
     chunks = _loss_chunks(model, batch, target, loss_fn) if chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
@@ -47,7 +55,8 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
                             offload=offload, offload_states=offload_states, strategy=strategy, world_size=world_size,
                             shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch,
-                            chunked_loss=chunks, reshard_after_forward=reshard_after_forward, replicate=replicate)
+                            chunked_loss=chunks, reshard_after_forward=reshard_after_forward, replicate=replicate,
+                            tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
 
 
 def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
@@ -67,7 +76,8 @@ def estimate(
     accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, world_size: int = 1,
     strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
-    reshard_after_forward: bool | int = True, replicate: int = 1,
+    reshard_after_forward: bool | int = True, replicate: int = 1, tensor_parallel: int = 1,
+    tensor_parallel_plan: Mapping[str, Any] | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -97,6 +107,12 @@ def estimate(
     ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
     sync under accumulation], autofit/training/step.py). ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int
     group) and ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.
+    ``tensor_parallel`` T (with ``strategy="fsdp2"``): one rank of a (world_size // T, T) mesh, the linear layers
+    of ``tensor_parallel_plan`` (``{module name pattern: "colwise" | "rowwise"}``; default the Hugging Face model's
+    ``config.base_model_tp_plan``) split over the T ranks of its group with torch's ``parallelize_module``, then
+    FSDP2 over the other world_size // T (none when T == world_size); ``micro_batch_size`` rows per
+    tensor-parallel group, which all see the same rows (Note [tensor parallel plan],
+    autofit/training/tensor_parallel.py).
     ``chunked_loss``: the output head and the cross-entropy run in chunks of tokens under checkpoint, so the full
     logits and their gradient are never live at once (Note [chunked cross-entropy], autofit/training/chunked_loss.py); for
     the default loss against an integer target, or a Hugging Face causal LM given ``labels``.
@@ -111,7 +127,8 @@ def estimate(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
                      reduce_every_micro_batch, chunked_loss, batch,
-                     target_batch, loss_fn, reshard_after_forward, replicate)
+                     target_batch, loss_fn, reshard_after_forward, replicate, tensor_parallel,
+                     tensor_parallel_plan)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     return device_model.estimate(sim)

@@ -48,7 +48,7 @@ def plan(
     clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
     allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
-    replicate: Any = "auto", allow: Any = (),
+    replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1, tensor_parallel_plan: Any = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -83,6 +83,10 @@ def plan(
     into nodes; ``reshard_after_forward`` True (ZeRO-3), False (ZeRO-2) or an int group size, and ``replicate``
     (HSDP: replicate across that many groups, shard within each). With "auto" the planner plans ZeRO-3 and ZeRO-2,
     across nodes also the reshard to one node and HSDP over the nodes, and keeps the fastest that fits.
+    ``tensor_parallel``: 1 (none), T (FSDP2 over world_size // T x tensor parallel T, with strategy "fsdp2"), or
+    "auto" (also T = 2, 4, 8 dividing one node's GPUs, for a model with a tensor-parallel plan: Note [tensor parallel
+    plan], autofit/training/tensor_parallel.py); ``batch_size // (world_size // T)`` rows per rank.
+    ``tensor_parallel_plan``: ``{module name pattern: "colwise" | "rowwise"}`` for a model without its own plan.
     ``allow``: the rungs that change numerics, climbed only when named here and only when nothing fits without
     them (Note [the ladder], docs/fine-tuning.md): "chunked-loss" (the output head and the cross-entropy in chunks
     of tokens, for the default loss against an integer target or a Hugging Face causal LM given labels) and
@@ -95,7 +99,7 @@ def plan(
         fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
         allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
         reshard_after_forward=reshard_after_forward, replicate=replicate,
-        allow=allow,
+        allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan,
     )[0]
 
 
@@ -106,7 +110,8 @@ def plan_with_analysis(
     clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
     margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
-    reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
+    reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
+    tensor_parallel_plan: Any = None,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -119,12 +124,13 @@ def plan_with_analysis(
                            fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
                            allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
                            reshard_after_forward=reshard_after_forward, replicate=replicate,
-                           allow=allow)
+                           allow=allow, tensor_parallel=tensor_parallel,
+                           tensor_parallel_plan=tensor_parallel_plan)
     results, infeasible_errors, failed = [], [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
     # its analysis would only name its smallest budget, which the error needs only if no layout fits
-    floors = {p: states_floor(ladder(request, p)) for p in parallels} if len(parallels) > 1 else {}
+    floors = {p: states_floor(ladder(request.for_layout(p), p)) for p in parallels} if len(parallels) > 1 else {}
     hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
     for parallel in sorted(parallels, key=lambda p: p in hopeless):
         name = parallel.label
@@ -156,9 +162,11 @@ def plan_with_analysis(
 def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict[str, Analysis]]:
     """Quick path; else climb the ladder (Note [the ladder], solve/ladder.py): each rung analysed, searched and its
     winner verified; else the smallest budget over the rungs tried, as an error."""
+    request = request.for_layout(parallel)  # with tensor parallel, a group's ranks share their rows
     estimator, stages = Estimator(request, parallel), ladder(request, parallel)
     fit = request.fit_bytes
-    if request.quick and request.auto_precision and stages[0].floor_bytes <= fit:
+    # the quick path's time model has no layer table to size tensor parallel's all-reduces by: analysed instead
+    if request.quick and request.auto_precision and stages[0].floor_bytes <= fit and parallel.tensor_parallel == 1:
         found = quick_path(estimator, fit)
         if found is not None:
             return _plan_of(estimator, found), {}
@@ -239,6 +247,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         reshard_after_forward=parallel.reshard_after_forward,
         replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
         chunked_loss=request.chunked_loss, low_bit_optimizer=request.low_bit_optimizer,
+        tensor_parallel=parallel.tensor_parallel, tensor_plan=parallel.tensor_plan,
     )
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(

@@ -6,7 +6,8 @@ precision, optimizer, checkpoint names), so the stages after it take typed value
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -21,7 +22,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
 from autofit.solve.sharding import Parallel  # the layout lives with the sharding it describes; re-exported here
-from autofit.validate import (allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
+from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
                               resolve_host_budget, margin_for, pinned, precisions, stored_options)
 
@@ -46,6 +47,8 @@ class PlanRequest:
     gpus_per_node: int = 0  # ranks per node (0: one node)
     reshard_options: tuple[bool | int, ...] = (True,)  # FSDP2 reshard_after_forward values to plan
     replicate_options: tuple[int, ...] = (1,)  # HSDP replicate sizes to plan (1: plain FSDP)
+    tensor_options: tuple[int, ...] = (1,)  # tensor-parallel degrees to plan (1: none; docs/multi-gpu.md)
+    tensor_parallel_plan: Mapping[str, Any] | None = None  # the user's {pattern: style}; None: the model's own
     policies: tuple[PrecisionPolicy, ...]  # allowed compute precisions, preferred first
     optimizer: OptimizerSpec
     fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
@@ -93,7 +96,15 @@ class PlanRequest:
             offload_states=parallel.offload_states,
             reduce_every_micro_batch=parallel.reduce_every_micro_batch,
             reshard_after_forward=parallel.reshard_after_forward, replicate=parallel.replicate,
-            chunked_loss=self.chunked_loss)
+            chunked_loss=self.chunked_loss, tensor_parallel=parallel.tensor_parallel,
+            tensor_plan=parallel.tensor_plan)
+
+    def for_layout(self, parallel: Parallel) -> PlanRequest:
+        """The request as ``parallel`` runs it: with tensor parallel T the T ranks of a group share their rows, so
+        each rank trains batch_size // (world_size // T) of them."""
+        if parallel.tensor_parallel == 1:
+            return self
+        return replace(self, per_rank=self.batch_size // (self.world_size // parallel.tensor_parallel))
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -124,6 +135,7 @@ def make_request(
     min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
     gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
+    tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -150,6 +162,10 @@ def make_request(
     margin_bytes = margin_for(margin, budget_bytes, target_device, world_size)
     per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, gpus_per_node, reshard_after_forward,
                                                    replicate)
+    tensors = tensor_options(model, world_size, per_node, strategy, tensor_parallel, tensor_parallel_plan)
+    if tensors != (1,) and tensor_parallel != "auto" and clip_grad_norm is not None:
+        make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
+                         tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
     may_offload = offload is not False and target_device.kind == "cuda"
     host_budget_bytes = resolve_host_budget(host_budget) if may_offload else None
     optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
@@ -186,6 +202,7 @@ def make_request(
         auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
         stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
         host_budget_bytes=host_budget_bytes, gpus_per_node=per_node, reshard_options=reshards,
-        replicate_options=replicates, allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
+        replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
+        allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
         closed_rungs=closed,
     )

@@ -18,6 +18,7 @@ from autofit.training.batch import Batch, as_batch
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget
 from autofit.core.errors import InvalidInputError, require_int, require_layout
+from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.training.config import make_step_config, resolve_modules
@@ -25,7 +26,7 @@ from autofit.core.units import format_bytes, parse_budget
 
 __all__ = ["check_model", "as_inputs", "check_capacity", "check_positions", "margin_for", "NCCL_RESERVE_BYTES",
            "resolve_host_budget", "fp32_module_names", "auto_pins", "pinned", "stored_options", "cpu_precision_notes",
-           "precisions", "fixed_checkpoint", "fixed_policies", "fsdp2_layouts", "ALLOW_NAMES", "allow_names"]
+           "precisions", "fixed_checkpoint", "fixed_policies", "fsdp2_layouts", "tensor_options", "ALLOW_NAMES", "allow_names"]
 
 
 def check_model(model: Any) -> nn.Module:
@@ -76,6 +77,32 @@ def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | No
                 if reshard_after_forward != "auto" or replicate != "auto":
                     require_layout("fsdp2", world_size, raf, r)
     return per_node, reshards, replicates
+
+
+TENSOR_DEGREES = (2, 4, 8)  # "auto": the tensor-parallel degrees tried, each dividing one node's GPUs
+
+
+def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: str | None,
+                   tensor_parallel: Any, user_plan: Mapping[str, Any] | None = None) -> tuple[int, ...]:
+    """``plan(tensor_parallel=...)``: 1 (none, the default), an int T (plan FSDP2 x tensor parallel T only; the
+    model's plan resolved here, so a model that cannot be split is named before any simulation), or "auto" (also
+    each of 2, 4, 8 that divides one node's GPUs, for a model that carries a plan; docs/multi-gpu.md). ``user_plan``:
+    ``plan(tensor_parallel_plan=...)``, for a model without its own."""
+    if user_plan is not None and tensor_parallel == 1:
+        raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T or "
+                                "'auto'")
+    if tensor_parallel == "auto":
+        return (1,) + tuple(t for t in TENSOR_DEGREES if t <= per_node and per_node % t == 0)
+    require_int("tensor_parallel", tensor_parallel)
+    if tensor_parallel == 1:
+        return (1,)
+    require_tensor_parallel(strategy, world_size, tensor_parallel)
+    if per_node % tensor_parallel:
+        raise InvalidInputError(
+            f"tensor_parallel {tensor_parallel} does not divide the {per_node} GPUs of a node: its all-reduces run in "
+            "every layer and must stay on NVLink; choose a divisor of gpus_per_node")
+    resolve_tensor_plan(model, tensor_parallel, user_plan)
+    return (tensor_parallel,)
 
 
 # plan(allow=...): the rungs that change numerics, climbed only when allowed (Note [the ladder])

@@ -99,10 +99,12 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                           for n, p in getattr(trainer.model, "module", trainer.model).named_parameters()}
                 results.append({"params": params})
             else:  # memory: each rank trains on its own slice (local=True), as with a DistributedSampler
-                rows = plan.batch_size // world_size
-                mine = batch.slice(rank * rows, (rank + 1) * rows).map_tensors(lambda t: t.clone())
-                mine_target = None if target is None else target.slice(rank * rows, (rank + 1) * rows).map_tensors(
-                    lambda t: t.clone())
+                # with tensor parallel the ranks of a group share their slice: the data-parallel rank and count
+                data_rank, data_ranks = trainer.data_rank, trainer.data_ranks
+                rows = plan.batch_size // data_ranks
+                mine = batch.slice(data_rank * rows, (data_rank + 1) * rows).map_tensors(lambda t: t.clone())
+                mine_target = None if target is None else target.slice(
+                    data_rank * rows, (data_rank + 1) * rows).map_tensors(lambda t: t.clone())
                 args = (mine.value, None if mine_target is None else mine_target.value)
                 trainer.step(*args, local=True)  # optimizer state exists from here on
                 trainer.step(*args, local=True)  # DDP rebuilds its buckets after its first iteration

@@ -81,6 +81,9 @@ ReshardOpt = Annotated[str, typer.Option(
     "chooses)")]
 ReplicateOpt = Annotated[str, typer.Option(
     "--replicate", help="FSDP2: HSDP's replicate size (1: plain FSDP; usually the number of nodes), or auto")]
+TensorOpt = Annotated[str, typer.Option(
+    "--tensor-parallel", help="FSDP2 x tensor parallel T (T GPUs of a node split each block's linear layers; the "
+    "model's own tp plan, e.g. a Hugging Face config's base_model_tp_plan), 1 for none, or auto (also 2, 4, 8)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -134,6 +137,7 @@ def plan(
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
+    tensor_parallel: TensorOpt = "1",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -163,7 +167,7 @@ def plan(
                 allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
                 reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
                 replicate=layout_option("--replicate", replicate),
-                allow=tuple(allow or ()),
+                allow=tuple(allow or ()), tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)

@@ -9,6 +9,10 @@
   host, where every micro-batch reduces and the shards accumulate on the host, and in plans with
   ``reduce_every_micro_batch``, where they accumulate sharded on the device. Sharding replaces the parameters,
   so the optimizer is built afterwards: ``wrap`` takes a factory.
+- Tensor parallel (``plan.tensor_parallel`` T > 1): ``parallelize_module`` on the "tp" dim of a (world_size // T, T)
+  mesh first, then FSDP2 on its "dp_shard" dim (none when T == world_size): training/strategy.py, ``apply_layout``.
+  The T ranks of a group see the same rows: "rank" below is the data-parallel rank, ``rank // T``, of
+  ``world_size // T``.
 Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
 ``batch_size / world_size`` rows (pass ``local=True`` to ``step`` when a DistributedSampler already split the data),
 so every sample of the global batch is used exactly once; DDP and FSDP2 average gradients over ranks, so each rank
@@ -32,7 +36,8 @@ from autofit.training.batch import Batch
 from autofit.emit.trainer import Trainer
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.training.strategy import apply_fsdp2, mesh_shape
+from autofit.training.config import make_step_config
+from autofit.training.strategy import apply_layout, mesh_names, mesh_shape
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -76,6 +81,9 @@ class DistributedTrainer(Trainer):
                 "plan again with world_size=torch.distributed.get_world_size()"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # the data-parallel ranks: with tensor parallel T, the T consecutive ranks of a group share their rows
+        # (the mesh is (world_size // T, T): training/strategy.py, mesh_shape)
+        self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, self.world_size // plan.tensor_parallel
         inner = model
         if plan.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -104,14 +112,18 @@ class DistributedTrainer(Trainer):
                         "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
                         "it runs)"
                     )
-            names = None if plan.replicate == 1 else ("replicate", "shard")
-            mesh = init_device_mesh(device_type, mesh_shape(self.world_size, plan.replicate), mesh_dim_names=names)
+            tp = plan.tensor_parallel
+            mesh = init_device_mesh(device_type, mesh_shape(self.world_size, plan.replicate, tp),
+                                    mesh_dim_names=mesh_names(self.world_size, plan.replicate, tp))
             self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
                 if device_type == "cuda" else torch.device(device_type)
-            low = plan.precision.dtype if plan.precision.autocast else None
-            wrapped = apply_fsdp2(model, plan.shard_units, mesh, low, offload=plan.offload_states,
-                                  pin_memory=device_type == "cuda",
-                                  reshard_after_forward=plan.reshard_after_forward)
+            layout = make_step_config(
+                micro_batch_size=plan.micro_batch_size, precision=plan.precision, strategy="fsdp2",
+                world_size=plan.world_size, shard_units=plan.shard_units, offload_states=plan.offload_states,
+                reshard_after_forward=plan.reshard_after_forward, replicate=plan.replicate, tensor_parallel=tp,
+                tensor_plan=plan.tensor_plan)
+            wrapped = apply_layout(model, mesh, layout, pin_memory=device_type == "cuda")
+            self._sharded = layout.fully_sharded
             built = optimizer(wrapped.parameters())
         else:
             raise InvalidInputError(f"unknown strategy {plan.strategy!r}: plans use 'ddp' or 'fsdp2'")
@@ -128,19 +140,20 @@ class DistributedTrainer(Trainer):
             raise InvalidInputError(
                 f"step() takes the global batch of {self.plan.batch_size} samples on every rank (got {batch.size}); "
                 "pass local=True with this rank's own batch of "
-                f"{self.plan.batch_size // self.world_size} samples instead"
+                f"{self.plan.batch_size // self.data_ranks} samples instead"
             )
-        rows = batch.size // self.world_size
-        start, stop = self.rank * rows, (self.rank + 1) * rows
+        rows = batch.size // self.data_ranks
+        start, stop = self.data_rank * rows, (self.data_rank + 1) * rows
         return batch.slice(start, stop), (None if target is None else target.slice(start, stop))
 
     def _across_ranks(self, count: int) -> tuple[int, int]:
         """Items (or rows) summed over every rank: DDP and FSDP2 average gradients over ranks, so each rank's
-        weights are its share of the global count times the world size (See Note [loss normalisation])."""
+        weights are its share of the global count times the world size (See Note [loss normalisation]). With tensor
+        parallel T every group counts its rows T times over: the data-parallel count is the sum over T."""
         device = next(iter(self.model.parameters())).device
         total = torch.tensor([count], dtype=torch.int64, device=device)
         dist.all_reduce(total)
-        return int(total.item()), self.world_size
+        return int(total.item()) // self.plan.tensor_parallel, self.data_ranks
 
     def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
         """Every rank runs the same number of micro-batches: DDP broadcasts buffers and FSDP2 gathers parameters in
@@ -168,6 +181,8 @@ class DistributedTrainer(Trainer):
             return contextlib.nullcontext()
         if self.plan.strategy == "ddp":
             return self.model.no_sync()
+        if not self._sharded:  # tensor parallel alone: no gradient is reduced across ranks
+            return contextlib.nullcontext()
         return _no_gradient_sync(self.model)
 
     def step(self, inputs: Any, target: Any = None, *, local: bool = False) -> float:

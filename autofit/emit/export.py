@@ -50,8 +50,9 @@ def _split_notes(plan: Plan) -> list[str]:
     if plan.last_micro_batch_size == plan.micro_batch_size:
         return []
     if plan.even_split is None:
+        data = plan.world_size // plan.tensor_parallel
         return [f"the plan's last micro-batch has {plan.last_micro_batch_size} rows, which this framework cannot "
-                f"express: {micro} x {steps} x {plan.world_size} = {micro * steps * plan.world_size} samples per "
+                f"express: {micro} x {steps} x {data} = {micro * steps * data} samples per "
                 f"step, not {plan.batch_size}; train with plan.wrap()"]
     return [f"the plan runs {plan.micro_batch_size} x {plan.gradient_accumulation_steps} with a last micro-batch of "
             f"{plan.last_micro_batch_size}; exported as the verified even split {micro} x {steps} (same effective "
@@ -134,6 +135,11 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
     if plan.replicate > 1:
         notes.append(f"HSDP {plan.replicate} x {plan.world_size // plan.replicate}: DeepSpeed's nearest is MiCS "
                      f"(mics_shard_size {plan.world_size // plan.replicate}), not exported")
+    if plan.tensor_parallel > 1:  # no training TP in DeepSpeed's config (AutoTP shards models for inference)
+        config["train_batch_size"] = micro * steps * (plan.world_size // plan.tensor_parallel)
+        notes.append(f"tensor parallel {plan.tensor_parallel} is not exported: DeepSpeed's config has no training "
+                     "tensor parallelism (Megatron-DeepSpeed does it in the model code); this config is ZeRO over "
+                     "the data-parallel ranks only, and its memory is not the plan's")
     if _stored(plan) == "bf16":
         notes.append("the plan stores pure bf16 (no fp32 master copy, bf16 optimizer state); DeepSpeed's bf16 mode "
                      "keeps fp32 master weights, which need more memory")
@@ -167,7 +173,13 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     if plan.strategy == "fsdp2":
         strategy, more = _lightning_fsdp(plan)
         out["fsdp_strategy"] = strategy
-        out["model_parallel_strategy"] = {"data_parallel_size": plan.world_size, "tensor_parallel_size": 1}
+        out["model_parallel_strategy"] = {"data_parallel_size": plan.world_size // plan.tensor_parallel,
+                                          "tensor_parallel_size": plan.tensor_parallel}
+        if plan.tensor_parallel > 1:
+            notes.append(f"tensor parallel {plan.tensor_parallel}: FSDPStrategy (FSDP1) has none; in "
+                         "ModelParallelStrategy's configure_model call parallelize_module(model, self.device_mesh"
+                         "['tensor_parallel'], plan) first, with ColwiseParallel / RowwiseParallel for the plan's "
+                         f"{len(plan.tensor_plan)} layers (plan.tensor_plan)")
         notes += more
     if notes:
         out["autofit_notes"] = notes
@@ -229,6 +241,11 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
                 "parallelism_config_dp_replicate_size": plan.replicate,
                 "parallelism_config_dp_shard_size": plan.world_size // plan.replicate,
             }
+        if plan.tensor_parallel > 1:  # Accelerate's ParallelismConfig: tp_size, the model's own tp_plan applied
+            config["parallelism_config"] = {
+                "parallelism_config_dp_shard_size": plan.world_size // plan.tensor_parallel,
+                "parallelism_config_tp_size": plan.tensor_parallel,
+            }
         if not isinstance(raf, bool):
             notes.append(f"reshard_after_forward={raf}: Accelerate's FSDP2 plugin takes a bool only; exported as "
                          "True (ZeRO-3: less memory, the backward all-gather over every shard rank)")
@@ -253,19 +270,24 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     ``mixed_precision_param``); field names and meanings from torchtitan/config/job_config.py."""
     micro, steps = _split(plan)
     notes = _split_notes(plan)
+    data_ranks = plan.world_size // plan.tensor_parallel
     if plan.strategy == "fsdp2":
-        shard = plan.world_size // plan.replicate
+        shard = data_ranks // plan.replicate
         raf = plan.reshard_after_forward
         parallelism = {"data_parallel_replicate_degree": plan.replicate, "data_parallel_shard_degree": shard,
                        "fsdp_reshard_after_forward": _TITAN_RESHARD.get(raf, "always"),
-                       "tensor_parallel_degree": 1}
+                       "tensor_parallel_degree": plan.tensor_parallel}
+        if plan.tensor_parallel > 1:
+            notes.append("torchtitan's tensor-parallel plan also splits the embedding and the output head and runs "
+                         "the norms sequence-parallel: its memory per GPU is below this plan's, which splits the "
+                         "blocks' linear layers only")
         if not isinstance(raf, bool):
             notes.append(f"reshard_after_forward={raf} is not a torchtitan policy (default / always / never): "
                          "exported as 'always' (ZeRO-3)")
     else:  # DDP: torchtitan replicates when the shard degree is 1
         parallelism = {"data_parallel_replicate_degree": plan.world_size, "data_parallel_shard_degree": 1,
                        "tensor_parallel_degree": 1}
-    training: dict[str, Any] = {"local_batch_size": micro, "global_batch_size": micro * steps * plan.world_size}
+    training: dict[str, Any] = {"local_batch_size": micro, "global_batch_size": micro * steps * data_ranks}
     if plan.precision.name != "fp32" or plan.strategy == "fsdp2":
         training["mixed_precision_param"] = "bfloat16" if plan.precision.name == "bf16" else "float32"
     if plan.precision.name == "fp16":

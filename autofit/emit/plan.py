@@ -12,6 +12,7 @@ from torch import nn
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import LengthSpec
 from autofit.training.precision import PrecisionPolicy
+from autofit.training.tensor_parallel import require_tensor_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
@@ -67,6 +68,10 @@ class Plan:
     reshard_after_forward: bool | int = True
     replicate: int = 1
     gpus_per_node: int = 0  # 0: every rank on one node
+    # tensor parallel degree and its (module, "colwise" | "rowwise") pairs (Note [tensor parallel plan]): a
+    # (world_size // T, T) mesh, FSDP2 over its first dim; every rank of a tensor-parallel group sees the same rows
+    tensor_parallel: int = 1
+    tensor_plan: tuple[tuple[str, str], ...] = ()
     clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
     peak_reserved_bytes: int = 0  # ~ max_memory_reserved (0: taken from the estimate)
     # Variable-length batches (Note [the length of a batch], autofit/training/length.py): the sample's maximum sizes, and
@@ -127,6 +132,8 @@ class Plan:
             require_int(f"Plan.{name} (bytes)", getattr(self, name), minimum=0)
         require_strategy(self.strategy, "Plan.strategy")
         require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, "Plan.")
+        require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
+                                self.offload_states, "Plan.")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
 
@@ -136,7 +143,7 @@ class Plan:
         if self.strategy is None:
             return "None"
         return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate,
-                            after_forward=" after forward")
+                            after_forward=" after forward", tensor_parallel=self.tensor_parallel)
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -206,6 +213,7 @@ class Plan:
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
         data["offload"] = list(self.offload)
         data["shard_units"] = list(self.shard_units)
+        data["tensor_plan"] = [list(pair) for pair in self.tensor_plan]
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
                             for a in self.frontier]
         data["notes"] = list(self.notes)
@@ -250,6 +258,7 @@ class Plan:
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
             data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
+            data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
                                                         selective=tuple(a.get("selective", ()))))

@@ -22,15 +22,15 @@ from torch import nn
 
 from autofit.core._torch import fake_store
 from autofit.core.errors import UnsupportedModelError
-from autofit.training.strategy import mesh_shape
+from autofit.training.strategy import mesh_names, mesh_shape
 
 __all__ = ["fake_mesh", "ddp_buckets"]
 
 
 @contextlib.contextmanager
-def fake_mesh(world_size: int, replicate: int = 1) -> Iterator[object]:
+def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> Iterator[object]:
     """A CPU device mesh over a fake process group of ``world_size`` ranks (this process is rank 0): 1-D, or 2-D
-    (replicate, shard) for HSDP."""
+    (replicate, shard) for HSDP, or (dp_shard, tp) with tensor parallel (training/strategy.py, ``mesh_shape``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if dist.is_initialized():
@@ -43,8 +43,8 @@ def fake_mesh(world_size: int, replicate: int = 1) -> Iterator[object]:
     excepthook = sys.excepthook
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
-        names = None if replicate == 1 else ("replicate", "shard")
-        yield init_device_mesh("cpu", mesh_shape(world_size, replicate), mesh_dim_names=names)
+        yield init_device_mesh("cpu", mesh_shape(world_size, replicate, tensor_parallel),
+                               mesh_dim_names=mesh_names(world_size, replicate, tensor_parallel))
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook

@@ -98,7 +98,7 @@ from autofit.training.step import (
     run_micro_batch,
 )
 from autofit.training.stored import apply_stored
-from autofit.training.strategy import apply_fsdp2
+from autofit.training.strategy import apply_layout
 
 __all__ = ["Simulation", "simulate_step", "probes_kernels", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
 
@@ -217,17 +217,16 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         work = real_copy(model).to("cpu")
     mode_ctx = fake_mode if fake else contextlib.nullcontext()
     # the device mesh holds real tensors: it is made before the fake mode is entered
-    mesh_ctx = fake_mesh(config.world_size, config.replicate) if config.strategy == "fsdp2" \
-        else contextlib.nullcontext()
+    mesh_ctx = fake_mesh(config.world_size, config.replicate, config.tensor_parallel) \
+        if config.strategy == "fsdp2" else contextlib.nullcontext()
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = "cpu" if config.offload_states else config.device
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
     with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled:
-        if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
-            apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None,
-                        offload=config.offload_states, reshard_after_forward=config.reshard_after_forward)
+        if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
+            apply_layout(work, mesh, config)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None
@@ -325,7 +324,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
 
     received_grad: set[int] = set()
     for micro_index in range(steps):
-        if config.strategy == "fsdp2" and steps > 1 and not (config.offload_states or config.reduce_every_micro_batch):
+        if config.fully_sharded and steps > 1 and not (config.offload_states or config.reduce_every_micro_batch):
             # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then
             # (Note [gradient sync under accumulation]). With reduce_every_micro_batch, or with the states on the host
             # (Note [offload]), it reduces every micro-batch instead: the shards accumulate, so no full set of

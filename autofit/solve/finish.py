@@ -234,7 +234,11 @@ def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
         return f"{chosen.layout} chosen: it is the only layout that fits the budget"
     against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
                         f"{format_bytes(o.device_bytes)})" for o in other)
+    tensor = ("; tensor parallel T splits the block's linear layers over T GPUs of a node (1/T of their weights, "
+              "compute and activations per rank, each group's ranks training the same rows) at the cost of "
+              "all-reducing the activations in every block, forward and backward, over NVLink"
+              if any(p.tensor_parallel > 1 for p in all_plans) else "")
     return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
             f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
             "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
-            "gathered parameters from forward to backward instead of gathering them again")
+            "gathered parameters from forward to backward instead of gathering them again" + tensor)

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from autofit.core.errors import InvalidInputError, require_layout
+from autofit.core.errors import AutofitError, InvalidInputError, require_layout
+from autofit.training.tensor_parallel import resolve_tensor_plan
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
 
-__all__ = ["Parallel", "layouts", "layout_words", "shard_units", "collective_seconds", "Layout", "ring_seconds"]
+__all__ = ["Parallel", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "Layout", "ring_seconds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,28 +44,40 @@ class Parallel:
     reshard_after_forward: bool | int = True
     replicate: int = 1
     gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
+    # tensor parallel degree and its resolved (module, "colwise" | "rowwise") pairs (Note [tensor parallel plan]);
+    # FSDP2 then runs over the other world_size // tensor_parallel ranks
+    tensor_parallel: int = 1
+    tensor_plan: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
         """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
         if self.strategy is None:
             return "one process"
-        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True)
+        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
+                            tensor_parallel=self.tensor_parallel)
 
     @property
     def least_memory(self) -> bool:
         """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
         reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
-        return self.strategy != "fsdp2" or (self.reshard_after_forward is True and self.replicate == 1)
+        return self.strategy != "fsdp2" or (self.reshard_after_forward is True and self.replicate == 1
+                                            and self.tensor_parallel == 1)
 
 
 def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
-                 ranks: bool = False, after_forward: str = "") -> str:
+                 ranks: bool = False, after_forward: str = "", tensor_parallel: int = 1) -> str:
     """A data-parallel layout in words (plan notes, ``Parallel.label``, ``Plan.layout``): 'ddp', 'fsdp2 (ZeRO-3)',
-    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)'; ``ranks`` adds FSDP2's rank count, ``after_forward`` follows
-    an int reshard's group."""
+    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)', 'tp 8', 'fsdp2 (ZeRO-3) x tp 8'; ``ranks`` adds FSDP2's rank
+    count, ``after_forward`` follows an int reshard's group."""
     if strategy != "fsdp2":
         return strategy
+    if tensor_parallel > 1:
+        if world_size == tensor_parallel:
+            return f"tp {tensor_parallel}"
+        data = layout_words(strategy, world_size // tensor_parallel, reshard_after_forward, replicate, ranks=ranks,
+                            after_forward=after_forward)
+        return f"{data} x tp {tensor_parallel}"
     raf = reshard_after_forward
     zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
     if replicate > 1:
@@ -82,13 +95,41 @@ def layouts(request: PlanRequest, strategy: str | None) -> list[Parallel]:
         return [base]
     units = shard_units(request.model)
     found = []
-    for replicate in request.replicate_options:
+    for replicate in request.replicate_options if 1 in request.tensor_options else ():
         for raf in request.reshard_options:
             try:
                 require_layout(strategy, request.world_size, raf, replicate)
             except InvalidInputError:  # e.g. a reshard to one node's GPUs when HSDP's shard group is one node
                 continue
             found.append(replace(base, shard_units=units, reshard_after_forward=raf, replicate=replicate))
+    return found + tensor_layouts(request, replace(base, shard_units=units))
+
+
+def tensor_layouts(request: PlanRequest, base: Parallel) -> list[Parallel]:
+    """Tensor parallel T x FSDP2 over world_size // T (docs/multi-gpu.md, "Tensor parallel"): for each degree the
+    request allows, T dividing one node's GPUs (its all-reduces run every layer, over NVLink: never across nodes),
+    FSDP2's reshard options over the other dim (none when T is every rank). A model without a tensor-parallel plan,
+    or one T does not split evenly, plans no such layout."""
+    found = []
+    per_node = request.gpus_per_node or request.world_size
+    if request.clip_grad_norm is not None:  # refused with tensor parallel (StepConfig), named by make_request
+        return found
+    for tp in request.tensor_options:
+        if tp == 1 or per_node % tp or request.world_size % tp:
+            continue
+        try:
+            plan = resolve_tensor_plan(request.model, tp, request.tensor_parallel_plan)
+        except AutofitError:  # no plan, or heads / features T does not divide: the other layouts are still planned
+            continue
+        data = request.world_size // tp
+        if data == 1 and request.device.kind == "cuda":  # refused on CUDA (StepConfig: foreach optimizers)
+            continue
+        for raf in request.reshard_options if data > 1 else (True,):
+            try:
+                require_layout("fsdp2", data, raf, 1)
+            except InvalidInputError:
+                continue
+            found.append(replace(base, reshard_after_forward=raf, tensor_parallel=tp, tensor_plan=plan))
     return found
 
 
@@ -171,3 +212,50 @@ def collective_seconds(layout: Layout, param_bytes: int, grad_bytes: int, micro_
         seconds += ring_seconds("all_reduce", layout.replicate, grad_bytes / shard,
                                 layout.bandwidth(layout.replicate, contiguous=False))
     return seconds
+
+
+def tensor_group_bytes(model: nn.Module, parallel: Parallel) -> int:
+    """Parameter bytes one tensor-parallel group's rank holds before FSDP2 shards them: the split weights (and
+    column-parallel biases) over T, everything else whole (``RowwiseParallel`` replicates its bias)."""
+    split = {name: style for name, style in parallel.tensor_plan}
+    total = 0
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            nbytes = p.numel() * p.element_size()
+            cut = name in split and (split[name] == "colwise" or pname == "weight")
+            total += nbytes // parallel.tensor_parallel if cut else nbytes
+    return total
+
+
+def tensor_reduce_bytes(model: nn.Module, parallel: Parallel, output_bytes) -> float:
+    """Bytes all-reduced per sample in one forward and backward of tensor parallel (Megatron-LM, Shoeybi et al.
+    2019, section 3: per transformer block two all-reduces of the activations in forward, after the attention's and
+    the MLP's row-parallel layers, and two in backward, of the gradients entering their column-parallel layers).
+    torch's styles reduce per layer: ``RowwiseParallel`` its output in forward, ``ColwiseParallel`` its input's
+    gradient in backward (``DTensor.from_local``'s backward), so a Llama block reduces 2 + 5 times (q, k, v, gate
+    and up separately, where Megatron fuses them into 2). ``output_bytes(name)``: the module's output bytes per
+    sample as simulated (row-parallel: whole; column-parallel: its local 1/T, scaled back to its input's size)."""
+    total = 0.0
+    for name, style in parallel.tensor_plan:
+        module = model.get_submodule(name)
+        out = output_bytes(name)
+        if style == "rowwise":
+            total += out
+        else:
+            total += out * module.in_features * parallel.tensor_parallel / module.out_features
+    return total
+
+
+def split_ops(ops, parallel: Parallel):
+    """``ops`` (OpCosts) with the FLOPs and bytes of the ops inside split modules divided by T: the analysis counts
+    a tensor-parallel layer's matmuls at their global shapes, one rank runs its 1/T."""
+    if parallel.tensor_parallel == 1:
+        return ops
+    import numpy as np
+
+    names = tuple(name for name, _ in parallel.tensor_plan)
+    prefixes = tuple(n + "." for n in names)
+    inside = np.array([m in names or m.startswith(prefixes) for m in ops.module], dtype=bool)
+    scale = np.where(inside, 1.0 / parallel.tensor_parallel, 1.0)
+    return replace(ops, flops_fixed=ops.flops_fixed * scale, flops_per_sample=ops.flops_per_sample * scale,
+                   bytes_fixed=ops.bytes_fixed * scale, bytes_per_sample=ops.bytes_per_sample * scale)

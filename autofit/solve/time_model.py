@@ -188,12 +188,15 @@ class TimeModel:
 def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strategy: str | None,
                      world_size: int, *, saved_bytes: Mapping[str, tuple[float, float]] | None = None,
                      offload_states: bool = False, reshard_after_forward: bool | int = True, replicate: int = 1,
-                     gpus_per_node: int = 0, reduce_every_micro_batch: bool = False) -> TimeModel:
+                     gpus_per_node: int = 0, reduce_every_micro_batch: bool = False,
+                     tensor_seconds: float = 0.0) -> TimeModel:
     """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
     states; FSDP2 streams one shard), the data-parallel collectives of ``strategy``, and offloading's transfers
     (``saved_bytes``: each module's saved activations, fixed and per sample; ``offload_states``: FSDP2's
     CPUOffloadPolicy) over the target's host link (Note [offload time]); ``reduce_every_micro_batch``: FSDP2's
-    reduce-scatter per micro-batch (Note [gradient sync under accumulation], autofit/training/step.py)."""
+    reduce-scatter per micro-batch (Note [gradient sync under accumulation], autofit/training/step.py);
+    ``tensor_seconds``: tensor parallel's all-reduces per optimizer step (``sharding.tensor_reduce_bytes``), with
+    ``world_size`` then the data-parallel ranks FSDP2 runs over."""
     optimizer_bytes = 4 * param_bytes // (world_size // replicate if strategy == "fsdp2" else 1)
     layout = Layout(strategy=strategy, world_size=world_size, reshard_after_forward=reshard_after_forward,
                     replicate=replicate, gpus_per_node=gpus_per_node, reduce_every_micro_batch=reduce_every_micro_batch,
@@ -201,11 +204,11 @@ def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strat
                     inter_bytes_per_second=target.network_bytes_per_second)
 
     def collectives(micro_batches: int) -> float:
-        return collective_seconds(layout, param_bytes, param_bytes, micro_batches)
+        return collective_seconds(layout, param_bytes, param_bytes, micro_batches) + tensor_seconds
 
     # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
     shard = param_bytes // (world_size // replicate)
     return TimeModel(target.throughput, ops, optimizer_bytes,
-                     collectives if strategy and world_size > 1 else None, saved_bytes=dict(saved_bytes or {}),
+                     collectives if (strategy and world_size > 1) or tensor_seconds else None, saved_bytes=dict(saved_bytes or {}),
                      host_transfer=target.throughput.host_transfer_bytes_per_second,
                      offload_states=offload_states, state_param_bytes=shard if offload_states else 0)

@@ -20,6 +20,7 @@ from autofit.training.in_backward import check_in_backward
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
+from autofit.training.tensor_parallel import require_tensor_parallel
 
 __all__ = ["StepConfig", "make_step_config", "resolve_modules", "DEVICES"]
 
@@ -51,6 +52,10 @@ class StepConfig:
     # group size parameters are resharded to), and HSDP's replicate size (mesh (replicate, world_size // replicate))
     reshard_after_forward: bool | int = True
     replicate: int = 1
+    # tensor parallel degree T (autofit/training/tensor_parallel.py): a (world_size // T, T) mesh, FSDP2 over its first
+    # dim (none when T == world_size); tensor_plan the resolved (module, "colwise" | "rowwise") pairs
+    tensor_parallel: int = 1
+    tensor_plan: tuple[tuple[str, str], ...] = ()
     # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
     clip_grad_norm: float | None = None
     # step each parameter in backward as soon as its gradient is ready (Note [optimizer step in backward])
@@ -67,6 +72,12 @@ class StepConfig:
     # autofit/training/chunked_loss.py); None: the model's own head and the loss as given
     chunked_loss: LossChunks | None = None
 
+    @property
+    def fully_sharded(self) -> bool:
+        """FSDP2's ``fully_shard`` runs: over the data-parallel ranks (world_size // tensor_parallel > 1), or on one
+        process to keep the states on the host."""
+        return self.strategy == "fsdp2" and (self.world_size > self.tensor_parallel or self.offload_states)
+
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
         require_int("accumulation_steps", self.accumulation_steps)
@@ -74,6 +85,22 @@ class StepConfig:
         require_strategy(self.strategy)
         require_int("world_size", self.world_size)
         require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate)
+        require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
+                                self.offload_states)
+        if (self.tensor_parallel > 1) != bool(self.tensor_plan):
+            raise InvalidInputError("tensor_plan (the modules to split) and tensor_parallel > 1 go together: resolve "
+                                    "the plan with autofit.training.tensor_parallel.resolve_tensor_plan")
+        if 1 < self.tensor_parallel == self.world_size and self.device == "cuda":
+            raise InvalidInputError(
+                f"tensor parallel alone (world_size == tensor_parallel == {self.world_size}) on CUDA: the embedding, "
+                "norms and head stay plain tensors beside the split DTensors, and torch's foreach optimizers (the "
+                "default on CUDA) cannot step the two together (aten._foreach_*: mixed torch.Tensor and DTensor); "
+                f"compose it with FSDP2 (world_size = 2 x {self.tensor_parallel} or more), which makes every "
+                "parameter a DTensor")
+        if self.tensor_parallel > 1 and self.clip_grad_norm is not None:
+            raise InvalidInputError(
+                "clip_grad_norm with tensor_parallel: the gradients are DTensors over different meshes (split and "
+                "replicated parameters), which torch.nn.utils.clip_grad_norm_ does not combine; leave clipping out")
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         clip = self.clip_grad_norm
@@ -121,7 +148,8 @@ def make_step_config(
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
-    replicate: int = 1, chunked_loss: LossChunks | None = None,
+    replicate: int = 1, chunked_loss: LossChunks | None = None, tensor_parallel: int = 1,
+    tensor_plan: tuple[tuple[str, str], ...] = (),
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -140,7 +168,7 @@ def make_step_config(
         offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
         reshard_after_forward=reshard_after_forward, replicate=replicate,
-        chunked_loss=chunked_loss,
+        chunked_loss=chunked_loss, tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan),
     )
 
 

@@ -1,25 +1,45 @@
-"""How a data-parallel strategy is applied to a model: shared by the simulation (on a fake process group) and the
-distributed trainer, so both shard exactly alike (see docs/multi-gpu.md)."""
+"""How a parallel layout is applied to a model (FSDP2, HSDP, tensor parallel composed with FSDP2): shared by the
+simulation (on a fake process group) and the distributed trainer, so both shard exactly alike (see
+docs/multi-gpu.md)."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from autofit.core._torch import unset_fake_temporarily
+from autofit.training.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["apply_fsdp2", "mesh_shape"]
+if TYPE_CHECKING:
+    from autofit.training.config import StepConfig
+
+__all__ = ["apply_layout", "apply_fsdp2", "mesh_shape", "mesh_names", "sub_meshes"]
+
+
+def apply_layout(model: nn.Module, mesh, step: StepConfig, *, pin_memory: bool = False) -> nn.Module:
+    """The step's layout on ``mesh`` (as :func:`mesh_shape` lays it out), in torchtitan's order: tensor parallel
+    over the "tp" dim first, then FSDP2 over the data-parallel dim when there is one (``step.fully_sharded``)."""
+    if step.tensor_parallel > 1:
+        mesh, tp_mesh = sub_meshes(mesh, step.tensor_parallel)
+        apply_tensor_parallel(model, step.tensor_plan, tp_mesh)
+    if step.fully_sharded:
+        apply_fsdp2(model, step.shard_units, mesh, step.precision.dtype if step.precision.autocast else None,
+                    offload=step.offload_states, pin_memory=pin_memory,
+                    reshard_after_forward=step.reshard_after_forward, tensor_parallel=step.tensor_parallel > 1)
+    return model
 
 
 def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype: torch.dtype | None, *,
                 offload: bool = False, pin_memory: bool = False,
-                reshard_after_forward: bool | int = True) -> nn.Module:
+                reshard_after_forward: bool | int = True, tensor_parallel: bool = False) -> nn.Module:
     """``fully_shard`` each unit, then the root (FSDP2's recommended order: leaves before parents). ``offload``:
     FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory; Note [offload]).
-    ``reshard_after_forward`` applies to the units (True: ZeRO-3, False: ZeRO-2, an int: reshard to groups of that
-    size); the root keeps torch's default, which does not reshard it (``FSDPState._lazy_init``: backward needs it at
+    ``tensor_parallel``: some parameters are already tensor-parallel DTensors (training/tensor_parallel.py); FSDP2
+    then shards them over ``mesh``, the 1-D "dp_shard" sub-mesh, into 2-D DTensors. ``reshard_after_forward``
+    applies to the units (True: ZeRO-3, False: ZeRO-2, an int: reshard to groups of that size); the root keeps torch's default, which does not reshard it (``FSDPState._lazy_init``: backward needs it at
     once), as torchtitan's ``apply_fsdp`` does. ``mesh`` is 1-D (FSDP) or 2-D (replicate, shard): HSDP."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -27,18 +47,42 @@ def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype:
         if precision_dtype is not None else MixedPrecisionPolicy()
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     # an int builds the smaller post-forward mesh from the mesh's rank tensor (``_get_post_forward_mesh_info`` calls
-    # ``tolist()``): under a simulation's fake mode that tensor must be read for real. The parameters stay fake: a
-    # fake tensor dispatches to its own mode whether or not one is active.
-    grouped = not isinstance(reshard_after_forward, bool)
+    # ``tolist()``), and a tensor-parallel parameter's 2-D mesh is built from the two meshes' rank tensors
+    # (``FSDPParam._init_sharding_spec_tp``): under a simulation's fake mode those tensors must be read for real. The
+    # parameters stay fake: a fake tensor dispatches to its own mode whether or not one is active.
+    grouped = not isinstance(reshard_after_forward, bool) or tensor_parallel
     for name in units:
         with unset_fake_temporarily() if grouped else contextlib.nullcontext():
             fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
                         reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
+    with unset_fake_temporarily() if tensor_parallel else contextlib.nullcontext():
+        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
 
 
-def mesh_shape(world_size: int, replicate: int = 1) -> tuple[int, ...]:
+def mesh_shape(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> tuple[int, ...]:
     """The device mesh of a layout: ``(world_size,)`` for FSDP and DDP, ``(replicate, world_size // replicate)`` for
-    HSDP (FSDP2 shards over the last dim and replicates over the first: ``fully_shard``'s docstring)."""
+    HSDP (FSDP2 shards over the last dim and replicates over the first: ``fully_shard``'s docstring);
+    ``(world_size // T, T)`` with tensor parallel T, ``(T,)`` for tensor parallel alone (torchtitan's
+    ``ParallelDims``: the "tp" dim last, so a tensor-parallel group is consecutive ranks, one node's GPUs)."""
+    if tensor_parallel > 1:
+        data = world_size // tensor_parallel
+        return (tensor_parallel,) if data == 1 else (data, tensor_parallel)
     return (world_size,) if replicate == 1 else (replicate, world_size // replicate)
+
+
+def mesh_names(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> tuple[str, ...] | None:
+    """The mesh dims' names, as :func:`mesh_shape` lays them out (None for a 1-D data-parallel mesh)."""
+    if tensor_parallel > 1:
+        return ("tp",) if world_size == tensor_parallel else ("dp_shard", "tp")
+    return None if replicate == 1 else ("replicate", "shard")
+
+
+def sub_meshes(mesh, tensor_parallel: int) -> tuple[object | None, object]:
+    """(the mesh FSDP2 shards over, or None when tensor parallel runs alone; the tensor-parallel mesh) of a mesh
+    :func:`mesh_shape` laid out with ``tensor_parallel`` > 1. Slicing a mesh reads its rank tensor: done outside
+    any fake mode."""
+    with unset_fake_temporarily():
+        if mesh.mesh_dim_names == ("tp",):
+            return None, mesh
+        return mesh["dp_shard"], mesh["tp"]
