@@ -1,0 +1,102 @@
+"""A compiled model (``torch.compile``, inductor) is estimated as inductor compiles it for the CPU (Note [inductor
+without kernels], autofit/core/_torch_compile.py), held to ``autofit.measure`` of the compiled model (the CPU
+allocator's record of the real compiled step) within 0.5 %. Compiling needs a C compiler (inductor's CPU kernels);
+the measured side compiles for real, the estimate does not run the C++ compiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autofit
+from autofit.core.errors import UnsupportedModelError
+
+TOLERANCE = 0.005
+
+
+@pytest.fixture(autouse=True)
+def _compile_in_this_thread():
+    """No inductor thread pool left behind (its non-daemon worker keeps later plans from forking workers)."""
+    from autofit.core._torch import compile_in_this_thread
+
+    with compile_in_this_thread():
+        yield
+
+
+def _error(est, meas) -> float:
+    return est.peak_bytes / meas.peak_bytes - 1
+
+
+class _Pointwise(nn.Module):
+    """Two linears around a chain of pointwise ops: eager keeps every intermediate for backward, inductor fuses the
+    chain into one kernel and the partitioner saves (or recomputes) far less."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 512), nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.sigmoid(h) * h * 2 + 1
+        h = torch.tanh(h) * h
+        return self.b(h)
+
+
+_KW = dict(micro_batch_size=512, loss_fn=lambda out: out.square().mean())
+
+
+def test_compiled_model_estimate_equals_measure_where_compilation_changes_the_peak() -> None:
+    """The estimate of the compiled model is measure's within 0.5 %, where compilation halves the peak (so the
+    eager estimate would be far off), and the user's model still compiles for real afterwards (a simulation that
+    made dynamo skip the model's forward left every later compile of it eager)."""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = torch.compile(model)
+    est = autofit.estimate(compiled, sample, **_KW)
+    assert any("inductor" in note for note in est.notes)
+    meas = autofit.measure(compiled, sample, **_KW)  # after the estimate: the real compile must still happen
+    eager = autofit.measure(model, sample, **_KW)
+    assert meas.peak_bytes < 0.8 * eager.peak_bytes, (meas.peak_bytes, eager.peak_bytes)  # compilation matters here
+    assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_eager_backend_is_estimated_as_the_eager_model() -> None:
+    """``backend="eager"`` runs the model's own code: its estimate is the uncompiled model's, exactly."""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    est = autofit.estimate(torch.compile(model, backend="eager"), sample, **_KW)
+    assert est.peak_bytes == autofit.estimate(model, sample, **_KW).peak_bytes
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backend="aot_eager"), "backend 'aot_eager'"),
+    (dict(mode="max-autotune"), "max_autotune"),
+])
+def test_compiles_autofit_cannot_simulate_are_refused(kwargs, match) -> None:
+    """Never silently wrong: a backend or inductor mode the simulation does not reproduce is a typed error."""
+    model = _Pointwise()
+    with pytest.raises(UnsupportedModelError, match=match):
+        autofit.estimate(torch.compile(model, **kwargs), torch.randn(8, 64), micro_batch_size=8,
+                         loss_fn=lambda out: out.sum())
+
+
+@pytest.mark.slow
+def test_compiled_tiny_llama_estimate_equals_measure() -> None:
+    """A 1-layer Llama (HF transformers, sdpa attention) compiled whole: estimate within 0.5 % of measure of the
+    compiled model. Slow: measure compiles its C++ kernels (about 50 of them)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(1))
+    kw = dict(micro_batch_size=8, loss_fn=lambda out: out.logits.float().square().mean())
+    compiled = torch.compile(model)
+    est = autofit.estimate(compiled, ids, **kw)
+    meas = autofit.measure(compiled, ids, **kw)
+    assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
