@@ -135,10 +135,12 @@ def _reinterpret_tensor(t: torch.Tensor, size: Any, stride: Any, offset: int) ->
 
 
 @contextlib.contextmanager
-def simulated_compile(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
+def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.nn.Module | None = None
+                      ) -> Iterator[None]:
     """While a simulation runs: each compiled module of the (fake) copy compiles its wrapped module with inductor,
-    without kernels (Note [inductor without kernels]). The copy's forwards are replaced for the duration."""
-    if not modules:
+    without kernels (Note [inductor without kernels]), and ``whole`` (the ``compile=True`` knob) is compiled as
+    ``nn.Module.compile()`` compiles it. The copy's forwards are replaced for the duration."""
+    if not modules and whole is None:
         yield
         return
     settings = [(name, module, compile_settings(module)) for name, module in modules]
@@ -164,6 +166,9 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[No
         stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1))
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
         try:
+            if whole is not None:  # nn.Module.compile: _wrapped_call_impl calls _compiled_call_impl when set
+                whole._compiled_call_impl = _compiled_while_eager(
+                    torch.compile(_fresh_caller(whole._call_impl), backend=backend))
             for _, module, s in settings:
                 saved.append((module, module.__dict__.get("forward")))
                 compiled = torch.compile(_fresh_caller(module._orig_mod), backend=backend,
@@ -171,6 +176,8 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[No
                 module.forward = _compiled_while_eager(compiled)
             yield
         finally:
+            if whole is not None:
+                whole._compiled_call_impl = None
             for module, forward in saved:
                 module.__dict__.pop("forward", None)
                 if forward is not None:
@@ -187,8 +194,8 @@ def _compiled_while_eager(compiled: Callable) -> Callable:
     return call
 
 
-def _fresh_caller(module: torch.nn.Module) -> Callable:
-    """A function calling ``module`` whose code object is new: dynamo keeps its compiled entries on the code object,
+def _fresh_caller(module: Callable) -> Callable:
+    """A function calling ``module`` (a module or its ``_call_impl``) whose code object is new: dynamo keeps its compiled entries on the code object,
     so they die with it and never mix with a real compile's."""
     def call(*args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)

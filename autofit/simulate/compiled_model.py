@@ -16,12 +16,14 @@ __all__ = ["compiled_for_simulation", "warm_up", "compiled_note"]
 
 
 @contextlib.contextmanager
-def compiled_for_simulation(work: nn.Module, fake: bool) -> Iterator[bool]:
-    """Compile the fake copy's compiled modules as inductor would (the kernels left out); yields whether any was.
+def compiled_for_simulation(work: nn.Module, fake: bool, knob: bool = False) -> Iterator[bool]:
+    """Compile the fake copy's compiled modules as inductor would (the kernels left out), and with ``knob``
+    (``compile=True``) the copy itself unless the user compiled it already; yields whether any was compiled.
     A real run (Note [data-dependent models]) runs compiled code eagerly."""
     modules = compiled_modules(work) if fake else []
-    with simulated_compile(modules):
-        yield any(compile_settings(m).backend == "inductor" for _, m in modules)
+    whole = work if fake and knob and not any(name == "" for name, _ in modules) else None
+    with simulated_compile(modules, whole):
+        yield whole is not None or any(compile_settings(m).backend == "inductor" for _, m in modules)
 
 
 def warm_up(work: nn.Module, micro, micro_target, loss_fn, config) -> None:
@@ -32,9 +34,11 @@ def warm_up(work: nn.Module, micro, micro_target, loss_fn, config) -> None:
         p.grad = None
 
 
-def compiled_note(model: nn.Module, compiled: bool) -> str | None:
-    """The estimate's note on the user's compiled modules."""
+def compiled_note(model: nn.Module, compiled: bool, knob: bool = False) -> str | None:
+    """The estimate's note on the user's compiled modules, or on the ``compile=True`` knob."""
     names = [name or "the model" for name, _ in compiled_modules(model)]
+    if knob and not names:
+        names = ["the model (compile=True)"]
     if not names:
         return None
     if compiled:

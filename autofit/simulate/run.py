@@ -222,7 +222,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
     with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled, \
-            compiled_for_simulation(work, fake) as inductor:
+            compiled_for_simulation(work, fake, config.compile) as inductor:
         if config.strategy == "fsdp2":  # shard before the optimizer is built, as the trainer does
             apply_fsdp2(work, config.shard_units, mesh, config.precision.dtype if config.precision.autocast else None,
                         offload=config.offload_states, reshard_after_forward=config.reshard_after_forward)
@@ -277,7 +277,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             for h in handles:
                 h.remove()
     notes = []
-    note = compiled_note(model, inductor)
+    note = compiled_note(model, inductor, config.compile)
     if note:
         notes.append(note)
     if rerouted:

@@ -66,6 +66,8 @@ class StepConfig:
     # the output head and the cross-entropy run in chunks of tokens (Note [chunked cross-entropy],
     # autofit/training/chunked_loss.py); None: the model's own head and the loss as given
     chunked_loss: LossChunks | None = None
+    # the model runs as torch.compile(model) (inductor, default options) compiles it (Note [compile as a knob])
+    compile: bool = False
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -109,6 +111,8 @@ class StepConfig:
                 f"offload_states with stored precision {self.precision.stored!r}: FSDP2 keeps fp32 sharded "
                 "parameters on the host and gathers them in the compute dtype, so leave stored=None"
             )
+        if not isinstance(self.compile, bool):
+            raise InvalidInputError(f"compile must be True or False, got {self.compile!r}")
         if self.optimizer_in_backward:
             check_in_backward(accumulation_steps=self.accumulation_steps, clip_grad_norm=clip,
                               grad_scaler=self.precision.needs_grad_scaler,
@@ -121,7 +125,7 @@ def make_step_config(
     strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
-    replicate: int = 1, chunked_loss: LossChunks | None = None,
+    replicate: int = 1, chunked_loss: LossChunks | None = None, compile: bool = False,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -140,7 +144,7 @@ def make_step_config(
         offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
         reshard_after_forward=reshard_after_forward, replicate=replicate,
-        chunked_loss=chunked_loss,
+        chunked_loss=chunked_loss, compile=compile,
     )
 
 
