@@ -75,6 +75,8 @@ class PlanRequest:
     # what a rung of the ladder set for the step it searches: the chunked loss, and the 8-bit optimizer's class
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
+    # plan(compile=True): every step runs the model compiled (Note [compile as a knob], training/config.py)
+    compile: bool = False
 
     @property
     def fit_bytes(self) -> int:
@@ -93,7 +95,7 @@ class PlanRequest:
             offload_states=parallel.offload_states,
             reduce_every_micro_batch=parallel.reduce_every_micro_batch,
             reshard_after_forward=parallel.reshard_after_forward, replicate=parallel.replicate,
-            chunked_loss=self.chunked_loss)
+            chunked_loss=self.chunked_loss, compile=self.compile)
 
     @property
     def allow_checkpoint(self) -> bool:
@@ -124,6 +126,7 @@ def make_request(
     min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
     gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
+    compile: bool = False,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -188,4 +191,5 @@ def make_request(
         host_budget_bytes=host_budget_bytes, gpus_per_node=per_node, reshard_options=reshards,
         replicate_options=replicates, allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
         closed_rungs=closed,
+        compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it
     )

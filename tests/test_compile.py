@@ -138,3 +138,27 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
     assert meas.peak_bytes < autofit.measure(model, sample, **kw).peak_bytes  # measure really ran it compiled
     assert meas.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
     assert abs(_error(autofit.estimate(compiled, sample, **kw), meas)) <= TOLERANCE
+
+
+def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
+    """``plan(compile=True)`` on an uncompiled model: the plan says so (and in its JSON), its choice's estimate is
+    the compiled step's as measured, and the trainer runs the model compiled while wrapped: its step's loss equals a
+    plain eager step's, and the model is uncompiled again after unwrap."""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    loss_fn = _KW["loss_fn"]
+    plan = autofit.plan(model, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512, compile=True)
+    assert plan.compile and autofit.Plan.from_json(plan.to_json()).compile and "torch.compile" in str(plan)
+    kw = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+              checkpoint=plan.checkpoint, loss_fn=loss_fn)
+    meas = autofit.measure(model, sample, compile=True, **kw)
+    assert meas.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
+    reference = _Pointwise()
+    reference.load_state_dict(model.state_dict())
+    expected = loss_fn(reference(sample)).item()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with plan.wrap(model, optimizer, loss_fn=loss_fn) as trainer:
+        loss = trainer.step(sample)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert autofit.estimate(model, sample, **kw).peak_bytes > meas.peak_bytes  # the model is eager again

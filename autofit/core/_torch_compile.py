@@ -43,7 +43,7 @@ import torch
 from autofit.core._torch import patch
 from autofit.core.errors import UnsupportedModelError, UnsupportedTorchError
 
-__all__ = ["CompileSettings", "compile_settings", "simulated_compile"]
+__all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls"]
 
 # options of the inductor backend that change nothing on the CPU (cudagraphs are a CUDA feature)
 _IGNORED_OPTIONS = frozenset({"triton.cudagraphs"})
@@ -192,6 +192,18 @@ def _compiled_while_eager(compiled: Callable) -> Callable:
             return compiled(*args, **kwargs)
 
     return call
+
+
+@contextlib.contextmanager
+def compiled_calls(module: torch.nn.Module) -> Iterator[None]:
+    """``nn.Module.compile()`` for a while (the trainer of a plan with ``compile=True``): the module's calls run
+    compiled; on exit its call is as before (``_compiled_call_impl``, torch/nn/modules/module.py)."""
+    before = module._compiled_call_impl
+    module.compile()
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = before
 
 
 def _fresh_caller(module: Callable) -> Callable:

@@ -20,7 +20,8 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
                   margin_bytes: int = 0, reduce_every_micro_batch: bool = False,
                   reshard_after_forward: bool | int = True, replicate: int = 1, gpus_per_node: int = 0,
-                  chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None) -> Plan:
+                  chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None,
+                  compile: bool = False) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -41,7 +42,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         reduce_every_micro_batch=reduce_every_micro_batch and chosen.accumulation_steps > 1,
         reshard_after_forward=reshard_after_forward, replicate=replicate, gpus_per_node=gpus_per_node,
         selective=chosen.selective,
-        chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer,
+        chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer, compile=compile,
     )
 
 
