@@ -140,6 +140,7 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
     assert abs(_error(autofit.estimate(compiled, sample, **kw), meas)) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
     """``plan(compile=True)`` on an uncompiled model: the plan says so (and in its JSON), its choice's estimate is
     the compiled step's as measured, and the trainer runs the model compiled while wrapped: its step's loss equals a
@@ -162,3 +163,21 @@ def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
         loss = trainer.step(sample)
     assert loss == pytest.approx(expected, rel=1e-5)
     assert autofit.estimate(model, sample, **kw).peak_bytes > meas.peak_bytes  # the model is eager again
+
+
+@pytest.mark.slow
+def test_cli_compile_flag_plans_compiled() -> None:
+    """``autofit plan ... --compile``: exit 0 and a plan that says it compiles (no C++ compile while planning, but
+    inductor lowers the graph once per simulation: about 30 s for this MLP, hence slow)."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    factory = f"{Path(__file__).resolve().parent.parent / 'examples' / 'factories.py'}:mlp"
+    result = CliRunner().invoke(app, ["plan", factory, "--input-shape", "128", "--budget", "50MB", "--batch-size",
+                                      "32", "--device", "cpu", "--compile", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["compile"] is True
