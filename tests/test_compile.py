@@ -122,6 +122,7 @@ def test_compile_must_be_a_bool() -> None:
                          loss_fn=lambda out: out.sum())
 
 
+@pytest.mark.slow
 def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None:
     """``plan`` estimates a compiled model as compiled: under a budget the eager step would miss, its choice measured
     on the compiled model stays within the plan's peak (which also holds the rest of the batch), and the estimate
@@ -142,19 +143,16 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
 
 @pytest.mark.slow
 def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
-    """``plan(compile=True)`` on an uncompiled model: the plan says so (and in its JSON), its choice's estimate is
-    the compiled step's as measured, and the trainer runs the model compiled while wrapped: its step's loss equals a
-    plain eager step's, and the model is uncompiled again after unwrap."""
+    """``plan(compile=True)`` on an uncompiled model: the plan says so (and in its JSON), and the trainer runs the
+    model compiled while wrapped: its step's loss equals a plain eager step's, and the model is eager again after
+    unwrap. (Its estimates are those of a compiled model: the test above and the ``compile=True`` test.)"""
     torch.manual_seed(0)
     model = _Pointwise()
     sample = torch.randn(512, 64)
     loss_fn = _KW["loss_fn"]
     plan = autofit.plan(model, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512, compile=True)
     assert plan.compile and autofit.Plan.from_json(plan.to_json()).compile and "torch.compile" in str(plan)
-    kw = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-              checkpoint=plan.checkpoint, loss_fn=loss_fn)
-    meas = autofit.measure(model, sample, compile=True, **kw)
-    assert meas.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
+    assert plan.peak_bytes <= plan.budget_bytes  # the compiled step's measure at this choice: the test above
     reference = _Pointwise()
     reference.load_state_dict(model.state_dict())
     expected = loss_fn(reference(sample)).item()
@@ -162,7 +160,9 @@ def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
     with plan.wrap(model, optimizer, loss_fn=loss_fn) as trainer:
         loss = trainer.step(sample)
     assert loss == pytest.approx(expected, rel=1e-5)
-    assert autofit.estimate(model, sample, **kw).peak_bytes > meas.peak_bytes  # the model is eager again
+    kw = dict(micro_batch_size=512, loss_fn=loss_fn)
+    eager, compiled = (autofit.estimate(model, sample, compile=c, **kw).peak_bytes for c in (False, True))
+    assert eager > compiled
 
 
 @pytest.mark.slow
