@@ -181,3 +181,12 @@ def test_cli_compile_flag_plans_compiled() -> None:
                                       "32", "--device", "cpu", "--compile", "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["compile"] is True
+
+
+def test_model_compiled_in_place_is_refused() -> None:
+    """``nn.Module.compile()`` compiles in place; a copy of such a model ran eagerly, estimate and measure alike,
+    while the user trains it compiled: refused with a typed error naming the way that works."""
+    model = _Pointwise()
+    model.compile()
+    with pytest.raises(UnsupportedModelError, match="nn.Module.compile"):
+        autofit.estimate(model, torch.randn(8, 64), micro_batch_size=8, loss_fn=lambda out: out.sum())

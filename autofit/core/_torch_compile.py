@@ -43,7 +43,7 @@ import torch
 from autofit.core._torch import patch
 from autofit.core.errors import UnsupportedModelError, UnsupportedTorchError
 
-__all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls"]
+__all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls", "compiled_in_place"]
 
 # options of the inductor backend that change nothing on the CPU (cudagraphs are a CUDA feature)
 _IGNORED_OPTIONS = frozenset({"triton.cudagraphs"})
@@ -192,6 +192,12 @@ def _compiled_while_eager(compiled: Callable) -> Callable:
             return compiled(*args, **kwargs)
 
     return call
+
+
+def compiled_in_place(model: torch.nn.Module) -> list[str]:
+    """Modules compiled with ``nn.Module.compile()`` (their ``_compiled_call_impl`` is set), by name."""
+    return [name or "the model" for name, m in model.named_modules()
+            if getattr(m, "_compiled_call_impl", None) is not None]
 
 
 @contextlib.contextmanager
