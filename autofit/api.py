@@ -29,7 +29,7 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
             clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
             strategy=None, reduce_every_micro_batch=False, chunked_loss=False, batch=None, target=None,
             loss_fn=None, reshard_after_forward=True, replicate=1, tensor_parallel=1,
-            tensor_parallel_plan=None) -> StepConfig:
+            tensor_parallel_plan=None, compile=False) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -56,7 +56,7 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             offload=offload, offload_states=offload_states, strategy=strategy, world_size=world_size,
                             shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch,
                             chunked_loss=chunks, reshard_after_forward=reshard_after_forward, replicate=replicate,
-                            tensor_parallel=tensor_parallel, tensor_plan=tensor_plan)
+                            tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile)
 
 
 def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
@@ -77,7 +77,7 @@ def estimate(
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, world_size: int = 1,
     strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
     reshard_after_forward: bool | int = True, replicate: int = 1, tensor_parallel: int = 1,
-    tensor_parallel_plan: Mapping[str, Any] | None = None,
+    tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -117,6 +117,9 @@ def estimate(
     logits and their gradient are never live at once (Note [chunked cross-entropy], autofit/training/chunked_loss.py); for
     the default loss against an integer target, or a Hugging Face causal LM given ``labels``.
 
+    ``compile``: the step runs the model as ``torch.compile`` (inductor, default options) compiles it; a model the
+    user compiled is estimated as compiled either way (Note [inductor without kernels], docs/fine-tuning.md).
+
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
@@ -128,7 +131,7 @@ def estimate(
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
                      reduce_every_micro_batch, chunked_loss, batch,
                      target_batch, loss_fn, reshard_after_forward, replicate, tensor_parallel,
-                     tensor_parallel_plan)
+                     tensor_parallel_plan, compile)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     return device_model.estimate(sim)
@@ -139,6 +142,7 @@ def measure(
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, chunked_loss: bool = False,
+    compile: bool = False,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -150,7 +154,7 @@ def measure(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
                      clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward, offload=offload,
                      offload_states=offload_states, chunked_loss=chunked_loss, batch=batch, target=target_batch,
-                     loss_fn=loss_fn)
+                     loss_fn=loss_fn, compile=compile)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:

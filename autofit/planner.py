@@ -49,6 +49,7 @@ def plan(
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
     allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
     replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1, tensor_parallel_plan: Any = None,
+    compile: bool = False,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -91,7 +92,10 @@ def plan(
     them (Note [the ladder], docs/fine-tuning.md): "chunked-loss" (the output head and the cross-entropy in chunks
     of tokens, for the default loss against an integer target or a Hugging Face causal LM given labels) and
     "8bit-optimizer" (AdamW's state in 8 bits: bitsandbytes' AdamW8bit, else torchao's; the trainer builds it from
-    the optimizer given to ``wrap``). The plan's notes say which were climbed and what each saved."""
+    the optimizer given to ``wrap``). The plan's notes say which were climbed and what each saved.
+
+    ``compile=True``: every step runs the model compiled (torch.compile, inductor), estimated as inductor compiles
+    it, and the trainer compiles it (Note [compile as a knob]); a model compiled already is planned as compiled."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
@@ -99,7 +103,7 @@ def plan(
         fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
         allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
         reshard_after_forward=reshard_after_forward, replicate=replicate,
-        allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan,
+        allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan, compile=compile,
     )[0]
 
 
@@ -111,7 +115,7 @@ def plan_with_analysis(
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
     margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
     reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
-    tensor_parallel_plan: Any = None,
+    tensor_parallel_plan: Any = None, compile: bool = False,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -125,7 +129,7 @@ def plan_with_analysis(
                            allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
                            reshard_after_forward=reshard_after_forward, replicate=replicate,
                            allow=allow, tensor_parallel=tensor_parallel,
-                           tensor_parallel_plan=tensor_parallel_plan)
+                           tensor_parallel_plan=tensor_parallel_plan, compile=compile)
     results, infeasible_errors, failed = [], [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
@@ -247,7 +251,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         reshard_after_forward=parallel.reshard_after_forward,
         replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
         chunked_loss=request.chunked_loss, low_bit_optimizer=request.low_bit_optimizer,
-        tensor_parallel=parallel.tensor_parallel, tensor_plan=parallel.tensor_plan,
+        tensor_parallel=parallel.tensor_parallel, tensor_plan=parallel.tensor_plan, compile=request.compile,
     )
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(

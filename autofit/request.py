@@ -78,6 +78,8 @@ class PlanRequest:
     # what a rung of the ladder set for the step it searches: the chunked loss, and the 8-bit optimizer's class
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
+    # plan(compile=True): every step runs the model compiled (Note [compile as a knob], training/config.py)
+    compile: bool = False
 
     @property
     def fit_bytes(self) -> int:
@@ -97,7 +99,7 @@ class PlanRequest:
             reduce_every_micro_batch=parallel.reduce_every_micro_batch,
             reshard_after_forward=parallel.reshard_after_forward, replicate=parallel.replicate,
             chunked_loss=self.chunked_loss, tensor_parallel=parallel.tensor_parallel,
-            tensor_plan=parallel.tensor_plan)
+            tensor_plan=parallel.tensor_plan, compile=self.compile)
 
     def for_layout(self, parallel: Parallel) -> PlanRequest:
         """The request as ``parallel`` runs it: with tensor parallel T the T ranks of a group share their rows, so
@@ -135,7 +137,7 @@ def make_request(
     min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
     gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
-    tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None,
+    tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -205,4 +207,5 @@ def make_request(
         replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
         allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
         closed_rungs=closed,
+        compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it
     )

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from autofit.training.batch import Batch, as_batch
+from autofit.core._torch_compile import compiled_in_place
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget
-from autofit.core.errors import InvalidInputError, require_int, require_layout
+from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int, require_layout
 from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
@@ -32,6 +33,11 @@ __all__ = ["check_model", "as_inputs", "check_capacity", "check_positions", "mar
 def check_model(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    in_place = compiled_in_place(model)
+    if in_place:  # its copies would run eagerly, silently (see Note [inductor without kernels])
+        raise UnsupportedModelError(
+            f"{', '.join(in_place)}: compiled in place with nn.Module.compile(), which autofit does not estimate; "
+            "pass torch.compile(model) instead, or the uncompiled model with compile=True")
     return model
 
 

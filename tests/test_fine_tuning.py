@@ -207,10 +207,11 @@ def test_optimizer_that_cannot_step_gets_a_typed_error() -> None:
 
 
 # ---- torch.compile ---------------------------------------------------------------------------------------------------
-def test_compiled_model_is_estimated_as_its_eager_model() -> None:
+def test_compiled_model_counts_its_gradients_and_optimizer_state() -> None:
     """A compiled model's copy runs the copy's parameters (Note [compiled models]): gradients and optimizer state
-    are counted, the estimate equals the eager model's, with a note, and it matches ``measure`` of the compiled
-    model where compilation does not change the peak (the optimizer step). Needs a C compiler for inductor."""
+    are counted, with a note; where the peak is the optimizer step, compilation does not change it (the estimate
+    equals the eager model's) and it matches ``measure`` of the compiled model. Where compilation changes the peak:
+    tests/test_compile.py. Needs a C compiler for inductor."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
     kw = dict(micro_batch_size=8, loss_fn=lambda out: out.square().mean())

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autofit.core._torch import TorchDispatchMode, pytree
+from autofit.core._torch import TorchDispatchMode, compiled_code_runs_eagerly, pytree
 from autofit.training.batch import Batch
 from autofit.capture.module_stack import install_module_stack
 from autofit.capture.corrections import fake_kernel
@@ -71,7 +71,9 @@ def record_forward(model: nn.Module, batch: Batch) -> tuple[fx.Graph, dict[str, 
     recorder = _Recorder(names)
     handles = install_module_stack(model, [], on_enter=recorder.enter, on_exit=recorder.exit)
     try:
-        with recorder:
+        # compiled code runs eagerly here: under a dispatch mode dynamo would skip the frame and never compile that
+        # code again in this process, the user's later real compiles included (Note [inductor without kernels])
+        with compiled_code_runs_eagerly(), recorder:
             output = batch.call(model)
     finally:
         for h in handles:

@@ -188,9 +188,9 @@ def _deepcopy(model: nn.Module, memo: dict[int, object]) -> nn.Module:
 #     A deep copy of it copies that function's closure apart from the copied ``_orig_mod``, so the copy's forward
 #     ran a third copy of the module, whose parameters the optimizer does not hold: no gradient and no optimizer
 #     state reached the counted parameters, in the simulation (54.9 MB for AdamW and SGD alike on a tiny Llama)
-#     and in ``measure``. The copy's forward is rebuilt around the copy's ``_orig_mod``. A simulation then runs the
-#     compiled code eagerly (Note [compiled code in a simulation], simulate/run.py): the estimate is the eager
-#     model's, and a note says so; ``measure`` and the trainer run the compiled model for real.
+#     and in ``measure``. The copy's forward is rebuilt around the copy's ``_orig_mod``. A simulation then compiles
+#     the fake copy with inductor, its kernels left out (Note [inductor without kernels], core/_torch_compile.py),
+#     and a note says so; ``measure`` and the trainer run the compiled model for real.
 
 
 # Note [copied closures]

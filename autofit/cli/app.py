@@ -70,6 +70,9 @@ OverCapacityOpt = Annotated[bool, typer.Option(
 AllowOpt = Annotated[Optional[list[str]], typer.Option(
     "--allow", metavar="RUNG", help="a rung that changes numerics the planner may climb when nothing fits without "
     "it (repeatable): 8bit-optimizer, chunked-loss (docs/fine-tuning.md)")]
+CompileOpt = Annotated[bool, typer.Option(
+    "--compile", help="train the model compiled (torch.compile, inductor): estimated as inductor compiles it, and "
+    "the trainer compiles it (docs/fine-tuning.md)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 NodesOpt = Annotated[Optional[int], typer.Option(
     "--nodes", help="machines training together, --gpus-per-node each (world size = nodes x GPUs per node); "
@@ -137,7 +140,7 @@ def plan(
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
-    tensor_parallel: TensorOpt = "1",
+    tensor_parallel: TensorOpt = "1", compile: CompileOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -168,6 +171,7 @@ def plan(
                 reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
                 replicate=layout_option("--replicate", replicate),
                 allow=tuple(allow or ()), tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
+                compile=compile,
             )
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)

@@ -21,7 +21,8 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   margin_bytes: int = 0, reduce_every_micro_batch: bool = False,
                   reshard_after_forward: bool | int = True, replicate: int = 1, gpus_per_node: int = 0,
                   chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None,
-                  tensor_parallel: int = 1, tensor_plan: tuple[tuple[str, str], ...] = ()) -> Plan:
+                  tensor_parallel: int = 1, tensor_plan: tuple[tuple[str, str], ...] = (),
+                  compile: bool = False) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
@@ -43,7 +44,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         reshard_after_forward=reshard_after_forward, replicate=replicate, gpus_per_node=gpus_per_node,
         selective=chosen.selective,
         chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer,
-        tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
+        tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
     )
 
 

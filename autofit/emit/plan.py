@@ -100,6 +100,8 @@ class Plan:
     # in place of the one given to wrap() (its dotted class name, Note [8-bit optimizer state])
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
+    # plan(compile=True): the trainer compiles the model (nn.Module.compile; Note [compile as a knob])
+    compile: bool = False
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
     selective: tuple[str, ...] = ()
@@ -341,6 +343,7 @@ class Plan:
             ("optimizer", self.optimizer),
             ("optimizer", self.optimizer if self.low_bit_optimizer is None
              else f"{self.low_bit_optimizer} (8-bit state, in place of {self.optimizer})"),
+            *([("compile", "torch.compile (inductor), applied by the trainer")] if self.compile else []),
             *([("loss", f"cross-entropy over {self.chunked_loss.head!r} in {self.chunked_loss.chunks} chunks of "
                         "tokens")] if self.chunked_loss is not None else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit.core._torch import BatchNormBase
+from autofit.core._torch import BatchNormBase, compiled_modules
+from autofit.core._torch_compile import compiled_calls
 from autofit.training.batch import Batch, as_batch
 from autofit.core.errors import InvalidInputError
 from autofit.training.in_backward import stepping_in_backward
@@ -90,6 +91,8 @@ class Trainer:
                                     plan.precision.fp32_modules)
         self._patch = contextlib.ExitStack()
         self._patch.enter_context(patched_model(getattr(self, "_inner", model), self.config, self.device_type))
+        if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
+            self._patch.enter_context(compiled_calls(getattr(self, "_inner", model)))
         if plan.optimizer_in_backward:  # Note [optimizer step in backward]
             self._patch.enter_context(stepping_in_backward(getattr(self, "_inner", model), optimizer))
         self._active = True

@@ -80,6 +80,8 @@ def measure_step(
     measured windows of ``accumulation_steps`` micro-batches each. Returns the highest peak."""
     device = torch.device(config.device)
     work = real_copy(model).to(device)
+    if config.compile:  # Note [compile as a knob]: nn.Module.compile keeps the module's names and parameters
+        work.compile()
     micro = batch.map_tensors(lambda t: t.to(device)).resize(config.micro_batch_size)
     micro_target = None if target is None else target.map_tensors(lambda t: t.to(device)).resize(
         config.micro_batch_size)

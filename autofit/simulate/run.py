@@ -17,14 +17,11 @@ Note [data-dependent models]
     (``FakeKernelStricter``), falls back the same way.
 
 Note [compiled code in a simulation]
-    Code compiled with ``torch.compile`` cannot run on fake tensors: inductor's CPU kernels read the tensors' data
-    pointers, and a simulation after a real compiled step segfaulted (torchao's optimizers compile their step).
-    While a simulation runs, compiled functions and modules run their Python code eagerly
-    (``torch.compiler.set_stance("force_eager")``). For a compiled model (Note [compiled models],
-    capture/model_copy.py) the estimate is therefore the eager model's, and its notes say so: what AOTAutograd's
-    partitioner saves for backward and the temporaries inductor fuses away are not modelled. On a tiny Llama on the
-    CPU compilation lowered the peak by 15 % (docs/fine-tuning.md): there the eager estimate was an upper bound. A
-    compiled optimizer step is measured for real instead (Note [compiled optimizer steps], compiled_steps.py).
+    Code compiled with ``torch.compile`` cannot run its kernels on fake tensors (inductor's CPU kernels read data
+    pointers: a simulation after a real compiled step segfaulted), so while a simulation runs, compiled code runs
+    eagerly (``torch.compiler.set_stance("force_eager")``), except a compiled model of a fake run: the copy is
+    compiled by inductor without kernels (Note [inductor without kernels], core/_torch_compile.py). A compiled
+    optimizer step is measured for real instead (Note [compiled optimizer steps], compiled_steps.py).
 
 Note [MoE routing]
     Whether a mixture-of-experts layer's memory depends on the routing depends on its implementation (transformers
@@ -60,7 +57,6 @@ from torch import nn
 from autofit.core._torch import (
     DATA_DEPENDENT_ERRORS,
     compiled_code_runs_eagerly,
-    compiled_modules,
     disable_current_modes,
     FakeTensorMode,
     unset_fake_temporarily,
@@ -79,6 +75,7 @@ from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelErro
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
+from autofit.simulate.compiled_model import compiled_for_simulation, compiled_note, warm_up
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
@@ -224,7 +221,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     implementation = "cpu" if config.offload_states else config.device
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
-    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled:
+    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled, \
+            compiled_for_simulation(work, fake, config.compile) as inductor:
         if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
             apply_layout(work, mesh, config)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
@@ -266,6 +264,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                     stack.enter_context(stepping_in_backward(work, optimizer, stepped))
                 stack.enter_context(tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
+                if inductor:
+                    warm_up(work, micro, micro_target, loss_fn, config)
                 stack.enter_context(tracker)
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
                     stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
@@ -276,11 +276,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             for h in handles:
                 h.remove()
     notes = []
-    compiled_names = [name or "the model" for name, _ in compiled_modules(model)]
-    if compiled_names:
-        notes.append(f"{', '.join(compiled_names)}: torch.compile'd; simulated eagerly, so what compilation changes "
-                     "(the activations AOTAutograd's partitioner saves, the temporaries fusion removes) is not "
-                     "modelled (see Note [compiled code in a simulation])")
+    note = compiled_note(model, inductor, config.compile)
+    if note:
+        notes.append(note)
     if rerouted:
         notes.append(f"{', '.join(rerouted)}: per-expert loops whose peak depends on the routing; simulated with the "
                      "heaviest routing measured (see Note [MoE routing]), not the sample's")

@@ -76,6 +76,12 @@ class StepTracker(TorchDispatchMode):
         # sets it around what runs on the host: save_on_cpu's packing, the CPU-offloaded optimizer step
         self.on_host = False
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles under the tracker, which sees the compiled code run, not its tracing (Note
+        [inductor without kernels], autofit/core/_torch_compile.py)."""
+        return True
+
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     @property
     def module(self) -> str:

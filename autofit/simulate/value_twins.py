@@ -45,6 +45,12 @@ class ValueTwins(TorchDispatchMode):
         self._by_storage: dict[int, set[int]] = {}  # id(fake storage) -> ids of the fakes on it that have twins
         self.answered = 0  # value reads answered from twins
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """A compiled model's code runs compiled under the twins (Note [inductor without kernels],
+        core/_torch_compile.py); with this False, dynamo skips the frame and never compiles its code again."""
+        return True
+
     def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Give ``fake`` the real twin ``real`` (same shape and dtype)."""
         if not isinstance(fake, FakeTensor) or tuple(fake.shape) != tuple(real.shape) or fake.dtype != real.dtype:

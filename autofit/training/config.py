@@ -3,6 +3,17 @@ once (:class:`StepConfig`), and :func:`make_step_config`, which reads the user's
 or a mapping of module name to recomputation policy, precision names, optimizer names). The simulation, ``measure``
 and the trainer all run the step this value describes (``step.py``); the planner passes it whole from the request
 through the analysis and the search (docs/architecture.md, "The step as one value").
+
+Note [compile as a knob]
+    ``compile=True`` runs the step's model as ``torch.compile`` (inductor, default options) compiles it: the
+    simulation compiles its fake copy without kernels (Note [inductor without kernels], core/_torch_compile.py) and
+    ``measure`` calls ``nn.Module.compile()`` on its real copy (which keeps the module's names and parameters, so
+    checkpointed or pinned module names still resolve). A model the user compiled is simulated as compiled whatever
+    the knob says. The planner does not pick compilation on its own, although it changes no numerics beyond float
+    reassociation: it costs compile time the time model does not price (seconds to minutes, per new input shape),
+    the trainer's shorter micro-batches and other lengths recompile with dynamic shapes, whose buffers are not the
+    static ones simulated, and code dynamo cannot trace fails or breaks the graph only when the user runs it. Compile
+    is the user's choice, which ``plan`` then honours for every candidate.
 """
 
 from __future__ import annotations
@@ -71,6 +82,8 @@ class StepConfig:
     # the output head and the cross-entropy run in chunks of tokens (Note [chunked cross-entropy],
     # autofit/training/chunked_loss.py); None: the model's own head and the loss as given
     chunked_loss: LossChunks | None = None
+    # the model runs as torch.compile(model) (inductor, default options) compiles it (Note [compile as a knob])
+    compile: bool = False
 
     @property
     def fully_sharded(self) -> bool:
@@ -136,6 +149,8 @@ class StepConfig:
                 f"offload_states with stored precision {self.precision.stored!r}: FSDP2 keeps fp32 sharded "
                 "parameters on the host and gathers them in the compute dtype, so leave stored=None"
             )
+        if not isinstance(self.compile, bool):
+            raise InvalidInputError(f"compile must be True or False, got {self.compile!r}")
         if self.optimizer_in_backward:
             check_in_backward(accumulation_steps=self.accumulation_steps, clip_grad_norm=clip,
                               grad_scaler=self.precision.needs_grad_scaler,
@@ -149,7 +164,7 @@ def make_step_config(
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
     replicate: int = 1, chunked_loss: LossChunks | None = None, tensor_parallel: int = 1,
-    tensor_plan: tuple[tuple[str, str], ...] = (),
+    tensor_plan: tuple[tuple[str, str], ...] = (), compile: bool = False,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -169,6 +184,7 @@ def make_step_config(
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
         reshard_after_forward=reshard_after_forward, replicate=replicate,
         chunked_loss=chunked_loss, tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan),
+        compile=compile,
     )
 
 

@@ -1,0 +1,222 @@
+"""The torch boundary for torch.compile's internals (dynamo, AOTAutograd, inductor), beside ``_torch.py``.
+
+Everything here is private torch API, imported lazily (importing inductor costs seconds) and checked when first
+used: a torch that moved a piece raises :class:`UnsupportedTorchError` naming it. See Note [inductor without
+kernels].
+
+Note [inductor without kernels]
+    A compiled model's memory is what inductor's generated wrapper code allocates and frees: AOTAutograd's
+    partitioner (``min_cut_rematerialization_partition``) decides which activations the forward graph returns for
+    backward, and inductor's scheduler decides which buffers exist at all (a fused kernel keeps its intermediates in
+    registers), when each is freed (``del bufN``) and which buffer a later one reuses (``buf3 = buf0; del buf0  #
+    reuse``). The wrapper is Python: it allocates with ``empty_strided_cpu``, runs extern kernels (``mm``, ``addmm``,
+    attention) as aten ``out=`` ops, and calls the generated C++ kernels through ``async_compile.cpp_pybinding``.
+    So a simulation compiles the model for real, on its fake tensors, through inductor's own ``compile_fx`` (the same
+    decompositions, partitioner, lowering and scheduler as ``torch.compile(model)``), and only the last step differs:
+    the wrapper source is executed with the C++ kernels replaced by no-ops (they read data pointers, and compiling
+    them is the slow part), ``empty_strided_cpu`` by ``torch.empty_strided`` and ``reinterpret_tensor`` by
+    ``torch.as_strided`` (the C++ helpers create real or meta tensors, not fake ones), so every allocation and free
+    of the compiled step passes through the simulation's dispatch mode as it happens on the allocator. The dispatch
+    mode declares ``ignore_compile_internals``, so dynamo compiles under it and it sees the compiled code's
+    runtime, not the tracing. The module is never written to inductor's caches (FX graph cache and AOTAutograd cache
+    off while a simulation compiles), and the compiled function is a fresh code object per simulation, with its own
+    backend: dynamo's cache entries live on the code object and check the backend, so no real run can pick up the
+    kernel-less code and no simulation a real kernel.
+
+    What this covers: the CPU target exactly (the same wrapper code ``measure`` runs), for inductor with default
+    options. For a GPU target inductor generates Triton kernels and its own wrapper; the partitioner's saved set is
+    decided on the same graph and carries over, but the GPU wrapper's buffer reuse and which ops become extern
+    kernels may differ, and the CUDA caching allocator rounds what it sees. ``mode="max-autotune"`` benchmarks real
+    kernels while it compiles and is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autofit.core._torch import patch
+from autofit.core.errors import UnsupportedModelError, UnsupportedTorchError
+
+__all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls", "compiled_in_place"]
+
+# options of the inductor backend that change nothing on the CPU (cudagraphs are a CUDA feature)
+_IGNORED_OPTIONS = frozenset({"triton.cudagraphs"})
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How a module was compiled: the backend's name and the arguments of ``torch.compile`` that decide memory."""
+
+    backend: str
+    options: dict[str, Any] = field(default_factory=dict)
+    dynamic: bool | None = None
+    fullgraph: bool = False
+
+
+def compile_settings(module: torch.nn.Module) -> CompileSettings:
+    """The settings an ``OptimizedModule`` was compiled with (``torch.compile``'s backend, unwrapped from dynamo's
+    frame converters, torch/_dynamo/eval_frame.py and convert_frame.py)."""
+    ctx = getattr(module, "dynamo_ctx", None)
+    backend = getattr(ctx, "callback", None)
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    name = getattr(backend, "compiler_name", None)
+    if ctx is None or name is None:
+        raise UnsupportedTorchError(
+            f"autofit reads how a model was compiled from OptimizedModule.dynamo_ctx, which this torch "
+            f"({torch.__version__}) does not have as expected; estimate the model before torch.compile")
+    options = dict(getattr(backend, "config", None) or {})
+    return CompileSettings(name, options, getattr(ctx, "_dynamic", None), bool(getattr(ctx, "fullgraph", False)))
+
+
+def _check_simulable(settings: CompileSettings, where: str) -> None:
+    if settings.backend not in ("inductor", "eager"):
+        raise UnsupportedModelError(
+            f"{where} is compiled with backend {settings.backend!r}; autofit estimates torch.compile's default "
+            "backend (inductor) and eager models: compile with the default backend, or estimate the model "
+            "before compiling it")
+    odd = sorted(k for k in settings.options if k not in _IGNORED_OPTIONS)
+    if odd:
+        raise UnsupportedModelError(
+            f"{where} is compiled with inductor options {odd} (mode='max-autotune' or options=...); autofit "
+            "estimates inductor's default mode only (max-autotune benchmarks real kernels while it compiles): "
+            "compile with torch.compile(model) to estimate it, or estimate the model before compiling it")
+
+
+def _kernel_free_module(self: Any, wrapper_code: Any) -> types.ModuleType:
+    """``GraphLowering._compile_to_module_lines`` without kernels (Note [inductor without kernels])."""
+    import torch._inductor.async_compile as async_compile
+
+    mod = types.ModuleType("autofit_simulated_inductor")
+    mod.__file__ = "<autofit: inductor wrapper without kernels>"
+    for name, value in {**self.constants, **getattr(self, "torchbind_constants", {})}.items():
+        setattr(mod, name, value)
+    with patch(async_compile, "AsyncCompile", lambda _: _NoKernels):
+        exec(compile(wrapper_code.value, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - inductor's own output
+    mod.empty_strided_cpu = _empty_strided_cpu
+    mod.reinterpret_tensor = _reinterpret_tensor
+    mod.assert_size_stride = mod.assert_alignment = _no_check
+    return mod
+
+
+class _NoKernels:
+    """``AsyncCompile`` whose C++ kernels do nothing: a simulation needs their outputs' buffers, not values."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def cpp_pybinding(self, argtypes: list[str], source_code: str) -> Callable[..., None]:
+        return _no_check
+
+    def cpp(self, source_code: str) -> Callable[..., None]:
+        return _no_check
+
+    def wait(self, scope: dict[str, Any]) -> None:
+        pass
+
+
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _empty_strided_cpu(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _reinterpret_tensor(t: torch.Tensor, size: Any, stride: Any, offset: int) -> torch.Tensor:
+    # inductor's _reinterpret_tensor: a view of the same storage, offset relative to t's own
+    return torch.as_strided(t, size, stride, t.storage_offset() + offset)
+
+
+@contextlib.contextmanager
+def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.nn.Module | None = None
+                      ) -> Iterator[None]:
+    """While a simulation runs: each compiled module of the (fake) copy compiles its wrapped module with inductor,
+    without kernels (Note [inductor without kernels]), and ``whole`` (the ``compile=True`` knob) is compiled as
+    ``nn.Module.compile()`` compiles it. The copy's forwards are replaced for the duration."""
+    if not modules and whole is None:
+        yield
+        return
+    settings = [(name, module, compile_settings(module)) for name, module in modules]
+    for name, _, s in settings:
+        _check_simulable(s, f"module {name!r}" if name else "the model")
+    # the "eager" backend runs the module's own code: the simulation's force_eager stance already does
+    settings = [(name, module, s) for name, module, s in settings if s.backend == "inductor"]
+    try:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.graph import GraphLowering
+    except ImportError as e:
+        raise UnsupportedTorchError(f"autofit simulates compiled models through inductor's compile_fx and "
+                                    f"GraphLowering, which this torch ({torch.__version__}) lacks: {e}") from e
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        return compile_fx(gm, example_inputs)
+
+    saved = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patch(GraphLowering, "_compile_to_module_lines", lambda _: _kernel_free_module))
+        stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1))
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        try:
+            if whole is not None:  # nn.Module.compile: _wrapped_call_impl calls _compiled_call_impl when set
+                whole._compiled_call_impl = _compiled_while_eager(
+                    torch.compile(_fresh_caller(whole._call_impl), backend=backend))
+            for _, module, s in settings:
+                saved.append((module, module.__dict__.get("forward")))
+                compiled = torch.compile(_fresh_caller(module._orig_mod), backend=backend,
+                                         dynamic=s.dynamic, fullgraph=s.fullgraph)
+                module.forward = _compiled_while_eager(compiled)
+            yield
+        finally:
+            if whole is not None:
+                whole._compiled_call_impl = None
+            for module, forward in saved:
+                module.__dict__.pop("forward", None)
+                if forward is not None:
+                    module.forward = forward
+
+
+def _compiled_while_eager(compiled: Callable) -> Callable:
+    """``compiled`` runs compiled although the simulation runs other compiled code eagerly (``force_eager``, Note
+    [compiled code in a simulation], simulate/run.py)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("default"):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def compiled_in_place(model: torch.nn.Module) -> list[str]:
+    """Modules compiled with ``nn.Module.compile()`` (their ``_compiled_call_impl`` is set), by name."""
+    return [name or "the model" for name, m in model.named_modules()
+            if getattr(m, "_compiled_call_impl", None) is not None]
+
+
+@contextlib.contextmanager
+def compiled_calls(module: torch.nn.Module) -> Iterator[None]:
+    """``nn.Module.compile()`` for a while (the trainer of a plan with ``compile=True``): the module's calls run
+    compiled; on exit its call is as before (``_compiled_call_impl``, torch/nn/modules/module.py)."""
+    before = module._compiled_call_impl
+    module.compile()
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = before
+
+
+def _fresh_caller(module: Callable) -> Callable:
+    """A function calling ``module`` (a module or its ``_call_impl``) whose code object is new: dynamo keeps its compiled entries on the code object,
+    so they die with it and never mix with a real compile's."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()
+    return call

@@ -1,0 +1,210 @@
+"""A compiled model (``torch.compile``, inductor) is estimated as inductor compiles it for the CPU (Note [inductor
+without kernels], autofit/core/_torch_compile.py), held to ``autofit.measure`` of the compiled model (the CPU
+allocator's record of the real compiled step) within 0.5 %. Compiling needs a C compiler (inductor's CPU kernels);
+the measured side compiles for real, the estimate does not run the C++ compiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autofit
+from autofit.core.errors import UnsupportedModelError
+
+TOLERANCE = 0.005
+
+
+@pytest.fixture(autouse=True)
+def _compile_in_this_thread():
+    """No inductor thread pool left behind (its non-daemon worker keeps later plans from forking workers)."""
+    from autofit.core._torch import compile_in_this_thread
+
+    with compile_in_this_thread():
+        yield
+
+
+def _error(est, meas) -> float:
+    return est.peak_bytes / meas.peak_bytes - 1
+
+
+class _Pointwise(nn.Module):
+    """Two linears around a chain of pointwise ops: eager keeps every intermediate for backward, inductor fuses the
+    chain into one kernel and the partitioner saves (or recomputes) far less."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 512), nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.sigmoid(h) * h * 2 + 1
+        h = torch.tanh(h) * h
+        return self.b(h)
+
+
+_KW = dict(micro_batch_size=512, loss_fn=lambda out: out.square().mean())
+
+
+def test_compiled_model_estimate_equals_measure_where_compilation_changes_the_peak() -> None:
+    """The estimate of the compiled model is measure's within 0.5 %, where compilation halves the peak (so the
+    eager estimate would be far off), and the user's model still compiles for real afterwards (a simulation that
+    made dynamo skip the model's forward left every later compile of it eager)."""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = torch.compile(model)
+    est = autofit.estimate(compiled, sample, **_KW)
+    assert any("inductor" in note for note in est.notes)
+    meas = autofit.measure(compiled, sample, **_KW)  # after the estimate: the real compile must still happen
+    eager = autofit.measure(model, sample, **_KW)
+    assert meas.peak_bytes < 0.8 * eager.peak_bytes, (meas.peak_bytes, eager.peak_bytes)  # compilation matters here
+    assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_eager_backend_is_estimated_as_the_eager_model() -> None:
+    """``backend="eager"`` runs the model's own code: its estimate is the uncompiled model's, exactly."""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    est = autofit.estimate(torch.compile(model, backend="eager"), sample, **_KW)
+    assert est.peak_bytes == autofit.estimate(model, sample, **_KW).peak_bytes
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backend="aot_eager"), "backend 'aot_eager'"),
+    (dict(mode="max-autotune"), "max_autotune"),
+])
+def test_compiles_autofit_cannot_simulate_are_refused(kwargs, match) -> None:
+    """Never silently wrong: a backend or inductor mode the simulation does not reproduce is a typed error."""
+    model = _Pointwise()
+    with pytest.raises(UnsupportedModelError, match=match):
+        autofit.estimate(torch.compile(model, **kwargs), torch.randn(8, 64), micro_batch_size=8,
+                         loss_fn=lambda out: out.sum())
+
+
+@pytest.mark.slow
+def test_compiled_tiny_llama_estimate_equals_measure() -> None:
+    """A 1-layer Llama (HF transformers, sdpa attention) compiled whole: estimate within 0.5 % of measure of the
+    compiled model. Slow: measure compiles its C++ kernels (about 50 of them)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(1))
+    kw = dict(micro_batch_size=8, loss_fn=lambda out: out.logits.float().square().mean())
+    compiled = torch.compile(model)
+    est = autofit.estimate(compiled, ids, **kw)
+    meas = autofit.measure(compiled, ids, **kw)
+    assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
+
+
+def test_compile_knob_estimates_and_measures_the_compiled_step() -> None:
+    """``compile=True`` on an uncompiled model: estimate and measure both run it compiled (measure through
+    ``nn.Module.compile`` on its copy), equal within 0.5 %, and below the eager step; the model stays uncompiled."""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    est = autofit.estimate(model, sample, compile=True, **_KW)
+    meas = autofit.measure(model, sample, compile=True, **_KW)
+    assert meas.peak_bytes < 0.8 * autofit.measure(model, sample, **_KW).peak_bytes
+    assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
+    assert any("compile=True" in note for note in est.notes)
+    assert "_compiled_call_impl" not in vars(model) or vars(model)["_compiled_call_impl"] is None
+
+
+def test_compile_must_be_a_bool() -> None:
+    with pytest.raises(autofit.InvalidInputError, match="compile must be True or False"):
+        autofit.estimate(_Pointwise(), torch.randn(8, 64), micro_batch_size=8, compile="yes",
+                         loss_fn=lambda out: out.sum())
+
+
+@pytest.mark.slow
+def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None:
+    """``plan`` estimates a compiled model as compiled: under a budget the eager step would miss, its choice measured
+    on the compiled model stays within the plan's peak (which also holds the rest of the batch), and the estimate
+    at that choice equals measure within 0.5 %. The plan's capture must not leave the model's forward uncompilable."""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    compiled = torch.compile(model)
+    loss_fn = _KW["loss_fn"]
+    plan = autofit.plan(compiled, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512)
+    kw = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+              checkpoint=plan.checkpoint, loss_fn=loss_fn)
+    meas = autofit.measure(compiled, sample, **kw)
+    assert meas.peak_bytes < autofit.measure(model, sample, **kw).peak_bytes  # measure really ran it compiled
+    assert meas.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
+    assert abs(_error(autofit.estimate(compiled, sample, **kw), meas)) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
+    """``plan(compile=True)`` on an uncompiled model: the plan says so (and in its JSON), and the trainer runs the
+    model compiled while wrapped: its step's loss equals a plain eager step's, and the model is eager again after
+    unwrap. (Its estimates are those of a compiled model: the test above and the ``compile=True`` test.)"""
+    torch.manual_seed(0)
+    model = _Pointwise()
+    sample = torch.randn(512, 64)
+    loss_fn = _KW["loss_fn"]
+    plan = autofit.plan(model, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512, compile=True)
+    assert plan.compile and autofit.Plan.from_json(plan.to_json()).compile and "torch.compile" in str(plan)
+    assert plan.peak_bytes <= plan.budget_bytes  # the compiled step's measure at this choice: the test above
+    reference = _Pointwise()
+    reference.load_state_dict(model.state_dict())
+    expected = loss_fn(reference(sample)).item()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with plan.wrap(model, optimizer, loss_fn=loss_fn) as trainer:
+        loss = trainer.step(sample)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    kw = dict(micro_batch_size=512, loss_fn=loss_fn)
+    eager, compiled = (autofit.estimate(model, sample, compile=c, **kw).peak_bytes for c in (False, True))
+    assert eager > compiled
+
+
+@pytest.mark.slow
+def test_cli_compile_flag_plans_compiled() -> None:
+    """``autofit plan ... --compile``: exit 0 and a plan that says it compiles (no C++ compile while planning, but
+    inductor lowers the graph once per simulation: about 30 s for this MLP, hence slow)."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    factory = f"{Path(__file__).resolve().parent.parent / 'examples' / 'factories.py'}:mlp"
+    result = CliRunner().invoke(app, ["plan", factory, "--input-shape", "128", "--budget", "50MB", "--batch-size",
+                                      "32", "--device", "cpu", "--compile", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["compile"] is True
+
+
+def test_model_compiled_in_place_is_refused() -> None:
+    """``nn.Module.compile()`` compiles in place; a copy of such a model ran eagerly, estimate and measure alike,
+    while the user trains it compiled: refused with a typed error naming the way that works."""
+    model = _Pointwise()
+    model.compile()
+    with pytest.raises(UnsupportedModelError, match="nn.Module.compile"):
+        autofit.estimate(model, torch.randn(8, 64), micro_batch_size=8, loss_fn=lambda out: out.sum())
+
+
+class _Chain(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(h) * h * 2 + 1
+        return torch.tanh(h) * h
+
+
+def test_compiled_submodule_estimate_equals_measure() -> None:
+    """Only a submodule compiled (``model.c = torch.compile(model.c)``): its buffers are inductor's, the rest eager;
+    estimate within 0.5 % of measure, and the note names the submodule."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.a, model.c, model.b = nn.Linear(64, 512), torch.compile(_Chain()), nn.Linear(512, 64)
+    sample = torch.randn(512, 64)
+    est, meas = autofit.estimate(model, sample, **_KW), autofit.measure(model, sample, **_KW)
+    assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
+    assert any(note.startswith("c: torch.compile'd") for note in est.notes)
