@@ -229,6 +229,15 @@ _TORCHTUNE_UNC = ("GiB with one decimal (±0.05 GiB); every row from '+ Compile'
                   "modules, estimated here as transformers' LlamaForCausalLM with the same shapes")
 
 
+_COMPILED_LOSS = (
+    "torchtune compiles its loss's per-chunk upcast and cross-entropy (training/_compile.py, compile_loss); "
+    "compiled, a chunk saves its bf16 logits and two (N, 1) fp32 vectors for backward, eager saves the fp32 "
+    "log-probabilities (both read with saved_tensors_hooks on the CPU, 2026-11-24), and autofit runs a compiled "
+    "plain function eagerly (docs/fine-tuning.md): 8 chunks x 2 x 512 x 128256 x 4 B = 3.91 GiB autofit holds at "
+    "the loss that the published run does not"
+)
+
+
 def _llama_3b(dtype: torch.dtype = torch.bfloat16):
     import transformers
 
@@ -364,18 +373,17 @@ CASES: tuple[Case, ...] = (
              "checkpointed, torch.optim.AdamW",
          published_bytes=round(24.9 * 2**30), unit="MiB", uncertainty_bytes=round(0.05 * 2**30),
          uncertainty=_TORCHTUNE_UNC, build=_torchtune(),
-         why="not explained yet (2026-11-24): autofit's peak is the optimizer step, where torch's foreach AdamW adds "
-             "one bf16 copy of the parameters (6.0 GiB) to 6.0 parameters + 6.0 gradients + 12.0 state; the "
-             "published 24.9 GiB leaves no room for that copy, so the row likely ran a fused or per-parameter "
-             "AdamW (unverified); compile, torchtune's own modules and its chunked loss compiled with the model are "
-             "the other differences"),
+         why="partly explained (2026-11-24): autofit's peak is the optimizer step, where torch's foreach "
+             "AdamW adds one bf16 copy of the state (5.98 GiB) to 6.0 parameters + 6.0 gradients + 12.0 "
+             "state; the published 24.9 GiB leaves no room for it. With AdamW(fused=True) autofit gives "
+             "25.83 GiB (+3.7 %), its peak then at the loss in forward, which the compiled loss lowers (see "
+             "torchtune-3b-lora); which AdamW implementation the row ran is not published"),
     Case(name="torchtune-3b-optimizer-in-backward", source=_TORCHTUNE, gpu="A100-80GB", measures="allocated",
          ran="as torchtune-3b-activation-checkpointing with the optimizer step fused into backward",
          published_bytes=round(23.1 * 2**30), unit="MiB", uncertainty_bytes=round(0.05 * 2**30),
          uncertainty=_TORCHTUNE_UNC, build=_torchtune(in_backward=True),
-         why="not explained yet (2026-11-24): the peak is in forward, at the loss; torchtune compiles the model "
-             "and its loss (compile=True compiles the loss's chunks too, which may fuse the fp32 upcast and the "
-             "log-softmax autofit counts apart), and autofit estimates them eagerly: unverified"),
+         why="mostly explained (2026-11-24): the peak is in forward, at the loss; " + _COMPILED_LOSS + "; "
+             "without them 26,454 - 4,004 MiB = 22,450 MiB, -5.1 %: the rest is not explained"),
     Case(name="torchtune-3b-lora", source=_TORCHTUNE, gpu="A100-80GB", measures="allocated",
          ran="Llama 3.2 3B LoRA (r 64, alpha 128 on q, v, output projections and the MLP), bf16, batch 2 x 4096, "
              "compiled, "
@@ -384,7 +392,7 @@ CASES: tuple[Case, ...] = (
          uncertainty=_TORCHTUNE_UNC + "; this row also offloads the checkpointed layers' inputs to the host "
                      "(about 28 x 2 x 4096 x 3072 x 2 B = 1.4 GB on the device otherwise)",
          build=_torchtune(lora=True),
-         why="not explained (2026-11-24): +6.4 GiB is more than the offloaded layer inputs (1.4 GB) and the eager "
-             "loss can account for; the row's command uses the qlora config's defaults besides the overrides "
-             "listed, which were not all rebuilt here. Kept as found, to be investigated"),
+         why="mostly explained (2026-11-24): the peak is in forward, at the loss; " + _COMPILED_LOSS + "; "
+             "and the row offloads the checkpointed layers' inputs (28 x 2 x 4096 x 3072 x 2 B = 1.31 GiB). "
+             "Without both: 14.27 - 3.91 - 1.31 = 9.05 GiB, +6.5 %: the rest is not explained"),
 )
