@@ -225,12 +225,18 @@ class AllocatorReplay:
 
 
 def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), cap_bytes: int | None = None,
-                     max_split_size: int | None = None) -> AllocatorReplay:
+                     max_split_size: int | None = None, expandable: bool = False) -> AllocatorReplay:
     """Run the timeline's allocations through the caching allocator. ``persistent`` are allocations made before
     the step that live through it (the cuBLAS workspace); they count as allocated and reserved. ``cap_bytes``: the
     most the allocator may reserve; a replay that needs more, after freeing what it can, stops there with
-    ``fits=False`` and the peaks it had reached (Note [allocating under a cap])."""
-    allocator = CachingAllocator(cap_bytes=cap_bytes, max_split_size=max_split_size)
+    ``fits=False`` and the peaks it had reached (Note [allocating under a cap]). ``expandable``: with
+    ``expandable_segments:True`` (Note [expandable segments], expandable.py; ``max_split_size`` does not apply)."""
+    if expandable:
+        from autofit.cuda.expandable import ExpandableAllocator  # it builds on this module's rules
+
+        allocator = ExpandableAllocator(cap_bytes=cap_bytes)
+    else:
+        allocator = CachingAllocator(cap_bytes=cap_bytes, max_split_size=max_split_size)
     blocks: dict[int, _Block] = {}
     raw = sum(persistent)
     try:
@@ -270,17 +276,23 @@ def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), ca
 #     under 94; random sequences show it in about 1 in 100). So the bisection's answer is a cap the replay ran under
 #     with the grain below failing, the smallest one in the common case, not a promise for every larger cap: a
 #     verdict at a budget replays under that budget (``cap_bytes``) instead of comparing with this.
-def smallest_cap(timeline: Timeline, *, persistent: tuple[int, ...] = (),
-                 max_split_size: int | None = None) -> tuple[int, AllocatorReplay]:
+def smallest_cap(timeline: Timeline, *, persistent: tuple[int, ...] = (), max_split_size: int | None = None,
+                 expandable: bool = False) -> tuple[int, AllocatorReplay]:
     """The smallest cap on reserved bytes (a multiple of SEGMENT_GRAIN) the step runs under, and the unconstrained
-    replay (Note [the smallest cap])."""
-    free = replay_allocator(timeline, persistent=persistent, max_split_size=max_split_size)
+    replay (Note [the smallest cap]); ``expandable``: with expandable segments (mapped bytes are multiples of the
+    grain too)."""
+    kw = dict(persistent=persistent, max_split_size=max_split_size, expandable=expandable)
+    free = replay_allocator(timeline, **kw)
     fails = _rounded_live_peak(timeline, persistent)
     fails = -(-fails // SEGMENT_GRAIN) * SEGMENT_GRAIN - SEGMENT_GRAIN  # the largest grain step below that peak
-    runs = free.peak_reserved
+    runs, step = free.peak_reserved, SEGMENT_GRAIN
+    # with expandable segments the fraction check asks for a whole allocation size where mapping needs less, so the
+    # unconstrained peak may not run (Note [expandable segments]): widen until a cap does
+    while expandable and not replay_allocator(timeline, cap_bytes=runs, **kw).fits:
+        fails, runs, step = runs, runs + step, step * 2
     while runs - fails > SEGMENT_GRAIN:
         mid = fails + (runs - fails) // SEGMENT_GRAIN // 2 * SEGMENT_GRAIN
-        if replay_allocator(timeline, persistent=persistent, cap_bytes=mid, max_split_size=max_split_size).fits:
+        if replay_allocator(timeline, cap_bytes=mid, **kw).fits:
             runs = mid
         else:
             fails = mid
