@@ -17,7 +17,9 @@ from autofit.emit import trainer as trainer_module
 from autofit.emit.export import EXPORTERS, to_torchtitan_toml
 
 
-def _plans():
+@pytest.fixture(scope="module")
+def plans():
+    """A small CPU plan, and the same plan as one on CUDA that needs expandable segments."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     plan = autofit.plan(model, torch.randn(8, 16), "1GB", target=torch.randint(0, 4, (8,)),
@@ -34,8 +36,8 @@ def settings():
     _torch.set_allocator_settings(before or "expandable_segments:False")
 
 
-def test_the_plan_states_the_setting_in_its_table_json_and_exports():
-    _, plain, needs = _plans()
+def test_the_plan_states_the_setting_in_its_table_json_and_exports(plans):
+    _, plain, needs = plans
     assert plain.alloc_conf == "" and "CUDA allocator" not in str(plain)
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in str(needs)
     assert autofit.Plan.from_json(needs.to_json()).alloc_conf == EXPANDABLE_SEGMENTS
@@ -47,8 +49,8 @@ def test_the_plan_states_the_setting_in_its_table_json_and_exports():
     assert "# launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in to_torchtitan_toml(needs)
 
 
-def test_wrap_sets_it_before_anything_is_allocated(settings):
-    model, plain, needs = _plans()
+def test_wrap_sets_it_before_anything_is_allocated(plans, settings):
+    model, plain, needs = plans
     _torch.set_allocator_settings("expandable_segments:False")
     plain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert "expandable_segments:True" not in _torch.allocator_settings()
@@ -56,9 +58,9 @@ def test_wrap_sets_it_before_anything_is_allocated(settings):
     assert "expandable_segments:True" in _torch.allocator_settings()
 
 
-def test_wrap_refuses_when_cuda_memory_came_first(settings, monkeypatch):
+def test_wrap_refuses_when_cuda_memory_came_first(plans, settings, monkeypatch):
     # what a process with the model already on the GPU sees: CUDA initialised, memory reserved
-    model, _, needs = _plans()
+    model, _, needs = plans
     _torch.set_allocator_settings("expandable_segments:False")
     cuda = trainer_module.torch.cuda
     monkeypatch.setattr(cuda, "is_available", lambda: True)

@@ -42,35 +42,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from autofit.cuda.alloc_rules import (LARGE_BUFFER, MIN_BLOCK, SEGMENT_GRAIN, SMALL_SIZE, AllocatorOutOfMemory,
+                                      round_size, segment_size)
+from autofit.cuda.expandable import ExpandableAllocator
 from autofit.simulate.timeline import EventKind, Timeline
 
 __all__ = ["round_size", "segment_size", "CachingAllocator", "AllocatorReplay", "AllocatorOutOfMemory",
            "replay_allocator", "smallest_cap", "MIN_BLOCK", "SMALL_SIZE", "SEGMENT_GRAIN"]
-
-MIN_BLOCK = 512  # kMinBlockSize
-SMALL_SIZE = 1 << 20  # kSmallSize
-SMALL_BUFFER = 2 << 20  # kSmallBuffer
-LARGE_BUFFER = 20 << 20  # kLargeBuffer
-MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
-ROUND_LARGE = 2 << 20  # kRoundLarge
-# Every segment is a multiple of this (kSmallBuffer, kLargeBuffer and kRoundLarge are), so reserved bytes are too,
-# and a cap only matters in these steps.
-SEGMENT_GRAIN = 2 << 20
-
-
-def round_size(size: int) -> int:
-    if size < MIN_BLOCK:
-        return MIN_BLOCK
-    return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
-
-
-def segment_size(size: int) -> int:
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
-
 
 @dataclass(eq=False)
 class _Block:
@@ -81,10 +59,6 @@ class _Block:
     small: bool  # which pool the block's segment belongs to
     prev: _Block | None = None
     next: _Block | None = None
-
-
-class AllocatorOutOfMemory(Exception):
-    """A segment the allocator needs does not fit under the cap even after freeing cached segments."""
 
 
 class CachingAllocator:
@@ -231,12 +205,8 @@ def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), ca
     most the allocator may reserve; a replay that needs more, after freeing what it can, stops there with
     ``fits=False`` and the peaks it had reached (Note [allocating under a cap]). ``expandable``: with
     ``expandable_segments:True`` (Note [expandable segments], expandable.py; ``max_split_size`` does not apply)."""
-    if expandable:
-        from autofit.cuda.expandable import ExpandableAllocator  # it builds on this module's rules
-
-        allocator = ExpandableAllocator(cap_bytes=cap_bytes)
-    else:
-        allocator = CachingAllocator(cap_bytes=cap_bytes, max_split_size=max_split_size)
+    allocator = (ExpandableAllocator(cap_bytes=cap_bytes) if expandable
+                 else CachingAllocator(cap_bytes=cap_bytes, max_split_size=max_split_size))
     blocks: dict[int, _Block] = {}
     raw = sum(persistent)
     try:

@@ -35,12 +35,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from autofit.cuda.allocator import MIN_BLOCK, SMALL_SIZE, AllocatorOutOfMemory, round_size, segment_size
+from autofit.cuda.alloc_rules import (LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, AllocatorOutOfMemory,
+                                      round_size, segment_size)
 
 __all__ = ["ExpandableAllocator", "PAGE_SMALL", "PAGE_LARGE"]
 
-PAGE_SMALL = 2 << 20  # kSmallBuffer: the small pool's page
-PAGE_LARGE = 20 << 20  # kLargeBuffer: the large pool's page
+PAGE_SMALL = SMALL_BUFFER  # the small pool's page
+PAGE_LARGE = LARGE_BUFFER  # the large pool's page
 _VIRTUAL = 1 << 62  # the reserved address range: unbounded for the replay
 
 
