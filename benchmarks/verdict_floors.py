@@ -51,7 +51,7 @@ def main() -> None:
             if match is not None:
                 break
             if rc == 0:
-                plan = json.loads(out[out.index("{"):])
+                plan = json.JSONDecoder().raw_decode(out[out.index("{"):])[0]
                 est = plan["estimate"]
                 print(f"batch {batch}: fits {budget}: {plan['micro_batch_size']} x "
                       f"{plan['gradient_accumulation_steps']}, allocated {est['peak_allocated_bytes'] / 2**30:.2f} "
@@ -69,7 +69,7 @@ def main() -> None:
             if rc != 0:
                 print(f"  at the floor: exit {rc}\n{out[-2000:]}")
                 continue
-            plan = json.loads(out[out.index("{"):])
+            plan = json.JSONDecoder().raw_decode(out[out.index("{"):])[0]
             est = plan["estimate"]
             print(f"  at the floor: {plan['micro_batch_size']} x {plan['gradient_accumulation_steps']}, "
                   f"allocated {est['peak_allocated_bytes'] / 2**30:.2f} GiB, device {est['device_bytes'] / 2**30:.2f}"
