@@ -68,3 +68,13 @@ def test_wrap_refuses_when_cuda_memory_came_first(plans, settings, monkeypatch):
     monkeypatch.setattr(cuda, "memory_reserved", lambda *a, **k: 1 << 30)
     with pytest.raises(AllocatorSettingError, match="export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
         needs.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_the_trainer_callbacks_set_it_too(plans, settings):
+    pytest.importorskip("transformers")
+    from autofit.integrations.hf import AutofitCallback
+
+    _, _, needs = plans
+    _torch.set_allocator_settings("expandable_segments:False")
+    AutofitCallback(needs)
+    assert "expandable_segments:True" in _torch.allocator_settings()
