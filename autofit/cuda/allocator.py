@@ -1,7 +1,8 @@
 """A replay of the CUDA caching allocator over a simulated timeline.
 
 Constants and rules from ``c10/cuda/CUDACachingAllocator.cpp`` (default settings: no ``max_split_size_mb``, no
-``roundup_power2_divisions``, no ``expandable_segments``):
+``roundup_power2_divisions``, no ``expandable_segments``, whose rules ``expandable.py`` replays; the sizes live in
+``alloc_rules.py``):
 - every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``; ``round_size``);
 - requests up to 1 MiB (``kSmallSize``) come from the small pool, larger ones from the large pool;
 - a new segment (``cudaMalloc``) is 2 MiB for small requests (``kSmallBuffer``), 20 MiB for requests under 10 MiB
