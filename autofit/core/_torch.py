@@ -397,8 +397,6 @@ def patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterat
         finally:
             setattr(owner, name, original)
 
-
-# the caching allocator's settings as PYTORCH_ALLOC_CONF text ('' for the defaults) and their setter
-# (torch.cuda.memory._set_allocator_settings minus its deprecation warning): a plan may need expandable segments
+# the caching allocator's settings as PYTORCH_ALLOC_CONF text ('' for defaults) and their setter (a plan may need them)
 allocator_settings = _need("torch._C", "_accelerator_getAllocatorSettings")
 set_allocator_settings = _need("torch._C", "_accelerator_setAllocatorSettings")
