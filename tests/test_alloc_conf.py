@@ -70,7 +70,7 @@ def test_wrap_refuses_when_cuda_memory_came_first(plans, settings, monkeypatch):
         needs.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_the_trainer_callbacks_set_it_too(plans, settings):
+def test_the_hugging_face_callback_sets_it_too(plans, settings):
     pytest.importorskip("transformers")
     from autofit.integrations.hf import AutofitCallback
 
