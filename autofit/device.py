@@ -17,7 +17,7 @@ from types import MappingProxyType
 from autofit.core.categories import Category
 from autofit.core.cpu import cpu_kernels
 from autofit.core.errors import InvalidInputError
-from autofit.core.report import MemoryEstimate
+from autofit.core.report import EXPANDABLE_SEGMENTS, MemoryEstimate
 from autofit.simulate.run import Simulation
 from autofit.simulate.timeline import Phase, host_replay
 from autofit.core.units import format_bytes
@@ -60,6 +60,30 @@ class DeviceTerms:
     scale: float = 1.0
     constant: int = 0
 
+
+# Note [expandable segments as a plan knob]
+#     Under the default caching allocator a budget can fail that the step's blocks in use would fit: a live block
+#     pins its whole segment, and which segments end up pinned depends on the history, so a smaller micro-batch can
+#     need a larger budget (Llama-2-7B on an H200, fp16: 128.81 GiB at batch 1, 126.50 at batch 4, all of it the
+#     optimizer step's 125.54 GiB allocated plus pinned segments; benchmarks/verdict_floors.py).
+#     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` maps pages on demand and unmaps free ones when a map fails
+#     (Note [expandable segments], autofit/cuda/expandable.py), so what a budget must hold is close to the pages the
+#     live blocks touch. It changes no number of the step, so it needs no opt-in: a configuration whose default
+#     replay fails under the budget is replayed with it (``_under``), the smallest budget is the lower of the two
+#     (``estimate``: the expandable replay is bisected only where the default floor leaves more than a page of
+#     reserve), and the plan carries the setting (``MemoryEstimate.alloc_conf`` -> ``Plan.alloc_conf``) into
+#     ``str(plan)``, the CLI, the JSON, the trainer (which sets it before the step allocates, or refuses) and the
+#     exports (a note: they cannot set it). It is a knob of the verdict at a budget rather than a rung of the ladder
+#     (Note [the ladder]): it changes only how the allocator places the same timeline, so it needs no new analysis
+#     or search, and it applies to every rung's verified winner alike. It lowers the floors but does not make them
+#     monotone in the batch (Note [the smallest budget], autofit/solve/verify.py, has the figures and the reason).
+#     Not the default: plans that fit under the default allocator are unchanged. torchtitan's launcher sets it for
+#     every run (``run_train.sh``: ``PYTORCH_ALLOC_CONF="expandable_segments:True"``, the device-generic name of
+#     ``PYTORCH_CUDA_ALLOC_CONF`` that recent PyTorch reads too), but PyTorch keeps
+#     it off by default: CUDA graph private pools do not use it (``alloc_block``: ``!p.pool->owner_PrivatePool``),
+#     memory shared by CUDA IPC (``torch.multiprocessing``) needs plain segments, and a plan should change the
+#     user's process only where the budget needs it.
+_PAGE = 20 << 20  # kLargeBuffer: the expandable segment's page in the large pool
 
 _PHASE_NAMES = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
                 Phase.OPTIMIZER: "optimizer"}
@@ -104,28 +128,42 @@ class DeviceTarget:
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
         notes = sim.notes + tuple(n for n in (self.note, cudnn_workspace_note(sim.timeline)) if n)
         reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
+        floor = min(device_bytes, smallest_device_bytes(sim.timeline, self.gpu))
+        if floor - peak > breakdown[Category.CUDA_CONTEXT] + _PAGE:  # segments pinned: pages may need fewer
+            floor = min(floor, smallest_device_bytes(sim.timeline, self.gpu, expandable=True))
         est = MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
-                             notes=notes, host_bytes=host, host_breakdown=host_breakdown,
-                             min_device_bytes=min(device_bytes, smallest_device_bytes(sim.timeline, self.gpu)))
+                             notes=notes, host_bytes=host, host_breakdown=host_breakdown, min_device_bytes=floor)
         return replace(est, under=lambda budget: self._under(sim, est, budget))
 
     def _under(self, sim: Simulation, est: MemoryEstimate, budget: int) -> MemoryEstimate | None:
         """``est`` when the process may hold only ``budget`` device bytes (below ``est.device_bytes``): the caching
-        allocator frees cached segments to stay under it (Note [allocating under a cap], autofit/cuda/allocator.py);
-        None when the step still runs out of memory."""
+        allocator frees cached segments to stay under it (Note [allocating under a cap], autofit/cuda/allocator.py),
+        and where that still runs out of memory, the same step with expandable segments (Note [expandable segments
+        as a plan knob]); None when neither runs."""
         from autofit.cuda.model import cuda_memory_under
 
         under = cuda_memory_under(sim.timeline, sim.replay, self.gpu, budget)
-        if under is None:
-            return None
-        peak, device_bytes, breakdown, released = under
-        note = (f"under {format_bytes(budget)} the caching allocator frees {released} cached segment(s) when a new "
-                f"one would not fit (cudaFree, then retry: release_cached_blocks), so the process holds "
-                f"{format_bytes(device_bytes)}; on a card with room to spare it would keep them, "
-                f"{format_bytes(est.device_bytes)}")
+        conf = ""
+        if under is not None:
+            peak, device_bytes, breakdown, released = under
+            note = (f"under {format_bytes(budget)} the caching allocator frees {released} cached segment(s) when a "
+                    f"new one would not fit (cudaFree, then retry: release_cached_blocks), so the process holds "
+                    f"{format_bytes(device_bytes)}; on a card with room to spare it would keep them, "
+                    f"{format_bytes(est.device_bytes)}")
+        else:
+            under = cuda_memory_under(sim.timeline, sim.replay, self.gpu, budget, expandable=True)
+            if under is None:
+                return None
+            peak, device_bytes, breakdown, released = under
+            conf = EXPANDABLE_SEGMENTS
+            note = (f"under {format_bytes(budget)} the default caching allocator runs out of memory (blocks in use "
+                    f"pin segments it cannot free); with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it maps "
+                    f"pages on demand and unmaps free ones, and the process holds {format_bytes(device_bytes)}: "
+                    f"the plan sets it (Note [expandable segments as a plan knob])")
         return replace(est, peak_bytes=peak, device_bytes=device_bytes, breakdown=breakdown,
-                       peak_reserved_bytes=device_bytes - breakdown[Category.CUDA_CONTEXT], notes=est.notes + (note,))
+                       peak_reserved_bytes=device_bytes - breakdown[Category.CUDA_CONTEXT], notes=est.notes + (note,),
+                       alloc_conf=conf)
 
     def simulation_rules(self, stack, config):
         """This device's part of a simulation (``simulate_step(device_rules=...)``): on CUDA, CUDA's autocast op

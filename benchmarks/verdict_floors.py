@@ -51,7 +51,7 @@ def main() -> None:
             if match is not None:
                 break
             if rc == 0:
-                plan = json.loads(out[out.index("{"):])
+                plan = json.JSONDecoder().raw_decode(out[out.index("{"):])[0]
                 est = plan["estimate"]
                 print(f"batch {batch}: fits {budget}: {plan['micro_batch_size']} x "
                       f"{plan['gradient_accumulation_steps']}, allocated {est['peak_allocated_bytes'] / 2**30:.2f} "
@@ -69,11 +69,12 @@ def main() -> None:
             if rc != 0:
                 print(f"  at the floor: exit {rc}\n{out[-2000:]}")
                 continue
-            plan = json.loads(out[out.index("{"):])
+            plan = json.JSONDecoder().raw_decode(out[out.index("{"):])[0]
             est = plan["estimate"]
             print(f"  at the floor: {plan['micro_batch_size']} x {plan['gradient_accumulation_steps']}, "
                   f"allocated {est['peak_allocated_bytes'] / 2**30:.2f} GiB, device {est['device_bytes'] / 2**30:.2f}"
-                  f" GiB, budget {plan['budget_bytes'] / 2**30:.2f} GiB, {seconds:.0f} s", flush=True)
+                  f" GiB, budget {plan['budget_bytes'] / 2**30:.2f} GiB, allocator "
+                  f"{est.get('alloc_conf') or 'default'}, {seconds:.0f} s", flush=True)
     batches = sorted(floors)
     monotone = all(floors[a] <= floors[b] for a, b in zip(batches, batches[1:]))
     print("floors never grow as the batch shrinks" if monotone else "NOT monotone: a smaller batch names more")

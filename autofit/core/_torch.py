@@ -33,7 +33,7 @@ __all__ = [
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
     "compiled_modules", "rewrap_compiled", "compiled_code_runs_eagerly", "compile_in_this_thread", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
-    "onednn_low_precision", "op_schema", "dtensor_local",
+    "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -396,3 +396,7 @@ def patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterat
             yield record
         finally:
             setattr(owner, name, original)
+
+# the caching allocator's settings as PYTORCH_ALLOC_CONF text ('' for defaults) and their setter (a plan may need them)
+allocator_settings = _need("torch._C", "_accelerator_getAllocatorSettings")
+set_allocator_settings = _need("torch._C", "_accelerator_setAllocatorSettings")

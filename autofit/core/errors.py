@@ -11,6 +11,7 @@ __all__ = [
     "UnsupportedPrecisionError",
     "InfeasibleBudgetError",
     "UnsupportedTorchError",
+    "AllocatorSettingError",
     "STRATEGIES",
     "require_int",
     "require_strategy",
@@ -75,6 +76,11 @@ class HostMemoryError(AutofitError):
 class UnsupportedTorchError(AutofitError, ImportError):
     """The installed torch lacks an internal autofit relies on (see autofit/core/_torch.py); the message names it and the
     supported range."""
+
+
+class AllocatorSettingError(AutofitError, RuntimeError):
+    """The plan needs a caching-allocator setting (``PYTORCH_CUDA_ALLOC_CONF``) that can no longer take effect in
+    this process: CUDA memory was allocated before it. The message names the setting and where to put it."""
 
 
 # ---- validation shared by every value that holds these fields (StepConfig, Plan, the plan request) -----------------

@@ -11,6 +11,9 @@ from autofit.core.units import format_bytes
 
 __all__ = ["MemoryEstimate", "Measurement"]
 
+# PYTORCH_CUDA_ALLOC_CONF that a plan sets where only expandable segments fit its budget (autofit/device.py)
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
 
 def _frozen(breakdown: Mapping) -> Mapping[str, int]:
     return MappingProxyType({str(k): int(v) for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1]) if v})
@@ -57,6 +60,9 @@ class MemoryEstimate:
     host_bytes: int = 0
     host_breakdown: Mapping[str, int] = field(default_factory=dict)
     min_device_bytes: int = 0  # the smallest budget the step runs under (0: device_bytes)
+    # the PYTORCH_CUDA_ALLOC_CONF the figures assume: "" for the default allocator, "expandable_segments:True" where
+    # only that fits the budget (Note [expandable segments as a plan knob], autofit/device.py)
+    alloc_conf: str = ""  # "" or EXPANDABLE_SEGMENTS
     # the estimate under a budget below device_bytes, or None when the step does not run under it; set by the
     # device model that can tell (CUDA), None elsewhere
     under: Callable[[int], MemoryEstimate | None] | None = field(default=None, compare=False, repr=False)

@@ -1,7 +1,8 @@
 """A replay of the CUDA caching allocator over a simulated timeline.
 
 Constants and rules from ``c10/cuda/CUDACachingAllocator.cpp`` (default settings: no ``max_split_size_mb``, no
-``roundup_power2_divisions``, no ``expandable_segments``):
+``roundup_power2_divisions``, no ``expandable_segments``, whose rules ``expandable.py`` replays; the sizes live in
+``alloc_rules.py``):
 - every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``; ``round_size``);
 - requests up to 1 MiB (``kSmallSize``) come from the small pool, larger ones from the large pool;
 - a new segment (``cudaMalloc``) is 2 MiB for small requests (``kSmallBuffer``), 20 MiB for requests under 10 MiB
@@ -42,35 +43,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from autofit.cuda.alloc_rules import (LARGE_BUFFER, MIN_BLOCK, SEGMENT_GRAIN, SMALL_SIZE, AllocatorOutOfMemory,
+                                      round_size, segment_size)
+from autofit.cuda.expandable import ExpandableAllocator
 from autofit.simulate.timeline import EventKind, Timeline
 
 __all__ = ["round_size", "segment_size", "CachingAllocator", "AllocatorReplay", "AllocatorOutOfMemory",
            "replay_allocator", "smallest_cap", "MIN_BLOCK", "SMALL_SIZE", "SEGMENT_GRAIN"]
-
-MIN_BLOCK = 512  # kMinBlockSize
-SMALL_SIZE = 1 << 20  # kSmallSize
-SMALL_BUFFER = 2 << 20  # kSmallBuffer
-LARGE_BUFFER = 20 << 20  # kLargeBuffer
-MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
-ROUND_LARGE = 2 << 20  # kRoundLarge
-# Every segment is a multiple of this (kSmallBuffer, kLargeBuffer and kRoundLarge are), so reserved bytes are too,
-# and a cap only matters in these steps.
-SEGMENT_GRAIN = 2 << 20
-
-
-def round_size(size: int) -> int:
-    if size < MIN_BLOCK:
-        return MIN_BLOCK
-    return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
-
-
-def segment_size(size: int) -> int:
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
-
 
 @dataclass(eq=False)
 class _Block:
@@ -81,10 +60,6 @@ class _Block:
     small: bool  # which pool the block's segment belongs to
     prev: _Block | None = None
     next: _Block | None = None
-
-
-class AllocatorOutOfMemory(Exception):
-    """A segment the allocator needs does not fit under the cap even after freeing cached segments."""
 
 
 class CachingAllocator:
@@ -225,12 +200,14 @@ class AllocatorReplay:
 
 
 def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), cap_bytes: int | None = None,
-                     max_split_size: int | None = None) -> AllocatorReplay:
+                     max_split_size: int | None = None, expandable: bool = False) -> AllocatorReplay:
     """Run the timeline's allocations through the caching allocator. ``persistent`` are allocations made before
     the step that live through it (the cuBLAS workspace); they count as allocated and reserved. ``cap_bytes``: the
     most the allocator may reserve; a replay that needs more, after freeing what it can, stops there with
-    ``fits=False`` and the peaks it had reached (Note [allocating under a cap])."""
-    allocator = CachingAllocator(cap_bytes=cap_bytes, max_split_size=max_split_size)
+    ``fits=False`` and the peaks it had reached (Note [allocating under a cap]). ``expandable``: with
+    ``expandable_segments:True`` (Note [expandable segments], expandable.py; ``max_split_size`` does not apply)."""
+    allocator = (ExpandableAllocator(cap_bytes=cap_bytes) if expandable
+                 else CachingAllocator(cap_bytes=cap_bytes, max_split_size=max_split_size))
     blocks: dict[int, _Block] = {}
     raw = sum(persistent)
     try:
@@ -270,17 +247,23 @@ def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), ca
 #     under 94; random sequences show it in about 1 in 100). So the bisection's answer is a cap the replay ran under
 #     with the grain below failing, the smallest one in the common case, not a promise for every larger cap: a
 #     verdict at a budget replays under that budget (``cap_bytes``) instead of comparing with this.
-def smallest_cap(timeline: Timeline, *, persistent: tuple[int, ...] = (),
-                 max_split_size: int | None = None) -> tuple[int, AllocatorReplay]:
+def smallest_cap(timeline: Timeline, *, persistent: tuple[int, ...] = (), max_split_size: int | None = None,
+                 expandable: bool = False) -> tuple[int, AllocatorReplay]:
     """The smallest cap on reserved bytes (a multiple of SEGMENT_GRAIN) the step runs under, and the unconstrained
-    replay (Note [the smallest cap])."""
-    free = replay_allocator(timeline, persistent=persistent, max_split_size=max_split_size)
+    replay (Note [the smallest cap]); ``expandable``: with expandable segments (mapped bytes are multiples of the
+    grain too)."""
+    kw = dict(persistent=persistent, max_split_size=max_split_size, expandable=expandable)
+    free = replay_allocator(timeline, **kw)
     fails = _rounded_live_peak(timeline, persistent)
     fails = -(-fails // SEGMENT_GRAIN) * SEGMENT_GRAIN - SEGMENT_GRAIN  # the largest grain step below that peak
-    runs = free.peak_reserved
+    runs, step = free.peak_reserved, SEGMENT_GRAIN
+    # with expandable segments the fraction check asks for a whole allocation size where mapping needs less, so the
+    # unconstrained peak may not run (Note [expandable segments]): widen until a cap does
+    while expandable and not replay_allocator(timeline, cap_bytes=runs, **kw).fits:
+        fails, runs, step = runs, runs + step, step * 2
     while runs - fails > SEGMENT_GRAIN:
         mid = fails + (runs - fails) // SEGMENT_GRAIN // 2 * SEGMENT_GRAIN
-        if replay_allocator(timeline, persistent=persistent, cap_bytes=mid, max_split_size=max_split_size).fits:
+        if replay_allocator(timeline, cap_bytes=mid, **kw).fits:
             runs = mid
         else:
             fails = mid

@@ -20,7 +20,9 @@ A budget is not checked against ``device_bytes``: on a card (or under ``set_per_
 leaves the allocator less, it frees cached segments when a new one does not fit, and the step still runs unless the
 blocks in use and the segments they pin leave no room (Note [allocating under a cap], allocator.py).
 ``cuda_memory_under`` replays the step under a budget; ``smallest_device_bytes`` is the smallest budget it runs
-under (Note [the smallest cap]).
+under (Note [the smallest cap]). Both can replay ``expandable_segments:True`` instead (Note [expandable segments],
+``expandable.py``), which the plan sets where the default allocator's segments do not fit but the pages would
+(Note [expandable segments as a plan knob], autofit/device.py).
 """
 
 from __future__ import annotations
@@ -79,20 +81,23 @@ def cuda_memory(timeline: Timeline, raw: Replay, gpu: GPUSpec) -> tuple[int, int
     return _terms(replay_allocator(timeline, persistent=(workspace,)), raw, workspace)
 
 
-def cuda_memory_under(timeline: Timeline, raw: Replay, gpu: GPUSpec,
-                      device_budget: int) -> tuple[int, int, dict[Category, int], int] | None:
+def cuda_memory_under(timeline: Timeline, raw: Replay, gpu: GPUSpec, device_budget: int, *,
+                      expandable: bool = False) -> tuple[int, int, dict[Category, int], int] | None:
     """(peak_bytes, device_bytes, breakdown, segments freed) of the simulated step on ``gpu`` when the process may
-    hold ``device_budget`` (the allocator's cap is that less the context); None when it runs out of memory."""
+    hold ``device_budget`` (the allocator's cap is that less the context); None when it runs out of memory.
+    ``expandable``: under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (Note [expandable segments])."""
     workspace = cublas_workspace_bytes(gpu)
-    replay = replay_allocator(timeline, persistent=(workspace,), cap_bytes=device_budget - context_bytes())
+    replay = replay_allocator(timeline, persistent=(workspace,), cap_bytes=device_budget - context_bytes(),
+                              expandable=expandable)
     if not replay.fits:
         return None
     return (*_terms(replay, raw, workspace), replay.released)
 
 
-def smallest_device_bytes(timeline: Timeline, gpu: GPUSpec) -> int:
-    """The smallest budget (device bytes, context included) the simulated step runs under on ``gpu``."""
-    cap, _ = smallest_cap(timeline, persistent=(cublas_workspace_bytes(gpu),))
+def smallest_device_bytes(timeline: Timeline, gpu: GPUSpec, *, expandable: bool = False) -> int:
+    """The smallest budget (device bytes, context included) the simulated step runs under on ``gpu``, with the
+    default allocator or with expandable segments."""
+    cap, _ = smallest_cap(timeline, persistent=(cublas_workspace_bytes(gpu),), expandable=expandable)
     return cap + context_bytes()
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autofit.training.batch import Batch
-from autofit.emit.trainer import Trainer
+from autofit.emit.trainer import Trainer, require_alloc_conf
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
 from autofit.training.config import make_step_config
@@ -53,6 +53,7 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None) -> None:
+        require_alloc_conf(plan)  # before FSDP2 moves or shards anything
         if plan.optimizer_in_backward:
             raise InvalidInputError(
                 "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "

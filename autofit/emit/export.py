@@ -59,6 +59,15 @@ def _split_notes(plan: Plan) -> list[str]:
             f"batch {plan.batch_size})"]
 
 
+def _alloc_notes(plan: Plan) -> list[str]:
+    """The caching-allocator setting the plan needs (Note [expandable segments as a plan knob]): no framework's
+    config sets it, so the export says to export it before the process starts."""
+    if not plan.alloc_conf:
+        return []
+    return [f"launch with PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} in the environment (before the first CUDA "
+            f"allocation): the budget fits only with it, the default allocator's segments do not"]
+
+
 def _selective_notes(plan: Plan, how: str) -> list[str]:
     if not plan.selective:
         return []
@@ -83,8 +92,9 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint),
                            "autofit_checkpoint_policies": plan.checkpoint_policies}
-    notes = _split_notes(plan) + _selective_notes(plan, "gradient_checkpointing_enable() recomputes every decoder "
-                                                        "layer with one policy; AutofitCallback applies the plan's")
+    notes = _split_notes(plan) + _alloc_notes(plan) + _selective_notes(
+        plan, "gradient_checkpointing_enable() recomputes every decoder layer with one policy; AutofitCallback "
+              "applies the plan's")
     stored = _stored(plan)
     if stored == "bf16":
         out["model_torch_dtype"] = "bfloat16"  # from_pretrained(..., torch_dtype=torch.bfloat16): pure bf16 storage
@@ -122,7 +132,7 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config["zero_optimization"] = zero
-    notes = _split_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan)
     if plan.selective:
         config["autofit_checkpoint_policies"] = plan.checkpoint_policies
         notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
@@ -152,7 +162,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     precision = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[plan.precision.name]
     stored = _stored(plan)
     micro, steps = _split(plan)
-    notes = _split_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan)
     if stored == "bf16":
         precision = "bf16-true"  # parameters, gradients and optimizer state in bf16
     elif stored is not None:
@@ -222,7 +232,7 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
         "num_machines": plan.world_size // per_node, "num_processes": plan.world_size,
     }
-    notes = _split_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan)
     if plan.strategy == "ddp":
         config["distributed_type"] = "MULTI_GPU"
     elif plan.strategy == "fsdp2":
@@ -269,7 +279,7 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     (``local_batch_size`` per device, ``global_batch_size``, from which torchtitan derives the accumulation steps,
     ``mixed_precision_param``); field names and meanings from torchtitan/config/job_config.py."""
     micro, steps = _split(plan)
-    notes = _split_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan)
     data_ranks = plan.world_size // plan.tensor_parallel
     if plan.strategy == "fsdp2":
         shard = data_ranks // plan.replicate

@@ -148,6 +148,13 @@ class Plan:
                             after_forward=" after forward", tensor_parallel=self.tensor_parallel)
 
     @property
+    def alloc_conf(self) -> str:
+        """The ``PYTORCH_CUDA_ALLOC_CONF`` the plan needs: "" (the default allocator) or "expandable_segments:True"
+        where only that fits the budget (Note [expandable segments as a plan knob], autofit/device.py); the
+        trainer sets it before the step allocates, or refuses."""
+        return self.estimate.alloc_conf
+
+    @property
     def peak_allocated_bytes(self) -> int:
         """~ ``torch.cuda.max_memory_allocated()`` (the CPU allocator's peak on the CPU): ``peak_bytes``."""
         return self.peak_bytes
@@ -208,8 +215,9 @@ class Plan:
             "peak_phase": self.estimate.peak_phase, "peak_at": self.estimate.peak_at,
             "method": self.estimate.method, "notes": list(self.estimate.notes),
             "host_bytes": self.estimate.host_bytes, "host_breakdown": dict(self.estimate.host_breakdown),
-            "min_device_bytes": self.estimate.min_device_bytes,
+            "min_device_bytes": self.estimate.min_device_bytes, "alloc_conf": self.estimate.alloc_conf,
         }
+        data["alloc_conf"] = self.alloc_conf  # written for readers; from_json reads the estimate's
         data["checkpoint"] = list(self.checkpoint)
         data["selective"] = list(self.selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
@@ -244,6 +252,7 @@ class Plan:
         data.pop("format")
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
         data.pop("checkpoint_policies", None)  # = checkpoint and selective
+        data.pop("alloc_conf", None)  # = estimate.alloc_conf
         try:
             est = data["estimate"]
             data["estimate"] = MemoryEstimate(
@@ -252,6 +261,7 @@ class Plan:
                 peak_phase=est["peak_phase"], peak_at=est["peak_at"],
                 method=est["method"], notes=tuple(est["notes"]), host_bytes=int(est.get("host_bytes", 0)),
                 host_breakdown=est.get("host_breakdown", {}), min_device_bytes=int(est.get("min_device_bytes", 0)),
+                alloc_conf=str(est.get("alloc_conf", "")),  # absent from plans written before expandable segments
             )
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
@@ -347,6 +357,9 @@ class Plan:
             *([("loss", f"cross-entropy over {self.chunked_loss.head!r} in {self.chunked_loss.chunks} chunks of "
                         "tokens")] if self.chunked_loss is not None else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
+            *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
+                                  "not fit the budget; wrap() sets it before the step allocates)")]
+              if self.alloc_conf else []),
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit.core._torch import BatchNormBase, compiled_modules
+from autofit.core._torch import BatchNormBase, allocator_settings, compiled_modules, set_allocator_settings
 from autofit.core._torch_compile import compiled_calls
 from autofit.training.batch import Batch, as_batch
-from autofit.core.errors import InvalidInputError
+from autofit.core.errors import AllocatorSettingError, InvalidInputError
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
 from autofit.training.loss import LossFn
@@ -61,6 +61,7 @@ class Trainer:
             raise InvalidInputError(
                 f"wrap() needs the optimizer instance built over model.parameters(), got {type(optimizer).__name__}"
             )
+        require_alloc_conf(plan)
         if plan.low_bit_optimizer is not None:  # the rung '8bit-optimizer' (Note [8-bit optimizer state])
             optimizer = to_eight_bit(optimizer, plan.low_bit_optimizer)
         self.plan = plan
@@ -193,3 +194,21 @@ def _parameter_device(model: nn.Module) -> torch.device:
 
 def _device_type(model: nn.Module) -> str:
     return _parameter_device(model).type
+
+
+def require_alloc_conf(plan: Plan) -> None:
+    """Put the plan's caching-allocator setting in place (Note [expandable segments as a plan knob],
+    autofit/device.py), or refuse: it governs segments allocated after it is set, and the plan's figures assume
+    every block of the step, parameters included, lives in such segments. Already in force (the environment's
+    ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``, or an earlier call): nothing to do. No CUDA memory allocated
+    yet: set it. Otherwise an :class:`AllocatorSettingError` names what to export before the process starts."""
+    if not plan.alloc_conf or plan.device != "cuda" or plan.alloc_conf in allocator_settings():
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
+        raise AllocatorSettingError(
+            f"this plan fits its budget only with PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} (the default caching "
+            f"allocator's segments do not fit), and CUDA memory was allocated before wrap() could set it: export "
+            f"PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} before starting Python (or set it with "
+            f"torch.cuda.memory._set_allocator_settings before the model goes to the GPU)"
+        )
+    set_allocator_settings(",".join(s for s in (allocator_settings(), plan.alloc_conf) if s))

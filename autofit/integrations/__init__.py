@@ -13,6 +13,7 @@ from torch import nn
 from autofit.core.errors import InvalidInputError
 from autofit.training.optim import as_optimizer_spec
 from autofit.emit.plan import Plan
+from autofit.emit.trainer import require_alloc_conf
 from autofit.training.step import StepConfig, patched_model
 
 __all__ = ["require", "plan_patches", "checked_plan"]
@@ -28,7 +29,8 @@ def require(module: str, extra: str) -> ModuleType:
 
 def checked_plan(plan: object, callback: str) -> Plan:
     """``plan`` if a callback named ``callback`` can apply it: a Plan whose parameters stay in their own precision
-    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision])."""
+    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]), its caching-allocator
+    setting put in place (``require_alloc_conf``)."""
     if not isinstance(plan, Plan):
         raise InvalidInputError(f"{callback} needs an autofit.Plan, got {type(plan).__name__}")
     if plan.precision.stored not in (None, "fp32"):
@@ -37,6 +39,7 @@ def checked_plan(plan: object, callback: str) -> Plan:
             f"{callback} does not apply: train it with plan.wrap(model, optimizer), or plan with "
             "min_stored_precision='fp32'"
         )
+    require_alloc_conf(plan)  # built before the Trainer moves the model: the allocator setting can still apply
     return plan
 
 

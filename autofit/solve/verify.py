@@ -105,7 +105,13 @@ def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate,
 #     no offload, benchmarks/verdict_floors.py) named 135.02, 128.42, 126.19, 127.91 GiB at batch 1, 2, 4, 8 before
 #     and 128.81, 129.11, 126.50, 126.53 GiB after (2026-11-24): still not monotone. The allocated peak is 125.54 GiB
 #     at every batch (the optimizer step); what stays is the segments the step finds pinned, 2.8 GiB at micro-batch 1
-#     against 0.5 GiB at 4, where the gradients fit the activations' segments exactly.
+#     against 0.5 GiB at 4, where the gradients fit the activations' segments exactly. With expandable segments
+#     where the default allocator's floor is not reached (Note [expandable segments as a plan knob], autofit/device.py)
+#     the floors are 126.91, 126.89, 126.16, 126.53 GiB at batch 1, 2, 4, 8 (2026-11-24): lower at batch 1, 2 and 4,
+#     the same at 8, but still not monotone. What stays is 20 MiB pages that gradients, placed in backward
+#     between activations, keep partly live when the optimizer step runs (four layers: 189 MiB at micro-batch 1,
+#     89 MiB at 4). A floor that never grows as the batch shrinks needs those gradients laid out apart from the
+#     activations (allocated before forward, as a contiguous buffer), not another allocator setting.
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
     """The configuration with the smallest verified peak among the two lowest modelled ones and the smallest
     micro-batch of each precision, with its estimate. The models are least exact far from the configurations they
