@@ -18,7 +18,7 @@ TOLERANCE = 0.005
 @pytest.fixture(autouse=True)
 def _compile_in_this_thread():
     """No inductor thread pool left behind (its non-daemon worker keeps later plans from forking workers)."""
-    from autofit.core._torch import compile_in_this_thread
+    from autofit.core._torch_compile import compile_in_this_thread
 
     with compile_in_this_thread():
         yield

@@ -25,7 +25,7 @@ def _compile_in_this_thread():
     """The compiles these tests make (torch.compile of a model, torchao's steps) leave no inductor thread pool
     behind: its non-daemon worker would keep later tests' plans from forking simulation workers
     (tests/test_plan_speed.py)."""
-    from autofit.core._torch import compile_in_this_thread
+    from autofit.core._torch_compile import compile_in_this_thread
 
     with compile_in_this_thread():
         yield

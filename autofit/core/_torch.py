@@ -31,7 +31,7 @@ __all__ = [
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
-    "compiled_modules", "rewrap_compiled", "compiled_code_runs_eagerly", "compile_in_this_thread", "foreach_types_include", "foreach_devices_include", "destroy_library",
+    "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
 ]
@@ -210,24 +210,6 @@ def rewrap_compiled(module: torch.nn.Module) -> None:
     module._initialize()
 
 
-def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager:
-    """``torch.compile``d functions and modules run their Python code eagerly for a while
-    (``torch.compiler.set_stance("force_eager")``); nothing to do when dynamo was never imported."""
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
-
-
-def compile_in_this_thread() -> contextlib.AbstractContextManager:
-    """Inductor compiles in the calling thread (``compile_threads=1``): with more, it starts a ThreadPoolExecutor
-    whose worker is not a daemon and lives as long as the process, and autofit forks no simulation workers beside a
-    non-daemon thread (Note [parallel simulations], autofit/core/workers.py), so one compiled optimizer step measured in a
-    simulation would make every later plan serial."""
-    import torch._inductor.config as inductor_config  # lazily: importing inductor costs seconds
-
-    return inductor_config.patch(compile_threads=1)
-
-
 _is_wrapper_subclass = _need("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
 
 
@@ -396,6 +378,7 @@ def patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterat
             yield record
         finally:
             setattr(owner, name, original)
+
 
 # the caching allocator's settings as PYTORCH_ALLOC_CONF text ('' for defaults) and their setter (a plan may need them)
 allocator_settings = _need("torch._C", "_accelerator_getAllocatorSettings")

@@ -33,6 +33,7 @@ Note [inductor without kernels]
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ import torch
 from autofit.core._torch import patch
 from autofit.core.errors import UnsupportedModelError, UnsupportedTorchError
 
-__all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls", "compiled_in_place"]
+__all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls", "compiled_in_place",
+           "compiled_code_runs_eagerly", "compile_in_this_thread"]
 
 # options of the inductor backend that change nothing on the CPU (cudagraphs are a CUDA feature)
 _IGNORED_OPTIONS = frozenset({"triton.cudagraphs"})
@@ -220,3 +222,21 @@ def _fresh_caller(module: Callable) -> Callable:
 
     call.__code__ = call.__code__.replace()
     return call
+
+
+def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager:
+    """``torch.compile``d functions and modules run their Python code eagerly for a while
+    (``torch.compiler.set_stance("force_eager")``); nothing to do when dynamo was never imported."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
+def compile_in_this_thread() -> contextlib.AbstractContextManager:
+    """Inductor compiles in the calling thread (``compile_threads=1``): with more, it starts a ThreadPoolExecutor
+    whose worker is not a daemon and lives as long as the process, and autofit forks no simulation workers beside a
+    non-daemon thread (Note [parallel simulations], autofit/core/workers.py), so one compiled optimizer step measured in a
+    simulation would make every later plan serial."""
+    import torch._inductor.config as inductor_config  # lazily: importing inductor costs seconds
+
+    return inductor_config.patch(compile_threads=1)

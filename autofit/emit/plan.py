@@ -350,7 +350,6 @@ class Plan:
                 if self.last_micro_batch_size != self.micro_batch_size else "")),
             ("precision", str(self.precision)),
             ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
-            ("optimizer", self.optimizer),
             ("optimizer", self.optimizer if self.low_bit_optimizer is None
              else f"{self.low_bit_optimizer} (8-bit state, in place of {self.optimizer})"),
             *([("compile", "torch.compile (inductor), applied by the trainer")] if self.compile else []),

@@ -29,7 +29,6 @@ import torch
 
 from autofit.core._torch import (
     allocation_sizes,
-    compile_in_this_thread,
     disable_current_modes,
     high_water_mark,
     memory_profile,
@@ -37,6 +36,7 @@ from autofit.core._torch import (
     storage_tensors,
     unset_fake_temporarily,
 )
+from autofit.core._torch_compile import compile_in_this_thread
 
 __all__ = ["COMPILED_STEPS", "measured_compiled_steps"]
 

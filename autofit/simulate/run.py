@@ -56,12 +56,12 @@ from torch import nn
 
 from autofit.core._torch import (
     DATA_DEPENDENT_ERRORS,
-    compiled_code_runs_eagerly,
     disable_current_modes,
     FakeTensorMode,
     unset_fake_temporarily,
     value_free_grad_scaler,
 )
+from autofit.core._torch_compile import compiled_code_runs_eagerly
 from autofit.training.batch import Batch
 from autofit.capture.model_copy import (
     fake_copy,
