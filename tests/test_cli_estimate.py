@@ -69,6 +69,35 @@ def test_figures_equal_the_library_estimate(model, extra, kwargs):
     assert data["breakdown"] == dict(est.breakdown)
 
 
+def test_tensor_parallel_figures_equal_the_library_estimate():
+    # FSDP2 over 2 data-parallel ranks x tensor parallel 2 (the Llama config's own tp plan): 4 ranks, and the global
+    # batch 8 is 2 rows x 2 micro-batches x 2 data-parallel ranks (the ranks of a tp group share their rows)
+    llama = ["--config", "num_hidden_layers=2", "--config", "hidden_size=64", "--config", "intermediate_size=128",
+             "--config", "num_attention_heads=4", "--config", "num_key_value_heads=2", "--config", "vocab_size=512"]
+    data = _estimate("hf:llama", *llama, "--input-shape", "16", "-m", "2", "-n", "8", "--gpu", "H100",
+                     "--world-size", "4", "--strategy", "fsdp2", "--tensor-parallel", "2")
+    spec = load_spec("hf:llama", input_shapes=[(16,)], config={k: int(v) for k, v in
+                                                               (e.split("=") for e in llama[1::2])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=2,
+                               accumulation_steps=2, device="cuda", gpu="H100-80GB", world_size=4, strategy="fsdp2",
+                               tensor_parallel=2)
+    assert data["accumulation_steps"] == 2 and data["batch_size"] == 8 and data["tensor_parallel"] == 2
+    assert "tp 2" in data["layout"], data["layout"]
+    assert (data["peak_allocated_bytes"], data["device_bytes"]) == (est.peak_allocated_bytes, est.device_bytes)
+    assert data["breakdown"] == dict(est.breakdown)
+
+
+def test_compile_figures_equal_the_library_estimate():
+    data = _estimate(MLP, "--input-shape", "128", "-m", "4", "--device", "cpu", "--compile")
+    spec = load_spec(MLP, input_shapes=[(128,)])
+    est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=4,
+                           device="cpu", compile=True)
+    assert data["compile"] is True and data["peak_allocated_bytes"] == est.peak_allocated_bytes
+    assert data["breakdown"] == dict(est.breakdown)
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--world-size", "2", "--strategy", "fsdp2", "--reshard-after-forward", "auto"], "autofit plan"),
     (["--world-size", "2", "--strategy", "fsdp2", "--replicate", "3"], "replicate"),
@@ -78,6 +107,7 @@ def test_figures_equal_the_library_estimate(model, extra, kwargs):
     (["--world-size", "2"], "strategy"),
     (["--precision", "auto"], "--precision auto"),
     (["--gpu", "Z80"], "Z80"),
+    (["--world-size", "4", "--strategy", "fsdp2", "--tensor-parallel", "3"], "--tensor-parallel 3"),
 ])
 def test_bad_input_exits_2_with_one_line(extra, words):
     result = runner.invoke(app, ["estimate", MLP, "--input-shape", "128", "-m", "4", *extra])

@@ -258,6 +258,9 @@ def estimate(
         "model's repeated blocks; ':selective' keeps its matmul and attention outputs")] = None,
     clip_grad_norm: Annotated[Optional[float], typer.Option("--clip-grad-norm", help="clip the gradients to this "
                                                              "norm before the step")] = None,
+    tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
+                                                 "own tp plan; 1: none)")] = "1",
+    compile: CompileOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -276,7 +279,8 @@ def estimate(
             spec, micro_batch_size=micro_batch_size, batch_size=batch_size, precision=precision,
             optimizer=optimizer, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
             reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
-            replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm)
+            replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm,
+            tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile)
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

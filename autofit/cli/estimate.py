@@ -41,13 +41,21 @@ class EstimateSetup:
     replicate: int
     checkpoint: dict[str, str]  # module -> "full" or "selective"
     clip_grad_norm: float | None
+    tensor_parallel: int = 1  # T ranks of a node split each block's linear layers (FSDP2 x tp, or tp alone)
+    compile: bool = False  # the step as torch.compile (inductor) compiles it
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that train different rows: the T ranks of a tensor-parallel group share theirs."""
+        return self.world_size // self.tensor_parallel
 
     @property
     def layout(self) -> str:
         """The layout in the plan's words ('fsdp2 (ZeRO-3) over 8 ranks'), 'one process' without one."""
         if self.strategy is None:
             return "one process"
-        words = layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True)
+        words = layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
+                             tensor_parallel=self.tensor_parallel)
         return words if self.strategy == "fsdp2" else f"{words} over {self.world_size} ranks"
 
 
@@ -58,15 +66,16 @@ def _fixed(flag: str, value: object) -> object:
     return value
 
 
-def _accumulation(batch_size: int | None, micro: int, world_size: int) -> int:
-    """--batch-size is the global batch, as for plan: micro-batch x accumulation x world size."""
+def _accumulation(batch_size: int | None, micro: int, data_ranks: int) -> int:
+    """--batch-size is the global batch, as for plan: micro-batch x accumulation x data-parallel ranks (the world
+    size over the tensor-parallel degree)."""
     if batch_size is None:
         return 1
-    rows = micro * world_size
+    rows = micro * data_ranks
     if batch_size < rows or batch_size % rows:
         raise InvalidInputError(
-            f"--batch-size {batch_size} is not a multiple of --micro-batch-size {micro} x --world-size {world_size} "
-            f"= {rows}: the global batch is micro-batch x accumulation steps x world size")
+            f"--batch-size {batch_size} is not a multiple of --micro-batch-size {micro} x {data_ranks} data-parallel "
+            f"ranks = {rows}: the global batch is micro-batch x accumulation steps x data-parallel ranks")
     return batch_size // rows
 
 
@@ -88,18 +97,21 @@ def _checkpoint(model, items: list[str]) -> dict[str, str]:
 def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | None, precision: str,
                    optimizer: str, device: str, gpu: str | None, world_size: int, strategy: str | None,
                    reshard_after_forward: object, replicate: object, checkpoint: list[str] | None,
-                   clip_grad_norm: float | None) -> EstimateSetup:
+                   clip_grad_norm: float | None, tensor_parallel: object = 1, compile: bool = False) -> EstimateSetup:
     """The configuration the flags describe (``reshard_after_forward`` and ``replicate`` as ``layout_option`` read
     them); "auto" anywhere is refused, since only ``plan`` chooses."""
+    tp = _fixed("--tensor-parallel", tensor_parallel)
+    if not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise InvalidInputError(f"--tensor-parallel {tp} must be a positive divisor of --world-size {world_size}")
     return EstimateSetup(
         micro_batch_size=micro_batch_size,
-        accumulation_steps=_accumulation(batch_size, micro_batch_size, world_size),
+        accumulation_steps=_accumulation(batch_size, micro_batch_size, world_size // tp),
         precision=_fixed("--precision", precision), optimizer=optimizer, device=device,
         gpu=resolve_device(device, gpu).name if device == "cuda" else gpu,  # the catalog's name; refuses bad ones
         world_size=world_size, strategy=strategy,
         reshard_after_forward=_fixed("--reshard-after-forward", reshard_after_forward),
         replicate=_fixed("--replicate", replicate), checkpoint=_checkpoint(spec.model, checkpoint or []),
-        clip_grad_norm=clip_grad_norm)
+        clip_grad_norm=clip_grad_norm, tensor_parallel=tp, compile=bool(compile))
 
 
 def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
@@ -109,7 +121,8 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                     precision=setup.precision, optimizer=setup.optimizer, device=setup.device, gpu=setup.gpu,
                     world_size=setup.world_size, strategy=setup.strategy,
                     reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
-                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm)
+                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm,
+                    tensor_parallel=setup.tensor_parallel, compile=setup.compile)
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:
@@ -119,7 +132,8 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "world_size": setup.world_size, "strategy": setup.strategy,
         "reshard_after_forward": setup.reshard_after_forward, "replicate": setup.replicate,
         "micro_batch_size": setup.micro_batch_size, "accumulation_steps": setup.accumulation_steps,
-        "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.world_size,
+        "tensor_parallel": setup.tensor_parallel, "compile": setup.compile,
+        "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.data_ranks,
         "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
         "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
         "device_bytes": est.device_bytes, "host_bytes": est.host_bytes, "peak_phase": est.peak_phase,
