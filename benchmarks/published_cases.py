@@ -190,7 +190,8 @@ _TORCHAO = ("pytorch/ao torchao/optim/README.md, 'Benchmarks', first table (comm
             "benchmarks/benchmark_low_bit_adam.py prints torch.cuda.max_memory_allocated() / 1e9")
 _TORCHAO_UNC = ("GB = 10^9 with two decimals (±0.005 GB); a 4070Ti SUPER (AD103, 16 GB) is not in the catalog: "
                 "the RTX 4090 (AD102, same sm_89 allocator and cuBLAS terms) stands in; the model runs compiled "
-                "(fullgraph), autofit estimates it eagerly (docs/fine-tuning.md: compilation is not modelled)")
+                "(fullgraph); these cases estimate it uncompiled (compile=True, which estimates what inductor "
+                "compiles for the CPU, docs/fine-tuning.md, has not been run on them)")
 
 
 def _vit_h() -> torch.nn.Module:
@@ -224,8 +225,8 @@ _TORCHTUNE = ("pytorch/torchtune README.md, 'Optimization flags' table (added in
               "https://github.com/pytorch/torchtune#optimization-flags): full_finetune_single_device, Llama 3.2 3B, "
               "batch 2, packed to 4096 tokens, bf16 parameters, A100, each row adding one technique; 'Peak Memory "
               "Active (GiB)', the recipe's memory_stats()['active_bytes.all.peak'] (~ max_memory_allocated)")
-_TORCHTUNE_UNC = ("GiB with one decimal (±0.05 GiB); every row from '+ Compile' on runs torch.compile, which autofit "
-                  "estimates eagerly; A100 40 or 80 GB not said (the same allocator); torchtune's own Llama "
+_TORCHTUNE_UNC = ("GiB with one decimal (±0.05 GiB); every row from '+ Compile' on runs torch.compile; these cases "
+                  "estimate the model uncompiled (compile=True not run on them) and the loss eagerly; A100 40 or 80 GB not said (the same allocator); torchtune's own Llama "
                   "modules, estimated here as transformers' LlamaForCausalLM with the same shapes")
 
 
