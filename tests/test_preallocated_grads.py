@@ -112,3 +112,32 @@ def test_trainer_with_accumulation_and_grads_ahead_equals_the_trainer_without():
 def test_where_the_gradients_cannot_be_kept_is_a_typed_error(kw):
     with pytest.raises(autofit.InvalidInputError, match="preallocated_grads"):
         StepConfig(micro_batch_size=2, preallocated_grads=True, **kw)
+
+
+def test_exports_say_what_their_framework_can_do_with_the_gradients():
+    from autofit.emit import export
+
+    model, x, y = _mlp()
+    ahead = _plan_with_grads_ahead(model, x, y)
+    plain = replace(ahead, estimate=replace(ahead.estimate, preallocated_grads=False))
+    exports = {
+        "hf": lambda p: export.to_hf_training_arguments(p).get("autofit_notes", []),
+        "deepspeed": lambda p: export.to_deepspeed_config(p).get("autofit_notes", []),
+        "lightning": lambda p: export.to_lightning_trainer(p).get("autofit_notes", []),
+        "accelerate": lambda p: export.to_accelerate_config(p).get("autofit_notes", []),
+        "torchtitan": lambda p: export.to_torchtitan_config(p).get("autofit", {}).get("notes", []),
+    }
+    for name, notes_of in exports.items():
+        said = [n for n in notes_of(ahead) if "allocated before the first forward" in n]
+        assert len(said) == 1, (name, notes_of(ahead))
+        assert not any("allocated before the first forward" in n for n in notes_of(plain)), name
+    assert "set_to_none=False" in export._grads_notes(ahead, "lightning")[0]
+
+
+def test_the_hugging_face_callback_refuses_a_plan_that_keeps_the_gradients():
+    pytest.importorskip("transformers")
+    from autofit.integrations.hf import AutofitCallback
+
+    model, x, y = _mlp()
+    with pytest.raises(autofit.InvalidInputError, match="plan.wrap"):
+        AutofitCallback(_plan_with_grads_ahead(model, x, y))
