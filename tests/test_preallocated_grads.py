@@ -32,7 +32,7 @@ def test_estimate_equals_the_cpu_allocator_with_the_gradients_allocated_before_f
     kw = dict(micro_batch_size=micro, accumulation_steps=steps, target=y, loss_fn=nn.CrossEntropyLoss())
     est = autofit.estimate(model, x, preallocated_grads=True, **kw)
     measured = autofit.measure(model, x, preallocated_grads=True, **kw)
-    assert est.peak_bytes == measured.peak_bytes
+    assert est.peak_bytes == measured.peak_bytes and est.preallocated_grads
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert est.breakdown["gradients"] == measured.breakdown["gradients"] == grads  # resident before the step
     plain = autofit.measure(model, x, **kw)
@@ -65,6 +65,11 @@ def test_a_trainer_step_with_the_gradients_allocated_before_forward_equals_a_pla
     plan = _plan_with_grads_ahead(model, x, y)
     assert plan.preallocated_grads and "allocated before the first forward" in str(plan)
     assert autofit.Plan.from_json(plan.to_json()).preallocated_grads
+    assert '"preallocated_grads": true' in plan.to_json()
+    from autofit.cli.render import knobs_table
+
+    table = knobs_table(plan, "mlp")  # the CLI's table
+    assert "gradients" in list(table.columns[0].cells)
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
