@@ -319,6 +319,7 @@ def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama
         assert plan.alloc_conf == "expandable_segments:True"
         assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in str(plan)
         assert plan.preallocated_grads and "allocated before the first forward" in str(plan)
+        assert "gradients allocated before forward" in messages[batch]
         assert autofit.Plan.from_json(plan.to_json()).preallocated_grads
 
 

@@ -179,12 +179,15 @@ def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str
     if est.min_device_bytes + margin <= budget:  # a budget in a window where the allocator fails (docs/cuda.md)
         kept += (f"; the caching allocator runs the configuration below under {format_bytes(est.min_device_bytes)}"
                  f" but not under this budget: with more room it keeps segments cached that the step later pins")
+    at_floor = est.within(est.min_device_bytes)  # how the step runs there: the gradients' layout it needs
+    ahead = at_floor is not None and at_floor.preallocated_grads
     return InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget)}{kept}: the smallest reachable peak is "
         f"{format_bytes(est.min_device_bytes)} ({est.min_device_bytes:,} bytes; micro-batch "
         f"{smallest.micro_batch_size}, "
         f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed"
-        f"{', optimizer stepped in backward' if smallest.in_backward else ''}{where}). "
+        f"{', optimizer stepped in backward' if smallest.in_backward else ''}"
+        f"{', gradients allocated before forward' if ahead else ''}{where}). "
         f"{advice.get(dominant, ADVICE.get(dominant, f'{dominant} dominates the smallest peak'))}.",
         min_budget_bytes=est.min_device_bytes + margin, budget_bytes=budget, dominant=dominant,
     )
