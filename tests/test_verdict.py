@@ -325,12 +325,9 @@ def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama
 
 @pytest.mark.slow
 def test_the_smallest_budget_never_grows_as_the_batch_shrinks_at_any_step(llama_floors):
-    """Before the gradients could be allocated before forward (Note [gradients before forward as a plan knob]) the
-    floors were 20.68, 20.68, 20.58, 20.60 GiB at batch 1, 2, 4, 8 (2026-11-24, expandable segments where needed):
-    gradients placed in backward between activations kept 20 MiB pages partly live at the optimizer step, more at
-    micro-batch 1 than at 4. Independently of the planner: the allocated peak is the optimizer step's, so no floor
-    can be below the state's blocks (parameters, gradients, two AdamW moments: 16 bytes per parameter) plus the
-    context."""
+    """Before the gradients could be allocated before forward (Note [gradients before forward as a plan knob]):
+    20.68, 20.68, 20.58, 20.60 GiB at batch 1, 2, 4, 8 (2026-11-24), gradients placed between activations pinning
+    20 MiB pages at the optimizer step. No floor is below the states (16 bytes per parameter) plus the context."""
     model, floors, _ = llama_floors
     assert floors[1] <= floors[2] <= floors[4] <= floors[8], floors
     states = 16 * sum(p.numel() for p in model.parameters())
