@@ -113,7 +113,7 @@ def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate,
 #     89 MiB at 4). A floor that never grows as the batch shrinks needs those gradients laid out apart from the
 #     activations, not another allocator setting: allocated before forward (Note [gradients before forward as a plan
 #     knob], autofit/solve/estimator.py), which ``smallest_verified`` ranks with ``Estimator.verify_floor``. Four
-#     layers of Llama-2-7B then name 20.50 GiB at batch 1, 2, 4 and 8 (2026-11-24).
+#     layers of Llama-2-7B then name 20.50 GiB at batch 1, 2, 4 and 8, the full model 126.05 GiB (2026-11-24).
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
     """The configuration with the smallest verified peak among the two lowest modelled ones and the smallest
     micro-batch of each precision, with its estimate. The models are least exact far from the configurations they
