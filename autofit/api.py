@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
             clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
             strategy=None, reduce_every_micro_batch=False, chunked_loss=False, batch=None, target=None,
             loss_fn=None, reshard_after_forward=True, replicate=1, tensor_parallel=1,
-            tensor_parallel_plan=None, compile=False) -> StepConfig:
+            tensor_parallel_plan=None, compile=False, preallocated_grads=False) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -56,7 +57,8 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             offload=offload, offload_states=offload_states, strategy=strategy, world_size=world_size,
                             shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch,
                             chunked_loss=chunks, reshard_after_forward=reshard_after_forward, replicate=replicate,
-                            tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile)
+                            tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
+                            preallocated_grads=preallocated_grads)
 
 
 def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
@@ -77,7 +79,7 @@ def estimate(
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, world_size: int = 1,
     strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
     reshard_after_forward: bool | int = True, replicate: int = 1, tensor_parallel: int = 1,
-    tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
+    tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False, preallocated_grads: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -120,6 +122,10 @@ def estimate(
     ``compile``: the step runs the model as ``torch.compile`` (inductor, default options) compiles it; a model the
     user compiled is estimated as compiled either way (Note [inductor without kernels], docs/fine-tuning.md).
 
+    ``preallocated_grads``: every trainable parameter's gradient is allocated before the first forward and zeroed in
+    place after each step (``zero_grad(set_to_none=False)``), as a plan that needs it runs (Note [gradients
+    allocated before forward], autofit/training/grads.py); one process, no step in backward, no fp32 master copy.
+
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
@@ -131,10 +137,11 @@ def estimate(
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
                      reduce_every_micro_batch, chunked_loss, batch,
                      target_batch, loss_fn, reshard_after_forward, replicate, tensor_parallel,
-                     tensor_parallel_plan, compile)
+                     tensor_parallel_plan, compile, preallocated_grads)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
-    return device_model.estimate(sim)
+    est = device_model.estimate(sim)
+    return replace(est, preallocated_grads=True) if config.preallocated_grads else est
 
 
 def measure(
@@ -142,7 +149,7 @@ def measure(
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, chunked_loss: bool = False,
-    compile: bool = False,
+    compile: bool = False, preallocated_grads: bool = False,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -154,7 +161,7 @@ def measure(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
                      clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward, offload=offload,
                      offload_states=offload_states, chunked_loss=chunked_loss, batch=batch, target=target_batch,
-                     loss_fn=loss_fn, compile=compile)
+                     loss_fn=loss_fn, compile=compile, preallocated_grads=preallocated_grads)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:

@@ -76,7 +76,9 @@ class DeviceTerms:
 #     exports (a note: they cannot set it). It is a knob of the verdict at a budget rather than a rung of the ladder
 #     (Note [the ladder]): it changes only how the allocator places the same timeline, so it needs no new analysis
 #     or search, and it applies to every rung's verified winner alike. It lowers the floors but does not make them
-#     monotone in the batch (Note [the smallest budget], autofit/solve/verify.py, has the figures and the reason).
+#     monotone in the batch (Note [the smallest budget], autofit/solve/verify.py, has the figures and the reason);
+#     the gradients allocated before forward do (Note [gradients before forward as a plan knob],
+#     autofit/solve/estimator.py), and where both are needed a plan sets both.
 #     Not the default: plans that fit under the default allocator are unchanged. torchtitan's launcher sets it for
 #     every run (``run_train.sh``: ``PYTORCH_ALLOC_CONF="expandable_segments:True"``, the device-generic name of
 #     ``PYTORCH_CUDA_ALLOC_CONF`` that recent PyTorch reads too), but PyTorch keeps

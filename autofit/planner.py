@@ -217,7 +217,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         where, space, _ = searchable(request, last, analyses)
         tried = space, where
     space, where = tried
-    smallest, est = smallest_verified(space, where.verify)
+    smallest, est = smallest_verified(space, where.verify_floor)  # Note [gradients before forward as a plan knob]
     stepped = smallest_in_backward(backward, where.verify) if backward is not None else None
     if stepped is not None and stepped[1].min_device_bytes < est.min_device_bytes:
         smallest, est = stepped
@@ -239,6 +239,8 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     """The Plan of a verified choice, finished (solve/finish.py): optional fp32 pins, the cost of each pin, the even
     split for the exports, the rows per micro-batch at shorter lengths."""
     request, parallel = estimator.request, estimator.parallel
+    if found.estimate.preallocated_grads:  # the finishing estimates run the step the plan runs
+        found = replace(found, candidate=replace(found.candidate, preallocated_grads=True))
     found, policy, pins = optional_pins(estimator, found, estimator.policy(found.candidate.precision))
     chosen = found.candidate
     plan = assemble_plan(

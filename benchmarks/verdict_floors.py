@@ -74,7 +74,9 @@ def main() -> None:
             print(f"  at the floor: {plan['micro_batch_size']} x {plan['gradient_accumulation_steps']}, "
                   f"allocated {est['peak_allocated_bytes'] / 2**30:.2f} GiB, device {est['device_bytes'] / 2**30:.2f}"
                   f" GiB, budget {plan['budget_bytes'] / 2**30:.2f} GiB, allocator "
-                  f"{est.get('alloc_conf') or 'default'}, {seconds:.0f} s", flush=True)
+                  f"{est.get('alloc_conf') or 'default'}, gradients "
+                  f"{'before forward' if est.get('preallocated_grads') else 'made in backward'}, {seconds:.0f} s",
+                  flush=True)
     batches = sorted(floors)
     monotone = all(floors[a] <= floors[b] for a, b in zip(batches, batches[1:]))
     print("floors never grow as the batch shrinks" if monotone else "NOT monotone: a smaller batch names more")

@@ -306,7 +306,8 @@ def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama
     Four of its layers with the same knobs: a plan at the floor named for batch 1 and for batch 8 comes back with the
     micro-batch and checkpoint count the error named, holding at least what it allocates plus the context. Under the
     default allocator alone these floors were 20.85 and 21.02 GiB (measured 2026-11-24, the replay under a cap); the
-    floors named now are lower, so the plans at them need expandable segments, and say so."""
+    floors named now are lower, so the plans at them need expandable segments and the gradients allocated before
+    forward, and say so."""
     model, floors, messages = llama_floors
     for batch in (1, 8):
         ids = torch.zeros(batch, 2048, dtype=torch.long)
@@ -317,17 +318,20 @@ def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama
         assert floors[batch] < (20.85 if batch == 1 else 21.02) * 2**30
         assert plan.alloc_conf == "expandable_segments:True"
         assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in str(plan)
+        assert plan.preallocated_grads and "allocated before the first forward" in str(plan)
+        assert "gradients allocated before forward" in messages[batch]
+        assert autofit.Plan.from_json(plan.to_json()).preallocated_grads
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured 2026-11-24 with expandable segments: 20.68, 20.68, 20.58, 20.60 "
-                   "GiB at batch 1, 2, 4, 8 (the default allocator alone: 20.85, 20.73, 20.84, 21.02). The allocated "
-                   "peak is the optimizer step's 19.99 GiB at every batch; what stays is 20 MiB pages that gradients "
-                   "placed in backward's activation holes keep partly live: 189 MiB at micro-batch 1, 89 MiB at 4 "
-                   "(full model: benchmarks/verdict_floors.py)")
 def test_the_smallest_budget_never_grows_as_the_batch_shrinks_at_any_step(llama_floors):
-    _, floors, _ = llama_floors
+    """Before the gradients could be allocated before forward (Note [gradients before forward as a plan knob]):
+    20.68, 20.68, 20.58, 20.60 GiB at batch 1, 2, 4, 8 (2026-11-24), gradients placed between activations pinning
+    20 MiB pages at the optimizer step. No floor is below the states (16 bytes per parameter) plus the context."""
+    model, floors, _ = llama_floors
     assert floors[1] <= floors[2] <= floors[4] <= floors[8], floors
+    states = 16 * sum(p.numel() for p in model.parameters())
+    assert all(f >= states + CUDA_CONTEXT_BYTES for f in floors.values()), floors
 
 
 # ---- exports carry the plan's effective batch --------------------------------------------------------------------------

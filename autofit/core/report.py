@@ -63,6 +63,9 @@ class MemoryEstimate:
     # the PYTORCH_CUDA_ALLOC_CONF the figures assume: "" for the default allocator, "expandable_segments:True" where
     # only that fits the budget (Note [expandable segments as a plan knob], autofit/device.py)
     alloc_conf: str = ""  # "" or EXPANDABLE_SEGMENTS
+    # the figures assume every gradient allocated before the first forward and kept between steps, where only that
+    # fits the budget (Note [gradients before forward as a plan knob], autofit/solve/estimator.py)
+    preallocated_grads: bool = False
     # the estimate under a budget below device_bytes, or None when the step does not run under it; set by the
     # device model that can tell (CUDA), None elsewhere
     under: Callable[[int], MemoryEstimate | None] | None = field(default=None, compare=False, repr=False)
@@ -85,6 +88,29 @@ class MemoryEstimate:
         if self.device_bytes <= budget:
             return self
         return None if self.under is None else self.under(budget)
+
+    def to_dict(self) -> dict:
+        """The figures as plain JSON values (a plan's ``estimate``); :meth:`from_dict` reads them back."""
+        return {
+            "peak_bytes": self.peak_bytes, "device_bytes": self.device_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+            "breakdown": dict(self.breakdown), "device": self.device, "peak_phase": self.peak_phase,
+            "peak_at": self.peak_at, "method": self.method, "notes": list(self.notes), "host_bytes": self.host_bytes,
+            "host_breakdown": dict(self.host_breakdown), "min_device_bytes": self.min_device_bytes,
+            "alloc_conf": self.alloc_conf, "preallocated_grads": self.preallocated_grads,
+        }
+
+    @classmethod
+    def from_dict(cls, est: Mapping) -> MemoryEstimate:
+        """The estimate :meth:`to_dict` wrote (fields added later default when absent)."""
+        return cls(
+            peak_bytes=int(est["peak_bytes"]), breakdown=est["breakdown"], device=est["device"],
+            device_bytes=int(est["device_bytes"]), peak_reserved_bytes=int(est.get("peak_reserved_bytes", 0)),
+            peak_phase=est["peak_phase"], peak_at=est["peak_at"], method=est["method"], notes=tuple(est["notes"]),
+            host_bytes=int(est.get("host_bytes", 0)), host_breakdown=est.get("host_breakdown", {}),
+            min_device_bytes=int(est.get("min_device_bytes", 0)), alloc_conf=str(est.get("alloc_conf", "")),
+            preallocated_grads=bool(est.get("preallocated_grads", False)),
+        )
 
     @property
     def host_pinned_bytes(self) -> int:

@@ -59,6 +59,9 @@ class DistributedTrainer(Trainer):
                 "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
                 "after the collective that averages it, which runs after autograd's hooks"
             )
+        if plan.preallocated_grads:  # Note [gradients allocated before forward]
+            raise InvalidInputError("preallocated_grads is planned for one process only: DDP's buckets and FSDP2's "
+                                    "shards own the gradients' storage")
         if plan.precision.stored not in (None, "fp32"):
             raise InvalidInputError(
                 f"stored precision {plan.precision.stored!r} is planned for one process only; with DDP or FSDP2 use "

@@ -68,6 +68,28 @@ def _alloc_notes(plan: Plan) -> list[str]:
             f"allocation): the budget fits only with it, the default allocator's segments do not"]
 
 
+# What each framework does with gradients between steps (Note [gradients allocated before forward]).
+_GRADS_HOW = {
+    "hf": "Hugging Face's Trainer calls model.zero_grad() (set_to_none=True) after every step, and its arguments "
+          "have no setting to keep them",
+    "deepspeed": "DeepSpeed's engine owns the gradients' storage and has no setting for this",
+    "lightning": "allocate them before trainer.fit (p.grad = torch.zeros_like(p) for each trainable parameter) and "
+                 "override LightningModule.optimizer_zero_grad to call optimizer.zero_grad(set_to_none=False)",
+    "accelerate": "in your loop, allocate them before the first forward (p.grad = torch.zeros_like(p) for each "
+                  "trainable parameter) and call optimizer.zero_grad(set_to_none=False)",
+    "torchtitan": "torchtitan's train loop zeroes them with set_to_none and has no setting to keep them",
+}
+
+
+def _grads_notes(plan: Plan, framework: str) -> list[str]:
+    """The plan's gradients allocated before forward (Note [gradients before forward as a plan knob]): what this
+    framework can do about it, in a note."""
+    if not plan.preallocated_grads:
+        return []
+    return [f"the budget fits only with every gradient allocated before the first forward and zeroed in place "
+            f"after each step (plan.wrap() does it): {_GRADS_HOW[framework]}"]
+
+
 def _selective_notes(plan: Plan, how: str) -> list[str]:
     if not plan.selective:
         return []
@@ -92,7 +114,7 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint),
                            "autofit_checkpoint_policies": plan.checkpoint_policies}
-    notes = _split_notes(plan) + _alloc_notes(plan) + _selective_notes(
+    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "hf") + _selective_notes(
         plan, "gradient_checkpointing_enable() recomputes every decoder layer with one policy; AutofitCallback "
               "applies the plan's")
     stored = _stored(plan)
@@ -132,7 +154,7 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config["zero_optimization"] = zero
-    notes = _split_notes(plan) + _alloc_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "deepspeed")
     if plan.selective:
         config["autofit_checkpoint_policies"] = plan.checkpoint_policies
         notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
@@ -162,7 +184,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     precision = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[plan.precision.name]
     stored = _stored(plan)
     micro, steps = _split(plan)
-    notes = _split_notes(plan) + _alloc_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "lightning")
     if stored == "bf16":
         precision = "bf16-true"  # parameters, gradients and optimizer state in bf16
     elif stored is not None:
@@ -232,7 +254,7 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
         "num_machines": plan.world_size // per_node, "num_processes": plan.world_size,
     }
-    notes = _split_notes(plan) + _alloc_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "accelerate")
     if plan.strategy == "ddp":
         config["distributed_type"] = "MULTI_GPU"
     elif plan.strategy == "fsdp2":
@@ -279,7 +301,7 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     (``local_batch_size`` per device, ``global_batch_size``, from which torchtitan derives the accumulation steps,
     ``mixed_precision_param``); field names and meanings from torchtitan/config/job_config.py."""
     micro, steps = _split(plan)
-    notes = _split_notes(plan) + _alloc_notes(plan)
+    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "torchtitan")
     data_ranks = plan.world_size // plan.tensor_parallel
     if plan.strategy == "fsdp2":
         shard = data_ranks // plan.replicate

@@ -155,6 +155,12 @@ class Plan:
         return self.estimate.alloc_conf
 
     @property
+    def preallocated_grads(self) -> bool:
+        """Whether the trainer allocates every gradient before the first forward and keeps it between steps, where
+        only that fits the budget (Note [gradients before forward as a plan knob], autofit/solve/estimator.py)."""
+        return self.estimate.preallocated_grads
+
+    @property
     def peak_allocated_bytes(self) -> int:
         """~ ``torch.cuda.max_memory_allocated()`` (the CPU allocator's peak on the CPU): ``peak_bytes``."""
         return self.peak_bytes
@@ -207,17 +213,9 @@ class Plan:
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
                              "stored": self.precision.stored}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
-        data["estimate"] = {
-            "peak_bytes": self.estimate.peak_bytes, "device_bytes": self.estimate.device_bytes,
-            "peak_allocated_bytes": self.estimate.peak_allocated_bytes,
-            "peak_reserved_bytes": self.estimate.peak_reserved_bytes,
-            "breakdown": dict(self.estimate.breakdown), "device": self.estimate.device,
-            "peak_phase": self.estimate.peak_phase, "peak_at": self.estimate.peak_at,
-            "method": self.estimate.method, "notes": list(self.estimate.notes),
-            "host_bytes": self.estimate.host_bytes, "host_breakdown": dict(self.estimate.host_breakdown),
-            "min_device_bytes": self.estimate.min_device_bytes, "alloc_conf": self.estimate.alloc_conf,
-        }
+        data["estimate"] = self.estimate.to_dict()
         data["alloc_conf"] = self.alloc_conf  # written for readers; from_json reads the estimate's
+        data["preallocated_grads"] = self.preallocated_grads  # the same
         data["checkpoint"] = list(self.checkpoint)
         data["selective"] = list(self.selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
@@ -253,16 +251,9 @@ class Plan:
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
         data.pop("checkpoint_policies", None)  # = checkpoint and selective
         data.pop("alloc_conf", None)  # = estimate.alloc_conf
+        data.pop("preallocated_grads", None)  # = estimate.preallocated_grads
         try:
-            est = data["estimate"]
-            data["estimate"] = MemoryEstimate(
-                peak_bytes=int(est["peak_bytes"]), breakdown=est["breakdown"], device=est["device"],
-                device_bytes=int(est["device_bytes"]), peak_reserved_bytes=int(est.get("peak_reserved_bytes", 0)),
-                peak_phase=est["peak_phase"], peak_at=est["peak_at"],
-                method=est["method"], notes=tuple(est["notes"]), host_bytes=int(est.get("host_bytes", 0)),
-                host_breakdown=est.get("host_breakdown", {}), min_device_bytes=int(est.get("min_device_bytes", 0)),
-                alloc_conf=str(est.get("alloc_conf", "")),  # absent from plans written before expandable segments
-            )
+            data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
                                                 stored=data["precision"].get("stored"))
@@ -359,6 +350,9 @@ class Plan:
             *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
                                   "not fit the budget; wrap() sets it before the step allocates)")]
               if self.alloc_conf else []),
+            *([("gradients", "allocated before the first forward, zeroed in place after each step (the budget needs "
+                             "them apart from the activations; wrap() allocates them)")]
+              if self.preallocated_grads else []),
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),

@@ -25,6 +25,7 @@ from torch import nn
 from autofit.core._torch import BatchNormBase, allocator_settings, compiled_modules, set_allocator_settings
 from autofit.core._torch_compile import compiled_calls
 from autofit.training.batch import Batch, as_batch
+from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
@@ -76,7 +77,7 @@ class Trainer:
             precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
             clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
-            offload=plan.offload, chunked_loss=plan.chunked_loss,
+            offload=plan.offload, chunked_loss=plan.chunked_loss, preallocated_grads=plan.preallocated_grads,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
@@ -90,6 +91,8 @@ class Trainer:
         # precision]); unwrap() undoes both
         self._stored = apply_stored(getattr(self, "_inner", model), optimizer, plan.precision.stored,
                                     plan.precision.fp32_modules)
+        # Note [gradients allocated before forward]: before the first forward, in the parameters' stored dtype
+        self._grads_given = allocate_grads(getattr(self, "_inner", model)) if plan.preallocated_grads else []
         self._patch = contextlib.ExitStack()
         self._patch.enter_context(patched_model(getattr(self, "_inner", model), self.config, self.device_type))
         if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
@@ -130,7 +133,7 @@ class Trainer:
             losses.append(float(loss))
             del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
         optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm, stored=self._stored,
-                       in_backward=self.plan.optimizer_in_backward)
+                       in_backward=self.plan.optimizer_in_backward, keep_grads=self.plan.preallocated_grads)
         return norm.local_mean(losses)
 
     def _input_device(self) -> torch.device:
@@ -171,9 +174,12 @@ class Trainer:
     def unwrap(self) -> nn.Module:
         """Undo the plan's patches (checkpointing, fp32 pins) and its stored precision: parameters back in their
         dtype (from the fp32 master copy when the plan keeps one; after pure bf16 their values stay rounded to bf16),
-        the optimizer back on the parameters with its state in their dtype. The model is as before ``wrap``, trained."""
+        the optimizer back on the parameters with its state in their dtype; gradients ``wrap`` allocated are dropped
+        (None, as ``zero_grad(set_to_none=True)`` leaves them). The model is as before ``wrap``, trained."""
         if self._active:
             self._patch.__exit__(None, None, None)
+            for p in self._grads_given:
+                p.grad = None
             if self._stored is not None:
                 self._stored.restore()
             self._active = False

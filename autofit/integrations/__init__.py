@@ -29,7 +29,8 @@ def require(module: str, extra: str) -> ModuleType:
 
 def checked_plan(plan: object, callback: str) -> Plan:
     """``plan`` if a callback named ``callback`` can apply it: a Plan whose parameters stay in their own precision
-    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]), its caching-allocator
+    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]) and whose gradients the
+    loop may free (not ``plan.preallocated_grads``), its caching-allocator
     setting put in place (``require_alloc_conf``)."""
     if not isinstance(plan, Plan):
         raise InvalidInputError(f"{callback} needs an autofit.Plan, got {type(plan).__name__}")
@@ -38,6 +39,12 @@ def checked_plan(plan: object, callback: str) -> Plan:
             f"this plan stores the parameters as {plan.precision.stored} (Note [stored precision]), which "
             f"{callback} does not apply: train it with plan.wrap(model, optimizer), or plan with "
             "min_stored_precision='fp32'"
+        )
+    if plan.preallocated_grads:  # Note [gradients allocated before forward]
+        raise InvalidInputError(
+            f"this plan fits its budget only with every gradient allocated before the first forward and zeroed in "
+            f"place after each step, which {callback} does not apply (the training loop frees them after every "
+            "step): train it with plan.wrap(model, optimizer), or plan with a larger budget"
         )
     require_alloc_conf(plan)  # built before the Trainer moves the model: the allocator setting can still apply
     return plan

@@ -28,6 +28,7 @@ from autofit.training.in_backward import stepping_in_backward
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
+from autofit.training.grads import allocate_grads
 from autofit.training.stored import apply_stored
 from autofit.training.step import (
     StepConfig,
@@ -96,8 +97,10 @@ def measure_step(
             run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                             scaler=scaler)
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
-                       in_backward=config.optimizer_in_backward)
+                       in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
 
+    if config.preallocated_grads:  # before the first forward, as the trainer does (Note [gradients allocated before
+        allocate_grads(work)  # forward], training/grads.py)
     in_backward = stepping_in_backward(work, optimizer) if config.optimizer_in_backward else contextlib.nullcontext()
     with patched_model(work, config, device.type), in_backward:
         window()  # warm-up: optimizer state now exists, as in the steady state

@@ -237,7 +237,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
         with _optimizer_values(optimizer, fake):
-            create_optimizer_state(work, optimizer, scaler, stored)
+            create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
         buckets = ddp_buckets(work) if config.strategy == "ddp" else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
@@ -342,7 +342,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
     with host_optimizer(tracker, config.offload_states and config.device == "cuda"), _optimizer_values(optimizer, fake):
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
-                       in_backward=config.optimizer_in_backward)
+                       in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
     received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
     tracker.phase = Phase.SETUP
     drop_phantom_state(tracker, model, optimizer, received_grad, stored)

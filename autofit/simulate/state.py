@@ -52,16 +52,19 @@ def tracked_rng_state(fake: bool) -> Iterator[None]:
         yield
 
 
-def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, stored=None) -> None:
+def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, stored=None, *,
+                           keep_grads: bool = False) -> None:
     """Steady state: one optimizer step over zero gradients creates every piece of state a real step would. It is
     the trainer's step (``optimizer_step``); a GradScaler's scale tensor is made first, as the first ``scale`` of a
-    loss would (``scaler.step`` unscales by itself, leaving the same per-device ``found_inf``)."""
+    loss would (``scaler.step`` unscales by itself, leaving the same per-device ``found_inf``). ``keep_grads``: the
+    zero gradients stay, as the trainer allocates them before the first forward (Note [gradients allocated before
+    forward], training/grads.py)."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     if scaler is not None:
         scaler.scale(torch.ones((), device="cpu"))  # creates the scale tensor
-    optimizer_step(optimizer, scaler, stored=stored)
+    optimizer_step(optimizer, scaler, stored=stored, keep_grads=keep_grads)
 
 
 def register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch, micro_target, stored=None, *,
@@ -70,6 +73,9 @@ def register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch,
         tracker.register(p, Category.PARAMETERS, host=host_states)
     for _, t in attached_tensors(model):  # quantization statistics (Note [quantized parameters])
         tracker.register(t, Category.PARAMETERS, host=host_states)
+    for p in model.parameters():  # kept between steps (Note [gradients allocated before forward]), after the
+        if p.grad is not None:  # parameters and before the optimizer state, as the trainer allocates them
+            tracker.register(p.grad, Category.GRADIENTS, host=host_states)
     for b in model.buffers():
         tracker.register(b, Category.BUFFERS)
     for _, t in module_tensor_attributes(model):

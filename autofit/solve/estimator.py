@@ -4,14 +4,34 @@ Every full estimate the planner makes (the quick path, a search winner's verific
 pins, the even split, the rows at shorter lengths) is this one call on an :class:`Estimator`, the request at one
 data-parallel layout. A configuration is a search :class:`~autofit.solve.search.Candidate` and the precision policy
 it runs (its label alone does not carry a pin set the planner adds after the search).
+
+Note [gradients before forward as a plan knob]
+    Gradients allocated before the first forward (Note [gradients allocated before forward], training/grads.py) put
+    them in segments apart from the activations, so that when the optimizer step holds the peak, the activations'
+    segments are wholly free and a budget frees them: 4 layers of Llama-2-7B on an H200 (fp16, every layer
+    recomputed) run under 22,013,804,544 bytes at every micro-batch from 1 to 4, where the gradients placed in
+    backward need 22,223,519,744 at micro-batch 1 and 22,118,662,144 at 2. But with one micro-batch per step they
+    also live through forward and the first backward, which raises the tensor peak wherever forward or backward
+    holds it (the same model at 4 x 1: 21.13 GiB allocated against 19.99). So they are a knob of the verdict at a
+    budget, as expandable segments are (Note [expandable segments as a plan knob], autofit/device.py), chosen per
+    configuration by what the caching allocator replay says, not a default: a configuration whose figures leave
+    more than a 20 MiB page above what it allocates plus the context (segments pinned) is simulated a second time
+    with them. :meth:`Estimator.verify` does it only when the default layout does not run under the budget asked
+    (lazily, in the estimate's ``under``); :meth:`Estimator.verify_floor`, which ranks the configurations whose
+    smallest budget an infeasibility error names, does it at once and keeps the lower floor. Either way the figures
+    that fit say so (``MemoryEstimate.preallocated_grads`` -> ``Plan.preallocated_grads``), and the trainer allocates
+    the gradients in ``wrap``. It changes no number of the update. One process only, without the optimizer stepping
+    in backward or a master copy (StepConfig refuses them); it needs a second simulation, not a new analysis.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autofit.core import progress
+from autofit.core.categories import Category
 from autofit.training.length import cut_to_length, length_spec
 from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
@@ -23,6 +43,11 @@ if TYPE_CHECKING:  # the request is built after this stage in the import order; 
     from autofit.request import Parallel, PlanRequest
 
 __all__ = ["Estimator", "announce", "with_rows"]
+
+_PAGE = 20 << 20  # kLargeBuffer: a segment of the large pool, the least that pinned segments can cost
+_PREALLOCATED_NOTE = ("every gradient is allocated before the first forward and zeroed in place after each step "
+                      "(zero_grad(set_to_none=False)), apart from the activations' segments, which the budget needs "
+                      "free at the optimizer step; wrap() allocates them (Note [gradients allocated before forward])")
 
 
 @dataclass(frozen=True)
@@ -37,7 +62,8 @@ class Estimator:
         """The step ``c`` describes, holding the rows one rank trains per step as inputs."""
         return replace(self.request.step(self.parallel), micro_batch_size=c.micro_batch_size,
                        accumulation_steps=c.accumulation_steps, precision=policy, checkpoint=c.checkpoint,
-                       selective=c.selective, optimizer_in_backward=c.in_backward, offload=c.offload)
+                       selective=c.selective, optimizer_in_backward=c.in_backward, offload=c.offload,
+                       preallocated_grads=c.preallocated_grads)
 
     def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> Simulation:
         """One step of ``c`` on fake tensors, on the sample cut to ``length`` along its length dims (None: as is)."""
@@ -52,7 +78,8 @@ class Estimator:
 
     def estimate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> MemoryEstimate:
         """The device's figures for one step of ``c`` (see :meth:`simulate`)."""
-        return self.request.device.estimate(self.simulate(c, policy, length))
+        est = self.request.device.estimate(self.simulate(c, policy, length))
+        return _preallocated(est) if c.preallocated_grads else est
 
     def policy(self, label: str) -> PrecisionPolicy:
         """The policy a search candidate's precision label names: an allowed precision or a stored option."""
@@ -61,9 +88,54 @@ class Estimator:
     def verify(self, c: Candidate) -> MemoryEstimate:
         """The full estimate of a configuration the search picked, in its own policy; what the search's ``verify``
         callable is (solve/verify.py)."""
+        return self._verified(c, eager=False)
+
+    def verify_floor(self, c: Candidate) -> MemoryEstimate:
+        """:meth:`verify`, with the smallest budget the lower of the gradients' two layouts (Note [gradients before
+        forward as a plan knob]): what ranks the configurations an infeasibility error names."""
+        return self._verified(c, eager=True)
+
+    def _verified(self, c: Candidate, *, eager: bool) -> MemoryEstimate:
         policy = self.policy(c.precision)
         announce(c, policy)
-        return self.estimate(c, policy)
+        est = self.estimate(c, policy)
+        if not self._may_preallocate(c, policy, est):
+            return est
+
+        @functools.cache
+        def ahead() -> MemoryEstimate:
+            progress.report(f"simulating micro-batch {c.micro_batch_size} x {c.accumulation_steps} ({policy.label}) "
+                            "with the gradients allocated before forward")
+            return self.estimate(replace(c, preallocated_grads=True), policy)
+
+        def under(budget: int) -> MemoryEstimate | None:
+            default = None if est.under is None else est.under(budget)
+            return default if default is not None else ahead().within(budget)
+
+        floor = min(est.min_device_bytes, ahead().min_device_bytes) if eager else est.min_device_bytes
+        return replace(est, min_device_bytes=floor, under=under)
+
+    def _may_preallocate(self, c: Candidate, policy: PrecisionPolicy, est: MemoryEstimate) -> bool:
+        """Whether ``c`` is worth simulating with the gradients allocated before forward: a CUDA step of one
+        process that StepConfig allows it for, whose smallest budget holds pinned segments beyond its blocks."""
+        if self.request.device.kind != "cuda" or self.parallel.strategy is not None or c.in_backward:
+            return False
+        if c.preallocated_grads or str(policy.stored).endswith("-master"):
+            return False
+        context = est.breakdown.get(str(Category.CUDA_CONTEXT), 0)
+        return est.min_device_bytes - est.peak_bytes > context + _PAGE
+
+
+def _preallocated(est: MemoryEstimate) -> MemoryEstimate:
+    """``est`` of a step whose gradients are allocated before forward, saying so, as are its figures under a cap."""
+    inner = est.under
+    return replace(_flagged(est), under=None if inner is None else lambda budget: _flagged(inner(budget)))
+
+
+def _flagged(est: MemoryEstimate | None) -> MemoryEstimate | None:
+    if est is None:
+        return None
+    return replace(est, preallocated_grads=True, notes=est.notes + (_PREALLOCATED_NOTE,))
 
 
 def announce(c: Candidate, policy: PrecisionPolicy) -> None:

@@ -41,6 +41,8 @@ class Candidate:
     offload: tuple[str, ...] = ()  # modules whose saved activations go to the host (Note [offload])
     offload_states: bool = False  # parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
     selective: tuple[str, ...] = ()  # those of ``checkpoint`` recomputed selectively (autofit/training/recompute.py)
+    # gradients allocated before the first forward (Note [gradients before forward as a plan knob], estimator.py)
+    preallocated_grads: bool = False
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,9 @@ def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate,
 #     the same at 8, but still not monotone. What stays is 20 MiB pages that gradients, placed in backward
 #     between activations, keep partly live when the optimizer step runs (four layers: 189 MiB at micro-batch 1,
 #     89 MiB at 4). A floor that never grows as the batch shrinks needs those gradients laid out apart from the
-#     activations (allocated before forward, as a contiguous buffer), not another allocator setting.
+#     activations, not another allocator setting: allocated before forward (Note [gradients before forward as a plan
+#     knob], autofit/solve/estimator.py), which ``smallest_verified`` ranks with ``Estimator.verify_floor``. Four
+#     layers of Llama-2-7B then name 20.50 GiB at batch 1, 2, 4 and 8, the full model 126.05 GiB (2026-11-24).
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
     """The configuration with the smallest verified peak among the two lowest modelled ones and the smallest
     micro-batch of each precision, with its estimate. The models are least exact far from the configurations they
@@ -177,12 +179,15 @@ def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str
     if est.min_device_bytes + margin <= budget:  # a budget in a window where the allocator fails (docs/cuda.md)
         kept += (f"; the caching allocator runs the configuration below under {format_bytes(est.min_device_bytes)}"
                  f" but not under this budget: with more room it keeps segments cached that the step later pins")
+    at_floor = est.within(est.min_device_bytes)  # how the step runs there: the gradients' layout it needs
+    ahead = at_floor is not None and at_floor.preallocated_grads
     return InfeasibleBudgetError(
         f"no configuration fits {format_bytes(budget)}{kept}: the smallest reachable peak is "
         f"{format_bytes(est.min_device_bytes)} ({est.min_device_bytes:,} bytes; micro-batch "
         f"{smallest.micro_batch_size}, "
         f"{smallest.precision}, {len(smallest.checkpoint)} modules checkpointed"
-        f"{', optimizer stepped in backward' if smallest.in_backward else ''}{where}). "
+        f"{', optimizer stepped in backward' if smallest.in_backward else ''}"
+        f"{', gradients allocated before forward' if ahead else ''}{where}). "
         f"{advice.get(dominant, ADVICE.get(dominant, f'{dominant} dominates the smallest peak'))}.",
         min_budget_bytes=est.min_device_bytes + margin, budget_bytes=budget, dominant=dominant,
     )

@@ -84,6 +84,9 @@ class StepConfig:
     chunked_loss: LossChunks | None = None
     # the model runs as torch.compile(model) (inductor, default options) compiles it (Note [compile as a knob])
     compile: bool = False
+    # every trainable parameter's gradient allocated before the first forward and zeroed in place after each step
+    # (zero_grad(set_to_none=False)), not created in backward (Note [gradients allocated before forward])
+    preallocated_grads: bool = False
 
     @property
     def fully_sharded(self) -> bool:
@@ -151,6 +154,10 @@ class StepConfig:
             )
         if not isinstance(self.compile, bool):
             raise InvalidInputError(f"compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.preallocated_grads, bool):
+            raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
+        if self.preallocated_grads:
+            _check_preallocated(self)
         if self.optimizer_in_backward:
             check_in_backward(accumulation_steps=self.accumulation_steps, clip_grad_norm=clip,
                               grad_scaler=self.precision.needs_grad_scaler,
@@ -164,7 +171,7 @@ def make_step_config(
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
     replicate: int = 1, chunked_loss: LossChunks | None = None, tensor_parallel: int = 1,
-    tensor_plan: tuple[tuple[str, str], ...] = (), compile: bool = False,
+    tensor_plan: tuple[tuple[str, str], ...] = (), compile: bool = False, preallocated_grads: bool = False,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -184,8 +191,22 @@ def make_step_config(
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
         reshard_after_forward=reshard_after_forward, replicate=replicate,
         chunked_loss=chunked_loss, tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan),
-        compile=compile,
+        compile=compile, preallocated_grads=preallocated_grads,
     )
+
+
+def _check_preallocated(config: StepConfig) -> None:
+    """Where gradients allocated before forward cannot be kept (Note [gradients allocated before forward])."""
+    why = None
+    if config.optimizer_in_backward:
+        why = "the optimizer steps in backward and frees each gradient as soon as it is used"
+    elif config.strategy is not None:
+        why = f"{config.strategy} owns the gradients' storage (DDP's buckets, FSDP2's shards)"
+    elif str(config.precision.stored).endswith("-master"):
+        why = "with an fp32 master copy each step moves the gradients to the master parameters and frees them"
+    if why is not None:
+        raise InvalidInputError(f"preallocated_grads keeps every gradient allocated from before the first forward to "
+                                f"the end of training, but {why}: leave preallocated_grads out")
 
 
 def _checkpoint_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:

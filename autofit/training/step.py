@@ -3,7 +3,8 @@
 For one micro-batch: forward and loss (under autocast when the precision asks for it), backward of the loss weighted
 by the micro-batch's share of the effective batch; after the last micro-batch of the window, optional gradient
 clipping (``clip_grad_norm_``, after the GradScaler unscaled the gradients for fp16), ``optimizer.step()`` (through
-the GradScaler for fp16) then ``zero_grad(set_to_none=True)``. See "What the step is" in
+the GradScaler for fp16) then ``zero_grad(set_to_none=True)`` (``set_to_none=False`` with gradients allocated
+before forward: Note [gradients allocated before forward], training/grads.py). See "What the step is" in
 docs/memory-model.md.
 """
 
@@ -256,14 +257,15 @@ def run_micro_batch(
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, *,
                    clip_grad_norm: float | None = None, stored: StoredState | None = None,
-                   in_backward: bool = False) -> None:
+                   in_backward: bool = False, keep_grads: bool = False) -> None:
     """Clip (optionally), step, zero the gradients. Clipping follows the AMP recipe (PyTorch "Automatic Mixed
     Precision examples", "Gradient clipping"): ``scaler.unscale_`` first, so the norm is that of the true gradients;
     ``scaler.step`` then does not unscale again. ``clip_grad_norm_`` picks its own implementation (foreach where
     ``torch/utils/_foreach_utils.py::_has_foreach_support`` allows, as on CUDA). With an fp32 master copy
     (``stored``, Note [stored precision]) the gradients move to the master copy first, so unscaling, clipping and the
     step all see fp32, and the stepped master copy is copied back into the parameters last. ``in_backward``: backward
-    has stepped every parameter already (Note [optimizer step in backward]); only the zeroing is left."""
+    has stepped every parameter already (Note [optimizer step in backward]); only the zeroing is left. ``keep_grads``:
+    the gradients are zeroed in place, not freed (Note [gradients allocated before forward], training/grads.py)."""
     if in_backward:
         optimizer.zero_grad(set_to_none=True)
         return
@@ -279,7 +281,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
         scaler.update()
     else:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not keep_grads)
     if stored is not None:
         stored.after_step()
 
