@@ -67,7 +67,8 @@ def _checkpointed_forward(module: torch.nn.Module, forward, selective: bool, *ar
     return _checkpoint(run, args, kwargs, use_reentrant=False)
 
 
-_KV_CACHE_KEYWORDS = ("past_key_values", "layer_past")
+# "cache" is transformers >= 5.24's name for what 5.23 called "past_key_values" (GPT2Block.forward).
+_KV_CACHE_KEYWORDS = ("past_key_values", "layer_past", "cache")
 
 
 def _without_kv_cache(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -113,8 +114,8 @@ def _running_stats_frozen(module: torch.nn.Module) -> Iterator[None]:
 #     training when ``config.use_cache`` is True): each layer appends its keys and values to it, so the recomputation
 #     would append them again and attend over twice the length. Training never reads the cache, and transformers'
 #     own checkpointed layers drop it (transformers/modeling_layers.py, ``GradientCheckpointingLayer.__call__``:
-#     ``use_cache=False``, ``past_key_values=None``, ``layer_past=None`` under gradient checkpointing); a
-#     checkpointed module here is called the same way.
+#     ``use_cache=False``, ``past_key_values=None``, ``layer_past=None`` under gradient checkpointing; from
+#     transformers 5.24 the argument is named ``cache``); a checkpointed module here is called the same way.
 
 # Note [recomputed BatchNorm]
 #     A BatchNorm in training mode updates its running statistics in place on every forward
