@@ -16,6 +16,7 @@ from autofit.device import resolve_device
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
+from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
@@ -149,19 +150,30 @@ def measure(
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
     accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, chunked_loss: bool = False,
-    compile: bool = False, preallocated_grads: bool = False,
+    compile: bool = False, preallocated_grads: bool = False, world_size: int = 1, strategy: str | None = None,
+    reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True, replicate: int = 1,
+    tensor_parallel: int = 1, tensor_parallel_plan: Mapping[str, Any] | None = None,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
     Same arguments and defaults as :func:`estimate` (``checkpoint=None`` for none; ``device="cpu"`` and
     ``precision="fp32"`` so that it runs on any machine; ``plan`` defaults to ``"cuda"`` and ``"auto"`` because it
-    chooses for a GPU)."""
+    chooses for a GPU).
+
+    A parallel layout (``world_size`` > 1 with ``strategy``, ``reshard_after_forward``, ``replicate``,
+    ``tensor_parallel``, as :func:`estimate` takes them) runs ``world_size`` processes on this CPU joined by gloo,
+    each the step of one rank laid out for real (autofit/measure/ranks.py); the figures are rank 0's, the rank
+    :func:`estimate` simulates, and ``rank_peaks`` holds every rank's peak. The model, sample and ``loss_fn`` are
+    pickled to the processes (no lambdas)."""
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
                      clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward, offload=offload,
                      offload_states=offload_states, chunked_loss=chunked_loss, batch=batch, target=target_batch,
-                     loss_fn=loss_fn, compile=compile, preallocated_grads=preallocated_grads)
+                     loss_fn=loss_fn, compile=compile, preallocated_grads=preallocated_grads, world_size=world_size,
+                     strategy=strategy, reduce_every_micro_batch=reduce_every_micro_batch,
+                     reshard_after_forward=reshard_after_forward, replicate=replicate,
+                     tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:
@@ -169,6 +181,8 @@ def measure(
             "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
             "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
         )
+    if config.world_size > 1:
+        return measure_ranks(model, batch, target_batch, loss_fn, config, steps=steps)
     # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
     with forward_errors(config.precision if config.device == "cpu" else None):
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)

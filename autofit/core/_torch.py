@@ -213,10 +213,20 @@ def rewrap_compiled(module: torch.nn.Module) -> None:
 _is_wrapper_subclass = _need("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
 
 
+def ddp_bucket_bytes(ddp: torch.nn.Module) -> int:
+    """Bytes of a DistributedDataParallel module's gradient buckets, which live as long as it does
+    (``gradient_as_bucket_view=True``: every gradient is a view into one), sized by its reducer
+    (``Reducer._get_zeros_like_grad_buckets``, which allocates buckets of the same sizes for a moment)."""
+    return sum(b.buffer().nbytes for b in ddp.reducer._get_zeros_like_grad_buckets())
+
+
 def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold ``t``'s memory: ``t`` itself, or for a wrapper subclass without a storage of its own
     (torchao's ``OptimState8bit``: codes, scale, qmap) its inner tensors, found through ``__tensor_flatten__``
     (torch/utils/_python_dispatch.py, ``is_traceable_wrapper_subclass``), recursively."""
+    local = dtensor_local(t)
+    if local is not None:  # a DTensor: its local shard (its flattened attributes hold the mesh too)
+        return storage_tensors(local)
     if not _is_wrapper_subclass(t):
         return [t]
     names, _ = t.__tensor_flatten__()

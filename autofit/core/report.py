@@ -152,6 +152,9 @@ class Measurement:
     breakdown: Mapping[str, int]
     device: str = "cpu"
     reserved_bytes: int = 0  # CUDA: max_memory_reserved; CPU: equal to peak_bytes
+    # a layout over several processes (measure/ranks.py): every rank's peak, in rank order; the other figures are
+    # rank 0's, the rank an estimate simulates
+    rank_peaks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "breakdown", _frozen(self.breakdown))

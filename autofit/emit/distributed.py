@@ -23,7 +23,6 @@ even when the ranks hold different numbers of tokens.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,7 @@ from autofit.emit.trainer import Trainer, require_alloc_conf
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
 from autofit.training.config import make_step_config
-from autofit.training.strategy import apply_layout, mesh_names, mesh_shape
+from autofit.training.strategy import apply_layout, gradient_sync, mesh_names, mesh_shape
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -89,6 +88,7 @@ class DistributedTrainer(Trainer):
         # (the mesh is (world_size // T, T): training/strategy.py, mesh_shape)
         self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, self.world_size // plan.tensor_parallel
         inner = model
+        self._sharded = False  # FSDP2 over the data-parallel ranks (not DDP, not tensor parallel alone)
         if plan.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -177,17 +177,9 @@ class DistributedTrainer(Trainer):
         return [(i * batch_rows // n, (i + 1) * batch_rows // n) for i in range(n)]
 
     def _micro_batch(self, *, last: bool):
-        # with the states on the host, FSDP2 reduces every micro-batch and accumulates the shards on the host
-        # (Note [offload]): skipping the sync would keep a full set of unsharded gradients on the device
-        # with reduce_every_micro_batch too: the plan keeps only sharded gradients between micro-batches (Note
-        # [gradient sync under accumulation], autofit/training/step.py)
-        if last or self.plan.offload_states or self.plan.reduce_every_micro_batch:
-            return contextlib.nullcontext()
-        if self.plan.strategy == "ddp":
-            return self.model.no_sync()
-        if not self._sharded:  # tensor parallel alone: no gradient is reduced across ranks
-            return contextlib.nullcontext()
-        return _no_gradient_sync(self.model)
+        return gradient_sync(self.model, strategy=self.plan.strategy, sharded=self._sharded, last=last,
+                             offload_states=self.plan.offload_states,
+                             reduce_every_micro_batch=self.plan.reduce_every_micro_batch)
 
     def step(self, inputs: Any, target: Any = None, *, local: bool = False) -> float:
         """One optimizer step. ``inputs``: the global batch (every rank the same), or this rank's rows with
@@ -204,14 +196,3 @@ class DistributedTrainer(Trainer):
             sys.excepthook = self._excepthook
             self._own_group = False
         return self._inner
-
-
-@contextlib.contextmanager
-def _no_gradient_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-

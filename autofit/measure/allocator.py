@@ -16,6 +16,7 @@ import torch
 
 from autofit.core._torch import (
     allocation_sizes,
+    ddp_bucket_bytes,
     grad_scaler_state,
     high_water_mark,
     memory_profile,
@@ -30,6 +31,7 @@ from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
 from autofit.training.grads import allocate_grads
 from autofit.training.stored import apply_stored
+from autofit.training.strategy import gradient_sync, laid_out
 from autofit.training.step import (
     StepConfig,
     new_grad_scaler,
@@ -75,10 +77,11 @@ def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | N
 
 def measure_step(
     model: torch.nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
-    *, steps: int = 1,
+    *, steps: int = 1, lowest: bool = False,
 ) -> Measurement:
     """Run ``config`` for real on a copy of ``model``: one warm-up window (creates optimizer state), then ``steps``
-    measured windows of ``accumulation_steps`` micro-batches each. Returns the highest peak."""
+    measured windows of ``accumulation_steps`` micro-batches each. Returns the highest peak; ``lowest``: the lowest
+    (a rank of a gloo job, Note [gloo's threads in the measured window], measure/ranks.py)."""
     device = torch.device(config.device)
     work = real_copy(model).to(device)
     if config.compile:  # Note [compile as a knob]: nn.Module.compile keeps the module's names and parameters
@@ -86,26 +89,38 @@ def measure_step(
     micro = batch.map_tensors(lambda t: t.to(device)).resize(config.micro_batch_size)
     micro_target = None if target is None else target.map_tensors(lambda t: t.to(device)).resize(
         config.micro_batch_size)
+    # one rank of a parallel layout (measure/ranks.py runs one process per rank): DDP wraps the copy, FSDP2 and
+    # tensor parallel replace its parameters in place; the knobs patch the copy itself, as the trainer patches its
+    # model's inner module
+    inner, work = work, laid_out(work, config, device.type)
     optimizer = config.optimizer.build(work.parameters())
-    stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
+    stored = apply_stored(inner, optimizer, config.precision.stored, config.precision.fp32_modules)
     scaler = new_grad_scaler(config, device.type)
 
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
+    steps_in_window = config.accumulation_steps
 
     def window() -> None:
-        for i in range(config.accumulation_steps):
-            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
-                            scaler=scaler)
+        for i in range(steps_in_window):
+            with gradient_sync(work, strategy=config.strategy, sharded=config.fully_sharded,
+                               last=i == steps_in_window - 1, offload_states=config.offload_states,
+                               reduce_every_micro_batch=config.reduce_every_micro_batch):
+                run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
+                                scaler=scaler)
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
 
     if config.preallocated_grads:  # before the first forward, as the trainer does (Note [gradients allocated before
-        allocate_grads(work)  # forward], training/grads.py)
-    in_backward = stepping_in_backward(work, optimizer) if config.optimizer_in_backward else contextlib.nullcontext()
-    with patched_model(work, config, device.type), in_backward:
+        allocate_grads(inner)  # forward], training/grads.py)
+    in_backward = stepping_in_backward(inner, optimizer) if config.optimizer_in_backward else contextlib.nullcontext()
+    with patched_model(inner, config, device.type), in_backward:
         window()  # warm-up: optimizer state now exists, as in the steady state
+        if config.strategy == "ddp":
+            window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it
         gc.collect()
-        before = _live_before(work, optimizer, scaler, micro, micro_target, stored)
+        before = _live_before(inner, optimizer, scaler, micro, micro_target, stored)
+        if config.strategy == "ddp":  # the buckets outlive every step; no gradient points at them after zero_grad
+            before[Category.GRADIENTS] += ddp_bucket_bytes(work)
         base = sum(before.values())
         if device.type == "cuda":
             # the allocator's own figures: every block of the process, rounded, the cuBLAS workspace included
@@ -118,9 +133,8 @@ def measure_step(
             breakdown: dict[Any, int] = dict(before)
             breakdown[Category.STEP] = max(0, peak - base)
             return Measurement(peak, breakdown, device="cuda", reserved_bytes=reserved)
-        peak_step = 0
-        for _ in range(steps):
-            peak_step = max(peak_step, _measure_window(window, device))
+        peaks = [_measure_window(window, device) for _ in range(steps)]
+        peak_step = min(peaks) if lowest else max(peaks)
     breakdown = dict(before)
     breakdown[Category.STEP] = peak_step
     return Measurement(base + peak_step, breakdown, device=config.device)

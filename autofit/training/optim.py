@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -15,11 +16,12 @@ __all__ = ["OptimizerSpec", "as_optimizer_spec", "OPTIMIZER_NAMES", "eight_bit_c
            "to_eight_bit"]
 
 # Default hyper-parameters matter for memory only through the state they create: SGD keeps a momentum buffer
-# only when momentum != 0, so the named "sgd" uses momentum 0.9 as most training recipes do.
+# only when momentum != 0, so the named "sgd" uses momentum 0.9 as most training recipes do. Partials of the
+# classes, not lambdas: a step's config pickles to the processes of a measured layout (autofit/measure/ranks.py).
 _NAMED: dict[str, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]] = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
+    "adam": functools.partial(torch.optim.Adam, lr=1e-3),
+    "sgd": functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9),
 }
 OPTIMIZER_NAMES = tuple(_NAMED)
 
@@ -66,7 +68,7 @@ def as_optimizer_spec(optimizer: Any) -> OptimizerSpec:
         )
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         cls = optimizer
-        return OptimizerSpec(cls.__name__.lower(), lambda params: cls(params, lr=1e-3))
+        return OptimizerSpec(cls.__name__.lower(), functools.partial(cls, lr=1e-3))
     if isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidInputError(
             "optimizer must be a name, a class or a factory, not an optimizer instance (autofit builds its own "

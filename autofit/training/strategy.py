@@ -16,7 +16,7 @@ from autofit.training.tensor_parallel import apply_tensor_parallel
 if TYPE_CHECKING:
     from autofit.training.config import StepConfig
 
-__all__ = ["apply_layout", "apply_fsdp2", "mesh_shape", "mesh_names", "sub_meshes"]
+__all__ = ["apply_layout", "apply_fsdp2", "mesh_shape", "mesh_names", "sub_meshes", "laid_out", "gradient_sync"]
 
 
 def apply_layout(model: nn.Module, mesh, step: StepConfig, *, pin_memory: bool = False) -> nn.Module:
@@ -30,6 +30,48 @@ def apply_layout(model: nn.Module, mesh, step: StepConfig, *, pin_memory: bool =
                     offload=step.offload_states, pin_memory=pin_memory,
                     reshard_after_forward=step.reshard_after_forward, tensor_parallel=step.tensor_parallel > 1)
     return model
+
+
+def laid_out(model: nn.Module, step: StepConfig, device_type: str) -> nn.Module:
+    """``model`` laid out as ``step`` says over the default process group, which must be initialised with
+    ``step.world_size`` ranks: DDP (``gradient_as_bucket_view=True``, as the trainer wraps it) or the FSDP2 /
+    tensor-parallel layout of :func:`apply_layout` on a mesh of ``device_type``. One process: ``model`` itself."""
+    if step.world_size == 1 and not step.offload_states:
+        return model
+    if step.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, gradient_as_bucket_view=True)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, mesh_shape(step.world_size, step.replicate, step.tensor_parallel),
+                            mesh_dim_names=mesh_names(step.world_size, step.replicate, step.tensor_parallel))
+    return apply_layout(model, mesh, step)
+
+
+def gradient_sync(model: nn.Module, *, strategy: str | None, sharded: bool, last: bool,
+                  offload_states: bool = False, reduce_every_micro_batch: bool = False):
+    """The context one micro-batch of an accumulation window runs in: gradients reduced across ranks on the last
+    micro-batch only (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)`` before it). FSDP2 reduces
+    every micro-batch with the states on the host (Note [offload]: skipping it would keep a full set of unsharded
+    gradients on the device) and with ``reduce_every_micro_batch`` (Note [gradient sync under accumulation],
+    autofit/training/step.py); tensor parallel alone (``sharded`` False) reduces nothing across ranks."""
+    if last or offload_states or reduce_every_micro_batch or strategy is None:
+        return contextlib.nullcontext()
+    if strategy == "ddp":
+        return model.no_sync()
+    if not sharded:
+        return contextlib.nullcontext()
+    return _no_gradient_sync(model)
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype: torch.dtype | None, *,

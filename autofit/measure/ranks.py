@@ -1,0 +1,112 @@
+"""Measure one step laid out over several processes: ``world_size`` processes on this CPU, joined by gloo, each
+running :func:`~autofit.measure.allocator.measure_step` with the layout applied for real (DDP, FSDP2, HSDP, tensor
+parallel composed with FSDP2), each measured by its own CPU allocator.
+
+This is the truth the simulation of one rank is checked against (tests/test_measure_layouts.py): the same step,
+the same layout code (training/strategy.py), torch's own collectives instead of the fake process group. Every
+rank trains the same rows (the sample at the micro-batch size), as a data-parallel rank's slice would be shaped.
+
+Note [gloo's threads in the measured window]
+    gloo runs collectives on its own threads, and some allocate (a collective's staging buffers) while the step is
+    profiled. A GPU job's NCCL keeps its buffers outside the caching allocator, and the simulation, which models
+    that job, has none of them. The CPU profile records every thread, so each rank measures ``steps`` windows and
+    keeps the lowest, which is the step without gloo's allocations whenever one window had none of them
+    (tests/dist_workers.py measures the trainer the same way).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autofit.core.errors import InvalidInputError, UnsupportedModelError
+from autofit.core.report import Measurement
+from autofit.measure.allocator import measure_step
+from autofit.training.batch import Batch
+from autofit.training.loss import LossFn
+from autofit.training.step import StepConfig
+
+__all__ = ["measure_ranks"]
+
+_TIMEOUT_SECONDS = 1800  # a hung collective ends the measurement instead of the caller's process
+
+
+def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig, *,
+                  steps: int) -> Measurement:
+    """Rank 0's measurement (the rank an estimate simulates) with every rank's peak in ``rank_peaks``."""
+    if config.device != "cpu":
+        raise InvalidInputError(
+            f"measure with world_size={config.world_size} runs the ranks as processes on this CPU (gloo); on GPUs run "
+            "plan.wrap() under torchrun and read torch.cuda.max_memory_allocated() on each rank"
+        )
+    if config.optimizer_in_backward or config.preallocated_grads or config.precision.stored not in (None, "fp32"):
+        raise InvalidInputError(
+            "optimizer_in_backward, preallocated_grads and a stored precision are for one process only (DDP's buckets "
+            "and FSDP2's shards own the gradients and parameters): measure them with world_size=1"
+        )
+    payload = (model, batch, target, loss_fn, config, max(steps, 3))
+    try:
+        data = pickle.dumps(payload)
+    except Exception as e:  # a lambda loss, a local class: spawn cannot hand them to the ranks
+        raise InvalidInputError(
+            f"measure with world_size={config.world_size} runs each rank in a new process, which receives the "
+            f"model, sample and loss_fn pickled, and they do not pickle ({type(e).__name__}: {e}): define the model "
+            "class and loss function at module level (not a lambda or a local function)"
+        ) from e
+    with tempfile.TemporaryDirectory(prefix="autofit-ranks-") as out:
+        (Path(out) / "payload.pkl").write_bytes(data)
+        context = mp.start_processes(_rank_main, args=(config.world_size, _free_port(), out),
+                                     nprocs=config.world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + _TIMEOUT_SECONDS
+        while not _joined(context):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise UnsupportedModelError(f"the {config.world_size} ranks did not finish within "
+                                            f"{_TIMEOUT_SECONDS} s (a collective waiting on a rank that failed?)")
+        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(config.world_size)]
+    for rank, result in enumerate(results):
+        if isinstance(result, str):  # the rank's traceback
+            raise UnsupportedModelError(f"rank {rank} of the measured layout failed:\n{result}")
+    peak, breakdown, device = results[0]
+    return Measurement(peak, breakdown, device=device, rank_peaks=tuple(r[0] for r in results))
+
+
+def _joined(context) -> bool:
+    """Whether every rank has ended (waiting up to 2 s); a rank that died outside its own error handling (killed,
+    out of memory) is a typed error, not torch's ProcessRaisedException."""
+    try:
+        return context.join(timeout=2)
+    except mp.ProcessException as e:
+        raise UnsupportedModelError(f"a rank of the measured layout ended abnormally: {e}") from e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a rank that fails leaves the others waiting in a collective: gloo gives up after this long
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    result: tuple | str
+    try:
+        model, batch, target, loss_fn, config, steps = pickle.loads((Path(out) / "payload.pkl").read_bytes())
+        m = measure_step(model, batch, target, loss_fn, config, steps=steps, lowest=True)
+        result = (m.peak_bytes, dict(m.breakdown), m.device)  # plain values: a Measurement's breakdown is read-only
+    except Exception:
+        result = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))

@@ -1,0 +1,78 @@
+"""``measure`` with a parallel layout (autofit/measure/ranks.py): world_size processes on gloo, each rank's step laid
+out for real and measured by its own CPU allocator. The truth is that allocator; the estimate of one rank, which
+simulates the same layout on a fake process group, is held to it within 0.5 % (the issue's goal for every layout),
+and the measured rank agrees with the trainer's own gloo measurement (tests/test_tensor_parallel.py measures the
+same 2 x tp 2 layout through plan.wrap: 1,586,460 B)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autofit
+from autofit.core.errors import InvalidInputError
+from autofit.training.precision import PrecisionPolicy
+from sharded_models import tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+ROWS = 4
+
+# (layout keywords of estimate and measure, id): DDP, FSDP2 ZeRO-3, ZeRO-2 accumulating two micro-batches (the
+# gradient sync skipped on the first), tensor parallel 2 under FSDP2 over 2 data-parallel ranks
+LAYOUTS = [
+    (dict(world_size=2, strategy="ddp"), "ddp-2"),
+    (dict(world_size=2, strategy="fsdp2"), "zero3-2"),
+    (dict(world_size=2, strategy="fsdp2", reshard_after_forward=False, accumulation_steps=2), "zero2-2-accumulating"),
+    (dict(world_size=4, strategy="fsdp2", tensor_parallel=2), "zero3-2-x-tp2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [kw for kw, _ in LAYOUTS], ids=[name for _, name in LAYOUTS])
+def test_every_rank_measured_and_the_estimate_within_half_a_percent(layout):
+    case = tiny_llama()
+    before = {n: p.clone() for n, p in case.model.state_dict().items()}
+    measured = autofit.measure(case.model, case.sample, micro_batch_size=ROWS, **layout)
+    predicted = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, **layout).peak_bytes
+    assert len(measured.rank_peaks) == layout["world_size"]
+    assert measured.peak_bytes == measured.rank_peaks[0]
+    for rank, peak in enumerate(measured.rank_peaks):
+        print(f"{layout} rank {rank}: predicted {predicted} measured {peak} ({(predicted - peak) / peak:+.3%})")
+        assert abs(predicted - peak) <= 0.005 * peak, (layout, rank, predicted, measured.rank_peaks)
+    if layout.get("tensor_parallel") == 2:
+        assert measured.peak_bytes == 1_586_460  # the trainer's measurement of this layout, rank 0
+    # the processes trained copies: the caller's model is as it was
+    for name, tensor in case.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_what_cannot_travel_to_the_ranks_or_run_there_is_refused_before_any_process_starts():
+    case = tiny_llama()
+    kw = dict(micro_batch_size=ROWS, world_size=2, strategy="ddp")
+    with pytest.raises(InvalidInputError, match="pickle"):
+        autofit.measure(case.model, case.sample, loss_fn=lambda out, target: out.logits.mean(), **kw)
+    with pytest.raises(InvalidInputError, match="one process only"):
+        autofit.measure(case.model, case.sample, precision=PrecisionPolicy(name="bf16", stored="bf16"), **kw)
+    with pytest.raises(InvalidInputError, match="world_size=2 needs strategy"):
+        autofit.measure(case.model, case.sample, micro_batch_size=ROWS, world_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a gap found by measure with a layout, not yet explained: see the docstring")
+def test_zero3_of_a_llama_without_hugging_face_within_half_a_percent():
+    """benchmarks/llama.py's Llama (hidden 64, 2 layers, untied head), FSDP2 ZeRO-3 over 2 ranks, 2 rows of 32: the
+    estimate is 1,846,780 B, every rank measures 1,896,444 B (-2.6 %). At the measured peak, in backward, two
+    layer-sized all-gather outputs (147,968 B each) are alive at once; the simulation's peak is elsewhere in the
+    root's backward. The Hugging Face tiny Llama of the same size is within 0.03 % (above). Strict: when the
+    missing term is found, this passes and must become a plain test."""
+    from benchmarks.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2))
+    ids = torch.randint(0, 256, (4, 32))
+    kw = dict(target=ids, micro_batch_size=2, world_size=2, strategy="fsdp2")
+    predicted = autofit.estimate(model, ids, **kw).peak_bytes
+    measured = autofit.measure(model, ids, **kw).peak_bytes
+    assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured)
