@@ -6,7 +6,6 @@ the CPU with random weights for measurements of small configurations.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

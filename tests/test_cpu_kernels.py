@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import autofit
 from autofit.core.cpu import cpu_kernels
 
 try:
-    from tests.zoo import ZOO, cpu_cannot_run
+    from tests.zoo import cpu_cannot_run
 except ImportError:  # tests/ on sys.path rather than the repository root
-    from zoo import ZOO, cpu_cannot_run
+    from zoo import cpu_cannot_run
 
 ROOT = Path(__file__).resolve().parents[1]
 X86 = platform.machine().lower() in ("x86_64", "amd64")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from autofit.cli.checkpoints.entry import Checkpoint
 
 __all__ = ["CHECKPOINTS"]
