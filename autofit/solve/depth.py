@@ -1,0 +1,186 @@
+"""Full estimates of a deep model from simulations of the same model cut to a few blocks.
+
+See Note [depth extrapolation] in autofit/capture/depth.py: which models, which configurations, how it is checked.
+This module holds the pure parts: the depths a configuration is simulated at, the step as the cut model runs it,
+and the line through the cut models' estimates carried to all the blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autofit.analyse.table import OpCosts
+from autofit.capture.depth import Blocks, block_of, names_at_depth, period_of
+from autofit.core.categories import Category
+from autofit.core.report import MemoryEstimate
+from autofit.training.step import StepConfig
+
+__all__ = ["DepthRun", "depth_runs", "config_at_depth", "extrapolate", "extended_ops", "fallback_note", "SEGMENT_TOLERANCE"]
+
+# The CUDA figures built on segments (reserved, device, the smallest budget, fragmentation) move in steps of the
+# caching allocator's segments: up to kLargeBuffer (20 MiB, c10/cuda/CUDACachingAllocator.cpp) per step. The line
+# through two depths must predict the third within one such step; tensor figures must agree to the byte.
+SEGMENT_TOLERANCE = 20 << 20
+_SEGMENT_FIGURES = ("device_bytes", "peak_reserved_bytes", "min_device_bytes")
+_SEGMENT_CATEGORIES = {str(Category.FRAGMENTATION), str(Category.ALLOCATOR_ROUNDING)}
+_STARTS = (2, 4)  # the first depths tried, in periods: (2, 3, 4) periods, then (4, 5, 6)
+
+
+@dataclass(frozen=True)
+class DepthRun:
+    """Simulate at ``depths`` (consecutive multiples of ``period`` after an offset) and extrapolate to
+    ``blocks.count``."""
+
+    blocks: Blocks
+    period: int
+    depths: tuple[int, int, int]
+
+
+def _name_lists(config: StepConfig) -> tuple[tuple[str, ...], ...]:
+    """Each list of module names the step treats specially (each must repeat over the blocks on its own)."""
+    return (config.checkpoint, config.selective, config.offload, config.shard_units, config.precision.fp32_modules)
+
+
+def _period(config: StepConfig, blocks: Blocks) -> int | None:
+    period = 1
+    for names in _name_lists(config):
+        p = period_of(names, blocks)
+        if p is None:
+            return None
+        period = math.lcm(period, p)
+    return period if period <= blocks.count // 2 else None
+
+
+def depth_runs(config: StepConfig, blocks: Blocks) -> tuple[DepthRun, ...]:
+    """The depth triples worth trying for ``config`` in order (empty: its pattern over the blocks has no period, or
+    the model is too shallow for the triples to be worth it)."""
+    period = _period(config, blocks)
+    if period is None:
+        return ()
+    offset = blocks.count % period
+    runs = []
+    for start in _STARTS:
+        depths = tuple(offset + period * (start + i) for i in range(3))
+        if depths[-1] < blocks.count:
+            runs.append(DepthRun(blocks, period, depths))
+    return tuple(runs)
+
+
+def config_at_depth(config: StepConfig, blocks: Blocks, depth: int) -> StepConfig:
+    """``config`` as the model cut to ``depth`` blocks runs it: the module names under later blocks dropped."""
+    def cut(names):
+        return names_at_depth(names, blocks, depth)
+    precision = replace(config.precision, fp32_modules=cut(config.precision.fp32_modules))
+    return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
+                   offload=cut(config.offload), shard_units=cut(config.shard_units), precision=precision)
+
+
+def _line(values: tuple[int, int, int], steps: int, tolerance: int) -> int | None:
+    """The value ``steps`` periods past the third, on the line through the second and third; None when the line
+    through the first two misses the third by more than ``tolerance``."""
+    a, b, c = values
+    if abs((b + (b - a)) - c) > tolerance:
+        return None
+    return c + (c - b) * steps
+
+
+def _mapping(ests: tuple[MemoryEstimate, ...], attr: str, steps: int, loose: set[str]) -> dict[str, int] | None:
+    maps = [getattr(e, attr) for e in ests]
+    out = {}
+    for key in sorted(set().union(*maps)):
+        value = _line(tuple(m.get(key, 0) for m in maps), steps, SEGMENT_TOLERANCE if key in loose else 0)
+        if value is None:
+            return None
+        if value:
+            out[key] = value
+    return out
+
+
+def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...]) -> MemoryEstimate | None:
+    """The estimate at ``run.blocks.count`` blocks from the estimates at ``run.depths``, or None when some figure
+    is not on a line (the caller tries larger depths, then the full simulation).
+
+    The segment figures (reserved, device, smallest budget) are the larger of their own line and the allocated
+    peak's line plus the deepest depth's reserve above it: a small model's segments fill in steps, and their line
+    can fall below the allocated bytes; the reserve beyond the allocated blocks never shrinks with more blocks."""
+    steps = (run.blocks.count - run.depths[-1]) // run.period
+    figures = {}
+    for attr in ("peak_bytes", "host_bytes", *_SEGMENT_FIGURES):
+        tolerance = SEGMENT_TOLERANCE if attr in _SEGMENT_FIGURES else 0
+        value = _line(tuple(getattr(e, attr) for e in ests), steps, tolerance)
+        if value is None:
+            return None
+        figures[attr] = value
+    breakdown = _mapping(ests, "breakdown", steps, _SEGMENT_CATEGORIES)
+    host = _mapping(ests, "host_breakdown", steps, set())
+    if breakdown is None or host is None:
+        return None
+    last = ests[-1]
+    growth = figures["peak_bytes"] - last.peak_bytes
+    for attr in _SEGMENT_FIGURES:
+        figures[attr] = max(figures[attr], getattr(last, attr) + growth)
+    fragmentation = str(Category.FRAGMENTATION)
+    if fragmentation in breakdown or figures["peak_reserved_bytes"] > figures["peak_bytes"]:
+        breakdown[fragmentation] = figures["peak_reserved_bytes"] - figures["peak_bytes"]
+    note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
+            f"identical blocks of {run.blocks.path} and carried to all of them along the line through the last two "
+            f"(the first predicts the third: tensor figures to the byte, reserved ones within 20 MiB; Note [depth "
+            f"extrapolation], autofit/capture/depth.py)")
+    shift = {attr: figures[attr] - getattr(last, attr) for attr in figures}
+    return replace(last, breakdown=breakdown, host_breakdown=host, notes=last.notes + (note,),
+                   peak_at=f"{last.peak_at} (at {run.depths[-1]} blocks)" if last.peak_at else "",
+                   under=_under(last, shift, note), **figures)
+
+
+def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...]) -> str:
+    """What the estimate's notes say when depth extrapolation was allowed but not used."""
+    if not tried:
+        why = "the configuration's modules under the blocks do not repeat with a period"
+    else:
+        why = ("the figures at " + "; ".join(", ".join(map(str, r.depths)) for r in tried) + " blocks are not on a "
+               "line")
+    return (f"depth extrapolation not used ({why}): all {blocks.count} blocks of {blocks.path} simulated "
+            "(Note [depth extrapolation], autofit/capture/depth.py)")
+
+
+def _under(last: MemoryEstimate, shift: dict[str, int], note: str):
+    """The estimate under a budget: the deepest simulation's replay under the budget less the extrapolated growth,
+    shifted by that growth (approximate: the cap's effect on the extra blocks' segments is the same as on theirs)."""
+    if last.under is None:
+        return None
+
+    def under(budget: int) -> MemoryEstimate | None:
+        inner = last.under(budget - shift["device_bytes"])
+        if inner is None:
+            return None
+        moved = {attr: getattr(inner, attr) + delta for attr, delta in shift.items()}
+        return replace(inner, notes=inner.notes + (note + "; under the budget, the deepest simulation's allocator "
+                                                   "replay under the budget less that growth (approximate)",),
+                       under=None, **moved)
+    return under
+
+
+def extended_ops(ops: OpCosts, blocks: Blocks, depth: int, period: int) -> OpCosts:
+    """Per-op costs of the model cut to ``depth`` blocks, with the ops of blocks ``depth..count-1`` appended: each a
+    copy of the cut model's block with the same index modulo ``period`` (the last such), its module renamed."""
+    index = [block_of(m, blocks) for m in ops.module]
+    extra: list[int] = []
+    modules: list[str] = []
+    for i in range(depth, blocks.count):
+        template = depth - period + (i - depth) % period
+        for j, found in enumerate(index):
+            if found is not None and found[0] == template:
+                extra.append(j)
+                modules.append(f"{blocks.path}.{i}{found[1]}")
+    if not extra:
+        return ops
+    take = np.array(extra, dtype=np.int64)
+
+    def grow(a):
+        return None if a is None else np.concatenate([a, a[take]])
+    return OpCosts(grow(ops.flops_fixed), grow(ops.flops_per_sample), grow(ops.bytes_fixed),
+                   grow(ops.bytes_per_sample), ops.precision + tuple(ops.precision[j] for j in extra),
+                   grow(ops.forward), ops.module + tuple(modules), grow(ops.kept))
