@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
+from torch import nn
 
 from autofit.analyse.table import OpCosts
 from autofit.capture.depth import Blocks, block_of, names_at_depth, period_of
@@ -18,7 +19,7 @@ from autofit.core.categories import Category
 from autofit.core.report import MemoryEstimate
 from autofit.training.step import StepConfig
 
-__all__ = ["DepthRun", "depth_runs", "config_at_depth", "extrapolate", "extended_ops", "fallback_note", "SEGMENT_TOLERANCE"]
+__all__ = ["DepthRun", "depth_runs", "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges", "fallback_note", "SEGMENT_TOLERANCE"]
 
 # The CUDA figures built on segments (reserved, device, the smallest budget, fragmentation) move in steps of the
 # caching allocator's segments: up to kLargeBuffer (20 MiB, c10/cuda/CUDACachingAllocator.cpp) per step. The line
@@ -67,6 +68,23 @@ def depth_runs(config: StepConfig, blocks: Blocks) -> tuple[DepthRun, ...]:
         if depths[-1] < blocks.count:
             runs.append(DepthRun(blocks, period, depths))
     return tuple(runs)
+
+
+def analysis_depth(config: StepConfig, blocks: Blocks) -> tuple[int, int] | None:
+    """(depth, period) the analysis of ``config`` runs the cut model at (three periods, the last one the template
+    of the blocks it adds: Note [extending an analysis in depth]); None: analyse the whole model."""
+    period = _period(config, blocks)
+    if period is None:
+        return None
+    depth = blocks.count % period + 3 * period
+    return (depth, period) if depth < blocks.count else None
+
+
+def parameter_ratios(full: nn.Module, cut: nn.Module) -> tuple[float, float]:
+    """(all, trainable) parameter bytes of ``full`` over ``cut``'s."""
+    def size(model, trainable):
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
+    return size(full, False) / max(size(cut, False), 1), size(full, True) / max(size(cut, True), 1)
 
 
 def config_at_depth(config: StepConfig, blocks: Blocks, depth: int) -> StepConfig:
@@ -163,24 +181,52 @@ def _under(last: MemoryEstimate, shift: dict[str, int], note: str):
     return under
 
 
-def extended_ops(ops: OpCosts, blocks: Blocks, depth: int, period: int) -> OpCosts:
-    """Per-op costs of the model cut to ``depth`` blocks, with the ops of blocks ``depth..count-1`` appended: each a
-    copy of the cut model's block with the same index modulo ``period`` (the last such), its module renamed."""
-    index = [block_of(m, blocks) for m in ops.module]
-    extra: list[int] = []
-    modules: list[str] = []
-    for i in range(depth, blocks.count):
-        template = depth - period + (i - depth) % period
-        for j, found in enumerate(index):
-            if found is not None and found[0] == template:
-                extra.append(j)
-                modules.append(f"{blocks.path}.{i}{found[1]}")
-    if not extra:
+def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int, blocks: Blocks,
+                 period: int) -> OpCosts:
+    """Per-op costs of the cut model with ``copies`` more copies of each op range ``[lo, hi)`` (one period of
+    blocks: their forward, their backward), appended; an op of template block t is renamed to block t + period * k in
+    the k-th copy. Order within the array does not matter to the time model (it sums per precision and masks the
+    recomputed modules' forward ops by name)."""
+    take, modules = [], []
+    for k in range(1, copies + 1):
+        for lo, hi in ranges:
+            for j in range(lo, hi):
+                found = block_of(ops.module[j], blocks)
+                take.append(j)
+                modules.append(ops.module[j] if found is None else f"{blocks.path}.{found[0] + period * k}{found[1]}")
+    if not take:
         return ops
-    take = np.array(extra, dtype=np.int64)
+    idx = np.array(take, dtype=np.int64)
 
     def grow(a):
-        return None if a is None else np.concatenate([a, a[take]])
+        return None if a is None else np.concatenate([a, a[idx]])
     return OpCosts(grow(ops.flops_fixed), grow(ops.flops_per_sample), grow(ops.bytes_fixed),
-                   grow(ops.bytes_per_sample), ops.precision + tuple(ops.precision[j] for j in extra),
+                   grow(ops.bytes_per_sample), ops.precision + tuple(ops.precision[j] for j in take),
                    grow(ops.forward), ops.module + tuple(modules), grow(ops.kept))
+
+
+def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, depth: int, period: int) -> tuple[tuple[int, int], ...]:
+    """The op ranges of one period of blocks in ``deep`` (the cut model at ``depth`` blocks), from ``shallow`` (one
+    period fewer): the forward ops of its last period's blocks, and the backward ops ``deep`` has beyond
+    ``shallow``'s, where the two backward sequences part (backward ops carry no module name)."""
+    template = range(depth - period, depth)
+    forward = [j for j, m in enumerate(deep.module) if deep.forward[j] and (f := block_of(m, blocks)) is not None
+               and f[0] in template]
+    if not forward:
+        return ()
+    back_deep = [j for j in range(len(deep.module)) if not deep.forward[j]]
+    back_shallow = [j for j in range(len(shallow.module)) if not shallow.forward[j]]
+    extra = len(back_deep) - len(back_shallow)
+    common = 0
+    while (common < len(back_shallow) and common < len(back_deep)
+           and _same_op(deep, back_deep[common], shallow, back_shallow[common])):
+        common += 1
+    ranges = [(forward[0], forward[-1] + 1)]
+    if extra > 0 and common + extra <= len(back_deep):
+        ranges.append((back_deep[common], back_deep[common + extra - 1] + 1))
+    return tuple(ranges)
+
+
+def _same_op(a: OpCosts, i: int, b: OpCosts, j: int) -> bool:
+    return (a.precision[i] == b.precision[j] and a.flops_per_sample[i] == b.flops_per_sample[j]
+            and a.bytes_per_sample[i] == b.bytes_per_sample[j])

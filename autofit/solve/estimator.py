@@ -39,7 +39,7 @@ from autofit.analyse.analyse import op_costs
 from autofit.analyse.table import OpCosts
 from autofit.capture.depth import truncated
 from autofit.simulate.run import Simulation, simulate_step
-from autofit.solve.depth import config_at_depth, depth_runs, extended_ops, extrapolate, fallback_note
+from autofit.solve.depth import config_at_depth, depth_runs, extended_ops, extrapolate, fallback_note, period_ranges
 from autofit.solve.search import Candidate
 from autofit.training.step import StepConfig, forward_errors
 
@@ -98,10 +98,12 @@ class Estimator:
         simulations: the deepest cut model's ops with the missing blocks' appended when extrapolated."""
         b = c.micro_batch_size
         if self.request.blocks is not None:
-            est, sim, run = self._extrapolated(c, policy, None)
+            est, sims, run = self._extrapolated(c, policy, None)
             if est is not None:
-                ops = op_costs(sim.timeline, sim.timeline, per_sample_from=b)
-                ops = extended_ops(ops, run.blocks, run.depths[-1], run.period)
+                shallow, deep = (op_costs(s.timeline, s.timeline, per_sample_from=b) for s in sims)
+                ranges = period_ranges(shallow, deep, run.blocks, run.depths[-1], run.period)
+                steps = (run.blocks.count - run.depths[-1]) // run.period
+                ops = extended_ops(deep, ranges, steps, run.blocks, run.period)
                 return (_preallocated(est) if c.preallocated_grads else est), ops
         sim = self.simulate(c, policy)
         est = self._full(c, policy, sim)
@@ -118,7 +120,7 @@ class Estimator:
         return replace(est, notes=est.notes + (fallback_note(blocks, depth_runs(self.config(c, policy), blocks)),))
 
     def _extrapolated(self, c: Candidate, policy: PrecisionPolicy, length: int | None):
-        """(estimate, deepest simulation, run) extrapolated from cut models, or (None, None, None) when no depth
+        """(estimate, the two deepest simulations, run) extrapolated from cut models, or (None, None, None) when no depth
         triple is on a line or the configuration's pattern has no period (Note [depth extrapolation])."""
         sims: dict[int, Simulation] = {}
         ests: dict[int, MemoryEstimate] = {}
@@ -131,7 +133,7 @@ class Estimator:
                     ests[d] = self.request.device.estimate(sims[d])
             est = extrapolate(run, tuple(ests[d] for d in run.depths))
             if est is not None:
-                return est, sims[run.depths[-1]], run
+                return est, (sims[run.depths[1]], sims[run.depths[2]]), run
         return None, None, None
 
     def policy(self, label: str) -> PrecisionPolicy:
