@@ -11,7 +11,8 @@ Note [extending an analysis in depth]
     activations, the backward's gradients); call records and table rows of the new blocks are the template's with
     the block index renamed; the calls and rows that contain the blocks (the root, the ModuleList) gain what the new
     blocks add. Two terms do not come from an event range:
-    - the states present before the window (parameters, optimizer state) grow with the parameter bytes;
+    - the states present before the window grow with the parameter bytes (parameters; optimizer state with the
+      trainable ones), Adam's per-tensor ``step`` scalars with the trainable parameter tensors;
     - the optimizer step's rise above the bytes it starts from (foreach intermediates, the norm a clipping step
       computes) is per parameter: it is scaled by the trainable parameter bytes.
     Both are proportional estimates, and the CUDA allocator's reserve is calibrated on the cut model's window
@@ -34,7 +35,8 @@ from autofit.simulate.timeline import EventKind, Phase
 
 __all__ = ["extend_analysis", "Ratios"]
 
-Ratios = tuple[float, float]  # (all parameter bytes, trainable parameter bytes) of the full model over the cut one's
+# (all parameter bytes, trainable parameter bytes, trainable parameter tensors) of the full model over the cut one's
+Ratios = tuple[float, float, float]
 
 
 def extend_analysis(a: Analysis, blocks: Blocks, depth: int, period: int, ratios: Ratios,
@@ -84,21 +86,26 @@ def _op_ranges(timeline, marks, segment) -> tuple[tuple[int, int], ...]:
     return ((ops_before(f[0]), ops_before(f[1] + 1)), (ops_before(b[0]), ops_before(b[1] + 1)))
 
 
-def _state_bytes(a: Analysis) -> tuple[int, int]:
-    """(parameter, optimizer state) bytes allocated before the window's first stage."""
+_SCALAR = 8  # bytes: a storage this small in the optimizer state is a per-tensor scalar (Adam's ``step``)
+
+
+def _state_bytes(a: Analysis) -> tuple[int, int, int]:
+    """(parameter, optimizer state, per-tensor scalar state) bytes allocated before the window's first stage."""
     t = a.timeline
     if t is None or not a.profile.marks:
-        return 0, 0
+        return 0, 0, 0
     first = a.profile.marks[0][0]
-    params = state = 0
+    params = state = scalars = 0
     for kind, value in t.events[:first]:
         s = t.storages[value]
         sign = 1 if kind is EventKind.ALLOC else -1 if kind is EventKind.FREE else 0
         if s.category is Category.PARAMETERS:
             params += sign * s.nbytes
+        elif s.category is Category.OPTIMIZER_STATE and s.nbytes <= _SCALAR:
+            scalars += sign * s.nbytes
         elif s.category is Category.OPTIMIZER_STATE:
             state += sign * s.nbytes
-    return params, state
+    return params, state, scalars
 
 
 def _splice(p: StepProfile, segments, copies: int, states: tuple[int, int], ratios: Ratios):
@@ -107,7 +114,7 @@ def _splice(p: StepProfile, segments, copies: int, states: tuple[int, int], rati
     a, s = p.intercepts.astype(np.float64), p.slopes.astype(np.float64)
     # insertion points: (old index the copies go before, lo, hi)
     inserts = sorted([(f[1] + 1, f[0], f[1]) for _, f, _, _ in segments] + [(b[0], b[0], b[1]) for _, _, b, _ in segments])
-    lift_a = states[0] * (ratios[0] - 1) + states[1] * (ratios[1] - 1)
+    lift_a = states[0] * (ratios[0] - 1) + states[1] * (ratios[1] - 1) + states[2] * (ratios[2] - 1)
     lift_s = 0.0
     pieces_a, pieces_s, starts = [], [], []  # starts: new index of each old event
     new = 0

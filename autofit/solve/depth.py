@@ -80,11 +80,15 @@ def analysis_depth(config: StepConfig, blocks: Blocks) -> tuple[int, int] | None
     return (depth, period) if depth < blocks.count else None
 
 
-def parameter_ratios(full: nn.Module, cut: nn.Module) -> tuple[float, float]:
-    """(all, trainable) parameter bytes of ``full`` over ``cut``'s."""
+def parameter_ratios(full: nn.Module, cut: nn.Module) -> tuple[float, float, float]:
+    """(all, trainable) parameter bytes and trainable parameter tensors of ``full`` over ``cut``'s."""
     def size(model, trainable):
         return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
-    return size(full, False) / max(size(cut, False), 1), size(full, True) / max(size(cut, True), 1)
+
+    def count(model):
+        return sum(1 for p in model.parameters() if p.requires_grad)
+    return (size(full, False) / max(size(cut, False), 1), size(full, True) / max(size(cut, True), 1),
+            count(full) / max(count(cut), 1))
 
 
 def config_at_depth(config: StepConfig, blocks: Blocks, depth: int) -> StepConfig:
