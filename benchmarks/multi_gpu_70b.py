@@ -18,6 +18,7 @@ times the planner.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import warnings
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import autofit  # noqa: E402
+from autofit.core import progress  # noqa: E402
 from autofit.core.units import format_bytes  # noqa: E402
 from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
 
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default 80)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    parser.add_argument("--progress", action="store_true", help="print the planner's stages as they begin")
     parser.add_argument("--no-extrapolate", action="store_true",
                         help="simulate every block (plan(extrapolate_depth=False)); default: depth extrapolation")
     args = parser.parse_args(argv)
@@ -85,8 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     n = sum(p.numel() for p in model.parameters())
     print(f"Llama-3-70B shape: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {n / 1e9:.1f} B parameters (fp32, "
           f"meta); torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.progress:
+        began = time.perf_counter()
+        def listen():
+            return progress.listening(lambda stage: print(f"  [{time.perf_counter() - began:6.1f} s] {stage.what}",
+                                                          flush=True))
+    else:
+        listen = contextlib.nullcontext
     for nodes in (1, 4) if args.nodes is None else (args.nodes,):
-        plan_for(model, ids, nodes, 8, args.batch, extrapolate_depth=not args.no_extrapolate)
+        with listen():
+            plan_for(model, ids, nodes, 8, args.batch, extrapolate_depth=not args.no_extrapolate)
 
 
 if __name__ == "__main__":

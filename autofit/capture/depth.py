@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Blocks", "find_blocks", "truncated", "block_of", "period_of", "names_at_depth", "MIN_BLOCKS"]
+__all__ = ["Blocks", "find_blocks", "truncated", "block_of", "period_of", "periodic_runs", "names_at_depth", "MIN_BLOCKS"]
 
 MIN_BLOCKS = 6  # a shorter run is not worth cutting: the cut model needs up to 4 blocks plus the period
 
@@ -69,24 +69,31 @@ def find_blocks(model: nn.Module, min_count: int = MIN_BLOCKS) -> Blocks | None:
     return best
 
 
-def _cut_config(config, count: int, depth: int):
-    """A copy of a Hugging Face config with ``depth`` layers: num_hidden_layers and per-layer lists cut."""
+def _cut_config(config, count: int, keep: tuple[int, ...]):
+    """A copy of a Hugging Face config with the layers ``keep``: num_hidden_layers and per-layer lists cut."""
     cut = copy.copy(config)
     if getattr(cut, "num_hidden_layers", None) == count:
-        cut.num_hidden_layers = depth
+        cut.num_hidden_layers = len(keep)
     for key, value in list(vars(cut).items()):
         if isinstance(value, (list, tuple)) and len(value) == count and key != "architectures":
-            setattr(cut, key, type(value)(value[:depth]))
+            setattr(cut, key, type(value)(value[i] for i in keep))
     return cut
 
 
-def truncated(model: nn.Module, blocks: Blocks, depth: int) -> nn.Module:
-    """``model`` with only the first ``depth`` blocks of ``blocks``; ``model`` itself is not modified and the
-    parameters are shared (see Note [depth extrapolation])."""
-    if not 0 < depth <= blocks.count:
-        raise ValueError(f"truncated: depth {depth} outside 1..{blocks.count}")
+def _keep(blocks: Blocks, depth: int | tuple[int, ...]) -> tuple[int, ...]:
+    keep = tuple(range(depth)) if isinstance(depth, int) else tuple(depth)
+    if not keep or any(b <= a for a, b in zip(keep, keep[1:])) or keep[0] < 0 or keep[-1] >= blocks.count:
+        raise ValueError(f"truncated: blocks {keep} are not increasing indices in 0..{blocks.count - 1}")
+    return keep
+
+
+def truncated(model: nn.Module, blocks: Blocks, depth: int | tuple[int, ...]) -> nn.Module:
+    """``model`` with only the first ``depth`` blocks of ``blocks`` (or the blocks of the indices ``depth``, in
+    order, renumbered from 0); ``model`` itself is not modified and the parameters are shared (see Note [depth
+    extrapolation])."""
+    keep = _keep(blocks, depth)
     config = getattr(model, "config", None)
-    cut_config = _cut_config(config, blocks.count, depth) if hasattr(config, "num_hidden_layers") else None
+    cut_config = _cut_config(config, blocks.count, keep) if hasattr(config, "num_hidden_layers") else None
     parts = blocks.path.split(".")
     root = copy.copy(model)
     root._modules = dict(model._modules)
@@ -97,7 +104,7 @@ def truncated(model: nn.Module, blocks: Blocks, depth: int) -> nn.Module:
         parent._modules[part] = child
         parent = child
     layers = copy.copy(parent._modules[parts[-1]])
-    layers._modules = {str(i): layers._modules[str(i)] for i in range(depth)}
+    layers._modules = {str(n): layers._modules[str(i)] for n, i in enumerate(keep)}
     parent._modules[parts[-1]] = layers
     if cut_config is not None:  # every module on the path that reads the config reads the cut one
         for module in _path_modules(root, parts):
@@ -134,11 +141,34 @@ def period_of(names: Iterable[str], blocks: Blocks) -> int | None:
     return None
 
 
-def names_at_depth(names: Iterable[str], blocks: Blocks, depth: int) -> tuple[str, ...]:
-    """``names`` as the model cut to ``depth`` blocks knows them: those under a later block dropped."""
+def names_at_depth(names: Iterable[str], blocks: Blocks, depth: int | tuple[int, ...]) -> tuple[str, ...]:
+    """``names`` as the model cut to ``depth`` blocks (or to the blocks ``depth``) knows them: those under a block
+    not kept dropped, the others renumbered."""
+    position = {i: n for n, i in enumerate(_keep(blocks, depth))}
     kept = []
     for name in names:
         found = block_of(name, blocks)
-        if found is None or found[0] < depth:
+        if found is None:
             kept.append(name)
+        elif found[0] in position:
+            kept.append(f"{blocks.path}.{position[found[0]]}{found[1]}")
     return tuple(kept)
+
+
+def periodic_runs(name_lists: Iterable[Iterable[str]], blocks: Blocks,
+                  max_period: int = 4) -> tuple[tuple[int, int, int], ...]:
+    """(start, end, period) of every maximal run of blocks ``[start, end)`` over which every list of names under
+    the blocks repeats with the period (block b's names are block b - period's), for periods up to ``max_period``."""
+    lists = [list(names) for names in name_lists]
+    signature = []
+    for b in range(blocks.count):
+        signature.append(tuple(frozenset(f[1] for n in names if (f := block_of(n, blocks)) is not None and f[0] == b)
+                               for names in lists))
+    runs = []
+    for p in range(1, max_period + 1):
+        start = 0
+        for b in range(p, blocks.count + 1):
+            if b == blocks.count or signature[b] != signature[b - p]:
+                runs.append((start, b, p))
+                start = b - p + 1
+    return tuple(runs)

@@ -14,7 +14,7 @@ import numpy as np
 from torch import nn
 
 from autofit.analyse.table import OpCosts
-from autofit.capture.depth import Blocks, block_of, names_at_depth, period_of
+from autofit.capture.depth import Blocks, block_of, names_at_depth, period_of, periodic_runs
 from autofit.core.categories import Category
 from autofit.core.report import MemoryEstimate
 from autofit.training.step import StepConfig
@@ -32,12 +32,29 @@ _STARTS = (2, 4)  # the first depths tried, in periods: (2, 3, 4) periods, then 
 
 @dataclass(frozen=True)
 class DepthRun:
-    """Simulate at ``depths`` (consecutive multiples of ``period`` after an offset) and extrapolate to
-    ``blocks.count``."""
+    """Simulate the model cut to the blocks of each of ``keeps`` and extrapolate to all ``blocks.count``: each keeps
+    the blocks outside one periodic run whole, and of the run its first blocks, one ``period`` more each time;
+    ``steps`` periods of the run are missing from the last."""
 
     blocks: Blocks
     period: int
-    depths: tuple[int, int, int]
+    keeps: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    steps: int
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        return tuple(len(k) for k in self.keeps)
+
+    @property
+    def template(self) -> range:
+        """Positions, in the deepest cut model, of the run's last kept period (what the missing periods repeat)."""
+        keep = self.keeps[-1]
+        end = next((n for n in range(1, len(keep)) if keep[n] != keep[n - 1] + 1), len(keep))
+        return range(end - self.period, end)
+
+    def original(self, position: int) -> int:
+        """The full model's index of the deepest cut model's block at ``position``."""
+        return self.keeps[-1][position]
 
 
 def _name_lists(config: StepConfig) -> tuple[tuple[str, ...], ...]:
@@ -56,17 +73,21 @@ def _period(config: StepConfig, blocks: Blocks) -> int | None:
 
 
 def depth_runs(config: StepConfig, blocks: Blocks) -> tuple[DepthRun, ...]:
-    """The depth triples worth trying for ``config`` in order (empty: its pattern over the blocks has no period, or
-    the model is too shallow for the triples to be worth it)."""
-    period = _period(config, blocks)
-    if period is None:
-        return ()
-    offset = blocks.count % period
+    """The cuts worth trying for ``config`` in order: the run of blocks over which its module names repeat with a
+    period (periodic_runs) that the cut shortens most, cut to 2, 3, 4 periods, then 4, 5, 6, the other blocks kept whole (empty: the run
+    is too short for the cut to be worth it)."""
+    def removed(run):  # blocks the deepest cut leaves out of the run
+        start, end, period = run
+        return (end - start) - ((end - start) % period + period * (_STARTS[0] + 2))
+    start, end, period = max(periodic_runs(_name_lists(config), blocks), key=removed, default=(0, 0, 1))
+    length = end - start
+    outside = tuple(range(start)), tuple(range(end, blocks.count))
     runs = []
-    for start in _STARTS:
-        depths = tuple(offset + period * (start + i) for i in range(3))
-        if depths[-1] < blocks.count:
-            runs.append(DepthRun(blocks, period, depths))
+    for first in _STARTS:
+        lengths = tuple(length % period + period * (first + i) for i in range(3))
+        if lengths[-1] < length:
+            keeps = tuple(outside[0] + tuple(range(start, start + n)) + outside[1] for n in lengths)
+            runs.append(DepthRun(blocks, period, keeps, (length - lengths[-1]) // period))
     return tuple(runs)
 
 
@@ -91,8 +112,9 @@ def parameter_ratios(full: nn.Module, cut: nn.Module) -> tuple[float, float, flo
             count(full) / max(count(cut), 1))
 
 
-def config_at_depth(config: StepConfig, blocks: Blocks, depth: int) -> StepConfig:
-    """``config`` as the model cut to ``depth`` blocks runs it: the module names under later blocks dropped."""
+def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, ...]) -> StepConfig:
+    """``config`` as the model cut to ``depth`` blocks (or to the blocks ``depth``) runs it: the module names under
+    blocks not kept dropped, the others renumbered."""
     def cut(names):
         return names_at_depth(names, blocks, depth)
     precision = replace(config.precision, fp32_modules=cut(config.precision.fp32_modules))
@@ -128,7 +150,7 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...]) -> MemoryEstima
     The segment figures (reserved, device, smallest budget) are the larger of their own line and the allocated
     peak's line plus the deepest depth's reserve above it: a small model's segments fill in steps, and their line
     can fall below the allocated bytes; the reserve beyond the allocated blocks never shrinks with more blocks."""
-    steps = (run.blocks.count - run.depths[-1]) // run.period
+    steps = run.steps
     figures = {}
     for attr in ("peak_bytes", "host_bytes", *_SEGMENT_FIGURES):
         tolerance = SEGMENT_TOLERANCE if attr in _SEGMENT_FIGURES else 0
@@ -160,7 +182,7 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...]) -> MemoryEstima
 def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...]) -> str:
     """What the estimate's notes say when depth extrapolation was allowed but not used."""
     if not tried:
-        why = "the configuration's modules under the blocks do not repeat with a period"
+        why = "no run of blocks repeating the configuration's modules with a period is long enough to cut"
     else:
         why = ("the figures at " + "; ".join(", ".join(map(str, r.depths)) for r in tried) + " blocks are not on a "
                "line")
@@ -186,11 +208,15 @@ def _under(last: MemoryEstimate, shift: dict[str, int], note: str):
 
 
 def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int, blocks: Blocks,
-                 period: int) -> OpCosts:
+                 period: int, keep: tuple[int, ...] | None = None) -> OpCosts:
     """Per-op costs of the cut model with ``copies`` more copies of each op range ``[lo, hi)`` (one period of
     blocks: their forward, their backward), appended; an op of template block t is renamed to block t + period * k in
     the k-th copy. Order within the array does not matter to the time model (it sums per precision and masks the
     recomputed modules' forward ops by name)."""
+    if keep is not None:  # the cut model's block numbers, as the full model names them
+        renamed = tuple(m if (f := block_of(m, blocks)) is None else f"{blocks.path}.{keep[f[0]]}{f[1]}"
+                        for m in ops.module)
+        ops = replace(ops, module=renamed)
     take, modules = [], []
     for k in range(1, copies + 1):
         for lo, hi in ranges:
@@ -209,11 +235,11 @@ def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int,
                    grow(ops.forward), ops.module + tuple(modules), grow(ops.kept))
 
 
-def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, depth: int, period: int) -> tuple[tuple[int, int], ...]:
+def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, template: range) -> tuple[tuple[int, int], ...]:
     """The op ranges of one period of blocks in ``deep`` (the cut model at ``depth`` blocks), from ``shallow`` (one
     period fewer): the forward ops of its last period's blocks, and the backward ops ``deep`` has beyond
-    ``shallow``'s, where the two backward sequences part (backward ops carry no module name)."""
-    template = range(depth - period, depth)
+    ``shallow``'s, where the two backward sequences part (backward ops carry no module name). ``template``: the
+    positions of that period's blocks in ``deep``."""
     forward = [j for j, m in enumerate(deep.module) if deep.forward[j] and (f := block_of(m, blocks)) is not None
                and f[0] in template]
     if not forward:

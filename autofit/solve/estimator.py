@@ -70,9 +70,10 @@ class Estimator:
                        preallocated_grads=c.preallocated_grads)
 
     def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None,
-                 depth: int | None = None) -> Simulation:
+                 depth: int | tuple[int, ...] | None = None) -> Simulation:
         """One step of ``c`` on fake tensors, on the sample cut to ``length`` along its length dims (None: as is),
-        of the model cut to ``depth`` of its identical blocks (None: all; Note [depth extrapolation])."""
+        of the model cut to ``depth`` of its identical blocks, or to the blocks ``depth`` (None: all; Note [depth
+        extrapolation])."""
         request = self.request
         batch, target = request.batch, request.target
         if length is not None:
@@ -101,9 +102,8 @@ class Estimator:
             est, sims, run = self._extrapolated(c, policy, None)
             if est is not None:
                 shallow, deep = (op_costs(s.timeline, s.timeline, per_sample_from=b) for s in sims)
-                ranges = period_ranges(shallow, deep, run.blocks, run.depths[-1], run.period)
-                steps = (run.blocks.count - run.depths[-1]) // run.period
-                ops = extended_ops(deep, ranges, steps, run.blocks, run.period)
+                ranges = period_ranges(shallow, deep, run.blocks, run.template)
+                ops = extended_ops(deep, ranges, run.steps, run.blocks, run.period, keep=run.keeps[-1])
                 return (_preallocated(est) if c.preallocated_grads else est), ops
         sim = self.simulate(c, policy)
         est = self._full(c, policy, sim)
@@ -122,18 +122,18 @@ class Estimator:
     def _extrapolated(self, c: Candidate, policy: PrecisionPolicy, length: int | None):
         """(estimate, the two deepest simulations, run) extrapolated from cut models, or (None, None, None) when no depth
         triple is on a line or the configuration's pattern has no period (Note [depth extrapolation])."""
-        sims: dict[int, Simulation] = {}
-        ests: dict[int, MemoryEstimate] = {}
+        sims: dict[tuple[int, ...], Simulation] = {}
+        ests: dict[tuple[int, ...], MemoryEstimate] = {}
         for run in depth_runs(self.config(c, policy), self.request.blocks):
-            for d in run.depths:
-                if d not in ests:
+            for keep in run.keeps:
+                if keep not in ests:
                     progress.report(f"simulating micro-batch {c.micro_batch_size} x {c.accumulation_steps} "
-                                    f"({policy.label}) at {d} of {run.blocks.count} blocks")
-                    sims[d] = self.simulate(c, policy, length, depth=d)
-                    ests[d] = self.request.device.estimate(sims[d])
-            est = extrapolate(run, tuple(ests[d] for d in run.depths))
+                                    f"({policy.label}) at {len(keep)} of {run.blocks.count} blocks")
+                    sims[keep] = self.simulate(c, policy, length, depth=keep)
+                    ests[keep] = self.request.device.estimate(sims[keep])
+            est = extrapolate(run, tuple(ests[k] for k in run.keeps))
             if est is not None:
-                return est, (sims[run.depths[1]], sims[run.depths[2]]), run
+                return est, (sims[run.keeps[1]], sims[run.keeps[2]]), run
         return None, None, None
 
     def policy(self, label: str) -> PrecisionPolicy:
