@@ -42,35 +42,39 @@ Ratios = tuple[float, float, float]
 def extend_analysis(a: Analysis, blocks: Blocks, depth: int, period: int, ratios: Ratios,
                     extend_ops=None) -> Analysis:
     """``a`` (of the model cut to ``depth`` blocks) extended to all ``blocks.count`` (Note [extending an analysis in
-    depth]); ``extend_ops(ops, ranges, copies)`` appends ``copies`` copies of the op index ranges of one period of
-    blocks to the cut model's OpCosts (solve passes it in: solve/depth.py ``extended_ops``)."""
+    depth]); ``extend_ops(ops, ranges, copies, first)`` appends ``copies`` copies of the op index ranges of one period
+    of blocks to the cut model's OpCosts, blocks from ``first`` on renumbered after them (solve passes it in:
+    solve/depth.py ``extended_ops``)."""
     copies = (blocks.count - depth) // period
     if copies <= 0:
         return a
-    template = range(depth - period, depth)
+    template = range(depth - 2 * period, depth - period)  # the middle period: blocks before and after it
     p = a.profile
-    # per micro-batch: the template's forward (its first call's start to its last call's end) and backward (its
-    # first backward event to the event before the next block's backward: a block's backward frees the gradient it
-    # was handed only after its call's backward ends, so one period runs from backward start to backward start)
+    # per micro-batch, one period of the template's forward and of its backward, each from the same point of one
+    # block to that point of the next, so that what runs between blocks (FSDP2's reshard of one block and gather of
+    # the next, a gradient's reduce-scatter finished in the next block's backward) is in the period once: forward
+    # from the end of the block before the template to the template's end; backward from the template's first
+    # backward event to the event before the backward of the block before it. The template is the middle period so
+    # that both its neighbours exist: a window's first and last blocks are not in the steady state.
     segments = []
     for micro in sorted({c.micro for c in p.calls}):
         tops = {block_of(c.name, blocks)[0]: c for c in p.calls if c.micro == micro
                 and block_of(c.name, blocks) is not None and block_of(c.name, blocks)[1] == ""}
-        before = tops.get(depth - period - 1)
+        before = tops.get(template[0] - 1)
         if any(i not in tops or tops[i].recompute_at < 0 for i in template) or before is None or before.recompute_at < 0:
             return a  # the blocks did not run as expected: the analysis of the whole cut model stays as it is
-        run = [tops[i] for i in template]
-        segments.append((micro, (min(c.start for c in run), max(c.end for c in run)),
-                         (min(c.recompute_at for c in run), before.recompute_at - 1), run))
+        last = tops[template[-1]]
+        segments.append((micro, (before.end + 1, last.end), (last.recompute_at, before.recompute_at - 1),
+                         [tops[i] for i in template]))
     states = _state_bytes(a)
     index, intercepts, slopes = _splice(p, segments, copies, states, ratios)
-    calls = _calls(p.calls, segments, copies, index, blocks, template, period)
+    calls = _calls(p.calls, segments, copies, index, blocks, template, period, depth)
     profile = replace(p, intercepts=intercepts, slopes=slopes, calls=calls,
                       marks=tuple((int(index(s)), m, ph) for s, m, ph in p.marks))
     table = LayerTable(_rows(a.table.rows, blocks, template, copies, period, depth), a.table.precision)
     ops = a.ops
     if extend_ops is not None and ops is not None and a.timeline is not None:
-        ops = extend_ops(ops, _op_ranges(a.timeline, p.marks, segments[0]), copies)
+        ops = extend_ops(ops, _op_ranges(a.timeline, p.marks, segments[0]), copies, depth - period)
     return replace(a, profile=profile, table=table, ops=ops)
 
 
@@ -157,14 +161,15 @@ def _splice(p: StepProfile, segments, copies: int, states: tuple[int, int], rati
     return index, intercepts, slopes
 
 
-def _calls(calls, segments, copies, index, blocks: Blocks, template: range, period: int) -> tuple[CallRecord, ...]:
-    """The cut model's calls at their new events, the containers of the blocks saving what the new blocks save, and
-    the new blocks' calls: copies of the template's."""
+def _calls(calls, segments, copies, index, blocks: Blocks, template: range, period: int,
+           depth: int) -> tuple[CallRecord, ...]:
+    """The cut model's calls at their new events (the last period's blocks renumbered after the new ones), the
+    containers of the blocks saving what the new blocks save, and the new blocks' calls: copies of the template's."""
     out = []
     by_micro = {micro: (f, b, tops) for micro, f, b, tops in segments}
     for c in calls:
         f, b, tops = by_micro.get(c.micro, (None, None, ()))
-        moved = _moved(c, lambda e: index(e))
+        moved = replace(_moved(c, lambda e: index(e)), name=_renumbered(c.name, blocks, depth - period, copies * period))
         if f is not None and c.start <= f[0] and c.end >= f[1] and block_of(c.name, blocks) is None:
             gain = (copies * sum(t.saved[0] for t in tops), copies * sum(t.saved[1] for t in tops))
             moved = replace(moved, saved=(moved.saved[0] + gain[0], moved.saved[1] + gain[1]))
@@ -192,29 +197,37 @@ def _calls(calls, segments, copies, index, blocks: Blocks, template: range, peri
     return tuple(out)
 
 
+def _renumbered(name: str, blocks: Blocks, first: int, shift: int) -> str:
+    """``name`` with a block index from ``first`` on moved up by ``shift``."""
+    found = block_of(name, blocks)
+    if found is None or found[0] < first:
+        return name
+    return f"{blocks.path}.{found[0] + shift}{found[1]}"
+
+
 def _moved(c: CallRecord, at) -> CallRecord:
     return replace(c, start=at(c.start), end=at(c.end), recompute_at=at(c.recompute_at),
                    backward_end=at(c.backward_end), inputs=tuple((at(e), fx, ps) for e, fx, ps in c.inputs))
 
 
 def _rows(rows, blocks: Blocks, template: range, copies: int, period: int, depth: int) -> tuple[LayerRow, ...]:
-    """The cut model's rows, the blocks' containers with what the new blocks add, and the new blocks' rows after
-    the last cut block's."""
+    """The cut model's rows (the last period's blocks renumbered after the new ones), the blocks' containers with
+    what the new blocks add, and the new blocks' rows, every block's rows in block order."""
     tops = [r for r in rows if (found := block_of(r.name, blocks)) is not None and found[1] == "" and found[0] in
             template]
     fields = ("param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "flops_per_sample", "flops_fixed")
     gain = {k: copies * sum(getattr(r, k) for r in tops) for k in fields}
-    out, extra = [], []
+    head, block_rows, tail = [], [], []
     for r in rows:
         found = block_of(r.name, blocks)
-        if found is None and (r.name == "" or r.name == blocks.path or blocks.path.startswith(r.name + ".")):
-            r = replace(r, **{k: getattr(r, k) + gain[k] for k in fields})
-        out.append(r)
-        if found is not None and found[0] in template:
-            extra.append((found, r))
-    new = [replace(r, name=f"{blocks.path}.{found[0] + period * (j + 1)}{found[1]}")
-           for j in range(copies) for found, r in extra]
-    new.sort(key=lambda r: block_of(r.name, blocks)[0])  # stable: each block's rows keep their order
-    last = max((i for i, r in enumerate(out) if (f := block_of(r.name, blocks)) is not None and f[0] == depth - 1),
-               default=len(out) - 1)
-    return tuple(out[:last + 1] + new + out[last + 1:])
+        if found is None:
+            if r.name == "" or r.name == blocks.path or blocks.path.startswith(r.name + "."):
+                r = replace(r, **{k: getattr(r, k) + gain[k] for k in fields})
+            (tail if block_rows else head).append(r)
+            continue
+        block_rows.append(replace(r, name=_renumbered(r.name, blocks, depth - period, copies * period)))
+        if found[0] in template:
+            block_rows.extend(replace(r, name=f"{blocks.path}.{found[0] + period * (j + 1)}{found[1]}")
+                              for j in range(copies))
+    block_rows.sort(key=lambda r: block_of(r.name, blocks)[0])  # stable: each block's rows keep their order
+    return tuple(head + block_rows + tail)

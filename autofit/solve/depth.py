@@ -208,7 +208,7 @@ def _under(last: MemoryEstimate, shift: dict[str, int], note: str):
 
 
 def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int, blocks: Blocks,
-                 period: int, keep: tuple[int, ...] | None = None) -> OpCosts:
+                 period: int, keep: tuple[int, ...] | None = None, first: int | None = None) -> OpCosts:
     """Per-op costs of the cut model with ``copies`` more copies of each op range ``[lo, hi)`` (one period of
     blocks: their forward, their backward), appended; an op of template block t is renamed to block t + period * k in
     the k-th copy. Order within the array does not matter to the time model (it sums per precision and masks the
@@ -217,13 +217,18 @@ def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int,
         renamed = tuple(m if (f := block_of(m, blocks)) is None else f"{blocks.path}.{keep[f[0]]}{f[1]}"
                         for m in ops.module)
         ops = replace(ops, module=renamed)
+    original = ops.module
+    if first is not None:  # blocks from ``first`` on come after the copies
+        ops = replace(ops, module=tuple(
+            m if (f := block_of(m, blocks)) is None or f[0] < first else f"{blocks.path}.{f[0] + copies * period}{f[1]}"
+            for m in ops.module))
     take, modules = [], []
     for k in range(1, copies + 1):
         for lo, hi in ranges:
             for j in range(lo, hi):
-                found = block_of(ops.module[j], blocks)
+                found = block_of(original[j], blocks)
                 take.append(j)
-                modules.append(ops.module[j] if found is None else f"{blocks.path}.{found[0] + period * k}{found[1]}")
+                modules.append(original[j] if found is None else f"{blocks.path}.{found[0] + period * k}{found[1]}")
     if not take:
         return ops
     idx = np.array(take, dtype=np.int64)

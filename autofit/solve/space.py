@@ -54,7 +54,8 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
                               probe_kernels=request.device.kind == "cpu", device_rules=request.device.simulation_rules)
             analyses[p.label] = extend_analysis(
                 a, request.blocks, depth, period, parameter_ratios(request.model, model),
-                extend_ops=lambda ops, ranges, copies, q=period: extended_ops(ops, ranges, copies, request.blocks, q))
+                extend_ops=lambda ops, ranges, copies, first, q=period: extended_ops(ops, ranges, copies, request.blocks,
+                                                                          q, first=first))
     return analyses
 
 
