@@ -65,8 +65,10 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_dept
     print(f"  predicted step  {plan.predicted_step_seconds:.2f} s (time model: compute + collectives, no overlap)")
     print(f"  recomputed      {', '.join(plan.checkpoint) or '-'}")
     for note in plan.notes:
-        if "chosen" in note or "depth extrapolation" in note:
+        if "chosen" in note:
             print(f"  why             {note}")
+        elif "depth extrapolation" in note:
+            print(f"  how             {note}")
     return seconds
 
 
