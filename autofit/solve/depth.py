@@ -247,8 +247,13 @@ def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, template: ran
     positions of that period's blocks in ``deep``."""
     forward = [j for j, m in enumerate(deep.module) if deep.forward[j] and (f := block_of(m, blocks)) is not None
                and f[0] in template]
+    previous = [j for j, m in enumerate(deep.module) if deep.forward[j] and (f := block_of(m, blocks)) is not None
+                and f[0] == template[0] - 1]
     if not forward:
         return ()
+    # start to start: the forward ops that run between the previous block and the template (FSDP2's gather copies)
+    # belong to the period too
+    first = previous[-1] + 1 if previous else forward[0]
     back_deep = [j for j in range(len(deep.module)) if not deep.forward[j]]
     back_shallow = [j for j in range(len(shallow.module)) if not shallow.forward[j]]
     extra = len(back_deep) - len(back_shallow)
@@ -256,7 +261,7 @@ def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, template: ran
     while (common < len(back_shallow) and common < len(back_deep)
            and _same_op(deep, back_deep[common], shallow, back_shallow[common])):
         common += 1
-    ranges = [(forward[0], forward[-1] + 1)]
+    ranges = [(first, forward[-1] + 1)]
     if extra > 0 and common + extra <= len(back_deep):
         ranges.append((back_deep[common], back_deep[common + extra - 1] + 1))
     return tuple(ranges)
