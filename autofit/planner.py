@@ -49,7 +49,7 @@ def plan(
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
     allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
     replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1, tensor_parallel_plan: Any = None,
-    compile: bool = False,
+    compile: bool = False, extrapolate_depth: bool = True,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -95,7 +95,12 @@ def plan(
     the optimizer given to ``wrap``). The plan's notes say which were climbed and what each saved.
 
     ``compile=True``: every step runs the model compiled (torch.compile, inductor), estimated as inductor compiles
-    it, and the trainer compiles it (Note [compile as a knob]); a model compiled already is planned as compiled."""
+    it, and the trainer compiles it (Note [compile as a knob]); a model compiled already is planned as compiled.
+
+    ``extrapolate_depth`` (default True): a model whose depth is a run of at least 8 structurally identical blocks
+    (a Llama's ``layers``) is simulated cut to a few blocks and each figure carried to all of them along a checked
+    line, so planning time stops growing with the depth (Note [depth extrapolation], autofit/capture/depth.py; the
+    plan's notes say when it was used). False: every simulation runs the whole model."""
     return plan_with_analysis(
         model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
         precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
@@ -104,6 +109,7 @@ def plan(
         allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
         reshard_after_forward=reshard_after_forward, replicate=replicate,
         allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan, compile=compile,
+        extrapolate_depth=extrapolate_depth,
     )[0]
 
 
@@ -115,7 +121,7 @@ def plan_with_analysis(
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
     margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
     reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
-    tensor_parallel_plan: Any = None, compile: bool = False,
+    tensor_parallel_plan: Any = None, compile: bool = False, extrapolate_depth: bool = True,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -129,7 +135,8 @@ def plan_with_analysis(
                            allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
                            reshard_after_forward=reshard_after_forward, replicate=replicate,
                            allow=allow, tensor_parallel=tensor_parallel,
-                           tensor_parallel_plan=tensor_parallel_plan, compile=compile)
+                           tensor_parallel_plan=tensor_parallel_plan, compile=compile,
+                           extrapolate_depth=extrapolate_depth)
     results, infeasible_errors, failed = [], [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:

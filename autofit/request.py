@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from autofit.capture.depth import Blocks, find_blocks
 from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import DeviceTarget, resolve_device
@@ -25,6 +26,8 @@ from autofit.solve.sharding import Parallel  # the layout lives with the shardin
 from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
                               resolve_host_budget, margin_for, pinned, precisions, stored_options)
+
+DEPTH_MIN_BLOCKS = 8  # plan extrapolates in depth from this many identical blocks (Note [depth extrapolation])
 
 __all__ = ["Parallel", "PlanRequest", "make_request"]
 
@@ -80,6 +83,9 @@ class PlanRequest:
     low_bit_optimizer: str | None = None
     # plan(compile=True): every step runs the model compiled (Note [compile as a knob], training/config.py)
     compile: bool = False
+    # plan(extrapolate_depth=True): the model's run of identical blocks, simulated cut to a few of them and
+    # extrapolated (Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model
+    blocks: Blocks | None = None
 
     @property
     def fit_bytes(self) -> int:
@@ -138,6 +144,7 @@ def make_request(
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
     gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
     tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
+    extrapolate_depth: bool = False,
 ) -> PlanRequest:
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
@@ -207,5 +214,6 @@ def make_request(
         replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
         allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
         closed_rungs=closed,
+        blocks=find_blocks(model, DEPTH_MIN_BLOCKS) if extrapolate_depth and not compile else None,
         compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it
     )

@@ -12,11 +12,13 @@ times the planner.
     .venv/bin/python benchmarks/multi_gpu_70b.py                 # both
     .venv/bin/python benchmarks/multi_gpu_70b.py --nodes 4       # 4 x 8 only
     .venv/bin/python benchmarks/multi_gpu_70b.py --layers 8      # a shallower model (quick check)
+    .venv/bin/python benchmarks/multi_gpu_70b.py --no-extrapolate  # every block simulated (Note [depth extrapolation])
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import warnings
@@ -28,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import autofit  # noqa: E402
+from autofit.core import progress  # noqa: E402
 from autofit.core.units import format_bytes  # noqa: E402
 from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
 
@@ -40,11 +43,12 @@ def llama3_70b_config(**overrides) -> LlamaConfig:
                                  num_heads=64, num_kv_heads=8, rope_theta=500000.0, eps=1e-5), **overrides})
 
 
-def plan_for(model, ids, nodes: int, per_node: int, batch: int):
+def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_depth: bool = True):
     start = time.perf_counter()
     try:
         plan = autofit.plan(model, ids, "80GB", batch_size=batch, target=ids, gpu="H100-80GB",
-                            world_size=nodes * per_node, gpus_per_node=per_node, strategy="fsdp2")
+                            world_size=nodes * per_node, gpus_per_node=per_node, strategy="fsdp2",
+                            extrapolate_depth=extrapolate_depth)
     except autofit.InfeasibleBudgetError as e:
         seconds = time.perf_counter() - start
         print(f"\n{nodes} x {per_node} H100-80GB: no plan fits ({seconds:.1f} s): {e}")
@@ -59,9 +63,12 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int):
     print(f"  micro-batch     {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation, "
           f"{plan.precision.label}, {len(plan.checkpoint)} modules recomputed")
     print(f"  predicted step  {plan.predicted_step_seconds:.2f} s (time model: compute + collectives, no overlap)")
+    print(f"  recomputed      {', '.join(plan.checkpoint) or '-'}")
     for note in plan.notes:
         if "chosen" in note:
             print(f"  why             {note}")
+        elif "depth extrapolation" in note:
+            print(f"  how             {note}")
     return seconds
 
 
@@ -71,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default 80)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    parser.add_argument("--progress", action="store_true", help="print the planner's stages as they begin")
+    parser.add_argument("--no-extrapolate", action="store_true",
+                        help="simulate every block (plan(extrapolate_depth=False)); default: depth extrapolation")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     cfg = llama3_70b_config(max_seq_len=args.seq, **({"num_layers": args.layers} if args.layers else {}))
@@ -80,8 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     n = sum(p.numel() for p in model.parameters())
     print(f"Llama-3-70B shape: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {n / 1e9:.1f} B parameters (fp32, "
           f"meta); torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.progress:
+        began = time.perf_counter()
+        def listen():
+            return progress.listening(lambda stage: print(f"  [{time.perf_counter() - began:6.1f} s] {stage.what}",
+                                                          flush=True))
+    else:
+        listen = contextlib.nullcontext
     for nodes in (1, 4) if args.nodes is None else (args.nodes,):
-        plan_for(model, ids, nodes, 8, args.batch)
+        with listen():
+            plan_for(model, ids, nodes, 8, args.batch, extrapolate_depth=not args.no_extrapolate)
 
 
 if __name__ == "__main__":

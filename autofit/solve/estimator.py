@@ -35,7 +35,11 @@ from autofit.core.categories import Category
 from autofit.training.length import cut_to_length, length_spec
 from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
+from autofit.analyse.analyse import op_costs
+from autofit.analyse.table import OpCosts
+from autofit.capture.depth import truncated
 from autofit.simulate.run import Simulation, simulate_step
+from autofit.solve.depth import config_at_depth, depth_runs, extended_ops, extrapolate, fallback_note, period_ranges
 from autofit.solve.search import Candidate
 from autofit.training.step import StepConfig, forward_errors
 
@@ -65,21 +69,72 @@ class Estimator:
                        selective=c.selective, optimizer_in_backward=c.in_backward, offload=c.offload,
                        preallocated_grads=c.preallocated_grads)
 
-    def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> Simulation:
-        """One step of ``c`` on fake tensors, on the sample cut to ``length`` along its length dims (None: as is)."""
+    def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None,
+                 depth: int | tuple[int, ...] | None = None) -> Simulation:
+        """One step of ``c`` on fake tensors, on the sample cut to ``length`` along its length dims (None: as is),
+        of the model cut to ``depth`` of its identical blocks, or to the blocks ``depth`` (None: all; Note [depth
+        extrapolation])."""
         request = self.request
         batch, target = request.batch, request.target
         if length is not None:
             spec = length_spec(request.batch, request.target)
             batch, target = cut_to_length(batch, spec, length), cut_to_length(target, spec, length)
+        model, config = request.model, self.config(c, policy)
+        if depth is not None:
+            model, config = truncated(model, request.blocks, depth), config_at_depth(config, request.blocks, depth)
         with forward_errors():
-            return simulate_step(request.model, batch, target, request.loss_fn, self.config(c, policy),
+            return simulate_step(model, batch, target, request.loss_fn, config,
                                  device_rules=request.device.simulation_rules)
 
     def estimate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> MemoryEstimate:
-        """The device's figures for one step of ``c`` (see :meth:`simulate`)."""
-        est = self.request.device.estimate(self.simulate(c, policy, length))
+        """The device's figures for one step of ``c`` (see :meth:`simulate`), extrapolated in depth where the
+        request allows it and the figures are on a line (Note [depth extrapolation])."""
+        est = self._extrapolated(c, policy, length)[0] if self.request.blocks is not None else None
+        if est is None:
+            est = self._full(c, policy, self.simulate(c, policy, length))
         return _preallocated(est) if c.preallocated_grads else est
+
+    def estimate_and_ops(self, c: Candidate, policy: PrecisionPolicy) -> tuple[MemoryEstimate, OpCosts]:
+        """:meth:`estimate` and the per-op costs of one micro-batch of ``c`` (the time model's input), from the same
+        simulations: the deepest cut model's ops with the missing blocks' appended when extrapolated."""
+        b = c.micro_batch_size
+        if self.request.blocks is not None:
+            est, sims, run = self._extrapolated(c, policy, None)
+            if est is not None:
+                shallow, deep = (op_costs(s.timeline, s.timeline, per_sample_from=b) for s in sims)
+                ranges = period_ranges(shallow, deep, run.blocks, run.template)
+                ops = extended_ops(deep, ranges, run.steps, run.blocks, run.period, keep=run.keeps[-1])
+                return (_preallocated(est) if c.preallocated_grads else est), ops
+        sim = self.simulate(c, policy)
+        est = self._full(c, policy, sim)
+        return (_preallocated(est) if c.preallocated_grads else est), op_costs(sim.timeline, sim.timeline,
+                                                                              per_sample_from=b)
+
+    def _full(self, c: Candidate, policy: PrecisionPolicy, sim: Simulation) -> MemoryEstimate:
+        """The device's figures of a simulation of the whole model, saying why when depth extrapolation was
+        allowed."""
+        est = self.request.device.estimate(sim)
+        blocks = self.request.blocks
+        if blocks is None:
+            return est
+        return replace(est, notes=est.notes + (fallback_note(blocks, depth_runs(self.config(c, policy), blocks)),))
+
+    def _extrapolated(self, c: Candidate, policy: PrecisionPolicy, length: int | None):
+        """(estimate, the two deepest simulations, run) extrapolated from cut models, or (None, None, None) when no depth
+        triple is on a line or the configuration's pattern has no period (Note [depth extrapolation])."""
+        sims: dict[tuple[int, ...], Simulation] = {}
+        ests: dict[tuple[int, ...], MemoryEstimate] = {}
+        for run in depth_runs(self.config(c, policy), self.request.blocks):
+            for keep in run.keeps:
+                if keep not in ests:
+                    progress.report(f"simulating micro-batch {c.micro_batch_size} x {c.accumulation_steps} "
+                                    f"({policy.label}) at {len(keep)} of {run.blocks.count} blocks")
+                    sims[keep] = self.simulate(c, policy, length, depth=keep)
+                    ests[keep] = self.request.device.estimate(sims[keep])
+            est = extrapolate(run, tuple(ests[k] for k in run.keeps))
+            if est is not None:
+                return est, (sims[run.keeps[1]], sims[run.keeps[2]]), run
+        return None, None, None
 
     def policy(self, label: str) -> PrecisionPolicy:
         """The policy a search candidate's precision label names: an allowed precision or a stored option."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autofit.analyse.analyse import op_costs
 from autofit.solve.estimator import Estimator, announce
 from autofit.solve.search import Candidate
 from autofit.solve.time_model import build_time_model
@@ -41,12 +40,11 @@ def quick_path(estimator: Estimator, budget: int) -> Verified | None:
     param_bytes = sum(p.numel() * p.element_size() for p in estimator.request.model.parameters())
     config = estimator.config(candidate, policy)
     announce(candidate, policy)
-    sim = estimator.simulate(candidate, policy)
     target = estimator.request.device
-    est = target.estimate(sim).within(budget)
+    est, ops = estimator.estimate_and_ops(candidate, policy)
+    est = est.within(budget)
     if est is None:
         return None
-    ops = op_costs(sim.timeline, sim.timeline, per_sample_from=config.micro_batch_size)
     parallel = estimator.parallel
     time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size,
                             reshard_after_forward=config.reshard_after_forward, replicate=config.replicate,

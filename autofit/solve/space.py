@@ -9,8 +9,11 @@ from typing import TYPE_CHECKING
 
 from autofit.core import progress
 from autofit.analyse.analyse import analyse_model
+from autofit.analyse.depth import extend_analysis
+from autofit.capture.depth import truncated
 from autofit.analyse.table import Analysis
 from autofit.training.precision import PrecisionPolicy
+from autofit.solve.depth import analysis_depth, config_at_depth, extended_ops, parameter_ratios
 from autofit.solve.estimator import Estimator
 from autofit.solve.ladder import Stage
 from autofit.solve.memory_model import MemoryModel
@@ -37,10 +40,22 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
     with forward_errors():
         for i, p in enumerate(todo):
             progress.report(f"analysing {p.label}{where}: two small simulations", i, len(todo))
-            analyses[p.label] = analyse_model(
-                request.model, request.batch, request.target, request.loss_fn,
-                replace(request.step(parallel), precision=p), probe_kernels=request.device.kind == "cpu",
-                device_rules=request.device.simulation_rules)
+            step = replace(request.step(parallel), precision=p)
+            cut = analysis_depth(step, request.blocks) if request.blocks is not None else None
+            if cut is None:
+                analyses[p.label] = analyse_model(
+                    request.model, request.batch, request.target, request.loss_fn, step,
+                    probe_kernels=request.device.kind == "cpu", device_rules=request.device.simulation_rules)
+                continue
+            depth, period = cut  # Note [extending an analysis in depth], autofit/analyse/depth.py
+            model = truncated(request.model, request.blocks, depth)
+            a = analyse_model(model, request.batch, request.target, request.loss_fn,
+                              config_at_depth(step, request.blocks, depth),
+                              probe_kernels=request.device.kind == "cpu", device_rules=request.device.simulation_rules)
+            analyses[p.label] = extend_analysis(
+                a, request.blocks, depth, period, parameter_ratios(request.model, model),
+                extend_ops=lambda ops, ranges, copies, first, q=period: extended_ops(ops, ranges, copies, request.blocks,
+                                                                          q, first=first))
     return analyses
 
 

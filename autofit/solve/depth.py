@@ -1,0 +1,272 @@
+"""Full estimates of a deep model from simulations of the same model cut to a few blocks.
+
+See Note [depth extrapolation] in autofit/capture/depth.py: which models, which configurations, how it is checked.
+This module holds the pure parts: the depths a configuration is simulated at, the step as the cut model runs it,
+and the line through the cut models' estimates carried to all the blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+from torch import nn
+
+from autofit.analyse.table import OpCosts
+from autofit.capture.depth import Blocks, block_of, names_at_depth, period_of, periodic_runs
+from autofit.core.categories import Category
+from autofit.core.report import MemoryEstimate
+from autofit.training.step import StepConfig
+
+__all__ = ["DepthRun", "depth_runs", "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges", "fallback_note", "SEGMENT_TOLERANCE"]
+
+# The CUDA figures built on segments (reserved, device, the smallest budget, fragmentation) move in steps of the
+# caching allocator's segments: up to kLargeBuffer (20 MiB, c10/cuda/CUDACachingAllocator.cpp) per step. The line
+# through two depths must predict the third within one such step; tensor figures must agree to the byte.
+SEGMENT_TOLERANCE = 20 << 20
+_SEGMENT_FIGURES = ("device_bytes", "peak_reserved_bytes", "min_device_bytes")
+_SEGMENT_CATEGORIES = {str(Category.FRAGMENTATION), str(Category.ALLOCATOR_ROUNDING)}
+_STARTS = (2, 4)  # the first depths tried, in periods: (2, 3, 4) periods, then (4, 5, 6)
+
+
+@dataclass(frozen=True)
+class DepthRun:
+    """Simulate the model cut to the blocks of each of ``keeps`` and extrapolate to all ``blocks.count``: each keeps
+    the blocks outside one periodic run whole, and of the run its first blocks, one ``period`` more each time;
+    ``steps`` periods of the run are missing from the last."""
+
+    blocks: Blocks
+    period: int
+    keeps: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    steps: int
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        return tuple(len(k) for k in self.keeps)
+
+    @property
+    def template(self) -> range:
+        """Positions, in the deepest cut model, of the run's last kept period (what the missing periods repeat)."""
+        keep = self.keeps[-1]
+        end = next((n for n in range(1, len(keep)) if keep[n] != keep[n - 1] + 1), len(keep))
+        return range(end - self.period, end)
+
+    def original(self, position: int) -> int:
+        """The full model's index of the deepest cut model's block at ``position``."""
+        return self.keeps[-1][position]
+
+
+def _name_lists(config: StepConfig) -> tuple[tuple[str, ...], ...]:
+    """Each list of module names the step treats specially (each must repeat over the blocks on its own)."""
+    return (config.checkpoint, config.selective, config.offload, config.shard_units, config.precision.fp32_modules)
+
+
+def _period(config: StepConfig, blocks: Blocks) -> int | None:
+    period = 1
+    for names in _name_lists(config):
+        p = period_of(names, blocks)
+        if p is None:
+            return None
+        period = math.lcm(period, p)
+    return period if period <= blocks.count // 2 else None
+
+
+def depth_runs(config: StepConfig, blocks: Blocks) -> tuple[DepthRun, ...]:
+    """The cuts worth trying for ``config`` in order: the run of blocks over which its module names repeat with a
+    period (periodic_runs) that the cut shortens most, cut to 2, 3, 4 periods, then 4, 5, 6, the other blocks kept whole (empty: the run
+    is too short for the cut to be worth it)."""
+    def removed(run):  # blocks the deepest cut leaves out of the run
+        start, end, period = run
+        return (end - start) - ((end - start) % period + period * (_STARTS[0] + 2))
+    start, end, period = max(periodic_runs(_name_lists(config), blocks), key=removed, default=(0, 0, 1))
+    length = end - start
+    outside = tuple(range(start)), tuple(range(end, blocks.count))
+    runs = []
+    for first in _STARTS:
+        lengths = tuple(length % period + period * (first + i) for i in range(3))
+        if lengths[-1] < length:
+            keeps = tuple(outside[0] + tuple(range(start, start + n)) + outside[1] for n in lengths)
+            runs.append(DepthRun(blocks, period, keeps, (length - lengths[-1]) // period))
+    return tuple(runs)
+
+
+def analysis_depth(config: StepConfig, blocks: Blocks) -> tuple[int, int] | None:
+    """(depth, period) the analysis of ``config`` runs the cut model at (three periods, the last one the template
+    of the blocks it adds: Note [extending an analysis in depth]); None: analyse the whole model."""
+    period = _period(config, blocks)
+    if period is None:
+        return None
+    depth = blocks.count % period + 3 * period
+    return (depth, period) if depth < blocks.count else None
+
+
+def parameter_ratios(full: nn.Module, cut: nn.Module) -> tuple[float, float, float]:
+    """(all, trainable) parameter bytes and trainable parameter tensors of ``full`` over ``cut``'s."""
+    def size(model, trainable):
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
+
+    def count(model):
+        return sum(1 for p in model.parameters() if p.requires_grad)
+    return (size(full, False) / max(size(cut, False), 1), size(full, True) / max(size(cut, True), 1),
+            count(full) / max(count(cut), 1))
+
+
+def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, ...]) -> StepConfig:
+    """``config`` as the model cut to ``depth`` blocks (or to the blocks ``depth``) runs it: the module names under
+    blocks not kept dropped, the others renumbered."""
+    def cut(names):
+        return names_at_depth(names, blocks, depth)
+    precision = replace(config.precision, fp32_modules=cut(config.precision.fp32_modules))
+    return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
+                   offload=cut(config.offload), shard_units=cut(config.shard_units), precision=precision)
+
+
+def _line(values: tuple[int, int, int], steps: int, tolerance: int) -> int | None:
+    """The value ``steps`` periods past the third, on the line through the second and third; None when the line
+    through the first two misses the third by more than ``tolerance``."""
+    a, b, c = values
+    if abs((b + (b - a)) - c) > tolerance:
+        return None
+    return c + (c - b) * steps
+
+
+def _mapping(ests: tuple[MemoryEstimate, ...], attr: str, steps: int, loose: set[str]) -> dict[str, int] | None:
+    maps = [getattr(e, attr) for e in ests]
+    out = {}
+    for key in sorted(set().union(*maps)):
+        value = _line(tuple(m.get(key, 0) for m in maps), steps, SEGMENT_TOLERANCE if key in loose else 0)
+        if value is None:
+            return None
+        if value:
+            out[key] = value
+    return out
+
+
+def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...]) -> MemoryEstimate | None:
+    """The estimate at ``run.blocks.count`` blocks from the estimates at ``run.depths``, or None when some figure
+    is not on a line (the caller tries larger depths, then the full simulation).
+
+    The segment figures (reserved, device, smallest budget) are the larger of their own line and the allocated
+    peak's line plus the deepest depth's reserve above it: a small model's segments fill in steps, and their line
+    can fall below the allocated bytes; the reserve beyond the allocated blocks never shrinks with more blocks."""
+    steps = run.steps
+    figures = {}
+    for attr in ("peak_bytes", "host_bytes", *_SEGMENT_FIGURES):
+        tolerance = SEGMENT_TOLERANCE if attr in _SEGMENT_FIGURES else 0
+        value = _line(tuple(getattr(e, attr) for e in ests), steps, tolerance)
+        if value is None:
+            return None
+        figures[attr] = value
+    breakdown = _mapping(ests, "breakdown", steps, _SEGMENT_CATEGORIES)
+    host = _mapping(ests, "host_breakdown", steps, set())
+    if breakdown is None or host is None:
+        return None
+    last = ests[-1]
+    growth = figures["peak_bytes"] - last.peak_bytes
+    for attr in _SEGMENT_FIGURES:
+        figures[attr] = max(figures[attr], getattr(last, attr) + growth)
+    fragmentation = str(Category.FRAGMENTATION)
+    if fragmentation in breakdown or figures["peak_reserved_bytes"] > figures["peak_bytes"]:
+        breakdown[fragmentation] = figures["peak_reserved_bytes"] - figures["peak_bytes"]
+    note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
+            f"identical blocks of {run.blocks.path} and carried to all of them along the line through the last two "
+            f"(the first predicts the third: tensor figures to the byte, reserved ones within 20 MiB; Note [depth "
+            f"extrapolation], autofit/capture/depth.py)")
+    shift = {attr: figures[attr] - getattr(last, attr) for attr in figures}
+    return replace(last, breakdown=breakdown, host_breakdown=host, notes=last.notes + (note,),
+                   peak_at=f"{last.peak_at} (at {run.depths[-1]} blocks)" if last.peak_at else "",
+                   under=_under(last, shift, note), **figures)
+
+
+def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...]) -> str:
+    """What the estimate's notes say when depth extrapolation was allowed but not used."""
+    if not tried:
+        why = "no run of blocks repeating the configuration's modules with a period is long enough to cut"
+    else:
+        why = ("the figures at " + "; ".join(", ".join(map(str, r.depths)) for r in tried) + " blocks are not on a "
+               "line")
+    return (f"depth extrapolation not used ({why}): all {blocks.count} blocks of {blocks.path} simulated "
+            "(Note [depth extrapolation], autofit/capture/depth.py)")
+
+
+def _under(last: MemoryEstimate, shift: dict[str, int], note: str):
+    """The estimate under a budget: the deepest simulation's replay under the budget less the extrapolated growth,
+    shifted by that growth (approximate: the cap's effect on the extra blocks' segments is the same as on theirs)."""
+    if last.under is None:
+        return None
+
+    def under(budget: int) -> MemoryEstimate | None:
+        inner = last.under(budget - shift["device_bytes"])
+        if inner is None:
+            return None
+        moved = {attr: getattr(inner, attr) + delta for attr, delta in shift.items()}
+        return replace(inner, notes=inner.notes + (note + "; under the budget, the deepest simulation's allocator "
+                                                   "replay under the budget less that growth (approximate)",),
+                       under=None, **moved)
+    return under
+
+
+def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int, blocks: Blocks,
+                 period: int, keep: tuple[int, ...] | None = None, first: int | None = None) -> OpCosts:
+    """Per-op costs of the cut model with ``copies`` more copies of each op range ``[lo, hi)`` (one period of
+    blocks: their forward, their backward), appended; an op of template block t is renamed to block t + period * k in
+    the k-th copy. Order within the array does not matter to the time model (it sums per precision and masks the
+    recomputed modules' forward ops by name)."""
+    if keep is not None:  # the cut model's block numbers, as the full model names them
+        renamed = tuple(m if (f := block_of(m, blocks)) is None else f"{blocks.path}.{keep[f[0]]}{f[1]}"
+                        for m in ops.module)
+        ops = replace(ops, module=renamed)
+    original = ops.module
+    if first is not None:  # blocks from ``first`` on come after the copies
+        ops = replace(ops, module=tuple(
+            m if (f := block_of(m, blocks)) is None or f[0] < first else f"{blocks.path}.{f[0] + copies * period}{f[1]}"
+            for m in ops.module))
+    take, modules = [], []
+    for k in range(1, copies + 1):
+        for lo, hi in ranges:
+            for j in range(lo, hi):
+                found = block_of(original[j], blocks)
+                take.append(j)
+                modules.append(original[j] if found is None else f"{blocks.path}.{found[0] + period * k}{found[1]}")
+    if not take:
+        return ops
+    idx = np.array(take, dtype=np.int64)
+
+    def grow(a):
+        return None if a is None else np.concatenate([a, a[idx]])
+    return OpCosts(grow(ops.flops_fixed), grow(ops.flops_per_sample), grow(ops.bytes_fixed),
+                   grow(ops.bytes_per_sample), ops.precision + tuple(ops.precision[j] for j in take),
+                   grow(ops.forward), ops.module + tuple(modules), grow(ops.kept))
+
+
+def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, template: range) -> tuple[tuple[int, int], ...]:
+    """The op ranges of one period of blocks in ``deep`` (the cut model at ``depth`` blocks), from ``shallow`` (one
+    period fewer): the forward ops of its last period's blocks, and the backward ops ``deep`` has beyond
+    ``shallow``'s, where the two backward sequences part (backward ops carry no module name). ``template``: the
+    positions of that period's blocks in ``deep``."""
+    forward = [j for j, m in enumerate(deep.module) if deep.forward[j] and (f := block_of(m, blocks)) is not None
+               and f[0] in template]
+    previous = [j for j, m in enumerate(deep.module) if deep.forward[j] and (f := block_of(m, blocks)) is not None
+                and f[0] == template[0] - 1]
+    if not forward:
+        return ()
+    # start to start: the forward ops that run between the previous block and the template (FSDP2's gather copies)
+    # belong to the period too
+    first = previous[-1] + 1 if previous else forward[0]
+    back_deep = [j for j in range(len(deep.module)) if not deep.forward[j]]
+    back_shallow = [j for j in range(len(shallow.module)) if not shallow.forward[j]]
+    extra = len(back_deep) - len(back_shallow)
+    common = 0
+    while (common < len(back_shallow) and common < len(back_deep)
+           and _same_op(deep, back_deep[common], shallow, back_shallow[common])):
+        common += 1
+    ranges = [(first, forward[-1] + 1)]
+    if extra > 0 and common + extra <= len(back_deep):
+        ranges.append((back_deep[common], back_deep[common + extra - 1] + 1))
+    return tuple(ranges)
+
+
+def _same_op(a: OpCosts, i: int, b: OpCosts, j: int) -> bool:
+    return (a.precision[i] == b.precision[j] and a.flops_per_sample[i] == b.flops_per_sample[j]
+            and a.bytes_per_sample[i] == b.bytes_per_sample[j])

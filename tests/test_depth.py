@@ -1,0 +1,189 @@
+"""Depth extrapolation (Note [depth extrapolation], autofit/capture/depth.py) against independent truths.
+
+- The cut model: runs only its blocks, leaves the user's model (and a Hugging Face config) unchanged.
+- Full estimates of a 12-block Llama extrapolated from 2, 3 and 4 blocks equal the CPU allocator's peak
+  (``autofit.measure``, the oracle) to the byte, for a plain step and one with every block recomputed.
+- On the CUDA model (no GPU here: a consistency check, not a truth), the extrapolated figures equal the full
+  simulation's at 12 blocks: the allocated peak to the byte, the segment figures within 2 MiB.
+- The extended analysis equals the analysis of the whole model (rows, op costs, calls; the window's live bytes
+  to the byte), and a plan with extrapolation equals the plan without.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autofit
+from autofit.capture.depth import Blocks, find_blocks, period_of, truncated
+from autofit.request import make_request
+from autofit.solve.estimator import Estimator
+from autofit.solve.search import Candidate
+from autofit.solve.sharding import layouts
+from autofit.solve.space import analyse_policies, search_space
+from autofit.simulate.timeline import Phase
+from benchmarks.llama import Llama, LlamaConfig
+
+LAYERS = 12
+CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=LAYERS, num_heads=4, max_seq_len=32)
+BLOCKS = tuple(f"layers.{i}" for i in range(LAYERS))
+
+
+def _loss(out, target):
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _model(meta: bool = False) -> Llama:
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return Llama(CFG)
+    return Llama(CFG)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _estimator(model, device="cpu", extrapolate=True, world_size=1, strategy=None, precision="fp32"):
+    ids = _ids()
+    request = make_request(model, ids, "80GB" if device == "cuda" else "1GB", batch_size=2 * world_size,
+                           target=ids, loss_fn=_loss, optimizer="adamw", precision=precision, checkpoint="auto",
+                           device=device, gpu="H100-80GB" if device == "cuda" else None, world_size=world_size,
+                           strategy=strategy, quick=False, extrapolate_depth=extrapolate)
+    return Estimator(request, layouts(request, strategy)[0])
+
+
+def test_blocks_found_and_cut_model_runs_only_its_blocks():
+    model = _model()
+    blocks = find_blocks(model)
+    assert blocks == Blocks("layers", LAYERS)
+    before = [id(p) for p in model.parameters()]
+    cut = truncated(model, blocks, 3)
+    ran = []
+    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, b in enumerate(model.layers)]
+    try:
+        cut(_ids())
+    finally:
+        for h in hooks:
+            h.remove()
+    assert ran == [0, 1, 2]
+    assert len(model.layers) == LAYERS and [id(p) for p in model.parameters()] == before
+    assert cut.layers[0] is model.layers[0]  # shared, not copied
+
+
+def test_hugging_face_config_cut_on_a_copy():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    blocks = find_blocks(model)
+    assert blocks == Blocks("model.layers", 8)
+    cut = truncated(model, blocks, 2)
+    assert cut.config.num_hidden_layers == 2 and model.config.num_hidden_layers == 8
+    assert len(cut.model.layers) == 2 and len(model.model.layers) == 8
+    if getattr(model.config, "layer_types", None) is not None:
+        assert len(cut.config.layer_types) == 2 and len(model.config.layer_types) == 8
+    cut(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_period_of_patterns():
+    blocks = Blocks("layers", 12)
+    assert period_of((), blocks) == 1
+    assert period_of(BLOCKS, blocks) == 1
+    assert period_of(BLOCKS[::2], blocks) == 2
+    assert period_of(("layers.3.mlp",), blocks) is None
+
+
+@pytest.mark.parametrize("checkpoint", [(), BLOCKS], ids=["plain", "every-block-recomputed"])
+def test_extrapolated_estimate_equals_cpu_allocator(checkpoint):
+    model = _model()
+    estimator = _estimator(model)
+    policy = estimator.request.policies[0]
+    est = estimator.estimate(Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0), policy)
+    assert any(n.startswith("depth extrapolation: simulated with 2, 3, 4") for n in est.notes)
+    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss, checkpoint=checkpoint)
+    assert est.peak_bytes == measured.peak_bytes
+
+
+@pytest.mark.parametrize("checkpoint", [(), BLOCKS, BLOCKS[::2]], ids=["plain", "every-block", "every-other-block"])
+def test_extrapolated_cuda_figures_match_full_simulation(checkpoint):
+    """A consistency check of the CUDA model: extrapolated vs simulated at 12 blocks (no GPU truth here)."""
+    estimator = _estimator(_model(meta=True), device="cuda", precision="bf16")
+    policy = estimator.request.policies[0]
+    c = Candidate(policy.label, 2, 1, 2, checkpoint, 0, 0.0)
+    est = estimator.estimate(c, policy)
+    full = estimator.request.device.estimate(estimator.simulate(c, policy))
+    assert any(n.startswith("depth extrapolation: simulated") for n in est.notes)
+    assert est.peak_bytes == full.peak_bytes
+    for attr in ("peak_reserved_bytes", "device_bytes", "min_device_bytes"):
+        assert abs(getattr(est, attr) - getattr(full, attr)) <= 2 << 20, attr
+
+
+def test_irregular_pattern_cuts_its_longest_periodic_run():
+    """Blocks 0-4 recomputed, one module of block 7: the run 0-4 is cut to 2, 3, 4 blocks; the CPU allocator
+    agrees."""
+    model = _model()
+    estimator = _estimator(model)
+    checkpoint = BLOCKS[:5] + ("layers.7.mlp",)
+    est = estimator.estimate(Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0), estimator.request.policies[0])
+    assert any(n.startswith("depth extrapolation: simulated with 9, 10, 11") for n in est.notes), est.notes
+    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss, checkpoint=checkpoint)
+    assert est.peak_bytes == measured.peak_bytes
+
+
+def test_pattern_without_a_long_run_is_simulated_in_full_and_says_so():
+    estimator = _estimator(_model(meta=True))
+    checkpoint = ("layers.0", "layers.2", "layers.3", "layers.5", "layers.6", "layers.9", "layers.11")
+    est = estimator.estimate(Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0), estimator.request.policies[0])
+    assert any(n.startswith("depth extrapolation not used") for n in est.notes)
+
+
+def test_extended_analysis_equals_whole_analysis():
+    model = _model(meta=True)
+    spaces = {}
+    for extrapolate in (True, False):
+        estimator = _estimator(model, extrapolate=extrapolate)
+        request, parallel = estimator.request, estimator.parallel
+        analysis = analyse_policies(request, parallel, request.policies, {})["fp32"]
+        spaces[extrapolate] = analysis, search_space(request, parallel, request.policies, {"fp32": analysis})
+    (a, sa), (b, sb) = spaces[True], spaces[False]
+    assert a.table.rows == b.table.rows
+    for field in ("flops_fixed", "flops_per_sample", "bytes_fixed", "bytes_per_sample"):
+        assert getattr(a.ops, field).sum() == getattr(b.ops, field).sum()
+    assert sorted(a.ops.module) == sorted(b.ops.module)
+    assert sorted((c.name, c.micro, c.saved) for c in a.profile.calls) == \
+        sorted((c.name, c.micro, c.saved) for c in b.profile.calls)
+    for micro in (0, 1):
+        for phase in (Phase.FORWARD, Phase.BACKWARD):
+            assert a.profile.stage(micro, phase, 4) == b.profile.stage(micro, phase, 4)
+    ma, mb = sa.memory["fp32"], sb.memory["fp32"]
+    for checkpoint in ((), BLOCKS, BLOCKS[::2], ("layers.3.mlp", "layers.7")):
+        assert ma.peak(2, 2, checkpoint) == mb.peak(2, 2, checkpoint)
+    ta, tb = sa.time["fp32"], sb.time["fp32"]
+    assert ta.step_time("fp32", 2, 1, BLOCKS).total == pytest.approx(tb.step_time("fp32", 2, 1, BLOCKS).total)
+
+
+@pytest.mark.parametrize("budget", ["1GB", "12MB"], ids=["generous", "tight"])
+def test_plan_with_extrapolation_equals_plan_without(budget):
+    """Generous: the quick path's estimate is extrapolated. Tight: the analysis is extended, and the winner
+    recomputes an irregular set of modules whose longest periodic run (blocks 0-4) is cut."""
+    model = _model()
+    state = copy.deepcopy(model.state_dict())
+    ids = _ids()
+    plans = {}
+    for extrapolate in (True, False):
+        plans[extrapolate] = autofit.plan(model, ids, budget, batch_size=8, target=ids, loss_fn=_loss, device="cpu",
+                                          precision="fp32", extrapolate_depth=extrapolate)
+    a, b = plans[True], plans[False]
+    assert (a.micro_batch_size, a.gradient_accumulation_steps, a.checkpoint) == \
+        (b.micro_batch_size, b.gradient_accumulation_steps, b.checkpoint)
+    assert a.peak_bytes == b.peak_bytes
+    assert a.predicted_step_seconds == pytest.approx(b.predicted_step_seconds)
+    assert any("depth extrapolation: simulated" in n for n in a.notes)
+    assert not any("depth extrapolation" in n for n in b.notes)
+    assert len(model.layers) == LAYERS and model.cfg.num_layers == LAYERS
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
