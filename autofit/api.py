@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -141,8 +140,7 @@ def estimate(
                      tensor_parallel_plan, compile, preallocated_grads)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
-    est = device_model.estimate(sim)
-    return replace(est, preallocated_grads=True) if config.preallocated_grads else est
+    return device_model.estimate(sim)
 
 
 def measure(

@@ -72,6 +72,7 @@ from autofit.capture.module_stack import install_module_stack
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
+from autofit.training.grads import PREALLOCATED_NOTE
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
@@ -116,6 +117,7 @@ class Simulation:
     replay: Replay
     method: str  # "fake" or "real" (see Note [data-dependent models])
     notes: tuple[str, ...] = field(default_factory=tuple)
+    preallocated_grads: bool = False  # the step allocated its gradients before forward (training/grads.py)
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
@@ -154,7 +156,7 @@ def simulate_step(
         note = (f"{e.subject} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
-        return Simulation(sim.timeline, sim.replay, "real", notes)
+        return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads)
 
 
 @contextlib.contextmanager
@@ -275,7 +277,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         finally:
             for h in handles:
                 h.remove()
-    notes = []
+    notes = [PREALLOCATED_NOTE] if config.preallocated_grads else []
     note = compiled_note(model, inductor, config.compile)
     if note:
         notes.append(note)
@@ -288,7 +290,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                      "(not yet listed in autofit/capture/corrections.py)")
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
-    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes))
+    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes),
+                      config.preallocated_grads)
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients

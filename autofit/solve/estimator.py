@@ -49,9 +49,6 @@ if TYPE_CHECKING:  # the request is built after this stage in the import order; 
 __all__ = ["Estimator", "announce", "with_rows"]
 
 _PAGE = 20 << 20  # kLargeBuffer: a segment of the large pool, the least that pinned segments can cost
-_PREALLOCATED_NOTE = ("every gradient is allocated before the first forward and zeroed in place after each step "
-                      "(zero_grad(set_to_none=False)), apart from the activations' segments, which the budget needs "
-                      "free at the optimizer step; wrap() allocates them (Note [gradients allocated before forward])")
 
 
 @dataclass(frozen=True)
@@ -92,7 +89,7 @@ class Estimator:
         est = self._extrapolated(c, policy, length)[0] if self.request.blocks is not None else None
         if est is None:
             est = self._full(c, policy, self.simulate(c, policy, length))
-        return _preallocated(est) if c.preallocated_grads else est
+        return est
 
     def estimate_and_ops(self, c: Candidate, policy: PrecisionPolicy) -> tuple[MemoryEstimate, OpCosts]:
         """:meth:`estimate` and the per-op costs of one micro-batch of ``c`` (the time model's input), from the same
@@ -104,11 +101,10 @@ class Estimator:
                 shallow, deep = (op_costs(s.timeline, s.timeline, per_sample_from=b) for s in sims)
                 ranges = period_ranges(shallow, deep, run.blocks, run.template)
                 ops = extended_ops(deep, ranges, run.steps, run.blocks, run.period, keep=run.keeps[-1])
-                return (_preallocated(est) if c.preallocated_grads else est), ops
+                return est, ops
         sim = self.simulate(c, policy)
         est = self._full(c, policy, sim)
-        return (_preallocated(est) if c.preallocated_grads else est), op_costs(sim.timeline, sim.timeline,
-                                                                              per_sample_from=b)
+        return est, op_costs(sim.timeline, sim.timeline, per_sample_from=b)
 
     def _full(self, c: Candidate, policy: PrecisionPolicy, sim: Simulation) -> MemoryEstimate:
         """The device's figures of a simulation of the whole model, saying why when depth extrapolation was
@@ -179,18 +175,6 @@ class Estimator:
             return False
         context = est.breakdown.get(str(Category.CUDA_CONTEXT), 0)
         return est.min_device_bytes - est.peak_bytes > context + _PAGE
-
-
-def _preallocated(est: MemoryEstimate) -> MemoryEstimate:
-    """``est`` of a step whose gradients are allocated before forward, saying so, as are its figures under a cap."""
-    inner = est.under
-    return replace(_flagged(est), under=None if inner is None else lambda budget: _flagged(inner(budget)))
-
-
-def _flagged(est: MemoryEstimate | None) -> MemoryEstimate | None:
-    if est is None:
-        return None
-    return replace(est, preallocated_grads=True, notes=est.notes + (_PREALLOCATED_NOTE,))
 
 
 def announce(c: Candidate, policy: PrecisionPolicy) -> None:
