@@ -119,7 +119,10 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                     live += mine.tensors() + (mine_target.tensors() if mine_target is not None else [])
                     live += [_local(v) for s in trainer.optimizer.state.values() for v in s.values()
                              if isinstance(v, torch.Tensor)]
-                    peaks.append(resident + measure_callable(lambda: trainer.step(*args, local=True), live))
+                    # this thread's allocations only: gloo's threads race with it (Note [gloo's threads in the
+                    # measured window], autofit/measure/ranks.py)
+                    peaks.append(resident + measure_callable(lambda: trainer.step(*args, local=True), live,
+                                                             own_thread=True))
                 results.append({"peaks": peaks})
             dist.barrier()
     finally:

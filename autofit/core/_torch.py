@@ -237,19 +237,23 @@ def is_view(t: torch.Tensor) -> bool:
     return t._is_view()
 
 
-def allocation_sizes(prof: torch.profiler.profile) -> list[int]:
+def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
     """Bytes of every Allocation event a ``profile_memory=True`` CPU profile recorded, in time order; negative on
     free. Read from the profiler's event tree (``kineto_results.experimental_event_tree``), the allocator's own
-    record (DESIGN.md, "Ground truth without a GPU")."""
-    events: list[tuple[int, int]] = []
+    record (DESIGN.md, "Ground truth without a GPU"). ``thread_of``: only the events of the thread that ran the
+    ``record_function`` of that name (the profiler's own thread ids)."""
+    events: list[tuple[int, int, int]] = []
+    marks: set[int] = set()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.start_tid))
+        elif thread_of is not None and node.name == thread_of:
+            marks.add(node.start_tid)
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
-    return [size for _, size in events]
+    return [size for _, size, tid in events if thread_of is None or tid in marks]
 
 
 def high_water_mark(sizes: list[int]) -> tuple[int, int]:

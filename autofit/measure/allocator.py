@@ -80,8 +80,9 @@ def measure_step(
     *, steps: int = 1, lowest: bool = False,
 ) -> Measurement:
     """Run ``config`` for real on a copy of ``model``: one warm-up window (creates optimizer state), then ``steps``
-    measured windows of ``accumulation_steps`` micro-batches each. Returns the highest peak; ``lowest``: the lowest
-    (a rank of a gloo job, Note [gloo's threads in the measured window], measure/ranks.py)."""
+    measured windows of ``accumulation_steps`` micro-batches each. Returns the highest peak; ``lowest``: the lowest,
+    of the allocations made on this thread (a rank of a gloo job, Note [gloo's threads in the measured window],
+    measure/ranks.py)."""
     device = torch.device(config.device)
     work = real_copy(model).to(device)
     if config.compile:  # Note [compile as a knob]: nn.Module.compile keeps the module's names and parameters
@@ -133,24 +134,32 @@ def measure_step(
             breakdown: dict[Any, int] = dict(before)
             breakdown[Category.STEP] = max(0, peak - base)
             return Measurement(peak, breakdown, device="cuda", reserved_bytes=reserved)
-        peaks = [_measure_window(window, device) for _ in range(steps)]
+        peaks = [_measure_window(window, device, own_thread=lowest) for _ in range(steps)]
         peak_step = min(peaks) if lowest else max(peaks)
     breakdown = dict(before)
     breakdown[Category.STEP] = peak_step
     return Measurement(base + peak_step, breakdown, device=config.device)
 
 
-def _measure_window(window, device: torch.device) -> int:
-    """High-water mark of the CPU allocator while ``window`` runs, above what was allocated before it."""
+_WINDOW = "autofit::measured_window"
+
+
+def _measure_window(window, device: torch.device, own_thread: bool = False) -> int:
+    """High-water mark of the CPU allocator while ``window`` runs, above what was allocated before it;
+    ``own_thread``: of the allocations made on this thread only (Note [gloo's threads in the measured window],
+    autofit/measure/ranks.py)."""
     with memory_profile() as prof:
-        window()
-    return high_water_mark(allocation_sizes(prof))[0]
+        with torch.profiler.record_function(_WINDOW) if own_thread else contextlib.nullcontext():
+            window()
+    return high_water_mark(allocation_sizes(prof, _WINDOW if own_thread else None))[0]
 
 
-def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu") -> int:
+def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_thread: bool = False) -> int:
     """Peak bytes while ``fn()`` runs: the distinct storages of ``live`` (what exists before it: parameters,
     optimizer state, the batch) plus the allocator's high-water mark during the call. Used to check a trainer's
-    real step against its plan. On CUDA the allocator's own ``max_memory_allocated`` (the whole process)."""
+    real step against its plan. On CUDA the allocator's own ``max_memory_allocated`` (the whole process).
+    ``own_thread``: on the CPU, only the allocations made on this thread (a rank of a gloo job, Note [gloo's threads
+    in the measured window], autofit/measure/ranks.py)."""
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -158,4 +167,4 @@ def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu") -> in
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    return _storage_bytes(live) + _measure_window(fn, torch.device(device))
+    return _storage_bytes(live) + _measure_window(fn, torch.device(device), own_thread=own_thread)

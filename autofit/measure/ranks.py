@@ -7,11 +7,17 @@ the same layout code (training/strategy.py), torch's own collectives instead of 
 rank trains the same rows (the sample at the micro-batch size), as a data-parallel rank's slice would be shaped.
 
 Note [gloo's threads in the measured window]
-    gloo runs collectives on its own threads, and some allocate (a collective's staging buffers) while the step is
-    profiled. A GPU job's NCCL keeps its buffers outside the caching allocator, and the simulation, which models
-    that job, has none of them. The CPU profile records every thread, so each rank measures ``steps`` windows and
-    keeps the lowest, which is the step without gloo's allocations whenever one window had none of them
-    (tests/dist_workers.py measures the trainer the same way).
+    gloo runs collectives on its own threads, and they allocate (a collective's staging buffers, an all-reduce's
+    copy of its tensor) while the step is profiled. A GPU job's NCCL keeps its buffers outside the caching
+    allocator, and the simulation, which models that job, has none of them. Whether gloo's buffer is counted in the
+    CPU profile's high-water mark is a race: the rank's thread resumes when the collective completes, and gloo's
+    thread frees its buffer after signalling that, so on a loaded machine the rank allocates its next tensors first
+    (a CI run counted 32,768 B more than an idle one in every window of a tensor-parallel rank, the size of the
+    activation its all-reduces carry).
+    So each rank counts only the allocations made on its own thread (the step's: on the CPU, autograd runs backward
+    on the thread that calls it), marked by a ``record_function`` around the window, and keeps the lowest of three
+    windows. Kernels that allocate inside their intra-op worker threads would be left out too; none of the layouts
+    tested does (their figures equal the estimate to the byte).
 """
 
 from __future__ import annotations
