@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autofit
+from autofit.core._torch import ddp_bucket_bytes
 from autofit.training.batch import as_batch
 from autofit.measure.allocator import measure_callable
 from sharded_models import EXTRA_CASES
@@ -112,7 +113,7 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                 # at them once zero_grad(set_to_none=True) has run: count their bytes, sized by the reducer itself
                 resident = 0
                 if plan.strategy == "ddp":
-                    resident = sum(b.buffer().nbytes for b in trainer.model.reducer._get_zeros_like_grad_buckets())
+                    resident = ddp_bucket_bytes(trainer.model)
                 peaks = []
                 for _ in range(job.get("repeats", 3)):
                     live = [_local(p) for p in trainer.model.parameters()] + list(trainer.model.buffers())

@@ -99,12 +99,11 @@ def measure_step(
     scaler = new_grad_scaler(config, device.type)
 
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
-    steps_in_window = config.accumulation_steps
 
     def window() -> None:
-        for i in range(steps_in_window):
+        for i in range(config.accumulation_steps):
             with gradient_sync(work, strategy=config.strategy, sharded=config.fully_sharded,
-                               last=i == steps_in_window - 1, offload_states=config.offload_states,
+                               last=i == config.accumulation_steps - 1, offload_states=config.offload_states,
                                reduce_every_micro_batch=config.reduce_every_micro_batch):
                 run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                                 scaler=scaler)
