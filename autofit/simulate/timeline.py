@@ -65,6 +65,8 @@ class Timeline:
     # FREE events go here, in order, never into ``events``, so every device replay ignores them.
     host_events: list[tuple[EventKind, int]] = field(default_factory=list)
     host_sids: set[int] = field(default_factory=set)
+    # Set when the tracker exits (Note [a closed timeline]): frees after that are the simulation's teardown
+    closed: bool = False
 
     def mark(self, micro_batch: int, phase: Phase) -> None:
         self.marks.append((len(self.events), micro_batch, phase))
@@ -80,6 +82,8 @@ class Timeline:
         return sid
 
     def free(self, sid: int) -> None:
+        if self.closed:
+            return
         if sid in self.host_sids:
             self.host_events.append((EventKind.FREE, sid))
             return
