@@ -91,6 +91,13 @@ class MemoryModel:
     # calibrated on the analysis run: device_bytes = scale * tensor_bytes + constant.
     scale: float = 1.0
     constant: int = 0
+    # the model of a step of one micro-batch where this window's first micro-batch is not that step (FSDP2 skips its
+    # gradient sync there: Note [an accumulation-free FSDP2 step], solve/space.py); None: this model prices it too
+    single: MemoryModel | None = None
+
+    def window(self, accumulation_steps: int) -> MemoryModel:
+        """The model that prices a window of ``accumulation_steps`` micro-batches: :attr:`single` for one, where set."""
+        return self.single if accumulation_steps == 1 and self.single is not None else self
 
     def to_device(self, tensor_bytes: int) -> int:
         return int(round(tensor_bytes * self.scale)) + self.constant
@@ -101,8 +108,9 @@ class MemoryModel:
 
     @classmethod
     def from_analysis(cls, profile: StepProfile, table: LayerTable, *, held_rows: int = 0, row_bytes: int = 0,
-                      scale: float = 1.0, constant: int = 0) -> MemoryModel:
-        return cls(profile, units_from(profile, table), rng_state_bytes(), held_rows, row_bytes, scale, constant)
+                      scale: float = 1.0, constant: int = 0, single: MemoryModel | None = None) -> MemoryModel:
+        return cls(profile, units_from(profile, table), rng_state_bytes(), held_rows, row_bytes, scale, constant,
+                   single)
 
     def held_bytes(self, batch: int) -> int:
         """Input rows resident beyond the micro-batch's own (the profile already counts those)."""

@@ -86,7 +86,7 @@ def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
 def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
     known = space.evaluated.setdefault((precision, b, k, last), {})
     if budget not in known:
-        known[budget] = _reused(space.memory[precision], b, known, budget) or _evaluated(space, precision, b, k, last,
+        known[budget] = _reused(_memory(space, precision, k), b, known, budget) or _evaluated(space, precision, b, k, last,
                                                                                          budget)
     return known[budget][0]
 
@@ -125,7 +125,7 @@ def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int,
 
 def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int,
                     selective_units: bool) -> tuple[Candidate | None, int]:
-    memory, time = space.memory[precision], space.time[precision]
+    memory, time = _memory(space, precision, k), space.time[precision]
     device_budget, budget = budget, memory.tensor_budget(budget)  # the models below count tensor bytes
     if memory.optimizer_peak(b) > budget:
         return None, 0
@@ -201,7 +201,7 @@ def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Cand
 def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> bool:
     """Whether (precision, b) fits with the user's fixed set, or with nothing recomputed: what ``_evaluate`` finds
     without a MILP."""
-    memory = space.memory[precision]
+    memory = _memory(space, precision, k)
     tensor_budget = memory.tensor_budget(budget)
     if memory.optimizer_peak(b) > tensor_budget:
         return False
@@ -227,7 +227,7 @@ def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int, b
     floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last, (), space.fixed_selective).total
     if space.fixed_checkpoint is None and space.allow_checkpoint:
         problem = _problem(space, precision, b, k)
-        excess = problem.base - space.memory[precision].tensor_budget(budget)
+        excess = problem.base - _memory(space, precision, k).tensor_budget(budget)
         if np.any(excess > 0):
             for size, times in ((b, k - 1), (last, 1)):
                 seconds = time.cheapest_removal_seconds(problem.names, size, space.allow_offload,
@@ -255,11 +255,16 @@ def _knapsack_floor(problem, excess: np.ndarray, seconds: np.ndarray) -> float:
     return worst
 
 
+def _memory(space: SearchSpace, precision: str, k: int) -> MemoryModel:
+    """The memory model of ``precision`` for a window of ``k`` micro-batches (:meth:`MemoryModel.window`)."""
+    return space.memory[precision].window(k)
+
+
 def _problem(space: SearchSpace, precision: str, b: int, k: int, selective: bool | None = None):
     selective = space.allow_selective if selective is None else selective
     key = (precision, b, k, selective)
     if key not in space.problems:
-        problem = space.memory[precision].problem(b, k, selective=selective)
+        problem = _memory(space, precision, k).problem(b, k, selective=selective)
         space.problems[key] = _priced(problem, space.time[precision], b)
     return space.problems[key]
 
@@ -313,8 +318,9 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
     than the activations it saves when parameters dominate.)"""
     found = []
     for precision in space.precisions:
-        memory, time = space.memory[precision], space.time[precision]
+        time = space.time[precision]
         for b, k, last in batch_options(space.batch_size):
+            memory = _memory(space, precision, k)
             names: tuple[str, ...] = space.fixed_checkpoint or ()
             if space.allow_checkpoint and space.fixed_checkpoint is None:
                 # the set that lowers forward and backward most: it also lowers the whole step's peak most (the

@@ -59,16 +59,45 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
     return analyses
 
 
+# Note [an accumulation-free FSDP2 step]
+#     The analysis simulates a window of two micro-batches (analyse/analyse.py), and a step of one micro-batch is
+#     priced from its first. FSDP2 reducing on the last micro-batch only (set_requires_gradient_sync, Note [gradient
+#     sync under accumulation]) skips the reduce-scatter on that first micro-batch and keeps every unit's unsharded
+#     gradients to the end of its backward: the right window for accumulation, not the step of one micro-batch,
+#     which reduce-scatters each unit's gradients and frees them as it goes. That step is the one FSDP2 reducing
+#     every micro-batch runs with one micro-batch, so it is priced from that layout's analysis (shared with the
+#     ladder's rung of that layout, Note [the ladder]): exactly, where its own window would have held the gradients
+#     of the whole model unsharded (at 80 layers of a 70B model, hundreds of GiB). With one row per rank there is no
+#     other step, and the layout's own window is not analysed at all.
+def single_step_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
+    """The layout whose analysis prices ``parallel``'s step of one micro-batch, where ``parallel``'s own cannot
+    (Note [an accumulation-free FSDP2 step]); None where it can."""
+    step = request.step(parallel)
+    if not step.fully_sharded or parallel.offload_states or parallel.reduce_every_micro_batch:
+        return None
+    return replace(parallel, reduce_every_micro_batch=True)
+
+
 def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
-                 analyses: dict[str, Analysis]) -> SearchSpace:
-    """The memory and time models of each policy, over the rows one rank trains per step."""
+                 analyses: dict[str, Analysis], single: dict[str, Analysis] | None = None) -> SearchSpace:
+    """The memory and time models of each policy, over the rows one rank trains per step; ``single``: the analyses
+    that price a step of one micro-batch where ``analyses`` cannot (Note [an accumulation-free FSDP2 step]), and the
+    only ones with one row per rank."""
     rows = request.per_rank
+
+    def memory_model(a: Analysis, one: MemoryModel | None = None) -> MemoryModel:
+        terms = request.device.memory_terms(a, rows)
+        return MemoryModel.from_analysis(a.profile, a.table, held_rows=rows, row_bytes=request.row_bytes,
+                                         scale=terms.scale, constant=terms.constant, single=one)
+
     memory, time = {}, {}
     for p in policies:
-        a = analyses[p.label]
-        terms = request.device.memory_terms(a, rows)
-        memory[p.label] = MemoryModel.from_analysis(a.profile, a.table, held_rows=rows, row_bytes=request.row_bytes,
-                                                   scale=terms.scale, constant=terms.constant)
+        one = memory_model(single[p.label]) if single is not None else None
+        if one is not None and p.label not in analyses:
+            memory[p.label], a = one, single[p.label]
+        else:
+            a = analyses[p.label]
+            memory[p.label] = memory_model(a, one)
         # what save_on_cpu would copy: the module's saved activations, and its weights (it packs every saved tensor)
         saved = {r.name: (float(r.saved_bytes_fixed + r.param_bytes), float(r.saved_bytes_per_sample))
                  for r in a.table.rows if r.name}
@@ -99,6 +128,15 @@ def searchable(request: PlanRequest, stage: Stage,
     """The rung's estimator and search space, its precisions analysed unless done before in its layout with its
     opt-in rungs; the request as the rung runs it (its chunked loss and optimizer)."""
     request = stage.request_for(request)
+    single, one = single_step_layout(request, stage.parallel), None
+    if single is not None:  # Note [an accumulation-free FSDP2 step]
+        one = analyses.setdefault((single, request.chunked_loss, request.low_bit_optimizer), {})
+        one.update(analyse_policies(request, single, stage.policies, one))
     done = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
-    done.update(analyse_policies(request, stage.parallel, stage.policies, done))
-    return Estimator(request, stage.parallel), search_space(request, stage.parallel, stage.policies, done), done
+    if single is None or request.per_rank > 1:
+        done.update(analyse_policies(request, stage.parallel, stage.policies, done))
+    else:  # one row per rank: the step of one micro-batch is the only one
+        done.update(one)
+    return (Estimator(request, stage.parallel),
+            search_space(request, stage.parallel, stage.policies, done if single is None or request.per_rank > 1
+                         else {}, one), done)
