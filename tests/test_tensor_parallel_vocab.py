@@ -122,7 +122,7 @@ def _plan(world: int, tp: int, batch_size: int) -> Plan:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,tp", [(2, 2)])
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2)])  # tp alone; FSDP2 2 x tp 2
 def test_vocabulary_split_peak_matches_the_allocator_and_a_step_a_full_batch_step(world, tp, tmp_path):
     """One gloo job: every rank's measured peak (the CPU allocator, this thread's allocations, lowest of three
     steady-state steps) against the estimate; then two micro-batches per data-parallel rank, whose parameters after
