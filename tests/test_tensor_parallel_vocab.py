@@ -88,10 +88,12 @@ def test_what_the_vocabulary_split_cannot_do_is_refused():
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     case = tiny_llama_vocab("meta")
-    with pytest.raises(UnsupportedModelError, match="'lm_head' \\(Linear\\) 'embedding_rowwise', a style for Embedding"):
+    with pytest.raises(UnsupportedModelError,
+                       match="'lm_head' \\(Linear\\) 'embedding_rowwise', a style for Embedding"):
         resolve_tensor_plan(case.model, 2, {**_mapping(case.model), "lm_head": "embedding_rowwise"})
     # torch's RowwiseParallel() takes its input split by the last dim: on an embedding that would split the ids
-    with pytest.raises(UnsupportedModelError, match="'model.embed_tokens' \\(Embedding\\) 'rowwise', a style for Linear"):
+    with pytest.raises(UnsupportedModelError,
+                       match="'model.embed_tokens' \\(Embedding\\) 'rowwise', a style for Linear"):
         resolve_tensor_plan(case.model, 2, {**_mapping(case.model), "model.embed_tokens": RowwiseParallel()})
     odd = tiny_llama("meta", vocab=510)
     with pytest.raises(UnsupportedModelError, match="'lm_head' has 510 output features, which tensor_parallel=4"):

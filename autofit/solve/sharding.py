@@ -44,7 +44,7 @@ class Parallel:
     reshard_after_forward: bool | int = True
     replicate: int = 1
     gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
-    # tensor parallel degree and its resolved (module, "colwise" | "rowwise") pairs (Note [tensor parallel plan]);
+    # tensor parallel degree and its resolved (module, style) pairs (Note [tensor parallel plan]);
     # FSDP2 then runs over the other world_size // tensor_parallel ranks
     tensor_parallel: int = 1
     tensor_plan: tuple[tuple[str, str], ...] = ()

@@ -1,6 +1,7 @@
-"""Tensor parallelism (Megatron-LM's column / row split of the linear layers of a transformer block), applied with
-torch's own ``torch.distributed.tensor.parallel.parallelize_module``: shared by the simulation (on the fake process
-group) and the distributed trainer, so both split exactly alike (docs/multi-gpu.md, "Tensor parallel").
+"""Tensor parallelism (Megatron-LM's column / row split of the linear layers of a transformer block, and the
+vocabulary split of the embedding and the output head), applied with torch's own
+``torch.distributed.tensor.parallel.parallelize_module``: shared by the simulation (on the fake process group) and
+the distributed trainer, so both split exactly alike (docs/multi-gpu.md, "Tensor parallel").
 
 Note [tensor parallel plan]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -27,13 +28,15 @@ Which modules are split comes from the model, never guessed:
                                                                  outside its slice, all-reduces the output)
   ============================================  ===============  ================================================
 
-  Any other style is refused, naming it: packed, MoE and gather styles, "rowwise_rep" / "rowwise_split_input"
+  Any other style is refused, naming it: packed and MoE styles, "all_reduce", "replicate", "rowwise_rep" / "rowwise_split_input"
   (not simulated; on an nn.Embedding transformers' ``RowwiseParallel`` splits the hidden dim, not the vocabulary:
   the vocabulary split is "embedding_rowwise"), "embedding_colwise", and "sequence_parallel" (torch's
   ``SequenceParallel`` norms need the attention's and MLP's inputs re-laid out with ``PrepareModuleInput``, keyword
   inputs and all, as torchtitan's ``parallelize_llama`` does: not simulated yet). The vocabulary-split embedding
   refuses ``padding_idx`` (torch's sharded embedding masks ids by the rank's slice; a padding row's zero gradient
-  is not re-indexed) and a head tied to it.
+  is not re-indexed) and a head tied to it. Each mapped style is checked against the CPU allocator on every rank
+  of a gloo job, to the byte (tests/test_tensor_parallel.py, tests/test_tensor_parallel_vocab.py); the gathered
+  head needed the simulated ``wait_tensor`` to return its input, as torch's does (autofit/capture/corrections.py).
 - otherwise the user passes ``tensor_parallel_plan={module name pattern: style}`` (fnmatch patterns over qualified
   names) with the names above, or torch's style objects with exactly those layouts: ``ColwiseParallel()``,
   ``RowwiseParallel()``, ``ColwiseParallel(output_layouts=Replicate())`` on a linear layer and
@@ -42,15 +45,15 @@ Which modules are split comes from the model, never guessed:
   not in the config): to split them, pass the whole plan, e.g. Llama's config plan plus
   ``{"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}``.
 
-Everything the plan leaves out (the norms; the embedding and the output head unless split) is replicated on every rank of a tensor-parallel
-group; its gradient is the same on each of them, because every rank of the group sees the same samples and the
-activations entering and leaving the split modules are whole (the row-parallel and vocabulary-split outputs are
-all-reduced, the "colwise_rep" output all-gathered, the gradient of a column-parallel input all-reduced:
-``DTensor.from_local``'s backward). Attention then runs ``heads / T`` local heads:
-Hugging Face's attention reshapes with ``view(*shape, -1, head_dim)``, so the local head count follows the split,
-which is why the query and key/value head counts must both divide by T (torchtitan's ``parallelize_llama`` divides
-``n_heads`` and ``n_kv_heads`` the same way). A model that reshapes by a head count it stored fails in the
-simulation with the shapes named.
+Everything the plan leaves out (the norms; the embedding and the output head unless split) is replicated on every
+rank of a tensor-parallel group; its gradient is the same on each of them, because every rank of the group sees the
+same samples and the activations entering and leaving the split modules are whole (the row-parallel and
+vocabulary-split outputs are all-reduced, the "colwise_rep" output all-gathered, the gradient of a column-parallel
+input all-reduced: ``DTensor.from_local``'s backward). Attention then runs ``heads / T`` local heads: Hugging Face's
+attention reshapes with ``view(*shape, -1, head_dim)``, so the local head count follows the split, which is why the
+query and key/value head counts must both divide by T (torchtitan's ``parallelize_llama`` divides ``n_heads`` and
+``n_kv_heads`` the same way). A model that reshapes by a head count it stored fails in the simulation with the shapes
+named.
 
 Order (torchtitan's ``parallelize_llama``): tensor parallel over the mesh's "tp" dim first, then ``fully_shard`` over
 its "dp_shard" dim; the mesh is ``(world_size // T, T)``, so the T ranks of a tensor-parallel group are consecutive
