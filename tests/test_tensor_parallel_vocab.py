@@ -157,3 +157,24 @@ def test_vocabulary_split_peak_matches_the_allocator_and_a_step_a_full_batch_ste
             got = torch.tensor(results[1]["params"][name], dtype=p.dtype)
             torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6,
                                        msg=f"{equivalence.layout} rank {rank}: {name}")
+
+
+def test_vocabulary_split_collectives_counted_by_hand():
+    """Per sample of 32 tokens in fp32: the blocks' 2 x 7 all-reduces of 32 x 64 (tests/test_tensor_parallel_plan.py),
+    the embedding's all-reduced output (32 x 64), and the head's all-gathered logits (32 x 512, priced as half an
+    all-reduce) plus the all-reduced gradient of its input (32 x 64). Each rank holds 1/2 of every split weight."""
+    from autofit.analyse.analyse import analyse_model
+    from autofit.solve.sharding import Parallel, tensor_group_bytes, tensor_reduce_bytes
+    from autofit.training.step import make_step_config
+
+    tokens = 32
+    case = tiny_llama_vocab()
+    plan = resolve_tensor_plan(case.model, 2, _mapping(case.model))
+    step = make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
+    analysis = analyse_model(case.model, as_batch(case.sample), None, None, step)
+    parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
+    per_sample = tensor_reduce_bytes(case.model, parallel, lambda n: analysis.table.row(n).output_bytes_per_sample)
+    blocks = 2 * 7 * tokens * HIDDEN * 4
+    assert per_sample == blocks + tokens * HIDDEN * 4 + tokens * VOCAB * 4 / 2 + tokens * HIDDEN * 4
+    split = 2 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * MLP) + 2 * VOCAB * HIDDEN
+    assert tensor_group_bytes(case.model, parallel) == 4 * (split // 2 + 5 * HIDDEN)
