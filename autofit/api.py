@@ -109,9 +109,9 @@ def estimate(
     ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
     sync under accumulation], autofit/training/step.py). ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int
     group) and ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.
-    ``tensor_parallel`` T (with ``strategy="fsdp2"``): one rank of a (world_size // T, T) mesh, the linear layers
-    of ``tensor_parallel_plan`` (``{module name pattern: "colwise" | "rowwise"}``; default the Hugging Face model's
-    ``config.base_model_tp_plan``) split over the T ranks of its group with torch's ``parallelize_module``, then
+    ``tensor_parallel`` T (with ``strategy="fsdp2"``): one rank of a (world_size // T, T) mesh, the modules of
+    ``tensor_parallel_plan`` (``{module name pattern: style}``, the styles of Note [tensor parallel plan]; default
+    the Hugging Face model's ``config.base_model_tp_plan``) split over the T ranks of its group with torch's ``parallelize_module``, then
     FSDP2 over the other world_size // T (none when T == world_size); ``micro_batch_size`` rows per
     tensor-parallel group, which all see the same rows (Note [tensor parallel plan],
     autofit/training/tensor_parallel.py).

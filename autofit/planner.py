@@ -87,7 +87,8 @@ def plan(
     ``tensor_parallel``: 1 (none), T (FSDP2 over world_size // T x tensor parallel T, with strategy "fsdp2"), or
     "auto" (also T = 2, 4, 8 dividing one node's GPUs, for a model with a tensor-parallel plan: Note [tensor parallel
     plan], autofit/training/tensor_parallel.py); ``batch_size // (world_size // T)`` rows per rank.
-    ``tensor_parallel_plan``: ``{module name pattern: "colwise" | "rowwise"}`` for a model without its own plan.
+    ``tensor_parallel_plan``: ``{module name pattern: style}`` (Note [tensor parallel plan]) for a model without
+    its own plan, or to split more than its own (the vocabulary).
     ``allow``: the rungs that change numerics, climbed only when named here and only when nothing fits without
     them (Note [the ladder], docs/fine-tuning.md): "chunked-loss" (the output head and the cross-entropy in chunks
     of tokens, for the default loss against an integer target or a Hugging Face causal LM given labels) and

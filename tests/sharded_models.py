@@ -53,20 +53,27 @@ def wide_blocks(device: str | None = None) -> ZooCase:
     return ZooCase("wide_blocks", model, sample, target, checkpoint=("blocks.0",), loss_fn=_cross_entropy)
 
 
-def tiny_llama(device: str | None = None, heads: int = 4, kv_heads: int = 4) -> ZooCase:
+def tiny_llama(device: str | None = None, heads: int = 4, kv_heads: int = 4, vocab: int = 128,
+               **config_fields) -> ZooCase:
     """A two-layer Llama built from its config (hidden 64, MLP 128, vocab 128; no weights downloaded): the model
     carries ``config.base_model_tp_plan``, the tensor-parallel plan autofit reads. 4 rows of 32 tokens, labels =
     input ids (the model's own shifted loss)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
-                         attn_implementation="sdpa")
+                         attn_implementation="sdpa", **config_fields)
     with torch.device(device or "cpu"):
         model = LlamaForCausalLM(config)
-    ids = torch.randint(0, 128, (4, 32))
+    ids = torch.randint(0, vocab, (4, 32))
     return ZooCase("tiny_llama", model, {"input_ids": ids, "labels": ids.clone()}, None, checkpoint=())
 
 
-EXTRA_CASES = {"wide_blocks": wide_blocks, "tiny_llama": tiny_llama}
+def tiny_llama_vocab(device: str | None = None) -> ZooCase:
+    """tiny_llama with a 512-word vocabulary: its embedding and head (512 x 64 each) are its largest weights, the
+    ones the vocabulary split cuts (tests/test_tensor_parallel_vocab.py)."""
+    return tiny_llama(device, vocab=512)
+
+
+EXTRA_CASES = {"wide_blocks": wide_blocks, "tiny_llama": tiny_llama, "tiny_llama_vocab": tiny_llama_vocab}

@@ -198,6 +198,18 @@ def _mixed_dtype_norms():
     corrected."""
 
 
+# ---- torch's functional collectives (the simulation's fake process group) ------------------------------------------
+@correction("_c10d_functional::wait_tensor", kind="fake")
+def _wait_tensor(tensor):
+    """``wait_tensor`` waits for the collective that writes ``tensor`` and returns that same tensor
+    (torch/csrc/distributed/c10d/Functional.cpp, ``wait_tensor``: ``return tensor``), but its fake kernel returns a
+    new one (``empty_like``), so a simulated collective held its output twice until both died: a tensor-parallel
+    output head gathering its logits ("colwise_rep", ``ColwiseParallel(output_layouts=Replicate())``) was priced
+    a whole gathered logits tensor high (Note [tensor parallel plan], autofit/training/tensor_parallel.py). The
+    input is returned, as the CPU kernel does."""
+    return tensor
+
+
 # ---- other libraries' ops, by qualified name ------------------------------------------------------------------------
 @correction("bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4bit", "bitsandbytes::dequantize_4bit",
             "bitsandbytes::dequantize_blockwise", kind="probe")

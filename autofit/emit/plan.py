@@ -68,7 +68,7 @@ class Plan:
     reshard_after_forward: bool | int = True
     replicate: int = 1
     gpus_per_node: int = 0  # 0: every rank on one node
-    # tensor parallel degree and its (module, "colwise" | "rowwise") pairs (Note [tensor parallel plan]): a
+    # tensor parallel degree and its (module, style) pairs (Note [tensor parallel plan]): a
     # (world_size // T, T) mesh, FSDP2 over its first dim; every rank of a tensor-parallel group sees the same rows
     tensor_parallel: int = 1
     tensor_plan: tuple[tuple[str, str], ...] = ()

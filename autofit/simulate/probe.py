@@ -99,7 +99,9 @@ class KernelProber:
     small: int = 0  # GEMMs a small probe showed to have no scratch, not run at full size (Note [small GEMM probes])
 
     def probe(self, func, args: tuple, kwargs: dict) -> ProbeResult | None:
-        if func in _NEVER_PROBE or func.is_view or (func.namespace != "aten" and registered(func) is None):
+        # another library's op is probed only where its correction asks for the probe ("fake" ones replace the kernel)
+        if func in _NEVER_PROBE or func.is_view or (func.namespace != "aten" and getattr(registered(func), "kind",
+                                                                                         None) != "probe"):
             return None
         leaves = pytree.tree_leaves((args, kwargs))
         key = (func, tuple(_signature(x) for x in leaves), pytree.tree_structure((args, kwargs)))

@@ -44,7 +44,7 @@ class Parallel:
     reshard_after_forward: bool | int = True
     replicate: int = 1
     gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
-    # tensor parallel degree and its resolved (module, "colwise" | "rowwise") pairs (Note [tensor parallel plan]);
+    # tensor parallel degree and its resolved (module, style) pairs (Note [tensor parallel plan]);
     # FSDP2 then runs over the other world_size // tensor_parallel ranks
     tensor_parallel: int = 1
     tensor_plan: tuple[tuple[str, str], ...] = ()
@@ -216,13 +216,14 @@ def collective_seconds(layout: Layout, param_bytes: int, grad_bytes: int, micro_
 
 def tensor_group_bytes(model: nn.Module, parallel: Parallel) -> int:
     """Parameter bytes one tensor-parallel group's rank holds before FSDP2 shards them: the split weights (and
-    column-parallel biases) over T, everything else whole (``RowwiseParallel`` replicates its bias)."""
+    column-parallel biases) over T, everything else whole (a row-parallel linear layer replicates its bias; the
+    vocabulary-split embedding has its weight only)."""
     split = {name: style for name, style in parallel.tensor_plan}
     total = 0
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             nbytes = p.numel() * p.element_size()
-            cut = name in split and (split[name] == "colwise" or pname == "weight")
+            cut = name in split and (split[name] != "rowwise" or pname == "weight")
             total += nbytes // parallel.tensor_parallel if cut else nbytes
     return total
 
@@ -234,13 +235,19 @@ def tensor_reduce_bytes(model: nn.Module, parallel: Parallel, output_bytes) -> f
     torch's styles reduce per layer: ``RowwiseParallel`` its output in forward, ``ColwiseParallel`` its input's
     gradient in backward (``DTensor.from_local``'s backward), so a Llama block reduces 2 + 5 times (q, k, v, gate
     and up separately, where Megatron fuses them into 2). ``output_bytes(name)``: the module's output bytes per
-    sample as simulated (row-parallel: whole; column-parallel: its local 1/T, scaled back to its input's size)."""
+    sample as simulated (row-parallel: whole; column-parallel: its local 1/T, scaled back to its input's size).
+    The vocabulary-split embedding all-reduces its output in forward (its input, token ids, has no gradient); the
+    output head's "colwise_rep" all-gathers its output in forward, counted as half an all-reduce of the whole
+    (a ring all-gather moves (T - 1) / T of it per rank, an all-reduce twice that: nccl-tests PERFORMANCE.md), and
+    all-reduces its input's gradient in backward as "colwise" does."""
     total = 0.0
     for name, style in parallel.tensor_plan:
         module = model.get_submodule(name)
         out = output_bytes(name)
-        if style == "rowwise":
+        if style in ("rowwise", "embedding_rowwise"):
             total += out
+        elif style == "colwise_rep":  # the output is whole here
+            total += out / 2 + out * module.in_features / module.out_features
         else:
             total += out * module.in_features * parallel.tensor_parallel / module.out_features
     return total

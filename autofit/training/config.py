@@ -64,7 +64,7 @@ class StepConfig:
     reshard_after_forward: bool | int = True
     replicate: int = 1
     # tensor parallel degree T (autofit/training/tensor_parallel.py): a (world_size // T, T) mesh, FSDP2 over its first
-    # dim (none when T == world_size); tensor_plan the resolved (module, "colwise" | "rowwise") pairs
+    # dim (none when T == world_size); tensor_plan the resolved (module, style) pairs
     tensor_parallel: int = 1
     tensor_plan: tuple[tuple[str, str], ...] = ()
     # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)

@@ -1,29 +1,59 @@
-"""Tensor parallelism (Megatron-LM's column / row split of the linear layers of a transformer block), applied with
-torch's own ``torch.distributed.tensor.parallel.parallelize_module``: shared by the simulation (on the fake process
-group) and the distributed trainer, so both split exactly alike (docs/multi-gpu.md, "Tensor parallel").
+"""Tensor parallelism (Megatron-LM's column / row split of the linear layers of a transformer block, and the
+vocabulary split of the embedding and the output head), applied with torch's own
+``torch.distributed.tensor.parallel.parallelize_module``: shared by the simulation (on the fake process group) and
+the distributed trainer, so both split exactly alike (docs/multi-gpu.md, "Tensor parallel").
 
 Note [tensor parallel plan]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Which linear layers are split comes from the model, never guessed:
+Which modules are split comes from the model, never guessed:
 
 - a Hugging Face model carries one in ``config.base_model_tp_plan`` (``{"layers.*.self_attn.q_proj": "colwise", ...}``,
   keys relative to the base model, ``model.base_model``). transformers' own ``from_pretrained(tp_plan="auto")``
-  maps the names to its styles (``transformers.distributed.tensor_parallel``); autofit maps the two plain ones to
-  torch's: "colwise" -> ``ColwiseParallel()`` (weight split by output features, local output) and "rowwise" ->
-  ``RowwiseParallel()`` (weight split by input features, its output all-reduced). Any other style in the plan
-  (packed, MoE, gather, sequence-parallel styles) is refused, naming it: autofit keeps to what it simulates exactly.
-- otherwise the user passes ``tensor_parallel_plan={module name pattern: "colwise" | "rowwise"}`` (fnmatch
-  patterns over qualified names; ``ColwiseParallel()`` / ``RowwiseParallel()`` with their default layouts are
-  accepted for the strings).
+  maps the names to its styles (``transformers.distributed.tensor_parallel``, ``ALL_PARALLEL_STYLES``); autofit maps
+  the names whose meaning torch's own styles reproduce exactly, and simulates those (``_STYLES``):
 
-Everything the plan leaves out (embeddings, norms, the output head) is replicated on every rank of a tensor-parallel
-group; its gradient is the same on each of them, because every rank of the group sees the same samples and the
-activations entering and leaving the split layers are whole (the row-parallel output is all-reduced, the gradient of
-the column-parallel input too: ``DTensor.from_local``'s backward). Attention then runs ``heads / T`` local heads:
-Hugging Face's attention reshapes with ``view(*shape, -1, head_dim)``, so the local head count follows the split,
-which is why the query and key/value head counts must both divide by T (torchtitan's ``parallelize_llama`` divides
-``n_heads`` and ``n_kv_heads`` the same way). A model that reshapes by a head count it stored fails in the
-simulation with the shapes named.
+  ============================================  ===============  ================================================
+  name (transformers' meaning)                  module           torch style autofit applies
+  ============================================  ===============  ================================================
+  "colwise": weight split by output features,   nn.Linear        ``ColwiseParallel()``
+  input whole, output local
+  "rowwise": weight split by input features,    nn.Linear        ``RowwiseParallel()``
+  local input, output all-reduced
+  "colwise_rep" = "colwise_gather_output":      nn.Linear        ``ColwiseParallel(output_layouts=Replicate())``
+  split by output features, output all-gathered
+  (the output head: the logits come whole, so
+  the ordinary loss runs on every rank)
+  "embedding_rowwise": the vocabulary split,    nn.Embedding     ``RowwiseParallel(input_layouts=Replicate())``
+  token ids whole, the partial lookups summed                    (torch splits an embedding's rows, masks the ids
+                                                                 outside its slice, all-reduces the output)
+  ============================================  ===============  ================================================
+
+  Any other style is refused, naming it: packed and MoE styles, "all_reduce", "replicate", "rowwise_rep" / "rowwise_split_input"
+  (not simulated; on an nn.Embedding transformers' ``RowwiseParallel`` splits the hidden dim, not the vocabulary:
+  the vocabulary split is "embedding_rowwise"), "embedding_colwise", and "sequence_parallel" (torch's
+  ``SequenceParallel`` norms need the attention's and MLP's inputs re-laid out with ``PrepareModuleInput``, keyword
+  inputs and all, as torchtitan's ``parallelize_llama`` does: not simulated yet). The vocabulary-split embedding
+  refuses ``padding_idx`` (torch's sharded embedding masks ids by the rank's slice; a padding row's zero gradient
+  is not re-indexed) and a head tied to it. Each mapped style is checked against the CPU allocator on every rank
+  of a gloo job, to the byte (tests/test_tensor_parallel.py, tests/test_tensor_parallel_vocab.py); the gathered
+  head needed the simulated ``wait_tensor`` to return its input, as torch's does (autofit/capture/corrections.py).
+- otherwise the user passes ``tensor_parallel_plan={module name pattern: style}`` (fnmatch patterns over qualified
+  names) with the names above, or torch's style objects with exactly those layouts: ``ColwiseParallel()``,
+  ``RowwiseParallel()``, ``ColwiseParallel(output_layouts=Replicate())`` on a linear layer and
+  ``RowwiseParallel(input_layouts=Replicate())`` on an embedding. A Hugging Face model's own plan leaves out the
+  embedding and the head (transformers keeps the head's "colwise_gather_output" in the model class's ``_tp_plan``,
+  not in the config): to split them, pass the whole plan, e.g. Llama's config plan plus
+  ``{"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}``.
+
+Everything the plan leaves out (the norms; the embedding and the output head unless split) is replicated on every
+rank of a tensor-parallel group; its gradient is the same on each of them, because every rank of the group sees the
+same samples and the activations entering and leaving the split modules are whole (the row-parallel and
+vocabulary-split outputs are all-reduced, the "colwise_rep" output all-gathered, the gradient of a column-parallel
+input all-reduced: ``DTensor.from_local``'s backward). Attention then runs ``heads / T`` local heads: Hugging Face's
+attention reshapes with ``view(*shape, -1, head_dim)``, so the local head count follows the split, which is why the
+query and key/value head counts must both divide by T (torchtitan's ``parallelize_llama`` divides ``n_heads`` and
+``n_kv_heads`` the same way). A model that reshapes by a head count it stored fails in the simulation with the shapes
+named.
 
 Order (torchtitan's ``parallelize_llama``): tensor parallel over the mesh's "tp" dim first, then ``fully_shard`` over
 its "dp_shard" dim; the mesh is ``(world_size // T, T)``, so the T ranks of a tensor-parallel group are consecutive
@@ -39,9 +69,12 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
 
-__all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "TP_STYLES"]
+__all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "torch_style", "TP_STYLES"]
 
-TP_STYLES = ("colwise", "rowwise")
+# autofit's style name -> the module type it splits (Note [tensor parallel plan]); transformers' other names for them
+_STYLES = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_rep": nn.Linear, "embedding_rowwise": nn.Embedding}
+_ALIASES = {"colwise_gather_output": "colwise_rep"}
+TP_STYLES = tuple(_STYLES)
 
 
 def require_tensor_parallel(strategy: object, world_size: int, tensor_parallel: object, replicate: int = 1,
@@ -66,23 +99,40 @@ def require_tensor_parallel(strategy: object, world_size: int, tensor_parallel: 
             "leave replicate=1 and offload_states=False")
 
 
-def _style_name(pattern: str, style: object) -> str:
-    from torch.distributed.tensor import Replicate, Shard
+def torch_style(style: str):
+    """The torch ``ParallelStyle`` an autofit style name stands for (Note [tensor parallel plan])."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if isinstance(style, str) and style in TP_STYLES:
-        return style
-    # only the default layouts: those are what the simulation and the trainer rebuild from the name
-    if type(style) is ColwiseParallel and style.input_layouts == (Replicate(),) \
-            and style.output_layouts == (Shard(-1),) and style.use_local_output:
-        return "colwise"
-    if type(style) is RowwiseParallel and style.input_layouts == (Shard(-1),) \
-            and style.output_layouts == (Replicate(),) and style.use_local_output:
-        return "rowwise"
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    if style == "colwise_rep":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate())
+    raise InvalidInputError(f"unknown tensor parallel style {style!r}: one of {', '.join(TP_STYLES)}")
+
+
+def _style_name(pattern: str, style: object) -> str:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if isinstance(style, str) and _ALIASES.get(style, style) in _STYLES:
+        return _ALIASES.get(style, style)
+    if isinstance(style, ParallelStyle):
+        # only the layouts a name stands for: those are what the simulation and the trainer rebuild from the name
+        for name in TP_STYLES:
+            made = torch_style(name)
+            if type(style) is type(made) and style.input_layouts == made.input_layouts \
+                    and style.output_layouts == made.output_layouts and style.use_local_output:
+                return name
     raise UnsupportedModelError(
-        f"tensor parallel style {style!r} for {pattern!r}: autofit simulates 'colwise' (ColwiseParallel()) and "
-        "'rowwise' (RowwiseParallel()) with their default layouts only (Note [tensor parallel plan]); give those, "
-        "or leave the module out of the plan (it is then replicated)")
+        f"tensor parallel style {style!r} for {pattern!r}: autofit simulates 'colwise', 'rowwise', 'colwise_rep' "
+        "(= 'colwise_gather_output') on linear layers and 'embedding_rowwise' on an nn.Embedding, or torch's "
+        "ColwiseParallel() / RowwiseParallel() / ColwiseParallel(output_layouts=Replicate()) / "
+        "RowwiseParallel(input_layouts=Replicate()) (Note [tensor parallel plan]); give one of those, or leave the "
+        "module out of the plan (it is then replicated)")
 
 
 def _model_plan(model: nn.Module) -> tuple[dict[str, str], str]:
@@ -98,10 +148,11 @@ def _model_plan(model: nn.Module) -> tuple[dict[str, str], str]:
 
 def resolve_tensor_plan(model: nn.Module, tensor_parallel: int,
                         plan: Mapping[str, object] | None = None) -> tuple[tuple[str, str], ...]:
-    """The modules to split and how: ``((qualified name, "colwise" | "rowwise"), ...)`` in module order, from
-    ``plan`` (patterns) or the model's own (Note [tensor parallel plan]). Typed errors for a model without a plan,
-    a style autofit does not simulate, a pattern that matches nothing, a split that is not even, and attention
-    heads that T does not divide."""
+    """The modules to split and how: ``((qualified name, style), ...)`` in module order, each style one of
+    ``TP_STYLES``, from ``plan`` (patterns) or the model's own (Note [tensor parallel plan]). Typed errors for a
+    model without a plan, a style autofit does not simulate or a module of another type than its style splits, a
+    pattern that matches nothing, a split that is not even, attention heads that T does not divide, and a split
+    weight tied to another module's."""
     if tensor_parallel == 1:
         return ()
     source = "tensor_parallel_plan"
@@ -121,22 +172,54 @@ def resolve_tensor_plan(model: nn.Module, tensor_parallel: int,
             continue
         matched.update(hits)
         style = styles[hits[0]]
-        if not isinstance(module, nn.Linear):
-            raise UnsupportedModelError(
-                f"{source} splits {name!r} ({type(module).__name__}) {style}: autofit splits nn.Linear layers only; "
-                "leave it out of the plan (it is then replicated)")
-        features = module.out_features if style == "colwise" else module.in_features
-        if features % tensor_parallel:
-            raise UnsupportedModelError(
-                f"{name!r} has {features} {'output' if style == 'colwise' else 'input'} features, which "
-                f"tensor_parallel={tensor_parallel} does not divide: choose a tensor-parallel degree that divides it")
+        _require_splittable(source, name, module, style, tensor_parallel)
         found.append((name, style))
     unmatched = sorted(set(styles) - matched)
     if unmatched:
         raise InvalidInputError(f"{source} pattern(s) {', '.join(map(repr, unmatched))} match no module of "
                                 f"{type(model).__name__}: patterns are fnmatch patterns over qualified module names")
     _require_heads(model, tensor_parallel)
+    _require_untied(model, found)
     return tuple(found)
+
+
+def _require_splittable(source: str, name: str, module: nn.Module, style: str, tensor_parallel: int) -> None:
+    """The module is of the type its style splits, evenly by T, and nothing torch's split would get wrong."""
+    kind = _STYLES[style]
+    if not isinstance(module, kind):
+        raise UnsupportedModelError(
+            f"{source} splits {name!r} ({type(module).__name__}) {style!r}, a style for {kind.__name__} "
+            "(Note [tensor parallel plan]); give the style of its type, or leave it out of the plan (it is then "
+            "replicated)")
+    if kind is nn.Embedding:
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise UnsupportedModelError(
+                f"{name!r} ({module}) splits its vocabulary with padding_idx, max_norm or sparse gradients set: "
+                "torch's sharded embedding masks the ids by each rank's slice and does not re-index those; leave "
+                "it out of the plan (it is then replicated)")
+        features, what = module.num_embeddings, "vocabulary rows"
+    elif style == "rowwise":
+        features, what = module.in_features, "input features"
+    else:
+        features, what = module.out_features, "output features"
+    if features % tensor_parallel:
+        raise UnsupportedModelError(
+            f"{name!r} has {features} {what}, which tensor_parallel={tensor_parallel} does not divide: choose a "
+            "tensor-parallel degree that divides it")
+
+
+def _require_untied(model: nn.Module, found: list[tuple[str, str]]) -> None:
+    """A parameter shared by two modules (a head tied to its embedding) would be split twice: refused, naming it."""
+    owner: dict[int, str] = {}
+    split = {name for name, _ in found}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in owner and (name in split or owner[id(p)] in split) and owner[id(p)] != name:
+                raise UnsupportedModelError(
+                    f"{name}.{pname} is the same parameter as {owner[id(p)]}'s (tied weights) and the tensor "
+                    "parallel plan splits one of them: torch would distribute it twice; untie them "
+                    "(tie_word_embeddings=False) or leave both out of the plan")
+            owner.setdefault(id(p), name)
 
 
 def _require_heads(model: nn.Module, tensor_parallel: int) -> None:
@@ -152,7 +235,6 @@ def _require_heads(model: nn.Module, tensor_parallel: int) -> None:
 
 def apply_tensor_parallel(model: nn.Module, plan: tuple[tuple[str, str], ...], tp_mesh) -> nn.Module:
     """``parallelize_module`` over the 1-D ``tp_mesh`` with the resolved plan, in place (before ``fully_shard``)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return parallelize_module(model, tp_mesh, {name: make[style]() for name, style in plan})
+    return parallelize_module(model, tp_mesh, {name: torch_style(style) for name, style in plan})
