@@ -154,8 +154,8 @@ def _splice(p: StepProfile, segments, copies: int, states: tuple[int, int], rati
     old = np.arange(len(a) + 1, dtype=np.int64)
     shifted = old + offsets
 
-    def index(e: int) -> int:
-        return int(shifted[e]) if e >= 0 else e
+    def index(e: int) -> int:  # -1 (none) and the analysis' "never freed" (1 << 62) stay as they are
+        return int(shifted[e]) if 0 <= e < len(shifted) else e
     intercepts = np.rint(np.concatenate(pieces_a)).astype(np.int64)
     slopes = np.rint(np.concatenate(pieces_s)).astype(np.int64)
     return index, intercepts, slopes

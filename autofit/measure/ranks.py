@@ -92,7 +92,7 @@ def _joined(context) -> bool:
     out of memory) is a typed error, not torch's ProcessRaisedException."""
     try:
         return context.join(timeout=2)
-    except mp.ProcessException as e:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # their base is not exported by torch
         raise UnsupportedModelError(f"a rank of the measured layout ended abnormally: {e}") from e
 
 
