@@ -133,10 +133,10 @@ def searchable(request: PlanRequest, stage: Stage,
         one = analyses.setdefault((single, request.chunked_loss, request.low_bit_optimizer), {})
         one.update(analyse_policies(request, single, stage.policies, one))
     done = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
-    if single is None or request.per_rank > 1:
+    own_window = single is None or request.per_rank > 1  # with one row per rank, no step accumulates
+    if own_window:
         done.update(analyse_policies(request, stage.parallel, stage.policies, done))
     else:  # one row per rank: the step of one micro-batch is the only one
         done.update(one)
     return (Estimator(request, stage.parallel),
-            search_space(request, stage.parallel, stage.policies, done if single is None or request.per_rank > 1
-                         else {}, one), done)
+            search_space(request, stage.parallel, stage.policies, done if own_window else {}, one), done)
