@@ -32,6 +32,13 @@ class OpCosts:
     # None: no op is kept
     kept: np.ndarray | None = None
 
+    def under(self, names) -> np.ndarray:
+        """Bool per op: its module is one of ``names`` or inside one ("layers.1.mlp" under "layers.1"; never a
+        sibling sharing the prefix, "layers.10")."""
+        names = tuple(names)
+        prefixes = tuple(n + "." for n in names)
+        return np.array([m in names or m.startswith(prefixes) for m in self.module], dtype=bool)
+
 
 def precision_of(dtype: str) -> str:
     return _PRECISION_OF_DTYPE.get(dtype, "fp32")

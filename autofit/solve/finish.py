@@ -88,8 +88,7 @@ def _pinned_flops(analysis: Analysis, names: tuple[str, ...], chosen: Candidate)
     """FLOPs of one optimizer step (every micro-batch) in the pinned modules, forward and backward (See Note [the
     cost of an fp32 pin])."""
     ops = analysis.ops
-    prefixes = tuple(names) + tuple(n + "." for n in names)
-    inside = [bool(f) and (m in names or m.startswith(prefixes)) for m, f in zip(ops.module, ops.forward)]
+    inside = ops.under(names) & ops.forward.astype(bool)
     total = 0.0
     for i, hit in enumerate(inside):
         if hit:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autofit.capture.depth import Blocks
 from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpoint
+from autofit.solve.depth import grouped_by_block
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
@@ -64,6 +66,9 @@ class SearchSpace:
     allow_selective: bool = True
     fixed_selective: tuple[str, ...] = ()  # with fixed_checkpoint: those of the user's set recomputed selectively
     offload_states: bool = False  # every candidate keeps its states on the host (the planner's last stage)
+    # the model's run of identical blocks when estimates extrapolate in depth: the MILP's recomputed units are then
+    # grouped by block (Note [recomputation grouped by block], depth.py)
+    blocks: Blocks | None = None
     # what _evaluate found for (precision, b, k, last), by budget: the search, the front and the verification loop
     # ask for the same configurations again, and each may cost a checkpoint MILP
     evaluated: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -141,6 +146,8 @@ def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: in
             chosen = solve_checkpoint(problem, budget)
         if chosen is None:
             return None, 0
+        if space.blocks is not None:
+            chosen = grouped_by_block(problem, chosen, space.blocks, budget)
         names, selective = chosen_names(problem, chosen)
         peak = problem.peak(chosen)
     if peak > budget:

@@ -260,9 +260,7 @@ def split_ops(ops, parallel: Parallel):
         return ops
     import numpy as np
 
-    names = tuple(name for name, _ in parallel.tensor_plan)
-    prefixes = tuple(n + "." for n in names)
-    inside = np.array([m in names or m.startswith(prefixes) for m in ops.module], dtype=bool)
+    inside = ops.under(name for name, _ in parallel.tensor_plan)
     scale = np.where(inside, 1.0 / parallel.tensor_parallel, 1.0)
     return replace(ops, flops_fixed=ops.flops_fixed * scale, flops_per_sample=ops.flops_per_sample * scale,
                    bytes_fixed=ops.bytes_fixed * scale, bytes_per_sample=ops.bytes_per_sample * scale)

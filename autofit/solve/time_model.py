@@ -178,9 +178,7 @@ class TimeModel:
     def _recompute_mask(self, checkpoint: tuple[str, ...]) -> np.ndarray:
         if not checkpoint:
             return np.zeros(len(self.ops.module), dtype=bool)
-        prefixes = tuple(checkpoint) + tuple(n + "." for n in checkpoint)
-        inside = np.array([m in checkpoint or m.startswith(prefixes) for m in self.ops.module], dtype=bool)
-        return inside & self.ops.forward
+        return self.ops.under(checkpoint) & self.ops.forward
 
 
 
