@@ -26,3 +26,35 @@ def test_a_block_is_not_priced_with_its_siblings_that_share_its_prefix():
     plain = model.step_time("fp32", 1, 1).total
     assert model.step_time("fp32", 1, 1, ("layers.1",)).total - plain == pytest.approx(1e-3)
     assert model.step_time("fp32", 1, 1, ("layers.1", "layers.11")).total - plain == pytest.approx(2e-3)
+
+
+def _four_blocks(names=("layers.0", "layers.1", "layers.2", "layers.3", "norm")):
+    """Units: four identical blocks and a module outside them, each costing 1. Stretch s (the backward of block s)
+    holds 10 bytes; recomputing block u drops its 2 saved bytes from stretch u on and adds a 1-byte spike at u."""
+    from autofit.solve.checkpoint_milp import CheckpointProblem
+
+    coef = np.zeros((4, len(names)))
+    for u, name in enumerate(names):
+        if name.startswith("layers."):
+            b = int(name.split(".")[1])
+            coef[b:, u] -= 2
+            coef[b, u] += 1
+    return CheckpointProblem(names=names, costs=np.ones(len(names)), base=np.full(4, 10.0), coef=coef)
+
+
+def test_recomputed_blocks_grouped_into_a_run_by_hand():
+    """Blocks 0 and 2 recomputed (peak 9 at stretch 0): as blocks 0, 1 (heaviest first) the stretches hold 9, 7, 6, 6;
+    as blocks 2, 3 (lightest first) 10, 10, 9, 7. Under a budget of 9 the first is kept; under 8.9 neither fits and
+    the MILP's set stays; a block that lacks a unit the others have leaves the set as it is."""
+    from autofit.capture.depth import Blocks
+    from autofit.solve.depth import grouped_by_block
+
+    blocks = Blocks("layers", 4)
+    problem = _four_blocks()
+    assert problem.peak((0, 2, 4)) == 9
+    assert grouped_by_block(problem, (0, 2, 4), blocks, 9) == (0, 1, 4)
+    assert grouped_by_block(problem, (0, 2, 4), blocks, 10) == (0, 1, 4)
+    assert grouped_by_block(problem, (0, 2, 4), blocks, 8.9) == (0, 2, 4)
+    assert grouped_by_block(problem, (0, 1, 4), blocks, 9) == (0, 1, 4)
+    uneven = _four_blocks(("layers.0", "layers.1", "layers.2", "norm"))  # block 3 has no unit
+    assert grouped_by_block(uneven, (0, 2), blocks, 10) == (0, 2)

@@ -78,10 +78,14 @@ def grouped_by_block(problem: CheckpointProblem, chosen: tuple[int, ...], blocks
         and lightest first are both priced by the MILP's own constraints (every stretch of the window), and the
         lower peak kept if under the budget; the verification that follows simulates the arrangement planned."""
     index: dict[tuple[int, str, str], int] = {}
+    units: list[set[tuple[str, str]]] = [set() for _ in range(blocks.count)]
     for i, name in enumerate(problem.names):
         found = block_of(name, blocks)
-        if found is not None:
+        if found is not None and found[0] < blocks.count:
             index[(found[0], found[1], problem.policy(i))] = i
+            units[found[0]].add((found[1], problem.policy(i)))
+    if any(u != units[0] for u in units):  # a block lacks a unit the others have: not identical to the MILP
+        return chosen
     treatment: list[list[tuple[str, str]]] = [[] for _ in range(blocks.count)]
     outside = []
     for i in chosen:
@@ -97,10 +101,7 @@ def grouped_by_block(problem: CheckpointProblem, chosen: tuple[int, ...], blocks
     best, best_peak = chosen, None
     for heaviest_first in (True, False):
         order = sorted(kinds, key=lambda k: (-weight[k] if heaviest_first else weight[k], k))
-        try:
-            arranged = tuple(sorted(outside + [index[(b, *u)] for b, k in enumerate(order) for u in k]))
-        except KeyError:  # a block lacks a unit the others have: not identical for the MILP
-            return chosen
+        arranged = tuple(sorted(outside + [index[(b, *u)] for b, k in enumerate(order) for u in k]))
         if not problem.allowed(arranged) or problem.cost(arranged) > problem.cost(chosen) * (1 + 1e-9):
             continue
         peak = problem.peak(arranged)
