@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 import autofit
 from autofit.capture.depth import Blocks, find_blocks, period_of, truncated
+from autofit.analyse.analyse import op_costs
 from autofit.request import make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.search import Candidate
 from autofit.solve.sharding import layouts
 from autofit.solve.space import analyse_policies, search_space
+from autofit.solve.time_model import build_time_model
 from autofit.simulate.timeline import Phase
 from benchmarks.llama import Llama, LlamaConfig
 
@@ -132,6 +134,42 @@ def test_irregular_pattern_cuts_its_longest_periodic_run():
     est = estimator.estimate(Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0), estimator.request.policies[0])
     assert any(n.startswith("depth extrapolation: simulated with 9, 10, 11") for n in est.notes), est.notes
     measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss, checkpoint=checkpoint)
+    assert est.peak_bytes == measured.peak_bytes
+
+
+MLP = tuple(b + ".mlp" for b in BLOCKS)
+ATTN = tuple(b + ".attn" for b in BLOCKS)
+
+
+@pytest.mark.parametrize("checkpoint", [BLOCKS[:6] + MLP[6:], ATTN[:6] + MLP[6:]], ids=["all-then-mlp", "attn-then-mlp"])
+def test_every_run_cut_equals_cpu_allocator_and_full_time(checkpoint):
+    """Two runs of six blocks treated alike (Note [cutting every run], solve/depth.py): both cut to 2 blocks, each
+    grown to 3 and 4 in turn (4, 5, 6, 5, 6 blocks simulated); the peak equals the CPU allocator's at 12 blocks to
+    the byte, and the time model over the carried ops equals it over the 12-block simulation's."""
+    model = _model()
+    estimator = _estimator(model)
+    policy = estimator.request.policies[0]
+    c = Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0)
+    est, ops = estimator.estimate_and_ops(c, policy)
+    assert any(n.startswith("depth extrapolation: simulated with 4, 5, 6, 5, 6") for n in est.notes), est.notes
+    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss, checkpoint=checkpoint)
+    assert est.peak_bytes == measured.peak_bytes
+    sim = estimator.simulate(c, policy)
+    full = op_costs(sim.timeline, sim.timeline, per_sample_from=2)
+    target = estimator.request.device
+    for names in (checkpoint, BLOCKS[:6], MLP, ()):
+        times = [build_time_model(o, 0, target, None, 1).step_time("fp32", 2, 1, names).total for o in (ops, full)]
+        assert times[0] == pytest.approx(times[1], rel=1e-12)
+
+
+@pytest.mark.xfail(strict=True, reason="known silent error of depth extrapolation (docs/multi-gpu.md): blocks 0-5 "
+                   "recomputed, 6-11 not; the cuts at 8, 9, 10 blocks peak at the end of the step (on a line), the "
+                   "12-block step in the recomputation of block 0 (8,469,604 B carried vs 8,606,116 B measured)")
+def test_front_recomputed_run_extrapolated_misses_a_later_stage():
+    model = _model()
+    estimator = _estimator(model)
+    est = estimator.estimate(Candidate("fp32", 2, 1, 2, BLOCKS[:6], 0, 0.0), estimator.request.policies[0])
+    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss, checkpoint=BLOCKS[:6])
     assert est.peak_bytes == measured.peak_bytes
 
 

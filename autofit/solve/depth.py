@@ -8,6 +8,7 @@ and the line through the cut models' estimates carried to all the blocks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from autofit.training.step import StepConfig
 if TYPE_CHECKING:
     from autofit.solve.checkpoint_milp import CheckpointProblem
 
-__all__ = ["DepthRun", "grouped_by_block", "depth_runs", "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges", "fallback_note", "SEGMENT_TOLERANCE"]
+__all__ = ["DepthRun", "DepthGrid", "grouped_by_block", "depth_runs", "depth_grid", "extrapolate_grid", "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges", "fallback_note", "SEGMENT_TOLERANCE"]
 
 # The CUDA figures built on segments (reserved, device, the smallest budget, fragmentation) move in steps of the
 # caching allocator's segments: up to kLargeBuffer (20 MiB, c10/cuda/CUDACachingAllocator.cpp) per step. The line
@@ -59,6 +60,80 @@ class DepthRun:
     def original(self, position: int) -> int:
         """The full model's index of the deepest cut model's block at ``position``."""
         return self.keeps[-1][position]
+
+    def ops(self, ops_of: Callable[[tuple[int, ...]], OpCosts]) -> OpCosts:
+        """Per-op costs of the whole model from the cut models' (``ops_of(keep)``): the deepest one's, with one period
+        of the run appended for each missing one."""
+        shallow, deep = ops_of(self.keeps[1]), ops_of(self.keeps[2])
+        ranges = period_ranges(shallow, deep, self.blocks, self.template)
+        return extended_ops(deep, ranges, self.steps, self.blocks, self.period, keep=self.keeps[-1])
+
+
+@dataclass(frozen=True)
+class DepthGrid:
+    """Cut every run of alike blocks at once: a base cut keeps ``base`` blocks of each run ``(start, end)`` (and every
+    block outside them); each run then also one and two blocks longer, the others as in the base.
+
+    Note [cutting every run]
+        A plan's recomputed set is often two or three runs of blocks treated alike (all of the block recomputed,
+        then only its norms; Note [recomputation grouped by block]). ``DepthRun`` cuts the longest and keeps the
+        others whole: on the 70B-shaped Llama, 7 to 13 blocks kept whole, so 9 to 19 blocks per simulation. Every
+        figure of the step is, where one stage of it dominates, affine in the number of blocks of each run (each
+        block of a run adds the same bytes to it), so the grid simulates a base with every run cut to 2 blocks and,
+        per run, that run at 3 and 4: 1 + 2 x runs simulations of a few blocks each. A figure is the base's plus, per
+        run, the step its third block added times the blocks the run misses; the step the fourth adds must equal it
+        (to the byte for tensor figures, within SEGMENT_TOLERANCE for segment figures), else the single-run cuts
+        and then the full simulation are tried. The same approximation as Note [depth extrapolation]: agreeing steps
+        make a change of the dominant stage further out unlikely, not impossible; the tests compare with the CPU
+        allocator at full depth."""
+
+    blocks: Blocks
+    runs: tuple[tuple[int, int], ...]
+    base: int
+
+    def keep(self, longer: int | None = None, by: int = 0) -> tuple[int, ...]:
+        """The blocks kept: of each run its first ``base`` (``base + by`` for run ``longer``), every other block."""
+        kept, position = [], 0
+        for i, (start, end) in enumerate(self.runs):
+            kept.extend(range(position, start))
+            kept.extend(range(start, start + self.base + (by if i == longer else 0)))
+            position = end
+        kept.extend(range(position, self.blocks.count))
+        return tuple(kept)
+
+    @property
+    def keeps(self) -> tuple[tuple[int, ...], ...]:
+        return (self.keep(),) + tuple(self.keep(i, by) for i in range(len(self.runs)) for by in (1, 2))
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        return tuple(len(k) for k in self.keeps)
+
+    def missing(self, i: int) -> int:
+        start, end = self.runs[i]
+        return end - start - self.base
+
+    def ops(self, ops_of: Callable[[tuple[int, ...]], OpCosts]) -> OpCosts:
+        """Per-op costs of the whole model: the base cut's, and for each run its missing blocks' ops, copied from the
+        block the cut one block longer adds (its forward, its backward: ``period_ranges``), named as the blocks
+        they stand for (the time model prices a recomputed module by its ops' names)."""
+        base_keep = self.keep()
+        shallow = ops_of(base_keep)
+        base = _full_names(shallow, self.blocks, base_keep)
+        parts, names = [base], list(base.module)
+        for i, (start, _) in enumerate(self.runs):
+            keep = self.keep(i, 1)
+            deep = ops_of(keep)
+            added = start + self.base  # the block the longer cut adds, as the full model numbers it
+            at = keep.index(added)
+            ranges = period_ranges(shallow, deep, self.blocks, range(at, at + 1))
+            deep = _full_names(deep, self.blocks, keep)
+            take = [j for lo, hi in ranges for j in range(lo, hi)]
+            for k in range(self.missing(i)):
+                parts.append(_rows(deep, take))
+                names.extend(m if (f := block_of(m, self.blocks)) is None or f[0] != added
+                             else f"{self.blocks.path}.{added + k}{f[1]}" for m in (deep.module[j] for j in take))
+        return _concatenate(parts, tuple(names))
 
 
 def grouped_by_block(problem: CheckpointProblem, chosen: tuple[int, ...], blocks: Blocks,
@@ -144,6 +219,56 @@ def depth_runs(config: StepConfig, blocks: Blocks) -> tuple[DepthRun, ...]:
     return tuple(runs)
 
 
+def depth_grid(config: StepConfig, blocks: Blocks) -> DepthGrid | None:
+    """The grid that cuts every run of blocks treated alike (period 1) long enough to cut, when there are two or
+    more (Note [cutting every run]); None otherwise (one run: ``depth_runs``)."""
+    base = _STARTS[0]
+    runs = tuple((start, end) for start, end, period in periodic_runs(_name_lists(config), blocks, max_period=1)
+                 if end - start > base + 2)
+    return DepthGrid(blocks, runs, base) if len(runs) >= 2 else None
+
+
+def extrapolate_grid(grid: DepthGrid, ests: tuple[MemoryEstimate, ...]) -> MemoryEstimate | None:
+    """The estimate at all the blocks from the grid's (in ``grid.keeps`` order): each figure the base's plus, per run,
+    the step one block more adds times the blocks it misses; None when for some run and figure the second step
+    differs from the first (to the byte; segment figures within SEGMENT_TOLERANCE)."""
+    base, axes = ests[0], [(ests[1 + 2 * i], ests[2 + 2 * i]) for i in range(len(grid.runs))]
+
+    def carried(values: list[tuple[int, int, int]], tolerance: int) -> int | None:
+        total = values[0][0]
+        for i, (v0, v1, v2) in enumerate(values):
+            if abs((v2 - v1) - (v1 - v0)) > tolerance:
+                return None
+            total += (v1 - v0) * grid.missing(i)
+        return total
+
+    figures = {}
+    for attr in ("peak_bytes", "host_bytes", *_SEGMENT_FIGURES):
+        value = carried([(getattr(base, attr), getattr(a, attr), getattr(b, attr)) for a, b in axes],
+                        SEGMENT_TOLERANCE if attr in _SEGMENT_FIGURES else 0)
+        if value is None:
+            return None
+        figures[attr] = value
+    maps = {}
+    for attr, loose in (("breakdown", _SEGMENT_CATEGORIES), ("host_breakdown", set())):
+        out = {}
+        for key in sorted(set().union(*(getattr(e, attr) for e in ests))):
+            value = carried([(getattr(base, attr).get(key, 0), getattr(a, attr).get(key, 0),
+                              getattr(b, attr).get(key, 0)) for a, b in axes],
+                            SEGMENT_TOLERANCE if key in loose else 0)
+            if value is None:
+                return None
+            if value:
+                out[key] = value
+        maps[attr] = out
+    note = (f"depth extrapolation: simulated with {', '.join(map(str, grid.depths))} of the {grid.blocks.count} "
+            f"identical blocks of {grid.blocks.path}, each of its {len(grid.runs)} runs of blocks treated alike cut "
+            f"to {grid.base} blocks in turn grown by one and two, and carried to all of them (the first step of each "
+            f"run predicts its second: tensor figures to the byte, reserved ones within 20 MiB; Note [cutting every "
+            f"run], autofit/solve/depth.py)")
+    return _carried(base, figures, maps["breakdown"], maps["host_breakdown"], note, grid.depths[0])
+
+
 def analysis_depth(config: StepConfig, blocks: Blocks) -> tuple[int, int] | None:
     """(depth, period) the analysis of ``config`` runs the cut model at (three periods, the last one the template
     of the blocks it adds: Note [extending an analysis in depth]); None: analyse the whole model."""
@@ -215,20 +340,26 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...]) -> MemoryEstima
     host = _mapping(ests, "host_breakdown", steps, set())
     if breakdown is None or host is None:
         return None
-    last = ests[-1]
+    note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
+            f"identical blocks of {run.blocks.path} and carried to all of them along the line through the last two "
+            f"(the first predicts the third: tensor figures to the byte, reserved ones within 20 MiB; Note [depth "
+            f"extrapolation], autofit/capture/depth.py)")
+    return _carried(ests[-1], figures, breakdown, host, note, run.depths[-1])
+
+
+def _carried(last: MemoryEstimate, figures: dict[str, int], breakdown: dict[str, int], host: dict[str, int],
+             note: str, depth: int) -> MemoryEstimate:
+    """The estimate of the whole model from the cut model's ``last`` (simulated at ``depth`` blocks) and the
+    figures carried to all blocks."""
     growth = figures["peak_bytes"] - last.peak_bytes
     for attr in _SEGMENT_FIGURES:
         figures[attr] = max(figures[attr], getattr(last, attr) + growth)
     fragmentation = str(Category.FRAGMENTATION)
     if fragmentation in breakdown or figures["peak_reserved_bytes"] > figures["peak_bytes"]:
         breakdown[fragmentation] = figures["peak_reserved_bytes"] - figures["peak_bytes"]
-    note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
-            f"identical blocks of {run.blocks.path} and carried to all of them along the line through the last two "
-            f"(the first predicts the third: tensor figures to the byte, reserved ones within 20 MiB; Note [depth "
-            f"extrapolation], autofit/capture/depth.py)")
     shift = {attr: figures[attr] - getattr(last, attr) for attr in figures}
     return replace(last, breakdown=breakdown, host_breakdown=host, notes=last.notes + (note,),
-                   peak_at=f"{last.peak_at} (at {run.depths[-1]} blocks)" if last.peak_at else "",
+                   peak_at=f"{last.peak_at} (at {depth} blocks)" if last.peak_at else "",
                    under=_under(last, shift, note), **figures)
 
 
@@ -291,6 +422,33 @@ def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int,
     return OpCosts(grow(ops.flops_fixed), grow(ops.flops_per_sample), grow(ops.bytes_fixed),
                    grow(ops.bytes_per_sample), ops.precision + tuple(ops.precision[j] for j in take),
                    grow(ops.forward), ops.module + tuple(modules), grow(ops.kept))
+
+
+def _full_names(ops: OpCosts, blocks: Blocks, keep: tuple[int, ...]) -> OpCosts:
+    """``ops`` of the model cut to the blocks ``keep``, its blocks named as the full model numbers them."""
+    return replace(ops, module=tuple(m if (f := block_of(m, blocks)) is None else f"{blocks.path}.{keep[f[0]]}{f[1]}"
+                                     for m in ops.module))
+
+
+def _rows(ops: OpCosts, take: list[int]) -> OpCosts:
+    idx = np.array(take, dtype=np.int64)
+
+    def pick(a):
+        return None if a is None else a[idx]
+    return OpCosts(pick(ops.flops_fixed), pick(ops.flops_per_sample), pick(ops.bytes_fixed),
+                   pick(ops.bytes_per_sample), tuple(ops.precision[j] for j in take), pick(ops.forward),
+                   tuple(ops.module[j] for j in take), pick(ops.kept))
+
+
+def _concatenate(parts: list[OpCosts], module: tuple[str, ...]) -> OpCosts:
+    def cat(attr):
+        arrays = [getattr(p, attr) for p in parts]
+        if all(a is None for a in arrays):
+            return None
+        return np.concatenate([a if a is not None else np.zeros(len(p.module), dtype=bool)
+                               for a, p in zip(arrays, parts)])
+    return OpCosts(cat("flops_fixed"), cat("flops_per_sample"), cat("bytes_fixed"), cat("bytes_per_sample"),
+                   tuple(x for p in parts for x in p.precision), cat("forward"), module, cat("kept"))
 
 
 def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, template: range) -> tuple[tuple[int, int], ...]:

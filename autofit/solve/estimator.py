@@ -39,7 +39,7 @@ from autofit.analyse.analyse import op_costs
 from autofit.analyse.table import OpCosts
 from autofit.capture.depth import truncated
 from autofit.simulate.run import Simulation, simulate_step
-from autofit.solve.depth import config_at_depth, depth_runs, extended_ops, extrapolate, fallback_note, period_ranges
+from autofit.solve.depth import config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note
 from autofit.solve.search import Candidate
 from autofit.training.step import StepConfig, forward_errors
 
@@ -96,12 +96,9 @@ class Estimator:
         simulations: the deepest cut model's ops with the missing blocks' appended when extrapolated."""
         b = c.micro_batch_size
         if self.request.blocks is not None:
-            est, sims, run = self._extrapolated(c, policy, None)
+            est, sims, cut = self._extrapolated(c, policy, None)
             if est is not None:
-                shallow, deep = (op_costs(s.timeline, s.timeline, per_sample_from=b) for s in sims)
-                ranges = period_ranges(shallow, deep, run.blocks, run.template)
-                ops = extended_ops(deep, ranges, run.steps, run.blocks, run.period, keep=run.keeps[-1])
-                return est, ops
+                return est, cut.ops(lambda keep: op_costs(sims[keep].timeline, sims[keep].timeline, per_sample_from=b))
         sim = self.simulate(c, policy)
         est = self._full(c, policy, sim)
         return est, op_costs(sim.timeline, sim.timeline, per_sample_from=b)
@@ -116,20 +113,30 @@ class Estimator:
         return replace(est, notes=est.notes + (fallback_note(blocks, depth_runs(self.config(c, policy), blocks)),))
 
     def _extrapolated(self, c: Candidate, policy: PrecisionPolicy, length: int | None):
-        """(estimate, the two deepest simulations, run) extrapolated from cut models, or (None, None, None) when no depth
-        triple is on a line or the configuration's pattern has no period (Note [depth extrapolation])."""
+        """(estimate, the simulations by blocks kept, the cut) extrapolated from cut models, or (None, None, None)
+        when no cut's figures are on their lines or the configuration's pattern has no period (Note [depth
+        extrapolation]; every run of alike blocks cut first where there are several: Note [cutting every run])."""
         sims: dict[tuple[int, ...], Simulation] = {}
         ests: dict[tuple[int, ...], MemoryEstimate] = {}
-        for run in depth_runs(self.config(c, policy), self.request.blocks):
-            for keep in run.keeps:
+        config, blocks = self.config(c, policy), self.request.blocks
+
+        def simulated(keeps):
+            for keep in keeps:
                 if keep not in ests:
                     progress.report(f"simulating micro-batch {c.micro_batch_size} x {c.accumulation_steps} "
-                                    f"({policy.label}) at {len(keep)} of {run.blocks.count} blocks")
+                                    f"({policy.label}) at {len(keep)} of {blocks.count} blocks")
                     sims[keep] = self.simulate(c, policy, length, depth=keep)
                     ests[keep] = self.request.device.estimate(sims[keep])
-            est = extrapolate(run, tuple(ests[k] for k in run.keeps))
+            return tuple(ests[k] for k in keeps)
+        grid = depth_grid(config, blocks)
+        if grid is not None:
+            est = extrapolate_grid(grid, simulated(grid.keeps))
             if est is not None:
-                return est, (sims[run.keeps[1]], sims[run.keeps[2]]), run
+                return est, sims, grid
+        for run in depth_runs(config, blocks):
+            est = extrapolate(run, simulated(run.keeps))
+            if est is not None:
+                return est, sims, run
         return None, None, None
 
     def policy(self, label: str) -> PrecisionPolicy:
