@@ -236,7 +236,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         done = analyses[where.parallel, where.request.chunked_loss, where.request.low_bit_optimizer]
         return _plan_of(where, Verified(smallest, fitted, (smallest,)), done), done
     at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
-    error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes)
+    error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes,
+                       sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
+                       if parallel.strategy == "fsdp2" else 0)
     if on_host is not None:
         error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes)
     if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])

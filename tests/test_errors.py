@@ -390,3 +390,17 @@ def test_measure_on_the_meta_device() -> None:
         model = _Net()
     with raises(autofit.UnsupportedModelError, "meta", "to_empty"):
         _measure(model, _sample(), target=_labels())
+
+
+def test_infeasible_fsdp2_plan_does_not_advise_the_sharding_it_does():
+    """Sixteen 256 x 256 layers under FSDP2 over 2 ranks with a 1 MB budget: AdamW's state, already sharded, dominates
+    the smallest peak; the advice names more ranks and smaller state, not "shard it across GPUs"."""
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)])
+    x = torch.randn(1, 256)
+    with pytest.raises(autofit.InfeasibleBudgetError) as caught:
+        autofit.plan(model, x, "1MB", batch_size=4, target=torch.randn(1, 256), loss_fn=nn.functional.mse_loss,
+                     device="cpu", world_size=2, strategy="fsdp2", precision="fp32")
+    message = str(caught.value)
+    assert caught.value.dominant == "optimizer_state", message
+    assert "sharded over 2 ranks already" in message and "more ranks" in message
+    assert "shard it across GPUs" not in message

@@ -169,12 +169,28 @@ ADVICE_STORED_LOW = {
 }
 
 
+# When the layout shards the states already (FSDP2 over the ranks), "shard it" would offer what the plan does.
+ADVICE_SHARDED = {
+    "optimizer_state": "Optimizer state dominates, sharded over {ranks} ranks already: more ranks divide it further "
+                       "(world_size; --nodes on the CLI), an 8-bit optimizer stores about 2 bytes per parameter "
+                       "instead of 8 (optimizer=bitsandbytes.optim.AdamW8bit), or SGD keeps one buffer instead of "
+                       "Adam's two",
+    "parameters": "Parameters dominate, sharded over {ranks} ranks already: more ranks divide them further "
+                  "(world_size; --nodes on the CLI), or tensor parallel splits the gathered ones (tensor_parallel)",
+    "gradients": "Gradients dominate, sharded over {ranks} ranks already: more ranks divide them further "
+                 "(world_size; --nodes on the CLI)",
+}
+
+
 def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str = "", *,
-               margin: int = 0) -> InfeasibleBudgetError:
+               margin: int = 0, sharded_over: int = 0) -> InfeasibleBudgetError:
     """The error for a budget below the smallest verified peak plus ``margin`` (the bytes a plan keeps free, Note [the
-    margin] in autofit/validate.py): that sum is the smallest budget that works; what dominates it, and what helps."""
+    margin] in autofit/validate.py): that sum is the smallest budget that works; what dominates it, and what helps.
+    ``sharded_over``: the ranks FSDP2 shards the states over in that configuration (0: not sharded)."""
     dominant = max(est.breakdown, key=est.breakdown.get)
     advice = ADVICE_STORED_LOW if "/" in smallest.precision else ADVICE  # a label "bf16/bf16": stored low
+    if sharded_over > 1:
+        advice = {k: v.format(ranks=sharded_over) for k, v in ADVICE_SHARDED.items()}
     kept = f" (less a margin of {format_bytes(margin)} kept free)" if margin else ""
     if est.min_device_bytes + margin <= budget:  # a budget in a window where the allocator fails (docs/cuda.md)
         kept += (f"; the caching allocator runs the configuration below under {format_bytes(est.min_device_bytes)}"
