@@ -141,7 +141,8 @@ MLP = tuple(b + ".mlp" for b in BLOCKS)
 ATTN = tuple(b + ".attn" for b in BLOCKS)
 
 
-@pytest.mark.parametrize("checkpoint", [BLOCKS[:6] + MLP[6:], ATTN[:6] + MLP[6:]], ids=["all-then-mlp", "attn-then-mlp"])
+@pytest.mark.parametrize("checkpoint", [BLOCKS[:6] + MLP[6:], ATTN[:6] + MLP[6:]],
+                         ids=["all-then-mlp", "attn-then-mlp"])
 def test_every_run_cut_equals_cpu_allocator_and_full_time(checkpoint):
     """Two runs of six blocks treated alike (Note [cutting every run], solve/depth.py): both cut to 2 blocks, each
     grown to 3 and 4 in turn (4, 5, 6, 5, 6 blocks simulated); the peak equals the CPU allocator's at 12 blocks to

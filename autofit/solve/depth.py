@@ -24,7 +24,9 @@ from autofit.training.step import StepConfig
 if TYPE_CHECKING:
     from autofit.solve.checkpoint_milp import CheckpointProblem
 
-__all__ = ["DepthRun", "DepthGrid", "grouped_by_block", "depth_runs", "depth_grid", "extrapolate_grid", "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges", "fallback_note", "SEGMENT_TOLERANCE"]
+__all__ = ["DepthRun", "DepthGrid", "grouped_by_block", "depth_runs", "depth_grid", "extrapolate_grid",
+           "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges",
+           "fallback_note", "SEGMENT_TOLERANCE"]
 
 # The CUDA figures built on segments (reserved, device, the smallest budget, fragmentation) move in steps of the
 # caching allocator's segments: up to kLargeBuffer (20 MiB, c10/cuda/CUDACachingAllocator.cpp) per step. The line
@@ -85,7 +87,12 @@ class DepthGrid:
         (to the byte for tensor figures, within SEGMENT_TOLERANCE for segment figures), else the single-run cuts
         and then the full simulation are tried. The same approximation as Note [depth extrapolation]: agreeing steps
         make a change of the dominant stage further out unlikely, not impossible; the tests compare with the CPU
-        allocator at full depth."""
+        allocator at full depth. On the CPU only: a CUDA target's segment figures move in allocator segments and are
+        not yet on their lines at a few blocks per run. The 70B-shaped Llama's plan (runs of 67 and 11 blocks,
+        FSDP2 resharded to 8 over 32 ranks, 2026-11-24): from a base of 2 blocks per run the reserved bytes stepped
+        by 30 MiB then 1.03 GiB; from a base of 4 the allocated and reserved figures were on their lines to the byte
+        but the smallest budget stepped by 454 then 406 MiB (over SEGMENT_TOLERANCE), so both grids were
+        simulated for nothing before the single-run cut at 15 to 19 blocks."""
 
     blocks: Blocks
     runs: tuple[tuple[int, int], ...]
