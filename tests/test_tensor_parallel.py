@@ -14,7 +14,6 @@ import autofit
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.emit.plan import Plan
 from autofit.solve.sharding import shard_units
-from autofit.training.batch import as_batch
 from autofit.training.precision import as_policy
 from autofit.training.tensor_parallel import resolve_tensor_plan
 from sharded_models import tiny_llama
@@ -122,24 +121,9 @@ def test_per_rank_peak_matches_the_allocator_and_a_step_a_full_batch_step(world,
     ranks = _run([{"kind": "memory", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "adamw"},
                   {"kind": "equivalence", "case": "tiny_llama", "plan": equivalence.to_json(), "optimizer": "sgd"}],
                  tmp_path, world)
-    for rank, results in enumerate(ranks):
-        measured = min(results[0]["peaks"])
-        print(f"{memory.layout} rank {rank}: predicted {memory.peak_bytes} measured {measured} "
-              f"({(memory.peak_bytes - measured) / measured:+.3%})")
-        assert abs(memory.peak_bytes - measured) <= 0.005 * measured, (
-            f"{memory.layout} rank {rank}: predicted {memory.peak_bytes}, measured {results[0]['peaks']}")
+    import dist_workers
 
-    reference = tiny_llama()
-    model = reference.model.eval()
-    batch = as_batch(reference.sample).resize(equivalence.batch_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch.call(model).loss.backward()
-    optimizer.step()
-    for name, p in model.named_parameters():
-        for rank, results in enumerate(ranks):
-            got = torch.tensor(results[1]["params"][name], dtype=p.dtype)
-            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6,
-                                       msg=f"{equivalence.layout} rank {rank}: {name}")
+    dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama())
 
 
 def test_tensor_parallel_alone_on_cuda_is_refused_and_the_model_is_left_alone():

@@ -139,24 +139,7 @@ def test_vocabulary_split_peak_matches_the_allocator_and_a_step_a_full_batch_ste
         [{"kind": "memory", "case": "tiny_llama_vocab", "plan": memory.to_json(), "optimizer": "adamw"},
          {"kind": "equivalence", "case": "tiny_llama_vocab", "plan": equivalence.to_json(), "optimizer": "sgd"}],
         Path(tmp_path), world)
-    for rank, results in enumerate(ranks):
-        measured = min(results[0]["peaks"])
-        print(f"{memory.layout} + vocabulary split, rank {rank}: predicted {memory.peak_bytes} measured {measured} "
-              f"({(memory.peak_bytes - measured) / measured:+.3%})")
-        assert abs(memory.peak_bytes - measured) <= 0.005 * measured, (
-            f"{memory.layout} rank {rank}: predicted {memory.peak_bytes}, measured {results[0]['peaks']}")
-
-    reference = tiny_llama_vocab()
-    model = reference.model.eval()
-    batch = as_batch(reference.sample).resize(equivalence.batch_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch.call(model).loss.backward()
-    optimizer.step()
-    for name, p in model.named_parameters():
-        for rank, results in enumerate(ranks):
-            got = torch.tensor(results[1]["params"][name], dtype=p.dtype)
-            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6,
-                                       msg=f"{equivalence.layout} rank {rank}: {name}")
+    dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama_vocab(), " + vocabulary split")
 
 
 def test_vocabulary_split_collectives_counted_by_hand():
