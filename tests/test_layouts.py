@@ -42,13 +42,9 @@ def test_per_rank_peak_matches_the_allocator(world, reshard, replicate, tmp_path
     assert (plan.reshard_after_forward, plan.replicate) == (reshard, replicate)
     ranks = _run([{"kind": "memory", "case": "gpt_sdpa", "plan": plan.to_json(), "optimizer": "adamw"}], tmp_path,
                  world)
-    for rank, results in enumerate(ranks):
-        # gloo's worker threads occasionally allocate inside the profiling window: the lowest of three steps
-        measured = min(results[0]["peaks"])
-        print(f"{plan.layout} rank {rank}: predicted {plan.peak_bytes} measured {measured} "
-              f"({(plan.peak_bytes - measured) / measured:+.3%})")
-        assert abs(plan.peak_bytes - measured) <= 0.005 * measured, (
-            f"{plan.layout} rank {rank}: predicted {plan.peak_bytes}, measured {results[0]['peaks']}")
+    import dist_workers
+
+    dist_workers.check_peaks(ranks, plan)
 
 
 @pytest.mark.parametrize("world,reshard,replicate", [(2, False, 1), (4, 2, 1), (4, False, 2)])
