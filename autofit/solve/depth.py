@@ -126,21 +126,17 @@ class DepthGrid:
         they stand for (the time model prices a recomputed module by its ops' names)."""
         base_keep = self.keep()
         shallow = ops_of(base_keep)
-        base = _full_names(shallow, self.blocks, base_keep)
-        parts, names = [base], list(base.module)
+        parts = [_full_names(shallow, self.blocks, base_keep)]
         for i, (start, _) in enumerate(self.runs):
             keep = self.keep(i, 1)
             deep = ops_of(keep)
             added = start + self.base  # the block the longer cut adds, as the full model numbers it
             at = keep.index(added)
             ranges = period_ranges(shallow, deep, self.blocks, range(at, at + 1))
-            deep = _full_names(deep, self.blocks, keep)
-            take = [j for lo, hi in ranges for j in range(lo, hi)]
-            for k in range(self.missing(i)):
-                parts.append(_rows(deep, take))
-                names.extend(m if (f := block_of(m, self.blocks)) is None or f[0] != added
-                             else f"{self.blocks.path}.{added + k}{f[1]}" for m in (deep.module[j] for j in take))
-        return _concatenate(parts, tuple(names))
+            template = _rows(_full_names(deep, self.blocks, keep), [j for lo, hi in ranges for j in range(lo, hi)])
+            parts.extend(_renamed(template, self.blocks, lambda b, k=k: b + k if b == added else b)
+                         for k in range(self.missing(i)))
+        return _concatenate(parts)
 
 
 def grouped_by_block(problem: CheckpointProblem, chosen: tuple[int, ...], blocks: Blocks,
@@ -405,39 +401,29 @@ def extended_ops(ops: OpCosts, ranges: tuple[tuple[int, int], ...], copies: int,
     the k-th copy. Order within the array does not matter to the time model (it sums per precision and masks the
     recomputed modules' forward ops by name)."""
     if keep is not None:  # the cut model's block numbers, as the full model names them
-        renamed = tuple(m if (f := block_of(m, blocks)) is None else f"{blocks.path}.{keep[f[0]]}{f[1]}"
-                        for m in ops.module)
-        ops = replace(ops, module=renamed)
-    original = ops.module
+        ops = _full_names(ops, blocks, keep)
+    template = _rows(ops, [j for lo, hi in ranges for j in range(lo, hi)])  # named before the shift below
     if first is not None:  # blocks from ``first`` on come after the copies
-        ops = replace(ops, module=tuple(
-            m if (f := block_of(m, blocks)) is None or f[0] < first else f"{blocks.path}.{f[0] + copies * period}{f[1]}"
-            for m in ops.module))
-    take, modules = [], []
-    for k in range(1, copies + 1):
-        for lo, hi in ranges:
-            for j in range(lo, hi):
-                found = block_of(original[j], blocks)
-                take.append(j)
-                modules.append(original[j] if found is None else f"{blocks.path}.{found[0] + period * k}{found[1]}")
-    if not take:
+        ops = _renamed(ops, blocks, lambda b: b + copies * period if b >= first else b)
+    if not template.module or not copies:
         return ops
-    idx = np.array(take, dtype=np.int64)
+    return _concatenate([ops] + [_renamed(template, blocks, lambda b, k=k: b + period * k)
+                                 for k in range(1, copies + 1)])
 
-    def grow(a):
-        return None if a is None else np.concatenate([a, a[idx]])
-    return OpCosts(grow(ops.flops_fixed), grow(ops.flops_per_sample), grow(ops.bytes_fixed),
-                   grow(ops.bytes_per_sample), ops.precision + tuple(ops.precision[j] for j in take),
-                   grow(ops.forward), ops.module + tuple(modules), grow(ops.kept))
+
+def _renamed(ops: OpCosts, blocks: Blocks, index: Callable[[int], int]) -> OpCosts:
+    """``ops`` with the ops of block b named as block ``index(b)``."""
+    return replace(ops, module=tuple(m if (f := block_of(m, blocks)) is None else f"{blocks.path}.{index(f[0])}{f[1]}"
+                                     for m in ops.module))
 
 
 def _full_names(ops: OpCosts, blocks: Blocks, keep: tuple[int, ...]) -> OpCosts:
     """``ops`` of the model cut to the blocks ``keep``, its blocks named as the full model numbers them."""
-    return replace(ops, module=tuple(m if (f := block_of(m, blocks)) is None else f"{blocks.path}.{keep[f[0]]}{f[1]}"
-                                     for m in ops.module))
+    return _renamed(ops, blocks, keep.__getitem__)
 
 
 def _rows(ops: OpCosts, take: list[int]) -> OpCosts:
+    """The ops at positions ``take``, in that order."""
     idx = np.array(take, dtype=np.int64)
 
     def pick(a):
@@ -447,7 +433,8 @@ def _rows(ops: OpCosts, take: list[int]) -> OpCosts:
                    tuple(ops.module[j] for j in take), pick(ops.kept))
 
 
-def _concatenate(parts: list[OpCosts], module: tuple[str, ...]) -> OpCosts:
+def _concatenate(parts: list[OpCosts]) -> OpCosts:
+    """The ops of ``parts`` one after the other (no op kept where a part has no ``kept`` array)."""
     def cat(attr):
         arrays = [getattr(p, attr) for p in parts]
         if all(a is None for a in arrays):
@@ -455,7 +442,8 @@ def _concatenate(parts: list[OpCosts], module: tuple[str, ...]) -> OpCosts:
         return np.concatenate([a if a is not None else np.zeros(len(p.module), dtype=bool)
                                for a, p in zip(arrays, parts)])
     return OpCosts(cat("flops_fixed"), cat("flops_per_sample"), cat("bytes_fixed"), cat("bytes_per_sample"),
-                   tuple(x for p in parts for x in p.precision), cat("forward"), module, cat("kept"))
+                   tuple(x for p in parts for x in p.precision), cat("forward"),
+                   tuple(m for p in parts for m in p.module), cat("kept"))
 
 
 def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, template: range) -> tuple[tuple[int, int], ...]:
