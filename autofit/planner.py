@@ -20,7 +20,7 @@ from torch import nn
 
 from autofit.core import progress
 from autofit.analyse.table import Analysis
-from autofit.core.errors import AutofitError, InfeasibleBudgetError, UnsupportedModelError
+from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.plan import Plan
@@ -156,13 +156,17 @@ def plan_with_analysis(
             continue
         try:
             results.append(_plan_parallel(request, parallel))
-        except InfeasibleBudgetError as e:
+        except (InfeasibleBudgetError, HostMemoryError) as e:  # another layout may still fit
             infeasible_errors.append(e)
         except AutofitError as e:
             if len(request.strategies) == 1:  # its other layouts would fail the same way
                 raise
             failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
     if not results:
+        # a layout that fits the GPU but not the host says more than the smallest budget of one that fits neither
+        over_host = [e for e in infeasible_errors if isinstance(e, HostMemoryError)]
+        if over_host:
+            raise min(over_host, key=lambda e: e.host_bytes)
         if infeasible_errors:
             raise min(infeasible_errors, key=lambda e: e.min_budget_bytes)
         raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
@@ -199,12 +203,14 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
         where, space, done = searchable(request, stage, analyses)
         if stage.host_check:
             progress.report("searching with the states on the host (checkpoint MILP)")
-            found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes))
+            found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes,
+                                                             parallel.ranks_per_node))
             if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
                 on_host = candidate, est = smallest_verified(space, where.verify)
                 fitted = est.within(fit)
                 if fitted is not None:
-                    found = Verified(candidate, host_fits(fitted, request.host_budget_bytes), (candidate,))
+                    found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel.ranks_per_node),
+                                     (candidate,))
         else:
             progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
             found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known))
@@ -240,7 +246,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                        sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
                        if parallel.strategy == "fsdp2" else 0)
     if on_host is not None:
-        error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes)
+        error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes,
+                                     parallel.ranks_per_node)
     if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
         error = with_closed_rungs(error, request.closed_rungs)
     raise error

@@ -244,6 +244,34 @@ def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_hos
     assert info.value.min_budget_bytes >= without > with_offload  # the states stay on the GPU in what it names
 
 
+def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
+    """FSDP2 over 2 ranks on T4s, 6 x (1024 x 1024 + 1024) + 1024 x 10 + 10 = 6,307,850 parameters, every dimension
+    even: a rank's host holds half of each fp32 parameter (4 B), gradient (4 B) and two moments (8 B). The two ranks
+    of one node share its host memory; on two nodes of one GPU each host holds one rank's."""
+    x, y = _data(64, 1024)
+    model = _model(1024)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == 6_307_850
+    kw = dict(target=y, device="cuda", gpu="T4", precision="fp32", checkpoint="auto", world_size=2, strategy="fsdp2",
+              margin=0)
+    with pytest.raises(autofit.InfeasibleBudgetError) as info:
+        autofit.plan(model, x, 1, offload=False, **kw)
+    without = info.value.min_budget_bytes
+    budget = without - 2**20  # nothing fits with the states on the GPUs
+    plan = autofit.plan(model, x, budget, host_budget="1GB", **kw)
+    assert plan.offload_states and plan.strategy == "fsdp2" and plan.world_size == 2
+    assert plan.device_bytes <= budget
+    host = dict(plan.estimate.host_breakdown)
+    assert host["parameters"] == host["gradients"] == 4 * n // 2
+    assert host["optimizer_state"] - 8 * n // 2 < 1024  # plus AdamW's step counters
+    assert "for the 2 ranks of a node" in str(plan)
+    one_rank = plan.host_bytes
+    with pytest.raises(autofit.HostMemoryError, match="for the 2 ranks of a node"):
+        autofit.plan(model, x, budget, host_budget=one_rank + one_rank // 2, **kw)
+    apart = autofit.plan(model, x, budget, host_budget=one_rank + one_rank // 2, gpus_per_node=1, **kw)
+    assert apart.offload_states and apart.host_bytes == one_rank
+
+
 @pytest.mark.slow
 def test_gpt2_xl_on_a_t4_plans_with_its_states_on_the_host():
     """Issue 15's case: GPT-2-XL (48 x 1600, 1,557,611,200 parameters, fp32 on meta), a 16 GB T4 (no bf16: fp16),

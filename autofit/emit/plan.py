@@ -316,8 +316,10 @@ class Plan:
         if self.host_bytes:
             allowed = "" if self.host_budget_bytes is None else f" of {fmt(self.host_budget_bytes)} allowed"
             pinned = self.estimate.host_pinned_bytes
+            ranks = min(self.gpus_per_node or self.world_size, self.world_size)
+            node = "" if ranks == 1 else f" per rank, {fmt(ranks * self.host_bytes)} for the {ranks} ranks of a node"
             rows.append(("host memory", f"{fmt(self.host_bytes)} ({fmt(pinned)} pinned, "
-                                        f"{fmt(self.host_bytes - pinned)} pageable){allowed}"))
+                                        f"{fmt(self.host_bytes - pinned)} pageable){node}{allowed}"))
         return rows
 
     def rows_by_length_text(self) -> str:

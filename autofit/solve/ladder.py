@@ -17,8 +17,10 @@ Note [the ladder]
          autofit/training/chunked_loss.py; float rounding only, so first), then "8bit-optimizer", AdamW's moments in 8 bits
          (Note [8-bit optimizer state], autofit/training/optim.py). They come before the host rung, whose optimizer steps on
          the CPU, much the slowest, and a user who allows them asked for them;
-      5. the parameters, gradients and optimizer state in host memory (Note [offload]), where allowed: one GPU,
-         offload="auto". Its estimates must also fit the host budget.
+      5. the parameters, gradients and optimizer state in host memory (Note [offload]), where allowed
+         (offload="auto", a GPU target): FSDP2's CPUOffloadPolicy on one process, or on every rank of an FSDP2
+         layout without tensor parallel. Its estimates must also fit the host budget, which the ranks of one node
+         share: a rank's host bytes times the ranks per node.
     A rung whose parameters, gradients and optimizer state alone exceed the budget is skipped without analysis, as
     long as a later rung may still fit: the rungs on the device skip when the host rung follows, and every rung
     but the last otherwise (the last is analysed anyway, to name the smallest budget). A new way to save memory is
@@ -54,7 +56,8 @@ class Stage:
     # process, no clipping, no GradScaler, no master copy; () where the optimizer steps after backward only
     in_backward: tuple[PrecisionPolicy, ...] = ()
     host_check: bool = False  # the states live on the host: a fitting estimate must fit the host budget too
-    # parameters, gradients and optimizer state on one device, a floor of any step's peak; None: they are on the host
+    # a floor of any step's peak on this rung: the parameters, gradients and optimizer state on one device; with
+    # the states on the host, what the layout keeps gathered (ZeRO-2, an int reshard); None: no floor (ZeRO-3)
     floor_bytes: int | None = None
     skippable: bool = False  # a later rung may fit where this one cannot: skip it when its floor misses the budget
     # the opt-in rungs (plan(allow=...)) in force on this rung: the chunked loss, and the 8-bit optimizer (its spec
@@ -105,7 +108,8 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
     rungs += _opt_in(request, parallel, stages[-1], k)
     rungs = [replace(r, skippable=host is not None or i < len(rungs) - 1) for i, r in enumerate(rungs)]
     if host is not None:
-        rungs.append(Stage(what="the states on the host", policies=request.policies, parallel=host, host_check=True))
+        rungs.append(Stage(what="the states on the host", policies=request.policies, parallel=host, host_check=True,
+                           floor_bytes=_host_floor(request, host, request.policies)))
     return tuple(rungs)
 
 
@@ -164,8 +168,7 @@ def skipped_note(stage: Stage, skipped: list[str]) -> tuple[str, ...]:
 
 
 def states_floor(stages: tuple[Stage, ...]) -> int | None:
-    """The smallest states floor over ``stages``, or None when a rung keeps the states on the host (no such floor
-    bounds it)."""
+    """The smallest floor over ``stages``, or None when a rung has none (ZeRO-3 with the states on the host)."""
     floors = [s.floor_bytes for s in stages]
     return None if None in floors else min(floors)
 
@@ -197,12 +200,29 @@ def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]
 
 
 def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
-    """FSDP2's CPUOffloadPolicy on this one process (Note [offload]), or None where it does not apply: offload not
-    allowed (or a CPU target), or a data-parallel plan (its own rungs)."""
-    if not request.offload or parallel.strategy is not None or request.world_size != 1:
+    """FSDP2's CPUOffloadPolicy (Note [offload]): on this one process, or on each rank of an FSDP2 layout, each rank
+    keeping its shard of the states in its node's host memory. None where it does not apply: offload not allowed
+    (or a CPU target), DDP (which keeps whole replicas), tensor parallel (refused with offload, StepConfig)."""
+    if not request.offload or parallel.offload_states:
+        return None
+    if parallel.strategy == "fsdp2" and parallel.world_size > 1 and parallel.tensor_parallel == 1:
+        return replace(parallel, offload_states=True, reduce_every_micro_batch=False)
+    if parallel.strategy is not None or request.world_size != 1:
         return None
     return replace(parallel, strategy="fsdp2", world_size=1, shard_units=shard_units(request.model),
                    offload_states=True)
+
+
+def _host_floor(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...]) -> int | None:
+    """A floor of the device peak with the states on the host: what the layout keeps gathered between forward and
+    backward, every parameter in the lowest compute precision allowed (ZeRO-2: all of it; an int reshard: its
+    group's share). None for ZeRO-3, which keeps nothing gathered beyond one unit."""
+    raf = parallel.reshard_after_forward
+    if raf is True:
+        return None
+    low = min(p.dtype.itemsize for p in policies)
+    total = sum(p.numel() * (low if p.is_floating_point() else p.element_size()) for p in request.model.parameters())
+    return total if raf is False else total // raf
 
 
 def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:

@@ -58,6 +58,11 @@ class Parallel:
                             tensor_parallel=self.tensor_parallel)
 
     @property
+    def ranks_per_node(self) -> int:
+        """The ranks that share one host's memory (what offloaded states must fit together): 1 for one process."""
+        return min(self.gpus_per_node or self.world_size, self.world_size)
+
+    @property
     def least_memory(self) -> bool:
         """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
         reshard hold more of each unit between forward and backward, HSDP a larger shard)."""

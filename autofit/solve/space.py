@@ -113,7 +113,9 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
             tensor = ring_seconds("all_reduce", tp, reduced, request.device.interconnect_bytes_per_second)
         time[p.label] = build_time_model(ops, param_bytes, request.device, strategy, ranks, saved_bytes=saved,
                                         offload_states=parallel.offload_states,
-                                        reduce_every_micro_batch=parallel.reduce_every_micro_batch,
+                                        # offloading FSDP2 reduces every micro-batch (Note [offload])
+                                        reduce_every_micro_batch=parallel.reduce_every_micro_batch
+                                        or parallel.offload_states,
                                         reshard_after_forward=parallel.reshard_after_forward,
                                         replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
                                         tensor_seconds=tensor)
