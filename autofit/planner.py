@@ -143,16 +143,26 @@ def plan_with_analysis(
     results, infeasible_errors, failed = [], [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
-    # its analysis would only name its smallest budget, which the error needs only if no layout fits
-    floors = {p: states_floor(ladder(request.for_layout(p), p)) for p in parallels} if len(parallels) > 1 else {}
+    # its analysis would only name its smallest budget, which the error needs only if no layout fits. One that fits
+    # only with its states on the host (the ladder's last rung, much the slowest) is planned only when no layout
+    # fits with them on the GPUs.
+    ladders = {p: ladder(request.for_layout(p), p) for p in parallels} if len(parallels) > 1 else {}
+    floors = {p: states_floor(stages) for p, stages in ladders.items()}
     hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
-    for parallel in sorted(parallels, key=lambda p: p in hopeless):
+    host_only = {p for p, stages in ladders.items() if stages[-1].host_check
+                 and states_floor(stages[:-1]) > request.fit_bytes}
+    for parallel in sorted(parallels, key=lambda p: (p in hopeless, p in host_only)):
         name = parallel.label
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
         if parallel in hopeless and (results or not parallel.least_memory):
-            failed.append(f"{name} not planned: its parameters, gradients and optimizer state alone need at least "
-                          f"{format_bytes(floors[parallel])} per rank, over the budget")
+            failed.append(f"{name} not planned: its parameters, gradients and optimizer state (with them on the "
+                          f"host, its gathered parameters) alone need at least {format_bytes(floors[parallel])} per "
+                          "rank, over the budget")
+            continue
+        if parallel in host_only and results:
+            failed.append(f"{name} not planned: it fits only with its states on the host, slower than a layout "
+                          "that keeps them on the GPUs")
             continue
         try:
             results.append(_plan_parallel(request, parallel))

@@ -5,7 +5,9 @@ Shape: torchtitan's llama3 "70B" model args (torchtitan/models/llama3/__init__.p
 500000): 70.6 B parameters, built on the meta device in fp32 (FSDP2 keeps fp32 shards and gathers in bf16). The
 step: AdamW, sequence 8192 (torchtitan's llama3_70b.toml), global batch 32 sequences, the planner choosing
 micro-batch, precision, recomputed blocks and the FSDP2 layout (ZeRO-3, ZeRO-2, reshard to a node, HSDP) over the
-catalog's NVLink (450 GB/s per direction) and network (50 GB/s per GPU) figures. It prints each plan's layout,
+catalog's NVLink (450 GB/s per direction) and network (50 GB/s per GPU) figures. Each node is a DGX H100: 2 TB of
+system memory (NVIDIA DGX H100 datasheet, "System Memory 2TB"), the host budget its 8 ranks share when the states must
+live on the host (FSDP2 CPUOffloadPolicy, the ladder's last rung). It prints each plan's layout,
 memory per GPU, predicted step time and wall time (the issue's goal: under 60 s each on 2 cores). Not a test: it
 times the planner.
 
@@ -43,13 +45,14 @@ def llama3_70b_config(**overrides) -> LlamaConfig:
                                  num_heads=64, num_kv_heads=8, rope_theta=500000.0, eps=1e-5), **overrides})
 
 
-def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_depth: bool = True):
+def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_depth: bool = True,
+             host_budget: str = "2TB"):
     start = time.perf_counter()
     try:
         plan = autofit.plan(model, ids, "80GB", batch_size=batch, target=ids, gpu="H100-80GB",
                             world_size=nodes * per_node, gpus_per_node=per_node, strategy="fsdp2",
-                            extrapolate_depth=extrapolate_depth)
-    except autofit.InfeasibleBudgetError as e:
+                            extrapolate_depth=extrapolate_depth, host_budget=host_budget)
+    except (autofit.InfeasibleBudgetError, autofit.HostMemoryError) as e:
         seconds = time.perf_counter() - start
         print(f"\n{nodes} x {per_node} H100-80GB: no plan fits ({seconds:.1f} s): {e}")
         return seconds
@@ -63,6 +66,10 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_dept
     print(f"  micro-batch     {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation, "
           f"{plan.precision.label}, {len(plan.checkpoint)} modules recomputed")
     print(f"  predicted step  {plan.predicted_step_seconds:.2f} s (time model: compute + collectives, no overlap)")
+    if plan.offload_states:
+        print(f"  on the host     {format_bytes(plan.host_bytes)} per rank, "
+              f"{format_bytes(plan.host_bytes * min(per_node, nodes * per_node))} per node of {host_budget} "
+              "(FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state; the optimizer steps on the CPU)")
     print(f"  recomputed      {', '.join(plan.checkpoint) or '-'}")
     for note in plan.notes:
         if "chosen" in note:
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default 80)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    parser.add_argument("--host-budget", default="2TB", help="host memory per node (default: a DGX H100's 2TB)")
     parser.add_argument("--progress", action="store_true", help="print the planner's stages as they begin")
     parser.add_argument("--no-extrapolate", action="store_true",
                         help="simulate every block (plan(extrapolate_depth=False)); default: depth extrapolation")
@@ -99,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         listen = contextlib.nullcontext
     for nodes in (1, 4) if args.nodes is None else (args.nodes,):
         with listen():
-            plan_for(model, ids, nodes, 8, args.batch, extrapolate_depth=not args.no_extrapolate)
+            plan_for(model, ids, nodes, 8, args.batch, extrapolate_depth=not args.no_extrapolate,
+                     host_budget=args.host_budget)
 
 
 if __name__ == "__main__":

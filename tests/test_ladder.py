@@ -79,16 +79,26 @@ def test_clipping_ranks_and_grad_scaling_keep_the_optimizer_out_of_backward():
     assert [s.in_backward for s in fp16] == [(), (FP32,)]  # fp16 needs a GradScaler, which steps after backward
 
 
-def test_data_parallel_plans_have_no_host_rung_and_fsdp2_shards_the_floor():
+def test_ddp_has_no_host_rung_and_fsdp2_shards_the_floor_then_offloads_every_rank():
     request = _request(world_size=2, stored=())
     fsdp2 = Parallel(strategy="fsdp2", world_size=2, shard_units=("0", "1", "2"))
     rungs = ladder(request, fsdp2)
-    # then every precision again, reduce-scattering after every micro-batch (Note [gradient sync under accumulation])
+    # then every precision again, reduce-scattering after every micro-batch (Note [gradient sync under accumulation]),
+    # then every rank's shard of the states on its host (ZeRO-3 gathers one unit at a time: no floor)
     reducing = replace(fsdp2, reduce_every_micro_batch=True)
-    assert [s.parallel for s in rungs] == [fsdp2, fsdp2, reducing]
-    assert [s.floor_bytes for s in rungs] == [16 * N // 2] * 3
-    assert [s.skippable for s in rungs] == [True, True, False]
-    assert states_floor(ladder(request, Parallel(strategy="ddp", world_size=2))) == 16 * N
+    host = replace(fsdp2, offload_states=True)
+    assert [s.parallel for s in rungs] == [fsdp2, fsdp2, reducing, host]
+    assert [s.floor_bytes for s in rungs] == [16 * N // 2] * 3 + [None]
+    assert [s.skippable for s in rungs] == [True, True, True, False]
+    assert rungs[-1].host_check
+    # ZeRO-2 keeps every unit gathered from forward to backward, in bf16 at least (2 B); a reshard to 2 of 4 half
+    zero2 = ladder(request, replace(fsdp2, reshard_after_forward=False))[-1]
+    assert zero2.host_check and zero2.floor_bytes == 2 * N
+    four = _request(world_size=4, stored=())
+    assert ladder(four, replace(fsdp2, world_size=4, reshard_after_forward=2))[-1].floor_bytes == N
+    assert not any(s.host_check for s in ladder(_request(world_size=2, stored=(), offload=False), fsdp2))
+    ddp = ladder(request, Parallel(strategy="ddp", world_size=2))
+    assert not any(s.host_check for s in ddp) and states_floor(ddp) == 16 * N
 
 
 def test_skipped_rungs_are_named_once_in_the_note_of_the_rung_that_fits():
