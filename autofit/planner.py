@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -31,10 +31,10 @@ from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, row
 from autofit.solve.ladder import ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import module_level
-from autofit.solve.sharding import layouts
+from autofit.solve.sharding import collective_floor, layouts
 from autofit.solve.space import analyse_policies, searchable
-from autofit.solve.verify import (Verified, host_checked, host_fits, infeasible, search_in_backward, search_verified,
-                                  smallest_in_backward, smallest_verified, with_closed_rungs,
+from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,
+                                  search_verified, smallest_in_backward, smallest_verified, with_closed_rungs,
                                   with_offload_minimum)
 from autofit.core.units import format_bytes
 
@@ -140,7 +140,7 @@ def plan_with_analysis(
                            allow=allow, tensor_parallel=tensor_parallel,
                            tensor_parallel_plan=tensor_parallel_plan, compile=compile,
                            extrapolate_depth=extrapolate_depth)
-    results, infeasible_errors, failed = [], [], []
+    results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
     # its analysis would only name its smallest budget, which the error needs only if no layout fits. One that fits
@@ -151,7 +151,11 @@ def plan_with_analysis(
     hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
     host_only = {p for p, stages in ladders.items() if stages[-1].host_check
                  and states_floor(stages[:-1]) > request.fit_bytes}
-    for parallel in sorted(parallels, key=lambda p: (p in hopeless, p in host_only)):
+    # Note [layouts that cannot win]: the layouts whose collectives cost least first, so that a fast plan found
+    # early lets the others stop before verifying anything
+    order = sorted(parallels, key=lambda p: (p in hopeless, p in host_only, collective_floor(request, p)))
+    unplanned: list[_Unplanned] = []
+    for parallel in order:
         name = parallel.label
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
@@ -164,21 +168,36 @@ def plan_with_analysis(
             failed.append(f"{name} not planned: it fits only with its states on the host, slower than a layout "
                           "that keeps them on the GPUs")
             continue
+        beat = min(r[0].predicted_step_seconds for r in results) if results else None
+        on_gpus = any(not r[0].offload_states for r in results)
         try:
-            results.append(_plan_parallel(request, parallel))
-        except (InfeasibleBudgetError, HostMemoryError) as e:  # another layout may still fit
-            infeasible_errors.append(e)
+            results.append(_plan_parallel(request, parallel, beat, on_gpus))
+        except _Unplanned as e:
+            if e.fallback is not None:
+                unplanned.append(e)
+            else:
+                failed.append(f"{name} not planned: {e}")
         except AutofitError as e:
             if len(request.strategies) == 1:  # its other layouts would fail the same way
                 raise
             failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
+    errors = []  # each layout's smallest budget, named only now that no layout fits
+    for e in unplanned if not results else ():
+        try:
+            results.append(e.fallback())  # the models were pessimistic: the smallest configuration fits
+        except (InfeasibleBudgetError, HostMemoryError) as error:
+            errors.append(error)
+        except AutofitError as error:
+            if len(request.strategies) == 1:
+                raise
+            failed.append(str(error))
     if not results:
         # a layout that fits the GPU but not the host says more than the smallest budget of one that fits neither
-        over_host = [e for e in infeasible_errors if isinstance(e, HostMemoryError)]
+        over_host = [e for e in errors if isinstance(e, HostMemoryError)]
         if over_host:
             raise min(over_host, key=lambda e: e.host_bytes)
-        if infeasible_errors:
-            raise min(infeasible_errors, key=lambda e: e.min_budget_bytes)
+        if errors:
+            raise min(errors, key=lambda e: e.min_budget_bytes)
         raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
@@ -187,9 +206,32 @@ def plan_with_analysis(
     return chosen, analyses
 
 
-def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict[str, Analysis]]:
+class _Unplanned(Exception):
+    """A layout without a plan that could win (Note [layouts that cannot win]): ``why`` its rungs could only lose to
+    a plan found already, or nothing fits and ``fallback()`` returns the plan of its smallest configuration or raises
+    the error naming its smallest budget (a few more verifications, run only when no layout fits)."""
+
+    def __init__(self, why: str, fallback: Callable[[], tuple[Plan, dict[str, Analysis]]] | None = None) -> None:
+        super().__init__(why)
+        self.fallback = fallback
+
+
+# Note [layouts that cannot win]
+#     With several layouts, each climbs its own ladder and the fastest plan wins. A plan's predicted time is that of
+#     the configuration its search verified, and the search verifies in order of modelled time, so the first
+#     configuration a rung would verify bounds the rung's plan from below. A rung whose bound is no faster than a
+#     plan found already (``beat``) verifies nothing (``Slower``): the next rung is searched the same way, as it is
+#     when nothing fits. A layout without a plan raises ``_Unplanned``; its smallest budget, a few verifications
+#     more, is computed only if no layout fits at all. The layouts are planned in order of their collectives at one
+#     micro-batch (``collective_floor``, the same compute for all of them), so the likely winner comes first.
+#     Llama-3-70B-shaped on 4 x 8 H100s (benchmarks/multi_gpu_70b.py): three layouts verified in full, one of them
+#     only to name a smallest budget nobody read, before this.
+def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None = None,
+                   on_gpus: bool = False) -> tuple[Plan, dict[str, Analysis]]:
     """Quick path; else climb the ladder (Note [the ladder], solve/ladder.py): each rung analysed, searched and its
-    winner verified; else the smallest budget over the rungs tried, as an error."""
+    winner verified; else ``_Unplanned``: no faster than ``beat``, the fastest plan found already, or without its
+    states on the host where ``on_gpus`` says a plan keeps them on the GPUs (Note [layouts that cannot win]); or
+    nothing fits (its ``fallback()``: the smallest budget over the rungs tried)."""
     request = request.for_layout(parallel)  # with tensor parallel, a group's ranks share their rows
     estimator, stages = Estimator(request, parallel), ladder(request, parallel)
     fit = request.fit_bytes
@@ -205,16 +247,24 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
     tried = None  # the space and estimator of the last rung searched on the device: the smallest budget's
     backward = None  # the configurations that may step in backward, once their rung was searched
     on_host = None  # the smallest verified configuration with the states on the host, once that rung was searched
+    slower = None  # the fastest bound of the rungs that could only lose to ``beat``
+    host_skipped = False  # the states on the host not tried: a plan keeps them on the GPUs
     for stage in stages:
         versus = None  # the best module-level candidate, when the winner recomputes selectively
         if stage.skipped(fit):  # not worth an analysis: its states alone miss the budget
             skipped.append(f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)")
             continue
+        if stage.host_check and on_gpus:  # a plan keeps its states on the GPUs: the CPU step cannot win
+            host_skipped = True
+            continue
         where, space, done = searchable(request, stage, analyses)
         if stage.host_check:
             progress.report("searching with the states on the host (checkpoint MILP)")
             found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes,
-                                                             parallel.ranks_per_node))
+                                                             parallel.ranks_per_node), beat)
+            if isinstance(found, Slower):
+                slower, found = min(slower or found, found, key=lambda f: f.seconds), None
+                continue
             if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
                 on_host = candidate, est = smallest_verified(space, where.verify)
                 fitted = est.within(fit)
@@ -223,8 +273,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                                      (candidate,))
         else:
             progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
-            found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known))
+            found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known), beat)
             tried = space, where
+            if isinstance(found, Slower):  # Note [layouts that cannot win]
+                slower, found = min(slower or found, found, key=lambda f: f.seconds), None
+                continue
             versus = module_level(space, fit) if found is not None and found.candidate.selective else None
             if found is None and stage.in_backward:  # nothing fits with every gradient alive
                 backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
@@ -237,30 +290,42 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel) -> tuple[Plan, dict
                 plan = replace(plan, module_level_step_seconds=versus.seconds, notes=plan.notes + (
                     selective_note(plan, versus),))
             return plan, done
+    if beat is not None:  # a plan exists: this layout's smallest budget would never be read
+        raise _Unplanned(
+            (f"its fastest configuration the models allow, {slower.seconds:.3g} s, is no faster than {beat:.3g} s"
+             if slower is not None else "nothing fits")
+            + (" with its states on the GPUs, and with them on the host it cannot beat a plan that keeps them there"
+               if host_skipped else ""))
 
-    if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
-        last = [s for s in stages if not s.host_check][-1]
-        where, space, _ = searchable(request, last, analyses)
-        tried = space, where
-    space, where = tried
-    smallest, est = smallest_verified(space, where.verify_floor)  # Note [gradients before forward as a plan knob]
-    stepped = smallest_in_backward(backward, where.verify) if backward is not None else None
-    if stepped is not None and stepped[1].min_device_bytes < est.min_device_bytes:
-        smallest, est = stepped
-    fitted = est.within(fit)
-    if fitted is not None:  # the models were pessimistic: the smallest configuration fits
-        done = analyses[where.parallel, where.request.chunked_loss, where.request.low_bit_optimizer]
-        return _plan_of(where, Verified(smallest, fitted, (smallest,)), done), done
-    at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
-    error = infeasible(smallest, est, request.budget_bytes, at, margin=request.margin_bytes,
-                       sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
-                       if parallel.strategy == "fsdp2" else 0)
-    if on_host is not None:
-        error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes,
-                                     parallel.ranks_per_node)
-    if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
-        error = with_closed_rungs(error, request.closed_rungs)
-    raise error
+    def smallest() -> tuple[Plan, dict[str, Analysis]]:
+        """The plan of the smallest verified configuration where the models were pessimistic, else the error
+        naming the smallest budget over the rungs tried."""
+        nonlocal tried
+        if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
+            last = [s for s in stages if not s.host_check][-1]
+            where, space, _ = searchable(request, last, analyses)
+            tried = space, where
+        space, where = tried
+        least, est = smallest_verified(space, where.verify_floor)  # Note [gradients before forward as a plan knob]
+        stepped = smallest_in_backward(backward, where.verify) if backward is not None else None
+        if stepped is not None and stepped[1].min_device_bytes < est.min_device_bytes:
+            least, est = stepped
+        fitted = est.within(fit)
+        if fitted is not None:  # the models were pessimistic: the smallest configuration fits
+            done = analyses[where.parallel, where.request.chunked_loss, where.request.low_bit_optimizer]
+            return _plan_of(where, Verified(least, fitted, (least,)), done), done
+        at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
+        error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
+                           sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
+                           if parallel.strategy == "fsdp2" else 0)
+        if on_host is not None:
+            error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes,
+                                         parallel.ranks_per_node)
+        if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
+            error = with_closed_rungs(error, request.closed_rungs)
+        raise error
+
+    raise _Unplanned("nothing fits", fallback=smallest)
 
 
 def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis] | None = None,

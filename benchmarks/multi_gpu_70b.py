@@ -15,6 +15,7 @@ times the planner.
     .venv/bin/python benchmarks/multi_gpu_70b.py --nodes 4       # 4 x 8 only
     .venv/bin/python benchmarks/multi_gpu_70b.py --layers 8      # a shallower model (quick check)
     .venv/bin/python benchmarks/multi_gpu_70b.py --no-extrapolate  # every block simulated (Note [depth extrapolation])
+    .venv/bin/python benchmarks/multi_gpu_70b.py --check-depth     # the plan's step also simulated in full, compared
 """
 
 from __future__ import annotations
@@ -45,13 +46,45 @@ def llama3_70b_config(**overrides) -> LlamaConfig:
                                  num_heads=64, num_kv_heads=8, rope_theta=500000.0, eps=1e-5), **overrides})
 
 
+def _arguments(ids, nodes: int, per_node: int, batch: int, host_budget: str) -> dict:
+    return dict(batch_size=batch, target=ids, gpu="H100-80GB", world_size=nodes * per_node, gpus_per_node=per_node,
+                strategy="fsdp2", host_budget=host_budget)
+
+
+def check_depth(model, ids, plan, nodes: int, per_node: int, batch: int, host_budget: str) -> None:
+    """The plan's step simulated with all its blocks, beside the figures the plan carried from cut models (Note
+    [segment figures in depth], autofit/solve/depth.py)."""
+    from autofit.request import make_request
+    from autofit.solve.estimator import Estimator
+    from autofit.solve.search import Candidate
+    from autofit.solve.sharding import Parallel
+
+    request = make_request(model, ids, "80GB", optimizer="adamw", precision="auto", checkpoint="auto", device="cuda",
+                           quick=False, loss_fn=None, **_arguments(ids, nodes, per_node, batch, host_budget))
+    parallel = Parallel(strategy=plan.strategy, world_size=plan.world_size, shard_units=plan.shard_units,
+                        offload_states=plan.offload_states, reduce_every_micro_batch=plan.reduce_every_micro_batch,
+                        reshard_after_forward=plan.reshard_after_forward, replicate=plan.replicate,
+                        gpus_per_node=plan.gpus_per_node)
+    estimator = Estimator(request.for_layout(parallel), parallel)
+    c = Candidate(precision=plan.precision.label, micro_batch_size=plan.micro_batch_size,
+                  accumulation_steps=plan.gradient_accumulation_steps, last_micro_batch_size=plan.last_micro_batch_size,
+                  checkpoint=plan.checkpoint, peak_bytes=0, seconds=0.0, offload=plan.offload,
+                  offload_states=plan.offload_states, selective=plan.selective)
+    start = time.perf_counter()
+    policy = estimator.policy(c.precision)
+    full = request.device.estimate(estimator.simulate(c, policy))
+    print(f"  full simulation ({time.perf_counter() - start:.0f} s) against the plan's carried figures:")
+    for attr in ("peak_bytes", "peak_reserved_bytes", "device_bytes", "min_device_bytes", "host_bytes"):
+        carried, truth = getattr(plan.estimate, attr), getattr(full, attr)
+        print(f"    {attr:20s} carried {carried:>16,}  full {truth:>16,}  ({(carried - truth) / truth:+.3%})")
+
+
 def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_depth: bool = True,
-             host_budget: str = "2TB"):
+             host_budget: str = "2TB", check: bool = False):
     start = time.perf_counter()
     try:
-        plan = autofit.plan(model, ids, "80GB", batch_size=batch, target=ids, gpu="H100-80GB",
-                            world_size=nodes * per_node, gpus_per_node=per_node, strategy="fsdp2",
-                            extrapolate_depth=extrapolate_depth, host_budget=host_budget)
+        plan = autofit.plan(model, ids, "80GB", extrapolate_depth=extrapolate_depth,
+                            **_arguments(ids, nodes, per_node, batch, host_budget))
     except (autofit.InfeasibleBudgetError, autofit.HostMemoryError) as e:
         seconds = time.perf_counter() - start
         print(f"\n{nodes} x {per_node} H100-80GB: no plan fits ({seconds:.1f} s): {e}")
@@ -76,6 +109,8 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_dept
             print(f"  why             {note}")
         elif "depth extrapolation" in note:
             print(f"  how             {note}")
+    if check:
+        check_depth(model, ids, plan, nodes, per_node, batch, host_budget)
     return seconds
 
 
@@ -86,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
     parser.add_argument("--host-budget", default="2TB", help="host memory per node (default: a DGX H100's 2TB)")
+    parser.add_argument("--check-depth", action="store_true",
+                        help="simulate the plan's step with all its blocks too, and compare (minutes)")
     parser.add_argument("--progress", action="store_true", help="print the planner's stages as they begin")
     parser.add_argument("--no-extrapolate", action="store_true",
                         help="simulate every block (plan(extrapolate_depth=False)); default: depth extrapolation")
@@ -108,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     for nodes in (1, 4) if args.nodes is None else (args.nodes,):
         with listen():
             plan_for(model, ids, nodes, 8, args.batch, extrapolate_depth=not args.no_extrapolate,
-                     host_budget=args.host_budget)
+                     host_budget=args.host_budget, check=args.check_depth)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -250,3 +251,43 @@ def test_plan_with_extrapolation_equals_plan_without(budget):
     assert not any("depth extrapolation" in n for n in b.notes)
     assert len(model.layers) == LAYERS and model.cfg.num_layers == LAYERS
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def _figures(blocks: int, reserve: int, floor: int, rounding: int):
+    """A CUDA estimate at ``blocks`` blocks: 100 MB of activations per block over 1 GB, a context of 512 MiB,
+    ``reserve`` bytes reserved above the allocated peak and ``floor`` bytes of smallest budget above it."""
+    from autofit.core.report import MemoryEstimate
+
+    activations = 10**9 + blocks * 10**8
+    peak = activations + rounding
+    context = 512 << 20
+    return MemoryEstimate(peak_bytes=peak, breakdown={"activations": activations, "allocator_rounding": rounding,
+                                                      "fragmentation": reserve, "cuda_context": context},
+                          device_bytes=peak + reserve + context, peak_reserved_bytes=peak + reserve,
+                          min_device_bytes=peak + floor, host_bytes=blocks * 1000)
+
+
+def test_segment_figures_off_their_line_carry_the_largest_reserve_unless_near_the_budget():
+    """Note [segment figures in depth], by hand: 80 blocks from 8, 9, 10 (70 more). The tensor line: 1 GB + 100 MB
+    per block, so 9 GB at 80; the rounding alternates (9,372, 42,204, 9,500: carried as 42,204 + 64 x 70); the
+    reserve above the allocated peak steps 19, 21, 20 GB (off its line): 21 GB carried; the smallest budget's
+    excess 0.90, 0.92, 0.91 GB: 0.92 GB carried."""
+    from autofit.solve.depth import DepthRun, extrapolate
+
+    run = DepthRun(Blocks("layers", 80), 1, (tuple(range(8)), tuple(range(9)), tuple(range(10))), 70)
+    ests = (_figures(8, 19 * 10**9, 900 * 10**6, 9372), _figures(9, 21 * 10**9, 920 * 10**6, 42204),
+            _figures(10, 20 * 10**9, 910 * 10**6, 9500))
+    est = extrapolate(run, ests)
+    peak = 9 * 10**9 + 42204 + 64 * 70
+    assert est.peak_bytes == peak
+    assert est.peak_reserved_bytes == peak + 21 * 10**9
+    assert est.device_bytes == peak + 21 * 10**9 + (512 << 20)
+    assert est.min_device_bytes == peak + 920 * 10**6
+    assert est.host_bytes == 80 * 1000
+    assert dict(est.breakdown)["fragmentation"] == 21 * 10**9
+    assert any("off their line" in n for n in est.notes)
+    # a budget within 1 % of that smallest budget: not trusted, the caller simulates in full
+    assert extrapolate(run, ests, fit_bytes=est.min_device_bytes + est.min_device_bytes // 200) is None
+    assert extrapolate(run, ests, fit_bytes=2 * est.min_device_bytes) is not None
+    # a tensor figure off its line by one byte: never carried
+    assert extrapolate(run, ests[:2] + (dataclasses.replace(ests[2], host_bytes=10 * 1000 + 1),)) is None

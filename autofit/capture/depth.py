@@ -20,7 +20,10 @@ Note [depth extrapolation]
       the CUDA allocator's segment granularity for the reserved ones), else larger depths are tried, else the full
       model is simulated. A peak is a maximum of lines (one per stage of the step), so it is affine only from the depth
       where one stage dominates; three agreeing depths make a later change of the dominant stage unlikely, not
-      impossible. That is the approximation, and the tests compare with the CPU allocator at full depth.
+      impossible. That is the approximation, and the tests compare with the CPU allocator at full depth. A CUDA
+      target's segment figures may be off their line where the tensor figures are on theirs: they are then carried
+      with the largest reserve seen, unless the smallest budget lands near the budget (Note [segment figures in
+      depth], autofit/solve/depth.py).
     - The estimate under a budget (``MemoryEstimate.under``, an allocator replay under a cap) is the d3 replay under
       the budget less the extrapolated growth, then shifted by it: approximate, and said so in its notes.
 """

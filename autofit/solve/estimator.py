@@ -135,7 +135,7 @@ class Estimator:
             if est is not None:
                 return est, sims, grid
         for run in depth_runs(config, blocks):
-            est = extrapolate(run, simulated(run.keeps))
+            est = extrapolate(run, simulated(run.keeps), self.request.fit_bytes)
             if est is not None:
                 return est, sims, run
         return None, None, None

@@ -230,7 +230,8 @@ def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
     """The note saying why ``chosen``'s data-parallel layout won over the other layouts' plans."""
     other = sorted((p for p in all_plans if p is not chosen), key=lambda p: p.predicted_step_seconds)
     if not other:
-        return f"{chosen.layout} chosen: it is the only layout that fits the budget"
+        return (f"{chosen.layout} chosen: no other layout fits the budget with a faster step (the notes that follow "
+                "say why each was left)")
     against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
                         f"{format_bytes(o.device_bytes)})" for o in other)
     tensor = ("; tensor parallel T splits the block's linear layers over T GPUs of a node (1/T of their weights, "

@@ -25,7 +25,7 @@ from autofit.training.tensor_parallel import resolve_tensor_plan
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
 
-__all__ = ["Parallel", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "Layout", "ring_seconds"]
+__all__ = ["Parallel", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "Layout", "ring_seconds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,6 +188,21 @@ def ring_seconds(kind: str, group: int, nbytes: float, bytes_per_second: float) 
         return 0.0
     factor = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}[kind]
     return factor * (group - 1) / group * nbytes / bytes_per_second
+
+
+def collective_floor(request: PlanRequest, parallel: Parallel) -> float:
+    """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch, over the parameters as the
+    model holds them: the order the planner tries layouts in (Note [layouts that cannot win], planner.py). Tensor
+    parallel's all-reduces, which need the analysis' activation sizes, are left out."""
+    ranks = parallel.world_size // parallel.tensor_parallel
+    if parallel.strategy is None or ranks <= 1:
+        return 0.0
+    nbytes = sum(p.numel() * p.element_size() for p in request.model.parameters()) // parallel.tensor_parallel
+    layout = Layout(strategy=parallel.strategy, world_size=ranks, reshard_after_forward=parallel.reshard_after_forward,
+                    replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
+                    intra_bytes_per_second=request.device.interconnect_bytes_per_second,
+                    inter_bytes_per_second=request.device.network_bytes_per_second)
+    return collective_seconds(layout, nbytes, nbytes, 1)
 
 
 def collective_seconds(layout: Layout, param_bytes: int, grad_bytes: int, micro_batches: int) -> float:

@@ -21,7 +21,7 @@ from autofit.solve.search import (
 )
 from autofit.core.units import format_bytes
 
-__all__ = ["Verified", "MAX_VERIFICATIONS", "search_verified", "search_in_backward", "smallest_in_backward",
+__all__ = ["Slower", "Verified", "MAX_VERIFICATIONS", "search_verified", "search_in_backward", "smallest_in_backward",
            "smallest_verified", "infeasible", "host_checked", "host_fits", "with_offload_minimum"]
 
 MAX_VERIFICATIONS = 4
@@ -39,13 +39,25 @@ class Verified:
     notes: tuple[str, ...] = ()
 
 
-def search_verified(space: SearchSpace, budget: int, verify: Verify) -> Verified | None:
-    """The fastest configuration whose verified estimate fits ``budget``, or None when the search finds none."""
+@dataclass(frozen=True)
+class Slower:
+    """What ``search_verified`` returns when the fastest configuration left to verify is modelled no faster than
+    ``beat``, a plan found already: whatever this search would verify loses to it, so nothing is verified."""
+
+    seconds: float
+
+
+def search_verified(space: SearchSpace, budget: int, verify: Verify,
+                    beat: float | None = None) -> Verified | Slower | None:
+    """The fastest configuration whose verified estimate fits ``budget``, or None when the search finds none;
+    ``Slower`` as soon as the next one to verify is modelled no faster than ``beat`` (seconds per step)."""
     correction = 0
     for _ in range(MAX_VERIFICATIONS):
         best, fitting = search(space, budget - correction)
         if best is None:
             return None
+        if beat is not None and best.seconds >= beat:  # a verified plan's time is its candidate's modelled time
+            return Slower(best.seconds)
         est = verify(best)
         fitted = est.within(budget)
         if fitted is not None:
