@@ -92,8 +92,9 @@ def test_ddp_has_no_host_rung_and_fsdp2_shards_the_floor_then_offloads_every_ran
     assert [s.skippable for s in rungs] == [True, True, True, False]
     assert rungs[-1].host_check
     # ZeRO-2 keeps every unit gathered from forward to backward, in bf16 at least (2 B); a reshard to 2 of 4 half
-    zero2 = ladder(request, replace(fsdp2, reshard_after_forward=False))[-1]
-    assert zero2.host_check and zero2.floor_bytes == 2 * N
+    zero2 = ladder(request, replace(fsdp2, reshard_after_forward=False))
+    assert [s.floor_bytes for s in zero2] == [16 * N // 2 + 2 * N] * 3 + [2 * N]
+    assert zero2[-1].host_check and zero2[-1].skipped(2 * N - 1) and not zero2[-1].skipped(2 * N)
     four = _request(world_size=4, stored=())
     assert ladder(four, replace(fsdp2, world_size=4, reshard_after_forward=2))[-1].floor_bytes == N
     assert not any(s.host_check for s in ladder(_request(world_size=2, stored=(), offload=False), fsdp2))

@@ -21,8 +21,9 @@ Note [the ladder]
          (offload="auto", a GPU target): FSDP2's CPUOffloadPolicy on one process, or on every rank of an FSDP2
          layout without tensor parallel. Its estimates must also fit the host budget, which the ranks of one node
          share: a rank's host bytes times the ranks per node.
-    A rung whose parameters, gradients and optimizer state alone exceed the budget is skipped without analysis, as
-    long as a later rung may still fit: the rungs on the device skip when the host rung follows, and every rung
+    A rung whose parameters, gradients and optimizer state alone (and what an FSDP2 layout keeps gathered between
+    forward and backward: ZeRO-2 every parameter, an int reshard its group's share) exceed the budget is skipped
+    without analysis, as long as a later rung may still fit: the rungs on the device skip when the host rung follows, and every rung
     but the last otherwise (the last is analysed anyway, to name the smallest budget). A new way to save memory is
     one more :class:`Stage` here, placed by its risk.
 """
@@ -103,13 +104,15 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
             what="FSDP2 reducing every micro-batch" if layout.reduce_every_micro_batch else what,
             policies=policies, parallel=layout,
             in_backward=_in_backward(request, layout, policies) if i == own else (),
-            floor_bytes=states_bytes(request, layout, policies[0], k),
+            floor_bytes=states_bytes(request, layout, policies[0], k) + _gathered_bytes(request, layout, policies),
         ))
     rungs += _opt_in(request, parallel, stages[-1], k)
     rungs = [replace(r, skippable=host is not None or i < len(rungs) - 1) for i, r in enumerate(rungs)]
     if host is not None:
+        gathered = _gathered_bytes(request, host, request.policies)
+        # skipped when what its layout keeps gathered misses the budget; ZeRO-3 has no floor and is always searched
         rungs.append(Stage(what="the states on the host", policies=request.policies, parallel=host, host_check=True,
-                           floor_bytes=_host_floor(request, host, request.policies)))
+                           floor_bytes=gathered or None, skippable=bool(gathered)))
     return tuple(rungs)
 
 
@@ -213,15 +216,17 @@ def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
                    offload_states=True)
 
 
-def _host_floor(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...]) -> int | None:
-    """A floor of the device peak with the states on the host: what the layout keeps gathered between forward and
-    backward, every parameter in the lowest compute precision allowed (ZeRO-2: all of it; an int reshard: its
-    group's share). None for ZeRO-3, which keeps nothing gathered beyond one unit."""
+def _gathered_bytes(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...]) -> int:
+    """What an FSDP2 layout keeps gathered between forward and backward at the end of forward, every parameter in
+    the lowest compute precision of ``policies`` (FSDP2's MixedPrecisionPolicy gathers in it): ZeRO-2 all of it, an
+    int reshard its group's share; 0 for ZeRO-3 (one unit at a time) and without FSDP2. Part of every floor of the
+    layout, on top of the sharded states (or alone, with them on the host)."""
     raf = parallel.reshard_after_forward
-    if raf is True:
-        return None
+    if parallel.strategy != "fsdp2" or raf is True:
+        return 0
     low = min(p.dtype.itemsize for p in policies)
     total = sum(p.numel() * (low if p.is_floating_point() else p.element_size()) for p in request.model.parameters())
+    total //= parallel.tensor_parallel  # tensor parallel's split layers gather only their share
     return total if raf is False else total // raf
 
 
