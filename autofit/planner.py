@@ -220,8 +220,9 @@ class _Unplanned(Exception):
 #     With several layouts, each climbs its own ladder and the fastest plan wins. A plan's predicted time is that of
 #     the configuration its search verified, and the search verifies in order of modelled time, so the first
 #     configuration a rung would verify bounds the rung's plan from below. A rung whose bound is no faster than a
-#     plan found already (``beat``) verifies nothing (``Slower``): the next rung is searched the same way, as it is
-#     when nothing fits. A layout without a plan raises ``_Unplanned``; its smallest budget, a few verifications
+#     plan found already (``beat``) verifies nothing (``Slower``), and where even the floor of every configuration
+#     (Note [pruned search], solve/search.py) loses, no checkpoint MILP is solved: the next rung is searched the same
+#     way, as it is when nothing fits. A layout without a plan raises ``_Unplanned``; its smallest budget, a few verifications
 #     more, is computed only if no layout fits at all. The layouts are planned in order of their collectives at one
 #     micro-batch (``collective_floor``, the same compute for all of them), so the likely winner comes first.
 #     Llama-3-70B-shaped on 4 x 8 H100s (benchmarks/multi_gpu_70b.py): three layouts verified in full, one of them

@@ -73,10 +73,14 @@ def check_depth(model, ids, plan, nodes: int, per_node: int, batch: int, host_bu
     start = time.perf_counter()
     policy = estimator.policy(c.precision)
     full = request.device.estimate(estimator.simulate(c, policy))
-    print(f"  full simulation ({time.perf_counter() - start:.0f} s) against the plan's carried figures:")
+    # the plan's figures are its estimate under the budget (the allocator replayed under the cap), as are these
+    full = full.within(request.fit_bytes) or full
+    print(f"  full simulation ({time.perf_counter() - start:.0f} s) against the plan's carried figures (both under "
+          "the budget):")
     for attr in ("peak_bytes", "peak_reserved_bytes", "device_bytes", "min_device_bytes", "host_bytes"):
         carried, truth = getattr(plan.estimate, attr), getattr(full, attr)
-        print(f"    {attr:20s} carried {carried:>16,}  full {truth:>16,}  ({(carried - truth) / truth:+.3%})")
+        change = f"{(carried - truth) / truth:+.3%}" if truth else "-"
+        print(f"    {attr:20s} carried {carried:>16,}  full {truth:>16,}  ({change})")
 
 
 def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_depth: bool = True,
@@ -109,6 +113,8 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_dept
             print(f"  why             {note}")
         elif "depth extrapolation" in note:
             print(f"  how             {note}")
+        elif "not planned" in note:
+            print(f"  other layout    {note}")
     if check:
         check_depth(model, ids, plan, nodes, per_node, batch, host_budget)
     return seconds

@@ -332,8 +332,8 @@ def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else
 
     planned = []
     real = planner._plan_parallel
-    monkeypatch.setattr(planner, "_plan_parallel", lambda request, parallel: planned.append(parallel.strategy)
-                        or real(request, parallel))
+    monkeypatch.setattr(planner, "_plan_parallel", lambda request, parallel, *args: planned.append(parallel.strategy)
+                        or real(request, parallel, *args))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
     x, y = torch.randn(2, 1024), torch.randn(2, 1024)

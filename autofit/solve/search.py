@@ -174,6 +174,24 @@ def _rank(space: SearchSpace, c: Candidate) -> tuple:
     return (round(c.seconds, 12), c.peak_bytes, space.precisions.index(c.precision), -c.micro_batch_size)
 
 
+def _options(space: SearchSpace, budget: int) -> list[tuple[str, int, int, int]]:
+    """(precision, b, k, last) worth evaluating: for each precision, micro-batches from the largest down to the first
+    that fits with no (further) module recomputed."""
+    options = []
+    for precision in space.precisions:
+        for b, k, last in batch_options(space.batch_size):
+            options.append((precision, b, k, last))
+            if _fits_as_is(space, precision, b, k, last, budget):
+                break
+    return options
+
+
+def time_floor(space: SearchSpace, budget: int) -> float:
+    """No configuration of ``space`` under ``budget`` steps faster than this (Note [pruned search]): the least of
+    the options' floors, with no checkpoint MILP solved."""
+    return min((_time_floor(space, *o, budget) for o in _options(space, budget)), default=math.inf)
+
+
 def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Candidate | None, list[Candidate]]:
     """The best candidate under ``budget`` (None if none fits) and the candidates that fit among those evaluated.
 
@@ -181,12 +199,7 @@ def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Cand
     recomputed: smaller ones with the same checkpointing only add per-micro-batch overhead. With ``prune`` they are
     evaluated cheapest time floor first, and those whose floor cannot beat the best found are skipped (Note [pruned
     search]): the same winner, fewer checkpoint MILPs, and fewer candidates in ``fitting``."""
-    options = []
-    for precision in space.precisions:
-        for b, k, last in batch_options(space.batch_size):
-            options.append((precision, b, k, last))
-            if _fits_as_is(space, precision, b, k, last, budget):
-                break
+    options = _options(space, budget)
     floors = {}
     if prune:
         floors = {o: _time_floor(space, *o, budget) for o in options}

@@ -18,6 +18,7 @@ from autofit.solve.search import (
     alternatives,
     search,
     smallest_peaks,
+    time_floor,
 )
 from autofit.core.units import format_bytes
 
@@ -51,6 +52,10 @@ def search_verified(space: SearchSpace, budget: int, verify: Verify,
                     beat: float | None = None) -> Verified | Slower | None:
     """The fastest configuration whose verified estimate fits ``budget``, or None when the search finds none;
     ``Slower`` as soon as the next one to verify is modelled no faster than ``beat`` (seconds per step)."""
+    if beat is not None:  # no checkpoint MILP where even the floor of every configuration loses
+        floor = time_floor(space, budget)
+        if floor >= beat:
+            return Slower(floor)
     correction = 0
     for _ in range(MAX_VERIFICATIONS):
         best, fitting = search(space, budget - correction)
