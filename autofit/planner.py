@@ -129,7 +129,9 @@ def plan_with_analysis(
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
     With ``alternatives=False`` the planner first checks the fastest configuration the time model allows (see
-    Note [the quick path]) and skips the analysis when it fits; the plan then has no front and no analyses."""
+    Note [the quick path]) and skips the analysis when it fits; the plan then has no front and no analyses.
+    Otherwise its front holds the configurations its search evaluated, without the halving micro-batches that
+    ``alternatives=True`` adds (a checkpoint MILP each)."""
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
                            optimizer=optimizer, precision=precision, checkpoint=checkpoint, device=device, gpu=gpu,
                            world_size=world_size, strategy=strategy, quick=not alternatives,
@@ -262,7 +264,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         if stage.host_check:
             progress.report("searching with the states on the host (checkpoint MILP)")
             found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes,
-                                                             parallel.ranks_per_node), beat)
+                                                             parallel.ranks_per_node), beat, front=not request.quick)
             if isinstance(found, Slower):
                 slower, found = min(slower or found, found, key=lambda f: f.seconds), None
                 continue
@@ -274,7 +276,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
                                      (candidate,))
         else:
             progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
-            found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known), beat)
+            found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known), beat,
+                                    front=not request.quick)
             tried = space, where
             if isinstance(found, Slower):  # Note [layouts that cannot win]
                 slower, found = min(slower or found, found, key=lambda f: f.seconds), None

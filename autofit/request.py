@@ -56,7 +56,7 @@ class PlanRequest:
     optimizer: OptimizerSpec
     fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
     clip_grad_norm: float | None  # max_norm of clip_grad_norm_ before each optimizer step (None: no clipping)
-    quick: bool  # try the quick path first (Note [the quick path], solve/quick.py)
+    quick: bool  # plan(): try the quick path first (Note [the quick path], solve/quick.py), no front beyond the search
     auto_precision: bool  # the first policy is the device's fastest ("auto", or a single policy)
     notes: tuple[str, ...] = ()
     # Stored precisions the planner may turn to when the model's own does not fit, in order of risk (Note [stored

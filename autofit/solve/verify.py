@@ -48,10 +48,12 @@ class Slower:
     seconds: float
 
 
-def search_verified(space: SearchSpace, budget: int, verify: Verify,
-                    beat: float | None = None) -> Verified | Slower | None:
+def search_verified(space: SearchSpace, budget: int, verify: Verify, beat: float | None = None, *,
+                    front: bool = True) -> Verified | Slower | None:
     """The fastest configuration whose verified estimate fits ``budget``, or None when the search finds none;
-    ``Slower`` as soon as the next one to verify is modelled no faster than ``beat`` (seconds per step)."""
+    ``Slower`` as soon as the next one to verify is modelled no faster than ``beat`` (seconds per step). Its
+    ``fitting`` holds the configurations the search evaluated, and with ``front`` also the halving micro-batches of
+    ``alternatives`` (a checkpoint MILP each: the CLI's table of alternatives, not needed to plan)."""
     if beat is not None:  # no checkpoint MILP where even the floor of every configuration loses
         floor = time_floor(space, budget)
         if floor >= beat:
@@ -70,7 +72,8 @@ def search_verified(space: SearchSpace, budget: int, verify: Verify,
             if correction:
                 notes = (f"the first choices' verified peaks exceeded their modelled peaks; re-planned with "
                          f"{format_bytes(correction)} of margin",)
-            return Verified(best, fitted, tuple(fitting) + tuple(alternatives(space, budget - correction)), notes)
+            more = alternatives(space, budget - correction) if front else []
+            return Verified(best, fitted, tuple(fitting) + tuple(more), notes)
         correction += max(est.min_device_bytes - best.peak_bytes, est.min_device_bytes - budget, 1)
     return None
 
