@@ -56,6 +56,12 @@ def test_one_step_equals_a_full_batch_step(world, reshard, replicate, tmp_path):
     plan = dataclasses.replace(plan, micro_batch_size=4, gradient_accumulation_steps=2, last_micro_batch_size=4)
     ranks = _run([{"kind": "equivalence", "case": "tied_lm", "plan": plan.to_json(), "optimizer": "sgd"}], tmp_path,
                  world)
+    _check_full_batch_step(ranks, 0, plan, plan.layout)
+
+
+def _check_full_batch_step(ranks: list[list[dict]], job: int, plan: autofit.Plan, label: str) -> None:
+    """Every rank's parameters after job ``job`` (an SGD "equivalence" job of tied_lm) equal to one plain SGD step
+    over the whole global batch in one process."""
     torch.manual_seed(0)
     reference = ZOO["tied_lm"]()
     model = reference.model.eval()  # dropout off, as in the workers
@@ -66,8 +72,8 @@ def test_one_step_equals_a_full_batch_step(world, reshard, replicate, tmp_path):
     optimizer.step()
     for name, p in model.named_parameters():
         for rank, result in enumerate(ranks):
-            got = torch.tensor(result[0]["params"][name], dtype=p.dtype)
-            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{plan.layout} rank {rank}: {name}")
+            got = torch.tensor(result[job]["params"][name], dtype=p.dtype)
+            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{label} rank {rank}: {name}")
 
 
 def test_zero2_holds_the_gathered_units_between_forward_and_backward():
@@ -112,15 +118,4 @@ def test_offloaded_states_over_ranks_train_a_full_batch_step_and_match_the_alloc
         measured = min(results[0]["peaks"])
         print(f"offloaded states, rank {rank}: predicted {est.peak_bytes} measured {measured}")
         assert abs(est.peak_bytes - measured) <= 0.005 * measured
-    torch.manual_seed(0)
-    reference = ZOO["tied_lm"]()
-    model = reference.model.eval()
-    batch = as_batch(reference.sample).resize(equivalence.batch_size)
-    target = as_batch(reference.target, what="target").resize(equivalence.batch_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    compute_loss(reference.loss_fn, batch.call(model), target.value).backward()
-    optimizer.step()
-    for name, p in model.named_parameters():
-        for rank, result in enumerate(ranks):
-            got = torch.tensor(result[1]["params"][name], dtype=p.dtype)
-            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"offloaded, rank {rank}: {name}")
+    _check_full_batch_step(ranks, 1, equivalence, "offloaded states")
