@@ -265,9 +265,6 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
             progress.report("searching with the states on the host (checkpoint MILP)")
             found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes,
                                                              parallel.ranks_per_node), beat, front=not request.quick)
-            if isinstance(found, Slower):
-                slower, found = min(slower or found, found, key=lambda f: f.seconds), None
-                continue
             if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
                 on_host = candidate, est = smallest_verified(space, where.verify)
                 fitted = est.within(fit)
@@ -279,13 +276,13 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
             found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known), beat,
                                     front=not request.quick)
             tried = space, where
-            if isinstance(found, Slower):  # Note [layouts that cannot win]
-                slower, found = min(slower or found, found, key=lambda f: f.seconds), None
-                continue
-            versus = module_level(space, fit) if found is not None and found.candidate.selective else None
+            versus = module_level(space, fit) if isinstance(found, Verified) and found.candidate.selective else None
             if found is None and stage.in_backward:  # nothing fits with every gradient alive
                 backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
                 found = search_in_backward(backward, fit, _gradient_bytes(request.model), where.verify)
+        if isinstance(found, Slower):  # Note [layouts that cannot win]
+            slower = found if slower is None else min(slower, found, key=lambda f: f.seconds)
+            continue
         if found is not None:
             found = replace(found, notes=found.notes + skipped_note(stage, skipped)
                             + rung_notes(request, stage, where, found))

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import autofit  # noqa: E402
 from autofit.core import progress  # noqa: E402
 from autofit.core.units import format_bytes  # noqa: E402
+from autofit.solve.sharding import ranks_per_node  # noqa: E402
 from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
 
 GOAL_SECONDS = 60.0
@@ -105,7 +106,8 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_dept
     print(f"  predicted step  {plan.predicted_step_seconds:.2f} s (time model: compute + collectives, no overlap)")
     if plan.offload_states:
         print(f"  on the host     {format_bytes(plan.host_bytes)} per rank, "
-              f"{format_bytes(plan.host_bytes * min(per_node, nodes * per_node))} per node of {host_budget} "
+              f"{format_bytes(plan.host_bytes * ranks_per_node(plan.world_size, plan.gpus_per_node))} per node of "
+              f"{host_budget} "
               "(FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state; the optimizer steps on the CPU)")
     print(f"  recomputed      {', '.join(plan.checkpoint) or '-'}")
     for note in plan.notes:

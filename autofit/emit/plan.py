@@ -16,7 +16,7 @@ from autofit.training.tensor_parallel import require_tensor_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
-from autofit.solve.sharding import layout_words
+from autofit.solve.sharding import layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Plan"]
@@ -316,7 +316,7 @@ class Plan:
         if self.host_bytes:
             allowed = "" if self.host_budget_bytes is None else f" of {fmt(self.host_budget_bytes)} allowed"
             pinned = self.estimate.host_pinned_bytes
-            ranks = min(self.gpus_per_node or self.world_size, self.world_size)
+            ranks = ranks_per_node(self.world_size, self.gpus_per_node)
             node = "" if ranks == 1 else f" per rank, {fmt(ranks * self.host_bytes)} for the {ranks} ranks of a node"
             rows.append(("host memory", f"{fmt(self.host_bytes)} ({fmt(pinned)} pinned, "
                                         f"{fmt(self.host_bytes - pinned)} pageable){node}{allowed}"))

@@ -209,7 +209,7 @@ def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
     if not request.offload or parallel.offload_states:
         return None
     if parallel.strategy == "fsdp2" and parallel.world_size > 1 and parallel.tensor_parallel == 1:
-        return replace(parallel, offload_states=True, reduce_every_micro_batch=False)
+        return replace(parallel, offload_states=True)
     if parallel.strategy is not None or request.world_size != 1:
         return None
     return replace(parallel, strategy="fsdp2", world_size=1, shard_units=shard_units(request.model),

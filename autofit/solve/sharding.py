@@ -25,7 +25,7 @@ from autofit.training.tensor_parallel import resolve_tensor_plan
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
 
-__all__ = ["Parallel", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "Layout", "ring_seconds"]
+__all__ = ["Parallel", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Layout", "ring_seconds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +60,7 @@ class Parallel:
     @property
     def ranks_per_node(self) -> int:
         """The ranks that share one host's memory (what offloaded states must fit together): 1 for one process."""
-        return min(self.gpus_per_node or self.world_size, self.world_size)
+        return ranks_per_node(self.world_size, self.gpus_per_node)
 
     @property
     def least_memory(self) -> bool:
@@ -68,6 +68,11 @@ class Parallel:
         reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
         return self.strategy != "fsdp2" or (self.reshard_after_forward is True and self.replicate == 1
                                             and self.tensor_parallel == 1)
+
+
+def ranks_per_node(world_size: int, gpus_per_node: int) -> int:
+    """The ranks of a job of ``world_size`` on one node (``gpus_per_node`` 0: every rank on one node)."""
+    return min(gpus_per_node or world_size, world_size)
 
 
 def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
