@@ -162,6 +162,16 @@ def test_rows_by_length_takes_the_guess_when_it_fits_and_the_line_when_it_misses
 
     assert rows_by_length(40, 2, 64, 1000, per_row) == ((40, 2), (20, 3), (10, 5), (5, 6))
     assert len(calls) <= 9
+    # one row count between the floor and a guess that misses: estimated at once, the floor not estimated (it fitted
+    # at the longer length); none between: the guess alone. A batch of 4 rows, 4 rows never fitting, 3 fitting at 20
+    calls.clear()
+
+    def four_never(length, rows):
+        calls.append((length, rows))
+        return 2000 if rows == 4 else rows * length * 10
+
+    assert rows_by_length(40, 2, 4, 1000, four_never) == ((40, 2), (20, 3), (10, 3), (5, 3))
+    assert calls == [(20, 4), (20, 3), (10, 4), (5, 4)]
     # never more rows than the batch, never fewer than fit at a longer length
     assert rows_by_length(40, 2, 5, 1000, linear)[-1] == (5, 5)
     assert rows_by_length(40, 2, 64, 1000, lambda n, r: 10**9 if r > 2 else 0) == ((40, 2), (20, 2), (10, 2), (5, 2))

@@ -2,8 +2,8 @@
 
 Note [parallel simulations]
     A simulation is single-threaded Python (fake tensors dispatch one op at a time), and a plan runs several that do
-    not depend on each other: the analysis's two micro-batch sizes, and the first guesses of the rows-by-length
-    table. On a machine with a second core, :func:`start` forks a child that runs one of them while this process
+    not depend on each other: the analysis's two micro-batch sizes, the cut models of a depth extrapolation (Note
+    [cuts side by side], solve/estimator.py), and the first guesses of the rows-by-length table. On a machine with a second core, :func:`start` forks a child that runs one of them while this process
     runs another; the child sends its result back pickled through a pipe. A forked child starts as an exact copy of
     this process, so it computes exactly what this process would: the same timeline, byte for byte
     (tests/test_plan_speed.py). The collector is frozen before each fork (``gc.freeze``): otherwise its passes in
@@ -208,7 +208,8 @@ def _child_setup() -> None:
 
 def run_all(jobs: Sequence[Callable[[], T]], *, fork: bool = True) -> list[T]:
     """Every job's value, in order: up to ``parallel_available()`` at once, this process running its share."""
-    width = parallel_available() if fork else 1
+    # cores already busy with this process's children (a job of an outer run_all forks no more than is free)
+    width = max(1, parallel_available() - _alive) if fork else 1
     if width < 2 or len(jobs) < 2:
         return [job() for job in jobs]
     # this process takes jobs 0, width, 2 x width, ...; child i the jobs i, i + width, ...

@@ -12,9 +12,10 @@ Note [rows by length]
     - the first guess is ``rows(L) * L / l`` (activations linear in length, as with flash or memory-efficient
       attention), capped at the batch; when it misses, the floor is estimated too and the next try is where the
       line through the two meets the budget (at a fixed length the peak is close to linear in the rows), four full
-      estimates at most, and the floor when those find nothing larger. A quadratic (math) attention path only makes the
-      shorter batch cheaper than the guess assumes, so the guess stays on the safe side of the real peak: each
-      entry is what a simulation showed, never extrapolated.
+      estimates at most, and the floor when those find nothing larger (with a single row count between floor and
+      guess, that one is estimated directly: the floor's estimate would only aim the line at it). A quadratic
+      (math) attention path only makes the shorter batch cheaper than the guess assumes, so the guess stays on the
+      safe side of the real peak: each entry is what a simulation showed, never extrapolated.
     A batch of length ``l`` takes the entry of the smallest tabulated length ``>= l``, so it never runs more rows
     than were shown to fit.
 """
@@ -78,12 +79,15 @@ def first_guesses(length: int, micro_batch_size: int, batch_rows: int) -> list[t
 def _largest_fitting(length: int, floor: int, guess: int, budget: int, peak: Callable[[int, int], int]) -> int:
     """The largest rows in ``[floor, guess]`` an estimate shows to fit, with at most ``_TRIES`` estimates: the guess,
     then the floor, then where the line through the last two estimates meets the budget (the peak is close to
-    linear in the rows at a fixed length), until one fits."""
+    linear in the rows at a fixed length), until one fits. With one row count between floor and guess, that one
+    is estimated at once; with none, nothing more (the floor fits: it fitted at a longer length)."""
     if guess <= floor:
         return floor
     over = (guess, peak(length, guess))
     if over[1] <= budget:
         return guess
+    if guess - floor <= 2:  # at most one row count between: the floor's estimate would only aim the line at it
+        return floor + 1 if guess - floor == 2 and peak(length, floor + 1) <= budget else floor
     below = (floor, peak(length, floor))
     for _ in range(_TRIES - 2):
         if below[1] > budget or over[0] - below[0] <= 1:
