@@ -109,14 +109,7 @@ MULTI_GPU_CASES: tuple[Case, ...] = (
          ran="Llama 3.1 8B, FSDP2 over 8 GPUs (ZeRO-3, bf16 parameters, fp32 reduce), batch 2 x 8192 per GPU, "
              "torchtitan's selective op recomputation of every block, AdamW (foreach), clipping at 1.0, eager",
          published_bytes=round(82.4 * 2**30), unit="MiB", uncertainty_bytes=round(0.8 * 2**30),
-         uncertainty=_TITAN_UNC, build=_titan_8b(), ranks=8,
-         why="not explained, one lead (2026-11-24): -6.3 GiB here but -1.4 GiB at 128 GPUs, and the published figure "
-             "falls by 15.4 GiB from 8 to 128 GPUs where autofit's falls by 10.5 (the parameter and optimizer-state "
-             "shards; its backward peak comes before any gradient shard exists). 15.4 GiB is the shards of the "
-             "parameters, optimizer state and gradients together (16 B x 8.03 B x (1/8 - 1/128) = 14.0 GiB): the "
-             "reserved peak behaves as if the gradient shards (3.7 GiB at 8) stayed reserved through it. FSDP2 "
-             "reduce-scatters on its own CUDA stream, and the caching allocator reuses a block only on the stream "
-             "that allocated it; autofit models one stream (unverified)"),
+         uncertainty=_TITAN_UNC, build=_titan_8b(), ranks=8),
     Case(name="torchtitan-llama3.1-8b-fsdp128", source=_titan(3, 128), gpu="H100-80GB",
          measures="reserved",
          ran="as torchtitan-llama3.1-8b-fsdp8 over 128 GPUs (16 hosts), FSDP2 over 128",

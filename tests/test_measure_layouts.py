@@ -80,13 +80,13 @@ def test_a_rank_that_dies_is_a_typed_error():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a gap found by measure with a layout, not yet explained: see the docstring")
 def test_zero3_of_a_llama_without_hugging_face_within_half_a_percent():
-    """benchmarks/llama.py's Llama (hidden 64, 2 layers, untied head), FSDP2 ZeRO-3 over 2 ranks, 2 rows of 32: the
-    estimate is 1,846,780 B, every rank measures 1,896,444 B (-2.6 %). At the measured peak, in backward, two
-    layer-sized all-gather outputs (147,968 B each) are alive at once; the simulation's peak is elsewhere in the
-    root's backward. The Hugging Face tiny Llama of the same size is within 0.03 % (above). Strict: when the
-    missing term is found, this passes and must become a plain test."""
+    """benchmarks/llama.py's Llama (hidden 64, 2 layers, untied head), FSDP2 ZeRO-3 over 2 ranks, 2 rows of 32: every
+    rank measures 1,896,444 B, at the backward prefetch of layers.0, where its gathered parameters, gloo's staging copy
+    of them (Note [gloo's staging copies], simulate/parallel.py) and layers.1's are alive at once. Without that copy
+    the estimate was 1,846,780 B (-2.6 %); the Hugging Face tiny Llama above peaks elsewhere. The gloo profile of
+    rank 0 showed the copy: an ``aten::empty`` of 147,968 B (36,992 fp32 parameters of a layer) inside
+    ``c10d::_allgather_base_``, freed by the next event."""
     from benchmarks.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
@@ -95,5 +95,8 @@ def test_zero3_of_a_llama_without_hugging_face_within_half_a_percent():
     ids = torch.randint(0, 256, (4, 32))
     kw = dict(target=ids, micro_batch_size=2, world_size=2, strategy="fsdp2")
     predicted = autofit.estimate(model, ids, **kw).peak_bytes
-    measured = autofit.measure(model, ids, **kw).peak_bytes
-    assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured)
+    measured = autofit.measure(model, ids, **kw)
+    for peak in measured.rank_peaks:
+        assert abs(predicted - peak) <= 0.005 * peak, (predicted, measured.rank_peaks)
+    # by hand, the layer gloo copies: q and o 64 x 64, k and v 64 x 32, gate, up and down 64 x 128, two norms of 64
+    assert sum(p.numel() for p in model.layers[0].parameters()) == 2 * 4096 + 2 * 2048 + 3 * 8192 + 128 == 36_992

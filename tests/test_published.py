@@ -46,21 +46,22 @@ def test_every_case_outside_the_goal_says_why():
 
 
 @pytest.mark.slow
-def test_fsdp2_rank_matches_torchtitan_at_128_gpus():
-    # torchtitan's published per-GPU reserved memory for Llama 3.1 8B on 128 H100s, FSDP2, batch 2 x 8192,
-    # selective op recomputation (benchmarks/published_multi_gpu.py): the 5 % goal for reserved figures (about 50 s)
+@pytest.mark.parametrize("name", ["torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128"])
+def test_fsdp2_rank_matches_torchtitan(name):
+    # torchtitan's published per-GPU reserved memory for Llama 3.1 8B on 8 and 128 H100s, FSDP2, batch 2 x 8192,
+    # selective op recomputation (benchmarks/published_multi_gpu.py): the 5 % goal for reserved figures (about 50 s
+    # each). At 8 GPUs it held only once the gradient shards FSDP2 allocates on its reduce-scatter stream were kept in
+    # that stream's segments (Note [one pool per stream], autofit/cuda/allocator.py): -7.7 % before, -0.4 % after
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = run_case(_BY_NAME["torchtitan-llama3.1-8b-fsdp128"])
+        row = run_case(_BY_NAME[name])
     assert abs(row.error) <= 0.05, f"autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}"
 
 
 def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
-    # each multi-GPU case estimates the job's own layout (world size and strategy), and the 8-GPU row, outside the
-    # goal, says why
+    # each multi-GPU case estimates the job's own layout (world size and strategy)
     multi = [c for c in CASES if c.ranks > 1]
     assert {c.name for c in multi} >= {"torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128"}
     for case in multi:
         _, _, kwargs = case.build()
         assert kwargs["world_size"] == case.ranks and kwargs["strategy"] == "fsdp2", case.name
-    assert "stream" in _BY_NAME["torchtitan-llama3.1-8b-fsdp8"].why

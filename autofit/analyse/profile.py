@@ -164,7 +164,7 @@ def timeline_at(t1: Timeline, t2: Timeline | None, b1: int, batch: int) -> Timel
         return t1
     storages = [
         StorageRecord(max(0, s1.nbytes + (s2.nbytes - s1.nbytes) * (batch - b1)), s1.category, s1.op, s1.module,
-                      s1.phase)
+                      s1.phase, s1.stream)
         for s1, s2 in zip(t1.storages, t2.storages)
     ]
     return Timeline(storages, t1.ops, t1.events, t1.marks)

@@ -58,16 +58,31 @@ class _Block:
     size: int
     free: bool
     small: bool  # which pool the block's segment belongs to
+    stream: int = 0  # the stream whose allocation made its segment (Note [one pool per stream])
     prev: _Block | None = None
     next: _Block | None = None
 
 
 class CachingAllocator:
-    """Blocks and segments of one device, one stream. ``cap_bytes``: the most the allocator may reserve (None: no
-    limit); ``max_split_size``: ``PYTORCH_CUDA_ALLOC_CONF``'s max_split_size in bytes (None: unlimited)."""
+    """Blocks and segments of one device, its free blocks kept apart per stream (Note [one pool per stream]).
+    ``cap_bytes``: the most the allocator may reserve (None: no limit); ``max_split_size``:
+    ``PYTORCH_CUDA_ALLOC_CONF``'s max_split_size in bytes (None: unlimited).
+
+    Note [one pool per stream]
+        A free block is reused only by a request on the stream that allocated its segment: the pools order their
+        blocks by (stream, size, address) and ``get_free_block`` takes a block only when its stream is the
+        request's (c10/cuda/CUDACachingAllocator.cpp, ``BlockComparatorSize``, ``get_free_block``). FSDP2 allocates
+        on its own streams (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the all-gather buffers inside
+        ``all_gather_copy_in_stream``, the reduce-scatter input, output and the new gradient shards inside
+        ``reduce_scatter_stream``), so their segments are reserved apart from the default stream's. The simulation
+        runs FSDP2's CPU path, whose ``torch.cpu.stream`` contexts it reads at each allocation
+        (``StorageRecord.stream``); here each stream has its own free lists. ``release_cached_blocks`` frees whole
+        free segments of every stream. Not modelled: ``record_stream`` (a block freed while another stream still
+        uses it waits for that stream's events): each free is taken as complete."""
 
     def __init__(self, *, cap_bytes: int | None = None, max_split_size: int | None = None) -> None:
-        self.free_blocks: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # small? -> sorted
+        # (small?, stream) -> free blocks sorted by size, segment, offset
+        self.free_blocks: dict[tuple[bool, int], list[tuple[int, int, int, int]]] = {}
         self.blocks: dict[tuple[int, int], _Block] = {}
         self.segments = 0
         self.allocated = 0
@@ -80,8 +95,11 @@ class CachingAllocator:
     def _key(block: _Block) -> tuple[int, int, int, int]:
         return (block.size, block.segment, block.offset, id(block))
 
+    def _pool(self, small: bool, stream: int) -> list[tuple[int, int, int, int]]:
+        return self.free_blocks.setdefault((small, stream), [])
+
     def _remove_free(self, small: bool, block: _Block) -> None:
-        pool = self.free_blocks[small]
+        pool = self._pool(small, block.stream)
         i = bisect.bisect_left(pool, self._key(block))
         if i < len(pool) and pool[i] == self._key(block):
             pool.pop(i)
@@ -89,9 +107,10 @@ class CachingAllocator:
     def _oversize(self, size: int) -> bool:
         return self.max_split_size is not None and size >= self.max_split_size
 
-    def _free_block(self, size: int, small: bool) -> _Block | None:
-        """``get_free_block``: the smallest free block of the pool that fits, within the max_split_size rules."""
-        pool = self.free_blocks[small]
+    def _free_block(self, size: int, small: bool, stream: int) -> _Block | None:
+        """``get_free_block``: the smallest free block of the pool on ``stream`` that fits, within the max_split_size
+        rules."""
+        pool = self._pool(small, stream)
         i = bisect.bisect_left(pool, (size, -1, -1, -1))
         if i == len(pool):
             return None
@@ -116,11 +135,11 @@ class CachingAllocator:
         self.released += 1
         return block.size
 
-    def _release_available(self, size: int, small: bool) -> bool:
-        """``release_available_cached_blocks`` (Note [allocating under a cap])."""
+    def _release_available(self, size: int, small: bool, stream: int) -> bool:
+        """``release_available_cached_blocks`` (Note [allocating under a cap]), among the request's stream's blocks."""
         if self.max_split_size is None:
             return False
-        pool = self.free_blocks[small]
+        pool = self._pool(small, stream)
         key = max(size, self.max_split_size)
         i = bisect.bisect_left(pool, (key, -1, -1, -1))
         if i < len(pool):
@@ -136,36 +155,40 @@ class CachingAllocator:
     def _release_cached(self) -> bool:
         """``release_cached_blocks``: every free block that is a whole segment, large pool first."""
         for small in (False, True):
-            for _, seg, off, _ in list(self.free_blocks[small]):
-                block = self.blocks[(seg, off)]
-                if block.prev is None and block.next is None:
-                    self._release(small, block)
+            for (pool_small, _), pool in list(self.free_blocks.items()):
+                if pool_small != small:
+                    continue
+                for _, seg, off, _ in list(pool):
+                    block = self.blocks[(seg, off)]
+                    if block.prev is None and block.next is None:
+                        self._release(small, block)
         return True
 
-    def malloc(self, nbytes: int) -> _Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._free_block(size, small)
+        block = self._free_block(size, small, stream)
         if block is None:
             alloc = segment_size(size)
             if not (self._cuda_malloc(alloc)
-                    or (self._release_available(size, small) and self._cuda_malloc(alloc))
+                    or (self._release_available(size, small, stream) and self._cuda_malloc(alloc))
                     or (self._release_cached() and self._cuda_malloc(alloc))):
                 raise AllocatorOutOfMemory(f"{alloc} bytes more do not fit under {self.cap_bytes} with "
                                            f"{self.allocated} allocated and {self.reserved} reserved")
-            block = _Block(self.segments, 0, alloc, True, small)
+            block = _Block(self.segments, 0, alloc, True, small, stream)
             self.blocks[(block.segment, 0)] = block
             self.segments += 1
             self.reserved += alloc
         remaining = block.size - size
         if (small and remaining >= MIN_BLOCK) or (not small and not self._oversize(size) and remaining > SMALL_SIZE):
-            rest = _Block(block.segment, block.offset + size, remaining, True, small, prev=block, next=block.next)
+            rest = _Block(block.segment, block.offset + size, remaining, True, small, block.stream, prev=block,
+                          next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
             block.size = size
             self.blocks[(rest.segment, rest.offset)] = rest
-            bisect.insort(self.free_blocks[small], self._key(rest))
+            bisect.insort(self._pool(small, rest.stream), self._key(rest))
         block.free = False
         self.allocated += block.size
         return block
@@ -178,7 +201,7 @@ class CachingAllocator:
             if neighbour is not None and neighbour.free:
                 self._remove_free(small, neighbour)
                 block = self._merge(block, neighbour)
-        bisect.insort(self.free_blocks[small], self._key(block))
+        bisect.insort(self._pool(small, block.stream), self._key(block))
 
     def _merge(self, a: _Block, b: _Block) -> _Block:
         first, second = (a, b) if a.offset < b.offset else (b, a)
@@ -218,11 +241,12 @@ def replay_allocator(timeline: Timeline, *, persistent: tuple[int, ...] = (), ca
     peak_allocated, peak_reserved, raw_at_peak = allocator.allocated, allocator.reserved, raw
     for kind, value in timeline.events:
         if kind is EventKind.ALLOC:
-            nbytes = timeline.storages[value].nbytes
+            record = timeline.storages[value]
+            nbytes = record.nbytes
             if nbytes <= 0:
                 continue
             try:
-                blocks[value] = allocator.malloc(nbytes)
+                blocks[value] = allocator.malloc(nbytes, record.stream)
             except AllocatorOutOfMemory:
                 return AllocatorReplay(peak_allocated, peak_reserved, raw_at_peak, False, allocator.released)
             raw += nbytes

@@ -212,7 +212,9 @@ class ExpandableAllocator:
             for _, _, ident in list(self._free[small]):
                 self._unmap_block(self._by_id[ident])
 
-    def malloc(self, nbytes: int) -> _Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
+        # one stream: torch keeps an expandable segment per stream, whose blocks the others do not reuse; that is not
+        # replayed here (Note [one pool per stream] in allocator.py is for the default allocator only)
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._free_block(size, small)

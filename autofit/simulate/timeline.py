@@ -41,6 +41,7 @@ class StorageRecord:
     op: int  # index of the op that created it, -1 for tensors that existed before the step
     module: str  # innermost module running when it was created ("" at top level)
     phase: Phase
+    stream: int = 0  # the stream current when it was allocated, 0 the default (Note [one pool per stream])
 
 
 @dataclass(slots=True)

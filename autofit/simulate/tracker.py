@@ -35,11 +35,13 @@ from autofit.core.cpu import require_kernel
 from autofit.simulate.accumulation import AccumulationWatch
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
+from autofit.simulate.parallel import gloo_staging_bytes
 
 __all__ = ["StepTracker"]
 
 aten = torch.ops.aten
 _DATA_DEPENDENT = DATA_DEPENDENT_ERRORS
+_DEFAULT_CPU_STREAM = torch.cpu.current_stream()  # torch.cpu's default stream object, what no stream context sets
 
 _PHASE_CATEGORY = {
     Phase.SETUP: Category.BUFFERS,
@@ -75,6 +77,8 @@ class StepTracker(TorchDispatchMode):
         # while True, new storages are host memory, not the device's (Note [host storages]); simulate/offload.py
         # sets it around what runs on the host: save_on_cpu's packing, the CPU-offloaded optimizer step
         self.on_host = False
+        # id(stream object) -> (its number, the object, kept alive so its id is not reused)
+        self._streams: dict[int, tuple[int, object]] = {}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -124,7 +128,7 @@ class StepTracker(TorchDispatchMode):
 
     def _track(self, st, category: Category, op: int, nbytes: int | None = None, host: bool = False) -> int:
         size = st.nbytes() if nbytes is None else max(nbytes, 0)
-        record = StorageRecord(size, category, op, self.module, self.phase)
+        record = StorageRecord(size, category, op, self.module, self.phase, self._stream())
         sid = self.timeline.new_storage(record, host=host or self.on_host)
         timeline = self.timeline
         known = self._known
@@ -138,6 +142,14 @@ class StepTracker(TorchDispatchMode):
 
         self._known[key] = (weakref.ref(st, on_free), sid)
         return sid
+
+    def _stream(self) -> int:
+        """The current stream as a small number, 0 the default: FSDP2's CPU path enters ``torch.cpu.stream`` where
+        its CUDA path enters its own streams (Note [one pool per stream], autofit/cuda/allocator.py)."""
+        current = torch.cpu.current_stream()
+        if current is _DEFAULT_CPU_STREAM:
+            return 0
+        return self._streams.setdefault(id(current), (len(self._streams) + 1, current))[0]
 
     def resized(self, st, new_bytes: int) -> None:
         """A storage's memory was replaced in place (``UntypedStorage.resize_``: FSDP2 frees and re-allocates its
@@ -227,6 +239,8 @@ class StepTracker(TorchDispatchMode):
             out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
                           workspace=probe.workspace if probe is not None else 0)
+        if self.kernels_for == "cpu":  # a CPU job's collectives run on gloo (Note [gloo's staging copies])
+            record.workspace += gloo_staging_bytes(func, args)
         if self.count_flops and func.overloadpacket in flop_registry:
             try:
                 record.flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
