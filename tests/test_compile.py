@@ -132,7 +132,10 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
     sample = torch.randn(512, 64)
     compiled = torch.compile(model)
     loss_fn = _KW["loss_fn"]
-    plan = autofit.plan(compiled, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512)
+    # fp32 pinned: on a CPU with bf16 kernels (AVX-512 BF16) the planner may pick bf16 autocast, which the measures
+    # below (fp32) would not run
+    plan = autofit.plan(compiled, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512,
+                        precision="fp32")
     kw = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
               checkpoint=plan.checkpoint, loss_fn=loss_fn)
     meas = autofit.measure(compiled, sample, **kw)
@@ -150,7 +153,8 @@ def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
     model = _Pointwise()
     sample = torch.randn(512, 64)
     loss_fn = _KW["loss_fn"]
-    plan = autofit.plan(model, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512, compile=True)
+    plan = autofit.plan(model, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512, compile=True,
+                        precision="fp32")  # the loss below is compared with an fp32 eager step's
     assert plan.compile and autofit.Plan.from_json(plan.to_json()).compile and "torch.compile" in str(plan)
     assert plan.peak_bytes <= plan.budget_bytes  # the compiled step's measure at this choice: the test above
     reference = _Pointwise()
