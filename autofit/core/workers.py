@@ -3,8 +3,8 @@
 Note [parallel simulations]
     A simulation is single-threaded Python (fake tensors dispatch one op at a time), and a plan runs several that do
     not depend on each other: the analysis's two micro-batch sizes, the cut models of a depth extrapolation (Note
-    [cuts side by side], solve/estimator.py), and the first guesses of the rows-by-length table. On a machine with a second core, :func:`start` forks a child that runs one of them while this process
-    runs another; the child sends its result back pickled through a pipe. A forked child starts as an exact copy of
+    [cuts side by side], solve/estimator.py), and the first guesses of the rows-by-length table. On a machine with
+    a second core, :func:`start` forks a child that runs one of them while this process runs another; the child sends its result back pickled through a pipe. A forked child starts as an exact copy of
     this process, so it computes exactly what this process would: the same timeline, byte for byte
     (tests/test_plan_speed.py). The collector is frozen before each fork (``gc.freeze``): otherwise its passes in
     both processes touch every object and copy the pages they share.

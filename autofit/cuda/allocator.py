@@ -154,14 +154,11 @@ class CachingAllocator:
 
     def _release_cached(self) -> bool:
         """``release_cached_blocks``: every free block that is a whole segment, large pool first."""
-        for small in (False, True):
-            for (pool_small, _), pool in list(self.free_blocks.items()):
-                if pool_small != small:
-                    continue
-                for _, seg, off, _ in list(pool):
-                    block = self.blocks[(seg, off)]
-                    if block.prev is None and block.next is None:
-                        self._release(small, block)
+        for (small, _), pool in sorted(self.free_blocks.items(), key=lambda item: item[0][0]):  # stable: by stream
+            for _, seg, off, _ in list(pool):
+                block = self.blocks[(seg, off)]
+                if block.prev is None and block.next is None:
+                    self._release(small, block)
         return True
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:

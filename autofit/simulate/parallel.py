@@ -72,8 +72,7 @@ def ddp_buckets(model: nn.Module) -> list[torch.Tensor]:
 #     A CPU job's collectives run on gloo, and two of them copy on the calling thread, what the CPU allocator of a
 #     rank counts: all_gather_into_tensor (``c10d::_allgather_base_``) gathers into a new flat tensor the size of its
 #     output and copies it out, and reduce_scatter_tensor (``c10d::_reduce_scatter_base_``) clones its whole input
-#     (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp: ``_allgather_base`` over ``newLikeFlat``,
-#     ``_reduce_scatter_base`` cloning the input). Each copy is freed before the rank's next allocation, so it is a
+#     (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp; seen in the profile below, not read in that file). Each copy is freed before the rank's next allocation, so it is a
 #     transient of the op, like a kernel's scratch (Note [peak inside a kernel], simulate/timeline.py). Measured on
 #     two gloo ranks of FSDP2 ZeRO-3 (benchmarks/llama.py's Llama, hidden 64, 2 layers, profiler allocation events of
 #     rank 0): ``aten::empty`` of 147,968 B inside ``c10d::_allgather_base_`` (a layer's gathered parameters) and an
