@@ -26,17 +26,18 @@ Which modules are split comes from the model, never guessed:
   "embedding_rowwise": the vocabulary split,    nn.Embedding     ``RowwiseParallel(input_layouts=Replicate())``
   token ids whole, the partial lookups summed                    (torch splits an embedding's rows, masks the ids
                                                                  outside its slice, all-reduces the output)
+  "sequence_parallel": a norm inside a block    a norm (every    ``SequenceParallel()``, and what it implies for
+  runs on its rank's 1/T of the sequence        parameter 1-D)   the rest of the block (Note [sequence parallel])
   ============================================  ===============  ================================================
 
-  Any other style is refused, naming it: packed and MoE styles, "all_reduce", "replicate", "rowwise_rep" / "rowwise_split_input"
-  (not simulated; on an nn.Embedding transformers' ``RowwiseParallel`` splits the hidden dim, not the vocabulary:
-  the vocabulary split is "embedding_rowwise"), "embedding_colwise", and "sequence_parallel" (torch's
-  ``SequenceParallel`` norms need the attention's and MLP's inputs re-laid out with ``PrepareModuleInput``, keyword
-  inputs and all, as torchtitan's ``parallelize_llama`` does: not simulated yet). The vocabulary-split embedding
-  refuses ``padding_idx`` (torch's sharded embedding masks ids by the rank's slice; a padding row's zero gradient
-  is not re-indexed) and a head tied to it. Each mapped style is checked against the CPU allocator on every rank
-  of a gloo job, to the byte (tests/test_tensor_parallel.py, tests/test_tensor_parallel_vocab.py); the gathered
-  head needed the simulated ``wait_tensor`` to return its input, as torch's does (autofit/capture/corrections.py).
+  Any other style is refused, naming it: packed and MoE styles, "all_reduce", "replicate", "rowwise_rep" /
+  "rowwise_split_input" (not simulated; on an nn.Embedding transformers' ``RowwiseParallel`` splits the hidden dim,
+  not the vocabulary: the vocabulary split is "embedding_rowwise"), "embedding_colwise". The vocabulary-split
+  embedding refuses ``padding_idx`` (torch's sharded embedding masks ids by the rank's slice; a padding row's zero
+  gradient is not re-indexed) and a head tied to it. Each mapped style is checked against the CPU allocator on every
+  rank of a gloo job, to the byte (tests/test_tensor_parallel.py, tests/test_tensor_parallel_vocab.py,
+  tests/test_sequence_parallel.py); the gathered head needed the simulated ``wait_tensor`` to return its input, as
+  torch's does (autofit/capture/corrections.py).
 - otherwise the user passes ``tensor_parallel_plan={module name pattern: style}`` (fnmatch patterns over qualified
   names) with the names above, or torch's style objects with exactly those layouts: ``ColwiseParallel()``,
   ``RowwiseParallel()``, ``ColwiseParallel(output_layouts=Replicate())`` on a linear layer and
@@ -58,6 +59,37 @@ named.
 Order (torchtitan's ``parallelize_llama``): tensor parallel over the mesh's "tp" dim first, then ``fully_shard`` over
 its "dp_shard" dim; the mesh is ``(world_size // T, T)``, so the T ranks of a tensor-parallel group are consecutive
 (one node's GPUs) and ranks ``r`` and ``r + T`` hold the same slice of the weights.
+
+Note [sequence parallel]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+section 4.2.2; torch's ``SequenceParallel``) splits what tensor parallel leaves whole inside a block, the norms and
+the residual stream between the split layers, along the sequence: each rank of a tensor-parallel group holds 1/T of
+the tokens there. The user asks for it by giving the blocks' norms the style "sequence_parallel" (transformers'
+name; torch's ``SequenceParallel()`` object is accepted too). The rest follows from the block plan, as torchtitan's
+``parallelize_llama`` lays it out by hand, and autofit derives it (``_sequence_parallel``), so the simulation and
+the trainer apply the same styles:
+
+- each block's norms: ``SequenceParallel()`` (their input a shard of the sequence, their output a DTensor sharded
+  along it);
+- each child of a block that holds column-parallel layers (the attention, the MLP), "sequence_gather": its first
+  input all-gathered along the sequence into a replicated DTensor (``PrepareModuleInput``'s redistribution, on the
+  first positional input or, when called with keywords only, the keyword ``forward`` names first: Hugging Face
+  calls its attention with ``hidden_states=``). Its backward is one reduce-scatter of the summed gradients of the
+  column-parallel layers, where tensor parallel alone all-reduces each of them;
+- the row-parallel layer of each such child, "rowwise_sequence": ``RowwiseParallel(output_layouts=Shard(1))``, its
+  partial output reduce-scattered along the sequence instead of all-reduced, so the residual add runs on shards;
+- the first block, "sequence_shard": its input (whole, as the embedding leaves it, so the model still derives
+  positions and its causal mask from the whole length) cut to the rank's shard, no communication;
+- the module that follows the last block (the final norm), "sequence_gather_whole": its input all-gathered back
+  to a whole local tensor; it runs whole, as does the head after it, whatever its own style.
+
+Refused, naming the module: a norm with a parameter that is not 1-D, a norm outside a block of the blocks' list, a
+block of that list without a sequence-parallel norm or with split layers outside it, a child with column-parallel
+layers but not exactly one row-parallel one, column-parallel layers directly in a block, and a list followed by
+no module with parameters. The sequence dim is dim 1 (batch first, as Hugging Face's and torchtitan's models lay
+out hidden states); T must divide the sequence length (torch's ``Shard`` splits unevenly otherwise, checked where
+the sample is known, ``require_sequence_split``).
 """
 
 from __future__ import annotations
@@ -72,9 +104,13 @@ from autofit.core.errors import InvalidInputError, UnsupportedModelError, requir
 __all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "torch_style", "TP_STYLES"]
 
 # autofit's style name -> the module type it splits (Note [tensor parallel plan]); transformers' other names for them
-_STYLES = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_rep": nn.Linear, "embedding_rowwise": nn.Embedding}
+_STYLES = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_rep": nn.Linear, "embedding_rowwise": nn.Embedding,
+           "sequence_parallel": nn.Module}
 _ALIASES = {"colwise_gather_output": "colwise_rep"}
 TP_STYLES = tuple(_STYLES)
+# styles derived from "sequence_parallel" norms (Note [sequence parallel]), never given by the user
+_SEQUENCE_STYLES = ("rowwise_sequence", "sequence_gather", "sequence_gather_whole", "sequence_shard")
+SEQUENCE_DIM = 1
 
 
 def require_tensor_parallel(strategy: object, world_size: int, tensor_parallel: object, replicate: int = 1,
@@ -112,7 +148,56 @@ def torch_style(style: str):
         return ColwiseParallel(output_layouts=Replicate())
     if style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if style == "sequence_parallel":
+        return SequenceParallel(sequence_dim=SEQUENCE_DIM)
+    if style == "rowwise_sequence":
+        return RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM))
+    if style == "sequence_gather":
+        return _first_input_layout(Shard(SEQUENCE_DIM), Replicate(), local=False)
+    if style == "sequence_gather_whole":
+        return _first_input_layout(Shard(SEQUENCE_DIM), Replicate(), local=True)
+    if style == "sequence_shard":
+        return _first_input_layout(Replicate(), Shard(SEQUENCE_DIM), local=True)
     raise InvalidInputError(f"unknown tensor parallel style {style!r}: one of {', '.join(TP_STYLES)}")
+
+
+def _first_input_layout(source, target, *, local: bool):
+    """A ``ParallelStyle`` that redistributes a module's first input from ``source`` to ``target`` over the tp mesh
+    (the redistribution torch's ``PrepareModuleInput`` runs), the input found where the call puts it: the first
+    positional argument, or the keyword that ``forward`` names first when the call passes keywords only (Note
+    [sequence parallel]). ``PrepareModuleInput`` needs that choice fixed in advance; models call the same kind of
+    module both ways (Hugging Face: ``self_attn(hidden_states=...)``, ``mlp(hidden_states)``)."""
+    import inspect
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def relayout(x, mesh):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (source,), run_check=False)
+        if x.placements != (target,):
+            x = x.redistribute(placements=(target,))
+        return x.to_local() if local else x
+
+    class FirstInputLayout(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            first = next(iter(inspect.signature(module.forward).parameters))
+
+            def hook(_module, args, kwargs):
+                if args:
+                    return (relayout(args[0], device_mesh), *args[1:]), kwargs
+                return args, {**kwargs, first: relayout(kwargs[first], device_mesh)}
+
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+
+        def __repr__(self) -> str:
+            return f"FirstInputLayout({source} -> {target}, local={local})"
+
+    return FirstInputLayout()
 
 
 def _style_name(pattern: str, style: object) -> str:
@@ -121,18 +206,25 @@ def _style_name(pattern: str, style: object) -> str:
     if isinstance(style, str) and _ALIASES.get(style, style) in _STYLES:
         return _ALIASES.get(style, style)
     if isinstance(style, ParallelStyle):
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        if type(style) is SequenceParallel and style.sequence_sharding == (Shard(SEQUENCE_DIM),) \
+                and not style.use_local_output:
+            return "sequence_parallel"
         # only the layouts a name stands for: those are what the simulation and the trainer rebuild from the name
-        for name in TP_STYLES:
+        for name in ("colwise", "rowwise", "colwise_rep", "embedding_rowwise"):
             made = torch_style(name)
             if type(style) is type(made) and style.input_layouts == made.input_layouts \
                     and style.output_layouts == made.output_layouts and style.use_local_output:
                 return name
     raise UnsupportedModelError(
         f"tensor parallel style {style!r} for {pattern!r}: autofit simulates 'colwise', 'rowwise', 'colwise_rep' "
-        "(= 'colwise_gather_output') on linear layers and 'embedding_rowwise' on an nn.Embedding, or torch's "
-        "ColwiseParallel() / RowwiseParallel() / ColwiseParallel(output_layouts=Replicate()) / "
-        "RowwiseParallel(input_layouts=Replicate()) (Note [tensor parallel plan]); give one of those, or leave the "
-        "module out of the plan (it is then replicated)")
+        "(= 'colwise_gather_output') on linear layers, 'embedding_rowwise' on an nn.Embedding and "
+        "'sequence_parallel' on the norms of the blocks, or torch's ColwiseParallel() / RowwiseParallel() / "
+        "ColwiseParallel(output_layouts=Replicate()) / RowwiseParallel(input_layouts=Replicate()) / "
+        "SequenceParallel() (Note [tensor parallel plan]); give one of those, or leave the module out of the plan "
+        "(it is then replicated)")
 
 
 def _model_plan(model: nn.Module) -> tuple[dict[str, str], str]:
@@ -180,12 +272,89 @@ def resolve_tensor_plan(model: nn.Module, tensor_parallel: int,
                                 f"{type(model).__name__}: patterns are fnmatch patterns over qualified module names")
     _require_heads(model, tensor_parallel)
     _require_untied(model, found)
+    if any(style == "sequence_parallel" for _, style in found):
+        return _sequence_parallel(model, found, source)
     return tuple(found)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _sequence_parallel(model: nn.Module, found: list[tuple[str, str]], source: str) -> tuple[tuple[str, str], ...]:
+    """The plan with sequence parallel's derived styles (Note [sequence parallel]), in module order. Typed errors for
+    the structures it does not cover, naming the module."""
+    styles = dict(found)
+    norms = [name for name, style in found if style == "sequence_parallel"]
+    modules = dict(model.named_modules())
+    lists = {_parent(_parent(n)) for n in norms if "." in n and isinstance(modules.get(_parent(_parent(n))),
+                                                                           nn.ModuleList)}
+    if len(lists) != 1:
+        raise UnsupportedModelError(
+            f"{source} gives 'sequence_parallel' to {', '.join(map(repr, norms))}: autofit runs sequence parallel "
+            "on the norms of the blocks of one nn.ModuleList (a Llama's model.layers.*.input_layernorm and "
+            "post_attention_layernorm; Note [sequence parallel]); name those norms")
+    prefix = lists.pop()
+    outer, _, list_name = prefix.rpartition(".")
+    children = list(modules[outer].named_children())
+    index = next(i for i, (child, _) in enumerate(children) if child == list_name)
+    following = [child for child, m in children[index + 1:] if any(True for _ in m.parameters())]
+    if not following:
+        raise UnsupportedModelError(
+            f"sequence parallel: nothing with parameters follows {prefix!r}; autofit gathers the sequence at the "
+            "module after the last block (the final norm; Note [sequence parallel])")
+    final = f"{outer}.{following[0]}" if outer else following[0]
+    if styles.get(final, "sequence_parallel") != "sequence_parallel":
+        raise UnsupportedModelError(
+            f"sequence parallel: {final!r}, the module after the last block, is split {styles[final]!r}; autofit "
+            "gathers the sequence there (Note [sequence parallel]): leave it whole")
+    stray = [n for n in norms if n != final and _parent(_parent(n)) != prefix]
+    if stray:
+        raise UnsupportedModelError(
+            f"sequence parallel: {', '.join(map(repr, stray))} is not a norm of a block of {prefix!r} nor the "
+            f"module after them ({final!r}); Note [sequence parallel]")
+    blocks = [f"{prefix}.{child}" for child, _ in modules[prefix].named_children()]
+    derived: dict[str, str] = {blocks[0]: "sequence_shard", final: "sequence_gather_whole"}
+    for block in blocks:
+        inside = {n: s for n, s in styles.items() if n.startswith(block + ".")}
+        if "sequence_parallel" not in inside.values():
+            raise UnsupportedModelError(
+                f"sequence parallel: block {block!r} has no 'sequence_parallel' norm in {source}; every block of "
+                f"{prefix!r} takes it (Note [sequence parallel]): give the pattern over all of them")
+        for name, style in inside.items():
+            if style == "colwise" and _parent(name) == block:
+                raise UnsupportedModelError(
+                    f"sequence parallel: the column-parallel {name!r} is a child of its block {block!r}, not of a "
+                    "module whose input autofit can gather (an attention or an MLP; Note [sequence parallel])")
+        for child in sorted({_parent(n) for n, s in inside.items() if s == "colwise"}):
+            rows = [n for n, s in inside.items() if s == "rowwise" and n.startswith(child + ".")]
+            if len(rows) != 1:
+                raise UnsupportedModelError(
+                    f"sequence parallel: {child!r} holds column-parallel layers and {len(rows)} row-parallel ones; "
+                    "autofit reduce-scatters the one row-parallel output that returns to the residual stream "
+                    "(Note [sequence parallel])")
+            derived[child] = "sequence_gather"
+            derived[rows[0]] = "rowwise_sequence"
+    merged = {**styles, **derived}
+    whole = [n for n, s in merged.items() if s == "rowwise" and n.startswith(prefix + ".")]
+    if whole:
+        raise UnsupportedModelError(
+            f"sequence parallel: the row-parallel {whole[0]!r} is not the one output of a module with "
+            "column-parallel layers, so its whole output would meet the residual stream's shard (Note [sequence "
+            "parallel])")
+    return tuple((name, merged[name]) for name in modules if name in merged)
 
 
 def _require_splittable(source: str, name: str, module: nn.Module, style: str, tensor_parallel: int) -> None:
     """The module is of the type its style splits, evenly by T, and nothing torch's split would get wrong."""
     kind = _STYLES[style]
+    if style == "sequence_parallel":
+        shapes = [tuple(p.shape) for p in module.parameters()]
+        if any(len(shape) != 1 for shape in shapes):
+            raise UnsupportedModelError(
+                f"{source} gives {name!r} ({type(module).__name__}) 'sequence_parallel', a style for norms, whose "
+                f"parameters are 1-D (its are {shapes}; Note [sequence parallel])")
+        return
     if not isinstance(module, kind):
         raise UnsupportedModelError(
             f"{source} splits {name!r} ({type(module).__name__}) {style!r}, a style for {kind.__name__} "

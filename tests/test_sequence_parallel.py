@@ -1,0 +1,111 @@
+"""Sequence parallel (Note [sequence parallel], autofit/training/tensor_parallel.py): the blocks' norms given
+"sequence_parallel" next to a tiny Llama's own block plan. The truth: the CPU allocator's record on every rank of a
+gloo job (tests/dist_workers.py) for the per-rank estimate, one single-process full-batch SGD step for the
+parameters after a step, and hand counts of what sequence parallel keeps per rank and moves per sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import autofit
+from autofit.core.errors import UnsupportedModelError
+from autofit.emit.plan import Plan
+from autofit.solve.sharding import shard_units
+from autofit.training.precision import as_policy
+from autofit.training.tensor_parallel import resolve_tensor_plan
+from sharded_models import tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+ROWS, TOKENS, HIDDEN = 4, 32, 64  # rows per micro-batch per tensor-parallel group; tiny_llama's shape
+NORMS = {"model.layers.*.input_layernorm": "sequence_parallel",
+         "model.layers.*.post_attention_layernorm": "sequence_parallel"}
+
+
+def _mapping(model, **extra) -> dict[str, object]:
+    """Llama's own plan for its blocks (config.base_model_tp_plan, keys under ``model.``) plus the blocks' norms."""
+    return {**{f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()}, **NORMS, **extra}
+
+
+def test_the_norms_imply_the_rest_of_the_layout():
+    """From the norms alone: the attention and the MLP gather their input, their row-parallel layers
+    reduce-scatter, the first block shards its input, the final norm gathers it back; torch's
+    ``SequenceParallel()`` object names the same style as transformers' "sequence_parallel"."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    case = tiny_llama("meta")
+    plan = dict(resolve_tensor_plan(case.model, 2, _mapping(case.model)))
+    assert plan["model.layers.0"] == "sequence_shard" and "model.layers.1" not in plan
+    assert plan["model.layers.1.input_layernorm"] == "sequence_parallel"
+    assert plan["model.layers.1.self_attn"] == plan["model.layers.1.mlp"] == "sequence_gather"
+    assert plan["model.layers.0.self_attn.o_proj"] == plan["model.layers.1.mlp.down_proj"] == "rowwise_sequence"
+    assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan["model.norm"] == "sequence_gather_whole" and "lm_head" not in plan
+    objects = _mapping(case.model, **{k: SequenceParallel() for k in NORMS})
+    assert dict(resolve_tensor_plan(case.model, 2, objects)) == plan
+    # the final norm named too (torchtitan's plan does): it is still the place the sequence is gathered
+    assert dict(resolve_tensor_plan(case.model, 2, _mapping(case.model, **{"model.norm": "sequence_parallel"}))) \
+        == plan
+
+
+def test_structures_it_does_not_cover_are_refused_naming_the_module():
+    case = tiny_llama("meta")
+    blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
+    with pytest.raises(UnsupportedModelError, match="block 'model.layers.1' has no 'sequence_parallel' norm"):
+        resolve_tensor_plan(case.model, 2, {**blocks, "model.layers.0.input_layernorm": "sequence_parallel"})
+    with pytest.raises(UnsupportedModelError, match="parameters are 1-D"):
+        resolve_tensor_plan(case.model, 2, {**blocks, "model.layers.*.mlp": "sequence_parallel"})
+    with pytest.raises(UnsupportedModelError, match="'model.layers.0.mlp' holds column-parallel layers and 0"):
+        resolve_tensor_plan(case.model, 2, {**_mapping(case.model), "model.layers.*.mlp.down_proj": "colwise"})
+    with pytest.raises(UnsupportedModelError, match="SequenceParallel"):
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        resolve_tensor_plan(case.model, 2, _mapping(case.model, **{
+            "model.layers.*.input_layernorm": SequenceParallel(use_local_output=True)}))
+
+
+def test_a_rank_keeps_the_residual_stream_and_norms_of_its_share_of_the_tokens():
+    """Per rank, against tensor parallel alone on the same split: the estimate's activations fall (the residual
+    stream and each norm's saved input hold 1/T of the tokens), the parameters stay (norms are replicated)."""
+    case = tiny_llama()
+    blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
+    kwargs = dict(micro_batch_size=ROWS, world_size=2, strategy="fsdp2", tensor_parallel=2)
+    alone = autofit.estimate(case.model, case.sample, tensor_parallel_plan=blocks, **kwargs)
+    sequence = autofit.estimate(case.model, case.sample, tensor_parallel_plan=_mapping(case.model), **kwargs)
+    assert sequence.breakdown["parameters"] == alone.breakdown["parameters"]
+    assert sequence.peak_bytes < alone.peak_bytes
+
+
+def _plan(world: int, tp: int, batch_size: int) -> Plan:
+    """A plan of the layout, made by hand around the estimate (the estimate is what is under test)."""
+    case = tiny_llama()
+    mapping = _mapping(case.model)
+    est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, world_size=world, strategy="fsdp2",
+                           tensor_parallel=tp, tensor_parallel_plan=mapping)
+    return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
+                batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
+                peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
+                optimizer="adamw", predicted_step_seconds=0.0, estimate=est, world_size=world, strategy="fsdp2",
+                shard_units=shard_units(case.model), tensor_parallel=tp,
+                tensor_plan=resolve_tensor_plan(case.model, tp, mapping))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2)])  # tp alone; FSDP2 2 x tp 2
+def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_step(world, tp, tmp_path):
+    """One gloo job: every rank's measured peak (the CPU allocator, lowest of three steady-state steps) against the
+    estimate; then two micro-batches per data-parallel rank, whose parameters after one trainer step on every rank
+    equal those after one SGD step over the whole batch in one process (the norms' gradients, partial sums over
+    each rank's tokens, included)."""
+    import dist_workers
+
+    data = world // tp
+    memory, equivalence = _plan(world, tp, ROWS * data), _plan(world, tp, 2 * ROWS * data)
+    ranks = dist_workers.launch(
+        [{"kind": "memory", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "adamw"},
+         {"kind": "equivalence", "case": "tiny_llama", "plan": equivalence.to_json(), "optimizer": "sgd"}],
+        Path(tmp_path), world)
+    dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama(), " + sequence parallel")
