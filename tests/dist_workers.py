@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.utils._python_dispatch
 
 import autofit
 from autofit.core._torch import ddp_bucket_bytes
@@ -74,6 +75,26 @@ def pad_target(target: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return padded
 
 
+class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """The functional collectives called on this rank (DTensor's redistributions, in forward and in backward), in
+    bytes of all-reduce: an all-reduce its buffer, an all-gather half its output, a reduce-scatter half its input
+    (a ring all-gather or reduce-scatter moves (N - 1) / N of the whole per rank, an all-reduce twice that)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moved, self.calls = 0.0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        namespace, _, op = func._schema.name.partition("::")
+        if namespace == "_c10d_functional" and op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            whole = (out if op == "all_gather_into_tensor" else args[0])
+            nbytes = whole.numel() * whole.element_size()
+            self.moved += nbytes if op == "all_reduce" else nbytes / 2
+            self.calls[op] = self.calls.get(op, 0) + 1
+        return out
+
+
 def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -94,6 +115,10 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                 params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
                           for n, p in getattr(trainer.model, "module", trainer.model).named_parameters()}
                 results.append({"params": params, "micro_batches": trainer.micro_batches})
+            elif job["kind"] == "collectives":  # one forward and backward, the collectives torch runs counted
+                with _Collectives() as counted:
+                    batch.call(trainer.model).loss.backward()
+                results.append({"moved": counted.moved, "calls": counted.calls})
             elif job["kind"] == "equivalence":
                 trainer.step(batch.value, None if target is None else target.value)
                 params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()

@@ -109,3 +109,65 @@ def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_st
          {"kind": "equivalence", "case": "tiny_llama", "plan": equivalence.to_json(), "optimizer": "sgd"}],
         Path(tmp_path), world)
     dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama(), " + sequence parallel")
+
+
+def _output_bytes(case, plan):
+    from autofit.analyse.analyse import analyse_model
+    from autofit.training.batch import as_batch
+    from autofit.training.step import make_step_config
+
+    step = make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
+    table = analyse_model(case.model, as_batch(case.sample), None, None, step).table
+    return lambda name: table.row(name).output_bytes_per_sample
+
+
+def test_collectives_counted_by_hand():
+    """Per sample of 32 tokens x 64 hidden in fp32 (X = 8,192 B): tensor parallel alone all-reduces 2 x 7 X (each
+    block's two row-parallel outputs and five column-parallel input gradients); with sequence parallel each block's
+    attention and MLP move 2 X each (an all-gather and a reduce-scatter in forward, the same in backward, each half
+    an all-reduce), the first block's input gradient X / 2 and the final norm's input X / 2: 9 X. The split
+    weights per rank are the same."""
+    from autofit.solve.sharding import Parallel, tensor_group_bytes, tensor_reduce_bytes
+
+    x = TOKENS * HIDDEN * 4
+    case = tiny_llama()
+    blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
+    figures = {}
+    for name, mapping in (("alone", blocks), ("sequence", _mapping(case.model))):
+        plan = resolve_tensor_plan(case.model, 2, mapping)
+        parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
+        figures[name] = (tensor_reduce_bytes(case.model, parallel, _output_bytes(case, plan)),
+                         tensor_group_bytes(case.model, parallel))
+    assert figures["alone"][0] == 2 * 7 * x
+    assert figures["sequence"][0] == 9 * x
+    assert figures["sequence"][1] == figures["alone"][1]
+
+
+@pytest.mark.slow
+def test_collectives_are_the_ones_torch_runs(tmp_path):
+    """The time model's bytes per sample against the functional collectives torch's DTensor calls in one forward
+    and backward on 2 gloo ranks (counted by a dispatch mode in each rank, tests/dist_workers.py), for tensor
+    parallel alone and with sequence parallel, ROWS samples each."""
+    import dist_workers
+
+    case = tiny_llama()
+    blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
+    jobs, expected = [], []
+    from autofit.solve.sharding import Parallel, tensor_reduce_bytes
+
+    for mapping in (blocks, _mapping(case.model)):
+        plan = resolve_tensor_plan(case.model, 2, mapping)
+        parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
+        expected.append(ROWS * tensor_reduce_bytes(case.model, parallel, _output_bytes(case, plan)))
+        est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, world_size=2, strategy="fsdp2",
+                               tensor_parallel=2, tensor_parallel_plan=mapping)
+        memory = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=1, batch_size=ROWS,
+                      last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
+                      peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
+                      optimizer="adamw", predicted_step_seconds=0.0, estimate=est, world_size=2, strategy="fsdp2",
+                      shard_units=shard_units(case.model), tensor_parallel=2, tensor_plan=plan)
+        jobs.append({"kind": "collectives", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "sgd"})
+    ranks = dist_workers.launch(jobs, Path(tmp_path), 2)
+    for rank, results in enumerate(ranks):
+        print(f"rank {rank}: {[r['calls'] for r in results]}")
+        assert [r["moved"] for r in results] == expected, rank

@@ -246,11 +246,18 @@ def tensor_group_bytes(model: nn.Module, parallel: Parallel) -> int:
     split = {name: style for name, style in parallel.tensor_plan}
     total = 0
     for name, module in model.named_modules():
+        style = split.get(name)
         for pname, p in module.named_parameters(recurse=False):
             nbytes = p.numel() * p.element_size()
-            cut = name in split and (split[name] != "rowwise" or pname == "weight")
+            cut = style in _SPLIT_ALL or (style in _SPLIT_WEIGHT and pname == "weight")
             total += nbytes // parallel.tensor_parallel if cut else nbytes
     return total
+
+
+# styles whose module's parameters are all split T ways, and those that split the weight only (a row-parallel
+# layer's bias is replicated); sequence parallel's norms are replicated (Note [sequence parallel])
+_SPLIT_ALL = ("colwise", "colwise_rep", "embedding_rowwise")
+_SPLIT_WEIGHT = ("rowwise", "rowwise_sequence")
 
 
 def tensor_reduce_bytes(model: nn.Module, parallel: Parallel, output_bytes) -> float:
@@ -264,7 +271,16 @@ def tensor_reduce_bytes(model: nn.Module, parallel: Parallel, output_bytes) -> f
     The vocabulary-split embedding all-reduces its output in forward (its input, token ids, has no gradient); the
     output head's "colwise_rep" all-gathers its output in forward, counted as half an all-reduce of the whole
     (a ring all-gather moves (T - 1) / T of it per rank, an all-reduce twice that: nccl-tests PERFORMANCE.md), and
-    all-reduces its input's gradient in backward as "colwise" does."""
+    all-reduces its input's gradient in backward as "colwise" does.
+
+    Sequence parallel (Note [sequence parallel]; Korthikanti et al. 2022, section 4.2.2) swaps each all-reduce for
+    an all-gather and a reduce-scatter, each half of it: a row-parallel layer reduce-scatters its output in forward
+    and all-gathers its gradient in backward; the module that holds it (the attention, the MLP) all-gathers its
+    input in forward and reduce-scatters the summed gradient of its column-parallel layers in backward, so those no
+    longer reduce one by one. Each pair is counted on the row-parallel layer, twice its whole output (the residual
+    stream's width, the module's input too); the first block all-gathers its input's gradient in backward, the
+    final norm gathers its input in forward (half its whole output each); the norms move nothing."""
+    sequence = {name for name, style in parallel.tensor_plan if style == "sequence_gather"}
     total = 0.0
     for name, style in parallel.tensor_plan:
         module = model.get_submodule(name)
@@ -273,7 +289,13 @@ def tensor_reduce_bytes(model: nn.Module, parallel: Parallel, output_bytes) -> f
             total += out
         elif style == "colwise_rep":  # the output is whole here
             total += out / 2 + out * module.in_features / module.out_features
-        else:
+        elif style == "rowwise_sequence":  # its output is the rank's 1/T of the sequence
+            total += 2 * out * parallel.tensor_parallel
+        elif style == "sequence_shard":
+            total += out * parallel.tensor_parallel / 2
+        elif style == "sequence_gather_whole":
+            total += out / 2
+        elif style == "colwise" and name.rpartition(".")[0] not in sequence:
             total += out * module.in_features * parallel.tensor_parallel / module.out_features
     return total
 
@@ -285,7 +307,9 @@ def split_ops(ops, parallel: Parallel):
         return ops
     import numpy as np
 
-    inside = ops.under(name for name, _ in parallel.tensor_plan)
+    # sequence parallel's first block and final norm only re-lay out an input: their other ops are not split
+    inside = ops.under(name for name, style in parallel.tensor_plan
+                       if style not in ("sequence_shard", "sequence_gather_whole"))
     scale = np.where(inside, 1.0 / parallel.tensor_parallel, 1.0)
     return replace(ops, flops_fixed=ops.flops_fixed * scale, flops_per_sample=ops.flops_per_sample * scale,
                    bytes_fixed=ops.bytes_fixed * scale, bytes_per_sample=ops.bytes_per_sample * scale)
