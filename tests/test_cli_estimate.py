@@ -89,6 +89,30 @@ def test_tensor_parallel_figures_equal_the_library_estimate():
     assert data["breakdown"] == dict(est.breakdown)
 
 
+def test_sequence_parallel_figures_equal_the_library_estimate():
+    """--sequence-parallel: the model's own plan with its blocks' norms sequence-parallel (sequence_parallel_plan),
+    the same figures as the library given that plan; the activations of a rank fall against tensor parallel
+    alone, its parameters do not."""
+    from autofit.training.tensor_parallel import sequence_parallel_plan
+
+    llama = ["--config", "num_hidden_layers=2", "--config", "hidden_size=64", "--config", "intermediate_size=128",
+             "--config", "num_attention_heads=4", "--config", "num_key_value_heads=2", "--config", "vocab_size=512"]
+    common = ["hf:llama", *llama, "--input-shape", "16", "-m", "2", "--gpu", "H100", "--world-size", "4",
+              "--strategy", "fsdp2", "--tensor-parallel", "2"]
+    data, alone = _estimate(*common, "--sequence-parallel"), _estimate(*common)
+    spec = load_spec("hf:llama", input_shapes=[(16,)], config={k: int(v) for k, v in
+                                                               (e.split("=") for e in llama[1::2])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=2,
+                               device="cuda", gpu="H100-80GB", world_size=4, strategy="fsdp2", tensor_parallel=2,
+                               tensor_parallel_plan=sequence_parallel_plan(spec.model))
+    assert data["sequence_parallel"] is True and alone["sequence_parallel"] is False
+    assert (data["peak_allocated_bytes"], data["device_bytes"]) == (est.peak_allocated_bytes, est.device_bytes)
+    assert data["breakdown"]["parameters"] == alone["breakdown"]["parameters"]
+    assert data["peak_allocated_bytes"] < alone["peak_allocated_bytes"]
+
+
 def test_compile_figures_equal_the_library_estimate():
     data = _estimate(MLP, "--input-shape", "128", "-m", "4", "--device", "cpu", "--compile")
     spec = load_spec(MLP, input_shapes=[(128,)])
@@ -108,6 +132,7 @@ def test_compile_figures_equal_the_library_estimate():
     (["--precision", "auto"], "--precision auto"),
     (["--gpu", "Z80"], "Z80"),
     (["--world-size", "4", "--strategy", "fsdp2", "--tensor-parallel", "3"], "--tensor-parallel 3"),
+    (["--world-size", "2", "--strategy", "fsdp2", "--sequence-parallel"], "--tensor-parallel T"),
 ])
 def test_bad_input_exits_2_with_one_line(extra, words):
     result = runner.invoke(app, ["estimate", MLP, "--input-shape", "128", "-m", "4", *extra])

@@ -56,6 +56,8 @@ def test_structures_it_does_not_cover_are_refused_naming_the_module():
     blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
     with pytest.raises(UnsupportedModelError, match="block 'model.layers.1' has no 'sequence_parallel' norm"):
         resolve_tensor_plan(case.model, 2, {**blocks, "model.layers.0.input_layernorm": "sequence_parallel"})
+    with pytest.raises(UnsupportedModelError, match="on the norms of the blocks of one nn.ModuleList"):
+        resolve_tensor_plan(case.model, 2, {**blocks, "model.norm": "sequence_parallel"})
     with pytest.raises(UnsupportedModelError, match="parameters are 1-D"):
         resolve_tensor_plan(case.model, 2, {**blocks, "model.layers.*.mlp": "sequence_parallel"})
     with pytest.raises(UnsupportedModelError, match="'model.layers.0.mlp' holds column-parallel layers and 0"):
@@ -171,3 +173,19 @@ def test_collectives_are_the_ones_torch_runs(tmp_path):
     for rank, results in enumerate(ranks):
         print(f"rank {rank}: {[r['calls'] for r in results]}")
         assert [r["moved"] for r in results] == expected, rank
+
+
+def test_the_helper_adds_the_blocks_norms_to_the_model_plan():
+    """``sequence_parallel_plan``: the config's plan plus each block's 1-D-parameter children, the same resolved
+    plan as the mapping written by hand."""
+    from autofit.training.tensor_parallel import sequence_parallel_plan
+
+    case = tiny_llama("meta")
+    helped = sequence_parallel_plan(case.model)
+    assert {k for k, v in helped.items() if v == "sequence_parallel"} == {
+        f"model.layers.{i}.{norm}" for i in (0, 1) for norm in ("input_layernorm", "post_attention_layernorm")}
+    assert resolve_tensor_plan(case.model, 2, helped) == resolve_tensor_plan(case.model, 2, _mapping(case.model))
+    from sharded_models import wide_blocks
+
+    with pytest.raises(UnsupportedModelError, match="carries none"):
+        sequence_parallel_plan(wide_blocks("meta").model)

@@ -73,13 +73,11 @@ def test_parameters_per_rank_are_the_vocabulary_split_counted_by_hand():
         assert est.breakdown["parameters"] == 4 * (split // tp + whole) // (world // tp), (world, tp)
 
 
-@pytest.mark.parametrize("style", ["rowwise_rep", "rowwise_split_input", "embedding_colwise", "sequence_parallel",
-                                   "packed_colwise"])
+@pytest.mark.parametrize("style", ["rowwise_rep", "rowwise_split_input", "embedding_colwise", "packed_colwise"])
 def test_styles_not_simulated_are_refused_naming_them(style):
     case = tiny_llama_vocab("meta")
-    target = "model.norm" if style == "sequence_parallel" else "model.embed_tokens"
-    with pytest.raises(UnsupportedModelError, match=f"tensor parallel style '{style}' for '{target}'"):
-        resolve_tensor_plan(case.model, 2, {**_mapping(case.model), target: style})
+    with pytest.raises(UnsupportedModelError, match=f"tensor parallel style '{style}' for 'model.embed_tokens'"):
+        resolve_tensor_plan(case.model, 2, {**_mapping(case.model), "model.embed_tokens": style})
 
 
 def test_what_the_vocabulary_split_cannot_do_is_refused():

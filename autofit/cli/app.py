@@ -87,6 +87,9 @@ ReplicateOpt = Annotated[str, typer.Option(
 TensorOpt = Annotated[str, typer.Option(
     "--tensor-parallel", help="FSDP2 x tensor parallel T (T GPUs of a node split each block's linear layers; the "
     "model's own tp plan, e.g. a Hugging Face config's base_model_tp_plan), 1 for none, or auto (also 2, 4, 8)")]
+SequenceOpt = Annotated[bool, typer.Option(
+    "--sequence-parallel", help="with --tensor-parallel: the blocks' norms and residual stream split along the "
+    "sequence too (torchtitan's layout; less activation memory, no more communication)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -140,13 +143,14 @@ def plan(
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
-    tensor_parallel: TensorOpt = "1", compile: CompileOpt = False,
+    tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
                                                   "lightning, accelerate or torchtitan (TOML) settings")] = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
+    from autofit.cli.estimate import sequence_option
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
@@ -171,6 +175,7 @@ def plan(
                 reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
                 replicate=layout_option("--replicate", replicate),
                 allow=tuple(allow or ()), tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
+                tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel),
                 compile=compile,
             )
     except InfeasibleBudgetError as e:
@@ -260,7 +265,7 @@ def estimate(
                                                              "norm before the step")] = None,
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
                                                  "own tp plan; 1: none)")] = "1",
-    compile: CompileOpt = False,
+    sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -280,7 +285,8 @@ def estimate(
             optimizer=optimizer, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
             reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
             replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm,
-            tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile)
+            tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile,
+            sequence_parallel=sequence_parallel)
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

@@ -43,6 +43,7 @@ class EstimateSetup:
     clip_grad_norm: float | None
     tensor_parallel: int = 1  # T ranks of a node split each block's linear layers (FSDP2 x tp, or tp alone)
     compile: bool = False  # the step as torch.compile (inductor) compiles it
+    sequence_parallel: bool = False  # the blocks' norms split along the sequence too (Note [sequence parallel])
 
     @property
     def data_ranks(self) -> int:
@@ -55,7 +56,7 @@ class EstimateSetup:
         if self.strategy is None:
             return "one process"
         words = layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
-                             tensor_parallel=self.tensor_parallel)
+                             tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         return words if self.strategy == "fsdp2" else f"{words} over {self.world_size} ranks"
 
 
@@ -64,6 +65,20 @@ def _fixed(flag: str, value: object) -> object:
         raise InvalidInputError(f"{flag} auto asks the planner to choose: 'autofit estimate' describes one "
                                 f"configuration, so give a value (or run 'autofit plan')")
     return value
+
+
+def sequence_option(model, sequence_parallel: bool, tensor_parallel: object) -> dict[str, object] | None:
+    """--sequence-parallel: the model's own tensor-parallel plan with its blocks' norms sequence-parallel
+    (``sequence_parallel_plan``, Note [sequence parallel]); None without the flag. Refused without tensor
+    parallel, which it splits further."""
+    if not sequence_parallel:
+        return None
+    if tensor_parallel in (1, "1"):
+        raise InvalidInputError("--sequence-parallel splits the sequence over a tensor-parallel group: give "
+                                "--tensor-parallel T (or auto for plan)")
+    from autofit.training.tensor_parallel import sequence_parallel_plan
+
+    return sequence_parallel_plan(model)
 
 
 def _accumulation(batch_size: int | None, micro: int, data_ranks: int) -> int:
@@ -97,12 +112,14 @@ def _checkpoint(model, items: list[str]) -> dict[str, str]:
 def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | None, precision: str,
                    optimizer: str, device: str, gpu: str | None, world_size: int, strategy: str | None,
                    reshard_after_forward: object, replicate: object, checkpoint: list[str] | None,
-                   clip_grad_norm: float | None, tensor_parallel: object = 1, compile: bool = False) -> EstimateSetup:
+                   clip_grad_norm: float | None, tensor_parallel: object = 1, compile: bool = False,
+                   sequence_parallel: bool = False) -> EstimateSetup:
     """The configuration the flags describe (``reshard_after_forward`` and ``replicate`` as ``layout_option`` read
     them); "auto" anywhere is refused, since only ``plan`` chooses."""
     tp = _fixed("--tensor-parallel", tensor_parallel)
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
         raise InvalidInputError(f"--tensor-parallel {tp} must be a positive divisor of --world-size {world_size}")
+    sequence_option(spec.model, sequence_parallel, tp)  # refuses the flag without tensor parallel
     return EstimateSetup(
         micro_batch_size=micro_batch_size,
         accumulation_steps=_accumulation(batch_size, micro_batch_size, world_size // tp),
@@ -111,7 +128,8 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
         world_size=world_size, strategy=strategy,
         reshard_after_forward=_fixed("--reshard-after-forward", reshard_after_forward),
         replicate=_fixed("--replicate", replicate), checkpoint=_checkpoint(spec.model, checkpoint or []),
-        clip_grad_norm=clip_grad_norm, tensor_parallel=tp, compile=bool(compile))
+        clip_grad_norm=clip_grad_norm, tensor_parallel=tp, compile=bool(compile),
+        sequence_parallel=bool(sequence_parallel))
 
 
 def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
@@ -122,7 +140,8 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                     world_size=setup.world_size, strategy=setup.strategy,
                     reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
                     checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm,
-                    tensor_parallel=setup.tensor_parallel, compile=setup.compile)
+                    tensor_parallel=setup.tensor_parallel, compile=setup.compile,
+                    tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel, setup.tensor_parallel))
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:
@@ -132,7 +151,8 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "world_size": setup.world_size, "strategy": setup.strategy,
         "reshard_after_forward": setup.reshard_after_forward, "replicate": setup.replicate,
         "micro_batch_size": setup.micro_batch_size, "accumulation_steps": setup.accumulation_steps,
-        "tensor_parallel": setup.tensor_parallel, "compile": setup.compile,
+        "tensor_parallel": setup.tensor_parallel, "sequence_parallel": setup.sequence_parallel,
+        "compile": setup.compile,
         "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.data_ranks,
         "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
         "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.emit.plan import Plan
+from autofit.training.tensor_parallel import is_sequence_parallel
 
 __all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
            "to_torchtitan_config", "to_torchtitan_toml", "EXPORTERS"]
@@ -210,8 +211,9 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
         if plan.tensor_parallel > 1:
             notes.append(f"tensor parallel {plan.tensor_parallel}: FSDPStrategy (FSDP1) has none; in "
                          "ModelParallelStrategy's configure_model call parallelize_module(model, self.device_mesh"
-                         "['tensor_parallel'], plan) first, with ColwiseParallel / RowwiseParallel for the plan's "
-                         f"{len(plan.tensor_plan)} layers (plan.tensor_plan)")
+                         "['tensor_parallel'], plan) first, with the torch style of each of the plan's "
+                         f"{len(plan.tensor_plan)} modules (plan.tensor_plan; autofit.training.tensor_parallel."
+                         "torch_style names each)")
         notes += more
     if notes:
         out["autofit_notes"] = notes
@@ -278,6 +280,9 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
                 "parallelism_config_dp_shard_size": plan.world_size // plan.tensor_parallel,
                 "parallelism_config_tp_size": plan.tensor_parallel,
             }
+            if is_sequence_parallel(plan.tensor_plan):
+                notes.append("Accelerate's tp_size applies the model's own tp_plan, without this plan's sequence "
+                             "parallel: its activations per GPU are above this plan's")
         if not isinstance(raf, bool):
             notes.append(f"reshard_after_forward={raf}: Accelerate's FSDP2 plugin takes a bool only; exported as "
                          "True (ZeRO-3: less memory, the backward all-gather over every shard rank)")
@@ -309,10 +314,13 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
         parallelism = {"data_parallel_replicate_degree": plan.replicate, "data_parallel_shard_degree": shard,
                        "fsdp_reshard_after_forward": _TITAN_RESHARD.get(raf, "always"),
                        "tensor_parallel_degree": plan.tensor_parallel}
-        if plan.tensor_parallel > 1:
-            notes.append("torchtitan's tensor-parallel plan also splits the embedding and the output head and runs "
-                         "the norms sequence-parallel: its memory per GPU is below this plan's, which splits the "
-                         "blocks' linear layers only")
+        styles = {style for _, style in plan.tensor_plan}
+        missing = [what for what, present in (
+            ("splits the embedding and the output head", {"embedding_rowwise", "colwise_rep"} <= styles),
+            ("runs the norms sequence-parallel", "sequence_parallel" in styles)) if not present]
+        if plan.tensor_parallel > 1 and missing:
+            notes.append(f"torchtitan's tensor-parallel plan also {' and '.join(missing)}, which this plan does "
+                         "not: its memory per GPU is below this plan's")
         if not isinstance(raf, bool):
             notes.append(f"reshard_after_forward={raf} is not a torchtitan policy (default / always / never): "
                          "exported as 'always' (ZeRO-3)")

@@ -12,7 +12,7 @@ from torch import nn
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import LengthSpec
 from autofit.training.precision import PrecisionPolicy
-from autofit.training.tensor_parallel import require_tensor_parallel
+from autofit.training.tensor_parallel import is_sequence_parallel, require_tensor_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
@@ -145,7 +145,8 @@ class Plan:
         if self.strategy is None:
             return "None"
         return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate,
-                            after_forward=" after forward", tensor_parallel=self.tensor_parallel)
+                            after_forward=" after forward", tensor_parallel=self.tensor_parallel,
+                            sequence_parallel=is_sequence_parallel(self.tensor_plan))
 
     @property
     def alloc_conf(self) -> str:

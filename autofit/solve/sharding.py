@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError, require_layout
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.training.tensor_parallel import is_sequence_parallel, resolve_tensor_plan
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
@@ -55,7 +55,8 @@ class Parallel:
         if self.strategy is None:
             return "one process"
         return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
-                            tensor_parallel=self.tensor_parallel)
+                            tensor_parallel=self.tensor_parallel,
+                            sequence_parallel=is_sequence_parallel(self.tensor_plan))
 
     @property
     def ranks_per_node(self) -> int:
@@ -76,18 +77,20 @@ def ranks_per_node(world_size: int, gpus_per_node: int) -> int:
 
 
 def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
-                 ranks: bool = False, after_forward: str = "", tensor_parallel: int = 1) -> str:
+                 ranks: bool = False, after_forward: str = "", tensor_parallel: int = 1,
+                 sequence_parallel: bool = False) -> str:
     """A data-parallel layout in words (plan notes, ``Parallel.label``, ``Plan.layout``): 'ddp', 'fsdp2 (ZeRO-3)',
-    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)', 'tp 8', 'fsdp2 (ZeRO-3) x tp 8'; ``ranks`` adds FSDP2's rank
-    count, ``after_forward`` follows an int reshard's group."""
+    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)', 'tp 8', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence parallel';
+    ``ranks`` adds FSDP2's rank count, ``after_forward`` follows an int reshard's group."""
     if strategy != "fsdp2":
         return strategy
     if tensor_parallel > 1:
+        tp = f"tp {tensor_parallel}" + (" + sequence parallel" if sequence_parallel else "")
         if world_size == tensor_parallel:
-            return f"tp {tensor_parallel}"
+            return tp
         data = layout_words(strategy, world_size // tensor_parallel, reshard_after_forward, replicate, ranks=ranks,
                             after_forward=after_forward)
-        return f"{data} x tp {tensor_parallel}"
+        return f"{data} x {tp}"
     raf = reshard_after_forward
     zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
     if replicate > 1:

@@ -101,7 +101,8 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
 
-__all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "torch_style", "TP_STYLES"]
+__all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "torch_style", "TP_STYLES",
+           "sequence_parallel_plan", "is_sequence_parallel"]
 
 # autofit's style name -> the module type it splits (Note [tensor parallel plan]); transformers' other names for them
 _STYLES = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_rep": nn.Linear, "embedding_rowwise": nn.Embedding,
@@ -162,6 +163,11 @@ def torch_style(style: str):
     if style == "sequence_shard":
         return _first_input_layout(Replicate(), Shard(SEQUENCE_DIM), local=True)
     raise InvalidInputError(f"unknown tensor parallel style {style!r}: one of {', '.join(TP_STYLES)}")
+
+
+def is_sequence_parallel(plan: tuple[tuple[str, str], ...]) -> bool:
+    """Whether a resolved plan runs sequence parallel (Note [sequence parallel])."""
+    return any(style == "sequence_parallel" for _, style in plan)
 
 
 def _first_input_layout(source, target, *, local: bool):
@@ -272,9 +278,38 @@ def resolve_tensor_plan(model: nn.Module, tensor_parallel: int,
                                 f"{type(model).__name__}: patterns are fnmatch patterns over qualified module names")
     _require_heads(model, tensor_parallel)
     _require_untied(model, found)
-    if any(style == "sequence_parallel" for _, style in found):
+    if is_sequence_parallel(found):
         return _sequence_parallel(model, found, source)
     return tuple(found)
+
+
+def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, object] | None = None) -> dict[str, object]:
+    """``plan`` (default: the model's own, Note [tensor parallel plan]) with "sequence_parallel" on the norms of the
+    blocks it splits: each block's children whose parameters are all 1-D (a Llama's ``input_layernorm`` and
+    ``post_attention_layernorm``). Pass the result as ``tensor_parallel_plan`` (the CLI's ``--sequence-parallel``);
+    Note [sequence parallel] says what follows from it."""
+    base = dict(plan) if plan is not None else _model_plan(model)[0]
+    if not base:
+        raise UnsupportedModelError(
+            f"sequence parallel needs a tensor-parallel plan of which linear layers to split, and "
+            f"{type(model).__name__} carries none (no config.base_model_tp_plan): pass one")
+    modules = dict(model.named_modules())
+    split = [name for name in modules if any(fnmatch.fnmatchcase(name, p) for p in base)]
+    blocks = {}
+    for name in split:  # the nearest ancestor that is an entry of an nn.ModuleList
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            if isinstance(modules[".".join(parts[:cut - 1])] if cut > 1 else model, nn.ModuleList):
+                blocks[".".join(parts[:cut])] = modules[".".join(parts[:cut])]
+                break
+    norms = {f"{block}.{child}": "sequence_parallel" for block, module in blocks.items()
+             for child, m in module.named_children()
+             if any(True for _ in m.parameters()) and all(p.dim() == 1 for p in m.parameters())}
+    if not norms:
+        raise UnsupportedModelError(
+            f"sequence parallel: the blocks {type(model).__name__}'s plan splits have no norm (a child whose "
+            "parameters are all 1-D) to run on a share of the sequence (Note [sequence parallel])")
+    return {**base, **norms}
 
 
 def _parent(name: str) -> str:
