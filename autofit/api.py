@@ -21,7 +21,7 @@ from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.training.step import StepConfig, forward_errors, make_step_config
-from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
+from autofit.training.tensor_parallel import require_sequence_split, require_tensor_parallel, resolve_tensor_plan
 
 __all__ = ["analyse", "estimate", "measure"]
 
@@ -49,6 +49,8 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
         raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T, the "
                                 "number of ranks that split each layer")
     tensor_plan = resolve_tensor_plan(model, tensor_parallel, tensor_parallel_plan)
+    if batch is not None:
+        require_sequence_split(tensor_plan, tensor_parallel, batch.tensors(), "the sample")
     units = shard_units(model) if strategy == "fsdp2" else ()
     chunks = _loss_chunks(model, batch, target, loss_fn) if chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,

@@ -171,7 +171,8 @@ def make_request(
     margin_bytes = margin_for(margin, budget_bytes, target_device, world_size)
     per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, gpus_per_node, reshard_after_forward,
                                                    replicate)
-    tensors = tensor_options(model, world_size, per_node, strategy, tensor_parallel, tensor_parallel_plan)
+    tensors = tensor_options(model, world_size, per_node, strategy, tensor_parallel, tensor_parallel_plan,
+                             batch.tensors())
     if tensors != (1,) and tensor_parallel != "auto" and clip_grad_norm is not None:
         make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
                          tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why

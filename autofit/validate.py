@@ -6,7 +6,7 @@ precisions and compute precisions to try, a fixed checkpoint set, the FSDP2 layo
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from dataclasses import replace
 from typing import Any
@@ -19,7 +19,7 @@ from autofit.core._torch_compile import compiled_in_place
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int, require_layout
-from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
+from autofit.training.tensor_parallel import require_sequence_split, require_tensor_parallel, resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.training.config import make_step_config, resolve_modules
@@ -89,11 +89,14 @@ TENSOR_DEGREES = (2, 4, 8)  # "auto": the tensor-parallel degrees tried, each di
 
 
 def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: str | None,
-                   tensor_parallel: Any, user_plan: Mapping[str, Any] | None = None) -> tuple[int, ...]:
+                   tensor_parallel: Any, user_plan: Mapping[str, Any] | None = None,
+                   sample: Sequence[torch.Tensor] = ()) -> tuple[int, ...]:
     """``plan(tensor_parallel=...)``: 1 (none, the default), an int T (plan FSDP2 x tensor parallel T only; the
     model's plan resolved here, so a model that cannot be split is named before any simulation), or "auto" (also
     each of 2, 4, 8 that divides one node's GPUs, for a model that carries a plan; docs/multi-gpu.md). ``user_plan``:
-    ``plan(tensor_parallel_plan=...)``, for a model without its own."""
+    ``plan(tensor_parallel_plan=...)``, for a model without its own; with sequence parallel in it, the ``sample``'s
+    tensors must split evenly along the sequence (``require_sequence_split``; "auto" skips the degrees that do
+    not, ``tensor_layouts``)."""
     if user_plan is not None and tensor_parallel == 1:
         raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T or "
                                 "'auto'")
@@ -107,7 +110,8 @@ def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: s
         raise InvalidInputError(
             f"tensor_parallel {tensor_parallel} does not divide the {per_node} GPUs of a node: its all-reduces run in "
             "every layer and must stay on NVLink; choose a divisor of gpus_per_node")
-    resolve_tensor_plan(model, tensor_parallel, user_plan)
+    resolved = resolve_tensor_plan(model, tensor_parallel, user_plan)
+    require_sequence_split(resolved, tensor_parallel, sample, "the sample")
     return (tensor_parallel,)
 
 

@@ -115,6 +115,12 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                 params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
                           for n, p in getattr(trainer.model, "module", trainer.model).named_parameters()}
                 results.append({"params": params, "micro_batches": trainer.micro_batches})
+            elif job["kind"] == "odd length":  # a batch the plan refuses: the error's words
+                try:
+                    trainer.step({k: v[:, :job["length"]] for k, v in batch.value.items()})
+                    results.append({"refused": ""})
+                except autofit.InvalidInputError as e:
+                    results.append({"refused": str(e)})
             elif job["kind"] == "collectives":  # one forward and backward, the collectives torch runs counted
                 with _Collectives() as counted:
                     batch.call(trainer.model).loss.backward()

@@ -108,9 +108,12 @@ def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_st
     memory, equivalence = _plan(world, tp, ROWS * data), _plan(world, tp, 2 * ROWS * data)
     ranks = dist_workers.launch(
         [{"kind": "memory", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "adamw"},
-         {"kind": "equivalence", "case": "tiny_llama", "plan": equivalence.to_json(), "optimizer": "sgd"}],
+         {"kind": "equivalence", "case": "tiny_llama", "plan": equivalence.to_json(), "optimizer": "sgd"},
+         {"kind": "odd length", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "sgd", "length": 31}],
         Path(tmp_path), world)
     dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama(), " + sequence parallel")
+    for results in ranks:  # 31 tokens over a group of 2: refused by the trainer before anything runs
+        assert "this batch has 31 there" in results[2]["refused"], results[2]
 
 
 def _output_bytes(case, plan):
@@ -189,3 +192,25 @@ def test_the_helper_adds_the_blocks_norms_to_the_model_plan():
 
     with pytest.raises(UnsupportedModelError, match="carries none"):
         sequence_parallel_plan(wide_blocks("meta").model)
+
+
+def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_runs():
+    """31 tokens over 2 ranks: torch's ``DTensor.from_local`` would take each rank's shard as half of a whole of
+    62 (the simulation failed deep in the attention's broadcast before this check). estimate, plan with T given,
+    and the trainer's step (in the gloo job above) each name the length and the fix; plan with "auto" plans the
+    other layouts."""
+    from autofit.training.tensor_parallel import sequence_parallel_plan
+
+    case = tiny_llama()
+    ids = case.sample["input_ids"][:, :31]
+    odd = {"input_ids": ids, "labels": ids.clone()}
+    mapping = sequence_parallel_plan(case.model)
+    with pytest.raises(autofit.InvalidInputError, match="has 31 there .* pad it to a multiple of 2"):
+        autofit.estimate(case.model, odd, micro_batch_size=ROWS, world_size=2, strategy="fsdp2", tensor_parallel=2,
+                         tensor_parallel_plan=mapping)
+    with pytest.raises(autofit.InvalidInputError, match="has 31 there"):
+        autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu", world_size=2, strategy="fsdp2",
+                     tensor_parallel=2, tensor_parallel_plan=mapping)
+    plan = autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu", world_size=2, strategy="fsdp2",
+                        tensor_parallel="auto", tensor_parallel_plan=mapping)
+    assert plan.tensor_parallel == 1  # the trainer's refusal: the gloo test above ("odd length" job)

@@ -29,6 +29,7 @@ from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
+from autofit.training.tensor_parallel import require_sequence_split
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation, count_items, item_counter
 from autofit.training.optim import OptimizerSpec, to_eight_bit
@@ -112,6 +113,7 @@ class Trainer:
         if target_batch is not None and target_batch.size != batch.size:
             raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
         batch, target_batch = self._shard(batch, target_batch)
+        require_sequence_split(self.plan.tensor_plan, self.plan.tensor_parallel, batch.tensors(), "this batch")
         device = self._input_device()
         bounds = self._bounds(batch.size, self._rows_for(batch, target_batch))
         if self.plan.optimizer_in_backward and len(bounds) > 1:  # each backward would step the optimizer again

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError, require_layout
-from autofit.training.tensor_parallel import is_sequence_parallel, resolve_tensor_plan
+from autofit.training.tensor_parallel import is_sequence_parallel, require_sequence_split, resolve_tensor_plan
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
@@ -132,8 +132,9 @@ def tensor_layouts(request: PlanRequest, base: Parallel) -> list[Parallel]:
             continue
         try:
             plan = resolve_tensor_plan(request.model, tp, request.tensor_parallel_plan)
-        except AutofitError:  # no plan, or heads / features T does not divide: the other layouts are still planned
-            continue
+            require_sequence_split(plan, tp, request.batch.tensors(), "the sample")
+        except AutofitError:  # no plan, or heads / features / the sequence T does not divide: the other layouts
+            continue          # are still planned
         data = request.world_size // tp
         if data == 1 and request.device.kind == "cuda":  # refused on CUDA (StepConfig: foreach optimizers)
             continue

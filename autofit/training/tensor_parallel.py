@@ -102,7 +102,7 @@ from torch import nn
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
 
 __all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "torch_style", "TP_STYLES",
-           "sequence_parallel_plan", "is_sequence_parallel"]
+           "sequence_parallel_plan", "is_sequence_parallel", "require_sequence_split"]
 
 # autofit's style name -> the module type it splits (Note [tensor parallel plan]); transformers' other names for them
 _STYLES = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_rep": nn.Linear, "embedding_rowwise": nn.Embedding,
@@ -168,6 +168,20 @@ def torch_style(style: str):
 def is_sequence_parallel(plan: tuple[tuple[str, str], ...]) -> bool:
     """Whether a resolved plan runs sequence parallel (Note [sequence parallel])."""
     return any(style == "sequence_parallel" for _, style in plan)
+
+
+def require_sequence_split(plan: tuple[tuple[str, str], ...], tensor_parallel: int, tensors, what: str) -> None:
+    """Sequence parallel splits dim 1 of the hidden states evenly over the T ranks of a group (torch's
+    ``DTensor.from_local`` takes each rank's shard as 1/T of the whole): every input of two or more dims must have
+    a length there that T divides (Note [sequence parallel]). A typed error naming the length and the fix."""
+    if not is_sequence_parallel(plan):
+        return
+    for tensor in tensors:
+        if tensor.dim() >= 2 and tensor.shape[SEQUENCE_DIM] % tensor_parallel:
+            raise InvalidInputError(
+                f"sequence parallel splits the sequence (dim {SEQUENCE_DIM}) over the {tensor_parallel} ranks of a "
+                f"tensor-parallel group, and {what} has {tensor.shape[SEQUENCE_DIM]} there (shape "
+                f"{tuple(tensor.shape)}): pad it to a multiple of {tensor_parallel}, or leave sequence parallel out")
 
 
 def _first_input_layout(source, target, *, local: bool):
