@@ -6,6 +6,8 @@ GPU from the plan's notes, and the planner's wall time. Not a test: the time mod
 
     .venv/bin/python benchmarks/tensor_parallel.py                  # 2 layers, sequence 4096, global batch 16
     .venv/bin/python benchmarks/tensor_parallel.py --layers 4 --seq 8192
+    .venv/bin/python benchmarks/tensor_parallel.py --sequence-parallel  # the tensor-parallel layouts with sequence
+                                                                        # parallel (Note [sequence parallel])
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=16, help="global batch in sequences")
     parser.add_argument("--budget", default="80GB")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="the model's tensor-parallel plan with its blocks' norms sequence-parallel")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -43,10 +47,17 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.zeros(1, args.seq, dtype=torch.long)
     n = sum(p.numel() for p in model.parameters())
     print(f"Llama-3-70B shape, {args.layers} layers: {n / 1e9:.2f} B parameters (fp32, meta); sequence {args.seq}, "
-          f"global batch {args.batch}; 8 x H100-80GB, budget {args.budget}; torch {torch.__version__}")
+          f"global batch {args.batch}; 8 x H100-80GB, budget {args.budget}; torch {torch.__version__}"
+          + ("; sequence parallel" if args.sequence_parallel else ""))
     start = time.perf_counter()
+    mapping = None
+    if args.sequence_parallel:
+        from autofit.training.tensor_parallel import sequence_parallel_plan
+
+        mapping = sequence_parallel_plan(model)
     plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, args.budget, batch_size=args.batch,
-                        gpu="H100-80GB", world_size=8, strategy="fsdp2", tensor_parallel="auto")
+                        gpu="H100-80GB", world_size=8, strategy="fsdp2", tensor_parallel="auto",
+                        tensor_parallel_plan=mapping)
     seconds = time.perf_counter() - start
     print(f"planned in {seconds:.1f} s: {plan.layout}, micro-batch {plan.micro_batch_size} x "
           f"{plan.gradient_accumulation_steps}, {plan.precision.label}, {len(plan.checkpoint)} modules recomputed, "

@@ -81,14 +81,14 @@ def test_a_rank_keeps_the_residual_stream_and_norms_of_its_share_of_the_tokens()
     assert sequence.peak_bytes < alone.peak_bytes
 
 
-def _plan(world: int, tp: int, batch_size: int) -> Plan:
+def _plan(world: int, tp: int, batch_size: int, checkpoint: tuple[str, ...] = ()) -> Plan:
     """A plan of the layout, made by hand around the estimate (the estimate is what is under test)."""
     case = tiny_llama()
     mapping = _mapping(case.model)
     est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, world_size=world, strategy="fsdp2",
-                           tensor_parallel=tp, tensor_parallel_plan=mapping)
+                           tensor_parallel=tp, tensor_parallel_plan=mapping, checkpoint=checkpoint or None)
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
-                batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
+                batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=checkpoint,
                 peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
                 optimizer="adamw", predicted_step_seconds=0.0, estimate=est, world_size=world, strategy="fsdp2",
                 shard_units=shard_units(case.model), tensor_parallel=tp,
@@ -96,8 +96,11 @@ def _plan(world: int, tp: int, batch_size: int) -> Plan:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2)])  # tp alone; FSDP2 2 x tp 2
-def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_step(world, tp, tmp_path):
+@pytest.mark.parametrize("world,tp,checkpoint", [
+    (2, 2, ()), (4, 2, ()),  # tp alone; FSDP2 2 x tp 2
+    (2, 2, ("model.layers.0", "model.layers.1.mlp")),  # recomputed: the block that shards its input, and an MLP
+])
+def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_step(world, tp, checkpoint, tmp_path):
     """One gloo job: every rank's measured peak (the CPU allocator, lowest of three steady-state steps) against the
     estimate; then two micro-batches per data-parallel rank, whose parameters after one trainer step on every rank
     equal those after one SGD step over the whole batch in one process (the norms' gradients, partial sums over
@@ -105,13 +108,15 @@ def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_st
     import dist_workers
 
     data = world // tp
-    memory, equivalence = _plan(world, tp, ROWS * data), _plan(world, tp, 2 * ROWS * data)
+    memory = _plan(world, tp, ROWS * data, checkpoint)
+    equivalence = _plan(world, tp, 2 * ROWS * data, checkpoint)
     ranks = dist_workers.launch(
         [{"kind": "memory", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "adamw"},
          {"kind": "equivalence", "case": "tiny_llama", "plan": equivalence.to_json(), "optimizer": "sgd"},
          {"kind": "odd length", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "sgd", "length": 31}],
         Path(tmp_path), world)
-    dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama(), " + sequence parallel")
+    dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama(),
+                                              f" recomputing {checkpoint}" if checkpoint else "")
     for results in ranks:  # 31 tokens over a group of 2: refused by the trainer before anything runs
         assert "this batch has 31 there" in results[2]["refused"], results[2]
 
