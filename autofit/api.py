@@ -21,7 +21,8 @@ from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.training.step import StepConfig, forward_errors, make_step_config
-from autofit.training.tensor_parallel import require_sequence_split, require_tensor_parallel, resolve_tensor_plan
+from autofit.training.sequence_parallel import require_sequence_split
+from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
 
 __all__ = ["analyse", "estimate", "measure"]
 

@@ -19,7 +19,8 @@ from autofit.core._torch_compile import compiled_in_place
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int, require_layout
-from autofit.training.tensor_parallel import require_sequence_split, require_tensor_parallel, resolve_tensor_plan
+from autofit.training.sequence_parallel import require_sequence_split
+from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.training.config import make_step_config, resolve_modules

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.emit.plan import Plan
-from autofit.training.tensor_parallel import is_sequence_parallel
+from autofit.training.sequence_parallel import is_sequence_parallel
 
 __all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
            "to_torchtitan_config", "to_torchtitan_toml", "EXPORTERS"]

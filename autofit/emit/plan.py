@@ -12,7 +12,8 @@ from torch import nn
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import LengthSpec
 from autofit.training.precision import PrecisionPolicy
-from autofit.training.tensor_parallel import is_sequence_parallel, require_tensor_parallel
+from autofit.training.sequence_parallel import is_sequence_parallel
+from autofit.training.tensor_parallel import require_tensor_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length

@@ -29,7 +29,7 @@ from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
-from autofit.training.tensor_parallel import require_sequence_split
+from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation, count_items, item_counter
 from autofit.training.optim import OptimizerSpec, to_eight_bit

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError, require_layout
-from autofit.training.tensor_parallel import is_sequence_parallel, require_sequence_split, resolve_tensor_plan
+from autofit.training.sequence_parallel import is_sequence_parallel, require_sequence_split
+from autofit.training.tensor_parallel import resolve_tensor_plan
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest

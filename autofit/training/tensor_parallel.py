@@ -59,37 +59,6 @@ named.
 Order (torchtitan's ``parallelize_llama``): tensor parallel over the mesh's "tp" dim first, then ``fully_shard`` over
 its "dp_shard" dim; the mesh is ``(world_size // T, T)``, so the T ranks of a tensor-parallel group are consecutive
 (one node's GPUs) and ranks ``r`` and ``r + T`` hold the same slice of the weights.
-
-Note [sequence parallel]
-~~~~~~~~~~~~~~~~~~~~~~~~
-Sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-section 4.2.2; torch's ``SequenceParallel``) splits what tensor parallel leaves whole inside a block, the norms and
-the residual stream between the split layers, along the sequence: each rank of a tensor-parallel group holds 1/T of
-the tokens there. The user asks for it by giving the blocks' norms the style "sequence_parallel" (transformers'
-name; torch's ``SequenceParallel()`` object is accepted too). The rest follows from the block plan, as torchtitan's
-``parallelize_llama`` lays it out by hand, and autofit derives it (``_sequence_parallel``), so the simulation and
-the trainer apply the same styles:
-
-- each block's norms: ``SequenceParallel()`` (their input a shard of the sequence, their output a DTensor sharded
-  along it);
-- each child of a block that holds column-parallel layers (the attention, the MLP), "sequence_gather": its first
-  input all-gathered along the sequence into a replicated DTensor (``PrepareModuleInput``'s redistribution, on the
-  first positional input or, when called with keywords only, the keyword ``forward`` names first: Hugging Face
-  calls its attention with ``hidden_states=``). Its backward is one reduce-scatter of the summed gradients of the
-  column-parallel layers, where tensor parallel alone all-reduces each of them;
-- the row-parallel layer of each such child, "rowwise_sequence": ``RowwiseParallel(output_layouts=Shard(1))``, its
-  partial output reduce-scattered along the sequence instead of all-reduced, so the residual add runs on shards;
-- the first block, "sequence_shard": its input (whole, as the embedding leaves it, so the model still derives
-  positions and its causal mask from the whole length) cut to the rank's shard, no communication;
-- the module that follows the last block (the final norm), "sequence_gather_whole": its input all-gathered back
-  to a whole local tensor; it runs whole, as does the head after it, whatever its own style.
-
-Refused, naming the module: a norm with a parameter that is not 1-D, a norm outside a block of the blocks' list, a
-block of that list without a sequence-parallel norm or with split layers outside it, a child with column-parallel
-layers but not exactly one row-parallel one, column-parallel layers directly in a block, and a list followed by
-no module with parameters. The sequence dim is dim 1 (batch first, as Hugging Face's and torchtitan's models lay
-out hidden states); T must divide the sequence length (torch's ``Shard`` splits unevenly otherwise, checked where
-the sample is known, ``require_sequence_split``).
 """
 
 from __future__ import annotations
@@ -100,18 +69,17 @@ from collections.abc import Mapping
 from torch import nn
 
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
+from autofit.training.sequence_parallel import (SEQUENCE_DIM, block_norms, derive_sequence_parallel,
+                                                is_sequence_parallel, sequence_style)
 
 __all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "torch_style", "TP_STYLES",
-           "sequence_parallel_plan", "is_sequence_parallel", "require_sequence_split"]
+           "sequence_parallel_plan"]
 
 # autofit's style name -> the module type it splits (Note [tensor parallel plan]); transformers' other names for them
 _STYLES = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_rep": nn.Linear, "embedding_rowwise": nn.Embedding,
            "sequence_parallel": nn.Module}
 _ALIASES = {"colwise_gather_output": "colwise_rep"}
 TP_STYLES = tuple(_STYLES)
-# styles derived from "sequence_parallel" norms (Note [sequence parallel]), never given by the user
-_SEQUENCE_STYLES = ("rowwise_sequence", "sequence_gather", "sequence_gather_whole", "sequence_shard")
-SEQUENCE_DIM = 1
 
 
 def require_tensor_parallel(strategy: object, world_size: int, tensor_parallel: object, replicate: int = 1,
@@ -149,75 +117,10 @@ def torch_style(style: str):
         return ColwiseParallel(output_layouts=Replicate())
     if style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    if style == "sequence_parallel":
-        return SequenceParallel(sequence_dim=SEQUENCE_DIM)
-    if style == "rowwise_sequence":
-        return RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM))
-    if style == "sequence_gather":
-        return _first_input_layout(Shard(SEQUENCE_DIM), Replicate(), local=False)
-    if style == "sequence_gather_whole":
-        return _first_input_layout(Shard(SEQUENCE_DIM), Replicate(), local=True)
-    if style == "sequence_shard":
-        return _first_input_layout(Replicate(), Shard(SEQUENCE_DIM), local=True)
+    made = sequence_style(style)  # sequence parallel's styles (Note [sequence parallel])
+    if made is not None:
+        return made
     raise InvalidInputError(f"unknown tensor parallel style {style!r}: one of {', '.join(TP_STYLES)}")
-
-
-def is_sequence_parallel(plan: tuple[tuple[str, str], ...]) -> bool:
-    """Whether a resolved plan runs sequence parallel (Note [sequence parallel])."""
-    return any(style == "sequence_parallel" for _, style in plan)
-
-
-def require_sequence_split(plan: tuple[tuple[str, str], ...], tensor_parallel: int, tensors, what: str) -> None:
-    """Sequence parallel splits dim 1 of the hidden states evenly over the T ranks of a group (torch's
-    ``DTensor.from_local`` takes each rank's shard as 1/T of the whole): every input of two or more dims must have
-    a length there that T divides (Note [sequence parallel]). A typed error naming the length and the fix."""
-    if not is_sequence_parallel(plan):
-        return
-    for tensor in tensors:
-        if tensor.dim() >= 2 and tensor.shape[SEQUENCE_DIM] % tensor_parallel:
-            raise InvalidInputError(
-                f"sequence parallel splits the sequence (dim {SEQUENCE_DIM}) over the {tensor_parallel} ranks of a "
-                f"tensor-parallel group, and {what} has {tensor.shape[SEQUENCE_DIM]} there (shape "
-                f"{tuple(tensor.shape)}): pad it to a multiple of {tensor_parallel}, or leave sequence parallel out")
-
-
-def _first_input_layout(source, target, *, local: bool):
-    """A ``ParallelStyle`` that redistributes a module's first input from ``source`` to ``target`` over the tp mesh
-    (the redistribution torch's ``PrepareModuleInput`` runs), the input found where the call puts it: the first
-    positional argument, or the keyword that ``forward`` names first when the call passes keywords only (Note
-    [sequence parallel]). ``PrepareModuleInput`` needs that choice fixed in advance; models call the same kind of
-    module both ways (Hugging Face: ``self_attn(hidden_states=...)``, ``mlp(hidden_states)``)."""
-    import inspect
-
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    def relayout(x, mesh):
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (source,), run_check=False)
-        if x.placements != (target,):
-            x = x.redistribute(placements=(target,))
-        return x.to_local() if local else x
-
-    class FirstInputLayout(ParallelStyle):
-        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            first = next(iter(inspect.signature(module.forward).parameters))
-
-            def hook(_module, args, kwargs):
-                if args:
-                    return (relayout(args[0], device_mesh), *args[1:]), kwargs
-                return args, {**kwargs, first: relayout(kwargs[first], device_mesh)}
-
-            module.register_forward_pre_hook(hook, with_kwargs=True)
-            return module
-
-        def __repr__(self) -> str:
-            return f"FirstInputLayout({source} -> {target}, local={local})"
-
-    return FirstInputLayout()
 
 
 def _style_name(pattern: str, style: object) -> str:
@@ -293,7 +196,7 @@ def resolve_tensor_plan(model: nn.Module, tensor_parallel: int,
     _require_heads(model, tensor_parallel)
     _require_untied(model, found)
     if is_sequence_parallel(found):
-        return _sequence_parallel(model, found, source)
+        return derive_sequence_parallel(model, found, source)
     return tuple(found)
 
 
@@ -307,91 +210,13 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, object] | None =
         raise UnsupportedModelError(
             f"sequence parallel needs a tensor-parallel plan of which linear layers to split, and "
             f"{type(model).__name__} carries none (no config.base_model_tp_plan): pass one")
-    modules = dict(model.named_modules())
-    split = [name for name in modules if any(fnmatch.fnmatchcase(name, p) for p in base)]
-    blocks = {}
-    for name in split:  # the nearest ancestor that is an entry of an nn.ModuleList
-        parts = name.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            if isinstance(modules[".".join(parts[:cut - 1])] if cut > 1 else model, nn.ModuleList):
-                blocks[".".join(parts[:cut])] = modules[".".join(parts[:cut])]
-                break
-    norms = {f"{block}.{child}": "sequence_parallel" for block, module in blocks.items()
-             for child, m in module.named_children()
-             if any(True for _ in m.parameters()) and all(p.dim() == 1 for p in m.parameters())}
+    norms = block_norms(model, [name for name, _ in model.named_modules()
+                                if any(fnmatch.fnmatchcase(name, p) for p in base)])
     if not norms:
         raise UnsupportedModelError(
             f"sequence parallel: the blocks {type(model).__name__}'s plan splits have no norm (a child whose "
             "parameters are all 1-D) to run on a share of the sequence (Note [sequence parallel])")
     return {**base, **norms}
-
-
-def _parent(name: str) -> str:
-    return name.rpartition(".")[0]
-
-
-def _sequence_parallel(model: nn.Module, found: list[tuple[str, str]], source: str) -> tuple[tuple[str, str], ...]:
-    """The plan with sequence parallel's derived styles (Note [sequence parallel]), in module order. Typed errors for
-    the structures it does not cover, naming the module."""
-    styles = dict(found)
-    norms = [name for name, style in found if style == "sequence_parallel"]
-    modules = dict(model.named_modules())
-    lists = {_parent(_parent(n)) for n in norms if "." in n and isinstance(modules.get(_parent(_parent(n))),
-                                                                           nn.ModuleList)}
-    if len(lists) != 1:
-        raise UnsupportedModelError(
-            f"{source} gives 'sequence_parallel' to {', '.join(map(repr, norms))}: autofit runs sequence parallel "
-            "on the norms of the blocks of one nn.ModuleList (a Llama's model.layers.*.input_layernorm and "
-            "post_attention_layernorm; Note [sequence parallel]); name those norms")
-    prefix = lists.pop()
-    outer, _, list_name = prefix.rpartition(".")
-    children = list(modules[outer].named_children())
-    index = next(i for i, (child, _) in enumerate(children) if child == list_name)
-    following = [child for child, m in children[index + 1:] if any(True for _ in m.parameters())]
-    if not following:
-        raise UnsupportedModelError(
-            f"sequence parallel: nothing with parameters follows {prefix!r}; autofit gathers the sequence at the "
-            "module after the last block (the final norm; Note [sequence parallel])")
-    final = f"{outer}.{following[0]}" if outer else following[0]
-    if styles.get(final, "sequence_parallel") != "sequence_parallel":
-        raise UnsupportedModelError(
-            f"sequence parallel: {final!r}, the module after the last block, is split {styles[final]!r}; autofit "
-            "gathers the sequence there (Note [sequence parallel]): leave it whole")
-    stray = [n for n in norms if n != final and _parent(_parent(n)) != prefix]
-    if stray:
-        raise UnsupportedModelError(
-            f"sequence parallel: {', '.join(map(repr, stray))} is not a norm of a block of {prefix!r} nor the "
-            f"module after them ({final!r}); Note [sequence parallel]")
-    blocks = [f"{prefix}.{child}" for child, _ in modules[prefix].named_children()]
-    derived: dict[str, str] = {blocks[0]: "sequence_shard", final: "sequence_gather_whole"}
-    for block in blocks:
-        inside = {n: s for n, s in styles.items() if n.startswith(block + ".")}
-        if "sequence_parallel" not in inside.values():
-            raise UnsupportedModelError(
-                f"sequence parallel: block {block!r} has no 'sequence_parallel' norm in {source}; every block of "
-                f"{prefix!r} takes it (Note [sequence parallel]): give the pattern over all of them")
-        for name, style in inside.items():
-            if style == "colwise" and _parent(name) == block:
-                raise UnsupportedModelError(
-                    f"sequence parallel: the column-parallel {name!r} is a child of its block {block!r}, not of a "
-                    "module whose input autofit can gather (an attention or an MLP; Note [sequence parallel])")
-        for child in sorted({_parent(n) for n, s in inside.items() if s == "colwise"}):
-            rows = [n for n, s in inside.items() if s == "rowwise" and n.startswith(child + ".")]
-            if len(rows) != 1:
-                raise UnsupportedModelError(
-                    f"sequence parallel: {child!r} holds column-parallel layers and {len(rows)} row-parallel ones; "
-                    "autofit reduce-scatters the one row-parallel output that returns to the residual stream "
-                    "(Note [sequence parallel])")
-            derived[child] = "sequence_gather"
-            derived[rows[0]] = "rowwise_sequence"
-    merged = {**styles, **derived}
-    whole = [n for n, s in merged.items() if s == "rowwise" and n.startswith(prefix + ".")]
-    if whole:
-        raise UnsupportedModelError(
-            f"sequence parallel: the row-parallel {whole[0]!r} is not the one output of a module with "
-            "column-parallel layers, so its whole output would meet the residual stream's shard (Note [sequence "
-            "parallel])")
-    return tuple((name, merged[name]) for name in modules if name in merged)
 
 
 def _require_splittable(source: str, name: str, module: nn.Module, style: str, tensor_parallel: int) -> None:
