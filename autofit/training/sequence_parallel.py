@@ -27,10 +27,10 @@ the trainer apply the same styles:
 - the module that follows the last block (the final norm), "sequence_gather_whole": its input all-gathered back
   to a whole local tensor; it runs whole, as does the head after it, whatever its own style.
 
-Refused, naming the module: a norm with a parameter that is not 1-D, a norm outside a block of the blocks' list, a
-block of that list without a sequence-parallel norm or with split layers outside it, a child with column-parallel
-layers but not exactly one row-parallel one, column-parallel layers directly in a block, and a list followed by
-no module with parameters. The sequence dim is dim 1 (batch first, as Hugging Face's and torchtitan's models lay
+Refused, naming the module: a norm with a parameter that is not 1-D, a norm outside the blocks of one list (but
+the final norm), a block of that list without a sequence-parallel norm, a child with column-parallel layers but
+not exactly one row-parallel one, a row-parallel layer elsewhere in a block, column-parallel layers directly in a
+block, and a list followed by no module with parameters or by a split one. The sequence dim is dim 1 (batch first, as Hugging Face's and torchtitan's models lay
 out hidden states); T must divide the sequence length (torch's ``Shard`` splits unevenly otherwise, checked where
 the sample is known, ``require_sequence_split``).
 """
@@ -109,6 +109,10 @@ def _first_input_layout(source, target, *, local: bool):
             def hook(_module, args, kwargs):
                 if args:
                     return (relayout(args[0], device_mesh), *args[1:]), kwargs
+                if first not in kwargs:
+                    raise UnsupportedModelError(
+                        f"sequence parallel: {type(module).__name__} was called without its first input "
+                        f"{first!r}, the hidden states autofit re-lays out (Note [sequence parallel])")
                 return args, {**kwargs, first: relayout(kwargs[first], device_mesh)}
 
             module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -131,14 +135,36 @@ def derive_sequence_parallel(model: nn.Module, found: list[tuple[str, str]],
     styles = dict(found)
     norms = [name for name, style in found if style == "sequence_parallel"]
     modules = dict(model.named_modules())
-    lists = {_parent(_parent(n)) for n in norms if "." in n and isinstance(modules.get(_parent(_parent(n))),
-                                                                           nn.ModuleList)}
+    lists = {_parent(_parent(n)) for n in norms if isinstance(modules.get(_parent(_parent(n))), nn.ModuleList)}
     if len(lists) != 1:
         raise UnsupportedModelError(
             f"{source} gives 'sequence_parallel' to {', '.join(map(repr, norms))}: autofit runs sequence parallel "
             "on the norms of the blocks of one nn.ModuleList (a Llama's model.layers.*.input_layernorm and "
             "post_attention_layernorm; Note [sequence parallel]); name those norms")
     prefix = lists.pop()
+    final = _after_blocks(modules, prefix, styles)
+    stray = [n for n in norms if n != final and _parent(_parent(n)) != prefix]
+    if stray:
+        raise UnsupportedModelError(
+            f"sequence parallel: {', '.join(map(repr, stray))} is not a norm of a block of {prefix!r} nor the "
+            f"module after them ({final!r}); Note [sequence parallel]")
+    blocks = [f"{prefix}.{child}" for child, _ in modules[prefix].named_children()]
+    derived: dict[str, str] = {blocks[0]: "sequence_shard", final: "sequence_gather_whole"}
+    for block in blocks:
+        derived.update(_block_styles(block, {n: s for n, s in styles.items() if n.startswith(block + ".")}, source))
+    merged = {**styles, **derived}
+    whole = [n for n, s in merged.items() if s == "rowwise" and n.startswith(prefix + ".")]
+    if whole:
+        raise UnsupportedModelError(
+            f"sequence parallel: the row-parallel {whole[0]!r} is not the one output of a module with "
+            "column-parallel layers, so its whole output would meet the residual stream's shard (Note [sequence "
+            "parallel])")
+    return tuple((name, merged[name]) for name in modules if name in merged)
+
+
+def _after_blocks(modules: dict[str, nn.Module], prefix: str, styles: dict[str, str]) -> str:
+    """The module after the blocks' list ``prefix`` in its parent (the final norm), where the sequence is gathered:
+    the first later sibling with parameters, which must not be split."""
     outer, _, list_name = prefix.rpartition(".")
     children = list(modules[outer].named_children())
     index = next(i for i, (child, _) in enumerate(children) if child == list_name)
@@ -152,41 +178,32 @@ def derive_sequence_parallel(model: nn.Module, found: list[tuple[str, str]],
         raise UnsupportedModelError(
             f"sequence parallel: {final!r}, the module after the last block, is split {styles[final]!r}; autofit "
             "gathers the sequence there (Note [sequence parallel]): leave it whole")
-    stray = [n for n in norms if n != final and _parent(_parent(n)) != prefix]
-    if stray:
+    return final
+
+
+def _block_styles(block: str, inside: dict[str, str], source: str) -> dict[str, str]:
+    """One block's derived styles from its split layers ``inside`` it: each child holding column-parallel layers
+    gathers its input, and its one row-parallel layer reduce-scatters its output."""
+    if "sequence_parallel" not in inside.values():
         raise UnsupportedModelError(
-            f"sequence parallel: {', '.join(map(repr, stray))} is not a norm of a block of {prefix!r} nor the "
-            f"module after them ({final!r}); Note [sequence parallel]")
-    blocks = [f"{prefix}.{child}" for child, _ in modules[prefix].named_children()]
-    derived: dict[str, str] = {blocks[0]: "sequence_shard", final: "sequence_gather_whole"}
-    for block in blocks:
-        inside = {n: s for n, s in styles.items() if n.startswith(block + ".")}
-        if "sequence_parallel" not in inside.values():
+            f"sequence parallel: block {block!r} has no 'sequence_parallel' norm in {source}; every block of the "
+            "list takes it (Note [sequence parallel]): give the pattern over all of them")
+    derived = {}
+    for name, style in inside.items():
+        if style == "colwise" and _parent(name) == block:
             raise UnsupportedModelError(
-                f"sequence parallel: block {block!r} has no 'sequence_parallel' norm in {source}; every block of "
-                f"{prefix!r} takes it (Note [sequence parallel]): give the pattern over all of them")
-        for name, style in inside.items():
-            if style == "colwise" and _parent(name) == block:
-                raise UnsupportedModelError(
-                    f"sequence parallel: the column-parallel {name!r} is a child of its block {block!r}, not of a "
-                    "module whose input autofit can gather (an attention or an MLP; Note [sequence parallel])")
-        for child in sorted({_parent(n) for n, s in inside.items() if s == "colwise"}):
-            rows = [n for n, s in inside.items() if s == "rowwise" and n.startswith(child + ".")]
-            if len(rows) != 1:
-                raise UnsupportedModelError(
-                    f"sequence parallel: {child!r} holds column-parallel layers and {len(rows)} row-parallel ones; "
-                    "autofit reduce-scatters the one row-parallel output that returns to the residual stream "
-                    "(Note [sequence parallel])")
-            derived[child] = "sequence_gather"
-            derived[rows[0]] = "rowwise_sequence"
-    merged = {**styles, **derived}
-    whole = [n for n, s in merged.items() if s == "rowwise" and n.startswith(prefix + ".")]
-    if whole:
-        raise UnsupportedModelError(
-            f"sequence parallel: the row-parallel {whole[0]!r} is not the one output of a module with "
-            "column-parallel layers, so its whole output would meet the residual stream's shard (Note [sequence "
-            "parallel])")
-    return tuple((name, merged[name]) for name in modules if name in merged)
+                f"sequence parallel: the column-parallel {name!r} is a child of its block {block!r}, not of a "
+                "module whose input autofit can gather (an attention or an MLP; Note [sequence parallel])")
+    for child in sorted({_parent(n) for n, s in inside.items() if s == "colwise"}):
+        rows = [n for n, s in inside.items() if s == "rowwise" and n.startswith(child + ".")]
+        if len(rows) != 1:
+            raise UnsupportedModelError(
+                f"sequence parallel: {child!r} holds column-parallel layers and {len(rows)} row-parallel ones; "
+                "autofit reduce-scatters the one row-parallel output that returns to the residual stream "
+                "(Note [sequence parallel])")
+        derived[child] = "sequence_gather"
+        derived[rows[0]] = "rowwise_sequence"
+    return derived
 
 
 def block_norms(model: nn.Module, split: list[str]) -> dict[str, str]:
