@@ -219,3 +219,25 @@ def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_ru
     plan = autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu", world_size=2, strategy="fsdp2",
                         tensor_parallel="auto", tensor_parallel_plan=mapping)
     assert plan.tensor_parallel == 1  # the trainer's refusal: the gloo test above ("odd length" job)
+
+
+@pytest.mark.slow
+def test_depth_extrapolation_plans_sequence_parallel_as_the_whole_model():
+    """A 10-block Llama, FSDP2 2 x tp 2 with sequence parallel: the plan from cut models (2, 3, 4 blocks; only the
+    first block shards its input, whichever block comes first in a cut) equals the plan of every block simulated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autofit.training.tensor_parallel import sequence_parallel_plan
+
+    config = LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=10,
+                         num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, TOKENS))
+    plans = [autofit.plan(model, {"input_ids": ids, "labels": ids}, "1GB", batch_size=8, device="cpu",
+                          precision="fp32", world_size=4, strategy="fsdp2", tensor_parallel=2,
+                          tensor_parallel_plan=sequence_parallel_plan(model), reshard_after_forward=True,
+                          extrapolate_depth=extrapolate) for extrapolate in (False, True)]
+    assert any("depth extrapolation: simulated" in n for n in plans[1].notes)
+    assert plans[0].layout == plans[1].layout == "fsdp2 (ZeRO-3) x tp 2 + sequence parallel"
+    assert (plans[0].micro_batch_size, plans[0].peak_bytes) == (plans[1].micro_batch_size, plans[1].peak_bytes)
