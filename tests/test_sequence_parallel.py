@@ -101,7 +101,7 @@ def _plan(world: int, tp: int, batch_size: int, checkpoint: tuple[str, ...] = ()
     (2, 2, ("model.layers.0", "model.layers.1.mlp")),  # recomputed: the block that shards its input, and an MLP
 ])
 def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_step(world, tp, checkpoint, tmp_path):
-    """One gloo job: every rank's measured peak (the CPU allocator, lowest of three steady-state steps) against the
+    """One gloo job: every rank's measured peak (the CPU allocator, lowest of eight steady-state steps) against the
     estimate; then two micro-batches per data-parallel rank, whose parameters after one trainer step on every rank
     equal those after one SGD step over the whole batch in one process (the norms' gradients, partial sums over
     each rank's tokens, included)."""
@@ -110,8 +110,11 @@ def test_sequence_parallel_peak_matches_the_allocator_and_a_step_a_full_batch_st
     data = world // tp
     memory = _plan(world, tp, ROWS * data, checkpoint)
     equivalence = _plan(world, tp, 2 * ROWS * data, checkpoint)
+    # the lowest of 8 windows, not 3: recomputing a block reruns its collectives, and on a loaded machine gloo's
+    # worker threads can hold a collective's 32 KiB input past the window (seen: 5 of 12 windows at the estimate,
+    # the others 32 to 160 KiB above it, every extra byte a free that came after the window ended)
     ranks = dist_workers.launch(
-        [{"kind": "memory", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "adamw"},
+        [{"kind": "memory", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "adamw", "repeats": 8},
          {"kind": "equivalence", "case": "tiny_llama", "plan": equivalence.to_json(), "optimizer": "sgd"},
          {"kind": "odd length", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "sgd", "length": 31}],
         Path(tmp_path), world)
