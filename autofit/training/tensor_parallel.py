@@ -46,7 +46,8 @@ Which modules are split comes from the model, never guessed:
   not in the config): to split them, pass the whole plan, e.g. Llama's config plan plus
   ``{"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}``.
 
-Everything the plan leaves out (the norms; the embedding and the output head unless split) is replicated on every
+Everything the plan leaves out (the norms, unless sequence parallel: Note [sequence parallel] in
+autofit/training/sequence_parallel.py; the embedding and the output head unless split) is replicated on every
 rank of a tensor-parallel group; its gradient is the same on each of them, because every rank of the group sees the
 same samples and the activations entering and leaving the split modules are whole (the row-parallel and
 vocabulary-split outputs are all-reduced, the "colwise_rep" output all-gathered, the gradient of a column-parallel
