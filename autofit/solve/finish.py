@@ -14,6 +14,7 @@ from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.training.length import LengthSpec, length_spec
 from autofit.training.precision import PrecisionPolicy
+from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import probes_kernels
 from autofit.solve.estimator import Estimator, with_rows
@@ -238,6 +239,9 @@ def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
               "compute and activations per rank, each group's ranks training the same rows) at the cost of "
               "all-reducing the activations in every block, forward and backward, over NVLink"
               if any(p.tensor_parallel > 1 for p in all_plans) else "")
+    if any(is_sequence_parallel(p.tensor_plan) for p in all_plans):
+        tensor += ("; sequence parallel also splits the norms and the residual stream along the sequence, each "
+                   "all-reduce becoming an all-gather and a reduce-scatter")
     return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
             f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
             "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
