@@ -244,3 +244,17 @@ def test_depth_extrapolation_plans_sequence_parallel_as_the_whole_model():
     assert any("depth extrapolation: simulated" in n for n in plans[1].notes)
     assert plans[0].layout == plans[1].layout == "fsdp2 (ZeRO-3) x tp 2 + sequence parallel"
     assert (plans[0].micro_batch_size, plans[0].peak_bytes) == (plans[1].micro_batch_size, plans[1].peak_bytes)
+
+
+def test_exports_say_what_the_other_tools_run_instead():
+    """torchtitan runs its norms sequence-parallel whatever the export says, and splits the embedding and head: with
+    sequence parallel in the plan its note names only the vocabulary split; Accelerate's tp_size applies the model's
+    own plan, without sequence parallel: a note says so. Lightning's note points at the plan's styles."""
+    from autofit.emit.export import to_accelerate_config, to_lightning_trainer, to_torchtitan_config
+
+    plan = _plan(4, 2, 2 * ROWS)
+    assert plan.layout == "fsdp2 (ZeRO-3) x tp 2 + sequence parallel"
+    titan = " ".join(to_torchtitan_config(plan)["autofit"]["notes"])
+    assert "splits the embedding and the output head" in titan and "sequence-parallel" not in titan
+    assert any("without this plan's sequence parallel" in n for n in to_accelerate_config(plan)["autofit_notes"])
+    assert any("torch_style" in n for n in to_lightning_trainer(plan)["autofit_notes"])
