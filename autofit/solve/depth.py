@@ -299,8 +299,14 @@ def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, 
     def cut(names):
         return names_at_depth(names, blocks, depth)
     precision = replace(config.precision, fp32_modules=cut(config.precision.fp32_modules))
+    # the blocks take alike tensor-parallel styles, so the cut's k blocks take the plan's first k as they are named:
+    # no renumbering, and the first block's sequence shard (Note [sequence parallel]) stays on the cut's first
+    # block; names of blocks past the cut go (parallelize_module warns once for each name it cannot resolve)
+    first = depth if isinstance(depth, int) else len(depth)
+    tensor_plan = tuple(pair for pair in config.tensor_plan if names_at_depth((pair[0],), blocks, first))
     return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
-                   offload=cut(config.offload), shard_units=cut(config.shard_units), precision=precision)
+                   offload=cut(config.offload), shard_units=cut(config.shard_units), precision=precision,
+                   tensor_plan=tensor_plan)
 
 
 def _line(values: tuple[int, int, int], steps: int, tolerance: int) -> int | None:
