@@ -58,14 +58,15 @@ def tiny_llama(device: str | None = None, heads: int = 4, kv_heads: int = 4, voc
     """A two-layer Llama built from its config (hidden 64, MLP 128, vocab 128; no weights downloaded): the model
     carries ``config.base_model_tp_plan``, the tensor-parallel plan autofit reads. 4 rows of 32 tokens, labels =
     input ids (the model's own shifted loss)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import pytest
 
+    transformers = pytest.importorskip("transformers", reason="the test extras' transformers builds the tiny Llama")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
                          attn_implementation="sdpa", **config_fields)
     with torch.device(device or "cpu"):
-        model = LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, vocab, (4, 32))
     return ZooCase("tiny_llama", model, {"input_ids": ids, "labels": ids.clone()}, None, checkpoint=())
 

@@ -34,16 +34,27 @@ def test_on_the_cpu_the_three_figures_are_the_allocators_peak():
         == meas.peak_bytes
 
 
-def test_on_cuda_reserved_is_allocated_plus_the_reserve_and_device_adds_the_context():
-    """CUDACachingAllocator.cpp ``get_allocation_size``: every segment is 2 MiB (kSmallBuffer), 20 MiB (kLargeBuffer)
-    or a request rounded up to 2 MiB (kRoundLarge), so what is reserved is a whole number of 2 MiB; nvidia-smi adds
-    the context (``CUDA_CONTEXT_BYTES`` unless overridden)."""
-    est = autofit.estimate(_model(), torch.randn(4, 256), micro_batch_size=4, loss_fn=_loss, device="cuda",
-                           gpu="A100-80GB")
-    assert est.peak_allocated_bytes == est.peak_bytes
-    assert est.peak_reserved_bytes % (2 * MiB) == 0
-    assert est.peak_reserved_bytes == est.peak_allocated_bytes + est.breakdown["fragmentation"]
-    assert est.device_bytes == est.peak_reserved_bytes + CUDA_CONTEXT_BYTES
+def test_on_cuda_the_three_figures_by_hand():
+    """One Linear(256, 256), 4 rows, loss ``sum``, SGD with momentum (autofit's "sgd"), on an A100, counted by hand
+    from CUDACachingAllocator.cpp and CublasHandlePool.cpp, not from autofit's replay:
+
+    - allocated at the peak (backward, when the gradients exist): parameters, gradients and the momentum buffer, each
+      262,144 + 1,024 B (sizes are rounded up to 512 B, ``kMinBlockSize``: both already are); the input 4,096 B; the
+      loss and the gradient of ``sum`` (one fp32 each: 4 B rounded up to 512); the cuBLAS workspace of a device below
+      compute capability 9 (``parseChosenWorkspaceSize``: 4096 KiB x 2 + 16 KiB x 8).
+    - reserved (``get_allocation_size``): a request <= 1 MiB (``kSmallSize``) takes a 2 MiB segment (``kSmallBuffer``),
+      one of 1 to 10 MiB (``kMinLargeAlloc``) a 20 MiB segment (``kLargeBuffer``). The small tensors (794,624 B) fit
+      one small segment; the workspace takes one large one: 22 MiB.
+    - on the device: reserved plus the CUDA context."""
+    est = autofit.estimate(nn.Linear(256, 256), torch.randn(4, 256), micro_batch_size=4, loss_fn=_loss,
+                           optimizer="sgd", device="cuda", gpu="A100-80GB")
+    states = 3 * (256 * 256 * 4 + 256 * 4)
+    workspace = 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert est.peak_allocated_bytes == states + 4 * 256 * 4 + 2 * 512 + workspace == 9_314_304
+    assert est.peak_reserved_bytes == 2 * MiB + 20 * MiB
+    assert est.device_bytes == 22 * MiB + CUDA_CONTEXT_BYTES
+    assert est.peak_bytes == est.peak_allocated_bytes  # the contract: peak_bytes is the allocated figure on CUDA
+    assert sum(est.breakdown.values()) == est.device_bytes  # the categories add up to what the budget applies to
     assert f"reserved {format_bytes(est.peak_reserved_bytes)} ({est.peak_reserved_bytes:,} bytes)" in str(est)
 
 
