@@ -1,19 +1,59 @@
-"""Test tiers (README "Tests"): every test is in exactly one of three, chosen by marker.
+"""Test tiers (README "Tests") and their time budgets.
+
+Every test is in exactly one of three tiers, chosen by marker:
 
 - ``quick``: pure functions, the solver on hand-made tables, the CUDA model, units, architecture, CLI parsing. No
   marker needed: a test marked neither ``sim`` nor ``slow`` gets ``quick`` here, so ``pytest -m quick`` selects it.
+  It needs no test extra (a test that does asks with ``pytest.importorskip``).
 - ``sim``: simulates a training step on fake tensors, or runs a small real one.
 - ``slow``: real steps of larger models, gloo processes, 7B shapes, property tests.
+
+See Note [tier budgets] for how a tier stays what it says.
 """
 
 from __future__ import annotations
 
+import os
+import resource
+
 import pytest
 
-TIERS = ("quick", "sim", "slow")
+# Note [tier budgets]
+# ~~~~~~~~~~~~~~~~~~~
+# A tier is only quick while nothing slow creeps into it, so each test's call is held to its tier's budget and fails
+# with its figure and the marker to use when it goes over. The budget is CPU seconds (this process and the worker
+# processes it waited for, from getrusage), not wall seconds: on a loaded machine the wall time of the same test
+# grew from 4-9 s to 22-49 s, while the CPU time it needs stays nearly the same, so a CPU budget fails for a test
+# that got slower, not for a machine that got busy. Fixtures' set-up is not counted (a session fixture pays once for
+# every test that reads it). AUTOFIT_TEST_BUDGETS=0 switches the check off (a debugger, coverage, a profiler).
+BUDGETS = {"quick": 5.0, "sim": 60.0}  # CPU seconds of one test's call; slow tests have none
+NEXT_TIER = {"quick": "@pytest.mark.sim (or @pytest.mark.slow)", "sim": "@pytest.mark.slow"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") is None and item.get_closest_marker("sim") is None:
             item.add_marker(pytest.mark.quick)
+
+
+def _tier(item: pytest.Item) -> str:
+    return "slow" if item.get_closest_marker("slow") else "sim" if item.get_closest_marker("sim") else "quick"
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    tier, started = _tier(item), _cpu_seconds()
+    result = yield
+    budget = BUDGETS.get(tier)
+    if budget is not None and os.environ.get("AUTOFIT_TEST_BUDGETS", "1") != "0":
+        spent = _cpu_seconds() - started
+        if spent > budget:
+            pytest.fail(f"a {tier}-tier test took {spent:.1f} CPU seconds, over its tier's {budget:.0f} "
+                        f"(Note [tier budgets], tests/conftest.py): mark it {NEXT_TIER[tier]} or make it cheaper",
+                        pytrace=False)
+    return result
