@@ -13,8 +13,11 @@ See Note [tier budgets] for how a tier stays what it says.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import resource
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,6 +29,11 @@ import pytest
 # grew from 4-9 s to 22-49 s, while the CPU time it needs stays nearly the same, so a CPU budget fails for a test
 # that got slower, not for a machine that got busy. Fixtures' set-up is not counted (a session fixture pays once for
 # every test that reads it). AUTOFIT_TEST_BUDGETS=0 switches the check off (a debugger, coverage, a profiler).
+#
+# Time alone would let a quick test simulate a tiny model in half a second, and the tier would fill with them. So the
+# quick tier's definition is also checked as such: a quick test that starts a simulated step (simulate/run.py
+# ``_simulate``) or a measured one (measure/allocator.py ``_measure_window``) is stopped there and fails, naming the
+# marker. That check does not depend on the machine at all.
 BUDGETS = {"quick": 5.0, "sim": 60.0}  # CPU seconds of one test's call; slow tests have none
 NEXT_TIER = {"quick": "@pytest.mark.sim (or @pytest.mark.slow)", "sim": "@pytest.mark.slow"}
 
@@ -45,12 +53,47 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+class _SimulatedInQuickTier(BaseException):
+    """Raised where a quick test starts a step; a BaseException, so that no fallback in autofit catches it."""
+
+
+@contextlib.contextmanager
+def _no_steps() -> Iterator[list[str]]:
+    """Within a quick test: starting a simulated or measured step stops the test (Note [tier budgets])."""
+    # by import_module: ``autofit.measure`` is also the name of the public function, which hides the package
+    allocator = importlib.import_module("autofit.measure.allocator")
+    run = importlib.import_module("autofit.simulate.run")
+
+    started: list[str] = []
+
+    def stop(what: str):
+        def refuse(*args, **kwargs):
+            started.append(what)
+            raise _SimulatedInQuickTier(what)
+        return refuse
+
+    saved = run._simulate, allocator._measure_window
+    run._simulate, allocator._measure_window = stop("a simulated step"), stop("a measured step")
+    try:
+        yield started
+    finally:
+        run._simulate, allocator._measure_window = saved
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     tier, started = _tier(item), _cpu_seconds()
-    result = yield
+    checks = os.environ.get("AUTOFIT_TEST_BUDGETS", "1") != "0"
+    with _no_steps() if tier == "quick" and checks else contextlib.nullcontext([]) as steps:
+        try:
+            result = yield
+        except _SimulatedInQuickTier:
+            result = None
+    if steps:
+        pytest.fail(f"a quick-tier test ran {steps[0]} (Note [tier budgets], tests/conftest.py): mark it "
+                    f"{NEXT_TIER['quick']}", pytrace=False)
     budget = BUDGETS.get(tier)
-    if budget is not None and os.environ.get("AUTOFIT_TEST_BUDGETS", "1") != "0":
+    if budget is not None and checks:
         spent = _cpu_seconds() - started
         if spent > budget:
             pytest.fail(f"a {tier}-tier test took {spent:.1f} CPU seconds, over its tier's {budget:.0f} "

@@ -40,6 +40,7 @@ def _compare(case: ZooCase, **knobs) -> None:
     )
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -66,6 +67,7 @@ EXTRA = [
 ]
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize(("name", "knobs"), EXTRA, ids=[
     f"{name}-" + "-".join(f"{k}={v}" for k, v in knobs.items()) for name, knobs in EXTRA
 ])

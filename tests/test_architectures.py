@@ -26,6 +26,7 @@ def _error(model, sample, **knobs) -> tuple[int, int]:
     return meas.peak_bytes, est.peak_bytes
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_estimate_matches_measure(name: str, precision: str) -> None:
@@ -36,6 +37,7 @@ def test_estimate_matches_measure(name: str, precision: str) -> None:
                                     f"({100 * error:+.3f} %)"
 
 
+@pytest.mark.sim
 def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
     """transformers' grouped-GEMM experts (the default in 5.x) sort the token-expert pairs and run one GEMM over all
     of them: every buffer is sized by tokens x top-k, whatever the routing. A batch of one repeated token routes
@@ -131,6 +133,7 @@ class _SelectLoop(torch.nn.Module):
         return state.sum(-1)
 
 
+@pytest.mark.sim
 def test_in_place_gradient_accumulation() -> None:
     model = _SelectLoop()
     x, y = torch.randn(4, 8), torch.randn(4)
@@ -139,6 +142,7 @@ def test_in_place_gradient_accumulation() -> None:
     assert autofit.estimate(model, x, **kw).peak_bytes == measured
 
 
+@pytest.mark.sim
 def test_per_expert_loop_is_planned_for_the_heaviest_routing() -> None:
     """transformers' "eager" experts loop over the experts that were hit (``nonzero``: the real-run fallback), with
     buffers sized by each expert's tokens: the measured peak changes with the routing. The estimate reroutes the
@@ -180,6 +184,7 @@ def _fake_grouped_mm_refuses_fp32() -> bool:
     return False
 
 
+@pytest.mark.sim
 def test_uncorrected_strict_fake_kernel_falls_back_to_a_real_run(monkeypatch) -> None:
     """Without its registered correction, ``_grouped_mm``'s fake kernel refuses fp32 while the CPU kernel accepts
     it: the step runs for real, exactly, and the notes name the op."""
@@ -194,6 +199,7 @@ def test_uncorrected_strict_fake_kernel_falls_back_to_a_real_run(monkeypatch) ->
     assert any("cannot be simulated" in n and "aten._grouped_mm" in n for n in est.notes), est.notes
 
 
+@pytest.mark.sim
 def test_genuine_kernel_errors_stay_errors() -> None:
     """A fake kernel that refuses inputs the CPU kernel refuses too is a bug in the model, not in the simulation."""
 

@@ -88,6 +88,7 @@ def test_checkpointed_dense_block_gradients_and_running_stats_equal_plain_ones()
     assert ckpt.stages[0].layers[0].norm.momentum == 0.1  # restored after the recomputation
 
 
+@pytest.mark.sim
 def test_checkpointed_dense_block_estimate_equals_measure():
     torch.manual_seed(0)
     model = DenseNet()
@@ -141,6 +142,7 @@ def test_module_that_mutates_its_argument_list_recomputes_on_the_original():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.sim
 def test_plan_under_a_tight_budget_for_a_densenet():
     # GroupNorm, so that accumulation (if the planner picks it) keeps the full-batch step exact
     torch.manual_seed(0)
@@ -183,6 +185,7 @@ def test_plan_under_a_tight_budget_for_a_densenet():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("checkpoint", [None, False, "none", ()])
 def test_checkpoint_none_means_none_in_estimate_and_measure(checkpoint):
     torch.manual_seed(0)
@@ -237,6 +240,7 @@ def test_recomputation_replays_dropout_and_keyword_arguments():
 
 
 # ---- a Hugging Face KV cache handed to a checkpointed layer ----------------------------------------------------------
+@pytest.mark.sim
 @pytest.mark.parametrize("module", ["transformer.h.0", "transformer.h.0.attn"])
 def test_hf_kv_cache_is_not_updated_twice_by_a_recomputed_layer(module):
     """GPT-2 with the default ``use_cache=True`` creates a ``DynamicCache`` in training and hands it to each block by

@@ -22,6 +22,7 @@ def _plan(*args: str):
     return runner.invoke(app, ["plan", *args], catch_exceptions=False)
 
 
+@pytest.mark.sim
 def test_factory_spec_prints_the_plan_tables():
     result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu")
     assert result.exit_code == 0, result.output
@@ -29,6 +30,7 @@ def test_factory_spec_prints_the_plan_tables():
         assert text in result.output, result.output
 
 
+@pytest.mark.sim
 def test_json_parses_and_round_trips_into_a_plan():
     result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", "--json")
     assert result.exit_code == 0, result.output
@@ -40,6 +42,7 @@ def test_json_parses_and_round_trips_into_a_plan():
     assert plan.to_json() == autofit.Plan.from_json(plan.to_json()).to_json()
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name,key", [("hf", "training_arguments"), ("deepspeed", "train_micro_batch_size_per_gpu"),
                                       ("lightning", "trainer")])
 def test_exports_are_plain_dicts(name, key):
@@ -60,6 +63,7 @@ def test_bad_budget_exits_2_without_traceback(budget):
     assert len([line for line in result.output.splitlines() if line.strip()]) <= 3  # one clear message
 
 
+@pytest.mark.sim
 def test_budget_below_the_floor_exits_3_naming_the_minimum():
     result = runner.invoke(app, ["plan", FACTORY, "--budget", "100KB", "--batch-size", "32", "--device", "cpu"])
     assert result.exit_code == 3, result.output
@@ -77,6 +81,7 @@ def test_unknown_model_spec_exits_2():
     assert result.exit_code == 2 and "Traceback" not in result.output and "no_such_module_xyz" in result.output
 
 
+@pytest.mark.sim
 def test_module_only_factory_needs_an_input_shape():
     spec = f"{ROOT / 'examples' / 'factories.py'}:mlp"
     result = runner.invoke(app, ["plan", spec, "--budget", "10MB", "--batch-size", "8", "--device", "cpu"])
@@ -86,6 +91,7 @@ def test_module_only_factory_needs_an_input_shape():
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.sim
 def test_world_size_and_strategy_options():
     result = _plan(FACTORY, "--budget", "50MB", "--batch-size", "32", "--device", "cpu", "--world-size", "2",
                    "--strategy", "ddp", "--json")
@@ -94,6 +100,7 @@ def test_world_size_and_strategy_options():
     assert (plan.world_size, plan.strategy, plan.micro_batch_size * plan.gradient_accumulation_steps) == (2, "ddp", 16)
 
 
+@pytest.mark.sim
 def test_cuda_plan_for_a_named_gpu_with_a_percentage_budget():
     result = _plan(FACTORY, "--budget", "90%", "--batch-size", "32", "--device", "cuda", "--gpu", "T4", "--json")
     assert result.exit_code == 0, result.output
@@ -102,6 +109,7 @@ def test_cuda_plan_for_a_named_gpu_with_a_percentage_budget():
     assert plan.budget_bytes == int(0.9 * 16 * 2**30) and plan.device_bytes <= plan.budget_bytes
 
 
+@pytest.mark.sim
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
@@ -117,6 +125,7 @@ def test_torchvision_spec():
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.sim
 def test_hf_spec_builds_from_a_config_without_downloading():
     pytest.importorskip("transformers")
     result = _plan("hf:gpt2", "--config", "n_layer=1", "--config", "n_embd=32", "--config", "n_head=2",
@@ -138,6 +147,7 @@ def test_spec_helpers():
         load_spec("just-a-name")
 
 
+@pytest.mark.sim
 def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
     """The rows-per-micro-batch table at 1/8, 1/4, 1/2 and the full length (Note [rows by length]); its figures are
     the plan's own (the library's table is checked against the allocator in tests/test_variable_length.py)."""
@@ -160,6 +170,7 @@ def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
                    shown.stdout.replace("│", " ").splitlines()), (length, rows, shown.stdout)
 
 
+@pytest.mark.sim
 def test_progress_shows_the_planners_stages_only_on_long_plans():
     """The planner reports each stage (autofit/core/progress.py); the CLI's display starts after SHOW_AFTER_SECONDS."""
     import io
@@ -196,6 +207,7 @@ def test_progress_shows_the_planners_stages_only_on_long_plans():
     assert stages and quiet.getvalue() == ""
 
 
+@pytest.mark.sim
 def test_nodes_and_gpus_per_node_plan_a_multi_node_layout():
     import tomllib
 

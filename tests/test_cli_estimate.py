@@ -14,6 +14,8 @@ import autofit
 from autofit.cli.app import app
 from autofit.cli.specs import load_spec
 
+pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 MLP = f"{ROOT / 'examples' / 'factories.py'}:mlp"  # Linear(128, 256), ReLU, Linear(256, 1), mean
 runner = CliRunner()

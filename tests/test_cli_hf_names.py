@@ -63,6 +63,7 @@ def test_the_issues_names_resolve_offline(name):
     assert "offline table" in spec.description and "labels" in spec.sample
 
 
+@pytest.mark.sim
 def test_bert_base_uncased_plans_offline_on_a_t4():
     """The issue's first command, as written."""
     result = runner.invoke(app, ["plan", "hf:bert-base-uncased", "--budget", "16GB", "--batch-size", "32",

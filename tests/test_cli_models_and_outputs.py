@@ -124,6 +124,7 @@ def test_a_read_only_folder_is_refused_before_planning(tmp_path, planner_must_no
     assert result.exit_code == 2 and "is not writable" in result.output, result.output
 
 
+@pytest.mark.sim
 def test_a_write_that_fails_after_planning_is_one_line_too(tmp_path, monkeypatch):
     """The path was fine when checked; the disk filled meanwhile."""
     pytest.importorskip("matplotlib")

@@ -52,6 +52,7 @@ def factories(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("factory,task,shape", [("classifier", "classification", "16"),
                                                 ("classifier", "regression", "16"),
                                                 ("lm", "causal-lm", "12"), ("lm", "masked-lm", "12")])
@@ -62,6 +63,7 @@ def test_task_plans_a_factory_that_returns_only_a_model(factories, factory, task
     assert autofit.Plan.from_json(result.stdout[result.stdout.index("{"):]).batch_size == 8
 
 
+@pytest.mark.sim
 def test_task_verify_trains_a_module_only_factory(factories):
     result = runner.invoke(app, ["verify", f"{factories}:lm", "--task", "causal-lm", "--input-shape", "12",
                                  "--budget", "50MB", "--batch-size", "4", "--steps", "1"])
@@ -111,6 +113,7 @@ def test_messages_use_cli_flags():
     assert cli_words("micro_batch_size and batch_size") == "micro_batch_size and --batch-size"
 
 
+@pytest.mark.sim
 def test_batch_norm_warning_is_one_line_without_a_source_path():
     model, sample, target = torch.nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
                                                 nn.LazyLinear(2)), torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
@@ -134,6 +137,7 @@ def test_checkpointed_modules_are_grouped_like_the_layer_table():
     assert group_names(names) == ["model.layers.*.input_norm x 32", "model.norm", "model.layers.*.mlp x 3"]
 
 
+@pytest.mark.sim
 def test_piped_tables_keep_names_whole():
     pytest.importorskip("transformers")
     result = runner.invoke(app, ["plan", "hf:gpt2", "--config", "n_layer=2", "--config", "n_embd=64",
@@ -156,6 +160,7 @@ def _gpt2_module_names():
     return [name for name, _ in model.named_modules() if name]
 
 
+@pytest.mark.sim
 def test_ambiguous_gpu_name_says_which_part():
     assert gpu_note("A100") == "--gpu A100 means the A100-80GB; for the A100-40GB say --gpu A100-40GB"
     assert gpu_note("V100").startswith("--gpu V100 means the V100-32GB") and gpu_note("A100-40GB") is None

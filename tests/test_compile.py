@@ -46,6 +46,7 @@ class _Pointwise(nn.Module):
 _KW = dict(micro_batch_size=512, loss_fn=lambda out: out.square().mean())
 
 
+@pytest.mark.sim
 def test_compiled_model_estimate_equals_measure_where_compilation_changes_the_peak() -> None:
     """The estimate of the compiled model is measure's within 0.5 %, where compilation halves the peak (so the
     eager estimate would be far off), and the user's model still compiles for real afterwards (a simulation that
@@ -64,6 +65,7 @@ def test_compiled_model_estimate_equals_measure_where_compilation_changes_the_pe
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.sim
 def test_eager_backend_is_estimated_as_the_eager_model() -> None:
     """``backend="eager"`` runs the model's own code: its estimate is the uncompiled model's, exactly."""
     torch.manual_seed(0)
@@ -73,6 +75,7 @@ def test_eager_backend_is_estimated_as_the_eager_model() -> None:
     assert est.peak_bytes == autofit.estimate(model, sample, **_KW).peak_bytes
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("kwargs, match", [
     (dict(backend="aot_eager"), "backend 'aot_eager'"),
     (dict(mode="max-autotune"), "max_autotune"),
@@ -102,6 +105,7 @@ def test_compiled_tiny_llama_estimate_equals_measure() -> None:
     assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
 
 
+@pytest.mark.sim
 def test_compile_knob_estimates_and_measures_the_compiled_step() -> None:
     """``compile=True`` on an uncompiled model: estimate and measure both run it compiled (measure through
     ``nn.Module.compile`` on its copy), equal within 0.5 %, and below the eager step; the model stays uncompiled."""
@@ -202,6 +206,7 @@ class _Chain(nn.Module):
         return torch.tanh(h) * h
 
 
+@pytest.mark.sim
 def test_compiled_submodule_estimate_equals_measure() -> None:
     """Only a submodule compiled (``model.c = torch.compile(model.c)``): its buffers are inductor's, the rest eager;
     estimate within 0.5 % of measure, and the note names the submodule."""

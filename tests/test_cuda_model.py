@@ -369,6 +369,7 @@ def _attention_activations(gpu: str, dim: int, heads: int, precision: str, seq: 
     return est.breakdown[Category.ACTIVATIONS.value]
 
 
+@pytest.mark.sim
 def test_estimate_activations_grow_linearly_with_fused_attention_and_quadratically_with_math():
     # flash (A100, bf16, head dim 64) keeps O(S) per head; math (T4, fp16, head dim 6) keeps the S x S matrix.
     flash = [_attention_activations("A100-80GB", 64, 1, "bf16", s) for s in (256, 1024)]
@@ -510,6 +511,7 @@ def test_cublas_workspace_default_per_architecture(monkeypatch):
         assert cublas_workspace_bytes(gpu_spec(name)) == 33_554_432, name
 
 
+@pytest.mark.sim
 def test_cublas_workspace_config(monkeypatch):
     a100 = gpu_spec("A100-80GB")
     assert cublas_workspace_bytes(a100, ":4096:2:16:8") == 4096 * KiB * 2 + 16 * KiB * 8 == 8_519_680
@@ -523,6 +525,7 @@ def test_cublas_workspace_config(monkeypatch):
     assert est.breakdown["cublas_workspace"] == 131_072
 
 
+@pytest.mark.sim
 def test_context_bytes_override(monkeypatch):
     monkeypatch.delenv("AUTOFIT_CUDA_CONTEXT_MIB", raising=False)
     assert context_bytes() == CUDA_CONTEXT_BYTES
@@ -635,6 +638,7 @@ def test_resolve_gpu_without_a_device_assumes_the_default():
 CUDA_TERMS = ("cublas_workspace", "allocator_rounding", "fragmentation", "cuda_context")
 
 
+@pytest.mark.sim
 def test_cuda_estimate_fixed_terms_by_hand():
     """The terms of a CUDA estimate that do not depend on the model, each computed by hand from its source."""
     case = ZOO["gpt_sdpa"]()
@@ -655,6 +659,7 @@ def test_cuda_estimate_fixed_terms_by_hand():
     assert est.device_bytes == est.peak_reserved_bytes + 512 * MiB  # nvidia-smi: reserved + the context
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name", ["gpt_sdpa", "resnet_bn"])
 def test_plan_for_a_gpu(name):
     case = ZOO[name]()
@@ -668,6 +673,7 @@ def test_plan_for_a_gpu(name):
     assert all(term in plan.estimate.breakdown for term in CUDA_TERMS)
 
 
+@pytest.mark.sim
 def test_plan_on_t4_chooses_fp16():
     case = ZOO["gpt_sdpa"]()
     plan = autofit.plan(case.model, case.sample, budget="90%", gpu="T4", device="cuda", batch_size=16,
@@ -676,6 +682,7 @@ def test_plan_on_t4_chooses_fp16():
     assert plan.device_bytes <= plan.budget_bytes
 
 
+@pytest.mark.sim
 def test_plan_for_a_gpu_respects_a_binding_budget():
     case = ZOO["gpt_sdpa"]()
     kwargs = dict(gpu="A100-40GB", device="cuda", batch_size=256, target=case.target)

@@ -79,6 +79,7 @@ def _peak_temporaries_in_optimizer(sim) -> int:
 
 # ---- the optimizer implementation ------------------------------------------------------------------------------
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 def test_cuda_default_adam_is_foreach_with_one_parameter_sized_copy(name):
     """torch/optim/adam.py ``adam``: foreach and fused unset -> ``_default_to_fused_or_foreach`` -> foreach on CUDA.
@@ -96,6 +97,7 @@ def test_cuda_default_adam_is_foreach_with_one_parameter_sized_copy(name):
     assert est.breakdown["temporaries"] == sum(_param_bytes(model))
 
 
+@pytest.mark.sim
 def test_cpu_target_keeps_the_for_loop_and_the_allocator_agrees():
     """On cpu ``_get_foreach_kernels_supported_devices`` has no "cpu": ``_single_tensor_adam``, whose
     ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`` makes two temporaries of one parameter's size
@@ -111,6 +113,7 @@ def test_cpu_target_keeps_the_for_loop_and_the_allocator_agrees():
     assert autofit.estimate(model, x, **kw).peak_bytes == autofit.measure(model, x, **kw).peak_bytes
 
 
+@pytest.mark.sim
 def test_foreach_lists_of_consecutive_dtype_groups_are_alive_together():
     """``Optimizer._group_tensors_by_device_and_dtype`` splits fp32 and bf16 parameters into two groups; the loop
     in ``_multi_tensor_adam`` rebinds ``exp_avg_sq_sqrt`` per group, so the first group's list is freed only after
@@ -120,6 +123,7 @@ def test_foreach_lists_of_consecutive_dtype_groups_are_alive_together():
     assert _peak_temporaries_in_optimizer(sim) == (64 * 64 + 64) * 4 + (64 * 64 + 64) * 2
 
 
+@pytest.mark.sim
 def test_cuda_default_sgd_with_momentum_is_foreach_and_in_place():
     """torch/optim/sgd.py ``_multi_tensor_sgd`` with momentum (no nesterov, float lr): ``_foreach_mul_`` /
     ``_foreach_add_`` on the momentum buffers, then ``_foreach_add_(params, bufs, alpha=-lr)``: nothing allocated."""
@@ -128,6 +132,7 @@ def test_cuda_default_sgd_with_momentum_is_foreach_and_in_place():
     assert _optimizer_tensors(sim) == []
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("factory, present, absent", [
     # the user's foreach=False: ``adam`` keeps it (only None is defaulted)
     (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False), "sqrt", "_foreach_sqrt"),
@@ -142,12 +147,14 @@ def test_cuda_target_honours_what_torch_would_do_with_the_users_flags(factory, p
     assert present in ops and absent not in ops
 
 
+@pytest.mark.sim
 def test_fused_adamw_allocates_no_parameter_sized_temporaries():
     """``torch._fused_adamw_`` (aten/src/ATen/native/cuda/fused_adamw_impl.cu) writes params and state in place."""
     sim = _simulate(_mlp(), "cuda", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
     assert _optimizer_tensors(sim) == []
 
 
+@pytest.mark.sim
 def test_simulation_restores_torch_selection_afterwards():
     import torch.optim.optimizer as optimizer_module
     import torch.utils._foreach_utils as foreach_utils
@@ -162,6 +169,7 @@ def test_simulation_restores_torch_selection_afterwards():
 
 # ---- gradient clipping and the GradScaler ---------------------------------------------------------------------
 
+@pytest.mark.sim
 def test_clip_grad_norm_uses_foreach_norms_one_scalar_per_gradient():
     """torch/nn/utils/clip_grad.py ``_get_total_norm``: ``torch._foreach_norm`` over the gradients of each
     (device, dtype) group, one 0-dim tensor per gradient (``_has_foreach_support``: cuda and cpu); then
@@ -179,6 +187,7 @@ def test_clip_grad_norm_uses_foreach_norms_one_scalar_per_gradient():
     assert _optimizer_tensors(sim) == [4 * len(norms)]
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_clipping_on_the_cpu_matches_the_allocator(optimizer):
     model, x = _mlp(), torch.randn(2, 64)
@@ -186,6 +195,7 @@ def test_clipping_on_the_cpu_matches_the_allocator(optimizer):
     assert autofit.estimate(model, x, **kw).peak_bytes == autofit.measure(model, x, **kw).peak_bytes
 
 
+@pytest.mark.sim
 def test_fp16_step_unscales_and_checks_for_inf_before_clipping():
     """torch/amp/grad_scaler.py: ``unscale_`` runs ``torch._amp_foreach_non_finite_check_and_unscale_`` per
     (device, dtype) group; the AMP recipe clips after it; ``update`` runs ``torch._amp_update_scale_``."""
@@ -203,6 +213,7 @@ def test_clip_grad_norm_must_be_positive(bad):
         make_step_config(micro_batch_size=1, clip_grad_norm=bad)
 
 
+@pytest.mark.sim
 def test_trainer_clips_exactly_like_clip_grad_norm_():
     """The trainer's step equals a plain step with ``torch.nn.utils.clip_grad_norm_`` before ``optimizer.step``."""
     model, x = _mlp(), torch.randn(8, 64)

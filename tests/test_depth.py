@@ -101,6 +101,7 @@ def test_period_of_patterns():
     assert period_of(("layers.3.mlp",), blocks) is None
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("checkpoint", [(), BLOCKS], ids=["plain", "every-block-recomputed"])
 def test_extrapolated_estimate_equals_cpu_allocator(checkpoint):
     model = _model()
@@ -112,6 +113,7 @@ def test_extrapolated_estimate_equals_cpu_allocator(checkpoint):
     assert est.peak_bytes == measured.peak_bytes
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("checkpoint", [(), BLOCKS, BLOCKS[::2]], ids=["plain", "every-block", "every-other-block"])
 def test_extrapolated_cuda_figures_match_full_simulation(checkpoint):
     """A consistency check of the CUDA model: extrapolated vs simulated at 12 blocks (no GPU truth here)."""
@@ -126,6 +128,7 @@ def test_extrapolated_cuda_figures_match_full_simulation(checkpoint):
         assert abs(getattr(est, attr) - getattr(full, attr)) <= 2 << 20, attr
 
 
+@pytest.mark.sim
 def test_irregular_pattern_cuts_its_longest_periodic_run():
     """Blocks 0-4 recomputed, one module of block 7: the run 0-4 is cut to 2, 3, 4 blocks; the CPU allocator
     agrees."""
@@ -142,6 +145,7 @@ MLP = tuple(b + ".mlp" for b in BLOCKS)
 ATTN = tuple(b + ".attn" for b in BLOCKS)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("checkpoint", [BLOCKS[:6] + MLP[6:], ATTN[:6] + MLP[6:]],
                          ids=["all-then-mlp", "attn-then-mlp"])
 def test_every_run_cut_equals_cpu_allocator_and_full_time(checkpoint):
@@ -175,6 +179,7 @@ def test_front_recomputed_run_extrapolated_misses_a_later_stage():
     assert est.peak_bytes == measured.peak_bytes
 
 
+@pytest.mark.sim
 def test_pattern_without_a_long_run_is_simulated_in_full_and_says_so():
     estimator = _estimator(_model(meta=True))
     checkpoint = ("layers.0", "layers.2", "layers.3", "layers.5", "layers.6", "layers.9", "layers.11")
@@ -182,6 +187,7 @@ def test_pattern_without_a_long_run_is_simulated_in_full_and_says_so():
     assert any(n.startswith("depth extrapolation not used") for n in est.notes)
 
 
+@pytest.mark.sim
 def test_extended_analysis_equals_whole_analysis():
     model = _model(meta=True)
     spaces = {}
@@ -217,6 +223,7 @@ def _treatments(plan) -> list[tuple]:
     return [tuple(sorted(k)) for k in kinds]
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("budget", ["1GB", "12MB"], ids=["generous", "tight"])
 def test_plan_with_extrapolation_equals_plan_without(budget):
     """Generous: the quick path's estimate is extrapolated. Tight: the analysis is extended, and the winner

@@ -89,6 +89,7 @@ def test_cli_plans_tiny_lm_as_json_with_export() -> None:
     assert exported["training_arguments"]["per_device_train_batch_size"] == plan.micro_batch_size
 
 
+@pytest.mark.sim
 def test_cli_plans_module_only_factory_with_input_shape() -> None:
     result = _cli("plan", "examples/factories.py:mlp", "--input-shape", "128", "--budget", "10MB",
                   "--batch-size", "64", "--device", "cpu", "--precision", "fp32", "--json")

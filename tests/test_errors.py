@@ -133,6 +133,7 @@ def test_target_without_batch_dimension(entry: str) -> None:
 
 
 # ---- the loss -------------------------------------------------------------------------------------------------------
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_loss_that_is_not_a_scalar(entry: str) -> None:
     with raises(autofit.LossError, "must be a scalar", ".mean()") as info:
@@ -140,18 +141,21 @@ def test_loss_that_is_not_a_scalar(entry: str) -> None:
     assert re.search(r"shape \(\d+,\)", str(info.value)), "the message should give the loss's shape"
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_loss_that_is_not_floating(entry: str) -> None:
     with raises(autofit.LossError, "torch.int64", "floating point"):
         ALL[entry](_Net(), _sample(), target=_labels(), loss_fn=lambda out, t: out.argmax(dim=1).sum())
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_loss_that_does_not_require_grad(entry: str) -> None:
     with raises(autofit.LossError, "does not require grad", "frozen"):
         ALL[entry](_Net(), _sample(), target=_labels(), loss_fn=lambda out, t: out.detach().sum())
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_all_parameters_frozen(entry: str) -> None:
     model = _Net().requires_grad_(False)
@@ -159,12 +163,14 @@ def test_all_parameters_frozen(entry: str) -> None:
         ALL[entry](model, _sample(), target=_labels())
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_loss_fn_returning_a_python_number(entry: str) -> None:
     with raises(autofit.LossError, "loss_fn returned float", "scalar tensor"):
         ALL[entry](_Net(), _sample(), target=_labels(), loss_fn=lambda out, t: 1.0)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_loss_fn_that_raises(entry: str) -> None:
     def loss_fn(out, t):
@@ -176,6 +182,7 @@ def test_loss_fn_that_raises(entry: str) -> None:
     assert info.value.module is None  # no module of the model was running
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_default_loss_that_does_not_fit_the_output(entry: str) -> None:
     # integer target of shape (4, 2) against logits (4, 3): the default cross-entropy cannot pair them
@@ -183,6 +190,7 @@ def test_default_loss_that_does_not_fit_the_output(entry: str) -> None:
         ALL[entry](_Net(), _sample(), target=torch.randint(0, 3, (4, 2)))
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
 def test_no_loss_derivable_without_target(entry: str) -> None:
     with raises(autofit.LossError, "no loss could be derived", "loss_fn="):
@@ -190,6 +198,7 @@ def test_no_loss_derivable_without_target(entry: str) -> None:
 
 
 # ---- a forward that raises ------------------------------------------------------------------------------------------
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", [*STEP, "analyse", "plan"])
 def test_forward_that_raises_names_the_innermost_module(entry: str) -> None:
     with raises(autofit.ForwardError, "'blocks.1.bad'", "ValueError", "bad things happened in forward") as info:
@@ -198,6 +207,7 @@ def test_forward_that_raises_names_the_innermost_module(entry: str) -> None:
     assert isinstance(info.value.__cause__, ValueError)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", STEP)
 def test_forward_that_raises_inside_a_checkpointed_module(entry: str) -> None:
     with raises(autofit.ForwardError, "'blocks.1.bad'", "ValueError") as info:
@@ -205,6 +215,7 @@ def test_forward_that_raises_inside_a_checkpointed_module(entry: str) -> None:
     assert info.value.module == "blocks.1.bad"
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ["estimate", "analyse"])
 def test_data_dependent_model_on_meta_device(entry: str) -> None:
     """Fake tensors cannot run ``if h.norm() > c``; the real fallback needs weights the meta device lacks."""
@@ -236,6 +247,7 @@ def test_optimizer_of_the_wrong_type(entry: str) -> None:
         ALL[entry](_Net(), _sample(), target=_labels(), optimizer=3)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", STEP)
 def test_optimizer_factory_returning_something_else(entry: str) -> None:
     with raises(autofit.InvalidInputError, "returned list", "torch.optim.Optimizer"):
@@ -254,6 +266,7 @@ def test_precision_policy_with_unknown_name() -> None:
         autofit.PrecisionPolicy(name="fp8")
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", STEP)
 def test_precision_policy_pinning_an_unknown_module(entry: str) -> None:
     policy = autofit.PrecisionPolicy(name="bf16", fp32_modules=("blocks.1.lln",))
@@ -261,12 +274,14 @@ def test_precision_policy_pinning_an_unknown_module(entry: str) -> None:
         STEP[entry](_Net(), _sample(), target=_labels(), precision=policy)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", WITH_CHECKPOINT)
 def test_unknown_checkpoint_module_suggests_close_names(entry: str) -> None:
     with raises(autofit.InvalidInputError, "checkpoint", "'blocks.1.lln'", "did you mean", "'blocks.1.lin'"):
         WITH_CHECKPOINT[entry](_Net(), _sample(), target=_labels(), checkpoint=("blocks.0", "blocks.1.lln"))
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", WITH_CHECKPOINT)
 def test_checkpoint_of_the_whole_model(entry: str) -> None:
     with raises(autofit.InvalidInputError, "checkpoint", "whole model", "name a submodule"):
@@ -335,6 +350,7 @@ def test_percentage_budget_without_a_device_total() -> None:
         parse_budget("90%")
 
 
+@pytest.mark.sim
 def test_percentage_budget_on_cpu_is_a_share_of_host_memory() -> None:
     """On device="cpu" the device total is the host's memory, so "90%" is read, not refused."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -343,6 +359,7 @@ def test_percentage_budget_on_cpu_is_a_share_of_host_memory() -> None:
     assert plan.peak_bytes <= plan.budget_bytes
 
 
+@pytest.mark.sim
 def test_budget_too_small_is_infeasible_with_the_smallest_budget_that_works() -> None:
     with raises(autofit.InfeasibleBudgetError, "no configuration fits", "smallest reachable peak") as info:
         _plan(_Net(), _sample(), target=_labels(), budget="1KB")
@@ -392,6 +409,7 @@ def test_measure_on_the_meta_device() -> None:
         _measure(model, _sample(), target=_labels())
 
 
+@pytest.mark.sim
 def test_infeasible_fsdp2_plan_does_not_advise_the_sharding_it_does():
     """Sixteen 256 x 256 layers under FSDP2 over 2 ranks with a 1 MB budget: AdamW's state, already sharded, dominates
     the smallest peak; the advice names more ranks and smaller state, not "shard it across GPUs"."""

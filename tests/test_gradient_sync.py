@@ -37,6 +37,7 @@ def test_the_ladder_reduces_every_micro_batch_next_for_fsdp2_only():
     assert not any(r.parallel.reduce_every_micro_batch for r in ladder(one_row, fsdp))
 
 
+@pytest.mark.sim
 def test_an_accumulating_fsdp2_plan_reduces_every_micro_batch_when_nothing_else_fits():
     """The issue's mechanism on 8.4 MB of parameters over 8 ranks, 8 rows per rank. Before the reducing rung the
     planner refused this budget: "the smallest reachable peak is 17.69 MiB (micro-batch 1, fp32, 3 modules

@@ -25,6 +25,7 @@ def _data(rows: int = 1):
     return torch.randn(rows, 256, generator=g), torch.randint(0, 10, (rows,), generator=g)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_estimate_equals_measure_and_the_peak_loses_the_gradients(optimizer):
     x, y = _data()
@@ -90,6 +91,7 @@ def test_invalid_combinations_are_typed_errors(kwargs, match):
 
 
 # ---- the planner turns to it when nothing fits with every gradient alive -------------------------------------------
+@pytest.mark.sim
 def test_planner_steps_in_backward_when_nothing_else_fits_and_the_step_really_fits():
     from autofit.measure.allocator import measure_callable
 

@@ -87,6 +87,7 @@ def _hf_train(transformers, model, args, callbacks, data):
     return trainer
 
 
+@pytest.mark.sim
 def test_hf_trainer_runs_the_plan_and_checkpoints_exactly_its_modules(tmp_path):
     transformers, model = _tiny_gpt2()
     from autofit.integrations.hf import AutofitCallback, training_arguments
@@ -114,6 +115,7 @@ def test_hf_trainer_runs_the_plan_and_checkpoints_exactly_its_modules(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.sim
 def test_hf_callback_refuses_arguments_that_are_not_the_plans(tmp_path):
     transformers, model = _tiny_gpt2()
     from autofit.integrations.hf import AutofitCallback
@@ -127,6 +129,7 @@ def test_hf_callback_refuses_arguments_that_are_not_the_plans(tmp_path):
         _hf_train(transformers, model, args, [AutofitCallback(plan)], [{"input_ids": r, "labels": r} for r in ids])
 
 
+@pytest.mark.sim
 def test_hf_export_leaves_hf_checkpointing_off():
     _, model = _tiny_gpt2()
     ids = torch.randint(0, 100, (2, SEQ))
@@ -162,6 +165,7 @@ def _lightning_module(pl):
     return Classifier()
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_lightning_callback_sets_accumulation_precision_and_checkpointing(precision):
     pl = pytest.importorskip("lightning.pytorch")
@@ -190,6 +194,7 @@ def test_lightning_callback_sets_accumulation_precision_and_checkpointing(precis
     assert _instance_forwards(module) == []
 
 
+@pytest.mark.sim
 def test_lightning_callback_checks_the_dataloader_batch():
     pl = pytest.importorskip("lightning.pytorch")
     from autofit.integrations.lightning import AutofitLightningCallback

@@ -55,6 +55,7 @@ def test_hsdp_shards_within_a_node_and_all_reduces_shards_across_nodes():
     assert ddp == pytest.approx(2 * 31 / 32 * 16e9 / 50e9)
 
 
+@pytest.mark.sim
 def test_the_planner_keeps_the_faster_layout_and_says_why():
     case = ZOO["gpt_sdpa"]()
     plan = autofit.plan(case.model, case.sample, "64MB", batch_size=16, target=case.target, loss_fn=case.loss_fn,

@@ -15,7 +15,8 @@ from autofit.training.batch import as_batch
 from autofit.training.loss import compute_loss
 from zoo import ZOO
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+pytestmark = [pytest.mark.sim,
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")]
 
 
 def _run(jobs: list[dict], tmp_path: Path, world: int) -> list[list[dict]]:

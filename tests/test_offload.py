@@ -52,6 +52,7 @@ def _cpu_plan(model, x, y, **changes) -> autofit.Plan:
 
 
 # ---- activations: save_on_cpu ------------------------------------------------------------------------------------
+@pytest.mark.sim
 def test_offloaded_activations_train_exactly_the_plain_step_and_unwrap_restores_forward():
     x, y = _data(16)
     model = _model()
@@ -73,6 +74,7 @@ def test_offloaded_activations_train_exactly_the_plain_step_and_unwrap_restores_
         torch.testing.assert_close(c, a, rtol=0, atol=1e-5)  # and the window trains the full batch
 
 
+@pytest.mark.sim
 def test_on_the_cpu_offloading_activations_is_free_and_estimate_equals_measure():
     """On a CPU target host and device are one memory: save_on_cpu's pack returns the tensor itself
     (``tensor.cpu()``), so the measured peak does not move, and the estimate follows the allocator."""
@@ -85,6 +87,7 @@ def test_on_the_cpu_offloading_activations_is_free_and_estimate_equals_measure()
     assert autofit.estimate(model, x, offload=BLOCKS, **kw).peak_bytes == measured
 
 
+@pytest.mark.sim
 def test_on_a_gpu_the_host_holds_exactly_what_save_on_cpu_packs():
     """Hand count, fp32, rows r = 512, width 256: each Linear saves its input (r x 256 x 4 = 524,288 B) and, when
     its input needs a gradient, its weight (256 x 256 x 4 = 262,144 B); each GELU saves its input (524,288 B).
@@ -103,6 +106,7 @@ def test_on_a_gpu_the_host_holds_exactly_what_save_on_cpu_packs():
     assert offloaded.peak_bytes <= recomputed.peak_bytes
 
 
+@pytest.mark.sim
 def test_a_module_cannot_be_both_recomputed_and_offloaded():
     x, y = _data(4)
     with pytest.raises(InvalidInputError, match="both recomputed and offloaded"):
@@ -112,6 +116,7 @@ def test_a_module_cannot_be_both_recomputed_and_offloaded():
 
 
 # ---- states: FSDP2 CPUOffloadPolicy on one process ------------------------------------------------------------------
+@pytest.mark.sim
 def test_offloaded_states_train_exactly_the_plain_step_on_one_process():
     x, y = _data(8, 32)
     model = _model(32)
@@ -132,6 +137,7 @@ def test_offloaded_states_train_exactly_the_plain_step_on_one_process():
         torch.testing.assert_close(b.full_tensor(), a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.sim
 def test_offloaded_states_live_on_the_host_of_a_gpu_target():
     """Hand count, AdamW, fp32: 6 x (256 x 256 + 256) + 256 x 10 + 10 = 397,322 parameters; on the host their
     shards (4 B each), their gradients (4 B) and the two moments (8 B)."""
@@ -215,6 +221,7 @@ def test_state_offload_time_hides_copies_behind_compute_and_adds_the_cpu_step():
 
 
 # ---- the planner -------------------------------------------------------------------------------------------------
+@pytest.mark.sim
 def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_host_budget():
     x, y = _data(64)
     model = _model()
@@ -244,6 +251,7 @@ def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_hos
     assert info.value.min_budget_bytes >= without > with_offload  # the states stay on the GPU in what it names
 
 
+@pytest.mark.sim
 def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
     """FSDP2 over 2 ranks on T4s, 6 x (1024 x 1024 + 1024) + 1024 x 10 + 10 = 6,307,850 parameters, every dimension
     even: a rank's host holds half of each fp32 parameter (4 B), gradient (4 B) and two moments (8 B). The two ranks
@@ -290,6 +298,7 @@ def test_gpt2_xl_on_a_t4_plans_with_its_states_on_the_host():
     assert "host memory" in str(plan)
 
 
+@pytest.mark.sim
 def test_planning_with_fsdp2_repeats_none_of_its_warnings_about_user_code():
     """FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip the all-gather). The last
     stage simulates FSDP2 on every configuration it tries: the warning is about training code, not a plan."""

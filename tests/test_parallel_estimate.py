@@ -14,6 +14,7 @@ MiB = 2**20
 ROW_BYTES = 64 * 128 * 4 + 8  # one row of WideBlocks' input (fp32) and its class target (int64)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
     case = wide_blocks("meta")
@@ -30,6 +31,7 @@ def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
     assert est.peak_bytes != single.peak_bytes  # the layout is simulated, not ignored
 
 
+@pytest.mark.sim
 def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
     """The plan holds all of its rank's rows (the trainer slices micro-batches from them), an estimate one
     micro-batch: they differ by the other rows' bytes, counted by hand."""

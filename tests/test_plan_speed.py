@@ -184,6 +184,7 @@ def _same_analysis(a, b) -> None:
     assert pickle.dumps(a.ops) == pickle.dumps(b.ops)
 
 
+@pytest.mark.sim
 @needs_fork
 @pytest.mark.parametrize("name", ["gpt_sdpa", "resnet_bn", "lstm", "unet"])
 def test_an_analysis_in_workers_equals_one_here(name, monkeypatch):
@@ -202,6 +203,7 @@ def test_an_analysis_in_workers_equals_one_here(name, monkeypatch):
     _same_analysis(here, there)
 
 
+@pytest.mark.sim
 def test_a_cpu_target_never_forks(monkeypatch, two_workers):
     """CPU kernel probes measure scratch memory under this process's thread count, and a forked worker can run only
     one thread (Note [parallel simulations])."""
@@ -255,6 +257,7 @@ def _space(name, device):
     return _search_space(request, parallel, request.policies, analyses)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name,device", [("gpt_sdpa", "cuda"), ("unet", "cuda"), ("resnet_bn", "cpu"),
                                          ("torch_encoder", "cpu")])
 def test_pruned_search_finds_the_winner_of_the_full_search(name, device):
@@ -277,6 +280,7 @@ def test_pruned_search_finds_the_winner_of_the_full_search(name, device):
     assert checked >= 5
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name,device", [("gpt_sdpa", "cuda"), ("unet", "cuda")])
 def test_time_floor_is_below_every_candidate(name, device):
     """Note [pruned search]: the floor must not exceed the modelled time of what the MILP finds, for every
@@ -327,6 +331,7 @@ def test_rows_by_length_with_guesses_up_front_is_the_same_table(budget):
 
 
 # ---- a data-parallel strategy that cannot fit is not planned when another fits -----------------------------------
+@pytest.mark.sim
 def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else_fits(monkeypatch):
     import autofit.planner as planner
 
@@ -370,6 +375,7 @@ print(same, len(sizes))
 """
 
 
+@pytest.mark.sim
 def test_an_lstms_first_simulation_in_a_process_equals_the_next():
     """FakeTensorMode's dispatch cache returned mkldnn_rnn_layer_backward's two bias gradients in one storage on its
     first call and in two on a hit (corrections.py); the CPU kernel returns two. Run in a fresh process, as only

@@ -26,7 +26,7 @@ try:
 except ImportError:  # tests/ on sys.path rather than the repository root
     from zoo import ZOO, ZooCase
 
-pytestmark = pytest.mark.filterwarnings("ignore:the model has BatchNorm layers:UserWarning")
+pytestmark = [pytest.mark.sim, pytest.mark.filterwarnings("ignore:the model has BatchNorm layers:UserWarning")]
 
 BATCH = 8  # effective batch: up to 8 accumulation steps
 TOLERANCE = 0.02

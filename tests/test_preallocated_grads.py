@@ -26,6 +26,7 @@ def _mlp(rows: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randn(rows, 64), torch.randint(0, 4, (rows,))
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("micro,steps", [(1024, 1), (512, 2)])
 def test_estimate_equals_the_cpu_allocator_with_the_gradients_allocated_before_forward(micro: int, steps: int):
     model, x, y = _mlp(1024)
@@ -43,6 +44,7 @@ def test_estimate_equals_the_cpu_allocator_with_the_gradients_allocated_before_f
         assert measured.peak_bytes == plain.peak_bytes
 
 
+@pytest.mark.sim
 def test_estimate_equals_the_cpu_allocator_on_a_tiny_llama():
     pytest.importorskip("transformers")
     from tests.sharded_models import tiny_llama
@@ -60,6 +62,7 @@ def _plan_with_grads_ahead(model, x, y, budget: int | None = None):
     return replace(plan, estimate=replace(plan.estimate, preallocated_grads=True))
 
 
+@pytest.mark.sim
 def test_a_trainer_step_with_the_gradients_allocated_before_forward_equals_a_plain_step():
     model, x, y = _mlp()
     plan = _plan_with_grads_ahead(model, x, y)
@@ -89,6 +92,7 @@ def test_a_trainer_step_with_the_gradients_allocated_before_forward_equals_a_pla
     assert all(p.grad is None for p in ours.parameters())  # as a plain step's zero_grad(set_to_none=True) leaves
 
 
+@pytest.mark.sim
 def test_trainer_with_accumulation_and_grads_ahead_equals_the_trainer_without():
     """Adding each micro-batch's gradient into zeros is exact (0 + g == g), so with accumulation the parameters are
     bitwise those of the same plan whose first backward creates the gradients (test_trainer.py holds that one to a
@@ -119,6 +123,7 @@ def test_where_the_gradients_cannot_be_kept_is_a_typed_error(kw):
         StepConfig(micro_batch_size=2, preallocated_grads=True, **kw)
 
 
+@pytest.mark.sim
 def test_exports_say_what_their_framework_can_do_with_the_gradients():
     from autofit.emit import export
 
@@ -139,6 +144,7 @@ def test_exports_say_what_their_framework_can_do_with_the_gradients():
     assert "set_to_none=False" in export._grads_notes(ahead, "lightning")[0]
 
 
+@pytest.mark.sim
 def test_the_hugging_face_callback_refuses_a_plan_that_keeps_the_gradients():
     pytest.importorskip("transformers")
     from autofit.integrations.hf import AutofitCallback

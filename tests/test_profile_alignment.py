@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 from dataclasses import replace
 
+import pytest
 import torch
 
 import autofit
@@ -18,6 +19,8 @@ from autofit.training.step import make_step_config
 from autofit.validate import as_inputs
 from benchmarks.llama import Llama, LlamaConfig
 from sharded_models import wide_blocks
+
+pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
 
 
 def _llama():

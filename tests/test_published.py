@@ -20,6 +20,7 @@ from benchmarks.published import CASES, run_case
 _BY_NAME = {case.name: case for case in CASES}
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name, tolerance", [
     # exact bytes on a T4: 3 x Linear(4096, 4096), batch 512, fp32, SGD, gradients kept allocated (torch 1.11)
     ("amp-recipe-t4-fp32", 0.005),

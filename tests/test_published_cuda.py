@@ -18,6 +18,8 @@ import torch
 
 import autofit
 
+pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -16,6 +16,8 @@ import autofit
 from autofit.simulate import run as simulation
 from zoo import ZOO
 
+pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
+
 CASES = ["resnet_bn", "gpt_sdpa", "lstm", "torch_encoder", "unet", "hf_dict", "shared_twice"]
 
 

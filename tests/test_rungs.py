@@ -57,6 +57,7 @@ def _mlp_data():
     return torch.randn(8, 512, generator=g), torch.randn(8, 512, generator=g)
 
 
+@pytest.mark.sim
 def test_only_the_8bit_rung_fits_and_the_trainer_runs_it():
     bnb = pytest.importorskip("bitsandbytes")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
@@ -99,6 +100,7 @@ def _plain_step(model, optimizer, x, y) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+@pytest.mark.sim
 def test_the_8bit_rung_does_not_apply_to_sgd_and_says_so():
     model, (x, y) = _mlp(), _mlp_data()
     with pytest.raises(InfeasibleBudgetError):
@@ -124,6 +126,7 @@ def _tokens(rows: int = 4, length: int = 64, vocab: int = 8192) -> dict[str, tor
     return {"input_ids": ids, "labels": labels}
 
 
+@pytest.mark.sim
 def test_chunked_loss_estimate_equals_measure_and_saves_the_logits():
     model, batch = _llama(), _tokens()
     peaks = {}
@@ -164,6 +167,7 @@ class _Lm(nn.Module):
         return 30 * torch.tanh(logits / 30) if self.transform else logits  # Gemma 2's soft-capping
 
 
+@pytest.mark.sim
 def test_chunked_default_loss_equals_cross_entropy_and_a_transformed_head_is_refused():
     torch.manual_seed(0)
     model = _Lm()
@@ -191,6 +195,7 @@ def test_chunked_default_loss_equals_cross_entropy_and_a_transformed_head_is_ref
                          loss_fn=lambda out, t: out.float().mean())
 
 
+@pytest.mark.sim
 def test_the_chunked_rung_is_climbed_when_nothing_else_fits():
     model, batch = _llama(), _tokens()
     batch_size = 4

@@ -75,6 +75,7 @@ def _square_mean(output: torch.Tensor) -> torch.Tensor:
     return output.pow(2).mean()
 
 
+@pytest.mark.sim
 def test_kept_bytes_of_a_residual_mlp_by_hand() -> None:
     # In blocks.0, per sample (fp32, 4 bytes): fc1's addmm output (S x 4D) is saved by gelu, gelu's output (S x 4D)
     # by fc2's matmul: full recomputation drops both, 2 x S x 4D x 4 B. A selective one keeps fc1's output (an addmm)
@@ -97,6 +98,7 @@ def test_kept_bytes_of_a_residual_mlp_by_hand() -> None:
     assert costs.selective_flops == 0 and 0 < costs.selective_ops < costs.full_ops
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_residual_mlp_estimate_matches_measure(policy: str) -> None:
     torch.manual_seed(0)

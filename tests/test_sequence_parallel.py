@@ -69,6 +69,7 @@ def test_structures_it_does_not_cover_are_refused_naming_the_module():
             "model.layers.*.input_layernorm": SequenceParallel(use_local_output=True)}))
 
 
+@pytest.mark.sim
 def test_a_rank_keeps_the_residual_stream_and_norms_of_its_share_of_the_tokens():
     """Per rank, against tensor parallel alone on the same split: the estimate's activations fall (the residual
     stream and each norm's saved input hold 1/T of the tokens), the parameters stay (norms are replicated)."""
@@ -134,6 +135,7 @@ def _output_bytes(case, plan):
     return lambda name: table.row(name).output_bytes_per_sample
 
 
+@pytest.mark.sim
 def test_collectives_counted_by_hand():
     """Per sample of 32 tokens x 64 hidden in fp32 (X = 8,192 B): tensor parallel alone all-reduces 2 x 7 X (each
     block's two row-parallel outputs and five column-parallel input gradients); with sequence parallel each block's
@@ -202,6 +204,7 @@ def test_the_helper_adds_the_blocks_norms_to_the_model_plan():
         sequence_parallel_plan(wide_blocks("meta").model)
 
 
+@pytest.mark.sim
 def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_runs():
     """31 tokens over 2 ranks: torch's ``DTensor.from_local`` would take each rank's shard as half of a whole of
     62 (the simulation failed deep in the attention's broadcast before this check). estimate, plan with T given,
@@ -248,6 +251,7 @@ def test_depth_extrapolation_plans_sequence_parallel_as_the_whole_model():
     assert (plans[0].micro_batch_size, plans[0].peak_bytes) == (plans[1].micro_batch_size, plans[1].peak_bytes)
 
 
+@pytest.mark.sim
 def test_exports_say_what_the_other_tools_run_instead():
     """torchtitan runs its norms sequence-parallel whatever the export says, and splits the embedding and head: with
     sequence parallel in the plan its note names only the vocabulary split; Accelerate's tp_size applies the model's

@@ -25,6 +25,7 @@ def _meta_llama(**overrides) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.zeros(1, config.max_seq_len, dtype=torch.long, device="meta")
 
 
+@pytest.mark.sim
 def test_pure_bf16_is_chosen_when_16_bytes_per_parameter_cannot_fit():
     model, ids = _meta_llama()
     n = sum(p.numel() for p in model.parameters())
@@ -39,6 +40,7 @@ def test_pure_bf16_is_chosen_when_16_bytes_per_parameter_cannot_fit():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # planning converted nothing of the user's
 
 
+@pytest.mark.sim
 def test_a_floor_keeps_the_master_copy_and_the_error_names_what_is_left():
     model, ids = _meta_llama()
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
@@ -97,6 +99,7 @@ def _pin_note(plan, label):
     return nbytes, ms
 
 
+@pytest.mark.sim
 def test_pins_by_class_and_name_and_their_memory_cost_against_the_allocator():
     model, sample = _tiny_gpt2()
     plan = autofit.plan(model, sample, "1GB", device="cpu", precision="bf16", checkpoint=None,
@@ -114,6 +117,7 @@ def test_pins_by_class_and_name_and_their_memory_cost_against_the_allocator():
     assert nbytes == pinned - unpinned
 
 
+@pytest.mark.sim
 def test_pin_time_cost_is_the_roofline_of_its_flops_by_hand():
     model, sample = _tiny_gpt2()
     plan = autofit.plan(model, sample, "1GB", device="cuda", gpu="A100-80GB", fp32_modules=["lm_head"])
@@ -131,6 +135,7 @@ def test_unknown_pin_is_a_typed_error():
         autofit.plan(model, sample, "1GB", device="cpu", fp32_modules=["lm_haed"])
 
 
+@pytest.mark.sim
 def test_auto_pins_the_final_norm_and_head_when_memory_allows_and_not_otherwise():
     model, sample = _tiny_gpt2()
     knobs = dict(device="cpu", precision="bf16", checkpoint=None, optimizer="adamw")
@@ -161,6 +166,7 @@ class _WideHead(torch.nn.Module):
         return self.head(self.body(x))
 
 
+@pytest.mark.sim
 def test_auto_pins_are_left_out_when_they_do_not_fit():
     torch.manual_seed(0)
     model, x, y = _WideHead(), torch.randn(2048, 64), torch.randn(2048, 1024)

@@ -40,6 +40,7 @@ def _plan(policy: PrecisionPolicy, optimizer: str = "adamw") -> autofit.Plan:
     )
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("policy", CHOICES, ids=lambda p: p.label)
 def test_estimate_equals_measure(policy, optimizer):
@@ -49,6 +50,7 @@ def test_estimate_equals_measure(policy, optimizer):
     assert est.peak_bytes == autofit.measure(_model(), x, **kw).peak_bytes
 
 
+@pytest.mark.sim
 def test_state_bytes_follow_the_hand_count():
     # parameters (dtype of storage) + optimizer state (AdamW: exp_avg, exp_avg_sq, and the master copy) at the
     # peak, against 2/4-byte counts by hand; the model's LayerNorm and Linear params are all converted

@@ -54,6 +54,7 @@ def test_the_plan_comes_from_the_model_config():
     assert "lm_head" not in plan and "model.embed_tokens" not in plan
 
 
+@pytest.mark.sim
 def test_parameters_per_rank_are_the_split_counted_by_hand():
     """hidden 64, MLP 128, vocab 128, 2 layers, fp32: each layer's 4 attention (64 x 64) and 3 MLP (64 x 128)
     weights are split T ways; embedding and head (128 x 64 each) and 5 norms (64) are whole; FSDP2 then shards
@@ -90,6 +91,7 @@ def test_what_cannot_be_split_is_refused():
                          tensor_parallel=2)
 
 
+@pytest.mark.sim
 def test_a_user_plan_splits_a_model_without_one():
     """WideBlocks' MLPs split by the user's mapping: the split weights' bytes leave each rank, counted by hand."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -126,6 +128,7 @@ def test_per_rank_peak_matches_the_allocator_and_a_step_a_full_batch_step(world,
     dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama())
 
 
+@pytest.mark.sim
 def test_tensor_parallel_alone_on_cuda_is_refused_and_the_model_is_left_alone():
     """On CUDA the foreach optimizer cannot step plain tensors and DTensors together (torch's own error when the
     simulation tries: 'got mixed torch.Tensor and DTensor'): refused up front, naming the fix. Estimating never

@@ -20,6 +20,7 @@ from sharded_models import tiny_llama, wide_blocks
 TOKENS, HIDDEN, MLP, VOCAB = 32, 64, 128, 128  # tiny_llama's shape
 
 
+@pytest.mark.sim
 def test_all_reduced_bytes_per_sample_counted_by_hand():
     """Per layer torch's styles all-reduce o_proj's and down_proj's outputs in forward and the input gradients of
     q, k, v, gate and up in backward: 7 tensors of 32 tokens x 64 features in fp32, 2 layers."""
@@ -38,6 +39,7 @@ def test_all_reduced_bytes_per_sample_counted_by_hand():
     assert tensor_group_bytes(case.model, parallel) == 4 * (split // 2 + whole)
 
 
+@pytest.mark.sim
 def test_plan_with_tensor_parallel_matches_the_estimate_of_its_rank():
     """world 4 = FSDP2 over 2 x tensor parallel 2, batch 8: each rank trains 8 / 2 = 4 rows; the plan's figure is
     the estimate of exactly its configuration, and the trainer gets the layout."""
@@ -69,6 +71,7 @@ def test_explicit_tensor_parallel_is_refused_where_it_cannot_run():
                      tensor_parallel=2)
 
 
+@pytest.mark.sim
 def test_exports_name_the_tensor_parallel_degree():
     """torchtitan's [parallelism] takes tensor_parallel_degree, the shard degree is the other dim, and the global
     batch counts data-parallel ranks only; DeepSpeed's config has no training tensor parallelism: a note says so."""
@@ -85,6 +88,7 @@ def test_exports_name_the_tensor_parallel_degree():
     assert any("tensor parallel 2 is not exported" in n for n in deepspeed["autofit_notes"])
 
 
+@pytest.mark.sim
 def test_the_cli_takes_tensor_parallel():
     from typer.testing import CliRunner
 
@@ -101,6 +105,7 @@ def test_the_cli_takes_tensor_parallel():
     assert (plan.tensor_parallel, plan.layout) == (2, "tp 2")
 
 
+@pytest.mark.sim
 def test_clipping_leaves_tensor_parallel_out():
     """clip_grad_norm_ cannot combine the split and whole parameters' DTensors (different meshes): an explicit T
     is refused naming it; with "auto" the planner plans the other layouts only."""
@@ -113,6 +118,7 @@ def test_clipping_leaves_tensor_parallel_out():
     assert plan.tensor_parallel == 1
 
 
+@pytest.mark.sim
 def test_a_user_plan_is_planned_for_a_model_without_one():
     """WideBlocks' MLPs split by the user's mapping: the plan carries the resolved pairs and its figure is the
     estimate of its rank with the same mapping."""

@@ -60,6 +60,7 @@ def test_a_config_plan_with_the_embedding_split_is_read():
     assert plan["model.embed_tokens"] == "embedding_rowwise" and "lm_head" not in plan
 
 
+@pytest.mark.sim
 def test_parameters_per_rank_are_the_vocabulary_split_counted_by_hand():
     """hidden 64, MLP 128, vocab 512, 2 layers, fp32: the blocks' 4 attention (64 x 64) and 3 MLP (64 x 128)
     weights, the embedding and the head (512 x 64 each) are split T ways; the 5 norms (64) stay whole; FSDP2 then
@@ -140,6 +141,7 @@ def test_vocabulary_split_peak_matches_the_allocator_and_a_step_a_full_batch_ste
     dist_workers.check_memory_and_equivalence(ranks, memory, equivalence, tiny_llama_vocab(), " + vocabulary split")
 
 
+@pytest.mark.sim
 def test_vocabulary_split_collectives_counted_by_hand():
     """Per sample of 32 tokens in fp32: the blocks' 2 x 7 all-reduces of 32 x 64 (tests/test_tensor_parallel_plan.py),
     the embedding's all-reduced output (32 x 64), and the head's all-gathered logits (32 x 512, priced as half an

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from rich.console import Console
 from torch import nn
@@ -13,6 +14,8 @@ import autofit
 from autofit.cli.render import render_plan
 from autofit.cuda.model import CUDA_CONTEXT_BYTES
 from autofit.core.units import format_bytes
+
+pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
 
 MiB = 1 << 20
 

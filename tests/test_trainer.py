@@ -213,6 +213,7 @@ def test_adam_state_matches_full_batch_step(model: MLP) -> None:
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.sim
 def test_plan_from_planner_with_accumulation_and_checkpointing() -> None:
     # end to end: a budget tight enough that the planner itself splits the batch; its knobs are checked before the
     # comparison relies on them

@@ -207,6 +207,7 @@ def _calls(case: ZooCase) -> dict[str, Any]:
     }
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ["estimate", "measure", "analyse", "plan"])
 @pytest.mark.parametrize("name", CASES)
 def test_model_and_sample_unchanged(name: str, entry: str) -> None:
@@ -220,6 +221,7 @@ def test_model_and_sample_unchanged(name: str, entry: str) -> None:
     assert torch.is_grad_enabled()
 
 
+@pytest.mark.sim
 def test_fp32_pinned_modules_and_bf16_leave_the_model_unchanged() -> None:
     """The fp32 pin is a second instance-level ``forward`` patch, next to checkpointing; both must come off."""
     case = ZOO["resnet_bn"]()
@@ -233,6 +235,7 @@ def test_fp32_pinned_modules_and_bf16_leave_the_model_unchanged() -> None:
         assert not torch.is_autocast_enabled("cpu")
 
 
+@pytest.mark.sim
 def test_model_with_its_own_forward_override_keeps_it() -> None:
     """A model whose user already set an instance ``forward`` gets that same function back after patching."""
     case = ZOO["resnet_bn"]()
@@ -255,6 +258,7 @@ class _Raises(nn.Module):
         raise ValueError("boom")
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("entry", ["estimate", "measure", "analyse"])
 def test_failing_forward_leaves_the_model_unchanged(entry: str) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), _Raises()))
@@ -276,6 +280,7 @@ def _meta_twin(case: ZooCase) -> nn.Module:
         return type(case.model)()
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("name", ["resnet_bn", "gpt_sdpa"])
 def test_meta_model_estimate_and_analyse(name: str) -> None:
     case = ZOO[name]()

@@ -12,6 +12,8 @@ from torch import nn
 import autofit
 from autofit.core.errors import UnsupportedModelError
 
+pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
+
 
 class Seq2Seq(nn.Module):
     """nn.Transformer between token embeddings and a vocabulary head; the causal target mask is built in forward

@@ -57,6 +57,7 @@ def _measured_step(trainer, model, inputs) -> int:
     return measure_callable(lambda: trainer.step(inputs), live)
 
 
+@pytest.mark.sim
 def test_shorter_batches_run_fewer_micro_batches_within_the_budget_and_equal_a_full_batch_step(planned):
     plan, model, full = planned
     assert full > plan.budget_bytes, "the full batch fits: the test does not bite"

@@ -114,10 +114,12 @@ def test_plan_finds_a_plan_whenever_a_configuration_fits():
     assert not counterexamples, "\n".join(counterexamples)
 
 
+@pytest.mark.sim
 def test_plan_finds_a_plan_whenever_a_configuration_fits_quick():
     assert not _counterexamples(range(12))
 
 
+@pytest.mark.sim
 def test_the_reported_mlp_plans_where_its_best_configuration_fits():
     """The report's MLP (32-256-256-4, AdamW, batch 256): the budget is what its best configuration needs on this
     machine (its peak depends on the CPU's kernels), and a plan must come back, fitting it."""
@@ -136,6 +138,7 @@ def _small():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
 
 
+@pytest.mark.sim
 def test_a_budget_above_the_card_is_refused_with_its_memory():
     model, sample = _small()
     kw = dict(target=torch.randint(0, 4, (8,)), loss_fn=nn.CrossEntropyLoss(), device="cuda", gpu="T4")
@@ -161,6 +164,7 @@ def test_cli_budget_above_the_card_exits_2_before_planning(monkeypatch):
     assert "T4" in result.output and "16.00 GiB" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.sim
 def test_a_sequence_longer_than_learned_positions_is_refused():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=64, vocab_size=100)
@@ -175,6 +179,7 @@ def test_a_sequence_longer_than_learned_positions_is_refused():
 
 
 # ---- the margin -------------------------------------------------------------------------------------------------------
+@pytest.mark.sim
 def test_the_margin_is_kept_free_and_named_in_the_error():
     model, sample = _small()
     target = torch.randint(0, 4, (8,))
@@ -223,6 +228,7 @@ def test_verification_verdict_says_by_how_much():
                         description="m").fits
 
 
+@pytest.mark.sim
 def test_cli_verify_exits_4_on_a_blown_budget_and_0_when_it_fits(monkeypatch):
     from typer.testing import CliRunner
 
@@ -351,6 +357,7 @@ def _uneven_plan():
     return autofit.plan(model, sample, peak[4], batch_size=10, **kw), model, sample, kw, row_bytes
 
 
+@pytest.mark.sim
 def test_an_uneven_plan_is_exported_as_a_verified_even_split():
     from autofit.emit.export import EXPORTERS
 
@@ -371,6 +378,7 @@ def test_an_uneven_plan_is_exported_as_a_verified_even_split():
     assert autofit.Plan.from_json(plan.to_json()).even_split == (2, 5)
 
 
+@pytest.mark.sim
 def test_without_an_even_split_the_export_says_its_batch_differs():
     from dataclasses import replace
 
@@ -381,6 +389,7 @@ def test_without_an_even_split_the_export_says_its_batch_differs():
     assert any("12 samples per step, not 10" in n for n in notes), notes
 
 
+@pytest.mark.sim
 def test_a_sharded_plan_exports_zero_stage_3():
     from dataclasses import replace
 
