@@ -116,6 +116,7 @@ def _check_lstm_errors(found: dict) -> None:
     assert estimate == measured  # the way out the message offers runs, and is estimated exactly
 
 
+@pytest.mark.sim  # plans in the fresh process these tests share (the first to ask pays for it)
 def test_a_cpu_without_a_bf16_lstm_gets_a_typed_error() -> None:
     if cpu_cannot_run("lstm", "bf16") is None:
         pytest.skip("this CPU runs a bf16 LSTM (oneDNN has bf16 kernels here): no error to check in this process; "
@@ -123,6 +124,7 @@ def test_a_cpu_without_a_bf16_lstm_gets_a_typed_error() -> None:
     _check_lstm_errors(_outputs(None)["_LSTM_ERRORS"])
 
 
+@pytest.mark.sim  # plans in the fresh process these tests share (the first to ask pays for it)
 @needs_x86
 def test_a_reduced_isa_gets_the_same_typed_error() -> None:
     _check_lstm_errors(_outputs("SSE41")["_LSTM_ERRORS"])
@@ -157,6 +159,7 @@ def test_auto_precision_on_a_cpu_target_considers_what_this_cpu_runs() -> None:
     _check_auto(_outputs(None)["_AUTO_ON_CPU"], native_bf16=cpu_cannot_run("lstm", "bf16") is None)
 
 
+@pytest.mark.sim  # plans in the fresh process these tests share (the first to ask pays for it)
 @needs_x86
 def test_auto_precision_under_a_reduced_isa_is_fp32_only() -> None:
     _check_auto(_outputs("SSE41")["_AUTO_ON_CPU"], native_bf16=False)
@@ -214,6 +217,7 @@ _SMALL_PROBES = """
 """
 
 
+@pytest.mark.sim  # plans in the fresh process these tests share (the first to ask pays for it)
 @needs_x86
 def test_small_gemm_probes_change_no_byte() -> None:
     # Note [small GEMM probes]: where oneDNN has no bf16 kernel (SSE41 cap), bf16 GEMMs are probed small and not run

@@ -58,6 +58,7 @@ def test_torchtitan_toml_has_its_parallelism_keys(plan8, raf, replicate):
     (True, 1, "FULL_SHARD"), (False, 1, "SHARD_GRAD_OP"), (4, 1, "FULL_SHARD"), (True, 2, "HYBRID_SHARD"),
     (False, 2, "_HYBRID_SHARD_ZERO2")])
 def test_lightning_strategies_accept_the_export(plan8, raf, replicate, expected):
+    pytest.importorskip("lightning", reason="the test extras' lightning reads the export")
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     plan = dataclasses.replace(plan8, reshard_after_forward=raf, replicate=replicate)
@@ -74,6 +75,7 @@ def test_lightning_strategies_accept_the_export(plan8, raf, replicate, expected)
 
 @pytest.mark.parametrize("raf,replicate", LAYOUTS)
 def test_accelerate_reads_the_config_file(plan8, raf, replicate, monkeypatch):
+    pytest.importorskip("accelerate", reason="the test extras' accelerate reads the export")
     from accelerate import Accelerator
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import launch_command_parser

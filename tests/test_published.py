@@ -60,6 +60,7 @@ def test_fsdp2_rank_matches_torchtitan(name):
 
 
 def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
+    pytest.importorskip("transformers", reason="the published cases are Hugging Face models built from configs")
     # each multi-GPU case estimates the job's own layout (world size and strategy)
     multi = [c for c in CASES if c.ranks > 1]
     assert {c.name for c in multi} >= {"torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128"}
