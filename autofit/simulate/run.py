@@ -86,6 +86,7 @@ from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
+from autofit.simulate.traced_checks import eager_answers
 from autofit.simulate.tracker import StepTracker
 from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
 from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins
@@ -270,7 +271,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                     warm_up(work, micro, micro_target, loss_fn, config)
                 stack.enter_context(tracker)
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
-                    stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
+                    twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
+                    stack.enter_context(eager_answers(twins))  # Note [am I traced]
                 stack.enter_context(observe)
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
                             stepped, fake=fake)
