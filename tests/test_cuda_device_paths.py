@@ -61,7 +61,7 @@ def test_dropout_path_is_removed_after_the_context():
 def test_a_second_cuda_path_for_an_op_is_refused():
     with pytest.raises(RuntimeError, match="already has a CUDA path"):
         cuda_path("dropout")(lambda *a: None)
-    assert set(CUDA_PATHS) == {"dropout"}
+    assert set(CUDA_PATHS) == {"dropout", "_fused_rms_norm"}
 
 
 class _Dropped(nn.Module):
@@ -91,3 +91,71 @@ def test_cuda_estimate_of_dropout_counts_the_mask(dtype):
     assert on.peak_allocated_bytes - off.peak_allocated_bytes == 4 * MiB
     cpu_off, cpu_on = est(0.0, "cpu"), est(0.1, "cpu")
     assert cpu_on.breakdown[act] - cpu_off.breakdown[act] == ROWS * DIM * x.element_size()
+
+
+def _saved_graph(out: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    seen, stack, saved = set(), [out.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "saved_tensors"):  # a Python autograd.Function
+            saved += [(tuple(t.shape), t.dtype) for t in fn.saved_tensors if t is not None]
+        saved += [(tuple(getattr(fn, a).shape), getattr(fn, a).dtype) for a in dir(fn)
+                  if a.startswith("_saved_") and isinstance(getattr(fn, a), torch.Tensor)]
+        stack += [f for f, _ in fn.next_functions]
+    return saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_cuda_keeps_the_input_and_one_rstd_per_row(dtype):
+    # layer_norm.cpp rms_norm_symint -> _fused_rms_norm; derivatives.yaml: the node keeps input, weight and
+    # result1 (rstd, fp32 for 16-bit inputs). The CPU composite keeps the fp32 upcast and the normalised rows.
+    with FakeTensorMode():
+        x = torch.randn(ROWS, DIM, dtype=dtype, requires_grad=True)
+        w = torch.ones(DIM, dtype=dtype, requires_grad=True)
+        cpu = _saved_graph(F.rms_norm(x, (DIM,), w))
+        with cuda_paths():
+            y = F.rms_norm(x, (DIM,), w)
+            cuda = _saved_graph(y)
+            gx, gw = torch.autograd.grad(y.float().sum(), (x, w))
+    assert sorted(cuda, key=str) == sorted([((ROWS, DIM), dtype), ((ROWS, 1), torch.float32), ((DIM,), dtype)],
+                                           key=str)
+    assert (tuple(gx.shape), gx.dtype, tuple(gw.shape)) == ((ROWS, DIM), dtype, (DIM,))
+    # the CPU composite keeps the fp32 rows twice (pow's and mul's input, the normalised rows before the weight)
+    assert sum(1 for shape, d in cpu if shape == (ROWS, DIM) and d == torch.float32) >= 2
+
+
+def test_rms_norm_on_real_tensors_keeps_the_composite_values():
+    # a step that runs for real (data-dependent models) must compute right values: the composite's
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    w = torch.rand(8, dtype=torch.bfloat16)
+    expected = F.rms_norm(x, (8,), w, eps=1e-6)
+    with cuda_paths():
+        got = F.rms_norm(x, (8,), w, eps=1e-6)
+    torch.testing.assert_close(got, expected)
+
+
+class _Normed(nn.Module):
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(DIM, DIM), nn.RMSNorm(DIM) if norm else nn.Identity(), nn.Linear(DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.sim
+def test_cuda_estimate_of_rms_norm_by_hand():
+    # Linear -> RMSNorm -> Linear, bf16, 4096 rows, on CUDA. Against Linear -> Identity -> Linear: the norm keeps
+    # the first Linear's output (kept by the second Linear without it), the second Linear keeps the norm's output
+    # (4096 x 1024 x 2 bytes = 8 MiB) and the norm keeps rstd (4096 x 4 bytes = 16 KiB).
+    x = torch.randn(ROWS, DIM, dtype=torch.bfloat16)
+
+    def est(norm: bool):
+        return autofit.estimate(_Normed(norm).to(torch.bfloat16), x, micro_batch_size=ROWS,
+                                loss_fn=lambda o: o.float().sum(), device="cuda")
+
+    act = Category.ACTIVATIONS.value
+    assert est(True).breakdown[act] - est(False).breakdown[act] == ROWS * DIM * 2 + ROWS * 4

@@ -5,6 +5,9 @@ tiny from its config with ``use_cache=False`` (what fine-tuning scripts set), Qw
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,15 +70,43 @@ class _AttentionCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _masks_made(model, made: list):
+    """Record what the model's mask builders (``create_causal_mask``, ``create_sliding_window_causal_mask``, ...,
+    imported by name into its modeling module) return: None, or the mask's shape and dtype."""
+    module = sys.modules[type(model).__module__]
+    names = [n for n in dir(module) if n.startswith("create_") and n.endswith("mask")]
+    originals = {n: getattr(module, n) for n in names}
+
+    def recording(name, fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            masks = out.values() if isinstance(out, dict) else [out]
+            made.append((name, tuple(None if m is None else (tuple(m.shape), m.dtype) for m in masks)))
+            return out
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(module, n, recording(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(module, n, fn)
+
+
 def _attention_inputs_agree(model, sample) -> autofit.MemoryEstimate:
-    with _AttentionCalls() as simulated:
+    sim_masks, real_masks = [], []
+    with _AttentionCalls() as simulated, _masks_made(model, sim_masks):
         est = autofit.estimate(model, sample, micro_batch_size=_ROWS, optimizer="adam")
-    with _AttentionCalls() as real:
+    with _AttentionCalls() as real, _masks_made(model, real_masks):
         model(**sample).loss.backward()
     model.zero_grad(set_to_none=True)
     # the simulation runs two micro-batches of the window (WINDOW_MICRO_BATCHES): every one of its calls is a call
     # of the real step, mask and is_causal included (with the traced branch: a (B, 1, S, S) mask, is_causal False)
-    assert real.calls and set(simulated.calls) == set(real.calls)
+    assert real.calls or real_masks  # eager attention (Gemma 2) makes no SDPA call; its masks are compared
+    assert set(simulated.calls) == set(real.calls)
+    assert set(sim_masks) == set(real_masks)
     return est
 
 

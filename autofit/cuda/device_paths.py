@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from autofit.core._torch import destroy_library
+from autofit.core._torch import FakeTensor, destroy_library
 
 __all__ = ["CUDA_PATHS", "cuda_paths", "cuda_path"]
 
@@ -52,6 +52,61 @@ def dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     if p == 0 or not train or input.numel() == 0:  # _dropout_impl returns its input
         return input
     return input.mul(torch.zeros((), dtype=input.dtype, device=input.device))  # p == 1
+
+
+@cuda_path("_fused_rms_norm")
+def fused_rms_norm(input: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None,
+                   eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten/src/ATen/native/layer_norm.cpp``, ``rms_norm_symint``: after its checks (channels-last, complex and a
+    weight of another dtype take ``rms_norm_composite`` on every device) it calls ``_fused_rms_norm``, which on CUDA
+    is one kernel (``_fused_rms_norm_cuda``) whose autograd node (``derivatives.yaml``) keeps the input, the weight
+    and ``rstd``: one accumulation-type value per normalised row. On the CPU ``_fused_rms_norm`` is the composite,
+    which keeps an fp32 copy of a 16-bit input and the normalised fp32 rows before the weight. Fake inputs only:
+    a step that runs for real (Note [data-dependent models]) keeps the CPU's composite, whose values are right."""
+    if not all(isinstance(t, FakeTensor) for t in (input, weight) if t is not None):
+        return _rms_norm_composite(input, normalized_shape, weight, eps)
+    return _FusedRmsNorm.apply(input, tuple(normalized_shape), weight)
+
+
+def _rms_norm_composite(input, normalized_shape, weight, eps):
+    """``rms_norm_composite`` (layer_norm.cpp): upcast 16-bit inputs, normalise, scale, cast back."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    upcast = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+    eps = torch.finfo(upcast.dtype).eps if eps is None else eps
+    rstd = torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True).add_(eps))
+    out = upcast.mul(rstd)
+    if weight is not None:
+        out = out.mul(weight)
+    return out.contiguous().type_as(input), rstd.contiguous()
+
+
+def _accumulate_type(dtype: torch.dtype) -> torch.dtype:
+    """``at::toAccumulateType(dtype, /*is_cuda=*/true)``: fp32 for the 16-bit types."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _FusedRmsNorm(torch.autograd.Function):
+    """``_fused_rms_norm`` on CUDA, on fake tensors: the output and ``rstd`` (the input's leading dims, 1 for each
+    normalised one), and ``_fused_rms_norm_backward``'s meta kernel for the gradients."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, weight):
+        axis = input.dim() - len(normalized_shape)
+        out = torch.empty_like(input, memory_format=torch.contiguous_format)
+        rstd = input.new_empty(tuple(input.shape[:axis]) + (1,) * len(normalized_shape),
+                               dtype=_accumulate_type(input.dtype))
+        ctx.save_for_backward(input, rstd, weight)
+        ctx.normalized_shape = list(normalized_shape)
+        ctx.mark_non_differentiable(rstd)
+        return out, rstd
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_rstd):
+        input, rstd, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2]]
+        grad_input, grad_weight = aten._fused_rms_norm_backward(grad_out, input, ctx.normalized_shape, rstd, weight,
+                                                                mask)
+        return (grad_input if mask[0] else None), None, (grad_weight if mask[1] else None)
 
 
 @contextlib.contextmanager
