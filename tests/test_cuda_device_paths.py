@@ -10,6 +10,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autofit
+from autofit.core._torch import has_dispatch_kernel
 from autofit.core.categories import Category
 from autofit.cuda.device_paths import CUDA_PATHS, cuda_path, cuda_paths
 
@@ -123,8 +124,10 @@ def test_rms_norm_on_cuda_keeps_the_input_and_one_rstd_per_row(dtype):
     assert sorted(cuda, key=str) == sorted([((ROWS, DIM), dtype), ((ROWS, 1), torch.float32), ((DIM,), dtype)],
                                            key=str)
     assert (tuple(gx.shape), gx.dtype, tuple(gw.shape)) == ((ROWS, DIM), dtype, (DIM,))
-    # the CPU composite keeps the fp32 rows twice (pow's and mul's input, the normalised rows before the weight)
-    assert sum(1 for shape, d in cpu if shape == (ROWS, DIM) and d == torch.float32) >= 2
+    # the CPU composite keeps the fp32 rows twice (pow's and mul's input, the normalised rows before the weight),
+    # where this build's CPU has no kernel of its own for _fused_rms_norm (torch 2.13's CPU builds have none)
+    if not has_dispatch_kernel("aten::_fused_rms_norm", "CPU"):
+        assert sum(1 for shape, d in cpu if shape == (ROWS, DIM) and d == torch.float32) >= 2
 
 
 def test_rms_norm_on_real_tensors_keeps_the_composite_values():
