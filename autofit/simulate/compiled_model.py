@@ -19,7 +19,9 @@ Note [compiled models on a GPU target]
     Triton autotuning's benchmark buffers (first step only), or a reserve that a different allocation order
     fragments more (a published batch-8 run reserved 4.9 % more compiled than eager). The estimate's notes say which
     simulation it took and what the other gave. A CPU target keeps the compiled simulation: there it is the program
-    that runs, and the CPU allocator agrees with it.
+    that runs, and the CPU allocator agrees with it. The planner's analysis (a simulation with an observer, whose
+    per-layer records must come from one run) models the compiled step; every figure a plan reports comes from a
+    verification simulation, which takes the bound.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def simulate_step(
     try:
         with _quiet_engines():
             sim = _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
-            if config.device == "cuda" and sim.compiled:  # Note [compiled models on a GPU target]
+            if config.device == "cuda" and sim.compiled and observer is None:  # Note [compiled models on a GPU target]
                 sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, fake=True, eager=True, **kw))
             return sim
     except _DataDependent as e:
