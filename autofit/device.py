@@ -171,14 +171,17 @@ class DeviceTarget:
 
     def simulation_rules(self, stack, config):
         """This device's part of a simulation (``simulate_step(device_rules=...)``): on CUDA, CUDA's autocast op
-        policy and attention kernels on the CPU simulation (``autofit.cuda``). Returns the autocast caster whose
-        weight cache must be cleared when each micro-batch's autocast region exits, or None."""
+        policy, attention kernels and composite ops' CUDA branches on the CPU simulation (``autofit.cuda``). Returns
+        the autocast caster whose weight cache must be cleared when each micro-batch's autocast region exits, or
+        None."""
         if self.kind != "cuda":
             return None
         from autofit.cuda.autocast_policy import cuda_autocast_policy
+        from autofit.cuda.device_paths import cuda_paths
         from autofit.cuda.kernels import cuda_kernels
 
         stack.enter_context(cuda_kernels(self.gpu))
+        stack.enter_context(cuda_paths())
         if config.precision.autocast:
             return stack.enter_context(cuda_autocast_policy(config.precision.dtype, require_clear=True))
         return None

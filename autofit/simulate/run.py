@@ -76,7 +76,7 @@ from autofit.training.grads import PREALLOCATED_NOTE
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
-from autofit.simulate.compiled_model import compiled_for_simulation, compiled_note, warm_up
+from autofit.simulate.compiled_model import compiled_for_simulation, compiled_note, upper_bound, warm_up
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
@@ -86,6 +86,7 @@ from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
+from autofit.simulate.traced_checks import eager_answers
 from autofit.simulate.tracker import StepTracker
 from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
 from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins
@@ -118,6 +119,7 @@ class Simulation:
     method: str  # "fake" or "real" (see Note [data-dependent models])
     notes: tuple[str, ...] = field(default_factory=tuple)
     preallocated_grads: bool = False  # the step allocated its gradients before forward (training/grads.py)
+    compiled: bool = False  # the model ran as inductor compiles it (Note [inductor without kernels])
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
@@ -144,7 +146,10 @@ def simulate_step(
     kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
     try:
         with _quiet_engines():
-            return _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
+            sim = _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
+            if config.device == "cuda" and sim.compiled and observer is None:  # Note [compiled models on a GPU target]
+                sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, fake=True, eager=True, **kw))
+            return sim
     except _DataDependent as e:
         try:
             with _quiet_engines():
@@ -205,7 +210,8 @@ def _qualname(obj: object) -> str:
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
-              observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
+              observer: Observer | None, device_rules: DeviceRules | None, eager: bool = False) -> Simulation:
+    """One simulation; ``eager``: compiled code runs eagerly (Note [compiled models on a GPU target])."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
@@ -224,7 +230,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
     with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled, \
-            compiled_for_simulation(work, fake, config.compile) as inductor:
+            compiled_for_simulation(work, fake and not eager, config.compile and not eager) as inductor:
         if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
             apply_layout(work, mesh, config)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
@@ -270,7 +276,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                     warm_up(work, micro, micro_target, loss_fn, config)
                 stack.enter_context(tracker)
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
-                    stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
+                    twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
+                    stack.enter_context(eager_answers(twins))  # Note [am I traced]
                 stack.enter_context(observe)
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
                             stepped, fake=fake)
@@ -291,7 +298,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes),
-                      config.preallocated_grads)
+                      config.preallocated_grads, compiled=bool(inductor))
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
