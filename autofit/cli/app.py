@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from autofit.cli.help import Command, Group
-from autofit.cli.messages import cli_words, gpu_note, one_line_warnings
+from autofit.cli.messages import gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot
 from autofit.cli.progress import planning_progress
 from autofit.cli.render import console_for, render_plan
@@ -95,7 +95,7 @@ StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or f
 
 
 def _fail(console: Console, message: str, code: int) -> None:
-    console.print(f"[bold red]error:[/] {cli_words(message)}", soft_wrap=True, markup=True, highlight=False)
+    say(console, "error", message, "bold red")
     raise typer.Exit(code)
 
 
@@ -161,7 +161,7 @@ def plan(
             check_plot(plot)
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
-            console.print(f"[dim]note: {note}[/]", highlight=False)
+            say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
         world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
@@ -203,7 +203,7 @@ def plan(
             write_plot(plot, result, analyses[result.precision.label].table)
         except OSError as e:  # checked before planning, but the disk may fill or the folder go meanwhile
             _fail(console, f"--plot {plot}: {e.strerror or e}", EXIT_INPUT)
-        console.print(f"wrote {plot}")
+        console.print(f"wrote {plot}", highlight=False, markup=False)
 
 
 @app.command(cls=Command)
@@ -238,7 +238,7 @@ def verify(
     console.print(report.table())
     if not report.fits:
         _fail(console, report.verdict(), EXIT_OVER_BUDGET)
-    console.print(report.verdict(), highlight=False)
+    console.print(report.verdict(), highlight=False, markup=False)
 
 
 @app.command(cls=Command)
@@ -276,7 +276,7 @@ def estimate(
     try:
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
-            console.print(f"[dim]note: {note}[/]", highlight=False)
+            say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
         world_size, _ = nodes_layout(world_size, nodes, gpus_per_node)
@@ -323,7 +323,7 @@ def main() -> None:
     try:
         app()
     except typer.BadParameter as e:  # raised outside a command (option parsing)
-        Console(stderr=True).print(f"[bold red]error:[/] {cli_words(str(e))}", highlight=False)
+        say(Console(stderr=True), "error", str(e), "bold red")
         sys.exit(EXIT_INPUT)
 
 
