@@ -5,9 +5,15 @@ third-party import noise, and docs that say what the code does."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
+import time
 import warnings
+from pathlib import Path
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -15,6 +21,14 @@ from autofit.cli.app import app
 from autofit.cli.messages import one_line_warnings, say
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This checkout first on the path (also in the subprocess), offline, one worker unless the test says."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "AUTOFIT_WORKERS": "1"}
+    return {**env, **extra}
 
 RAISES_NOTE = '''
 from autofit.core.errors import InvalidInputError
@@ -37,3 +51,30 @@ def test_a_message_citing_a_note_prints_the_note_name(tmp_path):
     say(Console(file=out, width=80), "note", "see Note [rows by length]")
     assert out.getvalue().splitlines() == ["warning: recomputed twice (Note [liveness])",
                                            "note: see Note [rows by length]"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")
+def test_a_plot_path_that_cannot_be_created_fails_before_planning(tmp_path):
+    """/proc passes every permission check (for root too) but refuses new files: only a real write tells. The model
+    here would take far longer to plan than the check, and is never built (a factory that sleeps)."""
+    factory = tmp_path / "slow.py"
+    factory.write_text("import time\n\ndef slow():\n    time.sleep(60)\n")
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "autofit", "plan", f"{factory}:slow", "--budget", "1GB",
+                          "--batch-size", "2", "--device", "cpu", "--plot", "/proc/plan.png"],
+                         capture_output=True, text=True, timeout=120, env=_env())
+    took = time.monotonic() - started
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stdout.strip() == "error: --plot /proc/plan.png: cannot write there (No such file or directory); " \
+                                 "choose another path", run.stdout
+    assert took < 30, took  # the factory alone sleeps 60 s: it never ran
+
+
+def test_a_writable_plot_path_is_left_as_it_was(tmp_path):
+    from autofit.cli.outputs import check_output_path
+
+    new, old = tmp_path / "new.png", tmp_path / "old.png"
+    old.write_bytes(b"keep")
+    check_output_path(new, "--plot")
+    check_output_path(old, "--plot")
+    assert not new.exists() and old.read_bytes() == b"keep"
