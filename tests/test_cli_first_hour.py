@@ -78,3 +78,30 @@ def test_a_writable_plot_path_is_left_as_it_was(tmp_path):
     check_output_path(new, "--plot")
     check_output_path(old, "--plot")
     assert not new.exists() and old.read_bytes() == b"keep"
+
+
+def _option_names(command: str) -> list[str]:
+    import typer.main
+
+    params = typer.main.get_command(app).commands[command].params
+    return [name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("--")]
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate", "verify"])
+def test_help_at_80_columns_keeps_every_option_name_whole(command):
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output and max(map(len, result.output.splitlines())) <= 80
+    listed = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*[a-z]", result.output))
+    assert set(_option_names(command)) <= listed, set(_option_names(command)) - listed
+
+
+def test_help_piped_keeps_option_names_whole():
+    env = _env()
+    env.pop("COLUMNS", None)  # a pipe: no terminal width, rich would assume 80
+    run = subprocess.run([sys.executable, "-m", "autofit", "plan", "--help"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "…" not in run.stdout
+    for name in ("--min-stored-precision", "--allow-over-capacity", "--reshard-after-forward"):
+        assert re.search(rf"^\s+{name}\b", run.stdout, re.M), run.stdout
