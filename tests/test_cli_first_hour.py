@@ -105,3 +105,28 @@ def test_help_piped_keeps_option_names_whole():
     assert "…" not in run.stdout
     for name in ("--min-stored-precision", "--allow-over-capacity", "--reshard-after-forward"):
         assert re.search(rf"^\s+{name}\b", run.stdout, re.M), run.stdout
+
+
+def test_version_and_help_do_not_import_torch():
+    """What is imported, not how long it takes (Note [a light import], autofit/__init__.py): torch's import is
+    most of the seconds a cold start took."""
+    probe = ("import sys\nfrom autofit.cli.app import main\nsys.argv = ['autofit', *sys.argv[1:]]\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass\n"
+             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'scipy', 'transformers'))\n"
+             "print('heavy:', heavy[:5])\n")
+    for args in (["--version"], ["--help"], ["plan", "--help"]):
+        run = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, env=_env(),
+                             timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines()[-1] == "heavy: []", (args, run.stdout[-500:])
+    run = subprocess.run([sys.executable, "-c", "import autofit, sys; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert run.stdout.strip() == "False"
+
+
+def test_the_light_cli_names_match_the_modules_they_stand_for():
+    from autofit.cli import app as app_module
+    from autofit.cli.tasks import TASKS
+    from autofit.emit.export import EXPORTERS
+
+    assert app_module.TASK_NAMES == TASKS and app_module.EXPORT_NAMES == tuple(EXPORTERS)

@@ -17,15 +17,16 @@ import typer
 from rich.console import Console
 
 from autofit.cli.help import Command, Group
-from autofit.cli.messages import gpu_note, one_line_warnings, say
+from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot
 from autofit.cli.progress import planning_progress
-from autofit.cli.render import console_for, render_plan
-from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
-from autofit.cli.tasks import TASKS
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
-from autofit.emit.export import EXPORTERS
 from autofit.core.units import format_bytes
+
+# What runs torch (specs, tasks, rendering a plan, the planner) is imported inside the commands: `autofit --version`
+# and `--help` load none of it (Note [a light import], autofit/__init__.py).
+TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
+EXPORT_NAMES = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")  # autofit.emit.export.EXPORTERS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "
@@ -51,7 +52,7 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw, adam or s
 ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", metavar="KEY=VALUE",
                                                        help="hf:/torchvision: config override (repeatable)")]
 TaskOpt = Annotated[Optional[str], typer.Option("--task", metavar="TASK", help=f"target and loss for a MODEL that "
-                                                f"has none: {', '.join(TASKS)} (hf: picks the head)")]
+                                                f"has none: {', '.join(TASK_NAMES)} (hf: picks the head)")]
 WorldOpt = Annotated[int, typer.Option("--world-size", help="processes (GPUs) training together; --batch-size is "
                                                              "global")]
 StoredOpt = Annotated[Optional[str], typer.Option(
@@ -123,6 +124,8 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 def _spec(model: str, input_shape, input_dtype, config, task=None):
+    from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
+
     shapes = [parse_shape(s) for s in input_shape or []]
     dtype = parse_dtype(input_dtype) if input_dtype else None
     try:
@@ -151,12 +154,14 @@ def plan(
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.cli.estimate import sequence_option
+    from autofit.cli.render import render_plan
+    from autofit.emit.export import EXPORTERS
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
     try:
-        if export is not None and export not in EXPORTERS:
-            raise typer.BadParameter(f"--export must be one of {', '.join(EXPORTERS)}")
+        if export is not None and export not in EXPORT_NAMES:
+            raise typer.BadParameter(f"--export must be one of {', '.join(EXPORT_NAMES)}")
         if plot is not None:
             check_plot(plot)
         note = gpu_note(gpu) if device == "cuda" else None

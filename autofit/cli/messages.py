@@ -14,7 +14,19 @@ from rich.markup import escape
 
 from autofit.cuda.catalog import resolve_alias
 
-__all__ = ["cli_words", "one_line_warnings", "gpu_note", "say"]
+__all__ = ["cli_words", "one_line_warnings", "gpu_note", "say", "console_for", "PIPE_WIDTH"]
+
+# Piped output has no terminal width to fit: rich would assume 80 columns and fold module names mid-word. Give it
+# room for the widest table instead (tables only take the width their content needs).
+PIPE_WIDTH = 240
+
+
+def console_for(*, stderr: bool = False) -> Console:
+    """The command's console: the terminal's width on a terminal, :data:`PIPE_WIDTH` columns when piped."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console = Console(stderr=stderr, width=PIPE_WIDTH)
+    return console
 
 # The library's keyword arguments the command line spells as flags (planner.py and step.py messages name them).
 _FLAGS = {

@@ -10,24 +10,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from autofit.analyse.table import LayerTable
-from autofit.cli.messages import say
+from autofit.cli.messages import console_for, say
 from autofit.emit.plan import Plan
 from autofit.core.units import format_mib
 
 __all__ = ["render_plan", "console_for", "group_names"]
-
-# Piped output has no terminal width to fit: rich would assume 80 columns and fold module names mid-word. Give it
-# room for the widest table instead (tables only take the width their content needs).
-PIPE_WIDTH = 240
-
-
-def console_for(*, stderr: bool = False) -> Console:
-    """The command's console: the terminal's width on a terminal, :data:`PIPE_WIDTH` columns when piped."""
-    console = Console(stderr=stderr)
-    if not console.is_terminal:
-        console = Console(stderr=stderr, width=PIPE_WIDTH)
-    return console
-
 
 def knobs_table(plan: Plan, model_description: str) -> Table:
     table = Table(title="autofit plan", show_header=False, title_justify="left")
