@@ -130,3 +130,73 @@ def test_the_light_cli_names_match_the_modules_they_stand_for():
     from autofit.emit.export import EXPORTERS
 
     assert app_module.TASK_NAMES == TASKS and app_module.EXPORT_NAMES == tuple(EXPORTERS)
+
+
+SLOW_FORWARD = '''
+import time
+from torch import nn
+
+class Slow(nn.Module):
+    """A small classifier whose forward takes 0.05 s more: each simulation of a step does too."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+    def forward(self, x):
+        time.sleep(0.05)
+        return self.fc(x)
+
+def slow():
+    return Slow()
+'''
+
+STAGE_LINE = re.compile(r"^\s*\d+\.\d s  (simulating|analysing|searching|rows per micro-batch)", re.M)
+
+
+@pytest.mark.sim
+def test_a_plan_into_a_log_file_writes_its_stages_while_it_runs(tmp_path):
+    """`autofit plan ... > log 2>&1`: the stage lines are in the file before the process ends."""
+    factory = tmp_path / "slow.py"
+    factory.write_text(SLOW_FORWARD)
+    log_path = tmp_path / "log"
+    args = [sys.executable, "-m", "autofit", "plan", f"{factory}:slow", "--task", "classification",
+            "--input-shape", "16", "--budget", "1GB", "--batch-size", "8", "--device", "cpu", "--precision", "fp32"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=_env())
+    seen_while_running = None
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            text = log_path.read_text()
+            if STAGE_LINE.search(text) and proc.poll() is None:
+                seen_while_running = text
+                break
+            time.sleep(0.05)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    final = log_path.read_text()
+    assert proc.returncode == 0, final
+    assert seen_while_running is not None, final
+    assert "micro-batch" in final and re.search(r"^\s*\d+\.\d s  planning done$", final, re.M), final
+    # --quiet: the same plan in this process (the runner's stderr is no terminal either), no stage line
+    quiet = runner.invoke(app, [*args[3:], "--quiet"])
+    assert quiet.exit_code == 0 and "micro-batch" in quiet.output and not STAGE_LINE.search(quiet.output), \
+        quiet.output
+
+
+def test_stage_lines_when_stderr_is_not_a_terminal():
+    from autofit.cli.progress import planning_progress
+    from autofit.core import progress
+
+    log, screen = io.StringIO(), io.StringIO()
+    with planning_progress(Console(file=screen), log=log) as stages:
+        progress.report("analysing bf16: two small simulations", 0, 2)
+    lines = log.getvalue().splitlines()
+    assert [line.split(" s  ", 1)[1] for line in lines] == [
+        "planning (fake tensors, no memory allocated)", "analysing bf16: two small simulations [1/2]",
+        "planning done"]
+    assert screen.getvalue() == "" and len(stages) == 1
+    with planning_progress(Console(file=screen), log=log, quiet=True) as stages:
+        progress.report("simulating")
+    assert len(log.getvalue().splitlines()) == 3 and len(stages) == 1

@@ -74,6 +74,9 @@ AllowOpt = Annotated[Optional[list[str]], typer.Option(
 CompileOpt = Annotated[bool, typer.Option(
     "--compile", help="train the model compiled (torch.compile, inductor): estimated as inductor compiles it, and "
     "the trainer compiles it (docs/fine-tuning.md)")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="no progress: neither the terminal's progress line nor, when stderr is not a terminal, "
+    "the stage lines written there")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 NodesOpt = Annotated[Optional[int], typer.Option(
     "--nodes", help="machines training together, --gpus-per-node each (world size = nodes x GPUs per node); "
@@ -147,6 +150,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
+    quiet: QuietOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -170,7 +174,7 @@ def plan(
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
         world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
-        with planning_progress(console), one_line_warnings(console):
+        with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
@@ -216,7 +220,7 @@ def verify(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, precision: PrecisionOpt = "auto", optimizer: OptimizerOpt = "adamw",
     config: ConfigOpt = None, task: TaskOpt = None, margin: MarginOpt = None,
-    steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3,
+    steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3, quiet: QuietOpt = False,
 ) -> None:
     """Plan for this machine's device, run the plan for a few real steps, print predicted vs measured peak. Exits 4
     when the measured peak exceeds the budget."""
@@ -230,7 +234,7 @@ def verify(
     try:
         with one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
-            with planning_progress(console, f"planning for {device}"):
+            with planning_progress(console, f"planning for {device}", quiet=quiet):
                 result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
                                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, device=device,
                                    margin=margin)
