@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -200,3 +201,83 @@ def test_stage_lines_when_stderr_is_not_a_terminal():
     with planning_progress(Console(file=screen), log=log, quiet=True) as stages:
         progress.report("simulating")
     assert len(log.getvalue().splitlines()) == 3 and len(stages) == 1
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc: no psutil)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended; its new parent reaps it
+
+
+SLOW_IN_A_WORKER = '''
+import os
+import time
+from torch import nn
+
+COMMAND = os.getpid()  # the factory is imported in the command's process; a forked worker has another pid
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        if os.getpid() != COMMAND:
+            time.sleep(120)  # a worker's simulation outlasts the test: only the kernel's signal ends it in time
+        return self.fc(x).relu()
+
+
+def slow():
+    return nn.Sequential(*[Block() for _ in range(4)], nn.Linear(64, 4))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="worker processes run on Linux with two cores or more")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_workers_end_with_the_command(tmp_path, sig):
+    """`autofit plan` with its simulation workers running: kill the command, and no worker remains (they were
+    re-parented to PID 1 and ran on for minutes)."""
+    factory = tmp_path / "slow_blocks.py"
+    factory.write_text(SLOW_IN_A_WORKER)
+    proc = subprocess.Popen([sys.executable, "-m", "autofit", "plan", f"{factory}:slow", "--task", "classification",
+                             "--input-shape", "64", "--budget", "1GB", "--batch-size", "64", "--device", "cuda",
+                             "--gpu", "T4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=_env(AUTOFIT_WORKERS="2"))
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not children and proc.poll() is None and time.monotonic() < deadline:
+            children = _children(proc.pid)
+            time.sleep(0.05)
+        assert children, "the plan forked no worker"
+        os.kill(proc.pid, getattr(signal, sig))
+        proc.wait(timeout=30)
+        gone = time.monotonic() + 5
+        while any(map(_alive, children)) and time.monotonic() < gone:
+            time.sleep(0.05)
+        assert not any(map(_alive, children)), f"workers {children} outlived the command ({sig})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in children:  # a worker that outlived the command must not outlive the test
+            if _alive(child):
+                os.kill(child, signal.SIGKILL)
