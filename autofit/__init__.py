@@ -1,27 +1,49 @@
-"""autofit: make PyTorch training fit in GPU memory without trial and error."""
+"""autofit: make PyTorch training fit in GPU memory without trial and error.
 
-from autofit.analyse import Analysis, LayerRow, LayerTable
-from autofit.api import analyse, estimate, measure
-from autofit.core.categories import Category
-from autofit.cuda.catalog import gpu_spec
-from autofit.core.errors import (
-    AutofitError,
-    ForwardError,
-    HostMemoryError,
-    InfeasibleBudgetError,
-    InvalidInputError,
-    LossError,
-    UnsupportedModelError,
-    UnsupportedPrecisionError,
-    UnsupportedTorchError,
-)
-from autofit.training.normalisation import ItemMeanLoss
-from autofit.emit.plan import Alternative, Plan
-from autofit.planner import plan
-from autofit.training.precision import PrecisionPolicy
-from autofit.core.report import Measurement, MemoryEstimate
+Note [a light import]
+    ``import autofit`` loads nothing but this file: each public name is imported from its module when first used
+    (PEP 562's module ``__getattr__``). The command line imports ``autofit.cli.app``, which runs this file first, and
+    ``autofit --version`` or ``--help`` must answer without loading torch (seconds on a cold disk). The subpackages
+    ``autofit.analyse`` and ``autofit.measure`` share their names with the functions :func:`autofit.analyse` and
+    :func:`autofit.measure`: the import system binds a subpackage to its parent's attribute when it is first loaded,
+    so :class:`_Package` refuses that binding for public names, and the attribute stays the function, as the eager
+    ``from autofit.api import analyse, measure`` of earlier versions left it.
+"""
+
+import importlib as _importlib
+import sys as _sys
+import types as _types
+import typing as _typing
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_WHERE = {
+    "Alternative": "autofit.emit.plan",
+    "Analysis": "autofit.analyse.table",
+    "AutofitError": "autofit.core.errors",
+    "Category": "autofit.core.categories",
+    "ForwardError": "autofit.core.errors",
+    "HostMemoryError": "autofit.core.errors",
+    "InfeasibleBudgetError": "autofit.core.errors",
+    "InvalidInputError": "autofit.core.errors",
+    "ItemMeanLoss": "autofit.training.normalisation",
+    "LayerRow": "autofit.analyse.table",
+    "LayerTable": "autofit.analyse.table",
+    "LossError": "autofit.core.errors",
+    "Measurement": "autofit.core.report",
+    "MemoryEstimate": "autofit.core.report",
+    "Plan": "autofit.emit.plan",
+    "PrecisionPolicy": "autofit.training.precision",
+    "UnsupportedModelError": "autofit.core.errors",
+    "UnsupportedPrecisionError": "autofit.core.errors",
+    "UnsupportedTorchError": "autofit.core.errors",
+    "analyse": "autofit.api",
+    "estimate": "autofit.api",
+    "gpu_spec": "autofit.cuda.catalog",
+    "measure": "autofit.api",
+    "plan": "autofit.planner",
+}
 
 __all__ = [
     "Alternative",
@@ -49,3 +71,49 @@ __all__ = [
     "measure",
     "plan",
 ]
+
+if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, __getattr__ below
+    from autofit.analyse.table import Analysis, LayerRow, LayerTable
+    from autofit.api import analyse, estimate, measure
+    from autofit.core.categories import Category
+    from autofit.core.errors import (
+        AutofitError,
+        ForwardError,
+        HostMemoryError,
+        InfeasibleBudgetError,
+        InvalidInputError,
+        LossError,
+        UnsupportedModelError,
+        UnsupportedPrecisionError,
+        UnsupportedTorchError,
+    )
+    from autofit.core.report import Measurement, MemoryEstimate
+    from autofit.cuda.catalog import gpu_spec
+    from autofit.emit.plan import Alternative, Plan
+    from autofit.planner import plan
+    from autofit.training.normalisation import ItemMeanLoss
+    from autofit.training.precision import PrecisionPolicy
+
+
+def __getattr__(name: str) -> object:
+    """A public name, imported from its module on first use (Note [a light import])."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'autofit' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(where), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(_types.ModuleType):
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _WHERE and isinstance(value, _types.ModuleType):
+            return  # the subpackage is sys.modules["autofit.analyse"]; autofit.analyse is the function
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

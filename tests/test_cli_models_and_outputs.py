@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import autofit.planner
-from autofit.cli import app as app_module
+import autofit.cli.specs
 from autofit.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def planner_must_not_run(monkeypatch):
         raise AssertionError("planning ran although the output path was bad")
 
     monkeypatch.setattr(autofit.planner, "plan_with_analysis", refuse)
-    monkeypatch.setattr(app_module, "load_spec", refuse)
+    monkeypatch.setattr(autofit.cli.specs, "load_spec", refuse)  # app.py imports it when a command runs
 
 
 def _bad_paths(tmp_path: Path) -> dict[str, tuple[Path, str]]:

@@ -17,15 +17,16 @@ import typer
 from rich.console import Console
 
 from autofit.cli.help import Command, Group
-from autofit.cli.messages import cli_words, gpu_note, one_line_warnings
+from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot
 from autofit.cli.progress import planning_progress
-from autofit.cli.render import console_for, render_plan
-from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
-from autofit.cli.tasks import TASKS
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
-from autofit.emit.export import EXPORTERS
 from autofit.core.units import format_bytes
+
+# What runs torch (specs, tasks, rendering a plan, the planner) is imported inside the commands: `autofit --version`
+# and `--help` load none of it (Note [a light import], autofit/__init__.py).
+TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
+EXPORT_NAMES = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")  # autofit.emit.export.EXPORTERS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "
@@ -51,7 +52,7 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw, adam or s
 ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", metavar="KEY=VALUE",
                                                        help="hf:/torchvision: config override (repeatable)")]
 TaskOpt = Annotated[Optional[str], typer.Option("--task", metavar="TASK", help=f"target and loss for a MODEL that "
-                                                f"has none: {', '.join(TASKS)} (hf: picks the head)")]
+                                                f"has none: {', '.join(TASK_NAMES)} (hf: picks the head)")]
 WorldOpt = Annotated[int, typer.Option("--world-size", help="processes (GPUs) training together; --batch-size is "
                                                              "global")]
 StoredOpt = Annotated[Optional[str], typer.Option(
@@ -73,6 +74,9 @@ AllowOpt = Annotated[Optional[list[str]], typer.Option(
 CompileOpt = Annotated[bool, typer.Option(
     "--compile", help="train the model compiled (torch.compile, inductor): estimated as inductor compiles it, and "
     "the trainer compiles it (docs/fine-tuning.md)")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="no progress: neither the terminal's progress line nor, when stderr is not a terminal, "
+    "the stage lines written there")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan as JSON (integer bytes)")]
 NodesOpt = Annotated[Optional[int], typer.Option(
     "--nodes", help="machines training together, --gpus-per-node each (world size = nodes x GPUs per node); "
@@ -95,7 +99,7 @@ StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or f
 
 
 def _fail(console: Console, message: str, code: int) -> None:
-    console.print(f"[bold red]error:[/] {cli_words(message)}", soft_wrap=True, markup=True, highlight=False)
+    say(console, "error", message, "bold red")
     raise typer.Exit(code)
 
 
@@ -123,6 +127,8 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 def _spec(model: str, input_shape, input_dtype, config, task=None):
+    from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
+
     shapes = [parse_shape(s) for s in input_shape or []]
     dtype = parse_dtype(input_dtype) if input_dtype else None
     try:
@@ -144,6 +150,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
+    quiet: QuietOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -151,21 +158,23 @@ def plan(
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.cli.estimate import sequence_option
+    from autofit.cli.render import render_plan
+    from autofit.emit.export import EXPORTERS
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
     try:
-        if export is not None and export not in EXPORTERS:
-            raise typer.BadParameter(f"--export must be one of {', '.join(EXPORTERS)}")
+        if export is not None and export not in EXPORT_NAMES:
+            raise typer.BadParameter(f"--export must be one of {', '.join(EXPORT_NAMES)}")
         if plot is not None:
             check_plot(plot)
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
-            console.print(f"[dim]note: {note}[/]", highlight=False)
+            say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
         world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
-        with planning_progress(console), one_line_warnings(console):
+        with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
                 optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
@@ -203,7 +212,7 @@ def plan(
             write_plot(plot, result, analyses[result.precision.label].table)
         except OSError as e:  # checked before planning, but the disk may fill or the folder go meanwhile
             _fail(console, f"--plot {plot}: {e.strerror or e}", EXIT_INPUT)
-        console.print(f"wrote {plot}")
+        console.print(f"wrote {plot}", highlight=False, markup=False)
 
 
 @app.command(cls=Command)
@@ -211,7 +220,7 @@ def verify(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, precision: PrecisionOpt = "auto", optimizer: OptimizerOpt = "adamw",
     config: ConfigOpt = None, task: TaskOpt = None, margin: MarginOpt = None,
-    steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3,
+    steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3, quiet: QuietOpt = False,
 ) -> None:
     """Plan for this machine's device, run the plan for a few real steps, print predicted vs measured peak. Exits 4
     when the measured peak exceeds the budget."""
@@ -225,7 +234,7 @@ def verify(
     try:
         with one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
-            with planning_progress(console, f"planning for {device}"):
+            with planning_progress(console, f"planning for {device}", quiet=quiet):
                 result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
                                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, device=device,
                                    margin=margin)
@@ -238,7 +247,7 @@ def verify(
     console.print(report.table())
     if not report.fits:
         _fail(console, report.verdict(), EXIT_OVER_BUDGET)
-    console.print(report.verdict(), highlight=False)
+    console.print(report.verdict(), highlight=False, markup=False)
 
 
 @app.command(cls=Command)
@@ -276,7 +285,7 @@ def estimate(
     try:
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
-            console.print(f"[dim]note: {note}[/]", highlight=False)
+            say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
         world_size, _ = nodes_layout(world_size, nodes, gpus_per_node)
@@ -323,7 +332,7 @@ def main() -> None:
     try:
         app()
     except typer.BadParameter as e:  # raised outside a command (option parsing)
-        Console(stderr=True).print(f"[bold red]error:[/] {cli_words(str(e))}", highlight=False)
+        say(Console(stderr=True), "error", str(e), "bold red")
         sys.exit(EXIT_INPUT)
 
 

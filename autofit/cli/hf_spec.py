@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config
+from autofit.cli.quiet_imports import quiet_third_party_imports
 from autofit.core.errors import InvalidInputError
 
 __all__ = ["resolve_config", "offline_config", "build_model", "model_from_config", "default_task", "HFModel"]
@@ -36,7 +37,9 @@ class HFModel:
 
 def _transformers():
     try:
-        import transformers
+        with quiet_third_party_imports():  # Note [import noise]: modeling_utils imports torchao's quantizer
+            import transformers
+            import transformers.modeling_utils  # noqa: F401
     except ImportError as e:
         raise InvalidInputError("hf:NAME needs transformers installed (pip install 'torch-autofit[hf]')") from e
     transformers.logging.set_verbosity_error()  # the command's output is the plan, not config chatter

@@ -1,5 +1,6 @@
 """Library messages in the command line's words: flags instead of keyword arguments, one-line warnings, and a
-note when a GPU name stands for several parts."""
+note when a GPU name stands for several parts. :func:`say` is the one place a message reaches the console: its text
+is escaped, so a ``Note [name]`` it cites is printed whole (rich would read ``[name]`` as a style and drop it)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,29 @@ import warnings
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 from autofit.cuda.catalog import resolve_alias
 
-__all__ = ["cli_words", "one_line_warnings", "gpu_note"]
+__all__ = ["cli_words", "one_line_warnings", "gpu_note", "say", "console_for", "PIPE_WIDTH"]
+
+# Piped output has no terminal width to fit: rich would assume 80 columns and fold module names mid-word. Give it
+# room for the widest table instead (tables only take the width their content needs).
+PIPE_WIDTH = 240
+
+
+def console_for(*, stderr: bool = False) -> Console:
+    """The command's console: the terminal's width on a terminal, :data:`PIPE_WIDTH` columns when piped."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console = Console(stderr=stderr, width=PIPE_WIDTH)
+    return console
 
 # The library's keyword arguments the command line spells as flags (planner.py and step.py messages name them).
 _FLAGS = {
     "world_size": "--world-size", "batch_size": "--batch-size", "input_shape": "--input-shape",
     "input_dtype": "--input-dtype", "loss_fn": "--task", "strategy=": "--strategy ",
+    "allow:": "--allow:",  # validate.allow_names: 'allow: unknown rung ...' (a bare 'allow' is also an English word)
 }
 _WORDS = re.compile(r"(?<![\w-])(" + "|".join(re.escape(k) for k in _FLAGS) + r")(?![\w])")
 
@@ -27,12 +42,19 @@ def cli_words(message: str) -> str:
     return _WORDS.sub(lambda m: _FLAGS[m.group(1)], message)
 
 
+def say(console: Console, label: str, text: str, style: str = "dim", *, flags: bool = True) -> None:
+    """Print ``label: text`` (``error:``, ``warning:``, ``note:``, ``model:``), the label in ``style``, the text as it
+    is: escaped, never read as markup, in the command line's words (``flags``), on one line however long."""
+    words = cli_words(text) if flags else text
+    console.print(f"[{style}]{label}:[/] {escape(words)}", soft_wrap=True, highlight=False)
+
+
 @contextlib.contextmanager
 def one_line_warnings(console: Console) -> Iterator[None]:
     """Print each warning as one line ``warning: ...`` (Python's default adds the source file, line and code)."""
     def show(message, category, filename, lineno, file=None, line=None):
         text = " ".join(str(message).split())
-        console.print(f"[yellow]warning:[/] {cli_words(text)}", soft_wrap=True, highlight=False)
+        say(console, "warning", text, "yellow")
 
     with warnings.catch_warnings():
         warnings.simplefilter("default")

@@ -1,5 +1,8 @@
 """Files the command line writes (``--plot``), checked before planning: a plan can take minutes, and a path that
-cannot be written should cost none of them, nor end in a traceback after the plan was printed."""
+cannot be written should cost none of them, nor end in a traceback after the plan was printed.
+
+The check ends by really opening the file for writing: permission bits say nothing for root, nor for /proc, /sys,
+a read-only mount or a full quota; only the write itself does. A file that was not there is removed again."""
 
 from __future__ import annotations
 
@@ -26,6 +29,18 @@ def check_output_path(path: Path, flag: str) -> None:
         raise InvalidInputError(f"{flag} {path}: the file exists and is not writable; choose another path")
     if not path.exists() and not os.access(folder, os.W_OK | os.X_OK):
         raise InvalidInputError(f"{flag} {path}: folder {folder} is not writable; choose another path")
+    _try_writing(path, flag)
+
+
+def _try_writing(path: Path, flag: str) -> None:
+    existed = path.exists()
+    try:
+        with open(path, "ab"):  # appends nothing: an existing file keeps its bytes until the real write
+            pass
+    except OSError as e:
+        raise InvalidInputError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose another path") from e
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def check_plot(path: Path) -> None:

@@ -1,15 +1,22 @@
-"""The planner's stages on the terminal, for plans that take more than about two seconds.
+"""The planner's stages as the command runs, on a terminal or in a log.
 
-A plan that finishes quickly prints nothing but its result; a longer one shows rich's progress line (spinner, the
-stage the planner reported through ``autofit.core.progress``, its count, the time so far), removed when the plan is done.
-A timer starts the display, so a long first stage shows up too.
+On a terminal, a plan that finishes quickly prints nothing but its result; a longer one shows rich's progress line
+(spinner, the stage the planner reported through ``autofit.core.progress``, its count, the time so far), removed when
+the plan is done. A timer starts the display, so a long first stage shows up too.
+
+When stderr is not a terminal (``> log 2>&1``, nohup, slurm, CI), nothing can be redrawn: each stage is one plain
+line on stderr as it begins, with the seconds since planning began, flushed at once, so a log shows work going on
+(a hang and a long plan look different), and a last line when planning ends. ``--quiet`` prints neither.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -27,11 +34,57 @@ def _describe(stage: Stage) -> str:
     return stage.what
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed, or an object without isatty
+        return False
+
+
 @contextlib.contextmanager
 def planning_progress(console: Console, first: str = "planning (fake tensors, no memory allocated)",
-                      delay: float = SHOW_AFTER_SECONDS) -> Iterator[list[Stage]]:
-    """Show the stages reported inside the block once it has run ``delay`` seconds. Yields the list of stages seen
-    (in order), which the tests read."""
+                      delay: float = SHOW_AFTER_SECONDS, *, quiet: bool = False,
+                      log: TextIO | None = None) -> Iterator[list[Stage]]:
+    """Show the stages reported inside the block: on ``console`` after ``delay`` seconds when it is a terminal,
+    else as lines on ``log`` (stderr by default) when that is not a terminal either; nothing with ``quiet``. Yields
+    the list of stages seen (in order), which the tests read."""
+    log = sys.stderr if log is None else log
+    if quiet:
+        stages: list[Stage] = []
+        with listening(stages.append):
+            yield stages
+    elif console.is_terminal:
+        with _live(console, first, delay) as stages:
+            yield stages
+    elif not _is_terminal(log):
+        with _lines(log, first) as stages:
+            yield stages
+    else:  # stdout redirected, stderr a terminal: the display goes there
+        with _live(Console(file=log), first, delay) as stages:
+            yield stages
+
+
+@contextlib.contextmanager
+def _lines(log: TextIO, first: str) -> Iterator[list[Stage]]:
+    stages: list[Stage] = []
+    started = time.monotonic()
+
+    def line(text: str) -> None:
+        log.write(f"{time.monotonic() - started:7.1f} s  {text}\n")
+        log.flush()
+
+    def on_stage(stage: Stage) -> None:
+        stages.append(stage)
+        line(_describe(stage))
+
+    line(first)
+    with listening(on_stage):
+        yield stages
+    line("planning done")
+
+
+@contextlib.contextmanager
+def _live(console: Console, first: str, delay: float) -> Iterator[list[Stage]]:
     stages: list[Stage] = []
     display = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                        transient=True)

@@ -6,26 +6,15 @@ from __future__ import annotations
 import re
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 from autofit.analyse.table import LayerTable
+from autofit.cli.messages import console_for, say
 from autofit.emit.plan import Plan
 from autofit.core.units import format_mib
 
 __all__ = ["render_plan", "console_for", "group_names"]
-
-# Piped output has no terminal width to fit: rich would assume 80 columns and fold module names mid-word. Give it
-# room for the widest table instead (tables only take the width their content needs).
-PIPE_WIDTH = 240
-
-
-def console_for(*, stderr: bool = False) -> Console:
-    """The command's console: the terminal's width on a terminal, :data:`PIPE_WIDTH` columns when piped."""
-    console = Console(stderr=stderr)
-    if not console.is_terminal:
-        console = Console(stderr=stderr, width=PIPE_WIDTH)
-    return console
-
 
 def knobs_table(plan: Plan, model_description: str) -> Table:
     table = Table(title="autofit plan", show_header=False, title_justify="left")
@@ -34,7 +23,7 @@ def knobs_table(plan: Plan, model_description: str) -> Table:
     rows = plan.summary_rows(lambda n: f"{format_mib(n)} MiB", modules=lambda names: _recomputed(plan),
                              budget_where=" on the device")
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, escape(value))  # a value citing a Note [name] stays whole
     return table
 
 
@@ -125,7 +114,7 @@ def lengths_table(plan: Plan) -> Table:
 
 def render_plan(console: Console, plan: Plan, model_description: str, layers: LayerTable | None) -> None:
     # the model's description is a line of its own: as the table's title it would wrap at the table's width
-    console.print(f"[bold]model:[/] {model_description}", soft_wrap=True, highlight=False)
+    say(console, "model", model_description, "bold", flags=False)
     parts = [knobs_table(plan, model_description), breakdown_table(plan)]
     if layers is not None:
         parts.append(layers_table(layers, plan.micro_batch_size))
@@ -135,4 +124,4 @@ def render_plan(console: Console, plan: Plan, model_description: str, layers: La
         parts.append(frontier_table(plan))
     console.print(Group(*parts))
     for note in plan.notes:
-        console.print(f"[dim]note: {note}[/]")
+        say(console, "note", note)

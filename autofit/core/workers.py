@@ -20,6 +20,12 @@ Note [parallel simulations]
       inside a worker already, or ``AUTOFIT_WORKERS=1`` in the environment;
     - another thread of this process that is not a daemon (a user's thread may be inside a torch op, holding a lock
       the child would inherit locked; daemon threads, such as a progress display's, are taken to be helpers).
+    A child never outlives this process: on Linux it asks the kernel for SIGKILL when its parent dies
+    (``prctl(PR_SET_PDEATHSIG)``), whatever ends the parent (SIGTERM's default action, SIGKILL, a crash), and checks
+    its parent is still the one that forked it, in case that happened between ``fork`` and ``prctl``. The signal
+    follows the thread that forked, not the process: forks happen only where no other non-daemon thread runs (the
+    main thread of a plan), so that thread lives as long as the plan does. A child takes the default SIGINT and
+    SIGTERM actions (a Ctrl-C reaches the whole process group: the child just ends, the parent cleans up).
     Anything wrong with a child (it died, or its result does not unpickle, or it raised, or it takes far longer
     than this process took for its own share: ``CHILD_PATIENCE``) makes this process run the job itself: a failure
     is then the same typed error a serial run raises, a result is never lost, and a stuck child cannot hang a plan.
@@ -33,6 +39,7 @@ Note [parallel simulations]
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 import pickle
@@ -53,6 +60,7 @@ T = TypeVar("T")
 
 ENV = "AUTOFIT_WORKERS"  # "1": every simulation in this process; a number n > 1: at most n at once (default: cores)
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _in_worker = False  # set in a child: a worker never forks again
 CHILD_PATIENCE = 10  # run_all waits this many times its own share's time (plus 30 s) for a child, then runs it here
 
@@ -173,11 +181,13 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
     # the collector would touch every object in both processes, copying their shared pages (each side's writes to
     # a page after fork copy it): freezing them first keeps the collector off them in the child and the parent
     gc.freeze()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: run the job, send the result, leave without running the parent's exit handlers
         status = 1
         try:
             os.close(read)
+            _die_with(parent)
             _child_setup()
             try:
                 payload = pickle.dumps(("ok", job()), protocol=pickle.HIGHEST_PROTOCOL)
@@ -191,6 +201,19 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
     os.close(write)
     _alive += 1
     return Pending(job, pid, read)
+
+
+def _die_with(parent: int) -> None:
+    """End this child when ``parent`` ends (Note [parallel simulations]); at once if it already has."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the parent's finally blocks and Pending.__del__ still reap it
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _child_setup() -> None:
