@@ -102,6 +102,7 @@ class DeviceTarget:
     note: str | None = None  # an assumption the plan should state (e.g. the default GPU)
     interconnect_bytes_per_second: float = 5e9  # between ranks (CPU processes: gloo over shared memory / TCP)
     network_bytes_per_second: float = 5e9  # between nodes, per rank (GPUs: the catalog's network figure)
+    local: bool = True  # the target is this machine (the CPU, or the GPU detected here): its RAM is the host's
 
     def default_precisions(self) -> tuple[str, ...]:
         """"auto" precision, fastest first (the order the quick path and the search's tie-break use). On the CPU
@@ -223,9 +224,9 @@ def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
 
 
 def _cuda(gpu) -> DeviceTarget:
-    from autofit.cuda.target import resolve_gpu
+    from autofit.cuda.target import resolve_target_gpu
 
-    spec, note = resolve_gpu(gpu)
+    spec, note, local = resolve_target_gpu(gpu)
     # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
     throughput = Throughput(
         name=spec.name,
@@ -238,4 +239,4 @@ def _cuda(gpu) -> DeviceTarget:
     )
     return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
                         gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect,
-                        network_bytes_per_second=spec.network)
+                        network_bytes_per_second=spec.network, local=local)

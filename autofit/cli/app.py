@@ -61,7 +61,8 @@ OffloadOpt = Annotated[bool, typer.Option(
     "--offload/--no-offload", help="let the planner keep activations, or parameters, gradients and optimizer state, "
     "in host memory when that fits or is faster (GPU targets; docs/offload.md)")]
 HostBudgetOpt = Annotated[Optional[str], typer.Option(
-    "--host-budget", help="host memory (RAM) an offloading plan may pin, e.g. 64GB (default: this machine's RAM)")]
+    "--host-budget", help="host memory (RAM) per node an offloading plan may use, e.g. 64GB (default: the target "
+    "GPU's host from the catalog, or this machine's RAM when the target is this machine's GPU; the plan says which)")]
 MarginOpt = Annotated[Optional[str], typer.Option(
     "--margin", help="memory kept free for what the estimate does not model: bytes, '512MB' or a share of the budget "
     "('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]

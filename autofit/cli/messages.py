@@ -18,6 +18,7 @@ __all__ = ["cli_words", "one_line_warnings", "gpu_note"]
 _FLAGS = {
     "world_size": "--world-size", "batch_size": "--batch-size", "input_shape": "--input-shape",
     "input_dtype": "--input-dtype", "loss_fn": "--task", "strategy=": "--strategy ",
+    "host_budget=": "--host-budget ", "host_budget": "--host-budget",
 }
 _WORDS = re.compile(r"(?<![\w-])(" + "|".join(re.escape(k) for k in _FLAGS) + r")(?![\w])")
 

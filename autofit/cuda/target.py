@@ -6,7 +6,7 @@ import torch
 
 from autofit.cuda.catalog import GPUS, GPUSpec, gpu_spec, normalise_gpu_name
 
-__all__ = ["resolve_gpu", "DEFAULT_GPU"]
+__all__ = ["resolve_gpu", "resolve_target_gpu", "DEFAULT_GPU"]
 
 DEFAULT_GPU = "A100-80GB"
 
@@ -34,9 +34,18 @@ def _detect() -> GPUSpec | None:
 
 def resolve_gpu(gpu: str | GPUSpec | None) -> tuple[GPUSpec, str | None]:
     """(spec, note): the named GPU, else the detected one, else the default (with a note saying so)."""
-    if gpu is not None:
-        return gpu_spec(gpu), None
+    spec, note, _ = resolve_target_gpu(gpu)
+    return spec, note
+
+
+def resolve_target_gpu(gpu: str | GPUSpec | None) -> tuple[GPUSpec, str | None, bool]:
+    """(spec, note, local): :func:`resolve_gpu`, and whether the target is this machine's own GPU: detected, or
+    named and the same model as the one detected. Defaults of the host (its RAM) come from this machine only then
+    (Note [the host of the target], autofit/validate.py)."""
     detected = _detect()
+    if gpu is not None:
+        spec = gpu_spec(gpu)
+        return spec, None, detected is not None and detected.name == spec.name
     if detected is not None:
-        return detected, None
-    return GPUS[DEFAULT_GPU], f"no gpu given and no CUDA device here: assumed {DEFAULT_GPU}"
+        return detected, None, True
+    return GPUS[DEFAULT_GPU], f"no gpu given and no CUDA device here: assumed {DEFAULT_GPU}", False
