@@ -223,10 +223,18 @@ def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
     raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
+ROCM_NOTE = ("ROCm target: PyTorch's ROCm build runs the same caching allocator through HIP, so its rounding and "
+             "segments are modelled as on CUDA, with ROCm's hipBLAS and hipBLASLt workspaces; the HIP context is "
+             "assumed as large as a CUDA one (measure it and set AUTOFIT_CUDA_CONTEXT_MIB), and flash attention's "
+             "scratch as CUDA's flash kernel's (docs/cuda.md, \"ROCm targets\")")
+
+
 def _cuda(gpu) -> DeviceTarget:
     from autofit.cuda.target import resolve_target_gpu
 
     spec, note, local = resolve_target_gpu(gpu)
+    if spec.platform == "rocm":
+        note = "; ".join(n for n in (note, ROCM_NOTE) if n)
     # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
     throughput = Throughput(
         name=spec.name,

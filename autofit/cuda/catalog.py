@@ -6,39 +6,86 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import fields, replace
+
 from autofit.core.errors import InvalidInputError
+from autofit.core.units import parse_budget
 from autofit.cuda.cards import CARDS
-from autofit.cuda.spec import GPUSpec, HostSpec, pcie_bytes_per_second, workstation_host
+from autofit.cuda.spec import GiB, GPUSpec, HostSpec, pcie_bytes_per_second, workstation_host
 
 __all__ = ["GPUSpec", "HostSpec", "GPUS", "pcie_bytes_per_second", "gpu_spec", "resolve_alias", "normalise_gpu_name",
-           "workstation_host"]
+           "workstation_host", "custom_gpu", "card_memory", "catalog_key", "LIKE_DEFAULT"]
+
+LIKE_DEFAULT = "A100-80GB"  # the card whose figures a described card takes where it names none
 
 GPUS: dict[str, GPUSpec] = {spec.name: spec for spec in CARDS}
 
 _ALIASES = {"h100": "H100-80GB", "h100-sxm": "H100-80GB", "a100": "A100-80GB", "v100": "V100-32GB",
-            "3090": "RTX-3090", "4090": "RTX-4090", "rtx3090": "RTX-3090", "rtx4090": "RTX-4090"}
+            "3090": "RTX-3090", "4090": "RTX-4090", "rtx3090": "RTX-3090", "rtx4090": "RTX-4090",
+            "3060": "RTX-3060", "4070": "RTX-4070", "4070ti": "RTX-4070-Ti", "4080": "RTX-4080", "5080": "RTX-5080",
+            "5090": "RTX-5090", "a6000": "RTX-A6000", "6000ada": "RTX-6000-Ada", "rtx6000": "RTX-6000-Ada",
+            "h100pcie80gb": "H100-PCIe", "h100nvl94gb": "H100-NVL", "b200180gb": "B200", "h2096gb": "H20"}
+_VENDOR_WORDS = ("nvidia", "geforce", "amd", "instinct", "tesla")
+_MEMORY_SUFFIX = re.compile(r"-?(\d+)gb$")  # in a normalised catalog name ("a100-40gb")
+_NAMED_MEMORY = re.compile(r"[\s_-]+(\d+)\s*gi?b$")  # in a user's name, before normalising ("RTX 3060 12GB")
 
 
 def normalise_gpu_name(name: str) -> str:
-    """A GPU name as the catalog compares names: lower case, no spaces, "-" for "_", no "NVIDIA"/"GeForce"."""
-    return name.lower().replace(" ", "").replace("_", "-").replace("nvidia", "").replace("geforce", "").strip("-")
+    """A GPU name as the catalog compares names: lower case, no spaces, "-" for "_", no vendor words ("NVIDIA",
+    "GeForce", "AMD", "Instinct", "Tesla")."""
+    name = name.lower().replace(" ", "").replace("_", "-")
+    for word in _VENDOR_WORDS:
+        name = name.replace(word, "")
+    return name.strip("-")
 
 
-def gpu_spec(name: str) -> GPUSpec:
-    """The catalog entry for a GPU name, case-, space- and underscore-insensitive, "NVIDIA" optional ("A100-40GB",
-    "a100 80gb", "NVIDIA H200", "RTX 4090"), or an alias ("H100": the 80 GB SXM, "A100": 80 GB, "V100": 32 GB).
-    A :class:`GPUSpec` is returned as is. An unknown name raises ``InvalidInputError`` listing the catalog."""
-    if isinstance(name, GPUSpec):
-        return name
-    if not isinstance(name, str):
-        raise InvalidInputError(f"gpu must be a GPU name such as 'A100-80GB', got {type(name).__name__}")
-    wanted = normalise_gpu_name(name)
+def _key(name: str) -> str:
+    return normalise_gpu_name(name).replace("-", "")
+
+
+def catalog_key(spec_name: str) -> str:
+    """The part of a catalog name a device name contains: the name without a memory suffix ("A100-40GB" -> "a100",
+    "RTX-4070-Ti" -> "rtx4070ti", "H100-PCIe" -> "h100pcie")."""
+    return _MEMORY_SUFFIX.sub("", normalise_gpu_name(spec_name)).replace("-", "")
+
+
+def _find(wanted: str) -> GPUSpec | None:
+    key = wanted.replace("-", "")
     for spec_name, spec in GPUS.items():
-        if normalise_gpu_name(spec_name) == wanted or normalise_gpu_name(spec_name).replace("-", "") == wanted.replace("-", ""):
+        if _key(spec_name) == key:
             return spec
+    if key in _ALIASES:
+        return GPUS[_ALIASES[key]]
     if wanted in _ALIASES:
         return GPUS[_ALIASES[wanted]]
-    raise InvalidInputError(f"unknown GPU {name!r}: autofit knows {', '.join(GPUS)}")
+    return None
+
+
+def gpu_spec(name: str | GPUSpec | Mapping) -> GPUSpec:
+    """The catalog entry for a GPU name, case-, space- and underscore-insensitive, vendor words optional
+    ("A100-40GB", "a100 80gb", "NVIDIA H200", "RTX 4090", "AMD Instinct MI300X"), with its memory as a suffix
+    ("RTX 3060 12GB", "H100 PCIe 80GB"), or an alias ("H100": the 80 GB SXM, "A100": 80 GB, "V100": 32 GB, "4070 Ti").
+    A :class:`GPUSpec` is returned as is; a mapping describes a card not in the catalog (:func:`custom_gpu`). An
+    unknown name raises ``InvalidInputError`` listing the catalog."""
+    if isinstance(name, GPUSpec):
+        return name
+    if isinstance(name, Mapping):
+        return custom_gpu(name)
+    if not isinstance(name, str):
+        raise InvalidInputError(f"gpu must be a GPU name such as 'A100-80GB', a GPUSpec or a mapping, got "
+                                f"{type(name).__name__}")
+    found = _find(normalise_gpu_name(name))
+    suffix = _NAMED_MEMORY.search(name.lower().strip())
+    if found is None and suffix is not None:  # "RTX 3060 12GB": the card, if its memory is the one named
+        found = _find(normalise_gpu_name(name.strip()[:suffix.start()]))
+        if found is not None and found.memory_bytes != int(suffix.group(1)) * GiB:
+            found = None
+    if found is None:
+        raise InvalidInputError(f"unknown GPU {name!r}: autofit knows {', '.join(GPUS)}; describe another card with "
+                                "gpu={'memory': '12GB', 'like': 'RTX-4070'} (CLI: --gpu-memory 12GB)")
+    return found
 
 
 def resolve_alias(name: str) -> tuple[str, tuple[str, ...]] | None:
@@ -51,3 +98,47 @@ def resolve_alias(name: str) -> tuple[str, tuple[str, ...]] | None:
     family = picked.split("-")[0]
     others = tuple(n for n in GPUS if n != picked and n.split("-")[0] == family)
     return (picked, others) if others else None
+
+
+_VENDOR_GB = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*GB\s*$", re.IGNORECASE)
+
+
+def card_memory(memory: int | str) -> int:
+    """A card's memory in bytes: bytes, or a size string. "12GB" is the vendor's capacity and reads as the catalog
+    reads it, 12 GiB (a "12GB" card has 12,288 MiB); "12GiB" and "12000MB" say exactly what they say."""
+    if isinstance(memory, str):
+        if memory.strip().endswith("%"):
+            raise InvalidInputError(f"gpu memory must be bytes or a size such as '12GB', got {memory!r}")
+        vendor = _VENDOR_GB.match(memory)
+        if vendor is not None:
+            return int(float(vendor.group(1)) * GiB)
+    return parse_budget(memory, device_total_bytes=None)
+
+
+def custom_gpu(description: Mapping) -> GPUSpec:
+    """A card not in the catalog: ``{"memory": "12GB"}`` (bytes or a size string, :func:`card_memory`), optionally
+    ``"like"``: the
+    catalog card whose other figures it takes (default the A100-80GB's throughput, kernels and links), ``"name"``,
+    and any :class:`GPUSpec` field to override. Its host is the catalog card's when ``like`` is given, else an
+    assumed workstation (``workstation_host``)."""
+    items = dict(description)
+    names = {f.name for f in fields(GPUSpec)}
+    unknown = sorted(set(items) - names - {"memory", "like"})
+    if unknown:
+        raise InvalidInputError(f"gpu: unknown field(s) {', '.join(map(repr, unknown))}; give 'memory', 'like', "
+                                f"'name' or GPUSpec fields ({', '.join(sorted(names))})")
+    like = items.pop("like", None)
+    base = gpu_spec(like) if like is not None else GPUS[LIKE_DEFAULT]
+    if "memory" in items:
+        items["memory_bytes"] = card_memory(items.pop("memory"))
+    if "memory_bytes" not in items:
+        raise InvalidInputError("gpu: a card not in the catalog needs its memory, e.g. {'memory': '12GB'}")
+    size = f"{items['memory_bytes'] / GiB:.3g}GiB"
+    items.setdefault("name", f"{base.name}-like {size}" if like is not None else f"GPU {size}")
+    items.setdefault("source", f"described by hand; other figures of {base.name}")
+    if like is None:
+        items.setdefault("host", workstation_host(items["memory_bytes"]))
+    try:
+        return replace(base, **items)
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(f"gpu: {e}") from e
