@@ -237,7 +237,7 @@ def resolve_host_budget(host_budget: int | str | None, device: DeviceTarget,
         if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
             raise InvalidInputError(f"host_budget must be bytes or a size such as '64GB', got {host_budget!r}")
         return parse_budget(host_budget, device_total_bytes=None), None
-    how = "give the training machine's as host_budget=... (CLI: --host-budget)"
+    how = 'to plan for the training machine\'s RAM, give host_budget="..."'
     if device.local or device.gpu is None:
         try:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -246,10 +246,13 @@ def resolve_host_budget(host_budget: int | str | None, device: DeviceTarget,
         return ram, f"host budget {format_bytes(ram)}: this machine's RAM, the target's host; {how}"
     host = device.gpu.host_spec
     budget = host.for_ranks(ranks_per_node)
-    share = ("all" if budget >= host.memory_bytes else "1 GPU's share" if ranks_per_node == 1
-             else f"{ranks_per_node} GPUs' share")
-    return budget, (f"host budget {format_bytes(budget)} per node, the {device.name}'s host and not this machine's "
-                    f"RAM: {share} of {host.source}{' (an assumption)' if host.assumed else ''}; {how}")
+    if budget >= host.memory_bytes:
+        share = "all of"
+    else:
+        share = "1 GPU's share of" if ranks_per_node == 1 else f"{ranks_per_node} GPUs' share of"
+    where = f"assumed for the {device.name}" if host.assumed else f"the {device.name}'s host"
+    return budget, (f"host budget {format_bytes(budget)} per node, {where}, not this machine's RAM: {share} "
+                    f"{host.source}; {how}")
 
 
 def fp32_module_names(model: nn.Module, wanted: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:

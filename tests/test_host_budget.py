@@ -42,7 +42,10 @@ def test_a_gpu_elsewhere_gets_its_platforms_host_share(no_local_gpu):
     assert not h100.local
     one, note = resolve_host_budget(None, h100, 1)
     assert one == 2 * TiB // 8 == 256 * GiB
-    assert "DGX H100" in note and "not this machine's" in note and "--host-budget" in note and "host_budget=" in note
+    assert "DGX H100" in note and "not this machine's" in note and 'host_budget="' in note
+    from autofit.cli.messages import cli_words
+
+    assert '--host-budget "' in cli_words(note) and "host_budget" not in cli_words(note)  # the CLI's words
     assert resolve_host_budget(None, h100, 8)[0] == 2 * TiB
     # AWS g4dn.metal: 384 GiB for 8 T4
     assert resolve_host_budget(None, resolve_device("cuda", "T4"), 4)[0] == 4 * 384 * GiB // 8

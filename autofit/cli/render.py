@@ -9,6 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from autofit.analyse.table import LayerTable
+from autofit.cli.messages import cli_words
 from autofit.emit.plan import Plan
 from autofit.core.units import format_mib
 
@@ -134,5 +135,5 @@ def render_plan(console: Console, plan: Plan, model_description: str, layers: La
     if plan.frontier:
         parts.append(frontier_table(plan))
     console.print(Group(*parts))
-    for note in plan.notes:
-        console.print(f"[dim]note: {note}[/]")
+    for note in plan.notes:  # in the command line's words: --host-budget, not host_budget= (messages.py)
+        console.print(f"[dim]note: {cli_words(note)}[/]")

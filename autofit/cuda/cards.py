@@ -97,7 +97,7 @@ def _aws(instance: str, gib: int, card: str) -> HostSpec:
 def _like(host: HostSpec, card: str) -> HostSpec:
     """``host`` assumed for ``card``, which has no published system of its own (the plan says so)."""
     return HostSpec(memory_bytes=host.memory_bytes, gpus=host.gpus, assumed=True,
-                    source=f"assumed for {card}: {host.source}")
+                    source=f"{host.source} (no published system for the {card}: assumed the same)")
 
 
 _DGX_B200 = HostSpec(memory_bytes=2 * TiB, gpus=8, source="DGX B200 user guide: 2 TB for 8 B200")

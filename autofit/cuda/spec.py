@@ -49,8 +49,8 @@ def workstation_host(memory_bytes: int) -> HostSpec:
     while ram * GiB < 2 * memory_bytes:
         ram *= 2
     return HostSpec(memory_bytes=ram * GiB, gpus=1, assumed=True,
-                    source=f"assumed: a workstation with {ram} GiB of RAM (twice the card's memory, rounded up to a "
-                           "power of two)")
+                    source=f"a workstation with {ram} GiB of RAM (twice the card's memory, rounded up to a power "
+                           "of two; no published system)")
 
 
 @dataclass(frozen=True, kw_only=True)
