@@ -86,7 +86,8 @@ def resolve_config(name: str, overrides: dict[str, Any]):
             return pretrained("cache", local_files_only=True)
         except (OSError, ValueError):
             pass
-    matched = match_checkpoint(name) if name not in types else None
+    # a table name first (gpt2 is one, and a model type too), then a looser match unless it names a model type
+    matched = match_checkpoint(name) if name in CHECKPOINTS or name not in types else None
     entry = checkpoint_config(matched[0]) if matched is not None else None
     if entry is not None or name in types:
         model_type = entry.pop("model_type") if entry is not None else name
