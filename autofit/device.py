@@ -102,6 +102,7 @@ class DeviceTarget:
     note: str | None = None  # an assumption the plan should state (e.g. the default GPU)
     interconnect_bytes_per_second: float = 5e9  # between ranks (CPU processes: gloo over shared memory / TCP)
     network_bytes_per_second: float = 5e9  # between nodes, per rank (GPUs: the catalog's network figure)
+    local: bool = True  # the target is this machine (the CPU, or the GPU detected here): its RAM is the host's
 
     def default_precisions(self) -> tuple[str, ...]:
         """"auto" precision, fastest first (the order the quick path and the search's tie-break use). On the CPU
@@ -225,10 +226,18 @@ def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
     raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def _cuda(gpu) -> DeviceTarget:
-    from autofit.cuda.target import resolve_gpu
+ROCM_NOTE = ("ROCm target: PyTorch's ROCm build runs the same caching allocator through HIP, so its rounding and "
+             "segments are modelled as on CUDA, with ROCm's hipBLAS and hipBLASLt workspaces; the HIP context is "
+             "assumed as large as a CUDA one (measure it and set AUTOFIT_CUDA_CONTEXT_MIB), and flash attention's "
+             "scratch as CUDA's flash kernel's (docs/cuda.md, \"ROCm targets\")")
 
-    spec, note = resolve_gpu(gpu)
+
+def _cuda(gpu) -> DeviceTarget:
+    from autofit.cuda.target import resolve_target_gpu
+
+    spec, note, local = resolve_target_gpu(gpu)
+    if spec.platform == "rocm":
+        note = "; ".join(n for n in (note, ROCM_NOTE) if n)
     # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
     throughput = Throughput(
         name=spec.name,
@@ -241,4 +250,4 @@ def _cuda(gpu) -> DeviceTarget:
     )
     return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
                         gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect,
-                        network_bytes_per_second=spec.network)
+                        network_bytes_per_second=spec.network, local=local)

@@ -26,6 +26,7 @@ from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.plan import Plan
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
+from autofit.solve.host import check_host_before_analysis
 from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes,
                                   verify_beside_rows, why_layout)
 from autofit.solve.ladder import ladder, skipped_note, states_floor
@@ -72,8 +73,10 @@ def plan(
     is offloaded to host memory instead of recomputed where the time model finds the PCIe copies cheaper, and when
     nothing fits with the parameters, gradients and optimizer state on the GPU, they live in host memory and the
     optimizer steps on the CPU (FSDP2's CPUOffloadPolicy on one process). ``plan.host_bytes`` is the host memory it
-    pins; a plan needing more than ``host_budget`` (bytes or "64GB"; default this machine's RAM) is refused with a
-    ``HostMemoryError``. False: never offload.
+    pins; a plan needing more than ``host_budget`` (bytes or "64GB", per node; default the target GPU's host from
+    the catalog, or this machine's RAM when the target is this machine: Note [the host of the target] in
+    autofit/validate.py, and the plan's notes say which) is refused with a ``HostMemoryError``, before any analysis
+    where the states alone exceed it. False: never offload.
 
     ``margin``: bytes kept free for what the estimate does not model (bytes, "512MB" or a share of the budget such
     as "5%"); the default is 0 except on GPUs with ``world_size > 1``, where NCCL's buffers live outside the
@@ -144,6 +147,7 @@ def plan_with_analysis(
                            extrapolate_depth=extrapolate_depth)
     results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
+    check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
     # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
     # its analysis would only name its smallest budget, which the error needs only if no layout fits. One that fits
     # only with its states on the host (the ladder's last rung, much the slowest) is planned only when no layout

@@ -177,7 +177,9 @@ def make_request(
         make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
                          tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
     may_offload = offload is not False and target_device.kind == "cuda"
-    host_budget_bytes = resolve_host_budget(host_budget) if may_offload else None
+    host_budget_bytes, host_note = (resolve_host_budget(host_budget, target_device, per_node) if may_offload
+                                    else (None, None))
+    notes += [host_note] if host_note else []
     optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
     pins = () if optional else fp32_module_names(model, fp32_modules)
     policies = pinned(precisions(precision, target_device), pins)

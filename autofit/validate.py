@@ -213,17 +213,46 @@ def check_positions(model: nn.Module, batch: Batch, target: Batch | None) -> Non
 _POSITION_TABLES = frozenset({"wpe", "position_embeddings", "embed_positions", "pos_embed", "pos_embedding"})
 
 
-def resolve_host_budget(host_budget: int | str | None) -> int | None:
-    """``plan(host_budget=...)``: bytes or a size string ("64GB"); default this machine's RAM, the host the plan is
-    most likely made on (say the training machine's when it differs). None when the RAM cannot be read."""
-    if host_budget is None:
+# Note [the host of the target]
+#     A plan that keeps states or activations in host memory must fit the host of the machine that trains, and
+#     planning mostly happens elsewhere: on a laptop, for a GPU server. So the default ``host_budget`` is this
+#     machine's RAM only when the target is this machine (the CPU, or the GPU detected here: DeviceTarget.local);
+#     for any other target it is the host of the platform the catalog card ships in (autofit/cuda/cards.py, each
+#     figure cited: a DGX H100's 2 TB for 8 GPUs, an AWS g5.48xlarge's 768 GiB for 8 A10G), the GPUs' share of it
+#     for the ranks of one node (one rank of a DGX H100: 256 GiB; eight: the node's 2 TiB). A plan for one GPU
+#     gets one GPU's share, not the node's, since the other GPUs' jobs share that host. Cards sold for
+#     workstations have no published system: a workstation with twice the card's memory (rounded up to a power of
+#     two GiB) is assumed, and the note says so. The plan's notes name the figure and where it came from, and how
+#     to give the training machine's (host_budget=, the CLI's --host-budget).
+#     What the host must hold is known before any analysis where the states alone decide it (Note [the ladder],
+#     solve/ladder.py): when no rung on the GPU can hold the parameters, gradients and optimizer state, they go to
+#     the host, and if they alone exceed the host budget the plan is refused at once (solve/host.py), naming the
+#     smallest host budget that could work.
+def resolve_host_budget(host_budget: int | str | None, device: DeviceTarget,
+                        ranks_per_node: int = 1) -> tuple[int | None, str | None]:
+    """``plan(host_budget=...)``: bytes or a size string ("64GB"), and the note saying what was assumed when it was
+    not given: this machine's RAM when the target is this machine, else the target's host (Note [the host of the
+    target]). (None, None) when this machine's RAM cannot be read."""
+    if host_budget is not None:
+        if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
+            raise InvalidInputError(f"host_budget must be bytes or a size such as '64GB', got {host_budget!r}")
+        return parse_budget(host_budget, device_total_bytes=None), None
+    how = 'to plan for the training machine\'s RAM, give host_budget="..."'
+    if device.local or device.gpu is None:
         try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
-            return None
-    if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
-        raise InvalidInputError(f"host_budget must be bytes or a size such as '64GB', got {host_budget!r}")
-    return parse_budget(host_budget, device_total_bytes=None)
+            return None, None
+        return ram, f"host budget {format_bytes(ram)}: this machine's RAM, the target's host; {how}"
+    host = device.gpu.host_spec
+    budget = host.for_ranks(ranks_per_node)
+    if budget >= host.memory_bytes:
+        share = "all of"
+    else:
+        share = "1 GPU's share of" if ranks_per_node == 1 else f"{ranks_per_node} GPUs' share of"
+    where = f"assumed for the {device.name}" if host.assumed else f"the {device.name}'s host"
+    return budget, (f"host budget {format_bytes(budget)} per node, {where}, not this machine's RAM: {share} "
+                    f"{host.source}; {how}")
 
 
 def fp32_module_names(model: nn.Module, wanted: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:

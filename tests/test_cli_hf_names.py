@@ -57,10 +57,21 @@ def test_offline_table_matches_published_parameter_counts(name, head, count):
                                   # issue 29's names, which exited 2 offline before
                                   "hf:Qwen/Qwen2.5-0.5B", "hf:google/gemma-2-2b", "hf:microsoft/phi-2",
                                   "hf:EleutherAI/pythia-160m", "hf:mistralai/Mixtral-8x7B-v0.1",
-                                  "hf:state-spaces/mamba-130m-hf", "hf:microsoft/deberta-v3-base"])
+                                  "hf:state-spaces/mamba-130m-hf", "hf:microsoft/deberta-v3-base",
+                                  # issue 40's names, which exited 2 offline before
+                                  "hf:google/gemma-3-4b-it", "hf:microsoft/Phi-4-mini-instruct", "hf:Qwen/Qwen3-8b"])
 def test_the_issues_names_resolve_offline(name):
     spec = load_spec(name)
     assert "offline table" in spec.description and "labels" in spec.sample
+
+
+def test_a_name_matched_loosely_says_which_entry_it_is():
+    spec = load_spec("hf:Qwen/Qwen3-8b")
+    assert "offline table as Qwen/Qwen3-8B" in spec.description and "case-insensitively" in spec.description
+    gemma = load_spec("hf:google/gemma-3-4b-it", input_shapes=[(64,)])
+    # the vision-language checkpoint, planned on text: token ids below its text config's 262208 entries
+    assert type(gemma.model).__name__ == "Gemma3ForConditionalGeneration"
+    assert gemma.sample["input_ids"].shape[1] == 64 and int(gemma.sample["input_ids"].max()) < 262208
 
 
 @pytest.mark.sim

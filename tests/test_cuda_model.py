@@ -550,6 +550,13 @@ CATALOG = {
     # NVIDIA's "141GB" is the same unit as the H100's "80GB": nvidia-smi shows 143,771 MiB (H100: 81,559 MiB)
     "H100-80GB": (80 * GiB, (9, 0), True), "H200": (141 * GiB, (9, 0), True),
     "RTX-3090": (24 * GiB, (8, 6), True), "RTX-4090": (24 * GiB, (8, 9), True),
+    # the cards of issue 40 (figures and sources in tests/test_gpu_catalog.py)
+    "RTX-3060": (12 * GiB, (8, 6), True), "RTX-4070": (12 * GiB, (8, 9), True),
+    "RTX-4070-Ti": (12 * GiB, (8, 9), True), "RTX-4080": (16 * GiB, (8, 9), True),
+    "RTX-5080": (16 * GiB, (12, 0), True), "RTX-5090": (32 * GiB, (12, 0), True),
+    "RTX-A6000": (48 * GiB, (8, 6), True), "RTX-6000-Ada": (48 * GiB, (8, 9), True), "L40": (48 * GiB, (8, 9), True),
+    "H100-PCIe": (80 * GiB, (9, 0), True), "H100-NVL": (94 * GiB, (9, 0), True), "H20": (96 * GiB, (9, 0), True),
+    "B200": (180 * GiB, (10, 0), True), "MI300X": (192 * GiB, (9, 4), True), "MI325X": (256 * GiB, (9, 4), True),
 }
 
 @pytest.mark.parametrize("name", list(CATALOG))
@@ -577,6 +584,15 @@ DEVICES = [
     ("NVIDIA H200", 143_156, (9, 0), "H200"),
     ("NVIDIA GeForce RTX 3090", 24_268, (8, 6), "RTX-3090"),
     ("NVIDIA GeForce RTX 4090", 24_210, (8, 9), "RTX-4090"),
+    # issue 40's cards: the nominal size less 512 MiB (no report at hand); the name decides the entry
+    ("NVIDIA GeForce RTX 3060", 11_776, (8, 6), "RTX-3060"),
+    ("NVIDIA GeForce RTX 4070 Ti", 11_776, (8, 9), "RTX-4070-Ti"),
+    ("NVIDIA GeForce RTX 4070", 11_776, (8, 9), "RTX-4070"),
+    ("NVIDIA RTX 6000 Ada Generation", 48_640, (8, 9), "RTX-6000-Ada"),
+    ("NVIDIA L40", 48_640, (8, 9), "L40"),
+    ("NVIDIA H100 PCIe", 81_408, (9, 0), "H100-PCIe"),
+    ("NVIDIA H100 NVL", 95_744, (9, 0), "H100-NVL"),
+    ("NVIDIA B200", 183_808, (10, 0), "B200"),
 ]
 
 
@@ -595,12 +611,13 @@ def test_resolve_gpu_detects_the_current_device(monkeypatch, device_name, mib, c
 
 
 def test_resolve_gpu_on_an_unknown_device_keeps_its_name_memory_and_capability(monkeypatch):
-    props = SimpleNamespace(name="NVIDIA B200", total_memory=182_642 * MiB, major=10, minor=0)
+    # (the B200, once unknown here, is in the catalog since issue 40: a card that is not stands in)
+    props = SimpleNamespace(name="NVIDIA B300", total_memory=182_642 * MiB, major=10, minor=0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     spec, _ = resolve_gpu(None)
-    assert (spec.name, spec.memory_bytes, spec.compute_capability) == ("NVIDIA B200", 182_642 * MiB, (10, 0))
+    assert (spec.name, spec.memory_bytes, spec.compute_capability) == ("NVIDIA B300", 182_642 * MiB, (10, 0))
     assert spec.fp16_flops == gpu_spec(DEFAULT_GPU).fp16_flops
     assert cublas_workspace_bytes(spec, config="") == 33_554_432  # sm 10.x: the 32 MiB default
 

@@ -31,7 +31,7 @@ class Published:
         text = self.figure.replace(",", "")
         if text.isdigit():
             return float(text), float(text)
-        number, unit = text[:-1], {"M": 1e6, "B": 1e9}[text[-1]]
+        number, unit = text[:-1].replace(",", ""), {"M": 1e6, "B": 1e9}[text[-1]]
         decimals = len(number.split(".")[1]) if "." in number else 0
         if self.significant is not None:
             decimals = self.significant - len(number.split(".")[0])
@@ -76,17 +76,37 @@ PUBLISHED = [
               source="Gemma 3 report (arXiv 2503.19786), Table 1"),
     Published(name="google/gemma-3-1b-pt", figure="698M", count="non-embedding",
               source="Gemma 3 report (arXiv 2503.19786), Table 1"),
+    # the vision-language sizes: the report counts the language model's non-embedding parameters apart from the
+    # vision encoder (417M); the Hub counts the whole checkpoint
+    *(Published(name=f"google/gemma-3-{size}-it", figure=figure, count="language non-embedding",
+                source="Gemma 3 report (arXiv 2503.19786), Table 1")
+      for size, figure in [("4b", "3,209M"), ("12b", "10,759M"), ("27b", "25,600M")]),
+    Published(name="google/gemma-3-4b-it", figure="417M", count="vision",
+              source="Gemma 3 report (arXiv 2503.19786), Table 1: vision encoder"),
+    *(Published(name=f"google/gemma-3-{size}-it", figure=figure, source=f"Hub page of google/gemma-3-{size}-it")
+      for size, figure in [("4b", "4.3B"), ("12b", "12.2B"), ("27b", "27.4B")]),
     # Phi
     Published(name="microsoft/phi-2", figure="2.78B", source="Hub page of microsoft/phi-2"),
     Published(name="microsoft/Phi-3-mini-4k-instruct", figure="3.8B",
               source="Phi-3 report (arXiv 2404.14219): phi-3-mini, 3.8 billion parameters"),
     Published(name="microsoft/Phi-3.5-mini-instruct", figure="3.8B", source="Phi-3.5-mini-instruct card"),
     Published(name="microsoft/phi-4", figure="14.7B", source="Hub page of microsoft/phi-4"),
+    Published(name="microsoft/Phi-4-mini-instruct", figure="3.8B",
+              source="Phi-4-mini-instruct card: a 3.8B-parameter dense decoder-only Transformer"),
+    # Qwen3 mixtures of experts: the cards' "Number of Parameters: X in total and Y activated" and non-embedding
+    # figures (the 30B-A3B's "3.3B activated" is 3,353M cut, not rounded: not checked)
+    Published(name="Qwen/Qwen3-30B-A3B", figure="30.5B", source="Qwen3-30B-A3B card"),
+    Published(name="Qwen/Qwen3-30B-A3B", figure="29.9B", count="non-embedding", source="Qwen3-30B-A3B card"),
+    Published(name="Qwen/Qwen3-235B-A22B", figure="235B", source="Qwen3-235B-A22B card"),
+    Published(name="Qwen/Qwen3-235B-A22B", figure="234B", count="non-embedding", source="Qwen3-235B-A22B card"),
+    Published(name="Qwen/Qwen3-235B-A22B", figure="22B", count="active", source="Qwen3-235B-A22B card"),
     # Llama
     Published(name="meta-llama/Llama-3.2-3B", figure="3.21B", source="Llama 3.2 card, model information table"),
     Published(name="meta-llama/Llama-3.1-8B", figure="8,030,261,248",
               source="Hub page of meta-llama/Llama-3.1-8B (8.03B), the same shapes as Meta-Llama-3-8B"),
     Published(name="meta-llama/Llama-3.3-70B-Instruct", figure="70.6B", source="Hub page of Llama-3.3-70B-Instruct"),
+    Published(name="meta-llama/Llama-3.1-405B", figure="406B", source="Hub page of meta-llama/Llama-3.1-405B"),
+    Published(name="HuggingFaceTB/SmolLM3-3B", figure="3.08B", source="Hub page of HuggingFaceTB/SmolLM3-3B"),
     Published(name="TinyLlama/TinyLlama-1.1B-Chat-v1.0", figure="1.1B", source="TinyLlama card"),
     Published(name="HuggingFaceTB/SmolLM2-135M", figure="135M", source="SmolLM2 card"),
     Published(name="HuggingFaceTB/SmolLM2-360M", figure="362M", source="Hub page of SmolLM2-360M"),
@@ -100,6 +120,10 @@ PUBLISHED = [
     Published(name="mistralai/Mixtral-8x22B-v0.1", figure="141B", source="Mixtral 8x22B blog post"),
     Published(name="mistralai/Mixtral-8x22B-v0.1", figure="39B", count="active", source="Mixtral 8x22B blog post"),
     Published(name="mistralai/Mistral-Nemo-Base-2407", figure="12B", source="Mistral NeMo card: 12B"),
+    Published(name="mistralai/Mistral-Small-24B-Base-2501", figure="23.6B",
+              source="Hub page of mistralai/Mistral-Small-24B-Base-2501"),
+    Published(name="mistralai/Mistral-Small-Instruct-2409", figure="22.2B",
+              source="Hub page of mistralai/Mistral-Small-Instruct-2409"),
     # DeepSeek
     Published(name="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", figure="1.78B",
               source="Hub page of DeepSeek-R1-Distill-Qwen-1.5B"),
@@ -108,6 +132,11 @@ PUBLISHED = [
     Published(name="deepseek-ai/deepseek-coder-6.7b-base", figure="6.7B", source="DeepSeek Coder card"),
     Published(name="deepseek-ai/deepseek-coder-1.3b-base", figure="1.3B", source="DeepSeek Coder card"),
     Published(name="deepseek-ai/deepseek-llm-7b-base", figure="7B", source="DeepSeek LLM card"),
+    Published(name="deepseek-ai/DeepSeek-V2-Lite", figure="15.7B",
+              source="DeepSeek-V2-Lite card: 15.7B total parameters"),
+    Published(name="deepseek-ai/DeepSeek-V3", figure="671B",
+              source="DeepSeek-V3 report (arXiv 2412.19437): 671B total parameters (the Hub's 685B adds the MTP "
+                     "module, which transformers does not build)"),
     # Pythia's card lists exact totals
     *(Published(name=f"EleutherAI/pythia-{size}", figure=figure, source="Pythia card, model table (total params)")
       for size, figure in [("70m", "70,426,624"), ("160m", "162,322,944"), ("410m", "405,334,016"),
@@ -162,12 +191,18 @@ def _count(model, count: str) -> int:
         return model.get_input_embeddings().weight.numel()
     if count == "non-embedding":
         return total - embedding
-    if count == "active":  # a token passes through num_experts_per_tok of num_local_experts experts per layer
+    if count == "active":  # a token passes through num_experts_per_tok of the experts of each layer
         config = model.config
+        n = getattr(config, "num_local_experts", None) or config.num_experts
         experts = model.model.layers[0].mlp.experts
-        per_expert = sum(p.numel() for p in experts.parameters()) // config.num_local_experts
-        idle = config.num_local_experts - config.num_experts_per_tok
+        per_expert = sum(p.numel() for p in experts.parameters()) // n
+        idle = n - config.num_experts_per_tok
         return total - config.num_hidden_layers * idle * per_expert
+    if count == "language non-embedding":  # a vision-language model's language model, without its embedding
+        language = model.model.language_model
+        return sum(p.numel() for p in language.parameters()) - language.get_input_embeddings().weight.numel()
+    if count == "vision":
+        return sum(p.numel() for p in model.model.vision_tower.parameters())
     raise ValueError(count)
 
 
@@ -190,7 +225,8 @@ def test_the_table_covers_forty_causal_lms_beside_encoders_and_vision_models():
     assert len(causal) >= 40
     families = {e.family for e in causal}
     assert {"Qwen2", "Qwen2.5", "Qwen3", "Gemma", "Gemma 2", "Gemma 3", "Phi", "Llama", "Mistral", "Mixtral",
-            "DeepSeek", "DeepSeek-R1-Distill", "SmolLM", "SmolLM2", "Pythia", "Mamba", "TinyLlama"} <= families
+            "DeepSeek", "DeepSeek-R1-Distill", "SmolLM", "SmolLM2", "Pythia", "Mamba", "TinyLlama", "Qwen3-MoE",
+            "DeepSeek-V2", "DeepSeek-V3", "SmolLM3"} <= families
     assert {"BERT", "RoBERTa", "DistilBERT", "DeBERTa-v3", "ModernBERT", "ViT", "DINOv2"} <= {e.family for e in TABLE}
 
 
@@ -201,6 +237,32 @@ def test_the_table_covers_forty_causal_lms_beside_encoders_and_vision_models():
                                         ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B"),
                                         ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mistralai/Mixtral-8x7B-v0.1"),
                                         ("EleutherAI/pythia-160m-deduped", "EleutherAI/pythia-160m"),
-                                        ("gpt2", "openai-community/gpt2")])
+                                        ("gpt2", "openai-community/gpt2"),
+                                        ("google/gemma-3-4b-it", "google/gemma-3-4b-pt"),
+                                        ("Qwen/Qwen3-30B-A3B-Instruct-2507", "Qwen/Qwen3-30B-A3B"),
+                                        ("deepseek-ai/DeepSeek-R1", "deepseek-ai/DeepSeek-V3")])
 def test_instruct_and_legacy_names_share_their_base_entry(alias, name):
     assert find_checkpoint(alias) is find_checkpoint(name) and CHECKPOINTS[alias] == CHECKPOINTS[name]
+
+
+@pytest.mark.parametrize("given,name", [
+    ("Qwen/Qwen3-8b", "Qwen/Qwen3-8B"), ("qwen/qwen3-8b", "Qwen/Qwen3-8B"), ("GPT2", "gpt2"),
+    ("microsoft/phi-4-mini-instruct", "microsoft/Phi-4-mini-instruct"),
+    ("meta-llama/llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+    # one close match: the same words but for separators and variant words
+    ("google/gemma-3-4b", "google/gemma-3-4b-pt"), ("microsoft/phi-4-mini", "microsoft/Phi-4-mini-instruct"),
+    ("Qwen/Qwen3_8B", "Qwen/Qwen3-8B"), ("meta-llama/Llama-2-7b", "meta-llama/Llama-2-7b-hf"),
+])
+def test_names_match_case_insensitively_or_by_one_close_match(given, name):
+    from autofit.cli.hf_checkpoints import match_checkpoint
+
+    found, note = match_checkpoint(given)
+    assert find_checkpoint(found) is find_checkpoint(name) and given in note
+
+
+@pytest.mark.parametrize("given", ["Qwen/Qwen3-7B", "mistralai/Mistral-Small-24B-Instruct", "llama", "LLAMA"])
+def test_no_match_for_other_numbers_or_several_entries(given):
+    """A size that is not in the table never falls back to a neighbour; model types are not checkpoints."""
+    from autofit.cli.hf_checkpoints import match_checkpoint
+
+    assert match_checkpoint(given) is None

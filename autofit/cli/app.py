@@ -46,7 +46,11 @@ ShapeOpt = Annotated[Optional[list[str]], typer.Option("--input-shape", help="on
 DtypeOpt = Annotated[Optional[str], typer.Option("--input-dtype",
                                                   help="dtype of generated inputs: float32, int64, ...")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda")]
-GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB")]
+GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB, RTX-3060, "
+                                                "MI300X (default: this machine's GPU, else A100-80GB)")]
+GpuMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--gpu-memory", help="a card not in the catalog: its memory, e.g. 12GB (the vendor's GB, read as GiB); with "
+    "--gpu, that card's other figures, else the A100-80GB's")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="auto, fp32, bf16 or fp16")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw, adam or sgd")]
 ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", metavar="KEY=VALUE",
@@ -62,7 +66,8 @@ OffloadOpt = Annotated[bool, typer.Option(
     "--offload/--no-offload", help="let the planner keep activations, or parameters, gradients and optimizer state, "
     "in host memory when that fits or is faster (GPU targets; docs/offload.md)")]
 HostBudgetOpt = Annotated[Optional[str], typer.Option(
-    "--host-budget", help="host memory (RAM) an offloading plan may pin, e.g. 64GB (default: this machine's RAM)")]
+    "--host-budget", help="host memory (RAM) per node an offloading plan may use, e.g. 64GB (default: the target "
+    "GPU's host from the catalog, or this machine's RAM when the target is this machine's GPU; the plan says which)")]
 MarginOpt = Annotated[Optional[str], typer.Option(
     "--margin", help="memory kept free for what the estimate does not model: bytes, '512MB' or a share of the budget "
     "('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
@@ -143,7 +148,8 @@ def _spec(model: str, input_shape, input_dtype, config, task=None):
 @app.command(cls=Command)
 def plan(
     model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
-    input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, precision: PrecisionOpt = "auto",
+    input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, gpu_memory: GpuMemoryOpt = None,
+    precision: PrecisionOpt = "auto",
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
@@ -177,7 +183,8 @@ def plan(
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                optimizer=optimizer, precision=precision, device=device, gpu=gpu, world_size=world_size,
+                optimizer=optimizer, precision=precision, device=device, gpu=gpu_option(gpu, gpu_memory),
+                world_size=world_size,
                 strategy=strategy, min_stored_precision=min_stored_precision,
                 offload="auto" if offload else False, host_budget=host_budget, margin=margin,
                 allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
@@ -259,6 +266,7 @@ def estimate(
                                                       "micro-batch x accumulation x world size (default: one "
                                                       "micro-batch per rank)")] = None,
     input_shape: ShapeOpt = None, input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16")] = "fp32",
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
     strategy: Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (needs --world-size > 1)")]
@@ -291,7 +299,8 @@ def estimate(
         world_size, _ = nodes_layout(world_size, nodes, gpus_per_node)
         setup = estimate_setup(
             spec, micro_batch_size=micro_batch_size, batch_size=batch_size, precision=precision,
-            optimizer=optimizer, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
+            optimizer=optimizer, device=device, gpu=gpu_option(gpu, gpu_memory), world_size=world_size,
+            strategy=strategy,
             reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
             replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm,
             tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile,
@@ -334,6 +343,14 @@ def main() -> None:
     except typer.BadParameter as e:  # raised outside a command (option parsing)
         say(Console(stderr=True), "error", str(e), "bold red")
         sys.exit(EXIT_INPUT)
+
+
+def gpu_option(gpu: str | None, gpu_memory: str | None):
+    """``--gpu`` and ``--gpu-memory`` as ``plan(gpu=...)`` takes them: the name, or a card described by its memory
+    (and the catalog card it is like)."""
+    if gpu_memory is None:
+        return gpu
+    return {"memory": gpu_memory, **({"like": gpu} if gpu is not None else {})}
 
 
 def nodes_layout(world_size: int, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:

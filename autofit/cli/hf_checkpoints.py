@@ -14,6 +14,7 @@ and the short legacy ids (``gpt2``, ``bert-base-uncased``, ``t5-small``) of the 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from autofit.cli.checkpoints import classic, deepseek, encoders, gemma, llama, mistral, phi, qwen, vision
 from autofit.cli.checkpoints.entry import Checkpoint
 
-__all__ = ["Checkpoint", "TABLE", "CHECKPOINTS", "checkpoint_config", "find_checkpoint"]
+__all__ = ["Checkpoint", "TABLE", "CHECKPOINTS", "checkpoint_config", "find_checkpoint", "match_checkpoint"]
 
 # Listing order: decoders by family, then encoders, then vision models.
 TABLE: tuple[Checkpoint, ...] = (*llama.CHECKPOINTS, *qwen.CHECKPOINTS, *gemma.CHECKPOINTS, *phi.CHECKPOINTS,
@@ -43,6 +44,43 @@ _BY_NAME = _index(TABLE)
 
 CHECKPOINTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {name: entry.config for name, entry in _BY_NAME.items()})
+
+
+_LOWER: dict[str, list[str]] = {}
+for _name in _BY_NAME:
+    _LOWER.setdefault(_name.lower(), []).append(_name)
+# words that name a variant of one model (post-trained, pre-trained, converted), dropped when names are compared
+_VARIANT_WORDS = frozenset({"it", "pt", "instruct", "base", "chat", "hf", "deduped"})
+
+
+def _words(name: str) -> tuple[str, ...]:
+    return tuple(w for w in re.split(r"[-_/. ]+", name.lower()) if w and w not in _VARIANT_WORDS)
+
+
+_BY_WORDS: dict[tuple[str, ...], set[str]] = {}
+for _name, _entry in _BY_NAME.items():
+    if "/" in _name:
+        _BY_WORDS.setdefault(_words(_name), set()).add(_entry.name)
+
+
+def match_checkpoint(name: str) -> tuple[str, str] | None:
+    """(table name, note) for ``name``: itself (note ""), the one table name equal to it but for case, or the one
+    entry whose Hub id has the same words once separators and variant words ("it", "pt", "Instruct", "Base",
+    "chat", "hf") are set aside ("google/gemma-3-4b" -> google/gemma-3-4b-pt; "microsoft/phi-4-mini" ->
+    microsoft/Phi-4-mini-instruct, never microsoft/phi-4), with a note saying which name was used. None when no
+    entry, or more than one, matches that way. Short ids and model types must be exact but for case."""
+    if name in _BY_NAME:
+        return name, ""
+    same = _LOWER.get(name.lower(), [])
+    if len({_BY_NAME[n].name for n in same}) == 1:
+        return same[0], f"{name!r} matched case-insensitively"
+    if "/" not in name:
+        return None
+    found = _BY_WORDS.get(_words(name), set())
+    if len(found) != 1:
+        return None
+    entry = next(iter(found))
+    return entry, f"{name!r} is not in the table; its one close match is used"
 
 
 def find_checkpoint(name: str) -> Checkpoint | None:

@@ -3,7 +3,8 @@
 NAME is resolved, first match wins (so the common checkpoints never touch the network):
 1. a local directory holding ``config.json``: ``AutoConfig.from_pretrained(directory)``;
 2. the local Hugging Face cache: ``AutoConfig.from_pretrained(NAME, local_files_only=True)``;
-3. autofit's offline table of common checkpoints (:mod:`autofit.cli.hf_checkpoints`);
+3. autofit's offline table of common checkpoints (:mod:`autofit.cli.hf_checkpoints`), names matched
+   case-insensitively, and a unique close match (same numbers, another spelling) used with a note;
 4. a model type transformers knows (``hf:llama``): ``AutoConfig.for_model(TYPE)``, its defaults;
 5. the Hub, unless ``HF_HUB_OFFLINE`` is set: ``AutoConfig.from_pretrained(NAME)``.
 An unknown name is one short line naming the closest known names and the ``hf:TYPE --config key=value`` form.
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config
+from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config, match_checkpoint
 from autofit.cli.quiet_imports import quiet_third_party_imports
 from autofit.core.errors import InvalidInputError
 
@@ -88,12 +89,15 @@ def resolve_config(name: str, overrides: dict[str, Any]):
             return pretrained("cache", local_files_only=True)
         except (OSError, ValueError):
             pass
-    entry = checkpoint_config(name)
+    # a table name first (gpt2 is one, and a model type too), then a looser match unless it names a model type
+    matched = match_checkpoint(name) if name in CHECKPOINTS or name not in types else None
+    entry = checkpoint_config(matched[0]) if matched is not None else None
     if entry is not None or name in types:
         model_type = entry.pop("model_type") if entry is not None else name
         base = auto.for_model(model_type, **(entry or {}))
         _check_overrides(base, overrides)
-        source = "offline table" if entry is not None else "model type defaults"
+        source = "model type defaults" if entry is None else "offline table" + (
+            f" as {matched[0]}: {matched[1]}" if matched[1] else "")
         return auto.for_model(model_type, **{**(entry or {}), **overrides}), source
     if not _offline():
         try:
@@ -154,10 +158,11 @@ def _sample(config, task: str, shape: tuple[int, ...] | None, rows: int) -> dict
     if _is_vision(config):
         shape = shape or (config.num_channels, config.image_size, config.image_size)
         sample = {"pixel_values": torch.randn(rows, *shape)}
-    else:
-        positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 512)
+    else:  # a vision-language model's text fields are its text config's (Gemma 3 from 4B)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        positions = int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 512)
         seq = shape[0] if shape else min(positions, 1024)
-        sample = {"input_ids": torch.randint(0, int(config.vocab_size), (rows, seq))}
+        sample = {"input_ids": torch.randint(0, int(text.vocab_size), (rows, seq))}
     if task in ("causal-lm", "masked-lm", "seq2seq-lm"):
         sample["labels"] = sample["input_ids"].clone()
     elif task == "regression":

@@ -33,6 +33,7 @@ _FLAGS = {
     "world_size": "--world-size", "batch_size": "--batch-size", "input_shape": "--input-shape",
     "input_dtype": "--input-dtype", "loss_fn": "--task", "strategy=": "--strategy ",
     "allow:": "--allow:",  # validate.allow_names: 'allow: unknown rung ...' (a bare 'allow' is also an English word)
+    "host_budget=": "--host-budget ", "host_budget": "--host-budget",
 }
 _WORDS = re.compile(r"(?<![\w-])(" + "|".join(re.escape(k) for k in _FLAGS) + r")(?![\w])")
 

@@ -123,5 +123,5 @@ def render_plan(console: Console, plan: Plan, model_description: str, layers: La
     if plan.frontier:
         parts.append(frontier_table(plan))
     console.print(Group(*parts))
-    for note in plan.notes:
+    for note in plan.notes:  # escaped, in the command line's words: --host-budget, not host_budget= (messages.py)
         say(console, "note", note)

@@ -7,7 +7,8 @@ Terms, each in the estimate's breakdown (see docs/cuda.md for sources and what i
 - ``cublas_workspace``: one cuBLAS workspace per (device, stream), allocated through the caching allocator on the
   first matmul and kept: 32 MiB on compute capability 9.x/10.x/12.x, else 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 bytes
   (``aten/src/ATen/cuda/CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``; ``CUBLAS_WORKSPACE_CONFIG`` overrides).
-  cuBLASLt shares it (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``, on by default);
+  cuBLASLt shares it (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``, on by default). ROCm builds keep hipBLAS's (128 MiB on
+  the MI300 series) and hipBLASLt's (76 MiB) apart (``rocm_workspace_bytes``; docs/cuda.md, "ROCm targets");
 - ``fragmentation``: segments reserved beyond the blocks in use at the peak, from replaying the allocator's
   best-fit / split / merge rules over the timeline (``max_memory_reserved - max_memory_allocated``);
 - ``cuda_context``: the CUDA context, cuBLAS/cuDNN handles and loaded kernels, outside PyTorch's allocator. It
@@ -35,7 +36,7 @@ from autofit.cuda.allocator import AllocatorReplay, replay_allocator, smallest_c
 from autofit.cuda.catalog import GPUSpec
 from autofit.simulate.timeline import Replay, Timeline
 
-__all__ = ["CUDA_CONTEXT_BYTES", "cublas_workspace_bytes", "context_bytes", "cuda_memory", "cuda_memory_under",
+__all__ = ["CUDA_CONTEXT_BYTES", "cublas_workspace_bytes", "rocm_workspace_bytes", "context_bytes", "cuda_memory", "cuda_memory_under",
            "smallest_device_bytes", "cudnn_workspace_note"]
 
 # A typical CUDA 12 context with lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7 in
@@ -44,7 +45,10 @@ CUDA_CONTEXT_BYTES = 512 * 2**20
 
 
 def cublas_workspace_bytes(gpu: GPUSpec, config: str | None = None) -> int:
-    """``parseChosenWorkspaceSize``: ``CUBLAS_WORKSPACE_CONFIG`` ":SIZE_KiB:COUNT..." pairs, else the default."""
+    """``parseChosenWorkspaceSize``: ``CUBLAS_WORKSPACE_CONFIG`` ":SIZE_KiB:COUNT..." pairs, else the default. On a
+    ROCm target, :func:`rocm_workspace_bytes`."""
+    if gpu.platform == "rocm":
+        return rocm_workspace_bytes(gpu, config)
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
     if config:
         pairs = re.findall(r":([0-9]+):([0-9]+)", config)
@@ -53,6 +57,25 @@ def cublas_workspace_bytes(gpu: GPUSpec, config: str | None = None) -> int:
     if gpu.compute_capability[0] in (9, 10, 12):
         return 4096 * 8 * 1024
     return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def rocm_workspace_bytes(gpu: GPUSpec, config: str | None = None, lt_kib: str | None = None) -> int:
+    """The BLAS workspaces of PyTorch's ROCm build, both through the caching allocator and kept (CublasHandlePool.cpp):
+    hipBLAS's, ``parseChosenWorkspaceSize`` under ``USE_ROCM`` (``CUBLAS_WORKSPACE_CONFIG``, else
+    ``HIPBLAS_WORKSPACE_CONFIG``, else ``ROCBLAS_WORKSPACE_CONFIG``; default 128 MiB on gfx94x/gfx95x, the MI300
+    series, else 32 MiB), plus hipBLASLt's, which ROCm does not unify with it (``parseCUDABlasLtWorkspaceSize``:
+    ``CUBLASLT_WORKSPACE_SIZE`` or ``HIPBLASLT_WORKSPACE_SIZE`` in KiB, default 76 MiB)."""
+    if config is None:
+        config = next((os.environ[k] for k in ("CUBLAS_WORKSPACE_CONFIG", "HIPBLAS_WORKSPACE_CONFIG",
+                                               "ROCBLAS_WORKSPACE_CONFIG") if os.environ.get(k)), "")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    gfx94_95 = gpu.compute_capability[0] == 9 and gpu.compute_capability[1] in (4, 5)
+    hipblas = (sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs
+               else (128 if gfx94_95 else 32) * 2**20)
+    if lt_kib is None:
+        lt_kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE") or os.environ.get("HIPBLASLT_WORKSPACE_SIZE") or ""
+    lt = int(lt_kib) * 1024 if lt_kib.strip().isdigit() else 76 * 2**20
+    return hipblas + lt
 
 
 def context_bytes() -> int:

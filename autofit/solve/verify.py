@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from autofit.core.errors import HostMemoryError, InfeasibleBudgetError
 from autofit.core.report import MemoryEstimate
+from autofit.solve.host import host_budget_words
 from autofit.solve.search import (
     Candidate,
     SearchSpace,
@@ -256,9 +257,10 @@ def host_fits(est: MemoryEstimate, host_budget: int | None, ranks: int = 1) -> M
     if limit is not None and est.host_bytes * ranks > limit:
         raise HostMemoryError(
             f"the plan that fits the GPU keeps {_host_words(est, ranks)} in host memory (parameters, gradients and "
-            f"optimizer state; {format_bytes(est.host_pinned_bytes * ranks)} pinned), more than host_budget "
-            f"{format_bytes(limit)} ({limit:,} bytes), and nothing fits with them on the GPU: give the machine's RAM "
-            "as host_budget=... (--host-budget), or use SGD, or more GPUs (FSDP2 over world_size ranks)",
+            f"optimizer state; {format_bytes(est.host_pinned_bytes * ranks)} pinned), more than the host budget "
+            f"{format_bytes(limit)} ({limit:,} bytes), and nothing fits with them on the GPU: give the training "
+            f"machine's RAM, {host_budget_words(est.host_bytes * ranks)} or more, or use SGD, or more GPUs (FSDP2 "
+            "over world_size ranks)",
             host_bytes=est.host_bytes * ranks, host_budget_bytes=limit,
         )
     return est

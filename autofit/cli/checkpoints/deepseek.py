@@ -1,6 +1,9 @@
-"""DeepSeek's dense checkpoints: DeepSeek LLM 7B and DeepSeek Coder (Llama architecture) and the DeepSeek-R1
-distillations into Qwen2.5 and Llama 3.x, from each repository's ``config.json``. The MoE models (V2, V3, R1
-itself) are not in the table."""
+"""DeepSeek's checkpoints, from each repository's ``config.json``: DeepSeek LLM 7B and DeepSeek Coder (Llama
+architecture), the DeepSeek-R1 distillations into Qwen2.5 and Llama 3.x, and the shapes of the mixtures of experts
+with multi-head latent attention that transformers has the code of (``deepseek_v2``, ``deepseek_v3``): V2-Lite and
+V3 (R1 shares V3's). V3's published weights are fp8 with block scales (``quantization_config``); the entry builds
+the model in the dtype it is given, as one trains it, and leaves the multi-token-prediction layer out, as
+transformers' DeepseekV3ForCausalLM does."""
 
 from __future__ import annotations
 
@@ -18,6 +21,26 @@ _CODER_ROPE = {"type": "linear", "factor": 4.0}
 
 def _distill(size: str, config: dict) -> Checkpoint:
     return Checkpoint(name=f"{_DS}/DeepSeek-R1-Distill-{size}", family="DeepSeek-R1-Distill", config=config)
+
+
+_YARN_V2 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.707, "mscale_all_dim": 0.707}
+_YARN_V3 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def _mla(layers: int, hidden: int, inter: int, expert_inter: int, heads: int, *, routed: int, shared: int,
+         top_k: int, dense_layers: int, q_lora: int | None, vocab: int, **extra) -> dict:
+    # multi-head latent attention: keys and values from a 512-wide latent (kv_lora_rank), heads of 128 + 64 rotary
+    # (qk_nope / qk_rope) and values of 128; the first ``dense_layers`` layers dense, the rest routed experts plus
+    # shared ones; 163840 positions by YaRN from 4096
+    return {"num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": inter,
+            "moe_intermediate_size": expert_inter, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "n_routed_experts": routed, "n_shared_experts": shared, "num_experts_per_tok": top_k,
+            "first_k_dense_replace": dense_layers, "moe_layer_freq": 1, "q_lora_rank": q_lora, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": vocab,
+            "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "attention_bias": False, "hidden_act": "silu", **extra}
 
 
 CHECKPOINTS: tuple[Checkpoint, ...] = (
@@ -45,4 +68,22 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     # The Llama distillations: Llama-3.1-8B and Llama-3.3-70B-Instruct's shapes and RoPE scaling
     _distill("Llama-8B", llama(32, 4096, 14336, 32, 8, 128256, 131072, 500000.0, rope_scaling=LLAMA31_ROPE)),
     _distill("Llama-70B", llama(80, 8192, 28672, 64, 8, 128256, 131072, 500000.0, rope_scaling=LLAMA31_ROPE)),
+    # deepseek-ai/DeepSeek-V2-Lite/config.json: 27 layers of 2048, 16 heads, no query latent, 64 routed experts
+    # (6 per token, softmax, greedy) and 2 shared of 1408, the first layer dense (10944); vocab 102400
+    Checkpoint(name=f"{_DS}/DeepSeek-V2-Lite", family="DeepSeek-V2", aliases=(f"{_DS}/DeepSeek-V2-Lite-Chat",),
+               config={"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], **_mla(
+                   27, 2048, 10944, 1408, 16, routed=64, shared=2, top_k=6, dense_layers=1, q_lora=None,
+                   vocab=102400, rope_theta=10000.0, rope_scaling=_YARN_V2, topk_method="greedy", n_group=1,
+                   topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, scoring_func="softmax",
+                   aux_loss_alpha=0.001)}),
+    # deepseek-ai/DeepSeek-V3/config.json: 61 layers of 7168, 128 heads, a 1536-wide query latent, 256 routed
+    # experts of 2048 (8 per token from 4 of 8 groups, sigmoid scores, scaled by 2.5) and 1 shared, the first 3
+    # layers dense (18432); vocab 129280. DeepSeek-R1 and the V3 updates publish the same shapes
+    Checkpoint(name=f"{_DS}/DeepSeek-V3", family="DeepSeek-V3",
+               aliases=(f"{_DS}/DeepSeek-V3-Base", f"{_DS}/DeepSeek-V3-0324", f"{_DS}/DeepSeek-R1",
+                        f"{_DS}/DeepSeek-R1-0528"),
+               config={"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **_mla(
+                   61, 7168, 18432, 2048, 128, routed=256, shared=1, top_k=8, dense_layers=3, q_lora=1536,
+                   vocab=129280, rope_theta=10000.0, rope_scaling=_YARN_V3, topk_method="noaux_tc", n_group=8,
+                   topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid")}),
 )

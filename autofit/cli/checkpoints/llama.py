@@ -1,5 +1,10 @@
-"""Llama-architecture decoders: Meta's Llama 2 / 3 / 3.1 / 3.2 / 3.3, TinyLlama, SmolLM and SmolLM2, from each
-repository's ``config.json``. :func:`llama` is also what DeepSeek's Llama-architecture checkpoints use."""
+"""Llama-architecture decoders: Meta's Llama 2 / 3 / 3.1 / 3.2 / 3.3, TinyLlama, SmolLM, SmolLM2 and SmolLM3, from
+each repository's ``config.json``. :func:`llama` is also what DeepSeek's Llama-architecture checkpoints use.
+
+Not in the table: Llama 3.2 Vision (``mllama``) and Llama 4 (Scout, Maverick: ``Llama4ForConditionalGeneration``).
+transformers has their code, but their published configs carry per-layer lists (Llama 4's NoPE layers and chunked
+attention, MoE interleaving) and vision towers whose every value was not at hand to copy; a wrong list would build
+a model of the right size and the wrong activations, so they are left out rather than guessed."""
 
 from __future__ import annotations
 
@@ -57,6 +62,9 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
           "Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B", "Meta-Llama-3.1-8B-Instruct"),
     _meta("Llama-3.1-70B", llama(**_L3_70B, positions=131072, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
           "Llama-3.1-70B-Instruct", "Meta-Llama-3.1-70B", "Meta-Llama-3.1-70B-Instruct"),
+    # meta-llama/Llama-3.1-405B/config.json: 126 layers of 16384, 128 query / 8 KV heads, an MLP of 53248
+    _meta("Llama-3.1-405B", llama(126, 16384, 53248, 128, 8, 128256, 131072, 500000.0, rope_scaling=LLAMA31_ROPE),
+          "Llama-3.1-405B-Instruct", "Meta-Llama-3.1-405B", "Meta-Llama-3.1-405B-Instruct"),
     # Llama 3.2 text models: tied embeddings, head_dim 64 (1B) / 128 (3B)
     _meta("Llama-3.2-1B", llama(16, 2048, 8192, 32, 8, 128256, 131072, 500000.0, tied=True, head_dim=64,
                                 rope_scaling=_rope_llama3(32.0)), "Llama-3.2-1B-Instruct"),
@@ -76,4 +84,12 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     _smollm("SmolLM2", "135M", 30, 576, 1536, 9, 3, 8192, 100000.0),
     _smollm("SmolLM2", "360M", 32, 960, 2560, 15, 5, 8192, 100000.0),
     _smollm("SmolLM2", "1.7B", 24, 2048, 8192, 32, 32, 8192, 130000.0),
+    # HuggingFaceTB/SmolLM3-3B/config.json: 36 layers of 2048, 16 query / 4 KV heads, vocab 128256 tied, 65536
+    # positions (RoPE base 5e6) with every fourth layer without RoPE (SmolLM3Config's default no_rope_layers)
+    Checkpoint(name="HuggingFaceTB/SmolLM3-3B", family="SmolLM3", aliases=("HuggingFaceTB/SmolLM3-3B-Base",),
+               config={"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 36,
+                       "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+                       "num_key_value_heads": 4, "vocab_size": 128256, "max_position_embeddings": 65536,
+                       "rope_theta": 5000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                       "hidden_act": "silu"}),
 )

@@ -1,4 +1,4 @@
-"""Mistral 7B, Mistral NeMo and Mixtral, from each repository's ``config.json``; ``-Instruct`` variants share the
+"""Mistral 7B, Mistral NeMo, Mistral Small (22B, 24B) and Mixtral, from each repository's ``config.json``; ``-Instruct`` variants share the
 entry of the base model of the same version."""
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     Checkpoint(name=f"{_AI}/Mistral-Nemo-Base-2407", family="Mistral",
                aliases=(f"{_AI}/Mistral-Nemo-Instruct-2407",),
                config=_mistral(40, 5120, 14336, 32, 8, 131072, 1024000, 1000000.0, None, head_dim=128)),
+    # Mistral Small (September 2024), 22B: 56 layers of 6144, 48 query / 8 KV heads, vocab 32768, no window
+    Checkpoint(name=f"{_AI}/Mistral-Small-Instruct-2409", family="Mistral",
+               config=_mistral(56, 6144, 16384, 48, 8, 32768, 32768, 1000000.0, None)),
+    # Mistral Small 3 (January 2025), 24B: 40 layers of 5120 with 32 heads of 128, an MLP of 32768, vocab 131072,
+    # RoPE base 1e8 (Mistral Small 3.1 / 3.2 are vision-language models, Mistral3ForConditionalGeneration: not here)
+    Checkpoint(name=f"{_AI}/Mistral-Small-24B-Base-2501", family="Mistral",
+               aliases=(f"{_AI}/Mistral-Small-24B-Instruct-2501",),
+               config=_mistral(40, 5120, 32768, 32, 8, 131072, 32768, 100000000.0, None, head_dim=128)),
     Checkpoint(name=f"{_AI}/Mixtral-8x7B-v0.1", family="Mixtral", aliases=(f"{_AI}/Mixtral-8x7B-Instruct-v0.1",),
                config=_mixtral(32, 4096, 14336, 32, 32000, 32768)),
     Checkpoint(name=f"{_AI}/Mixtral-8x22B-v0.1", family="Mixtral",

@@ -1,4 +1,4 @@
-"""Microsoft's Phi-2, Phi-3 / 3.5 mini and Phi-4, from each repository's ``config.json``."""
+"""Microsoft's Phi-2, Phi-3 / 3.5 mini, Phi-4 and Phi-4-mini, from each repository's ``config.json``."""
 
 from __future__ import annotations
 
@@ -53,4 +53,11 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     Checkpoint(name="microsoft/phi-4", family="Phi", config=_phi3(
         40, 5120, 17920, 40, 10, 100352, 16384, 250000.0, original_max_position_embeddings=16384,
         sliding_window=None, bos_token_id=100257, eos_token_id=100265, pad_token_id=100349)),
+    # microsoft/Phi-4-mini-instruct/config.json: 32 layers of 3072, 24 query / 8 KV heads of 128, rotary on 75 % of
+    # each head, vocab 200064 with tied embeddings, 131072 positions from 4096. Its "longrope" rescaling (two lists
+    # of 48 factors) is left out: it decides no shape, and its values were not at hand to copy
+    Checkpoint(name="microsoft/Phi-4-mini-instruct", family="Phi", config=_phi3(
+        32, 3072, 8192, 24, 8, 200064, 131072, 10000.0, original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144, bos_token_id=199999,
+        eos_token_id=199999, pad_token_id=199999)),
 )
