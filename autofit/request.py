@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from autofit.capture.depth import Blocks, find_blocks
+from autofit.capture.rows import smallest_rows
 from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import DeviceTarget, resolve_device
@@ -86,6 +87,9 @@ class PlanRequest:
     # plan(extrapolate_depth=True): the model's run of identical blocks, simulated cut to a few of them and
     # extrapolated (Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model
     blocks: Blocks | None = None
+    # the fewest rows a micro-batch may hold: 2 when the model refuses one row (Note [micro-batches a model refuses],
+    # autofit/capture/rows.py)
+    min_rows: int = 1
 
     @property
     def fit_bytes(self) -> int:
@@ -200,8 +204,12 @@ def make_request(
             notes.append(f"allow '8bit-optimizer' does not apply to optimizer {spec.name!r}: it swaps torch.optim.AdamW "
                          "(or Adam without weight decay) for bitsandbytes' or torchao's 8-bit one, and needs one of "
                          "those libraries (Note [8-bit optimizer state], autofit/training/optim.py)")
+    min_rows, refused = smallest_rows(model, batch) if batch_size // world_size > 1 else (1, None)
+    if refused is not None:
+        notes.append(f"every micro-batch keeps at least {min_rows} rows: with one row, {refused} (Note [micro-batches "
+                     "a model refuses])")
     return PlanRequest(
-        model=model, batch=batch, target=target_batch, loss_fn=loss_fn, device=target_device,
+        model=model, batch=batch, target=target_batch, min_rows=min_rows, loss_fn=loss_fn, device=target_device,
         budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
         strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
         policies=policies, optimizer=spec,
