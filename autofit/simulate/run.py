@@ -48,7 +48,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -82,6 +82,7 @@ from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
+from autofit.simulate.randomness import draws_at
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
@@ -118,6 +119,7 @@ class Simulation:
     method: str  # "fake" or "real" (see Note [data-dependent models])
     notes: tuple[str, ...] = field(default_factory=tuple)
     preallocated_grads: bool = False  # the step allocated its gradients before forward (training/grads.py)
+    random_draws: int = 0  # random decisions forced to an extreme (Note [random layer skipping], randomness.py)
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
@@ -144,11 +146,13 @@ def simulate_step(
     kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
     try:
         with _quiet_engines():
-            return _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
+            return _worst_draws(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True, **kw),
+                                observed=observer is not None)
     except _DataDependent as e:
         try:
             with _quiet_engines():
-                sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
+                sim = _worst_draws(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=False,
+                                                     **kw), observed=observer is not None)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
                 f"{e.subject} {e.why} ({e.cause}), so autofit must run the step for real, but: {e2}"
@@ -156,7 +160,25 @@ def simulate_step(
         note = (f"{e.subject} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
-        return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads)
+        return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads, sim.random_draws)
+
+
+def _worst_draws(run: Callable[..., Simulation], *, observed: bool) -> Simulation:
+    """``run(extreme=...)`` with the random decisions at the top of their range and, if the step made any, at the
+    bottom: the larger peak, with a note (Note [random layer skipping], randomness.py). An observer keeps what it
+    saw last, so the top run is repeated when it wins after the bottom one ran observed."""
+    top = run(extreme="top")
+    if not top.random_draws:
+        return top
+    bottom = run(extreme="bottom")
+    worst = bottom if bottom.replay.peak_bytes > top.replay.peak_bytes else top
+    if worst is top and observed:
+        worst = run(extreme="top")
+    why = ("at the bottom of its range (a layer kept while 'draw < survival' is always kept)" if worst is bottom
+           else "at the top of its range (LayerDrop's 'draw < p' skips no layer)")
+    note = (f"{worst.random_draws} random draws decided what the step runs (layers skipped at random): simulated "
+            f"with every draw {why}, the larger peak of the two extremes (see Note [random layer skipping])")
+    return replace(worst, notes=worst.notes + (note,))
 
 
 @contextlib.contextmanager
@@ -205,7 +227,7 @@ def _qualname(obj: object) -> str:
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
-              observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
+              observer: Observer | None, device_rules: DeviceRules | None, extreme: str = "top") -> Simulation:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
@@ -272,6 +294,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
                     stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
                 stack.enter_context(observe)
+                draws = stack.enter_context(draws_at(extreme))  # Note [random layer skipping]
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
                             stepped, fake=fake)
         finally:
@@ -291,7 +314,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes),
-                      config.preallocated_grads)
+                      config.preallocated_grads, draws.count)
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
