@@ -17,6 +17,7 @@ from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
+from autofit.core._torch import import_lazy_modules
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
@@ -134,6 +135,7 @@ def estimate(
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
     :func:`measure`, which must run on any machine, so that the two calls with the same arguments compare.
     """
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
@@ -166,6 +168,7 @@ def measure(
     each the step of one rank laid out for real (autofit/measure/ranks.py); the figures are rank 0's, the rank
     :func:`estimate` simulates, and ``rank_peaks`` holds every rank's peak. The model, sample and ``loss_fn`` are
     pickled to the processes (no lambdas)."""
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
@@ -198,6 +201,7 @@ def analyse(
     function of the micro-batch. Fake tensors only, unless the forward reads tensor values (then a real copy runs at
     the analysis' micro-batches, 2 and 3). No CPU kernel probes (``plan`` adds them for CPU targets), so on the CPU
     the profile leaves out kernel scratch memory. ``model`` is never modified."""
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)

@@ -24,6 +24,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
 from autofit.solve.sharding import Parallel  # the layout lives with the sharding it describes; re-exported here
+from autofit.core._torch import import_lazy_modules
 from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
                               resolve_host_budget, margin_for, pinned, precisions, stored_options)
@@ -150,6 +151,7 @@ def make_request(
     tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
     extrapolate_depth: bool = False,
 ) -> PlanRequest:
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     target_device = resolve_device(device, gpu)
