@@ -17,6 +17,7 @@ from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
+from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core._torch import import_lazy_modules
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
@@ -76,6 +77,7 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
     return chunks
 
 
+@restores_user_hooks  # Note [user hooks]
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
@@ -148,6 +150,7 @@ def estimate(
     return device_model.estimate(sim)
 
 
+@restores_user_hooks  # Note [user hooks]
 def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
@@ -192,6 +195,7 @@ def measure(
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 
 
+@restores_user_hooks  # Note [user hooks]
 def analyse(
     model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",
     optimizer: Any = "adamw", device: str = "cpu", gpu: str | None = None,

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
@@ -116,6 +117,7 @@ def plan(
     )[0]
 
 
+@restores_user_hooks  # Note [user hooks]
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",

@@ -69,6 +69,7 @@ from autofit.capture.model_copy import (
     real_copy,
 )
 from autofit.capture.module_stack import install_module_stack
+from autofit.capture.user_hooks import hook_note, user_hooks_restored
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
@@ -143,6 +144,16 @@ def simulate_step(
     autocast op policy and attention kernels); a CUDA step needs it, and the caller resolves the device once."""
     if config.device == "cuda" and device_rules is None:
         raise TypeError("simulate_step: a CUDA step needs device_rules=resolve_device('cuda', gpu).simulation_rules")
+    with user_hooks_restored(model) as hooks:  # Note [user hooks]
+        sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
+                             device_rules=device_rules)
+    if hooks.kept:
+        sim = replace(sim, notes=sim.notes + (hook_note(hooks),))
+    return sim
+
+
+def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_kernels: bool,
+                   observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
     kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
     try:
         with _quiet_engines():
