@@ -352,6 +352,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         chunked_loss=request.chunked_loss, low_bit_optimizer=request.low_bit_optimizer,
         tensor_parallel=parallel.tensor_parallel, tensor_plan=parallel.tensor_plan, compile=request.compile,
     )
+    plan = replace(plan, min_rows=request.min_rows)  # Note [micro-batches a model refuses]
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(
         estimator, plan.device_bytes, chosen, policy, analysis, request.pins + pins,

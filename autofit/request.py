@@ -208,8 +208,8 @@ def make_request(
                          "those libraries (Note [8-bit optimizer state], autofit/training/optim.py)")
     min_rows, refused = smallest_rows(model, batch) if batch_size // world_size > 1 else (1, None)
     if refused is not None:
-        notes.append(f"every micro-batch keeps at least {min_rows} rows: with one row, {refused} (Note [micro-batches "
-                     "a model refuses])")
+        notes.append(f"every micro-batch keeps at least {min_rows} rows (a shorter last one takes rows from the one "
+                     f"before): with one row, {refused} (Note [micro-batches a model refuses])")
     return PlanRequest(
         model=model, batch=batch, target=target_batch, min_rows=min_rows, loss_fn=loss_fn, device=target_device,
         budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,

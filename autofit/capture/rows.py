@@ -8,8 +8,11 @@ Note [micro-batches a model refuses]
     would run and crash on. So before the search, one forward of a fake copy of the model at one row, in the model's
     own training mode and without autograd, says whether it accepts one row; when it refuses, every candidate keeps
     at least two rows in each of its micro-batches (the analysis simulates two and three rows, so two are accepted
-    wherever a plan exists), and the plan's notes say why. A forward that cannot run on fake tensors (it reads
-    tensor values) is not decided here: its simulations run it for real and raise as before.
+    wherever a plan exists): a window whose last micro-batch would hold fewer takes them from the micro-batch
+    before (13 rows as 3 x 5 run as 3, 3, 3, 2, 2: the trainer's ``_bounds``), and micro-batches of two rows that
+    cannot spare one are left out. No micro-batch then holds more rows than the plan simulated. The plan records
+    ``min_rows`` and its notes say why. A forward that cannot run on fake tensors (it reads tensor values) is not
+    decided here: its simulations run it for real and raise as before.
 """
 
 from __future__ import annotations

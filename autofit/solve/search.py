@@ -79,19 +79,31 @@ class SearchSpace:
 
 
 def batch_options(batch_size: int, min_rows: int = 1) -> list[tuple[int, int, int]]:
-    """(b, k, last) for every distinct accumulation count k: b = ceil(B / k), the last micro-batch takes the rest;
-    only those whose every micro-batch holds at least ``min_rows`` rows (or the whole batch, if it has fewer)."""
+    """(b, k, last) for every distinct accumulation count k: b = ceil(B / k), the last micro-batch takes the rest.
+    A rest below ``min_rows`` takes rows from the micro-batch before (the trainer's ``_bounds``), so ``last`` is
+    ``min_rows`` then; a ``b`` that cannot spare them is left out (Note [micro-batches a model refuses])."""
     options, seen = [], set()
     for k in range(1, batch_size + 1):
         b = math.ceil(batch_size / k)
         if b in seen:
             continue
         seen.add(b)
-        steps = math.ceil(batch_size / b)
-        last = batch_size - b * (steps - 1)
-        if steps == 1 or last >= min_rows:
-            options.append((b, steps, last))
+        window = _window(batch_size, b, min_rows)
+        if window is not None:
+            options.append(window)
     return options
+
+
+def _window(batch_size: int, b: int, min_rows: int) -> tuple[int, int, int] | None:
+    """(b, k, last) of micro-batches of ``b`` over ``batch_size`` rows, the last taking the rest, or rows from the
+    micro-batch before up to ``min_rows`` (the trainer's ``_bounds``); None where that one cannot spare them."""
+    steps = math.ceil(batch_size / b)
+    last = batch_size - b * (steps - 1)
+    if steps > 1 and last < min_rows:
+        if b - (min_rows - last) < min_rows:
+            return None
+        last = min_rows
+    return b, steps, last
 
 
 def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
@@ -329,9 +341,8 @@ def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
     for precision in space.precisions:
         b = space.batch_size
         while True:
-            k = math.ceil(space.batch_size / b)
-            last = space.batch_size - b * (k - 1)
-            candidate = _evaluate(space, precision, b, k, last, budget) if k == 1 or last >= space.min_rows else None
+            window = _window(space.batch_size, b, space.min_rows)
+            candidate = _evaluate(space, precision, *window, budget) if window is not None else None
             if candidate is not None:
                 out.append(candidate)
             if b == 1:
