@@ -72,11 +72,15 @@ def test_kept_outputs_counted_and_no_fake_tensor_left() -> None:
     plan = autofit.plan(model, x, 10**6, target=y, device="cpu", precision="fp32")
     assert _fakes(kept, FEATURES, keeper.outputs) == [] and kept == [] and not FEATURES
     assert plan.peak_bytes <= 10**6
+    # the figures of the hooks that append (the keeper replaces its tensor each step: the measured steady step frees
+    # the warm-up's one inside the window, a term of the step before that neither figure is about)
+    handles.pop().remove()
+    appending = autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes
     hooked = autofit.measure(model, x, target=y, micro_batch_size=32).peak_bytes  # the allocator, hooks running
     assert kept == [] and not FEATURES  # measure's copy gives its real tensors back too
     for h in handles:
         h.remove()
     plain = autofit.measure(model, x, target=y, micro_batch_size=32).peak_bytes
-    assert hooked_est.peak_bytes == hooked
+    assert appending == hooked
     assert hooked > plain  # what the hooks keep costs memory in the real step, and the estimate has it
     assert autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes == plain

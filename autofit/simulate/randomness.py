@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from autofit.core._torch import TorchDispatchMode, patch
 
-__all__ = ["DECISION_ELEMENTS", "Draws", "draws_at", "EXTREMES"]
+__all__ = ["DECISION_ELEMENTS", "Draws", "draws_at", "EXTREMES", "worst_of_extremes"]
+
+S = TypeVar("S")  # a Simulation (simulate/run.py), read by its fields only
 
 DECISION_ELEMENTS = 256  # draws of at most this many elements are decisions (one per layer), not noise
 EXTREMES = ("top", "bottom")
@@ -100,3 +103,21 @@ def draws_at(extreme: str) -> Iterator[Draws]:
             stack.enter_context(patch(owner, name, forced(bounds)))
         stack.enter_context(_ForcedDraws(draws))
         yield draws
+
+
+def worst_of_extremes(run: Callable[..., S], *, observed: bool) -> S:
+    """``run(extreme=...)`` with the random decisions at the top of their range and, if the step made any, at the
+    bottom: the larger peak, with a note (Note [random layer skipping], randomness.py). An observer keeps what it
+    saw last, so the top run is repeated when it wins after the bottom one ran observed."""
+    top = run(extreme="top")
+    if not top.random_draws:
+        return top
+    bottom = run(extreme="bottom")
+    worst = bottom if bottom.replay.peak_bytes > top.replay.peak_bytes else top
+    if worst is top and observed:
+        worst = run(extreme="top")
+    why = ("at the bottom of its range (a layer kept while 'draw < survival' is always kept)" if worst is bottom
+           else "at the top of its range (LayerDrop's 'draw < p' skips no layer)")
+    note = (f"{worst.random_draws} random draws decided what the step runs (layers skipped at random): simulated "
+            f"with every draw {why}, the larger peak of the two extremes (see Note [random layer skipping])")
+    return replace(worst, notes=worst.notes + (note,))

@@ -83,7 +83,7 @@ from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
-from autofit.simulate.randomness import draws_at
+from autofit.simulate.randomness import draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
@@ -157,12 +157,12 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
     kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
     try:
         with _quiet_engines():
-            return _worst_draws(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True, **kw),
+            return worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True, **kw),
                                 observed=observer is not None)
     except _DataDependent as e:
         try:
             with _quiet_engines():
-                sim = _worst_draws(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=False,
+                sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=False,
                                                      **kw), observed=observer is not None)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
@@ -172,24 +172,6 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
         return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads, sim.random_draws)
-
-
-def _worst_draws(run: Callable[..., Simulation], *, observed: bool) -> Simulation:
-    """``run(extreme=...)`` with the random decisions at the top of their range and, if the step made any, at the
-    bottom: the larger peak, with a note (Note [random layer skipping], randomness.py). An observer keeps what it
-    saw last, so the top run is repeated when it wins after the bottom one ran observed."""
-    top = run(extreme="top")
-    if not top.random_draws:
-        return top
-    bottom = run(extreme="bottom")
-    worst = bottom if bottom.replay.peak_bytes > top.replay.peak_bytes else top
-    if worst is top and observed:
-        worst = run(extreme="top")
-    why = ("at the bottom of its range (a layer kept while 'draw < survival' is always kept)" if worst is bottom
-           else "at the top of its range (LayerDrop's 'draw < p' skips no layer)")
-    note = (f"{worst.random_draws} random draws decided what the step runs (layers skipped at random): simulated "
-            f"with every draw {why}, the larger peak of the two extremes (see Note [random layer skipping])")
-    return replace(worst, notes=worst.notes + (note,))
 
 
 @contextlib.contextmanager
