@@ -29,12 +29,11 @@ import torch
 
 from autofit.core._torch import TorchDispatchMode, patch
 
-__all__ = ["DECISION_ELEMENTS", "Draws", "draws_at", "EXTREMES", "worst_of_extremes"]
+__all__ = ["DECISION_ELEMENTS", "Draws", "draws_at", "worst_of_extremes"]
 
 S = TypeVar("S")  # a Simulation (simulate/run.py), read by its fields only
 
 DECISION_ELEMENTS = 256  # draws of at most this many elements are decisions (one per layer), not noise
-EXTREMES = ("top", "bottom")
 _aten = torch.ops.aten
 _UNIFORM = {_aten.rand, _aten.rand_like, _aten.uniform_, _aten.uniform}
 
