@@ -115,7 +115,7 @@ def test_wav2vec2_default_layerdrop_over_seeds() -> None:
     torch.manual_seed(0)
     np.random.seed(0)
     truth = autofit.measure(never, x, loss_fn=loss, micro_batch_size=2).peak_bytes
-    for seed in range(3):
+    for seed in (0, 4, 6):  # with the real generator, 4 and 6 skip a layer: 30,853,606 B against 40,210,742 B
         torch.manual_seed(seed)
         np.random.seed(seed)
         est = autofit.estimate(model, x, loss_fn=loss, micro_batch_size=2)
