@@ -17,6 +17,8 @@ from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
+from autofit.capture.user_hooks import restores_user_hooks
+from autofit.core._torch import import_lazy_modules
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
@@ -75,6 +77,7 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
     return chunks
 
 
+@restores_user_hooks  # Note [user hooks]
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
@@ -134,6 +137,7 @@ def estimate(
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
     :func:`measure`, which must run on any machine, so that the two calls with the same arguments compare.
     """
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
@@ -146,6 +150,7 @@ def estimate(
     return device_model.estimate(sim)
 
 
+@restores_user_hooks  # Note [user hooks]
 def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
@@ -166,6 +171,7 @@ def measure(
     each the step of one rank laid out for real (autofit/measure/ranks.py); the figures are rank 0's, the rank
     :func:`estimate` simulates, and ``rank_peaks`` holds every rank's peak. The model, sample and ``loss_fn`` are
     pickled to the processes (no lambdas)."""
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
@@ -189,6 +195,7 @@ def measure(
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 
 
+@restores_user_hooks  # Note [user hooks]
 def analyse(
     model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",
     optimizer: Any = "adamw", device: str = "cpu", gpu: str | None = None,
@@ -198,6 +205,7 @@ def analyse(
     function of the micro-batch. Fake tensors only, unless the forward reads tensor values (then a real copy runs at
     the analysis' micro-batches, 2 and 3). No CPU kernel probes (``plan`` adds them for CPU targets), so on the CPU
     the profile leaves out kernel scratch memory. ``model`` is never modified."""
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)

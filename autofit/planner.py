@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
@@ -119,6 +120,7 @@ def plan(
     )[0]
 
 
+@restores_user_hooks  # Note [user hooks]
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
@@ -354,6 +356,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         chunked_loss=request.chunked_loss, low_bit_optimizer=request.low_bit_optimizer,
         tensor_parallel=parallel.tensor_parallel, tensor_plan=parallel.tensor_plan, compile=request.compile,
     )
+    plan = replace(plan, min_rows=request.min_rows)  # Note [micro-batches a model refuses]
     analysis = (analyses or {}).get(policy.label)
     plan = replace(plan, notes=plan.notes + pin_cost_notes(
         estimator, plan.device_bytes, chosen, policy, analysis, request.pins + pins,

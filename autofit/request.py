@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from autofit.capture.depth import Blocks, find_blocks
+from autofit.capture.rows import smallest_rows
 from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import DeviceTarget, resolve_device
@@ -23,6 +24,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
 from autofit.solve.sharding import Parallel  # the layout lives with the sharding it describes; re-exported here
+from autofit.core._torch import import_lazy_modules
 from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
                               resolve_host_budget, margin_for, pinned, precisions, stored_options)
@@ -86,6 +88,9 @@ class PlanRequest:
     # plan(extrapolate_depth=True): the model's run of identical blocks, simulated cut to a few of them and
     # extrapolated (Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model
     blocks: Blocks | None = None
+    # the fewest rows a micro-batch may hold: 2 when the model refuses one row (Note [micro-batches a model refuses],
+    # autofit/capture/rows.py)
+    min_rows: int = 1
 
     @property
     def fit_bytes(self) -> int:
@@ -146,6 +151,7 @@ def make_request(
     tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
     extrapolate_depth: bool = False,
 ) -> PlanRequest:
+    import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target)
     target_device = resolve_device(device, gpu)
@@ -202,8 +208,12 @@ def make_request(
             notes.append(f"allow '8bit-optimizer' does not apply to optimizer {spec.name!r}: it swaps torch.optim.AdamW "
                          "(or Adam without weight decay) for bitsandbytes' or torchao's 8-bit one, and needs one of "
                          "those libraries (Note [8-bit optimizer state], autofit/training/optim.py)")
+    min_rows, refused = smallest_rows(model, batch) if batch_size // world_size > 1 else (1, None)
+    if refused is not None:
+        notes.append(f"every micro-batch keeps at least {min_rows} rows (a shorter last one takes rows from the one "
+                     f"before): with one row, {refused} (Note [micro-batches a model refuses])")
     return PlanRequest(
-        model=model, batch=batch, target=target_batch, loss_fn=loss_fn, device=target_device,
+        model=model, batch=batch, target=target_batch, min_rows=min_rows, loss_fn=loss_fn, device=target_device,
         budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
         strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
         policies=policies, optimizer=spec,

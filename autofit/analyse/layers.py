@@ -74,6 +74,11 @@ class LayerObserver:
     """Attach to a simulation (``simulate_step(observer=...)``); read ``stats`` and ``calls`` afterwards."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """What a run observes; each attach starts afresh (a simulation may run the step again, and the last run
+        is the one it reports: Note [random layer skipping], autofit/simulate/randomness.py)."""
         self.stats = ForwardStats()
         self.calls: list[CallObservation] = []
         self._tracker: StepTracker | None = None
@@ -88,6 +93,7 @@ class LayerObserver:
 
     @contextlib.contextmanager
     def attach(self, tracker: StepTracker, model: nn.Module) -> Iterator[None]:
+        self._reset()
         self._tracker = tracker
         handles = install_module_stack(model, [], on_enter=self._enter, on_exit=self._exit)
         tracker.op_listeners.append(self._on_op)

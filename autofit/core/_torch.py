@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ __all__ = [
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
+    "import_lazy_modules", "LAZY_MODULES",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -397,3 +399,59 @@ def patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterat
 # the caching allocator's settings as PYTORCH_ALLOC_CONF text ('' for defaults) and their setter (a plan may need them)
 allocator_settings = _need("torch._C", "_accelerator_getAllocatorSettings")
 set_allocator_settings = _need("torch._C", "_accelerator_setAllocatorSettings")
+
+
+# ---- torch's lazy imports (every public entry point, before its first simulation) --------------------------------
+# Note [lazy imports and Ctrl-C]
+#     The first simulation in a process makes torch import about 800 modules it imports lazily (dynamo for
+#     ``set_stance``, sympy and the symbolic shapes behind fake tensors, inductor's config, FSDP2 and DTensor, aot
+#     autograd): several seconds. A KeyboardInterrupt inside one of those imports leaves a package half initialised:
+#     Python drops the package being imported from ``sys.modules`` but keeps the submodules it had finished, so every
+#     later import of it raises (``module 'sympy' has no attribute 'logic'``, ``partially initialized module
+#     'torch._inductor'``) and the process cannot plan again. So every entry point (``estimate``, ``measure``,
+#     ``plan``, ``analyse``) first imports these modules, once per process, with SIGINT held until they are done (in
+#     the main thread, where Python delivers signals); an interrupt that arrives meanwhile is raised right after, as
+#     a KeyboardInterrupt between two imports, which leaves nothing half done.
+LAZY_MODULES = (
+    "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy", "torch.utils._sympy.functions",
+    "torch._inductor.config", "torch._numpy", "torch._functorch.aot_autograd", "torch._functorch.make_functional",
+    "torch._subclasses.schema_check_mode", "torch._higher_order_ops.triton_kernel_wrap",
+    "torch._decomp.decompositions_for_rng", "torch.nn.utils._expanded_weights", "torch.onnx",
+    "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed._functional_collectives",
+    "torch.distributed._composable", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+    "torch.distributed._state_dict_utils", "cProfile", "pstats",
+)
+_lazy_imported = False
+
+
+def import_lazy_modules() -> None:
+    """Import :data:`LAZY_MODULES` once, with SIGINT held until done (See Note [lazy imports and Ctrl-C]); a module
+    this torch build lacks is skipped (torch imports it nowhere then)."""
+    global _lazy_imported
+    if _lazy_imported:
+        return
+    with _interrupts_held():
+        for name in LAZY_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                continue
+        _lazy_imported = True
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT received inside is raised on exit, as the handler that was installed would have (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and callable(previous):
+            previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
+        elif received and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt

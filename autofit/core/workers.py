@@ -30,6 +30,13 @@ Note [parallel simulations]
     than this process took for its own share: ``CHILD_PATIENCE``) makes this process run the job itself: a failure
     is then the same typed error a serial run raises, a result is never lost, and a stuck child cannot hang a plan.
 
+Note [Ctrl-C and workers]
+    A KeyboardInterrupt may arrive anywhere in the parent. Between ``fork`` and the :class:`Pending` that owns the
+    child it would leave a child nobody stops or reaps (and whose result, once larger than the pipe holds, blocks it
+    forever), so SIGINT is blocked across those few lines and delivered right after. A parent interrupted while it
+    waits for a child kills the child instead of waiting for its job to end, and ``run_all`` cancels every child on
+    the way out: an interrupted plan leaves no process behind (tests/test_interrupts.py).
+
     Not done: beginning the analysis in workers while the quick path simulates, in case it does not fit. Measured
     with benchmarks/planning.py, it saved under 10 % of a tight plan on the GPU targets, and made the plans the quick
     path settles (one simulation) 1.5-2.3 times slower: after ``fork`` every page the planning process writes is
@@ -135,6 +142,10 @@ class Pending(Generic[T]):
                 if not chunk:
                     break
                 chunks.append(chunk)
+        except BaseException:  # interrupted (Ctrl-C): the child is stopped, not waited for (Note [Ctrl-C and workers])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
+            raise
         finally:
             self._reap()
         try:
@@ -175,32 +186,51 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
     global _alive
     if not fork or parallel_available() < 2:
         return Pending(job)
-    read, write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     # the collector would touch every object in both processes, copying their shared pages (each side's writes to
     # a page after fork copy it): freezing them first keeps the collector off them in the child and the parent
     gc.freeze()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the child: run the job, send the result, leave without running the parent's exit handlers
-        status = 1
+    held = _hold_interrupts()  # Note [Ctrl-C and workers]: no child is forked without its Pending
+    try:
+        read, write = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid != 0:
+            os.close(write)
+            _alive += 1
+            pending = Pending(job, pid, read)
+    finally:
+        _release_interrupts(held)  # the child's too: it starts with no signal pending
+    if pid != 0:
+        return pending
+    # the child: run the job, send the result, leave without running the parent's exit handlers
+    status = 1
+    try:
+        os.close(read)
+        _die_with(parent)
+        _child_setup()
         try:
-            os.close(read)
-            _die_with(parent)
-            _child_setup()
-            try:
-                payload = pickle.dumps(("ok", job()), protocol=pickle.HIGHEST_PROTOCOL)
-            except BaseException:  # noqa: BLE001 - the parent runs the job itself and raises the real error
-                payload = pickle.dumps(("error", None))
-            with os.fdopen(write, "wb") as out:
-                out.write(payload)
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(write)
-    _alive += 1
-    return Pending(job, pid, read)
+            payload = pickle.dumps(("ok", job()), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # noqa: BLE001 - the parent runs the job itself and raises the real error
+            payload = pickle.dumps(("error", None))
+        with os.fdopen(write, "wb") as out:
+            out.write(payload)
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def _hold_interrupts() -> Any:
+    """Block SIGINT in this thread (a Ctrl-C stays pending until released); the previous mask, or None where the
+    platform cannot."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    return None if mask is None else mask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _release_interrupts(previous: Any) -> None:
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _die_with(parent: int) -> None:

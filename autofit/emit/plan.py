@@ -96,6 +96,9 @@ class Plan:
     # micro-batches (micro, accumulation) over the same effective batch, verified to fit (Note [even split]); the
     # exports use it. None when the plan is even already.
     even_split: tuple[int, int] | None = None
+    # the fewest rows the model accepts in a micro-batch (Note [micro-batches a model refuses], capture/rows.py): the
+    # trainer's last micro-batch takes rows from the one before rather than hold fewer
+    min_rows: int = 1
     # the opt-in rungs the planner climbed (plan(allow=...), Note [the ladder]): the output head and the
     # cross-entropy in chunks of tokens (Note [chunked cross-entropy]), and the 8-bit optimizer the trainer builds
     # in place of the one given to wrap() (its dotted class name, Note [8-bit optimizer state])

@@ -158,8 +158,17 @@ class Trainer:
 
     # ---- hooks the distributed trainer overrides ---------------------------------------------------------------
     def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
-        """The micro-batches' row ranges: ``rows`` each, the last one takes the rest (as the plan simulated)."""
-        return [(start, min(start + rows, batch_rows)) for start in range(0, batch_rows, rows)]
+        """The micro-batches' row ranges: ``rows`` each, the last one takes the rest (as the plan simulated); a rest
+        shorter than the model accepts takes rows from the micro-batch before (Note [micro-batches a model
+        refuses], autofit/capture/rows.py), so no micro-batch holds more than ``rows``."""
+        bounds = [(start, min(start + rows, batch_rows)) for start in range(0, batch_rows, rows)]
+        least = getattr(self.plan, "min_rows", 1)
+        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < least:
+            (a, b), (_, end) = bounds[-2], bounds[-1]
+            moved = least - (end - b)
+            if b - moved - a >= least:
+                bounds[-2:] = [(a, b - moved), (b - moved, end)]
+        return bounds
 
     def _shard(self, batch, target):
         """The rows this process trains on (all of them without data parallelism)."""

@@ -48,7 +48,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -69,6 +69,7 @@ from autofit.capture.model_copy import (
     real_copy,
 )
 from autofit.capture.module_stack import install_module_stack
+from autofit.capture.user_hooks import hook_note, user_hooks_restored
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
@@ -82,6 +83,7 @@ from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
+from autofit.simulate.randomness import draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
@@ -120,6 +122,7 @@ class Simulation:
     notes: tuple[str, ...] = field(default_factory=tuple)
     preallocated_grads: bool = False  # the step allocated its gradients before forward (training/grads.py)
     compiled: bool = False  # the model ran as inductor compiles it (Note [inductor without kernels])
+    random_draws: int = 0  # random decisions forced to an extreme (Note [random layer skipping], randomness.py)
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
@@ -143,17 +146,29 @@ def simulate_step(
     autocast op policy and attention kernels); a CUDA step needs it, and the caller resolves the device once."""
     if config.device == "cuda" and device_rules is None:
         raise TypeError("simulate_step: a CUDA step needs device_rules=resolve_device('cuda', gpu).simulation_rules")
+    with user_hooks_restored(model) as hooks:  # Note [user hooks]
+        sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
+                             device_rules=device_rules)
+    if hooks.kept:
+        sim = replace(sim, notes=sim.notes + (hook_note(hooks),))
+    return sim
+
+
+def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_kernels: bool,
+                   observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
     kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
     try:
         with _quiet_engines():
-            sim = _simulate(model, batch, target, loss_fn, config, fake=True, **kw)
+            sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True,
+                                                      **kw), observed=observer is not None)
             if config.device == "cuda" and sim.compiled and observer is None:  # Note [compiled models on a GPU target]
                 sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, fake=True, eager=True, **kw))
             return sim
     except _DataDependent as e:
         try:
             with _quiet_engines():
-                sim = _simulate(model, batch, target, loss_fn, config, fake=False, **kw)
+                sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=False,
+                                                     **kw), observed=observer is not None)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
                 f"{e.subject} {e.why} ({e.cause}), so autofit must run the step for real, but: {e2}"
@@ -161,7 +176,8 @@ def simulate_step(
         note = (f"{e.subject} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
-        return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads)
+        return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads,
+                          random_draws=sim.random_draws)
 
 
 @contextlib.contextmanager
@@ -210,8 +226,10 @@ def _qualname(obj: object) -> str:
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
-              observer: Observer | None, device_rules: DeviceRules | None, eager: bool = False) -> Simulation:
-    """One simulation; ``eager``: compiled code runs eagerly (Note [compiled models on a GPU target])."""
+              observer: Observer | None, device_rules: DeviceRules | None, eager: bool = False,
+              extreme: str = "top") -> Simulation:
+    """One simulation; ``eager``: compiled code runs eagerly (Note [compiled models on a GPU target]); ``extreme``:
+    where small random draws land (Note [random layer skipping])."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
@@ -279,6 +297,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                     twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
                     stack.enter_context(eager_answers(twins))  # Note [am I traced]
                 stack.enter_context(observe)
+                draws = stack.enter_context(draws_at(extreme))  # Note [random layer skipping]
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
                             stepped, fake=fake)
         finally:
@@ -298,7 +317,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes),
-                      config.preallocated_grads, compiled=bool(inductor))
+                      config.preallocated_grads, compiled=bool(inductor), random_draws=draws.count)
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients

@@ -15,6 +15,7 @@ from autofit.analyse.table import Analysis
 from autofit.training.length import LengthSpec, length_spec
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
+from autofit.core.errors import ForwardError
 from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import probes_kernels
 from autofit.solve.estimator import Estimator, with_rows
@@ -112,17 +113,24 @@ def even_split(estimator: Estimator, chosen: Candidate,
     rows = request.per_rank
     if chosen.last_micro_batch_size == chosen.micro_batch_size or chosen.in_backward:
         return None, None
-    for micro in [d for d in range(chosen.micro_batch_size - 1, 0, -1) if rows % d == 0][:3]:
+    refused = []
+    for micro in [d for d in range(chosen.micro_batch_size - 1, request.min_rows - 1, -1) if rows % d == 0][:3]:
         even = replace(chosen, micro_batch_size=micro, accumulation_steps=rows // micro, last_micro_batch_size=micro)
         progress.report(f"verifying the even split {micro} x {rows // micro} for the exports")
-        fitted = estimator.estimate(even, policy).within(request.fit_bytes)
+        try:
+            fitted = estimator.estimate(even, policy).within(request.fit_bytes)
+        except ForwardError as e:  # the model refuses that many rows (BatchNorm at 1): not a split it can train
+            refused.append(f"{micro} x {rows // micro} ({e})")
+            continue
         if fitted is not None:
             device_bytes = fitted.device_bytes
             return (micro, rows // micro), (
                 f"frameworks need equal micro-batches: the exports use {micro} x {rows // micro} (= {rows} per "
                 f"rank), verified at {format_bytes(device_bytes)} (Note [even split])")
-    return None, ("no even split of the batch into equal micro-batches was verified to fit: the exports carry the "
-                  "plan's micro-batch and accumulation, whose effective batch differs; train with plan.wrap()")
+    why = f"; the model refuses {', '.join(refused)}" if refused else ""
+    return None, ("no even split of the batch into equal micro-batches was verified to fit" + why + ": the exports "
+                  "carry the plan's micro-batch and accumulation, whose effective batch differs; train with "
+                  "plan.wrap()")
 
 
 def rows_table(estimator: Estimator, chosen: Candidate, policy: PrecisionPolicy,

@@ -69,23 +69,41 @@ class SearchSpace:
     # the model's run of identical blocks when estimates extrapolate in depth: the MILP's recomputed units are then
     # grouped by block (Note [recomputation grouped by block], depth.py)
     blocks: Blocks | None = None
+    # the fewest rows any micro-batch may hold, the last one's included (Note [micro-batches a model refuses],
+    # autofit/capture/rows.py)
+    min_rows: int = 1
     # what _evaluate found for (precision, b, k, last), by budget: the search, the front and the verification loop
     # ask for the same configurations again, and each may cost a checkpoint MILP
     evaluated: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     problems: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # (precision, b, k) -> MILP
 
 
-def batch_options(batch_size: int) -> list[tuple[int, int, int]]:
-    """(b, k, last) for every distinct accumulation count k: b = ceil(B / k), the last micro-batch takes the rest."""
+def batch_options(batch_size: int, min_rows: int = 1) -> list[tuple[int, int, int]]:
+    """(b, k, last) for every distinct accumulation count k: b = ceil(B / k), the last micro-batch takes the rest.
+    A rest below ``min_rows`` takes rows from the micro-batch before (the trainer's ``_bounds``), so ``last`` is
+    ``min_rows`` then; a ``b`` that cannot spare them is left out (Note [micro-batches a model refuses])."""
     options, seen = [], set()
     for k in range(1, batch_size + 1):
         b = math.ceil(batch_size / k)
         if b in seen:
             continue
         seen.add(b)
-        steps = math.ceil(batch_size / b)
-        options.append((b, steps, batch_size - b * (steps - 1)))
+        window = _window(batch_size, b, min_rows)
+        if window is not None:
+            options.append(window)
     return options
+
+
+def _window(batch_size: int, b: int, min_rows: int) -> tuple[int, int, int] | None:
+    """(b, k, last) of micro-batches of ``b`` over ``batch_size`` rows, the last taking the rest, or rows from the
+    micro-batch before up to ``min_rows`` (the trainer's ``_bounds``); None where that one cannot spare them."""
+    steps = math.ceil(batch_size / b)
+    last = batch_size - b * (steps - 1)
+    if steps > 1 and last < min_rows:
+        if b - (min_rows - last) < min_rows:
+            return None
+        last = min_rows
+    return b, steps, last
 
 
 def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
@@ -179,7 +197,7 @@ def _options(space: SearchSpace, budget: int) -> list[tuple[str, int, int, int]]
     that fits with no (further) module recomputed."""
     options = []
     for precision in space.precisions:
-        for b, k, last in batch_options(space.batch_size):
+        for b, k, last in batch_options(space.batch_size, space.min_rows):
             options.append((precision, b, k, last))
             if _fits_as_is(space, precision, b, k, last, budget):
                 break
@@ -317,13 +335,14 @@ def _priced(problem, time: TimeModel, b: int):
 
 def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
     """Candidates for the memory/time front beyond those the search needed: for each precision, micro-batches
-    halving from the batch size down to 1 (each with the cheapest checkpoint set that fits)."""
+    halving from the batch size down to 1 (each with the cheapest checkpoint set that fits), those with a micro-batch
+    the model refuses left out."""
     out = []
     for precision in space.precisions:
         b = space.batch_size
         while True:
-            k = math.ceil(space.batch_size / b)
-            candidate = _evaluate(space, precision, b, k, space.batch_size - b * (k - 1), budget)
+            window = _window(space.batch_size, b, space.min_rows)
+            candidate = _evaluate(space, precision, *window, budget) if window is not None else None
             if candidate is not None:
                 out.append(candidate)
             if b == 1:
@@ -339,7 +358,7 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
     found = []
     for precision in space.precisions:
         time = space.time[precision]
-        for b, k, last in batch_options(space.batch_size):
+        for b, k, last in batch_options(space.batch_size, space.min_rows):
             memory = _memory(space, precision, k)
             names: tuple[str, ...] = space.fixed_checkpoint or ()
             if space.allow_checkpoint and space.fixed_checkpoint is None:

@@ -1,0 +1,38 @@
+"""A Ctrl-C in the first plan of a process leaves it able to plan again, with the same plan, and leaves no worker
+process behind (Note [lazy imports and Ctrl-C], core/_torch.py; Note [Ctrl-C and workers], core/workers.py). The
+truth: the JSON of the same plan made by a fresh, uninterrupted process, and /proc's list of this process's
+children."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("_interrupted_plan.py")
+BUDGET = "565000000"  # between the full batch's device bytes and those of 8 x 8 on a T4: the planner searches
+
+
+def _run(mode: str) -> dict:
+    env = dict(os.environ, AUTOFIT_WORKERS="2", PYTHONPATH=os.pathsep.join(
+        [str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(SCRIPT), mode, BUDGET], capture_output=True, text=True, env=env,
+                          timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+def test_interrupted_first_plan_then_the_same_plan() -> None:
+    fresh = _run("none")
+    for mode in ("import", "workers"):
+        got = _run(mode)
+        assert got["interrupted"] is True, mode
+        assert got["children"] == [] and got["children_after"] == [], (mode, got["children"])
+        assert got["plan"] == fresh["plan"], mode

@@ -1,0 +1,86 @@
+"""Hooks of the user's model that keep tensors (feature extraction) during estimate, plan and measure: what they keep
+is counted, and what they reach is given back as it was, never holding autofit's fake or copied tensors (Note [user
+hooks], autofit/capture/user_hooks.py). Truths: the CPU allocator (autofit.measure) and a hand count of the kept
+output."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+
+import autofit
+from autofit.capture.user_hooks import user_hooks_restored
+from autofit.core._torch import FakeTensor
+
+FEATURES: dict[str, list] = defaultdict(list)  # a module-level store, as feature-extraction code often has
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _sample() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+class Keeper:
+    def __init__(self) -> None:
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def hook(self, module, args, output) -> None:
+        self.outputs["head"] = output
+        self.last = output
+
+
+def _fakes(*stores) -> list:
+    found = []
+    for store in stores:
+        values = store.values() if isinstance(store, dict) else store
+        for v in values:
+            found += _fakes(v) if isinstance(v, (list, dict)) else [v] if isinstance(v, FakeTensor) else []
+    return found
+
+
+def test_hook_state_is_given_back() -> None:
+    model, (x, _) = _model(), _sample()
+    kept, earlier = [], torch.ones(1)
+    kept.append(earlier)
+    model[1].register_forward_hook(lambda m, a, out: kept.append(out))
+    with user_hooks_restored(model) as record:
+        model(x)
+        assert len(kept) == 2
+    assert kept == [earlier] and kept[0] is earlier
+    assert record.kept == ["forward hook on '1'"]
+
+
+@pytest.mark.sim
+def test_kept_outputs_counted_and_no_fake_tensor_left() -> None:
+    model, (x, y) = _model(), _sample()
+    kept: list = []
+    keeper = Keeper()
+    handles = [model[1].register_forward_hook(lambda m, a, out: kept.append(out)),
+               model[0].register_forward_hook(lambda m, a, out: FEATURES["linear"].append(out)),
+               model[2].register_forward_hook(keeper.hook)]
+    hooked_est = autofit.estimate(model, x, target=y, micro_batch_size=32)
+    assert kept == [] and not FEATURES and keeper.outputs == {} and not hasattr(keeper, "last")
+    assert any("kept tensors during the step" in n for n in hooked_est.notes)
+    plan = autofit.plan(model, x, 10**6, target=y, device="cpu", precision="fp32")
+    assert _fakes(kept, FEATURES, keeper.outputs) == [] and kept == [] and not FEATURES
+    assert plan.peak_bytes <= 10**6
+    # the figures of the hooks that append (the keeper replaces its tensor each step: the measured steady step frees
+    # the warm-up's one inside the window, a term of the step before that neither figure is about)
+    handles.pop().remove()
+    appending = autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes
+    hooked = autofit.measure(model, x, target=y, micro_batch_size=32).peak_bytes  # the allocator, hooks running
+    assert kept == [] and not FEATURES  # measure's copy gives its real tensors back too
+    for h in handles:
+        h.remove()
+    plain = autofit.measure(model, x, target=y, micro_batch_size=32).peak_bytes
+    assert appending == hooked
+    assert hooked > plain  # what the hooks keep costs memory in the real step, and the estimate has it
+    assert autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes == plain
