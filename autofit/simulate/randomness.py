@@ -14,6 +14,8 @@ Note [random layer skipping]
     simulation with the larger peak is the estimate, and its notes say so. Larger draws (noise, per-element masks)
     keep their values: their memory does not depend on them. The two extremes cover a model whose layers all skip
     the same way; a model that mixes both conventions gets the larger of two partial skips, not a proven bound.
+    A compiled step (a model run as inductor compiles it) keeps its real draws: under dynamo the dispatch mode and
+    the patched functions made dynamo skip the model's frames for good, and the user's later compile ran eager.
 """
 
 from __future__ import annotations

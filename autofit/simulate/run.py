@@ -83,7 +83,7 @@ from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
 from autofit.simulate.parallel import ddp_buckets, fake_mesh
 from autofit.simulate.probe import KernelProber
-from autofit.simulate.randomness import draws_at, worst_of_extremes
+from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
@@ -297,7 +297,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                     twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
                     stack.enter_context(eager_answers(twins))  # Note [am I traced]
                 stack.enter_context(observe)
-                draws = stack.enter_context(draws_at(extreme))  # Note [random layer skipping]
+                # Note [random layer skipping]; not under dynamo, which a dispatch mode and patched random functions
+                # made skip the model's frames, leaving the user's later real compile eager
+                draws = stack.enter_context(draws_at(extreme) if not inductor else contextlib.nullcontext(Draws(extreme)))
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
                             stepped, fake=fake)
         finally:
