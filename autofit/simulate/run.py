@@ -118,6 +118,7 @@ class Simulation:
     method: str  # "fake" or "real" (see Note [data-dependent models])
     notes: tuple[str, ...] = field(default_factory=tuple)
     preallocated_grads: bool = False  # the step allocated its gradients before forward (training/grads.py)
+    input_rows: int = 0  # rows of inputs and targets resident all step (StepConfig.held_rows, at least the micro-batch)
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
@@ -156,7 +157,7 @@ def simulate_step(
         note = (f"{e.subject} {e.why} ({e.cause}); the step was run "
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
-        return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads)
+        return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads, sim.input_rows)
 
 
 @contextlib.contextmanager
@@ -291,7 +292,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes),
-                      config.preallocated_grads)
+                      config.preallocated_grads, max(config.held_rows, config.micro_batch_size))
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
