@@ -386,7 +386,7 @@ class Plan:
         width = max(len(k) for k, _ in rows)
         lines = ["autofit plan", *(f"  {k:<{width}}  {v}" for k, v in rows), "", str(self.estimate)]
         if self.frontier:
-            lines += ["", "alternatives (memory / time front; the chosen row verified, the others modelled):",
+            lines += ["", "alternatives (front: chosen row verified, others modelled):",
                       f"  {'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'peak MiB':>10} {'step s':>9}"]
             for a in self.frontier:
                 lines.append(f"  {a.precision:<9} {a.micro_batch_size:>5} {a.gradient_accumulation_steps:>5} "

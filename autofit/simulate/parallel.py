@@ -8,6 +8,8 @@
 - DDP with ``gradient_as_bucket_view=True`` keeps every gradient inside its flat communication buckets for the whole
   run; each gradient backward produces is copied in and freed. That is exactly a micro-batch that starts with
   gradients already allocated, so the simulation gives each parameter a view into one flat bucket per dtype.
+  With ``False`` the buckets are there as well, and the gradients live apart from them (See Note [DDP's bucket
+  views]).
 """
 
 from __future__ import annotations
@@ -50,9 +52,21 @@ def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> 
         sys.excepthook = excepthook
 
 
-def ddp_buckets(model: nn.Module) -> list[torch.Tensor]:
-    """Point every trainable parameter's ``.grad`` at a slice of one flat buffer per dtype (DDP's buckets with
-    ``gradient_as_bucket_view=True``). Returns the buffers, which must stay referenced while the step runs."""
+# Note [DDP's bucket views]
+#     DistributedDataParallel's reducer allocates its communication buckets when it is built, flat buffers as large
+#     as the trainable parameters' gradients together (per dtype), and keeps them as long as it lives (reducer.cpp,
+#     ``Reducer::initialize_buckets``). With ``gradient_as_bucket_view=True`` every ``param.grad`` is a view into a
+#     bucket: the gradients cost nothing beyond the buckets, and they exist from the first step to the last. With
+#     ``False``, torch's default, autograd creates each gradient as in one process (and ``zero_grad`` frees it), and
+#     the reducer copies it into its bucket to communicate and back after: one more gradient-sized copy at the
+#     peak. Lightning's ``DDPStrategy``, Hugging Face's Trainer and Accelerate build DDP with the default unless
+#     told; autofit's trainer sets True, its plans count that, and its exports set it where the framework can
+#     (autofit/emit/export.py). ``estimate(strategy="ddp", gradient_as_bucket_view=...)`` takes either mode and
+#     says which it assumed.
+def ddp_buckets(model: nn.Module, *, views: bool = True) -> list[torch.Tensor]:
+    """One flat buffer per dtype of the trainable parameters (DDP's buckets), every parameter's ``.grad`` pointed
+    at its slice with ``views`` (``gradient_as_bucket_view=True``), left alone without (See Note [DDP's bucket
+    views]). Returns the buffers, which must stay referenced while the step runs."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in model.parameters():
         if p.requires_grad:
@@ -62,7 +76,8 @@ def ddp_buckets(model: nn.Module) -> list[torch.Tensor]:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
         offset = 0
         for p in params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            if views:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         buffers.append(flat)
     return buffers

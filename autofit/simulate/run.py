@@ -241,7 +241,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
         with _optimizer_values(optimizer, fake):
             create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
-        buckets = ddp_buckets(work) if config.strategy == "ddp" else []
+        buckets = ddp_buckets(work, views=config.gradient_as_bucket_view) if config.strategy == "ddp" else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device == "cpu" or not fake else None)
