@@ -86,25 +86,47 @@ def test_a_bucket_mode_without_ddp_is_refused():
         autofit.estimate(model, torch.randn(2, 4), micro_batch_size=2, gradient_as_bucket_view=False)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("accumulation_steps", [1, 2])
-def test_estimate_of_each_bucket_mode_is_the_allocators_on_gloo(accumulation_steps):
-    """Two gloo ranks of DDP over tests/sharded_models.py's tiny Llama, 4 rows per micro-batch: the estimate of one
-    rank in each bucket mode against each rank's CPU allocator (held within 0.5 %, as every layout in
-    tests/test_measure_layouts.py), and the mode named in the estimate's notes. Without bucket views the rank holds
-    at least one more copy of the gradients' bytes (fp32, a hand count of the parameters)."""
+def _weight_heavy_mlp():
+    """Three 256-wide layers at 2 rows per rank: the step peaks at the optimizer step, where the gradients live."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    return model, torch.randn(4, 256), dict(target=torch.randint(0, 4, (4,)), loss_fn=nn.CrossEntropyLoss(),
+                                            micro_batch_size=2)
+
+
+def _tiny_llama():
     from sharded_models import tiny_llama
 
     case = tiny_llama()
-    kw = dict(micro_batch_size=4, world_size=2, strategy="ddp", accumulation_steps=accumulation_steps)
-    gradient_bytes = 4 * sum(p.numel() for p in case.model.parameters() if p.requires_grad)
+    return case.model, case.sample, dict(micro_batch_size=4)
+
+
+# (model, accumulation steps, whether the bucket mode moves the peak)
+CASES = [(_weight_heavy_mlp, 1, True), (_tiny_llama, 2, False), (_tiny_llama, 3, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build,accumulation_steps,differ", CASES, ids=["mlp-1", "llama-2", "llama-3"])
+def test_estimate_of_each_bucket_mode_is_the_allocators_on_gloo(build, accumulation_steps, differ):
+    """Two gloo ranks of DDP: the estimate of one rank in each bucket mode against each rank's CPU allocator (held
+    within 0.5 %, as every layout in tests/test_measure_layouts.py), and the mode named in the estimate's notes.
+    The weight-heavy MLP peaks at the optimizer step: without bucket views its rank holds one more copy of the
+    gradients, at least their bytes (fp32, a hand count of the parameters). Accumulating, the micro-batches before
+    the last run under no_sync(), where the gradients live apart from the buckets in either mode, so the tiny
+    Llama, which peaks in a later micro-batch, holds both copies either way (Note [DDP's bucket views])."""
+    model, sample, kw = build()
+    kw = dict(kw, world_size=2, strategy="ddp", accumulation_steps=accumulation_steps)
+    gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     peaks = {}
     for views in (True, False):
-        est = autofit.estimate(case.model, case.sample, gradient_as_bucket_view=views, **kw)
-        measured = autofit.measure(case.model, case.sample, gradient_as_bucket_view=views, **kw)
+        est = autofit.estimate(model, sample, gradient_as_bucket_view=views, **kw)
+        measured = autofit.measure(model, sample, gradient_as_bucket_view=views, **kw)
         assert any(f"gradient_as_bucket_view={views}" in n for n in est.notes), est.notes
         for rank, peak in enumerate(measured.rank_peaks):
             print(f"views={views} k={accumulation_steps} rank {rank}: predicted {est.peak_bytes} measured {peak}")
             assert abs(est.peak_bytes - peak) <= 0.005 * peak, (views, rank, est.peak_bytes, measured.rank_peaks)
         peaks[views] = measured.peak_bytes
-    assert peaks[False] - peaks[True] >= gradient_bytes * 0.99, (peaks, gradient_bytes)
+    if differ:
+        assert peaks[False] - peaks[True] >= gradient_bytes, (peaks, gradient_bytes)
+    else:
+        assert peaks[False] == peaks[True], peaks

@@ -80,7 +80,7 @@ from autofit.simulate.compiled_model import compiled_for_simulation, compiled_no
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
-from autofit.simulate.parallel import ddp_buckets, fake_mesh
+from autofit.simulate.parallel import ddp_buckets, fake_mesh, grads_into_buckets
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.routing import heavy_routing_during
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
@@ -241,7 +241,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
         with _optimizer_values(optimizer, fake):
             create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
-        buckets = ddp_buckets(work, views=config.gradient_as_bucket_view) if config.strategy == "ddp" else []
+        # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
+        views = config.gradient_as_bucket_view and config.accumulation_steps == 1
+        buckets = ddp_buckets(work, views=views) if config.strategy == "ddp" else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device == "cpu" or not fake else None)
@@ -274,7 +276,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                     stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
                 stack.enter_context(observe)
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
-                            stepped, fake=fake)
+                            buckets, stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
@@ -302,7 +304,8 @@ WINDOW_MICRO_BATCHES = 2
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
-                caster=None, stored=None, stepped: set[int] = frozenset(), fake: bool = True) -> None:
+                caster=None, stored=None, buckets=(), stepped: set[int] = frozenset(),
+                fake: bool = True) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
@@ -332,7 +335,11 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
             # (Note [offload]), it reduces every micro-batch instead: the shards accumulate, so no full set of
             # gradients ever sits on the device.
             model.set_requires_gradient_sync(micro_index == steps - 1)
-        with _forward_errors(tracker):
+        joining = (buckets and config.gradient_as_bucket_view and config.accumulation_steps > 1
+                   and micro_index == steps - 1)
+        into_buckets = (grads_into_buckets(model, list(buckets), as_ready=config.accumulation_steps == 2)
+                        if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
+        with _forward_errors(tracker), into_buckets:
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
                             scaler=scaler,
                             on_phase=on_phase)
