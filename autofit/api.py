@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
             clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
             strategy=None, reduce_every_micro_batch=False, chunked_loss=False, batch=None, target=None,
             loss_fn=None, reshard_after_forward=True, replicate=1, tensor_parallel=1,
-            tensor_parallel_plan=None, compile=False, preallocated_grads=False) -> StepConfig:
+            tensor_parallel_plan=None, compile=False, preallocated_grads=False, inputs="batch",
+            gradient_as_bucket_view=True) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -63,7 +65,25 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch,
                             chunked_loss=chunks, reshard_after_forward=reshard_after_forward, replicate=replicate,
                             tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
-                            preallocated_grads=preallocated_grads)
+                            preallocated_grads=preallocated_grads,
+                            held_rows=_held_rows(inputs, micro_batch_size, accumulation_steps),
+                            gradient_as_bucket_view=gradient_as_bucket_view)
+
+
+INPUTS = ("batch", "micro-batch")
+
+
+def _held_rows(inputs: str, micro_batch_size: int, accumulation_steps: int) -> int:
+    """``StepConfig.held_rows`` for ``inputs`` (See Note [one configuration, one figure], autofit/emit/assemble.py):
+    "batch", the whole window's rows resident, as ``trainer.step`` receives the batch at once and slices it;
+    "micro-batch", one micro-batch's (a loop that loads each micro-batch just before it runs)."""
+    if inputs not in INPUTS:
+        raise InvalidInputError(f"inputs={inputs!r}: give 'batch' (the whole batch resident during the step, as "
+                                "plan.wrap's trainer holds it) or 'micro-batch' (one micro-batch at a time)")
+    if inputs == "micro-batch" or not all(isinstance(n, int) and n >= 1
+                                          for n in (micro_batch_size, accumulation_steps)):
+        return 0  # 0 holds the micro-batch only; a bad size is named by StepConfig's own check
+    return micro_batch_size * accumulation_steps
 
 
 def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
@@ -86,12 +106,13 @@ def estimate(
     strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
     reshard_after_forward: bool | int = True, replicate: int = 1, tensor_parallel: int = 1,
     tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False, preallocated_grads: bool = False,
+    inputs: str = "batch", gradient_as_bucket_view: bool = True,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
     The step (docs/memory-model.md): forward and loss under the precision's autocast, backward; after
     ``accumulation_steps`` micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters,
-    buffers, optimizer state, inputs and targets (one micro-batch of them) are counted. ``model`` may live on the
+    buffers, optimizer state, inputs and targets are counted. ``model`` may live on the
     meta device. It is never modified. ``clip_grad_norm``: clip the gradients to this norm before the step
     (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
     runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
@@ -132,6 +153,19 @@ def estimate(
     place after each step (``zero_grad(set_to_none=False)``), as a plan that needs it runs (Note [gradients
     allocated before forward], autofit/training/grads.py); one process, no step in backward, no fp32 master copy.
 
+    ``gradient_as_bucket_view`` (with ``strategy="ddp"``): DDP's bucket mode. True (the default) is how autofit's
+    trainer wraps the model: every gradient is a view into DDP's communication buckets. False is torch's default,
+    which Lightning's ``DDPStrategy``, Hugging Face's Trainer and Accelerate use unless told otherwise: the buckets
+    hold a second, gradient-sized copy of the gradients (Note [DDP's bucket views], autofit/simulate/parallel.py).
+    A DDP estimate's ``notes`` say which mode it assumed.
+
+    ``inputs``: how many rows of inputs and targets are resident during the step. ``"batch"`` (the default): the
+    whole batch of ``micro_batch_size * accumulation_steps`` rows (per rank), as ``plan.wrap``'s trainer holds it:
+    ``trainer.step`` receives the batch at once and runs micro-batches sliced from it, so this is the figure a plan
+    names for the same configuration. ``"micro-batch"``: one micro-batch's rows, for a loop of one's own that loads
+    each micro-batch just before it runs. ``est.input_rows`` says which rows were counted (Note [one configuration,
+    one figure], autofit/emit/assemble.py).
+
     ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
@@ -144,10 +178,23 @@ def estimate(
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
                      reduce_every_micro_batch, chunked_loss, batch,
                      target_batch, loss_fn, reshard_after_forward, replicate, tensor_parallel,
-                     tensor_parallel_plan, compile, preallocated_grads)
+                     tensor_parallel_plan, compile, preallocated_grads, inputs, gradient_as_bucket_view)
     device_model = resolve_device(config.device, config.gpu)
     sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
-    return device_model.estimate(sim)
+    est = device_model.estimate(sim)
+    if config.strategy == "ddp":
+        est = replace(est, notes=est.notes + (bucket_note(config.gradient_as_bucket_view),))
+    return est
+
+
+def bucket_note(views: bool) -> str:
+    """What a DDP estimate assumed of the buckets (Note [DDP's bucket views], autofit/simulate/parallel.py)."""
+    if views:
+        return ("DDP with gradient_as_bucket_view=True (as autofit's trainer wraps it): every gradient is a view into "
+                "the communication buckets; with torch's default (False: Lightning's DDPStrategy, Hugging Face's "
+                "Trainer and Accelerate unless set) the buckets hold one more gradient-sized copy")
+    return ("DDP with gradient_as_bucket_view=False (torch's default): the gradients live apart from the "
+            "communication buckets, which hold a second gradient-sized copy")
 
 
 @restores_user_hooks  # Note [user hooks]
@@ -158,11 +205,13 @@ def measure(
     optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, chunked_loss: bool = False,
     compile: bool = False, preallocated_grads: bool = False, world_size: int = 1, strategy: str | None = None,
     reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True, replicate: int = 1,
-    tensor_parallel: int = 1, tensor_parallel_plan: Mapping[str, Any] | None = None,
+    tensor_parallel: int = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, inputs: str = "batch",
+    gradient_as_bucket_view: bool = True,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
-    Same arguments and defaults as :func:`estimate` (``checkpoint=None`` for none; ``device="cpu"`` and
+    Same arguments and defaults as :func:`estimate` (``inputs="batch"``: the whole batch is built before the step
+    and every micro-batch is a slice of it, as the trainer runs them; ``checkpoint=None`` for none; ``device="cpu"`` and
     ``precision="fp32"`` so that it runs on any machine; ``plan`` defaults to ``"cuda"`` and ``"auto"`` because it
     chooses for a GPU).
 
@@ -180,7 +229,8 @@ def measure(
                      loss_fn=loss_fn, compile=compile, preallocated_grads=preallocated_grads, world_size=world_size,
                      strategy=strategy, reduce_every_micro_batch=reduce_every_micro_batch,
                      reshard_after_forward=reshard_after_forward, replicate=replicate,
-                     tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan)
+                     tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan, inputs=inputs,
+                     gradient_as_bucket_view=gradient_as_bucket_view)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:

@@ -126,7 +126,7 @@ class DeviceTarget:
         if self.kind != "cuda":
             return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
                                   peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
-                                  preallocated_grads=sim.preallocated_grads)
+                                  preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows)
         from autofit.cuda.model import cuda_memory, cudnn_workspace_note, smallest_device_bytes
 
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
@@ -138,7 +138,7 @@ class DeviceTarget:
         est = MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
                              notes=notes, host_bytes=host, host_breakdown=host_breakdown, min_device_bytes=floor,
-                             preallocated_grads=sim.preallocated_grads)
+                             preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows)
         return replace(est, under=lambda budget: self._under(sim, est, budget))
 
     def _under(self, sim: Simulation, est: MemoryEstimate, budget: int) -> MemoryEstimate | None:

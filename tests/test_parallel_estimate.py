@@ -33,8 +33,8 @@ def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
 
 @pytest.mark.sim
 def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
-    """The plan holds all of its rank's rows (the trainer slices micro-batches from them), an estimate one
-    micro-batch: they differ by the other rows' bytes, counted by hand."""
+    """The plan holds all of its rank's rows (the trainer slices micro-batches from them), an estimate with
+    inputs="micro-batch" one micro-batch: they differ by the other rows' bytes, counted by hand."""
     case = wide_blocks("meta")
     plan = autofit.plan(case.model, case.sample, 26 * MiB, batch_size=16, target=case.target, loss_fn=case.loss_fn,
                         device="cpu", precision="fp32", world_size=2, strategy="fsdp2")
@@ -42,8 +42,15 @@ def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
                            accumulation_steps=plan.gradient_accumulation_steps, world_size=2, strategy="fsdp2",
-                           reduce_every_micro_batch=True)
+                           reduce_every_micro_batch=True, inputs="micro-batch")
     assert est.peak_bytes + (8 - plan.micro_batch_size) * ROW_BYTES == plan.peak_bytes
+    # estimate's default holds the rank's whole batch, as the trainer does: the plan's own figure (issue 39)
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 8
+    whole = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+                             loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
+                             accumulation_steps=plan.gradient_accumulation_steps, world_size=2, strategy="fsdp2",
+                             reduce_every_micro_batch=True)
+    assert whole.peak_bytes == plan.peak_bytes and whole.input_rows == 8
 
 
 def test_a_layout_without_its_other_half_is_refused():

@@ -86,7 +86,7 @@ def layers_table(layers: LayerTable, batch: int, limit: int = 8) -> Table:
 
 
 def frontier_table(plan: Plan) -> Table:
-    table = Table(title="alternatives (memory / time front, modelled)", title_justify="left")
+    table = Table(title="alternatives (front: chosen row verified, others modelled)", title_justify="left")
     for column, justify in (("precision", "left"), ("micro", "right"), ("accum", "right"),
                             ("checkpointed", "right"), ("peak MiB", "right"), ("step s", "right")):
         table.add_column(column, justify=justify)

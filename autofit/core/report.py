@@ -66,6 +66,10 @@ class MemoryEstimate:
     # the figures assume every gradient allocated before the first forward and kept between steps, where only that
     # fits the budget (Note [gradients before forward as a plan knob], autofit/solve/estimator.py)
     preallocated_grads: bool = False
+    # rows of inputs and targets resident all step (Note [one configuration, one figure], autofit/emit/assemble.py):
+    # the whole batch of micro_batch_size x accumulation_steps rows that trainer.step receives and slices
+    # (estimate's default, inputs="batch", and every plan), or one micro-batch (inputs="micro-batch"); 0: unknown
+    input_rows: int = 0
     # the estimate under a budget below device_bytes, or None when the step does not run under it; set by the
     # device model that can tell (CUDA), None elsewhere
     under: Callable[[int], MemoryEstimate | None] | None = field(default=None, compare=False, repr=False)
@@ -98,6 +102,7 @@ class MemoryEstimate:
             "peak_at": self.peak_at, "method": self.method, "notes": list(self.notes), "host_bytes": self.host_bytes,
             "host_breakdown": dict(self.host_breakdown), "min_device_bytes": self.min_device_bytes,
             "alloc_conf": self.alloc_conf, "preallocated_grads": self.preallocated_grads,
+            "input_rows": self.input_rows,
         }
 
     @classmethod
@@ -109,7 +114,7 @@ class MemoryEstimate:
             peak_phase=est["peak_phase"], peak_at=est["peak_at"], method=est["method"], notes=tuple(est["notes"]),
             host_bytes=int(est.get("host_bytes", 0)), host_breakdown=est.get("host_breakdown", {}),
             min_device_bytes=int(est.get("min_device_bytes", 0)), alloc_conf=str(est.get("alloc_conf", "")),
-            preallocated_grads=bool(est.get("preallocated_grads", False)),
+            preallocated_grads=bool(est.get("preallocated_grads", False)), input_rows=int(est.get("input_rows", 0)),
         )
 
     @property

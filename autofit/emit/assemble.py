@@ -11,7 +11,7 @@ from autofit.solve.search import Candidate, pareto_front
 from autofit.training.chunked_loss import LossChunks
 from autofit.training.precision import PrecisionPolicy
 
-__all__ = ["assemble_plan", "selective_note"]
+__all__ = ["assemble_plan", "front_with", "selective_note"]
 
 
 def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, budget_bytes: int,
@@ -23,12 +23,13 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None,
                   tensor_parallel: int = 1, tensor_plan: tuple[tuple[str, str], ...] = (),
                   compile: bool = False) -> Plan:
-    """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front."""
+    """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front,
+    in which the chosen configuration's row carries its verified figure (See Note [one configuration, one figure])."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
                     peak_bytes=c.peak_bytes, step_seconds=c.seconds, selective=c.selective)
-        for c in pareto_front(list(fitting))
+        for c in front_with(chosen, est, fitting)
     )
     return Plan(
         micro_batch_size=chosen.micro_batch_size, gradient_accumulation_steps=chosen.accumulation_steps,
@@ -46,6 +47,34 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer,
         tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
     )
+
+
+# Note [one configuration, one figure]
+#     A configuration's figure is what its full estimate puts on the device (``device_bytes``, what a budget is
+#     checked against), with the inputs the trainer holds: the whole batch of one rank, since ``trainer.step``
+#     receives it at once and slices the micro-batches from it (``StepConfig.held_rows``). ``autofit.estimate``
+#     (``inputs="batch"``, its default), the plan's verification, its table, JSON and ``autofit verify`` all read
+#     that estimate. The front ranks the other configurations by the search's models, which are cheaper and can
+#     differ from their full estimates (GPT-2 on a T4, fp16 8 x 4: modelled 14,961.3 MiB, verified 14,618.0 MiB);
+#     the chosen configuration has been verified, so its row shows the verified figure, never the modelled one,
+#     and the plot's front passes through the point it marks as chosen.
+def _knobs(c: Candidate) -> tuple:
+    """What makes two candidates the same configuration (the verification may allocate gradients before forward
+    where only that fits: the same knobs, laid out otherwise)."""
+    return (c.precision, c.micro_batch_size, c.accumulation_steps, c.last_micro_batch_size, c.checkpoint,
+            c.selective, c.in_backward, c.offload, c.offload_states)
+
+
+def front_with(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...]) -> list[Candidate]:
+    """The memory/time front of ``fitting`` with ``chosen`` at its verified figure (``est.device_bytes``) in place
+    of its modelled one, and always on it (See Note [one configuration, one figure])."""
+    if not fitting:  # the quick path has no front (Note [the quick path], solve/quick.py)
+        return []
+    verified = replace(chosen, peak_bytes=est.device_bytes)
+    front = pareto_front([c for c in fitting if _knobs(c) != _knobs(chosen)] + [verified])
+    if verified not in front:  # a modelled tie in time with a smaller modelled peak: the plan is still this one
+        front = sorted(front + [verified], key=lambda c: (c.seconds, -c.peak_bytes))
+    return front
 
 
 def selective_note(plan: Plan, versus: Candidate) -> str:

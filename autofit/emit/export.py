@@ -21,6 +21,14 @@ Selective recomputation (autofit/training/recompute.py): every export lists the 
 own switches cannot (HF's ``gradient_checkpointing`` recomputes every decoder layer with one policy). DeepSpeed's
 activation checkpointing recomputes whole modules and has no op-level policy, which its export says.
 
+DDP's bucket views (Note [DDP's bucket views], autofit/simulate/parallel.py): a DDP plan counts the gradients inside
+DDP's communication buckets (``gradient_as_bucket_view=True``, as autofit's trainer wraps the model); torch's default,
+which these frameworks keep unless told, holds one more gradient-sized copy. Every DDP export carries the setting
+in the framework's own terms: Lightning's ``ddp_strategy`` (``DDPStrategy(**ddp_strategy)``), Accelerate's
+``ddp_kwargs`` (``DistributedDataParallelKwargs(**ddp_kwargs)`` in ``Accelerator(kwargs_handlers=...)``), and for
+Hugging Face, whose ``TrainingArguments`` cannot express it, ``ddp_kwargs`` with a note naming
+``autofit.integrations.hf.bucket_views(trainer)``, which sets it on the Trainer's Accelerator.
+
 Stored precision (Note [stored precision], autofit/training/stored.py) maps where the framework has the same scheme: pure bf16
 is Lightning's "bf16-true" and, for Hugging Face, loading the model with ``torch_dtype=torch.bfloat16``; bf16/fp16
 parameters with an fp32 master copy are DeepSpeed's ``bf16`` / ``fp16`` modes (its optimizer keeps fp32 master
@@ -35,7 +43,7 @@ from typing import Any
 from autofit.emit.plan import Plan
 from autofit.training.sequence_parallel import is_sequence_parallel
 
-__all__ = ["to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
+__all__ = ["DDP_KWARGS", "to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
            "to_torchtitan_config", "to_torchtitan_toml", "EXPORTERS"]
 
 
@@ -98,6 +106,20 @@ def _selective_notes(plan: Plan, how: str) -> list[str]:
             f"torch.utils.checkpoint.create_selective_checkpoint_contexts): {how}"]
 
 
+# DistributedDataParallel's keyword that a DDP plan's memory depends on (Note [DDP's bucket views])
+DDP_KWARGS = {"gradient_as_bucket_view": True}
+
+
+def _gradient_bytes(plan: Plan) -> int:
+    return plan.estimate.breakdown.get("gradients", 0)
+
+
+def _bucket_note(plan: Plan, how: str) -> str:
+    return (f"DDP with gradient_as_bucket_view=True (the plan counts the gradients inside DDP's buckets; torch's "
+            f"default keeps one more gradient-sized copy, {_gradient_bytes(plan):,} bytes per GPU at this plan's "
+            f"peak): {how}")
+
+
 def _stored(plan: Plan) -> str | None:
     return None if plan.precision.stored in (None, "fp32") else plan.precision.stored
 
@@ -124,6 +146,12 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
     elif stored is not None:
         notes.append(f"the plan stores {stored}: Hugging Face's Trainer keeps no fp32 master copy of "
                      "low-precision parameters; train with plan.wrap() or the DeepSpeed export")
+    if plan.strategy == "ddp":
+        # TrainingArguments has no field for it: Trainer._build_accelerator_args builds DistributedDataParallelKwargs
+        # from ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers and ddp_static_graph only
+        out["ddp_kwargs"] = dict(DDP_KWARGS)
+        notes.append(_bucket_note(plan, "TrainingArguments cannot set it; after building the Trainer, call "
+                                        "autofit.integrations.hf.bucket_views(trainer) before trainer.train()"))
     if plan.strategy == "fsdp2":
         # TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2}): FSDP2 through Accelerate (training_args.py)
         args["fsdp"] = "full_shard" + (" offload" if plan.offload_states else "")
@@ -203,6 +231,10 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
         trainer["devices"] = per_node
         if per_node < plan.world_size:
             trainer["num_nodes"] = plan.world_size // per_node
+    if plan.strategy == "ddp":  # lightning.pytorch.strategies.DDPStrategy(**kwargs) passes them to DDP
+        out["ddp_strategy"] = dict(DDP_KWARGS)
+        notes.append(_bucket_note(plan, "pass Trainer(strategy=DDPStrategy(**ddp_strategy)); strategy='ddp' "
+                                        "builds DDPStrategy() without it"))
     if plan.strategy == "fsdp2":
         strategy, more = _lightning_fsdp(plan)
         out["fsdp_strategy"] = strategy
@@ -257,8 +289,12 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
         "num_machines": plan.world_size // per_node, "num_processes": plan.world_size,
     }
     notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "accelerate")
+    ddp: dict[str, Any] = {}
     if plan.strategy == "ddp":
         config["distributed_type"] = "MULTI_GPU"
+        ddp = {"ddp_kwargs": dict(DDP_KWARGS)}  # the config file has no DDP keyword: the Accelerator's handler
+        notes.append(_bucket_note(plan, "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**ddp_kwargs)], "
+                                        "...)"))
     elif plan.strategy == "fsdp2":
         raf = plan.reshard_after_forward
         config["distributed_type"] = "FSDP"
@@ -291,7 +327,7 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
     else:
         config["distributed_type"] = "NO"
     # the accumulation is the Accelerator's argument, not the config file's; the micro-batch the DataLoader's
-    return {"config_file": config, "accelerator": {"gradient_accumulation_steps": steps},
+    return {"config_file": config, "accelerator": {"gradient_accumulation_steps": steps}, **ddp,
             "dataloader_batch_size": micro, "autofit_notes": notes}
 
 

@@ -33,7 +33,9 @@ class Alternative:
     micro_batch_size: int
     gradient_accumulation_steps: int
     checkpoint: tuple[str, ...]
-    peak_bytes: int  # modelled (not verified) peak
+    # on the device (what the budget is checked against): modelled, except the chosen configuration's row, which
+    # is its verified figure, the plan's device_bytes (Note [one configuration, one figure], emit/assemble.py)
+    peak_bytes: int
     step_seconds: float  # modelled step time
     selective: tuple[str, ...] = ()  # those of checkpoint recomputed selectively
 
@@ -387,7 +389,7 @@ class Plan:
         width = max(len(k) for k, _ in rows)
         lines = ["autofit plan", *(f"  {k:<{width}}  {v}" for k, v in rows), "", str(self.estimate)]
         if self.frontier:
-            lines += ["", "alternatives (memory / time front, modelled):",
+            lines += ["", "alternatives (front: chosen row verified, others modelled):",
                       f"  {'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'peak MiB':>10} {'step s':>9}"]
             for a in self.frontier:
                 lines.append(f"  {a.precision:<9} {a.micro_batch_size:>5} {a.gradient_accumulation_steps:>5} "

@@ -12,6 +12,10 @@ the plan recomputes a few modules, or parts of layers. So ``training_arguments``
 :class:`AutofitCallback` applies exactly ``plan.checkpoint`` (and the plan's fp32-pinned modules) to the model when
 training begins, with autofit's own patch (non-reentrant ``torch.utils.checkpoint``, the one the estimate
 simulated), and removes it when training ends.
+
+A DDP plan counts the gradients inside DDP's buckets (``gradient_as_bucket_view=True``, Note [DDP's bucket views] in
+autofit/simulate/parallel.py), which ``TrainingArguments`` cannot express: :func:`bucket_views` sets it on the
+Trainer's Accelerator, after the Trainer is built and before ``train()`` wraps the model.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from autofit.emit.export import to_hf_training_arguments
 from autofit.integrations import checked_plan, plan_patches, require
 from autofit.emit.plan import Plan
 
-__all__ = ["training_arguments", "AutofitCallback", "plan_argument_values"]
+__all__ = ["training_arguments", "AutofitCallback", "plan_argument_values", "bucket_views"]
 
 _EXTRA = "torch-autofit[hf]"
 
@@ -45,6 +49,22 @@ def training_arguments(plan: Plan, args: Any = None, **kwargs: Any):
         raise InvalidInputError(f"training_arguments() needs a TrainingArguments, got {type(args).__name__}")
     return dataclasses.replace(args, **kwargs, **values)
 
+
+
+def bucket_views(trainer: Any) -> Any:
+    """Make ``trainer`` (a ``transformers.Trainer``, before ``train()``) wrap the model in DDP with
+    ``gradient_as_bucket_view=True``, as a DDP plan assumes: its Accelerator's ``DistributedDataParallelKwargs``
+    (the ``ddp_handler`` it passes to DDP in ``prepare_model``) with that field set, the Trainer's other DDP settings
+    kept. Returns the trainer."""
+    require("transformers", _EXTRA)
+    accelerate_utils = require("accelerate.utils", _EXTRA)
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is None or not hasattr(accelerator, "ddp_handler"):
+        raise InvalidInputError(f"bucket_views() needs a transformers.Trainer (built, before train()), got "
+                                f"{type(trainer).__name__}")
+    handler = accelerator.ddp_handler or accelerate_utils.DistributedDataParallelKwargs()
+    accelerator.ddp_handler = dataclasses.replace(handler, gradient_as_bucket_view=True)
+    return trainer
 
 
 def _callback_class():

@@ -87,9 +87,12 @@ def measure_step(
     work = real_copy(model).to(device)
     if config.compile:  # Note [compile as a knob]: nn.Module.compile keeps the module's names and parameters
         work.compile()
-    micro = batch.map_tensors(lambda t: t.to(device)).resize(config.micro_batch_size)
-    micro_target = None if target is None else target.map_tensors(lambda t: t.to(device)).resize(
-        config.micro_batch_size)
+    # the rows resident all window (StepConfig.held_rows: the whole batch, as trainer.step receives it, or one
+    # micro-batch), and the micro-batches as slices of them, as the trainer runs them
+    rows = max(config.held_rows, config.micro_batch_size)
+    whole = batch.map_tensors(lambda t: t.to(device)).resize(rows)
+    whole_target = None if target is None else target.map_tensors(lambda t: t.to(device)).resize(rows)
+    micro_batches = [_rows(whole, whole_target, i, config.micro_batch_size) for i in range(config.accumulation_steps)]
     # one rank of a parallel layout (measure/ranks.py runs one process per rank): DDP wraps the copy, FSDP2 and
     # tensor parallel replace its parameters in place; the knobs patch the copy itself, as the trainer patches its
     # model's inner module
@@ -101,7 +104,7 @@ def measure_step(
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
 
     def window() -> None:
-        for i in range(config.accumulation_steps):
+        for i, (micro, micro_target) in enumerate(micro_batches):
             with gradient_sync(work, strategy=config.strategy, sharded=config.fully_sharded,
                                last=i == config.accumulation_steps - 1, offload_states=config.offload_states,
                                reduce_every_micro_batch=config.reduce_every_micro_batch):
@@ -118,7 +121,7 @@ def measure_step(
         if config.strategy == "ddp":
             window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it
         gc.collect()
-        before = _live_before(inner, optimizer, scaler, micro, micro_target, stored)
+        before = _live_before(inner, optimizer, scaler, whole, whole_target, stored)
         if config.strategy == "ddp":  # the buckets outlive every step; no gradient points at them after zero_grad
             before[Category.GRADIENTS] += ddp_bucket_bytes(work)
         base = sum(before.values())
@@ -141,6 +144,13 @@ def measure_step(
 
 
 _WINDOW = "autofit::measured_window"
+
+
+def _rows(whole: Batch, target: Batch | None, i: int, size: int) -> tuple[Batch, Batch | None]:
+    """Micro-batch ``i`` of ``size`` rows as views of the resident rows (the first ``size`` again where fewer rows
+    than the window's are resident)."""
+    start = i * size if (i + 1) * size <= whole.size else 0
+    return whole.slice(start, start + size), None if target is None else target.slice(start, start + size)
 
 
 def _measure_window(window, device: torch.device, own_thread: bool = False) -> int:

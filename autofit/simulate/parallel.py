@@ -8,6 +8,8 @@
 - DDP with ``gradient_as_bucket_view=True`` keeps every gradient inside its flat communication buckets for the whole
   run; each gradient backward produces is copied in and freed. That is exactly a micro-batch that starts with
   gradients already allocated, so the simulation gives each parameter a view into one flat bucket per dtype.
+  With ``False`` the buckets are there as well, and the gradients live apart from them (See Note [DDP's bucket
+  views]).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from autofit.core._torch import fake_store
 from autofit.core.errors import UnsupportedModelError
 from autofit.training.strategy import mesh_names, mesh_shape
 
-__all__ = ["fake_mesh", "ddp_buckets", "gloo_staging_bytes"]
+__all__ = ["fake_mesh", "ddp_buckets", "grads_into_buckets", "gloo_staging_bytes"]
 
 
 @contextlib.contextmanager
@@ -50,22 +52,75 @@ def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> 
         sys.excepthook = excepthook
 
 
-def ddp_buckets(model: nn.Module) -> list[torch.Tensor]:
-    """Point every trainable parameter's ``.grad`` at a slice of one flat buffer per dtype (DDP's buckets with
-    ``gradient_as_bucket_view=True``). Returns the buffers, which must stay referenced while the step runs."""
+# Note [DDP's bucket views]
+#     DistributedDataParallel's reducer allocates its communication buckets when it is built, flat buffers as large
+#     as the trainable parameters' gradients together (per dtype), and keeps them as long as it lives (reducer.cpp,
+#     ``Reducer::initialize_buckets``). With ``gradient_as_bucket_view=True`` every ``param.grad`` is a view into a
+#     bucket: the gradients cost nothing beyond the buckets, and they exist from the first step to the last. With
+#     ``False``, torch's default, autograd creates each gradient as in one process (and ``zero_grad`` frees it), and
+#     the reducer copies it into its bucket to communicate and back after: one more gradient-sized copy at the
+#     peak. Lightning's ``DDPStrategy``, Hugging Face's Trainer and Accelerate build DDP with the default unless
+#     told; autofit's trainer sets True, its plans count that, and its exports set it where the framework can
+#     (autofit/emit/export.py). ``estimate(strategy="ddp", gradient_as_bucket_view=...)`` takes either mode and
+#     says which it assumed.
+#     Under accumulation the bucket views do not hold from the start of a window: the micro-batches before the last
+#     run under ``no_sync()``, where the reducer does nothing, so autograd creates the gradients apart from the
+#     buckets (zero_grad(set_to_none=True) left them None) and they accumulate there; only the last micro-batch's
+#     backward copies each gradient into its bucket as it is ready and points ``.grad`` at the bucket, freeing the
+#     separate one (reducer.cpp, ``mark_variable_ready_dense``). So a window of k > 1 holds both copies from the
+#     first backward until the last one (two gloo ranks of a tiny Llama at 2 x 4 rows measured 394,496 B, its
+#     gradients, above the step with views from the start). The simulation does the same: the grads point at the
+#     buckets from the start only for k = 1; for k = 2 they move in as each is accumulated in the last backward;
+#     for k > 2 the simulated last micro-batch stands also for those in between, which run all of their backward
+#     without moving any, so they move after its backward (the peak of a middle micro-batch, the larger).
+def _trainable_by_dtype(model: nn.Module) -> list[list[nn.Parameter]]:
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in model.parameters():
         if p.requires_grad:
             by_dtype.setdefault(p.dtype, []).append(p)
-    buffers = []
-    for dtype, params in by_dtype.items():
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+    return list(by_dtype.values())
+
+
+def _slices(model: nn.Module, buffers: list[torch.Tensor]) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+    """Each trainable parameter with its slice of the bucket of its dtype, shaped like it."""
+    for params, flat in zip(_trainable_by_dtype(model), buffers):
         offset = 0
         for p in params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            yield p, flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        buffers.append(flat)
+
+
+def ddp_buckets(model: nn.Module, *, views: bool = True) -> list[torch.Tensor]:
+    """One flat buffer per dtype of the trainable parameters (DDP's buckets), every parameter's ``.grad`` pointed
+    at its slice with ``views`` (``gradient_as_bucket_view=True``), left alone without (See Note [DDP's bucket
+    views]). Returns the buffers, which must stay referenced while the step runs."""
+    buffers = [torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+               for params in _trainable_by_dtype(model)]
+    if views:
+        for p, view in _slices(model, buffers):
+            p.grad = view
     return buffers
+
+
+def _into_bucket(p: nn.Parameter, view: torch.Tensor) -> None:
+    if p.grad is not None and p.grad is not view:
+        view.copy_(p.grad)
+        p.grad = view
+
+
+def grads_into_buckets(model: nn.Module, buffers: list[torch.Tensor], *, as_ready: bool):
+    """The reducer's last backward of a window with bucket views (See Note [DDP's bucket views]): with ``as_ready``
+    a context in which each gradient moves into its bucket as soon as it is accumulated; without, a context that
+    moves every gradient when it exits."""
+    pairs = list(_slices(model, buffers))
+    stack = contextlib.ExitStack()
+    if as_ready:
+        for p, view in pairs:
+            handle = p.register_post_accumulate_grad_hook(lambda p, view=view: _into_bucket(p, view))
+            stack.callback(handle.remove)
+    else:
+        stack.callback(lambda: [_into_bucket(p, view) for p, view in pairs])
+    return stack
 
 
 # Note [gloo's staging copies]

@@ -81,7 +81,7 @@ from autofit.simulate.compiled_model import compiled_for_simulation, compiled_no
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
-from autofit.simulate.parallel import ddp_buckets, fake_mesh
+from autofit.simulate.parallel import ddp_buckets, fake_mesh, grads_into_buckets
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
@@ -123,6 +123,7 @@ class Simulation:
     preallocated_grads: bool = False  # the step allocated its gradients before forward (training/grads.py)
     compiled: bool = False  # the model ran as inductor compiles it (Note [inductor without kernels])
     random_draws: int = 0  # random decisions forced to an extreme (Note [random layer skipping], randomness.py)
+    input_rows: int = 0  # rows of inputs and targets resident all step (StepConfig.held_rows, at least the micro-batch)
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
@@ -177,7 +178,7 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
         return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads,
-                          random_draws=sim.random_draws)
+                          random_draws=sim.random_draws, input_rows=sim.input_rows)
 
 
 @contextlib.contextmanager
@@ -264,7 +265,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
         with _optimizer_values(optimizer, fake):
             create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
-        buckets = ddp_buckets(work) if config.strategy == "ddp" else []
+        # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
+        views = config.gradient_as_bucket_view and config.accumulation_steps == 1
+        buckets = ddp_buckets(work, views=views) if config.strategy == "ddp" else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device == "cpu" or not fake else None)
@@ -301,7 +304,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 # made skip the model's frames, leaving the user's later real compile eager
                 draws = stack.enter_context(draws_at(extreme) if not inductor else contextlib.nullcontext(Draws(extreme)))
                 _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
-                            stepped, fake=fake)
+                            buckets, stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
@@ -319,7 +322,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes),
-                      config.preallocated_grads, compiled=bool(inductor), random_draws=draws.count)
+                      config.preallocated_grads, compiled=bool(inductor), random_draws=draws.count,
+                      input_rows=max(config.held_rows, config.micro_batch_size))
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
@@ -329,7 +333,8 @@ WINDOW_MICRO_BATCHES = 2
 
 
 def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
-                caster=None, stored=None, stepped: set[int] = frozenset(), fake: bool = True) -> None:
+                caster=None, stored=None, buckets=(), stepped: set[int] = frozenset(),
+                fake: bool = True) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
@@ -359,7 +364,11 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
             # (Note [offload]), it reduces every micro-batch instead: the shards accumulate, so no full set of
             # gradients ever sits on the device.
             model.set_requires_gradient_sync(micro_index == steps - 1)
-        with _forward_errors(tracker):
+        joining = (buckets and config.gradient_as_bucket_view and config.accumulation_steps > 1
+                   and micro_index == steps - 1)
+        into_buckets = (grads_into_buckets(model, list(buckets), as_ready=config.accumulation_steps == 2)
+                        if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
+        with _forward_errors(tracker), into_buckets:
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
                             scaler=scaler,
                             on_phase=on_phase)

@@ -87,6 +87,10 @@ class StepConfig:
     # every trainable parameter's gradient allocated before the first forward and zeroed in place after each step
     # (zero_grad(set_to_none=False)), not created in backward (Note [gradients allocated before forward])
     preallocated_grads: bool = False
+    # DDP's gradient_as_bucket_view (See Note [DDP's bucket views], autofit/simulate/parallel.py): True, as autofit's
+    # trainer wraps the model, keeps every gradient inside the communication buckets; False, torch's default (and
+    # Lightning's, Hugging Face's and Accelerate's unless told), keeps the gradients apart from the buckets
+    gradient_as_bucket_view: bool = True
 
     @property
     def fully_sharded(self) -> bool:
@@ -99,6 +103,12 @@ class StepConfig:
         require_int("accumulation_steps", self.accumulation_steps)
         require_int("held_rows", self.held_rows, minimum=0)
         require_strategy(self.strategy)
+        if not isinstance(self.gradient_as_bucket_view, bool):
+            raise InvalidInputError(f"gradient_as_bucket_view must be True or False, got "
+                                    f"{self.gradient_as_bucket_view!r}")
+        if not self.gradient_as_bucket_view and self.strategy != "ddp":
+            raise InvalidInputError("gradient_as_bucket_view=False describes DDP's buckets: it needs strategy='ddp' "
+                                    "(leave it out for one process or FSDP2)")
         require_int("world_size", self.world_size)
         require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate)
         require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
@@ -172,6 +182,7 @@ def make_step_config(
     offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
     replicate: int = 1, chunked_loss: LossChunks | None = None, tensor_parallel: int = 1,
     tensor_plan: tuple[tuple[str, str], ...] = (), compile: bool = False, preallocated_grads: bool = False,
+    gradient_as_bucket_view: bool = True,
 ) -> StepConfig:
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
@@ -191,7 +202,7 @@ def make_step_config(
         reduce_every_micro_batch=bool(reduce_every_micro_batch),
         reshard_after_forward=reshard_after_forward, replicate=replicate,
         chunked_loss=chunked_loss, tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan),
-        compile=compile, preallocated_grads=preallocated_grads,
+        compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
     )
 
 

@@ -34,14 +34,14 @@ def apply_layout(model: nn.Module, mesh, step: StepConfig, *, pin_memory: bool =
 
 def laid_out(model: nn.Module, step: StepConfig, device_type: str) -> nn.Module:
     """``model`` laid out as ``step`` says over the default process group, which must be initialised with
-    ``step.world_size`` ranks: DDP (``gradient_as_bucket_view=True``, as the trainer wraps it) or the FSDP2 /
+    ``step.world_size`` ranks: DDP (``gradient_as_bucket_view`` as the step says: True, as the trainer wraps it) or the FSDP2 /
     tensor-parallel layout of :func:`apply_layout` on a mesh of ``device_type``. One process: ``model`` itself."""
     if step.world_size == 1 and not step.offload_states:
         return model
     if step.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, gradient_as_bucket_view=True)
+        return DistributedDataParallel(model, gradient_as_bucket_view=step.gradient_as_bucket_view)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, mesh_shape(step.world_size, step.replicate, step.tensor_parallel),
