@@ -21,7 +21,7 @@ from torch import nn
 from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
-from autofit.training.loss import LossFn
+from autofit.training.loss import LossFn, describe_loss
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.plan import Plan
 from autofit.request import Parallel, PlanRequest, make_request
@@ -358,6 +358,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
+    plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn)  # Note [the plan's loss]
     return replace(plan, lengths=spec) if table is None else replace(plan, lengths=spec, rows_by_length=table)
 
 

@@ -107,3 +107,41 @@ def test_the_default_loss_still_reads_a_loss_a_tensor_and_hugging_face_logits() 
     hidden = outputs.BaseModelOutput(last_hidden_state=logits)  # no documented prediction: refused
     with pytest.raises(autofit.LossError, match="BaseModelOutput.*last_hidden_state.*loss_fn="):
         default_loss(hidden, y)
+
+
+# ---- 2. the plan records its loss --------------------------------------------------------------------------------------
+def _smoothed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target, label_smoothing=0.2)
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+@pytest.mark.sim
+def test_the_plan_trains_with_the_loss_it_was_planned_with_and_its_json_names_it() -> None:
+    model, (x, y) = _classifier(), _classes()
+    plan = autofit.plan(model, x, "100MB", batch_size=16, target=y, loss_fn=_smoothed, optimizer="sgd", device="cpu")
+    assert plan.loss == f"custom: {__name__}._smoothed"
+    by_hand = F.cross_entropy(model(x), y, label_smoothing=0.2).item()  # the truth: the smoothed loss, by hand
+    plain = F.cross_entropy(model(x), y).item()
+    assert abs(by_hand - plain) > 1e-3  # the two losses differ, so the check below can fail
+    with plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)) as trainer:  # no loss_fn: the planned one
+        assert trainer.step(x, y) == pytest.approx(by_hand, rel=1e-6)
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded == plan and loaded.loss == plan.loss and loaded.loss_fn is None
+    with pytest.raises(autofit.InvalidInputError, match=r"custom loss \(custom: .*_smoothed\).*loss_fn="):
+        loaded.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with loaded.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_smoothed) as trainer:
+        expected = F.cross_entropy(model(x), y, label_smoothing=0.2).item()
+        assert trainer.step(x, y) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_plan_of_the_default_loss_loaded_from_json_trains_with_the_default() -> None:
+    model, (x, y) = _classifier(), _classes()
+    plan = Plan.from_json(_plan(micro=8, batch=16).to_json())
+    assert plan.loss == "default"
+    expected = F.cross_entropy(model(x), y).item()
+    with plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)) as trainer:
+        assert trainer.step(x, y) == pytest.approx(expected, rel=1e-6)

@@ -109,6 +109,10 @@ class Plan:
     # when the plan recomputes selectively: the predicted step time of the fastest configuration, under the same
     # budget and in the same run, that recomputes whole modules only (None: not searched, or none fits)
     module_level_step_seconds: float | None = None
+    # the loss the plan was planned with (Note [the plan's loss]): "default" or "custom: <module>.<name>", written to
+    # the JSON; ``loss_fn`` is the function itself, known in the process that planned only
+    loss: str = "default"
+    loss_fn: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
@@ -199,8 +203,12 @@ class Plan:
     def wrap(self, model: nn.Module, optimizer, *, loss_fn=None):
         """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned.
 
+        Without ``loss_fn`` it trains with the loss the plan was planned with (Note [the plan's loss]): the default
+        one, or the ``loss_fn`` given to ``plan()`` in this process; a plan loaded from JSON that was planned with a
+        custom loss needs it again (an :class:`~autofit.InvalidInputError` otherwise).
         For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
         to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
+        loss_fn = self.planned_loss() if loss_fn is None else loss_fn
         if self.world_size > 1 or self.strategy is not None:
             from autofit.emit.distributed import DistributedTrainer
 
@@ -209,9 +217,25 @@ class Plan:
 
         return Trainer(self, model, optimizer, loss_fn=loss_fn)
 
+    def planned_loss(self) -> Callable[..., Any] | None:
+        """The loss the trainer uses when ``wrap`` is given none: the planned one (None: the default loss)."""
+        # Note [the plan's loss]
+        # ~~~~~~~~~~~~~~~~~~~~~~
+        # The plan's memory, and its meaning, were computed with one loss; a trainer that silently falls back to the
+        # default trains something else (label smoothing dropped, or the wrong output). So the plan keeps the
+        # function (compare=False: two plans of the same knobs are equal whatever function object they hold) and a
+        # description for the JSON. A function cannot travel through JSON, and loading runs no code, so a loaded plan
+        # whose loss was custom refuses to guess rather than train with the default.
+        if self.loss == "default" or self.loss_fn is not None:
+            return self.loss_fn
+        raise InvalidInputError(
+            f"this plan was planned with a custom loss ({self.loss}) and was loaded from JSON, which cannot carry a "
+            "function: pass it again, plan.wrap(model, optimizer, loss_fn=...)"
+        )
+
     # ---- serialisation (plain JSON; loading runs no code) -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loss_fn"}
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
                              "stored": self.precision.stored}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from autofit.core._torch import PASSTHROUGH_ERRORS
 from autofit.core.errors import LossError
 
-__all__ = ["LossFn", "compute_loss"]
+__all__ = ["LossFn", "compute_loss", "describe_loss"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -117,6 +117,15 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
         f"({describe_output(output)}{'' if target is None else ' with a target'}): "
         "pass loss_fn=lambda output, target: ..."
     )
+
+
+def describe_loss(loss_fn: LossFn | None) -> str:
+    """How a plan names its loss in JSON: "default", or "custom: <module>.<qualified name>"."""
+    if loss_fn is None:
+        return "default"
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__qualname__
+    module = getattr(loss_fn, "__module__", None) or type(loss_fn).__module__
+    return f"custom: {module}.{name}"
 
 
 def compute_loss(loss_fn: LossFn | None, output: Any, target: Any) -> torch.Tensor:
