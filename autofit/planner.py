@@ -22,6 +22,7 @@ from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn, describe_loss
+from autofit.training.normalisation import loss_reduction
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.plan import Plan
 from autofit.request import Parallel, PlanRequest, make_request
@@ -359,6 +360,10 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
     plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn)  # Note [the plan's loss]
+    if loss_reduction(request.model, request.batch, request.target, request.loss_fn) == "sum":
+        plan = replace(plan, loss_reduction="sum", notes=plan.notes + (
+            "loss_fn is a sum over rows (the loss of two rows is the sum of theirs): the trainer adds the "
+            "micro-batches' losses unweighted, so a step equals one full-batch step (Note [sum-reduced losses])",))
     return replace(plan, lengths=spec) if table is None else replace(plan, lengths=spec, rows_by_length=table)
 
 

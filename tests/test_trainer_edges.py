@@ -145,3 +145,147 @@ def test_a_plan_of_the_default_loss_loaded_from_json_trains_with_the_default() -
     expected = F.cross_entropy(model(x), y).item()
     with plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)) as trainer:
         assert trainer.step(x, y) == pytest.approx(expected, rel=1e-6)
+
+
+# ---- 3. wrap checks the optimizer and refuses a second wrap; unwrap restores in any order ------------------------------
+def _checkpointed_plan() -> Plan:
+    from dataclasses import replace
+
+    return replace(_plan(micro=4, batch=16), checkpoint=("0",))
+
+
+def _module_state(model: nn.Module) -> dict[str, tuple]:
+    """What a trainer could leave behind: each module's instance attributes and hooks, and every tensor's value."""
+    state = {name: (sorted(m.__dict__), len(m._forward_hooks), len(m._forward_pre_hooks))
+             for name, m in model.named_modules()}
+    state.update({name: (value.clone(),) for name, value in model.state_dict().items()})
+    return state
+
+
+def _same_state(a: dict[str, tuple], b: dict[str, tuple]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(x[0], y[0]) if isinstance(x[0], torch.Tensor) else x == y for x, y in zip(a.values(), b.values()))
+
+
+def test_an_optimizer_over_another_model_is_refused_naming_the_missing_parameters() -> None:
+    model, other = _classifier(), _classifier()
+    with pytest.raises(autofit.InvalidInputError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(32, 8\)\)"):
+        _plan(micro=4, batch=16).wrap(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    partial = torch.optim.SGD(model[0].parameters(), lr=0.1)  # the head is left out
+    with pytest.raises(autofit.InvalidInputError, match=r"does not step 2 trainable.*2\.weight, 2\.bias"):
+        _plan(micro=4, batch=16).wrap(model, partial)
+    model[2].requires_grad_(False)  # frozen: leaving it out is right
+    with _plan(micro=4, batch=16).wrap(model, partial) as trainer:
+        trainer.step(*_classes())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_second_wrap_of_a_wrapped_model_is_refused_and_the_first_unwraps_cleanly() -> None:
+    model = _classifier()
+    before = _module_state(model)
+    plan = _checkpointed_plan()
+    t1 = plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "forward" in model[0].__dict__  # the checkpoint patch is on: the check below is not vacuous
+    with pytest.raises(autofit.AutofitError, match="already wrapped.*unwrap"):
+        plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(autofit.AutofitError, match="module '0' is already wrapped"):
+        plan.wrap(nn.Sequential(model[0]), torch.optim.SGD(model[0].parameters(), lr=0.1))
+    t1.unwrap()
+    assert "forward" not in model[0].__dict__
+    assert _same_state(_module_state(model), before)
+
+
+@pytest.mark.parametrize("order", ["first-then-second", "second-then-first"])
+def test_two_trainers_in_turn_unwrap_in_either_order_and_the_live_one_still_trains(order: str) -> None:
+    model, (x, y) = _classifier(), _classes()
+    ref = copy.deepcopy(model)
+    plan = _checkpointed_plan()
+    t1 = plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    t1.unwrap()
+    before = _module_state(model)
+    t2 = plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if order == "first-then-second":
+        t1.unwrap()  # stale: must not take t2's patches away
+        assert "forward" in model[0].__dict__
+        t2.step(x, y)
+        t2.unwrap()
+    else:
+        t2.step(x, y)
+        t2.unwrap()
+        t1.unwrap()
+    assert "forward" not in model[0].__dict__
+    after = _module_state(model)
+    assert {k: v for k, v in after.items() if not isinstance(v[0], torch.Tensor)} == \
+        {k: v for k, v in before.items() if not isinstance(v[0], torch.Tensor)}
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)  # the truth: one plain full-batch step
+    F.cross_entropy(ref(x), y).backward()
+    opt.step()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_step_after_unwrap_is_a_typed_error() -> None:
+    model = _classifier()
+    trainer = _plan(micro=4, batch=16).wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    trainer.unwrap()
+    with pytest.raises(autofit.AutofitError, match="unwrapped.*plan.wrap"):
+        trainer.step(*_classes())
+
+
+# ---- 4. sum-reduced losses: never a silent 1/accumulation ------------------------------------------------------------
+def _summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target, reduction="sum")
+
+
+def _regression(rows: int = 16) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.0), nn.Linear(16, 2))
+    return model, torch.randn(rows, 8), torch.randn(rows, 2)
+
+
+def _plain_sum_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """The truth: one plain PyTorch SGD step on the whole batch with the summed loss."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    _summed(ref(x), y).backward()
+    opt.step()
+    return ref
+
+
+def _assert_same_parameters(model: nn.Module, ref: nn.Module) -> None:
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_loss_reduction_sum_matches_a_plain_full_batch_step_under_accumulation() -> None:
+    model, x, y = _regression()
+    ref = _plain_sum_step(model, x, y)
+    with torch.no_grad():
+        whole = _summed(model(x), y).item()  # the batch's summed loss before the step
+    with _plan(micro=4, batch=16).wrap(model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn=_summed,
+                                       loss_reduction="sum") as trainer:
+        assert trainer.step(x, y) == pytest.approx(whole, rel=1e-5)
+        assert trainer.micro_batches == 4
+    _assert_same_parameters(model, ref)
+    with pytest.raises(autofit.InvalidInputError, match="loss_reduction must be 'mean' or 'sum'"):
+        _plan(micro=4, batch=16).wrap(model, torch.optim.SGD(model.parameters(), lr=0.01), loss_reduction="total")
+
+
+@pytest.mark.sim
+def test_plan_finds_a_summed_loss_and_its_trainer_steps_as_the_full_batch() -> None:
+    from dataclasses import replace
+
+    model, x, y = _regression()
+    before = copy.deepcopy(model.state_dict())
+    plan = autofit.plan(model, x, "100MB", batch_size=16, target=y, loss_fn=_summed, optimizer="sgd", device="cpu")
+    assert plan.loss_reduction == "sum" and any("sum over rows" in n for n in plan.notes)
+    assert Plan.from_json(plan.to_json()).loss_reduction == "sum"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # planning changed nothing
+    assert model.training  # and left the mode as it was
+    accumulating = replace(plan, micro_batch_size=4, gradient_accumulation_steps=4, last_micro_batch_size=4)
+    ref = _plain_sum_step(model, x, y)
+    with accumulating.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01)) as trainer:
+        trainer.step(x, y)
+    _assert_same_parameters(model, ref)
+    mean = autofit.plan(model, x, "100MB", batch_size=16, target=y, loss_fn=F.mse_loss, device="cpu")
+    assert mean.loss_reduction == "mean"

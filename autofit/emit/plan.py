@@ -11,6 +11,7 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import LengthSpec
+from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.training.tensor_parallel import require_tensor_parallel
@@ -113,6 +114,8 @@ class Plan:
     # the JSON; ``loss_fn`` is the function itself, known in the process that planned only
     loss: str = "default"
     loss_fn: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    # "mean" or "sum" over rows: how the trainer adds micro-batch losses up (Note [sum-reduced losses])
+    loss_reduction: str = "mean"
 
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
@@ -141,6 +144,8 @@ class Plan:
         require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, "Plan.")
         require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
                                 self.offload_states, "Plan.")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise InvalidInputError(f"Plan.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
 
@@ -200,22 +205,28 @@ class Plan:
         return rows_for_length(self.rows_by_length, length)
 
     # ---- the emitted wrapper ---------------------------------------------------------------------------------------
-    def wrap(self, model: nn.Module, optimizer, *, loss_fn=None):
+    def wrap(self, model: nn.Module, optimizer, *, loss_fn=None, loss_reduction: str | None = None):
         """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned.
 
         Without ``loss_fn`` it trains with the loss the plan was planned with (Note [the plan's loss]): the default
         one, or the ``loss_fn`` given to ``plan()`` in this process; a plan loaded from JSON that was planned with a
-        custom loss needs it again (an :class:`~autofit.InvalidInputError` otherwise).
+        custom loss needs it again (an :class:`~autofit.InvalidInputError` otherwise). ``loss_reduction``: "mean" or
+        "sum" over rows (a sum's micro-batch losses add up unweighted, Note [sum-reduced losses]); None takes
+        ``plan.loss_reduction``, which ``plan()`` found by running the loss.
         For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
         to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
         loss_fn = self.planned_loss() if loss_fn is None else loss_fn
+        from autofit.emit.wrapping import refuse_wrapped
+
+        if isinstance(model, nn.Module):
+            refuse_wrapped(model)  # before DDP or FSDP2 wraps it (Note [one trainer per model])
         if self.world_size > 1 or self.strategy is not None:
             from autofit.emit.distributed import DistributedTrainer
 
-            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn)
+            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction)
         from autofit.emit.trainer import Trainer
 
-        return Trainer(self, model, optimizer, loss_fn=loss_fn)
+        return Trainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction)
 
     def planned_loss(self) -> Callable[..., Any] | None:
         """The loss the trainer uses when ``wrap`` is given none: the planned one (None: the default loss)."""
