@@ -23,6 +23,7 @@ from autofit.analyse.table import Analysis
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn, describe_loss
 from autofit.training.normalisation import loss_reduction
+from autofit.training.precision import built_precision
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.plan import Plan
 from autofit.request import Parallel, PlanRequest, make_request
@@ -338,6 +339,8 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     if found.estimate.preallocated_grads:  # the finishing estimates run the step the plan runs
         found = replace(found, candidate=replace(found.candidate, preallocated_grads=True))
     found, policy, pins = optional_pins(estimator, found, estimator.policy(found.candidate.precision))
+    if policy.stored is None:  # the parameters stay as built: say in what (plan.precision reads fp32 otherwise)
+        policy = replace(policy, built=built_precision(request.model.parameters()))
     chosen = found.candidate
     plan = assemble_plan(
         chosen, found.estimate, found.fitting, budget_bytes=request.budget_bytes, margin_bytes=request.margin_bytes,

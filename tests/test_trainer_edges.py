@@ -289,3 +289,26 @@ def test_plan_finds_a_summed_loss_and_its_trainer_steps_as_the_full_batch() -> N
     _assert_same_parameters(model, ref)
     mean = autofit.plan(model, x, "100MB", batch_size=16, target=y, loss_fn=F.mse_loss, device="cpu")
     assert mean.loss_reduction == "mean"
+
+
+# ---- 5. plan.precision names the stored dtype ---------------------------------------------------------------------------
+@pytest.mark.sim
+@pytest.mark.parametrize(("dtype", "name"), [(torch.bfloat16, "bf16"), (torch.float64, "fp64")])
+def test_plan_precision_names_the_dtype_the_parameters_are_stored_in(dtype: torch.dtype, name: str) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
+    assert {p.dtype for p in model.parameters()} == {dtype}  # the truth: what the model holds
+    x, y = torch.randn(16, 8, dtype=dtype), torch.randint(0, 4, (16,))
+    plan = autofit.plan(model, x, "1GB", batch_size=16, target=y, precision="fp32", device="cpu")
+    assert plan.precision.built == name
+    assert f"stored {name} (as built)" in str(plan.precision) and f"stored {name}" in str(plan)
+    assert Plan.from_json(plan.to_json()).precision.built == name
+
+
+def test_an_fp32_model_and_a_mixed_one_are_named_as_they_are() -> None:
+    from autofit.training.precision import built_precision
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 4))
+    assert built_precision(model.parameters()) is None
+    model[0].to(torch.bfloat16)  # 8*32+32 bf16 values: 576 B; the fp32 head 132 values: 528 B
+    assert built_precision(model.parameters()) == "bf16 + fp32"

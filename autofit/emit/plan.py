@@ -248,7 +248,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loss_fn"}
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
-                             "stored": self.precision.stored}
+                             "stored": self.precision.stored, "built": self.precision.built}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
         data["estimate"] = self.estimate.to_dict()
         data["alloc_conf"] = self.alloc_conf  # written for readers; from_json reads the estimate's
@@ -293,7 +293,8 @@ class Plan:
             data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
-                                                stored=data["precision"].get("stored"))
+                                                stored=data["precision"].get("stored"),
+                                                built=data["precision"].get("built"))
             data["checkpoint"] = tuple(data["checkpoint"])
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
             data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
