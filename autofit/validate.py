@@ -39,7 +39,31 @@ def check_model(model: Any) -> nn.Module:
         raise UnsupportedModelError(
             f"{', '.join(in_place)}: compiled in place with nn.Module.compile(), which autofit does not estimate; "
             "pass torch.compile(model) instead, or the uncompiled model with compile=True")
+    if next(model.parameters(), None) is None:  # torch's optimizer would raise "got an empty parameter list"
+        raise InvalidInputError(
+            f"the model ({type(model).__name__}) has no parameters: a training step has nothing to update; give "
+            "the model that holds the weights you train")
+    for name, module in model.named_modules():
+        _check_module(name or "the model", module)
     return model
+
+
+def _check_module(name: str, module: nn.Module) -> None:
+    """Modules the step cannot copy onto fake tensors, named with the fix (rather than torch's own error from deep
+    inside the simulation)."""
+    where = name if name == "the model" else f"module {name!r}"
+    if isinstance(module, torch.jit.ScriptModule):  # its parameters do not survive the copy as leaves
+        raise UnsupportedModelError(
+            f"{where} is a TorchScript module ({type(module).__name__}, from torch.jit.script or trace), which "
+            "autofit cannot copy to simulate: plan with the eager module it was scripted from (the memory is the "
+            "same), and script it after planning")
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+        raise UnsupportedModelError(
+            f"{where} ({type(module).__name__}) has sparse=True: its gradient is a sparse tensor, which the "
+            "simulation (fake tensors) and the allocator measurement cannot hold. Plan a copy with sparse=False: it "
+            "counts the dense gradient (the whole table), more than the sparse one (one row per lookup, with its "
+            "index) while a step looks up fewer rows than the table holds; plan.wrap trains the sparse model as "
+            "plain PyTorch does")
 
 
 def as_inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:

@@ -312,3 +312,66 @@ def test_an_fp32_model_and_a_mixed_one_are_named_as_they_are() -> None:
     assert built_precision(model.parameters()) is None
     model[0].to(torch.bfloat16)  # 8*32+32 bf16 values: 576 B; the fp32 head 132 values: 528 B
     assert built_precision(model.parameters()) == "bf16 + fp32"
+
+
+# ---- 6. raw torch exceptions become typed errors naming the module or input and the fix ------------------------------
+class _Bags(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bags = nn.EmbeddingBag(100, 16, sparse=sparse)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bags(ids))
+
+
+def _entries():
+    return {
+        "estimate": lambda m, x, y: autofit.estimate(m, x, target=y, micro_batch_size=4, optimizer="sgd"),
+        "measure": lambda m, x, y: autofit.measure(m, x, target=y, micro_batch_size=4, optimizer="sgd"),
+        "plan": lambda m, x, y: autofit.plan(m, x, "1GB", batch_size=8, target=y, optimizer="sgd", device="cpu"),
+        "plan without batch_size": lambda m, x, y: autofit.plan(m, x, "1GB", target=y, optimizer="sgd",
+                                                                device="cpu"),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("entry", list(_entries()))
+def test_a_scripted_submodule_is_named(entry: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 16), torch.jit.script(nn.Linear(16, 4)))
+    with pytest.raises(autofit.UnsupportedModelError, match=r"module '1' is a TorchScript module.*eager module"):
+        _entries()[entry](model, torch.randn(8, 8), torch.randint(0, 4, (8,)))
+
+
+@pytest.mark.parametrize("entry", list(_entries()))
+def test_a_model_without_parameters_is_named(entry: str) -> None:
+    with pytest.raises(autofit.InvalidInputError, match=r"\(Identity\) has no parameters"):
+        _entries()[entry](nn.Identity(), torch.randn(8, 8), torch.randn(8, 8))
+
+
+@pytest.mark.parametrize("entry", list(_entries()))
+def test_a_sample_of_zero_rows_names_the_sample_not_an_argument_never_given(entry: str) -> None:
+    with pytest.raises(autofit.InvalidInputError, match=r"sample has 0 rows along dim 0") as info:
+        _entries()[entry](nn.Linear(8, 4), torch.randn(0, 8), torch.randint(0, 4, (0,)))
+    assert "batch_size" not in str(info.value)
+
+
+@pytest.mark.parametrize("entry", list(_entries()))
+def test_a_sparse_embedding_bag_is_named_and_not_called_a_forward_failure(entry: str) -> None:
+    with pytest.raises(autofit.UnsupportedModelError, match=r"module 'bags' \(EmbeddingBag\) has sparse=True.*"
+                                                            r"sparse=False") as info:
+        _entries()[entry](_Bags(sparse=True), torch.randint(0, 100, (8, 5)), torch.randint(0, 4, (8,)))
+    assert not isinstance(info.value, autofit.ForwardError)
+
+
+def test_the_trainer_trains_a_sparse_embedding_bag_as_plain_torch_does() -> None:
+    model, ids, y = _Bags(sparse=True), torch.randint(0, 100, (8, 5)), torch.randint(0, 4, (8,))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.cross_entropy(ref(ids), y).backward()
+    opt.step()
+    with _plan(micro=4, batch=8).wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)) as trainer:
+        trainer.step(ids, y)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -103,4 +103,9 @@ def as_batch(sample: Any, *, what: str = "sample") -> Batch:
             f"{what} tensor is a scalar (shape ()): autofit needs dim 0 to be the batch; "
             "add one with x.unsqueeze(0) for a single example"
         )
+    if first.shape[0] == 0:
+        raise InvalidInputError(
+            f"{what} has 0 rows along dim 0 (the batch, read from its first tensor, shape {tuple(first.shape)}): "
+            "give at least one example"
+        )
     return Batch(args, kwargs, int(first.shape[0]), kind)
