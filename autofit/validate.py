@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit.training.batch import Batch, as_batch
+from autofit.training.batch import Batch, as_batches
 from autofit.core._torch_compile import compiled_in_place
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget
@@ -66,18 +66,10 @@ def _check_module(name: str, module: nn.Module) -> None:
             "plain PyTorch does")
 
 
-def as_inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
-    """The sample and target as batches with the same number of rows."""
-    batch = as_batch(sample)
-    if target is None:
-        return batch, None
-    target_batch = as_batch(target, what="target")
-    if target_batch.size != batch.size:
-        raise InvalidInputError(
-            f"target has {target_batch.size} rows along dim 0 but the sample has {batch.size}: "
-            "give one target row per sample row"
-        )
-    return batch, target_batch
+def as_inputs(sample: Any, target: Any, shared: Any = None) -> tuple[Batch, Batch | None]:
+    """The sample and target as batches with the same number of rows (Note [the batch dimension],
+    autofit/training/batch.py); ``shared`` names inputs passed whole."""
+    return as_batches(sample, target, shared=shared)
 
 
 def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | None, reshard_after_forward: Any,

@@ -51,7 +51,7 @@ def _classes(rows: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g)
 
 
-# ---- 1. the default loss only where it is unambiguous -----------------------------------------------------------------
+# ---- 1. the default loss only where it is unambiguous ----------------------------------------------------------------
 @pytest.mark.sim
 @pytest.mark.parametrize("entry", ["estimate", "plan"])
 def test_a_tuple_output_without_loss_fn_is_refused_by_estimate_and_plan(entry: str) -> None:
@@ -109,7 +109,7 @@ def test_the_default_loss_still_reads_a_loss_a_tensor_and_hugging_face_logits() 
         default_loss(hidden, y)
 
 
-# ---- 2. the plan records its loss --------------------------------------------------------------------------------------
+# ---- 2. the plan records its loss ------------------------------------------------------------------------------------
 def _smoothed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, target, label_smoothing=0.2)
 
@@ -147,7 +147,7 @@ def test_a_plan_of_the_default_loss_loaded_from_json_trains_with_the_default() -
         assert trainer.step(x, y) == pytest.approx(expected, rel=1e-6)
 
 
-# ---- 3. wrap checks the optimizer and refuses a second wrap; unwrap restores in any order ------------------------------
+# ---- 3. wrap checks the optimizer and refuses a second wrap; unwrap restores in any order ----------------------------
 def _checkpointed_plan() -> Plan:
     from dataclasses import replace
 
@@ -291,7 +291,7 @@ def test_plan_finds_a_summed_loss_and_its_trainer_steps_as_the_full_batch() -> N
     assert mean.loss_reduction == "mean"
 
 
-# ---- 5. plan.precision names the stored dtype ---------------------------------------------------------------------------
+# ---- 5. plan.precision names the stored dtype ------------------------------------------------------------------------
 @pytest.mark.sim
 @pytest.mark.parametrize(("dtype", "name"), [(torch.bfloat16, "bf16"), (torch.float64, "fp64")])
 def test_plan_precision_names_the_dtype_the_parameters_are_stored_in(dtype: torch.dtype, name: str) -> None:
@@ -375,3 +375,121 @@ def test_the_trainer_trains_a_sparse_embedding_bag_as_plain_torch_does() -> None
         trainer.step(ids, y)
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ---- 7. the batch dimension: one rule, shared inputs, messages that list what was per-sample -----------------------
+SEEN: list[tuple[tuple[int, ...], ...]] = []  # the shapes each forward received (a global: model copies share it)
+
+
+class _Scaled(nn.Module):
+    """``forward(scale, x)``: a one-element option first, the per-sample input second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        SEEN.append((tuple(scale.shape), tuple(x.shape)))
+        return self.lin(x) * scale
+
+
+class _Masked(nn.Module):
+    """Attention over a shared (seq, seq) additive mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        SEEN.append((tuple(x.shape), tuple(mask.shape)))
+        h = self.lin(x)
+        return torch.softmax(h @ h.transpose(1, 2) + mask, -1) @ x
+
+
+def _mean_of(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def _ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target)
+
+
+@pytest.mark.sim
+def test_a_one_element_option_first_does_not_make_the_batch_one() -> None:
+    scale, (x, y) = torch.tensor([2.0]), _classes()
+    SEEN.clear()
+    autofit.estimate(_Scaled(), (scale, x), target=y, micro_batch_size=4, loss_fn=_ce)  # the target's rows: 16
+    assert SEEN and set(SEEN) == {((1,), (4, 8))}  # the truth: what the forward received
+    SEEN.clear()
+    est = autofit.estimate(_Scaled(), (scale, x), micro_batch_size=4, loss_fn=_mean_of, shared=(0,))
+    assert SEEN and set(SEEN) == {((1,), (4, 8))}
+    SEEN.clear()
+    est = autofit.estimate(_Scaled(), (scale, x), micro_batch_size=4, loss_fn=_mean_of)  # no target, no shared
+    assert set(SEEN) == {((4,), (16, 8))}  # the rule read the first tensor: and the estimate says so
+    assert any("per-sample (dim 0 = 1): input 0 (1,); passed whole: input 1 (16, 8)" in n for n in est.notes)
+
+
+@pytest.mark.sim
+def test_a_shared_square_mask_whose_side_equals_the_batch_is_named_in_the_error_and_passed_whole_when_shared() -> None:
+    x, mask = torch.randn(6, 6, 8), torch.zeros(6, 6)
+    listed = r"per-sample \(dim 0 = 6\): 'x' \(6, 6, 8\), 'mask' \(6, 6\).*shared="
+    with pytest.raises(autofit.ForwardError, match=listed):
+        autofit.estimate(_Masked(), {"x": x, "mask": mask}, micro_batch_size=2, loss_fn=_mean_of)
+    SEEN.clear()
+    autofit.estimate(_Masked(), {"x": x, "mask": mask}, micro_batch_size=2, loss_fn=_mean_of, shared=("mask",))
+    assert SEEN and set(SEEN) == {((2, 6, 8), (6, 6))}
+    SEEN.clear()
+    autofit.measure(_Masked(), {"x": x, "mask": mask}, micro_batch_size=2, loss_fn=_mean_of, shared="mask")
+    assert SEEN and set(SEEN) == {((2, 6, 8), (6, 6))}
+
+
+@pytest.mark.sim
+def test_a_plan_records_shared_inputs_and_its_trainer_steps_as_the_full_batch() -> None:
+    from dataclasses import replace
+
+    model, x, mask = _Masked(), torch.randn(6, 6, 8), torch.zeros(6, 6)
+    mask[:, 0] = -1.0  # a mask that matters
+    plan = autofit.plan(model, {"x": x, "mask": mask}, "100MB", batch_size=6, loss_fn=_mean_of, optimizer="sgd",
+                        device="cpu", shared=("mask",))
+    assert plan.shared == ("mask",) and Plan.from_json(plan.to_json()).shared == ("mask",)
+    ref = copy.deepcopy(model)  # the truth: one plain full-batch step
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _mean_of(ref(x, mask)).backward()
+    opt.step()
+    accumulating = replace(plan, micro_batch_size=2, gradient_accumulation_steps=3, last_micro_batch_size=2)
+    SEEN.clear()
+    with accumulating.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)) as trainer:
+        trainer.step({"x": x, "mask": mask})
+    assert set(SEEN) == {((2, 6, 8), (6, 6))}
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_trainer_reads_the_batch_from_the_target_and_takes_shared_by_position() -> None:
+    scale, (x, y) = torch.tensor([2.0]), _classes()
+    model = _Scaled()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _ce(ref(scale, x), y).backward()
+    opt.step()
+    SEEN.clear()
+    with _plan(micro=4, batch=16).wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce) as trainer:
+        trainer.step((scale, x), y)
+    assert set(SEEN) == {((1,), (4, 8))}
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_shared_names_what_the_sample_has() -> None:
+    from autofit.training.batch import as_batch
+
+    with pytest.raises(autofit.InvalidInputError, match=r"shared names \['y'\].*keys \['mask', 'x'\]"):
+        as_batch({"x": torch.zeros(2, 3), "mask": torch.zeros(3, 3)}, shared=("y",))
+    with pytest.raises(autofit.InvalidInputError, match=r"positions 0 to 1"):
+        as_batch((torch.zeros(2, 3), torch.zeros(3, 3)), shared=2)
+    with pytest.raises(autofit.InvalidInputError, match="target has 5 rows.*no input tensor has 5 rows.*per-sample"):
+        from autofit.training.batch import as_batches
+
+        as_batches((torch.zeros(4, 3), torch.zeros(3, 3)), torch.zeros(5))

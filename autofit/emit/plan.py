@@ -116,6 +116,8 @@ class Plan:
     loss_fn: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     # "mean" or "sum" over rows: how the trainer adds micro-batch losses up (Note [sum-reduced losses])
     loss_reduction: str = "mean"
+    # inputs passed whole to every micro-batch, by position or key (Note [the batch dimension], training/batch.py)
+    shared: tuple[int | str, ...] = ()
 
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
@@ -205,14 +207,15 @@ class Plan:
         return rows_for_length(self.rows_by_length, length)
 
     # ---- the emitted wrapper ---------------------------------------------------------------------------------------
-    def wrap(self, model: nn.Module, optimizer, *, loss_fn=None, loss_reduction: str | None = None):
+    def wrap(self, model: nn.Module, optimizer, *, loss_fn=None, loss_reduction: str | None = None, shared=None):
         """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned.
 
         Without ``loss_fn`` it trains with the loss the plan was planned with (Note [the plan's loss]): the default
         one, or the ``loss_fn`` given to ``plan()`` in this process; a plan loaded from JSON that was planned with a
         custom loss needs it again (an :class:`~autofit.InvalidInputError` otherwise). ``loss_reduction``: "mean" or
         "sum" over rows (a sum's micro-batch losses add up unweighted, Note [sum-reduced losses]); None takes
-        ``plan.loss_reduction``, which ``plan()`` found by running the loss.
+        ``plan.loss_reduction``, which ``plan()`` found by running the loss. ``shared``: inputs passed whole to every
+        micro-batch (None: ``plan.shared``, Note [the batch dimension]).
         For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
         to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
         loss_fn = self.planned_loss() if loss_fn is None else loss_fn
@@ -223,10 +226,11 @@ class Plan:
         if self.world_size > 1 or self.strategy is not None:
             from autofit.emit.distributed import DistributedTrainer
 
-            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction)
+            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction,
+                                      shared=shared)
         from autofit.emit.trainer import Trainer
 
-        return Trainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction)
+        return Trainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
 
     def planned_loss(self) -> Callable[..., Any] | None:
         """The loss the trainer uses when ``wrap`` is given none: the planned one (None: the default loss)."""
@@ -262,6 +266,7 @@ class Plan:
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
                             for a in self.frontier]
         data["notes"] = list(self.notes)
+        data["shared"] = list(self.shared)
         data["lengths"] = None if self.lengths is None else {
             "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
             "length_tensors": list(self.lengths.length_tensors),
@@ -301,6 +306,7 @@ class Plan:
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
+            data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
                                                         selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])

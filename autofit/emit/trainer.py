@@ -26,7 +26,7 @@ from torch import nn
 
 from autofit.core._torch import BatchNormBase, allocator_settings, compiled_modules, set_allocator_settings
 from autofit.core._torch_compile import compiled_calls
-from autofit.training.batch import Batch, as_batch
+from autofit.training.batch import Batch, as_batches, as_shared
 from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
@@ -59,7 +59,7 @@ class Trainer:
     exit. With BatchNorm layers and more than one micro-batch it warns: batch statistics are then per micro-batch."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 loss_fn: LossFn | None = None, loss_reduction: str | None = None) -> None:
+                 loss_fn: LossFn | None = None, loss_reduction: str | None = None, shared: Any = None) -> None:
         loss_reduction = plan.loss_reduction if loss_reduction is None else loss_reduction
         if loss_reduction not in LOSS_REDUCTIONS:
             raise InvalidInputError(f"loss_reduction must be 'mean' or 'sum' (over rows), got {loss_reduction!r}")
@@ -80,6 +80,7 @@ class Trainer:
         self.optimizer = optimizer  # the 8-bit one where the plan swapped it: step, save and load this one
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
+        self.shared = frozenset(plan.shared) if shared is None else as_shared(shared)  # Note [the batch dimension]
         # where the step computes: the parameters' device, but a plan whose parameters live in host memory (FSDP2
         # CPUOffloadPolicy, Note [offload]) computes on the plan's device
         self.device_type = plan.device if plan.offload_states else _device_type(model)
@@ -123,10 +124,7 @@ class Trainer:
         if not self._active:
             raise TrainerStateError("this trainer was unwrapped, so the model no longer runs the plan's step: "
                                     "call plan.wrap(model, optimizer) again for a new trainer")
-        batch = as_batch(inputs, what="inputs")
-        target_batch = None if target is None else as_batch(target, what="target")
-        if target_batch is not None and target_batch.size != batch.size:
-            raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
+        batch, target_batch = as_batches(inputs, target, shared=self.shared, what="inputs")
         batch, target_batch = self._shard(batch, target_batch)
         require_sequence_split(self.plan.tensor_plan, self.plan.tensor_parallel, batch.tensors(), "this batch")
         device = self._input_device()
