@@ -352,8 +352,11 @@ def test_a_model_without_parameters_is_named(entry: str) -> None:
 
 @pytest.mark.parametrize("entry", list(_entries()))
 def test_a_sample_of_zero_rows_names_the_sample_not_an_argument_never_given(entry: str) -> None:
-    with pytest.raises(autofit.InvalidInputError, match=r"sample has 0 rows along dim 0") as info:
+    with pytest.raises(autofit.InvalidInputError, match=r"target has 0 rows along dim 0") as info:
         _entries()[entry](nn.Linear(8, 4), torch.randn(0, 8), torch.randint(0, 4, (0,)))
+    assert "batch_size" not in str(info.value)
+    with pytest.raises(autofit.InvalidInputError, match=r"sample has 0 rows along dim 0.*\(0, 8\)") as info:
+        _entries()[entry](nn.Linear(8, 4), torch.randn(0, 8), None)
     assert "batch_size" not in str(info.value)
 
 
