@@ -11,6 +11,7 @@ from torch import nn
 
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.table import Analysis
+from autofit.training.batch import naming_inputs
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import resolve_device
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
@@ -106,7 +107,7 @@ def estimate(
     strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
     reshard_after_forward: bool | int = True, replicate: int = 1, tensor_parallel: int = 1,
     tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False, preallocated_grads: bool = False,
-    inputs: str = "batch", gradient_as_bucket_view: bool = True,
+    inputs: str = "batch", gradient_as_bucket_view: bool = True, shared: Any = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -170,20 +171,27 @@ def estimate(
     ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
     an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
     :func:`measure`, which must run on any machine, so that the two calls with the same arguments compare.
+
+    ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
+    every micro-batch; the batch dimension of the others follows Note [the batch dimension]
+    (autofit/training/batch.py).
     """
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    batch, target_batch = as_inputs(sample, target)
+    batch, target_batch = as_inputs(sample, target, shared)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
                      reduce_every_micro_batch, chunked_loss, batch,
                      target_batch, loss_fn, reshard_after_forward, replicate, tensor_parallel,
                      tensor_parallel_plan, compile, preallocated_grads, inputs, gradient_as_bucket_view)
     device_model = resolve_device(config.device, config.gpu)
-    sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
+    with naming_inputs(lambda: batch):
+        sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     est = device_model.estimate(sim)
     if config.strategy == "ddp":
         est = replace(est, notes=est.notes + (bucket_note(config.gradient_as_bucket_view),))
+    if len(batch.per_sample_tensors()) < len(batch.tensors()):  # say what the rule did (Note [the batch dimension])
+        est = replace(est, notes=(*est.notes, f"inputs by Note [the batch dimension]: {batch.layout()}"))
     return est
 
 
@@ -206,7 +214,7 @@ def measure(
     compile: bool = False, preallocated_grads: bool = False, world_size: int = 1, strategy: str | None = None,
     reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True, replicate: int = 1,
     tensor_parallel: int = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True,
+    gradient_as_bucket_view: bool = True, shared: Any = None,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -222,7 +230,7 @@ def measure(
     pickled to the processes (no lambdas)."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    batch, target_batch = as_inputs(sample, target)
+    batch, target_batch = as_inputs(sample, target, shared)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
                      clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward, offload=offload,
                      offload_states=offload_states, chunked_loss=chunked_loss, batch=batch, target=target_batch,
@@ -241,14 +249,14 @@ def measure(
     if config.world_size > 1:
         return measure_ranks(model, batch, target_batch, loss_fn, config, steps=steps)
     # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
-    with forward_errors(config.precision if config.device == "cpu" else None):
+    with naming_inputs(lambda: batch), forward_errors(config.precision if config.device == "cpu" else None):
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 
 
 @restores_user_hooks  # Note [user hooks]
 def analyse(
     model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",
-    optimizer: Any = "adamw", device: str = "cpu", gpu: str | None = None,
+    optimizer: Any = "adamw", device: str = "cpu", gpu: str | None = None, shared: Any = None,
 ) -> Analysis:
     """Trace the forward and tabulate every module: parameter bytes, bytes saved for backward, output bytes and
     FLOPs (per sample and fixed), and whether it may be a checkpoint segment; plus the step's peak per stage as a
@@ -257,8 +265,8 @@ def analyse(
     the profile leaves out kernel scratch memory. ``model`` is never modified."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    batch, target_batch = as_inputs(sample, target)
+    batch, target_batch = as_inputs(sample, target, shared)
     config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)
-    with forward_errors():  # the graph capture runs the forward outside the simulator's own error handling
+    with naming_inputs(lambda: batch), forward_errors():  # the capture runs the forward outside the simulator's
         return analyse_model(model, batch, target_batch, loss_fn, config,
                              device_rules=resolve_device(config.device, config.gpu).simulation_rules)

@@ -22,7 +22,11 @@ from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
-from autofit.training.loss import LossFn
+from autofit.training.loss import LossFn, describe_loss
+from autofit.training.normalisation import loss_reduction
+from autofit.training.precision import built_precision
+from autofit.training.batch import naming_inputs
+from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.plan import Plan
 from autofit.request import Parallel, PlanRequest, make_request
@@ -51,7 +55,7 @@ def plan(
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
     allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
     replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1, tensor_parallel_plan: Any = None,
-    compile: bool = False, extrapolate_depth: bool = False,
+    compile: bool = False, extrapolate_depth: bool = False, shared: Any = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -107,17 +111,23 @@ def plan(
     line, so the cost of a simulation stops growing with the depth (Note [depth extrapolation],
     autofit/capture/depth.py; the plan's notes say when it was used). Not the default yet: at 8 to 12 blocks three
     cut simulations cost more than one whole one, and the 80-layer plan it was built for still takes minutes
-    (docs/multi-gpu.md, "Deep models"). False: every simulation runs the whole model."""
-    return plan_with_analysis(
-        model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-        precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size, strategy=strategy,
-        clip_grad_norm=clip_grad_norm, alternatives=False, min_stored_precision=min_stored_precision,
-        fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
-        allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
-        reshard_after_forward=reshard_after_forward, replicate=replicate,
-        allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan, compile=compile,
-        extrapolate_depth=extrapolate_depth,
-    )[0]
+    (docs/multi-gpu.md, "Deep models"). False: every simulation runs the whole model.
+
+    ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
+    every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them
+    (``plan.shared``) and its trainer passes them whole too."""
+    with naming_inputs(lambda: as_inputs(sample, target, shared)[0]):  # Note [the batch dimension]
+        return plan_with_analysis(
+            model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
+            precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size,
+            strategy=strategy, clip_grad_norm=clip_grad_norm, alternatives=False,
+            min_stored_precision=min_stored_precision, fp32_modules=fp32_modules, offload=offload,
+            host_budget=host_budget, margin=margin,
+            allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
+            reshard_after_forward=reshard_after_forward, replicate=replicate,
+            allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan,
+            compile=compile, extrapolate_depth=extrapolate_depth, shared=shared,
+        )[0]
 
 
 @restores_user_hooks  # Note [user hooks]
@@ -129,7 +139,7 @@ def plan_with_analysis(
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
     margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
     reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
-    tensor_parallel_plan: Any = None, compile: bool = False, extrapolate_depth: bool = False,
+    tensor_parallel_plan: Any = None, compile: bool = False, extrapolate_depth: bool = False, shared: Any = None,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
@@ -146,7 +156,7 @@ def plan_with_analysis(
                            reshard_after_forward=reshard_after_forward, replicate=replicate,
                            allow=allow, tensor_parallel=tensor_parallel,
                            tensor_parallel_plan=tensor_parallel_plan, compile=compile,
-                           extrapolate_depth=extrapolate_depth)
+                           extrapolate_depth=extrapolate_depth, shared=shared)
     results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
@@ -343,6 +353,8 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     if found.estimate.preallocated_grads:  # the finishing estimates run the step the plan runs
         found = replace(found, candidate=replace(found.candidate, preallocated_grads=True))
     found, policy, pins = optional_pins(estimator, found, estimator.policy(found.candidate.precision))
+    if policy.stored is None:  # the parameters stay as built: say in what (plan.precision reads fp32 otherwise)
+        policy = replace(policy, built=built_precision(request.model.parameters()))
     chosen = found.candidate
     plan = assemble_plan(
         chosen, found.estimate, found.fitting, budget_bytes=request.budget_bytes, margin_bytes=request.margin_bytes,
@@ -365,6 +377,12 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
+    plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn,  # Note [the plan's loss]
+                   shared=tuple(sorted(request.batch.shared, key=str)))
+    if loss_reduction(request.model, request.batch, request.target, request.loss_fn) == "sum":
+        plan = replace(plan, loss_reduction="sum", notes=plan.notes + (
+            "loss_fn is a sum over rows (the loss of two rows is the sum of theirs): the trainer adds the "
+            "micro-batches' losses unweighted, so a step equals one full-batch step (Note [sum-reduced losses])",))
     return replace(plan, lengths=spec) if table is None else replace(plan, lengths=spec, rows_by_length=table)
 
 

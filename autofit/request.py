@@ -135,9 +135,8 @@ class PlanRequest:
         for b in (self.batch, self.target):
             if b is None:
                 continue
-            for t in b.tensors():
-                if t.dim() >= 1 and t.shape[0] == b.size:
-                    total += t[:1].nelement() * t.element_size()
+            for t in b.per_sample_tensors():
+                total += t[:1].nelement() * t.element_size()
         return total
 
 
@@ -149,16 +148,18 @@ def make_request(
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
     gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
     tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
-    extrapolate_depth: bool = False,
+    extrapolate_depth: bool = False, shared: Any = None,
 ) -> PlanRequest:
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    batch, target_batch = as_inputs(sample, target)
+    batch, target_batch = as_inputs(sample, target, shared)
     target_device = resolve_device(device, gpu)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
     check_capacity(budget_bytes, target_device, allow_over_capacity)
     check_positions(model, batch, target_batch)
     notes = [target_device.note] if target_device.note else []
+    if len(batch.per_sample_tensors()) < len(batch.tensors()):  # say what the rule did (Note [the batch dimension])
+        notes.append(f"inputs by Note [the batch dimension]: {batch.layout()}")
     if batch_size is None:
         batch_size = batch.size
         notes.append(f"no batch_size given: planning for the sample's batch of {batch.size}")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit.training.batch import Batch, as_batch
+from autofit.training.batch import Batch, as_batches
 from autofit.core._torch_compile import compiled_in_place
 from autofit.core.cpu import cpu_kernels
 from autofit.device import DeviceTarget
@@ -39,21 +39,37 @@ def check_model(model: Any) -> nn.Module:
         raise UnsupportedModelError(
             f"{', '.join(in_place)}: compiled in place with nn.Module.compile(), which autofit does not estimate; "
             "pass torch.compile(model) instead, or the uncompiled model with compile=True")
+    if next(model.parameters(), None) is None:  # torch's optimizer would raise "got an empty parameter list"
+        raise InvalidInputError(
+            f"the model ({type(model).__name__}) has no parameters: a training step has nothing to update; give "
+            "the model that holds the weights you train")
+    for name, module in model.named_modules():
+        _check_module(name or "the model", module)
     return model
 
 
-def as_inputs(sample: Any, target: Any) -> tuple[Batch, Batch | None]:
-    """The sample and target as batches with the same number of rows."""
-    batch = as_batch(sample)
-    if target is None:
-        return batch, None
-    target_batch = as_batch(target, what="target")
-    if target_batch.size != batch.size:
-        raise InvalidInputError(
-            f"target has {target_batch.size} rows along dim 0 but the sample has {batch.size}: "
-            "give one target row per sample row"
-        )
-    return batch, target_batch
+def _check_module(name: str, module: nn.Module) -> None:
+    """Modules the step cannot copy onto fake tensors, named with the fix (rather than torch's own error from deep
+    inside the simulation)."""
+    where = name if name == "the model" else f"module {name!r}"
+    if isinstance(module, torch.jit.ScriptModule):  # its parameters do not survive the copy as leaves
+        raise UnsupportedModelError(
+            f"{where} is a TorchScript module ({type(module).__name__}, from torch.jit.script or trace), which "
+            "autofit cannot copy to simulate: plan with the eager module it was scripted from (the memory is the "
+            "same), and script it after planning")
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+        raise UnsupportedModelError(
+            f"{where} ({type(module).__name__}) has sparse=True: its gradient is a sparse tensor, which the "
+            "simulation (fake tensors) and the allocator measurement cannot hold. Plan a copy with sparse=False: it "
+            "counts the dense gradient (the whole table), more than the sparse one (one row per lookup, with its "
+            "index) while a step looks up fewer rows than the table holds; plan.wrap trains the sparse model as "
+            "plain PyTorch does")
+
+
+def as_inputs(sample: Any, target: Any, shared: Any = None) -> tuple[Batch, Batch | None]:
+    """The sample and target as batches with the same number of rows (Note [the batch dimension],
+    autofit/training/batch.py); ``shared`` names inputs passed whole."""
+    return as_batches(sample, target, shared=shared)
 
 
 def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | None, reshard_after_forward: Any,

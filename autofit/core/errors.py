@@ -12,6 +12,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "UnsupportedTorchError",
     "AllocatorSettingError",
+    "TrainerStateError",
     "STRATEGIES",
     "require_int",
     "require_strategy",
@@ -81,6 +82,11 @@ class UnsupportedTorchError(AutofitError, ImportError):
 class AllocatorSettingError(AutofitError, RuntimeError):
     """The plan needs a caching-allocator setting (``PYTORCH_CUDA_ALLOC_CONF``) that can no longer take effect in
     this process: CUDA memory was allocated before it. The message names the setting and where to put it."""
+
+
+class TrainerStateError(AutofitError, RuntimeError):
+    """A trainer was used in a state that cannot train: stepped after ``unwrap()``, or a second trainer wrapped a
+    model that a live one has patched. The message says which, and what to call first."""
 
 
 # ---- validation shared by every value that holds these fields (StepConfig, Plan, the plan request) -----------------

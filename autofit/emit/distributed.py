@@ -51,7 +51,7 @@ class DistributedTrainer(Trainer):
     the DDP- or FSDP2-wrapped model; ``unwrap()`` returns the model itself."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
-                 loss_fn: LossFn | None = None) -> None:
+                 loss_fn: LossFn | None = None, loss_reduction: str | None = None, shared: Any = None) -> None:
         require_alloc_conf(plan)  # before FSDP2 moves or shards anything
         if plan.optimizer_in_backward:
             raise InvalidInputError(
@@ -132,7 +132,7 @@ class DistributedTrainer(Trainer):
         else:
             raise InvalidInputError(f"unknown strategy {plan.strategy!r}: plans use 'ddp' or 'fsdp2'")
         self._inner = inner
-        super().__init__(plan, wrapped, built, loss_fn=loss_fn)
+        super().__init__(plan, wrapped, built, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
 
     def _input_device(self) -> torch.device:
         return getattr(self, "_compute_device", None) or super()._input_device()

@@ -11,6 +11,7 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
 from autofit.training.length import LengthSpec
+from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.training.tensor_parallel import require_tensor_parallel
@@ -114,6 +115,14 @@ class Plan:
     # when the plan recomputes selectively: the predicted step time of the fastest configuration, under the same
     # budget and in the same run, that recomputes whole modules only (None: not searched, or none fits)
     module_level_step_seconds: float | None = None
+    # the loss the plan was planned with (Note [the plan's loss]): "default" or "custom: <module>.<name>", written to
+    # the JSON; ``loss_fn`` is the function itself, known in the process that planned only
+    loss: str = "default"
+    loss_fn: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    # "mean" or "sum" over rows: how the trainer adds micro-batch losses up (Note [sum-reduced losses])
+    loss_reduction: str = "mean"
+    # inputs passed whole to every micro-batch, by position or key (Note [the batch dimension], training/batch.py)
+    shared: tuple[int | str, ...] = ()
 
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
@@ -142,6 +151,8 @@ class Plan:
         require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, "Plan.")
         require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
                                 self.offload_states, "Plan.")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise InvalidInputError(f"Plan.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
 
@@ -201,24 +212,52 @@ class Plan:
         return rows_for_length(self.rows_by_length, length)
 
     # ---- the emitted wrapper ---------------------------------------------------------------------------------------
-    def wrap(self, model: nn.Module, optimizer, *, loss_fn=None):
+    def wrap(self, model: nn.Module, optimizer, *, loss_fn=None, loss_reduction: str | None = None, shared=None):
         """A :class:`~autofit.emit.Trainer` that trains ``model`` with ``optimizer`` exactly as planned.
 
+        Without ``loss_fn`` it trains with the loss the plan was planned with (Note [the plan's loss]): the default
+        one, or the ``loss_fn`` given to ``plan()`` in this process; a plan loaded from JSON that was planned with a
+        custom loss needs it again (an :class:`~autofit.InvalidInputError` otherwise). ``loss_reduction``: "mean" or
+        "sum" over rows (a sum's micro-batch losses add up unweighted, Note [sum-reduced losses]); None takes
+        ``plan.loss_reduction``, which ``plan()`` found by running the loss. ``shared``: inputs passed whole to every
+        micro-batch (None: ``plan.shared``, Note [the batch dimension]).
         For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
         to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
+        loss_fn = self.planned_loss() if loss_fn is None else loss_fn
+        from autofit.emit.wrapping import refuse_wrapped
+
+        if isinstance(model, nn.Module):
+            refuse_wrapped(model)  # before DDP or FSDP2 wraps it (Note [one trainer per model])
         if self.world_size > 1 or self.strategy is not None:
             from autofit.emit.distributed import DistributedTrainer
 
-            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn)
+            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction,
+                                      shared=shared)
         from autofit.emit.trainer import Trainer
 
-        return Trainer(self, model, optimizer, loss_fn=loss_fn)
+        return Trainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
+
+    def planned_loss(self) -> Callable[..., Any] | None:
+        """The loss the trainer uses when ``wrap`` is given none: the planned one (None: the default loss)."""
+        # Note [the plan's loss]
+        # ~~~~~~~~~~~~~~~~~~~~~~
+        # The plan's memory, and its meaning, were computed with one loss; a trainer that silently falls back to the
+        # default trains something else (label smoothing dropped, or the wrong output). So the plan keeps the
+        # function (compare=False: two plans of the same knobs are equal whatever function object they hold) and a
+        # description for the JSON. A function cannot travel through JSON, and loading runs no code, so a loaded plan
+        # whose loss was custom refuses to guess rather than train with the default.
+        if self.loss == "default" or self.loss_fn is not None:
+            return self.loss_fn
+        raise InvalidInputError(
+            f"this plan was planned with a custom loss ({self.loss}) and was loaded from JSON, which cannot carry a "
+            "function: pass it again, plan.wrap(model, optimizer, loss_fn=...)"
+        )
 
     # ---- serialisation (plain JSON; loading runs no code) -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loss_fn"}
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
-                             "stored": self.precision.stored}
+                             "stored": self.precision.stored, "built": self.precision.built}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
         data["estimate"] = self.estimate.to_dict()
         data["alloc_conf"] = self.alloc_conf  # written for readers; from_json reads the estimate's
@@ -232,6 +271,7 @@ class Plan:
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
                             for a in self.frontier]
         data["notes"] = list(self.notes)
+        data["shared"] = list(self.shared)
         data["lengths"] = None if self.lengths is None else {
             "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
             "length_tensors": list(self.lengths.length_tensors),
@@ -263,13 +303,15 @@ class Plan:
             data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
                                                 fp32_modules=tuple(data["precision"]["fp32_modules"]),
-                                                stored=data["precision"].get("stored"))
+                                                stored=data["precision"].get("stored"),
+                                                built=data["precision"].get("built"))
             data["checkpoint"] = tuple(data["checkpoint"])
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
             data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
+            data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
                                                         selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])

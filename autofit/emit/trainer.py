@@ -10,7 +10,9 @@ mean loss over the whole batch (n_i counts rows, or the items a token-mean loss 
 normalisation] in autofit/training/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
 the GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients;
 with ``plan.clip_grad_norm`` it first clips the (unscaled) gradients to that norm. Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
-the model while the trainer is active; ``unwrap()`` restores it.
+the model while the trainer is active; ``unwrap()`` restores it. ``wrap`` first checks that the optimizer steps
+exactly the model's trainable parameters and that no live trainer has patched the model (Note [one trainer per
+model], autofit/emit/wrapping.py).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from torch import nn
 
 from autofit.core._torch import BatchNormBase, allocator_settings, compiled_modules, set_allocator_settings
 from autofit.core._torch_compile import compiled_calls
-from autofit.training.batch import Batch, as_batch
+from autofit.training.batch import Batch, as_batches, as_shared
 from autofit.training.grads import allocate_grads
-from autofit.core.errors import AllocatorSettingError, InvalidInputError
+from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
+from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
-from autofit.training.normalisation import LossNormalisation, count_items, item_counter
+from autofit.training.normalisation import LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter
 from autofit.training.optim import OptimizerSpec, to_eight_bit
 from autofit.training.step import (
     StepConfig,
@@ -56,13 +59,19 @@ class Trainer:
     exit. With BatchNorm layers and more than one micro-batch it warns: batch statistics are then per micro-batch."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 loss_fn: LossFn | None = None) -> None:
+                 loss_fn: LossFn | None = None, loss_reduction: str | None = None, shared: Any = None) -> None:
+        loss_reduction = plan.loss_reduction if loss_reduction is None else loss_reduction
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise InvalidInputError(f"loss_reduction must be 'mean' or 'sum' (over rows), got {loss_reduction!r}")
         if not isinstance(model, nn.Module):
             raise InvalidInputError(f"wrap() needs the model (an nn.Module), got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidInputError(
                 f"wrap() needs the optimizer instance built over model.parameters(), got {type(optimizer).__name__}"
             )
+        inner = getattr(self, "_inner", model)  # the user's model (the distributed trainer's lies inside DDP/FSDP2)
+        refuse_wrapped(inner)  # Note [one trainer per model]
+        check_optimizer(inner, optimizer)
         require_alloc_conf(plan)
         if plan.low_bit_optimizer is not None:  # the rung '8bit-optimizer' (Note [8-bit optimizer state])
             optimizer = to_eight_bit(optimizer, plan.low_bit_optimizer)
@@ -70,6 +79,8 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer  # the 8-bit one where the plan swapped it: step, save and load this one
         self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self.shared = frozenset(plan.shared) if shared is None else as_shared(shared)  # Note [the batch dimension]
         # where the step computes: the parameters' device, but a plan whose parameters live in host memory (FSDP2
         # CPUOffloadPolicy, Note [offload]) computes on the plan's device
         self.device_type = plan.device if plan.offload_states else _device_type(model)
@@ -90,28 +101,30 @@ class Trainer:
             )
         # stored precision: parameters converted in place, the optimizer on fp32 master copies (Note [stored
         # precision]); unwrap() undoes both
-        self._stored = apply_stored(getattr(self, "_inner", model), optimizer, plan.precision.stored,
-                                    plan.precision.fp32_modules)
+        self._stored = apply_stored(inner, optimizer, plan.precision.stored, plan.precision.fp32_modules)
         # Note [gradients allocated before forward]: before the first forward, in the parameters' stored dtype
-        self._grads_given = allocate_grads(getattr(self, "_inner", model)) if plan.preallocated_grads else []
+        self._grads_given = allocate_grads(inner) if plan.preallocated_grads else []
         self._patch = contextlib.ExitStack()
-        self._patch.enter_context(patched_model(getattr(self, "_inner", model), self.config, self.device_type))
-        if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
-            self._patch.enter_context(compiled_calls(getattr(self, "_inner", model)))
-        if plan.optimizer_in_backward:  # Note [optimizer step in backward]
-            self._patch.enter_context(stepping_in_backward(getattr(self, "_inner", model), optimizer))
         self._active = True
+        try:
+            self._patch.enter_context(patched_model(inner, self.config, self.device_type))
+            if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
+                self._patch.enter_context(compiled_calls(inner))
+            if plan.optimizer_in_backward:  # Note [optimizer step in backward]
+                self._patch.enter_context(stepping_in_backward(inner, optimizer))
+        except BaseException:
+            self.unwrap()  # a wrap that fails halfway leaves the model as it found it
+            raise
+        claim(inner, self)
         self.micro_batches = 0  # how many micro-batches the last step ran (fewer for shorter batches)
 
     def step(self, inputs: Any, target: Any = None) -> float:
         """One optimizer step over one batch; returns the batch's mean loss (over rows, or over the items a
         token-mean loss averages over)."""
         if not self._active:
-            raise RuntimeError("this trainer was unwrapped; call plan.wrap(model, optimizer) again")
-        batch = as_batch(inputs, what="inputs")
-        target_batch = None if target is None else as_batch(target, what="target")
-        if target_batch is not None and target_batch.size != batch.size:
-            raise InvalidInputError(f"target has {target_batch.size} rows but the inputs have {batch.size}")
+            raise TrainerStateError("this trainer was unwrapped, so the model no longer runs the plan's step: "
+                                    "call plan.wrap(model, optimizer) again for a new trainer")
+        batch, target_batch = as_batches(inputs, target, shared=self.shared, what="inputs")
         batch, target_batch = self._shard(batch, target_batch)
         require_sequence_split(self.plan.tensor_plan, self.plan.tensor_parallel, batch.tensors(), "this batch")
         device = self._input_device()
@@ -147,6 +160,8 @@ class Trainer:
         counter = item_counter(getattr(self, "_inner", self.model), self.loss_fn, batch, target)
         counts = count_items(counter, batch, target, bounds)
         total, ranks = self._across_ranks(sum(counts))
+        if self.loss_reduction == "sum":  # Note [sum-reduced losses]: sums add up, whatever the rows hold
+            return LossNormalisation("rows", counts, total, ranks, summed=True)
         return LossNormalisation("rows" if counter is None else "items", counts, total, ranks)
 
     def _rows_for(self, batch: Batch, target: Batch | None) -> int:
@@ -188,12 +203,13 @@ class Trainer:
         the optimizer back on the parameters with its state in their dtype; gradients ``wrap`` allocated are dropped
         (None, as ``zero_grad(set_to_none=True)`` leaves them). The model is as before ``wrap``, trained."""
         if self._active:
+            self._active = False
             self._patch.__exit__(None, None, None)
             for p in self._grads_given:
                 p.grad = None
             if self._stored is not None:
                 self._stored.restore()
-            self._active = False
+            release(getattr(self, "_inner", self.model), self)
         return self.model
 
     def __enter__(self) -> Trainer:

@@ -103,7 +103,7 @@ def held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> l
     if extra <= 0:
         return []
     rows = [micro] + ([micro_target] if micro_target is not None else [])
-    return [t for b in rows for t in b.resize(extra).tensors() if t.dim() >= 1 and t.shape[0] == extra]
+    return [t for b in rows for t in b.resize(extra).per_sample_tensors()]
 
 
 def drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: set[int], stored=None) -> None:

@@ -45,8 +45,7 @@ class LengthSpec:
 def _batch_leaves(batch: Batch | None) -> list[torch.Tensor]:
     if batch is None:
         return []
-    leaves = pytree.tree_leaves((batch.args, batch.kwargs))
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == batch.size]
+    return batch.per_sample_tensors()
 
 
 def _has_length(t: torch.Tensor) -> bool:
@@ -75,13 +74,10 @@ def cut_to_length(batch: Batch | None, spec: LengthSpec, length: int) -> Batch |
     if batch is None or spec.length is None or length == spec.length:
         return batch
 
-    def cut(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and _has_length(t) and t.shape[0] == batch.size and t.shape[1] == spec.length:
-            return t[:, :length].contiguous()
-        return t
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[:, :length].contiguous() if _has_length(t) and t.shape[1] == spec.length else t
 
-    args, kwargs = pytree.tree_map(cut, (batch.args, batch.kwargs))
-    return Batch(args, kwargs, batch.size, batch.kind)
+    return batch.map_per_sample(cut)
 
 
 def batch_length(spec: LengthSpec, batch: Batch, target: Batch | None) -> int | None:

@@ -1,15 +1,19 @@
 """The loss of one micro-batch, and the default used when the user gives no ``loss_fn``.
 
-Default, in order (documented in docs/api.md):
-1. the output has a ``loss`` (attribute or dict key), as Hugging Face models return when given labels: use it;
-2. a target is given: integer target -> cross-entropy over the last dimension of the output (logits ``(..., C)``
+Default, in order (documented in docs/api.md), applied only where it is unambiguous (See Note [the default loss]):
+1. the output has a ``loss`` tensor (attribute or dict key), as Hugging Face models return when given labels: use it;
+2. the prediction is the output itself when it is a tensor, or the ``logits`` of a Hugging Face ``ModelOutput``;
+   a target is given: integer target -> cross-entropy over the last dimension of the prediction (logits ``(..., C)``
    against class indices ``(...)``); floating target -> mean squared error;
-3. no target and the output is a scalar: the output is the loss.
-Anything else asks for a ``loss_fn``.
+3. no target and the prediction has one element: it is the loss.
+Anything else (a tuple, list, dict or dataclass without a loss, a prediction that does not fit the target) asks for a
+``loss_fn``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,29 +23,79 @@ import torch.nn.functional as F
 from autofit.core._torch import PASSTHROUGH_ERRORS
 from autofit.core.errors import LossError
 
-__all__ = ["LossFn", "compute_loss"]
+__all__ = ["LossFn", "compute_loss", "describe_loss"]
 
 LossFn = Callable[..., torch.Tensor]
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
+# Note [the default loss]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A model that returns several tensors, ``(features, logits)`` say, leaves no way to know which one the loss is
+# about. Taking the first one trains the wrong head in silence: cross-entropy over the 32 feature columns, and the
+# classifier never gets a gradient. So the default reads only outputs whose meaning is documented: a ``loss`` the
+# model computed itself, a bare tensor, or the ``logits`` field of a Hugging Face ``ModelOutput`` (the classes whose
+# fields transformers documents). Every other structure is refused with a LossError that describes it and asks for
+# ``loss_fn``; estimate, plan and the trainer all go through here, so none of them can disagree about it.
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _is_hf_output(output: Any) -> bool:
+    """A Hugging Face ``ModelOutput`` (only possible when transformers is imported already)."""
+    if "transformers" not in sys.modules:
+        return False
+    try:
+        from transformers.utils import ModelOutput
+    except ImportError:
+        return False
+    return isinstance(output, ModelOutput)
+
+
+def describe_output(output: Any, depth: int = 0) -> str:
+    """The structure of a model's output in a few words: ``tuple of 2: (Tensor (16, 32), Tensor (16, 4))``."""
+    if isinstance(output, torch.Tensor):
+        return f"Tensor {tuple(output.shape)}"
+    if depth > 1:
+        return type(output).__name__
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+        return f"{type(output).__name__} (a dataclass) with " + _described_items(items, depth)
+    if isinstance(output, Mapping):
+        return f"{type(output).__name__} with " + _described_items(output, depth)
+    if isinstance(output, (tuple, list)):
+        inner = ", ".join(describe_output(item, depth + 1) for item in output[:6])
+        more = ", ..." if len(output) > 6 else ""
+        return f"{type(output).__name__} of {len(output)}: ({inner}{more})"
+    return type(output).__name__
+
+
+def _described_items(items: Mapping[Any, Any], depth: int) -> str:
+    shown = [f"{k!r}: {describe_output(v, depth + 1)}" for k, v in list(items.items())[:6] if v is not None]
+    return "{" + ", ".join(shown) + (", ..." if len(items) > 6 else "") + "}"
+
+
+def _prediction(output: Any) -> torch.Tensor:
+    """What the default loss compares with the target: the output itself, or a Hugging Face output's logits."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, Mapping):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            if isinstance(item, torch.Tensor):
-                return item
-    return None
+    if _is_hf_output(output) and isinstance(getattr(output, "logits", None), torch.Tensor):
+        return output.logits
+    raise LossError(
+        f"the model's output is a {describe_output(output)} without a 'loss': the default loss does not guess which "
+        "part to train on (See Note [the default loss], autofit/training/loss.py); pass loss_fn=lambda output, "
+        "target: ... that picks it, e.g. F.cross_entropy(output[1], target)"
+    )
 
 
 def default_loss(output: Any, target: Any = None) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
+    loss = _own_loss(output)
+    if loss is not None:
         return loss
-    prediction = _first_tensor(output)
-    if target is not None and prediction is not None and isinstance(target, torch.Tensor):
+    prediction = _prediction(output)
+    if target is not None and isinstance(target, torch.Tensor):
         kind = "mean squared error" if target.is_floating_point() else "cross-entropy"
         try:
             if not target.is_floating_point():
@@ -56,13 +110,22 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
                 f"target, shape {tuple(target.shape)}) failed: {e}; pass loss_fn=lambda output, target: ... "
                 "that fits the model's output"
             ) from e
-    if target is None and prediction is not None and prediction.numel() == 1:
+    if target is None and prediction.numel() == 1:
         return prediction.reshape(())
     raise LossError(
         "no loss could be derived from the model's output "
-        f"({type(output).__name__}{'' if target is None else ' with a target'}): "
+        f"({describe_output(output)}{'' if target is None else ' with a target'}): "
         "pass loss_fn=lambda output, target: ..."
     )
+
+
+def describe_loss(loss_fn: LossFn | None) -> str:
+    """How a plan names its loss in JSON: "default", or "custom: <module>.<qualified name>"."""
+    if loss_fn is None:
+        return "default"
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__qualname__
+    module = getattr(loss_fn, "__module__", None) or type(loss_fn).__module__
+    return f"custom: {module}.{name}"
 
 
 def compute_loss(loss_fn: LossFn | None, output: Any, target: Any) -> torch.Tensor:

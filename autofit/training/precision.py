@@ -16,7 +16,7 @@ import torch
 
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["PrecisionPolicy", "as_policy", "PRECISION_NAMES", "STORED_NAMES", "stored_dtype"]
+__all__ = ["PrecisionPolicy", "as_policy", "built_precision", "PRECISION_NAMES", "STORED_NAMES", "stored_dtype"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_NAMES = tuple(_DTYPES)
@@ -42,6 +42,9 @@ class PrecisionPolicy:
     name: str = "fp32"
     fp32_modules: tuple[str, ...] = field(default_factory=tuple)
     stored: str | None = None
+    # with stored=None: the dtype(s) the model's parameters were built in, when not fp32 ("bf16", "fp64",
+    # "bf16 + fp32"); a description only (the step keeps them as they are), so it takes no part in equality
+    built: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.name not in _DTYPES:
@@ -87,12 +90,29 @@ class PrecisionPolicy:
 
     def __str__(self) -> str:
         pinned = f", fp32 modules: {', '.join(self.fp32_modules)}" if self.fp32_modules else ""
-        stored = "" if self.stored is None else f", stored {_STORED_TEXT[self.stored]}"
+        stored = f", stored {_STORED_TEXT[self.stored]}" if self.stored is not None else (
+            f", stored {self.built} (as built)" if self.built else "")
         return f"{self.name}{' autocast' if self.autocast else ''}{stored}{pinned}"
 
 
 _STORED_TEXT = {"fp32": "fp32", "bf16-master": "bf16 with fp32 master copy",
                 "fp16-master": "fp16 with fp32 master copy", "bf16": "pure bf16 (parameters, gradients, state)"}
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def built_precision(parameters) -> str | None:
+    """The dtype(s) floating ``parameters`` are stored in, most bytes first ("bf16", "fp64", "bf16 + fp32"), or
+    None when all are fp32 (what a policy without ``stored`` otherwise implies)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in parameters:
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+    if set(sizes) <= {torch.float32}:
+        return None
+    ordered = sorted(sizes, key=lambda d: -sizes[d])
+    return " + ".join(_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in ordered)
 
 
 def as_policy(precision: str | PrecisionPolicy) -> PrecisionPolicy:
