@@ -59,15 +59,20 @@ def _configuration_peaks(model, sample, target, loss_fn, optimizer) -> dict[tupl
     of b rows, plus the B - b rows of the inputs and targets the trainer keeps resident beside the micro-batch."""
     batch = sample.shape[0]
     row_bytes = sample[:1].nelement() * sample.element_size() + target[:1].nelement() * target.element_size()
+    return {(b, checkpoint): est.peak_bytes + (batch - b) * row_bytes
+            for b, checkpoint, est in _estimates(model, sample, target, loss_fn, optimizer, inputs="micro-batch")}
+
+
+def _estimates(model, sample, target, loss_fn, optimizer, **knobs):
+    """(b, checkpoint, estimate) of every configuration with equal micro-batches: micro-batch b dividing the batch,
+    no recomputation or every parametrised layer recomputed."""
+    batch = sample.shape[0]
     layers = tuple(name for name, m in model.named_children() if any(True for _ in m.parameters()))
-    peaks = {}
     for b in _divisors(batch):
         for checkpoint in ((), layers):
-            est = autofit.estimate(model, sample, micro_batch_size=b, accumulation_steps=batch // b, target=target,
-                                   loss_fn=loss_fn, optimizer=optimizer, precision="fp32", checkpoint=checkpoint,
-                                   device="cpu", inputs="micro-batch")
-            peaks[(b, checkpoint)] = est.peak_bytes + (batch - b) * row_bytes
-    return peaks
+            yield b, checkpoint, autofit.estimate(
+                model, sample, micro_batch_size=b, accumulation_steps=batch // b, target=target, loss_fn=loss_fn,
+                optimizer=optimizer, precision="fp32", checkpoint=checkpoint, device="cpu", **knobs)
 
 
 def _plan(model, sample, target, loss_fn, optimizer, budget):
@@ -137,17 +142,11 @@ def _wide_case(seed: int):
 def _estimated_peaks(model, sample, target, loss_fn, optimizer) -> dict[tuple[int, tuple[str, ...]], int]:
     """Each configuration's figure as ``autofit.estimate`` gives it (its default ``inputs="batch"``: the whole batch
     resident, as the trainer holds it), nothing added by hand; the inputs are checked to be a large share of it."""
-    batch = sample.shape[0]
-    layers = tuple(name for name, m in model.named_children() if any(True for _ in m.parameters()))
     peaks = {}
-    for b in _divisors(batch):
-        for checkpoint in ((), layers):
-            est = autofit.estimate(model, sample, micro_batch_size=b, accumulation_steps=batch // b, target=target,
-                                   loss_fn=loss_fn, optimizer=optimizer, precision="fp32", checkpoint=checkpoint,
-                                   device="cpu")
-            assert est.input_rows == batch
-            assert est.breakdown["inputs"] >= 0.2 * est.device_bytes, (b, checkpoint, dict(est.breakdown))
-            peaks[(b, checkpoint)] = est.device_bytes
+    for b, checkpoint, est in _estimates(model, sample, target, loss_fn, optimizer):
+        assert est.input_rows == sample.shape[0]
+        assert est.breakdown["inputs"] >= 0.2 * est.device_bytes, (b, checkpoint, dict(est.breakdown))
+        peaks[(b, checkpoint)] = est.device_bytes
     return peaks
 
 
