@@ -125,7 +125,7 @@ def test_batch_norm_warning_is_one_line_without_a_source_path():
                                   .replace('"gradient_accumulation_steps": 1', '"gradient_accumulation_steps": 2'))
     out = io.StringIO()
     with one_line_warnings(Console(file=out, width=80)):
-        plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)).unwrap()
+        plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy).unwrap()
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: ") and "BatchNorm" in lines[0]
     assert ".py" not in lines[0] and "warnings.warn" not in lines[0]
