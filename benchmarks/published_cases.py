@@ -141,8 +141,9 @@ def _amp_recipe(precision: str) -> Callable[[], Built]:
                                        torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
 
         return (_meta(net), torch.randn(512, 4096),
+                # the recipe's batches are made beforehand and counted in outside_bytes: the estimate holds one
                 {"target": torch.randn(512, 4096), "micro_batch_size": 512, "accumulation_steps": 2,
-                 "precision": precision, "loss_fn": F.mse_loss,
+                 "inputs": "micro-batch", "precision": precision, "loss_fn": F.mse_loss,
                  "optimizer": lambda params: torch.optim.SGD(params, lr=1e-3)})
 
     return build

@@ -34,14 +34,14 @@ suite() {
 python3 -m venv .venv-test
 .venv-test/bin/pip install -q torch==2.13.0 -e ".[test]"
 suite "torch $(.venv-test/bin/python -c 'import torch; print(torch.__version__)')" \
-    .venv-test/bin/python -m pytest -q -rs "${parallel[@]}"
+    .venv-test/bin/python -m pytest -q -rfEs "${parallel[@]}"
 
 python3 -m venv .venv-newest
 .venv-newest/bin/pip install -q --upgrade torch
 .venv-newest/bin/pip install -q -e ".[test]"
 newest=$(.venv-newest/bin/python -c 'import torch; print(torch.__version__)')
 echo "newest torch: $newest"
-suite "torch $newest, not slow" .venv-newest/bin/python -m pytest -q -rs -m "not slow" "${parallel[@]}"
+suite "torch $newest, not slow" .venv-newest/bin/python -m pytest -q -rfEs -m "not slow" "${parallel[@]}"
 
 elapsed=$((SECONDS - started))
 echo "matrix: ${summary[0]}; ${summary[1]}; $((elapsed / 60)) min $((elapsed % 60)) s in all"

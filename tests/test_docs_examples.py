@@ -80,7 +80,7 @@ def test_cli_plans_small_cnn() -> None:
 @pytest.mark.slow
 def test_cli_plans_tiny_lm_as_json_with_export() -> None:
     result = _cli("plan", "examples/factories.py:tiny_lm", "--budget", "20MB", "--batch-size", "16",
-                  "--device", "cpu", "--json", "--export", "hf")
+                  "--device", "cpu", "--json", "--export", "hf", "--quiet")  # no stage lines on stderr
     plan = autofit.Plan.from_json(result.stdout)  # stdout is exactly one plan
     assert plan.batch_size == 16 and plan.device == "cpu"
     assert plan.micro_batch_size * plan.gradient_accumulation_steps >= 16
