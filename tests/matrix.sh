@@ -8,7 +8,7 @@
 # A venv that already exists is reused (pip then installs only what changed). Tests run on as many pytest-xdist
 # workers as there are cores (most tests are one Python thread: a simulation on fake tensors), AUTOFIT_TEST_WORKERS
 # overrides (1: one process, no xdist). Both runs always run; the script exits with the first failing run's status
-# after a one-line summary of both. -rs prints why each skipped test skipped (tests whose truth is a real step on this
+# after a one-line summary of both. -rfEs lists failures, errors and why each skipped test skipped (tests whose truth is a real step on this
 # CPU skip where its kernels cannot run it, Note [CPU kernels]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
