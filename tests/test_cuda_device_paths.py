@@ -13,6 +13,7 @@ import autofit
 from autofit.core._torch import has_dispatch_kernel
 from autofit.core.categories import Category
 from autofit.cuda.device_paths import CUDA_PATHS, cuda_path, cuda_paths
+from autograd_saved import saved_tensors
 
 MiB = 2**20
 ROWS, DIM = 4096, 1024
@@ -95,18 +96,7 @@ def test_cuda_estimate_of_dropout_counts_the_mask(dtype):
 
 
 def _saved_graph(out: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    seen, stack, saved = set(), [out.grad_fn], []
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if hasattr(fn, "saved_tensors"):  # a Python autograd.Function
-            saved += [(tuple(t.shape), t.dtype) for t in fn.saved_tensors if t is not None]
-        saved += [(tuple(getattr(fn, a).shape), getattr(fn, a).dtype) for a in dir(fn)
-                  if a.startswith("_saved_") and isinstance(getattr(fn, a), torch.Tensor)]
-        stack += [f for f, _ in fn.next_functions]
-    return saved
+    return [(tuple(t.shape), t.dtype) for t in saved_tensors(out)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

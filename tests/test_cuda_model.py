@@ -45,6 +45,7 @@ from autofit.cuda.model import (
 )
 from autofit.cuda.target import DEFAULT_GPU, resolve_gpu
 from autofit.simulate.timeline import Phase, StorageRecord, Timeline, replay
+from autograd_saved import saved_tensors
 
 try:
     from tests.zoo import ZOO
@@ -298,20 +299,6 @@ def test_sdpa_backend_head_dim_not_multiple_of_8(gpu, dtype, expected):
     assert sdpa_backend(q, k, v, None, gpu_spec(gpu)) == expected
 
 
-def _saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
-    """Every tensor an autograd node of ``out``'s graph saved for backward."""
-    seen, stack, saved = set(), [out.grad_fn], []
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        saved += [getattr(fn, a) for a in dir(fn) if a.startswith("_saved_")
-                  and isinstance(getattr(fn, a), torch.Tensor)]
-        stack += [f for f, _ in fn.next_functions]
-    return saved
-
-
 def test_flash_attention_saves_output_and_fp32_logsumexp_not_the_attention_matrix():
     # attention.cu _flash_attention_forward returns softmax_lse (B, H, S) fp32; derivatives.yaml saves query, key,
     # value, output and logsumexp for _scaled_dot_product_flash_attention_backward.
@@ -321,7 +308,7 @@ def test_flash_attention_saves_output_and_fp32_logsumexp_not_the_attention_matri
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert "FlashAttentionBackward" in type(out.grad_fn).__name__
         assert "ForCpu" not in type(out.grad_fn).__name__
-        saved = {(tuple(t.shape), t.dtype) for t in _saved_tensors(out)}
+        saved = {(tuple(t.shape), t.dtype) for t in saved_tensors(out)}
     assert ((b, h, s), torch.float32) in saved  # logsumexp
     assert ((b, h, s, d), torch.bfloat16) in saved  # output (and q, k, v)
     assert not any(shape[-2:] == (s, s) for shape, _ in saved)
@@ -334,7 +321,7 @@ def test_math_attention_saves_the_attention_matrix():
     with FakeTensorMode(), cuda_kernels(gpu_spec("T4")):
         q, k, v = (torch.randn(b, h, s, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
         out = F.scaled_dot_product_attention(q, k, v)
-        saved = [tuple(t.shape) for t in _saved_tensors(out)]
+        saved = [tuple(t.shape) for t in saved_tensors(out)]
     assert any(shape[-2:] == (s, s) for shape in saved)
 
 
