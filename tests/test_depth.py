@@ -93,6 +93,27 @@ def test_hugging_face_config_cut_on_a_copy():
     cut(torch.zeros(1, 8, dtype=torch.long))
 
 
+def test_hugging_face_cut_keeping_both_ends_computes_what_a_model_of_those_blocks_computes():
+    """A cut that keeps blocks 0, 1, 6, 7 (a cut run with the tail kept whole): Hugging Face's attention indexes its
+    KV cache (use_cache defaults to True) by ``layer_idx``, so the kept blocks must be renumbered, on copies. Truth:
+    a 4-layer model of Hugging Face's own with those blocks' weights computes the same logits."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cut = truncated(model, find_blocks(model), (0, 1, 6, 7))
+    settings = {k: v for k, v in config.to_dict().items() if k != "layer_types"}
+    four = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**settings, "num_hidden_layers": 4}))
+    four.load_state_dict({k: v for k, v in cut.state_dict().items()})
+    ids = torch.randint(0, 128, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(cut(ids).logits, four.eval()(ids).logits)
+    assert [b.self_attn.layer_idx for b in model.model.layers] == list(range(8))  # the user's model unchanged
+    assert model.model.layers[6].self_attn is not cut.model.layers[2].self_attn
+    assert model.model.layers[6].mlp is cut.model.layers[2].mlp  # only what knows its index is copied
+
+
 def test_period_of_patterns():
     blocks = Blocks("layers", 12)
     assert period_of((), blocks) == 1

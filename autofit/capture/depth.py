@@ -107,13 +107,33 @@ def truncated(model: nn.Module, blocks: Blocks, depth: int | tuple[int, ...]) ->
         parent._modules[part] = child
         parent = child
     layers = copy.copy(parent._modules[parts[-1]])
-    layers._modules = {str(n): layers._modules[str(i)] for n, i in enumerate(keep)}
+    layers._modules = {str(n): _renumbered(layers._modules[str(i)], i, n) for n, i in enumerate(keep)}
     parent._modules[parts[-1]] = layers
     if cut_config is not None:  # every module on the path that reads the config reads the cut one
         for module in _path_modules(root, parts):
             if getattr(module, "config", None) is config:
                 module.config = cut_config
     return root
+
+
+def _renumbered(block: nn.Module, index: int, position: int) -> nn.Module:
+    """``block`` (the full model's block ``index``) as the cut model's block ``position``: where a submodule knows
+    its block by a ``layer_idx`` (Hugging Face's attention layers: the KV cache is a list indexed by it, sized by
+    the cut config's ``num_hidden_layers``), a shallow copy of the block with copies of those submodules and of the
+    modules above them, renumbered; else the block itself. A cut that keeps blocks of both ends (the tail kept
+    whole after a cut run) would otherwise index the cache with the full model's numbers."""
+    if index == position or not any(getattr(m, "layer_idx", None) == index for m in block.modules()):
+        return block
+
+    def copied(module: nn.Module) -> nn.Module:
+        if not any(getattr(m, "layer_idx", None) == index for m in module.modules()):
+            return module
+        out = copy.copy(module)
+        out._modules = {name: copied(child) if child is not None else None for name, child in module._modules.items()}
+        if getattr(module, "layer_idx", None) == index:
+            out.layer_idx = position
+        return out
+    return copied(block)
 
 
 def _path_modules(root: nn.Module, parts: list[str]) -> Iterable[nn.Module]:
