@@ -55,7 +55,7 @@ def plan(
     offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
     allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
     replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1, tensor_parallel_plan: Any = None,
-    compile: bool = False, extrapolate_depth: bool = False, shared: Any = None,
+    compile: bool = False, extrapolate_depth: bool | str = "auto", shared: Any = None,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
@@ -106,12 +106,13 @@ def plan(
     ``compile=True``: every step runs the model compiled (torch.compile, inductor), estimated as inductor compiles
     it, and the trainer compiles it (Note [compile as a knob]); a model compiled already is planned as compiled.
 
-    ``extrapolate_depth=True`` (opt-in): a model whose depth is a run of at least 8 structurally identical blocks
-    (a Llama's ``layers``) is simulated cut to a few blocks and each figure carried to all of them along a checked
-    line, so the cost of a simulation stops growing with the depth (Note [depth extrapolation],
-    autofit/capture/depth.py; the plan's notes say when it was used). Not the default yet: at 8 to 12 blocks three
-    cut simulations cost more than one whole one, and the 80-layer plan it was built for still takes minutes
-    (docs/multi-gpu.md, "Deep models"). False: every simulation runs the whole model.
+    ``extrapolate_depth`` ("auto", True or False): a model whose depth is a run of structurally identical blocks
+    (a Llama's ``layers``), at least 16 with "auto" and 8 with True, is simulated cut to a few blocks and each figure
+    carried to all of them along a line checked on a third depth, so the cost of a simulation stops growing with the
+    depth (Note [depth extrapolation], autofit/capture/depth.py; the plan's notes say when it was used, and the
+    whole model is simulated where the figures are not on a line). Shallower runs are simulated whole by "auto":
+    there three cut simulations cost more than one of the whole model. False: every simulation runs the whole
+    model.
 
     ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
     every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them
@@ -139,7 +140,7 @@ def plan_with_analysis(
     fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
     margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
     reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
-    tensor_parallel_plan: Any = None, compile: bool = False, extrapolate_depth: bool = False, shared: Any = None,
+    tensor_parallel_plan: Any = None, compile: bool = False, extrapolate_depth: bool | str = "auto", shared: Any = None,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 

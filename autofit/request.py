@@ -29,7 +29,11 @@ from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
                               resolve_host_budget, margin_for, pinned, precisions, stored_options)
 
-DEPTH_MIN_BLOCKS = 8  # plan extrapolates in depth from this many identical blocks (Note [depth extrapolation])
+# plan(extrapolate_depth=True) cuts a run of at least this many identical blocks (Note [depth extrapolation]);
+# "auto" (the default) one of at least DEPTH_AUTO_BLOCKS: from there the cut simulations (2, 3 and 4 blocks, or an
+# analysis at 3) cost less than one of the whole model, measured in benchmarks/planning.py ("deep" table)
+DEPTH_MIN_BLOCKS = 8
+DEPTH_AUTO_BLOCKS = 16
 
 __all__ = ["Parallel", "PlanRequest", "make_request"]
 
@@ -85,9 +89,12 @@ class PlanRequest:
     low_bit_optimizer: str | None = None
     # plan(compile=True): every step runs the model compiled (Note [compile as a knob], training/config.py)
     compile: bool = False
-    # plan(extrapolate_depth=True): the model's run of identical blocks, simulated cut to a few of them and
-    # extrapolated (Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model
+    # the model's run of identical blocks, simulated cut to a few of them and extrapolated (plan(extrapolate_depth=),
+    # Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model
     blocks: Blocks | None = None
+    # extrapolate_depth="auto": a cut whose simulations hold more blocks in all than the whole model is not tried
+    # (the whole model is simulated instead: cheaper, and exact); True tries every cut
+    cheaper_cuts_only: bool = False
     # the fewest rows a micro-batch may hold: 2 when the model refuses one row (Note [micro-batches a model refuses],
     # autofit/capture/rows.py)
     min_rows: int = 1
@@ -148,7 +155,7 @@ def make_request(
     host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
     gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
     tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
-    extrapolate_depth: bool = False, shared: Any = None,
+    extrapolate_depth: bool | str = "auto", shared: Any = None,
 ) -> PlanRequest:
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
@@ -228,6 +235,17 @@ def make_request(
         replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
         allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
         closed_rungs=closed,
-        blocks=find_blocks(model, DEPTH_MIN_BLOCKS) if extrapolate_depth and not compile else None,
+        blocks=_depth_blocks(model, extrapolate_depth) if not compile else None,
+        cheaper_cuts_only=extrapolate_depth == "auto",
         compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it
     )
+
+
+def _depth_blocks(model: nn.Module, extrapolate_depth: Any) -> Blocks | None:
+    """The run of identical blocks plan(extrapolate_depth=...) cuts: True from DEPTH_MIN_BLOCKS blocks, "auto" from
+    DEPTH_AUTO_BLOCKS, False never."""
+    if extrapolate_depth is not True and extrapolate_depth is not False and extrapolate_depth != "auto":
+        raise InvalidInputError(f"extrapolate_depth must be True, False or 'auto', not {extrapolate_depth!r}")
+    if extrapolate_depth is False:
+        return None
+    return find_blocks(model, DEPTH_MIN_BLOCKS if extrapolate_depth is True else DEPTH_AUTO_BLOCKS)

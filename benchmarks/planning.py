@@ -13,6 +13,12 @@ estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
     python benchmarks/planning.py            # a few zoo models and a small Llama, CPU and CUDA planning
     python benchmarks/planning.py --hf       # also the issue's two Hugging Face rows (needs transformers):
                                              # GPT-2 and a Llama, 4 layers each, batch 32 x 128, from configs
+    python benchmarks/planning.py --deep     # deep models at full size (needs transformers; minutes): Llama-3.1-8B
+                                             # (from its config) on 8 A100s with FSDP2 and on one H100, the 70B shape
+                                             # on 4 x 8 H100s; each plan with depth extrapolation "auto" (the
+                                             # default) against extrapolate_depth=False (the old default), the
+                                             # same run, next to one full estimate and one MemTracker step
+    python benchmarks/planning.py --deep --no-base   # only the default (the 70B plan without it takes an hour)
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
 import autofit  # noqa: E402
 from autofit.core import progress, workers  # noqa: E402
@@ -160,5 +167,65 @@ def main() -> None:
         print(f"{name:<14} {label:<18} " + " ".join(cells) + f" {ratio:>6.2f}")
 
 
+def _deep_cases():
+    """(label, model, sample, target, loss_fn, plan keywords): the planning-speed issue's deep rows."""
+    from autofit.cli.specs import load_spec
+    from benchmarks.multi_gpu_70b import llama3_70b_config
+
+    spec = load_spec("hf:meta-llama/Llama-3.1-8B", input_shapes=[(4096,)])  # the CLI's model: config only, meta
+    eight = dict(budget="80GB", batch_size=32, gpu="A100-80GB", world_size=8, strategy="fsdp2")
+    yield "8B fsdp2 8xA100", spec.model, spec.sample, spec.target, spec.loss_fn, eight
+    yield "8B one H100", spec.model, spec.sample, spec.target, spec.loss_fn, dict(budget="80GB", batch_size=8,
+                                                                                  gpu="H100-80GB")
+    with torch.device("meta"):
+        model = Llama(llama3_70b_config(max_seq_len=8192))
+    ids = torch.zeros(1, 8192, dtype=torch.long)
+    yield "70B fsdp2 4x8 H100", model, ids, ids, None, dict(
+        budget="80GB", batch_size=32, gpu="H100-80GB", world_size=32, gpus_per_node=8, strategy="fsdp2")
+
+
+def _summary(plan) -> str:
+    layout = f"{plan.layout} " if plan.world_size > 1 else ""
+    return (f"{layout}{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.label} "
+            f"{plan.device_bytes / 2**30:.2f} GiB {plan.predicted_step_seconds:.3f} s ckpt={len(plan.checkpoint)}"
+            f"{' sel=' + str(len(plan.selective)) if plan.selective else ''}"
+            f"{' host' if plan.offload_states else ''}")
+
+
+def deep(base: bool = True) -> None:
+    """Plan time of deep models, with depth extrapolation (the default) and without, in one run."""
+    from benchmarks.memtracker_baseline import memtracker_estimate
+
+    print(f"{'case':<20} {'how':<14} {'plan s':>7}  plan")
+    print("-" * 100)
+    for label, model, sample, target, loss_fn, kw in _deep_cases():
+        kw = dict(kw)
+        budget = kw.pop("budget")
+        runs = [("auto", {})] + ([("whole model", {"extrapolate_depth": False})] if base else [])
+        plans = {}
+        for how, extra in runs:
+            plan, seconds = _timed(lambda: autofit.plan(model, sample, budget, target=target, loss_fn=loss_fn,
+                                                        **kw, **extra))
+            plans[how] = plan
+            print(f"{label:<20} {how:<14} {seconds:>7.1f}  {_summary(plan)}", flush=True)
+        plan = plans["auto"]
+        if kw.get("world_size", 1) == 1:  # estimate and MemTracker simulate one process: the single-GPU row
+            _, est_s = _timed(lambda: autofit.estimate(
+                model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+                accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint, target=target,
+                loss_fn=loss_fn, gpu=kw["gpu"], offload=plan.offload, inputs="micro-batch"))
+            print(f"{label:<20} {'one estimate':<14} {est_s:>7.1f}  (the plan's configuration, whole model)")
+            tracked = memtracker_estimate(model, sample, micro_batch_size=plan.micro_batch_size, target=target,
+                                          loss_fn=loss_fn, precision="bf16", checkpoint=plan.checkpoint)
+            print(f"{label:<20} {'MemTracker':<14} {tracked.seconds:>7.1f}  (one step of the same micro-batch, "
+                  f"{tracked.error or 'ran'})", flush=True)
+        if "whole model" in plans:
+            same = plans["whole model"].to_json() == plan.to_json()
+            print(f"{'':<20} {'same plan' if same else 'plans differ'}")
+
+
 if __name__ == "__main__":
-    main()
+    if "--deep" in sys.argv[1:]:
+        deep(base="--no-base" not in sys.argv[1:])
+    else:
+        main()

@@ -13,12 +13,14 @@ Note [peak inside a kernel]
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from autofit.core.categories import Category
 
-__all__ = ["Phase", "EventKind", "StorageRecord", "OpRecord", "Timeline", "Replay", "replay", "host_replay"]
+__all__ = ["Phase", "EventKind", "StorageRecord", "OpRecord", "Timeline", "Replay", "replay", "host_replay",
+           "segment_peaks"]
 
 
 class Phase(IntEnum):
@@ -182,3 +184,33 @@ def replay(timeline: Timeline) -> Replay:
     if peak < 0:
         return Replay(0, {}, -1, Phase.SETUP)
     return Replay(peak, {c: b for c, b in best.items() if b}, peak_op, peak_phase)
+
+
+def segment_peaks(timeline: Timeline, role: Callable[[str], Hashable]) -> dict[tuple[int, Hashable], int]:
+    """The tensor peak (live bytes, an op's workspace at its own event) of each segment of the step: a segment is a
+    stage (the events between two marks, index 0 before the first) and the ``role`` of the module that runs (an op's
+    or a new storage's module; a free belongs to the segment of the event before it). What Note [a stage that
+    overtakes] (autofit/solve/depth.py) lines up across depths."""
+    peaks: dict[tuple[int, Hashable], int] = {}
+    marks = [start for start, _, _ in timeline.marks]
+    storages, ops = timeline.storages, timeline.ops
+    roles: dict[str, Hashable] = {}
+    stage, total, key = 0, 0, (0, role(""))
+    for i, (kind, value) in enumerate(timeline.events):
+        while stage < len(marks) and marks[stage] <= i:
+            stage += 1
+        if kind is EventKind.FREE:
+            total -= storages[value].nbytes
+            continue
+        module = storages[value].module if kind is EventKind.ALLOC else ops[value].module
+        if module not in roles:
+            roles[module] = role(module)
+        key = (stage, roles[module])
+        if kind is EventKind.ALLOC:
+            total += storages[value].nbytes
+            candidate = total
+        else:
+            candidate = total + ops[value].workspace
+        if candidate > peaks.get(key, -1):
+            peaks[key] = candidate
+    return peaks

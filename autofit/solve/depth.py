@@ -19,6 +19,7 @@ from autofit.analyse.table import OpCosts
 from autofit.capture.depth import Blocks, block_of, names_at_depth, period_of, periodic_runs
 from autofit.core.categories import Category
 from autofit.core.report import MemoryEstimate
+from autofit.simulate.timeline import Timeline, segment_peaks
 from autofit.training.step import StepConfig
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DepthRun", "DepthGrid", "grouped_by_block", "depth_runs", "depth_grid", "extrapolate_grid",
            "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges",
-           "fallback_note", "SEGMENT_TOLERANCE", "OFF_LINE_CLEARANCE"]
+           "fallback_note", "overtaken", "SEGMENT_TOLERANCE", "OFF_LINE_CLEARANCE"]
 
 # The CUDA figures built on segments (reserved, device, the smallest budget, fragmentation) move in steps of the
 # caching allocator's segments: up to kLargeBuffer (20 MiB, c10/cuda/CUDACachingAllocator.cpp) per step. The line
@@ -47,6 +48,30 @@ class DepthRun:
     period: int
     keeps: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
     steps: int
+    start: int = 0  # the run cut: its first block, and how many blocks it has in the full model
+    length: int = 0
+
+    def role(self, cut: int) -> Callable[[str], tuple]:
+        """Where a module of the model cut to ``keeps[cut]`` stands, for Note [a stage that overtakes]: outside the
+        blocks, a block before or after the run (counted from the run), the run's first or last block, or one
+        between them (their peaks taken together)."""
+        kept = len(self.keeps[cut]) - (self.blocks.count - self.length)  # the run's blocks in this cut
+
+        def role(name: str) -> tuple:
+            found = block_of(name, self.blocks)
+            if found is None:
+                return ("outside",)
+            b = found[0]
+            if b < self.start:
+                return ("before", b)
+            if b >= self.start + kept:
+                return ("after", b - self.start - kept)
+            if b < self.start + self.period:
+                return ("first", b - self.start)
+            if b >= self.start + kept - self.period:
+                return ("last", b - self.start - kept + self.period)
+            return ("between", (b - self.start) % self.period)
+        return role
 
     @property
     def depths(self) -> tuple[int, ...]:
@@ -218,7 +243,7 @@ def depth_runs(config: StepConfig, blocks: Blocks) -> tuple[DepthRun, ...]:
         lengths = tuple(length % period + period * (first + i) for i in range(3))
         if lengths[-1] < length:
             keeps = tuple(outside[0] + tuple(range(start, start + n)) + outside[1] for n in lengths)
-            runs.append(DepthRun(blocks, period, keeps, (length - lengths[-1]) // period))
+            runs.append(DepthRun(blocks, period, keeps, (length - lengths[-1]) // period, start, length))
     return tuple(runs)
 
 
@@ -307,6 +332,30 @@ def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, 
     return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
                    offload=cut(config.offload), shard_units=cut(config.shard_units), precision=precision,
                    tensor_plan=tensor_plan)
+
+
+def overtaken(run: DepthRun, timelines: tuple[Timeline, Timeline, Timeline]) -> bool:
+    """Whether a segment of the step whose peak is below the step's at the cut depths overtakes it at the full
+    depth (Note [a stage that overtakes]); ``timelines`` are the cut models', in ``run.keeps`` order.
+
+    Note [a stage that overtakes]
+        A step's peak is the maximum over its stages, each on its own line in the depth, so the peak is on a line
+        only from the depth where one stage dominates: three depths on a line do not show a stage that overtakes
+        further out. The 12-block Llama with blocks 0-5 recomputed and 6-11 not, cut along the recomputed run (8,
+        9, 10 blocks), peaks at the end of the step on a line that carries to 8,469,604 B; at 12 blocks the peak is
+        in the recomputation of block 0, 8,606,116 B on the CPU allocator. So each segment of the step is carried on
+        its own line: a stage (between two marks of the timeline) and the block it runs, as the run's first or
+        last period, a block between them, a block before or after the run, or outside the blocks (the run's middle
+        blocks grow in number with the depth; the ends are where a peak that moves along the run stands). Where the
+        largest carried segment is above the carried peak, a segment overtakes: the extrapolation is not used (the
+        next cut is tried, else the whole model simulated). Carried peaks of the segments are tensor bytes, the
+        same for the CPU and CUDA targets (the segments' reserve moves with them)."""
+    peaks = [segment_peaks(t, run.role(i)) for i, t in enumerate(timelines)]
+    steps = run.steps
+    overall = [max(p.values(), default=0) for p in peaks]
+    carried = overall[2] + (overall[2] - overall[1]) * steps
+    keys = set(peaks[1]) & set(peaks[2])
+    return any(peaks[2][k] + (peaks[2][k] - peaks[1][k]) * steps > carried for k in keys)
 
 
 def _line(values: tuple[int, int, int], steps: int, tolerance: int) -> int | None:
@@ -416,13 +465,19 @@ def _carried(last: MemoryEstimate, figures: dict[str, int], breakdown: dict[str,
                    under=_under(last, shift, note), **figures)
 
 
-def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...]) -> str:
-    """What the estimate's notes say when depth extrapolation was allowed but not used."""
+def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...], cheaper_only: bool = False) -> str:
+    """What the estimate's notes say when depth extrapolation was allowed but not used (``cheaper_only``: cuts of
+    as many blocks in all as the whole model were not tried)."""
+    if cheaper_only:
+        tried = tuple(r for r in tried if sum(r.depths) < blocks.count)
     if not tried:
         why = "no run of blocks repeating the configuration's modules with a period is long enough to cut"
+        if cheaper_only:
+            why = ("no run of blocks repeating the configuration's modules with a period cuts to fewer blocks in "
+                   "all than the whole model")
     else:
         why = ("the figures at " + "; ".join(", ".join(map(str, r.depths)) for r in tried) + " blocks are not on a "
-               "line")
+               "line, or a stage of the step overtakes the peak beyond them (Note [a stage that overtakes])")
     return (f"depth extrapolation not used ({why}): all {blocks.count} blocks of {blocks.path} simulated "
             "(Note [depth extrapolation], autofit/capture/depth.py)")
 

@@ -40,7 +40,7 @@ from autofit.analyse.analyse import op_costs
 from autofit.analyse.table import OpCosts
 from autofit.capture.depth import truncated
 from autofit.simulate.run import Simulation, probes_kernels, simulate_step
-from autofit.solve.depth import config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note
+from autofit.solve.depth import config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note, overtaken
 from autofit.solve.search import Candidate
 from autofit.training.step import StepConfig, forward_errors
 
@@ -111,7 +111,8 @@ class Estimator:
         blocks = self.request.blocks
         if blocks is None:
             return est
-        return replace(est, notes=est.notes + (fallback_note(blocks, depth_runs(self.config(c, policy), blocks)),))
+        return replace(est, notes=est.notes + (fallback_note(blocks, depth_runs(self.config(c, policy), blocks),
+                                                             self.request.cheaper_cuts_only),))
 
     def _extrapolated(self, c: Candidate, policy: PrecisionPolicy, length: int | None):
         """(estimate, the simulations by blocks kept, the cut) extrapolated from cut models, or (None, None, None)
@@ -142,12 +143,16 @@ class Estimator:
             return tuple(ests[k] for k in keeps)
         # Note [cutting every run]: on the CPU only, where every figure is a tensor figure
         grid = depth_grid(config, blocks) if self.request.device.kind == "cpu" else None
-        if grid is not None:
+        if grid is not None and not (self.request.cheaper_cuts_only and sum(grid.depths) >= blocks.count):
             est = extrapolate_grid(grid, simulated(grid.keeps))
             if est is not None:
                 return est, sims, grid
         for run in depth_runs(config, blocks):
+            if self.request.cheaper_cuts_only and sum(run.depths) >= blocks.count:
+                continue  # three cuts of more blocks than the whole model: simulated whole (exact, and cheaper)
             est = extrapolate(run, simulated(run.keeps), self.request.fit_bytes)
+            if est is not None and overtaken(run, tuple(sims[k].timeline for k in run.keeps)):
+                continue  # Note [a stage that overtakes]
             if est is not None:
                 return est, sims, run
         return None, None, None
