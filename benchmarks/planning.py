@@ -18,7 +18,8 @@ estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
                                              # on 4 x 8 H100s; each plan with depth extrapolation "auto" (the
                                              # default) against extrapolate_depth=False (the old default), the
                                              # same run, next to one full estimate and one MemTracker step
-    python benchmarks/planning.py --deep --no-base   # only the default (the 70B plan without it takes an hour)
+    python benchmarks/planning.py --deep --no-base   # only the default (--only=70B: the cases so labelled)
+    python benchmarks/planning.py --deep --base-70b  # also the 70B plan of the whole model (about an hour)
 """
 
 from __future__ import annotations
@@ -192,16 +193,20 @@ def _summary(plan) -> str:
             f"{' host' if plan.offload_states else ''}")
 
 
-def deep(base: bool = True) -> None:
+def deep(base: bool = True, base_70b: bool = False) -> None:
     """Plan time of deep models, with depth extrapolation (the default) and without, in one run."""
     from benchmarks.memtracker_baseline import memtracker_estimate
 
     print(f"{'case':<20} {'how':<14} {'plan s':>7}  plan")
     print("-" * 100)
+    only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
     for label, model, sample, target, loss_fn, kw in _deep_cases():
+        if only is not None and only not in label:
+            continue
         kw = dict(kw)
         budget = kw.pop("budget")
-        runs = [("auto", {})] + ([("whole model", {"extrapolate_depth": False})] if base else [])
+        whole = base and (base_70b or not label.startswith("70B"))
+        runs = [("auto", {})] + ([("whole model", {"extrapolate_depth": False})] if whole else [])
         plans = {}
         for how, extra in runs:
             plan, seconds = _timed(lambda: autofit.plan(model, sample, budget, target=target, loss_fn=loss_fn,
@@ -213,7 +218,8 @@ def deep(base: bool = True) -> None:
             _, est_s = _timed(lambda: autofit.estimate(
                 model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
                 accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint, target=target,
-                loss_fn=loss_fn, gpu=kw["gpu"], offload=plan.offload, inputs="micro-batch"))
+                loss_fn=loss_fn, device="cuda", gpu=kw["gpu"], offload=plan.offload, offload_states=plan.offload_states,
+                inputs="micro-batch"))
             print(f"{label:<20} {'one estimate':<14} {est_s:>7.1f}  (the plan's configuration, whole model)")
             tracked = memtracker_estimate(model, sample, micro_batch_size=plan.micro_batch_size, target=target,
                                           loss_fn=loss_fn, precision="bf16", checkpoint=plan.checkpoint)
@@ -226,6 +232,6 @@ def deep(base: bool = True) -> None:
 
 if __name__ == "__main__":
     if "--deep" in sys.argv[1:]:
-        deep(base="--no-base" not in sys.argv[1:])
+        deep(base="--no-base" not in sys.argv[1:], base_70b="--base-70b" in sys.argv[1:])
     else:
         main()

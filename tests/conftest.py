@@ -6,7 +6,8 @@ Every test is in exactly one of three tiers, chosen by marker:
   marker needed: a test marked neither ``sim`` nor ``slow`` gets ``quick`` here, so ``pytest -m quick`` selects it.
   It needs no test extra (a test that does asks with ``pytest.importorskip``).
 - ``sim``: simulates a training step on fake tensors, or runs a small real one.
-- ``slow``: real steps of larger models, gloo processes, 7B shapes, property tests.
+- ``slow``: real steps of larger models, gloo processes, 7B shapes, property tests, and any other test over about
+  15 s on two cores (the newest torch's run in tests/matrix.sh leaves them out).
 
 See Note [tier budgets] for how a tier stays what it says.
 """

@@ -37,7 +37,7 @@ def test_estimate_matches_measure(name: str, precision: str) -> None:
                                     f"({100 * error:+.3f} %)"
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
     """transformers' grouped-GEMM experts (the default in 5.x) sort the token-expert pairs and run one GEMM over all
     of them: every buffer is sized by tokens x top-k, whatever the routing. A batch of one repeated token routes
@@ -142,7 +142,7 @@ def test_in_place_gradient_accumulation() -> None:
     assert autofit.estimate(model, x, **kw).peak_bytes == measured
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_per_expert_loop_is_planned_for_the_heaviest_routing() -> None:
     """transformers' "eager" experts loop over the experts that were hit (``nonzero``: the real-run fallback), with
     buffers sized by each expert's tokens: the measured peak changes with the routing. The estimate reroutes the

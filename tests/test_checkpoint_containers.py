@@ -142,7 +142,7 @@ def test_module_that_mutates_its_argument_list_recomputes_on_the_original():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_plan_under_a_tight_budget_for_a_densenet():
     # GroupNorm, so that accumulation (if the planner picks it) keeps the full-batch step exact
     torch.manual_seed(0)

@@ -147,7 +147,7 @@ def test_spec_helpers():
         load_spec("just-a-name")
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
     """The rows-per-micro-batch table at 1/8, 1/4, 1/2 and the full length (Note [rows by length]); its figures are
     the plan's own (the library's table is checked against the allocator in tests/test_variable_length.py)."""
@@ -207,7 +207,7 @@ def test_progress_shows_the_planners_stages_only_on_long_plans():
     assert stages and quiet.getvalue() == ""
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_nodes_and_gpus_per_node_plan_a_multi_node_layout():
     import tomllib
 

@@ -74,7 +74,7 @@ def test_a_name_matched_loosely_says_which_entry_it_is():
     assert gemma.sample["input_ids"].shape[1] == 64 and int(gemma.sample["input_ids"].max()) < 262208
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_bert_base_uncased_plans_offline_on_a_t4():
     """The issue's first command, as written."""
     result = runner.invoke(app, ["plan", "hf:bert-base-uncased", "--budget", "16GB", "--batch-size", "32",

@@ -137,7 +137,7 @@ def test_checkpointed_modules_are_grouped_like_the_layer_table():
     assert group_names(names) == ["model.layers.*.input_norm x 32", "model.norm", "model.layers.*.mlp x 3"]
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_piped_tables_keep_names_whole():
     pytest.importorskip("transformers")
     result = runner.invoke(app, ["plan", "hf:gpt2", "--config", "n_layer=2", "--config", "n_embd=64",

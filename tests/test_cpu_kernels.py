@@ -73,7 +73,7 @@ _FACTS = """
 """
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @needs_x86
 def test_a_reduced_onednn_isa_has_no_bf16_kernels() -> None:
     bf16, fp16, cap, reason = _outputs("SSE41")["_FACTS"]
@@ -154,7 +154,7 @@ def _check_auto(out: list, native_bf16: bool) -> None:
         assert said and "AVX-512" in said[0], notes
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_auto_precision_on_a_cpu_target_considers_what_this_cpu_runs() -> None:
     _check_auto(_outputs(None)["_AUTO_ON_CPU"], native_bf16=cpu_cannot_run("lstm", "bf16") is None)
 

@@ -122,7 +122,7 @@ def test_period_of_patterns():
     assert period_of(("layers.3.mlp",), blocks) is None
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [(), BLOCKS], ids=["plain", "every-block-recomputed"])
 def test_extrapolated_estimate_equals_cpu_allocator(checkpoint):
     model = _model()
@@ -134,7 +134,7 @@ def test_extrapolated_estimate_equals_cpu_allocator(checkpoint):
     assert est.peak_bytes == measured.peak_bytes
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [(), BLOCKS, BLOCKS[::2]], ids=["plain", "every-block", "every-other-block"])
 def test_extrapolated_cuda_figures_match_full_simulation(checkpoint):
     """A consistency check of the CUDA model: extrapolated vs simulated at 12 blocks (no GPU truth here)."""
@@ -149,7 +149,7 @@ def test_extrapolated_cuda_figures_match_full_simulation(checkpoint):
         assert abs(getattr(est, attr) - getattr(full, attr)) <= 2 << 20, attr
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_irregular_pattern_cuts_its_longest_periodic_run():
     """Blocks 0-4 recomputed, one module of block 7: the run 0-4 is cut to 2, 3, 4 blocks; the CPU allocator
     agrees."""
@@ -169,6 +169,7 @@ ATTN = tuple(b + ".attn" for b in BLOCKS)
 @pytest.mark.sim
 @pytest.mark.parametrize("checkpoint", [BLOCKS[:6] + MLP[6:], ATTN[:6] + MLP[6:]],
                          ids=["all-then-mlp", "attn-then-mlp"])
+@pytest.mark.slow
 def test_every_run_cut_equals_cpu_allocator_and_full_time(checkpoint):
     """Two runs of six blocks treated alike (Note [cutting every run], solve/depth.py): both cut to 2 blocks, each
     grown to 3 and 4 in turn (4, 5, 6, 5, 6 blocks simulated); the peak equals the CPU allocator's at 12 blocks to
@@ -210,7 +211,7 @@ def test_pattern_without_a_long_run_is_simulated_in_full_and_says_so():
     assert any(n.startswith("depth extrapolation not used") for n in est.notes)
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_extended_analysis_equals_whole_analysis():
     model = _model(meta=True)
     spaces = {}
@@ -246,7 +247,7 @@ def _treatments(plan) -> list[tuple]:
     return [tuple(sorted(k)) for k in kinds]
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["1GB", "12MB"], ids=["generous", "tight"])
 def test_plan_with_extrapolation_equals_plan_without(budget):
     """Generous: the quick path's estimate is extrapolated. Tight: the analysis is extended, and the winner

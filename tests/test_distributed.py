@@ -46,7 +46,7 @@ def _assert_both_ranks_equal(model, result0, result1, strategy: str) -> None:
         torch.testing.assert_close(torch.tensor(result1[0]["params"][name], dtype=p.dtype), got)
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_one_step_equals_a_full_batch_step_with_accumulation(strategy, tmp_path):
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def test_one_step_equals_a_full_batch_step_with_accumulation(strategy, tmp_path)
 PAD_LENGTHS = [16, 16, 15, 14, 1, 16, 3, 16, 2, 1, 5, 1, 1, 2, 7, 1]
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_token_mean_loss_across_ranks_equals_a_full_batch_step(strategy, tmp_path):
     from dist_workers import pad_target
@@ -98,7 +98,7 @@ def test_token_mean_loss_across_ranks_equals_a_full_batch_step(strategy, tmp_pat
     _assert_both_ranks_equal(model, result0, result1, strategy)
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_ranks_with_batches_of_different_lengths_run_the_same_micro_batches(strategy, tmp_path):
     """Rank 0 trains 8 rows at the full length 16 (2 rows per micro-batch: 4 micro-batches), rank 1 8 rows at length
@@ -131,7 +131,7 @@ def test_ranks_with_batches_of_different_lengths_run_the_same_micro_batches(stra
     _assert_both_ranks_equal(model, result0, result1, strategy)
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_per_rank_peak_matches_the_estimate(strategy, tmp_path):
     plans = {}
@@ -203,7 +203,7 @@ def _reducing_plan():
     return plan
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_fsdp2_reducing_every_micro_batch_equals_a_full_batch_step(tmp_path):
     from sharded_models import wide_blocks
 

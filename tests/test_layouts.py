@@ -37,6 +37,7 @@ LAYOUTS = [(2, False, 1), (4, False, 1), (4, 2, 1), (4, True, 2), (4, False, 2)]
 
 
 @pytest.mark.parametrize("world,reshard,replicate", LAYOUTS)
+@pytest.mark.slow
 def test_per_rank_peak_matches_the_allocator(world, reshard, replicate, tmp_path):
     torch.manual_seed(0)
     plan = _plan(ZOO["gpt_sdpa"](), world, reshard, replicate)
@@ -49,6 +50,7 @@ def test_per_rank_peak_matches_the_allocator(world, reshard, replicate, tmp_path
 
 
 @pytest.mark.parametrize("world,reshard,replicate", [(2, False, 1), (4, 2, 1), (4, False, 2)])
+@pytest.mark.slow
 def test_one_step_equals_a_full_batch_step(world, reshard, replicate, tmp_path):
     """Two micro-batches per rank (accumulation) on every layout: the parameters after one trainer step on every
     rank equal those after one plain SGD step over the whole global batch in one process."""

@@ -252,7 +252,7 @@ def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_hos
     assert info.value.min_budget_bytes >= without > with_offload  # the states stay on the GPU in what it names
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
     """FSDP2 over 2 ranks on T4s, 6 x (1024 x 1024 + 1024) + 1024 x 10 + 10 = 6,307,850 parameters, every dimension
     even: a rank's host holds half of each fp32 parameter (4 B), gradient (4 B) and two moments (8 B). The two ranks

@@ -195,7 +195,7 @@ def test_chunked_default_loss_equals_cross_entropy_and_a_transformed_head_is_ref
                          loss_fn=lambda out, t: out.float().mean())
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_the_chunked_rung_is_climbed_when_nothing_else_fits():
     model, batch = _llama(), _tokens()
     batch_size = 4
