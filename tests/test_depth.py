@@ -93,6 +93,7 @@ def test_hugging_face_config_cut_on_a_copy():
     cut(torch.zeros(1, 8, dtype=torch.long))
 
 
+@pytest.mark.sim
 def test_hugging_face_cut_keeping_both_ends_computes_what_a_model_of_those_blocks_computes():
     """A cut that keeps blocks 0, 1, 6, 7 (a cut run with the tail kept whole): Hugging Face's attention indexes its
     KV cache (use_cache defaults to True) by ``layer_idx``, so the kept blocks must be renumbered, on copies. Truth:
@@ -190,6 +191,7 @@ def test_every_run_cut_equals_cpu_allocator_and_full_time(checkpoint):
         assert times[0] == pytest.approx(times[1], rel=1e-12)
 
 
+@pytest.mark.sim
 def test_front_recomputed_run_whose_later_stage_overtakes_is_not_extrapolated():
     """Blocks 0-5 recomputed, 6-11 not: the cuts along the recomputed run (8, 9, 10 blocks) peak at the end of the
     step, on a line that carries to 8,469,604 B; the 12-block step peaks in the recomputation of block 0 (8,606,116 B
