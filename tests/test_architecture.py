@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import networkx as nx
 import pytest
 
 PACKAGE = pathlib.Path(__file__).parents[1] / "autofit"
@@ -48,12 +49,13 @@ def _modules() -> list[pathlib.Path]:
     return sorted(p for p in PACKAGE.rglob("*.py"))
 
 
-def _imports(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, dotted module) of every import, except those under ``if TYPE_CHECKING:`` (annotations only)."""
+def _imports(tree: ast.AST, *, annotations: bool = False) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import, at the top or inside a function; those under ``if TYPE_CHECKING:``
+    (annotations only) too with ``annotations``."""
     found: list[tuple[int, str]] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not annotations:
             for child in node.orelse:
                 visit(child)
             return
@@ -186,66 +188,57 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the autofit modules it imports when it runs (at the top or inside a function; not annotations).
-    Packages are left out: importing ``autofit.x`` runs ``autofit/__init__.py`` first in any case."""
-    paths = {_module_name(p): p for p in _modules()}
-    packages = {_module_name(p) for p in _modules() if p.name == "__init__.py"}
+def _import_graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the autofit modules it imports: at the top, inside a function, and under ``if TYPE_CHECKING:``.
+    An annotation-only import is a dependency all the same: the module cannot be read, type-checked or moved without
+    the one it names (Note [the plan is data], autofit/emit/plan.py). A package is the module of its ``__init__.py``,
+    with the imports it makes; the parents Python runs first are not edges (every package would otherwise close a
+    loop with the modules it re-exports). ``sources``: module -> source text (default: autofit's own files)."""
+    if sources is None:
+        sources = {_module_name(p): p.read_text() for p in _modules()}
     graph: dict[str, set[str]] = {}
-    for name, path in paths.items():
-        if name in packages:
-            continue
+    for name, text in sources.items():
         edges = set()
-        for _, module in _imports(ast.parse(path.read_text())):
-            while module and module not in paths:  # ``from autofit.x import Name``: the module is autofit.x
+        for _, module in _imports(ast.parse(text), annotations=True):
+            while module and module not in sources:  # ``from autofit.x import Name``: the module is autofit.x
                 module = module.rpartition(".")[0]
-            if module and module not in packages and module != name:
+            if module and module != name:
                 edges.add(module)
         graph[name] = edges
     return graph
 
 
+def _digraph(graph: dict[str, set[str]]) -> nx.DiGraph:
+    g = nx.DiGraph()
+    g.add_nodes_from(graph)
+    g.add_edges_from((v, w) for v, ws in graph.items() for w in ws)
+    return g
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle through each strongly connected component of more than one module (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
+    """The strongly connected components of more than one module, each sorted (the modules of one or more cycles)."""
+    return sorted(sorted(c) for c in nx.strongly_connected_components(_digraph(graph)) if len(c) > 1)
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
 
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+# Import cycles left, each named by its modules in the order they import each other (none: the last two went with issue 42, the
+# plan's wrap moved to emit/apply.py and solve/sharding.py's LayoutRequest).
+ALLOWED_CYCLES: list[list[str]] = []
 
 
 def test_no_import_cycle_among_autofit_modules() -> None:
-    cycles = _cycles(_import_graph())
-    assert not cycles, "modules that import each other (directly or around a loop):\n" + "\n".join(
-        " <-> ".join(c) for c in cycles)
+    cycles = [list(c) for c in nx.simple_cycles(_digraph(_import_graph()))]
+    assert len(cycles) <= len(ALLOWED_CYCLES), (
+        "modules that import each other, directly or around a loop (TYPE_CHECKING and function-local imports "
+        "count):\n" + "\n".join(" -> ".join(c) for c in sorted(cycles)))
 
 
 def test_the_cycle_check_catches_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    # an import under TYPE_CHECKING, or inside a function, closes a loop all the same
+    sources = {"autofit.x": "from autofit.y import Y\n",
+               "autofit.y": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from autofit.x import X\n",
+               "autofit.p": "def f():\n    from autofit.q import g\n",
+               "autofit.q": "from autofit.p import f\n",
+               "autofit.r": "import autofit.x\n"}
+    assert _cycles(_import_graph(sources)) == [["autofit.p", "autofit.q"], ["autofit.x", "autofit.y"]]

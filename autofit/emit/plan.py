@@ -1,4 +1,5 @@
-"""The plan: the chosen knobs, the verified estimate behind them, the alternatives, and the wrapper they emit."""
+"""The plan: the chosen knobs, the verified estimate behind them and the alternatives; data that emit/apply.py
+turns into a trainer (Note [the plan is data])."""
 
 from __future__ import annotations
 
@@ -21,9 +22,18 @@ from autofit.solve.lengths import rows_for_length
 from autofit.solve.sharding import layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
-__all__ = ["Alternative", "Plan"]
+__all__ = ["Alternative", "Plan", "use_wrap"]
 
 _FORMAT = "autofit.plan/1"
+
+# the function Plan.wrap hands the plan to: autofit.emit.apply.wrap, set by autofit/emit/__init__.py (Note [the plan
+# is data], in Plan.wrap)
+_WRAP: list[Callable[..., Any]] = []
+
+
+def use_wrap(wrap: Callable[..., Any]) -> None:
+    """Make ``wrap`` the function :meth:`Plan.wrap` calls (autofit/emit/__init__.py does, once)."""
+    _WRAP[:] = [wrap]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,19 +233,16 @@ class Plan:
         micro-batch (None: ``plan.shared``, Note [the batch dimension]).
         For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
         to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
-        loss_fn = self.planned_loss() if loss_fn is None else loss_fn
-        from autofit.emit.wrapping import refuse_wrapped
-
-        if isinstance(model, nn.Module):
-            refuse_wrapped(model)  # before DDP or FSDP2 wraps it (Note [one trainer per model])
-        if self.world_size > 1 or self.strategy is not None:
-            from autofit.emit.distributed import DistributedTrainer
-
-            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction,
-                                      shared=shared)
-        from autofit.emit.trainer import Trainer
-
-        return Trainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
+        # Note [the plan is data]
+        # ~~~~~~~~~~~~~~~~~~~~~~~
+        # A plan is a value: the knobs, the estimate behind them, JSON in and out. The trainers read it
+        # (emit/trainer.py, emit/distributed.py), so it cannot import them back without an import cycle, even one in a
+        # function or under TYPE_CHECKING (tests/test_architecture.py counts both). The wrapping lives in emit:
+        # ``autofit.emit.wrap(plan, model, optimizer)`` (emit/apply.py). This method, the call the README teaches,
+        # hands itself to that function through ``_WRAP``, which autofit/emit/__init__.py fills: Python runs a
+        # package's ``__init__`` before any import of one of its modules returns, so the slot is filled before any
+        # code outside the package can hold this class, let alone a Plan. One slot, one filler: not a plug-in point.
+        return _WRAP[0](self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
 
     def planned_loss(self) -> Callable[..., Any] | None:
         """The loss the trainer uses when ``wrap`` is given none: the planned one (None: the default loss)."""

@@ -45,7 +45,8 @@ from autofit.solve.search import Candidate
 from autofit.training.step import StepConfig, forward_errors
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
-    from autofit.request import Parallel, PlanRequest
+    from autofit.request import PlanRequest
+    from autofit.solve.sharding import Parallel
 
 __all__ = ["Estimator", "announce", "with_rows"]
 

@@ -41,7 +41,8 @@ from autofit.solve.sharding import shard_units
 from autofit.training.stored import stored_bytes_per_parameter
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
-    from autofit.request import Parallel, PlanRequest
+    from autofit.request import PlanRequest
+    from autofit.solve.sharding import Parallel
 
 __all__ = ["Stage", "ladder", "skipped_note", "states_bytes", "states_floor"]
 

@@ -23,7 +23,8 @@ from autofit.solve.time_model import build_time_model
 from autofit.training.step import forward_errors
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
-    from autofit.request import Parallel, PlanRequest
+    from autofit.request import PlanRequest
+    from autofit.solve.sharding import Parallel
 
 __all__ = ["analyse_policies", "search_space", "searchable"]
 
