@@ -196,7 +196,7 @@ def states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPoli
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:
     """The precisions of the rungs on the device: the model's own dtype, then each lower stored precision. At equal
     fit the higher stored precision wins (Note [stored precision])."""
-    if request.device.kind == "cuda" and request.auto_precision and len(request.policies) > 1:
+    if request.device.precision_rungs and request.auto_precision and len(request.policies) > 1:
         stages = [request.policies[:1], request.policies]
     else:
         stages = [request.policies]

@@ -167,7 +167,7 @@ def tensor_layouts(request: LayoutRequest, base: Parallel) -> list[Parallel]:
         except AutofitError:  # no plan, or heads / features / the sequence T does not divide: the other layouts
             continue          # are still planned
         data = request.world_size // tp
-        if data == 1 and request.device.kind == "cuda":  # refused on CUDA (StepConfig: foreach optimizers)
+        if data == 1 and request.device.foreach_optimizers:  # refused (StepConfig: foreach optimizers)
             continue
         for raf in request.reshard_options if data > 1 else (True,):
             try:

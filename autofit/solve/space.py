@@ -46,13 +46,13 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
             if cut is None:
                 analyses[p.label] = analyse_model(
                     request.model, request.batch, request.target, request.loss_fn, step,
-                    probe_kernels=request.device.kind == "cpu", device_rules=request.device.simulation_rules)
+                    probe_kernels=request.device.own_kernels, device_rules=request.device.simulation_rules)
                 continue
             depth, period = cut  # Note [extending an analysis in depth], autofit/analyse/depth.py
             model = truncated(request.model, request.blocks, depth)
             a = analyse_model(model, request.batch, request.target, request.loss_fn,
                               config_at_depth(step, request.blocks, depth),
-                              probe_kernels=request.device.kind == "cpu", device_rules=request.device.simulation_rules)
+                              probe_kernels=request.device.own_kernels, device_rules=request.device.simulation_rules)
             analyses[p.label] = extend_analysis(
                 a, request.blocks, depth, period, parameter_ratios(request.model, model),
                 extend_ops=lambda ops, ranges, copies, first, q=period: extended_ops(ops, ranges, copies, request.blocks,
