@@ -220,14 +220,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(sorted(c) for c in nx.strongly_connected_components(_digraph(graph)) if len(c) > 1)
 
 
-# Import cycles left, each named by its modules in the order they import each other (none: the last two went with issue 42, the
-# plan's wrap moved to emit/apply.py and solve/sharding.py's LayoutRequest).
-ALLOWED_CYCLES: list[list[str]] = []
-
-
 def test_no_import_cycle_among_autofit_modules() -> None:
     cycles = [list(c) for c in nx.simple_cycles(_digraph(_import_graph()))]
-    assert len(cycles) <= len(ALLOWED_CYCLES), (
+    assert not cycles, (
         "modules that import each other, directly or around a loop (TYPE_CHECKING and function-local imports "
         "count):\n" + "\n".join(" -> ".join(c) for c in sorted(cycles)))
 
@@ -242,3 +237,61 @@ def test_the_cycle_check_catches_a_cycle() -> None:
                "autofit.q": "from autofit.p import f\n",
                "autofit.r": "import autofit.x\n"}
     assert _cycles(_import_graph(sources)) == [["autofit.p", "autofit.q"], ["autofit.x", "autofit.y"]]
+
+
+def _declared(tree: ast.AST) -> list[str] | None:
+    """A module's ``__all__``, or None where it declares none."""
+    for node in getattr(tree, "body", []):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    return None
+
+
+def _missing_from_all(sources: dict[str, str], importers: list[str]) -> list[str]:
+    """``module: name (imported by ...)`` for each public name imported (``from autofit.x import name``) from a module
+    whose ``__all__`` does not list it; a submodule imported from its package is not a name."""
+    declared = {m: _declared(ast.parse(text)) for m, text in sources.items()}
+    found = set()
+    for importer in importers:
+        text = sources.get(importer) or pathlib.Path(importer).read_text()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ImportFrom) or node.level or declared.get(node.module or "") is None:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if not name.startswith("_") and f"{node.module}.{name}" not in sources \
+                        and name not in declared[node.module]:
+                    found.add(f"{node.module}: {name} (imported by {importer})")
+    return sorted(found)
+
+
+def test_all_lists_what_other_modules_import() -> None:
+    """A module's ``__all__`` is its public surface: a name that another module or a test imports from it is listed
+    there (a name nobody outside imports may stay off it)."""
+    sources = {_module_name(p): p.read_text() for p in _modules()}
+    tests = sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py"))
+    assert not (missing := _missing_from_all(sources, list(sources) + tests)), (
+        "names imported from a module whose __all__ leaves them out:\n" + "\n".join(missing))
+    # the check, on modules written to break it
+    assert _missing_from_all({"autofit.x": "__all__ = ['a']\na = b = 1\n", "autofit.y": "from autofit.x import a, b\n",
+                              "autofit.z": "from autofit.x import _c\n"}, ["autofit.y", "autofit.z"]) == [
+        "autofit.x: b (imported by autofit.y)"]
+
+
+def _device_name_compared(tree: ast.AST) -> list[int]:
+    """Lines that compare a ``.kind`` with a device's name ("cpu", "cuda")."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "kind" and any(
+                isinstance(c, ast.Constant) and c.value in ("cpu", "cuda") for c in node.comparators):
+            found.append(node.lineno)
+    return found
+
+
+def test_the_target_is_asked_not_named() -> None:
+    """The stages ask the target (``DeviceTarget``'s class attributes and methods: autofit/device.py) what the device
+    does; none compares its name, so a new kind of device is one subclass, not a search for string comparisons."""
+    found = [f"{p.relative_to(PACKAGE)}:{line}" for p in _modules() if p.name != "device.py"
+             for line in _device_name_compared(ast.parse(p.read_text()))]
+    assert not found, "a device's name compared outside autofit/device.py:\n" + "\n".join(found)
+    assert _device_name_compared(ast.parse("if target.kind != 'cuda':\n    pass\nok = batch.kind == 'dict'\n")) == [1]
