@@ -28,12 +28,12 @@ from autofit.training.precision import built_precision
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
-from autofit.emit.plan import Plan
+from autofit.emit.plan import Plan, why_layout
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
 from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes,
-                                  verify_beside_rows, why_layout)
+                                  verify_beside_rows)
 from autofit.solve.ladder import ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import module_level

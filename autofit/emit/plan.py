@@ -22,7 +22,7 @@ from autofit.solve.lengths import rows_for_length
 from autofit.solve.sharding import layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
-__all__ = ["Alternative", "Plan", "use_wrap"]
+__all__ = ["Alternative", "Plan", "use_wrap", "why_layout"]
 
 _FORMAT = "autofit.plan/1"
 
@@ -450,3 +450,24 @@ class Plan:
 def _policy_counts(plan: Plan) -> str:
     selective = len(plan.selective)
     return f"{len(plan.checkpoint) - selective} full, {selective} selective"
+
+
+def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
+    """The note saying why ``chosen``'s data-parallel layout won over the other layouts' plans."""
+    other = sorted((p for p in all_plans if p is not chosen), key=lambda p: p.predicted_step_seconds)
+    if not other:
+        return (f"{chosen.layout} chosen: no other layout fits the budget with a faster step (the notes that follow "
+                "say why each was left)")
+    against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
+                        f"{format_bytes(o.device_bytes)})" for o in other)
+    tensor = ("; tensor parallel T splits the block's linear layers over T GPUs of a node (1/T of their weights, "
+              "compute and activations per rank, each group's ranks training the same rows) at the cost of "
+              "all-reducing the activations in every block, forward and backward, over NVLink"
+              if any(p.tensor_parallel > 1 for p in all_plans) else "")
+    if any(is_sequence_parallel(p.tensor_plan) for p in all_plans):
+        tensor += ("; sequence parallel also splits the norms and the residual stream along the sequence, each "
+                   "all-reduce becoming an all-gather and a reduce-scatter")
+    return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
+            f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
+            "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
+            "gathered parameters from forward to backward instead of gathering them again" + tensor)
