@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import ClassVar
 
 from autofit.core.categories import Category
 from autofit.core.cpu import cpu_kernels
@@ -22,7 +23,8 @@ from autofit.simulate.run import Simulation
 from autofit.simulate.timeline import Phase, host_replay
 from autofit.core.units import format_bytes
 
-__all__ = ["DeviceTarget", "DeviceTerms", "Throughput", "CPU", "resolve_device"]
+__all__ = ["DeviceTarget", "CPUTarget", "CUDATarget", "DeviceTerms", "Throughput", "CPU", "resolve_device",
+           "NCCL_RESERVE_BYTES"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,18 +89,38 @@ class DeviceTerms:
 #     user's process only where the budget needs it.
 _PAGE = 20 << 20  # kLargeBuffer: the expandable segment's page in the large pool
 
+# NCCL's buffers per communicator, outside the caching allocator: the default margin of a multi-GPU plan (Note [the
+# margin], autofit/validate.py)
+NCCL_RESERVE_BYTES = 2 * 32 * 4 * 2**20
+
 _PHASE_NAMES = {Phase.SETUP: "start", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
                 Phase.OPTIMIZER: "optimizer"}
 
 
 @dataclass(frozen=True)
 class DeviceTarget:
-    kind: str  # "cpu" or "cuda"
+    """The device a plan targets: :class:`CPUTarget` or :class:`CUDATarget` (a catalog GPU, ROCm included). The stages
+    ask the target what they need to know of the device, through the methods and the class attributes below, and never
+    compare its name: a new kind of device is one more subclass here."""
+
+    kind: ClassVar[str]  # the name users and plans read ("cpu", "cuda"): StepConfig.device, MemoryEstimate.device
+    # the auto precision climbs precisions as rungs: the fastest compute precision alone first, then each lower
+    # stored precision (Note [stored precision], solve/ladder.py); on the CPU, fp32 leads and bf16 is one more choice
+    precision_rungs: ClassVar[bool]
+    host_offload: ClassVar[bool]  # the states may be offloaded to the host's memory (Note [offload])
+    # device memory is the caching allocator's segments: the gradients allocated before forward may need fewer
+    caching_allocator: ClassVar[bool]
+    # the optimizers step with foreach kernels by default, which cannot mix DTensors and plain tensors (StepConfig)
+    foreach_optimizers: ClassVar[bool]
+    # the simulation runs this device's own kernels: they are probed (Note [CPU kernels]), and every figure of the
+    # estimate is a tensor figure, which cut depths extrapolate (Note [cutting every run], solve/estimator.py)
+    own_kernels: ClassVar[bool]
+
     total_bytes: int | None  # what "90%" budgets are a share of
     throughput: Throughput
     name: str | None = None  # the GPU model, e.g. "A100-80GB"
     supports_bf16: bool = True
-    gpu: object | None = None  # the GPUSpec for "cuda"
+    gpu: object | None = None  # the GPUSpec of a CUDA target
     note: str | None = None  # an assumption the plan should state (e.g. the default GPU)
     interconnect_bytes_per_second: float = 5e9  # between ranks (CPU processes: gloo over shared memory / TCP)
     network_bytes_per_second: float = 5e9  # between nodes, per rank (GPUs: the catalog's network figure)
@@ -109,24 +131,109 @@ class DeviceTarget:
         the time model rates bf16 at 0.8x and fp16 at 0.5x the fp32 FLOP rate (autocast adds casts and does not
         speed most CPU kernels up), so fp32 leads and bf16 wins only when the memory it saves buys a faster
         configuration: a larger micro-batch, or less recomputation. GPUs without bf16 (V100, T4) get fp16."""
-        if self.kind == "cpu":  # bf16 only where this CPU's oneDNN has bf16 kernels (Note [CPU kernels])
-            return ("fp32", "bf16") if self.supports_bf16 else ("fp32",)
-        return ("bf16", "fp32") if self.supports_bf16 else ("fp16", "fp32")
+        raise NotImplementedError
 
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The memory a budget may not exceed: a card's; None where a budget is only a share of the machine's."""
+        return None
+
+    def collective_reserve_bytes(self, world_size: int) -> int:
+        """The default margin on ``world_size`` ranks: the collectives' buffers outside the allocator (Note [the
+        margin], autofit/validate.py)."""
+        return 0
+
+    def auto_precision_notes(self) -> list[str]:
+        """What precision="auto" leaves out on this device, for the plan's notes."""
+        return []
 
     def estimate(self, sim: Simulation) -> MemoryEstimate:
         """The estimate of one simulated step on this device."""
+        raise NotImplementedError
+
+    def _peak(self, sim: Simulation) -> tuple[str, str]:
+        """The phase and the op of ``sim``'s peak, in words."""
         ops = sim.timeline.ops
         at = ""
         if 0 <= sim.replay.peak_op < len(ops):
             op = ops[sim.replay.peak_op]
             at = f"{op.name} in {op.module or 'top level'}"
         phase = _PHASE_NAMES[sim.replay.peak_phase]
+        return phase, at
+
+    def simulation_rules(self, stack, config):
+        """This device's part of a simulation (``simulate_step(device_rules=...)``): on CUDA, CUDA's autocast op
+        policy, attention kernels and composite ops' CUDA branches on the CPU simulation (``autofit.cuda``). Returns
+        the autocast caster whose weight cache must be cleared when each micro-batch's autocast region exits, or
+        None."""
+        return None
+
+    def memory_terms(self, analysis, rows: int) -> DeviceTerms:
+        """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant`` on the analysed window with every tensor
+        sized for ``rows`` (sizes are linear in the micro-batch, see analyse/profile.py). The constant is the cuBLAS
+        workspace and the context; the scale (allocator rounding and fragmentation) comes from replaying the caching
+        allocator over that window, as the smallest budget it runs under (Note [the smallest budget], solve/verify.py):
+        what the verification checks a budget against. Calibrated on what a card with room to spare would reserve,
+        the search found nothing at the 70B plan's 74 GiB (x 1.32 on its tensors), whose verified step runs under
+        72 GiB with the allocator freeing cached segments (benchmarks/multi_gpu_70b.py)."""
+        return DeviceTerms()
+
+
+@dataclass(frozen=True)
+class CPUTarget(DeviceTarget):
+    """This machine's CPU: the simulation's allocator is the target's own."""
+
+    kind: ClassVar[str] = "cpu"
+    precision_rungs: ClassVar[bool] = False
+    host_offload: ClassVar[bool] = False
+    caching_allocator: ClassVar[bool] = False
+    foreach_optimizers: ClassVar[bool] = False
+    own_kernels: ClassVar[bool] = True
+
+    def default_precisions(self) -> tuple[str, ...]:
+        # bf16 only where this CPU's oneDNN has bf16 kernels (Note [CPU kernels])
+        return ("fp32", "bf16") if self.supports_bf16 else ("fp32",)
+
+    def auto_precision_notes(self) -> list[str]:
+        """bf16 left out where this CPU's oneDNN has no bf16 kernels (Note [CPU kernels], autofit/core/cpu.py): its
+        bf16 matmuls run ATen's slow fallback, and its LSTM cannot run at all."""
+        if self.supports_bf16:
+            return []
+        return [f"precision 'auto' considered fp32 only: this CPU is {cpu_kernels().describe()}, and oneDNN runs bf16 "
+                "only on CPUs with AVX-512; pass precision='bf16' to plan bf16 autocast anyway"]
+
+    def estimate(self, sim: Simulation) -> MemoryEstimate:
+        phase, at = self._peak(sim)
+        return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
+                              peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
+                              preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows)
+
+
+@dataclass(frozen=True)
+class CUDATarget(DeviceTarget):
+    """One catalog GPU (ROCm's too: the same caching allocator through HIP): the CUDA memory model of
+    ``autofit.cuda`` applied to the CPU simulation."""
+
+    kind: ClassVar[str] = "cuda"
+    precision_rungs: ClassVar[bool] = True
+    host_offload: ClassVar[bool] = True
+    caching_allocator: ClassVar[bool] = True
+    foreach_optimizers: ClassVar[bool] = True
+    own_kernels: ClassVar[bool] = False
+
+    def default_precisions(self) -> tuple[str, ...]:
+        return ("bf16", "fp32") if self.supports_bf16 else ("fp16", "fp32")
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.total_bytes
+
+    def collective_reserve_bytes(self, world_size: int) -> int:
+        return NCCL_RESERVE_BYTES if world_size > 1 else 0
+
+    def estimate(self, sim: Simulation) -> MemoryEstimate:
+        phase, at = self._peak(sim)
         host, host_breakdown = host_replay(sim.timeline)
-        if self.kind != "cuda":
-            return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
-                                  peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
-                                  preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows)
         from autofit.cuda.model import cuda_memory, cudnn_workspace_note, smallest_device_bytes
 
         peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
@@ -171,12 +278,6 @@ class DeviceTarget:
                        alloc_conf=conf)
 
     def simulation_rules(self, stack, config):
-        """This device's part of a simulation (``simulate_step(device_rules=...)``): on CUDA, CUDA's autocast op
-        policy, attention kernels and composite ops' CUDA branches on the CPU simulation (``autofit.cuda``). Returns
-        the autocast caster whose weight cache must be cleared when each micro-batch's autocast region exits, or
-        None."""
-        if self.kind != "cuda":
-            return None
         from autofit.cuda.autocast_policy import cuda_autocast_policy
         from autofit.cuda.device_paths import cuda_paths
         from autofit.cuda.kernels import cuda_kernels
@@ -188,15 +289,6 @@ class DeviceTarget:
         return None
 
     def memory_terms(self, analysis, rows: int) -> DeviceTerms:
-        """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant`` on the analysed window with every tensor
-        sized for ``rows`` (sizes are linear in the micro-batch, see analyse/profile.py). The constant is the cuBLAS
-        workspace and the context; the scale (allocator rounding and fragmentation) comes from replaying the caching
-        allocator over that window, as the smallest budget it runs under (Note [the smallest budget], solve/verify.py):
-        what the verification checks a budget against. Calibrated on what a card with room to spare would reserve,
-        the search found nothing at the 70B plan's 74 GiB (x 1.32 on its tensors), whose verified step runs under
-        72 GiB with the allocator freeing cached segments (benchmarks/multi_gpu_70b.py)."""
-        if self.kind != "cuda":
-            return DeviceTerms()
         from autofit.analyse.analyse import SIZES
         from autofit.analyse.profile import timeline_at
         from autofit.cuda.model import context_bytes, cublas_workspace_bytes, smallest_device_bytes
@@ -211,6 +303,7 @@ class DeviceTarget:
             return DeviceTerms(scale=max(1.0, 1 + (device_bytes - constant - raw.peak_bytes) / max(whole, 1)),
                                constant=constant)
         return DeviceTerms(scale=max(1.0, (device_bytes - constant) / max(raw.peak_bytes, 1)), constant=constant)
+
 
     # Note [the reserve of an extended analysis]
     #     An analysis extended in depth (Note [extending an analysis in depth], analyse/depth.py) keeps the cut
@@ -234,7 +327,7 @@ def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
     if kind == "cpu":
         if gpu is not None:
             raise InvalidInputError("gpu= names a GPU model; it only applies with device='cuda'")
-        return DeviceTarget("cpu", _host_memory(), CPU, supports_bf16=cpu_kernels().native("bf16"))
+        return CPUTarget(_host_memory(), CPU, supports_bf16=cpu_kernels().native("bf16"))
     if kind == "cuda":
         return _cuda(gpu)
     raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -246,7 +339,7 @@ ROCM_NOTE = ("ROCm target: PyTorch's ROCm build runs the same caching allocator 
              "scratch as CUDA's flash kernel's (docs/cuda.md, \"ROCm targets\")")
 
 
-def _cuda(gpu) -> DeviceTarget:
+def _cuda(gpu) -> CUDATarget:
     from autofit.cuda.target import resolve_target_gpu
 
     spec, note, local = resolve_target_gpu(gpu)
@@ -262,6 +355,6 @@ def _cuda(gpu) -> DeviceTarget:
         saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"
         host_transfer_bytes_per_second=spec.host_transfer,
     )
-    return DeviceTarget("cuda", spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
-                        gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect,
-                        network_bytes_per_second=spec.network, local=local)
+    return CUDATarget(spec.memory_bytes, throughput, name=spec.name, supports_bf16=spec.supports_bf16,
+                      gpu=spec, note=note, interconnect_bytes_per_second=spec.interconnect,
+                      network_bytes_per_second=spec.network, local=local)

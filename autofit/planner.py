@@ -28,12 +28,12 @@ from autofit.training.precision import built_precision
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
-from autofit.emit.plan import Plan
+from autofit.emit.plan import Plan, why_layout
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
 from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes,
-                                  verify_beside_rows, why_layout)
+                                  verify_beside_rows)
 from autofit.solve.ladder import ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import module_level
@@ -277,37 +277,37 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         if stage.host_check and on_gpus:  # a plan keeps its states on the GPUs: the CPU step cannot win
             host_skipped = True
             continue
-        where, space, done = searchable(request, stage, analyses)
+        rung_estimator, space, analysed = searchable(request, stage, analyses)
         if stage.host_check:
             progress.report("searching with the states on the host (checkpoint MILP)")
-            found = search_verified(space, fit, host_checked(where.verify, fit, request.host_budget_bytes,
+            found = search_verified(space, fit, host_checked(rung_estimator.verify, fit, request.host_budget_bytes,
                                                              parallel.ranks_per_node), beat, front=not request.quick)
             if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
-                on_host = candidate, est = smallest_verified(space, where.verify)
+                on_host = candidate, est = smallest_verified(space, rung_estimator.verify)
                 fitted = est.within(fit)
                 if fitted is not None:
                     found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel.ranks_per_node),
                                      (candidate,))
         else:
             progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
-            found = search_verified(space, fit, functools.partial(verify_beside_rows, where, rows_known), beat,
+            found = search_verified(space, fit, functools.partial(verify_beside_rows, rung_estimator, rows_known), beat,
                                     front=not request.quick)
-            tried = space, where
+            tried = space, rung_estimator
             versus = module_level(space, fit) if isinstance(found, Verified) and found.candidate.selective else None
             if found is None and stage.in_backward:  # nothing fits with every gradient alive
                 backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
-                found = search_in_backward(backward, fit, _gradient_bytes(request.model), where.verify)
+                found = search_in_backward(backward, fit, _gradient_bytes(request.model), rung_estimator.verify)
         if isinstance(found, Slower):  # Note [layouts that cannot win]
             slower = found if slower is None else min(slower, found, key=lambda f: f.seconds)
             continue
         if found is not None:
             found = replace(found, notes=found.notes + skipped_note(stage, skipped)
-                            + rung_notes(request, stage, where, found))
-            plan = _plan_of(where, found, done, rows_known)
+                            + rung_notes(request, stage, rung_estimator, found))
+            plan = _plan_of(rung_estimator, found, analysed, rows_known)
             if versus is not None:
                 plan = replace(plan, module_level_step_seconds=versus.seconds, notes=plan.notes + (
                     selective_note(plan, versus),))
-            return plan, done
+            return plan, analysed
     if beat is not None:  # a plan exists: this layout's smallest budget would never be read
         raise _Unplanned(
             (f"its fastest configuration the models allow, {slower.seconds:.3g} s, is no faster than {beat:.3g} s"
@@ -321,17 +321,19 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         nonlocal tried
         if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
             last = [s for s in stages if not s.host_check][-1]
-            where, space, _ = searchable(request, last, analyses)
-            tried = space, where
-        space, where = tried
-        least, est = smallest_verified(space, where.verify_floor)  # Note [gradients before forward as a plan knob]
-        stepped = smallest_in_backward(backward, where.verify) if backward is not None else None
+            rung_estimator, space, _ = searchable(request, last, analyses)
+            tried = space, rung_estimator
+        space, rung_estimator = tried
+        # Note [gradients before forward as a plan knob]
+        least, est = smallest_verified(space, rung_estimator.verify_floor)
+        stepped = smallest_in_backward(backward, rung_estimator.verify) if backward is not None else None
         if stepped is not None and stepped[1].min_device_bytes < est.min_device_bytes:
             least, est = stepped
         fitted = est.within(fit)
         if fitted is not None:  # the models were pessimistic: the smallest configuration fits
-            done = analyses[where.parallel, where.request.chunked_loss, where.request.low_bit_optimizer]
-            return _plan_of(where, Verified(least, fitted, (least,)), done), done
+            rung_request = rung_estimator.request
+            analysed = analyses[rung_estimator.parallel, rung_request.chunked_loss, rung_request.low_bit_optimizer]
+            return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
         at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
         error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
                            sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)

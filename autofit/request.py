@@ -190,7 +190,7 @@ def make_request(
     if tensors != (1,) and tensor_parallel != "auto" and clip_grad_norm is not None:
         make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
                          tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
-    may_offload = offload is not False and target_device.kind == "cuda"
+    may_offload = offload is not False and target_device.host_offload
     host_budget_bytes, host_note = (resolve_host_budget(host_budget, target_device, per_node) if may_offload
                                     else (None, None))
     notes += [host_note] if host_note else []

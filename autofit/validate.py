@@ -16,8 +16,7 @@ from torch import nn
 
 from autofit.training.batch import Batch, as_batches
 from autofit.core._torch_compile import compiled_in_place
-from autofit.core.cpu import cpu_kernels
-from autofit.device import DeviceTarget
+from autofit.device import NCCL_RESERVE_BYTES, DeviceTarget
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int, require_layout
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
@@ -157,9 +156,10 @@ def allow_names(allow: Any) -> tuple[str, ...]:
 def check_capacity(budget_bytes: int, target: DeviceTarget, allow_over_capacity: bool = False) -> None:
     """A budget above the GPU's memory cannot be a budget for that GPU: a plan made for it would not fit the card.
     ``allow_over_capacity`` is for whoever means it (a catalog figure older than their card, say)."""
-    if target.kind != "cuda" or allow_over_capacity or target.total_bytes is None:
+    capacity = target.capacity_bytes
+    if allow_over_capacity or capacity is None:
         return
-    if budget_bytes > target.total_bytes:
+    if budget_bytes > capacity:
         raise InvalidInputError(
             f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is more than the {target.name}'s memory, "
             f"{format_bytes(target.total_bytes)} ({target.total_bytes:,} bytes): give a budget the card has (e.g. "
@@ -177,14 +177,14 @@ def check_capacity(budget_bytes: int, target: DeviceTarget, allow_over_capacity:
 #     caching allocator: NCCL keeps, per communicator, one buffer of NCCL_BUFFSIZE (4 MiB by default, NCCL's
 #     environment variable documentation) in each direction on each of up to NCCL_MAX_NCHANNELS = 32 channels for
 #     its simple protocol: 2 x 32 x 4 MiB = 256 MiB, the default margin there. A user who measured their own gives
-#     margin=... (bytes, a size such as "1GB", or a share of the budget such as "5%").
-NCCL_RESERVE_BYTES = 2 * 32 * 4 * 2**20
+#     margin=... (bytes, a size such as "1GB", or a share of the budget such as "5%"). The figure is
+#     NCCL_RESERVE_BYTES, the CUDA target's (DeviceTarget.collective_reserve_bytes, autofit/device.py).
 
 
 def margin_for(margin: int | str | None, budget_bytes: int, target: DeviceTarget, world_size: int) -> int:
     """The bytes kept free (Note [the margin]): ``margin`` as given, or the default for this device and world."""
     if margin is None:
-        return NCCL_RESERVE_BYTES if target.kind == "cuda" and world_size > 1 else 0
+        return target.collective_reserve_bytes(world_size)
     if isinstance(margin, bool):
         raise InvalidInputError(f"margin must be bytes, a size such as '512MB' or a share such as '5%', got {margin!r}")
     if str(margin).strip() in ("0", "0.0", "0%", "0B"):
@@ -335,7 +335,7 @@ def stored_options(model: nn.Module, precision: Any, target: DeviceTarget, world
     allowed = STORED_FLOORS[floor or "bf16"]
     auto = isinstance(precision, str) and precision.strip().lower() == "auto"
     floating = [p for p in model.parameters() if p.is_floating_point()]
-    if not auto or target.kind != "cuda" or world_size > 1 or not floating:
+    if not auto or not target.precision_rungs or world_size > 1 or not floating:
         return ()
     if sum(p.numel() for p in floating if p.dtype == torch.float32) * 2 < sum(p.numel() for p in floating):
         return ()
@@ -347,13 +347,10 @@ def stored_options(model: nn.Module, precision: Any, target: DeviceTarget, world
 
 
 def cpu_precision_notes(precision: Any, target: DeviceTarget) -> list[str]:
-    """precision="auto" on a CPU target leaves out bf16 where this CPU's oneDNN has no bf16 kernels (Note [CPU
-    kernels], autofit/core/cpu.py): its bf16 matmuls run ATen's slow fallback, and its LSTM cannot run at all. Say so."""
+    """What precision="auto" leaves out on ``target`` (DeviceTarget.auto_precision_notes: bf16 on a CPU whose oneDNN
+    has no bf16 kernels, Note [CPU kernels]). Say so."""
     auto = isinstance(precision, str) and precision.strip().lower() == "auto"
-    if not auto or target.kind != "cpu" or target.supports_bf16:
-        return []
-    return [f"precision 'auto' considered fp32 only: this CPU is {cpu_kernels().describe()}, and oneDNN runs bf16 "
-            "only on CPUs with AVX-512; pass precision='bf16' to plan bf16 autocast anyway"]
+    return target.auto_precision_notes() if auto else []
 
 
 def precisions(precision: Any, target: DeviceTarget) -> tuple[PrecisionPolicy, ...]:

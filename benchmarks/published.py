@@ -1,7 +1,7 @@
 """autofit's CUDA estimates against GPU memory figures that others measured and published.
 
-Without a GPU on these machines, the GPU truth is what others measured and published (DESIGN.md, "Ground truth
-without a GPU"). Every case below is rebuilt from its published configuration (config numbers written out here, no
+Without a GPU on these machines, the GPU truth is what others measured and published (docs/published.md).
+Every case below is rebuilt from its published configuration (config numbers written out here, no
 hub access, no weights; models on the meta device), run through ``autofit.estimate(..., device="cuda", gpu=...)``
 with the same optimizer, precision, batch and step, and compared with the published figure:
 
@@ -11,7 +11,7 @@ with the same optimizer, precision, batch and step, and compared with the publis
   (autofit: ``device_bytes``, with the context the source itself measured when it printed one).
 
 Each case states its uncertainty: the rounding of the published number, MB meaning 10^6 or 2^20 bytes, figures read
-off a plot, unknown GPU. Errors are (autofit - published) / published. The goal (DESIGN.md, "Numbers to beat"):
+off a plot, unknown GPU. Errors are (autofit - published) / published. The goal (docs/published.md):
 within 3 % of allocated figures and 5 % of reserved ones; every case outside says why in its ``why`` line.
 Multi-GPU cases (``published_multi_gpu.py``) compare one rank: ``estimate(..., world_size=N, strategy=...)`` with
 the job's layout, against the per-GPU figure the source printed (the largest rank's).

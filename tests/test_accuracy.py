@@ -2,7 +2,7 @@
 
 The matrix is every zoo case x precision {fp32, bf16} x checkpoint {none, the case's blocks} x optimizer {adam, sgd},
 plus a handful of gradient-accumulation and fp16 (GradScaler) configurations. The tolerance is 1 % of the measured
-peak, the accuracy PyTorch's MemTracker reaches on plain CNNs and transformers (DESIGN.md, "Numbers to beat").
+peak, the accuracy PyTorch's MemTracker reaches on plain CNNs and transformers (docs/accuracy.md).
 """
 
 from __future__ import annotations

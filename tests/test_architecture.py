@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import networkx as nx
 import pytest
 
 PACKAGE = pathlib.Path(__file__).parents[1] / "autofit"
@@ -48,12 +49,13 @@ def _modules() -> list[pathlib.Path]:
     return sorted(p for p in PACKAGE.rglob("*.py"))
 
 
-def _imports(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, dotted module) of every import, except those under ``if TYPE_CHECKING:`` (annotations only)."""
+def _imports(tree: ast.AST, *, annotations: bool = False) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import, at the top or inside a function; those under ``if TYPE_CHECKING:``
+    (annotations only) too with ``annotations``."""
     found: list[tuple[int, str]] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not annotations:
             for child in node.orelse:
                 visit(child)
             return
@@ -74,13 +76,27 @@ def test_every_module_has_a_layer() -> None:
     assert units <= set(RANK), f"modules without a layer in LAYERS: {sorted(units - set(RANK))}"
 
 
+# Annotations (under ``if TYPE_CHECKING:``) that name a later stage's type: counted like any import, except these, the
+# one kind left: the solve stage reads the request's values (PlanRequest, autofit/request.py, built after it in this
+# order). None may be added; a runtime import of the request from these modules fails all the same.
+ANNOTATIONS_AGAINST_THE_PIPELINE = {
+    ("solve/estimator.py", "autofit.request"), ("solve/finish.py", "autofit.request"),
+    ("solve/host.py", "autofit.request"), ("solve/ladder.py", "autofit.request"), ("solve/quick.py", "autofit.request"),
+    ("solve/space.py", "autofit.request")}
+
+
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_follow_the_pipeline(path: pathlib.Path) -> None:
     unit = _unit(path)
     backwards = []
-    for line, module in _imports(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    runs = set(_imports(tree))
+    for line, module in _imports(tree, annotations=True):
         parts = module.split(".")
         if parts[0] != "autofit" or len(parts) < 2 or parts[1] not in RANK:
+            continue
+        allowed = (str(path.relative_to(PACKAGE)), ".".join(parts[:2])) in ANNOTATIONS_AGAINST_THE_PIPELINE
+        if allowed and (line, module) not in runs:
             continue
         if RANK[parts[1]] > RANK[unit]:
             backwards.append(f"line {line}: {module} ({parts[1]} comes after {unit} in the pipeline)")
@@ -186,66 +202,110 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the autofit modules it imports when it runs (at the top or inside a function; not annotations).
-    Packages are left out: importing ``autofit.x`` runs ``autofit/__init__.py`` first in any case."""
-    paths = {_module_name(p): p for p in _modules()}
-    packages = {_module_name(p) for p in _modules() if p.name == "__init__.py"}
+def _import_graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the autofit modules it imports: at the top, inside a function, and under ``if TYPE_CHECKING:``.
+    An annotation-only import is a dependency all the same: the module cannot be read, type-checked or moved without
+    the one it names (Note [the plan is data], autofit/emit/plan.py). A package is the module of its ``__init__.py``,
+    with the imports it makes; the parents Python runs first are not edges (every package would otherwise close a
+    loop with the modules it re-exports). ``sources``: module -> source text (default: autofit's own files)."""
+    if sources is None:
+        sources = {_module_name(p): p.read_text() for p in _modules()}
     graph: dict[str, set[str]] = {}
-    for name, path in paths.items():
-        if name in packages:
-            continue
+    for name, text in sources.items():
         edges = set()
-        for _, module in _imports(ast.parse(path.read_text())):
-            while module and module not in paths:  # ``from autofit.x import Name``: the module is autofit.x
+        for _, module in _imports(ast.parse(text), annotations=True):
+            while module and module not in sources:  # ``from autofit.x import Name``: the module is autofit.x
                 module = module.rpartition(".")[0]
-            if module and module not in packages and module != name:
+            if module and module != name:
                 edges.add(module)
         graph[name] = edges
     return graph
 
 
+def _digraph(graph: dict[str, set[str]]) -> nx.DiGraph:
+    g = nx.DiGraph()
+    g.add_nodes_from(graph)
+    g.add_edges_from((v, w) for v, ws in graph.items() for w in ws)
+    return g
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle through each strongly connected component of more than one module (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+    """The strongly connected components of more than one module, each sorted (the modules of one or more cycles)."""
+    return sorted(sorted(c) for c in nx.strongly_connected_components(_digraph(graph)) if len(c) > 1)
 
 
 def test_no_import_cycle_among_autofit_modules() -> None:
-    cycles = _cycles(_import_graph())
-    assert not cycles, "modules that import each other (directly or around a loop):\n" + "\n".join(
-        " <-> ".join(c) for c in cycles)
+    cycles = [list(c) for c in nx.simple_cycles(_digraph(_import_graph()))]
+    assert not cycles, (
+        "modules that import each other, directly or around a loop (TYPE_CHECKING and function-local imports "
+        "count):\n" + "\n".join(" -> ".join(c) for c in sorted(cycles)))
 
 
 def test_the_cycle_check_catches_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    # an import under TYPE_CHECKING, or inside a function, closes a loop all the same
+    sources = {"autofit.x": "from autofit.y import Y\n",
+               "autofit.y": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from autofit.x import X\n",
+               "autofit.p": "def f():\n    from autofit.q import g\n",
+               "autofit.q": "from autofit.p import f\n",
+               "autofit.r": "import autofit.x\n"}
+    assert _cycles(_import_graph(sources)) == [["autofit.p", "autofit.q"], ["autofit.x", "autofit.y"]]
+
+
+def _declared(tree: ast.AST) -> list[str] | None:
+    """A module's ``__all__``, or None where it declares none."""
+    for node in getattr(tree, "body", []):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    return None
+
+
+def _missing_from_all(sources: dict[str, str], importers: list[str]) -> list[str]:
+    """``module: name (imported by ...)`` for each public name imported (``from autofit.x import name``) from a module
+    whose ``__all__`` does not list it; a submodule imported from its package is not a name."""
+    declared = {m: _declared(ast.parse(text)) for m, text in sources.items()}
+    found = set()
+    for importer in importers:
+        text = sources.get(importer) or pathlib.Path(importer).read_text()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ImportFrom) or node.level or declared.get(node.module or "") is None:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if not name.startswith("_") and f"{node.module}.{name}" not in sources \
+                        and name not in declared[node.module]:
+                    found.add(f"{node.module}: {name} (imported by {importer})")
+    return sorted(found)
+
+
+def test_all_lists_what_other_modules_import() -> None:
+    """A module's ``__all__`` is its public surface: a name that another module or a test imports from it is listed
+    there (a name nobody outside imports may stay off it)."""
+    sources = {_module_name(p): p.read_text() for p in _modules()}
+    tests = sorted(str(p) for p in pathlib.Path(__file__).parent.rglob("*.py"))
+    assert not (missing := _missing_from_all(sources, list(sources) + tests)), (
+        "names imported from a module whose __all__ leaves them out:\n" + "\n".join(missing))
+    # the check, on modules written to break it
+    assert _missing_from_all({"autofit.x": "__all__ = ['a']\na = b = 1\n", "autofit.y": "from autofit.x import a, b\n",
+                              "autofit.z": "from autofit.x import _c\n"}, ["autofit.y", "autofit.z"]) == [
+        "autofit.x: b (imported by autofit.y)"]
+
+
+def _device_name_compared(tree: ast.AST) -> list[int]:
+    """Lines that compare a ``.kind`` with a device's name ("cpu", "cuda")."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "kind" and any(
+                isinstance(c, ast.Constant) and c.value in ("cpu", "cuda") for c in node.comparators):
+            found.append(node.lineno)
+    return found
+
+
+def test_the_target_is_asked_not_named() -> None:
+    """The stages ask the target (``DeviceTarget``'s class attributes and methods: autofit/device.py) what the device
+    does; none compares its name, so a new kind of device is one subclass, not a search for string comparisons."""
+    found = [f"{p.relative_to(PACKAGE)}:{line}" for p in _modules() if p.name != "device.py"
+             for line in _device_name_compared(ast.parse(p.read_text()))]
+    assert not found, "a device's name compared outside autofit/device.py:\n" + "\n".join(found)
+    assert _device_name_compared(ast.parse("if target.kind != 'cuda':\n    pass\nok = batch.kind == 'dict'\n")) == [1]

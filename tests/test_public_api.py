@@ -1,4 +1,4 @@
-"""The public surface is explicit (STYLE.md, habit 8): ``autofit.__all__`` is pinned here, and so is the version."""
+"""The public surface is explicit: ``autofit.__all__`` is pinned here, and so is the version."""
 
 from __future__ import annotations
 

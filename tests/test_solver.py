@@ -1,4 +1,4 @@
-"""Solver tests on hand-made cost tables (STYLE.md habit 10, first level): the checkpoint MILP, the micro-batch
+"""Solver tests on hand-made cost tables (the first level of tests: no model, the solver alone): the checkpoint MILP, the micro-batch
 options and the memory/time front, with no model and no simulation behind them.
 
 A ``CheckpointProblem`` says: stretch i of the step holds ``base[i] + sum_u coef[i, u] x[u]`` bytes, where

@@ -1,7 +1,7 @@
 """``estimate``, ``measure``, ``analyse`` and ``plan`` leave the user's model, sample and target as they found them.
 
-DESIGN.md: "estimate, measure and plan must leave the user's model unchanged (parameters, buffers, hooks, training
-mode)". A snapshot taken before each call is compared after it: parameter and buffer values bit for bit, their
+estimate, measure and plan must leave the user's model unchanged (parameters, buffers, hooks, training mode): the
+user plans and then trains the same model. A snapshot taken before each call is compared after it: parameter and buffer values bit for bit, their
 identity, version counters and ``requires_grad``; ``.grad`` (None stays None, an existing gradient stays the same
 tensor with the same bits); every hook dict of every module and of the parameters (same hooks, same order); the
 training mode and class of every submodule; each module's ``__dict__`` keys (no ``forward`` left behind by checkpoint

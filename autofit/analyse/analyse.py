@@ -20,7 +20,7 @@ from autofit.simulate.timeline import EventKind, Phase
 from autofit.training.step import StepConfig
 from autofit.core.workers import run_all
 
-__all__ = ["analyse_model", "SIZES"]
+__all__ = ["analyse_model", "SIZES", "op_costs"]
 
 KEPT = saved_op_names()  # ops whose outputs a selective recomputation keeps (Note [selective recomputation])
 SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference

@@ -19,7 +19,8 @@ from autofit.core.units import format_mib
 from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
 
-__all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS"]
+__all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
+           "sequence_option"]
 
 BLOCKS = "blocks"  # --checkpoint blocks: the model's repeated blocks, the units plan shards (solve/sharding.py)
 

@@ -7,7 +7,7 @@ Note [import noise]
     registers enums with ``torch.utils._pytree.register_constant``, which torch 2.13 answers with a deprecation
     warning per enum. Neither is about the user's model or command. Those records alone are dropped, by a filter on
     the two loggers while the import runs; every other message of those loggers, and every later one, passes. Log
-    levels are never changed (STYLE.md: library code never sets them).
+    levels are never changed: they are the application's to set, never a library's.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from autofit.cli.messages import console_for, say
 from autofit.emit.plan import Plan
 from autofit.core.units import format_mib
 
-__all__ = ["render_plan", "console_for", "group_names"]
+__all__ = ["render_plan", "console_for", "group_names", "knobs_table"]
 
 def knobs_table(plan: Plan, model_description: str) -> Table:
     table = Table(title="autofit plan", show_header=False, title_justify="left")

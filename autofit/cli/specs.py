@@ -27,7 +27,7 @@ from torch import nn
 from autofit.cli import tasks
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["ModelSpec", "load_spec", "parse_overrides", "SAMPLE_ROWS"]
+__all__ = ["ModelSpec", "load_spec", "parse_overrides", "SAMPLE_ROWS", "parse_dtype", "parse_shape"]
 
 SAMPLE_ROWS = 2  # rows of the example batch autofit builds; it resizes them to every micro-batch it plans
 

@@ -23,7 +23,8 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, LossError
 
-__all__ = ["TASKS", "LM_TASKS", "task_loss", "task_target", "vocab_size", "class_count"]
+__all__ = ["TASKS", "LM_TASKS", "task_loss", "task_target", "vocab_size", "class_count",
+           "causal_lm_loss", "masked_lm_loss", "regression_loss"]
 
 TASKS = ("classification", "regression", "causal-lm", "masked-lm")
 LM_TASKS = ("causal-lm", "masked-lm")

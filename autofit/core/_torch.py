@@ -35,7 +35,7 @@ __all__ = [
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
-    "import_lazy_modules", "LAZY_MODULES",
+    "import_lazy_modules", "LAZY_MODULES", "ddp_bucket_bytes",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -242,8 +242,8 @@ def is_view(t: torch.Tensor) -> bool:
 def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
     """Bytes of every Allocation event a ``profile_memory=True`` CPU profile recorded, in time order; negative on
     free. Read from the profiler's event tree (``kineto_results.experimental_event_tree``), the allocator's own
-    record (DESIGN.md, "Ground truth without a GPU"). ``thread_of``: only the events of the thread that ran the
-    ``record_function`` of that name (the profiler's own thread ids)."""
+    record, the ground truth where there is no GPU (docs/accuracy.md). ``thread_of``: only the events of the thread
+    that ran the ``record_function`` of that name (the profiler's own thread ids)."""
     events: list[tuple[int, int, int]] = []
     marks: set[int] = set()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

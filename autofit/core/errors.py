@@ -1,4 +1,4 @@
-"""Typed errors. Each message says what is wrong and what to do next (see STYLE.md, habit 6)."""
+"""Typed errors. Each message says what is wrong and what to do next."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ __all__ = [
     "STRATEGIES",
     "require_int",
     "require_strategy",
+    "HostMemoryError",
+    "require_layout",
 ]
 
 

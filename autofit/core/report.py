@@ -9,7 +9,7 @@ from types import MappingProxyType
 from autofit.core.categories import Category
 from autofit.core.units import format_bytes
 
-__all__ = ["MemoryEstimate", "Measurement"]
+__all__ = ["MemoryEstimate", "Measurement", "EXPANDABLE_SEGMENTS"]
 
 # PYTORCH_CUDA_ALLOC_CONF that a plan sets where only expandable segments fit its budget (autofit/device.py)
 EXPANDABLE_SEGMENTS = "expandable_segments:True"

@@ -40,7 +40,7 @@ from autofit.core._torch import (
     op_schema,
 )
 
-__all__ = ["AutocastLists", "autocast_cuda_lists", "ops_with_kernel", "cuda_autocast_state"]
+__all__ = ["AutocastLists", "autocast_cuda_lists", "ops_with_kernel", "cuda_autocast_state", "observed_policy"]
 
 POLICIES = ("lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote", "banned")
 

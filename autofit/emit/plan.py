@@ -1,4 +1,5 @@
-"""The plan: the chosen knobs, the verified estimate behind them, the alternatives, and the wrapper they emit."""
+"""The plan: the chosen knobs, the verified estimate behind them and the alternatives; data that emit/apply.py
+turns into a trainer (Note [the plan is data])."""
 
 from __future__ import annotations
 
@@ -21,9 +22,18 @@ from autofit.solve.lengths import rows_for_length
 from autofit.solve.sharding import layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
-__all__ = ["Alternative", "Plan"]
+__all__ = ["Alternative", "Plan", "use_wrap", "why_layout"]
 
 _FORMAT = "autofit.plan/1"
+
+# the function Plan.wrap hands the plan to: autofit.emit.apply.wrap, set by autofit/emit/__init__.py (Note [the plan
+# is data], in Plan.wrap)
+_WRAP: list[Callable[..., Any]] = []
+
+
+def use_wrap(wrap: Callable[..., Any]) -> None:
+    """Make ``wrap`` the function :meth:`Plan.wrap` calls (autofit/emit/__init__.py does, once)."""
+    _WRAP[:] = [wrap]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,19 +233,16 @@ class Plan:
         micro-batch (None: ``plan.shared``, Note [the batch dimension]).
         For multi-process plans (``world_size > 1``) it returns a DDP or FSDP2 trainer; FSDP2 needs ``optimizer``
         to be a factory ``params -> Optimizer`` because sharding replaces the parameters."""
-        loss_fn = self.planned_loss() if loss_fn is None else loss_fn
-        from autofit.emit.wrapping import refuse_wrapped
-
-        if isinstance(model, nn.Module):
-            refuse_wrapped(model)  # before DDP or FSDP2 wraps it (Note [one trainer per model])
-        if self.world_size > 1 or self.strategy is not None:
-            from autofit.emit.distributed import DistributedTrainer
-
-            return DistributedTrainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction,
-                                      shared=shared)
-        from autofit.emit.trainer import Trainer
-
-        return Trainer(self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
+        # Note [the plan is data]
+        # ~~~~~~~~~~~~~~~~~~~~~~~
+        # A plan is a value: the knobs, the estimate behind them, JSON in and out. The trainers read it
+        # (emit/trainer.py, emit/distributed.py), so it cannot import them back without an import cycle, even one in a
+        # function or under TYPE_CHECKING (tests/test_architecture.py counts both). The wrapping lives in emit:
+        # ``autofit.emit.wrap(plan, model, optimizer)`` (emit/apply.py). This method, the call the README teaches,
+        # hands itself to that function through ``_WRAP``, which autofit/emit/__init__.py fills: Python runs a
+        # package's ``__init__`` before any import of one of its modules returns, so the slot is filled before any
+        # code outside the package can hold this class, let alone a Plan. One slot, one filler: not a plug-in point.
+        return _WRAP[0](self, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
 
     def planned_loss(self) -> Callable[..., Any] | None:
         """The loss the trainer uses when ``wrap`` is given none: the planned one (None: the default loss)."""
@@ -443,3 +450,24 @@ class Plan:
 def _policy_counts(plan: Plan) -> str:
     selective = len(plan.selective)
     return f"{len(plan.checkpoint) - selective} full, {selective} selective"
+
+
+def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
+    """The note saying why ``chosen``'s data-parallel layout won over the other layouts' plans."""
+    other = sorted((p for p in all_plans if p is not chosen), key=lambda p: p.predicted_step_seconds)
+    if not other:
+        return (f"{chosen.layout} chosen: no other layout fits the budget with a faster step (the notes that follow "
+                "say why each was left)")
+    against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
+                        f"{format_bytes(o.device_bytes)})" for o in other)
+    tensor = ("; tensor parallel T splits the block's linear layers over T GPUs of a node (1/T of their weights, "
+              "compute and activations per rank, each group's ranks training the same rows) at the cost of "
+              "all-reducing the activations in every block, forward and backward, over NVLink"
+              if any(p.tensor_parallel > 1 for p in all_plans) else "")
+    if any(is_sequence_parallel(p.tensor_plan) for p in all_plans):
+        tensor += ("; sequence parallel also splits the norms and the residual stream along the sequence, each "
+                   "all-reduce becoming an all-gather and a reduce-scatter")
+    return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
+            f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
+            "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
+            "gathered parameters from forward to backward instead of gathering them again" + tensor)

@@ -48,7 +48,7 @@ from autofit.training.stored import apply_stored
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "require_alloc_conf"]
 
 _BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
 

@@ -114,7 +114,7 @@ class DepthGrid:
         make a change of the dominant stage further out unlikely, not impossible; the tests compare with the CPU
         allocator at full depth. On the CPU only: a CUDA target's segment figures move in allocator segments and are
         not yet on their lines at a few blocks per run. The 70B-shaped Llama's plan (runs of 67 and 11 blocks,
-        FSDP2 resharded to 8 over 32 ranks, 2026-11-24): from a base of 2 blocks per run the reserved bytes stepped
+        FSDP2 resharded to 8 over 32 ranks): from a base of 2 blocks per run the reserved bytes stepped
         by 30 MiB then 1.03 GiB; from a base of 4 the allocated and reserved figures were on their lines to the byte
         but the smallest budget stepped by 454 then 406 MiB (over SEGMENT_TOLERANCE), so both grids were
         simulated for nothing before the single-run cut at 15 to 19 blocks."""
@@ -416,7 +416,7 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int 
         blocks were 65.48, 67.19, 67.96, 68.13, 68.13 GB, the allocated 46.08 GB plus 268.4 MB per block (the
         reserve above it 19.39, 20.84, 21.34, 21.24, 20.97 GB); the smallest budget 0.91, 0.91, 0.91, 0.88, 0.84 GB
         above the allocated. The full simulation of that step at 80 blocks (benchmarks/multi_gpu_70b.py --nodes 1
-        --check-depth, 2026-11-25): allocated 65,411,135,488 B (carried 32,704 B above: the rounding), host bytes
+        --check-depth): allocated 65,411,135,488 B (carried 32,704 B above: the rounding), host bytes
         equal, smallest budget 66,431,483,904 B against 66,322,823,104 B carried (-0.16 %: its reserve above the
         allocated grew to 1.02 GB), reserved 89.74 GB against 86.75 GB carried (-3.3 %). So the carried figures
         are approximate, and only the smallest budget decides whether a step fits (``MemoryEstimate.within``): a

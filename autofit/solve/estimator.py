@@ -45,7 +45,8 @@ from autofit.solve.search import Candidate
 from autofit.training.step import StepConfig, forward_errors
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
-    from autofit.request import Parallel, PlanRequest
+    from autofit.request import PlanRequest
+    from autofit.solve.sharding import Parallel
 
 __all__ = ["Estimator", "announce", "with_rows"]
 
@@ -142,7 +143,7 @@ class Estimator:
                     sims[keep], ests[keep] = sim, self.request.device.estimate(sim)
             return tuple(ests[k] for k in keeps)
         # Note [cutting every run]: on the CPU only, where every figure is a tensor figure
-        grid = depth_grid(config, blocks) if self.request.device.kind == "cpu" else None
+        grid = depth_grid(config, blocks) if self.request.device.own_kernels else None
         if grid is not None and not (self.request.cheaper_cuts_only and sum(grid.depths) >= blocks.count):
             est = extrapolate_grid(grid, simulated(grid.keeps))
             if est is not None:
@@ -194,7 +195,7 @@ class Estimator:
     def _may_preallocate(self, c: Candidate, policy: PrecisionPolicy, est: MemoryEstimate) -> bool:
         """Whether ``c`` is worth simulating with the gradients allocated before forward: a CUDA step of one
         process that StepConfig allows it for, whose smallest budget holds pinned segments beyond its blocks."""
-        if self.request.device.kind != "cuda" or self.parallel.strategy is not None or c.in_backward:
+        if not self.request.device.caching_allocator or self.parallel.strategy is not None or c.in_backward:
             return False
         if c.preallocated_grads or str(policy.stored).endswith("-master"):
             return False

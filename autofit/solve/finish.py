@@ -14,7 +14,6 @@ from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.training.length import LengthSpec, length_spec
 from autofit.training.precision import PrecisionPolicy
-from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.core.errors import ForwardError
 from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import probes_kernels
@@ -26,11 +25,9 @@ from autofit.solve.verify import Verified
 from autofit.core.units import format_bytes
 from autofit.core.workers import parallel_available, run_all
 
-__all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows", "rung_notes",
-           "why_layout"]
+__all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows", "rung_notes"]
 
 if TYPE_CHECKING:  # built after this stage in the import order: only read here
-    from autofit.emit.plan import Plan
     from autofit.request import PlanRequest
 
 Pins = tuple[tuple[str, tuple[str, ...]], ...]  # (what the user named, the qualified names it resolved to)
@@ -207,7 +204,7 @@ def _guessed_peak(estimator: Estimator, chosen: Candidate, policy: PrecisionPoli
         return None
 
 
-def rung_notes(request: PlanRequest, stage: Stage, where: Estimator, found: Verified) -> tuple[str, ...]:
+def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: Verified) -> tuple[str, ...]:
     """What the rung a plan was found on did: FSDP2's gradient sync every micro-batch, and what each opt-in rung in
     force saved (Note [the ladder]): the same configuration estimated in full without it, one more simulation per
     rung."""
@@ -216,41 +213,20 @@ def rung_notes(request: PlanRequest, stage: Stage, where: Estimator, found: Veri
         notes.append("FSDP2 reduce-scatters the gradients after every micro-batch: with the sync left to the last "
                      "micro-batch every rank would hold the whole model's unsharded gradients until then, and nothing "
                      "fit (Note [gradient sync under accumulation])")
-    policy = where.policy(found.candidate.precision)
+    policy = estimator.policy(found.candidate.precision)
     peak = found.estimate.device_bytes
     for name in stage.opt_in:
         if name == "chunked-loss":
-            without = replace(where.request, chunked_loss=None)
+            without = replace(estimator.request, chunked_loss=None)
             what = (f"rung 'chunked-loss' climbed: the output head {stage.chunked_loss.head!r} and the cross-entropy "
                     f"run in {stage.chunked_loss.chunks} chunks of tokens, so the full logits and their gradient are "
                     "never live at once (Note [chunked cross-entropy])")
         else:
-            without = replace(where.request, optimizer=request.optimizer, low_bit_optimizer=None)
+            without = replace(estimator.request, optimizer=request.optimizer, low_bit_optimizer=None)
             what = (f"rung '8bit-optimizer' climbed: {request.optimizer.name} becomes {stage.eight_bit[1]}, its two "
                     "moments stored in 8 bits (Note [8-bit optimizer state]); the trainer builds it from the "
                     "optimizer given to wrap()")
-        other = Estimator(without, where.parallel).estimate(found.candidate, policy).device_bytes
+        other = Estimator(without, estimator.parallel).estimate(found.candidate, policy).device_bytes
         notes.append(f"{what}; this configuration needs {format_bytes(other)} without it ({other:,} B), "
                      f"{format_bytes(peak)} with it: it saves {format_bytes(other - peak)} ({other - peak:,} B)")
     return tuple(notes)
-
-
-def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
-    """The note saying why ``chosen``'s data-parallel layout won over the other layouts' plans."""
-    other = sorted((p for p in all_plans if p is not chosen), key=lambda p: p.predicted_step_seconds)
-    if not other:
-        return (f"{chosen.layout} chosen: no other layout fits the budget with a faster step (the notes that follow "
-                "say why each was left)")
-    against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
-                        f"{format_bytes(o.device_bytes)})" for o in other)
-    tensor = ("; tensor parallel T splits the block's linear layers over T GPUs of a node (1/T of their weights, "
-              "compute and activations per rank, each group's ranks training the same rows) at the cost of "
-              "all-reducing the activations in every block, forward and backward, over NVLink"
-              if any(p.tensor_parallel > 1 for p in all_plans) else "")
-    if any(is_sequence_parallel(p.tensor_plan) for p in all_plans):
-        tensor += ("; sequence parallel also splits the norms and the residual stream along the sequence, each "
-                   "all-reduce becoming an all-gather and a reduce-scatter")
-    return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
-            f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
-            "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
-            "gathered parameters from forward to backward instead of gathering them again" + tensor)

@@ -12,7 +12,8 @@ from autofit.core.units import format_bytes
 from autofit.solve.ladder import ladder, states_bytes
 
 if TYPE_CHECKING:
-    from autofit.request import Parallel, PlanRequest
+    from autofit.request import PlanRequest
+    from autofit.solve.sharding import Parallel
 
 __all__ = ["host_floor", "check_host_before_analysis", "host_budget_words"]
 

@@ -41,7 +41,8 @@ from autofit.solve.sharding import shard_units
 from autofit.training.stored import stored_bytes_per_parameter
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
-    from autofit.request import Parallel, PlanRequest
+    from autofit.request import PlanRequest
+    from autofit.solve.sharding import Parallel
 
 __all__ = ["Stage", "ladder", "skipped_note", "states_bytes", "states_floor"]
 
@@ -195,7 +196,7 @@ def states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPoli
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:
     """The precisions of the rungs on the device: the model's own dtype, then each lower stored precision. At equal
     fit the higher stored precision wins (Note [stored precision])."""
-    if request.device.kind == "cuda" and request.auto_precision and len(request.policies) > 1:
+    if request.device.precision_rungs and request.auto_precision and len(request.policies) > 1:
         stages = [request.policies[:1], request.policies]
     else:
         stages = [request.policies]

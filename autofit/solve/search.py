@@ -27,7 +27,7 @@ from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
 __all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front",
-           "module_level"]
+           "module_level", "time_floor"]
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ True, again in backward for every micro-batch, and reduce-scatters the gradients
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
@@ -23,10 +24,39 @@ from autofit.core.errors import AutofitError, InvalidInputError, require_layout
 from autofit.training.sequence_parallel import is_sequence_parallel, require_sequence_split
 from autofit.training.tensor_parallel import resolve_tensor_plan
 
-if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
-    from autofit.request import PlanRequest
+if TYPE_CHECKING:
+    from autofit.device import DeviceTarget
+    from autofit.training.batch import Batch
 
-__all__ = ["Parallel", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Layout", "ring_seconds"]
+__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Layout", "ring_seconds"]
+
+
+class LayoutRequest(Protocol):
+    """What :func:`layouts`, :func:`tensor_layouts` and :func:`collective_floor` read of the request
+    (``autofit.request.PlanRequest`` has these fields). The request imports :class:`Parallel` from here, so this
+    module names the fields it reads instead of importing the request back (no import cycle, annotations included:
+    tests/test_architecture.py)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def batch(self) -> Batch: ...
+    @property
+    def device(self) -> DeviceTarget: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def gpus_per_node(self) -> int: ...  # ranks per node (0: one node)
+    @property
+    def reshard_options(self) -> tuple[bool | int, ...]: ...
+    @property
+    def replicate_options(self) -> tuple[int, ...]: ...
+    @property
+    def tensor_options(self) -> tuple[int, ...]: ...
+    @property
+    def tensor_parallel_plan(self) -> Mapping[str, Any] | None: ...
+    @property
+    def clip_grad_norm(self) -> float | None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +129,7 @@ def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | i
     return f"fsdp2 ({zero})" + (f" over {world_size} ranks" if ranks else "")
 
 
-def layouts(request: PlanRequest, strategy: str | None) -> list[Parallel]:
+def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
     """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): FSDP2 once per valid
     (reshard_after_forward, replicate) pair the request allows."""
     if strategy is None:
@@ -119,7 +149,7 @@ def layouts(request: PlanRequest, strategy: str | None) -> list[Parallel]:
     return found + tensor_layouts(request, replace(base, shard_units=units))
 
 
-def tensor_layouts(request: PlanRequest, base: Parallel) -> list[Parallel]:
+def tensor_layouts(request: LayoutRequest, base: Parallel) -> list[Parallel]:
     """Tensor parallel T x FSDP2 over world_size // T (docs/multi-gpu.md, "Tensor parallel"): for each degree the
     request allows, T dividing one node's GPUs (its all-reduces run every layer, over NVLink: never across nodes),
     FSDP2's reshard options over the other dim (none when T is every rank). A model without a tensor-parallel plan,
@@ -137,7 +167,7 @@ def tensor_layouts(request: PlanRequest, base: Parallel) -> list[Parallel]:
         except AutofitError:  # no plan, or heads / features / the sequence T does not divide: the other layouts
             continue          # are still planned
         data = request.world_size // tp
-        if data == 1 and request.device.kind == "cuda":  # refused on CUDA (StepConfig: foreach optimizers)
+        if data == 1 and request.device.foreach_optimizers:  # refused (StepConfig: foreach optimizers)
             continue
         for raf in request.reshard_options if data > 1 else (True,):
             try:
@@ -200,7 +230,7 @@ def ring_seconds(kind: str, group: int, nbytes: float, bytes_per_second: float) 
     return factor * (group - 1) / group * nbytes / bytes_per_second
 
 
-def collective_floor(request: PlanRequest, parallel: Parallel) -> float:
+def collective_floor(request: LayoutRequest, parallel: Parallel) -> float:
     """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch, over the parameters as the
     model holds them: the order the planner tries layouts in (Note [layouts that cannot win], planner.py). Tensor
     parallel's all-reduces, which need the analysis' activation sizes, are left out."""

@@ -23,7 +23,8 @@ from autofit.solve.time_model import build_time_model
 from autofit.training.step import forward_errors
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
-    from autofit.request import Parallel, PlanRequest
+    from autofit.request import PlanRequest
+    from autofit.solve.sharding import Parallel
 
 __all__ = ["analyse_policies", "search_space", "searchable"]
 
@@ -45,13 +46,13 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
             if cut is None:
                 analyses[p.label] = analyse_model(
                     request.model, request.batch, request.target, request.loss_fn, step,
-                    probe_kernels=request.device.kind == "cpu", device_rules=request.device.simulation_rules)
+                    probe_kernels=request.device.own_kernels, device_rules=request.device.simulation_rules)
                 continue
             depth, period = cut  # Note [extending an analysis in depth], autofit/analyse/depth.py
             model = truncated(request.model, request.blocks, depth)
             a = analyse_model(model, request.batch, request.target, request.loss_fn,
                               config_at_depth(step, request.blocks, depth),
-                              probe_kernels=request.device.kind == "cpu", device_rules=request.device.simulation_rules)
+                              probe_kernels=request.device.own_kernels, device_rules=request.device.simulation_rules)
             analyses[p.label] = extend_analysis(
                 a, request.blocks, depth, period, parameter_ratios(request.model, model),
                 extend_ops=lambda ops, ranges, copies, first, q=period: extended_ops(ops, ranges, copies, request.blocks,
@@ -128,18 +129,19 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
 
 def searchable(request: PlanRequest, stage: Stage,
                 analyses: dict[tuple, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
-    """The rung's estimator and search space, its precisions analysed unless done before in its layout with its
-    opt-in rungs; the request as the rung runs it (its chunked loss and optimizer)."""
+    """The rung's estimator, its search space and its analyses by precision (``analyses``' entry for the rung's
+    layout and opt-in rungs: its precisions are analysed unless they were before); the estimator holds the request as
+    the rung runs it (its chunked loss and optimizer)."""
     request = stage.request_for(request)
-    single, one = single_step_layout(request, stage.parallel), None
+    single, single_analysed = single_step_layout(request, stage.parallel), None  # the step of one micro-batch
     if single is not None:  # Note [an accumulation-free FSDP2 step]
-        one = analyses.setdefault((single, request.chunked_loss, request.low_bit_optimizer), {})
-        one.update(analyse_policies(request, single, stage.policies, one))
-    done = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
+        single_analysed = analyses.setdefault((single, request.chunked_loss, request.low_bit_optimizer), {})
+        single_analysed.update(analyse_policies(request, single, stage.policies, single_analysed))
+    analysed = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
     own_window = single is None or request.per_rank > 1  # with one row per rank, no step accumulates
     if own_window:
-        done.update(analyse_policies(request, stage.parallel, stage.policies, done))
+        analysed.update(analyse_policies(request, stage.parallel, stage.policies, analysed))
     else:  # one row per rank: the step of one micro-batch is the only one
-        done.update(one)
-    return (Estimator(request, stage.parallel),
-            search_space(request, stage.parallel, stage.policies, done if own_window else {}, one), done)
+        analysed.update(single_analysed)
+    space = search_space(request, stage.parallel, stage.policies, analysed if own_window else {}, single_analysed)
+    return Estimator(request, stage.parallel), space, analysed

@@ -24,7 +24,7 @@ from autofit.solve.search import (
 from autofit.core.units import format_bytes
 
 __all__ = ["Slower", "Verified", "MAX_VERIFICATIONS", "search_verified", "search_in_backward", "smallest_in_backward",
-           "smallest_verified", "infeasible", "host_checked", "host_fits", "with_offload_minimum"]
+           "smallest_verified", "infeasible", "host_checked", "host_fits", "with_offload_minimum", "with_closed_rungs"]
 
 MAX_VERIFICATIONS = 4
 
@@ -122,19 +122,19 @@ def smallest_in_backward(space: SearchSpace, verify: Verify) -> tuple[Candidate,
 #     The budget compared is the smallest one the step runs under (``min_device_bytes``), not what the process
 #     would reserve on a card with room to spare: under a budget the caching allocator frees the segments it keeps
 #     cached before it gives up (Note [allocating under a cap], autofit/cuda/allocator.py). That takes the cached
-#     segments out of the floor, and with them most of the checkpoint set's effect on it. Llama-2-7B on an H200 (fp16,
-#     no offload, benchmarks/verdict_floors.py) named 135.02, 128.42, 126.19, 127.91 GiB at batch 1, 2, 4, 8 before
-#     and 128.81, 129.11, 126.50, 126.53 GiB after (2026-11-24): still not monotone. The allocated peak is 125.54 GiB
-#     at every batch (the optimizer step); what stays is the segments the step finds pinned, 2.8 GiB at micro-batch 1
-#     against 0.5 GiB at 4, where the gradients fit the activations' segments exactly. With expandable segments
-#     where the default allocator's floor is not reached (Note [expandable segments as a plan knob], autofit/device.py)
-#     the floors are 126.91, 126.89, 126.16, 126.53 GiB at batch 1, 2, 4, 8 (2026-11-24): lower at batch 1, 2 and 4,
-#     the same at 8, but still not monotone. What stays is 20 MiB pages that gradients, placed in backward
-#     between activations, keep partly live when the optimizer step runs (four layers: 189 MiB at micro-batch 1,
-#     89 MiB at 4). A floor that never grows as the batch shrinks needs those gradients laid out apart from the
-#     activations, not another allocator setting: allocated before forward (Note [gradients before forward as a plan
-#     knob], autofit/solve/estimator.py), which ``smallest_verified`` ranks with ``Estimator.verify_floor``. Four
-#     layers of Llama-2-7B then name 20.50 GiB at batch 1, 2, 4 and 8, the full model 126.05 GiB (2026-11-24).
+#     segments out of the floor, and with them most of the checkpoint set's effect on it, but not the rest of what
+#     makes the floor grow as the batch shrinks. Llama-2-7B on an H200 (fp16, no offload, benchmarks/verdict_floors.py)
+#     allocates 125.54 GiB at every batch (the optimizer step holds the peak); what stays is the segments the step
+#     finds pinned, 2.8 GiB at micro-batch 1 against 0.5 GiB at 4, where the gradients fit the activations' segments
+#     exactly (floors of 128.81, 129.11, 126.50, 126.53 GiB at batch 1, 2, 4, 8). Expandable segments where the
+#     default allocator's floor is not reached (Note [expandable segments as a plan knob], autofit/device.py) lower
+#     the floors at batch 1, 2 and 4 (126.91, 126.89, 126.16, 126.53 GiB), still not monotone: 20 MiB pages that
+#     gradients, placed in backward between activations, keep partly live when the optimizer step runs (four layers:
+#     189 MiB at micro-batch 1, 89 MiB at 4). A floor that never grows as the batch shrinks needs those gradients
+#     laid out apart from the activations, not another allocator setting: allocated before forward (Note [gradients
+#     before forward as a plan knob], autofit/solve/estimator.py), which ``smallest_verified`` ranks with
+#     ``Estimator.verify_floor``. Four layers of Llama-2-7B then name 20.50 GiB at batch 1, 2, 4 and 8, the full
+#     model 126.05 GiB.
 def smallest_verified(space: SearchSpace, verify: Verify) -> tuple[Candidate, MemoryEstimate]:
     """The configuration with the smallest verified peak among the two lowest modelled ones and the smallest
     micro-batch of each precision, with its estimate. The models are least exact far from the configurations they

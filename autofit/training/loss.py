@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from autofit.core._torch import PASSTHROUGH_ERRORS
 from autofit.core.errors import LossError
 
-__all__ = ["LossFn", "compute_loss", "describe_loss"]
+__all__ = ["LossFn", "compute_loss", "describe_loss", "default_loss"]
 
 LossFn = Callable[..., torch.Tensor]
 
