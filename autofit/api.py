@@ -188,7 +188,7 @@ def estimate(
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     est = device_model.estimate(sim)
-    if config.strategy == "ddp":
+    if config.layout.replicates_parameters:
         est = replace(est, notes=est.notes + (bucket_note(config.gradient_as_bucket_view),))
     if len(batch.per_sample_tensors()) < len(batch.tensors()):  # say what the rule did (Note [the batch dimension])
         est = replace(est, notes=(*est.notes, f"inputs by Note [the batch dimension]: {batch.layout()}"))

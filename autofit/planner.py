@@ -337,7 +337,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
         error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
                            sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
-                           if parallel.strategy == "fsdp2" else 0)
+                           if parallel.shards_parameters else 0)
         if on_host is not None:
             error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes,
                                          parallel.ranks_per_node)

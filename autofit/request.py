@@ -23,7 +23,7 @@ from autofit.training.optim import OptimizerSpec, as_optimizer_spec, eight_bit_p
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
-from autofit.solve.sharding import Parallel  # the layout lives with the sharding it describes; re-exported here
+from autofit.training.layout import Parallel  # the layout value (training/layout.py); re-exported here
 from autofit.core._torch import import_lazy_modules
 from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
@@ -111,13 +111,8 @@ class PlanRequest:
         whole step travels as one value through the analysis, the search and the full estimates."""
         return make_step_config(
             micro_batch_size=1, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
-            gpu=self.device.name, strategy=parallel.strategy, world_size=parallel.world_size,
-            shard_units=parallel.shard_units, clip_grad_norm=self.clip_grad_norm,
-            offload_states=parallel.offload_states,
-            reduce_every_micro_batch=parallel.reduce_every_micro_batch,
-            reshard_after_forward=parallel.reshard_after_forward, replicate=parallel.replicate,
-            chunked_loss=self.chunked_loss, tensor_parallel=parallel.tensor_parallel,
-            tensor_plan=parallel.tensor_plan, compile=self.compile)
+            gpu=self.device.name, layout=parallel, clip_grad_norm=self.clip_grad_norm,
+            chunked_loss=self.chunked_loss, compile=self.compile)
 
     def for_layout(self, parallel: Parallel) -> PlanRequest:
         """The request as ``parallel`` runs it: with tensor parallel T the T ranks of a group share their rows, so

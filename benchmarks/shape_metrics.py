@@ -1,165 +1,154 @@
-"""The shape of the library, counted on its source text (issue 42's before/after table).
+"""The shape of the library, counted from its source (issue 42's before/after table).
 
-    python benchmarks/shape_metrics.py [REPO_ROOT]
+Reads ``autofit/`` with ``ast`` only (nothing of autofit is imported, so a checkout of any commit can be measured):
 
-Reads ``REPO_ROOT/autofit`` with ``ast`` only (nothing of autofit is imported, so it measures any checkout, an old
-commit's included) and prints one table:
-
-- the parameters of ``autofit.plan`` (``def plan`` in autofit/planner.py, every kind of parameter);
-- the functions and methods in autofit/ over 60 lines (``def`` line to last line) and over 8 parameters (a method's
-  ``self`` / ``cls`` not counted);
-- the largest file and its lines;
+- the parameters of ``autofit.plan`` (``planner.plan``);
+- functions over 60 lines, and functions over 8 parameters;
+- the largest file, in lines;
 - the files that mention ``reshard_after_forward`` and ``offload_states``;
-- string comparisons of strategy and device: ``ast.Compare`` nodes with ``==`` / ``!=`` against one of the string
-  constants "ddp", "fsdp2", "cuda", "cpu";
-- import cycles among autofit's modules, counting every import: at the top, inside a function, and under
-  ``if TYPE_CHECKING:``. A package is the module of its ``__init__.py``; an edge goes to the module an import names
-  (``from autofit.emit.plan import Plan`` -> autofit.emit.plan, ``from autofit.emit import Trainer`` -> autofit.emit),
-  not to the parent packages Python runs first (every package's ``__init__`` would otherwise close a loop with the
-  submodules it re-exports). Cycles are networkx's ``simple_cycles``; the components are its strongly connected
-  components of more than one module.
+- string comparisons of the strategy and the device: ``Compare`` nodes with ``==``/``!=``/``in``/``not in`` against
+  one of the string constants in ``STRINGS``;
+- import cycles between autofit modules, imports under ``TYPE_CHECKING`` and inside functions counted: the strongly
+  connected components of more than one module, the modules in them, and the simple cycles (networkx).
+
+Usage: ``python benchmarks/shape_metrics.py [ROOT ...]`` (a repository root each; default: this checkout). With two
+roots the table has a column per root.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import pathlib
+import sys
+from pathlib import Path
 
 import networkx as nx
 
-STRINGS = {"ddp", "fsdp2", "cuda", "cpu"}
-MENTIONS = ("reshard_after_forward", "offload_states")
+STRINGS = {"fsdp2", "ddp", "fsdp", "hsdp", "cuda", "cpu", "mps", "meta"}
+LONG_LINES = 60
+MANY_PARAMETERS = 8
 
 
-def _files(package: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(package.rglob("*.py"))
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "autofit").rglob("*.py"))
 
 
-def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef, *, method: bool) -> int:
-    a = node.args
-    names = [x.arg for x in a.posonlyargs + a.args]
-    count = len(names) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
-    decorators = {ast.unparse(d) for d in node.decorator_list}
-    if method and names and names[0] in ("self", "cls") and "staticmethod" not in decorators:
-        count -= 1
-    return count
-
-
-def _functions(tree: ast.AST) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, bool]]:
-    """Every function and method, nested ones included, with whether it is defined directly in a class."""
-    found = []
-
-    def visit(node: ast.AST, in_class: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found.append((child, in_class))
-                visit(child, False)
-            elif isinstance(child, ast.ClassDef):
-                visit(child, True)
-            else:
-                visit(child, in_class)
-
-    visit(tree, False)
-    return found
-
-
-def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
-    rel = path.relative_to(root).with_suffix("")
-    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+def _module(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
     return ".".join(parts)
 
 
-def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
-    """The dotted names an import statement may load (relative imports resolved against ``module``)."""
-    if isinstance(node, ast.Import):
-        return [a.name for a in node.names]
-    if node.level:
-        base = module.split(".") if is_package else module.split(".")[:-1]
-        base = base[: len(base) - (node.level - 1)]
-        target = ".".join(base + ([node.module] if node.module else []))
-    else:
-        target = node.module or ""
-    return [target] + [f"{target}.{a.name}" for a in node.names]
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    named = a.posonlyargs + a.args + a.kwonlyargs
+    count = len([x for x in named if x.arg not in ("self", "cls")])
+    return count + (a.vararg is not None) + (a.kwarg is not None)
 
 
-def import_graph(root: pathlib.Path) -> nx.DiGraph:
-    package = root / "autofit"
-    paths = {_module_name(p, root): p for p in _files(package)}
-    packages = {_module_name(p, root) for p in _files(package) if p.name == "__init__.py"}
-    graph = nx.DiGraph()
-    graph.add_nodes_from(paths)
-    for name, path in paths.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+def _string_compares(tree: ast.AST) -> int:
+    count = 0
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, operands, operands[1:]):
+            if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
                 continue
-            for target in _imported(node, name, name in packages):
-                while target and target not in paths:  # ``from autofit.x import Name``: the module is autofit.x
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    graph.add_edge(name, target)
-    return graph
+            for side in (left, right):
+                if isinstance(side, ast.Constant) and side.value in STRINGS:
+                    count += 1
+                elif isinstance(side, (ast.Tuple, ast.Set, ast.List)) and any(
+                        isinstance(e, ast.Constant) and e.value in STRINGS for e in side.elts):
+                    count += 1
+    return count
 
 
-def metrics(root: pathlib.Path) -> list[tuple[str, str]]:
-    package = root / "autofit"
-    files = _files(package)
-    trees = {p: ast.parse(p.read_text()) for p in files}
-    texts = {p: p.read_text() for p in files}
+def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The autofit modules ``module`` imports anywhere in its file (TYPE_CHECKING blocks and functions included)."""
+    found = set()
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package[:len(package) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            # the longest autofit module the name starts with (``from autofit.solve import x``: autofit.solve.x when
+            # x is a module, else autofit.solve)
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module and name != "autofit":
+                found.add(name)
+    return found
 
-    plan_params = "-"
-    planner = package / "planner.py"
-    for node in ast.iter_child_nodes(trees[planner]) if planner in trees else ():
-        if isinstance(node, ast.FunctionDef) and node.name == "plan":
-            plan_params = str(_parameters(node, method=False))
 
-    long_functions = many_parameters = 0
-    for tree in trees.values():
-        for node, method in _functions(tree):
-            long_functions += node.end_lineno - node.lineno + 1 > 60
-            many_parameters += _parameters(node, method=method) > 8
-
-    lines = {p: len(texts[p].splitlines()) for p in files}
-    largest = max(files, key=lambda p: lines[p])
-
-    comparisons = 0
-    for tree in trees.values():
+def measure(root: Path) -> dict[str, object]:
+    files = _files(root)
+    modules = {_module(root, p): p for p in files}
+    graph = nx.DiGraph()
+    long_fns, many_params, compares = [], [], 0
+    mentions = {"reshard_after_forward": 0, "offload_states": 0}
+    largest = ("", 0)
+    plan_params = None
+    for module, path in modules.items():
+        text = path.read_text()
+        tree = ast.parse(text)
+        lines = text.count("\n") + 1
+        if lines > largest[1]:
+            largest = (str(path.relative_to(root)), lines)
+        for word in mentions:
+            mentions[word] += word in text
+        compares += _string_compares(tree)
+        graph.add_node(module)
+        for target in _imports(tree, module, path.name == "__init__.py", set(modules)):
+            graph.add_edge(module, target)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
-                operands = [node.left, *node.comparators]
-                comparisons += any(isinstance(o, ast.Constant) and o.value in STRINGS for o in operands)
-
-    graph = import_graph(root)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 > LONG_LINES:
+                    long_fns.append(f"{module}.{node.name}")
+                if _parameters(node) > MANY_PARAMETERS:
+                    many_params.append(f"{module}.{node.name}")
+                if module == "autofit.planner" and node.name == "plan" and node.col_offset == 0:
+                    plan_params = _parameters(node)
+    # the package __init__ files import their children for re-export: an edge from a package to its own submodule is
+    # not a dependency of the code, so cycles through it are left out
+    graph.remove_edges_from([(a, b) for a, b in list(graph.edges) if b.startswith(a + ".")])
+    sccs = [c for c in nx.strongly_connected_components(graph) if len(c) > 1]
     cycles = sum(1 for _ in nx.simple_cycles(graph))
-    components = sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
-
-    rows = [
-        ("parameters of autofit.plan", plan_params),
-        ("functions over 60 lines", str(long_functions)),
-        ("functions over 8 parameters", str(many_parameters)),
-        ("largest file", f"{largest.relative_to(root)} ({lines[largest]} lines)"),
-    ]
-    rows += [(f"files mentioning {word}", str(sum(word in t for t in texts.values()))) for word in MENTIONS]
-    rows += [
-        ("==/!= against " + "/".join(f'"{s}"' for s in sorted(STRINGS)), str(comparisons)),
-        ("import cycles (simple cycles, TYPE_CHECKING and local imports counted)", str(cycles)),
-        ("import-cycle components (strongly connected, more than one module)", str(len(components))),
-    ]
-    rows += [(f"  component {i + 1}", " <-> ".join(c)) for i, c in enumerate(components)]
-    return rows
+    return {
+        "parameters of autofit.plan": plan_params,
+        f"functions over {LONG_LINES} lines": len(long_fns),
+        f"functions over {MANY_PARAMETERS} parameters": len(many_params),
+        "largest file (lines)": f"{largest[0]} ({largest[1]})",
+        "files mentioning reshard_after_forward": mentions["reshard_after_forward"],
+        "files mentioning offload_states": mentions["offload_states"],
+        "string compares of strategy/device": compares,
+        "import cycles: strongly connected components": len(sccs),
+        "import cycles: modules in them": sum(len(c) for c in sccs),
+        "import cycles: simple cycles": cycles,
+        "_sccs": sorted(sorted(c) for c in sccs),
+    }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", nargs="?", default=str(pathlib.Path(__file__).resolve().parents[1]),
-                        help="repository root (default: this script's repository)")
-    root = pathlib.Path(parser.parse_args().root).resolve()
-    rows = metrics(root)
-    width = max(len(k) for k, _ in rows)
-    print(f"autofit shape: {root}")
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+def main(argv: list[str]) -> None:
+    roots = [Path(a) for a in argv] or [Path(__file__).resolve().parents[1]]
+    results = [measure(r) for r in roots]
+    keys = [k for k in results[0] if not k.startswith("_")]
+    width = max(map(len, keys))
+    print(f"| {'measure':<{width}} | " + " | ".join(str(r) for r in roots) + " |")
+    print(f"|{'-' * (width + 2)}|" + "|".join("-" * (len(str(r)) + 2) for r in roots) + "|")
+    for k in keys:
+        print(f"| {k:<{width}} | " + " | ".join(str(res[k]) for res in results) + " |")
+    for root, res in zip(roots, results):
+        for component in res["_sccs"]:
+            print(f"{root}: cycle among {', '.join(component)}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

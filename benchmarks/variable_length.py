@@ -73,8 +73,7 @@ def main() -> None:
     budget = full.device_bytes // 4
     plan, analyses = plan_with_analysis(model, ids, budget, target=ids, device="cuda", gpu=GPU)
     analysis = analyses[plan.precision.name]
-    time_model = build_time_model(analysis.ops, analysis.table.row("").param_bytes, resolve_device("cuda", GPU),
-                                  None, 1)
+    time_model = build_time_model(analysis.ops, analysis.table.row("").param_bytes, resolve_device("cuda", GPU))
     print(f"{CONFIG.num_layers} x {CONFIG.hidden_size} decoder, batch {ROWS} x {LENGTH}, {GPU}, budget "
           f"{budget / 2**30:.2f} GiB (the whole batch at once needs {full.device_bytes / 2**30:.2f} GiB)")
     print(f"plan: micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps}, {plan.precision}, "

@@ -187,7 +187,7 @@ def test_every_run_cut_equals_cpu_allocator_and_full_time(checkpoint):
     full = op_costs(sim.timeline, sim.timeline, per_sample_from=2)
     target = estimator.request.device
     for names in (checkpoint, BLOCKS[:6], MLP, ()):
-        times = [build_time_model(o, 0, target, None, 1).step_time("fp32", 2, 1, names).total for o in (ops, full)]
+        times = [build_time_model(o, 0, target).step_time("fp32", 2, 1, names).total for o in (ops, full)]
         assert times[0] == pytest.approx(times[1], rel=1e-12)
 
 

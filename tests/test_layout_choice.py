@@ -8,15 +8,17 @@ import pytest
 import autofit
 from autofit.cuda.catalog import gpu_spec
 from autofit.core.errors import InvalidInputError
-from autofit.solve.sharding import Layout, collective_seconds
+from autofit.solve.sharding import Links, Parallel, collective_seconds
 from zoo import ZOO
 
 GB = 1e9
 
 
-def _h100(world: int, per_node: int, **kw) -> Layout:
-    return Layout(strategy="fsdp2", world_size=world, gpus_per_node=per_node, intra_bytes_per_second=450 * GB,
-                  inter_bytes_per_second=50 * GB, **kw)
+H100_LINKS = Links(intra_bytes_per_second=450 * GB, inter_bytes_per_second=50 * GB)
+
+
+def _h100(world: int, per_node: int, **kw) -> Parallel:
+    return Parallel(strategy="fsdp2", world_size=world, gpus_per_node=per_node, **kw)
 
 
 def test_catalog_links_are_the_datasheets_halved_and_the_nics_per_gpu():
@@ -31,15 +33,15 @@ def test_zero3_zero2_and_int_reshard_collectives_by_hand():
     params = grads = 16 * GB  # an 8B model in bf16
     # one node of 8: ring factor 7/8, NVLink 450 GB/s; 4 micro-batches
     one_gather = 7 / 8 * 16e9 / 450e9
-    zero3 = collective_seconds(_h100(8, 8), params, grads, 4)
-    zero2 = collective_seconds(_h100(8, 8, reshard_after_forward=False), params, grads, 4)
+    zero3 = collective_seconds(_h100(8, 8), H100_LINKS, params, grads, 4)
+    zero2 = collective_seconds(_h100(8, 8, reshard_after_forward=False), H100_LINKS, params, grads, 4)
     assert zero3 == pytest.approx(4 * 2 * one_gather + one_gather)  # gathers in forward and backward, one RS
     assert zero2 == pytest.approx(4 * one_gather + one_gather)  # the backward gather is gone
     # 4 nodes x 8: the shard ring crosses nodes, so it runs at the network's 50 GB/s
     slow = 31 / 32 * 16e9 / 50e9
-    assert collective_seconds(_h100(32, 8), params, grads, 1) == pytest.approx(3 * slow)
+    assert collective_seconds(_h100(32, 8), H100_LINKS, params, grads, 1) == pytest.approx(3 * slow)
     # reshard to one node after forward: the backward gather runs over 8 ranks on NVLink
-    grouped = collective_seconds(_h100(32, 8, reshard_after_forward=8), params, grads, 1)
+    grouped = collective_seconds(_h100(32, 8, reshard_after_forward=8), H100_LINKS, params, grads, 1)
     assert grouped == pytest.approx(2 * slow + one_gather)
 
 
@@ -47,11 +49,10 @@ def test_hsdp_shards_within_a_node_and_all_reduces_shards_across_nodes():
     params = grads = 16 * GB
     # 4 nodes x 8, HSDP (replicate 4, shard 8): gathers and reduce-scatter on NVLink; then an all-reduce of each
     # rank's gradient shard (16 GB / 8) over the 4 replicas, 2 x 3/4 of it, on the network
-    hsdp = collective_seconds(_h100(32, 8, replicate=4), params, grads, 2)
+    hsdp = collective_seconds(_h100(32, 8, replicate=4), H100_LINKS, params, grads, 2)
     one_gather = 7 / 8 * 16e9 / 450e9
     assert hsdp == pytest.approx(2 * 2 * one_gather + one_gather + 2 * 3 / 4 * 2e9 / 50e9)
-    ddp = collective_seconds(Layout(strategy="ddp", world_size=32, gpus_per_node=8, intra_bytes_per_second=450 * GB,
-                                    inter_bytes_per_second=50 * GB), params, grads, 2)
+    ddp = collective_seconds(Parallel(strategy="ddp", world_size=32, gpus_per_node=8), H100_LINKS, params, grads, 2)
     assert ddp == pytest.approx(2 * 31 / 32 * 16e9 / 50e9)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 import autofit
 from autofit.training.config import StepConfig
+from autofit.training.layout import Parallel
 from autofit.training.precision import PrecisionPolicy
 
 
@@ -115,7 +116,7 @@ def test_trainer_with_accumulation_and_grads_ahead_equals_the_trainer_without():
 
 @pytest.mark.parametrize("kw", [
     dict(optimizer_in_backward=True),
-    dict(strategy="ddp", world_size=2),
+    dict(layout=Parallel(strategy="ddp", world_size=2)),
     dict(precision=PrecisionPolicy(name="bf16", stored="bf16-master")),
 ])
 def test_where_the_gradients_cannot_be_kept_is_a_typed_error(kw):

@@ -121,11 +121,8 @@ class DistributedTrainer(Trainer):
                                     mesh_dim_names=mesh_names(self.world_size, plan.replicate, tp))
             self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
                 if device_type == "cuda" else torch.device(device_type)
-            layout = make_step_config(
-                micro_batch_size=plan.micro_batch_size, precision=plan.precision, strategy="fsdp2",
-                world_size=plan.world_size, shard_units=plan.shard_units, offload_states=plan.offload_states,
-                reshard_after_forward=plan.reshard_after_forward, replicate=plan.replicate, tensor_parallel=tp,
-                tensor_plan=plan.tensor_plan)
+            layout = make_step_config(micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+                                      layout=plan.parallel)
             wrapped = apply_layout(model, mesh, layout, pin_memory=device_type == "cuda")
             self._sharded = layout.fully_sharded
             built = optimizer(wrapped.parameters())

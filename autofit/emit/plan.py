@@ -19,7 +19,7 @@ from autofit.training.tensor_parallel import require_tensor_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
-from autofit.solve.sharding import layout_words, ranks_per_node
+from autofit.training.layout import Parallel, layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Plan", "use_wrap", "why_layout"]
@@ -165,6 +165,16 @@ class Plan:
             raise InvalidInputError(f"Plan.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
+
+    @property
+    def parallel(self) -> Parallel:
+        """The parallel layout this plan was verified with, as one value (what the trainers lay the model out by);
+        the plan keeps its fields flat, as its JSON has them."""
+        return Parallel(strategy=self.strategy, world_size=self.world_size, shard_units=self.shard_units,
+                        offload_states=self.offload_states, reduce_every_micro_batch=self.reduce_every_micro_batch,
+                        reshard_after_forward=self.reshard_after_forward, replicate=self.replicate,
+                        gpus_per_node=self.gpus_per_node, tensor_parallel=self.tensor_parallel,
+                        tensor_plan=self.tensor_plan)
 
     @property
     def layout(self) -> str:

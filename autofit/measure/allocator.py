@@ -118,11 +118,11 @@ def measure_step(
     in_backward = stepping_in_backward(inner, optimizer) if config.optimizer_in_backward else contextlib.nullcontext()
     with patched_model(inner, config, device.type), in_backward:
         window()  # warm-up: optimizer state now exists, as in the steady state
-        if config.strategy == "ddp":
+        if config.layout.replicates_parameters:
             window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it
         gc.collect()
         before = _live_before(inner, optimizer, scaler, whole, whole_target, stored)
-        if config.strategy == "ddp":  # the buckets outlive every step; no gradient points at them after zero_grad
+        if config.layout.replicates_parameters:  # the buckets outlive every step; no gradient points at them after zero_grad
             before[Category.GRADIENTS] += ddp_bucket_bytes(work)
         base = sum(before.values())
         if device.type == "cuda":

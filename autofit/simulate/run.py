@@ -242,7 +242,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     mode_ctx = fake_mode if fake else contextlib.nullcontext()
     # the device mesh holds real tensors: it is made before the fake mode is entered
     mesh_ctx = fake_mesh(config.world_size, config.replicate, config.tensor_parallel) \
-        if config.strategy == "fsdp2" else contextlib.nullcontext()
+        if config.layout.shards_parameters else contextlib.nullcontext()
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = "cpu" if config.offload_states else config.device
@@ -267,7 +267,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
         # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
         views = config.gradient_as_bucket_view and config.accumulation_steps == 1
-        buckets = ddp_buckets(work, views=views) if config.strategy == "ddp" else []
+        buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device == "cpu" or not fake else None)

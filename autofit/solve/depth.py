@@ -329,9 +329,9 @@ def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, 
     # block; names of blocks past the cut go (parallelize_module warns once for each name it cannot resolve)
     first = depth if isinstance(depth, int) else len(depth)
     tensor_plan = tuple(pair for pair in config.tensor_plan if names_at_depth((pair[0],), blocks, first))
+    layout = replace(config.layout, shard_units=cut(config.shard_units), tensor_plan=tensor_plan)
     return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
-                   offload=cut(config.offload), shard_units=cut(config.shard_units), precision=precision,
-                   tensor_plan=tensor_plan)
+                   offload=cut(config.offload), precision=precision, layout=layout)
 
 
 def overtaken(run: DepthRun, timelines: tuple[Timeline, Timeline, Timeline]) -> bool:

@@ -155,7 +155,7 @@ def _opt_in_floor(request: PlanRequest, parallel: Parallel, policy: PrecisionPol
 
 def _shards(parallel: Parallel) -> int:
     """The ranks FSDP2 shards the states over (the shard group of HSDP); 1 for one process or DDP."""
-    return parallel.world_size // parallel.replicate if parallel.strategy == "fsdp2" else 1
+    return parallel.shard_group
 
 
 def skipped_note(stage: Stage, skipped: list[str]) -> tuple[str, ...]:
@@ -209,7 +209,7 @@ def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
     (or a CPU target), DDP (which keeps whole replicas), tensor parallel (refused with offload, StepConfig)."""
     if not request.offload or parallel.offload_states:
         return None
-    if parallel.strategy == "fsdp2" and parallel.world_size > 1 and parallel.tensor_parallel == 1:
+    if parallel.shards_parameters and parallel.world_size > 1 and parallel.tensor_parallel == 1:
         return replace(parallel, offload_states=True)
     if parallel.strategy is not None or request.world_size != 1:
         return None
@@ -223,7 +223,7 @@ def _gathered_bytes(request: PlanRequest, parallel: Parallel, policies: tuple[Pr
     int reshard its group's share; 0 for ZeRO-3 (one unit at a time) and without FSDP2. Part of every floor of the
     layout, on top of the sharded states (or alone, with them on the host)."""
     raf = parallel.reshard_after_forward
-    if parallel.strategy != "fsdp2" or raf is True:
+    if not parallel.shards_parameters or raf is True:
         return 0
     low = min(p.dtype.itemsize for p in policies)
     total = sum(p.numel() * (low if p.is_floating_point() else p.element_size()) for p in request.model.parameters())
@@ -235,7 +235,7 @@ def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | Non
     """FSDP2 reduce-scattering after every micro-batch (Note [gradient sync under accumulation], autofit/training/step.py), or
     None where it changes nothing: not FSDP2 over several ranks, the states on the host (which reduce every
     micro-batch already), or one row per rank (no accumulation possible)."""
-    if parallel.strategy != "fsdp2" or parallel.world_size < 2 or parallel.offload_states or request.per_rank < 2:
+    if not parallel.shards_parameters or parallel.world_size < 2 or parallel.offload_states or request.per_rank < 2:
         return None
     return replace(parallel, reduce_every_micro_batch=True)
 

@@ -12,6 +12,8 @@ Note [the quick path]
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import TYPE_CHECKING
 
 from autofit.solve.estimator import Estimator, announce
@@ -45,10 +47,9 @@ def quick_path(estimator: Estimator, budget: int) -> Verified | None:
     est = est.within(budget)
     if est is None:
         return None
-    parallel = estimator.parallel
-    time = build_time_model(ops, param_bytes, target, config.strategy, config.world_size,
-                            reshard_after_forward=config.reshard_after_forward, replicate=config.replicate,
-                            gpus_per_node=parallel.gpus_per_node)
+    # the quick path's time counts the layout's collectives, not offloading's transfers (as it always has)
+    layout = replace(estimator.parallel, offload_states=False, reduce_every_micro_batch=False)
+    time = build_time_model(ops, param_bytes, target, layout)
     seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint,
                              selective=config.selective).total
     b = config.micro_batch_size

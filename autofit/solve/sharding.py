@@ -21,21 +21,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError, require_layout
-from autofit.training.sequence_parallel import is_sequence_parallel, require_sequence_split
+from autofit.training.layout import Parallel, Strategy, layout_words, ranks_per_node  # re-exported: the layout's home is training/layout.py
+from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.tensor_parallel import resolve_tensor_plan
 
 if TYPE_CHECKING:
     from autofit.device import DeviceTarget
     from autofit.training.batch import Batch
 
-__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Layout", "ring_seconds"]
+__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Links", "Strategy", "ring_seconds"]
 
 
 class LayoutRequest(Protocol):
     """What :func:`layouts`, :func:`tensor_layouts` and :func:`collective_floor` read of the request
-    (``autofit.request.PlanRequest`` has these fields). The request imports :class:`Parallel` from here, so this
-    module names the fields it reads instead of importing the request back (no import cycle, annotations included:
-    tests/test_architecture.py)."""
+    (``autofit.request.PlanRequest`` has these fields). The request is built after this stage in the import order,
+    so this module names the fields it reads instead of importing the request (no import against the pipeline,
+    annotations included: tests/test_architecture.py)."""
 
     @property
     def model(self) -> nn.Module: ...
@@ -59,74 +60,6 @@ class LayoutRequest(Protocol):
     def clip_grad_norm(self) -> float | None: ...
 
 
-@dataclass(frozen=True, kw_only=True)
-class Parallel:
-    """How one rank's step is distributed: no strategy (one process), DDP or FSDP2 over ``world_size`` ranks."""
-
-    strategy: str | None = None
-    world_size: int = 1
-    shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
-    offload_states: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and state on the host
-    # FSDP2 reduce-scatters after every micro-batch, not only the window's last (Note [gradient sync under
-    # accumulation], autofit/training/step.py): the ladder's rung after the model's own dtype
-    reduce_every_micro_batch: bool = False
-    # FSDP2 layout (docs/multi-gpu.md): True ZeRO-3, False ZeRO-2, an int the group parameters are resharded to after
-    # forward; replicate > 1: HSDP over a (replicate, world_size // replicate) mesh
-    reshard_after_forward: bool | int = True
-    replicate: int = 1
-    gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
-    # tensor parallel degree and its resolved (module, style) pairs (Note [tensor parallel plan]);
-    # FSDP2 then runs over the other world_size // tensor_parallel ranks
-    tensor_parallel: int = 1
-    tensor_plan: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def label(self) -> str:
-        """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
-        if self.strategy is None:
-            return "one process"
-        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
-                            tensor_parallel=self.tensor_parallel,
-                            sequence_parallel=is_sequence_parallel(self.tensor_plan))
-
-    @property
-    def ranks_per_node(self) -> int:
-        """The ranks that share one host's memory (what offloaded states must fit together): 1 for one process."""
-        return ranks_per_node(self.world_size, self.gpus_per_node)
-
-    @property
-    def least_memory(self) -> bool:
-        """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
-        reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
-        return self.strategy != "fsdp2" or (self.reshard_after_forward is True and self.replicate == 1
-                                            and self.tensor_parallel == 1)
-
-
-def ranks_per_node(world_size: int, gpus_per_node: int) -> int:
-    """The ranks of a job of ``world_size`` on one node (``gpus_per_node`` 0: every rank on one node)."""
-    return min(gpus_per_node or world_size, world_size)
-
-
-def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
-                 ranks: bool = False, after_forward: str = "", tensor_parallel: int = 1,
-                 sequence_parallel: bool = False) -> str:
-    """A data-parallel layout in words (plan notes, ``Parallel.label``, ``Plan.layout``): 'ddp', 'fsdp2 (ZeRO-3)',
-    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)', 'tp 8', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence parallel';
-    ``ranks`` adds FSDP2's rank count, ``after_forward`` follows an int reshard's group."""
-    if strategy != "fsdp2":
-        return strategy
-    if tensor_parallel > 1:
-        tp = f"tp {tensor_parallel}" + (" + sequence parallel" if sequence_parallel else "")
-        if world_size == tensor_parallel:
-            return tp
-        data = layout_words(strategy, world_size // tensor_parallel, reshard_after_forward, replicate, ranks=ranks,
-                            after_forward=after_forward)
-        return f"{data} x {tp}"
-    raf = reshard_after_forward
-    zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
-    if replicate > 1:
-        return f"hsdp {replicate} x {world_size // replicate} ({zero})"
-    return f"fsdp2 ({zero})" + (f" over {world_size} ranks" if ranks else "")
 
 
 def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
@@ -135,7 +68,7 @@ def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
     if strategy is None:
         return [Parallel()]
     base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
-    if strategy == "ddp":
+    if not base.shards_parameters:
         return [base]
     units = shard_units(request.model)
     found = []
@@ -196,27 +129,25 @@ def shard_units(model: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, child in model.named_children() if _param_count(child) > 0)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """What the collectives of one optimizer step depend on: the strategy, its ranks, the FSDP2 layout and the
-    links (bytes per second per GPU per direction: NVLink within a node, the network across nodes)."""
+@dataclass(frozen=True)
+class Links:
+    """The links a layout's collectives run over, in bytes per second per GPU per direction: NVLink within a node,
+    the network across nodes (the GPU catalog's)."""
 
-    strategy: str | None
-    world_size: int
-    reshard_after_forward: bool | int = True
-    replicate: int = 1
-    gpus_per_node: int = 0  # 0: every rank on one node
-    # FSDP2 reduce-scatters after every micro-batch, not once per window (Note [gradient sync under accumulation],
-    # autofit/training/step.py)
-    reduce_every_micro_batch: bool = False
     intra_bytes_per_second: float = 5e9
     inter_bytes_per_second: float = 5e9
 
-    def bandwidth(self, group: int, contiguous: bool = True) -> float:
-        """The slowest link of a ring over ``group`` ranks: NVLink when the group fits in one node (``contiguous``
-        ranks, as FSDP's shard dim and a reshard group are), else the network (a replicate group spans nodes)."""
-        per_node = self.gpus_per_node or self.world_size
-        within = group <= per_node if contiguous else per_node >= self.world_size
+    @classmethod
+    def of(cls, target) -> Links:
+        """The links of a ``DeviceTarget``."""
+        return cls(target.interconnect_bytes_per_second, target.network_bytes_per_second)
+
+    def bandwidth(self, parallel: Parallel, group: int, contiguous: bool = True) -> float:
+        """The slowest link of a ring over ``group`` of ``parallel``'s ranks: NVLink when the group fits in one node
+        (``contiguous`` ranks, as FSDP's shard dim and a reshard group are), else the network (a replicate group
+        spans nodes)."""
+        per_node = parallel.gpus_per_node or parallel.world_size
+        within = group <= per_node if contiguous else per_node >= parallel.world_size
         return self.intra_bytes_per_second if within else self.inter_bytes_per_second
 
 
@@ -238,14 +169,10 @@ def collective_floor(request: LayoutRequest, parallel: Parallel) -> float:
     if parallel.strategy is None or ranks <= 1:
         return 0.0
     nbytes = sum(p.numel() * p.element_size() for p in request.model.parameters()) // parallel.tensor_parallel
-    layout = Layout(strategy=parallel.strategy, world_size=ranks, reshard_after_forward=parallel.reshard_after_forward,
-                    replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
-                    intra_bytes_per_second=request.device.interconnect_bytes_per_second,
-                    inter_bytes_per_second=request.device.network_bytes_per_second)
-    return collective_seconds(layout, nbytes, nbytes, 1)
+    return collective_seconds(parallel.data_parallel, Links.of(request.device), nbytes, nbytes, 1)
 
 
-def collective_seconds(layout: Layout, param_bytes: int, grad_bytes: int, micro_batches: int) -> float:
+def collective_seconds(layout: Parallel, links: Links, param_bytes: int, grad_bytes: int, micro_batches: int) -> float:
     """Seconds of communication per optimizer step (no overlap with compute assumed: a ranking, not a forecast).
 
     - DDP: one all-reduce of the gradients per step.
@@ -256,21 +183,21 @@ def collective_seconds(layout: Layout, param_bytes: int, grad_bytes: int, micro_
     """
     if layout.strategy is None or layout.world_size <= 1:
         return 0.0
-    if layout.strategy == "ddp":
-        return ring_seconds("all_reduce", layout.world_size, grad_bytes, layout.bandwidth(layout.world_size))
+    if layout.replicates_parameters:
+        return ring_seconds("all_reduce", layout.world_size, grad_bytes, links.bandwidth(layout, layout.world_size))
     shard = layout.world_size // layout.replicate
-    on_shard = layout.bandwidth(shard)
+    on_shard = links.bandwidth(layout, shard)
     seconds = micro_batches * ring_seconds("all_gather", shard, param_bytes, on_shard)
     raf = layout.reshard_after_forward
     if raf is True:
         seconds += micro_batches * ring_seconds("all_gather", shard, param_bytes, on_shard)
     elif raf is not False:
-        seconds += micro_batches * ring_seconds("all_gather", raf, param_bytes, layout.bandwidth(raf))
+        seconds += micro_batches * ring_seconds("all_gather", raf, param_bytes, links.bandwidth(layout, raf))
     reductions = micro_batches if layout.reduce_every_micro_batch else 1
     seconds += reductions * ring_seconds("reduce_scatter", shard, grad_bytes, on_shard)
     if layout.replicate > 1:
         seconds += ring_seconds("all_reduce", layout.replicate, grad_bytes / shard,
-                                layout.bandwidth(layout.replicate, contiguous=False))
+                                links.bandwidth(layout, layout.replicate, contiguous=False))
     return seconds
 
 

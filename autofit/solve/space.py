@@ -102,23 +102,14 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
         # what save_on_cpu would copy: the module's saved activations, and its weights (it packs every saved tensor)
         saved = {r.name: (float(r.saved_bytes_fixed + r.param_bytes), float(r.saved_bytes_per_sample))
                  for r in a.table.rows if r.name}
-        ops, param_bytes, strategy, ranks, tensor = a.ops, a.table.row("").param_bytes, parallel.strategy, \
-            parallel.world_size, 0.0
+        ops, param_bytes, tensor = a.ops, a.table.row("").param_bytes, 0.0
         if parallel.tensor_parallel > 1:  # one rank's share of the split layers, FSDP2 over the other dim
             tp = parallel.tensor_parallel
             ops, param_bytes = split_ops(a.ops, parallel), tensor_group_bytes(request.model, parallel)
-            ranks = parallel.world_size // tp
-            strategy = strategy if ranks > 1 else None
             reduced = rows * tensor_reduce_bytes(request.model, parallel,
                                                  lambda name: a.table.row(name).output_bytes_per_sample)
             tensor = ring_seconds("all_reduce", tp, reduced, request.device.interconnect_bytes_per_second)
-        time[p.label] = build_time_model(ops, param_bytes, request.device, strategy, ranks, saved_bytes=saved,
-                                        offload_states=parallel.offload_states,
-                                        # offloading FSDP2 reduces every micro-batch (Note [offload])
-                                        reduce_every_micro_batch=parallel.reduce_every_micro_batch
-                                        or parallel.offload_states,
-                                        reshard_after_forward=parallel.reshard_after_forward,
-                                        replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
+        time[p.label] = build_time_model(ops, param_bytes, request.device, parallel.data_parallel, saved_bytes=saved,
                                         tensor_seconds=tensor)
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,

@@ -29,13 +29,14 @@ Note [offload time]
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from autofit.analyse.table import OpCosts
 from autofit.device import DeviceTarget, Throughput
-from autofit.solve.sharding import Layout, collective_seconds
+from autofit.solve.sharding import Links, collective_seconds
+from autofit.training.layout import Parallel
 
 __all__ = ["TimeModel", "StepTime", "build_time_model", "HOST_OPTIMIZER_BYTES_PER_SECOND"]
 
@@ -183,30 +184,29 @@ class TimeModel:
 
 
 
-def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, strategy: str | None,
-                     world_size: int, *, saved_bytes: Mapping[str, tuple[float, float]] | None = None,
-                     offload_states: bool = False, reshard_after_forward: bool | int = True, replicate: int = 1,
-                     gpus_per_node: int = 0, reduce_every_micro_batch: bool = False,
+def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, parallel: Parallel = Parallel(), *,
+                     saved_bytes: Mapping[str, tuple[float, float]] | None = None,
                      tensor_seconds: float = 0.0) -> TimeModel:
     """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
-    states; FSDP2 streams one shard), the data-parallel collectives of ``strategy``, and offloading's transfers
-    (``saved_bytes``: each module's saved activations, fixed and per sample; ``offload_states``: FSDP2's
-    CPUOffloadPolicy) over the target's host link (Note [offload time]); ``reduce_every_micro_batch``: FSDP2's
-    reduce-scatter per micro-batch (Note [gradient sync under accumulation], autofit/training/step.py);
-    ``tensor_seconds``: tensor parallel's all-reduces per optimizer step (``sharding.tensor_reduce_bytes``), with
-    ``world_size`` then the data-parallel ranks FSDP2 runs over."""
-    optimizer_bytes = 4 * param_bytes // (world_size // replicate if strategy == "fsdp2" else 1)
-    layout = Layout(strategy=strategy, world_size=world_size, reshard_after_forward=reshard_after_forward,
-                    replicate=replicate, gpus_per_node=gpus_per_node, reduce_every_micro_batch=reduce_every_micro_batch,
-                    intra_bytes_per_second=target.interconnect_bytes_per_second,
-                    inter_bytes_per_second=target.network_bytes_per_second)
+    states; FSDP2 streams one shard), the data-parallel collectives of ``parallel`` (its data-parallel part:
+    ``Parallel.data_parallel``), and offloading's transfers (``saved_bytes``: each module's saved activations, fixed
+    and per sample; ``parallel.offload_states``: FSDP2's CPUOffloadPolicy) over the target's host link (Note [offload
+    time]); offloading FSDP2 reduce-scatters every micro-batch (Note [offload]), as ``reduce_every_micro_batch`` does
+    (Note [gradient sync under accumulation], autofit/training/step.py); ``tensor_seconds``: tensor parallel's
+    all-reduces per optimizer step (``sharding.tensor_reduce_bytes``)."""
+    world_size, replicate = parallel.world_size, parallel.replicate
+    optimizer_bytes = 4 * param_bytes // parallel.shard_group
+    if parallel.offload_states:
+        parallel = replace(parallel, reduce_every_micro_batch=True)
+    links = Links.of(target)
 
     def collectives(micro_batches: int) -> float:
-        return collective_seconds(layout, param_bytes, param_bytes, micro_batches) + tensor_seconds
+        return collective_seconds(parallel, links, param_bytes, param_bytes, micro_batches) + tensor_seconds
 
     # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
     shard = param_bytes // (world_size // replicate)
     return TimeModel(target.throughput, ops, optimizer_bytes,
-                     collectives if (strategy and world_size > 1) or tensor_seconds else None, saved_bytes=dict(saved_bytes or {}),
+                     collectives if (parallel.strategy and world_size > 1) or tensor_seconds else None, saved_bytes=dict(saved_bytes or {}),
                      host_transfer=target.throughput.host_transfer_bytes_per_second,
-                     offload_states=offload_states, state_param_bytes=shard if offload_states else 0)
+                     offload_states=parallel.offload_states,
+                     state_param_bytes=shard if parallel.offload_states else 0)

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
+from autofit.core.errors import InvalidInputError, require_int
 from autofit.training.chunked_loss import LossChunks
 from autofit.training.in_backward import check_in_backward
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
-from autofit.training.tensor_parallel import require_tensor_parallel
+from autofit.training.layout import Parallel
 
 __all__ = ["StepConfig", "make_step_config", "resolve_modules", "DEVICES"]
 
@@ -55,30 +55,15 @@ class StepConfig:
     # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
     held_rows: int = 0
     gpu: str | None = None  # the GPU a "cuda" step is simulated for (a name autofit.gpu_spec knows)
-    # Data parallelism (see autofit/emit/distributed.py): the step of one rank out of world_size.
-    strategy: str | None = None  # None (one process), "ddp" or "fsdp2"
-    world_size: int = 1
-    shard_units: tuple[str, ...] = ()  # FSDP2: modules fully_shard wraps (the root is always wrapped too)
-    # FSDP2 layout (docs/multi-gpu.md): the units' reshard_after_forward (True: ZeRO-3, False: ZeRO-2, an int: the
-    # group size parameters are resharded to), and HSDP's replicate size (mesh (replicate, world_size // replicate))
-    reshard_after_forward: bool | int = True
-    replicate: int = 1
-    # tensor parallel degree T (autofit/training/tensor_parallel.py): a (world_size // T, T) mesh, FSDP2 over its first
-    # dim (none when T == world_size); tensor_plan the resolved (module, style) pairs
-    tensor_parallel: int = 1
-    tensor_plan: tuple[tuple[str, str], ...] = ()
+    # The parallel layout (autofit/training/layout.py): strategy, ranks, FSDP2's reshard and HSDP's replicate, tensor
+    # parallel, the states on the host; validated where it is built. Its fields read through the properties below.
+    layout: Parallel = field(default_factory=Parallel)
     # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
     clip_grad_norm: float | None = None
     # step each parameter in backward as soon as its gradient is ready (Note [optimizer step in backward])
     optimizer_in_backward: bool = False
     # modules whose saved activations live in host memory between forward and backward (Note [offload])
     offload: tuple[str, ...] = ()
-    # parameters, gradients and optimizer state in host memory, the optimizer stepping on the CPU: FSDP2's
-    # CPUOffloadPolicy (strategy "fsdp2", any world size, 1 included; Note [offload])
-    offload_states: bool = False
-    # FSDP2 reduce-scatters the gradients after every micro-batch of a window, not only after the last (Note [gradient
-    # sync under accumulation]); implied by offload_states
-    reduce_every_micro_batch: bool = False
     # the output head and the cross-entropy run in chunks of tokens (Note [chunked cross-entropy],
     # autofit/training/chunked_loss.py); None: the model's own head and the loss as given
     chunked_loss: LossChunks | None = None
@@ -92,30 +77,30 @@ class StepConfig:
     # Lightning's, Hugging Face's and Accelerate's unless told), keeps the gradients apart from the buckets
     gradient_as_bucket_view: bool = True
 
-    @property
-    def fully_sharded(self) -> bool:
-        """FSDP2's ``fully_shard`` runs: over the data-parallel ranks (world_size // tensor_parallel > 1), or on one
-        process to keep the states on the host."""
-        return self.strategy == "fsdp2" and (self.world_size > self.tensor_parallel or self.offload_states)
+    # the layout's fields, read where the step is run (the layout is the one place they are set)
+    strategy = property(lambda self: self.layout.strategy, doc="None (one process), DDP or FSDP2: a Strategy")
+    world_size = property(lambda self: self.layout.world_size)
+    shard_units = property(lambda self: self.layout.shard_units)
+    reshard_after_forward = property(lambda self: self.layout.reshard_after_forward)
+    replicate = property(lambda self: self.layout.replicate)
+    tensor_parallel = property(lambda self: self.layout.tensor_parallel)
+    tensor_plan = property(lambda self: self.layout.tensor_plan)
+    offload_states = property(lambda self: self.layout.offload_states)
+    reduce_every_micro_batch = property(lambda self: self.layout.reduce_every_micro_batch)
+    fully_sharded = property(lambda self: self.layout.fully_sharded, doc=Parallel.fully_sharded.__doc__)
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
         require_int("accumulation_steps", self.accumulation_steps)
         require_int("held_rows", self.held_rows, minimum=0)
-        require_strategy(self.strategy)
+        if not isinstance(self.layout, Parallel):
+            raise InvalidInputError(f"layout must be an autofit.training.layout.Parallel, got {self.layout!r}")
         if not isinstance(self.gradient_as_bucket_view, bool):
             raise InvalidInputError(f"gradient_as_bucket_view must be True or False, got "
                                     f"{self.gradient_as_bucket_view!r}")
-        if not self.gradient_as_bucket_view and self.strategy != "ddp":
+        if not self.gradient_as_bucket_view and not self.layout.replicates_parameters:
             raise InvalidInputError("gradient_as_bucket_view=False describes DDP's buckets: it needs strategy='ddp' "
                                     "(leave it out for one process or FSDP2)")
-        require_int("world_size", self.world_size)
-        require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate)
-        require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
-                                self.offload_states)
-        if (self.tensor_parallel > 1) != bool(self.tensor_plan):
-            raise InvalidInputError("tensor_plan (the modules to split) and tensor_parallel > 1 go together: resolve "
-                                    "the plan with autofit.training.tensor_parallel.resolve_tensor_plan")
         if 1 < self.tensor_parallel == self.world_size and self.device == "cuda":
             raise InvalidInputError(
                 f"tensor parallel alone (world_size == tensor_parallel == {self.world_size}) on CUDA: the embedding, "
@@ -146,17 +131,6 @@ class StepConfig:
                 f"{overlap[0]!r} and {overlap[1]!r} are both recomputed and offloaded (one inside the other): each "
                 "module keeps, recomputes or offloads its activations; give it to checkpoint= or offload=, not both"
             )
-        if self.offload_states and self.strategy != "fsdp2":
-            raise InvalidInputError(
-                "offload_states keeps parameters, gradients and optimizer state in host memory with FSDP2's "
-                f"CPUOffloadPolicy, so it needs strategy='fsdp2' (world_size 1 included), got {self.strategy!r}"
-            )
-        if self.reduce_every_micro_batch and self.strategy != "fsdp2":
-            raise InvalidInputError(
-                "reduce_every_micro_batch reduce-scatters FSDP2's gradients after every micro-batch so that no "
-                f"unsharded gradients wait for the last one; it needs strategy='fsdp2', got {self.strategy!r} (DDP "
-                "keeps whole gradients either way)"
-            )
         if self.offload_states and self.precision.stored not in (None, "fp32"):
             raise InvalidInputError(
                 f"offload_states with stored precision {self.precision.stored!r}: FSDP2 keeps fp32 sharded "
@@ -182,8 +156,10 @@ def make_step_config(
     offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
     replicate: int = 1, chunked_loss: LossChunks | None = None, tensor_parallel: int = 1,
     tensor_plan: tuple[tuple[str, str], ...] = (), compile: bool = False, preallocated_grads: bool = False,
-    gradient_as_bucket_view: bool = True,
+    gradient_as_bucket_view: bool = True, layout: Parallel | None = None,
 ) -> StepConfig:
+    """The step from flat keywords (estimate's and measure's). ``layout``: the parallel layout as one value (what
+    the planner passes); the flat layout keywords (strategy ... tensor_plan) are its shortcut, one or the other."""
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
     if checkpoint == "auto":
@@ -193,15 +169,17 @@ def make_step_config(
         )
     checkpoint, selective = _checkpoint_policies(checkpoint)
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
+    if layout is None:
+        layout = Parallel(strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
+                          offload_states=bool(offload_states), reduce_every_micro_batch=bool(reduce_every_micro_batch),
+                          reshard_after_forward=reshard_after_forward, replicate=replicate,
+                          tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan))
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=checkpoint, selective=selective, optimizer=as_optimizer_spec(optimizer), device=device,
-        held_rows=held_rows, gpu=gpu, strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
+        held_rows=held_rows, gpu=gpu, layout=layout,
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
-        offload=_module_names(offload, "offload"), offload_states=bool(offload_states),
-        reduce_every_micro_batch=bool(reduce_every_micro_batch),
-        reshard_after_forward=reshard_after_forward, replicate=replicate,
-        chunked_loss=chunked_loss, tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan),
+        offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
         compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
     )
 

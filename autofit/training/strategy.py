@@ -38,7 +38,7 @@ def laid_out(model: nn.Module, step: StepConfig, device_type: str) -> nn.Module:
     tensor-parallel layout of :func:`apply_layout` on a mesh of ``device_type``. One process: ``model`` itself."""
     if step.world_size == 1 and not step.offload_states:
         return model
-    if step.strategy == "ddp":
+    if step.layout.replicates_parameters:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, gradient_as_bucket_view=step.gradient_as_bucket_view)

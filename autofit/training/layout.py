@@ -1,0 +1,170 @@
+"""The parallel layout of a step, as one value: the strategy, its ranks, FSDP2's reshard and HSDP's replicate, tensor
+and sequence parallel, and the states on the host.
+
+It lives here, low in the import order, so that the request (``autofit/request.py``), the search (``solve/``) and
+the step (``training/config.py``) all import it downward; it is validated once, where it is built, and travels nested
+in the ``StepConfig``. Users still give the strategy as a string, "ddp" or "fsdp2": :func:`as_strategy` turns it into
+a :class:`Strategy`, whose properties are what the core branches on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
+from autofit.training.sequence_parallel import is_sequence_parallel
+from autofit.training.tensor_parallel import require_tensor_parallel
+
+__all__ = ["Strategy", "as_strategy", "Parallel", "ranks_per_node", "layout_words"]
+
+
+class Strategy(StrEnum):
+    """A data-parallel strategy. A ``StrEnum``: it equals, hashes, formats and serialises as its name ("ddp",
+    "fsdp2"), so plans and messages read as they did when it was a string."""
+
+    DDP = "ddp"  # DistributedDataParallel: whole replicas, gradients all-reduced in buckets
+    FSDP2 = "fsdp2"  # fully_shard: parameters, gradients and state sharded (ZeRO-2/3, HSDP, composed with TP)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Each rank holds a shard of the parameters, gradients and optimizer state (FSDP2)."""
+        return self is Strategy.FSDP2
+
+    @property
+    def replicates_parameters(self) -> bool:
+        """Each rank holds the whole model and all-reduces the gradients (DDP)."""
+        return self is Strategy.DDP
+
+    def __repr__(self) -> str:  # messages name it as the user wrote it: 'fsdp2'
+        return repr(self.value)
+
+
+def as_strategy(value: object, name: str = "strategy") -> Strategy | None:
+    """The strategy a user's value names: None (one process), "ddp", "fsdp2" or a :class:`Strategy`."""
+    require_strategy(value, name)
+    return None if value is None else Strategy(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """How one rank's step is distributed: no strategy (one process), DDP or FSDP2 over ``world_size`` ranks.
+    Validated once, here; the strategy may be given as a string and is held as a :class:`Strategy`."""
+
+    strategy: Strategy | None = None
+    world_size: int = 1
+    shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
+    offload_states: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients and state on the host
+    # FSDP2 reduce-scatters after every micro-batch, not only the window's last (Note [gradient sync under
+    # accumulation], autofit/training/step.py): the ladder's rung after the model's own dtype
+    reduce_every_micro_batch: bool = False
+    # FSDP2 layout (docs/multi-gpu.md): True ZeRO-3, False ZeRO-2, an int the group parameters are resharded to after
+    # forward; replicate > 1: HSDP over a (replicate, world_size // replicate) mesh
+    reshard_after_forward: bool | int = True
+    replicate: int = 1
+    gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: all ranks on one node
+    # tensor parallel degree and its resolved (module, style) pairs (Note [tensor parallel plan]);
+    # FSDP2 then runs over the other world_size // tensor_parallel ranks
+    tensor_parallel: int = 1
+    tensor_plan: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", as_strategy(self.strategy))
+        require_int("world_size", self.world_size)
+        require_int("gpus_per_node", self.gpus_per_node, minimum=0)
+        require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate)
+        require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
+                                self.offload_states)
+        if (self.tensor_parallel > 1) != bool(self.tensor_plan):
+            raise InvalidInputError("tensor_plan (the modules to split) and tensor_parallel > 1 go together: resolve "
+                                    "the plan with autofit.training.tensor_parallel.resolve_tensor_plan")
+        if self.offload_states and not self.shards_parameters:
+            raise InvalidInputError(
+                "offload_states keeps parameters, gradients and optimizer state in host memory with FSDP2's "
+                f"CPUOffloadPolicy, so it needs strategy='fsdp2' (world_size 1 included), got {self.strategy!r}"
+            )
+        if self.reduce_every_micro_batch and not self.shards_parameters:
+            raise InvalidInputError(
+                "reduce_every_micro_batch reduce-scatters FSDP2's gradients after every micro-batch so that no "
+                f"unsharded gradients wait for the last one; it needs strategy='fsdp2', got {self.strategy!r} (DDP "
+                "keeps whole gradients either way)"
+            )
+
+    @property
+    def shards_parameters(self) -> bool:
+        """FSDP2 runs (on one process too, with the states on the host)."""
+        return self.strategy is not None and self.strategy.shards_parameters
+
+    @property
+    def replicates_parameters(self) -> bool:
+        """DDP runs."""
+        return self.strategy is not None and self.strategy.replicates_parameters
+
+    @property
+    def fully_sharded(self) -> bool:
+        """FSDP2's ``fully_shard`` runs: over the data-parallel ranks (world_size // tensor_parallel > 1), or on one
+        process to keep the states on the host."""
+        return self.shards_parameters and (self.world_size > self.tensor_parallel or self.offload_states)
+
+    @property
+    def shard_group(self) -> int:
+        """The ranks one parameter is sharded over: world_size // replicate under FSDP2, else 1 (a whole copy)."""
+        return self.world_size // self.replicate if self.shards_parameters else 1
+
+    @property
+    def data_parallel(self) -> Parallel:
+        """The layout the data-parallel collectives run over: FSDP2 over world_size // tensor_parallel ranks, and one
+        process when tensor parallel takes every rank (its own all-reduces are counted apart)."""
+        if self.tensor_parallel == 1:
+            return self
+        if self.world_size == self.tensor_parallel:
+            return Parallel(gpus_per_node=self.gpus_per_node)
+        return replace(self, world_size=self.world_size // self.tensor_parallel, tensor_parallel=1, tensor_plan=())
+
+    @property
+    def label(self) -> str:
+        """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
+        if self.strategy is None:
+            return "one process"
+        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
+                            tensor_parallel=self.tensor_parallel,
+                            sequence_parallel=is_sequence_parallel(self.tensor_plan))
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks that share one host's memory (what offloaded states must fit together): 1 for one process."""
+        return ranks_per_node(self.world_size, self.gpus_per_node)
+
+    @property
+    def least_memory(self) -> bool:
+        """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
+        reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
+        return not self.shards_parameters or (self.reshard_after_forward is True and self.replicate == 1
+                                              and self.tensor_parallel == 1)
+
+
+def ranks_per_node(world_size: int, gpus_per_node: int) -> int:
+    """The ranks of a job of ``world_size`` on one node (``gpus_per_node`` 0: every rank on one node)."""
+    return min(gpus_per_node or world_size, world_size)
+
+
+def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
+                 ranks: bool = False, after_forward: str = "", tensor_parallel: int = 1,
+                 sequence_parallel: bool = False) -> str:
+    """A data-parallel layout in words (plan notes, ``Parallel.label``, ``Plan.layout``): 'ddp', 'fsdp2 (ZeRO-3)',
+    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)', 'tp 8', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence parallel';
+    ``ranks`` adds FSDP2's rank count, ``after_forward`` follows an int reshard's group."""
+    if not Strategy(strategy).shards_parameters:
+        return str(strategy)
+    if tensor_parallel > 1:
+        tp = f"tp {tensor_parallel}" + (" + sequence parallel" if sequence_parallel else "")
+        if world_size == tensor_parallel:
+            return tp
+        data = layout_words(strategy, world_size // tensor_parallel, reshard_after_forward, replicate, ranks=ranks,
+                            after_forward=after_forward)
+        return f"{data} x {tp}"
+    raf = reshard_after_forward
+    zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
+    if replicate > 1:
+        return f"hsdp {replicate} x {world_size // replicate} ({zero})"
+    return f"fsdp2 ({zero})" + (f" over {world_size} ranks" if ranks else "")
