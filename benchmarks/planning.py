@@ -20,6 +20,22 @@ estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
                                              # same run, next to one full estimate and one MemTracker step
     python benchmarks/planning.py --deep --no-base   # only the default (--only=70B: the cases so labelled)
     python benchmarks/planning.py --deep --base-70b  # also the 70B plan of the whole model (about an hour)
+
+Measured with --deep (two cores, torch 2.13.0, AUTOFIT_WORKERS unset; seconds of one plan, "auto" is the default,
+"whole model" extrapolate_depth=False, the two in the same run; a helper's tests ran beside the first two rows):
+
+    case                 how          plan s  plan
+    8B fsdp2 8xA100      auto           30.9  fsdp2 (ZeRO-3) 4x1 bf16 72.46 GiB 5.198 s ckpt=63 sel=15
+    8B fsdp2 8xA100      whole model    89.2  fsdp2 (ZeRO-3) 4x1 bf16 74.16 GiB 5.086 s ckpt=69 sel=19
+    8B one H100          auto           14.2  8x1 bf16 73.38 GiB 29.985 s ckpt=44 host
+    8B one H100          whole model    64.7  8x1 bf16 74.40 GiB 29.955 s ckpt=41 sel=4 host
+
+The plans differ: with the analysis at 3 blocks the search ranks configurations on an extended analysis (Note
+[extending an analysis in depth]) and finds a slightly slower one (+2.2 % predicted step on 8 A100s, +0.1 % on one
+H100), each verified by its own full estimate. On a loaded machine (load 6 to 8) the single-H100 row took 54.3 s
+(auto), 261.7 s (whole model), one estimate of the chosen configuration 44.7 s and one MemTracker step of it 310.3 s;
+the 70B shape on 4 x 8 H100s planned in 192.6 s (auto; 1 x 1, bf16, resharded to 8 after forward, 73.92 GiB,
+21.41 s predicted).
 """
 
 from __future__ import annotations
