@@ -132,6 +132,7 @@ def _three_choice_problem(rng: np.random.Generator) -> CheckpointProblem:
                              groups)
 
 
+@pytest.mark.sim  # hundreds of MILPs against brute force: near the quick budget
 def test_three_choice_milp_agrees_with_brute_force() -> None:
     rng = np.random.default_rng(20261124)
     checked = feasible = selective = 0

@@ -168,6 +168,7 @@ def _describe(trial, problem, budget, milp, brute) -> str:
             f"base {problem.base}, coef {problem.coef.tolist()}, exclusive {problem.exclusive}")
 
 
+@pytest.mark.sim  # hundreds of MILPs against brute force: over the quick budget on a slower run (5.2 CPU s in CI)
 def test_milp_agrees_with_brute_force_on_feasibility_and_cost() -> None:
     checked = feasible = 0
     for trial, problem, budget in _random_cases(20261122, 300):
@@ -185,6 +186,7 @@ def test_milp_agrees_with_brute_force_on_feasibility_and_cost() -> None:
     assert checked >= 200 and feasible >= 100, (checked, feasible)
 
 
+@pytest.mark.sim  # as above: hundreds of MILPs
 def test_milp_breaks_cost_ties_by_lower_peak_like_brute_force() -> None:
     # Equal-cost sets are common here (small integer costs, zero-cost units: in real tables, modules with no matmul
     # or convolution have zero FLOPs). Both solvers document the same order: cost, then lower peak, then fewer modules.
