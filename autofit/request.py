@@ -230,17 +230,17 @@ def make_request(
         replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
         allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
         closed_rungs=closed,
-        blocks=_depth_blocks(model, extrapolate_depth) if not compile else None,
+        blocks=_depth_blocks(model, extrapolate_depth, compile),
         cheaper_cuts_only=extrapolate_depth == "auto",
         compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it
     )
 
 
-def _depth_blocks(model: nn.Module, extrapolate_depth: Any) -> Blocks | None:
+def _depth_blocks(model: nn.Module, extrapolate_depth: Any, compile: bool) -> Blocks | None:
     """The run of identical blocks plan(extrapolate_depth=...) cuts: True from DEPTH_MIN_BLOCKS blocks, "auto" from
-    DEPTH_AUTO_BLOCKS, False never."""
+    DEPTH_AUTO_BLOCKS, False never; none for a compiled step (inductor compiles the whole model's graph)."""
     if extrapolate_depth is not True and extrapolate_depth is not False and extrapolate_depth != "auto":
         raise InvalidInputError(f"extrapolate_depth must be True, False or 'auto', not {extrapolate_depth!r}")
-    if extrapolate_depth is False:
+    if extrapolate_depth is False or compile:
         return None
     return find_blocks(model, DEPTH_MIN_BLOCKS if extrapolate_depth is True else DEPTH_AUTO_BLOCKS)

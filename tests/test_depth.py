@@ -325,3 +325,10 @@ def test_segment_figures_off_their_line_carry_the_largest_reserve_unless_near_th
     assert extrapolate(run, ests, fit_bytes=2 * est.min_device_bytes) is not None
     # a tensor figure off its line by one byte: never carried
     assert extrapolate(run, ests[:2] + (dataclasses.replace(ests[2], host_bytes=10 * 1000 + 1),)) is None
+
+
+def test_extrapolate_depth_takes_true_false_or_auto():
+    """A typed error naming the values, before any simulation."""
+    with pytest.raises(autofit.InvalidInputError, match="True, False or 'auto', not 'sometimes'"):
+        autofit.plan(_model(meta=True), _ids(), "1GB", target=_ids(), loss_fn=_loss, device="cpu",
+                     extrapolate_depth="sometimes")
