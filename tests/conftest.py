@@ -39,10 +39,23 @@ BUDGETS = {"quick": 5.0, "sim": 60.0}  # CPU seconds of one test's call; slow te
 NEXT_TIER = {"quick": "@pytest.mark.sim (or @pytest.mark.slow)", "sim": "@pytest.mark.slow"}
 
 
+# Note [the slowest first]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The whole suite runs on one pytest-xdist worker per core (tests/matrix.sh). Its wall time is the busiest worker's,
+# so what ends a run matters: a 4-minute test handed out last keeps one worker busy while the other idles. Run in
+# collection order (alphabetical by file) the slow tier's longest tests came late. So the items are ordered by tier,
+# slow first, then sim, then quick (a stable sort: within a tier, collection order), and matrix.sh hands them out with
+# ``--dist worksteal`` (an idle worker takes queued tests from a busy one): the run ends on a tail of quick tests,
+# longest-processing-time-first scheduling. Every worker collects the same list, which xdist requires: the order is a
+# function of the collection alone. No test may depend on another's having run before it (each builds its own model).
+_TIER_ORDER = {"slow": 0, "sim": 1, "quick": 2}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") is None and item.get_closest_marker("sim") is None:
             item.add_marker(pytest.mark.quick)
+    items.sort(key=lambda item: _TIER_ORDER[_tier(item)])  # Note [the slowest first]
 
 
 def _tier(item: pytest.Item) -> str:
