@@ -69,6 +69,49 @@ def _bert(cls_name: str, *, hidden: int, layers: int, heads: int, intermediate: 
     return _meta(lambda: getattr(transformers, cls_name)(config))
 
 
+class _SoftmaxSavingInput(torch.autograd.Function):
+    """Softmax as torch < 1.11 differentiated it: ``SoftmaxBackward`` kept ``self`` (the input) as well as the
+    result, because tools/autograd/derivatives.yaml wrote ``self: _softmax_backward_data(grad, result, dim, self)``
+    though the kernel reads only the result (pytorch/pytorch#64000, "Softmax/logsoftmax use more memory for backward
+    than needed", 2021-08-26; fixed by #65242, which passes ``self.scalar_type()`` instead, first released in 1.11:
+    transformers' pytorch_utils.softmax_backward_data calls ``_softmax_backward_data(..., self)`` under
+    ``is_torch_less_than_1_11`` and ``self.dtype`` otherwise)."""
+
+    @staticmethod
+    def forward(ctx, scores, dim):
+        probs = torch.softmax(scores, dim)
+        ctx.save_for_backward(scores, probs)
+        ctx.dim = dim
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        scores, probs = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, probs, ctx.dim, scores.dtype), None
+
+
+def _bert_attention_2022(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """BertSelfAttention.forward of transformers 4.1x (January 2022), registered as an attention implementation:
+    scores / sqrt(d) plus the extended mask, softmax, dropout, times value. With no ``attention_mask`` in the batch
+    BertModel made ``torch.ones((B, S))`` and ``get_extended_attention_mask`` turned it into a (B, 1, 1, S) additive
+    mask in the parameters' dtype (fp32), so under fp16 autocast the scores were promoted to fp32 before the softmax.
+    The softmax keeps its input for backward as torch 1.10 did (``_SoftmaxSavingInput``)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) / query.size(-1) ** 0.5
+    if attention_mask is None:
+        attention_mask = torch.zeros((query.size(0), 1, 1, key.size(2)), dtype=torch.float32, device=query.device)
+    scores = scores + attention_mask
+    probs = _SoftmaxSavingInput.apply(scores, -1)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def _register_bert_attention_2022() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("bert-2022-torch-1.10", _bert_attention_2022)
+    return "bert-2022-torch-1.10"
+
+
 def _adamw_torch(params):
     """HF Trainer's default ``optim="adamw_torch"`` (transformers >= 4.38 or so): torch.optim.AdamW, lr 5e-5, with no
     implementation flag, so autofit simulates what torch picks on CUDA (foreach: ``_default_to_fused_or_foreach`` in
@@ -115,7 +158,7 @@ def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32", checkpo
 
     def build() -> Built:
         model = _bert("BertForSequenceClassification", hidden=1024, layers=24, heads=16, intermediate=4096,
-                      attn="eager", num_labels=2)
+                      attn=_register_bert_attention_2022(), num_labels=2)
         sample = {"input_ids": torch.randint(100, 30000, (4, 512)), "labels": torch.zeros(4, dtype=torch.long)}
         layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
         return model, sample, {"micro_batch_size": micro, "accumulation_steps": accumulation,
@@ -170,14 +213,10 @@ _ANATOMY = ("Hugging Face transformers docs, 'Model training anatomy' (docs/sour
             "Trainer, Tesla V100-SXM2 16 GB, driver 460.91, CUDA 11.2 (Jan 2022); pynvml used // 1024**2 printed "
             "as 'MB', after trainer.train(); the same page measures the context at 1343 MiB")
 _ANATOMY_UNC = ("nvidia-smi counts the whole GPU (one process here): reserved + context (measured on the page: "
-                "1343 MiB); 'MB' is MiB, floored (±1 MiB); 2022 software (torch ~1.10, eager BERT attention, "
-                "transformers' own AdamW): ±2 % for what the allocator of that torch version reserved")
-
-_ANATOMY_DROPOUT_WHY = ("below since issue 41: CUDA's dropout keeps native_dropout's 1-byte mask (torch 1.10: "
-                        "_fused_dropout's uint8 mask), not the CPU composite's 4-byte noise, 1.4 GiB less over "
-                        "bert-large's attention-probability and hidden dropouts at batch 4 x 512; the earlier "
-                        "agreement rested on that noise. The 2022 run's missing term is not identified (its rows with "
-                        "checkpointing, whose dropouts are recomputed, stay within 1.5 %)")
+                "1343 MiB); 'MB' is MiB, floored (±1 MiB); 2022 software (torch 1.10 at the latest: 1.11 came out "
+                "on 2022-03-10; transformers 4.1x's BertSelfAttention, rebuilt in _bert_attention_2022, whose "
+                "softmax kept its input for backward; transformers' own AdamW): ±2 % for what the allocator of "
+                "that torch version reserved")
 
 _AMP = ("PyTorch recipe 'Automatic Mixed Precision' (pytorch/tutorials recipes_source/recipes/amp_recipe.py: "
         "end_timer_and_print prints torch.cuda.max_memory_allocated() after reset_peak_memory_stats), as run and "
@@ -323,7 +362,7 @@ CASES: tuple[Case, ...] = (
     Case(name="hf-anatomy-bert-large-b4", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
          ran="bert-large-uncased seq. classification, batch 4 x 512, fp32, AdamW (transformers'), max_grad_norm 1.0",
          published_bytes=14949 * 2**20, unit="MiB", uncertainty_bytes=300 * 2**20, uncertainty=_ANATOMY_UNC,
-         why=_ANATOMY_DROPOUT_WHY, build=_anatomy(4), context_mib=1343),
+         build=_anatomy(4), context_mib=1343),
     Case(name="hf-anatomy-bert-large-b1xga4", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
          ran="as hf-anatomy-bert-large-b4 with per_device_train_batch_size 1, gradient_accumulation_steps 4",
          published_bytes=8681 * 2**20, unit="MiB", uncertainty_bytes=175 * 2**20, uncertainty=_ANATOMY_UNC,
@@ -331,7 +370,7 @@ CASES: tuple[Case, ...] = (
     Case(name="hf-anatomy-bert-large-b4-fp16", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
          ran="as hf-anatomy-bert-large-b4 with fp16=True (torch.cuda.amp autocast + GradScaler)",
          published_bytes=13939 * 2**20, unit="MiB", uncertainty_bytes=280 * 2**20, uncertainty=_ANATOMY_UNC,
-         why=_ANATOMY_DROPOUT_WHY, build=_anatomy(4, precision="fp16"), context_mib=1343),
+         build=_anatomy(4, precision="fp16"), context_mib=1343),
     Case(name="hf-anatomy-bert-large-b1xga4-gc-fp16", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
          ran="as hf-anatomy-bert-large-b4 with batch 1 x accumulation 4, gradient_checkpointing (every BertLayer), "
              "fp16=True",
@@ -344,7 +383,7 @@ CASES: tuple[Case, ...] = (
     Case(name="hf-anatomy-bert-large-b4-adafactor", source=_ANATOMY, gpu="V100-16GB", measures="nvidia-smi",
          ran="as hf-anatomy-bert-large-b4 with optim='adafactor' (transformers.Adafactor), fp32",
          published_bytes=12295 * 2**20, unit="MiB", uncertainty_bytes=245 * 2**20, uncertainty=_ANATOMY_UNC,
-         why=_ANATOMY_DROPOUT_WHY, build=_anatomy(4, optimizer=_adafactor), context_mib=1343),
+         build=_anatomy(4, optimizer=_adafactor), context_mib=1343),
     Case(name="hf-anatomy-bert-large-b1xga4-gc-fp16-adafactor", source=_ANATOMY, gpu="V100-16GB",
          measures="nvidia-smi",
          ran="as hf-anatomy-bert-large-b4 with batch 1 x accumulation 4, gradient_checkpointing, fp16=True and "
