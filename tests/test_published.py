@@ -29,6 +29,9 @@ _BY_NAME = {case.name: case for case in CASES}
     # the same at batch 4 x 512 in fp16: dropout on CUDA keeps a 1-byte mask, and torch < 1.11's softmax kept its
     # input for backward (24 x 64 MiB of fp32 scores, issue 41); -12.5 % with the first and without the second
     ("hf-anatomy-bert-large-b4-fp16", 0.05),
+    # the same notebook rerun on torch 2.0.1 (2 x RTX 3090): softmax saves only its output there, and the row lands
+    # within the goal without that term (+9.5 % with it)
+    ("anatomy-rerun-bert-large-b4", 0.05),
     # torchao's optimizer README: timm ViT-H, BF16 AMP, bitsandbytes AdamW8bit, max_memory_allocated (issue 24)
     pytest.param("torchao-vit_h-bnb-adamw8bit", 0.03, marks=pytest.mark.skipif(
         __import__("importlib").util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")),
@@ -45,6 +48,9 @@ def test_every_case_outside_the_goal_says_why():
     # a case may stay outside the 3 % / 5 % goal only with a sentence that explains it (issue 9's must-show)
     fp16 = _BY_NAME["amp-recipe-t4-fp16"]
     assert fp16.why and "AccumulateGrad" in fp16.why
+    # the rerun rows outside the goal name the context's lazily loaded modules (issue 41)
+    for name in ("anatomy-rerun-bert-large-b8xga8-gc", "anatomy-rerun-bert-large-b1xga4-gc-fp16-adafactor"):
+        assert "lazy module loading" in _BY_NAME[name].why, name
     for case in CASES:
         assert case.source and case.uncertainty and case.uncertainty_bytes > 0, case.name
 
