@@ -76,3 +76,15 @@ def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
     for case in multi:
         _, _, kwargs = case.build()
         assert kwargs["world_size"] == case.ranks and kwargs["strategy"] == "fsdp2", case.name
+
+
+@pytest.mark.slow
+def test_compiled_vit_h_is_bounded_from_above():
+    # torchao's ViT-H row ran compiled; on a CUDA target the compiled estimate is the larger of inductor's CPU
+    # lowering and eager (Note [compiled models on a GPU target]): above the published figure (the safe side), by
+    # 3.9 % (about 5.5 min on two busy cores)
+    pytest.importorskip("transformers", reason="benchmarks.published imports the Hugging Face cases")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = run_case(_BY_NAME["torchao-vit_h-fused-adamw-compiled"])
+    assert 0 <= row.error <= 0.05, f"autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}"
