@@ -26,6 +26,12 @@ _BY_NAME = {case.name: case for case in CASES}
     ("amp-recipe-t4-fp32", 0.005),
     # nvidia-smi on a V100 (HF docs): bert-large, batch 1 x accumulation 4, the context the page measured (1343 MiB)
     ("hf-anatomy-bert-large-b1xga4", 0.05),
+    # the same at batch 4 x 512 in fp16: dropout on CUDA keeps a 1-byte mask, and torch < 1.11's softmax kept its
+    # input for backward (24 x 64 MiB of fp32 scores, issue 41); -12.5 % with the first and without the second
+    ("hf-anatomy-bert-large-b4-fp16", 0.05),
+    # the same notebook rerun on torch 2.0.1 (2 x RTX 3090): softmax saves only its output there, and the row lands
+    # within the goal without that term (+9.5 % with it)
+    ("anatomy-rerun-bert-large-b4", 0.05),
     # torchao's optimizer README: timm ViT-H, BF16 AMP, bitsandbytes AdamW8bit, max_memory_allocated (issue 24)
     pytest.param("torchao-vit_h-bnb-adamw8bit", 0.03, marks=pytest.mark.skipif(
         __import__("importlib").util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")),
@@ -42,6 +48,9 @@ def test_every_case_outside_the_goal_says_why():
     # a case may stay outside the 3 % / 5 % goal only with a sentence that explains it (issue 9's must-show)
     fp16 = _BY_NAME["amp-recipe-t4-fp16"]
     assert fp16.why and "AccumulateGrad" in fp16.why
+    # the rerun rows outside the goal name the context's lazily loaded modules (issue 41)
+    for name in ("anatomy-rerun-bert-large-b8xga8-gc", "anatomy-rerun-bert-large-b1xga4-gc-fp16-adafactor"):
+        assert "lazy module loading" in _BY_NAME[name].why, name
     for case in CASES:
         assert case.source and case.uncertainty and case.uncertainty_bytes > 0, case.name
 
@@ -67,3 +76,15 @@ def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
     for case in multi:
         _, _, kwargs = case.build()
         assert kwargs["world_size"] == case.ranks and kwargs["strategy"] == "fsdp2", case.name
+
+
+@pytest.mark.slow
+def test_compiled_vit_h_is_bounded_from_above():
+    # torchao's ViT-H row ran compiled; on a CUDA target the compiled estimate is the larger of inductor's CPU
+    # lowering and eager (Note [compiled models on a GPU target]): above the published figure (the safe side), by
+    # 3.9 % (about 5.5 min on two busy cores)
+    pytest.importorskip("transformers", reason="benchmarks.published imports the Hugging Face cases")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = run_case(_BY_NAME["torchao-vit_h-fused-adamw-compiled"])
+    assert 0 <= row.error <= 0.05, f"autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}"
