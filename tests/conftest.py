@@ -15,10 +15,11 @@ See Note [tier budgets] for how a tier stays what it says.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -114,3 +115,35 @@ def pytest_runtest_call(item: pytest.Item):
                         f"(Note [tier budgets], tests/conftest.py): mark it {NEXT_TIER[tier]} or make it cheaper",
                         pytrace=False)
     return result
+
+
+# Note [shared zoo cases]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# The zoo (tests/zoo.py) builds a fresh, seeded model on every call, and some files build the same case dozens of
+# times (test_accuracy.py: each of 16 cases for 8 configurations, twice). ``estimate``, ``measure`` and ``plan`` never
+# modify the user's model (DESIGN's promise, tests/test_unchanged.py checks it), so a test that only hands a case to
+# them reads one session-wide copy. A test that trains, wraps or changes the model builds its own with ``ZOO[name]()``.
+# The promise is checked here as well: every parameter and buffer of a shared case keeps its version counter (torch
+# bumps it on every in-place write), and a shared case that a test changed fails the session's teardown by name.
+@pytest.fixture(scope="session")
+def zoo_case() -> Iterator[Callable[[str], object]]:
+    """``zoo_case(name)``: the zoo case ``name``, built once per session, for tests that only read it."""
+    try:
+        from tests.zoo import ZOO
+    except ImportError:  # tests/ on sys.path rather than the repository root
+        from zoo import ZOO
+
+    built: dict[str, tuple[object, list[int]]] = {}
+
+    def versions(case) -> list[int]:
+        return [t._version for t in (*case.model.parameters(), *case.model.buffers())]
+
+    @functools.cache
+    def case_of(name: str):
+        case = ZOO[name]()
+        built[name] = (case, versions(case))
+        return case
+
+    yield case_of
+    changed = [name for name, (case, before) in built.items() if versions(case) != before]
+    assert not changed, f"tests changed the shared zoo case(s) {changed} (Note [shared zoo cases]): build your own"

@@ -45,8 +45,8 @@ def _compare(case: ZooCase, **knobs) -> None:
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_estimate_matches_measure(name: str, precision: str, checkpointing: str, optimizer: str) -> None:
-    case = ZOO[name]()
+def test_estimate_matches_measure(name: str, precision: str, checkpointing: str, optimizer: str, zoo_case) -> None:
+    case = zoo_case(name)  # estimate and measure leave the model as it was (Note [shared zoo cases])
     checkpoint = case.checkpoint if checkpointing == "blocks" else ()
     _compare(case, precision=precision, checkpoint=checkpoint, optimizer=optimizer)
 
@@ -71,8 +71,8 @@ EXTRA = [
 @pytest.mark.parametrize(("name", "knobs"), EXTRA, ids=[
     f"{name}-" + "-".join(f"{k}={v}" for k, v in knobs.items()) for name, knobs in EXTRA
 ])
-def test_estimate_matches_measure_extra(name: str, knobs: dict) -> None:
-    case = ZOO[name]()
+def test_estimate_matches_measure_extra(name: str, knobs: dict, zoo_case) -> None:
+    case = zoo_case(name)
     knobs = dict(knobs)
     if knobs.get("checkpoint") == "blocks":
         knobs["checkpoint"] = case.checkpoint
