@@ -47,11 +47,6 @@ from autofit.cuda.target import DEFAULT_GPU, resolve_gpu
 from autofit.simulate.timeline import Phase, StorageRecord, Timeline, replay
 from autograd_saved import saved_tensors
 
-try:
-    from tests.zoo import ZOO
-except ImportError:  # tests/ on sys.path rather than the repository root
-    from zoo import ZOO
-
 KiB, MiB = 1 << 10, 1 << 20
 LOW = [torch.bfloat16, torch.float16]
 
@@ -643,9 +638,9 @@ CUDA_TERMS = ("cublas_workspace", "allocator_rounding", "fragmentation", "cuda_c
 
 
 @pytest.mark.sim
-def test_cuda_estimate_fixed_terms_by_hand():
+def test_cuda_estimate_fixed_terms_by_hand(zoo_case):
     """The terms of a CUDA estimate that do not depend on the model, each computed by hand from its source."""
-    case = ZOO["gpt_sdpa"]()
+    case = zoo_case("gpt_sdpa")
     est = autofit.estimate(case.model, case.sample, target=case.target, micro_batch_size=4, precision="bf16",
                            device="cuda", gpu="A100-80GB")
     assert est.device == "cuda"
@@ -665,8 +660,8 @@ def test_cuda_estimate_fixed_terms_by_hand():
 
 @pytest.mark.sim
 @pytest.mark.parametrize("name", ["gpt_sdpa", "resnet_bn"])
-def test_plan_for_a_gpu(name):
-    case = ZOO[name]()
+def test_plan_for_a_gpu(name, zoo_case):
+    case = zoo_case(name)
     plan = autofit.plan(case.model, case.sample, budget="90%", gpu="A100-40GB", device="cuda", batch_size=16,
                         target=case.target, loss_fn=case.loss_fn)
     assert (plan.device, plan.gpu) == ("cuda", "A100-40GB")
@@ -678,8 +673,8 @@ def test_plan_for_a_gpu(name):
 
 
 @pytest.mark.sim
-def test_plan_on_t4_chooses_fp16():
-    case = ZOO["gpt_sdpa"]()
+def test_plan_on_t4_chooses_fp16(zoo_case):
+    case = zoo_case("gpt_sdpa")
     plan = autofit.plan(case.model, case.sample, budget="90%", gpu="T4", device="cuda", batch_size=16,
                         target=case.target)
     assert plan.precision.name == "fp16"  # T4 has no bf16: "auto" falls back to fp16 autocast
@@ -687,8 +682,8 @@ def test_plan_on_t4_chooses_fp16():
 
 
 @pytest.mark.sim
-def test_plan_for_a_gpu_respects_a_binding_budget():
-    case = ZOO["gpt_sdpa"]()
+def test_plan_for_a_gpu_respects_a_binding_budget(zoo_case):
+    case = zoo_case("gpt_sdpa")
     kwargs = dict(gpu="A100-40GB", device="cuda", batch_size=256, target=case.target)
     roomy = autofit.plan(case.model, case.sample, budget="90%", **kwargs)
     # Below what the fastest plan reserves with room to spare, but above the smallest budget it runs under (the

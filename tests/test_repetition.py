@@ -14,7 +14,6 @@ from torch import nn
 
 import autofit
 from autofit.simulate import run as simulation
-from zoo import ZOO
 
 pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
 
@@ -44,8 +43,8 @@ def _same(short, full) -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_two_micro_batches_decide_the_window_on_the_cpu(name, monkeypatch):
-    case = ZOO[name]()
+def test_two_micro_batches_decide_the_window_on_the_cpu(name, monkeypatch, zoo_case):
+    case = zoo_case(name)
     short, full = _estimates(case, monkeypatch, micro_batch_size=2, accumulation_steps=5,
                              checkpoint=_recomputed(case.model), device="cpu")
     _same(short, full)
@@ -53,10 +52,10 @@ def test_two_micro_batches_decide_the_window_on_the_cpu(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["gpt_sdpa", "resnet_bn", "torch_encoder"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_two_micro_batches_decide_the_window_on_a_gpu(name, precision, monkeypatch):
+def test_two_micro_batches_decide_the_window_on_a_gpu(name, precision, monkeypatch, zoo_case):
     """The CUDA model replays the caching allocator over the window: its reserve after the second micro-batch is the
     one every later micro-batch finds."""
-    case = ZOO[name]()
+    case = zoo_case(name)
     short, full = _estimates(case, monkeypatch, micro_batch_size=2, accumulation_steps=4, precision=precision,
                              checkpoint=_recomputed(case.model), device="cuda", gpu="A100-80GB")
     _same(short, full)
