@@ -157,7 +157,8 @@ def estimate(
     ``layout``: an ``autofit.Layout`` (or an int, the world size), as ``plan`` takes it, but one layout: its
     "auto" values read as ZeRO-3 without replication, ``tensor_parallel="auto"`` is refused and ``gpus_per_node``
     changes no figure. ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; required with world_size > 1): the step
-    of one rank of a data-parallel job laid out as ``plan`` lays it out (FSDP2 shards the units ``plan`` shards); ``micro_batch_size`` rows per rank.
+    of one rank of a data-parallel job laid out as ``plan`` lays it out (FSDP2 shards the units ``plan`` shards);
+    ``micro_batch_size`` rows per rank.
     ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
     sync under accumulation], autofit/training/step.py). ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int
     group) and ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.

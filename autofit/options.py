@@ -3,20 +3,23 @@
 ``autofit.plan(model, sample, budget="8GB")`` is the simplest call; the rest is five values, each also accepted as a
 shortcut (as Lightning takes ``strategy="fsdp"`` or ``FSDPStrategy(...)``):
 
-============  ===============  ================================================================================
-keyword       value            shortcuts
-============  ===============  ================================================================================
-``device``    :class:`Device`  "cpu", "cuda" (this machine's GPU, else A100-80GB) or a catalog GPU ("H100")
-``precision`` :class:`Precision`  "auto", "fp32", "bf16", "fp16" or a ``PrecisionPolicy``: the compute precision
-``savers``    :class:`Savers`  "auto" (the planner may recompute and offload) or "none" (neither)
-``layout``    :class:`Layout`  an int: the world size (the planner chooses the strategy)
-``search``    :class:`Search`  "auto" or "exact" (no depth extrapolation: every simulation runs the whole model)
-============  ===============  ================================================================================
+- ``device``: a :class:`Device`; or "cpu", "cuda" (this machine's GPU, else A100-80GB), a catalog GPU ("H100");
+- ``precision``: a :class:`Precision`; or its compute precision alone: "auto", "fp32", "bf16", "fp16", a
+  ``PrecisionPolicy``;
+- ``savers``: a :class:`Savers`; or "auto" (the planner may recompute and offload), "none" (neither);
+- ``layout``: a :class:`Layout`; or an int, the world size (the planner chooses the strategy);
+- ``search``: a :class:`Search`; or "auto", "exact" (no depth extrapolation: every simulation runs the whole model).
 
 A mapping of field names is accepted for each too (``layout={"world_size": 8, "strategy": "fsdp2"}``), as a
 torchtitan TOML section reads. The things that are no concern group stay keywords: ``model``, ``sample``,
 ``budget``, ``batch_size``, ``target`` (the loss's target), ``loss_fn``, ``optimizer``, ``clip_grad_norm`` and
 ``shared`` (which inputs of the sample are not per-sample: a property of the sample).
+
+Choices made here: the device's keyword is ``device``, not ``target`` (``target`` is the loss's target since the
+first version, and ``device="cuda"`` stays the old call); the nodes are the layout's (``Layout.gpus_per_node``: the
+ranks that share NVLink and one host), the host memory the device's (``Device.host_budget``, per node). ``estimate``
+and ``measure`` take ``device``, ``precision`` and ``layout``; what else they take fixes one step (``checkpoint``,
+``offload``, ``compile``, ...: the ``StepConfig``'s knobs, not options of a search).
 
 These values hold what the user asked, "auto" included; the request (autofit/request.py) resolves them against the
 model and the device once, and checks what needs the model there.
@@ -51,9 +54,10 @@ class Device:
 
     # "cuda" (a GPU: ``gpu`` names which) or "cpu" (this machine's CPU and its allocator)
     kind: str = "cuda"
-    # a catalog GPU ("A100-80GB", "H100", "RTX 4090"; ``autofit models --gpus`` lists them); None: this machine's GPU,
-    # else A100-80GB. A plan is for any catalog GPU on any machine: nothing runs on it.
-    gpu: str | None = None
+    # a catalog GPU ("A100-80GB", "H100", "RTX 4090"; ``autofit.gpu_spec`` knows them), a card not in the catalog as
+    # ``{"memory": "12GB", "like": "RTX-4070"}``, or a ``GPUSpec``; None: this machine's GPU, else A100-80GB (checked
+    # when the request resolves it, docs/cuda.md). A plan is for any GPU on any machine: nothing runs on it.
+    gpu: Any = None
     # bytes kept free for what the estimate does not model: bytes, "512MB" or a share of the budget ("5%"); None:
     # 0, except on GPUs with world size > 1, where NCCL's buffers live outside the caching allocator (Note [the
     # margin], autofit/validate.py)
@@ -68,8 +72,6 @@ class Device:
         if not isinstance(self.kind, str) or self.kind.split(":")[0] not in DEVICE_KINDS:
             raise InvalidInputError(f"Device(kind=...) must be 'cpu' or 'cuda', got {self.kind!r}: name a GPU model "
                                     "with Device(gpu='H100') (or device='H100')")
-        if self.gpu is not None and not isinstance(self.gpu, str):
-            raise InvalidInputError(f"Device(gpu=...) must be a catalog GPU name such as 'H100', got {self.gpu!r}")
         if not isinstance(self.allow_over_capacity, bool):
             raise InvalidInputError(f"Device(allow_over_capacity=...) must be True or False, got "
                                     f"{self.allow_over_capacity!r}")
@@ -201,7 +203,15 @@ def as_device(value: Any) -> Device:
     if type(value).__name__ == "device" and type(value).__module__ == "torch":  # torch.device, without importing torch
         value = str(value)
     if isinstance(value, str):
-        return Device(kind=value) if value.split(":")[0] in DEVICE_KINDS else Device(gpu=value)
+        if value.split(":")[0] in DEVICE_KINDS:
+            return Device(kind=value)
+        from autofit.cuda.catalog import gpu_spec
+
+        try:
+            gpu_spec(value)
+        except InvalidInputError as e:  # neither a kind nor a GPU: say both
+            raise InvalidInputError(f"device must be 'cpu', 'cuda' or a catalog GPU name, got {value!r} ({e})") from e
+        return Device(gpu=value)
     raise _wrong("device", value, Device, "'cpu', 'cuda' or a catalog GPU name such as 'H100'")
 
 
@@ -305,8 +315,8 @@ def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
         group, field = owner
         if isinstance(given.get(group), (_CLASSES[group], Mapping)):
             raise InvalidInputError(
-                f"{function}(): {keyword}= and {group}= both given, and {group} sets {field} itself: drop "
-                f"{keyword}= and write {_spelling(group, field, value)} (or set it in the {group} you pass)")
+                f"{function}(): {keyword}= and {group}= both given, and {group} holds {field}: drop {keyword}= and "
+                f"write {_spelling(group, field, value)} (or set {field} in the {group} you pass)")
         warnings.warn(f"{function}({keyword}=...) is deprecated: write {_spelling(group, field, value)}",
                       FutureWarning, stacklevel=3)
         updates.setdefault(group, {})[field] = value

@@ -156,16 +156,10 @@ def make_request(
     try the quick path first (Note [the quick path])."""
     options = Options(**gather("make_request", dict(device=device, precision=precision, savers=savers, layout=layout,
                                                     search=search), deprecated))
-    return _resolve(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-                    clip_grad_norm=clip_grad_norm, shared=shared, quick=quick, options=options)
-
-
-def _resolve(model: Any, sample: Any, budget: int | str, *, batch_size: int | None, target: Any,
-             loss_fn: LossFn | None, optimizer: Any, clip_grad_norm: float | None, shared: Any, quick: bool,
-             options: Options) -> PlanRequest:
-    """The options resolved against the model and the device: what needs them is checked here."""
+    # the options resolved against the model and the device: what needs them is checked here
     d, p, s, lay = options.device, options.precision, options.savers, options.layout
-    device, gpu, margin, host_budget, allow_over_capacity = d.kind, d.gpu, d.margin, d.host_budget, d.allow_over_capacity
+    device, gpu, margin, host_budget = d.kind, d.gpu, d.margin, d.host_budget
+    allow_over_capacity = d.allow_over_capacity
     precision, min_stored_precision, fp32_modules = p.compute, p.min_stored, p.fp32_modules
     checkpoint, offload, allow, compile = s.checkpoint, s.offload, s.allow, s.compile
     world_size, gpus_per_node, strategy = lay.world_size, lay.gpus_per_node, lay.strategy

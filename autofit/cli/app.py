@@ -11,7 +11,7 @@ import sys
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -163,8 +163,10 @@ def plan(
                                                   "lightning, accelerate or torchtitan (TOML) settings")] = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
+    from autofit.cli.estimate import sequence_option
     from autofit.cli.render import render_plan
     from autofit.emit.export import EXPORTERS
+    from autofit.options import Device, Layout, Precision, Savers
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
@@ -179,17 +181,22 @@ def plan(
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
         world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
+        # the flags as the planner's option values (autofit/options.py): the one place they map
+        options = dict(
+            device=Device(kind=device, gpu=gpu_option(gpu, gpu_memory), margin=margin, host_budget=host_budget,
+                          allow_over_capacity=allow_over_capacity),
+            precision=Precision(compute=precision, min_stored=min_stored_precision),
+            savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile),
+            layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
+                          reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
+                                                              boolean=True),
+                          replicate=layout_option("--replicate", replicate),
+                          tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
+                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)))
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                optimizer=optimizer, **plan_options(
-                    spec.model, device=device, gpu=gpu_option(gpu, gpu_memory), margin=margin,
-                    host_budget=host_budget, allow_over_capacity=allow_over_capacity, precision=precision,
-                    min_stored_precision=min_stored_precision, offload=offload, allow=allow, compile=compile,
-                    world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
-                    reshard_after_forward=reshard_after_forward, replicate=replicate,
-                    tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel),
-            )
+                optimizer=optimizer, **options)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too
@@ -348,29 +355,6 @@ def gpu_option(gpu: str | None, gpu_memory: str | None):
     if gpu_memory is None:
         return gpu
     return {"memory": gpu_memory, **({"like": gpu} if gpu is not None else {})}
-
-
-def plan_options(model, *, device: str, gpu: str | None, margin: str | None, host_budget: str | None,
-                 allow_over_capacity: bool, precision: str, min_stored_precision: str | None, offload: bool,
-                 allow: list[str] | None, compile: bool, world_size: int, gpus_per_node: int | None,
-                 strategy: str | None, reshard_after_forward: str, replicate: str, tensor_parallel: str,
-                 sequence_parallel: bool) -> dict[str, Any]:
-    """``autofit plan``'s flags as the planner's option values (autofit/options.py): the one place they map."""
-    from autofit.cli.estimate import sequence_option
-    from autofit.options import Device, Layout, Precision, Savers
-
-    return dict(
-        device=Device(kind=device, gpu=gpu, margin=margin, host_budget=host_budget,
-                      allow_over_capacity=allow_over_capacity),
-        precision=Precision(compute=precision, min_stored=min_stored_precision),
-        savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile),
-        layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
-                      reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
-                                                          boolean=True),
-                      replicate=layout_option("--replicate", replicate),
-                      tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
-                      tensor_parallel_plan=sequence_option(model, sequence_parallel, tensor_parallel)),
-    )
 
 
 def nodes_layout(world_size: int, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:
