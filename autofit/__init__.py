@@ -23,18 +23,23 @@ _WHERE = {
     "Analysis": "autofit.analyse.table",
     "AutofitError": "autofit.core.errors",
     "Category": "autofit.core.categories",
+    "Device": "autofit.options",
     "ForwardError": "autofit.core.errors",
     "HostMemoryError": "autofit.core.errors",
     "InfeasibleBudgetError": "autofit.core.errors",
     "InvalidInputError": "autofit.core.errors",
     "ItemMeanLoss": "autofit.training.normalisation",
     "LayerRow": "autofit.analyse.table",
+    "Layout": "autofit.options",
     "LayerTable": "autofit.analyse.table",
     "LossError": "autofit.core.errors",
     "Measurement": "autofit.core.report",
     "MemoryEstimate": "autofit.core.report",
     "Plan": "autofit.emit.plan",
+    "Precision": "autofit.options",
     "PrecisionPolicy": "autofit.training.precision",
+    "Savers": "autofit.options",
+    "Search": "autofit.options",
     "UnsupportedModelError": "autofit.core.errors",
     "UnsupportedPrecisionError": "autofit.core.errors",
     "UnsupportedTorchError": "autofit.core.errors",
@@ -50,6 +55,7 @@ __all__ = [
     "Analysis",
     "AutofitError",
     "Category",
+    "Device",
     "ForwardError",
     "HostMemoryError",
     "InfeasibleBudgetError",
@@ -57,11 +63,15 @@ __all__ = [
     "ItemMeanLoss",
     "LayerRow",
     "LayerTable",
+    "Layout",
     "LossError",
     "Measurement",
     "MemoryEstimate",
     "Plan",
+    "Precision",
     "PrecisionPolicy",
+    "Savers",
+    "Search",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",
     "UnsupportedTorchError",
@@ -90,6 +100,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, _
     from autofit.core.report import Measurement, MemoryEstimate
     from autofit.cuda.catalog import gpu_spec
     from autofit.emit.plan import Alternative, Plan
+    from autofit.options import Device, Layout, Precision, Savers, Search
     from autofit.planner import plan
     from autofit.training.normalisation import ItemMeanLoss
     from autofit.training.precision import PrecisionPolicy

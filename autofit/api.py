@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +20,7 @@ from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
 from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core._torch import import_lazy_modules
+from autofit.options import Device, Layout, Precision, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
@@ -31,12 +31,10 @@ from autofit.training.tensor_parallel import require_tensor_parallel, resolve_te
 __all__ = ["analyse", "estimate", "measure"]
 
 
-def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu=None,
-            clip_grad_norm=None, optimizer_in_backward=False, offload=(), offload_states=False, world_size=1,
-            strategy=None, reduce_every_micro_batch=False, chunked_loss=False, batch=None, target=None,
-            loss_fn=None, reshard_after_forward=True, replicate=1, tensor_parallel=1,
-            tensor_parallel_plan=None, compile=False, preallocated_grads=False, inputs="batch",
-            gradient_as_bucket_view=True) -> StepConfig:
+def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
+            clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch, chunked_loss,
+            batch, target, loss_fn, compile, preallocated_grads, inputs, gradient_as_bucket_view, *, world_size,
+            strategy, reshard_after_forward, replicate, tensor_parallel, tensor_parallel_plan) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -71,6 +69,30 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             gradient_as_bucket_view=gradient_as_bucket_view)
 
 
+def _one_step(function: str, device: Any, precision: Any, layout: Any,
+              deprecated: dict[str, Any]) -> tuple[str, str | None, Any, dict[str, Any]]:
+    """The options of ``estimate`` / ``measure`` (autofit/options.py; old flat keywords by Note [flat keywords]) as
+    one step runs them: the device kind and GPU, the compute precision, and the layout's fields. A step has one
+    layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices are refused."""
+    options = gather(function, dict(device=device, precision=precision, layout=layout), deprecated,
+                     groups=("device", "precision", "layout"))
+    chosen, wants, lay = options["device"], options["precision"], options["layout"]
+    if chosen.margin is not None or chosen.host_budget is not None or chosen.allow_over_capacity:
+        raise InvalidInputError(f"{function}: Device(margin=, host_budget=, allow_over_capacity=) are what a plan's "
+                                "budget keeps free; an estimate has no budget: leave them out (plan takes them)")
+    if wants.min_stored is not None or wants.fp32_modules is not None:
+        raise InvalidInputError(f"{function}: Precision(min_stored=, fp32_modules=) are the planner's choices; a step "
+                                "runs one policy: give precision=PrecisionPolicy(name, fp32_modules=..., stored=...)")
+    if lay.tensor_parallel == "auto":
+        raise InvalidInputError(f"{function}: tensor_parallel='auto' is the planner's choice; a step has one "
+                                "degree: give Layout(tensor_parallel=T)")
+    return chosen.kind, chosen.gpu, wants.compute, dict(
+        world_size=lay.world_size, strategy=lay.strategy, tensor_parallel=lay.tensor_parallel,
+        tensor_parallel_plan=lay.tensor_parallel_plan,
+        reshard_after_forward=True if lay.reshard_after_forward == "auto" else lay.reshard_after_forward,
+        replicate=1 if lay.replicate == "auto" else lay.replicate)
+
+
 INPUTS = ("batch", "micro-batch")
 
 
@@ -101,13 +123,12 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
 @restores_user_hooks  # Note [user hooks]
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
-    optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
-    accumulation_steps: int = 1, gpu: str | None = None, clip_grad_norm: float | None = None,
-    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, world_size: int = 1,
-    strategy: str | None = None, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
-    reshard_after_forward: bool | int = True, replicate: int = 1, tensor_parallel: int = 1,
-    tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False, preallocated_grads: bool = False,
-    inputs: str = "batch", gradient_as_bucket_view: bool = True, shared: Any = None,
+    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
+    accumulation_steps: int = 1, checkpoint: Any = (), offload: Any = (), offload_states: bool = False,
+    optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
+    compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
+    gradient_as_bucket_view: bool = True, **deprecated: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -118,8 +139,9 @@ def estimate(
     (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
     runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
 
-    ``device="cuda"`` adds the CUDA model (``autofit.cuda``) for ``gpu`` (a catalog name; default: this machine's
-    GPU, else A100-80GB) and three figures: ``peak_allocated_bytes`` (= ``peak_bytes``, comparable with
+    ``device``: "cpu", "cuda", a catalog GPU ("H100") or ``autofit.Device(gpu=...)`` (autofit/options.py). A GPU
+    adds the CUDA model (``autofit.cuda``) for that GPU (default: this machine's GPU, else A100-80GB) and three
+    figures: ``peak_allocated_bytes`` (= ``peak_bytes``, comparable with
     ``torch.cuda.max_memory_allocated``), ``peak_reserved_bytes`` (``max_memory_reserved``) and ``device_bytes``
     (nvidia-smi: reserved plus the CUDA context; budgets apply to it). On the CPU the three are equal.
 
@@ -132,8 +154,11 @@ def estimate(
     memory, the optimizer stepping on the CPU (FSDP2's ``CPUOffloadPolicy`` on one process). On a GPU target what
     they keep on the host is ``host_bytes``, apart from the device's figures (Note [offload], docs/offload.md).
 
-    ``world_size`` and ``strategy`` ("ddp" or "fsdp2"): the step of one rank of a data-parallel job laid out as
-    ``plan`` lays it out (FSDP2 shards the units ``plan`` shards); ``micro_batch_size`` rows per rank.
+    ``layout``: an ``autofit.Layout`` (or an int, the world size), as ``plan`` takes it, but one layout: its
+    "auto" values read as ZeRO-3 without replication, ``tensor_parallel="auto"`` is refused and ``gpus_per_node``
+    changes no figure. ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; required with world_size > 1): the step
+    of one rank of a data-parallel job laid out as ``plan`` lays it out (FSDP2 shards the units ``plan`` shards);
+    ``micro_batch_size`` rows per rank.
     ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
     sync under accumulation], autofit/training/step.py). ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int
     group) and ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.
@@ -178,12 +203,12 @@ def estimate(
     """
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
+    device, gpu, precision, layout = _one_step("estimate", device, precision, layout, deprecated)
     batch, target_batch = as_inputs(sample, target, shared)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
-                     clip_grad_norm, optimizer_in_backward, offload, offload_states, world_size, strategy,
-                     reduce_every_micro_batch, chunked_loss, batch,
-                     target_batch, loss_fn, reshard_after_forward, replicate, tensor_parallel,
-                     tensor_parallel_plan, compile, preallocated_grads, inputs, gradient_as_bucket_view)
+                     clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
+                     chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
+                     gradient_as_bucket_view, **layout)
     device_model = resolve_device(config.device, config.gpu)
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
@@ -208,37 +233,34 @@ def bucket_note(views: bool) -> str:
 @restores_user_hooks  # Note [user hooks]
 def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
-    optimizer: Any = "adamw", precision: Any = "fp32", checkpoint: Any = (), device: str = "cpu",
-    accumulation_steps: int = 1, steps: int = 1, clip_grad_norm: float | None = None,
-    optimizer_in_backward: bool = False, offload: Any = (), offload_states: bool = False, chunked_loss: bool = False,
-    compile: bool = False, preallocated_grads: bool = False, world_size: int = 1, strategy: str | None = None,
-    reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True, replicate: int = 1,
-    tensor_parallel: int = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True, shared: Any = None,
+    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
+    accumulation_steps: int = 1, steps: int = 1, checkpoint: Any = (), offload: Any = (),
+    offload_states: bool = False, optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False,
+    chunked_loss: bool = False, compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
+    gradient_as_bucket_view: bool = True, **deprecated: Any,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
-    Same arguments and defaults as :func:`estimate` (``inputs="batch"``: the whole batch is built before the step
+    Same arguments and defaults as :func:`estimate` (the old flat ``gpu=``, ``world_size=``, ``strategy=``, ... too,
+    deprecated: Note [flat keywords], autofit/options.py) (``inputs="batch"``: the whole batch is built before the step
     and every micro-batch is a slice of it, as the trainer runs them; ``checkpoint=None`` for none; ``device="cpu"`` and
     ``precision="fp32"`` so that it runs on any machine; ``plan`` defaults to ``"cuda"`` and ``"auto"`` because it
     chooses for a GPU).
 
-    A parallel layout (``world_size`` > 1 with ``strategy``, ``reshard_after_forward``, ``replicate``,
+    A parallel ``layout`` (``Layout(world_size=N, strategy=...)``, with ``reshard_after_forward``, ``replicate``,
     ``tensor_parallel``, as :func:`estimate` takes them) runs ``world_size`` processes on this CPU joined by gloo,
     each the step of one rank laid out for real (autofit/measure/ranks.py); the figures are rank 0's, the rank
     :func:`estimate` simulates, and ``rank_peaks`` holds every rank's peak. The model, sample and ``loss_fn`` are
     pickled to the processes (no lambdas)."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
+    device, gpu, precision, layout = _one_step("measure", device, precision, layout, deprecated)
     batch, target_batch = as_inputs(sample, target, shared)
-    config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device,
-                     clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward, offload=offload,
-                     offload_states=offload_states, chunked_loss=chunked_loss, batch=batch, target=target_batch,
-                     loss_fn=loss_fn, compile=compile, preallocated_grads=preallocated_grads, world_size=world_size,
-                     strategy=strategy, reduce_every_micro_batch=reduce_every_micro_batch,
-                     reshard_after_forward=reshard_after_forward, replicate=replicate,
-                     tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan, inputs=inputs,
-                     gradient_as_bucket_view=gradient_as_bucket_view)
+    config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
+                     clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
+                     chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
+                     gradient_as_bucket_view, **layout)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:

@@ -29,6 +29,7 @@ from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.plan import Plan, why_layout
+from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
@@ -49,115 +50,66 @@ __all__ = ["plan", "plan_with_analysis"]
 
 def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
-    device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
-    clip_grad_norm: float | None = None, min_stored_precision: str | None = None, fp32_modules: Any = None,
-    offload: Any = "auto", host_budget: int | str | None = None, margin: int | str | None = None,
-    allow_over_capacity: bool = False, gpus_per_node: int | None = None, reshard_after_forward: Any = "auto",
-    replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1, tensor_parallel_plan: Any = None,
-    compile: bool = False, extrapolate_depth: bool | str = "auto", shared: Any = None,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
+    layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> Plan:
     """Choose micro-batch size, accumulation steps, precision and checkpointed modules so that one optimizer step
     over ``batch_size`` samples fits ``budget`` at the best predicted speed. ``model`` is never modified.
 
-    ``world_size > 1`` plans one rank of a data-parallel job: ``batch_size`` is the global batch, ``budget`` is per
-    device, and ``strategy`` is "ddp", "fsdp2" or None (autofit plans both and keeps the faster). When the fastest
-    configuration fits, its full estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty.
-    ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer.
+    - ``sample``: an example batch (a tensor, a tuple of positional inputs or a dict of keyword inputs; dim 0 is the
+      batch), the largest shape trained on; ``target``: the loss's target, resized as the sample is.
+    - ``budget``: bytes or "24GB", per device. A plan that cannot fit raises ``InfeasibleBudgetError`` naming the
+      smallest budget that works.
+    - ``batch_size``: the effective batch of one optimizer step, all ranks (default: the sample's).
+    - ``loss_fn(output, target)`` (or ``loss_fn(output)``): the scalar loss; None: ``output.loss`` for Hugging Face
+      models, else a documented default (autofit/training/loss.py).
+    - ``optimizer``: "adamw", "adam", "sgd", an optimizer class or a callable ``params -> Optimizer``.
+    - ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer.
+    - ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole
+      to every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them.
+    - ``device``, ``precision``, ``savers``, ``layout``, ``search``: the options by concern, each a value of
+      autofit/options.py (every field documented there) or its shortcut: ``device="H100"``,
+      ``precision="bf16"``, ``savers="none"``, ``layout=8`` (the world size), ``search="exact"``.
 
-    With ``precision="auto"`` on one GPU, when nothing fits with the parameters in the dtype the model was built in
-    (fp32), the planner stores them lower, in order of risk: bf16 (or fp16) with an fp32 master copy, then pure bf16
-    (Note [stored precision] in autofit/training/stored.py). ``min_stored_precision`` is the floor: "fp32" (never lower),
-    "fp32-master" (low-precision parameters only with an fp32 master copy) or "bf16" (the default: any).
+    The planner climbs the ladder (Note [the ladder], solve/ladder.py): the model's own dtype, then stored lower
+    (``Precision.min_stored`` is the floor), then the states on the host (``Savers.offload``), then the opt-in rungs
+    of ``Savers.allow``; the plan's notes say which rungs it climbed. When the fastest configuration fits, its full
+    estimate is the whole plan (Note [the quick path]) and ``frontier`` is empty. With ``Layout.world_size > 1`` it
+    plans one rank of a data-parallel job; with no strategy given, DDP and FSDP2's layouts are all planned and the
+    fastest wins (docs/multi-gpu.md).
 
-    ``fp32_modules``: module classes, class names or qualified names that must compute in fp32 (say the final norm
-    and the LM head); the plan's notes give each one's memory and time cost (Note [the cost of an fp32 pin]).
-    ``"auto"``: the final norm and the output head, kept in fp32 when the plan still fits with them.
-
-    ``offload`` (GPU targets; docs/offload.md): with "auto" (or True) a module whose activations must leave the GPU
-    is offloaded to host memory instead of recomputed where the time model finds the PCIe copies cheaper, and when
-    nothing fits with the parameters, gradients and optimizer state on the GPU, they live in host memory and the
-    optimizer steps on the CPU (FSDP2's CPUOffloadPolicy on one process). ``plan.host_bytes`` is the host memory it
-    pins; a plan needing more than ``host_budget`` (bytes or "64GB", per node; default the target GPU's host from
-    the catalog, or this machine's RAM when the target is this machine: Note [the host of the target] in
-    autofit/validate.py, and the plan's notes say which) is refused with a ``HostMemoryError``, before any analysis
-    where the states alone exceed it. False: never offload.
-
-    ``margin``: bytes kept free for what the estimate does not model (bytes, "512MB" or a share of the budget such
-    as "5%"); the default is 0 except on GPUs with ``world_size > 1``, where NCCL's buffers live outside the
-    caching allocator (Note [the margin], autofit/validate.py). A budget above the GPU's memory is refused unless
-    ``allow_over_capacity=True``.
-
-    FSDP2 layouts (docs/multi-gpu.md): ``gpus_per_node`` (default: every rank on one node) splits ``world_size``
-    into nodes; ``reshard_after_forward`` True (ZeRO-3), False (ZeRO-2) or an int group size, and ``replicate``
-    (HSDP: replicate across that many groups, shard within each). With "auto" the planner plans ZeRO-3 and ZeRO-2,
-    across nodes also the reshard to one node and HSDP over the nodes, and keeps the fastest that fits.
-    ``tensor_parallel``: 1 (none), T (FSDP2 over world_size // T x tensor parallel T, with strategy "fsdp2"), or
-    "auto" (also T = 2, 4, 8 dividing one node's GPUs, for a model with a tensor-parallel plan: Note [tensor parallel
-    plan], autofit/training/tensor_parallel.py); ``batch_size // (world_size // T)`` rows per rank.
-    ``tensor_parallel_plan``: ``{module name pattern: style}`` (Note [tensor parallel plan]) for a model without
-    its own plan, or to split more than its own (the vocabulary).
-    ``allow``: the rungs that change numerics, climbed only when named here and only when nothing fits without
-    them (Note [the ladder], docs/fine-tuning.md): "chunked-loss" (the output head and the cross-entropy in chunks
-    of tokens, for the default loss against an integer target or a Hugging Face causal LM given labels) and
-    "8bit-optimizer" (AdamW's state in 8 bits: bitsandbytes' AdamW8bit, else torchao's; the trainer builds it from
-    the optimizer given to ``wrap``). The plan's notes say which were climbed and what each saved.
-
-    ``compile=True``: every step runs the model compiled (torch.compile, inductor), estimated as inductor compiles
-    it, and the trainer compiles it (Note [compile as a knob]); a model compiled already is planned as compiled.
-
-    ``extrapolate_depth`` ("auto", True or False): a model whose depth is a run of structurally identical blocks
-    (a Llama's ``layers``), at least 16 with "auto" and 8 with True, is simulated cut to a few blocks and each figure
-    carried to all of them along a line checked on a third depth, so the cost of a simulation stops growing with the
-    depth (Note [depth extrapolation], autofit/capture/depth.py; the plan's notes say when it was used, and the
-    whole model is simulated where the figures are not on a line). Shallower runs are simulated whole by "auto":
-    there three cut simulations cost more than one of the whole model. False: every simulation runs the whole
-    model.
-
-    ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
-    every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them
-    (``plan.shared``) and its trainer passes them whole too."""
+    The old flat keywords (``gpu=``, ``world_size=``, ``checkpoint=``, ...) still work, with a ``FutureWarning``
+    naming the new spelling (Note [flat keywords], autofit/options.py)."""
+    options = gather("plan", dict(device=device, precision=precision, savers=savers, layout=layout, search=search),
+                     deprecated)
+    options["search"] = replace(options["search"], alternatives=bool(options["search"].alternatives))
     with naming_inputs(lambda: as_inputs(sample, target, shared)[0]):  # Note [the batch dimension]
         return plan_with_analysis(
             model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-            precision=precision, checkpoint=checkpoint, device=device, gpu=gpu, world_size=world_size,
-            strategy=strategy, clip_grad_norm=clip_grad_norm, alternatives=False,
-            min_stored_precision=min_stored_precision, fp32_modules=fp32_modules, offload=offload,
-            host_budget=host_budget, margin=margin,
-            allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
-            reshard_after_forward=reshard_after_forward, replicate=replicate,
-            allow=allow, tensor_parallel=tensor_parallel, tensor_parallel_plan=tensor_parallel_plan,
-            compile=compile, extrapolate_depth=extrapolate_depth, shared=shared,
+            clip_grad_norm=clip_grad_norm, shared=shared, **options,
         )[0]
 
 
 @restores_user_hooks  # Note [user hooks]
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", precision: Any = "auto", checkpoint: Any = "auto",
-    device: str = "cuda", gpu: str | None = None, world_size: int = 1, strategy: str | None = None,
-    clip_grad_norm: float | None = None, alternatives: bool = True, min_stored_precision: str | None = None,
-    fp32_modules: Any = None, offload: Any = "auto", host_budget: int | str | None = None,
-    margin: int | str | None = None, allow_over_capacity: bool = False, gpus_per_node: int | None = None,
-    reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (), tensor_parallel: Any = 1,
-    tensor_parallel_plan: Any = None, compile: bool = False, extrapolate_depth: bool | str = "auto", shared: Any = None,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
+    layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> tuple[Plan, dict[str, Analysis]]:
     """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
 
-    With ``alternatives=False`` the planner first checks the fastest configuration the time model allows (see
-    Note [the quick path]) and skips the analysis when it fits; the plan then has no front and no analyses.
-    Otherwise its front holds the configurations its search evaluated, without the halving micro-batches that
-    ``alternatives=True`` adds (a checkpoint MILP each)."""
+    With ``Search(alternatives=False)`` (what :func:`plan` runs) the planner first checks the fastest configuration
+    the time model allows (see Note [the quick path]) and skips the analysis when it fits; the plan then has no
+    front and no analyses. Otherwise (the default here) its front also holds the halving micro-batches (a
+    checkpoint MILP each). The old ``alternatives=`` keyword is ``search=Search(alternatives=...)``."""
+    options = gather("plan_with_analysis", dict(device=device, precision=precision, savers=savers, layout=layout,
+                                                search=search), deprecated)
+    alternatives = options["search"].alternatives
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
-                           optimizer=optimizer, precision=precision, checkpoint=checkpoint, device=device, gpu=gpu,
-                           world_size=world_size, strategy=strategy, quick=not alternatives,
-                           clip_grad_norm=clip_grad_norm, min_stored_precision=min_stored_precision,
-                           fp32_modules=fp32_modules, offload=offload, host_budget=host_budget, margin=margin,
-                           allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
-                           reshard_after_forward=reshard_after_forward, replicate=replicate,
-                           allow=allow, tensor_parallel=tensor_parallel,
-                           tensor_parallel_plan=tensor_parallel_plan, compile=compile,
-                           extrapolate_depth=extrapolate_depth, shared=shared)
+                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared,
+                           quick=alternatives is False, **options)
     results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py

@@ -17,6 +17,7 @@ from autofit.capture.rows import smallest_rows
 from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import DeviceTarget, resolve_device
+from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec, eight_bit_possible, eight_bit_spec
@@ -98,6 +99,8 @@ class PlanRequest:
     # the fewest rows a micro-batch may hold: 2 when the model refuses one row (Note [micro-batches a model refuses],
     # autofit/capture/rows.py)
     min_rows: int = 1
+    # what the user asked, by concern (autofit/options.py), "auto" included; the fields above are these resolved
+    options: Options = Options()
 
     @property
     def fit_bytes(self) -> int:
@@ -143,15 +146,26 @@ class PlanRequest:
 
 
 def make_request(
-    model: Any, sample: Any, budget: int | str, *, batch_size: int | None, target: Any, loss_fn: LossFn | None,
-    optimizer: Any, precision: Any, checkpoint: Any, device: str, gpu: str | None, world_size: int,
-    strategy: str | None, quick: bool, clip_grad_norm: float | None = None,
-    min_stored_precision: str | None = None, fp32_modules: Any = None, offload: Any = "auto",
-    host_budget: int | str | None = None, margin: int | str | None = None, allow_over_capacity: bool = False,
-    gpus_per_node: int | None = None, reshard_after_forward: Any = "auto", replicate: Any = "auto", allow: Any = (),
-    tensor_parallel: Any = 1, tensor_parallel_plan: Mapping[str, Any] | None = None, compile: bool = False,
-    extrapolate_depth: bool | str = "auto", shared: Any = None,
+    model: Any, sample: Any, budget: int | str, *, batch_size: int | None = None, target: Any = None,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    quick: bool = True, device: Device | str = "cuda", precision: Precision | Any = "auto",
+    savers: Savers | str | None = None, layout: Layout | int | None = None, search: Search | str | None = None,
+    **deprecated: Any,
 ) -> PlanRequest:
+    """The request of a ``plan`` call (its keywords, autofit/planner.py), validated and resolved once. ``quick``:
+    try the quick path first (Note [the quick path])."""
+    options = Options(**gather("make_request", dict(device=device, precision=precision, savers=savers, layout=layout,
+                                                    search=search), deprecated))
+    # the options resolved against the model and the device: what needs them is checked here
+    d, p, s, lay = options.device, options.precision, options.savers, options.layout
+    device, gpu, margin, host_budget = d.kind, d.gpu, d.margin, d.host_budget
+    allow_over_capacity = d.allow_over_capacity
+    precision, min_stored_precision, fp32_modules = p.compute, p.min_stored, p.fp32_modules
+    checkpoint, offload, allow, compile = s.checkpoint, s.offload, s.allow, s.compile
+    world_size, gpus_per_node, strategy = lay.world_size, lay.gpus_per_node, lay.strategy
+    reshard_after_forward, replicate = lay.reshard_after_forward, lay.replicate
+    tensor_parallel, tensor_parallel_plan = lay.tensor_parallel, lay.tensor_parallel_plan
+    extrapolate_depth = options.search.extrapolate_depth
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target, shared)
@@ -172,11 +186,6 @@ def make_request(
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
         raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
-    if offload not in ("auto", True, False):
-        raise InvalidInputError(
-            f"offload must be 'auto' (the planner may keep activations or states in host memory when that is what "
-            f"fits, or is faster), True (the same) or False (never), got {offload!r}"
-        )
     margin_bytes = margin_for(margin, budget_bytes, target_device, world_size)
     per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, gpus_per_node, reshard_after_forward,
                                                    replicate)
@@ -233,14 +242,14 @@ def make_request(
         blocks=_depth_blocks(model, extrapolate_depth, compile),
         cheaper_cuts_only=extrapolate_depth == "auto",
         compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it
+        options=options,
     )
 
 
 def _depth_blocks(model: nn.Module, extrapolate_depth: Any, compile: bool) -> Blocks | None:
     """The run of identical blocks plan(extrapolate_depth=...) cuts: True from DEPTH_MIN_BLOCKS blocks, "auto" from
     DEPTH_AUTO_BLOCKS, False never; none for a compiled step (inductor compiles the whole model's graph)."""
-    if extrapolate_depth is not True and extrapolate_depth is not False and extrapolate_depth != "auto":
-        raise InvalidInputError(f"extrapolate_depth must be True, False or 'auto', not {extrapolate_depth!r}")
+    # extrapolate_depth is checked where it is declared (Search, autofit/options.py)
     if extrapolate_depth is False or compile:
         return None
     return find_blocks(model, DEPTH_MIN_BLOCKS if extrapolate_depth is True else DEPTH_AUTO_BLOCKS)

@@ -46,8 +46,8 @@ def tokens(rows: int = 1, length: int = SEQUENCE) -> dict[str, torch.Tensor]:
 def full_fine_tuning_16gb() -> autofit.Plan:
     """Full fine-tuning, AdamW, on a 16 GB budget: the planner climbs to pure bf16, the chunked loss and 8-bit
     AdamW, stepping in backward."""
-    return autofit.plan(llama_3b(), tokens(), "16GiB", batch_size=BATCH, device="cuda", gpu="L4",
-                        allow=("8bit-optimizer", "chunked-loss"))
+    return autofit.plan(llama_3b(), tokens(), "16GiB", batch_size=BATCH, device="L4",
+                        savers=autofit.Savers(allow=("8bit-optimizer", "chunked-loss")))
 
 
 def lora_12gb() -> autofit.Plan:
@@ -57,7 +57,7 @@ def lora_12gb() -> autofit.Plan:
     model = get_peft_model(llama_3b(torch.bfloat16), LoraConfig(
         r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"]))
-    return autofit.plan(model, tokens(), "12GiB", batch_size=BATCH, device="cuda", gpu="RTX-3090")
+    return autofit.plan(model, tokens(), "12GiB", batch_size=BATCH, device="RTX-3090")
 
 
 CASES = {"full": full_fine_tuning_16gb, "lora": lora_12gb}

@@ -208,9 +208,10 @@ def run_config(case: ZooCase, precision: str, checkpoint: tuple[str, ...], micro
     row.measured = meas.peak_bytes
     _release()
 
-    plan = autofit.plan(case.model, case.sample, "100%", batch_size=micro, target=case.target, loss_fn=case.loss_fn,
-                        optimizer=OPTIMIZER, precision=precision, checkpoint=checkpoint or None, device="cuda",
-                        clip_grad_norm=clip_grad_norm)
+    plan = autofit.plan(case.model, case.sample, "100%", batch_size=micro, target=case.target,
+                        loss_fn=case.loss_fn, optimizer=OPTIMIZER, precision=precision,
+                        device="cuda", clip_grad_norm=clip_grad_norm,
+                        savers=autofit.Savers(checkpoint=checkpoint or None))
     row.predicted_s = plan.predicted_step_seconds
     if (plan.micro_batch_size, plan.gradient_accumulation_steps) != (micro, 1):
         row.note = f"plan chose {plan.micro_batch_size}x{plan.gradient_accumulation_steps}"

@@ -48,8 +48,8 @@ def llama3_70b_config(**overrides) -> LlamaConfig:
 
 
 def _arguments(ids, nodes: int, per_node: int, batch: int, host_budget: str | None) -> dict:
-    return dict(batch_size=batch, target=ids, gpu="H100-80GB", world_size=nodes * per_node, gpus_per_node=per_node,
-                strategy="fsdp2", host_budget=host_budget)
+    return dict(batch_size=batch, target=ids, device=autofit.Device(gpu="H100-80GB", host_budget=host_budget),
+                layout=autofit.Layout(world_size=nodes * per_node, gpus_per_node=per_node, strategy="fsdp2"))
 
 
 def check_depth(model, ids, plan, nodes: int, per_node: int, batch: int, host_budget: str) -> None:
@@ -60,8 +60,9 @@ def check_depth(model, ids, plan, nodes: int, per_node: int, batch: int, host_bu
     from autofit.solve.search import Candidate
     from autofit.solve.sharding import Parallel
 
-    request = make_request(model, ids, "80GB", optimizer="adamw", precision="auto", checkpoint="auto", device="cuda",
-                           quick=False, loss_fn=None, **_arguments(ids, nodes, per_node, batch, host_budget))
+    request = make_request(model, ids, "80GB", optimizer="adamw", precision="auto", quick=False, loss_fn=None,
+                           savers=autofit.Savers(checkpoint="auto"), **_arguments(ids, nodes, per_node, batch,
+                                                                                    host_budget))
     parallel = Parallel(strategy=plan.strategy, world_size=plan.world_size, shard_units=plan.shard_units,
                         offload_states=plan.offload_states, reduce_every_micro_batch=plan.reduce_every_micro_batch,
                         reshard_after_forward=plan.reshard_after_forward, replicate=plan.replicate,
@@ -88,7 +89,7 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_dept
              host_budget: str | None = None, check: bool = False):
     start = time.perf_counter()
     try:
-        plan = autofit.plan(model, ids, "80GB", extrapolate_depth=extrapolate_depth,
+        plan = autofit.plan(model, ids, "80GB", search=autofit.Search(extrapolate_depth=extrapolate_depth),
                             **_arguments(ids, nodes, per_node, batch, host_budget))
     except (autofit.InfeasibleBudgetError, autofit.HostMemoryError) as e:
         seconds = time.perf_counter() - start

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
-    plan = autofit.plan(model, ids, "80GB", batch_size=32, target=ids, gpu="H100-80GB", world_size=8 * args.nodes,
-                        gpus_per_node=8, strategy="fsdp2")
+    plan = autofit.plan(model, ids, "80GB", batch_size=32, target=ids, device="H100-80GB",
+                        layout=autofit.Layout(world_size=8 * args.nodes, gpus_per_node=8, strategy="fsdp2"))
     profile.disable()
     wall = time.perf_counter() - start
     stats = pstats.Stats(profile)

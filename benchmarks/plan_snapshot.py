@@ -31,7 +31,7 @@ from autofit.planner import plan_with_analysis  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 GiB = 2**30
-GPU = dict(device="cuda", gpu="A100-80GB")
+GPU = dict(device="A100-80GB")
 ROOMY = {"cpu": "1TB", "a100": "79GB"}  # generous, and under the card's memory (a budget above it is refused)
 
 
@@ -89,11 +89,11 @@ def _special_cases():
     yield "llama-meta/stored-bf16", _record(lambda: autofit.plan(model, ids, int(2.2 * GiB), batch_size=4,
                                                                  target=ids, **GPU))
     yield "llama-meta/floor-master", _record(lambda: autofit.plan(
-        model, ids, int(2.2 * GiB), batch_size=4, target=ids, min_stored_precision="fp32-master", offload=False,
-        **GPU))
+        model, ids, int(2.2 * GiB), batch_size=4, target=ids,
+        precision=autofit.Precision(min_stored="fp32-master"), savers=autofit.Savers(offload=False), **GPU))
     yield "llama-meta/1B", _record(lambda: autofit.plan(model, ids, 1, batch_size=4, target=ids, **GPU))
     yield "llama-meta/1B-no-offload", _record(lambda: autofit.plan(model, ids, 1, batch_size=4, target=ids,
-                                                                   offload=False, **GPU))
+                                                                   savers=autofit.Savers(offload=False), **GPU))
     # the optimizer step in backward (tests/test_in_backward.py)
     mlp = _mlp()
     x, y = torch.randn(2, 512), torch.randint(0, 10, (2,))
@@ -109,26 +109,32 @@ def _special_cases():
     off = _mlp(256, 6)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
-    kw = dict(target=y, device="cuda", gpu="T4", precision="fp32", checkpoint="auto")
-    without = _record(lambda: autofit.plan(off, x, 1, offload=False, **kw))
+    kw = dict(target=y, precision="fp32")  # and the default savers: checkpoint and offload "auto"
+    t4 = autofit.Device(gpu="T4")
+    without = _record(lambda: autofit.plan(off, x, 1, device=t4, savers=autofit.Savers(offload=False), **kw))
     yield "offload/1B-no-offload", without
-    with_offload = _record(lambda: autofit.plan(off, x, 1, **kw))
+    with_offload = _record(lambda: autofit.plan(off, x, 1, device=t4, **kw))
     yield "offload/1B", with_offload
-    yield "offload/1B-host-small", _record(lambda: autofit.plan(off, x, 1, host_budget=10**6, **kw))
+    yield "offload/1B-host-small", _record(lambda: autofit.plan(
+        off, x, 1, device=autofit.Device(gpu="T4", host_budget=10**6), **kw))
     budget = (with_offload["min_budget_bytes"] + without["min_budget_bytes"]) // 2
-    yield "offload/between", _record(lambda: autofit.plan(off, x, budget, host_budget="1GB", **kw))
-    yield "offload/between-host-small", _record(lambda: autofit.plan(off, x, budget, host_budget=10**6, **kw))
-    yield "offload/auto-precision-between", _record(lambda: autofit.plan(off, x, budget, host_budget="1GB",
-                                                                         target=y, gpu="T4"))
+    yield "offload/between", _record(lambda: autofit.plan(
+        off, x, budget, device=autofit.Device(gpu="T4", host_budget="1GB"), **kw))
+    yield "offload/between-host-small", _record(lambda: autofit.plan(
+        off, x, budget, device=autofit.Device(gpu="T4", host_budget=10**6), **kw))
+    yield "offload/auto-precision-between", _record(lambda: autofit.plan(
+        off, x, budget, target=y, device=autofit.Device(gpu="T4", host_budget="1GB")))
     # fp32 pins: named and "auto" (tests/test_stored_planning.py)
     case = ZOO["hf_dict"]()
     yield "pins/lm_head", _record(lambda: autofit.plan(case.model, case.sample, "1GB", batch_size=8,
-                                                       fp32_modules=["lm_head"], **GPU))
+                                                       precision=autofit.Precision(fp32_modules=["lm_head"]),
+                                                       **GPU))
     yield "pins/auto", _record(lambda: autofit.plan(case.model, case.sample, "1GB", batch_size=8,
-                                                    fp32_modules="auto", **GPU))
+                                                    precision=autofit.Precision(fp32_modules="auto"), **GPU))
     yield "pins/auto-cpu-bf16", _record(lambda: autofit.plan(case.model, case.sample, "1GB", batch_size=8,
-                                                             fp32_modules="auto", device="cpu", precision="bf16",
-                                                             checkpoint=None))
+                                                             device="cpu", savers=autofit.Savers(checkpoint=None),
+                                                             precision=autofit.Precision(compute="bf16",
+                                                                                         fp32_modules="auto")))
     # an uneven batch (the even split for the exports) and a fixed checkpoint set
     case = ZOO["gpt_sdpa"]()
     tiny = _record(lambda: autofit.plan(case.model, case.sample, 1, batch_size=10, target=case.target, **GPU))
@@ -136,7 +142,8 @@ def _special_cases():
         yield "uneven/min", _record(lambda: autofit.plan(case.model, case.sample, tiny["min_budget_bytes"],
                                                          batch_size=10, target=case.target, **GPU))
     yield "fixed-checkpoint/1B", _record(lambda: autofit.plan(case.model, case.sample, 1, batch_size=10,
-                                                              target=case.target, checkpoint=case.checkpoint, **GPU))
+                                                              target=case.target,
+                                                              savers=autofit.Savers(checkpoint=case.checkpoint), **GPU))
 
 
 def _dp_cases():
@@ -144,8 +151,8 @@ def _dp_cases():
     case = ZOO["gpt_sdpa"]()
     for strategy in (None, "ddp", "fsdp2"):
         def run(budget, strategy=strategy):
-            return autofit.plan(case.model, case.sample, budget, batch_size=16, target=case.target, world_size=2,
-                                strategy=strategy, **GPU)
+            return autofit.plan(case.model, case.sample, budget, batch_size=16, target=case.target,
+                                layout=autofit.Layout(world_size=2, strategy=strategy), **GPU)
         tiny = _record(lambda: run(1))
         yield f"dp/{strategy}/1B", tiny
         if "min_budget_bytes" in tiny:

@@ -85,7 +85,7 @@ def run_case(case: Case) -> Row:
     start = time.perf_counter()
     with _context_mib(case.context_mib), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        est = autofit.estimate(model, sample, device="cuda", gpu=case.gpu, **kwargs)
+        est = autofit.estimate(model, sample, device=case.gpu, **kwargs)
     figure = _figure(est, case.measures) + case.outside_bytes
     return Row(case=case, autofit_bytes=figure, seconds=time.perf_counter() - start,
                phase=est.peak_phase)

@@ -104,7 +104,7 @@ def run_plan(cfg, seq: int) -> float:
     stages = []
     start = time.perf_counter()
     with listening(lambda stage: stages.append((time.perf_counter() - start, stage.what))):
-        plan = autofit.plan(model, ids, "90%", batch_size=64, target=ids, gpu="A100-80GB")
+        plan = autofit.plan(model, ids, "90%", batch_size=64, target=ids, device="A100-80GB")
     seconds = time.perf_counter() - start
     print(f"\nautofit.plan (fp32 model, A100-80GB at 90 %, effective batch 64 x {seq}): {seconds:.1f} s; "
           f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps}, {plan.precision.label}, "

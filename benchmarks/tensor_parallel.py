@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
 
         mapping = sequence_parallel_plan(model)
     plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, args.budget, batch_size=args.batch,
-                        gpu="H100-80GB", world_size=8, strategy="fsdp2", tensor_parallel="auto",
-                        tensor_parallel_plan=mapping)
+                        device="H100-80GB",
+                        layout=autofit.Layout(world_size=8, strategy="fsdp2", tensor_parallel="auto",
+                                              tensor_parallel_plan=mapping))
     seconds = time.perf_counter() - start
     print(f"planned in {seconds:.1f} s: {plan.layout}, micro-batch {plan.micro_batch_size} x "
           f"{plan.gradient_accumulation_steps}, {plan.precision.label}, {len(plan.checkpoint)} modules recomputed, "

@@ -60,8 +60,9 @@ def main() -> None:
     sample = torch.randint(0, 256, (2, 32))
     batch_size = 16 * world_size
     plan = autofit.plan(model, sample, "64MB" if not cuda else "90%", batch_size=batch_size, target=sample,
-                        loss_fn=loss_fn, device=device.type, world_size=world_size,
-                        strategy=args.strategy if world_size > 1 else None)
+                        loss_fn=loss_fn, device=device.type,
+                        layout=autofit.Layout(world_size=world_size,
+                                              strategy=args.strategy if world_size > 1 else None))
     if rank == 0:
         print(plan)
 

@@ -82,9 +82,9 @@ def test_tensor_parallel_figures_equal_the_library_estimate():
                                                                (e.split("=") for e in llama[1::2])})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=2,
-                               accumulation_steps=2, device="cuda", gpu="H100-80GB", world_size=4, strategy="fsdp2",
-                               tensor_parallel=2)
+        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
+                               micro_batch_size=2, accumulation_steps=2, device="H100-80GB",
+                               layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2))
     assert data["accumulation_steps"] == 2 and data["batch_size"] == 8 and data["tensor_parallel"] == 2
     assert "tp 2" in data["layout"], data["layout"]
     assert (data["peak_allocated_bytes"], data["device_bytes"]) == (est.peak_allocated_bytes, est.device_bytes)
@@ -106,9 +106,10 @@ def test_sequence_parallel_figures_equal_the_library_estimate():
                                                                (e.split("=") for e in llama[1::2])})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=2,
-                               device="cuda", gpu="H100-80GB", world_size=4, strategy="fsdp2", tensor_parallel=2,
-                               tensor_parallel_plan=sequence_parallel_plan(spec.model))
+        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
+                               micro_batch_size=2, device="H100-80GB",
+                               layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2,
+                                                     tensor_parallel_plan=sequence_parallel_plan(spec.model)))
     assert data["sequence_parallel"] is True and alone["sequence_parallel"] is False
     assert (data["peak_allocated_bytes"], data["device_bytes"]) == (est.peak_allocated_bytes, est.device_bytes)
     assert data["breakdown"]["parameters"] == alone["breakdown"]["parameters"]

@@ -118,8 +118,8 @@ def test_batch_norm_warning_is_one_line_without_a_source_path():
     model, sample, target = torch.nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
                                                 nn.LazyLinear(2)), torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
     model(sample)  # materialise the lazy layer
-    plan = autofit.plan(model, sample, "1GB", batch_size=8, target=target, loss_fn=F.cross_entropy, device="cpu",
-                        checkpoint=None)
+    plan = autofit.plan(model, sample, "1GB", batch_size=8, target=target, loss_fn=F.cross_entropy,
+                        device="cpu", savers=autofit.Savers(checkpoint=None))
     # the same plan split in two micro-batches: the trainer warns that BatchNorm statistics are per micro-batch
     plan = autofit.Plan.from_json(plan.to_json().replace('"micro_batch_size": 8', '"micro_batch_size": 4')
                                   .replace('"gradient_accumulation_steps": 1', '"gradient_accumulation_steps": 2'))

@@ -166,6 +166,7 @@ def plan(
     from autofit.cli.estimate import sequence_option
     from autofit.cli.render import render_plan
     from autofit.emit.export import EXPORTERS
+    from autofit.options import Device, Layout, Precision, Savers
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
@@ -180,20 +181,22 @@ def plan(
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
         world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
+        # the flags as the planner's option values (autofit/options.py): the one place they map
+        options = dict(
+            device=Device(kind=device, gpu=gpu_option(gpu, gpu_memory), margin=margin, host_budget=host_budget,
+                          allow_over_capacity=allow_over_capacity),
+            precision=Precision(compute=precision, min_stored=min_stored_precision),
+            savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile),
+            layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
+                          reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
+                                                              boolean=True),
+                          replicate=layout_option("--replicate", replicate),
+                          tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
+                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)))
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                optimizer=optimizer, precision=precision, device=device, gpu=gpu_option(gpu, gpu_memory),
-                world_size=world_size,
-                strategy=strategy, min_stored_precision=min_stored_precision,
-                offload="auto" if offload else False, host_budget=host_budget, margin=margin,
-                allow_over_capacity=allow_over_capacity, gpus_per_node=gpus_per_node,
-                reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
-                replicate=layout_option("--replicate", replicate),
-                allow=tuple(allow or ()), tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
-                tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel),
-                compile=compile,
-            )
+                optimizer=optimizer, **options)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too
@@ -234,6 +237,7 @@ def verify(
     import torch
 
     from autofit.cli.verify import run_verification
+    from autofit.options import Device
     from autofit.planner import plan as make_plan
 
     console = console_for()
@@ -243,8 +247,8 @@ def verify(
             spec = _spec(model, input_shape, input_dtype, config, task)
             with planning_progress(console, f"planning for {device}", quiet=quiet):
                 result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
-                                   loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision, device=device,
-                                   margin=margin)
+                                   loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision,
+                                   device=Device(kind=device, margin=margin))
             with console.status(f"running {steps} real steps...", spinner="dots"):
                 report = run_verification(spec, result, steps=steps)
     except InfeasibleBudgetError as e:

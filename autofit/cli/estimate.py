@@ -16,6 +16,7 @@ from autofit.cli.specs import ModelSpec
 from autofit.core.errors import InvalidInputError
 from autofit.core.report import MemoryEstimate
 from autofit.core.units import format_mib
+from autofit.options import Device, Layout
 from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
 
@@ -137,12 +138,14 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
     """``autofit.estimate`` of the spec's model and sample under ``setup`` (one rank's figures)."""
     return estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
                     micro_batch_size=setup.micro_batch_size, accumulation_steps=setup.accumulation_steps,
-                    precision=setup.precision, optimizer=setup.optimizer, device=setup.device, gpu=setup.gpu,
-                    world_size=setup.world_size, strategy=setup.strategy,
-                    reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
-                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm,
-                    tensor_parallel=setup.tensor_parallel, compile=setup.compile,
-                    tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel, setup.tensor_parallel))
+                    precision=setup.precision, optimizer=setup.optimizer,
+                    device=Device(kind=setup.device, gpu=setup.gpu),
+                    layout=Layout(world_size=setup.world_size, strategy=setup.strategy,
+                                  reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
+                                  tensor_parallel=setup.tensor_parallel,
+                                  tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel,
+                                                                       setup.tensor_parallel)),
+                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm, compile=setup.compile)
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:

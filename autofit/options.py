@@ -1,0 +1,325 @@
+"""What the user may set, grouped by concern: one frozen value each, every field documented where it is declared.
+
+``autofit.plan(model, sample, budget="8GB")`` is the simplest call; the rest is five values, each also accepted as a
+shortcut (as Lightning takes ``strategy="fsdp"`` or ``FSDPStrategy(...)``):
+
+- ``device``: a :class:`Device`; or "cpu", "cuda" (this machine's GPU, else A100-80GB), a catalog GPU ("H100");
+- ``precision``: a :class:`Precision`; or its compute precision alone: "auto", "fp32", "bf16", "fp16", a
+  ``PrecisionPolicy``;
+- ``savers``: a :class:`Savers`; or "auto" (the planner may recompute and offload), "none" (neither);
+- ``layout``: a :class:`Layout`; or an int, the world size (the planner chooses the strategy);
+- ``search``: a :class:`Search`; or "auto", "exact" (no depth extrapolation: every simulation runs the whole model).
+
+A mapping of field names is accepted for each too (``layout={"world_size": 8, "strategy": "fsdp2"}``), as a
+torchtitan TOML section reads. The things that are no concern group stay keywords: ``model``, ``sample``,
+``budget``, ``batch_size``, ``target`` (the loss's target), ``loss_fn``, ``optimizer``, ``clip_grad_norm`` and
+``shared`` (which inputs of the sample are not per-sample: a property of the sample).
+
+Choices made here: the device's keyword is ``device``, not ``target`` (``target`` is the loss's target since the
+first version, and ``device="cuda"`` stays the old call); the nodes are the layout's (``Layout.gpus_per_node``: the
+ranks that share NVLink and one host), the host memory the device's (``Device.host_budget``, per node). ``estimate``
+and ``measure`` take ``device``, ``precision`` and ``layout``; what else they take fixes one step (``checkpoint``,
+``offload``, ``compile``, ...: the ``StepConfig``'s knobs, not options of a search).
+
+These values hold what the user asked, "auto" included; the request (autofit/request.py) resolves them against the
+model and the device once, and checks what needs the model there.
+
+Note [flat keywords]
+    Before these values, every knob was one more keyword of ``plan`` (29 of them), copied into ``plan_with_analysis``,
+    ``make_request``, ``estimate``, ``measure`` and the command line. The old keywords still work for now: each maps
+    to one field of one value in :data:`FLAT_KEYWORDS`, read in one place (:func:`gather`), with a
+    ``FutureWarning`` naming the new spelling. A flat keyword beside an option value that sets it too (say
+    ``gpu="H100"`` with ``device=Device(...)``) is ambiguous and refused; beside a shortcut string the keyword refines
+    it, so the old ``device="cuda", gpu="H100"`` reads as ``device=Device(gpu="H100")``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from autofit.core.errors import InvalidInputError, require_int, require_strategy
+
+__all__ = ["Device", "Precision", "Savers", "Layout", "Search", "Options", "FLAT_KEYWORDS", "gather", "as_device",
+           "as_precision", "as_savers", "as_layout", "as_search"]
+
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """The device a plan is for, and what is kept free on it and its host."""
+
+    # "cuda" (a GPU: ``gpu`` names which) or "cpu" (this machine's CPU and its allocator)
+    kind: str = "cuda"
+    # a catalog GPU ("A100-80GB", "H100", "RTX 4090"; ``autofit.gpu_spec`` knows them), a card not in the catalog as
+    # ``{"memory": "12GB", "like": "RTX-4070"}``, or a ``GPUSpec``; None: this machine's GPU, else A100-80GB (checked
+    # when the request resolves it, docs/cuda.md). A plan is for any GPU on any machine: nothing runs on it.
+    gpu: Any = None
+    # bytes kept free for what the estimate does not model: bytes, "512MB" or a share of the budget ("5%"); None:
+    # 0, except on GPUs with world size > 1, where NCCL's buffers live outside the caching allocator (Note [the
+    # margin], autofit/validate.py)
+    margin: int | str | None = None
+    # host memory a plan may pin for offloaded activations or states, per node: bytes or "64GB"; None: the catalog
+    # GPU's host, or this machine's RAM when the target is this machine (Note [the host of the target])
+    host_budget: int | str | None = None
+    # a budget above the GPU's memory is refused unless this is True (say, to plan for a GPU not in the catalog)
+    allow_over_capacity: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, str) or self.kind.split(":")[0] not in DEVICE_KINDS:
+            raise InvalidInputError(f"Device(kind=...) must be 'cpu' or 'cuda', got {self.kind!r}: name a GPU model "
+                                    "with Device(gpu='H100') (or device='H100')")
+        if not isinstance(self.allow_over_capacity, bool):
+            raise InvalidInputError(f"Device(allow_over_capacity=...) must be True or False, got "
+                                    f"{self.allow_over_capacity!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """The precision the step computes in, and how low the planner may store the parameters."""
+
+    # "auto" (the planner chooses, fastest first), "fp32", "bf16", "fp16" (autocast with that dtype around forward
+    # and loss), or a ``PrecisionPolicy`` with per-op / per-module overrides
+    compute: Any = "auto"
+    # the floor of the stored precision when nothing fits in the dtype the model was built in (Note [stored
+    # precision], autofit/training/stored.py): "fp32" (never lower), "fp32-master" (low-precision parameters only
+    # with an fp32 master copy) or "bf16"; None: "bf16" (any)
+    min_stored: str | None = None
+    # module classes, class names or qualified names that compute in fp32 (say the final norm and the LM head; the
+    # plan's notes give each one's cost, Note [the cost of an fp32 pin]); "auto": the final norm and the output head,
+    # kept in fp32 when the plan still fits with them; None: none
+    fp32_modules: Any = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Savers:
+    """What the planner may do to save memory beyond the micro-batch and the precision (Note [the ladder])."""
+
+    # "auto": the planner chooses the modules to recompute (activation checkpointing); a sequence of module
+    # qualified names: exactly these ({name: "selective"} recomputes only what is cheap); (): none
+    checkpoint: Any = "auto"
+    # "auto" or True: activations, or the parameters, gradients and optimizer state, may live in host memory where
+    # that is what fits or is faster (GPU targets; Note [offload], docs/offload.md); False: never
+    offload: bool | str = "auto"
+    # the rungs that change numerics, climbed only when named here and only when nothing fits without them:
+    # "chunked-loss" (the output head and cross-entropy in chunks of tokens) and "8bit-optimizer" (AdamW's state in
+    # 8 bits) (docs/fine-tuning.md)
+    allow: Any = ()
+    # every step runs the model compiled (torch.compile, inductor) and is estimated so (Note [compile as a knob])
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload not in ("auto", True, False):
+            raise InvalidInputError(
+                f"offload must be 'auto' (the planner may keep activations or states in host memory when that is "
+                f"what fits, or is faster), True (the same) or False (never), got {self.offload!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How the job is laid out over GPUs and nodes (docs/multi-gpu.md). One process by default."""
+
+    # the number of processes (GPUs); batch_size is the global batch and budget is per device
+    world_size: int = 1
+    # GPUs per node: the ranks whose collectives run over NVLink and which share one host; None: every rank on one
+    # node
+    gpus_per_node: int | None = None
+    # "ddp", "fsdp2", or None: one process, or with world_size > 1 the planner plans both and keeps the faster
+    strategy: str | None = None
+    # FSDP2 after forward: True (ZeRO-3), False (ZeRO-2) or an int group size to reshard to; "auto": the planner
+    # plans ZeRO-3 and ZeRO-2 (across nodes also the reshard to one node) and keeps the fastest that fits
+    reshard_after_forward: bool | int | str = "auto"
+    # HSDP: replicate over this many groups, shard within each; "auto": 1, and across nodes also one per node
+    replicate: int | str = "auto"
+    # 1 (none), T (FSDP2 over world_size // T ranks x tensor parallel T) or "auto" (also T = 2, 4, 8 dividing one
+    # node's GPUs, for a model with a tensor-parallel plan: Note [tensor parallel plan])
+    tensor_parallel: int | str = 1
+    # {module name pattern: style} for a model without its own tensor-parallel plan, or to split more than its own
+    tensor_parallel_plan: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        require_int("world_size", self.world_size)
+        require_strategy(self.strategy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Search:
+    """How the planner searches (the plan it finds is the same either way, up to depth extrapolation)."""
+
+    # "auto": a model whose depth is a run of at least 16 identical blocks is simulated cut to a few and each figure
+    # carried to all of them along a checked line (Note [depth extrapolation], autofit/capture/depth.py); True: from
+    # 8 blocks; False: every simulation runs the whole model
+    extrapolate_depth: bool | str = "auto"
+    # also search the halving micro-batches for the front (one checkpoint MILP each) and skip the quick path (Note
+    # [the quick path]); None: the function's own default, False for plan and True for plan_with_analysis (the
+    # CLI's front)
+    alternatives: bool | None = None
+
+    def __post_init__(self) -> None:
+        depth = self.extrapolate_depth
+        if depth is not True and depth is not False and depth != "auto":
+            raise InvalidInputError(f"extrapolate_depth must be True, False or 'auto', not {depth!r}")
+        if self.alternatives not in (None, True, False):
+            raise InvalidInputError(f"Search(alternatives=...) must be True, False or None, got {self.alternatives!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The five values together, as the request holds them."""
+
+    device: Device = Device()
+    precision: Precision = Precision()
+    savers: Savers = Savers()
+    layout: Layout = Layout()
+    search: Search = Search()
+
+
+def _from_mapping(cls: type, value: Mapping[str, Any], keyword: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidInputError(f"{keyword}={{...}}: {cls.__name__} has no field {', '.join(map(repr, unknown))}; "
+                                f"its fields are {', '.join(sorted(known))}")
+    return cls(**value)
+
+
+def _wrong(keyword: str, value: Any, cls: type, shortcuts: str) -> InvalidInputError:
+    return InvalidInputError(f"{keyword} must be an autofit.{cls.__name__}(...), {shortcuts}, or a mapping of its "
+                             f"fields; got {value!r} ({type(value).__name__})")
+
+
+def as_device(value: Any) -> Device:
+    """``device=``: a :class:`Device`, "cpu", "cuda" ("cuda:1"), a catalog GPU name ("H100"), or a torch.device."""
+    if value is None:
+        return Device()
+    if isinstance(value, Device):
+        return value
+    if isinstance(value, Mapping):
+        return _from_mapping(Device, value, "device")
+    if type(value).__name__ == "device" and type(value).__module__ == "torch":  # torch.device, without importing torch
+        value = str(value)
+    if isinstance(value, str):
+        if value.split(":")[0] in DEVICE_KINDS:
+            return Device(kind=value)
+        from autofit.cuda.catalog import gpu_spec
+
+        try:
+            gpu_spec(value)
+        except InvalidInputError as e:  # neither a kind nor a GPU: say both
+            raise InvalidInputError(f"device must be 'cpu', 'cuda' or a catalog GPU name, got {value!r} ({e})") from e
+        return Device(gpu=value)
+    raise _wrong("device", value, Device, "'cpu', 'cuda' or a catalog GPU name such as 'H100'")
+
+
+def as_precision(value: Any) -> Precision:
+    """``precision=``: a :class:`Precision`, or its compute precision alone ("auto", "bf16", a ``PrecisionPolicy``;
+    checked against the device by the request)."""
+    if value is None:
+        return Precision()
+    if isinstance(value, Precision):
+        return value
+    if isinstance(value, Mapping):
+        return _from_mapping(Precision, value, "precision")
+    return Precision(compute=value)
+
+
+def as_savers(value: Any) -> Savers:
+    """``savers=``: a :class:`Savers`, "auto" (the defaults) or "none" (no recomputation, no offload)."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return Savers()
+    if isinstance(value, Savers):
+        return value
+    if isinstance(value, Mapping):
+        return _from_mapping(Savers, value, "savers")
+    if isinstance(value, str) and value == "none":
+        return Savers(checkpoint=(), offload=False)
+    raise _wrong("savers", value, Savers, "'auto' or 'none'")
+
+
+def as_layout(value: Any) -> Layout:
+    """``layout=``: a :class:`Layout`, or an int: the world size."""
+    if value is None:
+        return Layout()
+    if isinstance(value, Layout):
+        return value
+    if isinstance(value, Mapping):
+        return _from_mapping(Layout, value, "layout")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Layout(world_size=value)
+    raise _wrong("layout", value, Layout, "an int (the world size)")
+
+
+def as_search(value: Any) -> Search:
+    """``search=``: a :class:`Search`, "auto" (the defaults) or "exact" (every simulation runs the whole model)."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return Search()
+    if isinstance(value, Search):
+        return value
+    if isinstance(value, Mapping):
+        return _from_mapping(Search, value, "search")
+    if isinstance(value, str) and value == "exact":
+        return Search(extrapolate_depth=False)
+    raise _wrong("search", value, Search, "'auto' or 'exact'")
+
+
+_AS = {"device": as_device, "precision": as_precision, "savers": as_savers, "layout": as_layout,
+       "search": as_search}
+_CLASSES = {"device": Device, "precision": Precision, "savers": Savers, "layout": Layout, "search": Search}
+
+# Note [flat keywords]: each old keyword of plan / estimate / measure -> (the option value, its field)
+FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
+    "gpu": ("device", "gpu"),
+    "margin": ("device", "margin"),
+    "host_budget": ("device", "host_budget"),
+    "allow_over_capacity": ("device", "allow_over_capacity"),
+    "min_stored_precision": ("precision", "min_stored"),
+    "fp32_modules": ("precision", "fp32_modules"),
+    "checkpoint": ("savers", "checkpoint"),
+    "offload": ("savers", "offload"),
+    "allow": ("savers", "allow"),
+    "compile": ("savers", "compile"),
+    "world_size": ("layout", "world_size"),
+    "gpus_per_node": ("layout", "gpus_per_node"),
+    "strategy": ("layout", "strategy"),
+    "reshard_after_forward": ("layout", "reshard_after_forward"),
+    "replicate": ("layout", "replicate"),
+    "tensor_parallel": ("layout", "tensor_parallel"),
+    "tensor_parallel_plan": ("layout", "tensor_parallel_plan"),
+    "extrapolate_depth": ("search", "extrapolate_depth"),
+    "alternatives": ("search", "alternatives"),  # plan_with_analysis's
+}
+
+
+def _spelling(group: str, field: str, value: Any) -> str:
+    return f"{group}=autofit.{_CLASSES[group].__name__}({field}={value!r})"
+
+
+def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
+           groups: tuple[str, ...] = tuple(_AS)) -> dict[str, Any]:
+    """The option values of a call: ``given`` the option keywords as passed (a value, a shortcut or None), ``flat``
+    the old keywords (Note [flat keywords]), each folded into the field it maps to with a ``FutureWarning``.
+    ``groups``: the values ``function`` takes; another keyword is a ``TypeError``, as Python names one."""
+    values = {}
+    for group in groups:
+        value = given.get(group)
+        values[group] = _AS[group](value)
+    updates: dict[str, dict[str, Any]] = {}
+    for keyword, value in flat.items():
+        owner = FLAT_KEYWORDS.get(keyword)
+        if owner is None or owner[0] not in groups:
+            raise TypeError(f"{function}() got an unexpected keyword argument {keyword!r}")
+        group, field = owner
+        if isinstance(given.get(group), (_CLASSES[group], Mapping)):
+            raise InvalidInputError(
+                f"{function}(): {keyword}= and {group}= both given, and {group} holds {field}: drop {keyword}= and "
+                f"write {_spelling(group, field, value)} (or set {field} in the {group} you pass)")
+        warnings.warn(f"{function}({keyword}=...) is deprecated: write {_spelling(group, field, value)}",
+                      FutureWarning, stacklevel=3)
+        updates.setdefault(group, {})[field] = value
+    for group, changed in updates.items():
+        values[group] = replace(values[group], **changed)
+    return values
