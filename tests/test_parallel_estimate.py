@@ -62,3 +62,26 @@ def test_a_layout_without_its_other_half_is_refused():
     with pytest.raises(InvalidInputError, match="reduce_every_micro_batch"):
         autofit.estimate(case.model, case.sample, micro_batch_size=2, world_size=2, strategy="ddp",
                          reduce_every_micro_batch=True)
+
+
+@pytest.mark.sim
+def test_dtensor_specs_flattened_once_give_the_same_fsdp2_estimate(monkeypatch):
+    """Note [DTensor's tuple strategies in linear time]: the optimizer's foreach ops over FSDP2's sharded parameters
+    propagate with each schema's specs flattened once; the truth is torch's own propagation, the patch switched off."""
+    import contextlib
+
+    from autofit.core import _torch
+    from autofit.simulate import parallel
+
+    case = wide_blocks("meta")
+
+    def figures():
+        est = autofit.estimate(case.model, case.sample, micro_batch_size=4, target=case.target, loss_fn=case.loss_fn,
+                               precision="bf16", device="cuda", gpu="H100-80GB", world_size=8, strategy="fsdp2")
+        return est.peak_bytes, est.device_bytes, est.peak_reserved_bytes, est.breakdown
+
+    with _torch.dtensor_specs_once():
+        pass  # the context enters and leaves cleanly without a simulation
+    patched = figures()
+    monkeypatch.setattr(parallel, "dtensor_specs_once", contextlib.nullcontext)
+    assert figures() == patched

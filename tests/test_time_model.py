@@ -58,3 +58,20 @@ def test_recomputed_blocks_grouped_into_a_run_by_hand():
     assert grouped_by_block(problem, (0, 1, 4), blocks, 9) == (0, 1, 4)
     uneven = _four_blocks(("layers.0", "layers.1", "layers.2", "norm"))  # block 3 has no unit
     assert grouped_by_block(uneven, (0, 2), blocks, 10) == (0, 2)
+
+
+def test_ops_under_a_set_of_modules_is_the_per_op_prefix_test() -> None:
+    """``OpCosts.under`` tests each distinct module once: the same mask as testing every op's module in turn."""
+    rng = np.random.default_rng(0)
+    names = ["", "head", "layers", "layers.1", "layers.10", "layers.1.mlp", "layers.1.mlp.up", "layers.2.attn",
+             "layers.11", "norm"]
+    module = tuple(names[i] for i in rng.integers(0, len(names), 500))
+    n = len(module)
+    ops = OpCosts(flops_fixed=np.zeros(n), flops_per_sample=np.zeros(n), bytes_fixed=np.zeros(n),
+                  bytes_per_sample=np.zeros(n), precision=("fp32",) * n, forward=np.ones(n, dtype=bool), module=module)
+    for chosen in [(), ("layers.1",), ("layers.1", "layers.10"), ("layers",), ("layers.1.mlp", "norm"), ("",),
+                   ("layers.2",)]:
+        prefixes = tuple(c + "." for c in chosen)
+        expected = np.array([m in chosen or m.startswith(prefixes) for m in module], dtype=bool)
+        np.testing.assert_array_equal(ops.under(chosen), expected)
+        np.testing.assert_array_equal(ops.under(iter(chosen)), expected)  # a generator, as sharding.py passes

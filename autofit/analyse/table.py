@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -35,9 +36,20 @@ class OpCosts:
     def under(self, names) -> np.ndarray:
         """Bool per op: its module is one of ``names`` or inside one ("layers.1.mlp" under "layers.1"; never a
         sibling sharing the prefix, "layers.10")."""
-        names = tuple(names)
+        names = frozenset(names)
         prefixes = tuple(n + "." for n in names)
-        return np.array([m in names or m.startswith(prefixes) for m in self.module], dtype=bool)
+        distinct, index = self._modules
+        return np.array([m in names or m.startswith(prefixes) for m in distinct], dtype=bool)[index]
+
+    @cached_property
+    def _modules(self) -> tuple[list[str], np.ndarray]:
+        """The distinct module names and, per op, the index of its own: ``under`` tests each name once, not once
+        per op (a 70B-shaped Llama's ops name about 1,300 modules over 136,000 ops, and the search asks for hundreds
+        of sets)."""
+        position: dict[str, int] = {}
+        index = np.fromiter((position.setdefault(m, len(position)) for m in self.module), dtype=np.int64,
+                            count=len(self.module))
+        return list(position), index
 
 
 def precision_of(dtype: str) -> str:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autofit.core._torch import fake_store
+from autofit.core._torch import dtensor_specs_once, fake_store
 from autofit.core.errors import UnsupportedModelError
 from autofit.training.strategy import mesh_names, mesh_shape
 
@@ -45,8 +45,9 @@ def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> 
     excepthook = sys.excepthook
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", mesh_shape(world_size, replicate, tensor_parallel),
-                               mesh_dim_names=mesh_names(world_size, replicate, tensor_parallel))
+        with dtensor_specs_once():  # Note [DTensor's tuple strategies in linear time], core/_torch.py
+            yield init_device_mesh("cpu", mesh_shape(world_size, replicate, tensor_parallel),
+                                   mesh_dim_names=mesh_names(world_size, replicate, tensor_parallel))
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
