@@ -36,7 +36,7 @@ Note [flat keywords]
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -178,92 +178,74 @@ class Options:
     search: Search = Search()
 
 
-def _from_mapping(cls: type, value: Mapping[str, Any], keyword: str) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise InvalidInputError(f"{keyword}={{...}}: {cls.__name__} has no field {', '.join(map(repr, unknown))}; "
-                                f"its fields are {', '.join(sorted(known))}")
-    return cls(**value)
+def _option(cls: type, keyword: str, value: Any, shortcut: Callable[[Any], Any], shortcuts: str) -> Any:
+    """What every option keyword accepts: None (the defaults), the value itself, a mapping of its fields, or one of
+    its shortcuts (``shortcut`` returns the value it names, None where ``value`` is none of them)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidInputError(f"{keyword}={{...}}: {cls.__name__} has no field "
+                                    f"{', '.join(map(repr, unknown))}; its fields are {', '.join(sorted(known))}")
+        return cls(**value)
+    named = shortcut(value)
+    if named is None:
+        raise InvalidInputError(f"{keyword} must be an autofit.{cls.__name__}(...), {shortcuts}, or a mapping of its "
+                                f"fields; got {value!r} ({type(value).__name__})")
+    return named
 
 
-def _wrong(keyword: str, value: Any, cls: type, shortcuts: str) -> InvalidInputError:
-    return InvalidInputError(f"{keyword} must be an autofit.{cls.__name__}(...), {shortcuts}, or a mapping of its "
-                             f"fields; got {value!r} ({type(value).__name__})")
+def _device_shortcut(value: Any) -> Device | None:
+    if type(value).__name__ == "device" and type(value).__module__ == "torch":  # torch.device, without importing torch
+        value = str(value)
+    if not isinstance(value, str):
+        return None
+    if value.split(":")[0] in DEVICE_KINDS:
+        return Device(kind=value)
+    from autofit.cuda.catalog import gpu_spec
+
+    try:
+        gpu_spec(value)
+    except InvalidInputError as e:  # neither a kind nor a GPU: say both
+        raise InvalidInputError(f"device must be 'cpu', 'cuda' or a catalog GPU name, got {value!r} ({e})") from e
+    return Device(gpu=value)
 
 
 def as_device(value: Any) -> Device:
     """``device=``: a :class:`Device`, "cpu", "cuda" ("cuda:1"), a catalog GPU name ("H100"), or a torch.device."""
-    if value is None:
-        return Device()
-    if isinstance(value, Device):
-        return value
-    if isinstance(value, Mapping):
-        return _from_mapping(Device, value, "device")
-    if type(value).__name__ == "device" and type(value).__module__ == "torch":  # torch.device, without importing torch
-        value = str(value)
-    if isinstance(value, str):
-        if value.split(":")[0] in DEVICE_KINDS:
-            return Device(kind=value)
-        from autofit.cuda.catalog import gpu_spec
-
-        try:
-            gpu_spec(value)
-        except InvalidInputError as e:  # neither a kind nor a GPU: say both
-            raise InvalidInputError(f"device must be 'cpu', 'cuda' or a catalog GPU name, got {value!r} ({e})") from e
-        return Device(gpu=value)
-    raise _wrong("device", value, Device, "'cpu', 'cuda' or a catalog GPU name such as 'H100'")
+    return _option(Device, "device", value, _device_shortcut, "'cpu', 'cuda' or a catalog GPU name such as 'H100'")
 
 
 def as_precision(value: Any) -> Precision:
     """``precision=``: a :class:`Precision`, or its compute precision alone ("auto", "bf16", a ``PrecisionPolicy``;
     checked against the device by the request)."""
-    if value is None:
-        return Precision()
-    if isinstance(value, Precision):
-        return value
-    if isinstance(value, Mapping):
-        return _from_mapping(Precision, value, "precision")
-    return Precision(compute=value)
+    return _option(Precision, "precision", value, lambda compute: Precision(compute=compute), "")
 
 
 def as_savers(value: Any) -> Savers:
     """``savers=``: a :class:`Savers`, "auto" (the defaults) or "none" (no recomputation, no offload)."""
-    if value is None or (isinstance(value, str) and value == "auto"):
-        return Savers()
-    if isinstance(value, Savers):
-        return value
-    if isinstance(value, Mapping):
-        return _from_mapping(Savers, value, "savers")
-    if isinstance(value, str) and value == "none":
-        return Savers(checkpoint=(), offload=False)
-    raise _wrong("savers", value, Savers, "'auto' or 'none'")
+    named = {"auto": Savers(), "none": Savers(checkpoint=(), offload=False)}
+    return _option(Savers, "savers", value, lambda v: named.get(v) if isinstance(v, str) else None,
+                   "'auto' or 'none'")
 
 
 def as_layout(value: Any) -> Layout:
     """``layout=``: a :class:`Layout`, or an int: the world size."""
-    if value is None:
-        return Layout()
-    if isinstance(value, Layout):
-        return value
-    if isinstance(value, Mapping):
-        return _from_mapping(Layout, value, "layout")
-    if isinstance(value, int) and not isinstance(value, bool):
-        return Layout(world_size=value)
-    raise _wrong("layout", value, Layout, "an int (the world size)")
+    def world_size(v: Any) -> Layout | None:
+        return Layout(world_size=v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    return _option(Layout, "layout", value, world_size, "an int (the world size)")
 
 
 def as_search(value: Any) -> Search:
     """``search=``: a :class:`Search`, "auto" (the defaults) or "exact" (every simulation runs the whole model)."""
-    if value is None or (isinstance(value, str) and value == "auto"):
-        return Search()
-    if isinstance(value, Search):
-        return value
-    if isinstance(value, Mapping):
-        return _from_mapping(Search, value, "search")
-    if isinstance(value, str) and value == "exact":
-        return Search(extrapolate_depth=False)
-    raise _wrong("search", value, Search, "'auto' or 'exact'")
+    named = {"auto": Search(), "exact": Search(extrapolate_depth=False)}
+    return _option(Search, "search", value, lambda v: named.get(v) if isinstance(v, str) else None,
+                   "'auto' or 'exact'")
 
 
 _AS = {"device": as_device, "precision": as_precision, "savers": as_savers, "layout": as_layout,
