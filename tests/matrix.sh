@@ -18,7 +18,7 @@ summary=()
 started=$SECONDS
 workers=${AUTOFIT_TEST_WORKERS:-$(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')}
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist load); fi
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist worksteal); fi
 
 # suite NAME COMMAND...: run a pytest command with its output as usual; keep its closing line for the summary
 suite() {
