@@ -43,13 +43,17 @@ NEXT_TIER = {"quick": "@pytest.mark.sim (or @pytest.mark.slow)", "sim": "@pytest
 # Note [the slowest first]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
 # The whole suite runs on one pytest-xdist worker per core (tests/matrix.sh). Its wall time is the busiest worker's,
-# so what ends a run matters: a 4-minute test handed out last keeps one worker busy while the other idles. Run in
-# collection order (alphabetical by file) the slow tier's longest tests came late. So the items are ordered by tier,
-# slow first, then sim, then quick (a stable sort: within a tier, collection order), and matrix.sh hands them out with
-# ``--dist worksteal`` (an idle worker takes queued tests from a busy one). Measured on two idle cores: the whole
-# suite on torch 2.13 28:25 (its last 3 % of tests, slow ones, took 2:45), the newest torch's not-slow run 7:31 with
-# worksteal and 10:06 with ``--dist load``. Every worker collects the same list, which xdist requires: the order is a
-# function of the collection alone. No test may depend on another's having run before it (each builds its own model).
+# so what ends a run matters: a 4-minute test handed out last keeps one worker busy while the other idles. So the
+# items are ordered by tier, slow first, then sim, then quick, and within the slow tier longest first: a test whose
+# call takes a minute or more says so on its marker, ``@pytest.mark.slow(seconds=N)`` (its CPU seconds on two idle
+# cores, a rough figure: only the order reads it), the others count as 0 and keep collection order (a stable sort).
+# matrix.sh hands the list out with ``--dist worksteal``: the first half of the list goes to one worker, the second to
+# the other, and an idle worker takes the back half of the busiest one's queue. The long tests so start at once and
+# the run ends on short ones (the longest-processing-time-first rule). Measured on two idle cores before the
+# longest-first order: the whole suite on torch 2.13 28:25, its last 3 % of tests (slow ones, in alphabetical order)
+# took 2:45; the newest torch's not-slow run 7:31 with worksteal and 10:06 with ``--dist load``. Every worker collects
+# the same list, which xdist requires: the order is a function of the collection alone. No test may depend on
+# another's having run before it (each builds its own model).
 _TIER_ORDER = {"slow": 0, "sim": 1, "quick": 2}
 
 
@@ -57,7 +61,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slow") is None and item.get_closest_marker("sim") is None:
             item.add_marker(pytest.mark.quick)
-    items.sort(key=lambda item: _TIER_ORDER[_tier(item)])  # Note [the slowest first]
+    items.sort(key=_run_order)  # Note [the slowest first]
+
+
+def _run_order(item: pytest.Item) -> tuple[int, float]:
+    """Tier first (slow, sim, quick), then the slow tier's longest first (Note [the slowest first])."""
+    slow = item.get_closest_marker("slow")
+    return _TIER_ORDER[_tier(item)], -(slow.kwargs.get("seconds", 0) if slow is not None else 0)
 
 
 def _tier(item: pytest.Item) -> str:
@@ -122,7 +132,7 @@ def pytest_runtest_call(item: pytest.Item):
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # The zoo (tests/zoo.py) builds a fresh, seeded model on every call, and some files build the same case dozens of
 # times (test_accuracy.py: each of 16 cases for 8 configurations, twice). ``estimate``, ``measure`` and ``plan`` never
-# modify the user's model (DESIGN's promise, tests/test_unchanged.py checks it), so a test that only hands a case to
+# modify the user's model (the README's promise; tests/test_unchanged.py checks it), so a test that only hands a case to
 # them reads one session-wide copy. A test that trains, wraps or changes the model builds its own with ``ZOO[name]()``.
 # The promise is checked here as well: every parameter and buffer of a shared case keeps its version counter (torch
 # bumps it on every in-place write), and a shared case that a test changed fails the session's teardown by name.

@@ -8,8 +8,9 @@
 # A venv that already exists is reused (pip then installs only what changed). Tests run on as many pytest-xdist
 # workers as there are cores (most tests are one Python thread: a simulation on fake tensors), AUTOFIT_TEST_WORKERS
 # overrides (1: one process, no xdist). Both runs always run; the script exits with the first failing run's status
-# after a one-line summary of both. -rfEs lists failures, errors and why each skipped test skipped (tests whose truth is a real step on this
-# CPU skip where its kernels cannot run it, Note [CPU kernels]).
+# after a one-line summary of both. --durations=15 prints the slowest tests of each run (where the time goes).
+# -rfEs lists failures, errors and why each skipped test skipped (tests whose truth is a real step on this CPU skip
+# where its kernels cannot run it, Note [CPU kernels]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,14 +35,14 @@ suite() {
 python3 -m venv .venv-test
 .venv-test/bin/pip install -q torch==2.13.0 -e ".[test]"
 suite "torch $(.venv-test/bin/python -c 'import torch; print(torch.__version__)')" \
-    .venv-test/bin/python -m pytest -q -rfEs "${parallel[@]}"
+    .venv-test/bin/python -m pytest -q -rfEs --durations=15 "${parallel[@]}"
 
 python3 -m venv .venv-newest
 .venv-newest/bin/pip install -q --upgrade torch
 .venv-newest/bin/pip install -q -e ".[test]"
 newest=$(.venv-newest/bin/python -c 'import torch; print(torch.__version__)')
 echo "newest torch: $newest"
-suite "torch $newest, not slow" .venv-newest/bin/python -m pytest -q -rfEs -m "not slow" "${parallel[@]}"
+suite "torch $newest, not slow" .venv-newest/bin/python -m pytest -q -rfEs --durations=15 -m "not slow" "${parallel[@]}"
 
 elapsed=$((SECONDS - started))
 echo "matrix: ${summary[0]}; ${summary[1]}; $((elapsed / 60)) min $((elapsed % 60)) s in all"

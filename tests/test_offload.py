@@ -281,7 +281,7 @@ def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
     assert apart.offload_states and apart.host_bytes == one_rank
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=420)
 def test_gpt2_xl_on_a_t4_plans_with_its_states_on_the_host():
     """Issue 15's case: GPT-2-XL (48 x 1600, 1,557,611,200 parameters, fp32 on meta), a 16 GB T4 (no bf16: fp16),
     effective batch 32 x 1024, 90 % of the card; a T4 machine with 64 GB of RAM. Without offload the states alone

@@ -116,7 +116,7 @@ def _counterexamples(seeds, case=None, configuration_peaks=None) -> list[str]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=260)
 def test_plan_finds_a_plan_whenever_a_configuration_fits():
     counterexamples = _counterexamples(SEEDS)
     print(f"{len(SEEDS)} random cases, {len(counterexamples)} counterexamples")
@@ -389,7 +389,7 @@ def llama_floors():
     return model, floors, messages
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=90)
 def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama_floors):
     """The report's Llama-2-7B on an H200 (fp16, no offload) named 128.85 GiB at batch 8 and 149.13 GiB at batch 1.
     Four of its layers with the same knobs: a plan at the floor named for batch 1 and for batch 8 comes back with the
