@@ -90,6 +90,7 @@ class Trainer:
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
             clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
             offload=plan.offload, chunked_loss=plan.chunked_loss, preallocated_grads=plan.preallocated_grads,
+            layout=plan.parallel,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
