@@ -68,7 +68,7 @@ class DistributedTrainer(Trainer):
         self._own_group = False
         if plan.offload_states and plan.world_size == 1 and dist.is_available() and not dist.is_initialized():
             # FSDP2 on one process (Note [offload]): a process group of one, torch's own, made and destroyed here
-            backend = "cpu:gloo,cuda:nccl" if plan.device == "cuda" else "gloo"
+            backend = plan.device.process_group_backend
             self._excepthook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]" for good
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True

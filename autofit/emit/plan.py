@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int
+from autofit.training.config import DEVICES, DeviceKind
 from autofit.training.length import LengthSpec
 from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.precision import PrecisionPolicy
@@ -67,7 +68,7 @@ class Plan:
     peak_bytes: int  # = peak_allocated_bytes (the name the API began with)
     device_bytes: int  # what the budget is checked against (CUDA: allocator reserve and context included)
     budget_bytes: int
-    device: str
+    device: DeviceKind  # "cpu" or "cuda", held as a DeviceKind
     optimizer: str
     predicted_step_seconds: float
     estimate: MemoryEstimate
@@ -162,6 +163,9 @@ class Plan:
             object.__setattr__(self, "peak_reserved_bytes", self.estimate.peak_reserved_bytes)
         for name in ("peak_bytes", "device_bytes", "budget_bytes", "peak_reserved_bytes", "margin_bytes"):
             require_int(f"Plan.{name} (bytes)", getattr(self, name), minimum=0)
+        if self.device not in DEVICES:
+            raise InvalidInputError(f"Plan.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        object.__setattr__(self, "device", DeviceKind(self.device))
         if not isinstance(self.parallel, Parallel):
             raise InvalidInputError(f"Plan.parallel must be an autofit.training.layout.Parallel, got {self.parallel!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -349,7 +353,7 @@ class Plan:
     # ---- the human table the CLI prints ---------------------------------------------------------------------------
     def memory_rows(self, fmt) -> list[tuple[str, str]]:
         """The three figures as (label, value) rows, each saying what it compares with; ``fmt`` formats bytes."""
-        if self.device != "cuda":
+        if not self.device.caching_allocator:
             return [("peak (CPU allocator)", fmt(self.device_bytes))]
         return [
             ("peak allocated", f"{fmt(self.peak_allocated_bytes)} (~ torch.cuda.max_memory_allocated)"),

@@ -236,7 +236,7 @@ def require_alloc_conf(plan: Plan) -> None:
     every block of the step, parameters included, lives in such segments. Already in force (the environment's
     ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``, or an earlier call): nothing to do. No CUDA memory allocated
     yet: set it. Otherwise an :class:`AllocatorSettingError` names what to export before the process starts."""
-    if not plan.alloc_conf or plan.device != "cuda" or plan.alloc_conf in allocator_settings():
+    if not plan.alloc_conf or not plan.device.caching_allocator or plan.alloc_conf in allocator_settings():
         return
     if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
         raise AllocatorSettingError(
