@@ -242,8 +242,7 @@ class StepTracker(TorchDispatchMode):
             out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
                           workspace=probe.workspace if probe is not None else 0)
-        # a CPU job's collectives run on gloo (Note [gloo's staging copies])
-        if self.kernels_for is not None and self.kernels_for.is_host:
+        if self.kernels_for is not None and self.kernels_for.is_host:  # on gloo: Note [gloo's staging copies]
             record.workspace += gloo_staging_bytes(func, args)
         if self.count_flops and func.overloadpacket in flop_registry:
             try:
