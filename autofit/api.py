@@ -13,7 +13,7 @@ from autofit.analyse.table import Analysis
 from autofit.training.batch import naming_inputs
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import resolve_device
-from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
+from autofit.core.errors import InvalidInputError, require_int, require_layout
 from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
@@ -24,6 +24,7 @@ from autofit.options import Device, Layout, Precision, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
+from autofit.training.layout import Strategy, as_strategy
 from autofit.training.step import StepConfig, forward_errors, make_step_config
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
@@ -38,15 +39,16 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
-    require_strategy(strategy)
+    strategy = as_strategy(strategy)  # the user's string, read once: its properties from here on
+    sharded = strategy is not None and strategy.shards_parameters
     if world_size > 1 and strategy is None:
         raise InvalidInputError(f"world_size={world_size} needs strategy='ddp' or 'fsdp2': an estimate describes one "
                                 "layout (plan() chooses between them)")
-    if strategy is not None and world_size == 1 and not (strategy == "fsdp2" and offload_states):
+    if strategy is not None and world_size == 1 and not (sharded and offload_states):
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if offload_states:
-        strategy = "fsdp2"
-    if strategy == "fsdp2":  # a bad layout is named here, before any simulation (docs/multi-gpu.md)
+        strategy, sharded = Strategy.FSDP2, True
+    if sharded:  # a bad layout is named here, before any simulation (docs/multi-gpu.md)
         require_layout(strategy, world_size, reshard_after_forward, replicate)
     require_tensor_parallel(strategy, world_size, tensor_parallel, replicate, offload_states)
     if tensor_parallel_plan is not None and tensor_parallel == 1:
@@ -55,7 +57,7 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
     tensor_plan = resolve_tensor_plan(model, tensor_parallel, tensor_parallel_plan)
     if batch is not None:
         require_sequence_split(tensor_plan, tensor_parallel, batch.tensors(), "the sample")
-    units = shard_units(model) if strategy == "fsdp2" else ()
+    units = shard_units(model) if sharded else ()
     chunks = _loss_chunks(model, batch, target, loss_fn) if chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
                             precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
@@ -261,7 +263,7 @@ def measure(
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
                      gradient_as_bucket_view, **layout)
-    if config.device == "cuda" and not torch.cuda.is_available():
+    if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:
         raise InvalidInputError(
@@ -271,7 +273,7 @@ def measure(
     if config.world_size > 1:
         return measure_ranks(model, batch, target_batch, loss_fn, config, steps=steps)
     # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
-    with naming_inputs(lambda: batch), forward_errors(config.precision if config.device == "cpu" else None):
+    with naming_inputs(lambda: batch), forward_errors(config.precision if config.device.is_host else None):
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 
 

@@ -312,16 +312,12 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         policy = replace(policy, built=built_precision(request.model.parameters()))
     chosen = found.candidate
     plan = assemble_plan(
-        chosen, found.estimate, found.fitting, budget_bytes=request.budget_bytes, margin_bytes=request.margin_bytes,
-        batch_size=request.batch_size, world_size=parallel.world_size, strategy=parallel.strategy,
-        policy=policy, device=request.device.kind, gpu=request.device.name,
-        optimizer=request.optimizer.name, notes=request.notes + found.notes + found.estimate.notes,
-        shard_units=parallel.shard_units, clip_grad_norm=request.clip_grad_norm,
-        host_budget_bytes=request.host_budget_bytes, reduce_every_micro_batch=parallel.reduce_every_micro_batch,
-        reshard_after_forward=parallel.reshard_after_forward,
-        replicate=parallel.replicate, gpus_per_node=parallel.gpus_per_node,
-        chunked_loss=request.chunked_loss, low_bit_optimizer=request.low_bit_optimizer,
-        tensor_parallel=parallel.tensor_parallel, tensor_plan=parallel.tensor_plan, compile=request.compile,
+        chosen, found.estimate, found.fitting, parallel=parallel, budget_bytes=request.budget_bytes,
+        margin_bytes=request.margin_bytes, batch_size=request.batch_size, policy=policy, device=request.device.kind,
+        gpu=request.device.name, optimizer=request.optimizer.name,
+        notes=request.notes + found.notes + found.estimate.notes, clip_grad_norm=request.clip_grad_norm,
+        host_budget_bytes=request.host_budget_bytes, chunked_loss=request.chunked_loss,
+        low_bit_optimizer=request.low_bit_optimizer, compile=request.compile,
     )
     plan = replace(plan, min_rows=request.min_rows)  # Note [micro-batches a model refuses]
     analysis = (analyses or {}).get(policy.label)

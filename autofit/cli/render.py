@@ -35,7 +35,7 @@ def breakdown_table(plan: Plan) -> Table:
     total = plan.estimate.device_bytes or 1
     for key, value in plan.estimate.breakdown.items():
         table.add_row(key, format_mib(value), f"{100 * value / total:.1f} %")
-    label = "total (on the device)" if plan.device == "cuda" else "total"
+    label = "total (on the device)" if plan.device.caching_allocator else "total"
     table.add_row(f"[bold]{label}[/]", f"[bold]{format_mib(plan.estimate.device_bytes)}[/]", "100.0 %")
     return table
 

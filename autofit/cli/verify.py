@@ -84,7 +84,7 @@ def materialise(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def run_verification(spec: ModelSpec, plan: Plan, *, steps: int = 3) -> Verification:
-    device = torch.device("cuda" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
+    device = torch.device(plan.device if plan.device.available() else "cpu")
     model = materialise(spec.model, device)
     # the optimizer the plan was made for, built as autofit builds it (a custom optimizer's name falls back to AdamW)
     name = plan.optimizer if plan.optimizer in OPTIMIZER_NAMES else "adamw"

@@ -9,22 +9,25 @@ from autofit.core.report import MemoryEstimate
 from autofit.emit.plan import Alternative, Plan
 from autofit.solve.search import Candidate, pareto_front
 from autofit.training.chunked_loss import LossChunks
+from autofit.training.layout import Parallel
 from autofit.training.precision import PrecisionPolicy
 
 __all__ = ["assemble_plan", "front_with", "selective_note"]
 
 
-def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, budget_bytes: int,
-                  batch_size: int, world_size: int, strategy: str | None, policy: PrecisionPolicy, device: str,
-                  gpu: str | None, optimizer: str, notes: tuple[str, ...], shard_units: tuple[str, ...],
-                  clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
-                  margin_bytes: int = 0, reduce_every_micro_batch: bool = False,
-                  reshard_after_forward: bool | int = True, replicate: int = 1, gpus_per_node: int = 0,
+def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, parallel: Parallel,
+                  budget_bytes: int, batch_size: int, policy: PrecisionPolicy, device: str, gpu: str | None,
+                  optimizer: str, notes: tuple[str, ...], clip_grad_norm: float | None = None,
+                  host_budget_bytes: int | None = None, margin_bytes: int = 0,
                   chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None,
-                  tensor_parallel: int = 1, tensor_plan: tuple[tuple[str, str], ...] = (),
                   compile: bool = False) -> Plan:
-    """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front,
-    in which the chosen configuration's row carries its verified figure (See Note [one configuration, one figure])."""
+    """The Plan of a verified choice under the layout ``parallel``; ``fitting`` (configurations that fit the models)
+    gives its memory/time front, in which the chosen configuration's row carries its verified figure (See Note [one
+    configuration, one figure])."""
+    # the states on the host are the candidate's to decide; gradients reduced every micro-batch only mean something
+    # when there is more than one
+    parallel = replace(parallel, offload_states=chosen.offload_states,
+                       reduce_every_micro_batch=parallel.reduce_every_micro_batch and chosen.accumulation_steps > 1)
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
@@ -36,16 +39,12 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         batch_size=batch_size, last_micro_batch_size=chosen.last_micro_batch_size, precision=policy,
         checkpoint=chosen.checkpoint, peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
         budget_bytes=budget_bytes, device=device, optimizer=optimizer, predicted_step_seconds=chosen.seconds,
-        estimate=replace(est, under=None), world_size=world_size, strategy=strategy, gpu=gpu, frontier=front,
-        notes=tuple(dict.fromkeys(notes)), shard_units=shard_units, clip_grad_norm=clip_grad_norm,
-        optimizer_in_backward=chosen.in_backward, offload=chosen.offload, offload_states=chosen.offload_states,
+        estimate=replace(est, under=None), parallel=parallel, gpu=gpu, frontier=front,
+        notes=tuple(dict.fromkeys(notes)), clip_grad_norm=clip_grad_norm,
+        optimizer_in_backward=chosen.in_backward, offload=chosen.offload,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
-        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes,
-        reduce_every_micro_batch=reduce_every_micro_batch and chosen.accumulation_steps > 1,
-        reshard_after_forward=reshard_after_forward, replicate=replicate, gpus_per_node=gpus_per_node,
-        selective=chosen.selective,
-        chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer,
-        tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
+        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=chosen.selective,
+        chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer, compile=compile,
     )
 
 

@@ -35,7 +35,6 @@ from autofit.training.batch import Batch
 from autofit.emit.trainer import Trainer, require_alloc_conf
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.training.config import make_step_config
 from autofit.training.strategy import apply_layout, gradient_sync, mesh_names, mesh_shape
 
 if TYPE_CHECKING:
@@ -69,7 +68,7 @@ class DistributedTrainer(Trainer):
         self._own_group = False
         if plan.offload_states and plan.world_size == 1 and dist.is_available() and not dist.is_initialized():
             # FSDP2 on one process (Note [offload]): a process group of one, torch's own, made and destroyed here
-            backend = "cpu:gloo,cuda:nccl" if plan.device == "cuda" else "gloo"
+            backend = plan.device.process_group_backend
             self._excepthook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]" for good
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
@@ -88,8 +87,8 @@ class DistributedTrainer(Trainer):
         # (the mesh is (world_size // T, T): training/strategy.py, mesh_shape)
         self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, self.world_size // plan.tensor_parallel
         inner = model
-        self._sharded = False  # FSDP2 over the data-parallel ranks (not DDP, not tensor parallel alone)
-        if plan.strategy == "ddp":
+        layout = plan.parallel  # the layout the plan was verified with
+        if layout.replicates_parameters:
             from torch.nn.parallel import DistributedDataParallel
 
             if isinstance(optimizer, torch.optim.Optimizer):
@@ -99,7 +98,7 @@ class DistributedTrainer(Trainer):
             device = next(model.parameters()).device
             ids = [device.index] if device.type == "cuda" else None
             wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
-        elif plan.strategy == "fsdp2":
+        elif layout.shards_parameters:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise InvalidInputError(
                     "FSDP2 replaces the parameters when it shards them, so wrap() needs an optimizer factory: "
@@ -121,13 +120,11 @@ class DistributedTrainer(Trainer):
                                     mesh_dim_names=mesh_names(self.world_size, plan.replicate, tp))
             self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
                 if device_type == "cuda" else torch.device(device_type)
-            layout = make_step_config(micro_batch_size=plan.micro_batch_size, precision=plan.precision,
-                                      layout=plan.parallel)
-            wrapped = apply_layout(model, mesh, layout, pin_memory=device_type == "cuda")
-            self._sharded = layout.fully_sharded
+            wrapped = apply_layout(model, mesh, layout, plan.precision, pin_memory=device_type == "cuda")
             built = optimizer(wrapped.parameters())
         else:
-            raise InvalidInputError(f"unknown strategy {plan.strategy!r}: plans use 'ddp' or 'fsdp2'")
+            raise InvalidInputError(f"this plan has no data-parallel strategy ({plan.strategy!r}): plans use 'ddp' or "
+                                    "'fsdp2'")
         self._inner = inner
         super().__init__(plan, wrapped, built, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
 
@@ -174,9 +171,7 @@ class DistributedTrainer(Trainer):
         return [(i * batch_rows // n, (i + 1) * batch_rows // n) for i in range(n)]
 
     def _micro_batch(self, *, last: bool):
-        return gradient_sync(self.model, strategy=self.plan.strategy, sharded=self._sharded, last=last,
-                             offload_states=self.plan.offload_states,
-                             reduce_every_micro_batch=self.plan.reduce_every_micro_batch)
+        return gradient_sync(self.model, self.plan.parallel, last=last)
 
     def step(self, inputs: Any, target: Any = None, *, local: bool = False) -> float:
         """One optimizer step. ``inputs``: the global batch (every rank the same), or this rank's rows with

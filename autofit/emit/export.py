@@ -146,13 +146,13 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
     elif stored is not None:
         notes.append(f"the plan stores {stored}: Hugging Face's Trainer keeps no fp32 master copy of "
                      "low-precision parameters; train with plan.wrap() or the DeepSpeed export")
-    if plan.strategy == "ddp":
+    if plan.parallel.replicates_parameters:
         # TrainingArguments has no field for it: Trainer._build_accelerator_args builds DistributedDataParallelKwargs
         # from ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers and ddp_static_graph only
         out["ddp_kwargs"] = dict(DDP_KWARGS)
         notes.append(_bucket_note(plan, "TrainingArguments cannot set it; after building the Trainer, call "
                                         "autofit.integrations.hf.bucket_views(trainer) before trainer.train()"))
-    if plan.strategy == "fsdp2":
+    if plan.parallel.shards_parameters:
         # TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2}): FSDP2 through Accelerate (training_args.py)
         args["fsdp"] = "full_shard" + (" offload" if plan.offload_states else "")
         args["fsdp_config"] = {"version": 2}
@@ -177,8 +177,8 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
     # are ZeRO-Offload of the parameters and the optimizer
     # ZeRO-2 (reshard_after_forward=False) is stage 2's communication; DeepSpeed's stage 2 keeps every parameter
     # whole for the whole step, FSDP2's only from forward to backward (a note says so)
-    zero: dict[str, Any] = {"stage": 0 if plan.strategy != "fsdp2" else 2 if plan.reshard_after_forward is False
-                            else 3}
+    zero: dict[str, Any] = {"stage": 0 if not plan.parallel.shards_parameters
+                            else 2 if plan.reshard_after_forward is False else 3}
     if plan.offload_states:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -189,7 +189,7 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
         notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
                                         "op-level policy; apply them with autofit.integrations.plan_patches or train "
                                         "with plan.wrap()")
-    if plan.strategy == "fsdp2" and plan.reshard_after_forward is not True:
+    if plan.parallel.shards_parameters and plan.reshard_after_forward is not True:
         notes.append(f"reshard_after_forward={plan.reshard_after_forward!r}: DeepSpeed's stage "
                      f"{zero['stage']} is the nearest; its memory differs from the plan's (stage 2 holds whole "
                      "parameters all step; an int group is ZeRO++'s zero_hpz_partition_size)")
@@ -231,11 +231,11 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
         trainer["devices"] = per_node
         if per_node < plan.world_size:
             trainer["num_nodes"] = plan.world_size // per_node
-    if plan.strategy == "ddp":  # lightning.pytorch.strategies.DDPStrategy(**kwargs) passes them to DDP
+    if plan.parallel.replicates_parameters:  # lightning's DDPStrategy(**kwargs) passes them to DDP
         out["ddp_strategy"] = dict(DDP_KWARGS)
         notes.append(_bucket_note(plan, "pass Trainer(strategy=DDPStrategy(**ddp_strategy)); strategy='ddp' "
                                         "builds DDPStrategy() without it"))
-    if plan.strategy == "fsdp2":
+    if plan.parallel.shards_parameters:
         strategy, more = _lightning_fsdp(plan)
         out["fsdp_strategy"] = strategy
         out["model_parallel_strategy"] = {"data_parallel_size": plan.world_size // plan.tensor_parallel,
@@ -290,12 +290,12 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
     }
     notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "accelerate")
     ddp: dict[str, Any] = {}
-    if plan.strategy == "ddp":
+    if plan.parallel.replicates_parameters:
         config["distributed_type"] = "MULTI_GPU"
         ddp = {"ddp_kwargs": dict(DDP_KWARGS)}  # the config file has no DDP keyword: the Accelerator's handler
         notes.append(_bucket_note(plan, "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**ddp_kwargs)], "
                                         "...)"))
-    elif plan.strategy == "fsdp2":
+    elif plan.parallel.shards_parameters:
         raf = plan.reshard_after_forward
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
@@ -344,7 +344,7 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     micro, steps = _split(plan)
     notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "torchtitan")
     data_ranks = plan.world_size // plan.tensor_parallel
-    if plan.strategy == "fsdp2":
+    if plan.parallel.shards_parameters:
         shard = data_ranks // plan.replicate
         raf = plan.reshard_after_forward
         parallelism = {"data_parallel_replicate_degree": plan.replicate, "data_parallel_shard_degree": shard,
@@ -364,7 +364,7 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
         parallelism = {"data_parallel_replicate_degree": plan.world_size, "data_parallel_shard_degree": 1,
                        "tensor_parallel_degree": 1}
     training: dict[str, Any] = {"local_batch_size": micro, "global_batch_size": micro * steps * data_ranks}
-    if plan.precision.name != "fp32" or plan.strategy == "fsdp2":
+    if plan.precision.name != "fp32" or plan.parallel.shards_parameters:
         training["mixed_precision_param"] = "bfloat16" if plan.precision.name == "bf16" else "float32"
     if plan.precision.name == "fp16":
         notes.append("torchtitan's mixed precision is bf16 or fp32; the plan computes in fp16")

@@ -3,19 +3,20 @@ turns into a trainer (Note [the plan is data])."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from torch import nn
 
-from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
+from autofit.core.errors import InvalidInputError, require_int
+from autofit.training.config import DEVICES, DeviceKind
 from autofit.training.length import LengthSpec
 from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
-from autofit.training.tensor_parallel import require_tensor_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
@@ -67,25 +68,13 @@ class Plan:
     peak_bytes: int  # = peak_allocated_bytes (the name the API began with)
     device_bytes: int  # what the budget is checked against (CUDA: allocator reserve and context included)
     budget_bytes: int
-    device: str
+    device: DeviceKind  # "cpu" or "cuda", held as a DeviceKind
     optimizer: str
     predicted_step_seconds: float
     estimate: MemoryEstimate
-    world_size: int = 1
-    strategy: str | None = None
     gpu: str | None = None
     frontier: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
-    shard_units: tuple[str, ...] = ()  # FSDP2: the modules fully_shard wraps before the root
-    # FSDP2 layout (docs/multi-gpu.md): the units' reshard_after_forward (True: ZeRO-3, False: ZeRO-2, an int: the
-    # group size), HSDP's replicate size (mesh (replicate, world_size // replicate)), and the ranks per node
-    reshard_after_forward: bool | int = True
-    replicate: int = 1
-    gpus_per_node: int = 0  # 0: every rank on one node
-    # tensor parallel degree and its (module, style) pairs (Note [tensor parallel plan]): a
-    # (world_size // T, T) mesh, FSDP2 over its first dim; every rank of a tensor-parallel group sees the same rows
-    tensor_parallel: int = 1
-    tensor_plan: tuple[tuple[str, str], ...] = ()
     clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
     peak_reserved_bytes: int = 0  # ~ max_memory_reserved (0: taken from the estimate)
     # Variable-length batches (Note [the length of a batch], autofit/training/length.py): the sample's maximum sizes, and
@@ -94,13 +83,9 @@ class Plan:
     rows_by_length: tuple[tuple[int, int], ...] = ()
     # the optimizer steps each parameter in backward (Note [optimizer step in backward], autofit/training/in_backward.py)
     optimizer_in_backward: bool = False
-    # offloading (Note [offload], docs/offload.md): modules whose saved activations live in host memory, and whether
-    # parameters, gradients and optimizer state do (FSDP2's CPUOffloadPolicy, strategy "fsdp2" on world_size ranks)
+    # offloading (Note [offload], docs/offload.md): modules whose saved activations live in host memory (whether
+    # parameters, gradients and optimizer state do is the layout's offload_states)
     offload: tuple[str, ...] = ()
-    offload_states: bool = False
-    # FSDP2 reduce-scatters the gradients after every micro-batch, not only the window's last (Note [gradient sync
-    # under accumulation], autofit/training/step.py)
-    reduce_every_micro_batch: bool = False
     host_budget_bytes: int | None = None  # the host memory the plan was allowed (None: not checked)
     # kept free for what the estimate does not model (Note [the margin], autofit/validate.py): device_bytes fits
     # budget_bytes - margin_bytes
@@ -134,6 +119,28 @@ class Plan:
     # inputs passed whole to every micro-batch, by position or key (Note [the batch dimension], training/batch.py)
     shared: tuple[int | str, ...] = ()
 
+    # The parallel layout the plan was verified with (autofit/training/layout.py): strategy, ranks, FSDP2's units and
+    # reshard, HSDP's replicate, ranks per node, tensor and sequence parallel, the states on the host, gradient sync
+    # under accumulation; validated where it is built. The trainers lay the model out by it. Its fields read as the
+    # plan's own (plan.world_size, plan.strategy ...), and Plan(...) and dataclasses.replace take them flat as a
+    # shortcut (Note [the plan's layout]); the JSON keeps them flat.
+    parallel: Parallel = field(default_factory=Parallel)
+
+    strategy = property(lambda self: self.parallel.strategy, doc="None (one process), DDP or FSDP2: a Strategy")
+    world_size = property(lambda self: self.parallel.world_size)
+    shard_units = property(lambda self: self.parallel.shard_units, doc="FSDP2: the modules fully_shard wraps")
+    reshard_after_forward = property(lambda self: self.parallel.reshard_after_forward,
+                                     doc="FSDP2's units: True ZeRO-3, False ZeRO-2, an int the group size")
+    replicate = property(lambda self: self.parallel.replicate, doc="HSDP's replicas (mesh (replicate, shard))")
+    gpus_per_node = property(lambda self: self.parallel.gpus_per_node, doc="0: every rank on one node")
+    tensor_parallel = property(lambda self: self.parallel.tensor_parallel)
+    tensor_plan = property(lambda self: self.parallel.tensor_plan, doc="(module, style) pairs tensor parallel splits")
+    offload_states = property(lambda self: self.parallel.offload_states,
+                              doc="parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)")
+    reduce_every_micro_batch = property(
+        lambda self: self.parallel.reduce_every_micro_batch,
+        doc="FSDP2 reduce-scatters after every micro-batch (Note [gradient sync under accumulation])")
+
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
         return "none" if name not in self.checkpoint else "selective" if name in self.selective else "full"
@@ -150,31 +157,21 @@ class Plan:
         return self.estimate.host_bytes
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size",
-                     "world_size"):
+        for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size"):
             require_int(f"Plan.{name}", getattr(self, name))
         if not self.peak_reserved_bytes:
             object.__setattr__(self, "peak_reserved_bytes", self.estimate.peak_reserved_bytes)
         for name in ("peak_bytes", "device_bytes", "budget_bytes", "peak_reserved_bytes", "margin_bytes"):
             require_int(f"Plan.{name} (bytes)", getattr(self, name), minimum=0)
-        require_strategy(self.strategy, "Plan.strategy")
-        require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, "Plan.")
-        require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
-                                self.offload_states, "Plan.")
+        if self.device not in DEVICES:
+            raise InvalidInputError(f"Plan.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        object.__setattr__(self, "device", DeviceKind(self.device))
+        if not isinstance(self.parallel, Parallel):
+            raise InvalidInputError(f"Plan.parallel must be an autofit.training.layout.Parallel, got {self.parallel!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise InvalidInputError(f"Plan.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
-
-    @property
-    def parallel(self) -> Parallel:
-        """The parallel layout this plan was verified with, as one value (what the trainers lay the model out by);
-        the plan keeps its fields flat, as its JSON has them."""
-        return Parallel(strategy=self.strategy, world_size=self.world_size, shard_units=self.shard_units,
-                        offload_states=self.offload_states, reduce_every_micro_batch=self.reduce_every_micro_batch,
-                        reshard_after_forward=self.reshard_after_forward, replicate=self.replicate,
-                        gpus_per_node=self.gpus_per_node, tensor_parallel=self.tensor_parallel,
-                        tensor_plan=self.tensor_plan)
 
     @property
     def layout(self) -> str:
@@ -272,7 +269,11 @@ class Plan:
 
     # ---- serialisation (plain JSON; loading runs no code) -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loss_fn"}
+        data = {}
+        for f in fields(self):
+            if f.name not in ("loss_fn", "parallel"):
+                data[f.name] = getattr(self, f.name)
+            data.update((k, getattr(self.parallel, k)) for k in _LAYOUT_IN_JSON.get(f.name, ()))
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
                              "stored": self.precision.stored, "built": self.precision.built}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
@@ -352,7 +353,7 @@ class Plan:
     # ---- the human table the CLI prints ---------------------------------------------------------------------------
     def memory_rows(self, fmt) -> list[tuple[str, str]]:
         """The three figures as (label, value) rows, each saying what it compares with; ``fmt`` formats bytes."""
-        if self.device != "cuda":
+        if not self.device.caching_allocator:
             return [("peak (CPU allocator)", fmt(self.device_bytes))]
         return [
             ("peak allocated", f"{fmt(self.peak_allocated_bytes)} (~ torch.cuda.max_memory_allocated)"),
@@ -455,6 +456,36 @@ class Plan:
                              f"{len(a.checkpoint):>4} {format_mib(a.peak_bytes):>10} {a.step_seconds:>9.3g}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+# Note [the plan's layout]
+#     The plan holds its parallel layout as one value, ``Plan.parallel``, the one the estimate was verified with;
+#     the trainers lay the model out by it. Users, tests and the exports read its fields as the plan's own
+#     (``plan.world_size``), the properties above, and the JSON has always had them flat, between the plan's other
+#     fields: ``_LAYOUT_IN_JSON`` says after which field each stands, so plans are written byte for byte as before
+#     and old plans load. ``Plan(...)`` and ``dataclasses.replace(plan, ...)`` accept them flat too (what
+#     ``from_json`` passes): ``_with_flat_layout`` folds them into ``parallel`` before the dataclass's own
+#     ``__init__`` runs, and the layout validates them as it validates any other.
+_LAYOUT_IN_JSON: dict[str, tuple[str, ...]] = {
+    "estimate": ("world_size", "strategy"),
+    "notes": ("shard_units", "reshard_after_forward", "replicate", "gpus_per_node", "tensor_parallel", "tensor_plan"),
+    "offload": ("offload_states", "reduce_every_micro_batch"),
+}
+_LAYOUT_FIELDS = frozenset(f.name for f in fields(Parallel))
+assert _LAYOUT_FIELDS == {k for keys in _LAYOUT_IN_JSON.values() for k in keys}
+
+
+def _with_flat_layout(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def __init__(self, **kwargs: Any) -> None:
+        flat = {k: kwargs.pop(k) for k in _LAYOUT_FIELDS & kwargs.keys()}
+        if flat:
+            kwargs["parallel"] = replace(kwargs.get("parallel") or Parallel(), **flat)
+        init(self, **kwargs)
+    return __init__
+
+
+Plan.__init__ = _with_flat_layout(Plan.__init__)
 
 
 def _policy_counts(plan: Plan) -> str:

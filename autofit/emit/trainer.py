@@ -90,6 +90,7 @@ class Trainer:
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
             clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
             offload=plan.offload, chunked_loss=plan.chunked_loss, preallocated_grads=plan.preallocated_grads,
+            layout=plan.parallel,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
@@ -235,7 +236,7 @@ def require_alloc_conf(plan: Plan) -> None:
     every block of the step, parameters included, lives in such segments. Already in force (the environment's
     ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``, or an earlier call): nothing to do. No CUDA memory allocated
     yet: set it. Otherwise an :class:`AllocatorSettingError` names what to export before the process starts."""
-    if not plan.alloc_conf or plan.device != "cuda" or plan.alloc_conf in allocator_settings():
+    if not plan.alloc_conf or not plan.device.caching_allocator or plan.alloc_conf in allocator_settings():
         return
     if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
         raise AllocatorSettingError(

@@ -14,6 +14,7 @@ from autofit.core.errors import InvalidInputError
 from autofit.training.optim import as_optimizer_spec
 from autofit.emit.plan import Plan
 from autofit.emit.trainer import require_alloc_conf
+from autofit.training.config import DEVICES
 from autofit.training.step import StepConfig, patched_model
 
 __all__ = ["require", "plan_patches", "checked_plan"]
@@ -58,7 +59,7 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
     """The plan's module-level knobs on ``model`` (exactly ``plan.checkpoint`` recomputed with non-reentrant
     checkpointing, ``plan.precision.fp32_modules`` out of autocast), undone on exit: the same patch the emitted
     Trainer applies (autofit.training.step.patched_model), so another training loop runs the step autofit simulated."""
-    if plan.world_size > 1 and plan.strategy == "fsdp2":
+    if plan.world_size > 1 and plan.parallel.shards_parameters:
         raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(model, optimizer)")
     if plan.chunked_loss is not None or plan.low_bit_optimizer is not None:
         raise InvalidInputError(
@@ -69,7 +70,7 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
     config = StepConfig(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
                         precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
                         optimizer=as_optimizer_spec(plan.optimizer), device=device_type if device_type in
-                        ("cpu", "cuda") else "cpu")
+                        DEVICES else "cpu")
     return patched_model(model, config, device_type)
 
 

@@ -64,7 +64,7 @@ def _callback_class():
 
         def __init__(self, plan: Plan) -> None:
             plan = checked_plan(plan, "AutofitLightningCallback")
-            if plan.world_size > 1 and plan.strategy == "fsdp2":
+            if plan.world_size > 1 and plan.parallel.shards_parameters:
                 raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(...)")
             self.plan = plan
             self._patch = None

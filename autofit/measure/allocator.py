@@ -105,9 +105,7 @@ def measure_step(
 
     def window() -> None:
         for i, (micro, micro_target) in enumerate(micro_batches):
-            with gradient_sync(work, strategy=config.strategy, sharded=config.fully_sharded,
-                               last=i == config.accumulation_steps - 1, offload_states=config.offload_states,
-                               reduce_every_micro_batch=config.reduce_every_micro_batch):
+            with gradient_sync(work, config.layout, last=i == config.accumulation_steps - 1):
                 run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                                 scaler=scaler)
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,

@@ -49,7 +49,7 @@ _TIMEOUT_SECONDS = 1800  # a hung collective ends the measurement instead of the
 def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig, *,
                   steps: int) -> Measurement:
     """Rank 0's measurement (the rank an estimate simulates) with every rank's peak in ``rank_peaks``."""
-    if config.device != "cpu":
+    if not config.device.is_host:
         raise InvalidInputError(
             f"measure with world_size={config.world_size} runs the ranks as processes on this CPU (gloo); on GPUs run "
             "plan.wrap() under torchrun and read torch.cuda.max_memory_allocated() on each rank"

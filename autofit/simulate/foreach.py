@@ -26,17 +26,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from autofit.core._torch import FakeTensor, foreach_devices_include, foreach_types_include
+
+if TYPE_CHECKING:
+    from autofit.training.config import DeviceKind
 
 __all__ = ["target_implementation"]
 
 
 @contextlib.contextmanager
-def target_implementation(device: str) -> Iterator[None]:
+def target_implementation(device: DeviceKind) -> Iterator[None]:
     """See Note [optimizer implementation on the target]."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(foreach_types_include(FakeTensor))
-        if device == "cuda":  # the simulation's cpu tensors stand for cuda ones
+        if device.foreach_by_default:  # the simulation's cpu tensors stand for the device's
             stack.enter_context(foreach_devices_include("cpu"))
         yield

@@ -63,6 +63,7 @@ from autofit.core._torch import (
 )
 from autofit.core._torch_compile import compiled_code_runs_eagerly
 from autofit.training.batch import Batch
+from autofit.training.config import DeviceKind
 from autofit.capture.model_copy import (
     fake_copy,
     fake_input,
@@ -111,7 +112,7 @@ _PROBER = KernelProber()
 def probes_kernels(config: StepConfig, probe_kernels: bool = True) -> bool:
     """Whether a simulation of ``config`` runs real CPU kernels to measure their scratch memory: then it must run in
     this process, with its thread count (Note [parallel simulations], autofit/core/workers.py)."""
-    return probe_kernels and config.device == "cpu"
+    return probe_kernels and config.device.is_host
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def simulate_step(
 
     ``device_rules`` is the target device's part of the simulation (``DeviceTarget.simulation_rules``: on CUDA the
     autocast op policy and attention kernels); a CUDA step needs it, and the caller resolves the device once."""
-    if config.device == "cuda" and device_rules is None:
+    if not config.device.is_host and device_rules is None:
         raise TypeError("simulate_step: a CUDA step needs device_rules=resolve_device('cuda', gpu).simulation_rules")
     with user_hooks_restored(model) as hooks:  # Note [user hooks]
         sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
@@ -162,7 +163,7 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
         with _quiet_engines():
             sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True,
                                                       **kw), observed=observer is not None)
-            if config.device == "cuda" and sim.compiled and observer is None:  # Note [compiled models on a GPU target]
+            if not config.device.is_host and sim.compiled and observer is None:  # Note [compiled models on a GPU target]
                 sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, fake=True, eager=True, **kw))
             return sim
     except _DataDependent as e:
@@ -245,13 +246,13 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         if config.layout.shards_parameters else contextlib.nullcontext()
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
-    implementation = "cpu" if config.offload_states else config.device
+    implementation = DeviceKind.CPU if config.offload_states else config.device
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
     with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled, \
             compiled_for_simulation(work, fake and not eager, config.compile and not eager) as inductor:
         if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
-            apply_layout(work, mesh, config)
+            apply_layout(work, mesh, config.layout, config.precision)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None
@@ -270,9 +271,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
-        tracker = StepTracker(prober=prober, kernels_for=config.device if config.device == "cpu" or not fake else None)
+        tracker = StepTracker(prober=prober, kernels_for=config.device if config.device.is_host or not fake else None)
         # Note [host storages]: on a GPU target, what offloading keeps in host memory is not the device's
-        host_states = config.offload_states and config.device == "cuda"
+        host_states = config.offload_states and not config.device.is_host
         register_state(tracker, work, optimizer, scaler, micro, micro_target, stored, host_states=host_states)
         for bucket in buckets:
             tracker.register(bucket, Category.GRADIENTS)
@@ -284,7 +285,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
             with contextlib.ExitStack() as stack:
                 caster = device_rules(stack, config) if device_rules is not None else None
-                to_host = tracked_save_on_cpu(tracker) if config.device == "cuda" else None
+                to_host = None if config.device.is_host else tracked_save_on_cpu(tracker)
                 stack.enter_context(patched_model(work, config, "cpu", to_host=to_host))
                 if host_states:
                     stack.enter_context(offloaded_states(tracker))
@@ -380,7 +381,7 @@ def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_tar
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    with host_optimizer(tracker, config.offload_states and config.device == "cuda"), _optimizer_values(optimizer, fake):
+    with host_optimizer(tracker, config.offload_states and not config.device.is_host), _optimizer_values(optimizer, fake):
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
     received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real

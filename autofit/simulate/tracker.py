@@ -14,7 +14,7 @@ is active, and a DTensor is counted by its local shard (``_local``), what this r
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -37,6 +37,9 @@ from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
 from autofit.simulate.parallel import gloo_staging_bytes
 
+if TYPE_CHECKING:
+    from autofit.training.config import DeviceKind
+
 __all__ = ["StepTracker"]
 
 aten = torch.ops.aten
@@ -55,7 +58,7 @@ class StepTracker(TorchDispatchMode):
     """Records allocations, frees, per-op workspace and FLOPs of whatever runs inside it."""
 
     def __init__(self, *, prober: KernelProber | None = None, count_flops: bool = True,
-                 kernels_for: str | None = None) -> None:
+                 kernels_for: DeviceKind | None = None) -> None:
         super().__init__()
         # the target whose step runs on this CPU's kernels ("cpu"; "cuda" for a real run of a GPU-target step), or
         # None: ops oneDNN has no kernel for at their precision then raise before they run (Note [CPU kernels])
@@ -239,7 +242,7 @@ class StepTracker(TorchDispatchMode):
             out = matched
         record = OpRecord(str(func.overloadpacket.__name__), self.module, self.phase,
                           workspace=probe.workspace if probe is not None else 0)
-        if self.kernels_for == "cpu":  # a CPU job's collectives run on gloo (Note [gloo's staging copies])
+        if self.kernels_for is not None and self.kernels_for.is_host:  # on gloo: Note [gloo's staging copies]
             record.workspace += gloo_staging_bytes(func, args)
         if self.count_flops and func.overloadpacket in flop_registry:
             try:

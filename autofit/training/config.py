@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -33,9 +34,51 @@ from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
 from autofit.training.layout import Parallel
 
-__all__ = ["StepConfig", "make_step_config", "resolve_modules", "DEVICES"]
+__all__ = ["StepConfig", "make_step_config", "resolve_modules", "DEVICES", "DeviceKind"]
 
-DEVICES = ("cpu", "cuda")
+
+class DeviceKind(StrEnum):
+    """The kind of device a step is simulated, measured and trained for: what the step's own stages ask of it. A
+    ``StrEnum``: it equals, formats and serialises as its name ("cpu", "cuda"), so plans and messages read as they
+    did; the core asks its properties, never its name. The device's memory model (allocator, context, catalog GPU)
+    is the Target's (autofit/device.py)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    @property
+    def is_host(self) -> bool:
+        """The device is this machine's CPU: one memory with the host (nothing to offload to), and its kernels are
+        the ones a simulation runs and probes here (Note [CPU kernels]). A GPU's step is simulated on the host with
+        the device's rules applied on top (``DeviceTarget.simulation_rules``)."""
+        return self is DeviceKind.CPU
+
+    @property
+    def caching_allocator(self) -> bool:
+        """Memory goes through CUDA's caching allocator: allocated, reserved and on-device figures differ, and
+        ``PYTORCH_CUDA_ALLOC_CONF`` applies."""
+        return self is DeviceKind.CUDA
+
+    @property
+    def foreach_by_default(self) -> bool:
+        """torch's optimizers and clipping take their foreach (multi-tensor) kernels here when not told otherwise
+        (Note [optimizer implementation on the target], simulate/foreach.py)."""
+        return self is DeviceKind.CUDA
+
+    @property
+    def process_group_backend(self) -> str:
+        """The ``torch.distributed`` backend a process group of this device's ranks runs on."""
+        return "gloo" if self.is_host else "cpu:gloo,cuda:nccl"
+
+    def available(self) -> bool:
+        """This machine can run a step on the device (a CPU always; CUDA where torch sees a GPU)."""
+        return self.is_host or torch.cuda.is_available()
+
+    def __repr__(self) -> str:  # messages name it as the user wrote it: 'cuda'
+        return repr(self.value)
+
+
+DEVICES = tuple(DeviceKind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +93,7 @@ class StepConfig:
     # of ``checkpoint``, the others recompute all of their forward
     selective: tuple[str, ...] = ()
     optimizer: OptimizerSpec = field(default_factory=lambda: as_optimizer_spec("adamw"))
-    device: str = "cpu"
+    device: DeviceKind = DeviceKind.CPU  # "cpu" or "cuda", held as a DeviceKind
     # Rows of input data resident during the window: the trainer receives the whole batch at once and slices it, so
     # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
     held_rows: int = 0
@@ -81,7 +124,6 @@ class StepConfig:
     strategy = property(lambda self: self.layout.strategy, doc="None (one process), DDP or FSDP2: a Strategy")
     world_size = property(lambda self: self.layout.world_size)
     shard_units = property(lambda self: self.layout.shard_units)
-    reshard_after_forward = property(lambda self: self.layout.reshard_after_forward)
     replicate = property(lambda self: self.layout.replicate)
     tensor_parallel = property(lambda self: self.layout.tensor_parallel)
     tensor_plan = property(lambda self: self.layout.tensor_plan)
@@ -93,6 +135,9 @@ class StepConfig:
         require_int("micro_batch_size", self.micro_batch_size)
         require_int("accumulation_steps", self.accumulation_steps)
         require_int("held_rows", self.held_rows, minimum=0)
+        if self.device not in DEVICES:
+            raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        object.__setattr__(self, "device", DeviceKind(self.device))
         if not isinstance(self.layout, Parallel):
             raise InvalidInputError(f"layout must be an autofit.training.layout.Parallel, got {self.layout!r}")
         if not isinstance(self.gradient_as_bucket_view, bool):
@@ -101,7 +146,7 @@ class StepConfig:
         if not self.gradient_as_bucket_view and not self.layout.replicates_parameters:
             raise InvalidInputError("gradient_as_bucket_view=False describes DDP's buckets: it needs strategy='ddp' "
                                     "(leave it out for one process or FSDP2)")
-        if 1 < self.tensor_parallel == self.world_size and self.device == "cuda":
+        if 1 < self.tensor_parallel == self.world_size and self.device.foreach_by_default:
             raise InvalidInputError(
                 f"tensor parallel alone (world_size == tensor_parallel == {self.world_size}) on CUDA: the embedding, "
                 "norms and head stay plain tensors beside the split DTensors, and torch's foreach optimizers (the "
@@ -112,8 +157,6 @@ class StepConfig:
             raise InvalidInputError(
                 "clip_grad_norm with tensor_parallel: the gradients are DTensors over different meshes (split and "
                 "replicated parameters), which torch.nn.utils.clip_grad_norm_ does not combine; leave clipping out")
-        if self.device not in DEVICES:
-            raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         clip = self.clip_grad_norm
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
             raise InvalidInputError(
@@ -151,15 +194,13 @@ class StepConfig:
 def make_step_config(
     *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
-    strategy: str | None = None, world_size: int = 1, shard_units: tuple[str, ...] = (),
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
-    offload_states: bool = False, reduce_every_micro_batch: bool = False, reshard_after_forward: bool | int = True,
-    replicate: int = 1, chunked_loss: LossChunks | None = None, tensor_parallel: int = 1,
-    tensor_plan: tuple[tuple[str, str], ...] = (), compile: bool = False, preallocated_grads: bool = False,
-    gradient_as_bucket_view: bool = True, layout: Parallel | None = None,
+    chunked_loss: LossChunks | None = None, compile: bool = False, preallocated_grads: bool = False,
+    gradient_as_bucket_view: bool = True, layout: Parallel | None = None, **layout_fields: Any,
 ) -> StepConfig:
     """The step from flat keywords (estimate's and measure's). ``layout``: the parallel layout as one value (what
-    the planner passes); the flat layout keywords (strategy ... tensor_plan) are its shortcut, one or the other."""
+    the planner passes); or its fields as keywords (``strategy="fsdp2", world_size=2, ...``: the fields of
+    :class:`~autofit.training.layout.Parallel`), its shortcut; one or the other."""
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
     if checkpoint == "auto":
@@ -169,11 +210,11 @@ def make_step_config(
         )
     checkpoint, selective = _checkpoint_policies(checkpoint)
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
-    if layout is None:
-        layout = Parallel(strategy=strategy, world_size=world_size, shard_units=tuple(shard_units),
-                          offload_states=bool(offload_states), reduce_every_micro_batch=bool(reduce_every_micro_batch),
-                          reshard_after_forward=reshard_after_forward, replicate=replicate,
-                          tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan))
+    if layout is None:  # sequences held as tuples and flags as bools, as the layout holds them
+        layout = Parallel(**{k: _LAYOUT_AS_HELD.get(k, _same)(v) for k, v in layout_fields.items()})
+    elif layout_fields:
+        raise InvalidInputError(f"give the layout as one value (layout=) or as its fields ({', '.join(layout_fields)})"
+                                ", not both")
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=checkpoint, selective=selective, optimizer=as_optimizer_spec(optimizer), device=device,
@@ -182,6 +223,14 @@ def make_step_config(
         offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
         compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
     )
+
+
+_LAYOUT_AS_HELD = {"shard_units": tuple, "tensor_plan": tuple, "offload_states": bool,
+                   "reduce_every_micro_batch": bool}
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _check_preallocated(config: StepConfig) -> None:

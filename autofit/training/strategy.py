@@ -15,20 +15,24 @@ from autofit.training.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from autofit.training.config import StepConfig
+    from autofit.training.layout import Parallel
+    from autofit.training.precision import PrecisionPolicy
 
 __all__ = ["apply_layout", "apply_fsdp2", "mesh_shape", "mesh_names", "sub_meshes", "laid_out", "gradient_sync"]
 
 
-def apply_layout(model: nn.Module, mesh, step: StepConfig, *, pin_memory: bool = False) -> nn.Module:
-    """The step's layout on ``mesh`` (as :func:`mesh_shape` lays it out), in torchtitan's order: tensor parallel
-    over the "tp" dim first, then FSDP2 over the data-parallel dim when there is one (``step.fully_sharded``)."""
-    if step.tensor_parallel > 1:
-        mesh, tp_mesh = sub_meshes(mesh, step.tensor_parallel)
-        apply_tensor_parallel(model, step.tensor_plan, tp_mesh)
-    if step.fully_sharded:
-        apply_fsdp2(model, step.shard_units, mesh, step.precision.dtype if step.precision.autocast else None,
-                    offload=step.offload_states, pin_memory=pin_memory,
-                    reshard_after_forward=step.reshard_after_forward, tensor_parallel=step.tensor_parallel > 1)
+def apply_layout(model: nn.Module, mesh, layout: Parallel, precision: PrecisionPolicy, *,
+                 pin_memory: bool = False) -> nn.Module:
+    """``layout`` on ``mesh`` (as :func:`mesh_shape` lays it out), in torchtitan's order: tensor parallel over the
+    "tp" dim first, then FSDP2 over the data-parallel dim when there is one (``layout.fully_sharded``), gathering
+    parameters in ``precision``'s autocast dtype."""
+    if layout.tensor_parallel > 1:
+        mesh, tp_mesh = sub_meshes(mesh, layout.tensor_parallel)
+        apply_tensor_parallel(model, layout.tensor_plan, tp_mesh)
+    if layout.fully_sharded:
+        apply_fsdp2(model, layout.shard_units, mesh, precision.dtype if precision.autocast else None,
+                    offload=layout.offload_states, pin_memory=pin_memory,
+                    reshard_after_forward=layout.reshard_after_forward, tensor_parallel=layout.tensor_parallel > 1)
     return model
 
 
@@ -36,31 +40,32 @@ def laid_out(model: nn.Module, step: StepConfig, device_type: str) -> nn.Module:
     """``model`` laid out as ``step`` says over the default process group, which must be initialised with
     ``step.world_size`` ranks: DDP (``gradient_as_bucket_view`` as the step says: True, as the trainer wraps it) or the FSDP2 /
     tensor-parallel layout of :func:`apply_layout` on a mesh of ``device_type``. One process: ``model`` itself."""
-    if step.world_size == 1 and not step.offload_states:
+    layout = step.layout
+    if layout.world_size == 1 and not layout.offload_states:
         return model
-    if step.layout.replicates_parameters:
+    if layout.replicates_parameters:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, gradient_as_bucket_view=step.gradient_as_bucket_view)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, mesh_shape(step.world_size, step.replicate, step.tensor_parallel),
-                            mesh_dim_names=mesh_names(step.world_size, step.replicate, step.tensor_parallel))
-    return apply_layout(model, mesh, step)
+    mesh = init_device_mesh(device_type, mesh_shape(layout.world_size, layout.replicate, layout.tensor_parallel),
+                            mesh_dim_names=mesh_names(layout.world_size, layout.replicate, layout.tensor_parallel))
+    return apply_layout(model, mesh, layout, step.precision)
 
 
-def gradient_sync(model: nn.Module, *, strategy: str | None, sharded: bool, last: bool,
-                  offload_states: bool = False, reduce_every_micro_batch: bool = False):
-    """The context one micro-batch of an accumulation window runs in: gradients reduced across ranks on the last
-    micro-batch only (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)`` before it). FSDP2 reduces
-    every micro-batch with the states on the host (Note [offload]: skipping it would keep a full set of unsharded
-    gradients on the device) and with ``reduce_every_micro_batch`` (Note [gradient sync under accumulation],
-    autofit/training/step.py); tensor parallel alone (``sharded`` False) reduces nothing across ranks."""
-    if last or offload_states or reduce_every_micro_batch or strategy is None:
+def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool):
+    """The context one micro-batch of an accumulation window runs in under ``layout``: gradients reduced across
+    ranks on the last micro-batch only (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)`` before it).
+    FSDP2 reduces every micro-batch with the states on the host (Note [offload]: skipping it would keep a full set of
+    unsharded gradients on the device) and with ``reduce_every_micro_batch`` (Note [gradient sync under
+    accumulation], autofit/training/step.py); tensor parallel alone (not ``fully_sharded``) reduces nothing across
+    ranks."""
+    if last or layout.offload_states or layout.reduce_every_micro_batch or layout.strategy is None:
         return contextlib.nullcontext()
-    if strategy == "ddp":
+    if layout.replicates_parameters:
         return model.no_sync()
-    if not sharded:
+    if not layout.fully_sharded:
         return contextlib.nullcontext()
     return _no_gradient_sync(model)
 
