@@ -3,12 +3,14 @@ memory/time front, and what selective recomputation bought against module-level 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
 
 from autofit.core.report import MemoryEstimate
 from autofit.emit.plan import Alternative, Plan
 from autofit.solve.search import Candidate, pareto_front
-from autofit.training.chunked_loss import LossChunks
 from autofit.training.precision import PrecisionPolicy
 
 __all__ = ["assemble_plan", "front_with", "selective_note"]
@@ -20,11 +22,12 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   clip_grad_norm: float | None = None, host_budget_bytes: int | None = None,
                   margin_bytes: int = 0, reduce_every_micro_batch: bool = False,
                   reshard_after_forward: bool | int = True, replicate: int = 1, gpus_per_node: int = 0,
-                  chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None,
+                  features: Mapping[str, Any] = MappingProxyType({}),
                   tensor_parallel: int = 1, tensor_plan: tuple[tuple[str, str], ...] = (),
                   compile: bool = False) -> Plan:
     """The Plan of a verified choice; ``fitting`` (configurations that fit the models) gives its memory/time front,
-    in which the chosen configuration's row carries its verified figure (See Note [one configuration, one figure])."""
+    in which the chosen configuration's row carries its verified figure (See Note [one configuration, one figure]);
+    ``features``: each step feature's value by its field (``autofit.features.feature_fields``; Note [step features])."""
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
@@ -44,7 +47,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         reduce_every_micro_batch=reduce_every_micro_batch and chosen.accumulation_steps > 1,
         reshard_after_forward=reshard_after_forward, replicate=replicate, gpus_per_node=gpus_per_node,
         selective=chosen.selective,
-        chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer,
+        **features,
         tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
     )
 

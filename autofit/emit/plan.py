@@ -17,6 +17,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.training.tensor_parallel import require_tensor_parallel
 from autofit.core.report import MemoryEstimate
+from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
 from autofit.training.layout import Parallel, layout_words, ranks_per_node
@@ -112,9 +113,10 @@ class Plan:
     # the fewest rows the model accepts in a micro-batch (Note [micro-batches a model refuses], capture/rows.py): the
     # trainer's last micro-batch takes rows from the one before rather than hold fewer
     min_rows: int = 1
-    # the opt-in rungs the planner climbed (plan(allow=...), Note [the ladder]): the output head and the
-    # cross-entropy in chunks of tokens (Note [chunked cross-entropy]), and the 8-bit optimizer the trainer builds
-    # in place of the one given to wrap() (its dotted class name, Note [8-bit optimizer state])
+    # the step features the planner climbed (plan(allow=...), Note [the ladder]), each under its Feature.field
+    # (Note [step features], autofit/features/): the output head and the cross-entropy in chunks of tokens (Note
+    # [chunked cross-entropy]), and the 8-bit optimizer the trainer builds in place of the one given to wrap() (its
+    # dotted class name, Note [8-bit optimizer state])
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
     # plan(compile=True): the trainer compiles the model (nn.Module.compile; Note [compile as a knob])
@@ -409,11 +411,8 @@ class Plan:
                 if self.last_micro_batch_size != self.micro_batch_size else "")),
             ("precision", str(self.precision)),
             ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
-            ("optimizer", self.optimizer if self.low_bit_optimizer is None
-             else f"{self.low_bit_optimizer} (8-bit state, in place of {self.optimizer})"),
+            ("optimizer", self.optimizer),
             *([("compile", "torch.compile (inductor), applied by the trainer")] if self.compile else []),
-            *([("loss", f"cross-entropy over {self.chunked_loss.head!r} in {self.chunked_loss.chunks} chunks of "
-                        "tokens")] if self.chunked_loss is not None else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
             *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
                                   "not fit the budget; wrap() sets it before the step allocates)")]
@@ -428,6 +427,7 @@ class Plan:
             *self.offload_rows(fmt),
             ("predicted step time", f"{self.predicted_step_seconds:.3g} s (time model, for ranking)"),
         ]
+        _feature_rows(self, rows)
         if len(self.rows_by_length) > 1:
             rows.insert(2, ("rows by length", self.rows_by_length_text()))
         if self.world_size > 1:
@@ -455,6 +455,18 @@ class Plan:
                              f"{len(a.checkpoint):>4} {format_mib(a.peak_bytes):>10} {a.step_seconds:>9.3g}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:
+    """Each step feature's rows in ``rows`` (Note [step features]): one named as a row already there replaces it
+    (the optimizer the trainer builds), another goes after the step's knobs, before the device."""
+    for feature in FEATURES:
+        for name, value in feature.plan_rows(plan):
+            at = next((i for i, (k, _) in enumerate(rows) if k == name), None)
+            if at is not None:
+                rows[at] = (name, value)
+            else:
+                rows.insert(next(i for i, (k, _) in enumerate(rows) if k == "device"), (name, value))
 
 
 def _policy_counts(plan: Plan) -> str:
