@@ -297,8 +297,8 @@ class Plan:
         }
         data["rows_by_length"] = [list(r) for r in self.rows_by_length]
         data["even_split"] = None if self.even_split is None else list(self.even_split)
-        data["chunked_loss"] = None if self.chunked_loss is None else {"head": self.chunked_loss.head,
-                                                                       "chunks": self.chunked_loss.chunks}
+        for feature in FEATURES:  # each step feature's value as JSON (Note [step features])
+            data[feature.field] = feature.to_json(feature.in_force(self))
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -342,9 +342,8 @@ class Plan:
             data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
-            chunks = data.get("chunked_loss")  # absent from plans written before the opt-in rungs
-            data["chunked_loss"] = None if chunks is None else LossChunks(head=chunks["head"],
-                                                                          chunks=int(chunks["chunks"]))
+            for feature in FEATURES:  # absent from plans written before the opt-in rungs: not in force
+                data[feature.field] = feature.from_json(data.get(feature.field))
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):

@@ -16,7 +16,8 @@ Note [step features]
         request as the rung runs it;
       - the plan's notes (``solve/finish.py``): :meth:`Feature.request_without` and :meth:`Feature.climbed`, what
         the rung saved against the same configuration without it;
-      - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table;
+      - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
+        :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON;
       - the trainer (``emit/trainer.py``): :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
       - other trainers (``integrations/``): :attr:`Feature.replaces`, what of the step a plan outside ``wrap`` would
         lose.
@@ -112,6 +113,14 @@ class Feature(abc.ABC):
     def trainer_optimizer(self, plan: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the trainer of ``plan`` steps, given the one passed to wrap()."""
         return optimizer
+
+    def to_json(self, value: Any) -> Any:
+        """``value`` (None: not in force) as the plan's JSON writes it."""
+        return value
+
+    def from_json(self, data: Any) -> Any:
+        """The value :meth:`to_json` wrote (None: not in force)."""
+        return data
 
     def plan_rows(self, plan: Any) -> tuple[tuple[str, str], ...]:
         """The feature's rows in the plan's table: a row named as one of the plan's own replaces it, another goes

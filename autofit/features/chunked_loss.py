@@ -50,6 +50,12 @@ class ChunkedLoss(Feature):
                 f"{value.chunks} chunks of tokens, so the full logits and their gradient are never live at once "
                 "(Note [chunked cross-entropy])")
 
+    def to_json(self, value: LossChunks | None) -> dict[str, Any] | None:
+        return None if value is None else {"head": value.head, "chunks": value.chunks}
+
+    def from_json(self, data: Any) -> LossChunks | None:
+        return None if data is None else LossChunks(head=data["head"], chunks=int(data["chunks"]))
+
     def plan_rows(self, plan: Any) -> tuple[tuple[str, str], ...]:
         chunks = plan.chunked_loss
         if chunks is None:
