@@ -19,7 +19,7 @@ from autofit.training.chunked_loss import LossChunks
 from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
-from autofit.features import FEATURES
+from autofit.features import OPT_IN
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
@@ -209,7 +209,7 @@ def make_request(
     spec = as_optimizer_spec(optimizer)
     allowed = allow_names(allow)
     opened, closed = {}, []  # each step feature's value where allowed; those that apply but were not allowed
-    for feature in FEATURES:  # Note [step features]
+    for feature in OPT_IN:  # Note [step features]
         found = feature.resolve(model, batch, target_batch, loss_fn, spec, feature.name in allowed)
         if feature.name not in allowed:
             closed += [feature.name] if found is not None else []

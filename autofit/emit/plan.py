@@ -342,8 +342,9 @@ class Plan:
             data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
-            for feature in FEATURES:  # absent from plans written before the opt-in rungs: not in force
-                data[feature.field] = feature.from_json(data.get(feature.field))
+            for feature in FEATURES:  # a field absent (a plan written before the feature) keeps its default
+                if feature.field in data:
+                    data[feature.field] = feature.from_json(data[feature.field])
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):
@@ -422,7 +423,6 @@ class Plan:
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
-            *([("optimizer step", "in backward, parameter by parameter")] if self.optimizer_in_backward else []),
             *self.offload_rows(fmt),
             ("predicted step time", f"{self.predicted_step_seconds:.3g} s (time model, for ranking)"),
         ]
@@ -458,14 +458,18 @@ class Plan:
 
 def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:
     """Each step feature's rows in ``rows`` (Note [step features]): one named as a row already there replaces it
-    (the optimizer the trainer builds), another goes after the step's knobs, before the device."""
+    (the optimizer the trainer builds), another goes after the row its feature names (Feature.row_after; by
+    default after the step's knobs, before the device)."""
     for feature in FEATURES:
         for name, value in feature.plan_rows(plan):
             at = next((i for i, (k, _) in enumerate(rows) if k == name), None)
             if at is not None:
                 rows[at] = (name, value)
             else:
-                rows.insert(next(i for i, (k, _) in enumerate(rows) if k == "device"), (name, value))
+                after = feature.row_after
+                at = (next(i for i, (k, _) in enumerate(rows) if k == "device") if after is None
+                      else next(i for i, (k, _) in enumerate(rows) if k == after) + 1)
+                rows.insert(at, (name, value))
 
 
 def _policy_counts(plan: Plan) -> str:

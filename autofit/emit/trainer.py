@@ -31,7 +31,6 @@ from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
 from autofit.features import FEATURES
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
-from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
@@ -111,8 +110,8 @@ class Trainer:
             self._patch.enter_context(patched_model(inner, self.config, self.device_type))
             if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
                 self._patch.enter_context(compiled_calls(inner))
-            if plan.optimizer_in_backward:  # Note [optimizer step in backward]
-                self._patch.enter_context(stepping_in_backward(inner, optimizer))
+            for feature in FEATURES:  # what each step feature holds around the steps (Note [step features])
+                self._patch.enter_context(feature.step_context(self.config, inner, optimizer))
         except BaseException:
             self.unwrap()  # a wrap that fails halfway leaves the model as it found it
             raise

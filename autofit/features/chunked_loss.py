@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from autofit.features.base import Feature, StepLoss
+from autofit.features.base import OptInFeature, StepLoss
 from autofit.training.chunked_loss import LossChunks, chunkable, chunked_step_loss
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ __all__ = ["CHUNKED_LOSS", "ChunkedLoss"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkedLoss(Feature):
+class ChunkedLoss(OptInFeature):
     """The chunked loss; its value is a :class:`~autofit.training.chunked_loss.LossChunks`."""
 
     def resolve(self, model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any, optimizer: OptimizerSpec,

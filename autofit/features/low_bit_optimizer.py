@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from autofit.features.base import Feature
+from autofit.features.base import OptInFeature
 from autofit.training.optim import OptimizerSpec, eight_bit_possible, eight_bit_spec, to_eight_bit
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ __all__ = ["LOW_BIT_OPTIMIZER", "LowBitOptimizer"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LowBitOptimizer(Feature):
+class LowBitOptimizer(OptInFeature):
     """The 8-bit optimizer. Its rung's value is the twin's spec and dotted class name; the request and the plan
     carry the class name only (the request's optimizer becomes the twin's spec)."""
 

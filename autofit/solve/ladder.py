@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from autofit.features import FEATURES, Feature
+from autofit.features import OPT_IN, OptInFeature
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.precision import stored_dtype
 from autofit.solve.sharding import shard_units
@@ -64,7 +64,7 @@ class Stage:
     skippable: bool = False  # a later rung may fit where this one cannot: skip it when its floor misses the budget
     # the step features (plan(allow=...)) in force on this rung, each with its value, in registry order (Note [step
     # features]); (): the user's loss and optimizer
-    features: tuple[tuple[Feature, Any], ...] = ()
+    features: tuple[tuple[OptInFeature, Any], ...] = ()
 
     @property
     def opt_in(self) -> tuple[str, ...]:
@@ -120,7 +120,7 @@ def _opt_in(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionP
         return []
     rungs, in_force, state_bytes = [], [], None
     in_backward = _in_backward(request, parallel, policies)
-    for feature in FEATURES:
+    for feature in OPT_IN:
         value = feature.allowed(request)
         if value is None:
             continue
