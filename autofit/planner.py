@@ -20,6 +20,7 @@ from torch import nn
 
 from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core import progress
+from autofit.features import feature_fields, feature_values
 from autofit.analyse.table import Analysis
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn, describe_loss
@@ -283,8 +284,7 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
             least, est = stepped
         fitted = est.within(fit)
         if fitted is not None:  # the models were pessimistic: the smallest configuration fits
-            rung_request = rung_estimator.request
-            analysed = analyses[rung_estimator.parallel, rung_request.chunked_loss, rung_request.low_bit_optimizer]
+            analysed = analyses[(rung_estimator.parallel, *feature_values(rung_estimator.request))]
             return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
         at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
         error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
@@ -316,8 +316,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         margin_bytes=request.margin_bytes, batch_size=request.batch_size, policy=policy, device=request.device.kind,
         gpu=request.device.name, optimizer=request.optimizer.name,
         notes=request.notes + found.notes + found.estimate.notes, clip_grad_norm=request.clip_grad_norm,
-        host_budget_bytes=request.host_budget_bytes, chunked_loss=request.chunked_loss,
-        low_bit_optimizer=request.low_bit_optimizer, compile=request.compile,
+        host_budget_bytes=request.host_budget_bytes, features=feature_fields(request), compile=request.compile,
     )
     plan = replace(plan, min_rows=request.min_rows)  # Note [micro-batches a model refuses]
     analysis = (analyses or {}).get(policy.label)

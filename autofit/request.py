@@ -15,12 +15,13 @@ from torch import nn
 from autofit.capture.depth import Blocks, find_blocks
 from autofit.capture.rows import smallest_rows
 from autofit.training.batch import Batch
-from autofit.training.chunked_loss import LossChunks, chunkable
+from autofit.training.chunked_loss import LossChunks
 from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
+from autofit.features import OPT_IN
 from autofit.training.loss import LossFn
-from autofit.training.optim import OptimizerSpec, as_optimizer_spec, eight_bit_possible, eight_bit_spec
+from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
@@ -79,13 +80,15 @@ class PlanRequest:
     host_budget_bytes: int | None = None
     # plan(checkpoint={name: policy}): (names, those recomputed selectively), as make_step_config reads them
     fixed_policies: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
-    # plan(allow=...): the opt-in rungs that change numerics (Note [the ladder]), each resolved for this model: the
-    # chunks of a chunked loss, and the 8-bit twin of the optimizer with its dotted class name; None where the rung
-    # was not allowed or does not apply (the notes say why)
+    # plan(allow=...): the opt-in rungs that change numerics (Note [the ladder]), each a step feature's value
+    # resolved for this model (Feature.allow_field, Note [step features]): the chunks of a chunked loss, and the
+    # 8-bit twin of the optimizer with its dotted class name; None where the rung was not allowed or does not apply
+    # (the notes say why)
     allow_chunked_loss: LossChunks | None = None
     allow_eight_bit: tuple[OptimizerSpec, str] | None = None
     closed_rungs: tuple[str, ...] = ()  # rungs that would apply here but were not allowed (the error says so)
-    # what a rung of the ladder set for the step it searches: the chunked loss, and the 8-bit optimizer's class
+    # what a rung of the ladder set for the step it searches (Feature.field): the chunked loss, and the 8-bit
+    # optimizer's class
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
     # plan(compile=True): every step runs the model compiled (Note [compile as a knob], training/config.py)
@@ -205,21 +208,15 @@ def make_request(
     stored = pinned(stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
     spec = as_optimizer_spec(optimizer)
     allowed = allow_names(allow)
-    chunks = chunkable(model, batch, target_batch, loss_fn)
-    eight_bit = eight_bit_spec(spec) if "8bit-optimizer" in allowed else eight_bit_possible(spec) or None
-    closed = tuple(n for n, found in (("chunked-loss", chunks), ("8bit-optimizer", eight_bit))
-                   if found is not None and n not in allowed)
-    chunks, eight_bit = (chunks if "chunked-loss" in allowed else None), (
-        eight_bit if "8bit-optimizer" in allowed else None)
-    if "chunked-loss" in allowed:
-        if chunks is None:
-            notes.append("allow 'chunked-loss' does not apply: it needs the default loss (no loss_fn), an nn.Linear "
-                         "output head, and an integer target or a Hugging Face causal LM given labels")
-    if "8bit-optimizer" in allowed:
-        if eight_bit is None:
-            notes.append(f"allow '8bit-optimizer' does not apply to optimizer {spec.name!r}: it swaps torch.optim.AdamW "
-                         "(or Adam without weight decay) for bitsandbytes' or torchao's 8-bit one, and needs one of "
-                         "those libraries (Note [8-bit optimizer state], autofit/training/optim.py)")
+    opened, closed = {}, []  # each step feature's value where allowed; those that apply but were not allowed
+    for feature in OPT_IN:  # Note [step features]
+        found = feature.resolve(model, batch, target_batch, loss_fn, spec, feature.name in allowed)
+        if feature.name not in allowed:
+            closed += [feature.name] if found is not None else []
+            found = None
+        elif found is None:
+            notes.append(feature.not_applicable(spec))
+        opened[feature.allow_field] = found
     min_rows, refused = smallest_rows(model, batch) if batch_size // world_size > 1 else (1, None)
     if refused is not None:
         notes.append(f"every micro-batch keeps at least {min_rows} rows (a shorter last one takes rows from the one "
@@ -237,8 +234,7 @@ def make_request(
         stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
         host_budget_bytes=host_budget_bytes, gpus_per_node=per_node, reshard_options=reshards,
         replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
-        allow_chunked_loss=chunks, allow_eight_bit=eight_bit,
-        closed_rungs=closed,
+        **opened, closed_rungs=tuple(closed),
         blocks=_depth_blocks(model, extrapolate_depth, compile),
         cheaper_cuts_only=extrapolate_depth == "auto",
         compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it

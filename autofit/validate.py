@@ -18,6 +18,7 @@ from autofit.training.batch import Batch, as_batches
 from autofit.core._torch_compile import compiled_in_place
 from autofit.device import NCCL_RESERVE_BYTES, DeviceTarget
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int, require_layout
+from autofit.features import feature_names
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
 from autofit.training.length import length_spec
@@ -131,8 +132,9 @@ def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: s
     return (tensor_parallel,)
 
 
-# plan(allow=...): the rungs that change numerics, climbed only when allowed (Note [the ladder])
-ALLOW_NAMES = ("8bit-optimizer", "chunked-loss")
+# plan(allow=...): the rungs that change numerics, climbed only when allowed (Note [the ladder]): the step features'
+# names (Note [step features]), sorted
+ALLOW_NAMES = feature_names()
 
 
 def allow_names(allow: Any) -> tuple[str, ...]:

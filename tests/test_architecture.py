@@ -17,7 +17,10 @@ LAYERS: list[set[str]] = [
     # foundations (autofit/core/): the torch boundary, typed errors, byte units, memory categories, progress, worker
     # processes, this CPU's kernels, and the memory figures estimate and measure hand back
     {"core"},
-    {"training"},  # what one training step is (autofit/training/), shared by simulate, measure and the trainer
+    # what one training step is (autofit/training/), shared by simulate, measure and the trainer; and the step
+    # features (autofit/features/), each built on the step's parts and run by the step itself (training/step.py):
+    # test_features_stand_between_the_steps_parts_and_the_step places them within the layer
+    {"training", "features"},
     {"capture"},  # 1. model copies and the traced graph, and fake kernels corrected to the CPU's
     {"simulate"},  # 2. one step on fake tensors -> Timeline
     {"analyse"},  # 3. per-layer table and the peak as a function of the knobs
@@ -102,6 +105,26 @@ def test_imports_follow_the_pipeline(path: pathlib.Path) -> None:
         if RANK[parts[1]] > RANK[unit]:
             backwards.append(f"line {line}: {module} ({parts[1]} comes after {unit} in the pipeline)")
     assert not backwards, "imports that run against the pipeline:\n" + "\n".join(backwards)
+
+
+def test_features_stand_between_the_steps_parts_and_the_step() -> None:
+    """Within the training layer, only the step (training/step.py) names the step features
+    (Note [step features], autofit/features/base.py): the features stand on the step's parts (the chunked loss's
+    arithmetic, the optimizer's twin), the step runs them, and no part of the step reaches back into them."""
+    step_users = {PACKAGE / "training" / "step.py"}
+    graph = nx.DiGraph()
+    for path in _modules():
+        if _unit(path) != "training":
+            continue
+        for _, module in _imports(ast.parse(path.read_text()), annotations=True):
+            graph.add_edge(path, module)
+    named = sorted(str(p.relative_to(PACKAGE)) for p in graph.nodes
+                   if isinstance(p, pathlib.Path) and p not in step_users
+                   and any(m.startswith("autofit.features") for m in graph.successors(p)))
+    assert not named, f"training modules that import a step feature, other than the step: {named}"
+    for path in (PACKAGE / "features").glob("*.py"):
+        for _, module in _imports(ast.parse(path.read_text()), annotations=True):
+            assert module.split(".")[:3] != ["autofit", "training", "step"], f"{path.name} imports the step"
 
 
 # Private names of other libraries that autofit reads on purpose, each where its absence changes nothing but the

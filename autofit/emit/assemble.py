@@ -3,12 +3,14 @@ memory/time front, and what selective recomputation bought against module-level 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
 
 from autofit.core.report import MemoryEstimate
 from autofit.emit.plan import Alternative, Plan
 from autofit.solve.search import Candidate, pareto_front
-from autofit.training.chunked_loss import LossChunks
 from autofit.training.layout import Parallel
 from autofit.training.precision import PrecisionPolicy
 
@@ -19,11 +21,11 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   budget_bytes: int, batch_size: int, policy: PrecisionPolicy, device: str, gpu: str | None,
                   optimizer: str, notes: tuple[str, ...], clip_grad_norm: float | None = None,
                   host_budget_bytes: int | None = None, margin_bytes: int = 0,
-                  chunked_loss: LossChunks | None = None, low_bit_optimizer: str | None = None,
-                  compile: bool = False) -> Plan:
+                  features: Mapping[str, Any] = MappingProxyType({}), compile: bool = False) -> Plan:
     """The Plan of a verified choice under the layout ``parallel``; ``fitting`` (configurations that fit the models)
     gives its memory/time front, in which the chosen configuration's row carries its verified figure (See Note [one
-    configuration, one figure])."""
+    configuration, one figure]); ``features``: each step feature's value by its field
+    (``autofit.features.feature_fields``; Note [step features])."""
     # the states on the host are the candidate's to decide; gradients reduced every micro-batch only mean something
     # when there is more than one
     parallel = replace(parallel, offload_states=chosen.offload_states,
@@ -44,7 +46,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         optimizer_in_backward=chosen.in_backward, offload=chosen.offload,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=chosen.selective,
-        chunked_loss=chunked_loss, low_bit_optimizer=low_bit_optimizer, compile=compile,
+        **features, compile=compile,
     )
 
 

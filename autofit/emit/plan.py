@@ -18,6 +18,7 @@ from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.core.report import MemoryEstimate
+from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
 from autofit.training.layout import Parallel, layout_words, ranks_per_node
@@ -97,9 +98,10 @@ class Plan:
     # the fewest rows the model accepts in a micro-batch (Note [micro-batches a model refuses], capture/rows.py): the
     # trainer's last micro-batch takes rows from the one before rather than hold fewer
     min_rows: int = 1
-    # the opt-in rungs the planner climbed (plan(allow=...), Note [the ladder]): the output head and the
-    # cross-entropy in chunks of tokens (Note [chunked cross-entropy]), and the 8-bit optimizer the trainer builds
-    # in place of the one given to wrap() (its dotted class name, Note [8-bit optimizer state])
+    # the step features the planner climbed (plan(allow=...), Note [the ladder]), each under its Feature.field
+    # (Note [step features], autofit/features/): the output head and the cross-entropy in chunks of tokens (Note
+    # [chunked cross-entropy]), and the 8-bit optimizer the trainer builds in place of the one given to wrap() (its
+    # dotted class name, Note [8-bit optimizer state])
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
     # plan(compile=True): the trainer compiles the model (nn.Module.compile; Note [compile as a knob])
@@ -296,8 +298,8 @@ class Plan:
         }
         data["rows_by_length"] = [list(r) for r in self.rows_by_length]
         data["even_split"] = None if self.even_split is None else list(self.even_split)
-        data["chunked_loss"] = None if self.chunked_loss is None else {"head": self.chunked_loss.head,
-                                                                       "chunks": self.chunked_loss.chunks}
+        for feature in FEATURES:  # each step feature's value as JSON (Note [step features])
+            data[feature.field] = feature.to_json(feature.in_force(self))
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -341,9 +343,9 @@ class Plan:
             data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
-            chunks = data.get("chunked_loss")  # absent from plans written before the opt-in rungs
-            data["chunked_loss"] = None if chunks is None else LossChunks(head=chunks["head"],
-                                                                          chunks=int(chunks["chunks"]))
+            for feature in FEATURES:  # a field absent (a plan written before the feature) keeps its default
+                if feature.field in data:
+                    data[feature.field] = feature.from_json(data[feature.field])
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):
@@ -410,11 +412,8 @@ class Plan:
                 if self.last_micro_batch_size != self.micro_batch_size else "")),
             ("precision", str(self.precision)),
             ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
-            ("optimizer", self.optimizer if self.low_bit_optimizer is None
-             else f"{self.low_bit_optimizer} (8-bit state, in place of {self.optimizer})"),
+            ("optimizer", self.optimizer),
             *([("compile", "torch.compile (inductor), applied by the trainer")] if self.compile else []),
-            *([("loss", f"cross-entropy over {self.chunked_loss.head!r} in {self.chunked_loss.chunks} chunks of "
-                        "tokens")] if self.chunked_loss is not None else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
             *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
                                   "not fit the budget; wrap() sets it before the step allocates)")]
@@ -425,10 +424,10 @@ class Plan:
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
-            *([("optimizer step", "in backward, parameter by parameter")] if self.optimizer_in_backward else []),
             *self.offload_rows(fmt),
             ("predicted step time", f"{self.predicted_step_seconds:.3g} s (time model, for ranking)"),
         ]
+        _feature_rows(self, rows)
         if len(self.rows_by_length) > 1:
             rows.insert(2, ("rows by length", self.rows_by_length_text()))
         if self.world_size > 1:
@@ -486,6 +485,22 @@ def _with_flat_layout(init: Callable[..., None]) -> Callable[..., None]:
 
 
 Plan.__init__ = _with_flat_layout(Plan.__init__)
+
+
+def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:
+    """Each step feature's rows in ``rows`` (Note [step features]): one named as a row already there replaces it
+    (the optimizer the trainer builds), another goes after the row its feature names (Feature.row_after; by
+    default after the step's knobs, before the device)."""
+    for feature in FEATURES:
+        for name, value in feature.plan_rows(plan):
+            at = next((i for i, (k, _) in enumerate(rows) if k == name), None)
+            if at is not None:
+                rows[at] = (name, value)
+            else:
+                after = feature.row_after
+                at = (next(i for i, (k, _) in enumerate(rows) if k == "device") if after is None
+                      else next(i for i, (k, _) in enumerate(rows) if k == after) + 1)
+                rows.insert(at, (name, value))
 
 
 def _policy_counts(plan: Plan) -> str:

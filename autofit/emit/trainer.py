@@ -29,13 +29,13 @@ from autofit.core._torch_compile import compiled_calls
 from autofit.training.batch import Batch, as_batches, as_shared
 from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
+from autofit.features import FEATURES
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
-from autofit.training.in_backward import stepping_in_backward
 from autofit.training.length import batch_length
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter
-from autofit.training.optim import OptimizerSpec, to_eight_bit
+from autofit.training.optim import OptimizerSpec
 from autofit.training.step import (
     StepConfig,
     new_grad_scaler,
@@ -73,8 +73,8 @@ class Trainer:
         refuse_wrapped(inner)  # Note [one trainer per model]
         check_optimizer(inner, optimizer)
         require_alloc_conf(plan)
-        if plan.low_bit_optimizer is not None:  # the rung '8bit-optimizer' (Note [8-bit optimizer state])
-            optimizer = to_eight_bit(optimizer, plan.low_bit_optimizer)
+        for feature in FEATURES:  # the optimizer a step feature builds in place of the user's (Note [step features])
+            optimizer = feature.trainer_optimizer(plan, optimizer)
         self.plan = plan
         self.model = model
         self.optimizer = optimizer  # the 8-bit one where the plan swapped it: step, save and load this one
@@ -111,8 +111,8 @@ class Trainer:
             self._patch.enter_context(patched_model(inner, self.config, self.device_type))
             if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
                 self._patch.enter_context(compiled_calls(inner))
-            if plan.optimizer_in_backward:  # Note [optimizer step in backward]
-                self._patch.enter_context(stepping_in_backward(inner, optimizer))
+            for feature in FEATURES:  # what each step feature holds around the steps (Note [step features])
+                self._patch.enter_context(feature.step_context(self.config, inner, optimizer))
         except BaseException:
             self.unwrap()  # a wrap that fails halfway leaves the model as it found it
             raise

@@ -11,6 +11,7 @@ from types import ModuleType
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
+from autofit.features import OPT_IN
 from autofit.training.optim import as_optimizer_spec
 from autofit.emit.plan import Plan
 from autofit.emit.trainer import require_alloc_conf
@@ -61,10 +62,11 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
     Trainer applies (autofit.training.step.patched_model), so another training loop runs the step autofit simulated."""
     if plan.world_size > 1 and plan.parallel.shards_parameters:
         raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(model, optimizer)")
-    if plan.chunked_loss is not None or plan.low_bit_optimizer is not None:
+    if any(feature.in_force(plan) is not None for feature in OPT_IN):  # Note [step features]
         raise InvalidInputError(
-            "this plan climbed the rung 'chunked-loss' or '8bit-optimizer', which replace the loss or the optimizer "
-            "of the step: train it with plan.wrap(model, optimizer), or plan without allow=..."
+            f"this plan climbed the rung {' or '.join(repr(f.name) for f in OPT_IN)}, which replace "
+            f"{' or '.join(f.replaces for f in OPT_IN)} of the step: train it with plan.wrap(model, optimizer), or "
+            "plan without allow=..."
         )
     device_type = _device_type(model)
     config = StepConfig(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,

@@ -25,7 +25,7 @@ from autofit.core._torch import (
 from autofit.training.batch import Batch
 from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
 from autofit.core.categories import Category
-from autofit.training.in_backward import stepping_in_backward
+from autofit.features import FEATURES
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
@@ -113,8 +113,9 @@ def measure_step(
 
     if config.preallocated_grads:  # before the first forward, as the trainer does (Note [gradients allocated before
         allocate_grads(inner)  # forward], training/grads.py)
-    in_backward = stepping_in_backward(inner, optimizer) if config.optimizer_in_backward else contextlib.nullcontext()
-    with patched_model(inner, config, device.type), in_backward:
+    with patched_model(inner, config, device.type), contextlib.ExitStack() as features:
+        for feature in FEATURES:  # what each step feature holds around the step (Note [step features])
+            features.enter_context(feature.step_context(config, inner, optimizer))
         window()  # warm-up: optimizer state now exists, as in the steady state
         if config.layout.replicates_parameters:
             window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it

@@ -75,7 +75,7 @@ from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
 from autofit.training.grads import PREALLOCATED_NOTE
-from autofit.training.in_backward import stepping_in_backward
+from autofit.features import FEATURES
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.simulate.compiled_model import compiled_for_simulation, compiled_note, upper_bound, warm_up
@@ -290,8 +290,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 if host_states:
                     stack.enter_context(offloaded_states(tracker))
                 stepped: set[int] = set()  # parameters the optimizer stepped in backward
-                if config.optimizer_in_backward:
-                    stack.enter_context(stepping_in_backward(work, optimizer, stepped))
+                for feature in FEATURES:  # what each step feature holds around the step (Note [step features])
+                    stack.enter_context(feature.step_context(config, work, optimizer, stepped))
                 stack.enter_context(tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 if inductor:

@@ -215,17 +215,9 @@ def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: 
                      "fit (Note [gradient sync under accumulation])")
     policy = estimator.policy(found.candidate.precision)
     peak = found.estimate.device_bytes
-    for name in stage.opt_in:
-        if name == "chunked-loss":
-            without = replace(estimator.request, chunked_loss=None)
-            what = (f"rung 'chunked-loss' climbed: the output head {stage.chunked_loss.head!r} and the cross-entropy "
-                    f"run in {stage.chunked_loss.chunks} chunks of tokens, so the full logits and their gradient are "
-                    "never live at once (Note [chunked cross-entropy])")
-        else:
-            without = replace(estimator.request, optimizer=request.optimizer, low_bit_optimizer=None)
-            what = (f"rung '8bit-optimizer' climbed: {request.optimizer.name} becomes {stage.eight_bit[1]}, its two "
-                    "moments stored in 8 bits (Note [8-bit optimizer state]); the trainer builds it from the "
-                    "optimizer given to wrap()")
+    for feature, value in stage.features:  # Note [step features]
+        without = feature.request_without(estimator.request, request)
+        what = feature.climbed(value, request)
         other = Estimator(without, estimator.parallel).estimate(found.candidate, policy).device_bytes
         notes.append(f"{what}; this configuration needs {format_bytes(other)} without it ({other:,} B), "
                      f"{format_bytes(peak)} with it: it saves {format_bytes(other - peak)} ({other - peak:,} B)")

@@ -13,10 +13,11 @@ Note [the ladder]
       3. each lower stored precision, one at a time and in order of risk (Note [stored precision]);
       4. the rungs that change numerics, each only where ``plan(allow=...)`` names it, cumulative, in the precisions
          of the last rung above (the lowest stored precision allowed), the optimizer free to step in backward:
-         "chunked-loss", the output head and the cross-entropy in chunks of tokens (Note [chunked cross-entropy],
-         autofit/training/chunked_loss.py; float rounding only, so first), then "8bit-optimizer", AdamW's moments in 8 bits
-         (Note [8-bit optimizer state], autofit/training/optim.py). They come before the host rung, whose optimizer steps on
-         the CPU, much the slowest, and a user who allows them asked for them;
+         one rung per step feature allowed, in the registry's order (autofit/features/__init__.py, Note [step
+         features]): "chunked-loss", the output head and the cross-entropy in chunks of tokens (Note [chunked
+         cross-entropy]; float rounding only, so first), then "8bit-optimizer", AdamW's moments in 8 bits (Note
+         [8-bit optimizer state]). They come before the host rung, whose optimizer steps on the CPU, much the
+         slowest, and a user who allows them asked for them;
       5. the parameters, gradients and optimizer state in host memory (Note [offload]), where allowed
          (offload="auto", a GPU target): FSDP2's CPUOffloadPolicy on one process, or on every rank of an FSDP2
          layout without tensor parallel. Its estimates must also fit the host budget, which the ranks of one node
@@ -31,11 +32,10 @@ Note [the ladder]
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from autofit.features import OPT_IN, OptInFeature
 from autofit.training.precision import PrecisionPolicy
-from autofit.training.chunked_loss import LossChunks
-from autofit.training.optim import OptimizerSpec
 from autofit.training.precision import stored_dtype
 from autofit.solve.sharding import shard_units
 from autofit.training.stored import stored_bytes_per_parameter
@@ -62,24 +62,20 @@ class Stage:
     # the states on the host, what the layout keeps gathered (ZeRO-2, an int reshard); None: no floor (ZeRO-3)
     floor_bytes: int | None = None
     skippable: bool = False  # a later rung may fit where this one cannot: skip it when its floor misses the budget
-    # the opt-in rungs (plan(allow=...)) in force on this rung: the chunked loss, and the 8-bit optimizer (its spec
-    # and dotted class name); None: the user's loss and optimizer
-    chunked_loss: LossChunks | None = None
-    eight_bit: tuple[OptimizerSpec, str] | None = None
+    # the step features (plan(allow=...)) in force on this rung, each with its value, in registry order (Note [step
+    # features]); (): the user's loss and optimizer
+    features: tuple[tuple[OptInFeature, Any], ...] = ()
 
     @property
     def opt_in(self) -> tuple[str, ...]:
         """The names of the opt-in rungs in force here, as ``plan(allow=...)`` gives them."""
-        return (("chunked-loss",) if self.chunked_loss is not None else ()) + (
-            ("8bit-optimizer",) if self.eight_bit is not None else ())
+        return tuple(feature.name for feature, _ in self.features)
 
     def request_for(self, request: PlanRequest) -> PlanRequest:
-        """``request`` as this rung runs it: its chunked loss and optimizer in place of the user's."""
-        if not self.opt_in:
-            return request
-        optimizer = request.optimizer if self.eight_bit is None else self.eight_bit[0]
-        return replace(request, optimizer=optimizer, chunked_loss=self.chunked_loss,
-                       low_bit_optimizer=None if self.eight_bit is None else self.eight_bit[1])
+        """``request`` as this rung runs it: each feature in force applied (the chunked loss, the optimizer's twin)."""
+        for feature, value in self.features:
+            request = feature.request_for(request, value)
+        return request
 
     def skipped(self, fit_bytes: int) -> bool:
         """Whether the rung is passed over without analysis under ``fit_bytes``: its states alone miss it."""
@@ -118,20 +114,21 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
 
 
 def _opt_in(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...], k: int) -> list[Stage]:
-    """The rungs ``plan(allow=...)`` opened, cumulative: the chunked loss, then the 8-bit optimizer (Note [the
-    ladder]); the optimizer may step in backward on each. One process only."""
-    if parallel.strategy is not None:  # one process only: the distributed trainers build neither
+    """The rungs ``plan(allow=...)`` opened, one per step feature allowed, cumulative in the registry's order (Note
+    [the ladder], Note [step features]); the optimizer may step in backward on each. One process only."""
+    if parallel.strategy is not None:  # one process only: the distributed trainers build none of them
         return []
-    rungs, chunks = [], request.allow_chunked_loss
+    rungs, in_force, state_bytes = [], [], None
     in_backward = _in_backward(request, parallel, policies)
-    if chunks is not None:
-        rungs.append(Stage(what=f"chunked cross-entropy ({chunks.chunks} chunks)", policies=policies,
-                           parallel=parallel, in_backward=in_backward, chunked_loss=chunks,
-                           floor_bytes=_opt_in_floor(request, parallel, policies[0], in_backward, None, k)))
-    if request.allow_eight_bit is not None:
-        rungs.append(Stage(what="8-bit optimizer state", policies=policies, parallel=parallel,
-                           in_backward=in_backward, chunked_loss=chunks, eight_bit=request.allow_eight_bit,
-                           floor_bytes=_opt_in_floor(request, parallel, policies[0], in_backward, 1, k)))
+    for feature in OPT_IN:
+        value = feature.allowed(request)
+        if value is None:
+            continue
+        in_force.append((feature, value))
+        state_bytes = feature.state_bytes if feature.state_bytes is not None else state_bytes
+        rungs.append(Stage(what=feature.rung_what(value), policies=policies, parallel=parallel,
+                           in_backward=in_backward, features=tuple(in_force),
+                           floor_bytes=_opt_in_floor(request, parallel, policies[0], in_backward, state_bytes, k)))
     return rungs
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from autofit.core import progress
+from autofit.features import feature_values
 from autofit.analyse.analyse import analyse_model
 from autofit.analyse.depth import extend_analysis
 from autofit.capture.depth import truncated
@@ -121,14 +122,14 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
 def searchable(request: PlanRequest, stage: Stage,
                 analyses: dict[tuple, dict[str, Analysis]]) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
     """The rung's estimator, its search space and its analyses by precision (``analyses``' entry for the rung's
-    layout and opt-in rungs: its precisions are analysed unless they were before); the estimator holds the request as
-    the rung runs it (its chunked loss and optimizer)."""
+    layout and step features: its precisions are analysed unless they were before); the estimator holds the request
+    as the rung runs it (each step feature in force, Note [step features])."""
     request = stage.request_for(request)
     single, single_analysed = single_step_layout(request, stage.parallel), None  # the step of one micro-batch
     if single is not None:  # Note [an accumulation-free FSDP2 step]
-        single_analysed = analyses.setdefault((single, request.chunked_loss, request.low_bit_optimizer), {})
+        single_analysed = analyses.setdefault((single, *feature_values(request)), {})
         single_analysed.update(analyse_policies(request, single, stage.policies, single_analysed))
-    analysed = analyses.setdefault((stage.parallel, request.chunked_loss, request.low_bit_optimizer), {})
+    analysed = analyses.setdefault((stage.parallel, *feature_values(request)), {})
     own_window = single is None or request.per_rank > 1  # with one row per rank, no step accumulates
     if own_window:
         analysed.update(analyse_policies(request, stage.parallel, stage.policies, analysed))

@@ -28,9 +28,9 @@ from autofit.core._torch import (
 )
 from autofit.training.batch import Batch
 from autofit.training.config import StepConfig, make_step_config, resolve_modules  # noqa: F401 - the step's value, re-exported
-from autofit.training.chunked_loss import chunked_step_loss
 from autofit.core.cpu import translate_kernel_error
 from autofit.core.errors import ForwardError
+from autofit.features import FEATURES
 from autofit.training.loss import LossFn, compute_loss
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.recompute import selective_context
@@ -239,9 +239,10 @@ def run_micro_batch(
     if on_phase is not None:
         on_phase("forward")
     with torch.autocast(device_type, dtype=policy.dtype, enabled=policy.autocast):
-        if config.chunked_loss is not None:  # Note [chunked cross-entropy]
-            loss = chunked_step_loss(model, batch, None if target is None else target.value, config.chunked_loss,
-                                     fp32_head=policy.autocast and config.chunked_loss.head in policy.fp32_modules)
+        # a step feature may compute the loss in place of the model's output and loss_fn (Note [step features])
+        feature_loss = next((run for f in FEATURES if (run := f.step_loss(config)) is not None), None)
+        if feature_loss is not None:
+            loss = feature_loss(model, batch, None if target is None else target.value, policy)
             loss = compute_loss(lambda value: value, loss, None)  # the checks every loss passes
         else:
             output = batch.call(model)

@@ -1,0 +1,47 @@
+"""The step features, one module each, registered in :data:`FEATURES` (Note [step features],
+autofit/features/base.py). The stages iterate over the registry and never name a feature."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autofit.features.base import Feature, OptInFeature, StepLoss
+from autofit.features.chunked_loss import CHUNKED_LOSS
+from autofit.features.in_backward import IN_BACKWARD
+from autofit.features.low_bit_optimizer import LOW_BIT_OPTIMIZER
+
+__all__ = ["FEATURES", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "feature_fields", "feature_names",
+           "feature_values", "registry"]
+
+
+def registry(*features: Feature) -> tuple[Feature, ...]:
+    """``features`` as a registry: in the given order, each name and field once (a second would shadow the first)."""
+    for attribute in ("name", "field"):
+        seen = [getattr(f, attribute) for f in features]
+        twice = sorted({v for v in seen if seen.count(v) > 1})
+        if twice:
+            raise ValueError(f"step features registered twice under the same {attribute}: {twice}")
+    return features
+
+
+# The opt-in ones in the order the ladder climbs them: float rounding only first, then the 8-bit state, which
+# changes the update's numbers (Note [the ladder])
+FEATURES: tuple[Feature, ...] = registry(CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
+OPT_IN: tuple[OptInFeature, ...] = tuple(f for f in FEATURES if isinstance(f, OptInFeature))
+
+
+def feature_names() -> tuple[str, ...]:
+    """The names ``plan(allow=...)`` accepts, sorted."""
+    return tuple(sorted(f.name for f in OPT_IN))
+
+
+def feature_fields(request: Any) -> dict[str, Any]:
+    """Every opt-in feature's value on ``request`` (a rung's PlanRequest) by its field: what the rung set, handed on
+    to the plan."""
+    return {f.field: f.in_force(request) for f in OPT_IN}
+
+
+def feature_values(request: Any) -> tuple[Any, ...]:
+    """Every opt-in feature's value on ``request``, in registry order: what tells apart the steps of two rungs (the
+    key of their analyses)."""
+    return tuple(f.in_force(request) for f in OPT_IN)

@@ -1,0 +1,144 @@
+"""What a step feature declares to the stages. See Note [step features].
+
+Note [step features]
+    A step feature changes what one training step runs: its loss, its optimizer, when the optimizer steps. Each is
+    one module of ``autofit/features/`` holding one frozen :class:`Feature` instance, and
+    ``autofit.features.FEATURES`` lists them (torchtitan's registry of model converters, where float8 is one file
+    switched on by name, and ``torch.utils.flop_counter``'s registry of one function per op are the models). The
+    stages never name a feature; each asks every registered one what it needs. Of every feature:
+      - the step (``training/step.py``, which the simulation, ``measure`` and the trainer all run):
+        :meth:`Feature.step_loss`, the loss the feature computes in place of the model's output and the loss
+        function; and :meth:`Feature.step_context`, what it holds around the step's forward and backward
+        (``simulate/run.py``, ``measure/allocator.py``, ``emit/trainer.py``); both read from the
+        :class:`~autofit.training.config.StepConfig`;
+      - the trainer (``emit/trainer.py``): :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
+      - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
+        :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON.
+    An :class:`OptInFeature` also has a rung the user opens with ``plan(allow=...)``, and says:
+      - to the request (``request.py``): :meth:`OptInFeature.resolve`, its value for this model and optimizer, and
+        :meth:`OptInFeature.not_applicable`, the note when it was allowed but does not apply;
+      - to the ladder (``solve/ladder.py``): one rung per feature allowed, cumulative in registry order, named by
+        :meth:`OptInFeature.rung_what`, its floor from :attr:`OptInFeature.state_bytes`;
+        :meth:`OptInFeature.request_for` is the request as the rung runs it;
+      - to the plan's notes (``solve/finish.py``): :meth:`OptInFeature.request_without` and
+        :meth:`OptInFeature.climbed`, what the rung saved against the same configuration without it;
+      - to other trainers (``integrations/``): :attr:`OptInFeature.replaces`, what of the step a plan applied
+        outside ``wrap`` would lose.
+    A feature's value travels in the step, the plan (and for an opt-in one the request) under one field name
+    (:attr:`Feature.field`); ``None`` (False for a flag) there means "not in force". Only what the registered
+    features use is declared: a new feature that needs another hook adds it here, with a default that changes
+    nothing, and the stage that calls it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: these are values the stages hand in
+    import torch
+    from torch import nn
+
+    from autofit.training.batch import Batch
+    from autofit.training.config import StepConfig
+    from autofit.training.optim import OptimizerSpec
+    from autofit.training.precision import PrecisionPolicy
+
+__all__ = ["Feature", "OptInFeature", "StepLoss"]
+
+# the step's loss where a feature computes it: (model, micro-batch, the target's value or None, precision) -> loss
+StepLoss = Callable[["nn.Module", "Batch", Any, "PrecisionPolicy"], "torch.Tensor"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Feature:
+    """A step feature (Note [step features]): one frozen instance per module of ``autofit/features/``. The defaults
+    change nothing; a feature overrides what it changes."""
+
+    name: str  # how notes and errors name it: "chunked-loss", "optimizer-in-backward"
+    field: str  # the field of StepConfig and Plan (and of PlanRequest, for an opt-in one) carrying its value
+    # the plan row its new rows follow (Feature.plan_rows); None: after the step's knobs, before the device
+    row_after: str | None = None
+
+    def in_force(self, carrier: Any) -> Any:
+        """The value in force on ``carrier`` (a PlanRequest, a StepConfig or a Plan), or None."""
+        return getattr(carrier, self.field, None)
+
+    # ---- the step: simulated, measured and trained alike ----------------------------------------------------------
+    def step_loss(self, config: StepConfig) -> StepLoss | None:
+        """The loss this feature computes in ``config``'s step in place of the model's output and the loss function,
+        or None: the step's own."""
+        return None
+
+    def step_context(self, config: StepConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     stepped: set[int] | None = None) -> contextlib.AbstractContextManager[Any]:
+        """What the feature holds around ``config``'s forwards and backwards on ``model`` (undone on exit);
+        ``stepped`` collects the ids of parameters the optimizer stepped during backward, where that is asked."""
+        return contextlib.nullcontext()
+
+    # ---- the trainer and the plan ---------------------------------------------------------------------------------
+    def trainer_optimizer(self, plan: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the trainer of ``plan`` steps, given the one passed to wrap()."""
+        return optimizer
+
+    def plan_rows(self, plan: Any) -> tuple[tuple[str, str], ...]:
+        """The feature's rows in the plan's table: a row named as one of the plan's own replaces it, another goes
+        after :attr:`row_after`. None where the feature is not in force."""
+        return ()
+
+    def to_json(self, value: Any) -> Any:
+        """``value`` as the plan's JSON writes it."""
+        return value
+
+    def from_json(self, data: Any) -> Any:
+        """The value :meth:`to_json` wrote."""
+        return data
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptInFeature(Feature, abc.ABC):
+    """A step feature with a rung of the ladder that ``plan(allow=...)`` opens (Note [step features], Note [the
+    ladder]); ``name`` is what ``allow=`` takes."""
+
+    allow_field: str  # the field of PlanRequest: the value plan(allow=...) resolved for this model (None: closed)
+    replaces: str  # what of the step it replaces, for a trainer other than wrap()'s: "the loss", "the optimizer"
+    # the optimizer state's bytes per value on its rung and those after it (the ladder's floor); None: the stored
+    # precision's
+    state_bytes: int | None = None
+
+    # ---- the request: resolved once per plan() --------------------------------------------------------------------
+    @abc.abstractmethod
+    def resolve(self, model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any, optimizer: OptimizerSpec,
+                allowed: bool) -> Any:
+        """The feature's value for this model and optimizer, or None where it does not apply. Not ``allowed``: any
+        value but None says only that it would apply (the infeasibility error names the closed rung), and may be
+        cheaper to find."""
+
+    @abc.abstractmethod
+    def not_applicable(self, optimizer: OptimizerSpec) -> str:
+        """The plan's note when ``plan(allow=...)`` named the feature but :meth:`resolve` found nothing."""
+
+    def allowed(self, request: Any) -> Any:
+        """The value plan(allow=...) opened on ``request`` (a PlanRequest), or None."""
+        return getattr(request, self.allow_field)
+
+    # ---- the ladder -----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def rung_what(self, value: Any) -> str:
+        """How the plan's notes name the rung that opens the feature with ``value``."""
+
+    def request_for(self, request: Any, value: Any) -> Any:
+        """``request`` (a PlanRequest) as a rung with the feature in force runs it."""
+        return dataclasses.replace(request, **{self.field: value})
+
+    def request_without(self, request: Any, user: Any) -> Any:
+        """``request`` (a rung's) without the feature, the rest as the rung runs it; ``user`` is the request as
+        the user gave it."""
+        return dataclasses.replace(request, **{self.field: None})
+
+    @abc.abstractmethod
+    def climbed(self, value: Any, user: Any) -> str:
+        """The plan's note on what the rung did (``user``: the request as the user gave it)."""
