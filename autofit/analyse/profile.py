@@ -79,9 +79,11 @@ class StepProfile:
     def internal_bytes(self, call: CallRecord, batch: int) -> int:
         """High-water mark of the call's forward above the bytes live when it started (what recomputing it
         allocates at once, saved tensors included)."""
-        live = self.live(batch)
-        before = live[call.start - 1] if call.start > 0 else 0
-        return max(0, int(live[call.start:call.end + 1].max(initial=before)) - int(before))
+        first = max(call.start - 1, 0)  # only the call's events: the whole line per call made a search quadratic
+        live = self.intercepts[first:call.end + 1] + self.slopes[first:call.end + 1] * batch
+        before = live[0] if call.start > 0 else 0
+        inside = live[1:] if call.start > 0 else live
+        return max(0, int(inside.max(initial=before)) - int(before))
 
     def micro_batches(self, accumulation_steps: int) -> tuple[int, ...]:
         return (0, 1) if accumulation_steps > 1 else (0,)

@@ -30,7 +30,8 @@ from autofit.analyse.table import LayerTable
 from autofit.simulate.timeline import Phase
 from autofit.solve.checkpoint_milp import CheckpointProblem
 
-__all__ = ["CheckpointUnit", "MemoryModel", "Edit", "rng_state_bytes"]
+__all__ = ["CheckpointUnit", "MemoryModel", "Edit", "rng_state_bytes", "contained_sums", "window_max",
+           "nested_pairs"]
 
 
 def rng_state_bytes() -> int:
@@ -195,15 +196,12 @@ class MemoryModel:
         k_from = np.array([f for e in edits for f, _ in e.kept], dtype=np.int64)
         k_to = np.array([e.stage_end for e in edits for _ in e.kept], dtype=np.int64)
         k_bytes = np.array([n for e in edits for _, n in e.kept], dtype=np.int64)
-        k_onehot = np.zeros((len(k_unit), n_units))
-        k_onehot[np.arange(len(k_unit)), k_unit] = 1.0
 
         def coefficients(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-            dropped = (lo[:, None] >= end[None, :] + 1) & (hi[:, None] <= rec[None, :])
-            stashed = (lo[:, None] >= start[None, :]) & (hi[:, None] <= send[None, :])
-            held = (lo[:, None] >= k_from[None, :]) & (hi[:, None] <= k_to[None, :])
-            return ((-(dropped * saved[None, :]) + stashed * self.rng_bytes) @ onehot
-                    + (held * k_bytes[None, :]) @ k_onehot)
+            # Note [coefficients by intervals]
+            return contained_sums(lo, hi, ((end + 1, rec, unit, -saved),  # dropped until recomputed
+                                           (start, send, unit, np.full(len(unit), self.rng_bytes, dtype=np.int64)),
+                                           (k_from, k_to, k_unit, k_bytes)), n_units).astype(np.float64)
 
         los, his = [], []
         for lo, hi in self.activation_ranges(accumulation_steps):
@@ -213,7 +211,7 @@ class MemoryModel:
             his.append(cuts[1:])
         lo = np.concatenate(los) if los else np.zeros(0, dtype=np.int64)
         hi = np.concatenate(his) if his else np.zeros(0, dtype=np.int64)
-        base = np.array([live[a:b].max() for a, b in zip(lo, hi)], dtype=np.float64)
+        base = window_max(live, lo, hi).astype(np.float64)
         coef = coefficients(lo, hi) if len(edits) else np.zeros((len(lo), n_units))
         # the recompute instants: the call's saved tensors are back, its own intermediates peak on top
         spike_coef = coefficients(rec, rec + 1) + onehot * (spike[:, None])
@@ -222,14 +220,14 @@ class MemoryModel:
                                     [float(self.optimizer_peak(batch))]])
         rows_coef = np.vstack([coef, spike_coef, np.zeros((1, n_units))])
         names = tuple(self.units[u].name for u, _ in variables)
-        exclusive = tuple((i, j) for i, a in enumerate(names) for j, d in enumerate(names)
-                          if i != j and d.startswith(a + "."))
+        exclusive = nested_pairs(names)
         costs = np.array([float(self.units[u].flops(batch)) for u, _ in variables])
         policies = tuple(p for _, p in variables)
-        groups = tuple(g for g in ({v for v, (w, _) in enumerate(variables) if w == u} for u in range(len(self.units)))
-                       if len(g) > 1)
-        return CheckpointProblem(names, costs, rows_base, rows_coef, exclusive, policies,
-                                 tuple(tuple(sorted(g)) for g in groups))
+        by_unit: dict[int, list[int]] = {}
+        for v, (u, _) in enumerate(variables):
+            by_unit.setdefault(u, []).append(v)
+        groups = tuple(tuple(by_unit[u]) for u in range(len(self.units)) if len(by_unit.get(u, ())) > 1)
+        return CheckpointProblem(names, costs, rows_base, rows_coef, exclusive, policies, groups)
 
     def window_problem(self, batch: int, accumulation_steps: int, *, selective: bool = True) -> CheckpointProblem:
         """:meth:`problem` without the optimizer stage's row: the forward and backward stretches alone. Where the
@@ -250,3 +248,65 @@ class MemoryModel:
         # modules the user forces that the analysis saw nothing to gain from still stash the RNG state
         extra = sum(1 for n in names if n not in known) * self.rng_bytes
         return problem.peak(chosen) + extra
+
+
+# Note [coefficients by intervals]
+#     A row of the checkpoint MILP is a stretch [lo, hi] of events (or a recompute instant [r, r + 1]); an edit
+#     (its dropped bytes, its RNG stash, an input it holds longer) counts in a row when its interval [a, b] holds the
+#     stretch: lo >= a and hi <= b. Tested densely, that is rows x edits booleans per term, times a one-hot matrix:
+#     GPT-2-XL's plan on a T4 (48 blocks, states on the host) spent 13.1 CPU s building the 26 problems of its first
+#     search. The rows sorted by lo (then hi) never have their hi fall (the stretches cut a window into consecutive
+#     pieces; the instants are one event long), so the rows an interval holds are one run [first lo >= a, last
+#     hi <= b]: each edit adds its bytes to its unit at the run's start and takes them off past its end, and one
+#     running sum down the rows gives every coefficient (1.5 CPU s for the same 26). The bytes are integers, summed
+#     exactly in int64 (the float64 product of integers below 2 ** 53 was exact too), so the coefficients are the
+#     same numbers; rows whose hi does fall take the dense test (tests/test_memory_model_rows.py).
+def contained_sums(lo: np.ndarray, hi: np.ndarray, terms, n_units: int) -> np.ndarray:
+    """``out[r, u]``: for each term ``(a, b, unit, value)`` (arrays over intervals), the sum of ``value[e]`` over
+    the intervals ``[a[e], b[e]]`` of unit ``u`` that hold the row ``[lo[r], hi[r]]`` (``lo[r] >= a[e]`` and
+    ``hi[r] <= b[e]``), in int64. See Note [coefficients by intervals]."""
+    rows = len(lo)
+    out = np.zeros((rows, n_units), dtype=np.int64)
+    if not rows:
+        return out
+    order = np.lexsort((hi, lo))
+    los, his = lo[order], hi[order]
+    if np.any(his[1:] < his[:-1]):  # not one run per interval: the dense test
+        for a, b, unit, value in terms:
+            inside = (lo[:, None] >= a[None, :]) & (hi[:, None] <= b[None, :])
+            for u in np.unique(unit):
+                out[:, u] += (inside[:, unit == u] * value[unit == u][None, :]).sum(axis=1)
+        return out
+    steps = np.zeros((rows + 1, n_units), dtype=np.int64)
+    for a, b, unit, value in terms:
+        first = np.searchsorted(los, a, side="left")  # rows from here on start at or after a
+        past = np.searchsorted(his, b, side="right")  # rows before here end at or before b
+        hit = first < past
+        np.add.at(steps, (first[hit], unit[hit]), value[hit])
+        np.add.at(steps, (past[hit], unit[hit]), -value[hit])
+    sums = np.cumsum(steps[:-1], axis=0)
+    if np.array_equal(order, np.arange(rows)):
+        return sums
+    out[order] = sums
+    return out
+
+
+def window_max(live: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``live[lo[i]:hi[i]].max()`` for every i (each window non-empty)."""
+    if not len(lo):
+        return np.zeros(0, dtype=live.dtype)
+    padded = np.append(live, live[-1:])  # reduceat's indices must lie inside the array: hi may be its length
+    return np.maximum.reduceat(padded, np.ravel(np.column_stack([lo, hi])))[::2]
+
+
+def nested_pairs(names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """(i, j) for every ``names[j]`` under ``names[i]`` (it starts with ``names[i] + "."``), ordered by i then j."""
+    where: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        where.setdefault(name, []).append(i)
+    pairs = []
+    for j, name in enumerate(names):
+        for k, ch in enumerate(name):
+            if ch == ".":
+                pairs.extend((i, j) for i in where.get(name[:k], ()))
+    return tuple(sorted(pairs))
