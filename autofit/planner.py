@@ -13,7 +13,7 @@ searched, and the winner verified by a full estimate (solve/estimator.py, solve/
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from torch import nn
@@ -22,6 +22,7 @@ from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core import progress
 from autofit.features import feature_fields, feature_values
 from autofit.analyse.table import Analysis
+from autofit.core.report import MemoryEstimate
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn, describe_loss
 from autofit.training.normalisation import loss_reduction
@@ -36,9 +37,9 @@ from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
 from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes,
                                   verify_beside_rows)
-from autofit.solve.ladder import ladder, skipped_note, states_floor
+from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
-from autofit.solve.search import module_level
+from autofit.solve.search import Candidate, SearchSpace, module_level
 from autofit.solve.sharding import collective_floor, layouts
 from autofit.solve.space import analyse_policies, searchable
 from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,
@@ -194,9 +195,10 @@ class _Unplanned(Exception):
 #     configuration a rung would verify bounds the rung's plan from below. A rung whose bound is no faster than a
 #     plan found already (``beat``) verifies nothing (``Slower``), and where even the floor of every configuration
 #     (Note [pruned search], solve/search.py) loses, no checkpoint MILP is solved: the next rung is searched the same
-#     way, as it is when nothing fits. A layout without a plan raises ``_Unplanned``; its smallest budget, a few verifications
-#     more, is computed only if no layout fits at all. The layouts are planned in order of their collectives at one
-#     micro-batch (``collective_floor``, the same compute for all of them), so the likely winner comes first.
+#     way, as it is when nothing fits. A layout without a plan raises ``_Unplanned``; its smallest budget, a few
+#     verifications more, is computed only if no layout fits at all (``_smallest``, from what the climb carried). The
+#     layouts are planned in order of their collectives at one micro-batch (``collective_floor``, the same compute for
+#     all of them), so the likely winner comes first.
 #     Llama-3-70B-shaped on 4 x 8 H100s (benchmarks/multi_gpu_70b.py): three layouts verified in full, one of them
 #     only to name a smallest budget nobody read, before this.
 def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None = None,
@@ -206,98 +208,187 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
     states on the host where ``on_gpus`` says a plan keeps them on the GPUs (Note [layouts that cannot win]); or
     nothing fits (its ``fallback()``: the smallest budget over the rungs tried)."""
     request = request.for_layout(parallel)  # with tensor parallel, a group's ranks share their rows
-    estimator, stages = Estimator(request, parallel), ladder(request, parallel)
-    fit = request.fit_bytes
+    climb = _Climb(request, parallel, ladder(request, parallel), beat)
     # the quick path's time model has no layer table to size tensor parallel's all-reduces by: analysed instead
-    if request.quick and request.auto_precision and stages[0].floor_bytes <= fit and parallel.tensor_parallel == 1:
-        found = quick_path(estimator, fit)
+    if (request.quick and request.auto_precision and climb.stages[0].floor_bytes <= climb.fit
+            and parallel.tensor_parallel == 1):
+        estimator = Estimator(request, parallel)
+        found = quick_path(estimator, climb.fit)
         if found is not None:
             return _plan_of(estimator, found), {}
-
-    analyses: dict[tuple, dict[str, Analysis]] = {}  # per layout and opt-in rungs, by policy label
-    rows_known: dict[tuple, dict[tuple[int, int], int]] = {}  # (candidate, policy) -> {(length, rows): bytes}
-    skipped: list[str] = []
-    tried = None  # the space and estimator of the last rung searched on the device: the smallest budget's
-    backward = None  # the configurations that may step in backward, once their rung was searched
-    on_host = None  # the smallest verified configuration with the states on the host, once that rung was searched
-    slower = None  # the fastest bound of the rungs that could only lose to ``beat``
-    host_skipped = False  # the states on the host not tried: a plan keeps them on the GPUs
-    for stage in stages:
-        versus = None  # the best module-level candidate, when the winner recomputes selectively
-        if stage.skipped(fit):  # not worth an analysis: its states alone miss the budget
-            skipped.append(f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)")
+    carried = _Carried()
+    for stage in climb.stages:
+        if stage.skipped(climb.fit):  # not worth an analysis: its states alone miss the budget
+            passed = f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)"
+            carried = replace(carried, skipped=(*carried.skipped, passed))
             continue
         if stage.host_check and on_gpus:  # a plan keeps its states on the GPUs: the CPU step cannot win
-            host_skipped = True
+            carried = replace(carried, host_skipped=True)
             continue
-        rung_estimator, space, analysed = searchable(request, stage, analyses)
-        if stage.host_check:
-            progress.report("searching with the states on the host (checkpoint MILP)")
-            found = search_verified(space, fit, host_checked(rung_estimator.verify, fit, request.host_budget_bytes,
-                                                             parallel.ranks_per_node), beat, front=not request.quick)
-            if found is None:  # the models may be pessimistic: the smallest verified configuration may still fit
-                on_host = candidate, est = smallest_verified(space, rung_estimator.verify)
-                fitted = est.within(fit)
-                if fitted is not None:
-                    found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel.ranks_per_node),
-                                     (candidate,))
-        else:
-            progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
-            found = search_verified(space, fit, functools.partial(verify_beside_rows, rung_estimator, rows_known), beat,
-                                    front=not request.quick)
-            tried = space, rung_estimator
-            versus = module_level(space, fit) if isinstance(found, Verified) and found.candidate.selective else None
-            if found is None and stage.in_backward:  # nothing fits with every gradient alive
-                backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
-                found = search_in_backward(backward, fit, _gradient_bytes(request.model), rung_estimator.verify)
-        if isinstance(found, Slower):  # Note [layouts that cannot win]
-            slower = found if slower is None else min(slower, found, key=lambda f: f.seconds)
-            continue
-        if found is not None:
-            found = replace(found, notes=found.notes + skipped_note(stage, skipped)
-                            + rung_notes(request, stage, rung_estimator, found))
-            plan = _plan_of(rung_estimator, found, analysed, rows_known)
-            if versus is not None:
-                plan = replace(plan, module_level_step_seconds=versus.seconds, notes=plan.notes + (
-                    selective_note(plan, versus),))
-            return plan, analysed
+        searched = _host_rung(climb, stage) if stage.host_check else _device_rung(climb, stage)
+        carried = carried.after(searched)
+        if isinstance(searched.found, Verified):
+            return _rung_plan(climb, stage, carried, searched)
     if beat is not None:  # a plan exists: this layout's smallest budget would never be read
-        raise _Unplanned(
-            (f"its fastest configuration the models allow, {slower.seconds:.3g} s, is no faster than {beat:.3g} s"
+        raise _Unplanned(_why_not_faster(beat, carried))
+    raise _Unplanned("nothing fits", fallback=functools.partial(_smallest, climb, carried))
+
+
+@dataclass(frozen=True)
+class _Climb:
+    """What stays the same while one layout climbs its ladder: the request as the layout runs it, the rungs, the
+    plan to beat, and the caches the rungs share (``analyses`` per layout and opt-in rungs, by policy label, and
+    ``rows_known``, (candidate, policy) -> {(length, rows): bytes}), filled as rungs are searched."""
+
+    request: PlanRequest
+    parallel: Parallel
+    stages: tuple[Stage, ...]
+    beat: float | None
+    analyses: dict[tuple, dict[str, Analysis]] = field(default_factory=dict)
+    rows_known: dict[tuple, dict[tuple[int, int], int]] = field(default_factory=dict)
+
+    @property
+    def fit(self) -> int:
+        return self.request.fit_bytes
+
+
+@dataclass(frozen=True)
+class _Searched:
+    """One rung searched: ``found`` (a verified plan, ``Slower`` than ``beat``, or None), the rung's estimator and
+    analyses, the module-level candidate to compare a selective winner with, and what the smallest budget needs
+    later: the device rung's space (``tried``), its in-backward space (``backward``), the host rung's smallest
+    verified configuration (``on_host``); None where the rung has none."""
+
+    found: Verified | Slower | None
+    estimator: Estimator
+    analysed: dict[str, Analysis]
+    versus: Candidate | None = None
+    tried: tuple[SearchSpace, Estimator] | None = None
+    backward: SearchSpace | None = None
+    on_host: tuple[Candidate, MemoryEstimate] | None = None
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """What the climb carries from rung to rung: the rungs ``skipped`` (named with their floors, for the plan's
+    note), the last device rung's space and estimator (``tried``, the smallest budget's), the space of the
+    configurations that may step in backward, the smallest verified configuration with the states on the host, the
+    fastest bound of the rungs that could only lose to ``beat`` (``slower``), and whether the states on the host
+    were not tried because a plan keeps them on the GPUs (``host_skipped``)."""
+
+    skipped: tuple[str, ...] = ()
+    tried: tuple[SearchSpace, Estimator] | None = None
+    backward: SearchSpace | None = None
+    on_host: tuple[Candidate, MemoryEstimate] | None = None
+    slower: Slower | None = None
+    host_skipped: bool = False
+
+    def after(self, searched: _Searched) -> _Carried:
+        """This record with what ``searched`` found: each of the smallest budget's inputs is the latest rung's that
+        has one, and ``slower`` the fastest bound so far."""
+        slower = self.slower
+        if isinstance(searched.found, Slower):  # Note [layouts that cannot win]
+            slower = searched.found if slower is None else min(slower, searched.found, key=lambda f: f.seconds)
+        return replace(self, slower=slower,
+                       tried=searched.tried if searched.tried is not None else self.tried,
+                       backward=searched.backward if searched.backward is not None else self.backward,
+                       on_host=searched.on_host if searched.on_host is not None else self.on_host)
+
+
+def _device_rung(climb: _Climb, stage: Stage) -> _Searched:
+    """The rung's search with the states on the GPUs; where nothing fits with every gradient alive and the rung
+    allows it, the search with the optimizer stepped in backward."""
+    request = climb.request
+    estimator, space, analysed = searchable(request, stage, climb.analyses)
+    progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
+    found = search_verified(space, climb.fit, functools.partial(verify_beside_rows, estimator, climb.rows_known),
+                            climb.beat, front=not request.quick)
+    # the best module-level candidate, when the winner recomputes selectively: the plan says what selective saves
+    versus = module_level(space, climb.fit) if isinstance(found, Verified) and found.candidate.selective else None
+    backward = None
+    if found is None and stage.in_backward:
+        backward, found = _in_backward(climb, stage, space, estimator)
+    return _Searched(found, estimator, analysed, versus, tried=(space, estimator), backward=backward)
+
+
+def _in_backward(climb: _Climb, stage: Stage, space: SearchSpace,
+                 estimator: Estimator) -> tuple[SearchSpace, Verified | None]:
+    """Nothing fits with every gradient alive: the rung's in-backward precisions searched with the optimizer stepped
+    in backward (Note [gradients before forward as a plan knob]); the space is kept for the smallest budget."""
+    backward = replace(space, precisions=tuple(p.label for p in stage.in_backward))
+    return backward, search_in_backward(backward, climb.fit, _gradient_bytes(climb.request.model), estimator.verify)
+
+
+def _host_rung(climb: _Climb, stage: Stage) -> _Searched:
+    """The rung with the states on the host, each candidate also checked against the host's memory; where the
+    models find nothing, the smallest verified configuration, which may still fit (the models may be pessimistic)
+    and names the smallest budget with the states offloaded otherwise."""
+    request, parallel, fit = climb.request, climb.parallel, climb.fit
+    estimator, space, analysed = searchable(request, stage, climb.analyses)
+    progress.report("searching with the states on the host (checkpoint MILP)")
+    found = search_verified(space, fit, host_checked(estimator.verify, fit, request.host_budget_bytes,
+                                                     parallel.ranks_per_node), climb.beat, front=not request.quick)
+    if found is not None:
+        return _Searched(found, estimator, analysed)
+    on_host = candidate, est = smallest_verified(space, estimator.verify)
+    fitted = est.within(fit)
+    if fitted is not None:
+        found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel.ranks_per_node), (candidate,))
+    return _Searched(found, estimator, analysed, on_host=on_host)
+
+
+def _rung_plan(climb: _Climb, stage: Stage, carried: _Carried,
+               searched: _Searched) -> tuple[Plan, dict[str, Analysis]]:
+    """The plan of the rung's verified winner, its notes naming the rungs passed over and the rung's own."""
+    found = searched.found
+    found = replace(found, notes=found.notes + skipped_note(stage, carried.skipped)
+                    + rung_notes(climb.request, stage, searched.estimator, found))
+    plan = _plan_of(searched.estimator, found, searched.analysed, climb.rows_known)
+    if searched.versus is not None:
+        plan = replace(plan, module_level_step_seconds=searched.versus.seconds, notes=plan.notes + (
+            selective_note(plan, searched.versus),))
+    return plan, searched.analysed
+
+
+def _why_not_faster(beat: float, carried: _Carried) -> str:
+    """Why a layout has no plan when another has one: its bound loses to ``beat``, or nothing fits, and its states
+    on the host were not tried (Note [layouts that cannot win])."""
+    slower = carried.slower
+    return ((f"its fastest configuration the models allow, {slower.seconds:.3g} s, is no faster than {beat:.3g} s"
              if slower is not None else "nothing fits")
             + (" with its states on the GPUs, and with them on the host it cannot beat a plan that keeps them there"
-               if host_skipped else ""))
+               if carried.host_skipped else ""))
 
-    def smallest() -> tuple[Plan, dict[str, Analysis]]:
-        """The plan of the smallest verified configuration where the models were pessimistic, else the error
-        naming the smallest budget over the rungs tried."""
-        nonlocal tried
-        if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
-            last = [s for s in stages if not s.host_check][-1]
-            rung_estimator, space, _ = searchable(request, last, analyses)
-            tried = space, rung_estimator
-        space, rung_estimator = tried
-        # Note [gradients before forward as a plan knob]
-        least, est = smallest_verified(space, rung_estimator.verify_floor)
-        stepped = smallest_in_backward(backward, rung_estimator.verify) if backward is not None else None
-        if stepped is not None and stepped[1].min_device_bytes < est.min_device_bytes:
-            least, est = stepped
-        fitted = est.within(fit)
-        if fitted is not None:  # the models were pessimistic: the smallest configuration fits
-            analysed = analyses[(rung_estimator.parallel, *feature_values(rung_estimator.request))]
-            return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
-        at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
-        error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
-                           sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
-                           if parallel.shards_parameters else 0)
-        if on_host is not None:
-            error = with_offload_minimum(error, on_host, request.host_budget_bytes, request.margin_bytes,
-                                         parallel.ranks_per_node)
-        if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
-            error = with_closed_rungs(error, request.closed_rungs)
-        raise error
 
-    raise _Unplanned("nothing fits", fallback=smallest)
+def _smallest(climb: _Climb, carried: _Carried) -> tuple[Plan, dict[str, Analysis]]:
+    """The plan of the smallest verified configuration where the models were pessimistic, else the error naming the
+    smallest budget over the rungs tried. Run only when no layout fits (Note [layouts that cannot win])."""
+    request, parallel = climb.request, climb.parallel
+    tried = carried.tried
+    if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
+        last = [s for s in climb.stages if not s.host_check][-1]
+        rung_estimator, space, _ = searchable(request, last, climb.analyses)
+        tried = space, rung_estimator
+    space, rung_estimator = tried
+    # Note [gradients before forward as a plan knob]
+    least, est = smallest_verified(space, rung_estimator.verify_floor)
+    stepped = smallest_in_backward(carried.backward, rung_estimator.verify) if carried.backward is not None else None
+    if stepped is not None and stepped[1].min_device_bytes < est.min_device_bytes:
+        least, est = stepped
+    fitted = est.within(climb.fit)
+    if fitted is not None:  # the models were pessimistic: the smallest configuration fits
+        analysed = climb.analyses[(rung_estimator.parallel, *feature_values(rung_estimator.request))]
+        return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
+    at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
+    error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
+                       sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
+                       if parallel.shards_parameters else 0)
+    if carried.on_host is not None:
+        error = with_offload_minimum(error, carried.on_host, request.host_budget_bytes, request.margin_bytes,
+                                     parallel.ranks_per_node)
+    if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
+        error = with_closed_rungs(error, request.closed_rungs)
+    raise error
 
 
 def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis] | None = None,

@@ -31,6 +31,7 @@ Note [the ladder]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -155,7 +156,7 @@ def _shards(parallel: Parallel) -> int:
     return parallel.shard_group
 
 
-def skipped_note(stage: Stage, skipped: list[str]) -> tuple[str, ...]:
+def skipped_note(stage: Stage, skipped: Sequence[str]) -> tuple[str, ...]:
     """The note of a plan found on ``stage`` after the rungs ``skipped`` (each named with its floor) were passed
     over; none when nothing was."""
     if not skipped:
