@@ -127,15 +127,13 @@ def test_compile_must_be_a_bool() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "open: run alone (a fresh process) the compiled step measures 1,871,388 B against the plan's 1,870,364 B (1,024 "
-    "B over; the same at 5540d33 and with inductor's caches off); it passed inside the whole suite until the slow "
-    "tier's order changed, so some earlier test leaves process state (dynamo's cache of this forward, most likely) "
-    "that it relied on. The missing 1 KiB of the compiled step with an uneven last micro-batch is not found yet"))
 def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None:
-    """``plan`` estimates a compiled model as compiled: under a budget the eager step would miss, its choice measured
-    on the compiled model stays within the plan's peak (which also holds the rest of the batch), and the estimate
-    at that choice equals measure within 0.5 %. The plan's capture must not leave the model's forward uncompilable."""
+    """``plan`` estimates a compiled model as compiled: under a budget the eager step would miss, the plan's own step
+    (``trainer.step`` over the whole batch, an uneven last micro-batch included) run on the compiled model peaks
+    within the plan's figure on the allocator, and the estimate of the even configuration (micro-batch x
+    accumulation rows) equals measure within 0.5 %. The plan's capture must not leave the model's forward
+    uncompilable. (``measure`` runs accumulation x micro-batch rows: for a plan whose last micro-batch is smaller it
+    holds more rows than the plan's step, so it is the even configuration's truth, not the plan's.)"""
     torch.manual_seed(0)
     model = _Pointwise()
     sample = torch.randn(512, 64)
@@ -149,8 +147,20 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
               checkpoint=plan.checkpoint, loss_fn=loss_fn)
     meas = autofit.measure(compiled, sample, **kw)
     assert meas.peak_bytes < autofit.measure(model, sample, **kw).peak_bytes  # measure really ran it compiled
-    assert meas.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
     assert abs(_error(autofit.estimate(compiled, sample, **kw), meas)) <= TOLERANCE
+    assert _trainer_step_peak(plan, compiled, sample, loss_fn) <= plan.peak_bytes <= plan.budget_bytes
+
+
+def _trainer_step_peak(plan, model, sample, loss_fn) -> int:
+    """The allocator's peak of one steady-state ``trainer.step(sample)`` of ``plan`` (after a warm-up step created
+    the optimizer state), with parameters, optimizer state and the batch counted as resident."""
+    from autofit.measure.allocator import measure_callable
+
+    optimizer = torch.optim.AdamW(model.parameters())
+    with plan.wrap(model, optimizer, loss_fn=loss_fn) as trainer:
+        trainer.step(sample)
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return measure_callable(lambda: trainer.step(sample), [*model.parameters(), *state, sample])
 
 
 @pytest.mark.slow
@@ -243,3 +253,24 @@ def test_compiled_estimate_for_a_gpu_is_never_below_the_eager_one() -> None:
     assert (compiled_gpu.peak_allocated_bytes, compiled_gpu.peak_reserved_bytes, compiled_gpu.device_bytes) == (
         eager_gpu.peak_allocated_bytes, eager_gpu.peak_reserved_bytes, eager_gpu.device_bytes)
     assert any("larger of two simulations" in note and "here the eager step" in note for note in compiled_gpu.notes)
+
+
+@pytest.mark.slow(seconds=40)
+@pytest.mark.xfail(strict=True, reason=(
+    "open: the same model plans 128 x 4 first and 171 x 3 second in one process. Most likely cause (from dynamo's "
+    "recompile log, not yet proved): the simulated compile breaks its graph at autofit's own module hooks "
+    "(analyse/layers.py _exit and _tag_nodes), so dynamo compiles the user's forward, nn.Linear.forward and those "
+    "hooks as frames of their own and leaves cache entries on those shared code objects, which the next plan's "
+    "simulations find (recompile limits reached). Note [a simulation compiles as a fresh process does] isolates "
+    "automatic dynamic shapes, not these entries"))
+def test_a_compiled_model_plans_the_same_twice_in_one_process() -> None:
+    """A plan is a function of its inputs: the same compiled model, sample and budget plan the same configuration
+    whatever the process planned before."""
+    plans = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        compiled = torch.compile(_Pointwise())
+        plan = autofit.plan(compiled, torch.randn(512, 64), budget="2.5MB", device="cpu", loss_fn=_KW["loss_fn"],
+                            batch_size=512, precision="fp32")
+        plans.append((plan.micro_batch_size, plan.gradient_accumulation_steps, plan.peak_bytes))
+    assert plans[0] == plans[1], plans

@@ -28,6 +28,18 @@ Note [inductor without kernels]
     decided on the same graph and carries over, but the GPU wrapper's buffer reuse and which ops become extern
     kernels may differ, and the CUDA caching allocator rounds what it sees. ``mode="max-autotune"`` benchmarks real
     kernels while it compiles and is refused.
+
+Note [a simulation compiles as a fresh process does]
+    Dynamo's automatic dynamic shapes remember, per frame, the sizes it has compiled for, and a frame that sees a
+    second size recompiles with that dimension symbolic (``torch._dynamo.pgo``: ``get_code_state()`` keyed by
+    ``CodeId``, the frame's file, line and name, not its code object). The simulation's compiled caller is a fresh
+    code object but not a fresh ``CodeId``, and where the simulated compile breaks its graph dynamo compiles the
+    user's own ``forward`` (and autofit's hooks) as frames of their own, whose ``CodeId`` real runs share. So the
+    sizes earlier simulations, plans and real steps saw would decide whether a simulation compiles static or dynamic
+    graphs, and a plan would depend on what the process ran before it (the same compiled model planned 128 x 4 first
+    and 171 x 3 second in one process). While a simulation compiles, dynamo reads a code state of its own, empty when
+    the simulation begins: each simulation compiles as a fresh process's first step does, and nothing it sees is
+    left for the user's later compiles.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +164,7 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
     # the "eager" backend runs the module's own code: the simulation's force_eager stance already does
     settings = [(name, module, s) for name, module, s in settings if s.backend == "inductor"]
     try:
+        import torch._dynamo.pgo as pgo
         import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
@@ -167,6 +181,9 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
         stack.enter_context(patch(GraphLowering, "_compile_to_module_lines", lambda _: _kernel_free_module))
         stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1))
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        # Note [a simulation compiles as a fresh process does]
+        fresh: dict = defaultdict(pgo.CodeState)
+        stack.enter_context(patch(pgo, "get_code_state", lambda _: lambda: fresh))
         try:
             if whole is not None:  # nn.Module.compile: _wrapped_call_impl calls _compiled_call_impl when set
                 whole._compiled_call_impl = _compiled_while_eager(
