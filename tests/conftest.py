@@ -45,10 +45,11 @@ NEXT_TIER = {"quick": "@pytest.mark.sim (or @pytest.mark.slow)", "sim": "@pytest
 # The whole suite runs on one pytest-xdist worker per core (tests/matrix.sh). Its wall time is the busiest worker's,
 # so what ends a run matters: a 4-minute test handed out last keeps one worker busy while the other idles. So the
 # items are ordered by tier, slow first, then sim, then quick, and within the slow tier longest first: a test whose
-# call takes a minute or more says so on its marker, ``@pytest.mark.slow(seconds=N)`` (its CPU seconds on two idle
-# cores, a rough figure: only the order reads it), the others count as 0 and keep collection order (a stable sort).
-# AUTOFIT_TEST_CPU_LOG=FILE appends each test call's CPU seconds, tier and id to FILE (one line a test, any number of
-# workers), the figures those markers take: run it on the slow tier of a few files at a time, not the whole suite.
+# call takes about 40 s or more says so on its marker, ``@pytest.mark.slow(seconds=N)`` (its seconds in matrix.sh's
+# run on two idle cores, which --durations prints, or its CPU seconds alone: a rough figure, only the order reads it),
+# the others count as 0 and keep collection order (a stable sort). AUTOFIT_TEST_CPU_LOG=FILE appends each test call's
+# CPU seconds, tier and id to FILE (a line a test, from every worker): run it on a few files' slow tests at a time.
+# A fixture's set-up is not in either figure: a test that plans its truths on demand counts them (test_verdict.py).
 # matrix.sh hands the list out with ``--dist worksteal``: the first half of the list goes to one worker, the second to
 # the other, and an idle worker takes the back half of the busiest one's queue. The long tests so start at once and
 # the run ends on short ones (the longest-processing-time-first rule). Measured on two idle cores before the
