@@ -45,8 +45,11 @@ NEXT_TIER = {"quick": "@pytest.mark.sim (or @pytest.mark.slow)", "sim": "@pytest
 # The whole suite runs on one pytest-xdist worker per core (tests/matrix.sh). Its wall time is the busiest worker's,
 # so what ends a run matters: a 4-minute test handed out last keeps one worker busy while the other idles. So the
 # items are ordered by tier, slow first, then sim, then quick, and within the slow tier longest first: a test whose
-# call takes a minute or more says so on its marker, ``@pytest.mark.slow(seconds=N)`` (its CPU seconds on two idle
-# cores, a rough figure: only the order reads it), the others count as 0 and keep collection order (a stable sort).
+# call takes about 40 s or more says so on its marker, ``@pytest.mark.slow(seconds=N)`` (its seconds in matrix.sh's
+# run on two idle cores, which --durations prints, or its CPU seconds alone: a rough figure, only the order reads it),
+# the others count as 0 and keep collection order (a stable sort). AUTOFIT_TEST_CPU_LOG=FILE appends each test call's
+# CPU seconds, tier and id to FILE (a line a test, from every worker): run it on a few files' slow tests at a time.
+# A fixture's set-up is not in either figure: a test that plans its truths on demand counts them (test_verdict.py).
 # matrix.sh hands the list out with ``--dist worksteal``: the first half of the list goes to one worker, the second to
 # the other, and an idle worker takes the back half of the busiest one's queue. The long tests so start at once and
 # the run ends on short ones (the longest-processing-time-first rule). Measured on two idle cores before the
@@ -118,9 +121,12 @@ def pytest_runtest_call(item: pytest.Item):
     if steps:
         pytest.fail(f"a quick-tier test ran {steps[0]} (Note [tier budgets], tests/conftest.py): mark it "
                     f"{NEXT_TIER['quick']}", pytrace=False)
+    spent = _cpu_seconds() - started
+    if log := os.environ.get("AUTOFIT_TEST_CPU_LOG"):  # Note [the slowest first]: where a marker's seconds come from
+        with open(log, "a") as f:
+            f.write(f"{spent:.1f}\t{tier}\t{item.nodeid}\n")
     budget = BUDGETS.get(tier)
     if budget is not None and checks:
-        spent = _cpu_seconds() - started
         if spent > budget:
             pytest.fail(f"a {tier}-tier test took {spent:.1f} CPU seconds, over its tier's {budget:.0f} "
                         f"(Note [tier budgets], tests/conftest.py): mark it {NEXT_TIER[tier]} or make it cheaper",

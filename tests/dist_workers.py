@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_distributed.py (spawned; importable by module name)."""
+"""Worker processes for tests/test_distributed.py (forked from a fork server; importable by module name)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Note [ranks from a fork server]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A spawned rank starts a fresh interpreter and imports torch, autofit and this module (about 3 CPU seconds on two
+# cores), and the gloo tests start about 66 ranks (test_layouts.py's 18: 164 CPU seconds spawned, 137 forked). A
+# fork server imports them once per test process (its ``preload``) and forks each rank from there: the rank then runs
+# ``run_jobs`` as a spawned one would, in a process that has run no torch op (so no OpenMP pool crosses the fork,
+# Note [parallel simulations] in autofit/core/workers.py) and holds no process group. What a rank inherits from the
+# server rather than from the test: the environment and sys.path when the server started (no test here changes
+# either before a launch). The ranks are the server's children, so conftest's CPU figures leave them out.
 def launch(jobs: list[dict], tmp_path: Path, world: int) -> list[list[dict]]:
     """Spawn ``world`` processes running :func:`run_jobs`; each rank's results, or a test failure (not a hang) after
     a timeout."""
     import pytest
 
+    # Note [ranks from a fork server]; the tiny Llama's ranks build it with transformers (skipped where it is missing)
+    mp.set_forkserver_preload([__name__, "transformers.models.llama.modeling_llama"])
     context = mp.start_processes(run_jobs, args=(world, _free_port(), jobs, str(tmp_path)), nprocs=world, join=False,
-                                 start_method="spawn")
+                                 start_method="forkserver")
     deadline = time.monotonic() + 600
     # join() returns False while some workers still run (it raises if one failed): wait for all, up to the deadline
     while not context.join(timeout=5):

@@ -37,7 +37,7 @@ def test_estimate_matches_measure(name: str, precision: str) -> None:
                                     f"({100 * error:+.3f} %)"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
     """transformers' grouped-GEMM experts (the default in 5.x) sort the token-expert pairs and run one GEMM over all
     of them: every buffer is sized by tokens x top-k, whatever the routing. A batch of one repeated token routes
@@ -52,13 +52,16 @@ def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
     # a budget that binds: 8 rows at once do not fit (about 1.7x the 2-row peak), 4 rows do (about 1.4x); the
     # planner then also captures and analyses the graph, which meets the grouped GEMM's fake kernel too
     budget = int(1.55 * peaks["uniform"][0])
+    # both plans are asserted to run 4 x 2, so each batch's 4 x 2 step is measured once and held to both
+    measured = {}
     for sample in (uniform, random_batch):
         plan = autofit.plan(model, sample, budget=budget, batch_size=8, device="cpu", precision="fp32", checkpoint=())
         assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 2)
         assert plan.peak_bytes <= budget
-        for other in (uniform, random_batch):  # the plan made for one batch holds for the other
-            measured = autofit.measure(model, other, micro_batch_size=4, accumulation_steps=2).peak_bytes
-            assert measured <= plan.peak_bytes
+        for name, other in (("uniform", uniform), ("random", random_batch)):  # the plan for one batch holds for both
+            if name not in measured:
+                measured[name] = autofit.measure(model, other, micro_batch_size=4, accumulation_steps=2).peak_bytes
+            assert measured[name] <= plan.peak_bytes
 
 
 def _distinct_routings(model, batch) -> int:

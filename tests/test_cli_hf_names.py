@@ -124,7 +124,7 @@ def test_task_picks_the_head():
     assert type(spec.model).__name__ == "GPT2ForSequenceClassification" and spec.model.config.num_labels == 1
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow
 def test_llama_2_7b_on_a_t4_exits_3_with_the_minimum():
     """7B parameters with AdamW need ~16 bytes each before any activation: far more than a T4's 16 GB, with the
     states kept on the GPU (offloading them is tested in tests/test_offload.py)."""

@@ -88,7 +88,7 @@ def test_compiles_autofit_cannot_simulate_are_refused(kwargs, match) -> None:
                          loss_fn=lambda out: out.sum())
 
 
-@pytest.mark.slow(seconds=55)
+@pytest.mark.slow
 def test_compiled_tiny_llama_estimate_equals_measure() -> None:
     """A 1-layer Llama (HF transformers, sdpa attention) compiled whole: estimate within 0.5 % of measure of the
     compiled model. Slow: measure compiles its C++ kernels (about 50 of them)."""

@@ -249,8 +249,8 @@ def _treatments(plan) -> list[tuple]:
     return [tuple(sorted(k)) for k in kinds]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("budget", ["1GB", "12MB"], ids=["generous", "tight"])
+@pytest.mark.parametrize("budget", [pytest.param("1GB", marks=pytest.mark.slow),
+                                    pytest.param("12MB", marks=pytest.mark.slow(seconds=85))], ids=["generous", "tight"])
 def test_plan_with_extrapolation_equals_plan_without(budget):
     """Generous: the quick path's estimate is extrapolated. Tight: the analysis is extended, and the winner
     recomputes an irregular set of modules, its blocks' treatments grouped into runs (Note [recomputation grouped by

@@ -20,7 +20,7 @@ def test_the_model_is_llama_3_2_3b_shaped():
     assert sum(p.numel() for p in llama_3b().parameters()) == N
 
 
-@pytest.mark.slow(seconds=80)
+@pytest.mark.slow(seconds=45)
 def test_full_fine_tuning_on_16gb_climbs_both_rungs():
     plan = full_fine_tuning_16gb()
     assert plan.device_bytes <= 16 * 2**30
@@ -33,7 +33,7 @@ def test_full_fine_tuning_on_16gb_climbs_both_rungs():
     assert plan.estimate.breakdown["parameters"] == pytest.approx(2 * N, rel=0.001)
 
 
-@pytest.mark.slow(seconds=105)
+@pytest.mark.slow(seconds=45)
 def test_lora_r16_on_12gb():
     pytest.importorskip("peft")
     plan = lora_12gb()

@@ -55,7 +55,7 @@ def test_an_accumulating_fsdp2_plan_reduces_every_micro_batch_when_nothing_else_
     assert autofit.Plan.from_json(plan.to_json()).reduce_every_micro_batch
 
 
-@pytest.mark.slow(seconds=260)
+@pytest.mark.slow(seconds=45)
 def test_llama_2_7b_fsdp2_on_8_a100_40gb_plans():
     """Issue 26's command, which exited 3 ("the smallest reachable peak is 38.02 GiB (micro-batch 8, ...)")."""
     from autofit.cli.app import app

@@ -39,7 +39,7 @@ def _run(mode: str) -> dict:
 
 
 @pytest.mark.sim
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_interrupted_first_plan_then_the_same_plan() -> None:
     fresh = _run("none")
     for mode in ("import", "workers"):

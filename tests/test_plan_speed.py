@@ -422,7 +422,7 @@ print(runs, ",".join(differ) or "none")
 """
 
 
-@pytest.mark.slow(seconds=100)
+@pytest.mark.slow(seconds=65)
 def test_every_zoo_models_first_simulation_in_a_process_equals_the_next():
     """The same, over the accuracy zoo on both targets and every precision the planner tries, each simulated twice
     in one fresh process (the first run of each model meets its own shapes, so PyTorch's caches are cold for it).

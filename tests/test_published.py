@@ -78,7 +78,7 @@ def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
         assert kwargs["world_size"] == case.ranks and kwargs["strategy"] == "fsdp2", case.name
 
 
-@pytest.mark.slow(seconds=300)
+@pytest.mark.slow(seconds=120)
 def test_compiled_vit_h_is_bounded_from_above():
     # torchao's ViT-H row ran compiled; on a CUDA target the compiled estimate is the larger of inductor's CPU
     # lowering and eager (Note [compiled models on a GPU target]): above the published figure (the safe side), by

@@ -96,7 +96,7 @@ def _plan(world: int, tp: int, batch_size: int, checkpoint: tuple[str, ...] = ()
                 tensor_plan=resolve_tensor_plan(case.model, tp, mapping))
 
 
-@pytest.mark.slow(seconds=50)
+@pytest.mark.slow(seconds=40)
 @pytest.mark.parametrize("world,tp,checkpoint", [
     (2, 2, ()), (4, 2, ()),  # tp alone; FSDP2 2 x tp 2
     (2, 2, ("model.layers.0", "model.layers.1.mlp")),  # recomputed: the block that shards its input, and an MLP
@@ -227,7 +227,7 @@ def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_ru
     assert plan.tensor_parallel == 1  # the trainer's refusal: the gloo test above ("odd length" job)
 
 
-@pytest.mark.slow(seconds=55)
+@pytest.mark.slow(seconds=45)
 @pytest.mark.filterwarnings("error:Parallelize plan key:UserWarning")
 def test_depth_extrapolation_plans_sequence_parallel_as_the_whole_model():
     """A 10-block Llama, FSDP2 2 x tp 2 with sequence parallel: the plan from cut models (2, 3, 4 blocks; only the

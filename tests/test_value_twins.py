@@ -124,8 +124,8 @@ def test_a_twin_written_by_an_op_without_twins_is_forgotten():
         autofit.estimate(model, torch.randn(2, 8), micro_batch_size=2, loss_fn=lambda out: out.sum())
 
 
-@pytest.mark.slow(seconds=75)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow(seconds=50)),
+                                      pytest.param("fsdp2", marks=pytest.mark.slow(seconds=130))])
 def test_a_1b_nn_transformer_on_meta_estimates_and_plans_at_world_size_2(strategy):
     """Issue 26's model: 32 encoder + 32 decoder layers, d_model 1024 (about 1 B parameters), on the meta device."""
     with torch.device("meta"):

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from dataclasses import replace
@@ -116,7 +117,7 @@ def _counterexamples(seeds, case=None, configuration_peaks=None) -> list[str]:
     return found
 
 
-@pytest.mark.slow(seconds=260)
+@pytest.mark.slow(seconds=250)
 def test_plan_finds_a_plan_whenever_a_configuration_fits():
     counterexamples = _counterexamples(SEEDS)
     print(f"{len(SEEDS)} random cases, {len(counterexamples)} counterexamples")
@@ -373,23 +374,26 @@ _KW = dict(precision="fp16", device="cuda", gpu="H200", offload=False)
 
 @pytest.fixture(scope="module")
 def llama_floors():
-    """Four layers of the report's Llama-2-7B, on meta: the smallest budget plan names at batch 1, 2, 4 and 8, and
-    the error message naming it."""
+    """Four layers of the report's Llama-2-7B, on meta, and ``floor(batch)``: the smallest budget plan names at that
+    batch and the error message naming it. Each batch's floor is planned once per process, when a test first asks
+    for it: the two tests below may run in different pytest-xdist workers, and the first reads only batch 1 and 8."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
                                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    floors, messages = {}, {}
-    for batch in (1, 2, 4, 8):
+
+    @functools.cache
+    def floor(batch: int) -> tuple[int, str]:
         ids = torch.zeros(batch, 2048, dtype=torch.long)
         with pytest.raises(autofit.InfeasibleBudgetError) as e:
             autofit.plan(model, {"input_ids": ids, "labels": ids}, "1GiB", **_KW)
-        floors[batch], messages[batch] = e.value.min_budget_bytes, str(e.value)
-    return model, floors, messages
+        return e.value.min_budget_bytes, str(e.value)
+
+    return model, floor
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=55)
 def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama_floors):
     """The report's Llama-2-7B on an H200 (fp16, no offload) named 128.85 GiB at batch 8 and 149.13 GiB at batch 1.
     Four of its layers with the same knobs: a plan at the floor named for batch 1 and for batch 8 comes back with the
@@ -397,7 +401,8 @@ def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama
     default allocator alone these floors were 20.85 and 21.02 GiB (measured 2026-11-24, the replay under a cap); the
     floors named now are lower, so the plans at them need expandable segments and the gradients allocated before
     forward, and say so."""
-    model, floors, messages = llama_floors
+    model, floor = llama_floors
+    floors, messages = {b: floor(b)[0] for b in (1, 8)}, {b: floor(b)[1] for b in (1, 8)}
     for batch in (1, 8):
         ids = torch.zeros(batch, 2048, dtype=torch.long)
         plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, floors[batch], **_KW)
@@ -412,12 +417,13 @@ def test_a_plan_at_the_named_floor_comes_back_with_the_configuration_named(llama
         assert autofit.Plan.from_json(plan.to_json()).preallocated_grads
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_the_smallest_budget_never_grows_as_the_batch_shrinks_at_any_step(llama_floors):
     """Before the gradients could be allocated before forward (Note [gradients before forward as a plan knob]):
     20.68, 20.68, 20.58, 20.60 GiB at batch 1, 2, 4, 8 (2026-11-24), gradients placed between activations pinning
     20 MiB pages at the optimizer step. No floor is below the states (16 bytes per parameter) plus the context."""
-    model, floors, _ = llama_floors
+    model, floor = llama_floors
+    floors = {batch: floor(batch)[0] for batch in (1, 2, 4, 8)}
     assert floors[1] <= floors[2] <= floors[4] <= floors[8], floors
     states = 16 * sum(p.numel() for p in model.parameters())
     assert all(f >= states + CUDA_CONTEXT_BYTES for f in floors.values()), floors
