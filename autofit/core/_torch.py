@@ -353,6 +353,10 @@ def fake_store() -> Any:
 #     The cache holds one schema and its argument tuple by reference and is used only while both are the same
 #     objects (a rewrapped schema gets a new tuple, _op_schema.py ``_inplace_rewrap_schema_suggestion``); any
 #     other attribute is read from the schema itself. A torch without the function is left as it is.
+#     The function's first loop, whether any input spec holds a ``_StridedShard``, also reads every spec, once per
+#     child: it is answered once per schema too, and where none does the function returns at once, as torch's
+#     does then, without changing anything (a 1 B-parameter seq2seq's FSDP2 estimate at world size 2: 31.8 to
+#     25.2 CPU s, the same figures).
 class _Specs:
     """An OpSchema whose ``args_spec`` was flattened once (Note [DTensor's tuple strategies in linear time])."""
 
@@ -376,12 +380,19 @@ def dtensor_specs_once() -> Iterator[None]:
         yield
         return
 
+    strided = getattr(importlib.import_module("torch.distributed.tensor.placement_types"), "_StridedShard", None)
+
     def make(original: Callable) -> Callable:
-        last: list[Any] = [None, None, None]  # the schema, its argument tuple, its specs
+        # the schema, its argument tuple, its specs, and whether any of them holds a _StridedShard
+        last: list[Any] = [None, None, None, True]
 
         def propagate(op_strategy: Any, schema: Any) -> Any:
             if last[0] is not schema or last[1] is not schema.args_schema:
-                last[:] = [schema, schema.args_schema, schema.args_spec]
+                specs = schema.args_spec
+                last[:] = [schema, schema.args_schema, specs,
+                           strided is None or any(isinstance(p, strided) for s in specs for p in s.placements)]
+            if not last[3]:
+                return None  # torch's function returns before changing anything when no input is strided
             return original(op_strategy, _Specs(schema, last[2]))
         return propagate
 
