@@ -154,8 +154,11 @@ def _rules(shallow: Timeline, deep: Timeline, name):
             rules.append(None)
             continue
         new, old = rd[j]
-        if inside[j]:
-            rules.append(("new", new))
+        if inside[j]:  # compared with the same free a period earlier, where there is one
+            length = inside[j]
+            earlier = rd[j - length] if j >= length and not inside[j - length] and kd[j - length] == kd[j] else None
+            rules.append(("old", old) if earlier is not None and earlier[0] != new and earlier[1] == old
+                         else ("new", new))
         elif rs[i - 1][0] == new:
             rules.append(("new", new))
         elif rs[i - 1][1] == old:

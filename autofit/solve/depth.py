@@ -399,10 +399,13 @@ def _mapping(ests: tuple[MemoryEstimate, ...], attr: str, steps: int) -> dict[st
 OFF_LINE_CLEARANCE = 0.01
 
 
-def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int | None = None) -> MemoryEstimate | None:
+def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int | None = None,
+                whole: Callable[[], MemoryEstimate | None] | None = None) -> MemoryEstimate | None:
     """The estimate at ``run.blocks.count`` blocks from the estimates at ``run.depths``, or None when some tensor
     figure is not on a line, or a segment figure is not and the smallest budget so carried is within
-    OFF_LINE_CLEARANCE of ``fit_bytes`` (the caller tries larger depths, then the full simulation).
+    OFF_LINE_CLEARANCE of ``fit_bytes`` (the caller tries larger depths, then the full simulation), unless
+    ``whole`` gives the device's estimate of the whole step's timeline built from the cuts' (Note [a timeline
+    extended in depth], autofit/simulate/depth.py): its figures are then the segment figures, exact.
 
     Note [segment figures in depth]
         The tensor figures (the allocated peak less the allocator's rounding, the host bytes, each category) must be
@@ -438,7 +441,8 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int 
             off.append(attr)
         figures[attr] = value
     if off and fit_bytes is not None and abs(figures["min_device_bytes"] - fit_bytes) < OFF_LINE_CLEARANCE * fit_bytes:
-        return None
+        exact = whole() if whole is not None else None
+        return None if exact is None else _replayed(run, exact, figures, host, ests[-1])
     note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
             f"identical blocks of {run.blocks.path} and carried to all of them along the line through the last two "
             f"(the first predicts the third: tensor figures to the byte, reserved ones within 20 MiB; Note [depth "
@@ -447,6 +451,27 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int 
         note += (f"; {', '.join(off)} off their line: the allocated peak's line plus the largest reserve above it at "
                  "those depths (Note [segment figures in depth], autofit/solve/depth.py)")
     return _carried(ests[-1], figures, breakdown, host, note, run.depths[-1])
+
+
+def _replayed(run: DepthRun, exact: MemoryEstimate, figures: dict[str, int], host: dict[str, int],
+              last: MemoryEstimate) -> MemoryEstimate:
+    """The estimate of the whole model whose device figures are ``exact``'s (the allocator replayed over the whole
+    step's timeline built from the cuts'), its host figures carried along their lines (the host's events are not
+    extended), its peak named as the deepest cut's."""
+    note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
+            f"identical blocks of {run.blocks.path}; the whole step's allocations built from theirs, each period "
+            f"they add copied, and replayed through the caching allocator (Note [a timeline extended in depth], "
+            f"autofit/simulate/depth.py)")
+    notes = last.notes + (note,)
+    carried = dict(host_bytes=figures["host_bytes"], host_breakdown=host, peak_phase=last.peak_phase,
+                   peak_at=f"{last.peak_at} (at {run.depths[-1]} blocks)" if last.peak_at else "")
+
+    def under(budget: int) -> MemoryEstimate | None:  # the replay under the budget: exact too
+        inner = None if exact.under is None else exact.under(budget)
+        if inner is None:
+            return None
+        return replace(inner, **carried, notes=notes + inner.notes[len(exact.notes):], under=None)
+    return replace(exact, **carried, notes=notes, under=under)
 
 
 def _carried(last: MemoryEstimate, figures: dict[str, int], breakdown: dict[str, int], host: dict[str, int],
