@@ -395,7 +395,8 @@ def _mapping(ests: tuple[MemoryEstimate, ...], attr: str, steps: int) -> dict[st
 
 
 # How far from the budget a smallest budget carried with segment figures off their line must be to be kept: five
-# times the error measured on the 70B-shaped plan (Note [segment figures in depth]).
+# times the error measured on the 70B-shaped plan (Note [segment figures in depth]); nearer, the allocator is
+# replayed over the whole step's timeline, else the model simulated whole.
 OFF_LINE_CLEARANCE = 0.01
 
 
@@ -423,7 +424,12 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int 
         equal, smallest budget 66,431,483,904 B against 66,322,823,104 B carried (-0.16 %: its reserve above the
         allocated grew to 1.02 GB), reserved 89.74 GB against 86.75 GB carried (-3.3 %). So the carried figures
         are approximate, and only the smallest budget decides whether a step fits (``MemoryEstimate.within``): a
-        carried one within OFF_LINE_CLEARANCE of the budget is not trusted, and the step is simulated in full."""
+        carried one within OFF_LINE_CLEARANCE of the budget is not trusted. The caller then passes ``whole``: the
+        caching allocator replayed over the whole step's timeline built from the cuts' (Note [a timeline extended
+        in depth], autofit/simulate/depth.py), whose figures are the whole simulation's to the byte on that
+        70B-shaped plan (80 blocks from 8, 9, 10; smallest budget 79,253,471,232 B, reserved 108,026,396,672 B,
+        both equal) for the cost of a few replays instead of a simulation of 80 blocks. Where the timeline cannot be
+        built, the step is simulated in full."""
     steps = run.steps
     rounding = tuple(e.breakdown.get(_ROUNDING, 0) for e in ests)
     exact = _line(tuple(e.peak_bytes - r for e, r in zip(ests, rounding)), steps, 0)
