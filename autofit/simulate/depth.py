@@ -17,8 +17,11 @@ Note [a timeline extended in depth]
     same rank, counted from the newest or from the oldest, that it took at the shallower depths: a block's
     backward frees its own saved activations (the newest of their key), FSDP2's forward frees the previous block's
     gathered parameters (one before the newest), the optimizer frees its foreach outputs in order (the oldest).
-    Where neither rank is the same at the two depths the timeline is not extended. The rule is checked before it is
-    used: the second cut's timeline extended by one period must be the third cut's, event for event and free for
+    Where neither rank is the same at the two depths the timeline is not extended. A range where the two cuts part
+    can be the end of the run (a backward that reaches the run's first block), so the copies go before it and their
+    frees follow the same free one period earlier. Only the events the allocator replays are extended (ops without
+    a workspace of their own are left out), and the host's events stay the deepest cut's: the host figures stay on
+    their line. The rule is checked before it is used: the second cut's timeline extended by one period must be the third cut's, event for event and free for
     free; the whole step's is then the third cut's extended by the periods the cut misses. That is an approximation
     of the same kind as the line (three depths alike make a change further out unlikely, not impossible);
     tests/test_depth_timeline.py compares the figures with the whole model's simulation.
