@@ -22,8 +22,9 @@ Note [depth extrapolation]
       where one stage dominates; three agreeing depths make a later change of the dominant stage unlikely, not
       impossible. That is the approximation, and the tests compare with the CPU allocator at full depth. A CUDA
       target's segment figures may be off their line where the tensor figures are on theirs: they are then carried
-      with the largest reserve seen, unless the smallest budget lands near the budget (Note [segment figures in
-      depth], autofit/solve/depth.py).
+      with the largest reserve seen, unless the smallest budget lands near the budget, where the caching allocator
+      is replayed over the whole step's timeline built from the cuts' (Note [segment figures in depth],
+      autofit/solve/depth.py; Note [a timeline extended in depth], autofit/simulate/depth.py).
     - The estimate under a budget (``MemoryEstimate.under``, an allocator replay under a cap) is the d3 replay under
       the budget less the extrapolated growth, then shifted by it: approximate, and said so in its notes.
 """

@@ -395,14 +395,18 @@ def _mapping(ests: tuple[MemoryEstimate, ...], attr: str, steps: int) -> dict[st
 
 
 # How far from the budget a smallest budget carried with segment figures off their line must be to be kept: five
-# times the error measured on the 70B-shaped plan (Note [segment figures in depth]).
+# times the error measured on the 70B-shaped plan (Note [segment figures in depth]); nearer, the allocator is
+# replayed over the whole step's timeline, else the model simulated whole.
 OFF_LINE_CLEARANCE = 0.01
 
 
-def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int | None = None) -> MemoryEstimate | None:
+def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int | None = None,
+                whole: Callable[[], MemoryEstimate | None] | None = None) -> MemoryEstimate | None:
     """The estimate at ``run.blocks.count`` blocks from the estimates at ``run.depths``, or None when some tensor
     figure is not on a line, or a segment figure is not and the smallest budget so carried is within
-    OFF_LINE_CLEARANCE of ``fit_bytes`` (the caller tries larger depths, then the full simulation).
+    OFF_LINE_CLEARANCE of ``fit_bytes`` (the caller tries larger depths, then the full simulation), unless
+    ``whole`` gives the device's estimate of the whole step's timeline built from the cuts' (Note [a timeline
+    extended in depth], autofit/simulate/depth.py): its figures are then the segment figures, exact.
 
     Note [segment figures in depth]
         The tensor figures (the allocated peak less the allocator's rounding, the host bytes, each category) must be
@@ -420,7 +424,12 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int 
         equal, smallest budget 66,431,483,904 B against 66,322,823,104 B carried (-0.16 %: its reserve above the
         allocated grew to 1.02 GB), reserved 89.74 GB against 86.75 GB carried (-3.3 %). So the carried figures
         are approximate, and only the smallest budget decides whether a step fits (``MemoryEstimate.within``): a
-        carried one within OFF_LINE_CLEARANCE of the budget is not trusted, and the step is simulated in full."""
+        carried one within OFF_LINE_CLEARANCE of the budget is not trusted. The caller then passes ``whole``: the
+        caching allocator replayed over the whole step's timeline built from the cuts' (Note [a timeline extended
+        in depth], autofit/simulate/depth.py), whose figures are the whole simulation's to the byte on that
+        70B-shaped plan (80 blocks from 8, 9, 10; smallest budget 79,253,471,232 B, reserved 108,026,396,672 B,
+        both equal) for the cost of a few replays instead of a simulation of 80 blocks. Where the timeline cannot be
+        built, the step is simulated in full."""
     steps = run.steps
     rounding = tuple(e.breakdown.get(_ROUNDING, 0) for e in ests)
     exact = _line(tuple(e.peak_bytes - r for e, r in zip(ests, rounding)), steps, 0)
@@ -438,7 +447,8 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int 
             off.append(attr)
         figures[attr] = value
     if off and fit_bytes is not None and abs(figures["min_device_bytes"] - fit_bytes) < OFF_LINE_CLEARANCE * fit_bytes:
-        return None
+        exact = whole() if whole is not None else None
+        return None if exact is None else _replayed(run, exact, figures, host, ests[-1])
     note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
             f"identical blocks of {run.blocks.path} and carried to all of them along the line through the last two "
             f"(the first predicts the third: tensor figures to the byte, reserved ones within 20 MiB; Note [depth "
@@ -447,6 +457,27 @@ def extrapolate(run: DepthRun, ests: tuple[MemoryEstimate, ...], fit_bytes: int 
         note += (f"; {', '.join(off)} off their line: the allocated peak's line plus the largest reserve above it at "
                  "those depths (Note [segment figures in depth], autofit/solve/depth.py)")
     return _carried(ests[-1], figures, breakdown, host, note, run.depths[-1])
+
+
+def _replayed(run: DepthRun, exact: MemoryEstimate, figures: dict[str, int], host: dict[str, int],
+              last: MemoryEstimate) -> MemoryEstimate:
+    """The estimate of the whole model whose device figures are ``exact``'s (the allocator replayed over the whole
+    step's timeline built from the cuts'), its host figures carried along their lines (the host's events are not
+    extended), its peak named as the deepest cut's."""
+    note = (f"depth extrapolation: simulated with {', '.join(map(str, run.depths))} of the {run.blocks.count} "
+            f"identical blocks of {run.blocks.path}; the whole step's allocations built from theirs, each period "
+            f"they add copied, and replayed through the caching allocator (Note [a timeline extended in depth], "
+            f"autofit/simulate/depth.py)")
+    notes = last.notes + (note,)
+    carried = dict(host_bytes=figures["host_bytes"], host_breakdown=host, peak_phase=last.peak_phase,
+                   peak_at=f"{last.peak_at} (at {run.depths[-1]} blocks)" if last.peak_at else "")
+
+    def under(budget: int) -> MemoryEstimate | None:  # the replay under the budget: exact too
+        inner = None if exact.under is None else exact.under(budget)
+        if inner is None:
+            return None
+        return replace(inner, **carried, notes=notes + inner.notes[len(exact.notes):], under=None)
+    return replace(exact, **carried, notes=notes, under=under)
 
 
 def _carried(last: MemoryEstimate, figures: dict[str, int], breakdown: dict[str, int], host: dict[str, int],

@@ -39,8 +39,10 @@ from autofit.core.report import MemoryEstimate
 from autofit.analyse.analyse import op_costs
 from autofit.analyse.table import OpCosts
 from autofit.capture.depth import truncated
+from autofit.simulate.depth import extend_checked
 from autofit.simulate.run import Simulation, probes_kernels, simulate_step
-from autofit.solve.depth import config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note, overtaken
+from autofit.simulate.timeline import replay
+from autofit.solve.depth import DepthRun, config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note, overtaken
 from autofit.solve.search import Candidate
 from autofit.training.step import StepConfig, forward_errors
 
@@ -151,12 +153,24 @@ class Estimator:
         for run in depth_runs(config, blocks):
             if self.request.cheaper_cuts_only and sum(run.depths) >= blocks.count:
                 continue  # three cuts of more blocks than the whole model: simulated whole (exact, and cheaper)
-            est = extrapolate(run, simulated(run.keeps), self.request.fit_bytes)
+            est = extrapolate(run, simulated(run.keeps), self.request.fit_bytes,
+                              whole=functools.partial(self._whole, run, sims))
             if est is not None and overtaken(run, tuple(sims[k].timeline for k in run.keeps)):
                 continue  # Note [a stage that overtakes]
             if est is not None:
                 return est, sims, run
         return None, None, None
+
+    def _whole(self, run: DepthRun, sims: dict[tuple[int, ...], Simulation]) -> MemoryEstimate | None:
+        """The device's estimate of the whole step's timeline built from the cuts' of ``run`` (Note [a timeline
+        extended in depth], simulate/depth.py), or None where it cannot be built; on a caching allocator only."""
+        if not self.request.device.caching_allocator:
+            return None
+        progress.report(f"replaying the caching allocator over all {run.blocks.count} blocks")
+        timeline = extend_checked(tuple(sims[k].timeline for k in run.keeps), run.steps, run.blocks.path)
+        if timeline is None:
+            return None
+        return self.request.device.estimate(replace(sims[run.keeps[-1]], timeline=timeline, replay=replay(timeline)))
 
     def policy(self, label: str) -> PrecisionPolicy:
         """The policy a search candidate's precision label names: an allowed precision or a stored option."""

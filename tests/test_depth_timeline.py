@@ -1,0 +1,117 @@
+"""The whole step's timeline built from three cuts a period apart (Note [a timeline extended in depth],
+autofit/simulate/depth.py), against its truth: the simulation of the whole model. The caching allocator replayed over
+the built timeline gives the whole simulation's CUDA figures to the byte, the segment figures included, which the
+line through the cuts does not (Note [segment figures in depth], autofit/solve/depth.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autofit.request import make_request
+from autofit.simulate.depth import extend_checked
+from autofit.simulate.timeline import replay
+from autofit.solve.depth import depth_runs, extrapolate
+from autofit.solve.estimator import Estimator
+from autofit.solve.search import Candidate
+from autofit.solve.sharding import layouts
+from benchmarks.llama import Llama, LlamaConfig
+
+LAYERS = 12
+# blocks' tensors of a few MiB, so that they take the caching allocator's large segments
+CFG = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1376, num_layers=LAYERS, num_heads=8,
+                  max_seq_len=1024)
+BLOCKS = tuple(f"layers.{i}" for i in range(LAYERS))
+
+
+def _loss(out, target):
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _estimator(world_size: int = 1, strategy: str | None = None) -> Estimator:
+    with torch.device("meta"):
+        model = Llama(CFG)
+    ids = torch.zeros(2, CFG.max_seq_len, dtype=torch.long)
+    request = make_request(model, ids, "80GB", batch_size=2 * world_size, target=ids, loss_fn=_loss,
+                           optimizer="adamw", precision="bf16", checkpoint="auto", device="cuda", gpu="H100-80GB",
+                           world_size=world_size, strategy=strategy, quick=False, extrapolate_depth=True)
+    return Estimator(request, layouts(request, strategy)[0])
+
+
+CASES = {
+    "plain": (1, None, (), 1),
+    "every-block-recomputed": (1, None, BLOCKS, 1),
+    "fsdp2-front-recomputed-two-micro-batches": (2, "fsdp2", BLOCKS[:5], 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_allocator_over_the_built_timeline_equals_the_whole_simulation(case):
+    world_size, strategy, checkpoint, accumulation = CASES[case]
+    estimator = _estimator(world_size, strategy)
+    policy = estimator.request.policies[0]
+    c = Candidate(policy.label, 2, accumulation, 2 * accumulation, checkpoint, 0, 0.0)
+    run = depth_runs(estimator.config(c, policy), estimator.request.blocks)[0]
+    sims = [estimator.simulate(c, policy, depth=keep) for keep in run.keeps]
+    timeline = extend_checked(tuple(s.timeline for s in sims), run.steps, "layers")
+    assert timeline is not None
+    device = estimator.request.device
+    built = device.estimate(dataclasses.replace(sims[-1], timeline=timeline, replay=replay(timeline)))
+    whole = device.estimate(estimator.simulate(c, policy))
+    for attr in ("peak_bytes", "peak_reserved_bytes", "device_bytes", "min_device_bytes"):
+        assert getattr(built, attr) == getattr(whole, attr), attr
+    assert dict(built.breakdown) == dict(whole.breakdown)
+
+
+def test_extension_refused_where_the_deeper_cut_is_not_the_shallower_with_ranges_added():
+    from autofit.simulate.depth import extended_timeline
+    from autofit.simulate.timeline import EventKind, StorageRecord, Timeline
+    from autofit.core.categories import Category
+    from autofit.simulate.timeline import Phase
+
+    def timeline(sizes):
+        t = Timeline()
+        for n in sizes:
+            sid = t.new_storage(StorageRecord(n, Category.ACTIVATIONS, -1, "layers.0", Phase.FORWARD))
+            t.free(sid)
+        return t
+    # a period of one 4 KiB allocation: extended by two periods
+    ext = extended_timeline(timeline([1, 4096, 2]), timeline([1, 4096, 4096, 2]), 2, "layers")
+    assert [ext.storages[v].nbytes for k, v in ext.events if k is EventKind.ALLOC] == [1] + [4096] * 4 + [2]
+    # the deeper one changes an allocation: nothing to copy
+    assert extended_timeline(timeline([1, 4096, 2]), timeline([1, 8192, 4096, 3]), 2, "layers") is None
+
+
+def test_near_the_budget_off_their_line_the_segment_figures_are_the_replays():
+    """Note [segment figures in depth] by hand (80 blocks from 8, 9, 10): the reserve steps 19, 21, 20 GB, off its
+    line; with a budget within OFF_LINE_CLEARANCE of the smallest budget carried, the estimate is the replay's over
+    the built timeline (``whole``), its host figures still carried along their line; without a replay, None."""
+    from autofit.capture.depth import Blocks
+    from autofit.core.report import MemoryEstimate
+    from autofit.solve.depth import DepthRun
+
+    def figures(blocks, reserve, floor):
+        peak = 10**9 + blocks * 10**8
+        return MemoryEstimate(peak_bytes=peak, breakdown={"activations": peak, "fragmentation": reserve},
+                              device_bytes=peak + reserve, peak_reserved_bytes=peak + reserve,
+                              min_device_bytes=peak + floor, host_bytes=blocks * 1000)
+    run = DepthRun(Blocks("layers", 80), 1, (tuple(range(8)), tuple(range(9)), tuple(range(10))), 70)
+    ests = (figures(8, 19 * 10**9, 900 * 10**6), figures(9, 21 * 10**9, 920 * 10**6),
+            figures(10, 20 * 10**9, 910 * 10**6))
+    carried = extrapolate(run, ests)
+    replayed = MemoryEstimate(peak_bytes=9 * 10**9, breakdown={"activations": 9 * 10**9}, device_bytes=10**10,
+                              peak_reserved_bytes=10**10, min_device_bytes=9_500_000_000,
+                              under=lambda budget: None)
+    fit = carried.min_device_bytes
+    assert extrapolate(run, ests, fit) is None
+    est = extrapolate(run, ests, fit, whole=lambda: replayed)
+    assert (est.peak_bytes, est.device_bytes, est.min_device_bytes) == (9 * 10**9, 10**10, 9_500_000_000)
+    assert est.host_bytes == 80 * 1000
+    assert any("replayed through the caching allocator" in n for n in est.notes)
+    assert est.within(10**10) is est and est.within(9_600_000_000) is None
+    # far from the budget: the figures carried along their lines, as before
+    assert extrapolate(run, ests, 2 * fit, whole=lambda: replayed).min_device_bytes == carried.min_device_bytes
