@@ -152,7 +152,8 @@ class Plan:
     def step(self) -> StepConfig:
         """The training step this plan runs, as one value: the one its estimate was verified with (Note [the plan's
         step]). The trainers and the integrations read it; built on first read, from the plan's fields."""
-        return plan_step(self)
+        step = plan_step(self)
+        return self.verified_step if step == self.verified_step else step
 
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
