@@ -140,7 +140,8 @@ def _hand_plan(**changes) -> Plan:
     plan = Plan(
         micro_batch_size=4, gradient_accumulation_steps=2, batch_size=8, last_micro_batch_size=4,
         precision=PrecisionPolicy(name="bf16"), checkpoint=("1",), peak_bytes=1, device_bytes=1, budget_bytes=1,
-        device="cpu", optimizer="adamw", predicted_step_seconds=0.0, estimate=MemoryEstimate(peak_bytes=1, breakdown={}),
+        device="cpu", optimizer="adamw", predicted_step_seconds=0.0,
+        estimate=MemoryEstimate(peak_bytes=1, breakdown={}),
     )
     return dataclasses.replace(plan, **changes)
 
