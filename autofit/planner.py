@@ -402,12 +402,11 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     if policy.stored is None:  # the parameters stay as built: say in what (plan.precision reads fp32 otherwise)
         policy = replace(policy, built=built_precision(request.model.parameters()))
     chosen = found.candidate
-    plan = assemble_plan(
-        chosen, found.estimate, found.fitting, parallel=parallel, budget_bytes=request.budget_bytes,
-        margin_bytes=request.margin_bytes, batch_size=request.batch_size, policy=policy, device=request.device.kind,
-        gpu=request.device.name, optimizer=request.optimizer.name,
-        notes=request.notes + found.notes + found.estimate.notes, clip_grad_norm=request.clip_grad_norm,
-        host_budget_bytes=request.host_budget_bytes, features=feature_fields(request), compile=request.compile,
+    plan = assemble_plan(  # the plan carries the step its estimate simulated (Note [the plan's step])
+        chosen, found.estimate, found.fitting, step=estimator.config(chosen, policy), budget_bytes=request.budget_bytes,
+        margin_bytes=request.margin_bytes, batch_size=request.batch_size,
+        notes=request.notes + found.notes + found.estimate.notes, host_budget_bytes=request.host_budget_bytes,
+        features=feature_fields(request),
     )
     plan = replace(plan, min_rows=request.min_rows)  # Note [micro-batches a model refuses]
     analysis = (analyses or {}).get(policy.label)

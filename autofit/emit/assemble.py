@@ -4,50 +4,50 @@ memory/time front, and what selective recomputation bought against module-level 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from types import MappingProxyType
 from typing import Any
 
 from autofit.core.report import MemoryEstimate
 from autofit.emit.plan import Alternative, Plan
 from autofit.solve.search import Candidate, pareto_front
-from autofit.training.layout import Parallel
-from autofit.training.precision import PrecisionPolicy
+from autofit.training.config import StepConfig
 
 __all__ = ["assemble_plan", "front_with", "selective_note"]
 
 
-def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, parallel: Parallel,
-                  budget_bytes: int, batch_size: int, policy: PrecisionPolicy, device: str, gpu: str | None,
-                  optimizer: str, notes: tuple[str, ...], clip_grad_norm: float | None = None,
-                  host_budget_bytes: int | None = None, margin_bytes: int = 0,
-                  features: Mapping[str, Any] = MappingProxyType({}), compile: bool = False) -> Plan:
-    """The Plan of a verified choice under the layout ``parallel``; ``fitting`` (configurations that fit the models)
-    gives its memory/time front, in which the chosen configuration's row carries its verified figure (See Note [one
+def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...], *, step: StepConfig,
+                  budget_bytes: int, batch_size: int, notes: tuple[str, ...], host_budget_bytes: int | None = None,
+                  margin_bytes: int = 0, features: Mapping[str, Any] = MappingProxyType({})) -> Plan:
+    """The Plan of a verified choice: ``step`` is the step its full estimate ``est`` simulated (the chosen
+    configuration's, ``Estimator.config``), which the plan carries as ``Plan.step`` and takes its knobs and layout
+    from (Note [the plan's step], emit/plan.py); ``fitting`` (configurations that fit the models) gives its
+    memory/time front, in which the chosen configuration's row carries its verified figure (See Note [one
     configuration, one figure]); ``features``: each step feature's value by its field
     (``autofit.features.feature_fields``; Note [step features])."""
-    # the states on the host are the candidate's to decide; gradients reduced every micro-batch only mean something
-    # when there is more than one
-    parallel = replace(parallel, offload_states=chosen.offload_states,
-                       reduce_every_micro_batch=parallel.reduce_every_micro_batch and chosen.accumulation_steps > 1)
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
                     peak_bytes=c.peak_bytes, step_seconds=c.seconds, selective=c.selective)
         for c in front_with(chosen, est, fitting)
     )
-    return Plan(
-        micro_batch_size=chosen.micro_batch_size, gradient_accumulation_steps=chosen.accumulation_steps,
-        batch_size=batch_size, last_micro_batch_size=chosen.last_micro_batch_size, precision=policy,
-        checkpoint=chosen.checkpoint, peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
-        budget_bytes=budget_bytes, device=device, optimizer=optimizer, predicted_step_seconds=chosen.seconds,
-        estimate=replace(est, under=None), parallel=parallel, gpu=gpu, frontier=front,
-        notes=tuple(dict.fromkeys(notes)), clip_grad_norm=clip_grad_norm,
-        optimizer_in_backward=chosen.in_backward, offload=chosen.offload,
-        host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
-        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=chosen.selective,
-        **features, compile=compile,
+    plan = Plan(
+        micro_batch_size=step.micro_batch_size, gradient_accumulation_steps=step.accumulation_steps,
+        batch_size=batch_size, last_micro_batch_size=chosen.last_micro_batch_size, precision=step.precision,
+        checkpoint=step.checkpoint, peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
+        budget_bytes=budget_bytes, device=step.device, optimizer=step.optimizer.name,
+        predicted_step_seconds=chosen.seconds, estimate=replace(est, under=None), parallel=step.layout, gpu=step.gpu,
+        frontier=front, notes=tuple(dict.fromkeys(notes)), clip_grad_norm=step.clip_grad_norm,
+        optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
+        host_budget_bytes=host_budget_bytes if (step.offload or step.offload_states) else None,
+        peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=step.selective,
+        **features, compile=step.compile, verified_step=step,
     )
+    if plan.step != step:  # the plan's fields must give back the step verified: what a loaded plan runs
+        differ = [f.name for f in fields(StepConfig) if getattr(plan.step, f.name) != getattr(step, f.name)]
+        raise AssertionError(f"the plan's fields give another step than the one its estimate verified, in "
+                             f"{', '.join(differ)} (Note [the plan's step], autofit/emit/plan.py)")
+    return plan
 
 
 # Note [one configuration, one figure]

@@ -87,7 +87,7 @@ class DistributedTrainer(Trainer):
         # (the mesh is (world_size // T, T): training/strategy.py, mesh_shape)
         self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, self.world_size // plan.tensor_parallel
         inner = model
-        layout = plan.parallel  # the layout the plan was verified with
+        layout = plan.step.layout  # the layout the plan was verified with (Note [the plan's step])
         if layout.replicates_parameters:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -97,7 +97,8 @@ class DistributedTrainer(Trainer):
                 built = optimizer(model.parameters())
             device = next(model.parameters()).device
             ids = [device.index] if device.type == "cuda" else None
-            wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+            wrapped = DistributedDataParallel(model, device_ids=ids,
+                                              gradient_as_bucket_view=plan.step.gradient_as_bucket_view)
         elif layout.shards_parameters:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise InvalidInputError(
@@ -120,7 +121,7 @@ class DistributedTrainer(Trainer):
                                     mesh_dim_names=mesh_names(self.world_size, plan.replicate, tp))
             self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
                 if device_type == "cuda" else torch.device(device_type)
-            wrapped = apply_layout(model, mesh, layout, plan.precision, pin_memory=device_type == "cuda")
+            wrapped = apply_layout(model, mesh, layout, plan.step.precision, pin_memory=device_type == "cuda")
             built = optimizer(wrapped.parameters())
         else:
             raise InvalidInputError(f"this plan has no data-parallel strategy ({plan.strategy!r}): plans use 'ddp' or "
@@ -171,7 +172,7 @@ class DistributedTrainer(Trainer):
         return [(i * batch_rows // n, (i + 1) * batch_rows // n) for i in range(n)]
 
     def _micro_batch(self, *, last: bool):
-        return gradient_sync(self.model, self.plan.parallel, last=last)
+        return gradient_sync(self.model, self.config.layout, last=last)
 
     def step(self, inputs: Any, target: Any = None, *, local: bool = False) -> float:
         """One optimizer step. ``inputs``: the global batch (every rank the same), or this rank's rows with

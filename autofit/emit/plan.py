@@ -12,9 +12,10 @@ from typing import Any
 from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int
-from autofit.training.config import DEVICES, DeviceKind
+from autofit.training.config import DEVICES, DeviceKind, StepConfig
 from autofit.training.length import LengthSpec
 from autofit.training.normalisation import LOSS_REDUCTIONS
+from autofit.training.optim import OPTIMIZER_NAMES, OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.core.report import MemoryEstimate
@@ -24,7 +25,7 @@ from autofit.solve.lengths import rows_for_length
 from autofit.training.layout import Parallel, layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
-__all__ = ["Alternative", "Plan", "use_wrap", "why_layout"]
+__all__ = ["Alternative", "Plan", "plan_step", "use_wrap", "why_layout"]
 
 _FORMAT = "autofit.plan/1"
 
@@ -127,6 +128,10 @@ class Plan:
     # plan's own (plan.world_size, plan.strategy ...), and Plan(...) and dataclasses.replace take them flat as a
     # shortcut (Note [the plan's layout]); the JSON keeps them flat.
     parallel: Parallel = field(default_factory=Parallel)
+    # The step the planner's final estimate simulated (Note [the plan's step]): what ``Plan.step`` is, for a plan
+    # ``autofit.plan`` made; None for a plan loaded from JSON or built by hand. Not written to the JSON, and no part
+    # of equality: ``Plan.step`` is a function of the plan's own fields, which are.
+    verified_step: StepConfig | None = field(default=None, compare=False, repr=False)
 
     strategy = property(lambda self: self.parallel.strategy, doc="None (one process), DDP or FSDP2: a Strategy")
     world_size = property(lambda self: self.parallel.world_size)
@@ -142,6 +147,13 @@ class Plan:
     reduce_every_micro_batch = property(
         lambda self: self.parallel.reduce_every_micro_batch,
         doc="FSDP2 reduce-scatters after every micro-batch (Note [gradient sync under accumulation])")
+
+    @functools.cached_property
+    def step(self) -> StepConfig:
+        """The training step this plan runs, as one value: the one its estimate was verified with (Note [the plan's
+        step]). The trainers and the integrations read it; built on first read, from the plan's fields."""
+        step = plan_step(self)
+        return self.verified_step if step == self.verified_step else step
 
     def checkpoint_policy(self, name: str) -> str:
         """How module ``name`` is recomputed: "full", "selective", or "none"."""
@@ -273,7 +285,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {}
         for f in fields(self):
-            if f.name not in ("loss_fn", "parallel"):
+            if f.name not in ("loss_fn", "parallel", "verified_step"):
                 data[f.name] = getattr(self, f.name)
             data.update((k, getattr(self.parallel, k)) for k in _LAYOUT_IN_JSON.get(f.name, ()))
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
@@ -458,8 +470,9 @@ class Plan:
 
 
 # Note [the plan's layout]
-#     The plan holds its parallel layout as one value, ``Plan.parallel``, the one the estimate was verified with;
-#     the trainers lay the model out by it. Users, tests and the exports read its fields as the plan's own
+#     The plan holds its parallel layout as one value, ``Plan.parallel``, the one the estimate was verified with
+#     and the layout of the plan's step (``Plan.step.layout``, Note [the plan's step]), by which the trainers lay
+#     the model out. Users, tests and the exports read its fields as the plan's own
 #     (``plan.world_size``), the properties above, and the JSON has always had them flat, between the plan's other
 #     fields: ``_LAYOUT_IN_JSON`` says after which field each stands, so plans are written byte for byte as before
 #     and old plans load. ``Plan(...)`` and ``dataclasses.replace(plan, ...)`` accept them flat too (what
@@ -485,6 +498,54 @@ def _with_flat_layout(init: Callable[..., None]) -> Callable[..., None]:
 
 
 Plan.__init__ = _with_flat_layout(Plan.__init__)
+
+
+# Note [the plan's step]
+#     The plan carries the step its estimate was verified with, ``Plan.step`` (a StepConfig, training/config.py):
+#     the trainers, the distributed one and the integrations read it, and replace only what the real run knows and
+#     the estimate could not, each with its reason where it does (the device the parameters are on, the optimizer
+#     given to ``wrap``). ``plan_step`` is the one function from a plan's fields to that step, for every plan: the
+#     planner's, whose ``assemble_plan`` (emit/assemble.py) checks that it gives back exactly the step the final
+#     estimate simulated (``Estimator.config``, solve/estimator.py) and keeps that value (``verified_step``), and a
+#     plan loaded from JSON, whose fields are the ones the JSON has always had, so the JSON is written as before
+#     and old plans load. It reads every knob from the plan's fields, so ``dataclasses.replace(plan,
+#     micro_batch_size=4)`` runs four rows; from ``verified_step`` it takes only what the JSON cannot carry, the
+#     optimizer's factory (a JSON holds its name: a named optimizer loads as that name builds it, another as a
+#     factory that refuses to build, since the trainer steps the optimizer given to ``wrap`` anyway). The rows the
+#     trainer holds (``held_rows``) are one data-parallel rank's share of the batch, as the request counts them.
+#     The step is built on first read, so a plan built by hand with knobs a step refuses fails where it is trained.
+_STEP_FIELDS = frozenset(f.name for f in fields(StepConfig))
+
+
+def plan_step(plan: Plan) -> StepConfig:
+    """The step ``plan`` runs, from its fields (See Note [the plan's step]): what ``Plan.step`` reads."""
+    verified = plan.verified_step
+    optimizer = (verified.optimizer if verified is not None and verified.optimizer.name == plan.optimizer
+                 else _optimizer_named(plan.optimizer))
+    knobs = dict(
+        micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+        precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective, optimizer=optimizer,
+        device=plan.device, held_rows=plan.batch_size // (plan.world_size // plan.tensor_parallel), gpu=plan.gpu,
+        layout=plan.parallel, clip_grad_norm=plan.clip_grad_norm, offload=plan.offload, compile=plan.compile,
+        preallocated_grads=plan.preallocated_grads,
+    )
+    # each step feature's value, where the step holds one (Note [step features])
+    knobs.update((f.field, getattr(plan, f.field)) for f in FEATURES if f.field in _STEP_FIELDS)
+    return StepConfig(**knobs)
+
+
+def _optimizer_named(name: str) -> OptimizerSpec:
+    """The optimizer a loaded plan names: as that name builds it, or one whose factory says why it cannot."""
+    if name in OPTIMIZER_NAMES:
+        return as_optimizer_spec(name)
+    return OptimizerSpec(name, functools.partial(_not_in_json, name))
+
+
+def _not_in_json(name: str, params: Any) -> Any:
+    raise InvalidInputError(
+        f"this plan was loaded from JSON, which names its optimizer ({name!r}) but cannot carry how it is built: "
+        "wrap(model, optimizer) steps the optimizer it is given; to estimate, pass the optimizer again"
+    )
 
 
 def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:

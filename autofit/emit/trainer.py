@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,7 +38,6 @@ from autofit.training.loss import LossFn
 from autofit.training.normalisation import LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter
 from autofit.training.optim import OptimizerSpec
 from autofit.training.step import (
-    StepConfig,
     new_grad_scaler,
     optimizer_step,
     patched_model,
@@ -84,14 +84,11 @@ class Trainer:
         # where the step computes: the parameters' device, but a plan whose parameters live in host memory (FSDP2
         # CPUOffloadPolicy, Note [offload]) computes on the plan's device
         self.device_type = plan.device if plan.offload_states else _device_type(model)
-        self.config = StepConfig(
-            micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-            precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
-            optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
-            clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
-            offload=plan.offload, chunked_loss=plan.chunked_loss, preallocated_grads=plan.preallocated_grads,
-            layout=plan.parallel,
-        )
+        # the step the plan's estimate verified (Note [the plan's step], emit/plan.py), with the two things only the
+        # real run knows: the device the step computes on (a plan made for a GPU trains where the parameters are;
+        # autocast follows it) and the optimizer given to wrap(), which the planner's factory stood for
+        self.config = replace(plan.step, device=self.device_type,
+                              optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer))
         self.scaler = new_grad_scaler(self.config, self.device_type)
         if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
             warnings.warn(

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from dataclasses import replace
 from types import ModuleType
 
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
 from autofit.features import OPT_IN
-from autofit.training.optim import as_optimizer_spec
 from autofit.emit.plan import Plan
 from autofit.emit.trainer import require_alloc_conf
 from autofit.training.config import DEVICES
-from autofit.training.step import StepConfig, patched_model
+from autofit.training.step import patched_model
 
 __all__ = ["require", "plan_patches", "checked_plan"]
 
@@ -58,8 +58,9 @@ def _device_type(model: nn.Module) -> str:
 
 def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
     """The plan's module-level knobs on ``model`` (exactly ``plan.checkpoint`` recomputed with non-reentrant
-    checkpointing, ``plan.precision.fp32_modules`` out of autocast), undone on exit: the same patch the emitted
-    Trainer applies (autofit.training.step.patched_model), so another training loop runs the step autofit simulated."""
+    checkpointing, ``plan.offload``'s saved activations on the host, ``plan.precision.fp32_modules`` out of
+    autocast), undone on exit: the same patch of the same step, ``plan.step``, the emitted Trainer applies
+    (autofit.training.step.patched_model), so another training loop runs the step autofit simulated."""
     if plan.world_size > 1 and plan.parallel.shards_parameters:
         raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(model, optimizer)")
     if any(feature.in_force(plan) is not None for feature in OPT_IN):  # Note [step features]
@@ -69,10 +70,9 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
             "plan without allow=..."
         )
     device_type = _device_type(model)
-    config = StepConfig(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-                        precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
-                        optimizer=as_optimizer_spec(plan.optimizer), device=device_type if device_type in
-                        DEVICES else "cpu")
+    # the step the plan's estimate verified (Note [the plan's step], autofit/emit/plan.py), on the device the loop's
+    # model is on (a device autofit does not model, such as "mps", patches as on the CPU)
+    config = replace(plan.step, device=device_type if device_type in DEVICES else "cpu")
     return patched_model(model, config, device_type)
 
 

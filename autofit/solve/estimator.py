@@ -64,8 +64,14 @@ class Estimator:
     parallel: Parallel
 
     def config(self, c: Candidate, policy: PrecisionPolicy) -> StepConfig:
-        """The step ``c`` describes, holding the rows one rank trains per step as inputs."""
-        return replace(self.request.step(self.parallel), micro_batch_size=c.micro_batch_size,
+        """The step ``c`` describes, holding the rows one rank trains per step as inputs: the one the plan carries
+        when ``c`` wins (Note [the plan's step], emit/plan.py). FSDP2's reduce-scatter after every micro-batch is
+        the layout's only where there is more than one (with one, every micro-batch is the last and reduces anyway:
+        the same step), as the plan says."""
+        parallel = self.parallel
+        if parallel.reduce_every_micro_batch and c.accumulation_steps == 1:
+            parallel = replace(parallel, reduce_every_micro_batch=False)
+        return replace(self.request.step(parallel), micro_batch_size=c.micro_batch_size,
                        accumulation_steps=c.accumulation_steps, precision=policy, checkpoint=c.checkpoint,
                        selective=c.selective, optimizer_in_backward=c.in_backward, offload=c.offload,
                        preallocated_grads=c.preallocated_grads)
