@@ -407,7 +407,7 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         margin_bytes=request.margin_bytes, batch_size=request.batch_size, policy=policy, device=request.device.kind,
         gpu=request.device.name, optimizer=request.optimizer.name,
         notes=request.notes + found.notes + found.estimate.notes, clip_grad_norm=request.clip_grad_norm,
-        host_budget_bytes=request.host_budget_bytes, features=feature_fields(request), compile=request.compile,
+        host_budget_bytes=request.host_budget_bytes, features=feature_fields(request),
     )
     plan = replace(plan, min_rows=request.min_rows)  # Note [micro-batches a model refuses]
     analysis = (analyses or {}).get(policy.label)

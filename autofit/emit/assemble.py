@@ -21,7 +21,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
                   budget_bytes: int, batch_size: int, policy: PrecisionPolicy, device: str, gpu: str | None,
                   optimizer: str, notes: tuple[str, ...], clip_grad_norm: float | None = None,
                   host_budget_bytes: int | None = None, margin_bytes: int = 0,
-                  features: Mapping[str, Any] = MappingProxyType({}), compile: bool = False) -> Plan:
+                  features: Mapping[str, Any] = MappingProxyType({})) -> Plan:
     """The Plan of a verified choice under the layout ``parallel``; ``fitting`` (configurations that fit the models)
     gives its memory/time front, in which the chosen configuration's row carries its verified figure (See Note [one
     configuration, one figure]); ``features``: each step feature's value by its field
@@ -46,7 +46,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         optimizer_in_backward=chosen.in_backward, offload=chosen.offload,
         host_budget_bytes=host_budget_bytes if (chosen.offload or chosen.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=chosen.selective,
-        **features, compile=compile,
+        **features,
     )
 
 

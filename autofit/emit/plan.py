@@ -104,7 +104,7 @@ class Plan:
     # dotted class name, Note [8-bit optimizer state])
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
-    # plan(compile=True): the trainer compiles the model (nn.Module.compile; Note [compile as a knob])
+    # plan(compile=True): the trainer compiles the model (the step feature "compile", Note [compile as a knob])
     compile: bool = False
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
@@ -413,7 +413,6 @@ class Plan:
             ("precision", str(self.precision)),
             ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
             ("optimizer", self.optimizer),
-            *([("compile", "torch.compile (inductor), applied by the trainer")] if self.compile else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
             *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
                                   "not fit the budget; wrap() sets it before the step allocates)")]

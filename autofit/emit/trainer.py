@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit.core._torch import BatchNormBase, allocator_settings, compiled_modules, set_allocator_settings
-from autofit.core._torch_compile import compiled_calls
+from autofit.core._torch import BatchNormBase, allocator_settings, set_allocator_settings
 from autofit.training.batch import Batch, as_batches, as_shared
 from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
@@ -90,6 +89,7 @@ class Trainer:
             optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer), device=self.device_type,
             clip_grad_norm=plan.clip_grad_norm, optimizer_in_backward=plan.optimizer_in_backward,
             offload=plan.offload, chunked_loss=plan.chunked_loss, preallocated_grads=plan.preallocated_grads,
+            compile=plan.compile,
             layout=plan.parallel,
         )
         self.scaler = new_grad_scaler(self.config, self.device_type)
@@ -109,9 +109,9 @@ class Trainer:
         self._active = True
         try:
             self._patch.enter_context(patched_model(inner, self.config, self.device_type))
-            if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
-                self._patch.enter_context(compiled_calls(inner))
-            for feature in FEATURES:  # what each step feature holds around the steps (Note [step features])
+            for feature in FEATURES:  # what each step feature does to the real model (Note [step features])
+                self._patch.enter_context(feature.real_context(self.config, inner))
+            for feature in FEATURES:  # what each step feature holds around the steps
                 self._patch.enter_context(feature.step_context(self.config, inner, optimizer))
         except BaseException:
             self.unwrap()  # a wrap that fails halfway leaves the model as it found it

@@ -7,6 +7,7 @@ from typing import Any
 
 from autofit.features.base import Feature, OptInFeature, StepLoss
 from autofit.features.chunked_loss import CHUNKED_LOSS
+from autofit.features.compile import COMPILE
 from autofit.features.in_backward import IN_BACKWARD
 from autofit.features.low_bit_optimizer import LOW_BIT_OPTIMIZER
 
@@ -26,7 +27,7 @@ def registry(*features: Feature) -> tuple[Feature, ...]:
 
 # The opt-in ones in the order the ladder climbs them: float rounding only first, then the 8-bit state, which
 # changes the update's numbers (Note [the ladder])
-FEATURES: tuple[Feature, ...] = registry(CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
+FEATURES: tuple[Feature, ...] = registry(COMPILE, CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
 OPT_IN: tuple[OptInFeature, ...] = tuple(f for f in FEATURES if isinstance(f, OptInFeature))
 
 
@@ -36,9 +37,9 @@ def feature_names() -> tuple[str, ...]:
 
 
 def feature_fields(request: Any) -> dict[str, Any]:
-    """Every opt-in feature's value on ``request`` (a rung's PlanRequest) by its field: what the rung set, handed on
-    to the plan."""
-    return {f.field: f.in_force(request) for f in OPT_IN}
+    """The value on ``request`` (a rung's PlanRequest) of every feature it carries, by its field: what the rung set
+    (the opt-in ones) and what the user set (Feature.user_setting), handed on to the plan."""
+    return {f.field: f.in_force(request) for f in FEATURES if isinstance(f, OptInFeature) or f.user_setting}
 
 
 def feature_values(request: Any) -> tuple[Any, ...]:

@@ -11,6 +11,10 @@ Note [step features]
         function; and :meth:`Feature.step_context`, what it holds around the step's forward and backward
         (``simulate/run.py``, ``measure/allocator.py``, ``emit/trainer.py``); both read from the
         :class:`~autofit.training.config.StepConfig`;
+      - the real runs, ``measure``'s copy (``measure/allocator.py``) and the model the trainer wraps
+        (``emit/trainer.py``): :meth:`Feature.real_context`, what the feature does to a real model from before its
+        first forward (undone on exit) where the simulation runs the feature its own way (the feature's module says
+        how: a fake copy cannot run what the real one does, compiled kernels for one);
       - the trainer (``emit/trainer.py``): :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
       - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
         :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON.
@@ -25,7 +29,9 @@ Note [step features]
       - to other trainers (``integrations/``): :attr:`OptInFeature.replaces`, what of the step a plan applied
         outside ``wrap`` would lose.
     A feature's value travels in the step, the plan (and for an opt-in one the request) under one field name
-    (:attr:`Feature.field`); ``None`` (False for a flag) there means "not in force". Only what the registered
+    (:attr:`Feature.field`); ``None`` (False for a flag) there means "not in force". A feature the user sets
+    (:attr:`Feature.user_setting`: ``plan(compile=True)``) travels in the request too, and the plan takes it from
+    there as it is (``feature_fields``, autofit/features/__init__.py). Only what the registered
     features use is declared: a new feature that needs another hook adds it here, with a default that changes
     nothing, and the stage that calls it.
 """
@@ -62,6 +68,9 @@ class Feature:
     field: str  # the field of StepConfig and Plan (and of PlanRequest, for an opt-in one) carrying its value
     # the plan row its new rows follow (Feature.plan_rows); None: after the step's knobs, before the device
     row_after: str | None = None
+    # the user sets its value (plan(compile=True)), not the search: the request carries it under ``field`` and the
+    # plan takes it from there (feature_fields)
+    user_setting: bool = False
 
     def in_force(self, carrier: Any) -> Any:
         """The value in force on ``carrier`` (a PlanRequest, a StepConfig or a Plan), or None."""
@@ -77,6 +86,12 @@ class Feature:
                      stepped: set[int] | None = None) -> contextlib.AbstractContextManager[Any]:
         """What the feature holds around ``config``'s forwards and backwards on ``model`` (undone on exit);
         ``stepped`` collects the ids of parameters the optimizer stepped during backward, where that is asked."""
+        return contextlib.nullcontext()
+
+    def real_context(self, config: StepConfig, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """What the feature does to a real ``model`` (``measure``'s copy, the model the trainer wraps, after its
+        optimizer is built) before its first forward, undone on exit; the simulation runs the feature its own way.
+        Entered before :meth:`step_context`."""
         return contextlib.nullcontext()
 
     # ---- the trainer and the plan ---------------------------------------------------------------------------------
