@@ -285,7 +285,6 @@ class Plan:
         data["checkpoint"] = list(self.checkpoint)
         data["selective"] = list(self.selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
-        data["offload"] = list(self.offload)
         data["shard_units"] = list(self.shard_units)
         data["tensor_plan"] = [list(pair) for pair in self.tensor_plan]
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
@@ -327,7 +326,6 @@ class Plan:
                                                 built=data["precision"].get("built"))
             data["checkpoint"] = tuple(data["checkpoint"])
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
-            data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
@@ -373,12 +371,7 @@ class Plan:
 
     def offload_rows(self, fmt) -> list[tuple[str, str]]:
         """What the plan keeps in host memory, as (label, value) rows; none without offload."""
-        rows = []
-        if self.offload:
-            names = ", ".join(self.offload)
-            if len(names) > 100:
-                names = f"{len(self.offload)} modules: {names[:90]}..."
-            rows.append(("offloaded activations", f"{names} (save_on_cpu)"))
+        rows = []  # the offloaded activations' row is their step feature's (features/activation_offload.py)
         if self.offload_states:
             rows.append(("offloaded states", "parameters, gradients, optimizer state; the optimizer steps on the CPU "
                                              "(FSDP2 CPUOffloadPolicy)"))

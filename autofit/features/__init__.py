@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autofit.features.activation_offload import ACTIVATION_OFFLOAD
 from autofit.features.base import Feature, OptInFeature, StepLoss
 from autofit.features.chunked_loss import CHUNKED_LOSS
 from autofit.features.compile import COMPILE
@@ -27,7 +28,7 @@ def registry(*features: Feature) -> tuple[Feature, ...]:
 
 # The opt-in ones in the order the ladder climbs them: float rounding only first, then the 8-bit state, which
 # changes the update's numbers (Note [the ladder])
-FEATURES: tuple[Feature, ...] = registry(COMPILE, CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
+FEATURES: tuple[Feature, ...] = registry(COMPILE, ACTIVATION_OFFLOAD, CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
 OPT_IN: tuple[OptInFeature, ...] = tuple(f for f in FEATURES if isinstance(f, OptInFeature))
 
 

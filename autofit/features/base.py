@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # annotations only: these are values the stages hand in
     import torch
     from torch import nn
 
+    from autofit.training.activation_offload import HostContext
     from autofit.training.batch import Batch
     from autofit.training.config import StepConfig
     from autofit.training.optim import OptimizerSpec
@@ -83,9 +84,12 @@ class Feature:
         return None
 
     def step_context(self, config: StepConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     stepped: set[int] | None = None) -> contextlib.AbstractContextManager[Any]:
-        """What the feature holds around ``config``'s forwards and backwards on ``model`` (undone on exit);
-        ``stepped`` collects the ids of parameters the optimizer stepped during backward, where that is asked."""
+                     stepped: set[int] | None = None, *,
+                     to_host: HostContext | None = None) -> contextlib.AbstractContextManager[Any]:
+        """What the feature holds around ``config``'s forwards and backwards on ``model`` (undone on exit), entered
+        after the step's module-level knobs (``patched_model``, training/step.py); ``stepped`` collects the ids of
+        parameters the optimizer stepped during backward, where that is asked; ``to_host`` makes the context that
+        holds saved tensors in host memory (the simulation's tracked twin of ``save_on_cpu``; None: torch's)."""
         return contextlib.nullcontext()
 
     def real_context(self, config: StepConfig, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
