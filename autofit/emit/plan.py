@@ -106,6 +106,10 @@ class Plan:
     low_bit_optimizer: str | None = None
     # plan(compile=True): the trainer compiles the model (the step feature "compile", Note [compile as a knob])
     compile: bool = False
+    # the trainer allocates every gradient before the first forward and keeps it between steps, where only that fits
+    # the budget (the step feature "preallocated-grads"; Note [gradients before forward as a plan knob],
+    # solve/estimator.py): the estimate's, which the search decided (not an argument)
+    preallocated_grads: bool = field(init=False, default=False)
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
     selective: tuple[str, ...] = ()
@@ -159,6 +163,7 @@ class Plan:
         return self.estimate.host_bytes
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "preallocated_grads", self.estimate.preallocated_grads)
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size"):
             require_int(f"Plan.{name}", getattr(self, name))
         if not self.peak_reserved_bytes:
@@ -190,12 +195,6 @@ class Plan:
         where only that fits the budget (Note [expandable segments as a plan knob], autofit/device.py); the
         trainer sets it before the step allocates, or refuses."""
         return self.estimate.alloc_conf
-
-    @property
-    def preallocated_grads(self) -> bool:
-        """Whether the trainer allocates every gradient before the first forward and keeps it between steps, where
-        only that fits the budget (Note [gradients before forward as a plan knob], autofit/solve/estimator.py)."""
-        return self.estimate.preallocated_grads
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -281,7 +280,6 @@ class Plan:
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
         data["estimate"] = self.estimate.to_dict()
         data["alloc_conf"] = self.alloc_conf  # written for readers; from_json reads the estimate's
-        data["preallocated_grads"] = self.preallocated_grads  # the same
         data["checkpoint"] = list(self.checkpoint)
         data["selective"] = list(self.selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
@@ -317,7 +315,9 @@ class Plan:
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
         data.pop("checkpoint_policies", None)  # = checkpoint and selective
         data.pop("alloc_conf", None)  # = estimate.alloc_conf
-        data.pop("preallocated_grads", None)  # = estimate.preallocated_grads
+        for f in fields(cls):  # what the plan derives from its estimate (preallocated_grads), written for readers
+            if not f.init:
+                data.pop(f.name, None)
         try:
             data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
@@ -342,7 +342,7 @@ class Plan:
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
             for feature in FEATURES:  # a field absent (a plan written before the feature) keeps its default
-                if feature.field in data:
+                if feature.field in data:  # (one the plan derives is not read back)
                     data[feature.field] = feature.from_json(data[feature.field])
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -410,9 +410,6 @@ class Plan:
             *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
                                   "not fit the budget; wrap() sets it before the step allocates)")]
               if self.alloc_conf else []),
-            *([("gradients", "allocated before the first forward, zeroed in place after each step (the budget needs "
-                             "them apart from the activations; wrap() allocates them)")]
-              if self.preallocated_grads else []),
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
@@ -489,9 +486,9 @@ def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:
             if at is not None:
                 rows[at] = (name, value)
             else:
-                after = feature.row_after
+                after = (feature.row_after,) if isinstance(feature.row_after, str) else feature.row_after
                 at = (next(i for i, (k, _) in enumerate(rows) if k == "device") if after is None
-                      else next(i for i, (k, _) in enumerate(rows) if k == after) + 1)
+                      else next(i for name in after for i, (k, _) in enumerate(rows) if k == name) + 1)
                 rows.insert(at, (name, value))
 
 

@@ -26,7 +26,6 @@ from torch import nn
 
 from autofit.core._torch import BatchNormBase, allocator_settings, set_allocator_settings
 from autofit.training.batch import Batch, as_batches, as_shared
-from autofit.training.grads import allocate_grads
 from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
 from autofit.features import FEATURES
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
@@ -103,8 +102,6 @@ class Trainer:
         # stored precision: parameters converted in place, the optimizer on fp32 master copies (Note [stored
         # precision]); unwrap() undoes both
         self._stored = apply_stored(inner, optimizer, plan.precision.stored, plan.precision.fp32_modules)
-        # Note [gradients allocated before forward]: before the first forward, in the parameters' stored dtype
-        self._grads_given = allocate_grads(inner) if plan.preallocated_grads else []
         self._patch = contextlib.ExitStack()
         self._active = True
         try:
@@ -206,8 +203,6 @@ class Trainer:
         if self._active:
             self._active = False
             self._patch.__exit__(None, None, None)
-            for p in self._grads_given:
-                p.grad = None
             if self._stored is not None:
                 self._stored.restore()
             release(getattr(self, "_inner", self.model), self)

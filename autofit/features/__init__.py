@@ -11,6 +11,7 @@ from autofit.features.chunked_loss import CHUNKED_LOSS
 from autofit.features.compile import COMPILE
 from autofit.features.in_backward import IN_BACKWARD
 from autofit.features.low_bit_optimizer import LOW_BIT_OPTIMIZER
+from autofit.features.preallocated_grads import PREALLOCATED_GRADS
 
 __all__ = ["FEATURES", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "feature_fields", "feature_names",
            "feature_values", "registry"]
@@ -26,9 +27,11 @@ def registry(*features: Feature) -> tuple[Feature, ...]:
     return features
 
 
-# The opt-in ones in the order the ladder climbs them: float rounding only first, then the 8-bit state, which
-# changes the update's numbers (Note [the ladder])
-FEATURES: tuple[Feature, ...] = registry(COMPILE, ACTIVATION_OFFLOAD, CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
+# In registry order the stages enter the features' contexts and place their plan rows; the opt-in ones are also
+# the order the ladder climbs them: float rounding only first, then the 8-bit state, which changes the update's
+# numbers (Note [the ladder])
+FEATURES: tuple[Feature, ...] = registry(COMPILE, PREALLOCATED_GRADS, ACTIVATION_OFFLOAD, CHUNKED_LOSS,
+                                         LOW_BIT_OPTIMIZER, IN_BACKWARD)
 OPT_IN: tuple[OptInFeature, ...] = tuple(f for f in FEATURES if isinstance(f, OptInFeature))
 
 

@@ -16,8 +16,12 @@ Note [step features]
         first forward (undone on exit) where the simulation runs the feature its own way (the feature's module says
         how: a fake copy cannot run what the real one does, compiled kernels for one);
       - the trainer (``emit/trainer.py``): :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
+      - the simulation's notes (``simulate/run.py``): :meth:`Feature.estimate_notes`;
       - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
-        :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON.
+        :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON; a value the search
+        decides in the estimate (gradients allocated before forward) is a field the plan derives from its
+        estimate (``init=False``), written to the JSON for readers;
+      - the exports (``emit/export.py``): :meth:`Feature.export_notes`, what another framework must do to run it;
     An :class:`OptInFeature` also has a rung the user opens with ``plan(allow=...)``, and says:
       - to the request (``request.py``): :meth:`OptInFeature.resolve`, its value for this model and optimizer, and
         :meth:`OptInFeature.not_applicable`, the note when it was allowed but does not apply;
@@ -67,8 +71,9 @@ class Feature:
 
     name: str  # how notes and errors name it: "chunked-loss", "optimizer-in-backward"
     field: str  # the field of StepConfig and Plan (and of PlanRequest, for an opt-in one) carrying its value
-    # the plan row its new rows follow (Feature.plan_rows); None: after the step's knobs, before the device
-    row_after: str | None = None
+    # the plan row its new rows follow (Feature.plan_rows), or several: the first of them the plan's table has; None:
+    # after the step's knobs, before the device
+    row_after: str | tuple[str, ...] | None = None
     # the user sets its value (plan(compile=True)), not the search: the request carries it under ``field`` and the
     # plan takes it from there (feature_fields)
     user_setting: bool = False
@@ -106,6 +111,15 @@ class Feature:
     def plan_rows(self, plan: Any) -> tuple[tuple[str, str], ...]:
         """The feature's rows in the plan's table: a row named as one of the plan's own replaces it, another goes
         after :attr:`row_after`. None where the feature is not in force."""
+        return ()
+
+    def estimate_notes(self, config: StepConfig) -> tuple[str, ...]:
+        """What an estimate of ``config``'s step says of the feature (the simulation adds it to its notes)."""
+        return ()
+
+    def export_notes(self, plan: Any, framework: str) -> tuple[str, ...]:
+        """What an export of ``plan`` to ``framework`` ("hf", "deepspeed", "lightning", "accelerate",
+        "torchtitan"; emit/export.py) says of the feature: what that framework can do to run it."""
         return ()
 
     def to_json(self, value: Any) -> Any:

@@ -29,7 +29,6 @@ from autofit.features import FEATURES
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
-from autofit.training.grads import allocate_grads
 from autofit.training.stored import apply_stored
 from autofit.training.strategy import gradient_sync, laid_out
 from autofit.training.step import (
@@ -109,8 +108,6 @@ def measure_step(
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
 
-    if config.preallocated_grads:  # before the first forward, as the trainer does (Note [gradients allocated before
-        allocate_grads(inner)  # forward], training/grads.py)
     with patched_model(inner, config, device.type), contextlib.ExitStack() as features:
         for feature in FEATURES:  # what each step feature does to a real model (Note [step features])
             features.enter_context(feature.real_context(config, inner))

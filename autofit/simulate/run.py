@@ -74,7 +74,6 @@ from autofit.capture.user_hooks import hook_note, user_hooks_restored
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
-from autofit.training.grads import PREALLOCATED_NOTE
 from autofit.features import FEATURES
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
@@ -310,7 +309,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         finally:
             for h in handles:
                 h.remove()
-    notes = [PREALLOCATED_NOTE] if config.preallocated_grads else []
+    notes = [note for feature in FEATURES for note in feature.estimate_notes(config)]  # Note [step features]
     note = compiled_note(model, inductor, config.compile)
     if note:
         notes.append(note)
