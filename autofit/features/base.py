@@ -22,6 +22,7 @@ Note [step features]
         decides in the estimate (gradients allocated before forward) is a field the plan derives from its
         estimate (``init=False``), written to the JSON for readers;
       - the exports (``emit/export.py``): :meth:`Feature.export_notes`, what another framework must do to run it;
+        and the callbacks of other training loops (``integrations/``): :meth:`Feature.outside_wrap`, why they cannot;
     An :class:`OptInFeature` also has a rung the user opens with ``plan(allow=...)``, and says:
       - to the request (``request.py``): :meth:`OptInFeature.resolve`, its value for this model and optimizer, and
         :meth:`OptInFeature.not_applicable`, the note when it was allowed but does not apply;
@@ -121,6 +122,11 @@ class Feature:
         """What an export of ``plan`` to ``framework`` ("hf", "deepspeed", "lightning", "accelerate",
         "torchtitan"; emit/export.py) says of the feature: what that framework can do to run it."""
         return ()
+
+    def outside_wrap(self, plan: Any, callback: str) -> str | None:
+        """Why ``callback``, applying ``plan`` inside another training loop (``integrations/``), cannot run the
+        feature, or None: it can, or the feature is not in force."""
+        return None
 
     def to_json(self, value: Any) -> Any:
         """``value`` as the plan's JSON writes it."""

@@ -69,6 +69,13 @@ class PreallocatedGrads(Feature):
         return (("gradients", "allocated before the first forward, zeroed in place after each step (the budget needs "
                               "them apart from the activations; wrap() allocates them)"),)
 
+    def outside_wrap(self, plan: Any, callback: str) -> str | None:
+        if not plan.preallocated_grads:
+            return None
+        return (f"this plan fits its budget only with every gradient allocated before the first forward and zeroed in "
+                f"place after each step, which {callback} does not apply (the training loop frees them after every "
+                "step): train it with plan.wrap(model, optimizer), or plan with a larger budget")
+
     def export_notes(self, plan: Any, framework: str) -> tuple[str, ...]:
         if not plan.preallocated_grads:
             return ()

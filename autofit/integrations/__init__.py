@@ -11,7 +11,7 @@ from types import ModuleType
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
-from autofit.features import OPT_IN
+from autofit.features import FEATURES, OPT_IN
 from autofit.training.optim import as_optimizer_spec
 from autofit.emit.plan import Plan
 from autofit.emit.trainer import require_alloc_conf
@@ -31,9 +31,9 @@ def require(module: str, extra: str) -> ModuleType:
 
 def checked_plan(plan: object, callback: str) -> Plan:
     """``plan`` if a callback named ``callback`` can apply it: a Plan whose parameters stay in their own precision
-    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]) and whose gradients the
-    loop may free (not ``plan.preallocated_grads``), its caching-allocator
-    setting put in place (``require_alloc_conf``)."""
+    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]) and none of whose step
+    features needs ``wrap()`` (``Feature.outside_wrap``), its caching-allocator setting put in place
+    (``require_alloc_conf``)."""
     if not isinstance(plan, Plan):
         raise InvalidInputError(f"{callback} needs an autofit.Plan, got {type(plan).__name__}")
     if plan.precision.stored not in (None, "fp32"):
@@ -42,12 +42,10 @@ def checked_plan(plan: object, callback: str) -> Plan:
             f"{callback} does not apply: train it with plan.wrap(model, optimizer), or plan with "
             "min_stored_precision='fp32'"
         )
-    if plan.preallocated_grads:  # Note [gradients allocated before forward]
-        raise InvalidInputError(
-            f"this plan fits its budget only with every gradient allocated before the first forward and zeroed in "
-            f"place after each step, which {callback} does not apply (the training loop frees them after every "
-            "step): train it with plan.wrap(model, optimizer), or plan with a larger budget"
-        )
+    for feature in FEATURES:  # Note [step features]
+        refused = feature.outside_wrap(plan, callback)
+        if refused is not None:
+            raise InvalidInputError(refused)
     require_alloc_conf(plan)  # built before the Trainer moves the model: the allocator setting can still apply
     return plan
 
