@@ -110,6 +110,10 @@ class Plan:
     # the budget (the step feature "preallocated-grads"; Note [gradients before forward as a plan knob],
     # solve/estimator.py): the estimate's, which the search decided (not an argument)
     preallocated_grads: bool = field(init=False, default=False)
+    # the PYTORCH_CUDA_ALLOC_CONF the plan needs: "" (the default allocator) or "expandable_segments:True" where only
+    # that fits the budget (the step feature "allocator-setting"; Note [expandable segments as a plan knob],
+    # autofit/device.py): the estimate's; the trainer sets it before the step allocates, or refuses
+    alloc_conf: str = field(init=False, default="")
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
     selective: tuple[str, ...] = ()
@@ -164,6 +168,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preallocated_grads", self.estimate.preallocated_grads)
+        object.__setattr__(self, "alloc_conf", self.estimate.alloc_conf)
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size"):
             require_int(f"Plan.{name}", getattr(self, name))
         if not self.peak_reserved_bytes:
@@ -188,13 +193,6 @@ class Plan:
         return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate,
                             after_forward=" after forward", tensor_parallel=self.tensor_parallel,
                             sequence_parallel=is_sequence_parallel(self.tensor_plan))
-
-    @property
-    def alloc_conf(self) -> str:
-        """The ``PYTORCH_CUDA_ALLOC_CONF`` the plan needs: "" (the default allocator) or "expandable_segments:True"
-        where only that fits the budget (Note [expandable segments as a plan knob], autofit/device.py); the
-        trainer sets it before the step allocates, or refuses."""
-        return self.estimate.alloc_conf
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -279,7 +277,6 @@ class Plan:
                              "stored": self.precision.stored, "built": self.precision.built}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
         data["estimate"] = self.estimate.to_dict()
-        data["alloc_conf"] = self.alloc_conf  # written for readers; from_json reads the estimate's
         data["checkpoint"] = list(self.checkpoint)
         data["selective"] = list(self.selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
@@ -314,8 +311,7 @@ class Plan:
         data.pop("format")
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
         data.pop("checkpoint_policies", None)  # = checkpoint and selective
-        data.pop("alloc_conf", None)  # = estimate.alloc_conf
-        for f in fields(cls):  # what the plan derives from its estimate (preallocated_grads), written for readers
+        for f in fields(cls):  # what the plan derives from its estimate, written for readers
             if not f.init:
                 data.pop(f.name, None)
         try:
@@ -407,9 +403,6 @@ class Plan:
             ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
             ("optimizer", self.optimizer),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
-            *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
-                                  "not fit the budget; wrap() sets it before the step allocates)")]
-              if self.alloc_conf else []),
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit.core._torch import BatchNormBase, allocator_settings, set_allocator_settings
+from autofit.core._torch import BatchNormBase
 from autofit.training.batch import Batch, as_batches, as_shared
-from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
-from autofit.features import FEATURES
+from autofit.core.errors import InvalidInputError, TrainerStateError
+from autofit.features import FEATURES, before_wrap
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.length import batch_length
 from autofit.training.sequence_parallel import require_sequence_split
@@ -46,7 +46,7 @@ from autofit.training.stored import apply_stored
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
 
-__all__ = ["Trainer", "require_alloc_conf"]
+__all__ = ["Trainer"]
 
 _BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
 
@@ -70,7 +70,7 @@ class Trainer:
         inner = getattr(self, "_inner", model)  # the user's model (the distributed trainer's lies inside DDP/FSDP2)
         refuse_wrapped(inner)  # Note [one trainer per model]
         check_optimizer(inner, optimizer)
-        require_alloc_conf(plan)
+        before_wrap(plan)  # what the step features need in place first (the allocator's setting)
         for feature in FEATURES:  # the optimizer a step feature builds in place of the user's (Note [step features])
             optimizer = feature.trainer_optimizer(plan, optimizer)
         self.plan = plan
@@ -223,21 +223,3 @@ def _parameter_device(model: nn.Module) -> torch.device:
 
 def _device_type(model: nn.Module) -> str:
     return _parameter_device(model).type
-
-
-def require_alloc_conf(plan: Plan) -> None:
-    """Put the plan's caching-allocator setting in place (Note [expandable segments as a plan knob],
-    autofit/device.py), or refuse: it governs segments allocated after it is set, and the plan's figures assume
-    every block of the step, parameters included, lives in such segments. Already in force (the environment's
-    ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``, or an earlier call): nothing to do. No CUDA memory allocated
-    yet: set it. Otherwise an :class:`AllocatorSettingError` names what to export before the process starts."""
-    if not plan.alloc_conf or not plan.device.caching_allocator or plan.alloc_conf in allocator_settings():
-        return
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
-        raise AllocatorSettingError(
-            f"this plan fits its budget only with PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} (the default caching "
-            f"allocator's segments do not fit), and CUDA memory was allocated before wrap() could set it: export "
-            f"PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} before starting Python (or set it with "
-            f"torch.cuda.memory._set_allocator_settings before the model goes to the GPU)"
-        )
-    set_allocator_settings(",".join(s for s in (allocator_settings(), plan.alloc_conf) if s))

@@ -15,11 +15,13 @@ Note [step features]
         (``emit/trainer.py``): :meth:`Feature.real_context`, what the feature does to a real model from before its
         first forward (undone on exit) where the simulation runs the feature its own way (the feature's module says
         how: a fake copy cannot run what the real one does, compiled kernels for one);
-      - the trainer (``emit/trainer.py``): :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
+      - the trainer (``emit/trainer.py``, ``emit/distributed.py``, and the callbacks in ``integrations/``):
+        :meth:`Feature.before_wrap`, what it puts in place before the model is touched (the allocator's setting),
+        and :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
       - the simulation's notes (``simulate/run.py``): :meth:`Feature.estimate_notes`;
       - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
         :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON; a value the search
-        decides in the estimate (gradients allocated before forward) is a field the plan derives from its
+        decides in the estimate (the allocator's setting, gradients allocated before forward) is a field the plan derives from its
         estimate (``init=False``), written to the JSON for readers;
       - the exports (``emit/export.py``): :meth:`Feature.export_notes`, what another framework must do to run it;
         and the callbacks of other training loops (``integrations/``): :meth:`Feature.outside_wrap`, why they cannot;
@@ -105,6 +107,10 @@ class Feature:
         return contextlib.nullcontext()
 
     # ---- the trainer and the plan ---------------------------------------------------------------------------------
+    def before_wrap(self, plan: Any) -> None:
+        """What the feature puts in place before a trainer (or a callback of another training loop) touches the
+        model for ``plan``; raises where it cannot."""
+
     def trainer_optimizer(self, plan: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the trainer of ``plan`` steps, given the one passed to wrap()."""
         return optimizer

@@ -11,10 +11,9 @@ from types import ModuleType
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
-from autofit.features import FEATURES, OPT_IN
+from autofit.features import FEATURES, OPT_IN, before_wrap
 from autofit.training.optim import as_optimizer_spec
 from autofit.emit.plan import Plan
-from autofit.emit.trainer import require_alloc_conf
 from autofit.training.config import DEVICES
 from autofit.training.step import StepConfig, patched_model
 
@@ -33,7 +32,7 @@ def checked_plan(plan: object, callback: str) -> Plan:
     """``plan`` if a callback named ``callback`` can apply it: a Plan whose parameters stay in their own precision
     (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]) and none of whose step
     features needs ``wrap()`` (``Feature.outside_wrap``), its caching-allocator setting put in place
-    (``require_alloc_conf``)."""
+    (``Feature.before_wrap``)."""
     if not isinstance(plan, Plan):
         raise InvalidInputError(f"{callback} needs an autofit.Plan, got {type(plan).__name__}")
     if plan.precision.stored not in (None, "fp32"):
@@ -46,7 +45,7 @@ def checked_plan(plan: object, callback: str) -> Plan:
         refused = feature.outside_wrap(plan, callback)
         if refused is not None:
             raise InvalidInputError(refused)
-    require_alloc_conf(plan)  # built before the Trainer moves the model: the allocator setting can still apply
+    before_wrap(plan)  # built before the Trainer moves the model: the allocator setting can still apply
     return plan
 
 
