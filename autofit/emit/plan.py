@@ -311,9 +311,6 @@ class Plan:
         data.pop("format")
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
         data.pop("checkpoint_policies", None)  # = checkpoint and selective
-        for f in fields(cls):  # what the plan derives from its estimate, written for readers
-            if not f.init:
-                data.pop(f.name, None)
         try:
             data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
@@ -338,7 +335,7 @@ class Plan:
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
             for feature in FEATURES:  # a field absent (a plan written before the feature) keeps its default
-                if feature.field in data:  # (one the plan derives is not read back)
+                if feature.field in data:
                     data[feature.field] = feature.from_json(data[feature.field])
             return cls(**data)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -454,11 +451,16 @@ _LAYOUT_IN_JSON: dict[str, tuple[str, ...]] = {
 }
 _LAYOUT_FIELDS = frozenset(f.name for f in fields(Parallel))
 assert _LAYOUT_FIELDS == {k for keys in _LAYOUT_IN_JSON.values() for k in keys}
+# What the plan derives from its estimate (the search decided it there: alloc_conf, preallocated_grads): written to
+# the JSON for readers, and given back to Plan(...) (from_json, Plan(**plan.__dict__)) it is ignored
+_DERIVED_FIELDS = frozenset(f.name for f in fields(Plan) if not f.init)
 
 
 def _with_flat_layout(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def __init__(self, **kwargs: Any) -> None:
+        for k in _DERIVED_FIELDS & kwargs.keys():
+            del kwargs[k]
         flat = {k: kwargs.pop(k) for k in _LAYOUT_FIELDS & kwargs.keys()}
         if flat:
             kwargs["parallel"] = replace(kwargs.get("parallel") or Parallel(), **flat)
