@@ -1,7 +1,8 @@
 """What a step feature declares to the stages. See Note [step features].
 
 Note [step features]
-    A step feature changes what one training step runs: its loss, its optimizer, when the optimizer steps. Each is
+    A step feature changes what one training step runs: its loss, its optimizer, when the optimizer steps, how the
+    model runs, where gradients and saved activations live, the allocator's setting. Each is
     one module of ``autofit/features/`` holding one frozen :class:`Feature` instance, and
     ``autofit.features.FEATURES`` lists them (torchtitan's registry of model converters, where float8 is one file
     switched on by name, and ``torch.utils.flop_counter``'s registry of one function per op are the models). The
@@ -21,8 +22,8 @@ Note [step features]
       - the simulation's notes (``simulate/run.py``): :meth:`Feature.estimate_notes`;
       - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
         :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON; a value the search
-        decides in the estimate (the allocator's setting, gradients allocated before forward) is a field the plan derives from its
-        estimate (``init=False``), written to the JSON for readers;
+        decides in the estimate (the allocator's setting, gradients allocated before forward) is a field the plan
+        derives from its estimate (``init=False``), written to the JSON for readers;
       - the exports (``emit/export.py``): :meth:`Feature.export_notes`, what another framework must do to run it;
         and the callbacks of other training loops (``integrations/``): :meth:`Feature.outside_wrap`, why they cannot;
     An :class:`OptInFeature` also has a rung the user opens with ``plan(allow=...)``, and says:
@@ -36,7 +37,8 @@ Note [step features]
       - to other trainers (``integrations/``): :attr:`OptInFeature.replaces`, what of the step a plan applied
         outside ``wrap`` would lose.
     A feature's value travels in the step, the plan (and for an opt-in one the request) under one field name
-    (:attr:`Feature.field`); ``None`` (False for a flag) there means "not in force". A feature the user sets
+    (:attr:`Feature.field`); ``None`` (False for a flag, empty for a tuple or a string) there means "not in
+    force". A feature the user sets
     (:attr:`Feature.user_setting`: ``plan(compile=True)``) travels in the request too, and the plan takes it from
     there as it is (``feature_fields``, autofit/features/__init__.py). Only what the registered
     features use is declared: a new feature that needs another hook adds it here, with a default that changes
