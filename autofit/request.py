@@ -91,7 +91,7 @@ class PlanRequest:
     # optimizer's class
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
-    # plan(compile=True): every step runs the model compiled (Note [compile as a knob], training/config.py)
+    # plan(compile=True): every step runs the model compiled (Note [compile as a knob], autofit/features/compile.py)
     compile: bool = False
     # the model's run of identical blocks, simulated cut to a few of them and extrapolated (plan(extrapolate_depth=),
     # Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model

@@ -142,7 +142,7 @@ def test_exports_say_what_their_framework_can_do_with_the_gradients():
         said = [n for n in notes_of(ahead) if "allocated before the first forward" in n]
         assert len(said) == 1, (name, notes_of(ahead))
         assert not any("allocated before the first forward" in n for n in notes_of(plain)), name
-    assert "set_to_none=False" in export._grads_notes(ahead, "lightning")[0]
+    assert "set_to_none=False" in export._feature_notes(ahead, "lightning")[0]
 
 
 @pytest.mark.sim

@@ -41,7 +41,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
         host_budget_bytes=host_budget_bytes if (step.offload or step.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=step.selective,
-        **features, compile=step.compile, verified_step=step,
+        **features, verified_step=step,
     )
     if plan.step != step:  # the plan's fields must give back the step verified: what a loaded plan runs
         differ = [f.name for f in fields(StepConfig) if getattr(plan.step, f.name) != getattr(step, f.name)]

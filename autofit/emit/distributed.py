@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autofit.training.batch import Batch
-from autofit.emit.trainer import Trainer, require_alloc_conf
+from autofit.emit.trainer import Trainer
+from autofit.features import before_wrap
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
 from autofit.training.strategy import apply_layout, gradient_sync, mesh_names, mesh_shape
@@ -51,7 +52,7 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None, loss_reduction: str | None = None, shared: Any = None) -> None:
-        require_alloc_conf(plan)  # before FSDP2 moves or shards anything
+        before_wrap(plan)  # before FSDP2 moves or shards anything (the allocator's setting)
         if plan.optimizer_in_backward:
             raise InvalidInputError(
                 "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "

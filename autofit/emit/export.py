@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.emit.plan import Plan
+from autofit.features import FEATURES
 from autofit.training.sequence_parallel import is_sequence_parallel
 
 __all__ = ["DDP_KWARGS", "to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
@@ -68,35 +69,9 @@ def _split_notes(plan: Plan) -> list[str]:
             f"batch {plan.batch_size})"]
 
 
-def _alloc_notes(plan: Plan) -> list[str]:
-    """The caching-allocator setting the plan needs (Note [expandable segments as a plan knob]): no framework's
-    config sets it, so the export says to export it before the process starts."""
-    if not plan.alloc_conf:
-        return []
-    return [f"launch with PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} in the environment (before the first CUDA "
-            f"allocation): the budget fits only with it, the default allocator's segments do not"]
-
-
-# What each framework does with gradients between steps (Note [gradients allocated before forward]).
-_GRADS_HOW = {
-    "hf": "Hugging Face's Trainer calls model.zero_grad() (set_to_none=True) after every step, and its arguments "
-          "have no setting to keep them",
-    "deepspeed": "DeepSpeed's engine owns the gradients' storage and has no setting for this",
-    "lightning": "allocate them before trainer.fit (p.grad = torch.zeros_like(p) for each trainable parameter) and "
-                 "override LightningModule.optimizer_zero_grad to call optimizer.zero_grad(set_to_none=False)",
-    "accelerate": "in your loop, allocate them before the first forward (p.grad = torch.zeros_like(p) for each "
-                  "trainable parameter) and call optimizer.zero_grad(set_to_none=False)",
-    "torchtitan": "torchtitan's train loop zeroes them with set_to_none and has no setting to keep them",
-}
-
-
-def _grads_notes(plan: Plan, framework: str) -> list[str]:
-    """The plan's gradients allocated before forward (Note [gradients before forward as a plan knob]): what this
-    framework can do about it, in a note."""
-    if not plan.preallocated_grads:
-        return []
-    return [f"the budget fits only with every gradient allocated before the first forward and zeroed in place "
-            f"after each step (plan.wrap() does it): {_GRADS_HOW[framework]}"]
+def _feature_notes(plan: Plan, framework: str) -> list[str]:
+    """What each step feature in force says ``framework`` must do to run it (Note [step features])."""
+    return [note for feature in FEATURES for note in feature.export_notes(plan, framework)]
 
 
 def _selective_notes(plan: Plan, how: str) -> list[str]:
@@ -137,7 +112,7 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint),
                            "autofit_checkpoint_policies": plan.checkpoint_policies}
-    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "hf") + _selective_notes(
+    notes = _split_notes(plan) + _feature_notes(plan, "hf") + _selective_notes(
         plan, "gradient_checkpointing_enable() recomputes every decoder layer with one policy; AutofitCallback "
               "applies the plan's")
     stored = _stored(plan)
@@ -183,7 +158,7 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config["zero_optimization"] = zero
-    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "deepspeed")
+    notes = _split_notes(plan) + _feature_notes(plan, "deepspeed")
     if plan.selective:
         config["autofit_checkpoint_policies"] = plan.checkpoint_policies
         notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
@@ -213,7 +188,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     precision = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[plan.precision.name]
     stored = _stored(plan)
     micro, steps = _split(plan)
-    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "lightning")
+    notes = _split_notes(plan) + _feature_notes(plan, "lightning")
     if stored == "bf16":
         precision = "bf16-true"  # parameters, gradients and optimizer state in bf16
     elif stored is not None:
@@ -288,7 +263,7 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
         "num_machines": plan.world_size // per_node, "num_processes": plan.world_size,
     }
-    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "accelerate")
+    notes = _split_notes(plan) + _feature_notes(plan, "accelerate")
     ddp: dict[str, Any] = {}
     if plan.parallel.replicates_parameters:
         config["distributed_type"] = "MULTI_GPU"
@@ -342,7 +317,7 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     (``local_batch_size`` per device, ``global_batch_size``, from which torchtitan derives the accumulation steps,
     ``mixed_precision_param``); field names and meanings from torchtitan/config/job_config.py."""
     micro, steps = _split(plan)
-    notes = _split_notes(plan) + _alloc_notes(plan) + _grads_notes(plan, "torchtitan")
+    notes = _split_notes(plan) + _feature_notes(plan, "torchtitan")
     data_ranks = plan.world_size // plan.tensor_parallel
     if plan.parallel.shards_parameters:
         shard = data_ranks // plan.replicate

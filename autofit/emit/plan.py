@@ -105,8 +105,16 @@ class Plan:
     # dotted class name, Note [8-bit optimizer state])
     chunked_loss: LossChunks | None = None
     low_bit_optimizer: str | None = None
-    # plan(compile=True): the trainer compiles the model (nn.Module.compile; Note [compile as a knob])
+    # plan(compile=True): the trainer compiles the model (the step feature "compile", Note [compile as a knob])
     compile: bool = False
+    # the trainer allocates every gradient before the first forward and keeps it between steps, where only that fits
+    # the budget (the step feature "preallocated-grads"; Note [gradients before forward as a plan knob],
+    # solve/estimator.py): the estimate's, which the search decided (not an argument)
+    preallocated_grads: bool = field(init=False, default=False)
+    # the PYTORCH_CUDA_ALLOC_CONF the plan needs: "" (the default allocator) or "expandable_segments:True" where only
+    # that fits the budget (the step feature "allocator-setting"; Note [expandable segments as a plan knob],
+    # autofit/device.py): the estimate's; the trainer sets it before the step allocates, or refuses
+    alloc_conf: str = field(init=False, default="")
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
     selective: tuple[str, ...] = ()
@@ -171,6 +179,8 @@ class Plan:
         return self.estimate.host_bytes
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "preallocated_grads", self.estimate.preallocated_grads)
+        object.__setattr__(self, "alloc_conf", self.estimate.alloc_conf)
         for name in ("micro_batch_size", "gradient_accumulation_steps", "batch_size", "last_micro_batch_size"):
             require_int(f"Plan.{name}", getattr(self, name))
         if not self.peak_reserved_bytes:
@@ -195,19 +205,6 @@ class Plan:
         return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate,
                             after_forward=" after forward", tensor_parallel=self.tensor_parallel,
                             sequence_parallel=is_sequence_parallel(self.tensor_plan))
-
-    @property
-    def alloc_conf(self) -> str:
-        """The ``PYTORCH_CUDA_ALLOC_CONF`` the plan needs: "" (the default allocator) or "expandable_segments:True"
-        where only that fits the budget (Note [expandable segments as a plan knob], autofit/device.py); the
-        trainer sets it before the step allocates, or refuses."""
-        return self.estimate.alloc_conf
-
-    @property
-    def preallocated_grads(self) -> bool:
-        """Whether the trainer allocates every gradient before the first forward and keeps it between steps, where
-        only that fits the budget (Note [gradients before forward as a plan knob], autofit/solve/estimator.py)."""
-        return self.estimate.preallocated_grads
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -292,12 +289,9 @@ class Plan:
                              "stored": self.precision.stored, "built": self.precision.built}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
         data["estimate"] = self.estimate.to_dict()
-        data["alloc_conf"] = self.alloc_conf  # written for readers; from_json reads the estimate's
-        data["preallocated_grads"] = self.preallocated_grads  # the same
         data["checkpoint"] = list(self.checkpoint)
         data["selective"] = list(self.selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
-        data["offload"] = list(self.offload)
         data["shard_units"] = list(self.shard_units)
         data["tensor_plan"] = [list(pair) for pair in self.tensor_plan]
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
@@ -329,8 +323,6 @@ class Plan:
         data.pop("format")
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
         data.pop("checkpoint_policies", None)  # = checkpoint and selective
-        data.pop("alloc_conf", None)  # = estimate.alloc_conf
-        data.pop("preallocated_grads", None)  # = estimate.preallocated_grads
         try:
             data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
@@ -339,7 +331,6 @@ class Plan:
                                                 built=data["precision"].get("built"))
             data["checkpoint"] = tuple(data["checkpoint"])
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
-            data["offload"] = tuple(data.get("offload", ()))  # absent from plans written before offloading
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
@@ -385,12 +376,7 @@ class Plan:
 
     def offload_rows(self, fmt) -> list[tuple[str, str]]:
         """What the plan keeps in host memory, as (label, value) rows; none without offload."""
-        rows = []
-        if self.offload:
-            names = ", ".join(self.offload)
-            if len(names) > 100:
-                names = f"{len(self.offload)} modules: {names[:90]}..."
-            rows.append(("offloaded activations", f"{names} (save_on_cpu)"))
+        rows = []  # the offloaded activations' row is their step feature's (features/activation_offload.py)
         if self.offload_states:
             rows.append(("offloaded states", "parameters, gradients, optimizer state; the optimizer steps on the CPU "
                                              "(FSDP2 CPUOffloadPolicy)"))
@@ -425,14 +411,7 @@ class Plan:
             ("precision", str(self.precision)),
             ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
             ("optimizer", self.optimizer),
-            *([("compile", "torch.compile (inductor), applied by the trainer")] if self.compile else []),
             ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
-            *([("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} (the default allocator's segments do "
-                                  "not fit the budget; wrap() sets it before the step allocates)")]
-              if self.alloc_conf else []),
-            *([("gradients", "allocated before the first forward, zeroed in place after each step (the budget needs "
-                             "them apart from the activations; wrap() allocates them)")]
-              if self.preallocated_grads else []),
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
@@ -485,11 +464,16 @@ _LAYOUT_IN_JSON: dict[str, tuple[str, ...]] = {
 }
 _LAYOUT_FIELDS = frozenset(f.name for f in fields(Parallel))
 assert _LAYOUT_FIELDS == {k for keys in _LAYOUT_IN_JSON.values() for k in keys}
+# What the plan derives from its estimate (the search decided it there: alloc_conf, preallocated_grads): written to
+# the JSON for readers, and given back to Plan(...) (from_json, Plan(**plan.__dict__)) it is ignored
+_DERIVED_FIELDS = frozenset(f.name for f in fields(Plan) if not f.init)
 
 
 def _with_flat_layout(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def __init__(self, **kwargs: Any) -> None:
+        for k in _DERIVED_FIELDS & kwargs.keys():
+            del kwargs[k]
         flat = {k: kwargs.pop(k) for k in _LAYOUT_FIELDS & kwargs.keys()}
         if flat:
             kwargs["parallel"] = replace(kwargs.get("parallel") or Parallel(), **flat)
@@ -558,9 +542,9 @@ def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:
             if at is not None:
                 rows[at] = (name, value)
             else:
-                after = feature.row_after
+                after = (feature.row_after,) if isinstance(feature.row_after, str) else feature.row_after
                 at = (next(i for i, (k, _) in enumerate(rows) if k == "device") if after is None
-                      else next(i for i, (k, _) in enumerate(rows) if k == after) + 1)
+                      else next(i for name in after for i, (k, _) in enumerate(rows) if k == name) + 1)
                 rows.insert(at, (name, value))
 
 

@@ -25,12 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit.core._torch import BatchNormBase, allocator_settings, compiled_modules, set_allocator_settings
-from autofit.core._torch_compile import compiled_calls
+from autofit.core._torch import BatchNormBase
 from autofit.training.batch import Batch, as_batches, as_shared
-from autofit.training.grads import allocate_grads
-from autofit.core.errors import AllocatorSettingError, InvalidInputError, TrainerStateError
-from autofit.features import FEATURES
+from autofit.core.errors import InvalidInputError, TrainerStateError
+from autofit.features import FEATURES, before_wrap
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.length import batch_length
 from autofit.training.sequence_parallel import require_sequence_split
@@ -48,7 +46,7 @@ from autofit.training.stored import apply_stored
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
 
-__all__ = ["Trainer", "require_alloc_conf"]
+__all__ = ["Trainer"]
 
 _BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
 
@@ -72,7 +70,7 @@ class Trainer:
         inner = getattr(self, "_inner", model)  # the user's model (the distributed trainer's lies inside DDP/FSDP2)
         refuse_wrapped(inner)  # Note [one trainer per model]
         check_optimizer(inner, optimizer)
-        require_alloc_conf(plan)
+        before_wrap(plan)  # what the step features need in place first (the allocator's setting)
         for feature in FEATURES:  # the optimizer a step feature builds in place of the user's (Note [step features])
             optimizer = feature.trainer_optimizer(plan, optimizer)
         self.plan = plan
@@ -100,15 +98,13 @@ class Trainer:
         # stored precision: parameters converted in place, the optimizer on fp32 master copies (Note [stored
         # precision]); unwrap() undoes both
         self._stored = apply_stored(inner, optimizer, plan.precision.stored, plan.precision.fp32_modules)
-        # Note [gradients allocated before forward]: before the first forward, in the parameters' stored dtype
-        self._grads_given = allocate_grads(inner) if plan.preallocated_grads else []
         self._patch = contextlib.ExitStack()
         self._active = True
         try:
             self._patch.enter_context(patched_model(inner, self.config, self.device_type))
-            if plan.compile and not compiled_modules(model):  # Note [compile as a knob]; a compiled model stays so
-                self._patch.enter_context(compiled_calls(inner))
-            for feature in FEATURES:  # what each step feature holds around the steps (Note [step features])
+            for feature in FEATURES:  # what each step feature does to the real model (Note [step features])
+                self._patch.enter_context(feature.real_context(self.config, inner))
+            for feature in FEATURES:  # what each step feature holds around the steps
                 self._patch.enter_context(feature.step_context(self.config, inner, optimizer))
         except BaseException:
             self.unwrap()  # a wrap that fails halfway leaves the model as it found it
@@ -203,8 +199,6 @@ class Trainer:
         if self._active:
             self._active = False
             self._patch.__exit__(None, None, None)
-            for p in self._grads_given:
-                p.grad = None
             if self._stored is not None:
                 self._stored.restore()
             release(getattr(self, "_inner", self.model), self)
@@ -225,21 +219,3 @@ def _parameter_device(model: nn.Module) -> torch.device:
 
 def _device_type(model: nn.Module) -> str:
     return _parameter_device(model).type
-
-
-def require_alloc_conf(plan: Plan) -> None:
-    """Put the plan's caching-allocator setting in place (Note [expandable segments as a plan knob],
-    autofit/device.py), or refuse: it governs segments allocated after it is set, and the plan's figures assume
-    every block of the step, parameters included, lives in such segments. Already in force (the environment's
-    ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``, or an earlier call): nothing to do. No CUDA memory allocated
-    yet: set it. Otherwise an :class:`AllocatorSettingError` names what to export before the process starts."""
-    if not plan.alloc_conf or not plan.device.caching_allocator or plan.alloc_conf in allocator_settings():
-        return
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
-        raise AllocatorSettingError(
-            f"this plan fits its budget only with PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} (the default caching "
-            f"allocator's segments do not fit), and CUDA memory was allocated before wrap() could set it: export "
-            f"PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} before starting Python (or set it with "
-            f"torch.cuda.memory._set_allocator_settings before the model goes to the GPU)"
-        )
-    set_allocator_settings(",".join(s for s in (allocator_settings(), plan.alloc_conf) if s))

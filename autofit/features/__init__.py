@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from autofit.features.activation_offload import ACTIVATION_OFFLOAD
+from autofit.features.allocator import ALLOCATOR_SETTING
 from autofit.features.base import Feature, OptInFeature, StepLoss
 from autofit.features.chunked_loss import CHUNKED_LOSS
+from autofit.features.compile import COMPILE
 from autofit.features.in_backward import IN_BACKWARD
 from autofit.features.low_bit_optimizer import LOW_BIT_OPTIMIZER
+from autofit.features.preallocated_grads import PREALLOCATED_GRADS
 
-__all__ = ["FEATURES", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "feature_fields", "feature_names",
-           "feature_values", "registry"]
+__all__ = ["FEATURES", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "before_wrap", "feature_fields",
+           "feature_names", "feature_values", "registry"]
 
 
 def registry(*features: Feature) -> tuple[Feature, ...]:
@@ -24,9 +28,11 @@ def registry(*features: Feature) -> tuple[Feature, ...]:
     return features
 
 
-# The opt-in ones in the order the ladder climbs them: float rounding only first, then the 8-bit state, which
-# changes the update's numbers (Note [the ladder])
-FEATURES: tuple[Feature, ...] = registry(CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
+# In registry order the stages enter the features' contexts and place their plan rows; the opt-in ones are also
+# the order the ladder climbs them: float rounding only first, then the 8-bit state, which changes the update's
+# numbers (Note [the ladder])
+FEATURES: tuple[Feature, ...] = registry(COMPILE, ALLOCATOR_SETTING, PREALLOCATED_GRADS, ACTIVATION_OFFLOAD,
+                                         CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
 OPT_IN: tuple[OptInFeature, ...] = tuple(f for f in FEATURES if isinstance(f, OptInFeature))
 
 
@@ -36,12 +42,19 @@ def feature_names() -> tuple[str, ...]:
 
 
 def feature_fields(request: Any) -> dict[str, Any]:
-    """Every opt-in feature's value on ``request`` (a rung's PlanRequest) by its field: what the rung set, handed on
-    to the plan."""
-    return {f.field: f.in_force(request) for f in OPT_IN}
+    """The value on ``request`` (a rung's PlanRequest) of every feature it carries, by its field: what the rung set
+    (the opt-in ones) and what the user set (Feature.user_setting), handed on to the plan."""
+    return {f.field: f.in_force(request) for f in FEATURES if isinstance(f, OptInFeature) or f.user_setting}
 
 
 def feature_values(request: Any) -> tuple[Any, ...]:
     """Every opt-in feature's value on ``request``, in registry order: what tells apart the steps of two rungs (the
     key of their analyses)."""
     return tuple(f.in_force(request) for f in OPT_IN)
+
+
+def before_wrap(plan: Any) -> None:
+    """What every step feature puts in place before a trainer or a callback touches the model for ``plan``
+    (Feature.before_wrap); raises where one cannot."""
+    for feature in FEATURES:
+        feature.before_wrap(plan)

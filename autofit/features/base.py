@@ -1,7 +1,8 @@
 """What a step feature declares to the stages. See Note [step features].
 
 Note [step features]
-    A step feature changes what one training step runs: its loss, its optimizer, when the optimizer steps. Each is
+    A step feature changes what one training step runs: its loss, its optimizer, when the optimizer steps, how the
+    model runs, where gradients and saved activations live, the allocator's setting. Each is
     one module of ``autofit/features/`` holding one frozen :class:`Feature` instance, and
     ``autofit.features.FEATURES`` lists them (torchtitan's registry of model converters, where float8 is one file
     switched on by name, and ``torch.utils.flop_counter``'s registry of one function per op are the models). The
@@ -11,9 +12,20 @@ Note [step features]
         function; and :meth:`Feature.step_context`, what it holds around the step's forward and backward
         (``simulate/run.py``, ``measure/allocator.py``, ``emit/trainer.py``); both read from the
         :class:`~autofit.training.config.StepConfig`;
-      - the trainer (``emit/trainer.py``): :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
+      - the real runs, ``measure``'s copy (``measure/allocator.py``) and the model the trainer wraps
+        (``emit/trainer.py``): :meth:`Feature.real_context`, what the feature does to a real model from before its
+        first forward (undone on exit) where the simulation runs the feature its own way (the feature's module says
+        how: a fake copy cannot run what the real one does, compiled kernels for one);
+      - the trainer (``emit/trainer.py``, ``emit/distributed.py``, and the callbacks in ``integrations/``):
+        :meth:`Feature.before_wrap`, what it puts in place before the model is touched (the allocator's setting),
+        and :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
+      - the simulation's notes (``simulate/run.py``): :meth:`Feature.estimate_notes`;
       - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
-        :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON.
+        :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON; a value the search
+        decides in the estimate (the allocator's setting, gradients allocated before forward) is a field the plan
+        derives from its estimate (``init=False``), written to the JSON for readers;
+      - the exports (``emit/export.py``): :meth:`Feature.export_notes`, what another framework must do to run it;
+        and the callbacks of other training loops (``integrations/``): :meth:`Feature.outside_wrap`, why they cannot;
     An :class:`OptInFeature` also has a rung the user opens with ``plan(allow=...)``, and says:
       - to the request (``request.py``): :meth:`OptInFeature.resolve`, its value for this model and optimizer, and
         :meth:`OptInFeature.not_applicable`, the note when it was allowed but does not apply;
@@ -25,7 +37,10 @@ Note [step features]
       - to other trainers (``integrations/``): :attr:`OptInFeature.replaces`, what of the step a plan applied
         outside ``wrap`` would lose.
     A feature's value travels in the step, the plan (and for an opt-in one the request) under one field name
-    (:attr:`Feature.field`); ``None`` (False for a flag) there means "not in force". Only what the registered
+    (:attr:`Feature.field`); ``None`` (False for a flag, empty for a tuple or a string) there means "not in
+    force". A feature the user sets
+    (:attr:`Feature.user_setting`: ``plan(compile=True)``) travels in the request too, and the plan takes it from
+    there as it is (``feature_fields``, autofit/features/__init__.py). Only what the registered
     features use is declared: a new feature that needs another hook adds it here, with a default that changes
     nothing, and the stage that calls it.
 """
@@ -42,6 +57,7 @@ if TYPE_CHECKING:  # annotations only: these are values the stages hand in
     import torch
     from torch import nn
 
+    from autofit.training.activation_offload import HostContext
     from autofit.training.batch import Batch
     from autofit.training.config import StepConfig
     from autofit.training.optim import OptimizerSpec
@@ -60,8 +76,12 @@ class Feature:
 
     name: str  # how notes and errors name it: "chunked-loss", "optimizer-in-backward"
     field: str  # the field of StepConfig and Plan (and of PlanRequest, for an opt-in one) carrying its value
-    # the plan row its new rows follow (Feature.plan_rows); None: after the step's knobs, before the device
-    row_after: str | None = None
+    # the plan row its new rows follow (Feature.plan_rows), or several: the first of them the plan's table has; None:
+    # after the step's knobs, before the device
+    row_after: str | tuple[str, ...] | None = None
+    # the user sets its value (plan(compile=True)), not the search: the request carries it under ``field`` and the
+    # plan takes it from there (feature_fields)
+    user_setting: bool = False
 
     def in_force(self, carrier: Any) -> Any:
         """The value in force on ``carrier`` (a PlanRequest, a StepConfig or a Plan), or None."""
@@ -74,12 +94,25 @@ class Feature:
         return None
 
     def step_context(self, config: StepConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     stepped: set[int] | None = None) -> contextlib.AbstractContextManager[Any]:
-        """What the feature holds around ``config``'s forwards and backwards on ``model`` (undone on exit);
-        ``stepped`` collects the ids of parameters the optimizer stepped during backward, where that is asked."""
+                     stepped: set[int] | None = None, *,
+                     to_host: HostContext | None = None) -> contextlib.AbstractContextManager[Any]:
+        """What the feature holds around ``config``'s forwards and backwards on ``model`` (undone on exit), entered
+        after the step's module-level knobs (``patched_model``, training/step.py); ``stepped`` collects the ids of
+        parameters the optimizer stepped during backward, where that is asked; ``to_host`` makes the context that
+        holds saved tensors in host memory (the simulation's tracked twin of ``save_on_cpu``; None: torch's)."""
+        return contextlib.nullcontext()
+
+    def real_context(self, config: StepConfig, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """What the feature does to a real ``model`` (``measure``'s copy, the model the trainer wraps, after its
+        optimizer is built) before its first forward, undone on exit; the simulation runs the feature its own way.
+        Entered before :meth:`step_context`."""
         return contextlib.nullcontext()
 
     # ---- the trainer and the plan ---------------------------------------------------------------------------------
+    def before_wrap(self, plan: Any) -> None:
+        """What the feature puts in place before a trainer (or a callback of another training loop) touches the
+        model for ``plan``; raises where it cannot."""
+
     def trainer_optimizer(self, plan: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the trainer of ``plan`` steps, given the one passed to wrap()."""
         return optimizer
@@ -88,6 +121,20 @@ class Feature:
         """The feature's rows in the plan's table: a row named as one of the plan's own replaces it, another goes
         after :attr:`row_after`. None where the feature is not in force."""
         return ()
+
+    def estimate_notes(self, config: StepConfig) -> tuple[str, ...]:
+        """What an estimate of ``config``'s step says of the feature (the simulation adds it to its notes)."""
+        return ()
+
+    def export_notes(self, plan: Any, framework: str) -> tuple[str, ...]:
+        """What an export of ``plan`` to ``framework`` ("hf", "deepspeed", "lightning", "accelerate",
+        "torchtitan"; emit/export.py) says of the feature: what that framework can do to run it."""
+        return ()
+
+    def outside_wrap(self, plan: Any, callback: str) -> str | None:
+        """Why ``callback``, applying ``plan`` inside another training loop (``integrations/``), cannot run the
+        feature, or None: it can, or the feature is not in force."""
+        return None
 
     def to_json(self, value: Any) -> Any:
         """``value`` as the plan's JSON writes it."""

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from autofit.training.activation_offload import HostContext
     from autofit.training.config import StepConfig
 
 __all__ = ["IN_BACKWARD", "InBackward"]
@@ -28,7 +29,8 @@ class InBackward(Feature):
     """The optimizer step in backward; its value is a flag (``False``: after backward)."""
 
     def step_context(self, config: StepConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     stepped: set[int] | None = None) -> contextlib.AbstractContextManager[Any]:
+                     stepped: set[int] | None = None, *,
+                     to_host: HostContext | None = None) -> contextlib.AbstractContextManager[Any]:
         if not config.optimizer_in_backward:
             return contextlib.nullcontext()
         return stepping_in_backward(model, optimizer, stepped)

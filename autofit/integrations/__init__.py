@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Iterator
 from dataclasses import replace
 from types import ModuleType
+from typing import Any
 
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
-from autofit.features import OPT_IN
+from autofit.features import FEATURES, OPT_IN, before_wrap
+from autofit.features.activation_offload import ACTIVATION_OFFLOAD
 from autofit.emit.plan import Plan
-from autofit.emit.trainer import require_alloc_conf
 from autofit.training.config import DEVICES
 from autofit.training.step import patched_model
 
@@ -31,9 +33,9 @@ def require(module: str, extra: str) -> ModuleType:
 
 def checked_plan(plan: object, callback: str) -> Plan:
     """``plan`` if a callback named ``callback`` can apply it: a Plan whose parameters stay in their own precision
-    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]) and whose gradients the
-    loop may free (not ``plan.preallocated_grads``), its caching-allocator
-    setting put in place (``require_alloc_conf``)."""
+    (a stored-low-precision plan needs the wrapper's master copy, Note [stored precision]) and none of whose step
+    features needs ``wrap()`` (``Feature.outside_wrap``), its caching-allocator setting put in place
+    (``Feature.before_wrap``)."""
     if not isinstance(plan, Plan):
         raise InvalidInputError(f"{callback} needs an autofit.Plan, got {type(plan).__name__}")
     if plan.precision.stored not in (None, "fp32"):
@@ -42,13 +44,11 @@ def checked_plan(plan: object, callback: str) -> Plan:
             f"{callback} does not apply: train it with plan.wrap(model, optimizer), or plan with "
             "min_stored_precision='fp32'"
         )
-    if plan.preallocated_grads:  # Note [gradients allocated before forward]
-        raise InvalidInputError(
-            f"this plan fits its budget only with every gradient allocated before the first forward and zeroed in "
-            f"place after each step, which {callback} does not apply (the training loop frees them after every "
-            "step): train it with plan.wrap(model, optimizer), or plan with a larger budget"
-        )
-    require_alloc_conf(plan)  # built before the Trainer moves the model: the allocator setting can still apply
+    for feature in FEATURES:  # Note [step features]
+        refused = feature.outside_wrap(plan, callback)
+        if refused is not None:
+            raise InvalidInputError(refused)
+    before_wrap(plan)  # built before the Trainer moves the model: the allocator setting can still apply
     return plan
 
 
@@ -73,6 +73,15 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
     # the step the plan's estimate verified (Note [the plan's step], autofit/emit/plan.py), on the device the loop's
     # model is on (a device autofit does not model, such as "mps", patches as on the CPU)
     config = replace(plan.step, device=device_type if device_type in DEVICES else "cpu")
-    return patched_model(model, config, device_type)
+    return _patched(model, config, device_type)
+
+
+@contextlib.contextmanager
+def _patched(model: nn.Module, config: Any, device_type: str) -> Iterator[nn.Module]:
+    """``patched_model``, then the offloaded activations (a step feature's, entered after the other module-level
+    knobs as the trainer enters it, so an offloaded module's saved tensors go to the host whatever else it runs)."""
+    with patched_model(model, config, device_type) as patched, \
+            ACTIVATION_OFFLOAD.step_context(config, patched, None):
+        yield patched
 
 

@@ -29,7 +29,6 @@ from autofit.features import FEATURES
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
-from autofit.training.grads import allocate_grads
 from autofit.training.stored import apply_stored
 from autofit.training.strategy import gradient_sync, laid_out
 from autofit.training.step import (
@@ -85,8 +84,6 @@ def measure_step(
     measure/ranks.py)."""
     device = torch.device(config.device)
     work = real_copy(model).to(device)
-    if config.compile:  # Note [compile as a knob]: nn.Module.compile keeps the module's names and parameters
-        work.compile()
     # the rows resident all window (StepConfig.held_rows: the whole batch, as trainer.step receives it, or one
     # micro-batch), and the micro-batches as slices of them, as the trainer runs them
     rows = max(config.held_rows, config.micro_batch_size)
@@ -111,10 +108,10 @@ def measure_step(
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
 
-    if config.preallocated_grads:  # before the first forward, as the trainer does (Note [gradients allocated before
-        allocate_grads(inner)  # forward], training/grads.py)
     with patched_model(inner, config, device.type), contextlib.ExitStack() as features:
-        for feature in FEATURES:  # what each step feature holds around the step (Note [step features])
+        for feature in FEATURES:  # what each step feature does to a real model (Note [step features])
+            features.enter_context(feature.real_context(config, inner))
+        for feature in FEATURES:  # what each step feature holds around the step
             features.enter_context(feature.step_context(config, inner, optimizer))
         window()  # warm-up: optimizer state now exists, as in the steady state
         if config.layout.replicates_parameters:

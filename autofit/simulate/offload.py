@@ -31,7 +31,8 @@ __all__ = ["tracked_save_on_cpu", "offloaded_states", "host_optimizer"]
 
 
 def tracked_save_on_cpu(tracker: StepTracker) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of ``save_on_cpu`` twins for a CUDA target (``patched_model(to_host=...)``)."""
+    """A factory of ``save_on_cpu`` twins for a CUDA target (the ``to_host`` of ``Feature.step_context``,
+    autofit/features/base.py)."""
 
     def pack(tensor: torch.Tensor):
         tracker.on_host = True

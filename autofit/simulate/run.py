@@ -74,7 +74,6 @@ from autofit.capture.user_hooks import hook_note, user_hooks_restored
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
-from autofit.training.grads import PREALLOCATED_NOTE
 from autofit.features import FEATURES
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
@@ -285,13 +284,14 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
             with contextlib.ExitStack() as stack:
                 caster = device_rules(stack, config) if device_rules is not None else None
-                to_host = None if config.device.is_host else tracked_save_on_cpu(tracker)
-                stack.enter_context(patched_model(work, config, "cpu", to_host=to_host))
+                stack.enter_context(patched_model(work, config, "cpu"))
                 if host_states:
                     stack.enter_context(offloaded_states(tracker))
                 stepped: set[int] = set()  # parameters the optimizer stepped in backward
+                # Note [host storages]: on a GPU target, what the step holds in host memory is not the device's
+                to_host = None if config.device.is_host else tracked_save_on_cpu(tracker)
                 for feature in FEATURES:  # what each step feature holds around the step (Note [step features])
-                    stack.enter_context(feature.step_context(config, work, optimizer, stepped))
+                    stack.enter_context(feature.step_context(config, work, optimizer, stepped, to_host=to_host))
                 stack.enter_context(tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 if inductor:
@@ -309,7 +309,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         finally:
             for h in handles:
                 h.remove()
-    notes = [PREALLOCATED_NOTE] if config.preallocated_grads else []
+    notes = [note for feature in FEATURES for note in feature.estimate_notes(config)]  # Note [step features]
     note = compiled_note(model, inductor, config.compile)
     if note:
         notes.append(note)

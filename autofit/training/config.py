@@ -3,17 +3,6 @@ once (:class:`StepConfig`), and :func:`make_step_config`, which reads the user's
 or a mapping of module name to recomputation policy, precision names, optimizer names). The simulation, ``measure``
 and the trainer all run the step this value describes (``step.py``); the planner passes it whole from the request
 through the analysis and the search (docs/architecture.md, "The step as one value").
-
-Note [compile as a knob]
-    ``compile=True`` runs the step's model as ``torch.compile`` (inductor, default options) compiles it: the
-    simulation compiles its fake copy without kernels (Note [inductor without kernels], core/_torch_compile.py) and
-    ``measure`` calls ``nn.Module.compile()`` on its real copy (which keeps the module's names and parameters, so
-    checkpointed or pinned module names still resolve). A model the user compiled is simulated as compiled whatever
-    the knob says. The planner does not pick compilation on its own, although it changes no numerics beyond float
-    reassociation: it costs compile time the time model does not price (seconds to minutes, per new input shape),
-    the trainer's shorter micro-batches and other lengths recompile with dynamic shapes, whose buffers are not the
-    static ones simulated, and code dynamo cannot trace fails or breaks the graph only when the user runs it. Compile
-    is the user's choice, which ``plan`` then honours for every candidate.
 """
 
 from __future__ import annotations
@@ -110,7 +99,8 @@ class StepConfig:
     # the output head and the cross-entropy run in chunks of tokens (Note [chunked cross-entropy],
     # autofit/training/chunked_loss.py); None: the model's own head and the loss as given
     chunked_loss: LossChunks | None = None
-    # the model runs as torch.compile(model) (inductor, default options) compiles it (Note [compile as a knob])
+    # the model runs as torch.compile(model) (inductor, default options) compiles it (Note [compile as a knob],
+    # autofit/features/compile.py)
     compile: bool = False
     # every trainable parameter's gradient allocated before the first forward and zeroed in place after each step
     # (zero_grad(set_to_none=False)), not created in backward (Note [gradients allocated before forward])

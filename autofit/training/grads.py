@@ -37,12 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["allocate_grads", "PREALLOCATED_NOTE"]
-
-# what an estimate of such a step says (the simulation adds it; autofit/simulate/run.py)
-PREALLOCATED_NOTE = ("every gradient is allocated before the first forward and zeroed in place after each step "
-                     "(zero_grad(set_to_none=False)), apart from the activations' segments, which the budget needs "
-                     "free at the optimizer step; wrap() allocates them (Note [gradients allocated before forward])")
+__all__ = ["allocate_grads"]
 
 
 def allocate_grads(model: nn.Module) -> list[nn.Parameter]:

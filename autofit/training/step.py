@@ -138,17 +138,6 @@ def _fp32_forward(forward, device_type: str, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-def saved_on_host(device_type: str) -> contextlib.AbstractContextManager:
-    """PyTorch's own activation offload (Note [offload]): saved tensors packed into (pinned, on a GPU) host memory
-    and brought back for backward."""
-    return torch.autograd.graph.save_on_cpu(pin_memory=device_type == "cuda" and torch.cuda.is_available())
-
-
-def _offloaded_forward(forward, to_host: Callable[[], contextlib.AbstractContextManager], *args, **kwargs):
-    with to_host():
-        return forward(*args, **kwargs)
-
-
 # Note [offload]
 #     Three ways to hold less on the GPU than a step needs, each PyTorch's own engine (docs/offload.md):
 #     - activations: ``torch.autograd.graph.save_on_cpu`` around a module's forward packs every tensor autograd
@@ -180,30 +169,21 @@ def _offloaded_forward(forward, to_host: Callable[[], contextlib.AbstractContext
 
 
 @contextlib.contextmanager
-def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str, *,
-                  to_host: Callable[[], contextlib.AbstractContextManager] | None = None) -> Iterator[torch.nn.Module]:
-    """Apply the step's module-level knobs (checkpointed, offloaded and fp32-pinned modules) and undo them on exit.
+def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str) -> Iterator[torch.nn.Module]:
+    """Apply the step's module-level knobs (checkpointed and fp32-pinned modules) and undo them on exit; the
+    offloaded modules are a step feature's (autofit/features/activation_offload.py).
 
     The knobs are instance-level ``forward`` overrides, so the class, the parameters and the user's hooks stay as
     they are, and leaving the context restores the module exactly (``forward`` removed from the instance dict).
-    ``to_host`` makes the context that offloads a module's saved tensors (default :func:`saved_on_host`; the
-    simulation passes its tracked twin).
     """
     patches: list[tuple[torch.nn.Module, bool, Any]] = []
     pinned = resolve_modules(model, config.precision.fp32_modules, what="precision.fp32_modules")
     ckpt = resolve_modules(model, config.checkpoint, what="checkpoint")
     names = {id(m): n for m, n in zip(ckpt, config.checkpoint)}
-    offloaded = resolve_modules(model, config.offload, what="offload")
-    if to_host is None:
-        to_host = functools.partial(saved_on_host, device_type)
     try:
         for module in pinned:
             had, old = "forward" in module.__dict__, module.__dict__.get("forward")
             module.forward = functools.partial(_fp32_forward, module.forward, device_type)
-            patches.append((module, had, old))
-        for module in offloaded:
-            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
-            module.forward = functools.partial(_offloaded_forward, module.forward, to_host)
             patches.append((module, had, old))
         for module in ckpt:
             had, old = "forward" in module.__dict__, module.__dict__.get("forward")
