@@ -306,6 +306,8 @@ class Plan:
         data["even_split"] = None if self.even_split is None else list(self.even_split)
         for feature in FEATURES:  # each step feature's value as JSON (Note [step features])
             data[feature.field] = feature.to_json(feature.in_force(self))
+        for name in ("alloc_conf", "preallocated_grads"):  # derived from the estimate: written after it, as always
+            data[name] = data.pop(name)
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
