@@ -229,3 +229,34 @@ def test_a_missing_library_is_a_typed_error_naming_the_install(monkeypatch, modu
         monkeypatch.setitem(sys.modules, name, None)  # import of a None entry raises ImportError
     with pytest.raises(InvalidInputError, match=f"needs {package}: pip install"):
         getattr(integration, attribute)
+
+
+@pytest.mark.sim
+def test_plan_patches_offloads_the_plans_modules_as_the_trainer_does(monkeypatch):
+    """A callback's loop runs the step the plan verified: its offloaded modules' forwards run under the host
+    context (``save_on_cpu``), each once per call and no other module's, and leaving the patch restores them."""
+    import contextlib
+    from dataclasses import replace
+
+    import autofit.training.activation_offload as offload
+    from autofit.integrations import plan_patches
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    plan = autofit.plan(model, x, "1GB", batch_size=8, device="cpu", precision="fp32",
+                        loss_fn=lambda out: out.sum())
+    plan = replace(plan, offload=("0",))
+    assert plan.step.offload == ("0",)
+    entered = []
+
+    def spy(device, *args, **kwargs):
+        entered.append(device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(offload, "saved_on_host", spy)
+    with plan_patches(plan, model) as patched:
+        patched(x).sum().backward()
+        patched(x).sum().backward()
+    assert entered == ["cpu", "cpu"]
+    assert all("forward" not in m.__dict__ for m in model)
