@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from autofit.training.config import StepConfig, resolve_modules
+from autofit.training.config import StepConfig, overridden_forwards, resolve_modules
 
 __all__ = ["HostContext", "offloaded_forwards", "saved_on_host"]
 
@@ -38,16 +38,6 @@ def offloaded_forwards(model: torch.nn.Module, config: StepConfig,
     modules = resolve_modules(model, config.offload, what="offload")
     if to_host is None:
         to_host = functools.partial(saved_on_host, str(config.device))
-    patches = []
-    try:
-        for module in modules:
-            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
-            module.forward = functools.partial(_offloaded_forward, module.forward, to_host)
-            patches.append((module, had, old))
+    with overridden_forwards((m, lambda forward: functools.partial(_offloaded_forward, forward, to_host))
+                             for m in modules):
         yield
-    finally:
-        for module, had, old in reversed(patches):
-            if had:
-                module.forward = old
-            else:
-                del module.forward

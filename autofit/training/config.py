@@ -7,8 +7,9 @@ through the analysis and the search (docs/architecture.md, "The step as one valu
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -23,7 +24,7 @@ from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
 from autofit.training.layout import Parallel
 
-__all__ = ["StepConfig", "make_step_config", "resolve_modules", "DEVICES", "DeviceKind"]
+__all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind"]
 
 
 class DeviceKind(StrEnum):
@@ -288,3 +289,23 @@ def resolve_modules(model: torch.nn.Module, names: tuple[str, ...], *, what: str
             raise InvalidInputError(f"{what}: the model has no module named {name!r}{hint}")
         modules.append(known[name])
     return modules
+
+
+@contextlib.contextmanager
+def overridden_forwards(overrides: Iterable[tuple[torch.nn.Module, Callable[[Callable], Callable]]]) -> Iterator[None]:
+    """Each ``(module, make)`` in order: ``module.forward = make(module.forward)``, an instance attribute (the
+    class, the parameters and the user's hooks stay as they are; a later override of the same module wraps the
+    earlier one). On exit each module gets back exactly what it had: its own instance ``forward``, or none."""
+    patches: list[tuple[torch.nn.Module, bool, Any]] = []
+    try:
+        for module, make in overrides:
+            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
+            module.forward = make(module.forward)
+            patches.append((module, had, old))
+        yield
+    finally:
+        for module, had, old in reversed(patches):
+            if had:
+                module.forward = old
+            else:
+                del module.forward

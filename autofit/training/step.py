@@ -27,7 +27,9 @@ from autofit.core._torch import (
     tree_map,
 )
 from autofit.training.batch import Batch
-from autofit.training.config import StepConfig, make_step_config, resolve_modules  # noqa: F401 - the step's value, re-exported
+from autofit.training.config import (  # noqa: F401 - the step's value, re-exported
+    StepConfig, make_step_config, overridden_forwards, resolve_modules,
+)
 from autofit.core.cpu import translate_kernel_error
 from autofit.core.errors import ForwardError
 from autofit.features import FEATURES
@@ -176,27 +178,14 @@ def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str) 
     The knobs are instance-level ``forward`` overrides, so the class, the parameters and the user's hooks stay as
     they are, and leaving the context restores the module exactly (``forward`` removed from the instance dict).
     """
-    patches: list[tuple[torch.nn.Module, bool, Any]] = []
     pinned = resolve_modules(model, config.precision.fp32_modules, what="precision.fp32_modules")
     ckpt = resolve_modules(model, config.checkpoint, what="checkpoint")
     names = {id(m): n for m, n in zip(ckpt, config.checkpoint)}
-    try:
-        for module in pinned:
-            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
-            module.forward = functools.partial(_fp32_forward, module.forward, device_type)
-            patches.append((module, had, old))
-        for module in ckpt:
-            had, old = "forward" in module.__dict__, module.__dict__.get("forward")
-            module.forward = functools.partial(_checkpointed_forward, module, module.forward,
-                                               names[id(module)] in config.selective)
-            patches.append((module, had, old))
+    overrides = [(m, lambda forward: functools.partial(_fp32_forward, forward, device_type)) for m in pinned]
+    overrides += [(m, lambda forward, m=m: functools.partial(_checkpointed_forward, m, forward,
+                                                             names[id(m)] in config.selective)) for m in ckpt]
+    with overridden_forwards(overrides):
         yield model
-    finally:
-        for module, had, old in reversed(patches):
-            if had:
-                module.forward = old
-            else:
-                del module.forward
 
 
 def new_grad_scaler(config: StepConfig, device_type: str) -> torch.amp.GradScaler | None:
