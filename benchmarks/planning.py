@@ -20,6 +20,8 @@ estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
                                              # same run, next to one full estimate and one MemTracker step
     python benchmarks/planning.py --deep --no-base   # only the default (--only=70B: the cases so labelled)
     python benchmarks/planning.py --deep --base-70b  # also the 70B plan of the whole model (about an hour)
+    python benchmarks/planning.py --against /path/to/base/checkout   # the deep rows, base against new, one run
+                                             # (each plan a fresh process: start-up and imports counted)
 
 Measured with --deep (two cores, torch 2.13.0, AUTOFIT_WORKERS unset; seconds of one plan, "auto" is the default,
 "whole model" extrapolate_depth=False, the two in the same run; a helper's tests ran beside the first two rows):
@@ -246,8 +248,79 @@ def deep(base: bool = True, base_70b: bool = False) -> None:
             print(f"{'':<20} {'same plan' if same else 'plans differ'}")
 
 
+# The deep rows as a user runs them, one fresh process each. The 8B rows are the issue's command line; the 70B shape
+# has no checkpoint to name, so a short script builds it (its config, on the meta device) and prints the plan's JSON.
+_LLAMA_8B = ["hf:meta-llama/Llama-3.1-8B", "--budget", "80GB", "--input-shape", "4096", "--json", "--quiet"]
+_AGAINST_CASES = (
+    ("8B fsdp2 8xA100", [*_LLAMA_8B, "--batch-size", "32", "--gpu", "A100-80GB", "--world-size", "8",
+                         "--strategy", "fsdp2"]),
+    ("8B one H100", [*_LLAMA_8B, "--batch-size", "8", "--gpu", "H100-80GB"]),
+    ("70B fsdp2 4x8 H100", None),
+)
+_PLAN_70B = """
+import sys, warnings, torch, autofit
+warnings.filterwarnings("ignore")
+from benchmarks.llama import Llama
+from benchmarks.multi_gpu_70b import llama3_70b_config
+with torch.device("meta"):
+    model = Llama(llama3_70b_config(max_seq_len=8192))
+ids = torch.zeros(1, 8192, dtype=torch.long)
+extra = {"extrapolate_depth": True} if sys.argv[1] == "opt-in" else {}
+plan = autofit.plan(model, ids, "80GB", target=ids, batch_size=32, gpu="H100-80GB", world_size=32, gpus_per_node=8,
+                    strategy="fsdp2", **extra)
+print(plan.to_json())
+"""
+
+
+def _run_plan(repo: Path, label: str, args: list[str] | None, opt_in: bool) -> tuple[float, float, str]:
+    """One plan in a fresh process of ``repo``'s autofit: wall seconds, CPU seconds (its forked workers included)
+    and the plan in one line."""
+    import json
+    import os
+    import resource
+    import subprocess
+
+    if args is None:
+        command = [sys.executable, "-c", _PLAN_70B, "opt-in" if opt_in else "default"]
+    else:
+        command = [sys.executable, "-m", "autofit", "plan", *args]
+    env = dict(os.environ, PYTHONPATH=str(repo), PYTHONWARNINGS="ignore")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if done.returncode != 0:
+        return wall, cpu, f"failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+    text = done.stdout
+    plan = json.loads(text[text.index("{"):])
+    layout = " fsdp2" if plan.get("world_size", 1) > 1 else ""
+    return wall, cpu, (f"{plan['micro_batch_size']}x{plan['gradient_accumulation_steps']}{layout} "
+                       f"{plan['device_bytes'] / 2**30:.2f} GiB {plan['predicted_step_seconds']:.3f} s "
+                       f"ckpt={len(plan['checkpoint'])} sel={len(plan.get('selective') or ())}")
+
+
+def against(base: Path) -> None:
+    """The deep rows' plan time, ``base`` (a checkout of an older autofit) against this one, alternating, one run.
+    The base plans as its default does, except the 70B shape, which it plans with depth extrapolation opted in (its
+    default, the whole model, takes about an hour)."""
+    print(f"base {base}, new {ROOT}; wall and CPU seconds of one plan, a fresh process each (imports included)")
+    print(f"{'case':<20} {'which':<6} {'wall s':>7} {'CPU s':>7}  plan")
+    print("-" * 100)
+    only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
+    for label, args in _AGAINST_CASES:
+        if only is not None and only not in label:
+            continue
+        for which, repo in (("base", base), ("new", ROOT)):
+            wall, cpu, summary = _run_plan(repo, label, args, opt_in=which == "base")
+            print(f"{label:<20} {which:<6} {wall:>7.1f} {cpu:>7.1f}  {summary}", flush=True)
+
+
 if __name__ == "__main__":
-    if "--deep" in sys.argv[1:]:
+    if any(a.startswith("--against") for a in sys.argv[1:]):
+        against(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
+    elif "--deep" in sys.argv[1:]:
         deep(base="--no-base" not in sys.argv[1:], base_70b="--base-70b" in sys.argv[1:])
     else:
         main()
