@@ -6,13 +6,21 @@ not a test: it says what sharing work between layouts could save.
     .venv/bin/python benchmarks/plan_profile.py                    # 4 layers, 8 x 1 (two layouts)
     .venv/bin/python benchmarks/plan_profile.py --nodes 4          # 4 x 8 (five layouts)
     .venv/bin/python benchmarks/plan_profile.py --layers 8 --dump /tmp/plan.prof   # keep the profile
+    .venv/bin/python benchmarks/plan_profile.py --deep "8B fsdp2"  # a deep row of benchmarks/planning.py, whole
+                                                                   # ("8B fsdp2", "8B one H100", "70B fsdp2")
+
+Every simulation runs in this process (``AUTOFIT_WORKERS=1``), so that the profile sees it: the seconds are one
+core's, about twice what the profiler's own overhead adds to pure-Python parts. The first line times what a fresh
+process pays before planning anything (``import autofit`` and its torch), in a child process.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import subprocess
 import sys
 import time
 import warnings
@@ -39,7 +47,11 @@ STAGES = (
     ("  fake tensors' dispatch", "torch/_subclasses/fake_tensor.py", "dispatch"),
     ("  FSDP2's hooks (all-gather, reduce-scatter)", "torch/distributed/fsdp/_fully_shard/_fsdp_common.py",
      "wrapper"),
+    ("  the optimizer's step (on fake tensors)", "autofit/training/step.py", "optimizer_step"),
+    ("the CUDA caching allocator's replays (smallest budget)", "autofit/cuda/allocator.py", "replay_allocator"),
+    ("the checkpoint MILPs (HiGHS)", "scipy/optimize/_milp.py", "milp"),
 )
+os.environ["AUTOFIT_WORKERS"] = "1"  # every simulation in this process, where the profiler sees it
 
 
 def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> tuple[int, float]:
@@ -56,24 +68,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, choices=(1, 4), default=1)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--dump", type=Path, default=None, help="also write the cProfile stats here (pstats)")
+    parser.add_argument("--deep", default=None, help="profile this row of benchmarks/planning.py --deep instead")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    with torch.device("meta"):
-        model = Llama(llama3_70b_config(max_seq_len=args.seq, num_layers=args.layers))
-    ids = torch.zeros(1, args.seq, dtype=torch.long)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import autofit, autofit.cli"], check=True, cwd=ROOT)
+    print(f"a fresh process importing autofit (and torch) and its command line: {time.perf_counter() - start:.1f} s")
+    if args.deep is not None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from planning import _deep_cases  # the rows as planning.py plans them
+
+        label, model, sample, target, loss_fn, kw = next(c for c in _deep_cases() if c[0].startswith(args.deep))
+        kw = dict(kw)
+        budget = kw.pop("budget")
+
+        def run():
+            return autofit.plan(model, sample, budget, target=target, loss_fn=loss_fn, **kw)
+    else:
+        label = f"{args.layers} layers, {args.nodes} x 8 H100-80GB, sequence {args.seq}"
+        with torch.device("meta"):
+            model = Llama(llama3_70b_config(max_seq_len=args.seq, num_layers=args.layers))
+        ids = torch.zeros(1, args.seq, dtype=torch.long)
+
+        def run():
+            return autofit.plan(model, ids, "80GB", batch_size=32, target=ids, device="H100-80GB",
+                                layout=autofit.Layout(world_size=8 * args.nodes, gpus_per_node=8, strategy="fsdp2"))
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
-    plan = autofit.plan(model, ids, "80GB", batch_size=32, target=ids, device="H100-80GB",
-                        layout=autofit.Layout(world_size=8 * args.nodes, gpus_per_node=8, strategy="fsdp2"))
+    plan = run()
     profile.disable()
     wall = time.perf_counter() - start
     stats = pstats.Stats(profile)
     if args.dump is not None:
         stats.dump_stats(args.dump)
-    print(f"{args.layers} layers, {args.nodes} x 8 H100-80GB, sequence {args.seq}: planned in {wall:.1f} s "
-          f"(chose {plan.layout}, micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps}); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print(f"{label}: planned in {wall:.1f} s under the profiler (chose {plan.layout}, micro-batch "
+          f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps}); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads\n")
     print("| part | calls | seconds | share of the plan |\n| --- | --- | --- | --- |")
     for label, suffix, name in STAGES:
         calls, seconds = _cumulative(stats, suffix, name)

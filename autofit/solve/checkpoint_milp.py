@@ -6,7 +6,7 @@ coefficients: saved tensors it drops; positive: its RNG stash and recompute spik
 (recompute FLOPs) that keeps every stretch under the budget, then, among sets that cost no more, the one with the
 lowest peak. A module may come as two units, one per way of recomputing it (``policies``: "full" reruns all of its
 forward, "selective" keeps its matmul and attention outputs, autofit/training/recompute.py), at most one of which is chosen
-(``groups``). Exact up to 40 units; beyond, one stage with a 1 % gap and a node limit (see ``_solve``). Following
+(``groups``). Exact up to 40 units; beyond, one stage with a 1 % gap and a time limit (see ``_solve``). Following
 ``torch/distributed/_tools/sac_ilp.py``, variables and constraints are labelled.
 """
 
@@ -51,17 +51,6 @@ class CheckpointProblem:
         return float(sum(self.costs[i] for i in chosen))
 
 
-# Note [a deterministic guard]
-#     A large problem's search stops at a node count, never at a time limit. A time limit made the plan depend on
-#     the machine's load: the 70B 4 x 8 plan recomputed 84 modules on a loaded machine and 81 on a quiet one, the
-#     solver returning whichever incumbent it held at 10 s of wall time. HiGHS's branch and bound is deterministic
-#     given its options, so a node limit gives one answer on every machine. The large problems seen close at the
-#     root node within the 1 % gap (the 70B plan's three solves of 400 to 640 units: one node each, 1 to 3.5 CPU s;
-#     Llama-7B's: 0.3 to 3.3 s), so the limit only bounds a pathological search; where it binds, the incumbent
-#     (feasible, checked against the budget below) is the answer.
-NODE_LIMIT = 2_000
-
-
 def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
            max_cost: float | None = None) -> tuple[int, ...] | None:
     """One MILP. ``objective``: "cost" (recompute FLOPs) or "peak"; ``max_cost`` caps the FLOPs (second stage)."""
@@ -102,17 +91,20 @@ def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
     upper_p = np.inf if budget is None else float(budget) / byte_scale
     bounds = Bounds(np.concatenate([np.zeros(n), [-np.inf]]), np.concatenate([np.ones(n), [upper_p]]))
     # Exact on small problems. On large ones (a 32-layer model has hundreds of units, and identical layers make many
-    # equivalent optima the solver cannot tell apart) a 1 % gap on the recompute FLOPs, with a node limit as a guard,
+    # equivalent optima the solver cannot tell apart) a 1 % gap on the recompute FLOPs, with a time limit as a guard,
     # the incumbent being feasible. What the search ranks is the step time, of which recomputation is at most about a
     # third (one more forward), so the gap is at most ~0.3 % of a step, below the time model's own error. On
-    # Llama-7B (161 units) a 0.1 % gap ran for over 10 s on 6 of 15 micro-batches; 1 % closes in 0.3-3.3 s, 5 of 7
-    # at the same optimum and 2 within 0.5 % of its FLOPs (benchmarks/scale.py --plan). The guard counts
-    # branch-and-bound nodes, not seconds (Note [a deterministic guard]).
-    options = {"mip_rel_gap": 0.0} if n <= 40 else {"mip_rel_gap": 1e-2, "node_limit": NODE_LIMIT}
+    # Llama-7B (161 units) a 0.1 % gap ran into the 10 s limit on 6 of 15 micro-batches; 1 % closes in 0.3-3.3 s,
+    # 5 of 7 at the same optimum and 2 within 0.5 % of its FLOPs (benchmarks/scale.py --plan).
+    # The limit is wall-clock, so a plan whose solve reaches it depends on the machine's load (the 70B 4 x 8 plan
+    # once recomputed 84 modules under load, 81 quiet). A node limit would not: but GPT-2 XL on a T4 (725 units)
+    # spends 14 s in its root node alone, and 2,000 nodes made that test's plan 135 -> 408 s (50 nodes: 30 s per
+    # solve, the same incumbent as at 5 nodes). Left as it is until the program itself is smaller.
+    options = {"mip_rel_gap": 0.0} if n <= 40 else {"mip_rel_gap": 1e-2, "time_limit": 10.0}
     with quiet_native_output((1, 2)):  # HiGHS reports solver internals on the C stdout
         result = milp(c, constraints=constraints, integrality=np.concatenate([np.ones(n), [0]]), bounds=bounds,
                       options=options)
-    if result.x is None:  # infeasible, or no incumbent within the node limit
+    if result.x is None:  # infeasible, or no incumbent within the time limit
         return None
     chosen = tuple(int(i) for i in np.flatnonzero(np.round(result.x[:n]) > 0.5))
     if budget is not None and problem.peak(chosen) > budget:
