@@ -312,7 +312,7 @@ def against(base: Path) -> None:
     for label, args in _AGAINST_CASES:
         if only is not None and only not in label:
             continue
-        for which, repo in (("base", base), ("new", ROOT)):
+        for which, repo in (("new", ROOT), ("base", base)):
             wall, cpu, summary = _run_plan(repo, label, args, opt_in=which == "base")
             print(f"{label:<20} {which:<6} {wall:>7.1f} {cpu:>7.1f}  {summary}", flush=True)
 
