@@ -10,8 +10,8 @@ not a test: it says what sharing work between layouts could save.
                                                                    # ("8B fsdp2", "8B one H100", "70B fsdp2")
 
 Every simulation runs in this process (``AUTOFIT_WORKERS=1``), so that the profile sees it: the seconds are one
-core's, about twice what the profiler's own overhead adds to pure-Python parts. The first line times what a fresh
-process pays before planning anything (``import autofit`` and its torch), in a child process.
+core's, and the profiler's own overhead about doubles pure-Python parts. The first line times what a fresh process
+pays before planning anything (``import autofit`` and its torch), in a child process.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ STAGES = (
     ("the CUDA caching allocator's replays (smallest budget)", "autofit/cuda/allocator.py", "replay_allocator"),
     ("the checkpoint MILPs (HiGHS)", "scipy/optimize/_milp.py", "milp"),
 )
-os.environ["AUTOFIT_WORKERS"] = "1"  # every simulation in this process, where the profiler sees it
 
 
 def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> tuple[int, float]:
@@ -71,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deep", default=None, help="profile this row of benchmarks/planning.py --deep instead")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    os.environ["AUTOFIT_WORKERS"] = "1"  # every simulation in this process, where the profiler sees it
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import autofit, autofit.cli"], check=True, cwd=ROOT)
     print(f"a fresh process importing autofit (and torch) and its command line: {time.perf_counter() - start:.1f} s")

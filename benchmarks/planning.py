@@ -272,7 +272,7 @@ print(plan.to_json())
 """
 
 
-def _run_plan(repo: Path, label: str, args: list[str] | None, opt_in: bool) -> tuple[float, float, str]:
+def _run_plan(repo: Path, args: list[str] | None, opt_in: bool) -> tuple[float, float, str]:
     """One plan in a fresh process of ``repo``'s autofit: wall seconds, CPU seconds (its forked workers included)
     and the plan in one line."""
     import json
@@ -313,12 +313,12 @@ def against(base: Path) -> None:
         if only is not None and only not in label:
             continue
         for which, repo in (("new", ROOT), ("base", base)):
-            wall, cpu, summary = _run_plan(repo, label, args, opt_in=which == "base")
+            wall, cpu, summary = _run_plan(repo, args, opt_in=which == "base")
             print(f"{label:<20} {which:<6} {wall:>7.1f} {cpu:>7.1f}  {summary}", flush=True)
 
 
 if __name__ == "__main__":
-    if any(a.startswith("--against") for a in sys.argv[1:]):
+    if "--against" in sys.argv[1:]:
         against(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
     elif "--deep" in sys.argv[1:]:
         deep(base="--no-base" not in sys.argv[1:], base_70b="--base-70b" in sys.argv[1:])
