@@ -1,6 +1,6 @@
 """``python -m autofit``: the ``autofit`` command."""
 
-from autofit.cli.app import main
+from autofit.cli.app import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -13,6 +13,7 @@ searched, and the winner verified by a full estimate (solve/estimator.py, solve/
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -39,7 +40,7 @@ from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, row
                                   verify_beside_rows)
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
-from autofit.solve.search import Candidate, SearchSpace, module_level
+from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
 from autofit.solve.sharding import collective_floor, layouts
 from autofit.solve.space import analyse_policies, searchable
 from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,
@@ -127,6 +128,8 @@ def plan_with_analysis(
     # Note [layouts that cannot win]: the layouts whose collectives cost least first, so that a fast plan found
     # early lets the others stop before verifying anything
     order = sorted(parallels, key=lambda p: (p in hopeless, p in host_only, collective_floor(request, p)))
+    climbs = {p: _Climb.of(request, p) for p in order}
+    order = _by_bound(order, climbs, set(hopeless) | set(host_only))
     unplanned: list[_Unplanned] = []
     for parallel in order:
         name = parallel.label
@@ -144,7 +147,7 @@ def plan_with_analysis(
         beat = min(r[0].predicted_step_seconds for r in results) if results else None
         on_gpus = any(not r[0].offload_states for r in results)
         try:
-            results.append(_plan_parallel(request, parallel, beat, on_gpus))
+            results.append(_plan_parallel(request, parallel, beat, on_gpus, climbs[parallel]))
         except _Unplanned as e:
             if e.fallback is not None:
                 unplanned.append(e)
@@ -195,23 +198,69 @@ class _Unplanned(Exception):
 #     configuration a rung would verify bounds the rung's plan from below. A rung whose bound is no faster than a
 #     plan found already (``beat``) verifies nothing (``Slower``), and where even the floor of every configuration
 #     (Note [pruned search], solve/search.py) loses, no checkpoint MILP is solved: the next rung is searched the same
-#     way, as it is when nothing fits. A layout without a plan raises ``_Unplanned``; its smallest budget, a few
-#     verifications more, is computed only if no layout fits at all (``_smallest``, from what the climb carried). The
-#     layouts are planned in order of their collectives at one micro-batch (``collective_floor``, the same compute for
-#     all of them), so the likely winner comes first.
+#     way, as it is when nothing fits. Where the search did find the configuration that loses, the climb stops
+#     there: its models fit that rung, a climb stops at the first rung that fits, so the layout's plan would be that
+#     rung's, and lose. The later rungs, an analysis each, are for a rung that fits nothing; what stopping gives up is
+#     a rung the models fit by more than its verification's corrections can mend, with a later rung of the same
+#     layout then the fastest plan of all. A layout without a plan raises ``_Unplanned``; its smallest
+#     budget, a few verifications more, is computed only if no layout fits at all (``_smallest``, from what the
+#     climb carried). The layouts are planned in order of their bounds (Note [the layout to verify first]), else of
+#     their collectives at one micro-batch (``collective_floor``, the same compute for all of them), so the likely
+#     winner comes first.
 #     Llama-3-70B-shaped on 4 x 8 H100s (benchmarks/multi_gpu_70b.py): three layouts verified in full, one of them
 #     only to name a smallest budget nobody read, before this.
-def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None = None,
-                   on_gpus: bool = False) -> tuple[Plan, dict[str, Analysis]]:
+def _by_bound(order: list[Parallel], climbs: dict[Parallel, _Climb], last: set[Parallel]) -> list[Parallel]:
+    """``order`` with the layouts searched by their models put in order of their bounds (Note [the layout to
+    verify first]); those in ``last`` (planned only when nothing else fits) and those the quick path tries stay where
+    they were."""
+    ranked = [p for p in order if p not in last and not climbs[p].quick]
+    if len(ranked) < 2:
+        return order
+    bounds: dict[Parallel, float] = {}
+    for parallel in ranked:
+        try:
+            bounds[parallel] = _bound(climbs[parallel], min(bounds.values(), default=math.inf))
+        except AutofitError:  # planned first, where it raises again and is reported as it always was
+            bounds[parallel] = -math.inf
+    return sorted(order, key=lambda p: (p in last, bounds.get(p, -math.inf)))  # stable: ties keep their order
+
+
+def _bound(climb: _Climb, best: float) -> float:
+    """The modelled step time of the first configuration this layout's search would verify (that of its first
+    rung searched on the GPUs), or that rung's time floor where the floor alone cannot beat ``best`` (no checkpoint
+    MILP solved); inf where that rung fits nothing or every rung is passed over."""
+    stage = next((s for s in climb.stages if not s.skipped(climb.fit) and not s.host_check), None)
+    if stage is None:
+        return math.inf
+    _, space, _ = climb.searchable(stage)
+    progress.report(f"ranking {climb.parallel.label}: where its search begins (checkpoint MILP)")
+    floor = time_floor(space, climb.fit)
+    if floor >= best:
+        return floor
+    found, _ = search(space, climb.fit)  # what search_verified finds first, its MILPs kept in the space
+    return found.seconds if found is not None else math.inf
+
+
+# Note [the layout to verify first]
+#     A layout verified first sets the time the others must beat (Note [layouts that cannot win]), and a full
+#     estimate is most of a layout's cost, so the layout to verify first is the one whose search would verify the
+#     fastest configuration. That is known once each layout is analysed and searched, which each layout planned
+#     needs anyway before it can be passed over: its analysis and its checkpoint MILPs are kept in its climb
+#     (``_Climb.searchable``) and the search that follows reuses them. The plan chosen is the same in any order,
+#     since no layout passed over could have won (its verified time is at least its bound); only which layouts
+#     the notes name as verified changes. Llama-3.1-8B on 8 A100s with FSDP2 (benchmarks/planning.py): ZeRO-2,
+#     first by its collectives, was verified at 5.24 s and then ZeRO-3 at 5.20 s, two full estimates of 32 blocks;
+#     ZeRO-3 first (bound 5.20 s against 5.24 s) needs one.
+def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None = None, on_gpus: bool = False,
+                   climb: _Climb | None = None) -> tuple[Plan, dict[str, Analysis]]:
     """Quick path; else climb the ladder (Note [the ladder], solve/ladder.py): each rung analysed, searched and its
     winner verified; else ``_Unplanned``: no faster than ``beat``, the fastest plan found already, or without its
     states on the host where ``on_gpus`` says a plan keeps them on the GPUs (Note [layouts that cannot win]); or
-    nothing fits (its ``fallback()``: the smallest budget over the rungs tried)."""
-    request = request.for_layout(parallel)  # with tensor parallel, a group's ranks share their rows
-    climb = _Climb(request, parallel, ladder(request, parallel), beat)
-    # the quick path's time model has no layer table to size tensor parallel's all-reduces by: analysed instead
-    if (request.quick and request.auto_precision and climb.stages[0].floor_bytes <= climb.fit
-            and parallel.tensor_parallel == 1):
+    nothing fits (its ``fallback()``: the smallest budget over the rungs tried). ``climb`` is the layout's climb
+    begun already (its analyses and searches kept: Note [the layout to verify first])."""
+    climb = replace(climb or _Climb.of(request, parallel), beat=beat)  # the caches' dicts are shared, not copied
+    request = climb.request
+    if climb.quick:
         estimator = Estimator(request, parallel)
         found = quick_path(estimator, climb.fit)
         if found is not None:
@@ -229,6 +278,8 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         carried = carried.after(searched)
         if isinstance(searched.found, Verified):
             return _rung_plan(climb, stage, carried, searched)
+        if isinstance(searched.found, Slower) and searched.found.modelled_fit:
+            break  # Note [layouts that cannot win]: this rung fits, so the layout's plan would be its, and lose
     if beat is not None:  # a plan exists: this layout's smallest budget would never be read
         raise _Unplanned(_why_not_faster(beat, carried))
     raise _Unplanned("nothing fits", fallback=functools.partial(_smallest, climb, carried))
@@ -237,8 +288,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
 @dataclass(frozen=True)
 class _Climb:
     """What stays the same while one layout climbs its ladder: the request as the layout runs it, the rungs, the
-    plan to beat, and the caches the rungs share (``analyses`` per layout and opt-in rungs, by policy label, and
-    ``rows_known``, (candidate, policy) -> {(length, rows): bytes}), filled as rungs are searched."""
+    plan to beat, and the caches the rungs share (``analyses`` per layout and opt-in rungs, by policy label,
+    ``rows_known``, (candidate, policy) -> {(length, rows): bytes}, and ``spaces``, each rung's search space by its
+    position), filled as rungs are searched."""
 
     request: PlanRequest
     parallel: Parallel
@@ -246,10 +298,32 @@ class _Climb:
     beat: float | None
     analyses: dict[tuple, dict[str, Analysis]] = field(default_factory=dict)
     rows_known: dict[tuple, dict[tuple[int, int], int]] = field(default_factory=dict)
+    spaces: dict[int, tuple[Estimator, SearchSpace, dict[str, Analysis]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, request: PlanRequest, parallel: Parallel) -> _Climb:
+        request = request.for_layout(parallel)  # with tensor parallel, a group's ranks share their rows
+        return cls(request, parallel, ladder(request, parallel), None)
 
     @property
     def fit(self) -> int:
         return self.request.fit_bytes
+
+    @property
+    def quick(self) -> bool:
+        """Whether the quick path is tried first (Note [the quick path]); the quick path's time model has no layer
+        table to size tensor parallel's all-reduces by: analysed instead."""
+        request = self.request
+        return (request.quick and request.auto_precision and self.stages[0].floor_bytes <= self.fit
+                and self.parallel.tensor_parallel == 1)
+
+    def searchable(self, stage: Stage) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
+        """The rung's estimator, search space and analyses (``solve.space.searchable``), built once per rung: the
+        space keeps the checkpoint MILPs solved in it (Note [the layout to verify first])."""
+        key = next(i for i, s in enumerate(self.stages) if s is stage)
+        if key not in self.spaces:
+            self.spaces[key] = searchable(self.request, stage, self.analyses)
+        return self.spaces[key]
 
 
 @dataclass(frozen=True)
@@ -299,7 +373,7 @@ def _device_rung(climb: _Climb, stage: Stage) -> _Searched:
     """The rung's search with the states on the GPUs; where nothing fits with every gradient alive and the rung
     allows it, the search with the optimizer stepped in backward."""
     request = climb.request
-    estimator, space, analysed = searchable(request, stage, climb.analyses)
+    estimator, space, analysed = climb.searchable(stage)
     progress.report("searching micro-batches, precisions and recomputed modules (checkpoint MILP)")
     found = search_verified(space, climb.fit, functools.partial(verify_beside_rows, estimator, climb.rows_known),
                             climb.beat, front=not request.quick)
@@ -324,7 +398,7 @@ def _host_rung(climb: _Climb, stage: Stage) -> _Searched:
     models find nothing, the smallest verified configuration, which may still fit (the models may be pessimistic)
     and names the smallest budget with the states offloaded otherwise."""
     request, parallel, fit = climb.request, climb.parallel, climb.fit
-    estimator, space, analysed = searchable(request, stage, climb.analyses)
+    estimator, space, analysed = climb.searchable(stage)
     progress.report("searching with the states on the host (checkpoint MILP)")
     found = search_verified(space, fit, host_checked(estimator.verify, fit, request.host_budget_bytes,
                                                      parallel.ranks_per_node), climb.beat, front=not request.quick)
@@ -367,7 +441,7 @@ def _smallest(climb: _Climb, carried: _Carried) -> tuple[Plan, dict[str, Analysi
     tried = carried.tried
     if tried is None:  # every rung on the device was skipped: search the last, to name the smallest budget
         last = [s for s in climb.stages if not s.host_check][-1]
-        rung_estimator, space, _ = searchable(request, last, climb.analyses)
+        rung_estimator, space, _ = climb.searchable(last)
         tried = space, rung_estimator
     space, rung_estimator = tried
     # Note [gradients before forward as a plan knob]

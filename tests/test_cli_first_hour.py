@@ -5,6 +5,7 @@ third-party import noise (the docs: tests/test_docs_agree.py)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -335,3 +336,34 @@ def test_the_filter_drops_only_the_known_lines():
         logger.removeHandler(keep)
     assert seen == ["Failed to load the user's own config",
                     "Failed to load /x/torchao/_C_cutlass_90a.abi3.so: later, not at import"]
+
+
+QUICK_EXIT = '''
+import atexit, sys
+atexit.register(lambda: print("atexit ran", file=sys.stderr))
+sys.argv = ["autofit", *sys.argv[1:]]
+from autofit.cli.app import run
+run()
+print("not reached", file=sys.stderr)
+'''
+
+
+@pytest.mark.sim  # three interpreters start, two plans: seconds
+def test_the_command_ends_with_its_status_its_whole_output_and_atexit():
+    """Note [a quick exit], autofit/cli/app.py: the process leaves without freeing its heap, but with each outcome's
+    exit status, everything written to a pipe (a whole JSON plan) and the ``atexit`` handlers run."""
+    factory = f"{ROOT / 'examples' / 'factories.py'}:small_cnn"
+    common = ["plan", factory, "--batch-size", "32", "--device", "cpu"]
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", QUICK_EXIT, *common, *args], capture_output=True, text=True,
+                              env=_env(), timeout=300)
+
+    ok = command("--budget", "1GB", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout[ok.stdout.index("{"):])["batch_size"] == 32
+    assert ok.stderr.splitlines()[-1] == "atexit ran"
+    infeasible = command("--budget", "100KB")
+    assert infeasible.returncode == 3 and "Smallest budget that works" in infeasible.stdout, infeasible.stdout
+    bad = command("--budget", "8 gigs")
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1] == "atexit ran", bad.stderr

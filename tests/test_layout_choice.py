@@ -99,3 +99,40 @@ def test_auto_layouts_across_nodes():
     labels = [p.label for p in layouts(request, "fsdp2")]
     assert labels == ["fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks",
                       "fsdp2 (resharded to 8) over 32 ranks", "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]
+
+
+@pytest.mark.sim
+def test_the_layout_whose_search_begins_fastest_is_verified_first_and_alone():
+    """Note [the layout to verify first], autofit/planner.py. A 2-block Llama (hidden 1024) on 8 A100s with FSDP2
+    under 2 GB: ZeRO-2 has fewer collectives, so it came first, but holding every gathered parameter it must run
+    micro-batch 1 where ZeRO-3 runs 2. The plan of both layouts is the faster of the two planned alone, and only its
+    full estimate runs: ZeRO-2's search begins slower than ZeRO-3's verified plan, so it is never verified."""
+    import torch
+
+    from autofit.core import progress
+    from benchmarks.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(num_layers=2, hidden_size=1024, intermediate_size=2816, num_heads=8,
+                                  vocab_size=32000))
+    ids = torch.zeros(1, 1024, dtype=torch.long)
+    kw = dict(batch_size=16, target=ids, device=autofit.Device(kind="cuda", gpu="A100-80GB"),
+              search=autofit.Search(alternatives=True))
+
+    def planned(reshard):
+        full = []
+        with progress.listening(lambda s: full.append(s.what) if s.what.endswith("in full") else None):
+            plan = autofit.plan(model, ids, "2GB", layout=autofit.Layout(world_size=8, strategy="fsdp2",
+                                                                         reshard_after_forward=reshard), **kw)
+        return plan, len(full)
+
+    zero3, _ = planned(True)
+    zero2, _ = planned(False)
+    assert zero2.predicted_step_seconds > zero3.predicted_step_seconds and zero2.micro_batch_size == 1
+    both, full = planned("auto")
+    assert full == 1  # ZeRO-3's winner; ZeRO-2 first, as by its collectives, verified two
+    same = ("micro_batch_size", "gradient_accumulation_steps", "checkpoint", "selective", "device_bytes",
+            "predicted_step_seconds", "reshard_after_forward")
+    assert [getattr(both, f) for f in same] == [getattr(zero3, f) for f in same]
+    assert any(n.startswith("fsdp2 (ZeRO-2) over 8 ranks not planned: its fastest configuration the models allow")
+               for n in both.notes), both.notes

@@ -44,9 +44,12 @@ class Verified:
 @dataclass(frozen=True)
 class Slower:
     """What ``search_verified`` returns when the fastest configuration left to verify is modelled no faster than
-    ``beat``, a plan found already: whatever this search would verify loses to it, so nothing is verified."""
+    ``beat``, a plan found already: whatever this search would verify loses to it, so nothing is verified.
+    ``modelled_fit``: the search found that configuration, which its models fit in the budget; False where the time
+    floor alone lost, before any checkpoint MILP said whether anything fits."""
 
     seconds: float
+    modelled_fit: bool = False
 
 
 def search_verified(space: SearchSpace, budget: int, verify: Verify, beat: float | None = None, *,
@@ -65,7 +68,7 @@ def search_verified(space: SearchSpace, budget: int, verify: Verify, beat: float
         if best is None:
             return None
         if beat is not None and best.seconds >= beat:  # a verified plan's time is its candidate's modelled time
-            return Slower(best.seconds)
+            return Slower(best.seconds, modelled_fit=True)
         est = verify(best)
         fitted = est.within(budget)
         if fitted is not None:
