@@ -43,7 +43,10 @@ def quick_path(estimator: Estimator, budget: int) -> Verified | None:
     config = estimator.config(candidate, policy)
     announce(candidate, policy)
     target = estimator.request.device
-    est, ops = estimator.estimate_and_ops(candidate, policy)
+    misses, known = estimator.misses(candidate, policy, budget)  # Note [a step that misses by its first cuts]
+    if misses:
+        return None
+    est, ops = estimator.estimate_and_ops(candidate, policy, known)
     est = est.within(budget)
     if est is None:
         return None

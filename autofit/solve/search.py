@@ -27,7 +27,7 @@ from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
 __all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front",
-           "module_level", "time_floor"]
+           "module_level", "time_floor", "fits_somewhere"]
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,23 @@ def time_floor(space: SearchSpace, budget: int) -> float:
     """No configuration of ``space`` under ``budget`` steps faster than this (Note [pruned search]): the least of
     the options' floors, with no checkpoint MILP solved."""
     return min((_time_floor(space, *o, budget) for o in _options(space, budget)), default=math.inf)
+
+
+def fits_somewhere(space: SearchSpace, budget: int) -> bool:
+    """Whether the models fit some configuration of ``space`` under ``budget``, found without a checkpoint MILP: one
+    that fits as it is, or with every unit recomputed. A sufficient test (recomputing everything is not always the
+    lowest peak), for a rung that loses on its time floor alone (Note [layouts that cannot win], planner.py)."""
+    for precision, b, k, last in _options(space, budget):
+        if _fits_as_is(space, precision, b, k, last, budget):
+            return True
+        if not space.allow_checkpoint or space.fixed_checkpoint is not None:
+            continue
+        memory = _memory(space, precision, k)
+        tensor_budget = memory.tensor_budget(budget)
+        peak = memory.peak(b, k, tuple(u.name for u in memory.units), ())
+        if memory.optimizer_peak(b) <= tensor_budget and peak <= tensor_budget and memory.to_device(peak) <= budget:
+            return True
+    return False
 
 
 def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Candidate | None, list[Candidate]]:

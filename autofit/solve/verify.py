@@ -17,6 +17,7 @@ from autofit.solve.search import (
     Candidate,
     SearchSpace,
     alternatives,
+    fits_somewhere,
     search,
     smallest_peaks,
     time_floor,
@@ -45,8 +46,8 @@ class Verified:
 class Slower:
     """What ``search_verified`` returns when the fastest configuration left to verify is modelled no faster than
     ``beat``, a plan found already: whatever this search would verify loses to it, so nothing is verified.
-    ``modelled_fit``: the search found that configuration, which its models fit in the budget; False where the time
-    floor alone lost, before any checkpoint MILP said whether anything fits."""
+    ``modelled_fit``: the models fit some configuration of the space in the budget (the one the search found, or
+    where the time floor alone lost, one found without a checkpoint MILP: ``fits_somewhere``)."""
 
     seconds: float
     modelled_fit: bool = False
@@ -61,7 +62,7 @@ def search_verified(space: SearchSpace, budget: int, verify: Verify, beat: float
     if beat is not None:  # no checkpoint MILP where even the floor of every configuration loses
         floor = time_floor(space, budget)
         if floor >= beat:
-            return Slower(floor)
+            return Slower(floor, modelled_fit=fits_somewhere(space, budget))
     correction = 0
     for _ in range(MAX_VERIFICATIONS):
         best, fitting = search(space, budget - correction)
