@@ -350,8 +350,8 @@ print("not reached", file=sys.stderr)
 
 @pytest.mark.sim  # three interpreters start, two plans: seconds
 def test_the_command_ends_with_its_status_its_whole_output_and_atexit():
-    """Note [a quick exit], autofit/cli/app.py: the process leaves without freeing its heap, but with each outcome's
-    exit status, everything written to a pipe (a whole JSON plan) and the ``atexit`` handlers run."""
+    """Note [a quick exit], autofit/cli/app.py: the command freezes the collector before it exits, and keeps each
+    outcome's exit status, everything written to a pipe (a whole JSON plan) and the ``atexit`` handlers."""
     factory = f"{ROOT / 'examples' / 'factories.py'}:small_cnn"
     common = ["plan", factory, "--batch-size", "32", "--device", "cpu"]
 

@@ -350,40 +350,22 @@ def main() -> None:
 
 
 def run() -> None:
-    """The ``autofit`` command (console script and ``python -m autofit``): :func:`main`, then the process ends
-    without tearing its heap down (Note [a quick exit])."""
+    """The ``autofit`` command (console script and ``python -m autofit``): :func:`main`, with the collector frozen
+    before the interpreter exits (Note [a quick exit])."""
+    import gc
+
     try:
         main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    quick_exit(code)
+    finally:
+        gc.freeze()
 
 
 # Note [a quick exit]
-#     A plan leaves a large heap (fake tensors' metadata, timelines, analyses: about 0.5 GB for Llama-3.1-8B), and an
-#     interpreter's normal exit frees it object by object: 1.7 s of a 30 s plan on two cores. The command's output is
-#     written by then, so the process flushes its streams, runs the ``atexit`` handlers (logging's among them) and
-#     leaves with ``os._exit``, as forked workers do. Not when another non-daemon thread runs (the interpreter would
-#     wait for it: a user's factory may have started one), and never from :func:`main`, which tests and embedders
-#     call in-process.
-def quick_exit(code: int | str | None) -> None:
-    import atexit
-    import os
-    import threading
-
-    if isinstance(code, str):  # sys.exit("message"): printed to stderr, status 1, as the interpreter does
-        print(code, file=sys.stderr)
-        code = 1
-    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
-        sys.exit(code)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (``| head``): nothing more can be written
-            pass
-    os._exit(code or 0)
+#     A plan leaves a large heap (fake tensors' metadata, timelines, analyses: about 0.5 GB for Llama-3.1-8B), and at
+#     exit the interpreter's last collections walk all of it: 1.8 s after an 8B plan, measured from the end of
+#     ``main`` to the end of the process. ``gc.freeze()`` moves every object to the permanent generation, which no
+#     collection visits: 0.27 s, the exit otherwise as usual (``atexit`` handlers, threads joined, streams flushed).
+#     Only in the command: :func:`main`, which tests and embedders call in-process, leaves their collector alone.
 
 
 def gpu_option(gpu: str | None, gpu_memory: str | None):
