@@ -266,8 +266,11 @@ with torch.device("meta"):
     model = Llama(llama3_70b_config(max_seq_len=8192))
 ids = torch.zeros(1, 8192, dtype=torch.long)
 extra = {"extrapolate_depth": True} if sys.argv[1] == "opt-in" else {}
+import time
+start = time.perf_counter()
 plan = autofit.plan(model, ids, "80GB", target=ids, batch_size=32, gpu="H100-80GB", world_size=32, gpus_per_node=8,
                     strategy="fsdp2", **extra)
+print(f"autofit.plan: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 print(plan.to_json())
 """
 
@@ -296,6 +299,8 @@ def _run_plan(repo: Path, args: list[str] | None, opt_in: bool) -> tuple[float, 
     text = done.stdout
     plan = json.loads(text[text.index("{"):])
     layout = " fsdp2" if plan.get("world_size", 1) > 1 else ""
+    inside = [line for line in done.stderr.splitlines() if line.startswith("autofit.plan: ")]
+    layout += f" ({inside[-1]})" if inside else ""
     return wall, cpu, (f"{plan['micro_batch_size']}x{plan['gradient_accumulation_steps']}{layout} "
                        f"{plan['device_bytes'] / 2**30:.2f} GiB {plan['predicted_step_seconds']:.3f} s "
                        f"ckpt={len(plan['checkpoint'])} sel={len(plan.get('selective') or ())}")
