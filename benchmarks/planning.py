@@ -32,6 +32,29 @@ Measured with --deep (two cores, torch 2.13.0, AUTOFIT_WORKERS unset; seconds of
     8B one H100          auto           14.2  8x1 bf16 73.38 GiB 29.985 s ckpt=44 host
     8B one H100          whole model    64.7  8x1 bf16 74.40 GiB 29.955 s ckpt=41 sel=4 host
 
+With --against (each plan a fresh process, start-up, imports and exit included; two idle cores, torch 2.13.0,
+2026-11-27; the 70B row also prints autofit.plan's own seconds). Base 83b4ef1 (before this issue's work; its 70B
+plan opts in to depth extrapolation, without which it takes about an hour), then f00efc7 (before the layout
+ordering, the climb that stops, the quick path's first cuts and the frozen exit), each in its own run:
+
+    case                 which   wall s   CPU s  plan
+    8B fsdp2 8xA100      new       26.5    31.7  4x1 fsdp2 72.46 GiB 5.198 s ckpt=63 sel=15
+    8B fsdp2 8xA100      83b4ef1   90.2   139.8  4x1 fsdp2 74.16 GiB 5.086 s ckpt=69 sel=19
+    8B one H100          new       23.1    29.5  8x1 73.38 GiB 29.985 s ckpt=44 sel=0
+    8B one H100          83b4ef1   91.4   129.0  8x1 74.40 GiB 29.955 s ckpt=41 sel=4
+    70B fsdp2 4x8 H100   new       25.4    34.6  1x1 fsdp2 (autofit.plan: 21.9 s) 73.92 GiB 21.407 s ckpt=81 sel=6
+    70B fsdp2 4x8 H100   83b4ef1   30.5    40.7  1x1 fsdp2 (autofit.plan: 26.9 s) 74.19 GiB 21.457 s ckpt=81 sel=3
+
+    8B fsdp2 8xA100      new       24.4    29.3  (the same plans as f00efc7's in every row)
+    8B fsdp2 8xA100      f00efc7   34.6    39.4
+    8B one H100          new       22.4    28.5
+    8B one H100          f00efc7   27.0    35.0
+    70B fsdp2 4x8 H100   new       24.6    32.2  (autofit.plan: 20.3 s)
+    70B fsdp2 4x8 H100   f00efc7   28.1    37.0  (autofit.plan: 24.0 s)
+
+In one run of --deep --no-base --only="one H100" (in one process): the plan 13.0 s, one autofit.estimate of the
+configuration it chose 7.2 s, one MemTracker step of it 34.7 s.
+
 The plans differ: with the analysis at 3 blocks the search ranks configurations on an extended analysis (Note
 [extending an analysis in depth]) and finds a slightly slower one (+2.2 % predicted step on 8 A100s, +0.1 % on one
 H100), each verified by its own full estimate. On a loaded machine (load 6 to 8) the single-H100 row took 54.3 s
