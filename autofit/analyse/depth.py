@@ -48,17 +48,14 @@ def extend_analysis(a: Analysis, blocks: Blocks, depth: int, period: int, ratios
     copies = (blocks.count - depth) // period
     if copies <= 0:
         return a
-    template = range(depth - 2 * period, depth - period)  # the last period but one: blocks before and after it
+    template = range(depth - 2 * period, depth - period)  # the middle period: blocks before and after it
     p = a.profile
     # per micro-batch, one period of the template's forward and of its backward, each from the same point of one
     # block to that point of the next, so that what runs between blocks (FSDP2's reshard of one block and gather of
     # the next, a gradient's reduce-scatter finished in the next block's backward) is in the period once: forward
     # from the end of the block before the template to the template's end; backward from the template's first
-    # backward event to the event before the backward of the block before it. The template is the last period but
-    # one, so that both its neighbours exist, and the cut has four periods (solve/depth.py ``analysis_depth``), so
-    # that the one before it is not the first: a window's first and last blocks are not in the steady state, and
-    # neither is the step from the first block to the second (Hugging Face's Llama under FSDP2 retains one
-    # activation more there than from any later block to the next; from the second block on, each adds the same).
+    # backward event to the event before the backward of the block before it. The template is the middle period so
+    # that both its neighbours exist: a window's first and last blocks are not in the steady state.
     segments = []
     for micro in sorted({c.micro for c in p.calls}):
         tops = {block_of(c.name, blocks)[0]: c for c in p.calls if c.micro == micro

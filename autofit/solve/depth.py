@@ -298,15 +298,12 @@ def extrapolate_grid(grid: DepthGrid, ests: tuple[MemoryEstimate, ...]) -> Memor
 
 
 def analysis_depth(config: StepConfig, blocks: Blocks) -> tuple[int, int] | None:
-    """(depth, period) the analysis of ``config`` runs the cut model at (four periods, the third the template of
-    the blocks it adds: Note [extending an analysis in depth]); None: analyse the whole model. Three periods put
-    the template right after the first block, whose step to it is not the steady one: Llama-3.1-8B on 8 A100s
-    (FSDP2, Hugging Face's model) was priced 3.6 GiB over its 70.5 GiB at micro-batch 4, one activation per block
-    added (tests/test_depth.py)."""
+    """(depth, period) the analysis of ``config`` runs the cut model at (three periods, the last one the template
+    of the blocks it adds: Note [extending an analysis in depth]); None: analyse the whole model."""
     period = _period(config, blocks)
     if period is None:
         return None
-    depth = blocks.count % period + 4 * period
+    depth = blocks.count % period + 3 * period
     return (depth, period) if depth < blocks.count else None
 
 
