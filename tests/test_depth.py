@@ -259,6 +259,38 @@ def test_extended_analysis_equals_whole_analysis():
     assert ta.step_time("fp32", 2, 1, BLOCKS).total == pytest.approx(tb.step_time("fp32", 2, 1, BLOCKS).total)
 
 
+@pytest.mark.sim
+@pytest.mark.xfail(strict=True, reason="a known error of the extended analysis, left in: the analysis is cut to three "
+                   "blocks, its template the second (fixed by four, which made the single-H100 8B plan take 87 s)")
+def test_extended_fsdp2_analysis_prices_every_step_as_the_whole_analysis():
+    """Hugging Face's Llama, FSDP2 over 8 GPUs: the block after the first retains one activation more than the
+    blocks in the steady state, so an analysis whose template block follows the first one (cut to three blocks, as
+    ``analysis_depth`` does) adds one per copy: Llama-3.1-8B on 8 A100s priced 70.29 GiB of tensors where its
+    verification allocates 66.67 GiB at micro-batch 4, and its plan is 2.2 % slower than the whole analysis's. Cut
+    to four blocks the template is the third, and the memory model equals the whole analysis's to the byte at every
+    micro-batch and checkpoint set (tried: then the single-H100 8B plan becomes 4 x 2, 0.2 % faster, whose
+    rows-by-length table and non-periodic verification take 87 s instead of 23; Note [extending an analysis in
+    depth], autofit/analyse/depth.py)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(1, 128, dtype=torch.long)
+    blocks = tuple(f"model.layers.{i}" for i in range(8))
+    memory = {}
+    for extrapolate in (True, False):
+        request = make_request(model, {"input_ids": ids, "labels": ids}, "80GB", batch_size=32, optimizer="adamw",
+                               precision="bf16", checkpoint="auto", device="cuda", gpu="A100-80GB", world_size=8,
+                               strategy="fsdp2", quick=False, extrapolate_depth=extrapolate)
+        parallel, policy = layouts(request, "fsdp2")[0], request.policies[0]
+        analysis = analyse_policies(request, parallel, (policy,), {})
+        memory[extrapolate] = search_space(request, parallel, (policy,), analysis).memory[policy.label]
+    for checkpoint in ((), blocks, blocks[::2], ("model.layers.3.mlp", "model.layers.6")):
+        for b in (1, 2, 4):
+            assert memory[True].peak(b, 1, checkpoint) == memory[False].peak(b, 1, checkpoint), (checkpoint, b)
+
+
 def _treatments(plan) -> list[tuple]:
     """Per block, what of it the plan recomputes and how."""
     kinds: list[list] = [[] for _ in range(LAYERS)]
