@@ -102,10 +102,11 @@ class Estimator:
         return est
 
     def estimate_and_ops(self, c: Candidate, policy: PrecisionPolicy,
-                         known: dict[tuple[int, ...], Simulation] | None = None) -> tuple[MemoryEstimate, OpCosts]:
+                         known: dict[tuple[int, ...], tuple[Simulation, MemoryEstimate]] | None = None,
+                         ) -> tuple[MemoryEstimate, OpCosts]:
         """:meth:`estimate` and the per-op costs of one micro-batch of ``c`` (the time model's input), from the same
         simulations: the deepest cut model's ops with the missing blocks' appended when extrapolated. ``known``: cut
-        models of ``c`` simulated already (:meth:`misses`), by the blocks they keep."""
+        models of ``c`` simulated already and their estimates (:meth:`misses`), by the blocks they keep."""
         b = c.micro_batch_size
         if self.request.blocks is not None:
             est, sims, cut = self._extrapolated(c, policy, None, known)
@@ -126,10 +127,10 @@ class Estimator:
                                                              self.request.cheaper_cuts_only),))
 
     def misses(self, c: Candidate, policy: PrecisionPolicy,
-               budget: int) -> tuple[bool, dict[tuple[int, ...], Simulation]]:
+               budget: int) -> tuple[bool, dict[tuple[int, ...], tuple[Simulation, MemoryEstimate]]]:
         """Whether ``c``'s step cannot fit ``budget``, told by the two shallowest cuts its depth extrapolation
-        simulates (Note [a step that misses by its first cuts]), and those cuts' simulations; (False, {}) where the
-        request does not cut the model, or this configuration would not be cut."""
+        simulates (Note [a step that misses by its first cuts]), and those cuts' simulations and estimates; (False,
+        {}) where the request does not cut the model, or this configuration would not be cut."""
         blocks = self.request.blocks
         if blocks is None:
             return False, {}
@@ -139,15 +140,20 @@ class Estimator:
         run = next(iter(depth_runs(config, blocks)), None)
         if run is None or (self.request.cheaper_cuts_only and sum(run.depths) >= blocks.count):
             return False, {}
-        first = run.keeps[:2]
-        progress.report(f"simulating micro-batch {c.micro_batch_size} x {c.accumulation_steps} ({policy.label}) at "
-                        f"{', '.join(str(len(k)) for k in first)} of {blocks.count} blocks")
-        jobs = [functools.partial(self.simulate, c, policy, None, depth=keep) for keep in first]
-        sims = dict(zip(first, run_all(jobs, fork=not probes_kernels(config))))
-        shallow, deeper = (self.request.device.estimate(sims[k]) for k in first)
+        cuts = self._cuts(c, policy, None, run.keeps[:2])
         rounding = str(Category.ALLOCATOR_ROUNDING)
-        low, high = (e.peak_bytes - e.breakdown.get(rounding, 0) for e in (shallow, deeper))
-        return high + (high - low) * (run.steps + 1) > budget, sims
+        low, high = (est.peak_bytes - est.breakdown.get(rounding, 0) for _, est in cuts.values())
+        return high + (high - low) * (run.steps + 1) > budget, cuts
+
+    def _cuts(self, c: Candidate, policy: PrecisionPolicy, length: int | None,
+              keeps: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple[Simulation, MemoryEstimate]]:
+        """The model cut to each of ``keeps`` simulated, side by side where a second core allows (Note [cuts side
+        by side]), and the device's estimate of each, in ``keeps`` order."""
+        progress.report(f"simulating micro-batch {c.micro_batch_size} x {c.accumulation_steps} ({policy.label}) at "
+                        f"{', '.join(str(len(k)) for k in keeps)} of {self.request.blocks.count} blocks")
+        jobs = [functools.partial(self.simulate, c, policy, length, depth=keep) for keep in keeps]
+        sims = run_all(jobs, fork=not probes_kernels(self.config(c, policy)))
+        return {keep: (sim, self.request.device.estimate(sim)) for keep, sim in zip(keeps, sims)}
 
     # Note [a step that misses by its first cuts]
     #     A depth extrapolation checks its line with a third cut (Note [depth extrapolation], capture/depth.py), but
@@ -160,7 +166,7 @@ class Estimator:
     #     to the estimate where the step may fit. Llama-3-70B-shaped on 4 x 8 H100s: its fastest configuration
     #     (micro-batch 1, nothing recomputed) is carried to several times the budget from 2 and 3 blocks.
     def _extrapolated(self, c: Candidate, policy: PrecisionPolicy, length: int | None,
-                      known: dict[tuple[int, ...], Simulation] | None = None):
+                      known: dict[tuple[int, ...], tuple[Simulation, MemoryEstimate]] | None = None):
         """(estimate, the simulations by blocks kept, the cut) extrapolated from cut models, or (None, None, None)
         when no cut's figures are on their lines or the configuration's pattern has no period (Note [depth
         extrapolation]; every run of alike blocks cut first where there are several: Note [cutting every run])."""
@@ -173,19 +179,16 @@ class Estimator:
         #     1, 2 cores): its verification at 8, 9, 10 blocks took 24.4 s one after another, 7.4 s side by side;
         #     more than the core alone gives, since the collector's full passes no longer walk this process's heap
         #     (it is frozen for the fork, gc.freeze). Not on CPU targets, whose simulations probe CPU kernels.
-        sims: dict[tuple[int, ...], Simulation] = dict(known or {})
-        ests: dict[tuple[int, ...], MemoryEstimate] = {k: self.request.device.estimate(s) for k, s in sims.items()}
+        known = known or {}
+        sims: dict[tuple[int, ...], Simulation] = {k: sim for k, (sim, _) in known.items()}
+        ests: dict[tuple[int, ...], MemoryEstimate] = {k: est for k, (_, est) in known.items()}
         config, blocks = self.config(c, policy), self.request.blocks
 
         def simulated(keeps):  # the cut models side by side where a second core allows (Note [cuts side by side])
             missing = [keep for keep in dict.fromkeys(keeps) if keep not in ests]
             if missing:
-                progress.report(f"simulating micro-batch {c.micro_batch_size} x {c.accumulation_steps} "
-                                f"({policy.label}) at {', '.join(str(len(k)) for k in missing)} of {blocks.count} "
-                                "blocks")
-                jobs = [functools.partial(self.simulate, c, policy, length, depth=keep) for keep in missing]
-                for keep, sim in zip(missing, run_all(jobs, fork=not probes_kernels(config))):
-                    sims[keep], ests[keep] = sim, self.request.device.estimate(sim)
+                for keep, (sim, est) in self._cuts(c, policy, length, missing).items():
+                    sims[keep], ests[keep] = sim, est
             return tuple(ests[k] for k in keeps)
         # Note [cutting every run]: on the CPU only, where every figure is a tensor figure
         grid = depth_grid(config, blocks) if self.request.device.own_kernels else None
