@@ -95,6 +95,30 @@ def test_allocation_sizes_read_the_allocator() -> None:
     assert sizes.index(2**20) < sizes.index(-(2**20))
 
 
+def test_one_threads_memory_counts_its_tensors_freed_on_another_thread() -> None:
+    """Note [gloo's threads in the measured window], by hand: thread 1 (marked) allocates A (100 B) and B (50 B) and
+    frees C (30 B, allocated before the window); thread 2 (gloo's) frees A (the last reference to a collective's
+    tensor), allocates D (70 B) and frees it, and allocates E (40 B), which thread 1 frees. Thread 1's memory:
+    +100 +50 -30 -100 (A's free, on thread 2), nothing of D or E. Counted by thread alone, A's 100 B would never be
+    freed and E's free would be subtracted though E was never added."""
+    a, b, c, d, e = 0xA0, 0xB0, 0xC0, 0xD0, 0xE0
+    events = [(100, 1, a), (50, 1, b), (-30, 1, c), (-100, 2, a), (70, 2, d), (-70, 2, d), (40, 2, e), (-40, 1, e)]
+    assert _torch.thread_memory(events, {1}) == [100, 50, -30, -100]
+    assert _torch.high_water_mark(_torch.thread_memory(events, {1})) == (150, 20)
+    # an address reused after its free belongs to whoever allocates it next
+    reused = [(100, 1, a), (-100, 2, a), (60, 2, a), (-60, 1, a)]
+    assert _torch.thread_memory(reused, {1}) == [100, -100]
+
+
+def test_one_threads_memory_in_a_real_profile() -> None:
+    """The marked thread's 1 MiB made and freed inside its ``record_function``: +1 MiB, -1 MiB (2**18 fp32)."""
+    with _torch.memory_profile() as prof:
+        with torch.profiler.record_function("test::marked"):
+            t = torch.empty(2**18, dtype=torch.float32)
+            del t
+    assert _torch.allocation_sizes(prof, "test::marked") == [2**20, -(2**20)]
+
+
 def test_high_water_mark_by_hand() -> None:
     # +4 +6 (10) -4 (6) +8 (14) -6 (8): the running sum peaks at 14 and ends at 8
     assert _torch.high_water_mark([4, 6, -4, 8, -6]) == (14, 8)

@@ -30,7 +30,7 @@ from autofit.core.errors import AutofitError, UnsupportedTorchError
 __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
-    "allocation_sizes", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
+    "allocation_sizes", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
@@ -242,20 +242,48 @@ def is_view(t: torch.Tensor) -> bool:
 def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
     """Bytes of every Allocation event a ``profile_memory=True`` CPU profile recorded, in time order; negative on
     free. Read from the profiler's event tree (``kineto_results.experimental_event_tree``), the allocator's own
-    record, the ground truth where there is no GPU (docs/accuracy.md). ``thread_of``: only the events of the thread
-    that ran the ``record_function`` of that name (the profiler's own thread ids)."""
-    events: list[tuple[int, int, int]] = []
+    record, the ground truth where there is no GPU (docs/accuracy.md). ``thread_of``: only the memory of the thread
+    that ran the ``record_function`` of that name (the profiler's own thread ids), as :func:`thread_memory` reads it."""
+    events: list[tuple[int, int, int, int]] = []
     marks: set[int] = set()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.start_tid))
+            fields = node.extra_fields
+            events.append((node.start_time_ns, fields.alloc_size, node.start_tid, fields.ptr))
         elif thread_of is not None and node.name == thread_of:
             marks.add(node.start_tid)
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
-    return [size for _, size, tid in events if thread_of is None or tid in marks]
+    if thread_of is None:
+        return [size for _, size, _, _ in events]
+    return thread_memory([(size, tid, ptr) for _, size, tid, ptr in events], marks)
+
+
+def thread_memory(events: list[tuple[int, int, int]], marks: set[int]) -> list[int]:
+    """Of ``(size, thread id, address)`` allocation events in time order (negative size on free), the sizes that are
+    the memory of the threads in ``marks``: their allocations; the frees of those, on whichever thread they happen
+    (matched by address); and their frees of what was allocated before the events began. Note [gloo's threads in the
+    measured window] (measure/ranks.py): gloo's worker can drop the last reference to a tensor the rank's thread
+    allocated, and counted by thread that free would be lost, the window keeping its bytes for good. What another
+    thread allocated counts nowhere, freed anywhere."""
+    mine: set[int] = set()  # addresses the marked threads allocated and have not seen freed
+    theirs: set[int] = set()  # the same for the other threads
+    sizes = []
+    for size, tid, ptr in events:
+        if size > 0:
+            (mine if tid in marks else theirs).add(ptr)
+            if tid in marks:
+                sizes.append(size)
+        elif ptr in mine:
+            mine.discard(ptr)
+            sizes.append(size)
+        elif ptr in theirs:
+            theirs.discard(ptr)
+        elif tid in marks:  # allocated before the events began, freed by a marked thread
+            sizes.append(size)
+    return sizes
 
 
 def high_water_mark(sizes: list[int]) -> tuple[int, int]:
