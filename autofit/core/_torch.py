@@ -263,25 +263,24 @@ def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None)
 
 def thread_memory(events: list[tuple[int, int, int]], marks: set[int]) -> list[int]:
     """Of ``(size, thread id, address)`` allocation events in time order (negative size on free), the sizes that are
-    the memory of the threads in ``marks``: their allocations; the frees of those, on whichever thread they happen
-    (matched by address); and their frees of what was allocated before the events began. Note [gloo's threads in the
-    measured window] (measure/ranks.py): gloo's worker can drop the last reference to a tensor the rank's thread
-    allocated, and counted by thread that free would be lost, the window keeping its bytes for good. What another
-    thread allocated counts nowhere, freed anywhere."""
+    the memory of the threads in ``marks``: their allocations and every free on them, and the frees of their
+    allocations on any other thread (matched by address). Note [gloo's threads in the measured window]
+    (measure/ranks.py): gloo's worker can drop the last reference to a tensor the rank's thread allocated, and
+    counted by thread that free would be lost, the window keeping its bytes for good. Another thread's
+    allocations do not count."""
     mine: set[int] = set()  # addresses the marked threads allocated and have not seen freed
-    theirs: set[int] = set()  # the same for the other threads
     sizes = []
     for size, tid, ptr in events:
         if size > 0:
-            (mine if tid in marks else theirs).add(ptr)
             if tid in marks:
+                mine.add(ptr)
                 sizes.append(size)
+            else:
+                mine.discard(ptr)  # the address now holds another thread's tensor
         elif ptr in mine:
             mine.discard(ptr)
             sizes.append(size)
-        elif ptr in theirs:
-            theirs.discard(ptr)
-        elif tid in marks:  # allocated before the events began, freed by a marked thread
+        elif tid in marks:
             sizes.append(size)
     return sizes
 

@@ -16,12 +16,12 @@ Note [gloo's threads in the measured window]
     activation its all-reduces carry).
     So each rank counts only the memory of its own thread (the step's: on the CPU, autograd runs backward on the
     thread that calls it), marked by a ``record_function`` around the window, and keeps the lowest of three
-    windows. A thread's memory is what it allocates, freed on whichever thread drops the last reference
+    windows. A thread's memory is what it allocates and frees, and the frees of its allocations on other threads
     (``core._torch.thread_memory`` matches a free to its allocation by address): gloo's worker sometimes frees a
     tensor of the rank's, and counted by thread that free was lost (a CI run measured a tensor-parallel rank
     32,768 B high in its first window and 12 x 32,768 B high in the next two, one all-reduce's tensor per
-    all-reduce of the step). Kernels that allocate inside their intra-op worker threads would be left out too; none of the layouts
-    tested does (their figures equal the estimate to the byte).
+    all-reduce of the step). Kernels that allocate inside their intra-op worker threads would be left out too; none
+    of the layouts tested does (their figures equal the estimate to the byte).
 """
 
 from __future__ import annotations
