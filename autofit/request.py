@@ -159,22 +159,13 @@ def make_request(
     try the quick path first (Note [the quick path])."""
     options = Options(**gather("make_request", dict(device=device, precision=precision, savers=savers, layout=layout,
                                                     search=search), deprecated))
-    # the options resolved against the model and the device: what needs them is checked here
-    d, p, s, lay = options.device, options.precision, options.savers, options.layout
-    device, gpu, margin, host_budget = d.kind, d.gpu, d.margin, d.host_budget
-    allow_over_capacity = d.allow_over_capacity
-    precision, min_stored_precision, fp32_modules = p.compute, p.min_stored, p.fp32_modules
-    checkpoint, offload, allow, compile = s.checkpoint, s.offload, s.allow, s.compile
-    world_size, gpus_per_node, strategy = lay.world_size, lay.gpus_per_node, lay.strategy
-    reshard_after_forward, replicate = lay.reshard_after_forward, lay.replicate
-    tensor_parallel, tensor_parallel_plan = lay.tensor_parallel, lay.tensor_parallel_plan
-    extrapolate_depth = options.search.extrapolate_depth
+    d, s = options.device, options.savers
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target, shared)
-    target_device = resolve_device(device, gpu)
+    target_device = resolve_device(d.kind, d.gpu)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
-    check_capacity(budget_bytes, target_device, allow_over_capacity)
+    check_capacity(budget_bytes, target_device, d.allow_over_capacity)
     check_positions(model, batch, target_batch)
     notes = [target_device.note] if target_device.note else []
     if len(batch.per_sample_tensors()) < len(batch.tensors()):  # say what the rule did (Note [the batch dimension])
@@ -183,63 +174,86 @@ def make_request(
         batch_size = batch.size
         notes.append(f"no batch_size given: planning for the sample's batch of {batch.size}")
     require_int("batch_size", batch_size)
+    layout_fields = _layouts(model, batch, options.layout, batch_size, clip_grad_norm)
+    world_size = layout_fields["world_size"]
+    margin_bytes = margin_for(d.margin, budget_bytes, target_device, world_size)
+    may_offload = s.offload is not False and target_device.host_offload
+    host_budget_bytes, host_note = (resolve_host_budget(d.host_budget, target_device, layout_fields["gpus_per_node"])
+                                    if may_offload else (None, None))
+    notes += [host_note] if host_note else []
+    precision_fields = _precisions(model, options.precision, target_device, world_size)
+    notes += cpu_precision_notes(options.precision.compute, target_device)
+    spec = as_optimizer_spec(optimizer)
+    rung_fields = _rungs(model, batch, target_batch, loss_fn, spec, s.allow, notes)
+    min_rows, refused = smallest_rows(model, batch) if batch_size // world_size > 1 else (1, None)
+    if refused is not None:
+        notes.append(f"every micro-batch keeps at least {min_rows} rows (a shorter last one takes rows from the one "
+                     f"before): with one row, {refused} (Note [micro-batches a model refuses])")
+    extrapolate_depth = options.search.extrapolate_depth
+    return PlanRequest(
+        model=model, batch=batch, target=target_batch, min_rows=min_rows, loss_fn=loss_fn, device=target_device,
+        budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, optimizer=spec,
+        fixed_checkpoint=fixed_checkpoint(model, s.checkpoint), quick=quick,
+        fixed_policies=fixed_policies(s.checkpoint),
+        # validated by the step's own rules (StepConfig), before any simulation
+        clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
+        notes=tuple(notes), offload=may_offload, host_budget_bytes=host_budget_bytes,
+        **layout_fields, **precision_fields, **rung_fields,
+        blocks=_depth_blocks(model, extrapolate_depth, s.compile),
+        cheaper_cuts_only=extrapolate_depth == "auto",
+        compile=make_step_config(micro_batch_size=1, compile=s.compile).compile,  # validated as the step validates it
+        options=options,
+    )
+
+
+def _layouts(model: nn.Module, batch: Batch, lay: Layout, batch_size: int, clip_grad_norm: Any) -> dict[str, Any]:
+    """The request's fields of the layouts to plan (docs/multi-gpu.md): the ranks, the strategies, the FSDP2
+    reshards and replicates, the tensor-parallel degrees; each checked against the model and the batch here."""
+    world_size, strategy = lay.world_size, lay.strategy
     require_int("world_size", world_size)
     require_strategy(strategy)
     if strategy is not None and world_size == 1:
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
         raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
-    margin_bytes = margin_for(margin, budget_bytes, target_device, world_size)
-    per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, gpus_per_node, reshard_after_forward,
-                                                   replicate)
-    tensors = tensor_options(model, world_size, per_node, strategy, tensor_parallel, tensor_parallel_plan,
+    per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, lay.gpus_per_node,
+                                                   lay.reshard_after_forward, lay.replicate)
+    tensors = tensor_options(model, world_size, per_node, strategy, lay.tensor_parallel, lay.tensor_parallel_plan,
                              batch.tensors())
-    if tensors != (1,) and tensor_parallel != "auto" and clip_grad_norm is not None:
+    if tensors != (1,) and lay.tensor_parallel != "auto" and clip_grad_norm is not None:
         make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
                          tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
-    may_offload = offload is not False and target_device.host_offload
-    host_budget_bytes, host_note = (resolve_host_budget(host_budget, target_device, per_node) if may_offload
-                                    else (None, None))
-    notes += [host_note] if host_note else []
-    optional = auto_pins(model) if isinstance(fp32_modules, str) and fp32_modules == "auto" else ()
-    pins = () if optional else fp32_module_names(model, fp32_modules)
-    policies = pinned(precisions(precision, target_device), pins)
-    notes += cpu_precision_notes(precision, target_device)
-    stored = pinned(stored_options(model, precision, target_device, world_size, min_stored_precision), pins)
-    spec = as_optimizer_spec(optimizer)
+    return dict(world_size=world_size, per_rank=batch_size // world_size,
+                strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
+                gpus_per_node=per_node, reshard_options=reshards, replicate_options=replicates,
+                tensor_options=tensors, tensor_parallel_plan=lay.tensor_parallel_plan)
+
+
+def _precisions(model: nn.Module, p: Precision, target_device: DeviceTarget, world_size: int) -> dict[str, Any]:
+    """The request's fields of the precisions to plan: the compute policies and stored options, with the fp32
+    modules pinned (or, with "auto", the pins the planner may drop)."""
+    optional = auto_pins(model) if isinstance(p.fp32_modules, str) and p.fp32_modules == "auto" else ()
+    pins = () if optional else fp32_module_names(model, p.fp32_modules)
+    return dict(policies=pinned(precisions(p.compute, target_device), pins),
+                stored_options=pinned(stored_options(model, p.compute, target_device, world_size, p.min_stored), pins),
+                pins=pins, optional_pins=optional, auto_precision=isinstance(p.compute, (str, PrecisionPolicy)))
+
+
+def _rungs(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any, spec: OptimizerSpec, allow: Any,
+           notes: list[str]) -> dict[str, Any]:
+    """The request's fields of the opt-in rungs (Note [step features]): each feature's value where ``allow`` opened
+    it, and the closed rungs that would apply; a rung allowed that does not apply adds its note to ``notes``."""
     allowed = allow_names(allow)
-    opened, closed = {}, []  # each step feature's value where allowed; those that apply but were not allowed
-    for feature in OPT_IN:  # Note [step features]
-        found = feature.resolve(model, batch, target_batch, loss_fn, spec, feature.name in allowed)
+    opened, closed = {}, []
+    for feature in OPT_IN:
+        found = feature.resolve(model, batch, target, loss_fn, spec, feature.name in allowed)
         if feature.name not in allowed:
             closed += [feature.name] if found is not None else []
             found = None
         elif found is None:
             notes.append(feature.not_applicable(spec))
         opened[feature.allow_field] = found
-    min_rows, refused = smallest_rows(model, batch) if batch_size // world_size > 1 else (1, None)
-    if refused is not None:
-        notes.append(f"every micro-batch keeps at least {min_rows} rows (a shorter last one takes rows from the one "
-                     f"before): with one row, {refused} (Note [micro-batches a model refuses])")
-    return PlanRequest(
-        model=model, batch=batch, target=target_batch, min_rows=min_rows, loss_fn=loss_fn, device=target_device,
-        budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, per_rank=batch_size // world_size, world_size=world_size,
-        strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
-        policies=policies, optimizer=spec,
-        fixed_checkpoint=fixed_checkpoint(model, checkpoint), quick=quick,
-        fixed_policies=fixed_policies(checkpoint),
-        # validated by the step's own rules (StepConfig), before any simulation
-        clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
-        auto_precision=isinstance(precision, (str, PrecisionPolicy)), notes=tuple(notes),
-        stored_options=stored, pins=pins, optional_pins=optional, offload=may_offload,
-        host_budget_bytes=host_budget_bytes, gpus_per_node=per_node, reshard_options=reshards,
-        replicate_options=replicates, tensor_options=tensors, tensor_parallel_plan=tensor_parallel_plan,
-        **opened, closed_rungs=tuple(closed),
-        blocks=_depth_blocks(model, extrapolate_depth, compile),
-        cheaper_cuts_only=extrapolate_depth == "auto",
-        compile=make_step_config(micro_batch_size=1, compile=compile).compile,  # validated as the step validates it
-        options=options,
-    )
+    return dict(opened, closed_rungs=tuple(closed))
 
 
 def _depth_blocks(model: nn.Module, extrapolate_depth: Any, compile: bool) -> Blocks | None:

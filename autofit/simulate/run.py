@@ -235,11 +235,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
         prober.skipped = prober.failed = 0
-    if fake:
-        work = fake_copy(model, fake_mode)
-    else:
-        work = real_copy(model).to("cpu")
-    mode_ctx = fake_mode if fake else contextlib.nullcontext()
+    work = fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu")
     # the device mesh holds real tensors: it is made before the fake mode is entered
     mesh_ctx = fake_mesh(config.world_size, config.replicate, config.tensor_parallel) \
         if config.layout.shards_parameters else contextlib.nullcontext()
@@ -248,50 +244,32 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     implementation = DeviceKind.CPU if config.offload_states else config.device
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
-    with mesh_ctx as mesh, mode_ctx, target_implementation(implementation), compiled_code_runs_eagerly(), compiled, \
+    with mesh_ctx as mesh, fake_mode if fake else contextlib.nullcontext(), target_implementation(implementation), \
+            compiled_code_runs_eagerly(), compiled, \
             compiled_for_simulation(work, fake and not eager, config.compile and not eager) as inductor:
         if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
             apply_layout(work, mesh, config.layout, config.precision)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
-        micro_target = None
-        if target is not None:
-            micro_target = target.map_tensors(to_sim).resize(config.micro_batch_size)
-        with unset_fake_temporarily() if fake else contextlib.nullcontext():  # Note [optimizers that read values]
-            optimizer = config.optimizer.build(work.parameters())
-        # stored precision: the parameters converted and, with a master copy, the optimizer on fp32 copies of them,
-        # exactly as the trainer does (Note [stored precision])
-        stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
-        scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
-        with _optimizer_values(optimizer, fake):
-            create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
-        # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
-        views = config.gradient_as_bucket_view and config.accumulation_steps == 1
-        buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
-
+        micro_target = None if target is None else target.map_tensors(to_sim).resize(config.micro_batch_size)
+        state = _StepState.build(work, config, fake)
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device.is_host or not fake else None)
-        # Note [host storages]: on a GPU target, what offloading keeps in host memory is not the device's
-        host_states = config.offload_states and not config.device.is_host
-        register_state(tracker, work, optimizer, scaler, micro, micro_target, stored, host_states=host_states)
-        for bucket in buckets:
-            tracker.register(bucket, Category.GRADIENTS)
-        held = held_rows(micro, micro_target, config)  # the rest of the batch the trainer slices from
-        for t in held:
-            tracker.register(t, Category.INPUTS)
+        state.register(tracker, work, micro, micro_target, config)
         handles = install_module_stack(work, tracker.module_stack)
         try:
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
             with contextlib.ExitStack() as stack:
                 caster = device_rules(stack, config) if device_rules is not None else None
                 stack.enter_context(patched_model(work, config, "cpu"))
-                if host_states:
+                if state.host_states:
                     stack.enter_context(offloaded_states(tracker))
                 stepped: set[int] = set()  # parameters the optimizer stepped in backward
                 # Note [host storages]: on a GPU target, what the step holds in host memory is not the device's
                 to_host = None if config.device.is_host else tracked_save_on_cpu(tracker)
                 for feature in FEATURES:  # what each step feature holds around the step (Note [step features])
-                    stack.enter_context(feature.step_context(config, work, optimizer, stepped, to_host=to_host))
+                    stack.enter_context(feature.step_context(config, work, state.optimizer, stepped,
+                                                             to_host=to_host))
                 stack.enter_context(tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 if inductor:
@@ -303,12 +281,61 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 stack.enter_context(observe)
                 # Note [random layer skipping]; not under dynamo, which a dispatch mode and patched random functions
                 # made skip the model's frames, leaving the user's later real compile eager
-                draws = stack.enter_context(draws_at(extreme) if not inductor else contextlib.nullcontext(Draws(extreme)))
-                _run_window(tracker, work, optimizer, scaler, micro, micro_target, loss_fn, config, caster, stored,
-                            buckets, stepped, fake=fake)
+                draws = stack.enter_context(
+                    draws_at(extreme) if not inductor else contextlib.nullcontext(Draws(extreme)))
+                _run_window(tracker, work, state.optimizer, state.scaler, micro, micro_target, loss_fn, config, caster,
+                            state.stored, state.buckets, stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
+    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real",
+                      _notes(model, config, inductor, rerouted, tracker, prober), config.preallocated_grads,
+                      compiled=bool(inductor), random_draws=draws.count,
+                      input_rows=max(config.held_rows, config.micro_batch_size))
+
+
+@dataclass(frozen=True)
+class _StepState:
+    """What a simulated step holds before its first forward, made as the trainer makes it: the optimizer (with its
+    state), the stored-precision state, the loss scaler, DDP's buckets."""
+
+    optimizer: torch.optim.Optimizer
+    stored: Any  # training/stored.py's StoredState
+    scaler: Any  # a value-free GradScaler, or None
+    buckets: list[torch.Tensor]
+    host_states: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
+
+    @classmethod
+    def build(cls, work: nn.Module, config: StepConfig, fake: bool) -> _StepState:
+        with unset_fake_temporarily() if fake else contextlib.nullcontext():  # Note [optimizers that read values]
+            optimizer = config.optimizer.build(work.parameters())
+        # stored precision: the parameters converted and, with a master copy, the optimizer on fp32 copies of them,
+        # exactly as the trainer does (Note [stored precision])
+        stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
+        scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
+        with _optimizer_values(optimizer, fake):
+            create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
+        # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
+        views = config.gradient_as_bucket_view and config.accumulation_steps == 1
+        buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
+        return cls(optimizer, stored, scaler, buckets, config.offload_states and not config.device.is_host)
+
+    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any,
+                 config: StepConfig) -> None:
+        """Everything that exists before the step, each under its category; the rest of the batch the trainer
+        slices micro-batches from as inputs."""
+        register_state(tracker, work, self.optimizer, self.scaler, micro, micro_target, self.stored,
+                       host_states=self.host_states)
+        for bucket in self.buckets:
+            tracker.register(bucket, Category.GRADIENTS)
+        for t in held_rows(micro, micro_target, config):
+            tracker.register(t, Category.INPUTS)
+
+
+def _notes(model: nn.Module, config: StepConfig, inductor: Any, rerouted: list[str], tracker: StepTracker,
+           prober: KernelProber | None) -> tuple[str, ...]:
+    """What a simulation says beside its figures: each feature's notes, then what was simulated other than as
+    written (compiled code, MoE routing, corrected kernels, kernels too large to probe)."""
     notes = [note for feature in FEATURES for note in feature.estimate_notes(config)]  # Note [step features]
     note = compiled_note(model, inductor, config.compile)
     if note:
@@ -322,9 +349,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                      "(not yet listed in autofit/capture/corrections.py)")
     if prober is not None and prober.skipped:
         notes.append(f"{prober.skipped} kernels were too large to probe; their scratch memory is not counted")
-    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", tuple(notes),
-                      config.preallocated_grads, compiled=bool(inductor), random_draws=draws.count,
-                      input_rows=max(config.held_rows, config.micro_batch_size))
+    return tuple(notes)
 
 
 # Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
