@@ -116,20 +116,7 @@ def plan_with_analysis(
     results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
-    # a layout whose states alone miss the budget in every stage is planned last, and only when nothing else fits:
-    # its analysis would only name its smallest budget, which the error needs only if no layout fits. One that fits
-    # only with its states on the host (the ladder's last rung, much the slowest) is planned only when no layout
-    # fits with them on the GPUs.
-    ladders = {p: ladder(request.for_layout(p), p) for p in parallels} if len(parallels) > 1 else {}
-    floors = {p: states_floor(stages) for p, stages in ladders.items()}
-    hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
-    host_only = {p for p, stages in ladders.items() if stages[-1].host_check
-                 and states_floor(stages[:-1]) > request.fit_bytes}
-    # Note [layouts that cannot win]: the layouts whose collectives cost least first, so that a fast plan found
-    # early lets the others stop before verifying anything
-    order = sorted(parallels, key=lambda p: (p in hopeless, p in host_only, collective_floor(request, p)))
-    climbs = {p: _Climb.of(request, p) for p in order}
-    order = _by_bound(order, climbs, set(hopeless) | set(host_only))
+    order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
     unplanned: list[_Unplanned] = []
     for parallel in order:
         name = parallel.label
@@ -157,29 +144,58 @@ def plan_with_analysis(
             if len(request.strategies) == 1:  # its other layouts would fail the same way
                 raise
             failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
-    errors = []  # each layout's smallest budget, named only now that no layout fits
-    for e in unplanned if not results else ():
+    if not results:
+        results = _fallbacks(request, unplanned, failed)
+    chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
+    if len(parallels) > 1:
+        why = why_layout(chosen, [r[0] for r in results])
+        chosen = replace(chosen, notes=chosen.notes + (why, *failed))
+    return chosen, analyses
+
+
+def _layout_order(request: PlanRequest, parallels: list[Parallel]) -> tuple[
+        list[Parallel], dict[Parallel, _Climb], dict[Parallel, int | None], set[Parallel], set[Parallel]]:
+    """The layouts in the order they are planned, each one's climb, and (with several layouts) each one's states
+    floor, those whose states alone miss the budget (hopeless) and those that fit only with their states on the host.
+
+    A hopeless layout is planned last, and only when nothing else fits: its analysis would only name its smallest
+    budget, which the error needs only if no layout fits. One that fits only with its states on the host (the
+    ladder's last rung, much the slowest) is planned only when no layout fits with them on the GPUs. Before them,
+    Note [layouts that cannot win]: the layouts whose collectives cost least first, so that a fast plan found early
+    lets the others stop before verifying anything; then Note [the layout to verify first]."""
+    ladders = {p: ladder(request.for_layout(p), p) for p in parallels} if len(parallels) > 1 else {}
+    floors = {p: states_floor(stages) for p, stages in ladders.items()}
+    hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
+    host_only = {p for p, stages in ladders.items() if stages[-1].host_check
+                 and states_floor(stages[:-1]) > request.fit_bytes}
+    order = sorted(parallels, key=lambda p: (p in hopeless, p in host_only, collective_floor(request, p)))
+    climbs = {p: _Climb.of(request, p) for p in order}
+    return _by_bound(order, climbs, hopeless | host_only), climbs, floors, hopeless, host_only
+
+
+def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned],
+               failed: list[str]) -> list[tuple[Plan, dict[str, Analysis]]]:
+    """When no layout was planned: the plans of the layouts' smallest configurations (the models were pessimistic),
+    or the error that says most: a layout that fits the GPU but not the host says more than the smallest budget of
+    one that fits neither; else the smallest budget of any; else why no strategy can run the model."""
+    results, errors = [], []
+    for e in unplanned:
         try:
-            results.append(e.fallback())  # the models were pessimistic: the smallest configuration fits
+            results.append(e.fallback())
         except (InfeasibleBudgetError, HostMemoryError) as error:
             errors.append(error)
         except AutofitError as error:
             if len(request.strategies) == 1:
                 raise
             failed.append(str(error))
-    if not results:
-        # a layout that fits the GPU but not the host says more than the smallest budget of one that fits neither
-        over_host = [e for e in errors if isinstance(e, HostMemoryError)]
-        if over_host:
-            raise min(over_host, key=lambda e: e.host_bytes)
-        if errors:
-            raise min(errors, key=lambda e: e.min_budget_bytes)
-        raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
-    chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
-    if len(parallels) > 1:
-        why = why_layout(chosen, [r[0] for r in results])
-        chosen = replace(chosen, notes=chosen.notes + (why, *failed))
-    return chosen, analyses
+    if results:
+        return results
+    over_host = [e for e in errors if isinstance(e, HostMemoryError)]
+    if over_host:
+        raise min(over_host, key=lambda e: e.host_bytes)
+    if errors:
+        raise min(errors, key=lambda e: e.min_budget_bytes)
+    raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
 
 
 class _Unplanned(Exception):

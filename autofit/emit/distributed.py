@@ -44,6 +44,36 @@ if TYPE_CHECKING:
 __all__ = ["DistributedTrainer"]
 
 
+def _refuse_one_process_knobs(plan: Plan) -> None:
+    """The knobs planned for one process only, refused with why."""
+    if plan.optimizer_in_backward:
+        raise InvalidInputError(
+            "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
+            "after the collective that averages it, which runs after autograd's hooks"
+        )
+    if plan.preallocated_grads:  # Note [gradients allocated before forward]
+        raise InvalidInputError("preallocated_grads is planned for one process only: DDP's buckets and FSDP2's "
+                                "shards own the gradients' storage")
+    if plan.precision.stored not in (None, "fp32"):
+        raise InvalidInputError(
+            f"stored precision {plan.precision.stored!r} is planned for one process only; with DDP or FSDP2 use "
+            "stored=None (FSDP2's own MixedPrecisionPolicy keeps fp32 sharded parameters)"
+        )
+
+
+def _ddp(plan: Plan, model: nn.Module,
+         optimizer: torch.optim.Optimizer | Callable) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``model`` in DistributedDataParallel with the plan's bucket mode, and the optimizer (an instance steps the
+    same parameters DDP wraps; a factory is built on them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids,
+                                   gradient_as_bucket_view=plan.step.gradient_as_bucket_view), built
+
+
 class DistributedTrainer(Trainer):
     """Executes a multi-process plan (``plan.world_size > 1``) on this rank: :meth:`Plan.wrap <autofit.Plan.wrap>`
     returns it. Needs ``torch.distributed`` initialised with ``plan.world_size`` processes. ``optimizer`` is an
@@ -53,19 +83,7 @@ class DistributedTrainer(Trainer):
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None, loss_reduction: str | None = None, shared: Any = None) -> None:
         before_wrap(plan)  # before FSDP2 moves or shards anything (the allocator's setting)
-        if plan.optimizer_in_backward:
-            raise InvalidInputError(
-                "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
-                "after the collective that averages it, which runs after autograd's hooks"
-            )
-        if plan.preallocated_grads:  # Note [gradients allocated before forward]
-            raise InvalidInputError("preallocated_grads is planned for one process only: DDP's buckets and FSDP2's "
-                                    "shards own the gradients' storage")
-        if plan.precision.stored not in (None, "fp32"):
-            raise InvalidInputError(
-                f"stored precision {plan.precision.stored!r} is planned for one process only; with DDP or FSDP2 use "
-                "stored=None (FSDP2's own MixedPrecisionPolicy keeps fp32 sharded parameters)"
-            )
+        _refuse_one_process_knobs(plan)
         self._own_group = False
         if plan.offload_states and plan.world_size == 1 and dist.is_available() and not dist.is_initialized():
             # FSDP2 on one process (Note [offload]): a process group of one, torch's own, made and destroyed here
@@ -87,48 +105,44 @@ class DistributedTrainer(Trainer):
         # the data-parallel ranks: with tensor parallel T, the T consecutive ranks of a group share their rows
         # (the mesh is (world_size // T, T): training/strategy.py, mesh_shape)
         self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, self.world_size // plan.tensor_parallel
-        inner = model
         layout = plan.step.layout  # the layout the plan was verified with (Note [the plan's step])
         if layout.replicates_parameters:
-            from torch.nn.parallel import DistributedDataParallel
-
-            if isinstance(optimizer, torch.optim.Optimizer):
-                built = optimizer
-            else:
-                built = optimizer(model.parameters())
-            device = next(model.parameters()).device
-            ids = [device.index] if device.type == "cuda" else None
-            wrapped = DistributedDataParallel(model, device_ids=ids,
-                                              gradient_as_bucket_view=plan.step.gradient_as_bucket_view)
+            wrapped, built = _ddp(plan, model, optimizer)
         elif layout.shards_parameters:
-            if isinstance(optimizer, torch.optim.Optimizer):
-                raise InvalidInputError(
-                    "FSDP2 replaces the parameters when it shards them, so wrap() needs an optimizer factory: "
-                    "plan.wrap(model, lambda params: torch.optim.AdamW(params, lr=...))"
-                )
-            from torch.distributed.device_mesh import init_device_mesh
-
-            device_type = next(model.parameters()).device.type
-            if plan.offload_states:  # the parameters stay on the host; the plan's device computes
-                device_type = plan.device
-                if any(p.device.type != "cpu" for p in model.parameters()):
-                    raise InvalidInputError(
-                        "this plan keeps the parameters in host memory (FSDP2 CPUOffloadPolicy): give wrap() the "
-                        "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
-                        "it runs)"
-                    )
-            tp = plan.tensor_parallel
-            mesh = init_device_mesh(device_type, mesh_shape(self.world_size, plan.replicate, tp),
-                                    mesh_dim_names=mesh_names(self.world_size, plan.replicate, tp))
-            self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
-                if device_type == "cuda" else torch.device(device_type)
-            wrapped = apply_layout(model, mesh, layout, plan.step.precision, pin_memory=device_type == "cuda")
-            built = optimizer(wrapped.parameters())
+            wrapped, built = self._fsdp2(plan, model, optimizer)
         else:
             raise InvalidInputError(f"this plan has no data-parallel strategy ({plan.strategy!r}): plans use 'ddp' or "
                                     "'fsdp2'")
-        self._inner = inner
+        self._inner = model
         super().__init__(plan, wrapped, built, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
+
+    def _fsdp2(self, plan: Plan, model: nn.Module,
+               optimizer: torch.optim.Optimizer | Callable) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``model`` laid out by FSDP2 (with tensor parallel where the plan splits layers) on this rank's mesh, and
+        the optimizer built on its sharded parameters; the device the step computes on, kept for the inputs."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidInputError(
+                "FSDP2 replaces the parameters when it shards them, so wrap() needs an optimizer factory: "
+                "plan.wrap(model, lambda params: torch.optim.AdamW(params, lr=...))"
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = next(model.parameters()).device.type
+        if plan.offload_states:  # the parameters stay on the host; the plan's device computes
+            device_type = plan.device
+            if any(p.device.type != "cpu" for p in model.parameters()):
+                raise InvalidInputError(
+                    "this plan keeps the parameters in host memory (FSDP2 CPUOffloadPolicy): give wrap() the "
+                    "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
+                    "it runs)"
+                )
+        tp = plan.tensor_parallel
+        mesh = init_device_mesh(device_type, mesh_shape(self.world_size, plan.replicate, tp),
+                                mesh_dim_names=mesh_names(self.world_size, plan.replicate, tp))
+        self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
+            if device_type == "cuda" else torch.device(device_type)
+        wrapped = apply_layout(model, mesh, plan.step.layout, plan.step.precision, pin_memory=device_type == "cuda")
+        return wrapped, optimizer(wrapped.parameters())
 
     def _input_device(self) -> torch.device:
         return getattr(self, "_compute_device", None) or super()._input_device()

@@ -120,23 +120,27 @@ def measure_step(
         before = _live_before(inner, optimizer, scaler, whole, whole_target, stored)
         if config.layout.replicates_parameters:  # the buckets outlive every step; no gradient points at them after zero_grad
             before[Category.GRADIENTS] += ddp_bucket_bytes(work)
-        base = sum(before.values())
         if device.type == "cuda":
-            # the allocator's own figures: every block of the process, rounded, the cuBLAS workspace included
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(steps):
-                window()
-            torch.cuda.synchronize(device)
-            peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-            breakdown: dict[Any, int] = dict(before)
-            breakdown[Category.STEP] = max(0, peak - base)
-            return Measurement(peak, breakdown, device="cuda", reserved_bytes=reserved)
+            return _measure_cuda(window, device, before, steps)
         peaks = [_measure_window(window, device, own_thread=lowest) for _ in range(steps)]
         peak_step = min(peaks) if lowest else max(peaks)
     breakdown = dict(before)
     breakdown[Category.STEP] = peak_step
-    return Measurement(base + peak_step, breakdown, device=config.device)
+    return Measurement(sum(before.values()) + peak_step, breakdown, device=config.device)
+
+
+def _measure_cuda(window, device: torch.device, before: dict[Any, int], steps: int) -> Measurement:
+    """``steps`` windows on a GPU, measured by the CUDA caching allocator's own figures: every block of the process,
+    rounded, the cuBLAS workspace included; the step's share is the peak above what existed ``before``."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        window()
+    torch.cuda.synchronize(device)
+    peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    breakdown: dict[Any, int] = dict(before)
+    breakdown[Category.STEP] = max(0, peak - sum(before.values()))
+    return Measurement(peak, breakdown, device="cuda", reserved_bytes=reserved)
 
 
 _WINDOW = "autofit::measured_window"

@@ -297,13 +297,15 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
 @dataclass(frozen=True)
 class _StepState:
     """What a simulated step holds before its first forward, made as the trainer makes it: the optimizer (with its
-    state), the stored-precision state, the loss scaler, DDP's buckets."""
+    state), the stored-precision state, the loss scaler, DDP's buckets, the rest of the batch. It must outlive the
+    step: what it alone references would be freed in the middle of the tracked step."""
 
     optimizer: torch.optim.Optimizer
     stored: Any  # training/stored.py's StoredState
     scaler: Any  # a value-free GradScaler, or None
     buckets: list[torch.Tensor]
     host_states: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
+    held: list[torch.Tensor] = field(default_factory=list)  # the rest of the batch the trainer slices from
 
     @classmethod
     def build(cls, work: nn.Module, config: StepConfig, fake: bool) -> _StepState:
@@ -328,7 +330,9 @@ class _StepState:
                        host_states=self.host_states)
         for bucket in self.buckets:
             tracker.register(bucket, Category.GRADIENTS)
-        for t in held_rows(micro, micro_target, config):
+        # the rest of the batch, made here: held by the state, alive for the whole step as the trainer holds it
+        self.held.extend(held_rows(micro, micro_target, config))
+        for t in self.held:
             tracker.register(t, Category.INPUTS)
 
 
