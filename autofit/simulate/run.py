@@ -283,8 +283,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 # made skip the model's frames, leaving the user's later real compile eager
                 draws = stack.enter_context(
                     draws_at(extreme) if not inductor else contextlib.nullcontext(Draws(extreme)))
-                _run_window(tracker, work, state.optimizer, state.scaler, micro, micro_target, loss_fn, config, caster,
-                            state.stored, state.buckets, stepped, fake=fake)
+                _run_window(tracker, work, state, micro, micro_target, loss_fn, config, caster, stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
@@ -362,12 +361,12 @@ def _notes(model: nn.Module, config: StepConfig, inductor: Any, rerouted: list[s
 WINDOW_MICRO_BATCHES = 2
 
 
-def _run_window(tracker: StepTracker, model, optimizer, scaler, micro, micro_target, loss_fn, config,
-                caster=None, stored=None, buckets=(), stepped: set[int] = frozenset(),
-                fake: bool = True) -> None:
+def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro: Batch, micro_target: Any,
+                loss_fn: LossFn | None, config: StepConfig, caster: Any, stepped: set[int], *, fake: bool) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
+    optimizer, scaler, stored, buckets = state.optimizer, state.scaler, state.stored, state.buckets
     steps = min(config.accumulation_steps, WINDOW_MICRO_BATCHES)
     # the sample's micro-batches are copies of one another: equal shares, however the loss counts (the weight only
     # decides whether a scalar multiply runs, not its size)
