@@ -78,6 +78,8 @@ def _analyse(model, sample, **kw):
 
 def _plan(model, sample, **kw):
     kw.setdefault("batch_size", 4)
+    if "checkpoint" in kw:  # a keyword of estimate and measure; plan takes it in its Savers
+        kw["savers"] = autofit.Savers(checkpoint=kw.pop("checkpoint"))
     return autofit.plan(model, sample, kw.pop("budget", "1GB"), device="cpu", **kw)
 
 
