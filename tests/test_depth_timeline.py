@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import autofit
 from autofit.request import make_request
 from autofit.simulate.depth import extend_checked
 from autofit.simulate.timeline import replay
