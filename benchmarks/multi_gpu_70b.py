@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="simulate the plan's step with all its blocks too, and compare (minutes)")
     parser.add_argument("--progress", action="store_true", help="print the planner's stages as they begin")
     parser.add_argument("--no-extrapolate", action="store_true",
-                        help="simulate every block (plan(extrapolate_depth=False)); default: depth extrapolation")
+                        help="simulate every block (plan(search=autofit.Search(extrapolate_depth=False))); default: "
+                             "depth extrapolation")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     cfg = llama3_70b_config(max_seq_len=args.seq, **({"num_layers": args.layers} if args.layers else {}))

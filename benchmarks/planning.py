@@ -215,15 +215,17 @@ def _deep_cases():
     from benchmarks.multi_gpu_70b import llama3_70b_config
 
     spec = load_spec("hf:meta-llama/Llama-3.1-8B", input_shapes=[(4096,)])  # the CLI's model: config only, meta
-    eight = dict(budget="80GB", batch_size=32, gpu="A100-80GB", world_size=8, strategy="fsdp2")
+    eight = dict(budget="80GB", batch_size=32, device="A100-80GB",
+                 layout=autofit.Layout(world_size=8, strategy="fsdp2"))
     yield "8B fsdp2 8xA100", spec.model, spec.sample, spec.target, spec.loss_fn, eight
     yield "8B one H100", spec.model, spec.sample, spec.target, spec.loss_fn, dict(budget="80GB", batch_size=8,
-                                                                                  gpu="H100-80GB")
+                                                                                  device="H100-80GB")
     with torch.device("meta"):
         model = Llama(llama3_70b_config(max_seq_len=8192))
     ids = torch.zeros(1, 8192, dtype=torch.long)
     yield "70B fsdp2 4x8 H100", model, ids, ids, None, dict(
-        budget="80GB", batch_size=32, gpu="H100-80GB", world_size=32, gpus_per_node=8, strategy="fsdp2")
+        budget="80GB", batch_size=32, device="H100-80GB",
+        layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2"))
 
 
 def _summary(plan) -> str:
@@ -247,7 +249,8 @@ def deep(base: bool = True, base_70b: bool = False) -> None:
         kw = dict(kw)
         budget = kw.pop("budget")
         whole = base and (base_70b or not label.startswith("70B"))
-        runs = [("auto", {})] + ([("whole model", {"extrapolate_depth": False})] if whole else [])
+        exact = {"search": autofit.Search(extrapolate_depth=False)}
+        runs = [("auto", {})] + ([("whole model", exact)] if whole else [])
         plans = {}
         for how, extra in runs:
             plan, seconds = _timed(lambda: autofit.plan(model, sample, budget, target=target, loss_fn=loss_fn,
@@ -255,11 +258,12 @@ def deep(base: bool = True, base_70b: bool = False) -> None:
             plans[how] = plan
             print(f"{label:<20} {how:<14} {seconds:>7.1f}  {_summary(plan)}", flush=True)
         plan = plans["auto"]
-        if kw.get("world_size", 1) == 1:  # estimate and MemTracker simulate one process: the single-GPU row
+        # estimate and MemTracker simulate one process: the single-GPU row
+        if kw.get("layout", autofit.Layout()).world_size == 1:
             _, est_s = _timed(lambda: autofit.estimate(
                 model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
                 accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint, target=target,
-                loss_fn=loss_fn, device="cuda", gpu=kw["gpu"], offload=plan.offload, offload_states=plan.offload_states,
+                loss_fn=loss_fn, device=kw["device"], offload=plan.offload, offload_states=plan.offload_states,
                 inputs="micro-batch"))
             print(f"{label:<20} {'one estimate':<14} {est_s:>7.1f}  (the plan's configuration, whole model)")
             tracked = memtracker_estimate(model, sample, micro_batch_size=plan.micro_batch_size, target=target,
@@ -288,11 +292,11 @@ from benchmarks.multi_gpu_70b import llama3_70b_config
 with torch.device("meta"):
     model = Llama(llama3_70b_config(max_seq_len=8192))
 ids = torch.zeros(1, 8192, dtype=torch.long)
-extra = {"extrapolate_depth": True} if sys.argv[1] == "opt-in" else {}
+extra = {"search": autofit.Search(extrapolate_depth=True)} if sys.argv[1] == "opt-in" else {}
 import time
 start = time.perf_counter()
-plan = autofit.plan(model, ids, "80GB", target=ids, batch_size=32, gpu="H100-80GB", world_size=32, gpus_per_node=8,
-                    strategy="fsdp2", **extra)
+plan = autofit.plan(model, ids, "80GB", target=ids, batch_size=32, device="H100-80GB",
+                    layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2"), **extra)
 print(f"autofit.plan: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 print(plan.to_json())
 """

@@ -2,7 +2,7 @@
 
 Without a GPU on these machines, the GPU truth is what others measured and published (docs/published.md).
 Every case below is rebuilt from its published configuration (config numbers written out here, no
-hub access, no weights; models on the meta device), run through ``autofit.estimate(..., device="cuda", gpu=...)``
+hub access, no weights; models on the meta device), run through ``autofit.estimate(..., device=<the GPU>)``
 with the same optimizer, precision, batch and step, and compared with the published figure:
 
 - ``allocated``: ``torch.cuda.max_memory_allocated()`` (autofit: ``peak_bytes``, alias ``peak_allocated_bytes``);
@@ -13,8 +13,9 @@ with the same optimizer, precision, batch and step, and compared with the publis
 Each case states its uncertainty: the rounding of the published number, MB meaning 10^6 or 2^20 bytes, figures read
 off a plot, unknown GPU. Errors are (autofit - published) / published. The goal (docs/published.md):
 within 3 % of allocated figures and 5 % of reserved ones; every case outside says why in its ``why`` line.
-Multi-GPU cases (``published_multi_gpu.py``) compare one rank: ``estimate(..., world_size=N, strategy=...)`` with
-the job's layout, against the per-GPU figure the source printed (the largest rank's).
+Multi-GPU cases (``published_multi_gpu.py``) compare one rank:
+``estimate(..., layout=autofit.Layout(world_size=N, strategy=...))`` with the job's layout, against the per-GPU figure
+the source printed (the largest rank's).
 Nothing is asserted: this is a report. ``docs/published.md`` has a full run and discusses every row.
 
     python benchmarks/published.py                # all cases (two to three minutes)

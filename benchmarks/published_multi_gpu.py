@@ -1,6 +1,6 @@
 """Published per-GPU memory figures of multi-GPU runs (FSDP2), for ``published.py``: each case is one rank of the
-job, estimated with ``autofit.estimate(..., world_size=N, strategy="fsdp2")`` (the same ``Case`` fields as
-``published_cases.py``; ``ranks`` is the job's world size).
+job, estimated with ``autofit.estimate(..., layout=autofit.Layout(world_size=N, strategy="fsdp2"))`` (the same
+``Case`` fields as ``published_cases.py``; ``ranks`` is the job's world size).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import autofit
 from benchmarks.published_cases import Built, Case, _meta
 
 __all__ = ["MULTI_GPU_CASES"]
@@ -97,7 +98,7 @@ def _titan_8b(layers: int = 32, seq: int = 8192, world_size: int = 8) -> Callabl
         ids = torch.zeros(2, seq, dtype=torch.long)
         return model, {"input_ids": ids}, {
             "micro_batch_size": 2, "target": ids, "loss_fn": _titan_loss, "precision": "bf16",
-            "clip_grad_norm": 1.0, "world_size": world_size, "strategy": "fsdp2",
+            "clip_grad_norm": 1.0, "layout": autofit.Layout(world_size=world_size, strategy="fsdp2"),
             "optimizer": lambda params: torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                                           foreach=True)}
 

@@ -58,7 +58,7 @@ def main(mode: str, budget: str) -> None:
     y = torch.randint(0, 8, (64,), generator=torch.Generator().manual_seed(2))
 
     def plan() -> autofit.Plan:
-        return autofit.plan(model, x, budget, target=y, device="cuda", gpu="T4", precision="fp32")
+        return autofit.plan(model, x, budget, target=y, device="T4", precision="fp32")
 
     out: dict = {"mode": mode}
     if mode != "none":

@@ -55,7 +55,8 @@ def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
     # both plans are asserted to run 4 x 2, so each batch's 4 x 2 step is measured once and held to both
     measured = {}
     for sample in (uniform, random_batch):
-        plan = autofit.plan(model, sample, budget=budget, batch_size=8, device="cpu", precision="fp32", checkpoint=())
+        plan = autofit.plan(model, sample, budget=budget, batch_size=8, device="cpu", precision="fp32",
+                            savers=autofit.Savers(checkpoint=()))
         assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 2)
         assert plan.peak_bytes <= budget
         for name, other in (("uniform", uniform), ("random", random_batch)):  # the plan for one batch holds for both

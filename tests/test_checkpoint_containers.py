@@ -152,7 +152,7 @@ def test_plan_under_a_tight_budget_for_a_densenet():
 
     def smallest_budget(checkpoint) -> int:
         try:
-            autofit.plan(model, x, 1, checkpoint=checkpoint, **kwargs)
+            autofit.plan(model, x, 1, savers=autofit.Savers(checkpoint=checkpoint), **kwargs)
         except autofit.InfeasibleBudgetError as e:
             return e.min_budget_bytes
         raise AssertionError("a 1-byte budget must be infeasible")

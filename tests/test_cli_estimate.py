@@ -62,9 +62,11 @@ def test_figures_equal_the_library_estimate(model, extra, kwargs):
                      config={k: int(v) for k, v in config})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        kwargs = dict(kwargs)  # the layout's field of a case goes into its Layout
+        layout = autofit.Layout(world_size=2, strategy="fsdp2",
+                                reshard_after_forward=kwargs.pop("reshard_after_forward", "auto"))
         est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=2,
-                               accumulation_steps=2, device="cuda", gpu="H100-80GB", world_size=2, strategy="fsdp2",
-                               **kwargs)
+                               accumulation_steps=2, device="H100-80GB", layout=layout, **kwargs)
     assert data["gpu"] == "H100-80GB" and data["batch_size"] == 8
     assert (data["peak_allocated_bytes"], data["peak_reserved_bytes"], data["device_bytes"]) == (
         est.peak_allocated_bytes, est.peak_reserved_bytes, est.device_bytes)

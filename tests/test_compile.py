@@ -172,7 +172,8 @@ def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
     model = _Pointwise()
     sample = torch.randn(512, 64)
     loss_fn = _KW["loss_fn"]
-    plan = autofit.plan(model, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512, compile=True,
+    plan = autofit.plan(model, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512,
+                        savers=autofit.Savers(compile=True),
                         precision="fp32")  # the loss below is compared with an fp32 eager step's
     assert plan.compile and autofit.Plan.from_json(plan.to_json()).compile and "torch.compile" in str(plan)
     assert plan.peak_bytes <= plan.budget_bytes  # the compiled step's measure at this choice: the test above

@@ -137,8 +137,8 @@ _AUTO_ON_CPU = """
     from zoo import ZOO
     case = ZOO["lstm"]()
     kw = dict(batch_size=8, target=case.target, loss_fn=case.loss_fn, optimizer="sgd", device="cpu")
-    request = make_request(case.model, case.sample, 10**10, precision="auto", checkpoint="auto", gpu=None,
-                           world_size=1, strategy=None, quick=True, **kw)
+    request = make_request(case.model, case.sample, 10**10, precision="auto", savers=autofit.Savers(checkpoint="auto"),
+                           layout=autofit.Layout(world_size=1, strategy=None), quick=True, **kw)
     plan = autofit.plan(case.model, case.sample, 10**10, **kw)
     print(json.dumps([[p.name for p in request.policies], plan.precision.name, list(plan.notes)]))
 """
@@ -173,7 +173,7 @@ _GPU_PLANS = """
     for name, budget in (("lstm", "2GB"), ("resnet_bn", "2GB"), ("unet", "2GB")):
         case = ZOO[name]()
         plan = autofit.plan(case.model, case.sample, budget, batch_size=8, target=case.target,
-                            loss_fn=case.loss_fn, optimizer="adamw", gpu="A100-80GB")
+                            loss_fn=case.loss_fn, optimizer="adamw", device="A100-80GB")
         plans.append(json.loads(plan.to_json()))
     print(json.dumps(plans))
 """

@@ -347,7 +347,7 @@ class _Attention(nn.Module):
 def _attention_activations(gpu: str, dim: int, heads: int, precision: str, seq: int) -> int:
     x = torch.randn(2, seq, dim)
     est = autofit.estimate(_Attention(dim, heads), x, target=torch.randn(2, seq, dim), loss_fn=F.mse_loss,
-                           micro_batch_size=2, precision=precision, device="cuda", gpu=gpu)
+                           micro_batch_size=2, precision=precision, device=autofit.Device(gpu=gpu))
     return est.breakdown[Category.ACTIVATIONS.value]
 
 
@@ -503,7 +503,7 @@ def test_cublas_workspace_config(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     assert cublas_workspace_bytes(a100) == 131_072
     est = autofit.estimate(_Attention(16, 2), torch.randn(2, 8, 16), micro_batch_size=2, loss_fn=lambda o: o.sum(),
-                           device="cuda", gpu="A100-80GB")
+                           device="A100-80GB")
     assert est.breakdown["cublas_workspace"] == 131_072
 
 
@@ -517,7 +517,7 @@ def test_context_bytes_override(monkeypatch):
     assert context_bytes() == MiB // 2
     monkeypatch.setenv("AUTOFIT_CUDA_CONTEXT_MIB", "300")
     est = autofit.estimate(_Attention(16, 2), torch.randn(2, 8, 16), micro_batch_size=2, loss_fn=lambda o: o.sum(),
-                           device="cuda", gpu="A100-80GB")
+                           device="A100-80GB")
     assert est.breakdown["cuda_context"] == 300 * MiB
 
 
@@ -622,7 +622,7 @@ def test_unknown_gpu_lists_the_catalog():
     assert "Z9000" in message and all(name in message for name in CATALOG)
     with pytest.raises(autofit.InvalidInputError, match="Z9000"):
         autofit.estimate(nn.Linear(4, 4), torch.randn(2, 4), micro_batch_size=2, loss_fn=lambda o: o.sum(),
-                         device="cuda", gpu="Z9000")
+                         device="Z9000")
 
 
 def test_resolve_gpu_without_a_device_assumes_the_default():
@@ -642,7 +642,7 @@ def test_cuda_estimate_fixed_terms_by_hand(zoo_case):
     """The terms of a CUDA estimate that do not depend on the model, each computed by hand from its source."""
     case = zoo_case("gpt_sdpa")
     est = autofit.estimate(case.model, case.sample, target=case.target, micro_batch_size=4, precision="bf16",
-                           device="cuda", gpu="A100-80GB")
+                           device="A100-80GB")
     assert est.device == "cuda"
     assert all(term in est.breakdown for term in CUDA_TERMS)
     assert "workspace" not in est.breakdown  # CPU kernel scratch is not part of the CUDA model
@@ -662,7 +662,7 @@ def test_cuda_estimate_fixed_terms_by_hand(zoo_case):
 @pytest.mark.parametrize("name", ["gpt_sdpa", "resnet_bn"])
 def test_plan_for_a_gpu(name, zoo_case):
     case = zoo_case(name)
-    plan = autofit.plan(case.model, case.sample, budget="90%", gpu="A100-40GB", device="cuda", batch_size=16,
+    plan = autofit.plan(case.model, case.sample, budget="90%", device="A100-40GB", batch_size=16,
                         target=case.target, loss_fn=case.loss_fn)
     assert (plan.device, plan.gpu) == ("cuda", "A100-40GB")
     assert abs(plan.budget_bytes - 0.9 * 40 * GiB) <= 1  # "90%" of the catalog's memory
@@ -675,7 +675,7 @@ def test_plan_for_a_gpu(name, zoo_case):
 @pytest.mark.sim
 def test_plan_on_t4_chooses_fp16(zoo_case):
     case = zoo_case("gpt_sdpa")
-    plan = autofit.plan(case.model, case.sample, budget="90%", gpu="T4", device="cuda", batch_size=16,
+    plan = autofit.plan(case.model, case.sample, budget="90%", device="T4", batch_size=16,
                         target=case.target)
     assert plan.precision.name == "fp16"  # T4 has no bf16: "auto" falls back to fp16 autocast
     assert plan.device_bytes <= plan.budget_bytes
@@ -684,7 +684,7 @@ def test_plan_on_t4_chooses_fp16(zoo_case):
 @pytest.mark.sim
 def test_plan_for_a_gpu_respects_a_binding_budget(zoo_case):
     case = zoo_case("gpt_sdpa")
-    kwargs = dict(gpu="A100-40GB", device="cuda", batch_size=256, target=case.target)
+    kwargs = dict(device="A100-40GB", batch_size=256, target=case.target)
     roomy = autofit.plan(case.model, case.sample, budget="90%", **kwargs)
     # Below what the fastest plan reserves with room to spare, but above the smallest budget it runs under (the
     # allocator frees its cached segments, Note [allocating under a cap]): the same plan, holding what the cap allows.

@@ -92,7 +92,7 @@ def test_cuda_default_adam_is_foreach_with_one_parameter_sized_copy(name):
     assert _optimizer_tensors(sim) == _param_bytes(model)
     assert _peak_temporaries_in_optimizer(sim) == sum(_param_bytes(model))
     est = autofit.estimate(model, torch.randn(2, 64), micro_batch_size=2, loss_fn=_loss, optimizer=name,
-                           device="cuda", gpu="A100-80GB")
+                           device="A100-80GB")
     assert est.peak_phase == "optimizer"
     assert est.breakdown["temporaries"] == sum(_param_bytes(model))
 

@@ -115,7 +115,7 @@ def test_estimate_of_each_bucket_mode_is_the_allocators_on_gloo(build, accumulat
     the last run under no_sync(), where the gradients live apart from the buckets in either mode, so the tiny
     Llama, which peaks in a later micro-batch, holds both copies either way (Note [DDP's bucket views])."""
     model, sample, kw = build()
-    kw = dict(kw, world_size=2, strategy="ddp", accumulation_steps=accumulation_steps)
+    kw = dict(kw, layout=autofit.Layout(world_size=2, strategy="ddp"), accumulation_steps=accumulation_steps)
     gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     peaks = {}
     for views in (True, False):

@@ -54,9 +54,11 @@ def _ids() -> torch.Tensor:
 def _estimator(model, device="cpu", extrapolate=True, world_size=1, strategy=None, precision="fp32"):
     ids = _ids()
     request = make_request(model, ids, "80GB" if device == "cuda" else "1GB", batch_size=2 * world_size,
-                           target=ids, loss_fn=_loss, optimizer="adamw", precision=precision, checkpoint="auto",
-                           device=device, gpu="H100-80GB" if device == "cuda" else None, world_size=world_size,
-                           strategy=strategy, quick=False, extrapolate_depth=extrapolate)
+                           target=ids, loss_fn=_loss, optimizer="adamw", precision=precision,
+                           savers=autofit.Savers(checkpoint="auto"),
+                           device=autofit.Device(kind=device, gpu="H100-80GB" if device == "cuda" else None),
+                           layout=autofit.Layout(world_size=world_size, strategy=strategy), quick=False,
+                           search=autofit.Search(extrapolate_depth=extrapolate))
     return Estimator(request, layouts(request, strategy)[0])
 
 
@@ -281,8 +283,9 @@ def test_extended_fsdp2_analysis_prices_every_step_as_the_whole_analysis():
     memory = {}
     for extrapolate in (True, False):
         request = make_request(model, {"input_ids": ids, "labels": ids}, "80GB", batch_size=32, optimizer="adamw",
-                               precision="bf16", checkpoint="auto", device="cuda", gpu="A100-80GB", world_size=8,
-                               strategy="fsdp2", quick=False, extrapolate_depth=extrapolate)
+                               precision="bf16", savers=autofit.Savers(checkpoint="auto"), device="A100-80GB",
+                               layout=autofit.Layout(world_size=8, strategy="fsdp2"),
+                               quick=False, search=autofit.Search(extrapolate_depth=extrapolate))
         parallel, policy = layouts(request, "fsdp2")[0], request.policies[0]
         analysis = analyse_policies(request, parallel, (policy,), {})
         memory[extrapolate] = search_space(request, parallel, (policy,), analysis).memory[policy.label]
@@ -314,7 +317,7 @@ def test_plan_with_extrapolation_equals_plan_without(budget):
     plans = {}
     for extrapolate in (True, False):
         plans[extrapolate] = autofit.plan(model, ids, budget, batch_size=8, target=ids, loss_fn=_loss, device="cpu",
-                                          precision="fp32", extrapolate_depth=extrapolate)
+                                          precision="fp32", search=autofit.Search(extrapolate_depth=extrapolate))
     a, b = plans[True], plans[False]
     assert (a.micro_batch_size, a.gradient_accumulation_steps) == (b.micro_batch_size, b.gradient_accumulation_steps)
     assert a.predicted_step_seconds == pytest.approx(b.predicted_step_seconds)
@@ -383,4 +386,4 @@ def test_extrapolate_depth_takes_true_false_or_auto():
     """A typed error naming the values, before any simulation."""
     with pytest.raises(autofit.InvalidInputError, match="True, False or 'auto', not 'sometimes'"):
         autofit.plan(_model(meta=True), _ids(), "1GB", target=_ids(), loss_fn=_loss, device="cpu",
-                     extrapolate_depth="sometimes")
+                     search=autofit.Search(extrapolate_depth="sometimes"))

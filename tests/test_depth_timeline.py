@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import autofit
 from autofit.request import make_request
 from autofit.simulate.depth import extend_checked
 from autofit.simulate.timeline import replay
@@ -36,8 +37,10 @@ def _estimator(world_size: int = 1, strategy: str | None = None) -> Estimator:
         model = Llama(CFG)
     ids = torch.zeros(2, CFG.max_seq_len, dtype=torch.long)
     request = make_request(model, ids, "80GB", batch_size=2 * world_size, target=ids, loss_fn=_loss,
-                           optimizer="adamw", precision="bf16", checkpoint="auto", device="cuda", gpu="H100-80GB",
-                           world_size=world_size, strategy=strategy, quick=False, extrapolate_depth=True)
+                           optimizer="adamw", precision="bf16", savers=autofit.Savers(checkpoint="auto"),
+                           device="H100-80GB",
+                           layout=autofit.Layout(world_size=world_size, strategy=strategy), quick=False,
+                           search=autofit.Search(extrapolate_depth=True))
     return Estimator(request, layouts(request, strategy)[0])
 
 

@@ -34,8 +34,9 @@ def _run(jobs: list[dict], tmp_path: Path) -> list[list[dict]]:
 
 def _plan(case, strategy: str, budget: str = "64MB", precision: str = "fp32"):
     return autofit.plan(case.model, case.sample, budget, batch_size=8 * WORLD, target=case.target,
-                        loss_fn=case.loss_fn, device="cpu", world_size=WORLD, strategy=strategy,
-                        precision=precision, optimizer="adamw")
+                        loss_fn=case.loss_fn, device="cpu",
+                        layout=autofit.Layout(world_size=WORLD, strategy=strategy), precision=precision,
+                        optimizer="adamw")
 
 
 def _assert_both_ranks_equal(model, result0, result1, strategy: str) -> None:
@@ -198,7 +199,8 @@ def _reducing_plan():
 
     case = wide_blocks()
     plan = autofit.plan(case.model, case.sample, 26 * 2**20, batch_size=8 * WORLD, target=case.target,
-                        loss_fn=case.loss_fn, device="cpu", precision="fp32", world_size=WORLD, strategy="fsdp2")
+                        loss_fn=case.loss_fn, device="cpu", precision="fp32",
+                        layout=autofit.Layout(world_size=WORLD, strategy="fsdp2"))
     assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
     return plan
 

@@ -78,6 +78,8 @@ def _analyse(model, sample, **kw):
 
 def _plan(model, sample, **kw):
     kw.setdefault("batch_size", 4)
+    if "checkpoint" in kw:  # a keyword of estimate and measure; plan takes it in its Savers
+        kw["savers"] = autofit.Savers(checkpoint=kw.pop("checkpoint"))
     return autofit.plan(model, sample, kw.pop("budget", "1GB"), device="cpu", **kw)
 
 
@@ -319,7 +321,7 @@ def test_bad_plan_batch_size(batch_size) -> None:
 @pytest.mark.parametrize("world_size", [0, 2.0, True], ids=repr)
 def test_bad_plan_world_size(world_size) -> None:
     with raises(autofit.InvalidInputError, "world_size", repr(world_size)):
-        _plan(_Net(), _sample(), target=_labels(), world_size=world_size)
+        _plan(_Net(), _sample(), target=_labels(), layout=autofit.Layout(world_size=world_size))
 
 
 # ---- budgets and devices --------------------------------------------------------------------------------------------
@@ -385,7 +387,7 @@ def test_unknown_device(entry: str) -> None:
 
 def test_gpu_name_with_cpu_device() -> None:
     with raises(autofit.InvalidInputError, "gpu=", "device='cuda'"):
-        autofit.plan(_Net(), _sample(), "1GB", target=_labels(), device="cpu", gpu="A100-80GB")
+        autofit.plan(_Net(), _sample(), "1GB", target=_labels(), device=autofit.Device(kind="cpu", gpu="A100-80GB"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -417,7 +419,7 @@ def test_infeasible_fsdp2_plan_does_not_advise_the_sharding_it_does():
     x = torch.randn(1, 256)
     with pytest.raises(autofit.InfeasibleBudgetError) as caught:
         autofit.plan(model, x, "1MB", batch_size=4, target=torch.randn(1, 256), loss_fn=nn.functional.mse_loss,
-                     device="cpu", world_size=2, strategy="fsdp2", precision="fp32")
+                     device="cpu", layout=autofit.Layout(world_size=2, strategy="fsdp2"), precision="fp32")
     message = str(caught.value)
     assert caught.value.dominant == "optimizer_state", message
     assert "sharded over 2 ranks already" in message and "more ranks" in message

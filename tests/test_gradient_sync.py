@@ -20,8 +20,10 @@ MiB = 2**20
 def _request(strategy, world_size=8, batch_size=64):
     case = wide_blocks("meta")
     return case, make_request(case.model, case.sample, "1GB", batch_size=batch_size, target=case.target,
-                              loss_fn=case.loss_fn, optimizer="adamw", precision="fp32", checkpoint="auto",
-                              device="cpu", gpu=None, world_size=world_size, strategy=strategy, quick=False)
+                              loss_fn=case.loss_fn, optimizer="adamw", precision="fp32",
+                              savers=autofit.Savers(checkpoint="auto"),
+                              device="cpu",
+                              layout=autofit.Layout(world_size=world_size, strategy=strategy), quick=False)
 
 
 def test_the_ladder_reduces_every_micro_batch_next_for_fsdp2_only():
@@ -47,7 +49,7 @@ def test_an_accumulating_fsdp2_plan_reduces_every_micro_batch_when_nothing_else_
     budget = 15 * MiB
     world = 8
     plan = autofit.plan(case.model, case.sample, budget, batch_size=64, target=case.target, loss_fn=case.loss_fn,
-                        device="cpu", precision="fp32", world_size=world, strategy="fsdp2")
+                        device="cpu", precision="fp32", layout=autofit.Layout(world_size=world, strategy="fsdp2"))
     assert plan.reduce_every_micro_batch
     assert plan.gradient_accumulation_steps > 1 and plan.micro_batch_size < 8
     assert plan.device_bytes <= budget

@@ -89,8 +89,8 @@ def test_states_alone_over_the_host_budget_are_refused_before_any_analysis(no_lo
     monkeypatch.setattr(planner, "_plan_parallel", analysed)
     params = 4 * (8192 * 8192 + 8192)
     with pytest.raises(autofit.HostMemoryError) as info:
-        autofit.plan(_wide(), torch.randn(2, 8192), "1.5GB", device="cuda", gpu="T4", host_budget="1GB",
-                     loss_fn=lambda o: o.sum())
+        autofit.plan(_wide(), torch.randn(2, 8192), "1.5GB",
+                     device=autofit.Device(gpu="T4", host_budget="1GB"), loss_fn=lambda o: o.sum())
     assert info.value.host_bytes == 16 * params and info.value.host_budget_bytes == 10**9
     assert 'host_budget="5GiB"' in str(info.value)  # 4.0005 GiB, rounded up to whole GiB
     assert "before any analysis" in str(info.value)
@@ -104,8 +104,8 @@ def test_a_budget_below_the_context_is_left_to_the_analysis(no_local_gpu, monkey
     monkeypatch.setattr(planner, "_plan_parallel", lambda *a, **k: called.append(1) or (_ for _ in ()).throw(
         autofit.InvalidInputError("stop")))
     with pytest.raises(autofit.InvalidInputError, match="stop"):
-        autofit.plan(_wide(), torch.randn(2, 8192), 1, device="cuda", gpu="T4", host_budget="1GB",
-                     loss_fn=lambda o: o.sum())
+        autofit.plan(_wide(), torch.randn(2, 8192), 1,
+                     device=autofit.Device(gpu="T4", host_budget="1GB"), loss_fn=lambda o: o.sum())
     assert called
 
 

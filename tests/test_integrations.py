@@ -37,11 +37,13 @@ def _half_batch_plan(model, sample, checkpoint: tuple[str, ...], **kw) -> autofi
     """A plan of two micro-batches of BATCH // 2 with the given modules checkpointed (Lightning's DataLoader cannot
     split a batch unevenly): the budget is that configuration's modelled peak on the front plus a quarter of a row
     (the front is modelled; the plan's peak is verified by a simulation, so the budget needs a little room)."""
-    full, _ = plan_with_analysis(model, sample, "4GB", batch_size=BATCH, device="cpu", checkpoint=checkpoint, **kw)
+    full, _ = plan_with_analysis(model, sample, "4GB", batch_size=BATCH, device="cpu",
+                                 savers=autofit.Savers(checkpoint=checkpoint), **kw)
     peak = {alt.micro_batch_size: alt.peak_bytes for alt in full.frontier}
     assert BATCH // 2 in peak and BATCH in peak, "the front should offer the whole batch and half of it"
     budget = peak[BATCH // 2] + (peak[BATCH] - peak[BATCH // 2]) // (4 * (BATCH - BATCH // 2))
-    plan = autofit.plan(model, sample, budget, batch_size=BATCH, device="cpu", checkpoint=checkpoint, **kw)
+    plan = autofit.plan(model, sample, budget, batch_size=BATCH, device="cpu",
+                        savers=autofit.Savers(checkpoint=checkpoint), **kw)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.checkpoint) == (BATCH // 2, 2, checkpoint)
     return plan
 
@@ -134,7 +136,7 @@ def test_hf_export_leaves_hf_checkpointing_off():
     _, model = _tiny_gpt2()
     ids = torch.randint(0, 100, (2, SEQ))
     plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, "4GB", batch_size=4, device="cpu",
-                        checkpoint=("transformer.h.0.mlp",))
+                        savers=autofit.Savers(checkpoint=("transformer.h.0.mlp",)))
     exported = to_hf_training_arguments(plan)
     assert exported["training_arguments"]["gradient_checkpointing"] is False
     assert exported["autofit_checkpoint_modules"] == ["transformer.h.0.mlp"]

@@ -60,7 +60,7 @@ def test_hsdp_shards_within_a_node_and_all_reduces_shards_across_nodes():
 def test_the_planner_keeps_the_faster_layout_and_says_why():
     case = ZOO["gpt_sdpa"]()
     plan = autofit.plan(case.model, case.sample, "64MB", batch_size=16, target=case.target, loss_fn=case.loss_fn,
-                        device="cpu", world_size=2, strategy="fsdp2", precision="fp32")
+                        device="cpu", layout=autofit.Layout(world_size=2, strategy="fsdp2"), precision="fp32")
     # both fit at the same micro-batch here; ZeRO-2 skips the backward all-gather, so it is faster
     assert plan.reshard_after_forward is False and plan.replicate == 1
     why = [n for n in plan.notes if "chosen" in n]
@@ -76,10 +76,10 @@ def test_the_planner_keeps_the_faster_layout_and_says_why():
 ])
 def test_bad_layouts_are_refused_before_any_simulation(kwargs, words):
     case = ZOO["gpt_sdpa"]()
-    kwargs = {"strategy": "fsdp2", **kwargs}
+    layout = autofit.Layout(**{"strategy": "fsdp2", **kwargs})
     with pytest.raises(InvalidInputError, match=words):
         autofit.plan(case.model, case.sample, "64MB", batch_size=8, target=case.target, loss_fn=case.loss_fn,
-                     device="cpu", **kwargs)
+                     device="cpu", layout=layout)
 
 
 def test_auto_layouts_across_nodes():
@@ -94,8 +94,9 @@ def test_auto_layouts_across_nodes():
     from autofit.request import make_request
 
     request = make_request(case.model, case.sample, "1GB", batch_size=32, target=case.target, loss_fn=case.loss_fn,
-                           optimizer="adamw", precision="auto", checkpoint="auto", device="cpu", gpu=None,
-                           world_size=32, strategy="fsdp2", quick=True, gpus_per_node=8)
+                           optimizer="adamw", precision="auto", savers=autofit.Savers(checkpoint="auto"),
+                           device="cpu",
+                           layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2"), quick=True)
     labels = [p.label for p in layouts(request, "fsdp2")]
     assert labels == ["fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks",
                       "fsdp2 (resharded to 8) over 32 ranks", "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]

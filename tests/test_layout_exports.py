@@ -29,8 +29,9 @@ def plan8():
     """An FSDP2 plan over 8 ranks (2 nodes x 4) on the CPU, its layout replaced per test."""
     case = ZOO["gpt_sdpa"]()
     return autofit.plan(case.model, case.sample, "64MB", batch_size=16, target=case.target, loss_fn=case.loss_fn,
-                        device="cpu", world_size=8, strategy="fsdp2", precision="fp32", gpus_per_node=4,
-                        reshard_after_forward=True, replicate=1)
+                        device="cpu",
+                        layout=autofit.Layout(world_size=8, gpus_per_node=4, strategy="fsdp2",
+                                              reshard_after_forward=True, replicate=1), precision="fp32")
 
 
 LAYOUTS = [(True, 1), (False, 1), (4, 1), (True, 2), (False, 2)]

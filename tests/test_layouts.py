@@ -28,8 +28,10 @@ def _run(jobs: list[dict], tmp_path: Path, world: int) -> list[list[dict]]:
 
 def _plan(case, world: int, reshard, replicate: int = 1, budget: str = "64MB"):
     return autofit.plan(case.model, case.sample, budget, batch_size=8 * world, target=case.target,
-                        loss_fn=case.loss_fn, device="cpu", world_size=world, strategy="fsdp2", precision="fp32",
-                        optimizer="adamw", reshard_after_forward=reshard, replicate=replicate)
+                        loss_fn=case.loss_fn, device="cpu",
+                        layout=autofit.Layout(world_size=world, strategy="fsdp2", reshard_after_forward=reshard,
+                                              replicate=replicate), precision="fp32",
+                        optimizer="adamw")
 
 
 # (world size, reshard_after_forward, replicate): ZeRO-2 at 2 and 4, the reshard to pairs at 4, HSDP 2 x 2
@@ -107,7 +109,8 @@ def test_offloaded_states_over_ranks_train_a_full_batch_step_and_match_the_alloc
     base = _plan(case, 2, True)
     memory = dataclasses.replace(base, offload_states=True)
     est = autofit.estimate(case.model, case.sample, micro_batch_size=memory.micro_batch_size, target=case.target,
-                           loss_fn=case.loss_fn, device="cpu", world_size=2, strategy="fsdp2", offload_states=True,
+                           loss_fn=case.loss_fn, device="cpu",
+                           layout=autofit.Layout(world_size=2, strategy="fsdp2"), offload_states=True,
                            accumulation_steps=memory.gradient_accumulation_steps, precision="fp32",
                            checkpoint=memory.checkpoint)
     torch.manual_seed(0)

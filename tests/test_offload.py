@@ -47,7 +47,8 @@ def _reference(model: nn.Module, x, y, steps: int = 2) -> nn.Module:
 
 
 def _cpu_plan(model, x, y, **changes) -> autofit.Plan:
-    base = autofit.plan(model, x, "1GB", target=y, device="cpu", precision="fp32", checkpoint=None)
+    base = autofit.plan(model, x, "1GB", target=y, device="cpu", precision="fp32",
+                        savers=autofit.Savers(checkpoint=None))
     return dataclasses.replace(base, **changes)
 
 
@@ -95,7 +96,7 @@ def test_on_a_gpu_the_host_holds_exactly_what_save_on_cpu_packs():
     5 x 1,310,720 + 1,048,576 = 7,602,176 B of host memory."""
     x, y = _data(512)
     model = _model()
-    kw = dict(micro_batch_size=512, target=y, device="cuda", gpu="T4")
+    kw = dict(micro_batch_size=512, target=y, device="T4")
     plain = autofit.estimate(model, x, **kw)
     offloaded = autofit.estimate(model, x, offload=BLOCKS, **kw)
     assert plain.host_bytes == 0
@@ -145,7 +146,7 @@ def test_offloaded_states_live_on_the_host_of_a_gpu_target():
     model = _model()
     n = sum(p.numel() for p in model.parameters())
     assert n == 397_322
-    kw = dict(micro_batch_size=512, target=y, device="cuda", gpu="T4")
+    kw = dict(micro_batch_size=512, target=y, device="T4")
     plain = autofit.estimate(model, x, **kw)
     states = autofit.estimate(model, x, offload_states=True, **kw)
     host = dict(states.host_breakdown)
@@ -159,8 +160,8 @@ def test_offloaded_states_live_on_the_host_of_a_gpu_target():
     # under accumulation FSDP2 reduces every micro-batch into the host gradients (Note [offload]): the first
     # micro-batch leaves nothing on the device but a scalar's 512-byte block, where keeping its unsharded gradients
     # for the last micro-batch would add 4 n = 1.59 MB
-    one, two = (autofit.estimate(model, x, micro_batch_size=256, accumulation_steps=k, target=y, device="cuda",
-                                 gpu="T4", offload_states=True, inputs="micro-batch")
+    one, two = (autofit.estimate(model, x, micro_batch_size=256, accumulation_steps=k, target=y, device="T4",
+                                 offload_states=True, inputs="micro-batch")
                 for k in (1, 2))  # one micro-batch of inputs resident: what differs is the gradients alone
     assert two.peak_bytes - one.peak_bytes <= 512
     assert dict(two.host_breakdown)["gradients"] == 4 * n
@@ -226,18 +227,19 @@ def test_state_offload_time_hides_copies_behind_compute_and_adds_the_cpu_step():
 def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_host_budget():
     x, y = _data(64)
     model = _model()
-    kw = dict(target=y, device="cuda", gpu="T4", precision="fp32", checkpoint="auto")
+    kw = dict(target=y, precision="fp32")
+    savers = autofit.Savers(checkpoint="auto")
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
-        autofit.plan(model, x, 1, offload=False, **kw)
+        autofit.plan(model, x, 1, device="T4", savers=autofit.Savers(checkpoint="auto", offload=False), **kw)
     without = info.value.min_budget_bytes
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
-        autofit.plan(model, x, 1, **kw)
+        autofit.plan(model, x, 1, device="T4", savers=savers, **kw)
     assert "offloaded to the host" in str(info.value) and "without offloading" in str(info.value)
     with_offload = info.value.min_budget_bytes
     assert with_offload < without
     budget = (with_offload + without) // 2
     hook = sys.excepthook
-    plan = autofit.plan(model, x, budget, host_budget="1GB", **kw)
+    plan = autofit.plan(model, x, budget, device=autofit.Device(gpu="T4", host_budget="1GB"), savers=savers, **kw)
     assert sys.excepthook is hook  # the simulation's fake process group left no "[rank0]" traceback prefix
     assert plan.offload_states and plan.strategy == "fsdp2" and plan.world_size == 1
     assert plan.device_bytes <= budget
@@ -245,10 +247,10 @@ def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_hos
     assert "host memory" in str(plan)
     assert autofit.Plan.from_json(plan.to_json()).offload_states
     with pytest.raises(autofit.HostMemoryError, match="host_budget"):
-        autofit.plan(model, x, budget, host_budget=10**6, **kw)
+        autofit.plan(model, x, budget, device=autofit.Device(gpu="T4", host_budget=10**6), savers=savers, **kw)
     # below what offloading reaches, with too little host memory for it: the budget that works is the one without
     with pytest.raises(autofit.InfeasibleBudgetError, match="more than host_budget") as info:
-        autofit.plan(model, x, 1, host_budget=10**6, **kw)
+        autofit.plan(model, x, 1, device=autofit.Device(gpu="T4", host_budget=10**6), savers=savers, **kw)
     assert info.value.min_budget_bytes >= without > with_offload  # the states stay on the GPU in what it names
 
 
@@ -261,13 +263,16 @@ def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
     model = _model(1024)
     n = sum(p.numel() for p in model.parameters())
     assert n == 6_307_850
-    kw = dict(target=y, device="cuda", gpu="T4", precision="fp32", checkpoint="auto", world_size=2, strategy="fsdp2",
-              margin=0)
+    kw = dict(target=y, precision="fp32")
+    fsdp2 = autofit.Layout(world_size=2, strategy="fsdp2")
+    savers = autofit.Savers(checkpoint="auto")
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
-        autofit.plan(model, x, 1, offload=False, **kw)
+        autofit.plan(model, x, 1, device=autofit.Device(gpu="T4", margin=0),
+                     savers=autofit.Savers(checkpoint="auto", offload=False), layout=fsdp2, **kw)
     without = info.value.min_budget_bytes
     budget = without - 2**20  # nothing fits with the states on the GPUs
-    plan = autofit.plan(model, x, budget, host_budget="1GB", **kw)
+    plan = autofit.plan(model, x, budget, device=autofit.Device(gpu="T4", margin=0, host_budget="1GB"), savers=savers,
+                        layout=fsdp2, **kw)
     assert plan.offload_states and plan.strategy == "fsdp2" and plan.world_size == 2
     assert plan.device_bytes <= budget
     host = dict(plan.estimate.host_breakdown)
@@ -275,9 +280,11 @@ def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
     assert host["optimizer_state"] - 8 * n // 2 < 1024  # plus AdamW's step counters
     assert "for the 2 ranks of a node" in str(plan)
     one_rank = plan.host_bytes
+    short = autofit.Device(gpu="T4", margin=0, host_budget=one_rank + one_rank // 2)
     with pytest.raises(autofit.HostMemoryError, match="for the 2 ranks of a node"):
-        autofit.plan(model, x, budget, host_budget=one_rank + one_rank // 2, **kw)
-    apart = autofit.plan(model, x, budget, host_budget=one_rank + one_rank // 2, gpus_per_node=1, **kw)
+        autofit.plan(model, x, budget, device=short, savers=savers, layout=fsdp2, **kw)
+    apart = autofit.plan(model, x, budget, device=short, savers=savers,
+                         layout=autofit.Layout(world_size=2, strategy="fsdp2", gpus_per_node=1), **kw)
     assert apart.offload_states and apart.host_bytes == one_rank
 
 
@@ -292,7 +299,8 @@ def test_gpt2_xl_on_a_t4_plans_with_its_states_on_the_host():
         model = transformers.GPT2LMHeadModel(cfg)
     assert sum(p.numel() for p in model.parameters()) == 1_557_611_200
     ids = torch.zeros(32, 1024, dtype=torch.long)
-    plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, "90%", gpu="T4", host_budget="64GB")
+    plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, "90%",
+                        device=autofit.Device(gpu="T4", host_budget="64GB"))
     assert plan.offload_states and plan.precision.name == "fp16"
     assert plan.device_bytes <= plan.budget_bytes == int(0.9 * 16 * 2**30)
     assert plan.host_bytes >= 16 * 1_557_611_200
@@ -311,5 +319,5 @@ def test_planning_with_fsdp2_repeats_none_of_its_warnings_about_user_code():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(autofit.InfeasibleBudgetError, match="offloaded to the host"):
-            autofit.plan(case.model, case.sample, 1, batch_size=32, target=case.target, gpu="A100-80GB")
+            autofit.plan(case.model, case.sample, 1, batch_size=32, target=case.target, device="A100-80GB")
     assert not [w for w in caught if "returned a view tensor" in str(w.message)]

@@ -19,12 +19,13 @@ ROW_BYTES = 64 * 128 * 4 + 8  # one row of WideBlocks' input (fp32) and its clas
 def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
     case = wide_blocks("meta")
     plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, target=case.target, loss_fn=case.loss_fn,
-                        device="cpu", precision="fp32", world_size=2, strategy=strategy)
+                        device="cpu", precision="fp32", layout=autofit.Layout(world_size=2, strategy=strategy))
     assert plan.gradient_accumulation_steps == 1  # the plan holds one micro-batch of rows, as an estimate does
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
-                           world_size=2, strategy=strategy, reshard_after_forward=plan.reshard_after_forward,
-                           replicate=plan.replicate)
+                           layout=autofit.Layout(world_size=2, strategy=strategy,
+                                                 reshard_after_forward=plan.reshard_after_forward,
+                                                 replicate=plan.replicate))
     assert est.peak_bytes == plan.peak_bytes
     single = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                               loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint)
@@ -37,31 +38,32 @@ def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
     inputs="micro-batch" one micro-batch: they differ by the other rows' bytes, counted by hand."""
     case = wide_blocks("meta")
     plan = autofit.plan(case.model, case.sample, 26 * MiB, batch_size=16, target=case.target, loss_fn=case.loss_fn,
-                        device="cpu", precision="fp32", world_size=2, strategy="fsdp2")
+                        device="cpu", precision="fp32", layout=autofit.Layout(world_size=2, strategy="fsdp2"))
     assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
-                           accumulation_steps=plan.gradient_accumulation_steps, world_size=2, strategy="fsdp2",
-                           reduce_every_micro_batch=True, inputs="micro-batch")
+                           accumulation_steps=plan.gradient_accumulation_steps,
+                           layout=autofit.Layout(world_size=2, strategy="fsdp2"), reduce_every_micro_batch=True,
+                           inputs="micro-batch")
     assert est.peak_bytes + (8 - plan.micro_batch_size) * ROW_BYTES == plan.peak_bytes
     # estimate's default holds the rank's whole batch, as the trainer does: the plan's own figure (issue 39)
     assert plan.micro_batch_size * plan.gradient_accumulation_steps == 8
     whole = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                              loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
-                             accumulation_steps=plan.gradient_accumulation_steps, world_size=2, strategy="fsdp2",
-                             reduce_every_micro_batch=True)
+                             accumulation_steps=plan.gradient_accumulation_steps,
+                             layout=autofit.Layout(world_size=2, strategy="fsdp2"), reduce_every_micro_batch=True)
     assert whole.peak_bytes == plan.peak_bytes and whole.input_rows == 8
 
 
 def test_a_layout_without_its_other_half_is_refused():
     case = wide_blocks("meta")
     with pytest.raises(InvalidInputError, match="needs strategy"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=2, world_size=2)
+        autofit.estimate(case.model, case.sample, micro_batch_size=2, layout=autofit.Layout(world_size=2))
     with pytest.raises(InvalidInputError, match="needs world_size"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=2, strategy="ddp")
+        autofit.estimate(case.model, case.sample, micro_batch_size=2, layout=autofit.Layout(strategy="ddp"))
     with pytest.raises(InvalidInputError, match="reduce_every_micro_batch"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=2, world_size=2, strategy="ddp",
-                         reduce_every_micro_batch=True)
+        autofit.estimate(case.model, case.sample, micro_batch_size=2,
+                         layout=autofit.Layout(world_size=2, strategy="ddp"), reduce_every_micro_batch=True)
 
 
 @pytest.mark.sim
@@ -77,7 +79,8 @@ def test_dtensor_specs_flattened_once_give_the_same_fsdp2_estimate(monkeypatch):
 
     def figures():
         est = autofit.estimate(case.model, case.sample, micro_batch_size=4, target=case.target, loss_fn=case.loss_fn,
-                               precision="bf16", device="cuda", gpu="H100-80GB", world_size=8, strategy="fsdp2")
+                               precision="bf16", device="H100-80GB",
+                               layout=autofit.Layout(world_size=8, strategy="fsdp2"))
         return est.peak_bytes, est.device_bytes, est.peak_reserved_bytes, est.breakdown
 
     with _torch.dtensor_specs_once():

@@ -159,12 +159,11 @@ def test_a_child_reports_no_progress(two_workers, tmp_path):
 # ---- simulations in workers equal simulations here ---------------------------------------------------------------
 def _request(name, device="cuda", **kw):
     case = ZOO[name]()
-    kw = dict(batch_size=32, optimizer="adamw", precision="auto", checkpoint="auto", world_size=1, strategy=None,
-              quick=True, **kw)
-    kw["gpu"] = "A100-80GB" if device == "cuda" else None
+    kw = dict(batch_size=32, optimizer="adamw", precision="auto", savers=autofit.Savers(checkpoint="auto"),
+              layout=autofit.Layout(world_size=1, strategy=None), quick=True, **kw)
     # a request, not a plan: any budget; 1 TB is over an A100's memory, which make_request refuses unless told
-    return make_request(case.model, case.sample, "1TB", target=case.target, loss_fn=case.loss_fn, device=device,
-                        allow_over_capacity=True, **kw)
+    device = autofit.Device(kind=device, gpu="A100-80GB" if device == "cuda" else None, allow_over_capacity=True)
+    return make_request(case.model, case.sample, "1TB", target=case.target, loss_fn=case.loss_fn, device=device, **kw)
 
 
 def _analysis(request, policy):
@@ -227,10 +226,12 @@ def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
 
     model = Llama(LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=172, num_heads=4, vocab_size=500))
     ids = torch.randint(0, 500, (2, 64))
-    kw = dict(batch_size=16, target=ids, gpu="A100-80GB", allow_over_capacity=True)  # 1 TB: over the card
+    a100 = autofit.Device(gpu="A100-80GB", allow_over_capacity=True)  # 1 TB: over the card
+    kw = dict(batch_size=16, target=ids, device=a100)
     roomy = autofit.plan(model, ids, "1TB", **kw)
     assert roomy.micro_batch_size == 16
-    smallest = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, ids, 1, offload=False, **kw)
+    smallest = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, ids, 1,
+                             savers=autofit.Savers(offload=False), **kw)
     budget = (smallest.value.min_budget_bytes + roomy.device_bytes) // 2
     estimated_here = []  # (length, rows) of every table estimate this process makes (a child's are not seen)
     real_peak = planner._rows_peak
@@ -342,22 +343,23 @@ def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
     x, y = torch.randn(2, 1024), torch.randn(2, 1024)
-    kw = dict(batch_size=16, target=y, loss_fn=torch.nn.functional.mse_loss, device="cpu", world_size=4)
+    kw = dict(batch_size=16, target=y, loss_fn=torch.nn.functional.mse_loss, device="cpu")
     # DDP keeps every fp32 parameter, gradient and both AdamW moments on each rank: 16 bytes per parameter
     ddp_states = 4 * (1024 * 1024 + 1024) * 16
     assert ddp_states == 67_174_400 and ddp_states > 40 * 2**20
-    plan = autofit.plan(model, x, "40MB", **kw)
+    plan = autofit.plan(model, x, "40MB", layout=autofit.Layout(world_size=4), **kw)
     assert plan.strategy == "fsdp2" and planned == ["fsdp2", "fsdp2"]  # its layouts: ZeRO-3 and ZeRO-2
     assert any(n.startswith("ddp not planned") and "64.06 MiB" in n for n in plan.notes), plan.notes
-    alone = autofit.plan(model, x, "40MB", strategy="fsdp2", **kw)
+    alone = autofit.plan(model, x, "40MB", layout=autofit.Layout(world_size=4, strategy="fsdp2"), **kw)
     assert (plan.micro_batch_size, plan.checkpoint, plan.device_bytes) == \
         (alone.micro_batch_size, alone.checkpoint, alone.device_bytes)
     # when nothing fits, both are planned and the error names the smaller of their smallest budgets
     planned.clear()
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
-        autofit.plan(model, x, "10MB", **kw)
+        autofit.plan(model, x, "10MB", layout=autofit.Layout(world_size=4), **kw)
     assert sorted(planned) == ["ddp", "fsdp2"]  # FSDP2's ZeRO-2 holds more than its ZeRO-3: not planned
-    fsdp2_min = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, x, "10MB", strategy="fsdp2", **kw)
+    fsdp2_min = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, x, "10MB",
+                              layout=autofit.Layout(world_size=4, strategy="fsdp2"), **kw)
     assert info.value.min_budget_bytes == fsdp2_min.value.min_budget_bytes
 
 

@@ -59,7 +59,7 @@ def test_estimate_equals_the_cpu_allocator_on_a_tiny_llama():
 
 def _plan_with_grads_ahead(model, x, y, budget: int | None = None):
     plan = autofit.plan(model, x, budget or 10**10, batch_size=64, target=y, loss_fn=nn.CrossEntropyLoss(),
-                        optimizer="adamw", precision="fp32", device="cpu", checkpoint=None)
+                        optimizer="adamw", precision="fp32", device="cpu", savers=autofit.Savers(checkpoint=None))
     return replace(plan, estimate=replace(plan.estimate, preallocated_grads=True))
 
 

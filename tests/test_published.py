@@ -75,7 +75,7 @@ def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
     assert {c.name for c in multi} >= {"torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128"}
     for case in multi:
         _, _, kwargs = case.build()
-        assert kwargs["world_size"] == case.ranks and kwargs["strategy"] == "fsdp2", case.name
+        assert kwargs["layout"].world_size == case.ranks and kwargs["layout"].strategy == "fsdp2", case.name
 
 
 @pytest.mark.slow(seconds=120)

@@ -85,7 +85,7 @@ def test_python_random_layerdrop_and_plan_note() -> None:
     for seed in range(3):
         random.seed(seed)
         assert autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes == truth
-    plan = autofit.plan(model, x, truth, target=y, device="cpu", precision="fp32", checkpoint=())
+    plan = autofit.plan(model, x, truth, target=y, device="cpu", precision="fp32", savers=autofit.Savers(checkpoint=()))
     assert any("random draws" in n for n in plan.notes)
 
 

@@ -66,7 +66,8 @@ def test_batchnorm_model_planned_under_a_share_of_the_full_batch(share: float) -
     model, (x, y) = _bn_model(), _data()
     full = autofit.estimate(model, x, target=y, micro_batch_size=13).peak_bytes
     budget = int(full * share)
-    plan = autofit.plan(model, x, budget, target=y, batch_size=13, device="cpu", precision="fp32", checkpoint=())
+    plan = autofit.plan(model, x, budget, target=y, batch_size=13, device="cpu", precision="fp32",
+                        savers=autofit.Savers(checkpoint=()))
     assert plan.micro_batch_size < 13 and plan.min_rows == 2
     assert any("at least 2 rows" in n for n in plan.notes)
     # one micro-batch of inputs resident: estimate's whole batch would be micro x accumulation rows, not the 13 held

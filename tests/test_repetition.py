@@ -57,5 +57,5 @@ def test_two_micro_batches_decide_the_window_on_a_gpu(name, precision, monkeypat
     one every later micro-batch finds."""
     case = zoo_case(name)
     short, full = _estimates(case, monkeypatch, micro_batch_size=2, accumulation_steps=4, precision=precision,
-                             checkpoint=_recomputed(case.model), device="cuda", gpu="A100-80GB")
+                             checkpoint=_recomputed(case.model), device="A100-80GB")
     _same(short, full)

@@ -27,9 +27,9 @@ TOLERANCE = 0.005
 def test_unknown_rung_is_a_typed_error_listing_the_rungs():
     model, x = nn.Linear(4, 4), torch.zeros(2, 4)
     with pytest.raises(InvalidInputError, match="unknown rung '8bit'.*'8bit-optimizer', 'chunked-loss'"):
-        autofit.plan(model, x, "1GB", device="cpu", allow=("8bit",))
+        autofit.plan(model, x, "1GB", device="cpu", savers=autofit.Savers(allow=("8bit",)))
     with pytest.raises(InvalidInputError, match="sequence of rung names"):
-        autofit.plan(model, x, "1GB", device="cpu", allow=8)
+        autofit.plan(model, x, "1GB", device="cpu", savers=autofit.Savers(allow=8))
 
 
 def test_cli_allow_is_validated():
@@ -69,7 +69,7 @@ def test_only_the_8bit_rung_fits_and_the_trainer_runs_it():
     with pytest.raises(InfeasibleBudgetError) as e:
         autofit.plan(model, x, budget, target=y, device="cpu")
     assert budget < e.value.min_budget_bytes
-    plan = autofit.plan(model, x, budget, target=y, device="cpu", allow=("8bit-optimizer",))
+    plan = autofit.plan(model, x, budget, target=y, device="cpu", savers=autofit.Savers(allow=("8bit-optimizer",)))
     assert plan.low_bit_optimizer == "bitsandbytes.optim.AdamW8bit" and plan.chunked_loss is None
     assert plan.device_bytes <= budget
     [note] = [n for n in plan.notes if "rung '8bit-optimizer' climbed" in n]
@@ -104,8 +104,10 @@ def _plain_step(model, optimizer, x, y) -> None:
 def test_the_8bit_rung_does_not_apply_to_sgd_and_says_so():
     model, (x, y) = _mlp(), _mlp_data()
     with pytest.raises(InfeasibleBudgetError):
-        autofit.plan(model, x, 10**6, target=y, device="cpu", optimizer="sgd", allow="8bit-optimizer")
-    plan = autofit.plan(model, x, "1GB", target=y, device="cpu", optimizer="sgd", allow="8bit-optimizer")
+        autofit.plan(model, x, 10**6, target=y, device="cpu", optimizer="sgd",
+                     savers=autofit.Savers(allow="8bit-optimizer"))
+    plan = autofit.plan(model, x, "1GB", target=y, device="cpu", optimizer="sgd",
+                        savers=autofit.Savers(allow="8bit-optimizer"))
     assert any("'8bit-optimizer' does not apply to optimizer 'sgd'" in n for n in plan.notes)
 
 
@@ -204,7 +206,8 @@ def test_the_chunked_rung_is_climbed_when_nothing_else_fits():
     budget = e.value.min_budget_bytes - 1
     with pytest.raises(InfeasibleBudgetError):
         autofit.plan(model, batch, budget, device="cpu", batch_size=batch_size)
-    plan = autofit.plan(model, batch, budget, device="cpu", batch_size=batch_size, allow=("chunked-loss",))
+    plan = autofit.plan(model, batch, budget, device="cpu", batch_size=batch_size,
+                        savers=autofit.Savers(allow=("chunked-loss",)))
     assert plan.chunked_loss == LossChunks(head="lm_head") and plan.low_bit_optimizer is None
     [note] = [n for n in plan.notes if "rung 'chunked-loss' climbed" in n]
     assert "saves" in note and "8 chunks" in note

@@ -75,9 +75,11 @@ def test_a_rank_keeps_the_residual_stream_and_norms_of_its_share_of_the_tokens()
     stream and each norm's saved input hold 1/T of the tokens), the parameters stay (norms are replicated)."""
     case = tiny_llama()
     blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
-    kwargs = dict(micro_batch_size=ROWS, world_size=2, strategy="fsdp2", tensor_parallel=2)
-    alone = autofit.estimate(case.model, case.sample, tensor_parallel_plan=blocks, **kwargs)
-    sequence = autofit.estimate(case.model, case.sample, tensor_parallel_plan=_mapping(case.model), **kwargs)
+    layout = dict(world_size=2, strategy="fsdp2", tensor_parallel=2)
+    alone = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+                             layout=autofit.Layout(**layout, tensor_parallel_plan=blocks))
+    sequence = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+                                layout=autofit.Layout(**layout, tensor_parallel_plan=_mapping(case.model)))
     assert sequence.breakdown["parameters"] == alone.breakdown["parameters"]
     assert sequence.peak_bytes < alone.peak_bytes
 
@@ -86,8 +88,9 @@ def _plan(world: int, tp: int, batch_size: int, checkpoint: tuple[str, ...] = ()
     """A plan of the layout, made by hand around the estimate (the estimate is what is under test)."""
     case = tiny_llama()
     mapping = _mapping(case.model)
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, world_size=world, strategy="fsdp2",
-                           tensor_parallel=tp, tensor_parallel_plan=mapping, checkpoint=checkpoint or None)
+    est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+                           layout=autofit.Layout(world_size=world, strategy="fsdp2", tensor_parallel=tp,
+                                                 tensor_parallel_plan=mapping), checkpoint=checkpoint or None)
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
                 batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=checkpoint,
                 peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
@@ -174,8 +177,9 @@ def test_collectives_are_the_ones_torch_runs(tmp_path):
         plan = resolve_tensor_plan(case.model, 2, mapping)
         parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
         expected.append(ROWS * tensor_reduce_bytes(case.model, parallel, _output_bytes(case, plan)))
-        est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, world_size=2, strategy="fsdp2",
-                               tensor_parallel=2, tensor_parallel_plan=mapping)
+        est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+                               layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
+                                                     tensor_parallel_plan=mapping))
         memory = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=1, batch_size=ROWS,
                       last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
                       peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
@@ -217,13 +221,16 @@ def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_ru
     odd = {"input_ids": ids, "labels": ids.clone()}
     mapping = sequence_parallel_plan(case.model)
     with pytest.raises(autofit.InvalidInputError, match="has 31 there .* pad it to a multiple of 2"):
-        autofit.estimate(case.model, odd, micro_batch_size=ROWS, world_size=2, strategy="fsdp2", tensor_parallel=2,
-                         tensor_parallel_plan=mapping)
+        autofit.estimate(case.model, odd, micro_batch_size=ROWS,
+                         layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
+                                               tensor_parallel_plan=mapping))
     with pytest.raises(autofit.InvalidInputError, match="has 31 there"):
-        autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu", world_size=2, strategy="fsdp2",
-                     tensor_parallel=2, tensor_parallel_plan=mapping)
-    plan = autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu", world_size=2, strategy="fsdp2",
-                        tensor_parallel="auto", tensor_parallel_plan=mapping)
+        autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu",
+                     layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
+                                           tensor_parallel_plan=mapping))
+    plan = autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu",
+                        layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel="auto",
+                                              tensor_parallel_plan=mapping))
     assert plan.tensor_parallel == 1  # the trainer's refusal: the gloo test above ("odd length" job)
 
 
@@ -243,9 +250,10 @@ def test_depth_extrapolation_plans_sequence_parallel_as_the_whole_model():
         model = LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (2, TOKENS))
     plans = [autofit.plan(model, {"input_ids": ids, "labels": ids}, "1GB", batch_size=8, device="cpu",
-                          precision="fp32", world_size=4, strategy="fsdp2", tensor_parallel=2,
-                          tensor_parallel_plan=sequence_parallel_plan(model), reshard_after_forward=True,
-                          extrapolate_depth=extrapolate) for extrapolate in (False, True)]
+                          precision="fp32",
+                          layout=autofit.Layout(world_size=4, strategy="fsdp2", reshard_after_forward=True,
+                                                tensor_parallel=2, tensor_parallel_plan=sequence_parallel_plan(model)),
+                          search=autofit.Search(extrapolate_depth=extrapolate)) for extrapolate in (False, True)]
     assert any("depth extrapolation: simulated" in n for n in plans[1].notes)
     assert plans[0].layout == plans[1].layout == "fsdp2 (ZeRO-3) x tp 2 + sequence parallel"
     assert (plans[0].micro_batch_size, plans[0].peak_bytes) == (plans[1].micro_batch_size, plans[1].peak_bytes)

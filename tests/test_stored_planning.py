@@ -31,7 +31,7 @@ def test_pure_bf16_is_chosen_when_16_bytes_per_parameter_cannot_fit():
     n = sum(p.numel() for p in model.parameters())
     budget = int(2.2 * GiB)
     assert 16 * n > budget > 8 * n  # by hand: fp32 and the fp32 master copy cannot fit, pure bf16 can
-    plan = autofit.plan(model, ids, budget, batch_size=4, target=ids, device="cuda", gpu="A100-80GB")
+    plan = autofit.plan(model, ids, budget, batch_size=4, target=ids, device="A100-80GB")
     assert plan.precision.stored == "bf16" and plan.precision.name == "bf16"
     assert plan.device_bytes <= budget
     assert plan.estimate.breakdown["parameters"] == 2 * n and plan.estimate.breakdown["gradients"] == 2 * n
@@ -44,8 +44,9 @@ def test_pure_bf16_is_chosen_when_16_bytes_per_parameter_cannot_fit():
 def test_a_floor_keeps_the_master_copy_and_the_error_names_what_is_left():
     model, ids = _meta_llama()
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
-        autofit.plan(model, ids, int(2.2 * GiB), batch_size=4, target=ids, device="cuda", gpu="A100-80GB",
-                     min_stored_precision="fp32-master", offload=False)  # the states on the GPU: offload.md's case
+        autofit.plan(model, ids, int(2.2 * GiB), batch_size=4, target=ids, device="A100-80GB",
+                     precision=autofit.Precision(min_stored="fp32-master"),
+                     savers=autofit.Savers(offload=False))  # the states on the GPU: offload.md's case
     assert "bf16/bf16-master" in str(info.value)  # the lowest it was allowed to try
     assert "stored='bf16-master' or 'bf16'" not in str(info.value)  # no advice to do what it already did
 
@@ -73,7 +74,7 @@ def test_llama_7b_in_fp32_plans_for_one_a100_at_72_gib():
     with torch.device("meta"):
         model = Llama(LlamaConfig())
     ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
-    plan = autofit.plan(model, ids, 72 * GiB, batch_size=64, target=ids, device="cuda", gpu="A100-80GB")
+    plan = autofit.plan(model, ids, 72 * GiB, batch_size=64, target=ids, device="A100-80GB")
     assert plan.precision.stored == "bf16" and plan.device_bytes <= 72 * GiB
     n = sum(p.numel() for p in model.parameters())
     assert plan.estimate.breakdown["parameters"] == 2 * n
@@ -102,8 +103,9 @@ def _pin_note(plan, label):
 @pytest.mark.sim
 def test_pins_by_class_and_name_and_their_memory_cost_against_the_allocator():
     model, sample = _tiny_gpt2()
-    plan = autofit.plan(model, sample, "1GB", device="cpu", precision="bf16", checkpoint=None,
-                        fp32_modules=["LayerNorm", "lm_head"])
+    plan = autofit.plan(model, sample, "1GB", device="cpu",
+                        precision=autofit.Precision(compute="bf16", fp32_modules=["LayerNorm", "lm_head"]),
+                        savers=autofit.Savers(checkpoint=None))
     assert set(plan.precision.fp32_modules) == {"transformer.h.0.ln_1", "transformer.h.0.ln_2",
                                                 "transformer.h.1.ln_1", "transformer.h.1.ln_2", "transformer.ln_f",
                                                 "lm_head"}
@@ -120,7 +122,7 @@ def test_pins_by_class_and_name_and_their_memory_cost_against_the_allocator():
 @pytest.mark.sim
 def test_pin_time_cost_is_the_roofline_of_its_flops_by_hand():
     model, sample = _tiny_gpt2()
-    plan = autofit.plan(model, sample, "1GB", device="cuda", gpu="A100-80GB", fp32_modules=["lm_head"])
+    plan = autofit.plan(model, sample, "1GB", device="A100-80GB", precision=autofit.Precision(fp32_modules=["lm_head"]))
     _, ms = _pin_note(plan, "lm_head")
     # lm_head: forward 2 x tokens x 64 x 512 FLOPs, backward twice that (input and weight gradients), per micro-batch
     tokens = 4 * 32
@@ -132,14 +134,14 @@ def test_pin_time_cost_is_the_roofline_of_its_flops_by_hand():
 def test_unknown_pin_is_a_typed_error():
     model, sample = _tiny_gpt2()
     with pytest.raises(autofit.InvalidInputError, match="lm_haed"):
-        autofit.plan(model, sample, "1GB", device="cpu", fp32_modules=["lm_haed"])
+        autofit.plan(model, sample, "1GB", device="cpu", precision=autofit.Precision(fp32_modules=["lm_haed"]))
 
 
 @pytest.mark.sim
 def test_auto_pins_the_final_norm_and_head_when_memory_allows_and_not_otherwise():
     model, sample = _tiny_gpt2()
-    knobs = dict(device="cpu", precision="bf16", checkpoint=None, optimizer="adamw")
-    free = autofit.plan(model, sample, "1GB", fp32_modules="auto", **knobs)
+    knobs = dict(device="cpu", savers=autofit.Savers(checkpoint=None), optimizer="adamw")
+    free = autofit.plan(model, sample, "1GB", precision=autofit.Precision(compute="bf16", fp32_modules="auto"), **knobs)
     assert free.precision.fp32_modules == ("transformer.ln_f", "lm_head")
     step = dict(micro_batch_size=free.micro_batch_size, accumulation_steps=free.gradient_accumulation_steps,
                 optimizer="adamw")
@@ -170,12 +172,13 @@ class _WideHead(torch.nn.Module):
 def test_auto_pins_are_left_out_when_they_do_not_fit():
     torch.manual_seed(0)
     model, x, y = _WideHead(), torch.randn(2048, 64), torch.randn(2048, 1024)
-    knobs = dict(target=y, loss_fn=torch.nn.functional.mse_loss, device="cpu", precision="bf16", checkpoint=None,
+    knobs = dict(target=y, loss_fn=torch.nn.functional.mse_loss, device="cpu", savers=autofit.Savers(checkpoint=None),
                  optimizer="sgd")
-    unpinned = autofit.plan(model, x, "1GB", **knobs)
-    pinned = autofit.plan(model, x, "1GB", fp32_modules="auto", **knobs)
+    pins = autofit.Precision(compute="bf16", fp32_modules="auto")
+    unpinned = autofit.plan(model, x, "1GB", precision="bf16", **knobs)
+    pinned = autofit.plan(model, x, "1GB", precision=pins, **knobs)
     assert pinned.precision.fp32_modules == ("head",) and unpinned.micro_batch_size == pinned.micro_batch_size
     assert pinned.peak_bytes > unpinned.peak_bytes
-    tight = autofit.plan(model, x, unpinned.peak_bytes, fp32_modules="auto", **knobs)
+    tight = autofit.plan(model, x, unpinned.peak_bytes, precision=pins, **knobs)
     assert tight.precision.fp32_modules == () and tight.peak_bytes <= unpinned.peak_bytes
     assert any("left out" in n for n in tight.notes)

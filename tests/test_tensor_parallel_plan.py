@@ -44,14 +44,16 @@ def test_plan_with_tensor_parallel_matches_the_estimate_of_its_rank():
     """world 4 = FSDP2 over 2 x tensor parallel 2, batch 8: each rank trains 8 / 2 = 4 rows; the plan's figure is
     the estimate of exactly its configuration, and the trainer gets the layout."""
     case = tiny_llama("meta")
-    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32", world_size=4,
-                        strategy="fsdp2", tensor_parallel=2, reshard_after_forward=True)
+    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32",
+                        layout=autofit.Layout(world_size=4, strategy="fsdp2", reshard_after_forward=True,
+                                              tensor_parallel=2))
     assert (plan.tensor_parallel, plan.layout) == (2, "fsdp2 (ZeRO-3) x tp 2")
     assert plan.micro_batch_size * plan.gradient_accumulation_steps == 4
     assert dict(plan.tensor_plan) == dict(resolve_tensor_plan(case.model, 2))
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size,
                            accumulation_steps=plan.gradient_accumulation_steps, precision=plan.precision,
-                           checkpoint=plan.checkpoint, world_size=4, strategy="fsdp2", tensor_parallel=2)
+                           checkpoint=plan.checkpoint,
+                           layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2))
     assert est.peak_bytes == plan.peak_bytes
     again = autofit.Plan.from_json(plan.to_json())
     assert again.tensor_plan == plan.tensor_plan and again.tensor_parallel == 2
@@ -61,14 +63,14 @@ def test_explicit_tensor_parallel_is_refused_where_it_cannot_run():
     blocks = wide_blocks("meta")
     with pytest.raises(UnsupportedModelError, match="carries none"):
         autofit.plan(blocks.model, blocks.sample, "1GB", batch_size=8, target=blocks.target, loss_fn=blocks.loss_fn,
-                     device="cpu", world_size=2, strategy="fsdp2", tensor_parallel=2)
+                     device="cpu", layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2))
     case = tiny_llama("meta")
     with pytest.raises(InvalidInputError, match="does not divide the 2 GPUs of a node"):
-        autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", world_size=8, strategy="fsdp2",
-                     gpus_per_node=2, tensor_parallel=4)
+        autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu",
+                     layout=autofit.Layout(world_size=8, gpus_per_node=2, strategy="fsdp2", tensor_parallel=4))
     with pytest.raises(InvalidInputError, match="strategy='fsdp2'"):
-        autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", world_size=2, strategy="ddp",
-                     tensor_parallel=2)
+        autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu",
+                     layout=autofit.Layout(world_size=2, strategy="ddp", tensor_parallel=2))
 
 
 @pytest.mark.sim
@@ -76,8 +78,8 @@ def test_exports_name_the_tensor_parallel_degree():
     """torchtitan's [parallelism] takes tensor_parallel_degree, the shard degree is the other dim, and the global
     batch counts data-parallel ranks only; DeepSpeed's config has no training tensor parallelism: a note says so."""
     case = tiny_llama("meta")
-    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32", world_size=2,
-                        strategy="fsdp2")
+    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32",
+                        layout=autofit.Layout(world_size=2, strategy="fsdp2"))
     plan = replace(plan, world_size=4, tensor_parallel=2, tensor_plan=resolve_tensor_plan(case.model, 2))
     titan = to_torchtitan_config(plan)
     assert titan["parallelism"]["tensor_parallel_degree"] == 2
@@ -111,10 +113,12 @@ def test_clipping_leaves_tensor_parallel_out():
     is refused naming it; with "auto" the planner plans the other layouts only."""
     case = tiny_llama("meta")
     with pytest.raises(InvalidInputError, match="clip_grad_norm with tensor_parallel"):
-        autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", world_size=2, strategy="fsdp2",
-                     tensor_parallel=2, clip_grad_norm=1.0)
-    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32", world_size=2,
-                        strategy="fsdp2", tensor_parallel="auto", clip_grad_norm=1.0, reshard_after_forward=True)
+        autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu",
+                     layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2), clip_grad_norm=1.0)
+    plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32",
+                        layout=autofit.Layout(world_size=2, strategy="fsdp2", reshard_after_forward=True,
+                                              tensor_parallel="auto"),
+                        clip_grad_norm=1.0)
     assert plan.tensor_parallel == 1
 
 
@@ -125,12 +129,15 @@ def test_a_user_plan_is_planned_for_a_model_without_one():
     case = wide_blocks("meta")
     mapping = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
     plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, target=case.target, loss_fn=case.loss_fn,
-                        device="cpu", precision="fp32", world_size=2, strategy="fsdp2", tensor_parallel=2,
-                        tensor_parallel_plan=mapping, checkpoint=None)
+                        device="cpu", precision="fp32",
+                        layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
+                                              tensor_parallel_plan=mapping),
+                        savers=autofit.Savers(checkpoint=None))
     assert plan.layout == "tp 2" and len(plan.tensor_plan) == 8
     # the group's two ranks share all 8 rows, one micro-batch of them (1 GB is generous)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (8, 1)
     est = autofit.estimate(case.model, case.sample, target=case.target, loss_fn=case.loss_fn,
                            micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-                           world_size=2, strategy="fsdp2", tensor_parallel=2, tensor_parallel_plan=mapping)
+                           layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
+                                                 tensor_parallel_plan=mapping))
     assert est.peak_bytes == plan.peak_bytes

@@ -50,7 +50,7 @@ def test_on_cuda_the_three_figures_by_hand():
       one small segment; the workspace takes one large one: 22 MiB.
     - on the device: reserved plus the CUDA context."""
     est = autofit.estimate(nn.Linear(256, 256), torch.randn(4, 256), micro_batch_size=4, loss_fn=_loss,
-                           optimizer="sgd", device="cuda", gpu="A100-80GB")
+                           optimizer="sgd", device="A100-80GB")
     states = 3 * (256 * 256 * 4 + 256 * 4)
     workspace = 4096 * 1024 * 2 + 16 * 1024 * 8
     assert est.peak_allocated_bytes == states + 4 * 256 * 4 + 2 * 512 + workspace == 9_314_304
@@ -62,7 +62,7 @@ def test_on_cuda_the_three_figures_by_hand():
 
 
 def _cuda_plan() -> autofit.Plan:
-    return autofit.plan(_model(), torch.randn(8, 256), "2GB", batch_size=8, loss_fn=_loss, device="cuda", gpu="T4")
+    return autofit.plan(_model(), torch.randn(8, 256), "2GB", batch_size=8, loss_fn=_loss, device="T4")
 
 
 def test_plan_json_and_tables_name_the_three_figures():
@@ -108,9 +108,7 @@ def test_cudnn_workspace_bound_is_stated_where_the_step_runs_convolutions():
     """Conv_v8.cpp: ``run_conv_plan`` allocates the engine's workspace for the call; ``try_configs`` skips engines
     whose workspace allocation fails. The estimate says so wherever a convolution runs, and only there."""
     conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
-    est = autofit.estimate(conv, torch.randn(2, 3, 8, 8), micro_batch_size=2, loss_fn=_loss, device="cuda",
-                           gpu="A100-80GB")
+    est = autofit.estimate(conv, torch.randn(2, 3, 8, 8), micro_batch_size=2, loss_fn=_loss, device="A100-80GB")
     assert any("cuDNN convolution workspaces" in note for note in est.notes)
-    est = autofit.estimate(_model(), torch.randn(2, 256), micro_batch_size=2, loss_fn=_loss, device="cuda",
-                           gpu="A100-80GB")
+    est = autofit.estimate(_model(), torch.randn(2, 256), micro_batch_size=2, loss_fn=_loss, device="A100-80GB")
     assert not any("cuDNN" in note for note in est.notes)

@@ -203,7 +203,7 @@ def _calls(case: ZooCase) -> dict[str, Any]:
                                            checkpoint=case.checkpoint, **common),
         "analyse": lambda: autofit.analyse(case.model, case.sample, **common),
         "plan": lambda: autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu",
-                                     checkpoint=case.checkpoint, precision="fp32", **common),
+                                     savers=autofit.Savers(checkpoint=case.checkpoint), precision="fp32", **common),
     }
 
 

@@ -82,7 +82,7 @@ def test_nn_transformer_on_meta_plans_at_world_size_2(strategy):
         model = Seq2Seq()
     src, tgt = _tokens(4, 32), _tokens(4, 32)
     plan = autofit.plan(model, (src, tgt), "64MB", batch_size=8, target=tgt, loss_fn=_loss, device="cpu",
-                        precision="fp32", world_size=2, strategy=strategy)
+                        precision="fp32", layout=autofit.Layout(world_size=2, strategy=strategy))
     assert plan.strategy == strategy and plan.device_bytes <= plan.budget_bytes
 
 
@@ -133,8 +133,8 @@ def test_a_1b_nn_transformer_on_meta_estimates_and_plans_at_world_size_2(strateg
     params = sum(p.numel() for p in model.parameters())
     assert 0.9e9 < params < 1.3e9, params
     src, tgt = _tokens(2, 512, 32000), _tokens(2, 512, 32000)
-    est = autofit.estimate(model, (src, tgt), micro_batch_size=1, target=tgt, loss_fn=_loss, device="cuda",
-                           gpu="A100-80GB", precision="bf16", world_size=2, strategy=strategy)
-    plan = autofit.plan(model, (src, tgt), "80GB", batch_size=8, target=tgt, loss_fn=_loss, device="cuda",
-                        gpu="A100-80GB", world_size=2, strategy=strategy)
+    est = autofit.estimate(model, (src, tgt), micro_batch_size=1, target=tgt, loss_fn=_loss, device="A100-80GB",
+                           precision="bf16", layout=autofit.Layout(world_size=2, strategy=strategy))
+    plan = autofit.plan(model, (src, tgt), "80GB", batch_size=8, target=tgt, loss_fn=_loss, device="A100-80GB",
+                        layout=autofit.Layout(world_size=2, strategy=strategy))
     assert est.device_bytes > 0 and plan.device_bytes <= plan.budget_bytes

@@ -44,7 +44,7 @@ def planned():
     """The plan at the longest batch under a budget a third of the way from the smallest one to the full batch's.
     fp32 without recomputation, so that the micro-batch is the knob and the reference step is exact."""
     model, sample = _model(), _batch(LENGTH, seed=0)
-    knobs = dict(device="cpu", optimizer="sgd", precision="fp32", checkpoint=None)
+    knobs = dict(device="cpu", optimizer="sgd", precision="fp32", savers=autofit.Savers(checkpoint=None))
     full = autofit.estimate(model, sample, micro_batch_size=ROWS, optimizer="sgd").peak_bytes
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
         autofit.plan(model, sample, 1, **knobs)

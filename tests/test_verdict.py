@@ -179,18 +179,18 @@ def test_the_issue_mlp_has_one_figure_and_it_is_the_trainers_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 192), nn.ReLU(), nn.Linear(192, 192), nn.ReLU(), nn.Linear(192, 6))
     x, y = torch.randn(128, 24), torch.randint(0, 6, (128,))
-    kw = dict(target=y, loss_fn=nn.CrossEntropyLoss(), optimizer="adamw", precision="fp32", checkpoint=(),
-              device="cpu")
-    est = autofit.estimate(model, x, micro_batch_size=1, accumulation_steps=128, **kw)
-    loop = autofit.estimate(model, x, micro_batch_size=1, accumulation_steps=128, inputs="micro-batch", **kw)
+    kw = dict(target=y, loss_fn=nn.CrossEntropyLoss(), optimizer="adamw", precision="fp32", device="cpu")
+    est = autofit.estimate(model, x, micro_batch_size=1, accumulation_steps=128, checkpoint=(), **kw)
+    loop = autofit.estimate(model, x, micro_batch_size=1, accumulation_steps=128, inputs="micro-batch",
+                            checkpoint=(), **kw)
     assert (est.input_rows, loop.input_rows) == (128, 1)
     assert est.peak_bytes - loop.peak_bytes == 127 * (24 * 4 + 8)
     assert autofit.measure(model, x, micro_batch_size=1, accumulation_steps=128, inputs="micro-batch",
-                           **kw).peak_bytes == loop.peak_bytes
+                           checkpoint=(), **kw).peak_bytes == loop.peak_bytes
     with pytest.raises(autofit.InfeasibleBudgetError) as e:
-        autofit.plan(model, x, est.peak_bytes - 1, batch_size=128, **kw)
+        autofit.plan(model, x, est.peak_bytes - 1, batch_size=128, savers=autofit.Savers(checkpoint=()), **kw)
     assert e.value.min_budget_bytes == est.peak_bytes
-    plan = autofit.plan(model, x, est.peak_bytes, batch_size=128, **kw)
+    plan = autofit.plan(model, x, est.peak_bytes, batch_size=128, savers=autofit.Savers(checkpoint=()), **kw)
     assert plan.device_bytes == plan.peak_bytes <= est.peak_bytes
     # the truth: the trainer's real step at 1 x 128, the batch and the states alive before it
     at_1 = replace(plan, micro_batch_size=1, gradient_accumulation_steps=128, last_micro_batch_size=1, lengths=None)
@@ -224,10 +224,10 @@ def _small():
 @pytest.mark.sim
 def test_a_budget_above_the_card_is_refused_with_its_memory():
     model, sample = _small()
-    kw = dict(target=torch.randint(0, 4, (8,)), loss_fn=nn.CrossEntropyLoss(), device="cuda", gpu="T4")
+    kw = dict(target=torch.randint(0, 4, (8,)), loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(autofit.InvalidInputError, match=r"T4's memory, 16\.00 GiB"):
-        autofit.plan(model, sample, "100GB", **kw)
-    plan = autofit.plan(model, sample, "100GB", allow_over_capacity=True, **kw)
+        autofit.plan(model, sample, "100GB", device="T4", **kw)
+    plan = autofit.plan(model, sample, "100GB", device=autofit.Device(gpu="T4", allow_over_capacity=True), **kw)
     assert plan.budget_bytes == 100 * 10**9
 
 
@@ -256,10 +256,10 @@ def test_a_sequence_longer_than_learned_positions_is_refused():
         model = transformers.GPT2LMHeadModel(config)
     ids = torch.zeros(2, 128, dtype=torch.long)
     with pytest.raises(autofit.InvalidInputError, match=r"128 is longer than the model's 64 positions.*'transformer\.wpe'"):
-        autofit.plan(model, {"input_ids": ids, "labels": ids}, "8GB", device="cuda", gpu="A100-80GB")
+        autofit.plan(model, {"input_ids": ids, "labels": ids}, "8GB", device="A100-80GB")
     # at the limit it plans
     ids = ids[:, :64]
-    autofit.plan(model, {"input_ids": ids, "labels": ids}, "8GB", device="cuda", gpu="A100-80GB")
+    autofit.plan(model, {"input_ids": ids, "labels": ids}, "8GB", device="A100-80GB")
 
 
 # ---- the margin -------------------------------------------------------------------------------------------------------
@@ -267,22 +267,23 @@ def test_a_sequence_longer_than_learned_positions_is_refused():
 def test_the_margin_is_kept_free_and_named_in_the_error():
     model, sample = _small()
     target = torch.randint(0, 4, (8,))
-    kw = dict(target=target, loss_fn=nn.CrossEntropyLoss(), precision="fp32", device="cpu", checkpoint=())
-    free = autofit.plan(model, sample, "1GB", **kw)
+    kw = dict(target=target, loss_fn=nn.CrossEntropyLoss(), precision="fp32", savers=autofit.Savers(checkpoint=()))
+    free = autofit.plan(model, sample, "1GB", device="cpu", **kw)
     assert free.margin_bytes == 0  # the CPU's default: its allocator is the truth
     budget = free.device_bytes + 1000
-    plan = autofit.plan(model, sample, budget, margin=500, **kw)
+    plan = autofit.plan(model, sample, budget, device=autofit.Device(kind="cpu", margin=500), **kw)
     assert plan.margin_bytes == 500 and plan.device_bytes <= budget - 500
     assert "margin kept free" in str(plan)
     assert autofit.Plan.from_json(plan.to_json()).margin_bytes == 500
     with pytest.raises(autofit.InfeasibleBudgetError) as bare:
-        autofit.plan(model, sample, 1000, **kw)
+        autofit.plan(model, sample, 1000, device="cpu", **kw)
     margin = free.device_bytes // 2
     with pytest.raises(autofit.InfeasibleBudgetError) as e:
-        autofit.plan(model, sample, bare.value.min_budget_bytes, margin=margin, **kw)
+        autofit.plan(model, sample, bare.value.min_budget_bytes, device=autofit.Device(kind="cpu", margin=margin), **kw)
     # the budget that works is the smallest peak plus the margin, and it works
     assert e.value.min_budget_bytes == bare.value.min_budget_bytes + margin
-    assert autofit.plan(model, sample, e.value.min_budget_bytes, margin=margin, **kw).margin_bytes == margin
+    assert autofit.plan(model, sample, e.value.min_budget_bytes,
+                        device=autofit.Device(kind="cpu", margin=margin), **kw).margin_bytes == margin
 
 
 def test_default_margin_holds_ncll_buffers_on_several_gpus():
@@ -369,7 +370,7 @@ def test_the_infeasibility_error_names_the_smallest_budget_the_step_runs_under()
 
 
 # ---- the floor is monotone in the batch --------------------------------------------------------------------------------
-_KW = dict(precision="fp16", device="cuda", gpu="H200", offload=False)
+_KW = dict(precision="fp16", device="H200", savers=autofit.Savers(offload=False))
 
 
 @pytest.fixture(scope="module")
@@ -444,7 +445,9 @@ def _uneven_plan():
                                 inputs="micro-batch", **kw).peak_bytes
             + (10 - b) * row_bytes for b in (4, 5)}
     assert peak[5] > peak[4]
-    return autofit.plan(model, sample, peak[4], batch_size=10, **kw), model, sample, kw, row_bytes
+    knobs = {k: v for k, v in kw.items() if k != "checkpoint"}  # plan takes it in its Savers
+    return (autofit.plan(model, sample, peak[4], batch_size=10, savers=autofit.Savers(checkpoint=()), **knobs),
+            model, sample, kw, row_bytes)
 
 
 @pytest.mark.sim
