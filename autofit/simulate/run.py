@@ -252,10 +252,10 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None if target is None else target.map_tensors(to_sim).resize(config.micro_batch_size)
-        state = _StepState.build(work, config, fake)
+        state = _StepState.build(work, config, fake, micro, micro_target)
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device.is_host or not fake else None)
-        state.register(tracker, work, micro, micro_target, config)
+        state.register(tracker, work, micro, micro_target)
         handles = install_module_stack(work, tracker.module_stack)
         try:
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
@@ -304,10 +304,10 @@ class _StepState:
     scaler: Any  # a value-free GradScaler, or None
     buckets: list[torch.Tensor]
     host_states: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
-    held: list[torch.Tensor] = field(default_factory=list)  # the rest of the batch the trainer slices from
+    held: list[torch.Tensor]  # the rest of the batch the trainer slices micro-batches from
 
     @classmethod
-    def build(cls, work: nn.Module, config: StepConfig, fake: bool) -> _StepState:
+    def build(cls, work: nn.Module, config: StepConfig, fake: bool, micro: Batch, micro_target: Any) -> _StepState:
         with unset_fake_temporarily() if fake else contextlib.nullcontext():  # Note [optimizers that read values]
             optimizer = config.optimizer.build(work.parameters())
         # stored precision: the parameters converted and, with a master copy, the optimizer on fp32 copies of them,
@@ -319,18 +319,16 @@ class _StepState:
         # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
         views = config.gradient_as_bucket_view and config.accumulation_steps == 1
         buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
-        return cls(optimizer, stored, scaler, buckets, config.offload_states and not config.device.is_host)
+        return cls(optimizer, stored, scaler, buckets, config.offload_states and not config.device.is_host,
+                   held_rows(micro, micro_target, config))
 
-    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any,
-                 config: StepConfig) -> None:
+    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any) -> None:
         """Everything that exists before the step, each under its category; the rest of the batch the trainer
         slices micro-batches from as inputs."""
         register_state(tracker, work, self.optimizer, self.scaler, micro, micro_target, self.stored,
                        host_states=self.host_states)
         for bucket in self.buckets:
             tracker.register(bucket, Category.GRADIENTS)
-        # the rest of the batch, made here: held by the state, alive for the whole step as the trainer holds it
-        self.held.extend(held_rows(micro, micro_target, config))
         for t in self.held:
             tracker.register(t, Category.INPUTS)
 
