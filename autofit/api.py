@@ -13,7 +13,7 @@ from autofit.analyse.table import Analysis
 from autofit.training.batch import naming_inputs
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import resolve_device
-from autofit.core.errors import InvalidInputError, require_int, require_layout
+from autofit.core.errors import InvalidInputError, require_int
 from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
@@ -24,10 +24,10 @@ from autofit.options import Device, Layout, Precision, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
-from autofit.training.layout import Strategy, as_strategy
+from autofit.training.layout import Strategy, as_strategy, check_layout
 from autofit.training.step import StepConfig, forward_errors, make_step_config
 from autofit.training.sequence_parallel import require_sequence_split
-from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
+from autofit.training.tensor_parallel import resolve_tensor_plan
 
 __all__ = ["analyse", "estimate", "measure"]
 
@@ -48,9 +48,9 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if offload_states:
         strategy, sharded = Strategy.FSDP2, True
-    if sharded:  # a bad layout is named here, before any simulation (docs/multi-gpu.md)
-        require_layout(strategy, world_size, reshard_after_forward, replicate)
-    require_tensor_parallel(strategy, world_size, tensor_parallel, replicate, offload_states)
+    # a bad layout is named here, before its modules are resolved or anything simulated (docs/multi-gpu.md)
+    check_layout(strategy, world_size, reshard_after_forward=reshard_after_forward, replicate=replicate,
+                 tensor_parallel=tensor_parallel, offload_states=offload_states)
     if tensor_parallel_plan is not None and tensor_parallel == 1:
         raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T, the "
                                 "number of ranks that split each layer")

@@ -18,14 +18,14 @@ from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks
 from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
-from autofit.core.errors import InvalidInputError, require_int, require_strategy
+from autofit.core.errors import InvalidInputError, require_int
 from autofit.features import OPT_IN
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
-from autofit.training.layout import Parallel  # the layout value (training/layout.py); re-exported here
+from autofit.training.layout import Parallel, Strategy, as_strategy  # the layout value (training/layout.py); re-exported here
 from autofit.core._torch import import_lazy_modules
 from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
@@ -54,7 +54,7 @@ class PlanRequest:
     batch_size: int  # effective batch, all ranks
     per_rank: int  # samples per rank per optimizer step
     world_size: int
-    strategies: tuple[str | None, ...]  # to plan, in order; the fastest wins
+    strategies: tuple[Strategy | None, ...]  # to plan, in order; the fastest wins
     gpus_per_node: int = 0  # ranks per node (0: one node)
     reshard_options: tuple[bool | int, ...] = (True,)  # FSDP2 reshard_after_forward values to plan
     replicate_options: tuple[int, ...] = (1,)  # HSDP replicate sizes to plan (1: plain FSDP)
@@ -209,9 +209,9 @@ def make_request(
 def _layouts(model: nn.Module, batch: Batch, lay: Layout, batch_size: int, clip_grad_norm: Any) -> dict[str, Any]:
     """The request's fields of the layouts to plan (docs/multi-gpu.md): the ranks, the strategies, the FSDP2
     reshards and replicates, the tensor-parallel degrees; each checked against the model and the batch here."""
-    world_size, strategy = lay.world_size, lay.strategy
+    world_size = lay.world_size
     require_int("world_size", world_size)
-    require_strategy(strategy)
+    strategy = as_strategy(lay.strategy)  # the user's string, read once: a Strategy from here on
     if strategy is not None and world_size == 1:
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
@@ -224,7 +224,7 @@ def _layouts(model: nn.Module, batch: Batch, lay: Layout, batch_size: int, clip_
         make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
                          tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
     return dict(world_size=world_size, per_rank=batch_size // world_size,
-                strategies=(strategy,) if strategy is not None or world_size == 1 else ("ddp", "fsdp2"),
+                strategies=(strategy,) if strategy is not None or world_size == 1 else tuple(Strategy),
                 gpus_per_node=per_node, reshard_options=reshards, replicate_options=replicates,
                 tensor_options=tensors, tensor_parallel_plan=lay.tensor_parallel_plan)
 

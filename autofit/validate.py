@@ -17,10 +17,11 @@ from torch import nn
 from autofit.training.batch import Batch, as_batches
 from autofit.core._torch_compile import compiled_in_place
 from autofit.device import NCCL_RESERVE_BYTES, DeviceTarget
-from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int, require_layout
+from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
 from autofit.features import feature_names
 from autofit.training.sequence_parallel import require_sequence_split
-from autofit.training.tensor_parallel import require_tensor_parallel, resolve_tensor_plan
+from autofit.training.layout import Strategy, as_strategy, check_layout
+from autofit.training.tensor_parallel import resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.training.config import make_step_config, resolve_modules
@@ -72,7 +73,7 @@ def as_inputs(sample: Any, target: Any, shared: Any = None) -> tuple[Batch, Batc
     return as_batches(sample, target, shared=shared)
 
 
-def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | None, reshard_after_forward: Any,
+def fsdp2_layouts(world_size: int, strategy: Strategy | str | None, gpus_per_node: int | None, reshard_after_forward: Any,
                   replicate: Any) -> tuple[int, tuple[bool | int, ...], tuple[int, ...]]:
     """The ranks per node and the FSDP2 layouts to plan (docs/multi-gpu.md, "How the planner chooses"): with "auto",
     ZeRO-3 and ZeRO-2, and across nodes also the reshard to one node's GPUs and HSDP (replicate across nodes)."""
@@ -81,7 +82,8 @@ def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | No
         raise InvalidInputError(f"gpus_per_node {per_node} does not divide world_size {world_size}: world_size is "
                                 "nodes x gpus_per_node")
     nodes = world_size // per_node
-    if strategy == "ddp" and (reshard_after_forward != "auto" or replicate != "auto"):
+    strategy = as_strategy(strategy)
+    if strategy is Strategy.DDP and (reshard_after_forward != "auto" or replicate != "auto"):
         raise InvalidInputError("reshard_after_forward and replicate are FSDP2 layouts: leave them 'auto' with "
                                 "strategy='ddp', or use strategy='fsdp2'")
     if replicate == "auto":
@@ -94,18 +96,18 @@ def fsdp2_layouts(world_size: int, strategy: str | None, gpus_per_node: int | No
             reshards += (per_node,)  # the backward all-gather within a node, over NVLink
     else:
         reshards = (reshard_after_forward,)
-    if world_size > 1 and strategy != "ddp":  # the explicit ones are checked here, before any simulation
+    if world_size > 1 and strategy is not Strategy.DDP:  # the explicit ones are checked here, before any simulation
         for raf in reshards:
             for r in replicates:
                 if reshard_after_forward != "auto" or replicate != "auto":
-                    require_layout("fsdp2", world_size, raf, r)
+                    check_layout(Strategy.FSDP2, world_size, reshard_after_forward=raf, replicate=r)
     return per_node, reshards, replicates
 
 
 TENSOR_DEGREES = (2, 4, 8)  # "auto": the tensor-parallel degrees tried, each dividing one node's GPUs
 
 
-def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: str | None,
+def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: Strategy | None,
                    tensor_parallel: Any, user_plan: Mapping[str, Any] | None = None,
                    sample: Sequence[torch.Tensor] = ()) -> tuple[int, ...]:
     """``plan(tensor_parallel=...)``: 1 (none, the default), an int T (plan FSDP2 x tensor parallel T only; the
@@ -122,7 +124,7 @@ def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: s
     require_int("tensor_parallel", tensor_parallel)
     if tensor_parallel == 1:
         return (1,)
-    require_tensor_parallel(strategy, world_size, tensor_parallel)
+    check_layout(strategy, world_size, tensor_parallel=tensor_parallel)
     if per_node % tensor_parallel:
         raise InvalidInputError(
             f"tensor_parallel {tensor_parallel} does not divide the {per_node} GPUs of a node: its all-reduces run in "

@@ -19,6 +19,8 @@ from autofit.core.units import format_mib
 from autofit.options import Device, Layout
 from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
+from autofit.training.config import DeviceKind
+from autofit.training.layout import as_strategy
 
 __all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
            "sequence_option"]
@@ -59,7 +61,7 @@ class EstimateSetup:
             return "one process"
         words = layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
                              tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel)
-        return words if self.strategy == "fsdp2" else f"{words} over {self.world_size} ranks"
+        return words if as_strategy(self.strategy).shards_parameters else f"{words} over {self.world_size} ranks"
 
 
 def _fixed(flag: str, value: object) -> object:
@@ -177,7 +179,7 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
             ("precision", setup.precision), ("optimizer", setup.optimizer),
             ("recomputed", f"{len(setup.checkpoint)} modules" if setup.checkpoint else "none"),
             ("peak allocated", mib(est.peak_allocated_bytes))]
-    if est.device == "cuda":
+    if DeviceKind(est.device).caching_allocator:  # reserved and on-device figures differ from allocated
         rows += [("peak reserved", mib(est.peak_reserved_bytes)), ("on the device", mib(est.device_bytes))]
     if est.host_bytes:
         rows.append(("host memory", mib(est.host_bytes)))

@@ -89,17 +89,17 @@ def _onednn_only(func) -> str | None:
     return short if name.startswith("aten::") and short.startswith("mkldnn_") else None
 
 
-def require_kernel(func, tensors: list[torch.Tensor], module: str | None, *, target: str) -> None:
+def require_kernel(func, tensors: list[torch.Tensor], module: str | None, *, planned_for_host: bool) -> None:
     """Raise :class:`UnsupportedPrecisionError` when ``func`` would run on this CPU at a precision oneDNN has no kernel
-    for (``tensors``: its tensor arguments). ``target``: the device the step is planned for, "cpu", or "cuda" when
-    autofit runs a GPU-target step on this CPU for real (Note [data-dependent models], simulate/run.py)."""
+    for (``tensors``: its tensor arguments). ``planned_for_host``: the step is planned for this CPU; False when autofit
+    runs a GPU-target step on this CPU for real (Note [data-dependent models], simulate/run.py)."""
     op = _onednn_only(func)
     if op is None:
         return
     dtype = next((t.dtype for t in tensors if t.dtype in _LOW), None)
     if dtype is None or cpu_kernels().native(_LOW[dtype]):
         return
-    raise _no_kernel(op, _LOW[dtype], module, target)
+    raise _no_kernel(op, _LOW[dtype], module, planned_for_host)
 
 
 def translate_kernel_error(error: BaseException, precision: str,
@@ -112,14 +112,14 @@ def translate_kernel_error(error: BaseException, precision: str,
     # "... primitive descriptor for the LSTM forward propagation primitive. Run workload with ..." -> its middle
     detail = str(error).split(_ONEDNN_NO_PRIMITIVE, 1)[1].split(".")[0].strip()
     detail = detail.removeprefix("for ").removeprefix("the ").removesuffix(" primitive").removesuffix(" propagation")
-    return _no_kernel(f"oneDNN's {detail}" if detail else "a oneDNN kernel", precision, module, "cpu")
+    return _no_kernel(f"oneDNN's {detail}" if detail else "a oneDNN kernel", precision, module, True)
 
 
-def _no_kernel(op: str, precision: str, module: str | None, target: str) -> UnsupportedPrecisionError:
+def _no_kernel(op: str, precision: str, module: str | None, planned_for_host: bool) -> UnsupportedPrecisionError:
     what = _FRIENDLY.get(op, op if " " in op else f"aten::{op}")
     where = f" in module {module!r}" if module else ""
     instead = ["precision='fp32'"]
-    if target == "cpu":
+    if planned_for_host:
         instead.append("plan for a GPU target (device='cuda' needs no CPU kernel)")
         why = ""
     else:

@@ -17,7 +17,6 @@ __all__ = [
     "require_int",
     "require_strategy",
     "HostMemoryError",
-    "require_layout",
 ]
 
 
@@ -106,27 +105,3 @@ def require_strategy(value: object, name: str = "strategy") -> None:
     if value not in STRATEGIES:
         raise InvalidInputError(f"{name} must be 'ddp', 'fsdp2' or None (None: one process, or autofit chooses "
                                 f"when world_size > 1), got {value!r}")
-
-
-def require_layout(strategy: object, world_size: int, reshard_after_forward: object, replicate: object,
-                   prefix: str = "") -> None:
-    """The FSDP2 layout knobs (docs/multi-gpu.md): ``reshard_after_forward`` True (ZeRO-3), False (ZeRO-2) or an int
-    group size to reshard to, a non-trivial divisor of the shard group (torch's ``_get_post_forward_mesh_info``);
-    ``replicate`` > 1 is HSDP, a (replicate, shard) mesh whose replicate size divides ``world_size``."""
-    require_int(f"{prefix}replicate", replicate)
-    raf = reshard_after_forward
-    if not isinstance(raf, (bool, int)):
-        raise InvalidInputError(f"{prefix}reshard_after_forward must be True (ZeRO-3), False (ZeRO-2) or an int group "
-                                f"size, got {raf!r}")
-    if strategy != "fsdp2" and (raf is not True or replicate != 1):
-        raise InvalidInputError(
-            f"{prefix}reshard_after_forward={raf!r} and replicate={replicate!r} are FSDP2 layouts: they need "
-            f"strategy='fsdp2', got {strategy!r} (leave them at True and 1 for DDP or one process)")
-    if world_size % replicate:
-        raise InvalidInputError(f"{prefix}replicate {replicate} does not divide world_size {world_size}: HSDP's mesh "
-                                "is (replicate, world_size // replicate); use the number of nodes")
-    shard = world_size // replicate
-    if not isinstance(raf, bool) and (raf <= 1 or raf >= shard or shard % raf):
-        raise InvalidInputError(
-            f"{prefix}reshard_after_forward={raf} must be a divisor of the shard group size {shard} other than 1 and "
-            f"{shard} (torch's fully_shard; use False for 1 and True for {shard}), e.g. the GPUs per node")

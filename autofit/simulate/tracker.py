@@ -221,7 +221,7 @@ class StepTracker(TorchDispatchMode):
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
         if self.kernels_for is not None:
-            require_kernel(func, inputs, self.module or None, target=self.kernels_for)
+            require_kernel(func, inputs, self.module or None, planned_for_host=self.kernels_for.is_host)
         replacement = fake_kernel(func, args, kwargs)  # a fake kernel stricter than the CPU's (corrections.py)
         try:
             out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from autofit.core.errors import AutofitError, InvalidInputError, require_layout
-from autofit.training.layout import Parallel, Strategy, layout_words, ranks_per_node  # re-exported: the layout's home is training/layout.py
+from autofit.core.errors import AutofitError, InvalidInputError
+from autofit.training.layout import Parallel, Strategy, check_layout, layout_words, ranks_per_node  # re-exported: the layout's home is training/layout.py
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.tensor_parallel import resolve_tensor_plan
 
@@ -75,7 +75,7 @@ def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
     for replicate in request.replicate_options if 1 in request.tensor_options else ():
         for raf in request.reshard_options:
             try:
-                require_layout(strategy, request.world_size, raf, replicate)
+                check_layout(strategy, request.world_size, reshard_after_forward=raf, replicate=replicate)
             except InvalidInputError:  # e.g. a reshard to one node's GPUs when HSDP's shard group is one node
                 continue
             found.append(replace(base, shard_units=units, reshard_after_forward=raf, replicate=replicate))
@@ -104,7 +104,7 @@ def tensor_layouts(request: LayoutRequest, base: Parallel) -> list[Parallel]:
             continue
         for raf in request.reshard_options if data > 1 else (True,):
             try:
-                require_layout("fsdp2", data, raf, 1)
+                check_layout(Strategy.FSDP2, data, reshard_after_forward=raf)
             except InvalidInputError:
                 continue
             found.append(replace(base, reshard_after_forward=raf, tensor_parallel=tp, tensor_plan=plan))

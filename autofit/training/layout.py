@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from autofit.core.errors import InvalidInputError, require_int, require_layout, require_strategy
+from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.training.sequence_parallel import is_sequence_parallel
-from autofit.training.tensor_parallel import require_tensor_parallel
 
-__all__ = ["Strategy", "as_strategy", "Parallel", "ranks_per_node", "layout_words"]
+__all__ = ["Strategy", "as_strategy", "check_layout", "Parallel", "ranks_per_node", "layout_words"]
 
 
 class Strategy(StrEnum):
@@ -46,6 +45,54 @@ def as_strategy(value: object, name: str = "strategy") -> Strategy | None:
     return None if value is None else Strategy(value)
 
 
+def check_layout(strategy: object, world_size: int, *, reshard_after_forward: object = True, replicate: object = 1,
+                 tensor_parallel: object = 1, offload_states: bool = False) -> None:
+    """The rules of a parallel layout, in one place (docs/multi-gpu.md). :class:`Parallel` runs them where it is
+    built; the request, ``estimate`` and the planner's enumeration of layouts (solve/sharding.py) run them on a layout
+    before its modules are resolved, so that a bad one is named before any simulation.
+
+    - ``reshard_after_forward``: True (ZeRO-3), False (ZeRO-2) or an int group size to reshard to, a non-trivial
+      divisor of the shard group (torch's ``_get_post_forward_mesh_info``); ``replicate`` > 1 is HSDP, a (replicate,
+      shard) mesh whose replicate size divides ``world_size``. Both are FSDP2's.
+    - ``tensor_parallel`` T: an int dividing ``world_size``; T > 1 needs FSDP2 (over the other ``world_size // T``
+      ranks, none when T == world_size) and neither HSDP nor the states on the host."""
+    strategy = as_strategy(strategy)
+    sharded = strategy is not None and strategy.shards_parameters
+    require_int("replicate", replicate)
+    raf = reshard_after_forward
+    if not isinstance(raf, (bool, int)):
+        raise InvalidInputError(f"reshard_after_forward must be True (ZeRO-3), False (ZeRO-2) or an int group "
+                                f"size, got {raf!r}")
+    if not sharded and (raf is not True or replicate != 1):
+        raise InvalidInputError(
+            f"reshard_after_forward={raf!r} and replicate={replicate!r} are FSDP2 layouts: they need "
+            f"strategy='fsdp2', got {strategy!r} (leave them at True and 1 for DDP or one process)")
+    if world_size % replicate:
+        raise InvalidInputError(f"replicate {replicate} does not divide world_size {world_size}: HSDP's mesh "
+                                "is (replicate, world_size // replicate); use the number of nodes")
+    shard = world_size // replicate
+    if not isinstance(raf, bool) and (raf <= 1 or raf >= shard or shard % raf):
+        raise InvalidInputError(
+            f"reshard_after_forward={raf} must be a divisor of the shard group size {shard} other than 1 and "
+            f"{shard} (torch's fully_shard; use False for 1 and True for {shard}), e.g. the GPUs per node")
+    require_int("tensor_parallel", tensor_parallel)
+    if tensor_parallel == 1:
+        return
+    if not sharded:
+        raise InvalidInputError(
+            f"tensor_parallel={tensor_parallel} composes with FSDP2 (torchtitan's layout): pass "
+            f"strategy='fsdp2' (with world_size == tensor_parallel for tensor parallel alone), got {strategy!r}")
+    if world_size % tensor_parallel:
+        raise InvalidInputError(
+            f"tensor_parallel {tensor_parallel} does not divide world_size {world_size}: the mesh is "
+            f"(world_size // tensor_parallel, tensor_parallel); use a divisor such as the GPUs of one node")
+    if replicate != 1 or offload_states:
+        raise InvalidInputError(
+            f"tensor_parallel={tensor_parallel} with {'replicate' if replicate != 1 else 'offload_states'}: "
+            "autofit simulates tensor parallel with FSDP2 over one shard dim only (no HSDP, no CPU offload); "
+            "leave replicate=1 and offload_states=False")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """How one rank's step is distributed: no strategy (one process), DDP or FSDP2 over ``world_size`` ranks.
@@ -72,9 +119,9 @@ class Parallel:
         object.__setattr__(self, "strategy", as_strategy(self.strategy))
         require_int("world_size", self.world_size)
         require_int("gpus_per_node", self.gpus_per_node, minimum=0)
-        require_layout(self.strategy, self.world_size, self.reshard_after_forward, self.replicate)
-        require_tensor_parallel(self.strategy, self.world_size, self.tensor_parallel, self.replicate,
-                                self.offload_states)
+        check_layout(self.strategy, self.world_size, reshard_after_forward=self.reshard_after_forward,
+                     replicate=self.replicate, tensor_parallel=self.tensor_parallel,
+                     offload_states=self.offload_states)
         if (self.tensor_parallel > 1) != bool(self.tensor_plan):
             raise InvalidInputError("tensor_plan (the modules to split) and tensor_parallel > 1 go together: resolve "
                                     "the plan with autofit.training.tensor_parallel.resolve_tensor_plan")

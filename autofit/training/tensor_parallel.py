@@ -69,11 +69,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
+from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.training.sequence_parallel import (SEQUENCE_DIM, block_norms, derive_sequence_parallel,
                                                 is_sequence_parallel, sequence_style)
 
-__all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "require_tensor_parallel", "torch_style", "TP_STYLES",
+__all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "torch_style", "TP_STYLES",
            "sequence_parallel_plan"]
 
 # autofit's style name -> the module type it splits (Note [tensor parallel plan]); transformers' other names for them
@@ -81,28 +81,6 @@ _STYLES = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_rep": nn.Linear,
            "sequence_parallel": nn.Module}
 _ALIASES = {"colwise_gather_output": "colwise_rep"}
 TP_STYLES = tuple(_STYLES)
-
-
-def require_tensor_parallel(strategy: object, world_size: int, tensor_parallel: object, replicate: int = 1,
-                            offload_states: bool = False, prefix: str = "") -> None:
-    """``tensor_parallel`` T: an int dividing ``world_size``; T > 1 needs strategy 'fsdp2' (FSDP2 over the other
-    ``world_size // T`` ranks, none when T == world_size) and neither HSDP nor the states on the host."""
-    require_int(f"{prefix}tensor_parallel", tensor_parallel)
-    if tensor_parallel == 1:
-        return
-    if strategy != "fsdp2":
-        raise InvalidInputError(
-            f"{prefix}tensor_parallel={tensor_parallel} composes with FSDP2 (torchtitan's layout): pass "
-            f"strategy='fsdp2' (with world_size == tensor_parallel for tensor parallel alone), got {strategy!r}")
-    if world_size % tensor_parallel:
-        raise InvalidInputError(
-            f"{prefix}tensor_parallel {tensor_parallel} does not divide world_size {world_size}: the mesh is "
-            f"(world_size // tensor_parallel, tensor_parallel); use a divisor such as the GPUs of one node")
-    if replicate != 1 or offload_states:
-        raise InvalidInputError(
-            f"{prefix}tensor_parallel={tensor_parallel} with {'replicate' if replicate != 1 else 'offload_states'}: "
-            "autofit simulates tensor parallel with FSDP2 over one shard dim only (no HSDP, no CPU offload); "
-            "leave replicate=1 and offload_states=False")
 
 
 def torch_style(style: str):
