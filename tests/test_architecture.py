@@ -333,3 +333,32 @@ def test_the_target_is_asked_not_named() -> None:
              for line in _device_name_compared(ast.parse(p.read_text()))]
     assert not found, "a device's name compared outside autofit/device.py:\n" + "\n".join(found)
     assert _device_name_compared(ast.parse("if target.kind != 'cuda':\n    pass\nok = batch.kind == 'dict'\n")) == [1]
+
+
+_STRATEGY_NAMES = frozenset({"ddp", "fsdp2", "fsdp", "hsdp"})
+
+
+def _strategy_name_compared(tree: ast.AST) -> list[int]:
+    """Lines that compare anything with a strategy's name, alone or in a tuple, list or set (``== "fsdp2"``,
+    ``in ("ddp", "fsdp2")``)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            if any(isinstance(e, ast.Constant) and e.value in _STRATEGY_NAMES for e in elements):
+                found.append(node.lineno)
+                break
+    return found
+
+
+def test_the_strategy_is_asked_not_named() -> None:
+    """A layout's strategy is read once into a ``Strategy`` (autofit/training/layout.py: ``as_strategy``) and asked
+    what it does (``shards_parameters``, ``replicates_parameters``), never compared with a name: the rules of a
+    layout live in ``check_layout``, and a new strategy is one more member, not a search for string comparisons."""
+    found = [f"{p.relative_to(PACKAGE)}:{line}" for p in _modules()
+             for line in _strategy_name_compared(ast.parse(p.read_text()))]
+    assert not found, "a strategy's name compared:\n" + "\n".join(found)
+    assert _strategy_name_compared(ast.parse(
+        "if strategy != 'fsdp2':\n    pass\nok = s in ('ddp', 'x')\nfine = kind == 'dict'\n")) == [1, 3]
