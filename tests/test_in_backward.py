@@ -129,3 +129,19 @@ def test_a_batch_larger_than_the_plan_is_refused_rather_than_stepped_twice():
         with pytest.raises(InvalidInputError, match="at most 4 rows"):
             trainer.step(x, y)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("knob", ["optimizer_in_backward", "preallocated_grads"])
+def test_a_one_process_step_feature_refuses_a_distributed_trainer_before_any_process_group_is_needed(knob):
+    """The step features planned for one process only (the ladder offers them without a strategy alone) refuse a
+    plan with a layout when it is wrapped, naming the knob, before the trainer asks for a process group."""
+    from autofit.training.layout import Parallel
+
+    changes = dict(parallel=Parallel(strategy="ddp", world_size=2), optimizer_in_backward=knob == "optimizer_in_backward")
+    if knob == "preallocated_grads":  # a plan's flag is its estimate's (the search decides it there)
+        changes["estimate"] = MemoryEstimate(peak_bytes=1, breakdown={}, preallocated_grads=True)
+    plan = _plan("sgd", **changes)
+    assert plan.optimizer_in_backward is (knob == "optimizer_in_backward")
+    assert plan.preallocated_grads is (knob == "preallocated_grads")
+    with pytest.raises(InvalidInputError, match=f"{knob} is planned for one process only"):
+        plan.wrap(_model(), lambda p: torch.optim.SGD(p, lr=0.1))

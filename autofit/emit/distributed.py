@@ -45,15 +45,8 @@ __all__ = ["DistributedTrainer"]
 
 
 def _refuse_one_process_knobs(plan: Plan) -> None:
-    """The knobs planned for one process only, refused with why."""
-    if plan.optimizer_in_backward:
-        raise InvalidInputError(
-            "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
-            "after the collective that averages it, which runs after autograd's hooks"
-        )
-    if plan.preallocated_grads:  # Note [gradients allocated before forward]
-        raise InvalidInputError("preallocated_grads is planned for one process only: DDP's buckets and FSDP2's "
-                                "shards own the gradients' storage")
+    """The stored precision, planned for one process only, refused with why (the step features planned for one
+    process only refuse a layout themselves: their ``Feature.before_wrap``)."""
     if plan.precision.stored not in (None, "fp32"):
         raise InvalidInputError(
             f"stored precision {plan.precision.stored!r} is planned for one process only; with DDP or FSDP2 use "

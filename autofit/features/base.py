@@ -111,7 +111,8 @@ class Feature:
     # ---- the trainer and the plan ---------------------------------------------------------------------------------
     def before_wrap(self, plan: Any) -> None:
         """What the feature puts in place before a trainer (or a callback of another training loop) touches the
-        model for ``plan``; raises where it cannot."""
+        model for ``plan``; raises where it cannot (a feature planned for one process, given a plan with a layout).
+        """
 
     def trainer_optimizer(self, plan: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the trainer of ``plan`` steps, given the one passed to wrap()."""

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from autofit.core.errors import InvalidInputError
 from autofit.features.base import Feature
 from autofit.training.grads import allocate_grads
 
@@ -68,6 +69,11 @@ class PreallocatedGrads(Feature):
             return ()
         return (("gradients", "allocated before the first forward, zeroed in place after each step (the budget needs "
                               "them apart from the activations; wrap() allocates them)"),)
+
+    def before_wrap(self, plan: Any) -> None:
+        if plan.preallocated_grads and plan.strategy is not None:  # the distributed trainers' plans
+            raise InvalidInputError("preallocated_grads is planned for one process only: DDP's buckets and FSDP2's "
+                                    "shards own the gradients' storage")
 
     def outside_wrap(self, plan: Any, callback: str) -> str | None:
         if not plan.preallocated_grads:
