@@ -58,7 +58,6 @@ class Stage:
     # the policies that may step the optimizer in backward when nothing fits with every gradient alive: one
     # process, no clipping, no GradScaler, no master copy; () where the optimizer steps after backward only
     in_backward: tuple[PrecisionPolicy, ...] = ()
-    host_check: bool = False  # the states live on the host: a fitting estimate must fit the host budget too
     # a floor of any step's peak on this rung: the parameters, gradients and optimizer state on one device; with
     # the states on the host, what the layout keeps gathered (ZeRO-2, an int reshard); None: no floor (ZeRO-3)
     floor_bytes: int | None = None
@@ -66,6 +65,11 @@ class Stage:
     # the step features (plan(allow=...)) in force on this rung, each with its value, in registry order (Note [step
     # features]); (): the user's loss and optimizer
     features: tuple[tuple[OptInFeature, Any], ...] = ()
+
+    @property
+    def host_check(self) -> bool:
+        """The layout keeps the states on the host (the last rung): a fitting estimate must fit the host budget too."""
+        return self.parallel.offload_states
 
     @property
     def opt_in(self) -> tuple[str, ...]:
@@ -109,7 +113,7 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
     if host is not None:
         gathered = _gathered_bytes(request, host, request.policies)
         # skipped when what its layout keeps gathered misses the budget; ZeRO-3 has no floor and is always searched
-        rungs.append(Stage(what="the states on the host", policies=request.policies, parallel=host, host_check=True,
+        rungs.append(Stage(what="the states on the host", policies=request.policies, parallel=host,
                            floor_bytes=gathered or None, skippable=bool(gathered)))
     return tuple(rungs)
 
