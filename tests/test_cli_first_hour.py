@@ -55,6 +55,7 @@ def test_a_message_citing_a_note_prints_the_note_name(tmp_path):
                                            "note: see Note [rows by length]"]
 
 
+@pytest.mark.sim  # 5.1 CPU s on a slow machine (2026-11-27), over the quick tier's 5
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")
 def test_a_plot_path_that_cannot_be_created_fails_before_planning(tmp_path):
     """/proc passes every permission check (for root too) but refuses new files: only a real write tells. The model

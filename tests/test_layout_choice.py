@@ -102,7 +102,7 @@ def test_auto_layouts_across_nodes():
                       "fsdp2 (resharded to 8) over 32 ranks", "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]
 
 
-@pytest.mark.sim
+@pytest.mark.slow  # 60.8 CPU s on a slow machine (2026-11-27), over the sim tier's 60
 def test_the_layout_whose_search_begins_fastest_is_verified_first_and_alone():
     """Note [the layout to verify first], autofit/planner.py. A 2-block Llama (hidden 1024) on 8 A100s with FSDP2
     under 2 GB: ZeRO-2 has fewer collectives, so it came first, but holding every gathered parameter it must run
