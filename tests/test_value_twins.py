@@ -138,3 +138,48 @@ def test_a_1b_nn_transformer_on_meta_estimates_and_plans_at_world_size_2(strateg
     plan = autofit.plan(model, (src, tgt), "80GB", batch_size=8, target=tgt, loss_fn=_loss, device="A100-80GB",
                         layout=autofit.Layout(world_size=2, strategy=strategy))
     assert est.device_bytes > 0 and plan.device_bytes <= plan.budget_bytes
+
+
+class _Shift(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1  # one fused C++ kernel under inductor
+
+
+class CompiledThenRead(nn.Module):
+    """A compiled module without weights, whose output the eager code then reads: the compiled code's values are
+    not simulated (Note [values inside compiled code], autofit/core/_torch_compile.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = torch.compile(_Shift())
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.shift(x)
+        if (y > 0).all():
+            return self.linear(y)
+        return self.linear(y).relu()
+
+
+def test_a_value_read_of_what_compiled_code_computed_refuses_instead_of_answering_from_garbage():
+    """The kernel-free wrapper writes nothing into its buffers: a twin of one would be uninitialised memory, and a
+    read of it would answer from garbage. Before the twins stood aside in compiled code this estimate succeeded."""
+    pytest.importorskip("torch._inductor")
+    with torch.device("meta"):
+        model = CompiledThenRead()
+    with pytest.raises(UnsupportedModelError, match="by compiled code"):
+        autofit.estimate(model, torch.rand(4, 8), micro_batch_size=4, loss_fn=lambda out: out.sum())
+
+
+def test_a_compiled_model_whose_eager_code_reads_a_compiled_value_gets_the_typed_refusal_on_meta():
+    """compile=True compiles the step in an untracked warm-up before the tracked one. nn.Transformer's causal-mask
+    check breaks the graph and reads the mask, which the compiled graph before the break computed: no values there
+    (Note [values inside compiled code]), so on meta the estimate refuses with the typed error that names compiled
+    code. Before, the warm-up ran outside the twins and the error handling, and torch's
+    DataDependentOutputException escaped from the fake tensor."""
+    pytest.importorskip("torch._inductor")
+    with torch.device("meta"):
+        model = Seq2Seq(d_model=32, layers=1, heads=2, ff=64)
+    src, tgt = _tokens(2, 16), _tokens(2, 16)
+    with pytest.raises(UnsupportedModelError, match="by compiled code"):
+        autofit.estimate(model, (src, tgt), micro_batch_size=2, target=tgt, loss_fn=_loss, compile=True)

@@ -40,11 +40,24 @@ Note [a simulation compiles as a fresh process does]
     and 171 x 3 second in one process). While a simulation compiles, dynamo reads a code state of its own, empty when
     the simulation begins: each simulation compiles as a fresh process's first step does, and nothing it sees is
     left for the user's later compiles.
+
+Note [values inside compiled code]
+    The kernel-free wrapper computes no values: its C++ kernels are skipped, and their writes reach no dispatch
+    mode. So nothing it makes or writes may keep a real value twin (Note [value twins], simulate/value_twins.py):
+    a twin of one of its buffers would be a twin of uninitialised memory, answering a later value read with garbage
+    instead of refusing, and its extern kernels (``mm``, ``addmm``) would run for real on those garbage twins,
+    outside the tracker: a compiled ViT-H simulation spent 250 of its 270 seconds in 18 such bf16 ``mm``s on two
+    cores, and over an hour on a machine whose reused memory held denormals. While the wrapper runs,
+    :func:`running_compiled_code` is True (the twins stand aside), and each skipped kernel reports the tensors it
+    would have written (its non-``const`` pointer arguments, from the argument types inductor compiles it with) to
+    the listener :func:`hearing_skipped_writes` installs, which takes their twins away: a kernel may write into an
+    input of the graph, such as a buffer updated in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import types
 from collections import defaultdict
@@ -58,7 +71,7 @@ from autofit.core._torch import patch
 from autofit.core.errors import UnsupportedModelError, UnsupportedTorchError
 
 __all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls", "compiled_in_place",
-           "compiled_code_runs_eagerly", "compile_in_this_thread"]
+           "compiled_code_runs_eagerly", "compile_in_this_thread", "running_compiled_code", "hearing_skipped_writes"]
 
 # options of the inductor backend that change nothing on the CPU (cudagraphs are a CUDA feature)
 _IGNORED_OPTIONS = frozenset({"triton.cudagraphs"})
@@ -117,17 +130,60 @@ def _kernel_free_module(self: Any, wrapper_code: Any) -> types.ModuleType:
     mod.empty_strided_cpu = _empty_strided_cpu
     mod.reinterpret_tensor = _reinterpret_tensor
     mod.assert_size_stride = mod.assert_alignment = _no_check
+    mod.call = _without_values(mod.call)  # compile_fx calls the module's ``call``
     return mod
 
 
+# Note [values inside compiled code]: True while a kernel-free wrapper runs; the listener of skipped kernels' writes
+_RUNNING = contextvars.ContextVar("autofit_running_compiled_code", default=False)
+_SKIPPED_WRITES: contextvars.ContextVar[Callable[[list[torch.Tensor]], None] | None] = contextvars.ContextVar(
+    "autofit_skipped_kernel_writes", default=None)
+
+
+def running_compiled_code() -> bool:
+    """True while a simulation runs a compiled graph's kernel-free wrapper (Note [values inside compiled code])."""
+    return _RUNNING.get()
+
+
+@contextlib.contextmanager
+def hearing_skipped_writes(listener: Callable[[list[torch.Tensor]], None]) -> Iterator[None]:
+    """For a while, ``listener(tensors)`` hears of the tensors each skipped kernel would have written (Note [values
+    inside compiled code])."""
+    token = _SKIPPED_WRITES.set(listener)
+    try:
+        yield
+    finally:
+        _SKIPPED_WRITES.reset(token)
+
+
+def _without_values(call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    def run(args: list[Any]) -> Any:
+        token = _RUNNING.set(True)
+        try:
+            return call(args)
+        finally:
+            _RUNNING.reset(token)
+
+    return run
+
+
 class _NoKernels:
-    """``AsyncCompile`` whose C++ kernels do nothing: a simulation needs their outputs' buffers, not values."""
+    """``AsyncCompile`` whose C++ kernels do nothing: a simulation needs their outputs' buffers, not values. Each
+    reports what it would have written (Note [values inside compiled code])."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def cpp_pybinding(self, argtypes: list[str], source_code: str) -> Callable[..., None]:
-        return _no_check
+        # inductor's argument types: "const float*" is read, "float*" written, "const int64_t" a scalar
+        written = [i for i, t in enumerate(argtypes) if t.strip().endswith("*") and not t.strip().startswith("const")]
+
+        def kernel(*args: Any) -> None:
+            listener = _SKIPPED_WRITES.get()
+            if listener is not None:
+                listener([args[i] for i in written if i < len(args) and isinstance(args[i], torch.Tensor)])
+
+        return kernel
 
     def cpp(self, source_code: str) -> Callable[..., None]:
         return _no_check

@@ -272,8 +272,11 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                                                              to_host=to_host))
                 stack.enter_context(tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
-                if inductor:
-                    warm_up(work, micro, micro_target, loss_fn, config)
+                if inductor:  # untracked; its value reads answered as the tracked step's are (Note [value twins])
+                    with _forward_errors(tracker), \
+                            _twinned(work, model, micro, micro_target, batch, target, config) as twins, \
+                            eager_answers(twins):
+                        warm_up(work, micro, micro_target, loss_fn, config)
                 stack.enter_context(tracker)
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
                     twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
@@ -445,8 +448,9 @@ def _forward_errors(tracker: StepTracker) -> Iterator[None]:
         tracker.module_stack.clear()
         if getattr(e, WEIGHT_READ, False):  # Note [value twins]: not computable from constants and inputs alone
             raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0],
-                                 why="reads a tensor value computed from its weights or gradients, not only from "
-                                     "constants and the inputs") from e
+                                 why="reads a tensor value computed from its weights or gradients (or by compiled code, "
+                                     "which a simulation runs without its kernels), not only from constants and the "
+                                     "inputs") from e
         raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0]) from e
     except FakeKernelStricter as e:
         module = tracker.module

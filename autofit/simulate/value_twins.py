@@ -12,7 +12,9 @@ Note [value twins]
     factory ops make from nothing. Each such op runs twice: on the fake tensors (what the tracker records) and on
     the twins, for real, on the CPU, outside every mode (so nothing of it is counted). A value read whose inputs all
     have twins is answered from the twins; any other one still raises, marked as depending on the weights (or the
-    gradients), which is what the refusal then says (simulate/run.py). An op that writes into a tensor whose twin it
+    gradients), which is what the refusal then says (simulate/run.py). A compiled graph's code computes no values in a
+    simulation (its kernels are skipped): while it runs, the twins stand aside, and what it writes loses its twin
+    (Note [values inside compiled code], core/_torch_compile.py). An op that writes into a tensor whose twin it
     cannot update (its other inputs have none) takes the twin away from every tensor on that storage. A twin is kept
     only while its op's outputs hold at most ``MAX_TWIN_BYTES``, so a large computation on the inputs (a 4-D
     attention mask over long sequences) costs no real memory; a value read on it refuses as before.
@@ -20,6 +22,7 @@ Note [value twins]
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -28,6 +31,7 @@ import torch
 from autofit.core._torch import (
     DATA_DEPENDENT_ERRORS, FakeTensor, TorchDispatchMode, disable_current_modes, op_schema, pytree,
 )
+from autofit.core._torch_compile import hearing_skipped_writes, running_compiled_code
 
 __all__ = ["ValueTwins", "MAX_TWIN_BYTES", "WEIGHT_READ"]
 
@@ -44,6 +48,17 @@ class ValueTwins(TorchDispatchMode):
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (its weak reference, twin)
         self._by_storage: dict[int, set[int]] = {}  # id(fake storage) -> ids of the fakes on it that have twins
         self.answered = 0  # value reads answered from twins
+        self._hearing = contextlib.ExitStack()
+
+    def __enter__(self) -> ValueTwins:
+        self._hearing.enter_context(hearing_skipped_writes(self._stale_all))  # Note [values inside compiled code]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._hearing.close()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -80,8 +95,16 @@ class ValueTwins(TorchDispatchMode):
             for key in self._by_storage.pop(id(t.untyped_storage()), set()):
                 self._twins.pop(key, None)
 
+    def _stale_all(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self._stale(t)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if running_compiled_code():  # no values inside (Note [values inside compiled code])
+            out = func(*args, **kwargs)
+            self._stale_all(_written(func, args, kwargs))
+            return out
         leaves, spec = pytree.tree_flatten((args, kwargs))
         real_leaves = self._real_leaves(func, leaves)
         try:
