@@ -11,6 +11,10 @@
 # after a one-line summary of both. --durations=15 prints the slowest tests of each run (where the time goes).
 # -rfEs lists failures, errors and why each skipped test skipped (tests whose truth is a real step on this CPU skip
 # where its kernels cannot run it, Note [CPU kernels]).
+# A test's call that runs 20 minutes fails there with its stack (pytest-timeout, fixtures not counted), instead of
+# holding a worker until CI's 90 minutes end with no word of where: the slowest test takes about 10 minutes on the
+# slowest machine seen, and one that had grown to 90 (a compiled simulation running real matmuls, Note [values inside
+# compiled code] in autofit/core/_torch_compile.py) once timed CI out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +24,7 @@ started=$SECONDS
 workers=${AUTOFIT_TEST_WORKERS:-$(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')}
 parallel=()
 if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist worksteal); fi
+ceiling=(--timeout=1200 -o timeout_func_only=true)
 
 # suite NAME COMMAND...: run a pytest command with its output as usual; keep its closing line for the summary
 suite() {
@@ -35,14 +40,14 @@ suite() {
 python3 -m venv .venv-test
 .venv-test/bin/pip install -q torch==2.13.0 -e ".[test]"
 suite "torch $(.venv-test/bin/python -c 'import torch; print(torch.__version__)')" \
-    .venv-test/bin/python -m pytest -q -rfEs --durations=15 "${parallel[@]}"
+    .venv-test/bin/python -m pytest -q -rfEs --durations=15 "${ceiling[@]}" "${parallel[@]}"
 
 python3 -m venv .venv-newest
 .venv-newest/bin/pip install -q --upgrade torch
 .venv-newest/bin/pip install -q -e ".[test]"
 newest=$(.venv-newest/bin/python -c 'import torch; print(torch.__version__)')
 echo "newest torch: $newest"
-suite "torch $newest, not slow" .venv-newest/bin/python -m pytest -q -rfEs --durations=15 -m "not slow" "${parallel[@]}"
+suite "torch $newest, not slow" .venv-newest/bin/python -m pytest -q -rfEs --durations=15 -m "not slow" "${ceiling[@]}" "${parallel[@]}"
 
 elapsed=$((SECONDS - started))
 echo "matrix: ${summary[0]}; ${summary[1]}; $((elapsed / 60)) min $((elapsed % 60)) s in all"
