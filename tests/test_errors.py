@@ -145,6 +145,32 @@ def test_loss_that_is_not_a_scalar(entry: str) -> None:
 
 @pytest.mark.sim
 @pytest.mark.parametrize("entry", ALL)
+def test_a_loss_of_output_and_target_without_a_target(entry: str) -> None:
+    # autofit calls loss_fn(output) when no target is given: a two-argument loss used to fail with Python's TypeError
+    with raises(autofit.LossError, "loss_fn(out, t)", "no target was given", "target="):
+        ALL[entry](_Net(), _sample(), loss_fn=lambda out, t: out.sum())
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("entry", ALL)
+def test_a_loss_of_the_output_alone_with_a_target(entry: str) -> None:
+    with raises(autofit.LossError, "loss_fn(out)", "a target was given"):
+        ALL[entry](_Net(), _sample(), target=_labels(), loss_fn=lambda out: out.sum())
+
+
+def test_a_loss_whose_own_type_error_is_its_own() -> None:
+    # only a call the signature refuses becomes a LossError; a TypeError raised inside the loss stays the user's
+    from autofit.training.loss import compute_loss
+
+    def loss(out, t):
+        raise TypeError("inside the loss")
+
+    with pytest.raises(TypeError, match="inside the loss"):
+        compute_loss(loss, torch.ones(2, requires_grad=True), torch.ones(2))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("entry", ALL)
 def test_loss_that_is_not_floating(entry: str) -> None:
     with raises(autofit.LossError, "torch.int64", "floating point"):
         ALL[entry](_Net(), _sample(), target=_labels(), loss_fn=lambda out, t: out.argmax(dim=1).sum())

@@ -13,6 +13,7 @@ Anything else (a tuple, list, dict or dataclass without a loss, a prediction tha
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -128,12 +129,34 @@ def describe_loss(loss_fn: LossFn | None) -> str:
     return f"custom: {module}.{name}"
 
 
+def _check_arity(loss_fn: LossFn, args: tuple) -> None:
+    """A loss_fn that cannot take what the step passes gets a LossError saying why, not a TypeError from the call."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself decides
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        if len(args) == 1:
+            raise LossError(
+                f"loss_fn{signature} cannot be called as loss_fn(output) ({e}): no target was given, so the loss "
+                "gets the model's output alone. Pass target=... (the labels, one row per sample row), or a "
+                "loss_fn of the output alone (lambda output: ...)") from None
+        raise LossError(
+            f"loss_fn{signature} cannot be called as loss_fn(output, target) ({e}): a target was given, so the "
+            "loss gets the model's output and the micro-batch's target. Accept both, or leave target out and "
+            "compute the loss from the output alone") from None
+
+
 def compute_loss(loss_fn: LossFn | None, output: Any, target: Any) -> torch.Tensor:
     """Call the loss and check it is a differentiable floating scalar."""
     if loss_fn is None:
         loss = default_loss(output, target)
     else:
-        loss = loss_fn(output) if target is None else loss_fn(output, target)
+        args = (output,) if target is None else (output, target)
+        _check_arity(loss_fn, args)
+        loss = loss_fn(*args)
     if not isinstance(loss, torch.Tensor):
         raise LossError(f"loss_fn returned {type(loss).__name__}; it must return a scalar tensor")
     if loss.numel() != 1:
