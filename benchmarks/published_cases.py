@@ -524,7 +524,7 @@ CASES: tuple[Case, ...] = (
              "lowering, 12,711 MB with its peak in forward, against 12,202 MB eager (-0.2 %). The term is what "
              "inductor's CPU lowering holds at the forward peak beyond its CUDA lowering (its CPU decompositions, "
              "partitioner choices and C++ kernels' fusions), 481 MB above the published compiled run, which only a GPU "
-             "run can split further (5.5 min to simulate on two busy cores)"),
+             "run can split further (about 3 min to simulate on two busy cores)"),
     Case(name="torchao-vit_h-bnb-adamw8bit", source=_TORCHAO, gpu="RTX-4090", measures="allocated",
          ran="as torchao-vit_h-fused-adamw with bitsandbytes.optim.AdamW8bit",
          published_bytes=8_320_000_000, unit="MB", uncertainty_bytes=5_000_000, uncertainty=_TORCHAO_UNC,

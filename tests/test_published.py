@@ -78,11 +78,11 @@ def test_multi_gpu_cases_estimate_one_rank_of_the_published_layout():
         assert kwargs["layout"].world_size == case.ranks and kwargs["layout"].strategy == "fsdp2", case.name
 
 
-@pytest.mark.slow(seconds=120)
+@pytest.mark.slow(seconds=180)
 def test_compiled_vit_h_is_bounded_from_above():
     # torchao's ViT-H row ran compiled; on a CUDA target the compiled estimate is the larger of inductor's CPU
     # lowering and eager (Note [compiled models on a GPU target]): above the published figure (the safe side), by
-    # 3.9 % (about 5.5 min on two busy cores)
+    # 3.9 % (about 3 min on two busy cores: 187 s in a CI run)
     pytest.importorskip("transformers", reason="benchmarks.published imports the Hugging Face cases")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
