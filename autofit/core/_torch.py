@@ -13,6 +13,7 @@ check the patch still takes effect (:meth:`Patch.require_hit`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import importlib
 import os
@@ -30,7 +31,7 @@ from autofit.core.errors import AutofitError, UnsupportedTorchError
 __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
-    "allocation_sizes", "live_allocations", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
+    "allocation_sizes", "window_memory", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
@@ -244,14 +245,15 @@ def is_view(t: torch.Tensor) -> bool:
     return t._is_view()
 
 
-def _allocation_events(prof: torch.profiler.profile,
-                       thread_of: str | None) -> tuple[list[tuple[int, int, int]], set[int]]:
-    """``(size, thread id, address)`` of every Allocation event a ``profile_memory=True`` CPU profile recorded, in
-    time order (negative size on free), read from the profiler's event tree (``kineto_results.
-    experimental_event_tree``), the allocator's own record; and the thread ids that ran the ``record_function``
-    named ``thread_of``."""
+def _allocation_events(prof: torch.profiler.profile, thread_of: str | None,
+                       span: str | None = None) -> tuple[list[tuple[int, int, int, int]], set[int], list[tuple[int, int]]]:
+    """``(time, size, thread id, address)`` of every Allocation event a ``profile_memory=True`` CPU profile
+    recorded, in time order (negative size on free), read from the profiler's event tree (``kineto_results.
+    experimental_event_tree``), the allocator's own record; the thread ids that ran the ``record_function`` named
+    ``thread_of``; and the (start, end) times of the ``record_function`` calls named ``span``, in order."""
     events: list[tuple[int, int, int, int]] = []
     marks: set[int] = set()
+    spans: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -260,9 +262,11 @@ def _allocation_events(prof: torch.profiler.profile,
             events.append((node.start_time_ns, fields.alloc_size, node.start_tid, fields.ptr))
         elif thread_of is not None and node.name == thread_of:
             marks.add(node.start_tid)
+        elif span is not None and node.name == span:
+            spans.append((node.start_time_ns, node.end_time_ns))
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
-    return [(size, tid, ptr) for _, size, tid, ptr in events], marks
+    return events, marks, sorted(spans)
 
 
 def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
@@ -271,24 +275,45 @@ def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None)
     that ran the ``record_function`` of that name (the profiler's own thread ids), as :func:`thread_memory` reads it.
     The profiler reports no free of memory allocated while no memory profile ran (Note [memory from before the
     window], measure/allocator.py)."""
-    events, marks = _allocation_events(prof, thread_of)
+    events, marks, _ = _allocation_events(prof, thread_of)
     if thread_of is None:
-        return [size for size, _, _ in events]
-    return thread_memory(events, marks)
+        return [size for _, size, _, _ in events]
+    return thread_memory([(size, tid, ptr) for _, size, tid, ptr in events], marks)
 
 
-def live_allocations(prof: torch.profiler.profile, thread_of: str | None = None) -> dict[int, int]:
-    """``{address: bytes}`` of what a ``profile_memory=True`` CPU profile saw allocated and not freed by its end:
-    the memory that outlives the profiled code. ``thread_of``: only the allocations of the thread that ran the
-    ``record_function`` of that name, as :func:`thread_memory` counts them."""
-    events, marks = _allocation_events(prof, thread_of)
-    live: dict[int, int] = {}
-    for size, tid, ptr in events:
-        if size > 0 and (thread_of is None or tid in marks):
+def window_memory(prof: torch.profiler.profile, span: str,
+                  thread_of: str | None = None) -> tuple[dict[int, int], list[int]]:
+    """Of a ``profile_memory=True`` CPU profile whose code ran ``record_function(span)`` one or more times, one after
+    another: what the profile had seen allocated and not freed when the first span began (``{address: bytes}``),
+    and each span's high-water mark above the bytes alive when it began. ``thread_of``: only the memory of the
+    thread that ran the ``record_function`` of that name, as :func:`thread_memory` counts it. One profile holds what
+    comes before the spans and the spans themselves, so no free between them goes unseen (Note [memory from before
+    the window], measure/allocator.py)."""
+    events, marks, spans = _allocation_events(prof, thread_of, span)
+    if not spans:
+        raise AssertionError(f"the profile ran no record_function({span!r})")
+    live: dict[int, int] = {}  # address -> bytes of what counts and is not freed yet
+    times, running, sums = [], 0, []  # the running sum after each counted event, and when
+    before: dict[int, int] | None = None
+    for time, size, tid, ptr in events:
+        if before is None and time >= spans[0][0]:
+            before = dict(live)
+        if size > 0:
+            if thread_of is not None and tid not in marks:
+                live.pop(ptr, None)  # the address now holds another thread's tensor
+                continue
             live[ptr] = size
-        else:  # a free, or the address now holds another thread's tensor
-            live.pop(ptr, None)
-    return live
+        elif live.pop(ptr, None) is None and thread_of is not None and tid not in marks:
+            continue  # another thread's free of what is not ours
+        running += size
+        times.append(time)
+        sums.append(running)
+    peaks = []
+    for start, end in spans:
+        first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        base = sums[first - 1] if first else 0
+        peaks.append(max([0, *(s - base for s in sums[first:last])]))
+    return (live if before is None else before), peaks
 
 
 def thread_memory(events: list[tuple[int, int, int]], marks: set[int]) -> list[int]:

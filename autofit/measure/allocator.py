@@ -11,10 +11,12 @@ Note [memory from before the window]
     of unknown size was allocated before the profiling started"). A tensor that an earlier step left alive and the
     measured step replaces (a module attribute kept across steps, a retained gradient) was then counted twice: in
     the bytes alive before the window, and again when its successor was allocated, its own free never seen.
-    So the warm-up windows run under a memory profile too: whatever they leave alive is in the table, and its free
-    in the measured window is reported. The same record says what the warm-up left alive: what no category holds
-    (a backward hook's list of gradients, a retained gradient: tensors only the user's code reaches) is counted as
-    ``kept``, instead of being missed.
+    So one memory profile runs from the warm-up to the end of the measured windows: whatever the warm-up leaves
+    alive is in the table, and its free in a measured window is reported. The same record says what was alive when
+    the first window began: what no category holds (a backward hook's list of gradients, a retained gradient:
+    tensors only the user's code reaches) is counted as ``kept``, instead of being missed. One profile, not one for
+    the warm-up and one for the windows: gloo's worker thread can free a rank's tensor just after the warm-up, and
+    between two profiles that free would go unseen while the tensor was counted as kept.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from autofit.core._torch import (
     ddp_bucket_sizes,
     grad_scaler_state,
     high_water_mark,
-    live_allocations,
     memory_profile,
     storage_tensors,
+    window_memory,
 )
 from autofit.training.batch import Batch
 from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
@@ -71,12 +73,9 @@ def _storage_bytes(tensors) -> int:
     return sum(_storages(tensors).values())
 
 
-def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | None, stored=None,
-                 warm_up: dict[int, int] | None = None, buckets: list[int] = ()) -> dict[Category, int]:
-    """Bytes alive before the measured window, by category; ``warm_up``: what the warm-up windows left alive
-    (``{address: bytes}``), of which what no category holds is ``kept`` (Note [memory from before the window]).
-    ``buckets``: the sizes of DDP's gradient buckets, counted as gradients: the reducer holds them, no tensor of
-    ours reaches them, and the warm-up rebuilt them, so one block of each size is theirs, not ``kept``."""
+def _categories(model, optimizer, scaler, micro: Batch, micro_target: Batch | None,
+                stored=None) -> dict[Category, dict[int, int]]:
+    """The storages alive before the measured window, by category, as ``{address: bytes}``."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     if stored is not None:  # the fp32 master copy (Note [stored precision])
         state += stored.master_tensors()
@@ -85,7 +84,7 @@ def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | N
     inputs = micro.tensors() + (micro_target.tensors() if micro_target is not None else [])
     buffers = list(model.buffers()) + [t for _, t in module_tensor_attributes(model)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    categories = {
+    return {
         # with the quantization statistics of quantized layers (Note [quantized parameters])
         Category.PARAMETERS: _storages(list(model.parameters()) + [t for _, t in attached_tensors(model)]),
         Category.BUFFERS: _storages(buffers),
@@ -93,14 +92,22 @@ def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | N
         Category.INPUTS: _storages(inputs),
         Category.GRADIENTS: _storages(grads),
     }
+
+
+def _live_before(categories: dict[Category, dict[int, int]], alive: dict[int, int],
+                 buckets: list[int]) -> dict[Category, int]:
+    """Bytes alive before the measured window by category; of ``alive`` (what the allocator's record saw alive
+    then), what no category holds is ``kept`` (Note [memory from before the window]). ``buckets``: the sizes of
+    DDP's gradient buckets, counted as gradients: the reducer holds them and no tensor of ours reaches them; the
+    warm-up rebuilt them, so one block of each size in ``alive`` is theirs, not kept."""
     before = {category: sum(storages.values()) for category, storages in categories.items()}
     before[Category.GRADIENTS] += sum(buckets)
-    if warm_up:
-        counted = set().union(*categories.values())
-        kept = sorted(size for address, size in warm_up.items() if address not in counted)
-        for size in buckets:
-            if size in kept:
-                kept.remove(size)
+    counted = set().union(*categories.values())
+    kept = sorted(size for address, size in alive.items() if address not in counted)
+    for size in buckets:
+        if size in kept:
+            kept.remove(size)
+    if kept:
         before[Category.KEPT] = sum(kept)
     return before
 
@@ -144,15 +151,25 @@ def measure_step(
             features.enter_context(feature.real_context(config, inner))
         for feature in FEATURES:  # what each step feature holds around the step
             features.enter_context(feature.step_context(config, inner, optimizer))
-        # warm-up: optimizer state now exists, as in the steady state; DDP rebuilds its gradient buckets in the
-        # order of the first backward, after it. Under the allocator's record (Note [memory from before the window])
-        warm_up = _warm_up(window, 2 if config.layout.replicates_parameters else 1, device, own_thread=lowest)
-        # the buckets outlive every step; no gradient points at them after zero_grad
-        buckets = ddp_bucket_sizes(work) if config.layout.replicates_parameters else []
-        before = _live_before(inner, optimizer, scaler, whole, whole_target, stored, warm_up, buckets)
+
+        def warm_up() -> None:
+            window()  # optimizer state now exists, as in the steady state
+            if config.layout.replicates_parameters:
+                window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it
+
+        def settle() -> tuple[dict[Category, dict[int, int]], list[int]]:
+            gc.collect()
+            # the buckets outlive every step; no gradient points at them after zero_grad
+            buckets = ddp_bucket_sizes(work) if config.layout.replicates_parameters else []
+            return _categories(inner, optimizer, scaler, whole, whole_target, stored), buckets
+
         if device.type == "cuda":
-            return _measure_cuda(window, device, before, steps)
-        peaks = [_measure_window(window, device, own_thread=lowest) for _ in range(steps)]
+            warm_up()
+            categories, buckets = settle()
+            return _measure_cuda(window, device, _live_before(categories, {}, buckets), steps)
+        alive, peaks, (categories, buckets) = _measure_window(window, device, own_thread=lowest, warm_up=warm_up,
+                                                              settle=settle, windows=steps)
+        before = _live_before(categories, alive, buckets)
         peak_step = min(peaks) if lowest else max(peaks)
     breakdown = dict(before)
     breakdown[Category.STEP] = peak_step
@@ -183,30 +200,26 @@ def _rows(whole: Batch, target: Batch | None, i: int, size: int) -> tuple[Batch,
     return whole.slice(start, start + size), None if target is None else target.slice(start, start + size)
 
 
-def _warm_up(window, runs: int, device: torch.device, own_thread: bool = False) -> dict[int, int]:
-    """Run ``window`` ``runs`` times, then collect garbage; on the CPU under a memory profile, returning what they
-    left alive as ``{address: bytes}`` (Note [memory from before the window]); on a GPU ``{}``."""
-    if device.type != "cpu":
-        for _ in range(runs):
-            window()
-        gc.collect()
-        return {}
-    with memory_profile() as prof:
-        with torch.profiler.record_function(_WINDOW) if own_thread else contextlib.nullcontext():
-            for _ in range(runs):
-                window()
-            gc.collect()
-    return live_allocations(prof, _WINDOW if own_thread else None)
+_SPAN = "autofit::measured_window_span"
 
 
-def _measure_window(window, device: torch.device, own_thread: bool = False) -> int:
-    """High-water mark of the CPU allocator while ``window`` runs, above what was allocated before it;
-    ``own_thread``: of the allocations made on this thread only (Note [gloo's threads in the measured window],
-    autofit/measure/ranks.py)."""
+def _measure_window(window, device: torch.device, own_thread: bool = False, *, warm_up=None, settle=None,
+                    windows: int = 1) -> tuple[dict[int, int], list[int], Any]:
+    """Under one CPU memory profile: ``warm_up()``, then ``settle()``, then ``windows`` runs of ``window``. Returns
+    what the allocator's record saw alive when the first window began (``{address: bytes}``: Note [memory from
+    before the window]), each window's high-water mark above what was alive when it began, and what ``settle``
+    returned. ``own_thread``: of the allocations made on this thread only (Note [gloo's threads in the measured
+    window], autofit/measure/ranks.py)."""
     with memory_profile() as prof:
         with torch.profiler.record_function(_WINDOW) if own_thread else contextlib.nullcontext():
-            window()
-    return high_water_mark(allocation_sizes(prof, _WINDOW if own_thread else None))[0]
+            if warm_up is not None:
+                warm_up()
+            settled = settle() if settle is not None else None
+            for _ in range(windows):
+                with torch.profiler.record_function(_SPAN):
+                    window()
+    alive, peaks = window_memory(prof, _SPAN, _WINDOW if own_thread else None)
+    return alive, peaks, settled
 
 
 def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_thread: bool = False,
@@ -216,19 +229,19 @@ def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_t
     real step against its plan. On CUDA the allocator's own ``max_memory_allocated`` (the whole process).
     ``own_thread``: on the CPU, only the allocations made on this thread (a rank of a gloo job, Note [gloo's threads
     in the measured window], autofit/measure/ranks.py). ``warm_up``: a call run first (an earlier step) under the
-    allocator's record, so that what it leaves alive and ``fn`` frees is seen freed, and what it leaves alive
+    same allocator's record, so that what it leaves alive and ``fn`` frees is seen freed, and what it leaves alive
     outside ``live`` is counted (Note [memory from before the window]); without it, a tensor an earlier step left
     alive and ``fn`` replaces is counted twice."""
-    kept = 0
-    if warm_up is not None:
-        left = _warm_up(warm_up, 1, torch.device(device), own_thread=own_thread)
-        counted = _storages(live)
-        kept = sum(size for address, size in left.items() if address not in counted)
-    gc.collect()
     if torch.device(device).type == "cuda":
+        if warm_up is not None:
+            warm_up()
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    return _storage_bytes(live) + kept + _measure_window(fn, torch.device(device), own_thread=own_thread)
+    alive, peaks, counted = _measure_window(fn, torch.device(device), own_thread, warm_up=warm_up,
+                                            settle=lambda: (gc.collect(), _storages(live))[1])
+    kept = sum(size for address, size in alive.items() if address not in counted)
+    return sum(counted.values()) + kept + peaks[0]
