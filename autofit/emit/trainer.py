@@ -194,7 +194,7 @@ class Trainer:
         """The rows this process trains on (all of them without data parallelism)."""
         return batch, target
 
-    def _across_ranks(self, count: int) -> tuple[int, int]:
+    def _across_ranks(self, count: int | float) -> tuple[int | float, int]:
         """The count over every rank, and the number of ranks gradients are averaged over (one process: itself)."""
         return count, 1
 

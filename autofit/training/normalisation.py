@@ -19,6 +19,9 @@ Note [loss normalisation]
       ``n_i / N``: the same number as passing ``num_items_in_batch=N`` (``sum_i / N``), on every transformers
       version and whether or not the model's forward passes that keyword on to its loss;
     - a user's ``loss_fn`` with a ``count_items(inputs, target)`` attribute (:class:`ItemMeanLoss` builds one);
+    - torch's ``cross_entropy`` or ``nll_loss`` (function, module, or ``functools.partial``) given as ``loss_fn``
+      with an integer target: the targets it does not ignore, or their class weights (Note [losses that ignore an
+      index]);
     - anything else: rows.
     A micro-batch with no item (all padding) gets weight 0; its mean is 0/0 = nan, but with weight 0 no gradient
     reaches it and cross-entropy's backward skips ignored targets (aten ``nll_loss_backward``), so gradients stay
@@ -27,6 +30,7 @@ Note [loss normalisation]
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -84,8 +88,8 @@ class LossNormalisation:
     whole batch and every rank; ``ranks``: the number of ranks gradients are averaged over."""
 
     unit: str  # "rows" or "items"
-    counts: tuple[int, ...]
-    total: int
+    counts: tuple[int | float, ...]  # float: a class-weighted mean's sums of weights
+    total: int | float
     ranks: int = 1
     summed: bool = False  # the loss is a sum over rows (loss_reduction="sum"): micro-batch sums add up unweighted
 
@@ -121,6 +125,9 @@ def item_counter(model: nn.Module, loss_fn: LossFn | None, batch: Batch, target:
         count = getattr(loss_fn, "count_items", None)
         if count is not None and not callable(count):
             raise InvalidInputError("loss_fn.count_items must be a callable (inputs, target) -> int")
+        if count is None and target is not None and isinstance(target.value, torch.Tensor) \
+                and not target.value.is_floating_point():
+            return _index_loss_counter(loss_fn)
         return count
     if _hf_labels(model, batch) is not None:
         return _hf_counter(model)
@@ -140,7 +147,8 @@ def count_items(counter: ItemCounter | None, batch: Batch, target: Batch | None,
         rows_target = None if target is None else target.slice(start, stop).value
         n = counter(rows.value, rows_target)
         try:
-            n = int(n)
+            # a class-weighted mean divides by a sum of weights (Note [losses that ignore an index])
+            n = float(n) if isinstance(n, (float, torch.Tensor)) and _is_floating(n) else int(n)
         except (TypeError, ValueError, RuntimeError) as e:
             raise InvalidInputError(f"count_items returned {n!r}; it must return an int or a one-element tensor") from e
         if n < 0:
@@ -149,8 +157,53 @@ def count_items(counter: ItemCounter | None, batch: Batch, target: Batch | None,
     return tuple(counts)
 
 
+def _is_floating(n: float | torch.Tensor) -> bool:
+    return isinstance(n, float) or n.is_floating_point()
+
+
 def _cross_entropy_count(inputs: Any, target: torch.Tensor) -> torch.Tensor:
     return target.ne(IGNORE_INDEX).sum()
+
+
+# Note [losses that ignore an index]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's losses over class indices, ``cross_entropy`` and ``nll_loss`` (and their modules ``nn.CrossEntropyLoss``,
+# ``nn.NLLLoss``), skip targets equal to ``ignore_index`` and, with reduction "mean", divide by what they kept: the
+# number of those targets, or with a class ``weight`` the sum of their weights (torch/nn/functional.py and aten
+# LossNLL.cpp, ``nll_loss_forward_out_cpu_template``: ``total_weight``; label smoothing divides the same way,
+# Loss.cpp ``cross_entropy_loss_label_smoothing``). Given as ``loss_fn`` itself (or through ``functools.partial``),
+# such a loss is called on the target as the trainer was given it, so what it averages over is known before the
+# first micro-batch: the counter below reads the loss's own ``ignore_index``, ``weight`` and ``reduction``. A
+# function that calls one of them on something it derives from the target (a shift, a reshape, a mask) cannot be
+# read that way: it says what it counts with ``count_items`` (:class:`ItemMeanLoss`), or is weighted by rows.
+_INDEX_LOSSES = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+_INDEX_LOSS_MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+
+def _index_loss_counter(loss_fn: LossFn) -> ItemCounter | None:
+    """The counter of a torch loss over class indices given as ``loss_fn`` (Note [losses that ignore an index]), or
+    None for any other loss."""
+    fn, options = loss_fn, {}
+    while isinstance(fn, functools.partial):
+        if fn.args:  # a bound positional argument moves the target: not the call this counter reads
+            return None
+        options = {**fn.keywords, **options}
+        fn = fn.func
+    if isinstance(fn, _INDEX_LOSS_MODULES):
+        options = {"ignore_index": fn.ignore_index, "weight": fn.weight, "reduction": fn.reduction, **options}
+    elif fn not in _INDEX_LOSSES:
+        return None
+    if options.get("reduction", "mean") != "mean":
+        return None  # a sum or per-element loss: not a mean over items (a sum is Note [sum-reduced losses]')
+    ignore, weight = options.get("ignore_index", IGNORE_INDEX), options.get("weight")
+
+    def count(inputs: Any, target: torch.Tensor) -> torch.Tensor:
+        kept = target.ne(ignore)
+        if weight is None:
+            return kept.sum()
+        return weight.to(target.device)[target[kept]].sum()  # weighted: the mean divides by the kept weights
+
+    return count
 
 
 def _hf_labels(model: nn.Module, batch: Batch) -> torch.Tensor | None:
