@@ -58,7 +58,7 @@ def _checkpointed_forward(module: torch.nn.Module, forward, selective: bool, *ar
 
     def run(args: tuple, kwargs: dict):
         recompute = next(runs) > 0
-        with _running_stats_frozen(module) if recompute else contextlib.nullcontext(), writes.run(recompute):
+        with writes.run(recompute), _running_stats_frozen(module) if recompute else contextlib.nullcontext():
             return forward(*_copy_containers(args), **_copy_containers(kwargs))
 
     # The arguments travel as two positional values: torch.utils.checkpoint stashes the RNG state of the devices of
