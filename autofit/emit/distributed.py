@@ -158,7 +158,8 @@ class DistributedTrainer(Trainer):
         weights are its share of the global count times the world size (See Note [loss normalisation]). With tensor
         parallel T every group counts its rows T times over: the data-parallel count is the sum over T."""
         device = next(iter(self.model.parameters())).device
-        weighted = isinstance(count, float)  # a class-weighted mean's sum of weights (Note [losses that ignore an index])
+        # a float: a class-weighted mean's sum of weights (Note [losses that ignore an index])
+        weighted = isinstance(count, float)
         total = torch.tensor([count], dtype=torch.float64 if weighted else torch.int64, device=device)
         dist.all_reduce(total)
         if weighted:

@@ -51,6 +51,24 @@ __all__ = ["Trainer"]
 _BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
 
 
+# Note [the trainer owns its window]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# One step's gradient is the sum of its micro-batches' weighted gradients, and nothing else. Gradients already on
+# the parameters when a step starts were made by someone else: a GAN's generator loss runs through the
+# discriminator, so with one trainer per network the generator's step leaves gradients in the discriminator; a
+# sanity-check ``loss.backward()`` before training leaves some everywhere. The standard loop clears them with
+# ``optimizer.zero_grad()`` before each step (pytorch/examples dcgan: ``netD.zero_grad()``, ``netG.zero_grad()``),
+# so the trainer does too, before its first micro-batch, rather than refusing them: refusing would make the standard
+# GAN loop an error, and what it would protect (a gradient meant to be added to the step's) is not a step of the
+# plan. It also keeps the plan's memory: the plan counts no gradient before the first backward (freed) or exactly
+# the preallocated ones (zeroed in place). A micro-batch that raises (an out-of-memory error the caller catches)
+# leaves the earlier micro-batches' gradients behind; they are cleared before the exception leaves ``step``, so the
+# memory is free for what the caller does next and the next step is a plain step. Backward and the optimizer step
+# run outside any autocast the caller is in (``torch.autocast(device, enabled=False)`` around the window; the
+# forward enters the plan's own): the engine runs backward ops under the calling thread's autocast state, so an
+# outer bf16 region would round an fp32 plan's gradients. Leaving the context restores the caller's state.
+
+
 class Trainer:
     """Executes a single-process :class:`~autofit.Plan` on the user's model and optimizer (an instance built over
     ``model.parameters()``); :meth:`Plan.wrap <autofit.Plan.wrap>` builds it. Also a context manager that unwraps on

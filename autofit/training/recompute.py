@@ -32,7 +32,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autofit.core._torch import SpectralNormParametrization, tensor_version
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "saved_op_names", "selective_policy", "selective_context", "require_policy"]
+__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "saved_op_names", "selective_policy", "selective_context",
+           "require_policy"]
 
 POLICIES = ("full", "selective")  # how a recomputed module is recomputed; "none" is a module not recomputed
 
