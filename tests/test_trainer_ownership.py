@@ -204,6 +204,62 @@ def test_an_index_ignoring_loss_fn_is_weighted_by_the_targets_it_keeps(loss_fn) 
     assert _update_error(by_rows, reference, start) > 0.05
 
 
+def _shifted(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A causal-LM loss of the user's own: position t predicts label t + 1."""
+    return F.cross_entropy(output[:, :-1].reshape(-1, output.shape[-1]), target[:, 1:].reshape(-1))
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 8)
+        self.out = nn.Linear(8, 7)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.embed(tokens)))
+
+
+def _padded_tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 7, (4, 6))
+    labels = tokens.clone()
+    labels[0, 2:] = -100  # rows keep 1, 5, 3 and 5 shifted labels
+    labels[2, 4:] = -100
+    return tokens, labels
+
+
+def test_a_function_of_its_own_over_ignored_targets_is_refused_before_any_update() -> None:
+    """A function that shifts the labels cannot be read for what it keeps; weighted by rows it was 16 % off the
+    full-batch step. Refused at the first micro-batch whose target holds -100, parameters and gradients untouched."""
+    model = _Tagger()
+    start = copy.deepcopy(model)
+    tokens, labels = _padded_tokens()
+    trainer = _plan(micro=2, batch=4).wrap(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn=_shifted)
+    with pytest.raises(autofit.LossError, match=r"F\.cross_entropy.*ignore_index=-100.*ItemMeanLoss"):
+        trainer.step(tokens, labels)
+    assert all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(list(model.parameters()), list(start.parameters()), rtol=0, atol=0)
+
+    # what the error asks for trains as the full-batch step
+    loss_fn = autofit.ItemMeanLoss(_shifted, count_items=lambda inputs, target: target[:, 1:].ne(-100).sum())
+    trainer.unwrap()
+    counted = _plan(micro=2, batch=4).wrap(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn=loss_fn)
+    counted.step(tokens, labels)
+    counted.unwrap()
+    reference = copy.deepcopy(start)
+    _plain_step(reference, tokens, labels, _shifted)
+    _assert_same(model, reference)
+
+
+def test_a_function_of_its_own_is_not_refused_without_ignored_targets_or_with_one_micro_batch() -> None:
+    model = _Tagger()
+    tokens, labels = _padded_tokens()
+    with _plan(micro=2, batch=4).wrap(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn=_shifted) as t:
+        t.step(tokens, tokens)  # nothing ignored: rows weigh as the targets do
+    with _plan(micro=4, batch=4).wrap(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn=_shifted) as t:
+        t.step(tokens, labels)  # one micro-batch: its weight is 1 however it is counted
+
+
 def test_a_sum_reduced_index_loss_is_not_taken_for_a_mean_over_targets() -> None:
     """``reduction="sum"`` adds up (Note [sum-reduced losses]); the target count does not apply to it."""
     torch.manual_seed(0)

@@ -33,7 +33,9 @@ from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, releas
 from autofit.training.length import batch_length
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
-from autofit.training.normalisation import LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter
+from autofit.training.normalisation import (
+    LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter, refusing_ignored_targets,
+)
 from autofit.training.optim import OptimizerSpec
 from autofit.training.step import (
     new_grad_scaler,
@@ -143,6 +145,7 @@ class Trainer:
             )
         self.micro_batches = len(bounds)
         norm = self._normalisation(batch, target_batch, bounds)
+        loss_fn = refusing_ignored_targets(self.loss_fn, norm, len(bounds))  # Note [losses that ignore an index]
         losses = []
         # the plan's precision, whatever autocast the caller is in (Note [the trainer owns its window]): the forward
         # enters the plan's own autocast inside this, and backward and the optimizer step run without one
@@ -155,7 +158,7 @@ class Trainer:
                     if target_batch is not None:
                         micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
                     with self._micro_batch(last=i == len(bounds) - 1):
-                        loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config,
+                        loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config,
                                                self.device_type, weight=norm.weight(i), scaler=self.scaler)
                     losses.append(float(loss))
                     del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next

@@ -31,6 +31,7 @@ Note [loss normalisation]
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,13 +39,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autofit.training.batch import Batch
-from autofit.core.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError, LossError
 from autofit.training.loss import LossFn
 
 __all__ = ["IGNORE_INDEX", "LOSS_REDUCTIONS", "ItemMeanLoss", "LossNormalisation", "count_items", "item_counter",
-           "loss_reduction", "reduction_of"]
+           "loss_reduction", "reduction_of", "refusing_ignored_targets"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -175,9 +177,67 @@ def _cross_entropy_count(inputs: Any, target: torch.Tensor) -> torch.Tensor:
 # such a loss is called on the target as the trainer was given it, so what it averages over is known before the
 # first micro-batch: the counter below reads the loss's own ``ignore_index``, ``weight`` and ``reduction``. A
 # function that calls one of them on something it derives from the target (a shift, a reshape, a mask) cannot be
-# read that way: it says what it counts with ``count_items`` (:class:`ItemMeanLoss`), or is weighted by rows.
+# read that way: it says what it counts with ``count_items`` (:class:`ItemMeanLoss`). Weighted by rows instead, it
+# would be off the full-batch step wherever micro-batches keep different shares of their targets, in silence; so
+# while a step weights by rows over more than one micro-batch (or rank), the trainer watches the calls such a
+# function makes to ``cross_entropy`` and ``nll_loss`` (a ``TorchFunctionMode`` around the loss alone, not the
+# forward: a few calls per micro-batch) and refuses, before that micro-batch's backward, a mean over class indices
+# whose target holds its ``ignore_index`` (:func:`refusing_ignored_targets`). Its error names the fix.
 _INDEX_LOSSES = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
 _INDEX_LOSS_MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+
+def refusing_ignored_targets(loss_fn: LossFn | None, norm: LossNormalisation, micro_batches: int) -> LossFn | None:
+    """``loss_fn``, or, where the step weights a user's function by rows over more than one micro-batch or rank, the
+    same function refusing a mean of torch's index-ignoring losses over a target that holds its ignore index (Note
+    [losses that ignore an index])."""
+    if loss_fn is None or norm.unit != "rows" or norm.summed or (micro_batches == 1 and norm.ranks == 1):
+        return loss_fn
+
+    @functools.wraps(loss_fn)  # inspect.signature follows __wrapped__: the arity check sees the user's function
+    def watched(*args: Any) -> torch.Tensor:
+        with _IgnoredTargets() as seen:
+            loss = loss_fn(*args)
+        if seen.found is not None:
+            name, ignore, count = seen.found
+            raise LossError(
+                f"loss_fn calls {name} with reduction='mean', which averages over the targets that are not "
+                f"ignore_index={ignore}, and {count} target(s) of this micro-batch are {ignore}: the trainer cannot "
+                "count what your function passes to it, so it would weight the micro-batches by rows and the step "
+                "would differ from the full-batch step. Pass the loss itself (loss_fn=F.cross_entropy, "
+                "nn.CrossEntropyLoss(...)), whose targets the trainer counts, or say what it averages over: "
+                "loss_fn=autofit.ItemMeanLoss(loss_fn, count_items=lambda inputs, target: <how many targets it keeps>)"
+                " (See Note [losses that ignore an index], autofit/training/normalisation.py)"
+            )
+        return loss
+
+    return watched
+
+
+class _IgnoredTargets(TorchFunctionMode):
+    """Records the first mean of ``cross_entropy`` / ``nll_loss`` over class indices that skips some of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: tuple[str, int, int] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INDEX_LOSSES and self.found is None:
+            try:
+                bound = inspect.signature(func).bind(*args, **kwargs)
+            except TypeError:
+                return func(*args, **kwargs)  # not a call this reads: the loss raises its own error
+            bound.apply_defaults()
+            options = bound.arguments
+            target = options["target"]
+            legacy = options.get("size_average") is not None or options.get("reduce") is not None
+            if (not legacy and options["reduction"] == "mean" and isinstance(target, torch.Tensor)
+                    and not target.is_floating_point()):
+                ignored = int(target.eq(options["ignore_index"]).sum())
+                if ignored:
+                    self.found = (f"F.{func.__name__}", options["ignore_index"], ignored)
+        return func(*args, **kwargs)
 
 
 def _index_loss_counter(loss_fn: LossFn) -> ItemCounter | None:
