@@ -278,8 +278,9 @@ def test_a_sum_reduced_index_loss_is_not_taken_for_a_mean_over_targets() -> None
 # ---- buffers under recomputation --------------------------------------------------------------------------------
 
 class _Stateful(nn.Module):
-    """A forward that writes buffers in every way: a counter in place, a counter by assignment, a moving average
-    with ``lerp_``, spectral norm's power iteration, an InstanceNorm's running statistics."""
+    """A forward that writes buffers in every way: a counter in place, a counter by assignment that the output then
+    reads, spectral norm's power iteration (its output reads the updated vectors), a codebook read before its
+    moving average moves, a moving average with ``lerp_``, an InstanceNorm's running statistics."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -288,15 +289,19 @@ class _Stateful(nn.Module):
         self.inorm = nn.InstanceNorm1d(8, affine=True, track_running_stats=True)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.register_buffer("assigned", torch.zeros(()))
+        self.register_buffer("codebook", torch.randn(4, 8))
         self.register_buffer("average", torch.zeros(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         self.assigned = self.assigned + 1
-        h = self.sn(torch.tanh(self.fc(x)))
+        h = self.sn(torch.tanh(self.fc(x))) * (1 + 0.5 * self.assigned)
+        code = torch.cdist(h.detach(), self.codebook).argmin(1)
+        h = h + 0.5 * self.codebook[code]
         with torch.no_grad():
+            self.codebook.mul_(0.5).add_(0.5 * h.mean(0))
             self.average.lerp_(h.mean(0), 0.1)
-        return self.inorm(h.unsqueeze(-1).expand(-1, -1, 3)).mean(-1)
+        return h + self.inorm(torch.stack([h, h.roll(1, 1), h.roll(2, 1)], -1)).mean(-1)
 
 
 class _StatefulNet(nn.Module):
@@ -367,3 +372,16 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_wrap() -> None:
         _plan(micro=4, batch=8).wrap(model, torch.optim.LBFGS(model.parameters()))
     # nothing was patched: the model wraps again with an optimizer that steps without a closure
     _plan(micro=4, batch=8).wrap(model, torch.optim.SGD(model.parameters(), lr=LR)).unwrap()
+
+
+@pytest.mark.sim
+def test_the_copies_of_written_buffers_are_in_the_estimate_as_in_the_measured_step() -> None:
+    """The simulation runs the same checkpoint wrapper, so the buffers it copies are counted as the real step
+    allocates them (the allocator's own events, through ``measure``)."""
+    torch.manual_seed(0)
+    model = _StatefulNet()
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    kwargs = {"target": y, "micro_batch_size": 4, "checkpoint": ("block",), "optimizer": "sgd"}
+    estimate = autofit.estimate(model, x, **kwargs)
+    measured = autofit.measure(model, x, **kwargs)
+    assert estimate.peak_bytes == measured.peak_bytes, (estimate.peak_bytes, measured.peak_bytes)
