@@ -249,7 +249,7 @@ def _index_loss_counter(loss_fn: LossFn) -> ItemCounter | None:
             return None
         options = {**fn.keywords, **options}
         fn = fn.func
-    if isinstance(fn, _INDEX_LOSS_MODULES):
+    if type(fn) in _INDEX_LOSS_MODULES:  # exactly torch's: a subclass may call it on something else
         options = {"ignore_index": fn.ignore_index, "weight": fn.weight, "reduction": fn.reduction, **options}
     elif fn not in _INDEX_LOSSES:
         return None
