@@ -13,8 +13,8 @@ with ``plan.clip_grad_norm`` it first clips the (unscaled) gradients to that nor
 before the first micro-batch, and those of a window whose micro-batch raised, are cleared, and the caller's autocast
 does not reach the step (Note [the trainer owns its window]). Autocast runs for the device type of the model's
 parameters. Checkpointed and fp32-pinned modules are patched on the model while the trainer is active; ``unwrap()``
-restores it. ``wrap`` first checks that the optimizer steps exactly the model's trainable parameters and that no live trainer has patched the model (Note [one trainer per
-model], autofit/emit/wrapping.py).
+restores it. ``wrap`` first checks that the optimizer steps exactly the model's trainable parameters and that no
+live trainer has patched the model (Note [one trainer per model], autofit/emit/wrapping.py).
 """
 
 from __future__ import annotations
