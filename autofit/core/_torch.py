@@ -35,6 +35,7 @@ __all__ = [
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
+    "SpectralNormParametrization", "NormBase", "tensor_version",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
     "import_lazy_modules", "LAZY_MODULES", "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once",
 ]
@@ -85,6 +86,18 @@ _DispatchKey = _need("torch._C", "DispatchKey")
 # The base of every BatchNorm (1d/2d/3d, their lazy forms, SyncBatchNorm): the checkpoint wrapper freezes their
 # running statistics while it recomputes (Note [recomputed BatchNorm], step.py).
 BatchNormBase = _need("torch.nn.modules.batchnorm", "_BatchNorm")
+# The parametrization ``torch.nn.utils.parametrizations.spectral_norm`` registers: one power iteration on its ``_u``
+# and ``_v`` buffers per forward in training, so the trainer warns about it under accumulation as it does BatchNorm.
+SpectralNormParametrization = _need("torch.nn.utils.parametrizations", "_SpectralNorm")
+# The base of BatchNorm and InstanceNorm: the running statistics both blend in with ``momentum`` inside the kernel.
+NormBase = _need("torch.nn.modules.batchnorm", "_NormBase")
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The version counter autograd moves on every in-place write to ``tensor`` (torch/csrc/autograd/variable.h,
+    ``VariableVersion``): how the checkpoint wrapper sees a forward write a buffer (Note [buffers under
+    recomputation], training/recompute.py)."""
+    return tensor._version
 
 # ---- optimizer implementation choice (simulate/foreach.py) ------------------------------------------------------
 # torch picks foreach / fused / for-loop per parameter group from these (torch/optim/optimizer.py,

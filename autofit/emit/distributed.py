@@ -153,13 +153,17 @@ class DistributedTrainer(Trainer):
         start, stop = self.data_rank * rows, (self.data_rank + 1) * rows
         return batch.slice(start, stop), (None if target is None else target.slice(start, stop))
 
-    def _across_ranks(self, count: int) -> tuple[int, int]:
+    def _across_ranks(self, count: int | float) -> tuple[int | float, int]:
         """Items (or rows) summed over every rank: DDP and FSDP2 average gradients over ranks, so each rank's
         weights are its share of the global count times the world size (See Note [loss normalisation]). With tensor
         parallel T every group counts its rows T times over: the data-parallel count is the sum over T."""
         device = next(iter(self.model.parameters())).device
-        total = torch.tensor([count], dtype=torch.int64, device=device)
+        # a float: a class-weighted mean's sum of weights (Note [losses that ignore an index])
+        weighted = isinstance(count, float)
+        total = torch.tensor([count], dtype=torch.float64 if weighted else torch.int64, device=device)
         dist.all_reduce(total)
+        if weighted:
+            return total.item() / self.plan.tensor_parallel, self.data_ranks
         return int(total.item()) // self.plan.tensor_parallel, self.data_ranks
 
     def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:

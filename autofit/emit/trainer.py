@@ -9,10 +9,12 @@ parameters, runs it through
 mean loss over the whole batch (n_i counts rows, or the items a token-mean loss averages over: See Note [loss
 normalisation] in autofit/training/normalisation.py), and drops its loss before the next; then it steps the optimizer (through
 the GradScaler for fp16: steps with inf/NaN gradients are skipped and the scale backs off) and zeroes the gradients;
-with ``plan.clip_grad_norm`` it first clips the (unscaled) gradients to that norm. Autocast runs for the device type of the model's parameters. Checkpointed and fp32-pinned modules are patched on
-the model while the trainer is active; ``unwrap()`` restores it. ``wrap`` first checks that the optimizer steps
-exactly the model's trainable parameters and that no live trainer has patched the model (Note [one trainer per
-model], autofit/emit/wrapping.py).
+with ``plan.clip_grad_norm`` it first clips the (unscaled) gradients to that norm. Gradients found on the parameters
+before the first micro-batch, and those of a window whose micro-batch raised, are cleared, and the caller's autocast
+does not reach the step (Note [the trainer owns its window]). Autocast runs for the device type of the model's
+parameters. Checkpointed and fp32-pinned modules are patched on the model while the trainer is active; ``unwrap()``
+restores it. ``wrap`` first checks that the optimizer steps exactly the model's trainable parameters and that no
+live trainer has patched the model (Note [one trainer per model], autofit/emit/wrapping.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autofit.core._torch import BatchNormBase
+from autofit.core._torch import BatchNormBase, SpectralNormParametrization
 from autofit.training.batch import Batch, as_batches, as_shared
 from autofit.core.errors import InvalidInputError, TrainerStateError
 from autofit.features import FEATURES, before_wrap
@@ -33,7 +35,9 @@ from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, releas
 from autofit.training.length import batch_length
 from autofit.training.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
-from autofit.training.normalisation import LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter
+from autofit.training.normalisation import (
+    LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter, refusing_ignored_targets,
+)
 from autofit.training.optim import OptimizerSpec
 from autofit.training.step import (
     new_grad_scaler,
@@ -49,6 +53,24 @@ if TYPE_CHECKING:
 __all__ = ["Trainer"]
 
 _BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
+
+
+# Note [the trainer owns its window]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# One step's gradient is the sum of its micro-batches' weighted gradients, and nothing else. Gradients already on
+# the parameters when a step starts were made by someone else: a GAN's generator loss runs through the
+# discriminator, so with one trainer per network the generator's step leaves gradients in the discriminator; a
+# sanity-check ``loss.backward()`` before training leaves some everywhere. The standard loop clears them with
+# ``optimizer.zero_grad()`` before each step (pytorch/examples dcgan: ``netD.zero_grad()``, ``netG.zero_grad()``),
+# so the trainer does too, before its first micro-batch, rather than refusing them: refusing would make the standard
+# GAN loop an error, and what it would protect (a gradient meant to be added to the step's) is not a step of the
+# plan. It also keeps the plan's memory: the plan counts no gradient before the first backward (freed) or exactly
+# the preallocated ones (zeroed in place). A micro-batch that raises (an out-of-memory error the caller catches)
+# leaves the earlier micro-batches' gradients behind; they are cleared before the exception leaves ``step``, so the
+# memory is free for what the caller does next and the next step is a plain step. Backward and the optimizer step
+# run outside any autocast the caller is in (``torch.autocast(device, enabled=False)`` around the window; the
+# forward enters the plan's own): the engine runs backward ops under the calling thread's autocast state, so an
+# outer bf16 region would round an fp32 plan's gradients. Leaving the context restores the caller's state.
 
 
 class Trainer:
@@ -88,13 +110,8 @@ class Trainer:
         self.config = replace(plan.step, device=self.device_type,
                               optimizer=OptimizerSpec(plan.optimizer, lambda params: optimizer))
         self.scaler = new_grad_scaler(self.config, self.device_type)
-        if plan.gradient_accumulation_steps > 1 and any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
-            warnings.warn(
-                f"the model has BatchNorm layers and the plan accumulates {plan.gradient_accumulation_steps} "
-                f"micro-batches of {plan.micro_batch_size}: batch statistics are computed per micro-batch, not over "
-                "the whole batch, so training differs from one large batch (consider GroupNorm/LayerNorm or "
-                "SyncBatchNorm semantics, or a budget that fits the batch at once)", stacklevel=2,
-            )
+        if plan.gradient_accumulation_steps > 1:
+            _warn_per_forward_state(model, plan)
         # stored precision: parameters converted in place, the optimizer on fp32 master copies (Note [stored
         # precision]); unwrap() undoes both
         self._stored = apply_stored(inner, optimizer, plan.precision.stored, plan.precision.fp32_modules)
@@ -130,20 +147,37 @@ class Trainer:
             )
         self.micro_batches = len(bounds)
         norm = self._normalisation(batch, target_batch, bounds)
+        loss_fn = refusing_ignored_targets(self.loss_fn, norm, len(bounds))  # Note [losses that ignore an index]
         losses = []
-        for i, (start, stop) in enumerate(bounds):
-            micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
-            micro_target = None
-            if target_batch is not None:
-                micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
-            with self._micro_batch(last=i == len(bounds) - 1):
-                loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config,
-                                       self.device_type, weight=norm.weight(i), scaler=self.scaler)
-            losses.append(float(loss))
-            del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
-        optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm, stored=self._stored,
-                       in_backward=self.plan.optimizer_in_backward, keep_grads=self.plan.preallocated_grads)
+        # the plan's precision, whatever autocast the caller is in (Note [the trainer owns its window]): the forward
+        # enters the plan's own autocast inside this, and backward and the optimizer step run without one
+        with torch.autocast(self.device_type, enabled=False):
+            self._clear_grads()  # Note [the trainer owns its window]: gradients it did not make are not trained on
+            try:
+                for i, (start, stop) in enumerate(bounds):
+                    micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+                    micro_target = None
+                    if target_batch is not None:
+                        micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+                    with self._micro_batch(last=i == len(bounds) - 1):
+                        loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config,
+                                               self.device_type, weight=norm.weight(i), scaler=self.scaler)
+                    losses.append(float(loss))
+                    del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next
+            except BaseException:
+                self._clear_grads()  # a failed window leaves no partial gradient behind
+                raise
+            optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm,
+                           stored=self._stored, in_backward=self.plan.optimizer_in_backward,
+                           keep_grads=self.plan.preallocated_grads)
         return norm.local_mean(losses)
+
+    def _clear_grads(self) -> None:
+        """Drop every gradient of the model's parameters and the optimizer's (the fp32 master copies), as the step
+        leaves them: freed, or zeroed in place where the plan allocates them before forward."""
+        set_to_none = not self.plan.preallocated_grads
+        self.model.zero_grad(set_to_none=set_to_none)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _input_device(self) -> torch.device:
         """Where the micro-batches go: the parameters' device."""
@@ -183,7 +217,7 @@ class Trainer:
         """The rows this process trains on (all of them without data parallelism)."""
         return batch, target
 
-    def _across_ranks(self, count: int) -> tuple[int, int]:
+    def _across_ranks(self, count: int | float) -> tuple[int | float, int]:
         """The count over every rank, and the number of ranks gradients are averaged over (one process: itself)."""
         return count, 1
 
@@ -209,6 +243,46 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.unwrap()
+
+
+def _warn_per_forward_state(model: nn.Module, plan: Plan) -> None:
+    """Warn about layers whose forward in training depends on, or moves, state per forward: under accumulation they
+    see micro-batches where one large step sees the batch, so training differs from the full-batch step."""
+    window = f"the plan accumulates {plan.gradient_accumulation_steps} micro-batches of {plan.micro_batch_size}"
+    if any(isinstance(m, _BATCH_NORMS) for m in model.modules()):
+        warnings.warn(
+            f"the model has BatchNorm layers and {window}: batch statistics are computed per micro-batch, not over "
+            "the whole batch, so training differs from one large batch (consider GroupNorm/LayerNorm or "
+            "SyncBatchNorm semantics, or a budget that fits the batch at once)", stacklevel=3,
+        )
+    spectral = [name for name, m in model.named_modules() if _has_spectral_norm(m)]
+    if spectral:
+        # torch/nn/utils/parametrizations.py, _SpectralNorm.forward (and the older hook, spectral_norm.py,
+        # SpectralNorm.compute_weight): one power iteration on u and v per forward in training
+        warnings.warn(
+            f"the model has spectral norm on {_listed(spectral)} and {window}: spectral norm runs one power "
+            "iteration per forward in training, so the weight is normalised by a different estimate of its norm "
+            "in each micro-batch and training differs from one large batch (a budget that fits the batch at once "
+            "keeps it exact)", stacklevel=3,
+        )
+
+
+def _has_spectral_norm(module: nn.Module) -> bool:
+    if isinstance(module, SpectralNormParametrization):
+        return False  # named by the module it parametrizes
+    parametrizations = getattr(module, "parametrizations", None)
+    if isinstance(parametrizations, nn.ModuleDict) and any(
+            isinstance(p, SpectralNormParametrization) for p in parametrizations.modules()):
+        return True
+    # the older torch.nn.utils.spectral_norm (a forward pre-hook) registers <name>_orig, <name>_u and <name>_v
+    buffers = dict(module.named_buffers(recurse=False))
+    params = dict(module.named_parameters(recurse=False))
+    return any(n.endswith("_u") and f"{n[:-2]}_v" in buffers and f"{n[:-2]}_orig" in params for n in buffers)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _parameter_device(model: nn.Module) -> torch.device:

@@ -5,6 +5,7 @@ See Note [one trainer per model].
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -56,6 +57,7 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """The optimizer must step exactly the model's trainable parameters (the same tensor objects): a foreign one
     means the steps train another model, a missing one that part of this model never moves. Frozen parameters of
     the model may be in it (torch skips parameters without a gradient)."""
+    _refuse_closure_step(optimizer)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     stepped: set[int] = set()
     foreign = []
@@ -75,6 +77,23 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise InvalidInputError(
             f"the optimizer does not step {len(missing)} trainable parameter(s) of this model: {_listed(missing)}; "
             "build it over model.parameters(), or freeze those with requires_grad_(False) before wrap()"
+        )
+
+
+def _refuse_closure_step(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``: it re-evaluates the loss several times per
+    step) cannot run in a step that evaluates each micro-batch once and then steps: refused here, before anything is
+    patched, rather than failing at the first ``step`` with the optimizer's own TypeError."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: the step itself decides
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise InvalidInputError(
+            f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss (it runs forward and backward "
+            "several times per step), which the trainer's step (each micro-batch once, then one optimizer step) "
+            "cannot give: use an optimizer whose step takes no closure (SGD, Adam, AdamW, ...), or train with "
+            f"{type(optimizer).__name__} in your own loop"
         )
 
 

@@ -19,6 +19,9 @@ Note [loss normalisation]
       ``n_i / N``: the same number as passing ``num_items_in_batch=N`` (``sum_i / N``), on every transformers
       version and whether or not the model's forward passes that keyword on to its loss;
     - a user's ``loss_fn`` with a ``count_items(inputs, target)`` attribute (:class:`ItemMeanLoss` builds one);
+    - torch's ``cross_entropy`` or ``nll_loss`` (function, module, or ``functools.partial``) given as ``loss_fn``
+      with an integer target: the targets it does not ignore, or their class weights (Note [losses that ignore an
+      index]);
     - anything else: rows.
     A micro-batch with no item (all padding) gets weight 0; its mean is 0/0 = nan, but with weight 0 no gradient
     reaches it and cross-entropy's backward skips ignored targets (aten ``nll_loss_backward``), so gradients stay
@@ -27,6 +30,8 @@ Note [loss normalisation]
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,13 +39,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autofit.training.batch import Batch
-from autofit.core.errors import InvalidInputError
+from autofit.core.errors import InvalidInputError, LossError
 from autofit.training.loss import LossFn
 
 __all__ = ["IGNORE_INDEX", "LOSS_REDUCTIONS", "ItemMeanLoss", "LossNormalisation", "count_items", "item_counter",
-           "loss_reduction", "reduction_of"]
+           "loss_reduction", "reduction_of", "refusing_ignored_targets"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -84,8 +90,8 @@ class LossNormalisation:
     whole batch and every rank; ``ranks``: the number of ranks gradients are averaged over."""
 
     unit: str  # "rows" or "items"
-    counts: tuple[int, ...]
-    total: int
+    counts: tuple[int | float, ...]  # float: a class-weighted mean's sums of weights
+    total: int | float
     ranks: int = 1
     summed: bool = False  # the loss is a sum over rows (loss_reduction="sum"): micro-batch sums add up unweighted
 
@@ -121,6 +127,9 @@ def item_counter(model: nn.Module, loss_fn: LossFn | None, batch: Batch, target:
         count = getattr(loss_fn, "count_items", None)
         if count is not None and not callable(count):
             raise InvalidInputError("loss_fn.count_items must be a callable (inputs, target) -> int")
+        if count is None and target is not None and isinstance(target.value, torch.Tensor) \
+                and not target.value.is_floating_point():
+            return _index_loss_counter(loss_fn)
         return count
     if _hf_labels(model, batch) is not None:
         return _hf_counter(model)
@@ -140,7 +149,8 @@ def count_items(counter: ItemCounter | None, batch: Batch, target: Batch | None,
         rows_target = None if target is None else target.slice(start, stop).value
         n = counter(rows.value, rows_target)
         try:
-            n = int(n)
+            # a class-weighted mean divides by a sum of weights (Note [losses that ignore an index])
+            n = float(n) if isinstance(n, (float, torch.Tensor)) and _is_floating(n) else int(n)
         except (TypeError, ValueError, RuntimeError) as e:
             raise InvalidInputError(f"count_items returned {n!r}; it must return an int or a one-element tensor") from e
         if n < 0:
@@ -149,8 +159,111 @@ def count_items(counter: ItemCounter | None, batch: Batch, target: Batch | None,
     return tuple(counts)
 
 
+def _is_floating(n: float | torch.Tensor) -> bool:
+    return isinstance(n, float) or n.is_floating_point()
+
+
 def _cross_entropy_count(inputs: Any, target: torch.Tensor) -> torch.Tensor:
     return target.ne(IGNORE_INDEX).sum()
+
+
+# Note [losses that ignore an index]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's losses over class indices, ``cross_entropy`` and ``nll_loss`` (and their modules ``nn.CrossEntropyLoss``,
+# ``nn.NLLLoss``), skip targets equal to ``ignore_index`` and, with reduction "mean", divide by what they kept: the
+# number of those targets, or with a class ``weight`` the sum of their weights (torch/nn/functional.py and aten
+# LossNLL.cpp, ``nll_loss_forward_out_cpu_template``: ``total_weight``; label smoothing divides the same way,
+# Loss.cpp ``cross_entropy_loss_label_smoothing``). Given as ``loss_fn`` itself (or through ``functools.partial``),
+# such a loss is called on the target as the trainer was given it, so what it averages over is known before the
+# first micro-batch: the counter below reads the loss's own ``ignore_index``, ``weight`` and ``reduction``. A
+# function that calls one of them on something it derives from the target (a shift, a reshape, a mask) cannot be
+# read that way: it says what it counts with ``count_items`` (:class:`ItemMeanLoss`). Weighted by rows instead, it
+# would be off the full-batch step wherever micro-batches keep different shares of their targets, in silence; so
+# while a step weights by rows over more than one micro-batch (or rank), the trainer watches the calls such a
+# function makes to ``cross_entropy`` and ``nll_loss`` (a ``TorchFunctionMode`` around the loss alone, not the
+# forward: a few calls per micro-batch) and refuses, before that micro-batch's backward, a mean over class indices
+# whose target holds its ``ignore_index`` (:func:`refusing_ignored_targets`). Its error names the fix.
+_INDEX_LOSSES = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+_INDEX_LOSS_MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+
+def refusing_ignored_targets(loss_fn: LossFn | None, norm: LossNormalisation, micro_batches: int) -> LossFn | None:
+    """``loss_fn``, or, where the step weights a user's function by rows over more than one micro-batch or rank, the
+    same function refusing a mean of torch's index-ignoring losses over a target that holds its ignore index (Note
+    [losses that ignore an index])."""
+    if loss_fn is None or norm.unit != "rows" or norm.summed or (micro_batches == 1 and norm.ranks == 1):
+        return loss_fn
+
+    @functools.wraps(loss_fn)  # inspect.signature follows __wrapped__: the arity check sees the user's function
+    def watched(*args: Any) -> torch.Tensor:
+        with _IgnoredTargets() as seen:
+            loss = loss_fn(*args)
+        if seen.found is not None:
+            name, ignore, count = seen.found
+            raise LossError(
+                f"loss_fn calls {name} with reduction='mean', which averages over the targets that are not "
+                f"ignore_index={ignore}, and {count} target(s) of this micro-batch are {ignore}: the trainer cannot "
+                "count what your function passes to it, so it would weight the micro-batches by rows and the step "
+                "would differ from the full-batch step. Pass the loss itself (loss_fn=F.cross_entropy, "
+                "nn.CrossEntropyLoss(...)), whose targets the trainer counts, or say what it averages over: "
+                "loss_fn=autofit.ItemMeanLoss(loss_fn, count_items=lambda inputs, target: <how many targets it keeps>)"
+                " (See Note [losses that ignore an index], autofit/training/normalisation.py)"
+            )
+        return loss
+
+    return watched
+
+
+class _IgnoredTargets(TorchFunctionMode):
+    """Records the first mean of ``cross_entropy`` / ``nll_loss`` over class indices that skips some of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: tuple[str, int, int] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INDEX_LOSSES and self.found is None:
+            try:
+                bound = inspect.signature(func).bind(*args, **kwargs)
+            except TypeError:
+                return func(*args, **kwargs)  # not a call this reads: the loss raises its own error
+            bound.apply_defaults()
+            options = bound.arguments
+            target = options["target"]
+            legacy = options.get("size_average") is not None or options.get("reduce") is not None
+            if (not legacy and options["reduction"] == "mean" and isinstance(target, torch.Tensor)
+                    and not target.is_floating_point()):
+                ignored = int(target.eq(options["ignore_index"]).sum())
+                if ignored:
+                    self.found = (f"F.{func.__name__}", options["ignore_index"], ignored)
+        return func(*args, **kwargs)
+
+
+def _index_loss_counter(loss_fn: LossFn) -> ItemCounter | None:
+    """The counter of a torch loss over class indices given as ``loss_fn`` (Note [losses that ignore an index]), or
+    None for any other loss."""
+    fn, options = loss_fn, {}
+    while isinstance(fn, functools.partial):
+        if fn.args:  # a bound positional argument moves the target: not the call this counter reads
+            return None
+        options = {**fn.keywords, **options}
+        fn = fn.func
+    if type(fn) in _INDEX_LOSS_MODULES:  # exactly torch's: a subclass may call it on something else
+        options = {"ignore_index": fn.ignore_index, "weight": fn.weight, "reduction": fn.reduction, **options}
+    elif fn not in _INDEX_LOSSES:
+        return None
+    if options.get("reduction", "mean") != "mean":
+        return None  # a sum or per-element loss: not a mean over items (a sum is Note [sum-reduced losses]')
+    ignore, weight = options.get("ignore_index", IGNORE_INDEX), options.get("weight")
+
+    def count(inputs: Any, target: torch.Tensor) -> torch.Tensor:
+        kept = target.ne(ignore)
+        if weight is None:
+            return kept.sum()
+        return weight.to(target.device)[target[kept]].sum()  # weighted: the mean divides by the kept weights
+
+    return count
 
 
 def _hf_labels(model: nn.Module, batch: Batch) -> torch.Tensor | None:

@@ -22,14 +22,19 @@ Note [selective recomputation]
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
+from collections.abc import Iterator
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autofit.core._torch import NormBase, tensor_version
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["POLICIES", "SAVED_OPS", "saved_op_names", "selective_policy", "selective_context", "require_policy"]
+__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "saved_op_names", "selective_policy", "selective_context",
+           "require_policy"]
 
 POLICIES = ("full", "selective")  # how a recomputed module is recomputed; "none" is a module not recomputed
 
@@ -72,3 +77,92 @@ def require_policy(name: str, policy: object) -> str:
             f"forward, or all but its matmul and attention outputs), got {policy!r}")
     return policy
 
+
+
+# Note [buffers under recomputation]
+#     A recomputation is a second forward, so whatever a module's forward writes into its own buffers is written
+#     twice per micro-batch under checkpointing: a call counter counts two, an exponential moving average (a VQ
+#     codebook, a running normaliser) takes two steps, spectral norm's power iteration runs twice. And the
+#     recomputation reads the buffers as the first forward left them, so a module whose output reads what it writes
+#     (spectral norm normalises by the vectors its power iteration just updated; a codebook looked up before its
+#     average moves) recomputes another output than its first forward's, and trains on another gradient.
+#
+#     The norms whose kernels write their running statistics behind autograd's back (aten ``native_batch_norm``
+#     does not mark them written, so their version counters do not move) have their own rule, Note [recomputed
+#     BatchNorm] in training/step.py. Every other write is seen through what autograd sees: an in-place write
+#     (``add_``, ``copy_``, ``lerp_``, ``out=``) moves the buffer's version counter, and an assignment
+#     (``self.count = self.count + 1``) replaces the buffer object. :class:`BufferWrites` compares both before and
+#     after each checkpointed call's first forward, and around its recomputation puts back what that forward found
+#     (the old object of a replaced buffer; the values of one written in place) and afterwards what the
+#     recomputation found. So the recomputation reads what the first forward read and computes its output again,
+#     and each write lands once per forward, as without checkpointing. Values go back through ``.data``, which moves
+#     no version counter: the recomputation's saved tensors stay valid, and a tensor saved before aliases the
+#     buffer's storage as it would without checkpointing.
+#
+#     The values a buffer had before the forward must be copied before it, when it is not yet known whether the
+#     forward writes. The first call of each checkpointed module copies all of its buffers (the norms' running
+#     statistics and what nothing writes are dropped right after it) and learns which ones it writes; later calls
+#     copy only those. A copy lives from the forward to the recomputation, as the activations a checkpoint keeps do,
+#     and the simulation runs this same wrapper, so estimates count it. A buffer a later call writes for the first
+#     time is put back after its recomputation but read by it as written. Writes that move no version counter
+#     (through ``.data``) are not seen.
+
+_WRITTEN: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()  # owner -> names
+_LEARNT: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # checkpointed modules whose first call was watched
+
+
+class BufferWrites:
+    """The buffers one checkpointed call's forward writes, and the guard that gives its recomputation the buffers
+    that forward read and keeps it from writing them again (Note [buffers under recomputation])."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+        # (owner, name, the buffer object the forward found, its values then or None)
+        self._written: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor | None]] = []
+
+    def _buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+        return [(owner, name, buffer) for owner in self._module.modules() if not _running_norm(owner)
+                for name, buffer in owner.named_buffers(recurse=False)]
+
+    @contextlib.contextmanager
+    def first_forward(self) -> Iterator[None]:
+        learning = self._module not in _LEARNT
+        before = []
+        for owner, name, buffer in self._buffers():
+            copy = learning or name in _WRITTEN.get(owner, ())
+            before.append((owner, name, buffer, tensor_version(buffer), buffer.detach().clone() if copy else None))
+        yield
+        _LEARNT.add(self._module)
+        for owner, name, buffer, version, value in before:
+            if getattr(owner, name, None) is not buffer:  # replaced: the old object holds what the forward read
+                self._written.append((owner, name, buffer, None))
+            elif tensor_version(buffer) != version:
+                self._written.append((owner, name, buffer, value))
+                _WRITTEN.setdefault(owner, set()).add(name)
+
+    @contextlib.contextmanager
+    def recomputation(self) -> Iterator[None]:
+        found = []
+        with torch.no_grad():
+            for owner, name, read, value in self._written:
+                now = getattr(owner, name)
+                found.append((owner, name, now, None if now is not read else now.detach().clone()))
+                setattr(owner, name, read)
+                if value is not None:
+                    read.data.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for owner, name, now, value in found:
+                    setattr(owner, name, now)
+                    if value is not None:
+                        now.data.copy_(value)
+
+    def run(self, recompute: bool):
+        return self.recomputation() if recompute else self.first_forward()
+
+
+def _running_norm(module: torch.nn.Module) -> bool:
+    """A norm whose running statistics Note [recomputed BatchNorm] freezes while it recomputes."""
+    return isinstance(module, NormBase) and module.training and module.track_running_stats

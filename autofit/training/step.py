@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from autofit.core._torch import (
     PASSTHROUGH_ERRORS,
-    BatchNormBase,
+    NormBase,
     module_call_codes,
     tree_map,
 )
@@ -35,7 +35,7 @@ from autofit.core.errors import ForwardError
 from autofit.features import FEATURES
 from autofit.training.loss import LossFn, compute_loss
 from autofit.training.precision import PrecisionPolicy
-from autofit.training.recompute import selective_context
+from autofit.training.recompute import BufferWrites, selective_context
 from autofit.training.stored import StoredState
 
 __all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
@@ -54,10 +54,11 @@ def _checkpointed_forward(module: torch.nn.Module, forward, selective: bool, *ar
     args, kwargs = _copy_containers((args, kwargs))
     args, kwargs = _without_kv_cache(forward, args, kwargs)
     runs = itertools.count()
+    writes = BufferWrites(module)  # Note [buffers under recomputation], training/recompute.py
 
     def run(args: tuple, kwargs: dict):
         recompute = next(runs) > 0
-        with _running_stats_frozen(module) if recompute else contextlib.nullcontext():
+        with writes.run(recompute), _running_stats_frozen(module) if recompute else contextlib.nullcontext():
             return forward(*_copy_containers(args), **_copy_containers(kwargs))
 
     # The arguments travel as two positional values: torch.utils.checkpoint stashes the RNG state of the devices of
@@ -91,7 +92,7 @@ def _without_kv_cache(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def _running_stats_frozen(module: torch.nn.Module) -> Iterator[None]:
     """See Note [recomputed BatchNorm]."""
     norms = [(m, m.momentum, m.num_batches_tracked) for m in module.modules()
-             if isinstance(m, BatchNormBase) and m.training and m.track_running_stats]
+             if isinstance(m, NormBase) and m.training and m.track_running_stats]
     for m, _, _ in norms:
         m.momentum, m.num_batches_tracked = 0.0, None
     try:
@@ -123,7 +124,8 @@ def _running_stats_frozen(module: torch.nn.Module) -> Iterator[None]:
 #     A BatchNorm in training mode updates its running statistics in place on every forward
 #     (torch/nn/modules/batchnorm.py, _BatchNorm.forward: num_batches_tracked += 1, and F.batch_norm blends the batch
 #     statistics into running_mean / running_var with the momentum). The recomputation is a second forward, so under
-#     checkpointing the statistics would move twice per micro-batch. While it recomputes, the BatchNorms inside the
+#     checkpointing the statistics would move twice per micro-batch. So would an InstanceNorm's that tracks running
+#     statistics (F.instance_norm blends them in through batch_norm). While it recomputes, the norms inside the
 #     checkpointed module run with momentum 0 and no num_batches_tracked: the update becomes
 #     ``running = 0 * batch + 1 * running``, exact in floating point (aten/src/ATen/native/Normalization.cpp,
 #     batch_norm_cpu_update_stats_template), and no counter moves. The running buffers are still passed to the
