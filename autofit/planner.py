@@ -20,6 +20,7 @@ from typing import Any, Callable
 from torch import nn
 
 from autofit.capture.user_hooks import restores_user_hooks
+from autofit.core.rng import keeps_user_rng
 from autofit.core import progress
 from autofit.features import feature_fields, feature_values
 from autofit.analyse.table import Analysis
@@ -94,6 +95,7 @@ def plan(
         )[0]
 
 
+@keeps_user_rng  # Note [the user's random state]
 @restores_user_hooks  # Note [user hooks]
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
