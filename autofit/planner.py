@@ -27,7 +27,7 @@ from autofit.analyse.table import Analysis
 from autofit.core.report import MemoryEstimate
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn, describe_loss
-from autofit.training.normalisation import loss_reduction
+from autofit.capture.loss_probe import loss_reduction
 from autofit.training.precision import built_precision
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
@@ -512,8 +512,9 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn,  # Note [the plan's loss]
                    shared=tuple(sorted(request.batch.shared, key=str)))
     if loss_reduction(request.model, request.batch, request.target, request.loss_fn) == "sum":
+        what = "loss_fn" if request.loss_fn is not None else "the model's own loss (its output's 'loss')"
         plan = replace(plan, loss_reduction="sum", notes=plan.notes + (
-            "loss_fn is a sum over rows (the loss of two rows is the sum of theirs): the trainer adds the "
+            f"{what} is a sum over rows (the loss of two rows is the sum of theirs): the trainer adds the "
             "micro-batches' losses unweighted, so a step equals one full-batch step (Note [sum-reduced losses])",))
     return replace(plan, lengths=spec) if table is None else replace(plan, lengths=spec, rows_by_length=table)
 

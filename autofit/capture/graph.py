@@ -29,7 +29,7 @@ from torch import nn
 from autofit.core._torch import DATA_DEPENDENT_ERRORS, FakeTensorMode
 from autofit.training.batch import Batch
 from autofit.capture.dispatch_trace import record_forward
-from autofit.capture.model_copy import fake_copy, fake_input, real_copy
+from autofit.capture.model_copy import fake_copy, fake_input, real_copy, require_real_inputs
 from autofit.core.errors import UnsupportedModelError
 
 __all__ = ["ModuleCall", "Graph", "capture_graph"]
@@ -80,10 +80,11 @@ def capture_graph(model: nn.Module, batch: Batch) -> Graph:
     except DATA_DEPENDENT_ERRORS:
         pass  # reads tensor values: trace a real copy below
     try:
+        require_real_inputs(batch)
         work = real_copy(model).cpu()
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"the forward depends on tensor values, so it can only be traced with real "
-                                    f"weights: {e}") from e
+                                    f"weights and a real sample: {e}") from e
     graph, outputs = record_forward(work, batch.map_tensors(lambda t: t.cpu()))
     return Graph(graph, "dispatch-real", _module_calls(graph, outputs))
 

@@ -68,6 +68,7 @@ from autofit.capture.model_copy import (
     fake_copy,
     fake_input,
     real_copy,
+    require_real_inputs,
 )
 from autofit.capture.module_stack import install_module_stack
 from autofit.capture.user_hooks import hook_note, user_hooks_restored
@@ -235,6 +236,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
         prober.skipped = prober.failed = 0
+    if not fake:  # a step run for real reads the sample's values
+        require_real_inputs(batch, target)
     work = fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu")
     # the device mesh holds real tensors: it is made before the fake mode is entered
     mesh_ctx = fake_mesh(config.world_size, config.replicate, config.tensor_parallel) \
