@@ -32,6 +32,7 @@ from autofit.training.precision import built_precision
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
+from autofit.emit.model_record import record_model
 from autofit.emit.plan import Plan, why_layout
 from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
@@ -510,7 +511,8 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
     plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn,  # Note [the plan's loss]
-                   shared=tuple(sorted(request.batch.shared, key=str)))
+                   shared=tuple(sorted(request.batch.shared, key=str)),
+                   made_for=record_model(request.model))  # Note [the plan's model]
     if loss_reduction(request.model, request.batch, request.target, request.loss_fn) == "sum":
         what = "loss_fn" if request.loss_fn is not None else "the model's own loss (its output's 'loss')"
         plan = replace(plan, loss_reduction="sum", notes=plan.notes + (
