@@ -79,12 +79,12 @@ def capture_graph(model: nn.Module, batch: Batch) -> Graph:
         return Graph(graph, "dispatch", _module_calls(graph, outputs))
     except DATA_DEPENDENT_ERRORS:
         pass  # reads tensor values: trace a real copy below
+    require_real_inputs(batch, reader="the forward depends on tensor values")
     try:
-        require_real_inputs(batch)
         work = real_copy(model).cpu()
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"the forward depends on tensor values, so it can only be traced with real "
-                                    f"weights and a real sample: {e}") from e
+                                    f"weights: {e}") from e
     graph, outputs = record_forward(work, batch.map_tensors(lambda t: t.cpu()))
     return Graph(graph, "dispatch-real", _module_calls(graph, outputs))
 

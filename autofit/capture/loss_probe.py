@@ -13,7 +13,7 @@ from autofit.core._torch import TorchDispatchMode, op_schema, pytree
 from autofit.core._torch_compile import compiled_code_runs_eagerly
 from autofit.training.batch import Batch
 from autofit.training.loss import LossFn, own_loss
-from autofit.training.normalisation import reduction_of
+from autofit.training.normalisation import hf_token_mean, reduction_of
 
 __all__ = ["loss_reduction"]
 
@@ -82,6 +82,8 @@ def loss_reduction(model: nn.Module, batch: Batch, target: Batch | None, loss_fn
     losses], Note [the loss probe]): a ``loss_fn`` without ``count_items``, or without one the model's own loss
     (``output["loss"]``, ``output.loss``). "mean" where not certain."""
     if loss_fn is not None and getattr(loss_fn, "count_items", None) is not None:
+        return "mean"
+    if loss_fn is None and hf_token_mean(model, batch):  # a token mean by construction: three forwards saved
         return "mean"
     tensors = [*model.parameters(), *model.buffers()]
     inputs = batch.tensors() + ([] if target is None else target.tensors())

@@ -94,15 +94,15 @@ def fake_input(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return fake_mode.from_tensor(t.detach().cpu() if t.device.type != "cpu" else t)
 
 
-def require_real_inputs(*inputs: object) -> None:
-    """An :class:`UnsupportedModelError` when a step that must run for real (the forward reads tensor values) is
+def require_real_inputs(*inputs: object, reader: str = "the step reads tensor values") -> None:
+    """An :class:`UnsupportedModelError` when a step that must run for real (``reader`` says what reads values) is
     given inputs on the meta device, which hold no values to read; ``inputs``: Batches (or None)."""
     meta = [t for b in inputs if b is not None for t in b.tensors() if t.is_meta]
     if meta:
         raise UnsupportedModelError(
-            f"the sample (or target) has {len(meta)} tensor(s) on the meta device, which hold no values to read: "
-            "give a real sample of the same shapes (rows of your data, or torch.randn / torch.randint on the CPU; "
-            "a few rows do, autofit resizes them); the model needs real weights too"
+            f"{reader}, so autofit must run the step for real, but the sample (or target) has {len(meta)} tensor(s) "
+            "on the meta device, which hold no values to read: give a real sample of the same shapes (rows of your "
+            "data, or torch.randn / torch.randint on the CPU; a few rows do, autofit resizes them), and real weights"
         )
 
 

@@ -167,6 +167,7 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
                 sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, fake=True, eager=True, **kw))
             return sim
     except _DataDependent as e:
+        require_real_inputs(batch, target, reader=f"{e.subject} reads tensor values ({e.cause})")
         try:
             with _quiet_engines():
                 sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=False,
@@ -236,8 +237,6 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
         prober.skipped = prober.failed = 0
-    if not fake:  # a step run for real reads the sample's values
-        require_real_inputs(batch, target)
     work = fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu")
     # the device mesh holds real tensors: it is made before the fake mode is entered
     mesh_ctx = fake_mesh(config.world_size, config.replicate, config.tensor_parallel) \

@@ -39,8 +39,8 @@ from autofit.training.batch import Batch
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
 
-__all__ = ["IGNORE_INDEX", "LOSS_REDUCTIONS", "ItemMeanLoss", "LossNormalisation", "count_items", "item_counter",
-           "reduction_of"]
+__all__ = ["IGNORE_INDEX", "LOSS_REDUCTIONS", "ItemMeanLoss", "LossNormalisation", "count_items", "hf_token_mean",
+           "item_counter", "reduction_of"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -159,6 +159,12 @@ def _hf_labels(model: nn.Module, batch: Batch) -> torch.Tensor | None:
     if not isinstance(labels, torch.Tensor) or not _is_hf_model(model):
         return None
     return labels
+
+
+def hf_token_mean(model: nn.Module, batch: Batch) -> bool:
+    """Whether the default loss is a Hugging Face model's own, from ``labels``: a mean over tokens (transformers'
+    ``fixed_cross_entropy`` divides by the tokens it kept when no ``num_items_in_batch`` is passed)."""
+    return _hf_labels(model, batch) is not None
 
 
 def _is_hf_model(model: nn.Module) -> bool:
