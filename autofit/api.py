@@ -19,6 +19,7 @@ from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
 from autofit.capture.user_hooks import restores_user_hooks
+from autofit.core.rng import keeps_user_rng
 from autofit.core._torch import import_lazy_modules
 from autofit.options import Device, Layout, Precision, gather
 from autofit.validate import as_inputs, check_model
@@ -122,6 +123,7 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
     return chunks
 
 
+@keeps_user_rng  # Note [the user's random state]
 @restores_user_hooks  # Note [user hooks]
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
@@ -232,6 +234,7 @@ def bucket_note(views: bool) -> str:
             "communication buckets, which hold a second gradient-sized copy")
 
 
+@keeps_user_rng  # Note [the user's random state]
 @restores_user_hooks  # Note [user hooks]
 def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
@@ -277,6 +280,7 @@ def measure(
         return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
 
 
+@keeps_user_rng  # Note [the user's random state]
 @restores_user_hooks  # Note [user hooks]
 def analyse(
     model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",

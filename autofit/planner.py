@@ -20,17 +20,19 @@ from typing import Any, Callable
 from torch import nn
 
 from autofit.capture.user_hooks import restores_user_hooks
+from autofit.core.rng import keeps_user_rng
 from autofit.core import progress
 from autofit.features import feature_fields, feature_values
 from autofit.analyse.table import Analysis
 from autofit.core.report import MemoryEstimate
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn, describe_loss
-from autofit.training.normalisation import loss_reduction
+from autofit.capture.loss_probe import loss_reduction
 from autofit.training.precision import built_precision
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
+from autofit.emit.model_record import record_model
 from autofit.emit.plan import Plan, why_layout
 from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
@@ -94,6 +96,7 @@ def plan(
         )[0]
 
 
+@keeps_user_rng  # Note [the user's random state]
 @restores_user_hooks  # Note [user hooks]
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
@@ -508,10 +511,12 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
     plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn,  # Note [the plan's loss]
-                   shared=tuple(sorted(request.batch.shared, key=str)))
+                   shared=tuple(sorted(request.batch.shared, key=str)),
+                   made_for=record_model(request.model))  # Note [the plan's model]
     if loss_reduction(request.model, request.batch, request.target, request.loss_fn) == "sum":
+        what = "loss_fn" if request.loss_fn is not None else "the model's own loss (its output's 'loss')"
         plan = replace(plan, loss_reduction="sum", notes=plan.notes + (
-            "loss_fn is a sum over rows (the loss of two rows is the sum of theirs): the trainer adds the "
+            f"{what} is a sum over rows (the loss of two rows is the sum of theirs): the trainer adds the "
             "micro-batches' losses unweighted, so a step equals one full-batch step (Note [sum-reduced losses])",))
     return replace(plan, lengths=spec) if table is None else replace(plan, lengths=spec, rows_by_length=table)
 

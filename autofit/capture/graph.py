@@ -29,7 +29,7 @@ from torch import nn
 from autofit.core._torch import DATA_DEPENDENT_ERRORS, FakeTensorMode
 from autofit.training.batch import Batch
 from autofit.capture.dispatch_trace import record_forward
-from autofit.capture.model_copy import fake_copy, fake_input, real_copy
+from autofit.capture.model_copy import fake_copy, fake_input, real_copy, require_real_inputs
 from autofit.core.errors import UnsupportedModelError
 
 __all__ = ["ModuleCall", "Graph", "capture_graph"]
@@ -79,6 +79,7 @@ def capture_graph(model: nn.Module, batch: Batch) -> Graph:
         return Graph(graph, "dispatch", _module_calls(graph, outputs))
     except DATA_DEPENDENT_ERRORS:
         pass  # reads tensor values: trace a real copy below
+    require_real_inputs(batch, reader="the forward depends on tensor values")
     try:
         work = real_copy(model).cpu()
     except UnsupportedModelError as e:

@@ -18,7 +18,7 @@ from torch import nn
 from autofit.core._torch import FakeTensorMode, compiled_modules, rewrap_compiled
 from autofit.core.errors import UnsupportedModelError
 
-__all__ = ["fake_copy", "fake_input", "real_copy", "module_tensor_attributes", "attached_tensors", "has_meta_tensors"]
+__all__ = ["fake_copy", "fake_input", "real_copy", "require_real_inputs", "shared_weights_copy", "module_tensor_attributes", "attached_tensors", "has_meta_tensors"]
 
 
 def module_tensor_attributes(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,6 +94,18 @@ def fake_input(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return fake_mode.from_tensor(t.detach().cpu() if t.device.type != "cpu" else t)
 
 
+def require_real_inputs(*inputs: object, reader: str = "the step reads tensor values") -> None:
+    """An :class:`UnsupportedModelError` when a step that must run for real (``reader`` says what reads values) is
+    given inputs on the meta device, which hold no values to read; ``inputs``: Batches (or None)."""
+    meta = [t for b in inputs if b is not None for t in b.tensors() if t.is_meta]
+    if meta:
+        raise UnsupportedModelError(
+            f"{reader}, so autofit must run the step for real, but the sample (or target) has {len(meta)} tensor(s) "
+            "on the meta device, which hold no values to read: give a real sample of the same shapes (rows of your "
+            "data, or torch.randn / torch.randint on the CPU; a few rows do, autofit resizes them), and real weights"
+        )
+
+
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, *, device: str = "cpu") -> nn.Module:
     """A structural copy of ``model`` whose tensors are fake tensors on ``device`` (shape, stride, dtype kept)."""
     memo: dict[int, object] = {}
@@ -151,6 +163,19 @@ def real_copy(model: nn.Module) -> nn.Module:
     result = _deepcopy(model, {})
     _relink_attributes(model, result)
     return result
+
+
+def shared_weights_copy(model: nn.Module, *others: object) -> tuple[object, ...]:
+    """A copy of ``model`` whose parameters read the original's storage (no second copy of the weights, on whatever
+    device they are) and whose buffers, tensor attributes and Python state are its own; ``others`` (a loss that is a
+    module or a bound method of the model) are copied through the same memo, so that they reach the copy. For
+    forwards that only read the weights: a caller that runs it must refuse writes into them (the copy's parameters
+    are other ``Parameter`` objects, but on the same storage). Returns ``(copy, *copies of others)``."""
+    memo: dict[int, object] = {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+                               for p in model.parameters()}
+    result = _deepcopy(model, memo)
+    _relink_attributes(model, result)
+    return (result, *(copy.deepcopy(other, memo) for other in others))
 
 
 def _relink_attributes(model: nn.Module, result: nn.Module) -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "UnsupportedTorchError",
     "AllocatorSettingError",
     "TrainerStateError",
+    "ModelMismatchError",
     "STRATEGIES",
     "require_int",
     "require_strategy",
@@ -88,6 +89,12 @@ class AllocatorSettingError(AutofitError, RuntimeError):
 class TrainerStateError(AutofitError, RuntimeError):
     """A trainer was used in a state that cannot train: stepped after ``unwrap()``, or a second trainer wrapped a
     model that a live one has patched. The message says which, and what to call first."""
+
+
+class ModelMismatchError(InvalidInputError):
+    """``wrap`` was given a model other than the one the plan was made for (other parameters, or the same ones in
+    wider dtypes or with more of them trainable: Note [the plan's model], autofit/emit/model_record.py). The message
+    says what differs and to plan the model given."""
 
 
 # ---- validation shared by every value that holds these fields (StepConfig, Plan, the plan request) -----------------

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from autofit.emit.model_record import check_made_for
 from autofit.emit.trainer import Trainer
 from autofit.emit.wrapping import refuse_wrapped
 
@@ -27,6 +28,7 @@ def wrap(plan: Plan, model: nn.Module, optimizer: Any, *, loss_fn: Any = None, l
     loss_fn = plan.planned_loss() if loss_fn is None else loss_fn
     if isinstance(model, nn.Module):
         refuse_wrapped(model)  # before DDP or FSDP2 wraps it (Note [one trainer per model])
+        check_made_for(plan.made_for, model)  # Note [the plan's model]
     if plan.world_size > 1 or plan.strategy is not None:
         # imported here, as before: torch.distributed's trainer is loaded only for a plan that needs it
         from autofit.emit.distributed import DistributedTrainer

@@ -19,6 +19,7 @@ from autofit.training.optim import OPTIMIZER_NAMES, OptimizerSpec, as_optimizer_
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.sequence_parallel import is_sequence_parallel
 from autofit.core.report import MemoryEstimate
+from autofit.emit.model_record import ModelRecord
 from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
@@ -129,6 +130,9 @@ class Plan:
     loss_reduction: str = "mean"
     # inputs passed whole to every micro-batch, by position or key (Note [the batch dimension], training/batch.py)
     shared: tuple[int | str, ...] = ()
+    # the model the plan was made for, which wrap() checks (Note [the plan's model], emit/model_record.py); None: not
+    # recorded (a plan written before the record, or built by hand), and wrap() takes any model
+    made_for: ModelRecord | None = None
 
     # The parallel layout the plan was verified with (autofit/training/layout.py): strategy, ranks, FSDP2's units and
     # reshard, HSDP's replicate, ranks per node, tensor and sequence parallel, the states on the host, gradient sync
@@ -194,6 +198,8 @@ class Plan:
             raise InvalidInputError(f"Plan.parallel must be an autofit.training.layout.Parallel, got {self.parallel!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise InvalidInputError(f"Plan.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.made_for is not None and not isinstance(self.made_for, ModelRecord):
+            raise InvalidInputError(f"Plan.made_for must be a ModelRecord or None, got {type(self.made_for).__name__}")
         if not isinstance(self.precision, PrecisionPolicy):
             raise InvalidInputError(f"Plan.precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
 
@@ -298,6 +304,7 @@ class Plan:
                             for a in self.frontier]
         data["notes"] = list(self.notes)
         data["shared"] = list(self.shared)
+        data["made_for"] = None if self.made_for is None else self.made_for.to_dict()
         data["lengths"] = None if self.lengths is None else {
             "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
             "length_tensors": list(self.lengths.length_tensors),
@@ -337,6 +344,8 @@ class Plan:
             data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
             data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
+            made_for = data.get("made_for")  # absent from plans written before issue 55: wrap takes any model
+            data["made_for"] = None if made_for is None else ModelRecord.from_dict(made_for)
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
                                                         selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])

@@ -68,6 +68,7 @@ from autofit.capture.model_copy import (
     fake_copy,
     fake_input,
     real_copy,
+    require_real_inputs,
 )
 from autofit.capture.module_stack import install_module_stack
 from autofit.capture.user_hooks import hook_note, user_hooks_restored
@@ -166,6 +167,7 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
                 sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, fake=True, eager=True, **kw))
             return sim
     except _DataDependent as e:
+        require_real_inputs(batch, target, reader=f"{e.subject} reads tensor values ({e.cause})")
         try:
             with _quiet_engines():
                 sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=False,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from autofit.core._torch import PASSTHROUGH_ERRORS
 from autofit.core.errors import LossError
 
-__all__ = ["LossFn", "compute_loss", "describe_loss", "default_loss"]
+__all__ = ["LossFn", "compute_loss", "describe_loss", "default_loss", "own_loss"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -39,7 +39,7 @@ LossFn = Callable[..., torch.Tensor]
 # ``loss_fn``; estimate, plan and the trainer all go through here, so none of them can disagree about it.
 
 
-def _own_loss(output: Any) -> torch.Tensor | None:
+def own_loss(output: Any) -> torch.Tensor | None:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
 
@@ -92,7 +92,7 @@ def _prediction(output: Any) -> torch.Tensor:
 
 
 def default_loss(output: Any, target: Any = None) -> torch.Tensor:
-    loss = _own_loss(output)
+    loss = own_loss(output)
     if loss is not None:
         return loss
     prediction = _prediction(output)

@@ -45,8 +45,8 @@ from autofit.training.batch import Batch
 from autofit.core.errors import InvalidInputError, LossError
 from autofit.training.loss import LossFn
 
-__all__ = ["IGNORE_INDEX", "LOSS_REDUCTIONS", "ItemMeanLoss", "LossNormalisation", "count_items", "item_counter",
-           "loss_reduction", "reduction_of", "refusing_ignored_targets"]
+__all__ = ["IGNORE_INDEX", "LOSS_REDUCTIONS", "ItemMeanLoss", "LossNormalisation", "count_items", "hf_token_mean",
+           "item_counter", "reduction_of", "refusing_ignored_targets"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -274,6 +274,12 @@ def _hf_labels(model: nn.Module, batch: Batch) -> torch.Tensor | None:
     return labels
 
 
+def hf_token_mean(model: nn.Module, batch: Batch) -> bool:
+    """Whether the default loss is a Hugging Face model's own, from ``labels``: a mean over tokens (transformers'
+    ``fixed_cross_entropy`` divides by the tokens it kept when no ``num_items_in_batch`` is passed)."""
+    return _hf_labels(model, batch) is not None
+
+
 def _is_hf_model(model: nn.Module) -> bool:
     if "transformers" not in sys.modules:  # a model of that library means it is imported already
         return False
@@ -323,12 +329,15 @@ def _hf_loss_shifts_labels(model: nn.Module) -> bool:
 # Weighting micro-batch losses by n_i / N assumes each is a mean. A loss summed over rows (``reduction="sum"``)
 # weighted so gives exactly 1/accumulation of the full-batch gradient, in silence. With ``loss_reduction="sum"``
 # (``plan.wrap``, or what ``plan`` found) each micro-batch's sum weighs 1 (times the ranks DDP averages over), and
-# ``step`` returns the batch's sum. ``plan`` finds out where it is cheap and certain: a user's loss without
-# ``count_items``, a model with real weights, on two rows of the sample, in eval mode (no dropout draw, BatchNorm on
-# its running statistics: each row's loss depends on that row only) and without gradients. A mean gives
-# loss(both rows) = (loss(row 0) + loss(row 1)) / 2, a sum loss(row 0) + loss(row 1); only a loss that matches the
-# sum and not the mean is taken as a sum, and the plan's notes say so. Anything else (a loss that couples rows, a
-# model on the meta device, a forward that fails here) stays a mean.
+# ``step`` returns the batch's sum. ``plan`` finds out where it is cheap and certain, wherever the loss comes from:
+# a user's loss without ``count_items``, or without one the model's own loss (``{"loss": BCE(reduction="sum")}``,
+# the pytorch/examples VAE recipe; ``output.loss``), on a model with real weights, on two rows of the sample, in eval
+# mode (no dropout draw, BatchNorm on its running statistics: each row's loss depends on that row only) and without
+# gradients, on a copy of the model with every random draw a constant (Note [the loss probe],
+# capture/loss_probe.py). A mean gives loss(both rows) = (loss(row 0) + loss(row 1)) / 2, a sum loss(row 0) +
+# loss(row 1); only a loss that matches the sum and not the mean is taken as a sum, and the plan's notes say so.
+# Anything else (a loss that couples rows, a model or sample on the meta device, a forward that fails here or writes
+# into the weights) stays a mean.
 
 
 def reduction_of(loss_of: Callable[[int, int], float]) -> str:
@@ -342,32 +351,3 @@ def reduction_of(loss_of: Callable[[int, int], float]) -> str:
     as_sum = abs(whole - total) <= 1e-4 * scale
     as_mean = abs(whole - total / 2) <= 1e-4 * scale
     return "sum" if as_sum and not as_mean else "mean"
-
-
-def loss_reduction(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None) -> str:
-    """How ``loss_fn`` reduces over rows, found by running it (Note [sum-reduced losses]); "mean" where not certain."""
-    if loss_fn is None or getattr(loss_fn, "count_items", None) is not None:
-        return "mean"
-    tensors = [*model.parameters(), *model.buffers()]
-    if not tensors or any(t.is_meta for t in tensors):
-        return "mean"
-    device = tensors[0].device
-    two = batch.resize(2).map_tensors(lambda t: t.to(device))
-    two_target = None if target is None else target.resize(2).map_tensors(lambda t: t.to(device))
-
-    def loss_of(start: int, stop: int) -> float:
-        rows_target = None if two_target is None else two_target.slice(start, stop).value
-        output = two.slice(start, stop).call(model)
-        loss = loss_fn(output) if rows_target is None else loss_fn(output, rows_target)
-        return float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else float("nan")
-
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval()
-        with torch.no_grad():
-            return reduction_of(loss_of)
-    except Exception:  # noqa: BLE001 - not certain: the simulation reports a forward that fails
-        return "mean"
-    finally:
-        for m, training in modes:
-            m.training = training
