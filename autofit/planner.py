@@ -36,7 +36,7 @@ from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
-from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes,
+from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes, zero_grad_note,
                                   verify_beside_rows)
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
@@ -54,6 +54,7 @@ __all__ = ["plan", "plan_with_analysis"]
 def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    zero_grad: str = "after-step",
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> Plan:
@@ -69,6 +70,10 @@ def plan(
       models, else a documented default (autofit/training/loss.py).
     - ``optimizer``: "adamw", "adam", "sgd", an optimizer class or a callable ``params -> Optimizer``.
     - ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer.
+    - ``zero_grad``: where the step clears the gradients, as the loop that will train runs it: "after-step" (after
+      ``optimizer.step()``, the default: autofit's trainer, Hugging Face's Trainer), "before-forward" (the PyTorch
+      tutorials' loop) or "after-forward" (Lightning's automatic optimization: the previous step's gradients stay
+      allocated through the forward). The plan and its trainer keep it (Note [where zero_grad falls]).
     - ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole
       to every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them.
     - ``device``, ``precision``, ``savers``, ``layout``, ``search``: the options by concern, each a value of
@@ -90,7 +95,7 @@ def plan(
     with naming_inputs(lambda: as_inputs(sample, target, shared)[0]):  # Note [the batch dimension]
         return plan_with_analysis(
             model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-            clip_grad_norm=clip_grad_norm, shared=shared, **options,
+            clip_grad_norm=clip_grad_norm, shared=shared, zero_grad=zero_grad, **options,
         )[0]
 
 
@@ -98,6 +103,7 @@ def plan(
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    zero_grad: str = "after-step",
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> tuple[Plan, dict[str, Analysis]]:
@@ -111,7 +117,7 @@ def plan_with_analysis(
                                                 search=search), deprecated)
     alternatives = options["search"].alternatives
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
-                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared,
+                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared, zero_grad=zero_grad,
                            quick=alternatives is False, **options)
     results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
@@ -503,6 +509,9 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     plan = replace(plan, notes=plan.notes + pin_cost_notes(
         estimator, plan.device_bytes, chosen, policy, analysis, request.pins + pins,
         analyse=lambda p: analyse_policies(request, parallel, (p,), {})[p.label]))
+    order = zero_grad_note(estimator, chosen, policy, plan.peak_bytes)
+    if order is not None:
+        plan = replace(plan, notes=plan.notes + (order,))
     split, note = even_split(estimator, chosen, policy)
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))

@@ -137,12 +137,14 @@ class Trainer:
             if target_batch is not None:
                 micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
             with self._micro_batch(last=i == len(bounds) - 1):
-                loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config,
-                                       self.device_type, weight=norm.weight(i), scaler=self.scaler)
+                loss = run_micro_batch(self.model, micro, micro_target, self.loss_fn, self.config, self.device_type,
+                                       weight=norm.weight(i), scaler=self.scaler,
+                                       clear=self.optimizer if i == 0 else None)  # Note [where zero_grad falls]
             losses.append(float(loss))
             del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next micro-batch
         optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm, stored=self._stored,
-                       in_backward=self.plan.optimizer_in_backward, keep_grads=self.plan.preallocated_grads)
+                       in_backward=self.plan.optimizer_in_backward, keep_grads=self.plan.preallocated_grads,
+                       zero_grad=self.config.zero_grad == "after-step")
         return norm.local_mean(losses)
 
     def _input_device(self) -> torch.device:
