@@ -30,12 +30,12 @@ from autofit.core.errors import AutofitError, UnsupportedTorchError
 __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
-    "allocation_sizes", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
+    "allocation_sizes", "live_allocations", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
-    "import_lazy_modules", "LAZY_MODULES", "ddp_bucket_bytes", "dtensor_specs_once",
+    "import_lazy_modules", "LAZY_MODULES", "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -215,11 +215,16 @@ def rewrap_compiled(module: torch.nn.Module) -> None:
 _is_wrapper_subclass = _need("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
 
 
-def ddp_bucket_bytes(ddp: torch.nn.Module) -> int:
-    """Bytes of a DistributedDataParallel module's gradient buckets, which live as long as it does
+def ddp_bucket_sizes(ddp: torch.nn.Module) -> list[int]:
+    """Bytes of each of a DistributedDataParallel module's gradient buckets, which live as long as it does
     (``gradient_as_bucket_view=True``: every gradient is a view into one), sized by its reducer
     (``Reducer._get_zeros_like_grad_buckets``, which allocates buckets of the same sizes for a moment)."""
-    return sum(b.buffer().nbytes for b in ddp.reducer._get_zeros_like_grad_buckets())
+    return [b.buffer().nbytes for b in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def ddp_bucket_bytes(ddp: torch.nn.Module) -> int:
+    """Bytes of a DistributedDataParallel module's gradient buckets (:func:`ddp_bucket_sizes`)."""
+    return sum(ddp_bucket_sizes(ddp))
 
 
 def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -239,11 +244,12 @@ def is_view(t: torch.Tensor) -> bool:
     return t._is_view()
 
 
-def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
-    """Bytes of every Allocation event a ``profile_memory=True`` CPU profile recorded, in time order; negative on
-    free. Read from the profiler's event tree (``kineto_results.experimental_event_tree``), the allocator's own
-    record, the ground truth where there is no GPU (docs/accuracy.md). ``thread_of``: only the memory of the thread
-    that ran the ``record_function`` of that name (the profiler's own thread ids), as :func:`thread_memory` reads it."""
+def _allocation_events(prof: torch.profiler.profile,
+                       thread_of: str | None) -> tuple[list[tuple[int, int, int]], set[int]]:
+    """``(size, thread id, address)`` of every Allocation event a ``profile_memory=True`` CPU profile recorded, in
+    time order (negative size on free), read from the profiler's event tree (``kineto_results.
+    experimental_event_tree``), the allocator's own record; and the thread ids that ran the ``record_function``
+    named ``thread_of``."""
     events: list[tuple[int, int, int, int]] = []
     marks: set[int] = set()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -256,9 +262,33 @@ def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None)
             marks.add(node.start_tid)
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
+    return [(size, tid, ptr) for _, size, tid, ptr in events], marks
+
+
+def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
+    """Bytes of every Allocation event a ``profile_memory=True`` CPU profile recorded, in time order; negative on
+    free: the ground truth where there is no GPU (docs/accuracy.md). ``thread_of``: only the memory of the thread
+    that ran the ``record_function`` of that name (the profiler's own thread ids), as :func:`thread_memory` reads it.
+    The profiler reports no free of memory allocated while no memory profile ran (Note [memory from before the
+    window], measure/allocator.py)."""
+    events, marks = _allocation_events(prof, thread_of)
     if thread_of is None:
-        return [size for _, size, _, _ in events]
-    return thread_memory([(size, tid, ptr) for _, size, tid, ptr in events], marks)
+        return [size for size, _, _ in events]
+    return thread_memory(events, marks)
+
+
+def live_allocations(prof: torch.profiler.profile, thread_of: str | None = None) -> dict[int, int]:
+    """``{address: bytes}`` of what a ``profile_memory=True`` CPU profile saw allocated and not freed by its end:
+    the memory that outlives the profiled code. ``thread_of``: only the allocations of the thread that ran the
+    ``record_function`` of that name, as :func:`thread_memory` counts them."""
+    events, marks = _allocation_events(prof, thread_of)
+    live: dict[int, int] = {}
+    for size, tid, ptr in events:
+        if size > 0 and (thread_of is None or tid in marks):
+            live[ptr] = size
+        else:  # a free, or the address now holds another thread's tensor
+            live.pop(ptr, None)
+    return live
 
 
 def thread_memory(events: list[tuple[int, int, int]], marks: set[int]) -> list[int]:

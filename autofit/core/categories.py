@@ -26,6 +26,9 @@ class Category(str, Enum):
     FRAGMENTATION = "fragmentation"
     # measure() cannot attribute what the allocator saw during the step; it reports it under one name.
     STEP = "step"
+    # measure(): what earlier steps left alive that no category above holds (a hook's list of gradients, a retained
+    # gradient), read from the allocator's record of the warm-up (Note [memory from before the window])
+    KEPT = "kept"
 
     def __str__(self) -> str:
         return self.value

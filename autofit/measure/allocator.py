@@ -3,6 +3,18 @@
 CPU: the step runs under ``torch.profiler.profile(activities=[CPU], profile_memory=True)``; its Allocation events
 (``alloc_size`` negative on free) are replayed in time order, and the running sum's maximum plus the bytes alive
 before the step is the peak. CUDA: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``.
+
+Note [memory from before the window]
+    The CPU profiler reports a free only for memory allocated while a memory profile ran: c10's
+    ``ProfiledCPUMemoryReporter`` (c10/core/CPUAllocator.cpp) records an allocation's size in its table only while
+    profiling memory (``New``), and ``Delete`` of an address missing from that table reports nothing ("Memory block
+    of unknown size was allocated before the profiling started"). A tensor that an earlier step left alive and the
+    measured step replaces (a module attribute kept across steps, a retained gradient) was then counted twice: in
+    the bytes alive before the window, and again when its successor was allocated, its own free never seen.
+    So the warm-up windows run under a memory profile too: whatever they leave alive is in the table, and its free
+    in the measured window is reported. The same record says what the warm-up left alive: what no category holds
+    (a backward hook's list of gradients, a retained gradient: tensors only the user's code reaches) is counted as
+    ``kept``, instead of being missed.
 """
 
 from __future__ import annotations
@@ -16,9 +28,10 @@ import torch
 
 from autofit.core._torch import (
     allocation_sizes,
-    ddp_bucket_bytes,
+    ddp_bucket_sizes,
     grad_scaler_state,
     high_water_mark,
+    live_allocations,
     memory_profile,
     storage_tensors,
 )
@@ -42,20 +55,28 @@ from autofit.training.step import (
 __all__ = ["measure_step", "measure_callable"]
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages of ``tensors``; a wrapper subclass (torchao's optimizer state) by the storages
-    of its inner tensors, a DTensor by its local shard."""
+def _storages(tensors) -> dict[int, int]:
+    """``{address: bytes}`` of the distinct storages of ``tensors``; a wrapper subclass (torchao's optimizer state)
+    by the storages of its inner tensors, a DTensor by its local shard."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
             for inner in storage_tensors(t):
                 st = inner.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    return seen
 
 
-def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | None,
-                 stored=None) -> dict[Category, int]:
+def _storage_bytes(tensors) -> int:
+    return sum(_storages(tensors).values())
+
+
+def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | None, stored=None,
+                 warm_up: dict[int, int] | None = None, buckets: list[int] = ()) -> dict[Category, int]:
+    """Bytes alive before the measured window, by category; ``warm_up``: what the warm-up windows left alive
+    (``{address: bytes}``), of which what no category holds is ``kept`` (Note [memory from before the window]).
+    ``buckets``: the sizes of DDP's gradient buckets, counted as gradients: the reducer holds them, no tensor of
+    ours reaches them, and the warm-up rebuilt them, so one block of each size is theirs, not ``kept``."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     if stored is not None:  # the fp32 master copy (Note [stored precision])
         state += stored.master_tensors()
@@ -64,14 +85,24 @@ def _live_before(model, optimizer, scaler, micro: Batch, micro_target: Batch | N
     inputs = micro.tensors() + (micro_target.tensors() if micro_target is not None else [])
     buffers = list(model.buffers()) + [t for _, t in module_tensor_attributes(model)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return {
+    categories = {
         # with the quantization statistics of quantized layers (Note [quantized parameters])
-        Category.PARAMETERS: _storage_bytes(list(model.parameters()) + [t for _, t in attached_tensors(model)]),
-        Category.BUFFERS: _storage_bytes(buffers),
-        Category.OPTIMIZER_STATE: _storage_bytes(state),
-        Category.INPUTS: _storage_bytes(inputs),
-        Category.GRADIENTS: _storage_bytes(grads),
+        Category.PARAMETERS: _storages(list(model.parameters()) + [t for _, t in attached_tensors(model)]),
+        Category.BUFFERS: _storages(buffers),
+        Category.OPTIMIZER_STATE: _storages(state),
+        Category.INPUTS: _storages(inputs),
+        Category.GRADIENTS: _storages(grads),
     }
+    before = {category: sum(storages.values()) for category, storages in categories.items()}
+    before[Category.GRADIENTS] += sum(buckets)
+    if warm_up:
+        counted = set().union(*categories.values())
+        kept = sorted(size for address, size in warm_up.items() if address not in counted)
+        for size in buckets:
+            if size in kept:
+                kept.remove(size)
+        before[Category.KEPT] = sum(kept)
+    return before
 
 
 def measure_step(
@@ -114,13 +145,12 @@ def measure_step(
             features.enter_context(feature.real_context(config, inner))
         for feature in FEATURES:  # what each step feature holds around the step
             features.enter_context(feature.step_context(config, inner, optimizer))
-        window()  # warm-up: optimizer state now exists, as in the steady state
-        if config.layout.replicates_parameters:
-            window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it
-        gc.collect()
-        before = _live_before(inner, optimizer, scaler, whole, whole_target, stored)
-        if config.layout.replicates_parameters:  # the buckets outlive every step; no gradient points at them after zero_grad
-            before[Category.GRADIENTS] += ddp_bucket_bytes(work)
+        # warm-up: optimizer state now exists, as in the steady state; DDP rebuilds its gradient buckets in the
+        # order of the first backward, after it. Under the allocator's record (Note [memory from before the window])
+        warm_up = _warm_up(window, 2 if config.layout.replicates_parameters else 1, device, own_thread=lowest)
+        # the buckets outlive every step; no gradient points at them after zero_grad
+        buckets = ddp_bucket_sizes(work) if config.layout.replicates_parameters else []
+        before = _live_before(inner, optimizer, scaler, whole, whole_target, stored, warm_up, buckets)
         if device.type == "cuda":
             return _measure_cuda(window, device, before, steps)
         peaks = [_measure_window(window, device, own_thread=lowest) for _ in range(steps)]
@@ -154,6 +184,22 @@ def _rows(whole: Batch, target: Batch | None, i: int, size: int) -> tuple[Batch,
     return whole.slice(start, start + size), None if target is None else target.slice(start, start + size)
 
 
+def _warm_up(window, runs: int, device: torch.device, own_thread: bool = False) -> dict[int, int]:
+    """Run ``window`` ``runs`` times, then collect garbage; on the CPU under a memory profile, returning what they
+    left alive as ``{address: bytes}`` (Note [memory from before the window]); on a GPU ``{}``."""
+    if device.type != "cpu":
+        for _ in range(runs):
+            window()
+        gc.collect()
+        return {}
+    with memory_profile() as prof:
+        with torch.profiler.record_function(_WINDOW) if own_thread else contextlib.nullcontext():
+            for _ in range(runs):
+                window()
+            gc.collect()
+    return live_allocations(prof, _WINDOW if own_thread else None)
+
+
 def _measure_window(window, device: torch.device, own_thread: bool = False) -> int:
     """High-water mark of the CPU allocator while ``window`` runs, above what was allocated before it;
     ``own_thread``: of the allocations made on this thread only (Note [gloo's threads in the measured window],
@@ -164,12 +210,21 @@ def _measure_window(window, device: torch.device, own_thread: bool = False) -> i
     return high_water_mark(allocation_sizes(prof, _WINDOW if own_thread else None))[0]
 
 
-def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_thread: bool = False) -> int:
+def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_thread: bool = False,
+                     warm_up=None) -> int:
     """Peak bytes while ``fn()`` runs: the distinct storages of ``live`` (what exists before it: parameters,
     optimizer state, the batch) plus the allocator's high-water mark during the call. Used to check a trainer's
     real step against its plan. On CUDA the allocator's own ``max_memory_allocated`` (the whole process).
     ``own_thread``: on the CPU, only the allocations made on this thread (a rank of a gloo job, Note [gloo's threads
-    in the measured window], autofit/measure/ranks.py)."""
+    in the measured window], autofit/measure/ranks.py). ``warm_up``: a call run first (an earlier step) under the
+    allocator's record, so that what it leaves alive and ``fn`` frees is seen freed, and what it leaves alive
+    outside ``live`` is counted (Note [memory from before the window]); without it, a tensor an earlier step left
+    alive and ``fn`` replaces is counted twice."""
+    kept = 0
+    if warm_up is not None:
+        left = _warm_up(warm_up, 1, torch.device(device), own_thread=own_thread)
+        counted = _storages(live)
+        kept = sum(size for address, size in left.items() if address not in counted)
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -177,4 +232,4 @@ def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_t
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    return _storage_bytes(live) + _measure_window(fn, torch.device(device), own_thread=own_thread)
+    return _storage_bytes(live) + kept + _measure_window(fn, torch.device(device), own_thread=own_thread)
