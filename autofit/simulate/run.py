@@ -408,6 +408,10 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
             if p.grad is not None:
                 tracker.recategorize(p.grad, Category.GRADIENTS)
                 received_grad.add(id(p))
+    if carried and not config.preallocated_grads:  # each gradient the step leaves in place of the one it freed
+        left = {sid: tracker.sid_of(p.grad) for p in model.parameters()
+                if (sid := carried.get(id(p))) is not None and p.grad is not None}
+        tracker.timeline.carried = {sid: new for sid, new in left.items() if new is not None}
     tracker.module_stack.clear()
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
