@@ -154,7 +154,8 @@ class PlanRequest:
 def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    zero_grad: str = "after-step", quick: bool = True, device: Device | str = "cuda", precision: Precision | Any = "auto",
+    zero_grad: str = "after-step", quick: bool = True, device: Device | str = "cuda",
+    precision: Precision | Any = "auto",
     savers: Savers | str | None = None, layout: Layout | int | None = None, search: Search | str | None = None,
     **deprecated: Any,
 ) -> PlanRequest:

@@ -22,11 +22,12 @@ Note [where zero_grad falls]
       step's gradients are alive through the whole forward, so wherever forward holds the peak it is one gradient
       set higher.
     With accumulation the clearing runs once per window, at its first micro-batch, as Lightning's does
-    (``_make_zero_grad_fn``: only where ``batch_idx % accumulate_grad_batches == 0``). The simulation keeps the zero gradients its
-    warm-up step made (simulate/state.py) as the previous step's, and ``measure`` and the trainer run the same
-    order, so all three see the same lifetimes. Gradients that are not kept between steps carry nothing: the
-    optimizer stepping in backward frees them, and DDP's buckets hold them (``gradient_as_bucket_view``) whatever
-    the order.
+    (``_make_zero_grad_fn``: only where ``batch_idx % accumulate_grad_batches == 0``). The simulation keeps the zero
+    gradients its warm-up step made (simulate/state.py) as the previous step's, and ``measure`` and the trainer run
+    the same order, so all three see the same lifetimes. Gradients that are not kept between steps carry nothing:
+    the optimizer stepping in backward frees them, and DDP's buckets hold them (``gradient_as_bucket_view``)
+    whatever the order. On a GPU the previous step's gradients sit where its backward placed them, which the
+    allocator replay runs a second step for (Note [the next step's allocator], autofit/cuda/allocator.py).
 """
 
 from __future__ import annotations
