@@ -54,7 +54,6 @@ __all__ = ["plan", "plan_with_analysis"]
 def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    zero_grad: str = "after-step",
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> Plan:
@@ -70,10 +69,11 @@ def plan(
       models, else a documented default (autofit/training/loss.py).
     - ``optimizer``: "adamw", "adam", "sgd", an optimizer class or a callable ``params -> Optimizer``.
     - ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer.
-    - ``zero_grad``: where the step clears the gradients, as the loop that will train runs it: "after-step" (after
-      ``optimizer.step()``, the default: autofit's trainer, Hugging Face's Trainer), "before-forward" (the PyTorch
-      tutorials' loop) or "after-forward" (Lightning's automatic optimization: the previous step's gradients stay
-      allocated through the forward). The plan and its trainer keep it (Note [where zero_grad falls]).
+    - ``savers=Savers(zero_grad=...)``: where the step clears the gradients, as the loop that will train runs it:
+      "after-step" (after ``optimizer.step()``, the default: autofit's trainer, Hugging Face's Trainer),
+      "before-forward" (the PyTorch tutorials' loop) or "after-forward" (Lightning's automatic optimization: the
+      previous step's gradients stay allocated through the forward). The plan and its trainer keep it (Note [where
+      zero_grad falls], autofit/training/step.py).
     - ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole
       to every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them.
     - ``device``, ``precision``, ``savers``, ``layout``, ``search``: the options by concern, each a value of
@@ -95,7 +95,7 @@ def plan(
     with naming_inputs(lambda: as_inputs(sample, target, shared)[0]):  # Note [the batch dimension]
         return plan_with_analysis(
             model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-            clip_grad_norm=clip_grad_norm, shared=shared, zero_grad=zero_grad, **options,
+            clip_grad_norm=clip_grad_norm, shared=shared, **options,
         )[0]
 
 
@@ -103,7 +103,6 @@ def plan(
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    zero_grad: str = "after-step",
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> tuple[Plan, dict[str, Analysis]]:
@@ -117,7 +116,7 @@ def plan_with_analysis(
                                                 search=search), deprecated)
     alternatives = options["search"].alternatives
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
-                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared, zero_grad=zero_grad,
+                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared,
                            quick=alternatives is False, **options)
     results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]

@@ -154,8 +154,7 @@ class PlanRequest:
 def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    zero_grad: str = "after-step", quick: bool = True, device: Device | str = "cuda",
-    precision: Precision | Any = "auto",
+    quick: bool = True, device: Device | str = "cuda", precision: Precision | Any = "auto",
     savers: Savers | str | None = None, layout: Layout | int | None = None, search: Search | str | None = None,
     **deprecated: Any,
 ) -> PlanRequest:
@@ -201,7 +200,7 @@ def make_request(
         fixed_policies=fixed_policies(s.checkpoint),
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
-        zero_grad=as_zero_grad(zero_grad),
+        zero_grad=as_zero_grad(s.zero_grad or "after-step"),  # Note [where zero_grad falls]
         notes=tuple(notes), offload=may_offload, host_budget_bytes=host_budget_bytes,
         **layout_fields, **precision_fields, **rung_fields,
         blocks=_depth_blocks(model, extrapolate_depth, s.compile),

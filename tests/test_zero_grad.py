@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import gc
 import json
-import warnings
 
 import pytest
 import torch
@@ -146,8 +145,8 @@ def test_trainer_step_in_lightnings_order_peaks_where_the_plan_says():
     from autofit.measure.allocator import measure_callable
 
     model, x, y, loss_fn = _vit()
-    plan = autofit.plan(model, x, "1GB", target=y, loss_fn=loss_fn, device="cpu", precision="fp32", savers="none",
-                        zero_grad="after-forward")
+    plan = autofit.plan(model, x, "1GB", target=y, loss_fn=loss_fn, device="cpu", precision="fp32",
+                        savers=autofit.Savers(checkpoint=(), offload=False, zero_grad="after-forward"))
     assert plan.micro_batch_size == 16 and plan.zero_grad == "after-forward"
     optimizer = torch.optim.AdamW(model.parameters())
     trainer = plan.wrap(model, optimizer, loss_fn=loss_fn)
@@ -266,6 +265,8 @@ def test_an_unknown_order_is_refused_naming_the_three():
             make_step_config(micro_batch_size=1, zero_grad=bad)
     with pytest.raises(InvalidInputError, match="zero_grad must be"):
         _hand_plan("lightning")
+    with pytest.raises(InvalidInputError, match=r"Savers\(zero_grad=...\) must be 'after-step'"):
+        autofit.Savers(zero_grad="after-backward")
 
 
 def test_exports_say_which_order_the_plan_assumed():
@@ -280,11 +281,22 @@ def test_exports_say_which_order_the_plan_assumed():
     assert any("Hugging Face's Trainer clears the gradients after the optimizer step" in n for n in hf)
 
 
-def test_cli_plans_lightning_exports_in_lightnings_order():
-    from autofit.cli.app import default_zero_grad
+@pytest.mark.sim
+def test_cli_plans_a_lightning_export_in_lightnings_order_and_takes_zero_grad():
+    from pathlib import Path
 
-    assert default_zero_grad("lightning") == "after-forward"
-    assert default_zero_grad(None) == default_zero_grad("hf") == "after-step"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert make_step_config(micro_batch_size=1).zero_grad == "after-step"
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    factory = f"{Path(__file__).resolve().parent.parent / 'examples' / 'factories.py'}:small_cnn"
+    runner = CliRunner()
+    args = ["plan", factory, "--budget", "50MB", "--batch-size", "8", "--device", "cpu", "--json"]
+    lightning = runner.invoke(app, [*args, "--export", "lightning"], catch_exceptions=False)
+    assert lightning.exit_code == 0, lightning.output
+    plan = json.loads(lightning.stdout[lightning.stdout.index("{"):])
+    assert plan["zero_grad"] == "after-forward"  # the order Lightning's automatic optimization runs
+    told = runner.invoke(app, [*args, "--export", "lightning", "--zero-grad", "after-step"], catch_exceptions=False)
+    assert "zero_grad" not in json.loads(told.stdout[told.stdout.index("{"):])
+    bad = runner.invoke(app, [*args, "--zero-grad", "sometimes"])
+    assert bad.exit_code == 2 and "zero_grad must be" in bad.output

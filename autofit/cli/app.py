@@ -197,7 +197,8 @@ def plan(
             device=Device(kind=device, gpu=gpu_option(gpu, gpu_memory), margin=margin, host_budget=host_budget,
                           allow_over_capacity=allow_over_capacity),
             precision=Precision(compute=precision, min_stored=min_stored_precision),
-            savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile),
+            savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile,
+                          zero_grad=zero_grad or default_zero_grad(export)),
             layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
                           reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
                                                               boolean=True),
@@ -207,7 +208,7 @@ def plan(
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                optimizer=optimizer, zero_grad=zero_grad or default_zero_grad(export), **options)
+                optimizer=optimizer, **options)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too

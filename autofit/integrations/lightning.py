@@ -21,6 +21,7 @@ plan made for another order and the LightningModule optimizes automatically.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -40,10 +41,14 @@ LIGHTNING_ORDER = "after-forward"
 
 def plan(model: Any, sample: Any, budget: Any = "8GB", **kwargs: Any) -> Plan:
     """``autofit.plan`` for a LightningModule trained with automatic optimization: the same keywords, with
-    ``zero_grad`` Lightning's order ("after-forward") unless given; the plan's notes say what it costs."""
+    ``Savers.zero_grad`` Lightning's order ("after-forward") unless the ``savers`` given set it; the plan's notes
+    say what it costs."""
     import autofit
+    from autofit.options import as_savers
 
-    kwargs.setdefault("zero_grad", LIGHTNING_ORDER)
+    savers = as_savers(kwargs.get("savers"))
+    if savers.zero_grad is None:
+        kwargs["savers"] = dataclasses.replace(savers, zero_grad=LIGHTNING_ORDER)
     return autofit.plan(model, sample, budget, **kwargs)
 
 _EXTRA = "torch-autofit[lightning]"
@@ -100,7 +105,7 @@ def _callback_class():
                     f"this plan was made for zero_grad {self.plan.zero_grad!s}, but Lightning's automatic optimization "
                     "clears the gradients after forward, so the last step's gradients live through it and the peak "
                     "can be one gradient set higher than planned: plan with autofit.integrations.lightning.plan(...) "
-                    "(or zero_grad='after-forward')", stacklevel=2)
+                    "(or savers=Savers(zero_grad='after-forward'))", stacklevel=2)
             trainer.accumulate_grad_batches = self.plan.gradient_accumulation_steps
             trainer.strategy.precision_plugin = _precision_plugin(pl, self.plan, trainer.strategy.root_device.type)
 
