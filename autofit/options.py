@@ -120,9 +120,9 @@ class Savers:
     def __post_init__(self) -> None:
         if self.zero_grad not in (None, *ZERO_GRAD_ORDERS):
             raise InvalidInputError(
-                f"Savers(zero_grad=...) must be 'after-step' (after optimizer.step(): autofit's trainer, Hugging Face's "
-                f"Trainer), 'before-forward' (the PyTorch tutorials' loop) or 'after-forward' (Lightning's automatic "
-                f"optimization), got {self.zero_grad!r}")
+                f"Savers(zero_grad=...) must be 'after-step' (after optimizer.step(): autofit's trainer, Hugging "
+                f"Face's Trainer), 'before-forward' (the PyTorch tutorials' loop) or 'after-forward' (Lightning's "
+                f"automatic optimization), got {self.zero_grad!r}")
         if self.offload not in ("auto", True, False):
             raise InvalidInputError(
                 f"offload must be 'auto' (the planner may keep activations or states in host memory when that is "

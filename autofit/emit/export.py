@@ -111,8 +111,9 @@ def _order_note(plan: Plan, framework: str) -> list[str]:
                     "step's gradients are counted through forward"]
         return [f"planned with zero_grad {order}, but Lightning's automatic optimization clears the gradients after "
                 "forward, so the last step's gradients live through forward and the peak can be one gradient set "
-                "higher than planned: plan with Savers(zero_grad='after-forward') (autofit plan --zero-grad after-forward, "
-                "the default with --export lightning), or keep this order in a Fabric or manual-optimization loop"]
+                "higher than planned: plan with Savers(zero_grad='after-forward') (autofit plan --zero-grad "
+                "after-forward, the default with --export lightning), or keep this order in a Fabric or "
+                "manual-optimization loop"]
     if framework == "hf" and order != "after-step":
         return [f"planned with zero_grad {order}; Hugging Face's Trainer clears the gradients after the optimizer "
                 "step, which keeps no gradients into the next forward: its peak is at most the plan's (plan with "
