@@ -25,7 +25,7 @@ from autofit.training.recompute import require_policy
 from autofit.training.layout import Parallel
 
 __all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind",
-           "ZeroGrad", "ZERO_GRAD_ORDERS"]
+           "ZeroGrad", "ZERO_GRAD_ORDERS", "as_zero_grad"]
 
 
 class DeviceKind(StrEnum):
