@@ -35,8 +35,9 @@ __all__ = ["analyse", "estimate", "measure"]
 
 def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
             clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch, chunked_loss,
-            batch, target, loss_fn, compile, preallocated_grads, inputs, gradient_as_bucket_view, *, world_size,
-            strategy, reshard_after_forward, replicate, tensor_parallel, tensor_parallel_plan) -> StepConfig:
+            batch, target, loss_fn, compile, preallocated_grads, inputs, gradient_as_bucket_view, zero_grad, *,
+            world_size, strategy, reshard_after_forward, replicate, tensor_parallel,
+            tensor_parallel_plan) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -69,7 +70,7 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
                             preallocated_grads=preallocated_grads,
                             held_rows=_held_rows(inputs, micro_batch_size, accumulation_steps),
-                            gradient_as_bucket_view=gradient_as_bucket_view)
+                            gradient_as_bucket_view=gradient_as_bucket_view, zero_grad=zero_grad)
 
 
 def _one_step(function: str, device: Any, precision: Any, layout: Any,
@@ -132,7 +133,7 @@ def estimate(
     accumulation_steps: int = 1, checkpoint: Any = (), offload: Any = (), offload_states: bool = False,
     optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
     compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True, **deprecated: Any,
+    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", **deprecated: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -189,6 +190,13 @@ def estimate(
     hold a second, gradient-sized copy of the gradients (Note [DDP's bucket views], autofit/simulate/parallel.py).
     A DDP estimate's ``notes`` say which mode it assumed.
 
+    ``zero_grad``: where the step clears the gradients (``optimizer.zero_grad(set_to_none=True)``), as the loop
+    that trains runs it: "after-step" (the default: after ``optimizer.step()``, autofit's trainer and Hugging Face's
+    Trainer), "before-forward" (the PyTorch tutorials' loop) or "after-forward" (after forward and loss, before
+    backward: Lightning's automatic optimization, which keeps the previous step's gradients through the forward).
+    With accumulation it clears once per window, at the first micro-batch (Note [where zero_grad falls],
+    autofit/training/step.py).
+
     ``inputs``: how many rows of inputs and targets are resident during the step. ``"batch"`` (the default): the
     whole batch of ``micro_batch_size * accumulation_steps`` rows (per rank), as ``plan.wrap``'s trainer holds it:
     ``trainer.step`` receives the batch at once and runs micro-batches sliced from it, so this is the figure a plan
@@ -212,7 +220,7 @@ def estimate(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
-                     gradient_as_bucket_view, **layout)
+                     gradient_as_bucket_view, zero_grad, **layout)
     device_model = resolve_device(config.device, config.gpu)
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
@@ -243,7 +251,7 @@ def measure(
     accumulation_steps: int = 1, steps: int = 1, checkpoint: Any = (), offload: Any = (),
     offload_states: bool = False, optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False,
     chunked_loss: bool = False, compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True, **deprecated: Any,
+    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", **deprecated: Any,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -265,7 +273,7 @@ def measure(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
-                     gradient_as_bucket_view, **layout)
+                     gradient_as_bucket_view, zero_grad, **layout)
     if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if config.offload_states:

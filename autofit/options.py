@@ -46,6 +46,7 @@ __all__ = ["Device", "Precision", "Savers", "Layout", "Search", "Options", "FLAT
            "as_precision", "as_savers", "as_layout", "as_search"]
 
 DEVICE_KINDS = ("cpu", "cuda")
+ZERO_GRAD_ORDERS = ("after-step", "before-forward", "after-forward")  # autofit.training.config.ZeroGrad's names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,8 +111,18 @@ class Savers:
     allow: Any = ()
     # every step runs the model compiled (torch.compile, inductor) and is estimated so (Note [compile as a knob])
     compile: bool = False
+    # where the training loop clears the gradients (Note [where zero_grad falls], autofit/training/step.py):
+    # "after-step" (after optimizer.step(): autofit's trainer, Hugging Face's Trainer), "before-forward" (the PyTorch
+    # tutorials' loop) or "after-forward" (Lightning's automatic optimization: the last step's gradients live through
+    # the forward); None: "after-step" (autofit.integrations.lightning.plan: "after-forward")
+    zero_grad: str | None = None
 
     def __post_init__(self) -> None:
+        if self.zero_grad not in (None, *ZERO_GRAD_ORDERS):
+            raise InvalidInputError(
+                f"Savers(zero_grad=...) must be 'after-step' (after optimizer.step(): autofit's trainer, Hugging "
+                f"Face's Trainer), 'before-forward' (the PyTorch tutorials' loop) or 'after-forward' (Lightning's "
+                f"automatic optimization), got {self.zero_grad!r}")
         if self.offload not in ("auto", True, False):
             raise InvalidInputError(
                 f"offload must be 'auto' (the planner may keep activations or states in host memory when that is "

@@ -38,7 +38,7 @@ from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
-from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes,
+from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes, zero_grad_note,
                                   verify_beside_rows)
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
@@ -71,6 +71,11 @@ def plan(
       models, else a documented default (autofit/training/loss.py).
     - ``optimizer``: "adamw", "adam", "sgd", an optimizer class or a callable ``params -> Optimizer``.
     - ``clip_grad_norm``: the step clips gradients to this norm (``clip_grad_norm_``), and so does the trainer.
+    - ``savers=Savers(zero_grad=...)``: where the step clears the gradients, as the loop that will train runs it:
+      "after-step" (after ``optimizer.step()``, the default: autofit's trainer, Hugging Face's Trainer),
+      "before-forward" (the PyTorch tutorials' loop) or "after-forward" (Lightning's automatic optimization: the
+      previous step's gradients stay allocated through the forward). The plan and its trainer keep it (Note [where
+      zero_grad falls], autofit/training/step.py).
     - ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole
       to every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them.
     - ``device``, ``precision``, ``savers``, ``layout``, ``search``: the options by concern, each a value of
@@ -506,6 +511,9 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     plan = replace(plan, notes=plan.notes + pin_cost_notes(
         estimator, plan.device_bytes, chosen, policy, analysis, request.pins + pins,
         analyse=lambda p: analyse_policies(request, parallel, (p,), {})[p.label]))
+    order = zero_grad_note(estimator, chosen, policy, plan.peak_bytes)
+    if order is not None:
+        plan = replace(plan, notes=plan.notes + (order,))
     split, note = even_split(estimator, chosen, policy)
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))

@@ -23,6 +23,7 @@ from autofit.features import OPT_IN
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
+from autofit.training.config import ZeroGrad, as_zero_grad
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
 from autofit.training.layout import Parallel, Strategy, as_strategy  # the layout value (training/layout.py); re-exported here
@@ -64,6 +65,8 @@ class PlanRequest:
     optimizer: OptimizerSpec
     fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
     clip_grad_norm: float | None  # max_norm of clip_grad_norm_ before each optimizer step (None: no clipping)
+    # where the step clears the gradients (Note [where zero_grad falls], autofit/training/step.py)
+    zero_grad: ZeroGrad = ZeroGrad.AFTER_STEP
     quick: bool  # plan(): try the quick path first (Note [the quick path], solve/quick.py), no front beyond the search
     auto_precision: bool  # the first policy is the device's fastest ("auto", or a single policy)
     notes: tuple[str, ...] = ()
@@ -118,7 +121,7 @@ class PlanRequest:
         return make_step_config(
             micro_batch_size=1, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
             gpu=self.device.name, layout=parallel, clip_grad_norm=self.clip_grad_norm,
-            chunked_loss=self.chunked_loss, compile=self.compile)
+            chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad)
 
     def for_layout(self, parallel: Parallel) -> PlanRequest:
         """The request as ``parallel`` runs it: with tensor parallel T the T ranks of a group share their rows, so
@@ -197,6 +200,7 @@ def make_request(
         fixed_policies=fixed_policies(s.checkpoint),
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,
+        zero_grad=as_zero_grad(s.zero_grad or "after-step"),  # Note [where zero_grad falls]
         notes=tuple(notes), offload=may_offload, host_budget_bytes=host_budget_bytes,
         **layout_fields, **precision_fields, **rung_fields,
         blocks=_depth_blocks(model, extrapolate_depth, s.compile),

@@ -88,3 +88,17 @@ def test_compiled_vit_h_is_bounded_from_above():
         warnings.simplefilter("ignore")
         row = run_case(_BY_NAME["torchao-vit_h-fused-adamw-compiled"])
     assert 0 <= row.error <= 0.05, f"autofit {row.autofit_bytes:,} vs published {row.case.published_bytes:,}"
+
+
+@pytest.mark.slow(seconds=60)
+def test_fabric_rows_count_the_gradients_that_live_through_forward():
+    # rasbt/pytorch-memory-optim's Fabric scripts clear the gradients after the forward (issue 61): vit_l_16, batch
+    # 64, fp32, Adam, max_memory_reserved. -5.6 % in autofit's default order, -1.1 % in the loop's; the bf16-true row
+    # at batch 16 rises from -18.5 % to -6.6 % (outside the goal; its why says so)
+    pytest.importorskip("transformers", reason="benchmarks.published imports the Hugging Face cases")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp32 = run_case(_BY_NAME["fabric-vit_l_16-fp32-b64"])
+        bf16 = run_case(_BY_NAME["fabric-vit_l_16-bf16-true-b16"])
+    assert abs(fp32.error) <= 0.05, f"autofit {fp32.autofit_bytes:,} vs published {fp32.case.published_bytes:,}"
+    assert abs(bf16.error) <= 0.07 and "issue 61" in bf16.case.why, bf16.error

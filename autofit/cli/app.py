@@ -99,8 +99,19 @@ TensorOpt = Annotated[str, typer.Option(
 SequenceOpt = Annotated[bool, typer.Option(
     "--sequence-parallel", help="with --tensor-parallel: the blocks' norms and residual stream split along the "
     "sequence too (torchtitan's layout; less activation memory, no more communication)")]
+ZeroGradOpt = Annotated[Optional[str], typer.Option(
+    "--zero-grad", help="where the training loop clears the gradients: after-step (after optimizer.step(): autofit's "
+    "trainer, Hugging Face's Trainer), before-forward (the PyTorch tutorials' loop) or after-forward (Lightning's "
+    "automatic optimization: last step's gradients live through forward). Default: after-step, and after-forward "
+    "with --export lightning")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
+
+
+def default_zero_grad(export: str | None) -> str:
+    """The order ``--zero-grad`` defaults to: Lightning's (after forward) when the plan is exported to Lightning,
+    whose automatic optimization runs it (Note [where zero_grad falls]); else after the optimizer step."""
+    return "after-forward" if export == "lightning" else "after-step"
 
 
 def _fail(console: Console, message: str, code: int) -> None:
@@ -156,7 +167,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
-    quiet: QuietOpt = False,
+    quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -186,7 +197,8 @@ def plan(
             device=Device(kind=device, gpu=gpu_option(gpu, gpu_memory), margin=margin, host_budget=host_budget,
                           allow_over_capacity=allow_over_capacity),
             precision=Precision(compute=precision, min_stored=min_stored_precision),
-            savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile),
+            savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile,
+                          zero_grad=zero_grad or default_zero_grad(export)),
             layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
                           reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
                                                               boolean=True),
@@ -286,7 +298,7 @@ def estimate(
                                                              "norm before the step")] = None,
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
                                                  "own tp plan; 1: none)")] = "1",
-    sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
+    sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -308,7 +320,7 @@ def estimate(
             reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
             replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm,
             tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile,
-            sequence_parallel=sequence_parallel)
+            sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step")
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

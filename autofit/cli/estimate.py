@@ -19,7 +19,7 @@ from autofit.core.units import format_mib
 from autofit.options import Device, Layout
 from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
-from autofit.training.config import DeviceKind
+from autofit.training.config import DeviceKind, as_zero_grad
 from autofit.training.layout import as_strategy
 
 __all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
@@ -48,6 +48,7 @@ class EstimateSetup:
     tensor_parallel: int = 1  # T ranks of a node split each block's linear layers (FSDP2 x tp, or tp alone)
     compile: bool = False  # the step as torch.compile (inductor) compiles it
     sequence_parallel: bool = False  # the blocks' norms split along the sequence too (Note [sequence parallel])
+    zero_grad: str = "after-step"  # where the loop clears the gradients (Note [where zero_grad falls])
 
     @property
     def data_ranks(self) -> int:
@@ -117,7 +118,7 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
                    optimizer: str, device: str, gpu: str | None, world_size: int, strategy: str | None,
                    reshard_after_forward: object, replicate: object, checkpoint: list[str] | None,
                    clip_grad_norm: float | None, tensor_parallel: object = 1, compile: bool = False,
-                   sequence_parallel: bool = False) -> EstimateSetup:
+                   sequence_parallel: bool = False, zero_grad: str = "after-step") -> EstimateSetup:
     """The configuration the flags describe (``reshard_after_forward`` and ``replicate`` as ``layout_option`` read
     them); "auto" anywhere is refused, since only ``plan`` chooses."""
     tp = _fixed("--tensor-parallel", tensor_parallel)
@@ -133,7 +134,7 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
         reshard_after_forward=_fixed("--reshard-after-forward", reshard_after_forward),
         replicate=_fixed("--replicate", replicate), checkpoint=_checkpoint(spec.model, checkpoint or []),
         clip_grad_norm=clip_grad_norm, tensor_parallel=tp, compile=bool(compile),
-        sequence_parallel=bool(sequence_parallel))
+        sequence_parallel=bool(sequence_parallel), zero_grad=str(as_zero_grad(zero_grad)))
 
 
 def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
@@ -147,7 +148,8 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                                   tensor_parallel=setup.tensor_parallel,
                                   tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel,
                                                                        setup.tensor_parallel)),
-                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm, compile=setup.compile)
+                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm, compile=setup.compile,
+                    zero_grad=setup.zero_grad)
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         checkpoint=step.checkpoint, peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
         budget_bytes=budget_bytes, device=step.device, optimizer=step.optimizer.name,
         predicted_step_seconds=chosen.seconds, estimate=replace(est, under=None), parallel=step.layout, gpu=step.gpu,
-        frontier=front, notes=tuple(dict.fromkeys(notes)), clip_grad_norm=step.clip_grad_norm,
+        frontier=front, notes=tuple(dict.fromkeys(notes)), clip_grad_norm=step.clip_grad_norm, zero_grad=step.zero_grad,
         optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
         host_budget_bytes=host_budget_bytes if (step.offload or step.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=step.selective,

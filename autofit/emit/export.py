@@ -8,7 +8,10 @@
   ``fp16.enabled`` with dynamic loss scaling, as in DeepSpeed's config JSON documentation.
 - Lightning ``Trainer``: ``precision`` ("32-true", "bf16-mixed", "16-mixed"), ``accumulate_grad_batches``; the
   micro-batch is the DataLoader's batch size (``autofit.integrations.lightning.AutofitLightningCallback`` sets all
-  of it, checkpointing included).
+  of it, checkpointing included). Its notes say which order of ``zero_grad`` the plan was made for: Lightning's
+  automatic optimization (and Fabric loops written the same way) clear after forward (Note [where zero_grad falls],
+  autofit/training/step.py), so ``autofit plan --export lightning`` plans in that order unless ``--zero-grad``
+  says otherwise; the Hugging Face export notes an order other than the Trainer's (after the optimizer step).
 
 Every export carries the plan's effective batch: an uneven plan (a shorter last micro-batch, which none of these
 frameworks can express) is exported as its verified even split (Note [even split], autofit/solve/finish.py), and a plan
@@ -95,6 +98,29 @@ def _bucket_note(plan: Plan, how: str) -> str:
             f"peak): {how}")
 
 
+def _order_note(plan: Plan, framework: str) -> list[str]:
+    """Where the framework's loop clears the gradients against the order the plan was made for (Note [where zero_grad
+    falls], autofit/training/step.py): Lightning's automatic optimization clears after forward, and Fabric loops are
+    often written so; Hugging Face's Trainer after the optimizer step."""
+    order = plan.zero_grad
+    if framework == "lightning":
+        if order == "after-forward":
+            return ["planned with Lightning's order, zero_grad after forward (automatic optimization runs "
+                    "training_step, then zero_grad, then backward and the step; a Fabric loop written as loss = "
+                    "model(x), optimizer.zero_grad(), fabric.backward(loss), optimizer.step() runs the same): the last "
+                    "step's gradients are counted through forward"]
+        return [f"planned with zero_grad {order}, but Lightning's automatic optimization clears the gradients after "
+                "forward, so the last step's gradients live through forward and the peak can be one gradient set "
+                "higher than planned: plan with Savers(zero_grad='after-forward') (autofit plan --zero-grad "
+                "after-forward, the default with --export lightning), or keep this order in a Fabric or "
+                "manual-optimization loop"]
+    if framework == "hf" and order != "after-step":
+        return [f"planned with zero_grad {order}; Hugging Face's Trainer clears the gradients after the optimizer "
+                "step, which keeps no gradients into the next forward: its peak is at most the plan's (plan with "
+                "Savers(zero_grad='after-step') for its own figure)"]
+    return []
+
+
 def _stored(plan: Plan) -> str | None:
     return None if plan.precision.stored in (None, "fp32") else plan.precision.stored
 
@@ -112,7 +138,7 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint),
                            "autofit_checkpoint_policies": plan.checkpoint_policies}
-    notes = _split_notes(plan) + _feature_notes(plan, "hf") + _selective_notes(
+    notes = _split_notes(plan) + _feature_notes(plan, "hf") + _order_note(plan, "hf") + _selective_notes(
         plan, "gradient_checkpointing_enable() recomputes every decoder layer with one policy; AutofitCallback "
               "applies the plan's")
     stored = _stored(plan)
@@ -188,7 +214,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     precision = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[plan.precision.name]
     stored = _stored(plan)
     micro, steps = _split(plan)
-    notes = _split_notes(plan) + _feature_notes(plan, "lightning")
+    notes = _split_notes(plan) + _feature_notes(plan, "lightning") + _order_note(plan, "lightning")
     if stored == "bf16":
         precision = "bf16-true"  # parameters, gradients and optimizer state in bf16
     elif stored is not None:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int
-from autofit.training.config import DEVICES, DeviceKind, StepConfig
+from autofit.training.config import DEVICES, DeviceKind, StepConfig, ZeroGrad, as_zero_grad
 from autofit.training.length import LengthSpec
 from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.optim import OPTIMIZER_NAMES, OptimizerSpec, as_optimizer_spec
@@ -79,6 +79,9 @@ class Plan:
     frontier: tuple[Alternative, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     clip_grad_norm: float | None = None  # the trainer clips gradients to this norm before each optimizer step
+    # where the step clears the gradients (Note [where zero_grad falls], training/step.py): "after-step" (the
+    # default), "before-forward" or "after-forward" (Lightning's); written to the JSON only when not the default
+    zero_grad: ZeroGrad = ZeroGrad.AFTER_STEP
     peak_reserved_bytes: int = 0  # ~ max_memory_reserved (0: taken from the estimate)
     # Variable-length batches (Note [the length of a batch], autofit/training/length.py): the sample's maximum sizes, and
     # the rows per micro-batch each length fits, longest first (Note [rows by length], solve/lengths.py).
@@ -194,6 +197,7 @@ class Plan:
         if self.device not in DEVICES:
             raise InvalidInputError(f"Plan.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         object.__setattr__(self, "device", DeviceKind(self.device))
+        object.__setattr__(self, "zero_grad", as_zero_grad(self.zero_grad))
         if not isinstance(self.parallel, Parallel):
             raise InvalidInputError(f"Plan.parallel must be an autofit.training.layout.Parallel, got {self.parallel!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -315,6 +319,10 @@ class Plan:
             data[feature.field] = feature.to_json(feature.in_force(self))
         for name in ("alloc_conf", "preallocated_grads"):  # derived from the estimate: written after it, as always
             data[name] = data.pop(name)
+        if self.zero_grad is ZeroGrad.AFTER_STEP:  # the default's plan is written as before it was a field
+            del data["zero_grad"]
+        else:
+            data["zero_grad"] = str(self.zero_grad)
         return {"format": _FORMAT, **data}
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -426,6 +434,7 @@ class Plan:
             *self.memory_rows(fmt),
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
+            *([("zero_grad", _ZERO_GRAD_ROWS[self.zero_grad])] if self.zero_grad is not ZeroGrad.AFTER_STEP else []),
             *self.offload_rows(fmt),
             ("predicted step time", f"{self.predicted_step_seconds:.3g} s (time model, for ranking)"),
         ]
@@ -522,11 +531,19 @@ def plan_step(plan: Plan) -> StepConfig:
         precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective, optimizer=optimizer,
         device=plan.device, held_rows=plan.batch_size // (plan.world_size // plan.tensor_parallel), gpu=plan.gpu,
         layout=plan.parallel, clip_grad_norm=plan.clip_grad_norm, offload=plan.offload, compile=plan.compile,
-        preallocated_grads=plan.preallocated_grads,
+        preallocated_grads=plan.preallocated_grads, zero_grad=plan.zero_grad,
     )
     # each step feature's value, where the step holds one (Note [step features])
     knobs.update((f.field, getattr(plan, f.field)) for f in FEATURES if f.field in _STEP_FIELDS)
     return StepConfig(**knobs)
+
+
+# the row str(plan) and the CLI's table show for an order other than the default (Note [where zero_grad falls])
+_ZERO_GRAD_ROWS = {
+    ZeroGrad.BEFORE_FORWARD: "before forward (the PyTorch tutorials' order)",
+    ZeroGrad.AFTER_FORWARD: "after forward, before backward (Lightning's order): last step's gradients live "
+                            "through forward",
+}
 
 
 def _optimizer_named(name: str) -> OptimizerSpec:

@@ -65,7 +65,9 @@ _BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
 # so the trainer does too, before its first micro-batch, rather than refusing them: refusing would make the standard
 # GAN loop an error, and what it would protect (a gradient meant to be added to the step's) is not a step of the
 # plan. It also keeps the plan's memory: the plan counts no gradient before the first backward (freed) or exactly
-# the preallocated ones (zeroed in place). A micro-batch that raises (an out-of-memory error the caller catches)
+# the preallocated ones (zeroed in place). In an order that keeps the last step's gradients into the next forward
+# (Lightning's, Note [where zero_grad falls]) the gradients this trainer's last step left, untouched since (the same
+# tensors at the same version), are its own and stay until the order clears them. A micro-batch that raises (an out-of-memory error the caller catches)
 # leaves the earlier micro-batches' gradients behind; they are cleared before the exception leaves ``step``, so the
 # memory is free for what the caller does next and the next step is a plain step. Backward and the optimizer step
 # run outside any autocast the caller is in (``torch.autocast(device, enabled=False)`` around the window; the
@@ -128,6 +130,7 @@ class Trainer:
             raise
         claim(inner, self)
         self.micro_batches = 0  # how many micro-batches the last step ran (fewer for shorter batches)
+        self._left: tuple | None = None  # the gradients the last step left (_grads_now), None before the first
 
     def step(self, inputs: Any, target: Any = None) -> float:
         """One optimizer step over one batch; returns the batch's mean loss (over rows, or over the items a
@@ -152,7 +155,7 @@ class Trainer:
         # the plan's precision, whatever autocast the caller is in (Note [the trainer owns its window]): the forward
         # enters the plan's own autocast inside this, and backward and the optimizer step run without one
         with torch.autocast(self.device_type, enabled=False):
-            self._clear_grads()  # Note [the trainer owns its window]: gradients it did not make are not trained on
+            self._clear_grads_not_left()  # Note [the trainer owns its window]: gradients it did not make are not trained on
             try:
                 for i, (start, stop) in enumerate(bounds):
                     micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
@@ -161,16 +164,31 @@ class Trainer:
                         micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
                     with self._micro_batch(last=i == len(bounds) - 1):
                         loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config,
-                                               self.device_type, weight=norm.weight(i), scaler=self.scaler)
+                                               self.device_type, weight=norm.weight(i), scaler=self.scaler,
+                                               clear=self.optimizer if i == 0 else None)  # Note [where zero_grad falls]
                     losses.append(float(loss))
                     del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next
             except BaseException:
                 self._clear_grads()  # a failed window leaves no partial gradient behind
+                self._left = None
                 raise
             optimizer_step(self.optimizer, self.scaler, clip_grad_norm=self.config.clip_grad_norm,
                            stored=self._stored, in_backward=self.plan.optimizer_in_backward,
-                           keep_grads=self.plan.preallocated_grads)
+                           keep_grads=self.plan.preallocated_grads, zero_grad=self.config.zero_grad == "after-step")
+        self._left = self._grads_now()
         return norm.local_mean(losses)
+
+    def _grads_now(self) -> tuple:
+        """Which gradient each parameter holds now, and at which version: what a later step compares with."""
+        return tuple(None if p.grad is None else (id(p.grad), p.grad._version) for p in self.model.parameters())
+
+    def _clear_grads_not_left(self) -> None:
+        """Clear the gradients before the window's first micro-batch unless they are exactly the ones this trainer's
+        last step left, untouched since: an order that keeps them into the next forward (Lightning's, Note [where
+        zero_grad falls]) clears them where it says; anything else (another network's backward, a backward of the
+        caller's) is not this window's, and is cleared now (Note [the trainer owns its window])."""
+        if self.config.zero_grad == "after-step" or self._left != self._grads_now():
+            self._clear_grads()
 
     def _clear_grads(self) -> None:
         """Drop every gradient of the model's parameters and the optimizer's (the fp32 master copies), as the step

@@ -16,6 +16,10 @@ simulated), and removes it when training ends.
 A DDP plan counts the gradients inside DDP's buckets (``gradient_as_bucket_view=True``, Note [DDP's bucket views] in
 autofit/simulate/parallel.py), which ``TrainingArguments`` cannot express: :func:`bucket_views` sets it on the
 Trainer's Accelerator, after the Trainer is built and before ``train()`` wraps the model.
+
+The Trainer clears the gradients after the optimizer step (transformers/trainer.py: ``model.zero_grad()`` right after
+``self.optimizer.step()`` and the scheduler), autofit's default order (Note [where zero_grad falls],
+autofit/training/step.py): plan with the default ``zero_grad="after-step"``.
 """
 
 from __future__ import annotations

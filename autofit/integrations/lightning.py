@@ -12,10 +12,17 @@ accelerator connector builds it. At ``on_fit_start`` it checkpoints exactly the 
 LightningModule (autofit's patch, the one the estimate simulated) and removes the patch at ``teardown``. The
 micro-batch is the DataLoader's batch size, which a callback cannot change: the first training batch is checked
 against ``plan.micro_batch_size``.
+
+Lightning's automatic optimization clears the gradients after the training step's forward and loss, before backward
+(Note [where zero_grad falls], autofit/training/step.py), so the previous step's gradients live through the forward.
+:func:`plan` plans in that order by default (``zero_grad="after-forward"``); the callback warns when it is given a
+plan made for another order and the LightningModule optimizes automatically.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -25,7 +32,24 @@ from autofit.core.errors import InvalidInputError
 from autofit.integrations import checked_plan, plan_patches, require
 from autofit.emit.plan import Plan
 
-__all__ = ["AutofitLightningCallback", "lightning_precision"]
+__all__ = ["AutofitLightningCallback", "lightning_precision", "plan", "LIGHTNING_ORDER"]
+
+# where Lightning's automatic optimization clears the gradients (src/lightning/pytorch/loops/optimization/automatic.py:
+# the closure runs the training step, then the zero-grad function, then the backward function)
+LIGHTNING_ORDER = "after-forward"
+
+
+def plan(model: Any, sample: Any, budget: Any = "8GB", **kwargs: Any) -> Plan:
+    """``autofit.plan`` for a LightningModule trained with automatic optimization: the same keywords, with
+    ``Savers.zero_grad`` Lightning's order ("after-forward") unless the ``savers`` given set it; the plan's notes
+    say what it costs."""
+    import autofit
+    from autofit.options import as_savers
+
+    savers = as_savers(kwargs.get("savers"))
+    if savers.zero_grad is None:
+        kwargs["savers"] = dataclasses.replace(savers, zero_grad=LIGHTNING_ORDER)
+    return autofit.plan(model, sample, budget, **kwargs)
 
 _EXTRA = "torch-autofit[lightning]"
 _PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -76,6 +100,12 @@ def _callback_class():
             if trainer.world_size != self.plan.world_size:
                 raise InvalidInputError(f"the Trainer runs {trainer.world_size} processes but the plan is for "
                                         f"{self.plan.world_size}: plan with world_size={trainer.world_size}")
+            if getattr(pl_module, "automatic_optimization", False) and self.plan.zero_grad != LIGHTNING_ORDER:
+                warnings.warn(
+                    f"this plan was made for zero_grad {self.plan.zero_grad!s}, but Lightning's automatic optimization "
+                    "clears the gradients after forward, so the last step's gradients live through it and the peak "
+                    "can be one gradient set higher than planned: plan with autofit.integrations.lightning.plan(...) "
+                    "(or savers=Savers(zero_grad='after-forward'))", stacklevel=2)
             trainer.accumulate_grad_batches = self.plan.gradient_accumulation_steps
             trainer.strategy.precision_plugin = _precision_plugin(pl, self.plan, trainer.strategy.root_device.type)
 

@@ -138,13 +138,14 @@ def measure_step(
 
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
 
-    def window() -> None:
+    def window() -> None:  # in the step's order: the gradients cleared where config.zero_grad puts it
         for i, (micro, micro_target) in enumerate(micro_batches):
             with gradient_sync(work, config.layout, last=i == config.accumulation_steps - 1):
                 run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
-                                scaler=scaler)
+                                scaler=scaler, clear=optimizer if i == 0 else None)
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
-                       in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
+                       in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
+                       zero_grad=config.zero_grad == "after-step")
 
     with patched_model(inner, config, device.type), contextlib.ExitStack() as features:
         for feature in FEATURES:  # what each step feature does to a real model (Note [step features])

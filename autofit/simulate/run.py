@@ -63,7 +63,7 @@ from autofit.core._torch import (
 )
 from autofit.core._torch_compile import compiled_code_runs_eagerly
 from autofit.training.batch import Batch
-from autofit.training.config import DeviceKind
+from autofit.training.config import DeviceKind, ZeroGrad
 from autofit.capture.model_copy import (
     fake_copy,
     fake_input,
@@ -320,7 +320,8 @@ class _StepState:
         stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
         scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
         with _optimizer_values(optimizer, fake):
-            create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.preallocated_grads)
+            # gradients a step leaves for the next (Note [where zero_grad falls]) are the warm-up step's, zeroed
+            create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.grads_between_steps)
         # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
         views = config.gradient_as_bucket_view and config.accumulation_steps == 1
         buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
@@ -389,6 +390,8 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
         tracker.timeline.mark(micro_index, tracker.phase)
 
     received_grad: set[int] = set()
+    # the previous step's gradients (Note [where zero_grad falls]); one a parameter never receives is not real
+    carried = {id(p): tracker.sid_of(p.grad) for p in model.parameters() if p.grad is not None}
     for micro_index in range(steps):
         if config.fully_sharded and steps > 1 and not (config.offload_states or config.reduce_every_micro_batch):
             # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then
@@ -402,22 +405,27 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
                         if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
         with _forward_errors(tracker), into_buckets:
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
-                            scaler=scaler,
-                            on_phase=on_phase)
+                            scaler=scaler, on_phase=on_phase, clear=optimizer if micro_index == 0 else None)
         for p in model.parameters():
             if p.grad is not None:
                 tracker.recategorize(p.grad, Category.GRADIENTS)
                 received_grad.add(id(p))
+    if carried and not config.preallocated_grads:  # each gradient the step leaves in place of the one it freed
+        left = {sid: tracker.sid_of(p.grad) for p in model.parameters()
+                if (sid := carried.get(id(p))) is not None and p.grad is not None}
+        tracker.timeline.carried = {sid: new for sid, new in left.items() if new is not None}
     tracker.module_stack.clear()
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
     with host_optimizer(tracker, config.offload_states and not config.device.is_host), _optimizer_values(optimizer, fake):
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
-                       in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
+                       in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
+                       zero_grad=config.zero_grad is ZeroGrad.AFTER_STEP)
     received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
     tracker.phase = Phase.SETUP
-    drop_phantom_state(tracker, model, optimizer, received_grad, stored)
+    drop_phantom_state(tracker, model, optimizer, received_grad, stored,
+                       carried={} if config.preallocated_grads else carried)
 
 
 def _twinned(work: nn.Module, model: nn.Module, micro: Batch, micro_target: Any, batch: Batch, target: Any,

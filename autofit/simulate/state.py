@@ -90,6 +90,9 @@ def register_state(tracker: StepTracker, model, optimizer, scaler, micro: Batch,
     if stored is not None:  # the fp32 master copy is the optimizer's (Note [stored precision])
         for value in stored.master_tensors():
             tracker.register(value, Category.OPTIMIZER_STATE)
+        for value in stored.master_tensors():  # its gradients, kept for the next step (Note [where zero_grad falls])
+            if value.grad is not None:
+                tracker.register(value.grad, Category.GRADIENTS)
     for t in micro.tensors():
         tracker.register(t, Category.INPUTS)
     if micro_target is not None:
@@ -106,9 +109,16 @@ def held_rows(micro: Batch, micro_target: Batch | None, config: StepConfig) -> l
     return [t for b in rows for t in b.resize(extra).per_sample_tensors()]
 
 
-def drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: set[int], stored=None) -> None:
+def drop_phantom_state(tracker: StepTracker, model, optimizer, received_grad: set[int], stored=None, *,
+                       carried: dict[int, int | None] | None = None) -> None:
     """State created by the zero-gradient warm-up for parameters that never get a gradient does not exist in a real
-    run (optimizers skip parameters whose grad is None); it was alive all step, so removing it is exact."""
+    run (optimizers skip parameters whose grad is None); it was alive all step, so removing it is exact. So with
+    ``carried`` (id of a parameter -> the storage of the gradient the warm-up left it, Note [where zero_grad
+    falls]): a gradient a parameter never receives is not the previous step's either."""
+    for p in model.parameters():
+        sid = (carried or {}).get(id(p))
+        if sid is not None and id(p) not in received_grad:
+            tracker.timeline.storages[sid].nbytes = 0
     for p in model.parameters():
         key = p if stored is None else stored.state_key(p)
         if id(p) in received_grad or key not in optimizer.state:

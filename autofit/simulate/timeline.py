@@ -70,6 +70,10 @@ class Timeline:
     host_sids: set[int] = field(default_factory=set)
     # Set when the tracker exits (Note [a closed timeline]): frees after that are the simulation's teardown
     closed: bool = False
+    # the previous step's gradients the step frees (Note [where zero_grad falls], training/step.py) -> the gradient
+    # the step leaves for the same parameter in its place: what the next step frees (Note [the next step's
+    # allocator], autofit/cuda/allocator.py); empty where a step keeps none
+    carried: dict[int, int] = field(default_factory=dict)
 
     def mark(self, micro_batch: int, phase: Phase) -> None:
         self.marks.append((len(self.events), micro_batch, phase))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from autofit.core import progress
 from autofit.analyse.table import Analysis
 from autofit.training.length import LengthSpec, length_spec
+from autofit.training.config import ZeroGrad
 from autofit.training.precision import PrecisionPolicy
 from autofit.core.errors import ForwardError
 from autofit.core.report import MemoryEstimate
@@ -25,7 +26,8 @@ from autofit.solve.verify import Verified
 from autofit.core.units import format_bytes
 from autofit.core.workers import parallel_available, run_all
 
-__all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows", "rung_notes"]
+__all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows", "rung_notes",
+           "zero_grad_note"]
 
 if TYPE_CHECKING:  # built after this stage in the import order: only read here
     from autofit.request import PlanRequest
@@ -222,3 +224,27 @@ def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: 
         notes.append(f"{what}; this configuration needs {format_bytes(other)} without it ({other:,} B), "
                      f"{format_bytes(peak)} with it: it saves {format_bytes(other - peak)} ({other - peak:,} B)")
     return tuple(notes)
+
+
+_ORDER_WORDS = {
+    ZeroGrad.BEFORE_FORWARD: ("zero_grad before forward (the PyTorch tutorials' order)",
+                              "last step's gradients live until the next step clears them"),
+    ZeroGrad.AFTER_FORWARD: ("zero_grad after forward (Lightning's order)",
+                             "last step's gradients live through forward"),
+}
+
+
+def zero_grad_note(estimator: Estimator, chosen: Candidate, policy: PrecisionPolicy, peak: int) -> str | None:
+    """The note naming the step's order when it raises the plan's peak (Note [where zero_grad falls],
+    training/step.py), with by how much: the same configuration estimated in full with ``zero_grad`` after the
+    optimizer step, one more simulation; None for the default order, or where the order changes no peak."""
+    order = estimator.request.zero_grad
+    if not order.carries_grads:
+        return None
+    after_step = replace(estimator.request, zero_grad=ZeroGrad.AFTER_STEP)
+    other = Estimator(after_step, estimator.parallel).estimate(chosen, policy).peak_bytes
+    if peak <= other:
+        return None
+    which, why = _ORDER_WORDS[order]
+    return (f"{which}: {why}: +{format_bytes(peak - other)} at the peak ({peak - other:,} B; "
+            f"{format_bytes(other)} with zero_grad after the optimizer step)")

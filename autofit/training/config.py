@@ -24,7 +24,8 @@ from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
 from autofit.training.layout import Parallel
 
-__all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind"]
+__all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind",
+           "ZeroGrad", "ZERO_GRAD_ORDERS", "as_zero_grad"]
 
 
 class DeviceKind(StrEnum):
@@ -71,6 +72,36 @@ class DeviceKind(StrEnum):
 DEVICES = tuple(DeviceKind)
 
 
+class ZeroGrad(StrEnum):
+    """Where the step's ``optimizer.zero_grad(set_to_none=True)`` falls (Note [where zero_grad falls],
+    training/step.py). A ``StrEnum``: it equals, formats and serialises as its name."""
+
+    AFTER_STEP = "after-step"  # last, after optimizer.step(): autofit's trainer, Hugging Face's Trainer
+    BEFORE_FORWARD = "before-forward"  # first, before the forward: the PyTorch tutorials' loop
+    AFTER_FORWARD = "after-forward"  # after forward and loss, before backward: Lightning's automatic optimization
+
+    @property
+    def carries_grads(self) -> bool:
+        """The gradients of one step are still allocated when the next step begins."""
+        return self is not ZeroGrad.AFTER_STEP
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+ZERO_GRAD_ORDERS = tuple(ZeroGrad)
+
+
+def as_zero_grad(value: Any) -> ZeroGrad:
+    """``zero_grad=``: one of :data:`ZERO_GRAD_ORDERS`, by name."""
+    if value not in ZERO_GRAD_ORDERS:
+        raise InvalidInputError(
+            f"zero_grad must be 'after-step' (optimizer.zero_grad() after optimizer.step(): autofit's trainer, Hugging "
+            f"Face's Trainer), 'before-forward' (first, as the PyTorch tutorials' loop) or 'after-forward' (after the "
+            f"loss, before backward: Lightning's automatic optimization), got {value!r}")
+    return ZeroGrad(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepConfig:
     """Everything that decides the memory of one training step, validated once."""
@@ -110,6 +141,9 @@ class StepConfig:
     # trainer wraps the model, keeps every gradient inside the communication buckets; False, torch's default (and
     # Lightning's, Hugging Face's and Accelerate's unless told), keeps the gradients apart from the buckets
     gradient_as_bucket_view: bool = True
+    # where optimizer.zero_grad(set_to_none=True) falls: after the optimizer step (the default), before the forward,
+    # or after forward and loss (Lightning's), once per accumulation window (Note [where zero_grad falls], step.py)
+    zero_grad: ZeroGrad = ZeroGrad.AFTER_STEP
 
     # the layout's fields, read where the step is run (the layout is the one place they are set)
     strategy = property(lambda self: self.layout.strategy, doc="None (one process), DDP or FSDP2: a Strategy")
@@ -122,6 +156,16 @@ class StepConfig:
     reduce_every_micro_batch = property(lambda self: self.layout.reduce_every_micro_batch)
     fully_sharded = property(lambda self: self.layout.fully_sharded, doc=Parallel.fully_sharded.__doc__)
 
+    @property
+    def grads_between_steps(self) -> bool:
+        """One step's gradients are still allocated when the next step begins (Note [where zero_grad falls],
+        training/step.py): kept in place (``preallocated_grads``), or cleared at the next window's start, unless the
+        optimizer stepping in backward freed them or they are views of DDP's buckets, which live all the time."""
+        if self.preallocated_grads:
+            return True
+        return (self.zero_grad.carries_grads and not self.optimizer_in_backward
+                and not (self.layout.replicates_parameters and self.gradient_as_bucket_view))
+
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
         require_int("accumulation_steps", self.accumulation_steps)
@@ -129,6 +173,7 @@ class StepConfig:
         if self.device not in DEVICES:
             raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         object.__setattr__(self, "device", DeviceKind(self.device))
+        object.__setattr__(self, "zero_grad", as_zero_grad(self.zero_grad))
         if not isinstance(self.layout, Parallel):
             raise InvalidInputError(f"layout must be an autofit.training.layout.Parallel, got {self.layout!r}")
         if not isinstance(self.gradient_as_bucket_view, bool):
@@ -187,7 +232,8 @@ def make_step_config(
     optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     chunked_loss: LossChunks | None = None, compile: bool = False, preallocated_grads: bool = False,
-    gradient_as_bucket_view: bool = True, layout: Parallel | None = None, **layout_fields: Any,
+    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", layout: Parallel | None = None,
+    **layout_fields: Any,
 ) -> StepConfig:
     """The step from flat keywords (estimate's and measure's). ``layout``: the parallel layout as one value (what
     the planner passes); or its fields as keywords (``strategy="fsdp2", world_size=2, ...``: the fields of
@@ -213,6 +259,7 @@ def make_step_config(
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
         compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
+        zero_grad=zero_grad,
     )
 
 

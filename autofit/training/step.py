@@ -4,8 +4,30 @@ For one micro-batch: forward and loss (under autocast when the precision asks fo
 by the micro-batch's share of the effective batch; after the last micro-batch of the window, optional gradient
 clipping (``clip_grad_norm_``, after the GradScaler unscaled the gradients for fp16), ``optimizer.step()`` (through
 the GradScaler for fp16) then ``zero_grad(set_to_none=True)`` (``set_to_none=False`` with gradients allocated
-before forward: Note [gradients allocated before forward], training/grads.py). See "What the step is" in
-docs/memory-model.md.
+before forward: Note [gradients allocated before forward], training/grads.py), or ``zero_grad`` where the step's
+order puts it (Note [where zero_grad falls]). See "What the step is" in docs/memory-model.md.
+
+Note [where zero_grad falls]
+    Training loops differ in where they clear the gradients, and with ``set_to_none=True`` that decides whether one
+    step's gradients are still allocated while the next one runs (``StepConfig.zero_grad``):
+    - "after-step" (the default): ``optimizer.step()`` then ``zero_grad``, as autofit's trainer and Hugging Face's
+      Trainer (transformers/trainer.py: ``model.zero_grad()`` after ``optimizer.step()``) run it. The next forward
+      starts without gradients;
+    - "before-forward": ``zero_grad`` first, then forward, backward and step, as the PyTorch tutorials' loop. The
+      gradients live from one backward to the next step's start, where they are freed before anything else is
+      allocated: the same peak as "after-step", one gradient set more between steps;
+    - "after-forward": forward and loss, then ``zero_grad``, then backward and step: Lightning's automatic
+      optimization (src/lightning/pytorch/loops/optimization/automatic.py: the closure runs the training step, then
+      the zero-grad function, then the backward function) and Fabric scripts written in that order. The previous
+      step's gradients are alive through the whole forward, so wherever forward holds the peak it is one gradient
+      set higher.
+    With accumulation the clearing runs once per window, at its first micro-batch, as Lightning's does
+    (``_make_zero_grad_fn``: only where ``batch_idx % accumulate_grad_batches == 0``). The simulation keeps the zero
+    gradients its warm-up step made (simulate/state.py) as the previous step's, and ``measure`` and the trainer run
+    the same order, so all three see the same lifetimes. Gradients that are not kept between steps carry nothing:
+    the optimizer stepping in backward frees them, and DDP's buckets hold them (``gradient_as_bucket_view``)
+    whatever the order. On a GPU the previous step's gradients sit where its backward placed them, which the
+    allocator replay runs a second step for (Note [the next step's allocator], autofit/cuda/allocator.py).
 """
 
 from __future__ import annotations
@@ -28,7 +50,7 @@ from autofit.core._torch import (
 )
 from autofit.training.batch import Batch
 from autofit.training.config import (  # noqa: F401 - the step's value, re-exported
-    StepConfig, make_step_config, overridden_forwards, resolve_modules,
+    StepConfig, ZeroGrad, make_step_config, overridden_forwards, resolve_modules,
 )
 from autofit.core.cpu import translate_kernel_error
 from autofit.core.errors import ForwardError
@@ -197,7 +219,7 @@ def new_grad_scaler(config: StepConfig, device_type: str) -> torch.amp.GradScale
 def run_micro_batch(
     model: torch.nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
     device_type: str, *, weight: float = 1.0, scaler: torch.amp.GradScaler | None = None,
-    on_phase: Callable[[str], None] | None = None,
+    on_phase: Callable[[str], None] | None = None, clear: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; gradients accumulate into ``.grad``. Returns the loss, detached.
 
@@ -205,8 +227,12 @@ def run_micro_batch(
     over, out of the batch's: :class:`autofit.training.normalisation.LossNormalisation`), so that summing the weighted mean
     losses of the micro-batches gives the mean loss of the whole batch (and its gradient).
     ``on_phase`` is told "forward" and "backward" as they start (the simulator files allocations by phase).
+    ``clear``: the optimizer whose gradients this micro-batch clears where ``config.zero_grad`` puts it (the first
+    micro-batch of a window; Note [where zero_grad falls]); None: it clears none.
     """
     policy = config.precision
+    if clear is not None and config.zero_grad is ZeroGrad.BEFORE_FORWARD:
+        clear.zero_grad(set_to_none=not config.preallocated_grads)
     if on_phase is not None:
         on_phase("forward")
     with torch.autocast(device_type, dtype=policy.dtype, enabled=policy.autocast):
@@ -219,6 +245,8 @@ def run_micro_batch(
             output = batch.call(model)
             loss = compute_loss(loss_fn, output, None if target is None else target.value)
             del output  # the logits need not outlive the loss (whatever backward needs, autograd saved)
+    if clear is not None and config.zero_grad is ZeroGrad.AFTER_FORWARD:
+        clear.zero_grad(set_to_none=not config.preallocated_grads)
     scaled = loss if weight == 1.0 else loss * weight
     if scaler is not None:
         scaled = scaler.scale(scaled)
@@ -230,7 +258,7 @@ def run_micro_batch(
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, *,
                    clip_grad_norm: float | None = None, stored: StoredState | None = None,
-                   in_backward: bool = False, keep_grads: bool = False) -> None:
+                   in_backward: bool = False, keep_grads: bool = False, zero_grad: bool = True) -> None:
     """Clip (optionally), step, zero the gradients. Clipping follows the AMP recipe (PyTorch "Automatic Mixed
     Precision examples", "Gradient clipping"): ``scaler.unscale_`` first, so the norm is that of the true gradients;
     ``scaler.step`` then does not unscale again. ``clip_grad_norm_`` picks its own implementation (foreach where
@@ -238,7 +266,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
     (``stored``, Note [stored precision]) the gradients move to the master copy first, so unscaling, clipping and the
     step all see fp32, and the stepped master copy is copied back into the parameters last. ``in_backward``: backward
     has stepped every parameter already (Note [optimizer step in backward]); only the zeroing is left. ``keep_grads``:
-    the gradients are zeroed in place, not freed (Note [gradients allocated before forward], training/grads.py)."""
+    the gradients are zeroed in place, not freed (Note [gradients allocated before forward], training/grads.py).
+    ``zero_grad``: False where the step's order clears the gradients at the next window's start instead (Note
+    [where zero_grad falls]: ``config.zero_grad is ZeroGrad.AFTER_STEP``)."""
     if in_backward:
         optimizer.zero_grad(set_to_none=True)
         return
@@ -254,7 +284,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
         scaler.update()
     else:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=not keep_grads)
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=not keep_grads)
     if stored is not None:
         stored.after_step()
 
