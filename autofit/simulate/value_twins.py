@@ -166,7 +166,7 @@ class ValueTwins(TorchDispatchMode):
 
         def forget(_ref, key=key, storage=storage) -> None:
             twins.pop(key, None)
-            from_rows.discard(key)
+            from_rows.pop(key, None)
             by_storage.get(storage, set()).discard(key)
 
         twins[key] = (weakref.ref(fake, forget), real)
