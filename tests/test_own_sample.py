@@ -80,7 +80,7 @@ def _plan(model, sample):
     return autofit.plan(model, sample, BUDGET, device="cpu", optimizer="sgd", precision="fp32")
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_a_plan_holds_the_largest_micro_batch_of_its_own_sample_and_says_the_rows_differ():
     # Before (issue 55): planned 1 x 32 at a predicted 370,444 B (the first rows, 4 tokens long), and the trainer's
     # real step on the same sample peaked at 821,004 B (2.2x the prediction), with no note. After: 1 x 32 at

@@ -182,7 +182,7 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
                 "for real on the CPU with the sample's rows (see Note [data-dependent models])")
         notes = sim.notes + (note,)
         return Simulation(sim.timeline, sim.replay, "real", notes, sim.preallocated_grads,
-                          random_draws=sim.random_draws, input_rows=sim.input_rows, row_reader=e.module)
+                          random_draws=sim.random_draws, input_rows=sim.input_rows)
 
 
 @contextlib.contextmanager

@@ -28,8 +28,7 @@ Note [rows that differ]
     batch.py), in every micro-batch of the window. Where the step reads no value of those rows, every micro-batch of
     that size runs the same ops on the same shapes, and the rows do not matter. A step that does read them (a model
     that trims padding to the longest row of its micro-batch, ``int(mask.sum(1).max())``, answered from the rows'
-    value twins, Note [value twins]; or one run for real, Note [data-dependent models]) can run another step on
-    other rows, and the trainer runs every micro-batch it cuts from a batch: a sample whose long rows come last
+    value twins, Note [value twins]) can run another step on other rows, and the trainer runs every micro-batch it cuts from a batch: a sample whose long rows come last
     planned 3 x 11 under 1,000,000 B at a predicted 998,156 B, and the trainer's real step on that same sample
     peaked at 6,294,796 B (tests/test_own_sample.py; issue 55 reports 720,700 B against 17,088,324 B for its model).
     So where the simulation says a value of the sample's rows was read (``Simulation.row_reader``), every other
@@ -42,7 +41,15 @@ Note [rows that differ]
     step and is the estimate, with a note naming it. Every estimate of the planner goes through here (the quick
     path, the verification and its re-planning, the table of rows by length, the even split), so the plan holds the
     sample's largest micro-batch. A step that reads none of the sample's values runs exactly one simulation, as
-    before; one that does costs one simulation per distinct micro-batch, side by side where a second core allows.
+    before. One that does is not simulated once per micro-batch: the twins record the ops from the rows' values to
+    each read and the answers (``RowProgram``, simulate/value_twins.py), a few small real ops, and those run on each
+    micro-batch's rows; a micro-batch whose reads all get the answers of one simulated already runs the same
+    simulated step (a fake step's shapes follow from the input shapes, all the micro-batch's, and the answers), so
+    only the micro-batches that answer otherwise are simulated. A Hugging Face model's ``mask.all()`` on a padded
+    sample answers alike everywhere: one simulation, as before; the padding-trimming model: two. Where the program
+    cannot be run (a simulation sent back by a worker keeps none), every micro-batch with values of its own is
+    simulated, side by side where a second core allows. Not covered: a step run for real (Note [data-dependent
+    models]) runs the sample's first rows only, as before, and says so in its note.
 """
 
 from __future__ import annotations
