@@ -152,7 +152,8 @@ class ValueTwins(TorchDispatchMode):
         core/_torch_compile.py); with this False, dynamo skips the frame and never compiles its code again."""
         return True
 
-    def add(self, fake: torch.Tensor, real: torch.Tensor, *, from_sample: bool = False, _ref: _Ref | None = None) -> None:
+    def add(self, fake: torch.Tensor, real: torch.Tensor, *, from_sample: bool = False,
+            _ref: _Ref | None = None) -> None:
         """Give ``fake`` the real twin ``real`` (same shape and dtype); ``from_sample``: it is one of the sample's
         rows' tensors (the program's next input, counted even where it gets no twin: a meta tensor)."""
         if from_sample and _ref is None:

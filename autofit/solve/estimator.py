@@ -28,9 +28,11 @@ Note [rows that differ]
     batch.py), in every micro-batch of the window. Where the step reads no value of those rows, every micro-batch of
     that size runs the same ops on the same shapes, and the rows do not matter. A step that does read them (a model
     that trims padding to the longest row of its micro-batch, ``int(mask.sum(1).max())``, answered from the rows'
-    value twins, Note [value twins]) can run another step on other rows, and the trainer runs every micro-batch it cuts from a batch: a sample whose long rows come last
-    planned 3 x 11 under 1,000,000 B at a predicted 998,156 B, and the trainer's real step on that same sample
-    peaked at 6,294,796 B (tests/test_own_sample.py; issue 55 reports 720,700 B against 17,088,324 B for its model).
+    value twins, Note [value twins]) can run another step on other rows, and the trainer runs every micro-batch it
+    cuts from a batch: a sample whose long rows (256 tokens) come last, the rest 4 tokens long, was planned 1 x 32
+    at a predicted 370,444 B, and the trainer's real step on that same sample peaked at 821,004 B
+    (tests/test_own_sample.py); 64 wide and 512 tokens long, 3 x 11 under a budget of 1,000,000 B at 998,156 B,
+    and the real step 6,294,796 B (issue 55: 720,700 B against 17,088,324 B for its model).
     So where the simulation says a value of the sample's rows was read (``Simulation.row_reader``), every other
     micro-batch the trainer would cut from the sample (the sample as consecutive batches of ``batch_size`` rows,
     repeated cyclically to fill the last, split over the data-parallel ranks and into micro-batches as
@@ -49,7 +51,9 @@ Note [rows that differ]
     sample answers alike everywhere: one simulation, as before; the padding-trimming model: two. Where the program
     cannot be run (a simulation sent back by a worker keeps none), every micro-batch with values of its own is
     simulated, side by side where a second core allows. Not covered: a step run for real (Note [data-dependent
-    models]) runs the sample's first rows only, as before, and says so in its note.
+    models]) runs the sample's first rows only, as before, and says so in its note; nor the analysis the search's
+    models are built from (two small simulations of the first rows): its error shows in the verification, whose
+    re-planning with a margin (solve/verify.py) mends it or names the smallest budget.
 """
 
 from __future__ import annotations
