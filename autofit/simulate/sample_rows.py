@@ -3,13 +3,17 @@ simulated on (Note [rows that differ], autofit/solve/estimator.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from autofit.training.batch import Batch, micro_batch_bounds
 
-__all__ = ["SampleRows", "sample_micro_batches"]
+__all__ = ["SampleRows", "sample_micro_batches", "each_step"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,29 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Whether two micro-batches hold the same values."""
     return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
                                     for x, y in zip(a, b))
+
+
+def each_step(rows: list[SampleRows], first: T, run: Callable[[SampleRows], T],
+              program: Callable[[T], Any]) -> list[tuple[SampleRows, T]]:
+    """``first``, the result of ``rows[0]`` (the sample's first rows), and ``run(r)`` of each later micro-batch whose
+    reads do not all get the answers of one run before (``RowProgram.same_answers``; Note [rows that differ],
+    autofit/solve/estimator.py), in order. ``program(result)`` is a result's program: where the first's did not
+    come back from a worker, the first rows run again here, which keeps it; where none can be run, every
+    micro-batch with values of its own runs."""
+    def usable(result: T) -> bool:
+        p = program(result)
+        return p is not None and p.usable
+
+    if not usable(first):
+        first = run(rows[0])
+    done = [(rows[0], first)]
+    pending = [r for r in rows[1:] if r.distinct]
+
+    def answered(r: SampleRows) -> bool:
+        inputs = r.batch.tensors() + ([] if r.target is None else r.target.tensors())
+        return any(usable(result) and program(result).same_answers(inputs) for _, result in done)
+
+    while pending := [r for r in pending if not answered(r)]:
+        done.append((pending[0], run(pending[0])))
+        pending = pending[1:]
+    return done

@@ -48,12 +48,12 @@ Note [rows that differ]
     micro-batch's rows; a micro-batch whose reads all get the answers of one simulated already runs the same
     simulated step (a fake step's shapes follow from the input shapes, all the micro-batch's, and the answers), so
     only the micro-batches that answer otherwise are simulated. A Hugging Face model's ``mask.all()`` on a padded
-    sample answers alike everywhere: one simulation, as before; the padding-trimming model: two. Where the program
-    cannot be run (a simulation sent back by a worker keeps none), every micro-batch with values of its own is
-    simulated, side by side where a second core allows. Not covered: a step run for real (Note [data-dependent
-    models]) runs the sample's first rows only, as before, and says so in its note; nor the analysis the search's
-    models are built from (two small simulations of the first rows): its error shows in the verification, whose
-    re-planning with a margin (solve/verify.py) mends it or names the smallest budget.
+    sample answers alike everywhere: one simulation, as before; the padding-trimming model: two. A simulation sent
+    back by a worker keeps no program (it holds ops by reference): the first rows are simulated again in this
+    process (``each_step``, simulate/sample_rows.py). Not covered: a step run for real (Note [data-dependent
+    models]) runs the sample's first rows only, as before, and says so in its note. The analysis the search's
+    models are built from (analyse/analyse.py) takes the largest micro-batch of the sample's at each of its two
+    sizes the same way (by the tensor peak), so the search ranks configurations on the rows the plan must hold.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from autofit.analyse.table import OpCosts
 from autofit.capture.depth import truncated
 from autofit.simulate.depth import extend_checked
 from autofit.simulate.run import Simulation, probes_kernels, simulate_step
-from autofit.simulate.sample_rows import sample_micro_batches
+from autofit.simulate.sample_rows import each_step, sample_micro_batches
 from autofit.simulate.timeline import replay
 from autofit.solve.depth import DepthRun, config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note, overtaken
 from autofit.solve.search import Candidate
@@ -138,29 +138,14 @@ class Estimator:
         request = self.request
         rows = sample_micro_batches(batch, target, request.batch_size, request.per_rank, config.micro_batch_size,
                                     request.min_rows)
-        others = [r for r in rows[1:] if r.distinct]
-        if not others:
-            return first
-        sims, named = [first], [rows[0]]
-
-        def same_as_simulated(r) -> bool:  # the same answers to every read: the same simulated step
-            inputs = r.batch.tensors() + ([] if r.target is None else r.target.tensors())
-            return any(s.row_program is not None and s.row_program.same_answers(inputs) for s in sims)
 
         def simulated(r) -> Simulation:
+            progress.report(f"the step reads values of the sample's rows: simulating {r.label}")
             return simulate_step(model, r.batch, r.target, request.loss_fn, config,
                                  device_rules=request.device.simulation_rules)
 
-        if first.row_program is not None and first.row_program.usable:  # one by one, each told apart by its reads
-            while others := [r for r in others if not same_as_simulated(r)]:
-                progress.report(f"the step reads values of the sample's rows: simulating {others[0].label}")
-                sims.append(simulated(others[0]))
-                named.append(others.pop(0))
-        else:  # a program that did not come back from a worker, or a step run for real: every distinct one
-            progress.report(f"the step reads values of the sample's rows: simulating {len(others)} more of its "
-                            f"micro-batches")
-            sims += run_all([functools.partial(simulated, r) for r in others], fork=not probes_kernels(config))
-            named += others
+        steps = each_step(rows, first, simulated, lambda sim: sim.row_program)
+        named, sims = [r for r, _ in steps], [sim for _, sim in steps]
         if len(sims) == 1:  # every micro-batch answers the reads as the first rows do: the same step
             return first
         sized = [(request.device.estimate(sim), sim, r) for sim, r in zip(sims, named)]
