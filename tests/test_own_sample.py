@@ -156,3 +156,31 @@ def test_the_sample_micro_batches_by_hand():
     assert [r.label for r in rows] == ["micro-batch 1 of 2 (rows 0 to 2)",
                                        "micro-batch 2 of 2 (row 3 of the sample repeated)"]
     assert [r.batch.args[0].flatten().tolist() for r in rows] == [[0, 1, 1], [0, 0, 0]]
+
+
+class _Program:
+    """A stand-in for RowProgram whose one read answers ``value > 4`` (a long row, say)."""
+
+    def __init__(self, answer: bool, usable: bool = True) -> None:
+        self.answer, self.usable = answer, usable
+
+    def same_answers(self, inputs) -> bool:
+        return self.usable and bool(inputs[0].max() > 4) == self.answer
+
+
+def test_each_step_runs_one_micro_batch_per_answer_and_the_first_again_without_its_program():
+    """Rows 0, 0, 5, 7, 9, 1 in micro-batches of 1: the read tells 'long' (5, 7, 9) from 'short' (0, 1), so besides
+    the first rows one micro-batch runs (row 2, the first long one). A first result whose program did not come back
+    from a worker (not usable) is run again here, which keeps it."""
+    from autofit.simulate.sample_rows import each_step
+    batch = as_batch((torch.tensor([[0], [0], [5], [7], [9], [1]]),))
+    rows = sample_micro_batches(batch, None, batch_size=6, per_rank=6, micro=1)
+    ran = []
+
+    def run(r):
+        ran.append(r.label)
+        return _Program(bool(r.batch.args[0].max() > 4))
+
+    done = each_step(rows, _Program(False, usable=False), run, lambda p: p)
+    assert ran == ["micro-batch 1 of 6 (row 0)", "micro-batch 3 of 6 (row 2)"]
+    assert [r.label for r, _ in done] == ran
