@@ -101,7 +101,7 @@ def test_a_plan_holds_the_largest_micro_batch_of_its_own_sample_and_says_the_row
     assert first_row + plan.micro_batch_size > ROWS // 2, notes[0]
 
 
-@pytest.mark.sim
+@pytest.mark.slow
 def test_a_model_whose_reads_every_micro_batch_answers_alike_simulates_once_per_estimate(monkeypatch):
     """``mask.all()`` is read, but every micro-batch of the sample answers it alike: no micro-batch is simulated
     beyond the first rows (the reads, run on each micro-batch's rows, tell them apart), and no note."""
@@ -162,7 +162,7 @@ class _Program:
     """A stand-in for RowProgram whose one read answers ``value > 4`` (a long row, say)."""
 
     def __init__(self, answer: bool, usable: bool = True) -> None:
-        self.answer, self.usable = answer, usable
+        self.answer, self.usable, self.unpickled = answer, usable, not usable
 
     def same_answers(self, inputs) -> bool:
         return self.usable and bool(inputs[0].max() > 4) == self.answer
@@ -184,3 +184,34 @@ def test_each_step_runs_one_micro_batch_per_answer_and_the_first_again_without_i
     done = each_step(rows, _Program(False, usable=False), run, lambda p: p)
     assert ran == ["micro-batch 1 of 6 (row 0)", "micro-batch 3 of 6 (row 2)"]
     assert [r.label for r, _ in done] == ran
+
+
+def _simulation_of(monkeypatch, model, sample, micro: int):
+    """The Simulation ``autofit.estimate`` makes of ``sample``'s first ``micro`` rows."""
+    import autofit.api as api
+    sims = []
+    real = api.simulate_step
+    monkeypatch.setattr(api, "simulate_step", lambda *a, **k: sims.append(real(*a, **k)) or sims[-1])
+    autofit.estimate(model, sample, micro_batch_size=micro, optimizer="sgd")
+    return sims[-1]
+
+
+@pytest.mark.sim
+def test_the_reads_run_again_on_other_rows_answer_as_those_rows_would(monkeypatch):
+    """The program of the padding-trimming model's reads, recorded on short rows, run on other rows: the same
+    answer for other short rows, another for a long row (hand truth: the longest mask of each)."""
+    sample = _sample()
+    sim = _simulation_of(monkeypatch, TrimsPadding(), sample, micro=2)
+    assert sim.row_reader == "" and sim.row_program.usable
+    rows = sample_micro_batches(as_batch(sample), None, batch_size=ROWS, per_rank=ROWS, micro=2)
+    same = [sim.row_program.same_answers(r.batch.tensors()) for r in rows]
+    # rows 0-15 are SHORT long, 16-31 LENGTH: micro-batches 1-8 answer as the first, 9-16 do not
+    assert same == [True] * 8 + [False] * 8
+
+
+@pytest.mark.sim
+def test_a_program_past_its_bytes_stops_but_the_read_still_counts(monkeypatch):
+    import autofit.simulate.value_twins as value_twins
+    monkeypatch.setattr(value_twins, "MAX_PROGRAM_BYTES", -1)
+    sim = _simulation_of(monkeypatch, TrimsPadding(), _sample(), micro=2)
+    assert sim.row_reader == "" and not sim.row_program.usable and not sim.row_program.steps

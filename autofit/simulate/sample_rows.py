@@ -71,13 +71,13 @@ def each_step(rows: list[SampleRows], first: T, run: Callable[[SampleRows], T],
     """``first``, the result of ``rows[0]`` (the sample's first rows), and ``run(r)`` of each later micro-batch whose
     reads do not all get the answers of one run before (``RowProgram.same_answers``; Note [rows that differ],
     autofit/solve/estimator.py), in order. ``program(result)`` is a result's program: where the first's did not
-    come back from a worker, the first rows run again here, which keeps it; where none can be run, every
-    micro-batch with values of its own runs."""
+    come back from a worker, the first rows run again here, which keeps it; where none can be run (one grown past
+    ``MAX_PROGRAM_BYTES``), every micro-batch with values of its own runs."""
     def usable(result: T) -> bool:
         p = program(result)
         return p is not None and p.usable
 
-    if not usable(first):
+    if program(first) is not None and program(first).unpickled:
         first = run(rows[0])
     done = [(rows[0], first)]
     pending = [r for r in rows[1:] if r.distinct]

@@ -40,6 +40,7 @@ from autofit.core._torch_compile import hearing_skipped_writes, running_compiled
 __all__ = ["ValueTwins", "RowProgram", "MAX_TWIN_BYTES", "WEIGHT_READ"]
 
 MAX_TWIN_BYTES = 64 * 2**20  # outputs of one op above this get no twin (Note [value twins])
+MAX_PROGRAM_BYTES = 256 * 2**20  # twins a RowProgram may keep alive (Note [rows that differ])
 WEIGHT_READ = "autofit_reads_weights"  # set on a data-dependent error whose inputs have no twins
 
 
@@ -54,6 +55,9 @@ class RowProgram:
         self.steps: list[tuple[Any, Any, list[Any], Any]] = []  # (op, args' spec, encoded leaves, answer or _NONE)
         self.inputs = 0  # input tensors, in the order of ``Batch.tensors()`` of the micro-batch, then its target's
         self.usable = True
+        self.unpickled = False  # sent from another process: its steps stayed there
+        self.kept: set[int] = set()  # ids of the twins the steps hold
+        self.kept_bytes = 0  # their storages' bytes (at most MAX_PROGRAM_BYTES)
 
     def __reduce__(self):
         return _unusable, ()
@@ -88,7 +92,7 @@ _NONE = object()  # a step that is not a value read
 
 def _unusable() -> RowProgram:
     program = RowProgram()
-    program.usable = False
+    program.usable, program.unpickled = False, True
     return program
 
 
@@ -236,17 +240,27 @@ class ValueTwins(TorchDispatchMode):
 
     def _record(self, func, spec, leaves: list[Any], real_leaves: list[Any], answer: Any = _NONE) -> int:
         """Append the op to the program (Note [rows that differ]): each tensor of the rows by where it was made, the
-        others by their twins; returns its step."""
+        others by their twins; returns its step. The twins a program keeps alive are at most ``MAX_PROGRAM_BYTES``:
+        past that it stops and is not usable (every micro-batch with values of its own is then simulated)."""
+        program = self.program
+        if not program.usable:
+            return -2  # still the rows' values, for ``sample_reads``; never run
         written = {id(t) for t in _written(func, *pytree.tree_unflatten(leaves, spec))}
         encoded = []
         for x, r in zip(leaves, real_leaves):
             if isinstance(x, torch.Tensor):
                 ref = self._from_sample.get(id(x)) if isinstance(x, FakeTensor) else None
+                if ref is None and id(r) not in program.kept:
+                    program.kept.add(id(r))
+                    program.kept_bytes += r.untyped_storage().nbytes()
                 encoded.append(ref if ref is not None else _Const(r, id(x) in written))
             else:
                 encoded.append(x)
-        self.program.steps.append((func, spec, encoded, answer))
-        return len(self.program.steps) - 1
+        if program.kept_bytes > MAX_PROGRAM_BYTES:
+            program.usable, program.steps, program.kept = False, [], set()
+            return -2
+        program.steps.append((func, spec, encoded, answer))
+        return len(program.steps) - 1
 
     def _reads_sample(self, leaves: list[Any]) -> bool:
         """Whether a tensor among ``leaves`` has a twin derived from the sample's rows."""
