@@ -16,6 +16,7 @@ from autofit.capture.graph import capture_graph
 from autofit.training.loss import LossFn
 from autofit.training.recompute import saved_op_names
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
+from autofit.simulate.sample_rows import SampleRows, each_step, sample_micro_batches
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.training.step import StepConfig
 from autofit.core.workers import run_all
@@ -36,7 +37,8 @@ def analyse_model(
 
     The window is simulated with two micro-batches (the second starts with gradients, as every later micro-batch
     of an accumulation window does) at b = 2 and b = 3 (see ``profile.py`` for why not 1), side by side where a
-    second core allows (Note [parallel simulations], autofit/core/workers.py). CPU kernel probes run
+    second core allows (Note [parallel simulations], autofit/core/workers.py); where the step reads values of the
+    sample's rows, at the sample's largest micro-batch of each size (Note [rows that differ]). CPU kernel probes run
     only with ``probe_kernels=True`` and a CPU step: the planner asks for them on CPU targets, so the scratch
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. A step with a ``strategy`` simulates one
     rank of a data-parallel step (``simulate/parallel.py``).
@@ -46,15 +48,26 @@ def analyse_model(
     configs = [replace(step, micro_batch_size=size, accumulation_steps=2, checkpoint=(), offload=(),
                        optimizer_in_backward=False, held_rows=0) for size in SIZES]
 
-    def job(config: StepConfig):  # a worker sends back the Simulation and the observer, both picklable
+    def job(config: StepConfig, rows: SampleRows | None = None):  # a worker sends back both, picklable
         def run() -> tuple[Simulation, LayerObserver]:
             observer = LayerObserver()
-            sim = simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels,
+            inputs, labels = (batch, target) if rows is None else (rows.batch, rows.target)
+            sim = simulate_step(model, inputs, labels, loss_fn, config, probe_kernels=probe_kernels,
                                 observer=observer, device_rules=device_rules)
             return sim, observer
         return run
 
-    (sim1, obs1), (sim2, obs2) = run_all([job(c) for c in configs], fork=not probes_kernels(configs[0], probe_kernels))
+    def largest(config: StepConfig, first: tuple[Simulation, LayerObserver]) -> tuple[Simulation, LayerObserver]:
+        """The largest micro-batch of the sample's at this size where the step reads its rows' values (Note [rows
+        that differ], solve/estimator.py): the models are then built on the rows the plan must hold."""
+        if first[0].row_reader is None:
+            return first
+        rows = sample_micro_batches(batch, target, batch.size, batch.size, config.micro_batch_size)
+        steps = each_step(rows, first, lambda r: job(config, r)(), lambda result: result[0].row_program)
+        return max((result for _, result in steps), key=lambda result: result[0].replay.peak_bytes)
+
+    runs = run_all([job(c) for c in configs], fork=not probes_kernels(configs[0], probe_kernels))
+    (sim1, obs1), (sim2, obs2) = (largest(c, first) for c, first in zip(configs, runs))
     profile = build_profile(sim1.timeline, sim2.timeline, precision.name, SIZES[0], _call_records(obs1, obs2))
     problems = segment_problems(model, graph)
     one, two = obs1.stats, obs2.stats

@@ -125,6 +125,10 @@ class Simulation:
     compiled: bool = False  # the model ran as inductor compiles it (Note [inductor without kernels])
     random_draws: int = 0  # random decisions forced to an extreme (Note [random layer skipping], randomness.py)
     input_rows: int = 0  # rows of inputs and targets resident all step (StepConfig.held_rows, at least the micro-batch)
+    # the module that read values of the sample's rows ("" at the top level; Note [rows that differ],
+    # solve/estimator.py), or None where no read did: then every micro-batch of the sample runs the same step
+    row_reader: str | None = None
+    row_program: Any = field(default=None, compare=False, repr=False)  # those reads, to run on other rows (RowProgram)
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the
@@ -276,12 +280,14 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 if inductor:  # untracked; its value reads answered as the tracked step's are (Note [value twins])
                     with _forward_errors(tracker), \
-                            _twinned(work, model, micro, micro_target, batch, target, config) as twins, \
+                            _twinned(work, model, micro, micro_target, batch, target, config, tracker) as twins, \
                             eager_answers(twins):
                         warm_up(work, micro, micro_target, loss_fn, config)
                 stack.enter_context(tracker)
+                twins = None
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
-                    twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
+                    twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config,
+                                                         tracker))
                     stack.enter_context(eager_answers(twins))  # Note [am I traced]
                 stack.enter_context(observe)
                 # Note [random layer skipping]; not under dynamo, which a dispatch mode and patched random functions
@@ -295,7 +301,9 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real",
                       _notes(model, config, inductor, rerouted, tracker, prober), config.preallocated_grads,
                       compiled=bool(inductor), random_draws=draws.count,
-                      input_rows=max(config.held_rows, config.micro_batch_size))
+                      input_rows=max(config.held_rows, config.micro_batch_size),
+                      row_reader=twins.sample_reader if twins is not None and twins.sample_reads else None,
+                      row_program=twins.program if twins is not None and twins.sample_reads else None)
 
 
 @dataclass(frozen=True)
@@ -429,17 +437,17 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
 
 
 def _twinned(work: nn.Module, model: nn.Module, micro: Batch, micro_target: Any, batch: Batch, target: Any,
-             config: StepConfig) -> ValueTwins:
-    """The value twins of a fake step (Note [value twins]): the micro-batch's rows, and a clone of each real buffer
-    of the user's model (never the buffer itself: an in-place op on a twin runs for real)."""
-    twins = ValueTwins()
+             config: StepConfig, tracker: StepTracker) -> ValueTwins:
+    """The value twins of a fake step (Note [value twins]): the micro-batch's rows, marked as the sample's (Note
+    [rows that differ], solve/estimator.py), and a clone of each real buffer of the user's model (never the buffer
+    itself: an in-place op on a twin runs for real)."""
+    twins = ValueTwins(where=lambda: tracker.module)
     pairs = [(micro, batch)] + ([(micro_target, target)] if micro_target is not None and target is not None else [])
     with disable_current_modes():  # real tensors, which neither the fake mode nor the tracker sees
         for fake, real in pairs:
             real_rows = real.resize(config.micro_batch_size)
             for f, r in zip(fake.tensors(), real_rows.tensors()):
-                if not r.is_meta:
-                    twins.add(f, r.detach().cpu())
+                twins.add(f, r if r.is_meta else r.detach().cpu(), from_sample=True)
         originals = dict(model.named_buffers())
         for name, fake in work.named_buffers():
             real = originals.get(name)

@@ -17,13 +17,17 @@ Note [value twins]
     (Note [values inside compiled code], core/_torch_compile.py). An op that writes into a tensor whose twin it
     cannot update (its other inputs have none) takes the twin away from every tensor on that storage. A twin is kept
     only while its op's outputs hold at most ``MAX_TWIN_BYTES``, so a large computation on the inputs (a 4-D
-    attention mask over long sequences) costs no real memory; a value read on it refuses as before.
+    attention mask over long sequences) costs no real memory; a value read on it refuses as before. A twin made
+    from the sample's rows (or from a tensor that was) is marked so: a value read answered from one is counted in
+    ``sample_reads`` and names the module in ``sample_reader``, since another micro-batch's rows may answer it
+    otherwise (Note [rows that differ], autofit/solve/estimator.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,21 +37,107 @@ from autofit.core._torch import (
 )
 from autofit.core._torch_compile import hearing_skipped_writes, running_compiled_code
 
-__all__ = ["ValueTwins", "MAX_TWIN_BYTES", "WEIGHT_READ"]
+__all__ = ["ValueTwins", "RowProgram", "MAX_TWIN_BYTES", "WEIGHT_READ"]
 
 MAX_TWIN_BYTES = 64 * 2**20  # outputs of one op above this get no twin (Note [value twins])
+MAX_PROGRAM_BYTES = 256 * 2**20  # twins a RowProgram may keep alive (Note [rows that differ])
 WEIGHT_READ = "autofit_reads_weights"  # set on a data-dependent error whose inputs have no twins
+
+
+class RowProgram:
+    """The ops a fake step ran on values of the sample's rows, in order, and the answers its value reads got: run
+    again on another micro-batch's rows, it tells whether every read gets the same answer, and so whether that
+    micro-batch runs the same simulated step (Note [rows that differ], autofit/solve/estimator.py). Ops are kept
+    by reference, so a program does not cross processes: unpickled (a simulation sent back by a worker), it is
+    empty and answers nothing (``usable`` False)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[Any, Any, list[Any], Any]] = []  # (op, args' spec, encoded leaves, answer or _NONE)
+        self.inputs = 0  # input tensors, in the order of ``Batch.tensors()`` of the micro-batch, then its target's
+        self.usable = True
+        self.unpickled = False  # sent from another process: its steps stayed there
+        self.kept: set[int] = set()  # ids of the twins the steps hold
+        self.kept_bytes = 0  # their storages' bytes (at most MAX_PROGRAM_BYTES)
+
+    def __reduce__(self):
+        return _unusable, ()
+
+    def same_answers(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether the reads, run on ``inputs`` (the tensors of another micro-batch, in the recorded order), all get
+        the answers recorded; False where anything differs or fails."""
+        if not self.usable or len(inputs) != self.inputs:
+            return False
+        outs: dict[int, list[torch.Tensor]] = {}
+        with disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+            for index, (func, spec, encoded, answer) in enumerate(self.steps):
+                leaves = [_decode(e, inputs, outs, func) for e in encoded]
+                args, kwargs = pytree.tree_unflatten(leaves, spec)
+                try:
+                    out = func(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - other rows the ops refuse: not known to be the same step
+                    return False
+                if answer is not _NONE:
+                    try:
+                        if bool(out != answer):
+                            return False
+                    except Exception:  # noqa: BLE001 - an answer that does not compare: not known to be the same
+                        return False
+                else:
+                    outs[index] = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        return True
+
+
+_NONE = object()  # a step that is not a value read
+
+
+def _unusable() -> RowProgram:
+    program = RowProgram()
+    program.usable, program.unpickled = False, True
+    return program
+
+
+def _decode(encoded: Any, inputs: list[torch.Tensor], outs: dict[int, list[torch.Tensor]], func) -> Any:
+    """A leaf of a recorded step for a run on other rows: an input, an output of an earlier step, or the constant
+    recorded (cloned where the op writes into it, so that the record stays as it was)."""
+    if isinstance(encoded, _Ref):
+        return inputs[encoded.index] if encoded.step < 0 else outs[encoded.step][encoded.index]
+    if isinstance(encoded, _Const):
+        return encoded.value.clone() if encoded.written else encoded.value
+    return encoded
+
+
+class _Ref:
+    """A tensor of the sample's rows: input ``index`` (``step`` -1) or output ``index`` of step ``step``."""
+
+    __slots__ = ("step", "index")
+
+    def __init__(self, step: int, index: int) -> None:
+        self.step, self.index = step, index
+
+
+class _Const:
+    """A tensor with a twin not made from the sample's rows: its twin, as the step read it."""
+
+    __slots__ = ("value", "written")
+
+    def __init__(self, value: torch.Tensor, written: bool) -> None:
+        self.value, self.written = value, written
 
 
 class ValueTwins(TorchDispatchMode):
     """Real twins of fake tensors that depend only on constants and inputs (Note [value twins])."""
 
-    def __init__(self, max_bytes: int = MAX_TWIN_BYTES) -> None:
+    def __init__(self, max_bytes: int = MAX_TWIN_BYTES, where: Callable[[], str] | None = None) -> None:
         super().__init__()
         self.max_bytes = max_bytes
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (its weak reference, twin)
         self._by_storage: dict[int, set[int]] = {}  # id(fake storage) -> ids of the fakes on it that have twins
+        self._from_sample: dict[int, _Ref] = {}  # id(fake) -> where in ``program`` its twin (of the rows) was made
+        self.program = RowProgram()  # the ops on the rows' values and the answers of its reads
         self.answered = 0  # value reads answered from twins
+        self.sample_reads = 0  # of those, reads of values derived from the sample's rows
+        self.sample_reader = ""  # the module of the first such read (``where()``), "" at the top level
+        self._where = where
         self._hearing = contextlib.ExitStack()
 
     def __enter__(self) -> ValueTwins:
@@ -66,19 +156,30 @@ class ValueTwins(TorchDispatchMode):
         core/_torch_compile.py); with this False, dynamo skips the frame and never compiles its code again."""
         return True
 
-    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
-        """Give ``fake`` the real twin ``real`` (same shape and dtype)."""
-        if not isinstance(fake, FakeTensor) or tuple(fake.shape) != tuple(real.shape) or fake.dtype != real.dtype:
+    def add(self, fake: torch.Tensor, real: torch.Tensor, *, from_sample: bool = False,
+            _ref: _Ref | None = None) -> None:
+        """Give ``fake`` the real twin ``real`` (same shape and dtype); ``from_sample``: it is one of the sample's
+        rows' tensors (the program's next input, counted even where it gets no twin: a meta tensor)."""
+        if from_sample and _ref is None:
+            _ref = _Ref(-1, self.program.inputs)
+            self.program.inputs += 1
+        if (not isinstance(fake, FakeTensor) or real.is_meta or tuple(fake.shape) != tuple(real.shape)
+                or fake.dtype != real.dtype):
             return
         key, storage = id(fake), id(fake.untyped_storage())
-        twins, by_storage = self._twins, self._by_storage
+        twins, by_storage, from_rows = self._twins, self._by_storage, self._from_sample
 
         def forget(_ref, key=key, storage=storage) -> None:
             twins.pop(key, None)
+            from_rows.pop(key, None)
             by_storage.get(storage, set()).discard(key)
 
         twins[key] = (weakref.ref(fake, forget), real)
         by_storage.setdefault(storage, set()).add(key)
+        if _ref is not None:
+            from_rows[key] = _ref
+        else:
+            from_rows.pop(key, None)
 
     def twin(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t``'s real twin; a plain real CPU tensor (a constant the code holds) is its own; None where unknown."""
@@ -94,6 +195,7 @@ class ValueTwins(TorchDispatchMode):
         if isinstance(t, FakeTensor):
             for key in self._by_storage.pop(id(t.untyped_storage()), set()):
                 self._twins.pop(key, None)
+                self._from_sample.pop(key, None)
 
     def _stale_all(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
@@ -115,6 +217,11 @@ class ValueTwins(TorchDispatchMode):
                 setattr(e, WEIGHT_READ, real_leaves is None)
                 raise
             self.answered += 1
+            if self._reads_sample(leaves):  # Note [rows that differ]
+                if not self.sample_reads and self._where is not None:
+                    self.sample_reader = self._where()
+                self.sample_reads += 1
+                self._record(func, spec, leaves, real_leaves, real)
             return real  # a value read (a scalar, a bool) answered from the twins
         written = _written(func, args, kwargs)
         outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
@@ -126,9 +233,39 @@ class ValueTwins(TorchDispatchMode):
             return out
         real_outs = [x for x in pytree.tree_leaves(real) if isinstance(x, torch.Tensor)]
         if len(real_outs) == len(outs):
-            for fake, twin in zip(outs, real_outs):
-                self.add(fake, twin)
+            step = self._record(func, spec, leaves, real_leaves) if self._reads_sample(leaves) else None
+            for i, (fake, twin) in enumerate(zip(outs, real_outs)):
+                self.add(fake, twin, _ref=None if step is None else _Ref(step, i))
         return out
+
+    def _record(self, func, spec, leaves: list[Any], real_leaves: list[Any], answer: Any = _NONE) -> int:
+        """Append the op to the program (Note [rows that differ]): each tensor of the rows by where it was made, the
+        others by their twins; returns its step. The twins a program keeps alive are at most ``MAX_PROGRAM_BYTES``:
+        past that it stops and is not usable (every micro-batch with values of its own is then simulated)."""
+        program = self.program
+        if not program.usable:
+            return -2  # still the rows' values, for ``sample_reads``; never run
+        written = {id(t) for t in _written(func, *pytree.tree_unflatten(leaves, spec))}
+        encoded = []
+        for x, r in zip(leaves, real_leaves):
+            if isinstance(x, torch.Tensor):
+                ref = self._from_sample.get(id(x)) if isinstance(x, FakeTensor) else None
+                if ref is None and id(r) not in program.kept:
+                    program.kept.add(id(r))
+                    program.kept_bytes += r.untyped_storage().nbytes()
+                encoded.append(ref if ref is not None else _Const(r, id(x) in written))
+            else:
+                encoded.append(x)
+        if program.kept_bytes > MAX_PROGRAM_BYTES:
+            program.usable, program.steps, program.kept = False, [], set()
+            return -2
+        program.steps.append((func, spec, encoded, answer))
+        return len(program.steps) - 1
+
+    def _reads_sample(self, leaves: list[Any]) -> bool:
+        """Whether a tensor among ``leaves`` has a twin derived from the sample's rows."""
+        return bool(self._from_sample) and any(
+            isinstance(x, FakeTensor) and id(x) in self._from_sample for x in leaves)
 
     def _real_leaves(self, func, leaves: list[Any]) -> list[Any] | None:
         """The op's arguments with each tensor replaced by its twin, or None when one has none."""

@@ -22,6 +22,38 @@ Note [gradients before forward as a plan knob]
     that fit say so (``MemoryEstimate.preallocated_grads`` -> ``Plan.preallocated_grads``), and the trainer allocates
     the gradients in ``wrap``. It changes no number of the update. One process only, without the optimizer stepping
     in backward or a master copy (StepConfig refuses them); it needs a second simulation, not a new analysis.
+
+Note [rows that differ]
+    A simulation runs one micro-batch's rows: the sample resized to the micro-batch, its first rows (training/
+    batch.py), in every micro-batch of the window. Where the step reads no value of those rows, every micro-batch of
+    that size runs the same ops on the same shapes, and the rows do not matter. A step that does read them (a model
+    that trims padding to the longest row of its micro-batch, ``int(mask.sum(1).max())``, answered from the rows'
+    value twins, Note [value twins]) can run another step on other rows, and the trainer runs every micro-batch it
+    cuts from a batch: a sample whose long rows (256 tokens) come last, the rest 4 tokens long, was planned 1 x 32
+    at a predicted 370,444 B, and the trainer's real step on that same sample peaked at 821,004 B
+    (tests/test_own_sample.py); 64 wide and 512 tokens long, 3 x 11 under a budget of 1,000,000 B at 998,156 B,
+    and the real step 6,294,796 B (issue 55: 720,700 B against 17,088,324 B for its model).
+    So where the simulation says a value of the sample's rows was read (``Simulation.row_reader``), every other
+    micro-batch the trainer would cut from the sample (the sample as consecutive batches of ``batch_size`` rows,
+    repeated cyclically to fill the last, split over the data-parallel ranks and into micro-batches as
+    ``micro_batch_bounds`` cuts them) is simulated too, those with the same values as one simulated already
+    skipped, each in every micro-batch of the window. A step's micro-batches differ only in their rows, each starts
+    from the same live set (the gradients, or none for the first), so the window with one micro-batch's rows in
+    both places holds that micro-batch at its worst; the largest of them, by the device's figures, bounds the real
+    step and is the estimate, with a note naming it. Every estimate of the planner goes through here (the quick
+    path, the verification and its re-planning, the table of rows by length, the even split), so the plan holds the
+    sample's largest micro-batch. A step that reads none of the sample's values runs exactly one simulation, as
+    before. One that does is not simulated once per micro-batch: the twins record the ops from the rows' values to
+    each read and the answers (``RowProgram``, simulate/value_twins.py), a few small real ops, and those run on each
+    micro-batch's rows; a micro-batch whose reads all get the answers of one simulated already runs the same
+    simulated step (a fake step's shapes follow from the input shapes, all the micro-batch's, and the answers), so
+    only the micro-batches that answer otherwise are simulated. A Hugging Face model's ``mask.all()`` on a padded
+    sample answers alike everywhere: one simulation, as before; the padding-trimming model: two. A simulation sent
+    back by a worker keeps no program (it holds ops by reference): the first rows are simulated again in this
+    process (``each_step``, simulate/sample_rows.py). Not covered: a step run for real (Note [data-dependent
+    models]) runs the sample's first rows only, as before, and says so in its note. The analysis the search's
+    models are built from (analyse/analyse.py) takes the largest micro-batch of the sample's at each of its two
+    sizes the same way (by the tensor peak), so the search ranks configurations on the rows the plan must hold.
 """
 
 from __future__ import annotations
@@ -33,14 +65,17 @@ from typing import TYPE_CHECKING
 from autofit.core import progress
 from autofit.core.categories import Category
 from autofit.core.workers import run_all
+from autofit.training.batch import Batch
 from autofit.training.length import cut_to_length, length_spec
 from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
+from autofit.core.units import format_bytes
 from autofit.analyse.analyse import op_costs
 from autofit.analyse.table import OpCosts
 from autofit.capture.depth import truncated
 from autofit.simulate.depth import extend_checked
 from autofit.simulate.run import Simulation, probes_kernels, simulate_step
+from autofit.simulate.sample_rows import each_step, sample_micro_batches
 from autofit.simulate.timeline import replay
 from autofit.solve.depth import DepthRun, config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note, overtaken
 from autofit.solve.search import Candidate
@@ -90,8 +125,39 @@ class Estimator:
         if depth is not None:
             model, config = truncated(model, request.blocks, depth), config_at_depth(config, request.blocks, depth)
         with forward_errors():
-            return simulate_step(model, batch, target, request.loss_fn, config,
+            sim = simulate_step(model, batch, target, request.loss_fn, config,
+                                device_rules=request.device.simulation_rules)
+            if sim.row_reader is None:  # no value of the sample's rows read: every micro-batch alike
+                return sim
+            return self._largest_rows(sim, model, batch, target, config)
+
+    def _largest_rows(self, first: Simulation, model, batch: Batch, target: Batch | None,
+                      config: StepConfig) -> Simulation:
+        """The simulation of the largest micro-batch the trainer would cut from the sample, ``first`` being that of
+        its first rows, with a note saying the rows differ (Note [rows that differ])."""
+        request = self.request
+        rows = sample_micro_batches(batch, target, request.batch_size, request.per_rank, config.micro_batch_size,
+                                    request.min_rows)
+
+        def simulated(r) -> Simulation:
+            progress.report(f"the step reads values of the sample's rows: simulating {r.label}")
+            return simulate_step(model, r.batch, r.target, request.loss_fn, config,
                                  device_rules=request.device.simulation_rules)
+
+        steps = each_step(rows, first, simulated, lambda sim: sim.row_program)
+        named, sims = [r for r, _ in steps], [sim for _, sim in steps]
+        if len(sims) == 1:  # every micro-batch answers the reads as the first rows do: the same step
+            return first
+        sized = [(request.device.estimate(sim), sim, r) for sim, r in zip(sims, named)]
+        est, sim, worst = max(sized, key=lambda e: (e[0].min_device_bytes, e[0].device_bytes))
+        reader = first.row_reader or sim.row_reader
+        who = f"module {reader!r}" if reader else "the model's top-level forward (or the loss)"
+        size = f"{config.micro_batch_size} row{'s' if config.micro_batch_size > 1 else ''}"
+        note = (f"the rows differ: {who} reads values of the sample's rows, and the {len(rows)} micro-batches of "
+                f"{size} the trainer cuts from the sample run {len(sized)} different steps; the largest is "
+                f"{worst.label}, {format_bytes(est.device_bytes)} against {format_bytes(sized[0][0].device_bytes)} "
+                f"for the first rows, and the estimate holds it (Note [rows that differ])")
+        return replace(sim, notes=sim.notes + (note,))
 
     def estimate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None) -> MemoryEstimate:
         """The device's figures for one step of ``c`` (see :meth:`simulate`), extrapolated in depth where the

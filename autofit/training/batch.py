@@ -32,7 +32,7 @@ import torch
 from autofit.core._torch import pytree
 from autofit.core.errors import ForwardError, InvalidInputError
 
-__all__ = ["Batch", "as_batch", "as_batches", "as_shared", "naming_inputs"]
+__all__ = ["Batch", "as_batch", "as_batches", "as_shared", "micro_batch_bounds", "naming_inputs"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,20 @@ class Batch:
 
     def call(self, module: torch.nn.Module) -> Any:
         return module(*self.args, **self.kwargs)
+
+
+def micro_batch_bounds(batch_rows: int, rows: int, least: int = 1) -> list[tuple[int, int]]:
+    """The row ranges one process's trainer cuts from a batch of ``batch_rows``: ``rows`` each, the last one taking
+    the rest; a rest shorter than ``least`` takes rows from the micro-batch before (Note [micro-batches a model
+    refuses], autofit/capture/rows.py), so none holds more than ``rows``. What ``Trainer._bounds`` cuts
+    (emit/trainer.py; tests/test_own_sample.py compares them)."""
+    bounds = [(start, min(start + rows, batch_rows)) for start in range(0, batch_rows, rows)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < least:
+        (a, b), (_, end) = bounds[-2], bounds[-1]
+        moved = least - (end - b)
+        if b - moved - a >= least:
+            bounds[-2:] = [(a, b - moved), (b - moved, end)]
+    return bounds
 
 
 def as_shared(shared: Any) -> frozenset[int | str]:
