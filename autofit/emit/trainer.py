@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from autofit.core._torch import BatchNormBase, SpectralNormParametrization
-from autofit.training.batch import Batch, as_batches, as_shared
+from autofit.training.batch import Batch, as_batches, as_shared, micro_batch_bounds
 from autofit.core.errors import InvalidInputError, TrainerStateError
 from autofit.features import FEATURES, before_wrap
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
@@ -219,17 +219,9 @@ class Trainer:
 
     # ---- hooks the distributed trainer overrides ---------------------------------------------------------------
     def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
-        """The micro-batches' row ranges: ``rows`` each, the last one takes the rest (as the plan simulated); a rest
-        shorter than the model accepts takes rows from the micro-batch before (Note [micro-batches a model
-        refuses], autofit/capture/rows.py), so no micro-batch holds more than ``rows``."""
-        bounds = [(start, min(start + rows, batch_rows)) for start in range(0, batch_rows, rows)]
-        least = getattr(self.plan, "min_rows", 1)
-        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < least:
-            (a, b), (_, end) = bounds[-2], bounds[-1]
-            moved = least - (end - b)
-            if b - moved - a >= least:
-                bounds[-2:] = [(a, b - moved), (b - moved, end)]
-        return bounds
+        """The micro-batches' row ranges (:func:`~autofit.training.batch.micro_batch_bounds`, which the planner
+        reads to know which micro-batches the sample makes, Note [rows that differ])."""
+        return micro_batch_bounds(batch_rows, rows, getattr(self.plan, "min_rows", 1))
 
     def _shard(self, batch, target):
         """The rows this process trains on (all of them without data parallelism)."""

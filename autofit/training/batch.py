@@ -118,8 +118,8 @@ class Batch:
 def micro_batch_bounds(batch_rows: int, rows: int, least: int = 1) -> list[tuple[int, int]]:
     """The row ranges one process's trainer cuts from a batch of ``batch_rows``: ``rows`` each, the last one taking
     the rest; a rest shorter than ``least`` takes rows from the micro-batch before (Note [micro-batches a model
-    refuses], autofit/capture/rows.py), so none holds more than ``rows``. What ``Trainer._bounds`` cuts
-    (emit/trainer.py; tests/test_own_sample.py compares them)."""
+    refuses], autofit/capture/rows.py), so none holds more than ``rows``. ``Trainer._bounds`` (emit/trainer.py)
+    cuts by it, and the planner reads it to know the micro-batches the sample makes (Note [rows that differ])."""
     bounds = [(start, min(start + rows, batch_rows)) for start in range(0, batch_rows, rows)]
     if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < least:
         (a, b), (_, end) = bounds[-2], bounds[-1]
