@@ -295,22 +295,22 @@ def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None)
 
 
 def window_memory(prof: torch.profiler.profile, span: str,
-                  thread_of: str | None = None) -> tuple[dict[int, int], list[int]]:
+                  thread_of: str | None = None) -> list[tuple[dict[int, int], int]]:
     """Of a ``profile_memory=True`` CPU profile whose code ran ``record_function(span)`` one or more times, one after
-    another: what the profile had seen allocated and not freed when the first span began (``{address: bytes}``),
-    and each span's high-water mark above the bytes alive when it began. ``thread_of``: only the memory of the
-    thread that ran the ``record_function`` of that name, as :func:`thread_memory` counts it. One profile holds what
-    comes before the spans and the spans themselves, so no free between them goes unseen (Note [memory from before
-    the window], measure/allocator.py)."""
+    another, for each span: what the profile had seen allocated and not freed when it began (``{address: bytes}``),
+    and its high-water mark above the bytes alive then. ``thread_of``: only the memory of the thread that ran the
+    ``record_function`` of that name, as :func:`thread_memory` counts it. One profile holds what comes before the
+    spans and the spans themselves, so no free between them goes unseen (Note [memory from before the window],
+    measure/allocator.py)."""
     events, marks, spans = _allocation_events(prof, thread_of, span)
     if not spans:
         raise AssertionError(f"the profile ran no record_function({span!r})")
     live: dict[int, int] = {}  # address -> bytes of what counts and is not freed yet
     times, running, sums = [], 0, []  # the running sum after each counted event, and when
-    before: dict[int, int] | None = None
+    alive: list[dict[int, int]] = []  # what was alive when each span began
     for time, size, tid, ptr in events:
-        if before is None and time >= spans[0][0]:
-            before = dict(live)
+        while len(alive) < len(spans) and time >= spans[len(alive)][0]:
+            alive.append(dict(live))
         if size > 0:
             if thread_of is not None and tid not in marks:
                 live.pop(ptr, None)  # the address now holds another thread's tensor
@@ -321,12 +321,13 @@ def window_memory(prof: torch.profiler.profile, span: str,
         running += size
         times.append(time)
         sums.append(running)
-    peaks = []
-    for start, end in spans:
+    alive += [dict(live) for _ in range(len(spans) - len(alive))]
+    windows = []
+    for (start, end), at_start in zip(spans, alive):
         first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
         base = sums[first - 1] if first else 0
-        peaks.append(max([0, *(s - base for s in sums[first:last])]))
-    return (live if before is None else before), peaks
+        windows.append((at_start, max([0, *(s - base for s in sums[first:last])])))
+    return windows
 
 
 def thread_memory(events: list[tuple[int, int, int]], marks: set[int]) -> list[int]:

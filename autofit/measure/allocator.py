@@ -29,10 +29,8 @@ from typing import Any
 import torch
 
 from autofit.core._torch import (
-    allocation_sizes,
     ddp_bucket_sizes,
     grad_scaler_state,
-    high_water_mark,
     memory_profile,
     storage_tensors,
     window_memory,
@@ -168,10 +166,12 @@ def measure_step(
             warm_up()
             categories, buckets = settle()
             return _measure_cuda(window, device, _live_before(categories, {}, buckets), steps)
-        alive, peaks, (categories, buckets) = _measure_window(window, device, own_thread=lowest, warm_up=warm_up,
-                                                              settle=settle, windows=steps)
-        before = _live_before(categories, alive, buckets)
-        peak_step = min(peaks) if lowest else max(peaks)
+        windows, (categories, buckets) = _measure_window(window, device, own_thread=lowest, warm_up=warm_up,
+                                                         settle=settle, windows=steps)
+        # each window: what was alive when it began, and its high-water mark above that; the highest, or for a rank
+        # the lowest (Note [gloo's threads in the measured window]: what gloo's thread has not freed yet is a race)
+        measured = [(_live_before(categories, alive, buckets), peak) for alive, peak in windows]
+        before, peak_step = (min if lowest else max)(measured, key=lambda m: sum(m[0].values()) + m[1])
     breakdown = dict(before)
     breakdown[Category.STEP] = peak_step
     return Measurement(sum(before.values()) + peak_step, breakdown, device=config.device)
@@ -205,11 +205,10 @@ _SPAN = "autofit::measured_window_span"
 
 
 def _measure_window(window, device: torch.device, own_thread: bool = False, *, warm_up=None, settle=None,
-                    windows: int = 1) -> tuple[dict[int, int], list[int], Any]:
-    """Under one CPU memory profile: ``warm_up()``, then ``settle()``, then ``windows`` runs of ``window``. Returns
-    what the allocator's record saw alive when the first window began (``{address: bytes}``: Note [memory from
-    before the window]), each window's high-water mark above what was alive when it began, and what ``settle``
-    returned. ``own_thread``: of the allocations made on this thread only (Note [gloo's threads in the measured
+                    windows: int = 1) -> tuple[list[tuple[dict[int, int], int]], Any]:
+    """Under one CPU memory profile: ``warm_up()``, then ``settle()``, then ``windows`` runs of ``window``. Returns,
+    for each window, what the allocator's record saw alive when it began (``{address: bytes}``: Note [memory from
+    before the window]) and its high-water mark above that; and what ``settle`` returned. ``own_thread``: of the allocations made on this thread only (Note [gloo's threads in the measured
     window], autofit/measure/ranks.py)."""
     with memory_profile() as prof:
         with torch.profiler.record_function(_WINDOW) if own_thread else contextlib.nullcontext():
@@ -219,8 +218,7 @@ def _measure_window(window, device: torch.device, own_thread: bool = False, *, w
             for _ in range(windows):
                 with torch.profiler.record_function(_SPAN):
                     window()
-    alive, peaks = window_memory(prof, _SPAN, _WINDOW if own_thread else None)
-    return alive, peaks, settled
+    return window_memory(prof, _SPAN, _WINDOW if own_thread else None), settled
 
 
 def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_thread: bool = False,
@@ -242,7 +240,7 @@ def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_t
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    alive, peaks, counted = _measure_window(fn, torch.device(device), own_thread, warm_up=warm_up,
-                                            settle=lambda: (gc.collect(), _storages(live))[1])
+    [(alive, peak)], counted = _measure_window(fn, torch.device(device), own_thread, warm_up=warm_up,
+                                               settle=lambda: (gc.collect(), _storages(live))[1])
     kept = sum(size for address, size in alive.items() if address not in counted)
-    return sum(counted.values()) + kept + peaks[0]
+    return sum(counted.values()) + kept + peak
