@@ -13,7 +13,6 @@ check the patch still takes effect (:meth:`Patch.require_hit`).
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import importlib
 import os
@@ -298,36 +297,49 @@ def window_memory(prof: torch.profiler.profile, span: str,
                   thread_of: str | None = None) -> list[tuple[dict[int, int], int]]:
     """Of a ``profile_memory=True`` CPU profile whose code ran ``record_function(span)`` one or more times, one after
     another, for each span: what the profile had seen allocated and not freed when it began (``{address: bytes}``),
-    and its high-water mark above the bytes alive then. ``thread_of``: only the memory of the thread that ran the
-    ``record_function`` of that name, as :func:`thread_memory` counts it. One profile holds what comes before the
-    spans and the spans themselves, so no free between them goes unseen (Note [memory from before the window],
-    measure/allocator.py)."""
+    and its high-water mark above the bytes alive then. One profile holds what comes before the spans and the spans
+    themselves, so no free between them goes unseen (Note [memory from before the window], measure/allocator.py).
+    ``thread_of``: only the memory of the thread that ran the ``record_function`` of that name, as
+    :func:`thread_memory` counts it; and what was alive when a span began and another thread frees inside it is
+    gloo's to hold, not the thread's (Note [gloo's threads in the measured window]): neither it nor its free counts."""
     events, marks, spans = _allocation_events(prof, thread_of, span)
     if not spans:
         raise AssertionError(f"the profile ran no record_function({span!r})")
+    ours = (lambda tid: True) if thread_of is None else (lambda tid: tid in marks)
     live: dict[int, int] = {}  # address -> bytes of what counts and is not freed yet
-    times, running, sums = [], 0, []  # the running sum after each counted event, and when
-    alive: list[dict[int, int]] = []  # what was alive when each span began
-    for time, size, tid, ptr in events:
-        while len(alive) < len(spans) and time >= spans[len(alive)][0]:
-            alive.append(dict(live))
-        if size > 0:
-            if thread_of is not None and tid not in marks:
-                live.pop(ptr, None)  # the address now holds another thread's tensor
+    windows: list[tuple[dict[int, int], int]] = []
+    position = 0
+    for start, end in spans:
+        while position < len(events) and events[position][0] < start:
+            _count(events[position], live, ours)
+            position += 1
+        at_start, running, peak = dict(live), 0, 0
+        while position < len(events) and events[position][0] <= end:
+            _, size, tid, ptr = events[position]
+            position += 1
+            if size < 0 and ptr in at_start and not ours(tid):
+                del at_start[ptr]  # gloo's thread let go of it: it held it, not the step
+                live.pop(ptr, None)
                 continue
-            live[ptr] = size
-        elif live.pop(ptr, None) is None and thread_of is not None and tid not in marks:
-            continue  # another thread's free of what is not ours
-        running += size
-        times.append(time)
-        sums.append(running)
-    alive += [dict(live) for _ in range(len(spans) - len(alive))]
-    windows = []
-    for (start, end), at_start in zip(spans, alive):
-        first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
-        base = sums[first - 1] if first else 0
-        windows.append((at_start, max([0, *(s - base for s in sums[first:last])])))
+            running += _count(events[position - 1], live, ours)
+            peak = max(peak, running)
+        windows.append((at_start, peak))
     return windows
+
+
+def _count(event: tuple[int, int, int, int], live: dict[int, int], ours: Callable[[int], bool]) -> int:
+    """Apply one allocation event to ``live`` (what counts and is not freed yet); the bytes it counts: an allocation
+    by one of ``ours`` threads, a free on one of them, and a free of what they allocated (:func:`thread_memory`)."""
+    _, size, tid, ptr = event
+    if size > 0:
+        if not ours(tid):
+            live.pop(ptr, None)  # the address now holds another thread's tensor
+            return 0
+        live[ptr] = size
+        return size
+    if live.pop(ptr, None) is None and not ours(tid):
+        return 0  # another thread's free of what is not ours
+    return size
 
 
 def thread_memory(events: list[tuple[int, int, int]], marks: set[int]) -> list[int]:
