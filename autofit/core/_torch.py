@@ -293,15 +293,17 @@ def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None)
     return thread_memory([(size, tid, ptr) for _, size, tid, ptr in events], marks)
 
 
-def window_memory(prof: torch.profiler.profile, span: str,
-                  thread_of: str | None = None) -> list[tuple[dict[int, int], int]]:
+def window_memory(prof: torch.profiler.profile, span: str, thread_of: str | None = None,
+                  known: set[int] | None = None) -> list[tuple[dict[int, int], int]]:
     """Of a ``profile_memory=True`` CPU profile whose code ran ``record_function(span)`` one or more times, one after
     another, for each span: what the profile had seen allocated and not freed when it began (``{address: bytes}``),
     and its high-water mark above the bytes alive then. One profile holds what comes before the spans and the spans
     themselves, so no free between them goes unseen (Note [memory from before the window], measure/allocator.py).
     ``thread_of``: only the memory of the thread that ran the ``record_function`` of that name, as
-    :func:`thread_memory` counts it; and what was alive when a span began and another thread frees inside it is
-    gloo's to hold, not the thread's (Note [gloo's threads in the measured window]): neither it nor its free counts."""
+    :func:`thread_memory` counts it; and of what was alive when a span began, only the ``known`` addresses (the
+    step's own tensors) count, and the frees of the rest do not: a rank's tensor still alive when a window begins
+    may be in gloo's hands, freed by its thread whenever it gets there (Note [gloo's threads in the measured
+    window])."""
     events, marks, spans = _allocation_events(prof, thread_of, span)
     if not spans:
         raise AssertionError(f"the profile ran no record_function({span!r})")
@@ -313,15 +315,20 @@ def window_memory(prof: torch.profiler.profile, span: str,
         while position < len(events) and events[position][0] < start:
             _count(events[position], live, ours)
             position += 1
+        unknown: set[int] = set()  # alive at the start, not the step's own: neither it nor its free counts
+        if thread_of is not None:
+            unknown = {a for a in live if a not in (known or ())}
+            for address in unknown:
+                del live[address]
         at_start, running, peak = dict(live), 0, 0
         while position < len(events) and events[position][0] <= end:
-            _, size, tid, ptr = events[position]
+            event = events[position]
             position += 1
-            if size < 0 and ptr in at_start and not ours(tid):
-                del at_start[ptr]  # gloo's thread let go of it: it held it, not the step
-                live.pop(ptr, None)
-                continue
-            running += _count(events[position - 1], live, ours)
+            if event[3] in unknown:
+                unknown.discard(event[3])
+                if event[1] < 0:
+                    continue
+            running += _count(event, live, ours)
             peak = max(peak, running)
         windows.append((at_start, peak))
     return windows

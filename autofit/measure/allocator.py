@@ -156,15 +156,16 @@ def measure_step(
             if config.layout.replicates_parameters:
                 window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it
 
-        def settle() -> tuple[dict[Category, dict[int, int]], list[int]]:
+        def settle() -> tuple[tuple[dict[Category, dict[int, int]], list[int]], set[int]]:
             gc.collect()
             # the buckets outlive every step; no gradient points at them after zero_grad
             buckets = ddp_bucket_sizes(work) if config.layout.replicates_parameters else []
-            return _categories(inner, optimizer, scaler, whole, whole_target, stored), buckets
+            categories = _categories(inner, optimizer, scaler, whole, whole_target, stored)
+            return (categories, buckets), set().union(*categories.values())
 
         if device.type == "cuda":
             warm_up()
-            categories, buckets = settle()
+            (categories, buckets), _ = settle()
             return _measure_cuda(window, device, _live_before(categories, {}, buckets), steps)
         windows, (categories, buckets) = _measure_window(window, device, own_thread=lowest, warm_up=warm_up,
                                                          settle=settle, windows=steps)
@@ -214,11 +215,11 @@ def _measure_window(window, device: torch.device, own_thread: bool = False, *, w
         with torch.profiler.record_function(_WINDOW) if own_thread else contextlib.nullcontext():
             if warm_up is not None:
                 warm_up()
-            settled = settle() if settle is not None else None
+            settled, known = settle() if settle is not None else (None, set())
             for _ in range(windows):
                 with torch.profiler.record_function(_SPAN):
                     window()
-    return window_memory(prof, _SPAN, _WINDOW if own_thread else None), settled
+    return window_memory(prof, _SPAN, _WINDOW if own_thread else None, known), settled
 
 
 def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_thread: bool = False,
@@ -240,7 +241,11 @@ def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_t
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    [(alive, peak)], counted = _measure_window(fn, torch.device(device), own_thread, warm_up=warm_up,
-                                               settle=lambda: (gc.collect(), _storages(live))[1])
+    def settle() -> tuple[dict[int, int], set[int]]:
+        gc.collect()
+        counted = _storages(live)
+        return counted, set(counted)
+
+    [(alive, peak)], counted = _measure_window(fn, torch.device(device), own_thread, warm_up=warm_up, settle=settle)
     kept = sum(size for address, size in alive.items() if address not in counted)
     return sum(counted.values()) + kept + peak
