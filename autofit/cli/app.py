@@ -99,6 +99,9 @@ TensorOpt = Annotated[str, typer.Option(
 SequenceOpt = Annotated[bool, typer.Option(
     "--sequence-parallel", help="with --tensor-parallel: the blocks' norms and residual stream split along the "
     "sequence too (torchtitan's layout; less activation memory, no more communication)")]
+BatchDimOpt = Annotated[int, typer.Option(
+    "--batch-dim", help="the dim of the batch in the sample a factory returns (default 0; 1 for time-major "
+    "sequences, nn.LSTM's default); the plan records it for its trainer (Note [the batch dimension])")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -156,7 +159,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
-    quiet: QuietOpt = False,
+    quiet: QuietOpt = False, batch_dim: BatchDimOpt = 0,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -180,6 +183,10 @@ def plan(
             say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
+        if batch_dim and (input_shape or model.startswith(("hf:", "torchvision:"))):
+            raise InvalidInputError("--batch-dim reads the sample a factory returns ((module, sample) or (module, "
+                                    "sample, target)); generated inputs (--input-shape, hf:, torchvision:) are "
+                                    "batch-first")
         world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
         # the flags as the planner's option values (autofit/options.py): the one place they map
         options = dict(
@@ -196,7 +203,7 @@ def plan(
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                optimizer=optimizer, **options)
+                optimizer=optimizer, batch_dim=batch_dim, **options)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too

@@ -129,6 +129,8 @@ class Plan:
     loss_reduction: str = "mean"
     # inputs passed whole to every micro-batch, by position or key (Note [the batch dimension], training/batch.py)
     shared: tuple[int | str, ...] = ()
+    # the dim of the batch in the inputs and in the target (Note [the batch dimension])
+    batch_dim: tuple[int, int] = (0, 0)
 
     # The parallel layout the plan was verified with (autofit/training/layout.py): strategy, ranks, FSDP2's units and
     # reshard, HSDP's replicate, ranks per node, tensor and sequence parallel, the states on the host, gradient sync
@@ -298,6 +300,7 @@ class Plan:
                             for a in self.frontier]
         data["notes"] = list(self.notes)
         data["shared"] = list(self.shared)
+        data["batch_dim"] = list(self.batch_dim)
         data["lengths"] = None if self.lengths is None else {
             "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
             "length_tensors": list(self.lengths.length_tensors),
@@ -337,6 +340,7 @@ class Plan:
             data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
             data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
+            data["batch_dim"] = tuple(data.get("batch_dim", (0, 0)))  # absent from plans written before issue 55
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
                                                         selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])

@@ -19,6 +19,7 @@ from autofit.core._torch import (
     ddp_bucket_bytes,
     grad_scaler_state,
     high_water_mark,
+    interruption_point,
     memory_profile,
     storage_tensors,
 )
@@ -102,9 +103,11 @@ def measure_step(
 
     def window() -> None:
         for i, (micro, micro_target) in enumerate(micro_batches):
+            interruption_point()  # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch.py)
             with gradient_sync(work, config.layout, last=i == config.accumulation_steps - 1):
                 run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                                 scaler=scaler)
+        interruption_point()
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads)
 
