@@ -26,10 +26,12 @@ from autofit.core import _torch as boundary
 BUDGET = "565000000"  # between the full batch's device bytes and those of 8 x 8 on a T4: the planner searches
 
 
-def _model() -> nn.Module:
+def _model(dropout: bool = False) -> nn.Module:
+    """The plan's model (a search at BUDGET), and with dropout the one estimated and measured (the simulation then
+    patches torch's random functions: Note [random layer skipping], simulate/randomness.py)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(),
-                         nn.Linear(512, 8))
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), *([nn.Dropout(0.1)] if dropout else [nn.Identity()]),
+                         nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,12 +39,12 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 8, (64,), generator=torch.Generator().manual_seed(2)))
 
 
-def _calls(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+def _calls(model: nn.Module, other: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     one_step = dict(target=y, micro_batch_size=8, accumulation_steps=4, checkpoint=["3"])
     return {
         "plan": lambda: autofit.plan(model, x, BUDGET, target=y, device="T4", precision="fp32"),
-        "estimate": lambda: autofit.estimate(model, x, device="T4", **one_step),
-        "measure": lambda: autofit.measure(model, x, **one_step),
+        "estimate": lambda: autofit.estimate(other, x, device="T4", **one_step),
+        "measure": lambda: autofit.measure(other, x, **one_step),
     }
 
 
@@ -137,16 +139,16 @@ def _plain_steps() -> tuple[float, list[str]]:
 
 
 def storm(interrupts: int) -> dict[str, Any]:
-    model = _model()
+    model, other = _model(), _model(dropout=True)
     x, y = _data()
-    calls = _calls(model, x, y)
+    calls = _calls(model, other, x, y)
     durations = {}
     for name, call in calls.items():  # warm: the lazy imports, then one timing of each
         call()
         start = time.perf_counter()
         call()
         durations[name] = time.perf_counter() - start
-    process_before, model_before = _process_state(), _model_state(model)
+    process_before, models_before = _process_state(), [_model_state(model), _model_state(other)]
     step_before, _ = _plain_steps()
 
     rng = random.Random(int(os.environ.get("STORM_SEED", "0")))
@@ -189,7 +191,7 @@ def storm(interrupts: int) -> dict[str, Any]:
             finally:
                 with lock:
                     current["armed"] = False
-            time.sleep(0.05)  # a SIGINT sent just as the call returned arrives here
+            time.sleep(0.01)  # a SIGINT sent just as the call returned arrives here
         except KeyboardInterrupt:
             interrupted = True
         except Exception as e:  # noqa: BLE001 - what the test asserts never happens
@@ -198,7 +200,7 @@ def storm(interrupts: int) -> dict[str, Any]:
             try:
                 with lock:
                     current["armed"] = False
-                time.sleep(0.04)
+                time.sleep(0.01)
                 break
             except KeyboardInterrupt:
                 interrupted = True
@@ -212,7 +214,7 @@ def storm(interrupts: int) -> dict[str, Any]:
     out["function_modes"] = len(torch.overrides._get_current_function_mode_stack())
     process_after = _process_state()
     out["process_changed"] = {k: (process_before[k], v) for k, v in process_after.items() if process_before[k] != v}
-    out["model_unchanged"] = _same_model(model_before, _model_state(model))
+    out["model_unchanged"] = all(_same_model(a, _model_state(b)) for a, b in zip(models_before, (model, other)))
     out["pending"] = len(boundary._pending_interrupts) + len(boundary._deferred_handler)
     step_after, autofit_frames = _plain_steps()
     out["plain_step_ratio"] = step_after / step_before
@@ -224,9 +226,8 @@ def storm(interrupts: int) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if sys.argv[1] == "fresh":
-        model = _model()
         x, y = _data()
-        result = {"plan": json.loads(_calls(model, x, y)["plan"]().to_json())}
+        result = {"plan": json.loads(_calls(_model(), _model(dropout=True), x, y)["plan"]().to_json())}
     else:
         result = storm(int(sys.argv[2]))
     print("RESULT " + json.dumps(result))
