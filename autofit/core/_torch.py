@@ -35,7 +35,8 @@ __all__ = [
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
-    "import_lazy_modules", "LAZY_MODULES", "interrupts_at_safe_points", "interruption_point", "forget_interrupts", "ddp_bucket_bytes", "dtensor_specs_once",
+    "import_lazy_modules", "LAZY_MODULES", "ddp_bucket_bytes", "dtensor_specs_once",
+    "interrupts_at_safe_points", "interruption_point", "forget_interrupts",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same

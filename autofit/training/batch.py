@@ -63,7 +63,8 @@ class Batch:
         return [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
 
     def _is_row_tensor(self, leaf: Any) -> bool:
-        return isinstance(leaf, torch.Tensor) and leaf.dim() > self.batch_dim and leaf.shape[self.batch_dim] == self.size
+        dim = self.batch_dim
+        return isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == self.size
 
     def _inputs(self) -> list[tuple[int | str, Any]]:
         return [*enumerate(self.args), *self.kwargs.items()]
