@@ -183,8 +183,10 @@ def storm(interrupts: int) -> dict[str, Any]:
         interrupted = False
         try:
             try:
-                current.update(armed=True, fired=False, delay=rng.uniform(0, 1.2 * durations[name]),
-                               second=rng.uniform(0, 0.03) if rng.random() < 0.25 else None)
+                with lock:
+                    current.update(fired=False, delay=rng.uniform(0, durations[name]),
+                                   second=rng.uniform(0, 0.03) if rng.random() < 0.25 else None)
+                    current["armed"] = True
                 go.release()
                 calls[name]()
                 out["completed"] += 1

@@ -65,7 +65,7 @@ def _storm(*args: str) -> dict:
 
 
 @pytest.mark.sim
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=100)  # 140 s wall, 119 s CPU on two cores shared with other jobs (load 6)
 def test_hundreds_of_interrupts_at_random_points() -> None:
     """Real SIGINTs at random points of plan, estimate and measure, one in four doubled into the cleanup of the
     first (Note [Ctrl-C at safe points], core/_torch.py). Each reaches the caller as a KeyboardInterrupt (never lost,
