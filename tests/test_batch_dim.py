@@ -109,3 +109,48 @@ def test_batch_dim_rows_and_refusals() -> None:
     for bad in (-1, "1", (1,), (1, 0, 0), True):
         with pytest.raises(InvalidInputError, match="batch_dim must be"):
             as_batches(x, tags, batch_dim=bad)
+
+
+FACTORY_SOURCE = f'''
+import torch
+from torch import nn
+
+def tagger():
+    torch.manual_seed(0)
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM({FEATURES}, {HIDDEN})
+            self.head = nn.Linear({HIDDEN}, {CLASSES})
+        def forward(self, x):
+            return self.head(self.lstm(x)[0][-1])
+    g = torch.Generator().manual_seed(0)
+    return Tagger(), torch.randn({SEQ}, {BATCH}, {FEATURES}, generator=g), torch.randint(0, {CLASSES}, ({BATCH},))
+'''
+
+
+def _cli(tmp_path, *args: str):
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    factory = tmp_path / "time_major.py"
+    factory.write_text(FACTORY_SOURCE)
+    return CliRunner().invoke(app, ["plan", f"{factory}:tagger", "--budget", "1GB", "--batch-size", str(BATCH),
+                                    "--device", "cpu", "--precision", "fp32", *args], catch_exceptions=False)
+
+
+@pytest.mark.sim
+def test_cli_plan_batch_dim_is_recorded(tmp_path) -> None:
+    # the factory's target is one label per sequence, (batch,): the inputs' batch is dim 1, the target's dim 0
+    result = _cli(tmp_path, "--batch-dim", "1,0", "--json")
+    assert result.exit_code == 0, result.output
+    plan = Plan.from_json(result.stdout[result.stdout.index("{"):])
+    assert plan.batch_dim == (1, 0) and plan.batch_size == BATCH
+    refused = _cli(tmp_path, "--batch-dim", "1")  # then the (batch,) target has no dim 1: named, exit 2
+    assert refused.exit_code == 2 and "batch_dim=(inputs', target's)" in refused.output
+
+
+def test_cli_batch_dim_with_generated_inputs_is_refused(tmp_path) -> None:
+    result = _cli(tmp_path, "--batch-dim", "1", "--input-shape", "24,16")
+    assert result.exit_code == 2 and "--batch-dim" in result.output and "Traceback" not in result.output
