@@ -128,7 +128,7 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
 @restores_user_hooks  # Note [user hooks]
 def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
-    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None, batch_dim: Any = 0,
     device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
     accumulation_steps: int = 1, checkpoint: Any = (), offload: Any = (), offload_states: bool = False,
     optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
@@ -211,12 +211,13 @@ def estimate(
 
     ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
     every micro-batch; the batch dimension of the others follows Note [the batch dimension]
-    (autofit/training/batch.py).
+    (autofit/training/batch.py): dim 0, or ``batch_dim`` (1 for time-major sequences, ``nn.LSTM``'s default; a pair
+    (the inputs', the target's) when they differ).
     """
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     device, gpu, precision, layout = _one_step("estimate", device, precision, layout, deprecated)
-    batch, target_batch = as_inputs(sample, target, shared)
+    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
@@ -246,7 +247,7 @@ def bucket_note(views: bool) -> str:
 @restores_user_hooks  # Note [user hooks]
 def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
-    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None, batch_dim: Any = 0,
     device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
     accumulation_steps: int = 1, steps: int = 1, checkpoint: Any = (), offload: Any = (),
     offload_states: bool = False, optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False,
@@ -269,7 +270,7 @@ def measure(
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     device, gpu, precision, layout = _one_step("measure", device, precision, layout, deprecated)
-    batch, target_batch = as_inputs(sample, target, shared)
+    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
@@ -292,7 +293,7 @@ def measure(
 @restores_user_hooks  # Note [user hooks]
 def analyse(
     model: nn.Module, sample: Any, *, target: Any = None, loss_fn: LossFn | None = None, precision: Any = "fp32",
-    optimizer: Any = "adamw", device: str = "cpu", gpu: str | None = None, shared: Any = None,
+    optimizer: Any = "adamw", device: str = "cpu", gpu: str | None = None, shared: Any = None, batch_dim: Any = 0,
 ) -> Analysis:
     """Trace the forward and tabulate every module: parameter bytes, bytes saved for backward, output bytes and
     FLOPs (per sample and fixed), and whether it may be a checkpoint segment; plus the step's peak per stage as a
@@ -301,7 +302,7 @@ def analyse(
     the profile leaves out kernel scratch memory. ``model`` is never modified."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    batch, target_batch = as_inputs(sample, target, shared)
+    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
     config = make_step_config(micro_batch_size=1, precision=precision, optimizer=optimizer, device=device, gpu=gpu)
     with naming_inputs(lambda: batch), forward_errors():  # the capture runs the forward outside the simulator's
         return analyse_model(model, batch, target_batch, loss_fn, config,

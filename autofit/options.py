@@ -12,8 +12,9 @@ shortcut (as Lightning takes ``strategy="fsdp"`` or ``FSDPStrategy(...)``):
 
 A mapping of field names is accepted for each too (``layout={"world_size": 8, "strategy": "fsdp2"}``), as a
 torchtitan TOML section reads. The things that are no concern group stay keywords: ``model``, ``sample``,
-``budget``, ``batch_size``, ``target`` (the loss's target), ``loss_fn``, ``optimizer``, ``clip_grad_norm`` and
-``shared`` (which inputs of the sample are not per-sample: a property of the sample).
+``budget``, ``batch_size``, ``target`` (the loss's target), ``loss_fn``, ``optimizer``, ``clip_grad_norm``,
+``shared`` (which inputs of the sample are not per-sample: a property of the sample) and ``batch_dim`` (which dim of
+the sample is the batch: a property of the sample too).
 
 Choices made here: the device's keyword is ``device``, not ``target`` (``target`` is the loss's target since the
 first version, and ``device="cuda"`` stays the old call); the nodes are the layout's (``Layout.gpus_per_node``: the

@@ -56,6 +56,7 @@ __all__ = ["plan", "plan_with_analysis"]
 def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    batch_dim: Any = 0,
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> Plan:
@@ -78,6 +79,8 @@ def plan(
       zero_grad falls], autofit/training/step.py).
     - ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole
       to every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them.
+    - ``batch_dim``: the dim of the batch in the sample and target (default 0; 1 for time-major sequences,
+      ``nn.LSTM``'s default; a pair (the inputs', the target's) when they differ); the plan records it.
     - ``device``, ``precision``, ``savers``, ``layout``, ``search``: the options by concern, each a value of
       autofit/options.py (every field documented there) or its shortcut: ``device="H100"``,
       ``precision="bf16"``, ``savers="none"``, ``layout=8`` (the world size), ``search="exact"``.
@@ -94,10 +97,10 @@ def plan(
     options = gather("plan", dict(device=device, precision=precision, savers=savers, layout=layout, search=search),
                      deprecated)
     options["search"] = replace(options["search"], alternatives=bool(options["search"].alternatives))
-    with naming_inputs(lambda: as_inputs(sample, target, shared)[0]):  # Note [the batch dimension]
+    with naming_inputs(lambda: as_inputs(sample, target, shared, batch_dim)[0]):  # Note [the batch dimension]
         return plan_with_analysis(
             model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-            clip_grad_norm=clip_grad_norm, shared=shared, **options,
+            clip_grad_norm=clip_grad_norm, shared=shared, batch_dim=batch_dim, **options,
         )[0]
 
 
@@ -106,6 +109,7 @@ def plan(
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
+    batch_dim: Any = 0,
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> tuple[Plan, dict[str, Analysis]]:
@@ -119,7 +123,7 @@ def plan_with_analysis(
                                                 search=search), deprecated)
     alternatives = options["search"].alternatives
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
-                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared,
+                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared, batch_dim=batch_dim,
                            quick=alternatives is False, **options)
     results, failed = [], []
     parallels = [p for name in request.strategies for p in layouts(request, name)]
@@ -520,7 +524,9 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
     plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn,  # Note [the plan's loss]
                    shared=tuple(sorted(request.batch.shared, key=str)),
-                   made_for=record_model(request.model))  # Note [the plan's model]
+                   made_for=record_model(request.model),  # Note [the plan's model]
+                   batch_dim=(request.batch.batch_dim,
+                              request.batch.batch_dim if request.target is None else request.target.batch_dim))
     if loss_reduction(request.model, request.batch, request.target, request.loss_fn) == "sum":
         what = "loss_fn" if request.loss_fn is not None else "the model's own loss (its output's 'loss')"
         plan = replace(plan, loss_reduction="sum", notes=plan.notes + (

@@ -147,14 +147,14 @@ class PlanRequest:
             if b is None:
                 continue
             for t in b.per_sample_tensors():
-                total += t[:1].nelement() * t.element_size()
+                total += t.nelement() // b.size * t.element_size()  # whichever dim is the batch
         return total
 
 
 def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    quick: bool = True, device: Device | str = "cuda", precision: Precision | Any = "auto",
+    batch_dim: Any = 0, quick: bool = True, device: Device | str = "cuda", precision: Precision | Any = "auto",
     savers: Savers | str | None = None, layout: Layout | int | None = None, search: Search | str | None = None,
     **deprecated: Any,
 ) -> PlanRequest:
@@ -165,7 +165,7 @@ def make_request(
     d, s = options.device, options.savers
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    batch, target_batch = as_inputs(sample, target, shared)
+    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
     target_device = resolve_device(d.kind, d.gpu)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
     check_capacity(budget_bytes, target_device, d.allow_over_capacity)

@@ -67,10 +67,10 @@ def _check_module(name: str, module: nn.Module) -> None:
             "plain PyTorch does")
 
 
-def as_inputs(sample: Any, target: Any, shared: Any = None) -> tuple[Batch, Batch | None]:
+def as_inputs(sample: Any, target: Any, shared: Any = None, batch_dim: Any = 0) -> tuple[Batch, Batch | None]:
     """The sample and target as batches with the same number of rows (Note [the batch dimension],
-    autofit/training/batch.py); ``shared`` names inputs passed whole."""
-    return as_batches(sample, target, shared=shared)
+    autofit/training/batch.py); ``shared`` names inputs passed whole; ``batch_dim`` the dim of the batch."""
+    return as_batches(sample, target, shared=shared, batch_dim=batch_dim)
 
 
 def fsdp2_layouts(world_size: int, strategy: Strategy | str | None, gpus_per_node: int | None, reshard_after_forward: Any,

@@ -118,6 +118,7 @@ def test_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.sim  # plans resnet18: simulated steps (skipped, so unnoticed in the quick tier, without torchvision)
 def test_torchvision_spec():
     pytest.importorskip("torchvision")
     result = _plan("torchvision:resnet18", "--budget", "16GB", "--batch-size", "8", "--input-shape", "3,64,64",

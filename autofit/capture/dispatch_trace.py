@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autofit.core._torch import TorchDispatchMode, pytree
+from autofit.core._torch import TorchDispatchMode, interruption_point, pytree
 from autofit.core._torch_compile import compiled_code_runs_eagerly
 from autofit.training.batch import Batch
 from autofit.capture.module_stack import install_module_stack
@@ -51,6 +51,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace != "prim":  # a metadata query may come from C++ that cannot pass an exception on
+            interruption_point()  # Note [Ctrl-C at safe points]
         replacement = fake_kernel(func, args, kwargs)  # fake kernels stricter than the CPU's (autofit/capture/corrections.py)
         out = replacement(*args, **kwargs) if replacement is not None else func(*args, **kwargs)
         if func.namespace == "prim":

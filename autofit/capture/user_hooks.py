@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from autofit.core._torch import interrupts_at_safe_points
+
 __all__ = ["user_hooks_restored", "HookRecord", "hook_note", "restores_user_hooks"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -181,6 +183,7 @@ def restores_user_hooks(entry: Callable[..., T]) -> Callable[..., T]:
     real, leaves what the model's hooks reach as it was (See Note [user hooks]); the model is its first argument."""
     @functools.wraps(entry)
     def wrapped(*args: Any, **kwargs: Any) -> T:
-        with user_hooks_restored(args[0] if args else kwargs.get("model")):
+        # Ctrl-C only where it leaves nothing half done, this restore included (Note [Ctrl-C at safe points])
+        with interrupts_at_safe_points(), user_hooks_restored(args[0] if args else kwargs.get("model")):
             return entry(*args, **kwargs)
     return wrapped

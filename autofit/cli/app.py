@@ -104,6 +104,10 @@ ZeroGradOpt = Annotated[Optional[str], typer.Option(
     "trainer, Hugging Face's Trainer), before-forward (the PyTorch tutorials' loop) or after-forward (Lightning's "
     "automatic optimization: last step's gradients live through forward). Default: after-step, and after-forward "
     "with --export lightning")]
+BatchDimOpt = Annotated[str, typer.Option(
+    "--batch-dim", help="the dim of the batch in the sample (and target) a factory returns: 0 (the default), 1 for "
+    "time-major sequences (nn.LSTM's default), or 'INPUTS,TARGET' when they differ (1,0: one label per sequence); "
+    "the plan records it for its trainer (Note [the batch dimension])")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -112,6 +116,16 @@ def default_zero_grad(export: str | None) -> str:
     """The order ``--zero-grad`` defaults to: Lightning's (after forward) when the plan is exported to Lightning,
     whose automatic optimization runs it (Note [where zero_grad falls]); else after the optimizer step."""
     return "after-forward" if export == "lightning" else "after-step"
+
+
+def _batch_dims(text: str) -> tuple[int, int]:
+    """``--batch-dim``: "1" or "1,0", as ``batch_dim=`` takes it (Note [the batch dimension])."""
+    from autofit.training.batch import as_batch_dims
+
+    parts = [p.strip() for p in text.split(",")]
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() for p in parts):
+        raise InvalidInputError(f"--batch-dim must be a dim (1) or the inputs' and the target's (1,0), got {text!r}")
+    return as_batch_dims(int(parts[0]) if len(parts) == 1 else tuple(int(p) for p in parts))
 
 
 def _fail(console: Console, message: str, code: int) -> None:
@@ -167,7 +181,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
-    quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None,
+    quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -191,6 +205,11 @@ def plan(
             say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
+        dims = _batch_dims(batch_dim)
+        if dims != (0, 0) and (input_shape or model.startswith(("hf:", "torchvision:"))):
+            raise InvalidInputError("--batch-dim reads the sample a factory returns ((module, sample) or (module, "
+                                    "sample, target)); generated inputs (--input-shape, hf:, torchvision:) are "
+                                    "batch-first")
         world_size, gpus_per_node = nodes_layout(world_size, nodes, gpus_per_node)
         # the flags as the planner's option values (autofit/options.py): the one place they map
         options = dict(
@@ -208,7 +227,7 @@ def plan(
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                optimizer=optimizer, **options)
+                optimizer=optimizer, batch_dim=dims, **options)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too

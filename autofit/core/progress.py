@@ -29,7 +29,11 @@ _listener: contextvars.ContextVar[Callable[[Stage], None] | None] = contextvars.
 
 
 def report(what: str, done: int | None = None, total: int | None = None) -> None:
-    """Tell the listener, if any, that the stage ``what`` begins."""
+    """Tell the listener, if any, that the stage ``what`` begins. A Ctrl-C recorded meanwhile is raised here, between
+    two stages (Note [Ctrl-C at safe points], autofit/core/_torch.py)."""
+    from autofit.core._torch import interruption_point  # here: the CLI's --help imports this module, not torch
+
+    interruption_point()
     listener = _listener.get()
     if listener is not None:
         listener(Stage(what, done, total))

@@ -60,6 +60,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from autofit.core import progress
+from autofit.core._torch import forget_interrupts, interruption_point
 
 __all__ = ["Pending", "start", "run_all", "parallel_available", "ENV"]
 
@@ -69,6 +70,7 @@ ENV = "AUTOFIT_WORKERS"  # "1": every simulation in this process; a number n > 1
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _in_worker = False  # set in a child: a worker never forks again
+_WAIT_SLICE = 0.1  # seconds a parent waits on a child between two looks for a Ctrl-C
 CHILD_PATIENCE = 10  # run_all waits this many times its own share's time (plus 30 s) for a child, then runs it here
 
 
@@ -132,12 +134,16 @@ class Pending(Generic[T]):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                if deadline is not None:
-                    ready, _, _ = select.select([self._fd], [], [], max(0.0, deadline - time.monotonic()))
-                    if not ready:  # hung, or far slower than this process doing the same: give up on it
+                # in slices: a Ctrl-C the entry point recorded is raised between them (Note [Ctrl-C at safe points])
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([self._fd], [], [], _WAIT_SLICE if left is None else min(left, _WAIT_SLICE))
+                interruption_point()
+                if not ready:
+                    if left is not None and left <= _WAIT_SLICE:  # hung, or far slower than this process: give up
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(self._pid, signal.SIGKILL)
                         return _FAILED
+                    continue
                 chunk = os.read(self._fd, 1 << 20)
                 if not chunk:
                     break
@@ -253,6 +259,7 @@ def _child_setup() -> None:
 
     torch.set_num_threads(1)  # see Note [parallel simulations]: OpenMP's pool does not survive fork
     progress.silence()  # the parent's listener draws on the parent's terminal
+    forget_interrupts()  # a Ctrl-C the parent recorded is the parent's to raise (Note [Ctrl-C at safe points])
     # What the job prints or warns, the parent's own run of the same code shows; and another thread of the parent
     # (a progress display) may have held the streams' locks at the fork, which the child would wait on forever.
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's, until os._exit

@@ -136,6 +136,8 @@ class Plan:
     # the model the plan was made for, which wrap() checks (Note [the plan's model], emit/model_record.py); None: not
     # recorded (a plan written before the record, or built by hand), and wrap() takes any model
     made_for: ModelRecord | None = None
+    # the dim of the batch in the inputs and in the target (Note [the batch dimension])
+    batch_dim: tuple[int, int] = (0, 0)
 
     # The parallel layout the plan was verified with (autofit/training/layout.py): strategy, ranks, FSDP2's units and
     # reshard, HSDP's replicate, ranks per node, tensor and sequence parallel, the states on the host, gradient sync
@@ -309,6 +311,10 @@ class Plan:
         data["notes"] = list(self.notes)
         data["shared"] = list(self.shared)
         data["made_for"] = None if self.made_for is None else self.made_for.to_dict()
+        if tuple(self.batch_dim) == (0, 0):  # the default's plan is written as before it was a field
+            del data["batch_dim"]
+        else:
+            data["batch_dim"] = list(self.batch_dim)
         data["lengths"] = None if self.lengths is None else {
             "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
             "length_tensors": list(self.lengths.length_tensors),
@@ -354,6 +360,7 @@ class Plan:
             data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
             made_for = data.get("made_for")  # absent from plans written before issue 55: wrap takes any model
             data["made_for"] = None if made_for is None else ModelRecord.from_dict(made_for)
+            data["batch_dim"] = tuple(data.get("batch_dim", (0, 0)))  # absent from plans written before issue 55
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
                                                         selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])

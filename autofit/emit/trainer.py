@@ -138,7 +138,8 @@ class Trainer:
         if not self._active:
             raise TrainerStateError("this trainer was unwrapped, so the model no longer runs the plan's step: "
                                     "call plan.wrap(model, optimizer) again for a new trainer")
-        batch, target_batch = as_batches(inputs, target, shared=self.shared, what="inputs")
+        batch, target_batch = as_batches(inputs, target, shared=self.shared, what="inputs",
+                                         batch_dim=self.plan.batch_dim)  # Note [the batch dimension]
         batch, target_batch = self._shard(batch, target_batch)
         require_sequence_split(self.plan.tensor_plan, self.plan.tensor_parallel, batch.tensors(), "this batch")
         device = self._input_device()

@@ -117,7 +117,7 @@ def _callback_class():
             if self._checked:
                 return
             self._checked = True
-            rows = as_batch(batch, what="the training batch").size
+            rows = as_batch(batch, what="the training batch", batch_dim=self.plan.batch_dim[0]).size
             if rows > self.plan.micro_batch_size:
                 raise InvalidInputError(f"the DataLoader gives batches of {rows} rows but the plan's micro-batch is "
                                         f"{self.plan.micro_batch_size}: build it with "

@@ -31,6 +31,7 @@ import torch
 from autofit.core._torch import (
     ddp_bucket_sizes,
     grad_scaler_state,
+    interruption_point,
     memory_profile,
     storage_tensors,
     window_memory,
@@ -138,9 +139,11 @@ def measure_step(
 
     def window() -> None:  # in the step's order: the gradients cleared where config.zero_grad puts it
         for i, (micro, micro_target) in enumerate(micro_batches):
+            interruption_point()  # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch.py)
             with gradient_sync(work, config.layout, last=i == config.accumulation_steps - 1):
                 run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                                 scaler=scaler, clear=optimizer if i == 0 else None)
+        interruption_point()
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
                        zero_grad=config.zero_grad == "after-step")

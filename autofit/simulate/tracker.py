@@ -27,6 +27,7 @@ from autofit.core._torch import (
     pytree,
     storage_tensors,
     dtensor_local,
+    interruption_point,
     op_schema,
 )
 from autofit.core.categories import Category
@@ -210,6 +211,7 @@ class StepTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "prim":  # metadata queries (prim.device): no memory, nothing to record
             return func(*args, **kwargs)
+        interruption_point()  # a Ctrl-C is raised here, between two ops (Note [Ctrl-C at safe points])
         epoch = self.accumulation.before_op()
         inputs = [_local(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         distributed = any(x is not y for x, y in zip(inputs, (t for t in pytree.tree_leaves((args, kwargs))

@@ -13,6 +13,12 @@ Note [the batch dimension]
        tensor of the inputs not named in ``shared`` (positional inputs first, then keyword inputs in order);
     3. every other tensor whose dim 0 is N is per-sample: sliced into micro-batches and resized along dim 0; the
        rest (a shared mask of another size, a scalar option) and non-tensor values are passed whole.
+    "dim 0" is the default batch dimension. ``batch_dim=d`` (``plan``, ``estimate``, ``measure``, ``analyse``, the
+    CLI's ``--batch-dim``; the plan records it for its trainer) reads dim d instead, for the inputs and the target
+    alike: time-major sequences, ``nn.LSTM``'s default ``(seq, batch, feature)``, are ``batch_dim=1``, and split along
+    dim 0 they would be cut along time (a model that reads its last step then trains on another loss). A target whose
+    batch is another dim than the inputs' (one label per sequence, ``(batch,)``): ``batch_dim=(1, 0)``, the inputs'
+    then the target's. A sample with another batch dim has no length (Note [the length of a batch]).
     Rule 2 reads the target first because a target has one row per sample by definition, where an input may be a
     one-element option (``forward(scale, x)`` with ``scale = torch.tensor([2.])``). A shared tensor whose dim 0
     happens to equal N (a (seq, seq) mask with seq == N) cannot be told apart from a per-sample one: name it in
@@ -32,7 +38,7 @@ import torch
 from autofit.core._torch import pytree
 from autofit.core.errors import ForwardError, InvalidInputError
 
-__all__ = ["Batch", "as_batch", "as_batches", "as_shared", "micro_batch_bounds", "naming_inputs"]
+__all__ = ["Batch", "as_batch", "as_batches", "as_shared", "as_batch_dims", "micro_batch_bounds", "naming_inputs"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Batch:
     size: int
     kind: str = "tuple"  # how the user gave it: "tensor", "tuple" or "dict"
     shared: frozenset[int | str] = field(default_factory=frozenset)  # inputs passed whole (Note [the batch dimension])
+    batch_dim: int = 0  # the dim of the batch in every per-sample tensor (Note [the batch dimension])
 
     @property
     def value(self) -> Any:
@@ -56,13 +63,14 @@ class Batch:
         return [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
 
     def _is_row_tensor(self, leaf: Any) -> bool:
-        return isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == self.size
+        dim = self.batch_dim
+        return isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == self.size
 
     def _inputs(self) -> list[tuple[int | str, Any]]:
         return [*enumerate(self.args), *self.kwargs.items()]
 
     def per_sample_tensors(self) -> list[torch.Tensor]:
-        """The tensors split along dim 0 (rule 3 of Note [the batch dimension]), in argument order."""
+        """The tensors split along the batch dim (rule 3 of Note [the batch dimension]), in argument order."""
         return [t for key, value in self._inputs() if key not in self.shared
                 for t in pytree.tree_leaves(value) if self._is_row_tensor(t)]
 
@@ -86,7 +94,7 @@ class Batch:
                 if isinstance(leaf, torch.Tensor):
                     label = f"{name}{pytree.keystr(path)} {tuple(leaf.shape)}"
                     (whole if key in self.shared or not self._is_row_tensor(leaf) else rows).append(label)
-        text = f"per-sample (dim 0 = {self.size}): {', '.join(rows) or 'none'}"
+        text = f"per-sample (dim {self.batch_dim} = {self.size}): {', '.join(rows) or 'none'}"
         return text + (f"; passed whole: {', '.join(whole)}" if whole else "")
 
     def resize(self, size: int) -> Batch:
@@ -98,13 +106,18 @@ class Batch:
             if size == self.size:
                 return t.clone(memory_format=torch.contiguous_format)
             index = torch.arange(size, device=t.device) % self.size
-            return t.index_select(0, index).contiguous()
+            return t.index_select(self.batch_dim, index).contiguous()
 
         return dataclasses.replace(self.map_per_sample(take), size=size)
 
     def slice(self, start: int, stop: int) -> Batch:
         """Rows ``start:stop`` as views (the trainer's micro-batches of a real batch)."""
-        return dataclasses.replace(self.map_per_sample(lambda t: t[start:stop]), size=stop - start)
+        return dataclasses.replace(self.map_per_sample(lambda t: t.narrow(self.batch_dim, start, stop - start)),
+                                   size=stop - start)
+
+    def non_batch_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        """``t``'s shape without its batch dim."""
+        return tuple(int(s) for i, s in enumerate(t.shape) if i != self.batch_dim)
 
     def map_tensors(self, fn) -> Batch:
         """Apply ``fn`` to every tensor (batch or not): device moves, fake conversion."""
@@ -146,10 +159,24 @@ def as_shared(shared: Any) -> frozenset[int | str]:
     return frozenset(items)
 
 
-def as_batch(sample: Any, *, what: str = "sample", shared: Any = None, size: int | None = None) -> Batch:
+def as_batch_dims(batch_dim: Any) -> tuple[int, int]:
+    """``batch_dim=`` as (the inputs' batch dim, the target's): an int for both, or a pair (Note [the batch
+    dimension])."""
+    dims = (batch_dim, batch_dim) if isinstance(batch_dim, int) and not isinstance(batch_dim, bool) else batch_dim
+    if (not isinstance(dims, (tuple, list)) or len(dims) != 2
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims)):
+        raise InvalidInputError(
+            f"batch_dim must be the dim of the batch, an int >= 0 (1 for time-major sequences, nn.LSTM's default "
+            f"(seq, batch, feature)), or a pair (the inputs', the target's), e.g. (1, 0); got {batch_dim!r}"
+        )
+    return int(dims[0]), int(dims[1])
+
+
+def as_batch(sample: Any, *, what: str = "sample", shared: Any = None, size: int | None = None,
+             batch_dim: int = 0) -> Batch:
     """Normalise a user's sample (tensor, tuple/list of inputs, dict of keyword inputs) into a :class:`Batch`, its
-    batch size read by Note [the batch dimension]: ``size`` when the caller knows it (the target's rows), else dim 0
-    of the first tensor of an input not in ``shared``."""
+    batch size read by Note [the batch dimension]: ``size`` when the caller knows it (the target's rows), else dim
+    ``batch_dim`` of the first tensor of an input not in ``shared``."""
     if isinstance(sample, Batch):
         return sample
     if isinstance(sample, torch.Tensor):
@@ -178,36 +205,45 @@ def as_batch(sample: Any, *, what: str = "sample", shared: Any = None, size: int
             f"every tensor of the {what} is named in shared={sorted(shared, key=str)}: at least one input must be "
             "per-sample (its dim 0 the batch)"
         )
-    batch = Batch(args, kwargs, 0, kind, shared)
+    batch = Batch(args, kwargs, 0, kind, shared, batch_dim)
     if size is None:
         first = candidates[0]
         if first.dim() == 0:
             raise InvalidInputError(
-                f"{what} tensor is a scalar (shape ()): autofit needs dim 0 to be the batch; "
+                f"{what} tensor is a scalar (shape ()): autofit needs dim {batch_dim} to be the batch; "
                 "add one with x.unsqueeze(0) for a single example, or name it in shared="
             )
-        size = int(first.shape[0])
+        if first.dim() <= batch_dim:
+            raise InvalidInputError(
+                f"{what}'s first tensor has shape {tuple(first.shape)}, no dim {batch_dim}, which batch_dim names as "
+                "the batch (Note [the batch dimension]): give the batch dim of each (batch_dim=(inputs', target's)), "
+                "or name the tensor in shared="
+            )
+        size = int(first.shape[batch_dim])
     batch = dataclasses.replace(batch, size=size)
     if size == 0:
         raise InvalidInputError(
-            f"{what} has 0 rows along dim 0 (the batch; Note [the batch dimension]: {batch.layout()}): give at least "
+            f"{what} has 0 rows along dim {batch_dim} (the batch; Note [the batch dimension]: {batch.layout()}): give at least "
             "one example"
         )
     return batch
 
 
-def as_batches(sample: Any, target: Any, *, shared: Any = None, what: str = "sample") -> tuple[Batch, Batch | None]:
+def as_batches(sample: Any, target: Any, *, shared: Any = None, what: str = "sample",
+               batch_dim: Any = 0) -> tuple[Batch, Batch | None]:
     """The inputs and the target as batches of the same rows (Note [the batch dimension]: the target's rows, when
-    given, are the batch size)."""
+    given, are the batch size); ``batch_dim``: an int, or (the inputs', the target's)."""
+    dim, target_dim = as_batch_dims(batch_dim)
     if target is None:
-        return as_batch(sample, what=what, shared=shared), None
-    target_batch = as_batch(target, what="target")
-    batch = as_batch(sample, what=what, shared=shared, size=target_batch.size)
+        return as_batch(sample, what=what, shared=shared, batch_dim=dim), None
+    target_batch = as_batch(target, what="target", batch_dim=target_dim)
+    batch = as_batch(sample, what=what, shared=shared, size=target_batch.size, batch_dim=dim)
     if not batch.per_sample_tensors():
-        first = as_batch(sample, what=what, shared=shared)
+        first = as_batch(sample, what=what, shared=shared, batch_dim=dim)
         raise InvalidInputError(
-            f"target has {target_batch.size} rows along dim 0 but the {what} has {first.size}: give one target row "
-            f"per {what} row (no input tensor has {target_batch.size} rows along dim 0; {first.layout()})"
+            f"target has {target_batch.size} rows along dim {target_dim} but the {what} has {first.size}: give one "
+            f"target row per {what} row (no input tensor has {target_batch.size} rows along dim {dim}; "
+            f"{first.layout()}; another batch dim: batch_dim=, Note [the batch dimension])"
         )
     return batch, target_batch
 

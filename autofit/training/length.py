@@ -15,7 +15,8 @@ Note [the length of a batch]
     A batch the trainer is given may be shorter: each of its tensors must have the sample's number of dims and
     non-batch sizes at most the sample's, and its length is dim 1 of the tensors at the positions of the sample's
     length tensors. A longer batch, or one of another structure, is refused (:func:`batch_length`): the plan cannot
-    promise that it fits.
+    promise that it fits. A sample whose batch is not dim 0 (``batch_dim``, Note [the batch dimension]) has no
+    length: its non-batch sizes are still the maxima a batch is checked against.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def _batch_leaves(batch: Batch | None) -> list[torch.Tensor]:
     return batch.per_sample_tensors()
 
 
+def _non_batch_shapes(batch: Batch, target: Batch | None) -> tuple[tuple[int, ...], ...]:
+    return tuple(b.non_batch_shape(t) for b in (batch, target) if b is not None for t in b.per_sample_tensors())
+
+
 def _has_length(t: torch.Tensor) -> bool:
     return t.dim() in (2, 3)
 
@@ -60,11 +65,12 @@ def _is_sequence(t: torch.Tensor) -> bool:
 def length_spec(batch: Batch, target: Batch | None) -> LengthSpec:
     """The sample's maximum sizes (See Note [the length of a batch])."""
     leaves = _batch_leaves(batch) + _batch_leaves(target)
-    lengths = [int(t.shape[1]) for t in leaves if _is_sequence(t)]
+    dim_0 = all(b is None or b.batch_dim == 0 for b in (batch, target))
+    lengths = [int(t.shape[1]) for t in leaves if _is_sequence(t)] if dim_0 else []
     length = max(lengths) if lengths else None
     return LengthSpec(
         length=length,
-        shapes=tuple(tuple(int(s) for s in t.shape[1:]) for t in leaves),
+        shapes=_non_batch_shapes(batch, target),
         length_tensors=tuple(length is not None and _has_length(t) and t.shape[1] == length for t in leaves),
     )
 
@@ -83,8 +89,7 @@ def cut_to_length(batch: Batch | None, spec: LengthSpec, length: int) -> Batch |
 def batch_length(spec: LengthSpec, batch: Batch, target: Batch | None) -> int | None:
     """The length of a batch the trainer is given, checked against the sample's maxima: a typed error naming both
     shapes when the batch is longer or shaped otherwise (See Note [the length of a batch])."""
-    leaves = _batch_leaves(batch) + _batch_leaves(target)
-    got = tuple(tuple(int(s) for s in t.shape[1:]) for t in leaves)
+    got = _non_batch_shapes(batch, target)
     if len(got) != len(spec.shapes) or any(len(g) != len(s) for g, s in zip(got, spec.shapes)):
         raise InvalidInputError(
             f"this batch's tensors have non-batch shapes {_shapes(got)} but the plan was made for {_shapes(spec.shapes)}:"
