@@ -67,7 +67,9 @@ from autofit.training.config import DeviceKind
 from autofit.capture.model_copy import (
     fake_copy,
     fake_input,
+    mode_note,
     real_copy,
+    trained_from_eval,
 )
 from autofit.capture.module_stack import install_module_stack
 from autofit.capture.user_hooks import hook_note, user_hooks_restored
@@ -91,7 +93,7 @@ from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.traced_checks import eager_answers
 from autofit.simulate.tracker import StepTracker
 from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
-from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins
+from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins, reader_note
 from autofit.training.step import (
     StepConfig,
     optimizer_step,
@@ -152,6 +154,8 @@ def simulate_step(
                              device_rules=device_rules)
     if hooks.kept:
         sim = replace(sim, notes=sim.notes + (hook_note(hooks),))
+    if trained_from_eval(model):  # Note [training mode], capture/model_copy.py
+        sim = replace(sim, notes=sim.notes + (mode_note(model),))
     return sim
 
 
@@ -279,7 +283,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                         warm_up(work, micro, micro_target, loss_fn, config)
                 stack.enter_context(tracker)
                 if fake:  # above the tracker: what it computes for real is not counted (Note [value twins])
-                    twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config))
+                    twins = stack.enter_context(_twinned(work, model, micro, micro_target, batch, target, config,
+                                                         where=lambda: tracker.module))
                     stack.enter_context(eager_answers(twins))  # Note [am I traced]
                 stack.enter_context(observe)
                 # Note [random layer skipping]; not under dynamo, which a dispatch mode and patched random functions
@@ -290,8 +295,11 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         finally:
             for h in handles:
                 h.remove()
-    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real",
-                      _notes(model, config, inductor, rerouted, tracker, prober), config.preallocated_grads,
+    notes = _notes(model, config, inductor, rerouted, tracker, prober)
+    if fake and twins.readers:  # the path the sample's values chose (Note [value twins])
+        notes += (reader_note(list(twins.readers)),)
+    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", notes,
+                      config.preallocated_grads,
                       compiled=bool(inductor), random_draws=draws.count,
                       input_rows=max(config.held_rows, config.micro_batch_size))
 
@@ -419,10 +427,10 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
 
 
 def _twinned(work: nn.Module, model: nn.Module, micro: Batch, micro_target: Any, batch: Batch, target: Any,
-             config: StepConfig) -> ValueTwins:
+             config: StepConfig, where: Callable[[], str] | None = None) -> ValueTwins:
     """The value twins of a fake step (Note [value twins]): the micro-batch's rows, and a clone of each real buffer
     of the user's model (never the buffer itself: an in-place op on a twin runs for real)."""
-    twins = ValueTwins()
+    twins = ValueTwins(where=where)
     pairs = [(micro, batch)] + ([(micro_target, target)] if micro_target is not None and target is not None else [])
     with disable_current_modes():  # real tensors, which neither the fake mode nor the tracker sees
         for fake, real in pairs:

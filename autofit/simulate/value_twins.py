@@ -18,12 +18,18 @@ Note [value twins]
     cannot update (its other inputs have none) takes the twin away from every tensor on that storage. A twin is kept
     only while its op's outputs hold at most ``MAX_TWIN_BYTES``, so a large computation on the inputs (a 4-D
     attention mask over long sequences) costs no real memory; a value read on it refuses as before.
+    A read answered from the twins decides what the step runs by the sample's values (``if x.mean() > 0:``, a
+    padding mask that is all ones, a size read with ``.item()``): another batch can take another branch, with
+    another peak. So the modules whose code read such values are recorded (``readers``: the innermost module running
+    at the read, from the tracker's module stack) and the estimate's and the plan's notes name them
+    (``reader_note``); the simulated step is the one the sample's values take, not a bound over every batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +39,7 @@ from autofit.core._torch import (
 )
 from autofit.core._torch_compile import hearing_skipped_writes, running_compiled_code
 
-__all__ = ["ValueTwins", "MAX_TWIN_BYTES", "WEIGHT_READ"]
+__all__ = ["ValueTwins", "MAX_TWIN_BYTES", "WEIGHT_READ", "reader_note"]
 
 MAX_TWIN_BYTES = 64 * 2**20  # outputs of one op above this get no twin (Note [value twins])
 WEIGHT_READ = "autofit_reads_weights"  # set on a data-dependent error whose inputs have no twins
@@ -42,9 +48,11 @@ WEIGHT_READ = "autofit_reads_weights"  # set on a data-dependent error whose inp
 class ValueTwins(TorchDispatchMode):
     """Real twins of fake tensors that depend only on constants and inputs (Note [value twins])."""
 
-    def __init__(self, max_bytes: int = MAX_TWIN_BYTES) -> None:
+    def __init__(self, max_bytes: int = MAX_TWIN_BYTES, *, where: Callable[[], str] | None = None) -> None:
         super().__init__()
         self.max_bytes = max_bytes
+        self.where = where  # the module running now (the tracker's), or None: who read values is not recorded
+        self.readers: dict[str, None] = {}  # modules whose value reads the twins answered, in order (an ordered set)
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (its weak reference, twin)
         self._by_storage: dict[int, set[int]] = {}  # id(fake storage) -> ids of the fakes on it that have twins
         self.answered = 0  # value reads answered from twins
@@ -115,6 +123,8 @@ class ValueTwins(TorchDispatchMode):
                 setattr(e, WEIGHT_READ, real_leaves is None)
                 raise
             self.answered += 1
+            if self.where is not None:
+                self.readers.setdefault(self.where(), None)
             return real  # a value read (a scalar, a bool) answered from the twins
         written = _written(func, args, kwargs)
         outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
@@ -151,6 +161,16 @@ class ValueTwins(TorchDispatchMode):
                 return func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no twin then: a later read of it refuses as without twins
             return None
+
+
+def reader_note(readers: list[str]) -> str:
+    """The note of a step whose branches or sizes followed values of the sample (Note [value twins])."""
+    named = ", ".join(repr(m) if m else "the model's top-level forward (or the loss)" for m in readers[:5])
+    more = f" and {len(readers) - 5} more" if len(readers) > 5 else ""
+    return (f"{'module ' if readers[0] else ''}{named}{more} read tensor values computed from the inputs (a branch "
+            "such as `if x.mean() > 0:`, a mask check, `.item()`): the step was simulated on the path the sample's "
+            "values take, and a batch with other values can take another path with another peak (see Note [value "
+            "twins])")
 
 
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
