@@ -72,7 +72,7 @@ from autofit.capture.model_copy import (
     trained_from_eval,
 )
 from autofit.capture.module_stack import install_module_stack
-from autofit.capture.user_hooks import hook_note, user_hooks_restored
+from autofit.capture.user_hooks import PreviousStep, hook_note, user_hooks_restored
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
@@ -152,6 +152,10 @@ def simulate_step(
     with user_hooks_restored(model) as hooks:  # Note [user hooks]
         sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
                              device_rules=device_rules)
+    if hooks.slots:  # again, with what the previous step's hooks kept alive at the start (Note [kept across steps])
+        with user_hooks_restored(model):
+            sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels,
+                                 observer=observer, device_rules=device_rules, previous=PreviousStep(hooks))
     if hooks.kept:
         sim = replace(sim, notes=sim.notes + (hook_note(hooks),))
     if trained_from_eval(model):  # Note [training mode], capture/model_copy.py
@@ -160,8 +164,9 @@ def simulate_step(
 
 
 def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_kernels: bool,
-                   observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
-    kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
+                   observer: Observer | None, device_rules: DeviceRules | None,
+                   previous: PreviousStep | None = None) -> Simulation:
+    kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules, previous=previous)
     try:
         with _quiet_engines():
             sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True,
@@ -232,7 +237,7 @@ def _qualname(obj: object) -> str:
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
               observer: Observer | None, device_rules: DeviceRules | None, eager: bool = False,
-              extreme: str = "top") -> Simulation:
+              extreme: str = "top", previous: PreviousStep | None = None) -> Simulation:
     """One simulation; ``eager``: compiled code runs eagerly (Note [compiled models on a GPU target]); ``extreme``:
     where small random draws land (Note [random layer skipping])."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
@@ -260,6 +265,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device.is_host or not fake else None)
         state.register(tracker, work, micro, micro_target)
+        if previous is not None:  # what the hooks kept in the step before (Note [kept across steps])
+            previous.fill(lambda t: tracker.register(t, Category.ACTIVATIONS))
         handles = install_module_stack(work, tracker.module_stack)
         try:
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
