@@ -237,7 +237,7 @@ def _qualname(obj: object) -> str:
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
               observer: Observer | None, device_rules: DeviceRules | None, eager: bool = False,
-              extreme: str = "top", previous: PreviousStep | None = None) -> Simulation:
+              extreme: str = "top", previous: PreviousStep | None = None, locate: bool = False) -> Simulation:
     """One simulation; ``eager``: compiled code runs eagerly (Note [compiled models on a GPU target]); ``extreme``:
     where small random draws land (Note [random layer skipping])."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
@@ -297,7 +297,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 # Note [random layer skipping]; not under dynamo, which a dispatch mode and patched random functions
                 # made skip the model's frames, leaving the user's later real compile eager
                 draws = stack.enter_context(
-                    draws_at(extreme) if not inductor else contextlib.nullcontext(Draws(extreme)))
+                    draws_at(extreme, work, lambda: tracker.module, locate=locate) if not inductor
+                    else contextlib.nullcontext(Draws(extreme)))
                 _run_window(tracker, work, state, micro, micro_target, loss_fn, config, caster, stepped, fake=fake)
         finally:
             for h in handles:
