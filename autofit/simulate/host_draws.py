@@ -66,7 +66,8 @@ class UnsteeredDraw(Exception):
                                                          else "the model's top-level forward")
         return UnsupportedModelError(
             f"{where} drew from {self.source} with a call autofit cannot steer (a name imported from the module, "
-            "such as `from random import random`, or a generator it cannot reach), so the estimate would follow one "
+            "such as `from random import random`, a distribution it has no extreme for, such as np.random.poisson, "
+            "or a generator it cannot reach), so the estimate would follow one "
             "random outcome of the step, not its largest. Draw decisions through the module (random.random(), "
             "random.choice(), np.random.rand(), a NumPy Generator the module holds or makes with "
             "np.random.default_rng) or with torch (torch.rand(()) < p): autofit takes those at both ends of their "
@@ -74,14 +75,21 @@ class UnsteeredDraw(Exception):
         )
 
 
+MAX_UNIT_DRAWS = 1_000_000  # forced random() calls in one step beyond which a sampler is taken to loop for ever
+
+
 class _Steering:
     """The extreme of one simulation, and its count of forced draws (randomness.Draws)."""
 
     def __init__(self, draws: Any, decision_elements: int) -> None:
         self.draws, self.top, self.limit = draws, draws.extreme == "top", decision_elements
+        self.units = 0
 
     def unit(self, low: float = 0.0, high: float = 1.0) -> float:
         self.draws.count += 1
+        self.units += 1
+        if self.units > MAX_UNIT_DRAWS:  # a rejection sampler reached through a name imported from random
+            _refused("random")(None)
         return high - (high - low) * 2.0 ** -52 if self.top else low
 
     def normal(self, mu: float = 0.0, sigma: float = 1.0) -> float:
@@ -135,7 +143,8 @@ class _SteeredRandom(random.Random):
 def _refused(name: str) -> Callable[..., Any]:
     def draw(self, *args: Any, **kwargs: Any) -> Any:
         raise UnsupportedModelError(
-            f"the model draws with random.{name}, a sampler that rejects draws until one fits, so it has no extreme "
+            f"the model draws with random.{name}, a sampler that rejects draws until one fits (or draws more than "
+            f"{MAX_UNIT_DRAWS:,} times in one step), so it has no extreme "
             "autofit can return (Note [random draws outside torch], autofit/simulate/host_draws.py): draw the "
             "decision with random.random() or torch.rand(()), or estimate the step with the randomness switched off")
     return draw
@@ -323,6 +332,10 @@ def steered_host_draws(draws: Any, model: nn.Module | None, decision_elements: i
         stack.enter_context(patch(np.random, "default_rng",
                                   lambda original: lambda *a, **k: _SteeredGenerator(original(*a, **k), watch.rebase)))
         stack.enter_context(patch(random, "random", lambda original: lambda: _steering().unit()))
+        for name in _REJECTION:  # the module's functions are bound to the original class's methods
+            if hasattr(random, name):
+                stack.enter_context(patch(random, name, lambda original, name=name:
+                                          lambda *a, **k: _refused(name)(None, *a, **k)))
         _steer_random(random._inst, stack)  # noqa: SLF001 - the instance behind the module's functions
         modules = list(model.named_modules()) if model is not None else []
         for _, module in modules:
