@@ -8,15 +8,18 @@ the same for models on CPU, on CUDA and on the meta device (``with torch.device(
 Note [training mode]
     ``from_pretrained`` returns a model in eval mode (transformers' ``PreTrainedModel.from_pretrained`` calls
     ``model.eval()``), and training loops put it in training mode later: Hugging Face's Trainer and Lightning call
-    ``model.train()`` before their training steps, the PyTorch tutorials' loops too, and autofit's Trainer does the
-    same (emit/trainer.py). A step simulated in the mode the model happened to be in when it was planned is an eval
+    ``model.train()`` before their training steps, and so do the PyTorch tutorials' loops. A step simulated in the mode the model happened to be in when it was planned is an eval
     step: no dropout masks, BatchNorm on its running statistics, no LayerDrop; a tiny GPT-2 was planned 20 % below
     its real training step. So every copy autofit runs (simulated, traced, measured) is in the mode the training
     step runs in, the mode ``model.train()`` gives, when the model is in eval mode (``model.training`` is False):
     every module in training mode. A model in training mode keeps each module's own mode: a submodule the user put
     in eval mode on purpose (a frozen BatchNorm in a fine-tuned backbone) stays so, as it does in a loop that never
     calls ``model.train()`` again. The user's model keeps its mode; the estimate's and the plan's notes say when the
-    step was simulated in another mode than the model's (``mode_note``).
+    step was simulated in another mode than the model's (``mode_note``). autofit's Trainer runs the model in the
+    mode it finds it in, as a plain loop does (the distributed equivalence tests train in eval mode on purpose, to
+    compare with a step without dropout), so the note asks for ``model.train()``: the training-mode step is also
+    the larger of the two wherever the modes differ in memory (dropout keeps its mask, BatchNorm its batch
+    statistics, LayerDrop runs every layer at worst), so a plan for it holds an eval-mode step too.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def mode_note(model: nn.Module) -> str:
     """The note of a step simulated in training mode for a model in eval mode (Note [training mode])."""
     return (f"the model ({type(model).__name__}) was in eval mode; the step was simulated in training mode, as a "
             "trainer runs it after model.train() (dropout, BatchNorm statistics and random layer skipping included; "
-            "see Note [training mode]); your model was left in eval mode")
+            "see Note [training mode]); your model was left in eval mode: call model.train() before training, "
+            "autofit's trainer runs it in the mode it finds it in")
 
 
 def module_tensor_attributes(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

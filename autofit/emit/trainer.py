@@ -118,8 +118,6 @@ class Trainer:
         if not self._active:
             raise TrainerStateError("this trainer was unwrapped, so the model no longer runs the plan's step: "
                                     "call plan.wrap(model, optimizer) again for a new trainer")
-        if not self.model.training:  # the mode the plan simulated (Note [training mode], capture/model_copy.py)
-            self.model.train()
         batch, target_batch = as_batches(inputs, target, shared=self.shared, what="inputs")
         batch, target_batch = self._shard(batch, target_batch)
         require_sequence_split(self.plan.tensor_plan, self.plan.tensor_parallel, batch.tensors(), "this batch")
