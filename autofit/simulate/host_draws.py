@@ -17,7 +17,9 @@ Note [random draws outside torch]
       ``vonmisesvariate``, ``binomialvariate``, ``paretovariate``, ``weibullvariate``, ``lognormvariate``) would loop
       for ever on a constant: they are refused. ``random.random`` is a C method the subclass cannot reach: it is
       patched on the module. ``random.Random`` instances the model's modules hold, or that their ``forward``'s
-      globals name, take the subclass too.
+      globals name, take the subclass too. Draws made by torch's or autofit's own code (torch's distributed meta
+      kernels draw unique ids with ``random.randint`` until one is free: a constant loops for ever) stay real: the
+      first caller outside ``random`` decides (``_internal``), and the state they advance is the new baseline.
     - NumPy's legacy functions (``np.random.rand``, ``choice``, ``randint``, ``randn``, ``normal``,
       ``permutation``, ...) are patched on ``np.random``. A ``Generator`` or ``RandomState`` that the model's modules
       hold, that their ``forward``'s globals name, or that ``np.random.default_rng`` makes during the step is replaced
@@ -34,8 +36,10 @@ Note [random draws outside torch]
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -84,6 +88,7 @@ class _Steering:
     def __init__(self, draws: Any, decision_elements: int) -> None:
         self.draws, self.top, self.limit = draws, draws.extreme == "top", decision_elements
         self.units = 0
+        self.rebase: Callable[[], None] = lambda: None  # the watch's (_Watch.rebase), once it exists
 
     def unit(self, low: float = 0.0, high: float = 1.0) -> float:
         self.draws.count += 1
@@ -114,30 +119,76 @@ def _steering() -> _Steering:
     return _STEERING
 
 
+_INTERNAL = ("torch", "autofit")  # packages whose own draws are not the model's decisions
+_PASSING = ("random", __name__, "autofit.core._torch")  # frames a draw passes through: random's, ours, patch()'s
+
+
+def _internal() -> bool:
+    """Whether the draw being made comes from torch's or autofit's own code (torch's distributed meta kernels draw
+    unique ids with ``random.randint`` until one is free: a constant would loop for ever), found by the first frame
+    outside ``random``, this module and the patch wrapper."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") in _PASSING:
+        frame = frame.f_back
+    return frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] in _INTERNAL
+
+
+def _real(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of random.Random itself for torch's and autofit's draws (the state they advance is taken as the
+    new baseline), the steered one for the model's."""
+    original = getattr(random.Random, method.__name__)
+
+    @functools.wraps(method)
+    def draw(self, *args: Any, **kwargs: Any) -> Any:
+        if _internal():
+            out = original(self, *args, **kwargs)
+            _steering().rebase()
+            return out
+        return method(self, *args, **kwargs)
+    return draw
+
+
 class _SteeredRandom(random.Random):
     """``random.Random`` whose draws are the extremes of the running simulation; its state is never advanced."""
 
+    @_real
     def random(self) -> float:
         return _steering().unit()
 
+    @_real
     def getrandbits(self, k: int) -> int:
         return (1 << k) - 1 if _steering().below(2) else 0
 
+    @_real
     def _randbelow(self, n: int) -> int:
         return _steering().below(n)
 
+    @_real
     def gauss(self, mu: float = 0.0, sigma: float = 1.0) -> float:
         return _steering().normal(mu, sigma)
 
-    normalvariate = gauss
+    @_real
+    def normalvariate(self, mu: float = 0.0, sigma: float = 1.0) -> float:
+        return _steering().normal(mu, sigma)
 
+    @_real
     def sample(self, population, k, *, counts=None):
         if counts is not None:
             population = [x for x, c in zip(population, counts) for _ in range(c)]
         return _steering().ordered(list(population), k)
 
+    @_real
     def randbytes(self, n: int) -> bytes:
         return bytes([255 if _steering().below(2) else 0]) * n
+
+
+def _module_random(original: Callable[[], float]) -> float:
+    """``random.random()``: the steered extreme, or for torch's and autofit's own code the real draw."""
+    if _internal():
+        out = original()
+        _steering().rebase()
+        return out
+    return _steering().unit()
 
 
 def _refused(name: str) -> Callable[..., Any]:
@@ -326,20 +377,22 @@ def steered_host_draws(draws: Any, model: nn.Module | None, decision_elements: i
         previous, _STEERING = _STEERING, _Steering(draws, decision_elements)
         stack.callback(lambda: globals().__setitem__("_STEERING", previous))
         watch = _Watch()
+        _STEERING.rebase = watch.rebase
         legacy = _NumpyDraws(np.random.mtrand._rand, watch.rebase)  # the RandomState behind np.random's functions
         for name in _LEGACY:
             stack.enter_context(patch(np.random, name, lambda original, name=name: getattr(legacy, name)))
         stack.enter_context(patch(np.random, "default_rng",
                                   lambda original: lambda *a, **k: _SteeredGenerator(original(*a, **k), watch.rebase)))
-        stack.enter_context(patch(random, "random", lambda original: lambda: _steering().unit()))
+        stack.enter_context(patch(random, "random", lambda original: lambda: _module_random(original)))
         for name in _REJECTION:  # the module's functions are bound to the original class's methods
             if hasattr(random, name):
                 stack.enter_context(patch(random, name, lambda original, name=name:
                                           lambda *a, **k: _refused(name)(None, *a, **k)))
         _steer_random(random._inst, stack)  # noqa: SLF001 - the instance behind the module's functions
         modules = list(model.named_modules()) if model is not None else []
+        classes: set[type] = set()
         for _, module in modules:
-            _steer_holdings(module, watch, stack)
+            _steer_holdings(module, watch, stack, classes)
         if locate:
             _locate(modules, watch, stack)
         yield
@@ -352,15 +405,18 @@ def _steer_random(rng: random.Random, stack: contextlib.ExitStack) -> None:
         stack.callback(setattr, rng, "__class__", random.Random)
 
 
-def _steer_holdings(module: nn.Module, watch: _Watch, stack: contextlib.ExitStack) -> None:
+def _steer_holdings(module: nn.Module, watch: _Watch, stack: contextlib.ExitStack, classes: set[type]) -> None:
     """The generators ``module`` holds (on autofit's copy: replaced) and those its forward's globals name (the
-    user's: replaced until the step ends)."""
+    user's: replaced until the step ends; once per class, in ``classes``)."""
     for attr, value in list(vars(module).items()):
         if isinstance(value, (np.random.Generator, np.random.RandomState)):
             module.__dict__[attr] = _SteeredGenerator(value, watch.rebase)
         elif type(value) is random.Random:
             _steer_random(value, stack)
             watch.add(f"the random.Random at .{attr}", value.getstate)
+    if type(module) in classes:
+        return
+    classes.add(type(module))
     forward = getattr(type(module).forward, "__code__", None)
     scope = getattr(type(module).forward, "__globals__", {})
     for name in _global_names(forward) if forward is not None else ():
