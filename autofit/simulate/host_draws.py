@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import random
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,6 +52,10 @@ from autofit.core.errors import UnsupportedModelError
 
 __all__ = ["steered_host_draws", "UnsteeredDraw"]
 
+# the generators behind the modules' functions (read before anything is patched): Python's hidden random.Random and
+# the RandomState behind np.random's functions
+_PYTHON_GLOBAL: random.Random = random.random.__self__
+_NUMPY_GLOBAL: np.random.RandomState = np.random.random_sample.__self__
 SPREAD = 10.0  # normal draws: this many standard deviations from the mean (randomness.NORMAL_SPREAD)
 _REJECTION = ("gammavariate", "betavariate", "vonmisesvariate", "binomialvariate", "paretovariate",
               "weibullvariate", "lognormvariate")
@@ -127,7 +131,7 @@ def _internal() -> bool:
     """Whether the draw being made comes from torch's or autofit's own code (torch's distributed meta kernels draw
     unique ids with ``random.randint`` until one is free: a constant would loop for ever), found by the first frame
     outside ``random``, this module and the patch wrapper."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     while frame is not None and frame.f_globals.get("__name__") in _PASSING:
         frame = frame.f_back
     return frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] in _INTERNAL
@@ -378,7 +382,7 @@ def steered_host_draws(draws: Any, model: nn.Module | None, decision_elements: i
         stack.callback(lambda: globals().__setitem__("_STEERING", previous))
         watch = _Watch()
         _STEERING.rebase = watch.rebase
-        legacy = _NumpyDraws(np.random.mtrand._rand, watch.rebase)  # the RandomState behind np.random's functions
+        legacy = _NumpyDraws(_NUMPY_GLOBAL, watch.rebase)
         for name in _LEGACY:
             stack.enter_context(patch(np.random, name, lambda original, name=name: getattr(legacy, name)))
         stack.enter_context(patch(np.random, "default_rng",
@@ -388,7 +392,7 @@ def steered_host_draws(draws: Any, model: nn.Module | None, decision_elements: i
             if hasattr(random, name):
                 stack.enter_context(patch(random, name, lambda original, name=name:
                                           lambda *a, **k: _refused(name)(None, *a, **k)))
-        _steer_random(random._inst, stack)  # noqa: SLF001 - the instance behind the module's functions
+        _steer_random(_PYTHON_GLOBAL, stack)
         modules = list(model.named_modules()) if model is not None else []
         classes: set[type] = set()
         for _, module in modules:
