@@ -203,6 +203,6 @@ def worst_of_extremes(run: Callable[..., S], *, observed: bool) -> S:
         worst = run(extreme="top")
     why = ("at the bottom of its range (a layer kept while 'draw < survival' is always kept)" if worst is bottom
            else "at the top of its range (LayerDrop's 'draw < p' skips no layer)")
-    note = (f"{worst.random_draws} random draws decided what the step runs (layers skipped at random): simulated "
+    note = (f"{worst.random_draws} random draws decided what the step runs (layers skipped or branches chosen at random): simulated "
             f"with every draw {why}, the larger peak of the two extremes (see Note [random layer skipping])")
     return replace(worst, notes=worst.notes + (note,))
