@@ -4,6 +4,22 @@ The fake copy shares no storage with the original and allocates nothing: ``copy.
 maps every parameter, buffer and tensor attribute to a fake tensor of the same shape, stride and dtype, so the copy's
 structure, hooks and Python attributes are the user's own while its tensors live in a ``FakeTensorMode``. This works
 the same for models on CPU, on CUDA and on the meta device (``with torch.device("meta"): model = ...``).
+
+Note [training mode]
+    ``from_pretrained`` returns a model in eval mode (transformers' ``PreTrainedModel.from_pretrained`` calls
+    ``model.eval()``), and training loops put it in training mode later: Hugging Face's Trainer and Lightning call
+    ``model.train()`` before their training steps, and so do the PyTorch tutorials' loops. A step simulated in the mode the model happened to be in when it was planned is an eval
+    step: no dropout masks, BatchNorm on its running statistics, no LayerDrop; a tiny GPT-2 was planned 20 % below
+    its real training step. So every copy autofit runs (simulated, traced, measured) is in the mode the training
+    step runs in, the mode ``model.train()`` gives, when the model is in eval mode (``model.training`` is False):
+    every module in training mode. A model in training mode keeps each module's own mode: a submodule the user put
+    in eval mode on purpose (a frozen BatchNorm in a fine-tuned backbone) stays so, as it does in a loop that never
+    calls ``model.train()`` again. The user's model keeps its mode; the estimate's and the plan's notes say when the
+    step was simulated in another mode than the model's (``mode_note``). autofit's Trainer runs the model in the
+    mode it finds it in, as a plain loop does (the distributed equivalence tests train in eval mode on purpose, to
+    compare with a step without dropout), so the note asks for ``model.train()``: the training-mode step is also
+    the larger of the two wherever the modes differ in memory (dropout keeps its mask, BatchNorm its batch
+    statistics, LayerDrop runs every layer at worst), so a plan for it holds an eval-mode step too.
 """
 
 from __future__ import annotations
@@ -18,7 +34,29 @@ from torch import nn
 from autofit.core._torch import FakeTensorMode, compiled_modules, rewrap_compiled
 from autofit.core.errors import UnsupportedModelError
 
-__all__ = ["fake_copy", "fake_input", "real_copy", "require_real_inputs", "shared_weights_copy", "module_tensor_attributes", "attached_tensors", "has_meta_tensors"]
+__all__ = ["fake_copy", "fake_input", "real_copy", "module_tensor_attributes", "attached_tensors", "has_meta_tensors",
+           "require_real_inputs", "shared_weights_copy", "trained_from_eval", "mode_note"]
+
+
+def trained_from_eval(model: nn.Module) -> bool:
+    """Whether the training step runs ``model`` in another mode than its own: it is in eval mode, and the step puts
+    it in training mode (Note [training mode])."""
+    return isinstance(model, nn.Module) and not model.training
+
+
+def _as_trained(copied: nn.Module, model: nn.Module) -> nn.Module:
+    """``copied`` in the mode the training step runs ``model`` in (Note [training mode])."""
+    if trained_from_eval(model):
+        copied.train()
+    return copied
+
+
+def mode_note(model: nn.Module) -> str:
+    """The note of a step simulated in training mode for a model in eval mode (Note [training mode])."""
+    return (f"the model ({type(model).__name__}) was in eval mode; the step was simulated in training mode, as a "
+            "trainer runs it after model.train() (dropout, BatchNorm statistics and random layer skipping included; "
+            "see Note [training mode]); your model was left in eval mode: call model.train() before training, "
+            "autofit's trainer runs it in the mode it finds it in")
 
 
 def module_tensor_attributes(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -135,7 +173,7 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, *, device: str = "cpu
     try:
         result = _deepcopy(model, memo)
         _copy_parameter_attributes(model, memo)
-        return result
+        return _as_trained(result, model)
     except Exception as e:  # noqa: BLE001 - any deepcopy failure means the same thing to the user
         raise UnsupportedModelError(
             f"autofit could not copy the model ({type(e).__name__}: {e}); it copies the module tree to simulate "
@@ -162,7 +200,7 @@ def real_copy(model: nn.Module) -> nn.Module:
         )
     result = _deepcopy(model, {})
     _relink_attributes(model, result)
-    return result
+    return _as_trained(result, model)
 
 
 def shared_weights_copy(model: nn.Module, *others: object) -> tuple[object, ...]:

@@ -67,11 +67,13 @@ from autofit.training.config import DeviceKind, ZeroGrad
 from autofit.capture.model_copy import (
     fake_copy,
     fake_input,
+    mode_note,
     real_copy,
     require_real_inputs,
+    trained_from_eval,
 )
 from autofit.capture.module_stack import install_module_stack
-from autofit.capture.user_hooks import hook_note, user_hooks_restored
+from autofit.capture.user_hooks import PreviousStep, hook_note, user_hooks_restored
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
@@ -92,7 +94,7 @@ from autofit.simulate.timeline import Phase, Replay, Timeline, replay
 from autofit.simulate.traced_checks import eager_answers
 from autofit.simulate.tracker import StepTracker
 from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
-from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins
+from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins, reader_note
 from autofit.training.step import (
     StepConfig,
     optimizer_step,
@@ -155,14 +157,21 @@ def simulate_step(
     with user_hooks_restored(model) as hooks:  # Note [user hooks]
         sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
                              device_rules=device_rules)
+    if hooks.slots:  # again, with what the previous step's hooks kept alive at the start (Note [kept across steps])
+        with user_hooks_restored(model):
+            sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels,
+                                 observer=observer, device_rules=device_rules, previous=PreviousStep(hooks))
     if hooks.kept:
         sim = replace(sim, notes=sim.notes + (hook_note(hooks),))
+    if trained_from_eval(model):  # Note [training mode], capture/model_copy.py
+        sim = replace(sim, notes=sim.notes + (mode_note(model),))
     return sim
 
 
 def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_kernels: bool,
-                   observer: Observer | None, device_rules: DeviceRules | None) -> Simulation:
-    kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules)
+                   observer: Observer | None, device_rules: DeviceRules | None,
+                   previous: PreviousStep | None = None) -> Simulation:
+    kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules, previous=previous)
     try:
         with _quiet_engines():
             sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True,
@@ -234,7 +243,7 @@ def _qualname(obj: object) -> str:
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
               observer: Observer | None, device_rules: DeviceRules | None, eager: bool = False,
-              extreme: str = "top") -> Simulation:
+              extreme: str = "top", previous: PreviousStep | None = None, locate: bool = False) -> Simulation:
     """One simulation; ``eager``: compiled code runs eagerly (Note [compiled models on a GPU target]); ``extreme``:
     where small random draws land (Note [random layer skipping])."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
@@ -262,6 +271,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device.is_host or not fake else None)
         state.register(tracker, work, micro, micro_target)
+        if previous is not None:  # what the hooks kept in the step before (Note [kept across steps])
+            previous.fill(lambda t: tracker.register(t, Category.ACTIVATIONS))
         handles = install_module_stack(work, tracker.module_stack)
         try:
             observe = observer.attach(tracker, work) if observer is not None else contextlib.nullcontext()
@@ -293,13 +304,17 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 # Note [random layer skipping]; not under dynamo, which a dispatch mode and patched random functions
                 # made skip the model's frames, leaving the user's later real compile eager
                 draws = stack.enter_context(
-                    draws_at(extreme) if not inductor else contextlib.nullcontext(Draws(extreme)))
+                    draws_at(extreme, work, lambda: tracker.module, locate=locate) if not inductor
+                    else contextlib.nullcontext(Draws(extreme)))
                 _run_window(tracker, work, state, micro, micro_target, loss_fn, config, caster, stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
-    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real",
-                      _notes(model, config, inductor, rerouted, tracker, prober), config.preallocated_grads,
+    notes = _notes(model, config, inductor, rerouted, tracker, prober)
+    if fake and twins.readers:  # the path the sample's values chose (Note [value twins])
+        notes += (reader_note(list(twins.readers)),)
+    return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", notes,
+                      config.preallocated_grads,
                       compiled=bool(inductor), random_draws=draws.count,
                       input_rows=max(config.held_rows, config.micro_batch_size),
                       row_reader=twins.sample_reader if twins is not None and twins.sample_reads else None,

@@ -21,6 +21,11 @@ Note [value twins]
     from the sample's rows (or from a tensor that was) is marked so: a value read answered from one is counted in
     ``sample_reads`` and names the module in ``sample_reader``, since another micro-batch's rows may answer it
     otherwise (Note [rows that differ], autofit/solve/estimator.py).
+    A read answered from the twins decides what the step runs by the sample's values (``if x.mean() > 0:``, a
+    padding mask that is all ones, a size read with ``.item()``): another batch can take another branch, with
+    another peak. So the modules whose code read such values are recorded (``readers``: the innermost module running
+    at the read, from the tracker's module stack) and the estimate's and the plan's notes name them
+    (``reader_note``); the simulated step is the one the sample's values take, not a bound over every batch.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from autofit.core._torch import (
 )
 from autofit.core._torch_compile import hearing_skipped_writes, running_compiled_code
 
-__all__ = ["ValueTwins", "RowProgram", "MAX_TWIN_BYTES", "WEIGHT_READ"]
+__all__ = ["ValueTwins", "RowProgram", "MAX_TWIN_BYTES", "WEIGHT_READ", "reader_note"]
 
 MAX_TWIN_BYTES = 64 * 2**20  # outputs of one op above this get no twin (Note [value twins])
 MAX_PROGRAM_BYTES = 256 * 2**20  # twins a RowProgram may keep alive (Note [rows that differ])
@@ -127,9 +132,11 @@ class _Const:
 class ValueTwins(TorchDispatchMode):
     """Real twins of fake tensors that depend only on constants and inputs (Note [value twins])."""
 
-    def __init__(self, max_bytes: int = MAX_TWIN_BYTES, where: Callable[[], str] | None = None) -> None:
+    def __init__(self, max_bytes: int = MAX_TWIN_BYTES, *, where: Callable[[], str] | None = None) -> None:
         super().__init__()
         self.max_bytes = max_bytes
+        self.where = where  # the module running now (the tracker's), or None: who read values is not recorded
+        self.readers: dict[str, None] = {}  # modules whose value reads the twins answered, in order (an ordered set)
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (its weak reference, twin)
         self._by_storage: dict[int, set[int]] = {}  # id(fake storage) -> ids of the fakes on it that have twins
         self._from_sample: dict[int, _Ref] = {}  # id(fake) -> where in ``program`` its twin (of the rows) was made
@@ -137,7 +144,6 @@ class ValueTwins(TorchDispatchMode):
         self.answered = 0  # value reads answered from twins
         self.sample_reads = 0  # of those, reads of values derived from the sample's rows
         self.sample_reader = ""  # the module of the first such read (``where()``), "" at the top level
-        self._where = where
         self._hearing = contextlib.ExitStack()
 
     def __enter__(self) -> ValueTwins:
@@ -217,9 +223,11 @@ class ValueTwins(TorchDispatchMode):
                 setattr(e, WEIGHT_READ, real_leaves is None)
                 raise
             self.answered += 1
+            if self.where is not None:
+                self.readers.setdefault(self.where(), None)
             if self._reads_sample(leaves):  # Note [rows that differ]
-                if not self.sample_reads and self._where is not None:
-                    self.sample_reader = self._where()
+                if not self.sample_reads and self.where is not None:
+                    self.sample_reader = self.where()
                 self.sample_reads += 1
                 self._record(func, spec, leaves, real_leaves, real)
             return real  # a value read (a scalar, a bool) answered from the twins
@@ -288,6 +296,16 @@ class ValueTwins(TorchDispatchMode):
                 return func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no twin then: a later read of it refuses as without twins
             return None
+
+
+def reader_note(readers: list[str]) -> str:
+    """The note of a step whose branches or sizes followed values of the sample (Note [value twins])."""
+    named = ", ".join(repr(m) if m else "the model's top-level forward (or the loss)" for m in readers[:5])
+    more = f" and {len(readers) - 5} more" if len(readers) > 5 else ""
+    return (f"{'module ' if readers[0] else ''}{named}{more} read tensor values computed from the inputs (a branch "
+            "such as `if x.mean() > 0:`, a mask check, `.item()`): the step was simulated on the path the sample's "
+            "values take, and a batch with other values can take another path with another peak (see Note [value "
+            "twins])")
 
 
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
