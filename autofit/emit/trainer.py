@@ -67,12 +67,24 @@ _BATCH_NORMS = (BatchNormBase, nn.SyncBatchNorm)
 # plan. It also keeps the plan's memory: the plan counts no gradient before the first backward (freed) or exactly
 # the preallocated ones (zeroed in place). In an order that keeps the last step's gradients into the next forward
 # (Lightning's, Note [where zero_grad falls]) the gradients this trainer's last step left, untouched since (the same
-# tensors at the same version), are its own and stay until the order clears them. A micro-batch that raises (an out-of-memory error the caller catches)
-# leaves the earlier micro-batches' gradients behind; they are cleared before the exception leaves ``step``, so the
-# memory is free for what the caller does next and the next step is a plain step. Backward and the optimizer step
-# run outside any autocast the caller is in (``torch.autocast(device, enabled=False)`` around the window; the
-# forward enters the plan's own): the engine runs backward ops under the calling thread's autocast state, so an
-# outer bf16 region would round an fp32 plan's gradients. Leaving the context restores the caller's state.
+# tensors at the same version), are its own and stay until the order clears them. A micro-batch that raises (an
+# out-of-memory error the caller catches) leaves the earlier micro-batches' gradients behind; they are cleared before
+# the exception leaves ``step``, so the memory is free for what the caller does next and the next step is a plain step.
+# Backward and the optimizer step run outside any autocast the caller is in (``torch.autocast(device, enabled=False)``
+# around the window where the caller's is on; the forward enters the plan's own): the engine runs backward ops under
+# the calling thread's autocast state, so an outer bf16 region would round an fp32 plan's gradients. Leaving the
+# context restores the caller's state.
+
+
+def _outside_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for ``device_type`` where the caller turned it on; nothing otherwise. Only then: any autocast
+    region, even a disabled one, counts in autocast's nesting, and the cache of low-precision weight copies is
+    cleared only when the outermost region exits (``torch.autocast.__exit__``), so a region around every step would
+    keep the plan's casts alive from one micro-batch's forward to the end of the window (a bf16 hf_dict plan measured
+    17,216 B over its 371,600 B)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class Trainer:
@@ -155,7 +167,7 @@ class Trainer:
         losses = []
         # the plan's precision, whatever autocast the caller is in (Note [the trainer owns its window]): the forward
         # enters the plan's own autocast inside this, and backward and the optimizer step run without one
-        with torch.autocast(self.device_type, enabled=False):
+        with _outside_autocast(self.device_type):
             self._clear_grads_not_left()  # Note [the trainer owns its window]: gradients it did not make are not trained on
             try:
                 for i, (start, stop) in enumerate(bounds):
