@@ -23,13 +23,16 @@ ROWS, WIDTH, HIDDEN, OUT = 64, 256, 1024, 8
 KEPT = ROWS * HIDDEN * 4  # one fp32 (ROWS, HIDDEN) activation or its gradient
 
 
-class KeepsAttribute(nn.Module):
-    """Keeps a copy of its hidden activation as a plain attribute, replaced every step."""
-
+class _TwoLayers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, OUT)
-        self.kept = None
+
+
+class KeepsAttribute(_TwoLayers):
+    """Keeps a copy of its hidden activation as a plain attribute, replaced every step."""
+
+    kept = None
 
     def forward(self, x):
         h = self.a(x)
@@ -37,13 +40,10 @@ class KeepsAttribute(nn.Module):
         return self.b(h)
 
 
-class RetainsGrad(nn.Module):
+class RetainsGrad(_TwoLayers):
     """Keeps its hidden activation with ``retain_grad``: the activation and, after backward, its gradient."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, OUT)
-        self.h = None
+    h = None
 
     def forward(self, x):
         h = self.a(x)
@@ -52,12 +52,11 @@ class RetainsGrad(nn.Module):
         return self.b(h)
 
 
-class HookKeepsGrad(nn.Module):
+class HookKeepsGrad(_TwoLayers):
     """A tensor hook keeps the hidden activation's gradient in a list only the hook reaches, replaced every step."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, OUT)
         box: list[torch.Tensor] = []
         self._keep = lambda g: (box.clear(), box.append(g.detach().clone()))[0]
 
