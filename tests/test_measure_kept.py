@@ -71,20 +71,27 @@ def _loss(out, target):
     return nn.functional.mse_loss(out, target)
 
 
+def _training(model_class):
+    """A seeded model, its batch, SGD with momentum 0.9 (autofit's named "sgd") and one plain step of it
+    (zero_grad(set_to_none=True) after the step)."""
+    torch.manual_seed(0)
+    model = model_class()
+    x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    def step():
+        _loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, x, y, optimizer, step
+
+
 def _whole_run_peak(model_class) -> int:
     """The allocator's record of everything, from before the model exists: the peak inside the third step (SGD with
     momentum 0.9, as autofit's named "sgd"; zero_grad(set_to_none=True) after the step)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.manual_seed(0)
-        model = model_class()
-        x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, OUT)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-
-        def step():
-            _loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        model, x, y, optimizer, step = _training(model_class)
         step()
         step()
         with record_function("measured"):
@@ -131,16 +138,7 @@ def test_what_a_step_keeps_outside_every_category_is_counted_once(model_class, k
 def test_measure_callable_with_a_warm_up_counts_a_replaced_tensor_once() -> None:
     from autofit.measure.allocator import measure_callable
 
-    torch.manual_seed(0)
-    model = KeepsAttribute()
-    x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, OUT)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-
-    def step():
-        _loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    model, x, y, optimizer, step = _training(KeepsAttribute)
     step()  # momentum buffers exist from here
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     live = [*model.parameters(), *state, x, y]
