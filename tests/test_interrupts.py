@@ -71,7 +71,7 @@ def test_hundreds_of_interrupts_at_random_points() -> None:
     first (Note [Ctrl-C at safe points], core/_torch.py). Each reaches the caller as a KeyboardInterrupt (never lost,
     never another error, never an abort), and afterwards nothing of autofit is left in the process: torch's mode
     stacks are empty, the functions autofit patches and the grad mode are torch's again, the model is as it was, the
-    next plan equals a fresh process's, and a plain training step runs no autofit code and as fast as before."""
+    next plan equals a fresh process's, and a plain training step runs no autofit code and makes the same calls as before."""
     fresh = _storm("fresh")
     got = _storm("storm", str(INTERRUPTS))
     assert got["sent"] >= INTERRUPTS
@@ -82,7 +82,7 @@ def test_hundreds_of_interrupts_at_random_points() -> None:
     assert got["process_changed"] == {}, got["process_changed"]
     assert got["model_unchanged"] and got["pending"] == 0
     assert got["autofit_in_plain_step"] == []
-    # a mode left on the stack made plain steps 2.5x slower; both timings are best-of-five in the same process
-    assert got["plain_step_ratio"] < 1.5, got["plain_step_ratio"]
+    # a mode left on the stack once made plain steps 2.5x slower: a plain step makes the same calls as before the storm
+    assert got["plain_step_changed"] == {}, got["plain_step_changed"]
     assert got["children"] == []
     assert got["plan"] == fresh["plan"]
