@@ -115,8 +115,10 @@ def changes(config: TrainConfig, knobs) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if knobs.micro_batch_size != config.micro_batch_size:
         out["training.local_batch_size"] = knobs.micro_batch_size
-    if knobs.accumulation_steps != config.accumulation_steps or "training.local_batch_size" in out:
-        # torchtitan derives the accumulation from the global batch: state it whenever the split changes
+    stated = any(r.key == "training.global_batch_size" and int(r.value) > 0 for r in config.readings)
+    if knobs.accumulation_steps > 1 and not stated:
+        # torchtitan derives the accumulation from the global batch (the effective batch, which the plan keeps):
+        # a file that left it at -1 (no accumulation) states it now
         out["training.global_batch_size"] = knobs.micro_batch_size * knobs.accumulation_steps * knobs.data_ranks
     if knobs.precision != config.precision:
         out["training.mixed_precision_param"] = "bfloat16" if knobs.precision == "bf16" else "float32"

@@ -13,6 +13,7 @@ Note [written back]
 from __future__ import annotations
 
 import io
+import re
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,9 @@ def render(path: Path, changes: dict[str, Any]) -> str:
     yaml = ruamel.YAML()  # round trip: comments, order and quoting kept
     yaml.preserve_quotes = True
     yaml.width = 4096  # long lines stay as written
+    dash = re.search(r"^( +)- ", text, re.M)  # block sequences indented under their key, as written
+    if dash:
+        yaml.indent(mapping=2, sequence=len(dash.group(1)) + 2, offset=len(dash.group(1)))
     doc = yaml.load(text)
     for key, value in changes.items():
         _set(doc, key, value, ruamel.comments.CommentedMap)

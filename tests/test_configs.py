@@ -1,0 +1,199 @@
+"""The front door: training configs of five frameworks read into one typed value, written back with only what the
+plan changes, and checked on a card (autofit/frontdoor/). The truths: the fixtures' own values, counted by hand
+from tests/configs/*; the written files parsed by plain parsers (and transformers' HfArgumentParser); the estimate
+a config check prints against ``autofit.estimate`` called with the same knobs by hand."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autofit.core.errors import InvalidInputError
+from autofit.frontdoor.detect import detect, load, read_config
+from autofit.frontdoor.writeback import FsdpKnobs, PlanKnobs, plan_changes, render, write_config
+
+HERE = Path(__file__).parent / "configs"
+TINY = HERE / "tiny-llama"
+
+# file -> (framework, model, sequence, micro-batch, accumulation, data ranks, adapter (kind, rank, alpha) or None,
+#          precision, model dtype, checkpointing, optimizer (name, bits, paged), packing), read by hand
+EXPECTED = {
+    "axolotl_qlora_8b.yml": ("axolotl", "hf:meta-llama/Meta-Llama-3-8B", 4096, 2, 4, 1, ("qlora", 32, 16.0), "bf16",
+                             "bf16", "full", ("adamw", 32, True), True),
+    "axolotl_full.yml": ("axolotl", "hf:Qwen/Qwen2.5-0.5B", 2048, 1, 8, 1, None, "bf16", "bf16", "none",
+                         ("adamw", 32, False), True),
+    "llamafactory_qlora_8b.yaml": ("llama-factory", "hf:meta-llama/Meta-Llama-3-8B-Instruct", 2048, 1, 8, 1,
+                                   ("qlora", 8, 16.0), "bf16", "bf16", "full", ("adamw", 32, False), False),
+    "llamafactory_full.yaml": ("llama-factory", "hf:Qwen/Qwen2.5-0.5B-Instruct", 2048, 1, 2, 1, None, "bf16", "fp32",
+                               "full", ("adamw", 32, False), False),
+    "torchtune_qlora_8b.yaml": ("torchtune", "hf:meta-llama/Meta-Llama-3.1-8B-Instruct", 2048, 2, 8, 1,
+                                ("qlora", 8, 16.0), "fp32", "bf16", "full", ("adamw", 32, False), False),
+    "torchtune_full.yaml": ("torchtune", "hf:Qwen/Qwen2.5-0.5B-Instruct", 2048, 2, 8, 1, None, "fp32", "bf16", "none",
+                            ("adamw", 32, False), False),
+    "trl_qlora_8b.yaml": ("trl", "hf:meta-llama/Llama-3.1-8B", 2048, 4, 4, 1, ("qlora", 16, 32.0), "bf16", "bf16",
+                          "full", ("adamw", 8, True), True),
+    "trl_full.json": ("trl", "hf:Qwen/Qwen2.5-0.5B", 1024, 8, 2, 1, None, "bf16", None, "none", ("adamw", 32, False),
+                      False),
+    "torchtitan_8b.toml": ("torchtitan", "hf:meta-llama/Llama-3.1-8B", 8192, 1, 8, 8, None, "bf16", "fp32",
+                           "selective", ("adamw", 32, False), False),
+    "torchtitan_full.toml": ("torchtitan", "hf:Qwen/Qwen3-0.6B", 4096, 4, 8, 1, None, "bf16", "fp32", "selective",
+                             ("adamw", 32, False), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fields_read(name):
+    (framework, model, seq, micro, accum, ranks, adapter, precision, dtype, ckpt, optimizer,
+     packing) = EXPECTED[name]
+    c = read_config(HERE / name)
+    assert (c.framework, c.model, c.sequence_length, c.micro_batch_size, c.accumulation_steps, c.data_ranks) == (
+        framework, model, seq, micro, accum, ranks)
+    assert c.effective_batch == micro * accum * ranks
+    assert (None if c.adapter is None else (c.adapter.kind, c.adapter.rank, c.adapter.alpha)) == adapter
+    assert (c.precision, c.model_dtype, c.checkpointing) == (precision, dtype, ckpt)
+    assert (c.optimizer, c.optimizer_bits, c.paged_optimizer) == optimizer
+    assert c.packing is packing
+    assert c.unknown == ()  # every key of the fixtures is read, set aside as irrelevant, or named unmodelled
+    read = {r.key for r in c.readings}
+    assert read and all(line for line in c.lines())
+    # the keys that carry the batch are listed as read
+    batch_keys = {"axolotl": "micro_batch_size", "llama-factory": "per_device_train_batch_size",
+                  "torchtune": "batch_size", "trl": "per_device_train_batch_size",
+                  "torchtitan": "training.local_batch_size"}
+    assert batch_keys[framework] in read
+
+
+def test_adapter_targets():
+    assert read_config(HERE / "torchtune_qlora_8b.yaml").adapter.targets == (
+        "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj")  # lora_attn_modules + apply_lora_to_mlp
+    assert read_config(HERE / "axolotl_qlora_8b.yml").adapter.targets == ("all-linear",)  # lora_target_linear
+    assert read_config(HERE / "trl_qlora_8b.yaml").adapter.dropout == 0.05
+
+
+def test_torchtune_chunked_loss_named():
+    c = read_config(HERE / "torchtune_full.yaml")
+    assert [k for k, _ in c.unmodelled] == ["loss._component_"]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_detection(name):
+    data, fmt = load(HERE / name)
+    assert detect(data, fmt) == EXPECTED[name][0]
+
+
+def test_detection_refuses_other_files(tmp_path):
+    other = tmp_path / "x.yaml"
+    other.write_text("foo: 1\nbar: [1, 2]\n")
+    with pytest.raises(InvalidInputError, match="cannot tell which framework"):
+        read_config(other)
+    bad = tmp_path / "x.cfg"
+    bad.write_text("a=1")
+    with pytest.raises(InvalidInputError, match=r"\.yaml"):
+        read_config(bad)
+
+
+@pytest.mark.parametrize("name,key,value", [
+    ("axolotl_full.yml", "activation_offloading", "true"),
+    ("axolotl_full.yml", "my_memory_trick", "true"),
+    ("llamafactory_full.yaml", "use_unsloth", "true"),
+    ("torchtune_full.yaml", "enable_activation_offloading", "True"),
+])
+def test_memory_keys_named(tmp_path, name, key, value):
+    path = tmp_path / name
+    path.write_text((HERE / name).read_text() + f"\n{key}: {value}\n")
+    c = read_config(path)
+    assert key in {k for k, _ in c.unmodelled} | set(c.unknown)
+    assert any(key in line for line in c.lines())
+
+
+def test_torchtitan_unknown_key_named(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text((HERE / "torchtitan_full.toml").read_text() + "\n[memory_trick]\nenable = true\n")
+    assert read_config(path).unknown == ("memory_trick.enable",)
+
+
+def _flat(data, prefix=""):
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _parse(path: Path):
+    text = path.read_text()
+    if path.suffix == ".toml":
+        return tomllib.loads(text)
+    if path.suffix == ".json":
+        return json.loads(text)
+    return yaml.safe_load(text)
+
+
+# a plan's knobs, written back by hand: the config's effective batch split 1 x (micro x accumulation), recomputation
+# flipped, 8-bit AdamW
+def _knobs(c, **kw):
+    total = c.micro_batch_size * c.accumulation_steps
+    return PlanKnobs(micro_batch_size=1, accumulation_steps=total, data_ranks=c.data_ranks, precision=c.precision,
+                     stored=None, checkpointing=c.checkpointing == "none", eight_bit_optimizer=True, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_written_back_changes_only_the_plans_keys(tmp_path, name):
+    c = read_config(HERE / name)
+    knobs = _knobs(c, fsdp=FsdpKnobs(True, False) if c.sharding else None)
+    changes = plan_changes(c, knobs)
+    out = write_config(c.path, changes, tmp_path / name)
+    before, after = _flat(_parse(HERE / name)), _flat(_parse(out))
+    differ = {k for k in before.keys() | after.keys() if before.get(k, "absent") != after.get(k, "absent")}
+    assert differ == set(changes) and changes
+    again = read_config(out)
+    assert again.effective_batch == c.effective_batch  # the effective batch unchanged
+    assert (again.micro_batch_size, again.checkpointing != "none") == (1, c.checkpointing == "none")
+    # comments kept: every comment line of the input is still in the output
+    comments = [line.strip() for line in (HERE / name).read_text().splitlines() if line.strip().startswith("#")]
+    assert all(line in out.read_text() for line in comments)
+
+
+def test_written_training_arguments_load_with_hf_argument_parser(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    for name in ("trl_full.json", "trl_qlora_8b.yaml"):
+        c = read_config(HERE / name)
+        out = write_config(c.path, plan_changes(c, _knobs(c)), tmp_path / name)
+        parser = transformers.HfArgumentParser(transformers.TrainingArguments)
+        # use_cpu: TrainingArguments refuses bf16 on a machine without a GPU, such as this one
+        (args,) = parser.parse_dict({**_parse(out), "use_cpu": True}, allow_extra_keys=True)
+        assert args.per_device_train_batch_size == 1
+        assert args.gradient_accumulation_steps == c.micro_batch_size * c.accumulation_steps
+        assert args.gradient_checkpointing is (c.checkpointing == "none")
+        assert args.optim == "adamw_bnb_8bit"
+
+
+def test_written_back_refuses_another_batch():
+    c = read_config(HERE / "axolotl_full.yml")
+    knobs = PlanKnobs(micro_batch_size=3, accumulation_steps=1, data_ranks=1, precision="bf16", stored=None,
+                      checkpointing=False)
+    with pytest.raises(InvalidInputError, match="effective batch"):
+        plan_changes(c, knobs)
+
+
+def test_render_keeps_yaml_layout():
+    c = read_config(HERE / "axolotl_qlora_8b.yml")
+    text = render(c.path, {"micro_batch_size": 1, "gradient_accumulation_steps": 8})
+    original = (HERE / "axolotl_qlora_8b.yml").read_text().splitlines()
+    changed = [a for a, b in zip(original, text.splitlines()) if a != b]
+    assert changed == ["gradient_accumulation_steps: 4", "micro_batch_size: 2"]
+
+
+def _tiny(tmp_path, name: str, **changes) -> Path:
+    """A fixture with its model swapped for the tiny local config (a plan in seconds), and other keys changed."""
+    key = {"axolotl_full.yml": "base_model", "trl_full.json": "model_name_or_path",
+           "llamafactory_full.yaml": "model_name_or_path"}[name]
+    path = tmp_path / name
+    path.write_text(render(HERE / name, {key: str(TINY), **changes}))
+    return path
