@@ -38,21 +38,39 @@ def load(path: Path) -> tuple[Mapping[str, Any], str]:
     except OSError as e:
         raise InvalidInputError(f"{path}: cannot read it ({e.strerror or e})") from e
     try:
-        if fmt == "toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        elif fmt == "json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
+        data = _parse(text, fmt)
+    except InvalidInputError:
+        raise
     except Exception as e:  # noqa: BLE001 - each parser has its own error type; all are bad input here
         raise InvalidInputError(f"{path}: not valid {fmt.upper()}: {e}") from e
     if not isinstance(data, Mapping):
         raise InvalidInputError(f"{path}: the file holds no mapping of keys (got {type(data).__name__})")
     return data, fmt
+
+
+def _parse(text: str, fmt: str) -> Any:
+    """Plain mappings: JSON by the standard library, TOML by tomllib (Python 3.11+) or tomlkit, YAML 1.2 by
+    ruamel.yaml's safe loader (the configs extra; writing back uses the same libraries round trip)."""
+    if fmt == "json":
+        return json.loads(text)
+    if fmt == "toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            return _extra("tomlkit").parse(text).unwrap()
+        return tomllib.loads(text)
+    yaml = _extra("ruamel.yaml").YAML(typ="safe", pure=True)
+    return yaml.load(text)
+
+
+def _extra(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise InvalidInputError(f"reading a training config needs {module}: pip install "
+                                "'torch-autofit[configs]'") from e
 
 
 def detect(data: Mapping[str, Any], fmt: str = "yaml") -> str:
