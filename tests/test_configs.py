@@ -202,3 +202,132 @@ def _tiny(tmp_path, name: str, **changes) -> Path:
     path = tmp_path / name
     path.write_text(render(HERE / name, {key: str(TINY), **changes}))
     return path
+
+
+# ---- plans and checks of the full fine-tune configs, the model swapped for tests/configs/tiny-llama -----------------
+MODEL_KEY = {"axolotl_full.yml": "base_model", "llamafactory_full.yaml": "model_name_or_path",
+             "trl_full.json": "model_name_or_path", "torchtune_full.yaml": "checkpointer.checkpoint_dir",
+             "torchtitan_full.toml": "model.hf_assets_path"}
+SEQ_KEY = {"axolotl_full.yml": "sequence_len", "llamafactory_full.yaml": "cutoff_len", "trl_full.json": "max_length",
+           "torchtune_full.yaml": "tokenizer.max_seq_len", "torchtitan_full.toml": "training.seq_len"}
+
+
+def tiny(tmp_path, name: str, seq: int = 256, **changes) -> Path:
+    """The fixture ``name`` with the tiny local model, ``seq`` tokens per row and ``changes`` (dotted keys)."""
+    path = tmp_path / name
+    path.write_text(render(HERE / name, {MODEL_KEY[name]: str(TINY), SEQ_KEY[name]: seq, **changes}))
+    return path
+
+
+@pytest.mark.sim
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODEL_KEY))
+def test_plan_written_back_fits_as_written(tmp_path, name):
+    """The plan of a config, written back: the file parses, differs from the input in the plan's keys only, keeps
+    the effective batch, and -- estimated as written, by autofit.check_config's own estimate call -- fits the
+    budget the plan was made for."""
+    import autofit
+
+    source = tiny(tmp_path, name)
+    out = tmp_path / f"planned{source.suffix}"
+    result = autofit.plan_config(source, "700MiB", gpu="RTX-4090", write=out)
+    before, after = _flat(_parse(source)), _flat(_parse(out))
+    differ = {k for k in before.keys() | after.keys() if before.get(k, "absent") != after.get(k, "absent")}
+    assert differ == set(result.changes)
+    written = read_config(out)
+    assert written.effective_batch == result.config.effective_batch == result.plan.batch_size
+    assert (written.micro_batch_size, written.accumulation_steps) == (
+        result.plan.even_split or (result.plan.micro_batch_size, result.plan.gradient_accumulation_steps))
+    check = autofit.check_config(out, "RTX-4090")
+    assert check.estimate.device_bytes <= result.plan.budget_bytes, (check.estimate.device_bytes, result.plan)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.sim
+def test_check_exit_codes(tmp_path):
+    """0 fits, 3 does not, 2 bad input; the figures are autofit.estimate's with the config's knobs, called by hand."""
+    import torch
+
+    import autofit
+    from autofit.cli.specs import load_spec
+
+    fits = tiny(tmp_path, "axolotl_full.yml", micro_batch_size=2)
+    result = _cli("check", fits, "--gpu", "RTX-4090", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    spec = load_spec(f"hf:{TINY}", input_shapes=[(256,)], task="causal-lm")
+    spec.model.to(torch.bfloat16)  # axolotl loads the weights in bf16 under bf16: auto
+    by_hand = autofit.estimate(spec.model, spec.sample, micro_batch_size=2, accumulation_steps=8, precision="bf16",
+                               optimizer="adamw", clip_grad_norm=1.0, device=autofit.Device(kind="cuda",
+                                                                                           gpu="RTX-4090"))
+    assert data["fits"] is True and data["device_bytes"] == by_hand.device_bytes
+    assert data["capacity_bytes"] == autofit.gpu_spec("RTX-4090").memory_bytes
+    big = tmp_path / "big"
+    big.mkdir()
+    over = tiny(big, "axolotl_full.yml", seq=512, micro_batch_size=512)
+    result = _cli("check", over, "--gpu", "RTX-4090")
+    assert result.exit_code == 3, result.output
+    assert "does NOT fit" in result.output and "peak by category" in result.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("micro_batch_size: [1\n")
+    result = _cli("check", bad, "--gpu", "RTX-4090")
+    assert result.exit_code == 2 and "error:" in result.output
+
+
+@pytest.mark.sim
+def test_check_names_unknown_memory_keys(tmp_path):
+    path = tiny(tmp_path, "axolotl_full.yml", micro_batch_size=2, activation_offloading=True, my_memory_trick=True)
+    result = _cli("check", path, "--gpu", "RTX-4090")
+    assert result.exit_code == 0, result.output
+    assert "not modelled: activation_offloading" in result.output
+    assert "unknown key (may change memory, not read): my_memory_trick" in result.output
+
+
+def test_adapter_configs_need_hf_model(monkeypatch):
+    """Without autofit.hf_model (the lora branch), a LoRA config is a typed error naming what is missing; with it,
+    the adapter's rank, targets, alpha and 4-bit base reach it as its keywords."""
+    import autofit
+    from autofit.core.errors import UnsupportedModelError
+    from autofit.frontdoor.run import model_spec
+
+    config = read_config(HERE / "axolotl_qlora_8b.yml")
+    if "hf_model" not in autofit.__all__:
+        with pytest.raises(UnsupportedModelError, match=r"autofit.hf_model\(name, lora=RANK"):
+            model_spec(config)
+    seen = {}
+
+    def fake(name, **kw):
+        seen.update(kw, name=name)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(autofit, "hf_model", fake, raising=False)
+    with pytest.raises(RuntimeError, match="stop"):
+        model_spec(config)
+    assert seen == {"name": "meta-llama/Meta-Llama-3-8B", "dtype": "bfloat16", "task": "causal-lm", "lora": 32,
+                    "lora_targets": None, "lora_alpha": 16.0, "qlora": True}
+    seen.clear()
+    with pytest.raises(RuntimeError, match="stop"):
+        model_spec(read_config(HERE / "torchtune_qlora_8b.yaml"))
+    assert seen["lora_targets"] == ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"]
+
+
+@pytest.mark.sim
+def test_cli_plan_from_and_write(tmp_path):
+    source = tiny(tmp_path, "torchtitan_full.toml")
+    out = tmp_path / "out.toml"
+    result = _cli("plan", "--from", source, "--budget", "700MiB", "--gpu", "RTX-4090", "--write", out, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert f"read {source} as a torchtitan config" in result.output and f"wrote {out}" in result.output
+    assert read_config(out).effective_batch == read_config(source).effective_batch == 32
+    assert all(line in out.read_text() for line in source.read_text().splitlines() if line.startswith("#"))
+    refused = _cli("plan", "hf:gpt2", "--from", source, "--budget", "700MiB")
+    assert refused.exit_code == 2 and "drop MODEL" in refused.output
+    alone = _cli("plan", "hf:gpt2", "--budget", "1GB", "--write", out)
+    assert alone.exit_code == 2 and "--write writes back the config given with --from" in alone.output
