@@ -324,7 +324,7 @@ def test_cli_plan_from_and_write(tmp_path):
     out = tmp_path / "out.toml"
     result = _cli("plan", "--from", source, "--budget", "700MiB", "--gpu", "RTX-4090", "--write", out, "--quiet")
     assert result.exit_code == 0, result.output
-    assert f"read {source} as a torchtitan config" in result.output and f"wrote {out}" in result.output
+    assert f"read {source}: torchtitan config" in result.output and f"wrote {out}" in result.output
     assert read_config(out).effective_batch == read_config(source).effective_batch == 32
     assert all(line in out.read_text() for line in source.read_text().splitlines() if line.startswith("#"))
     refused = _cli("plan", "hf:gpt2", "--from", source, "--budget", "700MiB")

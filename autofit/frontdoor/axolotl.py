@@ -6,6 +6,7 @@ Field semantics from axolotl-ai-cloud/axolotl (read at 067b021, 2026-07), ``src/
   ``batch_size`` (total; ``normalize_config`` in ``utils/config/__init__.py`` derives the accumulation as
   ``batch_size // micro_batch_size`` when it is not given), ``optimizer`` (transformers' ``OptimizerNames`` plus
   axolotl's own).
+- ``max_grad_norm`` is passed to transformers' ``TrainingArguments`` when set, whose default (1.0) clips.
 - ``config.py``: ``sequence_len`` (default 512), ``sample_packing``; ``bf16`` (default ``auto``: bf16 where the
   GPU has it), ``fp16``, ``bfloat16`` / ``float16`` (the model in that dtype without autocast);
   ``gradient_checkpointing`` (false, true, ``offload``: checkpoints offloaded to the host);
@@ -34,7 +35,7 @@ FRAMEWORK = "axolotl"
 IRRELEVANT = ("model_type", "tokenizer_type", "attn_implementation", "flash_attention", "sdp_attention",
               "xformers_attention", "tf32", "lora_model_dir", "dataset_prepared_path", "pretraining_dataset",
               "pad_to_sequence_len", "reinit_weights", "saves_per_epoch", "gradient_checkpointing_kwargs",
-              "max_grad_norm", "lora_fan_in_fan_out", "fsdp_config.*state_dict_type", "fsdp_config.*auto_wrap_policy",
+              "lora_fan_in_fan_out", "fsdp_config.*state_dict_type", "fsdp_config.*auto_wrap_policy",
               "fsdp_config.*transformer_layer_cls_to_wrap", "fsdp_config.*cpu_ram_efficient_loading",
               "fsdp_config.*sync_module_states", "fsdp_config.*use_orig_params", "base_model_config",
               "peft_use_rslora", "hub_model_id", "is_*_derived_model", "excess_length_strategy")
@@ -121,6 +122,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
                 fields.unmodelled(k, why)
         else:
             fields.unmodelled(key, why)
+    clip = fields.get("max_grad_norm", "clip the gradients' norm (the Trainer's default 1.0)", 1.0)
     model, note = model_ref(str(name), path)
     notes = [note] if note else []
     if bf16 == "auto":
@@ -129,6 +131,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
     return build(FRAMEWORK, path, fields, model=model, notes=tuple(notes), sequence_length=seq,
                  micro_batch_size=micro, accumulation_steps=accum, packing=packing, precision=precision,
                  model_dtype=dtype, adapter=adapter, checkpointing="full" if gc else "none", sharding=sharding,
+                 clip_grad_norm=float(clip) if clip else None,
                  **values)
 
 

@@ -20,9 +20,9 @@ EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
 
 
 def _print_reading(console: Console, config) -> None:
-    console.print(f"read {config.path} as a {config.framework} config "
-                  f"(effective batch {config.micro_batch_size} x {config.accumulation_steps} x {config.data_ranks} "
-                  f"= {config.effective_batch}):", highlight=False, markup=False)
+    console.print(f"read {config.path}: {config.framework} config, "
+                  f"effective batch {config.micro_batch_size} x {config.accumulation_steps} x {config.data_ranks} "
+                  f"= {config.effective_batch}", highlight=False, markup=False)
     for line in config.lines():
         console.print(f"  {line}", highlight=False, markup=False)
 
