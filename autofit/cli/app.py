@@ -109,7 +109,9 @@ BatchDimOpt = Annotated[str, typer.Option(
     "time-major sequences (nn.LSTM's default), or 'INPUTS,TARGET' when they differ (1,0: one label per sequence); "
     "the plan records it for its trainer (Note [the batch dimension])")]
 OptionalModelArg = Annotated[Optional[str], typer.Argument(
-    metavar="[MODEL]", show_default=False, help="as for estimate (pkg.module:factory, hf:NAME, ...); not with --from")]
+    metavar="MODEL", show_default=False, help="pkg.module:factory, file.py:factory, torchvision:NAME, hf:NAME (a "
+                                              "checkpoint such as hf:Qwen/Qwen2.5-0.5B; 'autofit models' lists "
+                                              "those known offline) or hf:TYPE --config k=v; none with --from FILE")]
 OptionalBatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-n", help="effective batch: samples per "
                                                          "optimizer step (with --from: the config's)")]
 FromOpt = Annotated[Optional[Path], typer.Option(
