@@ -331,3 +331,23 @@ def test_cli_plan_from_and_write(tmp_path):
     assert refused.exit_code == 2 and "drop MODEL" in refused.output
     alone = _cli("plan", "hf:gpt2", "--budget", "1GB", "--write", out)
     assert alone.exit_code == 2 and "--write writes back the config given with --from" in alone.output
+
+
+@pytest.mark.sim
+def test_check_keeps_the_configs_offload(tmp_path):
+    """torchtitan's enable_cpu_offload reaches the estimate: autofit.estimate called by hand with the config's knobs
+    and offload_states=True gives the same figures, and the states leave the device for the host."""
+    import autofit
+    from autofit.frontdoor.run import model_spec
+    from autofit.solve.sharding import shard_units
+
+    path = tiny(tmp_path, "torchtitan_full.toml", **{"training.enable_cpu_offload": True})
+    check = autofit.check_config(path, "RTX-4090")
+    spec = model_spec(check.config)
+    knobs = dict(micro_batch_size=4, accumulation_steps=8, precision="bf16", optimizer="adamw", clip_grad_norm=1.0,
+                 checkpoint={u: "selective" for u in shard_units(spec.model)},
+                 device=autofit.Device(kind="cuda", gpu="RTX-4090"))
+    by_hand = autofit.estimate(spec.model, spec.sample, offload_states=True, **knobs)
+    kept = autofit.estimate(spec.model, spec.sample, **knobs)
+    assert (check.estimate.device_bytes, check.estimate.host_bytes) == (by_hand.device_bytes, by_hand.host_bytes)
+    assert by_hand.host_bytes > 0 and by_hand.device_bytes < kept.device_bytes

@@ -156,9 +156,13 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
         if not units:
             raise UnsupportedModelError(f"{config.hf_name}: no repeated blocks to recompute as the config asks")
         checkpoint = {u: config.checkpointing for u in units}
+    layout = layout_for(config)
+    # parameters, gradients and optimizer state on the host (FSDP2's CPUOffloadPolicy; DeepSpeed's offload as the
+    # same), where the layout can hold them: one process, or FSDP2
+    offload = config.sharding is not None and config.sharding.offload and layout.get("strategy") in (None, "fsdp2")
     est = estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
                    micro_batch_size=config.micro_batch_size, accumulation_steps=config.accumulation_steps,
                    optimizer=optimizer_for(config), precision=config.precision, clip_grad_norm=config.clip_grad_norm,
-                   device=Device(kind="cuda", gpu=card.name), layout=Layout(**layout_for(config)),
-                   checkpoint=checkpoint, optimizer_in_backward=config.optimizer_in_backward)
+                   device=Device(kind="cuda", gpu=card.name), layout=Layout(**layout), checkpoint=checkpoint,
+                   optimizer_in_backward=config.optimizer_in_backward, offload_states=offload)
     return ConfigCheck(config, est, card.name, card.memory_bytes)

@@ -9,7 +9,7 @@ version with it, whose fields autofit's torchtitan export writes too (autofit/em
 - ``[training]``: ``local_batch_size`` (default 8) rows per device, ``global_batch_size`` (-1: local x data ranks;
   larger: the accumulation is global / (local x data ranks)), ``seq_len`` (2048), ``mixed_precision_param``
   (bfloat16: FSDP2's MixedPrecisionPolicy computes in bf16 over fp32 parameters), ``enable_cpu_offload``
-  (FSDP2's CPUOffloadPolicy), ``max_norm`` (clipping).
+  (FSDP2's CPUOffloadPolicy), ``max_norm`` (1.0: clipping).
 - ``[parallelism]``: ``data_parallel_replicate_degree`` (1), ``data_parallel_shard_degree`` (-1: every rank
   left), ``fsdp_reshard_after_forward`` (default / always / never), ``tensor_parallel_degree``,
   ``pipeline_parallel_degree``, ``context_parallel_degree``, ``expert_parallel_degree``.
@@ -35,7 +35,7 @@ __all__ = ["read", "looks_like", "changes", "FRAMEWORK"]
 FRAMEWORK = "torchtitan"
 IRRELEVANT = ("job.*", "profiling.*", "metrics.*", "checkpoint.*", "validation.*", "lr_scheduler.*", "optimizer.lr",
               "optimizer.eps", "optimizer.weight_decay", "optimizer.implementation", "training.steps",
-              "training.dataset", "training.dataset_path", "training.max_norm", "training.seed",
+              "training.dataset", "training.dataset_path", "training.seed",
               "training.mixed_precision_reduce", "model.tokenizer_path", "comm.*", "experimental.*",
               "quantize.linear.float8.filter_fqns", "quantize.linear.float8.enable_fsdp_float8_all_gather",
               "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "compile.components",
@@ -102,11 +102,12 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
     fields.unmodelled("model.converters", "model converters (Float8, MX) change the linear layers")
     fields.unmodelled("quantize.linear.float8.recipe_name", "Float8 linear layers")
     seq = as_int(fields.get("training.seq_len", "tokens per row", 2048), "seq_len")
+    clip = fields.get("training.max_norm", "clip the gradients' norm", 1.0)
     model, note = model_ref(str(assets).rstrip("/"), path)
     return build(FRAMEWORK, path, fields, model=model, notes=(note,) if note else (), sequence_length=seq,
                  micro_batch_size=local, accumulation_steps=accum, data_ranks=ranks, data_ranks_stated=stated,
                  precision="bf16" if mixed == "bfloat16" else "fp32", model_dtype="fp32",
-                 checkpointing=checkpointing, optimizer=optimizer,
+                 checkpointing=checkpointing, optimizer=optimizer, clip_grad_norm=float(clip) if clip else None,
                  sharding=Sharding(kind="fsdp", zero_stage=2 if raf == "never" else 3,
                                    reshard_after_forward=raf != "never", offload=offload))
 

@@ -103,8 +103,9 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
                       "fsdp_cpu_offload")
     fields.mark("fsdp_reshard_after_forward")
     raf = fields.raw("fsdp_reshard_after_forward", True)
+    # only the distributed recipes' configs carry FSDP keys (the recipe, not the file, decides the launch)
     sharding = Sharding(kind="fsdp", zero_stage=3 if raf else 2, reshard_after_forward=bool(raf), offload=offload) \
-        if "distributed" in str(path or "") or fields.has("fsdp_cpu_offload") else None
+        if fields.has("fsdp_cpu_offload") or fields.has("fsdp_reshard_after_forward") else None
     in_bwd = as_bool(fields.get("optimizer_in_bwd", "the optimizer steps each parameter in backward", False),
                      "optimizer_in_bwd")
     clip = fields.get("clip_grad_norm", "clip the gradients' norm")
