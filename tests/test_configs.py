@@ -67,6 +67,16 @@ def test_fields_read(name):
     assert batch_keys[framework] in read
 
 
+def test_launch_ranks():
+    """A per-device batch multiplies by the ranks the launcher gives; torchtitan's stated global batch stays."""
+    axolotl = read_config(HERE / "axolotl_full.yml", data_ranks=4)
+    assert (axolotl.micro_batch_size, axolotl.accumulation_steps, axolotl.effective_batch) == (1, 8, 32)
+    titan = read_config(HERE / "torchtitan_full.toml", data_ranks=4)  # global 32, local 4
+    assert (titan.micro_batch_size, titan.accumulation_steps, titan.effective_batch) == (4, 2, 32)
+    with pytest.raises(InvalidInputError, match="not a multiple"):
+        read_config(HERE / "torchtitan_full.toml", data_ranks=3)
+
+
 def test_adapter_targets():
     assert read_config(HERE / "torchtune_qlora_8b.yaml").adapter.targets == (
         "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj")  # lora_attn_modules + apply_lora_to_mlp

@@ -98,7 +98,11 @@ def read_config(path: str | Path, *, data_ranks: int | None = None) -> TrainConf
 
     path = Path(path)
     data, fmt = load(path)
-    config = reader(detect(data, fmt)).read(data, path)
+    module = reader(detect(data, fmt))
+    config = module.read(data, path)
     if data_ranks is not None and data_ranks != config.data_ranks:
-        config = dataclasses.replace(config, data_ranks=data_ranks, data_ranks_stated=True)
+        # per-device batches multiply by the ranks; a framework that states a global batch re-splits it
+        rerank = getattr(module, "with_ranks", None)
+        config = rerank(config, data_ranks) if rerank else dataclasses.replace(
+            config, data_ranks=data_ranks, data_ranks_stated=True)
     return config

@@ -30,7 +30,7 @@ from autofit.core.errors import InvalidInputError
 from autofit.frontdoor.models import model_ref
 from autofit.frontdoor.value import Fields, Sharding, TrainConfig, as_bool, as_int, build
 
-__all__ = ["read", "looks_like", "changes", "FRAMEWORK"]
+__all__ = ["read", "looks_like", "changes", "with_ranks", "FRAMEWORK"]
 
 FRAMEWORK = "torchtitan"
 IRRELEVANT = ("job.*", "profiling.*", "metrics.*", "checkpoint.*", "validation.*", "lr_scheduler.*", "optimizer.lr",
@@ -110,6 +110,21 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
                  checkpointing=checkpointing, optimizer=optimizer, clip_grad_norm=float(clip) if clip else None,
                  sharding=Sharding(kind="fsdp", zero_stage=2 if raf == "never" else 3,
                                    reshard_after_forward=raf != "never", offload=offload))
+
+
+def with_ranks(config: TrainConfig, ranks: int) -> TrainConfig:
+    """The config launched on ``ranks`` data ranks: a stated global batch stays, so the accumulation is global /
+    (local x ranks); without one (-1) every rank adds its rows."""
+    import dataclasses
+
+    stated = next((int(r.value) for r in config.readings if r.key == "training.global_batch_size"), -1)
+    accum = config.accumulation_steps
+    if stated > 0:
+        if stated % (config.micro_batch_size * ranks):
+            raise InvalidInputError(f"global_batch_size {stated} is not a multiple of local_batch_size "
+                                    f"{config.micro_batch_size} x {ranks} data ranks")
+        accum = stated // (config.micro_batch_size * ranks)
+    return dataclasses.replace(config, data_ranks=ranks, data_ranks_stated=True, accumulation_steps=accum)
 
 
 def changes(config: TrainConfig, knobs) -> dict[str, Any]:
