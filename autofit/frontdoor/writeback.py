@@ -65,6 +65,15 @@ def knobs_of(plan) -> PlanKnobs:
                      "cannot say: train with plan.wrap() for that")
     if plan.low_bit_optimizer:
         notes.append(f"the plan steps {plan.low_bit_optimizer}")
+    # step features no framework key carries: the launch must add them, or the step holds more than planned
+    if plan.alloc_conf:
+        notes.append(f"the plan needs PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} in the launch's environment")
+    if plan.preallocated_grads:
+        notes.append("the plan allocates every gradient before the first forward (zero_grad(set_to_none=False)); "
+                     "the framework's loop frees them: check the written config with autofit check")
+    if plan.chunked_loss is not None:
+        notes.append("the plan computes the loss in chunks (--allow chunked-loss), which the config cannot say: "
+                     "train with plan.wrap(), or use the framework's chunked loss")
     shards = plan.parallel.shards_parameters
     fsdp = FsdpKnobs(plan.reshard_after_forward is not False, plan.offload_states) if shards or \
         plan.offload_states else None
