@@ -1,5 +1,5 @@
 """The front door: training configs of five frameworks read into one typed value, written back with only what the
-plan changes, and checked on a card (autofit/frontdoor/). The truths: the fixtures' own values, counted by hand
+plan changes, and checked on a card (autofit/cli/configs/). The truths: the fixtures' own values, counted by hand
 from tests/configs/*; the written files parsed by plain parsers (and transformers' HfArgumentParser); the estimate
 a config check prints against ``autofit.estimate`` called with the same knobs by hand."""
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor.detect import detect, load, read_config
-from autofit.frontdoor.writeback import FsdpKnobs, PlanKnobs, plan_changes, render, write_config
+from autofit.cli.configs.detect import detect, load, read_config
+from autofit.cli.configs.writeback import FsdpKnobs, PlanKnobs, plan_changes, render, write_config
 
 HERE = Path(__file__).parent / "configs"
 TINY = HERE / "tiny-llama"
@@ -305,7 +305,7 @@ def test_adapter_configs_need_hf_model(monkeypatch):
     the adapter's rank, targets, alpha and 4-bit base reach it as its keywords."""
     import autofit
     from autofit.core.errors import UnsupportedModelError
-    from autofit.frontdoor.run import model_spec
+    from autofit.cli.configs.run import model_spec
 
     config = read_config(HERE / "axolotl_qlora_8b.yml")
     if "hf_model" not in autofit.__all__:
@@ -348,7 +348,7 @@ def test_check_keeps_the_configs_offload(tmp_path):
     """torchtitan's enable_cpu_offload reaches the estimate: autofit.estimate called by hand with the config's knobs
     and offload_states=True gives the same figures, and the states leave the device for the host."""
     import autofit
-    from autofit.frontdoor.run import model_spec
+    from autofit.cli.configs.run import model_spec
     from autofit.solve.sharding import shard_units
 
     path = tiny(tmp_path, "torchtitan_full.toml", **{"training.enable_cpu_offload": True})

@@ -220,7 +220,7 @@ def plan(
         if write is not None and from_file is None:
             raise InvalidInputError("--write writes back the config given with --from FILE")
         if from_file is not None:  # the model, batch, ranks, precision and optimizer from the config
-            from autofit.frontdoor.cli import plan_inputs
+            from autofit.cli.configs.cli import plan_inputs
 
             with one_line_warnings(console):
                 read = plan_inputs(from_file, model=model, batch_size=batch_size, world_size=world_size,
@@ -266,7 +266,7 @@ def plan(
     else:
         render_plan(console, result, spec.description, analyses[result.precision.label].table)
     if write is not None:
-        from autofit.frontdoor.cli import write_back
+        from autofit.cli.configs.cli import write_back
 
         try:
             write_back(console_for(stderr=as_json), read["config"], result, write)
@@ -395,7 +395,7 @@ def check(
 ) -> None:
     """Estimate the training config FILE as written on the card --gpu: fits or not, the peak and its breakdown,
     what was read. Exits 0 when it fits, 3 when it does not, 2 on bad input."""
-    from autofit.frontdoor.cli import check as run_check
+    from autofit.cli.configs.cli import check as run_check
 
     console = console_for(stderr=as_json)
     try:

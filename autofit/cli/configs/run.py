@@ -1,4 +1,4 @@
-"""A :class:`~autofit.frontdoor.value.TrainConfig` mapped onto autofit's own calls: the model and sample it names
+"""A :class:`~autofit.cli.configs.value.TrainConfig` mapped onto autofit's own calls: the model and sample it names
 (:func:`model_spec`), ``autofit.plan`` for its effective batch (:func:`plan_config`) and ``autofit.estimate`` of
 the step as written (:func:`check_config`)."""
 
@@ -9,25 +9,27 @@ from pathlib import Path
 from typing import Any
 
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
-from autofit.frontdoor.detect import read_config
-from autofit.frontdoor.value import TrainConfig
+from autofit.cli.configs.detect import read_config
+from autofit.cli.configs.value import TrainConfig
 
-__all__ = ["model_spec", "optimizer_for", "layout_for", "plan_config", "check_config", "ConfigPlan", "ConfigCheck"]
+__all__ = ["model_spec", "optimizer_for", "layout_for", "plan_config", "plan_precision", "check_config", "ConfigPlan",
+           "ConfigCheck"]
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _adapter_model(config: TrainConfig):
     """The model with its adapter, built by ``autofit.hf_model`` (LoRA/QLoRA on the meta device)."""
-    import autofit
+    import importlib
 
-    try:
-        builder = autofit.hf_model
-    except AttributeError:
+    # the public builder of LoRA / QLoRA models on the meta device, looked up by its public name when called: the
+    # module that defines it is another part's choice, and autofit/__init__.py imports this one lazily
+    builder = getattr(importlib.import_module("autofit"), "hf_model", None)
+    if builder is None:
         raise UnsupportedModelError(
             f"{config.framework} config {config.path or ''}: its {config.adapter.kind.upper()} adapter (rank "
             f"{config.adapter.rank}) needs autofit.hf_model(name, lora=RANK, lora_targets=..., qlora=...), which "
-            "this autofit lacks; plan the full model with the adapter keys removed, or update autofit") from None
+            "this autofit lacks; plan the full model with the adapter keys removed, or update autofit")
     adapter = config.adapter
     targets = None if not adapter.targets or adapter.targets == ("all-linear",) else list(adapter.targets)
     return builder(config.hf_name, dtype=_TORCH_DTYPES.get(config.model_dtype or "", "auto"), task="causal-lm",
@@ -84,10 +86,14 @@ def layout_for(config: TrainConfig) -> dict[str, Any]:
     if config.data_ranks == 1:
         return {"world_size": 1}
     s = config.sharding
-    if s is None or (s.kind == "deepspeed" and (s.zero_stage or 0) < 2):
+    if not _shards(config):
         return {"world_size": config.data_ranks, "strategy": "ddp"}
     return {"world_size": config.data_ranks, "strategy": "fsdp2",
             "reshard_after_forward": s.zero_stage != 2 if s.reshard_after_forward is None else s.reshard_after_forward}
+
+
+def _shards(config: TrainConfig) -> bool:
+    return config.sharding is not None and config.sharding.shards_states
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ def plan_config(path: str | Path, budget: int | str, *, gpu: Any = None, data_ra
                 allow: tuple[str, ...] = (), write: str | Path | None = None, **plan_options: Any) -> ConfigPlan:
     """``autofit.plan`` of the config at ``path`` for its own effective batch, model, precision and optimizer;
     the keys the plan changes (``changes``) and, with ``write``, the config written back with them."""
-    from autofit.frontdoor.writeback import knobs_of, plan_changes, write_config
+    from autofit.cli.configs.writeback import knobs_of, plan_changes, write_config
     from autofit.options import Device, Layout, Precision, Savers
     from autofit.planner import plan
 
@@ -159,7 +165,7 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
     layout = layout_for(config)
     # parameters, gradients and optimizer state on the host (FSDP2's CPUOffloadPolicy; DeepSpeed's offload as the
     # same), where the layout can hold them: one process, or FSDP2
-    offload = config.sharding is not None and config.sharding.offload and layout.get("strategy") in (None, "fsdp2")
+    offload = config.sharding is not None and config.sharding.offload and (config.data_ranks == 1 or _shards(config))
     est = estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
                    micro_batch_size=config.micro_batch_size, accumulation_steps=config.accumulation_steps,
                    optimizer=optimizer_for(config), precision=config.precision, clip_grad_norm=config.clip_grad_norm,

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor.models import model_ref
-from autofit.frontdoor.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
+from autofit.cli.configs.models import model_ref
+from autofit.cli.configs.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
 
 __all__ = ["read", "looks_like", "read_trainer_keys", "optimizer_of", "sharding_of", "dtype_name", "TRL_KEYS",
-           "IRRELEVANT", "changes"]
+           "IRRELEVANT", "changes", "trainer_changes", "EIGHT_BIT_NAME"]
 
 TRL_KEYS = ("max_length", "max_seq_length", "packing", "use_peft", "dataset_text_field", "completion_only_loss",
             "assistant_only_loss", "model_init_kwargs", "padding_free", "lora_r")
@@ -86,7 +86,7 @@ def _deepspeed(fields: Fields, key: str, value: Any, base: Path | None) -> Shard
             fields.skipped.append((key, f"{value!r}: the DeepSpeed file is not there to read; its ZeRO stage is "
                                         "taken from the name (zero3/z3 -> 3)"))
             stage = next((s for s in (3, 2, 1, 0) if f"z{s}" in value or f"zero{s}" in value), 0)
-            return Sharding(kind="deepspeed", zero_stage=stage, offload="offload" in value)
+            return Sharding(deepspeed=True, zero_stage=stage, offload="offload" in value)
         import json
 
         value = json.loads(path.read_text())
@@ -94,7 +94,7 @@ def _deepspeed(fields: Fields, key: str, value: Any, base: Path | None) -> Shard
     stage = int(zero.get("stage", 0))
     offload = any(str((zero.get(k) or {}).get("device", "none")) == "cpu" for k in ("offload_param",
                                                                                       "offload_optimizer"))
-    return Sharding(kind="deepspeed", zero_stage=stage, offload=offload)
+    return Sharding(deepspeed=True, zero_stage=stage, offload=offload)
 
 
 def sharding_of(fields: Fields, base: Path | None) -> Sharding | None:
@@ -109,7 +109,7 @@ def sharding_of(fields: Fields, base: Path | None) -> Sharding | None:
     raf = fields.get("fsdp_config.reshard_after_forward", "FSDP2: reshard parameters after forward (ZeRO-3)")
     fields.get("fsdp_config.version", "FSDP version (2: fully_shard)")
     stage = 2 if "shard_grad_op" in words else 3
-    return Sharding(kind="fsdp", zero_stage=stage,
+    return Sharding(zero_stage=stage,
                     reshard_after_forward=None if raf is None else as_bool(raf, "fsdp_config.reshard_after_forward"),
                     offload="offload" in words)
 
@@ -195,7 +195,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
 
 
 def changes(config: TrainConfig, knobs) -> dict[str, Any]:
-    """The keys of a TrainingArguments file the plan ``knobs`` change (autofit.frontdoor.writeback.PlanKnobs)."""
+    """The keys of a TrainingArguments file the plan ``knobs`` change (autofit.cli.configs.writeback.PlanKnobs)."""
     return trainer_changes(config, knobs)
 
 
@@ -214,7 +214,7 @@ def trainer_changes(config: TrainConfig, knobs, *, checkpoint_key: str = "gradie
         out[checkpoint_key] = (not knobs.checkpointing) if checkpoint_inverted else knobs.checkpointing
     if knobs.eight_bit_optimizer and config.optimizer_bits != 8:
         out["optim"] = EIGHT_BIT_NAME
-    if knobs.fsdp is not None and config.sharding is not None and config.sharding.kind == "fsdp":
+    if knobs.fsdp is not None and config.sharding is not None and not config.sharding.deepspeed:
         words = ["full_shard" if knobs.fsdp.reshard_after_forward else "shard_grad_op", "auto_wrap"]
         if knobs.fsdp.offload:
             words.append("offload")

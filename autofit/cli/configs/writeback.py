@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor.detect import FORMATS, reader
-from autofit.frontdoor.value import TrainConfig
+from autofit.cli.configs.detect import FORMATS, reader
+from autofit.cli.configs.value import TrainConfig
 
 __all__ = ["FsdpKnobs", "PlanKnobs", "knobs_of", "plan_changes", "write_config", "render"]
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor.models import model_ref
-from autofit.frontdoor.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
+from autofit.cli.configs.models import model_ref
+from autofit.cli.configs.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
 
 __all__ = ["read", "looks_like", "changes", "FRAMEWORK"]
 
@@ -104,7 +104,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
     fields.mark("fsdp_reshard_after_forward")
     raf = fields.raw("fsdp_reshard_after_forward", True)
     # only the distributed recipes' configs carry FSDP keys (the recipe, not the file, decides the launch)
-    sharding = Sharding(kind="fsdp", zero_stage=3 if raf else 2, reshard_after_forward=bool(raf), offload=offload) \
+    sharding = Sharding(zero_stage=3 if raf else 2, reshard_after_forward=bool(raf), offload=offload) \
         if fields.has("fsdp_cpu_offload") or fields.has("fsdp_reshard_after_forward") else None
     in_bwd = as_bool(fields.get("optimizer_in_bwd", "the optimizer steps each parameter in backward", False),
                      "optimizer_in_bwd")

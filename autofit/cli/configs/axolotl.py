@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor.hf_args import EIGHT_BIT_NAME, optimizer_of, sharding_of
-from autofit.frontdoor.models import model_ref
-from autofit.frontdoor.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
+from autofit.cli.configs.hf_args import EIGHT_BIT_NAME, optimizer_of, sharding_of
+from autofit.cli.configs.models import model_ref
+from autofit.cli.configs.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
 
 __all__ = ["read", "looks_like", "changes", "FRAMEWORK"]
 
@@ -57,7 +57,7 @@ def _fsdp(fields: Fields) -> Sharding | None:
     raf = fields.get(key("reshard_after_forward"), "FSDP2: reshard after forward (ZeRO-3)", True)
     fields.get(key("version"), "FSDP version")
     fields.unmodelled(key("activation_checkpointing"), "FSDP's own activation checkpointing (every layer)")
-    return Sharding(kind="fsdp", zero_stage=3 if as_bool(raf, "reshard_after_forward") else 2,
+    return Sharding(zero_stage=3 if as_bool(raf, "reshard_after_forward") else 2,
                     reshard_after_forward=as_bool(raf, "reshard_after_forward"), offload=as_bool(offload, "offload"))
 
 
@@ -149,7 +149,7 @@ def changes(config: TrainConfig, knobs) -> dict[str, Any]:
     if knobs.eight_bit_optimizer and config.optimizer_bits != 8:
         out["optimizer"] = EIGHT_BIT_NAME
     s = config.sharding
-    if knobs.fsdp is not None and s is not None and s.kind == "fsdp":
+    if knobs.fsdp is not None and s is not None and not s.deepspeed:
         prefixed = any(r.key.startswith("fsdp_config.fsdp_") for r in config.readings)
         prefix = "fsdp_config.fsdp_" if prefixed else "fsdp_config."
         if knobs.fsdp.offload != s.offload:

@@ -1,5 +1,5 @@
 """Which framework a config file comes from, read from its content, and the file read into a
-:class:`~autofit.frontdoor.value.TrainConfig` by that framework's reader.
+:class:`~autofit.cli.configs.value.TrainConfig` by that framework's reader.
 
 The format follows the suffix (``.yaml``/``.yml``, ``.json``, ``.toml``); the framework follows the keys, first
 match wins: torchtitan (TOML sections ``[model]`` with ``flavor`` and ``[training]``), torchtune (``model`` with a
@@ -16,10 +16,10 @@ from types import ModuleType
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor import axolotl, hf_args, llamafactory, torchtitan, torchtune
-from autofit.frontdoor.value import TrainConfig
+from autofit.cli.configs import axolotl, hf_args, llamafactory, torchtitan, torchtune
+from autofit.cli.configs.value import TrainConfig
 
-__all__ = ["load", "detect", "read_config", "READERS", "FORMATS"]
+__all__ = ["load", "detect", "reader", "read_config", "READERS", "FORMATS"]
 
 READERS: tuple[tuple[str, ModuleType], ...] = (
     ("torchtitan", torchtitan), ("torchtune", torchtune), ("axolotl", axolotl), ("llama-factory", llamafactory),

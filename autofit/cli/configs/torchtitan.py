@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor.models import model_ref
-from autofit.frontdoor.value import Fields, Sharding, TrainConfig, as_bool, as_int, build
+from autofit.cli.configs.models import model_ref
+from autofit.cli.configs.value import Fields, Sharding, TrainConfig, as_bool, as_int, build
 
 __all__ = ["read", "looks_like", "changes", "with_ranks", "FRAMEWORK"]
 
@@ -108,7 +108,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
                  micro_batch_size=local, accumulation_steps=accum, data_ranks=ranks, data_ranks_stated=stated,
                  precision="bf16" if mixed == "bfloat16" else "fp32", model_dtype="fp32",
                  checkpointing=checkpointing, optimizer=optimizer, clip_grad_norm=float(clip) if clip else None,
-                 sharding=Sharding(kind="fsdp", zero_stage=2 if raf == "never" else 3,
+                 sharding=Sharding(zero_stage=2 if raf == "never" else 3,
                                    reshard_after_forward=raf != "never", offload=offload))
 
 

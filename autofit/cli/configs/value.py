@@ -20,7 +20,8 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError, require_int
 
-__all__ = ["Reading", "Adapter", "Sharding", "TrainConfig", "Fields", "PRECISIONS", "CHECKPOINTING"]
+__all__ = ["Reading", "Adapter", "Sharding", "TrainConfig", "Fields", "PRECISIONS", "CHECKPOINTING", "as_bool", "as_int",
+           "build"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "full", "selective")
@@ -72,18 +73,24 @@ class Adapter:
 
 @dataclass(frozen=True, kw_only=True)
 class Sharding:
-    """The data-parallel sharding the config names: ``kind`` "fsdp" or "deepspeed"; ``zero_stage`` (DeepSpeed's
-    0-3, FSDP full shard is 3, shard-grad-op 2); ``reshard_after_forward`` where stated; ``offload``: parameters
-    and optimizer state on the host."""
+    """The data-parallel sharding the config names: FSDP, or DeepSpeed's ZeRO (``deepspeed``); ``zero_stage``
+    (DeepSpeed's 0-3, FSDP full shard is 3, shard-grad-op 2); ``reshard_after_forward`` where stated; ``offload``:
+    parameters and optimizer state on the host."""
 
-    kind: str
+    deepspeed: bool = False
     zero_stage: int | None = None
     reshard_after_forward: bool | None = None
     offload: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("fsdp", "deepspeed"):
-            raise InvalidInputError(f"sharding.kind must be 'fsdp' or 'deepspeed', got {self.kind!r}")
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            raise InvalidInputError(f"sharding.zero_stage must be 0 to 3, got {self.zero_stage!r}")
+
+    @property
+    def shards_states(self) -> bool:
+        """Whether parameters, gradients and optimizer state are split over the ranks (FSDP, ZeRO-2 and -3; ZeRO-1
+        splits the optimizer state only, planned as replicated)."""
+        return not self.deepspeed or (self.zero_stage or 0) >= 2
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ Field semantics from hiyouga/LLaMA-Factory's ``src/llamafactory/hparams`` (read 
   dpo, kto, ppo: the preference stages also run a reference model).
 - ``data_args.py``: ``cutoff_len`` (2048) tokens per row; ``packing`` (None: on for stage pt only),
   ``neat_packing`` (packing without cross-attention).
-- ``training_args.py``: transformers' ``Seq2SeqTrainingArguments`` (autofit.frontdoor.hf_args), so
+- ``training_args.py``: transformers' ``Seq2SeqTrainingArguments`` (autofit.cli.configs.hf_args), so
   ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``bf16``/``fp16``, ``optim``, ``deepspeed``.
 - Dtypes (``parser.py`` sets ``compute_dtype`` bf16 when ``bf16`` or ``pure_bf16``; ``model/adapter.py``'s
   ``cast_trainable_params_to_fp32`` unless ``pure_bf16`` or DeepSpeed ZeRO-3): the model is loaded in the compute
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autofit.core.errors import InvalidInputError
-from autofit.frontdoor.hf_args import read_trainer_keys, trainer_changes
-from autofit.frontdoor.models import model_ref
-from autofit.frontdoor.value import Adapter, Fields, TrainConfig, as_bool, as_int, build
+from autofit.cli.configs.hf_args import read_trainer_keys, trainer_changes
+from autofit.cli.configs.models import model_ref
+from autofit.cli.configs.value import Adapter, Fields, TrainConfig, as_bool, as_int, build
 
 __all__ = ["read", "looks_like", "changes", "FRAMEWORK"]
 

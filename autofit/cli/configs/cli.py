@@ -31,8 +31,8 @@ def plan_inputs(path: Path, *, model: str | None, batch_size: int | None, world_
                 optimizer: str, console: Console) -> dict[str, Any]:
     """The plan command's inputs from the config at ``path``: its spec, effective batch, data ranks, precision and
     optimizer; flags that the config already answers are refused rather than silently preferred."""
-    from autofit.frontdoor.detect import read_config
-    from autofit.frontdoor.run import model_spec, optimizer_for, plan_precision
+    from autofit.cli.configs.detect import read_config
+    from autofit.cli.configs.run import model_spec, optimizer_for, plan_precision
 
     if model is not None:
         raise InvalidInputError(f"--from {path} names the model; drop MODEL {model!r}")
@@ -48,7 +48,7 @@ def plan_inputs(path: Path, *, model: str | None, batch_size: int | None, world_
 
 
 def write_back(console: Console, config, plan, dest: Path) -> None:
-    from autofit.frontdoor.writeback import knobs_of, plan_changes, write_config
+    from autofit.cli.configs.writeback import knobs_of, plan_changes, write_config
 
     knobs = knobs_of(plan)
     changes = plan_changes(config, knobs)
@@ -61,7 +61,7 @@ def write_back(console: Console, config, plan, dest: Path) -> None:
 
 def check(path: Path, gpu: str, *, world_size: int, as_json: bool, console: Console) -> int:
     """Estimate the config as written on ``gpu``; print the verdict, the peak and its breakdown; the exit code."""
-    from autofit.frontdoor.run import check_config
+    from autofit.cli.configs.run import check_config
 
     result = check_config(path, gpu, data_ranks=world_size if world_size > 1 else None)
     est, config = result.estimate, result.config
