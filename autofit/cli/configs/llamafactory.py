@@ -59,7 +59,10 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
         fields.skipped.append(("finetuning_type", f"{kind!r}: planned as a full fine-tune (every weight trained)"))
     values = read_trainer_keys(fields, path.parent if path else None,
                                checkpoint_default=False)
-    fields.readings[:] = [r for r in fields.readings if r.key != "gradient_checkpointing"]  # not LLaMA-Factory's key
+    if any(r.key == "gradient_checkpointing" for r in fields.readings):  # LLaMA-Factory decides by its own key
+        fields.readings[:] = [r for r in fields.readings if r.key != "gradient_checkpointing"]
+        fields.skipped.append(("gradient_checkpointing", "LLaMA-Factory recomputes unless "
+                                                         "disable_gradient_checkpointing: true; this key is not read"))
     off = as_bool(fields.get("disable_gradient_checkpointing", "checkpointing off (LLaMA-Factory checkpoints every "
                                                              "layer by default)", False),
                   "disable_gradient_checkpointing")
