@@ -43,11 +43,15 @@ _WHERE = {
     "UnsupportedModelError": "autofit.core.errors",
     "UnsupportedPrecisionError": "autofit.core.errors",
     "UnsupportedTorchError": "autofit.core.errors",
+    "TrainConfig": "autofit.cli.configs.value",
     "analyse": "autofit.api",
+    "check_config": "autofit.cli.configs.run",
     "estimate": "autofit.api",
     "gpu_spec": "autofit.cuda.catalog",
     "measure": "autofit.api",
     "plan": "autofit.planner",
+    "plan_config": "autofit.cli.configs.run",
+    "read_config": "autofit.cli.configs.detect",
 }
 
 __all__ = [
@@ -72,14 +76,18 @@ __all__ = [
     "PrecisionPolicy",
     "Savers",
     "Search",
+    "TrainConfig",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",
     "UnsupportedTorchError",
     "analyse",
+    "check_config",
     "estimate",
     "gpu_spec",
     "measure",
     "plan",
+    "plan_config",
+    "read_config",
 ]
 
 if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, __getattr__ below
@@ -100,6 +108,9 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, _
     from autofit.core.report import Measurement, MemoryEstimate
     from autofit.cuda.catalog import gpu_spec
     from autofit.emit.plan import Alternative, Plan
+    from autofit.cli.configs.detect import read_config
+    from autofit.cli.configs.run import check_config, plan_config
+    from autofit.cli.configs.value import TrainConfig
     from autofit.options import Device, Layout, Precision, Savers, Search
     from autofit.planner import plan
     from autofit.training.normalisation import ItemMeanLoss

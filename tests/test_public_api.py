@@ -33,14 +33,18 @@ PUBLIC = [
     "PrecisionPolicy",
     "Savers",
     "Search",
+    "TrainConfig",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",
     "UnsupportedTorchError",
     "analyse",
+    "check_config",
     "estimate",
     "gpu_spec",
     "measure",
     "plan",
+    "plan_config",
+    "read_config",
 ]
 
 

@@ -108,6 +108,19 @@ BatchDimOpt = Annotated[str, typer.Option(
     "--batch-dim", help="the dim of the batch in the sample (and target) a factory returns: 0 (the default), 1 for "
     "time-major sequences (nn.LSTM's default), or 'INPUTS,TARGET' when they differ (1,0: one label per sequence); "
     "the plan records it for its trainer (Note [the batch dimension])")]
+OptionalModelArg = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", show_default=False, help="pkg.module:factory, file.py:factory, torchvision:NAME, hf:NAME (a "
+                                              "checkpoint such as hf:Qwen/Qwen2.5-0.5B; 'autofit models' lists "
+                                              "those known offline) or hf:TYPE --config k=v; none with --from FILE")]
+OptionalBatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-n", help="effective batch: samples per "
+                                                         "optimizer step (with --from: the config's)")]
+FromOpt = Annotated[Optional[Path], typer.Option(
+    "--from", metavar="FILE", help="plan the training config FILE: axolotl, LLaMA-Factory or torchtune YAML, TRL / "
+    "Hugging Face TrainingArguments (JSON or YAML), torchtitan TOML; its model, sequence length, effective batch, "
+    "adapter, precision and optimizer (docs/configs/)")]
+WriteOpt = Annotated[Optional[Path], typer.Option(
+    "--write", metavar="FILE", help="with --from: write the config back to FILE with only what the plan changes, "
+                                    "comments and order kept")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -172,7 +185,7 @@ def _spec(model: str, input_shape, input_dtype, config, task=None):
 
 @app.command(cls=Command)
 def plan(
-    model: ModelArg, budget: BudgetOpt, batch_size: BatchOpt, input_shape: ShapeOpt = None,
+    budget: BudgetOpt, model: OptionalModelArg = None, batch_size: OptionalBatchOpt = None, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, gpu_memory: GpuMemoryOpt = None,
     precision: PrecisionOpt = "auto",
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
@@ -186,6 +199,7 @@ def plan(
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
                                                   "lightning, accelerate or torchtitan (TOML) settings")] = None,
+    from_file: FromOpt = None, write: WriteOpt = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.cli.estimate import sequence_option
@@ -203,8 +217,21 @@ def plan(
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
             say(console, "note", note)
-        with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
-            spec = _spec(model, input_shape, input_dtype, config, task)
+        if write is not None and from_file is None:
+            raise InvalidInputError("--write writes back the config given with --from FILE")
+        if from_file is not None:  # the model, batch, ranks, precision and optimizer from the config
+            from autofit.cli.configs.cli import plan_inputs
+
+            with one_line_warnings(console):
+                read = plan_inputs(from_file, model=model, batch_size=batch_size, world_size=world_size,
+                                   precision=precision, optimizer=optimizer, console=console)
+            spec, batch_size, world_size = read["spec"], read["batch_size"], read["world_size"]
+            precision, optimizer, model = read["precision"], read["optimizer"], "hf:"
+        else:
+            if model is None or batch_size is None:
+                raise InvalidInputError("give MODEL and --batch-size, or a training config with --from FILE")
+            with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
+                spec = _spec(model, input_shape, input_dtype, config, task)
         dims = _batch_dims(batch_dim)
         if dims != (0, 0) and (input_shape or model.startswith(("hf:", "torchvision:"))):
             raise InvalidInputError("--batch-dim reads the sample a factory returns ((module, sample) or (module, "
@@ -238,6 +265,13 @@ def plan(
         sys.stdout.write(result.to_json() + "\n")
     else:
         render_plan(console, result, spec.description, analyses[result.precision.label].table)
+    if write is not None:
+        from autofit.cli.configs.cli import write_back
+
+        try:
+            write_back(console_for(stderr=as_json), read["config"], result, write)
+        except AutofitError as e:
+            _fail(console, str(e), EXIT_INPUT)
     if export is not None:
         out = console_for(stderr=as_json)
         if export == "torchtitan":  # torchtitan reads TOML (its train_configs/*.toml)
@@ -348,6 +382,28 @@ def estimate(
         sys.stdout.write(json.dumps(estimate_data(result, setup, spec.description)) + "\n")
     else:
         console.print(estimate_tables(result, setup, spec.description))
+
+
+@app.command(cls=Command)
+def check(
+    file: Annotated[Path, typer.Argument(metavar="FILE", show_default=False, help="a training config (as for plan "
+                                         "--from)")],
+    gpu: Annotated[str, typer.Option("--gpu", help="the card to check on, e.g. RTX-4090, A100-80GB, H100")],
+    world_size: Annotated[int, typer.Option("--world-size", help="data-parallel ranks (default: the config's, "
+                                            "else 1)")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="print the verdict as JSON (integer bytes)")] = False,
+) -> None:
+    """Estimate the training config FILE as written on the card --gpu: fits or not, the peak and its breakdown,
+    what was read. Exits 0 when it fits, 3 when it does not, 2 on bad input."""
+    from autofit.cli.configs.cli import check as run_check
+
+    console = console_for(stderr=as_json)
+    try:
+        with console.status("simulating the config's step...", spinner="dots"), one_line_warnings(console):
+            code = run_check(file, gpu, world_size=world_size, as_json=as_json, console=console)
+    except AutofitError as e:
+        _fail(console, str(e), EXIT_INPUT)
+    raise typer.Exit(code)
 
 
 @app.command(cls=Command)
