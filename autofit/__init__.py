@@ -46,6 +46,7 @@ _WHERE = {
     "analyse": "autofit.api",
     "estimate": "autofit.api",
     "gpu_spec": "autofit.cuda.catalog",
+    "hf_model": "autofit.cli.hf_spec",
     "measure": "autofit.api",
     "plan": "autofit.planner",
 }
@@ -78,6 +79,7 @@ __all__ = [
     "analyse",
     "estimate",
     "gpu_spec",
+    "hf_model",
     "measure",
     "plan",
 ]
@@ -85,6 +87,7 @@ __all__ = [
 if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, __getattr__ below
     from autofit.analyse.table import Analysis, LayerRow, LayerTable
     from autofit.api import analyse, estimate, measure
+    from autofit.cli.hf_spec import hf_model
     from autofit.core.categories import Category
     from autofit.core.errors import (
         AutofitError,
