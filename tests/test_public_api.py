@@ -39,6 +39,7 @@ PUBLIC = [
     "analyse",
     "estimate",
     "gpu_spec",
+    "hf_model",
     "measure",
     "plan",
 ]

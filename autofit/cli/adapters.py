@@ -89,8 +89,16 @@ def quantize_4bit_on_meta(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.M
                               compute_dtype=compute_dtype, compress_statistics=True, quant_type=QUANT_TYPE,
                               quant_storage=torch.uint8, device="meta")
     weight = torch.empty(linear.out_features, linear.in_features, dtype=compute_dtype, device="meta")
-    packed, state = bnb.functional.quantize_4bit(weight, blocksize=BLOCKSIZE, compress_statistics=True,
-                                                 quant_type=QUANT_TYPE, quant_storage=torch.uint8)
+    # quantize_blockwise (the second level) caches its code book on the device of its first call, for every later
+    # call on any device: a meta one would break the next real quantization, so the cache is left as it was found
+    cache = bnb.functional.name2qmap
+    before = dict(cache)
+    try:
+        packed, state = bnb.functional.quantize_4bit(weight, blocksize=BLOCKSIZE, compress_statistics=True,
+                                                     quant_type=QUANT_TYPE, quant_storage=torch.uint8)
+    finally:
+        cache.clear()
+        cache.update(before)
     layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=BLOCKSIZE,
                                      compress_statistics=True, quant_type=QUANT_TYPE, quant_storage=torch.uint8,
                                      module=layer, bnb_quantized=True)
@@ -125,6 +133,11 @@ def apply_adapter(model: nn.Module, adapter: Adapter) -> tuple[nn.Module, str]:
         # peft's prepare_model_for_kbit_training: freeze, cast bf16 / fp16 parameters that are not 4-bit to fp32
         with torch.device("meta"):
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        # that cast makes a 4-bit layer's bias fp32; its first forward casts it back to the compute dtype for good
+        # (bitsandbytes/nn/modules.py, Linear4bit.forward: "bias.data = bias.data.to(x.dtype)"): the steady state
+        for module in model.modules():
+            if isinstance(module, _bnb().nn.Linear4bit) and module.bias is not None:
+                module.bias.data = module.bias.data.to(module.compute_dtype)
     kwargs = {} if adapter.alpha is None else {"lora_alpha": adapter.alpha}
     config = peft.LoraConfig(r=adapter.rank, target_modules=list(targets) if targets != "all-linear" else targets,
                              **kwargs)

@@ -198,6 +198,10 @@ def _sample(config, task: str, shape: tuple[int, ...] | None, rows: int) -> dict
     return sample
 
 
+def _transformers_version() -> str:
+    return _transformers().__version__
+
+
 def _config_dtype(config) -> torch.dtype | None:
     # 5.x keeps config.json's torch_dtype as config.dtype, 4.x as config.torch_dtype (a str or a torch.dtype);
     # read from __dict__: 5.x's torch_dtype property warns that it is deprecated
@@ -219,7 +223,7 @@ def load_dtype(config, requested: str | torch.dtype = "auto") -> tuple[torch.dty
         raise InvalidInputError(f"unknown --dtype {requested!r}: use one of {', '.join(DTYPES)}")
     if DTYPES[requested] is not None:
         return DTYPES[requested], f"{requested}, as --dtype says"
-    version = _transformers().__version__
+    version = _transformers_version()
     short = ".".join(version.split(".")[:2])
     if int(version.split(".")[0]) < 5:  # from_pretrained without torch_dtype: torch's default
         return torch.float32, f"fp32, as transformers {short} loads it (its default; --dtype to change)"
@@ -241,7 +245,7 @@ def model_from_config(config, task: str | None = None, *, name: str = "MODEL",
     head = _head(transformers, config, task)
     dtype = dtype or load_dtype(config)[0]
     # 5.x's _from_config takes dtype=, 4.x's torch_dtype= (5.x still reads torch_dtype, with a warning)
-    key = "torch_dtype" if int(transformers.__version__.split(".")[0]) < 5 else "dtype"
+    key = "torch_dtype" if int(_transformers_version().split(".")[0]) < 5 else "dtype"
     with torch.device("meta"):
         try:
             return head.from_config(config, **{key: dtype}), task
