@@ -48,6 +48,7 @@ _WHERE = {
     "check_config": "autofit.cli.configs.run",
     "estimate": "autofit.api",
     "gpu_spec": "autofit.cuda.catalog",
+    "hf_model": "autofit.cli.hf_spec",
     "measure": "autofit.api",
     "plan": "autofit.planner",
     "plan_config": "autofit.cli.configs.run",
@@ -84,6 +85,7 @@ __all__ = [
     "check_config",
     "estimate",
     "gpu_spec",
+    "hf_model",
     "measure",
     "plan",
     "plan_config",
@@ -93,6 +95,7 @@ __all__ = [
 if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, __getattr__ below
     from autofit.analyse.table import Analysis, LayerRow, LayerTable
     from autofit.api import analyse, estimate, measure
+    from autofit.cli.hf_spec import hf_model
     from autofit.core.categories import Category
     from autofit.core.errors import (
         AutofitError,

@@ -128,8 +128,9 @@ def test_task_picks_the_head():
 def test_llama_2_7b_on_a_t4_exits_3_with_the_minimum():
     """7B parameters with AdamW need ~16 bytes each before any activation: far more than a T4's 16 GB, with the
     states kept on the GPU (offloading them is tested in tests/test_offload.py)."""
+    # --dtype fp32: the truth below counts fp32 weights; Llama 2's checkpoint (float16) would load in fp16
     result = runner.invoke(app, ["plan", "hf:meta-llama/Llama-2-7b-hf", "--budget", "16GB", "--batch-size", "1",
-                                 "--input-shape", "128", "--gpu", "T4", "--no-offload"])
+                                 "--input-shape", "128", "--gpu", "T4", "--no-offload", "--dtype", "fp32"])
     assert result.exit_code == 3, result.output
     minimum = int(result.output.split("Smallest budget that works:")[1].split("(")[1].split(" bytes")[0])
     assert minimum > 6_738_415_616 * 12  # at least fp32 parameters + gradients + two Adam moments... of 7B

@@ -41,6 +41,7 @@ PUBLIC = [
     "check_config",
     "estimate",
     "gpu_spec",
+    "hf_model",
     "measure",
     "plan",
     "plan_config",

@@ -144,8 +144,25 @@ def require_real_inputs(*inputs: object, reader: str = "the step reads tensor va
         )
 
 
+def require_quantized(model: nn.Module) -> None:
+    """A bitsandbytes 4-bit weight that was never quantized (``quant_state`` None: a ``Linear4bit`` made on the meta
+    device, or not yet moved to the GPU) cannot run its forward; say what is missing before a simulated step fails
+    inside bitsandbytes with a bare AssertionError."""
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is None:
+            raise UnsupportedModelError(
+                f"parameter {name!r} is a bitsandbytes 4-bit weight that was never quantized (its quant_state is "
+                "None: a Linear4bit built on the meta device, or not yet moved to the GPU, holds no packed weight "
+                "and no statistics). Quantize it where it is, meta included: packed, state = "
+                "bitsandbytes.functional.quantize_4bit(weight, blocksize=64, quant_type='nf4', "
+                "compress_statistics=True), then Params4bit(packed, quant_state=state, bnb_quantized=True, "
+                "quant_type='nf4', module=layer); or build the model with autofit.hf_model(NAME, lora=RANK, "
+                "qlora=True) (on the command line: hf:NAME --lora RANK --qlora), which does that")
+
+
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, *, device: str = "cpu") -> nn.Module:
     """A structural copy of ``model`` whose tensors are fake tensors on ``device`` (shape, stride, dtype kept)."""
+    require_quantized(model)
     memo: dict[int, object] = {}
     storages: dict[int, tuple[object, torch.UntypedStorage]] = {}  # id(original storage) -> (it, its fake twin's)
 

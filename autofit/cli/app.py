@@ -46,6 +46,16 @@ ShapeOpt = Annotated[Optional[list[str]], typer.Option("--input-shape", help="on
 DtypeOpt = Annotated[Optional[str], typer.Option("--input-dtype",
                                                   help="dtype of generated inputs: float32, int64, ...")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda")]
+ModelDtypeOpt = Annotated[str, typer.Option("--dtype", help="hf: weights' dtype: auto (as the installed transformers "
+                                            "loads the checkpoint: its config's dtype from transformers 5), fp32, "
+                                            "bf16 or fp16")]
+LoraOpt = Annotated[Optional[int], typer.Option("--lora", metavar="RANK", help="hf: add peft LoRA adapters of this "
+                                                "rank and train only them")]
+LoraTargetsOpt = Annotated[Optional[str], typer.Option(
+    "--lora-targets", metavar="NAMES", help="with --lora: modules to adapt, comma-separated, or all-linear "
+    "(default: peft's for the architecture, e.g. q_proj,v_proj for Llama and Qwen; all-linear where peft has none)")]
+QloraOpt = Annotated[bool, typer.Option("--qlora", help="with --lora: the base's linear layers in 4-bit NF4 "
+                                        "(bitsandbytes, double-quantized), as QLoRA loads them")]
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB, RTX-3060, "
                                                 "MI300X (default: this machine's GPU, else A100-80GB)")]
 GpuMemoryOpt = Annotated[Optional[str], typer.Option(
@@ -169,14 +179,20 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, activation checkpointing."""
 
 
-def _spec(model: str, input_shape, input_dtype, config, task=None):
+def _spec(model: str, input_shape, input_dtype, config, task=None, *, model_dtype="auto", lora=None,
+          lora_targets=None, qlora=False):
+    from autofit.cli.adapters import Adapter
     from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
 
     shapes = [parse_shape(s) for s in input_shape or []]
     dtype = parse_dtype(input_dtype) if input_dtype else None
+    targets = None if lora_targets is None else (
+        "all-linear" if lora_targets.strip() == "all-linear" else
+        tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
+    adapter = Adapter(rank=lora, targets=targets, qlora=qlora)
     try:
         return load_spec(model, input_shapes=shapes or None, input_dtype=dtype,
-                         config=parse_overrides(config or []), task=task)
+                         config=parse_overrides(config or []), task=task, dtype=model_dtype, adapter=adapter)
     except AutofitError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's factory (or file) failed: say so in one line
@@ -195,6 +211,8 @@ def plan(
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
     quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
+    model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
+    qlora: QloraOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -231,7 +249,8 @@ def plan(
             if model is None or batch_size is None:
                 raise InvalidInputError("give MODEL and --batch-size, or a training config with --from FILE")
             with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
-                spec = _spec(model, input_shape, input_dtype, config, task)
+                spec = _spec(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
+                             lora_targets=lora_targets, qlora=qlora)
         dims = _batch_dims(batch_dim)
         if dims != (0, 0) and (input_shape or model.startswith(("hf:", "torchvision:"))):
             raise InvalidInputError("--batch-dim reads the sample a factory returns ((module, sample) or (module, "
@@ -352,6 +371,8 @@ def estimate(
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
                                                  "own tp plan; 1: none)")] = "1",
     sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
+    model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
+    qlora: QloraOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -364,7 +385,8 @@ def estimate(
         if note:
             say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
-            spec = _spec(model, input_shape, input_dtype, config, task)
+            spec = _spec(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
+                         lora_targets=lora_targets, qlora=qlora)
         world_size, _ = nodes_layout(world_size, nodes, gpus_per_node)
         setup = estimate_setup(
             spec, micro_batch_size=micro_batch_size, batch_size=batch_size, precision=precision,

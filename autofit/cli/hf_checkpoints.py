@@ -89,6 +89,9 @@ def find_checkpoint(name: str) -> Checkpoint | None:
 
 
 def checkpoint_config(name: str) -> dict[str, Any] | None:
-    """A copy of the table's config for ``name`` (a Hub id, an alias or a legacy short id), or None."""
+    """A copy of the table's config for ``name`` (a Hub id, an alias or a legacy short id), with the ``torch_dtype``
+    that name's ``config.json`` gives, or None."""
     entry = CHECKPOINTS.get(name)
-    return None if entry is None else copy.deepcopy(dict(entry))
+    if entry is None:
+        return None
+    return {**copy.deepcopy(dict(entry)), "torch_dtype": _BY_NAME[name].dtype_of(name)}

@@ -9,6 +9,24 @@ NAME is resolved, first match wins (so the common checkpoints never touch the ne
 5. the Hub, unless ``HF_HUB_OFFLINE`` is set: ``AutoConfig.from_pretrained(NAME)``.
 An unknown name is one short line naming the closest known names and the ``hf:TYPE --config key=value`` form.
 ``--config`` keys the config class does not define are an error (a typo would otherwise be silently ignored).
+
+Note [the dtype a checkpoint loads in]
+    The model is built in the dtype ``from_pretrained(NAME)`` gives with the INSTALLED transformers and no ``dtype``
+    argument, since that is the model the user will train (``--dtype`` / ``dtype=`` overrides it):
+    - transformers 5.x: ``from_pretrained``'s ``dtype`` defaults to ``"auto"`` (transformers 5.24,
+      modeling_utils.py, PreTrainedModel.from_pretrained: ``if dtype is None: dtype = "auto"``, line 4187), and
+      ``_get_dtype`` resolves ``"auto"`` to ``config.dtype`` (lines 829-831: ``if dtype == "auto": if
+      hasattr(config, "dtype") and config.dtype is not None: dtype = config.dtype``), else to the dtype of the
+      weights' first floating tensor (lines 833-844). ``config.dtype`` is ``config.json``'s ``torch_dtype`` /
+      ``dtype`` (configuration_utils.py lines 438-448). So bf16 for Llama 3.x, Qwen2.5 / 3, Gemma 3.
+      ``from_config`` agrees: ``_from_config`` takes ``dtype = kwargs.pop("dtype", config.dtype)`` (line 1402).
+    - transformers 4.x: ``from_pretrained``'s ``torch_dtype`` defaulted to None, and the model was built in
+      torch's default dtype, fp32 ("If not specified - the model will get loaded in torch.float (fp32)", its
+      docstring); only ``torch_dtype="auto"`` read the config. (4.x's ``_from_config`` did take
+      ``config.torch_dtype``, but a user loads weights with ``from_pretrained``.)
+    A config that names no dtype (GPT-2's, BERT's, a model type's defaults) is built in fp32: "auto" falls back to
+    the weights, which autofit does not read, and those checkpoints' weights are fp32 (the offline table records
+    each entry's dtype, autofit/cli/checkpoints/entry.py).
 """
 
 from __future__ import annotations
@@ -25,7 +43,13 @@ from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config, match_che
 from autofit.cli.quiet_imports import quiet_third_party_imports
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["resolve_config", "offline_config", "build_model", "model_from_config", "default_task", "HFModel"]
+__all__ = ["resolve_config", "offline_config", "build_model", "model_from_config", "default_task", "HFModel",
+           "DTYPES", "load_dtype", "hf_model"]
+
+# --dtype's values; "auto" is Note [the dtype a checkpoint loads in]
+DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16,
+                                         "fp16": torch.float16}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +58,8 @@ class HFModel:
     sample: dict[str, torch.Tensor]
     task: str
     source: str  # where the config came from: "offline table", "cache", "directory", "model type", "hub"
+    dtype: str = ""  # the parameters' dtype and why, e.g. "bf16, as transformers 5.24 loads it"
+    adapter: str = ""  # the adapter applied, e.g. "LoRA r=16 on q_proj,v_proj (peft's default for qwen2)"
 
 
 def _transformers():
@@ -172,25 +198,101 @@ def _sample(config, task: str, shape: tuple[int, ...] | None, rows: int) -> dict
     return sample
 
 
-def model_from_config(config, task: str | None = None, *, name: str = "MODEL") -> tuple[torch.nn.Module, str]:
+def _transformers_version() -> str:
+    return _transformers().__version__
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    # 5.x keeps config.json's torch_dtype as config.dtype, 4.x as config.torch_dtype (a str or a torch.dtype);
+    # read from __dict__: 5.x's torch_dtype property warns that it is deprecated
+    value = vars(config).get("dtype") or vars(config).get("torch_dtype")
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def load_dtype(config, requested: str | torch.dtype = "auto") -> tuple[torch.dtype, str]:
+    """The dtype ``hf:`` builds ``config``'s model in, and the words that say why (Note [the dtype a checkpoint
+    loads in]): ``requested`` is ``--dtype``'s value (auto, fp32, bf16, fp16) or a torch dtype."""
+    if isinstance(requested, torch.dtype):
+        if requested not in _SHORT:
+            raise InvalidInputError(f"dtype {requested} is not a floating-point dtype a checkpoint loads in: use "
+                                    "torch.float32, torch.bfloat16 or torch.float16")
+        return requested, f"{_SHORT[requested]}, as asked"
+    if requested not in DTYPES:
+        raise InvalidInputError(f"unknown --dtype {requested!r}: use one of {', '.join(DTYPES)}")
+    if DTYPES[requested] is not None:
+        return DTYPES[requested], f"{requested}, as --dtype says"
+    version = _transformers_version()
+    short = ".".join(version.split(".")[:2])
+    if int(version.split(".")[0]) < 5:  # from_pretrained without torch_dtype: torch's default
+        return torch.float32, f"fp32, as transformers {short} loads it (its default; --dtype to change)"
+    dtype = _config_dtype(config)
+    if dtype not in _SHORT:  # no dtype in the config: fp32, the weights' dtype for such checkpoints
+        return torch.float32, f"fp32, as transformers {short} loads it (the config names no dtype)"
+    return dtype, f"{_SHORT[dtype]}, as transformers {short} loads it"
+
+
+def model_from_config(config, task: str | None = None, *, name: str = "MODEL",
+                      dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, str]:
     """The model for ``config`` on the meta device with the task's head (the checkpoint's own head when ``task`` is
-    None), and that task. ``autofit models`` counts parameters on it."""
+    None), and that task. ``autofit models`` counts parameters on it. Built in ``dtype``, else in the dtype the
+    installed transformers loads the checkpoint in (:func:`load_dtype`)."""
     transformers = _transformers()
     task = task or default_task(config)
     if task in ("causal-lm", "masked-lm", "seq2seq-lm") and _is_vision(config):
         raise InvalidInputError(f"--task {task} needs a text model; {name!r} is a vision model: use classification")
     head = _head(transformers, config, task)
+    dtype = dtype or load_dtype(config)[0]
+    # 5.x's _from_config takes dtype=, 4.x's torch_dtype= (5.x still reads torch_dtype, with a warning)
+    key = "torch_dtype" if int(_transformers_version().split(".")[0]) < 5 else "dtype"
     with torch.device("meta"):
         try:
-            return head.from_config(config), task
+            return head.from_config(config, **{key: dtype}), task
         except ValueError as e:
             raise InvalidInputError(f"transformers has no {task} head for {type(config).__name__}: choose another "
                                     f"--task ({', '.join([*_HEADS, 'classification', 'regression'])})") from e
 
 
 def build_model(name: str, overrides: dict[str, Any], *, task: str | None, shape: tuple[int, ...] | None,
-                rows: int) -> HFModel:
-    """The model on the meta device with the task's head, and a sample whose ``labels`` make it return its loss."""
+                rows: int, dtype: str | torch.dtype = "auto", adapter=None) -> HFModel:
+    """The model on the meta device with the task's head, in ``dtype`` (Note [the dtype a checkpoint loads in]), with
+    ``adapter`` (:class:`autofit.cli.adapters.Adapter`: LoRA / QLoRA) applied, and a sample whose ``labels`` make it
+    return its loss."""
+    from autofit.cli.adapters import apply_adapter
+
     config, source = resolve_config(name, overrides)
-    model, task = model_from_config(config, task, name=name)
-    return HFModel(model, _sample(config, task, shape, rows), task, source)
+    resolved, why = load_dtype(config, dtype)
+    model, task = model_from_config(config, task, name=name, dtype=resolved)
+    words = ""
+    if adapter is not None:
+        model, words = apply_adapter(model, adapter)
+    return HFModel(model, _sample(config, task, shape, rows), task, source, why, words)
+
+
+def hf_model(name: str, *, dtype: str | torch.dtype = "auto", task: str | None = "causal-lm", lora: int | None = None,
+             lora_targets: str | list[str] | tuple[str, ...] | None = None, lora_alpha: float | None = None,
+             qlora: bool = False) -> torch.nn.Module:
+    """The Hugging Face model ``name`` on the meta device, as ``hf:NAME`` builds it: nothing is downloaded but a
+    config, and the common checkpoints need not even that (the offline table, ``autofit models``).
+
+    ``dtype``: "auto" (the dtype the installed transformers' ``from_pretrained`` loads the checkpoint in: its
+    ``config.json`` dtype from transformers 5, bf16 for Llama 3 / Qwen2.5), "fp32", "bf16", "fp16" or a torch dtype.
+    ``task``: the head ("causal-lm", "masked-lm", "seq2seq-lm", "classification", "regression"; None: the
+    checkpoint's own). ``lora``: a LoRA rank, applied with peft on ``lora_targets`` (module names, or "all-linear";
+    None: peft's default for the architecture, or all-linear where peft has none) with ``lora_alpha`` (None: peft's
+    default). ``qlora``: the base's linear layers in bitsandbytes' 4-bit NF4 under the adapters (needs ``lora``;
+    Note [QLoRA on meta] in autofit/cli/adapters.py).
+
+    Plan it with a batch of token ids (and ``labels`` for the loss), e.g.
+    ``ids = torch.randint(0, model.config.vocab_size, (2, 4096)); autofit.plan(model, {"input_ids": ids,
+    "labels": ids}, "24GB", batch_size=64, gpu="RTX-4090")``.
+    """
+    from autofit.cli.adapters import Adapter
+
+    if isinstance(lora_targets, str) and lora_targets != "all-linear":
+        lora_targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    elif isinstance(lora_targets, list):
+        lora_targets = tuple(lora_targets)
+    adapter = Adapter(rank=lora, targets=lora_targets, alpha=lora_alpha, qlora=qlora)
+    return build_model(name, {}, task=task, shape=None, rows=1, dtype=dtype, adapter=adapter).model

@@ -86,16 +86,24 @@ def _random_input(shape: tuple[int, ...], dtype: torch.dtype, high: int = 1000) 
 
 
 def load_spec(spec: str, *, input_shapes: list[tuple[int, ...]] | None = None, input_dtype: torch.dtype | None = None,
-              config: dict[str, Any] | None = None, task: str | None = None) -> ModelSpec:
+              config: dict[str, Any] | None = None, task: str | None = None, dtype: str = "auto",
+              adapter=None) -> ModelSpec:
+    """``dtype`` (--dtype) and ``adapter`` (--lora, --qlora: :class:`autofit.cli.adapters.Adapter`) apply to hf:
+    models, which autofit builds; a factory builds its own model in its own dtype, with its own adapters."""
     if task is not None:
         tasks.check_task(task)
+    hf = spec.startswith("hf:")
+    if not hf and (dtype != "auto" or (adapter is not None and adapter.rank is not None)):
+        flag = "--dtype" if dtype != "auto" else ("--qlora" if adapter.qlora else "--lora")
+        raise InvalidInputError(f"{flag} applies to hf:NAME models; a factory returns its model as it built it "
+                                "(apply peft's get_peft_model, or .to(dtype), in the factory)")
     if spec.startswith("torchvision:"):
         if task not in (None, "classification"):
             raise InvalidInputError(f"--task {task}: torchvision: models are planned as classifiers (their target is "
                                     "class labels); use a factory for another task")
         return _torchvision(spec.split(":", 1)[1], input_shapes, config or {})
     if spec.startswith("hf:"):
-        return _huggingface(spec.split(":", 1)[1], input_shapes, config or {}, task)
+        return _huggingface(spec.split(":", 1)[1], input_shapes, config or {}, task, dtype, adapter)
     if ":" not in spec:
         raise InvalidInputError(
             f"cannot read MODEL {spec!r}: use pkg.module:factory, path/file.py:factory, torchvision:NAME or "
@@ -183,15 +191,21 @@ def _torchvision(name: str, input_shapes, config: dict[str, Any]) -> ModelSpec:
     return ModelSpec(model, sample, target, f"torchvision {name} (random weights), input {shape}")
 
 
-def _huggingface(name: str, input_shapes, overrides: dict[str, Any], task: str | None) -> ModelSpec:
+def _huggingface(name: str, input_shapes, overrides: dict[str, Any], task: str | None, dtype: str = "auto",
+                 adapter=None) -> ModelSpec:
     from autofit.cli.hf_spec import build_model
 
     built = build_model(name, overrides, task=task, shape=input_shapes[0] if input_shapes else None,
-                        rows=SAMPLE_ROWS)
-    params = sum(p.numel() for p in built.model.parameters())
+                        rows=SAMPLE_ROWS, dtype=dtype, adapter=adapter)
+    # a 4-bit weight (QLoRA) packs two values a byte into uint8: count the values, not the bytes
+    params = sum(p.numel() * (2 if type(p).__name__ == "Params4bit" else 1) for p in built.model.parameters())
     size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    if built.adapter:
+        trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+        size = f"{size}, {trainable / 1e6:.1f}M trainable"
     first = next(iter(built.sample.values()))
     shape = f"sequence {first.shape[1]}" if first.dim() == 2 else f"input {tuple(first.shape[1:])}"
+    adapter_words = f", {built.adapter}" if built.adapter else ""
     return ModelSpec(built.model, built.sample, None,
-                     f"{name}: {type(built.model).__name__} ({size} parameters, config from {built.source}), "
-                     f"{built.task}, {shape}")
+                     f"{name}: {type(built.model).__name__} ({size} parameters, {built.dtype}, config from "
+                     f"{built.source}){adapter_words}, {built.task}, {shape}")

@@ -13,14 +13,14 @@ from autofit.cli.checkpoints.qwen import qwen2
 
 __all__ = ["CHECKPOINTS"]
 
-_DS = "deepseek-ai"
+_DS = "deepseek-ai"  # every entry's config.json says "torch_dtype": "bfloat16" (V3's weights are fp8 besides)
 # deepseek-coder-*-base/config.json: 16384 positions by linear RoPE interpolation (factor 4) over a base of 1e5,
 # vocab 32256
 _CODER_ROPE = {"type": "linear", "factor": 4.0}
 
 
 def _distill(size: str, config: dict) -> Checkpoint:
-    return Checkpoint(name=f"{_DS}/DeepSeek-R1-Distill-{size}", family="DeepSeek-R1-Distill", config=config)
+    return Checkpoint(name=f"{_DS}/DeepSeek-R1-Distill-{size}", family="DeepSeek-R1-Distill", dtype="bfloat16", config=config)
 
 
 _YARN_V2 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
@@ -44,14 +44,14 @@ def _mla(layers: int, hidden: int, inter: int, expert_inter: int, heads: int, *,
 
 
 CHECKPOINTS: tuple[Checkpoint, ...] = (
-    Checkpoint(name=f"{_DS}/deepseek-llm-7b-base", family="DeepSeek", aliases=(f"{_DS}/deepseek-llm-7b-chat",),
+    Checkpoint(name=f"{_DS}/deepseek-llm-7b-base", family="DeepSeek", dtype="bfloat16", aliases=(f"{_DS}/deepseek-llm-7b-chat",),
                config=llama(30, 4096, 11008, 32, 32, 102400, 4096, rms_eps=1e-6, bos_token_id=100000,
                             eos_token_id=100001)),
-    Checkpoint(name=f"{_DS}/deepseek-coder-1.3b-base", family="DeepSeek",
+    Checkpoint(name=f"{_DS}/deepseek-coder-1.3b-base", family="DeepSeek", dtype="bfloat16",
                aliases=(f"{_DS}/deepseek-coder-1.3b-instruct",),
                config=llama(24, 2048, 5504, 16, 16, 32256, 16384, 100000.0, rms_eps=1e-6,
                             rope_scaling=_CODER_ROPE)),
-    Checkpoint(name=f"{_DS}/deepseek-coder-6.7b-base", family="DeepSeek",
+    Checkpoint(name=f"{_DS}/deepseek-coder-6.7b-base", family="DeepSeek", dtype="bfloat16",
                aliases=(f"{_DS}/deepseek-coder-6.7b-instruct",),
                config=llama(32, 4096, 11008, 32, 32, 32256, 16384, 100000.0, rms_eps=1e-6,
                             rope_scaling=_CODER_ROPE)),
@@ -70,7 +70,7 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     _distill("Llama-70B", llama(80, 8192, 28672, 64, 8, 128256, 131072, 500000.0, rope_scaling=LLAMA31_ROPE)),
     # deepseek-ai/DeepSeek-V2-Lite/config.json: 27 layers of 2048, 16 heads, no query latent, 64 routed experts
     # (6 per token, softmax, greedy) and 2 shared of 1408, the first layer dense (10944); vocab 102400
-    Checkpoint(name=f"{_DS}/DeepSeek-V2-Lite", family="DeepSeek-V2", aliases=(f"{_DS}/DeepSeek-V2-Lite-Chat",),
+    Checkpoint(name=f"{_DS}/DeepSeek-V2-Lite", family="DeepSeek-V2", dtype="bfloat16", aliases=(f"{_DS}/DeepSeek-V2-Lite-Chat",),
                config={"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], **_mla(
                    27, 2048, 10944, 1408, 16, routed=64, shared=2, top_k=6, dense_layers=1, q_lora=None,
                    vocab=102400, rope_theta=10000.0, rope_scaling=_YARN_V2, topk_method="greedy", n_group=1,
@@ -79,7 +79,7 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     # deepseek-ai/DeepSeek-V3/config.json: 61 layers of 7168, 128 heads, a 1536-wide query latent, 256 routed
     # experts of 2048 (8 per token from 4 of 8 groups, sigmoid scores, scaled by 2.5) and 1 shared, the first 3
     # layers dense (18432); vocab 129280. DeepSeek-R1 and the V3 updates publish the same shapes
-    Checkpoint(name=f"{_DS}/DeepSeek-V3", family="DeepSeek-V3",
+    Checkpoint(name=f"{_DS}/DeepSeek-V3", family="DeepSeek-V3", dtype="bfloat16",
                aliases=(f"{_DS}/DeepSeek-V3-Base", f"{_DS}/DeepSeek-V3-0324", f"{_DS}/DeepSeek-R1",
                         f"{_DS}/DeepSeek-R1-0528"),
                config={"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **_mla(

@@ -72,17 +72,20 @@ def _gemma3_vlm(layers: int, hidden: int, inter: int, heads: int, kv: int, head_
             "eoi_token_index": 256000, "image_token_index": 262144}
 
 
-def _entry(name: str, family: str, config: dict[str, Any], base_suffix: str = "") -> Checkpoint:
-    return Checkpoint(name=f"google/{name}{base_suffix}", family=family, config=config,
-                      aliases=(f"google/{name}-it",))
+def _entry(name: str, family: str, config: dict[str, Any], base_suffix: str = "", base_dtype: str = "bfloat16",
+           ) -> Checkpoint:
+    # config.json "torch_dtype": bfloat16 but for Gemma 2's pre-trained models, published in float32 (their -it
+    # models in bfloat16)
+    return Checkpoint(name=f"google/{name}{base_suffix}", family=family, config=config, dtype=base_dtype,
+                      aliases=(f"google/{name}-it",), alias_dtypes={f"google/{name}-it": "bfloat16"})
 
 
 CHECKPOINTS: tuple[Checkpoint, ...] = (
     _entry("gemma-2b", "Gemma", _gemma(18, 2048, 16384, 8, 1)),
     _entry("gemma-7b", "Gemma", _gemma(28, 3072, 24576, 16, 16)),
-    _entry("gemma-2-2b", "Gemma 2", _gemma2(26, 2304, 9216, 8, 4, 256, 256)),
-    _entry("gemma-2-9b", "Gemma 2", _gemma2(42, 3584, 14336, 16, 8, 256, 224)),
-    _entry("gemma-2-27b", "Gemma 2", _gemma2(46, 4608, 36864, 32, 16, 128, 144)),
+    _entry("gemma-2-2b", "Gemma 2", _gemma2(26, 2304, 9216, 8, 4, 256, 256), base_dtype="float32"),
+    _entry("gemma-2-9b", "Gemma 2", _gemma2(42, 3584, 14336, 16, 8, 256, 224), base_dtype="float32"),
+    _entry("gemma-2-27b", "Gemma 2", _gemma2(46, 4608, 36864, 32, 16, 128, 144), base_dtype="float32"),
     _entry("gemma-3-270m", "Gemma 3", _gemma3(18, 640, 2048, 4)),
     _entry("gemma-3-1b", "Gemma 3", _gemma3(26, 1152, 6912, 4), base_suffix="-pt"),
     # the vision-language sizes: 8 / 16 / 32 query heads over 4 / 8 / 16 KV heads; the 27B's heads are 128 wide

@@ -34,17 +34,18 @@ LLAMA31_ROPE = _rope_llama3(8.0)
 _META = "meta-llama"
 
 
-def _meta(name: str, config: dict[str, Any], *aliases: str) -> Checkpoint:
-    return Checkpoint(name=f"{_META}/{name}", family="Llama", config=config,
+def _meta(name: str, config: dict[str, Any], *aliases: str, dtype: str = "bfloat16") -> Checkpoint:
+    # config.json "torch_dtype": float16 for Llama 2 (and its chat models), bfloat16 from Llama 3 on
+    return Checkpoint(name=f"{_META}/{name}", family="Llama", config=config, dtype=dtype,
                       aliases=tuple(f"{_META}/{a}" for a in aliases))
 
 
 def _smollm(version: str, size: str, layers: int, hidden: int, inter: int, heads: int, kv: int,
             positions: int, rope_theta: float) -> Checkpoint:
-    # HuggingFaceTB/SmolLM[2]-*/config.json: vocab 49152, tied embeddings; SmolLM2 trained to 8192 positions with a
-    # larger RoPE base
+    # HuggingFaceTB/SmolLM[2]-*/config.json: vocab 49152, tied embeddings, bfloat16; SmolLM2 trained to 8192
+    # positions with a larger RoPE base
     name = f"HuggingFaceTB/{version}-{size}"
-    return Checkpoint(name=name, family=version, aliases=(f"{name}-Instruct",),
+    return Checkpoint(name=name, family=version, aliases=(f"{name}-Instruct",), dtype="bfloat16",
                       config=llama(layers, hidden, inter, heads, kv, 49152, positions, rope_theta, tied=True,
                                    bos_token_id=0, eos_token_id=0))
 
@@ -53,9 +54,9 @@ _L3_8B = dict(layers=32, hidden=4096, inter=14336, heads=32, kv=8, vocab=128256)
 _L3_70B = dict(layers=80, hidden=8192, inter=28672, heads=64, kv=8, vocab=128256)
 
 CHECKPOINTS: tuple[Checkpoint, ...] = (
-    _meta("Llama-2-7b-hf", llama(32, 4096, 11008, 32, 32, 32000, 4096), "Llama-2-7b-chat-hf"),
-    _meta("Llama-2-13b-hf", llama(40, 5120, 13824, 40, 40, 32000, 4096), "Llama-2-13b-chat-hf"),
-    _meta("Llama-2-70b-hf", llama(80, 8192, 28672, 64, 8, 32000, 4096), "Llama-2-70b-chat-hf"),
+    _meta("Llama-2-7b-hf", llama(32, 4096, 11008, 32, 32, 32000, 4096), "Llama-2-7b-chat-hf", dtype="float16"),
+    _meta("Llama-2-13b-hf", llama(40, 5120, 13824, 40, 40, 32000, 4096), "Llama-2-13b-chat-hf", dtype="float16"),
+    _meta("Llama-2-70b-hf", llama(80, 8192, 28672, 64, 8, 32000, 4096), "Llama-2-70b-chat-hf", dtype="float16"),
     _meta("Meta-Llama-3-8B", llama(**_L3_8B, positions=8192, rope_theta=500000.0), "Meta-Llama-3-8B-Instruct"),
     _meta("Meta-Llama-3-70B", llama(**_L3_70B, positions=8192, rope_theta=500000.0), "Meta-Llama-3-70B-Instruct"),
     _meta("Llama-3.1-8B", llama(**_L3_8B, positions=131072, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
@@ -74,9 +75,11 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     _meta("Llama-3.3-70B-Instruct", llama(**_L3_70B, positions=131072, rope_theta=500000.0,
                                           rope_scaling=LLAMA31_ROPE)),
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0/config.json: 22 layers, 4 KV heads, 2048 positions; the base model at the
-    # end of pre-training (intermediate-step-1431k-3T) has the same config
-    Checkpoint(name="TinyLlama/TinyLlama-1.1B-Chat-v1.0", family="TinyLlama",
+    # end of pre-training (intermediate-step-1431k-3T) has the same config but for its dtype (published in float32,
+    # the chat model in bfloat16)
+    Checkpoint(name="TinyLlama/TinyLlama-1.1B-Chat-v1.0", family="TinyLlama", dtype="bfloat16",
                aliases=("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",),
+               alias_dtypes={"TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": "float32"},
                config=llama(22, 2048, 5632, 32, 4, 32000, 2048)),
     _smollm("SmolLM", "135M", 30, 576, 1536, 9, 3, 2048, 10000.0),
     _smollm("SmolLM", "360M", 32, 960, 2560, 15, 5, 2048, 10000.0),
@@ -87,6 +90,7 @@ CHECKPOINTS: tuple[Checkpoint, ...] = (
     # HuggingFaceTB/SmolLM3-3B/config.json: 36 layers of 2048, 16 query / 4 KV heads, vocab 128256 tied, 65536
     # positions (RoPE base 5e6) with every fourth layer without RoPE (SmolLM3Config's default no_rope_layers)
     Checkpoint(name="HuggingFaceTB/SmolLM3-3B", family="SmolLM3", aliases=("HuggingFaceTB/SmolLM3-3B-Base",),
+               dtype="bfloat16",
                config={"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 36,
                        "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
                        "num_key_value_heads": 4, "vocab_size": 128256, "max_position_embeddings": 65536,

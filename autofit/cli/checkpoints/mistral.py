@@ -31,32 +31,32 @@ def _mixtral(layers: int, hidden: int, inter: int, heads: int, vocab: int, posit
             "tie_word_embeddings": False}
 
 
-_AI = "mistralai"
+_AI = "mistralai"  # every entry's config.json says "torch_dtype": "bfloat16"
 
 CHECKPOINTS: tuple[Checkpoint, ...] = (
     # v0.1: a 4096-token sliding window, RoPE base 1e4, vocab 32000
-    Checkpoint(name=f"{_AI}/Mistral-7B-v0.1", family="Mistral", aliases=(f"{_AI}/Mistral-7B-Instruct-v0.1",),
+    Checkpoint(name=f"{_AI}/Mistral-7B-v0.1", family="Mistral", dtype="bfloat16", aliases=(f"{_AI}/Mistral-7B-Instruct-v0.1",),
                config=_mistral(32, 4096, 14336, 32, 8, 32000, 32768, 10000.0, 4096)),
     # Instruct v0.2: no window, RoPE base 1e6 (its base model was not published on the Hub)
-    Checkpoint(name=f"{_AI}/Mistral-7B-Instruct-v0.2", family="Mistral",
+    Checkpoint(name=f"{_AI}/Mistral-7B-Instruct-v0.2", family="Mistral", dtype="bfloat16",
                config=_mistral(32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0, None)),
     # v0.3: v0.2 with the vocabulary extended to 32768
-    Checkpoint(name=f"{_AI}/Mistral-7B-v0.3", family="Mistral", aliases=(f"{_AI}/Mistral-7B-Instruct-v0.3",),
+    Checkpoint(name=f"{_AI}/Mistral-7B-v0.3", family="Mistral", dtype="bfloat16", aliases=(f"{_AI}/Mistral-7B-Instruct-v0.3",),
                config=_mistral(32, 4096, 14336, 32, 8, 32768, 32768, 1000000.0, None)),
     # Mistral NeMo 12B: 40 layers of 5120 with 32 heads of 128 (narrower than the width), vocab 131072
-    Checkpoint(name=f"{_AI}/Mistral-Nemo-Base-2407", family="Mistral",
+    Checkpoint(name=f"{_AI}/Mistral-Nemo-Base-2407", family="Mistral", dtype="bfloat16",
                aliases=(f"{_AI}/Mistral-Nemo-Instruct-2407",),
                config=_mistral(40, 5120, 14336, 32, 8, 131072, 1024000, 1000000.0, None, head_dim=128)),
     # Mistral Small (September 2024), 22B: 56 layers of 6144, 48 query / 8 KV heads, vocab 32768, no window
-    Checkpoint(name=f"{_AI}/Mistral-Small-Instruct-2409", family="Mistral",
+    Checkpoint(name=f"{_AI}/Mistral-Small-Instruct-2409", family="Mistral", dtype="bfloat16",
                config=_mistral(56, 6144, 16384, 48, 8, 32768, 32768, 1000000.0, None)),
     # Mistral Small 3 (January 2025), 24B: 40 layers of 5120 with 32 heads of 128, an MLP of 32768, vocab 131072,
     # RoPE base 1e8 (Mistral Small 3.1 / 3.2 are vision-language models, Mistral3ForConditionalGeneration: not here)
-    Checkpoint(name=f"{_AI}/Mistral-Small-24B-Base-2501", family="Mistral",
+    Checkpoint(name=f"{_AI}/Mistral-Small-24B-Base-2501", family="Mistral", dtype="bfloat16",
                aliases=(f"{_AI}/Mistral-Small-24B-Instruct-2501",),
                config=_mistral(40, 5120, 32768, 32, 8, 131072, 32768, 100000000.0, None, head_dim=128)),
-    Checkpoint(name=f"{_AI}/Mixtral-8x7B-v0.1", family="Mixtral", aliases=(f"{_AI}/Mixtral-8x7B-Instruct-v0.1",),
+    Checkpoint(name=f"{_AI}/Mixtral-8x7B-v0.1", family="Mixtral", dtype="bfloat16", aliases=(f"{_AI}/Mixtral-8x7B-Instruct-v0.1",),
                config=_mixtral(32, 4096, 14336, 32, 32000, 32768)),
-    Checkpoint(name=f"{_AI}/Mixtral-8x22B-v0.1", family="Mixtral",
+    Checkpoint(name=f"{_AI}/Mixtral-8x22B-v0.1", family="Mixtral", dtype="bfloat16",
                config=_mixtral(56, 6144, 16384, 48, 32000, 65536)),
 )

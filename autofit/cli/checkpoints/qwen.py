@@ -52,7 +52,9 @@ def _qwen3_moe(layers: int, hidden: int, inter: int, expert_inter: int, heads: i
 def _entry(family: str, size: str, config: dict[str, Any], *more: str) -> Checkpoint:
     name = f"Qwen/{family.removesuffix('-MoE')}-{size}"
     alias = f"{name}-Base" if family.startswith("Qwen3") else f"{name}-Instruct"
-    return Checkpoint(name=name, family=family, config=config, aliases=(alias, *(f"{name}-{m}" for m in more)))
+    # every Qwen2 / 2.5 / 3 config.json says "torch_dtype": "bfloat16"
+    return Checkpoint(name=name, family=family, config=config, dtype="bfloat16",
+                      aliases=(alias, *(f"{name}-{m}" for m in more)))
 
 
 CHECKPOINTS: tuple[Checkpoint, ...] = (

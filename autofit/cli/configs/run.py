@@ -31,8 +31,10 @@ def _adapter_model(config: TrainConfig):
             f"{config.adapter.rank}) needs autofit.hf_model(name, lora=RANK, lora_targets=..., qlora=...), which "
             "this autofit lacks; plan the full model with the adapter keys removed, or update autofit")
     adapter = config.adapter
-    targets = None if not adapter.targets or adapter.targets == ("all-linear",) else list(adapter.targets)
-    return builder(config.hf_name, dtype=_TORCH_DTYPES.get(config.model_dtype or "", "auto"), task="causal-lm",
+    # ("all-linear",): every linear layer but the output; none named: peft's default for the architecture
+    targets = ("all-linear" if adapter.targets == ("all-linear",) else list(adapter.targets) if adapter.targets
+               else None)
+    return builder(config.hf_name, dtype=config.model_dtype or "auto", task="causal-lm",
                    lora=adapter.rank, lora_targets=targets, lora_alpha=adapter.alpha,
                    qlora=adapter.quantized_bits == 4)
 
@@ -56,6 +58,10 @@ def model_spec(config: TrainConfig):
             sample = {"input_ids": ids, "labels": ids.clone()}
         return ModelSpec(model, sample, None, f"{config.hf_name} + {config.adapter.kind} r={config.adapter.rank}, "
                                               f"sequence {config.sequence_length}")
+    if config.model.startswith("hf:"):  # built in the dtype the framework loads it in (hf_spec's --dtype)
+        spec = load_spec(config.model, input_shapes=[(config.sequence_length,)], task="causal-lm",
+                         dtype=config.model_dtype or "auto")
+        return spec
     spec = load_spec(config.model, input_shapes=[(config.sequence_length,)], task="causal-lm")
     if config.model_dtype in ("bf16", "fp16"):
         spec.model.to(getattr(torch, _TORCH_DTYPES[config.model_dtype]))

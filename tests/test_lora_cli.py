@@ -1,0 +1,168 @@
+"""LoRA and QLoRA on ``hf:`` models (``--lora``, ``--lora-targets``, ``--qlora``; :func:`autofit.hf_model`), built on
+the meta device. Truths: hand counts of the adapters' parameters (r x (in + out) per adapted linear layer) and of
+NF4's bytes (half a byte a weight, one 8-bit absmax per block of 64, double quantization's fp32 absmax per 256
+blocks and code books), and ``autofit.measure`` (the CPU allocator) on the same tiny model quantized for real by
+bitsandbytes on the CPU, prepared and adapted by peft's own functions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import autofit
+from autofit.cli.app import app
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+QWEN05 = "Qwen/Qwen2.5-0.5B"
+# Qwen2.5-0.5B: 24 layers of width 896, 2 KV heads of 64 (k / v project 896 -> 128), MLP 4864
+_WIDE, _KV, _MLP, _LAYERS = 896, 128, 4864, 24
+_SHAPES = {"q_proj": (_WIDE, _WIDE), "k_proj": (_WIDE, _KV), "v_proj": (_WIDE, _KV), "o_proj": (_WIDE, _WIDE),
+           "gate_proj": (_WIDE, _MLP), "up_proj": (_WIDE, _MLP), "down_proj": (_MLP, _WIDE)}
+
+
+def _lora_params(rank: int, targets) -> int:
+    """LoRA's A (in x r) and B (r x out) per adapted layer, in every layer: r x (in + out)."""
+    return _LAYERS * sum(rank * (i + o) for name, (i, o) in _SHAPES.items() if name in targets)
+
+
+def _trainable(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_lora_adds_peft_default_targets_hand_count():
+    """peft's default for qwen2 is q_proj and v_proj (peft/utils/constants.py)."""
+    model = autofit.hf_model(QWEN05, lora=16)
+    assert _trainable(model) == _lora_params(16, ("q_proj", "v_proj")) == 1_081_344
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_lora_all_linear_and_listed_targets():
+    assert _trainable(autofit.hf_model(QWEN05, lora=8, lora_targets="all-linear")) == _lora_params(8, _SHAPES)
+    listed = autofit.hf_model(QWEN05, lora=4, lora_targets=["q_proj", "down_proj"], lora_alpha=8)
+    assert _trainable(listed) == _lora_params(4, ("q_proj", "down_proj"))
+
+
+def _nf4_bytes(n: int) -> int:
+    """One Linear4bit weight of n values, NF4 with double quantization (bitsandbytes/functional.py quantize_4bit,
+    QuantState): n / 2 packed bytes; one absmax per block of 64, itself quantized to 8 bits; one fp32 absmax per 256
+    of those; the 256-entry fp32 code book of the second level, the 16-entry fp32 NF4 code book, an fp32 offset."""
+    blocks = math.ceil(n / 64)
+    return n // 2 + blocks + 4 * math.ceil(blocks / 256) + 4 * 256 + 4 * 16 + 4
+
+
+@pytest.mark.sim
+def test_qlora_parameter_bytes_hand_count():
+    model = autofit.hf_model(QWEN05, lora=16, qlora=True)
+    four_bit = [m for m in model.modules() if type(m).__module__.startswith("bitsandbytes")]
+    assert len(four_bit) == 7 * _LAYERS  # every linear layer but the (tied) output
+    quantized = _LAYERS * sum(_nf4_bytes(i * o) for i, o in _SHAPES.values())
+    # q/k/v biases: cast to fp32 by peft's prepare_model_for_kbit_training, back to bf16 (the compute dtype) by the
+    # layer's first forward (bitsandbytes' Linear4bit.forward), and so bf16 in every step after
+    biases = _LAYERS * (_WIDE + 2 * _KV)
+    others = 151936 * _WIDE + _LAYERS * 2 * _WIDE + _WIDE  # embedding (tied) and RMSNorms: fp32 after that cast
+    lora = _lora_params(16, ("q_proj", "v_proj"))  # peft keeps adapters in fp32
+    assert _trainable(model) == lora
+    est = autofit.estimate(model, _tokens(151936, 1, 8), micro_batch_size=1, optimizer="sgd")
+    assert est.breakdown["parameters"] == quantized + 2 * biases + 4 * (others + lora)
+
+
+def _tokens(vocab: int, rows: int, length: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+_TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 256,
+         "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 128}
+
+
+def _real_qlora(rank: int) -> nn.Module:
+    """The tiny model with real weights, its linear layers quantized by bitsandbytes on the CPU as transformers'
+    BitsAndBytesConfig(load_in_4bit, nf4, double quant) does, then peft's prepare_model_for_kbit_training and
+    get_peft_model with peft's default targets."""
+    bnb = pytest.importorskip("bitsandbytes")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in _TINY.items() if k != "model_type"})
+    model = transformers.LlamaForCausalLM(config)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True)
+                layer.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                                 compress_statistics=True)
+                setattr(module, name, layer.to("cpu"))  # .to quantizes
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("rows, length", [(4, 64), (1, 16)])
+def test_qlora_on_meta_estimate_matches_measure_of_the_real_model(tmp_path, rows, length):
+    pytest.importorskip("bitsandbytes")
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    on_meta = autofit.hf_model(str(tmp_path), lora=8, qlora=True)
+    real = _real_qlora(8)
+    assert _trainable(on_meta) == _trainable(real)
+    import bitsandbytes as bnb
+
+    assert all(c.device.type == "cpu" for c in bnb.functional.name2qmap.values())  # the cache left as found
+    sample = _tokens(128, rows, length)
+    est = autofit.estimate(on_meta, sample, micro_batch_size=rows)
+    meas = autofit.measure(real, sample, micro_batch_size=rows)
+    error = est.peak_bytes / meas.peak_bytes - 1
+    assert abs(error) <= 0.005, (est.peak_bytes, meas.peak_bytes, f"{100 * error:+.3f} %", dict(est.breakdown))
+
+
+@pytest.mark.sim
+def test_an_unquantized_4bit_layer_gets_a_typed_error_naming_the_fix():
+    bnb = pytest.importorskip("bitsandbytes")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    config = transformers.LlamaConfig(**{k: v for k, v in _TINY.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    model.model.layers[0].self_attn.q_proj = bnb.nn.Linear4bit(256, 256, bias=False, quant_type="nf4",
+                                                               device="meta")
+    with pytest.raises(autofit.UnsupportedModelError, match="never quantized.*quantize_4bit.*qlora=True"):
+        autofit.estimate(model, _tokens(128, 1, 8), micro_batch_size=1)
+
+
+runner = CliRunner()
+
+
+@pytest.mark.sim
+def test_cli_lora_and_qlora_say_what_they_built():
+    base = ["estimate", "hf:" + QWEN05, "-m", "1", "--input-shape", "8", "--device", "cpu"]
+    lora = runner.invoke(app, [*base, "--lora", "16"], catch_exceptions=False)
+    assert lora.exit_code == 0, lora.output
+    assert "LoRA r=16 on q_proj,v_proj (peft's default for qwen2)" in " ".join(lora.output.split())
+    qlora = runner.invoke(app, [*base, "--lora", "16", "--lora-targets", "all-linear", "--qlora", "--json"],
+                          catch_exceptions=False)
+    assert qlora.exit_code == 0, qlora.output
+    assert "QLoRA r=16" in json.loads(qlora.stdout)["model"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--qlora"], "--qlora needs --lora RANK"),
+    (["--lora", "0"], "positive integer"),
+    (["--lora", "8", "--lora-targets", "nope_proj"], "--lora-targets nope_proj"),
+])
+def test_cli_bad_adapter_flags_exit_2(args, words):
+    result = runner.invoke(app, ["estimate", "hf:" + QWEN05, "-m", "1", "--input-shape", "8", "--device", "cpu",
+                                 *args])
+    assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+
+
+def test_lora_on_a_factory_is_refused():
+    result = runner.invoke(app, ["estimate", "examples/factories.py:mlp", "-m", "1", "--input-shape", "128",
+                                 "--device", "cpu", "--lora", "8"])
+    assert result.exit_code == 2 and "--lora applies to hf:" in " ".join(result.output.split())
