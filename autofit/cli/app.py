@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from autofit.cli.help import Command, Group
+from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot
 from autofit.cli.progress import planning_progress
@@ -28,7 +28,7 @@ from autofit.core.units import format_bytes
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
 EXPORT_NAMES = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")  # autofit.emit.export.EXPORTERS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, cls=Group, context_settings=CONTEXT,
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "
                        "activation checkpointing.")
 
@@ -151,7 +151,7 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+def _main(version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                 help="print the version and exit")] = False) -> None:
     """Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, activation checkpointing."""
 

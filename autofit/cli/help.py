@@ -14,9 +14,13 @@ import contextlib
 import shutil
 from collections.abc import Iterator
 
+import click
 from typer.core import TyperCommand, TyperGroup
 
-__all__ = ["Command", "Group", "RICH_HELP_COLUMNS"]
+__all__ = ["Command", "Group", "RICH_HELP_COLUMNS", "CONTEXT"]
+
+# -h beside --help, for the group and (click contexts inherit it) every command
+CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 RICH_HELP_COLUMNS = 100  # the narrowest width at which `autofit plan --help`'s panels keep every name (96 does)
 
@@ -56,6 +60,13 @@ class Command(TyperCommand):
 
 
 class Group(TyperGroup):
+    def parse_args(self, ctx, args):
+        """Bare ``autofit``: the help, exit 0 (click's ``no_args_is_help`` exits 2, and typer's printed nothing)."""
+        if not args and not ctx.resilient_parsing:
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
     def get_params(self, ctx):
         params = super().get_params(ctx)
         _flag_metavars(params)
