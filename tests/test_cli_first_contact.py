@@ -57,3 +57,68 @@ def test_dash_capital_v_prints_the_version_as_dash_dash_version_does():
     short, long = runner.invoke(app, ["-V"]), runner.invoke(app, ["--version"])
     assert short.exit_code == long.exit_code == 0, short.output
     assert short.output == long.output and short.output.startswith("autofit ")
+
+
+# --- 2. a size says its unit ---------------------------------------------------------------------------------------
+
+NEVER_BUILT = "tests_never_imported_module:factory"  # importing it would fail: a refusal before the model is built
+
+
+@pytest.mark.parametrize(("flags", "meant"), [
+    (["--budget", "16"], ["--budget 16 has no unit", "16GB (16x10^9 bytes)", "16GiB"]),
+    (["--budget", "565000000"], ["'565000000B'"]),
+    (["--budget", "8GB", "--gpu-memory", "12"], ["--gpu-memory 12 has no unit", "12GiB"]),
+    (["--budget", "8GB", "--host-budget", "64"], ["--host-budget 64 has no unit", "64GB"]),
+    (["--budget", "8GB", "--margin", "512"], ["--margin 512 has no unit", "512GB"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) and v[0].startswith("-") else None)
+def test_a_size_without_a_unit_is_refused_before_the_model_is_built(flags, meant):
+    result = runner.invoke(app, ["plan", NEVER_BUILT, *flags, "--batch-size", "8", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "cannot import" not in result.output and "Traceback" not in result.output, result.output
+    assert all(m in result.output for m in meant), result.output
+
+
+def test_verify_refuses_a_budget_without_a_unit_too():
+    result = runner.invoke(app, ["verify", NEVER_BUILT, "--budget", "16", "--batch-size", "8"])
+    assert result.exit_code == 2 and "16GiB" in result.output, result.output
+
+
+def test_a_unitless_budget_is_refused_in_a_second_not_after_a_plan():
+    """The issue's command: an hf: checkpoint and --budget 16 once ran a plan for 16 bytes (117 s) before failing."""
+    run = _autofit("plan", "hf:Qwen/Qwen2.5-0.5B", "--budget", "16", "--batch-size", "8")
+    assert run.returncode == 2 and "did you mean 16GB" in run.stdout + run.stderr, run.stdout + run.stderr
+    assert "tracing" not in run.stdout + run.stderr
+
+
+def test_bytes_with_their_unit_are_read_as_bytes():
+    from autofit.cli.sizes import check_sizes
+    from autofit.core.units import parse_budget
+
+    check_sizes(budget="565000000B", margin="0", host_budget="64GiB", gpu_memory="12GiB")
+    assert parse_budget("565000000B") == 565_000_000 and parse_budget(565_000_000) == 565_000_000
+
+
+# --- 3. GB and GiB, one reading across the flags -------------------------------------------------------------------
+
+def test_gb_is_ten_to_the_nine_on_every_size_flag():
+    """--gpu-memory once read 12GB as GiB while --budget read it as 10^9: one command, two sizes."""
+    from autofit.cli.app import gpu_option
+    from autofit.cuda.catalog import gpu_spec
+    from autofit.validate import margin_for, resolve_host_budget
+    from autofit.device import resolve_device
+
+    assert gpu_spec(gpu_option(None, "12GB")).memory_bytes == 12 * 10**9
+    assert gpu_spec(gpu_option("RTX-4070", "12GiB")).memory_bytes == 12 * 2**30
+    target = resolve_device("cuda", "A100-80GB")
+    assert resolve_host_budget("64GB", target)[0] == 64 * 10**9
+    assert resolve_host_budget("64GiB", target)[0] == 64 * 2**30
+    assert margin_for("512MB", 8 * 10**9, target, 1) == 512 * 10**6
+    assert margin_for("512MiB", 8 * 10**9, target, 1) == 512 * 2**20
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_the_help_says_what_gb_and_gib_mean(command):
+    text = " ".join(runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output.split())
+    assert "12GB is 12x10^9 bytes" in text, text
+    top = " ".join(runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output.split())
+    assert "GB = 10^9 bytes, GiB = 2^30" in top

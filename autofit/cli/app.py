@@ -20,6 +20,7 @@ from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot
 from autofit.cli.progress import planning_progress
+from autofit.cli.sizes import SIZE_UNITS, check_sizes
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
 from autofit.core.units import format_bytes
 
@@ -30,7 +31,7 @@ EXPORT_NAMES = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")  # a
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, cls=Group, context_settings=CONTEXT,
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "
-                       "activation checkpointing.")
+                       f"activation checkpointing. Sizes: {SIZE_UNITS}.")
 
 EXIT_INPUT, EXIT_INFEASIBLE, EXIT_OVER_BUDGET = 2, 3, 4
 
@@ -38,8 +39,9 @@ ModelArg = Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
                                          help="pkg.module:factory, file.py:factory, torchvision:NAME, hf:NAME (a "
                                               "checkpoint such as hf:Qwen/Qwen2.5-0.5B; 'autofit models' lists "
                                               "those known offline) or hf:TYPE --config k=v")]
-BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB' (10^9), '8GiB' (2^30), bytes, or "
-                                        "'90%' of the GPU (of host memory with --device cpu)")]
+BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB' (8x10^9 bytes), '8GiB' (8x2^30), "
+                                        "'565000000B', or '90%' of the GPU (of host memory with --device cpu); a "
+                                        "number without a unit is refused")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-n", help="effective batch: samples per optimizer step")]
 ShapeOpt = Annotated[Optional[list[str]], typer.Option("--input-shape", help="one sample's shape without the batch "
                                                        "dimension, e.g. 3,224,224 (repeat for several inputs)")]
@@ -49,8 +51,8 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda")]
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB, RTX-3060, "
                                                 "MI300X (default: this machine's GPU, else A100-80GB)")]
 GpuMemoryOpt = Annotated[Optional[str], typer.Option(
-    "--gpu-memory", help="a card not in the catalog: its memory, e.g. 12GB (the vendor's GB, read as GiB); with "
-    "--gpu, that card's other figures, else the A100-80GB's")]
+    "--gpu-memory", help="a card not in the catalog: its memory, e.g. 12GiB (a vendor's '12 GB' card has 12GiB; "
+    "12GB is 12x10^9 bytes); with --gpu, that card's other figures, else the A100-80GB's")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="auto, fp32, bf16 or fp16")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw, adam or sgd")]
 ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", metavar="KEY=VALUE",
@@ -66,11 +68,11 @@ OffloadOpt = Annotated[bool, typer.Option(
     "--offload/--no-offload", help="let the planner keep activations, or parameters, gradients and optimizer state, "
     "in host memory when that fits or is faster (GPU targets; docs/offload.md)")]
 HostBudgetOpt = Annotated[Optional[str], typer.Option(
-    "--host-budget", help="host memory (RAM) per node an offloading plan may use, e.g. 64GB (default: the target "
+    "--host-budget", help="host memory (RAM) per node an offloading plan may use, e.g. 64GB (64x10^9 bytes) or 64GiB (default: the target "
     "GPU's host from the catalog, or this machine's RAM when the target is this machine's GPU; the plan says which)")]
 MarginOpt = Annotated[Optional[str], typer.Option(
-    "--margin", help="memory kept free for what the estimate does not model: bytes, '512MB' or a share of the budget "
-    "('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
+    "--margin", help="memory kept free for what the estimate does not model: '512MB' (512x10^6 bytes), '512MiB' or a "
+    "share of the budget ('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
 OverCapacityOpt = Annotated[bool, typer.Option(
     "--allow-over-capacity", help="accept a --budget above the GPU's memory (refused otherwise)")]
 AllowOpt = Annotated[Optional[list[str]], typer.Option(
@@ -153,7 +155,8 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                 help="print the version and exit")] = False) -> None:
-    """Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, activation checkpointing."""
+    """Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, activation checkpointing.
+    Sizes: GB = 10^9 bytes, GiB = 2^30 (as in every size flag); a number needs its unit (bytes: 565000000B)."""
 
 
 def _spec(model: str, input_shape, input_dtype, config, task=None):
@@ -196,6 +199,7 @@ def plan(
 
     console = console_for(stderr=as_json)
     try:
+        check_sizes(budget=budget, gpu_memory=gpu_memory, host_budget=host_budget, margin=margin)
         if export is not None and export not in EXPORT_NAMES:
             raise typer.BadParameter(f"--export must be one of {', '.join(EXPORT_NAMES)}")
         if plot is not None:
@@ -274,6 +278,7 @@ def verify(
     console = console_for()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
+        check_sizes(budget=budget, margin=margin)
         with one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
             with planning_progress(console, f"planning for {device}", quiet=quiet):
