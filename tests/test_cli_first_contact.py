@@ -122,3 +122,67 @@ def test_the_help_says_what_gb_and_gib_mean(command):
     assert "12GB is 12x10^9 bytes" in text, text
     top = " ".join(runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output.split())
     assert "GB = 10^9 bytes, GiB = 2^30" in top
+
+
+# --- 5. warnings on stderr, a closed pipe ends quietly -------------------------------------------------------------
+
+WARNS = '''
+import warnings
+
+def noisy():
+    warnings.warn("a third-party library has something to say", FutureWarning)
+    raise ValueError("and then the factory fails")
+'''
+
+
+def test_a_warning_goes_to_stderr_never_stdout(tmp_path):
+    (tmp_path / "noisy.py").write_text(WARNS)
+    run = _autofit("plan", f"{tmp_path / 'noisy.py'}:noisy", "--budget", "1GB", "--batch-size", "2", "--device", "cpu")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "warning: a third-party library has something to say" in run.stderr, run.stderr
+    assert "third-party" not in run.stdout and run.stdout.startswith("error: building MODEL"), run.stdout
+
+
+def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess:
+    """The command with stdout a pipe whose reader is gone before it starts (head that has its line): every write
+    fails, however fast or slow the command is."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "autofit", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, env=_env(), timeout=300)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("args", [["models", "qwen2.5-0.5b"], ["--help"], [], ["plan", "-h"],
+                                  ["plan", NEVER_BUILT, "--budget", "16", "--batch-size", "2"]], ids=" ".join)
+def test_a_closed_pipe_exits_141_quietly(args):
+    from autofit.cli.pipes import EXIT_PIPE
+
+    run = _into_a_closed_pipe(*args)
+    assert run.returncode == EXIT_PIPE == 141, run.stderr
+    assert run.stderr == "", run.stderr  # no traceback, no "Exception ignored"
+
+
+@pytest.mark.sim  # a small plan
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
+def test_a_plan_piped_to_a_closed_reader_exits_141_quietly(json_flag):
+    run = _into_a_closed_pipe("plan", "examples/factories.py:small_cnn", "--budget", "50MB", "--batch-size", "32",
+                              "--device", "cpu", "--quiet", *json_flag)
+    assert run.returncode == 141 and "Traceback" not in run.stderr and "Exception" not in run.stderr, run.stderr
+
+
+@pytest.mark.sim  # counting every checkpoint's parameters: seconds
+def test_the_whole_models_list_into_a_closed_pipe_exits_141_quietly():
+    run = _into_a_closed_pipe("models")
+    assert run.returncode == 141 and run.stderr == "", run.stderr
+
+
+def test_models_piped_to_head_as_a_user_types_it():
+    """The shell's own pipe; the list may fit the pipe's buffer before head closes it (then 0)."""
+    shell = subprocess.run(["bash", "-o", "pipefail", "-c", f"{sys.executable} -m autofit models qwen2.5-0.5b | "
+                            "head -1; echo; echo status=$?"
+                            "echo; echo status=$?"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert shell.stdout.splitlines()[-1] in ("status=0", "status=141"), shell.stdout  # 0: it all fit the pipe
+    assert "Traceback" not in shell.stderr and "Exception" not in shell.stderr, shell.stderr

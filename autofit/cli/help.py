@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import click
 from typer.core import TyperCommand, TyperGroup
 
+from autofit.cli.pipes import quiet_closed_pipe
+
 __all__ = ["Command", "Group", "RICH_HELP_COLUMNS", "CONTEXT"]
 
 # -h beside --help, for the group and (click contexts inherit it) every command
@@ -60,6 +62,14 @@ class Command(TyperCommand):
 
 
 class Group(TyperGroup):
+    def make_context(self, *args, **kwargs):  # --help and click's usage errors print while the context is made
+        with quiet_closed_pipe():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with quiet_closed_pipe():
+            return super().invoke(ctx)
+
     def parse_args(self, ctx, args):
         """Bare ``autofit``: the help, exit 0 (click's ``no_args_is_help`` exits 2, and typer's printed nothing)."""
         if not args and not ctx.resilient_parsing:
