@@ -186,3 +186,143 @@ def test_models_piped_to_head_as_a_user_types_it():
                             "echo; echo status=$?"], capture_output=True, text=True, env=_env(), timeout=120)
     assert shell.stdout.splitlines()[-1] in ("status=0", "status=141"), shell.stdout  # 0: it all fit the pipe
     assert "Traceback" not in shell.stderr and "Exception" not in shell.stderr, shell.stderr
+
+
+# --- 6. exports written as the files their frameworks read ---------------------------------------------------------
+
+def _load(name: str, path: Path):
+    """Each file through its framework's own reader (the truth: what that framework will train with)."""
+    if name == "hf":
+        transformers = pytest.importorskip("transformers")
+        (args,) = transformers.HfArgumentParser(transformers.TrainingArguments).parse_json_file(str(path))
+        return args
+    if name == "accelerate":
+        pytest.importorskip("accelerate")
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        return load_config_from_file(str(path))
+    if name == "deepspeed":
+        import json
+
+        return json.loads(path.read_text())
+    if name == "torchtitan":
+        import tomllib
+
+        return tomllib.loads(path.read_text())
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load(path.read_text())
+
+
+def _tiny_gpt2_plan(precision: str):
+    """A plan that recomputes (a module forced by Savers), bf16: every knob the files must carry is set."""
+    import torch
+
+    import autofit
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                                                 n_positions=32, use_cache=False))
+    ids = torch.randint(0, 100, (2, 32))
+    return autofit.plan(model, {"input_ids": ids, "labels": ids}, "4GB", batch_size=8, device="cpu",
+                        precision=precision, savers=autofit.Savers(checkpoint=("transformer.h.0.mlp",)))
+
+
+@pytest.mark.sim  # one small plan
+def test_each_export_file_loads_with_its_frameworks_reader_and_carries_the_plan(tmp_path):
+    import warnings
+
+    from autofit.emit.export import EXPORTERS, export_file
+
+    plan = _tiny_gpt2_plan("bf16")
+    micro, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
+    assert plan.checkpoint and plan.world_size == 1 and plan.precision.name == "bf16"
+    loaded = {}
+    for name, suffix in (("hf", "json"), ("deepspeed", "json"), ("accelerate", "yaml"), ("lightning", "yaml"),
+                         ("torchtitan", "toml")):
+        path = tmp_path / f"{name}.{suffix}"
+        path.write_text(export_file(plan, name)[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # a deprecated key (gradient_checkpointing, fsdp="...")
+            loaded[name] = _load(name, path)
+    assert set(loaded) == set(EXPORTERS)
+
+    hf = loaded["hf"]
+    assert (hf.per_device_train_batch_size, hf.gradient_accumulation_steps) == (micro, steps)
+    assert hf.bf16 and not hf.fp16 and hf.activation_checkpointing is True and not hf.fsdp  # one GPU: no FSDP
+
+    ds = loaded["deepspeed"]
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (micro, steps)
+    assert ds["train_batch_size"] == micro * steps and ds["bf16"]["enabled"] and "activation_checkpointing" in ds
+    assert ds["zero_optimization"]["stage"] == 0 and not any(k.startswith("autofit") for k in ds)
+
+    acc = loaded["accelerate"]
+    assert acc.mixed_precision == "bf16" and acc.num_processes == 1 and acc.distributed_type.value == "NO"
+    text = (tmp_path / "accelerate.yaml").read_text()
+    assert f"micro-batch {micro}" in text and f"gradient_accumulation_steps={steps}" in text
+    assert "recomputes 1 modules (transformer.h.0.mlp)" in text
+
+    lightning = loaded["lightning"]
+    assert lightning["trainer"] == {"precision": "bf16-mixed", "accumulate_grad_batches": steps}
+    assert lightning["data"] == {"batch_size": micro}
+
+    titan = loaded["torchtitan"]
+    assert titan["training"]["local_batch_size"] == micro and titan["training"]["global_batch_size"] == micro * steps
+    assert titan["training"]["mixed_precision_param"] == "bfloat16" and titan["activation_checkpoint"]["mode"] == "full"
+    assert titan["parallelism"]["data_parallel_shard_degree"] == 1
+
+
+@pytest.mark.sim  # one small plan
+def test_a_sharded_plan_exports_fsdp2_with_current_keys(tmp_path):
+    from dataclasses import replace
+
+    from autofit.emit.export import export_file
+
+    plan = replace(_tiny_gpt2_plan("fp32"), world_size=2, strategy="fsdp2", batch_size=16)
+    path = tmp_path / "hf.json"
+    path.write_text(export_file(plan, "hf")[0])
+    hf = _load("hf", path)
+    assert hf.fsdp in (True, "True", "true") or hf.fsdp_config.get("version") == 2, hf.fsdp
+    assert hf.fsdp_config["version"] == 2 and hf.fsdp_config["reshard_after_forward"] is True
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(export_file(plan, "accelerate")[0])
+    acc = _load("accelerate", path)
+    assert acc.distributed_type.value == "FSDP" and acc.num_processes == 2
+    assert acc.fsdp_config["fsdp_version"] == 2 and acc.fsdp_config["fsdp_activation_checkpointing"] is True
+
+
+@pytest.mark.sim  # a small plan
+def test_several_exports_are_all_honoured(tmp_path):
+    import json
+    import tomllib
+
+    paths = {name: tmp_path / f"{name}.{suffix}" for name, suffix in (("hf", "json"), ("accelerate", "yaml"),
+                                                                     ("torchtitan", "toml"))}
+    args = ["plan", "examples/factories.py:small_cnn", "--budget", "50MB", "--batch-size", "32", "--device", "cpu",
+            "--quiet", "--json", *[f for n, p in paths.items() for f in ("--export", f"{n}={p}")],
+            "--export", "deepspeed"]
+    run = _autofit(*args, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(run.stdout)
+    for name, path in paths.items():
+        assert f"wrote: {path} ({name})" in run.stderr
+    assert json.loads(paths["hf"].read_text())["per_device_train_batch_size"] == plan["micro_batch_size"]
+    assert tomllib.loads(paths["torchtitan"].read_text())["training"]["local_batch_size"] == plan["micro_batch_size"]
+    printed = run.stderr[run.stderr.index("{"):]  # the one without a path, printed as before (stderr with --json)
+    assert json.loads(printed)["train_micro_batch_size_per_gpu"] == plan["micro_batch_size"]
+
+
+@pytest.mark.parametrize(("export", "words"), [
+    ("pytorch", "must be one of hf, deepspeed"), ("hf=", "give a file after '='"),
+    ("hf=/no/such/folder/args.json", "does not exist"),
+])
+def test_a_bad_export_is_refused_before_the_model_is_built(export, words):
+    result = runner.invoke(app, ["plan", NEVER_BUILT, "--budget", "1GB", "--batch-size", "8", "--export", export])
+    assert result.exit_code == 2 and words in result.output and "cannot import" not in result.output, result.output
+
+
+def test_two_exports_to_one_file_are_refused(tmp_path):
+    same = str(tmp_path / "out.json")
+    result = runner.invoke(app, ["plan", NEVER_BUILT, "--budget", "1GB", "--batch-size", "8",
+                                 "--export", f"hf={same}", "--export", f"deepspeed={same}"])
+    assert result.exit_code == 2 and "already the file of another --export" in result.output, result.output

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
-from autofit.cli.outputs import check_plot
+from autofit.cli.outputs import check_plot, parse_exports, write_exports
 from autofit.cli.progress import planning_progress
 from autofit.cli.sizes import SIZE_UNITS, check_sizes
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
@@ -187,21 +187,21 @@ def plan(
     quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
-    export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
-                                                  "lightning, accelerate or torchtitan (TOML) settings")] = None,
+    export: Annotated[Optional[list[str]], typer.Option(
+        "--export", metavar="NAME[=PATH]", help="also give the plan as hf (TrainingArguments JSON), deepspeed "
+        "(JSON), accelerate (YAML), lightning (YAML) or torchtitan (TOML) settings: printed, or with =PATH written "
+        "as the file that framework reads (repeatable; the paths are checked before planning)")] = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.cli.estimate import sequence_option
     from autofit.cli.render import render_plan
-    from autofit.emit.export import EXPORTERS
     from autofit.options import Device, Layout, Precision, Savers
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
     try:
         check_sizes(budget=budget, gpu_memory=gpu_memory, host_budget=host_budget, margin=margin)
-        if export is not None and export not in EXPORT_NAMES:
-            raise typer.BadParameter(f"--export must be one of {', '.join(EXPORT_NAMES)}")
+        exports = parse_exports(export, EXPORT_NAMES)
         if plot is not None:
             check_plot(plot)
         note = gpu_note(gpu) if device == "cuda" else None
@@ -221,7 +221,8 @@ def plan(
                           allow_over_capacity=allow_over_capacity),
             precision=Precision(compute=precision, min_stored=min_stored_precision),
             savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile,
-                          zero_grad=zero_grad or default_zero_grad(export)),
+                          zero_grad=zero_grad or default_zero_grad(
+                              "lightning" if any(n == "lightning" for n, _ in exports) else None)),
             layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
                           reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
                                                               boolean=True),
@@ -242,14 +243,10 @@ def plan(
         sys.stdout.write(result.to_json() + "\n")
     else:
         render_plan(console, result, spec.description, analyses[result.precision.label].table)
-    if export is not None:
-        out = console_for(stderr=as_json)
-        if export == "torchtitan":  # torchtitan reads TOML (its train_configs/*.toml)
-            from autofit.emit.export import to_torchtitan_toml
-
-            out.print(to_torchtitan_toml(result), highlight=False, markup=False)
-        else:
-            out.print_json(json.dumps(EXPORTERS[export](result)))
+    try:
+        write_exports(console_for(stderr=as_json), result, exports)
+    except InvalidInputError as e:
+        _fail(console, str(e), EXIT_INPUT)
     if plot is not None:
         from autofit.cli.plot import write_plot
 
