@@ -106,8 +106,9 @@ def parse_budget(value: int | float | str, *, device_total_bytes: int | None = N
             raise InvalidInputError(f"budget percentage must be in (0, 100], got {value!r}")
         if device_total_bytes is None:
             raise InvalidInputError(
-                f"budget {value!r} is a percentage, but no device memory is known: pass gpu='A100-80GB' "
-                "(or --gpu) or give the budget in bytes, e.g. '8GB'"
+                f"budget {value!r} is a percentage, but no device memory is known: name the GPU, "
+                "device='A100-80GB' or device=autofit.Device(gpu='A100-80GB') (--gpu A100-80GB), or give a size, e.g. "
+                "'8GB'"
             )
         return int(device_total_bytes * percent / 100)
     return parse_bytes(value, what="budget")

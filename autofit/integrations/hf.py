@@ -1,6 +1,6 @@
 """A plan inside Hugging Face's ``Trainer``: its ``TrainingArguments`` and its model.
 
-    plan = autofit.plan(model, sample, "16GB", batch_size=32, gpu="T4")
+    plan = autofit.plan(model, sample, "16GB", batch_size=32, device="T4")
     args = training_arguments(plan, TrainingArguments(output_dir="out"))
     Trainer(model=model, args=args, train_dataset=data, callbacks=[AutofitCallback(plan)]).train()
 
