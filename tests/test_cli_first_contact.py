@@ -326,3 +326,53 @@ def test_two_exports_to_one_file_are_refused(tmp_path):
     result = runner.invoke(app, ["plan", NEVER_BUILT, "--budget", "1GB", "--batch-size", "8",
                                  "--export", f"hf={same}", "--export", f"deepspeed={same}"])
     assert result.exit_code == 2 and "already the file of another --export" in result.output, result.output
+
+
+# --- 4. a mistyped hf: name is answered offline, before the Hub -----------------------------------------------------
+
+@pytest.fixture
+def hub_calls(monkeypatch):
+    """The network as reachable (HF_HUB_OFFLINE=0), but every Hub request of transformers' config loader recorded and
+    refused: the truth is the list of names that reached it."""
+    transformers = pytest.importorskip("transformers")
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    calls: list[str] = []
+    real = transformers.AutoConfig.from_pretrained.__func__
+
+    def from_pretrained(cls, name, *args, **kwargs):
+        if kwargs.get("local_files_only"):
+            return real(cls, name, *args, **kwargs)
+        calls.append(str(name))
+        raise OSError(f"blocked by the test: a Hub request for {name}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", classmethod(from_pretrained))
+    return calls
+
+
+@pytest.mark.parametrize("typo", ["Qwen/Qwen2.5-7b-instrct", "Qwen/Qwen2.5-7B-Instrcut", "meta-llama/Llama-3.1-8b"
+                                  "-Instruc"])
+def test_a_near_miss_name_is_answered_from_the_offline_table_without_the_hub(hub_calls, typo):
+    result = runner.invoke(app, ["plan", f"hf:{typo}", "--budget", "24GB", "--batch-size", "8"])
+    assert result.exit_code == 2, result.output
+    assert "closest:" in result.output and "the Hub was not asked" in result.output, result.output
+    assert hub_calls == [], hub_calls
+
+
+def test_an_unrelated_unknown_name_still_asks_the_hub(hub_calls):
+    """The control: the block above does see Hub requests (a name no table entry is near goes there)."""
+    result = runner.invoke(app, ["plan", "hf:acme-labs/never-released-13B", "--budget", "24GB", "--batch-size", "8"])
+    assert result.exit_code == 2, result.output
+    assert hub_calls == ["acme-labs/never-released-13B"]
+
+
+def test_near_miss_keeps_other_repositories_and_other_numbers_apart():
+    from autofit.cli.hf_checkpoints import CHECKPOINTS
+    from autofit.cli.hf_names import near_miss
+
+    assert near_miss("Qwen/Qwen2.5-7b-instrct", CHECKPOINTS) == "Qwen/Qwen2.5-7B-Instruct"
+    for other in ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct-AWQ", "Qwen/Qwen2-7B",
+                  "meta-llama/Llama-3.2-8B", "acme-labs/never-released-13B"):
+        assert near_miss(other, CHECKPOINTS) is None, other
