@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -63,7 +64,7 @@ def one_line_warnings(console: Console) -> Iterator[None]:
     """Print each warning as one line ``warning: ...`` on stderr (Python's default adds the source file, line and
     code)."""
     # on stderr whatever stream the command prints on: a warning is not the plan, and a pipe reads the plan
-    err = console if console.stderr else console_for(stderr=True)
+    err = console_for(stderr=True) if console.file is sys.stdout else console
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = " ".join(str(message).split())
