@@ -1,7 +1,8 @@
 """A plan in other frameworks' terms: keyword arguments as plain dicts (no dependency on those packages).
 
 - Hugging Face ``transformers.TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-  ``bf16`` / ``fp16``, and ``gradient_checkpointing`` off: HF's switch recomputes every decoder layer, which is not
+  ``bf16`` / ``fp16``, and ``activation_checkpointing`` off (the written file, :func:`export_file`, turns it on
+  when the plan recomputes, so that the file alone fits): HF's switch recomputes every decoder layer, which is not
   the plan's memory or speed. The plan's modules are listed beside it; ``autofit.integrations.hf.AutofitCallback``
   checkpoints exactly those.
 - DeepSpeed config fragment: ``train_batch_size = micro x accumulation x world``, ``bf16.enabled`` /
@@ -16,7 +17,7 @@
 Every export carries the plan's effective batch: an uneven plan (a shorter last micro-batch, which none of these
 frameworks can express) is exported as its verified even split (Note [even split], autofit/solve/finish.py), and a plan
 without one says under ``autofit_notes`` that the exported batch differs. Sharded plans carry their sharding:
-DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp="full_shard"`` with FSDP version 2, and
+DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp=True`` with ``fsdp_config`` version 2 (transformers 5's keys), and
 Lightning's ``strategy``.
 
 Selective recomputation (autofit/training/recompute.py): every export lists the policy of each recomputed module under
