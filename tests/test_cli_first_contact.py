@@ -378,3 +378,8 @@ def test_near_miss_keeps_other_repositories_and_other_numbers_apart():
     for other in ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct-AWQ", "Qwen/Qwen2-7B",
                   "meta-llama/Llama-3.2-8B", "acme-labs/never-released-13B"):
         assert near_miss(other, CHECKPOINTS) is None, other
+
+
+def test_estimate_refuses_a_gpu_memory_without_a_unit():
+    result = runner.invoke(app, ["estimate", NEVER_BUILT, "--micro-batch-size", "2", "--gpu-memory", "12"])
+    assert result.exit_code == 2 and "--gpu-memory 12 has no unit" in result.output, result.output

@@ -328,6 +328,7 @@ def estimate(
 
     console = console_for(stderr=as_json)
     try:
+        check_sizes(gpu_memory=gpu_memory)
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
             say(console, "note", note)
