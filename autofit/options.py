@@ -57,7 +57,7 @@ class Device:
     # "cuda" (a GPU: ``gpu`` names which) or "cpu" (this machine's CPU and its allocator)
     kind: str = "cuda"
     # a catalog GPU ("A100-80GB", "H100", "RTX 4090"; ``autofit.gpu_spec`` knows them), a card not in the catalog as
-    # ``{"memory": "12GB", "like": "RTX-4070"}``, or a ``GPUSpec``; None: this machine's GPU, else A100-80GB (checked
+    # ``{"memory": "12GiB", "like": "RTX-4070"}``, or a ``GPUSpec``; None: this machine's GPU, else A100-80GB (checked
     # when the request resolves it, docs/cuda.md). A plan is for any GPU on any machine: nothing runs on it.
     gpu: Any = None
     # bytes kept free for what the estimate does not model: bytes, "512MB" or a share of the budget ("5%"); None:

@@ -65,7 +65,7 @@ def main() -> None:
         print(f"batch {batch}: floor {floors[batch] / 2**30:.2f} GiB ({floors[batch]:,} bytes), {seconds:.0f} s",
               flush=True)
         if args.at_floor:
-            rc, out, seconds = _cli(args.src, "--budget", str(floors[batch]), "--batch-size", str(batch), "--json")
+            rc, out, seconds = _cli(args.src, "--budget", f"{floors[batch]}B", "--batch-size", str(batch), "--json")
             if rc != 0:
                 print(f"  at the floor: exit {rc}\n{out[-2000:]}")
                 continue

@@ -72,7 +72,7 @@ def test_budget_below_the_floor_exits_3_naming_the_minimum():
     minimum = int(result.output.split("Smallest budget that works:")[1].split("(")[1].split(" bytes")[0])
     assert minimum > 100_000
     # and that minimum does plan
-    ok = runner.invoke(app, ["plan", FACTORY, "--budget", str(minimum), "--batch-size", "32", "--device", "cpu"])
+    ok = runner.invoke(app, ["plan", FACTORY, "--budget", f"{minimum}B", "--batch-size", "32", "--device", "cpu"])
     assert ok.exit_code == 0, ok.output
 
 
@@ -160,11 +160,11 @@ def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
     assert loose.exit_code == 0, loose.output
     full = autofit.Plan.from_json(loose.stdout[loose.stdout.index("{"):])
     assert full.micro_batch_size == 16 and full.rows_by_length == ()  # one micro-batch: nothing to tabulate
-    tight = _plan(*spec, "--budget", str(full.device_bytes // 4), "--json")
+    tight = _plan(*spec, "--budget", f"{full.device_bytes // 4}B", "--json")
     assert tight.exit_code == 0, tight.output
     plan = autofit.Plan.from_json(tight.stdout[tight.stdout.index("{"):])
     assert plan.micro_batch_size < 16 and [n for n, _ in plan.rows_by_length] == [64, 32, 16, 8]
-    shown = _plan(*spec, "--budget", str(full.device_bytes // 4))
+    shown = _plan(*spec, "--budget", f"{full.device_bytes // 4}B")
     assert "rows per micro-batch by length" in shown.stdout
     for length, rows in plan.rows_by_length:
         assert any(line.split()[:1] == [str(length)] and str(rows) in line.split() for line in

@@ -112,3 +112,52 @@ def test_the_readme_shows_every_row_its_first_command_prints():
     assert result.exit_code == 0, result.output
     assert knob_labels(printed) == knob_labels(result.output)
     assert "rows by length" in knob_labels(printed) and "gradient clipping" in knob_labels(printed)
+
+
+def _command_options() -> dict[str, set[str]]:
+    """Each command's option names as its --help lists them (click's parameters: the names and the --no- forms)."""
+    import typer
+
+    group = typer.main.get_command(app)
+    ctx = group.make_context("autofit", ["plan", "--help"], resilient_parsing=True)
+    options = {"": {n for p in group.get_params(ctx) for n in (*p.opts, *p.secondary_opts)}}
+    for name, command in group.commands.items():
+        sub = command.make_context(name, [], parent=ctx, resilient_parsing=True)
+        options[name] = {n for p in command.get_params(sub) for n in (*p.opts, *p.secondary_opts)
+                         if n.startswith("-")}
+    return options
+
+
+def _documented_options() -> set[str]:
+    """The option names in the first column of docs/cli.md's option tables."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    cells = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| `-")]
+    return {name for cell in cells for name in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", cell)}
+
+
+def test_every_option_the_help_lists_is_in_docs_cli():
+    text = (ROOT / "docs" / "cli.md").read_text()
+    for command, names in _command_options().items():
+        help_text = runner.invoke(app, [*([command] if command else []), "--help"], env={"COLUMNS": "200"}).output
+        for name in names:
+            assert name in help_text, (command, name)  # the help lists it ...
+            assert re.search(rf"`{re.escape(name)}(?![\w-])", text), f"docs/cli.md lacks {name} ({command or 'autofit'})"
+
+
+def test_every_option_docs_cli_lists_exists():
+    real = set().union(*_command_options().values())
+    documented = _documented_options()
+    assert {"--budget", "--allow", "--offload", "--min-stored-precision", "-h", "-V"} <= documented, documented
+    assert documented <= real, documented - real
+
+
+def test_the_readme_tier_times_are_for_the_commands_beside_them():
+    """A time measured with `-n 2` belongs beside a command with `-n 2` (issue 57: the quick tier's 39 s was for a
+    command with -n 2 that the README's lacked)."""
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(quick|sim|slow)`[^|]*\|[^|]*\| `([^`]+)` \| ([^|]+) \|$", readme, re.M)
+    assert [tier for tier, _, _ in rows] == ["quick", "sim", "slow"], rows
+    for tier, command, time in rows:
+        workers = re.search(r"-n (\d+)", command)
+        timed = re.search(r"`-n (\d+)`", time)
+        assert timed is None or (workers is not None and workers.group(1) == timed.group(1)), (tier, command, time)

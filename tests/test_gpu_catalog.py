@@ -100,14 +100,15 @@ def test_a_memory_suffix_must_be_the_cards():
 
 
 def test_a_card_described_by_its_memory():
-    card = gpu_spec({"memory": "12GB"})  # the vendor's "12GB" is 12 GiB, as the catalog reads it
+    card = gpu_spec({"memory": "12GiB"})  # a vendor's "12 GB" card: 12 GiB
     assert card.memory_bytes == 12 * GiB and card.fp16_flops == GPUS["A100-80GB"].fp16_flops
     assert card.host.assumed and card.host.memory_bytes == 32 * GiB
     like = gpu_spec({"memory": "12GiB", "like": "RTX-4070", "name": "RTX 4070 laptop"})
     assert (like.name, like.memory_bytes, like.bf16_flops) == ("RTX 4070 laptop", 12 * GiB, GPUS["RTX-4070"].bf16_flops)
     assert gpu_spec({"memory": 12_000_000_000}).memory_bytes == 12_000_000_000
-    device = resolve_device("cuda", {"memory": "12GB"})
+    device = resolve_device("cuda", {"memory": "12GiB"})
     assert device.total_bytes == 12 * GiB and not device.local
+    assert gpu_spec({"memory": "12GB"}).memory_bytes == 12 * 10**9  # GB is 10^9 here as in every size
     with pytest.raises(autofit.InvalidInputError, match="memory"):
         gpu_spec({"like": "T4"})
     with pytest.raises(autofit.InvalidInputError, match="'vram'"):

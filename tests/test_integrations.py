@@ -138,7 +138,7 @@ def test_hf_export_leaves_hf_checkpointing_off():
     plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, "4GB", batch_size=4, device="cpu",
                         savers=autofit.Savers(checkpoint=("transformer.h.0.mlp",)))
     exported = to_hf_training_arguments(plan)
-    assert exported["training_arguments"]["gradient_checkpointing"] is False
+    assert exported["training_arguments"]["activation_checkpointing"] is False
     assert exported["autofit_checkpoint_modules"] == ["transformer.h.0.mlp"]
 
 

@@ -16,10 +16,11 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from autofit.cli.help import Command, Group
+from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
-from autofit.cli.outputs import check_plot
+from autofit.cli.outputs import check_plot, parse_exports, write_exports
 from autofit.cli.progress import planning_progress
+from autofit.cli.sizes import SIZE_UNITS, check_sizes
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError
 from autofit.core.units import format_bytes
 
@@ -28,9 +29,9 @@ from autofit.core.units import format_bytes
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
 EXPORT_NAMES = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")  # autofit.emit.export.EXPORTERS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=Group,
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, cls=Group, context_settings=CONTEXT,
                   help="Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, "
-                       "activation checkpointing.")
+                       f"activation checkpointing. Sizes: {SIZE_UNITS}.")
 
 EXIT_INPUT, EXIT_INFEASIBLE, EXIT_OVER_BUDGET = 2, 3, 4
 
@@ -38,8 +39,9 @@ ModelArg = Annotated[str, typer.Argument(metavar="MODEL", show_default=False,
                                          help="pkg.module:factory, file.py:factory, torchvision:NAME, hf:NAME (a "
                                               "checkpoint such as hf:Qwen/Qwen2.5-0.5B; 'autofit models' lists "
                                               "those known offline) or hf:TYPE --config k=v")]
-BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB' (10^9), '8GiB' (2^30), bytes, or "
-                                        "'90%' of the GPU (of host memory with --device cpu)")]
+BudgetOpt = Annotated[str, typer.Option("--budget", "-b", help="per device: '8GB' (8x10^9 bytes), '8GiB' (8x2^30), "
+                                        "'565000000B', or '90%' of the GPU (of host memory with --device cpu); a "
+                                        "number without a unit is refused")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-n", help="effective batch: samples per optimizer step")]
 ShapeOpt = Annotated[Optional[list[str]], typer.Option("--input-shape", help="one sample's shape without the batch "
                                                        "dimension, e.g. 3,224,224 (repeat for several inputs)")]
@@ -59,8 +61,8 @@ QloraOpt = Annotated[bool, typer.Option("--qlora", help="with --lora: the base's
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB, RTX-3060, "
                                                 "MI300X (default: this machine's GPU, else A100-80GB)")]
 GpuMemoryOpt = Annotated[Optional[str], typer.Option(
-    "--gpu-memory", help="a card not in the catalog: its memory, e.g. 12GB (the vendor's GB, read as GiB); with "
-    "--gpu, that card's other figures, else the A100-80GB's")]
+    "--gpu-memory", help="a card not in the catalog: its memory, e.g. 12GiB (a vendor's '12 GB' card has 12GiB; "
+    "12GB is 12x10^9 bytes); with --gpu, that card's other figures, else the A100-80GB's")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="auto, fp32, bf16 or fp16")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw, adam or sgd")]
 ConfigOpt = Annotated[Optional[list[str]], typer.Option("--config", metavar="KEY=VALUE",
@@ -76,11 +78,11 @@ OffloadOpt = Annotated[bool, typer.Option(
     "--offload/--no-offload", help="let the planner keep activations, or parameters, gradients and optimizer state, "
     "in host memory when that fits or is faster (GPU targets; docs/offload.md)")]
 HostBudgetOpt = Annotated[Optional[str], typer.Option(
-    "--host-budget", help="host memory (RAM) per node an offloading plan may use, e.g. 64GB (default: the target "
+    "--host-budget", help="host memory (RAM) per node an offloading plan may use, e.g. 64GB (64x10^9 bytes) or 64GiB (default: the target "
     "GPU's host from the catalog, or this machine's RAM when the target is this machine's GPU; the plan says which)")]
 MarginOpt = Annotated[Optional[str], typer.Option(
-    "--margin", help="memory kept free for what the estimate does not model: bytes, '512MB' or a share of the budget "
-    "('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
+    "--margin", help="memory kept free for what the estimate does not model: '512MB' (512x10^6 bytes), '512MiB' or a "
+    "share of the budget ('5%'); default 0, and 256 MiB for NCCL's buffers with --world-size > 1 on a GPU (docs/planner.md)")]
 OverCapacityOpt = Annotated[bool, typer.Option(
     "--allow-over-capacity", help="accept a --budget above the GPU's memory (refused otherwise)")]
 AllowOpt = Annotated[Optional[list[str]], typer.Option(
@@ -174,9 +176,10 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+def _main(version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
                                                 help="print the version and exit")] = False) -> None:
-    """Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, activation checkpointing."""
+    """Plan PyTorch training to fit a memory budget: micro-batch, accumulation, precision, activation checkpointing.
+    Sizes: GB = 10^9 bytes, GiB = 2^30 (as in every size flag); a number needs its unit (bytes: 565000000B)."""
 
 
 def _spec(model: str, input_shape, input_dtype, config, task=None, *, model_dtype="auto", lora=None,
@@ -215,21 +218,22 @@ def plan(
     qlora: QloraOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
-    export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
-                                                  "lightning, accelerate or torchtitan (TOML) settings")] = None,
+    export: Annotated[Optional[list[str]], typer.Option(
+        "--export", metavar="NAME[=PATH]", help="also give the plan as hf (TrainingArguments JSON), deepspeed "
+        "(JSON), accelerate (YAML), lightning (YAML) or torchtitan (TOML) settings: printed, or with =PATH written "
+        "as the file that framework reads (repeatable; the paths are checked before planning)")] = None,
     from_file: FromOpt = None, write: WriteOpt = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.cli.estimate import sequence_option
     from autofit.cli.render import render_plan
-    from autofit.emit.export import EXPORTERS
     from autofit.options import Device, Layout, Precision, Savers
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
     try:
-        if export is not None and export not in EXPORT_NAMES:
-            raise typer.BadParameter(f"--export must be one of {', '.join(EXPORT_NAMES)}")
+        check_sizes(budget=budget, gpu_memory=gpu_memory, host_budget=host_budget, margin=margin)
+        exports = parse_exports(export, EXPORT_NAMES)
         if plot is not None:
             check_plot(plot)
         note = gpu_note(gpu) if device == "cuda" else None
@@ -263,7 +267,8 @@ def plan(
                           allow_over_capacity=allow_over_capacity),
             precision=Precision(compute=precision, min_stored=min_stored_precision),
             savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile,
-                          zero_grad=zero_grad or default_zero_grad(export)),
+                          zero_grad=zero_grad or default_zero_grad(
+                              "lightning" if any(n == "lightning" for n, _ in exports) else None)),
             layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
                           reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
                                                               boolean=True),
@@ -291,14 +296,10 @@ def plan(
             write_back(console_for(stderr=as_json), read["config"], result, write)
         except AutofitError as e:
             _fail(console, str(e), EXIT_INPUT)
-    if export is not None:
-        out = console_for(stderr=as_json)
-        if export == "torchtitan":  # torchtitan reads TOML (its train_configs/*.toml)
-            from autofit.emit.export import to_torchtitan_toml
-
-            out.print(to_torchtitan_toml(result), highlight=False, markup=False)
-        else:
-            out.print_json(json.dumps(EXPORTERS[export](result)))
+    try:
+        write_exports(console_for(stderr=as_json), result, exports)
+    except InvalidInputError as e:
+        _fail(console, str(e), EXIT_INPUT)
     if plot is not None:
         from autofit.cli.plot import write_plot
 
@@ -327,6 +328,7 @@ def verify(
     console = console_for()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
+        check_sizes(budget=budget, margin=margin)
         with one_line_warnings(console):
             spec = _spec(model, input_shape, input_dtype, config, task)
             with planning_progress(console, f"planning for {device}", quiet=quiet):
@@ -381,6 +383,7 @@ def estimate(
 
     console = console_for(stderr=as_json)
     try:
+        check_sizes(gpu_memory=gpu_memory)
         note = gpu_note(gpu) if device == "cuda" else None
         if note:
             say(console, "note", note)

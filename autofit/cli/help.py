@@ -14,9 +14,15 @@ import contextlib
 import shutil
 from collections.abc import Iterator
 
+import click
 from typer.core import TyperCommand, TyperGroup
 
-__all__ = ["Command", "Group", "RICH_HELP_COLUMNS"]
+from autofit.cli.pipes import quiet_closed_pipe
+
+__all__ = ["Command", "Group", "RICH_HELP_COLUMNS", "CONTEXT"]
+
+# -h beside --help, for the group and (click contexts inherit it) every command
+CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 RICH_HELP_COLUMNS = 100  # the narrowest width at which `autofit plan --help`'s panels keep every name (96 does)
 
@@ -56,6 +62,21 @@ class Command(TyperCommand):
 
 
 class Group(TyperGroup):
+    def make_context(self, *args, **kwargs):  # --help and click's usage errors print while the context is made
+        with quiet_closed_pipe():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with quiet_closed_pipe():
+            return super().invoke(ctx)
+
+    def parse_args(self, ctx, args):
+        """Bare ``autofit``: the help, exit 0 (click's ``no_args_is_help`` exits 2, and typer's printed nothing)."""
+        if not args and not ctx.resilient_parsing:
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
     def get_params(self, ctx):
         params = super().get_params(ctx)
         _flag_metavars(params)

@@ -6,7 +6,8 @@ NAME is resolved, first match wins (so the common checkpoints never touch the ne
 3. autofit's offline table of common checkpoints (:mod:`autofit.cli.hf_checkpoints`), names matched
    case-insensitively, and a unique close match (same numbers, another spelling) used with a note;
 4. a model type transformers knows (``hf:llama``): ``AutoConfig.for_model(TYPE)``, its defaults;
-5. the Hub, unless ``HF_HUB_OFFLINE`` is set: ``AutoConfig.from_pretrained(NAME)``.
+5. the Hub, unless ``HF_HUB_OFFLINE`` is set or NAME is a typo of a table name (Note [near-miss names]):
+   ``AutoConfig.from_pretrained(NAME)``.
 An unknown name is one short line naming the closest known names and the ``hf:TYPE --config key=value`` form.
 ``--config`` keys the config class does not define are an error (a typo would otherwise be silently ignored).
 
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from autofit.cli.hf_checkpoints import CHECKPOINTS, checkpoint_config, match_checkpoint
+from autofit.cli.hf_names import near_miss
 from autofit.cli.quiet_imports import quiet_third_party_imports
 from autofit.core.errors import InvalidInputError
 
@@ -89,9 +91,9 @@ def _check_overrides(config, overrides: dict[str, Any]) -> None:
             raise InvalidInputError(f"--config {key}=...: {type(config).__name__} has no field {key!r}{hint}")
 
 
-def _unknown(name: str, known_types) -> InvalidInputError:
+def _unknown(name: str, known_types, where: str | None = None) -> InvalidInputError:
     close = difflib.get_close_matches(name, [*CHECKPOINTS, *known_types], n=3, cutoff=0.5)
-    where = "offline, not cached" if _offline() else "not found locally or on the Hub"
+    where = where or ("offline, not cached" if _offline() else "not found locally or on the Hub")
     hint = f"closest: {', '.join(close)}; " if close else ""
     shown = name if len(name) <= 60 else name[:57] + "..."  # the message stays one short line
     return InvalidInputError(f"unknown Hugging Face name {shown!r} ({where}); {hint}or build from a model type: "
@@ -125,6 +127,9 @@ def resolve_config(name: str, overrides: dict[str, Any]):
         source = "model type defaults" if entry is None else "offline table" + (
             f" as {matched[0]}: {matched[1]}" if matched[1] else "")
         return auto.for_model(model_type, **{**(entry or {}), **overrides}), source
+    typo = near_miss(name, CHECKPOINTS)  # answered offline, before the Hub's retries (Note [near-miss names])
+    if typo is not None:
+        raise _unknown(name, types.keys(), "a near miss of the offline table: the Hub was not asked")
     if not _offline():
         try:
             return pretrained("hub")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -21,11 +22,19 @@ __all__ = ["cli_words", "one_line_warnings", "gpu_note", "say", "console_for", "
 PIPE_WIDTH = 240
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """rich exits 1 here, the code of a fault: raise, for :func:`autofit.cli.pipes.quiet_closed_pipe` to end
+        the command as Note [a closed pipe] says."""
+        self.quiet = True
+        raise BrokenPipeError(32, "stdout closed")
+
+
 def console_for(*, stderr: bool = False) -> Console:
     """The command's console: the terminal's width on a terminal, :data:`PIPE_WIDTH` columns when piped."""
-    console = Console(stderr=stderr)
+    console = _Console(stderr=stderr)
     if not console.is_terminal:
-        console = Console(stderr=stderr, width=PIPE_WIDTH)
+        console = _Console(stderr=stderr, width=PIPE_WIDTH)
     return console
 
 # The library's keyword arguments the command line spells as flags (planner.py and step.py messages name them).
@@ -52,10 +61,14 @@ def say(console: Console, label: str, text: str, style: str = "dim", *, flags: b
 
 @contextlib.contextmanager
 def one_line_warnings(console: Console) -> Iterator[None]:
-    """Print each warning as one line ``warning: ...`` (Python's default adds the source file, line and code)."""
+    """Print each warning as one line ``warning: ...`` on stderr (Python's default adds the source file, line and
+    code)."""
+    # on stderr whatever stream the command prints on: a warning is not the plan, and a pipe reads the plan
+    err = console_for(stderr=True) if console.file is sys.stdout else console
+
     def show(message, category, filename, lineno, file=None, line=None):
         text = " ".join(str(message).split())
-        say(console, "warning", text, "yellow")
+        say(err, "warning", text, "yellow")
 
     with warnings.catch_warnings():
         warnings.simplefilter("default")

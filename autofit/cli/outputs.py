@@ -12,7 +12,7 @@ from pathlib import Path
 
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["check_output_path", "check_plot"]
+__all__ = ["check_output_path", "check_plot", "parse_exports", "write_exports"]
 
 
 def check_output_path(path: Path, flag: str) -> None:
@@ -48,3 +48,53 @@ def check_plot(path: Path) -> None:
     check_output_path(path, "--plot")
     if importlib.util.find_spec("matplotlib") is None:
         raise InvalidInputError("--plot needs matplotlib: pip install 'torch-autofit[plot]'")
+
+
+def parse_exports(values: list[str] | None, names: tuple[str, ...]) -> list[tuple[str, Path | None]]:
+    """``--export NAME[=PATH]`` (repeatable) as (name, path or None: print it), every path checked before planning;
+    two exports to one path are refused (the second would overwrite the first)."""
+    exports: list[tuple[str, Path | None]] = []
+    for value in values or []:
+        name, _, path = value.partition("=")
+        name = name.strip().lower()
+        if name not in names:
+            raise InvalidInputError(f"--export {value}: the format must be one of {', '.join(names)} (optionally "
+                                    "=PATH to write it as a file, e.g. --export accelerate=accelerate.yaml)")
+        if "=" in value and not path.strip():
+            raise InvalidInputError(f"--export {value}: give a file after '=', e.g. --export {name}={name}"
+                                    f"{_SUFFIX[name]}, or no '=' to print it")
+        target = Path(path.strip()) if path.strip() else None
+        if target is not None:
+            if any(target == other for _, other in exports):
+                raise InvalidInputError(f"--export {value}: {target} is already the file of another --export")
+            check_output_path(target, f"--export {name}=")
+        exports.append((name, target))
+    return exports
+
+
+# the suffix each framework's file has (the examples in messages)
+_SUFFIX = {"hf": ".json", "deepspeed": ".json", "accelerate": ".yaml", "lightning": ".yaml", "torchtitan": ".toml"}
+
+
+def write_exports(console, plan, exports: list[tuple[str, Path | None]]) -> None:
+    """Each export: printed as before (``--export NAME``), or written as the file its framework reads."""
+    import json
+
+    from autofit.cli.messages import say
+    from autofit.emit.export import EXPORTERS, export_file, to_torchtitan_toml
+
+    for name, path in exports:
+        if path is None:
+            if name == "torchtitan":  # torchtitan reads TOML (its train_configs/*.toml)
+                console.print(to_torchtitan_toml(plan), highlight=False, markup=False)
+            else:
+                console.print_json(json.dumps(EXPORTERS[name](plan)))
+            continue
+        text, notes = export_file(plan, name)
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as e:  # checked before planning, but the disk may fill or the folder go meanwhile
+            raise InvalidInputError(f"--export {name}={path}: {e.strerror or e}") from e
+        say(console, "wrote", f"{path} ({name})", "green")
+        for note in notes:
+            say(console, "note", f"{name}: {note}")

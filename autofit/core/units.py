@@ -4,6 +4,10 @@ Inside autofit every size is an ``int`` of bytes. Units appear only here, so the
 "8GB" means. The convention follows the Hugging Face ecosystem (accelerate's ``convert_file_size_to_int``):
 decimal suffixes are powers of 1000 ("8GB" = 8e9 bytes), binary suffixes are powers of 1024 ("8GiB" = 8 * 2**30).
 Percentages ("90%") are resolved against a device total by the caller, see :func:`parse_budget`.
+
+Numbers are bytes: ``8_000_000_000`` (an ``int``) and ``8e9`` (a ``float``). A *string* says its unit: ``"16"`` is
+refused (:func:`unitless_hint`), because text is what people type, and "16" meant 16 GB far more often than 16
+bytes (issue 57: ``--budget 16`` was read as 16 bytes and failed after two minutes). Bytes as text are ``"16B"``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import re
 
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["parse_bytes", "parse_budget", "format_bytes", "format_mib", "MiB"]
+__all__ = ["parse_bytes", "parse_budget", "format_bytes", "format_mib", "unitless_hint", "MiB"]
 
 MiB = 2**20
 
@@ -37,10 +41,34 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
     if not isinstance(value, str):
         raise InvalidInputError(f"{what} must be an int or a string like '8GB', got {type(value).__name__}")
     try:
-        number = float(value)  # plain numbers of bytes: "1000", "1e9"
+        number = float(value)
     except ValueError:
         return _parse_suffixed(value, what)
-    return parse_bytes(number, what=what)
+    hint = unitless_hint(value, what)
+    if hint is not None:
+        raise InvalidInputError(hint)
+    return parse_bytes(number, what=what)  # zero, negative or not finite: says which
+
+
+def unitless_hint(text: str, what: str = "size") -> str | None:
+    """For a string that is a number without a unit ("16", "1e9"), the refusal with its likely meaning; else None.
+    Zero and negatives are left to the positivity check, which says what is wrong with them."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(number) or number <= 0:
+        return None
+    shown = text.strip()
+    if number >= MiB:  # a count this large was meant as bytes
+        return (f"{what} {shown} has no unit: write bytes as '{int(number)}B', or a size such as "
+                f"'{_round(number / 10**9)}GB' (10^9 bytes) or '{_round(number / 2**30)}GiB' (2^30 bytes)")
+    return (f"{what} {shown} has no unit: did you mean {shown}GB ({shown}x10^9 bytes) or {shown}GiB ({shown}x2^30 "
+            f"bytes)? Write bytes as '{shown}B'")
+
+
+def _round(x: float) -> str:
+    return f"{x:.3g}"
 
 
 def _parse_suffixed(value: str, what: str) -> int:
@@ -78,8 +106,9 @@ def parse_budget(value: int | float | str, *, device_total_bytes: int | None = N
             raise InvalidInputError(f"budget percentage must be in (0, 100], got {value!r}")
         if device_total_bytes is None:
             raise InvalidInputError(
-                f"budget {value!r} is a percentage, but no device memory is known: pass gpu='A100-80GB' "
-                "(or --gpu) or give the budget in bytes, e.g. '8GB'"
+                f"budget {value!r} is a percentage, but no device memory is known: name the GPU, "
+                "device='A100-80GB' or device=autofit.Device(gpu='A100-80GB') (--gpu A100-80GB), or give a size, e.g. "
+                "'8GB'"
             )
         return int(device_total_bytes * percent / 100)
     return parse_bytes(value, what="budget")

@@ -100,18 +100,11 @@ def resolve_alias(name: str) -> tuple[str, tuple[str, ...]] | None:
     return (picked, others) if others else None
 
 
-_VENDOR_GB = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*GB\s*$", re.IGNORECASE)
-
-
 def card_memory(memory: int | str) -> int:
-    """A card's memory in bytes: bytes, or a size string. "12GB" is the vendor's capacity and reads as the catalog
-    reads it, 12 GiB (a "12GB" card has 12,288 MiB); "12GiB" and "12000MB" say exactly what they say."""
-    if isinstance(memory, str):
-        if memory.strip().endswith("%"):
-            raise InvalidInputError(f"gpu memory must be bytes or a size such as '12GB', got {memory!r}")
-        vendor = _VENDOR_GB.match(memory)
-        if vendor is not None:
-            return int(float(vendor.group(1)) * GiB)
+    """A card's memory in bytes: bytes, or a size string read as every size is (autofit/core/units.py): "12GB" is
+    12 x 10^9 bytes, "12GiB" 12 x 2^30. A vendor's "12 GB" card has 12 GiB (12,288 MiB): write 12GiB for it."""
+    if isinstance(memory, str) and memory.strip().endswith("%"):
+        raise InvalidInputError(f"gpu memory must be bytes or a size such as '12GiB', got {memory!r}")
     return parse_budget(memory, device_total_bytes=None)
 
 

@@ -1,7 +1,8 @@
 """A plan in other frameworks' terms: keyword arguments as plain dicts (no dependency on those packages).
 
 - Hugging Face ``transformers.TrainingArguments``: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-  ``bf16`` / ``fp16``, and ``gradient_checkpointing`` off: HF's switch recomputes every decoder layer, which is not
+  ``bf16`` / ``fp16``, and ``activation_checkpointing`` off (the written file, :func:`export_file`, turns it on
+  when the plan recomputes, so that the file alone fits): HF's switch recomputes every decoder layer, which is not
   the plan's memory or speed. The plan's modules are listed beside it; ``autofit.integrations.hf.AutofitCallback``
   checkpoints exactly those.
 - DeepSpeed config fragment: ``train_batch_size = micro x accumulation x world``, ``bf16.enabled`` /
@@ -16,7 +17,7 @@
 Every export carries the plan's effective batch: an uneven plan (a shorter last micro-batch, which none of these
 frameworks can express) is exported as its verified even split (Note [even split], autofit/solve/finish.py), and a plan
 without one says under ``autofit_notes`` that the exported batch differs. Sharded plans carry their sharding:
-DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp="full_shard"`` with FSDP version 2, and
+DeepSpeed's ZeRO stage 3 for FSDP2 (0 for DDP), Hugging Face's ``fsdp=True`` with ``fsdp_config`` version 2 (transformers 5's keys), and
 Lightning's ``strategy``.
 
 Selective recomputation (autofit/training/recompute.py): every export lists the policy of each recomputed module under
@@ -48,7 +49,7 @@ from autofit.features import FEATURES
 from autofit.training.sequence_parallel import is_sequence_parallel
 
 __all__ = ["DDP_KWARGS", "to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
-           "to_torchtitan_config", "to_torchtitan_toml", "EXPORTERS"]
+           "to_torchtitan_config", "to_torchtitan_toml", "export_file", "EXPORTERS"]
 
 
 def _split(plan: Plan) -> tuple[int, int]:
@@ -133,8 +134,9 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
         "bf16": plan.precision.name == "bf16",
         "fp16": plan.precision.name == "fp16",
         # off: HF would recompute every decoder layer; autofit.integrations.hf.AutofitCallback applies the plan's
-        # modules (autofit_checkpoint_modules) instead
-        "gradient_checkpointing": False,
+        # modules (autofit_checkpoint_modules) instead. transformers 5 names it activation_checkpointing
+        # (gradient_checkpointing is its deprecated alias, training_args.py)
+        "activation_checkpointing": False,
     }
     out: dict[str, Any] = {"training_arguments": args, "autofit_checkpoint_modules": list(plan.checkpoint),
                            "autofit_checkpoint_policies": plan.checkpoint_policies}
@@ -154,9 +156,12 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
         notes.append(_bucket_note(plan, "TrainingArguments cannot set it; after building the Trainer, call "
                                         "autofit.integrations.hf.bucket_views(trainer) before trainer.train()"))
     if plan.parallel.shards_parameters:
-        # TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2}): FSDP2 through Accelerate (training_args.py)
-        args["fsdp"] = "full_shard" + (" offload" if plan.offload_states else "")
-        args["fsdp_config"] = {"version": 2}
+        # TrainingArguments(fsdp=True, fsdp_config={...}): FSDP2 through Accelerate; fsdp as a string ("full_shard")
+        # is deprecated in transformers 5 (training_args.py, _translate_legacy_fsdp)
+        raf = plan.reshard_after_forward
+        args["fsdp"] = True
+        args["fsdp_config"] = {"version": 2, "reshard_after_forward": raf if isinstance(raf, bool) else True,
+                               "cpu_offload": bool(plan.offload_states)}
     if notes:
         out["autofit_notes"] = notes
     return out
@@ -305,7 +310,9 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
             "fsdp_reshard_after_forward": raf if isinstance(raf, bool) else True,
             "fsdp_offload_params": plan.offload_states,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_activation_checkpointing": False,  # autofit recomputes the plan's modules, not every layer
+            # on when the plan recomputes: FSDP's switch recomputes every wrapped layer, at most the plan's memory
+            # (following the file alone must not run out of memory); the plan's own modules are in the notes
+            "fsdp_activation_checkpointing": bool(plan.checkpoint),
         }
         if plan.replicate > 1:
             config["parallelism_config"] = {
@@ -372,7 +379,9 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     if plan.checkpoint:
         notes.append(f"recompute the plan's {len(plan.checkpoint)} modules ([activation_checkpoint] mode='full' "
                      "recomputes every block, which needs less memory and more time than the plan)")
-    out: dict[str, dict[str, Any]] = {"parallelism": parallelism, "training": training}
+    # torchtitan's ActivationCheckpoint.mode defaults to "selective": say "none" when the plan recomputes nothing
+    out: dict[str, dict[str, Any]] = {"parallelism": parallelism, "training": training,
+                                      "activation_checkpoint": {"mode": "full" if plan.checkpoint else "none"}}
     if notes:
         out["autofit"] = {"notes": notes}
     return out
@@ -393,6 +402,95 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return str(value)
+
+
+def _recompute_note(plan: Plan, switch: str) -> list[str]:
+    if not plan.checkpoint:
+        return []
+    shown = ", ".join(plan.checkpoint[:3]) + (", ..." if len(plan.checkpoint) > 3 else "")
+    return [f"the plan recomputes {len(plan.checkpoint)} modules ({shown}); {switch} recomputes every block: at most "
+            "the plan's memory, more time. For exactly the plan's modules, train with plan.wrap() or autofit's "
+            "callbacks (autofit.integrations)"]
+
+
+def _yaml(mapping: dict[str, Any], indent: int = 0) -> str:
+    """Block YAML for a mapping of scalars, lists and mappings, without a YAML library: each scalar and list in
+    JSON's spelling, which YAML 1.2 reads as the same value (true, 8, "bf16", ["a", "b"])."""
+    import json
+
+    lines = []
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            lines.append(" " * indent + f"{key}:\n" + _yaml(value, indent + 2))
+        else:
+            lines.append(" " * indent + f"{key}: {json.dumps(value)}\n")
+    return "".join(lines)
+
+
+def _comments(lines: list[str]) -> str:
+    return "".join(f"# {' '.join(line.split())}\n" for line in lines)
+
+
+def export_file(plan: Plan, name: str) -> tuple[str, list[str]]:
+    """``--export NAME=PATH``: the text of the file framework ``name`` reads, and the notes the format cannot hold
+    (JSON has no comments; the command prints them). Current keys only, every knob of the plan in it, recomputation
+    included (a switch that recomputes at least the plan's modules, so following the file alone fits):
+
+    - ``hf``: a ``TrainingArguments`` JSON (``HfArgumentParser(TrainingArguments).parse_json_file`` reads it; it
+      refuses unknown keys, so the file holds nothing else);
+    - ``deepspeed``: DeepSpeed's config JSON;
+    - ``accelerate``: ``accelerate launch --config_file`` YAML (accelerate's ``load_config_from_file`` reads it;
+      it too refuses unknown keys: the micro-batch and the accumulation, which are the DataLoader's and the
+      ``Accelerator``'s, are comments);
+    - ``lightning``: YAML in LightningCLI's shape (``trainer:``, ``data: batch_size``);
+    - ``torchtitan``: its TOML (``tomllib`` reads it)."""
+    import json
+
+    micro, steps = _split(plan)
+    if name == "hf":
+        out = to_hf_training_arguments(plan)
+        args = dict(out["training_arguments"])
+        args["activation_checkpointing"] = bool(plan.checkpoint)
+        if plan.device == "cpu":  # a plan for the CPU trains there (transformers refuses bf16 without a GPU else)
+            args["use_cpu"] = True
+        notes = list(out.get("autofit_notes", []))
+        notes += _recompute_note(plan, "activation_checkpointing (Trainer's gradient checkpointing)")
+        if "model_torch_dtype" in out:
+            notes.append("load the model with from_pretrained(..., dtype=torch.bfloat16): the plan stores pure bf16")
+        return json.dumps(args, indent=2) + "\n", notes
+    if name == "deepspeed":
+        config = to_deepspeed_config(plan)
+        notes = list(config.pop("autofit_notes", []))
+        config.pop("autofit_checkpoint_policies", None)
+        notes += _recompute_note(plan, "DeepSpeed's activation checkpointing (deepspeed.checkpointing.checkpoint "
+                                       "around each block in the model code)")
+        return json.dumps(config, indent=2) + "\n", notes
+    if name == "accelerate":
+        out = to_accelerate_config(plan)
+        config = out["config_file"]
+        head = [f"autofit plan: micro-batch {micro} (the DataLoader's batch_size), gradient accumulation {steps} "
+                f"(Accelerator(gradient_accumulation_steps={steps})), precision {plan.precision.label}, "
+                f"{plan.world_size} process(es)"]
+        if "ddp_kwargs" in out:
+            head.append(f"Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**{out['ddp_kwargs']})])")
+        if plan.checkpoint and config.get("distributed_type") != "FSDP":
+            head += _recompute_note(plan, "model.gradient_checkpointing_enable() (a transformers model)")
+        elif plan.checkpoint:
+            head += _recompute_note(plan, "fsdp_activation_checkpointing")
+        text = _comments(head + out.get("autofit_notes", [])) + _yaml(config)
+        return text, []
+    if name == "lightning":
+        out = to_lightning_trainer(plan)
+        body = {"trainer": out["trainer"], "data": {"batch_size": out["dataloader_batch_size"]}}
+        head = [f"autofit plan: micro-batch {micro}, gradient accumulation {steps}"]
+        if plan.checkpoint:
+            head.append(f"recompute {len(plan.checkpoint)} modules: add AutofitLightningCallback(plan) "
+                        "(autofit.integrations.lightning)")
+        text = _comments(head + out.get("autofit_notes", [])) + _yaml(body)
+        return text, []
+    if name == "torchtitan":
+        return to_torchtitan_toml(plan), []
+    raise KeyError(name)
 
 
 EXPORTERS = {"hf": to_hf_training_arguments, "deepspeed": to_deepspeed_config, "lightning": to_lightning_trainer,

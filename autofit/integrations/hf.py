@@ -1,6 +1,6 @@
 """A plan inside Hugging Face's ``Trainer``: its ``TrainingArguments`` and its model.
 
-    plan = autofit.plan(model, sample, "16GB", batch_size=32, gpu="T4")
+    plan = autofit.plan(model, sample, "16GB", batch_size=32, device="T4")
     args = training_arguments(plan, TrainingArguments(output_dir="out"))
     Trainer(model=model, args=args, train_dataset=data, callbacks=[AutofitCallback(plan)]).train()
 
@@ -40,7 +40,11 @@ _EXTRA = "torch-autofit[hf]"
 def plan_argument_values(plan: Plan) -> dict[str, Any]:
     """The ``TrainingArguments`` fields a plan decides (the rest stay the user's): the ``--export hf`` values, with
     HF's ``gradient_checkpointing`` off because :class:`AutofitCallback` checkpoints the plan's modules."""
-    return to_hf_training_arguments(plan)["training_arguments"]
+    values = dict(to_hf_training_arguments(plan)["training_arguments"])
+    fields = {f.name for f in dataclasses.fields(require("transformers", _EXTRA).TrainingArguments)}
+    if "activation_checkpointing" not in fields:  # transformers 4: the same switch's older name
+        values["gradient_checkpointing"] = values.pop("activation_checkpointing")
+    return values
 
 
 def training_arguments(plan: Plan, args: Any = None, **kwargs: Any):

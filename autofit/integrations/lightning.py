@@ -1,6 +1,6 @@
 """A plan inside Lightning's ``Trainer``: one callback sets accumulation, precision and checkpointing.
 
-    plan = autofit.plan(model, sample, "16GB", batch_size=32, gpu="T4")
+    plan = autofit.plan(model, sample, "16GB", batch_size=32, device="T4")
     trainer = lightning.Trainer(callbacks=[AutofitLightningCallback(plan)], ...)
     trainer.fit(module, DataLoader(data, batch_size=plan.micro_batch_size))
 
