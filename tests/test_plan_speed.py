@@ -156,6 +156,48 @@ def test_a_child_reports_no_progress(two_workers, tmp_path):
     assert log.read_text().splitlines() == [f"{os.getpid()} here"]
 
 
+@needs_fork
+def test_a_child_killed_without_answering_is_replaced_by_a_run_here_with_a_warning(two_workers):
+    parent = os.getpid()
+
+    def job():
+        if os.getpid() != parent:
+            os.kill(os.getpid(), 9)  # what the kernel's out-of-memory killer does
+        return "ran here"
+
+    with pytest.warns(RuntimeWarning, match="worker process was killed"):
+        assert workers.start(job).result() == "ran here"
+
+
+@pytest.mark.sim
+@needs_fork
+def test_a_refused_fork_plans_in_this_process_with_one_warning(monkeypatch, two_workers):
+    """A fork the system refuses (ENOMEM, as a 405B plan met it) leaves the plan as a run without workers makes it,
+    with one warning, and no fork is tried again."""
+    from autofit.planner import plan_with_analysis
+
+    case = ZOO["gpt_sdpa"]()
+    kw = dict(batch_size=8, target=case.target, loss_fn=case.loss_fn,
+              device=autofit.Device(gpu="A100-80GB"))
+    monkeypatch.setenv(workers.ENV, "1")
+    here, _ = plan_with_analysis(case.model, case.sample, "40GB", **kw)
+    monkeypatch.setenv(workers.ENV, "2")
+    monkeypatch.setattr(workers, "_fork_refused", False)
+    tried = []
+
+    def refuse():
+        tried.append(1)
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "fork", refuse)
+    with pytest.warns(RuntimeWarning, match=r"could not start a worker process \(Cannot allocate memory\)") as seen:
+        there, _ = plan_with_analysis(case.model, case.sample, "40GB", **kw)
+    assert tried == [1], "a refused fork is not tried again"
+    assert len([w for w in seen if "worker process" in str(w.message)]) == 1
+    assert there.to_json() == here.to_json()
+    assert workers.parallel_available() == 1
+
+
 # ---- simulations in workers equal simulations here ---------------------------------------------------------------
 def _request(name, device="cuda", **kw):
     case = ZOO[name]()
