@@ -38,8 +38,8 @@ from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
-from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes, zero_grad_note,
-                                  verify_beside_rows)
+from autofit.solve.finish import (even_split, no_rows_table_note, optional_pins, pin_cost_notes, rows_table,
+                                  rung_notes, zero_grad_note, verify_beside_rows)
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
@@ -522,6 +522,9 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
+    unasked = no_rows_table_note(request, chosen)  # the table only on demand
+    if unasked is not None:
+        plan = replace(plan, notes=plan.notes + (unasked,))
     plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn,  # Note [the plan's loss]
                    shared=tuple(sorted(request.batch.shared, key=str)),
                    made_for=record_model(request.model),  # Note [the plan's model]

@@ -269,7 +269,7 @@ def test_a_tight_plan_with_workers_equals_one_without(monkeypatch):
     model = Llama(LlamaConfig(num_layers=2, hidden_size=64, intermediate_size=172, num_heads=4, vocab_size=500))
     ids = torch.randint(0, 500, (2, 64))
     a100 = autofit.Device(gpu="A100-80GB", allow_over_capacity=True)  # 1 TB: over the card
-    kw = dict(batch_size=16, target=ids, device=a100)
+    kw = dict(batch_size=16, target=ids, device=a100, search=autofit.Search(variable_length=True))
     roomy = autofit.plan(model, ids, "1TB", **kw)
     assert roomy.micro_batch_size == 16
     smallest = pytest.raises(autofit.InfeasibleBudgetError, autofit.plan, model, ids, 1,

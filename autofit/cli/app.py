@@ -108,6 +108,9 @@ BatchDimOpt = Annotated[str, typer.Option(
     "--batch-dim", help="the dim of the batch in the sample (and target) a factory returns: 0 (the default), 1 for "
     "time-major sequences (nn.LSTM's default), or 'INPUTS,TARGET' when they differ (1,0: one label per sequence); "
     "the plan records it for its trainer (Note [the batch dimension])")]
+VariableLengthOpt = Annotated[bool, typer.Option(
+    "--variable-length", help="also tabulate the rows per micro-batch that fit at 1/2, 1/4 and 1/8 of the input's "
+    "length, for batches of varying length (a dozen more full simulations; docs/variable-length.md)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -182,6 +185,7 @@ def plan(
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
     quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
+    variable_length: VariableLengthOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="also print the plan as hf, deepspeed, "
@@ -191,7 +195,7 @@ def plan(
     from autofit.cli.estimate import sequence_option
     from autofit.cli.render import render_plan
     from autofit.emit.export import EXPORTERS
-    from autofit.options import Device, Layout, Precision, Savers
+    from autofit.options import Device, Layout, Precision, Savers, Search
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
@@ -223,7 +227,8 @@ def plan(
                                                               boolean=True),
                           replicate=layout_option("--replicate", replicate),
                           tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
-                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)))
+                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)),
+            search=Search(variable_length=variable_length))
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
