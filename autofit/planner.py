@@ -130,14 +130,16 @@ def plan_with_analysis(
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
     unplanned: list[_Unplanned] = []
+    deferred: list[Parallel] = []
     for parallel in order:
         name = parallel.label
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
         if parallel in hopeless and (results or not parallel.least_memory):
-            failed.append(f"{name} not planned: its parameters, gradients and optimizer state (with them on the "
-                          f"host, its gathered parameters) alone need at least {format_bytes(floors[parallel])} per "
-                          "rank, over the budget")
+            failed.append(_states_alone(request, parallel, floors[parallel]))
+            continue
+        if parallel in hopeless and unplanned:  # Note [ruled out by arithmetic]
+            deferred.append(parallel)
             continue
         if parallel in host_only and results:
             failed.append(f"{name} not planned: it fits only with its states on the host, slower than a layout "
@@ -157,7 +159,7 @@ def plan_with_analysis(
                 raise
             failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
     if not results:
-        results = _fallbacks(request, unplanned, failed)
+        results = _fallbacks(request, unplanned, failed, deferred, floors)
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
         why = why_layout(chosen, [r[0] for r in results])
@@ -170,7 +172,7 @@ def _layout_order(request: PlanRequest, parallels: list[Parallel]) -> tuple[
     """The layouts in the order they are planned, each one's climb, and (with several layouts) each one's states
     floor, those whose states alone miss the budget (hopeless) and those that fit only with their states on the host.
 
-    A hopeless layout is planned last, and only when nothing else fits: its analysis would only name its smallest
+    A hopeless layout is planned last (the smallest floor first), and only when nothing else fits: its analysis would only name its smallest
     budget, which the error needs only if no layout fits. One that fits only with its states on the host (the
     ladder's last rung, much the slowest) is planned only when no layout fits with them on the GPUs. Before them,
     Note [layouts that cannot win]: the layouts whose collectives cost least first, so that a fast plan found early
@@ -180,16 +182,35 @@ def _layout_order(request: PlanRequest, parallels: list[Parallel]) -> tuple[
     hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
     host_only = {p for p, stages in ladders.items() if stages[-1].host_check
                  and states_floor(stages[:-1]) > request.fit_bytes}
-    order = sorted(parallels, key=lambda p: (p in hopeless, p in host_only, collective_floor(request, p)))
+    # the hopeless by their floors, least first: the one most likely to name the smallest budget comes before the
+    # others, which its budget may then rule out by arithmetic (Note [ruled out by arithmetic])
+    order = sorted(parallels, key=lambda p: (p in hopeless, floors[p] if p in hopeless else 0, p in host_only,
+                                             collective_floor(request, p)))
     climbs = {p: _Climb.of(request, p) for p in order}
     return _by_bound(order, climbs, hopeless | host_only), climbs, floors, hopeless, host_only
 
 
-def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned],
-               failed: list[str]) -> list[tuple[Plan, dict[str, Analysis]]]:
+def _states_alone(request: PlanRequest, parallel: Parallel, floor: int | None) -> str:
+    """The note of a layout ruled out by arithmetic (Note [ruled out by arithmetic])."""
+    return (f"{parallel.label} not planned: its parameters, gradients and optimizer state (with them on the host, its "
+            f"gathered parameters) alone need at least {format_bytes(floor or 0)} per rank, over the budget "
+            f"{format_bytes(request.fit_bytes)} (counted from the parameters, nothing simulated)")
+
+
+# Note [ruled out by arithmetic]
+#     A layout whose states alone (parameters, gradients and optimizer state per rank, counted from the parameters:
+#     ``states_floor``, solve/ladder.py) exceed the budget on every rung can never fit; its analysis would only name
+#     its smallest budget, which is at least that floor. So it is planned only when nothing fits and its floor is
+#     below the smallest budget the other layouts named: otherwise that budget is the one the error reports anyway.
+#     DDP over 512 ranks of a 405B model (6.5 TB of states per rank against 72 GB) was analysed and searched for 6 to 8
+#     minutes before this, to name a budget no one read.
+def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned], failed: list[str], deferred: list[Parallel] = (),
+               floors: dict[Parallel, int | None] | None = None) -> list[tuple[Plan, dict[str, Analysis]]]:
     """When no layout was planned: the plans of the layouts' smallest configurations (the models were pessimistic),
     or the error that says most: a layout that fits the GPU but not the host says more than the smallest budget of
-    one that fits neither; else the smallest budget of any; else why no strategy can run the model."""
+    one that fits neither; else the smallest budget of any; else why no strategy can run the model. A layout in
+    ``deferred`` (its states alone miss the budget) is planned only where its floor is below every smallest budget
+    the others named (Note [ruled out by arithmetic])."""
     results, errors = [], []
     for e in unplanned:
         try:
@@ -200,14 +221,45 @@ def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned],
             if len(request.strategies) == 1:
                 raise
             failed.append(str(error))
+    floors = floors or {}
+    smallest = min((e.min_budget_bytes for e in errors if isinstance(e, InfeasibleBudgetError)), default=None)
+    over_host = any(isinstance(e, HostMemoryError) for e in errors)
+    ruled_out = []
+    for parallel in deferred:
+        floor = floors.get(parallel) or 0
+        if results or over_host or (smallest is not None and floor >= smallest):
+            ruled_out.append(_states_alone(request, parallel, floor))
+            continue
+        try:
+            results.append(_plan_parallel(request, parallel))
+        except _Unplanned as e:
+            if e.fallback is None:
+                failed.append(f"{parallel.label} not planned: {e}")
+                continue
+            try:
+                results.append(e.fallback())
+            except (InfeasibleBudgetError, HostMemoryError) as error:
+                errors.append(error)
+        except AutofitError as e:
+            if len(request.strategies) == 1:
+                raise
+            failed.append(f"{parallel.label} cannot run this model ({e})")
+    failed += ruled_out
     if results:
         return results
     over_host = [e for e in errors if isinstance(e, HostMemoryError)]
     if over_host:
-        raise min(over_host, key=lambda e: e.host_bytes)
+        raise _saying(min(over_host, key=lambda e: e.host_bytes), ruled_out)
     if errors:
-        raise min(errors, key=lambda e: e.min_budget_bytes)
+        raise _saying(min(errors, key=lambda e: e.min_budget_bytes), ruled_out)
     raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
+
+
+def _saying(error: AutofitError, ruled_out: list[str]) -> AutofitError:
+    """``error`` with the layouts ruled out by arithmetic named after its message (the plan's notes would have)."""
+    if ruled_out:
+        error.args = (f"{str(error).rstrip('.')}; " + "; ".join(ruled_out), *error.args[1:])
+    return error
 
 
 class _Unplanned(Exception):
