@@ -323,6 +323,26 @@ def estimate(
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
                                                  "own tp plan; 1: none)")] = "1",
     sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
+    reduce_every_micro_batch: Annotated[bool, typer.Option(
+        "--reduce-every-micro-batch/--defer-reduce", help="FSDP2 with accumulation: reduce-scatter the gradients "
+        "after every micro-batch (torchtitan), or defer it to the last one (no_sync; every rank then holds its "
+        "shard's unsharded fp32 gradients across micro-batches)")] = False,
+    offload_activations: Annotated[Optional[list[str]], typer.Option(
+        "--offload-activations", metavar="NAME", help="a module whose saved activations live in host memory "
+        "(save_on_cpu; repeatable)")] = None,
+    offload_states: Annotated[bool, typer.Option("--offload-states", help="parameters, gradients and optimizer "
+                                                 "state in host memory (FSDP2's CPUOffloadPolicy)")] = False,
+    optimizer_in_backward: Annotated[bool, typer.Option("--optimizer-in-backward", help="step each parameter in "
+                                                        "backward and free its gradient")] = False,
+    chunked_loss: Annotated[bool, typer.Option("--chunked-loss", help="the output head and cross-entropy in "
+                                               "chunks of tokens")] = False,
+    preallocated_grads: Annotated[bool, typer.Option("--preallocated-grads", help="gradients allocated before "
+                                                     "forward, zeroed in place")] = False,
+    inputs: Annotated[str, typer.Option("--inputs", help="rows resident: batch (the rank's whole batch, as the "
+                                        "plan's trainer) or micro-batch")] = "batch",
+    gradient_as_bucket_view: Annotated[bool, typer.Option(
+        "--gradient-as-bucket-view/--no-gradient-as-bucket-view", help="DDP: gradients as views into its buckets "
+        "(autofit's trainer) or torch's default, a second copy")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -344,7 +364,10 @@ def estimate(
             reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
             replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm,
             tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile,
-            sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step")
+            sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step",
+            reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
+            offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
+            preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view)
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:
