@@ -45,6 +45,7 @@ from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
 from autofit.solve.sharding import collective_floor, layouts
 from autofit.solve.space import analyse_policies, searchable
+from autofit.solve.terms import LARGE_SHARE, deferred_gradient_bytes, large_term_notes
 from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,
                                   search_verified, smallest_in_backward, smallest_verified, with_closed_rungs,
                                   with_offload_minimum)
@@ -357,6 +358,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         searched = _host_rung(climb, stage) if stage.host_check else _device_rung(climb, stage)
         carried = carried.after(searched)
         if isinstance(searched.found, Verified):
+            reducing = _reducing_instead(climb, stage, searched)  # Note [defer or reduce every micro-batch]
+            if isinstance(reducing, tuple):
+                return reducing
+            if reducing is not None:
+                searched = replace(searched, found=replace(searched.found, notes=searched.found.notes + (reducing,)))
             return _rung_plan(climb, stage, carried, searched)
         if isinstance(searched.found, Slower) and searched.found.modelled_fit:
             break  # Note [layouts that cannot win]: this rung fits, so the layout's plan would be its, and lose
@@ -491,17 +497,59 @@ def _host_rung(climb: _Climb, stage: Stage) -> _Searched:
     return _Searched(found, estimator, analysed, on_host=on_host)
 
 
-def _rung_plan(climb: _Climb, stage: Stage, carried: _Carried,
-               searched: _Searched) -> tuple[Plan, dict[str, Analysis]]:
-    """The plan of the rung's verified winner, its notes naming the rungs passed over and the rung's own."""
+def _rung_plan(climb: _Climb, stage: Stage, carried: _Carried, searched: _Searched,
+               for_time: bool = False) -> tuple[Plan, dict[str, Analysis]]:
+    """The plan of the rung's verified winner, its notes naming the rungs passed over and the rung's own
+    (``for_time``: the rung was chosen for its speed, not because the rungs before it fit nothing)."""
     found = searched.found
     found = replace(found, notes=found.notes + skipped_note(stage, carried.skipped)
-                    + rung_notes(climb.request, stage, searched.estimator, found))
+                    + rung_notes(climb.request, stage, searched.estimator, found, for_time=for_time))
     plan = _plan_of(searched.estimator, found, searched.analysed, climb.rows_known)
     if searched.versus is not None:
         plan = replace(plan, module_level_step_seconds=searched.versus.seconds, notes=plan.notes + (
             selective_note(plan, searched.versus),))
     return plan, searched.analysed
+
+
+# Note [defer or reduce every micro-batch]
+#     Under FSDP2 with accumulation the plan chooses how the gradients sync (Note [gradient sync under accumulation],
+#     autofit/training/step.py) by cost. Memory first: where deferring to the last micro-batch fits nothing, the
+#     ladder's next rung reduces every micro-batch (solve/ladder.py). Where deferring fits, step time: for the same
+#     configuration deferring is faster (one reduce-scatter per step instead of one per micro-batch), but the
+#     unsharded gradients it keeps (Note [deferred reduce-scatter], solve/terms.py) may be what forces a smaller
+#     micro-batch or more recomputation. So when they are over a fifth of the winner's peak, the reducing rung is
+#     searched too, with the winner's time to beat (Note [layouts that cannot win]: it verifies nothing unless its
+#     models promise a faster step), and the faster plan is kept. Under a fifth, freeing them cannot buy back a
+#     reduce-scatter per micro-batch often enough to be worth the rung's analysis. The plan's notes say which was
+#     chosen and why. torchtitan reduce-scatters after every micro-batch: its ``Trainer.train_step``
+#     (torchtitan/train.py) runs ``forward_backward_step`` per micro-batch, a plain ``loss.backward()``, and never
+#     calls ``set_requires_gradient_sync``.
+def _reducing_instead(climb: _Climb, stage: Stage,
+                      searched: _Searched) -> tuple[Plan, dict[str, Analysis]] | str | None:
+    """The plan of the reducing rung where it beats the deferring winner ``searched`` found on ``stage``; else the
+    note saying it was weighed and lost, or None where it was not weighed (Note [defer or reduce every
+    micro-batch])."""
+    found = searched.found
+    reducing = next((s for s in climb.stages if s.parallel.reduce_every_micro_batch
+                     and s.policies == stage.policies), None)
+    if reducing is None or stage.parallel.reduce_every_micro_batch or found.candidate.accumulation_steps < 2:
+        return None
+    config = searched.estimator.config(found.candidate, searched.estimator.policy(found.candidate.precision))
+    term = deferred_gradient_bytes(climb.request.model, config)
+    if term <= LARGE_SHARE * found.estimate.device_bytes:
+        return None
+    progress.report("weighing FSDP2 reducing every micro-batch against deferring (checkpoint MILP)")
+    other = _device_rung(replace(climb, beat=found.candidate.seconds), reducing)
+    if not isinstance(other.found, Verified) or other.found.candidate.seconds >= found.candidate.seconds:
+        bound = other.found.seconds if isinstance(other.found, Slower) else None
+        return ("FSDP2 defers the gradients' reduce-scatter to the last micro-batch: reducing every micro-batch was "
+                f"searched too and is no faster{f' (at best {bound:.3g} s)' if bound else ''} than "
+                f"{found.candidate.seconds:.3g} s (Note [defer or reduce every micro-batch])")
+    why = (f"FSDP2 reduce-scatters after every micro-batch: {other.found.candidate.seconds:.3g} s per step against "
+           f"{found.candidate.seconds:.3g} s deferring to the last micro-batch, whose unsharded gradients "
+           f"({format_bytes(term)}) forced a slower configuration (Note [defer or reduce every micro-batch])")
+    other = replace(other, found=replace(other.found, notes=other.found.notes + (why,)))
+    return _rung_plan(climb, reducing, _Carried(), other, for_time=True)
 
 
 def _why_not_faster(beat: float, carried: _Carried) -> str:
@@ -570,6 +618,10 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     order = zero_grad_note(estimator, chosen, policy, plan.peak_bytes)
     if order is not None:
         plan = replace(plan, notes=plan.notes + (order,))
+    plan = replace(plan, notes=plan.notes + large_term_notes(  # Note [deferred reduce-scatter], solve/terms.py
+        request.model, estimator.config(chosen, policy), plan.device_bytes, request.device,
+        flag="reducing every micro-batch (the ladder's rung 'FSDP2 reducing every micro-batch', Note [defer or "
+             "reduce every micro-batch])"))
     split, note = even_split(estimator, chosen, policy)
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))

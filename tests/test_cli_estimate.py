@@ -171,3 +171,15 @@ def test_every_step_knob_of_the_python_estimate_has_a_flag():
     flags = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
     missing = {knob: f for knob, fs in STEP_FLAGS.items() for f in fs if f not in flags}
     assert not missing, missing
+
+
+def test_the_gradient_sync_is_shown_and_the_flag_switches_it():
+    common = ["estimate", MLP, "--input-shape", "128", "-m", "1", "-n", "8", "--device", "cpu", "--world-size", "2",
+              "--strategy", "fsdp2"]
+    deferred = runner.invoke(app, common)
+    reducing = runner.invoke(app, [*common, "--reduce-every-micro-batch"])
+    assert deferred.exit_code == reducing.exit_code == 0, deferred.output + reducing.output
+    assert "deferred to the last micro-batch" in deferred.output, deferred.output
+    assert "after every micro-batch" in reducing.output, reducing.output
+    data = _estimate(*common[1:], "--reduce-every-micro-batch")
+    assert data["reduce_every_micro_batch"] is True

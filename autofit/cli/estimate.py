@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from autofit.api import estimate
 from autofit.cli.specs import ModelSpec
@@ -222,8 +223,11 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
     rows = [("model", description), ("device", device), ("layout", setup.layout),
             ("micro-batch", f"{setup.micro_batch_size} x {setup.accumulation_steps} accumulation"),
             ("precision", setup.precision), ("optimizer", setup.optimizer),
-            ("recomputed", f"{len(setup.checkpoint)} modules" if setup.checkpoint else "none"),
-            ("peak allocated", mib(est.peak_allocated_bytes))]
+            ("recomputed", f"{len(setup.checkpoint)} modules" if setup.checkpoint else "none")]
+    sync = gradient_sync(setup)
+    if sync is not None:
+        rows.append(("gradient sync", sync))
+    rows.append(("peak allocated", mib(est.peak_allocated_bytes)))
     if DeviceKind(est.device).caching_allocator:  # reserved and on-device figures differ from allocated
         rows += [("peak reserved", mib(est.peak_reserved_bytes)), ("on the device", mib(est.device_bytes))]
     if est.host_bytes:
@@ -239,4 +243,17 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
     for key, value in est.breakdown.items():
         breakdown.add_row(key, format_mib(value), f"{100 * value / total:.1f} %")
     breakdown.add_row("[bold]total[/]", f"[bold]{format_mib(est.device_bytes)}[/]", "100.0 %")
-    return Group(knobs, breakdown)
+    notes = [Text(f"note: {n}") for n in est.notes]
+    return Group(knobs, breakdown, *notes)
+
+
+def gradient_sync(setup: EstimateSetup) -> str | None:
+    """How FSDP2 syncs the gradients under accumulation, in words, with the flag for the other way (Note [gradient
+    sync under accumulation]); None where there is no choice (no FSDP2 over data ranks, or one micro-batch)."""
+    if (setup.strategy is None or not as_strategy(setup.strategy).shards_parameters or setup.data_ranks < 2
+            or setup.accumulation_steps < 2 or setup.offload_states):
+        return None
+    if setup.reduce_every_micro_batch:
+        return "reduce-scatter after every micro-batch (--reduce-every-micro-batch, as torchtitan)"
+    return ("deferred to the last micro-batch (the default: set_requires_gradient_sync(False) before it; "
+            "--reduce-every-micro-batch reduces after each, as torchtitan)")

@@ -225,12 +225,13 @@ def _guessed_peak(estimator: Estimator, chosen: Candidate, policy: PrecisionPoli
         return None
 
 
-def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: Verified) -> tuple[str, ...]:
+def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: Verified,
+               for_time: bool = False) -> tuple[str, ...]:
     """What the rung a plan was found on did: FSDP2's gradient sync every micro-batch, and what each opt-in rung in
     force saved (Note [the ladder]): the same configuration estimated in full without it, one more simulation per
     rung."""
     notes = []
-    if stage.parallel.reduce_every_micro_batch and found.candidate.accumulation_steps > 1:
+    if stage.parallel.reduce_every_micro_batch and found.candidate.accumulation_steps > 1 and not for_time:
         notes.append("FSDP2 reduce-scatters the gradients after every micro-batch: with the sync left to the last "
                      "micro-batch every rank would hold the whole model's unsharded gradients until then, and nothing "
                      "fit (Note [gradient sync under accumulation])")
