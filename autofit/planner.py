@@ -132,8 +132,10 @@ def plan_with_analysis(
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
     unplanned: list[_Unplanned] = []
     deferred: list[Parallel] = []
-    for parallel in order:
+    for position, parallel in enumerate(order):
         name = parallel.label
+        if len(order) > 1:  # the layout race, how far (issue 56)
+            progress.report(f"layout {name}", position, len(order))
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
         if parallel in hopeless and (results or not parallel.least_memory):
@@ -298,7 +300,8 @@ def _by_bound(order: list[Parallel], climbs: dict[Parallel, _Climb], last: set[P
     if len(ranked) < 2:
         return order
     bounds: dict[Parallel, float] = {}
-    for parallel in ranked:
+    for position, parallel in enumerate(ranked):
+        progress.report(f"ranking the layouts by where their search begins: {parallel.label}", position, len(ranked))
         try:
             bounds[parallel] = _bound(climbs[parallel], min(bounds.values(), default=math.inf))
         except AutofitError:  # planned first, where it raises again and is reported as it always was
@@ -314,7 +317,6 @@ def _bound(climb: _Climb, best: float) -> float:
     if stage is None:
         return math.inf
     _, space, _ = climb.searchable(stage)
-    progress.report(f"ranking {climb.parallel.label}: where its search begins (checkpoint MILP)")
     floor = time_floor(space, climb.fit)
     if floor >= best:
         return floor
@@ -347,7 +349,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         if found is not None:
             return _plan_of(estimator, found), {}
     carried = _Carried()
-    for stage in climb.stages:
+    for rung, stage in enumerate(climb.stages):
+        if len(climb.stages) > 1 and not stage.skipped(climb.fit):  # the ladder's climb, how far
+            progress.report(f"rung '{stage.what}' of {climb.parallel.label}", rung, len(climb.stages))
         if stage.skipped(climb.fit):  # not worth an analysis: its states alone miss the budget
             passed = f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)"
             carried = replace(carried, skipped=(*carried.skipped, passed))
