@@ -25,6 +25,7 @@ from autofit.options import Device, Layout, Precision, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
+from autofit.solve.terms import large_term_notes
 from autofit.training.layout import Strategy, as_strategy, check_layout
 from autofit.training.step import StepConfig, forward_errors, make_step_config
 from autofit.training.sequence_parallel import require_sequence_split
@@ -226,6 +227,10 @@ def estimate(
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     est = device_model.estimate(sim)
+    # a term over a fifth of the peak named, with its knob (Note [deferred reduce-scatter], autofit/solve/terms.py)
+    est = replace(est, notes=est.notes + large_term_notes(
+        model, config, est.device_bytes, device_model,
+        flag="reducing every micro-batch (reduce_every_micro_batch=True; autofit estimate --reduce-every-micro-batch)"))
     if config.layout.replicates_parameters:
         est = replace(est, notes=est.notes + (bucket_note(config.gradient_as_bucket_view),))
     if len(batch.per_sample_tensors()) < len(batch.tensors()):  # say what the rule did (Note [the batch dimension])

@@ -170,8 +170,14 @@ class Search:
     # [the quick path]); None: the function's own default, False for plan and True for plan_with_analysis (the
     # CLI's front)
     alternatives: bool | None = None
+    # True: after choosing its configuration the planner tabulates the rows per micro-batch that fit at 1/2, 1/4
+    # and 1/8 of the sample's length, a dozen full estimates (Note [rows by length], autofit/solve/lengths.py), for
+    # batches of varying length (docs/variable-length.md); False: every batch runs the plan's micro-batch
+    variable_length: bool = False
 
     def __post_init__(self) -> None:
+        if self.variable_length not in (True, False):
+            raise InvalidInputError(f"Search(variable_length=...) must be True or False, got {self.variable_length!r}")
         depth = self.extrapolate_depth
         if depth is not True and depth is not False and depth != "auto":
             raise InvalidInputError(f"extrapolate_depth must be True, False or 'auto', not {depth!r}")

@@ -38,13 +38,14 @@ from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
-from autofit.solve.finish import (even_split, optional_pins, pin_cost_notes, rows_table, rung_notes, zero_grad_note,
-                                  verify_beside_rows)
+from autofit.solve.finish import (even_split, no_rows_table_note, optional_pins, pin_cost_notes, rows_table,
+                                  rung_notes, zero_grad_note, verify_beside_rows)
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
 from autofit.solve.sharding import collective_floor, layouts
 from autofit.solve.space import analyse_policies, searchable
+from autofit.solve.terms import LARGE_SHARE, deferred_gradient_bytes, large_term_notes
 from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,
                                   search_verified, smallest_in_backward, smallest_verified, with_closed_rungs,
                                   with_offload_minimum)
@@ -130,14 +131,18 @@ def plan_with_analysis(
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
     unplanned: list[_Unplanned] = []
-    for parallel in order:
+    deferred: list[Parallel] = []
+    for position, parallel in enumerate(order):
         name = parallel.label
+        if len(order) > 1:  # the layout race, how far (issue 56)
+            progress.report(f"layout {name}", position, len(order))
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
         if parallel in hopeless and (results or not parallel.least_memory):
-            failed.append(f"{name} not planned: its parameters, gradients and optimizer state (with them on the "
-                          f"host, its gathered parameters) alone need at least {format_bytes(floors[parallel])} per "
-                          "rank, over the budget")
+            failed.append(_states_alone(request, parallel, floors[parallel]))
+            continue
+        if parallel in hopeless and unplanned:  # Note [ruled out by arithmetic]
+            deferred.append(parallel)
             continue
         if parallel in host_only and results:
             failed.append(f"{name} not planned: it fits only with its states on the host, slower than a layout "
@@ -157,7 +162,7 @@ def plan_with_analysis(
                 raise
             failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
     if not results:
-        results = _fallbacks(request, unplanned, failed)
+        results = _fallbacks(request, unplanned, failed, deferred, floors)
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
         why = why_layout(chosen, [r[0] for r in results])
@@ -170,7 +175,7 @@ def _layout_order(request: PlanRequest, parallels: list[Parallel]) -> tuple[
     """The layouts in the order they are planned, each one's climb, and (with several layouts) each one's states
     floor, those whose states alone miss the budget (hopeless) and those that fit only with their states on the host.
 
-    A hopeless layout is planned last, and only when nothing else fits: its analysis would only name its smallest
+    A hopeless layout is planned last (the smallest floor first), and only when nothing else fits: its analysis would only name its smallest
     budget, which the error needs only if no layout fits. One that fits only with its states on the host (the
     ladder's last rung, much the slowest) is planned only when no layout fits with them on the GPUs. Before them,
     Note [layouts that cannot win]: the layouts whose collectives cost least first, so that a fast plan found early
@@ -180,16 +185,35 @@ def _layout_order(request: PlanRequest, parallels: list[Parallel]) -> tuple[
     hopeless = {p for p, floor in floors.items() if floor is not None and floor > request.fit_bytes}
     host_only = {p for p, stages in ladders.items() if stages[-1].host_check
                  and states_floor(stages[:-1]) > request.fit_bytes}
-    order = sorted(parallels, key=lambda p: (p in hopeless, p in host_only, collective_floor(request, p)))
+    # the hopeless by their floors, least first: the one most likely to name the smallest budget comes before the
+    # others, which its budget may then rule out by arithmetic (Note [ruled out by arithmetic])
+    order = sorted(parallels, key=lambda p: (p in hopeless, floors[p] if p in hopeless else 0, p in host_only,
+                                             collective_floor(request, p)))
     climbs = {p: _Climb.of(request, p) for p in order}
     return _by_bound(order, climbs, hopeless | host_only), climbs, floors, hopeless, host_only
 
 
-def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned],
-               failed: list[str]) -> list[tuple[Plan, dict[str, Analysis]]]:
+def _states_alone(request: PlanRequest, parallel: Parallel, floor: int | None) -> str:
+    """The note of a layout ruled out by arithmetic (Note [ruled out by arithmetic])."""
+    return (f"{parallel.label} not planned: its parameters, gradients and optimizer state (with them on the host, its "
+            f"gathered parameters) alone need at least {format_bytes(floor or 0)} per rank, over the budget "
+            f"{format_bytes(request.fit_bytes)} (counted from the parameters, nothing simulated)")
+
+
+# Note [ruled out by arithmetic]
+#     A layout whose states alone (parameters, gradients and optimizer state per rank, counted from the parameters:
+#     ``states_floor``, solve/ladder.py) exceed the budget on every rung can never fit; its analysis would only name
+#     its smallest budget, which is at least that floor. So it is planned only when nothing fits and its floor is
+#     below the smallest budget the other layouts named: otherwise that budget is the one the error reports anyway.
+#     DDP over 512 ranks of a 405B model (6.5 TB of states per rank against 72 GB) was analysed and searched for 6 to 8
+#     minutes before this, to name a budget no one read.
+def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned], failed: list[str], deferred: list[Parallel] = (),
+               floors: dict[Parallel, int | None] | None = None) -> list[tuple[Plan, dict[str, Analysis]]]:
     """When no layout was planned: the plans of the layouts' smallest configurations (the models were pessimistic),
     or the error that says most: a layout that fits the GPU but not the host says more than the smallest budget of
-    one that fits neither; else the smallest budget of any; else why no strategy can run the model."""
+    one that fits neither; else the smallest budget of any; else why no strategy can run the model. A layout in
+    ``deferred`` (its states alone miss the budget) is planned only where its floor is below every smallest budget
+    the others named (Note [ruled out by arithmetic])."""
     results, errors = [], []
     for e in unplanned:
         try:
@@ -200,14 +224,45 @@ def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned],
             if len(request.strategies) == 1:
                 raise
             failed.append(str(error))
+    floors = floors or {}
+    smallest = min((e.min_budget_bytes for e in errors if isinstance(e, InfeasibleBudgetError)), default=None)
+    over_host = any(isinstance(e, HostMemoryError) for e in errors)
+    ruled_out = []
+    for parallel in deferred:
+        floor = floors.get(parallel) or 0
+        if results or over_host or (smallest is not None and floor >= smallest):
+            ruled_out.append(_states_alone(request, parallel, floor))
+            continue
+        try:
+            results.append(_plan_parallel(request, parallel))
+        except _Unplanned as e:
+            if e.fallback is None:
+                failed.append(f"{parallel.label} not planned: {e}")
+                continue
+            try:
+                results.append(e.fallback())
+            except (InfeasibleBudgetError, HostMemoryError) as error:
+                errors.append(error)
+        except AutofitError as e:
+            if len(request.strategies) == 1:
+                raise
+            failed.append(f"{parallel.label} cannot run this model ({e})")
+    failed += ruled_out
     if results:
         return results
     over_host = [e for e in errors if isinstance(e, HostMemoryError)]
     if over_host:
-        raise min(over_host, key=lambda e: e.host_bytes)
+        raise _saying(min(over_host, key=lambda e: e.host_bytes), ruled_out)
     if errors:
-        raise min(errors, key=lambda e: e.min_budget_bytes)
+        raise _saying(min(errors, key=lambda e: e.min_budget_bytes), ruled_out)
     raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
+
+
+def _saying(error: AutofitError, ruled_out: list[str]) -> AutofitError:
+    """``error`` with the layouts ruled out by arithmetic named after its message (the plan's notes would have)."""
+    if ruled_out:
+        error.args = (f"{str(error).rstrip('.')}; " + "; ".join(ruled_out), *error.args[1:])
+    return error
 
 
 class _Unplanned(Exception):
@@ -245,7 +300,8 @@ def _by_bound(order: list[Parallel], climbs: dict[Parallel, _Climb], last: set[P
     if len(ranked) < 2:
         return order
     bounds: dict[Parallel, float] = {}
-    for parallel in ranked:
+    for position, parallel in enumerate(ranked):
+        progress.report(f"ranking the layouts by where their search begins: {parallel.label}", position, len(ranked))
         try:
             bounds[parallel] = _bound(climbs[parallel], min(bounds.values(), default=math.inf))
         except AutofitError:  # planned first, where it raises again and is reported as it always was
@@ -261,7 +317,6 @@ def _bound(climb: _Climb, best: float) -> float:
     if stage is None:
         return math.inf
     _, space, _ = climb.searchable(stage)
-    progress.report(f"ranking {climb.parallel.label}: where its search begins (checkpoint MILP)")
     floor = time_floor(space, climb.fit)
     if floor >= best:
         return floor
@@ -294,7 +349,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         if found is not None:
             return _plan_of(estimator, found), {}
     carried = _Carried()
-    for stage in climb.stages:
+    for rung, stage in enumerate(climb.stages):
+        if len(climb.stages) > 1 and not stage.skipped(climb.fit):  # the ladder's climb, how far
+            progress.report(f"rung '{stage.what}' of {climb.parallel.label}", rung, len(climb.stages))
         if stage.skipped(climb.fit):  # not worth an analysis: its states alone miss the budget
             passed = f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)"
             carried = replace(carried, skipped=(*carried.skipped, passed))
@@ -305,6 +362,11 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
         searched = _host_rung(climb, stage) if stage.host_check else _device_rung(climb, stage)
         carried = carried.after(searched)
         if isinstance(searched.found, Verified):
+            reducing = _reducing_instead(climb, stage, searched)  # Note [defer or reduce every micro-batch]
+            if isinstance(reducing, tuple):
+                return reducing
+            if reducing is not None:
+                searched = replace(searched, found=replace(searched.found, notes=searched.found.notes + (reducing,)))
             return _rung_plan(climb, stage, carried, searched)
         if isinstance(searched.found, Slower) and searched.found.modelled_fit:
             break  # Note [layouts that cannot win]: this rung fits, so the layout's plan would be its, and lose
@@ -439,17 +501,59 @@ def _host_rung(climb: _Climb, stage: Stage) -> _Searched:
     return _Searched(found, estimator, analysed, on_host=on_host)
 
 
-def _rung_plan(climb: _Climb, stage: Stage, carried: _Carried,
-               searched: _Searched) -> tuple[Plan, dict[str, Analysis]]:
-    """The plan of the rung's verified winner, its notes naming the rungs passed over and the rung's own."""
+def _rung_plan(climb: _Climb, stage: Stage, carried: _Carried, searched: _Searched,
+               for_time: bool = False) -> tuple[Plan, dict[str, Analysis]]:
+    """The plan of the rung's verified winner, its notes naming the rungs passed over and the rung's own
+    (``for_time``: the rung was chosen for its speed, not because the rungs before it fit nothing)."""
     found = searched.found
     found = replace(found, notes=found.notes + skipped_note(stage, carried.skipped)
-                    + rung_notes(climb.request, stage, searched.estimator, found))
+                    + rung_notes(climb.request, stage, searched.estimator, found, for_time=for_time))
     plan = _plan_of(searched.estimator, found, searched.analysed, climb.rows_known)
     if searched.versus is not None:
         plan = replace(plan, module_level_step_seconds=searched.versus.seconds, notes=plan.notes + (
             selective_note(plan, searched.versus),))
     return plan, searched.analysed
+
+
+# Note [defer or reduce every micro-batch]
+#     Under FSDP2 with accumulation the plan chooses how the gradients sync (Note [gradient sync under accumulation],
+#     autofit/training/step.py) by cost. Memory first: where deferring to the last micro-batch fits nothing, the
+#     ladder's next rung reduces every micro-batch (solve/ladder.py). Where deferring fits, step time: for the same
+#     configuration deferring is faster (one reduce-scatter per step instead of one per micro-batch), but the
+#     unsharded gradients it keeps (Note [deferred reduce-scatter], solve/terms.py) may be what forces a smaller
+#     micro-batch or more recomputation. So when they are over a fifth of the winner's peak, the reducing rung is
+#     searched too, with the winner's time to beat (Note [layouts that cannot win]: it verifies nothing unless its
+#     models promise a faster step), and the faster plan is kept. Under a fifth, freeing them cannot buy back a
+#     reduce-scatter per micro-batch often enough to be worth the rung's analysis. The plan's notes say which was
+#     chosen and why. torchtitan reduce-scatters after every micro-batch: its ``Trainer.train_step``
+#     (torchtitan/train.py) runs ``forward_backward_step`` per micro-batch, a plain ``loss.backward()``, and never
+#     calls ``set_requires_gradient_sync``.
+def _reducing_instead(climb: _Climb, stage: Stage,
+                      searched: _Searched) -> tuple[Plan, dict[str, Analysis]] | str | None:
+    """The plan of the reducing rung where it beats the deferring winner ``searched`` found on ``stage``; else the
+    note saying it was weighed and lost, or None where it was not weighed (Note [defer or reduce every
+    micro-batch])."""
+    found = searched.found
+    reducing = next((s for s in climb.stages if s.parallel.reduce_every_micro_batch
+                     and s.policies == stage.policies), None)
+    if reducing is None or stage.parallel.reduce_every_micro_batch or found.candidate.accumulation_steps < 2:
+        return None
+    config = searched.estimator.config(found.candidate, searched.estimator.policy(found.candidate.precision))
+    term = deferred_gradient_bytes(climb.request.model, config)
+    if term <= LARGE_SHARE * found.estimate.device_bytes:
+        return None
+    progress.report("weighing FSDP2 reducing every micro-batch against deferring (checkpoint MILP)")
+    other = _device_rung(replace(climb, beat=found.candidate.seconds), reducing)
+    if not isinstance(other.found, Verified) or other.found.candidate.seconds >= found.candidate.seconds:
+        bound = other.found.seconds if isinstance(other.found, Slower) else None
+        return ("FSDP2 defers the gradients' reduce-scatter to the last micro-batch: reducing every micro-batch was "
+                f"searched too and is no faster{f' (at best {bound:.3g} s)' if bound else ''} than "
+                f"{found.candidate.seconds:.3g} s (Note [defer or reduce every micro-batch])")
+    why = (f"FSDP2 reduce-scatters after every micro-batch: {other.found.candidate.seconds:.3g} s per step against "
+           f"{found.candidate.seconds:.3g} s deferring to the last micro-batch, whose unsharded gradients "
+           f"({format_bytes(term)}) forced a slower configuration (Note [defer or reduce every micro-batch])")
+    other = replace(other, found=replace(other.found, notes=other.found.notes + (why,)))
+    return _rung_plan(climb, reducing, _Carried(), other, for_time=True)
 
 
 def _why_not_faster(beat: float, carried: _Carried) -> str:
@@ -518,10 +622,17 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     order = zero_grad_note(estimator, chosen, policy, plan.peak_bytes)
     if order is not None:
         plan = replace(plan, notes=plan.notes + (order,))
+    plan = replace(plan, notes=plan.notes + large_term_notes(  # Note [deferred reduce-scatter], solve/terms.py
+        request.model, estimator.config(chosen, policy), plan.device_bytes, request.device,
+        flag="reducing every micro-batch (the ladder's rung 'FSDP2 reducing every micro-batch', Note [defer or "
+             "reduce every micro-batch])"))
     split, note = even_split(estimator, chosen, policy)
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))
     spec, table = rows_table(estimator, chosen, policy, (rows_known or {}).get((chosen, policy), {}))
+    unasked = no_rows_table_note(request, chosen)  # the table only on demand
+    if unasked is not None:
+        plan = replace(plan, notes=plan.notes + (unasked,))
     plan = replace(plan, loss=describe_loss(request.loss_fn), loss_fn=request.loss_fn,  # Note [the plan's loss]
                    shared=tuple(sorted(request.batch.shared, key=str)),
                    made_for=record_model(request.model),  # Note [the plan's model]

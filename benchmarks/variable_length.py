@@ -70,7 +70,8 @@ def main() -> None:
     ids = torch.zeros(ROWS, LENGTH, dtype=torch.long, device="meta")
     full = autofit.estimate(model, ids, target=ids, micro_batch_size=ROWS, precision="bf16", device=GPU)
     budget = full.device_bytes // 4
-    plan, analyses = plan_with_analysis(model, ids, budget, target=ids, device=GPU)
+    plan, analyses = plan_with_analysis(model, ids, budget, target=ids, device=GPU,
+                                        search=autofit.Search(variable_length=True))
     analysis = analyses[plan.precision.name]
     time_model = build_time_model(analysis.ops, analysis.table.row("").param_bytes, resolve_device("cuda", GPU))
     print(f"{CONFIG.num_layers} x {CONFIG.hidden_size} decoder, batch {ROWS} x {LENGTH}, {GPU}, budget "

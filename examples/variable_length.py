@@ -55,7 +55,8 @@ def main() -> None:
     # micro-batch, makes the plan split it.
     longest = collate([{"input_ids": [1] * MAX_LENGTH} for _ in range(BATCH_SIZE)])
     full = autofit.estimate(model, dict(longest), micro_batch_size=BATCH_SIZE).peak_bytes
-    plan = autofit.plan(model, dict(longest), budget=full // 4, device="cpu", precision="fp32")
+    plan = autofit.plan(model, dict(longest), budget=full // 4, device="cpu", precision="fp32",
+                        search=autofit.Search(variable_length=True))  # the rows-by-length table
     print(plan)
 
     trainer = plan.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -155,7 +155,7 @@ def test_variable_length_table_for_a_causal_lm_under_a_tight_budget():
     pytest.importorskip("transformers")
     spec = ["hf:gpt2", "--config", "n_layer=1", "--config", "n_embd=32", "--config", "n_head=2",
             "--config", "vocab_size=100", "--input-shape", "64", "--batch-size", "16", "--device", "cpu",
-            "--precision", "fp32"]
+            "--precision", "fp32", "--variable-length"]
     loose = _plan(*spec, "--budget", "1GB", "--json")
     assert loose.exit_code == 0, loose.output
     full = autofit.Plan.from_json(loose.stdout[loose.stdout.index("{"):])

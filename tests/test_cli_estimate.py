@@ -53,6 +53,7 @@ def test_state_bytes_of_an_mlp_match_a_hand_count():
                   "--config", "num_attention_heads=4", "--config", "num_key_value_heads=2", "--config",
                   "vocab_size=512", "--input-shape", "16", "--checkpoint", "blocks:selective", "--precision", "bf16"],
      {"checkpoint": {"model.layers.0": "selective", "model.layers.1": "selective"}, "precision": "bf16"}),
+    (MLP, ["--input-shape", "128", "--reduce-every-micro-batch"], {"reduce_every_micro_batch": True}),
 ])
 def test_figures_equal_the_library_estimate(model, extra, kwargs):
     # the same configuration through autofit.estimate: one rank of FSDP2 over 2 on an H100, accumulation 2
@@ -153,3 +154,32 @@ def test_tables_name_the_layout_and_the_breakdown():
     for text in ("per rank", "cuda (A100-80GB)", "ddp over 2 ranks", "peak allocated", "peak reserved", "on the device", "parameters",
                  "cuda_context", "total"):
         assert text in result.output, result.output
+
+
+def test_every_step_knob_of_the_python_estimate_has_a_flag():
+    """Issue 56: each keyword of autofit.estimate is a step knob with a flag of ``autofit estimate``, or one of the
+    documented exclusions (the model and its data); each flag named exists on the command."""
+    import inspect
+
+    import typer
+
+    from autofit.cli.estimate import NOT_STEP_KNOBS, STEP_FLAGS
+
+    knobs = set(inspect.signature(autofit.estimate).parameters)
+    assert knobs - NOT_STEP_KNOBS == set(STEP_FLAGS), "a knob without a flag, or a flag for no knob"
+    command = typer.main.get_command(app).commands["estimate"]
+    flags = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    missing = {knob: f for knob, fs in STEP_FLAGS.items() for f in fs if f not in flags}
+    assert not missing, missing
+
+
+def test_the_gradient_sync_is_shown_and_the_flag_switches_it():
+    common = ["estimate", MLP, "--input-shape", "128", "-m", "1", "-n", "8", "--device", "cpu", "--world-size", "2",
+              "--strategy", "fsdp2"]
+    deferred = runner.invoke(app, common)
+    reducing = runner.invoke(app, [*common, "--reduce-every-micro-batch"])
+    assert deferred.exit_code == reducing.exit_code == 0, deferred.output + reducing.output
+    assert "deferred to the last micro-batch" in deferred.output, deferred.output
+    assert "after every micro-batch" in reducing.output, reducing.output
+    data = _estimate(*common[1:], "--reduce-every-micro-batch")
+    assert data["reduce_every_micro_batch"] is True

@@ -70,3 +70,26 @@ def test_llama_2_7b_fsdp2_on_8_a100_40gb_plans():
     # the plan found (2026-11-24): micro-batch 8 without accumulation, 38 modules recomputed, 36.94 of 37.25 GiB;
     # without accumulation there is nothing to reduce early, so the reducing rung is not what it names
     assert "world size" in result.output and "fsdp2" in result.output
+
+
+@pytest.mark.sim
+def test_fsdp2_reduces_every_micro_batch_where_that_is_faster_though_deferring_fits():
+    """Issue 56 (Note [defer or reduce every micro-batch]): at 24 MiB deferring the reduce-scatter fits, but its
+    8.04 MiB of unsharded fp32 gradients (hand count: 2,107,146 parameters x 4 B) force a smaller micro-batch;
+    reducing every micro-batch lets a faster one fit, and the plan says so. The truth for its peak: autofit.estimate
+    of the same configuration with reduce_every_micro_batch=True."""
+    case = wide_blocks("meta")
+    assert sum(p.numel() for p in case.model.parameters()) * 4 == 8_428_584
+    plan = autofit.plan(case.model, case.sample, 24 * MiB, batch_size=64, target=case.target, loss_fn=case.loss_fn,
+                        device="cpu", precision="fp32", layout=autofit.Layout(world_size=8, strategy="fsdp2"))
+    assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
+    chose = [n for n in plan.notes if n.startswith("FSDP2 reduce-scatters after every micro-batch:")]
+    assert len(chose) == 1 and "deferring to the last micro-batch" in chose[0] and "8.04 MiB" in chose[0], plan.notes
+    seconds = [float(w) for w in chose[0].split() if w.replace(".", "").isdigit()][:2]
+    assert seconds[0] == pytest.approx(plan.predicted_step_seconds, rel=1e-2) and seconds[0] < seconds[1]
+    est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+                           loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
+                           accumulation_steps=plan.gradient_accumulation_steps, reduce_every_micro_batch=True,
+                           layout=autofit.Layout(world_size=8, strategy="fsdp2",
+                                                 reshard_after_forward=plan.reshard_after_forward))
+    assert est.peak_bytes == plan.peak_bytes <= 24 * MiB

@@ -88,3 +88,32 @@ def test_dtensor_specs_flattened_once_give_the_same_fsdp2_estimate(monkeypatch):
     patched = figures()
     monkeypatch.setattr(parallel, "dtensor_specs_once", contextlib.nullcontext)
     assert figures() == patched
+
+
+@pytest.mark.sim
+def test_deferred_unsharded_gradients_are_named_and_the_flag_removes_them():
+    """Issue 56: FSDP2 deferring its reduce-scatter to the last micro-batch keeps every rank's unsharded fp32
+    gradients (torch's FSDPParam.to_accumulated_grad_if_needed, Note [deferred reduce-scatter]). The term's bytes
+    against a hand count, and the estimate reducing every micro-batch lower by it, less the 1/8 shard it keeps,
+    within one block's unsharded gradients (the reducing step peaks with one unit's reduce-scatter in flight)."""
+    import torch
+
+    from sharded_models import WideBlocks
+
+    with torch.device("meta"):
+        model = WideBlocks(hidden=512, layers=16)
+    x, y = torch.randn(8, 64 * 128), torch.randint(0, 10, (8,))
+    # by hand: 16 blocks of Linear(128, 512) and Linear(512, 128), a Linear(128, 10) head, fp32 gradients (4 B)
+    params = 16 * (128 * 512 + 512 + 512 * 128 + 128) + 128 * 10 + 10
+    term, block = params * 4, (128 * 512 + 512 + 512 * 128 + 128) * 4
+    assert term == 8_434_728
+    kw = dict(micro_batch_size=1, target=y, loss_fn=torch.nn.functional.cross_entropy, accumulation_steps=4,
+              device="cpu", precision="bf16", layout=autofit.Layout(world_size=8, strategy="fsdp2"))
+    deferred = autofit.estimate(model, x, **kw)
+    reducing = autofit.estimate(model, x, reduce_every_micro_batch=True, **kw)
+    named = [n for n in deferred.notes if n.startswith("unsharded fp32 gradients held across 4 micro-batches")]
+    assert len(named) == 1 and "8.04 MiB" in named[0] and "reduce_every_micro_batch=True" in named[0], deferred.notes
+    assert term > deferred.device_bytes / 5 and deferred.breakdown["temporaries"] >= term
+    saved = deferred.device_bytes - reducing.device_bytes
+    assert abs(saved - (term - term // 8)) <= block, (saved, term - term // 8, block)
+    assert not any("deferred reduce-scatter" in n for n in reducing.notes)

@@ -44,7 +44,8 @@ def planned():
     """The plan at the longest batch under a budget a third of the way from the smallest one to the full batch's.
     fp32 without recomputation, so that the micro-batch is the knob and the reference step is exact."""
     model, sample = _model(), _batch(LENGTH, seed=0)
-    knobs = dict(device="cpu", optimizer="sgd", precision="fp32", savers=autofit.Savers(checkpoint=None))
+    knobs = dict(device="cpu", optimizer="sgd", precision="fp32", savers=autofit.Savers(checkpoint=None),
+                 search=autofit.Search(variable_length=True))
     full = autofit.estimate(model, sample, micro_batch_size=ROWS, optimizer="sgd").peak_bytes
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
         autofit.plan(model, sample, 1, **knobs)
@@ -84,6 +85,23 @@ def test_shorter_batches_run_fewer_micro_batches_within_the_budget_and_equal_a_f
         for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{length} {name}: {m}")
     assert micro_batches[LENGTH // 4] < micro_batches[LENGTH // 2] <= micro_batches[LENGTH], micro_batches
+
+
+@pytest.mark.sim
+def test_without_asking_no_table_is_estimated_and_every_batch_runs_the_plans_micro_batch(planned, monkeypatch):
+    """The table is a dozen full estimates (450 s of a 405B plan): computed only when asked for (issue 56)."""
+    import autofit.solve.finish as finish
+
+    asked, model, _ = planned
+    estimated = []
+    real = finish._rows_peak
+    monkeypatch.setattr(finish, "_rows_peak", lambda *a: estimated.append(a[-2:]) or real(*a))
+    plan = autofit.plan(model, _batch(LENGTH, seed=0), asked.budget_bytes, device="cpu", optimizer="sgd",
+                        precision="fp32", savers=autofit.Savers(checkpoint=None))
+    assert estimated == [] and plan.rows_by_length == ()
+    assert (plan.micro_batch_size, plan.device_bytes) == (asked.micro_batch_size, asked.device_bytes)
+    assert plan.micro_batch_size_for(LENGTH // 4) == plan.micro_batch_size
+    assert any("variable_length=True" in n for n in plan.notes), plan.notes
 
 
 def test_a_batch_longer_than_the_plan_is_refused_naming_both_shapes(planned):

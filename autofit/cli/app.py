@@ -133,6 +133,9 @@ FromOpt = Annotated[Optional[Path], typer.Option(
 WriteOpt = Annotated[Optional[Path], typer.Option(
     "--write", metavar="FILE", help="with --from: write the config back to FILE with only what the plan changes, "
                                     "comments and order kept")]
+VariableLengthOpt = Annotated[bool, typer.Option(
+    "--variable-length", help="also tabulate the rows per micro-batch that fit at 1/2, 1/4 and 1/8 of the input's "
+    "length, for batches of varying length (a dozen more full simulations; docs/variable-length.md)")]
 StrategyOpt = Annotated[Optional[str], typer.Option("--strategy", help="ddp or fsdp2 (default: autofit chooses when "
                                                     "--world-size > 1)")]
 
@@ -216,6 +219,7 @@ def plan(
     quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
+    variable_length: VariableLengthOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory per layer and the front to a PNG "
                                                  "(the path is checked before planning)")] = None,
     export: Annotated[Optional[list[str]], typer.Option(
@@ -227,7 +231,7 @@ def plan(
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     from autofit.cli.estimate import sequence_option
     from autofit.cli.render import render_plan
-    from autofit.options import Device, Layout, Precision, Savers
+    from autofit.options import Device, Layout, Precision, Savers, Search
     from autofit.planner import plan_with_analysis
 
     console = console_for(stderr=as_json)
@@ -274,7 +278,8 @@ def plan(
                                                               boolean=True),
                           replicate=layout_option("--replicate", replicate),
                           tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
-                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)))
+                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)),
+            search=Search(variable_length=variable_length))
         with planning_progress(console, quiet=quiet), one_line_warnings(console):
             result, analyses = plan_with_analysis(
                 spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
@@ -375,6 +380,26 @@ def estimate(
     sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
+    reduce_every_micro_batch: Annotated[bool, typer.Option(
+        "--reduce-every-micro-batch/--defer-reduce", help="FSDP2 with accumulation: reduce-scatter the gradients "
+        "after every micro-batch (torchtitan), or defer it to the last one (no_sync; every rank then holds its "
+        "shard's unsharded fp32 gradients across micro-batches)")] = False,
+    offload_activations: Annotated[Optional[list[str]], typer.Option(
+        "--offload-activations", metavar="NAME", help="a module whose saved activations live in host memory "
+        "(save_on_cpu; repeatable)")] = None,
+    offload_states: Annotated[bool, typer.Option("--offload-states", help="parameters, gradients and optimizer "
+                                                 "state in host memory (FSDP2's CPUOffloadPolicy)")] = False,
+    optimizer_in_backward: Annotated[bool, typer.Option("--optimizer-in-backward", help="step each parameter in "
+                                                        "backward and free its gradient")] = False,
+    chunked_loss: Annotated[bool, typer.Option("--chunked-loss", help="the output head and cross-entropy in "
+                                               "chunks of tokens")] = False,
+    preallocated_grads: Annotated[bool, typer.Option("--preallocated-grads", help="gradients allocated before "
+                                                     "forward, zeroed in place")] = False,
+    inputs: Annotated[str, typer.Option("--inputs", help="rows resident: batch (the rank's whole batch, as the "
+                                        "plan's trainer) or micro-batch")] = "batch",
+    gradient_as_bucket_view: Annotated[bool, typer.Option(
+        "--gradient-as-bucket-view/--no-gradient-as-bucket-view", help="DDP: gradients as views into its buckets "
+        "(autofit's trainer) or torch's default, a second copy")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -398,7 +423,10 @@ def estimate(
             reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward, boolean=True),
             replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm,
             tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile,
-            sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step")
+            sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step",
+            reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
+            offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
+            preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view)
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from autofit.api import estimate
 from autofit.cli.specs import ModelSpec
@@ -23,9 +24,29 @@ from autofit.training.config import DeviceKind, as_zero_grad
 from autofit.training.layout import as_strategy
 
 __all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
-           "sequence_option"]
+           "sequence_option", "STEP_FLAGS", "NOT_STEP_KNOBS"]
 
 BLOCKS = "blocks"  # --checkpoint blocks: the model's repeated blocks, the units plan shards (solve/sharding.py)
+
+# Every step knob autofit.estimate takes, with the flag(s) of ``autofit estimate`` that set it (issue 56: a knob the
+# Python call has and the command lacks is a figure the command cannot show); tests/test_cli_estimate.py checks
+# that this covers the signature and that each flag exists.
+STEP_FLAGS: dict[str, tuple[str, ...]] = {
+    "micro_batch_size": ("--micro-batch-size",), "accumulation_steps": ("--batch-size",),
+    "optimizer": ("--optimizer",), "clip_grad_norm": ("--clip-grad-norm",), "device": ("--device", "--gpu"),
+    "precision": ("--precision",),
+    "layout": ("--world-size", "--strategy", "--reshard-after-forward", "--replicate", "--tensor-parallel",
+               "--sequence-parallel"),
+    "checkpoint": ("--checkpoint",), "offload": ("--offload-activations",), "offload_states": ("--offload-states",),
+    "optimizer_in_backward": ("--optimizer-in-backward",),
+    "reduce_every_micro_batch": ("--reduce-every-micro-batch", "--defer-reduce"),
+    "chunked_loss": ("--chunked-loss",), "compile": ("--compile",), "preallocated_grads": ("--preallocated-grads",),
+    "inputs": ("--inputs",), "gradient_as_bucket_view": ("--gradient-as-bucket-view",),
+    "zero_grad": ("--zero-grad",),
+}
+# What autofit.estimate takes that is not a knob of the step: the model and its data (MODEL, --input-shape,
+# --config and --task build them), and how a sample given in Python is laid out (the CLI generates batch-first inputs)
+NOT_STEP_KNOBS = frozenset({"model", "sample", "target", "loss_fn", "shared", "batch_dim", "deprecated"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +70,16 @@ class EstimateSetup:
     compile: bool = False  # the step as torch.compile (inductor) compiles it
     sequence_parallel: bool = False  # the blocks' norms split along the sequence too (Note [sequence parallel])
     zero_grad: str = "after-step"  # where the loop clears the gradients (Note [where zero_grad falls])
+    # FSDP2 reduce-scatters after every micro-batch (torchtitan) instead of deferring to the last (Note [gradient
+    # sync under accumulation])
+    reduce_every_micro_batch: bool = False
+    offload: tuple[str, ...] = ()  # modules whose saved activations live on the host (save_on_cpu)
+    offload_states: bool = False  # parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
+    optimizer_in_backward: bool = False
+    chunked_loss: bool = False
+    preallocated_grads: bool = False
+    inputs: str = "batch"  # the rows of inputs resident: the rank's whole batch, or one micro-batch
+    gradient_as_bucket_view: bool = True  # DDP's bucket mode
 
     @property
     def data_ranks(self) -> int:
@@ -118,9 +149,13 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
                    optimizer: str, device: str, gpu: str | None, world_size: int, strategy: str | None,
                    reshard_after_forward: object, replicate: object, checkpoint: list[str] | None,
                    clip_grad_norm: float | None, tensor_parallel: object = 1, compile: bool = False,
-                   sequence_parallel: bool = False, zero_grad: str = "after-step") -> EstimateSetup:
+                   sequence_parallel: bool = False, zero_grad: str = "after-step", **step: Any) -> EstimateSetup:
     """The configuration the flags describe (``reshard_after_forward`` and ``replicate`` as ``layout_option`` read
-    them); "auto" anywhere is refused, since only ``plan`` chooses."""
+    them); "auto" anywhere is refused, since only ``plan`` chooses. ``step``: the other knobs of STEP_FLAGS, by the
+    field names of :class:`EstimateSetup`."""
+    if step.get("inputs", "batch") not in ("batch", "micro-batch"):
+        raise InvalidInputError(f"--inputs {step['inputs']!r}: batch (the rank's whole batch resident, as the "
+                                "plan's trainer holds it) or micro-batch (one micro-batch's rows)")
     tp = _fixed("--tensor-parallel", tensor_parallel)
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
         raise InvalidInputError(f"--tensor-parallel {tp} must be a positive divisor of --world-size {world_size}")
@@ -134,7 +169,8 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
         reshard_after_forward=_fixed("--reshard-after-forward", reshard_after_forward),
         replicate=_fixed("--replicate", replicate), checkpoint=_checkpoint(spec.model, checkpoint or []),
         clip_grad_norm=clip_grad_norm, tensor_parallel=tp, compile=bool(compile),
-        sequence_parallel=bool(sequence_parallel), zero_grad=str(as_zero_grad(zero_grad)))
+        sequence_parallel=bool(sequence_parallel), zero_grad=str(as_zero_grad(zero_grad)),
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in step.items() if v is not None})
 
 
 def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
@@ -149,7 +185,11 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                                   tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel,
                                                                        setup.tensor_parallel)),
                     checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm, compile=setup.compile,
-                    zero_grad=setup.zero_grad)
+                    zero_grad=setup.zero_grad, reduce_every_micro_batch=setup.reduce_every_micro_batch,
+                    offload=setup.offload, offload_states=setup.offload_states,
+                    optimizer_in_backward=setup.optimizer_in_backward, chunked_loss=setup.chunked_loss,
+                    preallocated_grads=setup.preallocated_grads, inputs=setup.inputs,
+                    gradient_as_bucket_view=setup.gradient_as_bucket_view)
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:
@@ -160,7 +200,11 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "reshard_after_forward": setup.reshard_after_forward, "replicate": setup.replicate,
         "micro_batch_size": setup.micro_batch_size, "accumulation_steps": setup.accumulation_steps,
         "tensor_parallel": setup.tensor_parallel, "sequence_parallel": setup.sequence_parallel,
-        "compile": setup.compile,
+        "compile": setup.compile, "reduce_every_micro_batch": setup.reduce_every_micro_batch,
+        "offload_activations": list(setup.offload), "offload_states": setup.offload_states,
+        "optimizer_in_backward": setup.optimizer_in_backward, "chunked_loss": setup.chunked_loss,
+        "preallocated_grads": setup.preallocated_grads, "inputs": setup.inputs,
+        "gradient_as_bucket_view": setup.gradient_as_bucket_view,
         "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.data_ranks,
         "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
         "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
@@ -179,8 +223,11 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
     rows = [("model", description), ("device", device), ("layout", setup.layout),
             ("micro-batch", f"{setup.micro_batch_size} x {setup.accumulation_steps} accumulation"),
             ("precision", setup.precision), ("optimizer", setup.optimizer),
-            ("recomputed", f"{len(setup.checkpoint)} modules" if setup.checkpoint else "none"),
-            ("peak allocated", mib(est.peak_allocated_bytes))]
+            ("recomputed", f"{len(setup.checkpoint)} modules" if setup.checkpoint else "none")]
+    sync = gradient_sync(setup)
+    if sync is not None:
+        rows.append(("gradient sync", sync))
+    rows.append(("peak allocated", mib(est.peak_allocated_bytes)))
     if DeviceKind(est.device).caching_allocator:  # reserved and on-device figures differ from allocated
         rows += [("peak reserved", mib(est.peak_reserved_bytes)), ("on the device", mib(est.device_bytes))]
     if est.host_bytes:
@@ -196,4 +243,17 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
     for key, value in est.breakdown.items():
         breakdown.add_row(key, format_mib(value), f"{100 * value / total:.1f} %")
     breakdown.add_row("[bold]total[/]", f"[bold]{format_mib(est.device_bytes)}[/]", "100.0 %")
-    return Group(knobs, breakdown)
+    notes = [Text(f"note: {n}") for n in est.notes]
+    return Group(knobs, breakdown, *notes)
+
+
+def gradient_sync(setup: EstimateSetup) -> str | None:
+    """How FSDP2 syncs the gradients under accumulation, in words, with the flag for the other way (Note [gradient
+    sync under accumulation]); None where there is no choice (no FSDP2 over data ranks, or one micro-batch)."""
+    if (setup.strategy is None or not as_strategy(setup.strategy).shards_parameters or setup.data_ranks < 2
+            or setup.accumulation_steps < 2 or setup.offload_states):
+        return None
+    if setup.reduce_every_micro_batch:
+        return "reduce-scatter after every micro-batch (--reduce-every-micro-batch, as torchtitan)"
+    return ("deferred to the last micro-batch (the default: set_requires_gradient_sync(False) before it; "
+            "--reduce-every-micro-batch reduces after each, as torchtitan)")

@@ -29,6 +29,10 @@ Note [parallel simulations]
     Anything wrong with a child (it died, or its result does not unpickle, or it raised, or it takes far longer
     than this process took for its own share: ``CHILD_PATIENCE``) makes this process run the job itself: a failure
     is then the same typed error a serial run raises, a result is never lost, and a stuck child cannot hang a plan.
+    A fork the system refuses (``OSError``, ENOMEM or EAGAIN on a large planning process) and a child that ends
+    without a result because it was killed (the kernel's out-of-memory killer sends SIGKILL) do the same, with a
+    one-line ``RuntimeWarning``; after a refused fork this process forks no more (every later fork would be refused
+    the same way, each after copying its page tables).
 
 Note [Ctrl-C and workers]
     A KeyboardInterrupt may arrive anywhere in the parent. Between ``fork`` and the :class:`Pending` that owns the
@@ -70,6 +74,7 @@ ENV = "AUTOFIT_WORKERS"  # "1": every simulation in this process; a number n > 1
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _in_worker = False  # set in a child: a worker never forks again
+_fork_refused = False  # the system refused a fork (Note [parallel simulations]): no more forks in this process
 _WAIT_SLICE = 0.1  # seconds a parent waits on a child between two looks for a Ctrl-C
 CHILD_PATIENCE = 10  # run_all waits this many times its own share's time (plus 30 s) for a child, then runs it here
 
@@ -83,7 +88,7 @@ def _cores() -> int:
 
 def parallel_available() -> int:
     """How many simulations may run at once here (1: none side by side). See Note [parallel simulations]."""
-    if _in_worker or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+    if _in_worker or _fork_refused or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
         return 1
     this = threading.current_thread()
     if any(t is not this and not t.daemon for t in threading.enumerate()):
@@ -153,22 +158,30 @@ class Pending(Generic[T]):
                 os.kill(self._pid, signal.SIGKILL)
             raise
         finally:
-            self._reap()
+            killed = self._reap()
         try:
             status, value = pickle.loads(b"".join(chunks))
         except Exception:  # noqa: BLE001 - the child died or wrote nothing usable: run the job here
+            if killed == signal.SIGKILL:  # not by us (a child given up on returned above): the OOM killer, mostly
+                warnings.warn("a worker process was killed (out of memory?) before it answered: running its "
+                              "simulation in this process (Note [parallel simulations])", RuntimeWarning,
+                              stacklevel=4)
             return _FAILED
         return value if status == "ok" else _FAILED
 
-    def _reap(self) -> None:
+    def _reap(self) -> int | None:
+        """Close the pipe and wait for the child; the signal that ended it, if one did."""
+        signalled = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         if self._pid is not None:
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(self._pid, 0)
+                _, status = os.waitpid(self._pid, 0)
+                signalled = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
             self._pid = None
             _child_gone()
+        return signalled
 
     def __del__(self) -> None:  # a result nobody asked for: no zombie, no orphan
         if getattr(self, "_pid", None) is not None:
@@ -199,9 +212,16 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
     gc.freeze()
     held = _hold_interrupts()  # Note [Ctrl-C and workers]: no child is forked without its Pending
     try:
-        read, write = os.pipe()
-        parent = os.getpid()
-        pid = os.fork()
+        try:
+            read, write = os.pipe()
+            parent = os.getpid()
+            pid = _fork_or_none(read, write)
+        except OSError as e:  # no pipe: the same as a refused fork
+            pid = _refused(e)
+        if pid is None:
+            if _alive == 0:
+                gc.unfreeze()
+            return Pending(job)
         if pid != 0:
             os.close(write)
             _alive += 1
@@ -225,6 +245,24 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
         status = 0
     finally:
         os._exit(status)
+
+
+def _fork_or_none(read: int, write: int) -> int | None:
+    """``os.fork()``; None (the pipe closed, a warning given) where the system refuses it."""
+    try:
+        return os.fork()
+    except OSError as e:
+        os.close(read)
+        os.close(write)
+        return _refused(e)
+
+
+def _refused(e: OSError) -> None:
+    global _fork_refused
+    _fork_refused = True
+    warnings.warn(f"could not start a worker process ({e.strerror or e}): running every simulation in this "
+                  "process from now on (Note [parallel simulations])", RuntimeWarning, stacklevel=5)
+    return None
 
 
 def _hold_interrupts() -> Any:

@@ -27,7 +27,7 @@ from autofit.core.units import format_bytes
 from autofit.core.workers import parallel_available, run_all
 
 __all__ = ["optional_pins", "pin_cost_notes", "even_split", "rows_table", "verify_beside_rows", "rung_notes",
-           "zero_grad_note"]
+           "zero_grad_note", "wants_rows_table", "no_rows_table_note"]
 
 if TYPE_CHECKING:  # built after this stage in the import order: only read here
     from autofit.request import PlanRequest
@@ -140,7 +140,7 @@ def rows_table(estimator: Estimator, chosen: Candidate, policy: PrecisionPolicy,
     estimates made beside the verification, ``(length, rows) -> bytes`` (Note [rows beside the verification])."""
     request = estimator.request
     spec = length_spec(request.batch, request.target)
-    if spec.length is None or chosen.micro_batch_size >= request.per_rank:
+    if spec.length is None or chosen.micro_batch_size >= request.per_rank or not wants_rows_table(request):
         return spec, None
     peak = functools.partial(_rows_peak, estimator, chosen, policy)
     probing = probes_kernels(estimator.config(with_rows(chosen, request.per_rank, chosen.micro_batch_size), policy))
@@ -151,6 +151,23 @@ def rows_table(estimator: Estimator, chosen: Candidate, policy: PrecisionPolicy,
     progress.report("rows per micro-batch at shorter lengths (full simulations)")
     return spec, rows_by_length(spec.length, chosen.micro_batch_size, request.per_rank, request.fit_bytes, peak,
                                 peaks, known)
+
+
+def wants_rows_table(request: PlanRequest) -> bool:
+    """Whether the user asked for the rows-by-length table (``Search(variable_length=True)``, ``autofit plan
+    --variable-length``): a dozen full estimates, which a 405B plan spent 450 s on, so only on demand."""
+    return request.options.search.variable_length
+
+
+def no_rows_table_note(request: PlanRequest, chosen: Candidate) -> str | None:
+    """The note of a plan whose sample has a length and runs several micro-batches, but whose table was not asked
+    for: shorter batches run the same rows per micro-batch, and how to ask."""
+    spec = length_spec(request.batch, request.target)
+    if spec.length is None or chosen.micro_batch_size >= request.per_rank or wants_rows_table(request):
+        return None
+    return (f"shorter batches run {chosen.micro_batch_size} rows per micro-batch too: for batches of varying length, "
+            "plan with search=Search(variable_length=True) (autofit plan --variable-length) to tabulate the rows that "
+            "fit at 1/2, 1/4 and 1/8 of the length (docs/variable-length.md)")
 
 
 # Note [rows beside the verification]
@@ -164,6 +181,8 @@ def rows_table(estimator: Estimator, chosen: Candidate, policy: PrecisionPolicy,
 def guesses_beside(estimator: Estimator, c: Candidate, policy: PrecisionPolicy) -> list[tuple[int, int]]:
     """The table's first guesses to estimate beside the verification of ``c``: as many as there are free workers."""
     request = estimator.request
+    if not wants_rows_table(request):
+        return []
     spec = length_spec(request.batch, request.target)
     if spec.length is None or c.micro_batch_size >= request.per_rank or c.in_backward or c.offload_states:
         return []
@@ -206,12 +225,13 @@ def _guessed_peak(estimator: Estimator, chosen: Candidate, policy: PrecisionPoli
         return None
 
 
-def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: Verified) -> tuple[str, ...]:
+def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: Verified,
+               for_time: bool = False) -> tuple[str, ...]:
     """What the rung a plan was found on did: FSDP2's gradient sync every micro-batch, and what each opt-in rung in
     force saved (Note [the ladder]): the same configuration estimated in full without it, one more simulation per
     rung."""
     notes = []
-    if stage.parallel.reduce_every_micro_batch and found.candidate.accumulation_steps > 1:
+    if stage.parallel.reduce_every_micro_batch and found.candidate.accumulation_steps > 1 and not for_time:
         notes.append("FSDP2 reduce-scatters the gradients after every micro-batch: with the sync left to the last "
                      "micro-batch every rank would hold the whole model's unsharded gradients until then, and nothing "
                      "fit (Note [gradient sync under accumulation])")

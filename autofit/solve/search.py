@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autofit.capture.depth import Blocks
+from autofit.core import progress
 from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpoint
 from autofit.solve.depth import grouped_by_block
 from autofit.solve.memory_model import MemoryModel
@@ -241,9 +242,10 @@ def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Cand
         options.sort(key=lambda o: floors[o])
     fitting: list[Candidate] = []
     best = None
-    for o in options:
+    for i, o in enumerate(options):
         if prune and best is not None and floors[o] > round(best.seconds, 12):
             break  # sorted by floor: no later option can win either
+        _report_milp(space, o, budget, i, len(options))
         candidate = _evaluate(space, *o, budget)
         if candidate is None:
             continue
@@ -251,6 +253,16 @@ def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Cand
         if best is None or _rank(space, candidate) < _rank(space, best):
             best = candidate
     return best, fitting
+
+
+def _report_milp(space: SearchSpace, option: tuple[str, int, int, int], budget: int, done: int | None,
+                 total: int | None, what: str = "") -> None:
+    """Tell the progress listener a checkpoint MILP is about to be solved for ``option`` (issue 56: a MILP can take
+    minutes on a large model, and the search solves several); nothing when its result is cached."""
+    if budget in space.evaluated.get(option, {}):
+        return
+    precision, b, k, _ = option
+    progress.report(f"checkpoint MILP for the {what}micro-batch {b} x {k} ({precision})", done, total)
 
 
 def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> bool:
@@ -359,6 +371,8 @@ def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
         b = space.batch_size
         while True:
             window = _window(space.batch_size, b, space.min_rows)
+            if window is not None:
+                _report_milp(space, (precision, *window), budget, None, None, what="alternative ")
             candidate = _evaluate(space, precision, *window, budget) if window is not None else None
             if candidate is not None:
                 out.append(candidate)
@@ -373,25 +387,29 @@ def smallest_peaks(space: SearchSpace) -> list[Candidate]:
     (Micro-batch 1 is not always lowest: accumulation keeps gradients through every micro-batch, which can cost more
     than the activations it saves when parameters dominate.)"""
     found = []
-    for precision in space.precisions:
+    options = [(precision, *o) for precision in space.precisions
+               for o in batch_options(space.batch_size, space.min_rows)]
+    for i, (precision, b, k, last) in enumerate(options):
         time = space.time[precision]
-        for b, k, last in batch_options(space.batch_size, space.min_rows):
-            memory = _memory(space, precision, k)
-            names: tuple[str, ...] = space.fixed_checkpoint or ()
-            if space.allow_checkpoint and space.fixed_checkpoint is None:
-                # the set that lowers forward and backward most: it also lowers the whole step's peak most (the
-                # optimizer stage is the same for all), and where that stage dominates it still lowers what a GPU
-                # keeps reserved (MemoryModel.window_problem)
-                chosen = most_freeing_checkpoint(memory.window_problem(b, k, selective=False))
-                names = tuple(memory.units[i].name for i in chosen)
-            selective = space.fixed_selective if space.fixed_checkpoint is not None else ()
-            peak = memory.to_device(memory.peak(b, k, names, selective))
-            offload: tuple[str, ...] = ()
-            if space.allow_offload and space.fixed_checkpoint is None:
-                names, offload = time.keep_recompute_or_offload(names, b)
-            seconds = time.step_time(precision, b, k, names, last, offload, selective).total
-            found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
-                                   offload_states=space.offload_states, selective=selective))
+        # one option at a time, counted for the progress line (issue 56: minutes on a 405B model)
+        progress.report(f"the smallest budget: the most freeing checkpoint set for micro-batch {b} x {k} "
+                        f"({precision})", i, len(options))
+        memory = _memory(space, precision, k)
+        names: tuple[str, ...] = space.fixed_checkpoint or ()
+        if space.allow_checkpoint and space.fixed_checkpoint is None:
+            # the set that lowers forward and backward most: it also lowers the whole step's peak most (the
+            # optimizer stage is the same for all), and where that stage dominates it still lowers what a GPU
+            # keeps reserved (MemoryModel.window_problem)
+            chosen = most_freeing_checkpoint(memory.window_problem(b, k, selective=False))
+            names = tuple(memory.units[u].name for u in chosen)
+        selective = space.fixed_selective if space.fixed_checkpoint is not None else ()
+        peak = memory.to_device(memory.peak(b, k, names, selective))
+        offload: tuple[str, ...] = ()
+        if space.allow_offload and space.fixed_checkpoint is None:
+            names, offload = time.keep_recompute_or_offload(names, b)
+        seconds = time.step_time(precision, b, k, names, last, offload, selective).total
+        found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
+                               offload_states=space.offload_states, selective=selective))
     return sorted(found, key=lambda c: c.peak_bytes)
 
 

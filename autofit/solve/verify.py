@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from autofit.core import progress
 from autofit.core.errors import HostMemoryError, InfeasibleBudgetError
 from autofit.core.report import MemoryEstimate
 from autofit.solve.host import host_budget_words
@@ -64,12 +65,15 @@ def search_verified(space: SearchSpace, budget: int, verify: Verify, beat: float
         if floor >= beat:
             return Slower(floor, modelled_fit=fits_somewhere(space, budget))
     correction = 0
-    for _ in range(MAX_VERIFICATIONS):
+    for attempt in range(MAX_VERIFICATIONS):
         best, fitting = search(space, budget - correction)
         if best is None:
             return None
         if beat is not None and best.seconds >= beat:  # a verified plan's time is its candidate's modelled time
             return Slower(best.seconds, modelled_fit=True)
+        progress.report(f"verifying the fastest configuration the models fit: micro-batch {best.micro_batch_size} "
+                        f"x {best.accumulation_steps} ({best.precision}), one full simulation",
+                        *((attempt, MAX_VERIFICATIONS) if attempt else ()))  # a second try is counted
         est = verify(best)
         fitted = est.within(budget)
         if fitted is not None:
