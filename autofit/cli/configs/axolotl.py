@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autofit.core.errors import InvalidInputError
-from autofit.cli.configs.hf_args import EIGHT_BIT_NAME, optimizer_of, sharding_of
+from autofit.cli.configs.hf_args import optimizer_of, sharding_of, step_changes
 from autofit.cli.configs.models import model_ref
 from autofit.cli.configs.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
 
@@ -136,18 +136,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
 
 
 def changes(config: TrainConfig, knobs) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if knobs.micro_batch_size != config.micro_batch_size:
-        out["micro_batch_size"] = knobs.micro_batch_size
-    if knobs.accumulation_steps != config.accumulation_steps:
-        out["gradient_accumulation_steps"] = knobs.accumulation_steps
-    if knobs.precision != config.precision:
-        out["bf16"] = knobs.precision == "bf16"
-        out["fp16"] = knobs.precision == "fp16"
-    if knobs.checkpointing != (config.checkpointing != "none"):
-        out["gradient_checkpointing"] = knobs.checkpointing
-    if knobs.eight_bit_optimizer and config.optimizer_bits != 8:
-        out["optimizer"] = EIGHT_BIT_NAME
+    out = step_changes(config, knobs, batch_key="micro_batch_size", optimizer_key="optimizer")
     s = config.sharding
     if knobs.fsdp is not None and s is not None and not s.deepspeed:
         prefixed = any(r.key.startswith("fsdp_config.fsdp_") for r in config.readings)

@@ -29,7 +29,7 @@ from autofit.cli.configs.models import model_ref
 from autofit.cli.configs.value import Adapter, Fields, Sharding, TrainConfig, as_bool, as_int, build
 
 __all__ = ["read", "looks_like", "read_trainer_keys", "optimizer_of", "sharding_of", "dtype_name", "TRL_KEYS",
-           "IRRELEVANT", "changes", "trainer_changes", "EIGHT_BIT_NAME"]
+           "IRRELEVANT", "changes", "step_changes", "trainer_changes", "EIGHT_BIT_NAME"]
 
 TRL_KEYS = ("max_length", "max_seq_length", "packing", "use_peft", "dataset_text_field", "completion_only_loss",
             "assistant_only_loss", "model_init_kwargs", "padding_free", "lora_r")
@@ -199,12 +199,14 @@ def changes(config: TrainConfig, knobs) -> dict[str, Any]:
     return trainer_changes(config, knobs)
 
 
-def trainer_changes(config: TrainConfig, knobs, *, checkpoint_key: str = "gradient_checkpointing",
-                    checkpoint_inverted: bool = False) -> dict[str, Any]:
-    """TrainingArguments' spelling of the plan's knobs, only where they differ from what was read."""
+def step_changes(config: TrainConfig, knobs, *, batch_key: str, optimizer_key: str,
+                 checkpoint_key: str = "gradient_checkpointing", checkpoint_inverted: bool = False) -> dict[str, Any]:
+    """The keys of the knobs TrainingArguments and the configs built on it (axolotl, LLaMA-Factory) share, each
+    under its framework's name: rows per device, accumulation, the bf16 / fp16 flags, the checkpointing switch and
+    the 8-bit optimizer; only where the plan differs from what was read."""
     out: dict[str, Any] = {}
     if knobs.micro_batch_size != config.micro_batch_size:
-        out["per_device_train_batch_size"] = knobs.micro_batch_size
+        out[batch_key] = knobs.micro_batch_size
     if knobs.accumulation_steps != config.accumulation_steps:
         out["gradient_accumulation_steps"] = knobs.accumulation_steps
     if knobs.precision != config.precision:
@@ -213,7 +215,15 @@ def trainer_changes(config: TrainConfig, knobs, *, checkpoint_key: str = "gradie
     if knobs.checkpointing != (config.checkpointing != "none"):
         out[checkpoint_key] = (not knobs.checkpointing) if checkpoint_inverted else knobs.checkpointing
     if knobs.eight_bit_optimizer and config.optimizer_bits != 8:
-        out["optim"] = EIGHT_BIT_NAME
+        out[optimizer_key] = EIGHT_BIT_NAME
+    return out
+
+
+def trainer_changes(config: TrainConfig, knobs, *, checkpoint_key: str = "gradient_checkpointing",
+                    checkpoint_inverted: bool = False) -> dict[str, Any]:
+    """TrainingArguments' spelling of the plan's knobs, only where they differ from what was read."""
+    out = step_changes(config, knobs, batch_key="per_device_train_batch_size", optimizer_key="optim",
+                       checkpoint_key=checkpoint_key, checkpoint_inverted=checkpoint_inverted)
     if knobs.fsdp is not None and config.sharding is not None and not config.sharding.deepspeed:
         words = ["full_shard" if knobs.fsdp.reshard_after_forward else "shard_grad_op", "auto_wrap"]
         if knobs.fsdp.offload:
