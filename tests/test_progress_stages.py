@@ -24,7 +24,7 @@ def test_a_piped_plan_prints_its_stages_with_how_far_they_are():
     # 256 MiB margin the planner keeps free) and the smallest configuration fits (794 MiB by `--budget 600000000`),
     # so the planner races its layouts, climbs, solves checkpoint MILPs and verifies
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "autofit", "plan", *TINY_GPT2, "--budget", "860000000"],
+    run = subprocess.run([sys.executable, "-m", "autofit", "plan", *TINY_GPT2, "--budget", "860000000B"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [m.group(1) for m in re.finditer(r"^\s*[\d.]+ s  (.*)$", run.stderr, re.M)]

@@ -13,6 +13,7 @@ check the patch still takes effect (:meth:`Patch.require_hit`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import importlib
 import os
@@ -267,6 +268,7 @@ def _allocation_events(prof: torch.profiler.profile, thread_of: str | None,
     events: list[tuple[int, int, int, int]] = []
     marks: set[int] = set()
     spans: list[tuple[int, int]] = []
+    waits: list[tuple[int, int]] = []  # (thread id, end) of each collective wait
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -277,9 +279,41 @@ def _allocation_events(prof: torch.profiler.profile, thread_of: str | None,
             marks.add(node.start_tid)
         elif span is not None and node.name == span:
             spans.append((node.start_time_ns, node.end_time_ns))
+        elif thread_of is not None and node.name.endswith("wait_tensor"):
+            waits.append((node.start_tid, node.end_time_ns))
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
+    if thread_of is not None:
+        events = _freed_at_completion(events, marks, sorted(end for tid, end in waits if tid in marks))
     return events, marks, sorted(spans)
+
+
+def _freed_at_completion(events: list[tuple[int, int, int, int]], marks: set[int],
+                         waits: list[int]) -> list[tuple[int, int, int, int]]:
+    """The events with each free that another thread made of a marked thread's allocation moved back to the end of
+    the marked thread's last collective wait before it (and after the allocation). gloo's worker signals a
+    collective complete, then drops the work and the rank's tensors it holds: on a loaded machine the rank's thread
+    has allocated its next tensors by then, and the free landing after them counted a tensor the step no longer
+    held (a CI run measured a tensor-parallel rank 32,768 B high in each of three windows: Note [gloo's threads in
+    the measured window], measure/ranks.py). The wait's end is when the step let go of it, as NCCL's job does."""
+    if not waits:
+        return events
+    allocated_by_mark: dict[int, int] = {}  # address -> time a marked thread allocated it
+    moved = []
+    for time, size, tid, ptr in events:
+        if size > 0:
+            if tid in marks:
+                allocated_by_mark[ptr] = time
+            else:
+                allocated_by_mark.pop(ptr, None)
+        elif tid not in marks and ptr in allocated_by_mark:
+            i = bisect.bisect_left(waits, time) - 1
+            if i >= 0 and waits[i] > allocated_by_mark[ptr]:
+                time = waits[i]
+            del allocated_by_mark[ptr]
+        moved.append((time, size, tid, ptr))
+    moved.sort(key=lambda e: e[0])  # stable: a free moved to a wait's end stays after what came before it there
+    return moved
 
 
 def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
