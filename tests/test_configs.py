@@ -322,7 +322,7 @@ def test_adapter_configs_need_hf_model(monkeypatch):
         model_spec(config)
     # axolotl's lora_target_linear: every linear layer (hf_model's "all-linear"); bf16: the weights loaded in bf16
     assert seen == {"name": "meta-llama/Meta-Llama-3-8B", "dtype": "bf16", "task": "causal-lm", "lora": 32,
-                    "lora_targets": "all-linear", "lora_alpha": 16.0, "qlora": True}
+                    "lora_targets": "all-linear", "lora_alpha": 16.0, "qlora": True, "load_in_8bit": False}
     seen.clear()
     with pytest.raises(RuntimeError, match="stop"):
         model_spec(read_config(HERE / "torchtune_qlora_8b.yaml"))
