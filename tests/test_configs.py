@@ -362,3 +362,49 @@ def test_check_keeps_the_configs_offload(tmp_path):
     kept = autofit.estimate(spec.model, spec.sample, **knobs)
     assert (check.estimate.device_bytes, check.estimate.host_bytes) == (by_hand.device_bytes, by_hand.host_bytes)
     assert by_hand.host_bytes > 0 and by_hand.device_bytes < kept.device_bytes
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("axolotl_qlora_8b.yml", {"adapter": "lora", "load_in_4bit": False, "load_in_8bit": True}),
+    ("llamafactory_qlora_8b.yaml", {"quantization_bit": 8}),
+    ("trl_qlora_8b.yaml", {"load_in_4bit": False, "load_in_8bit": True}),
+])
+def test_an_8bit_base_reaches_hf_model(tmp_path, monkeypatch, name, changes):
+    """load_in_8bit (axolotl, TRL) and quantization_bit: 8 (LLaMA-Factory) build LoRA over an int8 base, not a
+    16-bit one: hf_model gets load_in_8bit=True (and not qlora)."""
+    import autofit
+    from autofit.cli.configs.run import model_spec
+
+    path = tmp_path / name
+    path.write_text(render(HERE / name, changes))
+    config = read_config(path)
+    assert config.adapter.quantized_bits == 8
+    seen = {}
+
+    def fake(name, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(autofit, "hf_model", fake, raising=False)
+    with pytest.raises(RuntimeError, match="stop"):
+        model_spec(config)
+    assert (seen["load_in_8bit"], seen["qlora"]) == (True, False)
+
+
+@pytest.mark.parametrize("name, changes, key", [
+    ("llamafactory_qlora_8b.yaml", {"quantization_method": "hqq"}, "quantization_method"),
+    ("llamafactory_qlora_8b.yaml", {"double_quantization": False}, "double_quantization"),
+    ("axolotl_full.yml", {"load_in_8bit": True}, "load_in_8bit"),
+])
+def test_quantization_keys_not_built_are_named(tmp_path, name, changes, key):
+    path = tmp_path / name
+    path.write_text(render(HERE / name, changes))
+    c = read_config(path)
+    assert key in {k for k, _ in c.unmodelled} and c.unknown == ()
+
+
+def test_llamafactory_quantization_bit_autofit_cannot_build_is_refused(tmp_path):
+    path = tmp_path / "q.yaml"
+    path.write_text(render(HERE / "llamafactory_qlora_8b.yaml", {"quantization_bit": 2}))
+    with pytest.raises(InvalidInputError, match="quantization_bit 2.*4 or 8"):
+        read_config(path)
