@@ -238,3 +238,26 @@ def test_int8_needs_a_rank_and_is_not_4bit_too():
         autofit.hf_model(QWEN05, load_in_8bit=True)
     with pytest.raises(autofit.InvalidInputError, match="4-bit .* or 8-bit"):
         autofit.hf_model(QWEN05, lora=8, qlora=True, load_in_8bit=True)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("flags, words", [
+    (["--lora", "8", "--dtype", "fp32"], "fp32, as --dtype says"),
+    (["--lora", "8", "--qlora"], "QLoRA r=8"),
+])
+def test_cli_verify_takes_the_adapter_and_dtype_flags(tmp_path, flags, words):
+    """``autofit verify`` builds the model ``plan`` builds from the same flags, gives it real weights (the 4-bit
+    ones quantized by bitsandbytes on the CPU) and runs it: the measured peak (the CPU allocator) is within 1 % of
+    the plan's."""
+    if "--qlora" in flags:
+        pytest.importorskip("bitsandbytes")
+    (tmp_path / "config.json").write_text(json.dumps({**_TINY, "dtype": "bfloat16"}))
+    result = runner.invoke(app, ["verify", f"hf:{tmp_path}", "--budget", "200MB", "-n", "4", "--input-shape", "32",
+                                 "--steps", "1", *flags])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert words in text and "LoRA r=8" in text
+    rows = {line.split("│")[1].strip(): line.split("│")[3].strip() for line in result.output.splitlines()
+            if line.count("│") >= 4}
+    predicted, measured = (int(rows[k].replace(",", "")) for k in ("predicted peak", "measured peak"))
+    assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)
