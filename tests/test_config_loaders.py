@@ -162,3 +162,78 @@ def test_planned_config_loads_with_the_frameworks_loader(tmp_path, name):
         assert job.training.local_batch_size == micro
         assert job.training.global_batch_size == micro * steps == 32  # the fixture's global batch
         assert (job.activation_checkpoint.mode != "none") is recomputes
+
+
+# ---- a one-GPU plan with its states on the host: the exports as the frameworks read them ----------------------------
+@pytest.fixture(scope="module")
+def one_gpu_offload_plan():
+    """A plan for one T4 that fits only with the parameters, gradients and optimizer state on the host (as in
+    tests/test_offload.py): FSDP2 on one process with CPUOffloadPolicy."""
+    import torch
+    from torch import nn
+
+    import autofit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 10))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+    kw = dict(target=y, precision="fp32")
+    budgets = []
+    for offload in (False, "auto"):
+        with pytest.raises(autofit.InfeasibleBudgetError) as info:
+            autofit.plan(model, x, 1, device="T4", savers=autofit.Savers(checkpoint="auto", offload=offload), **kw)
+        budgets.append(info.value.min_budget_bytes)
+    plan = autofit.plan(model, x, sum(budgets) // 2, device=autofit.Device(gpu="T4", host_budget="1GB"),
+                        savers=autofit.Savers(checkpoint="auto"), **kw)
+    assert plan.offload_states and plan.world_size == 1 and plan.strategy == "fsdp2"
+    return plan
+
+
+def _split(plan):
+    return plan.even_split or (plan.micro_batch_size, plan.gradient_accumulation_steps)
+
+
+@pytest.mark.sim
+def test_one_gpu_offload_plan_exports_deepspeed_zero3_offload_for_one_gpu(one_gpu_offload_plan):
+    """DeepSpeed's one-GPU form of states on the host: ZeRO-3 with parameters and optimizer offloaded to the CPU,
+    a batch for one rank. DeepSpeedConfig (what deepspeed.initialize validates with; world size 1 without a process
+    group) reads it."""
+    config_module = pytest.importorskip("deepspeed.runtime.config")
+    from autofit.emit.export import to_deepspeed_config
+
+    plan = one_gpu_offload_plan
+    exported = {k: v for k, v in to_deepspeed_config(plan).items() if not k.startswith("autofit_")}
+    ds = config_module.DeepSpeedConfig(exported)
+    micro, steps = _split(plan)
+    assert ds.world_size == 1
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (
+        plan.batch_size, micro, steps)
+    assert ds.zero_optimization_stage == 3
+    assert (ds.zero_config.offload_param.device, ds.zero_config.offload_optimizer.device) == ("cpu", "cpu")
+
+
+@pytest.mark.sim
+def test_one_gpu_offload_plan_exports_one_process_fsdp_accelerate_reads(one_gpu_offload_plan, tmp_path, monkeypatch):
+    """Accelerate's config file for one process, FSDP2 with its parameters offloaded (``accelerate launch`` starts
+    FSDP under torchrun for one process too: commands/launch.py, use_fsdp -> multi_gpu_launcher), read back by
+    Accelerate's own loader and FSDP plugin."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from autofit.emit.export import export_file, to_hf_training_arguments
+
+    text, _ = export_file(one_gpu_offload_plan, "accelerate")
+    (tmp_path / "accelerate.yaml").write_text(text)
+    config = load_config_from_file(str(tmp_path / "accelerate.yaml"))
+    assert (config.num_processes, config.num_machines, config.distributed_type.value) == (1, 1, "FSDP")
+    assert config.fsdp_config["fsdp_offload_params"] is True
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    plugin = FullyShardedDataParallelPlugin()
+    assert type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"  # FSDP2's: parameters, gradients, optimizer
+    hf = to_hf_training_arguments(one_gpu_offload_plan)
+    assert hf["training_arguments"]["fsdp_config"]["cpu_offload"] is True
+    assert any("--nproc_per_node 1" in n for n in hf["autofit_notes"])  # plain python would run without FSDP
