@@ -408,3 +408,26 @@ def test_llamafactory_quantization_bit_autofit_cannot_build_is_refused(tmp_path)
     path.write_text(render(HERE / "llamafactory_qlora_8b.yaml", {"quantization_bit": 2}))
     with pytest.raises(InvalidInputError, match="quantization_bit 2.*4 or 8"):
         read_config(path)
+
+
+@pytest.mark.sim
+def test_an_8bit_lora_config_builds_int8_weights_hand_count(tmp_path):
+    """axolotl's adapter: lora with load_in_8bit, its model swapped for tests/configs/tiny-llama: the config's model
+    holds one int8 byte a base weight and one fp32 scale a row (bitsandbytes' Int8Params CB and SCB), the rest fp32
+    (peft's prepare_model_for_kbit_training), and rank-32 adapters on every linear layer but the output."""
+    import autofit
+    from autofit.cli.configs.run import model_spec
+
+    path = tmp_path / "a.yml"
+    path.write_text(render(HERE / "axolotl_qlora_8b.yml", {"base_model": str(TINY), "sequence_len": 64,
+                                                           "adapter": "lora", "load_in_4bit": False,
+                                                           "load_in_8bit": True}))
+    spec = model_spec(read_config(path))
+    # tests/configs/tiny-llama: width 128, MLP 256, 2 layers, 2 KV heads of 32 (k / v: 128 -> 64), vocab 8192
+    shapes = [(128, 128), (128, 64), (128, 64), (128, 128), (128, 256), (128, 256), (256, 128)]  # (in, out)
+    int8 = 2 * sum(i * o + 4 * o for i, o in shapes)
+    lora = 2 * sum(32 * (i + o) for i, o in shapes)
+    others = 2 * 8192 * 128 + 5 * 128  # embedding, output layer (untied), 5 RMSNorms
+    est = autofit.estimate(spec.model, spec.sample, micro_batch_size=1, optimizer="sgd")
+    assert est.breakdown["parameters"] == int8 + 4 * (lora + others)
+    assert "over an int8 base" in spec.description
