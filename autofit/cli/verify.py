@@ -78,9 +78,10 @@ def materialise(model: nn.Module, device: torch.device) -> nn.Module:
         first_module, first_name = users[0]
         for module, name in users[1:]:
             setattr(module, name, getattr(first_module, first_name))
+    replaced = {id(getattr(parent, name)) for parent, name, _ in quantized}
     for module in model.modules():
         reset = getattr(module, "reset_parameters", None)
-        if callable(reset) and not _is_bitsandbytes(module):
+        if callable(reset) and id(module) not in replaced:  # a quantized weight has no uniform_ of its own
             reset()
     for parent, name, layer in quantized:
         setattr(parent, name, _quantized_on(layer, device))
