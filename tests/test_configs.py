@@ -322,7 +322,7 @@ def test_adapter_configs_need_hf_model(monkeypatch):
         model_spec(config)
     # axolotl's lora_target_linear: every linear layer (hf_model's "all-linear"); bf16: the weights loaded in bf16
     assert seen == {"name": "meta-llama/Meta-Llama-3-8B", "dtype": "bf16", "task": "causal-lm", "lora": 32,
-                    "lora_targets": "all-linear", "lora_alpha": 16.0, "qlora": True}
+                    "lora_targets": "all-linear", "lora_alpha": 16.0, "qlora": True, "load_in_8bit": False}
     seen.clear()
     with pytest.raises(RuntimeError, match="stop"):
         model_spec(read_config(HERE / "torchtune_qlora_8b.yaml"))
@@ -362,3 +362,72 @@ def test_check_keeps_the_configs_offload(tmp_path):
     kept = autofit.estimate(spec.model, spec.sample, **knobs)
     assert (check.estimate.device_bytes, check.estimate.host_bytes) == (by_hand.device_bytes, by_hand.host_bytes)
     assert by_hand.host_bytes > 0 and by_hand.device_bytes < kept.device_bytes
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("axolotl_qlora_8b.yml", {"adapter": "lora", "load_in_4bit": False, "load_in_8bit": True}),
+    ("llamafactory_qlora_8b.yaml", {"quantization_bit": 8}),
+    ("trl_qlora_8b.yaml", {"load_in_4bit": False, "load_in_8bit": True}),
+])
+def test_an_8bit_base_reaches_hf_model(tmp_path, monkeypatch, name, changes):
+    """load_in_8bit (axolotl, TRL) and quantization_bit: 8 (LLaMA-Factory) build LoRA over an int8 base, not a
+    16-bit one: hf_model gets load_in_8bit=True (and not qlora)."""
+    import autofit
+    from autofit.cli.configs.run import model_spec
+
+    path = tmp_path / name
+    path.write_text(render(HERE / name, changes))
+    config = read_config(path)
+    assert config.adapter.quantized_bits == 8
+    seen = {}
+
+    def fake(name, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(autofit, "hf_model", fake, raising=False)
+    with pytest.raises(RuntimeError, match="stop"):
+        model_spec(config)
+    assert (seen["load_in_8bit"], seen["qlora"]) == (True, False)
+
+
+@pytest.mark.parametrize("name, changes, key", [
+    ("llamafactory_qlora_8b.yaml", {"quantization_method": "hqq"}, "quantization_method"),
+    ("llamafactory_qlora_8b.yaml", {"double_quantization": False}, "double_quantization"),
+    ("axolotl_full.yml", {"load_in_8bit": True}, "load_in_8bit"),
+])
+def test_quantization_keys_not_built_are_named(tmp_path, name, changes, key):
+    path = tmp_path / name
+    path.write_text(render(HERE / name, changes))
+    c = read_config(path)
+    assert key in {k for k, _ in c.unmodelled} and c.unknown == ()
+
+
+def test_llamafactory_quantization_bit_autofit_cannot_build_is_refused(tmp_path):
+    path = tmp_path / "q.yaml"
+    path.write_text(render(HERE / "llamafactory_qlora_8b.yaml", {"quantization_bit": 2}))
+    with pytest.raises(InvalidInputError, match="quantization_bit 2.*4 or 8"):
+        read_config(path)
+
+
+@pytest.mark.sim
+def test_an_8bit_lora_config_builds_int8_weights_hand_count(tmp_path):
+    """axolotl's adapter: lora with load_in_8bit, its model swapped for tests/configs/tiny-llama: the config's model
+    holds one int8 byte a base weight and one fp32 scale a row (bitsandbytes' Int8Params CB and SCB), the rest fp32
+    (peft's prepare_model_for_kbit_training), and rank-32 adapters on every linear layer but the output."""
+    import autofit
+    from autofit.cli.configs.run import model_spec
+
+    path = tmp_path / "a.yml"
+    path.write_text(render(HERE / "axolotl_qlora_8b.yml", {"base_model": str(TINY), "sequence_len": 64,
+                                                           "adapter": "lora", "load_in_4bit": False,
+                                                           "load_in_8bit": True}))
+    spec = model_spec(read_config(path))
+    # tests/configs/tiny-llama: width 128, MLP 256, 2 layers, 2 KV heads of 32 (k / v: 128 -> 64), vocab 8192
+    shapes = [(128, 128), (128, 64), (128, 64), (128, 128), (128, 256), (128, 256), (256, 128)]  # (in, out)
+    int8 = 2 * sum(i * o + 4 * o for i, o in shapes)
+    lora = 2 * sum(32 * (i + o) for i, o in shapes)
+    others = 2 * 8192 * 128 + 5 * 128  # embedding, output layer (untied), 5 RMSNorms
+    est = autofit.estimate(spec.model, spec.sample, micro_batch_size=1, optimizer="sgd")
+    assert est.breakdown["parameters"] == int8 + 4 * (lora + others)
+    assert "over an int8 base" in spec.description

@@ -166,3 +166,98 @@ def test_lora_on_a_factory_is_refused():
     result = runner.invoke(app, ["estimate", "examples/factories.py:mlp", "-m", "1", "--input-shape", "128",
                                  "--device", "cpu", "--lora", "8"])
     assert result.exit_code == 2 and "--lora applies to hf:" in " ".join(result.output.split())
+
+
+# ---- LoRA over an int8 base (load_in_8bit; Note [8-bit LoRA on meta]) -------------------------------------------
+def _int8_bytes(i: int, o: int) -> int:
+    """One Linear8bitLt weight of o rows x i columns: CB, 1 int8 byte a weight, and SCB, one fp32 absmax a row
+    (bitsandbytes/_ops.py, the fake kernel of int8_vectorwise_quant: ``out_row`` int8 of A's shape, ``row_stats``
+    fp32 of A.numel() // A.shape[-1]; Int8Params._quantize, bitsandbytes/nn/modules.py, keeps both)."""
+    return i * o + 4 * o
+
+
+@pytest.mark.sim
+def test_int8_lora_parameter_bytes_hand_count():
+    pytest.importorskip("bitsandbytes")
+    model = autofit.hf_model(QWEN05, lora=16, load_in_8bit=True)
+    eight_bit = [m for m in model.modules() if type(m).__module__.startswith("bitsandbytes")]
+    assert len(eight_bit) == 7 * _LAYERS  # every linear layer but the (tied) output
+    quantized = _LAYERS * sum(_int8_bytes(i, o) for i, o in _SHAPES.values())
+    # everything else fp32, as peft's prepare_model_for_kbit_training casts it: q/k/v biases, the (tied) embedding,
+    # the RMSNorms; the adapters fp32 too
+    biases = _LAYERS * (_WIDE + 2 * _KV)
+    others = 151936 * _WIDE + _LAYERS * 2 * _WIDE + _WIDE
+    lora = _lora_params(16, ("q_proj", "v_proj"))
+    assert _trainable(model) == lora
+    est = autofit.estimate(model, _tokens(151936, 1, 8), micro_batch_size=1, optimizer="sgd")
+    assert est.breakdown["parameters"] == quantized + 4 * (biases + others + lora)
+
+
+def _real_int8_lora(rank: int) -> nn.Module:
+    """The tiny model with real weights in fp16, its linear layers quantized by bitsandbytes on the CPU as
+    transformers' BitsAndBytesConfig(load_in_8bit=True) does (Int8Params(has_fp16_weights=False), quantized by
+    ``.to``), then peft's prepare_model_for_kbit_training and get_peft_model with peft's default targets."""
+    bnb = pytest.importorskip("bitsandbytes")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in _TINY.items() if k != "model_type"})
+    model = transformers.LlamaForCausalLM(config).to(torch.float16)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                            has_fp16_weights=False, threshold=6.0)
+                layer.weight = bnb.nn.Int8Params(child.weight.data.clone(), requires_grad=False,
+                                                 has_fp16_weights=False)
+                setattr(module, name, layer.to("cpu"))  # .to quantizes
+    assert isinstance(model.model.layers[0].self_attn.q_proj.weight.SCB, torch.Tensor)  # quantized for real
+    model.is_loaded_in_8bit = True
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("rows, length", [(4, 64), (1, 16)])
+def test_int8_lora_on_meta_estimate_matches_measure_of_the_real_model(tmp_path, rows, length):
+    pytest.importorskip("bitsandbytes")
+    (tmp_path / "config.json").write_text(json.dumps({**_TINY, "dtype": "float16"}))
+    on_meta = autofit.hf_model(str(tmp_path), lora=8, load_in_8bit=True)
+    real = _real_int8_lora(8)
+    assert _trainable(on_meta) == _trainable(real)
+    assert [(n, p.dtype, p.shape) for n, p in on_meta.named_parameters()] == [
+        (n, p.dtype, p.shape) for n, p in real.named_parameters()]
+    sample = _tokens(128, rows, length)
+    est = autofit.estimate(on_meta, sample, micro_batch_size=rows)
+    meas = autofit.measure(real, sample, micro_batch_size=rows)
+    error = est.peak_bytes / meas.peak_bytes - 1
+    assert abs(error) <= 0.005, (est.peak_bytes, meas.peak_bytes, f"{100 * error:+.3f} %", dict(est.breakdown))
+
+
+def test_int8_needs_a_rank_and_is_not_4bit_too():
+    with pytest.raises(autofit.InvalidInputError, match="8-bit base .* needs a LoRA rank"):
+        autofit.hf_model(QWEN05, load_in_8bit=True)
+    with pytest.raises(autofit.InvalidInputError, match="4-bit .* or 8-bit"):
+        autofit.hf_model(QWEN05, lora=8, qlora=True, load_in_8bit=True)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("flags, words", [
+    (["--lora", "8", "--dtype", "fp32"], "fp32, as --dtype says"),
+    (["--lora", "8", "--qlora"], "QLoRA r=8"),
+])
+def test_cli_verify_takes_the_adapter_and_dtype_flags(tmp_path, flags, words):
+    """``autofit verify`` builds the model ``plan`` builds from the same flags, gives it real weights (the 4-bit
+    ones quantized by bitsandbytes on the CPU) and runs it: the measured peak (the CPU allocator) is within 1 % of
+    the plan's."""
+    if "--qlora" in flags:
+        pytest.importorskip("bitsandbytes")
+    (tmp_path / "config.json").write_text(json.dumps({**_TINY, "dtype": "bfloat16"}))
+    result = runner.invoke(app, ["verify", f"hf:{tmp_path}", "--budget", "200MB", "-n", "4", "--input-shape", "32",
+                                 "--steps", "1", *flags])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert words in text and "LoRA r=8" in text
+    rows = {line.split("│")[1].strip(): line.split("│")[3].strip() for line in result.output.splitlines()
+            if line.count("│") >= 4}
+    predicted, measured = (int(rows[k].replace(",", "")) for k in ("predicted peak", "measured peak"))
+    assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)

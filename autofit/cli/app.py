@@ -321,6 +321,8 @@ def verify(
     input_dtype: DtypeOpt = None, precision: PrecisionOpt = "auto", optimizer: OptimizerOpt = "adamw",
     config: ConfigOpt = None, task: TaskOpt = None, margin: MarginOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="real steps to run")] = 3, quiet: QuietOpt = False,
+    model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
+    qlora: QloraOpt = False,
 ) -> None:
     """Plan for this machine's device, run the plan for a few real steps, print predicted vs measured peak. Exits 4
     when the measured peak exceeds the budget."""
@@ -335,7 +337,8 @@ def verify(
     try:
         check_sizes(budget=budget, margin=margin)
         with one_line_warnings(console):
-            spec = _spec(model, input_shape, input_dtype, config, task)
+            spec = _spec(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
+                         lora_targets=lora_targets, qlora=qlora)
             with planning_progress(console, f"planning for {device}", quiet=quiet):
                 result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
                                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision,

@@ -277,7 +277,7 @@ def build_model(name: str, overrides: dict[str, Any], *, task: str | None, shape
 
 def hf_model(name: str, *, dtype: str | torch.dtype = "auto", task: str | None = "causal-lm", lora: int | None = None,
              lora_targets: str | list[str] | tuple[str, ...] | None = None, lora_alpha: float | None = None,
-             qlora: bool = False) -> torch.nn.Module:
+             qlora: bool = False, load_in_8bit: bool = False) -> torch.nn.Module:
     """The Hugging Face model ``name`` on the meta device, as ``hf:NAME`` builds it: nothing is downloaded but a
     config, and the common checkpoints need not even that (the offline table, ``autofit models``).
 
@@ -287,7 +287,9 @@ def hf_model(name: str, *, dtype: str | torch.dtype = "auto", task: str | None =
     checkpoint's own). ``lora``: a LoRA rank, applied with peft on ``lora_targets`` (module names, or "all-linear";
     None: peft's default for the architecture, or all-linear where peft has none) with ``lora_alpha`` (None: peft's
     default). ``qlora``: the base's linear layers in bitsandbytes' 4-bit NF4 under the adapters (needs ``lora``;
-    Note [QLoRA on meta] in autofit/cli/adapters.py).
+    Note [QLoRA on meta] in autofit/cli/adapters.py). ``load_in_8bit``: the base's linear layers in bitsandbytes'
+    int8 (LLM.int8(), transformers' ``BitsAndBytesConfig(load_in_8bit=True)``) under the adapters (needs ``lora``;
+    Note [8-bit LoRA on meta]).
 
     Plan it with a batch of token ids (and ``labels`` for the loss), e.g.
     ``ids = torch.randint(0, model.config.vocab_size, (2, 4096)); autofit.plan(model, {"input_ids": ids,
@@ -299,5 +301,5 @@ def hf_model(name: str, *, dtype: str | torch.dtype = "auto", task: str | None =
         lora_targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
     elif isinstance(lora_targets, list):
         lora_targets = tuple(lora_targets)
-    adapter = Adapter(rank=lora, targets=lora_targets, alpha=lora_alpha, qlora=qlora)
+    adapter = Adapter(rank=lora, targets=lora_targets, alpha=lora_alpha, qlora=qlora, int8=load_in_8bit)
     return build_model(name, {}, task=task, shape=None, rows=1, dtype=dtype, adapter=adapter).model

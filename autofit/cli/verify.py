@@ -15,6 +15,7 @@ from autofit.cli.specs import ModelSpec
 from autofit.measure.allocator import measure_callable
 from autofit.training.optim import OPTIMIZER_NAMES, as_optimizer_spec
 from autofit.emit.plan import Plan
+from autofit.core.errors import UnsupportedModelError
 from autofit.core.units import format_mib
 
 __all__ = ["Verification", "run_verification", "materialise"]
@@ -67,6 +68,7 @@ def materialise(model: nn.Module, device: torch.device) -> nn.Module:
     plan, made for the tied model, rightly did not: issue 30's "-23.6 %")."""
     if not has_meta_tensors(model):
         return model.to(device)
+    quantized = _quantized_layers(model)
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -76,11 +78,61 @@ def materialise(model: nn.Module, device: torch.device) -> nn.Module:
         first_module, first_name = users[0]
         for module, name in users[1:]:
             setattr(module, name, getattr(first_module, first_name))
+    replaced = {id(getattr(parent, name)) for parent, name, _ in quantized}
     for module in model.modules():
         reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
+        if callable(reset) and id(module) not in replaced:  # a quantized weight has no uniform_ of its own
             reset()
+    for parent, name, layer in quantized:
+        setattr(parent, name, _quantized_on(layer, device))
     return model
+
+
+def _is_bitsandbytes(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("bitsandbytes")
+
+
+def _quantized_layers(model: nn.Module) -> list[tuple[nn.Module, str, dict]]:
+    """(parent, name, how it was quantized) of each bitsandbytes layer built on meta (``--qlora``, an 8-bit base):
+    their weights are quantized from real ones on the device, as loading a checkpoint does, not allocated empty.
+    Read before ``to_empty``, which turns their weights into plain parameters."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if _is_bitsandbytes(child) and child.weight.device.type == "meta":
+                w = child.weight
+                how = dict(kind=type(child).__name__, shape=(child.in_features, child.out_features),
+                           bias=None if child.bias is None else child.bias.dtype,
+                           compute_dtype=getattr(child, "compute_dtype", None),
+                           threshold=getattr(getattr(child, "state", None), "threshold", 0.0),
+                           **{k: getattr(w, k, None) for k in ("blocksize", "compress_statistics", "quant_type",
+                                                               "quant_storage")})
+                found.append((parent, name, how))
+    return found
+
+
+def _quantized_on(how: dict, device: torch.device) -> nn.Module:
+    """A bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` as ``how`` describes, its weight quantized on ``device``
+    from a freshly initialised one (``.to(device)`` quantizes, as transformers' loading does)."""
+    import bitsandbytes as bnb
+
+    (i, o), bias = how["shape"], how["bias"] is not None
+    linear = nn.Linear(i, o, bias=False)
+    if how["kind"] == "Linear4bit":
+        quant = {k: how[k] for k in ("compress_statistics", "quant_type", "quant_storage")}
+        new = bnb.nn.Linear4bit(i, o, bias=bias, compute_dtype=how["compute_dtype"], **quant)
+        new.weight = bnb.nn.Params4bit(linear.weight.data.to(how["compute_dtype"]), requires_grad=False,
+                                       blocksize=how["blocksize"], **quant)
+    elif how["kind"] == "Linear8bitLt":
+        new = bnb.nn.Linear8bitLt(i, o, bias=bias, has_fp16_weights=False, threshold=how["threshold"])
+        new.weight = bnb.nn.Int8Params(linear.weight.data.to(torch.float16), requires_grad=False,
+                                       has_fp16_weights=False)
+    else:
+        raise UnsupportedModelError(f"verify builds real weights for bitsandbytes' Linear4bit and Linear8bitLt, not "
+                                    f"{how['kind']}: give a model with real weights")
+    if bias:
+        new.bias = nn.Parameter(torch.zeros(o, dtype=how["bias"]), requires_grad=False)
+    return new.to(device)
 
 
 def run_verification(spec: ModelSpec, plan: Plan, *, steps: int = 3) -> Verification:

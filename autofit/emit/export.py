@@ -162,6 +162,12 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
         args["fsdp"] = True
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": raf if isinstance(raf, bool) else True,
                                "cpu_offload": bool(plan.offload_states)}
+        if plan.world_size == 1:
+            # Accelerate applies FSDP only in a process group (state.py: FSDP is set for MULTI_GPU, which needs
+            # LOCAL_RANK): under plain `python` the Trainer runs without it, the states on the GPU
+            notes.append("FSDP on one GPU (the states on the host) needs a launcher: accelerate launch "
+                         "--num_processes 1 train.py or torchrun --nproc_per_node 1 train.py; under plain python the "
+                         "Trainer runs without FSDP and keeps the states on the GPU")
     if notes:
         out["autofit_notes"] = notes
     return out

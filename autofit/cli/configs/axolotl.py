@@ -97,6 +97,9 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
                           quantized_bits=4 if (kind == "qlora" or four) else 8 if eight else None)
     elif kind:
         fields.skipped.append(("adapter", f"{kind!r}: an adapter autofit does not build; planned as full"))
+    if adapter is None and (four or eight):  # bitsandbytes' weights train only under an adapter
+        fields.skipped.append(("load_in_4bit" if four else "load_in_8bit", "quantized weights without a LoRA "
+                                                                          "adapter; planned unquantized"))
     gc = fields.get("gradient_checkpointing", "recompute every decoder layer ('offload': to the host)", False)
     if gc in ("offload", "offload_disk"):
         fields.skipped.append(("gradient_checkpointing", f"{gc!r}: the checkpoints offloaded to the host; "

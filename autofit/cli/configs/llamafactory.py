@@ -36,9 +36,27 @@ __all__ = ["read", "looks_like", "changes", "FRAMEWORK"]
 FRAMEWORK = "llama-factory"
 _MARKERS = ("finetuning_type", "cutoff_len", "stage", "template", "lora_target", "quantization_bit")
 IRRELEVANT = ("flash_attn", "ddp_timeout", "overwrite_cache", "shift_attn", "rope_scaling", "infer_backend",
-              "adapter_name_or_path", "export_*", "media_dir", "image_*", "video_*", "val_size", "quantization_method",
-              "quantization_type", "double_quantization", "use_reentrant_gc", "max_grad_norm", "loraplus_*",
+              "adapter_name_or_path", "export_*", "media_dir", "image_*", "video_*", "val_size",
+              "quantization_type", "use_reentrant_gc", "max_grad_norm", "loraplus_*",
               "use_rslora", "neat_packing")
+
+
+def _bits(fields, bits: Any, path) -> int:
+    """``quantization_bit`` as autofit builds it: bitsandbytes' 4-bit NF4 or int8 base; another method (GPTQ, AWQ,
+    HQQ, EETQ, ...) is named, planned as bitsandbytes of the same width."""
+    method = str(fields.get("quantization_method", "the quantization library (bnb: bitsandbytes, the default)",
+                            "bnb"))
+    bits = as_int(bits, "quantization_bit")
+    if bits not in (4, 8):
+        raise InvalidInputError(f"{path or 'config'}: quantization_bit {bits}: autofit builds 4-bit (QLoRA, NF4) "
+                                "and 8-bit (int8) bitsandbytes bases; set quantization_bit: 4 or 8")
+    if method != "bnb":
+        fields.skipped.append(("quantization_method", f"{method!r}: planned as bitsandbytes' {bits}-bit base"))
+    fields.mark("double_quantization")
+    if bits == 4 and method == "bnb" and fields.raw("double_quantization", True) is False:
+        fields.skipped.append(("double_quantization", "false: an fp32 absmax per block of 64 (4.5 bits a "
+                                                      "weight); planned double-quantized (4.13 bits a weight)"))
+    return bits
 
 
 def looks_like(data: Mapping[str, Any]) -> bool:
@@ -68,7 +86,9 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
                   "disable_gradient_checkpointing")
     values["checkpointing"] = "none" if off else "full"
     pure = as_bool(fields.get("pure_bf16", "the model in bf16, no autocast", False), "pure_bf16")
-    bits = fields.get("quantization_bit", "base weights quantized (4: QLoRA)")
+    bits = fields.get("quantization_bit", "base weights quantized (4: QLoRA, 8: LoRA over int8 weights)")
+    if bits is not None:
+        bits = _bits(fields, bits, path)
     adapter = None
     if kind == "lora":
         rank = as_int(fields.get("lora_rank", "LoRA rank", 8), "lora_rank")
@@ -76,7 +96,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
         adapter = Adapter(rank=rank, alpha=float(fields.get("lora_alpha", "LoRA alpha (default rank x 2)", rank * 2)),
                           targets=("all-linear",) if target == "all" else tuple(t.strip() for t in target.split(",")),
                           dropout=float(fields.get("lora_dropout", "LoRA dropout", 0.0)),
-                          quantized_bits=int(bits) if bits else None)
+                          quantized_bits=bits)
     elif bits:
         fields.skipped.append(("quantization_bit", "quantized weights without LoRA"))
     zero3 = values["sharding"] is not None and values["sharding"].zero_stage == 3

@@ -15,11 +15,10 @@ from autofit.cli.configs.value import TrainConfig
 __all__ = ["model_spec", "optimizer_for", "layout_for", "plan_config", "plan_precision", "check_config", "ConfigPlan",
            "ConfigCheck"]
 
-_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 def _adapter_model(config: TrainConfig):
-    """The model with its adapter, built by ``autofit.hf_model`` (LoRA/QLoRA on the meta device)."""
+    """The model with its adapter, built by ``autofit.hf_model`` (LoRA over a 16-bit, int8 or NF4 base, on the meta
+    device)."""
     import importlib
 
     # the public builder of LoRA / QLoRA models on the meta device, looked up by its public name when called: the
@@ -36,7 +35,7 @@ def _adapter_model(config: TrainConfig):
                else None)
     return builder(config.hf_name, dtype=config.model_dtype or "auto", task="causal-lm",
                    lora=adapter.rank, lora_targets=targets, lora_alpha=adapter.alpha,
-                   qlora=adapter.quantized_bits == 4)
+                   qlora=adapter.quantized_bits == 4, load_in_8bit=adapter.quantized_bits == 8)
 
 
 def model_spec(config: TrainConfig):
@@ -44,6 +43,7 @@ def model_spec(config: TrainConfig):
     so that the model returns its loss, in the dtype the framework loads it in."""
     import torch
 
+    from autofit.cli.hf_spec import DTYPES
     from autofit.cli.specs import SAMPLE_ROWS, ModelSpec, load_spec
 
     if config.adapter is not None:
@@ -56,18 +56,13 @@ def model_spec(config: TrainConfig):
             vocab = int(model.config.get_text_config().vocab_size)
             ids = torch.randint(0, vocab, (SAMPLE_ROWS, config.sequence_length))
             sample = {"input_ids": ids, "labels": ids.clone()}
-        return ModelSpec(model, sample, None, f"{config.hf_name} + {config.adapter.kind} r={config.adapter.rank}, "
-                                              f"sequence {config.sequence_length}")
-    if config.model.startswith("hf:"):  # built in the dtype the framework loads it in (hf_spec's --dtype)
-        spec = load_spec(config.model, input_shapes=[(config.sequence_length,)], task="causal-lm",
-                         dtype=config.model_dtype or "auto")
-        return spec
-    spec = load_spec(config.model, input_shapes=[(config.sequence_length,)], task="causal-lm")
-    if config.model_dtype in ("bf16", "fp16"):
-        spec.model.to(getattr(torch, _TORCH_DTYPES[config.model_dtype]))
-        return ModelSpec(spec.model, spec.sample, spec.target, f"{spec.description}, weights in "
-                                                               f"{config.model_dtype}", spec.loss_fn)
-    return spec
+        base = " over an int8 base" if config.adapter.quantized_bits == 8 else ""
+        return ModelSpec(model, sample, None, f"{config.hf_name} + {config.adapter.kind} r={config.adapter.rank}"
+                                              f"{base}, sequence {config.sequence_length}")
+    # every reader names its model as hf:... (configs/models.py, model_ref): one path builds it, in the dtype the
+    # framework loads it in (hf_spec.load_dtype, Note [the dtype a checkpoint loads in]), as the config asked
+    dtype = DTYPES[config.model_dtype] if config.model_dtype else "auto"
+    return load_spec(config.model, input_shapes=[(config.sequence_length,)], task="causal-lm", dtype=dtype)
 
 
 def optimizer_for(config: TrainConfig) -> Any:
