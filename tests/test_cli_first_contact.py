@@ -215,6 +215,21 @@ def _load(name: str, path: Path):
     return yaml.safe_load(path.read_text())
 
 
+def _transformers_warnings() -> list[str]:
+    """The lines transformers' own logger writes from now on (it does not propagate to the root logger)."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    transformers.logging.get_logger("transformers").addHandler(Keep(logging.WARNING))
+    return lines
+
+
 def _tiny_gpt2_plan(precision: str):
     """A plan that recomputes (a module forced by Savers), bf16: every knob the files must carry is set."""
     import torch
@@ -283,9 +298,14 @@ def test_a_sharded_plan_exports_fsdp2_with_current_keys(tmp_path):
     plan = replace(_tiny_gpt2_plan("fp32"), world_size=2, strategy="fsdp2", batch_size=16)
     path = tmp_path / "hf.json"
     path.write_text(export_file(plan, "hf")[0])
+    logged = _transformers_warnings()
     hf = _load("hf", path)
     assert hf.fsdp in (True, "True", "true") or hf.fsdp_config.get("version") == 2, hf.fsdp
     assert hf.fsdp_config["version"] == 2 and hf.fsdp_config["reshard_after_forward"] is True
+    # under FSDP the plan's recomputation is FSDP's own, as transformers asks: the Trainer's switch would add an
+    # all-gather per unit in backward (training_args.py warns "prefer fsdp_config['activation_checkpointing']")
+    assert hf.fsdp_config["activation_checkpointing"] is True and not hf.activation_checkpointing
+    assert not [line for line in logged if "activation_checkpointing" in line], logged
     path = tmp_path / "accelerate.yaml"
     path.write_text(export_file(plan, "accelerate")[0])
     acc = _load("accelerate", path)

@@ -456,11 +456,18 @@ def export_file(plan: Plan, name: str) -> tuple[str, list[str]]:
     if name == "hf":
         out = to_hf_training_arguments(plan)
         args = dict(out["training_arguments"])
-        args["activation_checkpointing"] = bool(plan.checkpoint)
+        if "fsdp_config" in args:
+            # under FSDP, transformers asks for FSDP's own recomputation: the Trainer's switch adds an all-gather of
+            # each unit's parameters in backward (training_args.py, the warning "prefer
+            # fsdp_config['activation_checkpointing']")
+            args["fsdp_config"] = {**args["fsdp_config"], "activation_checkpointing": bool(plan.checkpoint)}
+        else:
+            args["activation_checkpointing"] = bool(plan.checkpoint)
         if plan.device == "cpu":  # a plan for the CPU trains there (transformers refuses bf16 without a GPU else)
             args["use_cpu"] = True
         notes = list(out.get("autofit_notes", []))
-        notes += _recompute_note(plan, "activation_checkpointing (Trainer's gradient checkpointing)")
+        notes += _recompute_note(plan, "fsdp_config's activation_checkpointing (FSDP's own)" if "fsdp_config" in args
+                                 else "activation_checkpointing (Trainer's gradient checkpointing)")
         if "model_torch_dtype" in out:
             notes.append("load the model with from_pretrained(..., dtype=torch.bfloat16): the plan stores pure bf16")
         return json.dumps(args, indent=2) + "\n", notes
