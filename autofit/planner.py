@@ -389,6 +389,7 @@ class _Climb:
     analyses: dict[tuple, dict[str, Analysis]] = field(default_factory=dict)
     rows_known: dict[tuple, dict[tuple[int, int], int]] = field(default_factory=dict)
     spaces: dict[int, tuple[Estimator, SearchSpace, dict[str, Analysis]]] = field(default_factory=dict)
+    caches: dict[tuple, tuple[dict, dict]] = field(default_factory=dict)  # Note [one search cache per layout]
 
     @classmethod
     def of(cls, request: PlanRequest, parallel: Parallel) -> _Climb:
@@ -412,7 +413,7 @@ class _Climb:
         space keeps the checkpoint MILPs solved in it (Note [the layout to verify first])."""
         key = next(i for i, s in enumerate(self.stages) if s is stage)
         if key not in self.spaces:
-            self.spaces[key] = searchable(self.request, stage, self.analyses)
+            self.spaces[key] = searchable(self.request, stage, self.analyses, self.caches)
         return self.spaces[key]
 
 

@@ -29,9 +29,8 @@ SHOW_AFTER_SECONDS = 2.0
 
 
 def _describe(stage: Stage) -> str:
-    if stage.total:
-        return f"{stage.what} [{stage.done + 1}/{stage.total}]"
-    return stage.what
+    what = f"{stage.what} [{stage.done + 1}/{stage.total}]" if stage.total else stage.what
+    return what if stage.within is None else f"{_describe(stage.within)}: {what}"
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -47,11 +46,12 @@ def planning_progress(console: Console, first: str = "planning (fake tensors, no
                       log: TextIO | None = None) -> Iterator[list[Stage]]:
     """Show the stages reported inside the block: on ``console`` after ``delay`` seconds when it is a terminal,
     else as lines on ``log`` (stderr by default) when that is not a terminal either; nothing with ``quiet``. Yields
-    the list of stages seen (in order), which the tests read."""
+    the list of the planner's stages seen (in order), which the tests read; the steps within a stage
+    (``progress.step``) are shown, not listed."""
     log = sys.stderr if log is None else log
     if quiet:
         stages: list[Stage] = []
-        with listening(stages.append):
+        with listening(lambda stage: stages.append(stage) if stage.within is None else None):
             yield stages
     elif console.is_terminal:
         with _live(console, first, delay) as stages:
@@ -74,7 +74,8 @@ def _lines(log: TextIO, first: str) -> Iterator[list[Stage]]:
         log.flush()
 
     def on_stage(stage: Stage) -> None:
-        stages.append(stage)
+        if stage.within is None:
+            stages.append(stage)
         line(_describe(stage))
 
     line(first)
@@ -99,7 +100,8 @@ def _live(console: Console, first: str, delay: float) -> Iterator[list[Stage]]:
                 state["shown"] = True
 
     def on_stage(stage: Stage) -> None:
-        stages.append(stage)
+        if stage.within is None:
+            stages.append(stage)
         display.update(task, description=_describe(stage))
 
     timer = threading.Timer(delay, show)

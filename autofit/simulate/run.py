@@ -74,6 +74,7 @@ from autofit.capture.model_copy import (
 )
 from autofit.capture.module_stack import install_module_stack
 from autofit.capture.user_hooks import PreviousStep, hook_note, user_hooks_restored
+from autofit.core import progress
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
@@ -411,6 +412,8 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
         tracker.phase = phases[name]
         tracker.autocast_device = "cpu" if (name == "forward" and config.precision.autocast) else None
         tracker.timeline.mark(micro_index, tracker.phase)
+        # how far a simulation is, inside the planner's stage that runs it (a 7B step: seconds per phase)
+        progress.step(f"{name} of micro-batch {micro_index + 1} of the window's {steps}")
 
     received_grad: set[int] = set()
     # the previous step's gradients (Note [where zero_grad falls]); one a parameter never receives is not real
