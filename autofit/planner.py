@@ -126,11 +126,10 @@ def plan_with_analysis(
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
                            optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared, batch_dim=batch_dim,
                            quick=alternatives is False, **options)
-    results, failed = [], []
+    tally = _Tally()
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
-    unplanned: list[_Unplanned] = []
     deferred: list[Parallel] = []
     for position, parallel in enumerate(order):
         name = parallel.label
@@ -138,31 +137,23 @@ def plan_with_analysis(
             progress.report(f"layout {name}", position, len(order))
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
-        if parallel in hopeless and (results or not parallel.least_memory):
-            failed.append(_states_alone(request, parallel, floors[parallel]))
+        if parallel in hopeless and (tally.results or not parallel.least_memory):
+            tally.failed.append(_states_alone(request, parallel, floors[parallel]))
             continue
-        if parallel in hopeless and unplanned:  # Note [ruled out by arithmetic]
+        if parallel in hopeless and tally.unplanned:  # Note [ruled out by arithmetic]
             deferred.append(parallel)
             continue
-        if parallel in host_only and results:
-            failed.append(f"{name} not planned: it fits only with its states on the host, slower than a layout "
-                          "that keeps them on the GPUs")
+        if parallel in host_only and tally.results:
+            tally.failed.append(f"{name} not planned: it fits only with its states on the host, slower than a "
+                                "layout that keeps them on the GPUs")
             continue
-        beat = min(r[0].predicted_step_seconds for r in results) if results else None
-        on_gpus = any(not r[0].offload_states for r in results)
-        try:
-            results.append(_plan_parallel(request, parallel, beat, on_gpus, climbs[parallel]))
-        except _Unplanned as e:
-            if e.fallback is not None:
-                unplanned.append(e)
-            else:
-                failed.append(f"{name} not planned: {e}")
-        except AutofitError as e:
-            if len(request.strategies) == 1:  # its other layouts would fail the same way
-                raise
-            failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
-    if not results:
-        results = _fallbacks(request, unplanned, failed, deferred, floors)
+        beat = min(r[0].predicted_step_seconds for r in tally.results) if tally.results else None
+        on_gpus = any(not r[0].offload_states for r in tally.results)
+        _attempt(request, name, functools.partial(_plan_parallel, request, parallel, beat, on_gpus, climbs[parallel]),
+                 tally)
+    if not tally.results:
+        _fallbacks(request, tally, deferred, floors)
+    results, failed = tally.results, tally.failed
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
         why = why_layout(chosen, [r[0] for r in results])
@@ -207,55 +198,76 @@ def _states_alone(request: PlanRequest, parallel: Parallel, floor: int | None) -
 #     below the smallest budget the other layouts named: otherwise that budget is the one the error reports anyway.
 #     DDP over 512 ranks of a 405B model (6.5 TB of states per rank against 72 GB) was analysed and searched for 6 to 8
 #     minutes before this, to name a budget no one read.
-def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned], failed: list[str], deferred: list[Parallel] = (),
+def _fallbacks(request: PlanRequest, tally: _Tally, deferred: list[Parallel] = (),
                floors: dict[Parallel, int | None] | None = None) -> list[tuple[Plan, dict[str, Analysis]]]:
     """When no layout was planned: the plans of the layouts' smallest configurations (the models were pessimistic),
     or the error that says most: a layout that fits the GPU but not the host says more than the smallest budget of
     one that fits neither; else the smallest budget of any; else why no strategy can run the model. A layout in
     ``deferred`` (its states alone miss the budget) is planned only where its floor is below every smallest budget
-    the others named (Note [ruled out by arithmetic])."""
-    results, errors = [], []
-    for e in unplanned:
-        try:
-            results.append(e.fallback())
-        except (InfeasibleBudgetError, HostMemoryError) as error:
-            errors.append(error)
-        except AutofitError as error:
-            if len(request.strategies) == 1:
-                raise
-            failed.append(str(error))
+    the others named so far (Note [ruled out by arithmetic])."""
+    for label, e in tally.unplanned:
+        _attempt(request, label, e.fallback, tally, fallback=True)
     floors = floors or {}
-    smallest = min((e.min_budget_bytes for e in errors if isinstance(e, InfeasibleBudgetError)), default=None)
-    over_host = any(isinstance(e, HostMemoryError) for e in errors)
     ruled_out = []
     for parallel in deferred:
         floor = floors.get(parallel) or 0
-        if results or over_host or (smallest is not None and floor >= smallest):
+        smallest = tally.smallest_budget()  # the errors so far, the deferred layouts' before this one included
+        if tally.results or tally.over_host() or (smallest is not None and floor >= smallest):
             ruled_out.append(_states_alone(request, parallel, floor))
             continue
-        try:
-            results.append(_plan_parallel(request, parallel))
-        except _Unplanned as e:
-            if e.fallback is None:
-                failed.append(f"{parallel.label} not planned: {e}")
-                continue
-            try:
-                results.append(e.fallback())
-            except (InfeasibleBudgetError, HostMemoryError) as error:
-                errors.append(error)
-        except AutofitError as e:
-            if len(request.strategies) == 1:
-                raise
-            failed.append(f"{parallel.label} cannot run this model ({e})")
-    failed += ruled_out
-    if results:
-        return results
-    over_host = [e for e in errors if isinstance(e, HostMemoryError)]
+        _attempt(request, parallel.label, functools.partial(_plan_parallel, request, parallel), tally, now=True)
+    tally.failed += ruled_out
+    if tally.results:
+        return tally.results
+    over_host = tally.over_host()
     if over_host:
         raise _saying(min(over_host, key=lambda e: e.host_bytes), ruled_out)
-    if errors:
-        raise _saying(min(errors, key=lambda e: e.min_budget_bytes), ruled_out)
-    raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
+    if tally.errors:
+        raise _saying(min(tally.errors, key=lambda e: e.min_budget_bytes), ruled_out)
+    raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(tally.failed))
+
+
+@dataclass
+class _Tally:
+    """What planning the layouts left: their plans (``results``), why a layout has none (``failed``, for the notes),
+    the layouts whose smallest budget waits until no layout fits (``unplanned``, by label), and the errors naming a
+    smallest budget, or a host too small, of those whose smallest budget was asked (``errors``)."""
+
+    results: list[tuple[Plan, dict[str, Analysis]]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    unplanned: list[tuple[str, _Unplanned]] = field(default_factory=list)
+    errors: list[InfeasibleBudgetError | HostMemoryError] = field(default_factory=list)
+
+    def smallest_budget(self) -> int | None:
+        return min((e.min_budget_bytes for e in self.errors if isinstance(e, InfeasibleBudgetError)), default=None)
+
+    def over_host(self) -> list[HostMemoryError]:
+        return [e for e in self.errors if isinstance(e, HostMemoryError)]
+
+
+def _attempt(request: PlanRequest, label: str, run: Callable[[], tuple[Plan, dict[str, Analysis]]], tally: _Tally,
+             *, fallback: bool = False, now: bool = False) -> None:
+    """Plan one layout (``run``), or record in ``tally`` why not: the one place the planner handles a layout without
+    a plan. ``fallback``: ``run`` is an ``_Unplanned``'s fallback, whose error naming the smallest budget (or a host
+    too small) is kept for the error that says most; ``now``: a layout where nothing fits has its fallback run at
+    once rather than kept for later (nothing else fits already). A model the layout's strategy cannot run raises
+    when the user named the strategy (its other layouts would fail the same way), else it is recorded."""
+    try:
+        tally.results.append(run())
+    except _Unplanned as e:
+        if e.fallback is None:
+            tally.failed.append(f"{label} not planned: {e}")
+        elif now:
+            _attempt(request, label, e.fallback, tally, fallback=True)
+        else:
+            tally.unplanned.append((label, e))
+    except AutofitError as e:
+        if fallback and isinstance(e, (InfeasibleBudgetError, HostMemoryError)):
+            tally.errors.append(e)
+        elif len(request.strategies) == 1:
+            raise
+        else:  # e.g. FSDP2 and a weight used outside its module
+            tally.failed.append(f"{label} cannot run this model ({e})")
 
 
 def _saying(error: AutofitError, ruled_out: list[str]) -> AutofitError:

@@ -6,7 +6,9 @@ the plan is done. A timer starts the display, so a long first stage shows up too
 
 When stderr is not a terminal (``> log 2>&1``, nohup, slurm, CI), nothing can be redrawn: each stage is one plain
 line on stderr as it begins, with the seconds since planning began, flushed at once, so a log shows work going on
-(a hang and a long plan look different), and a last line when planning ends. ``--quiet`` prints neither.
+(a hang and a long plan look different), and a last line when planning ends. A step within a stage (a simulation's
+phases, the model of each micro-batch) gets a line when no line came for a second: a log never stays silent long
+while the planner works, nor fills with steps. ``--quiet`` prints neither.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from autofit.core.progress import Stage, listening
 
-__all__ = ["SHOW_AFTER_SECONDS", "planning_progress"]
+__all__ = ["SHOW_AFTER_SECONDS", "STEP_LINE_SECONDS", "planning_progress"]
 
 SHOW_AFTER_SECONDS = 2.0
+STEP_LINE_SECONDS = 1.0  # in a log, a step within a stage (progress.step) gets a line when none came for this long
 
 
 def _describe(stage: Stage) -> str:
@@ -68,14 +71,18 @@ def planning_progress(console: Console, first: str = "planning (fake tensors, no
 def _lines(log: TextIO, first: str) -> Iterator[list[Stage]]:
     stages: list[Stage] = []
     started = time.monotonic()
+    last = [started]
 
     def line(text: str) -> None:
-        log.write(f"{time.monotonic() - started:7.1f} s  {text}\n")
+        last[0] = time.monotonic()
+        log.write(f"{last[0] - started:7.1f} s  {text}\n")
         log.flush()
 
     def on_stage(stage: Stage) -> None:
         if stage.within is None:
             stages.append(stage)
+        elif time.monotonic() - last[0] < STEP_LINE_SECONDS:
+            return  # a step within a stage: a line a second at most, enough to show work going on
         line(_describe(stage))
 
     line(first)
