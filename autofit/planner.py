@@ -33,14 +33,14 @@ from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.model_record import record_model
-from autofit.emit.plan import Plan, why_layout
+from autofit.emit.plan import Forgone, Plan, why_layout
 from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
 from autofit.solve.finish import (even_split, no_rows_table_note, optional_pins, pin_cost_notes, rows_table,
                                   rung_notes, zero_grad_note, verify_beside_rows)
-from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
+from autofit.solve.ladder import Stage, gpus_for_states, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
 from autofit.solve.sharding import collective_floor, layouts
@@ -372,14 +372,15 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
             carried = replace(carried, host_skipped=True)
             continue
         searched = _host_rung(climb, stage) if stage.host_check else _device_rung(climb, stage)
-        carried = carried.after(searched)
+        below, carried = carried.tried, carried.after(searched)
         if isinstance(searched.found, Verified):
             reducing = _reducing_instead(climb, stage, searched)  # Note [defer or reduce every micro-batch]
             if isinstance(reducing, tuple):
                 return reducing
             if reducing is not None:
                 searched = replace(searched, found=replace(searched.found, notes=searched.found.notes + (reducing,)))
-            return _rung_plan(climb, stage, carried, searched)
+            plan, analysed = _rung_plan(climb, stage, carried, searched)
+            return replace(plan, alternatives=_forgone(climb, stage, below, searched.found)), analysed
         if isinstance(searched.found, Slower) and searched.found.modelled_fit:
             break  # Note [layouts that cannot win]: this rung fits, so the layout's plan would be its, and lose
     if beat is not None:  # a plan exists: this layout's smallest budget would never be read
@@ -512,6 +513,48 @@ def _host_rung(climb: _Climb, stage: Stage) -> _Searched:
     if fitted is not None:
         found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel.ranks_per_node), (candidate,))
     return _Searched(found, estimator, analysed, on_host=on_host)
+
+
+# Note [what a rung buys]
+#     A plan that climbed the ladder past its first rungs (the states on the host, a lower stored precision, an
+#     opt-in rung) pays for it: a slower step, rounding, numerics the user opted into. So the plan shows, beside it,
+#     the best without that rung, from the work the climb did: the rung below's search space and estimator (the last
+#     rung searched before it, which found nothing its verification kept), and the plan's own configuration (micro-
+#     batch, accumulation, recomputed modules, and its compute precision where that rung has it) estimated there in
+#     full, with that rung's modelled step time. One full estimate more; the figure is the same ``autofit.estimate``
+#     gives for those knobs. The ladder climbs only where nothing fit below, so it usually does not fit, and says by
+#     how much. Where every rung below was passed over by arithmetic (its states alone miss the budget) nothing is
+#     estimated, and the row says so. For a multi-GPU job with its states on the host, also the fewest GPUs whose
+#     share of the states would fit (``gpus_for_states``, solve/ladder.py).
+def _forgone(climb: _Climb, stage: Stage, below: tuple[SearchSpace, Estimator] | None,
+             found: Verified) -> tuple[Forgone, ...]:
+    """The best without the rung ``stage`` the plan was found on, where it is a climbed one (Note [what a rung
+    buys]); () for the rungs of the model's own dtype."""
+    if not (stage.host_check or stage.policies[0].stored or stage.features):
+        return ()
+    request, chosen = climb.request, found.candidate
+    device = [s for s in climb.stages[:climb.stages.index(stage)] if not s.host_check]
+    gpus = gpus_for_states(request, device) if stage.host_check and climb.parallel.world_size > 1 else None
+    if below is None:  # every rung below passed over by its states' floor
+        floor = states_floor(tuple(device)) if device else None
+        return (Forgone(without=stage.what, fits=False, device_bytes=floor or 0, gpus=gpus),)
+    space, estimator = below
+    same = [p for p in space.precisions if p.split("/")[0] == chosen.precision.split("/")[0]]
+    label = chosen.precision if chosen.precision in space.precisions else (same or list(space.precisions))[0]
+    candidate = replace(chosen, precision=label, offload_states=space.offload_states, in_backward=False,
+                        preallocated_grads=False)
+    progress.report(f"the plan without {stage.what}, for comparison: micro-batch {chosen.micro_batch_size} x "
+                    f"{chosen.accumulation_steps} ({label}), one full simulation")
+    est = estimator.verify(candidate)
+    seconds = space.time[label].step_time(label, chosen.micro_batch_size, chosen.accumulation_steps,
+                                          chosen.checkpoint, chosen.last_micro_batch_size, chosen.offload,
+                                          chosen.selective).total
+    fitted = est.within(request.fit_bytes)
+    shown = fitted if fitted is not None else est
+    return (Forgone(without=stage.what, fits=fitted is not None, precision=label,
+                    micro_batch_size=chosen.micro_batch_size, gradient_accumulation_steps=chosen.accumulation_steps,
+                    checkpoint=chosen.checkpoint, peak_bytes=shown.peak_bytes, device_bytes=shown.device_bytes,
+                    step_seconds=seconds, gpus=gpus),)
 
 
 def _rung_plan(climb: _Climb, stage: Stage, carried: _Carried, searched: _Searched,
