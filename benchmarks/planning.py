@@ -22,6 +22,9 @@ estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
     python benchmarks/planning.py --deep --base-70b  # also the 70B plan of the whole model (about an hour)
     python benchmarks/planning.py --against /path/to/base/checkout   # the deep rows, base against new, one run
                                              # (each plan a fresh process: start-up and imports counted)
+    python benchmarks/planning.py --lora-7b  # issue 56's anchor: the CLI's LoRA plan of Qwen2.5-7B (one RTX 4090,
+                                             # 64 x 4096) in a fresh process, against one MemTracker step of the
+                                             # micro-batch it chose (add --against PATH for the base's plan too)
 
 Measured with --deep (two cores, torch 2.13.0, AUTOFIT_WORKERS unset; seconds of one plan, "auto" is the default,
 "whole model" extrapolate_depth=False, the two in the same run; a helper's tests ran beside the first two rows):
@@ -302,6 +305,34 @@ print(plan.to_json())
 """
 
 
+# Issue 56's LoRA row: the commonest fine-tuning job, as the CLI runs it (peft's LoRA of rank 16 on the config's
+# model, on the meta device); its anchor is one MemTracker step of the same model at the micro-batch the plan chose.
+_LORA_7B = ["hf:Qwen/Qwen2.5-7B", "--lora", "16", "--budget", "24GB", "--batch-size", "64", "--input-shape", "4096",
+            "--gpu", "RTX-4090", "--json", "--quiet"]
+
+
+def lora_7b(base: Path | None = None) -> None:
+    """The 7B LoRA plan's wall and CPU seconds (a fresh process: imports and the model's build counted), and
+    ``base``'s in the same run, against MemTracker's one simulated step of that model and micro-batch."""
+    from autofit.cli.adapters import Adapter
+    from autofit.cli.specs import load_spec
+    from benchmarks.memtracker_baseline import memtracker_estimate
+
+    print(f"{'case':<20} {'which':<10} {'wall s':>7} {'CPU s':>7}  plan")
+    print("-" * 100)
+    chosen = None
+    for which, repo in (("new", ROOT), *((("base", base),) if base is not None else ())):
+        wall, cpu, summary = _run_plan(repo, _LORA_7B, opt_in=False)
+        chosen = chosen or summary
+        print(f"{'7B LoRA RTX 4090':<20} {which:<10} {wall:>7.1f} {cpu:>7.1f}  {summary}", flush=True)
+    micro = int(chosen.split("x", 1)[0]) if chosen and chosen[0].isdigit() else 1
+    spec = load_spec("hf:Qwen/Qwen2.5-7B", input_shapes=[(4096,)], adapter=Adapter(rank=16))
+    tracked = memtracker_estimate(spec.model, spec.sample, micro_batch_size=micro, target=spec.target,
+                                  loss_fn=spec.loss_fn, precision="bf16")
+    print(f"{'7B LoRA RTX 4090':<20} {'MemTracker':<10} {tracked.seconds:>7.1f} {'':>7}  (one step of micro-batch "
+          f"{micro}, nothing recomputed, {tracked.error or 'ran'})", flush=True)
+
+
 def _run_plan(repo: Path, args: list[str] | None, opt_in: bool) -> tuple[float, float, str]:
     """One plan in a fresh process of ``repo``'s autofit: wall seconds, CPU seconds (its forked workers included)
     and the plan in one line."""
@@ -350,7 +381,9 @@ def against(base: Path) -> None:
 
 
 if __name__ == "__main__":
-    if "--against" in sys.argv[1:]:
+    if "--lora-7b" in sys.argv[1:]:
+        lora_7b(Path(sys.argv[sys.argv.index("--against") + 1]).resolve() if "--against" in sys.argv[1:] else None)
+    elif "--against" in sys.argv[1:]:
         against(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
     elif "--deep" in sys.argv[1:]:
         deep(base="--no-base" not in sys.argv[1:], base_70b="--base-70b" in sys.argv[1:])
