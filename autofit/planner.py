@@ -392,8 +392,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
 class _Climb:
     """What stays the same while one layout climbs its ladder: the request as the layout runs it, the rungs, the
     plan to beat, and the caches the rungs share (``analyses`` per layout and opt-in rungs, by policy label,
-    ``rows_known``, (candidate, policy) -> {(length, rows): bytes}, and ``spaces``, each rung's search space by its
-    position), filled as rungs are searched."""
+    ``rows_known``, (candidate, policy) -> {(length, rows): bytes}, ``spaces``, each rung's search space by its
+    position, and ``caches``, the search caches the rungs of one layout and features share: Note [one search cache
+    per layout], solve/space.py), filled as rungs are searched."""
 
     request: PlanRequest
     parallel: Parallel

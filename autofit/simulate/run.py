@@ -314,6 +314,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     notes = _notes(model, config, inductor, rerouted, tracker, prober)
     if fake and twins.readers:  # the path the sample's values chose (Note [value twins])
         notes += (reader_note(list(twins.readers)),)
+    progress.step("replaying the step's allocations")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", notes,
                       config.preallocated_grads,
                       compiled=bool(inductor), random_draws=draws.count,
@@ -445,6 +446,7 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
     with host_optimizer(tracker, config.offload_states and not config.device.is_host), _optimizer_values(optimizer, fake):
+        progress.step("the optimizer step")
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
                        zero_grad=config.zero_grad is ZeroGrad.AFTER_STEP)
