@@ -19,7 +19,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from autofit.core._torch import quiet_native_output
 
-__all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "most_dropped", "brute_force_checkpoint"]
+__all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "most_dropped", "brute_force_checkpoint", "nested_pairs"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,8 +177,6 @@ def _nearest_ancestor(name: str, where: dict[str, int]) -> int | None:
 def _is_a_tree(problem: CheckpointProblem) -> bool:
     """Whether the problem's constraints are exactly its names' tree: nesting by qualified name, one unit per module
     and policy, and the units of one module grouped (at most one chosen)."""
-    from autofit.solve.memory_model import nested_pairs  # the memory model builds problems: imported when asked
-
     same: dict[str, list[int]] = {}
     for u, name in enumerate(problem.names):
         same.setdefault(name, []).append(u)
@@ -223,3 +221,16 @@ def brute_force_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int
         if best_key is None or key < best_key:
             best, best_key = chosen, key
     return best
+
+
+def nested_pairs(names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """(i, j) for every ``names[j]`` under ``names[i]`` (it starts with ``names[i] + "."``), ordered by i then j."""
+    where: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        where.setdefault(name, []).append(i)
+    pairs = []
+    for j, name in enumerate(names):
+        for k, ch in enumerate(name):
+            if ch == ".":
+                pairs.extend((i, j) for i in where.get(name[:k], ()))
+    return tuple(sorted(pairs))
