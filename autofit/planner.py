@@ -548,7 +548,10 @@ def _forgone(climb: _Climb, stage: Stage, below: tuple[SearchSpace, Estimator] |
                     f"{chosen.accumulation_steps} ({label}), one full simulation")
     # the figure autofit.estimate gives: no second layout of the gradients tried (Note [gradients before forward as
     # a plan knob]), a comparison, not a plan
-    est = estimator.estimate(candidate, estimator.policy(label))
+    try:
+        est = estimator.estimate(candidate, estimator.policy(label))
+    except AutofitError:  # a comparison only: a configuration the rung below cannot run leaves the plan as it is
+        return ()
     seconds = space.time[label].step_time(label, chosen.micro_batch_size, chosen.accumulation_steps,
                                           chosen.checkpoint, chosen.last_micro_batch_size, chosen.offload,
                                           chosen.selective).total
