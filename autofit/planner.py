@@ -523,10 +523,11 @@ def _host_rung(climb: _Climb, stage: Stage) -> _Searched:
 #     rung searched before it, which found nothing its verification kept), and the plan's own configuration (micro-
 #     batch, accumulation, recomputed modules, and its compute precision where that rung has it) estimated there in
 #     full, with that rung's modelled step time. One full estimate more (about a tenth of the 7B LoRA plan on an
-#     RTX 4090); the figure is the one ``autofit.estimate`` gives for those knobs. The ladder climbs only where nothing fit below, so it usually does not fit, and says by
-#     how much. Where every rung below was passed over by arithmetic (its states alone miss the budget) nothing is
-#     estimated, and the row says so. For a multi-GPU job with its states on the host, also the fewest GPUs whose
-#     share of the states would fit (``gpus_for_states``, solve/ladder.py).
+#     RTX 4090); the figure is the one ``autofit.estimate`` gives for those knobs. The ladder climbs only where
+#     nothing fit below, so it usually does not fit, and says by how much. Where every rung below was passed over by
+#     arithmetic (its states alone miss the budget) nothing is estimated, and the row says so. For a multi-GPU job
+#     whose states needed the host because their share alone missed the budget, also the fewest GPUs whose share
+#     would fit (``gpus_for_states``, solve/ladder.py): a floor, below it offload is needed.
 def _forgone(climb: _Climb, stage: Stage, below: tuple[SearchSpace, Estimator] | None,
              found: Verified) -> tuple[Forgone, ...]:
     """The best without the rung ``stage`` the plan was found on, where it is a climbed one (Note [what a rung
@@ -536,6 +537,8 @@ def _forgone(climb: _Climb, stage: Stage, below: tuple[SearchSpace, Estimator] |
     request, chosen = climb.request, found.candidate
     device = [s for s in climb.stages[:climb.stages.index(stage)] if not s.host_check]
     gpus = gpus_for_states(request, device) if stage.host_check and climb.parallel.world_size > 1 else None
+    if gpus is not None and gpus <= climb.parallel.world_size:  # the states fit already: what needs the host is more
+        gpus = None
     if below is None:  # every rung below passed over by its states' floor
         floor = states_floor(tuple(device)) if device else None
         return (Forgone(without=stage.what, fits=False, device_bytes=floor or 0, gpus=gpus),)

@@ -60,8 +60,9 @@ class Forgone:
     """The best the planner found without a rung the plan climbed (Note [the ladder]: the states on the host, a lower
     stored precision, an opt-in rung): the plan's configuration run without it, estimated in full, so a user sees
     what the rung buys. ``fits``: whether that figure fits the budget (the ladder climbs only where nothing fits, so
-    it usually does not); ``gpus``: for a multi-GPU job with its states on the host, the fewest GPUs whose share of
-    the states alone would fit on each (Note [ruled out by arithmetic]: a floor, below it offload is needed)."""
+    it usually does not); ``gpus``: for a multi-GPU job with its states on the host because their share alone
+    misses the budget, the fewest GPUs whose share would fit each (Note [ruled out by arithmetic]: a floor, below it
+    offload is needed); None where the states fit already and the rest needed the host."""
 
     without: str  # the rung, as the plan's notes name it ("the states on the host", "stored bf16", ...)
     fits: bool
@@ -517,7 +518,8 @@ def forgone_rows(plan: Plan, fmt: Callable[[int], str]) -> list[str]:
                     f"{fmt(plan.budget_bytes - plan.margin_bytes)}, {a.step_seconds:.3g} s per step against "
                     f"{plan.predicted_step_seconds:.3g} s")
         if a.gpus is not None:
-            what += f"; at least {a.gpus} GPUs keep the states on the GPUs (their share alone fits each)"
+            what += (f"; fewer than {a.gpus} GPUs cannot keep the states on the GPUs (their share alone misses "
+                     "the budget)")
         rows.append(what)
     return rows
 

@@ -19,7 +19,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from autofit.core._torch import quiet_native_output
 
-__all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "most_dropped", "brute_force_checkpoint", "nested_pairs"]
+__all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "most_dropped", "brute_force_checkpoint",
+           "nested_pairs"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -120,7 +120,7 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
 
 
 # Note [one search cache per layout]
-#     A search space keeps what its checkpoint MILPs found, by precision label, micro-batch and budget (solve/search.py).
+#     A search space keeps what its checkpoint MILPs found, by precision label, micro-batch and budget (search.py).
 #     The ladder's rungs of one layout and one set of step features build their models of a precision from the same
 #     analysis (``analyses`` is keyed by the layout and the features), under the same settings (rows, checkpoint and
 #     offload permissions, blocks), so their spaces share one cache: the rung of every allowed precision after the
@@ -128,7 +128,8 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
 #     the optimizer stepped in backward asks the whole batch's. The LoRA plan of Qwen2.5-7B on an RTX 4090 solved the
 #     same two programs of bf16 (11 s) twice before this.
 def searchable(request: PlanRequest, stage: Stage, analyses: dict[tuple, dict[str, Analysis]],
-               caches: dict[tuple, tuple[dict, dict]] | None = None) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
+               caches: dict[tuple, tuple[dict, dict]] | None = None,
+               ) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
     """The rung's estimator, its search space and its analyses by precision (``analyses``' entry for the rung's
     layout and step features: its precisions are analysed unless they were before); the estimator holds the request
     as the rung runs it (each step feature in force, Note [step features]). ``caches``: the search caches by the
