@@ -33,14 +33,14 @@ from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.model_record import record_model
-from autofit.emit.plan import Plan, why_layout
+from autofit.emit.plan import Forgone, Plan, why_layout
 from autofit.options import Device, Layout, Precision, Savers, Search, gather
 from autofit.request import Parallel, PlanRequest, make_request
 from autofit.solve.estimator import Estimator
 from autofit.solve.host import check_host_before_analysis
 from autofit.solve.finish import (even_split, no_rows_table_note, optional_pins, pin_cost_notes, rows_table,
                                   rung_notes, zero_grad_note, verify_beside_rows)
-from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
+from autofit.solve.ladder import Stage, gpus_for_states, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
 from autofit.solve.sharding import collective_floor, layouts
@@ -126,11 +126,10 @@ def plan_with_analysis(
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
                            optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared, batch_dim=batch_dim,
                            quick=alternatives is False, **options)
-    results, failed = [], []
+    tally = _Tally()
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
-    unplanned: list[_Unplanned] = []
     deferred: list[Parallel] = []
     for position, parallel in enumerate(order):
         name = parallel.label
@@ -138,31 +137,23 @@ def plan_with_analysis(
             progress.report(f"layout {name}", position, len(order))
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
-        if parallel in hopeless and (results or not parallel.least_memory):
-            failed.append(_states_alone(request, parallel, floors[parallel]))
+        if parallel in hopeless and (tally.results or not parallel.least_memory):
+            tally.failed.append(_states_alone(request, parallel, floors[parallel]))
             continue
-        if parallel in hopeless and unplanned:  # Note [ruled out by arithmetic]
+        if parallel in hopeless and tally.unplanned:  # Note [ruled out by arithmetic]
             deferred.append(parallel)
             continue
-        if parallel in host_only and results:
-            failed.append(f"{name} not planned: it fits only with its states on the host, slower than a layout "
-                          "that keeps them on the GPUs")
+        if parallel in host_only and tally.results:
+            tally.failed.append(f"{name} not planned: it fits only with its states on the host, slower than a "
+                                "layout that keeps them on the GPUs")
             continue
-        beat = min(r[0].predicted_step_seconds for r in results) if results else None
-        on_gpus = any(not r[0].offload_states for r in results)
-        try:
-            results.append(_plan_parallel(request, parallel, beat, on_gpus, climbs[parallel]))
-        except _Unplanned as e:
-            if e.fallback is not None:
-                unplanned.append(e)
-            else:
-                failed.append(f"{name} not planned: {e}")
-        except AutofitError as e:
-            if len(request.strategies) == 1:  # its other layouts would fail the same way
-                raise
-            failed.append(f"{name} cannot run this model ({e})")  # e.g. FSDP2 and a weight used outside its module
-    if not results:
-        results = _fallbacks(request, unplanned, failed, deferred, floors)
+        beat = min(r[0].predicted_step_seconds for r in tally.results) if tally.results else None
+        on_gpus = any(not r[0].offload_states for r in tally.results)
+        _attempt(request, name, functools.partial(_plan_parallel, request, parallel, beat, on_gpus, climbs[parallel]),
+                 tally)
+    if not tally.results:
+        _fallbacks(request, tally, deferred, floors)
+    results, failed = tally.results, tally.failed
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
         why = why_layout(chosen, [r[0] for r in results])
@@ -207,55 +198,76 @@ def _states_alone(request: PlanRequest, parallel: Parallel, floor: int | None) -
 #     below the smallest budget the other layouts named: otherwise that budget is the one the error reports anyway.
 #     DDP over 512 ranks of a 405B model (6.5 TB of states per rank against 72 GB) was analysed and searched for 6 to 8
 #     minutes before this, to name a budget no one read.
-def _fallbacks(request: PlanRequest, unplanned: list[_Unplanned], failed: list[str], deferred: list[Parallel] = (),
+def _fallbacks(request: PlanRequest, tally: _Tally, deferred: list[Parallel] = (),
                floors: dict[Parallel, int | None] | None = None) -> list[tuple[Plan, dict[str, Analysis]]]:
     """When no layout was planned: the plans of the layouts' smallest configurations (the models were pessimistic),
     or the error that says most: a layout that fits the GPU but not the host says more than the smallest budget of
     one that fits neither; else the smallest budget of any; else why no strategy can run the model. A layout in
     ``deferred`` (its states alone miss the budget) is planned only where its floor is below every smallest budget
-    the others named (Note [ruled out by arithmetic])."""
-    results, errors = [], []
-    for e in unplanned:
-        try:
-            results.append(e.fallback())
-        except (InfeasibleBudgetError, HostMemoryError) as error:
-            errors.append(error)
-        except AutofitError as error:
-            if len(request.strategies) == 1:
-                raise
-            failed.append(str(error))
+    the others named so far (Note [ruled out by arithmetic])."""
+    for label, e in tally.unplanned:
+        _attempt(request, label, e.fallback, tally, fallback=True)
     floors = floors or {}
-    smallest = min((e.min_budget_bytes for e in errors if isinstance(e, InfeasibleBudgetError)), default=None)
-    over_host = any(isinstance(e, HostMemoryError) for e in errors)
     ruled_out = []
     for parallel in deferred:
         floor = floors.get(parallel) or 0
-        if results or over_host or (smallest is not None and floor >= smallest):
+        smallest = tally.smallest_budget()  # the errors so far, the deferred layouts' before this one included
+        if tally.results or tally.over_host() or (smallest is not None and floor >= smallest):
             ruled_out.append(_states_alone(request, parallel, floor))
             continue
-        try:
-            results.append(_plan_parallel(request, parallel))
-        except _Unplanned as e:
-            if e.fallback is None:
-                failed.append(f"{parallel.label} not planned: {e}")
-                continue
-            try:
-                results.append(e.fallback())
-            except (InfeasibleBudgetError, HostMemoryError) as error:
-                errors.append(error)
-        except AutofitError as e:
-            if len(request.strategies) == 1:
-                raise
-            failed.append(f"{parallel.label} cannot run this model ({e})")
-    failed += ruled_out
-    if results:
-        return results
-    over_host = [e for e in errors if isinstance(e, HostMemoryError)]
+        _attempt(request, parallel.label, functools.partial(_plan_parallel, request, parallel), tally, now=True)
+    tally.failed += ruled_out
+    if tally.results:
+        return tally.results
+    over_host = tally.over_host()
     if over_host:
         raise _saying(min(over_host, key=lambda e: e.host_bytes), ruled_out)
-    if errors:
-        raise _saying(min(errors, key=lambda e: e.min_budget_bytes), ruled_out)
-    raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(failed))
+    if tally.errors:
+        raise _saying(min(tally.errors, key=lambda e: e.min_budget_bytes), ruled_out)
+    raise UnsupportedModelError("no data-parallel strategy can run this model: " + "; ".join(tally.failed))
+
+
+@dataclass
+class _Tally:
+    """What planning the layouts left: their plans (``results``), why a layout has none (``failed``, for the notes),
+    the layouts whose smallest budget waits until no layout fits (``unplanned``, by label), and the errors naming a
+    smallest budget, or a host too small, of those whose smallest budget was asked (``errors``)."""
+
+    results: list[tuple[Plan, dict[str, Analysis]]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    unplanned: list[tuple[str, _Unplanned]] = field(default_factory=list)
+    errors: list[InfeasibleBudgetError | HostMemoryError] = field(default_factory=list)
+
+    def smallest_budget(self) -> int | None:
+        return min((e.min_budget_bytes for e in self.errors if isinstance(e, InfeasibleBudgetError)), default=None)
+
+    def over_host(self) -> list[HostMemoryError]:
+        return [e for e in self.errors if isinstance(e, HostMemoryError)]
+
+
+def _attempt(request: PlanRequest, label: str, run: Callable[[], tuple[Plan, dict[str, Analysis]]], tally: _Tally,
+             *, fallback: bool = False, now: bool = False) -> None:
+    """Plan one layout (``run``), or record in ``tally`` why not: the one place the planner handles a layout without
+    a plan. ``fallback``: ``run`` is an ``_Unplanned``'s fallback, whose error naming the smallest budget (or a host
+    too small) is kept for the error that says most; ``now``: a layout where nothing fits has its fallback run at
+    once rather than kept for later (nothing else fits already). A model the layout's strategy cannot run raises
+    when the user named the strategy (its other layouts would fail the same way), else it is recorded."""
+    try:
+        tally.results.append(run())
+    except _Unplanned as e:
+        if e.fallback is None:
+            tally.failed.append(f"{label} not planned: {e}")
+        elif now:
+            _attempt(request, label, e.fallback, tally, fallback=True)
+        else:
+            tally.unplanned.append((label, e))
+    except AutofitError as e:
+        if fallback and isinstance(e, (InfeasibleBudgetError, HostMemoryError)):
+            tally.errors.append(e)
+        elif len(request.strategies) == 1:
+            raise
+        else:  # e.g. FSDP2 and a weight used outside its module
+            tally.failed.append(f"{label} cannot run this model ({e})")
 
 
 def _saying(error: AutofitError, ruled_out: list[str]) -> AutofitError:
@@ -360,14 +372,15 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
             carried = replace(carried, host_skipped=True)
             continue
         searched = _host_rung(climb, stage) if stage.host_check else _device_rung(climb, stage)
-        carried = carried.after(searched)
+        below, carried = carried.tried, carried.after(searched)
         if isinstance(searched.found, Verified):
             reducing = _reducing_instead(climb, stage, searched)  # Note [defer or reduce every micro-batch]
             if isinstance(reducing, tuple):
                 return reducing
             if reducing is not None:
                 searched = replace(searched, found=replace(searched.found, notes=searched.found.notes + (reducing,)))
-            return _rung_plan(climb, stage, carried, searched)
+            plan, analysed = _rung_plan(climb, stage, carried, searched)
+            return replace(plan, alternatives=_forgone(climb, stage, below, searched.found)), analysed
         if isinstance(searched.found, Slower) and searched.found.modelled_fit:
             break  # Note [layouts that cannot win]: this rung fits, so the layout's plan would be its, and lose
     if beat is not None:  # a plan exists: this layout's smallest budget would never be read
@@ -379,8 +392,9 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
 class _Climb:
     """What stays the same while one layout climbs its ladder: the request as the layout runs it, the rungs, the
     plan to beat, and the caches the rungs share (``analyses`` per layout and opt-in rungs, by policy label,
-    ``rows_known``, (candidate, policy) -> {(length, rows): bytes}, and ``spaces``, each rung's search space by its
-    position), filled as rungs are searched."""
+    ``rows_known``, (candidate, policy) -> {(length, rows): bytes}, ``spaces``, each rung's search space by its
+    position, and ``caches``, the search caches the rungs of one layout and features share: Note [one search cache
+    per layout], solve/space.py), filled as rungs are searched."""
 
     request: PlanRequest
     parallel: Parallel
@@ -389,6 +403,7 @@ class _Climb:
     analyses: dict[tuple, dict[str, Analysis]] = field(default_factory=dict)
     rows_known: dict[tuple, dict[tuple[int, int], int]] = field(default_factory=dict)
     spaces: dict[int, tuple[Estimator, SearchSpace, dict[str, Analysis]]] = field(default_factory=dict)
+    caches: dict[tuple, tuple[dict, dict]] = field(default_factory=dict)  # Note [one search cache per layout]
 
     @classmethod
     def of(cls, request: PlanRequest, parallel: Parallel) -> _Climb:
@@ -412,7 +427,7 @@ class _Climb:
         space keeps the checkpoint MILPs solved in it (Note [the layout to verify first])."""
         key = next(i for i, s in enumerate(self.stages) if s is stage)
         if key not in self.spaces:
-            self.spaces[key] = searchable(self.request, stage, self.analyses)
+            self.spaces[key] = searchable(self.request, stage, self.analyses, self.caches)
         return self.spaces[key]
 
 
@@ -499,6 +514,56 @@ def _host_rung(climb: _Climb, stage: Stage) -> _Searched:
     if fitted is not None:
         found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel.ranks_per_node), (candidate,))
     return _Searched(found, estimator, analysed, on_host=on_host)
+
+
+# Note [what a rung buys]
+#     A plan that climbed the ladder past its first rungs (the states on the host, a lower stored precision, an
+#     opt-in rung) pays for it: a slower step, rounding, numerics the user opted into. So the plan shows, beside it,
+#     the best without that rung, from the work the climb did: the rung below's search space and estimator (the last
+#     rung searched before it, which found nothing its verification kept), and the plan's own configuration (micro-
+#     batch, accumulation, recomputed modules, and its compute precision where that rung has it) estimated there in
+#     full, with that rung's modelled step time. One full estimate more (about a tenth of the 7B LoRA plan on an
+#     RTX 4090); the figure is the one ``autofit.estimate`` gives for those knobs. The ladder climbs only where
+#     nothing fit below, so it usually does not fit, and says by how much. Where every rung below was passed over by
+#     arithmetic (its states alone miss the budget) nothing is estimated, and the row says so. For a multi-GPU job
+#     whose states needed the host because their share alone missed the budget, also the fewest GPUs whose share
+#     would fit (``gpus_for_states``, solve/ladder.py): a floor, below it offload is needed.
+def _forgone(climb: _Climb, stage: Stage, below: tuple[SearchSpace, Estimator] | None,
+             found: Verified) -> tuple[Forgone, ...]:
+    """The best without the rung ``stage`` the plan was found on, where it is a climbed one (Note [what a rung
+    buys]); () for the rungs of the model's own dtype."""
+    if not (stage.host_check or stage.policies[0].stored or stage.features):
+        return ()
+    request, chosen = climb.request, found.candidate
+    device = [s for s in climb.stages[:climb.stages.index(stage)] if not s.host_check]
+    gpus = gpus_for_states(request, device) if stage.host_check and climb.parallel.world_size > 1 else None
+    if gpus is not None and gpus <= climb.parallel.world_size:  # the states fit already: what needs the host is more
+        gpus = None
+    if below is None:  # every rung below passed over by its states' floor
+        floor = states_floor(tuple(device)) if device else None
+        return (Forgone(without=stage.what, fits=False, device_bytes=floor or 0, gpus=gpus),)
+    space, estimator = below
+    same = [p for p in space.precisions if p.split("/")[0] == chosen.precision.split("/")[0]]
+    label = chosen.precision if chosen.precision in space.precisions else (same or list(space.precisions))[0]
+    candidate = replace(chosen, precision=label, offload_states=space.offload_states, in_backward=False,
+                        preallocated_grads=False)
+    progress.report(f"the plan without {stage.what}, for comparison: micro-batch {chosen.micro_batch_size} x "
+                    f"{chosen.accumulation_steps} ({label}), one full simulation")
+    # the figure autofit.estimate gives: no second layout of the gradients tried (Note [gradients before forward as
+    # a plan knob]), a comparison, not a plan
+    try:
+        est = estimator.estimate(candidate, estimator.policy(label))
+    except AutofitError:  # a comparison only: a configuration the rung below cannot run leaves the plan as it is
+        return ()
+    seconds = space.time[label].step_time(label, chosen.micro_batch_size, chosen.accumulation_steps,
+                                          chosen.checkpoint, chosen.last_micro_batch_size, chosen.offload,
+                                          chosen.selective).total
+    fitted = est.within(request.fit_bytes)
+    shown = fitted if fitted is not None else est
+    return (Forgone(without=stage.what, fits=fitted is not None, precision=label,
+                    micro_batch_size=chosen.micro_batch_size, gradient_accumulation_steps=chosen.accumulation_steps,
+                    checkpoint=chosen.checkpoint, peak_bytes=shown.peak_bytes, device_bytes=shown.device_bytes,
+                    step_seconds=seconds, gpus=gpus),)
 
 
 def _rung_plan(climb: _Climb, stage: Stage, carried: _Carried, searched: _Searched,

@@ -22,6 +22,21 @@ estimate: what the ratio is made of (docs/planner.md, "How long a plan takes").
     python benchmarks/planning.py --deep --base-70b  # also the 70B plan of the whole model (about an hour)
     python benchmarks/planning.py --against /path/to/base/checkout   # the deep rows, base against new, one run
                                              # (each plan a fresh process: start-up and imports counted)
+    python benchmarks/planning.py --lora-7b  # issue 56's anchor: the CLI's LoRA plan of Qwen2.5-7B (one RTX 4090,
+                                             # 64 x 4096) in a fresh process, against one MemTracker step of the
+                                             # micro-batch it chose (add --against PATH for the base's plan too)
+
+Measured with --lora-7b (two cores shared with other work, load 2 to 3, torch 2.13.0, 2026-11-29; the plan a fresh
+process, imports and the model's build included; MemTracker in this process, after it):
+
+    case                 which       wall s   CPU s  plan
+    7B LoRA RTX 4090     new           47.6    58.1  2x32 19.21 GiB 139.083 s ckpt=28 sel=0 (states on the host)
+    7B LoRA RTX 4090     MemTracker     2.9          one step of micro-batch 2, LoRA: crash (RuntimeError: a
+                                                     gradient hook on a frozen parameter)
+    7B LoRA RTX 4090     MemTr. full   22.3          one step of micro-batch 2, no adapter, nothing recomputed
+
+Before issue 56's work (803d26e), the same command one run after the other on the same machine: 128.6 s wall, 125.0
+CPU s, 80 checkpoint MILPs (80.1 s of them); after: 58.7 s wall, 56.4 CPU s, 10 MILPs (5.8 s), the same plan.
 
 Measured with --deep (two cores, torch 2.13.0, AUTOFIT_WORKERS unset; seconds of one plan, "auto" is the default,
 "whole model" extrapolate_depth=False, the two in the same run; a helper's tests ran beside the first two rows):
@@ -302,6 +317,41 @@ print(plan.to_json())
 """
 
 
+# Issue 56's LoRA row: the commonest fine-tuning job, as the CLI runs it (peft's LoRA of rank 16 on the config's
+# model, on the meta device); its anchor is one MemTracker step of the same model at the micro-batch the plan chose.
+_LORA_7B = ["hf:Qwen/Qwen2.5-7B", "--lora", "16", "--budget", "24GB", "--batch-size", "64", "--input-shape", "4096",
+            "--gpu", "RTX-4090", "--json", "--quiet"]
+
+
+def lora_7b(base: Path | None = None) -> None:
+    """The 7B LoRA plan's wall and CPU seconds (a fresh process: imports and the model's build counted), and
+    ``base``'s in the same run, against MemTracker's one simulated step of that model and micro-batch."""
+    from autofit.cli.adapters import Adapter
+    from autofit.cli.specs import load_spec
+    from benchmarks.memtracker_baseline import memtracker_estimate
+
+    print(f"{'case':<20} {'which':<10} {'wall s':>7} {'CPU s':>7}  plan")
+    print("-" * 100)
+    chosen = None
+    for which, repo in (("new", ROOT), *((("base", base),) if base is not None else ())):
+        wall, cpu, summary = _run_plan(repo, _LORA_7B, opt_in=False)
+        chosen = chosen or summary
+        print(f"{'7B LoRA RTX 4090':<20} {which:<10} {wall:>7.1f} {cpu:>7.1f}  {summary}", flush=True)
+    micro = int(chosen.split("x", 1)[0]) if chosen and chosen[0].isdigit() else 1
+    # MemTracker registers a gradient hook on every parameter and dies on a frozen one (LoRA's base: "cannot
+    # register a hook on a tensor that doesn't require gradient"): its one step of the model without the adapter
+    # (every parameter trained) is the anchor then
+    for which, adapter in (("MemTracker", Adapter(rank=16)), ("MemTr. full", None)):
+        spec = load_spec("hf:Qwen/Qwen2.5-7B", input_shapes=[(4096,)], adapter=adapter)
+        tracked = memtracker_estimate(spec.model, spec.sample, micro_batch_size=micro, target=spec.target,
+                                      loss_fn=spec.loss_fn, precision="bf16")
+        what = "LoRA" if adapter is not None else "no adapter, every parameter trained"
+        print(f"{'7B LoRA RTX 4090':<20} {which:<10} {tracked.seconds:>7.1f} {'':>7}  (one step of micro-batch "
+              f"{micro}, {what}, nothing recomputed: {tracked.error or 'ran'})", flush=True)
+        if tracked.error is None:
+            break
+
+
 def _run_plan(repo: Path, args: list[str] | None, opt_in: bool) -> tuple[float, float, str]:
     """One plan in a fresh process of ``repo``'s autofit: wall seconds, CPU seconds (its forked workers included)
     and the plan in one line."""
@@ -350,7 +400,9 @@ def against(base: Path) -> None:
 
 
 if __name__ == "__main__":
-    if "--against" in sys.argv[1:]:
+    if "--lora-7b" in sys.argv[1:]:
+        lora_7b(Path(sys.argv[sys.argv.index("--against") + 1]).resolve() if "--against" in sys.argv[1:] else None)
+    elif "--against" in sys.argv[1:]:
         against(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
     elif "--deep" in sys.argv[1:]:
         deep(base="--no-base" not in sys.argv[1:], base_70b="--base-70b" in sys.argv[1:])

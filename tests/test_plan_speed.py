@@ -483,3 +483,57 @@ def test_every_zoo_models_first_simulation_in_a_process_equals_the_next():
     runs, differ = out.stdout.split()
     assert int(runs) >= 40, "every zoo model on both targets, fp32 and bf16 on the CPU"
     assert differ == "none", f"first and second simulations differ: {differ}"
+
+
+def _tree_problem(rng):
+    """A random checkpoint problem shaped as the memory model builds them: modules named as a tree (nesting by
+    qualified name), some with two policies grouped (at most one chosen)."""
+    import numpy as np
+
+    from autofit.solve.checkpoint_milp import CheckpointProblem
+    from autofit.solve.memory_model import nested_pairs
+
+    modules = ["a", "a.x", "a.y", "a.y.p", "b", "b.z", "c"][: int(rng.integers(2, 8))]
+    names, policies = [], []
+    for m in modules:
+        for policy in (("full", "selective") if rng.random() < 0.4 else ("full",)):
+            names.append(m)
+            policies.append(policy)
+    n, rows = len(names), int(rng.integers(1, 6))
+    coef = np.where(rng.random((rows, n)) < 0.6, -rng.integers(0, 300_000, size=(rows, n)), 0).astype(float)
+    positive = rng.random((rows, n)) < 0.15
+    coef[positive] = rng.integers(0, 50_000, size=int(positive.sum()))
+    by = {}
+    for u, name in enumerate(names):
+        by.setdefault(name, []).append(u)
+    return CheckpointProblem(tuple(names), rng.integers(0, 6, size=n).astype(float),
+                             rng.integers(10_000, 1_000_000, size=rows).astype(float), coef,
+                             nested_pairs(tuple(names)), tuple(policies),
+                             tuple(tuple(g) for g in by.values() if len(g) > 1))
+
+
+@pytest.mark.sim  # hundreds of small MILPs against brute force, as tests/test_solver.py's: over the quick budget
+def test_the_most_a_stretch_can_drop_is_the_best_allowed_set_of_that_stretch_by_brute_force():
+    """Note [the most a stretch can drop]: the bound that lets the MILP skip programs with no solution is, stretch by
+    stretch, the most bytes any allowed set drops there, counted over every subset; and a program it calls
+    infeasible has no solution by brute force (the MILP's answer is never changed)."""
+    import itertools
+
+    import numpy as np
+
+    from autofit.solve.checkpoint_milp import brute_force_checkpoint, most_dropped, solve_checkpoint
+
+    rng = np.random.default_rng(20261129)
+    ruled_out = 0
+    for _ in range(150):
+        problem = _tree_problem(rng)
+        n = len(problem.names)
+        allowed = [c for r in range(n + 1) for c in itertools.combinations(range(n), r) if problem.allowed(c)]
+        drops = np.maximum(-problem.coef, 0.0)
+        truth = np.array([max(sum(drops[row, u] for u in c) for c in allowed) for row in range(len(problem.base))])
+        assert np.array_equal(most_dropped(problem), truth)
+        peaks = sorted(problem.peak(c) for c in allowed)
+        for budget in {peaks[0] - 1, peaks[0], peaks[len(peaks) // 2]}:
+            assert (solve_checkpoint(problem, budget) is None) == (brute_force_checkpoint(problem, budget) is None)
+            ruled_out += float(np.max(problem.base - truth)) > budget
+    assert ruled_out > 20  # the bound does rule programs out

@@ -6,7 +6,9 @@ the plan is done. A timer starts the display, so a long first stage shows up too
 
 When stderr is not a terminal (``> log 2>&1``, nohup, slurm, CI), nothing can be redrawn: each stage is one plain
 line on stderr as it begins, with the seconds since planning began, flushed at once, so a log shows work going on
-(a hang and a long plan look different), and a last line when planning ends. ``--quiet`` prints neither.
+(a hang and a long plan look different), and a last line when planning ends. A step within a stage (a simulation's
+phases, the model of each micro-batch) gets a line when no line came for a second: a log never stays silent long
+while the planner works, nor fills with steps. ``--quiet`` prints neither.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from autofit.core.progress import Stage, listening
 
-__all__ = ["SHOW_AFTER_SECONDS", "planning_progress"]
+__all__ = ["SHOW_AFTER_SECONDS", "STEP_LINE_SECONDS", "planning_progress"]
 
 SHOW_AFTER_SECONDS = 2.0
+STEP_LINE_SECONDS = 1.0  # in a log, a step within a stage (progress.step) gets a line when none came for this long
 
 
 def _describe(stage: Stage) -> str:
-    if stage.total:
-        return f"{stage.what} [{stage.done + 1}/{stage.total}]"
-    return stage.what
+    what = f"{stage.what} [{stage.done + 1}/{stage.total}]" if stage.total else stage.what
+    return what if stage.within is None else f"{_describe(stage.within)}: {what}"
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -47,11 +49,12 @@ def planning_progress(console: Console, first: str = "planning (fake tensors, no
                       log: TextIO | None = None) -> Iterator[list[Stage]]:
     """Show the stages reported inside the block: on ``console`` after ``delay`` seconds when it is a terminal,
     else as lines on ``log`` (stderr by default) when that is not a terminal either; nothing with ``quiet``. Yields
-    the list of stages seen (in order), which the tests read."""
+    the list of the planner's stages seen (in order), which the tests read; the steps within a stage
+    (``progress.step``) are shown, not listed."""
     log = sys.stderr if log is None else log
     if quiet:
         stages: list[Stage] = []
-        with listening(stages.append):
+        with listening(lambda stage: stages.append(stage) if stage.within is None else None):
             yield stages
     elif console.is_terminal:
         with _live(console, first, delay) as stages:
@@ -68,13 +71,18 @@ def planning_progress(console: Console, first: str = "planning (fake tensors, no
 def _lines(log: TextIO, first: str) -> Iterator[list[Stage]]:
     stages: list[Stage] = []
     started = time.monotonic()
+    last = [started]
 
     def line(text: str) -> None:
-        log.write(f"{time.monotonic() - started:7.1f} s  {text}\n")
+        last[0] = time.monotonic()
+        log.write(f"{last[0] - started:7.1f} s  {text}\n")
         log.flush()
 
     def on_stage(stage: Stage) -> None:
-        stages.append(stage)
+        if stage.within is None:
+            stages.append(stage)
+        elif time.monotonic() - last[0] < STEP_LINE_SECONDS:
+            return  # a step within a stage: a line a second at most, enough to show work going on
         line(_describe(stage))
 
     line(first)
@@ -99,7 +107,8 @@ def _live(console: Console, first: str, delay: float) -> Iterator[list[Stage]]:
                 state["shown"] = True
 
     def on_stage(stage: Stage) -> None:
-        stages.append(stage)
+        if stage.within is None:
+            stages.append(stage)
         display.update(task, description=_describe(stage))
 
     timer = threading.Timer(delay, show)

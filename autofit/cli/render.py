@@ -12,7 +12,7 @@ from rich.table import Table
 from autofit.analyse.table import LayerTable
 from autofit.cli.messages import console_for, say
 from autofit.emit.plan import Plan
-from autofit.core.units import format_mib
+from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["render_plan", "console_for", "group_names", "knobs_table"]
 
@@ -99,6 +99,26 @@ def frontier_table(plan: Plan) -> Table:
     return table
 
 
+def forgone_table(plan: Plan) -> Table:
+    """The best without each rung the plan climbed (autofit.emit.plan.Forgone), beside the plan: issue 56."""
+    table = Table(title="without the rung the plan climbed (estimated in full)", title_justify="left")
+    for column, justify in (("without", "left"), ("fits", "left"), ("precision", "left"), ("micro", "right"),
+                            ("accum", "right"), ("checkpointed", "right"), ("on the device", "right"),
+                            ("step s", "right"), ("GPUs to keep states on them", "right")):
+        table.add_column(column, justify=justify)
+    table.add_row("(the plan)", "yes", plan.precision.label, str(plan.micro_batch_size),
+                  str(plan.gradient_accumulation_steps), str(len(plan.checkpoint)), format_bytes(plan.device_bytes),
+                  f"{plan.predicted_step_seconds:.3g}", "", style="bold green")
+    for a in plan.alternatives:
+        known = a.precision is not None
+        table.add_row(a.without, "yes" if a.fits else "no", a.precision or "-",
+                      str(a.micro_batch_size) if known else "-", str(a.gradient_accumulation_steps) if known else "-",
+                      str(len(a.checkpoint)) if known else "-", format_bytes(a.device_bytes) if known else "-",
+                      f"{a.step_seconds:.3g}" if a.step_seconds is not None else "-",
+                      "" if a.gpus is None else f">= {a.gpus}")
+    return table
+
+
 def lengths_table(plan: Plan) -> Table:
     """Rows per micro-batch at shorter lengths (Note [rows by length], autofit/solve/lengths.py)."""
     table = Table(title="rows per micro-batch by length (shorter batches)", title_justify="left")
@@ -122,6 +142,8 @@ def render_plan(console: Console, plan: Plan, model_description: str, layers: La
         parts.append(lengths_table(plan))
     if plan.frontier:
         parts.append(frontier_table(plan))
+    if plan.alternatives:
+        parts.append(forgone_table(plan))
     console.print(Group(*parts))
     for note in plan.notes:  # escaped, in the command line's words: --host-budget, not host_budget= (messages.py)
         say(console, "note", note)

@@ -26,7 +26,7 @@ from autofit.solve.lengths import rows_for_length
 from autofit.training.layout import Parallel, layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
-__all__ = ["Alternative", "Plan", "plan_step", "use_wrap", "why_layout"]
+__all__ = ["Alternative", "Forgone", "Plan", "plan_step", "use_wrap", "why_layout"]
 
 _FORMAT = "autofit.plan/1"
 
@@ -53,6 +53,27 @@ class Alternative:
     peak_bytes: int
     step_seconds: float  # modelled step time
     selective: tuple[str, ...] = ()  # those of checkpoint recomputed selectively
+
+
+@dataclass(frozen=True, kw_only=True)
+class Forgone:
+    """The best the planner found without a rung the plan climbed (Note [the ladder]: the states on the host, a lower
+    stored precision, an opt-in rung): the plan's configuration run without it, estimated in full, so a user sees
+    what the rung buys. ``fits``: whether that figure fits the budget (the ladder climbs only where nothing fits, so
+    it usually does not); ``gpus``: for a multi-GPU job with its states on the host because their share alone
+    misses the budget, the fewest GPUs whose share would fit each (Note [ruled out by arithmetic]: a floor, below it
+    offload is needed); None where the states fit already and the rest needed the host."""
+
+    without: str  # the rung, as the plan's notes name it ("the states on the host", "stored bf16", ...)
+    fits: bool
+    precision: str | None = None  # None: no configuration estimated (the rung's states alone miss the budget)
+    micro_batch_size: int = 0
+    gradient_accumulation_steps: int = 0
+    checkpoint: tuple[str, ...] = ()
+    peak_bytes: int = 0  # allocated, ~ torch.cuda.max_memory_allocated
+    device_bytes: int = 0  # what the budget is checked against
+    step_seconds: float | None = None  # modelled; None where no configuration was estimated
+    gpus: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +159,8 @@ class Plan:
     made_for: ModelRecord | None = None
     # the dim of the batch in the inputs and in the target (Note [the batch dimension])
     batch_dim: tuple[int, int] = (0, 0)
+    # beside a plan that climbed the ladder (offload, stored lower, an opt-in rung): the best without that rung
+    alternatives: tuple[Forgone, ...] = ()
 
     # The parallel layout the plan was verified with (autofit/training/layout.py): strategy, ranks, FSDP2's units and
     # reshard, HSDP's replicate, ranks per node, tensor and sequence parallel, the states on the host, gradient sync
@@ -309,6 +332,7 @@ class Plan:
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
                             for a in self.frontier]
         data["notes"] = list(self.notes)
+        data["alternatives"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.alternatives]
         data["shared"] = list(self.shared)
         data["made_for"] = None if self.made_for is None else self.made_for.to_dict()
         if tuple(self.batch_dim) == (0, 0):  # the default's plan is written as before it was a field
@@ -364,6 +388,8 @@ class Plan:
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
                                                         selective=tuple(a.get("selective", ()))))
                                      for a in data["frontier"])
+            data["alternatives"] = tuple(Forgone(**dict(a, checkpoint=tuple(a["checkpoint"])))  # absent before issue 56
+                                         for a in data.get("alternatives", ()))
             lengths = data.get("lengths")  # absent from plans written before variable-length batches
             data["lengths"] = None if lengths is None else LengthSpec(
                 length=lengths["length"], shapes=tuple(tuple(int(d) for d in s) for s in lengths["shapes"]),
@@ -471,8 +497,31 @@ class Plan:
             for a in self.frontier:
                 lines.append(f"  {a.precision:<9} {a.micro_batch_size:>5} {a.gradient_accumulation_steps:>5} "
                              f"{len(a.checkpoint):>4} {format_mib(a.peak_bytes):>10} {a.step_seconds:>9.3g}")
+        if self.alternatives:
+            lines += ["", "without the rung the plan climbed (estimated in full):",
+                      *(f"  {row}" for row in forgone_rows(self, format_bytes))]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def forgone_rows(plan: Plan, fmt: Callable[[int], str]) -> list[str]:
+    """One line per :class:`Forgone` of ``plan``: what the plan would be without the rung, whether it fits, its peak
+    and step time, against the plan's own (``fmt`` formats bytes)."""
+    rows = []
+    for a in plan.alternatives:
+        if a.precision is None:
+            what = f"without {a.without}: the states alone miss the budget"
+        else:
+            verdict = "fits" if a.fits else "does not fit"
+            what = (f"without {a.without}: {a.micro_batch_size} x {a.gradient_accumulation_steps} ({a.precision}, "
+                    f"{len(a.checkpoint)} recomputed) {verdict}, {fmt(a.device_bytes)} on the device against "
+                    f"{fmt(plan.budget_bytes - plan.margin_bytes)}, {a.step_seconds:.3g} s per step against "
+                    f"{plan.predicted_step_seconds:.3g} s")
+        if a.gpus is not None:
+            what += (f"; fewer than {a.gpus} GPUs cannot keep the states on the GPUs (their share alone misses "
+                     "the budget)")
+        rows.append(what)
+    return rows
 
 
 # Note [the plan's layout]

@@ -74,6 +74,7 @@ from autofit.capture.model_copy import (
 )
 from autofit.capture.module_stack import install_module_stack
 from autofit.capture.user_hooks import PreviousStep, hook_note, user_hooks_restored
+from autofit.core import progress
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
@@ -313,6 +314,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     notes = _notes(model, config, inductor, rerouted, tracker, prober)
     if fake and twins.readers:  # the path the sample's values chose (Note [value twins])
         notes += (reader_note(list(twins.readers)),)
+    progress.step("replaying the step's allocations")
     return Simulation(tracker.timeline, replay(tracker.timeline), "fake" if fake else "real", notes,
                       config.preallocated_grads,
                       compiled=bool(inductor), random_draws=draws.count,
@@ -411,6 +413,8 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
         tracker.phase = phases[name]
         tracker.autocast_device = "cpu" if (name == "forward" and config.precision.autocast) else None
         tracker.timeline.mark(micro_index, tracker.phase)
+        # how far a simulation is, inside the planner's stage that runs it (a 7B step: seconds per phase)
+        progress.step(f"{name} of micro-batch {micro_index + 1} of the window's {steps}")
 
     received_grad: set[int] = set()
     # the previous step's gradients (Note [where zero_grad falls]); one a parameter never receives is not real
@@ -442,6 +446,7 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
     with host_optimizer(tracker, config.offload_states and not config.device.is_host), _optimizer_values(optimizer, fake):
+        progress.step("the optimizer step")
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
                        zero_grad=config.zero_grad is ZeroGrad.AFTER_STEP)

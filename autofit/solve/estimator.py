@@ -185,6 +185,7 @@ class Estimator:
     def _full(self, c: Candidate, policy: PrecisionPolicy, sim: Simulation) -> MemoryEstimate:
         """The device's figures of a simulation of the whole model, saying why when depth extrapolation was
         allowed."""
+        progress.step("the device's figures")
         est = self.request.device.estimate(sim)
         blocks = self.request.blocks
         if blocks is None:
@@ -219,6 +220,7 @@ class Estimator:
                         f"{', '.join(str(len(k)) for k in keeps)} of {self.request.blocks.count} blocks")
         jobs = [functools.partial(self.simulate, c, policy, length, depth=keep) for keep in keeps]
         sims = run_all(jobs, fork=not probes_kernels(self.config(c, policy)))
+        progress.step("the device's figures of each cut")  # the CUDA allocator's replay: seconds on a 7B step
         return {keep: (sim, self.request.device.estimate(sim)) for keep, sim in zip(keeps, sims)}
 
     # Note [a step that misses by its first cuts]

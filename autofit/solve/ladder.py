@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the request is built after this stage in the import order; 
     from autofit.request import PlanRequest
     from autofit.solve.sharding import Parallel
 
-__all__ = ["Stage", "ladder", "skipped_note", "states_bytes", "states_floor"]
+__all__ = ["Stage", "gpus_for_states", "ladder", "skipped_note", "states_bytes", "states_floor"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +177,28 @@ def states_floor(stages: tuple[Stage, ...]) -> int | None:
     """The smallest floor over ``stages``, or None when a rung has none (ZeRO-3 with the states on the host)."""
     floors = [s.floor_bytes for s in stages]
     return None if None in floors else min(floors)
+
+
+def gpus_for_states(request: PlanRequest, stages: Sequence[Stage]) -> int | None:
+    """The fewest GPUs of a multi-GPU job whose share of the states would fit each GPU on some rung of ``stages``
+    that keeps them there: each rung's floor is its sharded states (``states_bytes``, the whole over the shard group)
+    plus what its layout keeps gathered, which more ranks do not divide; more replicas and tensor parallel stay as
+    they are. A floor (Note [ruled out by arithmetic]): with fewer, the states need the host; with that many, the
+    activations may still not fit. None: one process, or no rung where more ranks would do."""
+    k = request.optimizer.state_values_per_parameter()
+    best = None
+    for stage in stages:
+        parallel = stage.parallel
+        if stage.host_check or not parallel.shards_parameters or parallel.world_size < 2:
+            continue
+        whole = states_bytes(request, parallel, stage.policies[0], k) * parallel.shard_group
+        room = request.fit_bytes - _gathered_bytes(request, parallel, stage.policies)
+        if room <= 0:
+            continue
+        group = max(parallel.shard_group, -(-whole // room))
+        gpus = group * parallel.world_size // parallel.shard_group
+        best = gpus if best is None else min(best, gpus)
+    return best
 
 
 def states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPolicy, k: int) -> int:

@@ -28,7 +28,7 @@ import torch
 from autofit.analyse.profile import CallRecord, StepProfile
 from autofit.analyse.table import LayerTable
 from autofit.simulate.timeline import Phase
-from autofit.solve.checkpoint_milp import CheckpointProblem
+from autofit.solve.checkpoint_milp import CheckpointProblem, nested_pairs
 
 __all__ = ["CheckpointUnit", "MemoryModel", "Edit", "rng_state_bytes", "contained_sums", "window_max",
            "nested_pairs"]
@@ -297,16 +297,3 @@ def window_max(live: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=live.dtype)
     padded = np.append(live, live[-1:])  # reduceat's indices must lie inside the array: hi may be its length
     return np.maximum.reduceat(padded, np.ravel(np.column_stack([lo, hi])))[::2]
-
-
-def nested_pairs(names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    """(i, j) for every ``names[j]`` under ``names[i]`` (it starts with ``names[i] + "."``), ordered by i then j."""
-    where: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        where.setdefault(name, []).append(i)
-    pairs = []
-    for j, name in enumerate(names):
-        for k, ch in enumerate(name):
-            if ch == ".":
-                pairs.extend((i, j) for i in where.get(name[:k], ()))
-    return tuple(sorted(pairs))

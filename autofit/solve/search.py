@@ -28,7 +28,7 @@ from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
 __all__ = ["Candidate", "SearchSpace", "alternatives", "batch_options", "search", "smallest_peaks", "pareto_front",
-           "module_level", "time_floor", "fits_somewhere"]
+           "module_level", "time_floor", "fits_somewhere", "whole_batch"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,15 @@ class SearchSpace:
     # ask for the same configurations again, and each may cost a checkpoint MILP
     evaluated: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     problems: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # (precision, b, k) -> MILP
+
+    def sharing(self, caches: tuple[dict, dict]) -> SearchSpace:
+        """This space, its caches (``evaluated``, ``problems``) being ``caches``: those of the other spaces whose
+        models of each precision are built from the same analyses under the same settings (the ladder's rungs of
+        one layout and one set of step features, Note [one search cache per layout]). ``dataclasses.replace``
+        gives a space fresh caches, as a space with other settings needs."""
+        object.__setattr__(self, "evaluated", caches[0])
+        object.__setattr__(self, "problems", caches[1])
+        return self
 
 
 def batch_options(batch_size: int, min_rows: int = 1) -> list[tuple[int, int, int]]:
@@ -331,6 +340,7 @@ def _problem(space: SearchSpace, precision: str, b: int, k: int, selective: bool
     selective = space.allow_selective if selective is None else selective
     key = (precision, b, k, selective)
     if key not in space.problems:
+        progress.step(f"the memory model of micro-batch {b} x {k} ({precision})")  # 0.1 to 0.3 s each on a 7B model
         problem = _memory(space, precision, k).problem(b, k, selective=selective)
         space.problems[key] = _priced(problem, space.time[precision], b)
     return space.problems[key]
@@ -382,13 +392,28 @@ def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
     return out
 
 
-def smallest_peaks(space: SearchSpace) -> list[Candidate]:
-    """Every precision and micro-batch, each with its most freeing checkpoint set, lowest modelled peak first.
-    (Micro-batch 1 is not always lowest: accumulation keeps gradients through every micro-batch, which can cost more
-    than the activations it saves when parameters dominate.)"""
+def whole_batch(space: SearchSpace, budget: int) -> list[Candidate]:
+    """The candidates of one micro-batch per step (the whole batch at once) that fit ``budget``, one per precision
+    at most: what ``search`` would find among its options of one micro-batch, without the MILPs of the others (the
+    optimizer can step in backward only there, Note [optimizer step in backward])."""
+    found = []
+    for i, precision in enumerate(space.precisions):
+        option = (precision, space.batch_size, 1, space.batch_size)
+        _report_milp(space, option, budget, i, len(space.precisions), what="whole-batch ")
+        candidate = _evaluate(space, *option, budget)
+        if candidate is not None:
+            found.append(candidate)
+    return found
+
+
+def smallest_peaks(space: SearchSpace, *, whole_batch: bool = False) -> list[Candidate]:
+    """Every precision and micro-batch (with ``whole_batch``, only the micro-batch of the whole batch), each with its
+    most freeing checkpoint set, lowest modelled peak first. (Micro-batch 1 is not always lowest: accumulation keeps
+    gradients through every micro-batch, which can cost more than the activations it saves when parameters
+    dominate.)"""
     found = []
     options = [(precision, *o) for precision in space.precisions
-               for o in batch_options(space.batch_size, space.min_rows)]
+               for o in batch_options(space.batch_size, space.min_rows) if not whole_batch or o[1] == 1]
     for i, (precision, b, k, last) in enumerate(options):
         time = space.time[precision]
         # one option at a time, counted for the progress line (issue 56: minutes on a 405B model)
