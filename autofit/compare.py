@@ -1,9 +1,9 @@
 """``autofit.compare``: which card to rent. One plan per card, side by side, from one shared analysis.
 
 Each card's row is the planner's own plan for that card (:func:`autofit.plan` with ``device=Device(gpu=card)``);
-the plans run one after another inside :func:`autofit.simulate.shared.sharing`, so the analysis and the full
+the plans run one after another inside :func:`autofit.core.shared.sharing`, so the analysis and the full
 simulations of a step run once for all the cards that simulate it alike (Note [one analysis for several cards],
-autofit/simulate/shared.py), and each card pays only for what is its own: the allocator, the memory and time
+autofit/core/shared.py), and each card pays only for what is its own: the allocator, the memory and time
 models, the search. Prices are the user's (``prices={card: USD per hour}``): none are built in, they change.
 """
 
@@ -151,9 +151,9 @@ def compare(model: Any, sample: Any, budget: int | str = "90%", *, gpus: str | I
     are :func:`autofit.plan`'s (target, loss_fn, optimizer, precision, savers, search, ...), the same for every card.
 
     The plans share the analysis and the simulations where the card does not change them (Note [one analysis for
-    several cards], autofit/simulate/shared.py): each row equals ``autofit.plan(..., device=Device(gpu=card))``."""
+    several cards], autofit/core/shared.py): each row equals ``autofit.plan(..., device=Device(gpu=card))``."""
     from autofit.planner import plan
-    from autofit.simulate.shared import sharing
+    from autofit.core.shared import sharing
     from autofit.training.length import length_spec
     from autofit.training.optim import as_optimizer_spec
     from autofit.validate import as_inputs

@@ -171,7 +171,7 @@ class DeviceTarget:
     @property
     def simulation_key(self) -> tuple | None:
         """What of this device a simulation reads (its ``simulation_rules``): targets with the same key simulate the
-        same step alike (Note [one analysis for several cards], autofit/simulate/shared.py); None: not shared."""
+        same step alike (Note [one analysis for several cards], autofit/core/shared.py); None: not shared."""
         return None
 
     def memory_terms(self, analysis, rows: int) -> DeviceTerms:

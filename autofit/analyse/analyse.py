@@ -16,7 +16,7 @@ from autofit.capture.graph import capture_graph
 from autofit.training.loss import LossFn
 from autofit.training.recompute import saved_op_names
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
-from autofit.simulate.shared import shared
+from autofit.core.shared import shared
 from autofit.simulate.sample_rows import SampleRows, each_step, sample_micro_batches
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.training.step import StepConfig

@@ -66,7 +66,7 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
 def kernel_key(gpu: GPUSpec) -> tuple:
     """What of ``gpu`` the kernels of a simulation read (``sdpa_backend``'s thresholds of the compute capability, and
     the platform): cards with the same key run the same simulated step (Note [one analysis for several cards],
-    autofit/simulate/shared.py)."""
+    autofit/core/shared.py)."""
     sm = gpu.compute_capability
     return (gpu.platform, sm >= (8, 0), sm >= (7, 0), sm >= (5, 0))
 

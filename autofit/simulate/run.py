@@ -88,7 +88,7 @@ from autofit.simulate.parallel import ddp_buckets, fake_mesh, grads_into_buckets
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
-from autofit.simulate.shared import shared
+from autofit.core.shared import shared
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay

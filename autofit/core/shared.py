@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["sharing", "shared", "SharedStats"]
+__all__ = ["sharing", "shared", "SharedStats", "forked", "taken", "merge"]
 
 T = TypeVar("T")
 
@@ -47,11 +50,19 @@ class SharedStats:
 class _Memo:
     def __init__(self) -> None:
         self.values: dict[tuple, Any] = {}
+        self.order: list[tuple] = []  # keys in the order computed; a forked worker sends back those after ``since``
+        self.since = 0
         self.alive: list[Any] = []  # what the keys name by identity, kept alive (Note [one analysis for several cards])
         self.stats = SharedStats()
 
+    def store(self, key: tuple, value: Any, stage: str) -> None:
+        self.values[key] = value
+        self.order.append(key)
+        self.stats.computed[stage] = self.stats.computed.get(stage, 0) + 1
+
 
 _ACTIVE: _Memo | None = None
+_CONTENT_LIMIT = 64 << 20  # a real input tensor up to this size is keyed by its bytes, a larger one by identity
 
 
 @contextlib.contextmanager
@@ -70,26 +81,91 @@ def sharing() -> Iterator[SharedStats]:
         _ACTIVE = None
 
 
+def forked() -> None:
+    """In a forked worker: what this process computes from here on is what :func:`taken` sends back."""
+    if _ACTIVE is not None:
+        _ACTIVE.since = len(_ACTIVE.order)
+
+
+def taken() -> bytes:
+    """In a forked worker: the stages it computed, pickled for the parent's :func:`merge` (b"" when none, or when
+    they do not pickle: the parent then only misses the chance to reuse them)."""
+    if _ACTIVE is None:
+        return b""
+    entries = [(k, _ACTIVE.values[k]) for k in _ACTIVE.order[_ACTIVE.since:] if _portable(k)]
+    try:
+        return pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL) if entries else b""
+    except Exception:  # noqa: BLE001 - a key or value that does not pickle: nothing shared, nothing wrong
+        return b""
+
+
+def merge(data: bytes) -> None:
+    """In the parent: a worker's stages (:func:`taken`), kept as if computed here."""
+    if _ACTIVE is None or not data:
+        return
+    try:
+        entries = pickle.loads(data)
+    except Exception:  # noqa: BLE001
+        return
+    for key, value in entries:
+        if key not in _ACTIVE.values:
+            _ACTIVE.store(key, value, key[0])
+
+
+def _portable(key: tuple) -> bool:
+    """Whether ``key`` names only what the parent holds too: the model's parameters (a forked worker's are the
+    parent's, at the same addresses) and inputs keyed by their bytes, not an object of the worker's own."""
+    return "by identity" not in repr(key[3:5])
+
+
 def _model_key(model: torch.nn.Module) -> tuple:
-    return (tuple((name, type(m)) for name, m in model.named_modules()), tuple(id(p) for p in model.parameters()))
+    # modules by name and class name, parameters by identity: a cut model holds the whole model's parameters
+    return (tuple((name, type(m).__module__, type(m).__qualname__) for name, m in model.named_modules()),
+            tuple(id(p) for p in model.parameters()))
 
 
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", id(leaf), tuple(leaf.shape), leaf.dtype, leaf.device.type)
-    try:
-        hash(leaf)
+        head = ("tensor", tuple(leaf.shape), str(leaf.dtype), leaf.device.type, leaf.requires_grad)
+        real = leaf.device.type == "cpu" and not _is_fake(leaf)
+        if real and leaf.numel() * leaf.element_size() <= _CONTENT_LIMIT:
+            data = leaf.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            return (*head, hashlib.blake2b(data, digest_size=16).hexdigest())
+        return (*head, "by identity", id(leaf)) if real else head  # a meta tensor has no values
+    if isinstance(leaf, (str, int, float, bool, type(None))):
         return leaf
-    except TypeError:
-        return ("object", id(leaf))
+    return ("by identity", id(leaf))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "FakeTensor"
 
 
 def _batch_key(batch: Any) -> tuple:
     if batch is None:
         return (None,)
     leaves, spec = pytree.tree_flatten((batch.args, batch.kwargs) if hasattr(batch, "args") else batch)
-    extra = tuple(getattr(batch, f, None) for f in ("size", "kind", "shared", "batch_dim"))
+    extra = tuple(repr(getattr(batch, f, None)) for f in ("size", "kind", "shared", "batch_dim"))
     return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), extra)
+
+
+def _step_key(config: Any) -> Any:
+    """The step's fields but the card's name (``gpu``); a factory built as ``functools.partial`` (the optimizer's:
+    a new one per request) by what it calls."""
+    if not dataclasses.is_dataclass(config):
+        return config
+    return tuple((f.name, _callable_key(getattr(config, f.name))) for f in dataclasses.fields(config)
+                 if f.name != "gpu")
+
+
+def _callable_key(value: Any) -> Any:
+    if isinstance(value, functools.partial):
+        return ("partial", _callable_key(value.func), tuple(_callable_key(a) for a in value.args),
+                tuple(sorted((k, _callable_key(v)) for k, v in value.keywords.items())))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__, tuple((f.name, _callable_key(getattr(value, f.name)))
+                                                for f in dataclasses.fields(value)))
+    return value
 
 
 def _rules_key(device_rules: Any) -> Any:
@@ -110,10 +186,11 @@ def shared(stage: str, compute: Callable[[], T], *, model: torch.nn.Module, batc
         return compute()
     rules = _rules_key(device_rules)
     try:
-        step = dataclasses.replace(config, gpu=None) if dataclasses.is_dataclass(config) else config
-        key = (stage, rules, _model_key(model), _batch_key(batch), _batch_key(target), loss_fn, step, extra)
+        step = _step_key(config)
+        # the loss by identity: the caller's object, alive in the parent of a forked worker too
+        key = (stage, rules, _model_key(model), _batch_key(batch), _batch_key(target), id(loss_fn), step, extra)
         hash(key)
-    except TypeError:  # an unhashable config or loss: not shared
+    except TypeError:  # an unhashable config: not shared
         key = None
     if rules is None or key is None:
         return compute()
@@ -121,7 +198,6 @@ def shared(stage: str, compute: Callable[[], T], *, model: torch.nn.Module, batc
         memo.stats.reused[stage] = memo.stats.reused.get(stage, 0) + 1
         return memo.values[key]
     value = compute()
-    memo.values[key] = value
     memo.alive.append((model, batch, target, loss_fn, config))
-    memo.stats.computed[stage] = memo.stats.computed.get(stage, 0) + 1
+    memo.store(key, value, stage)
     return value
