@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from torch.utils import _pytree as pytree
+from autofit.core._torch import pytree
 
 __all__ = ["sharing", "shared", "SharedStats", "forked", "taken", "merge"]
 
