@@ -11,14 +11,19 @@ Note [one analysis for several cards]
     one after another inside :func:`sharing`, where the analysis (``analyse_model``) and each full simulation
     (``simulate_step``) of a step already run for one card are answered from here for the next. Each card's plan is
     still the planner's own, stage by stage; only the work it would repeat is skipped.
-    The key is the step as the simulation reads it: the model (its modules' names and types and its parameters, by
-    identity: a cut model shares the whole model's parameters, Note [depth extrapolation]), the inputs (their
-    tensors by identity, shape and dtype), the loss, the ``StepConfig`` without the card's name, and the rules'
-    key. The memo keeps every object its keys name alive, so an identity is never reused while it is in use; it
-    lives for one :func:`sharing` block. A simulation that a forked worker runs (Note [parallel simulations],
-    autofit/core/workers.py: the cut models of a depth extrapolation) is answered from the memo when it is there,
-    but one it computes stays in the worker; the analyses and the simulations of whole models run in this process.
-    A step whose config or loss cannot be hashed is simulated each time, as without sharing.
+    The key is the step as the simulation reads it: the model (its modules' names and classes, and its parameters by
+    identity: a cut model holds the whole model's parameters, Note [depth extrapolation]), the inputs (a real tensor
+    by its bytes, a meta tensor by its shape and dtype), the loss by identity, the ``StepConfig`` without the card's
+    name (a factory built as ``functools.partial`` by what it calls: the optimizer's is built anew per request), and
+    the rules' key. The memo keeps every object its keys name by identity alive, so an identity is never reused
+    while it is in use; it lives for one :func:`sharing` block. A forked worker (Note [parallel simulations],
+    autofit/core/workers.py: the analysis' two sizes, the cut models of a depth extrapolation) starts with the memo
+    as it was and sends what it computed back with its result (:func:`taken`, :func:`merge`): its keys name the
+    parent's parameters at the same addresses, and an input it made itself is keyed by its bytes (one keyed by
+    identity is not sent). A step whose config cannot be hashed is simulated each time, as without sharing.
+    What stays per card is what the card changes: the search's checkpoint MILPs (its memory and time models), and
+    the verification of a configuration no card before it chose (benchmarks/compare_cards.py times one plan
+    against the comparison).
 """
 
 from __future__ import annotations
