@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autofit.core.errors import HostMemoryError, InfeasibleBudgetError, InvalidInputError
+from autofit.core.errors import HostMemoryError, InfeasibleBudgetError, InvalidInputError, UnsupportedPrecisionError
 from autofit.core.units import parse_budget
 from autofit.cuda.catalog import GPUS, gpu_spec
 from autofit.emit.plan import Plan
@@ -193,7 +193,7 @@ def compare(model: Any, sample: Any, budget: int | str = "90%", *, gpus: str | I
             except InfeasibleBudgetError as e:
                 rows.append(replace(row, min_budget_bytes=e.min_budget_bytes, why=str(e)))
                 continue
-            except HostMemoryError as e:
+            except (HostMemoryError, UnsupportedPrecisionError) as e:  # e.g. bf16 asked of a card without it
                 rows.append(replace(row, why=str(e)))
                 continue
             rows.append(replace(row, fits=True, plan=chosen))
