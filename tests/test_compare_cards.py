@@ -58,7 +58,8 @@ def _single(model, sample, budget, card, **kw):
 
 # 538 MiB: below the quick path's 540 MiB, so every card is analysed and searched (the H100's workspace misses it)
 @pytest.mark.parametrize("budget", [pytest.param("90%", marks=pytest.mark.sim),
-                                    pytest.param("538MiB", marks=pytest.mark.slow)])
+                                    pytest.param("538MiB", marks=pytest.mark.slow)])  # about 60 s: the H100's
+# single plan climbs every rung to name its smallest budget
 def test_each_row_is_the_single_plan_of_its_card(budget):
     model, sample = tiny_llama()
     rows = autofit.compare(model, sample, budget, gpus=FOUR, batch_size=16, prices=PRICES)
@@ -112,7 +113,7 @@ def test_a_sample_without_a_sequence_counts_samples():
 
 # ---- the analysis runs once per group of cards that simulate alike ---------------------------------------------------
 
-@pytest.mark.slow  # three comparisons at a budget the quick path misses: about 50 s on two cores
+@pytest.mark.sim  # three comparisons at a budget the quick path misses: about 13 s
 def test_four_cards_of_one_group_run_the_analysis_once(monkeypatch):
     stage = importlib.import_module("autofit.analyse.analyse")
     calls = []
@@ -172,7 +173,7 @@ def test_all_is_the_catalog():
     assert cards("4090, rtx4090,A100") == ("RTX-4090", "A100-80GB")  # names resolved, duplicates dropped
 
 
-@pytest.mark.slow  # every card of the catalog: 27 plans of a two-layer Llama
+@pytest.mark.sim  # every card of the catalog: 27 plans of a two-layer Llama, from three analyses' worth of work
 def test_the_cli_all_covers_the_catalog_as_json():
     result = runner.invoke(app, ["plan", f"{HERE / 'test_compare_cards.py'}:tiny_llama", "--budget", "90%", "-n",
                                  "16", "--gpu", "all", "--json", "-q"])
