@@ -56,10 +56,10 @@ def _single(model, sample, budget, card, **kw):
 
 # ---- (a) rows against single plans, (b) the cost by hand, (c) the order --------------------------------------------
 
-# 538 MiB: below the quick path's 540 MiB, so every card is analysed and searched (the H100's workspace misses it)
+# 538 MiB: below the quick path's 540 MiB, so every card is analysed and searched (the H100's workspace misses it:
+# its single plan climbs every rung to name its smallest budget, about 60 s)
 @pytest.mark.parametrize("budget", [pytest.param("90%", marks=pytest.mark.sim),
-                                    pytest.param("538MiB", marks=pytest.mark.slow)])  # about 60 s: the H100's
-# single plan climbs every rung to name its smallest budget
+                                    pytest.param("538MiB", marks=pytest.mark.slow)])
 def test_each_row_is_the_single_plan_of_its_card(budget):
     model, sample = tiny_llama()
     rows = autofit.compare(model, sample, budget, gpus=FOUR, batch_size=16, prices=PRICES)
