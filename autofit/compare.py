@@ -14,8 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autofit.core import progress
 from autofit.core.errors import HostMemoryError, InfeasibleBudgetError, InvalidInputError, UnsupportedPrecisionError
-from autofit.core.units import parse_budget
+from autofit.core.units import format_bytes, parse_budget
 from autofit.cuda.catalog import GPUS, gpu_spec
 from autofit.emit.plan import Plan
 from autofit.options import Device, Layout
@@ -179,14 +180,17 @@ def compare(model: Any, sample: Any, budget: int | str = "90%", *, gpus: str | I
     unit, per_step = (TOKENS, rows_per_step * length) if length else (SAMPLES, rows_per_step)
     rows = []
     with sharing():
-        for name in names:
+        for position, name in enumerate(names):
             spec = gpu_spec(name)
             budget_bytes = parse_budget(budget, device_total_bytes=spec.memory_bytes)
             row = CardRow(gpu=name, fits=False, budget_bytes=budget_bytes, world_size=world_size, unit=unit,
                           items_per_step=per_step, price_per_hour=price.get(name))
             if budget_bytes > spec.memory_bytes and not base.allow_over_capacity:
-                rows.append(replace(row, why=f"the budget is over the card's {spec.memory_bytes / 2**30:.0f} GiB"))
+                rows.append(replace(row, why=f"budget {format_bytes(budget_bytes)} is more than the card's memory, "
+                                             f"{format_bytes(spec.memory_bytes)}: a size applies to every card as it "
+                                             "is (a share such as '90%' is of each card's own)"))
                 continue
+            progress.report(f"card {name}", position, len(names))  # the comparison, how far
             try:
                 chosen = plan(model, sample, budget, batch_size=batch_size, layout=layout,
                               device=replace(base, kind="cuda", gpu=name), **plan_options)

@@ -138,6 +138,18 @@ def test_four_cards_of_one_group_run_the_analysis_once(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.sim
+def test_a_size_budget_applies_to_every_card_and_a_smaller_card_says_so():
+    model, sample, target = tiny_mlp()
+    rows = autofit.compare(model, sample, "30GiB", gpus="RTX-4090,A100-80GB", target=target)
+    big, small = rows
+    assert big.gpu == "A100-80GB" and big.fits and big.budget_bytes == 30 * 2**30
+    assert small.gpu == "RTX-4090" and not small.fits and small.plan is None
+    assert "more than the card's memory, 24.00 GiB" in small.why
+    shares = autofit.compare(model, sample, "50%", gpus="RTX-4090,A100-80GB", target=target)
+    assert {r.gpu: r.budget_bytes for r in shares} == {"RTX-4090": 12 * 2**30, "A100-80GB": 40 * 2**30}
+
+
 # ---- (d) typed errors, (e) the catalog ----------------------------------------------------------------------------
 
 def test_a_price_for_a_card_not_compared_is_refused_naming_it():
