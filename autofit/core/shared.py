@@ -201,8 +201,29 @@ def shared(stage: str, compute: Callable[[], T], *, model: torch.nn.Module, batc
         return compute()
     if key in memo.values:
         memo.stats.reused[stage] = memo.stats.reused.get(stage, 0) + 1
-        return memo.values[key]
+        return _fresh(memo.values[key])
     value = compute()
+    if getattr(value, "row_reader", None) is not None:  # its program of the rows' reads does not copy: not shared
+        return value
     memo.alive.append((model, batch, target, loss_fn, config))
-    memo.store(key, value, stage)
+    memo.store(key, _frozen(value), stage)
     return value
+
+
+def _frozen(value: Any) -> Any:
+    """What the memo keeps of ``value``: its pickle, so that every answer is a fresh copy, as a simulation run again
+    would give (a later stage may keep state on what it is handed: the allocator's replay under a budget); the
+    object itself where it does not pickle."""
+    try:
+        return _Pickled(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001
+        return value
+
+
+def _fresh(value: Any) -> Any:
+    return pickle.loads(value.data) if isinstance(value, _Pickled) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pickled:
+    data: bytes
