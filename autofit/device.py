@@ -168,6 +168,12 @@ class DeviceTarget:
         None."""
         return None
 
+    @property
+    def simulation_key(self) -> tuple | None:
+        """What of this device a simulation reads (its ``simulation_rules``): targets with the same key simulate the
+        same step alike (Note [one analysis for several cards], autofit/core/shared.py); None: not shared."""
+        return None
+
     def memory_terms(self, analysis, rows: int) -> DeviceTerms:
         """CUDA: calibrate ``device_bytes = scale * tensor_bytes + constant`` on the analysed window with every tensor
         sized for ``rows`` (sizes are linear in the micro-batch, see analyse/profile.py). The constant is the cuBLAS
@@ -276,6 +282,12 @@ class CUDATarget(DeviceTarget):
         return replace(est, peak_bytes=peak, device_bytes=device_bytes, breakdown=breakdown,
                        peak_reserved_bytes=device_bytes - breakdown[Category.CUDA_CONTEXT], notes=est.notes + (note,),
                        alloc_conf=conf)
+
+    @property
+    def simulation_key(self) -> tuple | None:
+        from autofit.cuda.kernels import kernel_key
+
+        return ("cuda", kernel_key(self.gpu))
 
     def simulation_rules(self, stack, config):
         from autofit.cuda.autocast_policy import cuda_autocast_policy

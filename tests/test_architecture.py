@@ -28,8 +28,9 @@ LAYERS: list[set[str]] = [
     {"solve"},  # 5. memory and time models, search
     {"measure"},  # ground truth on the real device
     {"emit"},  # 6. the Plan, the training wrapper it emits, and the plan in other frameworks' terms
-    # the public entry points that compose the stages, the options they take, and the request's checks
-    {"api", "planner", "request", "validate", "options"},
+    # the public entry points that compose the stages (compare: one plan per card), the options they take, and the
+    # request's checks
+    {"api", "planner", "request", "validate", "options", "compare"},
     {"integrations"},  # a Plan applied inside other trainers (Hugging Face, Lightning)
     {"cli"},
     {"__init__", "__main__"},

@@ -16,6 +16,7 @@ from autofit.capture.graph import capture_graph
 from autofit.training.loss import LossFn
 from autofit.training.recompute import saved_op_names
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
+from autofit.core.shared import shared
 from autofit.simulate.sample_rows import SampleRows, each_step, sample_micro_batches
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.training.step import StepConfig
@@ -43,6 +44,15 @@ def analyse_model(
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. A step with a ``strategy`` simulates one
     rank of a data-parallel step (``simulate/parallel.py``).
     """
+    # the same analysis for another card of the same rules (Note [one analysis for several cards])
+    return shared("analyse_model", lambda: _analyse(model, batch, target, loss_fn, step, probe_kernels=probe_kernels,
+                                                     device_rules=device_rules),
+                  model=model, batch=batch, target=target, loss_fn=loss_fn, config=step, device_rules=device_rules,
+                  extra=(probe_kernels,))
+
+
+def _analyse(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, step: StepConfig, *,
+             probe_kernels: bool, device_rules: DeviceRules | None) -> Analysis:
     graph = capture_graph(model, batch)
     precision = step.precision
     configs = [replace(step, micro_batch_size=size, accumulation_steps=2, checkpoint=(), offload=(),

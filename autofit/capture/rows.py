@@ -23,6 +23,7 @@ from torch import nn
 from autofit.capture.model_copy import fake_copy, fake_input
 from autofit.core._torch import FakeTensorMode
 from autofit.core.errors import ForwardError
+from autofit.core.shared import shared
 from autofit.training.batch import Batch
 from autofit.training.step import forward_errors
 
@@ -31,7 +32,13 @@ __all__ = ["smallest_rows"]
 
 def smallest_rows(model: nn.Module, batch: Batch) -> tuple[int, str | None]:
     """``(1, None)`` when the model's forward accepts one row, ``(2, why)`` when it refuses one row but accepts two
-    (See Note [micro-batches a model refuses])."""
+    (See Note [micro-batches a model refuses]). The same for every card: asked once for them all (Note [one analysis
+    for several cards], autofit/core/shared.py)."""
+    return shared("smallest_rows", lambda: _smallest_rows(model, batch), model=model, batch=batch, target=None,
+                  loss_fn=None, config=None, device_rules=None)
+
+
+def _smallest_rows(model: nn.Module, batch: Batch) -> tuple[int, str | None]:
     refused = _refusal(model, batch, 1)
     if refused is None or _refusal(model, batch, 2) is not None:  # failing at two as well: not about the rows
         return 1, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -60,6 +61,15 @@ QloraOpt = Annotated[bool, typer.Option("--qlora", help="with --lora: the base's
                                         "(bitsandbytes, double-quantized), as QLoRA loads them")]
 GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU model for device cuda, e.g. A100-80GB, RTX-3060, "
                                                 "MI300X (default: this machine's GPU, else A100-80GB)")]
+PlanGpuOpt = Annotated[Optional[str], typer.Option(
+    "--gpu", help="GPU model for device cuda, e.g. A100-80GB, RTX-3060, MI300X (default: this machine's GPU, else "
+    "A100-80GB); several, comma separated (RTX-4090,L40S,A100-80GB,H100), or all (the catalog): one plan per card "
+    "in one table, sorted by throughput or, with --price, by cost (a % budget is a share of each card, a size "
+    "applies to every card)")]
+PriceOpt = Annotated[Optional[list[str]], typer.Option(
+    "--price", metavar="CARD=USD_PER_HOUR", help="with --gpu: what one card costs per hour, e.g. RTX-4090=0.69 "
+    "(repeatable, or comma separated): the table adds the cost per million tokens (or samples) and sorts by it. "
+    "No prices are built in: they change")]
 GpuMemoryOpt = Annotated[Optional[str], typer.Option(
     "--gpu-memory", help="a card not in the catalog: its memory, e.g. 12GiB (a vendor's '12 GB' card has 12GiB; "
     "12GB is 12x10^9 bytes); with --gpu, that card's other figures, else the A100-80GB's")]
@@ -208,8 +218,8 @@ def _spec(model: str, input_shape, input_dtype, config, task=None, *, model_dtyp
 @app.command(cls=Command)
 def plan(
     budget: BudgetOpt, model: OptionalModelArg = None, batch_size: OptionalBatchOpt = None, input_shape: ShapeOpt = None,
-    input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: GpuOpt = None, gpu_memory: GpuMemoryOpt = None,
-    precision: PrecisionOpt = "auto",
+    input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: PlanGpuOpt = None, gpu_memory: GpuMemoryOpt = None,
+    price: PriceOpt = None, precision: PrecisionOpt = "auto",
     optimizer: OptimizerOpt = "adamw", config: ConfigOpt = None, task: TaskOpt = None, world_size: WorldOpt = 1,
     strategy: StrategyOpt = None, as_json: JsonOpt = False, min_stored_precision: StoredOpt = None,
     offload: OffloadOpt = True, host_budget: HostBudgetOpt = None, margin: MarginOpt = None,
@@ -229,6 +239,7 @@ def plan(
     from_file: FromOpt = None, write: WriteOpt = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
+    from autofit.cli.compare import check_compare_flags, render_rows, rows_json, several_cards
     from autofit.cli.estimate import sequence_option
     from autofit.cli.render import render_plan
     from autofit.options import Device, Layout, Precision, Savers, Search
@@ -240,7 +251,10 @@ def plan(
         exports = parse_exports(export, EXPORT_NAMES)
         if plot is not None:
             check_plot(plot)
-        note = gpu_note(gpu) if device == "cuda" else None
+        cards = several_cards(gpu, price)  # one plan per card, side by side (autofit/cli/compare.py)
+        if cards:
+            check_compare_flags(gpu, device=device, gpu_memory=gpu_memory, export=export, plot=plot, write=write)
+        note = gpu_note(gpu) if device == "cuda" and not cards else None
         if note:
             say(console, "note", note)
         if write is not None and from_file is None:
@@ -280,16 +294,28 @@ def plan(
                           tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
                           tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)),
             search=Search(variable_length=variable_length))
-        with planning_progress(console, quiet=quiet), one_line_warnings(console):
-            result, analyses = plan_with_analysis(
-                spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                optimizer=optimizer, batch_dim=dims, **options)
+        if cards:
+            from autofit.compare import compare
+
+            options["device"] = replace(options["device"], gpu=None)  # each card in turn
+            with planning_progress(console, quiet=quiet), one_line_warnings(console):
+                rows = compare(spec.model, spec.sample, budget, gpus=gpu, prices=price, batch_size=batch_size,
+                               target=spec.target, loss_fn=spec.loss_fn, optimizer=optimizer, batch_dim=dims,
+                               **options)
+        else:
+            with planning_progress(console, quiet=quiet), one_line_warnings(console):
+                result, analyses = plan_with_analysis(
+                    spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
+                    optimizer=optimizer, batch_dim=dims, **options)
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too
         _fail(console, str(e), EXIT_INFEASIBLE)
     except (AutofitError, typer.BadParameter) as e:
         _fail(console, str(e), EXIT_INPUT)
+    if cards:
+        rows_json(rows) if as_json else render_rows(console, rows, spec.description, budget)
+        return
     if as_json:
         sys.stdout.write(result.to_json() + "\n")
     else:

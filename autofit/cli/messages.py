@@ -77,13 +77,13 @@ def one_line_warnings(console: Console) -> Iterator[None]:
 
 
 def gpu_note(gpu: str | None) -> str | None:
-    """For a name that stands for several parts ('A100': 40 and 80 GB), which one the plan uses and how to pick
-    the other."""
+    """For a name that stands for several parts ('A100': 40 and 80 GB), which one the plan uses and the flag value
+    of each other part; None for a name of one card ('RTX4090')."""
     if gpu is None:
         return None
     alias = resolve_alias(gpu)
     if alias is None:
         return None
     picked, others = alias
-    other = f"; for the {' or '.join(others)} say --gpu {others[0]}" if others else ""
+    other = ("; for the " + ", for the ".join(f"{o} say --gpu {o}" for o in others)) if others else ""
     return f"--gpu {gpu} means the {picked}{other}"

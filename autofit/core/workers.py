@@ -63,7 +63,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from autofit.core import progress
+from autofit.core import progress, shared
 from autofit.core._torch import forget_interrupts, interruption_point
 
 __all__ = ["Pending", "start", "run_all", "parallel_available", "ENV"]
@@ -160,14 +160,17 @@ class Pending(Generic[T]):
         finally:
             killed = self._reap()
         try:
-            status, value = pickle.loads(b"".join(chunks))
+            status, value, stages = pickle.loads(b"".join(chunks))
         except Exception:  # noqa: BLE001 - the child died or wrote nothing usable: run the job here
             if killed == signal.SIGKILL:  # not by us (a child given up on returned above): the OOM killer, mostly
                 warnings.warn("a worker process was killed (out of memory?) before it answered: running its "
                               "simulation in this process (Note [parallel simulations])", RuntimeWarning,
                               stacklevel=4)
             return _FAILED
-        return value if status == "ok" else _FAILED
+        if status != "ok":
+            return _FAILED
+        shared.merge(stages)
+        return value
 
     def _reap(self) -> int | None:
         """Close the pipe and wait for the child; the signal that ended it, if one did."""
@@ -237,9 +240,11 @@ def start(job: Callable[[], T], *, fork: bool = True) -> Pending[T]:
         _die_with(parent)
         _child_setup()
         try:
-            payload = pickle.dumps(("ok", job()), protocol=pickle.HIGHEST_PROTOCOL)
+            value = job()
+            # what the job computed for the parent's shared stages (Note [one analysis for several cards])
+            payload = pickle.dumps(("ok", value, shared.taken()), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # noqa: BLE001 - the parent runs the job itself and raises the real error
-            payload = pickle.dumps(("error", None))
+            payload = pickle.dumps(("error", None, b""))
         with os.fdopen(write, "wb") as out:
             out.write(payload)
         status = 0
@@ -293,6 +298,7 @@ def _die_with(parent: int) -> None:
 def _child_setup() -> None:
     global _in_worker
     _in_worker = True
+    shared.forked()
     import torch
 
     torch.set_num_threads(1)  # see Note [parallel simulations]: OpenMP's pool does not survive fork

@@ -83,21 +83,41 @@ def gpu_spec(name: str | GPUSpec | Mapping) -> GPUSpec:
         if found is not None and found.memory_bytes != int(suffix.group(1)) * GiB:
             found = None
     if found is None:
-        raise InvalidInputError(f"unknown GPU {name!r}: autofit knows {', '.join(GPUS)}; describe another card with "
-                                "gpu={'memory': '12GB', 'like': 'RTX-4070'} (CLI: --gpu-memory 12GB)")
+        raise InvalidInputError(f"unknown GPU {name!r}{_closest(name)}: autofit knows {', '.join(GPUS)}; describe "
+                                "another card with gpu={'memory': '12GB', 'like': 'RTX-4070'} (CLI: --gpu-memory 12GB)")
     return found
 
 
+_FORMS = ("pcie", "nvl", "sxm")  # form factors of one part: the same GPU in another board
+
+
+def _bare(key: str) -> str:
+    return key[3:] if key.startswith("rtx") else key
+
+
+def _closest(name: str) -> str:
+    """", did you mean 'L40S'?" for the catalog name (or alias) closest to ``name``, else ""."""
+    import difflib
+
+    keys = {_key(n): n for n in GPUS} | {a.replace("-", ""): GPUS[p].name for a, p in _ALIASES.items()}
+    close = difflib.get_close_matches(_key(name), list(keys), n=1, cutoff=0.6)
+    return f", did you mean {keys[close[0]]!r}?" if close else ""
+
+
 def resolve_alias(name: str) -> tuple[str, tuple[str, ...]] | None:
-    """For an alias that stands for several catalog parts ("A100": 40 and 80 GB), the part :func:`gpu_spec` picks
-    and the other parts of that family; None for an exact catalog name or a name naming one part only."""
+    """For an alias, the part :func:`gpu_spec` picks and the other parts the same words name: the same GPU with
+    other memory ("A100": 40 and 80 GB) or in another board ("H100": SXM, PCIe, NVL); None for an exact catalog
+    name, and for an alias that names its part alone ("RTX4090", "4090": one card, nothing to choose) unless it
+    names it by other words ("rtx6000" is the RTX-6000-Ada)."""
     wanted = normalise_gpu_name(name) if isinstance(name, str) else ""
     if wanted not in _ALIASES:
         return None
     picked = _ALIASES[wanted]
-    family = picked.split("-")[0]
-    others = tuple(n for n in GPUS if n != picked and n.split("-")[0] == family)
-    return (picked, others) if others else None
+    said = _bare(wanted.replace("-", ""))
+    others = tuple(n for n in GPUS if n != picked and _bare(catalog_key(n)) in (said, *(said + f for f in _FORMS)))
+    if not others and _bare(catalog_key(picked)) == said:
+        return None
+    return picked, others
 
 
 def card_memory(memory: int | str) -> int:

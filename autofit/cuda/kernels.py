@@ -41,7 +41,7 @@ import torch
 from autofit.core._torch import destroy_library, exclude_dispatch_key
 from autofit.cuda.catalog import GPUSpec
 
-__all__ = ["cuda_kernels", "flash_backward_scratch", "sdpa_backend", "softmax_cuda"]
+__all__ = ["cuda_kernels", "flash_backward_scratch", "kernel_key", "sdpa_backend", "softmax_cuda"]
 
 aten = torch.ops.aten
 
@@ -61,6 +61,14 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     if four_d and sm >= (5, 0) and dtype_ok and not enable_gqa and head % _gemm_alignment(dtype, sm) == 0:
         return "efficient"
     return "math"
+
+
+def kernel_key(gpu: GPUSpec) -> tuple:
+    """What of ``gpu`` the kernels of a simulation read (``sdpa_backend``'s thresholds of the compute capability, and
+    the platform): cards with the same key run the same simulated step (Note [one analysis for several cards],
+    autofit/core/shared.py)."""
+    sm = gpu.compute_capability
+    return (gpu.platform, sm >= (8, 0), sm >= (7, 0), sm >= (5, 0))
 
 
 def _gemm_alignment(dtype: torch.dtype, sm: tuple[int, int]) -> int:

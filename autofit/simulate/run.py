@@ -89,6 +89,7 @@ from autofit.simulate.parallel import ddp_buckets, fake_mesh, grads_into_buckets
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
+from autofit.core.shared import shared
 from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
                                     tracked_rng_state)
 from autofit.simulate.timeline import Phase, Replay, Timeline, replay
@@ -155,6 +156,18 @@ def simulate_step(
     autocast op policy and attention kernels); a CUDA step needs it, and the caller resolves the device once."""
     if not config.device.is_host and device_rules is None:
         raise TypeError("simulate_step: a CUDA step needs device_rules=resolve_device('cuda', gpu).simulation_rules")
+    if observer is None:  # the same step for another card of the same rules: Note [one analysis for several cards]
+        return shared("simulate_step", functools.partial(_hooked_step, model, batch, target, loss_fn, config,
+                                                         probe_kernels=probe_kernels, device_rules=device_rules),
+                      model=model, batch=batch, target=target, loss_fn=loss_fn, config=config,
+                      device_rules=device_rules, extra=(probe_kernels,))
+    return _hooked_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
+                        device_rules=device_rules)
+
+
+def _hooked_step(model: nn.Module, batch: Batch, target: Any, loss_fn: LossFn | None, config: StepConfig, *,
+                 probe_kernels: bool = True, observer: Observer | None = None,
+                 device_rules: DeviceRules | None = None) -> Simulation:
     with user_hooks_restored(model) as hooks:  # Note [user hooks]
         sim = _simulate_step(model, batch, target, loss_fn, config, probe_kernels=probe_kernels, observer=observer,
                              device_rules=device_rules)
