@@ -5,8 +5,8 @@
     python benchmarks/compare_cards.py ... --separate                      # also four separate plans
 
 Times, in one process, after a warm-up plan of another card (imports, the first trace): one plan for the first card
-(``autofit.plan``), then ``autofit.compare`` over the cards (the plans share the analysis and the simulations the
-card does not change: Note [one analysis for several cards], autofit/core/shared.py), then, with ``--separate``,
+(``autofit.plan``), then ``autofit.compare`` over the cards (the plans share the full simulations the
+card does not change, not the analysis: Note [one analysis for several cards], autofit/core/shared.py), then, with ``--separate``,
 one plan per card as four calls would run them. Prints the comparison's table and the times; each row of the
 comparison is checked against the single plan of its card where one was made (micro-batch, accumulation, peak).
 """

@@ -26,6 +26,12 @@ Note [one analysis for several cards]
     it): a later stage may keep state on the simulation it is handed (the caching allocator replayed under a
     budget), and a second card handed the same object saw it. Measured: Llama-3-8B QLoRA (axolotl_qlora_8b.yml)
     on the RTX-4090 came out 60 MiB higher from the comparison than from its single plan until then.
+    What is not shared: the analysis (``analyse_model``). Shared, Llama-3-8B QLoRA (axolotl_qlora_8b.yml, 90 %,
+    ``--gpu H100,RTX-4090``) gave the RTX-4090 22,372,417,536 B on the device against 22,800,236,544 B from its
+    single plan (the same with the simulations not shared; with nothing shared, and with only the analysis not
+    shared, the row equals the single plan). The analysis then reads something of the card that
+    ``simulation_key`` does not name; until that is found each card analyses its own model, which costs the
+    comparison most of its saving (benchmarks/compare_cards.py).
     What stays per card is what the card changes: the search's checkpoint MILPs (its memory and time models), and
     the verification of a configuration no card before it chose (benchmarks/compare_cards.py times one plan
     against the comparison).
@@ -210,23 +216,26 @@ def shared(stage: str, compute: Callable[[], T], *, model: torch.nn.Module, batc
     value = compute()
     if getattr(value, "row_reader", None) is not None:  # its program of the rows' reads does not copy: not shared
         return value
+    frozen = _frozen(value)
+    if frozen is None:  # no copy can be made: a second card handed this object would see the first card's state
+        return value
     memo.alive.append((model, batch, target, loss_fn, config))
-    memo.store(key, _frozen(value), stage)
+    memo.store(key, frozen, stage)
     return value
 
 
-def _frozen(value: Any) -> Any:
+def _frozen(value: Any) -> "_Pickled | None":
     """What the memo keeps of ``value``: its pickle, so that every answer is a fresh copy, as a simulation run again
-    would give (a later stage may keep state on what it is handed: the allocator's replay under a budget); the
-    object itself where it does not pickle."""
+    would give (a later stage may keep state on what it is handed: the allocator's replay under a budget); None
+    where it does not pickle (then it is not shared)."""
     try:
         return _Pickled(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:  # noqa: BLE001
-        return value
+        return None
 
 
-def _fresh(value: Any) -> Any:
-    return pickle.loads(value.data) if isinstance(value, _Pickled) else value
+def _fresh(value: "_Pickled") -> Any:
+    return pickle.loads(value.data)
 
 
 @dataclasses.dataclass(frozen=True)
