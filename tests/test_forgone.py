@@ -5,20 +5,9 @@ planner, no search), and the states-floor arithmetic counted by hand."""
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
 
 import autofit
-
-
-def _model(width: int = 256) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(6)], nn.Linear(width, 10))
-
-
-def _data(rows: int, width: int = 256):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(rows, width, generator=g), torch.randint(0, 10, (rows,), generator=g)
+from tests.test_offload import _data, _model  # the offload tests' model: six blocks a T4 budget pushes to the host
 
 
 @pytest.mark.sim
