@@ -44,8 +44,8 @@ def analyse_model(
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. A step with a ``strategy`` simulates one
     rank of a data-parallel step (``simulate/parallel.py``).
     """
-    # not shared between cards (Note [one analysis for several cards], what is not shared): an 8B QLoRA plan for the
-    # RTX-4090 came out 428 MB lower after the H100's analysis than alone, cause not found
+    # not shared between cards (Note [one analysis for several cards], what is not shared): pickling a live analysis
+    # for the memo made an 8B QLoRA plan for the RTX-4090 428 MB lower than alone, cause not yet found
     return _analyse(model, batch, target, loss_fn, step, probe_kernels=probe_kernels, device_rules=device_rules)
 
 

@@ -8,8 +8,8 @@ Note [one analysis for several cards]
     memory model's calibration (``memory_terms``), the time model (the card's FLOP rate and bandwidth), the budget.
     So cards whose rules agree (``DeviceTarget.simulation_key``: the same platform and the same choices of
     attention kernel) run the same simulation of the same step, byte for byte, and ``autofit.compare`` plans them
-    one after another inside :func:`sharing`, where the analysis (``analyse_model``) and each full simulation
-    (``simulate_step``) of a step already run for one card are answered from here for the next. Each card's plan is
+    one after another inside :func:`sharing`, where each full simulation (``simulate_step``) of a step already run
+    for one card is answered from here for the next (the analysis is not: below). Each card's plan is
     still the planner's own, stage by stage; only the work it would repeat is skipped.
     The key is the step as the simulation reads it: the model (its modules' names and classes, and its parameters by
     identity: a cut model holds the whole model's parameters, Note [depth extrapolation]), the inputs (a real tensor
@@ -29,9 +29,10 @@ Note [one analysis for several cards]
     What is not shared: the analysis (``analyse_model``). Shared, Llama-3-8B QLoRA (axolotl_qlora_8b.yml, 90 %,
     ``--gpu H100,RTX-4090``) gave the RTX-4090 22,372,417,536 B on the device against 22,800,236,544 B from its
     single plan (the same with the simulations not shared; with nothing shared, and with only the analysis not
-    shared, the row equals the single plan). The analysis then reads something of the card that
-    ``simulation_key`` does not name; until that is found each card analyses its own model, which costs the
-    comparison most of its saving (benchmarks/compare_cards.py).
+    shared, the row equals the single plan). Not the card: the RTX-4090 planned first, handed its own analysis
+    after the memo pickled it, came out at the same wrong figure, so pickling a live ``Analysis`` changes something
+    a later stage reads (not yet found). Until it is, each card analyses its own model, which costs the comparison
+    most of its saving (benchmarks/compare_cards.py).
     What stays per card is what the card changes: the search's checkpoint MILPs (its memory and time models), and
     the verification of a configuration no card before it chose (benchmarks/compare_cards.py times one plan
     against the comparison).
