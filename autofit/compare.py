@@ -1,8 +1,8 @@
-"""``autofit.compare``: which card to rent. One plan per card, side by side.
+"""``autofit.compare``: which card to rent. One plan per card, side by side, from one shared analysis.
 
 Each card's row is the planner's own plan for that card (:func:`autofit.plan` with ``device=Device(gpu=card)``);
-the plans run one after another inside :func:`autofit.core.shared.sharing`, so the full simulations of a
-step run once for all the cards that simulate it alike (Note [one analysis for several cards],
+the plans run one after another inside :func:`autofit.core.shared.sharing`, so the analysis and the full
+simulations of a step run once for all the cards that simulate it alike (Note [one analysis for several cards],
 autofit/core/shared.py), and each card pays only for what is its own: the allocator, the memory and time
 models, the search. Prices are the user's (``prices={card: USD per hour}``): none are built in, they change.
 """
@@ -151,8 +151,8 @@ def compare(model: Any, sample: Any, budget: int | str = "90%", *, gpus: str | I
     host budget, ``allow_over_capacity``) applies to every card; its ``gpu`` is each card in turn. The other keywords
     are :func:`autofit.plan`'s (target, loss_fn, optimizer, precision, savers, search, ...), the same for every card.
 
-    The plans share the full simulations where the card does not change them, not the analysis (Note [one
-    analysis for several cards], autofit/core/shared.py): each row equals ``autofit.plan(..., device=Device(gpu=card))``."""
+    The plans share the analysis and the simulations where the card does not change them (Note [one analysis for
+    several cards], autofit/core/shared.py): each row equals ``autofit.plan(..., device=Device(gpu=card))``."""
     from autofit.planner import plan
     from autofit.core.shared import sharing
     from autofit.training.length import length_spec

@@ -5,10 +5,11 @@
     python benchmarks/compare_cards.py ... --separate                      # also four separate plans
 
 Times, in one process, after a warm-up plan of another card (imports, the first trace): one plan for the first card
-(``autofit.plan``), then ``autofit.compare`` over the cards (the plans share the full simulations the
-card does not change, not the analysis: Note [one analysis for several cards], autofit/core/shared.py), then, with ``--separate``,
+(``autofit.plan``), then ``autofit.compare`` over the cards (the plans share the analysis and the simulations the
+card does not change: Note [one analysis for several cards], autofit/core/shared.py), then, with ``--separate``,
 one plan per card as four calls would run them. Prints the comparison's table and the times; each row of the
-comparison is checked against the single plan of its card where one was made (micro-batch, accumulation, peak).
+comparison is checked against the single plan of its card where one was made (micro-batch, accumulation, peak on
+the device, recomputed modules).
 """
 
 from __future__ import annotations
@@ -65,11 +66,15 @@ def main() -> None:
         print(f"{r.gpu:<12}{'yes' if r.fits else 'no':>5}{micro:>13}"
               f"{(r.device_bytes or 0) / 2**30:>10.2f}{r.step_seconds or 0:>9.3g}{r.items_per_second or 0:>10.0f}"
               f"{r.cost_per_million if r.cost_per_million is not None else float('nan'):>9.3f}")
-    if isinstance(single, autofit.Plan):
-        row = next(r for r in rows if r.gpu == autofit.gpu_spec(CARDS[0]).name)
-        same = (row.micro_batch_size, row.accumulation_steps, row.device_bytes) == (
-            single.micro_batch_size, single.gradient_accumulation_steps, single.device_bytes)
-        print(f"{CARDS[0]} row equals its single plan: {same}")
+    # each row against the single plan of its card where one was made (a checkpoint MILP stopped by its wall-clock
+    # limit may pick another set under another load, alone or compared: Note [one analysis for several cards])
+    singles = {CARDS[0]: single} | ({card: plan for card, (plan, _) in zip(CARDS, separate)} if separate else {})
+    for card, plan in singles.items():
+        if isinstance(plan, autofit.Plan):
+            row = next(r for r in rows if r.gpu == autofit.gpu_spec(card).name)
+            same = (row.micro_batch_size, row.accumulation_steps, row.device_bytes, row.plan.checkpoint) == (
+                plan.micro_batch_size, plan.gradient_accumulation_steps, plan.device_bytes, plan.checkpoint)
+            print(f"{card} row equals its single plan: {same}")
     print(f"warm-up plan (RTX-3090)      {warm:8.1f} s")
     print(f"one plan ({CARDS[0]})         {t_one:8.1f} s")
     print(f"comparison of {len(CARDS)} cards       {t_compare:8.1f} s   ratio {t_compare / t_one:.2f}")

@@ -44,9 +44,11 @@ def analyse_model(
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. A step with a ``strategy`` simulates one
     rank of a data-parallel step (``simulate/parallel.py``).
     """
-    # not shared between cards (Note [one analysis for several cards], what is not shared): pickling a live analysis
-    # for the memo made an 8B QLoRA plan for the RTX-4090 428 MB lower than alone, cause not yet found
-    return _analyse(model, batch, target, loss_fn, step, probe_kernels=probe_kernels, device_rules=device_rules)
+    # the same analysis for another card of the same rules (Note [one analysis for several cards])
+    return shared("analyse_model", lambda: _analyse(model, batch, target, loss_fn, step, probe_kernels=probe_kernels,
+                                                     device_rules=device_rules),
+                  model=model, batch=batch, target=target, loss_fn=loss_fn, config=step, device_rules=device_rules,
+                  extra=(probe_kernels,))
 
 
 def _analyse(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, step: StepConfig, *,

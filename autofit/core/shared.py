@@ -8,8 +8,8 @@ Note [one analysis for several cards]
     memory model's calibration (``memory_terms``), the time model (the card's FLOP rate and bandwidth), the budget.
     So cards whose rules agree (``DeviceTarget.simulation_key``: the same platform and the same choices of
     attention kernel) run the same simulation of the same step, byte for byte, and ``autofit.compare`` plans them
-    one after another inside :func:`sharing`, where each full simulation (``simulate_step``) of a step already run
-    for one card is answered from here for the next (the analysis is not: below). Each card's plan is
+    one after another inside :func:`sharing`, where the analysis (``analyse_model``) and each full simulation
+    (``simulate_step``) of a step already run for one card are answered from here for the next. Each card's plan is
     still the planner's own, stage by stage; only the work it would repeat is skipped.
     The key is the step as the simulation reads it: the model (its modules' names and classes, and its parameters by
     identity: a cut model holds the whole model's parameters, Note [depth extrapolation]), the inputs (a real tensor
@@ -25,14 +25,18 @@ Note [one analysis for several cards]
     solve/estimator.py, does not copy). Every answer is a fresh copy (the memo keeps the pickle, as a worker sends
     it): a later stage may keep state on the simulation it is handed (the caching allocator replayed under a
     budget), and a second card handed the same object saw it. Measured: Llama-3-8B QLoRA (axolotl_qlora_8b.yml)
-    on the RTX-4090 came out 60 MiB higher from the comparison than from its single plan until then.
-    What is not shared: the analysis (``analyse_model``). Shared, Llama-3-8B QLoRA (axolotl_qlora_8b.yml, 90 %,
-    ``--gpu H100,RTX-4090``) gave the RTX-4090 22,372,417,536 B on the device against 22,800,236,544 B from its
-    single plan (the same with the simulations not shared; with nothing shared, and with only the analysis not
-    shared, the row equals the single plan). Not the card: the RTX-4090 planned first, handed its own analysis
-    after the memo pickled it, came out at the same wrong figure, so pickling a live ``Analysis`` changes something
-    a later stage reads (not yet found). Until it is, each card analyses its own model, which costs the comparison
-    most of its saving (benchmarks/compare_cards.py).
+    on the RTX-4090 came out 60 MiB higher from the comparison than from its single plan until then (measured
+    before the load effect below was known, so perhaps that effect too).
+    The memo pickles with torch's operators named, not copied (:class:`_Pickler`): an analysis' traced graph names
+    each op it ran, and pickled by value an ``OpOverload`` drags in its dispatch table, whose decorated
+    decompositions do not pickle; the analysis of every model trained with a cross-entropy loss then went unshared.
+    A row can still differ from its card's single plan run at another moment, and so can two single plans: the
+    checkpoint MILP of a model with hundreds of recomputable units stops at a wall-clock limit (solve/
+    checkpoint_milp.py), and the incumbent it holds then depends on the machine's load. Measured on
+    axolotl_qlora_8b.yml, RTX-4090 at 90 %, one command three times with nothing shared: 22,372,417,536,
+    22,800,236,544 and 23,192,403,968 B on the device (33, 37 and 43 modules recomputed), two of its MILPs (1,317
+    and 835 units) stopped by the limit in each run. That, not the sharing, is what set a shared row 428 MB below
+    an earlier single plan (the analysis was not shared for a while because of it).
     What stays per card is what the card changes: the search's checkpoint MILPs (its memory and time models), and
     the verification of a configuration no card before it chose (benchmarks/compare_cards.py times one plan
     against the comparison).
@@ -44,6 +48,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import io
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -229,10 +234,28 @@ def _frozen(value: Any) -> "_Pickled | None":
     """What the memo keeps of ``value``: its pickle, so that every answer is a fresh copy, as a simulation run again
     would give (a later stage may keep state on what it is handed: the allocator's replay under a budget); None
     where it does not pickle (then it is not shared)."""
+    buffer = io.BytesIO()
     try:
-        return _Pickled(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except Exception:  # noqa: BLE001
         return None
+    return _Pickled(buffer.getvalue())
+
+
+def _op_named(schema_name: str, overload: str) -> Any:
+    namespace, name = schema_name.split("::", 1)
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles torch's operators by name, as torch itself holds them: the traced graph of an analysis names each op
+    it ran, and pickled by value an ``OpOverload`` drags in its dispatch table, whose decorated decompositions do
+    not pickle ("it's not the same object as torch._decomp.decompositions.nll_loss_forward")."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op_named, (obj._schema.name, obj._overloadname)
+        return NotImplemented
 
 
 def _fresh(value: "_Pickled") -> Any:
