@@ -128,7 +128,7 @@ class PlanRequest:
         each rank trains batch_size // (world_size // T) of them."""
         if parallel.tensor_parallel == 1:
             return self
-        return replace(self, per_rank=self.batch_size // (self.world_size // parallel.tensor_parallel))
+        return replace(self, per_rank=self.batch_size // parallel.data_ranks)
 
     @property
     def allow_checkpoint(self) -> bool:

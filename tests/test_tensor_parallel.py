@@ -68,6 +68,16 @@ def test_parameters_per_rank_are_the_split_counted_by_hand():
         assert est.breakdown["parameters"] == 4 * (split // tp + whole) // (world // tp), (world, tp)
 
 
+@pytest.mark.sim
+def test_the_summary_counts_the_rows_each_process_trains():
+    """4 ranks, tensor parallel 2, batch 16: the two ranks of a group share their rows, so each process trains 16 / (4
+    / 2) = 8 of them (ROWS x accumulation 2), not 16 / 4 = 4 (what the summary said before ``Parallel.data_ranks``)."""
+    plan = _plan(4, 2, 16)
+    assert plan.parallel.data_ranks == 2 and ROWS * plan.gradient_accumulation_steps == 8
+    row = next(line for line in str(plan).splitlines() if "world size" in line)
+    assert "4 processes" in row and "8 samples each" in row, row
+
+
 def test_what_cannot_be_split_is_refused():
     case = tiny_llama("meta", heads=4, kv_heads=2)
     with pytest.raises(UnsupportedModelError, match="num_key_value_heads = 2 is not divisible by tensor_parallel=4"):

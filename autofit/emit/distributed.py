@@ -97,7 +97,7 @@ class DistributedTrainer(Trainer):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # the data-parallel ranks: with tensor parallel T, the T consecutive ranks of a group share their rows
         # (the mesh is (world_size // T, T): training/strategy.py, mesh_shape)
-        self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, self.world_size // plan.tensor_parallel
+        self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, plan.parallel.data_ranks
         layout = plan.step.layout  # the layout the plan was verified with (Note [the plan's step])
         if layout.replicates_parameters:
             wrapped, built = _ddp(plan, model, optimizer)

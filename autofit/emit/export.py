@@ -64,7 +64,7 @@ def _split_notes(plan: Plan) -> list[str]:
     if plan.last_micro_batch_size == plan.micro_batch_size:
         return []
     if plan.even_split is None:
-        data = plan.world_size // plan.tensor_parallel
+        data = plan.parallel.data_ranks
         return [f"the plan's last micro-batch has {plan.last_micro_batch_size} rows, which this framework cannot "
                 f"express: {micro} x {steps} x {data} = {micro * steps * data} samples per "
                 f"step, not {plan.batch_size}; train with plan.wrap()"]
@@ -206,10 +206,10 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
                      f"{zero['stage']} is the nearest; its memory differs from the plan's (stage 2 holds whole "
                      "parameters all step; an int group is ZeRO++'s zero_hpz_partition_size)")
     if plan.replicate > 1:
-        notes.append(f"HSDP {plan.replicate} x {plan.world_size // plan.replicate}: DeepSpeed's nearest is MiCS "
-                     f"(mics_shard_size {plan.world_size // plan.replicate}), not exported")
+        notes.append(f"HSDP {plan.replicate} x {plan.parallel.shard_group}: DeepSpeed's nearest is MiCS "
+                     f"(mics_shard_size {plan.parallel.shard_group}), not exported")
     if plan.tensor_parallel > 1:  # no training TP in DeepSpeed's config (AutoTP shards models for inference)
-        config["train_batch_size"] = micro * steps * (plan.world_size // plan.tensor_parallel)
+        config["train_batch_size"] = micro * steps * plan.parallel.data_ranks
         notes.append(f"tensor parallel {plan.tensor_parallel} is not exported: DeepSpeed's config has no training "
                      "tensor parallelism (Megatron-DeepSpeed does it in the model code); this config is ZeRO over "
                      "the data-parallel ranks only, and its memory is not the plan's")
@@ -242,7 +242,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
         per_node = plan.gpus_per_node or plan.world_size
         trainer["devices"] = per_node
         if per_node < plan.world_size:
-            trainer["num_nodes"] = plan.world_size // per_node
+            trainer["num_nodes"] = plan.parallel.nodes
     if plan.parallel.replicates_parameters:  # lightning's DDPStrategy(**kwargs) passes them to DDP
         out["ddp_strategy"] = dict(DDP_KWARGS)
         notes.append(_bucket_note(plan, "pass Trainer(strategy=DDPStrategy(**ddp_strategy)); strategy='ddp' "
@@ -250,7 +250,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     if plan.parallel.shards_parameters:
         strategy, more = _lightning_fsdp(plan)
         out["fsdp_strategy"] = strategy
-        out["model_parallel_strategy"] = {"data_parallel_size": plan.world_size // plan.tensor_parallel,
+        out["model_parallel_strategy"] = {"data_parallel_size": plan.parallel.data_ranks,
                                           "tensor_parallel_size": plan.tensor_parallel}
         if plan.tensor_parallel > 1:
             notes.append(f"tensor parallel {plan.tensor_parallel}: FSDPStrategy (FSDP1) has none; in "
@@ -284,7 +284,7 @@ def _lightning_fsdp(plan: Plan) -> tuple[dict[str, Any], list[str]]:
     kwargs: dict[str, Any] = {"sharding_strategy": sharding, "cpu_offload": plan.offload_states}
     if plan.replicate > 1:
         # a tuple: FSDPStrategy turns only a tuple into a DeviceMesh (setup_environment)
-        kwargs["device_mesh"] = (plan.replicate, plan.world_size // plan.replicate)
+        kwargs["device_mesh"] = (plan.replicate, plan.parallel.shard_group)
     return kwargs, notes
 
 
@@ -298,7 +298,7 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
     mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision.name]
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
-        "num_machines": plan.world_size // per_node, "num_processes": plan.world_size,
+        "num_machines": plan.parallel.nodes, "num_processes": plan.world_size,
     }
     notes = _split_notes(plan) + _feature_notes(plan, "accelerate")
     ddp: dict[str, Any] = {}
@@ -323,11 +323,11 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
         if plan.replicate > 1:
             config["parallelism_config"] = {
                 "parallelism_config_dp_replicate_size": plan.replicate,
-                "parallelism_config_dp_shard_size": plan.world_size // plan.replicate,
+                "parallelism_config_dp_shard_size": plan.parallel.shard_group,
             }
         if plan.tensor_parallel > 1:  # Accelerate's ParallelismConfig: tp_size, the model's own tp_plan applied
             config["parallelism_config"] = {
-                "parallelism_config_dp_shard_size": plan.world_size // plan.tensor_parallel,
+                "parallelism_config_dp_shard_size": plan.parallel.data_ranks,
                 "parallelism_config_tp_size": plan.tensor_parallel,
             }
             if is_sequence_parallel(plan.tensor_plan):
@@ -357,7 +357,7 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     ``mixed_precision_param``); field names and meanings from torchtitan/config/job_config.py."""
     micro, steps = _split(plan)
     notes = _split_notes(plan) + _feature_notes(plan, "torchtitan")
-    data_ranks = plan.world_size // plan.tensor_parallel
+    data_ranks = plan.parallel.data_ranks
     if plan.parallel.shards_parameters:
         shard = data_ranks // plan.replicate
         raf = plan.reshard_after_forward

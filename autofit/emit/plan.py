@@ -475,10 +475,11 @@ class Plan:
         if len(self.rows_by_length) > 1:
             rows.insert(2, ("rows by length", self.rows_by_length_text()))
         if self.world_size > 1:
-            nodes = (f" ({self.world_size // self.gpus_per_node} nodes x {self.gpus_per_node})"
+            nodes = (f" ({self.parallel.nodes} nodes x {self.gpus_per_node})"
                      if self.gpus_per_node and self.gpus_per_node < self.world_size else "")
+            # the rows each process trains: a tensor-parallel group's ranks share theirs
             rows.insert(1, ("world size", f"{self.world_size} processes{nodes}, {self.layout}, "
-                                          f"{self.batch_size // self.world_size} samples each"))
+                                          f"{self.batch_size // self.parallel.data_ranks} samples each"))
             if self.shard_units:
                 rows.insert(2, ("FSDP2 units", f"{len(self.shard_units)}: {', '.join(self.shard_units[:4])}"
                                                + (" ..." if len(self.shard_units) > 4 else "")))
@@ -585,7 +586,7 @@ def plan_step(plan: Plan) -> StepConfig:
     knobs = dict(
         micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
         precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective, optimizer=optimizer,
-        device=plan.device, held_rows=plan.batch_size // (plan.world_size // plan.tensor_parallel), gpu=plan.gpu,
+        device=plan.device, held_rows=plan.batch_size // plan.parallel.data_ranks, gpu=plan.gpu,
         layout=plan.parallel, clip_grad_norm=plan.clip_grad_norm, offload=plan.offload, compile=plan.compile,
         preallocated_grads=plan.preallocated_grads, zero_grad=plan.zero_grad,
     )

@@ -159,6 +159,17 @@ class Parallel:
         return self.world_size // self.replicate if self.shards_parameters else 1
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks that train different rows of the batch: ``world_size // tensor_parallel`` (the ranks of one
+        tensor-parallel group share their rows; the mesh is (data_ranks, tensor_parallel), ``mesh_shape``)."""
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def nodes(self) -> int:
+        """The hosts the job spans: ``world_size`` over the ranks per node (1 for one process)."""
+        return self.world_size // self.ranks_per_node
+
+    @property
     def data_parallel(self) -> Parallel:
         """The layout the data-parallel collectives run over: FSDP2 over world_size // tensor_parallel ranks, and one
         process when tensor parallel takes every rank (its own all-reduces are counted apart)."""
@@ -166,7 +177,7 @@ class Parallel:
             return self
         if self.world_size == self.tensor_parallel:
             return Parallel(gpus_per_node=self.gpus_per_node)
-        return replace(self, world_size=self.world_size // self.tensor_parallel, tensor_parallel=1, tensor_plan=())
+        return replace(self, world_size=self.data_ranks, tensor_parallel=1, tensor_plan=())
 
     @property
     def label(self) -> str:
