@@ -106,6 +106,27 @@ def _real_qlora(rank: int) -> nn.Module:
 
 
 @pytest.mark.sim
+def test_qlora_states_on_the_host_are_refused_and_a_plan_names_its_smallest_budget(tmp_path):
+    """FSDP2 turns every parameter into a plain nn.Parameter DTensor (torch's _fsdp_param.py, _init_sharded_param),
+    which drops Params4bit's quant_state (Accelerate leaves such weights out of sharding: accelerate#3987): FSDP2's
+    CPU offload of a QLoRA model is refused by name, not a crash inside bitsandbytes' forward, and the planner does not
+    climb to that rung: a 1-byte budget names the smallest budget, as without offload."""
+    pytest.importorskip("bitsandbytes")
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    model = autofit.hf_model(str(tmp_path), lora=8, qlora=True)
+    sample = _tokens(128, 2, 16)
+    with pytest.raises(autofit.UnsupportedModelError, match="bitsandbytes quantized weights.*quant_state"):
+        autofit.estimate(model, sample, micro_batch_size=1, device=autofit.Device(gpu="RTX-4090"),
+                         offload_states=True)
+    with pytest.raises(autofit.InfeasibleBudgetError) as refused:
+        autofit.plan(model, sample, 1, batch_size=2, device=autofit.Device(gpu="RTX-4090"))
+    with pytest.raises(autofit.InfeasibleBudgetError) as without:
+        autofit.plan(model, sample, 1, batch_size=2, device=autofit.Device(gpu="RTX-4090"),
+                     savers=autofit.Savers(offload=False))
+    assert refused.value.min_budget_bytes == without.value.min_budget_bytes
+
+
+@pytest.mark.sim
 @pytest.mark.parametrize("rows, length", [(4, 64), (1, 16)])
 def test_qlora_on_meta_estimate_matches_measure_of_the_real_model(tmp_path, rows, length):
     pytest.importorskip("bitsandbytes")

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from autofit.core._torch import unset_fake_temporarily
+from autofit.core.errors import UnsupportedModelError
 from autofit.training.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -90,6 +91,16 @@ def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype:
     once), as torchtitan's ``apply_fsdp`` does. ``mesh`` is 1-D (FSDP) or 2-D (replicate, shard): HSDP."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    quantized = bitsandbytes_parameters(model)
+    if quantized:
+        raise UnsupportedModelError(
+            f"FSDP2 cannot shard the {len(quantized)} bitsandbytes quantized weights of this model ({quantized[0]!r}"
+            f"{', ...' if len(quantized) > 1 else ''}): fully_shard turns each parameter into a plain nn.Parameter "
+            "DTensor (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharded_param), dropping Params4bit's "
+            "quant_state; Accelerate leaves such weights out of sharding (ignored_params, accelerate#3987), which "
+            "autofit does not simulate. Plan a 4-bit or 8-bit model on one process without the states on the host "
+            "(plan(savers=autofit.Savers(offload=False)), --no-offload; estimate without offload_states / "
+            "--offload-states)")
     policy = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32) \
         if precision_dtype is not None else MixedPrecisionPolicy()
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
@@ -105,6 +116,14 @@ def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype:
     with unset_fake_temporarily() if tensor_parallel else contextlib.nullcontext():
         fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
+
+
+def bitsandbytes_parameters(model: nn.Module) -> list[str]:
+    """The names of ``model``'s bitsandbytes quantized weights (``Params4bit``, ``Int8Params``): parameter subclasses
+    whose metadata (the quantization state) FSDP2 does not carry through sharding. Found by their layers
+    (``Linear4bit``, ``Linear8bitLt``), which a simulation's fake copy of the model keeps."""
+    return [f"{name}.weight" for name, m in model.named_modules()
+            if type(m).__module__.split(".")[0] == "bitsandbytes" and getattr(m, "weight", None) is not None]
 
 
 def mesh_shape(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> tuple[int, ...]:
