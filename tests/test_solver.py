@@ -18,6 +18,7 @@ from autofit.solve.checkpoint_milp import (
     CheckpointProblem,
     brute_force_checkpoint,
     most_freeing_checkpoint,
+    level_checkpoint,
     solve_checkpoint,
 )
 from autofit.solve.search import Candidate, batch_options, pareto_front
@@ -121,6 +122,27 @@ def test_exclusivity_forces_a_more_expensive_choice() -> None:
     assert solve_checkpoint(problem, 20) == (0, 2)
     assert solve_checkpoint(problem, 19) is None
     assert brute_force_checkpoint(problem, 19) is None
+
+
+def test_a_solve_stopped_with_no_set_in_time_still_finds_a_set_of_one_depth(monkeypatch) -> None:
+    """Note [no set in time]: a MILP stopped by its time limit before any set answers None, as an infeasible one
+    does. A model unit ("m") over two blocks with a child each ("m.b0" > "m.b0.fc", "m.b1" > "m.b1.fc"); recomputing
+    the model drops nothing (its output is all it keeps, and backward needs all of it again: +10), a block 40 in its
+    stretch, a child 25. By hand: budget 70 is met by both blocks (peak max(100 - 40, 100 - 40) = 60, cost 8) and
+    by no cheaper set (both children: 75); budget 80 by both children (75, cost 2); budget 50 by no allowed set
+    (brute force agrees on all three)."""
+    import autofit.solve.checkpoint_milp as milp
+    names = ("m", "m.b0", "m.b0.fc", "m.b1", "m.b1.fc")
+    problem = CheckpointProblem(names, np.array([9.0, 4.0, 1.0, 4.0, 1.0]), np.array([100.0, 100.0]),
+                                np.array([[10, -40, -25, 0, 0], [10, 0, 0, -40, -25]], dtype=float),
+                                ((0, 1), (0, 2), (0, 3), (0, 4), (1, 2), (3, 4)))
+    assert brute_force_checkpoint(problem, 70) == (1, 3) and brute_force_checkpoint(problem, 80) == (2, 4)
+    assert brute_force_checkpoint(problem, 50) is None
+    monkeypatch.setattr(milp, "_solve", lambda *args, **kwargs: None)  # the limit reached with no incumbent
+    assert solve_checkpoint(problem, 70) == (1, 3) and problem.peak((1, 3)) == 60
+    assert solve_checkpoint(problem, 80) == (2, 4) and problem.peak((2, 4)) == 75
+    assert solve_checkpoint(problem, 50) is None
+    assert level_checkpoint(problem, 200) == (2, 4)  # every depth fits: the cheapest (the children, cost 2)
 
 
 def _random_problem(rng: np.random.Generator) -> CheckpointProblem:

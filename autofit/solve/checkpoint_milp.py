@@ -19,8 +19,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from autofit.core._torch import quiet_native_output
 
-__all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "most_dropped", "brute_force_checkpoint",
-           "nested_pairs"]
+__all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "level_checkpoint", "most_dropped",
+           "brute_force_checkpoint", "nested_pairs"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,8 +122,8 @@ def solve_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...]
     if len(problem.base) and float(np.max(problem.base - most_dropped(problem))) > budget:
         return None
     cheapest = _solve(problem, budget, "cost")
-    if cheapest is None:
-        return None
+    if cheapest is None:  # infeasible, or stopped by its time limit with no set found (Note [no set in time])
+        return level_checkpoint(problem, budget)
     if len(problem.names) > 40:
         return cheapest  # large problems: the cost optimum within the gap is the answer (see _solve)
     # among sets that cost no more, the lowest peak (two stages: a tie-break weight small enough never to trade
@@ -184,6 +184,28 @@ def _is_a_tree(problem: CheckpointProblem) -> bool:
     groups = {tuple(g) for g in same.values() if len(g) > 1}
     nested = {(i, j) for i, j in nested_pairs(problem.names) if problem.names[i] != problem.names[j]}
     return groups == {tuple(g) for g in problem.groups} and nested == set(problem.exclusive)
+
+
+# Note [no set in time]
+#     A MILP stopped by its wall-clock limit before it found any set answers as an infeasible one does (``_solve``
+#     returns None), so under load a budget that fits could read as one that does not: an 8B QLoRA plan on an RTX
+#     4090 (1,317 units) found every micro-batch infeasible beside two other jobs, where alone it fit 1 x 8, and
+#     climbed to the next rung. So before None is the answer, the sets that recompute every module of one depth in
+#     the module tree are tried (all the decoder blocks, all their attentions, ...: what a framework's own
+#     checkpointing switch does at the blocks' depth), each module by its full policy, and the cheapest that fits
+#     is the answer. Each is allowed by construction (modules of one depth do not nest; one policy per module), and
+#     where the MILP proved the budget infeasible none fits (the MILP would have found it), so the answer there is
+#     unchanged. A set found this way fits, if it is not the cheapest.
+def level_checkpoint(problem: CheckpointProblem, budget: float) -> tuple[int, ...] | None:
+    """The cheapest set that fits ``budget`` among those that recompute every module of one depth by its "full"
+    policy (Note [no set in time]); None where none fits."""
+    levels: dict[int, dict[str, int]] = {}
+    for u, name in enumerate(problem.names):
+        if problem.policy(u) == "full":
+            levels.setdefault(name.count("."), {}).setdefault(name, u)
+    fits = [tuple(sorted(units.values())) for _, units in sorted(levels.items())]
+    fits = [c for c in fits if problem.allowed(c) and problem.peak(c) <= budget]
+    return min(fits, key=lambda c: (problem.cost(c), problem.peak(c)), default=None)
 
 
 def most_freeing_checkpoint(problem: CheckpointProblem) -> tuple[int, ...]:
