@@ -30,6 +30,7 @@ from autofit.core.errors import AutofitError, UnsupportedTorchError
 
 __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
+    "OpOverload", "op_by_name", "op_named",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "window_memory", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
@@ -143,6 +144,24 @@ def op_schema(op: object) -> Any:
     """An operator overload's ``FunctionSchema`` (arguments, ``is_mutable``, alias info): ``OpOverload._schema``,
     which torch names nowhere publicly. None for anything else (a Python function, a module)."""
     return getattr(op, "_schema", None)
+
+
+OpOverload = _need("torch._ops", "OpOverload")
+
+
+def op_by_name(op: object) -> tuple[str, str] | None:
+    """An operator overload as its schema's name and its overload's (``"aten::add"``, ``"Tensor"``), which
+    :func:`op_named` turns back into torch's own object; None for anything else. ``OpOverload._overloadname`` is
+    named nowhere publicly."""
+    if not isinstance(op, OpOverload):
+        return None
+    return op._schema.name, op._overloadname
+
+
+def op_named(schema_name: str, overload: str) -> Any:
+    """``torch.ops.<namespace>.<name>.<overload>``: the operator :func:`op_by_name` named."""
+    namespace, name = schema_name.split("::", 1)
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
 def dtensor_local(t: object) -> Any:

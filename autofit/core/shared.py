@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from autofit.core._torch import pytree
+from autofit.core._torch import op_by_name, op_named, pytree
 
 __all__ = ["sharing", "shared", "SharedStats", "forked", "taken", "merge"]
 
@@ -242,20 +242,14 @@ def _frozen(value: Any) -> "_Pickled | None":
     return _Pickled(buffer.getvalue())
 
 
-def _op_named(schema_name: str, overload: str) -> Any:
-    namespace, name = schema_name.split("::", 1)
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-
-
 class _Pickler(pickle.Pickler):
     """Pickles torch's operators by name, as torch itself holds them: the traced graph of an analysis names each op
     it ran, and pickled by value an ``OpOverload`` drags in its dispatch table, whose decorated decompositions do
     not pickle ("it's not the same object as torch._decomp.decompositions.nll_loss_forward")."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch._ops.OpOverload):
-            return _op_named, (obj._schema.name, obj._overloadname)
-        return NotImplemented
+        named = op_by_name(obj)
+        return (op_named, named) if named is not None else NotImplemented
 
 
 def _fresh(value: "_Pickled") -> Any:

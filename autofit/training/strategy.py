@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from autofit.training.layout import Parallel
     from autofit.training.precision import PrecisionPolicy
 
-__all__ = ["apply_layout", "apply_fsdp2", "mesh_shape", "mesh_names", "sub_meshes", "laid_out", "gradient_sync"]
+__all__ = ["apply_layout", "apply_fsdp2", "bitsandbytes_parameters", "mesh_shape", "mesh_names", "sub_meshes", "laid_out", "gradient_sync"]
 
 
 def apply_layout(model: nn.Module, mesh, layout: Parallel, precision: PrecisionPolicy, *,
