@@ -137,3 +137,30 @@ def test_the_layout_whose_search_begins_fastest_is_verified_first_and_alone():
     assert [getattr(both, f) for f in same] == [getattr(zero3, f) for f in same]
     assert any(n.startswith("fsdp2 (ZeRO-2) over 8 ranks not planned: its fastest configuration the models allow")
                for n in both.notes), both.notes
+
+
+def test_tensor_parallel_layouts_have_no_int_reshard():
+    """4 nodes x 8 with tensor_parallel="auto": beside T = 1's five layouts (test_auto_layouts_across_nodes), each T
+    with ZeRO-3 and ZeRO-2 over the other dim, and never the reshard to a node's GPUs: torch refuses an int
+    reshard_after_forward on tensor-parallel (DTensor) weights (torch 2.13, ``FSDPParam.to_sharded_post_forward``
+    raises "Resharding to smaller mesh is not supported for DTensor parameters yet"), which a 405B plan learned by
+    analysing three such layouts."""
+    from autofit.request import make_request
+    from autofit.solve.sharding import layouts
+    from sharded_models import wide_blocks
+
+    case = wide_blocks("meta")
+    mapping = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    request = make_request(case.model, case.sample, "1GB", batch_size=32, target=case.target, loss_fn=case.loss_fn,
+                           optimizer="adamw", precision="auto", savers=autofit.Savers(checkpoint="auto"),
+                           device="cpu", quick=True,
+                           layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2",
+                                                 tensor_parallel="auto", tensor_parallel_plan=mapping))
+    found = layouts(request, "fsdp2")
+    split = [p for p in found if p.tensor_parallel > 1]
+    assert {p.tensor_parallel for p in split} == {2, 4, 8}
+    assert sorted((p.tensor_parallel, p.reshard_after_forward) for p in split) == [
+        (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
+    assert [p.label for p in found if p.tensor_parallel == 1] == [
+        "fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks", "fsdp2 (resharded to 8) over 32 ranks",
+        "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]
