@@ -164,3 +164,54 @@ def test_tensor_parallel_layouts_have_no_int_reshard():
     assert [p.label for p in found if p.tensor_parallel == 1] == [
         "fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks", "fsdp2 (resharded to 8) over 32 ranks",
         "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]
+
+
+def _two_linears_over(world: int, per_node: int, reshard, min_stored=None):
+    """Two 1024 x 1024 linear layers (fp32, on meta) as one FSDP2 layout over ``world`` A100s, its climb."""
+    import torch
+    from torch import nn
+
+    from autofit.planner import _Climb
+    from autofit.request import make_request
+    from autofit.solve.sharding import layouts
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    request = make_request(model, torch.zeros(8, 1024, device="meta"), "8GB", batch_size=8 * world,
+                           loss_fn=lambda out: out.sum(), optimizer="adamw",
+                           precision=autofit.Precision(compute="auto", min_stored=min_stored),
+                           savers=autofit.Savers(checkpoint="auto"), device="A100-80GB", quick=False,
+                           layout=autofit.Layout(world_size=world, gpus_per_node=per_node, strategy="fsdp2",
+                                                 reshard_after_forward=reshard, replicate=1))
+    (parallel,) = layouts(request, "fsdp2")
+    return request, _Climb.of(request, parallel)
+
+
+def test_collectives_alone_are_the_ring_count_at_one_micro_batch_in_the_fewest_stored_bytes():
+    """Note [ruled out by arithmetic]: ZeRO-3 over 16 A100s on 2 nodes (the shard ring crosses them: the network's
+    25 GB/s per GPU) at one micro-batch gathers the parameters twice and reduce-scatters them once, each moving 15/16
+    of them per rank (nccl-tests PERFORMANCE.md), in the model's fp32; a rung that stores them in bf16 halves it."""
+    from dataclasses import replace
+
+    from autofit.planner import _collectives_alone
+    from autofit.training.precision import PrecisionPolicy
+
+    request, climb = _two_linears_over(16, 8, True)
+    params = 2 * (1024 * 1024 + 1024)
+    by_hand = 3 * 15 / 16 * (params * 4) / 25e9
+    assert _collectives_alone(request, climb.parallel, climb.stages) == pytest.approx(by_hand)
+    lower = replace(climb.stages[0], policies=(PrecisionPolicy(name="bf16", stored="bf16"),))
+    assert _collectives_alone(request, climb.parallel, (*climb.stages, lower)) == pytest.approx(by_hand / 2)
+    # ZeRO-2 gathers once: two passes, not three
+    request, climb = _two_linears_over(16, 8, False)
+    assert _collectives_alone(request, climb.parallel, climb.stages) == pytest.approx(by_hand * 2 / 3)
+
+
+def test_a_layout_whose_collectives_alone_lose_is_ranked_without_analysis():
+    """Note [ruled out by arithmetic]: ranking a layout against a best bound its collectives alone already miss
+    returns that floor, and nothing is analysed (no search space built); against a slower bound it is analysed."""
+    from autofit.planner import _bound, _collectives_alone
+
+    request, climb = _two_linears_over(16, 8, True)
+    floor = _collectives_alone(request, climb.parallel, climb.stages)
+    assert _bound(climb, floor / 2) == floor and climb.spaces == {}
