@@ -157,6 +157,10 @@ def plan_with_analysis(
                  tally)
     if not tally.results:
         _fallbacks(request, tally, deferred, floors)
+    else:  # every layout left is named, with why (its smallest budget is computed only when no layout fits)
+        tally.failed += [f"{label} not planned: {e} with the models of its rungs on the GPUs (its smallest budget, "
+                         "a few full simulations, is computed only when no layout fits)" for label, e in tally.unplanned]
+        tally.failed += [_states_alone(request, p, floors[p]) for p in deferred]
     results, failed = tally.results, tally.failed
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
