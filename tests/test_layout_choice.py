@@ -215,3 +215,36 @@ def test_a_layout_whose_collectives_alone_lose_is_ranked_without_analysis():
     request, climb = _two_linears_over(16, 8, True)
     floor = _collectives_alone(request, climb.parallel, climb.stages)
     assert _bound(climb, floor / 2) == floor and climb.spaces == {}
+
+
+@pytest.mark.sim
+def test_layouts_whose_collectives_alone_lose_are_never_simulated():
+    """Note [ruled out by arithmetic]. 270.5 M parameters (a 262,144 x 1024 embedding and two 1024 x 1024 linears,
+    fp32) with almost no compute, over 8 nodes x 8 A100s: HSDP 8 x 8 keeps its shard ring on NVLink and is planned
+    first (0.0262 s a step). Every layout whose ring crosses the nodes (the network's 25 GB/s per GPU) moves the
+    whole 1,082,138,624 bytes at least twice at one micro-batch: DDP's all-reduce is 2 x 63/64 x that / 25e9 =
+    0.0852 s, ZeRO-3's two gathers and a reduce-scatter 0.128 s. Those four layouts are dropped unsimulated (before
+    this, each ran a full simulation: 6 in all, the same plan), the notes giving the figures."""
+    import torch
+    from torch import nn
+
+    from autofit.core import progress
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(262144, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    ids = torch.zeros(4, 16, dtype=torch.long, device="meta")
+    seen = []
+    with progress.listening(lambda s: seen.append(s.what)):
+        plan = autofit.plan(model, ids, "79GB", batch_size=256, loss_fn=lambda out: out.float().mean(),
+                            device="A100-80GB", layout=autofit.Layout(world_size=64, gpus_per_node=8))
+    assert plan.layout == "hsdp 8 x 8 (ZeRO-2)"
+    nbytes = (262144 * 1024 + 2 * (1024 * 1024 + 1024)) * 4
+    assert nbytes == 1_082_138_624
+    ring = 63 / 64 * nbytes / 25e9
+    dropped = {n.split(" not planned")[0]: n for n in plan.notes if "collectives alone" in n}
+    assert set(dropped) == {"ddp", "fsdp2 (ZeRO-2) over 64 ranks", "fsdp2 (resharded to 8) over 64 ranks",
+                            "fsdp2 (ZeRO-3) over 64 ranks"}
+    assert f"at least {2 * ring:.3g} s per step" in dropped["ddp"]
+    assert f"at least {3 * ring:.3g} s per step" in dropped["fsdp2 (ZeRO-3) over 64 ranks"]
+    assert all(f"no faster than the plan found, {plan.predicted_step_seconds:.3g} s" in n for n in dropped.values())
+    assert sum(1 for w in seen if w.endswith("in full")) == 2  # the two HSDP layouts only
