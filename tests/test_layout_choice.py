@@ -248,3 +248,26 @@ def test_layouts_whose_collectives_alone_lose_are_never_simulated():
     assert f"at least {3 * ring:.3g} s per step" in dropped["fsdp2 (ZeRO-3) over 64 ranks"]
     assert all(f"no faster than the plan found, {plan.predicted_step_seconds:.3g} s" in n for n in dropped.values())
     assert sum(1 for w in seen if w.endswith("in full")) == 2  # the two HSDP layouts only
+
+
+@pytest.mark.sim
+def test_a_layout_where_nothing_fits_is_named_when_another_has_a_plan(monkeypatch):
+    """With a plan found, a layout whose rungs' models fit nothing (its smallest budget left uncomputed) is still
+    named in the notes: the 405B plan of issue 56 named none of its three ZeRO-3 x tensor-parallel layouts. Its
+    climb is replaced by one where nothing fits; its fallback must never run."""
+    from autofit import planner
+
+    case = ZOO["gpt_sdpa"]()
+    real = planner._plan_parallel
+
+    def climb(request, parallel, *args, **kwargs):
+        if parallel.reshard_after_forward is False:
+            raise planner._Unplanned("nothing fits", fallback=lambda: pytest.fail("the fallback ran"))
+        return real(request, parallel, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_plan_parallel", climb)
+    plan = autofit.plan(case.model, case.sample, "79GB", batch_size=16, target=case.target, device="A100-80GB",
+                        layout=autofit.Layout(world_size=2, strategy="fsdp2"))
+    assert plan.layout == "fsdp2 (ZeRO-3)"
+    assert any(n.startswith("fsdp2 (ZeRO-2) over 2 ranks not planned: nothing fits with the models of its rungs on the GPUs")
+               for n in plan.notes)
