@@ -28,7 +28,7 @@ from autofit.core.report import MemoryEstimate
 from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
 from autofit.training.loss import LossFn, describe_loss
 from autofit.capture.loss_probe import loss_reduction
-from autofit.training.precision import built_precision
+from autofit.training.precision import built_precision, stored_dtype
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.assemble import assemble_plan, selective_note
@@ -43,7 +43,7 @@ from autofit.solve.finish import (even_split, no_rows_table_note, optional_pins,
 from autofit.solve.ladder import Stage, gpus_for_states, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
-from autofit.solve.sharding import collective_floor, layouts
+from autofit.solve.sharding import Links, collective_floor, collective_seconds, layouts
 from autofit.solve.space import analyse_policies, searchable
 from autofit.solve.terms import LARGE_SHARE, deferred_gradient_bytes, large_term_notes
 from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,
@@ -148,11 +148,19 @@ def plan_with_analysis(
                                 "layout that keeps them on the GPUs")
             continue
         beat = min(r[0].predicted_step_seconds for r in tally.results) if tally.results else None
+        alone = _collectives_alone(request, parallel, climbs[parallel].stages)
+        if beat is not None and alone >= beat:  # Note [ruled out by arithmetic]
+            tally.failed.append(_collectives_note(parallel, alone, f"the plan found, {beat:.3g} s"))
+            continue
         on_gpus = any(not r[0].offload_states for r in tally.results)
         _attempt(request, name, functools.partial(_plan_parallel, request, parallel, beat, on_gpus, climbs[parallel]),
                  tally)
     if not tally.results:
         _fallbacks(request, tally, deferred, floors)
+    else:  # every layout left is named, with why (its smallest budget is computed only when no layout fits)
+        tally.failed += [f"{label} not planned: {e} with the models of its rungs on the GPUs (its smallest budget, "
+                         "a few full simulations, is computed only when no layout fits)" for label, e in tally.unplanned]
+        tally.failed += [_states_alone(request, p, floors[p]) for p in deferred]
     results, failed = tally.results, tally.failed
     chosen, analyses = min(results, key=lambda r: r[0].predicted_step_seconds)
     if len(parallels) > 1:
@@ -184,6 +192,25 @@ def _layout_order(request: PlanRequest, parallels: list[Parallel]) -> tuple[
     return _by_bound(order, climbs, hopeless | host_only), climbs, floors, hopeless, host_only
 
 
+def _collectives_alone(request: PlanRequest, parallel: Parallel, stages: tuple[Stage, ...]) -> float:
+    """Seconds per step of ``parallel``'s data-parallel collectives at one micro-batch (the fewest all-gathers),
+    over its parameters in the fewest bytes any of its rungs ``stages`` stores them in, split T ways under tensor
+    parallel: a floor of every rung's modelled step, which adds them to the compute, not overlapped
+    (solve/time_model.py; Note [ruled out by arithmetic])."""
+    if parallel.strategy is None or parallel.world_size // parallel.tensor_parallel <= 1:
+        return 0.0
+    stored = [stored_dtype(p.stored).itemsize for s in stages for p in s.policies if p.stored]
+    nbytes = sum(p.numel() * min([p.element_size(), *stored]) if p.is_floating_point() else
+                 p.numel() * p.element_size() for p in request.model.parameters()) // parallel.tensor_parallel
+    return collective_seconds(parallel.data_parallel, Links.of(request.device), nbytes, nbytes, 1)
+
+
+def _collectives_note(parallel: Parallel, seconds: float, than: str) -> str:
+    """The note of a layout whose collectives alone rule it out (Note [ruled out by arithmetic])."""
+    return (f"{parallel.label} not planned: its data-parallel collectives alone take at least {seconds:.3g} s per "
+            f"step (one micro-batch, counted from the parameters, nothing simulated), no faster than {than}")
+
+
 def _states_alone(request: PlanRequest, parallel: Parallel, floor: int | None) -> str:
     """The note of a layout ruled out by arithmetic (Note [ruled out by arithmetic])."""
     return (f"{parallel.label} not planned: its parameters, gradients and optimizer state (with them on the host, its "
@@ -198,6 +225,12 @@ def _states_alone(request: PlanRequest, parallel: Parallel, floor: int | None) -
 #     below the smallest budget the other layouts named: otherwise that budget is the one the error reports anyway.
 #     DDP over 512 ranks of a 405B model (6.5 TB of states per rank against 72 GB) was analysed and searched for 6 to 8
 #     minutes before this, to name a budget no one read.
+#     Time has a floor too: the time model adds a layout's data-parallel collectives to its compute, not overlapped
+#     (solve/time_model.py), and they are fewest at one micro-batch, over the parameters in the fewest bytes any of
+#     its rungs stores them in (``_collectives_alone``). A layout whose collectives alone take as long as a plan
+#     found already cannot win: it is dropped before its analysis, with the figure. Ranking the layouts (Note [the
+#     layout to verify first]) takes the same floor as a layout's bound, unanalysed, when it already loses to the
+#     best bound so far; the race then drops it, or analyses it when the plan it meets is slower than that bound.
 def _fallbacks(request: PlanRequest, tally: _Tally, deferred: list[Parallel] = (),
                floors: dict[Parallel, int | None] | None = None) -> list[tuple[Plan, dict[str, Analysis]]]:
     """When no layout was planned: the plans of the layouts' smallest configurations (the models were pessimistic),
@@ -328,6 +361,9 @@ def _bound(climb: _Climb, best: float) -> float:
     stage = next((s for s in climb.stages if not s.skipped(climb.fit) and not s.host_check), None)
     if stage is None:
         return math.inf
+    alone = _collectives_alone(climb.request, climb.parallel, climb.stages)
+    if alone >= best:  # a floor of every rung's step, known without analysis (Note [ruled out by arithmetic])
+        return alone
     _, space, _ = climb.searchable(stage)
     floor = time_floor(space, climb.fit)
     if floor >= best:

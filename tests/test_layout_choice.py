@@ -137,3 +137,137 @@ def test_the_layout_whose_search_begins_fastest_is_verified_first_and_alone():
     assert [getattr(both, f) for f in same] == [getattr(zero3, f) for f in same]
     assert any(n.startswith("fsdp2 (ZeRO-2) over 8 ranks not planned: its fastest configuration the models allow")
                for n in both.notes), both.notes
+
+
+def test_tensor_parallel_layouts_have_no_int_reshard():
+    """4 nodes x 8 with tensor_parallel="auto": beside T = 1's five layouts (test_auto_layouts_across_nodes), each T
+    with ZeRO-3 and ZeRO-2 over the other dim, and never the reshard to a node's GPUs: torch refuses an int
+    reshard_after_forward on tensor-parallel (DTensor) weights (torch 2.13, ``FSDPParam.to_sharded_post_forward``
+    raises "Resharding to smaller mesh is not supported for DTensor parameters yet"), which a 405B plan learned by
+    analysing three such layouts."""
+    from autofit.request import make_request
+    from autofit.solve.sharding import layouts
+    from sharded_models import wide_blocks
+
+    case = wide_blocks("meta")
+    mapping = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    request = make_request(case.model, case.sample, "1GB", batch_size=32, target=case.target, loss_fn=case.loss_fn,
+                           optimizer="adamw", precision="auto", savers=autofit.Savers(checkpoint="auto"),
+                           device="cpu", quick=True,
+                           layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2",
+                                                 tensor_parallel="auto", tensor_parallel_plan=mapping))
+    found = layouts(request, "fsdp2")
+    split = [p for p in found if p.tensor_parallel > 1]
+    assert {p.tensor_parallel for p in split} == {2, 4, 8}
+    assert sorted((p.tensor_parallel, p.reshard_after_forward) for p in split) == [
+        (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
+    assert [p.label for p in found if p.tensor_parallel == 1] == [
+        "fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks", "fsdp2 (resharded to 8) over 32 ranks",
+        "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]
+
+
+def _two_linears_over(world: int, per_node: int, reshard, min_stored=None):
+    """Two 1024 x 1024 linear layers (fp32, on meta) as one FSDP2 layout over ``world`` A100s, its climb."""
+    import torch
+    from torch import nn
+
+    from autofit.planner import _Climb
+    from autofit.request import make_request
+    from autofit.solve.sharding import layouts
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    request = make_request(model, torch.zeros(8, 1024, device="meta"), "8GB", batch_size=8 * world,
+                           loss_fn=lambda out: out.sum(), optimizer="adamw",
+                           precision=autofit.Precision(compute="auto", min_stored=min_stored),
+                           savers=autofit.Savers(checkpoint="auto"), device="A100-80GB", quick=False,
+                           layout=autofit.Layout(world_size=world, gpus_per_node=per_node, strategy="fsdp2",
+                                                 reshard_after_forward=reshard, replicate=1))
+    (parallel,) = layouts(request, "fsdp2")
+    return request, _Climb.of(request, parallel)
+
+
+def test_collectives_alone_are_the_ring_count_at_one_micro_batch_in_the_fewest_stored_bytes():
+    """Note [ruled out by arithmetic]: ZeRO-3 over 16 A100s on 2 nodes (the shard ring crosses them: the network's
+    25 GB/s per GPU) at one micro-batch gathers the parameters twice and reduce-scatters them once, each moving 15/16
+    of them per rank (nccl-tests PERFORMANCE.md), in the model's fp32; a rung that stores them in bf16 halves it."""
+    from dataclasses import replace
+
+    from autofit.planner import _collectives_alone
+    from autofit.training.precision import PrecisionPolicy
+
+    request, climb = _two_linears_over(16, 8, True)
+    params = 2 * (1024 * 1024 + 1024)
+    by_hand = 3 * 15 / 16 * (params * 4) / 25e9
+    assert _collectives_alone(request, climb.parallel, climb.stages) == pytest.approx(by_hand)
+    lower = replace(climb.stages[0], policies=(PrecisionPolicy(name="bf16", stored="bf16"),))
+    assert _collectives_alone(request, climb.parallel, (*climb.stages, lower)) == pytest.approx(by_hand / 2)
+    # ZeRO-2 gathers once: two passes, not three
+    request, climb = _two_linears_over(16, 8, False)
+    assert _collectives_alone(request, climb.parallel, climb.stages) == pytest.approx(by_hand * 2 / 3)
+
+
+def test_a_layout_whose_collectives_alone_lose_is_ranked_without_analysis():
+    """Note [ruled out by arithmetic]: ranking a layout against a best bound its collectives alone already miss
+    returns that floor, and nothing is analysed (no search space built); against a slower bound it is analysed."""
+    from autofit.planner import _bound, _collectives_alone
+
+    request, climb = _two_linears_over(16, 8, True)
+    floor = _collectives_alone(request, climb.parallel, climb.stages)
+    assert _bound(climb, floor / 2) == floor and climb.spaces == {}
+
+
+@pytest.mark.sim
+def test_layouts_whose_collectives_alone_lose_are_never_simulated():
+    """Note [ruled out by arithmetic]. 270.5 M parameters (a 262,144 x 1024 embedding and two 1024 x 1024 linears,
+    fp32) with almost no compute, over 8 nodes x 8 A100s: HSDP 8 x 8 keeps its shard ring on NVLink and is planned
+    first (0.0262 s a step). Every layout whose ring crosses the nodes (the network's 25 GB/s per GPU) moves the
+    whole 1,082,138,624 bytes at least twice at one micro-batch: DDP's all-reduce is 2 x 63/64 x that / 25e9 =
+    0.0852 s, ZeRO-3's two gathers and a reduce-scatter 0.128 s. Those four layouts are dropped unsimulated (before
+    this, each ran a full simulation: 6 in all, the same plan), the notes giving the figures."""
+    import torch
+    from torch import nn
+
+    from autofit.core import progress
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(262144, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    ids = torch.zeros(4, 16, dtype=torch.long, device="meta")
+    seen = []
+    with progress.listening(lambda s: seen.append(s.what)):
+        plan = autofit.plan(model, ids, "79GB", batch_size=256, loss_fn=lambda out: out.float().mean(),
+                            device="A100-80GB", layout=autofit.Layout(world_size=64, gpus_per_node=8))
+    assert plan.layout == "hsdp 8 x 8 (ZeRO-2)"
+    nbytes = (262144 * 1024 + 2 * (1024 * 1024 + 1024)) * 4
+    assert nbytes == 1_082_138_624
+    ring = 63 / 64 * nbytes / 25e9
+    dropped = {n.split(" not planned")[0]: n for n in plan.notes if "collectives alone" in n}
+    assert set(dropped) == {"ddp", "fsdp2 (ZeRO-2) over 64 ranks", "fsdp2 (resharded to 8) over 64 ranks",
+                            "fsdp2 (ZeRO-3) over 64 ranks"}
+    assert f"at least {2 * ring:.3g} s per step" in dropped["ddp"]
+    assert f"at least {3 * ring:.3g} s per step" in dropped["fsdp2 (ZeRO-3) over 64 ranks"]
+    assert all(f"no faster than the plan found, {plan.predicted_step_seconds:.3g} s" in n for n in dropped.values())
+    assert sum(1 for w in seen if w.endswith("in full")) == 2  # the two HSDP layouts only
+
+
+@pytest.mark.sim
+def test_a_layout_where_nothing_fits_is_named_when_another_has_a_plan(monkeypatch):
+    """With a plan found, a layout whose rungs' models fit nothing (its smallest budget left uncomputed) is still
+    named in the notes: the 405B plan of issue 56 named none of its three ZeRO-3 x tensor-parallel layouts. Its
+    climb is replaced by one where nothing fits; its fallback must never run."""
+    from autofit import planner
+
+    case = ZOO["gpt_sdpa"]()
+    real = planner._plan_parallel
+
+    def climb(request, parallel, *args, **kwargs):
+        if parallel.reshard_after_forward is False:
+            raise planner._Unplanned("nothing fits", fallback=lambda: pytest.fail("the fallback ran"))
+        return real(request, parallel, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_plan_parallel", climb)
+    plan = autofit.plan(case.model, case.sample, "79GB", batch_size=16, target=case.target, device="A100-80GB",
+                        layout=autofit.Layout(world_size=2, strategy="fsdp2"))
+    assert plan.layout == "fsdp2 (ZeRO-3)"
+    assert any(n.startswith("fsdp2 (ZeRO-2) over 2 ranks not planned: nothing fits with the models of its rungs on the GPUs")
+               for n in plan.notes)

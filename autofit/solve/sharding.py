@@ -103,6 +103,9 @@ def tensor_layouts(request: LayoutRequest, base: Parallel) -> list[Parallel]:
         if data == 1 and request.device.foreach_optimizers:  # refused (StepConfig: foreach optimizers)
             continue
         for raf in request.reshard_options if data > 1 else (True,):
+            if raf is not True and raf is not False:  # an int reshard: torch refuses it on tensor-parallel weights
+                continue  # (FSDPParam.to_sharded_post_forward, torch 2.13: "Resharding to smaller mesh is not
+                # supported for DTensor parameters yet"), so the layout's analysis could only fail
             try:
                 check_layout(Strategy.FSDP2, data, reshard_after_forward=raf)
             except InvalidInputError:
