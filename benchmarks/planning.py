@@ -80,6 +80,9 @@ the 70B shape on 4 x 8 H100s planned in 192.6 s (auto; 1 x 1, bf16, resharded to
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,9 +90,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# the autofit timed: this checkout's, or with --against another checkout's, in a child process of this script
+# (the cases, the zoo and the Llama are always this checkout's, so both sides plan the same models)
+CHECKOUT = Path(os.environ.get("AUTOFIT_PLANNING_CHECKOUT", ROOT))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(CHECKOUT))
 
 import autofit  # noqa: E402
 from autofit.core import progress, workers  # noqa: E402
@@ -132,27 +139,38 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-STAGES = ("quick path", "analysis", "search", "verify", "rows by length")
+STAGES = ("setup", "quick path", "analysis", "search", "verify", "finish")
 
 
-def _stage_of(what: str, seen: set[str]) -> str:
-    """The stage a progress report begins: the first full simulation is the quick path, later ones verify."""
-    if what.startswith("simulating"):
+def _stage_of(what: str, current: str, seen: set[str]) -> str:
+    """The stage a progress report belongs to. A stage's first report names it; the reports inside it (a
+    simulation's forward and backward, a memory model, a checkpoint MILP) keep the stage they are in. A full
+    simulation before any analysis or search is the quick path's, later ones verify; what follows the last
+    verification (the plan's notes, the even split, a table of rows by length) finishes."""
+    if what.startswith("simulating micro-batch") and what.endswith("in full"):
         return "verify" if seen & {"analysis", "search"} else "quick path"
+    if what.startswith("verifying"):
+        return "verify"
     if what.startswith("analysing"):
         return "analysis"
-    if what.startswith("searching"):
-        return "search"
-    return "rows by length" if what.startswith("rows") else "other"
+    if what.startswith("searching") or what.startswith("checkpoint MILP"):
+        return "search" if current != "verify" or what.startswith("searching") else current
+    if what.startswith("rows") or what.startswith("the plan without") or what.startswith("optional fp32"):
+        return "finish"
+    return current
 
 
 def _staged_plan(fn) -> tuple[object, float, dict[str, float], int]:
-    """``fn()`` timed as ``_timed`` does, with the seconds spent in each stage and the number of verifications."""
+    """``fn()`` timed as ``_timed`` does, with the seconds spent in each stage (from the planner's progress reports)
+    and the number of full simulations after the quick path (verifications)."""
     marks: list[tuple[float, str]] = []
     seen: set[str] = set()
+    full = [0]
 
     def listen(stage: progress.Stage) -> None:
-        name = _stage_of(stage.what, seen)
+        name = _stage_of(stage.what, marks[-1][1] if marks else "setup", seen)
+        if stage.what.startswith("simulating micro-batch") and name == "verify":
+            full[0] += 1
         seen.add(name)
         marks.append((time.perf_counter(), name))
 
@@ -165,9 +183,57 @@ def _staged_plan(fn) -> tuple[object, float, dict[str, float], int]:
     edges = [start] + [t for t, _ in marks] + [end]
     names = ["setup"] + [n for _, n in marks]
     for name, a, b in zip(names, edges, edges[1:]):
-        if name in spent:
-            spent[name] += b - a
-    return result, end - start, spent, sum(1 for _, n in marks if n == "verify")
+        spent[name] += b - a
+    # what comes after the last verification's figures is the plan being finished
+    return result, end - start, spent, full[0]
+
+
+def _device(gpu: str | None, **more) -> autofit.Device:
+    return autofit.Device(gpu=gpu, **more) if gpu else autofit.Device(kind="cpu", **more)
+
+
+def zoo_rows(hf: bool = False, only: str | None = None):
+    """Each zoo case on the CPU and an A100 at a generous and a tight budget: (name, device label, regime, plan
+    seconds, estimate seconds, the plan in one line, stage seconds, verifications); the tight budget is halfway
+    between the smallest that works (with the states on the device) and what the fastest configuration needs."""
+    for name, model, sample, target, loss_fn, batch in _cases(hf=hf):
+        if only is not None and name != only:
+            continue
+        for gpu in (None, "A100-80GB"):
+            kw = dict(target=target, loss_fn=loss_fn)
+            # a generous budget over the A100's memory, which plan() refuses unless told (issue 30)
+            over = _device(gpu, allow_over_capacity=True)
+            autofit.estimate(model, sample, micro_batch_size=1, device=_device(gpu), **kw)  # first-use costs, untimed
+            roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, device=over, **kw))
+            try:
+                autofit.plan(model, sample, 1, batch_size=batch, device=_device(gpu), **kw,
+                             **({"savers": autofit.Savers(offload=False)} if gpu else {}))
+                raise AssertionError("a 1-byte budget fits")
+            except autofit.InfeasibleBudgetError as e:
+                smallest = e.min_budget_bytes
+            tight = (smallest + roomy.device_bytes) // 2
+            label = "cpu" if gpu is None else f"cuda {gpu}"
+            for regime, budget in (("generous", "1TB"), ("tight", tight)):
+                try:
+                    plan, plan_s, spent, verifies = _staged_plan(
+                        lambda: autofit.plan(model, sample, budget, batch_size=batch, device=over, **kw))
+                except autofit.InfeasibleBudgetError:
+                    yield name, label, regime, None, None, "infeasible halfway", {}, 0, ""
+                    continue
+                _, est_s = _timed(lambda: autofit.estimate(
+                    model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+                    accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
+                    device=_device(gpu), **kw))
+                summary = (f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
+                           f"ckpt={len(plan.checkpoint)} {plan.device_bytes} B")
+                digest = hashlib.sha1(plan.to_json().encode()).hexdigest()[:12]  # the whole plan, to compare
+                yield name, label, regime, plan_s, est_s, summary, spent, verifies, digest
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def main() -> None:
@@ -178,49 +244,27 @@ def main() -> None:
     print("-" * len(header))
     ratios = {"generous": [], "tight": []}
     breakdown = []
-    for name, model, sample, target, loss_fn, batch in _cases(hf="--hf" in sys.argv[1:]):
-        for device, gpu in (("cpu", None), ("cuda", "A100-80GB")):
-            kw = dict(target=target, loss_fn=loss_fn, device=device, **({"gpu": gpu} if gpu else {}))
-            autofit.estimate(model, sample, micro_batch_size=1, **kw)  # imports and first-use costs, untimed
-            # a generous budget over the A100's memory, which plan() refuses unless told (issue 30)
-            over = {"allow_over_capacity": True}
-            roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, **kw, **over))
-            # tight: halfway between the smallest budget that works and what the fastest configuration needs
-            try:
-                autofit.plan(model, sample, 1, batch_size=batch, **kw, **({"offload": False} if gpu else {}))
-                raise AssertionError("a 1-byte budget fits")
-            except autofit.InfeasibleBudgetError as e:
-                smallest = e.min_budget_bytes
-            tight = (smallest + roomy.device_bytes) // 2
-            for regime, budget in (("generous", "1TB"), ("tight", tight)):
-                try:
-                    plan, plan_s, spent, verifies = _staged_plan(
-                        lambda: autofit.plan(model, sample, budget, batch_size=batch, **kw, **over))
-                except autofit.InfeasibleBudgetError:
-                    print(f"{name:<14} {device:<18} {regime:<8} infeasible halfway")
-                    continue
-                _, est_s = _timed(lambda: autofit.estimate(
-                    model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
-                    accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint, **kw))
-                ratios[regime].append(plan_s / est_s)
-                label = device + (f" {gpu}" if gpu else "")
-                if regime == "tight":
-                    breakdown.append((name, label, plan_s / est_s, {k: v / est_s for k, v in spent.items()}, verifies))
-                print(f"{name:<14} {label:<18} {regime:<8} {plan_s:>7.2f} {est_s:>11.2f} {plan_s / est_s:>6.2f}  "
-                      f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
-                      f"ckpt={len(plan.checkpoint)}")
+    for name, label, regime, plan_s, est_s, summary, spent, verifies, _ in zoo_rows(hf="--hf" in sys.argv[1:]):
+        if plan_s is None:
+            print(f"{name:<14} {label:<18} {regime:<8} {summary}")
+            continue
+        ratios[regime].append(plan_s / est_s)
+        if regime == "tight":
+            breakdown.append((name, label, plan_s / est_s, {k: v / est_s for k, v in spent.items()}, verifies))
+        print(f"{name:<14} {label:<18} {regime:<8} {plan_s:>7.2f} {est_s:>11.2f} {plan_s / est_s:>6.2f}  {summary}",
+              flush=True)
     for regime, values in ratios.items():
         if values:
-            print(f"{regime:<8} plan / estimate: median {sorted(values)[len(values) // 2]:.2f}, "
-                  f"max {max(values):.2f} over {len(values)} rows")
+            print(f"{regime:<8} plan / estimate: median {_median(values):.2f}, max {max(values):.2f} over "
+                  f"{len(values)} rows")
     print("the issue's goal for tight budgets: median at most 2, max at most 3")
     print()
     print("tight plans by stage, in units of the one estimate (verify: how many full simulations)")
-    head = f"{'case':<14} {'device':<18} " + " ".join(f"{s:>14}" for s in STAGES) + f" {'ratio':>6}"
+    head = f"{'case':<14} {'device':<18} " + " ".join(f"{s:>12}" for s in STAGES) + f" {'ratio':>6}"
     print(head)
     print("-" * len(head))
     for name, label, ratio, units, verifies in breakdown:
-        cells = [f"{units[s]:>14.2f}" if s != "verify" else f"{units[s]:>10.2f} ({verifies})" for s in STAGES]
+        cells = [f"{units[s]:>12.2f}" if s != "verify" else f"{units[s]:>8.2f} ({verifies})" for s in STAGES]
         print(f"{name:<14} {label:<18} " + " ".join(cells) + f" {ratio:>6.2f}")
 
 
@@ -399,8 +443,68 @@ def against(base: Path) -> None:
             print(f"{label:<20} {which:<6} {wall:>7.1f} {cpu:>7.1f}  {summary}", flush=True)
 
 
+def _zoo_side(repo: Path, only: str) -> list[dict]:
+    """The zoo rows of case ``only`` planned by ``repo``'s autofit in a fresh process of this script."""
+    import subprocess
+
+    env = dict(os.environ, AUTOFIT_PLANNING_CHECKOUT=str(repo), PYTHONWARNINGS="ignore")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([sys.executable, __file__, "--rows-json", only], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{repo}: {done.stderr.strip().splitlines()[-3:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def zoo_against(base: Path) -> None:
+    """The zoo rows, ``base`` (another checkout) against this one: each case a fresh process per side, the two
+    sides one after the other, case by case, so that both see the same load; ratios, their medians and maxima,
+    the tight plans' stages, and whether the two plans are the same."""
+    print(f"base {base}, new {ROOT}; torch {torch.__version__}, {torch.get_num_threads()} threads; each case a "
+          "fresh process per side")
+    print(f"{'case':<12} {'device':<15} {'budget':<8} {'which':<5} {'plan s':>7} {'est. s':>7} {'ratio':>6} "
+          f"{'full sims':>9}  plan")
+    print("-" * 110)
+    ratios: dict[tuple[str, str], list[float]] = {}
+    stages: dict[str, dict[str, float]] = {}
+    names = [c[0] for c in _cases()]
+    for name in names:
+        sides = {which: _zoo_side(repo, name) for which, repo in (("new", ROOT), ("base", base))}
+        for new, old in zip(sides["new"], sides["base"]):
+            for which, row in (("base", old), ("new", new)):
+                if row["plan_s"] is None:
+                    print(f"{row['name']:<12} {row['device'][:15]:<15} {row['regime']:<8} {which:<5} infeasible")
+                    continue
+                ratio = row["plan_s"] / row["est_s"]
+                ratios.setdefault((row["regime"], which), []).append(ratio)
+                if row["regime"] == "tight":
+                    for stage, seconds in row["spent"].items():
+                        units = stages.setdefault(which, dict.fromkeys(STAGES, 0.0))
+                        units[stage] += seconds / row["est_s"]
+                same = "" if which == "base" else (" (same plan)" if new["plan"] == old["plan"] else " PLANS DIFFER")
+                print(f"{row['name']:<12} {row['device'][:15]:<15} {row['regime']:<8} {which:<5} {row['plan_s']:>7.2f} "
+                      f"{row['est_s']:>7.2f} {ratio:>6.2f} {row['verifies']:>9}  {row['summary']}{same}", flush=True)
+    for (regime, which), values in sorted(ratios.items()):
+        print(f"{regime:<8} {which:<5} plan / estimate: median {_median(values):.2f}, max {max(values):.2f} over "
+              f"{len(values)} rows")
+    for which, units in stages.items():
+        count = len(ratios.get(("tight", which), [])) or 1
+        print(f"tight {which:<5} mean stage, in estimates: " + ", ".join(
+            f"{stage} {value / count:.2f}" for stage, value in units.items()))
+
+
+def _rows_json(only: str) -> None:
+    """Child of ``zoo_against``: the rows of case ``only`` as JSON lines, with the plan itself to compare."""
+    for name, label, regime, plan_s, est_s, summary, spent, verifies, digest in zoo_rows(only=only):
+        print(json.dumps(dict(name=name, device=label, regime=regime, plan_s=plan_s, est_s=est_s, summary=summary,
+                              plan=digest, spent=spent, verifies=verifies)), flush=True)
+
+
 if __name__ == "__main__":
-    if "--lora-7b" in sys.argv[1:]:
+    if "--rows-json" in sys.argv[1:]:
+        _rows_json(sys.argv[sys.argv.index("--rows-json") + 1])
+    elif "--against" in sys.argv[1:] and not ({"--deep", "--lora-7b"} & set(sys.argv[1:])):
+        zoo_against(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
+    elif "--lora-7b" in sys.argv[1:]:
         lora_7b(Path(sys.argv[sys.argv.index("--against") + 1]).resolve() if "--against" in sys.argv[1:] else None)
     elif "--against" in sys.argv[1:]:
         against(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
