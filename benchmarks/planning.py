@@ -139,6 +139,15 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its children waited for (forked simulation workers): what a plan costs
+    regardless of other work on the machine, which only adds wall time."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 STAGES = ("setup", "quick path", "analysis", "search", "verify", "finish")
 
 
@@ -160,9 +169,9 @@ def _stage_of(what: str, current: str, seen: set[str]) -> str:
     return current
 
 
-def _staged_plan(fn) -> tuple[object, float, dict[str, float], int]:
-    """``fn()`` timed as ``_timed`` does, with the seconds spent in each stage (from the planner's progress reports)
-    and the number of full simulations after the quick path (verifications)."""
+def _staged_plan(fn) -> tuple[object, float, dict[str, float], int, float]:
+    """``fn()`` timed as ``_timed`` does, with the seconds spent in each stage (from the planner's progress reports),
+    the number of full simulations after the quick path (verifications) and the CPU seconds (``_cpu``)."""
     marks: list[tuple[float, str]] = []
     seen: set[str] = set()
     full = [0]
@@ -175,17 +184,18 @@ def _staged_plan(fn) -> tuple[object, float, dict[str, float], int]:
         marks.append((time.perf_counter(), name))
 
     _clear_probe_cache()
+    cpu = _cpu()
     start = time.perf_counter()
     with progress.listening(listen):
         result = fn()
     end = time.perf_counter()
+    cpu = _cpu() - cpu
     spent = dict.fromkeys(STAGES, 0.0)
     edges = [start] + [t for t, _ in marks] + [end]
     names = ["setup"] + [n for _, n in marks]
     for name, a, b in zip(names, edges, edges[1:]):
         spent[name] += b - a
-    # what comes after the last verification's figures is the plan being finished
-    return result, end - start, spent, full[0]
+    return result, end - start, spent, full[0], cpu
 
 
 def _device(gpu: str | None, **more) -> autofit.Device:
@@ -216,20 +226,25 @@ def zoo_rows(hf: bool = False, only: str | None = None, repeat: int = 1):
             label = "cpu" if gpu is None else f"cuda {gpu}"
             for regime, budget in (("generous", "1TB"), ("tight", tight)):
                 try:  # the fastest of ``repeat`` runs: other work on the machine only ever adds time
-                    plan, plan_s, spent, verifies = min(
-                        (_staged_plan(lambda: autofit.plan(model, sample, budget, batch_size=batch, device=over, **kw))
-                         for _ in range(repeat)), key=lambda run: run[1])
+                    runs = [_staged_plan(lambda: autofit.plan(model, sample, budget, batch_size=batch, device=over,
+                                                              **kw)) for _ in range(repeat)]
                 except autofit.InfeasibleBudgetError:
-                    yield name, label, regime, None, None, "infeasible halfway", {}, 0, ""
+                    yield name, label, regime, None, None, "infeasible halfway", {}, 0, "", None, None
                     continue
-                est_s = min(_timed(lambda: autofit.estimate(
-                    model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
-                    accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
-                    device=_device(gpu), **kw))[1] for _ in range(repeat))
+                plan, plan_s, spent, verifies, _ = min(runs, key=lambda run: run[1])
+                plan_cpu = min(run[4] for run in runs)
+                estimates = []
+                for _ in range(repeat):
+                    cpu = _cpu()
+                    estimates.append((_timed(lambda: autofit.estimate(
+                        model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+                        accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
+                        device=_device(gpu), **kw))[1], _cpu() - cpu))
+                est_s, est_cpu = min(e[0] for e in estimates), min(e[1] for e in estimates)
                 summary = (f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
                            f"ckpt={len(plan.checkpoint)} {plan.device_bytes} B")
                 digest = hashlib.sha1(plan.to_json().encode()).hexdigest()[:12]  # the whole plan, to compare
-                yield name, label, regime, plan_s, est_s, summary, spent, verifies, digest
+                yield name, label, regime, plan_s, est_s, summary, spent, verifies, digest, plan_cpu, est_cpu
 
 
 def _repeat(default: int) -> int:
@@ -251,7 +266,7 @@ def main() -> None:
     print("-" * len(header))
     ratios = {"generous": [], "tight": []}
     breakdown = []
-    for name, label, regime, plan_s, est_s, summary, spent, verifies, _ in zoo_rows(hf="--hf" in sys.argv[1:],
+    for name, label, regime, plan_s, est_s, summary, spent, verifies, *_ in zoo_rows(hf="--hf" in sys.argv[1:],
                                                                                    repeat=_repeat(1)):
         if plan_s is None:
             print(f"{name:<14} {label:<18} {regime:<8} {summary}")
@@ -471,7 +486,7 @@ def zoo_against(base: Path, repeat: int = 3) -> None:
     print(f"base {base}, new {ROOT}; torch {torch.__version__}, {torch.get_num_threads()} threads; each case a "
           f"fresh process per side; each time the fastest of {repeat} runs")
     print(f"{'case':<12} {'device':<15} {'budget':<8} {'which':<5} {'plan s':>7} {'est. s':>7} {'ratio':>6} "
-          f"{'full sims':>9}  plan")
+          f"{'CPU ratio':>9} {'verifies':>8}  plan")
     print("-" * 110)
     ratios: dict[tuple[str, str], list[float]] = {}
     stages: dict[str, dict[str, float]] = {}
@@ -483,17 +498,19 @@ def zoo_against(base: Path, repeat: int = 3) -> None:
                 if row["plan_s"] is None:
                     print(f"{row['name']:<12} {row['device'][:15]:<15} {row['regime']:<8} {which:<5} infeasible")
                     continue
-                ratio = row["plan_s"] / row["est_s"]
+                ratio, cpu_ratio = row["plan_s"] / row["est_s"], row["plan_cpu"] / row["est_cpu"]
                 ratios.setdefault((row["regime"], which), []).append(ratio)
+                ratios.setdefault((row["regime"] + " CPU", which), []).append(cpu_ratio)
                 if row["regime"] == "tight":
                     for stage, seconds in row["spent"].items():
                         units = stages.setdefault(which, dict.fromkeys(STAGES, 0.0))
                         units[stage] += seconds / row["est_s"]
                 same = "" if which == "base" else (" (same plan)" if new["plan"] == old["plan"] else " PLANS DIFFER")
                 print(f"{row['name']:<12} {row['device'][:15]:<15} {row['regime']:<8} {which:<5} {row['plan_s']:>7.2f} "
-                      f"{row['est_s']:>7.2f} {ratio:>6.2f} {row['verifies']:>9}  {row['summary']}{same}", flush=True)
+                      f"{row['est_s']:>7.2f} {ratio:>6.2f} {cpu_ratio:>9.2f} {row['verifies']:>8}  {row['summary']}{same}",
+                      flush=True)
     for (regime, which), values in sorted(ratios.items()):
-        print(f"{regime:<8} {which:<5} plan / estimate: median {_median(values):.2f}, max {max(values):.2f} over "
+        print(f"{regime:<12} {which:<5} plan / estimate: median {_median(values):.2f}, max {max(values):.2f} over "
               f"{len(values)} rows")
     for which, units in stages.items():
         count = len(ratios.get(("tight", which), [])) or 1
@@ -503,9 +520,11 @@ def zoo_against(base: Path, repeat: int = 3) -> None:
 
 def _rows_json(only: str, repeat: int) -> None:
     """Child of ``zoo_against``: the rows of case ``only`` as JSON lines, with the plan itself to compare."""
-    for name, label, regime, plan_s, est_s, summary, spent, verifies, digest in zoo_rows(only=only, repeat=repeat):
+    for name, label, regime, plan_s, est_s, summary, spent, verifies, digest, plan_cpu, est_cpu in zoo_rows(
+            only=only, repeat=repeat):
         print(json.dumps(dict(name=name, device=label, regime=regime, plan_s=plan_s, est_s=est_s, summary=summary,
-                              plan=digest, spent=spent, verifies=verifies)), flush=True)
+                              plan=digest, spent=spent, verifies=verifies, plan_cpu=plan_cpu, est_cpu=est_cpu)),
+              flush=True)
 
 
 if __name__ == "__main__":
