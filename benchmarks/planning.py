@@ -47,7 +47,7 @@ Measured with --deep (two cores, torch 2.13.0, AUTOFIT_WORKERS unset; seconds of
     8B one H100          auto           14.2  8x1 bf16 73.38 GiB 29.985 s ckpt=44 host
     8B one H100          whole model    64.7  8x1 bf16 74.40 GiB 29.955 s ckpt=41 sel=4 host
 
-With --against (each plan a fresh process, start-up, imports and exit included; two idle cores, torch 2.13.0,
+With --deep --against (each plan a fresh process, start-up, imports and exit included; two idle cores, torch 2.13.0,
 2026-11-27; the 70B row also prints autofit.plan's own seconds). Base 83b4ef1 (before this issue's work; its 70B
 plan opts in to depth extrapolation, without which it takes about an hour), then f00efc7 (before the layout
 ordering, the climb that stops, the quick path's first cuts and the frozen exit), each in its own run:
