@@ -36,7 +36,7 @@ from autofit.emit.trainer import Trainer
 from autofit.features import before_wrap
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.training.strategy import apply_layout, gradient_sync, mesh_names, mesh_shape
+from autofit.training.strategy import apply_layout, device_mesh, gradient_sync, wrap_ddp
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -58,13 +58,10 @@ def _ddp(plan: Plan, model: nn.Module,
          optimizer: torch.optim.Optimizer | Callable) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``model`` in DistributedDataParallel with the plan's bucket mode, and the optimizer (an instance steps the
     same parameters DDP wraps; a factory is built on them)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids,
-                                   gradient_as_bucket_view=plan.step.gradient_as_bucket_view), built
+    return wrap_ddp(model, plan.step.gradient_as_bucket_view, device_ids=ids), built
 
 
 class DistributedTrainer(Trainer):
@@ -118,8 +115,6 @@ class DistributedTrainer(Trainer):
                 "FSDP2 replaces the parameters when it shards them, so wrap() needs an optimizer factory: "
                 "plan.wrap(model, lambda params: torch.optim.AdamW(params, lr=...))"
             )
-        from torch.distributed.device_mesh import init_device_mesh
-
         device_type = next(model.parameters()).device.type
         if plan.offload_states:  # the parameters stay on the host; the plan's device computes
             device_type = plan.device
@@ -129,9 +124,7 @@ class DistributedTrainer(Trainer):
                     "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
                     "it runs)"
                 )
-        tp = plan.tensor_parallel
-        mesh = init_device_mesh(device_type, mesh_shape(self.world_size, plan.replicate, tp),
-                                mesh_dim_names=mesh_names(self.world_size, plan.replicate, tp))
+        mesh = device_mesh(device_type, self.world_size, plan.replicate, plan.tensor_parallel)
         self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
             if device_type == "cuda" else torch.device(device_type)
         wrapped = apply_layout(model, mesh, plan.step.layout, plan.step.precision, pin_memory=device_type == "cuda")

@@ -24,7 +24,7 @@ from torch import nn
 
 from autofit.core._torch import dtensor_specs_once, fake_store
 from autofit.core.errors import UnsupportedModelError
-from autofit.training.strategy import mesh_names, mesh_shape
+from autofit.training.strategy import device_mesh
 
 __all__ = ["fake_mesh", "ddp_buckets", "grads_into_buckets", "gloo_staging_bytes"]
 
@@ -33,8 +33,6 @@ __all__ = ["fake_mesh", "ddp_buckets", "grads_into_buckets", "gloo_staging_bytes
 def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> Iterator[object]:
     """A CPU device mesh over a fake process group of ``world_size`` ranks (this process is rank 0): 1-D, or 2-D
     (replicate, shard) for HSDP, or (dp_shard, tp) with tensor parallel (training/strategy.py, ``mesh_shape``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if dist.is_initialized():
         raise UnsupportedModelError(
             "autofit simulates FSDP2 with a fake process group, which needs the default group to be free: "
@@ -46,8 +44,7 @@ def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> 
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         with dtensor_specs_once():  # Note [DTensor's tuple strategies in linear time], core/_torch.py
-            yield init_device_mesh("cpu", mesh_shape(world_size, replicate, tensor_parallel),
-                                   mesh_dim_names=mesh_names(world_size, replicate, tensor_parallel))
+            yield device_mesh("cpu", world_size, replicate, tensor_parallel)
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook

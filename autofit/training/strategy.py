@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from autofit.training.layout import Parallel
     from autofit.training.precision import PrecisionPolicy
 
-__all__ = ["apply_layout", "apply_fsdp2", "bitsandbytes_parameters", "mesh_shape", "mesh_names", "sub_meshes", "laid_out", "gradient_sync"]
+__all__ = ["apply_layout", "apply_fsdp2", "bitsandbytes_parameters", "device_mesh", "wrap_ddp", "mesh_shape",
+           "mesh_names", "sub_meshes", "laid_out", "gradient_sync"]
 
 
 def apply_layout(model: nn.Module, mesh, layout: Parallel, precision: PrecisionPolicy, *,
@@ -45,14 +46,28 @@ def laid_out(model: nn.Module, step: StepConfig, device_type: str) -> nn.Module:
     if layout.world_size == 1 and not layout.offload_states:
         return model
     if layout.replicates_parameters:
-        from torch.nn.parallel import DistributedDataParallel
+        return wrap_ddp(model, step.gradient_as_bucket_view)
+    return apply_layout(model, device_mesh(device_type, layout.world_size, layout.replicate, layout.tensor_parallel),
+                        layout, step.precision)
 
-        return DistributedDataParallel(model, gradient_as_bucket_view=step.gradient_as_bucket_view)
+
+# The one place a mesh is built and a model wrapped in DDP: the simulation (on a fake process group,
+# simulate/parallel.py), measure (``laid_out``) and the distributed trainer (emit/distributed.py) all lay a model out
+# through this module, so a layout is applied one way wherever it runs.
+def device_mesh(device_type: str, world_size: int, replicate: int = 1, tensor_parallel: int = 1):
+    """The device mesh of a layout over the default process group (:func:`mesh_shape`, :func:`mesh_names`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, mesh_shape(layout.world_size, layout.replicate, layout.tensor_parallel),
-                            mesh_dim_names=mesh_names(layout.world_size, layout.replicate, layout.tensor_parallel))
-    return apply_layout(model, mesh, layout, step.precision)
+    return init_device_mesh(device_type, mesh_shape(world_size, replicate, tensor_parallel),
+                            mesh_dim_names=mesh_names(world_size, replicate, tensor_parallel))
+
+
+def wrap_ddp(model: nn.Module, gradient_as_bucket_view: bool, device_ids: list[int] | None = None) -> nn.Module:
+    """``model`` in DistributedDataParallel with the step's bucket mode (Note [DDP's bucket views],
+    emit/distributed.py)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=gradient_as_bucket_view)
 
 
 def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool):
