@@ -197,7 +197,7 @@ def _collectives_alone(request: PlanRequest, parallel: Parallel, stages: tuple[S
     over its parameters in the fewest bytes any of its rungs ``stages`` stores them in, split T ways under tensor
     parallel: a floor of every rung's modelled step, which adds them to the compute, not overlapped
     (solve/time_model.py; Note [ruled out by arithmetic])."""
-    if parallel.strategy is None or parallel.world_size // parallel.tensor_parallel <= 1:
+    if parallel.strategy is None or parallel.data_ranks <= 1:
         return 0.0
     stored = [stored_dtype(p.stored).itemsize for s in stages for p in s.policies if p.stored]
     nbytes = sum(p.numel() * min([p.element_size(), *stored]) if p.is_floating_point() else
