@@ -298,12 +298,13 @@ def extrapolate_grid(grid: DepthGrid, ests: tuple[MemoryEstimate, ...]) -> Memor
 
 
 def analysis_depth(config: StepConfig, blocks: Blocks) -> tuple[int, int] | None:
-    """(depth, period) the analysis of ``config`` runs the cut model at (three periods, the last one the template
-    of the blocks it adds: Note [extending an analysis in depth]); None: analyse the whole model."""
+    """(depth, period) the analysis of ``config`` runs the cut model at (four periods, the third one the template
+    of the blocks it adds, a block in the steady state: Note [extending an analysis in depth]); None: analyse the
+    whole model."""
     period = _period(config, blocks)
     if period is None:
         return None
-    depth = blocks.count % period + 3 * period
+    depth = blocks.count % period + 4 * period
     return (depth, period) if depth < blocks.count else None
 
 
