@@ -294,7 +294,6 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
     ``--fsdp_*`` and ``--parallelism_config_*`` arguments, accelerate/commands/launch.py), FSDP version 2;
     ``accelerator``: ``Accelerator(...)`` keyword arguments (the accumulation)."""
     micro, steps = _split(plan)
-    per_node = plan.gpus_per_node or plan.world_size
     mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision.name]
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
