@@ -26,10 +26,10 @@ from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.solve.terms import large_term_notes
-from autofit.training.layout import Strategy, as_strategy, check_layout
+from autofit.parallel.layout import Strategy, as_strategy, check_layout
 from autofit.training.step import StepConfig, forward_errors, make_step_config
-from autofit.training.sequence_parallel import require_sequence_split
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.parallel.sequence_parallel import require_sequence_split
+from autofit.parallel.tensor_parallel import resolve_tensor_plan
 
 __all__ = ["analyse", "estimate", "measure"]
 
@@ -173,7 +173,7 @@ def estimate(
     the Hugging Face model's ``config.base_model_tp_plan``) split over the T ranks of its group with torch's ``parallelize_module``, then
     FSDP2 over the other world_size // T (none when T == world_size); ``micro_batch_size`` rows per
     tensor-parallel group, which all see the same rows (Note [tensor parallel plan],
-    autofit/training/tensor_parallel.py).
+    autofit/parallel/tensor_parallel.py).
     ``chunked_loss``: the output head and the cross-entropy run in chunks of tokens under checkpoint, so the full
     logits and their gradient are never live at once (Note [chunked cross-entropy], autofit/training/chunked_loss.py); for
     the default loss against an integer target, or a Hugging Face causal LM given ``labels``.

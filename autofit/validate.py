@@ -19,9 +19,9 @@ from autofit.core._torch_compile import compiled_in_place
 from autofit.device import NCCL_RESERVE_BYTES, DeviceTarget
 from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
 from autofit.features import feature_names
-from autofit.training.sequence_parallel import require_sequence_split
-from autofit.training.layout import Strategy, as_strategy, check_layout
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.parallel.sequence_parallel import require_sequence_split
+from autofit.parallel.layout import Strategy, as_strategy, check_layout
+from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.training.config import make_step_config, resolve_modules

@@ -26,6 +26,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from autofit.features import FEATURES
 from autofit.training.batch import as_batch
 from autofit.training.step import make_step_config, optimizer_step, patched_model, run_micro_batch
 
@@ -99,7 +100,7 @@ def _run(model, sample, target, loss_fn, config) -> int:
         optim = config.optimizer.build(work.parameters())
 
         def step() -> None:
-            run_micro_batch(work, micro, micro_target, loss_fn, config, "cpu")
+            run_micro_batch(work, micro, micro_target, loss_fn, config, "cpu", features=FEATURES)
             optimizer_step(optim)
 
         step()  # warm-up: creates the optimizer state, as in the steady state

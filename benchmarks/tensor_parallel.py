@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     mapping = None
     if args.sequence_parallel:
-        from autofit.training.tensor_parallel import sequence_parallel_plan
+        from autofit.parallel.tensor_parallel import sequence_parallel_plan
 
         mapping = sequence_parallel_plan(model)
     plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, args.budget, batch_size=args.batch,

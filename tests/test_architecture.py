@@ -17,6 +17,8 @@ LAYERS: list[set[str]] = [
     # foundations (autofit/core/): the torch boundary, typed errors, byte units, memory categories, progress, worker
     # processes, this CPU's kernels, and the memory figures estimate and measure hand back
     {"core"},
+    # the parallel layout (autofit/parallel/): its dimensions, registered, and the layout value they make
+    {"parallel"},
     # what one training step is (autofit/training/), shared by simulate, measure and the trainer; and the step
     # features (autofit/features/), each built on the step's parts and run by the step itself (training/step.py):
     # test_features_stand_between_the_steps_parts_and_the_step places them within the layer
@@ -355,7 +357,7 @@ def _strategy_name_compared(tree: ast.AST) -> list[int]:
 
 
 def test_the_strategy_is_asked_not_named() -> None:
-    """A layout's strategy is read once into a ``Strategy`` (autofit/training/layout.py: ``as_strategy``) and asked
+    """A layout's strategy is read once into a ``Strategy`` (autofit/parallel/layout.py: ``as_strategy``) and asked
     what it does (``shards_parameters``, ``replicates_parameters``), never compared with a name: the rules of a
     layout live in ``check_layout``, and a new strategy is one more member, not a search for string comparisons."""
     found = [f"{p.relative_to(PACKAGE)}:{line}" for p in _modules()

@@ -98,7 +98,7 @@ def test_sequence_parallel_figures_equal_the_library_estimate():
     """--sequence-parallel: the model's own plan with its blocks' norms sequence-parallel (sequence_parallel_plan),
     the same figures as the library given that plan; the activations of a rank fall against tensor parallel
     alone, its parameters do not."""
-    from autofit.training.tensor_parallel import sequence_parallel_plan
+    from autofit.parallel.tensor_parallel import sequence_parallel_plan
 
     llama = ["--config", "num_hidden_layers=2", "--config", "hidden_size=64", "--config", "intermediate_size=128",
              "--config", "num_attention_heads=4", "--config", "num_key_value_heads=2", "--config", "vocab_size=512"]

@@ -135,7 +135,7 @@ def test_a_batch_larger_than_the_plan_is_refused_rather_than_stepped_twice():
 def test_a_one_process_step_feature_refuses_a_distributed_trainer_before_any_process_group_is_needed(knob):
     """The step features planned for one process only (the ladder offers them without a strategy alone) refuse a
     plan with a layout when it is wrapped, naming the knob, before the trainer asks for a process group."""
-    from autofit.training.layout import Parallel
+    from autofit.parallel.layout import Parallel
 
     changes = dict(parallel=Parallel(strategy="ddp", world_size=2), optimizer_in_backward=knob == "optimizer_in_backward")
     if knob == "preallocated_grads":  # a plan's flag is its estimate's (the search decides it there)

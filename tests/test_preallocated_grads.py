@@ -15,7 +15,7 @@ from torch import nn
 
 import autofit
 from autofit.training.config import StepConfig
-from autofit.training.layout import Parallel
+from autofit.parallel.layout import Parallel
 from autofit.training.precision import PrecisionPolicy
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
+from autofit.features import FEATURES
 from autofit.training.batch import as_batch
 from autofit.training.chunked_loss import LossChunks, chunked_cross_entropy
 from autofit.core.errors import InfeasibleBudgetError, InvalidInputError, UnsupportedModelError
@@ -150,9 +151,10 @@ def _grads(model):
 def test_chunked_loss_and_gradients_equal_the_unchunked_step_hf():
     model, batch = _llama(), _tokens()
     twin = copy.deepcopy(model)
-    plain = run_micro_batch(model, as_batch(batch), None, None, make_step_config(micro_batch_size=4), "cpu")
+    plain = run_micro_batch(model, as_batch(batch), None, None, make_step_config(micro_batch_size=4), "cpu",
+                            features=FEATURES)
     config = make_step_config(micro_batch_size=4, chunked_loss=LossChunks(head="lm_head"))
-    chunked = run_micro_batch(twin, as_batch(batch), None, None, config, "cpu")
+    chunked = run_micro_batch(twin, as_batch(batch), None, None, config, "cpu", features=FEATURES)
     torch.testing.assert_close(chunked, plain)
     for a, b in zip(_grads(twin), _grads(model)):
         torch.testing.assert_close(a, b)
@@ -178,9 +180,10 @@ def test_chunked_default_loss_equals_cross_entropy_and_a_transformed_head_is_ref
     ids, target = torch.randint(0, 1000, (3, 50), generator=g), torch.randint(0, 1000, (3, 50), generator=g)
     target[0, :7] = -100
     plain = run_micro_batch(model, as_batch(ids), as_batch(target, what="target"), None,
-                            make_step_config(micro_batch_size=3), "cpu")
+                            make_step_config(micro_batch_size=3), "cpu", features=FEATURES)
     config = make_step_config(micro_batch_size=3, chunked_loss=LossChunks(head="head", chunks=7))  # uneven chunks
-    chunked = run_micro_batch(twin, as_batch(ids), as_batch(target, what="target"), None, config, "cpu")
+    chunked = run_micro_batch(twin, as_batch(ids), as_batch(target, what="target"), None, config, "cpu",
+                              features=FEATURES)
     torch.testing.assert_close(chunked, plain)
     for a, b in zip(_grads(twin), _grads(model)):
         torch.testing.assert_close(a, b)

@@ -1,4 +1,4 @@
-"""Sequence parallel (Note [sequence parallel], autofit/training/tensor_parallel.py): the blocks' norms given
+"""Sequence parallel (Note [sequence parallel], autofit/parallel/tensor_parallel.py): the blocks' norms given
 "sequence_parallel" next to a tiny Llama's own block plan. The truth: the CPU allocator's record on every rank of a
 gloo job (tests/dist_workers.py) for the per-rank estimate, one single-process full-batch SGD step for the
 parameters after a step, and hand counts of what sequence parallel keeps per rank and moves per sample."""
@@ -15,7 +15,7 @@ from autofit.core.errors import UnsupportedModelError
 from autofit.emit.plan import Plan
 from autofit.solve.sharding import shard_units
 from autofit.training.precision import as_policy
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from sharded_models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
@@ -195,7 +195,7 @@ def test_collectives_are_the_ones_torch_runs(tmp_path):
 def test_the_helper_adds_the_blocks_norms_to_the_model_plan():
     """``sequence_parallel_plan``: the config's plan plus each block's 1-D-parameter children, the same resolved
     plan as the mapping written by hand."""
-    from autofit.training.tensor_parallel import sequence_parallel_plan
+    from autofit.parallel.tensor_parallel import sequence_parallel_plan
 
     case = tiny_llama("meta")
     helped = sequence_parallel_plan(case.model)
@@ -214,7 +214,7 @@ def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_ru
     62 (the simulation failed deep in the attention's broadcast before this check). estimate, plan with T given,
     and the trainer's step (in the gloo job above) each name the length and the fix; plan with "auto" plans the
     other layouts."""
-    from autofit.training.tensor_parallel import sequence_parallel_plan
+    from autofit.parallel.tensor_parallel import sequence_parallel_plan
 
     case = tiny_llama()
     ids = case.sample["input_ids"][:, :31]
@@ -242,7 +242,7 @@ def test_depth_extrapolation_plans_sequence_parallel_as_the_whole_model():
     A cut model's plan names only its own blocks: torch warned once for every name past the cut (539 warnings)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autofit.training.tensor_parallel import sequence_parallel_plan
+    from autofit.parallel.tensor_parallel import sequence_parallel_plan
 
     config = LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=10,
                          num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa")

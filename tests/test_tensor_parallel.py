@@ -1,4 +1,4 @@
-"""Tensor parallel (Note [tensor parallel plan], autofit/training/tensor_parallel.py), alone and under FSDP2, on a tiny
+"""Tensor parallel (Note [tensor parallel plan], autofit/parallel/tensor_parallel.py), alone and under FSDP2, on a tiny
 Llama built from its config. The truth: the CPU allocator's record on every rank of a gloo job (tests/dist_workers.py)
 for the per-rank estimate, one single-process full-batch step for the parameters after a step, and hand counts of the
 split parameters."""
@@ -15,7 +15,7 @@ from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.emit.plan import Plan
 from autofit.solve.sharding import shard_units
 from autofit.training.precision import as_policy
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from sharded_models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")

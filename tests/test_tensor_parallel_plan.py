@@ -14,7 +14,7 @@ from autofit.emit.export import to_deepspeed_config, to_torchtitan_config
 from autofit.solve.sharding import Parallel, ring_seconds, tensor_group_bytes, tensor_reduce_bytes
 from autofit.training.batch import as_batch
 from autofit.training.step import make_step_config
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from sharded_models import tiny_llama, wide_blocks
 
 TOKENS, HIDDEN, MLP, VOCAB = 32, 64, 128, 128  # tiny_llama's shape

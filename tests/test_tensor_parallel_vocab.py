@@ -1,4 +1,4 @@
-"""The vocabulary split of tensor parallel (Note [tensor parallel plan], autofit/training/tensor_parallel.py): the
+"""The vocabulary split of tensor parallel (Note [tensor parallel plan], autofit/parallel/tensor_parallel.py): the
 embedding ("embedding_rowwise": torch's ``RowwiseParallel(input_layouts=Replicate())`` on an nn.Embedding) and the
 output head ("colwise_rep" = "colwise_gather_output": ``ColwiseParallel(output_layouts=Replicate())``) split T ways
 next to the blocks' linear layers, on a tiny Llama with a 512-word vocabulary. The truth: the CPU allocator's record
@@ -19,7 +19,7 @@ from autofit.emit.plan import Plan
 from autofit.solve.sharding import shard_units
 from autofit.training.batch import as_batch
 from autofit.training.precision import as_policy
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from sharded_models import tiny_llama, tiny_llama_vocab
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")

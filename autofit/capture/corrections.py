@@ -205,7 +205,7 @@ def _wait_tensor(tensor):
     (torch/csrc/distributed/c10d/Functional.cpp, ``wait_tensor``: ``return tensor``), but its fake kernel returns a
     new one (``empty_like``), so a simulated collective held its output twice until both died: a tensor-parallel
     output head gathering its logits ("colwise_rep", ``ColwiseParallel(output_layouts=Replicate())``) was priced
-    a whole gathered logits tensor high (Note [tensor parallel plan], autofit/training/tensor_parallel.py). The
+    a whole gathered logits tensor high (Note [tensor parallel plan], autofit/parallel/tensor_parallel.py). The
     input is returned, as the CPU kernel does."""
     return tensor
 

@@ -21,7 +21,7 @@ from autofit.options import Device, Layout
 from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
 from autofit.training.config import DeviceKind, as_zero_grad
-from autofit.training.layout import as_strategy
+from autofit.parallel.layout import as_strategy
 
 __all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
            "sequence_option", "STEP_FLAGS", "NOT_STEP_KNOBS"]
@@ -112,7 +112,7 @@ def sequence_option(model, sequence_parallel: bool, tensor_parallel: object) -> 
     if tensor_parallel in (1, "1"):
         raise InvalidInputError("--sequence-parallel splits the sequence over a tensor-parallel group: give "
                                 "--tensor-parallel T (or auto for plan)")
-    from autofit.training.tensor_parallel import sequence_parallel_plan
+    from autofit.parallel.tensor_parallel import sequence_parallel_plan
 
     return sequence_parallel_plan(model)
 

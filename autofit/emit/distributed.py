@@ -10,7 +10,7 @@
   ``reduce_every_micro_batch``, where they accumulate sharded on the device. Sharding replaces the parameters,
   so the optimizer is built afterwards: ``wrap`` takes a factory.
 - Tensor parallel (``plan.tensor_parallel`` T > 1): ``parallelize_module`` on the "tp" dim of a (world_size // T, T)
-  mesh first, then FSDP2 on its "dp_shard" dim (none when T == world_size): training/strategy.py, ``apply_layout``.
+  mesh first, then FSDP2 on its "dp_shard" dim (none when T == world_size): parallel/apply.py, ``apply_layout``.
   The T ranks of a group see the same rows: "rank" below is the data-parallel rank, ``rank // T``, of
   ``world_size // T``.
 Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
@@ -36,7 +36,7 @@ from autofit.emit.trainer import Trainer
 from autofit.features import before_wrap
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.training.strategy import apply_layout, device_mesh, gradient_sync, wrap_ddp
+from autofit.parallel.apply import apply_layout, device_mesh, gradient_sync, wrap_ddp
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -93,7 +93,7 @@ class DistributedTrainer(Trainer):
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # the data-parallel ranks: with tensor parallel T, the T consecutive ranks of a group share their rows
-        # (the mesh is (world_size // T, T): training/strategy.py, mesh_shape)
+        # (the mesh is (world_size // T, T): parallel/apply.py, device_mesh)
         self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, plan.parallel.data_ranks
         layout = plan.step.layout  # the layout the plan was verified with (Note [the plan's step])
         if layout.replicates_parameters:
@@ -124,10 +124,10 @@ class DistributedTrainer(Trainer):
                     "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
                     "it runs)"
                 )
-        mesh = device_mesh(device_type, self.world_size, plan.replicate, plan.tensor_parallel)
+        mesh = device_mesh(device_type, plan.step.layout)
         self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
             if device_type == "cuda" else torch.device(device_type)
-        wrapped = apply_layout(model, mesh, plan.step.layout, plan.step.precision, pin_memory=device_type == "cuda")
+        wrapped = apply_layout(model, mesh, plan.step.layout, plan.step.precision.param_dtype, pin_memory=device_type == "cuda")
         return wrapped, optimizer(wrapped.parameters())
 
     def _input_device(self) -> torch.device:

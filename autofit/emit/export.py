@@ -46,7 +46,7 @@ from typing import Any
 
 from autofit.emit.plan import Plan
 from autofit.features import FEATURES
-from autofit.training.sequence_parallel import is_sequence_parallel
+from autofit.parallel.sequence_parallel import is_sequence_parallel
 
 __all__ = ["DDP_KWARGS", "to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
            "to_torchtitan_config", "to_torchtitan_toml", "export_file", "EXPORTERS"]
@@ -238,7 +238,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     notes += _selective_notes(plan, "Lightning has no per-module recomputation policy; AutofitLightningCallback "
                                     "applies the plan's")
     if plan.strategy is not None:
-        trainer["strategy"] = {"ddp": "ddp", "fsdp2": "fsdp"}[plan.strategy]
+        trainer["strategy"] = "fsdp" if plan.parallel.shards_parameters else "ddp"  # Lightning's names
         per_node = plan.gpus_per_node or plan.world_size
         trainer["devices"] = per_node
         if per_node < plan.world_size:
@@ -256,7 +256,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
             notes.append(f"tensor parallel {plan.tensor_parallel}: FSDPStrategy (FSDP1) has none; in "
                          "ModelParallelStrategy's configure_model call parallelize_module(model, self.device_mesh"
                          "['tensor_parallel'], plan) first, with the torch style of each of the plan's "
-                         f"{len(plan.tensor_plan)} modules (plan.tensor_plan; autofit.training.tensor_parallel."
+                         f"{len(plan.tensor_plan)} modules (plan.tensor_plan; autofit.parallel.tensor_parallel."
                          "torch_style names each)")
         notes += more
     if notes:

@@ -17,13 +17,13 @@ from autofit.training.length import LengthSpec
 from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.optim import OPTIMIZER_NAMES, OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
-from autofit.training.sequence_parallel import is_sequence_parallel
+from autofit.parallel.sequence_parallel import is_sequence_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.emit.model_record import ModelRecord
 from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
-from autofit.training.layout import Parallel, layout_words, ranks_per_node
+from autofit.parallel.layout import Parallel, layout_words, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Forgone", "Plan", "plan_step", "use_wrap", "why_layout"]
@@ -162,7 +162,7 @@ class Plan:
     # beside a plan that climbed the ladder (offload, stored lower, an opt-in rung): the best without that rung
     alternatives: tuple[Forgone, ...] = ()
 
-    # The parallel layout the plan was verified with (autofit/training/layout.py): strategy, ranks, FSDP2's units and
+    # The parallel layout the plan was verified with (autofit/parallel/layout.py): strategy, ranks, FSDP2's units and
     # reshard, HSDP's replicate, ranks per node, tensor and sequence parallel, the states on the host, gradient sync
     # under accumulation; validated where it is built. The trainers lay the model out by it. Its fields read as the
     # plan's own (plan.world_size, plan.strategy ...), and Plan(...) and dataclasses.replace take them flat as a
@@ -224,7 +224,7 @@ class Plan:
         object.__setattr__(self, "device", DeviceKind(self.device))
         object.__setattr__(self, "zero_grad", as_zero_grad(self.zero_grad))
         if not isinstance(self.parallel, Parallel):
-            raise InvalidInputError(f"Plan.parallel must be an autofit.training.layout.Parallel, got {self.parallel!r}")
+            raise InvalidInputError(f"Plan.parallel must be an autofit.parallel.layout.Parallel, got {self.parallel!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise InvalidInputError(f"Plan.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.made_for is not None and not isinstance(self.made_for, ModelRecord):

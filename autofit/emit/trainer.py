@@ -33,7 +33,7 @@ from autofit.core.errors import InvalidInputError, TrainerStateError
 from autofit.features import FEATURES, before_wrap
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.length import batch_length
-from autofit.training.sequence_parallel import require_sequence_split
+from autofit.parallel.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import (
     LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter, refusing_ignored_targets,
@@ -178,7 +178,8 @@ class Trainer:
                     with self._micro_batch(last=i == len(bounds) - 1):
                         loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config,
                                                self.device_type, weight=norm.weight(i), scaler=self.scaler,
-                                               clear=self.optimizer if i == 0 else None)  # Note [where zero_grad falls]
+                                               clear=self.optimizer if i == 0 else None,  # Note [where zero_grad falls]
+                                               features=FEATURES)
                     losses.append(float(loss))
                     del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next
             except BaseException:

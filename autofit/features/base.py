@@ -63,10 +63,10 @@ if TYPE_CHECKING:  # annotations only: these are values the stages hand in
     from autofit.training.optim import OptimizerSpec
     from autofit.training.precision import PrecisionPolicy
 
+from autofit.training.loss import StepLoss  # re-exported: the features' hook returns one
+
 __all__ = ["Feature", "OptInFeature", "StepLoss"]
 
-# the step's loss where a feature computes it: (model, micro-batch, the target's value or None, precision) -> loss
-StepLoss = Callable[["nn.Module", "Batch", Any, "PrecisionPolicy"], "torch.Tensor"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -49,7 +49,7 @@ from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
 from autofit.training.stored import apply_stored
-from autofit.training.strategy import gradient_sync, laid_out
+from autofit.parallel.apply import gradient_sync, laid_out
 from autofit.training.step import (
     StepConfig,
     new_grad_scaler,
@@ -135,7 +135,8 @@ def measure_step(
     # one rank of a parallel layout (measure/ranks.py runs one process per rank): DDP wraps the copy, FSDP2 and
     # tensor parallel replace its parameters in place; the knobs patch the copy itself, as the trainer patches its
     # model's inner module
-    inner, work = work, laid_out(work, config, device.type)
+    inner, work = work, laid_out(work, config.layout, device.type, gradient_as_bucket_view=config.gradient_as_bucket_view,
+                                   param_dtype=config.precision.param_dtype)
     optimizer = config.optimizer.build(work.parameters())
     stored = apply_stored(inner, optimizer, config.precision.stored, config.precision.fp32_modules)
     scaler = new_grad_scaler(config, device.type)
@@ -147,7 +148,7 @@ def measure_step(
             interruption_point()  # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch.py)
             with gradient_sync(work, config.layout, last=i == config.accumulation_steps - 1):
                 run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
-                                scaler=scaler, clear=optimizer if i == 0 else None)
+                                scaler=scaler, clear=optimizer if i == 0 else None, features=FEATURES)
         interruption_point()
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,

@@ -3,7 +3,7 @@ running :func:`~autofit.measure.allocator.measure_step` with the layout applied 
 parallel composed with FSDP2), each measured by its own CPU allocator.
 
 This is the truth the simulation of one rank is checked against (tests/test_measure_layouts.py): the same step,
-the same layout code (training/strategy.py), torch's own collectives instead of the fake process group. Every
+the same layout code (parallel/apply.py), torch's own collectives instead of the fake process group. Every
 rank trains the same rows (the sample at the micro-batch size), as a data-parallel rank's slice would be shaped.
 
 Note [gloo's threads in the measured window]

@@ -35,6 +35,7 @@ from torch import nn
 
 from autofit.core._torch import compiled_modules
 from autofit.core._torch_compile import compile_settings, simulated_compile
+from autofit.features import FEATURES
 from autofit.training.step import run_micro_batch
 
 __all__ = ["compiled_for_simulation", "warm_up", "compiled_note", "upper_bound"]
@@ -54,7 +55,7 @@ def compiled_for_simulation(work: nn.Module, fake: bool, knob: bool = False) -> 
 def warm_up(work: nn.Module, micro, micro_target, loss_fn, config) -> None:
     """One forward and backward before tracking: dynamo compiles the forward on the first call and AOTAutograd the
     backward on the first backward, and neither compile belongs in the step's timeline. The gradients are dropped."""
-    run_micro_batch(work, micro, micro_target, loss_fn, config, "cpu")
+    run_micro_batch(work, micro, micro_target, loss_fn, config, "cpu", features=FEATURES)
     for p in work.parameters():
         p.grad = None
 

@@ -24,15 +24,16 @@ from torch import nn
 
 from autofit.core._torch import dtensor_specs_once, fake_store
 from autofit.core.errors import UnsupportedModelError
-from autofit.training.strategy import device_mesh
+from autofit.parallel.layout import Parallel
+from autofit.parallel.apply import device_mesh
 
 __all__ = ["fake_mesh", "ddp_buckets", "grads_into_buckets", "gloo_staging_bytes"]
 
 
 @contextlib.contextmanager
-def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> Iterator[object]:
-    """A CPU device mesh over a fake process group of ``world_size`` ranks (this process is rank 0): 1-D, or 2-D
-    (replicate, shard) for HSDP, or (dp_shard, tp) with tensor parallel (training/strategy.py, ``mesh_shape``)."""
+def fake_mesh(layout: Parallel) -> Iterator[object]:
+    """A CPU device mesh of ``layout`` over a fake process group of its ranks (this process is rank 0), built as the
+    real one is (parallel/apply.py, ``device_mesh``)."""
     if dist.is_initialized():
         raise UnsupportedModelError(
             "autofit simulates FSDP2 with a fake process group, which needs the default group to be free: "
@@ -41,10 +42,10 @@ def fake_mesh(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> 
     # init_process_group wraps sys.excepthook to prefix every later traceback with "[rank0]" and
     # destroy_process_group leaves it (torch/distributed/distributed_c10d.py): a plan leaves the process as it was
     excepthook = sys.excepthook
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=layout.world_size)
     try:
         with dtensor_specs_once():  # Note [DTensor's tuple strategies in linear time], core/_torch.py
-            yield device_mesh("cpu", world_size, replicate, tensor_parallel)
+            yield device_mesh("cpu", layout)
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook

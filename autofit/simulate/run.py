@@ -104,7 +104,7 @@ from autofit.training.step import (
     run_micro_batch,
 )
 from autofit.training.stored import apply_stored
-from autofit.training.strategy import apply_layout
+from autofit.parallel.apply import apply_layout
 
 __all__ = ["Simulation", "simulate_step", "probes_kernels", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
 
@@ -266,7 +266,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         prober.skipped = prober.failed = 0
     work = fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu")
     # the device mesh holds real tensors: it is made before the fake mode is entered
-    mesh_ctx = fake_mesh(config.world_size, config.replicate, config.tensor_parallel) \
+    mesh_ctx = fake_mesh(config.layout) \
         if config.layout.shards_parameters else contextlib.nullcontext()
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
@@ -277,7 +277,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
             compiled_code_runs_eagerly(), compiled, \
             compiled_for_simulation(work, fake and not eager, config.compile and not eager) as inductor:
         if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
-            apply_layout(work, mesh, config.layout, config.precision)
+            apply_layout(work, mesh, config.layout, config.precision.param_dtype)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None if target is None else target.map_tensors(to_sim).resize(config.micro_batch_size)
@@ -445,7 +445,8 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
                         if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
         with _forward_errors(tracker), into_buckets:
             run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
-                            scaler=scaler, on_phase=on_phase, clear=optimizer if micro_index == 0 else None)
+                            scaler=scaler, on_phase=on_phase, clear=optimizer if micro_index == 0 else None,
+                            features=FEATURES)
         for p in model.parameters():
             if p.grad is not None:
                 tracker.recategorize(p.grad, Category.GRADIENTS)

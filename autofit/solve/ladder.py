@@ -39,7 +39,7 @@ from autofit.features import OPT_IN, OptInFeature
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.precision import stored_dtype
 from autofit.solve.sharding import shard_units
-from autofit.training.strategy import bitsandbytes_parameters
+from autofit.parallel.apply import bitsandbytes_parameters
 from autofit.training.stored import stored_bytes_per_parameter
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
@@ -232,7 +232,7 @@ def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
     """FSDP2's CPUOffloadPolicy (Note [offload]): on this one process, or on each rank of an FSDP2 layout, each rank
     keeping its shard of the states in its node's host memory. None where it does not apply: offload not allowed
     (or a CPU target), DDP (which keeps whole replicas), tensor parallel (refused with offload, StepConfig), a model
-    with bitsandbytes quantized weights (QLoRA: FSDP2 drops their quantization state, training/strategy.py)."""
+    with bitsandbytes quantized weights (QLoRA: FSDP2 drops their quantization state, parallel/apply.py)."""
     if not request.offload or parallel.offload_states:
         return None
     if bitsandbytes_parameters(request.model):  # FSDP2 drops their quantization state (apply_fsdp2 says why)

@@ -20,20 +20,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from autofit.core.errors import AutofitError, InvalidInputError
-from autofit.training.layout import Parallel, Strategy, check_layout, layout_words, ranks_per_node  # re-exported: the layout's home is training/layout.py
-from autofit.training.sequence_parallel import require_sequence_split
-from autofit.training.tensor_parallel import resolve_tensor_plan
+from autofit.parallel import DIMENSIONS, enumerate_layouts
+from autofit.parallel.layout import Parallel, Strategy, from_layout, layout_words, ranks_per_node  # re-exported: the layout's home is autofit/parallel/
 
 if TYPE_CHECKING:
     from autofit.device import DeviceTarget
     from autofit.training.batch import Batch
 
-__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Links", "Strategy", "ring_seconds"]
+__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Links", "Strategy", "ring_seconds"]
 
 
 class LayoutRequest(Protocol):
-    """What :func:`layouts`, :func:`tensor_layouts` and :func:`collective_floor` read of the request
+    """What :func:`layouts` (through the layout dimensions, autofit/parallel/) and :func:`collective_floor` read of the request
     (``autofit.request.PlanRequest`` has these fields). The request is built after this stage in the import order,
     so this module names the fields it reads instead of importing the request (no import against the pipeline,
     annotations included: tests/test_architecture.py)."""
@@ -63,55 +61,18 @@ class LayoutRequest(Protocol):
 
 
 def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
-    """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): FSDP2 once per valid
-    (reshard_after_forward, replicate) pair the request allows."""
+    """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): one process, DDP, or
+    FSDP2's, the layout dimensions' enumeration (``autofit.parallel.enumerate_layouts``: every tensor-parallel
+    degree, HSDP replicate size and reshard option the request allows that the dimensions' rules accept)."""
     if strategy is None:
         return [Parallel()]
     base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
     if not base.shards_parameters:
         return [base]
     units = shard_units(request.model)
-    found = []
-    for replicate in request.replicate_options if 1 in request.tensor_options else ():
-        for raf in request.reshard_options:
-            try:
-                check_layout(strategy, request.world_size, reshard_after_forward=raf, replicate=replicate)
-            except InvalidInputError:  # e.g. a reshard to one node's GPUs when HSDP's shard group is one node
-                continue
-            found.append(replace(base, shard_units=units, reshard_after_forward=raf, replicate=replicate))
-    return found + tensor_layouts(request, replace(base, shard_units=units))
-
-
-def tensor_layouts(request: LayoutRequest, base: Parallel) -> list[Parallel]:
-    """Tensor parallel T x FSDP2 over world_size // T (docs/multi-gpu.md, "Tensor parallel"): for each degree the
-    request allows, T dividing one node's GPUs (its all-reduces run every layer, over NVLink: never across nodes),
-    FSDP2's reshard options over the other dim (none when T is every rank). A model without a tensor-parallel plan,
-    or one T does not split evenly, plans no such layout."""
-    found = []
-    per_node = request.gpus_per_node or request.world_size
-    if request.clip_grad_norm is not None:  # refused with tensor parallel (StepConfig), named by make_request
-        return found
-    for tp in request.tensor_options:
-        if tp == 1 or per_node % tp or request.world_size % tp:
-            continue
-        try:
-            plan = resolve_tensor_plan(request.model, tp, request.tensor_parallel_plan)
-            require_sequence_split(plan, tp, request.batch.tensors(), "the sample")
-        except AutofitError:  # no plan, or heads / features / the sequence T does not divide: the other layouts
-            continue          # are still planned
-        data = request.world_size // tp
-        if data == 1 and request.device.foreach_optimizers:  # refused (StepConfig: foreach optimizers)
-            continue
-        for raf in request.reshard_options if data > 1 else (True,):
-            if raf is not True and raf is not False:  # an int reshard: torch refuses it on tensor-parallel weights
-                continue  # (FSDPParam.to_sharded_post_forward, torch 2.13: "Resharding to smaller mesh is not
-                # supported for DTensor parameters yet"), so the layout's analysis could only fail
-            try:
-                check_layout(Strategy.FSDP2, data, reshard_after_forward=raf)
-            except InvalidInputError:
-                continue
-            found.append(replace(base, reshard_after_forward=raf, tensor_parallel=tp, tensor_plan=plan))
-    return found
+    found = (from_layout(layout, gpus_per_node=request.gpus_per_node, shard_units=units)
+             for layout in enumerate_layouts(DIMENSIONS, request.world_size, request))
+    return list(dict.fromkeys(found))
 
 
 def _param_count(module: nn.Module) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 from autofit.analyse.table import OpCosts
 from autofit.device import DeviceTarget, Throughput
 from autofit.solve.sharding import Links, collective_seconds
-from autofit.training.layout import Parallel
+from autofit.parallel.layout import Parallel
 
 __all__ = ["TimeModel", "StepTime", "build_time_model", "HOST_OPTIMIZER_BYTES_PER_SECOND"]
 

@@ -22,7 +22,7 @@ from autofit.training.in_backward import check_in_backward
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
-from autofit.training.layout import Parallel
+from autofit.parallel.layout import Parallel
 
 __all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind",
            "ZeroGrad", "ZERO_GRAD_ORDERS", "as_zero_grad"]
@@ -119,7 +119,7 @@ class StepConfig:
     # a plan counts all of it; a bare estimate counts one micro-batch (0 means micro_batch_size).
     held_rows: int = 0
     gpu: str | None = None  # the GPU a "cuda" step is simulated for (a name autofit.gpu_spec knows)
-    # The parallel layout (autofit/training/layout.py): strategy, ranks, FSDP2's reshard and HSDP's replicate, tensor
+    # The parallel layout (autofit/parallel/layout.py): strategy, ranks, FSDP2's reshard and HSDP's replicate, tensor
     # parallel, the states on the host; validated where it is built. Its fields read through the properties below.
     layout: Parallel = field(default_factory=Parallel)
     # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
@@ -175,7 +175,7 @@ class StepConfig:
         object.__setattr__(self, "device", DeviceKind(self.device))
         object.__setattr__(self, "zero_grad", as_zero_grad(self.zero_grad))
         if not isinstance(self.layout, Parallel):
-            raise InvalidInputError(f"layout must be an autofit.training.layout.Parallel, got {self.layout!r}")
+            raise InvalidInputError(f"layout must be an autofit.parallel.layout.Parallel, got {self.layout!r}")
         if not isinstance(self.gradient_as_bucket_view, bool):
             raise InvalidInputError(f"gradient_as_bucket_view must be True or False, got "
                                     f"{self.gradient_as_bucket_view!r}")
@@ -237,7 +237,7 @@ def make_step_config(
 ) -> StepConfig:
     """The step from flat keywords (estimate's and measure's). ``layout``: the parallel layout as one value (what
     the planner passes); or its fields as keywords (``strategy="fsdp2", world_size=2, ...``: the fields of
-    :class:`~autofit.training.layout.Parallel`), its shortcut; one or the other."""
+    :class:`~autofit.parallel.layout.Parallel`), its shortcut; one or the other."""
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
     if checkpoint == "auto":

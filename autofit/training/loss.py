@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,18 @@ import torch.nn.functional as F
 from autofit.core._torch import PASSTHROUGH_ERRORS
 from autofit.core.errors import LossError
 
-__all__ = ["LossFn", "compute_loss", "describe_loss", "default_loss", "own_loss"]
+if TYPE_CHECKING:  # annotations only
+    from torch import nn
+
+    from autofit.training.batch import Batch
+    from autofit.training.precision import PrecisionPolicy
+
+__all__ = ["LossFn", "StepLoss", "compute_loss", "describe_loss", "default_loss", "own_loss"]
+
+# the step's loss where a step feature computes it (Note [step features], autofit/features/base.py): (model,
+# micro-batch, the target's value or None, precision) -> loss
+StepLoss = Callable[["nn.Module", "Batch", Any, "PrecisionPolicy"], "torch.Tensor"]
+
 
 LossFn = Callable[..., torch.Tensor]
 

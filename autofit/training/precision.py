@@ -85,6 +85,12 @@ class PrecisionPolicy:
         return self.name != "fp32"
 
     @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2 gathers parameters in under this policy (its ``MixedPrecisionPolicy(param_dtype=...)``,
+        autofit/parallel/apply.py): the autocast dtype, or None (as stored) without autocast."""
+        return self.dtype if self.autocast else None
+
+    @property
     def needs_grad_scaler(self) -> bool:
         return self.name == "fp16"
 

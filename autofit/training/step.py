@@ -36,8 +36,8 @@ import contextlib
 import functools
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
@@ -54,14 +54,22 @@ from autofit.training.config import (  # noqa: F401 - the step's value, re-expor
 )
 from autofit.core.cpu import translate_kernel_error
 from autofit.core.errors import ForwardError
-from autofit.features import FEATURES
-from autofit.training.loss import LossFn, compute_loss
+from autofit.training.loss import LossFn, StepLoss, compute_loss
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.recompute import BufferWrites, selective_context
 from autofit.training.stored import StoredState
 
 __all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
            "forward_errors"]
+
+
+class LossFeature(Protocol):
+    """What the step asks of each step feature it is given (``run_micro_batch(features=...)``): the loss it computes
+    in ``config``'s step in place of the model's output and the loss function, or None. The step receives the
+    features (``autofit.features.FEATURES``) from whoever runs it, the simulation, ``measure`` and the trainer, so
+    that the step's folder does not import the features' (they are built on it)."""
+
+    def step_loss(self, config: StepConfig) -> StepLoss | None: ...
 
 
 def _copy_containers(tree: Any) -> Any:
@@ -220,6 +228,7 @@ def run_micro_batch(
     model: torch.nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
     device_type: str, *, weight: float = 1.0, scaler: torch.amp.GradScaler | None = None,
     on_phase: Callable[[str], None] | None = None, clear: torch.optim.Optimizer | None = None,
+    features: Sequence[LossFeature],
 ) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; gradients accumulate into ``.grad``. Returns the loss, detached.
 
@@ -229,6 +238,7 @@ def run_micro_batch(
     ``on_phase`` is told "forward" and "backward" as they start (the simulator files allocations by phase).
     ``clear``: the optimizer whose gradients this micro-batch clears where ``config.zero_grad`` puts it (the first
     micro-batch of a window; Note [where zero_grad falls]); None: it clears none.
+    ``features``: the step features in force (``autofit.features.FEATURES``), asked for the loss they compute.
     """
     policy = config.precision
     if clear is not None and config.zero_grad is ZeroGrad.BEFORE_FORWARD:
@@ -237,7 +247,7 @@ def run_micro_batch(
         on_phase("forward")
     with torch.autocast(device_type, dtype=policy.dtype, enabled=policy.autocast):
         # a step feature may compute the loss in place of the model's output and loss_fn (Note [step features])
-        feature_loss = next((run for f in FEATURES if (run := f.step_loss(config)) is not None), None)
+        feature_loss = next((run for f in features if (run := f.step_loss(config)) is not None), None)
         if feature_loss is not None:
             loss = feature_loss(model, batch, None if target is None else target.value, policy)
             loss = compute_loss(lambda value: value, loss, None)  # the checks every loss passes

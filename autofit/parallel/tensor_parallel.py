@@ -47,7 +47,7 @@ Which modules are split comes from the model, never guessed:
   ``{"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}``.
 
 Everything the plan leaves out (the norms, unless sequence parallel: Note [sequence parallel] in
-autofit/training/sequence_parallel.py; the embedding and the output head unless split) is replicated on every
+autofit/parallel/sequence_parallel.py; the embedding and the output head unless split) is replicated on every
 rank of a tensor-parallel group; its gradient is the same on each of them, because every rank of the group sees the
 same samples and the activations entering and leaving the split modules are whole (the row-parallel and
 vocabulary-split outputs are all-reduced, the "colwise_rep" output all-gathered, the gradient of a column-parallel
@@ -70,7 +70,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
-from autofit.training.sequence_parallel import (SEQUENCE_DIM, block_norms, derive_sequence_parallel,
+from autofit.parallel.sequence_parallel import (SEQUENCE_DIM, block_norms, derive_sequence_parallel,
                                                 is_sequence_parallel, sequence_style)
 
 __all__ = ["resolve_tensor_plan", "apply_tensor_parallel", "torch_style", "TP_STYLES",

@@ -1,5 +1,7 @@
-"""How a parallel layout is applied to a model (FSDP2, HSDP, tensor parallel composed with FSDP2): shared by the
-simulation (on a fake process group) and the distributed trainer, so both shard exactly alike (see
+"""How a parallel layout is applied to a model (DDP, FSDP2, HSDP, tensor parallel composed with FSDP2): the one
+module that builds a device mesh and calls ``init_device_mesh``, ``fully_shard``, ``DistributedDataParallel`` and
+(through ``tensor_parallel.apply_tensor_parallel``) ``parallelize_module``, shared by the simulation (on a fake
+process group), ``measure`` and the distributed trainer, so all three lay a model out exactly alike (see
 docs/multi-gpu.md)."""
 
 from __future__ import annotations
@@ -12,54 +14,56 @@ from torch import nn
 
 from autofit.core._torch import unset_fake_temporarily
 from autofit.core.errors import UnsupportedModelError
-from autofit.training.tensor_parallel import apply_tensor_parallel
+from autofit.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
-    from autofit.training.config import StepConfig
-    from autofit.training.layout import Parallel
-    from autofit.training.precision import PrecisionPolicy
+    from autofit.parallel.layout import Parallel
 
-__all__ = ["apply_layout", "apply_fsdp2", "bitsandbytes_parameters", "device_mesh", "wrap_ddp", "mesh_shape",
-           "mesh_names", "sub_meshes", "laid_out", "gradient_sync"]
+__all__ = ["apply_layout", "apply_fsdp2", "bitsandbytes_parameters", "device_mesh", "wrap_ddp",
+           "sub_meshes", "laid_out", "gradient_sync"]
 
 
-def apply_layout(model: nn.Module, mesh, layout: Parallel, precision: PrecisionPolicy, *,
+def apply_layout(model: nn.Module, mesh, layout: Parallel, param_dtype: torch.dtype | None, *,
                  pin_memory: bool = False) -> nn.Module:
-    """``layout`` on ``mesh`` (as :func:`mesh_shape` lays it out), in torchtitan's order: tensor parallel over the
+    """``layout`` on ``mesh`` (as :func:`device_mesh` lays it out), in torchtitan's order: tensor parallel over the
     "tp" dim first, then FSDP2 over the data-parallel dim when there is one (``layout.fully_sharded``), gathering
-    parameters in ``precision``'s autocast dtype."""
+    parameters in ``param_dtype`` (the step's autocast dtype; None: as stored)."""
     if layout.tensor_parallel > 1:
         mesh, tp_mesh = sub_meshes(mesh, layout.tensor_parallel)
         apply_tensor_parallel(model, layout.tensor_plan, tp_mesh)
     if layout.fully_sharded:
-        apply_fsdp2(model, layout.shard_units, mesh, precision.dtype if precision.autocast else None,
+        apply_fsdp2(model, layout.shard_units, mesh, param_dtype,
                     offload=layout.offload_states, pin_memory=pin_memory,
                     reshard_after_forward=layout.reshard_after_forward, tensor_parallel=layout.tensor_parallel > 1)
     return model
 
 
-def laid_out(model: nn.Module, step: StepConfig, device_type: str) -> nn.Module:
-    """``model`` laid out as ``step`` says over the default process group, which must be initialised with
-    ``step.world_size`` ranks: DDP (``gradient_as_bucket_view`` as the step says: True, as the trainer wraps it) or the FSDP2 /
-    tensor-parallel layout of :func:`apply_layout` on a mesh of ``device_type``. One process: ``model`` itself."""
-    layout = step.layout
+def laid_out(model: nn.Module, layout: Parallel, device_type: str, *, gradient_as_bucket_view: bool,
+             param_dtype: torch.dtype | None) -> nn.Module:
+    """``model`` laid out as ``layout`` says over the default process group, which must be initialised with
+    ``layout.world_size`` ranks: DDP (``gradient_as_bucket_view`` as the step says: True, as the trainer wraps it)
+    or the FSDP2 / tensor-parallel layout of :func:`apply_layout` on a mesh of ``device_type``. One process:
+    ``model`` itself."""
     if layout.world_size == 1 and not layout.offload_states:
         return model
     if layout.replicates_parameters:
-        return wrap_ddp(model, step.gradient_as_bucket_view)
-    return apply_layout(model, device_mesh(device_type, layout.world_size, layout.replicate, layout.tensor_parallel),
-                        layout, step.precision)
+        return wrap_ddp(model, gradient_as_bucket_view)
+    return apply_layout(model, device_mesh(device_type, layout), layout, param_dtype)
 
 
 # The one place a mesh is built and a model wrapped in DDP: the simulation (on a fake process group,
 # simulate/parallel.py), measure (``laid_out``) and the distributed trainer (emit/distributed.py) all lay a model out
 # through this module, so a layout is applied one way wherever it runs.
-def device_mesh(device_type: str, world_size: int, replicate: int = 1, tensor_parallel: int = 1):
-    """The device mesh of a layout over the default process group (:func:`mesh_shape`, :func:`mesh_names`)."""
+def device_mesh(device_type: str, layout: Parallel):
+    """The device mesh of ``layout`` over the default process group: one dim per dimension of degree > 1, named as
+    the dimension, in mesh order (``Layout.mesh_shape``, ``Layout.mesh_names``, autofit/parallel/dimension.py):
+    (dp_shard) for FSDP2, (dp_replicate, dp_shard) for HSDP (FSDP2 shards over the last dim and replicates over the
+    first: ``fully_shard``'s docstring), (dp_shard, tp) with tensor parallel, (tp) for tensor parallel alone
+    (torchtitan's ``ParallelDims``: the "tp" dim last, so a tensor-parallel group is consecutive ranks, one node's
+    GPUs)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, mesh_shape(world_size, replicate, tensor_parallel),
-                            mesh_dim_names=mesh_names(world_size, replicate, tensor_parallel))
+    return init_device_mesh(device_type, layout.layout.mesh_shape, mesh_dim_names=layout.layout.mesh_names)
 
 
 def wrap_ddp(model: nn.Module, gradient_as_bucket_view: bool, device_ids: list[int] | None = None) -> nn.Module:
@@ -100,7 +104,7 @@ def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype:
                 reshard_after_forward: bool | int = True, tensor_parallel: bool = False) -> nn.Module:
     """``fully_shard`` each unit, then the root (FSDP2's recommended order: leaves before parents). ``offload``:
     FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory; Note [offload]).
-    ``tensor_parallel``: some parameters are already tensor-parallel DTensors (training/tensor_parallel.py); FSDP2
+    ``tensor_parallel``: some parameters are already tensor-parallel DTensors (parallel/tensor_parallel.py); FSDP2
     then shards them over ``mesh``, the 1-D "dp_shard" sub-mesh, into 2-D DTensors. ``reshard_after_forward``
     applies to the units (True: ZeRO-3, False: ZeRO-2, an int: reshard to groups of that size); the root keeps torch's default, which does not reshard it (``FSDPState._lazy_init``: backward needs it at
     once), as torchtitan's ``apply_fsdp`` does. ``mesh`` is 1-D (FSDP) or 2-D (replicate, shard): HSDP."""
@@ -141,27 +145,9 @@ def bitsandbytes_parameters(model: nn.Module) -> list[str]:
             if type(m).__module__.split(".")[0] == "bitsandbytes" and getattr(m, "weight", None) is not None]
 
 
-def mesh_shape(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> tuple[int, ...]:
-    """The device mesh of a layout: ``(world_size,)`` for FSDP and DDP, ``(replicate, world_size // replicate)`` for
-    HSDP (FSDP2 shards over the last dim and replicates over the first: ``fully_shard``'s docstring);
-    ``(world_size // T, T)`` with tensor parallel T, ``(T,)`` for tensor parallel alone (torchtitan's
-    ``ParallelDims``: the "tp" dim last, so a tensor-parallel group is consecutive ranks, one node's GPUs)."""
-    if tensor_parallel > 1:
-        data = world_size // tensor_parallel
-        return (tensor_parallel,) if data == 1 else (data, tensor_parallel)
-    return (world_size,) if replicate == 1 else (replicate, world_size // replicate)
-
-
-def mesh_names(world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> tuple[str, ...] | None:
-    """The mesh dims' names, as :func:`mesh_shape` lays them out (None for a 1-D data-parallel mesh)."""
-    if tensor_parallel > 1:
-        return ("tp",) if world_size == tensor_parallel else ("dp_shard", "tp")
-    return None if replicate == 1 else ("replicate", "shard")
-
-
 def sub_meshes(mesh, tensor_parallel: int) -> tuple[object | None, object]:
     """(the mesh FSDP2 shards over, or None when tensor parallel runs alone; the tensor-parallel mesh) of a mesh
-    :func:`mesh_shape` laid out with ``tensor_parallel`` > 1. Slicing a mesh reads its rank tensor: done outside
+    :func:`device_mesh` laid out with ``tensor_parallel`` > 1. Slicing a mesh reads its rank tensor: done outside
     any fake mode."""
     with unset_fake_temporarily():
         if mesh.mesh_dim_names == ("tp",):

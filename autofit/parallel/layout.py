@@ -9,13 +9,16 @@ a :class:`Strategy`, whose properties are what the core branches on.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
-from autofit.training.sequence_parallel import is_sequence_parallel
+from autofit.parallel import DIMENSIONS
+from autofit.parallel.dimension import Layout, Placement
+from autofit.parallel.sequence_parallel import is_sequence_parallel
 
-__all__ = ["Strategy", "as_strategy", "check_layout", "Parallel", "ranks_per_node", "layout_words"]
+__all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "Parallel", "ranks_per_node", "layout_words"]
 
 
 class Strategy(StrEnum):
@@ -47,9 +50,11 @@ def as_strategy(value: object, name: str = "strategy") -> Strategy | None:
 
 def check_layout(strategy: object, world_size: int, *, reshard_after_forward: object = True, replicate: object = 1,
                  tensor_parallel: object = 1, offload_states: bool = False) -> None:
-    """The rules of a parallel layout, in one place (docs/multi-gpu.md). :class:`Parallel` runs them where it is
-    built; the request, ``estimate`` and the planner's enumeration of layouts (solve/sharding.py) run them on a layout
-    before its modules are resolved, so that a bad one is named before any simulation.
+    """The rules of a parallel layout given as the user's fields (docs/multi-gpu.md). :class:`Parallel` runs them
+    where it is built; the request, ``estimate`` and the planner's enumeration of layouts run them on a layout before
+    its modules are resolved, so that a bad one is named before any simulation. Here: the fields' types and which
+    strategy each needs; the rules between degrees and options are the dimensions' own (``Dimension.check``,
+    autofit/parallel/), run on the :func:`placements` these fields make.
 
     - ``reshard_after_forward``: True (ZeRO-3), False (ZeRO-2) or an int group size to reshard to, a non-trivial
       divisor of the shard group (torch's ``_get_post_forward_mesh_info``); ``replicate`` > 1 is HSDP, a (replicate,
@@ -67,30 +72,30 @@ def check_layout(strategy: object, world_size: int, *, reshard_after_forward: ob
         raise InvalidInputError(
             f"reshard_after_forward={raf!r} and replicate={replicate!r} are FSDP2 layouts: they need "
             f"strategy='fsdp2', got {strategy!r} (leave them at True and 1 for DDP or one process)")
-    if world_size % replicate:
-        raise InvalidInputError(f"replicate {replicate} does not divide world_size {world_size}: HSDP's mesh "
-                                "is (replicate, world_size // replicate); use the number of nodes")
-    shard = world_size // replicate
-    if not isinstance(raf, bool) and (raf <= 1 or raf >= shard or shard % raf):
-        raise InvalidInputError(
-            f"reshard_after_forward={raf} must be a divisor of the shard group size {shard} other than 1 and "
-            f"{shard} (torch's fully_shard; use False for 1 and True for {shard}), e.g. the GPUs per node")
     require_int("tensor_parallel", tensor_parallel)
-    if tensor_parallel == 1:
-        return
-    if not sharded:
+    if tensor_parallel != 1 and not sharded:
         raise InvalidInputError(
             f"tensor_parallel={tensor_parallel} composes with FSDP2 (torchtitan's layout): pass "
             f"strategy='fsdp2' (with world_size == tensor_parallel for tensor parallel alone), got {strategy!r}")
-    if world_size % tensor_parallel:
-        raise InvalidInputError(
-            f"tensor_parallel {tensor_parallel} does not divide world_size {world_size}: the mesh is "
-            f"(world_size // tensor_parallel, tensor_parallel); use a divisor such as the GPUs of one node")
-    if replicate != 1 or offload_states:
-        raise InvalidInputError(
-            f"tensor_parallel={tensor_parallel} with {'replicate' if replicate != 1 else 'offload_states'}: "
-            "autofit simulates tensor parallel with FSDP2 over one shard dim only (no HSDP, no CPU offload); "
-            "leave replicate=1 and offload_states=False")
+    DIMENSIONS.layout(world_size, placements(strategy, world_size, reshard_after_forward=raf, replicate=replicate,
+                                             tensor_parallel=tensor_parallel, offload_states=offload_states))
+
+
+def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forward: bool | int = True,
+               replicate: int = 1, tensor_parallel: int = 1, offload_states: bool = False,
+               tensor_plan: tuple[tuple[str, str], ...] = ()) -> tuple[Placement, ...]:
+    """The dimensions' placements a layout's fields make (Note [layout dimensions]): none for one process, DDP's
+    replication over every rank, or FSDP2's replicate (HSDP), shard and tensor-parallel dims, the shard dim taking
+    the ranks the others leave."""
+    if strategy is None:
+        return ()
+    if not strategy.shards_parameters:
+        return (Placement("dp_replicate", world_size),)
+    shard = (("reshard_after_forward", reshard_after_forward),) + ((("offload_states", True),) if offload_states
+                                                                    else ())
+    tensor = (("plan", tensor_plan),) if tensor_plan else ()
+    return (Placement("dp_replicate", replicate), Placement("dp_shard", None, shard),
+            Placement("tp", tensor_parallel, tensor))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +129,7 @@ class Parallel:
                      offload_states=self.offload_states)
         if (self.tensor_parallel > 1) != bool(self.tensor_plan):
             raise InvalidInputError("tensor_plan (the modules to split) and tensor_parallel > 1 go together: resolve "
-                                    "the plan with autofit.training.tensor_parallel.resolve_tensor_plan")
+                                    "the plan with autofit.parallel.tensor_parallel.resolve_tensor_plan")
         if self.offload_states and not self.shards_parameters:
             raise InvalidInputError(
                 "offload_states keeps parameters, gradients and optimizer state in host memory with FSDP2's "
@@ -158,11 +163,20 @@ class Parallel:
         """The ranks one parameter is sharded over: world_size // replicate under FSDP2, else 1 (a whole copy)."""
         return self.world_size // self.replicate if self.shards_parameters else 1
 
+    @functools.cached_property  # a frozen value: computed once (kept in the instance's __dict__, not a field)
+    def layout(self) -> Layout:
+        """This layout as the dimensions' placements in mesh order (Note [layout dimensions]): what derives the
+        mesh and the data ranks."""
+        return DIMENSIONS.layout(self.world_size, placements(
+            self.strategy, self.world_size, reshard_after_forward=self.reshard_after_forward,
+            replicate=self.replicate, tensor_parallel=self.tensor_parallel, offload_states=self.offload_states,
+            tensor_plan=self.tensor_plan))
+
     @property
     def data_ranks(self) -> int:
-        """The ranks that train different rows of the batch: ``world_size // tensor_parallel`` (the ranks of one
-        tensor-parallel group share their rows; the mesh is (data_ranks, tensor_parallel), ``mesh_shape``)."""
-        return self.world_size // self.tensor_parallel
+        """The ranks that train different rows (:attr:`Layout.data_ranks`: the world size over the degrees of the
+        dimensions whose ranks share rows, tensor parallel's; the mesh is ``layout.mesh_shape``)."""
+        return self.layout.data_ranks
 
     @property
     def nodes(self) -> int:
@@ -199,6 +213,18 @@ class Parallel:
         reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
         return not self.shards_parameters or (self.reshard_after_forward is True and self.replicate == 1
                                               and self.tensor_parallel == 1)
+
+
+def from_layout(layout: Layout, *, gpus_per_node: int = 0, shard_units: tuple[str, ...] = ()) -> Parallel:
+    """The FSDP2 layout the dimensions' placements describe (an :func:`autofit.parallel.enumerate_layouts` result),
+    as the step holds it. Tensor parallel over every rank leaves FSDP2 nothing to reshard: ZeRO-3's flag then."""
+    shard, tensor = layout.placement("dp_shard"), layout.placement("tp")
+    raf = True if shard is None else shard.option("reshard_after_forward", True)
+    if tensor is not None and tensor.degree > 1 and layout.data_ranks == 1:
+        raf = True
+    return Parallel(strategy=Strategy.FSDP2, world_size=layout.world_size, gpus_per_node=gpus_per_node,
+                    shard_units=shard_units, reshard_after_forward=raf, replicate=layout.degree("dp_replicate"),
+                    tensor_parallel=layout.degree("tp"), tensor_plan=() if tensor is None else tensor.option("plan", ()))
 
 
 def ranks_per_node(world_size: int, gpus_per_node: int) -> int:

@@ -1,0 +1,193 @@
+"""What a layout dimension declares, the registry of them, and the layout value they make. See Note [layout
+dimensions].
+
+Note [layout dimensions]
+    A step is split across GPUs along dimensions: data-parallel replication (DDP, HSDP's replicate dim), sharding
+    (FSDP2), tensor parallel; pipeline, context and expert parallel come next. torchtitan's ``ParallelDims`` holds
+    their degrees as data, validated once, the mesh built once with one named dim per dimension in a fixed order
+    (pp, dp_replicate, dp_shard, cp, tp) and every stage asking for its dim by name. autofit does the same with a
+    registry, as it does for step features (Note [step features], autofit/features/base.py): each dimension is one
+    module of ``autofit/parallel/`` holding one frozen :class:`Dimension`, and :data:`DIMENSIONS` registers them
+    (a name registered twice is refused). Of every dimension:
+      - the planner's choices (:meth:`Dimension.choices`): what the request's options ("auto" included, already
+        expanded by the request) make of it, one :class:`Placement` each, its degree and its own options;
+      - its rules (:meth:`Dimension.check`), run on every :class:`Layout` built, the messages naming the user's field;
+      - what the enumeration skips although the rules allow it (:meth:`Dimension.plannable`: a combination torch
+        refuses at run time, or one that cannot be planned for this request);
+      - whether its ranks share their rows (:attr:`Dimension.shares_rows`: tensor and context parallel split a row's
+        work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`).
+    A :class:`Layout` is the placements of one layout in mesh order: it derives the world size, the mesh's shape and
+    names, and the data ranks (the ranks that train different rows), the only place that divides the world size
+    by the dimensions that share rows. :func:`enumerate_layouts` is the planner's enumeration: the product of every
+    registered dimension's choices, in registration order (the first outermost), each combination kept when every
+    dimension's rules pass and every dimension finds it plannable.
+
+    What the dimensions do not own yet (issue 54's later steps): their share of parameters, gradients and state, the
+    collectives' time, how each is applied to a model and its exports are still written per field of the flat
+    ``Parallel`` (autofit/parallel/layout.py), which the built-in dimensions translate to and from
+    (``Parallel.placements``, ``autofit.parallel.to_parallel``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from autofit.core.errors import InvalidInputError
+
+__all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One dimension's part of a layout: its degree (the ranks along its mesh dim; None while the layout is being
+    built: the ranks the other dimensions leave, as torchtitan's ``dp_shard=-1``) and its own options, as
+    (name, value) pairs (FSDP2's ``reshard_after_forward``, tensor parallel's resolved plan)."""
+
+    dimension: str
+    degree: int | None = 1
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """The value of option ``name``, or ``default``."""
+        return dict(self.options).get(name, default)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Dimension:
+    """A way a step is split across GPUs (Note [layout dimensions]): one frozen instance per module of
+    ``autofit/parallel/``. The defaults plan nothing and refuse nothing; a dimension overrides what it decides."""
+
+    name: str  # its mesh dim's name (torchtitan's: "dp_replicate", "dp_shard", "tp")
+    mesh_rank: int  # where its dim sits in the mesh: lower is outer (torchtitan: pp, dp_replicate, dp_shard, cp, tp)
+    shares_rows: bool  # its ranks work on the same rows (tensor, context parallel) rather than different ones
+    field: str  # the option a user sets its degree with, as messages name it ("tensor_parallel")
+
+    def choices(self, space: Any) -> Iterable[Placement]:
+        """The placements the planner tries for this dimension, read from ``space`` (the plan's request): one of
+        degree 1 (the dimension unused) by default."""
+        return (Placement(self.name),)
+
+    def check(self, layout: Layout) -> None:
+        """Raise :class:`~autofit.core.errors.InvalidInputError` naming :attr:`field` where ``layout`` breaks this
+        dimension's rules (its degree and options against the others')."""
+
+    def plannable(self, layout: Layout, space: Any) -> bool:
+        """Whether the planner tries ``layout`` (valid by every rule) for ``space``: False skips what torch refuses
+        at run time, or what this request cannot run."""
+        return True
+
+
+class Registry:
+    """The layout dimensions in force, in enumeration order (:func:`enumerate_layouts`); a name registered twice is
+    refused. :data:`autofit.parallel.DIMENSIONS` is autofit's; a test builds its own."""
+
+    def __init__(self, dimensions: Iterable[Dimension] = ()) -> None:
+        self._dimensions: dict[str, Dimension] = {}
+        for dimension in dimensions:
+            self.register(dimension)
+
+    def register(self, dimension: Dimension) -> Dimension:
+        if dimension.name in self._dimensions:
+            raise ValueError(f"layout dimension {dimension.name!r} is registered twice: each dimension is one module "
+                             "of autofit/parallel/ with its own mesh dim name")
+        if any(d.mesh_rank == dimension.mesh_rank for d in self._dimensions.values()):
+            raise ValueError(f"layout dimension {dimension.name!r} takes mesh position {dimension.mesh_rank}, "
+                             "which another holds: each dimension has its own place in the mesh")
+        self._dimensions[dimension.name] = dimension
+        return dimension
+
+    def __iter__(self) -> Iterator[Dimension]:
+        return iter(self._dimensions.values())
+
+    def __getitem__(self, name: str) -> Dimension:
+        return self._dimensions[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._dimensions
+
+    def in_mesh_order(self, names: Iterable[str]) -> list[Dimension]:
+        return sorted((self._dimensions[n] for n in names), key=lambda d: d.mesh_rank)
+
+    def layout(self, world_size: int, placements: Iterable[Placement]) -> Layout:
+        """The layout of ``placements`` over ``world_size`` ranks, checked: the placement whose degree is None takes
+        the ranks the others leave; every dimension's rules run."""
+        placements = list(placements)
+        rest = [p for p in placements if p.degree is None]
+        if len(rest) > 1:
+            raise ValueError(f"only one dimension takes the ranks the others leave, got {[p.dimension for p in rest]}")
+        for p in placements:  # the degrees as given: each dimension names its own field when it does not divide
+            if p.degree is not None:
+                self[p.dimension].check(Layout(world_size, (p,), self, partial=True))
+        fixed = math.prod(p.degree for p in placements if p.degree is not None)
+        if world_size % fixed:
+            names = " x ".join(f"{self[p.dimension].field} {p.degree}" for p in placements if p.degree is not None)
+            raise InvalidInputError(f"{names} does not divide world_size {world_size}: the mesh's dims multiply to "
+                                    "the ranks; choose degrees whose product divides it")
+        placements = [dataclasses.replace(p, degree=world_size // fixed) if p.degree is None else p
+                      for p in placements]
+        order = {d.name: i for i, d in enumerate(self.in_mesh_order(p.dimension for p in placements))}
+        layout = Layout(world_size, tuple(sorted(placements, key=lambda p: order[p.dimension])), self)
+        if math.prod(p.degree for p in layout.placements) != world_size:
+            raise InvalidInputError(
+                f"the degrees {', '.join(f'{self[p.dimension].field} {p.degree}' for p in layout.placements)} "
+                f"multiply to {math.prod(p.degree for p in layout.placements)}, not world_size {world_size}")
+        for p in layout.placements:
+            self[p.dimension].check(layout)
+        return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The placements of one layout, in mesh order (Note [layout dimensions]). ``partial``: one placement checked
+    alone, before the others are known (its degree against the world size)."""
+
+    world_size: int
+    placements: tuple[Placement, ...]
+    registry: Registry = dataclasses.field(compare=False, repr=False)
+    partial: bool = dataclasses.field(default=False, compare=False, repr=False)
+
+    def placement(self, name: str) -> Placement | None:
+        """The placement of dimension ``name``, or None where the layout does not use it."""
+        return next((p for p in self.placements if p.dimension == name), None)
+
+    def degree(self, name: str) -> int:
+        """The degree of dimension ``name`` (1 where the layout does not use it)."""
+        p = self.placement(name)
+        return 1 if p is None else p.degree
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that train different rows: the world size over the degrees of the dimensions whose ranks share
+        their rows (one tensor-parallel group trains the same rows)."""
+        return self.world_size // math.prod(p.degree for p in self.placements
+                                            if self.registry[p.dimension].shares_rows)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh: one dim per dimension of degree > 1, in mesh order; ``(world_size,)`` when none is."""
+        return tuple(p.degree for p in self.placements if p.degree > 1) or (self.world_size,)
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        """The mesh dims' names, as :attr:`mesh_shape` lays them out (the dimensions' names)."""
+        return tuple(p.dimension for p in self.placements if p.degree > 1) or (self.placements[0].dimension
+                                                                               if self.placements else "world",)
+
+
+def enumerate_layouts(registry: Registry, world_size: int, space: Any) -> list[Layout]:
+    """Every layout the planner tries over ``world_size`` ranks: the product of each registered dimension's
+    :meth:`~Dimension.choices` for ``space``, in registration order (the first outermost), keeping those every
+    dimension's rules accept and every dimension finds plannable; equal layouts once."""
+    found: dict[Layout, None] = {}
+    for combination in itertools.product(*(tuple(d.choices(space)) for d in registry)):
+        try:
+            layout = registry.layout(world_size, combination)
+        except InvalidInputError:  # e.g. a reshard to one node's GPUs when HSDP's shard group is one node
+            continue
+        if all(registry[p.dimension].plannable(layout, space) for p in layout.placements):
+            found.setdefault(layout)
+    return list(found)

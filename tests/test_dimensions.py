@@ -1,0 +1,84 @@
+"""Layout dimensions as registered objects (Note [layout dimensions], autofit/parallel/dimension.py): a new dimension
+is one registered object, and the enumeration, the rules, the mesh and the data ranks take it in without a change
+to autofit/. The truths are hand counts: 8 ranks, a toy dimension of degree 2 whose ranks share their rows."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from autofit.core.errors import InvalidInputError
+from autofit.parallel import DIMENSIONS, Dimension, Placement, Registry, enumerate_layouts
+from autofit.parallel.layout import Parallel
+
+
+class _Toy(Dimension):
+    """Degree 2, its ranks share their rows (as context parallel's do), nothing to apply; it refuses HSDP."""
+
+    def choices(self, space):
+        return (Placement(self.name, 2),)
+
+    def check(self, layout):
+        if not layout.partial and layout.degree(self.name) > 1 and layout.degree("dp_replicate") > 1:
+            raise InvalidInputError("toy_parallel does not compose with replicate > 1: leave replicate=1")
+
+
+TOY = _Toy(name="toy", mesh_rank=3, shares_rows=True, field="toy_parallel")  # between dp_shard (2) and tp (4)
+
+
+def _registry() -> Registry:
+    local = Registry(DIMENSIONS)  # autofit's dimensions, copied: the toy never reaches DIMENSIONS
+    local.register(TOY)
+    return local
+
+
+# what the built-in dimensions read of a plan's request (autofit.request.PlanRequest's fields of the same names)
+SPACE = SimpleNamespace(world_size=8, gpus_per_node=8, replicate_options=(1, 2), reshard_options=(True, False),
+                        tensor_options=(1,), clip_grad_norm=None, tensor_parallel_plan=None)
+
+
+def test_layouts_enumerate_a_registered_dimension():
+    found = enumerate_layouts(_registry(), 8, SPACE)
+    # replicate 2 is refused by the toy's rule; the two reshard options stay: 2 layouts, each with the toy at 2
+    assert [p.option("reshard_after_forward") for layout in found for p in layout.placements
+            if p.dimension == "dp_shard"] == [True, False]
+    for layout in found:
+        assert layout.degree("toy") == 2
+        assert layout.degree("dp_shard") == 4  # the ranks the others leave: 8 / 2
+        assert layout.data_ranks == 4  # the toy's ranks share their rows: 8 / 2
+        assert layout.mesh_shape == (4, 2) and layout.mesh_names == ("dp_shard", "toy")
+    assert "toy" not in DIMENSIONS
+    # the same request without the toy: replicate 2 (HSDP) is planned too, over every rank
+    plain = enumerate_layouts(DIMENSIONS, 8, SPACE)
+    assert [(layout.degree("dp_replicate"), layout.data_ranks) for layout in plain] == [(1, 8), (1, 8), (2, 8), (2, 8)]
+
+
+def test_the_rules_and_the_mesh_take_it_in():
+    local = _registry()
+    with pytest.raises(InvalidInputError, match="toy_parallel does not compose with replicate"):
+        local.layout(8, [Placement("dp_replicate", 2), Placement("dp_shard", None), Placement("toy", 2)])
+    with pytest.raises(InvalidInputError, match="toy_parallel 3 does not divide world_size 8"):
+        local.layout(8, [Placement("dp_shard", None), Placement("toy", 3)])
+    # in mesh order whatever the order given: dp_shard (2), toy (3), tp (4); two dims share rows: 8 / (2 x 2)
+    layout = local.layout(8, [Placement("tp", 2), Placement("toy", 2), Placement("dp_shard", None)])
+    assert layout.mesh_shape == (2, 2, 2) and layout.mesh_names == ("dp_shard", "toy", "tp")
+    assert layout.data_ranks == 2
+    with pytest.raises(ValueError, match="registered twice"):
+        local.register(TOY)
+    with pytest.raises(ValueError, match="mesh position 3"):
+        local.register(_Toy(name="other", mesh_rank=3, shares_rows=False, field="other"))
+
+
+def test_the_step_layout_is_the_dimensions_placements():
+    """``Parallel`` (the step's layout) derives its data ranks and mesh from the same placements: hand counts."""
+    hsdp = Parallel(strategy="fsdp2", world_size=16, replicate=2, reshard_after_forward=4)
+    assert hsdp.layout.mesh_shape == (2, 8) and hsdp.layout.mesh_names == ("dp_replicate", "dp_shard")
+    assert hsdp.data_ranks == 16
+    tp = Parallel(strategy="fsdp2", world_size=16, tensor_parallel=4, tensor_plan=(("w", "colwise"),))
+    assert tp.layout.mesh_shape == (4, 4) and tp.data_ranks == 4
+    alone = Parallel(strategy="fsdp2", world_size=4, tensor_parallel=4, tensor_plan=(("w", "colwise"),))
+    assert alone.layout.mesh_names == ("tp",) and alone.data_ranks == 1
+    assert Parallel(strategy="ddp", world_size=4).layout.mesh_shape == (4,)
+    with pytest.raises(InvalidInputError, match="shard group size 8"):
+        Parallel(strategy="fsdp2", world_size=16, replicate=2, reshard_after_forward=3)
