@@ -43,7 +43,7 @@ from autofit.solve.finish import (even_split, no_rows_table_note, optional_pins,
 from autofit.solve.ladder import Stage, gpus_for_states, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
 from autofit.solve.search import Candidate, SearchSpace, module_level, search, time_floor
-from autofit.solve.sharding import Links, collective_floor, collective_seconds, layouts
+from autofit.solve.sharding import collective_floor, layouts
 from autofit.solve.space import analyse_policies, searchable
 from autofit.solve.terms import LARGE_SHARE, deferred_gradient_bytes, large_term_notes
 from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,
@@ -193,16 +193,10 @@ def _layout_order(request: PlanRequest, parallels: list[Parallel]) -> tuple[
 
 
 def _collectives_alone(request: PlanRequest, parallel: Parallel, stages: tuple[Stage, ...]) -> float:
-    """Seconds per step of ``parallel``'s data-parallel collectives at one micro-batch (the fewest all-gathers),
-    over its parameters in the fewest bytes any of its rungs ``stages`` stores them in, split T ways under tensor
-    parallel: a floor of every rung's modelled step, which adds them to the compute, not overlapped
-    (solve/time_model.py; Note [ruled out by arithmetic])."""
-    if parallel.strategy is None or parallel.data_ranks <= 1:
-        return 0.0
-    stored = [stored_dtype(p.stored).itemsize for s in stages for p in s.policies if p.stored]
-    nbytes = sum(p.numel() * min([p.element_size(), *stored]) if p.is_floating_point() else
-                 p.numel() * p.element_size() for p in request.model.parameters()) // parallel.tensor_parallel
-    return collective_seconds(parallel.data_parallel, Links.of(request.device), nbytes, nbytes, 1)
+    """``parallel``'s collectives floor over its parameters in the fewest bytes any of its rungs ``stages`` stores
+    them in (Note [ruled out by arithmetic])."""
+    return collective_floor(request, parallel, [stored_dtype(p.stored).itemsize for s in stages
+                                                for p in s.policies if p.stored])
 
 
 def _collectives_note(parallel: Parallel, seconds: float, than: str) -> str:
@@ -688,8 +682,7 @@ def _smallest(climb: _Climb, carried: _Carried) -> tuple[Plan, dict[str, Analysi
         return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
     at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
     error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
-                       sharded_over=parallel.world_size // (parallel.replicate * parallel.tensor_parallel)
-                       if parallel.shards_parameters else 0)
+                       sharded_over=parallel.shard_ranks if parallel.shards_parameters else 0)
     if carried.on_host is not None:
         error = with_offload_minimum(error, carried.on_host, request.host_budget_bytes, request.margin_bytes,
                                      parallel.ranks_per_node)

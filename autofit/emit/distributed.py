@@ -11,6 +11,7 @@
   so the optimizer is built afterwards: ``wrap`` takes a factory.
 - Tensor parallel (``plan.tensor_parallel`` T > 1): ``parallelize_module`` on the "tp" dim of a (world_size // T, T)
   mesh first, then FSDP2 on its "dp_shard" dim (none when T == world_size): parallel/apply.py, ``apply_layout``.
+  The micro-batch loop and its gradient sync are the schedule's (parallel/schedule.py, Note [one schedule]).
   The T ranks of a group see the same rows: "rank" below is the data-parallel rank, ``rank // T``, of
   ``world_size // T``.
 Every rank receives the same global batch of ``plan.batch_size`` samples and trains on its own contiguous slice of
@@ -36,7 +37,7 @@ from autofit.emit.trainer import Trainer
 from autofit.features import before_wrap
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.parallel.apply import apply_layout, device_mesh, gradient_sync, wrap_ddp
+from autofit.parallel.apply import apply_layout, device_mesh, wrap_ddp
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -175,9 +176,6 @@ class DistributedTrainer(Trainer):
                 "at least as many rows as the longest batch's micro-batches (or batches of similar length per step)"
             )
         return [(i * batch_rows // n, (i + 1) * batch_rows // n) for i in range(n)]
-
-    def _micro_batch(self, *, last: bool):
-        return gradient_sync(self.model, self.config.layout, last=last)
 
     def step(self, inputs: Any, target: Any = None, *, local: bool = False) -> float:
         """One optimizer step. ``inputs``: the global batch (every rank the same), or this rank's rows with

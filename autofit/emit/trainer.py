@@ -33,6 +33,7 @@ from autofit.core.errors import InvalidInputError, TrainerStateError
 from autofit.features import FEATURES, before_wrap
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.length import batch_length
+from autofit.parallel.schedule import schedule_of
 from autofit.parallel.sequence_parallel import require_sequence_split
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import (
@@ -164,24 +165,25 @@ class Trainer:
         self.micro_batches = len(bounds)
         norm = self._normalisation(batch, target_batch, bounds)
         loss_fn = refusing_ignored_targets(self.loss_fn, norm, len(bounds))  # Note [losses that ignore an index]
-        losses = []
         # the plan's precision, whatever autocast the caller is in (Note [the trainer owns its window]): the forward
         # enters the plan's own autocast inside this, and backward and the optimizer step run without one
         with _outside_autocast(self.device_type):
             self._clear_grads_not_left()  # Note [the trainer owns its window]: gradients it did not make are not trained on
-            try:
-                for i, (start, stop) in enumerate(bounds):
-                    micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
-                    micro_target = None
-                    if target_batch is not None:
-                        micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
-                    with self._micro_batch(last=i == len(bounds) - 1):
-                        loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config,
-                                               self.device_type, weight=norm.weight(i), scaler=self.scaler,
-                                               clear=self.optimizer if i == 0 else None,  # Note [where zero_grad falls]
-                                               features=FEATURES)
-                    losses.append(float(loss))
-                    del loss  # a loss can hold a buffer as large as the output (CPU mse_loss): not into the next
+            def one(i: int) -> float:
+                start, stop = bounds[i]
+                micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+                micro_target = None
+                if target_batch is not None:
+                    micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+                loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config,
+                                       self.device_type, weight=norm.weight(i), scaler=self.scaler,
+                                       clear=self.optimizer if i == 0 else None,  # Note [where zero_grad falls]
+                                       features=FEATURES)
+                # a float: a loss can hold a buffer as large as the output (CPU mse_loss), not into the next
+                return float(loss)
+
+            try:  # the schedule owns the loop and the gradient sync between micro-batches (Note [one schedule])
+                losses = schedule_of(len(bounds)).run(self.model, self.config.layout, one)
             except BaseException:
                 self._clear_grads()  # a failed window leaves no partial gradient behind
                 self._left = None
@@ -244,10 +246,6 @@ class Trainer:
     def _across_ranks(self, count: int | float) -> tuple[int | float, int]:
         """The count over every rank, and the number of ranks gradients are averaged over (one process: itself)."""
         return count, 1
-
-    def _micro_batch(self, *, last: bool):
-        """Context around one micro-batch (data parallelism skips gradient synchronisation until the last)."""
-        return contextlib.nullcontext()
 
     def unwrap(self) -> nn.Module:
         """Undo the plan's patches (checkpointing, fp32 pins) and its stored precision: parameters back in their

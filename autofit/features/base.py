@@ -50,8 +50,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from autofit.training.loss import StepLoss  # re-exported: the features' hook returns one
 
 if TYPE_CHECKING:  # annotations only: these are values the stages hand in
     import torch
@@ -61,9 +62,6 @@ if TYPE_CHECKING:  # annotations only: these are values the stages hand in
     from autofit.training.batch import Batch
     from autofit.training.config import StepConfig
     from autofit.training.optim import OptimizerSpec
-    from autofit.training.precision import PrecisionPolicy
-
-from autofit.training.loss import StepLoss  # re-exported: the features' hook returns one
 
 __all__ = ["Feature", "OptInFeature", "StepLoss"]
 

@@ -49,7 +49,8 @@ from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
 from autofit.training.stored import apply_stored
-from autofit.parallel.apply import gradient_sync, laid_out
+from autofit.parallel.apply import laid_out
+from autofit.parallel.schedule import schedule_of
 from autofit.training.step import (
     StepConfig,
     new_grad_scaler,
@@ -144,11 +145,13 @@ def measure_step(
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
 
     def window() -> None:  # in the step's order: the gradients cleared where config.zero_grad puts it
-        for i, (micro, micro_target) in enumerate(micro_batches):
+        def one(i: int) -> None:
             interruption_point()  # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch.py)
-            with gradient_sync(work, config.layout, last=i == config.accumulation_steps - 1):
-                run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
-                                scaler=scaler, clear=optimizer if i == 0 else None, features=FEATURES)
+            micro, micro_target = micro_batches[i]
+            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
+                            scaler=scaler, clear=optimizer if i == 0 else None, features=FEATURES)
+
+        schedule_of(config.accumulation_steps).run(work, config.layout, one)  # Note [one schedule]
         interruption_point()
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,

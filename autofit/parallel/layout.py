@@ -163,6 +163,12 @@ class Parallel:
         """The ranks one parameter is sharded over: world_size // replicate under FSDP2, else 1 (a whole copy)."""
         return self.world_size // self.replicate if self.shards_parameters else 1
 
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks of FSDP2's shard dim, over which one rank's tensor-parallel share of a parameter is sharded:
+        world_size // (replicate x tensor_parallel) (the layout's "dp_shard" degree); 1 without FSDP2."""
+        return self.layout.degree("dp_shard")
+
     @functools.cached_property  # a frozen value: computed once (kept in the instance's __dict__, not a field)
     def layout(self) -> Layout:
         """This layout as the dimensions' placements in mesh order (Note [layout dimensions]): what derives the

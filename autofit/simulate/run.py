@@ -104,7 +104,8 @@ from autofit.training.step import (
     run_micro_batch,
 )
 from autofit.training.stored import apply_stored
-from autofit.parallel.apply import apply_layout
+from autofit.parallel.apply import apply_layout, gradient_sync
+from autofit.parallel.schedule import schedule_of
 
 __all__ = ["Simulation", "simulate_step", "probes_kernels", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
 
@@ -403,13 +404,20 @@ def _notes(model: nn.Module, config: StepConfig, inductor: Any, rerouted: list[s
 WINDOW_MICRO_BATCHES = 2
 
 
+def _simulated_sync(model: nn.Module, layout, *, last: bool):
+    """The gradient sync of one simulated micro-batch: FSDP2's as on a real rank (``gradient_sync``); none for DDP,
+    whose buckets the simulation models itself (Note [DDP's bucket views])."""
+    return contextlib.nullcontext() if layout.replicates_parameters else gradient_sync(model, layout, last=last)
+
+
 def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro: Batch, micro_target: Any,
                 loss_fn: LossFn | None, config: StepConfig, caster: Any, stepped: set[int], *, fake: bool) -> None:
     """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
     optimizer, scaler, stored, buckets = state.optimizer, state.scaler, state.stored, state.buckets
-    steps = min(config.accumulation_steps, WINDOW_MICRO_BATCHES)
+    schedule = schedule_of(config.accumulation_steps)
+    steps = schedule.simulated(WINDOW_MICRO_BATCHES)
     # the sample's micro-batches are copies of one another: equal shares, however the loss counts (the weight only
     # decides whether a scalar multiply runs, not its size)
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
@@ -432,13 +440,10 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
     received_grad: set[int] = set()
     # the previous step's gradients (Note [where zero_grad falls]); one a parameter never receives is not real
     carried = {id(p): tracker.sid_of(p.grad) for p in model.parameters() if p.grad is not None}
-    for micro_index in range(steps):
-        if config.fully_sharded and steps > 1 and not (config.offload_states or config.reduce_every_micro_batch):
-            # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then
-            # (Note [gradient sync under accumulation]). With reduce_every_micro_batch, or with the states on the host
-            # (Note [offload]), it reduces every micro-batch instead: the shards accumulate, so no full set of
-            # gradients ever sits on the device.
-            model.set_requires_gradient_sync(micro_index == steps - 1)
+
+    def one(index: int) -> None:
+        nonlocal micro_index
+        micro_index = index
         joining = (buckets and config.gradient_as_bucket_view and config.accumulation_steps > 1
                    and micro_index == steps - 1)
         into_buckets = (grads_into_buckets(model, list(buckets), as_ready=config.accumulation_steps == 2)
@@ -451,6 +456,12 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
             if p.grad is not None:
                 tracker.recategorize(p.grad, Category.GRADIENTS)
                 received_grad.add(id(p))
+
+    # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then (Note
+    # [gradient sync under accumulation]); with reduce_every_micro_batch, or with the states on the host (Note
+    # [offload]), it reduces every micro-batch instead. The schedule applies that rule as on a real rank
+    # (gradient_sync); DDP's sync is the buckets' here (the copy is not wrapped in DDP: Note [DDP's bucket views]).
+    schedule.run(model, config.layout, one, count=steps, sync=_simulated_sync)
     if carried and not config.preallocated_grads:  # each gradient the step leaves in place of the one it freed
         left = {sid: tracker.sid_of(p.grad) for p in model.parameters()
                 if (sid := carried.get(id(p))) is not None and p.grad is not None}

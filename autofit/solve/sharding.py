@@ -14,7 +14,7 @@ True, again in backward for every micro-batch, and reduce-scatters the gradients
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -125,14 +125,19 @@ def ring_seconds(kind: str, group: int, nbytes: float, bytes_per_second: float) 
     return factor * (group - 1) / group * nbytes / bytes_per_second
 
 
-def collective_floor(request: LayoutRequest, parallel: Parallel) -> float:
-    """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch, over the parameters as the
-    model holds them: the order the planner tries layouts in (Note [layouts that cannot win], planner.py). Tensor
-    parallel's all-reduces, which need the analysis' activation sizes, are left out."""
-    ranks = parallel.world_size // parallel.tensor_parallel
-    if parallel.strategy is None or ranks <= 1:
+def collective_floor(request: LayoutRequest, parallel: Parallel, stored_itemsizes: Iterable[int] = ()) -> float:
+    """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch (the fewest all-gathers),
+    over its parameters split T ways under tensor parallel, each floating one in the fewest bytes of its own and
+    ``stored_itemsizes`` (the stored precisions a plan may choose; none: as the model holds them). With none, the
+    order the planner tries layouts in (Note [layouts that cannot win], planner.py); with a layout's rungs' stored
+    precisions, a floor of every rung's modelled step, which adds them to the compute, not overlapped
+    (solve/time_model.py; Note [ruled out by arithmetic], planner.py). Tensor parallel's all-reduces, which need the
+    analysis' activation sizes, are left out."""
+    if parallel.strategy is None or parallel.data_ranks <= 1:
         return 0.0
-    nbytes = sum(p.numel() * p.element_size() for p in request.model.parameters()) // parallel.tensor_parallel
+    least = min(stored_itemsizes, default=None)
+    nbytes = sum(p.numel() * (min(p.element_size(), least) if least is not None and p.is_floating_point()
+                              else p.element_size()) for p in request.model.parameters()) // parallel.tensor_parallel
     return collective_seconds(parallel.data_parallel, Links.of(request.device), nbytes, nbytes, 1)
 
 
@@ -149,7 +154,7 @@ def collective_seconds(layout: Parallel, links: Links, param_bytes: int, grad_by
         return 0.0
     if layout.replicates_parameters:
         return ring_seconds("all_reduce", layout.world_size, grad_bytes, links.bandwidth(layout, layout.world_size))
-    shard = layout.world_size // layout.replicate
+    shard = layout.shard_group
     on_shard = links.bandwidth(layout, shard)
     seconds = micro_batches * ring_seconds("all_gather", shard, param_bytes, on_shard)
     raf = layout.reshard_after_forward

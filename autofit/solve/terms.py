@@ -62,7 +62,7 @@ def deferred_gradient_note(model: nn.Module, config, peak_bytes: int, target, *,
     if not term or term <= LARGE_SHARE * peak_bytes:
         return None
     layout, k = config.layout, config.accumulation_steps
-    shard = layout.world_size // layout.tensor_parallel // max(layout.replicate, 1)
+    shard = layout.shard_ranks
     kept = term // max(shard, 1)
     links = Links.of(target)
     data = layout.data_parallel if layout.tensor_parallel > 1 else layout  # the FSDP2 dim's ranks

@@ -194,7 +194,7 @@ def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, paral
     time]); offloading FSDP2 reduce-scatters every micro-batch (Note [offload]), as ``reduce_every_micro_batch`` does
     (Note [gradient sync under accumulation], autofit/training/step.py); ``tensor_seconds``: tensor parallel's
     all-reduces per optimizer step (``sharding.tensor_reduce_bytes``)."""
-    world_size, replicate = parallel.world_size, parallel.replicate
+    world_size = parallel.world_size
     optimizer_bytes = 4 * param_bytes // parallel.shard_group
     if parallel.offload_states:
         parallel = replace(parallel, reduce_every_micro_batch=True)
@@ -204,7 +204,7 @@ def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, paral
         return collective_seconds(parallel, links, param_bytes, param_bytes, micro_batches) + tensor_seconds
 
     # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
-    shard = param_bytes // (world_size // replicate)
+    shard = param_bytes // parallel.shard_group
     return TimeModel(target.throughput, ops, optimizer_bytes,
                      collectives if (parallel.strategy and world_size > 1) or tensor_seconds else None, saved_bytes=dict(saved_bytes or {}),
                      host_transfer=target.throughput.host_transfer_bytes_per_second,
