@@ -149,3 +149,95 @@ def test_op_selective_llama_estimate_matches_measure() -> None:
     full = autofit.measure(model, sample, micro_batch_size=8, checkpoint=list(policies))
     assert full.peak_bytes < meas.peak_bytes < selective.peak_bytes, (
         full.peak_bytes, meas.peak_bytes, selective.peak_bytes)
+
+
+# ---- what the analysis says "op-selective" keeps: a hand count ------------------------------------------------------
+D, S = 16, 8  # width and sequence length of the residual MLP below
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # without biases, as a Llama's projections: each linear of a (rows, S, D) input runs one aten.mm
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D, bias=False), nn.Linear(4 * D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def _square_mean(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+@pytest.mark.sim
+def test_op_selective_kept_bytes_of_a_residual_mlp_by_hand() -> None:
+    # In blocks.0, per sample (fp32, 4 bytes): full recomputation drops fc1's mm output (S x 4D, saved by gelu) and
+    # gelu's (S x 4D, saved by fc2's mm). "selective" keeps both mm outputs, fc1's and fc2's (S x D, which only the
+    # residual add reads): S x 5D x 4 B. "op-selective" keeps the 1st mm of the call, fc1's, and recomputes the 2nd,
+    # fc2's: S x 4D x 4 B.
+    torch.manual_seed(0)
+    analysis = autofit.analyse(Residual(), torch.randn(4, S, D), loss_fn=_square_mean)
+    call = next(c for c in analysis.profile.calls if c.name == "blocks.0" and c.micro == 0)
+    assert call.saved[1] == 2 * S * 4 * D * 4
+    assert call.kept[1] == S * 5 * D * 4
+    assert call.kept_op[1] == S * 4 * D * 4 and call.kept_op[0] == 0
+    # and the CPU allocator agrees with the estimate of the step
+    x = torch.randn(8, S, D)
+    policies = {"blocks.0": "op-selective", "blocks.1": "op-selective"}
+    est = autofit.estimate(Residual(), x, micro_batch_size=8, checkpoint=policies, loss_fn=_square_mean)
+    meas = autofit.measure(Residual(), x, micro_batch_size=8, checkpoint=policies, loss_fn=_square_mean)
+    assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
+
+
+# ---- plan, JSON and the torchtitan export ------------------------------------------------------------------------------
+@pytest.mark.sim
+def test_plan_with_op_selective_layers_round_trips_and_exports() -> None:
+    from autofit.emit.export import to_torchtitan_config
+
+    model, sample = _llama(), _tokens()
+    policies = {f"model.layers.{i}": "op-selective" for i in range(2)}
+    plan = autofit.plan(model, sample, budget="1GB", device="cpu", precision="fp32",
+                        savers=autofit.Savers(checkpoint=policies))
+    assert plan.op_selective == tuple(policies) and plan.checkpoint_policies == policies
+    assert "(op-selective)" in str(plan)
+    assert plan.step.op_selective == tuple(policies)
+    again = autofit.Plan.from_json(plan.to_json())
+    assert again == plan and again.checkpoint_policies == policies
+    # torchtitan's spelling of its own per-op policy (ActivationCheckpointConfig: mode, selective_ac_option)
+    assert to_torchtitan_config(plan)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    # the CPU allocator's peak of the plan's step, against the plan's figure
+    meas = autofit.measure(model, sample, micro_batch_size=plan.micro_batch_size,
+                           accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint_policies)
+    assert abs(plan.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (plan.peak_bytes, meas.peak_bytes)
+    # the trainer runs the policy: one step's gradients equal a plain full-batch step's (SGD moves by lr x grad)
+    import copy
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref(**sample).loss.backward()
+    opt.step()
+    plan.wrap(ours, torch.optim.SGD(ours.parameters(), lr=0.5)).step(sample)
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_cli_reads_op_selective() -> None:
+    from types import SimpleNamespace
+
+    from autofit.cli.estimate import _checkpoint
+    from autofit.cli.render import _recomputed
+
+    assert _checkpoint(None, ["a:op-selective", "b", "c:selective"]) == {
+        "a": "op-selective", "b": "full", "c": "selective"}
+    with pytest.raises(InvalidInputError, match="op-selective"):
+        _checkpoint(None, ["a:op"])
+    plan = SimpleNamespace(checkpoint=("m.layers.0", "m.layers.1"), checkpoint_policy=lambda n: "op-selective")
+    assert _recomputed(plan).splitlines() == ["m.layers.* x 2 (op-selective)"]

@@ -400,8 +400,9 @@ def estimate(
     replicate: Annotated[str, typer.Option("--replicate", help="FSDP2: HSDP's replicate size (1: plain FSDP)")]
     = "1",
     checkpoint: Annotated[Optional[list[str]], typer.Option(
-        "--checkpoint", metavar="NAME[:selective]", help="a module to recompute (repeatable); 'blocks' for the "
-        "model's repeated blocks; ':selective' keeps its matmul and attention outputs")] = None,
+        "--checkpoint", metavar="NAME[:POLICY]", help="a module to recompute (repeatable); 'blocks' for the "
+        "model's repeated blocks; ':selective' keeps its matmul and attention outputs, ':op-selective' recomputes "
+        "as torchtitan's per-op policy (attention and every other matmul kept)")] = None,
     clip_grad_norm: Annotated[Optional[float], typer.Option("--clip-grad-norm", help="clip the gradients to this "
                                                              "norm before the step")] = None,
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "

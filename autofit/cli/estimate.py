@@ -22,6 +22,7 @@ from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
 from autofit.training.config import DeviceKind, as_zero_grad
 from autofit.training.layout import as_strategy
+from autofit.training.recompute import POLICIES
 
 __all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
            "sequence_option", "STEP_FLAGS", "NOT_STEP_KNOBS"]
@@ -64,7 +65,7 @@ class EstimateSetup:
     strategy: str | None
     reshard_after_forward: bool | int
     replicate: int
-    checkpoint: dict[str, str]  # module -> "full" or "selective"
+    checkpoint: dict[str, str]  # module -> "full", "selective" or "op-selective" (autofit/training/recompute.py)
     clip_grad_norm: float | None
     tensor_parallel: int = 1  # T ranks of a node split each block's linear layers (FSDP2 x tp, or tp alone)
     compile: bool = False  # the step as torch.compile (inductor) compiles it
@@ -131,13 +132,15 @@ def _accumulation(batch_size: int | None, micro: int, data_ranks: int) -> int:
 
 
 def _checkpoint(model, items: list[str]) -> dict[str, str]:
-    """--checkpoint NAME[:selective] (repeatable); NAME 'blocks' stands for the model's repeated blocks."""
+    """--checkpoint NAME[:POLICY] (repeatable), POLICY full (the default), selective or op-selective; NAME 'blocks'
+    stands for the model's repeated blocks."""
     out: dict[str, str] = {}
     for item in items:
         name, _, policy = item.partition(":")
         policy = policy or "full"
-        if policy not in ("full", "selective"):
-            raise InvalidInputError(f"--checkpoint {item!r}: the policy after ':' must be full or selective")
+        if policy not in POLICIES:
+            raise InvalidInputError(f"--checkpoint {item!r}: the policy after ':' must be full, selective (matmul and "
+                                    "attention outputs kept) or op-selective (torchtitan's per-op policy)")
         names = shard_units(model) if name == BLOCKS else (name,)
         if not names:
             raise InvalidInputError("--checkpoint blocks: this model has no repeated blocks; name the modules")

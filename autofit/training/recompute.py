@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autofit.core._torch import NormBase, tensor_version
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "OP_SELECTIVE_SAVED", "saved_op_names", "selective_policy",
+__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "OP_SELECTIVE_SAVED", "saved_op_names", "op_selective_names", "selective_policy",
            "selective_context", "op_selective_policy", "op_selective_context", "context_of", "require_policy"]
 
 # how a recomputed module is recomputed; "none" is a module not recomputed
@@ -114,6 +114,11 @@ OP_SELECTIVE_SAVED = _overloads(
     "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_to_all_single.default",
     "aten.max.default",
 )
+
+
+def op_selective_names() -> frozenset[str]:
+    """Names of :data:`OP_SELECTIVE_SAVED` as the simulation's timeline records them (the overload packet's)."""
+    return frozenset(op.overloadpacket.__name__ for op in OP_SELECTIVE_SAVED)
 
 
 def op_selective_policy(mm_calls: list[int], ctx, op, *args, **kwargs) -> CheckpointPolicy:
