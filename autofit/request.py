@@ -172,7 +172,7 @@ def make_request(
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target, shared, batch_dim)
-    target_device = resolve_device(d.kind, d.gpu)
+    target_device = resolve_device(d.kind, d.gpu, d.expandable_segments)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
     check_capacity(budget_bytes, target_device, d.allow_over_capacity)
     check_positions(model, batch, target_batch)

@@ -430,6 +430,9 @@ def estimate(
     gradient_as_bucket_view: Annotated[bool, typer.Option(
         "--gradient-as-bucket-view/--no-gradient-as-bucket-view", help="DDP: gradients as views into its buckets "
         "(autofit's trainer) or torch's default, a second copy")] = True,
+    expandable_segments: Annotated[bool, typer.Option(
+        "--expandable-segments", help="the CUDA caching allocator runs with PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True (as torchtitan launches)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -456,7 +459,8 @@ def estimate(
             sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step",
             reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
             offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
-            preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view)
+            preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view,
+            expandable_segments=expandable_segments)
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

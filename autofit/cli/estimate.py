@@ -34,7 +34,8 @@ BLOCKS = "blocks"  # --checkpoint blocks: the model's repeated blocks, the units
 # that this covers the signature and that each flag exists.
 STEP_FLAGS: dict[str, tuple[str, ...]] = {
     "micro_batch_size": ("--micro-batch-size",), "accumulation_steps": ("--batch-size",),
-    "optimizer": ("--optimizer",), "clip_grad_norm": ("--clip-grad-norm",), "device": ("--device", "--gpu"),
+    "optimizer": ("--optimizer",), "clip_grad_norm": ("--clip-grad-norm",),
+    "device": ("--device", "--gpu", "--expandable-segments"),
     "precision": ("--precision",),
     "layout": ("--world-size", "--strategy", "--reshard-after-forward", "--replicate", "--tensor-parallel",
                "--sequence-parallel"),
@@ -81,6 +82,9 @@ class EstimateSetup:
     preallocated_grads: bool = False
     inputs: str = "batch"  # the rows of inputs resident: the rank's whole batch, or one micro-batch
     gradient_as_bucket_view: bool = True  # DDP's bucket mode
+    # the CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Note [expandable segments as
+    # an input], autofit/device.py)
+    expandable_segments: bool = False
 
     @property
     def data_ranks(self) -> int:
@@ -181,7 +185,8 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
     return estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
                     micro_batch_size=setup.micro_batch_size, accumulation_steps=setup.accumulation_steps,
                     precision=setup.precision, optimizer=setup.optimizer,
-                    device=Device(kind=setup.device, gpu=setup.gpu),
+                    device=Device(kind=setup.device, gpu=setup.gpu,
+                                  expandable_segments=setup.expandable_segments or None),
                     layout=Layout(world_size=setup.world_size, strategy=setup.strategy,
                                   reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
                                   tensor_parallel=setup.tensor_parallel,
@@ -207,7 +212,7 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "offload_activations": list(setup.offload), "offload_states": setup.offload_states,
         "optimizer_in_backward": setup.optimizer_in_backward, "chunked_loss": setup.chunked_loss,
         "preallocated_grads": setup.preallocated_grads, "inputs": setup.inputs,
-        "gradient_as_bucket_view": setup.gradient_as_bucket_view,
+        "gradient_as_bucket_view": setup.gradient_as_bucket_view, "alloc_conf": est.alloc_conf,
         "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.data_ranks,
         "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
         "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
@@ -233,6 +238,8 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
     rows.append(("peak allocated", mib(est.peak_allocated_bytes)))
     if DeviceKind(est.device).caching_allocator:  # reserved and on-device figures differ from allocated
         rows += [("peak reserved", mib(est.peak_reserved_bytes)), ("on the device", mib(est.device_bytes))]
+        if est.alloc_conf:
+            rows.append(("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={est.alloc_conf}"))
     if est.host_bytes:
         rows.append(("host memory", mib(est.host_bytes)))
     rows.append(("peak in", f"{est.peak_phase}{f' ({est.peak_at})' if est.peak_at else ''}"))
