@@ -27,7 +27,7 @@ WIDTHS = (5, 7, 11, 13, 17)  # input, then the four matmuls' outputs: every shap
 
 
 class FourMatmuls(nn.Module):
-    """Four ``mm`` calls in a row, each output read by a ``sin`` (which saves it), so the recomputation needs them all."""
+    """Four ``mm`` calls in a row, each output read by a ``sin`` (which saves it): the recomputation needs them all."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -198,7 +198,7 @@ def test_op_selective_kept_bytes_of_a_residual_mlp_by_hand() -> None:
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
 
 
-# ---- plan, JSON and the torchtitan export ------------------------------------------------------------------------------
+# ---- plan, JSON and the torchtitan export ----------------------------------------------------------------------------
 @pytest.mark.sim
 def test_plan_with_op_selective_layers_round_trips_and_exports() -> None:
     from autofit.emit.export import to_torchtitan_config

@@ -24,8 +24,8 @@ from autofit.core.workers import run_all
 
 __all__ = ["analyse_model", "SIZES", "op_costs"]
 
-KEPT = saved_op_names()
-OP_SELECTIVE = op_selective_names()  # what "op-selective" keeps (Note [torchtitan's per-op policy])  # ops whose outputs a selective recomputation keeps (Note [selective recomputation])
+KEPT = saved_op_names()  # ops whose outputs a selective recomputation keeps (Note [selective recomputation])
+OP_SELECTIVE = op_selective_names()  # what "op-selective" keeps, mm every other (Note [torchtitan's per-op policy])
 SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference
 
 

@@ -207,8 +207,8 @@ class Plan:
 
     @property
     def checkpoint_policies(self) -> dict[str, str]:
-        """Recomputed module -> its policy ("full", "selective" or "op-selective"), what ``estimate``/``measure`` take as
-        ``checkpoint=``."""
+        """Recomputed module -> its policy ("full", "selective" or "op-selective"), what ``estimate``/``measure``
+        take as ``checkpoint=``."""
         return {n: self.checkpoint_policy(n) for n in self.checkpoint}
 
     @property

@@ -88,9 +88,9 @@ class TimeModel:
     def recompute_seconds(self, name: str, batch: int, *, selective: bool = False, launches: bool = False,
                           policy: str | None = None) -> float:
         """What recomputing module ``name`` costs for one micro-batch of ``batch``: its forward ops again (with
-        ``selective``, all but those whose outputs it keeps: Note [selective recomputation], autofit/training/recompute.py;
-        ``policy`` names the policy instead: "full", "selective" or "op-selective"); with ``launches``, their launch
-        overhead too, as :meth:`step_time` counts it."""
+        ``selective``, all but those whose outputs it keeps: Note [selective recomputation],
+        autofit/training/recompute.py; ``policy`` names the policy instead: "full", "selective" or "op-selective");
+        with ``launches``, their launch overhead too, as :meth:`step_time` counts it."""
         policy = policy or ("selective" if selective else "full")
         mask = self._module_mask(name)
         if policy == "selective":

@@ -35,8 +35,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autofit.core._torch import NormBase, tensor_version
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "OP_SELECTIVE_SAVED", "saved_op_names", "op_selective_names", "selective_policy",
-           "selective_context", "op_selective_policy", "op_selective_context", "context_of", "require_policy"]
+__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "OP_SELECTIVE_SAVED", "saved_op_names", "op_selective_names",
+           "selective_policy", "selective_context", "op_selective_policy", "op_selective_context", "context_of",
+           "require_policy"]
 
 # how a recomputed module is recomputed; "none" is a module not recomputed
 POLICIES = ("full", "selective", "op-selective")
@@ -76,7 +77,8 @@ selective_context = functools.partial(create_selective_checkpoint_contexts, sele
 # Note [torchtitan's per-op policy]
 #     torchtitan's "selective" activation checkpointing with ``selective_ac_option = "op"`` (``_apply_op_sac`` in
 #     torchtitan/distributed/activation_checkpoint.py, its save list ``_op_sac_save_list`` in
-#     torchtitan/models/llama3/infra/parallelize.py, as of the releases its published memory rows ran) wraps each
+#     torchtitan/models/llama3/infra/parallelize.py; the same in ``_apply_ac_to_transformer_block`` at 6fc499f, the
+#     commit of torchao's B200 rows, whose list is a subset of today's: no cuDNN SDPA, no all-to-all) wraps each
 #     transformer block in a checkpoint whose ``context_fn`` builds a fresh policy per call: it keeps the outputs
 #     of the ops in its save list (``aten.mm.default``, the SDPA kernels, ``aten.max.default``, which low-precision
 #     recipes read their scales from, and the collectives ``reduce_scatter_tensor`` and ``all_to_all_single``) but
@@ -90,8 +92,9 @@ selective_context = functools.partial(create_selective_checkpoint_contexts, sele
 #     it, once per call) and per pass: older torch releases asked the policy again in the recomputation
 #     (``ctx.is_recompute``), which must return the same choice for the same op, so the recomputation counts its
 #     own ``mm`` calls from zero, in the same order, as torchtitan does; torch 2.13 asks only in the forward and
-#     the recomputation follows what the forward stored (``_CachedTorchDispatchMode``, torch/utils/checkpoint.py). Either way the n-th ``mm`` of a call is kept in both or in
-#     neither. What is kept is counted by the memory model from the same rule (analyse/layers.py).
+#     the recomputation follows what the forward stored (``_CachedTorchDispatchMode``, torch/utils/checkpoint.py).
+#     Either way the n-th ``mm`` of a call is kept in both passes or in neither. The memory and time models count
+#     what is kept by the same rule (``LayerObserver.kept_bytes``, analyse/layers.py; ``OpCosts.op_selective``).
 
 def _overloads(*names: str) -> frozenset:
     """The overloads ``namespace.op.overload`` of ``names`` this torch build has."""
