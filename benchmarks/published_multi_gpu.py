@@ -44,9 +44,10 @@ _TITAN_SAVE = {getattr(torch.ops.aten, n).default for n in (
 
 def _titan_op_policy():
     """torchtitan's selective 'op' policy (``_apply_ac_to_transformer_block``): keep the outputs of the ops in its
-    save list, except every second ``mm``. torchtitan's counter lives across steps, so with a layer's 7 ``mm`` the
-    parity flips every step; counting from 0 in every forward and recomputation keeps wq, wv, w1, w2 (the step of the
-    two that holds more, which the peak over the run reports)."""
+    save list, except every second ``mm``. Its counter is new at every checkpointed call (9dec370's
+    ``selective_checkpointing_context_fn`` makes a ``defaultdict`` each time), counted apart in forward and
+    recomputation: of a layer's 7 ``mm`` it keeps wq, wv, w1, w2. autofit's named policy "op-selective" is the same
+    rule (Note [torchtitan's per-op policy]): the fsdp8 row estimates 84,184 MiB reserved either way (2026-11-29)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     counts = {"forward": 0, "recompute": 0}
