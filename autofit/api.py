@@ -13,6 +13,7 @@ from autofit.analyse.table import Analysis
 from autofit.training.batch import naming_inputs
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import resolve_device
+from autofit.features.allocator import put_in_place
 from autofit.core.errors import InvalidInputError, require_int
 from autofit.training.loss import LossFn
 from autofit.measure.allocator import measure_step
@@ -75,9 +76,10 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
 
 
 def _one_step(function: str, device: Any, precision: Any, layout: Any,
-              deprecated: dict[str, Any]) -> tuple[str, str | None, Any, dict[str, Any]]:
+              deprecated: dict[str, Any]) -> tuple[str, str | None, Any, dict[str, Any], bool | None]:
     """The options of ``estimate`` / ``measure`` (autofit/options.py; old flat keywords by Note [flat keywords]) as
-    one step runs them: the device kind and GPU, the compute precision, and the layout's fields. A step has one
+    one step runs them: the device kind and GPU, the compute precision, the layout's fields, and the allocator's
+    expandable segments (Note [expandable segments as an input], autofit/device.py). A step has one
     layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices are refused."""
     options = gather(function, dict(device=device, precision=precision, layout=layout), deprecated,
                      groups=("device", "precision", "layout"))
@@ -95,7 +97,7 @@ def _one_step(function: str, device: Any, precision: Any, layout: Any,
         world_size=lay.world_size, strategy=lay.strategy, tensor_parallel=lay.tensor_parallel,
         tensor_parallel_plan=lay.tensor_parallel_plan,
         reshard_after_forward=True if lay.reshard_after_forward == "auto" else lay.reshard_after_forward,
-        replicate=1 if lay.replicate == "auto" else lay.replicate)
+        replicate=1 if lay.replicate == "auto" else lay.replicate), chosen.expandable_segments
 
 
 INPUTS = ("batch", "micro-batch")
@@ -217,13 +219,13 @@ def estimate(
     """
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    device, gpu, precision, layout = _one_step("estimate", device, precision, layout, deprecated)
+    device, gpu, precision, layout, expandable = _one_step("estimate", device, precision, layout, deprecated)
     batch, target_batch = as_inputs(sample, target, shared, batch_dim)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
                      gradient_as_bucket_view, zero_grad, **layout)
-    device_model = resolve_device(config.device, config.gpu)
+    device_model = resolve_device(config.device, config.gpu, expandable)
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     est = device_model.estimate(sim)
@@ -274,7 +276,7 @@ def measure(
     pickled to the processes (no lambdas)."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    device, gpu, precision, layout = _one_step("measure", device, precision, layout, deprecated)
+    device, gpu, precision, layout, expandable = _one_step("measure", device, precision, layout, deprecated)
     batch, target_batch = as_inputs(sample, target, shared, batch_dim)
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
@@ -282,6 +284,9 @@ def measure(
                      gradient_as_bucket_view, zero_grad, **layout)
     if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
+    if resolve_device(config.device, config.gpu, expandable).caching_allocator and expandable is not None:
+        # the setting the figures are measured under (Note [expandable segments as an input], autofit/device.py)
+        put_in_place(f"expandable_segments:{expandable}", "measure(device=Device(expandable_segments=...)) runs with")
     if config.offload_states:
         raise InvalidInputError(
             "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "

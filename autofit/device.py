@@ -87,6 +87,19 @@ class DeviceTerms:
 #     it off by default: CUDA graph private pools do not use it (``alloc_block``: ``!p.pool->owner_PrivatePool``),
 #     memory shared by CUDA IPC (``torch.multiprocessing``) needs plain segments, and a plan should change the
 #     user's process only where the budget needs it.
+
+# Note [expandable segments as an input]
+#     A run that already sets the allocator (torchtitan's launcher, every published torchtitan row) is estimated as it
+#     runs: ``Device(expandable_segments=True)`` (``estimate``, ``measure``, ``plan``; the CLI's
+#     ``--expandable-segments``) replays the step's timeline with expandable segments throughout (Note [expandable
+#     segments], autofit/cuda/expandable.py): reserved is the pages mapped at the high-water mark instead of the
+#     plain segments that pinned blocks keep, and the estimate's ``alloc_conf`` says so. ``False``: the default
+#     allocator, and a plan may not set it. ``None`` (the default): the default allocator for ``estimate`` and
+#     ``measure``, and a plan sets it only where only it fits (Note [expandable segments as a plan knob]). The
+#     setting changes no tensor of the step, only where the allocator places them, so the simulation is the same;
+#     ``measure`` on a GPU puts it in place before the step allocates, as the trainer does
+#     (autofit/features/allocator.py), and refuses where CUDA memory came first. The CPU has no caching allocator:
+#     True is refused there.
 _PAGE = 20 << 20  # kLargeBuffer: the expandable segment's page in the large pool
 
 # NCCL's buffers per communicator, outside the caching allocator: the default margin of a multi-GPU plan (Note [the
@@ -125,6 +138,9 @@ class DeviceTarget:
     interconnect_bytes_per_second: float = 5e9  # between ranks (CPU processes: gloo over shared memory / TCP)
     network_bytes_per_second: float = 5e9  # between nodes, per rank (GPUs: the catalog's network figure)
     local: bool = True  # the target is this machine (the CPU, or the GPU detected here): its RAM is the host's
+    # the caching allocator runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (True) or without it (False);
+    # None: without it, and a plan sets it where only it fits the budget (Note [expandable segments as an input])
+    expandable_segments: bool | None = None
 
     def default_precisions(self) -> tuple[str, ...]:
         """"auto" precision, fastest first (the order the quick path and the search's tie-break use). On the CPU
@@ -242,16 +258,19 @@ class CUDATarget(DeviceTarget):
         host, host_breakdown = host_replay(sim.timeline)
         from autofit.cuda.model import cuda_memory, cudnn_workspace_note, smallest_device_bytes
 
-        peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu)
+        expandable = bool(self.expandable_segments)  # Note [expandable segments as an input]
+        peak, device_bytes, breakdown = cuda_memory(sim.timeline, sim.replay, self.gpu, expandable=expandable)
         notes = sim.notes + tuple(n for n in (self.note, cudnn_workspace_note(sim.timeline)) if n)
         reserved = device_bytes - breakdown[Category.CUDA_CONTEXT]  # cuda_memory: reserved + context
-        floor = min(device_bytes, smallest_device_bytes(sim.timeline, self.gpu))
-        if floor - peak > breakdown[Category.CUDA_CONTEXT] + _PAGE:  # segments pinned: pages may need fewer
+        floor = min(device_bytes, smallest_device_bytes(sim.timeline, self.gpu, expandable=expandable))
+        # segments pinned: pages may need fewer, where the setting is still open
+        if self.expandable_segments is None and floor - peak > breakdown[Category.CUDA_CONTEXT] + _PAGE:
             floor = min(floor, smallest_device_bytes(sim.timeline, self.gpu, expandable=True))
         est = MemoryEstimate(peak_bytes=peak, breakdown=breakdown, device="cuda", device_bytes=device_bytes,
                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
                              notes=notes, host_bytes=host, host_breakdown=host_breakdown, min_device_bytes=floor,
-                             preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows)
+                             preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows,
+                             alloc_conf=EXPANDABLE_SEGMENTS if expandable else "")
         return replace(est, under=lambda budget: self._under(sim, est, budget))
 
     def _under(self, sim: Simulation, est: MemoryEstimate, budget: int) -> MemoryEstimate | None:
@@ -261,14 +280,17 @@ class CUDATarget(DeviceTarget):
         as a plan knob]); None when neither runs."""
         from autofit.cuda.model import cuda_memory_under
 
-        under = cuda_memory_under(sim.timeline, sim.replay, self.gpu, budget)
-        conf = ""
+        expandable = bool(self.expandable_segments)
+        under = cuda_memory_under(sim.timeline, sim.replay, self.gpu, budget, expandable=expandable)
+        conf = EXPANDABLE_SEGMENTS if expandable else ""
         if under is not None:
             peak, device_bytes, breakdown, released = under
             note = (f"under {format_bytes(budget)} the caching allocator frees {released} cached segment(s) when a "
                     f"new one would not fit (cudaFree, then retry: release_cached_blocks), so the process holds "
                     f"{format_bytes(device_bytes)}; on a card with room to spare it would keep them, "
                     f"{format_bytes(est.device_bytes)}")
+        elif self.expandable_segments is not None:  # the setting is the user's: nothing else to try
+            return None
         else:
             under = cuda_memory_under(sim.timeline, sim.replay, self.gpu, budget, expandable=True)
             if under is None:
@@ -334,14 +356,23 @@ def _host_memory() -> int | None:
         return None
 
 
-def resolve_device(device: str, gpu: str | None = None) -> DeviceTarget:
+def resolve_device(device: str, gpu: str | None = None, expandable_segments: bool | None = None) -> DeviceTarget:
+    """The target of ``device`` ("cpu" or "cuda") and ``gpu``; ``expandable_segments``: the CUDA caching allocator's
+    setting the step runs with (Note [expandable segments as an input])."""
     kind = str(device).split(":")[0]
+    if expandable_segments not in (None, True, False):
+        raise InvalidInputError(f"expandable_segments must be True, False or None (the default allocator; a plan "
+                                f"sets it where only it fits), got {expandable_segments!r}")
     if kind == "cpu":
         if gpu is not None:
             raise InvalidInputError("gpu= names a GPU model; it only applies with device='cuda'")
+        if expandable_segments:
+            raise InvalidInputError("expandable_segments=True is a setting of the CUDA caching allocator, which the "
+                                    "CPU does not have: leave it out, or estimate for a GPU (device='cuda' or a "
+                                    "catalog GPU)")
         return CPUTarget(_host_memory(), CPU, supports_bf16=cpu_kernels().native("bf16"))
     if kind == "cuda":
-        return _cuda(gpu)
+        return replace(_cuda(gpu), expandable_segments=expandable_segments)
     raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 

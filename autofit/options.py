@@ -69,6 +69,10 @@ class Device:
     host_budget: int | str | None = None
     # a budget above the GPU's memory is refused unless this is True (say, to plan for a GPU not in the catalog)
     allow_over_capacity: bool = False
+    # the caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: True the step runs with it (as
+    # torchtitan launches), False without; None: estimate and measure without, a plan sets it where only it fits
+    # (Note [expandable segments as an input], autofit/device.py)
+    expandable_segments: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or self.kind.split(":")[0] not in DEVICE_KINDS:
@@ -77,6 +81,9 @@ class Device:
         if not isinstance(self.allow_over_capacity, bool):
             raise InvalidInputError(f"Device(allow_over_capacity=...) must be True or False, got "
                                     f"{self.allow_over_capacity!r}")
+        if self.expandable_segments not in (None, True, False):
+            raise InvalidInputError(f"Device(expandable_segments=...) must be True, False or None (a plan decides), "
+                                    f"got {self.expandable_segments!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -587,7 +587,7 @@ def _forgone(climb: _Climb, stage: Stage, below: tuple[SearchSpace, Estimator] |
         return ()
     seconds = space.time[label].step_time(label, chosen.micro_batch_size, chosen.accumulation_steps,
                                           chosen.checkpoint, chosen.last_micro_batch_size, chosen.offload,
-                                          chosen.selective).total
+                                          chosen.selective, chosen.op_selective).total
     fitted = est.within(request.fit_bytes)
     shown = fitted if fitted is not None else est
     return (Forgone(without=stage.what, fits=fitted is not None, precision=label,

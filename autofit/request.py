@@ -81,8 +81,9 @@ class PlanRequest:
     # on a GPU, whose host link the time model prices. host_budget_bytes: the host memory a plan may pin.
     offload: bool = False
     host_budget_bytes: int | None = None
-    # plan(checkpoint={name: policy}): (names, those recomputed selectively), as make_step_config reads them
-    fixed_policies: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    # plan(checkpoint={name: policy}): (names, those recomputed "selective", those "op-selective"), as
+    # make_step_config reads them
+    fixed_policies: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())
     # plan(allow=...): the opt-in rungs that change numerics (Note [the ladder]), each a step feature's value
     # resolved for this model (Feature.allow_field, Note [step features]): the chunks of a chunked loss, and the
     # 8-bit twin of the optimizer with its dotted class name; None where the rung was not allowed or does not apply
@@ -140,6 +141,11 @@ class PlanRequest:
         return self.fixed_policies[1]
 
     @property
+    def fixed_op_selective(self) -> tuple[str, ...]:
+        """Those of the user's fixed set given as ``{name: "op-selective"}`` (torchtitan's per-op policy)."""
+        return self.fixed_policies[2]
+
+    @property
     def row_bytes(self) -> int:
         """Bytes one sample adds to the inputs and targets (batch tensors only)."""
         total = 0
@@ -166,7 +172,7 @@ def make_request(
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
     batch, target_batch = as_inputs(sample, target, shared, batch_dim)
-    target_device = resolve_device(d.kind, d.gpu)
+    target_device = resolve_device(d.kind, d.gpu, d.expandable_segments)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
     check_capacity(budget_bytes, target_device, d.allow_over_capacity)
     check_positions(model, batch, target_batch)

@@ -368,11 +368,11 @@ def precisions(precision: Any, target: DeviceTarget) -> tuple[PrecisionPolicy, .
     return (policy,)
 
 
-def fixed_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def fixed_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     if not isinstance(checkpoint, Mapping):
-        return (), ()
+        return (), (), ()
     config = make_step_config(micro_batch_size=1, checkpoint=checkpoint)
-    return config.checkpoint, config.selective
+    return config.checkpoint, config.selective, config.op_selective
 
 
 def fixed_checkpoint(model: nn.Module, checkpoint: Any) -> tuple[str, ...] | None:

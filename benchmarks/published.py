@@ -86,7 +86,8 @@ def run_case(case: Case) -> Row:
     start = time.perf_counter()
     with _context_mib(case.context_mib), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        est = autofit.estimate(model, sample, device=case.gpu, **kwargs)
+        device = autofit.Device(gpu=case.gpu, expandable_segments=True) if case.expandable_segments else case.gpu
+        est = autofit.estimate(model, sample, device=device, **kwargs)
     figure = _figure(est, case.measures) + case.outside_bytes
     return Row(case=case, autofit_bytes=figure, seconds=time.perf_counter() - start,
                phase=est.peak_phase)

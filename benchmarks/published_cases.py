@@ -37,6 +37,8 @@ class Case:
     outside_bytes: int = 0  # tensors the source kept alive outside the step (counted by its figure, not by a step)
     why: str = ""  # for a case outside the goal: the reason, in a sentence
     ranks: int = 1  # a multi-GPU run: the figure is one rank's (benchmarks/published_multi_gpu.py)
+    # the run set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Note [expandable segments as an input])
+    expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         if self.measures not in ("allocated", "reserved", "nvidia-smi"):

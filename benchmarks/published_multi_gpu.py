@@ -44,9 +44,10 @@ _TITAN_SAVE = {getattr(torch.ops.aten, n).default for n in (
 
 def _titan_op_policy():
     """torchtitan's selective 'op' policy (``_apply_ac_to_transformer_block``): keep the outputs of the ops in its
-    save list, except every second ``mm``. torchtitan's counter lives across steps, so with a layer's 7 ``mm`` the
-    parity flips every step; counting from 0 in every forward and recomputation keeps wq, wv, w1, w2 (the step of the
-    two that holds more, which the peak over the run reports)."""
+    save list, except every second ``mm``. Its counter is new at every checkpointed call (9dec370's
+    ``selective_checkpointing_context_fn`` makes a ``defaultdict`` each time), counted apart in forward and
+    recomputation: of a layer's 7 ``mm`` it keeps wq, wv, w1, w2. autofit's named policy "op-selective" is the same
+    rule (Note [torchtitan's per-op policy]): the fsdp8 row estimates 84,184 MiB reserved either way (2026-11-29)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     counts = {"forward": 0, "recompute": 0}
@@ -105,6 +106,46 @@ def _titan_8b(layers: int = 32, seq: int = 8192, world_size: int = 8) -> Callabl
     return build
 
 
+# --- torchao's mxfp8 table: Llama 3 8B on 8 B200s, torchtitan's recipe (per-op SAC, expandable segments) ----------
+
+_AO_MX = ("pytorch/ao torchao/prototype/mx_formats/README.md, 'Training e2e benchmarks on NVIDIA B200', row "
+          "'Llama3-8b | none (bfloat16)' (https://github.com/pytorch/ao/blob/main/torchao/prototype/mx_formats/"
+          "README.md, added by pytorch/ao#2777, 2025-08-15): 8 power-limited B200s, local batch 1, seq_len 8192, "
+          "100 steps, torch.compile, FSDP2, per-op SAC; torch 2.9.0.dev20250815+cu128, torchao 0.13.0+gite4e681be6, "
+          "torchtitan 6fc499f6 (run_train.sh: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
+          "train_configs/llama3_8b.toml: selective 'op', AdamW lr 3e-4 betas (0.9, 0.95) weight decay 0.1 eps 1e-8 "
+          "fused, max_norm 1.0, mixed_precision_param bfloat16, reduce float32). 'Peak Memory (GB)' 33.71 is the "
+          "largest 'memory: ...GiB' of torchtitan's log (benchmarks/float8/training/parse_torchtitan_logs.py), "
+          "torch.cuda.memory_stats()['reserved_bytes.all.peak'] / 2^30")
+
+_AO_MX_UNC = ("GiB with two decimals; the run compiled each block (torch.compile), which autofit estimates eager "
+              "(inductor fuses the pointwise ops the policy recomputes, so eager holds at least as much); "
+              "torchtitan's own Llama modules rebuilt as transformers' LlamaForCausalLM; torchtitan leaves its last "
+              "block unsharded after forward (0.4 GiB): ±2 %")
+
+
+def _titan_8b_op_sac(layers: int = 32, seq: int = 8192, world_size: int = 8) -> Callable[[], Built]:
+    """Llama 3 8B as torchtitan 6fc499f trains it: each block recomputed by its per-op policy, autofit's
+    "op-selective" (Note [torchtitan's per-op policy], autofit/training/recompute.py)."""
+    def build() -> Built:
+        import transformers
+
+        config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                          num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                          tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+        model = _meta(lambda: transformers.LlamaForCausalLM(config))  # fp32 weights, as torchtitan builds them
+        ids = torch.zeros(1, seq, dtype=torch.long)
+        return model, {"input_ids": ids}, {
+            "micro_batch_size": 1, "target": ids, "loss_fn": _titan_loss, "precision": "bf16",
+            "clip_grad_norm": 1.0, "layout": autofit.Layout(world_size=world_size, strategy="fsdp2"),
+            "checkpoint": {f"model.layers.{i}": "op-selective" for i in range(layers)},
+            "optimizer": lambda params: torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                                          eps=1e-8, fused=True)}
+
+    return build
+
+
 MULTI_GPU_CASES: tuple[Case, ...] = (
     Case(name="torchtitan-llama3.1-8b-fsdp8", source=_titan(1, 8), gpu="H100-80GB", measures="reserved",
          ran="Llama 3.1 8B, FSDP2 over 8 GPUs (ZeRO-3, bf16 parameters, fp32 reduce), batch 2 x 8192 per GPU, "
@@ -116,4 +157,14 @@ MULTI_GPU_CASES: tuple[Case, ...] = (
          ran="as torchtitan-llama3.1-8b-fsdp8 over 128 GPUs (16 hosts), FSDP2 over 128",
          published_bytes=round(67.0 * 2**30), unit="MiB", uncertainty_bytes=round(0.7 * 2**30),
          uncertainty=_TITAN_UNC, build=_titan_8b(world_size=128), ranks=128),
+    Case(name="torchao-mx-llama3-8b-b200-fsdp8-bf16", source=_AO_MX, gpu="B200", measures="reserved",
+         ran="Llama 3 8B, FSDP2 over 8 B200s, batch 1 x 8192 per GPU, bf16 mixed precision, torchtitan's per-op "
+             "selective recomputation of every block, AdamW (fused), clipping at 1.0, expandable segments",
+         published_bytes=round(33.71 * 2**30), unit="MiB", uncertainty_bytes=round(0.7 * 2**30),
+         uncertainty=_AO_MX_UNC, build=_titan_8b_op_sac(), ranks=8, expandable_segments=True,
+         why="the published run compiled every block and the loss (torchtitan 6fc499f: build_cross_entropy_loss "
+             "wraps it in torch.compile), which fuses away the fp32 upcast of the logits that eager cross-entropy "
+             "saves (8192 x 128256 x 4 B = 3.9 GiB, and as much again in its backward); autofit estimates the eager "
+             "step, and compile=True on a GPU target is an upper bound only (Note [compiled models on a GPU "
+             "target]): the same 43.65 GiB here"),
 )

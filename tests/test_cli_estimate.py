@@ -132,7 +132,7 @@ def test_compile_figures_equal_the_library_estimate():
     (["--world-size", "2", "--strategy", "fsdp2", "--reshard-after-forward", "auto"], "autofit plan"),
     (["--world-size", "2", "--strategy", "fsdp2", "--replicate", "3"], "replicate"),
     (["-n", "6"], "--batch-size 6"),
-    (["--checkpoint", "0:sometimes"], "full or selective"),
+    (["--checkpoint", "0:sometimes"], "full, selective"),
     (["--checkpoint", "no.such.module"], "no.such.module"),
     (["--world-size", "2"], "strategy"),
     (["--precision", "auto"], "--precision auto"),

@@ -38,9 +38,10 @@ EXPECTED = {
                           "full", ("adamw", 8, True), True),
     "trl_full.json": ("trl", "hf:Qwen/Qwen2.5-0.5B", 1024, 8, 2, 1, None, "bf16", None, "none", ("adamw", 32, False),
                       False),
+    # torchtitan's mode "selective" with selective_ac_option "op" is its per-op policy, autofit's "op-selective"
     "torchtitan_8b.toml": ("torchtitan", "hf:meta-llama/Llama-3.1-8B", 8192, 1, 8, 8, None, "bf16", "fp32",
-                           "selective", ("adamw", 32, False), False),
-    "torchtitan_full.toml": ("torchtitan", "hf:Qwen/Qwen3-0.6B", 4096, 4, 8, 1, None, "bf16", "fp32", "selective",
+                           "op-selective", ("adamw", 32, False), False),
+    "torchtitan_full.toml": ("torchtitan", "hf:Qwen/Qwen3-0.6B", 4096, 4, 8, 1, None, "bf16", "fp32", "op-selective",
                              ("adamw", 32, False), False),
 }
 
@@ -356,7 +357,7 @@ def test_check_keeps_the_configs_offload(tmp_path):
     check = autofit.check_config(path, "RTX-4090")
     spec = model_spec(check.config)
     knobs = dict(micro_batch_size=4, accumulation_steps=8, precision="bf16", optimizer="adamw", clip_grad_norm=1.0,
-                 checkpoint={u: "selective" for u in shard_units(spec.model)},
+                 checkpoint={u: "op-selective" for u in shard_units(spec.model)},
                  device=autofit.Device(kind="cuda", gpu="RTX-4090"))
     by_hand = autofit.estimate(spec.model, spec.sample, offload_states=True, **knobs)
     kept = autofit.estimate(spec.model, spec.sample, **knobs)

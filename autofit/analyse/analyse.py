@@ -14,7 +14,7 @@ from autofit.analyse.table import Analysis, LayerRow, LayerTable, OpCosts, preci
 from autofit.training.batch import Batch
 from autofit.capture.graph import capture_graph
 from autofit.training.loss import LossFn
-from autofit.training.recompute import saved_op_names
+from autofit.training.recompute import op_selective_names, saved_op_names
 from autofit.simulate.run import DeviceRules, Simulation, probes_kernels, simulate_step
 from autofit.core.shared import shared
 from autofit.simulate.sample_rows import SampleRows, each_step, sample_micro_batches
@@ -25,6 +25,7 @@ from autofit.core.workers import run_all
 __all__ = ["analyse_model", "SIZES", "op_costs"]
 
 KEPT = saved_op_names()  # ops whose outputs a selective recomputation keeps (Note [selective recomputation])
+OP_SELECTIVE = op_selective_names()  # what "op-selective" keeps, mm every other (Note [torchtitan's per-op policy])
 SIZES = (2, 3)  # the two micro-batch sizes the analysis simulates; per-sample figures are their difference
 
 
@@ -113,6 +114,7 @@ def op_costs(t1, t2, *, per_sample_from: int = SIZES[0]) -> OpCosts:
         forward=np.array([o.phase is Phase.FORWARD for o in one], dtype=bool),
         module=tuple(o.module for o in one),
         kept=np.array([o.name in KEPT for o in one], dtype=bool),
+        op_selective=np.array([2 if o.name == "mm" else int(o.name in OP_SELECTIVE) for o in one], dtype=np.int8),
     )
 
 
@@ -129,9 +131,9 @@ def _call_records(obs1: LayerObserver, obs2: LayerObserver) -> tuple[CallRecord,
         s1 = obs1.saved_bytes(call)
         s2 = obs2.saved_bytes(other) if other is not None else s1
         per_sample = s2 - s1
-        k1 = obs1.kept_bytes(call, freed)
-        k2 = obs2.kept_bytes(other, freed2) if other is not None else k1
-        kept = (k1 - SIZES[0] * (k2 - k1), k2 - k1)
+        kept, kept_op = (_fitted(obs1.kept_bytes(call, freed, policy),
+                                 obs2.kept_bytes(other, freed2, policy) if other is not None else None)
+                         for policy in ("selective", "op-selective"))
         inputs = []
         for i, sid in enumerate(call.input_sids):
             n1 = obs1.nbytes(sid)
@@ -139,8 +141,14 @@ def _call_records(obs1: LayerObserver, obs2: LayerObserver) -> tuple[CallRecord,
             inputs.append((freed.get(sid, never), n1 - SIZES[0] * (n2 - n1), n2 - n1))
         records.append(CallRecord(call.name, call.micro, call.start, call.end, call.recompute_at,
                                   call.backward_end, (s1 - SIZES[0] * per_sample, per_sample), tuple(inputs),
-                                  kept))
+                                  kept, kept_op))
     return tuple(records)
+
+
+def _fitted(one: int, two: int | None) -> tuple[int, int]:
+    """(fixed, per_sample) of bytes measured at the two analysis sizes (consecutive); ``two`` None: the same."""
+    two = one if two is None else two
+    return one - SIZES[0] * (two - one), two - one
 
 
 def _linear(one: dict[str, int], two: dict[str, int], name: str) -> tuple[int, int]:

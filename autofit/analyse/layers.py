@@ -23,7 +23,7 @@ from torch import nn
 
 from autofit.core._torch import current_autograd_node, pytree
 from autofit.capture.module_stack import install_module_stack
-from autofit.training.recompute import saved_op_names
+from autofit.training.recompute import op_selective_names, saved_op_names
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.simulate.tracker import StepTracker
 
@@ -31,6 +31,7 @@ __all__ = ["ForwardStats", "LayerObserver", "CallObservation", "ancestors"]
 
 _TAG = "autofit_calls"
 _KEPT_OPS = saved_op_names()
+_OP_SELECTIVE_OPS = op_selective_names()
 
 
 @dataclass
@@ -228,19 +229,26 @@ class LayerObserver:
         storages = self._tracker.timeline.storages
         return sum(storages[sid].nbytes for sid in self._dropped(call))
 
-    def kept_bytes(self, call: CallObservation, freed: dict[int, int]) -> int:
+    def kept_bytes(self, call: CallObservation, freed: dict[int, int], policy: str = "selective") -> int:
         """What a selective recomputation of the call keeps until its backward begins (Note [selective
         recomputation], autofit/training/recompute.py): the outputs of its matmul and attention ops (storages they made
         while the call ran) that full checkpointing would drop, or that the plain run frees before the call's
-        backward; outputs that stay alive past it anyway (returned, or saved from outside) cost nothing more."""
+        backward; outputs that stay alive past it anyway (returned, or saved from outside) cost nothing more.
+        ``policy`` "op-selective": the outputs of torchtitan's save list, of its ``mm`` calls the 1st, 3rd, ... of
+        the call (Note [torchtitan's per-op policy]; ops matched by name here, not overload)."""
         timeline = self._tracker.timeline
         storages, ops, dropped = timeline.storages, timeline.ops, self._dropped(call)
+        names = _OP_SELECTIVE_OPS if policy == "op-selective" else _KEPT_OPS
         never = 1 << 62
         total = 0
+        matmuls: dict[int, int] = {}  # mm op -> its place among the call's mm calls (from 1)
         for sid in range(call.first_sid, min(call.last_sid, len(storages))):
             record = storages[sid]
-            if record.op < 0 or record.phase is not Phase.FORWARD or ops[record.op].name not in _KEPT_OPS:
+            if record.op < 0 or record.phase is not Phase.FORWARD or ops[record.op].name not in names:
                 continue
+            if policy == "op-selective" and ops[record.op].name == "mm":
+                if matmuls.setdefault(record.op, len(matmuls) + 1) % 2 == 0:
+                    continue
             if sid in dropped or freed.get(sid, never) < call.recompute_at:
                 total += record.nbytes
         return total

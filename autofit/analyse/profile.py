@@ -38,6 +38,8 @@ class CallRecord:
     # and attention ops that checkpointing would otherwise drop, or that the plain run frees before the call's
     # backward (Note [selective recomputation], autofit/training/recompute.py)
     kept: tuple[int, int] = (0, 0)
+    # the same for torchtitan's per-op policy, "op-selective" (Note [torchtitan's per-op policy])
+    kept_op: tuple[int, int] = (0, 0)
 
     def input_bytes(self, index: int, batch: int) -> int:
         _, fixed, per_sample = self.inputs[index]
@@ -46,8 +48,9 @@ class CallRecord:
     def saved_bytes(self, batch: int) -> int:
         return max(0, self.saved[0] + self.saved[1] * batch)
 
-    def kept_bytes(self, batch: int) -> int:
-        return max(0, self.kept[0] + self.kept[1] * batch)
+    def kept_bytes(self, batch: int, policy: str = "selective") -> int:
+        fixed, per_sample = self.kept_op if policy == "op-selective" else self.kept
+        return max(0, fixed + per_sample * batch)
 
 
 @dataclass(frozen=True)

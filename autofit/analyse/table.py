@@ -32,6 +32,9 @@ class OpCosts:
     # bool per op: a selective recomputation keeps its outputs and does not run it again (autofit/training/recompute.py);
     # None: no op is kept
     kept: np.ndarray | None = None
+    # int per op under torchtitan's per-op policy ("op-selective", autofit/training/recompute.py): 1 its outputs
+    # are kept, 2 an ``mm`` (of a recomputed module's, the 1st, 3rd, ... are kept), 0 it runs again; None: all 0
+    op_selective: np.ndarray | None = None
 
     def under(self, names) -> np.ndarray:
         """Bool per op: its module is one of ``names`` or inside one ("layers.1.mlp" under "layers.1"; never a

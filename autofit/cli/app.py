@@ -400,8 +400,9 @@ def estimate(
     replicate: Annotated[str, typer.Option("--replicate", help="FSDP2: HSDP's replicate size (1: plain FSDP)")]
     = "1",
     checkpoint: Annotated[Optional[list[str]], typer.Option(
-        "--checkpoint", metavar="NAME[:selective]", help="a module to recompute (repeatable); 'blocks' for the "
-        "model's repeated blocks; ':selective' keeps its matmul and attention outputs")] = None,
+        "--checkpoint", metavar="NAME[:POLICY]", help="a module to recompute (repeatable); 'blocks' for the "
+        "model's repeated blocks; ':selective' keeps its matmul and attention outputs, ':op-selective' recomputes "
+        "as torchtitan's per-op policy (attention and every other matmul kept)")] = None,
     clip_grad_norm: Annotated[Optional[float], typer.Option("--clip-grad-norm", help="clip the gradients to this "
                                                              "norm before the step")] = None,
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
@@ -429,6 +430,9 @@ def estimate(
     gradient_as_bucket_view: Annotated[bool, typer.Option(
         "--gradient-as-bucket-view/--no-gradient-as-bucket-view", help="DDP: gradients as views into its buckets "
         "(autofit's trainer) or torch's default, a second copy")] = True,
+    expandable_segments: Annotated[bool, typer.Option(
+        "--expandable-segments", help="the CUDA caching allocator runs with PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True (as torchtitan launches)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
@@ -455,7 +459,8 @@ def estimate(
             sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step",
             reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
             offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
-            preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view)
+            preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view,
+            expandable_segments=expandable_segments)
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

@@ -22,6 +22,7 @@ from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
 from autofit.training.config import DeviceKind, as_zero_grad
 from autofit.parallel.layout import as_strategy
+from autofit.training.recompute import POLICIES
 
 __all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
            "sequence_option", "STEP_FLAGS", "NOT_STEP_KNOBS"]
@@ -33,7 +34,8 @@ BLOCKS = "blocks"  # --checkpoint blocks: the model's repeated blocks, the units
 # that this covers the signature and that each flag exists.
 STEP_FLAGS: dict[str, tuple[str, ...]] = {
     "micro_batch_size": ("--micro-batch-size",), "accumulation_steps": ("--batch-size",),
-    "optimizer": ("--optimizer",), "clip_grad_norm": ("--clip-grad-norm",), "device": ("--device", "--gpu"),
+    "optimizer": ("--optimizer",), "clip_grad_norm": ("--clip-grad-norm",),
+    "device": ("--device", "--gpu", "--expandable-segments"),
     "precision": ("--precision",),
     "layout": ("--world-size", "--strategy", "--reshard-after-forward", "--replicate", "--tensor-parallel",
                "--sequence-parallel"),
@@ -64,7 +66,7 @@ class EstimateSetup:
     strategy: str | None
     reshard_after_forward: bool | int
     replicate: int
-    checkpoint: dict[str, str]  # module -> "full" or "selective"
+    checkpoint: dict[str, str]  # module -> "full", "selective" or "op-selective" (autofit/training/recompute.py)
     clip_grad_norm: float | None
     tensor_parallel: int = 1  # T ranks of a node split each block's linear layers (FSDP2 x tp, or tp alone)
     compile: bool = False  # the step as torch.compile (inductor) compiles it
@@ -80,6 +82,9 @@ class EstimateSetup:
     preallocated_grads: bool = False
     inputs: str = "batch"  # the rows of inputs resident: the rank's whole batch, or one micro-batch
     gradient_as_bucket_view: bool = True  # DDP's bucket mode
+    # the CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Note [expandable segments as
+    # an input], autofit/device.py)
+    expandable_segments: bool = False
 
     @property
     def data_ranks(self) -> int:
@@ -131,13 +136,15 @@ def _accumulation(batch_size: int | None, micro: int, data_ranks: int) -> int:
 
 
 def _checkpoint(model, items: list[str]) -> dict[str, str]:
-    """--checkpoint NAME[:selective] (repeatable); NAME 'blocks' stands for the model's repeated blocks."""
+    """--checkpoint NAME[:POLICY] (repeatable), POLICY full (the default), selective or op-selective; NAME 'blocks'
+    stands for the model's repeated blocks."""
     out: dict[str, str] = {}
     for item in items:
         name, _, policy = item.partition(":")
         policy = policy or "full"
-        if policy not in ("full", "selective"):
-            raise InvalidInputError(f"--checkpoint {item!r}: the policy after ':' must be full or selective")
+        if policy not in POLICIES:
+            raise InvalidInputError(f"--checkpoint {item!r}: the policy after ':' must be full, selective (matmul and "
+                                    "attention outputs kept) or op-selective (torchtitan's per-op policy)")
         names = shard_units(model) if name == BLOCKS else (name,)
         if not names:
             raise InvalidInputError("--checkpoint blocks: this model has no repeated blocks; name the modules")
@@ -178,7 +185,8 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
     return estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
                     micro_batch_size=setup.micro_batch_size, accumulation_steps=setup.accumulation_steps,
                     precision=setup.precision, optimizer=setup.optimizer,
-                    device=Device(kind=setup.device, gpu=setup.gpu),
+                    device=Device(kind=setup.device, gpu=setup.gpu,
+                                  expandable_segments=setup.expandable_segments or None),
                     layout=Layout(world_size=setup.world_size, strategy=setup.strategy,
                                   reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
                                   tensor_parallel=setup.tensor_parallel,
@@ -204,7 +212,7 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "offload_activations": list(setup.offload), "offload_states": setup.offload_states,
         "optimizer_in_backward": setup.optimizer_in_backward, "chunked_loss": setup.chunked_loss,
         "preallocated_grads": setup.preallocated_grads, "inputs": setup.inputs,
-        "gradient_as_bucket_view": setup.gradient_as_bucket_view,
+        "gradient_as_bucket_view": setup.gradient_as_bucket_view, "alloc_conf": est.alloc_conf,
         "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.data_ranks,
         "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
         "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
@@ -230,6 +238,8 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
     rows.append(("peak allocated", mib(est.peak_allocated_bytes)))
     if DeviceKind(est.device).caching_allocator:  # reserved and on-device figures differ from allocated
         rows += [("peak reserved", mib(est.peak_reserved_bytes)), ("on the device", mib(est.device_bytes))]
+        if est.alloc_conf:
+            rows.append(("CUDA allocator", f"PYTORCH_CUDA_ALLOC_CONF={est.alloc_conf}"))
     if est.host_bytes:
         rows.append(("host memory", mib(est.host_bytes)))
     rows.append(("peak in", f"{est.peak_phase}{f' ({est.peak_at})' if est.peak_at else ''}"))

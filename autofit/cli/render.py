@@ -12,6 +12,7 @@ from rich.table import Table
 from autofit.analyse.table import LayerTable
 from autofit.cli.messages import console_for, say
 from autofit.emit.plan import Plan
+from autofit.training.recompute import POLICIES
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["render_plan", "console_for", "group_names", "knobs_table"]
@@ -46,11 +47,12 @@ def _pattern(name: str) -> str:
 
 
 def _recomputed(plan: Plan) -> str:
-    """The recomputed modules grouped, each group with its policy (full or selective, autofit/training/recompute.py)."""
+    """The recomputed modules grouped, each group with its policy (full, selective or op-selective,
+    autofit/training/recompute.py)."""
     if not plan.checkpoint:
         return "none"
     lines = []
-    for policy in ("full", "selective"):
+    for policy in POLICIES:
         names = tuple(n for n in plan.checkpoint if plan.checkpoint_policy(n) == policy)
         lines += [f"{g} ({policy})" for g in group_names(names)]
     return "\n".join(lines)

@@ -98,10 +98,12 @@ def cudnn_workspace_note(timeline: Timeline) -> str | None:
             "also takes up to the largest free cached block (generate_and_filter_plans). See docs/cuda.md")
 
 
-def cuda_memory(timeline: Timeline, raw: Replay, gpu: GPUSpec) -> tuple[int, int, dict[Category, int]]:
-    """(peak_bytes, device_bytes, breakdown) of the simulated step on ``gpu``, the allocator unconstrained."""
+def cuda_memory(timeline: Timeline, raw: Replay, gpu: GPUSpec, *,
+                expandable: bool = False) -> tuple[int, int, dict[Category, int]]:
+    """(peak_bytes, device_bytes, breakdown) of the simulated step on ``gpu``, the allocator unconstrained;
+    ``expandable``: under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (Note [expandable segments])."""
     workspace = cublas_workspace_bytes(gpu)
-    return _terms(replay_allocator(timeline, persistent=(workspace,)), raw, workspace)
+    return _terms(replay_allocator(timeline, persistent=(workspace,), expandable=expandable), raw, workspace)
 
 
 def cuda_memory_under(timeline: Timeline, raw: Replay, gpu: GPUSpec, device_budget: int, *,

@@ -28,7 +28,8 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
     front = tuple(
         Alternative(precision=c.precision, micro_batch_size=c.micro_batch_size,
                     gradient_accumulation_steps=c.accumulation_steps, checkpoint=c.checkpoint,
-                    peak_bytes=c.peak_bytes, step_seconds=c.seconds, selective=c.selective)
+                    peak_bytes=c.peak_bytes, step_seconds=c.seconds, selective=c.selective,
+                    op_selective=c.op_selective)
         for c in front_with(chosen, est, fitting)
     )
     plan = Plan(
@@ -41,6 +42,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
         host_budget_bytes=host_budget_bytes if (step.offload or step.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=step.selective,
+        op_selective=step.op_selective,
         **features, verified_step=step,
     )
     if plan.step != step:  # the plan's fields must give back the step verified: what a loaded plan runs
@@ -63,7 +65,7 @@ def _knobs(c: Candidate) -> tuple:
     """What makes two candidates the same configuration (the verification may allocate gradients before forward
     where only that fits: the same knobs, laid out otherwise)."""
     return (c.precision, c.micro_batch_size, c.accumulation_steps, c.last_micro_batch_size, c.checkpoint,
-            c.selective, c.in_backward, c.offload, c.offload_states)
+            c.selective, c.op_selective, c.in_backward, c.offload, c.offload_states)
 
 
 def front_with(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...]) -> list[Candidate]:

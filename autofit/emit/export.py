@@ -79,10 +79,14 @@ def _feature_notes(plan: Plan, framework: str) -> list[str]:
 
 
 def _selective_notes(plan: Plan, how: str) -> list[str]:
-    if not plan.selective:
-        return []
-    return [f"{len(plan.selective)} modules are recomputed selectively (matmul and attention outputs kept, "
-            f"torch.utils.checkpoint.create_selective_checkpoint_contexts): {how}"]
+    notes = []
+    if plan.selective:
+        notes.append(f"{len(plan.selective)} modules are recomputed selectively (matmul and attention outputs kept, "
+                     f"torch.utils.checkpoint.create_selective_checkpoint_contexts): {how}")
+    if plan.op_selective:
+        notes.append(f"{len(plan.op_selective)} modules are recomputed by torchtitan's per-op policy (attention and "
+                     f"every other matmul kept): {how}")
+    return notes
 
 
 # DistributedDataParallel's keyword that a DDP plan's memory depends on (Note [DDP's bucket views])
@@ -196,7 +200,7 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config["zero_optimization"] = zero
     notes = _split_notes(plan) + _feature_notes(plan, "deepspeed")
-    if plan.selective:
+    if plan.selective or plan.op_selective:
         config["autofit_checkpoint_policies"] = plan.checkpoint_policies
         notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
                                         "op-level policy; apply them with autofit.integrations.plan_patches or train "
@@ -381,15 +385,28 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
         training["mixed_precision_param"] = "bfloat16" if plan.precision.name == "bf16" else "float32"
     if plan.precision.name == "fp16":
         notes.append("torchtitan's mixed precision is bf16 or fp32; the plan computes in fp16")
-    if plan.checkpoint:
-        notes.append(f"recompute the plan's {len(plan.checkpoint)} modules ([activation_checkpoint] mode='full' "
-                     "recomputes every block, which needs less memory and more time than the plan)")
-    # torchtitan's ActivationCheckpoint.mode defaults to "selective": say "none" when the plan recomputes nothing
+    activation = _torchtitan_recompute(plan, notes)
     out: dict[str, dict[str, Any]] = {"parallelism": parallelism, "training": training,
-                                      "activation_checkpoint": {"mode": "full" if plan.checkpoint else "none"}}
+                                      "activation_checkpoint": activation}
     if notes:
         out["autofit"] = {"notes": notes}
     return out
+
+
+def _torchtitan_recompute(plan: Plan, notes: list[str]) -> dict[str, Any]:
+    """torchtitan's [activation_checkpoint] for the plan: its per-op policy (mode "selective", option "op") where
+    every recomputed module is "op-selective" (Note [torchtitan's per-op policy]), else "full"; torchtitan applies
+    either to every block."""
+    if not plan.checkpoint:  # ActivationCheckpoint.mode defaults to "selective": say "none"
+        return {"mode": "none"}
+    if set(plan.op_selective) == set(plan.checkpoint):
+        if set(plan.checkpoint) != set(plan.shard_units or plan.checkpoint):
+            notes.append(f"the plan recomputes {len(plan.checkpoint)} modules by torchtitan's per-op policy; "
+                         "torchtitan applies it to every block")
+        return {"mode": "selective", "selective_ac_option": "op"}
+    notes.append(f"recompute the plan's {len(plan.checkpoint)} modules ([activation_checkpoint] mode='full' "
+                 "recomputes every block, which needs less memory and more time than the plan)")
+    return {"mode": "full"}
 
 
 def to_torchtitan_toml(plan: Plan) -> str:

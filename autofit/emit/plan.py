@@ -53,6 +53,7 @@ class Alternative:
     peak_bytes: int
     step_seconds: float  # modelled step time
     selective: tuple[str, ...] = ()  # those of checkpoint recomputed selectively
+    op_selective: tuple[str, ...] = ()  # those of checkpoint recomputed by torchtitan's per-op policy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +144,9 @@ class Plan:
     # those of ``checkpoint`` recomputed selectively: they keep their matmul and attention outputs and rerun the
     # rest (Note [selective recomputation], autofit/training/recompute.py); the others rerun all of their forward
     selective: tuple[str, ...] = ()
+    # those of ``checkpoint`` recomputed by torchtitan's per-op policy, "op-selective" (its attention and every other
+    # matmul kept: Note [torchtitan's per-op policy]), as the user fixed them (plan(checkpoint={name: policy}))
+    op_selective: tuple[str, ...] = ()
     # when the plan recomputes selectively: the predicted step time of the fastest configuration, under the same
     # budget and in the same run, that recomputes whole modules only (None: not searched, or none fits)
     module_level_step_seconds: float | None = None
@@ -196,13 +200,15 @@ class Plan:
         return self.verified_step if step == self.verified_step else step
 
     def checkpoint_policy(self, name: str) -> str:
-        """How module ``name`` is recomputed: "full", "selective", or "none"."""
-        return "none" if name not in self.checkpoint else "selective" if name in self.selective else "full"
+        """How module ``name`` is recomputed: "full", "selective", "op-selective", or "none"."""
+        if name not in self.checkpoint:
+            return "none"
+        return "selective" if name in self.selective else "op-selective" if name in self.op_selective else "full"
 
     @property
     def checkpoint_policies(self) -> dict[str, str]:
-        """Recomputed module -> its policy ("full" or "selective"), what ``estimate``/``measure`` take as
-        ``checkpoint=``."""
+        """Recomputed module -> its policy ("full", "selective" or "op-selective"), what ``estimate``/``measure``
+        take as ``checkpoint=``."""
         return {n: self.checkpoint_policy(n) for n in self.checkpoint}
 
     @property
@@ -326,10 +332,12 @@ class Plan:
         data["estimate"] = self.estimate.to_dict()
         data["checkpoint"] = list(self.checkpoint)
         data["selective"] = list(self.selective)
+        data["op_selective"] = list(self.op_selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
         data["shard_units"] = list(self.shard_units)
         data["tensor_plan"] = [list(pair) for pair in self.tensor_plan]
-        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective))
+        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective),
+                                 op_selective=list(a.op_selective))
                             for a in self.frontier]
         data["notes"] = list(self.notes)
         data["alternatives"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.alternatives]
@@ -369,7 +377,7 @@ class Plan:
         data = dict(data)
         data.pop("format")
         data.pop("peak_allocated_bytes", None)  # = peak_bytes
-        data.pop("checkpoint_policies", None)  # = checkpoint and selective
+        data.pop("checkpoint_policies", None)  # = checkpoint, selective and op_selective
         try:
             data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
             data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
@@ -378,6 +386,7 @@ class Plan:
                                                 built=data["precision"].get("built"))
             data["checkpoint"] = tuple(data["checkpoint"])
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
+            data["op_selective"] = tuple(data.get("op_selective", ()))  # absent from plans written before issue 58
             data["shard_units"] = tuple(data.get("shard_units", ()))
             data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
             data["notes"] = tuple(data["notes"])
@@ -386,7 +395,8 @@ class Plan:
             data["made_for"] = None if made_for is None else ModelRecord.from_dict(made_for)
             data["batch_dim"] = tuple(data.get("batch_dim", (0, 0)))  # absent from plans written before issue 55
             data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
-                                                        selective=tuple(a.get("selective", ()))))
+                                                        selective=tuple(a.get("selective", ())),
+                                                        op_selective=tuple(a.get("op_selective", ()))))
                                      for a in data["frontier"])
             data["alternatives"] = tuple(Forgone(**dict(a, checkpoint=tuple(a["checkpoint"])))  # absent before issue 56
                                          for a in data.get("alternatives", ()))
@@ -585,7 +595,8 @@ def plan_step(plan: Plan) -> StepConfig:
                  else _optimizer_named(plan.optimizer))
     knobs = dict(
         micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-        precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective, optimizer=optimizer,
+        precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
+        op_selective=plan.op_selective, optimizer=optimizer,
         device=plan.device, held_rows=plan.batch_size // plan.parallel.data_ranks, gpu=plan.gpu,
         layout=plan.parallel, clip_grad_norm=plan.clip_grad_norm, offload=plan.offload, compile=plan.compile,
         preallocated_grads=plan.preallocated_grads, zero_grad=plan.zero_grad,
@@ -634,8 +645,9 @@ def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:
 
 
 def _policy_counts(plan: Plan) -> str:
-    selective = len(plan.selective)
-    return f"{len(plan.checkpoint) - selective} full, {selective} selective"
+    selective, ops = len(plan.selective), len(plan.op_selective)
+    counts = f"{len(plan.checkpoint) - selective - ops} full, {selective} selective"
+    return counts + (f", {ops} op-selective" if ops else "")
 
 
 def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:

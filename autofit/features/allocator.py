@@ -15,7 +15,22 @@ from autofit.core._torch import allocator_settings, set_allocator_settings
 from autofit.core.errors import AllocatorSettingError
 from autofit.features.base import Feature
 
-__all__ = ["ALLOCATOR_SETTING", "AllocatorSetting"]
+__all__ = ["ALLOCATOR_SETTING", "AllocatorSetting", "put_in_place"]
+
+
+def put_in_place(setting: str, why: str) -> None:
+    """Make the caching allocator run with ``setting`` (``"expandable_segments:True"``): already in force (the
+    environment's ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``, or an earlier call), nothing to do; no CUDA
+    memory allocated yet, set it; otherwise an :class:`AllocatorSettingError` that says ``why`` it is needed and what
+    to export before the process starts. It governs segments allocated after it is set."""
+    if setting in allocator_settings():
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
+        raise AllocatorSettingError(
+            f"{why} PYTORCH_CUDA_ALLOC_CONF={setting}, and CUDA memory was allocated before it could be set: export "
+            f"PYTORCH_CUDA_ALLOC_CONF={setting} before starting Python (or set it with "
+            f"torch.cuda.memory._set_allocator_settings before the model goes to the GPU)")
+    set_allocator_settings(",".join(s for s in (allocator_settings(), setting) if s))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,16 +44,9 @@ class AllocatorSetting(Feature):
         environment's ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``, or an earlier call): nothing to do. No CUDA
         memory allocated yet: set it. Otherwise an :class:`AllocatorSettingError` names what to export before the
         process starts."""
-        if not plan.alloc_conf or not plan.device.caching_allocator or plan.alloc_conf in allocator_settings():
+        if not plan.alloc_conf or not plan.device.caching_allocator:
             return
-        if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
-            raise AllocatorSettingError(
-                f"this plan fits its budget only with PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} (the default caching "
-                f"allocator's segments do not fit), and CUDA memory was allocated before wrap() could set it: export "
-                f"PYTORCH_CUDA_ALLOC_CONF={plan.alloc_conf} before starting Python (or set it with "
-                f"torch.cuda.memory._set_allocator_settings before the model goes to the GPU)"
-            )
-        set_allocator_settings(",".join(s for s in (allocator_settings(), plan.alloc_conf) if s))
+        put_in_place(plan.alloc_conf, "this plan's figures (and its budget) hold with")
 
     def plan_rows(self, plan: Any) -> tuple[tuple[str, str], ...]:
         if not plan.alloc_conf:

@@ -215,7 +215,8 @@ def grouped_by_block(problem: CheckpointProblem, chosen: tuple[int, ...], blocks
 
 def _name_lists(config: StepConfig) -> tuple[tuple[str, ...], ...]:
     """Each list of module names the step treats specially (each must repeat over the blocks on its own)."""
-    return (config.checkpoint, config.selective, config.offload, config.shard_units, config.precision.fp32_modules)
+    return (config.checkpoint, config.selective, config.op_selective, config.offload, config.shard_units,
+            config.precision.fp32_modules)
 
 
 def _period(config: StepConfig, blocks: Blocks) -> int | None:
@@ -332,7 +333,8 @@ def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, 
     tensor_plan = tuple(pair for pair in config.tensor_plan if names_at_depth((pair[0],), blocks, first))
     layout = replace(config.layout, shard_units=cut(config.shard_units), tensor_plan=tensor_plan)
     return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
-                   offload=cut(config.offload), precision=precision, layout=layout)
+                   op_selective=cut(config.op_selective), offload=cut(config.offload), precision=precision,
+                   layout=layout)
 
 
 def overtaken(run: DepthRun, timelines: tuple[Timeline, Timeline, Timeline]) -> bool:
@@ -567,7 +569,7 @@ def _rows(ops: OpCosts, take: list[int]) -> OpCosts:
         return None if a is None else a[idx]
     return OpCosts(pick(ops.flops_fixed), pick(ops.flops_per_sample), pick(ops.bytes_fixed),
                    pick(ops.bytes_per_sample), tuple(ops.precision[j] for j in take), pick(ops.forward),
-                   tuple(ops.module[j] for j in take), pick(ops.kept))
+                   tuple(ops.module[j] for j in take), pick(ops.kept), pick(ops.op_selective))
 
 
 def _concatenate(parts: list[OpCosts]) -> OpCosts:
@@ -580,7 +582,7 @@ def _concatenate(parts: list[OpCosts]) -> OpCosts:
                                for a, p in zip(arrays, parts)])
     return OpCosts(cat("flops_fixed"), cat("flops_per_sample"), cat("bytes_fixed"), cat("bytes_per_sample"),
                    tuple(x for p in parts for x in p.precision), cat("forward"),
-                   tuple(m for p in parts for m in p.module), cat("kept"))
+                   tuple(m for p in parts for m in p.module), cat("kept"), cat("op_selective"))
 
 
 def period_ranges(shallow: OpCosts, deep: OpCosts, blocks: Blocks, template: range) -> tuple[tuple[int, int], ...]:

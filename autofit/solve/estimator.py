@@ -108,7 +108,8 @@ class Estimator:
             parallel = replace(parallel, reduce_every_micro_batch=False)
         return replace(self.request.step(parallel), micro_batch_size=c.micro_batch_size,
                        accumulation_steps=c.accumulation_steps, precision=policy, checkpoint=c.checkpoint,
-                       selective=c.selective, optimizer_in_backward=c.in_backward, offload=c.offload,
+                       selective=c.selective, op_selective=c.op_selective, optimizer_in_backward=c.in_backward,
+                       offload=c.offload,
                        preallocated_grads=c.preallocated_grads)
 
     def simulate(self, c: Candidate, policy: PrecisionPolicy, length: int | None = None,

@@ -137,18 +137,20 @@ class MemoryModel:
     def optimizer_peak(self, batch: int) -> int:
         return self.profile.stage(1, Phase.OPTIMIZER, batch) + self.held_bytes(batch)
 
-    def variables(self, batch: int, selective: bool = True,
-                  always: frozenset[str] = frozenset()) -> tuple[tuple[int, str], ...]:
+    def variables(self, batch: int, selective: bool = True, always: frozenset[str] = frozenset(),
+                  op_selective: frozenset[str] = frozenset()) -> tuple[tuple[int, str], ...]:
         """The MILP's units as (module unit, policy): every module fully recomputed, and, with ``selective``, each
         module whose selective recomputation differs from the full one (it keeps something) and drops something
-        (some call saves more than it keeps), or is named in ``always``."""
+        (some call saves more than it keeps), or is named in ``always``; and the modules named in ``op_selective``
+        under torchtitan's per-op policy (the user's choice only, never searched)."""
         full = tuple((u, "full") for u in range(len(self.units)))
+        ops = tuple((u, "op-selective") for u, unit in enumerate(self.units) if unit.name in op_selective)
         if not selective:
-            return full
+            return full + ops
         return full + tuple(
             (u, "selective") for u, unit in enumerate(self.units) if unit.name in always
             or (any(c.kept_bytes(batch) > 0 for c in unit.calls)
-                and any(c.saved_bytes(batch) > c.kept_bytes(batch) for c in unit.calls)))
+                and any(c.saved_bytes(batch) > c.kept_bytes(batch) for c in unit.calls))) + ops
 
     def edits(self, batch: int, accumulation_steps: int, units: Iterable[int | tuple[int, str]]) -> list[Edit]:
         """The edits of ``units`` (module units, fully recomputed, or (unit, policy) pairs); ``Edit.unit`` is the
@@ -162,8 +164,8 @@ class MemoryModel:
                     continue
                 saved = call.saved_bytes(batch)
                 spike = max(0, self.profile.internal_bytes(call, batch) - saved)
-                if policy == "selective":
-                    saved -= call.kept_bytes(batch)
+                if policy != "full":
+                    saved -= call.kept_bytes(batch, policy)
                 release = call.backward_end + 1
                 kept = tuple((f, call.input_bytes(i, batch)) for i, (f, _, _) in enumerate(call.inputs)
                              if f < release)
@@ -172,14 +174,14 @@ class MemoryModel:
 
     # ---- the constraints of the checkpoint MILP, and the prediction --------------------------------------------
     def problem(self, batch: int, accumulation_steps: int, *, selective: bool = True,
-                always: frozenset[str] = frozenset()) -> CheckpointProblem:
+                always: frozenset[str] = frozenset(), op_selective: frozenset[str] = frozenset()) -> CheckpointProblem:
         """Constraints ``base_i + coef_i . x`` over the stretches of the window where the set of checkpoint edits in
         force is constant (so each stretch's peak is its plain peak plus a constant), the recompute instants, and
         the optimizer stage (which checkpointing does not touch). Units: every module fully recomputed, then (with
         ``selective``) those that may be recomputed selectively (:meth:`variables`); a selective unit costs its
         module's FLOPs until the search prices it (search.py)."""
         live = self.profile.live(batch)
-        variables = self.variables(batch, selective, always)
+        variables = self.variables(batch, selective, always, op_selective)
         n_units = len(variables)
         edits = self.edits(batch, accumulation_steps, variables)
         unit = np.array([e.unit for e in edits], dtype=np.int64)
@@ -238,13 +240,16 @@ class MemoryModel:
         return replace(full, base=full.base[:-1], coef=full.coef[:-1])
 
     def peak(self, batch: int, accumulation_steps: int, checkpoint: Iterable[str] = (),
-             selective: Iterable[str] = ()) -> int:
-        """Modelled peak of the window with ``checkpoint`` recomputed, those in ``selective`` selectively."""
-        names, selective = list(checkpoint), set(selective)
+             selective: Iterable[str] = (), op_selective: Iterable[str] = ()) -> int:
+        """Modelled peak of the window with ``checkpoint`` recomputed, those in ``selective`` selectively, those in
+        ``op_selective`` by torchtitan's per-op policy."""
+        names, selective, op_selective = list(checkpoint), set(selective), frozenset(op_selective)
         known = {u.name for u in self.units}
-        problem = self.problem(batch, accumulation_steps, selective=bool(selective), always=frozenset(selective))
+        problem = self.problem(batch, accumulation_steps, selective=bool(selective), always=frozenset(selective),
+                               op_selective=op_selective)
         where = {(n, p): i for i, (n, p) in enumerate(zip(problem.names, problem.policies))}
-        chosen = [where[(n, "selective" if n in selective else "full")] for n in names if n in known]
+        policy = {n: "selective" for n in selective} | {n: "op-selective" for n in op_selective}
+        chosen = [where[(n, policy.get(n, "full"))] for n in names if n in known]
         # modules the user forces that the analysis saw nothing to gain from still stash the RNG state
         extra = sum(1 for n in names if n not in known) * self.rng_bytes
         return problem.peak(chosen) + extra

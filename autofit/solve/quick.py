@@ -33,7 +33,7 @@ def fastest(request: PlanRequest) -> Candidate:
     yet."""
     b = request.per_rank
     return Candidate(request.policies[0].label, b, 1, b, request.fixed_checkpoint or (), 0, 0.0,
-                     selective=request.fixed_selective)
+                     selective=request.fixed_selective, op_selective=request.fixed_op_selective)
 
 
 def quick_path(estimator: Estimator, budget: int) -> Verified | None:
@@ -54,7 +54,7 @@ def quick_path(estimator: Estimator, budget: int) -> Verified | None:
     layout = replace(estimator.parallel, offload_states=False, reduce_every_micro_batch=False)
     time = build_time_model(ops, param_bytes, target, layout)
     seconds = time.step_time(config.precision.label, config.micro_batch_size, 1, config.checkpoint,
-                             selective=config.selective).total
+                             selective=config.selective, op_selective=config.op_selective).total
     b = config.micro_batch_size
     return Verified(Candidate(config.precision.label, b, 1, b, config.checkpoint, est.device_bytes, seconds,
-                              selective=config.selective), est, ())
+                              selective=config.selective, op_selective=config.op_selective), est, ())

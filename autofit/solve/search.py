@@ -44,6 +44,8 @@ class Candidate:
     offload: tuple[str, ...] = ()  # modules whose saved activations go to the host (Note [offload])
     offload_states: bool = False  # parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
     selective: tuple[str, ...] = ()  # those of ``checkpoint`` recomputed selectively (autofit/training/recompute.py)
+    # those of ``checkpoint`` recomputed by torchtitan's per-op policy: the user's fixed choice, never searched
+    op_selective: tuple[str, ...] = ()
     # gradients allocated before the first forward (Note [gradients before forward as a plan knob], estimator.py)
     preallocated_grads: bool = False
 
@@ -66,6 +68,7 @@ class SearchSpace:
     # a recomputed module may keep its matmul and attention outputs and rerun the rest (autofit/training/recompute.py)
     allow_selective: bool = True
     fixed_selective: tuple[str, ...] = ()  # with fixed_checkpoint: those of the user's set recomputed selectively
+    fixed_op_selective: tuple[str, ...] = ()  # with fixed_checkpoint: those of it under torchtitan's per-op policy
     offload_states: bool = False  # every candidate keeps its states on the host (the planner's last stage)
     # the model's run of identical blocks when estimates extrapolate in depth: the MILP's recomputed units are then
     # grouped by block (Note [recomputation grouped by block], depth.py)
@@ -163,9 +166,10 @@ def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: in
     if memory.optimizer_peak(b) > budget:
         return None, 0
     selective: tuple[str, ...] = ()
+    op_selective = space.fixed_op_selective if space.fixed_checkpoint is not None else ()
     if space.fixed_checkpoint is not None:
         names, selective = space.fixed_checkpoint, space.fixed_selective
-        peak = memory.peak(b, k, names, selective)
+        peak = memory.peak(b, k, names, selective, op_selective)
     else:
         problem = _problem(space, precision, b, k, selective_units)
         if not space.allow_checkpoint:
@@ -184,12 +188,12 @@ def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: in
     if space.allow_offload and space.fixed_checkpoint is None:
         names, offload = time.keep_recompute_or_offload(names, b)
         selective = tuple(n for n in selective if n in names)
-    seconds = time.step_time(precision, b, k, names, last, offload, selective).total
+    seconds = time.step_time(precision, b, k, names, last, offload, selective, op_selective).total
     device_peak = memory.to_device(peak)
     if device_peak > device_budget:
         return None, 0
     return Candidate(precision, b, k, last, names, device_peak, seconds, offload=offload,
-                     offload_states=space.offload_states, selective=selective), peak
+                     offload_states=space.offload_states, selective=selective, op_selective=op_selective), peak
 
 
 def chosen_names(problem, chosen) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -282,7 +286,7 @@ def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, b
     if memory.optimizer_peak(b) > tensor_budget:
         return False
     if space.fixed_checkpoint is not None:
-        peak = memory.peak(b, k, space.fixed_checkpoint, space.fixed_selective)
+        peak = memory.peak(b, k, space.fixed_checkpoint, space.fixed_selective, space.fixed_op_selective)
     else:
         peak = _problem(space, precision, b, k).peak(())
     return peak <= tensor_budget and memory.to_device(peak) <= budget
@@ -300,7 +304,8 @@ def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, b
 #     of 15 and took 0.8 s instead of 5.1 s.
 def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> float:
     time = space.time[precision]
-    floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last, (), space.fixed_selective).total
+    floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last, (), space.fixed_selective,
+                           space.fixed_op_selective).total
     if space.fixed_checkpoint is None and space.allow_checkpoint:
         problem = _problem(space, precision, b, k)
         excess = problem.base - _memory(space, precision, k).tensor_budget(budget)
@@ -427,14 +432,17 @@ def smallest_peaks(space: SearchSpace, *, whole_batch: bool = False) -> list[Can
             # keeps reserved (MemoryModel.window_problem)
             chosen = most_freeing_checkpoint(memory.window_problem(b, k, selective=False))
             names = tuple(memory.units[u].name for u in chosen)
-        selective = space.fixed_selective if space.fixed_checkpoint is not None else ()
-        peak = memory.to_device(memory.peak(b, k, names, selective))
+        fixed = space.fixed_checkpoint is not None
+        selective = space.fixed_selective if fixed else ()
+        op_selective = space.fixed_op_selective if fixed else ()
+        peak = memory.to_device(memory.peak(b, k, names, selective, op_selective))
         offload: tuple[str, ...] = ()
         if space.allow_offload and space.fixed_checkpoint is None:
             names, offload = time.keep_recompute_or_offload(names, b)
-        seconds = time.step_time(precision, b, k, names, last, offload, selective).total
+        seconds = time.step_time(precision, b, k, names, last, offload, selective, op_selective).total
         found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
-                               offload_states=space.offload_states, selective=selective))
+                               offload_states=space.offload_states, selective=selective,
+                               op_selective=op_selective))
     return sorted(found, key=lambda c: c.peak_bytes)
 
 

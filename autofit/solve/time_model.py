@@ -85,15 +85,33 @@ class TimeModel:
         saved = sum(max(0.0, fixed + per * batch) for fixed, per in (self.saved_bytes[n] for n in names))
         return 2 * saved / self.host_transfer
 
-    def recompute_seconds(self, name: str, batch: int, *, selective: bool = False, launches: bool = False) -> float:
+    def recompute_seconds(self, name: str, batch: int, *, selective: bool = False, launches: bool = False,
+                          policy: str | None = None) -> float:
         """What recomputing module ``name`` costs for one micro-batch of ``batch``: its forward ops again (with
-        ``selective``, all but those whose outputs it keeps: Note [selective recomputation], autofit/training/recompute.py);
+        ``selective``, all but those whose outputs it keeps: Note [selective recomputation],
+        autofit/training/recompute.py; ``policy`` names the policy instead: "full", "selective" or "op-selective");
         with ``launches``, their launch overhead too, as :meth:`step_time` counts it."""
+        policy = policy or ("selective" if selective else "full")
         mask = self._module_mask(name)
-        if selective:
+        if policy == "selective":
             mask = mask & ~self._kept
+        elif policy == "op-selective":
+            mask = self._op_selective_mask((name,))
         overhead = int(mask.sum()) * self.throughput.op_overhead_seconds if launches else 0.0
         return float(self._op_seconds(batch)[mask].sum()) + overhead
+
+    def _op_selective_mask(self, names: tuple[str, ...]) -> np.ndarray:
+        """Bool per op: it runs again when ``names`` are recomputed by torchtitan's per-op policy (Note [torchtitan's
+        per-op policy]): their forward ops but those it keeps and every other ``mm`` of each module, in order."""
+        kind = self.ops.op_selective
+        if kind is None:
+            kind = np.zeros(len(self.ops.module), dtype=np.int8)
+        mask = np.zeros(len(self.ops.module), dtype=bool)
+        for name in names:
+            under = self._module_mask(name)
+            mask |= under & (kind == 0)
+            mask[np.flatnonzero(under & (kind == 2))[1::2]] = True
+        return mask
 
     @property
     def _kept(self) -> np.ndarray:
@@ -106,7 +124,7 @@ class TimeModel:
         ``batch``: recomputing it (by its policy, "full" when ``policies`` is empty), or with ``allow_offload`` and
         a host link, copying them out and back."""
         policies = policies or ("full",) * len(names)
-        out = np.array([self.recompute_seconds(n, batch, selective=p == "selective") for n, p in zip(names, policies)])
+        out = np.array([self.recompute_seconds(n, batch, policy=p) for n, p in zip(names, policies)])
         if allow_offload and self.host_transfer is not None:
             for i, n in enumerate(names):
                 if n in self.saved_bytes:
@@ -150,14 +168,15 @@ class TimeModel:
 
     def step_time(self, precision: str, batch: int, accumulation_steps: int, checkpoint: tuple[str, ...] = (),
                   last_batch: int | None = None, offload: tuple[str, ...] = (),
-                  selective: tuple[str, ...] = ()) -> StepTime:
+                  selective: tuple[str, ...] = (), op_selective: tuple[str, ...] = ()) -> StepTime:
         """Time of one optimizer step: ``accumulation_steps`` micro-batches (the last may be ``last_batch``);
         ``offload``: modules whose saved activations go to the host (Note [offload time]); ``selective``: those of
         ``checkpoint`` that rerun only the ops whose outputs they do not keep (autofit/training/recompute.py)."""
         del precision  # each op already carries the dtype it ran in
         sizes = [batch] * (accumulation_steps - 1) + [last_batch or batch]
-        full = tuple(n for n in checkpoint if n not in selective)
+        full = tuple(n for n in checkpoint if n not in selective and n not in op_selective)
         mask = self._recompute_mask(full) | (self._recompute_mask(tuple(selective)) & ~self._kept)
+        mask |= self._op_selective_mask(tuple(n for n in op_selective if n in checkpoint))
         compute = recompute = transfer = 0.0
         per_micro = []
         for b in sizes:

@@ -113,6 +113,9 @@ class StepConfig:
     # the recomputed modules that keep their matmul and attention outputs (Note [selective recomputation]); a subset
     # of ``checkpoint``, the others recompute all of their forward
     selective: tuple[str, ...] = ()
+    # the recomputed modules that run torchtitan's per-op policy (Note [torchtitan's per-op policy]); a subset of
+    # ``checkpoint``, none of ``selective``
+    op_selective: tuple[str, ...] = ()
     optimizer: OptimizerSpec = field(default_factory=lambda: as_optimizer_spec("adamw"))
     device: DeviceKind = DeviceKind.CPU  # "cpu" or "cuda", held as a DeviceKind
     # Rows of input data resident during the window: the trainer receives the whole batch at once and slices it, so
@@ -155,6 +158,10 @@ class StepConfig:
     offload_states = property(lambda self: self.layout.offload_states)
     reduce_every_micro_batch = property(lambda self: self.layout.reduce_every_micro_batch)
     fully_sharded = property(lambda self: self.layout.fully_sharded, doc=Parallel.fully_sharded.__doc__)
+
+    def policy(self, name: str) -> str:
+        """How recomputed module ``name`` is recomputed: "full", "selective" or "op-selective"."""
+        return "selective" if name in self.selective else "op-selective" if name in self.op_selective else "full"
 
     @property
     def grads_between_steps(self) -> bool:
@@ -199,11 +206,17 @@ class StepConfig:
                 f"clip_grad_norm must be a positive number (the max_norm of torch.nn.utils.clip_grad_norm_, e.g. 1.0) "
                 f"or None for no clipping, got {clip!r}"
             )
-        stray = [n for n in self.selective if n not in self.checkpoint]
-        if stray:
-            raise InvalidInputError(
-                f"selective names modules that are not recomputed ({', '.join(map(repr, stray))}): a selectively "
-                "recomputed module is also one of checkpoint (give checkpoint={name: 'selective'})")
+        for what in ("selective", "op_selective"):
+            stray = [n for n in getattr(self, what) if n not in self.checkpoint]
+            if stray:
+                raise InvalidInputError(
+                    f"{what} names modules that are not recomputed ({', '.join(map(repr, stray))}): a selectively "
+                    f"recomputed module is also one of checkpoint (give checkpoint={{name: "
+                    f"{what.replace('_', '-')!r}}})")
+        both = [n for n in self.op_selective if n in self.selective]
+        if both:
+            raise InvalidInputError(f"{', '.join(map(repr, both))} named in both selective and op_selective: a module "
+                                    "is recomputed under one policy; give checkpoint={name: policy}")
         overlap = _nested(self.offload, self.checkpoint)
         if overlap:
             raise InvalidInputError(
@@ -245,7 +258,7 @@ def make_step_config(
             "checkpoint='auto' asks the planner to choose, and only plan() chooses: give estimate/measure the module "
             "names to recompute (plan.checkpoint), or None for none"
         )
-    checkpoint, selective = _checkpoint_policies(checkpoint)
+    checkpoint, selective, op_selective = _checkpoint_policies(checkpoint)
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
     if layout is None:  # sequences held as tuples and flags as bools, as the layout holds them
         layout = Parallel(**{k: _LAYOUT_AS_HELD.get(k, _same)(v) for k, v in layout_fields.items()})
@@ -254,7 +267,8 @@ def make_step_config(
                                 ", not both")
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
-        checkpoint=checkpoint, selective=selective, optimizer=as_optimizer_spec(optimizer), device=device,
+        checkpoint=checkpoint, selective=selective, op_selective=op_selective, optimizer=as_optimizer_spec(optimizer),
+        device=device,
         held_rows=held_rows, gpu=gpu, layout=layout,
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
@@ -285,14 +299,15 @@ def _check_preallocated(config: StepConfig) -> None:
                                 f"the end of training, but {why}: leave preallocated_grads out")
 
 
-def _checkpoint_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(recomputed modules, those of them recomputed selectively) from module names (all "full") or a mapping of
-    module name to policy, "full" or "selective" (Note [selective recomputation])."""
+def _checkpoint_policies(checkpoint: Any) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(recomputed modules, those recomputed "selective", those "op-selective") from module names (all "full") or a
+    mapping of module name to policy, one of ``recompute.POLICIES`` (Note [selective recomputation])."""
     if isinstance(checkpoint, Mapping):
         names = _module_names(tuple(checkpoint), "checkpoint")
         policies = {n: require_policy(n, checkpoint[n]) for n in names}
-        return names, tuple(n for n in names if policies[n] == "selective")
-    return _module_names(checkpoint, "checkpoint"), ()
+        return (names, tuple(n for n in names if policies[n] == "selective"),
+                tuple(n for n in names if policies[n] == "op-selective"))
+    return _module_names(checkpoint, "checkpoint"), (), ()
 
 
 def _module_names(names: Any, what: str) -> tuple[str, ...]:

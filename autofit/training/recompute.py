@@ -1,7 +1,8 @@
-"""How a checkpointed module is recomputed: all of its forward ("full"), or all but its matmuls and attention
-("selective"). One definition, used by the simulation, ``measure`` and the trainer (through step.py).
+"""How a checkpointed module is recomputed: all of its forward ("full"), all but its matmuls and attention
+("selective"), or as torchtitan's per-op policy does ("op-selective": its attention, every other matmul). One
+definition, used by the simulation, ``measure`` and the trainer (through step.py).
 
-See Note [selective recomputation].
+See Note [selective recomputation] and Note [torchtitan's per-op policy].
 
 Note [selective recomputation]
     ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (torch/utils/checkpoint.py) runs the module's
@@ -11,8 +12,9 @@ Note [selective recomputation]
     torchtitan's "op" policy in its plain form (torchtitan/models/llama3/infra/parallelize.py, ``_save_list``):
     keep the outputs of the ops whose FLOPs dominate a transformer layer (matrix products, attention, convolution)
     and recompute the pointwise ones (activations, norms, dropout, residual adds, rotary embeddings, casts).
-    torchtitan also recomputes every second ``mm``; autofit keeps every one, and lets the planner choose full
-    recomputation where the memory is needed. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    torchtitan also recomputes every second ``mm`` (its own policy is "op-selective": Note [torchtitan's per-op
+    policy]); "selective" keeps every one, and lets the planner choose full recomputation where the memory is
+    needed. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models", section 4.2) make the same trade by hand: recompute what is cheap per byte.
 
     Two consequences the memory model accounts for (solve/memory_model.py): a kept output stays live from the
@@ -33,10 +35,12 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autofit.core._torch import NormBase, tensor_version
 from autofit.core.errors import InvalidInputError
 
-__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "saved_op_names", "selective_policy", "selective_context",
+__all__ = ["BufferWrites", "POLICIES", "SAVED_OPS", "OP_SELECTIVE_SAVED", "saved_op_names", "op_selective_names",
+           "selective_policy", "selective_context", "op_selective_policy", "op_selective_context", "context_of",
            "require_policy"]
 
-POLICIES = ("full", "selective")  # how a recomputed module is recomputed; "none" is a module not recomputed
+# how a recomputed module is recomputed; "none" is a module not recomputed
+POLICIES = ("full", "selective", "op-selective")
 
 
 def _ops(*names: str) -> frozenset:
@@ -70,11 +74,81 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 selective_context = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
 
+# Note [torchtitan's per-op policy]
+#     torchtitan's "selective" activation checkpointing with ``selective_ac_option = "op"`` (``_apply_op_sac`` in
+#     torchtitan/distributed/activation_checkpoint.py, its save list ``_op_sac_save_list`` in
+#     torchtitan/models/llama3/infra/parallelize.py; the same in ``_apply_ac_to_transformer_block`` at 6fc499f, the
+#     commit of torchao's B200 rows, whose list is a subset of today's: no cuDNN SDPA, no all-to-all) wraps each
+#     transformer block in a checkpoint whose ``context_fn`` builds a fresh policy per call: it keeps the outputs
+#     of the ops in its save list (``aten.mm.default``, the SDPA kernels, ``aten.max.default``, which low-precision
+#     recipes read their scales from, and the collectives ``reduce_scatter_tensor`` and ``all_to_all_single``) but
+#     counts ``aten.mm.default`` calls and recomputes every second one (the 2nd, 4th, ... of the call), and
+#     recomputes every other op. Matched by overload, as there: ``addmm`` (a linear with a bias), ``bmm`` and
+#     convolutions are recomputed. autofit's "op-selective" is that policy, with the CPU kernel of SDPA
+#     (``_scaled_dot_product_flash_attention_for_cpu``) beside the GPU ones so that the CPU runs keep what a GPU run
+#     keeps; torchtitan's forced saves of device-to-host copies (its offloading) are left out.
+#
+#     The count is per checkpointed call (``op_selective_context`` makes a new counter each time checkpoint calls
+#     it, once per call) and per pass: older torch releases asked the policy again in the recomputation
+#     (``ctx.is_recompute``), which must return the same choice for the same op, so the recomputation counts its
+#     own ``mm`` calls from zero, in the same order, as torchtitan does; torch 2.13 asks only in the forward and
+#     the recomputation follows what the forward stored (``_CachedTorchDispatchMode``, torch/utils/checkpoint.py).
+#     Either way the n-th ``mm`` of a call is kept in both passes or in neither. The memory and time models count
+#     what is kept by the same rule (``LayerObserver.kept_bytes``, analyse/layers.py; ``OpCosts.op_selective``).
+
+def _overloads(*names: str) -> frozenset:
+    """The overloads ``namespace.op.overload`` of ``names`` this torch build has."""
+    found = set()
+    for name in names:
+        space, op, overload = name.split(".")
+        found.add(getattr(getattr(getattr(torch.ops, space, None), op, None), overload, None))
+    return frozenset(found - {None})
+
+
+MM = torch.ops.aten.mm.default
+# torchtitan's _op_sac_save_list (its higher-order ops, flex attention and compiled regions, have no eager twin here),
+# plus the CPU kernel of SDPA
+OP_SELECTIVE_SAVED = _overloads(
+    "aten.mm.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_to_all_single.default",
+    "aten.max.default",
+)
+
+
+def op_selective_names() -> frozenset[str]:
+    """Names of :data:`OP_SELECTIVE_SAVED` as the simulation's timeline records them (the overload packet's)."""
+    return frozenset(op.overloadpacket.__name__ for op in OP_SELECTIVE_SAVED)
+
+
+def op_selective_policy(mm_calls: list[int], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """torchtitan's per-op policy for one checkpointed call (Note [torchtitan's per-op policy]): keep the outputs of
+    :data:`OP_SELECTIVE_SAVED` but every second ``mm``. ``mm_calls``: ``mm`` calls seen so far, [forward, recompute]."""
+    if op == MM:
+        mm_calls[ctx.is_recompute] += 1
+        return CheckpointPolicy.MUST_SAVE if mm_calls[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in OP_SELECTIVE_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def op_selective_context():
+    """The ``context_fn`` of one checkpointed call under "op-selective": a new ``mm`` count each call."""
+    return create_selective_checkpoint_contexts(functools.partial(op_selective_policy, [0, 0]))
+
+
+def context_of(policy: str):
+    """The checkpoint ``context_fn`` of a recomputation policy (None: the default, "full")."""
+    return {"full": None, "selective": selective_context, "op-selective": op_selective_context}[policy]
+
+
 def require_policy(name: str, policy: object) -> str:
     if policy not in POLICIES:
         raise InvalidInputError(
             f"checkpoint policy of {name!r} must be one of {', '.join(map(repr, POLICIES))} (recompute all of its "
-            f"forward, or all but its matmul and attention outputs), got {policy!r}")
+            f"forward; all but its matmul and attention outputs; or as torchtitan's per-op policy, keeping its "
+            f"attention and every other matmul), got {policy!r}")
     return policy
 
 

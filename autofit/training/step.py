@@ -56,7 +56,7 @@ from autofit.core.cpu import translate_kernel_error
 from autofit.core.errors import ForwardError
 from autofit.training.loss import LossFn, StepLoss, compute_loss
 from autofit.training.precision import PrecisionPolicy
-from autofit.training.recompute import BufferWrites, selective_context
+from autofit.training.recompute import BufferWrites, context_of
 from autofit.training.stored import StoredState
 
 __all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
@@ -77,9 +77,9 @@ def _copy_containers(tree: Any) -> Any:
     return tree_map(lambda leaf: leaf, tree)
 
 
-def _checkpointed_forward(module: torch.nn.Module, forward, selective: bool, *args, **kwargs):
-    """See Note [checkpoint arguments] and Note [recomputed BatchNorm]; ``selective``: keep the matmul and attention
-    outputs (Note [selective recomputation], autofit/training/recompute.py)."""
+def _checkpointed_forward(module: torch.nn.Module, forward, policy: str, *args, **kwargs):
+    """See Note [checkpoint arguments] and Note [recomputed BatchNorm]; ``policy``: "full", or which op outputs to
+    keep (Note [selective recomputation], autofit/training/recompute.py)."""
     # Always non-reentrant (docs/memory-model.md): it supports keyword arguments, nesting and inputs that need no grad.
     args, kwargs = _copy_containers((args, kwargs))
     args, kwargs = _without_kv_cache(forward, args, kwargs)
@@ -95,8 +95,9 @@ def _checkpointed_forward(module: torch.nn.Module, forward, selective: bool, *ar
     # its positional tensors only (_checkpoint_without_reentrant_generator: get_device_states(*args)), so tensors
     # given by keyword would leave a CUDA dropout mask unrestored in the recomputation; and it takes keywords named
     # debug, context_fn, determinism_check or preserve_rng_state as its own.
-    if selective:
-        return _checkpoint(run, args, kwargs, use_reentrant=False, context_fn=selective_context)
+    context_fn = context_of(policy)
+    if context_fn is not None:
+        return _checkpoint(run, args, kwargs, use_reentrant=False, context_fn=context_fn)
     return _checkpoint(run, args, kwargs, use_reentrant=False)
 
 
@@ -215,7 +216,7 @@ def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str) 
     names = {id(m): n for m, n in zip(ckpt, config.checkpoint)}
     overrides = [(m, lambda forward: functools.partial(_fp32_forward, forward, device_type)) for m in pinned]
     overrides += [(m, lambda forward, m=m: functools.partial(_checkpointed_forward, m, forward,
-                                                             names[id(m)] in config.selective)) for m in ckpt]
+                                                             config.policy(names[id(m)]))) for m in ckpt]
     with overridden_forwards(overrides):
         yield model
 

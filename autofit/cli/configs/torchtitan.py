@@ -14,8 +14,8 @@ version with it, whose fields autofit's torchtitan export writes too (autofit/em
   left), ``fsdp_reshard_after_forward`` (default / always / never), ``tensor_parallel_degree``,
   ``pipeline_parallel_degree``, ``context_parallel_degree``, ``expert_parallel_degree``.
 - ``[activation_checkpoint]``: ``mode`` (selective, the default; full; none; memory_budget) and
-  ``selective_ac_option`` ("op": save the matmul and attention outputs, autofit's selective policy; an int N:
-  every N-th layer recomputed whole).
+  ``selective_ac_option`` ("op": torchtitan's per-op policy, its attention and every other matmul saved, autofit's
+  "op-selective"; an int N: every N-th layer recomputed whole).
 - ``[optimizer]``: ``name`` (AdamW, Adam); ``[compile]`` ``enable``; ``[quantize.linear.float8]`` /
   ``[model] converters`` (Float8).
 torchtitan trains the whole model (no LoRA); with one rank its FSDP is still applied (a shard degree of 1).
@@ -84,12 +84,12 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
     mixed = fields.get("training.mixed_precision_param", "FSDP2 computes in this dtype over fp32 parameters",
                        "bfloat16")
     mode = fields.get("activation_checkpoint.mode", "recompute: selective (default), full or none", "selective")
-    option = str(fields.get("activation_checkpoint.selective_ac_option", "op: keep matmul/attention outputs; N: "
-                                                                          "every N-th layer", "2"))
+    option = str(fields.get("activation_checkpoint.selective_ac_option", "op: keep attention and every other "
+                                                                          "matmul; N: every N-th layer", "2"))
     if mode == "selective" and option != "op":
         fields.skipped.append(("activation_checkpoint.selective_ac_option",
                                f"{option!r}: every {option}-th layer recomputed; planned as every layer"))
-    checkpointing = {"none": "none", "full": "full", "selective": "selective" if option == "op" else "full"}.get(
+    checkpointing = {"none": "none", "full": "full", "selective": "op-selective" if option == "op" else "full"}.get(
         mode)
     if checkpointing is None:
         fields.skipped.append(("activation_checkpoint.mode", f"{mode!r}: planned without recomputation"))
@@ -138,10 +138,11 @@ def changes(config: TrainConfig, knobs) -> dict[str, Any]:
         out["training.global_batch_size"] = knobs.micro_batch_size * knobs.accumulation_steps * knobs.data_ranks
     if knobs.precision != config.precision:
         out["training.mixed_precision_param"] = "bfloat16" if knobs.precision == "bf16" else "float32"
-    plan_mode = ("selective" if knobs.selective else "full") if knobs.checkpointing else "none"
+    # torchtitan's one op-level mode stands for both selective policies (the plan's "selective" keeps more)
+    plan_mode = ("op-selective" if knobs.selective else "full") if knobs.checkpointing else "none"
     if plan_mode != config.checkpointing:
-        out["activation_checkpoint.mode"] = plan_mode
-        if plan_mode == "selective":
+        out["activation_checkpoint.mode"] = "selective" if plan_mode == "op-selective" else plan_mode
+        if plan_mode == "op-selective":
             out["activation_checkpoint.selective_ac_option"] = "op"
     if knobs.fsdp is not None:
         if knobs.fsdp.offload != config.sharding.offload:

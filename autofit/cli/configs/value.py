@@ -24,7 +24,7 @@ __all__ = ["Reading", "Adapter", "Sharding", "TrainConfig", "Fields", "PRECISION
            "build"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "full", "selective")
+CHECKPOINTING = ("none", "full", "selective", "op-selective")
 
 # keys no framework's step memory depends on (shared by every reader; each adds its own IRRELEVANT)
 _COMMON_IRRELEVANT = (

@@ -80,7 +80,8 @@ def knobs_of(plan) -> PlanKnobs:
     return PlanKnobs(micro_batch_size=micro, accumulation_steps=steps,
                      data_ranks=plan.world_size // plan.tensor_parallel, precision=plan.precision.name,
                      stored=None if plan.precision.stored in (None, "fp32") else plan.precision.stored,
-                     checkpointing=bool(plan.checkpoint), selective=bool(plan.selective),
+                     checkpointing=bool(plan.checkpoint),
+                     selective=bool(plan.selective or plan.op_selective),
                      eight_bit_optimizer=plan.low_bit_optimizer is not None,
                      optimizer_in_backward=plan.optimizer_in_backward, fsdp=fsdp, notes=tuple(notes))
 
