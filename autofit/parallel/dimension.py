@@ -15,15 +15,17 @@ Note [layout dimensions]
       - what the enumeration skips although the rules allow it (:meth:`Dimension.plannable`: a combination torch
         refuses at run time, or one that cannot be planned for this request);
       - whether its ranks share their rows (:attr:`Dimension.shares_rows`: tensor and context parallel split a row's
-        work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`).
+        work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`);
+      - its collectives' time in a step (:meth:`Dimension.collective_seconds`, summed by
+        ``autofit.parallel.layout.collective_seconds``).
     A :class:`Layout` is the placements of one layout in mesh order: it derives the world size, the mesh's shape and
     names, and the data ranks (the ranks that train different rows), the only place that divides the world size
     by the dimensions that share rows. :func:`enumerate_layouts` is the planner's enumeration: the product of every
     registered dimension's choices, in registration order (the first outermost), each combination kept when every
     dimension's rules pass and every dimension finds it plannable.
 
-    What the dimensions do not own yet (issue 54's later steps): their share of parameters, gradients and state, the
-    collectives' time, how each is applied to a model and its exports are still written per field of the flat
+    What the dimensions do not own yet (issue 54's later steps): their share of parameters, gradients and state, how
+    each is applied to a model and its exports are still written per field of the flat
     ``Parallel`` (autofit/parallel/layout.py), which the built-in dimensions translate to and from
     (``Parallel.placements``, ``autofit.parallel.to_parallel``).
 """
@@ -37,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
+from autofit.parallel.collectives import Links
 
 __all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts"]
 
@@ -80,6 +83,14 @@ class Dimension:
         at run time, or what this request cannot run."""
         return True
 
+    def collective_seconds(self, layout: Layout, placement: Placement, links: Links, param_bytes: float,
+                           grad_bytes: float, micro_batches: int) -> float:
+        """Seconds of this dimension's collectives in one optimizer step of ``micro_batches`` over ``links`` (no
+        overlap with compute assumed: a ranking, not a forecast), of parameters and gradients of ``param_bytes`` and
+        ``grad_bytes`` whole; ``layout`` is the data-parallel part of a step's layout (tensor parallel's all-reduces,
+        which need the analysis' activation sizes, are counted apart: ``solve/sharding.tensor_reduce_bytes``)."""
+        return 0.0
+
 
 class Registry:
     """The layout dimensions in force, in enumeration order (:func:`enumerate_layouts`); a name registered twice is
@@ -112,9 +123,10 @@ class Registry:
     def in_mesh_order(self, names: Iterable[str]) -> list[Dimension]:
         return sorted((self._dimensions[n] for n in names), key=lambda d: d.mesh_rank)
 
-    def layout(self, world_size: int, placements: Iterable[Placement]) -> Layout:
-        """The layout of ``placements`` over ``world_size`` ranks, checked: the placement whose degree is None takes
-        the ranks the others leave; every dimension's rules run."""
+    def layout(self, world_size: int, placements: Iterable[Placement], gpus_per_node: int = 0) -> Layout:
+        """The layout of ``placements`` over ``world_size`` ranks (``gpus_per_node`` of them per node; 0: one node),
+        checked: the placement whose degree is None takes the ranks the others leave; every dimension's rules
+        run."""
         placements = list(placements)
         rest = [p for p in placements if p.degree is None]
         if len(rest) > 1:
@@ -130,7 +142,7 @@ class Registry:
         placements = [dataclasses.replace(p, degree=world_size // fixed) if p.degree is None else p
                       for p in placements]
         order = {d.name: i for i, d in enumerate(self.in_mesh_order(p.dimension for p in placements))}
-        layout = Layout(world_size, tuple(sorted(placements, key=lambda p: order[p.dimension])), self)
+        layout = Layout(world_size, tuple(sorted(placements, key=lambda p: order[p.dimension])), self, gpus_per_node)
         if math.prod(p.degree for p in layout.placements) != world_size:
             raise InvalidInputError(
                 f"the degrees {', '.join(f'{self[p.dimension].field} {p.degree}' for p in layout.placements)} "
@@ -148,6 +160,7 @@ class Layout:
     world_size: int
     placements: tuple[Placement, ...]
     registry: Registry = dataclasses.field(compare=False, repr=False)
+    gpus_per_node: int = 0  # ranks per node (their collectives run over NVLink); 0: every rank on one node
     partial: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def placement(self, name: str) -> Placement | None:

@@ -15,10 +15,11 @@ from enum import StrEnum
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
+from autofit.parallel.collectives import Links
 from autofit.parallel.dimension import Layout, Placement
 from autofit.parallel.sequence_parallel import is_sequence_parallel
 
-__all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "Parallel", "ranks_per_node", "layout_words"]
+__all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words"]
 
 
 class Strategy(StrEnum):
@@ -83,6 +84,7 @@ def check_layout(strategy: object, world_size: int, *, reshard_after_forward: ob
 
 def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forward: bool | int = True,
                replicate: int = 1, tensor_parallel: int = 1, offload_states: bool = False,
+               reduce_every_micro_batch: bool = False,
                tensor_plan: tuple[tuple[str, str], ...] = ()) -> tuple[Placement, ...]:
     """The dimensions' placements a layout's fields make (Note [layout dimensions]): none for one process, DDP's
     replication over every rank, or FSDP2's replicate (HSDP), shard and tensor-parallel dims, the shard dim taking
@@ -92,7 +94,8 @@ def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forw
     if not strategy.shards_parameters:
         return (Placement("dp_replicate", world_size),)
     shard = (("reshard_after_forward", reshard_after_forward),) + ((("offload_states", True),) if offload_states
-                                                                    else ())
+                                                                    else ()) \
+        + ((("reduce_every_micro_batch", True),) if reduce_every_micro_batch else ())
     tensor = (("plan", tensor_plan),) if tensor_plan else ()
     return (Placement("dp_replicate", replicate), Placement("dp_shard", None, shard),
             Placement("tp", tensor_parallel, tensor))
@@ -176,7 +179,8 @@ class Parallel:
         return DIMENSIONS.layout(self.world_size, placements(
             self.strategy, self.world_size, reshard_after_forward=self.reshard_after_forward,
             replicate=self.replicate, tensor_parallel=self.tensor_parallel, offload_states=self.offload_states,
-            tensor_plan=self.tensor_plan))
+            reduce_every_micro_batch=self.reduce_every_micro_batch, tensor_plan=self.tensor_plan),
+            self.gpus_per_node)
 
     @property
     def data_ranks(self) -> int:
@@ -231,6 +235,22 @@ def from_layout(layout: Layout, *, gpus_per_node: int = 0, shard_units: tuple[st
     return Parallel(strategy=Strategy.FSDP2, world_size=layout.world_size, gpus_per_node=gpus_per_node,
                     shard_units=shard_units, reshard_after_forward=raf, replicate=layout.degree("dp_replicate"),
                     tensor_parallel=layout.degree("tp"), tensor_plan=() if tensor is None else tensor.option("plan", ()))
+
+
+def collective_seconds(layout: Parallel, links: Links, param_bytes: float, grad_bytes: float,
+                       micro_batches: int) -> float:
+    """Seconds of communication per optimizer step of ``layout``'s data-parallel part (no overlap with compute
+    assumed: a ranking, not a forecast): each dimension's own (``Dimension.collective_seconds``), the innermost
+    first (FSDP2's shard dim, then HSDP's replicate dim). ``layout`` holds no tensor parallel (its all-reduces are
+    counted apart; callers pass ``Parallel.data_parallel``)."""
+    if layout.strategy is None or layout.world_size <= 1:
+        return 0.0
+    steps = layout.layout
+    seconds = 0.0
+    for placement in reversed(steps.placements):
+        seconds += DIMENSIONS[placement.dimension].collective_seconds(steps, placement, links, param_bytes,
+                                                                      grad_bytes, micro_batches)
+    return seconds
 
 
 def ranks_per_node(world_size: int, gpus_per_node: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
+from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import Dimension, Layout, Placement
 
 __all__ = ["REPLICATE"]
@@ -21,6 +22,20 @@ class _Replicate(Dimension):
         if layout.world_size % replicate:
             raise InvalidInputError(f"replicate {replicate} does not divide world_size {layout.world_size}: HSDP's "
                                     "mesh is (replicate, world_size // replicate); use the number of nodes")
+
+    def collective_seconds(self, layout: Layout, placement: Placement, links: Links, param_bytes: float,
+                           grad_bytes: float, micro_batches: int) -> float:
+        """DDP (no shard dim): one all-reduce of the gradients per step over every rank. HSDP: each rank's gradient
+        shard (grad_bytes / S, S the shard dim's ranks) all-reduced across the replicate groups, over the network
+        (a replicate group spans nodes)."""
+        replicate = placement.degree
+        if replicate <= 1:
+            return 0.0
+        shard = layout.placement("dp_shard")
+        if shard is None:
+            return ring_seconds("all_reduce", replicate, grad_bytes, links.bandwidth(layout, replicate))
+        return ring_seconds("all_reduce", replicate, grad_bytes / shard.degree,
+                            links.bandwidth(layout, replicate, contiguous=False))
 
 
 REPLICATE = _Replicate(name="dp_replicate", mesh_rank=1, shares_rows=False, field="replicate")

@@ -4,24 +4,22 @@ Units follow FSDP2's documented practice (torchtitan's ``apply_fsdp``: one ``ful
 then the root): the children of the model's largest ``nn.ModuleList`` / ``nn.Sequential`` (by parameters) with at
 least two parametrised children; failing that, every top-level child that holds parameters.
 
-Collective time, ring algorithms (NCCL's documented bus bandwidth factors, "NCCL performance" docs): an all-reduce
-moves 2 (N-1)/N of the buffer per rank, an all-gather or a reduce-scatter (N-1)/N, at the bandwidth of the slowest
-link in the ring (NVLink within a node, the network across nodes: the GPU catalog). DDP all-reduces the gradients
-once per optimizer step; FSDP2 all-gathers every unit's parameters in forward and, with ``reshard_after_forward``
-True, again in backward for every micro-batch, and reduce-scatters the gradients once per optimizer step (see
-:func:`collective_seconds` for ZeRO-2, the int reshard and HSDP).
+The collectives' time of a layout is its dimensions' (``collective_seconds``, autofit/parallel/layout.py, over
+``autofit/parallel/collectives.py``'s links and rings); here, what the planner derives from it: the floor that
+orders layouts, and tensor parallel's activation all-reduces, which need the analysis' sizes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
 from autofit.parallel import DIMENSIONS, enumerate_layouts
-from autofit.parallel.layout import Parallel, Strategy, from_layout, layout_words, ranks_per_node  # re-exported: the layout's home is autofit/parallel/
+from autofit.parallel.collectives import Links, ring_seconds  # re-exported
+from autofit.parallel.layout import Parallel, Strategy, collective_seconds, from_layout, layout_words, ranks_per_node  # re-exported: the layout's home is autofit/parallel/
 
 if TYPE_CHECKING:
     from autofit.device import DeviceTarget
@@ -93,38 +91,6 @@ def shard_units(model: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, child in model.named_children() if _param_count(child) > 0)
 
 
-@dataclass(frozen=True)
-class Links:
-    """The links a layout's collectives run over, in bytes per second per GPU per direction: NVLink within a node,
-    the network across nodes (the GPU catalog's)."""
-
-    intra_bytes_per_second: float = 5e9
-    inter_bytes_per_second: float = 5e9
-
-    @classmethod
-    def of(cls, target) -> Links:
-        """The links of a ``DeviceTarget``."""
-        return cls(target.interconnect_bytes_per_second, target.network_bytes_per_second)
-
-    def bandwidth(self, parallel: Parallel, group: int, contiguous: bool = True) -> float:
-        """The slowest link of a ring over ``group`` of ``parallel``'s ranks: NVLink when the group fits in one node
-        (``contiguous`` ranks, as FSDP's shard dim and a reshard group are), else the network (a replicate group
-        spans nodes)."""
-        per_node = parallel.gpus_per_node or parallel.world_size
-        within = group <= per_node if contiguous else per_node >= parallel.world_size
-        return self.intra_bytes_per_second if within else self.inter_bytes_per_second
-
-
-def ring_seconds(kind: str, group: int, nbytes: float, bytes_per_second: float) -> float:
-    """One collective over ``group`` ranks on a ring (NCCL's "Performance" notes, nccl-tests doc/PERFORMANCE.md: bus
-    bandwidth = algorithm bandwidth x (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce);
-    ``nbytes`` is the whole (unsharded) buffer."""
-    if group <= 1:
-        return 0.0
-    factor = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}[kind]
-    return factor * (group - 1) / group * nbytes / bytes_per_second
-
-
 def collective_floor(request: LayoutRequest, parallel: Parallel, stored_itemsizes: Iterable[int] = ()) -> float:
     """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch (the fewest all-gathers),
     over its parameters split T ways under tensor parallel, each floating one in the fewest bytes of its own and
@@ -139,35 +105,6 @@ def collective_floor(request: LayoutRequest, parallel: Parallel, stored_itemsize
     nbytes = sum(p.numel() * (min(p.element_size(), least) if least is not None and p.is_floating_point()
                               else p.element_size()) for p in request.model.parameters()) // parallel.tensor_parallel
     return collective_seconds(parallel.data_parallel, Links.of(request.device), nbytes, nbytes, 1)
-
-
-def collective_seconds(layout: Parallel, links: Links, param_bytes: int, grad_bytes: int, micro_batches: int) -> float:
-    """Seconds of communication per optimizer step (no overlap with compute assumed: a ranking, not a forecast).
-
-    - DDP: one all-reduce of the gradients per step.
-    - FSDP2 over its shard group S = world_size / replicate: an all-gather of the parameters in every micro-batch's
-      forward; in backward another over S (ZeRO-3), none (ZeRO-2: they stayed gathered), or one over the smaller
-      reshard group k (an int); one reduce-scatter of the gradients per step. HSDP then all-reduces each rank's
-      gradient shard (grad_bytes / S) across the replicate groups, over the network.
-    """
-    if layout.strategy is None or layout.world_size <= 1:
-        return 0.0
-    if layout.replicates_parameters:
-        return ring_seconds("all_reduce", layout.world_size, grad_bytes, links.bandwidth(layout, layout.world_size))
-    shard = layout.shard_group
-    on_shard = links.bandwidth(layout, shard)
-    seconds = micro_batches * ring_seconds("all_gather", shard, param_bytes, on_shard)
-    raf = layout.reshard_after_forward
-    if raf is True:
-        seconds += micro_batches * ring_seconds("all_gather", shard, param_bytes, on_shard)
-    elif raf is not False:
-        seconds += micro_batches * ring_seconds("all_gather", raf, param_bytes, links.bandwidth(layout, raf))
-    reductions = micro_batches if layout.reduce_every_micro_batch else 1
-    seconds += reductions * ring_seconds("reduce_scatter", shard, grad_bytes, on_shard)
-    if layout.replicate > 1:
-        seconds += ring_seconds("all_reduce", layout.replicate, grad_bytes / shard,
-                                links.bandwidth(layout, layout.replicate, contiguous=False))
-    return seconds
 
 
 def tensor_group_bytes(model: nn.Module, parallel: Parallel) -> int:
