@@ -50,6 +50,8 @@ LAYOUT_FIELDS = frozenset({
     # its properties, and Strategy's
     "shards_parameters", "replicates_parameters", "fully_sharded", "shard_group", "data_parallel", "ranks_per_node",
     "least_memory", "sequence_parallel",
+    # derived counts added since (issue 54): reading them is reading the layout too
+    "data_ranks", "nodes", "shard_ranks",
 })
 STRATEGY_NAMES = frozenset({"ddp", "fsdp2"})
 WRAPPING_CALLS = frozenset({"init_device_mesh", "fully_shard", "DistributedDataParallel", "parallelize_module"})
