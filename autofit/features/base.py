@@ -7,6 +7,12 @@ Note [step features]
     ``autofit.features.FEATURES`` lists them (torchtitan's registry of model converters, where float8 is one file
     switched on by name, and ``torch.utils.flop_counter``'s registry of one function per op are the models). The
     stages never name a feature; each asks every registered one what it needs. Of every feature:
+      - the model before its layout: :meth:`Feature.convert`, what the feature does to the model's modules before
+        the parallel layout is applied (torchtitan's model converters, which run before ``parallelize``: Float8's
+        linears are converted first, so FSDP2 shards and gathers what torchao made). Every path calls it once, through
+        ``convert_model`` (autofit/features/__init__.py), at the place it prepares its model: the simulation's fake
+        copy (``simulate/run.py``), ``measure``'s real copy (``measure/allocator.py``) and the model the trainer
+        wraps (``emit/trainer.py``; ``emit/distributed.py`` before it lays the model out);
       - the step (``training/step.py``, which the simulation, ``measure`` and the trainer all run):
         :meth:`Feature.step_loss`, the loss the feature computes in place of the model's output and the loss
         function; and :meth:`Feature.step_context`, what it holds around the step's forward and backward
@@ -86,6 +92,12 @@ class Feature:
     def in_force(self, carrier: Any) -> Any:
         """The value in force on ``carrier`` (a PlanRequest, a StepConfig or a Plan), or None."""
         return getattr(carrier, self.field, None)
+
+    # ---- the model before its layout: simulated, measured and trained alike ----------------------------------------
+    def convert(self, config: StepConfig, model: nn.Module) -> None:
+        """What the feature does to ``model``'s modules for ``config``'s step, in place, before the parallel layout
+        is applied (the simulation's fake copy, ``measure``'s copy, the model the trainer wraps); must leave a model
+        it converted already as it is (the distributed trainer's model passes twice)."""
 
     # ---- the step: simulated, measured and trained alike ----------------------------------------------------------
     def step_loss(self, config: StepConfig) -> StepLoss | None:
