@@ -77,9 +77,9 @@ def _torchao_float8() -> Any:
 
 def recipe_names() -> tuple[str, ...]:
     """The recipes the installed torchao's ``Float8LinearConfig.from_recipe_name`` accepts."""
+    _torchao_float8()
     from torchao.float8.config import Float8LinearRecipeName  # noqa: PLC0415 - after _torchao_float8's check
 
-    _torchao_float8()
     return tuple(r.value for r in Float8LinearRecipeName)
 
 
