@@ -161,3 +161,64 @@ def test_without_torchao_float8_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as when torchao is not installed
     with pytest.raises(UnsupportedFeatureError, match="pip install torchao"):
         as_float8("tensorwise")
+
+
+def _matmuls(recipe: str) -> list[tuple[str, str, int]]:
+    """(op, precision, FLOPs) of the matmuls of a converted 256 -> 512 linear in a simulated step over 64 rows, for
+    an H100, bf16 autocast (the head, 512 -> 16, is left in bf16: its matmuls have other FLOPs)."""
+    from autofit.analyse.table import precision_of
+    from autofit.device import resolve_device
+    from autofit.simulate.run import simulate_step
+    from autofit.training.step import make_step_config
+    from autofit.validate import as_inputs
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(256, 512, bias=False), nn.Linear(512, 16)  # the head stays
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+
+    model = Net()
+    batch, _ = as_inputs(torch.randn(64, 256), None, None, 0)
+    config = make_step_config(micro_batch_size=64, precision="bf16", device="cuda", gpu="H100", float8=recipe)
+    timeline = simulate_step(model, batch, None, lambda out: out.float().square().mean(), config,
+                             device_rules=resolve_device("cuda", "H100").simulation_rules).timeline
+    return [(op.name, precision_of(op.dtype), op.flops) for op in timeline.ops
+            if op.name in ("_scaled_mm", "mm", "addmm") and op.flops == 2 * 64 * 256 * 512]  # the body's
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("recipe, fp8_matmuls", [("tensorwise", 3), ("rowwise", 3), ("rowwise_with_gw_hp", 2)])
+def test_converted_matmuls_are_priced_at_the_cards_fp8_rate(recipe, fp8_matmuls):
+    """Each of the linear's three matmuls (output, input gradient, weight gradient: 2 x 64 x 256 x 512 FLOPs each,
+    counted by hand) runs as torchao's recipe says: in float8 (``_scaled_mm``), except rowwise_with_gw_hp's weight
+    gradient, kept in high precision (torchao's config: ``cast_config_*_for_grad_weight`` disabled). The time model
+    prices float8 at the card's dense FP8 rate: H100 SXM 1979 TFLOP/s, twice its 989 bf16 (NVIDIA's H100
+    datasheet, cited in autofit/cuda/cards.py)."""
+    from autofit.device import resolve_device
+
+    matmuls = _matmuls(recipe)
+    assert len(matmuls) == 3 and all(flops == 2 * 64 * 256 * 512 for _, _, flops in matmuls), matmuls
+    assert sum(p == "fp8" for _, p, _ in matmuls) == fp8_matmuls
+    assert all(name == "_scaled_mm" for name, p, _ in matmuls if p == "fp8")
+    rates = resolve_device("cuda", "H100").throughput.flops_per_second
+    assert rates["fp8"] == 1979e12 and rates["bf16"] == 989e12
+
+
+def test_an_fp8_op_costs_its_flops_at_the_fp8_rate():
+    """The roofline of one op of 1.979 TFLOPs: 1 s at the fp8 rate of an H100, 2 s had it run in bf16."""
+    import numpy as np
+
+    from autofit.analyse.table import OpCosts
+    from autofit.device import Throughput
+    from autofit.solve.time_model import TimeModel
+
+    tp = Throughput(name="hand", flops_per_second={"fp8": 1979e12, "bf16": 989.5e12}, bytes_per_second=float("inf"),
+                    op_overhead_seconds=0.0)
+    for precision, seconds in (("fp8", 1.0), ("bf16", 2.0)):
+        ops = OpCosts(flops_fixed=np.full(1, 1979e12), flops_per_sample=np.zeros(1), bytes_fixed=np.zeros(1),
+                      bytes_per_sample=np.zeros(1), precision=(precision,), forward=np.ones(1, dtype=bool),
+                      module=("0",))
+        assert TimeModel(tp, ops, optimizer_bytes=0).step_time(precision, 1, 1).total == pytest.approx(seconds)
