@@ -36,7 +36,9 @@ Note [step features]
       - to the request (``request.py``): :meth:`OptInFeature.resolve`, its value for this model and optimizer, and
         :meth:`OptInFeature.not_applicable`, the note when it was allowed but does not apply;
       - to the ladder (``solve/ladder.py``): one rung per feature allowed, cumulative in registry order, named by
-        :meth:`OptInFeature.rung_what`, its floor from :attr:`OptInFeature.state_bytes`;
+        :meth:`OptInFeature.rung_what`, its floor from :attr:`OptInFeature.state_bytes`; or, for a feature that buys
+        speed (:attr:`OptInFeature.for_speed`), to the planner (``planner.py``, Note [speed rungs]): the request
+        planned again with it, the faster plan taken;
         :meth:`OptInFeature.request_for` is the request as the rung runs it;
       - to the plan's notes (``solve/finish.py``): :meth:`OptInFeature.request_without` and
         :meth:`OptInFeature.climbed`, what the rung saved against the same configuration without it;
@@ -168,6 +170,10 @@ class OptInFeature(Feature, abc.ABC):
     # the optimizer state's bytes per value on its rung and those after it (the ladder's floor); None: the stored
     # precision's
     state_bytes: int | None = None
+    # a rung taken for speed, not memory (float8's faster matmuls): not one of the ladder's memory rungs; the planner
+    # plans the request with it beside the plan without it and takes the faster, or the one that fits (planner.py,
+    # Note [speed rungs])
+    for_speed: bool = False
 
     # ---- the request: resolved once per plan() --------------------------------------------------------------------
     @abc.abstractmethod

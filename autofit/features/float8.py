@@ -43,15 +43,17 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from autofit.core.errors import InvalidInputError, UnsupportedFeatureError
-from autofit.features.base import Feature
+from autofit.features.base import OptInFeature
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from autofit.training.batch import Batch
     from autofit.training.config import StepConfig
+    from autofit.training.optim import OptimizerSpec
 
 __all__ = ["FLOAT8", "Float8", "Float8Training", "as_float8", "recipe_names", "gathered_bytes", "require_fp8",
-           "converted_linears"]
+           "converted_linears", "convert", "torchtitan_float8"]
 
 AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's filter_fqns entry that turns on torchao's size filter
 _MULTIPLE = 16  # both dimensions of a converted linear: the float8 tensor cores' requirement (torchtitan, torchao)
@@ -189,6 +191,30 @@ def gathered_bytes(numel: int, converted: bool, value: Float8 | None, compute_by
     return numel * compute_bytes
 
 
+# torchtitan's float8 converter in the TOML of its job config (torchtitan/config/job_config.py of 2025:
+# [model] converters and the [quantize.linear.float8] section), the spelling autofit's torchtitan export writes; its
+# current config (torchtitan/components/quantization/float8.py, a Python config registry) takes the same fields as
+# Float8LinearConverter.Config(recipe_name=..., filter_fqns=[...]), and recipes "rowwise" and "rowwise_with_gw_hp"
+# only: tensorwise and the float8 all-gather left it in 2026
+TITAN_CONVERTER = "quantize.linear.float8"
+TITAN_RECIPES = ("rowwise", "rowwise_with_gw_hp")
+
+
+def torchtitan_float8(value: Float8) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """torchtitan's sections for ``value`` (its converter and recipe; the output head by torchtitan's own name,
+    "output") and the export's notes on what torchtitan cannot take."""
+    section: dict[str, Any] = {"recipe_name": value.recipe, "filter_fqns": ["output", *value.skip]}
+    if value.all_gather:
+        section["enable_fsdp_float8_all_gather"] = True
+    notes = [f"float8 as torchtitan's TOML config spelled it ([model] converters, [{TITAN_CONVERTER}]); its current "
+             "config registry takes the same fields as Float8LinearConverter.Config(recipe_name=..., filter_fqns="
+             "[...]) and needs model_compile_enabled=True for speed"]
+    if value.recipe not in TITAN_RECIPES:
+        notes.append(f"torchtitan's current Float8LinearConverter accepts recipe_name {' or '.join(TITAN_RECIPES)}; "
+                     f"{value.recipe!r} (and the float8 all-gather) needs a torchtitan of 2025")
+    return {"model": {"converters": [TITAN_CONVERTER]}, TITAN_CONVERTER: section}, notes
+
+
 def require_fp8(gpu: Any) -> None:
     """A typed error where ``gpu`` (a catalog GPUSpec) has no FP8 tensor cores: float8 training cannot run there."""
     if gpu is not None and not getattr(gpu, "fp8_flops", 0):
@@ -198,9 +224,46 @@ def require_fp8(gpu: Any) -> None:
             "MI300X)")
 
 
+RUNG_RECIPE = "tensorwise"  # the recipe of the rung plan(allow="float8") opens: torchao's default, its fastest
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Float8Training(Feature):
-    """Float8 training; its value is a :class:`Float8` (None: the linears train in their own precision)."""
+class Float8Training(OptInFeature):
+    """Float8 training; its value is a :class:`Float8` (None: the linears train in their own precision). The user
+    fixes it (``float8=``, every candidate converted) or opens its rung (``plan(allow="float8")``), a speed rung:
+    the planner plans with it beside the plan without it and takes the faster (Note [speed rungs], planner.py)."""
+
+    # ---- the rung -------------------------------------------------------------------------------------------------
+    def resolve(self, model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any, optimizer: OptimizerSpec,
+                allowed: bool) -> Float8 | None:
+        from torch import nn  # noqa: PLC0415 - annotations only at module level
+
+        if not allowed or not any(type(m) is nn.Linear for m in model.modules()):
+            return None  # a speed rung: an infeasible budget does not name it as one that might fit
+        try:
+            value = as_float8(RUNG_RECIPE)
+        except UnsupportedFeatureError:
+            return None
+        return value if converted_linears(model, value) else None
+
+    def not_applicable(self, optimizer: OptimizerSpec) -> str:
+        return ("allow 'float8' does not apply: it needs torchao 0.9 or later installed and linear layers whose "
+                "dimensions are multiples of 16 besides the output head (Note [Float8 training], "
+                "autofit/features/float8.py)")
+
+    def rung_what(self, value: Float8) -> str:
+        return f"float8 linears ({value.label()})"
+
+    def request_for(self, request: Any, value: Float8) -> Any:
+        require_fp8(getattr(request.device, "gpu", None))
+        return dataclasses.replace(request, float8=value)
+
+    def climbed(self, value: Float8, user: Any) -> str:
+        return (f"rung 'float8' taken: the linears train in float8 ({value.label()}; torchao's Float8Linear, "
+                "converted by the trainer before the layout), their matmuls at the card's FP8 rate (Note [Float8 "
+                "training]); it changes numerics")
+
+    # ---- the stages -----------------------------------------------------------------------------------------------
 
     def convert(self, config: StepConfig, model: nn.Module) -> None:
         value = config.float8
@@ -245,4 +308,5 @@ class Float8Training(Feature):
                                                 all_gather=bool(data["all_gather"]))
 
 
-FLOAT8 = Float8Training(name="float8", field="float8", row_after="optimizer", user_setting=True)
+FLOAT8 = Float8Training(name="float8", field="float8", allow_field="allow_float8", row_after="optimizer",
+                        user_setting=True, replaces="the model's linear layers", for_speed=True)
