@@ -222,3 +222,109 @@ def test_an_fp8_op_costs_its_flops_at_the_fp8_rate():
                       bytes_per_sample=np.zeros(1), precision=(precision,), forward=np.ones(1, dtype=bool),
                       module=("0",))
         assert TimeModel(tp, ops, optimizer_bytes=0).step_time(precision, 1, 1).total == pytest.approx(seconds)
+
+
+# ---- the command line, the plan, the trainer and the speed rung ----------------------------------------------------
+
+MLP = f"{__import__('pathlib').Path(__file__).resolve().parent.parent / 'examples' / 'factories.py'}:mlp"
+
+
+@pytest.mark.sim
+def test_the_cli_estimate_takes_float8_as_the_library_does():
+    """``autofit estimate --float8 rowwise`` on examples/factories.py's MLP (Linear(128, 256) converted, Linear(256,
+    1) left: 1 is no multiple of 16): the library's figures for the same arguments."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+    from autofit.cli.specs import load_spec
+
+    result = CliRunner().invoke(app, ["estimate", MLP, "--input-shape", "128", "-m", "16", "--device", "cpu",
+                                      "--float8", "rowwise", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    spec = load_spec(MLP, input_shapes=[(128,)])
+    est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=16,
+                           float8="rowwise")
+    assert data["float8"] == "rowwise" and data["peak_allocated_bytes"] == est.peak_allocated_bytes
+    assert converted_linears(spec.model, Float8(recipe="rowwise")) == ("0",)
+
+
+def test_the_cli_plan_refuses_float8_on_a_card_without_fp8():
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    result = CliRunner().invoke(app, ["plan", MLP, "--input-shape", "128", "--batch-size", "16", "--budget", "8GB",
+                                      "--gpu", "A100-80GB", "--float8", "tensorwise"])
+    assert result.exit_code != 0 and "no FP8 tensor cores" in result.output
+
+
+@pytest.mark.sim
+def test_a_float8_plan_round_trips_and_its_trainer_converts_before_training():
+    """A CPU plan with Savers(float8="tensorwise"): its JSON keeps the value, its table names it, and wrap() swaps the
+    model's blocks' linears for torchao's (the head left), then trains a step."""
+    model = _llama()
+    ids = torch.randint(0, 256, (4, 32))
+    plan = autofit.plan(model, ids, "8GB", target=ids, device="cpu", savers=autofit.Savers(float8="tensorwise"))
+    assert plan.float8 == Float8(recipe="tensorwise") and plan.step.float8 == plan.float8
+    assert autofit.Plan.from_json(plan.to_json()).float8 == plan.float8
+    assert "float8" in str(plan)
+    trainer = plan.wrap(model, torch.optim.AdamW(model.parameters()))
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert kinds.pop("lm_head") == "Linear" and set(kinds.values()) == {"Float8Linear"}
+    assert torch.isfinite(torch.tensor(trainer.step(ids, ids)))
+
+
+def test_the_speed_rung_takes_the_faster_plan_and_says_what_it_bought():
+    """Note [speed rungs] on hand-made plans: with float8 0.5 s against 1 s without, taken; 2 s against 1 s, not
+    taken; only the float8 plan fits, taken; a card without FP8, not taken, the note says why."""
+    import dataclasses
+
+    from autofit.core.errors import InfeasibleBudgetError
+    from autofit.cuda.catalog import gpu_spec
+    from autofit.planner import _with_speed_rungs
+
+    @dataclasses.dataclass(frozen=True)
+    class Request:
+        device: object
+        allow_float8: object = Float8()
+        float8: object = None
+        allow_chunked_loss: object = None
+        allow_eight_bit: object = None
+
+    @dataclasses.dataclass(frozen=True)
+    class Planned:
+        predicted_step_seconds: float
+        peak_bytes: int = 2**30
+        notes: tuple = ()
+
+    class Device:
+        gpu = gpu_spec("H100")
+
+    def planner(without, with_float8):
+        def planned(request):
+            seconds = with_float8 if request.float8 is not None else without
+            if seconds is None:
+                raise InfeasibleBudgetError("nothing fits", min_budget_bytes=2**40, budget_bytes=2**30)
+            return Planned(seconds), {}
+        return planned
+
+    faster, _ = _with_speed_rungs(Request(Device()), planner(1.0, 0.5))
+    assert faster.predicted_step_seconds == 0.5 and "rung 'float8' taken" in faster.notes[-1]
+    assert "0.5 s" in faster.notes[-1] and "1 s" in faster.notes[-1]
+    slower, _ = _with_speed_rungs(Request(Device()), planner(1.0, 2.0))
+    assert slower.predicted_step_seconds == 1.0 and "not taken, no faster" in slower.notes[-1]
+    only, _ = _with_speed_rungs(Request(Device()), planner(None, 3.0))
+    assert only.predicted_step_seconds == 3.0 and "nothing fits without it" in only.notes[-1]
+    with pytest.raises(InfeasibleBudgetError):
+        _with_speed_rungs(Request(Device()), planner(None, None))
+
+    class A100:
+        gpu = gpu_spec("A100-80GB")
+
+    kept, _ = _with_speed_rungs(Request(A100()), planner(1.0, 0.5))
+    assert kept.predicted_step_seconds == 1.0 and "no FP8 tensor cores" in kept.notes[-1]
+    fixed, _ = _with_speed_rungs(Request(Device(), float8=Float8()), planner(1.0, 0.5))
+    assert fixed.notes == ()  # the user fixed it: planned once, with it
