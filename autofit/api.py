@@ -294,6 +294,9 @@ def measure(
             "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
             "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
         )
+    if config.world_size > 1 and config.float8 is not None and config.float8.all_gather and config.device.is_host:
+        raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
+                                "estimate it, or measure on GPUs (Note [Float8 training])")
     if config.world_size > 1:
         return measure_ranks(model, batch, target_batch, loss_fn, config, steps=steps)
     # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])

@@ -328,3 +328,13 @@ def test_the_speed_rung_takes_the_faster_plan_and_says_what_it_bought():
     assert kept.predicted_step_seconds == 1.0 and "no FP8 tensor cores" in kept.notes[-1]
     fixed, _ = _with_speed_rungs(Request(Device(), float8=Float8()), planner(1.0, 0.5))
     assert fixed.notes == ()  # the user fixed it: planned once, with it
+
+
+def test_the_float8_all_gather_needs_fsdp2_and_is_not_measured_on_gloo():
+    from autofit.training.step import make_step_config
+
+    with pytest.raises(InvalidInputError, match="strategy='fsdp2'"):
+        make_step_config(micro_batch_size=1, strategy="ddp", world_size=2, float8=Float8(all_gather=True))
+    with pytest.raises(InvalidInputError, match="gloo"):
+        autofit.measure(nn.Linear(64, 64), torch.randn(4, 64), micro_batch_size=2, float8=Float8(all_gather=True),
+                        loss_fn=lambda out: out.sum(), layout=autofit.Layout(world_size=2, strategy="fsdp2"))

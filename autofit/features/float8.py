@@ -116,7 +116,7 @@ class Float8:
         return config
 
     def label(self) -> str:
-        """How the plan and the notes name it: "tensorwise (float8 all-gather), output head and 'wk' skipped"."""
+        """How the plan and the notes name it: "tensorwise with float8 all-gather, skipping 'attention.wk'"."""
         parts = [self.recipe + (" with float8 all-gather" if self.all_gather else "")]
         if self.skip:
             parts.append("skipping " + ", ".join(map(repr, self.skip)))

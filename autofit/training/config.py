@@ -223,6 +223,9 @@ class StepConfig:
         if self.float8 is not None and type(self.float8).__name__ != "Float8":
             raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (make_step_config reads a "
                                     f"recipe name), got {self.float8!r}")
+        if self.float8 is not None and self.float8.all_gather and not self.layout.fully_sharded:
+            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
+                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
         if not isinstance(self.preallocated_grads, bool):
             raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
         if self.preallocated_grads:
