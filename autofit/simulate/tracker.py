@@ -225,7 +225,7 @@ class StepTracker(TorchDispatchMode):
             st = t.untyped_storage()
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
-        seen_through = _computing_subclass(args, kwargs)
+        seen_through = _computing_subclass(inputs)
         if seen_through is not None:  # Note [subclasses that compute in plain ops]
             with _pushed(self):
                 return seen_through.__torch_dispatch__(func, types, args, kwargs)
@@ -301,13 +301,13 @@ class StepTracker(TorchDispatchMode):
 _SEEN_THROUGH = (("torchao.float8.float8_training_tensor", "Float8TrainingTensor"),)
 
 
-def _computing_subclass(args: tuple, kwargs: dict) -> type | None:
-    """The subclass of Note [subclasses that compute in plain ops] among the op's arguments, or None."""
+def _computing_subclass(inputs: list[torch.Tensor]) -> type | None:
+    """The subclass of Note [subclasses that compute in plain ops] among the op's tensor arguments, or None."""
     kinds = tuple(kind for kind in (getattr(sys.modules.get(module), name, None) for module, name in _SEEN_THROUGH)
                   if kind is not None)
     if not kinds:
         return None
-    return next((type(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, kinds)), None)
+    return next((type(x) for x in inputs if isinstance(x, kinds)), None)
 
 
 @contextlib.contextmanager
