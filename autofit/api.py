@@ -19,7 +19,7 @@ from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
 from autofit.capture.user_hooks import restores_user_hooks
-from autofit.features.float8 import require_fp8
+from autofit.features.float8 import as_float8, require_fp8
 from autofit.core.rng import keeps_user_rng
 from autofit.core._torch import import_lazy_modules
 from autofit.options import Device, Layout, Precision, gather
@@ -72,7 +72,8 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
                             preallocated_grads=preallocated_grads,
                             held_rows=_held_rows(inputs, micro_batch_size, accumulation_steps),
-                            gradient_as_bucket_view=gradient_as_bucket_view, zero_grad=zero_grad, float8=float8)
+                            gradient_as_bucket_view=gradient_as_bucket_view, zero_grad=zero_grad,
+                            float8=as_float8(float8))
 
 
 def _one_step(function: str, device: Any, precision: Any, layout: Any,

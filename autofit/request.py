@@ -20,7 +20,7 @@ from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
 from autofit.core.errors import InvalidInputError, require_int
 from autofit.features import OPT_IN
-from autofit.features.float8 import require_fp8
+from autofit.features.float8 import as_float8, require_fp8
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
@@ -216,8 +216,9 @@ def make_request(
 
 
 def _float8(value: Any, target_device: DeviceTarget) -> Any:
-    """``Savers(float8=...)`` as the step validates it, on a card with FP8 tensor cores (Note [Float8 training])."""
-    value = make_step_config(micro_batch_size=1, float8=value).float8
+    """``Savers(float8=...)`` checked against the installed torchao, on a card with FP8 tensor cores (Note [Float8
+    training])."""
+    value = as_float8(value)
     require_fp8(getattr(target_device, "gpu", None) if value is not None else None)
     return value
 

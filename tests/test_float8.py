@@ -182,7 +182,8 @@ def _matmuls(recipe: str) -> list[tuple[str, str, int]]:
 
     model = Net()
     batch, _ = as_inputs(torch.randn(64, 256), None, None, 0)
-    config = make_step_config(micro_batch_size=64, precision="bf16", device="cuda", gpu="H100", float8=recipe)
+    config = make_step_config(micro_batch_size=64, precision="bf16", device="cuda", gpu="H100",
+                              float8=as_float8(recipe))
     timeline = simulate_step(model, batch, None, lambda out: out.float().square().mean(), config,
                              device_rules=resolve_device("cuda", "H100").simulation_rules).timeline
     return [(op.name, precision_of(op.dtype), op.flops) for op in timeline.ops

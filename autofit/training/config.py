@@ -220,9 +220,9 @@ class StepConfig:
             )
         if not isinstance(self.compile, bool):
             raise InvalidInputError(f"compile must be True or False, got {self.compile!r}")
-        if self.float8 is not None and type(self.float8).__name__ != "Float8":
-            raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (make_step_config reads a "
-                                    f"recipe name), got {self.float8!r}")
+        if self.float8 is not None and type(self.float8).__name__ != "Float8":  # the feature's value, not imported
+            raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (as_float8 reads a recipe "
+                                    f"name), got {self.float8!r}")
         if self.float8 is not None and self.float8.all_gather and not self.layout.fully_sharded:
             raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
                                     "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
@@ -268,18 +268,8 @@ def make_step_config(
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
         compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
-        zero_grad=zero_grad, float8=_float8(float8),
+        zero_grad=zero_grad, float8=float8,
     )
-
-
-def _float8(value: Any) -> Any:
-    """``float8=`` (None, a recipe name or a Float8) checked against the installed torchao (autofit/features/float8.py,
-    imported here only when asked: the feature modules import this one)."""
-    if value is None or value is False:
-        return None
-    from autofit.features.float8 import as_float8  # noqa: PLC0415 - see the docstring
-
-    return as_float8(value)
 
 
 _LAYOUT_AS_HELD = {"shard_units": tuple, "tensor_plan": tuple, "offload_states": bool,
