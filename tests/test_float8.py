@@ -20,6 +20,11 @@ torchao_float8 = pytest.importorskip("torchao.float8")
 from autofit.features.float8 import Float8, as_float8, converted_linears, gathered_bytes, recipe_names, require_fp8  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# the steps that run on this CPU (estimate and measure on a CPU target) need oneDNN's float8 matmul (Note [CPU
+# kernels]): absent under ONEDNN_MAX_CPU_ISA=AVX2, where the simulation refuses (test_a_cpu_without_fp8_kernels_...)
+from autofit.core.cpu import fp8_matmul  # noqa: E402
+
+cpu_fp8 = pytest.mark.skipif(not fp8_matmul(), reason="this CPU's oneDNN has no float8 matmul (torch._scaled_mm)")
 
 
 def _llama() -> nn.Module:
@@ -33,6 +38,7 @@ def _llama() -> nn.Module:
 @pytest.mark.sim
 @pytest.mark.parametrize("checkpoint", [(), ("layers.0", "layers.1")], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("recipe", RECIPES)
+@cpu_fp8
 def test_a_converted_llama_estimates_within_half_a_percent_of_measure(recipe, checkpoint):
     """benchmarks/llama.py's Llama (hidden 64, 2 layers), 2 rows of 32 tokens, fp32, AdamW: every linear but the
     head converted. Before the tracker saw inside Float8TrainingTensor's dispatch (Note [subclasses that compute in
@@ -50,6 +56,7 @@ def test_a_converted_llama_estimates_within_half_a_percent_of_measure(recipe, ch
 
 
 @pytest.mark.sim
+@cpu_fp8
 def test_float8_changes_what_the_step_holds():
     """The conversion reaches the simulation: the same step without float8 peaks elsewhere (torchao 0.18 saves the
     high-precision input and weight and adds the float8 casts and _scaled_mm's copies on top)."""
@@ -85,6 +92,7 @@ def _forward_gathers(model: nn.Module, float8) -> list[int]:
 
 
 @pytest.mark.sim
+@cpu_fp8
 def test_float8_all_gather_gathers_one_byte_per_converted_element():
     """FSDP2's float8 all-gather (tensorwise, torchao/float8/fsdp_utils.py: ``fsdp_pre_all_gather`` returns the
     float8 data, 1 byte per element; the scale comes from an all-reduced amax, not gathered). gloo cannot run it
@@ -231,6 +239,7 @@ MLP = f"{__import__('pathlib').Path(__file__).resolve().parent.parent / 'example
 
 
 @pytest.mark.sim
+@cpu_fp8
 def test_the_cli_estimate_takes_float8_as_the_library_does():
     """``autofit estimate --float8 rowwise`` on examples/factories.py's MLP (Linear(128, 256) converted, Linear(256,
     1) left: 1 is no multiple of 16): the library's figures for the same arguments."""
@@ -263,6 +272,7 @@ def test_the_cli_plan_refuses_float8_on_a_card_without_fp8():
 
 
 @pytest.mark.sim
+@cpu_fp8
 def test_a_float8_plan_round_trips_and_its_trainer_converts_before_training():
     """A CPU plan with Savers(float8="tensorwise"): its JSON keeps the value, its table names it, and wrap() swaps the
     model's blocks' linears for torchao's (the head left), then trains a step."""
@@ -343,6 +353,7 @@ def test_the_float8_all_gather_needs_fsdp2_and_is_not_measured_on_gloo():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@cpu_fp8
 def test_fsdp2_over_converted_linears_within_half_a_percent_of_each_rank(recipe):
     """Converted before the layout, as torchtitan converts before parallelize: FSDP2 over 2 gloo ranks shards and
     gathers the Float8Linear's (high-precision) parameters; every rank's CPU allocator against the one simulated
@@ -353,3 +364,16 @@ def test_fsdp2_over_converted_linears_within_half_a_percent_of_each_rank(recipe)
     predicted = autofit.estimate(model, ids, **kw).peak_bytes
     for peak in autofit.measure(model, ids, **kw).rank_peaks:
         assert abs(predicted - peak) <= 0.005 * peak, (predicted, peak)
+
+
+@pytest.mark.sim
+def test_a_cpu_without_fp8_kernels_refuses_a_cpu_estimate(monkeypatch):
+    """Where oneDNN has no float8 matmul (ONEDNN_MAX_CPU_ISA=AVX2: "could not create a primitive descriptor"), a
+    CPU-target estimate refuses as for bf16 (Note [CPU kernels]), naming _scaled_mm and the module."""
+    import autofit.core.cpu as cpu
+    from autofit.core.errors import UnsupportedPrecisionError
+
+    monkeypatch.setattr(cpu, "fp8_matmul", lambda: False)
+    ids = torch.randint(0, 256, (2, 32))
+    with pytest.raises(UnsupportedPrecisionError, match="no fp8 kernel for aten::_scaled_mm in module 'layers.0"):
+        autofit.estimate(_llama(), ids, target=ids, micro_batch_size=2, float8="tensorwise")
