@@ -33,8 +33,13 @@ Note [Float8 training]
 
     The time model prices each ``_scaled_mm`` at the card's dense FP8 rate (``GPUSpec.fp8_flops``) and the casts
     (absolute maximum, scale, clamp, conversion) as the memory-bound element-wise ops they are; a card without FP8
-    tensor cores (A100, V100, T4, ...) refuses the feature (:func:`require_fp8`). Float8 changes numerics, so the
-    planner takes it only where ``plan(allow=...)`` names "float8" or the user gave ``float8=``.
+    tensor cores (A100, V100, T4, ...) refuses the feature (:func:`require_fp8`), and so does a CPU target whose
+    oneDNN has no float8 matmul (Note [CPU kernels], core/cpu.py). Eager torchao runs each cast as several kernels
+    over the activations, which the roofline prices as it runs them: on an H100 an eager float8 step is often
+    predicted slower than bf16 (Llama-3.1-8B, 8 H100, FSDP2: 2.96 s against 2.09 s), as torchao and torchtitan say
+    it is without ``torch.compile``, which fuses the casts. Float8 changes numerics, so the planner takes it only
+    where ``plan(allow=...)`` names "float8" (a speed rung: Note [speed rungs], planner.py) or the user gave
+    ``float8=``.
 """
 
 from __future__ import annotations
@@ -42,12 +47,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from autofit.core.errors import InvalidInputError, UnsupportedFeatureError
 from autofit.features.base import OptInFeature
+from autofit.training.chunked_loss import output_head
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from autofit.training.batch import Batch
     from autofit.training.config import StepConfig
     from autofit.training.optim import OptimizerSpec
@@ -148,10 +154,6 @@ def converted_linears(model: nn.Module, value: Float8) -> tuple[str, ...]:
     torchao's already converted ones, nor other libraries' subclasses) whose dimensions are multiples of 16, whose
     name contains none of ``value.skip``, that are not the output head, and where ``value.skip`` asks for it, that
     torchao's size filter keeps (Note [Float8 training])."""
-    from torch import nn  # noqa: PLC0415 - annotations only at module level
-
-    from autofit.training.chunked_loss import output_head  # noqa: PLC0415 - the feature's one reach into training
-
     head = output_head(model)
     substrings = tuple(s for s in value.skip if s != AUTO_FILTER)
     small = None
@@ -236,8 +238,6 @@ class Float8Training(OptInFeature):
     # ---- the rung -------------------------------------------------------------------------------------------------
     def resolve(self, model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any, optimizer: OptimizerSpec,
                 allowed: bool) -> Float8 | None:
-        from torch import nn  # noqa: PLC0415 - annotations only at module level
-
         if not allowed or not any(type(m) is nn.Linear for m in model.modules()):
             return None  # a speed rung: an infeasible budget does not name it as one that might fit
         try:
