@@ -26,7 +26,7 @@ from autofit.features import OPT_IN, feature_fields, feature_values
 from autofit.analyse.table import Analysis
 from autofit.core.report import MemoryEstimate
 from autofit.core.errors import (AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedFeatureError,
-                                 UnsupportedModelError)
+                                 UnsupportedModelError, UnsupportedPrecisionError)
 from autofit.training.loss import LossFn, describe_loss
 from autofit.capture.loss_probe import loss_reduction
 from autofit.training.precision import built_precision, stored_dtype
@@ -452,7 +452,7 @@ def _with_speed_rungs(request: PlanRequest, planned: Callable[[PlanRequest], tup
             continue
         try:
             rung = planned(feature.request_for(request, value))
-        except (InfeasibleBudgetError, HostMemoryError, UnsupportedFeatureError) as e:
+        except (InfeasibleBudgetError, HostMemoryError, UnsupportedFeatureError, UnsupportedPrecisionError) as e:
             if chosen is not None:
                 chosen = (_noted(chosen[0], f"rung {feature.name!r} not taken: {e}"), chosen[1])
             continue
