@@ -20,6 +20,7 @@ from autofit.measure.allocator import measure_step
 from autofit.measure.ranks import measure_ranks
 from autofit.core.report import Measurement, MemoryEstimate
 from autofit.capture.user_hooks import restores_user_hooks
+from autofit.features.float8 import as_float8, require_fp8
 from autofit.core.rng import keeps_user_rng
 from autofit.core._torch import import_lazy_modules
 from autofit.options import Device, Layout, Precision, gather
@@ -39,7 +40,7 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
             clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch, chunked_loss,
             batch, target, loss_fn, compile, preallocated_grads, inputs, gradient_as_bucket_view, zero_grad, *,
             world_size, strategy, reshard_after_forward, replicate, tensor_parallel,
-            tensor_parallel_plan) -> StepConfig:
+            tensor_parallel_plan, float8=None) -> StepConfig:
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
@@ -72,7 +73,8 @@ def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, 
                             tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
                             preallocated_grads=preallocated_grads,
                             held_rows=_held_rows(inputs, micro_batch_size, accumulation_steps),
-                            gradient_as_bucket_view=gradient_as_bucket_view, zero_grad=zero_grad)
+                            gradient_as_bucket_view=gradient_as_bucket_view, zero_grad=zero_grad,
+                            float8=as_float8(float8))
 
 
 def _one_step(function: str, device: Any, precision: Any, layout: Any,
@@ -136,7 +138,7 @@ def estimate(
     accumulation_steps: int = 1, checkpoint: Any = (), offload: Any = (), offload_states: bool = False,
     optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
     compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", **deprecated: Any,
+    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", float8: Any = None, **deprecated: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
@@ -183,6 +185,11 @@ def estimate(
     ``compile``: the step runs the model as ``torch.compile`` (inductor, default options) compiles it; a model the
     user compiled is estimated as compiled either way (Note [inductor without kernels], docs/fine-tuning.md).
 
+    ``float8``: the linear layers train in float8, converted with torchao's ``convert_to_float8_training`` before
+    the layout: a recipe name ("tensorwise", "rowwise", "rowwise_with_gw_hp") or an
+    ``autofit.features.float8.Float8`` (its skipped modules, FSDP2's float8 all-gather); the output head stays in
+    high precision. On a GPU target the card must have FP8 tensor cores (Note [Float8 training], docs/float8.md).
+
     ``preallocated_grads``: every trainable parameter's gradient is allocated before the first forward and zeroed in
     place after each step (``zero_grad(set_to_none=False)``), as a plan that needs it runs (Note [gradients
     allocated before forward], autofit/training/grads.py); one process, no step in backward, no fp32 master copy.
@@ -224,8 +231,9 @@ def estimate(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
-                     gradient_as_bucket_view, zero_grad, **layout)
+                     gradient_as_bucket_view, zero_grad, float8=float8, **layout)
     device_model = resolve_device(config.device, config.gpu, expandable)
+    require_fp8(getattr(device_model, "gpu", None) if config.float8 is not None else None)  # Note [Float8 training]
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     est = device_model.estimate(sim)
@@ -259,7 +267,7 @@ def measure(
     accumulation_steps: int = 1, steps: int = 1, checkpoint: Any = (), offload: Any = (),
     offload_states: bool = False, optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False,
     chunked_loss: bool = False, compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", **deprecated: Any,
+    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", float8: Any = None, **deprecated: Any,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
@@ -281,7 +289,7 @@ def measure(
     config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
                      clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
                      chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
-                     gradient_as_bucket_view, zero_grad, **layout)
+                     gradient_as_bucket_view, zero_grad, float8=float8, **layout)
     if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     if resolve_device(config.device, config.gpu, expandable).caching_allocator and expandable is not None:
@@ -292,6 +300,9 @@ def measure(
             "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
             "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
         )
+    if config.world_size > 1 and config.float8 is not None and config.float8.all_gather and config.device.is_host:
+        raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
+                                "estimate it, or measure on GPUs (Note [Float8 training])")
     if config.world_size > 1:
         return measure_ranks(model, batch, target_batch, loss_fn, config, steps=steps)
     # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])

@@ -50,7 +50,9 @@ class Throughput:
 # only when the memory it saves buys a faster configuration (a larger micro-batch, less recomputation). No knee:
 # every op runs at the nominal rate. The absolute numbers only scale the printed seconds.
 CPU = Throughput(
-    name="cpu", flops_per_second={"fp32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11}, bytes_per_second=float("inf"),
+    # fp8: the CPU's _scaled_mm widens its float8 operands first (no float8 arithmetic on CPUs), ranked as fp16
+    name="cpu", flops_per_second={"fp32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11, "fp8": 0.5e11},
+    bytes_per_second=float("inf"),
     op_overhead_seconds=1.0e-5,
 )
 
@@ -391,8 +393,10 @@ def _cuda(gpu) -> CUDATarget:
     # fp32 matmuls run on fp32 cores: PyTorch's default torch.backends.cuda.matmul.allow_tf32 is False
     throughput = Throughput(
         name=spec.name,
+        # fp8: the dense FP8 tensor rate (cards.py cites each), at which torchao's _scaled_mm runs; a card without
+        # one refuses float8 before anything is priced (require_fp8, features/float8.py)
         flops_per_second={"fp32": spec.fp32_flops, "bf16": spec.bf16_flops or spec.fp32_flops,
-                          "fp16": spec.fp16_flops},
+                          "fp16": spec.fp16_flops, "fp8": spec.fp8_flops or spec.fp32_flops},
         bytes_per_second=spec.bandwidth,
         op_overhead_seconds=5e-6,  # kernel launch plus dispatcher, a few microseconds per op
         saturation_flops=2e9 * spec.fp16_flops / 312e12,  # see docs/planner.md, "time model"

@@ -115,10 +115,13 @@ class Savers:
     offload: bool | str = "auto"
     # the rungs that change numerics, climbed only when named here and only when nothing fits without them:
     # "chunked-loss" (the output head and cross-entropy in chunks of tokens) and "8bit-optimizer" (AdamW's state in
-    # 8 bits) (docs/fine-tuning.md)
+    # 8 bits) (docs/fine-tuning.md); and "float8", taken for speed where its plan is faster (docs/float8.md)
     allow: Any = ()
     # every step runs the model compiled (torch.compile, inductor) and is estimated so (Note [compile as a knob])
     compile: bool = False
+    # every step's linears train in float8: a torchao recipe name ("tensorwise", "rowwise", "rowwise_with_gw_hp") or
+    # an autofit.features.float8.Float8 (Note [Float8 training], docs/float8.md); None: as allow= says
+    float8: Any = None
     # where the training loop clears the gradients (Note [where zero_grad falls], autofit/training/step.py):
     # "after-step" (after optimizer.step(): autofit's trainer, Hugging Face's Trainer), "before-forward" (the PyTorch
     # tutorials' loop) or "after-forward" (Lightning's automatic optimization: the last step's gradients live through

@@ -22,10 +22,11 @@ from torch import nn
 from autofit.capture.user_hooks import restores_user_hooks
 from autofit.core.rng import keeps_user_rng
 from autofit.core import progress
-from autofit.features import feature_fields, feature_values
+from autofit.features import OPT_IN, feature_fields, feature_values
 from autofit.analyse.table import Analysis
 from autofit.core.report import MemoryEstimate
-from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
+from autofit.core.errors import (AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedFeatureError,
+                                 UnsupportedModelError, UnsupportedPrecisionError)
 from autofit.training.loss import LossFn, describe_loss
 from autofit.capture.loss_probe import loss_reduction
 from autofit.training.precision import built_precision, stored_dtype
@@ -126,6 +127,11 @@ def plan_with_analysis(
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
                            optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared, batch_dim=batch_dim,
                            quick=alternatives is False, **options)
+    return _with_speed_rungs(request, _planned)
+
+
+def _planned(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
+    """The plan of ``request`` over every layout it allows (the fastest wins), with the analyses."""
     tally = _Tally()
     parallels = [p for name in request.strategies for p in layouts(request, name)]
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
@@ -416,6 +422,53 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
     if beat is not None:  # a plan exists: this layout's smallest budget would never be read
         raise _Unplanned(_why_not_faster(beat, carried))
     raise _Unplanned("nothing fits", fallback=functools.partial(_smallest, climb, carried))
+
+
+# Note [speed rungs]
+#     A rung that buys speed, not memory (OptInFeature.for_speed: float8's FP8 matmuls), is no step of the ladder,
+#     which stops at the first rung that fits: a model that fits in bf16 would never reach it. Where plan(allow=...)
+#     names it, the request is planned twice, without it and with it (every layout, each with its own ladder), and
+#     the plan the time model predicts faster is taken, or the one that fits where only one does; the plan's notes say
+#     which, with both plans' predicted step and peak. The feature changes numerics, so it is never taken unasked,
+#     and a user who fixed it (Savers(float8=...)) plans once, with it.
+def _with_speed_rungs(request: PlanRequest, planned: Callable[[PlanRequest], tuple[Plan, dict[str, Analysis]]]
+                      ) -> tuple[Plan, dict[str, Analysis]]:
+    """``planned(request)``, and for each speed rung ``plan(allow=...)`` opened, the request planned with it: the
+    faster of the two, or the one that fits (Note [speed rungs])."""
+    chosen, error = None, None
+    try:
+        chosen = planned(request)
+    except (InfeasibleBudgetError, HostMemoryError) as e:
+        error = e
+    for feature in OPT_IN:
+        value = feature.allowed(request)
+        if not feature.for_speed or value is None or feature.in_force(request) is not None:
+            continue
+        try:
+            rung = planned(feature.request_for(request, value))
+        except (InfeasibleBudgetError, HostMemoryError, UnsupportedFeatureError, UnsupportedPrecisionError) as e:
+            if chosen is not None:
+                chosen = (_noted(chosen[0], f"rung {feature.name!r} not taken: {e}"), chosen[1])
+            continue
+        mine = rung[0]
+        if chosen is None:
+            chosen, error = (_noted(mine, f"{feature.climbed(value, request)}; nothing fits without it "
+                                          f"({error})"), rung[1]), None
+            continue
+        other = chosen[0]
+        versus = (f"predicted step {mine.predicted_step_seconds:.4g} s and peak {format_bytes(mine.peak_bytes)} "
+                  f"with it, {other.predicted_step_seconds:.4g} s and {format_bytes(other.peak_bytes)} without")
+        if mine.predicted_step_seconds < other.predicted_step_seconds:
+            chosen = (_noted(mine, f"{feature.climbed(value, request)}: {versus}"), rung[1])
+        else:
+            chosen = (_noted(other, f"rung {feature.name!r} not taken, no faster: {versus}"), chosen[1])
+    if chosen is None:
+        raise error
+    return chosen
+
+
+def _noted(plan: Plan, note: str) -> Plan:
+    return replace(plan, notes=plan.notes + (note,))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
 from autofit.core.errors import InvalidInputError, require_int
 from autofit.features import OPT_IN
+from autofit.features.float8 import as_float8, require_fp8
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
@@ -90,6 +91,7 @@ class PlanRequest:
     # (the notes say why)
     allow_chunked_loss: LossChunks | None = None
     allow_eight_bit: tuple[OptimizerSpec, str] | None = None
+    allow_float8: Any = None  # the Float8 of the speed rung (Note [speed rungs], planner.py)
     closed_rungs: tuple[str, ...] = ()  # rungs that would apply here but were not allowed (the error says so)
     # what a rung of the ladder set for the step it searches (Feature.field): the chunked loss, and the 8-bit
     # optimizer's class
@@ -97,6 +99,8 @@ class PlanRequest:
     low_bit_optimizer: str | None = None
     # plan(compile=True): every step runs the model compiled (Note [compile as a knob], autofit/features/compile.py)
     compile: bool = False
+    # Savers(float8=...) or the float8 rung: every step's linears train in float8 (Note [Float8 training]); a Float8
+    float8: Any = None
     # the model's run of identical blocks, simulated cut to a few of them and extrapolated (plan(extrapolate_depth=),
     # Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model
     blocks: Blocks | None = None
@@ -122,7 +126,7 @@ class PlanRequest:
         return make_step_config(
             micro_batch_size=1, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
             gpu=self.device.name, layout=parallel, clip_grad_norm=self.clip_grad_norm,
-            chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad)
+            chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad, float8=self.float8)
 
     def for_layout(self, parallel: Parallel) -> PlanRequest:
         """The request as ``parallel`` runs it: with tensor parallel T the T ranks of a group share their rows, so
@@ -212,8 +216,17 @@ def make_request(
         blocks=_depth_blocks(model, extrapolate_depth, s.compile),
         cheaper_cuts_only=extrapolate_depth == "auto",
         compile=make_step_config(micro_batch_size=1, compile=s.compile).compile,  # validated as the step validates it
+        float8=_float8(s.float8, target_device),
         options=options,
     )
+
+
+def _float8(value: Any, target_device: DeviceTarget) -> Any:
+    """``Savers(float8=...)`` checked against the installed torchao, on a card with FP8 tensor cores (Note [Float8
+    training])."""
+    value = as_float8(value)
+    require_fp8(getattr(target_device, "gpu", None) if value is not None else None)
+    return value
 
 
 def _layouts(model: nn.Module, batch: Batch, lay: Layout, batch_size: int, clip_grad_norm: Any) -> dict[str, Any]:

@@ -28,7 +28,7 @@ def test_every_feature_is_carried_by_the_plan_and_every_opt_in_one_by_the_reques
 
 
 def test_allow_accepts_exactly_the_opt_in_features():
-    assert ALLOW_NAMES == ("8bit-optimizer", "chunked-loss")
+    assert ALLOW_NAMES == ("8bit-optimizer", "chunked-loss", "float8")
     assert sorted(f.name for f in OPT_IN) == list(ALLOW_NAMES)
 
 

@@ -15,7 +15,9 @@ from autofit.core.units import format_bytes
 __all__ = ["LayerRow", "LayerTable", "Analysis", "OpCosts", "precision_of"]
 
 
-_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp32"}
+# float8 operands: the _scaled_mm kernels of torchao's Float8Linear (Note [Float8 training], features/float8.py)
+_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp32",
+                       "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8"}
 
 
 @dataclass(frozen=True)

@@ -97,10 +97,14 @@ OverCapacityOpt = Annotated[bool, typer.Option(
     "--allow-over-capacity", help="accept a --budget above the GPU's memory (refused otherwise)")]
 AllowOpt = Annotated[Optional[list[str]], typer.Option(
     "--allow", metavar="RUNG", help="a rung that changes numerics the planner may climb when nothing fits without "
-    "it (repeatable): 8bit-optimizer, chunked-loss (docs/fine-tuning.md)")]
+    "it (repeatable): 8bit-optimizer, chunked-loss (docs/fine-tuning.md); float8, taken where its plan is faster "
+    "(docs/float8.md)")]
 CompileOpt = Annotated[bool, typer.Option(
     "--compile", help="train the model compiled (torch.compile, inductor): estimated as inductor compiles it, and "
     "the trainer compiles it (docs/fine-tuning.md)")]
+Float8Opt = Annotated[Optional[str], typer.Option(
+    "--float8", metavar="RECIPE", help="train the linear layers in float8 with this torchao recipe (tensorwise, "
+    "rowwise, rowwise_with_gw_hp): converted before the layout, the output head left (docs/float8.md)")]
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="no progress: neither the terminal's progress line nor, when stderr is not a terminal, "
     "the stage lines written there")]
@@ -226,7 +230,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
-    quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
+    float8: Float8Opt = None, quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
     variable_length: VariableLengthOpt = False,
@@ -285,7 +289,7 @@ def plan(
                           allow_over_capacity=allow_over_capacity),
             precision=Precision(compute=precision, min_stored=min_stored_precision),
             savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile,
-                          zero_grad=zero_grad or default_zero_grad(
+                          float8=float8, zero_grad=zero_grad or default_zero_grad(
                               "lightning" if any(n == "lightning" for n, _ in exports) else None)),
             layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
                           reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
@@ -409,7 +413,7 @@ def estimate(
                                                  "own tp plan; 1: none)")] = "1",
     sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
-    qlora: QloraOpt = False,
+    qlora: QloraOpt = False, float8: Float8Opt = None,
     reduce_every_micro_batch: Annotated[bool, typer.Option(
         "--reduce-every-micro-batch/--defer-reduce", help="FSDP2 with accumulation: reduce-scatter the gradients "
         "after every micro-batch (torchtitan), or defer it to the last one (no_sync; every rank then holds its "
@@ -460,7 +464,7 @@ def estimate(
             reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
             offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
             preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view,
-            expandable_segments=expandable_segments)
+            expandable_segments=expandable_segments, float8=float8)
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

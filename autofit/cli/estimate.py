@@ -44,7 +44,7 @@ STEP_FLAGS: dict[str, tuple[str, ...]] = {
     "reduce_every_micro_batch": ("--reduce-every-micro-batch", "--defer-reduce"),
     "chunked_loss": ("--chunked-loss",), "compile": ("--compile",), "preallocated_grads": ("--preallocated-grads",),
     "inputs": ("--inputs",), "gradient_as_bucket_view": ("--gradient-as-bucket-view",),
-    "zero_grad": ("--zero-grad",),
+    "zero_grad": ("--zero-grad",), "float8": ("--float8",),
 }
 # What autofit.estimate takes that is not a knob of the step: the model and its data (MODEL, --input-shape,
 # --config and --task build them), and how a sample given in Python is laid out (the CLI generates batch-first inputs)
@@ -85,6 +85,7 @@ class EstimateSetup:
     # the CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Note [expandable segments as
     # an input], autofit/device.py)
     expandable_segments: bool = False
+    float8: str | None = None  # the torchao recipe the linears train in (Note [Float8 training]); None: not
 
     @property
     def data_ranks(self) -> int:
@@ -197,7 +198,7 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                     offload=setup.offload, offload_states=setup.offload_states,
                     optimizer_in_backward=setup.optimizer_in_backward, chunked_loss=setup.chunked_loss,
                     preallocated_grads=setup.preallocated_grads, inputs=setup.inputs,
-                    gradient_as_bucket_view=setup.gradient_as_bucket_view)
+                    gradient_as_bucket_view=setup.gradient_as_bucket_view, float8=setup.float8)
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:
@@ -213,6 +214,7 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "optimizer_in_backward": setup.optimizer_in_backward, "chunked_loss": setup.chunked_loss,
         "preallocated_grads": setup.preallocated_grads, "inputs": setup.inputs,
         "gradient_as_bucket_view": setup.gradient_as_bucket_view, "alloc_conf": est.alloc_conf,
+        "float8": setup.float8,
         "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.data_ranks,
         "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
         "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,

@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from autofit.core.errors import AutofitError, UnsupportedTorchError
 
 __all__ = [
-    "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode",
+    "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode", "scaled_mm",
     "OpOverload", "op_by_name", "op_named",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
     "allocation_sizes", "window_memory", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
@@ -56,6 +56,9 @@ def _need(module: str, name: str) -> Any:
             f"{SUPPORTED_TORCH} and is tested on {', '.join(TESTED_TORCH)}: install one of those"
         ) from e
 
+
+# ---- float8: the matmul torchao's Float8Linear runs (Note [CPU kernels], core/cpu.py) -----------------------------
+scaled_mm = _need("torch", "_scaled_mm")
 
 # ---- fake tensors (simulate, capture) ----------------------------------------------------------------------------
 FakeTensorMode = _need("torch._subclasses.fake_tensor", "FakeTensorMode")

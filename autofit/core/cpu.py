@@ -25,6 +25,11 @@ Note [CPU kernels]
 
     A GPU-target estimate runs no CPU kernel (fake tensors, no probes) and does not depend on any of this
     (tests/test_cpu_kernels.py plans one under a reduced oneDNN ISA and compares the JSON).
+
+    Float8 (torchao's ``Float8Linear``, autofit/features/float8.py) runs ``torch._scaled_mm``, which the CPU runs
+    through oneDNN's float8 matmul: present on this AVX-512 machine, absent under ``ONEDNN_MAX_CPU_ISA=AVX2`` ("could
+    not create a primitive descriptor for the matmul primitive"). Whether it runs is asked once, by running one small
+    ``_scaled_mm`` (:func:`fp8_matmul`), and a CPU-target simulation without it raises as for bf16.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit.core._torch import onednn_low_precision
+from autofit.core._torch import onednn_low_precision, scaled_mm
 from autofit.core.errors import UnsupportedPrecisionError
 
-__all__ = ["CpuKernels", "cpu_kernels", "require_kernel", "translate_kernel_error", "ISA_VARIABLES"]
+__all__ = ["CpuKernels", "cpu_kernels", "fp8_matmul", "require_kernel", "translate_kernel_error", "ISA_VARIABLES"]
 
 # oneDNN reads the first of these that is set (DNNL_MAX_CPU_ISA is the older name).
 ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
@@ -81,6 +86,22 @@ def cpu_kernels() -> CpuKernels:
     return CpuKernels(capability=torch.backends.cpu.get_cpu_capability(), bf16=bf16, fp16=fp16, isa_cap=cap)
 
 
+@functools.cache
+def fp8_matmul() -> bool:
+    """Whether this CPU runs ``torch._scaled_mm`` on float8 operands (oneDNN's float8 matmul; Note [CPU kernels]):
+    one 16 x 16 product, run once per process."""
+    try:
+        a = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+        one = torch.ones((), dtype=torch.float32)
+        scaled_mm(a, a.t(), one, one, out_dtype=torch.float32)
+    except (RuntimeError, AttributeError, TypeError):
+        return False
+    return True
+
+
+_SCALED_MM = {"aten::_scaled_mm"}  # the float8 matmul torchao's Float8Linear runs
+
+
 @functools.cache  # one answer per operator overload: the tracker asks for every op of a simulation
 def _onednn_only(func) -> str | None:
     """The operator's name when it exists only as a oneDNN kernel (``aten::mkldnn_*``), else None."""
@@ -93,6 +114,9 @@ def require_kernel(func, tensors: list[torch.Tensor], module: str | None, *, pla
     """Raise :class:`UnsupportedPrecisionError` when ``func`` would run on this CPU at a precision oneDNN has no kernel
     for (``tensors``: its tensor arguments). ``planned_for_host``: the step is planned for this CPU; False when autofit
     runs a GPU-target step on this CPU for real (Note [data-dependent models], simulate/run.py)."""
+    name = func.name() if hasattr(func, "name") else str(func)
+    if name in _SCALED_MM and not fp8_matmul():
+        raise _no_kernel("_scaled_mm", "fp8", module, planned_for_host)
     op = _onednn_only(func)
     if op is None:
         return
@@ -118,6 +142,11 @@ def translate_kernel_error(error: BaseException, precision: str,
 def _no_kernel(op: str, precision: str, module: str | None, planned_for_host: bool) -> UnsupportedPrecisionError:
     what = _FRIENDLY.get(op, op if " " in op else f"aten::{op}")
     where = f" in module {module!r}" if module else ""
+    if precision == "fp8":
+        return UnsupportedPrecisionError(
+            f"this CPU has no fp8 kernel for {what}{where} (torchao's Float8Linear): oneDNN has no float8 matmul for "
+            f"{cpu_kernels().describe()}. Leave float8 out, or plan for a GPU target (device='cuda' needs no CPU "
+            "kernel)", op=op, precision=precision, module=module)
     instead = ["precision='fp32'"]
     if planned_for_host:
         instead.append("plan for a GPU target (device='cuda' needs no CPU kernel)")

@@ -9,6 +9,7 @@ __all__ = [
     "LossError",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",
+    "UnsupportedFeatureError",
     "InfeasibleBudgetError",
     "UnsupportedTorchError",
     "AllocatorSettingError",
@@ -55,6 +56,11 @@ class UnsupportedPrecisionError(AutofitError, RuntimeError):
         self.op = op
         self.precision = precision
         self.module = module
+
+
+class UnsupportedFeatureError(AutofitError, RuntimeError):
+    """A step feature cannot run as asked: the library it needs is missing or too old (torchao for float8), or the
+    target card lacks the hardware (FP8 tensor cores); the message names what to install or choose instead."""
 
 
 class InfeasibleBudgetError(AutofitError):

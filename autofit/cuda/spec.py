@@ -68,7 +68,7 @@ class GPUSpec:
     bandwidth: float  # bytes per second
     compute_capability: tuple[int, int]  # ROCm: what torch reports for the gfx target (gfx942: 9.4)
     source: str
-    fp8_flops: float = 0.0  # dense fp8 tensor FLOP/s (0: no fp8 tensor cores); not planned with yet
+    fp8_flops: float = 0.0  # dense fp8 tensor FLOP/s (0: no fp8 tensor cores, float8 refused); torchao _scaled_mm
     # GPU-to-GPU bandwidth per direction: NVLink on SXM data-centre parts (V100 150, A100 300, H100/H200 450 GB/s),
     # else PCIe 4.0 x16 (~25 GB/s usable)
     interconnect: float = 25e9

@@ -34,7 +34,7 @@ from torch import nn
 
 from autofit.training.batch import Batch
 from autofit.emit.trainer import Trainer
-from autofit.features import before_wrap
+from autofit.features import before_wrap, convert_model
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
 from autofit.parallel.apply import apply_layout, device_mesh, wrap_ddp
@@ -74,6 +74,7 @@ class DistributedTrainer(Trainer):
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None, loss_reduction: str | None = None, shared: Any = None) -> None:
         before_wrap(plan)  # before FSDP2 moves or shards anything (the allocator's setting)
+        convert_model(plan.step, model)  # Float8's linears before the layout (Note [step features])
         _refuse_one_process_knobs(plan)
         self._own_group = False
         if plan.offload_states and plan.world_size == 1 and dist.is_available() and not dist.is_initialized():

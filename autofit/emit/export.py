@@ -46,6 +46,7 @@ from typing import Any
 
 from autofit.emit.plan import Plan
 from autofit.features import FEATURES
+from autofit.features.float8 import torchtitan_float8
 from autofit.parallel.sequence_parallel import is_sequence_parallel
 
 __all__ = ["DDP_KWARGS", "to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
@@ -388,6 +389,10 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     activation = _torchtitan_recompute(plan, notes)
     out: dict[str, dict[str, Any]] = {"parallelism": parallelism, "training": training,
                                       "activation_checkpoint": activation}
+    if plan.float8 is not None:  # the converter's sections (Note [Float8 training], autofit/features/float8.py)
+        sections, titan_notes = torchtitan_float8(plan.float8)
+        out.update(sections)
+        notes += titan_notes
     if notes:
         out["autofit"] = {"notes": notes}
     return out
@@ -419,6 +424,8 @@ def to_torchtitan_toml(plan: Plan) -> str:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

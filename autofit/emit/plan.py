@@ -133,6 +133,9 @@ class Plan:
     low_bit_optimizer: str | None = None
     # plan(compile=True): the trainer compiles the model (the step feature "compile", Note [compile as a knob])
     compile: bool = False
+    # plan(float8=...) or the "float8" rung: the trainer converts the linears to torchao's Float8Linear before the
+    # layout (the step feature "float8", Note [Float8 training]): an autofit.features.float8.Float8, or None
+    float8: Any = None
     # the trainer allocates every gradient before the first forward and keeps it between steps, where only that fits
     # the budget (the step feature "preallocated-grads"; Note [gradients before forward as a plan knob],
     # solve/estimator.py): the estimate's, which the search decided (not an argument)

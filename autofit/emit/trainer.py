@@ -30,7 +30,7 @@ from torch import nn
 from autofit.core._torch import BatchNormBase, SpectralNormParametrization
 from autofit.training.batch import Batch, as_batches, as_shared, micro_batch_bounds
 from autofit.core.errors import InvalidInputError, TrainerStateError
-from autofit.features import FEATURES, before_wrap
+from autofit.features import FEATURES, before_wrap, convert_model
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.length import batch_length
 from autofit.parallel.schedule import schedule_of
@@ -108,6 +108,7 @@ class Trainer:
         refuse_wrapped(inner)  # Note [one trainer per model]
         check_optimizer(inner, optimizer)
         before_wrap(plan)  # what the step features need in place first (the allocator's setting)
+        convert_model(plan.step, inner)  # the step features' conversions (Float8), before the layout where it has one
         for feature in FEATURES:  # the optimizer a step feature builds in place of the user's (Note [step features])
             optimizer = feature.trainer_optimizer(plan, optimizer)
         self.plan = plan

@@ -10,11 +10,12 @@ from autofit.features.allocator import ALLOCATOR_SETTING
 from autofit.features.base import Feature, OptInFeature, StepLoss
 from autofit.features.chunked_loss import CHUNKED_LOSS
 from autofit.features.compile import COMPILE
+from autofit.features.float8 import FLOAT8
 from autofit.features.in_backward import IN_BACKWARD
 from autofit.features.low_bit_optimizer import LOW_BIT_OPTIMIZER
 from autofit.features.preallocated_grads import PREALLOCATED_GRADS
 
-__all__ = ["FEATURES", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "before_wrap", "feature_fields",
+__all__ = ["FEATURES", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "before_wrap", "convert_model", "feature_fields",
            "feature_names", "feature_values", "registry"]
 
 
@@ -31,7 +32,7 @@ def registry(*features: Feature) -> tuple[Feature, ...]:
 # In registry order the stages enter the features' contexts and place their plan rows; the opt-in ones are also
 # the order the ladder climbs them: float rounding only first, then the 8-bit state, which changes the update's
 # numbers (Note [the ladder])
-FEATURES: tuple[Feature, ...] = registry(COMPILE, ALLOCATOR_SETTING, PREALLOCATED_GRADS, ACTIVATION_OFFLOAD,
+FEATURES: tuple[Feature, ...] = registry(FLOAT8, COMPILE, ALLOCATOR_SETTING, PREALLOCATED_GRADS, ACTIVATION_OFFLOAD,
                                          CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
 OPT_IN: tuple[OptInFeature, ...] = tuple(f for f in FEATURES if isinstance(f, OptInFeature))
 
@@ -58,3 +59,11 @@ def before_wrap(plan: Any) -> None:
     (Feature.before_wrap); raises where one cannot."""
     for feature in FEATURES:
         feature.before_wrap(plan)
+
+
+def convert_model(config: Any, model: Any) -> Any:
+    """``model`` as every step feature converts it for ``config``'s step (Feature.convert), in place, before the
+    parallel layout is applied; returns it. The one call of the simulation, ``measure`` and the trainer."""
+    for feature in FEATURES:
+        feature.convert(config, model)
+    return model

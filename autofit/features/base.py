@@ -7,6 +7,12 @@ Note [step features]
     ``autofit.features.FEATURES`` lists them (torchtitan's registry of model converters, where float8 is one file
     switched on by name, and ``torch.utils.flop_counter``'s registry of one function per op are the models). The
     stages never name a feature; each asks every registered one what it needs. Of every feature:
+      - the model before its layout: :meth:`Feature.convert`, what the feature does to the model's modules before
+        the parallel layout is applied (torchtitan's model converters, which run before ``parallelize``: Float8's
+        linears are converted first, so FSDP2 shards and gathers what torchao made). Every path calls it once, through
+        ``convert_model`` (autofit/features/__init__.py), at the place it prepares its model: the simulation's fake
+        copy (``simulate/run.py``), ``measure``'s real copy (``measure/allocator.py``) and the model the trainer
+        wraps (``emit/trainer.py``; ``emit/distributed.py`` before it lays the model out);
       - the step (``training/step.py``, which the simulation, ``measure`` and the trainer all run):
         :meth:`Feature.step_loss`, the loss the feature computes in place of the model's output and the loss
         function; and :meth:`Feature.step_context`, what it holds around the step's forward and backward
@@ -30,7 +36,9 @@ Note [step features]
       - to the request (``request.py``): :meth:`OptInFeature.resolve`, its value for this model and optimizer, and
         :meth:`OptInFeature.not_applicable`, the note when it was allowed but does not apply;
       - to the ladder (``solve/ladder.py``): one rung per feature allowed, cumulative in registry order, named by
-        :meth:`OptInFeature.rung_what`, its floor from :attr:`OptInFeature.state_bytes`;
+        :meth:`OptInFeature.rung_what`, its floor from :attr:`OptInFeature.state_bytes`; or, for a feature that buys
+        speed (:attr:`OptInFeature.for_speed`), to the planner (``planner.py``, Note [speed rungs]): the request
+        planned again with it, the faster plan taken;
         :meth:`OptInFeature.request_for` is the request as the rung runs it;
       - to the plan's notes (``solve/finish.py``): :meth:`OptInFeature.request_without` and
         :meth:`OptInFeature.climbed`, what the rung saved against the same configuration without it;
@@ -84,6 +92,12 @@ class Feature:
     def in_force(self, carrier: Any) -> Any:
         """The value in force on ``carrier`` (a PlanRequest, a StepConfig or a Plan), or None."""
         return getattr(carrier, self.field, None)
+
+    # ---- the model before its layout: simulated, measured and trained alike ----------------------------------------
+    def convert(self, config: StepConfig, model: nn.Module) -> None:
+        """What the feature does to ``model``'s modules for ``config``'s step, in place, before the parallel layout
+        is applied (the simulation's fake copy, ``measure``'s copy, the model the trainer wraps); must leave a model
+        it converted already as it is (the distributed trainer's model passes twice)."""
 
     # ---- the step: simulated, measured and trained alike ----------------------------------------------------------
     def step_loss(self, config: StepConfig) -> StepLoss | None:
@@ -154,6 +168,10 @@ class OptInFeature(Feature, abc.ABC):
     # the optimizer state's bytes per value on its rung and those after it (the ladder's floor); None: the stored
     # precision's
     state_bytes: int | None = None
+    # a rung taken for speed, not memory (float8's faster matmuls): not one of the ladder's memory rungs; the planner
+    # plans the request with it beside the plan without it and takes the faster, or the one that fits (planner.py,
+    # Note [speed rungs])
+    for_speed: bool = False
 
     # ---- the request: resolved once per plan() --------------------------------------------------------------------
     @abc.abstractmethod

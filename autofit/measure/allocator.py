@@ -44,7 +44,7 @@ from autofit.core._torch import (
 from autofit.training.batch import Batch
 from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
 from autofit.core.categories import Category
-from autofit.features import FEATURES
+from autofit.features import FEATURES, convert_model
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
@@ -126,7 +126,7 @@ def measure_step(
     of the allocations made on this thread (a rank of a gloo job, Note [gloo's threads in the measured window],
     measure/ranks.py)."""
     device = torch.device(config.device)
-    work = real_copy(model).to(device)
+    work = convert_model(config, real_copy(model).to(device))
     # the rows resident all window (StepConfig.held_rows: the whole batch, as trainer.step receives it, or one
     # micro-batch), and the micro-batches as slices of them, as the trainer runs them
     rows = max(config.held_rows, config.micro_batch_size)

@@ -78,7 +78,7 @@ from autofit.core import progress
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter
 from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
-from autofit.features import FEATURES
+from autofit.features import FEATURES, convert_model
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.simulate.compiled_model import compiled_for_simulation, compiled_note, upper_bound, warm_up
@@ -265,7 +265,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
     prober = _PROBER if probes_kernels(config, probe_kernels) else None
     if prober is not None:
         prober.skipped = prober.failed = 0
-    work = fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu")
+    work = convert_model(config, fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu"))
     # the device mesh holds real tensors: it is made before the fake mode is entered
     mesh_ctx = fake_mesh(config.layout) \
         if config.layout.shards_parameters else contextlib.nullcontext()

@@ -13,7 +13,10 @@ is active, and a DTensor is counted by its local shard (``_local``), what this r
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -222,6 +225,10 @@ class StepTracker(TorchDispatchMode):
             st = t.untyped_storage()
             if not self._is_known_or_external(st):
                 self._external[id(st)] = weakref.ref(st)
+        seen_through = _computing_subclass(inputs)
+        if seen_through is not None:  # Note [subclasses that compute in plain ops]
+            with _pushed(self):
+                return seen_through.__torch_dispatch__(func, types, args, kwargs)
         if self.kernels_for is not None:
             require_kernel(func, inputs, self.module or None, planned_for_host=self.kernels_for.is_host)
         replacement = fake_kernel(func, args, kwargs)  # a fake kernel stricter than the CPU's (corrections.py)
@@ -280,6 +287,37 @@ class StepTracker(TorchDispatchMode):
             # autocast casts a weight once per autocast region and caches the copy until the region exits
             return Category.AUTOCAST_CACHE
         return _PHASE_CATEGORY[self.phase]
+
+
+# Note [subclasses that compute in plain ops]
+#     A wrapper tensor subclass whose ``__torch_dispatch__`` computes its op in plain aten ops on its inner tensors
+#     (torchao's ``Float8TrainingTensor``: ``mm`` becomes ``_scaled_mm`` on the fp8 data and scales, with the
+#     transposes and contiguous copies the kernel needs) would run those ops below this mode, which the mode stack
+#     pops while it handles an op: their temporaries and the ``_scaled_mm`` kernel's own scratch (the CPU kernel
+#     copies a transposed operand) would go unseen, and its FLOPs unpriced. The tracker calls such a subclass's
+#     dispatch itself with the mode pushed again, so each inner op passes through it as in a plain step (and is
+#     probed, counted and priced in its own dtype). The subclasses are named here by module and class, looked up
+#     only where their library is already imported (no library is imported for the check).
+_SEEN_THROUGH = (("torchao.float8.float8_training_tensor", "Float8TrainingTensor"),)
+
+
+def _computing_subclass(inputs: list[torch.Tensor]) -> type | None:
+    """The subclass of Note [subclasses that compute in plain ops] among the op's tensor arguments, or None."""
+    kinds = tuple(kind for kind in (getattr(sys.modules.get(module), name, None) for module, name in _SEEN_THROUGH)
+                  if kind is not None)
+    if not kinds:
+        return None
+    return next((type(x) for x in inputs if isinstance(x, kinds)), None)
+
+
+@contextlib.contextmanager
+def _pushed(mode: TorchDispatchMode) -> Iterator[None]:
+    """``mode`` on the dispatch-mode stack again, inside its own ``__torch_dispatch__`` (which popped it)."""
+    TorchDispatchMode.__enter__(mode)
+    try:
+        yield
+    finally:
+        TorchDispatchMode.__exit__(mode, None, None, None)
 
 
 def _is_fake(out: Any) -> bool:

@@ -128,7 +128,7 @@ def _opt_in(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionP
     in_backward = _in_backward(request, parallel, policies)
     for feature in OPT_IN:
         value = feature.allowed(request)
-        if value is None:
+        if value is None or feature.for_speed:  # a speed rung is the planner's (Note [speed rungs], planner.py)
             continue
         in_force.append((feature, value))
         state_bytes = feature.state_bytes if feature.state_bytes is not None else state_bytes

@@ -137,6 +137,9 @@ class StepConfig:
     # the model runs as torch.compile(model) (inductor, default options) compiles it (Note [compile as a knob],
     # autofit/features/compile.py)
     compile: bool = False
+    # the linears train in float8 (torchao's Float8Linear, converted before the layout: Note [Float8 training],
+    # autofit/features/float8.py): an autofit.features.float8.Float8, or None
+    float8: Any = None
     # every trainable parameter's gradient allocated before the first forward and zeroed in place after each step
     # (zero_grad(set_to_none=False)), not created in backward (Note [gradients allocated before forward])
     preallocated_grads: bool = False
@@ -230,6 +233,12 @@ class StepConfig:
             )
         if not isinstance(self.compile, bool):
             raise InvalidInputError(f"compile must be True or False, got {self.compile!r}")
+        if self.float8 is not None and type(self.float8).__name__ != "Float8":  # the feature's value, not imported
+            raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (as_float8 reads a recipe "
+                                    f"name), got {self.float8!r}")
+        if self.float8 is not None and self.float8.all_gather and not self.layout.fully_sharded:
+            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
+                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
         if not isinstance(self.preallocated_grads, bool):
             raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
         if self.preallocated_grads:
@@ -246,7 +255,7 @@ def make_step_config(
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     chunked_loss: LossChunks | None = None, compile: bool = False, preallocated_grads: bool = False,
     gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", layout: Parallel | None = None,
-    **layout_fields: Any,
+    float8: Any = None, **layout_fields: Any,
 ) -> StepConfig:
     """The step from flat keywords (estimate's and measure's). ``layout``: the parallel layout as one value (what
     the planner passes); or its fields as keywords (``strategy="fsdp2", world_size=2, ...``: the fields of
@@ -273,7 +282,7 @@ def make_step_config(
         clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
         offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
         compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
-        zero_grad=zero_grad,
+        zero_grad=zero_grad, float8=float8,
     )
 
 

@@ -50,6 +50,7 @@ class PrecisionPolicy:
         if self.name not in _DTYPES:
             raise InvalidInputError(
                 f"PrecisionPolicy.name: unknown precision {self.name!r}; use one of {', '.join(PRECISION_NAMES)}"
+                + _FLOAT8_HINT.get(str(self.name).lower(), "")
             )
         object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
         if self.stored is None:
@@ -133,4 +134,11 @@ def as_policy(precision: str | PrecisionPolicy) -> PrecisionPolicy:
             return PrecisionPolicy(name=key)
     raise InvalidInputError(
         f"unknown precision {precision!r}: use 'fp32', 'bf16', 'fp16' or an autofit.PrecisionPolicy"
+        + _FLOAT8_HINT.get(str(precision).strip().lower(), "")
     )
+
+
+# float8 is no autocast precision: the linear layers are converted (torchao), the rest computes in the precision given
+_FLOAT8_HINT = dict.fromkeys(("fp8", "float8", "float8_e4m3fn"), "; float8 training of the linear layers is "
+                             "float8='tensorwise' (or 'rowwise', 'rowwise_with_gw_hp') beside precision='bf16' "
+                             "(docs/float8.md)")

@@ -74,6 +74,9 @@ def knobs_of(plan) -> PlanKnobs:
     if plan.chunked_loss is not None:
         notes.append("the plan computes the loss in chunks (--allow chunked-loss), which the config cannot say: "
                      "train with plan.wrap(), or use the framework's chunked loss")
+    if plan.float8 is not None:
+        notes.append(f"the plan trains the linear layers in float8 ({plan.float8.label()}), which the config does "
+                     "not say: convert the model with torchao's convert_to_float8_training, or train with plan.wrap()")
     shards = plan.parallel.shards_parameters
     fsdp = FsdpKnobs(plan.reshard_after_forward is not False, plan.offload_states) if shards or \
         plan.offload_states else None
