@@ -33,6 +33,11 @@ in the framework's own terms: Lightning's ``ddp_strategy`` (``DDPStrategy(**ddp_
 Hugging Face, whose ``TrainingArguments`` cannot express it, ``ddp_kwargs`` with a note naming
 ``autofit.integrations.hf.bucket_views(trainer)``, which sets it on the Trainer's Accelerator.
 
+The layout's part of each export (its ZeRO stage, FSDP plugin, DDP keywords, degrees, and the notes where a
+framework's nearest setting differs or it cannot express a dimension) is each layout dimension's own
+(``Dimension.export``, autofit/parallel/; Note [layout dimensions]): the exporters here write what every layout
+shares (the batch, the precision, the recomputation, the ranks and nodes) and merge what ``Layout.export`` gives.
+
 Stored precision (Note [stored precision], autofit/training/stored.py) maps where the framework has the same scheme: pure bf16
 is Lightning's "bf16-true" and, for Hugging Face, loading the model with ``torch_dtype=torch.bfloat16``; bf16/fp16
 parameters with an fp32 master copy are DeepSpeed's ``bf16`` / ``fp16`` modes (its optimizer keeps fp32 master
@@ -47,7 +52,8 @@ from typing import Any
 from autofit.emit.plan import Plan
 from autofit.features import FEATURES
 from autofit.features.float8 import torchtitan_float8
-from autofit.parallel.sequence_parallel import is_sequence_parallel
+from autofit.parallel.dimension import ExportFragment, ExportInputs, merge_settings
+from autofit.parallel.replicate import DDP_KWARGS
 
 __all__ = ["DDP_KWARGS", "to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",
            "to_torchtitan_config", "to_torchtitan_toml", "export_file", "EXPORTERS"]
@@ -90,18 +96,17 @@ def _selective_notes(plan: Plan, how: str) -> list[str]:
     return notes
 
 
-# DistributedDataParallel's keyword that a DDP plan's memory depends on (Note [DDP's bucket views])
-DDP_KWARGS = {"gradient_as_bucket_view": True}
+def _layout(plan: Plan, framework: str) -> ExportFragment:
+    """The plan's layout in ``framework``'s terms: its dimensions' fragments merged (``Layout.export``, Note [layout
+    dimensions]), given the plan's plain values they read."""
+    return plan.parallel.layout.export(framework, ExportInputs(
+        precision=plan.precision.name, recomputes=bool(plan.checkpoint), shard_units=plan.shard_units,
+        gradient_bytes=plan.estimate.breakdown.get("gradients", 0)))
 
 
-def _gradient_bytes(plan: Plan) -> int:
-    return plan.estimate.breakdown.get("gradients", 0)
-
-
-def _bucket_note(plan: Plan, how: str) -> str:
-    return (f"DDP with gradient_as_bucket_view=True (the plan counts the gradients inside DDP's buckets; torch's "
-            f"default keeps one more gradient-sized copy, {_gradient_bytes(plan):,} bytes per GPU at this plan's "
-            f"peak): {how}")
+def _layout_notes(fragment: ExportFragment) -> list[str]:
+    """A layout fragment's notes: how the framework runs each dimension, then what it cannot express."""
+    return list(fragment.notes + fragment.unexpressed)
 
 
 def _order_note(plan: Plan, framework: str) -> list[str]:
@@ -154,25 +159,9 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
     elif stored is not None:
         notes.append(f"the plan stores {stored}: Hugging Face's Trainer keeps no fp32 master copy of "
                      "low-precision parameters; train with plan.wrap() or the DeepSpeed export")
-    if plan.parallel.replicates_parameters:
-        # TrainingArguments has no field for it: Trainer._build_accelerator_args builds DistributedDataParallelKwargs
-        # from ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers and ddp_static_graph only
-        out["ddp_kwargs"] = dict(DDP_KWARGS)
-        notes.append(_bucket_note(plan, "TrainingArguments cannot set it; after building the Trainer, call "
-                                        "autofit.integrations.hf.bucket_views(trainer) before trainer.train()"))
-    if plan.parallel.shards_parameters:
-        # TrainingArguments(fsdp=True, fsdp_config={...}): FSDP2 through Accelerate; fsdp as a string ("full_shard")
-        # is deprecated in transformers 5 (training_args.py, _translate_legacy_fsdp)
-        raf = plan.reshard_after_forward
-        args["fsdp"] = True
-        args["fsdp_config"] = {"version": 2, "reshard_after_forward": raf if isinstance(raf, bool) else True,
-                               "cpu_offload": bool(plan.offload_states)}
-        if plan.world_size == 1:
-            # Accelerate applies FSDP only in a process group (state.py: FSDP is set for MULTI_GPU, which needs
-            # LOCAL_RANK): under plain `python` the Trainer runs without it, the states on the GPU
-            notes.append("FSDP on one GPU (the states on the host) needs a launcher: accelerate launch "
-                         "--num_processes 1 train.py or torchrun --nproc_per_node 1 train.py; under plain python the "
-                         "Trainer runs without FSDP and keeps the states on the GPU")
+    layout = _layout(plan, "hf")  # DDP's keywords (beside the arguments), FSDP's fsdp and fsdp_config
+    merge_settings(out, layout.settings)
+    notes += _layout_notes(layout)
     if notes:
         out["autofit_notes"] = notes
     return out
@@ -183,41 +172,25 @@ def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": steps,
-        "train_batch_size": micro * steps * plan.world_size,
+        # over the data-parallel ranks: DeepSpeed's config has no training tensor parallelism
+        "train_batch_size": micro * steps * plan.parallel.data_ranks,
         "bf16": {"enabled": plan.precision.name == "bf16"},
         "fp16": {"enabled": plan.precision.name == "fp16", "loss_scale": 0},  # 0: dynamic loss scaling
     }
     if plan.checkpoint:
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
-    # ZeRO stage of the plan's sharding (DeepSpeed's config JSON documentation, "ZeRO Optimizations"): FSDP2 shards
-    # parameters, gradients and optimizer state, which is stage 3; DDP replicates them, stage 0; states on the host
-    # are ZeRO-Offload of the parameters and the optimizer
-    # ZeRO-2 (reshard_after_forward=False) is stage 2's communication; DeepSpeed's stage 2 keeps every parameter
-    # whole for the whole step, FSDP2's only from forward to backward (a note says so)
-    zero: dict[str, Any] = {"stage": 0 if not plan.parallel.shards_parameters
-                            else 2 if plan.reshard_after_forward is False else 3}
-    if plan.offload_states:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    config["zero_optimization"] = zero
+    # ZeRO stage 0 (DeepSpeed's config JSON documentation, "ZeRO Optimizations"): DDP and one process replicate
+    # parameters, gradients and optimizer state; the shard dimension sets its stage and ZeRO-Offload
+    config["zero_optimization"] = {"stage": 0}
+    layout = _layout(plan, "deepspeed")
+    merge_settings(config, layout.settings)
     notes = _split_notes(plan) + _feature_notes(plan, "deepspeed")
     if plan.selective or plan.op_selective:
         config["autofit_checkpoint_policies"] = plan.checkpoint_policies
         notes += _selective_notes(plan, "DeepSpeed's activation checkpointing recomputes whole modules and has no "
                                         "op-level policy; apply them with autofit.integrations.plan_patches or train "
                                         "with plan.wrap()")
-    if plan.parallel.shards_parameters and plan.reshard_after_forward is not True:
-        notes.append(f"reshard_after_forward={plan.reshard_after_forward!r}: DeepSpeed's stage "
-                     f"{zero['stage']} is the nearest; its memory differs from the plan's (stage 2 holds whole "
-                     "parameters all step; an int group is ZeRO++'s zero_hpz_partition_size)")
-    if plan.replicate > 1:
-        notes.append(f"HSDP {plan.replicate} x {plan.parallel.shard_group}: DeepSpeed's nearest is MiCS "
-                     f"(mics_shard_size {plan.parallel.shard_group}), not exported")
-    if plan.tensor_parallel > 1:  # no training TP in DeepSpeed's config (AutoTP shards models for inference)
-        config["train_batch_size"] = micro * steps * plan.parallel.data_ranks
-        notes.append(f"tensor parallel {plan.tensor_parallel} is not exported: DeepSpeed's config has no training "
-                     "tensor parallelism (Megatron-DeepSpeed does it in the model code); this config is ZeRO over "
-                     "the data-parallel ranks only, and its memory is not the plan's")
+    notes += _layout_notes(layout)
     if _stored(plan) == "bf16":
         notes.append("the plan stores pure bf16 (no fp32 master copy, bf16 optimizer state); DeepSpeed's bf16 mode "
                      "keeps fp32 master weights, which need more memory")
@@ -242,55 +215,18 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
                            "autofit_checkpoint_policies": plan.checkpoint_policies}
     notes += _selective_notes(plan, "Lightning has no per-module recomputation policy; AutofitLightningCallback "
                                     "applies the plan's")
-    if plan.strategy is not None:
-        trainer["strategy"] = "fsdp" if plan.parallel.shards_parameters else "ddp"  # Lightning's names
+    # the strategy (Lightning's name) and its keywords: DDPStrategy's, FSDPStrategy's and ModelParallelStrategy's
+    layout = _layout(plan, "lightning")
+    merge_settings(out, layout.settings)
+    if plan.parallel.layout.placements:  # DDP or FSDP2 (not one process): the devices per node, and the nodes
         per_node = plan.gpus_per_node or plan.world_size
         trainer["devices"] = per_node
         if per_node < plan.world_size:
             trainer["num_nodes"] = plan.parallel.nodes
-    if plan.parallel.replicates_parameters:  # lightning's DDPStrategy(**kwargs) passes them to DDP
-        out["ddp_strategy"] = dict(DDP_KWARGS)
-        notes.append(_bucket_note(plan, "pass Trainer(strategy=DDPStrategy(**ddp_strategy)); strategy='ddp' "
-                                        "builds DDPStrategy() without it"))
-    if plan.parallel.shards_parameters:
-        strategy, more = _lightning_fsdp(plan)
-        out["fsdp_strategy"] = strategy
-        out["model_parallel_strategy"] = {"data_parallel_size": plan.parallel.data_ranks,
-                                          "tensor_parallel_size": plan.tensor_parallel}
-        if plan.tensor_parallel > 1:
-            notes.append(f"tensor parallel {plan.tensor_parallel}: FSDPStrategy (FSDP1) has none; in "
-                         "ModelParallelStrategy's configure_model call parallelize_module(model, self.device_mesh"
-                         "['tensor_parallel'], plan) first, with the torch style of each of the plan's "
-                         f"{len(plan.tensor_plan)} modules (plan.tensor_plan; autofit.parallel.tensor_parallel."
-                         "torch_style names each)")
-        notes += more
+    notes += _layout_notes(layout)
     if notes:
         out["autofit_notes"] = notes
     return out
-
-
-def _lightning_fsdp(plan: Plan) -> tuple[dict[str, Any], list[str]]:
-    """``lightning.pytorch.strategies.FSDPStrategy`` keyword arguments (its docstring: ``sharding_strategy``
-    "FULL_SHARD" / "SHARD_GRAD_OP" / "HYBRID_SHARD" / "_HYBRID_SHARD_ZERO2", ``device_mesh`` a tuple (replication
-    size, sharding size), ``cpu_offload``). That strategy runs FSDP1; ``ModelParallelStrategy(data_parallel_size,
-    tensor_parallel_size)`` runs FSDP2, applied by the user's ``configure_model``, which the notes spell out."""
-    raf = plan.reshard_after_forward
-    notes = [f"ModelParallelStrategy (FSDP2): in configure_model call fully_shard(block, mesh=self.device_mesh"
-             f"['data_parallel'], reshard_after_forward={raf!r}) on each of {', '.join(plan.shard_units[:2])}"
-             f"{', ...' if len(plan.shard_units) > 2 else ''}, then on the model"]
-    if plan.replicate > 1:
-        sharding = "HYBRID_SHARD" if raf is not False else "_HYBRID_SHARD_ZERO2"
-    else:
-        sharding = "SHARD_GRAD_OP" if raf is False else "FULL_SHARD"
-    if not isinstance(raf, bool):
-        notes.append(f"reshard_after_forward={raf} (reshard to groups of {raf}) has no FSDP1 sharding strategy: "
-                     "FSDPStrategy gets FULL_SHARD (more all-gathers, less memory); ModelParallelStrategy with the "
-                     "fully_shard call above runs the plan exactly")
-    kwargs: dict[str, Any] = {"sharding_strategy": sharding, "cpu_offload": plan.offload_states}
-    if plan.replicate > 1:
-        # a tuple: FSDPStrategy turns only a tuple into a DeviceMesh (setup_environment)
-        kwargs["device_mesh"] = (plan.replicate, plan.parallel.shard_group)
-    return kwargs, notes
 
 
 def to_accelerate_config(plan: Plan) -> dict[str, Any]:
@@ -303,55 +239,16 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
         "num_machines": plan.parallel.nodes, "num_processes": plan.world_size,
+        "distributed_type": "NO",  # one process; DDP's MULTI_GPU and FSDP's plugin are their dimensions'
     }
     notes = _split_notes(plan) + _feature_notes(plan, "accelerate")
-    ddp: dict[str, Any] = {}
-    if plan.parallel.replicates_parameters:
-        config["distributed_type"] = "MULTI_GPU"
-        ddp = {"ddp_kwargs": dict(DDP_KWARGS)}  # the config file has no DDP keyword: the Accelerator's handler
-        notes.append(_bucket_note(plan, "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**ddp_kwargs)], "
-                                        "...)"))
-    elif plan.parallel.shards_parameters:
-        raf = plan.reshard_after_forward
-        config["distributed_type"] = "FSDP"
-        config["fsdp_config"] = {
-            "fsdp_version": 2,
-            # FSDP_RESHARD_AFTER_FORWARD is read as a bool for version 2 (FullyShardedDataParallelPlugin)
-            "fsdp_reshard_after_forward": raf if isinstance(raf, bool) else True,
-            "fsdp_offload_params": plan.offload_states,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            # on when the plan recomputes: FSDP's switch recomputes every wrapped layer, at most the plan's memory
-            # (following the file alone must not run out of memory); the plan's own modules are in the notes
-            "fsdp_activation_checkpointing": bool(plan.checkpoint),
-        }
-        if plan.replicate > 1:
-            config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": plan.replicate,
-                "parallelism_config_dp_shard_size": plan.parallel.shard_group,
-            }
-        if plan.tensor_parallel > 1:  # Accelerate's ParallelismConfig: tp_size, the model's own tp_plan applied
-            config["parallelism_config"] = {
-                "parallelism_config_dp_shard_size": plan.parallel.data_ranks,
-                "parallelism_config_tp_size": plan.tensor_parallel,
-            }
-            if is_sequence_parallel(plan.tensor_plan):
-                notes.append("Accelerate's tp_size applies the model's own tp_plan, without this plan's sequence "
-                             "parallel: its activations per GPU are above this plan's")
-        if not isinstance(raf, bool):
-            notes.append(f"reshard_after_forward={raf}: Accelerate's FSDP2 plugin takes a bool only; exported as "
-                         "True (ZeRO-3: less memory, the backward all-gather over every shard rank)")
-        notes.append("TRANSFORMER_BASED_WRAP wraps the model's _no_split_modules; the plan's FSDP2 units are "
-                     + ", ".join(plan.shard_units[:3]) + (" ..." if len(plan.shard_units) > 3 else ""))
-    else:
-        config["distributed_type"] = "NO"
+    out: dict[str, Any] = {"config_file": config, "accelerator": {"gradient_accumulation_steps": steps}}
+    layout = _layout(plan, "accelerate")  # DDP's keywords (beside the config file), FSDP's plugin, HSDP and TP
+    merge_settings(out, layout.settings)
+    notes += _layout_notes(layout)
     # the accumulation is the Accelerator's argument, not the config file's; the micro-batch the DataLoader's
-    return {"config_file": config, "accelerator": {"gradient_accumulation_steps": steps}, **ddp,
-            "dataloader_batch_size": micro, "autofit_notes": notes}
-
-
-# torchtitan's JobConfig (torchtitan/config/job_config.py): Parallelism.fsdp_reshard_after_forward is "default",
-# "always" or "never"; "default" reshards every block but the last
-_TITAN_RESHARD = {True: "always", False: "never"}
+    out.update({"dataloader_batch_size": micro, "autofit_notes": notes})
+    return out
 
 
 def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
@@ -361,29 +258,17 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     ``mixed_precision_param``); field names and meanings from torchtitan/config/job_config.py."""
     micro, steps = _split(plan)
     notes = _split_notes(plan) + _feature_notes(plan, "torchtitan")
-    data_ranks = plan.parallel.data_ranks
-    if plan.parallel.shards_parameters:
-        shard = data_ranks // plan.replicate
-        raf = plan.reshard_after_forward
-        parallelism = {"data_parallel_replicate_degree": plan.replicate, "data_parallel_shard_degree": shard,
-                       "fsdp_reshard_after_forward": _TITAN_RESHARD.get(raf, "always"),
-                       "tensor_parallel_degree": plan.tensor_parallel}
-        styles = {style for _, style in plan.tensor_plan}
-        missing = [what for what, present in (
-            ("splits the embedding and the output head", {"embedding_rowwise", "colwise_rep"} <= styles),
-            ("runs the norms sequence-parallel", "sequence_parallel" in styles)) if not present]
-        if plan.tensor_parallel > 1 and missing:
-            notes.append(f"torchtitan's tensor-parallel plan also {' and '.join(missing)}, which this plan does "
-                         "not: its memory per GPU is below this plan's")
-        if not isinstance(raf, bool):
-            notes.append(f"reshard_after_forward={raf} is not a torchtitan policy (default / always / never): "
-                         "exported as 'always' (ZeRO-3)")
-    else:  # DDP: torchtitan replicates when the shard degree is 1
-        parallelism = {"data_parallel_replicate_degree": plan.world_size, "data_parallel_shard_degree": 1,
-                       "tensor_parallel_degree": 1}
-    training: dict[str, Any] = {"local_batch_size": micro, "global_batch_size": micro * steps * data_ranks}
-    if plan.precision.name != "fp32" or plan.parallel.shards_parameters:
+    # a degree no dimension of the layout writes is 1 (one process: every one); the dimensions write theirs, in
+    # mesh order, and FSDP's reshard and parameter dtype
+    parallelism: dict[str, Any] = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
+    training: dict[str, Any] = {"local_batch_size": micro,
+                                "global_batch_size": micro * steps * plan.parallel.data_ranks}
+    if plan.precision.name != "fp32":
         training["mixed_precision_param"] = "bfloat16" if plan.precision.name == "bf16" else "float32"
+    layout = _layout(plan, "torchtitan")
+    merge_settings({"parallelism": parallelism, "training": training}, layout.settings)
+    parallelism.setdefault("tensor_parallel_degree", 1)
+    notes += _layout_notes(layout)
     if plan.precision.name == "fp16":
         notes.append("torchtitan's mixed precision is bf16 or fp32; the plan computes in fp16")
     activation = _torchtitan_recompute(plan, notes)

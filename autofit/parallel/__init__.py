@@ -7,11 +7,13 @@ tensor parallel before those with it, replicate sizes before reshard options); t
 
 from __future__ import annotations
 
-from autofit.parallel.dimension import Dimension, Layout, Placement, Registry, enumerate_layouts
+from autofit.parallel.dimension import (Dimension, ExportFragment, ExportInputs, Layout, Placement, Registry,
+                                        enumerate_layouts)
 from autofit.parallel.replicate import REPLICATE
 from autofit.parallel.shard import SHARD
 from autofit.parallel.tensor import TENSOR
 
-__all__ = ["DIMENSIONS", "Dimension", "Layout", "Placement", "Registry", "enumerate_layouts"]
+__all__ = ["DIMENSIONS", "Dimension", "ExportFragment", "ExportInputs", "Layout", "Placement", "Registry",
+           "enumerate_layouts"]
 
 DIMENSIONS = Registry((TENSOR, REPLICATE, SHARD))

@@ -17,15 +17,29 @@ Note [layout dimensions]
       - whether its ranks share their rows (:attr:`Dimension.shares_rows`: tensor and context parallel split a row's
         work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`);
       - its collectives' time in a step (:meth:`Dimension.collective_seconds`, summed by
-        ``autofit.parallel.layout.collective_seconds``).
+        ``autofit.parallel.layout.collective_seconds``);
+      - its part of each framework's export (:meth:`Dimension.export`, one of :data:`FRAMEWORKS`): an
+        :class:`ExportFragment` of settings in the framework's own keys, the notes saying how the framework runs it
+        (or the nearest setting it has, and how its memory differs), and, apart, what the framework cannot express
+        of it at all. ``autofit/emit/export.py`` writes what every layout shares (the batch, the precision, the
+        recomputation, the ranks and nodes) and asks :meth:`Layout.export` for the rest, which merges the layout's
+        dimensions' fragments: the settings outermost first (the frameworks lay their keys out in mesh order:
+        torchtitan's replicate, shard, then tensor degree; Accelerate's ``parallelism_config``), a mapping merged
+        into a mapping key by key (:func:`merge_settings`); the notes innermost first, the order a user applies
+        the dimensions (tensor parallel, then FSDP: torchtitan's ``parallelize_llama``, Lightning's
+        ``configure_model``), then what cannot be expressed. A dimension that a framework expresses as an option of
+        another's setting is written by the one that owns the setting: Lightning's and Accelerate's HSDP are
+        options of their FSDP plugins, so the shard dimension writes them, reading the replicate degree. The
+        dimensions see the plan's plain values only (:class:`ExportInputs`), never the ``Plan``: this layer is
+        below ``emit/``.
     A :class:`Layout` is the placements of one layout in mesh order: it derives the world size, the mesh's shape and
     names, and the data ranks (the ranks that train different rows), the only place that divides the world size
     by the dimensions that share rows. :func:`enumerate_layouts` is the planner's enumeration: the product of every
     registered dimension's choices, in registration order (the first outermost), each combination kept when every
     dimension's rules pass and every dimension finds it plannable.
 
-    What the dimensions do not own yet (issue 54's later steps): their share of parameters, gradients and state, how
-    each is applied to a model and its exports are still written per field of the flat
+    What the dimensions do not own yet (issue 54's later steps): their share of parameters, gradients and state and
+    how each is applied to a model are still written per field of the flat
     ``Parallel`` (autofit/parallel/layout.py), which the built-in dimensions translate to and from
     (``Parallel.placements``, ``autofit.parallel.to_parallel``).
 """
@@ -35,13 +49,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links
 
-__all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts"]
+__all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts", "ExportInputs", "ExportFragment",
+           "FRAMEWORKS", "merge_settings"]
+
+# the frameworks a plan is exported to (autofit/emit/export.py): Hugging Face's TrainingArguments, DeepSpeed's config,
+# Lightning's Trainer and strategies, Accelerate's config file, torchtitan's TOML
+FRAMEWORKS = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +76,44 @@ class Placement:
     def option(self, name: str, default: Any = None) -> Any:
         """The value of option ``name``, or ``default``."""
         return dict(self.options).get(name, default)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportInputs:
+    """What a dimension's export fragment reads of a plan besides its layout, as plain values (this layer is below
+    the ``Plan``): the precision's name ("fp32", "bf16", "fp16"), whether the plan recomputes any module, FSDP2's
+    units (``Parallel.shard_units``) and the gradients' bytes per GPU at the plan's peak."""
+
+    precision: str = "fp32"
+    recomputes: bool = False
+    shard_units: tuple[str, ...] = ()
+    gradient_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportFragment:
+    """A dimension's part of one framework's export (Note [layout dimensions]): ``settings`` in the export's own
+    shape (a mapping merged into the export key by key, :func:`merge_settings`), ``notes`` saying how the framework
+    runs the dimension or the nearest setting it has, and ``unexpressed``: what the framework cannot express of it
+    (the export writes nothing for it)."""
+
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    unexpressed: tuple[str, ...] = ()
+
+
+def merge_settings(into: dict[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` merged into ``into``, in place: a mapping into the mapping under its key, key by key (made a new
+    dict where there is none), any other value set; a key already there keeps its place, a new one comes last (the
+    order the CLI prints)."""
+    for key, value in settings.items():
+        if isinstance(value, Mapping):
+            if not isinstance(into.get(key), dict):
+                into[key] = {}
+            merge_settings(into[key], value)
+        else:
+            into[key] = value
+    return into
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,6 +147,12 @@ class Dimension:
         ``grad_bytes`` whole; ``layout`` is the data-parallel part of a step's layout (tensor parallel's all-reduces,
         which need the analysis' activation sizes, are counted apart: ``solve/sharding.tensor_reduce_bytes``)."""
         return 0.0
+
+    def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+        """This dimension's part of ``framework``'s export (one of :data:`FRAMEWORKS`) for ``layout``, of which
+        ``placement`` is its own (degree 1 included: the frameworks that name every degree write 1), with the plan's
+        plain values ``inputs``: nothing by default."""
+        return ExportFragment()
 
 
 class Registry:
@@ -189,6 +252,19 @@ class Layout:
         """The mesh dims' names, as :attr:`mesh_shape` lays them out (the dimensions' names)."""
         return tuple(p.dimension for p in self.placements if p.degree > 1) or (self.placements[0].dimension
                                                                                if self.placements else "world",)
+
+    def export(self, framework: str, inputs: ExportInputs) -> ExportFragment:
+        """This layout's part of ``framework``'s export: its dimensions' fragments (:meth:`Dimension.export`)
+        merged, the settings outermost first, the notes innermost first, then what the framework cannot express
+        (Note [layout dimensions]); nothing for one process (no placements)."""
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"unknown export framework {framework!r}: one of {', '.join(FRAMEWORKS)}")
+        fragments = [self.registry[p.dimension].export(framework, self, p, inputs) for p in self.placements]
+        settings: dict[str, Any] = {}
+        for fragment in fragments:
+            merge_settings(settings, fragment.settings)
+        return ExportFragment(settings, tuple(n for f in reversed(fragments) for n in f.notes),
+                              tuple(n for f in reversed(fragments) for n in f.unexpressed))
 
 
 def enumerate_layouts(registry: Registry, world_size: int, space: Any) -> list[Layout]:

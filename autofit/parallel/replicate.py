@@ -7,9 +7,13 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
-from autofit.parallel.dimension import Dimension, Layout, Placement
+from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement
 
-__all__ = ["REPLICATE"]
+__all__ = ["REPLICATE", "DDP_KWARGS"]
+
+# DistributedDataParallel's keyword that a DDP plan's memory depends on (Note [DDP's bucket views],
+# autofit/simulate/parallel.py)
+DDP_KWARGS = {"gradient_as_bucket_view": True}
 
 
 class _Replicate(Dimension):
@@ -36,6 +40,51 @@ class _Replicate(Dimension):
             return ring_seconds("all_reduce", replicate, grad_bytes, links.bandwidth(layout, replicate))
         return ring_seconds("all_reduce", replicate, grad_bytes / shard.degree,
                             links.bandwidth(layout, replicate, contiguous=False))
+
+
+    def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+        """DDP (no shard dim): the framework's DDP with ``gradient_as_bucket_view=True`` (Note [DDP's bucket
+        views]), set where the framework takes it and a note saying how. Beside a shard dim (HSDP's replicate dim):
+        torchtitan's replicate degree; DeepSpeed has no HSDP (a note says so); Lightning's and Accelerate's HSDP
+        are options of their FSDP plugins, written by the shard dimension."""
+        if layout.placement("dp_shard") is None:
+            return _ddp_export(framework, placement, inputs)
+        if framework == "torchtitan":
+            return ExportFragment({"parallelism": {"data_parallel_replicate_degree": placement.degree}})
+        if framework == "deepspeed" and placement.degree > 1:
+            shard = layout.degree("dp_shard")
+            return ExportFragment(unexpressed=(f"HSDP {placement.degree} x {shard}: DeepSpeed's nearest is MiCS "
+                                               f"(mics_shard_size {shard}), not exported",))
+        return ExportFragment()
+
+
+def _bucket_note(gradient_bytes: int, how: str) -> str:
+    return (f"DDP with gradient_as_bucket_view=True (the plan counts the gradients inside DDP's buckets; torch's "
+            f"default keeps one more gradient-sized copy, {gradient_bytes:,} bytes per GPU at this plan's "
+            f"peak): {how}")
+
+
+def _ddp_export(framework: str, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+    """DDP over every rank, in ``framework``'s terms."""
+    if framework == "hf":
+        # TrainingArguments has no field for it: Trainer._build_accelerator_args builds DistributedDataParallelKwargs
+        # from ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers and ddp_static_graph only
+        return ExportFragment({"ddp_kwargs": dict(DDP_KWARGS)}, (_bucket_note(
+            inputs.gradient_bytes, "TrainingArguments cannot set it; after building the Trainer, call "
+                                   "autofit.integrations.hf.bucket_views(trainer) before trainer.train()"),))
+    if framework == "lightning":  # lightning's DDPStrategy(**kwargs) passes them to DDP
+        return ExportFragment({"trainer": {"strategy": "ddp"}, "ddp_strategy": dict(DDP_KWARGS)}, (_bucket_note(
+            inputs.gradient_bytes, "pass Trainer(strategy=DDPStrategy(**ddp_strategy)); strategy='ddp' builds "
+                                   "DDPStrategy() without it"),))
+    if framework == "accelerate":
+        # the config file has no DDP keyword: the Accelerator's handler
+        return ExportFragment({"config_file": {"distributed_type": "MULTI_GPU"}, "ddp_kwargs": dict(DDP_KWARGS)},
+                              (_bucket_note(inputs.gradient_bytes, "Accelerator(kwargs_handlers=["
+                                                                   "DistributedDataParallelKwargs(**ddp_kwargs)], "
+                                                                   "...)"),))
+    if framework == "torchtitan":  # torchtitan replicates when the shard degree is 1
+        return ExportFragment({"parallelism": {"data_parallel_replicate_degree": placement.degree}})
+    return ExportFragment()  # DeepSpeed: ZeRO stage 0, the export's own default
 
 
 REPLICATE = _Replicate(name="dp_replicate", mesh_rank=1, shares_rows=False, field="replicate")

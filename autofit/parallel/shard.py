@@ -9,9 +9,13 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
-from autofit.parallel.dimension import Dimension, Layout, Placement
+from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement
 
 __all__ = ["SHARD"]
+
+# torchtitan's JobConfig (torchtitan/config/job_config.py): Parallelism.fsdp_reshard_after_forward is "default",
+# "always" or "never"; "default" reshards every block but the last
+_TITAN_RESHARD = {True: "always", False: "never"}
 
 
 class _Shard(Dimension):
@@ -46,6 +50,123 @@ class _Shard(Dimension):
         reductions = micro_batches if placement.option("reduce_every_micro_batch", False) else 1
         seconds += reductions * ring_seconds("reduce_scatter", shard, grad_bytes, on_shard)
         return seconds
+
+
+    def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+        """FSDP2 in ``framework``'s terms: its reshard, the states on the host, and (Lightning, Accelerate, whose
+        FSDP plugins take it) HSDP's replicate degree; a note where the framework's nearest setting differs."""
+        return _EXPORTS[framework](layout, placement, inputs)
+
+
+def _hf(layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+    # TrainingArguments(fsdp=True, fsdp_config={...}): FSDP2 through Accelerate; fsdp as a string ("full_shard")
+    # is deprecated in transformers 5 (training_args.py, _translate_legacy_fsdp)
+    raf = placement.option("reshard_after_forward", True)
+    settings = {"training_arguments": {"fsdp": True, "fsdp_config": {
+        "version": 2, "reshard_after_forward": raf if isinstance(raf, bool) else True,
+        "cpu_offload": bool(placement.option("offload_states", False))}}}
+    notes = ()
+    if layout.world_size == 1:
+        # Accelerate applies FSDP only in a process group (state.py: FSDP is set for MULTI_GPU, which needs
+        # LOCAL_RANK): under plain `python` the Trainer runs without it, the states on the GPU
+        notes = ("FSDP on one GPU (the states on the host) needs a launcher: accelerate launch "
+                 "--num_processes 1 train.py or torchrun --nproc_per_node 1 train.py; under plain python the "
+                 "Trainer runs without FSDP and keeps the states on the GPU",)
+    return ExportFragment(settings, notes)
+
+
+def _deepspeed(layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+    # ZeRO stage of the plan's sharding (DeepSpeed's config JSON documentation, "ZeRO Optimizations"): FSDP2 shards
+    # parameters, gradients and optimizer state, which is stage 3 (DDP and one process: stage 0, the export's
+    # default); states on the host are ZeRO-Offload of the parameters and the optimizer
+    # ZeRO-2 (reshard_after_forward=False) is stage 2's communication; DeepSpeed's stage 2 keeps every parameter
+    # whole for the whole step, FSDP2's only from forward to backward (a note says so)
+    raf = placement.option("reshard_after_forward", True)
+    zero: dict[str, Any] = {"stage": 2 if raf is False else 3}
+    if placement.option("offload_states", False):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    notes = ()
+    if raf is not True:
+        notes = (f"reshard_after_forward={raf!r}: DeepSpeed's stage {zero['stage']} is the nearest; its memory "
+                 "differs from the plan's (stage 2 holds whole parameters all step; an int group is ZeRO++'s "
+                 "zero_hpz_partition_size)",)
+    return ExportFragment({"zero_optimization": zero}, notes)
+
+
+def _lightning(layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+    """``lightning.pytorch.strategies.FSDPStrategy`` keyword arguments (its docstring: ``sharding_strategy``
+    "FULL_SHARD" / "SHARD_GRAD_OP" / "HYBRID_SHARD" / "_HYBRID_SHARD_ZERO2", ``device_mesh`` a tuple (replication
+    size, sharding size), ``cpu_offload``). That strategy runs FSDP1; ``ModelParallelStrategy(data_parallel_size,
+    tensor_parallel_size)`` runs FSDP2, applied by the user's ``configure_model``, which the notes spell out (the
+    tensor dimension writes its size)."""
+    raf = placement.option("reshard_after_forward", True)
+    replicate = layout.degree("dp_replicate")
+    units = inputs.shard_units
+    notes = [f"ModelParallelStrategy (FSDP2): in configure_model call fully_shard(block, mesh=self.device_mesh"
+             f"['data_parallel'], reshard_after_forward={raf!r}) on each of {', '.join(units[:2])}"
+             f"{', ...' if len(units) > 2 else ''}, then on the model"]
+    if replicate > 1:
+        sharding = "HYBRID_SHARD" if raf is not False else "_HYBRID_SHARD_ZERO2"
+    else:
+        sharding = "SHARD_GRAD_OP" if raf is False else "FULL_SHARD"
+    if not isinstance(raf, bool):
+        notes.append(f"reshard_after_forward={raf} (reshard to groups of {raf}) has no FSDP1 sharding strategy: "
+                     "FSDPStrategy gets FULL_SHARD (more all-gathers, less memory); ModelParallelStrategy with the "
+                     "fully_shard call above runs the plan exactly")
+    kwargs: dict[str, Any] = {"sharding_strategy": sharding,
+                              "cpu_offload": placement.option("offload_states", False)}
+    if replicate > 1:
+        # a tuple: FSDPStrategy turns only a tuple into a DeviceMesh (setup_environment)
+        kwargs["device_mesh"] = (replicate, layout.world_size // replicate)
+    return ExportFragment({"trainer": {"strategy": "fsdp"},  # Lightning's name
+                           "fsdp_strategy": kwargs,
+                           "model_parallel_strategy": {"data_parallel_size": layout.data_ranks}}, tuple(notes))
+
+
+def _accelerate(layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+    raf = placement.option("reshard_after_forward", True)
+    replicate = layout.degree("dp_replicate")
+    config: dict[str, Any] = {"distributed_type": "FSDP", "fsdp_config": {
+        "fsdp_version": 2,
+        # FSDP_RESHARD_AFTER_FORWARD is read as a bool for version 2 (FullyShardedDataParallelPlugin)
+        "fsdp_reshard_after_forward": raf if isinstance(raf, bool) else True,
+        "fsdp_offload_params": placement.option("offload_states", False),
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        # on when the plan recomputes: FSDP's switch recomputes every wrapped layer, at most the plan's memory
+        # (following the file alone must not run out of memory); the plan's own modules are in the notes
+        "fsdp_activation_checkpointing": inputs.recomputes,
+    }}
+    if replicate > 1:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": replicate,
+            "parallelism_config_dp_shard_size": layout.world_size // replicate,
+        }
+    notes = []
+    if not isinstance(raf, bool):
+        notes.append(f"reshard_after_forward={raf}: Accelerate's FSDP2 plugin takes a bool only; exported as "
+                     "True (ZeRO-3: less memory, the backward all-gather over every shard rank)")
+    units = inputs.shard_units
+    notes.append("TRANSFORMER_BASED_WRAP wraps the model's _no_split_modules; the plan's FSDP2 units are "
+                 + ", ".join(units[:3]) + (" ..." if len(units) > 3 else ""))
+    return ExportFragment({"config_file": config}, tuple(notes))
+
+
+def _torchtitan(layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+    raf = placement.option("reshard_after_forward", True)
+    notes = ()
+    if not isinstance(raf, bool):
+        notes = (f"reshard_after_forward={raf} is not a torchtitan policy (default / always / never): "
+                 "exported as 'always' (ZeRO-3)",)
+    # mixed_precision_param is FSDP's parameter dtype, bfloat16 unless told: an fp32 plan says float32
+    return ExportFragment({"parallelism": {"data_parallel_shard_degree": placement.degree,
+                                           "fsdp_reshard_after_forward": _TITAN_RESHARD.get(raf, "always")},
+                           "training": {"mixed_precision_param": "bfloat16" if inputs.precision == "bf16"
+                                        else "float32"}}, notes)
+
+
+_EXPORTS = {"hf": _hf, "deepspeed": _deepspeed, "lightning": _lightning, "accelerate": _accelerate,
+            "torchtitan": _torchtitan}
 
 
 SHARD = _Shard(name="dp_shard", mesh_rank=2, shares_rows=False, field="world_size")

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.core.errors import AutofitError, InvalidInputError
-from autofit.parallel.dimension import Dimension, Layout, Placement
-from autofit.parallel.sequence_parallel import require_sequence_split
+from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement
+from autofit.parallel.sequence_parallel import is_sequence_parallel, require_sequence_split
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
 
 __all__ = ["TENSOR"]
@@ -65,6 +65,46 @@ class _Tensor(Dimension):
         if not isinstance(raf, bool):
             return False
         return not (layout.data_ranks == 1 and space.device.foreach_optimizers)
+
+
+    def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
+        """Tensor parallel in ``framework``'s terms: torchtitan's and Lightning's degree (1 included), Accelerate's
+        ``tp_size``, with a note where the framework's own plan splits other modules than this plan's; DeepSpeed's
+        config has none (a note says so); Hugging Face's export writes nothing."""
+        tp, plan = placement.degree, placement.option("plan", ())
+        if framework == "torchtitan":
+            styles = {style for _, style in plan}
+            missing = [what for what, present in (
+                ("splits the embedding and the output head", {"embedding_rowwise", "colwise_rep"} <= styles),
+                ("runs the norms sequence-parallel", "sequence_parallel" in styles)) if not present]
+            notes = ()
+            if tp > 1 and missing:
+                notes = (f"torchtitan's tensor-parallel plan also {' and '.join(missing)}, which this plan does "
+                         "not: its memory per GPU is below this plan's",)
+            return ExportFragment({"parallelism": {"tensor_parallel_degree": tp}}, notes)
+        if framework == "lightning":  # ModelParallelStrategy(data_parallel_size, tensor_parallel_size)
+            notes = ()
+            if tp > 1:
+                notes = (f"tensor parallel {tp}: FSDPStrategy (FSDP1) has none; in ModelParallelStrategy's "
+                         "configure_model call parallelize_module(model, self.device_mesh['tensor_parallel'], plan) "
+                         f"first, with the torch style of each of the plan's {len(plan)} modules (plan.tensor_plan; "
+                         "autofit.parallel.tensor_parallel.torch_style names each)",)
+            return ExportFragment({"model_parallel_strategy": {"tensor_parallel_size": tp}}, notes)
+        if tp == 1:
+            return ExportFragment()
+        if framework == "accelerate":  # Accelerate's ParallelismConfig: tp_size, the model's own tp_plan applied
+            notes = ()
+            if is_sequence_parallel(plan):
+                notes = ("Accelerate's tp_size applies the model's own tp_plan, without this plan's sequence "
+                         "parallel: its activations per GPU are above this plan's",)
+            return ExportFragment({"config_file": {"parallelism_config": {
+                "parallelism_config_dp_shard_size": layout.data_ranks, "parallelism_config_tp_size": tp}}}, notes)
+        if framework == "deepspeed":  # no training TP in DeepSpeed's config (AutoTP shards models for inference)
+            return ExportFragment(unexpressed=(
+                f"tensor parallel {tp} is not exported: DeepSpeed's config has no training tensor parallelism "
+                "(Megatron-DeepSpeed does it in the model code); this config is ZeRO over the data-parallel ranks "
+                "only, and its memory is not the plan's",))
+        return ExportFragment()
 
 
 TENSOR = _Tensor(name="tp", mesh_rank=4, shares_rows=True, field="tensor_parallel")

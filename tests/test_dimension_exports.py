@@ -1,0 +1,77 @@
+"""A layout dimension's part of the exports (Note [layout dimensions], ``Dimension.export``): a new dimension writes
+its own keys and notes, and ``Layout.export`` merges them with the built-in dimensions' without a change to
+autofit/. The truths are written by hand: torchtitan's [parallelism] keys (torchtitan/config/job_config.py, class
+Parallelism, which has ``context_parallel_degree`` beside the data-parallel and tensor degrees) in mesh order, and
+the order the notes are documented in."""
+
+from __future__ import annotations
+
+import pytest
+
+from autofit.parallel import DIMENSIONS, Dimension, ExportFragment, ExportInputs, Placement, Registry
+from autofit.parallel.dimension import merge_settings
+
+
+class _Context(Dimension):
+    """A toy context-parallel dimension: its ranks share their rows; torchtitan takes its degree, DeepSpeed cannot
+    express it."""
+
+    def export(self, framework, layout, placement, inputs):
+        if framework == "torchtitan":
+            return ExportFragment({"parallelism": {"context_parallel_degree": placement.degree}},
+                                  (f"toy note: context {placement.degree}",))
+        if framework == "deepspeed":
+            return ExportFragment(unexpressed=("toy: DeepSpeed's config has no context parallel",))
+        return ExportFragment()
+
+
+def _layout(raf):
+    local = Registry(DIMENSIONS)  # autofit's dimensions, copied: the toy never reaches DIMENSIONS
+    local.register(_Context(name="cp", mesh_rank=3, shares_rows=True, field="context_parallel"))
+    # 8 ranks: dp_shard takes 8 / (2 x 2) = 2; a tensor plan without the embedding / head split or the norms
+    shard = Placement("dp_shard", None, (("reshard_after_forward", raf),))
+    tensor = Placement("tp", 2, (("plan", (("blocks.0.fc", "colwise"),)),))
+    return local.layout(8, [Placement("dp_replicate", 1), shard, Placement("cp", 2), tensor])
+
+
+def test_a_new_dimension_writes_its_keys_in_mesh_order():
+    fragment = _layout(True).export("torchtitan", ExportInputs(precision="bf16"))
+    parallelism = fragment.settings["parallelism"]
+    # the mesh's order: dp_replicate, dp_shard (with FSDP's reshard), cp, tp
+    assert list(parallelism.items()) == [("data_parallel_replicate_degree", 1), ("data_parallel_shard_degree", 2),
+                                         ("fsdp_reshard_after_forward", "always"), ("context_parallel_degree", 2),
+                                         ("tensor_parallel_degree", 2)]
+    assert fragment.settings["training"] == {"mixed_precision_param": "bfloat16"}
+    # the notes innermost first: tensor parallel's (its plan splits fewer modules than torchtitan's), then the toy's
+    assert len(fragment.notes) == 2
+    assert fragment.notes[0].startswith("torchtitan's tensor-parallel plan also splits the embedding")
+    assert fragment.notes[1] == "toy note: context 2"
+    assert fragment.unexpressed == ()
+
+
+def test_what_a_framework_cannot_express_comes_after_the_notes():
+    fragment = _layout(False).export("deepspeed", ExportInputs())
+    assert fragment.settings == {"zero_optimization": {"stage": 2}}  # ZeRO-2's nearest stage
+    assert [n.split(":")[0] for n in fragment.notes] == ["reshard_after_forward=False"]
+    # innermost first: tensor parallel (mesh rank 4), then the toy (3)
+    assert len(fragment.unexpressed) == 2
+    assert fragment.unexpressed[0].startswith("tensor parallel 2 is not exported")
+    assert fragment.unexpressed[1] == "toy: DeepSpeed's config has no context parallel"
+
+
+def test_one_process_exports_nothing_and_an_unknown_framework_is_refused():
+    one = DIMENSIONS.layout(1, ())
+    assert one.export("accelerate", ExportInputs()) == ExportFragment()
+    with pytest.raises(ValueError, match="unknown export framework 'megatron'"):
+        one.export("megatron", ExportInputs())
+
+
+def test_settings_merge_key_by_key_keeping_each_keys_place():
+    into = {"a": 1, "zero": {"stage": 0}, "b": 2}
+    merge_settings(into, {"zero": {"stage": 3, "offload_param": {"device": "cpu"}}, "a": 5, "c": {"x": 1}})
+    assert list(into.items()) == [("a", 5), ("zero", {"stage": 3, "offload_param": {"device": "cpu"}}), ("b", 2),
+                                  ("c", {"x": 1})]
+    source = {"k": {"v": True}}
+    merged = merge_settings({}, source)
+    merged["k"]["v"] = False  # a copy: the fragment's own mapping is left as it was
+    assert source == {"k": {"v": True}}
