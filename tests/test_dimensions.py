@@ -23,6 +23,9 @@ class _Toy(Dimension):
         if not layout.partial and layout.degree(self.name) > 1 and layout.degree("dp_replicate") > 1:
             raise InvalidInputError("toy_parallel does not compose with replicate > 1: leave replicate=1")
 
+    def words(self, layout, placement, *, ranks=False, after_forward=""):
+        return f"toy {placement.degree}"
+
 
 TOY = _Toy(name="toy", mesh_rank=3, shares_rows=True, field="toy_parallel")  # between dp_shard (2) and tp (4)
 
@@ -48,6 +51,9 @@ def test_layouts_enumerate_a_registered_dimension():
         assert layout.degree("dp_shard") == 4  # the ranks the others leave: 8 / 2
         assert layout.data_ranks == 4  # the toy's ranks share their rows: 8 / 2
         assert layout.mesh_shape == (4, 2) and layout.mesh_names == ("dp_shard", "toy")
+    # its words, in mesh order after FSDP2's (over the 8 / 2 ranks the shard dim has)
+    assert [layout.words(ranks=True) for layout in found] == ["fsdp2 (ZeRO-3) over 4 ranks x toy 2",
+                                                              "fsdp2 (ZeRO-2) over 4 ranks x toy 2"]
     assert "toy" not in DIMENSIONS
     # the same request without the toy: replicate 2 (HSDP) is planned too, over every rank
     plain = enumerate_layouts(DIMENSIONS, 8, SPACE)

@@ -148,6 +148,12 @@ class Dimension:
         which need the analysis' activation sizes, are counted apart: ``solve/sharding.tensor_reduce_bytes``)."""
         return 0.0
 
+    def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
+        """This dimension's part of the layout in words (``Layout.words``: plan notes, ``Parallel.label``,
+        ``Plan.layout``), or "" where it says nothing (degree 1, or another dimension words it); ``ranks``: with
+        the rank count where the dimension gives one, ``after_forward`` after an int reshard's group."""
+        return ""
+
     def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
         """This dimension's part of ``framework``'s export (one of :data:`FRAMEWORKS`) for ``layout``, of which
         ``placement`` is its own (degree 1 included: the frameworks that name every degree write 1), with the plan's
@@ -252,6 +258,14 @@ class Layout:
         """The mesh dims' names, as :attr:`mesh_shape` lays them out (the dimensions' names)."""
         return tuple(p.dimension for p in self.placements if p.degree > 1) or (self.placements[0].dimension
                                                                                if self.placements else "world",)
+
+    def words(self, *, ranks: bool = False, after_forward: str = "") -> str:
+        """The layout in words: its dimensions' (:meth:`Dimension.words`) in mesh order, joined by " x " ('ddp',
+        'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence
+        parallel'); "one process" without placements."""
+        parts = [self.registry[p.dimension].words(self, p, ranks=ranks, after_forward=after_forward)
+                 for p in self.placements]
+        return " x ".join(part for part in parts if part) or "one process"
 
     def export(self, framework: str, inputs: ExportInputs) -> ExportFragment:
         """This layout's part of ``framework``'s export: its dimensions' fragments (:meth:`Dimension.export`)

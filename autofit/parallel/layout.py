@@ -17,7 +17,6 @@ from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
 from autofit.parallel.collectives import Links
 from autofit.parallel.dimension import Layout, Placement
-from autofit.parallel.sequence_parallel import is_sequence_parallel
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words"]
 
@@ -84,8 +83,8 @@ def check_layout(strategy: object, world_size: int, *, reshard_after_forward: ob
 
 def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forward: bool | int = True,
                replicate: int = 1, tensor_parallel: int = 1, offload_states: bool = False,
-               reduce_every_micro_batch: bool = False,
-               tensor_plan: tuple[tuple[str, str], ...] = ()) -> tuple[Placement, ...]:
+               reduce_every_micro_batch: bool = False, tensor_plan: tuple[tuple[str, str], ...] = (),
+               sequence_parallel: bool = False) -> tuple[Placement, ...]:
     """The dimensions' placements a layout's fields make (Note [layout dimensions]): none for one process, DDP's
     replication over every rank, or FSDP2's replicate (HSDP), shard and tensor-parallel dims, the shard dim taking
     the ranks the others leave."""
@@ -96,7 +95,8 @@ def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forw
     shard = (("reshard_after_forward", reshard_after_forward),) + ((("offload_states", True),) if offload_states
                                                                     else ()) \
         + ((("reduce_every_micro_batch", True),) if reduce_every_micro_batch else ())
-    tensor = (("plan", tensor_plan),) if tensor_plan else ()
+    tensor = ((("plan", tensor_plan),) if tensor_plan else ()) + ((("sequence_parallel", True),)
+                                                                  if sequence_parallel else ())
     return (Placement("dp_replicate", replicate), Placement("dp_shard", None, shard),
             Placement("tp", tensor_parallel, tensor))
 
@@ -206,11 +206,7 @@ class Parallel:
     @property
     def label(self) -> str:
         """The layout in words: 'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'ddp'."""
-        if self.strategy is None:
-            return "one process"
-        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
-                            tensor_parallel=self.tensor_parallel,
-                            sequence_parallel=is_sequence_parallel(self.tensor_plan))
+        return self.layout.words(ranks=True)
 
     @property
     def ranks_per_node(self) -> int:
@@ -261,20 +257,12 @@ def ranks_per_node(world_size: int, gpus_per_node: int) -> int:
 def layout_words(strategy: str, world_size: int, reshard_after_forward: bool | int, replicate: int, *,
                  ranks: bool = False, after_forward: str = "", tensor_parallel: int = 1,
                  sequence_parallel: bool = False) -> str:
-    """A data-parallel layout in words (plan notes, ``Parallel.label``, ``Plan.layout``): 'ddp', 'fsdp2 (ZeRO-3)',
-    'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)', 'tp 8', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence parallel';
-    ``ranks`` adds FSDP2's rank count, ``after_forward`` follows an int reshard's group."""
-    if not Strategy(strategy).shards_parameters:
-        return str(strategy)
-    if tensor_parallel > 1:
-        tp = f"tp {tensor_parallel}" + (" + sequence parallel" if sequence_parallel else "")
-        if world_size == tensor_parallel:
-            return tp
-        data = layout_words(strategy, world_size // tensor_parallel, reshard_after_forward, replicate, ranks=ranks,
-                            after_forward=after_forward)
-        return f"{data} x {tp}"
-    raf = reshard_after_forward
-    zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
-    if replicate > 1:
-        return f"hsdp {replicate} x {world_size // replicate} ({zero})"
-    return f"fsdp2 ({zero})" + (f" over {world_size} ranks" if ranks else "")
+    """A layout given by its fields in words (plan notes, ``Parallel.label``, ``Plan.layout``, the CLI's estimate):
+    its dimensions' (``Layout.words``): 'ddp', 'fsdp2 (ZeRO-3)', 'fsdp2 (resharded to 8)', 'hsdp 2 x 4 (ZeRO-2)',
+    'tp 8', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence parallel'; ``ranks`` adds FSDP2's rank count,
+    ``after_forward`` follows an int reshard's group."""
+    strategy = Strategy(strategy)
+    layout = DIMENSIONS.layout(world_size, placements(
+        strategy, world_size, reshard_after_forward=reshard_after_forward, replicate=replicate,
+        tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel))
+    return layout.words(ranks=ranks, after_forward=after_forward)

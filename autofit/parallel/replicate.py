@@ -27,6 +27,10 @@ class _Replicate(Dimension):
             raise InvalidInputError(f"replicate {replicate} does not divide world_size {layout.world_size}: HSDP's "
                                     "mesh is (replicate, world_size // replicate); use the number of nodes")
 
+    def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
+        """'ddp' alone; HSDP's replicate dim is worded by the shard dim ('hsdp 2 x 4 (...)')."""
+        return "ddp" if layout.placement("dp_shard") is None and placement.degree > 1 else ""
+
     def collective_seconds(self, layout: Layout, placement: Placement, links: Links, param_bytes: float,
                            grad_bytes: float, micro_batches: int) -> float:
         """DDP (no shard dim): one all-reduce of the gradients per step over every rank. HSDP: each rank's gradient

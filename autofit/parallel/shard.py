@@ -33,6 +33,19 @@ class _Shard(Dimension):
                 f"reshard_after_forward={raf} must be a divisor of the shard group size {shard} other than 1 and "
                 f"{shard} (torch's fully_shard; use False for 1 and True for {shard}), e.g. the GPUs per node")
 
+    def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
+        """'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'fsdp2 (resharded to 8)' (``ranks``: with ' over S ranks'), or HSDP
+        with the replicate dim's degree, 'hsdp 2 x 4 (ZeRO-2)'; nothing where tensor parallel takes every rank."""
+        shard = placement.degree
+        if shard == 1 and layout.degree("tp") > 1:
+            return ""
+        raf = placement.option("reshard_after_forward", True)
+        zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"
+        replicate = layout.degree("dp_replicate")
+        if replicate > 1:
+            return f"hsdp {replicate} x {shard} ({zero})"
+        return f"fsdp2 ({zero})" + (f" over {shard} ranks" if ranks else "")
+
     def collective_seconds(self, layout: Layout, placement: Placement, links: Links, param_bytes: float,
                            grad_bytes: float, micro_batches: int) -> float:
         """FSDP2 over its S ranks: an all-gather of the parameters in every micro-batch's forward; in backward

@@ -67,6 +67,14 @@ class _Tensor(Dimension):
         return not (layout.data_ranks == 1 and space.device.foreach_optimizers)
 
 
+    def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
+        """'tp 8', 'tp 8 + sequence parallel' (its plan's styles split the sequence, or the words are asked for
+        a layout said to be so)."""
+        if placement.degree == 1:
+            return ""
+        sequence = placement.option("sequence_parallel", False) or is_sequence_parallel(placement.option("plan", ()))
+        return f"tp {placement.degree}" + (" + sequence parallel" if sequence else "")
+
     def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
         """Tensor parallel in ``framework``'s terms: torchtitan's and Lightning's degree (1 included), Accelerate's
         ``tp_size``, with a note where the framework's own plan splits other modules than this plan's; DeepSpeed's
