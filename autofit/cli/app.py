@@ -243,15 +243,16 @@ def plan(
     from_file: FromOpt = None, write: WriteOpt = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
-    from autofit.cli.compare import check_compare_flags, render_rows, rows_json, several_cards
-    from autofit.cli.estimate import sequence_option
-    from autofit.cli.render import render_plan
-    from autofit.options import Device, Layout, Precision, Savers, Search
-    from autofit.planner import plan_with_analysis
-
     console = console_for(stderr=as_json)
     try:
+        # the sizes first: a budget without a unit is refused before torch and the planner are imported (seconds)
         check_sizes(budget=budget, gpu_memory=gpu_memory, host_budget=host_budget, margin=margin)
+        from autofit.cli.compare import check_compare_flags, render_rows, rows_json, several_cards
+        from autofit.cli.estimate import sequence_option
+        from autofit.cli.render import render_plan
+        from autofit.options import Device, Layout, Precision, Savers, Search
+        from autofit.planner import plan_with_analysis
+
         exports = parse_exports(export, EXPORT_NAMES)
         if plot is not None:
             check_plot(plot)
