@@ -138,7 +138,7 @@ def _planned(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
     deferred: list[Parallel] = []
     for position, parallel in enumerate(order):
-        name = parallel.label
+        name, climb = parallel.label, climbs.pop(parallel)  # dropped after its turn (Note [bounded memory])
         if len(order) > 1:  # the layout race, how far (issue 56)
             progress.report(f"layout {name}", position, len(order))
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
@@ -154,13 +154,13 @@ def _planned(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
                                 "layout that keeps them on the GPUs")
             continue
         beat = min(r[0].predicted_step_seconds for r in tally.results) if tally.results else None
-        alone = _collectives_alone(request, parallel, climbs[parallel].stages)
+        alone = _collectives_alone(request, parallel, climb.stages)
         if beat is not None and alone >= beat:  # Note [ruled out by arithmetic]
             tally.failed.append(_collectives_note(parallel, alone, f"the plan found, {beat:.3g} s"))
             continue
         on_gpus = any(not r[0].offload_states for r in tally.results)
-        _attempt(request, name, functools.partial(_plan_parallel, request, parallel, beat, on_gpus, climbs[parallel]),
-                 tally)
+        _attempt(request, name, functools.partial(_plan_parallel, request, parallel, beat, on_gpus, climb), tally)
+        tally.release()  # Note [bounded memory]
     if not tally.results:
         _fallbacks(request, tally, deferred, floors)
     else:  # every layout left is named, with why (its smallest budget is computed only when no layout fits)
@@ -218,6 +218,13 @@ def _states_alone(request: PlanRequest, parallel: Parallel, floor: int | None) -
             f"{format_bytes(request.fit_bytes)} (counted from the parameters, nothing simulated)")
 
 
+# Note [bounded memory]
+#     A layout's climb holds its rungs' analyses (the fake step's timelines, the layer table: hundreds of MB for a
+#     405B model cut in depth), kept from the ranking (Note [the layout to verify first]) to its turn in the race.
+#     Once raced, nothing reads its climb again but the fallback that names its smallest budget, which runs only
+#     when no layout has a plan; and of the plans found, only the fastest is returned with its analyses. So each
+#     climb is dropped after its turn, and once some layout has a plan, the others' fallbacks and the slower plans'
+#     analyses go: the planner holds the climbs not yet raced and one plan's analyses, not every layout's.
 # Note [ruled out by arithmetic]
 #     A layout whose states alone (parameters, gradients and optimizer state per rank, counted from the parameters:
 #     ``states_floor``, solve/ladder.py) exceed the budget on every rung can never fit; its analysis would only name
@@ -270,6 +277,17 @@ class _Tally:
     failed: list[str] = field(default_factory=list)
     unplanned: list[tuple[str, _Unplanned]] = field(default_factory=list)
     errors: list[InfeasibleBudgetError | HostMemoryError] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Drop what can no longer be read (Note [bounded memory]): once a layout has a plan, the smallest budgets
+        of those without one are never computed, so their climbs go; of the plans, only the fastest keeps its
+        analyses (the plan returned needs them; the others are compared by their step time alone)."""
+        if not self.results:
+            return
+        for _, unplanned in self.unplanned:
+            unplanned.fallback = None
+        fastest = min(range(len(self.results)), key=lambda i: self.results[i][0].predicted_step_seconds)
+        self.results = [(plan, analyses if i == fastest else {}) for i, (plan, analyses) in enumerate(self.results)]
 
     def smallest_budget(self) -> int | None:
         return min((e.min_budget_bytes for e in self.errors if isinstance(e, InfeasibleBudgetError)), default=None)
@@ -355,21 +373,27 @@ def _by_bound(order: list[Parallel], climbs: dict[Parallel, _Climb], last: set[P
 
 
 def _bound(climb: _Climb, best: float) -> float:
-    """The modelled step time of the first configuration this layout's search would verify (that of its first
-    rung searched on the GPUs), or that rung's time floor where the floor alone cannot beat ``best`` (no checkpoint
-    MILP solved); inf where that rung fits nothing or every rung is passed over."""
-    stage = next((s for s in climb.stages if not s.skipped(climb.fit) and not s.host_check), None)
-    if stage is None:
+    """The modelled step time of the first configuration this layout's search would verify: that of the first rung
+    searched on the GPUs whose models fit something, as the climb goes up the rungs (a rung that fits nothing
+    passes the search to the next one); or that rung's time floor where the floor alone cannot beat ``best`` (no
+    checkpoint MILP solved); inf where no rung on the GPUs fits or every rung is passed over."""
+    stages = [s for s in climb.stages if not s.skipped(climb.fit) and not s.host_check]
+    if not stages:
         return math.inf
     alone = _collectives_alone(climb.request, climb.parallel, climb.stages)
     if alone >= best:  # a floor of every rung's step, known without analysis (Note [ruled out by arithmetic])
         return alone
-    _, space, _ = climb.searchable(stage)
-    floor = time_floor(space, climb.fit)
-    if floor >= best:
-        return floor
-    found, _ = search(space, climb.fit)  # what search_verified finds first, its MILPs kept in the space
-    return found.seconds if found is not None else math.inf
+    for stage in stages:
+        _, space, _ = climb.searchable(stage)
+        floor = time_floor(space, climb.fit)
+        if floor == math.inf:  # not even every unit recomputed fits: the climb goes on to the next rung
+            continue
+        if floor >= best:
+            return floor
+        found, _ = search(space, climb.fit)  # what search_verified finds first, its MILPs kept in the space
+        if found is not None:
+            return found.seconds
+    return math.inf
 
 
 # Note [the layout to verify first]
@@ -381,7 +405,11 @@ def _bound(climb: _Climb, best: float) -> float:
 #     since no layout passed over could have won (its verified time is at least its bound); only which layouts
 #     the notes name as verified changes. Llama-3.1-8B on 8 A100s with FSDP2 (benchmarks/planning.py): ZeRO-2,
 #     first by its collectives, was verified at 5.24 s and then ZeRO-3 at 5.20 s, two full estimates of 32 blocks;
-#     ZeRO-3 first (bound 5.20 s against 5.24 s) needs one.
+#     ZeRO-3 first (bound 5.20 s against 5.24 s) needs one. A layout's bound is the rung its climb would verify:
+#     where a rung's models fit nothing the climb goes on to the next, and so does the bound. The 405B plan of issue
+#     56 once ranked its three ZeRO-3 x TP layouts all at inf (their deferring rungs fit nothing), raced them in the
+#     order of their collectives and verified TP 8 (235 s) and TP 4 (155 s) before TP 2 (116 s), which won; ranked
+#     by their reducing rungs, TP 2 is verified first and alone (4:55 -> 4:27 on two cores, the same plan).
 def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None = None, on_gpus: bool = False,
                    climb: _Climb | None = None) -> tuple[Plan, dict[str, Analysis]]:
     """Quick path; else climb the ladder (Note [the ladder], solve/ladder.py): each rung analysed, searched and its

@@ -3,6 +3,8 @@ planner's choice among the layouts."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import autofit
@@ -271,3 +273,51 @@ def test_a_layout_where_nothing_fits_is_named_when_another_has_a_plan(monkeypatc
     assert plan.layout == "fsdp2 (ZeRO-3)"
     assert any(n.startswith("fsdp2 (ZeRO-2) over 2 ranks not planned: nothing fits with the models of its rungs on the GPUs")
                for n in plan.notes)
+
+
+def test_a_layout_whose_first_rungs_fit_nothing_is_ranked_by_the_rung_its_climb_reaches(monkeypatch):
+    """Note [the layout to verify first]: the race climbs past a rung whose models fit nothing (planner
+    ``_plan_parallel``), so a layout's bound is the first rung that fits something, not inf. The 405B plan of issue
+    56 ranked its three ZeRO-3 x TP layouts all at inf (their deferring rungs fit nothing: each rank would hold its
+    shard's unsharded gradients), raced them in the order of their collectives, and verified TP 8 (235 s) and TP 4
+    (155 s) before TP 2 (116 s), which won. Rungs here are stand-ins; what is checked is the climb's order."""
+    from types import SimpleNamespace
+
+    from autofit import planner
+
+    rungs = {"deferred": (math.inf, None), "fp32": (3.0, None), "reducing": (4.0, 5.0), "host": (1.0, 1.0)}
+    stages = [SimpleNamespace(what=w, skipped=lambda fit: False, host_check=w == "host") for w in rungs]
+    climb = SimpleNamespace(stages=stages, fit=1, request=None, parallel=None,
+                            searchable=lambda stage: (None, stage.what, None))
+    searched = []
+    monkeypatch.setattr(planner, "_collectives_alone", lambda *a: 0.0)
+    monkeypatch.setattr(planner, "time_floor", lambda space, fit: rungs[space][0])
+    monkeypatch.setattr(planner, "search", lambda space, fit: (searched.append(space) or (
+        None if rungs[space][1] is None else SimpleNamespace(seconds=rungs[space][1])), []))
+    # the deferring rung fits nothing even fully recomputed (no MILP); the fp32 rung's search finds nothing; the
+    # reducing rung's is the bound; the host rung is never the bound (planned only when nothing fits on the GPUs)
+    assert planner._bound(climb, math.inf) == 5.0 and searched == ["fp32", "reducing"]
+    # a floor that cannot beat the best bound so far is the bound, no MILP solved
+    searched.clear()
+    assert planner._bound(climb, 3.5) == 4.0 and searched == ["fp32"]
+    rungs["reducing"] = (4.0, None)
+    assert planner._bound(climb, math.inf) == math.inf
+
+
+def test_once_a_layout_has_a_plan_the_others_smallest_budgets_and_slower_analyses_are_released():
+    """Note [bounded memory]: after a layout's turn the tally keeps the fastest plan's analyses only, and drops the
+    fallbacks (each holding a climb's analyses) that run only when no layout has a plan."""
+    from types import SimpleNamespace
+
+    from autofit.planner import _Tally, _Unplanned
+
+    tally = _Tally()
+    unplanned = _Unplanned("nothing fits", fallback=lambda: None)
+    tally.unplanned.append(("tp 8", unplanned))
+    tally.release()  # no plan yet: the smallest budget may still be needed
+    assert unplanned.fallback is not None
+    slow, fast = SimpleNamespace(predicted_step_seconds=2.0), SimpleNamespace(predicted_step_seconds=1.0)
+    tally.results += [(slow, {"bf16": "slow's"}), (fast, {"bf16": "fast's"})]
+    tally.release()
+    assert unplanned.fallback is None and str(unplanned) == "nothing fits"
+    assert tally.results == [(slow, {}), (fast, {"bf16": "fast's"})]
