@@ -109,6 +109,29 @@ def test_one_threads_memory_counts_its_tensors_freed_on_another_thread() -> None
     assert _torch.thread_memory(reused, {1}) == [100, -100]
 
 
+def test_a_free_the_profiler_did_not_record_is_put_at_the_collectives_completion() -> None:
+    """Note [a free the profiler did not record] (core/_torch.py). Events are (time, size, thread, address). The rank
+    (thread 1) allocates X (32 KiB, a collective's tensor) at 10 and waits until 20; the free of X is never recorded
+    (gloo's worker dropped it on a thread the profiler does not follow); the rank allocates Y (32 KiB) at 30, waits
+    until 40, and at 50 the allocator hands X's address out again (16 KiB). By hand the rank holds at most Y and the
+    16 KiB: 48 KiB, ending at 48 KiB. Counted as recorded, X never goes: 80 KiB. An address the rank freed itself
+    and allocates again is no missing free."""
+    kib = 1024
+    x, y = 0xA0, 0xB0
+    events = [(10, 32 * kib, 1, x), (30, 32 * kib, 1, y), (50, 16 * kib, 1, x)]
+    moved = _torch._freed_at_completion(events, {1}, [20, 40])
+    assert moved == [(10, 32 * kib, 1, x), (20, -32 * kib, _torch.UNRECORDED_THREAD, x), (30, 32 * kib, 1, y),
+                     (50, 16 * kib, 1, x)]
+    def peak(evs):
+        return _torch.high_water_mark(_torch.thread_memory([(size, tid, ptr) for _, size, tid, ptr in evs], {1}))
+    assert peak(moved) == (48 * kib, 48 * kib) and peak(events) == (80 * kib, 80 * kib)
+    # no wait between the allocation and the reuse: freed just before the reuse
+    assert _torch._freed_at_completion(events, {1}, [60])[2] == (50, -32 * kib, _torch.UNRECORDED_THREAD, x)
+    # freed by the rank itself, then allocated again: nothing inferred
+    recorded = [(10, 32 * kib, 1, x), (15, -32 * kib, 1, x), (50, 16 * kib, 1, x)]
+    assert _torch._freed_at_completion(recorded, {1}, [20, 40]) == recorded
+
+
 def test_one_threads_memory_in_a_real_profile() -> None:
     """The marked thread's 1 MiB made and freed inside its ``record_function``: +1 MiB, -1 MiB (2**18 fp32)."""
     with _torch.memory_profile() as prof:

@@ -310,6 +310,20 @@ def _allocation_events(prof: torch.profiler.profile, thread_of: str | None,
     return events, marks, sorted(spans)
 
 
+# Note [a free the profiler did not record]
+#     The CPU profiler records an allocator event on the threads it follows; a tensor of the rank's whose last
+#     reference gloo's worker drops can be freed on a thread it does not follow, and then no free is recorded at all.
+#     A CI run measured sequence parallel's rank 1 32,768 B high in all three windows: one all-gather's 32 KiB tensor
+#     allocated on the rank's thread, no free event, its address handed out again 35 events later (a rank measured
+#     alongside other gloo jobs on two cores; the same tensor idle is freed on the rank's thread before its wait
+#     ends). The allocator hands out no address still in use, so an allocation at an address the rank allocated and
+#     never freed proves the free: it is put at the end of the rank's first collective wait after the allocation
+#     (where the collective that held it completed, as for the frees gloo's thread does record), or just before the
+#     reuse where no wait comes between. An unrecorded free whose address is not reused inside the window stays
+#     unseen.
+UNRECORDED_THREAD = -1  # the thread id of an inferred free: no thread the profiler followed
+
+
 def _freed_at_completion(events: list[tuple[int, int, int, int]], marks: set[int],
                          waits: list[int]) -> list[tuple[int, int, int, int]]:
     """The events with each free that another thread made of a marked thread's allocation moved back to the end of
@@ -317,22 +331,26 @@ def _freed_at_completion(events: list[tuple[int, int, int, int]], marks: set[int
     collective complete, then drops the work and the rank's tensors it holds: on a loaded machine the rank's thread
     has allocated its next tensors by then, and the free landing after them counted a tensor the step no longer
     held (a CI run measured a tensor-parallel rank 32,768 B high in each of three windows: Note [gloo's threads in
-    the measured window], measure/ranks.py). The wait's end is when the step let go of it, as NCCL's job does."""
-    if not waits:
-        return events
-    allocated_by_mark: dict[int, int] = {}  # address -> time a marked thread allocated it
+    the measured window], measure/ranks.py). The wait's end is when the step let go of it, as NCCL's job does. And a
+    free the profiler did not record at all is put back where an address the marked thread holds is handed out
+    again (Note [a free the profiler did not record])."""
+    allocated_by_mark: dict[int, tuple[int, int]] = {}  # address -> (time, bytes) of a marked thread's allocation
     moved = []
     for time, size, tid, ptr in events:
         if size > 0:
+            if ptr in allocated_by_mark:  # its free went unrecorded (Note [a free the profiler did not record])
+                allocated, nbytes = allocated_by_mark.pop(ptr)
+                first = bisect.bisect_right(waits, allocated)  # the first wait ending after the allocation
+                moved.append((waits[first] if first < len(waits) and waits[first] < time else time, -nbytes,
+                              UNRECORDED_THREAD, ptr))
             if tid in marks:
-                allocated_by_mark[ptr] = time
-            else:
-                allocated_by_mark.pop(ptr, None)
-        elif tid not in marks and ptr in allocated_by_mark:
-            i = bisect.bisect_left(waits, time) - 1
-            if i >= 0 and waits[i] > allocated_by_mark[ptr]:
-                time = waits[i]
-            del allocated_by_mark[ptr]
+                allocated_by_mark[ptr] = time, size
+        elif ptr in allocated_by_mark:
+            allocated, _ = allocated_by_mark.pop(ptr)
+            if tid not in marks:  # gloo's worker dropped it: back to the rank's last wait before the free
+                i = bisect.bisect_left(waits, time) - 1
+                if i >= 0 and waits[i] > allocated:
+                    time = waits[i]
         moved.append((time, size, tid, ptr))
     moved.sort(key=lambda e: e[0])  # stable: a free moved to a wait's end stays after what came before it there
     return moved
