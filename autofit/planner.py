@@ -430,6 +430,10 @@ def _plan_parallel(request: PlanRequest, parallel: Parallel, beat: float | None 
             progress.report(f"rung '{stage.what}' of {climb.parallel.label}", rung, len(climb.stages))
         if stage.skipped(climb.fit):  # not worth an analysis: its states alone miss the budget
             passed = f"{stage.what} ({stage.floor_bytes / 2**30:.1f} GiB)"
+            if stage.deferral_misses(climb.fit):  # Note [a deferral that cannot fit], solve/ladder.py
+                passed = (f"{stage.what}, deferring FSDP2's reduce-scatter ({stage.accumulating_floor / 2**30:.1f} "
+                          "GiB with the unsharded gradients held across micro-batches; without accumulation it is "
+                          "the step of the rung that reduces every micro-batch)")
             carried = replace(carried, skipped=(*carried.skipped, passed))
             continue
         if stage.host_check and on_gpus:  # a plan keeps its states on the GPUs: the CPU step cannot win

@@ -102,6 +102,26 @@ def test_ddp_has_no_host_rung_and_fsdp2_shards_the_floor_then_offloads_every_ran
     assert not any(s.host_check for s in ddp) and states_floor(ddp) == 16 * N
 
 
+def test_a_deferring_rung_whose_unsharded_gradients_miss_the_budget_is_skipped():
+    # Note [a deferral that cannot fit]: over 2 ranks the sharded states are 16 N / 2 B; deferring the reduce-scatter
+    # holds every gradient unsharded in fp32 (4 N, FSDP2's reduce dtype under bf16 autocast; the fp32 policy's own
+    # dtype is 4 B too) instead of the floor's sharded 4 N / 2: 8 N + 4 N - 2 N = 10 N in all
+    request = _request(world_size=2, stored=(), offload=False)
+    fsdp2 = Parallel(strategy="fsdp2", world_size=2, shard_units=("0", "1", "2"))
+    rungs = ladder(request, fsdp2)
+    assert [s.parallel.reduce_every_micro_batch for s in rungs] == [False, False, True]
+    assert [s.accumulating_floor for s in rungs] == [10 * N, 10 * N, None]
+    assert [s.skipped(10 * N - 1) for s in rungs] == [True, True, False]
+    assert not any(s.skipped(10 * N) for s in rungs)
+    # a bf16-built model: bf16 autocast still reduces in fp32 (4 N), the fp32 policy keeps bf16 gradients (2 N),
+    # the rung of both policies takes the cheaper; the floor's sharded gradients are bf16 (2 N / 2)
+    built = replace(request, model=_model().to(torch.bfloat16))
+    floors = [s.accumulating_floor - s.floor_bytes for s in ladder(built, fsdp2)[:2]]
+    assert floors == [4 * N - N, 2 * N - N]
+    # one process: no FSDP2 over data ranks, nothing defers
+    assert all(s.accumulating_floor is None for s in ladder(_request(stored=(), offload=False), Parallel()))
+
+
 def test_skipped_rungs_are_named_once_in_the_note_of_the_rung_that_fits():
     request = _request()
     rungs = ladder(request, Parallel())

@@ -323,3 +323,58 @@ def test_smallest_verified_checks_micro_batch_one_too(monkeypatch) -> None:
     chosen, est = verify_stage.smallest_verified(None, verify)
     assert (chosen.micro_batch_size, est.device_bytes) == (1, 132)
     assert seen == [32, 16, 1]  # the two lowest modelled, and micro-batch 1: three simulations, not all of them
+
+
+def _six_blocks() -> CheckpointProblem:
+    """Six identical blocks "m.layers.i", each with a child "fc" (nested, so never both recomputed). Stretches: the
+    end of forward, then each block's backward from the last. Recomputing a block drops its 10 saved bytes but
+    keeps its 2-byte input (-8) in every stretch before its own backward; its child drops 6 and keeps 1 (-5). By
+    hand: the end of forward holds 100 + 6 x 10 = 160, block j's backward 105 + 10 (j + 1)."""
+    names, costs, cols = [], [], []
+    stretches = 1 + 6  # end of forward, then the backward of blocks 5, 4, ..., 0
+    for i in range(6):
+        before = [s == 0 or (s >= 1 and 6 - s > i) for s in range(stretches)]  # stretches before block i's backward
+        for child, cost, drop in (("", 4.0, -8.0), (".fc", 2.0, -5.0)):
+            names.append(f"m.layers.{i}{child}")
+            costs.append(cost)
+            cols.append([drop if b else 0.0 for b in before])
+    base = [160.0] + [105.0 + 10 * (j + 1) for j in range(5, -1, -1)]
+    exclusive = tuple((2 * i, 2 * i + 1) for i in range(6))
+    return CheckpointProblem(tuple(names), np.array(costs), np.array(base), np.array(cols).T, exclusive)
+
+
+def _uniform(chosen, groups) -> bool:
+    """Whether ``chosen`` (units of _six_blocks) treats the blocks of each group alike."""
+    treatment = [tuple(u % 2 for u in chosen if u // 2 == b) for b in range(6)]
+    return all(len({treatment[b] for b in group}) == 1 for group in groups)
+
+
+@pytest.mark.parametrize("budget", [159, 152, 145, 140, 131, 125, 118, 111])
+def test_identical_blocks_tied_in_groups_give_the_best_set_that_treats_each_group_alike(monkeypatch, budget) -> None:
+    """Note [identical blocks solved in groups], solve/depth.py: with the program over the limit, blocks 0-1, 2-3,
+    4-5 are tied. Truths by enumeration of the whole program: every tied set has the peak and cost of the set it
+    expands to, and the answer is the cheapest whole-program set that fits and treats each group alike (never
+    cheaper than the unrestricted optimum)."""
+    import autofit.solve.depth as depth
+    from autofit.capture.depth import Blocks
+    from autofit.solve.checkpoint_milp import tied
+    problem, blocks = _six_blocks(), Blocks("m.layers", 6)
+    monkeypatch.setattr(depth, "_LARGE_PROGRAM", 0)
+    monkeypatch.setattr(depth, "TIED_UNITS", 6)  # 12 units in blocks -> 2 blocks per group
+    parts = depth._block_groups(problem, blocks)
+    assert parts == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11]]
+    small = tied(problem, parts)
+    for r in range(len(parts) + 1):
+        for c in itertools.combinations(range(len(parts)), r):
+            whole = tuple(sorted(u for i in c for u in parts[i]))
+            assert small.peak(c) == problem.peak(whole) and small.cost(c) == problem.cost(whole)
+            assert small.allowed(c) == problem.allowed(whole)
+    groups = ((0, 1), (2, 3), (4, 5))
+    fitting = [c for c in _all_allowed(problem) if problem.peak(c) <= budget]
+    best_uniform = min((problem.cost(c) for c in fitting if _uniform(c, groups)), default=None)
+    chosen = depth.solve_in_block_groups(problem, budget, blocks)
+    if best_uniform is None:  # the tied program fits nothing: the whole program is solved, as before
+        assert chosen == solve_checkpoint(problem, budget)
+        return
+    assert problem.allowed(chosen) and problem.peak(chosen) <= budget and _uniform(chosen, groups)
+    assert problem.cost(chosen) == best_uniform >= min(problem.cost(c) for c in fitting)

@@ -20,7 +20,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from autofit.core._torch import quiet_native_output
 
 __all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "level_checkpoint", "most_dropped",
-           "brute_force_checkpoint", "nested_pairs"]
+           "brute_force_checkpoint", "nested_pairs", "tied"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +100,8 @@ def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
     # The limit is wall-clock, so a plan whose solve reaches it depends on the machine's load (the 70B 4 x 8 plan
     # once recomputed 84 modules under load, 81 quiet). A node limit would not: but GPT-2 XL on a T4 (725 units)
     # spends 14 s in its root node alone, and 2,000 nodes made that test's plan 135 -> 408 s (50 nodes: 30 s per
-    # solve, the same incumbent as at 5 nodes). Left as it is until the program itself is smaller.
+    # solve, the same incumbent as at 5 nodes). The program itself is made smaller where it is this large and its
+    # modules repeat over identical blocks (Note [identical blocks solved in groups], solve/depth.py).
     options = {"mip_rel_gap": 0.0} if n <= 40 else {"mip_rel_gap": 1e-2, "time_limit": 10.0}
     with quiet_native_output((1, 2)):  # HiGHS reports solver internals on the C stdout
         result = milp(c, constraints=constraints, integrality=np.concatenate([np.ones(n), [0]]), bounds=bounds,
@@ -225,6 +226,25 @@ def most_freeing_checkpoint(problem: CheckpointProblem) -> tuple[int, ...]:
         if u not in chosen and problem.allowed(grown) and problem.peak(grown) <= peak:
             chosen = grown
     return chosen
+
+
+def tied(problem: CheckpointProblem, parts: list[list[int]]) -> CheckpointProblem:
+    """The program whose unit i recomputes every unit of ``parts[i]`` together (a partition of ``problem``'s units,
+    each part of one policy): costs and byte coefficients summed over the part, exact for any set of whole parts;
+    a nesting or one-policy constraint between two units binds their parts. Named by each part's first unit. Its
+    sets, each part expanded, are sets of ``problem`` (Note [identical blocks solved in groups], solve/depth.py)."""
+    part_of = np.empty(len(problem.names), dtype=np.int64)
+    for i, part in enumerate(parts):
+        part_of[part] = i
+    summed = np.zeros((len(problem.names), len(parts)))
+    summed[np.arange(len(problem.names)), part_of] = 1.0
+    exclusive = {(int(part_of[a]), int(part_of[d])) for a, d in problem.exclusive}
+    groups = {tuple(sorted({int(part_of[u]) for u in group})) for group in problem.groups}
+    return CheckpointProblem(
+        names=tuple(problem.names[part[0]] for part in parts), costs=problem.costs @ summed, base=problem.base,
+        coef=problem.coef @ summed, exclusive=tuple(sorted(exclusive)),
+        policies=tuple(problem.policy(part[0]) for part in parts) if problem.policies else (),
+        groups=tuple(sorted(g for g in groups if len(g) > 1)))
 
 
 def brute_force_checkpoint(problem: CheckpointProblem, budget: int) -> tuple[int, ...] | None:

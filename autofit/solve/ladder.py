@@ -63,6 +63,10 @@ class Stage:
     # the states on the host, what the layout keeps gathered (ZeRO-2, an int reshard); None: no floor (ZeRO-3)
     floor_bytes: int | None = None
     skippable: bool = False  # a later rung may fit where this one cannot: skip it when its floor misses the budget
+    # on a rung that defers FSDP2's reduce-scatter, ahead of the rung that reduces every micro-batch: the floor with
+    # the unsharded gradients it holds across micro-batches; over the budget, the rung is skipped (Note [a deferral
+    # that cannot fit]). None elsewhere
+    accumulating_floor: int | None = None
     # the step features (plan(allow=...)) in force on this rung, each with its value, in registry order (Note [step
     # features]); (): the user's loss and optimizer
     features: tuple[tuple[OptInFeature, Any], ...] = ()
@@ -84,8 +88,15 @@ class Stage:
         return request
 
     def skipped(self, fit_bytes: int) -> bool:
-        """Whether the rung is passed over without analysis under ``fit_bytes``: its states alone miss it."""
+        """Whether the rung is passed over without analysis under ``fit_bytes``: its states alone miss it, or it
+        defers a reduce-scatter whose unsharded gradients miss it (Note [a deferral that cannot fit])."""
+        if self.deferral_misses(fit_bytes):
+            return True
         return self.skippable and self.floor_bytes is not None and self.floor_bytes > fit_bytes
+
+    def deferral_misses(self, fit_bytes: int) -> bool:
+        """Whether the states and the unsharded gradients a deferring rung holds miss ``fit_bytes``."""
+        return self.accumulating_floor is not None and self.accumulating_floor > fit_bytes
 
 
 def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
@@ -109,6 +120,9 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
             in_backward=_in_backward(request, layout, policies) if i == own else (),
             floor_bytes=states_bytes(request, layout, policies[0], k) + _gathered_bytes(request, layout, policies),
         ))
+    if reducing is not None and parallel.fully_sharded:  # Note [a deferral that cannot fit]
+        rungs[:own + 1] = [replace(r, accumulating_floor=r.floor_bytes + _deferred_gradients_floor(request, r))
+                           for r in rungs[:own + 1]]
     rungs += _opt_in(request, parallel, stages[-1], k)
     rungs = [replace(r, skippable=host is not None or i < len(rungs) - 1) for i, r in enumerate(rungs)]
     if host is not None:
@@ -257,6 +271,31 @@ def _gathered_bytes(request: PlanRequest, parallel: Parallel, policies: tuple[Pr
     total = sum(p.numel() * (low if p.is_floating_point() else p.element_size()) for p in request.model.parameters())
     total //= parallel.tensor_parallel  # tensor parallel's split layers gather only their share
     return total if raf is False else total // raf
+
+
+# Note [a deferral that cannot fit]
+#     With FSDP2 over several ranks the rungs in the model's own dtype defer the gradients' reduce-scatter to the
+#     last micro-batch, and the rung after them reduces every micro-batch, in the same precisions or more (Note
+#     [gradient sync under accumulation], autofit/training/step.py). A deferring step that accumulates holds every
+#     trained parameter's gradient unsharded until its last backward (Note [deferred reduce-scatter],
+#     solve/terms.py): with the sharded states, a floor of its peak. Where that floor misses the budget, the rung can
+#     fit only without accumulation, one micro-batch of every row, where deferring and reducing are one step, the
+#     same bytes and the same collectives; the reducing rung searches that step too. So the rung is skipped without
+#     its analysis and search, and the plan's notes name it with the floor. The 405B plan of issue 56 (ZeRO-3 x TP
+#     2 to 8 over 512 H100s): 189 to 754 GiB of unsharded gradients against a 72 GB budget, two rungs analysed and
+#     searched per layout before this, about 13 s each on two cores, to find nothing.
+def _deferred_gradients_floor(request: PlanRequest, stage: Stage) -> int:
+    """What a rung that defers FSDP2's reduce-scatter adds at least to its states floor when it accumulates: the
+    unsharded gradients one rank holds (``deferred_gradient_bytes``, solve/terms.py: every trained parameter's
+    gradient, here divided by the tensor-parallel degree though only the split layers are, in the reduce dtype of
+    the rung's cheapest policy, fp32 under autocast, else the parameter's own), less the sharded gradients the
+    floor counts already (which a step that set them to None does not hold meanwhile)."""
+    unsharded = sharded = 0
+    for p in request.model.parameters():
+        if p.requires_grad:
+            unsharded += p.numel() * min(4 if policy.autocast else p.element_size() for policy in stage.policies)
+            sharded += p.numel() * p.element_size()
+    return max(unsharded // stage.parallel.tensor_parallel - sharded // _shards(stage.parallel), 0)
 
 
 def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:

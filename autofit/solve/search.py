@@ -22,8 +22,8 @@ import numpy as np
 
 from autofit.capture.depth import Blocks
 from autofit.core import progress
-from autofit.solve.checkpoint_milp import most_freeing_checkpoint, solve_checkpoint
-from autofit.solve.depth import grouped_by_block
+from autofit.solve.checkpoint_milp import most_freeing_checkpoint
+from autofit.solve.depth import grouped_by_block, solve_in_block_groups
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
@@ -175,7 +175,7 @@ def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: in
         if not space.allow_checkpoint:
             chosen = () if problem.peak(()) <= budget else None
         else:
-            chosen = solve_checkpoint(problem, budget)
+            chosen = solve_in_block_groups(problem, budget, space.blocks)  # Note [identical blocks solved in groups]
         if chosen is None:
             return None, 0
         if space.blocks is not None:
