@@ -167,19 +167,18 @@ class DepthGrid:
 #     solve/checkpoint_milp.py), and identical blocks are why: any set's treatments can be moved between blocks at
 #     the same cost, so the solver meets thousands of equivalent sets and a weak bound. The 405B plan of issue 56
 #     (126 blocks, 885 units with the selective ones, 6,581 stretches) solved twelve such programs, 6 to 13 s each,
-#     and the ones with selective units found no set at all. Such a program is solved instead with the units of
+#     and some of those with selective units found no set at all. Such a program is solved instead with the units of
 #     consecutive blocks tied: one unit per (group of blocks, module within the block, policy), its cost and bytes
 #     the sums over the group (``tied``), the groups sized to bring the program to about ``TIED_UNITS`` units. A set
 #     of the tied program is a set of the whole one with the same peak and cost, so what it returns fits; it forgoes
 #     the sets that treat the blocks of one group differently. Those matter little: the treatments are
 #     rearranged into runs of blocks anyway (Note [recomputation grouped by block]), and a run's end can then only
-#     fall on a group's. Measured on the four programs of that plan's TP 4 layout (two micro-batches, with and without
-#     selective units; one run, two cores): with selective units, no set in 16.7 s before, a set costing 6.505e15
-#     recompute FLOPs in 1.2 s after (groups of 7 to 8 blocks; 6.470e15 with groups of 4, in 3.6 s; the depth
-#     level set the planner fell back to, 6.719e15); without them, 6.612e15 in 10.7 s before, 6.636e15 in 0.6 s
-#     after (6.506e15 with groups of 4 in 1.3 s). So the tied program's answer is within about 2 % of the best
-#     answer found of recompute FLOPs, a fraction of the step, and often better than what the whole program found
-#     in its time limit. Where the tied program finds nothing, the whole program is solved as before.
+#     fall on a group's. Measured on the four programs of that plan's TP 4 layout (two micro-batches, each with
+#     and without selective units; one run, two cores), before -> tied (groups of 7 blocks, 129 units; of 5, 132):
+#     with selective units, no set in 16.7 s and in 21.2 s (the depth level set was taken, 6.719e15 recompute
+#     FLOPs) -> 6.469e15 in 1.0 and 1.2 s; without, 6.612e15 in 10.7 s -> 6.505e15 in 1.5 s, and 6.452e15 in 9.4 s
+#     -> the same in 1.1 s. The whole program, stopped at its limit, found no cheaper set in any of them. Where the
+#     tied program finds nothing, the whole program is solved as before.
 TIED_UNITS = 128  # about this many units in blocks, in the tied program
 _LARGE_PROGRAM = 400  # units: above, the whole program stops at its time limit (scipy's HiGHS, two cores)
 
