@@ -240,7 +240,8 @@ def estimate(
     # a term over a fifth of the peak named, with its knob (Note [deferred reduce-scatter], autofit/solve/terms.py)
     est = replace(est, notes=est.notes + large_term_notes(
         model, config, est.device_bytes, device_model,
-        flag="reducing every micro-batch (reduce_every_micro_batch=True; autofit estimate --reduce-every-micro-batch)"))
+        flag="reducing every micro-batch (reduce_every_micro_batch=True; autofit estimate --reduce-every-micro-batch)",
+        breakdown=est.breakdown))
     if config.layout.replicates_parameters:
         est = replace(est, notes=est.notes + (bucket_note(config.gradient_as_bucket_view),))
     if len(batch.per_sample_tensors()) < len(batch.tensors()):  # say what the rule did (Note [the batch dimension])

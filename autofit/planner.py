@@ -801,10 +801,10 @@ def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis
     order = zero_grad_note(estimator, chosen, policy, plan.peak_bytes)
     if order is not None:
         plan = replace(plan, notes=plan.notes + (order,))
-    plan = replace(plan, notes=plan.notes + large_term_notes(  # Note [deferred reduce-scatter], solve/terms.py
+    plan = replace(plan, notes=plan.notes + large_term_notes(  # Note [a large term and its knob], solve/terms.py
         request.model, estimator.config(chosen, policy), plan.device_bytes, request.device,
         flag="reducing every micro-batch (the ladder's rung 'FSDP2 reducing every micro-batch', Note [defer or "
-             "reduce every micro-batch])"))
+             "reduce every micro-batch])", breakdown=plan.estimate.breakdown, planned=True))
     split, note = even_split(estimator, chosen, policy)
     if note is not None:
         plan = replace(plan, even_split=split, notes=plan.notes + (note,))

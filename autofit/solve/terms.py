@@ -24,7 +24,11 @@ Note [deferred reduce-scatter]
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
+
+from autofit.core.categories import Category
 
 from autofit.core.units import format_bytes
 from autofit.solve.sharding import Links, _SPLIT_ALL, _SPLIT_WEIGHT, ring_seconds
@@ -77,8 +81,104 @@ def deferred_gradient_note(model: nn.Module, config, peak_bytes: int, target, *,
             "(Note [deferred reduce-scatter], autofit/solve/terms.py)")
 
 
-def large_term_notes(model: nn.Module, config, peak_bytes: int, target, *, flag: str) -> tuple[str, ...]:
-    """Every large term of the step this configuration runs that autofit can explain (Note [deferred reduce-scatter]
-    so far), one note each."""
-    note = deferred_gradient_note(model, config, peak_bytes, target, flag=flag)
-    return () if note is None else (note,)
+def large_term_notes(model: nn.Module, config, peak_bytes: int, target, *, flag: str,
+                     breakdown: Mapping[str, int] | None = None, planned: bool = False) -> tuple[str, ...]:
+    """Every large term of the step this configuration runs, one note each: the deferred unsharded gradients (Note
+    [deferred reduce-scatter]) and each category of ``breakdown`` (the estimate's, at its peak) over ``LARGE_SHARE``
+    of ``peak_bytes`` (Note [a large term and its knob]); ``planned``: the notes of a plan, whose search chose the
+    step's knobs, else of an estimate, whose user did."""
+    notes = []
+    deferred = deferred_gradient_note(model, config, peak_bytes, target, flag=flag)
+    if deferred is not None:
+        notes.append(deferred)
+    held = dict(breakdown or {})
+    held[str(Category.TEMPORARIES)] = held.get(str(Category.TEMPORARIES), 0) - deferred_gradient_bytes(model, config)
+    knobs = _PLAN_KNOBS if planned else _ESTIMATE_KNOBS
+    gpu_only = ("shard", "split", "expandable") if config.device.is_host else ()
+    if planned and not _paid_for_memory(config):  # the budget did not bind: nothing to lower
+        return tuple(notes)
+    for category, (what, names) in _CATEGORY_KNOBS.items():
+        size = held.get(str(category), 0)
+        if peak_bytes and size > LARGE_SHARE * peak_bytes:
+            why = what(config) if callable(what) else what
+            lead = "beyond the micro-batch and recomputation the search chose, " if planned else ""
+            notes.append(f"{category}: {format_bytes(size)}, {100 * size / peak_bytes:.0f} % of the peak: {why}; "
+                         f"{lead}lowered by {'; '.join(knobs[n] for n in names if knobs.get(n) and n not in gpu_only)}"
+                         " (Note [a large term and its knob], autofit/solve/terms.py)")
+    return tuple(notes)
+
+
+# Note [a large term and its knob]
+#     A category of the peak (core/categories.py) over a fifth of it is named with what it holds in this step and
+#     the knobs that lower it, each with its cost, spelt as the reader gives them: an estimate's as the Python
+#     StepConfig field and the `autofit estimate` flag, a plan's as what the planner is asked (its search already
+#     weighed the micro-batch, recomputation, precision and the layouts the request allows, so a plan names what it
+#     was not allowed to try). The deferred reduce-scatter's unsharded gradients, counted in 'temporaries', have
+#     their own note with their figure (Note [deferred reduce-scatter]) and are left out of the temporaries weighed
+#     here. Knobs, not figures: what a knob saves depends on the search that follows it, which a note cannot run.
+#     A plan that gave nothing up for memory (no accumulation, recomputation, offload or lower stored precision)
+#     fits with room, so its terms are not named; on the CPU the GPU knobs (more GPUs, tensor parallel, the CUDA
+#     allocator) are left out.
+def _paid_for_memory(config) -> bool:
+    """Whether the plan's step gave something up for memory: accumulation, recomputation, offload, a stored
+    precision lower than built. A plan that gave up nothing fits with room, and its large terms need no knob."""
+    layout = config.layout
+    return bool(config.accumulation_steps > 1 or config.checkpoint or config.offload or layout.offload_states
+                or config.precision.stored or config.optimizer_in_backward or config.chunked_loss is not None)
+
+
+def _activations(config) -> str:
+    recomputed = len(config.checkpoint)
+    return (f"tensors forward saves for backward, at micro-batch {config.micro_batch_size}"
+            + (f" with {recomputed} module{'s' * (recomputed != 1)} recomputed" if recomputed else ", nothing recomputed"))
+
+
+def _optimizer_state(config) -> str:
+    k = config.optimizer.state_values_per_parameter()
+    return f"{config.optimizer.name}'s state, {k} value{'s' * (k != 1)} per trained parameter"
+
+
+_CATEGORY_KNOBS = {
+    Category.ACTIVATIONS: (_activations, ("recompute", "micro", "split")),
+    Category.TEMPORARIES: ("tensors made in backward and the optimizer step that are neither gradients nor state: "
+                           "a recomputed module's forward again, the gradients of activations, an op's output before "
+                           "the next frees its input", ("micro", "chunked", "split")),
+    Category.OPTIMIZER_STATE: (_optimizer_state, ("shard", "optimizer", "offload", "lora")),
+    Category.PARAMETERS: ("the parameters, in their stored precision", ("shard", "stored", "offload")),
+    Category.GRADIENTS: ("one gradient per trained parameter, in its stored precision", ("shard", "lora", "backward")),
+    Category.FRAGMENTATION: ("what the CUDA caching allocator reserves beyond its blocks (segments that free blocks "
+                             "cannot return)", ("expandable",)),
+}
+_ESTIMATE_KNOBS = {
+    "recompute": "recomputing more modules (StepConfig(checkpoint=...); --checkpoint NAME or blocks), one more forward "
+                 "of each",
+    "micro": "a smaller micro-batch (micro_batch_size; -m), more accumulation steps for the same batch",
+    "split": "tensor or sequence parallel (Layout(tensor_parallel=..., sequence_parallel=True); --tensor-parallel, "
+             "--sequence-parallel), their collectives",
+    "chunked": "the output head and loss in chunks of tokens (chunked_loss; --chunked-loss), float rounding only",
+    "shard": "FSDP2 over more ranks (Layout(strategy='fsdp2'); --strategy fsdp2 --world-size N), its all-gathers",
+    "optimizer": "an optimizer with fewer values (optimizer='sgd' or an 8-bit AdamW, autofit.plan(allow='8bit-"
+                 "optimizer'); --optimizer), a different update",
+    "offload": "the states on the host (offload_states=True; --offload-states), an optimizer step on the CPU",
+    "lora": "training adapters only (--lora), a different model update",
+    "stored": "a lower stored precision (PrecisionPolicy(stored='bf16'); autofit plan --min-stored-precision)",
+    "backward": "the optimizer stepped in backward (optimizer_in_backward=True; --optimizer-in-backward), one process "
+                "without clipping",
+    "expandable": "expandable segments (expandable_segments=True; --expandable-segments), which autofit plan sets when "
+                  "the default allocator does not fit",
+}
+_PLAN_KNOBS = {
+    "recompute": None,  # the search's own knobs: weighed already
+    "micro": None,
+    "split": "tensor or sequence parallel (--tensor-parallel auto lets the planner weigh the degree; "
+             "--sequence-parallel), their collectives",
+    "chunked": "the chunked loss (allow='chunked-loss'; --allow chunked-loss), float rounding only",
+    "shard": "more GPUs (--nodes, --gpus-per-node), which FSDP2 shards the states over",
+    "optimizer": "AdamW's moments in 8 bits (allow='8bit-optimizer'; --allow 8bit-optimizer), a different update",
+    "offload": "the states on the host (offload='auto', the default, where nothing fits on the GPUs), an optimizer "
+               "step on the CPU",
+    "lora": "training adapters only (--lora), a different model update",
+    "stored": "a lower stored precision (--min-stored-precision), which the ladder climbs when nothing fits",
+    "backward": "the optimizer stepped in backward, which the ladder tries on one process when nothing fits",
+    "expandable": "expandable segments, which the plan sets when the default allocator does not fit",
+}
