@@ -23,9 +23,9 @@ from autofit.solve.checkpoint_milp import CheckpointProblem, solve_checkpoint, t
 from autofit.training.step import StepConfig
 
 
-__all__ = ["DepthRun", "DepthGrid", "grouped_by_block", "solve_in_block_groups", "depth_runs", "depth_grid", "extrapolate_grid",
-           "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops", "period_ranges",
-           "fallback_note", "overtaken", "SEGMENT_TOLERANCE", "OFF_LINE_CLEARANCE"]
+__all__ = ["DepthRun", "DepthGrid", "grouped_by_block", "solve_in_block_groups", "depth_runs", "depth_grid",
+           "extrapolate_grid", "analysis_depth", "parameter_ratios", "config_at_depth", "extrapolate", "extended_ops",
+           "period_ranges", "fallback_note", "overtaken", "SEGMENT_TOLERANCE", "OFF_LINE_CLEARANCE"]
 
 # The CUDA figures built on segments (reserved, device, the smallest budget, fragmentation) move in steps of the
 # caching allocator's segments: up to kLargeBuffer (20 MiB, c10/cuda/CUDACachingAllocator.cpp) per step. The line

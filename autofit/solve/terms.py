@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from torch import nn
 
 from autofit.core.categories import Category
-
 from autofit.core.units import format_bytes
 from autofit.solve.sharding import Links, _SPLIT_ALL, _SPLIT_WEIGHT, ring_seconds
 
@@ -129,8 +128,8 @@ def _paid_for_memory(config) -> bool:
 
 def _activations(config) -> str:
     recomputed = len(config.checkpoint)
-    return (f"tensors forward saves for backward, at micro-batch {config.micro_batch_size}"
-            + (f" with {recomputed} module{'s' * (recomputed != 1)} recomputed" if recomputed else ", nothing recomputed"))
+    how = f" with {recomputed} module{'s' * (recomputed != 1)} recomputed" if recomputed else ", nothing recomputed"
+    return f"tensors forward saves for backward, at micro-batch {config.micro_batch_size}{how}"
 
 
 def _optimizer_state(config) -> str:
@@ -161,7 +160,8 @@ _ESTIMATE_KNOBS = {
                  "optimizer'); --optimizer), a different update",
     "offload": "the states on the host (offload_states=True; --offload-states), an optimizer step on the CPU",
     "lora": "training adapters only (--lora), a different model update",
-    "stored": "a lower stored precision (PrecisionPolicy(stored='bf16'); autofit plan --min-stored-precision)",
+    "stored": "a lower stored precision (precision=PrecisionPolicy('bf16', stored='bf16'); autofit plan "
+              "--min-stored-precision), bf16 updates",
     "backward": "the optimizer stepped in backward (optimizer_in_backward=True; --optimizer-in-backward), one process "
                 "without clipping",
     "expandable": "expandable segments (expandable_segments=True; --expandable-segments), which autofit plan sets when "
