@@ -8,7 +8,7 @@ and the line through the cut models' estimates carried to all the blocks.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -550,7 +550,18 @@ def _carried(last: MemoryEstimate, figures: dict[str, int], breakdown: dict[str,
     shift = {attr: figures[attr] - getattr(last, attr) for attr in figures}
     return replace(last, breakdown=breakdown, host_breakdown=host, notes=last.notes + (note,),
                    peak_at=f"{last.peak_at} (at {depth} blocks)" if last.peak_at else "",
-                   under=_under(last, shift, note), **figures)
+                   under=_under(last, shift, _grown(last.breakdown, breakdown),
+                                _grown(last.host_breakdown, host), note), **figures)
+
+
+def _grown(cut: Mapping[str, int], whole: Mapping[str, int]) -> dict[str, int]:
+    """Each category's growth from the cut model's breakdown to the whole model's."""
+    return {key: whole.get(key, 0) - cut.get(key, 0) for key in dict.fromkeys([*cut, *whole])}
+
+
+def _shifted(breakdown: Mapping[str, int], grown: dict[str, int]) -> dict[str, int]:
+    """``breakdown`` with each category grown by ``grown``'s."""
+    return {key: breakdown.get(key, 0) + grown.get(key, 0) for key in dict.fromkeys([*breakdown, *grown])}
 
 
 def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...], cheaper_only: bool = False) -> str:
@@ -570,9 +581,12 @@ def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...], cheaper_only: boo
             "(Note [depth extrapolation], autofit/capture/depth.py)")
 
 
-def _under(last: MemoryEstimate, shift: dict[str, int], note: str):
+def _under(last: MemoryEstimate, shift: dict[str, int], grown: dict[str, int], host_grown: dict[str, int],
+           note: str):
     """The estimate under a budget: the deepest simulation's replay under the budget less the extrapolated growth,
-    shifted by that growth (approximate: the cap's effect on the extra blocks' segments is the same as on theirs)."""
+    shifted by that growth, its figures and each category of its breakdowns (approximate: the cap's effect on the
+    extra blocks' segments is the same as on theirs). The breakdowns were once left as the cut model's: a 3B
+    model's plan under its budget read 2.64 GiB of parameters for 6.4 GB (tests/test_fine_tuning_plans.py)."""
     if last.under is None:
         return None
 
@@ -581,9 +595,14 @@ def _under(last: MemoryEstimate, shift: dict[str, int], note: str):
         if inner is None:
             return None
         moved = {attr: getattr(inner, attr) + delta for attr, delta in shift.items()}
+        breakdown, host = _shifted(inner.breakdown, grown), _shifted(inner.host_breakdown, host_grown)
+        fragmentation = str(Category.FRAGMENTATION)
+        if fragmentation in breakdown:  # as _carried sets it: the reserve above the allocated peak
+            breakdown[fragmentation] = (moved.get("peak_reserved_bytes", inner.peak_reserved_bytes)
+                                        - moved.get("peak_bytes", inner.peak_bytes))
         return replace(inner, notes=inner.notes + (note + "; under the budget, the deepest simulation's allocator "
                                                    "replay under the budget less that growth (approximate)",),
-                       under=None, **moved)
+                       under=None, breakdown=breakdown, host_breakdown=host, **moved)
     return under
 
 
