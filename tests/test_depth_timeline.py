@@ -118,3 +118,37 @@ def test_near_the_budget_off_their_line_the_segment_figures_are_the_replays():
     assert est.within(10**10) is est and est.within(9_600_000_000) is None
     # far from the budget: the figures carried along their lines, as before
     assert extrapolate(run, ests, 2 * fit, whole=lambda: replayed).min_device_bytes == carried.min_device_bytes
+
+
+def test_under_a_budget_the_breakdown_is_carried_with_the_figures():
+    """A depth-extrapolated estimate under a budget (``within``) is the deepest cut's replay under the cap shifted by
+    the growth to all blocks: each category of its breakdown too. By hand, 80 blocks from 8, 9, 10: parameters 10^8
+    per block (8 GB at 80), activations 10^9 + 10^8 per block (9 GB), a 2 GB reserve on every cut; under an 18 GB
+    cap the reserve above the 17 GB of tensors is 1 GB. Before, the breakdown was the 10-block cut's (1 GB of
+    parameters under a plan of 80 blocks)."""
+    from dataclasses import replace
+
+    from autofit.capture.depth import Blocks
+    from autofit.core.report import MemoryEstimate
+    from autofit.solve.depth import DepthRun
+
+    def figures(blocks):
+        params, acts, reserve = blocks * 10**8, 10**9 + blocks * 10**8, 2 * 10**9
+        peak = params + acts
+        est = MemoryEstimate(peak_bytes=peak, breakdown={"parameters": params, "activations": acts,
+                                                         "fragmentation": reserve},
+                             device_bytes=peak + reserve, peak_reserved_bytes=peak + reserve,
+                             min_device_bytes=peak + 10**8)
+
+        def under(budget):  # the cap frees cached segments: the same tensors, less reserve
+            if budget < peak + 10**8:
+                return None
+            return replace(est, device_bytes=budget, peak_reserved_bytes=budget,
+                           breakdown={"parameters": params, "activations": acts, "fragmentation": budget - peak})
+        return replace(est, under=under)
+    run = DepthRun(Blocks("layers", 80), 1, (tuple(range(8)), tuple(range(9)), tuple(range(10))), 70)
+    carried = extrapolate(run, (figures(8), figures(9), figures(10)))
+    assert carried.device_bytes == 19 * 10**9 and carried.breakdown["parameters"] == 8 * 10**9
+    capped = carried.within(18 * 10**9)
+    assert capped.device_bytes == 18 * 10**9
+    assert capped.breakdown == {"parameters": 8 * 10**9, "activations": 9 * 10**9, "fragmentation": 10**9}
