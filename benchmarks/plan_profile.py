@@ -37,7 +37,7 @@ from benchmarks.multi_gpu_70b import llama3_70b_config  # noqa: E402
 
 # (label, file suffix, function): cumulative seconds of each, read from the profile
 STAGES = (
-    ("the layouts, each planned on its own", "autofit/planner.py", "_plan_parallel"),
+    ("the layouts, each planned on its own", "autofit/planning/climb.py", "plan_layout"),
     ("  layer analysis (the small simulations)", "autofit/analyse/analyse.py", "analyse_model"),
     ("  full estimates (quick path, verification)", "autofit/solve/estimator.py", "simulate"),
     ("  the search (checkpoint MILP, with its verification)", "autofit/solve/verify.py", "search_verified"),

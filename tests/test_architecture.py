@@ -32,7 +32,7 @@ LAYERS: list[set[str]] = [
     {"emit"},  # 6. the Plan, the training wrapper it emits, and the plan in other frameworks' terms
     # the public entry points that compose the stages (compare: one plan per card), the options they take, and the
     # request's checks
-    {"api", "planner", "request", "validate", "options", "compare"},
+    {"api", "planner", "planning", "request", "validate", "options", "compare"},
     {"integrations"},  # a Plan applied inside other trainers (Hugging Face, Lightning)
     {"cli"},
     {"__init__", "__main__"},

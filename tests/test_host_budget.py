@@ -81,12 +81,12 @@ def test_states_alone_over_the_host_budget_are_refused_before_any_analysis(no_lo
     """4 x (8192 x 8192 + 8192) = 268,468,224 fp32 parameters: AdamW's states are 16 bytes each (parameter,
     gradient, two moments) = 4.0005 GiB; even stored in bf16 they miss a 1.5 GB T4 budget, so they must go to the
     host, where 1 GB cannot hold them. The planner says so without simulating."""
-    import autofit.planner as planner
+    from autofit.planning import race as planner
 
     def analysed(*args, **kwargs):
         raise AssertionError("the planner analysed a layout")
 
-    monkeypatch.setattr(planner, "_plan_parallel", analysed)
+    monkeypatch.setattr(planner, "plan_layout", analysed)
     params = 4 * (8192 * 8192 + 8192)
     with pytest.raises(autofit.HostMemoryError) as info:
         autofit.plan(_wide(), torch.randn(2, 8192), "1.5GB",
@@ -98,10 +98,10 @@ def test_states_alone_over_the_host_budget_are_refused_before_any_analysis(no_lo
 
 def test_a_budget_below_the_context_is_left_to_the_analysis(no_local_gpu, monkeypatch):
     """Under a budget that cannot hold the CUDA context the GPU budget is short first: no early host error."""
-    import autofit.planner as planner
+    from autofit.planning import race as planner
 
     called = []
-    monkeypatch.setattr(planner, "_plan_parallel", lambda *a, **k: called.append(1) or (_ for _ in ()).throw(
+    monkeypatch.setattr(planner, "plan_layout", lambda *a, **k: called.append(1) or (_ for _ in ()).throw(
         autofit.InvalidInputError("stop")))
     with pytest.raises(autofit.InvalidInputError, match="stop"):
         autofit.plan(_wide(), torch.randn(2, 8192), 1,

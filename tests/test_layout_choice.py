@@ -106,7 +106,7 @@ def test_auto_layouts_across_nodes():
 
 @pytest.mark.slow  # 60.8 CPU s on a slow machine (2026-11-27), over the sim tier's 60
 def test_the_layout_whose_search_begins_fastest_is_verified_first_and_alone():
-    """Note [the layout to verify first], autofit/planner.py. A 2-block Llama (hidden 1024) on 8 A100s with FSDP2
+    """Note [the layout to verify first], autofit/planning/race.py. A 2-block Llama (hidden 1024) on 8 A100s with FSDP2
     under 2 GB: ZeRO-2 has fewer collectives, so it came first, but holding every gathered parameter it must run
     micro-batch 1 where ZeRO-3 runs 2. The plan of both layouts is the faster of the two planned alone, and only its
     full estimate runs: ZeRO-2's search begins slower than ZeRO-3's verified plan, so it is never verified."""
@@ -173,7 +173,7 @@ def _two_linears_over(world: int, per_node: int, reshard, min_stored=None):
     import torch
     from torch import nn
 
-    from autofit.planner import _Climb
+    from autofit.planning.climb import Climb
     from autofit.request import make_request
     from autofit.solve.sharding import layouts
 
@@ -186,7 +186,7 @@ def _two_linears_over(world: int, per_node: int, reshard, min_stored=None):
                            layout=autofit.Layout(world_size=world, gpus_per_node=per_node, strategy="fsdp2",
                                                  reshard_after_forward=reshard, replicate=1))
     (parallel,) = layouts(request, "fsdp2")
-    return request, _Climb.of(request, parallel)
+    return request, Climb.of(request, parallel)
 
 
 def test_collectives_alone_are_the_ring_count_at_one_micro_batch_in_the_fewest_stored_bytes():
@@ -195,7 +195,7 @@ def test_collectives_alone_are_the_ring_count_at_one_micro_batch_in_the_fewest_s
     of them per rank (nccl-tests PERFORMANCE.md), in the model's fp32; a rung that stores them in bf16 halves it."""
     from dataclasses import replace
 
-    from autofit.planner import _collectives_alone
+    from autofit.planning.race import _collectives_alone
     from autofit.training.precision import PrecisionPolicy
 
     request, climb = _two_linears_over(16, 8, True)
@@ -212,7 +212,7 @@ def test_collectives_alone_are_the_ring_count_at_one_micro_batch_in_the_fewest_s
 def test_a_layout_whose_collectives_alone_lose_is_ranked_without_analysis():
     """Note [ruled out by arithmetic]: ranking a layout against a best bound its collectives alone already miss
     returns that floor, and nothing is analysed (no search space built); against a slower bound it is analysed."""
-    from autofit.planner import _bound, _collectives_alone
+    from autofit.planning.race import _bound, _collectives_alone
 
     request, climb = _two_linears_over(16, 8, True)
     floor = _collectives_alone(request, climb.parallel, climb.stages)
@@ -257,17 +257,18 @@ def test_a_layout_where_nothing_fits_is_named_when_another_has_a_plan(monkeypatc
     """With a plan found, a layout whose rungs' models fit nothing (its smallest budget left uncomputed) is still
     named in the notes: the 405B plan of issue 56 named none of its three ZeRO-3 x tensor-parallel layouts. Its
     climb is replaced by one where nothing fits; its fallback must never run."""
-    from autofit import planner
+    from autofit.planning import race
+    from autofit.planning.climb import Unplanned
 
     case = ZOO["gpt_sdpa"]()
-    real = planner._plan_parallel
+    real = race.plan_layout
 
     def climb(request, parallel, *args, **kwargs):
         if parallel.reshard_after_forward is False:
-            raise planner._Unplanned("nothing fits", fallback=lambda: pytest.fail("the fallback ran"))
+            raise Unplanned("nothing fits", fallback=lambda: pytest.fail("the fallback ran"))
         return real(request, parallel, *args, **kwargs)
 
-    monkeypatch.setattr(planner, "_plan_parallel", climb)
+    monkeypatch.setattr(race, "plan_layout", climb)
     plan = autofit.plan(case.model, case.sample, "79GB", batch_size=16, target=case.target, device="A100-80GB",
                         layout=autofit.Layout(world_size=2, strategy="fsdp2"))
     assert plan.layout == "fsdp2 (ZeRO-3)"
@@ -276,32 +277,32 @@ def test_a_layout_where_nothing_fits_is_named_when_another_has_a_plan(monkeypatc
 
 
 def test_a_layout_whose_first_rungs_fit_nothing_is_ranked_by_the_rung_its_climb_reaches(monkeypatch):
-    """Note [the layout to verify first]: the race climbs past a rung whose models fit nothing (planner
-    ``_plan_parallel``), so a layout's bound is the first rung that fits something, not inf. The 405B plan of issue
+    """Note [the layout to verify first]: the race climbs past a rung whose models fit nothing (planning/climb.py
+    ``plan_layout``), so a layout's bound is the first rung that fits something, not inf. The 405B plan of issue
     56 ranked its three ZeRO-3 x TP layouts all at inf (their deferring rungs fit nothing: each rank would hold its
     shard's unsharded gradients), raced them in the order of their collectives, and verified TP 8 (235 s) and TP 4
     (155 s) before TP 2 (116 s), which won. Rungs here are stand-ins; what is checked is the climb's order."""
     from types import SimpleNamespace
 
-    from autofit import planner
+    from autofit.planning import race
 
     rungs = {"deferred": (math.inf, None), "fp32": (3.0, None), "reducing": (4.0, 5.0), "host": (1.0, 1.0)}
     stages = [SimpleNamespace(what=w, skipped=lambda fit: False, host_check=w == "host") for w in rungs]
     climb = SimpleNamespace(stages=stages, fit=1, request=None, parallel=None,
                             searchable=lambda stage: (None, stage.what, None))
     searched = []
-    monkeypatch.setattr(planner, "_collectives_alone", lambda *a: 0.0)
-    monkeypatch.setattr(planner, "time_floor", lambda space, fit: rungs[space][0])
-    monkeypatch.setattr(planner, "search", lambda space, fit: (searched.append(space) or (
+    monkeypatch.setattr(race, "_collectives_alone", lambda *a: 0.0)
+    monkeypatch.setattr(race, "time_floor", lambda space, fit: rungs[space][0])
+    monkeypatch.setattr(race, "search", lambda space, fit: (searched.append(space) or (
         None if rungs[space][1] is None else SimpleNamespace(seconds=rungs[space][1])), []))
     # the deferring rung fits nothing even fully recomputed (no MILP); the fp32 rung's search finds nothing; the
     # reducing rung's is the bound; the host rung is never the bound (planned only when nothing fits on the GPUs)
-    assert planner._bound(climb, math.inf) == 5.0 and searched == ["fp32", "reducing"]
+    assert race._bound(climb, math.inf) == 5.0 and searched == ["fp32", "reducing"]
     # a floor that cannot beat the best bound so far is the bound, no MILP solved
     searched.clear()
-    assert planner._bound(climb, 3.5) == 4.0 and searched == ["fp32"]
+    assert race._bound(climb, 3.5) == 4.0 and searched == ["fp32"]
     rungs["reducing"] = (4.0, None)
-    assert planner._bound(climb, math.inf) == math.inf
+    assert race._bound(climb, math.inf) == math.inf
 
 
 def test_once_a_layout_has_a_plan_the_others_smallest_budgets_and_slower_analyses_are_released():
@@ -309,7 +310,8 @@ def test_once_a_layout_has_a_plan_the_others_smallest_budgets_and_slower_analyse
     fallbacks (each holding a climb's analyses) that run only when no layout has a plan."""
     from types import SimpleNamespace
 
-    from autofit.planner import _Tally, _Unplanned
+    from autofit.planning.climb import Unplanned as _Unplanned
+    from autofit.planning.race import _Tally
 
     tally = _Tally()
     unplanned = _Unplanned("nothing fits", fallback=lambda: None)

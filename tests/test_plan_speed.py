@@ -376,11 +376,11 @@ def test_rows_by_length_with_guesses_up_front_is_the_same_table(budget):
 # ---- a data-parallel strategy that cannot fit is not planned when another fits -----------------------------------
 @pytest.mark.sim
 def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else_fits(monkeypatch):
-    import autofit.planner as planner
+    from autofit.planning import race
 
     planned = []
-    real = planner._plan_parallel
-    monkeypatch.setattr(planner, "_plan_parallel", lambda request, parallel, *args: planned.append(parallel.strategy)
+    real = race.plan_layout
+    monkeypatch.setattr(race, "plan_layout", lambda request, parallel, *args: planned.append(parallel.strategy)
                         or real(request, parallel, *args))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])

@@ -235,13 +235,13 @@ def test_cli_budget_above_the_card_exits_2_before_planning(monkeypatch):
     pytest.importorskip("transformers", reason="hf:gpt2 is built from its config by transformers")
     from typer.testing import CliRunner
 
-    import autofit.planner
     from autofit.cli.app import app
+    from autofit.planning import race
 
     def never(*args, **kwargs):
         raise AssertionError("planning ran")
 
-    monkeypatch.setattr(autofit.planner, "_plan_parallel", never)  # the checks come before any simulation
+    monkeypatch.setattr(race, "plan_layout", never)  # the checks come before any simulation
     result = CliRunner().invoke(app, ["plan", "hf:gpt2", "--budget", "100GB", "--batch-size", "64", "--input-shape",
                                       "1024", "--gpu", "T4"])
     assert result.exit_code == 2, result.output

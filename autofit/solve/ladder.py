@@ -2,7 +2,7 @@
 
 Note [the ladder]
     Each rung saves memory at some cost the ones above it do not pay, so the planner tries them in order and stops at
-    the first whose search finds a verified configuration (planner.py):
+    the first whose search finds a verified configuration (autofit/planning/climb.py):
       1. the model's own dtype: on a GPU with precision="auto", the preferred low precision alone, then every allowed
          one (fp32 is analysed only when no low-precision configuration fits: the analysis is most of planning's
          cost); the last of these may step the optimizer in backward (Note [optimizer step in backward]), which

@@ -227,7 +227,7 @@ def time_floor(space: SearchSpace, budget: int) -> float:
 def fits_somewhere(space: SearchSpace, budget: int) -> bool:
     """Whether the models fit some configuration of ``space`` under ``budget``, found without a checkpoint MILP: one
     that fits as it is, or with every unit recomputed. A sufficient test (recomputing everything is not always the
-    lowest peak), for a rung that loses on its time floor alone (Note [layouts that cannot win], planner.py)."""
+    lowest peak), for a rung that loses on its time floor alone (Note [layouts that cannot win], planning/climb.py)."""
     for precision, b, k, last in _options(space, budget):
         if _fits_as_is(space, precision, b, k, last, budget):
             return True
