@@ -23,7 +23,7 @@ from autofit.emit.model_record import ModelRecord
 from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
-from autofit.parallel.layout import Parallel, layout_words, ranks_per_node
+from autofit.parallel.layout import Parallel, layout_from_json, ranks_per_node
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Forgone", "Plan", "plan_step", "use_wrap", "why_layout"]
@@ -244,11 +244,7 @@ class Plan:
     @property
     def layout(self) -> str:
         """The parallel layout in words: 'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'hsdp 2 x 4 (ZeRO-3)', 'ddp'."""
-        if self.strategy is None:
-            return "None"
-        return layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate,
-                            after_forward=" after forward", tensor_parallel=self.tensor_parallel,
-                            sequence_parallel=is_sequence_parallel(self.tensor_plan))
+        return "None" if self.strategy is None else self.parallel.layout.words(after_forward=" after forward")
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -328,7 +324,7 @@ class Plan:
         for f in fields(self):
             if f.name not in ("loss_fn", "parallel", "verified_step"):
                 data[f.name] = getattr(self, f.name)
-            data.update((k, getattr(self.parallel, k)) for k in _LAYOUT_IN_JSON.get(f.name, ()))
+            data.update(self.parallel.json_fields(after=f.name))  # Note [the layout in a plan's JSON]
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
                              "stored": self.precision.stored, "built": self.precision.built}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
@@ -337,8 +333,6 @@ class Plan:
         data["selective"] = list(self.selective)
         data["op_selective"] = list(self.op_selective)
         data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
-        data["shard_units"] = list(self.shard_units)
-        data["tensor_plan"] = [list(pair) for pair in self.tensor_plan]
         data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective),
                                  op_selective=list(a.op_selective))
                             for a in self.frontier]
@@ -390,8 +384,7 @@ class Plan:
             data["checkpoint"] = tuple(data["checkpoint"])
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
             data["op_selective"] = tuple(data.get("op_selective", ()))  # absent from plans written before issue 58
-            data["shard_units"] = tuple(data.get("shard_units", ()))
-            data["tensor_plan"] = tuple((str(n), str(s)) for n, s in data.get("tensor_plan", ()))
+            data.update(layout_from_json(data))  # Note [the layout in a plan's JSON]
             data["notes"] = tuple(data["notes"])
             data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
             made_for = data.get("made_for")  # absent from plans written before issue 55: wrap takes any model
@@ -487,18 +480,10 @@ class Plan:
         _feature_rows(self, rows)
         if len(self.rows_by_length) > 1:
             rows.insert(2, ("rows by length", self.rows_by_length_text()))
-        if self.world_size > 1:
-            nodes = (f" ({self.parallel.nodes} nodes x {self.gpus_per_node})"
-                     if self.gpus_per_node and self.gpus_per_node < self.world_size else "")
-            # the rows each process trains: a tensor-parallel group's ranks share theirs
-            rows.insert(1, ("world size", f"{self.world_size} processes{nodes}, {self.layout}, "
-                                          f"{self.batch_size // self.parallel.data_ranks} samples each"))
-            if self.shard_units:
-                rows.insert(2, ("FSDP2 units", f"{len(self.shard_units)}: {', '.join(self.shard_units[:4])}"
-                                               + (" ..." if len(self.shard_units) > 4 else "")))
-        if self.reduce_every_micro_batch:
-            after = next(i for i, (k, _) in enumerate(rows) if k == "accumulation steps") + 1
-            rows.insert(after, ("gradient sync", "reduce-scatter after every micro-batch"))
+        head, sync = self.parallel.table_rows(self.batch_size, self.layout)  # the layout's own rows
+        rows[1:1] = head
+        after = next(i for i, (k, _) in enumerate(rows) if k == "accumulation steps") + 1
+        rows[after:after] = sync
         return rows
 
     def __str__(self) -> str:
@@ -543,17 +528,11 @@ def forgone_rows(plan: Plan, fmt: Callable[[int], str]) -> list[str]:
 #     and the layout of the plan's step (``Plan.step.layout``, Note [the plan's step]), by which the trainers lay
 #     the model out. Users, tests and the exports read its fields as the plan's own
 #     (``plan.world_size``), the properties above, and the JSON has always had them flat, between the plan's other
-#     fields: ``_LAYOUT_IN_JSON`` says after which field each stands, so plans are written byte for byte as before
-#     and old plans load. ``Plan(...)`` and ``dataclasses.replace(plan, ...)`` accept them flat too (what
+#     fields: the layout says after which field each stands (Note [the layout in a plan's JSON],
+#     autofit/parallel/layout.py), so plans are written byte for byte as before and old plans load. ``Plan(...)`` and ``dataclasses.replace(plan, ...)`` accept them flat too (what
 #     ``from_json`` passes): ``_with_flat_layout`` folds them into ``parallel`` before the dataclass's own
 #     ``__init__`` runs, and the layout validates them as it validates any other.
-_LAYOUT_IN_JSON: dict[str, tuple[str, ...]] = {
-    "estimate": ("world_size", "strategy"),
-    "notes": ("shard_units", "reshard_after_forward", "replicate", "gpus_per_node", "tensor_parallel", "tensor_plan"),
-    "offload": ("offload_states", "reduce_every_micro_batch"),
-}
 _LAYOUT_FIELDS = frozenset(f.name for f in fields(Parallel))
-assert _LAYOUT_FIELDS == {k for keys in _LAYOUT_IN_JSON.values() for k in keys}
 # What the plan derives from its estimate (the search decided it there: alloc_conf, preallocated_grads): written to
 # the JSON for readers, and given back to Plan(...) (from_json, Plan(**plan.__dict__)) it is ignored
 _DERIVED_FIELDS = frozenset(f.name for f in fields(Plan) if not f.init)

@@ -10,15 +10,18 @@ a :class:`Strategy`, whose properties are what the core branches on.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
+from typing import Any
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
 from autofit.parallel.collectives import Links
 from autofit.parallel.dimension import Layout, Placement
 
-__all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words"]
+__all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words",
+           "JSON_PLACES", "layout_from_json"]
 
 
 class Strategy(StrEnum):
@@ -213,12 +216,66 @@ class Parallel:
         """The ranks that share one host's memory (what offloaded states must fit together): 1 for one process."""
         return ranks_per_node(self.world_size, self.gpus_per_node)
 
+    def json_fields(self, after: str) -> dict[str, Any]:
+        """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout
+        in a plan's JSON])."""
+        names = dict(JSON_PLACES).get(after, ())
+        return {name: _TO_JSON.get(name, lambda value: value)(getattr(self, name)) for name in names}
+
+    def table_rows(self, batch_size: int, words: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """The rows a plan's table shows of this layout (``Plan.summary_rows``), as (name, value): those after the
+        effective batch (the processes and nodes, in ``words``, with the rows each trains: a tensor-parallel group's
+        ranks share theirs; FSDP2's units), and those after the accumulation steps (how the gradients sync)."""
+        head: list[tuple[str, str]] = []
+        if self.world_size > 1:
+            nodes = (f" ({self.nodes} nodes x {self.gpus_per_node})"
+                     if self.gpus_per_node and self.gpus_per_node < self.world_size else "")
+            head.append(("world size", f"{self.world_size} processes{nodes}, {words}, "
+                                       f"{batch_size // self.data_ranks} samples each"))
+            if self.shard_units:
+                head.append(("FSDP2 units", f"{len(self.shard_units)}: {', '.join(self.shard_units[:4])}"
+                                            + (" ..." if len(self.shard_units) > 4 else "")))
+        sync = [("gradient sync", "reduce-scatter after every micro-batch")] if self.reduce_every_micro_batch else []
+        return head, sync
+
     @property
     def least_memory(self) -> bool:
         """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
         reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
         return not self.shards_parameters or (self.reshard_after_forward is True and self.replicate == 1
                                               and self.tensor_parallel == 1)
+
+
+# Note [the layout in a plan's JSON]
+#     A plan's JSON has always held its layout's fields flat, among the plan's own (``world_size`` and ``strategy``
+#     after ``estimate``, FSDP2's and tensor parallel's after ``notes``, the states' place after ``offload``), and
+#     plans written before the layout was one value load as they always did. Where each field stands, and how a
+#     field that is no plain JSON value is written and read back, is the layout's to say, here beside the fields:
+#     ``emit/plan.py`` writes what :meth:`Parallel.json_fields` gives after each of the plan's fields and reads the
+#     layout back with :func:`layout_from_json`, so a dimension that adds a field to ``Parallel`` adds its place
+#     here and touches no emitter. A field absent from an old plan keeps its default.
+JSON_PLACES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("estimate", ("world_size", "strategy")),
+    ("notes", ("shard_units", "reshard_after_forward", "replicate", "gpus_per_node", "tensor_parallel",
+               "tensor_plan")),
+    ("offload", ("offload_states", "reduce_every_micro_batch")),
+)
+# the fields held as tuples, written as JSON lists, and read back (a field not named here is a plain JSON value)
+_TO_JSON: dict[str, Callable[[Any], Any]] = {
+    "shard_units": list, "tensor_plan": lambda plan: [list(pair) for pair in plan]}
+_FROM_JSON: dict[str, Callable[[Any], Any]] = {
+    "shard_units": tuple, "tensor_plan": lambda plan: tuple((str(n), str(s)) for n, s in plan)}
+# every field has its place: a field without one would be dropped from the plan's JSON unseen
+assert {f.name for f in fields(Parallel)} == {name for _, names in JSON_PLACES for name in names}
+
+
+def layout_from_json(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout's fields of a plan's JSON ``data``, read back (Note [the layout in a plan's JSON]): those present,
+    and the tuple fields always (empty where an old plan has none)."""
+    found = {name: data[name] for _, names in JSON_PLACES for name in names if name in data}
+    for name, read in _FROM_JSON.items():
+        found[name] = read(found.get(name, ()))
+    return found
 
 
 def from_layout(layout: Layout, *, gpus_per_node: int = 0, shard_units: tuple[str, ...] = ()) -> Parallel:
