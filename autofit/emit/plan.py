@@ -17,13 +17,12 @@ from autofit.training.length import LengthSpec
 from autofit.training.normalisation import LOSS_REDUCTIONS
 from autofit.training.optim import OPTIMIZER_NAMES, OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
-from autofit.parallel.sequence_parallel import is_sequence_parallel
 from autofit.core.report import MemoryEstimate
 from autofit.emit.model_record import ModelRecord
 from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
-from autofit.parallel.layout import Parallel, layout_from_json, ranks_per_node
+from autofit.parallel.layout import Parallel, layout_from_json, ranks_per_node, trade_words
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Forgone", "Plan", "plan_step", "use_wrap", "why_layout"]
@@ -640,14 +639,8 @@ def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:
                 "say why each was left)")
     against = "; ".join(f"{o.layout} {o.predicted_step_seconds:.3g} s (micro-batch {o.micro_batch_size}, "
                         f"{format_bytes(o.device_bytes)})" for o in other)
-    tensor = ("; tensor parallel T splits the block's linear layers over T GPUs of a node (1/T of their weights, "
-              "compute and activations per rank, each group's ranks training the same rows) at the cost of "
-              "all-reducing the activations in every block, forward and backward, over NVLink"
-              if any(p.tensor_parallel > 1 for p in all_plans) else "")
-    if any(is_sequence_parallel(p.tensor_plan) for p in all_plans):
-        tensor += ("; sequence parallel also splits the norms and the residual stream along the sequence, each "
-                   "all-reduce becoming an all-gather and a reduce-scatter")
+    trades = "".join(f"; {words}" for words in trade_words(p.parallel for p in all_plans))  # the dimensions' own
     return (f"{chosen.layout} chosen: predicted step {chosen.predicted_step_seconds:.3g} s (micro-batch "
             f"{chosen.micro_batch_size}, {format_bytes(chosen.device_bytes)}), against {against}. FSDP2 shards "
             "parameters, gradients and optimizer state but gathers parameters every micro-batch; ZeRO-2 holds the "
-            "gathered parameters from forward to backward instead of gathering them again" + tensor)
+            "gathered parameters from forward to backward instead of gathering them again" + trades)

@@ -12,12 +12,15 @@ Note [layout dimensions]
       - the planner's choices (:meth:`Dimension.choices`): what the request's options ("auto" included, already
         expanded by the request) make of it, one :class:`Placement` each, its degree and its own options;
       - its rules (:meth:`Dimension.check`), run on every :class:`Layout` built, the messages naming the user's field;
+      - its rules on the step's knobs (:meth:`Dimension.check_step`: clipping under tensor parallel, say), run with
+        the layout's own (``Parallel.check_step``) where a step is built;
       - what the enumeration skips although the rules allow it (:meth:`Dimension.plannable`: a combination torch
         refuses at run time, or one that cannot be planned for this request);
       - whether its ranks share their rows (:attr:`Dimension.shares_rows`: tensor and context parallel split a row's
         work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`);
       - its collectives' time in a step (:meth:`Dimension.collective_seconds`, summed by
         ``autofit.parallel.layout.collective_seconds``);
+      - what it trades, in words, for the note saying why a layout won the planner's race (:meth:`Dimension.trade`);
       - its part of each framework's export (:meth:`Dimension.export`, one of :data:`FRAMEWORKS`): an
         :class:`ExportFragment` of settings in the framework's own keys, the notes saying how the framework runs it
         (or the nearest setting it has, and how its memory differs), and, apart, what the framework cannot express
@@ -49,14 +52,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links
 
 __all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts", "ExportInputs", "ExportFragment",
-           "FRAMEWORKS", "merge_settings"]
+           "FRAMEWORKS", "merge_settings", "StepKnobs"]
 
 # the frameworks a plan is exported to (autofit/emit/export.py): Hugging Face's TrainingArguments, DeepSpeed's config,
 # Lightning's Trainer and strategies, Accelerate's config file, torchtitan's TOML
@@ -116,6 +119,17 @@ def merge_settings(into: dict[str, Any], settings: Mapping[str, Any]) -> dict[st
     return into
 
 
+class StepKnobs(Protocol):
+    """What the layout's step rules read of a step (``autofit.training.config.StepConfig``, whose layer stands on
+    this one): the device kind, clipping, DDP's bucket mode, the precision and Float8."""
+
+    device: Any  # a DeviceKind: ``foreach_by_default`` says whether torch's optimizers run foreach there
+    clip_grad_norm: float | None
+    gradient_as_bucket_view: bool
+    precision: Any  # a PrecisionPolicy: ``stored``
+    float8: Any  # None, or the Float8 feature's value: ``all_gather``
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Dimension:
     """A way a step is split across GPUs (Note [layout dimensions]): one frozen instance per module of
@@ -135,6 +149,11 @@ class Dimension:
         """Raise :class:`~autofit.core.errors.InvalidInputError` naming :attr:`field` where ``layout`` breaks this
         dimension's rules (its degree and options against the others')."""
 
+    def check_step(self, layout: Layout, placement: Placement, step: StepKnobs) -> None:
+        """Raise :class:`~autofit.core.errors.InvalidInputError` where ``step``'s knobs cannot run under this
+        dimension's ``placement`` (``Parallel.check_step``, which ``StepConfig`` runs where it is built), the message
+        naming the knob and the fix: nothing by default."""
+
     def plannable(self, layout: Layout, space: Any) -> bool:
         """Whether the planner tries ``layout`` (valid by every rule) for ``space``: False skips what torch refuses
         at run time, or what this request cannot run."""
@@ -152,6 +171,12 @@ class Dimension:
         """This dimension's part of the layout in words (``Layout.words``: plan notes, ``Parallel.label``,
         ``Plan.layout``), or "" where it says nothing (degree 1, or another dimension words it); ``ranks``: with
         the rank count where the dimension gives one, ``after_forward`` after an int reshard's group."""
+        return ""
+
+    def trade(self, layouts: Sequence[Layout]) -> str:
+        """What this dimension trades, memory against time, in words, for the note that says why a layout won
+        the planner's race (``emit.plan.why_layout``) over ``layouts``, the race's layouts: "" where none uses it
+        (the default: the data-parallel dims share one sentence there)."""
         return ""
 
     def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:

@@ -10,7 +10,7 @@ a :class:`Strategy`, whose properties are what the core branches on.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import Any
@@ -18,10 +18,10 @@ from typing import Any
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
 from autofit.parallel.collectives import Links
-from autofit.parallel.dimension import Layout, Placement
+from autofit.parallel.dimension import Layout, Placement, StepKnobs
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words",
-           "JSON_PLACES", "layout_from_json"]
+           "JSON_PLACES", "layout_from_json", "trade_words"]
 
 
 class Strategy(StrEnum):
@@ -216,6 +216,20 @@ class Parallel:
         """The ranks that share one host's memory (what offloaded states must fit together): 1 for one process."""
         return ranks_per_node(self.world_size, self.gpus_per_node)
 
+    def check_step(self, step: StepKnobs) -> None:
+        """The rules between this layout and ``step``'s knobs (``StepConfig`` runs them where it is built), each
+        message naming the knob: the layout's own (what needs DDP, what needs FSDP2 over several ranks), then each
+        of its dimensions' (``Dimension.check_step``), in mesh order."""
+        if not step.gradient_as_bucket_view and not self.replicates_parameters:
+            raise InvalidInputError("gradient_as_bucket_view=False describes DDP's buckets: it needs strategy='ddp' "
+                                    "(leave it out for one process or FSDP2)")
+        layout = self.layout
+        for placement in layout.placements:
+            DIMENSIONS[placement.dimension].check_step(layout, placement, step)
+        if step.float8 is not None and step.float8.all_gather and not self.fully_sharded:
+            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
+                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
+
     def json_fields(self, after: str) -> dict[str, Any]:
         """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout
         in a plan's JSON])."""
@@ -304,6 +318,13 @@ def collective_seconds(layout: Parallel, links: Links, param_bytes: float, grad_
         seconds += DIMENSIONS[placement.dimension].collective_seconds(steps, placement, links, param_bytes,
                                                                       grad_bytes, micro_batches)
     return seconds
+
+
+def trade_words(parallels: Iterable[Parallel]) -> tuple[str, ...]:
+    """What each registered dimension that a layout of ``parallels`` uses trades (``Dimension.trade``), in
+    registration order: the sentences of the note saying why a layout won the race."""
+    layouts = [p.layout for p in parallels]
+    return tuple(words for words in (d.trade(layouts) for d in DIMENSIONS) if words)
 
 
 def ranks_per_node(world_size: int, gpus_per_node: int) -> int:

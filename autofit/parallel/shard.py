@@ -9,7 +9,7 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
-from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement
+from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs
 
 __all__ = ["SHARD"]
 
@@ -32,6 +32,14 @@ class _Shard(Dimension):
             raise InvalidInputError(
                 f"reshard_after_forward={raf} must be a divisor of the shard group size {shard} other than 1 and "
                 f"{shard} (torch's fully_shard; use False for 1 and True for {shard}), e.g. the GPUs per node")
+
+    def check_step(self, layout: Layout, placement: Placement, step: StepKnobs) -> None:
+        """With the states on the host, the parameters stay as FSDP2 keeps them: fp32 shards."""
+        if placement.option("offload_states", False) and step.precision.stored not in (None, "fp32"):
+            raise InvalidInputError(
+                f"offload_states with stored precision {step.precision.stored!r}: FSDP2 keeps fp32 sharded "
+                "parameters on the host and gathers them in the compute dtype, so leave stored=None"
+            )
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'fsdp2 (resharded to 8)' (``ranks``: with ' over S ranks'), or HSDP

@@ -5,10 +5,11 @@ resolved plan's styles, Note [sequence parallel])."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from autofit.core.errors import AutofitError, InvalidInputError
-from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement
+from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs
 from autofit.parallel.sequence_parallel import is_sequence_parallel, require_sequence_split
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
 
@@ -53,6 +54,20 @@ class _Tensor(Dimension):
                 "tensor parallel with FSDP2 over one shard dim only (no HSDP, no CPU offload); leave replicate=1 "
                 "and offload_states=False")
 
+    def check_step(self, layout: Layout, placement: Placement, step: StepKnobs) -> None:
+        """Over every rank, not on CUDA's foreach optimizers; never with clipping."""
+        tp, world_size = placement.degree, layout.world_size
+        if 1 < tp == world_size and step.device.foreach_by_default:
+            raise InvalidInputError(
+                f"tensor parallel alone (world_size == tensor_parallel == {world_size}) on CUDA: the embedding, "
+                "norms and head stay plain tensors beside the split DTensors, and torch's foreach optimizers (the "
+                "default on CUDA) cannot step the two together (aten._foreach_*: mixed torch.Tensor and DTensor); "
+                f"compose it with FSDP2 (world_size = 2 x {tp} or more), which makes every parameter a DTensor")
+        if tp > 1 and step.clip_grad_norm is not None:
+            raise InvalidInputError(
+                "clip_grad_norm with tensor_parallel: the gradients are DTensors over different meshes (split and "
+                "replicated parameters), which torch.nn.utils.clip_grad_norm_ does not combine; leave clipping out")
+
     def plannable(self, layout: Layout, space: Any) -> bool:
         """Not an int reshard: torch refuses it on tensor-parallel weights (``FSDPParam.to_sharded_post_forward``,
         torch 2.13: "Resharding to smaller mesh is not supported for DTensor parameters yet"), so the layout's
@@ -74,6 +89,20 @@ class _Tensor(Dimension):
             return ""
         sequence = placement.option("sequence_parallel", False) or is_sequence_parallel(placement.option("plan", ()))
         return f"tp {placement.degree}" + (" + sequence parallel" if sequence else "")
+
+    def trade(self, layouts: Sequence[Layout]) -> str:
+        """Where a layout of the race splits layers: the split against the all-reduces it adds; with sequence
+        parallel, what that changes."""
+        used = [layout.placement(self.name) for layout in layouts if layout.degree(self.name) > 1]
+        if not used:
+            return ""
+        words = ("tensor parallel T splits the block's linear layers over T GPUs of a node (1/T of their weights, "
+                 "compute and activations per rank, each group's ranks training the same rows) at the cost of "
+                 "all-reducing the activations in every block, forward and backward, over NVLink")
+        if any(is_sequence_parallel(p.option("plan", ())) for p in used):
+            words += ("; sequence parallel also splits the norms and the residual stream along the sequence, each "
+                      "all-reduce becoming an all-gather and a reduce-scatter")
+        return words
 
     def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
         """Tensor parallel in ``framework``'s terms: torchtitan's and Lightning's degree (1 included), Accelerate's

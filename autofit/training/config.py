@@ -189,20 +189,6 @@ class StepConfig:
         if not isinstance(self.gradient_as_bucket_view, bool):
             raise InvalidInputError(f"gradient_as_bucket_view must be True or False, got "
                                     f"{self.gradient_as_bucket_view!r}")
-        if not self.gradient_as_bucket_view and not self.layout.replicates_parameters:
-            raise InvalidInputError("gradient_as_bucket_view=False describes DDP's buckets: it needs strategy='ddp' "
-                                    "(leave it out for one process or FSDP2)")
-        if 1 < self.tensor_parallel == self.world_size and self.device.foreach_by_default:
-            raise InvalidInputError(
-                f"tensor parallel alone (world_size == tensor_parallel == {self.world_size}) on CUDA: the embedding, "
-                "norms and head stay plain tensors beside the split DTensors, and torch's foreach optimizers (the "
-                "default on CUDA) cannot step the two together (aten._foreach_*: mixed torch.Tensor and DTensor); "
-                f"compose it with FSDP2 (world_size = 2 x {self.tensor_parallel} or more), which makes every "
-                "parameter a DTensor")
-        if self.tensor_parallel > 1 and self.clip_grad_norm is not None:
-            raise InvalidInputError(
-                "clip_grad_norm with tensor_parallel: the gradients are DTensors over different meshes (split and "
-                "replicated parameters), which torch.nn.utils.clip_grad_norm_ does not combine; leave clipping out")
         clip = self.clip_grad_norm
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
             raise InvalidInputError(
@@ -226,19 +212,12 @@ class StepConfig:
                 f"{overlap[0]!r} and {overlap[1]!r} are both recomputed and offloaded (one inside the other): each "
                 "module keeps, recomputes or offloads its activations; give it to checkpoint= or offload=, not both"
             )
-        if self.offload_states and self.precision.stored not in (None, "fp32"):
-            raise InvalidInputError(
-                f"offload_states with stored precision {self.precision.stored!r}: FSDP2 keeps fp32 sharded "
-                "parameters on the host and gathers them in the compute dtype, so leave stored=None"
-            )
         if not isinstance(self.compile, bool):
             raise InvalidInputError(f"compile must be True or False, got {self.compile!r}")
         if self.float8 is not None and type(self.float8).__name__ != "Float8":  # the feature's value, not imported
             raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (as_float8 reads a recipe "
                                     f"name), got {self.float8!r}")
-        if self.float8 is not None and self.float8.all_gather and not self.layout.fully_sharded:
-            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
-                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
+        self.layout.check_step(self)  # the layout's rules on the step's knobs, its dimensions' (autofit/parallel/)
         if not isinstance(self.preallocated_grads, bool):
             raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
         if self.preallocated_grads:
