@@ -164,7 +164,7 @@ class Dimension:
         """Seconds of this dimension's collectives in one optimizer step of ``micro_batches`` over ``links`` (no
         overlap with compute assumed: a ranking, not a forecast), of parameters and gradients of ``param_bytes`` and
         ``grad_bytes`` whole; ``layout`` is the data-parallel part of a step's layout (tensor parallel's all-reduces,
-        which need the analysis' activation sizes, are counted apart: ``solve/sharding.tensor_reduce_bytes``)."""
+        which need the analysis' activation sizes, are counted apart: ``parallel/tensor.tensor_reduce_bytes``)."""
         return 0.0
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:

@@ -5,15 +5,27 @@ resolved plan's styles, Note [sequence parallel])."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError
 from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs
 from autofit.parallel.sequence_parallel import is_sequence_parallel, require_sequence_split
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
 
-__all__ = ["TENSOR"]
+__all__ = ["TENSOR", "Split", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "split_parameters"]
+
+
+class Split(Protocol):
+    """What one rank's share reads of a layout (``autofit.parallel.layout.Parallel``, which imports this module's
+    registry): the degree and the resolved plan."""
+
+    tensor_parallel: int
+    tensor_plan: tuple[tuple[str, str], ...]
 
 
 class _Tensor(Dimension):
@@ -145,3 +157,82 @@ class _Tensor(Dimension):
 
 
 TENSOR = _Tensor(name="tp", mesh_rank=4, shares_rows=True, field="tensor_parallel")
+
+
+# ---- one rank's share of the step under tensor parallel (what the planner's models read: solve/space.py) ---------
+def tensor_group_bytes(model: nn.Module, parallel: Split) -> int:
+    """Parameter bytes one tensor-parallel group's rank holds before FSDP2 shards them: the split weights (and
+    column-parallel biases) over T, everything else whole (a row-parallel linear layer replicates its bias; the
+    vocabulary-split embedding has its weight only)."""
+    return sum(p.element_size() * (p.numel() // parallel.tensor_parallel if cut else p.numel())
+               for p, cut in split_parameters(model, parallel.tensor_plan))
+
+
+def split_parameters(model: nn.Module, tensor_plan: tuple[tuple[str, str], ...]) -> Iterator[tuple[nn.Parameter, bool]]:
+    """Every parameter of ``model`` (each module's own, in ``named_modules`` order) and whether ``tensor_plan``
+    splits it T ways: all of a column-parallel or vocabulary-split module's, a row-parallel layer's weight (not its
+    bias, which every rank of the group holds whole); the rest whole."""
+    split = dict(tensor_plan)
+    for name, module in model.named_modules():
+        style = split.get(name)
+        for pname, p in module.named_parameters(recurse=False):
+            yield p, style in _SPLIT_ALL or (style in _SPLIT_WEIGHT and pname == "weight")
+
+
+# styles whose module's parameters are all split T ways, and those that split the weight only (a row-parallel
+# layer's bias is replicated); sequence parallel's norms are replicated (Note [sequence parallel])
+_SPLIT_ALL = ("colwise", "colwise_rep", "embedding_rowwise")
+_SPLIT_WEIGHT = ("rowwise", "rowwise_sequence")
+
+
+def tensor_reduce_bytes(model: nn.Module, parallel: Split, output_bytes) -> float:
+    """Bytes all-reduced per sample in one forward and backward of tensor parallel (Megatron-LM, Shoeybi et al.
+    2019, section 3: per transformer block two all-reduces of the activations in forward, after the attention's and
+    the MLP's row-parallel layers, and two in backward, of the gradients entering their column-parallel layers).
+    torch's styles reduce per layer: ``RowwiseParallel`` its output in forward, ``ColwiseParallel`` its input's
+    gradient in backward (``DTensor.from_local``'s backward), so a Llama block reduces 2 + 5 times (q, k, v, gate
+    and up separately, where Megatron fuses them into 2). ``output_bytes(name)``: the module's output bytes per
+    sample as simulated (row-parallel: whole; column-parallel: its local 1/T, scaled back to its input's size).
+    The vocabulary-split embedding all-reduces its output in forward (its input, token ids, has no gradient); the
+    output head's "colwise_rep" all-gathers its output in forward, counted as half an all-reduce of the whole
+    (a ring all-gather moves (T - 1) / T of it per rank, an all-reduce twice that: nccl-tests PERFORMANCE.md), and
+    all-reduces its input's gradient in backward as "colwise" does.
+
+    Sequence parallel (Note [sequence parallel]; Korthikanti et al. 2022, section 4.2.2) swaps each all-reduce for
+    an all-gather and a reduce-scatter, each half of it: a row-parallel layer reduce-scatters its output in forward
+    and all-gathers its gradient in backward; the module that holds it (the attention, the MLP) all-gathers its
+    input in forward and reduce-scatters the summed gradient of its column-parallel layers in backward, so those no
+    longer reduce one by one. Each pair is counted on the row-parallel layer, twice its whole output (the residual
+    stream's width, the module's input too); the first block all-gathers its input's gradient in backward, the
+    final norm gathers its input in forward (half its whole output each); the norms move nothing."""
+    sequence = {name for name, style in parallel.tensor_plan if style == "sequence_gather"}
+    total = 0.0
+    for name, style in parallel.tensor_plan:
+        module = model.get_submodule(name)
+        out = output_bytes(name)
+        if style in ("rowwise", "embedding_rowwise"):
+            total += out
+        elif style == "colwise_rep":  # the output is whole here
+            total += out / 2 + out * module.in_features / module.out_features
+        elif style == "rowwise_sequence":  # its output is the rank's 1/T of the sequence
+            total += 2 * out * parallel.tensor_parallel
+        elif style == "sequence_shard":
+            total += out * parallel.tensor_parallel / 2
+        elif style == "sequence_gather_whole":
+            total += out / 2
+        elif style == "colwise" and name.rpartition(".")[0] not in sequence:
+            total += out * module.in_features * parallel.tensor_parallel / module.out_features
+    return total
+
+
+def split_ops(ops: Any, parallel: Split) -> Any:
+    """``ops`` (OpCosts) with the FLOPs and bytes of the ops inside split modules divided by T: the analysis counts
+    a tensor-parallel layer's matmuls at their global shapes, one rank runs its 1/T."""
+    if parallel.tensor_parallel == 1:
+        return ops
+    # sequence parallel's first block and final norm only re-lay out an input: their other ops are not split
+    inside = ops.under(name for name, style in parallel.tensor_plan
+                       if style not in ("sequence_shard", "sequence_gather_whole"))
+    scale = np.where(inside, 1.0 / parallel.tensor_parallel, 1.0)
+    return replace(ops, flops_fixed=ops.flops_fixed * scale, flops_per_sample=ops.flops_per_sample * scale,
+                   bytes_fixed=ops.bytes_fixed * scale, bytes_per_sample=ops.bytes_per_sample * scale)

@@ -30,7 +30,8 @@ from torch import nn
 
 from autofit.core.categories import Category
 from autofit.core.units import format_bytes
-from autofit.solve.sharding import Links, _SPLIT_ALL, _SPLIT_WEIGHT, ring_seconds
+from autofit.parallel.tensor import split_parameters
+from autofit.solve.sharding import Links, ring_seconds
 
 __all__ = ["LARGE_SHARE", "deferred_gradient_bytes", "deferred_gradient_note", "large_term_notes"]
 
@@ -44,17 +45,9 @@ def deferred_gradient_bytes(model: nn.Module, config) -> int:
     if (not config.fully_sharded or config.accumulation_steps < 2 or config.reduce_every_micro_batch
             or config.offload_states):
         return 0
-    split = dict(config.layout.tensor_plan) if config.tensor_parallel > 1 else {}
-    total = 0
-    for name, module in model.named_modules():
-        style = split.get(name)
-        for pname, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
-            cut = style in _SPLIT_ALL or (style in _SPLIT_WEIGHT and pname == "weight")
-            numel = p.numel() // config.tensor_parallel if cut else p.numel()
-            total += numel * (4 if config.precision.autocast else p.element_size())
-    return total
+    tp = config.layout.tensor_parallel
+    return sum((p.numel() // tp if cut else p.numel()) * (4 if config.precision.autocast else p.element_size())
+               for p, cut in split_parameters(model, config.layout.tensor_plan) if p.requires_grad)
 
 
 def deferred_gradient_note(model: nn.Module, config, peak_bytes: int, target, *, flag: str) -> str | None:

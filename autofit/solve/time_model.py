@@ -212,7 +212,7 @@ def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, paral
     and per sample; ``parallel.offload_states``: FSDP2's CPUOffloadPolicy) over the target's host link (Note [offload
     time]); offloading FSDP2 reduce-scatters every micro-batch (Note [offload]), as ``reduce_every_micro_batch`` does
     (Note [gradient sync under accumulation], autofit/training/step.py); ``tensor_seconds``: tensor parallel's
-    all-reduces per optimizer step (``sharding.tensor_reduce_bytes``)."""
+    all-reduces per optimizer step (``parallel/tensor.tensor_reduce_bytes``)."""
     world_size = parallel.world_size
     optimizer_bytes = 4 * param_bytes // parallel.shard_group
     if parallel.offload_states:
