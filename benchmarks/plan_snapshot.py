@@ -3,11 +3,14 @@
 Each case is a ``plan.to_json()``, or for an infeasible budget the error's type, message and ``min_budget_bytes``.
 The cases reach every rung of the planner's ladder: the quick path, the search at generous, halfway and tightest
 budgets on the CPU and a GPU target, the optimizer step in backward, lower stored precisions, the states on the
-host, both data-parallel strategies, fp32 pins, and infeasible budgets (with and without the host rung).
+host, both data-parallel strategies, tensor and sequence parallel, fp32 pins, and infeasible budgets (with and
+without the host rung). A snapshot written before a group of cases was added differs by those cases: compare the
+part both have with ``--only``, or write the base again with this file over the base's code.
 
     python benchmarks/plan_snapshot.py OUT.json            # write the snapshot
     python benchmarks/plan_snapshot.py OUT.json --compare BASE.json   # write, then compare case by case
     python benchmarks/plan_snapshot.py OUT.json --only a100,dp        # a part: the zoo on the A100, data parallel
+    python benchmarks/plan_snapshot.py OUT.json --only tp             # tensor parallel alone
 """
 
 from __future__ import annotations
@@ -160,12 +163,45 @@ def _dp_cases():
         yield f"dp/{strategy}/79GB", _record(lambda: run("79GB"))
 
 
+def _tp_cases():
+    """Tensor parallel (tests/test_tensor_parallel_plan.py, tests/test_sequence_parallel.py): "auto" over two nodes
+    of H100s, T 2 on the CPU, sequence parallel's plan, a user's mapping, an estimate of one rank, and clipping
+    refused; each at a generous budget and one that fits nothing."""
+    from sharded_models import tiny_llama, wide_blocks
+
+    from autofit.parallel.tensor_parallel import sequence_parallel_plan
+
+    case = tiny_llama("meta")
+    sequence = sequence_parallel_plan(case.model)
+    for budget in ("1GB", "30MB"):
+        yield f"tp/auto-h100/{budget}", _record(lambda: autofit.plan(
+            case.model, case.sample, budget, batch_size=16, device="H100",
+            layout=autofit.Layout(world_size=8, gpus_per_node=4, strategy="fsdp2", tensor_parallel="auto")))
+        yield f"tp/2-cpu/{budget}", _record(lambda: autofit.plan(
+            case.model, case.sample, budget, batch_size=8, device="cpu", precision="fp32",
+            layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2)))
+        yield f"tp/sequence-a100/{budget}", _record(lambda: autofit.plan(
+            case.model, case.sample, budget, batch_size=8, device="A100-80GB",
+            layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel="auto",
+                                  tensor_parallel_plan=sequence)))
+    wide = wide_blocks("meta")
+    mapping = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    yield "tp/mapping-cpu/1GB", _record(lambda: autofit.plan(
+        wide.model, wide.sample, "1GB", batch_size=8, target=wide.target, loss_fn=wide.loss_fn, device="cpu",
+        precision="fp32", layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
+                                                tensor_parallel_plan=mapping)))
+    yield "tp/clipped", _record(lambda: autofit.plan(
+        case.model, case.sample, "1GB", batch_size=8, device="cpu", clip_grad_norm=1.0,
+        layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2)))
+
+
 def snapshot(only: set[str] | None = None) -> dict:
     cases = {}
     if only is None:
-        chosen = itertools.chain(_zoo_cases(), _special_cases(), _dp_cases())
-    else:  # a part: the zoo on the targets named, and the data-parallel cases if "dp" is named
-        chosen = itertools.chain(_zoo_cases(only), _dp_cases() if "dp" in only else ())
+        chosen = itertools.chain(_zoo_cases(), _special_cases(), _dp_cases(), _tp_cases())
+    else:  # a part: the zoo on the targets named, the data-parallel and tensor-parallel cases if "dp", "tp" named
+        chosen = itertools.chain(_zoo_cases(only), _dp_cases() if "dp" in only else (),
+                                 _tp_cases() if "tp" in only else ())
     for name, record in chosen:
         cases[name] = record
         print(f"{name:<40} {'plan' if 'plan' in record else record['error']}", flush=True)
