@@ -550,18 +550,15 @@ def _carried(last: MemoryEstimate, figures: dict[str, int], breakdown: dict[str,
     shift = {attr: figures[attr] - getattr(last, attr) for attr in figures}
     return replace(last, breakdown=breakdown, host_breakdown=host, notes=last.notes + (note,),
                    peak_at=f"{last.peak_at} (at {depth} blocks)" if last.peak_at else "",
-                   under=_under(last, shift, _grown(last.breakdown, breakdown),
-                                _grown(last.host_breakdown, host), note), **figures)
+                   under=_under(last, shift, _by_category(last.breakdown, breakdown, sign=-1),
+                                _by_category(last.host_breakdown, host, sign=-1), note), **figures)
 
 
-def _grown(cut: Mapping[str, int], whole: Mapping[str, int]) -> dict[str, int]:
-    """Each category's growth from the cut model's breakdown to the whole model's."""
-    return {key: whole.get(key, 0) - cut.get(key, 0) for key in dict.fromkeys([*cut, *whole])}
-
-
-def _shifted(breakdown: Mapping[str, int], grown: dict[str, int]) -> dict[str, int]:
-    """``breakdown`` with each category grown by ``grown``'s."""
-    return {key: breakdown.get(key, 0) + grown.get(key, 0) for key in dict.fromkeys([*breakdown, *grown])}
+def _by_category(first: Mapping[str, int], second: Mapping[str, int], *, sign: int = 1) -> dict[str, int]:
+    """``second`` plus ``sign`` times ``first``, category by category, in the order ``first``'s then ``second``'s
+    categories come: each category's growth from a cut model's breakdown to the whole model's (``sign=-1``), or a
+    breakdown grown by such a growth."""
+    return {key: sign * first.get(key, 0) + second.get(key, 0) for key in dict.fromkeys([*first, *second])}
 
 
 def fallback_note(blocks: Blocks, tried: tuple[DepthRun, ...], cheaper_only: bool = False) -> str:
@@ -595,7 +592,7 @@ def _under(last: MemoryEstimate, shift: dict[str, int], grown: dict[str, int], h
         if inner is None:
             return None
         moved = {attr: getattr(inner, attr) + delta for attr, delta in shift.items()}
-        breakdown, host = _shifted(inner.breakdown, grown), _shifted(inner.host_breakdown, host_grown)
+        breakdown, host = _by_category(inner.breakdown, grown), _by_category(inner.host_breakdown, host_grown)
         fragmentation = str(Category.FRAGMENTATION)
         if fragmentation in breakdown:  # as _carried sets it: the reserve above the allocated peak
             breakdown[fragmentation] = (moved.get("peak_reserved_bytes", inner.peak_reserved_bytes)
