@@ -7,7 +7,6 @@ precision, optimizer, checkpoint names), so the stages after it take typed value
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -61,7 +60,10 @@ class PlanRequest:
     reshard_options: tuple[bool | int, ...] = (True,)  # FSDP2 reshard_after_forward values to plan
     replicate_options: tuple[int, ...] = (1,)  # HSDP replicate sizes to plan (1: plain FSDP)
     tensor_options: tuple[int, ...] = (1,)  # tensor-parallel degrees to plan (1: none; docs/multi-gpu.md)
-    tensor_parallel_plan: Mapping[str, Any] | None = None  # the user's {pattern: style}; None: the model's own
+    # the user's Layout as given: each dimension reads its own options from it (Dimension.choices), the tensor
+    # parallel plan ({pattern: style}; None: the model's own) among them; the fields above are what the request
+    # derived and checked of it
+    layout_options: Layout = Layout()
     policies: tuple[PrecisionPolicy, ...]  # allowed compute precisions, preferred first
     optimizer: OptimizerSpec
     fixed_checkpoint: tuple[str, ...] | None  # None: the planner chooses; a tuple: exactly these modules
@@ -249,7 +251,7 @@ def _layouts(model: nn.Module, batch: Batch, lay: Layout, batch_size: int, clip_
     return dict(world_size=world_size, per_rank=batch_size // world_size,
                 strategies=(strategy,) if strategy is not None or world_size == 1 else tuple(Strategy),
                 gpus_per_node=per_node, reshard_options=reshards, replicate_options=replicates,
-                tensor_options=tensors, tensor_parallel_plan=lay.tensor_parallel_plan)
+                tensor_options=tensors, layout_options=lay)
 
 
 def _precisions(model: nn.Module, p: Precision, target_device: DeviceTarget, world_size: int) -> dict[str, Any]:

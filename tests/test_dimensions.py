@@ -38,7 +38,8 @@ def _registry() -> Registry:
 
 # what the built-in dimensions read of a plan's request (autofit.request.PlanRequest's fields of the same names)
 SPACE = SimpleNamespace(world_size=8, gpus_per_node=8, replicate_options=(1, 2), reshard_options=(True, False),
-                        tensor_options=(1,), clip_grad_norm=None, tensor_parallel_plan=None)
+                        tensor_options=(1,), clip_grad_norm=None,
+                        layout_options=SimpleNamespace(tensor_parallel_plan=None))
 
 
 def test_layouts_enumerate_a_registered_dimension():

@@ -42,7 +42,7 @@ class _Tensor(Dimension):
             if per_node % tp or space.world_size % tp or space.clip_grad_norm is not None:
                 continue
             try:
-                plan = resolve_tensor_plan(space.model, tp, space.tensor_parallel_plan)
+                plan = resolve_tensor_plan(space.model, tp, space.layout_options.tensor_parallel_plan)
                 require_sequence_split(plan, tp, space.batch.tensors(), "the sample")
             except AutofitError:  # no plan, or heads / features / the sequence T does not divide: the other
                 continue          # layouts are still planned

@@ -12,7 +12,7 @@ its dimension's, ``autofit/parallel/tensor.py``, re-exported here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
@@ -52,7 +52,7 @@ class LayoutRequest(Protocol):
     @property
     def tensor_options(self) -> tuple[int, ...]: ...
     @property
-    def tensor_parallel_plan(self) -> Mapping[str, Any] | None: ...
+    def layout_options(self) -> Any: ...  # the user's autofit.Layout as given (options.py stands above this layer)
     @property
     def clip_grad_norm(self) -> float | None: ...
 
