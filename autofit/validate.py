@@ -21,6 +21,8 @@ from autofit.core.errors import InvalidInputError, UnsupportedModelError, requir
 from autofit.features import feature_names
 from autofit.parallel.sequence_parallel import require_sequence_split
 from autofit.parallel.layout import Strategy, as_strategy, check_layout
+from autofit.parallel.replicate import replicate_choices
+from autofit.parallel.shard import reshard_choices
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
@@ -81,21 +83,13 @@ def fsdp2_layouts(world_size: int, strategy: Strategy | str | None, gpus_per_nod
     if world_size % per_node:
         raise InvalidInputError(f"gpus_per_node {per_node} does not divide world_size {world_size}: world_size is "
                                 "nodes x gpus_per_node")
-    nodes = world_size // per_node
     strategy = as_strategy(strategy)
     if strategy is Strategy.DDP and (reshard_after_forward != "auto" or replicate != "auto"):
         raise InvalidInputError("reshard_after_forward and replicate are FSDP2 layouts: leave them 'auto' with "
                                 "strategy='ddp', or use strategy='fsdp2'")
-    if replicate == "auto":
-        replicates = (1, nodes) if nodes > 1 else (1,)
-    else:
-        replicates = (replicate,)
-    if reshard_after_forward == "auto":
-        reshards: tuple[bool | int, ...] = (True, False)
-        if nodes > 1 and per_node > 1:
-            reshards += (per_node,)  # the backward all-gather within a node, over NVLink
-    else:
-        reshards = (reshard_after_forward,)
+    # "auto" as each dimension expands it (autofit/parallel/replicate.py, shard.py)
+    replicates = replicate_choices(replicate, world_size, per_node)
+    reshards = reshard_choices(reshard_after_forward, world_size, per_node)
     if world_size > 1 and strategy is not Strategy.DDP:  # the explicit ones are checked here, before any simulation
         for raf in reshards:
             for r in replicates:

@@ -9,11 +9,20 @@ from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement
 
-__all__ = ["REPLICATE", "DDP_KWARGS"]
+__all__ = ["REPLICATE", "DDP_KWARGS", "replicate_choices"]
 
 # DistributedDataParallel's keyword that a DDP plan's memory depends on (Note [DDP's bucket views],
 # autofit/simulate/parallel.py)
 DDP_KWARGS = {"gradient_as_bucket_view": True}
+
+
+def replicate_choices(replicate: Any, world_size: int, per_node: int) -> tuple[int, ...]:
+    """What ``replicate`` expands to over ``world_size`` ranks of ``per_node`` each: a size given is itself; "auto"
+    is 1 (plain FSDP) and, across nodes, one replica per node (HSDP, each shard group one node)."""
+    if replicate != "auto":
+        return (replicate,)
+    nodes = world_size // per_node
+    return (1, nodes) if nodes > 1 else (1,)
 
 
 class _Replicate(Dimension):

@@ -11,11 +11,22 @@ from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs
 
-__all__ = ["SHARD"]
+__all__ = ["SHARD", "reshard_choices"]
 
 # torchtitan's JobConfig (torchtitan/config/job_config.py): Parallelism.fsdp_reshard_after_forward is "default",
 # "always" or "never"; "default" reshards every block but the last
 _TITAN_RESHARD = {True: "always", False: "never"}
+
+
+def reshard_choices(reshard_after_forward: Any, world_size: int, per_node: int) -> tuple[bool | int, ...]:
+    """What ``reshard_after_forward`` expands to over ``world_size`` ranks of ``per_node`` each: a value given is
+    itself; "auto" is ZeRO-3 and ZeRO-2 and, across nodes, the reshard to one node's GPUs (the backward's all-gather
+    within a node, over NVLink)."""
+    if reshard_after_forward != "auto":
+        return (reshard_after_forward,)
+    if world_size // per_node > 1 and per_node > 1:
+        return (True, False, per_node)
+    return (True, False)
 
 
 class _Shard(Dimension):
