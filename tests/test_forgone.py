@@ -1,6 +1,6 @@
 """Issue 56: a plan that climbed the ladder shows, beside it, the best without the rung it climbed (Note [what a
-rung buys], planning/climb.py). The truth: ``autofit.estimate`` of the same knobs without that rung, a path of its own (no
-planner, no search), and the states-floor arithmetic counted by hand."""
+rung buys], planning/climb.py). The truth: ``autofit.estimate`` of the same knobs without that rung, a path of its
+own (no planner, no search), and the states-floor arithmetic counted by hand."""
 
 from __future__ import annotations
 

@@ -528,9 +528,10 @@ def forgone_rows(plan: Plan, fmt: Callable[[int], str]) -> list[str]:
 #     the model out. Users, tests and the exports read its fields as the plan's own
 #     (``plan.world_size``), the properties above, and the JSON has always had them flat, between the plan's other
 #     fields: the layout says after which field each stands (Note [the layout in a plan's JSON],
-#     autofit/parallel/layout.py), so plans are written byte for byte as before and old plans load. ``Plan(...)`` and ``dataclasses.replace(plan, ...)`` accept them flat too (what
-#     ``from_json`` passes): ``_with_flat_layout`` folds them into ``parallel`` before the dataclass's own
-#     ``__init__`` runs, and the layout validates them as it validates any other.
+#     autofit/parallel/layout.py), so plans are written byte for byte as before and old plans load. ``Plan(...)``
+#     and ``dataclasses.replace(plan, ...)`` accept them flat too (what ``from_json`` passes): ``_with_flat_layout``
+#     folds them into ``parallel`` before the dataclass's own ``__init__`` runs, and the layout validates them as it
+#     validates any other.
 _LAYOUT_FIELDS = frozenset(f.name for f in fields(Parallel))
 # What the plan derives from its estimate (the search decided it there: alloc_conf, preallocated_grads): written to
 # the JSON for readers, and given back to Plan(...) (from_json, Plan(**plan.__dict__)) it is ignored

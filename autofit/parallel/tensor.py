@@ -164,11 +164,12 @@ def tensor_group_bytes(model: nn.Module, parallel: Split) -> int:
     """Parameter bytes one tensor-parallel group's rank holds before FSDP2 shards them: the split weights (and
     column-parallel biases) over T, everything else whole (a row-parallel linear layer replicates its bias; the
     vocabulary-split embedding has its weight only)."""
-    return sum(p.element_size() * (p.numel() // parallel.tensor_parallel if cut else p.numel())
+    return sum(p.numel() * p.element_size() // (parallel.tensor_parallel if cut else 1)
                for p, cut in split_parameters(model, parallel.tensor_plan))
 
 
-def split_parameters(model: nn.Module, tensor_plan: tuple[tuple[str, str], ...]) -> Iterator[tuple[nn.Parameter, bool]]:
+def split_parameters(model: nn.Module,
+                     tensor_plan: tuple[tuple[str, str], ...]) -> Iterator[tuple[nn.Parameter, bool]]:
     """Every parameter of ``model`` (each module's own, in ``named_modules`` order) and whether ``tensor_plan``
     splits it T ways: all of a column-parallel or vocabulary-split module's, a row-parallel layer's weight (not its
     bias, which every rank of the group holds whole); the rest whole."""

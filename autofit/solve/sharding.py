@@ -96,10 +96,10 @@ def collective_floor(request: LayoutRequest, parallel: Parallel, stored_itemsize
     """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch (the fewest all-gathers),
     over its parameters split T ways under tensor parallel, each floating one in the fewest bytes of its own and
     ``stored_itemsizes`` (the stored precisions a plan may choose; none: as the model holds them). With none, the
-    order the planner tries layouts in (Note [layouts that cannot win], planning/climb.py); with a layout's rungs' stored
-    precisions, a floor of every rung's modelled step, which adds them to the compute, not overlapped
-    (solve/time_model.py; Note [ruled out by arithmetic], planning/race.py). Tensor parallel's all-reduces, which need the
-    analysis' activation sizes, are left out."""
+    order the planner tries layouts in (Note [layouts that cannot win], planning/climb.py); with a layout's rungs'
+    stored precisions, a floor of every rung's modelled step, which adds them to the compute, not overlapped
+    (solve/time_model.py; Note [ruled out by arithmetic], planning/race.py). Tensor parallel's all-reduces, which
+    need the analysis' activation sizes, are left out."""
     if parallel.strategy is None or parallel.data_ranks <= 1:
         return 0.0
     least = min(stored_itemsizes, default=None)
