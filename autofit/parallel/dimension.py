@@ -121,13 +121,12 @@ def merge_settings(into: dict[str, Any], settings: Mapping[str, Any]) -> dict[st
 
 class StepKnobs(Protocol):
     """What the layout's step rules read of a step (``autofit.training.config.StepConfig``, whose layer stands on
-    this one): the device kind, clipping, DDP's bucket mode, the precision and Float8."""
+    this one): the device kind, clipping, DDP's bucket mode and the precision."""
 
     device: Any  # a DeviceKind: ``foreach_by_default`` says whether torch's optimizers run foreach there
     clip_grad_norm: float | None
     gradient_as_bucket_view: bool
     precision: Any  # a PrecisionPolicy: ``stored``
-    float8: Any  # None, or the Float8 feature's value: ``all_gather``
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

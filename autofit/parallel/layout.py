@@ -218,17 +218,15 @@ class Parallel:
 
     def check_step(self, step: StepKnobs) -> None:
         """The rules between this layout and ``step``'s knobs (``StepConfig`` runs them where it is built), each
-        message naming the knob: the layout's own (what needs DDP, what needs FSDP2 over several ranks), then each
-        of its dimensions' (``Dimension.check_step``), in mesh order."""
+        message naming the knob: the layout's own (what needs DDP), then each of its dimensions'
+        (``Dimension.check_step``), in mesh order. A step feature's rules on the layout are the feature's (Float8's
+        all-gather needs FSDP2 over several ranks: ``StepConfig``), so the layout names no feature."""
         if not step.gradient_as_bucket_view and not self.replicates_parameters:
             raise InvalidInputError("gradient_as_bucket_view=False describes DDP's buckets: it needs strategy='ddp' "
                                     "(leave it out for one process or FSDP2)")
         layout = self.layout
         for placement in layout.placements:
             DIMENSIONS[placement.dimension].check_step(layout, placement, step)
-        if step.float8 is not None and step.float8.all_gather and not self.fully_sharded:
-            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
-                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
 
     def json_fields(self, after: str) -> dict[str, Any]:
         """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout

@@ -218,6 +218,9 @@ class StepConfig:
             raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (as_float8 reads a recipe "
                                     f"name), got {self.float8!r}")
         self.layout.check_step(self)  # the layout's rules on the step's knobs, its dimensions' (autofit/parallel/)
+        if self.float8 is not None and self.float8.all_gather and not self.layout.fully_sharded:
+            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
+                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
         if not isinstance(self.preallocated_grads, bool):
             raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
         if self.preallocated_grads:
