@@ -231,7 +231,7 @@ class Parallel:
     def json_fields(self, after: str) -> dict[str, Any]:
         """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout
         in a plan's JSON])."""
-        names = dict(JSON_PLACES).get(after, ())
+        names = JSON_PLACES.get(after, ())
         return {name: _TO_JSON.get(name, lambda value: value)(getattr(self, name)) for name in names}
 
     def table_rows(self, batch_size: int, words: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -266,25 +266,24 @@ class Parallel:
 #     ``emit/plan.py`` writes what :meth:`Parallel.json_fields` gives after each of the plan's fields and reads the
 #     layout back with :func:`layout_from_json`, so a dimension that adds a field to ``Parallel`` adds its place
 #     here and touches no emitter. A field absent from an old plan keeps its default.
-JSON_PLACES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("estimate", ("world_size", "strategy")),
-    ("notes", ("shard_units", "reshard_after_forward", "replicate", "gpus_per_node", "tensor_parallel",
-               "tensor_plan")),
-    ("offload", ("offload_states", "reduce_every_micro_batch")),
-)
+JSON_PLACES: dict[str, tuple[str, ...]] = {
+    "estimate": ("world_size", "strategy"),
+    "notes": ("shard_units", "reshard_after_forward", "replicate", "gpus_per_node", "tensor_parallel", "tensor_plan"),
+    "offload": ("offload_states", "reduce_every_micro_batch"),
+}
 # the fields held as tuples, written as JSON lists, and read back (a field not named here is a plain JSON value)
 _TO_JSON: dict[str, Callable[[Any], Any]] = {
     "shard_units": list, "tensor_plan": lambda plan: [list(pair) for pair in plan]}
 _FROM_JSON: dict[str, Callable[[Any], Any]] = {
     "shard_units": tuple, "tensor_plan": lambda plan: tuple((str(n), str(s)) for n, s in plan)}
 # every field has its place: a field without one would be dropped from the plan's JSON unseen
-assert {f.name for f in fields(Parallel)} == {name for _, names in JSON_PLACES for name in names}
+assert {f.name for f in fields(Parallel)} == {name for names in JSON_PLACES.values() for name in names}
 
 
 def layout_from_json(data: Mapping[str, Any]) -> dict[str, Any]:
     """The layout's fields of a plan's JSON ``data``, read back (Note [the layout in a plan's JSON]): those present,
     and the tuple fields always (empty where an old plan has none)."""
-    found = {name: data[name] for _, names in JSON_PLACES for name in names if name in data}
+    found = {name: data[name] for names in JSON_PLACES.values() for name in names if name in data}
     for name, read in _FROM_JSON.items():
         found[name] = read(found.get(name, ()))
     return found

@@ -544,14 +544,21 @@ def _carried(last: MemoryEstimate, figures: dict[str, int], breakdown: dict[str,
     growth = figures["peak_bytes"] - last.peak_bytes
     for attr in _SEGMENT_FIGURES:
         figures[attr] = max(figures[attr], getattr(last, attr) + growth)
-    fragmentation = str(Category.FRAGMENTATION)
-    if fragmentation in breakdown or figures["peak_reserved_bytes"] > figures["peak_bytes"]:
-        breakdown[fragmentation] = figures["peak_reserved_bytes"] - figures["peak_bytes"]
+    _set_fragmentation(breakdown, figures["peak_reserved_bytes"], figures["peak_bytes"],
+                       new=figures["peak_reserved_bytes"] > figures["peak_bytes"])
     shift = {attr: figures[attr] - getattr(last, attr) for attr in figures}
     return replace(last, breakdown=breakdown, host_breakdown=host, notes=last.notes + (note,),
                    peak_at=f"{last.peak_at} (at {depth} blocks)" if last.peak_at else "",
                    under=_under(last, shift, _by_category(last.breakdown, breakdown, sign=-1),
                                 _by_category(last.host_breakdown, host, sign=-1), note), **figures)
+
+
+def _set_fragmentation(breakdown: dict[str, int], reserved: int, peak: int, *, new: bool = False) -> None:
+    """``breakdown``'s fragmentation, in place: the reserve above the allocated peak, where the breakdown has the
+    category (or ``new``: where it should gain it)."""
+    fragmentation = str(Category.FRAGMENTATION)
+    if fragmentation in breakdown or new:
+        breakdown[fragmentation] = reserved - peak
 
 
 def _by_category(first: Mapping[str, int], second: Mapping[str, int], *, sign: int = 1) -> dict[str, int]:
@@ -593,10 +600,8 @@ def _under(last: MemoryEstimate, shift: dict[str, int], grown: dict[str, int], h
             return None
         moved = {attr: getattr(inner, attr) + delta for attr, delta in shift.items()}
         breakdown, host = _by_category(inner.breakdown, grown), _by_category(inner.host_breakdown, host_grown)
-        fragmentation = str(Category.FRAGMENTATION)
-        if fragmentation in breakdown:  # as _carried sets it: the reserve above the allocated peak
-            breakdown[fragmentation] = (moved.get("peak_reserved_bytes", inner.peak_reserved_bytes)
-                                        - moved.get("peak_bytes", inner.peak_bytes))
+        _set_fragmentation(breakdown, moved.get("peak_reserved_bytes", inner.peak_reserved_bytes),
+                           moved.get("peak_bytes", inner.peak_bytes))
         return replace(inner, notes=inner.notes + (note + "; under the budget, the deepest simulation's allocator "
                                                    "replay under the budget less that growth (approximate)",),
                        under=None, breakdown=breakdown, host_breakdown=host, **moved)
