@@ -41,6 +41,7 @@ _WHERE = {
     "PrecisionPolicy": "autofit.training.precision",
     "Savers": "autofit.options",
     "Search": "autofit.options",
+    "Step": "autofit.options",
     "UnsupportedModelError": "autofit.core.errors",
     "UnsupportedPrecisionError": "autofit.core.errors",
     "UnsupportedTorchError": "autofit.core.errors",
@@ -80,6 +81,7 @@ __all__ = [
     "PrecisionPolicy",
     "Savers",
     "Search",
+    "Step",
     "TrainConfig",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",
@@ -118,7 +120,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, _
     from autofit.cli.configs.detect import read_config
     from autofit.cli.configs.run import check_config, plan_config
     from autofit.cli.configs.value import TrainConfig
-    from autofit.options import Device, Layout, Precision, Savers, Search
+    from autofit.options import Device, Layout, Precision, Savers, Search, Step
     from autofit.planner import plan
     from autofit.training.normalisation import ItemMeanLoss
     from autofit.training.precision import PrecisionPolicy

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from autofit.capture.user_hooks import restores_user_hooks
 from autofit.features.float8 import as_float8, require_fp8
 from autofit.core.rng import keeps_user_rng
 from autofit.core._torch import import_lazy_modules
-from autofit.options import Device, Layout, Precision, gather
+from autofit.options import STEP_GROUPS, Device, Layout, Precision, Step, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
@@ -36,55 +37,67 @@ from autofit.parallel.tensor_parallel import resolve_tensor_plan
 __all__ = ["analyse", "estimate", "measure"]
 
 
-def _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
-            clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch, chunked_loss,
-            batch, target, loss_fn, compile, preallocated_grads, inputs, gradient_as_bucket_view, zero_grad, *,
-            world_size, strategy, reshard_after_forward, replicate, tensor_parallel,
-            tensor_parallel_plan, float8=None) -> StepConfig:
+@dataclass(frozen=True)
+class _OneStep:
+    """What ``estimate`` / ``measure`` were given, as one step runs it (See :func:`_one_step`)."""
+
+    device: str  # the device kind
+    gpu: str | None
+    precision: Any  # the compute precision
+    layout: Layout  # one layout: its "auto" read as the plain one
+    step: Step
+    expandable: bool | None  # the allocator's expandable segments (Note [expandable segments as an input])
+
+
+def _config(model, given: _OneStep, micro_batch_size, optimizer, clip_grad_norm, batch, target,
+            loss_fn) -> StepConfig:
+    lay, step = given.layout, given.step
+    world_size, tensor_parallel = lay.world_size, lay.tensor_parallel
     # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
     # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
     require_int("world_size", world_size)
-    strategy = as_strategy(strategy)  # the user's string, read once: its properties from here on
+    strategy = as_strategy(lay.strategy)  # the user's string, read once: its properties from here on
     sharded = strategy is not None and strategy.shards_parameters
     if world_size > 1 and strategy is None:
         raise InvalidInputError(f"world_size={world_size} needs strategy='ddp' or 'fsdp2': an estimate describes one "
                                 "layout (plan() chooses between them)")
-    if strategy is not None and world_size == 1 and not (sharded and offload_states):
+    if strategy is not None and world_size == 1 and not (sharded and step.offload_states):
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
-    if offload_states:
+    if step.offload_states:
         strategy, sharded = Strategy.FSDP2, True
     # a bad layout is named here, before its modules are resolved or anything simulated (docs/multi-gpu.md)
-    check_layout(strategy, world_size, reshard_after_forward=reshard_after_forward, replicate=replicate,
-                 tensor_parallel=tensor_parallel, offload_states=offload_states)
-    if tensor_parallel_plan is not None and tensor_parallel == 1:
+    check_layout(strategy, world_size, reshard_after_forward=lay.reshard_after_forward, replicate=lay.replicate,
+                 tensor_parallel=tensor_parallel, offload_states=step.offload_states)
+    if lay.tensor_parallel_plan is not None and tensor_parallel == 1:
         raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T, the "
                                 "number of ranks that split each layer")
-    tensor_plan = resolve_tensor_plan(model, tensor_parallel, tensor_parallel_plan)
+    tensor_plan = resolve_tensor_plan(model, tensor_parallel, lay.tensor_parallel_plan)
     if batch is not None:
         require_sequence_split(tensor_plan, tensor_parallel, batch.tensors(), "the sample")
     units = shard_units(model) if sharded else ()
-    chunks = _loss_chunks(model, batch, target, loss_fn) if chunked_loss else None
-    return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
-                            precision=precision, checkpoint=checkpoint, optimizer=optimizer, device=device, gpu=gpu,
-                            clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
-                            offload=offload, offload_states=offload_states, strategy=strategy, world_size=world_size,
-                            shard_units=units, reduce_every_micro_batch=reduce_every_micro_batch,
-                            chunked_loss=chunks, reshard_after_forward=reshard_after_forward, replicate=replicate,
-                            tensor_parallel=tensor_parallel, tensor_plan=tensor_plan, compile=compile,
-                            preallocated_grads=preallocated_grads,
-                            held_rows=_held_rows(inputs, micro_batch_size, accumulation_steps),
-                            gradient_as_bucket_view=gradient_as_bucket_view, zero_grad=zero_grad,
-                            float8=as_float8(float8))
+    chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
+    return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=step.accumulation_steps,
+                            precision=given.precision, checkpoint=step.checkpoint, optimizer=optimizer,
+                            device=given.device, gpu=given.gpu, clip_grad_norm=clip_grad_norm,
+                            optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
+                            offload_states=step.offload_states, strategy=strategy, world_size=world_size,
+                            shard_units=units, reduce_every_micro_batch=step.reduce_every_micro_batch,
+                            chunked_loss=chunks, reshard_after_forward=lay.reshard_after_forward,
+                            replicate=lay.replicate, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
+                            compile=step.compile, preallocated_grads=step.preallocated_grads,
+                            held_rows=_held_rows(step.inputs, micro_batch_size, step.accumulation_steps),
+                            gradient_as_bucket_view=step.gradient_as_bucket_view, zero_grad=step.zero_grad,
+                            float8=as_float8(step.float8))
 
 
-def _one_step(function: str, device: Any, precision: Any, layout: Any,
-              deprecated: dict[str, Any]) -> tuple[str, str | None, Any, dict[str, Any], bool | None]:
+def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any,
+              deprecated: dict[str, Any]) -> _OneStep:
     """The options of ``estimate`` / ``measure`` (autofit/options.py; old flat keywords by Note [flat keywords]) as
-    one step runs them: the device kind and GPU, the compute precision, the layout's fields, and the allocator's
-    expandable segments (Note [expandable segments as an input], autofit/device.py). A step has one
+    one step runs them: the device kind and GPU, the compute precision, the layout, the step's knobs, and the
+    allocator's expandable segments (Note [expandable segments as an input], autofit/device.py). A step has one
     layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices are refused."""
-    options = gather(function, dict(device=device, precision=precision, layout=layout), deprecated,
-                     groups=("device", "precision", "layout"))
+    options = gather(function, dict(device=device, precision=precision, layout=layout, step=step), deprecated,
+                     groups=STEP_GROUPS)
     chosen, wants, lay = options["device"], options["precision"], options["layout"]
     if chosen.margin is not None or chosen.host_budget is not None or chosen.allow_over_capacity:
         raise InvalidInputError(f"{function}: Device(margin=, host_budget=, allow_over_capacity=) are what a plan's "
@@ -95,11 +108,10 @@ def _one_step(function: str, device: Any, precision: Any, layout: Any,
     if lay.tensor_parallel == "auto":
         raise InvalidInputError(f"{function}: tensor_parallel='auto' is the planner's choice; a step has one "
                                 "degree: give Layout(tensor_parallel=T)")
-    return chosen.kind, chosen.gpu, wants.compute, dict(
-        world_size=lay.world_size, strategy=lay.strategy, tensor_parallel=lay.tensor_parallel,
-        tensor_parallel_plan=lay.tensor_parallel_plan,
-        reshard_after_forward=True if lay.reshard_after_forward == "auto" else lay.reshard_after_forward,
-        replicate=1 if lay.replicate == "auto" else lay.replicate), chosen.expandable_segments
+    reshard = True if lay.reshard_after_forward == "auto" else lay.reshard_after_forward
+    lay = replace(lay, reshard_after_forward=reshard, replicate=1 if lay.replicate == "auto" else lay.replicate)
+    return _OneStep(device=chosen.kind, gpu=chosen.gpu, precision=wants.compute, layout=lay, step=options["step"],
+                    expandable=chosen.expandable_segments)
 
 
 INPUTS = ("batch", "micro-batch")
@@ -135,89 +147,52 @@ def estimate(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None, batch_dim: Any = 0,
     device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
-    accumulation_steps: int = 1, checkpoint: Any = (), offload: Any = (), offload_states: bool = False,
-    optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False, chunked_loss: bool = False,
-    compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", float8: Any = None, **deprecated: Any,
+    step: Step | Mapping[str, Any] | None = None, **deprecated: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
     The step (docs/memory-model.md): forward and loss under the precision's autocast, backward; after
-    ``accumulation_steps`` micro-batches, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. Parameters,
-    buffers, optimizer state, inputs and targets are counted. ``model`` may live on the
-    meta device. It is never modified. ``clip_grad_norm``: clip the gradients to this norm before the step
-    (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
+    ``step.accumulation_steps`` micro-batches of ``micro_batch_size`` rows, ``optimizer.step()`` and
+    ``zero_grad(set_to_none=True)``. Parameters, buffers, optimizer state, inputs and targets are counted. ``model``
+    may live on the meta device. It is never modified. ``clip_grad_norm``: clip the gradients to this norm before the
+    step (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
     runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
 
-    ``device``: "cpu", "cuda", a catalog GPU ("H100") or ``autofit.Device(gpu=...)`` (autofit/options.py). A GPU
-    adds the CUDA model (``autofit.cuda``) for that GPU (default: this machine's GPU, else A100-80GB) and three
-    figures: ``peak_allocated_bytes`` (= ``peak_bytes``, comparable with
-    ``torch.cuda.max_memory_allocated``), ``peak_reserved_bytes`` (``max_memory_reserved``) and ``device_bytes``
-    (nvidia-smi: reserved plus the CUDA context; budgets apply to it). On the CPU the three are equal.
+    ``device``, ``precision`` and ``layout`` are the option values ``plan`` takes (autofit/options.py), with their
+    shortcuts; ``step`` (an ``autofit.Step`` or a mapping of its fields) fixes what ``plan`` would choose:
+    ``accumulation_steps``, ``checkpoint``, ``offload``, ``offload_states``, ``optimizer_in_backward``,
+    ``reduce_every_micro_batch``, ``chunked_loss``, ``compile``, ``preallocated_grads``, ``float8``,
+    ``zero_grad``, ``gradient_as_bucket_view`` and ``inputs``, each documented where ``Step`` declares it. The old
+    flat keywords (``accumulation_steps=4``, ...) still work, with a ``FutureWarning`` (Note [flat keywords]).
 
-    ``optimizer_in_backward``: each parameter is stepped in backward as soon as its gradient is ready, and the
-    gradient freed (Note [optimizer step in backward], autofit/training/in_backward.py); not with accumulation, clipping,
-    fp16 loss scaling or an fp32 master copy.
-
-    ``offload``: module names whose saved activations live in host memory between forward and backward
-    (``torch.autograd.graph.save_on_cpu``); ``offload_states``: parameters, gradients and optimizer state in host
-    memory, the optimizer stepping on the CPU (FSDP2's ``CPUOffloadPolicy`` on one process). On a GPU target what
-    they keep on the host is ``host_bytes``, apart from the device's figures (Note [offload], docs/offload.md).
+    ``device``: "cpu", "cuda", a catalog GPU ("H100") or ``autofit.Device(gpu=...)``. A GPU adds the CUDA model
+    (``autofit.cuda``) for that GPU (default: this machine's GPU, else A100-80GB) and three figures:
+    ``peak_allocated_bytes`` (= ``peak_bytes``, comparable with ``torch.cuda.max_memory_allocated``),
+    ``peak_reserved_bytes`` (``max_memory_reserved``) and ``device_bytes`` (nvidia-smi: reserved plus the CUDA
+    context; budgets apply to it). On the CPU the three are equal. What ``Step(offload=..., offload_states=True)``
+    keeps on the host is ``host_bytes``, apart from the device's figures (Note [offload], docs/offload.md).
 
     ``layout``: an ``autofit.Layout`` (or an int, the world size), as ``plan`` takes it, but one layout: its
     "auto" values read as ZeRO-3 without replication, ``tensor_parallel="auto"`` is refused and ``gpus_per_node``
     changes no figure. ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; required with world_size > 1): the step
     of one rank of a data-parallel job laid out as ``plan`` lays it out (FSDP2 shards the units ``plan`` shards);
-    ``micro_batch_size`` rows per rank.
-    ``reduce_every_micro_batch``: FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient
-    sync under accumulation], autofit/training/step.py). ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int
-    group) and ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.
+    ``micro_batch_size`` rows per rank. ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int group) and
+    ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.
     ``tensor_parallel`` T (with ``strategy="fsdp2"``): one rank of a (world_size // T, T) mesh, the modules of
     ``tensor_parallel_plan`` (``{module name pattern: style}``, the styles of Note [tensor parallel plan]; default
-    the Hugging Face model's ``config.base_model_tp_plan``) split over the T ranks of its group with torch's ``parallelize_module``, then
-    FSDP2 over the other world_size // T (none when T == world_size); ``micro_batch_size`` rows per
-    tensor-parallel group, which all see the same rows (Note [tensor parallel plan],
-    autofit/parallel/tensor_parallel.py).
-    ``chunked_loss``: the output head and the cross-entropy run in chunks of tokens under checkpoint, so the full
-    logits and their gradient are never live at once (Note [chunked cross-entropy], autofit/training/chunked_loss.py); for
-    the default loss against an integer target, or a Hugging Face causal LM given ``labels``.
+    the Hugging Face model's ``config.base_model_tp_plan``) split over the T ranks of its group with torch's
+    ``parallelize_module``, then FSDP2 over the other world_size // T (none when T == world_size);
+    ``micro_batch_size`` rows per tensor-parallel group, which all see the same rows (Note [tensor parallel plan],
+    autofit/parallel/tensor_parallel.py). A DDP estimate's ``notes`` say which bucket mode it assumed
+    (``Step.gradient_as_bucket_view``).
 
-    ``compile``: the step runs the model as ``torch.compile`` (inductor, default options) compiles it; a model the
-    user compiled is estimated as compiled either way (Note [inductor without kernels], docs/fine-tuning.md).
+    A model the user compiled is estimated as compiled either way (Note [inductor without kernels],
+    docs/fine-tuning.md). ``est.input_rows`` says which rows of inputs ``Step.inputs`` counted.
 
-    ``float8``: the linear layers train in float8, converted with torchao's ``convert_to_float8_training`` before
-    the layout: a recipe name ("tensorwise", "rowwise", "rowwise_with_gw_hp") or an
-    ``autofit.features.float8.Float8`` (its skipped modules, FSDP2's float8 all-gather); the output head stays in
-    high precision. On a GPU target the card must have FP8 tensor cores (Note [Float8 training], docs/float8.md).
-
-    ``preallocated_grads``: every trainable parameter's gradient is allocated before the first forward and zeroed in
-    place after each step (``zero_grad(set_to_none=False)``), as a plan that needs it runs (Note [gradients
-    allocated before forward], autofit/training/grads.py); one process, no step in backward, no fp32 master copy.
-
-    ``gradient_as_bucket_view`` (with ``strategy="ddp"``): DDP's bucket mode. True (the default) is how autofit's
-    trainer wraps the model: every gradient is a view into DDP's communication buckets. False is torch's default,
-    which Lightning's ``DDPStrategy``, Hugging Face's Trainer and Accelerate use unless told otherwise: the buckets
-    hold a second, gradient-sized copy of the gradients (Note [DDP's bucket views], autofit/simulate/parallel.py).
-    A DDP estimate's ``notes`` say which mode it assumed.
-
-    ``zero_grad``: where the step clears the gradients (``optimizer.zero_grad(set_to_none=True)``), as the loop
-    that trains runs it: "after-step" (the default: after ``optimizer.step()``, autofit's trainer and Hugging Face's
-    Trainer), "before-forward" (the PyTorch tutorials' loop) or "after-forward" (after forward and loss, before
-    backward: Lightning's automatic optimization, which keeps the previous step's gradients through the forward).
-    With accumulation it clears once per window, at the first micro-batch (Note [where zero_grad falls],
-    autofit/training/step.py).
-
-    ``inputs``: how many rows of inputs and targets are resident during the step. ``"batch"`` (the default): the
-    whole batch of ``micro_batch_size * accumulation_steps`` rows (per rank), as ``plan.wrap``'s trainer holds it:
-    ``trainer.step`` receives the batch at once and runs micro-batches sliced from it, so this is the figure a plan
-    names for the same configuration. ``"micro-batch"``: one micro-batch's rows, for a loop of one's own that loads
-    each micro-batch just before it runs. ``est.input_rows`` says which rows were counted (Note [one configuration,
-    one figure], autofit/emit/assemble.py).
-
-    ``checkpoint``: module names to recompute; ``None`` (or ``()``) for none. The defaults (``device="cpu"``,
-    ``precision="fp32"``, no checkpointing) differ from ``plan``'s (``"cuda"``, ``"auto"``, ``"auto"``) on purpose:
-    an estimate describes one step whose knobs you fix ("auto" is the planner's choice), with the same defaults as
-    :func:`measure`, which must run on any machine, so that the two calls with the same arguments compare.
+    The defaults (``device="cpu"``, ``precision="fp32"``, the plain ``Step()``: no checkpointing) differ from
+    ``plan``'s (``"cuda"``, ``"auto"``, ``Savers()``'s "auto") on purpose: an estimate describes one step whose knobs
+    you fix ("auto" is the planner's choice), with the same defaults as :func:`measure`, which must run on any
+    machine, so that the two calls with the same arguments compare.
 
     ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
     every micro-batch; the batch dimension of the others follows Note [the batch dimension]
@@ -226,13 +201,10 @@ def estimate(
     """
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    device, gpu, precision, layout, expandable = _one_step("estimate", device, precision, layout, deprecated)
+    given = _one_step("estimate", device, precision, layout, step, deprecated)
     batch, target_batch = as_inputs(sample, target, shared, batch_dim)
-    config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
-                     clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
-                     chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
-                     gradient_as_bucket_view, zero_grad, float8=float8, **layout)
-    device_model = resolve_device(config.device, config.gpu, expandable)
+    config = _config(model, given, micro_batch_size, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
+    device_model = resolve_device(config.device, config.gpu, given.expandable)
     require_fp8(getattr(device_model, "gpu", None) if config.float8 is not None else None)  # Note [Float8 training]
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
@@ -265,18 +237,16 @@ def measure(
     model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
     optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None, batch_dim: Any = 0,
     device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
-    accumulation_steps: int = 1, steps: int = 1, checkpoint: Any = (), offload: Any = (),
-    offload_states: bool = False, optimizer_in_backward: bool = False, reduce_every_micro_batch: bool = False,
-    chunked_loss: bool = False, compile: bool = False, preallocated_grads: bool = False, inputs: str = "batch",
-    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", float8: Any = None, **deprecated: Any,
+    step: Step | Mapping[str, Any] | None = None, steps: int = 1, **deprecated: Any,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
-    Same arguments and defaults as :func:`estimate` (the old flat ``gpu=``, ``world_size=``, ``strategy=``, ... too,
-    deprecated: Note [flat keywords], autofit/options.py) (``inputs="batch"``: the whole batch is built before the step
-    and every micro-batch is a slice of it, as the trainer runs them; ``checkpoint=None`` for none; ``device="cpu"`` and
-    ``precision="fp32"`` so that it runs on any machine; ``plan`` defaults to ``"cuda"`` and ``"auto"`` because it
-    chooses for a GPU).
+    Same arguments and defaults as :func:`estimate` (the old flat ``gpu=``, ``world_size=``,
+    ``accumulation_steps=``, ... too, deprecated: Note [flat keywords], autofit/options.py) (``Step(inputs="batch")``:
+    the whole batch is built before the step and every micro-batch is a slice of it, as the trainer runs them;
+    ``device="cpu"`` and ``precision="fp32"`` so that it runs on any machine; ``plan`` defaults to ``"cuda"`` and
+    ``"auto"`` because it chooses for a GPU). ``steps``: the measured windows after one warm-up window (which creates
+    the optimizer state); the figures are the highest of them.
 
     A parallel ``layout`` (``Layout(world_size=N, strategy=...)``, with ``reshard_after_forward``, ``replicate``,
     ``tensor_parallel``, as :func:`estimate` takes them) runs ``world_size`` processes on this CPU joined by gloo,
@@ -285,14 +255,12 @@ def measure(
     pickled to the processes (no lambdas)."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    device, gpu, precision, layout, expandable = _one_step("measure", device, precision, layout, deprecated)
+    given = _one_step("measure", device, precision, layout, step, deprecated)
     batch, target_batch = as_inputs(sample, target, shared, batch_dim)
-    config = _config(model, micro_batch_size, accumulation_steps, precision, checkpoint, optimizer, device, gpu,
-                     clip_grad_norm, optimizer_in_backward, offload, offload_states, reduce_every_micro_batch,
-                     chunked_loss, batch, target_batch, loss_fn, compile, preallocated_grads, inputs,
-                     gradient_as_bucket_view, zero_grad, float8=float8, **layout)
+    config = _config(model, given, micro_batch_size, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
     if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
+    expandable = given.expandable
     if resolve_device(config.device, config.gpu, expandable).caching_allocator and expandable is not None:
         # the setting the figures are measured under (Note [expandable segments as an input], autofit/device.py)
         put_in_place(f"expandable_segments:{expandable}", "measure(device=Device(expandable_segments=...)) runs with")

@@ -19,8 +19,9 @@ the sample is the batch: a property of the sample too).
 Choices made here: the device's keyword is ``device``, not ``target`` (``target`` is the loss's target since the
 first version, and ``device="cuda"`` stays the old call); the nodes are the layout's (``Layout.gpus_per_node``: the
 ranks that share NVLink and one host), the host memory the device's (``Device.host_budget``, per node). ``estimate``
-and ``measure`` take ``device``, ``precision`` and ``layout``; what else they take fixes one step (``checkpoint``,
-``offload``, ``compile``, ...: the ``StepConfig``'s knobs, not options of a search).
+and ``measure`` take ``device``, ``precision`` and ``layout`` as ``plan`` does, and in place of ``savers`` and
+``search`` (what the planner may try) one :class:`Step`: the knobs of the one step they describe, fixed
+(``accumulation_steps``, ``checkpoint``, ``offload``, ``compile``, ...; ``step={"accumulation_steps": 4}`` too).
 
 These values hold what the user asked, "auto" included; the request (autofit/request.py) resolves them against the
 model and the device once, and checks what needs the model there.
@@ -31,7 +32,10 @@ Note [flat keywords]
     to one field of one value in :data:`FLAT_KEYWORDS`, read in one place (:func:`gather`), with a
     ``FutureWarning`` naming the new spelling. A flat keyword beside an option value that sets it too (say
     ``gpu="H100"`` with ``device=Device(...)``) is ambiguous and refused; beside a shortcut string the keyword refines
-    it, so the old ``device="cuda", gpu="H100"`` reads as ``device=Device(gpu="H100")``.
+    it, so the old ``device="cuda", gpu="H100"`` reads as ``device=Device(gpu="H100")``. ``estimate`` and
+    ``measure`` read their old step keywords (``accumulation_steps=``, ``checkpoint=``, ``compile=``, ...) the same
+    way, each as the field of :class:`Step` of its name (:data:`STEP_KEYWORDS`): the word ``checkpoint`` is a
+    ``Savers`` field for ``plan``, a ``Step`` field for them.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 
-__all__ = ["Device", "Precision", "Savers", "Layout", "Search", "Options", "FLAT_KEYWORDS", "gather", "as_device",
-           "as_precision", "as_savers", "as_layout", "as_search"]
+__all__ = ["Device", "Precision", "Savers", "Layout", "Search", "Step", "Options", "FLAT_KEYWORDS", "gather",
+           "as_device", "as_precision", "as_savers", "as_layout", "as_search", "as_step", "STEP_GROUPS",
+           "STEP_KEYWORDS", "PLAN_GROUPS"]
 
 DEVICE_KINDS = ("cpu", "cuda")
 ZERO_GRAD_ORDERS = ("after-step", "before-forward", "after-forward")  # autofit.training.config.ZeroGrad's names
@@ -196,6 +201,55 @@ class Search:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Step:
+    """The knobs of the one training step ``estimate`` and ``measure`` describe: what ``plan`` would choose (or the
+    user's loop fixes), given. Where ``plan`` searches (``Savers``'s "auto"), a step has one value; the defaults are
+    the plain step: one micro-batch, nothing recomputed or offloaded, the trainer's order of ``zero_grad``."""
+
+    # micro-batches per optimizer step, each of ``micro_batch_size`` rows (per rank)
+    accumulation_steps: int = 1
+    # module qualified names to recompute (``{name: "selective"}`` recomputes only what is cheap): a plan's
+    # ``plan.checkpoint``; () or None: none ("auto" is the planner's choice, refused here)
+    checkpoint: Any = ()
+    # module names whose saved activations live in host memory between forward and backward
+    # (``torch.autograd.graph.save_on_cpu``; Note [offload], docs/offload.md)
+    offload: Any = ()
+    # parameters, gradients and optimizer state in host memory, the optimizer stepping on the CPU (FSDP2's
+    # ``CPUOffloadPolicy`` on one process)
+    offload_states: bool = False
+    # each parameter stepped in backward as soon as its gradient is ready, and the gradient freed (Note [optimizer
+    # step in backward], autofit/training/in_backward.py); not with accumulation, clipping, fp16 loss scaling or an
+    # fp32 master copy
+    optimizer_in_backward: bool = False
+    # FSDP2 reduce-scatters after every micro-batch, not only the last (Note [gradient sync under accumulation],
+    # autofit/training/step.py)
+    reduce_every_micro_batch: bool = False
+    # the output head and the cross-entropy in chunks of tokens under checkpoint (Note [chunked cross-entropy],
+    # autofit/training/chunked_loss.py): the default loss against an integer target, or a Hugging Face causal LM
+    chunked_loss: bool = False
+    # the step runs the model as torch.compile (inductor, default options) compiles it (Note [compile as a knob])
+    compile: bool = False
+    # every trainable parameter's gradient allocated before the first forward and zeroed in place after each step
+    # (Note [gradients allocated before forward], autofit/training/grads.py)
+    preallocated_grads: bool = False
+    # the linears train in float8 (torchao, converted before the layout): a recipe name ("tensorwise", "rowwise",
+    # "rowwise_with_gw_hp") or an autofit.features.float8.Float8 (Note [Float8 training], docs/float8.md); None: not
+    float8: Any = None
+    # where the loop clears the gradients: "after-step" (autofit's trainer, Hugging Face's Trainer),
+    # "before-forward" (the PyTorch tutorials' loop) or "after-forward" (Lightning's automatic optimization) (Note
+    # [where zero_grad falls], autofit/training/step.py)
+    zero_grad: str = "after-step"
+    # DDP's bucket mode (strategy "ddp"): True, as autofit's trainer wraps the model (gradients are views into the
+    # buckets); False, torch's default, which Lightning, Hugging Face's Trainer and Accelerate use (a second,
+    # gradient-sized copy: Note [DDP's bucket views], autofit/simulate/parallel.py)
+    gradient_as_bucket_view: bool = True
+    # the rows of inputs and targets resident during the step: "batch" (the whole window's, as plan.wrap's trainer
+    # receives the batch and slices it; the figure a plan names) or "micro-batch" (a loop that loads each
+    # micro-batch just before it runs) (Note [one configuration, one figure], autofit/emit/assemble.py)
+    inputs: str = "batch"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Options:
     """The five values together, as the request holds them."""
 
@@ -276,9 +330,20 @@ def as_search(value: Any) -> Search:
                    "'auto' or 'exact'")
 
 
+def as_step(value: Any) -> Step:
+    """``step=`` of ``estimate`` / ``measure``: a :class:`Step`, or a mapping of its fields."""
+    return _option(Step, "step", value, lambda v: None, "None (the plain step)")
+
+
 _AS = {"device": as_device, "precision": as_precision, "savers": as_savers, "layout": as_layout,
-       "search": as_search}
-_CLASSES = {"device": Device, "precision": Precision, "savers": Savers, "layout": Layout, "search": Search}
+       "search": as_search, "step": as_step}
+_CLASSES = {"device": Device, "precision": Precision, "savers": Savers, "layout": Layout, "search": Search,
+            "step": Step}
+# estimate's and measure's old keywords, each a field of Step of the same name (Note [flat keywords]); where plan
+# reads the same word as a Savers field (checkpoint, offload, compile), the function's groups say which
+STEP_KEYWORDS = frozenset(f.name for f in fields(Step))
+PLAN_GROUPS = ("device", "precision", "savers", "layout", "search")  # plan's; estimate's and measure's: STEP_GROUPS
+STEP_GROUPS = ("device", "precision", "layout", "step")
 
 # Note [flat keywords]: each old keyword of plan / estimate / measure -> (the option value, its field)
 FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
@@ -309,7 +374,7 @@ def _spelling(group: str, field: str, value: Any) -> str:
 
 
 def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
-           groups: tuple[str, ...] = tuple(_AS)) -> dict[str, Any]:
+           groups: tuple[str, ...] = PLAN_GROUPS) -> dict[str, Any]:
     """The option values of a call: ``given`` the option keywords as passed (a value, a shortcut or None), ``flat``
     the old keywords (Note [flat keywords]), each folded into the field it maps to with a ``FutureWarning``.
     ``groups``: the values ``function`` takes; another keyword is a ``TypeError``, as Python names one."""
@@ -319,7 +384,7 @@ def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
         values[group] = _AS[group](value)
     updates: dict[str, dict[str, Any]] = {}
     for keyword, value in flat.items():
-        owner = FLAT_KEYWORDS.get(keyword)
+        owner = ("step", keyword) if "step" in groups and keyword in STEP_KEYWORDS else FLAT_KEYWORDS.get(keyword)
         if owner is None or owner[0] not in groups:
             raise TypeError(f"{function}() got an unexpected keyword argument {keyword!r}")
         group, field = owner

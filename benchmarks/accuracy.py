@@ -77,7 +77,7 @@ def _settings(case, optimizer: str, precisions: list[str]) -> Iterator[StepSetti
 def _keywords(case, setting: StepSetting) -> dict:
     return dict(micro_batch_size=case.micro_batch_size, target=case.target, loss_fn=case.loss_fn,
                 optimizer=setting.optimizer, precision=setting.precision,
-                checkpoint=case.checkpoint if setting.checkpointed else ())
+                step=autofit.Step(checkpoint=case.checkpoint if setting.checkpointed else ()))
 
 
 @contextlib.contextmanager
@@ -117,7 +117,8 @@ def run_row(case, setting: StepSetting, with_memtracker: bool) -> Row:
         problems.append(f"estimate raised {type(e).__name__}: {e}")
     seconds = time.perf_counter() - start
     gc.collect()
-    tracked = memtracker_estimate(case.model, case.sample, **kw) if with_memtracker else None
+    tracked = memtracker_estimate(case.model, case.sample, checkpoint=kw["step"].checkpoint,
+                                  **{k: v for k, v in kw.items() if k != "step"}) if with_memtracker else None
     return Row(case.name, setting.label, measured, estimate, seconds, method, tracked, "; ".join(problems))
 
 

@@ -238,8 +238,9 @@ def zoo_rows(hf: bool = False, only: str | None = None, repeat: int = 1):
                     cpu = _cpu()
                     estimates.append((_timed(lambda: autofit.estimate(
                         model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
-                        accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
-                        device=_device(gpu), **kw))[1], _cpu() - cpu))
+                        device=_device(gpu), **kw,
+                        step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                                          checkpoint=plan.checkpoint)))[1], _cpu() - cpu))
                 est_s, est_cpu = min(e[0] for e in estimates), min(e[1] for e in estimates)
                 summary = (f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
                            f"ckpt={len(plan.checkpoint)} {plan.device_bytes} B")
@@ -344,9 +345,9 @@ def deep(base: bool = True, base_70b: bool = False) -> None:
         if kw.get("layout", autofit.Layout()).world_size == 1:
             _, est_s = _timed(lambda: autofit.estimate(
                 model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
-                accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint, target=target,
-                loss_fn=loss_fn, device=kw["device"], offload=plan.offload, offload_states=plan.offload_states,
-                inputs="micro-batch"))
+                target=target, loss_fn=loss_fn, device=kw["device"],
+                step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
+                                  offload=plan.offload, offload_states=plan.offload_states, inputs="micro-batch")))
             print(f"{label:<20} {'one estimate':<14} {est_s:>7.1f}  (the plan's configuration, whole model)")
             tracked = memtracker_estimate(model, sample, micro_batch_size=plan.micro_batch_size, target=target,
                                           loss_fn=loss_fn, precision="bf16", checkpoint=plan.checkpoint)

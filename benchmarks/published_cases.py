@@ -7,12 +7,15 @@ memory: vocabulary, hidden size, layers, heads, MLP size, positions).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+import autofit
 
 from benchmarks.vit import VIT_L_16_PARAMETERS, VitL16
 
@@ -165,8 +168,8 @@ def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32", checkpo
                       attn=_bert_self_attention(softmax_saves_input=True), num_labels=2)
         sample = {"input_ids": torch.randint(100, 30000, (4, 512)), "labels": torch.zeros(4, dtype=torch.long)}
         layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
-        return model, sample, {"micro_batch_size": micro, "accumulation_steps": accumulation,
-                               "precision": precision, "checkpoint": layers, "optimizer": optimizer,
+        return model, sample, {"micro_batch_size": micro, "precision": precision, "optimizer": optimizer,
+                               "step": autofit.Step(accumulation_steps=accumulation, checkpoint=layers),
                                "clip_grad_norm": 1.0}
 
     return build
@@ -184,8 +187,8 @@ def _anatomy_rerun(micro: int = 4, accumulation: int = 1, precision: str = "fp32
         sample = {"input_ids": torch.randint(100, 30000, (micro, 512)),
                   "labels": torch.zeros(micro, dtype=torch.long)}
         layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
-        return model, sample, {"micro_batch_size": micro, "accumulation_steps": accumulation,
-                               "precision": precision, "checkpoint": layers, "optimizer": optimizer,
+        return model, sample, {"micro_batch_size": micro, "precision": precision, "optimizer": optimizer,
+                               "step": autofit.Step(accumulation_steps=accumulation, checkpoint=layers),
                                "clip_grad_norm": 1.0}
 
     return build
@@ -208,8 +211,9 @@ def _amp_recipe(precision: str) -> Callable[[], Built]:
 
         return (_meta(net), torch.randn(512, 4096),
                 # the recipe's batches are made beforehand and counted in outside_bytes: the estimate holds one
-                {"target": torch.randn(512, 4096), "micro_batch_size": 512, "accumulation_steps": 2,
-                 "inputs": "micro-batch", "precision": precision, "loss_fn": F.mse_loss,
+                {"target": torch.randn(512, 4096), "micro_batch_size": 512,
+                 "step": autofit.Step(accumulation_steps=2, inputs="micro-batch"), "precision": precision,
+                 "loss_fn": F.mse_loss,
                  "optimizer": lambda params: torch.optim.SGD(params, lr=1e-3)})
 
     return build
@@ -243,7 +247,7 @@ def _fabric_vit(batch: int, precision: str) -> Callable[[], Built]:
         policy = "fp32" if true_bf16 else precision
         return (model, torch.rand(batch, 3, 224, 224, dtype=torch.bfloat16 if true_bf16 else torch.float32),
                 {"micro_batch_size": batch, "target": torch.randint(0, 10, (batch,)), "loss_fn": F.cross_entropy,
-                 "optimizer": "adam", "precision": policy, "zero_grad": "after-forward"})
+                 "optimizer": "adam", "precision": policy, "step": autofit.Step(zero_grad="after-forward")})
 
     return build
 
@@ -333,7 +337,8 @@ def _compiled(build: Callable[[], Built]) -> Callable[[], Built]:
 
     def compiled() -> Built:
         model, sample, kwargs = build()
-        return model, sample, {**kwargs, "compile": True}
+        step = kwargs.get("step", autofit.Step())
+        return model, sample, {**kwargs, "step": dataclasses.replace(step, compile=True)}
 
     return compiled
 
@@ -410,7 +415,7 @@ def _torchtune(*, checkpoint: bool = True, in_backward: bool = False, lora: bool
         layers = tuple(f"{'base_model.model.' if lora else ''}model.layers.{i}" for i in range(28))
         return model, {"input_ids": ids}, {
             "micro_batch_size": 2, "target": ids, "loss_fn": _chunked_output_loss,
-            "checkpoint": layers if checkpoint else (), "optimizer_in_backward": in_backward,
+            "step": autofit.Step(checkpoint=layers if checkpoint else (), optimizer_in_backward=in_backward),
             # the rows override 3B_full_single_device.yaml's PagedAdamW8bit with torch.optim.AdamW (lr 2e-5, torch's
             # choice of implementation: foreach on CUDA); 3B_lora_single_device.yaml has AdamW(fused=True, lr 3e-4,
             # weight_decay 0.01)

@@ -88,9 +88,9 @@ def main() -> None:
             print(f"step {step}: loss {loss:.4f}")
 
     # 4. The planned step, estimated and measured with the same knobs (measure runs it for real on a copy).
-    knobs = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-                 precision=plan.precision, checkpoint=plan.checkpoint, optimizer="adamw", target=labels,
-                 device="cpu")
+    knobs = dict(micro_batch_size=plan.micro_batch_size, precision=plan.precision, optimizer="adamw", target=labels,
+                 device="cpu", step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                                                 checkpoint=plan.checkpoint))
     predicted = autofit.estimate(model, sample, **knobs).peak_bytes
     measured = autofit.measure(model, sample, **knobs).peak_bytes
     print(f"predicted peak {mib(predicted)}, measured peak {mib(measured)} "

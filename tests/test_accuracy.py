@@ -48,7 +48,7 @@ def _compare(case: ZooCase, **knobs) -> None:
 def test_estimate_matches_measure(name: str, precision: str, checkpointing: str, optimizer: str, zoo_case) -> None:
     case = zoo_case(name)  # estimate and measure leave the model as it was (Note [shared zoo cases])
     checkpoint = case.checkpoint if checkpointing == "blocks" else ()
-    _compare(case, precision=precision, checkpoint=checkpoint, optimizer=optimizer)
+    _compare(case, precision=precision, step=autofit.Step(checkpoint=checkpoint), optimizer=optimizer)
 
 
 # A handful beyond the main matrix: accumulation (gradients alive across micro-batches) and fp16 (GradScaler state,
@@ -73,10 +73,11 @@ EXTRA = [
 ])
 def test_estimate_matches_measure_extra(name: str, knobs: dict, zoo_case) -> None:
     case = zoo_case(name)
-    knobs = dict(knobs)
-    if knobs.get("checkpoint") == "blocks":
-        knobs["checkpoint"] = case.checkpoint
-    _compare(case, **knobs)
+    knobs = dict(knobs)  # the step's knobs in its Step, the rest as keywords
+    step = {k: knobs.pop(k) for k in ("accumulation_steps", "checkpoint") if k in knobs}
+    if step.get("checkpoint") == "blocks":
+        step["checkpoint"] = case.checkpoint
+    _compare(case, step=autofit.Step(**step), **knobs)
 
 
 def test_zoo_is_deterministic_and_complete() -> None:

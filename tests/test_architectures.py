@@ -61,7 +61,8 @@ def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
         assert plan.peak_bytes <= budget
         for name, other in (("uniform", uniform), ("random", random_batch)):  # the plan for one batch holds for both
             if name not in measured:
-                measured[name] = autofit.measure(model, other, micro_batch_size=4, accumulation_steps=2).peak_bytes
+                measured[name] = autofit.measure(model, other, micro_batch_size=4,
+                                                 step=autofit.Step(accumulation_steps=2)).peak_bytes
             assert measured[name] <= plan.peak_bytes
 
 

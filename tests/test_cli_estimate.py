@@ -3,6 +3,8 @@ same arguments, the state bytes of a small MLP are checked by hand, and bad inpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import warnings
 from pathlib import Path
@@ -63,11 +65,13 @@ def test_figures_equal_the_library_estimate(model, extra, kwargs):
                      config={k: int(v) for k, v in config})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kwargs = dict(kwargs)  # the layout's field of a case goes into its Layout
+        kwargs = dict(kwargs)  # the layout's field of a case goes into its Layout, the step's knobs into its Step
         layout = autofit.Layout(world_size=2, strategy="fsdp2",
                                 reshard_after_forward=kwargs.pop("reshard_after_forward", "auto"))
+        step = autofit.Step(accumulation_steps=2, **{k: kwargs.pop(k) for k in ("checkpoint", "reduce_every_micro_batch")
+                                                     if k in kwargs})
         est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=2,
-                               accumulation_steps=2, device="H100-80GB", layout=layout, **kwargs)
+                               step=step, device="H100-80GB", layout=layout, **kwargs)
     assert data["gpu"] == "H100-80GB" and data["batch_size"] == 8
     assert (data["peak_allocated_bytes"], data["peak_reserved_bytes"], data["device_bytes"]) == (
         est.peak_allocated_bytes, est.peak_reserved_bytes, est.device_bytes)
@@ -86,7 +90,7 @@ def test_tensor_parallel_figures_equal_the_library_estimate():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
-                               micro_batch_size=2, accumulation_steps=2, device="H100-80GB",
+                               micro_batch_size=2, step=autofit.Step(accumulation_steps=2), device="H100-80GB",
                                layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2))
     assert data["accumulation_steps"] == 2 and data["batch_size"] == 8 and data["tensor_parallel"] == 2
     assert "tp 2" in data["layout"], data["layout"]
@@ -123,7 +127,7 @@ def test_compile_figures_equal_the_library_estimate():
     data = _estimate(MLP, "--input-shape", "128", "-m", "4", "--device", "cpu", "--compile")
     spec = load_spec(MLP, input_shapes=[(128,)])
     est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=4,
-                           device="cpu", compile=True)
+                           device="cpu", step=autofit.Step(compile=True))
     assert data["compile"] is True and data["peak_allocated_bytes"] == est.peak_allocated_bytes
     assert data["breakdown"] == dict(est.breakdown)
 
@@ -165,7 +169,9 @@ def test_every_step_knob_of_the_python_estimate_has_a_flag():
 
     from autofit.cli.estimate import NOT_STEP_KNOBS, STEP_FLAGS
 
-    knobs = set(inspect.signature(autofit.estimate).parameters)
+    # the keywords, the step's knobs (one Step, whose every field is a knob) in place of ``step``
+    knobs = (set(inspect.signature(autofit.estimate).parameters) - {"step"}) | {
+        f.name for f in dataclasses.fields(autofit.Step)}
     assert knobs - NOT_STEP_KNOBS == set(STEP_FLAGS), "a knob without a flag, or a flag for no knob"
     command = typer.main.get_command(app).commands["estimate"]
     flags = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}

@@ -112,8 +112,8 @@ def test_compile_knob_estimates_and_measures_the_compiled_step() -> None:
     torch.manual_seed(0)
     model = _Pointwise()
     sample = torch.randn(512, 64)
-    est = autofit.estimate(model, sample, compile=True, **_KW)
-    meas = autofit.measure(model, sample, compile=True, **_KW)
+    est = autofit.estimate(model, sample, step=autofit.Step(compile=True), **_KW)
+    meas = autofit.measure(model, sample, step=autofit.Step(compile=True), **_KW)
     assert meas.peak_bytes < 0.8 * autofit.measure(model, sample, **_KW).peak_bytes
     assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
     assert any("compile=True" in note for note in est.notes)
@@ -122,7 +122,7 @@ def test_compile_knob_estimates_and_measures_the_compiled_step() -> None:
 
 def test_compile_must_be_a_bool() -> None:
     with pytest.raises(autofit.InvalidInputError, match="compile must be True or False"):
-        autofit.estimate(_Pointwise(), torch.randn(8, 64), micro_batch_size=8, compile="yes",
+        autofit.estimate(_Pointwise(), torch.randn(8, 64), micro_batch_size=8, step=autofit.Step(compile="yes"),
                          loss_fn=lambda out: out.sum())
 
 
@@ -143,8 +143,9 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
     # below (fp32) would not run
     plan = autofit.plan(compiled, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512,
                         precision="fp32")
-    kw = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-              checkpoint=plan.checkpoint, loss_fn=loss_fn)
+    kw = dict(micro_batch_size=plan.micro_batch_size,
+              loss_fn=loss_fn,
+              step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint))
     meas = autofit.measure(compiled, sample, **kw)
     assert meas.peak_bytes < autofit.measure(model, sample, **kw).peak_bytes  # measure really ran it compiled
     assert abs(_error(autofit.estimate(compiled, sample, **kw), meas)) <= TOLERANCE
@@ -185,7 +186,8 @@ def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
         loss = trainer.step(sample)
     assert loss == pytest.approx(expected, rel=1e-5)
     kw = dict(micro_batch_size=512, loss_fn=loss_fn)
-    eager, compiled = (autofit.estimate(model, sample, compile=c, **kw).peak_bytes for c in (False, True))
+    eager, compiled = (autofit.estimate(model, sample, **kw,
+                                        step=autofit.Step(compile=c)).peak_bytes for c in (False, True))
     assert eager > compiled
 
 

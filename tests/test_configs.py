@@ -5,6 +5,7 @@ a config check prints against ``autofit.estimate`` called with the same knobs by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 from pathlib import Path
@@ -275,9 +276,10 @@ def test_check_exit_codes(tmp_path):
     data = json.loads(result.stdout)
     spec = load_spec(f"hf:{TINY}", input_shapes=[(256,)], task="causal-lm")
     spec.model.to(torch.bfloat16)  # axolotl loads the weights in bf16 under bf16: auto
-    by_hand = autofit.estimate(spec.model, spec.sample, micro_batch_size=2, accumulation_steps=8, precision="bf16",
+    by_hand = autofit.estimate(spec.model, spec.sample, micro_batch_size=2, precision="bf16",
                                optimizer="adamw", clip_grad_norm=1.0, device=autofit.Device(kind="cuda",
-                                                                                           gpu="RTX-4090"))
+                                                                                           gpu="RTX-4090"),
+                               step=autofit.Step(accumulation_steps=8))
     assert data["fits"] is True and data["device_bytes"] == by_hand.device_bytes
     assert data["capacity_bytes"] == autofit.gpu_spec("RTX-4090").memory_bytes
     big = tmp_path / "big"
@@ -356,10 +358,12 @@ def test_check_keeps_the_configs_offload(tmp_path):
     path = tiny(tmp_path, "torchtitan_full.toml", **{"training.enable_cpu_offload": True})
     check = autofit.check_config(path, "RTX-4090")
     spec = model_spec(check.config)
-    knobs = dict(micro_batch_size=4, accumulation_steps=8, precision="bf16", optimizer="adamw", clip_grad_norm=1.0,
-                 checkpoint={u: "op-selective" for u in shard_units(spec.model)},
-                 device=autofit.Device(kind="cuda", gpu="RTX-4090"))
-    by_hand = autofit.estimate(spec.model, spec.sample, offload_states=True, **knobs)
+    knobs = dict(micro_batch_size=4, precision="bf16", optimizer="adamw", clip_grad_norm=1.0,
+                 device=autofit.Device(kind="cuda", gpu="RTX-4090"),
+                 step=autofit.Step(accumulation_steps=8,
+                                   checkpoint={u: "op-selective" for u in shard_units(spec.model)}))
+    by_hand = autofit.estimate(spec.model, spec.sample,
+                               **dict(knobs, step=dataclasses.replace(knobs["step"], offload_states=True)))
     kept = autofit.estimate(spec.model, spec.sample, **knobs)
     assert (check.estimate.device_bytes, check.estimate.host_bytes) == (by_hand.device_bytes, by_hand.host_bytes)
     assert by_hand.host_bytes > 0 and by_hand.device_bytes < kept.device_bytes

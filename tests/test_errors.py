@@ -63,13 +63,19 @@ def _labels(n: int = 4) -> torch.Tensor:
 
 # ---- the entry points, called the same way -------------------------------------------------------------------------
 def _estimate(model, sample, **kw):
-    kw.setdefault("micro_batch_size", 2)
-    return autofit.estimate(model, sample, **kw)
+    return autofit.estimate(model, sample, **_one_step(kw))
 
 
 def _measure(model, sample, **kw):
+    return autofit.measure(model, sample, **_one_step(kw))
+
+
+def _one_step(kw):
+    """The entry points called the same way: the step's knobs of a test go into estimate's and measure's Step (as
+    ``_plan`` puts ``checkpoint`` into its Savers)."""
     kw.setdefault("micro_batch_size", 2)
-    return autofit.measure(model, sample, **kw)
+    step = {k: kw.pop(k) for k in ("checkpoint", "accumulation_steps") if k in kw}
+    return dict(kw, step=autofit.Step(**step)) if step else kw
 
 
 def _analyse(model, sample, **kw):

@@ -46,7 +46,7 @@ def test_a_converted_llama_estimates_within_half_a_percent_of_measure(recipe, ch
     recomputed), rowwise -1.03 % (-3.07 %), rowwise_with_gw_hp 0.00 % (-1.99 %); now byte for byte."""
     model = _llama()
     ids = torch.randint(0, 256, (2, 32))
-    kw = dict(target=ids, micro_batch_size=2, float8=recipe, checkpoint=checkpoint)
+    kw = dict(target=ids, micro_batch_size=2, step=autofit.Step(checkpoint=checkpoint, float8=recipe))
     predicted = autofit.estimate(model, ids, **kw)
     measured = autofit.measure(model, ids, **kw).peak_bytes
     assert abs(predicted.peak_bytes - measured) <= 0.005 * measured, (predicted.peak_bytes, measured)
@@ -63,7 +63,8 @@ def test_float8_changes_what_the_step_holds():
     model = _llama()
     ids = torch.randint(0, 256, (2, 32))
     plain = autofit.estimate(model, ids, target=ids, micro_batch_size=2).peak_bytes
-    converted = autofit.estimate(model, ids, target=ids, micro_batch_size=2, float8="tensorwise").peak_bytes
+    converted = autofit.estimate(model, ids, target=ids, micro_batch_size=2,
+                                 step=autofit.Step(float8="tensorwise")).peak_bytes
     assert converted != plain
 
 
@@ -256,7 +257,7 @@ def test_the_cli_estimate_takes_float8_as_the_library_does():
     data = json.loads(result.stdout[result.stdout.index("{"):])
     spec = load_spec(MLP, input_shapes=[(128,)])
     est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=16,
-                           float8="rowwise")
+                           step=autofit.Step(float8="rowwise"))
     assert data["float8"] == "rowwise" and data["peak_allocated_bytes"] == est.peak_allocated_bytes
     assert converted_linears(spec.model, Float8(recipe="rowwise")) == ("0",)
 
@@ -347,8 +348,9 @@ def test_the_float8_all_gather_needs_fsdp2_and_is_not_measured_on_gloo():
     with pytest.raises(InvalidInputError, match="strategy='fsdp2'"):
         make_step_config(micro_batch_size=1, strategy="ddp", world_size=2, float8=Float8(all_gather=True))
     with pytest.raises(InvalidInputError, match="gloo"):
-        autofit.measure(nn.Linear(64, 64), torch.randn(4, 64), micro_batch_size=2, float8=Float8(all_gather=True),
-                        loss_fn=lambda out: out.sum(), layout=autofit.Layout(world_size=2, strategy="fsdp2"))
+        autofit.measure(nn.Linear(64, 64), torch.randn(4, 64), micro_batch_size=2,
+                        loss_fn=lambda out: out.sum(), layout=autofit.Layout(world_size=2, strategy="fsdp2"),
+                        step=autofit.Step(float8=Float8(all_gather=True)))
 
 
 @pytest.mark.slow
@@ -360,7 +362,8 @@ def test_fsdp2_over_converted_linears_within_half_a_percent_of_each_rank(recipe)
     rank (1,941,024 B tensorwise, 1,934,340 B rowwise on torch 2.13 / torchao 0.18: equal)."""
     model = _llama()
     ids = torch.randint(0, 256, (4, 32))
-    kw = dict(target=ids, micro_batch_size=2, layout=autofit.Layout(world_size=2, strategy="fsdp2"), float8=recipe)
+    kw = dict(target=ids, micro_batch_size=2, layout=autofit.Layout(world_size=2, strategy="fsdp2"),
+              step=autofit.Step(float8=recipe))
     predicted = autofit.estimate(model, ids, **kw).peak_bytes
     for peak in autofit.measure(model, ids, **kw).rank_peaks:
         assert abs(predicted - peak) <= 0.005 * peak, (predicted, peak)
@@ -376,7 +379,7 @@ def test_a_cpu_without_fp8_kernels_refuses_a_cpu_estimate(monkeypatch):
     monkeypatch.setattr(cpu, "fp8_matmul", lambda: False)
     ids = torch.randint(0, 256, (2, 32))
     with pytest.raises(UnsupportedPrecisionError, match="no fp8 kernel for aten::_scaled_mm in module 'layers.0"):
-        autofit.estimate(_llama(), ids, target=ids, micro_batch_size=2, float8="tensorwise")
+        autofit.estimate(_llama(), ids, target=ids, micro_batch_size=2, step=autofit.Step(float8="tensorwise"))
 
 
 @cpu_fp8
@@ -393,8 +396,9 @@ def test_tensor_parallel_under_fsdp2_over_converted_linears_within_half_a_percen
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (4, 32))
     sample = {"input_ids": ids, "labels": ids}
-    kw = dict(micro_batch_size=2, float8="tensorwise",
-              layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2))
+    kw = dict(micro_batch_size=2,
+              layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2),
+              step=autofit.Step(float8="tensorwise"))
     predicted = autofit.estimate(model, sample, **kw).peak_bytes
     for peak in autofit.measure(model, sample, **kw).rank_peaks:
         assert abs(predicted - peak) <= 0.005 * peak, (predicted, peak)

@@ -110,9 +110,10 @@ def test_offloaded_states_over_ranks_train_a_full_batch_step_and_match_the_alloc
     memory = dataclasses.replace(base, offload_states=True)
     est = autofit.estimate(case.model, case.sample, micro_batch_size=memory.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, device="cpu",
-                           layout=autofit.Layout(world_size=2, strategy="fsdp2"), offload_states=True,
-                           accumulation_steps=memory.gradient_accumulation_steps, precision="fp32",
-                           checkpoint=memory.checkpoint)
+                           layout=autofit.Layout(world_size=2, strategy="fsdp2"),
+                           precision="fp32",
+                           step=autofit.Step(accumulation_steps=memory.gradient_accumulation_steps,
+                                             checkpoint=memory.checkpoint, offload_states=True))
     torch.manual_seed(0)
     tied = _plan(ZOO["tied_lm"](), 2, True)
     equivalence = dataclasses.replace(tied, offload_states=True, micro_batch_size=4, gradient_accumulation_steps=2,

@@ -117,7 +117,7 @@ def test_qlora_states_on_the_host_are_refused_and_a_plan_names_its_smallest_budg
     sample = _tokens(128, 2, 16)
     with pytest.raises(autofit.UnsupportedModelError, match="bitsandbytes quantized weights.*quant_state"):
         autofit.estimate(model, sample, micro_batch_size=1, device=autofit.Device(gpu="RTX-4090"),
-                         offload_states=True)
+                         step=autofit.Step(offload_states=True))
     with pytest.raises(autofit.InfeasibleBudgetError) as refused:
         autofit.plan(model, sample, 1, batch_size=2, device=autofit.Device(gpu="RTX-4090"))
     with pytest.raises(autofit.InfeasibleBudgetError) as without:

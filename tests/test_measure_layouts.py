@@ -48,6 +48,7 @@ def test_every_rank_measured_and_the_estimate_within_half_a_percent(layout, name
         layout = {**layout, "tensor_parallel_plan": _sequence_parallel_plan()}
     knobs = {k: v for k, v in layout.items() if k == "accumulation_steps"}  # the step's own knob, not the layout's
     options = autofit.Layout(**{k: v for k, v in layout.items() if k not in knobs})
+    knobs = dict(step=autofit.Step(**knobs))
     before = {n: p.clone() for n, p in case.model.state_dict().items()}
     measured = autofit.measure(case.model, case.sample, micro_batch_size=ROWS, layout=options, **knobs)
     predicted = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, layout=options, **knobs).peak_bytes

@@ -53,9 +53,11 @@ def test_the_front_row_of_the_chosen_configuration_is_the_plans_figure_and_its_e
     assert again.device_bytes == plan.device_bytes and [a.peak_bytes for a in _chosen_rows(again)] == [
         plan.device_bytes]
     est = autofit.estimate(model, sample, micro_batch_size=plan.micro_batch_size,
-                           accumulation_steps=plan.gradient_accumulation_steps, target=target,
+                           target=target,
                            loss_fn=nn.CrossEntropyLoss(), optimizer="adamw", precision="fp32",
-                           checkpoint=plan.checkpoint, device="cpu")
+                           device="cpu",
+                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                                             checkpoint=plan.checkpoint))
     assert est.input_rows == plan.estimate.input_rows == 16
     assert est.device_bytes == plan.device_bytes
     assert _rendered(plan).count(format_mib(plan.device_bytes)) >= 2  # "total" of the breakdown and the front row

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import autofit
-from autofit import Device, Layout, Precision, Savers, Search
-from autofit.options import FLAT_KEYWORDS, Options, as_device, as_layout, as_precision, as_savers, as_search, gather
+from autofit import Device, Layout, Precision, Savers, Search, Step
+from autofit.options import (FLAT_KEYWORDS, STEP_GROUPS, Options, as_device, as_layout, as_precision, as_savers,
+                             as_search, as_step, gather)
 from autofit.request import make_request
 
 # The tests of the old flat keywords themselves: pyproject.toml makes autofit's deprecation warning an error in every
@@ -35,10 +36,11 @@ def test_shortcuts_build_the_values_they_stand_for():
     assert as_layout(8) == Layout(world_size=8)
     assert as_search("exact") == Search(extrapolate_depth=False)
     assert as_layout({"world_size": 4, "strategy": "fsdp2"}) == Layout(world_size=4, strategy="fsdp2")
+    assert as_step(None) == Step() and as_step({"accumulation_steps": 4}) == Step(accumulation_steps=4)
 
 
 def test_the_values_are_frozen_and_keyword_only():
-    for cls in (Device, Precision, Savers, Layout, Search, Options):
+    for cls in (Device, Precision, Savers, Layout, Search, Step, Options):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
         with pytest.raises(TypeError):
             cls("positional")
@@ -53,6 +55,8 @@ def test_the_values_are_frozen_and_keyword_only():
     (lambda: as_search("fast"), "'auto' or 'exact'"),
     (lambda: as_device(3), "a catalog GPU name"),
     (lambda: as_layout({"world": 2}), "its fields are"),
+    (lambda: as_step({"acumulation_steps": 2}), "Step has no field 'acumulation_steps'"),
+    (lambda: as_step(4), "an autofit.Step(...), None (the plain step), or a mapping of its fields"),
     (lambda: Layout(world_size=0), "world_size must be an int >= 1"),
     (lambda: Layout(strategy="zero3"), "must be 'ddp', 'fsdp2' or None"),
     (lambda: Savers(offload="sometimes"), "offload must be 'auto'"),
@@ -102,6 +106,47 @@ def test_plan_estimate_and_measure_take_the_values():
     assert {"savers", "search"} <= set(inspect.signature(autofit.plan).parameters)
     # 29 before, ``**deprecated`` counted; 16 since issue 55's ``batch_dim`` (a property of the sample, as ``shared``)
     assert len(inspect.signature(autofit.plan).parameters) <= 16
+    # estimate and measure: the step's knobs in one Step, none of them flat (26 and 27 before, ``**deprecated``
+    # counted; ``measure`` has its own ``steps``, the windows it measures)
+    step_knobs = {f.name for f in dataclasses.fields(Step)}
+    for function, most in ((autofit.estimate, 14), (autofit.measure, 15)):
+        parameters = inspect.signature(function).parameters
+        assert "step" in parameters and not step_knobs & set(parameters), function
+        assert len(parameters) <= most, (function, len(parameters))
+
+
+@pytest.mark.sim
+@OLD_SPELLING
+def test_a_step_is_one_value_and_its_old_flat_keywords_fold_into_it():
+    """The truth is the CPU allocator: ``measure`` of the same step. The Step, a mapping of its fields and the old flat
+    keywords (with a warning naming the new spelling) describe the same step; the word ``checkpoint`` is a Step field
+    for estimate and a Savers field for plan (Note [flat keywords])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
+    kw = dict(micro_batch_size=128, target=y, optimizer="sgd")  # no state: the activations decide the peak
+    step = Step(accumulation_steps=2, checkpoint=["2"], inputs="micro-batch")
+    measured = autofit.measure(model, x, step=step, **kw).peak_bytes
+    assert autofit.estimate(model, x, step=step, **kw).peak_bytes == measured
+    as_mapping = {"accumulation_steps": 2, "checkpoint": ["2"], "inputs": "micro-batch"}
+    assert autofit.estimate(model, x, step=as_mapping, **kw).peak_bytes == measured
+    with pytest.warns(FutureWarning) as record:
+        flat = autofit.estimate(model, x, accumulation_steps=2, checkpoint=["2"], inputs="micro-batch", **kw)
+    assert flat.peak_bytes == measured
+    assert "estimate(accumulation_steps=...) is deprecated: write step=autofit.Step(accumulation_steps=2)" in [
+        str(w.message) for w in record]
+    # each knob reached the step: without it the allocator records another peak
+    for other in (Step(checkpoint=["2"], inputs="micro-batch"), Step(accumulation_steps=2, inputs="micro-batch"),
+                  Step(accumulation_steps=2, checkpoint=["2"])):
+        assert autofit.measure(model, x, step=other, **kw).peak_bytes != measured, other
+    with pytest.warns(FutureWarning, match="write savers=autofit.Savers"):
+        assert gather("plan", {}, {"checkpoint": ()})["savers"] == Savers(checkpoint=())
+    with pytest.warns(FutureWarning, match="write step=autofit.Step"):
+        assert gather("estimate", {}, {"checkpoint": ()}, groups=STEP_GROUPS)["step"] == Step(checkpoint=())
+    with pytest.raises(autofit.InvalidInputError, match="accumulation_steps= and step= both given"):
+        autofit.estimate(model, x, step=step, accumulation_steps=2, **kw)
+    with pytest.raises(TypeError, match="estimate\\(\\) got an unexpected keyword argument 'savers'"):
+        autofit.estimate(model, x, savers="none", **kw)
 
 
 def _request(**kwargs):

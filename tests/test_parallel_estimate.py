@@ -22,13 +22,15 @@ def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
                         device="cpu", precision="fp32", layout=autofit.Layout(world_size=2, strategy=strategy))
     assert plan.gradient_accumulation_steps == 1  # the plan holds one micro-batch of rows, as an estimate does
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
-                           loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
+                           loss_fn=case.loss_fn, precision=plan.precision,
                            layout=autofit.Layout(world_size=2, strategy=strategy,
                                                  reshard_after_forward=plan.reshard_after_forward,
-                                                 replicate=plan.replicate))
+                                                 replicate=plan.replicate),
+                           step=autofit.Step(checkpoint=plan.checkpoint))
     assert est.peak_bytes == plan.peak_bytes
     single = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
-                              loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint)
+                              loss_fn=case.loss_fn, precision=plan.precision,
+                              step=autofit.Step(checkpoint=plan.checkpoint))
     assert est.peak_bytes != single.peak_bytes  # the layout is simulated, not ignored
 
 
@@ -41,17 +43,19 @@ def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
                         device="cpu", precision="fp32", layout=autofit.Layout(world_size=2, strategy="fsdp2"))
     assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
-                           loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
-                           accumulation_steps=plan.gradient_accumulation_steps,
-                           layout=autofit.Layout(world_size=2, strategy="fsdp2"), reduce_every_micro_batch=True,
-                           inputs="micro-batch")
+                           loss_fn=case.loss_fn, precision=plan.precision,
+                           layout=autofit.Layout(world_size=2, strategy="fsdp2"),
+                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                                             checkpoint=plan.checkpoint, reduce_every_micro_batch=True,
+                                             inputs="micro-batch"))
     assert est.peak_bytes + (8 - plan.micro_batch_size) * ROW_BYTES == plan.peak_bytes
     # estimate's default holds the rank's whole batch, as the trainer does: the plan's own figure (issue 39)
     assert plan.micro_batch_size * plan.gradient_accumulation_steps == 8
     whole = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
-                             loss_fn=case.loss_fn, precision=plan.precision, checkpoint=plan.checkpoint,
-                             accumulation_steps=plan.gradient_accumulation_steps,
-                             layout=autofit.Layout(world_size=2, strategy="fsdp2"), reduce_every_micro_batch=True)
+                             loss_fn=case.loss_fn, precision=plan.precision,
+                             layout=autofit.Layout(world_size=2, strategy="fsdp2"),
+                             step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                                               checkpoint=plan.checkpoint, reduce_every_micro_batch=True))
     assert whole.peak_bytes == plan.peak_bytes and whole.input_rows == 8
 
 
@@ -63,7 +67,8 @@ def test_a_layout_without_its_other_half_is_refused():
         autofit.estimate(case.model, case.sample, micro_batch_size=2, layout=autofit.Layout(strategy="ddp"))
     with pytest.raises(InvalidInputError, match="reduce_every_micro_batch"):
         autofit.estimate(case.model, case.sample, micro_batch_size=2,
-                         layout=autofit.Layout(world_size=2, strategy="ddp"), reduce_every_micro_batch=True)
+                         layout=autofit.Layout(world_size=2, strategy="ddp"),
+                         step=autofit.Step(reduce_every_micro_batch=True))
 
 
 @pytest.mark.sim
@@ -107,10 +112,10 @@ def test_deferred_unsharded_gradients_are_named_and_the_flag_removes_them():
     params = 16 * (128 * 512 + 512 + 512 * 128 + 128) + 128 * 10 + 10
     term, block = params * 4, (128 * 512 + 512 + 512 * 128 + 128) * 4
     assert term == 8_434_728
-    kw = dict(micro_batch_size=1, target=y, loss_fn=torch.nn.functional.cross_entropy, accumulation_steps=4,
+    kw = dict(micro_batch_size=1, target=y, loss_fn=torch.nn.functional.cross_entropy,
               device="cpu", precision="bf16", layout=autofit.Layout(world_size=8, strategy="fsdp2"))
-    deferred = autofit.estimate(model, x, **kw)
-    reducing = autofit.estimate(model, x, reduce_every_micro_batch=True, **kw)
+    deferred = autofit.estimate(model, x, step=autofit.Step(accumulation_steps=4), **kw)
+    reducing = autofit.estimate(model, x, step=autofit.Step(accumulation_steps=4, reduce_every_micro_batch=True), **kw)
     named = [n for n in deferred.notes if n.startswith("unsharded fp32 gradients held across 4 micro-batches")]
     assert len(named) == 1 and "8.04 MiB" in named[0] and "reduce_every_micro_batch=True" in named[0], deferred.notes
     assert term > deferred.device_bytes / 5 and deferred.breakdown["temporaries"] >= term

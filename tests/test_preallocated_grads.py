@@ -31,13 +31,15 @@ def _mlp(rows: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("micro,steps", [(1024, 1), (512, 2)])
 def test_estimate_equals_the_cpu_allocator_with_the_gradients_allocated_before_forward(micro: int, steps: int):
     model, x, y = _mlp(1024)
-    kw = dict(micro_batch_size=micro, accumulation_steps=steps, target=y, loss_fn=nn.CrossEntropyLoss())
-    est = autofit.estimate(model, x, preallocated_grads=True, **kw)
-    measured = autofit.measure(model, x, preallocated_grads=True, **kw)
+    kw = dict(micro_batch_size=micro, target=y, loss_fn=nn.CrossEntropyLoss())
+    plain_step = autofit.Step(accumulation_steps=steps)
+    step = replace(plain_step, preallocated_grads=True)
+    est = autofit.estimate(model, x, step=step, **kw)
+    measured = autofit.measure(model, x, step=step, **kw)
     assert est.peak_bytes == measured.peak_bytes and est.preallocated_grads
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert est.breakdown["gradients"] == measured.breakdown["gradients"] == grads  # resident before the step
-    plain = autofit.measure(model, x, **kw)
+    plain = autofit.measure(model, x, step=plain_step, **kw)
     if steps == 1:  # the activations hold the peak: the gradients now live beside them
         assert est.peak_phase in ("forward", "backward")
         assert measured.peak_bytes > plain.peak_bytes
@@ -52,9 +54,9 @@ def test_estimate_equals_the_cpu_allocator_on_a_tiny_llama():
 
     case = tiny_llama()
     for steps in (1, 2):
-        kw = dict(micro_batch_size=2, accumulation_steps=steps, checkpoint=("model.layers.0",))
-        est = autofit.estimate(case.model, case.sample, preallocated_grads=True, **kw)
-        assert est.peak_bytes == autofit.measure(case.model, case.sample, preallocated_grads=True, **kw).peak_bytes
+        step = autofit.Step(accumulation_steps=steps, checkpoint=("model.layers.0",), preallocated_grads=True)
+        est = autofit.estimate(case.model, case.sample, micro_batch_size=2, step=step)
+        assert est.peak_bytes == autofit.measure(case.model, case.sample, micro_batch_size=2, step=step).peak_bytes
 
 
 def _plan_with_grads_ahead(model, x, y, budget: int | None = None):

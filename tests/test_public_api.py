@@ -34,6 +34,7 @@ PUBLIC = [
     "PrecisionPolicy",
     "Savers",
     "Search",
+    "Step",
     "TrainConfig",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",

@@ -104,8 +104,8 @@ def test_residual_mlp_estimate_matches_measure(policy: str) -> None:
     torch.manual_seed(0)
     model, x = Residual(), torch.randn(8, S, D)
     checkpoint = {"blocks.0": policy, "blocks.1": policy}
-    est = autofit.estimate(model, x, micro_batch_size=8, checkpoint=checkpoint, loss_fn=_square_mean)
-    meas = autofit.measure(model, x, micro_batch_size=8, checkpoint=checkpoint, loss_fn=_square_mean)
+    est = autofit.estimate(model, x, micro_batch_size=8, step=autofit.Step(checkpoint=checkpoint), loss_fn=_square_mean)
+    meas = autofit.measure(model, x, micro_batch_size=8, step=autofit.Step(checkpoint=checkpoint), loss_fn=_square_mean)
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
 
 
@@ -200,11 +200,11 @@ def test_selective_layers_estimate_matches_measure(arch: str) -> None:
     build, layers = BUILDERS[arch]
     model, sample = build(), _tokens()
     checkpoint = {f"{layers}.{i}": "selective" for i in range(2)}
-    est = autofit.estimate(model, sample, micro_batch_size=ROWS, checkpoint=checkpoint)
-    meas = autofit.measure(model, sample, micro_batch_size=ROWS, checkpoint=checkpoint)
+    est = autofit.estimate(model, sample, micro_batch_size=ROWS, step=autofit.Step(checkpoint=checkpoint))
+    meas = autofit.measure(model, sample, micro_batch_size=ROWS, step=autofit.Step(checkpoint=checkpoint))
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
     # selective lies between none and full, measured
-    full = autofit.measure(model, sample, micro_batch_size=ROWS, checkpoint=list(checkpoint))
+    full = autofit.measure(model, sample, micro_batch_size=ROWS, step=autofit.Step(checkpoint=list(checkpoint)))
     none = autofit.measure(model, sample, micro_batch_size=ROWS)
     assert full.peak_bytes < meas.peak_bytes < none.peak_bytes, (full.peak_bytes, meas.peak_bytes, none.peak_bytes)
 
@@ -236,8 +236,9 @@ def test_selective_plan_beats_module_level_and_fits(arch: str) -> None:
     again = autofit.Plan.from_json(plan.to_json())
     assert again.selective == plan.selective and again.checkpoint_policies == plan.checkpoint_policies
     # the CPU allocator's peak of exactly this step fits, and the estimate is within 0.5 % of it
-    knobs = dict(micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
-                 checkpoint=plan.checkpoint_policies)
+    knobs = dict(micro_batch_size=plan.micro_batch_size,
+                 step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                                   checkpoint=plan.checkpoint_policies))
     meas = autofit.measure(model, sample, **knobs)
     est = autofit.estimate(model, sample, **knobs)
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)

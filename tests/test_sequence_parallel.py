@@ -90,7 +90,8 @@ def _plan(world: int, tp: int, batch_size: int, checkpoint: tuple[str, ...] = ()
     mapping = _mapping(case.model)
     est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
                            layout=autofit.Layout(world_size=world, strategy="fsdp2", tensor_parallel=tp,
-                                                 tensor_parallel_plan=mapping), checkpoint=checkpoint or None)
+                                                 tensor_parallel_plan=mapping),
+                           step=autofit.Step(checkpoint=checkpoint or None))
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
                 batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=checkpoint,
                 peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",

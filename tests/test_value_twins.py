@@ -182,9 +182,10 @@ def test_a_compiled_model_whose_eager_code_reads_a_compiled_value_gets_the_typed
         model = Seq2Seq(d_model=32, layers=1, heads=2, ff=64)
     src, tgt = _tokens(2, 16), _tokens(2, 16)
     with pytest.raises(UnsupportedModelError, match="by compiled code"):
-        autofit.estimate(model, (src, tgt), micro_batch_size=2, target=tgt, loss_fn=_loss, compile=True)
+        autofit.estimate(model, (src, tgt), micro_batch_size=2, target=tgt, loss_fn=_loss,
+                         step=autofit.Step(compile=True))
     # with real weights the step runs for real instead (Note [data-dependent models]), and the notes say why
     torch.manual_seed(0)
     est = autofit.estimate(Seq2Seq(d_model=32, layers=1, heads=2, ff=64), (src, tgt), micro_batch_size=2,
-                           target=tgt, loss_fn=_loss, compile=True)
+                           target=tgt, loss_fn=_loss, step=autofit.Step(compile=True))
     assert est.method == "real" and any("by compiled code" in note for note in est.notes)

@@ -17,7 +17,7 @@ from autofit.cli.specs import ModelSpec
 from autofit.core.errors import InvalidInputError
 from autofit.core.report import MemoryEstimate
 from autofit.core.units import format_mib
-from autofit.options import Device, Layout
+from autofit.options import Device, Layout, Step
 from autofit.device import resolve_device
 from autofit.solve.sharding import layout_words, shard_units
 from autofit.training.config import DeviceKind, as_zero_grad
@@ -184,8 +184,7 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
 def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
     """``autofit.estimate`` of the spec's model and sample under ``setup`` (one rank's figures)."""
     return estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
-                    micro_batch_size=setup.micro_batch_size, accumulation_steps=setup.accumulation_steps,
-                    precision=setup.precision, optimizer=setup.optimizer,
+                    micro_batch_size=setup.micro_batch_size, precision=setup.precision, optimizer=setup.optimizer,
                     device=Device(kind=setup.device, gpu=setup.gpu,
                                   expandable_segments=setup.expandable_segments or None),
                     layout=Layout(world_size=setup.world_size, strategy=setup.strategy,
@@ -193,12 +192,14 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                                   tensor_parallel=setup.tensor_parallel,
                                   tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel,
                                                                        setup.tensor_parallel)),
-                    checkpoint=setup.checkpoint or None, clip_grad_norm=setup.clip_grad_norm, compile=setup.compile,
-                    zero_grad=setup.zero_grad, reduce_every_micro_batch=setup.reduce_every_micro_batch,
-                    offload=setup.offload, offload_states=setup.offload_states,
-                    optimizer_in_backward=setup.optimizer_in_backward, chunked_loss=setup.chunked_loss,
-                    preallocated_grads=setup.preallocated_grads, inputs=setup.inputs,
-                    gradient_as_bucket_view=setup.gradient_as_bucket_view, float8=setup.float8)
+                    clip_grad_norm=setup.clip_grad_norm,
+                    step=Step(accumulation_steps=setup.accumulation_steps, checkpoint=setup.checkpoint or None,
+                              compile=setup.compile, zero_grad=setup.zero_grad,
+                              reduce_every_micro_batch=setup.reduce_every_micro_batch, offload=setup.offload,
+                              offload_states=setup.offload_states, optimizer_in_backward=setup.optimizer_in_backward,
+                              chunked_loss=setup.chunked_loss, preallocated_grads=setup.preallocated_grads,
+                              inputs=setup.inputs, gradient_as_bucket_view=setup.gradient_as_bucket_view,
+                              float8=setup.float8))
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:

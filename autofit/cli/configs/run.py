@@ -151,7 +151,7 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
     optimizer, layout), estimated on ``gpu``: fits when its memory on the device is within the card's."""
     from autofit.api import estimate
     from autofit.cuda.catalog import gpu_spec
-    from autofit.options import Device, Layout
+    from autofit.options import Device, Layout, Step
     from autofit.solve.sharding import shard_units
 
     config = read_config(path, data_ranks=data_ranks)
@@ -168,8 +168,9 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
     # same), where the layout can hold them: one process, or FSDP2
     offload = config.sharding is not None and config.sharding.offload and (config.data_ranks == 1 or _shards(config))
     est = estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
-                   micro_batch_size=config.micro_batch_size, accumulation_steps=config.accumulation_steps,
-                   optimizer=optimizer_for(config), precision=config.precision, clip_grad_norm=config.clip_grad_norm,
-                   device=Device(kind="cuda", gpu=card.name), layout=Layout(**layout), checkpoint=checkpoint,
-                   optimizer_in_backward=config.optimizer_in_backward, offload_states=offload)
+                   micro_batch_size=config.micro_batch_size, optimizer=optimizer_for(config),
+                   precision=config.precision, clip_grad_norm=config.clip_grad_norm,
+                   device=Device(kind="cuda", gpu=card.name), layout=Layout(**layout),
+                   step=Step(accumulation_steps=config.accumulation_steps, checkpoint=checkpoint,
+                             optimizer_in_backward=config.optimizer_in_backward, offload_states=offload))
     return ConfigCheck(config, est, card.name, card.memory_bytes)
