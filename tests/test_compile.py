@@ -143,8 +143,7 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
     # below (fp32) would not run
     plan = autofit.plan(compiled, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512,
                         precision="fp32")
-    kw = dict(micro_batch_size=plan.micro_batch_size,
-              loss_fn=loss_fn,
+    kw = dict(micro_batch_size=plan.micro_batch_size, loss_fn=loss_fn,
               step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint))
     meas = autofit.measure(compiled, sample, **kw)
     assert meas.peak_bytes < autofit.measure(model, sample, **kw).peak_bytes  # measure really ran it compiled

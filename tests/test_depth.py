@@ -335,9 +335,8 @@ def test_plan_with_extrapolation_equals_plan_without(budget):
         assert len(runs) == len(set(runs)), f"treatments not grouped into runs: {a.checkpoint}"
         checkpoint = {n: "selective" if n in a.selective else "full" for n in a.checkpoint}
         truth = autofit.measure(model, ids, micro_batch_size=a.micro_batch_size, target=ids, loss_fn=_loss,
-                                precision="fp32",
-                                step=autofit.Step(accumulation_steps=a.gradient_accumulation_steps,
-                                                  checkpoint=checkpoint))
+                                precision="fp32", step=autofit.Step(accumulation_steps=a.gradient_accumulation_steps,
+                                                                    checkpoint=checkpoint))
         assert a.peak_bytes == truth.peak_bytes
     assert not any("depth extrapolation" in n for n in b.notes)
     assert len(model.layers) == LAYERS and model.cfg.num_layers == LAYERS

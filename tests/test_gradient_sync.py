@@ -89,7 +89,7 @@ def test_fsdp2_reduces_every_micro_batch_where_that_is_faster_though_deferring_f
     assert seconds[0] == pytest.approx(plan.predicted_step_seconds, rel=1e-2) and seconds[0] < seconds[1]
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision,
-                                                      layout=autofit.Layout(world_size=8, strategy="fsdp2",
+                           layout=autofit.Layout(world_size=8, strategy="fsdp2",
                                                  reshard_after_forward=plan.reshard_after_forward),
                            step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
                                              checkpoint=plan.checkpoint, reduce_every_micro_batch=True))
