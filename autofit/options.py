@@ -9,6 +9,8 @@ shortcut (as Lightning takes ``strategy="fsdp"`` or ``FSDPStrategy(...)``):
 - ``savers``: a :class:`Savers`; or "auto" (the planner may recompute and offload), "none" (neither);
 - ``layout``: a :class:`Layout`; or an int, the world size (the planner chooses the strategy);
 - ``search``: a :class:`Search`; or "auto", "exact" (no depth extrapolation: every simulation runs the whole model).
+- ``step`` (``estimate`` and ``measure``, in place of ``savers`` and ``search``): a :class:`Step`, the one step's
+  knobs.
 
 A mapping of field names is accepted for each too (``layout={"world_size": 8, "strategy": "fsdp2"}``), as a
 torchtitan TOML section reads. The things that are no concern group stay keywords: ``model``, ``sample``,
