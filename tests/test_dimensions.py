@@ -4,6 +4,7 @@ to autofit/. The truths are hand counts: 8 ranks, a toy dimension of degree 2 wh
 
 from __future__ import annotations
 
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
@@ -89,3 +90,53 @@ def test_the_step_layout_is_the_dimensions_placements():
     assert Parallel(strategy="ddp", world_size=4).layout.mesh_shape == (4,)
     with pytest.raises(InvalidInputError, match="shard group size 8"):
         Parallel(strategy="fsdp2", world_size=16, replicate=2, reshard_after_forward=3)
+
+
+class _Split(_Toy):
+    """The toy splitting the model a rank computes with in two (as a pipeline's stages do), sharding nothing more."""
+
+    def model_ways(self, layout, placement):
+        return placement.degree
+
+
+def test_a_dimensions_share_of_memory_is_the_layouts():
+    """Note [a dimension's share of memory]: a rank's states are the whole over every dimension's ways, what it keeps
+    gathered the shard dim's share of the rank's part of the model. Hand counts over 8 and 16 ranks."""
+    local = Registry(DIMENSIONS)
+    local.register(_Split(name="toy", mesh_rank=3, shares_rows=True, field="toy_parallel"))
+    zero2 = local.layout(8, [Placement("dp_shard", None, (("reshard_after_forward", False),)), Placement("toy", 2)])
+    # FSDP2 over 4 ranks of each half of the model: 1/8 of the states; ZeRO-2 keeps the rank's half gathered
+    assert (zero2.model_ways, zero2.state_ways, zero2.kept_gathered) == (2, 8, Fraction(1, 2))
+    zero3 = local.layout(8, [Placement("dp_shard", None), Placement("toy", 2)])
+    assert (zero3.state_ways, zero3.kept_gathered) == (8, 0)
+    # the built-in dimensions, through the step's layout: HSDP 2 x 8 resharding to 4 after forward
+    hsdp = Parallel(strategy="fsdp2", world_size=16, replicate=2, reshard_after_forward=4)
+    assert (hsdp.shard_group, hsdp.layout.kept_gathered) == (8, Fraction(1, 4))  # 16 // 2; a quarter of 8 shards
+    # FSDP2 (ZeRO-2) x TP 4: a rank computes with a quarter of the model, keeps it gathered, its states over 16
+    tp = Parallel(strategy="fsdp2", world_size=16, tensor_parallel=4, reshard_after_forward=False,
+                  tensor_plan=(("w", "colwise"),))
+    assert (tp.layout.model_ways, tp.shard_group, tp.layout.kept_gathered) == (4, 16, Fraction(1, 4))
+    ddp = Parallel(strategy="ddp", world_size=4)  # whole replicas: nothing divided, nothing gathered apart
+    assert (ddp.shard_group, ddp.layout.kept_gathered) == (1, 0)
+    assert (Parallel().shard_group, Parallel().layout.kept_gathered) == (1, 0)
+
+
+def test_the_layout_decides_where_gradients_wait_and_where_the_states_go_to_the_host():
+    """``Parallel.defers_gradients`` (Note [gradient sync under accumulation]) and ``Parallel.states_on_host`` (Note
+    [offload]): FSDP2 over data ranks defers unless told to reduce every micro-batch or keeping the states on the
+    host; the host layout of FSDP2 is itself with CPUOffloadPolicy, of one process FSDP2 over itself, of DDP and
+    tensor parallel none."""
+    fsdp = Parallel(strategy="fsdp2", world_size=4)
+    assert fsdp.defers_gradients
+    assert not Parallel(strategy="fsdp2", world_size=4, reduce_every_micro_batch=True).defers_gradients
+    assert not Parallel(strategy="ddp", world_size=4).defers_gradients
+    tp_alone = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=(("w", "colwise"),))
+    assert not tp_alone.defers_gradients  # no fully_shard: nothing sharded to reduce-scatter
+    host = fsdp.states_on_host(lambda: pytest.fail("FSDP2's units are its own"))
+    assert host == Parallel(strategy="fsdp2", world_size=4, offload_states=True) and not host.defers_gradients
+    assert host.states_on_host(tuple) is None
+    one = Parallel().states_on_host(lambda: ("0", "1"))
+    assert (one.strategy, one.world_size, one.shard_units, one.offload_states) == ("fsdp2", 1, ("0", "1"), True)
+    assert Parallel(strategy="ddp", world_size=4).states_on_host(tuple) is None
+    assert Parallel(strategy="fsdp2", world_size=4, tensor_parallel=2,
+                    tensor_plan=(("w", "colwise"),)).states_on_host(tuple) is None

@@ -20,6 +20,10 @@ Note [layout dimensions]
         work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`);
       - its collectives' time in a step (:meth:`Dimension.collective_seconds`, summed by
         ``autofit.parallel.layout.collective_seconds``);
+      - its share of the step's memory (Note [a dimension's share of memory]): how many ways it splits the model a
+        rank computes with (:meth:`Dimension.model_ways`), how many more it shards what a rank keeps at rest
+        (:meth:`Dimension.state_ways`), and what it keeps gathered from forward to backward
+        (:meth:`Dimension.kept_gathered`), from which the :class:`Layout` derives one rank's share;
       - what it trades, in words, for the note saying why a layout won the planner's race (:meth:`Dimension.trade`);
       - its part of each framework's export (:meth:`Dimension.export`, one of :data:`FRAMEWORKS`): an
         :class:`ExportFragment` of settings in the framework's own keys, the notes saying how the framework runs it
@@ -41,8 +45,8 @@ Note [layout dimensions]
     registered dimension's choices, in registration order (the first outermost), each combination kept when every
     dimension's rules pass and every dimension finds it plannable.
 
-    What the dimensions do not own yet (issue 54's later steps): their share of parameters, gradients and state and
-    how each is applied to a model are still written per field of the flat
+    What the dimensions do not own yet (issue 54's later steps): how each is applied to a model is still written per
+    field of the flat
     ``Parallel`` (autofit/parallel/layout.py), which the built-in dimensions translate to and from
     (``Parallel.placements``, ``autofit.parallel.to_parallel``).
 """
@@ -53,6 +57,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from fractions import Fraction
 from typing import Any, Protocol
 
 from autofit.core.errors import InvalidInputError
@@ -129,6 +134,24 @@ class StepKnobs(Protocol):
     precision: Any  # a PrecisionPolicy: ``stored``
 
 
+# Note [a dimension's share of memory]
+#     The floors of the planner's ladder (autofit/solve/ladder.py) and the terms that name a large share of the peak
+#     (autofit/solve/terms.py) need one rank's share of the parameters, gradients and optimizer state, and what the
+#     layout keeps gathered between forward and backward, before any simulation. Each dimension declares its part
+#     and the :class:`Layout` multiplies them, so that a new dimension's share reaches every floor without an edit
+#     there:
+#       - ``model_ways``: the ways a dimension splits the model a rank computes with (tensor parallel: its degree;
+#         counted over the whole model, though only the split layers are, as a floor may be: Note [ruled out by
+#         arithmetic], autofit/planning/race.py); 1 where each rank computes with every parameter (data parallel);
+#       - ``state_ways``: the ways it further shards what a rank keeps at rest, the parameters, gradients and
+#         optimizer state of its part of the model (FSDP2's shard dim: its degree); replicas divide nothing;
+#       - ``kept_gathered``: the share of its part of the model a rank keeps gathered (whole) from the end of
+#         forward to backward, in the compute dtype: FSDP2's ZeRO-2 all of it, a reshard to groups of k 1/k, ZeRO-3
+#         nothing (one unit at a time, which the simulation counts).
+#     One rank's states are the whole over ``Layout.state_ways`` (the product of every dimension's two ways: FSDP2's
+#     shard group, ``Parallel.shard_group``), what it keeps gathered ``Layout.kept_gathered`` of the whole model.
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Dimension:
     """A way a step is split across GPUs (Note [layout dimensions]): one frozen instance per module of
@@ -165,6 +188,21 @@ class Dimension:
         ``grad_bytes`` whole; ``layout`` is the data-parallel part of a step's layout (tensor parallel's all-reduces,
         which need the analysis' activation sizes, are counted apart: ``parallel/tensor.tensor_reduce_bytes``)."""
         return 0.0
+
+    def model_ways(self, layout: Layout, placement: Placement) -> int:
+        """The ways this dimension splits the model one rank computes with (Note [a dimension's share of memory]):
+        1 by default, every rank computing with every parameter."""
+        return 1
+
+    def state_ways(self, layout: Layout, placement: Placement) -> int:
+        """The ways this dimension shards a rank's parameters, gradients and optimizer state at rest, beyond
+        :meth:`model_ways` (Note [a dimension's share of memory]): 1 by default."""
+        return 1
+
+    def kept_gathered(self, layout: Layout, placement: Placement) -> Fraction:
+        """The share of its part of the model one rank keeps gathered from the end of forward to backward (Note [a
+        dimension's share of memory]): nothing by default."""
+        return Fraction(0)
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """This dimension's part of the layout in words (``Layout.words``: plan notes, ``Parallel.label``,
@@ -271,6 +309,25 @@ class Layout:
         their rows (one tensor-parallel group trains the same rows)."""
         return self.world_size // math.prod(p.degree for p in self.placements
                                             if self.registry[p.dimension].shares_rows)
+
+    @property
+    def model_ways(self) -> int:
+        """The ways the model one rank computes with is split: the product of its dimensions'
+        (:meth:`Dimension.model_ways`; tensor parallel's degree), Note [a dimension's share of memory]."""
+        return math.prod(self.registry[p.dimension].model_ways(self, p) for p in self.placements)
+
+    @property
+    def state_ways(self) -> int:
+        """The ways one rank's parameters, gradients and optimizer state are a share of the whole: :attr:`model_ways`
+        times every dimension's :meth:`Dimension.state_ways` (FSDP2's shard group, ``Parallel.shard_group``)."""
+        return self.model_ways * math.prod(self.registry[p.dimension].state_ways(self, p) for p in self.placements)
+
+    @property
+    def kept_gathered(self) -> Fraction:
+        """The share of the whole model one rank keeps gathered from the end of forward to backward: the
+        dimensions' (:meth:`Dimension.kept_gathered`) of its part of the model, over :attr:`model_ways`."""
+        return sum((self.registry[p.dimension].kept_gathered(self, p) for p in self.placements),
+                   Fraction(0)) / self.model_ways
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

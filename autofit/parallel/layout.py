@@ -165,9 +165,31 @@ class Parallel:
         return self.shards_parameters and (self.world_size > self.tensor_parallel or self.offload_states)
 
     @property
+    def defers_gradients(self) -> bool:
+        """FSDP2 over data ranks reduce-scatters the gradients at a window's last micro-batch only, each rank holding
+        its unsharded gradients until then (Note [gradient sync under accumulation], autofit/training/step.py): not
+        when it reduces every micro-batch, nor with the states on the host (CPUOffloadPolicy reduces every one)."""
+        return self.fully_sharded and not self.reduce_every_micro_batch and not self.offload_states
+
+    def states_on_host(self, units: Callable[[], tuple[str, ...]]) -> Parallel | None:
+        """This layout with the parameters, gradients and optimizer state in host memory, FSDP2's CPUOffloadPolicy
+        (Note [offload], autofit/training/step.py): each rank of FSDP2 over several keeps its shard there; one
+        process becomes FSDP2 over itself, its units ``units()`` (the modules ``fully_shard`` wraps). None where it
+        does not apply: there already, DDP (whole replicas), tensor parallel (refused with offload)."""
+        if self.offload_states:
+            return None
+        if self.shards_parameters and self.world_size > 1 and self.tensor_parallel == 1:
+            return replace(self, offload_states=True)
+        if self.strategy is not None:
+            return None
+        return replace(self, strategy=Strategy.FSDP2, shard_units=units(), offload_states=True)
+
+    @property
     def shard_group(self) -> int:
-        """The ranks one parameter is sharded over: world_size // replicate under FSDP2, else 1 (a whole copy)."""
-        return self.world_size // self.replicate if self.shards_parameters else 1
+        """The ranks one parameter is sharded over: world_size // replicate under FSDP2 (tensor parallel's and the
+        shard dim's ranks), else 1 (a whole copy): :attr:`Layout.state_ways` (Note [a dimension's share of
+        memory])."""
+        return self.layout.state_ways
 
     @property
     def shard_ranks(self) -> int:

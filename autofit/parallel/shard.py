@@ -5,6 +5,7 @@ reshard to) and the states on the host. Its degree is the ranks the other dimens
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
@@ -51,6 +52,16 @@ class _Shard(Dimension):
                 f"offload_states with stored precision {step.precision.stored!r}: FSDP2 keeps fp32 sharded "
                 "parameters on the host and gathers them in the compute dtype, so leave stored=None"
             )
+
+    def state_ways(self, layout: Layout, placement: Placement) -> int:
+        """Each rank keeps 1/S of its part of the parameters, gradients and optimizer state at rest."""
+        return placement.degree
+
+    def kept_gathered(self, layout: Layout, placement: Placement) -> Fraction:
+        """From the end of forward to backward: ZeRO-3 nothing (FSDP2 reshards each unit after its forward),
+        ZeRO-2 every parameter, an int reshard to k ranks its 1/k (torch's ``_get_post_forward_mesh_info``)."""
+        raf = placement.option("reshard_after_forward", True)
+        return Fraction(0) if raf is True else Fraction(1) if raf is False else Fraction(1, raf)
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'fsdp2 (resharded to 8)' (``ranks``: with ' over S ranks'), or HSDP

@@ -93,6 +93,10 @@ class _Tensor(Dimension):
             return False
         return not (layout.data_ranks == 1 and space.device.foreach_optimizers)
 
+    def model_ways(self, layout: Layout, placement: Placement) -> int:
+        """A rank computes with 1/T of the split layers, counted as 1/T of the model (Note [a dimension's share of
+        memory]: a floor's arithmetic; the exact shares are ``split_parameters``')."""
+        return placement.degree
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """'tp 8', 'tp 8 + sequence parallel' (its plan's styles split the sequence, or the words are asked for

@@ -120,7 +120,7 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
             in_backward=_in_backward(request, layout, policies) if i == own else (),
             floor_bytes=states_bytes(request, layout, policies[0], k) + _gathered_bytes(request, layout, policies),
         ))
-    if reducing is not None and parallel.fully_sharded:  # Note [a deferral that cannot fit]
+    if reducing is not None and parallel.defers_gradients:  # Note [a deferral that cannot fit]
         rungs[:own + 1] = [replace(r, accumulating_floor=r.floor_bytes + _deferred_gradients_floor(request, r))
                            for r in rungs[:own + 1]]
     rungs += _opt_in(request, parallel, stages[-1], k)
@@ -167,12 +167,7 @@ def _opt_in_floor(request: PlanRequest, parallel: Parallel, policy: PrecisionPol
             master = 4 if str(policy.stored).endswith("-master") else 0
             state = k * (state_bytes if state_bytes is not None else (4 if master else low))
             total += p.numel() * (state + master + (0 if policy in in_backward else low))
-    return total // _shards(parallel)
-
-
-def _shards(parallel: Parallel) -> int:
-    """The ranks FSDP2 shards the states over (the shard group of HSDP); 1 for one process or DDP."""
-    return parallel.shard_group
+    return total // parallel.shard_group
 
 
 def skipped_note(stage: Stage, skipped: Sequence[str]) -> tuple[str, ...]:
@@ -229,7 +224,7 @@ def states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPoli
             total += p.numel() * size * (2 + k)
         else:
             total += p.numel() * stored_bytes_per_parameter(policy.stored, k)
-    return total // _shards(parallel)
+    return total // parallel.shard_group
 
 
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:
@@ -246,31 +241,26 @@ def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
     """FSDP2's CPUOffloadPolicy (Note [offload]): on this one process, or on each rank of an FSDP2 layout, each rank
     keeping its shard of the states in its node's host memory. None where it does not apply: offload not allowed
     (or a CPU target), DDP (which keeps whole replicas), tensor parallel (refused with offload, StepConfig), a model
-    with bitsandbytes quantized weights (QLoRA: FSDP2 drops their quantization state, parallel/apply.py)."""
-    if not request.offload or parallel.offload_states:
-        return None
-    if bitsandbytes_parameters(request.model):  # FSDP2 drops their quantization state (apply_fsdp2 says why)
-        return None
-    if parallel.shards_parameters and parallel.world_size > 1 and parallel.tensor_parallel == 1:
-        return replace(parallel, offload_states=True)
-    if parallel.strategy is not None or request.world_size != 1:
-        return None
-    return replace(parallel, strategy="fsdp2", world_size=1, shard_units=shard_units(request.model),
-                   offload_states=True)
+    with bitsandbytes quantized weights (QLoRA: FSDP2 drops their quantization state, parallel/apply.py). The
+    layout's part is the layout's (``Parallel.states_on_host``); one process is planned only where the request has
+    one rank (``PlanRequest.strategies``)."""
+    if not request.offload or bitsandbytes_parameters(request.model):  # FSDP2 drops their quantization state
+        return None  # (apply_fsdp2 says why)
+    return parallel.states_on_host(lambda: shard_units(request.model))
 
 
 def _gathered_bytes(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...]) -> int:
-    """What an FSDP2 layout keeps gathered between forward and backward at the end of forward, every parameter in
-    the lowest compute precision of ``policies`` (FSDP2's MixedPrecisionPolicy gathers in it): ZeRO-2 all of it, an
-    int reshard its group's share; 0 for ZeRO-3 (one unit at a time) and without FSDP2. Part of every floor of the
-    layout, on top of the sharded states (or alone, with them on the host)."""
-    raf = parallel.reshard_after_forward
-    if not parallel.shards_parameters or raf is True:
+    """What the layout keeps gathered between forward and backward at the end of forward, every parameter in the
+    lowest compute precision of ``policies`` (FSDP2's MixedPrecisionPolicy gathers in it): the layout's
+    ``kept_gathered`` share of the model (Note [a dimension's share of memory], autofit/parallel/dimension.py:
+    ZeRO-2 all of a rank's tensor-parallel share, an int reshard its group's part, ZeRO-3 and DDP nothing). Part
+    of every floor of the layout, on top of the sharded states (or alone, with them on the host)."""
+    share = parallel.layout.kept_gathered
+    if not share:
         return 0
     low = min(p.dtype.itemsize for p in policies)
     total = sum(p.numel() * (low if p.is_floating_point() else p.element_size()) for p in request.model.parameters())
-    total //= parallel.tensor_parallel  # tensor parallel's split layers gather only their share
-    return total if raf is False else total // raf
+    return total * share.numerator // share.denominator
 
 
 # Note [a deferral that cannot fit]
@@ -287,7 +277,8 @@ def _gathered_bytes(request: PlanRequest, parallel: Parallel, policies: tuple[Pr
 def _deferred_gradients_floor(request: PlanRequest, stage: Stage) -> int:
     """What a rung that defers FSDP2's reduce-scatter adds at least to its states floor when it accumulates: the
     unsharded gradients one rank holds (``deferred_gradient_bytes``, solve/terms.py: every trained parameter's
-    gradient, here divided by the tensor-parallel degree though only the split layers are, in the reduce dtype of
+    gradient, here divided by the ways the layout splits the model, tensor parallel's degree, though only the split
+    layers are (Note [a dimension's share of memory]), in the reduce dtype of
     the rung's cheapest policy, fp32 under autocast, else the parameter's own), less the sharded gradients the
     floor counts already (which a step that set them to None does not hold meanwhile)."""
     unsharded = sharded = 0
@@ -295,7 +286,7 @@ def _deferred_gradients_floor(request: PlanRequest, stage: Stage) -> int:
         if p.requires_grad:
             unsharded += p.numel() * min(4 if policy.autocast else p.element_size() for policy in stage.policies)
             sharded += p.numel() * p.element_size()
-    return max(unsharded // stage.parallel.tensor_parallel - sharded // _shards(stage.parallel), 0)
+    return max(unsharded // stage.parallel.layout.model_ways - sharded // stage.parallel.shard_group, 0)
 
 
 def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:

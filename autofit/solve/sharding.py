@@ -94,7 +94,8 @@ def shard_units(model: nn.Module) -> tuple[str, ...]:
 
 def collective_floor(request: LayoutRequest, parallel: Parallel, stored_itemsizes: Iterable[int] = ()) -> float:
     """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch (the fewest all-gathers),
-    over its parameters split T ways under tensor parallel, each floating one in the fewest bytes of its own and
+    over the part of the parameters a rank computes with (``Layout.model_ways``: split T ways under tensor parallel,
+    Note [a dimension's share of memory]), each floating one in the fewest bytes of its own and
     ``stored_itemsizes`` (the stored precisions a plan may choose; none: as the model holds them). With none, the
     order the planner tries layouts in (Note [layouts that cannot win], planning/climb.py); with a layout's rungs'
     stored precisions, a floor of every rung's modelled step, which adds them to the compute, not overlapped
@@ -104,5 +105,5 @@ def collective_floor(request: LayoutRequest, parallel: Parallel, stored_itemsize
         return 0.0
     least = min(stored_itemsizes, default=None)
     nbytes = sum(p.numel() * (min(p.element_size(), least) if least is not None and p.is_floating_point()
-                              else p.element_size()) for p in request.model.parameters()) // parallel.tensor_parallel
+                              else p.element_size()) for p in request.model.parameters()) // parallel.layout.model_ways
     return collective_seconds(parallel.data_parallel, Links.of(request.device), nbytes, nbytes, 1)

@@ -42,8 +42,7 @@ def deferred_gradient_bytes(model: nn.Module, config) -> int:
     """The unsharded gradients one rank holds across the micro-batches of a step with FSDP2's reduce-scatter deferred
     to the last (Note [deferred reduce-scatter]); 0 where the step does not defer (no FSDP2 over data ranks, one
     micro-batch, reducing every micro-batch, the states on the host)."""
-    if (not config.fully_sharded or config.accumulation_steps < 2 or config.reduce_every_micro_batch
-            or config.offload_states):
+    if not config.layout.defers_gradients or config.accumulation_steps < 2:
         return 0
     tp = config.layout.tensor_parallel
     return sum((p.numel() // tp if cut else p.numel()) * (4 if config.precision.autocast else p.element_size())
