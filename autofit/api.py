@@ -177,7 +177,8 @@ def estimate(
     changes no figure. ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; required with world_size > 1): the step
     of one rank of a data-parallel job laid out as ``plan`` lays it out (FSDP2 shards the units ``plan`` shards);
     ``micro_batch_size`` rows per rank. ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int group) and
-    ``replicate`` (HSDP): FSDP2's layout, as ``plan.reshard_after_forward`` / ``plan.replicate`` give it.
+    ``replicate`` (HSDP): FSDP2's layout, as ``plan.parallel.reshard_after_forward`` / ``plan.parallel.replicate``
+    give it.
     ``tensor_parallel`` T (with ``strategy="fsdp2"``): one rank of a (world_size // T, T) mesh, the modules of
     ``tensor_parallel_plan`` (``{module name pattern: style}``, the styles of Note [tensor parallel plan]; default
     the Hugging Face model's ``config.base_model_tp_plan``) split over the T ranks of its group with torch's
@@ -264,15 +265,16 @@ def measure(
     if resolve_device(config.device, config.gpu, expandable).caching_allocator and expandable is not None:
         # the setting the figures are measured under (Note [expandable segments as an input], autofit/device.py)
         put_in_place(f"expandable_segments:{expandable}", "measure(device=Device(expandable_segments=...)) runs with")
-    if config.offload_states:
+    if config.layout.offload_states:
         raise InvalidInputError(
             "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
             "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
         )
-    if config.world_size > 1 and config.float8 is not None and config.float8.all_gather and config.device.is_host:
+    if (config.layout.world_size > 1 and config.float8 is not None and config.float8.all_gather
+            and config.device.is_host):
         raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
                                 "estimate it, or measure on GPUs (Note [Float8 training])")
-    if config.world_size > 1:
+    if config.layout.world_size > 1:
         return measure_ranks(model, batch, target_batch, loss_fn, config, steps=steps)
     # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
     with naming_inputs(lambda: batch), forward_errors(config.precision if config.device.is_host else None):

@@ -50,8 +50,8 @@ class CardRow:
         """The layout in words ('1 GPU', 'fsdp2 (ZeRO-3)', ...; ', states on the host' when offloaded)."""
         if self.plan is None:
             return None
-        words = "1 GPU" if self.plan.strategy is None else self.plan.layout
-        return words + (", states on the host" if self.plan.offload_states else "")
+        words = "1 GPU" if self.plan.parallel.strategy is None else self.plan.layout
+        return words + (", states on the host" if self.plan.parallel.offload_states else "")
 
     @property
     def micro_batch_size(self) -> int | None:

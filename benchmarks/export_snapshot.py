@@ -65,7 +65,7 @@ def _layouts(units: tuple[str, ...]) -> dict[str, Parallel]:
 def _variants(plan: autofit.Plan) -> dict[str, autofit.Plan]:
     """The plan as planned, and with what the layout parts of the exports read beside the layout: lower precision,
     recomputed modules (FSDP's and the Trainer's switches), a stored precision, an uneven split."""
-    units = plan.shard_units or ("blocks.0", "blocks.1")
+    units = plan.parallel.shard_units or ("blocks.0", "blocks.1")
     checkpoint = tuple(units[:2])
     return {
         "planned": plan,
@@ -101,7 +101,7 @@ def snapshot() -> dict:
                         layout=autofit.Layout(world_size=8, gpus_per_node=4, strategy="fsdp2",
                                               reshard_after_forward=True, replicate=1), precision="fp32")
     cases = {}
-    for layout_name, parallel in _layouts(base.shard_units).items():
+    for layout_name, parallel in _layouts(base.parallel.shard_units).items():
         plan = dataclasses.replace(base, parallel=parallel)
         for variant, p in _variants(plan).items():
             cases[f"{layout_name}/{variant}"] = _exports(p)

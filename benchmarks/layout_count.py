@@ -9,7 +9,8 @@ What is counted, and where the heuristics are (each row says "outside the layout
 layout, :data:`HOME`, plus the user-facing options and the CLI, :data:`ASIDE`):
 
 - *reads*: files with an attribute read ``x.F`` where F is a field or property of the layout value
-  (:data:`LAYOUT_FIELDS`: ``Parallel``'s fields and properties, ``Strategy``'s);
+  (:data:`LAYOUT_FIELDS`: ``Parallel``'s fields and properties, ``Strategy``'s), but ``nodes`` on a torch.fx graph or
+  a module call (``graph.nodes``, ``call.nodes``), which only shares the name;
 - *branches*: ``if`` / ``elif`` / ``while`` / conditional expressions / comprehension filters / ``match`` whose test
   reads a layout field or compares with a strategy's name ("ddp", "fsdp2");
 - *world_size //*: a floor division whose left side is named ``world_size`` (rows or ranks per data-parallel
@@ -52,6 +53,8 @@ LAYOUT_FIELDS = frozenset({
     "least_memory", "sequence_parallel",
     # derived counts added since (issue 54): reading them is reading the layout too
     "data_ranks", "nodes", "shard_ranks",
+    # a dimension's share of memory and the layout's rungs (Note [a dimension's share of memory])
+    "model_ways", "state_ways", "kept_gathered", "defers_gradients", "states_on_host",
 })
 STRATEGY_NAMES = frozenset({"ddp", "fsdp2"})
 WRAPPING_CALLS = frozenset({"init_device_mesh", "fully_shard", "DistributedDataParallel", "parallelize_module"})
@@ -68,9 +71,24 @@ def _sources(rev: str | None) -> dict[str, str]:
                               check=True).stdout for n in names if n.endswith(".py")}
 
 
+# ``nodes`` is also torch.fx's ``Graph.nodes`` and the analysis' ``ModuleCall.nodes``: a read on a graph or a module
+# call is not a layout's (the receivers the analysis names so: ``graph``, ``x.graph``, ``call``)
+_NOT_LAYOUT_NODES = frozenset({"graph", "call"})
+
+
+def _is_layout_field(node: ast.Attribute) -> bool:
+    if node.attr not in LAYOUT_FIELDS:
+        return False
+    if node.attr == "nodes":
+        receiver = node.value
+        name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+        return name not in _NOT_LAYOUT_NODES
+    return True
+
+
 def _reads_layout(node: ast.AST) -> bool:
     for sub in ast.walk(node):
-        if isinstance(sub, ast.Attribute) and sub.attr in LAYOUT_FIELDS:
+        if isinstance(sub, ast.Attribute) and _is_layout_field(sub):
             return True
         if isinstance(sub, ast.Constant) and sub.value in STRATEGY_NAMES:
             return True
@@ -169,7 +187,7 @@ def count(rev: str | None = None) -> tuple[dict[str, object], dict[str, list[str
                     api_params[node.name] = n
             if home or aside:
                 continue
-            if isinstance(node, ast.Attribute) and node.attr in LAYOUT_FIELDS and isinstance(node.ctx, ast.Load):
+            if isinstance(node, ast.Attribute) and _is_layout_field(node) and isinstance(node.ctx, ast.Load):
                 reads.add(path)
             elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
                 left = node.left

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 import warnings
@@ -35,7 +36,6 @@ import torch  # noqa: E402
 import autofit  # noqa: E402
 from autofit.core import progress  # noqa: E402
 from autofit.core.units import format_bytes  # noqa: E402
-from autofit.solve.sharding import ranks_per_node  # noqa: E402
 from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
 
 GOAL_SECONDS = 60.0
@@ -58,20 +58,16 @@ def check_depth(model, ids, plan, nodes: int, per_node: int, batch: int, host_bu
     from autofit.request import make_request
     from autofit.solve.estimator import Estimator
     from autofit.solve.search import Candidate
-    from autofit.solve.sharding import Parallel
 
     request = make_request(model, ids, "80GB", optimizer="adamw", precision="auto", quick=False, loss_fn=None,
                            savers=autofit.Savers(checkpoint="auto"), **_arguments(ids, nodes, per_node, batch,
                                                                                     host_budget))
-    parallel = Parallel(strategy=plan.strategy, world_size=plan.world_size, shard_units=plan.shard_units,
-                        offload_states=plan.offload_states, reduce_every_micro_batch=plan.reduce_every_micro_batch,
-                        reshard_after_forward=plan.reshard_after_forward, replicate=plan.replicate,
-                        gpus_per_node=plan.gpus_per_node)
+    parallel = dataclasses.replace(plan.parallel, tensor_parallel=1, tensor_plan=())  # its data-parallel layout
     estimator = Estimator(request.for_layout(parallel), parallel)
     c = Candidate(precision=plan.precision.label, micro_batch_size=plan.micro_batch_size,
                   accumulation_steps=plan.gradient_accumulation_steps, last_micro_batch_size=plan.last_micro_batch_size,
                   checkpoint=plan.checkpoint, peak_bytes=0, seconds=0.0, offload=plan.offload,
-                  offload_states=plan.offload_states, selective=plan.selective)
+                  offload_states=plan.parallel.offload_states, selective=plan.selective)
     start = time.perf_counter()
     policy = estimator.policy(c.precision)
     full = request.device.estimate(estimator.simulate(c, policy))
@@ -99,15 +95,15 @@ def plan_for(model, ids, nodes: int, per_node: int, batch: int, extrapolate_dept
     verdict = "within" if seconds < GOAL_SECONDS else "OVER"
     print(f"\n{nodes} node(s) x {per_node} H100-80GB, global batch {batch} x {ids.shape[1]} tokens: "
           f"planned in {seconds:.1f} s ({verdict} the {GOAL_SECONDS:.0f} s goal)")
-    print(f"  layout          {plan.layout} over {plan.world_size} ranks")
+    print(f"  layout          {plan.layout} over {plan.parallel.world_size} ranks")
     print(f"  per GPU         {format_bytes(plan.device_bytes)} of {format_bytes(plan.budget_bytes)} "
           f"(allocated peak {format_bytes(plan.peak_bytes)})")
     print(f"  micro-batch     {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation, "
           f"{plan.precision.label}, {len(plan.checkpoint)} modules recomputed")
     print(f"  predicted step  {plan.predicted_step_seconds:.2f} s (time model: compute + collectives, no overlap)")
-    if plan.offload_states:
+    if plan.parallel.offload_states:
         print(f"  on the host     {format_bytes(plan.host_bytes)} per rank, "
-              f"{format_bytes(plan.host_bytes * ranks_per_node(plan.world_size, plan.gpus_per_node))} per node of "
+              f"{format_bytes(plan.host_bytes * plan.parallel.ranks_per_node)} per node of "
               f"{format_bytes(plan.host_budget_bytes)} "
               "(FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state; the optimizer steps on the CPU)")
     print(f"  recomputed      {', '.join(plan.checkpoint) or '-'}")

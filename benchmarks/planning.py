@@ -312,11 +312,11 @@ def _deep_cases():
 
 
 def _summary(plan) -> str:
-    layout = f"{plan.layout} " if plan.world_size > 1 else ""
+    layout = f"{plan.layout} " if plan.parallel.world_size > 1 else ""
     return (f"{layout}{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.label} "
             f"{plan.device_bytes / 2**30:.2f} GiB {plan.predicted_step_seconds:.3f} s ckpt={len(plan.checkpoint)}"
             f"{' sel=' + str(len(plan.selective)) if plan.selective else ''}"
-            f"{' host' if plan.offload_states else ''}")
+            f"{' host' if plan.parallel.offload_states else ''}")
 
 
 def deep(base: bool = True, base_70b: bool = False) -> None:
@@ -347,7 +347,8 @@ def deep(base: bool = True, base_70b: bool = False) -> None:
                 model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
                 target=target, loss_fn=loss_fn, device=kw["device"],
                 step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
-                                  offload=plan.offload, offload_states=plan.offload_states, inputs="micro-batch")))
+                                  offload=plan.offload, offload_states=plan.parallel.offload_states,
+                                  inputs="micro-batch")))
             print(f"{label:<20} {'one estimate':<14} {est_s:>7.1f}  (the plan's configuration, whole model)")
             tracked = memtracker_estimate(model, sample, micro_batch_size=plan.micro_batch_size, target=target,
                                           loss_fn=loss_fn, precision="bf16", checkpoint=plan.checkpoint)

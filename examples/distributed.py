@@ -72,7 +72,7 @@ def main() -> None:
         dist.init_process_group("nccl" if cuda else "gloo")
     model = model.to(device)
     factory = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731 - FSDP2 builds it after sharding
-    trainer = plan.wrap(model, factory if plan.strategy == "fsdp2" else factory(model.parameters()),
+    trainer = plan.wrap(model, factory if plan.parallel.strategy == "fsdp2" else factory(model.parameters()),
                         loss_fn=loss_fn)
     rows = batch_size // world_size
     global_ids = torch.randint(0, 256, (batch_size, 32))  # the same global batch on every rank (same seed)
@@ -89,7 +89,7 @@ def main() -> None:
     # DDP's buckets (gradient_as_bucket_view) outlive every step, yet no tensor we hold points at them once
     # zero_grad(set_to_none=True) ran: on the CPU their bytes are added from the reducer's own sizes
     resident = 0
-    if plan.strategy == "ddp" and not cuda:
+    if plan.parallel.strategy == "ddp" and not cuda:
         resident = sum(b.buffer().nbytes for b in trainer.model.reducer._get_zeros_like_grad_buckets())
     # the lowest of the steps' peaks: on the CPU the profiler also sees what gloo's communication threads allocate
     # when their work happens to overlap the window, which is not the step's own memory
@@ -109,7 +109,7 @@ def main() -> None:
     peak = min(peaks)
     error = 100 * (plan.peak_bytes - peak) / peak
     # one write per line: the ranks share stdout, and print() writes the text and its newline separately
-    sys.stdout.write(f"rank {rank}/{world_size} {plan.strategy or 'single'}: loss {loss:.4f}, predicted peak "
+    sys.stdout.write(f"rank {rank}/{world_size} {plan.parallel.strategy or 'single'}: loss {loss:.4f}, predicted peak "
                      f"{plan.peak_bytes:,} B, measured {peak:,} B ({error:+.2f} %)\n")
     sys.stdout.flush()
     if world_size > 1:

@@ -69,7 +69,7 @@ def _build(case_name: str, plan: autofit.Plan, optimizer: str, eval_mode: bool =
         factory = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     else:
         factory = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
-    opt = factory if plan.strategy == "fsdp2" else factory(case.model.parameters())
+    opt = factory if plan.parallel.strategy == "fsdp2" else factory(case.model.parameters())
     return case, plan.wrap(case.model, opt, loss_fn=case.loss_fn)
 
 
@@ -154,7 +154,7 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                 # DDP's gradient buckets outlive every step (gradient_as_bucket_view) but no tensor we hold points
                 # at them once zero_grad(set_to_none=True) has run: count their bytes, sized by the reducer itself
                 resident = 0
-                if plan.strategy == "ddp":
+                if plan.parallel.strategy == "ddp":
                     resident = ddp_bucket_bytes(trainer.model)
                 peaks = []
                 for _ in range(job.get("repeats", 3)):

@@ -97,7 +97,9 @@ def test_world_size_and_strategy_options():
                    "--strategy", "ddp", "--json")
     assert result.exit_code == 0, result.output
     plan = autofit.Plan.from_json(result.stdout[result.stdout.index("{"):])
-    assert (plan.world_size, plan.strategy, plan.micro_batch_size * plan.gradient_accumulation_steps) == (2, "ddp", 16)
+    layout = plan.parallel
+    rows = plan.micro_batch_size * plan.gradient_accumulation_steps
+    assert (layout.world_size, layout.strategy, rows) == (2, "ddp", 16)
 
 
 @pytest.mark.sim
@@ -217,7 +219,8 @@ def test_nodes_and_gpus_per_node_plan_a_multi_node_layout():
                    "false", "--json", "--export", "torchtitan")
     assert result.exit_code == 0, result.output
     plan = autofit.Plan.from_json(result.stdout[result.stdout.index("{"):])
-    assert (plan.world_size, plan.gpus_per_node, plan.replicate, plan.reshard_after_forward) == (4, 2, 2, False)
+    layout = plan.parallel
+    assert (layout.world_size, layout.gpus_per_node, layout.replicate, layout.reshard_after_forward) == (4, 2, 2, False)
     titan = tomllib.loads(result.stderr[result.stderr.index("[parallelism]"):])
     assert titan["parallelism"]["data_parallel_replicate_degree"] == 2
     assert titan["parallelism"]["fsdp_reshard_after_forward"] == "never"

@@ -253,7 +253,7 @@ def test_each_export_file_loads_with_its_frameworks_reader_and_carries_the_plan(
 
     plan = _tiny_gpt2_plan("bf16")
     micro, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
-    assert plan.checkpoint and plan.world_size == 1 and plan.precision.name == "bf16"
+    assert plan.checkpoint and plan.parallel.world_size == 1 and plan.precision.name == "bf16"
     loaded = {}
     for name, suffix in (("hf", "json"), ("deepspeed", "json"), ("accelerate", "yaml"), ("lightning", "yaml"),
                          ("torchtitan", "toml")):
@@ -295,7 +295,8 @@ def test_a_sharded_plan_exports_fsdp2_with_current_keys(tmp_path):
 
     from autofit.emit.export import export_file
 
-    plan = replace(_tiny_gpt2_plan("fp32"), world_size=2, strategy="fsdp2", batch_size=16)
+    tiny = _tiny_gpt2_plan("fp32")
+    plan = replace(tiny, parallel=replace(tiny.parallel, world_size=2, strategy="fsdp2"), batch_size=16)
     path = tmp_path / "hf.json"
     path.write_text(export_file(plan, "hf")[0])
     logged = _transformers_warnings()

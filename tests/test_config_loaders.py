@@ -186,7 +186,7 @@ def one_gpu_offload_plan():
         budgets.append(info.value.min_budget_bytes)
     plan = autofit.plan(model, x, sum(budgets) // 2, device=autofit.Device(gpu="T4", host_budget="1GB"),
                         savers=autofit.Savers(checkpoint="auto"), **kw)
-    assert plan.offload_states and plan.world_size == 1 and plan.strategy == "fsdp2"
+    assert plan.parallel.offload_states and plan.parallel.world_size == 1 and plan.parallel.strategy == "fsdp2"
     return plan
 
 

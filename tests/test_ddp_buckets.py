@@ -24,7 +24,7 @@ def ddp_plan() -> autofit.Plan:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     plan = autofit.plan(model, torch.randn(8, 16), "1GB", target=torch.randint(0, 4, (8,)),
                         loss_fn=nn.CrossEntropyLoss(), precision="fp32", device="cpu")
-    return replace(plan, world_size=2, strategy="ddp", batch_size=16)
+    return replace(plan, parallel=replace(plan.parallel, world_size=2, strategy="ddp"), batch_size=16)
 
 
 @pytest.fixture

@@ -201,7 +201,7 @@ def _reducing_plan():
     plan = autofit.plan(case.model, case.sample, 26 * 2**20, batch_size=8 * WORLD, target=case.target,
                         loss_fn=case.loss_fn, device="cpu", precision="fp32",
                         layout=autofit.Layout(world_size=WORLD, strategy="fsdp2"))
-    assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
+    assert plan.parallel.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
     return plan
 
 

@@ -21,7 +21,7 @@ def test_an_offloaded_plan_shows_the_same_configuration_without_offload_and_that
     without = info.value.min_budget_bytes
     budget = without - 2**20  # nothing fits with the states on the GPU; with them on the host it does
     plan = autofit.plan(model, x, budget, device=autofit.Device(gpu="T4", host_budget="1GB"), savers=savers, **kw)
-    assert plan.offload_states
+    assert plan.parallel.offload_states
     (row,) = plan.alternatives
     assert row.without == "the states on the host" and not row.fits
     assert (row.micro_batch_size, row.gradient_accumulation_steps, row.checkpoint) == (

@@ -50,11 +50,11 @@ def test_an_accumulating_fsdp2_plan_reduces_every_micro_batch_when_nothing_else_
     world = 8
     plan = autofit.plan(case.model, case.sample, budget, batch_size=64, target=case.target, loss_fn=case.loss_fn,
                         device="cpu", precision="fp32", layout=autofit.Layout(world_size=world, strategy="fsdp2"))
-    assert plan.reduce_every_micro_batch
+    assert plan.parallel.reduce_every_micro_batch
     assert plan.gradient_accumulation_steps > 1 and plan.micro_batch_size < 8
     assert plan.device_bytes <= budget
     assert "gradient sync" in str(plan)
-    assert autofit.Plan.from_json(plan.to_json()).reduce_every_micro_batch
+    assert autofit.Plan.from_json(plan.to_json()).parallel.reduce_every_micro_batch
 
 
 @pytest.mark.slow(seconds=45)
@@ -82,7 +82,7 @@ def test_fsdp2_reduces_every_micro_batch_where_that_is_faster_though_deferring_f
     assert sum(p.numel() for p in case.model.parameters()) * 4 == 8_428_584
     plan = autofit.plan(case.model, case.sample, 24 * MiB, batch_size=64, target=case.target, loss_fn=case.loss_fn,
                         device="cpu", precision="fp32", layout=autofit.Layout(world_size=8, strategy="fsdp2"))
-    assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
+    assert plan.parallel.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
     chose = [n for n in plan.notes if n.startswith("FSDP2 reduce-scatters after every micro-batch:")]
     assert len(chose) == 1 and "deferring to the last micro-batch" in chose[0] and "8.04 MiB" in chose[0], plan.notes
     seconds = [float(w) for w in chose[0].split() if w.replace(".", "").isdigit()][:2]
@@ -90,7 +90,7 @@ def test_fsdp2_reduces_every_micro_batch_where_that_is_faster_though_deferring_f
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision,
                            layout=autofit.Layout(world_size=8, strategy="fsdp2",
-                                                 reshard_after_forward=plan.reshard_after_forward),
+                                                 reshard_after_forward=plan.parallel.reshard_after_forward),
                            step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
                                              checkpoint=plan.checkpoint, reduce_every_micro_batch=True))
     assert est.peak_bytes == plan.peak_bytes <= 24 * MiB

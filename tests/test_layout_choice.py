@@ -64,10 +64,10 @@ def test_the_planner_keeps_the_faster_layout_and_says_why():
     plan = autofit.plan(case.model, case.sample, "64MB", batch_size=16, target=case.target, loss_fn=case.loss_fn,
                         device="cpu", layout=autofit.Layout(world_size=2, strategy="fsdp2"), precision="fp32")
     # both fit at the same micro-batch here; ZeRO-2 skips the backward all-gather, so it is faster
-    assert plan.reshard_after_forward is False and plan.replicate == 1
+    assert plan.parallel.reshard_after_forward is False and plan.parallel.replicate == 1
     why = [n for n in plan.notes if "chosen" in n]
     assert why and "fsdp2 (ZeRO-3)" in why[0], plan.notes
-    assert autofit.Plan.from_json(plan.to_json()).reshard_after_forward is False
+    assert autofit.Plan.from_json(plan.to_json()).parallel.reshard_after_forward is False
 
 
 @pytest.mark.parametrize("kwargs,words", [

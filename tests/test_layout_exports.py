@@ -39,7 +39,8 @@ LAYOUTS = [(True, 1), (False, 1), (4, 1), (True, 2), (False, 2)]
 
 @pytest.mark.parametrize("raf,replicate", LAYOUTS)
 def test_torchtitan_toml_has_its_parallelism_keys(plan8, raf, replicate):
-    plan = dataclasses.replace(plan8, reshard_after_forward=raf, replicate=replicate)
+    plan = dataclasses.replace(plan8, parallel=dataclasses.replace(plan8.parallel, reshard_after_forward=raf,
+                                                                   replicate=replicate))
     parsed = tomllib.loads(to_torchtitan_toml(plan))
     assert parsed == {k: v for k, v in to_torchtitan_config(plan).items() if k != "autofit"}
     par, training = parsed["parallelism"], parsed["training"]
@@ -62,7 +63,8 @@ def test_lightning_strategies_accept_the_export(plan8, raf, replicate, expected)
     pytest.importorskip("lightning", reason="the test extras' lightning reads the export")
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    plan = dataclasses.replace(plan8, reshard_after_forward=raf, replicate=replicate)
+    plan = dataclasses.replace(plan8, parallel=dataclasses.replace(plan8.parallel, reshard_after_forward=raf,
+                                                                   replicate=replicate))
     out = to_lightning_trainer(plan)
     strategy = FSDPStrategy(**out["fsdp_strategy"])
     assert strategy.sharding_strategy.name == expected
@@ -82,7 +84,8 @@ def test_accelerate_reads_the_config_file(plan8, raf, replicate, monkeypatch):
     from accelerate.commands.launch import launch_command_parser
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    plan = dataclasses.replace(plan8, reshard_after_forward=raf, replicate=replicate)
+    plan = dataclasses.replace(plan8, parallel=dataclasses.replace(plan8.parallel, reshard_after_forward=raf,
+                                                                   replicate=replicate))
     out = to_accelerate_config(plan)
     config = out["config_file"]
     assert set(config) <= set(ClusterConfig.__dataclass_fields__)

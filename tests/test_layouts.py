@@ -43,7 +43,7 @@ LAYOUTS = [(2, False, 1), (4, False, 1), (4, 2, 1), (4, True, 2), (4, False, 2)]
 def test_per_rank_peak_matches_the_allocator(world, reshard, replicate, tmp_path):
     torch.manual_seed(0)
     plan = _plan(ZOO["gpt_sdpa"](), world, reshard, replicate)
-    assert (plan.reshard_after_forward, plan.replicate) == (reshard, replicate)
+    assert (plan.parallel.reshard_after_forward, plan.parallel.replicate) == (reshard, replicate)
     ranks = _run([{"kind": "memory", "case": "gpt_sdpa", "plan": plan.to_json(), "optimizer": "adamw"}], tmp_path,
                  world)
     import dist_workers
@@ -115,8 +115,8 @@ def test_offloaded_states_over_ranks_train_a_full_batch_step_and_match_the_alloc
                                              checkpoint=memory.checkpoint, offload_states=True))
     torch.manual_seed(0)
     tied = _plan(ZOO["tied_lm"](), 2, True)
-    equivalence = dataclasses.replace(tied, offload_states=True, micro_batch_size=4, gradient_accumulation_steps=2,
-                                      last_micro_batch_size=4)
+    equivalence = dataclasses.replace(tied, parallel=dataclasses.replace(tied.parallel, offload_states=True),
+                                      micro_batch_size=4, gradient_accumulation_steps=2, last_micro_batch_size=4)
     ranks = _run([{"kind": "memory", "case": "gpt_sdpa", "plan": memory.to_json(), "optimizer": "adamw"},
                   {"kind": "equivalence", "case": "tied_lm", "plan": equivalence.to_json(), "optimizer": "sgd"}],
                  tmp_path, 2)

@@ -19,6 +19,7 @@ from autofit.analyse.table import OpCosts
 from autofit.cuda.catalog import GPUS, pcie_bytes_per_second
 from autofit.device import resolve_device
 from autofit.core.errors import InvalidInputError
+from autofit.parallel.layout import Parallel
 from autofit.solve.sharding import shard_units
 from autofit.solve.time_model import HOST_OPTIMIZER_BYTES_PER_SECOND, TimeModel
 
@@ -128,9 +129,8 @@ def test_offloaded_states_train_exactly_the_plain_step_on_one_process():
     x, y = _data(8, 32)
     model = _model(32)
     ref = _reference(model, x, y)
-    plan = _cpu_plan(model, x, y, strategy="fsdp2", world_size=1, offload_states=True,
-                     shard_units=shard_units(model), micro_batch_size=4, gradient_accumulation_steps=2,
-                     last_micro_batch_size=4)
+    plan = _cpu_plan(model, x, y, micro_batch_size=4, gradient_accumulation_steps=2, last_micro_batch_size=4,
+                     parallel=Parallel(strategy="fsdp2", offload_states=True, shard_units=shard_units(model)))
     hook = sys.excepthook
     trainer = plan.wrap(copy.deepcopy(model), lambda params: torch.optim.AdamW(params, lr=1e-2))
     for _ in range(2):
@@ -247,11 +247,11 @@ def test_plan_keeps_states_on_the_host_when_nothing_else_fits_and_checks_the_hos
     hook = sys.excepthook
     plan = autofit.plan(model, x, budget, device=autofit.Device(gpu="T4", host_budget="1GB"), savers=savers, **kw)
     assert sys.excepthook is hook  # the simulation's fake process group left no "[rank0]" traceback prefix
-    assert plan.offload_states and plan.strategy == "fsdp2" and plan.world_size == 1
+    assert plan.parallel.offload_states and plan.parallel.strategy == "fsdp2" and plan.parallel.world_size == 1
     assert plan.device_bytes <= budget
     assert plan.host_bytes >= 16 * 397_322  # parameters, gradients, two moments (fp32)
     assert "host memory" in str(plan)
-    assert autofit.Plan.from_json(plan.to_json()).offload_states
+    assert autofit.Plan.from_json(plan.to_json()).parallel.offload_states
     with pytest.raises(autofit.HostMemoryError, match="host_budget"):
         autofit.plan(model, x, budget, device=autofit.Device(gpu="T4", host_budget=10**6), savers=savers, **kw)
     # below what offloading reaches, with too little host memory for it: the budget that works is the one without
@@ -279,7 +279,7 @@ def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
     budget = without - 2**20  # nothing fits with the states on the GPUs
     plan = autofit.plan(model, x, budget, device=autofit.Device(gpu="T4", margin=0, host_budget="1GB"), savers=savers,
                         layout=fsdp2, **kw)
-    assert plan.offload_states and plan.strategy == "fsdp2" and plan.world_size == 2
+    assert plan.parallel.offload_states and plan.parallel.strategy == "fsdp2" and plan.parallel.world_size == 2
     assert plan.device_bytes <= budget
     host = dict(plan.estimate.host_breakdown)
     assert host["parameters"] == host["gradients"] == 4 * n // 2
@@ -291,7 +291,7 @@ def test_fsdp2_ranks_keep_their_shards_on_the_host_when_nothing_else_fits():
         autofit.plan(model, x, budget, device=short, savers=savers, layout=fsdp2, **kw)
     apart = autofit.plan(model, x, budget, device=short, savers=savers,
                          layout=autofit.Layout(world_size=2, strategy="fsdp2", gpus_per_node=1), **kw)
-    assert apart.offload_states and apart.host_bytes == one_rank
+    assert apart.parallel.offload_states and apart.host_bytes == one_rank
 
 
 @pytest.mark.slow(seconds=420)
@@ -307,7 +307,7 @@ def test_gpt2_xl_on_a_t4_plans_with_its_states_on_the_host():
     ids = torch.zeros(32, 1024, dtype=torch.long)
     plan = autofit.plan(model, {"input_ids": ids, "labels": ids}, "90%",
                         device=autofit.Device(gpu="T4", host_budget="64GB"))
-    assert plan.offload_states and plan.precision.name == "fp16"
+    assert plan.parallel.offload_states and plan.precision.name == "fp16"
     assert plan.device_bytes <= plan.budget_bytes == int(0.9 * 16 * 2**30)
     assert plan.host_bytes >= 16 * 1_557_611_200
     assert "host memory" in str(plan)

@@ -24,8 +24,8 @@ def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision,
                            layout=autofit.Layout(world_size=2, strategy=strategy,
-                                                 reshard_after_forward=plan.reshard_after_forward,
-                                                 replicate=plan.replicate),
+                                                 reshard_after_forward=plan.parallel.reshard_after_forward,
+                                                 replicate=plan.parallel.replicate),
                            step=autofit.Step(checkpoint=plan.checkpoint))
     assert est.peak_bytes == plan.peak_bytes
     single = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
@@ -41,7 +41,7 @@ def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
     case = wide_blocks("meta")
     plan = autofit.plan(case.model, case.sample, 26 * MiB, batch_size=16, target=case.target, loss_fn=case.loss_fn,
                         device="cpu", precision="fp32", layout=autofit.Layout(world_size=2, strategy="fsdp2"))
-    assert plan.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
+    assert plan.parallel.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision,
                            layout=autofit.Layout(world_size=2, strategy="fsdp2"),

@@ -390,7 +390,7 @@ def test_a_strategy_whose_states_miss_the_budget_is_planned_only_if_nothing_else
     ddp_states = 4 * (1024 * 1024 + 1024) * 16
     assert ddp_states == 67_174_400 and ddp_states > 40 * 2**20
     plan = autofit.plan(model, x, "40MB", layout=autofit.Layout(world_size=4), **kw)
-    assert plan.strategy == "fsdp2" and planned == ["fsdp2", "fsdp2"]  # its layouts: ZeRO-3 and ZeRO-2
+    assert plan.parallel.strategy == "fsdp2" and planned == ["fsdp2", "fsdp2"]  # its layouts: ZeRO-3 and ZeRO-2
     assert any(n.startswith("ddp not planned") and "64.06 MiB" in n for n in plan.notes), plan.notes
     alone = autofit.plan(model, x, "40MB", layout=autofit.Layout(world_size=4, strategy="fsdp2"), **kw)
     assert (plan.micro_batch_size, plan.checkpoint, plan.device_bytes) == \

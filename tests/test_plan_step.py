@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import autofit
 import autofit.solve.estimator
 from autofit.core.report import MemoryEstimate
 from autofit.emit.plan import Plan
+from autofit.parallel.layout import Parallel
 from autofit.training.precision import PrecisionPolicy
 
 LR = 0.1
@@ -68,7 +70,7 @@ def _fsdp2() -> Plan:
     x, y = _data(16)
     plan = autofit.plan(_model(), x, "64MB", target=y, batch_size=16, device="cpu", precision="fp32",
                         optimizer="adamw", layout=autofit.Layout(world_size=2, strategy="fsdp2"))
-    assert plan.strategy == "fsdp2" and plan.world_size == 2 and plan.step.held_rows == 8
+    assert plan.parallel.strategy == "fsdp2" and plan.parallel.world_size == 2 and plan.step.held_rows == 8
     return plan
 
 
@@ -84,7 +86,7 @@ def _offloaded_states() -> Plan:
         autofit.plan(model, x, 1, device=t4, **kw)
     plan = autofit.plan(model, x, (info.value.min_budget_bytes + without) // 2,
                         device=autofit.Device(gpu="T4", host_budget="1GB"), **kw)
-    assert plan.offload_states and plan.step.offload_states
+    assert plan.parallel.offload_states and plan.step.layout.offload_states
     return plan
 
 
@@ -155,7 +157,7 @@ def test_a_plan_built_or_loaded_without_its_verified_step_runs_its_own_fields():
     # the knobs follow the plan's fields: a replaced plan runs what it says
     assert dataclasses.replace(plan, micro_batch_size=8, gradient_accumulation_steps=1).step.accumulation_steps == 1
     # over two data-parallel ranks each holds half of the batch
-    assert _hand_plan(world_size=2, strategy="ddp").step.held_rows == 4
+    assert _hand_plan(parallel=Parallel(world_size=2, strategy="ddp")).step.held_rows == 4
 
 
 def test_a_loaded_plan_names_an_optimizer_it_cannot_build():
@@ -163,3 +165,25 @@ def test_a_loaded_plan_names_an_optimizer_it_cannot_build():
     assert plan.step.optimizer.name == "my_factory"
     with pytest.raises(autofit.InvalidInputError, match="loaded from JSON"):
         plan.step.optimizer.build([nn.Parameter(torch.zeros(2))])
+
+
+@pytest.mark.filterwarnings("default:.*is deprecated. write:FutureWarning")
+def test_a_plan_holds_its_layout_whole_and_its_flat_fields_are_the_old_spelling():
+    """Note [the plan's layout]: the layout is ``plan.parallel``; the JSON writes its fields flat, as plans always
+    had them, and reads them back into one value; the flat reads and ``Plan(world_size=...)`` warn, naming the new
+    spelling, and give what it gives."""
+    layout = Parallel(world_size=2, strategy="ddp", gpus_per_node=1)
+    plan = _hand_plan(parallel=layout, batch_size=16)
+    written = json.loads(plan.to_json())
+    # by hand: the fields a plan written before the layout was one value had, at the top level of the JSON
+    assert (written["world_size"], written["strategy"], written["gpus_per_node"]) == (2, "ddp", 1)
+    assert "parallel" not in written
+    assert Plan.from_json(plan.to_json()).parallel == layout
+    with pytest.warns(FutureWarning, match=r"plan.world_size is deprecated: write plan.parallel.world_size"):
+        assert plan.world_size == 2
+    with pytest.warns(FutureWarning, match=r"plan.strategy is deprecated: write plan.parallel.strategy"):
+        assert plan.strategy == "ddp"
+    with pytest.warns(FutureWarning, match=r"Plan\(world_size=2, strategy='ddp', gpus_per_node=1\) is deprecated: "
+                                           r"write Plan\(parallel=Parallel\(world_size=2, "):
+        flat = dataclasses.replace(_hand_plan(batch_size=16), world_size=2, strategy="ddp", gpus_per_node=1)
+    assert flat == plan and flat.parallel == layout

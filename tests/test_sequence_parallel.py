@@ -13,6 +13,7 @@ import torch
 import autofit
 from autofit.core.errors import UnsupportedModelError
 from autofit.emit.plan import Plan
+from autofit.parallel.layout import Parallel
 from autofit.solve.sharding import shard_units
 from autofit.training.precision import as_policy
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
@@ -95,9 +96,9 @@ def _plan(world: int, tp: int, batch_size: int, checkpoint: tuple[str, ...] = ()
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
                 batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=checkpoint,
                 peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
-                optimizer="adamw", predicted_step_seconds=0.0, estimate=est, world_size=world, strategy="fsdp2",
-                shard_units=shard_units(case.model), tensor_parallel=tp,
-                tensor_plan=resolve_tensor_plan(case.model, tp, mapping))
+                optimizer="adamw", predicted_step_seconds=0.0, estimate=est,
+                parallel=Parallel(world_size=world, strategy="fsdp2", shard_units=shard_units(case.model),
+                                  tensor_parallel=tp, tensor_plan=resolve_tensor_plan(case.model, tp, mapping)))
 
 
 @pytest.mark.slow(seconds=40)
@@ -184,8 +185,9 @@ def test_collectives_are_the_ones_torch_runs(tmp_path):
         memory = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=1, batch_size=ROWS,
                       last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
                       peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
-                      optimizer="adamw", predicted_step_seconds=0.0, estimate=est, world_size=2, strategy="fsdp2",
-                      shard_units=shard_units(case.model), tensor_parallel=2, tensor_plan=plan)
+                      optimizer="adamw", predicted_step_seconds=0.0, estimate=est,
+                      parallel=Parallel(world_size=2, strategy="fsdp2", shard_units=shard_units(case.model),
+                                        tensor_parallel=2, tensor_plan=plan))
         jobs.append({"kind": "collectives", "case": "tiny_llama", "plan": memory.to_json(), "optimizer": "sgd"})
     ranks = dist_workers.launch(jobs, Path(tmp_path), 2)
     for rank, results in enumerate(ranks):
@@ -232,7 +234,7 @@ def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_ru
     plan = autofit.plan(case.model, odd, "1GB", batch_size=8, device="cpu",
                         layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel="auto",
                                               tensor_parallel_plan=mapping))
-    assert plan.tensor_parallel == 1  # the trainer's refusal: the gloo test above ("odd length" job)
+    assert plan.parallel.tensor_parallel == 1  # the trainer's refusal: the gloo test above ("odd length" job)
 
 
 @pytest.mark.slow(seconds=45)

@@ -13,6 +13,7 @@ import torch
 import autofit
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.emit.plan import Plan
+from autofit.parallel.layout import Parallel
 from autofit.solve.sharding import shard_units
 from autofit.training.precision import as_policy
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
@@ -31,9 +32,9 @@ def _plan(world: int, tp: int, batch_size: int) -> Plan:
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
                 batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
                 peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
-                optimizer="adamw", predicted_step_seconds=0.0, estimate=est, world_size=world, strategy="fsdp2",
-                shard_units=shard_units(case.model), tensor_parallel=tp,
-                tensor_plan=resolve_tensor_plan(case.model, tp))
+                optimizer="adamw", predicted_step_seconds=0.0, estimate=est,
+                parallel=Parallel(world_size=world, strategy="fsdp2", shard_units=shard_units(case.model),
+                                  tensor_parallel=tp, tensor_plan=resolve_tensor_plan(case.model, tp)))
 
 
 def _run(jobs: list[dict], tmp_path: Path, world: int) -> list[list[dict]]:

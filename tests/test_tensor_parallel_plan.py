@@ -47,9 +47,9 @@ def test_plan_with_tensor_parallel_matches_the_estimate_of_its_rank():
     plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32",
                         layout=autofit.Layout(world_size=4, strategy="fsdp2", reshard_after_forward=True,
                                               tensor_parallel=2))
-    assert (plan.tensor_parallel, plan.layout) == (2, "fsdp2 (ZeRO-3) x tp 2")
+    assert (plan.parallel.tensor_parallel, plan.layout) == (2, "fsdp2 (ZeRO-3) x tp 2")
     assert plan.micro_batch_size * plan.gradient_accumulation_steps == 4
-    assert dict(plan.tensor_plan) == dict(resolve_tensor_plan(case.model, 2))
+    assert dict(plan.parallel.tensor_plan) == dict(resolve_tensor_plan(case.model, 2))
     est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size,
                            precision=plan.precision,
                            layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2),
@@ -57,7 +57,7 @@ def test_plan_with_tensor_parallel_matches_the_estimate_of_its_rank():
                                              checkpoint=plan.checkpoint))
     assert est.peak_bytes == plan.peak_bytes
     again = autofit.Plan.from_json(plan.to_json())
-    assert again.tensor_plan == plan.tensor_plan and again.tensor_parallel == 2
+    assert again.tensor_plan == plan.parallel.tensor_plan and again.tensor_parallel == 2
 
 
 def test_explicit_tensor_parallel_is_refused_where_it_cannot_run():
@@ -81,7 +81,8 @@ def test_exports_name_the_tensor_parallel_degree():
     case = tiny_llama("meta")
     plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu", precision="fp32",
                         layout=autofit.Layout(world_size=2, strategy="fsdp2"))
-    plan = replace(plan, world_size=4, tensor_parallel=2, tensor_plan=resolve_tensor_plan(case.model, 2))
+    plan = replace(plan, parallel=replace(plan.parallel, world_size=4, tensor_parallel=2,
+                                         tensor_plan=resolve_tensor_plan(case.model, 2)))
     titan = to_torchtitan_config(plan)
     assert titan["parallelism"]["tensor_parallel_degree"] == 2
     assert titan["parallelism"]["data_parallel_shard_degree"] == 2
@@ -105,7 +106,7 @@ def test_the_cli_takes_tensor_parallel():
                                       "--world-size", "2", "--strategy", "fsdp2", "--tensor-parallel", "2", "--json"])
     assert result.exit_code == 0, result.output
     plan = autofit.Plan.from_json(result.stdout)
-    assert (plan.tensor_parallel, plan.layout) == (2, "tp 2")
+    assert (plan.parallel.tensor_parallel, plan.layout) == (2, "tp 2")
 
 
 @pytest.mark.sim
@@ -120,7 +121,7 @@ def test_clipping_leaves_tensor_parallel_out():
                         layout=autofit.Layout(world_size=2, strategy="fsdp2", reshard_after_forward=True,
                                               tensor_parallel="auto"),
                         clip_grad_norm=1.0)
-    assert plan.tensor_parallel == 1
+    assert plan.parallel.tensor_parallel == 1
 
 
 @pytest.mark.sim
@@ -134,7 +135,7 @@ def test_a_user_plan_is_planned_for_a_model_without_one():
                         layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
                                               tensor_parallel_plan=mapping),
                         savers=autofit.Savers(checkpoint=None))
-    assert plan.layout == "tp 2" and len(plan.tensor_plan) == 8
+    assert plan.layout == "tp 2" and len(plan.parallel.tensor_plan) == 8
     # the group's two ranks share all 8 rows, one micro-batch of them (1 GB is generous)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (8, 1)
     est = autofit.estimate(case.model, case.sample, target=case.target, loss_fn=case.loss_fn,

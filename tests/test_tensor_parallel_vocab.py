@@ -16,6 +16,7 @@ import torch
 import autofit
 from autofit.core.errors import UnsupportedModelError
 from autofit.emit.plan import Plan
+from autofit.parallel.layout import Parallel
 from autofit.solve.sharding import shard_units
 from autofit.training.batch import as_batch
 from autofit.training.precision import as_policy
@@ -119,9 +120,9 @@ def _plan(world: int, tp: int, batch_size: int) -> Plan:
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
                 batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
                 peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
-                optimizer="adamw", predicted_step_seconds=0.0, estimate=est, world_size=world, strategy="fsdp2",
-                shard_units=shard_units(case.model), tensor_parallel=tp,
-                tensor_plan=resolve_tensor_plan(case.model, tp, mapping))
+                optimizer="adamw", predicted_step_seconds=0.0, estimate=est,
+                parallel=Parallel(world_size=world, strategy="fsdp2", shard_units=shard_units(case.model),
+                                  tensor_parallel=tp, tensor_plan=resolve_tensor_plan(case.model, tp, mapping)))
 
 
 @pytest.mark.slow
@@ -135,7 +136,7 @@ def test_vocabulary_split_peak_matches_the_allocator_and_a_step_a_full_batch_ste
 
     data = world // tp
     memory, equivalence = _plan(world, tp, ROWS * data), _plan(world, tp, 2 * ROWS * data)
-    assert dict(memory.tensor_plan)["lm_head"] == "colwise_rep"
+    assert dict(memory.parallel.tensor_plan)["lm_head"] == "colwise_rep"
     ranks = dist_workers.launch(
         [{"kind": "memory", "case": "tiny_llama_vocab", "plan": memory.to_json(), "optimizer": "adamw"},
          {"kind": "equivalence", "case": "tiny_llama_vocab", "plan": equivalence.to_json(), "optimizer": "sgd"}],

@@ -83,7 +83,7 @@ def test_nn_transformer_on_meta_plans_at_world_size_2(strategy):
     src, tgt = _tokens(4, 32), _tokens(4, 32)
     plan = autofit.plan(model, (src, tgt), "64MB", batch_size=8, target=tgt, loss_fn=_loss, device="cpu",
                         precision="fp32", layout=autofit.Layout(world_size=2, strategy=strategy))
-    assert plan.strategy == strategy and plan.device_bytes <= plan.budget_bytes
+    assert plan.parallel.strategy == strategy and plan.device_bytes <= plan.budget_bytes
 
 
 def test_a_value_read_from_a_weight_still_refuses_on_meta():

@@ -489,7 +489,8 @@ def test_a_sharded_plan_exports_zero_stage_3():
 
     from autofit.emit.export import EXPORTERS
 
-    plan = replace(_small_plan(), world_size=2, strategy="fsdp2", batch_size=16)
+    small = _small_plan()
+    plan = replace(small, parallel=replace(small.parallel, world_size=2, strategy="fsdp2"), batch_size=16)
     assert EXPORTERS["deepspeed"](plan)["zero_optimization"]["stage"] == 3
     assert EXPORTERS["hf"](plan)["training_arguments"]["fsdp"] is True  # transformers 5: fsdp=True with fsdp_config (a string is deprecated)
     assert EXPORTERS["lightning"](plan)["trainer"]["strategy"] == "fsdp"

@@ -29,7 +29,7 @@ def wrap(plan: Plan, model: nn.Module, optimizer: Any, *, loss_fn: Any = None, l
     if isinstance(model, nn.Module):
         refuse_wrapped(model)  # before DDP or FSDP2 wraps it (Note [one trainer per model])
         check_made_for(plan.made_for, model)  # Note [the plan's model]
-    if plan.world_size > 1 or plan.strategy is not None:
+    if plan.parallel.world_size > 1 or plan.parallel.strategy is not None:
         # imported here, as before: torch.distributed's trainer is loaded only for a plan that needs it
         from autofit.emit.distributed import DistributedTrainer
 

@@ -40,7 +40,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         predicted_step_seconds=chosen.seconds, estimate=replace(est, under=None), parallel=step.layout, gpu=step.gpu,
         frontier=front, notes=tuple(dict.fromkeys(notes)), clip_grad_norm=step.clip_grad_norm, zero_grad=step.zero_grad,
         optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
-        host_budget_bytes=host_budget_bytes if (step.offload or step.offload_states) else None,
+        host_budget_bytes=host_budget_bytes if (step.offload or step.layout.offload_states) else None,
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=step.selective,
         op_selective=step.op_selective,
         **features, verified_step=step,

@@ -9,8 +9,9 @@
   host, where every micro-batch reduces and the shards accumulate on the host, and in plans with
   ``reduce_every_micro_batch``, where they accumulate sharded on the device. Sharding replaces the parameters,
   so the optimizer is built afterwards: ``wrap`` takes a factory.
-- Tensor parallel (``plan.tensor_parallel`` T > 1): ``parallelize_module`` on the "tp" dim of a (world_size // T, T)
-  mesh first, then FSDP2 on its "dp_shard" dim (none when T == world_size): parallel/apply.py, ``apply_layout``.
+- Tensor parallel (``plan.parallel.tensor_parallel`` T > 1): ``parallelize_module`` on the "tp" dim of a
+  (world_size // T, T) mesh first, then FSDP2 on its "dp_shard" dim (none when T == world_size):
+  parallel/apply.py, ``apply_layout``.
   The micro-batch loop and its gradient sync are the schedule's (parallel/schedule.py, Note [one schedule]).
   The T ranks of a group see the same rows: "rank" below is the data-parallel rank, ``rank // T``, of
   ``world_size // T``.
@@ -66,10 +67,10 @@ def _ddp(plan: Plan, model: nn.Module,
 
 
 class DistributedTrainer(Trainer):
-    """Executes a multi-process plan (``plan.world_size > 1``) on this rank: :meth:`Plan.wrap <autofit.Plan.wrap>`
-    returns it. Needs ``torch.distributed`` initialised with ``plan.world_size`` processes. ``optimizer`` is an
-    instance or a factory ``params -> Optimizer`` for DDP, and must be a factory for FSDP2. ``trainer.model`` is
-    the DDP- or FSDP2-wrapped model; ``unwrap()`` returns the model itself."""
+    """Executes a multi-process plan (``plan.parallel.world_size > 1``) on this rank: :meth:`Plan.wrap
+    <autofit.Plan.wrap>` returns it. Needs ``torch.distributed`` initialised with ``plan.parallel.world_size``
+    processes. ``optimizer`` is an instance or a factory ``params -> Optimizer`` for DDP, and must be a factory for
+    FSDP2. ``trainer.model`` is the DDP- or FSDP2-wrapped model; ``unwrap()`` returns the model itself."""
 
     def __init__(self, plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, *,
                  loss_fn: LossFn | None = None, loss_reduction: str | None = None, shared: Any = None) -> None:
@@ -77,7 +78,8 @@ class DistributedTrainer(Trainer):
         convert_model(plan.step, model)  # Float8's linears before the layout (Note [step features])
         _refuse_one_process_knobs(plan)
         self._own_group = False
-        if plan.offload_states and plan.world_size == 1 and dist.is_available() and not dist.is_initialized():
+        ranks = plan.parallel.world_size
+        if plan.parallel.offload_states and ranks == 1 and dist.is_available() and not dist.is_initialized():
             # FSDP2 on one process (Note [offload]): a process group of one, torch's own, made and destroyed here
             backend = plan.device.process_group_backend
             self._excepthook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]" for good
@@ -85,26 +87,26 @@ class DistributedTrainer(Trainer):
             self._own_group = True
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidInputError(
-                f"this plan is for {plan.world_size} processes ({plan.strategy}): call "
+                f"this plan is for {ranks} processes ({plan.parallel.strategy}): call "
                 "torch.distributed.init_process_group() first (e.g. run under torchrun)"
             )
-        if dist.get_world_size() != plan.world_size:
+        if dist.get_world_size() != ranks:
             raise InvalidInputError(
-                f"the plan is for world_size {plan.world_size} but this job has {dist.get_world_size()} processes: "
+                f"the plan is for world_size {ranks} but this job has {dist.get_world_size()} processes: "
                 "plan again with world_size=torch.distributed.get_world_size()"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # the data-parallel ranks: with tensor parallel T, the T consecutive ranks of a group share their rows
         # (the mesh is (world_size // T, T): parallel/apply.py, device_mesh)
-        self.data_rank, self.data_ranks = self.rank // plan.tensor_parallel, plan.parallel.data_ranks
+        self.data_rank, self.data_ranks = self.rank // plan.parallel.tensor_parallel, plan.parallel.data_ranks
         layout = plan.step.layout  # the layout the plan was verified with (Note [the plan's step])
         if layout.replicates_parameters:
             wrapped, built = _ddp(plan, model, optimizer)
         elif layout.shards_parameters:
             wrapped, built = self._fsdp2(plan, model, optimizer)
         else:
-            raise InvalidInputError(f"this plan has no data-parallel strategy ({plan.strategy!r}): plans use 'ddp' or "
-                                    "'fsdp2'")
+            raise InvalidInputError(f"this plan has no data-parallel strategy ({plan.parallel.strategy!r}): plans use "
+                                    "'ddp' or 'fsdp2'")
         self._inner = model
         super().__init__(plan, wrapped, built, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
 
@@ -118,7 +120,7 @@ class DistributedTrainer(Trainer):
                 "plan.wrap(model, lambda params: torch.optim.AdamW(params, lr=...))"
             )
         device_type = next(model.parameters()).device.type
-        if plan.offload_states:  # the parameters stay on the host; the plan's device computes
+        if plan.parallel.offload_states:  # the parameters stay on the host; the plan's device computes
             device_type = plan.device
             if any(p.device.type != "cpu" for p in model.parameters()):
                 raise InvalidInputError(
@@ -158,8 +160,8 @@ class DistributedTrainer(Trainer):
         total = torch.tensor([count], dtype=torch.float64 if weighted else torch.int64, device=device)
         dist.all_reduce(total)
         if weighted:
-            return total.item() / self.plan.tensor_parallel, self.data_ranks
-        return int(total.item()) // self.plan.tensor_parallel, self.data_ranks
+            return total.item() / self.plan.parallel.tensor_parallel, self.data_ranks
+        return int(total.item()) // self.plan.parallel.tensor_parallel, self.data_ranks
 
     def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
         """Every rank runs the same number of micro-batches: DDP broadcasts buffers and FSDP2 gathers parameters in

@@ -100,7 +100,7 @@ def _layout(plan: Plan, framework: str) -> ExportFragment:
     """The plan's layout in ``framework``'s terms: its dimensions' fragments merged (``Layout.export``, Note [layout
     dimensions]), given the plan's plain values they read."""
     return plan.parallel.layout.export(framework, ExportInputs(
-        precision=plan.precision.name, recomputes=bool(plan.checkpoint), shard_units=plan.shard_units,
+        precision=plan.precision.name, recomputes=bool(plan.checkpoint), shard_units=plan.parallel.shard_units,
         gradient_bytes=plan.estimate.breakdown.get("gradients", 0)))
 
 
@@ -219,9 +219,9 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     layout = _layout(plan, "lightning")
     merge_settings(out, layout.settings)
     if plan.parallel.layout.placements:  # DDP or FSDP2 (not one process): the devices per node, and the nodes
-        per_node = plan.gpus_per_node or plan.world_size
+        per_node = plan.parallel.gpus_per_node or plan.parallel.world_size
         trainer["devices"] = per_node
-        if per_node < plan.world_size:
+        if per_node < plan.parallel.world_size:
             trainer["num_nodes"] = plan.parallel.nodes
     notes += _layout_notes(layout)
     if notes:
@@ -238,7 +238,7 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
     mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision.name]
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
-        "num_machines": plan.parallel.nodes, "num_processes": plan.world_size,
+        "num_machines": plan.parallel.nodes, "num_processes": plan.parallel.world_size,
         "distributed_type": "NO",  # one process; DDP's MULTI_GPU and FSDP's plugin are their dimensions'
     }
     notes = _split_notes(plan) + _feature_notes(plan, "accelerate")
@@ -290,7 +290,7 @@ def _torchtitan_recompute(plan: Plan, notes: list[str]) -> dict[str, Any]:
     if not plan.checkpoint:  # ActivationCheckpoint.mode defaults to "selective": say "none"
         return {"mode": "none"}
     if set(plan.op_selective) == set(plan.checkpoint):
-        if set(plan.checkpoint) != set(plan.shard_units or plan.checkpoint):
+        if set(plan.checkpoint) != set(plan.parallel.shard_units or plan.checkpoint):
             notes.append(f"the plan recomputes {len(plan.checkpoint)} modules by torchtitan's per-op policy; "
                          "torchtitan applies it to every block")
         return {"mode": "selective", "selective_ac_option": "op"}
@@ -391,7 +391,7 @@ def export_file(plan: Plan, name: str) -> tuple[str, list[str]]:
         config = out["config_file"]
         head = [f"autofit plan: micro-batch {micro} (the DataLoader's batch_size), gradient accumulation {steps} "
                 f"(Accelerator(gradient_accumulation_steps={steps})), precision {plan.precision.label}, "
-                f"{plan.world_size} process(es)"]
+                f"{plan.parallel.world_size} process(es)"]
         if "ddp_kwargs" in out:
             head.append(f"Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**{out['ddp_kwargs']})])")
         if plan.checkpoint and config.get("distributed_type") != "FSDP":

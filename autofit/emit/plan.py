@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -22,7 +23,7 @@ from autofit.emit.model_record import ModelRecord
 from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
-from autofit.parallel.layout import Parallel, layout_from_json, ranks_per_node, trade_words
+from autofit.parallel.layout import Parallel, layout_from_json, trade_words
 from autofit.core.units import format_bytes, format_mib
 
 __all__ = ["Alternative", "Forgone", "Plan", "plan_step", "use_wrap", "why_layout"]
@@ -74,6 +75,16 @@ class Forgone:
     device_bytes: int = 0  # what the budget is checked against
     step_seconds: float | None = None  # modelled; None where no configuration was estimated
     gpus: int | None = None
+
+
+def _flat_layout_field(name: str) -> property:
+    """``plan.<name>``, a field of the plan's layout read flat: ``plan.parallel.<name>``, with a ``FutureWarning``
+    (Note [the plan's layout])."""
+    def read(self: Plan) -> Any:
+        warnings.warn(f"plan.{name} is deprecated: write plan.parallel.{name} (the plan holds its layout whole, "
+                      "Note [the plan's layout])", FutureWarning, stacklevel=2)
+        return getattr(self.parallel, name)
+    return property(read, doc=f"Deprecated: ``plan.parallel.{name}`` (Note [the plan's layout]).")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,29 +181,25 @@ class Plan:
 
     # The parallel layout the plan was verified with (autofit/parallel/layout.py): strategy, ranks, FSDP2's units and
     # reshard, HSDP's replicate, ranks per node, tensor and sequence parallel, the states on the host, gradient sync
-    # under accumulation; validated where it is built. The trainers lay the model out by it. Its fields read as the
-    # plan's own (plan.world_size, plan.strategy ...), and Plan(...) and dataclasses.replace take them flat as a
-    # shortcut (Note [the plan's layout]); the JSON keeps them flat.
+    # under accumulation; validated where it is built. The trainers lay the model out by it. Held whole, read whole
+    # (``plan.parallel.world_size``); the JSON keeps its fields flat (Note [the plan's layout]).
     parallel: Parallel = field(default_factory=Parallel)
     # The step the planner's final estimate simulated (Note [the plan's step]): what ``Plan.step`` is, for a plan
     # ``autofit.plan`` made; None for a plan loaded from JSON or built by hand. Not written to the JSON, and no part
     # of equality: ``Plan.step`` is a function of the plan's own fields, which are.
     verified_step: StepConfig | None = field(default=None, compare=False, repr=False)
 
-    strategy = property(lambda self: self.parallel.strategy, doc="None (one process), DDP or FSDP2: a Strategy")
-    world_size = property(lambda self: self.parallel.world_size)
-    shard_units = property(lambda self: self.parallel.shard_units, doc="FSDP2: the modules fully_shard wraps")
-    reshard_after_forward = property(lambda self: self.parallel.reshard_after_forward,
-                                     doc="FSDP2's units: True ZeRO-3, False ZeRO-2, an int the group size")
-    replicate = property(lambda self: self.parallel.replicate, doc="HSDP's replicas (mesh (replicate, shard))")
-    gpus_per_node = property(lambda self: self.parallel.gpus_per_node, doc="0: every rank on one node")
-    tensor_parallel = property(lambda self: self.parallel.tensor_parallel)
-    tensor_plan = property(lambda self: self.parallel.tensor_plan, doc="(module, style) pairs tensor parallel splits")
-    offload_states = property(lambda self: self.parallel.offload_states,
-                              doc="parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)")
-    reduce_every_micro_batch = property(
-        lambda self: self.parallel.reduce_every_micro_batch,
-        doc="FSDP2 reduce-scatters after every micro-batch (Note [gradient sync under accumulation])")
+    # the layout's fields read flat on the plan: deprecated (Note [the plan's layout])
+    strategy = _flat_layout_field("strategy")
+    world_size = _flat_layout_field("world_size")
+    shard_units = _flat_layout_field("shard_units")
+    reshard_after_forward = _flat_layout_field("reshard_after_forward")
+    replicate = _flat_layout_field("replicate")
+    gpus_per_node = _flat_layout_field("gpus_per_node")
+    tensor_parallel = _flat_layout_field("tensor_parallel")
+    tensor_plan = _flat_layout_field("tensor_plan")
+    offload_states = _flat_layout_field("offload_states")
+    reduce_every_micro_batch = _flat_layout_field("reduce_every_micro_batch")
 
     @functools.cached_property
     def step(self) -> StepConfig:
@@ -243,7 +250,7 @@ class Plan:
     @property
     def layout(self) -> str:
         """The parallel layout in words: 'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'hsdp 2 x 4 (ZeRO-3)', 'ddp'."""
-        return "None" if self.strategy is None else self.parallel.layout.words(after_forward=" after forward")
+        return "None" if self.parallel.strategy is None else self.parallel.layout.words(after_forward=" after forward")
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -383,7 +390,9 @@ class Plan:
             data["checkpoint"] = tuple(data["checkpoint"])
             data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
             data["op_selective"] = tuple(data.get("op_selective", ()))  # absent from plans written before issue 58
-            data.update(layout_from_json(data))  # Note [the layout in a plan's JSON]
+            flat = layout_from_json(data)  # Note [the layout in a plan's JSON]: the one reader of the flat fields
+            data = {k: v for k, v in data.items() if k not in flat}
+            data["parallel"] = Parallel(**flat)
             data["notes"] = tuple(data["notes"])
             data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
             made_for = data.get("made_for")  # absent from plans written before issue 55: wrap takes any model
@@ -434,13 +443,13 @@ class Plan:
     def offload_rows(self, fmt) -> list[tuple[str, str]]:
         """What the plan keeps in host memory, as (label, value) rows; none without offload."""
         rows = []  # the offloaded activations' row is their step feature's (features/activation_offload.py)
-        if self.offload_states:
+        if self.parallel.offload_states:
             rows.append(("offloaded states", "parameters, gradients, optimizer state; the optimizer steps on the CPU "
                                              "(FSDP2 CPUOffloadPolicy)"))
         if self.host_bytes:
             allowed = "" if self.host_budget_bytes is None else f" of {fmt(self.host_budget_bytes)} allowed"
             pinned = self.estimate.host_pinned_bytes
-            ranks = ranks_per_node(self.world_size, self.gpus_per_node)
+            ranks = self.parallel.ranks_per_node
             node = "" if ranks == 1 else f" per rank, {fmt(ranks * self.host_bytes)} for the {ranks} ranks of a node"
             rows.append(("host memory", f"{fmt(self.host_bytes)} ({fmt(pinned)} pinned, "
                                         f"{fmt(self.host_bytes - pinned)} pageable){node}{allowed}"))
@@ -525,13 +534,15 @@ def forgone_rows(plan: Plan, fmt: Callable[[int], str]) -> list[str]:
 # Note [the plan's layout]
 #     The plan holds its parallel layout as one value, ``Plan.parallel``, the one the estimate was verified with
 #     and the layout of the plan's step (``Plan.step.layout``, Note [the plan's step]), by which the trainers lay
-#     the model out. Users, tests and the exports read its fields as the plan's own
-#     (``plan.world_size``), the properties above, and the JSON has always had them flat, between the plan's other
-#     fields: the layout says after which field each stands (Note [the layout in a plan's JSON],
-#     autofit/parallel/layout.py), so plans are written byte for byte as before and old plans load. ``Plan(...)``
-#     and ``dataclasses.replace(plan, ...)`` accept them flat too (what ``from_json`` passes): ``_with_flat_layout``
-#     folds them into ``parallel`` before the dataclass's own ``__init__`` runs, and the layout validates them as it
-#     validates any other.
+#     the model out; its fields are read on it (``plan.parallel.world_size``), so that a new layout dimension adds
+#     no field to the plan (Note [layout dimensions], autofit/parallel/dimension.py). The JSON has always had them
+#     flat, between the plan's other fields: the layout says after which field each stands (Note [the layout in a
+#     plan's JSON], autofit/parallel/layout.py), so plans are written byte for byte as before, and ``from_json``
+#     reads them back into one ``Parallel`` (``layout_from_json``, the one reader of the flat spelling). The flat
+#     reads (``plan.world_size``), ``Plan(world_size=...)`` and ``dataclasses.replace(plan, world_size=...)`` still
+#     work, deprecated, with a ``FutureWarning`` naming ``plan.parallel``: ``_with_flat_layout`` folds flat fields
+#     into ``parallel`` before the dataclass's own ``__init__`` runs, and the layout validates them as it validates
+#     any other.
 _LAYOUT_FIELDS = frozenset(f.name for f in fields(Parallel))
 # What the plan derives from its estimate (the search decided it there: alloc_conf, preallocated_grads): written to
 # the JSON for readers, and given back to Plan(...) (from_json, Plan(**plan.__dict__)) it is ignored
@@ -543,8 +554,12 @@ def _with_flat_layout(init: Callable[..., None]) -> Callable[..., None]:
     def __init__(self, **kwargs: Any) -> None:
         for k in _DERIVED_FIELDS & kwargs.keys():
             del kwargs[k]
-        flat = {k: kwargs.pop(k) for k in _LAYOUT_FIELDS & kwargs.keys()}
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in _LAYOUT_FIELDS}  # in the caller's order
         if flat:
+            named = ", ".join(f"{k}={v!r}" for k, v in flat.items())
+            warnings.warn(f"Plan({named}) is deprecated: write Plan(parallel=Parallel({named})), or "
+                          f"dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, {named})) (Note "
+                          "[the plan's layout])", FutureWarning, stacklevel=3)
             kwargs["parallel"] = replace(kwargs.get("parallel") or Parallel(), **flat)
         init(self, **kwargs)
     return __init__

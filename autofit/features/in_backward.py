@@ -37,7 +37,7 @@ class InBackward(Feature):
         return stepping_in_backward(model, optimizer, stepped)
 
     def before_wrap(self, plan: Any) -> None:
-        if plan.optimizer_in_backward and plan.strategy is not None:  # the distributed trainers' plans
+        if plan.optimizer_in_backward and plan.parallel.strategy is not None:  # the distributed trainers' plans
             raise InvalidInputError(
                 "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
                 "after the collective that averages it, which runs after autograd's hooks"

@@ -71,7 +71,7 @@ class PreallocatedGrads(Feature):
                               "them apart from the activations; wrap() allocates them)"),)
 
     def before_wrap(self, plan: Any) -> None:
-        if plan.preallocated_grads and plan.strategy is not None:  # the distributed trainers' plans
+        if plan.preallocated_grads and plan.parallel.strategy is not None:  # the distributed trainers' plans
             raise InvalidInputError("preallocated_grads is planned for one process only: DDP's buckets and FSDP2's "
                                     "shards own the gradients' storage")
 

@@ -61,7 +61,7 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
     checkpointing, ``plan.offload``'s saved activations on the host, ``plan.precision.fp32_modules`` out of
     autocast), undone on exit: the same patch of the same step, ``plan.step``, the emitted Trainer applies
     (autofit.training.step.patched_model), so another training loop runs the step autofit simulated."""
-    if plan.world_size > 1 and plan.parallel.shards_parameters:
+    if plan.parallel.world_size > 1 and plan.parallel.shards_parameters:
         raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(model, optimizer)")
     if any(feature.in_force(plan) is not None for feature in OPT_IN):  # Note [step features]
         raise InvalidInputError(

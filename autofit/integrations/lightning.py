@@ -88,7 +88,7 @@ def _callback_class():
 
         def __init__(self, plan: Plan) -> None:
             plan = checked_plan(plan, "AutofitLightningCallback")
-            if plan.world_size > 1 and plan.parallel.shards_parameters:
+            if plan.parallel.world_size > 1 and plan.parallel.shards_parameters:
                 raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(...)")
             self.plan = plan
             self._patch = None
@@ -97,9 +97,9 @@ def _callback_class():
         def setup(self, trainer, pl_module, stage: str) -> None:
             if stage != "fit":
                 return
-            if trainer.world_size != self.plan.world_size:
+            if trainer.world_size != self.plan.parallel.world_size:
                 raise InvalidInputError(f"the Trainer runs {trainer.world_size} processes but the plan is for "
-                                        f"{self.plan.world_size}: plan with world_size={trainer.world_size}")
+                                        f"{self.plan.parallel.world_size}: plan with world_size={trainer.world_size}")
             if getattr(pl_module, "automatic_optimization", False) and self.plan.zero_grad != LIGHTNING_ORDER:
                 warnings.warn(
                     f"this plan was made for zero_grad {self.plan.zero_grad!s}, but Lightning's automatic optimization "

@@ -59,8 +59,8 @@ def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | N
     """Rank 0's measurement (the rank an estimate simulates) with every rank's peak in ``rank_peaks``."""
     if not config.device.is_host:
         raise InvalidInputError(
-            f"measure with world_size={config.world_size} runs the ranks as processes on this CPU (gloo); on GPUs run "
-            "plan.wrap() under torchrun and read torch.cuda.max_memory_allocated() on each rank"
+            f"measure with world_size={config.layout.world_size} runs the ranks as processes on this CPU (gloo); on "
+            "GPUs run plan.wrap() under torchrun and read torch.cuda.max_memory_allocated() on each rank"
         )
     if config.optimizer_in_backward or config.preallocated_grads or config.precision.stored not in (None, "fp32"):
         raise InvalidInputError(
@@ -72,22 +72,22 @@ def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | N
         data = pickle.dumps(payload)
     except Exception as e:  # a lambda loss, a local class: spawn cannot hand them to the ranks
         raise InvalidInputError(
-            f"measure with world_size={config.world_size} runs each rank in a new process, which receives the "
+            f"measure with world_size={config.layout.world_size} runs each rank in a new process, which receives the "
             f"model, sample and loss_fn pickled, and they do not pickle ({type(e).__name__}: {e}): define the model "
             "class and loss function at module level (not a lambda or a local function)"
         ) from e
     with tempfile.TemporaryDirectory(prefix="autofit-ranks-") as out:
         (Path(out) / "payload.pkl").write_bytes(data)
-        context = mp.start_processes(_rank_main, args=(config.world_size, _free_port(), out),
-                                     nprocs=config.world_size, join=False, start_method="spawn")
+        context = mp.start_processes(_rank_main, args=(config.layout.world_size, _free_port(), out),
+                                     nprocs=config.layout.world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + _TIMEOUT_SECONDS
         while not _joined(context):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
-                raise UnsupportedModelError(f"the {config.world_size} ranks did not finish within "
+                raise UnsupportedModelError(f"the {config.layout.world_size} ranks did not finish within "
                                             f"{_TIMEOUT_SECONDS} s (a collective waiting on a rank that failed?)")
-        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(config.world_size)]
+        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(config.layout.world_size)]
     for rank, result in enumerate(results):
         if isinstance(result, str):  # the rank's traceback
             raise UnsupportedModelError(f"rank {rank} of the measured layout failed:\n{result}")

@@ -56,7 +56,7 @@ def plan_layouts(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
         if beat is not None and alone >= beat:  # Note [ruled out by arithmetic]
             tally.failed.append(_collectives_note(parallel, alone, f"the plan found, {beat:.3g} s"))
             continue
-        on_gpus = any(not r[0].offload_states for r in tally.results)
+        on_gpus = any(not r[0].parallel.offload_states for r in tally.results)
         _attempt(request, name, functools.partial(plan_layout, request, parallel, beat, on_gpus, climb), tally)
         tally.release()  # Note [bounded memory]
     if not tally.results:

@@ -271,7 +271,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         if config.layout.shards_parameters else contextlib.nullcontext()
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
-    implementation = DeviceKind.CPU if config.offload_states else config.device
+    implementation = DeviceKind.CPU if config.layout.offload_states else config.device
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
     with mesh_ctx as mesh, fake_mode if fake else contextlib.nullcontext(), target_implementation(implementation), \
@@ -364,7 +364,7 @@ class _StepState:
         # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
         views = config.gradient_as_bucket_view and config.accumulation_steps == 1
         buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
-        return cls(optimizer, stored, scaler, buckets, config.offload_states and not config.device.is_host,
+        return cls(optimizer, stored, scaler, buckets, config.layout.offload_states and not config.device.is_host,
                    held_rows(micro, micro_target, config))
 
     def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any) -> None:
@@ -470,7 +470,8 @@ def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    with host_optimizer(tracker, config.offload_states and not config.device.is_host), _optimizer_values(optimizer, fake):
+    on_host = config.layout.offload_states and not config.device.is_host
+    with host_optimizer(tracker, on_host), _optimizer_values(optimizer, fake):
         progress.step("the optimizer step")
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,

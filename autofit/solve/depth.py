@@ -269,7 +269,7 @@ def grouped_by_block(problem: CheckpointProblem, chosen: tuple[int, ...], blocks
 
 def _name_lists(config: StepConfig) -> tuple[tuple[str, ...], ...]:
     """Each list of module names the step treats specially (each must repeat over the blocks on its own)."""
-    return (config.checkpoint, config.selective, config.op_selective, config.offload, config.shard_units,
+    return (config.checkpoint, config.selective, config.op_selective, config.offload, config.layout.shard_units,
             config.precision.fp32_modules)
 
 
@@ -384,8 +384,8 @@ def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, 
     # no renumbering, and the first block's sequence shard (Note [sequence parallel]) stays on the cut's first
     # block; names of blocks past the cut go (parallelize_module warns once for each name it cannot resolve)
     first = depth if isinstance(depth, int) else len(depth)
-    tensor_plan = tuple(pair for pair in config.tensor_plan if names_at_depth((pair[0],), blocks, first))
-    layout = replace(config.layout, shard_units=cut(config.shard_units), tensor_plan=tensor_plan)
+    tensor_plan = tuple(pair for pair in config.layout.tensor_plan if names_at_depth((pair[0],), blocks, first))
+    layout = replace(config.layout, shard_units=cut(config.layout.shard_units), tensor_plan=tensor_plan)
     return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
                    op_selective=cut(config.op_selective), offload=cut(config.offload), precision=precision,
                    layout=layout)

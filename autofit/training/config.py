@@ -123,7 +123,8 @@ class StepConfig:
     held_rows: int = 0
     gpu: str | None = None  # the GPU a "cuda" step is simulated for (a name autofit.gpu_spec knows)
     # The parallel layout (autofit/parallel/layout.py): strategy, ranks, FSDP2's reshard and HSDP's replicate, tensor
-    # parallel, the states on the host; validated where it is built. Its fields read through the properties below.
+    # parallel, the states on the host; validated where it is built. Held whole: its fields are read on it
+    # (``config.layout.world_size``), as the dimensions' rules and shares are (Note [layout dimensions]).
     layout: Parallel = field(default_factory=Parallel)
     # max_norm of torch.nn.utils.clip_grad_norm_ before each optimizer step; None: no clipping (HF Trainer: 1.0)
     clip_grad_norm: float | None = None
@@ -150,17 +151,6 @@ class StepConfig:
     # where optimizer.zero_grad(set_to_none=True) falls: after the optimizer step (the default), before the forward,
     # or after forward and loss (Lightning's), once per accumulation window (Note [where zero_grad falls], step.py)
     zero_grad: ZeroGrad = ZeroGrad.AFTER_STEP
-
-    # the layout's fields, read where the step is run (the layout is the one place they are set)
-    strategy = property(lambda self: self.layout.strategy, doc="None (one process), DDP or FSDP2: a Strategy")
-    world_size = property(lambda self: self.layout.world_size)
-    shard_units = property(lambda self: self.layout.shard_units)
-    replicate = property(lambda self: self.layout.replicate)
-    tensor_parallel = property(lambda self: self.layout.tensor_parallel)
-    tensor_plan = property(lambda self: self.layout.tensor_plan)
-    offload_states = property(lambda self: self.layout.offload_states)
-    reduce_every_micro_batch = property(lambda self: self.layout.reduce_every_micro_batch)
-    fully_sharded = property(lambda self: self.layout.fully_sharded, doc=Parallel.fully_sharded.__doc__)
 
     def policy(self, name: str) -> str:
         """How recomputed module ``name`` is recomputed: "full", "selective" or "op-selective"."""
@@ -281,8 +271,8 @@ def _check_preallocated(config: StepConfig) -> None:
     why = None
     if config.optimizer_in_backward:
         why = "the optimizer steps in backward and frees each gradient as soon as it is used"
-    elif config.strategy is not None:
-        why = f"{config.strategy} owns the gradients' storage (DDP's buckets, FSDP2's shards)"
+    elif config.layout.strategy is not None:
+        why = f"{config.layout.strategy} owns the gradients' storage (DDP's buckets, FSDP2's shards)"
     elif str(config.precision.stored).endswith("-master"):
         why = "with an fp32 master copy each step moves the gradients to the master parameters and frees them"
     if why is not None:

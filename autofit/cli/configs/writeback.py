@@ -78,10 +78,10 @@ def knobs_of(plan) -> PlanKnobs:
         notes.append(f"the plan trains the linear layers in float8 ({plan.float8.label()}), which the config does "
                      "not say: convert the model with torchao's convert_to_float8_training, or train with plan.wrap()")
     shards = plan.parallel.shards_parameters
-    fsdp = FsdpKnobs(plan.reshard_after_forward is not False, plan.offload_states) if shards or \
-        plan.offload_states else None
+    fsdp = FsdpKnobs(plan.parallel.reshard_after_forward is not False, plan.parallel.offload_states) if shards or \
+        plan.parallel.offload_states else None
     return PlanKnobs(micro_batch_size=micro, accumulation_steps=steps,
-                     data_ranks=plan.world_size // plan.tensor_parallel, precision=plan.precision.name,
+                     data_ranks=plan.parallel.data_ranks, precision=plan.precision.name,
                      stored=None if plan.precision.stored in (None, "fp32") else plan.precision.stored,
                      checkpointing=bool(plan.checkpoint),
                      selective=bool(plan.selective or plan.op_selective),
