@@ -11,6 +11,7 @@ import pytest
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel import DIMENSIONS, Dimension, Placement, Registry, enumerate_layouts
+from autofit.parallel.dimension import RankWork, WorkInputs
 from autofit.parallel.layout import Parallel
 
 
@@ -140,3 +141,22 @@ def test_the_layout_decides_where_gradients_wait_and_where_the_states_go_to_the_
     assert Parallel(strategy="ddp", world_size=4).states_on_host(tuple) is None
     assert Parallel(strategy="fsdp2", world_size=4, tensor_parallel=2,
                     tensor_plan=(("w", "colwise"),)).states_on_host(tuple) is None
+
+
+class _Staged(_Toy):
+    """The toy as a pipeline would take its share of the work: its half of the parameters, one second of sends."""
+
+    def rank_work(self, layout, placement, work, inputs):
+        return RankWork(work.ops, work.param_bytes // placement.degree, work.seconds + 1.0)
+
+
+def test_a_dimensions_share_of_the_work_reaches_the_time_model_through_the_layout():
+    """``Layout.rank_work`` folds each dimension's ``rank_work`` in mesh order: hand values, the built-in dimensions
+    leaving the work as it is where they split nothing (FSDP2's collectives are priced apart, over the data ranks)."""
+    local = Registry(DIMENSIONS)
+    local.register(_Staged(name="toy", mesh_rank=3, shares_rows=True, field="toy_parallel"))
+    layout = local.layout(8, [Placement("dp_shard", None), Placement("toy", 2), Placement("tp", 1)])
+    inputs = WorkInputs(model=None, output_bytes=lambda name: 0.0, rows=4, link_bytes_per_second=1.0)
+    ops = object()
+    assert local.layout(8, [Placement("dp_shard", None)]).rank_work(RankWork(ops, 1000), inputs) == RankWork(ops, 1000)
+    assert layout.rank_work(RankWork(ops, 1000, 0.5), inputs) == RankWork(ops, 500, 1.5)

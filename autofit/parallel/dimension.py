@@ -19,7 +19,9 @@ Note [layout dimensions]
       - whether its ranks share their rows (:attr:`Dimension.shares_rows`: tensor and context parallel split a row's
         work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`);
       - its collectives' time in a step (:meth:`Dimension.collective_seconds`, summed by
-        ``autofit.parallel.layout.collective_seconds``);
+        ``autofit.parallel.layout.collective_seconds``), and its share of one rank's work, what the time model
+        prices (:meth:`Dimension.rank_work`, folded by :meth:`Layout.rank_work`: tensor parallel's split ops and
+        parameters and its all-reduces);
       - its share of the step's memory (Note [a dimension's share of memory]): how many ways it splits the model a
         rank computes with (:meth:`Dimension.model_ways`), how many more it shards what a rank keeps at rest
         (:meth:`Dimension.state_ways`), and what it keeps gathered from forward to backward
@@ -56,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Protocol
 
@@ -64,7 +66,7 @@ from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links
 
 __all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts", "ExportInputs", "ExportFragment",
-           "FRAMEWORKS", "merge_settings", "StepKnobs"]
+           "FRAMEWORKS", "merge_settings", "StepKnobs", "RankWork", "WorkInputs"]
 
 # the frameworks a plan is exported to (autofit/emit/export.py): Hugging Face's TrainingArguments, DeepSpeed's config,
 # Lightning's Trainer and strategies, Accelerate's config file, torchtitan's TOML
@@ -122,6 +124,31 @@ def merge_settings(into: dict[str, Any], settings: Mapping[str, Any]) -> dict[st
         else:
             into[key] = value
     return into
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWork:
+    """One rank's work in a step as the time model prices it (``solve.time_model.build_time_model``): ``ops`` the
+    op costs it computes (an ``OpCosts``, analysed at the model's whole shapes), ``param_bytes`` the parameter bytes
+    its data-parallel collectives move, ``seconds`` the dimensions' own collectives per optimizer step (tensor
+    parallel's all-reduces, which need the analysis' activation sizes). Each dimension takes its share in
+    :meth:`Dimension.rank_work`."""
+
+    ops: Any
+    param_bytes: int
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkInputs:
+    """What a dimension's share of a rank's work reads besides the layout: the model, each module's output bytes
+    per sample as analysed (``output_bytes(name)``), the rows one rank trains per optimizer step, and the bandwidth
+    of the links within a node, where a group whose collectives run in every layer is placed."""
+
+    model: Any
+    output_bytes: Callable[[str], float]
+    rows: int
+    link_bytes_per_second: float
 
 
 class StepKnobs(Protocol):
@@ -186,8 +213,13 @@ class Dimension:
         """Seconds of this dimension's collectives in one optimizer step of ``micro_batches`` over ``links`` (no
         overlap with compute assumed: a ranking, not a forecast), of parameters and gradients of ``param_bytes`` and
         ``grad_bytes`` whole; ``layout`` is the data-parallel part of a step's layout (tensor parallel's all-reduces,
-        which need the analysis' activation sizes, are counted apart: ``parallel/tensor.tensor_reduce_bytes``)."""
+        which need the analysis' activation sizes, are counted apart: :meth:`rank_work`)."""
         return 0.0
+
+    def rank_work(self, layout: Layout, placement: Placement, work: RankWork, inputs: WorkInputs) -> RankWork:
+        """``work`` with this dimension's share taken (the ops one rank of its group computes, the parameter bytes
+        it holds, its own collectives' seconds added): unchanged by default."""
+        return work
 
     def model_ways(self, layout: Layout, placement: Placement) -> int:
         """The ways this dimension splits the model one rank computes with (Note [a dimension's share of memory]):
@@ -309,6 +341,13 @@ class Layout:
         their rows (one tensor-parallel group trains the same rows)."""
         return self.world_size // math.prod(p.degree for p in self.placements
                                             if self.registry[p.dimension].shares_rows)
+
+    def rank_work(self, work: RankWork, inputs: WorkInputs) -> RankWork:
+        """One rank's share of ``work`` (the whole model's, as analysed): each dimension's
+        (:meth:`Dimension.rank_work`) taken in mesh order."""
+        for p in self.placements:
+            work = self.registry[p.dimension].rank_work(self, p, work, inputs)
+        return work
 
     @property
     def model_ways(self) -> int:

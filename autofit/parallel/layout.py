@@ -221,7 +221,7 @@ class Parallel:
     @property
     def data_parallel(self) -> Parallel:
         """The layout the data-parallel collectives run over: FSDP2 over world_size // tensor_parallel ranks, and one
-        process when tensor parallel takes every rank (its own all-reduces are counted apart)."""
+        process when tensor parallel takes every rank (its own all-reduces are counted apart: ``Layout.rank_work``)."""
         if self.tensor_parallel == 1:
             return self
         if self.world_size == self.tensor_parallel:

@@ -6,14 +6,16 @@ resolved plan's styles, Note [sequence parallel])."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError
-from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs
+from autofit.parallel.collectives import ring_seconds
+from autofit.parallel.dimension import (Dimension, ExportFragment, ExportInputs, Layout, Placement, RankWork, StepKnobs,
+                                       WorkInputs)
 from autofit.parallel.sequence_parallel import is_sequence_parallel, require_sequence_split
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
 
@@ -23,6 +25,14 @@ __all__ = ["TENSOR", "Split", "tensor_group_bytes", "tensor_reduce_bytes", "spli
 class Split(Protocol):
     """What one rank's share reads of a layout (``autofit.parallel.layout.Parallel``, which imports this module's
     registry): the degree and the resolved plan."""
+
+    tensor_parallel: int
+    tensor_plan: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class _Share:
+    """A placement of this dimension read as a :class:`Split`: the degree and the resolved plan."""
 
     tensor_parallel: int
     tensor_plan: tuple[tuple[str, str], ...]
@@ -92,6 +102,18 @@ class _Tensor(Dimension):
         if not isinstance(raf, bool):
             return False
         return not (layout.data_ranks == 1 and space.device.foreach_optimizers)
+
+    def rank_work(self, layout: Layout, placement: Placement, work: RankWork, inputs: WorkInputs) -> RankWork:
+        """One rank of the group runs its 1/T of the split layers' ops (:func:`split_ops`), holds their 1/T
+        (:func:`tensor_group_bytes`), and all-reduces the activations of every split layer over the group's ring
+        within one node (:func:`tensor_reduce_bytes`, for the rows one rank trains)."""
+        if placement.degree == 1:
+            return work
+        split = _Share(placement.degree, placement.option("plan", ()))
+        reduced = inputs.rows * tensor_reduce_bytes(inputs.model, split, inputs.output_bytes)
+        return RankWork(split_ops(work.ops, split), tensor_group_bytes(inputs.model, split),
+                        work.seconds + ring_seconds("all_reduce", split.tensor_parallel, reduced,
+                                                    inputs.link_bytes_per_second))
 
     def model_ways(self, layout: Layout, placement: Placement) -> int:
         """A rank computes with 1/T of the split layers, counted as 1/T of the model (Note [a dimension's share of

@@ -19,7 +19,7 @@ from autofit.solve.estimator import Estimator
 from autofit.solve.ladder import Stage
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.search import SearchSpace
-from autofit.solve.sharding import ring_seconds, split_ops, tensor_group_bytes, tensor_reduce_bytes
+from autofit.parallel.dimension import RankWork, WorkInputs
 from autofit.solve.time_model import build_time_model
 from autofit.training.step import forward_errors
 
@@ -102,15 +102,13 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
         # what save_on_cpu would copy: the module's saved activations, and its weights (it packs every saved tensor)
         saved = {r.name: (float(r.saved_bytes_fixed + r.param_bytes), float(r.saved_bytes_per_sample))
                  for r in a.table.rows if r.name}
-        ops, param_bytes, tensor = a.ops, a.table.row("").param_bytes, 0.0
-        if parallel.tensor_parallel > 1:  # one rank's share of the split layers, FSDP2 over the other dim
-            tp = parallel.tensor_parallel
-            ops, param_bytes = split_ops(a.ops, parallel), tensor_group_bytes(request.model, parallel)
-            reduced = rows * tensor_reduce_bytes(request.model, parallel,
-                                                 lambda name: a.table.row(name).output_bytes_per_sample)
-            tensor = ring_seconds("all_reduce", tp, reduced, request.device.interconnect_bytes_per_second)
-        time[p.label] = build_time_model(ops, param_bytes, request.device, parallel.data_parallel, saved_bytes=saved,
-                                        tensor_seconds=tensor)
+        # one rank's share of the whole model's work: each dimension's (tensor parallel's split layers and
+        # all-reduces, Dimension.rank_work), then FSDP2's collectives over the data-parallel part
+        work = parallel.layout.rank_work(RankWork(a.ops, a.table.row("").param_bytes), WorkInputs(
+            model=request.model, output_bytes=lambda name, t=a.table: t.row(name).output_bytes_per_sample,
+            rows=rows, link_bytes_per_second=request.device.interconnect_bytes_per_second))
+        time[p.label] = build_time_model(work.ops, work.param_bytes, request.device, parallel.data_parallel,
+                                        saved_bytes=saved, dimension_seconds=work.seconds)
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
                        fixed_selective=request.fixed_selective, fixed_op_selective=request.fixed_op_selective,

@@ -205,14 +205,14 @@ class TimeModel:
 
 def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, parallel: Parallel = Parallel(), *,
                      saved_bytes: Mapping[str, tuple[float, float]] | None = None,
-                     tensor_seconds: float = 0.0) -> TimeModel:
+                     dimension_seconds: float = 0.0) -> TimeModel:
     """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
     states; FSDP2 streams one shard), the data-parallel collectives of ``parallel`` (its data-parallel part:
     ``Parallel.data_parallel``), and offloading's transfers (``saved_bytes``: each module's saved activations, fixed
     and per sample; ``parallel.offload_states``: FSDP2's CPUOffloadPolicy) over the target's host link (Note [offload
     time]); offloading FSDP2 reduce-scatters every micro-batch (Note [offload]), as ``reduce_every_micro_batch`` does
-    (Note [gradient sync under accumulation], autofit/training/step.py); ``tensor_seconds``: tensor parallel's
-    all-reduces per optimizer step (``parallel/tensor.tensor_reduce_bytes``)."""
+    (Note [gradient sync under accumulation], autofit/training/step.py); ``dimension_seconds``: the layout
+    dimensions' own collectives per optimizer step (``Layout.rank_work``: tensor parallel's all-reduces)."""
     world_size = parallel.world_size
     optimizer_bytes = 4 * param_bytes // parallel.shard_group
     if parallel.offload_states:
@@ -220,12 +220,13 @@ def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, paral
     links = Links.of(target)
 
     def collectives(micro_batches: int) -> float:
-        return collective_seconds(parallel, links, param_bytes, param_bytes, micro_batches) + tensor_seconds
+        return collective_seconds(parallel, links, param_bytes, param_bytes, micro_batches) + dimension_seconds
 
     # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
     shard = param_bytes // parallel.shard_group
     return TimeModel(target.throughput, ops, optimizer_bytes,
-                     collectives if (parallel.strategy and world_size > 1) or tensor_seconds else None, saved_bytes=dict(saved_bytes or {}),
+                     collectives if (parallel.strategy and world_size > 1) or dimension_seconds else None,
+                     saved_bytes=dict(saved_bytes or {}),
                      host_transfer=target.throughput.host_transfer_bytes_per_second,
                      offload_states=parallel.offload_states,
                      state_param_bytes=shard if parallel.offload_states else 0)
