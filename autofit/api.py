@@ -29,7 +29,7 @@ from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.solve.terms import large_term_notes
-from autofit.parallel.layout import Strategy, as_strategy, check_layout
+from autofit.parallel.layout import Parallel, Strategy, as_strategy, check_layout
 from autofit.training.step import StepConfig, forward_errors, make_step_config
 from autofit.parallel.sequence_parallel import require_sequence_split
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
@@ -76,14 +76,16 @@ def _config(model, given: _OneStep, micro_batch_size, optimizer, clip_grad_norm,
         require_sequence_split(tensor_plan, tensor_parallel, batch.tensors(), "the sample")
     units = shard_units(model) if sharded else ()
     chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
+    layout = Parallel(strategy=strategy, world_size=world_size, shard_units=units,
+                      offload_states=bool(step.offload_states),
+                      reduce_every_micro_batch=bool(step.reduce_every_micro_batch),
+                      reshard_after_forward=lay.reshard_after_forward, replicate=lay.replicate,
+                      tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan))
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=step.accumulation_steps,
                             precision=given.precision, checkpoint=step.checkpoint, optimizer=optimizer,
                             device=given.device, gpu=given.gpu, clip_grad_norm=clip_grad_norm,
                             optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
-                            offload_states=step.offload_states, strategy=strategy, world_size=world_size,
-                            shard_units=units, reduce_every_micro_batch=step.reduce_every_micro_batch,
-                            chunked_loss=chunks, reshard_after_forward=lay.reshard_after_forward,
-                            replicate=lay.replicate, tensor_parallel=tensor_parallel, tensor_plan=tensor_plan,
+                            layout=layout, chunked_loss=chunks,
                             compile=step.compile, preallocated_grads=step.preallocated_grads,
                             held_rows=_held_rows(step.inputs, micro_batch_size, step.accumulation_steps),
                             gradient_as_bucket_view=step.gradient_as_bucket_view, zero_grad=step.zero_grad,

@@ -246,8 +246,9 @@ def _layouts(model: nn.Module, batch: Batch, lay: Layout, batch_size: int, clip_
     tensors = tensor_options(model, world_size, per_node, strategy, lay.tensor_parallel, lay.tensor_parallel_plan,
                              batch.tensors())
     if tensors != (1,) and lay.tensor_parallel != "auto" and clip_grad_norm is not None:
-        make_step_config(micro_batch_size=1, strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
-                         tensor_plan=(("", "colwise"),), clip_grad_norm=clip_grad_norm)  # raises, naming why
+        make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm,  # raises, naming why
+                         layout=Parallel(strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
+                                         tensor_plan=(("", "colwise"),)))
     return dict(world_size=world_size, per_rank=batch_size // world_size,
                 strategies=(strategy,) if strategy is not None or world_size == 1 else tuple(Strategy),
                 gpus_per_node=per_node, reshard_options=reshards, replicate_options=replicates,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import autofit
+from autofit.parallel.layout import Parallel
 from autofit.training.batch import as_batch
 from autofit.training.loss import compute_loss
 from autofit.simulate.run import simulate_step
@@ -160,8 +161,8 @@ def test_fsdp2_estimate_falls_with_world_size():
     units = shard_units(case.model)
     peaks, params = [], []
     for world in (2, 4, 8):
-        config = make_step_config(micro_batch_size=4, optimizer="adamw", strategy="fsdp2", world_size=world,
-                                  shard_units=units)
+        config = make_step_config(micro_batch_size=4, optimizer="adamw",
+                                  layout=Parallel(strategy="fsdp2", world_size=world, shard_units=units))
         sim = simulate_step(case.model, as_batch(case.sample), as_batch(case.target, what="target"), case.loss_fn,
                             config)
         peaks.append(sim.replay.peak_bytes)

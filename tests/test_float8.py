@@ -14,6 +14,7 @@ from torch import nn
 
 import autofit
 from autofit.core.errors import InvalidInputError, UnsupportedFeatureError
+from autofit.parallel.layout import Parallel
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 
@@ -78,8 +79,8 @@ def _forward_gathers(model: nn.Module, float8) -> list[int]:
 
     ids = torch.randint(0, 256, (2, 32))
     batch, target = as_inputs(ids, ids, None, 0)
-    config = make_step_config(micro_batch_size=2, strategy="fsdp2", world_size=2, shard_units=shard_units(model),
-                              float8=float8)
+    config = make_step_config(micro_batch_size=2, float8=float8,
+                              layout=Parallel(strategy="fsdp2", world_size=2, shard_units=shard_units(model)))
     timeline = simulate_step(model, batch, target, None, config).timeline
     made = {}
     for s in timeline.storages:
@@ -346,7 +347,7 @@ def test_the_float8_all_gather_needs_fsdp2_and_is_not_measured_on_gloo():
     from autofit.training.step import make_step_config
 
     with pytest.raises(InvalidInputError, match="strategy='fsdp2'"):
-        make_step_config(micro_batch_size=1, strategy="ddp", world_size=2, float8=Float8(all_gather=True))
+        make_step_config(micro_batch_size=1, float8=Float8(all_gather=True), layout=Parallel(strategy="ddp", world_size=2))
     with pytest.raises(InvalidInputError, match="gloo"):
         autofit.measure(nn.Linear(64, 64), torch.randn(4, 64), micro_batch_size=2,
                         loss_fn=lambda out: out.sum(), layout=autofit.Layout(world_size=2, strategy="fsdp2"),

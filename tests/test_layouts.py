@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autofit
+from autofit.parallel.layout import Parallel
 from autofit.training.batch import as_batch
 from autofit.training.loss import compute_loss
 from zoo import ZOO
@@ -92,8 +93,8 @@ def test_zero2_holds_the_gathered_units_between_forward_and_backward():
     units = shard_units(case.model)
     peaks = {}
     for raf in (True, False):
-        config = make_step_config(micro_batch_size=4, optimizer="adamw", strategy="fsdp2", world_size=2,
-                                  shard_units=units, reshard_after_forward=raf)
+        config = make_step_config(micro_batch_size=4, optimizer="adamw", layout=Parallel(
+            strategy="fsdp2", world_size=2, shard_units=units, reshard_after_forward=raf))
         peaks[raf] = simulate_step(case.model, as_batch(case.sample), as_batch(case.target, what="target"),
                                    case.loss_fn, config).replay.peak_bytes
     unit_bytes = sum(p.numel() * p.element_size() for u in units for p in case.model.get_submodule(u).parameters())
@@ -107,7 +108,7 @@ def test_offloaded_states_over_ranks_train_a_full_batch_step_and_match_the_alloc
     torch.manual_seed(0)
     case = ZOO["gpt_sdpa"]()
     base = _plan(case, 2, True)
-    memory = dataclasses.replace(base, offload_states=True)
+    memory = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, offload_states=True))
     est = autofit.estimate(case.model, case.sample, micro_batch_size=memory.micro_batch_size, target=case.target,
                            loss_fn=case.loss_fn, device="cpu", layout=autofit.Layout(world_size=2, strategy="fsdp2"),
                            precision="fp32",

@@ -32,7 +32,8 @@ def test_a_timeline_does_not_grow_after_its_simulation_returns():
     model = _llama()
     ids = torch.randint(0, 500, (2, 16))
     batch, target = as_inputs(ids, ids)
-    config = make_step_config(micro_batch_size=2, strategy="fsdp2", world_size=2, shard_units=shard_units(model))
+    config = make_step_config(micro_batch_size=2,
+                              layout=Parallel(strategy="fsdp2", world_size=2, shard_units=shard_units(model)))
     sim = simulate_step(model, batch, target, None, config)
     events = len(sim.timeline.events)
     gc.collect()  # the fake copy and whatever cycles it was in are gone now

@@ -227,11 +227,11 @@ def make_step_config(
     clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
     chunked_loss: LossChunks | None = None, compile: bool = False, preallocated_grads: bool = False,
     gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", layout: Parallel | None = None,
-    float8: Any = None, **layout_fields: Any,
+    float8: Any = None,
 ) -> StepConfig:
-    """The step from flat keywords (estimate's and measure's). ``layout``: the parallel layout as one value (what
-    the planner passes); or its fields as keywords (``strategy="fsdp2", world_size=2, ...``: the fields of
-    :class:`~autofit.parallel.layout.Parallel`), its shortcut; one or the other."""
+    """The step from its knobs as keywords, each read as the user gives it (a checkpoint mapping, a device string,
+    an optimizer name). ``layout``: the parallel layout, one value (:class:`~autofit.parallel.layout.Parallel`);
+    None: one process."""
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
     if checkpoint == "auto":
@@ -241,11 +241,7 @@ def make_step_config(
         )
     checkpoint, selective, op_selective = _checkpoint_policies(checkpoint)
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
-    if layout is None:  # sequences held as tuples and flags as bools, as the layout holds them
-        layout = Parallel(**{k: _LAYOUT_AS_HELD.get(k, _same)(v) for k, v in layout_fields.items()})
-    elif layout_fields:
-        raise InvalidInputError(f"give the layout as one value (layout=) or as its fields ({', '.join(layout_fields)})"
-                                ", not both")
+    layout = Parallel() if layout is None else layout
     return StepConfig(
         micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
         checkpoint=checkpoint, selective=selective, op_selective=op_selective, optimizer=as_optimizer_spec(optimizer),
@@ -256,14 +252,6 @@ def make_step_config(
         compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
         zero_grad=zero_grad, float8=float8,
     )
-
-
-_LAYOUT_AS_HELD = {"shard_units": tuple, "tensor_plan": tuple, "offload_states": bool,
-                   "reduce_every_micro_batch": bool}
-
-
-def _same(value: Any) -> Any:
-    return value
 
 
 def _check_preallocated(config: StepConfig) -> None:
