@@ -179,3 +179,26 @@ def test_verify_materialises_tied_weights_tied():
     real = materialise(model, torch.device("cpu"))
     assert real[1].weight is real[0].weight and real[0].weight.device.type == "cpu"
     assert len(list(real.parameters())) == 1  # as many parameters as the planned (meta) model has
+
+
+def test_the_lengths_table_counts_the_micro_batches_of_a_data_rank():
+    """Rows per micro-batch at shorter lengths: a data-parallel rank's rows over them. Under tensor parallel T 2 over
+    4 ranks two data ranks train 16 rows, 8 each (a tensor-parallel group's ranks share theirs): by hand 8 / 4 = 2
+    micro-batches at the sample's length, 8 / 8 = 1 at half of it."""
+    from dataclasses import replace
+
+    from autofit.cli.render import lengths_table
+    from autofit.core.report import MemoryEstimate
+    from autofit.parallel.layout import Parallel
+    from autofit.training.precision import PrecisionPolicy
+
+    plan = autofit.Plan(micro_batch_size=4, gradient_accumulation_steps=2, batch_size=16, last_micro_batch_size=4,
+                        precision=PrecisionPolicy(name="fp32"), checkpoint=(), peak_bytes=1, device_bytes=1,
+                        budget_bytes=1, device="cpu", optimizer="adamw", predicted_step_seconds=0.0,
+                        estimate=MemoryEstimate(peak_bytes=1, breakdown={}), rows_by_length=((128, 4), (64, 8)),
+                        parallel=Parallel(strategy="fsdp2", world_size=4, tensor_parallel=2,
+                                          tensor_plan=(("0", "colwise"),)))
+    assert plan.parallel.data_ranks == 2
+    assert list(lengths_table(plan).columns[3].cells) == ["2", "1"]
+    one = replace(plan, parallel=Parallel())  # one process trains all 16: 4 and 2 micro-batches
+    assert list(lengths_table(one).columns[3].cells) == ["4", "2"]

@@ -127,7 +127,7 @@ def lengths_table(plan: Plan) -> Table:
     for column in ("length", "of the sample's", "rows per micro-batch", "micro-batches per batch"):
         table.add_column(column, justify="right")
     longest = plan.rows_by_length[0][0]
-    per_rank = plan.batch_size // plan.parallel.world_size
+    per_rank = plan.batch_size // plan.parallel.data_ranks  # a tensor-parallel group's ranks share their rows
     for length, rows in plan.rows_by_length:
         share = "1" if length == longest else f"1/{round(longest / length)}"
         table.add_row(str(length), share, str(rows), str(-(-per_rank // rows)))
