@@ -156,3 +156,17 @@ def test_opt_in_rungs_follow_the_stored_precisions_cumulative_before_the_host():
     # data-parallel layouts get no opt-in rung (the distributed trainers build neither)
     assert not any(s.opt_in for s in ladder(replace(request, world_size=2, offload=False),
                                             Parallel(strategy="ddp", world_size=2)))
+
+
+def test_a_layout_with_no_reduce_scatter_to_move_has_no_reducing_rung():
+    """Tensor parallel over every rank runs no fully_shard (its data ranks are 1): reducing every micro-batch would
+    run the same step as the rung before it, so the ladder has no such rung; FSDP2 x TP over data ranks has one.
+    (Before, the pure tensor-parallel ladder searched the same step twice, the second named "FSDP2 reducing every
+    micro-batch".)"""
+    request = _request(world_size=2, stored=(), offload=False)
+    tp = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=(("0", "colwise"),))
+    assert not tp.defers_gradients
+    assert [s.parallel for s in ladder(request, tp)] == [tp, tp]  # the model's own dtype, both precisions
+    both = Parallel(strategy="fsdp2", world_size=4, tensor_parallel=2, tensor_plan=(("0", "colwise"),))
+    four = ladder(_request(world_size=4, stored=(), offload=False), both)
+    assert [s.parallel.reduce_every_micro_batch for s in four] == [False, False, True]

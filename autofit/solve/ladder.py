@@ -120,7 +120,7 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
             in_backward=_in_backward(request, layout, policies) if i == own else (),
             floor_bytes=states_bytes(request, layout, policies[0], k) + _gathered_bytes(request, layout, policies),
         ))
-    if reducing is not None and parallel.defers_gradients:  # Note [a deferral that cannot fit]
+    if reducing is not None:  # the layout defers: Note [a deferral that cannot fit]
         rungs[:own + 1] = [replace(r, accumulating_floor=r.floor_bytes + _deferred_gradients_floor(request, r))
                            for r in rungs[:own + 1]]
     rungs += _opt_in(request, parallel, stages[-1], k)
@@ -290,10 +290,12 @@ def _deferred_gradients_floor(request: PlanRequest, stage: Stage) -> int:
 
 
 def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
-    """FSDP2 reduce-scattering after every micro-batch (Note [gradient sync under accumulation], autofit/training/step.py), or
-    None where it changes nothing: not FSDP2 over several ranks, the states on the host (which reduce every
-    micro-batch already), or one row per rank (no accumulation possible)."""
-    if not parallel.shards_parameters or parallel.world_size < 2 or parallel.offload_states or request.per_rank < 2:
+    """FSDP2 reduce-scattering after every micro-batch (Note [gradient sync under accumulation],
+    autofit/training/step.py), or None where it changes nothing: a layout that defers no reduce-scatter
+    (``Parallel.defers_gradients``: no FSDP2 over data ranks, tensor parallel over every rank included, whose step
+    has no reduce-scatter to move; the states on the host, which reduce every micro-batch already), or one row per
+    rank (no accumulation possible)."""
+    if not parallel.defers_gradients or request.per_rank < 2:
         return None
     return replace(parallel, reduce_every_micro_batch=True)
 
