@@ -347,7 +347,8 @@ def test_the_float8_all_gather_needs_fsdp2_and_is_not_measured_on_gloo():
     from autofit.training.step import make_step_config
 
     with pytest.raises(InvalidInputError, match="strategy='fsdp2'"):
-        make_step_config(micro_batch_size=1, float8=Float8(all_gather=True), layout=Parallel(strategy="ddp", world_size=2))
+        make_step_config(micro_batch_size=1, float8=Float8(all_gather=True),
+                         layout=Parallel(strategy="ddp", world_size=2))
     with pytest.raises(InvalidInputError, match="gloo"):
         autofit.measure(nn.Linear(64, 64), torch.randn(4, 64), micro_batch_size=2,
                         loss_fn=lambda out: out.sum(), layout=autofit.Layout(world_size=2, strategy="fsdp2"),

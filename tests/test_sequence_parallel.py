@@ -135,7 +135,8 @@ def _output_bytes(case, plan):
     from autofit.training.batch import as_batch
     from autofit.training.step import make_step_config
 
-    step = make_step_config(micro_batch_size=1, layout=Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan))
+    step = make_step_config(micro_batch_size=1,
+                            layout=Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan))
     table = analyse_model(case.model, as_batch(case.sample), None, None, step).table
     return lambda name: table.row(name).output_bytes_per_sample
 

@@ -26,7 +26,8 @@ def test_all_reduced_bytes_per_sample_counted_by_hand():
     q, k, v, gate and up in backward: 7 tensors of 32 tokens x 64 features in fp32, 2 layers."""
     case = tiny_llama()
     plan = resolve_tensor_plan(case.model, 2)
-    step = make_step_config(micro_batch_size=1, layout=Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan))
+    step = make_step_config(micro_batch_size=1,
+                            layout=Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan))
     analysis = analyse_model(case.model, as_batch(case.sample), None, None, step)
     parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
     per_sample = tensor_reduce_bytes(case.model, parallel, lambda n: analysis.table.row(n).output_bytes_per_sample)

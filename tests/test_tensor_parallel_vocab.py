@@ -156,7 +156,8 @@ def test_vocabulary_split_collectives_counted_by_hand():
     tokens = 32
     case = tiny_llama_vocab()
     plan = resolve_tensor_plan(case.model, 2, _mapping(case.model))
-    step = make_step_config(micro_batch_size=1, layout=Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan))
+    step = make_step_config(micro_batch_size=1,
+                            layout=Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan))
     analysis = analyse_model(case.model, as_batch(case.sample), None, None, step)
     parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
     per_sample = tensor_reduce_bytes(case.model, parallel, lambda n: analysis.table.row(n).output_bytes_per_sample)
