@@ -15,7 +15,7 @@ from autofit.emit.plan import Plan
 from autofit.training.recompute import POLICIES
 from autofit.core.units import format_bytes, format_mib
 
-__all__ = ["render_plan", "console_for", "group_names", "knobs_table"]
+__all__ = ["render_plan", "console_for", "group_names", "knobs_table", "lengths_table"]
 
 def knobs_table(plan: Plan, model_description: str) -> Table:
     table = Table(title="autofit plan", show_header=False, title_justify="left")
