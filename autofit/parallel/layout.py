@@ -171,6 +171,12 @@ class Parallel:
         when it reduces every micro-batch, nor with the states on the host (CPUOffloadPolicy reduces every one)."""
         return self.fully_sharded and not self.reduce_every_micro_batch and not self.offload_states
 
+    def reducing_every_micro_batch(self) -> Parallel | None:
+        """This layout reduce-scattering after every micro-batch (Note [gradient sync under accumulation],
+        autofit/training/step.py), or None where that changes nothing: it defers no reduce-scatter
+        (:attr:`defers_gradients`)."""
+        return replace(self, reduce_every_micro_batch=True) if self.defers_gradients else None
+
     def states_on_host(self, units: Callable[[], tuple[str, ...]]) -> Parallel | None:
         """This layout with the parameters, gradients and optimizer state in host memory, FSDP2's CPUOffloadPolicy
         (Note [offload], autofit/training/step.py): each rank of FSDP2 over several keeps its shard there; one

@@ -295,9 +295,7 @@ def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | Non
     (``Parallel.defers_gradients``: no FSDP2 over data ranks, tensor parallel over every rank included, whose step
     has no reduce-scatter to move; the states on the host, which reduce every micro-batch already), or one row per
     rank (no accumulation possible)."""
-    if not parallel.defers_gradients or request.per_rank < 2:
-        return None
-    return replace(parallel, reduce_every_micro_batch=True)
+    return None if request.per_rank < 2 else parallel.reducing_every_micro_batch()
 
 
 def _in_backward(request: PlanRequest, parallel: Parallel,

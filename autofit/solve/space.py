@@ -74,9 +74,7 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
 def single_step_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
     """The layout whose analysis prices ``parallel``'s step of one micro-batch, where ``parallel``'s own cannot
     (Note [an accumulation-free FSDP2 step]); None where it can."""
-    if not parallel.defers_gradients:
-        return None
-    return replace(parallel, reduce_every_micro_batch=True)
+    return parallel.reducing_every_micro_batch()
 
 
 def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
