@@ -225,7 +225,7 @@ def estimate(
 
 
 def bucket_note(views: bool) -> str:
-    """What a DDP estimate assumed of the buckets (Note [DDP's bucket views], autofit/simulate/parallel.py)."""
+    """What a DDP estimate assumed of the buckets (Note [DDP's bucket views], autofit/parallel/simulated.py)."""
     if views:
         return ("DDP with gradient_as_bucket_view=True (as autofit's trainer wraps it): every gradient is a view into "
                 "the communication buckets; with torch's default (False: Lightning's DDPStrategy, Hugging Face's "

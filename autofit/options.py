@@ -243,7 +243,7 @@ class Step:
     zero_grad: str = "after-step"
     # DDP's bucket mode (strategy "ddp"): True, as autofit's trainer wraps the model (gradients are views into the
     # buckets); False, torch's default, which Lightning, Hugging Face's Trainer and Accelerate use (a second,
-    # gradient-sized copy: Note [DDP's bucket views], autofit/simulate/parallel.py)
+    # gradient-sized copy: Note [DDP's bucket views], autofit/parallel/simulated.py)
     gradient_as_bucket_view: bool = True
     # the rows of inputs and targets resident during the step: "batch" (the whole window's, as plan.wrap's trainer
     # receives the batch and slices it; the figure a plan names) or "micro-batch" (a loop that loads each

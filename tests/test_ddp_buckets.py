@@ -1,4 +1,4 @@
-"""DDP's bucket views (Note [DDP's bucket views], autofit/simulate/parallel.py; issue 39). A DDP plan counts the
+"""DDP's bucket views (Note [DDP's bucket views], autofit/parallel/simulated.py; issue 39). A DDP plan counts the
 gradients inside DDP's buckets (``gradient_as_bucket_view=True``, as autofit's trainer wraps the model); torch's
 default keeps a second gradient-sized copy. The exports set the mode in each framework's own object, built here for
 real; ``estimate`` takes either mode, says which, and is held to the CPU allocator of two gloo ranks in each."""

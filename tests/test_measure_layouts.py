@@ -102,7 +102,7 @@ def test_a_rank_that_dies_is_a_typed_error():
 def test_zero3_of_a_llama_without_hugging_face_within_half_a_percent():
     """benchmarks/llama.py's Llama (hidden 64, 2 layers, untied head), FSDP2 ZeRO-3 over 2 ranks, 2 rows of 32: every
     rank measures 1,896,444 B, at the backward prefetch of layers.0, where its gathered parameters, gloo's staging copy
-    of them (Note [gloo's staging copies], simulate/parallel.py) and layers.1's are alive at once. Without that copy
+    of them (Note [gloo's staging copies], parallel/simulated.py) and layers.1's are alive at once. Without that copy
     the estimate was 1,846,780 B (-2.6 %); the Hugging Face tiny Llama above peaks elsewhere. The gloo profile of
     rank 0 showed the copy: an ``aten::empty`` of 147,968 B (36,992 fp32 parameters of a layer) inside
     ``c10d::_allgather_base_``, freed by the next event."""

@@ -13,7 +13,7 @@ import pytest
 from torch import nn
 
 import autofit
-from autofit.simulate import run as simulation
+from autofit.simulate import window as simulation
 
 pytestmark = pytest.mark.sim  # the simulation tier (tests/conftest.py)
 

@@ -43,7 +43,7 @@ def analyse_model(
     sample's rows, at the sample's largest micro-batch of each size (Note [rows that differ]). CPU kernel probes run
     only with ``probe_kernels=True`` and a CPU step: the planner asks for them on CPU targets, so the scratch
     memory of CPU kernels is in its models; ``autofit.analyse`` does not. A step with a ``strategy`` simulates one
-    rank of a data-parallel step (``simulate/parallel.py``).
+    rank of a data-parallel step (``parallel/simulated.py``).
     """
     # the same analysis for another card of the same rules (Note [one analysis for several cards])
     return shared("analyse_model", lambda: _analyse(model, batch, target, loss_fn, step, probe_kernels=probe_kernels,

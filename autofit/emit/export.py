@@ -25,7 +25,7 @@ Selective recomputation (autofit/training/recompute.py): every export lists the 
 own switches cannot (HF's ``gradient_checkpointing`` recomputes every decoder layer with one policy). DeepSpeed's
 activation checkpointing recomputes whole modules and has no op-level policy, which its export says.
 
-DDP's bucket views (Note [DDP's bucket views], autofit/simulate/parallel.py): a DDP plan counts the gradients inside
+DDP's bucket views (Note [DDP's bucket views], autofit/parallel/simulated.py): a DDP plan counts the gradients inside
 DDP's communication buckets (``gradient_as_bucket_view=True``, as autofit's trainer wraps the model); torch's default,
 which these frameworks keep unless told, holds one more gradient-sized copy. Every DDP export carries the setting
 in the framework's own terms: Lightning's ``ddp_strategy`` (``DDPStrategy(**ddp_strategy)``), Accelerate's

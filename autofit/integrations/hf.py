@@ -14,7 +14,7 @@ training begins, with autofit's own patch (non-reentrant ``torch.utils.checkpoin
 simulated), and removes it when training ends.
 
 A DDP plan counts the gradients inside DDP's buckets (``gradient_as_bucket_view=True``, Note [DDP's bucket views] in
-autofit/simulate/parallel.py), which ``TrainingArguments`` cannot express: :func:`bucket_views` sets it on the
+autofit/parallel/simulated.py), which ``TrainingArguments`` cannot express: :func:`bucket_views` sets it on the
 Trainer's Accelerator, after the Trainer is built and before ``train()`` wraps the model.
 
 The Trainer clears the gradients after the optimizer step (transformers/trainer.py: ``model.zero_grad()`` right after

@@ -52,7 +52,7 @@ def laid_out(model: nn.Module, layout: Parallel, device_type: str, *, gradient_a
 
 
 # The one place a mesh is built and a model wrapped in DDP: the simulation (on a fake process group,
-# simulate/parallel.py), measure (``laid_out``) and the distributed trainer (emit/distributed.py) all lay a model out
+# parallel/simulated.py), measure (``laid_out``) and the distributed trainer (emit/distributed.py) all lay a model out
 # through this module, so a layout is applied one way wherever it runs.
 def device_mesh(device_type: str, layout: Parallel):
     """The device mesh of ``layout`` over the default process group: one dim per dimension of degree > 1, named as

@@ -12,7 +12,7 @@ from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, 
 __all__ = ["REPLICATE", "DDP_KWARGS", "replicate_choices"]
 
 # DistributedDataParallel's keyword that a DDP plan's memory depends on (Note [DDP's bucket views],
-# autofit/simulate/parallel.py)
+# autofit/parallel/simulated.py)
 DDP_KWARGS = {"gradient_as_bucket_view": True}
 
 

@@ -7,7 +7,7 @@ Note [one schedule]
     micro-batch where the layout says so). torch's ``torch.distributed.pipelining`` makes the loop an object
     (``PipelineSchedule.step``: GPipe, 1F1B, interleaved), which owns which micro-batch runs when on which stage and
     how many are in flight; context parallel wraps each micro-batch in a context. So the loop lives here, once: the
-    simulation (``simulate/run.py``), ``measure`` (``measure/allocator.py``) and the trainers (``emit/trainer.py``,
+    simulation (``simulate/window.py``), ``measure`` (``measure/allocator.py``) and the trainers (``emit/trainer.py``,
     ``emit/distributed.py`` through it) each hand the schedule the body of one micro-batch, and a pipeline schedule
     is another class with the same two answers: how many micro-batches a simulation must run to see the peak
     (:meth:`Sequential.simulated`), and how many micro-batches' activations are alive at once

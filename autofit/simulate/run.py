@@ -51,19 +51,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-import torch
 from torch import nn
 
-from autofit.core._torch import (
-    DATA_DEPENDENT_ERRORS,
-    disable_current_modes,
-    FakeTensorMode,
-    unset_fake_temporarily,
-    value_free_grad_scaler,
-)
+from autofit.core._torch import FakeTensorMode, disable_current_modes
 from autofit.core._torch_compile import compiled_code_runs_eagerly
 from autofit.training.batch import Batch
-from autofit.training.config import DeviceKind, ZeroGrad
 from autofit.capture.model_copy import (
     fake_copy,
     fake_input,
@@ -76,38 +68,28 @@ from autofit.capture.module_stack import install_module_stack
 from autofit.capture.user_hooks import PreviousStep, hook_note, user_hooks_restored
 from autofit.core import progress
 from autofit.core.categories import Category
-from autofit.capture.corrections import FakeKernelStricter
-from autofit.core.errors import AutofitError, ForwardError, UnsupportedModelError
+from autofit.core.errors import UnsupportedModelError
 from autofit.features import FEATURES, convert_model
 from autofit.training.loss import LossFn
-from autofit.training.normalisation import LossNormalisation
 from autofit.simulate.compiled_model import compiled_for_simulation, compiled_note, upper_bound, warm_up
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
-from autofit.simulate.offload import host_optimizer, offloaded_states, tracked_save_on_cpu
-from autofit.simulate.parallel import ddp_buckets, fake_mesh, grads_into_buckets
+from autofit.simulate.offload import offloaded_states, tracked_save_on_cpu
+from autofit.parallel.simulated import simulated_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
 from autofit.core.shared import shared
-from autofit.simulate.state import (create_optimizer_state, drop_phantom_state, held_rows, register_state,
-                                    tracked_rng_state)
-from autofit.simulate.timeline import Phase, Replay, Timeline, replay
+from autofit.simulate.state import tracked_rng_state
+from autofit.simulate.timeline import Replay, Timeline, replay
 from autofit.simulate.traced_checks import eager_answers
 from autofit.simulate.tracker import StepTracker
-from autofit.simulate.value_free import ValueFreeStep, reads_values_harmlessly
-from autofit.simulate.value_twins import MAX_TWIN_BYTES, WEIGHT_READ, ValueTwins, reader_note
-from autofit.training.step import (
-    StepConfig,
-    optimizer_step,
-    patched_model,
-    run_micro_batch,
-)
-from autofit.training.stored import apply_stored
-from autofit.parallel.apply import apply_layout, gradient_sync
-from autofit.parallel.schedule import schedule_of
+from autofit.simulate.value_twins import MAX_TWIN_BYTES, ValueTwins, reader_note
+from autofit.simulate.window import DataDependent, StepState, forward_errors, run_window
+from autofit.training.step import StepConfig, patched_model
+from autofit.parallel.apply import apply_layout
 
-__all__ = ["Simulation", "simulate_step", "probes_kernels", "DeviceRules", "DATA_DEPENDENT_ERRORS"]
+__all__ = ["Simulation", "simulate_step", "probes_kernels", "DeviceRules"]
 
 
 # One prober per process: kernel scratch sizes depend only on the kernel signature and the machine.
@@ -186,20 +168,20 @@ def _hooked_step(model: nn.Module, batch: Batch, target: Any, loss_fn: LossFn | 
 def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_kernels: bool,
                    observer: Observer | None, device_rules: DeviceRules | None,
                    previous: PreviousStep | None = None) -> Simulation:
-    kw = dict(probe_kernels=probe_kernels, observer=observer, device_rules=device_rules, previous=previous)
+    around = _Around(probe_kernels, observer, device_rules, previous)
     try:
         with _quiet_engines():
-            sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=True,
-                                                      **kw), observed=observer is not None)
+            sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, around,
+                                                      fake=True), observed=observer is not None)
             if not config.device.is_host and sim.compiled and observer is None:  # Note [compiled models on a GPU target]
-                sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, fake=True, eager=True, **kw))
+                sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, around, fake=True, eager=True))
             return sim
-    except _DataDependent as e:
+    except DataDependent as e:
         require_real_inputs(batch, target, reader=f"{e.subject} reads tensor values ({e.cause})")
         try:
             with _quiet_engines():
-                sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, fake=False,
-                                                     **kw), observed=observer is not None)
+                sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, around,
+                                                     fake=False), observed=observer is not None)
         except UnsupportedModelError as e2:
             raise UnsupportedModelError(
                 f"{e.subject} {e.why} ({e.cause}), so autofit must run the step for real, but: {e2}"
@@ -221,57 +203,33 @@ def _quiet_engines() -> Iterator[None]:
         yield
 
 
-class _DataDependent(Exception):
-    def __init__(self, module: str, cause: str, why: str = "depends on tensor values", subject: str = "") -> None:
-        super().__init__(cause)
-        self.module, self.cause, self.why = module, cause, why
-        self.subject = subject or f"module {module or '(top level)'!r}"
+@dataclass(frozen=True)
+class _Around:
+    """What every simulation of one step runs with, besides the step: whether it probes the CPU's kernels, the
+    caller's instruments, the target device's rules, and what the previous step's hooks kept (Note [kept across
+    steps]), or None."""
+
+    probe_kernels: bool
+    observer: Observer | None
+    device_rules: DeviceRules | None
+    previous: PreviousStep | None
 
 
-@contextlib.contextmanager
-def _optimizer_values(optimizer: torch.optim.Optimizer, fake: bool) -> Iterator[None]:
-    """Around an optimizer step: see Note [optimizers that read values] (simulate/value_free.py)."""
-    free = fake and reads_values_harmlessly(optimizer)
-    try:
-        with ValueFreeStep() if free else contextlib.nullcontext():
-            yield
-    except DATA_DEPENDENT_ERRORS as e:
-        raise _DataDependent("", f"{type(e).__name__}: {e}".splitlines()[0], why="reads tensor values in its step",
-                             subject=f"the optimizer {_qualname(optimizer)}") from e
-    except FakeKernelStricter as e:
-        raise _DataDependent("", str(e), why="runs an op that cannot be simulated",
-                             subject=f"the optimizer {_qualname(optimizer)}") from e
-    except (AutofitError, _DataDependent):
-        raise
-    except Exception as e:  # noqa: BLE001 - an optimizer autofit cannot step on the simulated tensors
-        raise UnsupportedModelError(
-            f"the optimizer {_qualname(optimizer)} failed in the simulated step ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); autofit simulates torch.optim, bitsandbytes and torchao "
-            "optimizers (docs/fine-tuning.md): measure this one with autofit.measure, or report it"
-        ) from e
-
-
-def _qualname(obj: object) -> str:
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, probe_kernels: bool,
-              observer: Observer | None, device_rules: DeviceRules | None, eager: bool = False,
-              extreme: str = "top", previous: PreviousStep | None = None, locate: bool = False) -> Simulation:
+def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around, *, fake: bool,
+              eager: bool = False, extreme: str = "top", locate: bool = False) -> Simulation:
     """One simulation; ``eager``: compiled code runs eagerly (Note [compiled models on a GPU target]); ``extreme``:
     where small random draws land (Note [random layer skipping])."""
+    observer, device_rules, previous = around.observer, around.device_rules, around.previous
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    prober = _PROBER if probes_kernels(config, probe_kernels) else None
+    prober = _PROBER if probes_kernels(config, around.probe_kernels) else None
     if prober is not None:
         prober.skipped = prober.failed = 0
     work = convert_model(config, fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu"))
     # the device mesh holds real tensors: it is made before the fake mode is entered
-    mesh_ctx = fake_mesh(config.layout) \
-        if config.layout.shards_parameters else contextlib.nullcontext()
+    mesh_ctx = simulated_mesh(config.layout)
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
-    implementation = DeviceKind.CPU if config.layout.offload_states else config.device
+    implementation = config.optimizer_device
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
     with mesh_ctx as mesh, fake_mode if fake else contextlib.nullcontext(), target_implementation(implementation), \
@@ -282,7 +240,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None if target is None else target.map_tensors(to_sim).resize(config.micro_batch_size)
-        state = _StepState.build(work, config, fake, micro, micro_target)
+        state = StepState.build(work, config, fake, micro, micro_target)
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device.is_host or not fake else None)
         state.register(tracker, work, micro, micro_target)
@@ -305,7 +263,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 stack.enter_context(tracked_rng_state(fake))
                 rerouted = [] if fake else stack.enter_context(heavy_routing_during(work))  # Note [MoE routing]
                 if inductor:  # untracked; its value reads answered as the tracked step's are (Note [value twins])
-                    with _forward_errors(tracker), \
+                    with forward_errors(tracker), \
                             _twinned(work, model, micro, micro_target, batch, target, config, tracker) as twins, \
                             eager_answers(twins):
                         warm_up(work, micro, micro_target, loss_fn, config)
@@ -321,7 +279,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                 draws = stack.enter_context(
                     draws_at(extreme, work, lambda: tracker.module, locate=locate) if not inductor
                     else contextlib.nullcontext(Draws(extreme)))
-                _run_window(tracker, work, state, micro, micro_target, loss_fn, config, caster, stepped, fake=fake)
+                run_window(tracker, work, state, micro, micro_target, loss_fn, config, caster, stepped, fake=fake)
         finally:
             for h in handles:
                 h.remove()
@@ -335,47 +293,6 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, *, fake: bool, 
                       input_rows=max(config.held_rows, config.micro_batch_size),
                       row_reader=twins.sample_reader if twins is not None and twins.sample_reads else None,
                       row_program=twins.program if twins is not None and twins.sample_reads else None)
-
-
-@dataclass(frozen=True)
-class _StepState:
-    """What a simulated step holds before its first forward, made as the trainer makes it: the optimizer (with its
-    state), the stored-precision state, the loss scaler, DDP's buckets, the rest of the batch. It must outlive the
-    step: what it alone references would be freed in the middle of the tracked step."""
-
-    optimizer: torch.optim.Optimizer
-    stored: Any  # training/stored.py's StoredState
-    scaler: Any  # a value-free GradScaler, or None
-    buckets: list[torch.Tensor]
-    host_states: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
-    held: list[torch.Tensor]  # the rest of the batch the trainer slices micro-batches from
-
-    @classmethod
-    def build(cls, work: nn.Module, config: StepConfig, fake: bool, micro: Batch, micro_target: Any) -> _StepState:
-        with unset_fake_temporarily() if fake else contextlib.nullcontext():  # Note [optimizers that read values]
-            optimizer = config.optimizer.build(work.parameters())
-        # stored precision: the parameters converted and, with a master copy, the optimizer on fp32 copies of them,
-        # exactly as the trainer does (Note [stored precision])
-        stored = apply_stored(work, optimizer, config.precision.stored, config.precision.fp32_modules)
-        scaler = value_free_grad_scaler("cpu") if config.precision.needs_grad_scaler else None
-        with _optimizer_values(optimizer, fake):
-            # gradients a step leaves for the next (Note [where zero_grad falls]) are the warm-up step's, zeroed
-            create_optimizer_state(work, optimizer, scaler, stored, keep_grads=config.grads_between_steps)
-        # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
-        views = config.gradient_as_bucket_view and config.accumulation_steps == 1
-        buckets = ddp_buckets(work, views=views) if config.layout.replicates_parameters else []
-        return cls(optimizer, stored, scaler, buckets, config.layout.offload_states and not config.device.is_host,
-                   held_rows(micro, micro_target, config))
-
-    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any) -> None:
-        """Everything that exists before the step, each under its category; the rest of the batch the trainer
-        slices micro-batches from as inputs."""
-        register_state(tracker, work, self.optimizer, self.scaler, micro, micro_target, self.stored,
-                       host_states=self.host_states)
-        for bucket in self.buckets:
-            tracker.register(bucket, Category.GRADIENTS)
-        for t in self.held:
-            tracker.register(t, Category.INPUTS)
 
 
 def _notes(model: nn.Module, config: StepConfig, inductor: Any, rerouted: list[str], tracker: StepTracker,
@@ -398,90 +315,6 @@ def _notes(model: nn.Module, config: StepConfig, inductor: Any, rerouted: list[s
     return tuple(notes)
 
 
-# Micro-batches of the accumulation window that are simulated: the first (no gradients yet) and one with gradients
-# (every later micro-batch starts from the same live set and runs the same ops). tests/test_repetition.py compares it
-# with simulating every micro-batch, byte for byte.
-WINDOW_MICRO_BATCHES = 2
-
-
-def _simulated_sync(model: nn.Module, layout, *, last: bool):
-    """The gradient sync of one simulated micro-batch: FSDP2's as on a real rank (``gradient_sync``); none for DDP,
-    whose buckets the simulation models itself (Note [DDP's bucket views])."""
-    return contextlib.nullcontext() if layout.replicates_parameters else gradient_sync(model, layout, last=last)
-
-
-def _run_window(tracker: StepTracker, model: nn.Module, state: _StepState, micro: Batch, micro_target: Any,
-                loss_fn: LossFn | None, config: StepConfig, caster: Any, stepped: set[int], *, fake: bool) -> None:
-    """The accumulation window, reduced to what decides its peak: the first micro-batch (no gradients yet) and the
-    last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
-    forward and backward exactly, so they cannot raise the peak."""
-    optimizer, scaler, stored, buckets = state.optimizer, state.scaler, state.stored, state.buckets
-    schedule = schedule_of(config.accumulation_steps)
-    steps = schedule.simulated(WINDOW_MICRO_BATCHES)
-    # the sample's micro-batches are copies of one another: equal shares, however the loss counts (the weight only
-    # decides whether a scalar multiply runs, not its size)
-    norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
-    phases = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD}
-
-    micro_index = 0
-
-    def on_phase(name: str) -> None:
-        # Non-reentrant checkpoint stops recomputing with an internal exception once it has what it needs, which
-        # skips forward hooks: entries it left on the module stack must not label the next phase.
-        tracker.module_stack.clear()
-        if name == "backward" and caster is not None:
-            caster.clear()  # torch.autocast clears its weight-cast cache when the region exits
-        tracker.phase = phases[name]
-        tracker.autocast_device = "cpu" if (name == "forward" and config.precision.autocast) else None
-        tracker.timeline.mark(micro_index, tracker.phase)
-        # how far a simulation is, inside the planner's stage that runs it (a 7B step: seconds per phase)
-        progress.step(f"{name} of micro-batch {micro_index + 1} of the window's {steps}")
-
-    received_grad: set[int] = set()
-    # the previous step's gradients (Note [where zero_grad falls]); one a parameter never receives is not real
-    carried = {id(p): tracker.sid_of(p.grad) for p in model.parameters() if p.grad is not None}
-
-    def one(index: int) -> None:
-        nonlocal micro_index
-        micro_index = index
-        joining = (buckets and config.gradient_as_bucket_view and config.accumulation_steps > 1
-                   and micro_index == steps - 1)
-        into_buckets = (grads_into_buckets(model, list(buckets), as_ready=config.accumulation_steps == 2)
-                        if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
-        with _forward_errors(tracker), into_buckets:
-            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
-                            scaler=scaler, on_phase=on_phase, clear=optimizer if micro_index == 0 else None,
-                            features=FEATURES)
-        for p in model.parameters():
-            if p.grad is not None:
-                tracker.recategorize(p.grad, Category.GRADIENTS)
-                received_grad.add(id(p))
-
-    # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then (Note
-    # [gradient sync under accumulation]); with reduce_every_micro_batch, or with the states on the host (Note
-    # [offload]), it reduces every micro-batch instead. The schedule applies that rule as on a real rank
-    # (gradient_sync); DDP's sync is the buckets' here (the copy is not wrapped in DDP: Note [DDP's bucket views]).
-    schedule.run(model, config.layout, one, count=steps, sync=_simulated_sync)
-    if carried and not config.preallocated_grads:  # each gradient the step leaves in place of the one it freed
-        left = {sid: tracker.sid_of(p.grad) for p in model.parameters()
-                if (sid := carried.get(id(p))) is not None and p.grad is not None}
-        tracker.timeline.carried = {sid: new for sid, new in left.items() if new is not None}
-    tracker.module_stack.clear()
-    tracker.phase = Phase.OPTIMIZER
-    tracker.autocast_device = None
-    tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    on_host = config.layout.offload_states and not config.device.is_host
-    with host_optimizer(tracker, on_host), _optimizer_values(optimizer, fake):
-        progress.step("the optimizer step")
-        optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
-                       in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
-                       zero_grad=config.zero_grad is ZeroGrad.AFTER_STEP)
-    received_grad |= stepped  # stepped in backward: their gradients are gone, their state is real
-    tracker.phase = Phase.SETUP
-    drop_phantom_state(tracker, model, optimizer, received_grad, stored,
-                       carried={} if config.preallocated_grads else carried)
-
-
 def _twinned(work: nn.Module, model: nn.Module, micro: Batch, micro_target: Any, batch: Batch, target: Any,
              config: StepConfig, tracker: StepTracker) -> ValueTwins:
     """The value twins of a fake step (Note [value twins]): the micro-batch's rows, marked as the sample's (Note
@@ -500,31 +333,3 @@ def _twinned(work: nn.Module, model: nn.Module, micro: Batch, micro_target: Any,
             if real is not None and not real.is_meta and real.nelement() * real.element_size() <= MAX_TWIN_BYTES:
                 twins.add(fake, real.detach().cpu().clone())
     return twins
-
-
-@contextlib.contextmanager
-def _forward_errors(tracker: StepTracker) -> Iterator[None]:
-    """Turn exceptions of the user's code into typed errors naming the innermost module that was running."""
-    try:
-        yield
-    except DATA_DEPENDENT_ERRORS as e:
-        module = tracker.module
-        tracker.module_stack.clear()
-        if getattr(e, WEIGHT_READ, False):  # Note [value twins]: not computable from constants and inputs alone
-            raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0],
-                                 why="reads a tensor value computed from its weights or gradients (or by compiled code, "
-                                     "which a simulation runs without its kernels), not only from constants and the "
-                                     "inputs") from e
-        raise _DataDependent(module, f"{type(e).__name__}: {e}".splitlines()[0]) from e
-    except FakeKernelStricter as e:
-        module = tracker.module
-        tracker.module_stack.clear()
-        raise _DataDependent(module, str(e), why="runs an op that cannot be simulated") from e
-    except AutofitError:
-        tracker.module_stack.clear()
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure of the user's forward gets the module's name attached
-        module = tracker.module
-        tracker.module_stack.clear()
-        where = f"module {module!r}" if module else "the model's top-level forward (or the loss)"
-        raise ForwardError(f"{where} raised {type(e).__name__}: {e}", module=module or None) from e

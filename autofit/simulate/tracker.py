@@ -39,7 +39,7 @@ from autofit.core.cpu import require_kernel
 from autofit.simulate.accumulation import AccumulationWatch
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
-from autofit.simulate.parallel import gloo_staging_bytes
+from autofit.parallel.simulated import gloo_staging_bytes
 
 if TYPE_CHECKING:
     from autofit.training.config import DeviceKind

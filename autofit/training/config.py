@@ -144,7 +144,7 @@ class StepConfig:
     # every trainable parameter's gradient allocated before the first forward and zeroed in place after each step
     # (zero_grad(set_to_none=False)), not created in backward (Note [gradients allocated before forward])
     preallocated_grads: bool = False
-    # DDP's gradient_as_bucket_view (See Note [DDP's bucket views], autofit/simulate/parallel.py): True, as autofit's
+    # DDP's gradient_as_bucket_view (See Note [DDP's bucket views], autofit/parallel/simulated.py): True, as autofit's
     # trainer wraps the model, keeps every gradient inside the communication buckets; False, torch's default (and
     # Lightning's, Hugging Face's and Accelerate's unless told), keeps the gradients apart from the buckets
     gradient_as_bucket_view: bool = True
@@ -165,6 +165,18 @@ class StepConfig:
             return True
         return (self.zero_grad.carries_grads and not self.optimizer_in_backward
                 and not (self.layout.replicates_parameters and self.gradient_as_bucket_view))
+
+    @property
+    def optimizer_device(self) -> DeviceKind:
+        """The device whose implementation the optimizer and clipping run: the CPU's where the layout keeps the
+        states in host memory (Note [offload]), torch's pick on the target otherwise (foreach on CUDA)."""
+        return DeviceKind.CPU if self.layout.offload_states else self.device
+
+    @property
+    def host_states(self) -> bool:
+        """The parameters, gradients and optimizer state live in host memory on a GPU target (Note [host
+        storages]): the device's figures do not hold them. On a CPU target the host is the device."""
+        return self.layout.offload_states and not self.device.is_host
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)

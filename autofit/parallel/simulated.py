@@ -25,9 +25,10 @@ from torch import nn
 from autofit.core._torch import dtensor_specs_once, fake_store
 from autofit.core.errors import UnsupportedModelError
 from autofit.parallel.layout import Parallel
-from autofit.parallel.apply import device_mesh
+from autofit.parallel.apply import device_mesh, gradient_sync
 
-__all__ = ["fake_mesh", "ddp_buckets", "grads_into_buckets", "gloo_staging_bytes"]
+__all__ = ["fake_mesh", "simulated_mesh", "simulated_buckets", "simulated_sync", "ddp_buckets", "grads_into_buckets",
+           "gloo_staging_bytes"]
 
 
 @contextlib.contextmanager
@@ -49,6 +50,24 @@ def fake_mesh(layout: Parallel) -> Iterator[object]:
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
+
+
+def simulated_mesh(layout: Parallel) -> contextlib.AbstractContextManager:
+    """The mesh a simulated step lays its copy out on: a fake one where the layout shards (FSDP2 runs for real on
+    the fake copy); none otherwise, DDP's buckets being modelled by the simulation itself (Note [DDP's bucket
+    views]). The mesh holds real tensors: it is entered before the fake mode."""
+    return fake_mesh(layout) if layout.shards_parameters else contextlib.nullcontext()
+
+
+def simulated_buckets(model: nn.Module, layout: Parallel, *, views: bool) -> list[torch.Tensor]:
+    """DDP's communication buckets where the layout replicates (:func:`ddp_buckets`); none otherwise."""
+    return ddp_buckets(model, views=views) if layout.replicates_parameters else []
+
+
+def simulated_sync(model: nn.Module, layout: Parallel, *, last: bool) -> contextlib.AbstractContextManager:
+    """The gradient sync of one simulated micro-batch: FSDP2's as on a real rank (``gradient_sync``); none for DDP,
+    whose buckets the simulation models itself (Note [DDP's bucket views])."""
+    return contextlib.nullcontext() if layout.replicates_parameters else gradient_sync(model, layout, last=last)
 
 
 # Note [DDP's bucket views]
