@@ -23,7 +23,7 @@ from autofit.core.report import Measurement, MemoryEstimate
 from autofit.capture.user_hooks import restores_user_hooks
 from autofit.features.float8 import as_float8, require_fp8
 from autofit.core.rng import keeps_user_rng
-from autofit.core._torch import import_lazy_modules
+from autofit.core._torch_interrupts import import_lazy_modules
 from autofit.options import STEP_GROUPS, Device, Layout, Precision, Step, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step

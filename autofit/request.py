@@ -27,7 +27,7 @@ from autofit.training.config import ZeroGrad, as_zero_grad
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
 from autofit.parallel.layout import Parallel, Strategy, as_strategy  # the layout value (parallel/layout.py); re-exported here
-from autofit.core._torch import import_lazy_modules
+from autofit.core._torch_interrupts import import_lazy_modules
 from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
                               cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
                               resolve_host_budget, margin_for, pinned, precisions, stored_options)

@@ -3,7 +3,7 @@ N real SIGINTs at random points of ``plan``, ``estimate`` and ``measure`` (one i
 30 ms, which lands in the cleanup of the first), catching each KeyboardInterrupt, then print what is left behind: the
 plan made afterwards, the dispatch and function modes on torch's stack, the process-wide state autofit patches or
 toggles, the model, the SIGINT handler, the children, and how fast a plain training step runs compared with before
-the storm. (Note [Ctrl-C at safe points], autofit/core/_torch.py.)"""
+the storm. (Note [Ctrl-C at safe points], autofit/core/_torch_interrupts.py.)"""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
-from autofit.core import _torch as boundary
+from autofit.core import _torch_interrupts as boundary
 from _interrupted_plan import _children  # tests/ is this script's folder, first on sys.path
 
 BUDGET = "565000000B"  # between the full batch's device bytes and those of 8 x 8 on a T4: the planner searches

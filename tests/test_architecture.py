@@ -42,8 +42,10 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 # A torch module or attribute whose name has a component starting with "_" is private, except aten operator names
 # (``torch.ops.aten._to_copy`` is an operator, not Python API) and ``torch._check``, which torch documents for users.
 PUBLIC_BY_DOCS = {"torch._check"}
-# the torch boundary: _torch.py, and _torch_compile.py for torch.compile's internals (dynamo, inductor)
-BOUNDARIES = {PACKAGE / "core" / "_torch.py", PACKAGE / "core" / "_torch_compile.py"}
+# the torch boundary: _torch.py, with _torch_profiler.py for the profiler's memory record, _torch_interrupts.py for
+# torch's lazy imports and Ctrl-C, and _torch_compile.py for torch.compile's internals (dynamo, inductor)
+BOUNDARIES = {PACKAGE / "core" / "_torch.py", PACKAGE / "core" / "_torch_profiler.py",
+              PACKAGE / "core" / "_torch_interrupts.py", PACKAGE / "core" / "_torch_compile.py"}
 
 
 def _unit(path: pathlib.Path) -> str:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
-from autofit.core._torch import allocation_sizes, memory_profile
+from autofit.core._torch_profiler import allocation_sizes, memory_profile
 from autofit.training.step import _copy_containers, make_step_config, patched_model
 
 

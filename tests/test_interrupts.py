@@ -1,6 +1,6 @@
 """A Ctrl-C in the first plan of a process leaves it able to plan again, with the same plan, and leaves no worker
-process behind (Note [lazy imports and Ctrl-C], core/_torch.py; Note [Ctrl-C and workers], core/workers.py). The
-truth: the JSON of the same plan made by a fresh, uninterrupted process, and /proc's list of this process's
+process behind (Note [lazy imports and Ctrl-C], core/_torch_interrupts.py; Note [Ctrl-C and workers], core/workers.py).
+The truth: the JSON of the same plan made by a fresh, uninterrupted process, and /proc's list of this process's
 children."""
 
 from __future__ import annotations
@@ -67,11 +67,12 @@ def _storm(*args: str) -> dict:
 @pytest.mark.sim
 @pytest.mark.slow(seconds=100)  # 140 s wall, 119 s CPU on two cores shared with other jobs (load 6)
 def test_hundreds_of_interrupts_at_random_points() -> None:
-    """Real SIGINTs at random points of plan, estimate and measure, one in four doubled into the cleanup of the
-    first (Note [Ctrl-C at safe points], core/_torch.py). Each reaches the caller as a KeyboardInterrupt (never lost,
-    never another error, never an abort), and afterwards nothing of autofit is left in the process: torch's mode
+    """Real SIGINTs at random points of plan, estimate and measure, one in four doubled into the cleanup of the first
+    (Note [Ctrl-C at safe points], core/_torch_interrupts.py). Each reaches the caller as a KeyboardInterrupt (never
+    lost, never another error, never an abort), and afterwards nothing of autofit is left in the process: torch's mode
     stacks are empty, the functions autofit patches and the grad mode are torch's again, the model is as it was, the
-    next plan equals a fresh process's, and a plain training step runs no autofit code and makes the same calls as before."""
+    next plan equals a fresh process's, and a plain training step runs no autofit code and makes the same calls as
+    before."""
     fresh = _storm("fresh")
     got = _storm("storm", str(INTERRUPTS))
     assert got["sent"] >= INTERRUPTS

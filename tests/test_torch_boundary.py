@@ -1,6 +1,6 @@
 """autofit/core/_torch.py, the one place private torch symbols are read: missing pieces fail with a typed error that
-names them, process-wide patches are restored, serialised and counted, and the profiler primitives read the
-allocator's record."""
+names them, process-wide patches are restored, serialised and counted, and the profiler primitives
+(autofit/core/_torch_profiler.py) read the allocator's record."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from autofit.core import _torch
+from autofit.core import _torch, _torch_profiler
 from autofit.core.errors import AutofitError, UnsupportedTorchError
 
 
@@ -87,10 +87,10 @@ def test_patches_from_two_threads_do_not_interleave() -> None:
 
 def test_allocation_sizes_read_the_allocator() -> None:
     """A 1 MiB tensor made and freed under the profiler: +1 MiB then -1 MiB (hand computation: 2**18 fp32)."""
-    with _torch.memory_profile() as prof:
+    with _torch_profiler.memory_profile() as prof:
         t = torch.empty(2**18, dtype=torch.float32)
         del t
-    sizes = _torch.allocation_sizes(prof)
+    sizes = _torch_profiler.allocation_sizes(prof)
     assert 2**20 in sizes and -(2**20) in sizes
     assert sizes.index(2**20) < sizes.index(-(2**20))
 
@@ -102,49 +102,51 @@ def test_one_threads_memory_counts_its_tensors_freed_on_another_thread() -> None
     of D. Counted by thread alone, A's 100 B would never be freed: the window would end at 120, not 20."""
     a, b, c, d = 0xA0, 0xB0, 0xC0, 0xD0
     events = [(100, 1, a), (50, 1, b), (-30, 1, c), (-100, 2, a), (70, 2, d), (-70, 2, d)]
-    assert _torch.thread_memory(events, {1}) == [100, 50, -30, -100]
-    assert _torch.high_water_mark(_torch.thread_memory(events, {1})) == (150, 20)
+    assert _torch_profiler.thread_memory(events, {1}) == [100, 50, -30, -100]
+    assert _torch_profiler.high_water_mark(_torch_profiler.thread_memory(events, {1})) == (150, 20)
     # an address thread 2 allocates again after A's free is thread 2's: its free on thread 2 does not count
     reused = [(100, 1, a), (-100, 2, a), (60, 2, a), (-60, 2, a)]
-    assert _torch.thread_memory(reused, {1}) == [100, -100]
+    assert _torch_profiler.thread_memory(reused, {1}) == [100, -100]
 
 
 def test_a_free_the_profiler_did_not_record_is_put_at_the_collectives_completion() -> None:
-    """Note [a free the profiler did not record] (core/_torch.py). Events are (time, size, thread, address). The rank
-    (thread 1) allocates X (32 KiB, a collective's tensor) at 10 and waits until 20; the free of X is never recorded
-    (gloo's worker dropped it on a thread the profiler does not follow); the rank allocates Y (32 KiB) at 30, waits
-    until 40, and at 50 the allocator hands X's address out again (16 KiB). By hand the rank holds at most Y and the
-    16 KiB: 48 KiB, ending at 48 KiB. Counted as recorded, X never goes: 80 KiB. An address the rank freed itself
+    """Note [a free the profiler did not record] (core/_torch_profiler.py). Events are (time, size, thread, address).
+    The rank (thread 1) allocates X (32 KiB, a collective's tensor) at 10 and waits until 20; the free of X is never
+    recorded (gloo's worker dropped it on a thread the profiler does not follow); the rank allocates Y (32 KiB) at 30,
+    waits until 40, and at 50 the allocator hands X's address out again (16 KiB). By hand the rank holds at most Y and
+    the 16 KiB: 48 KiB, ending at 48 KiB. Counted as recorded, X never goes: 80 KiB. An address the rank freed itself
     and allocates again is no missing free."""
     kib = 1024
     x, y = 0xA0, 0xB0
     events = [(10, 32 * kib, 1, x), (30, 32 * kib, 1, y), (50, 16 * kib, 1, x)]
-    moved = _torch._freed_at_completion(events, {1}, [20, 40])
-    assert moved == [(10, 32 * kib, 1, x), (20, -32 * kib, _torch.UNRECORDED_THREAD, x), (30, 32 * kib, 1, y),
-                     (50, 16 * kib, 1, x)]
+    moved = _torch_profiler._freed_at_completion(events, {1}, [20, 40])
+    assert moved == [(10, 32 * kib, 1, x), (20, -32 * kib, _torch_profiler.UNRECORDED_THREAD, x),
+                     (30, 32 * kib, 1, y), (50, 16 * kib, 1, x)]
     def peak(evs):
-        return _torch.high_water_mark(_torch.thread_memory([(size, tid, ptr) for _, size, tid, ptr in evs], {1}))
+        return _torch_profiler.high_water_mark(
+            _torch_profiler.thread_memory([(size, tid, ptr) for _, size, tid, ptr in evs], {1}))
     assert peak(moved) == (48 * kib, 48 * kib) and peak(events) == (80 * kib, 80 * kib)
     # no wait between the allocation and the reuse: freed just before the reuse
-    assert _torch._freed_at_completion(events, {1}, [60])[2] == (50, -32 * kib, _torch.UNRECORDED_THREAD, x)
+    assert _torch_profiler._freed_at_completion(events, {1}, [60])[2] == (
+        50, -32 * kib, _torch_profiler.UNRECORDED_THREAD, x)
     # freed by the rank itself, then allocated again: nothing inferred
     recorded = [(10, 32 * kib, 1, x), (15, -32 * kib, 1, x), (50, 16 * kib, 1, x)]
-    assert _torch._freed_at_completion(recorded, {1}, [20, 40]) == recorded
+    assert _torch_profiler._freed_at_completion(recorded, {1}, [20, 40]) == recorded
 
 
 def test_one_threads_memory_in_a_real_profile() -> None:
     """The marked thread's 1 MiB made and freed inside its ``record_function``: +1 MiB, -1 MiB (2**18 fp32)."""
-    with _torch.memory_profile() as prof:
+    with _torch_profiler.memory_profile() as prof:
         with torch.profiler.record_function("test::marked"):
             t = torch.empty(2**18, dtype=torch.float32)
             del t
-    assert _torch.allocation_sizes(prof, "test::marked") == [2**20, -(2**20)]
+    assert _torch_profiler.allocation_sizes(prof, "test::marked") == [2**20, -(2**20)]
 
 
 def test_high_water_mark_by_hand() -> None:
     # +4 +6 (10) -4 (6) +8 (14) -6 (8): the running sum peaks at 14 and ends at 8
-    assert _torch.high_water_mark([4, 6, -4, 8, -6]) == (14, 8)
-    assert _torch.high_water_mark([]) == (0, 0)
+    assert _torch_profiler.high_water_mark([4, 6, -4, 8, -6]) == (14, 8)
+    assert _torch_profiler.high_water_mark([]) == (0, 0)
 
 
 def test_dispatch_helpers_agree_with_known_registrations() -> None:

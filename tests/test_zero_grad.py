@@ -193,7 +193,7 @@ def _measured_lightning_step(pl, module, plan, x, y) -> int:
     """Peak bytes of the third step of ``trainer.fit`` by the allocator's record: the storages alive when it starts
     (parameters, gradients, optimizer state, the batch) plus the high-water mark during it; the second step runs
     under a memory profile too, so the frees of what it left are seen (Note [memory from before the window])."""
-    from autofit.core._torch import allocation_sizes, high_water_mark, memory_profile
+    from autofit.core._torch_profiler import allocation_sizes, high_water_mark, memory_profile
     from autofit.integrations.lightning import AutofitLightningCallback
     from autofit.measure.allocator import _storage_bytes
 

@@ -12,7 +12,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autofit.core._torch import TorchDispatchMode, interruption_point, pytree
+from autofit.core._torch import TorchDispatchMode, pytree
+from autofit.core._torch_interrupts import interruption_point
 from autofit.core._torch_compile import compiled_code_runs_eagerly
 from autofit.training.batch import Batch
 from autofit.capture.module_stack import install_module_stack

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from autofit.core._torch import interrupts_at_safe_points, pytree
+from autofit.core._torch import pytree
+from autofit.core._torch_interrupts import interrupts_at_safe_points
 
 __all__ = ["user_hooks_restored", "HookRecord", "hook_note", "restores_user_hooks", "PreviousStep"]
 

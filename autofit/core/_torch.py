@@ -2,29 +2,29 @@
 
 autofit simulates a training step on fake tensors, watches it below autograd with a dispatch mode, re-registers
 autocast kernels, and reads the profiler's event tree. None of that is public API, so it all goes through this
-module: a release that moves or removes a piece fails here, at import, with an :class:`UnsupportedTorchError` naming
-the piece and the supported range, instead of deep inside a simulation. Nothing else in autofit imports a private
-torch module or reads a private attribute of a torch object (tests/test_architecture.py checks that).
+module and the three beside it: ``_torch_profiler.py`` (the profiler's memory record), ``_torch_interrupts.py``
+(torch's lazy imports and Ctrl-C at safe points) and ``_torch_compile.py`` (torch.compile's internals). A release
+that moves or removes a piece fails here, at import, with an :class:`UnsupportedTorchError` naming the piece and the
+supported range, instead of deep inside a simulation. Nothing else in autofit imports a private torch module or reads
+a private attribute of a torch object (tests/test_architecture.py checks that).
 
-Process-wide patches (a module attribute that torch's own code looks up at call time) go through :func:`patch`: one
-lock for all of them, restored on exit, and a count of how often torch really called the replacement, so a caller can
+This module holds the symbols themselves (fake tensors, dispatch, modules, operator schemas, the optimizer's
+implementation choice, DTensor and FSDP2 internals, the GradScaler, the allocator's settings) and the process-wide
+patches (a module attribute that torch's own code looks up at call time), which go through :func:`patch`: one lock
+for all of them, restored on exit, and a count of how often torch really called the replacement, so a caller can
 check the patch still takes effect (:meth:`Patch.require_hit`).
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import importlib
-import os
-import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from autofit.core.errors import AutofitError, UnsupportedTorchError
 
@@ -32,14 +32,13 @@ __all__ = [
     "SUPPORTED_TORCH", "TESTED_TORCH", "DATA_DEPENDENT_ERRORS", "PASSTHROUGH_ERRORS", "FakeTensorMode", "scaled_mm",
     "OpOverload", "op_by_name", "op_named",
     "TorchDispatchMode", "disable_current_modes", "pytree", "tree_map", "current_autograd_node", "module_call_codes",
-    "allocation_sizes", "window_memory", "thread_memory", "high_water_mark", "memory_profile", "quiet_native_output", "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
+    "EventType", "has_dispatch_kernel", "all_aten_op_names", "exclude_dispatch_key",
     "is_view", "grad_scaler_state", "FakeTensor", "unset_fake_temporarily", "storage_tensors",
     "compiled_modules", "rewrap_compiled", "foreach_types_include", "foreach_devices_include", "destroy_library",
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "SpectralNormParametrization", "NormBase", "tensor_version",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
-    "import_lazy_modules", "LAZY_MODULES", "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once",
-    "interrupts_at_safe_points", "interruption_point", "forget_interrupts",
+    "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -281,223 +280,6 @@ def is_view(t: torch.Tensor) -> bool:
     return t._is_view()
 
 
-def _allocation_events(prof: torch.profiler.profile, thread_of: str | None,
-                       span: str | None = None) -> tuple[list[tuple[int, int, int, int]], set[int], list[tuple[int, int]]]:
-    """``(time, size, thread id, address)`` of every Allocation event a ``profile_memory=True`` CPU profile
-    recorded, in time order (negative size on free), read from the profiler's event tree (``kineto_results.
-    experimental_event_tree``), the allocator's own record; the thread ids that ran the ``record_function`` named
-    ``thread_of``; and the (start, end) times of the ``record_function`` calls named ``span``, in order."""
-    events: list[tuple[int, int, int, int]] = []
-    marks: set[int] = set()
-    spans: list[tuple[int, int]] = []
-    waits: list[tuple[int, int]] = []  # (thread id, end) of each collective wait
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == EventType.Allocation:
-            fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size, node.start_tid, fields.ptr))
-        elif thread_of is not None and node.name == thread_of:
-            marks.add(node.start_tid)
-        elif span is not None and node.name == span:
-            spans.append((node.start_time_ns, node.end_time_ns))
-        elif thread_of is not None and node.name.endswith("wait_tensor"):
-            waits.append((node.start_tid, node.end_time_ns))
-        stack.extend(node.children)
-    events.sort(key=lambda e: e[0])
-    if thread_of is not None:
-        events = _freed_at_completion(events, marks, sorted(end for tid, end in waits if tid in marks))
-    return events, marks, sorted(spans)
-
-
-# Note [a free the profiler did not record]
-#     The CPU profiler records an allocator event on the threads it follows; a tensor of the rank's whose last
-#     reference gloo's worker drops can be freed on a thread it does not follow, and then no free is recorded at all.
-#     A CI run measured sequence parallel's rank 1 32,768 B high in all three windows: one all-gather's 32 KiB tensor
-#     allocated on the rank's thread, no free event, its address handed out again 35 events later (a rank measured
-#     alongside other gloo jobs on two cores; the same tensor idle is freed on the rank's thread before its wait
-#     ends). The allocator hands out no address still in use, so an allocation at an address the rank allocated and
-#     never freed proves the free: it is put at the end of the rank's first collective wait after the allocation
-#     (where the collective that held it completed, as for the frees gloo's thread does record), or just before the
-#     reuse where no wait comes between. An unrecorded free whose address is not reused inside the window stays
-#     unseen.
-UNRECORDED_THREAD = -1  # the thread id of an inferred free: no thread the profiler followed
-
-
-def _freed_at_completion(events: list[tuple[int, int, int, int]], marks: set[int],
-                         waits: list[int]) -> list[tuple[int, int, int, int]]:
-    """The events with each free that another thread made of a marked thread's allocation moved back to the end of
-    the marked thread's last collective wait before it (and after the allocation). gloo's worker signals a
-    collective complete, then drops the work and the rank's tensors it holds: on a loaded machine the rank's thread
-    has allocated its next tensors by then, and the free landing after them counted a tensor the step no longer
-    held (a CI run measured a tensor-parallel rank 32,768 B high in each of three windows: Note [gloo's threads in
-    the measured window], measure/ranks.py). The wait's end is when the step let go of it, as NCCL's job does. And a
-    free the profiler did not record at all is put back where an address the marked thread holds is handed out
-    again (Note [a free the profiler did not record])."""
-    allocated_by_mark: dict[int, tuple[int, int]] = {}  # address -> (time, bytes) of a marked thread's allocation
-    moved = []
-    for time, size, tid, ptr in events:
-        if size > 0:
-            if ptr in allocated_by_mark:  # its free went unrecorded (Note [a free the profiler did not record])
-                allocated, nbytes = allocated_by_mark.pop(ptr)
-                first = bisect.bisect_right(waits, allocated)  # the first wait ending after the allocation
-                moved.append((waits[first] if first < len(waits) and waits[first] < time else time, -nbytes,
-                              UNRECORDED_THREAD, ptr))
-            if tid in marks:
-                allocated_by_mark[ptr] = time, size
-        elif ptr in allocated_by_mark:
-            allocated, _ = allocated_by_mark.pop(ptr)
-            if tid not in marks:  # gloo's worker dropped it: back to the rank's last wait before the free
-                i = bisect.bisect_left(waits, time) - 1
-                if i >= 0 and waits[i] > allocated:
-                    time = waits[i]
-        moved.append((time, size, tid, ptr))
-    moved.sort(key=lambda e: e[0])  # stable: a free moved to a wait's end stays after what came before it there
-    return moved
-
-
-def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None) -> list[int]:
-    """Bytes of every Allocation event a ``profile_memory=True`` CPU profile recorded, in time order; negative on
-    free: the ground truth where there is no GPU (docs/accuracy.md). ``thread_of``: only the memory of the thread
-    that ran the ``record_function`` of that name (the profiler's own thread ids), as :func:`thread_memory` reads it.
-    The profiler reports no free of memory allocated while no memory profile ran (Note [memory from before the
-    window], measure/allocator.py)."""
-    events, marks, _ = _allocation_events(prof, thread_of)
-    if thread_of is None:
-        return [size for _, size, _, _ in events]
-    return thread_memory([(size, tid, ptr) for _, size, tid, ptr in events], marks)
-
-
-def window_memory(prof: torch.profiler.profile, span: str, thread_of: str | None = None,
-                  known: set[int] | None = None) -> list[tuple[dict[int, int], int]]:
-    """Of a ``profile_memory=True`` CPU profile whose code ran ``record_function(span)`` one or more times, one after
-    another, for each span: what the profile had seen allocated and not freed when it began (``{address: bytes}``),
-    and its high-water mark above the bytes alive then. One profile holds what comes before the spans and the spans
-    themselves, so no free between them goes unseen (Note [memory from before the window], measure/allocator.py).
-    ``thread_of``: only the memory of the thread that ran the ``record_function`` of that name, as
-    :func:`thread_memory` counts it; and of what was alive when a span began, only the ``known`` addresses (the
-    step's own tensors) count, and the frees of the rest do not: a rank's tensor still alive when a window begins
-    may be in gloo's hands, freed by its thread whenever it gets there (Note [gloo's threads in the measured
-    window])."""
-    events, marks, spans = _allocation_events(prof, thread_of, span)
-    if not spans:
-        raise AssertionError(f"the profile ran no record_function({span!r})")
-    ours = (lambda tid: True) if thread_of is None else (lambda tid: tid in marks)
-    live: dict[int, int] = {}  # address -> bytes of what counts and is not freed yet
-    windows: list[tuple[dict[int, int], int]] = []
-    position = 0
-    for start, end in spans:
-        while position < len(events) and events[position][0] < start:
-            _count(events[position], live, ours)
-            position += 1
-        unknown: set[int] = set()  # alive at the start, not the step's own: neither it nor its free counts
-        if thread_of is not None:
-            unknown = {a for a in live if a not in (known or ())}
-            for address in unknown:
-                del live[address]
-        at_start, running, peak = dict(live), 0, 0
-        while position < len(events) and events[position][0] <= end:
-            event = events[position]
-            position += 1
-            if event[3] in unknown:
-                unknown.discard(event[3])
-                if event[1] < 0:
-                    continue
-            running += _count(event, live, ours)
-            peak = max(peak, running)
-        windows.append((at_start, peak))
-    return windows
-
-
-def _count(event: tuple[int, int, int, int], live: dict[int, int], ours: Callable[[int], bool]) -> int:
-    """Apply one allocation event to ``live`` (what counts and is not freed yet); the bytes it counts: an allocation
-    by one of ``ours`` threads, a free on one of them, and a free of what they allocated (:func:`thread_memory`)."""
-    _, size, tid, ptr = event
-    if size > 0:
-        if not ours(tid):
-            live.pop(ptr, None)  # the address now holds another thread's tensor
-            return 0
-        live[ptr] = size
-        return size
-    if live.pop(ptr, None) is None and not ours(tid):
-        return 0  # another thread's free of what is not ours
-    return size
-
-
-def thread_memory(events: list[tuple[int, int, int]], marks: set[int]) -> list[int]:
-    """Of ``(size, thread id, address)`` allocation events in time order (negative size on free), the sizes that are
-    the memory of the threads in ``marks``: their allocations and every free on them, and the frees of their
-    allocations on any other thread (matched by address). Note [gloo's threads in the measured window]
-    (measure/ranks.py): gloo's worker can drop the last reference to a tensor the rank's thread allocated, and
-    counted by thread that free would be lost, the window keeping its bytes for good. Another thread's
-    allocations do not count."""
-    mine: set[int] = set()  # addresses the marked threads allocated and have not seen freed
-    sizes = []
-    for size, tid, ptr in events:
-        if size > 0:
-            if tid in marks:
-                mine.add(ptr)
-                sizes.append(size)
-            else:
-                mine.discard(ptr)  # the address now holds another thread's tensor
-        elif ptr in mine:
-            mine.discard(ptr)
-            sizes.append(size)
-        elif tid in marks:
-            sizes.append(size)
-    return sizes
-
-
-def high_water_mark(sizes: list[int]) -> tuple[int, int]:
-    """(highest running sum, final running sum) of allocation sizes (negative on free), in order."""
-    running = peak = 0
-    for size in sizes:
-        running += size
-        peak = max(peak, running)
-    return peak, running
-
-
-@contextlib.contextmanager
-def quiet_native_output(fds: tuple[int, ...] = (2,)) -> Iterator[None]:
-    """Send what native code writes to these file descriptors to /dev/null for a while. Kineto prints a
-    'profiler_start' / 'profiler_stop' line on the C stderr each time a profiler starts and stops, whatever its log
-    level (autofit starts one per kernel probe); HiGHS prints solver internals on stdout."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {}
-    try:
-        for fd in fds:
-            saved[fd] = os.dup(fd)
-    except OSError:  # no such descriptor (embedded interpreters): nothing to silence
-        for fd in saved.values():
-            os.close(fd)
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            for fd in fds:
-                os.dup2(devnull.fileno(), fd)
-        yield
-    finally:
-        for fd, copy in saved.items():
-            os.dup2(copy, fd)
-            os.close(copy)
-
-
-class memory_profile:  # noqa: N801 - used like torch.profiler.profile
-    """``torch.profiler.profile(activities=[CPU], profile_memory=True)`` without Kineto's stderr lines."""
-
-    def __enter__(self):
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with quiet_native_output():
-            self._prof.__enter__()
-        return self._prof
-
-    def __exit__(self, *exc):
-        with quiet_native_output():
-            return self._prof.__exit__(*exc)
-
-
 def destroy_library(lib: torch.library.Library) -> None:
     """Remove every kernel a ``torch.library.Library`` registered (there is no public way to undo ``impl``)."""
     lib._destroy()
@@ -649,138 +431,3 @@ def patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterat
 # the caching allocator's settings as PYTORCH_ALLOC_CONF text ('' for defaults) and their setter (a plan may need them)
 allocator_settings = _need("torch._C", "_accelerator_getAllocatorSettings")
 set_allocator_settings = _need("torch._C", "_accelerator_setAllocatorSettings")
-
-
-# ---- torch's lazy imports (every public entry point, before its first simulation) --------------------------------
-# Note [lazy imports and Ctrl-C]
-#     The first simulation in a process makes torch import about 800 modules it imports lazily (dynamo for
-#     ``set_stance``, sympy and the symbolic shapes behind fake tensors, inductor's config, FSDP2 and DTensor, aot
-#     autograd): several seconds. A KeyboardInterrupt inside one of those imports leaves a package half initialised:
-#     Python drops the package being imported from ``sys.modules`` but keeps the submodules it had finished, so every
-#     later import of it raises (``module 'sympy' has no attribute 'logic'``, ``partially initialized module
-#     'torch._inductor'``) and the process cannot plan again. So every entry point (``estimate``, ``measure``,
-#     ``plan``, ``analyse``) first imports these modules, once per process, with SIGINT held until they are done (in
-#     the main thread, where Python delivers signals); an interrupt that arrives meanwhile is raised right after, as
-#     a KeyboardInterrupt between two imports, which leaves nothing half done.
-LAZY_MODULES = (
-    "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy", "torch.utils._sympy.functions",
-    "torch._inductor.config", "torch._numpy", "torch._functorch.aot_autograd", "torch._functorch.make_functional",
-    "torch._subclasses.schema_check_mode", "torch._higher_order_ops.triton_kernel_wrap",
-    "torch._decomp.decompositions_for_rng", "torch.nn.utils._expanded_weights", "torch.onnx",
-    "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed._functional_collectives",
-    "torch.distributed._composable", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
-    "torch.distributed._state_dict_utils", "cProfile", "pstats",
-)
-_lazy_imported = False
-
-
-def import_lazy_modules() -> None:
-    """Import :data:`LAZY_MODULES` once, with SIGINT held until done (See Note [lazy imports and Ctrl-C]); a module
-    this torch build lacks is skipped (torch imports it nowhere then)."""
-    global _lazy_imported
-    if _lazy_imported:
-        return
-    with _interrupts_held():
-        for name in LAZY_MODULES:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                continue
-        _lazy_imported = True
-
-
-# ---- Ctrl-C (every public entry point) ---------------------------------------------------------------------------
-# Note [Ctrl-C at safe points]
-#     Python raises KeyboardInterrupt at whatever bytecode the main thread runs next after SIGINT. In a simulation
-#     much of that Python is called by torch's C++ where an exception cannot pass: the Python dispatcher asking
-#     ``find_torch_dispatch_rule`` under the fake mode (the process aborts: "terminate called after throwing an
-#     instance of 'pybind11::error_already_set'" or "'python_error'", a notebook's kernel dies), a weak reference's
-#     callback or a ``__del__`` (Python prints "Exception ignored" and drops the interrupt: the tracker's timeline
-#     then misses a free, and the call goes on as if nothing happened). And a second Ctrl-C inside an ``__exit__``
-#     leaves the rest of it undone: a dispatch mode on torch's stack (every later op of the process routed through
-#     it, plain training steps 2.5x slower), a patch in place, the grad mode off. Issue 55 reported 9 of 14 runs of
-#     about 30 interrupts aborted, one interrupt became a ForwardError, two left modes behind. Measured here before
-#     this (2026-11-28): tests/_interrupt_storm.py aborted ('python_error') after dropping 16 interrupts; of five
-#     runs of 40 interrupts of a small transformer's plan/estimate/measure, one aborted ('error_already_set', in
-#     find_torch_dispatch_rule), one left grad mode off (every later call a LossError), two dropped an interrupt.
-#     After: every interrupt of the storm is a KeyboardInterrupt, none dropped, nothing left behind.
-#
-#     So every entry point (``estimate``, ``measure``, ``plan``, ``analyse``: the decorator in
-#     capture/user_hooks.py) runs under :func:`interrupts_at_safe_points`: SIGINT's handler only records the signal,
-#     and :func:`interruption_point` raises it where an exception takes torch's and autofit's ordinary error path:
-#     each op one of autofit's dispatch modes sees (an exception from ``__torch_dispatch__`` unwinds as a fake
-#     tensor's data-dependent error does), each stage the planner reports (core/progress.py), each micro-batch of a
-#     measured step, each wait for a worker (core/workers.py); and on leaving the entry point. Every context then
-#     exits as for any error, and no later interrupt can cut an exit short (it is recorded, and raised when the entry
-#     point is left). The interrupt reaches the caller as the handler that was installed makes it: Python's raises
-#     KeyboardInterrupt, a notebook's its own; an ignored SIGINT stays ignored. In the main thread only (the one
-#     Python delivers signals to); nested entry points share the outer one's.
-_pending_interrupts: list[int] = []  # SIGINTs recorded while deferred, not yet raised
-_deferred_handler: list[Any] = []  # the handler that was installed before the outermost deferral (empty: none)
-_raised_inside: list[bool] = []  # whether an interruption point raised inside the outermost deferral
-
-
-def _record_interrupt(signum: int, frame: Any) -> None:
-    _pending_interrupts.append(signum)
-
-
-def forget_interrupts() -> None:
-    """Drop the interrupts recorded so far (a forked worker: they are its parent's to raise)."""
-    _pending_interrupts.clear()
-
-
-def interruption_point() -> None:
-    """Raise a Ctrl-C recorded by :func:`interrupts_at_safe_points` (See Note [Ctrl-C at safe points]); a no-op
-    when none is pending. Cheap: it runs on every op a simulation dispatches."""
-    if _pending_interrupts:
-        _pending_interrupts.clear()
-        handler = _deferred_handler[0] if _deferred_handler else signal.default_int_handler
-        if _raised_inside and handler is signal.default_int_handler:
-            _raised_inside[0] = True
-        _deliver(handler)
-
-
-def _deliver(handler: Any) -> None:
-    """Do what ``handler`` (a SIGINT disposition) does with a SIGINT, here."""
-    if callable(handler):
-        handler(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
-    elif handler == signal.SIG_DFL:
-        raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def interrupts_at_safe_points() -> Iterator[None]:
-    """SIGINT inside is raised only at :func:`interruption_point` and on exit (See Note [Ctrl-C at safe points])."""
-    if (threading.current_thread() is not threading.main_thread() or _deferred_handler
-            or signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None)):
-        yield  # not where signals arrive, or already deferred, or ignored (None: not installed from Python)
-        return
-    _deferred_handler.append(signal.signal(signal.SIGINT, _record_interrupt))
-    _raised_inside.append(False)
-    try:
-        yield
-    except KeyboardInterrupt:
-        _undefer(deliver=False)  # one interrupt is enough
-        raise
-    except BaseException as e:
-        raised = _raised_inside[0]
-        _undefer(deliver=True)
-        if raised:  # a KeyboardInterrupt some layer turned into another error on its way out: still the user's Ctrl-C
-            raise KeyboardInterrupt from e
-        raise
-    raised = _raised_inside[0]
-    _undefer(deliver=True)
-    if raised:  # a KeyboardInterrupt some code caught and went on from: the result is not to be trusted
-        raise KeyboardInterrupt
-
-
-def _undefer(*, deliver: bool) -> None:
-    _raised_inside.pop()
-    signal.signal(signal.SIGINT, _deferred_handler.pop())
-    if _pending_interrupts:
-        _pending_interrupts.clear()
-        if deliver:
-            _deliver(signal.getsignal(signal.SIGINT))
-
-
-_interrupts_held = interrupts_at_safe_points  # the lazy imports: no safe point inside, raised right after

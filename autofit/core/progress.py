@@ -37,7 +37,7 @@ _current: contextvars.ContextVar[Stage | None] = contextvars.ContextVar("autofit
 
 def report(what: str, done: int | None = None, total: int | None = None) -> None:
     """Tell the listener, if any, that the stage ``what`` begins. A Ctrl-C recorded meanwhile is raised here, between
-    two stages (Note [Ctrl-C at safe points], autofit/core/_torch.py)."""
+    two stages (Note [Ctrl-C at safe points], autofit/core/_torch_interrupts.py)."""
     _send(Stage(what, done, total), begins=True)
 
 
@@ -48,7 +48,8 @@ def step(what: str, done: int | None = None, total: int | None = None) -> None:
 
 
 def _send(stage: Stage, *, begins: bool) -> None:
-    from autofit.core._torch import interruption_point  # here: the CLI's --help imports this module, not torch
+    # here: the CLI's --help imports this module, not torch
+    from autofit.core._torch_interrupts import interruption_point
 
     interruption_point()
     listener = _listener.get()

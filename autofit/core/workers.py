@@ -64,7 +64,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from autofit.core import progress, shared
-from autofit.core._torch import forget_interrupts, interruption_point
+from autofit.core._torch_interrupts import forget_interrupts, interruption_point
 
 __all__ = ["Pending", "start", "run_all", "parallel_available", "ENV"]
 

@@ -36,11 +36,10 @@ import torch
 from autofit.core._torch import (
     ddp_bucket_sizes,
     grad_scaler_state,
-    interruption_point,
-    memory_profile,
     storage_tensors,
-    window_memory,
 )
+from autofit.core._torch_interrupts import interruption_point
+from autofit.core._torch_profiler import memory_profile, window_memory
 from autofit.training.batch import Batch
 from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
 from autofit.core.categories import Category
@@ -146,7 +145,8 @@ def measure_step(
 
     def window() -> None:  # in the step's order: the gradients cleared where config.zero_grad puts it
         def one(i: int) -> None:
-            interruption_point()  # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch.py)
+            # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch_interrupts.py)
+            interruption_point()
             micro, micro_target = micro_batches[i]
             run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
                             scaler=scaler, clear=optimizer if i == 0 else None, features=FEATURES)

@@ -14,18 +14,18 @@ Note [gloo's threads in the measured window]
     thread frees its buffer after signalling that, so on a loaded machine the rank allocates its next tensors first
     (a CI run counted 32,768 B more than an idle one in every window of a tensor-parallel rank, the size of the
     activation its all-reduces carry).
-    So each rank counts only the memory of its own thread (the step's: on the CPU, autograd runs backward on the
-    thread that calls it), marked by a ``record_function`` around the window, and keeps the lowest of three
-    windows. A thread's memory is what it allocates and frees, and the frees of its allocations on other threads
-    (``core._torch.thread_memory`` matches a free to its allocation by address): gloo's worker sometimes frees a
-    tensor of the rank's, and counted by thread that free was lost (a CI run measured a tensor-parallel rank
-    32,768 B high in its first window and 12 x 32,768 B high in the next two, one all-reduce's tensor per
-    all-reduce of the step). Such a free is placed at the end of the rank thread's last collective wait before it
-    (``core._torch._freed_at_completion``): gloo signals the collective complete and only then drops the work holding
-    the rank's tensor, so under load the rank had allocated its next tensors first (a CI run measured a
-    tensor-parallel rank 32,768 B high in all three windows); the wait's end is when the step let go of it. Kernels
-    that allocate inside their intra-op worker threads would be left out too; none of the layouts tested does (their
-    figures equal the estimate to the byte).
+    So each rank counts only the memory of its own thread (the step's: on the CPU, autograd runs backward on the thread
+    that calls it), marked by a ``record_function`` around the window, and keeps the lowest of three windows. A thread's
+    memory is what it allocates and frees, and the frees of its allocations on other threads
+    (``core._torch_profiler.thread_memory`` matches a free to its allocation by address): gloo's worker sometimes frees
+    a tensor of the rank's, and counted by thread that free was lost (a CI run measured a tensor-parallel rank 32,768 B
+    high in its first window and 12 x 32,768 B high in the next two, one all-reduce's tensor per all-reduce of the
+    step). Such a free is placed at the end of the rank thread's last collective wait before it
+    (``core._torch_profiler._freed_at_completion``): gloo signals the collective complete and only then drops the work
+    holding the rank's tensor, so under load the rank had allocated its next tensors first (a CI run measured a
+    tensor-parallel rank 32,768 B high in all three windows); the wait's end is when the step let go of it. Kernels that
+    allocate inside their intra-op worker threads would be left out too; none of the layouts tested does (their figures
+    equal the estimate to the byte).
 """
 
 from __future__ import annotations

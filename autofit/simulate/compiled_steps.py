@@ -28,14 +28,12 @@ from typing import Any
 import torch
 
 from autofit.core._torch import (
-    allocation_sizes,
     disable_current_modes,
-    high_water_mark,
-    memory_profile,
     patch,
     storage_tensors,
     unset_fake_temporarily,
 )
+from autofit.core._torch_profiler import allocation_sizes, high_water_mark, memory_profile
 from autofit.core._torch_compile import compile_in_this_thread
 
 __all__ = ["COMPILED_STEPS", "measured_compiled_steps"]

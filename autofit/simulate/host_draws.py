@@ -1,5 +1,6 @@
 """Python's and NumPy's random draws in a simulated step: taken at their extremes where autofit reaches them, refused
-where it does not (Note [random draws outside torch]).
+where it does not (Note [random draws outside torch]). This module steers them; the draws it could not reach are
+found, refused and located by unsteered_draws.py.
 
 Note [random draws outside torch]
     The dispatch mode of Note [random layer skipping] (randomness.py) sees every torch draw; Python's ``random`` and
@@ -49,8 +50,9 @@ from torch import nn
 
 from autofit.core._torch import patch, patch_lock
 from autofit.core.errors import UnsupportedModelError
+from autofit.simulate.unsteered_draws import _locate, _Watch
 
-__all__ = ["steered_host_draws", "UnsteeredDraw"]
+__all__ = ["steered_host_draws"]
 
 # the generators behind the modules' functions (read before anything is patched): Python's hidden random.Random and
 # the RandomState behind np.random's functions
@@ -59,28 +61,6 @@ _NUMPY_GLOBAL: np.random.RandomState = np.random.random_sample.__self__
 SPREAD = 10.0  # normal draws: this many standard deviations from the mean (randomness.NORMAL_SPREAD)
 _REJECTION = ("gammavariate", "betavariate", "vonmisesvariate", "binomialvariate", "paretovariate",
               "weibullvariate", "lognormvariate")
-
-
-class UnsteeredDraw(Exception):
-    """A draw autofit could not steer changed a global generator's state during the step (Note [random draws
-    outside torch]); ``module`` is where, when the step ran with ``locate``."""
-
-    def __init__(self, source: str, module: str | None = None) -> None:
-        super().__init__(source)
-        self.source, self.module = source, module
-
-    def refusal(self) -> UnsupportedModelError:
-        where = "the step" if self.module is None else (f"module {self.module!r}" if self.module
-                                                         else "the model's top-level forward")
-        return UnsupportedModelError(
-            f"{where} drew from {self.source} with a call autofit cannot steer (a name imported from the module, "
-            "such as `from random import random`, a distribution it has no extreme for, such as np.random.poisson, "
-            "or a generator it cannot reach), so the estimate would follow one "
-            "random outcome of the step, not its largest. Draw decisions through the module (random.random(), "
-            "random.choice(), np.random.rand(), a NumPy Generator the module holds or makes with "
-            "np.random.default_rng) or with torch (torch.rand(()) < p): autofit takes those at both ends of their "
-            "range (Note [random draws outside torch], autofit/simulate/host_draws.py)"
-        )
 
 
 MAX_UNIT_DRAWS = 1_000_000  # forced random() calls in one step beyond which a sampler is taken to loop for ever
@@ -332,36 +312,6 @@ class _SteeredGenerator(_NumpyDraws):
         return draw
 
 
-def _numpy_state() -> tuple:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return name, keys.tobytes(), pos, has_gauss, cached
-
-
-class _Watch:
-    """The global generators' states, compared with what steered calls left them (Note [random draws outside
-    torch]); ``extra`` Random instances that took the steered class are watched too."""
-
-    def __init__(self) -> None:
-        self.sources: list[tuple[str, Callable[[], Any]]] = [("Python's random module", random.getstate),
-                                                            ("NumPy's global generator (np.random)", _numpy_state)]
-        self.baseline: list[Any] = []
-        self.rebase()
-
-    def add(self, name: str, state: Callable[[], Any]) -> None:
-        self.sources.append((name, state))
-        self.baseline.append(state())
-
-    def rebase(self) -> None:
-        self.baseline = [state() for _, state in self.sources]
-
-    def check(self, module: str | None) -> None:
-        for (name, state), before in zip(self.sources, self.baseline):
-            if state() != before:
-                draw = UnsteeredDraw(name, module)
-                # inside a forward (``locate``): the refusal itself, which the step's error handling passes on
-                raise draw.refusal() if module is not None else draw
-
-
 def _global_names(code: types.CodeType) -> list[str]:
     names = list(code.co_names)
     for const in code.co_consts:
@@ -431,25 +381,3 @@ def _steer_holdings(module: nn.Module, watch: _Watch, stack: contextlib.ExitStac
         elif type(value) is random.Random:
             _steer_random(value, stack)
             watch.add(f"the random.Random {name}", value.getstate)
-
-
-def _locate(modules: list[tuple[str, nn.Module]], watch: _Watch, stack: contextlib.ExitStack) -> None:
-    """States compared around every module's forward: the first change names the module running then."""
-    running: list[str] = []
-
-    def pre(name: str) -> Callable[..., None]:
-        def hook(module, args) -> None:
-            watch.check(running[-1] if running else "")
-            running.append(name)
-        return hook
-
-    def post(name: str) -> Callable[..., None]:
-        def hook(module, args, output) -> None:
-            watch.check(name)
-            if running:
-                running.pop()
-        return hook
-
-    for name, module in modules:
-        stack.callback(module.register_forward_pre_hook(pre(name)).remove)
-        stack.callback(module.register_forward_hook(post(name)).remove)

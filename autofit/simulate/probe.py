@@ -42,11 +42,10 @@ from typing import Any
 import torch
 
 from autofit.core._torch import (
-    allocation_sizes,
     disable_current_modes,
-    memory_profile,
     pytree,
 )
+from autofit.core._torch_profiler import allocation_sizes, memory_profile
 from autofit.capture.corrections import probe_inputs, registered
 from autofit.core.cpu import cpu_kernels
 

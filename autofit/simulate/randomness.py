@@ -38,7 +38,8 @@ from torch import nn
 
 from autofit.core._torch import TorchDispatchMode, disable_current_modes, op_schema
 from autofit.core.errors import UnsupportedModelError
-from autofit.simulate.host_draws import UnsteeredDraw, steered_host_draws
+from autofit.simulate.host_draws import steered_host_draws
+from autofit.simulate.unsteered_draws import UnsteeredDraw
 
 __all__ = ["DECISION_ELEMENTS", "Draws", "draws_at", "worst_of_extremes"]
 

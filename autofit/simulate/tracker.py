@@ -30,9 +30,9 @@ from autofit.core._torch import (
     pytree,
     storage_tensors,
     dtensor_local,
-    interruption_point,
     op_schema,
 )
+from autofit.core._torch_interrupts import interruption_point
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter, fake_kernel, registered
 from autofit.core.cpu import require_kernel

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from autofit.core._torch import quiet_native_output
+from autofit.core._torch_profiler import quiet_native_output
 
 __all__ = ["CheckpointProblem", "solve_checkpoint", "most_freeing_checkpoint", "level_checkpoint", "most_dropped",
            "brute_force_checkpoint", "nested_pairs", "tied"]
