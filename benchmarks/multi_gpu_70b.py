@@ -54,10 +54,10 @@ def _arguments(ids, nodes: int, per_node: int, batch: int, host_budget: str | No
 
 def check_depth(model, ids, plan, nodes: int, per_node: int, batch: int, host_budget: str) -> None:
     """The plan's step simulated with all its blocks, beside the figures the plan carried from cut models (Note
-    [segment figures in depth], autofit/solve/depth.py)."""
+    [segment figures in depth], autofit/solve/extrapolate.py)."""
     from autofit.request import make_request
     from autofit.solve.estimator import Estimator
-    from autofit.solve.search import Candidate
+    from autofit.solve.candidate import Candidate
 
     request = make_request(model, ids, "80GB", optimizer="adamw", precision="auto", quick=False, loss_fn=None,
                            savers=autofit.Savers(checkpoint="auto"), **_arguments(ids, nodes, per_node, batch,

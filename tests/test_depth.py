@@ -22,8 +22,8 @@ import autofit
 from autofit.capture.depth import Blocks, find_blocks, period_of, truncated
 from autofit.analyse.analyse import op_costs
 from autofit.request import make_request
+from autofit.solve.candidate import Candidate
 from autofit.solve.estimator import Estimator
-from autofit.solve.search import Candidate
 from autofit.solve.sharding import layouts
 from autofit.solve.space import analyse_policies, search_space
 from autofit.solve.time_model import build_time_model
@@ -310,7 +310,7 @@ def _treatments(plan) -> list[tuple]:
 def test_plan_with_extrapolation_equals_plan_without(budget):
     """Generous: the quick path's estimate is extrapolated. Tight: the analysis is extended, and the winner
     recomputes an irregular set of modules, its blocks' treatments grouped into runs (Note [recomputation grouped by
-    block], solve/depth.py) whose longest is cut: the same micro-batches and step time as the plan without
+    block], solve/block_groups.py) whose longest is cut: the same micro-batches and step time as the plan without
     extrapolation (the same treatments, elsewhere), and its peak that of the CPU allocator running it."""
     model = _model()
     state = copy.deepcopy(model.state_dict())
@@ -362,7 +362,8 @@ def test_segment_figures_off_their_line_carry_the_largest_reserve_unless_near_th
     per block, so 9 GB at 80; the rounding alternates (9,372, 42,204, 9,500: carried as 42,204 + 64 x 70); the
     reserve above the allocated peak steps 19, 21, 20 GB (off its line): 21 GB carried; the smallest budget's
     excess 0.90, 0.92, 0.91 GB: 0.92 GB carried."""
-    from autofit.solve.depth import DepthRun, extrapolate
+    from autofit.solve.depth import DepthRun
+    from autofit.solve.extrapolate import extrapolate
 
     run = DepthRun(Blocks("layers", 80), 1, (tuple(range(8)), tuple(range(9)), tuple(range(10))), 70)
     ests = (_figures(8, 19 * 10**9, 900 * 10**6, 9372), _figures(9, 21 * 10**9, 920 * 10**6, 42204),

@@ -1,7 +1,7 @@
 """The whole step's timeline built from three cuts a period apart (Note [a timeline extended in depth],
 autofit/simulate/depth.py), against its truth: the simulation of the whole model. The caching allocator replayed over
 the built timeline gives the whole simulation's CUDA figures to the byte, the segment figures included, which the
-line through the cuts does not (Note [segment figures in depth], autofit/solve/depth.py)."""
+line through the cuts does not (Note [segment figures in depth], autofit/solve/extrapolate.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import autofit
 from autofit.request import make_request
 from autofit.simulate.depth import extend_checked
 from autofit.simulate.timeline import replay
-from autofit.solve.depth import depth_runs, extrapolate
+from autofit.solve.candidate import Candidate
+from autofit.solve.depth import depth_runs
 from autofit.solve.estimator import Estimator
-from autofit.solve.search import Candidate
+from autofit.solve.extrapolate import extrapolate
 from autofit.solve.sharding import layouts
 from benchmarks.llama import Llama, LlamaConfig
 

@@ -25,7 +25,8 @@ from autofit.solve.space import analyse_policies as _analyse
 from autofit.solve.space import search_space as _search_space
 from autofit.request import make_request
 from autofit.solve.lengths import first_guesses, rows_by_length
-from autofit.solve.search import _evaluate, _time_floor, batch_options, search
+from autofit.solve.candidate import _evaluate, batch_options
+from autofit.solve.search import _time_floor, search
 from zoo import ZOO
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork") or not os.sys.platform.startswith("linux"),
@@ -447,7 +448,7 @@ from dataclasses import replace
 from autofit.solve.sharding import Parallel
 from autofit.solve.estimator import Estimator
 from autofit.simulate.run import simulate_step
-from autofit.solve.search import Candidate
+from autofit.solve.candidate import Candidate
 from test_plan_speed import _request
 from zoo import ZOO
 differ, runs = [], 0

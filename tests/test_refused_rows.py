@@ -11,7 +11,7 @@ from torch import nn
 import autofit
 from autofit.capture.rows import smallest_rows
 from autofit.measure.allocator import measure_callable
-from autofit.solve.search import batch_options
+from autofit.solve.candidate import batch_options
 from autofit.training.batch import as_batch
 
 

@@ -21,7 +21,8 @@ from autofit.solve.checkpoint_milp import (
     level_checkpoint,
     solve_checkpoint,
 )
-from autofit.solve.search import Candidate, batch_options, pareto_front
+from autofit.solve.candidate import Candidate, batch_options
+from autofit.solve.search import pareto_front
 
 
 def _problem(costs, base, coef, exclusive=()) -> CheckpointProblem:
@@ -308,7 +309,7 @@ def test_smallest_verified_checks_micro_batch_one_too(monkeypatch) -> None:
     must name the smallest verified budget, so micro-batch 1 is verified as well."""
     from autofit.core.report import MemoryEstimate
     from autofit.solve import verify as verify_stage
-    from autofit.solve.search import Candidate
+    from autofit.solve.candidate import Candidate
 
     ranked = [Candidate("fp16", 32, 1, 32, (), 100, 1.0), Candidate("fp16", 16, 2, 16, (), 110, 1.1),
               Candidate("fp16", 8, 4, 8, (), 120, 1.2), Candidate("fp16", 1, 32, 1, (), 130, 3.0)]
@@ -351,17 +352,17 @@ def _uniform(chosen, groups) -> bool:
 
 @pytest.mark.parametrize("budget", [159, 152, 145, 140, 131, 125, 118, 111])
 def test_identical_blocks_tied_in_groups_give_the_best_set_that_treats_each_group_alike(monkeypatch, budget) -> None:
-    """Note [identical blocks solved in groups], solve/depth.py: with the program over the limit, blocks 0-1, 2-3,
-    4-5 are tied. Truths by enumeration of the whole program: every tied set has the peak and cost of the set it
+    """Note [identical blocks solved in groups], solve/block_groups.py: with the program over the limit, blocks 0-1,
+    2-3, 4-5 are tied. Truths by enumeration of the whole program: every tied set has the peak and cost of the set it
     expands to, and the answer is the cheapest whole-program set that fits and treats each group alike (never
     cheaper than the unrestricted optimum)."""
-    import autofit.solve.depth as depth
+    import autofit.solve.block_groups as block_groups
     from autofit.capture.depth import Blocks
     from autofit.solve.checkpoint_milp import tied
     problem, blocks = _six_blocks(), Blocks("m.layers", 6)
-    monkeypatch.setattr(depth, "_LARGE_PROGRAM", 0)
-    monkeypatch.setattr(depth, "TIED_UNITS", 6)  # 12 units in blocks -> 2 blocks per group
-    parts = depth._block_groups(problem, blocks)
+    monkeypatch.setattr(block_groups, "_LARGE_PROGRAM", 0)
+    monkeypatch.setattr(block_groups, "TIED_UNITS", 6)  # 12 units in blocks -> 2 blocks per group
+    parts = block_groups._block_groups(problem, blocks)
     assert parts == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11]]
     small = tied(problem, parts)
     for r in range(len(parts) + 1):
@@ -372,7 +373,7 @@ def test_identical_blocks_tied_in_groups_give_the_best_set_that_treats_each_grou
     groups = ((0, 1), (2, 3), (4, 5))
     fitting = [c for c in _all_allowed(problem) if problem.peak(c) <= budget]
     best_uniform = min((problem.cost(c) for c in fitting if _uniform(c, groups)), default=None)
-    chosen = depth.solve_in_block_groups(problem, budget, blocks)
+    chosen = block_groups.solve_in_block_groups(problem, budget, blocks)
     if best_uniform is None:  # the tied program fits nothing: the whole program is solved, as before
         assert chosen == solve_checkpoint(problem, budget)
         return

@@ -47,7 +47,7 @@ def test_recomputed_blocks_grouped_into_a_run_by_hand():
     as blocks 2, 3 (lightest first) 10, 10, 9, 7. Under a budget of 9 the first is kept; under 8.9 neither fits and
     the MILP's set stays; a block that lacks a unit the others have leaves the set as it is."""
     from autofit.capture.depth import Blocks
-    from autofit.solve.depth import grouped_by_block
+    from autofit.solve.block_groups import grouped_by_block
 
     blocks = Blocks("layers", 4)
     problem = _four_blocks()

@@ -360,7 +360,7 @@ def test_an_estimate_within_a_budget_replays_under_it_only_below_its_unconstrain
 
 
 def test_the_infeasibility_error_names_the_smallest_budget_the_step_runs_under():
-    from autofit.solve.search import Candidate
+    from autofit.solve.candidate import Candidate
     from autofit.solve.verify import infeasible
 
     c = Candidate("fp16", 1, 8, 1, (), 50, 1.0)

@@ -7,7 +7,7 @@ Note [depth extrapolation]
     class, the same parameter and buffer names, shapes and dtypes per block) between a fixed head and tail, and every
     figure of a step that only repeats those blocks grows by the same bytes per block. So a configuration is simulated
     on the same model cut to d1 < d2 < d3 blocks, and each figure of its estimate is carried to all N blocks along the
-    line through d2 and d3 (autofit/solve/depth.py); the estimate's notes say so.
+    line through d2 and d3 (autofit/solve/depth.py, autofit/solve/extrapolate.py); the estimate's notes say so.
 
     - What is cut: only the ModuleList, by a shallow copy of every module on its path with a fresh ``_modules`` dict
       (and, for a Hugging Face model, a copied config whose ``num_hidden_layers`` and per-layer lists are cut too).
@@ -24,7 +24,7 @@ Note [depth extrapolation]
       target's segment figures may be off their line where the tensor figures are on theirs: they are then carried
       with the largest reserve seen, unless the smallest budget lands near the budget, where the caching allocator
       is replayed over the whole step's timeline built from the cuts' (Note [segment figures in depth],
-      autofit/solve/depth.py; Note [a timeline extended in depth], autofit/simulate/depth.py).
+      autofit/solve/extrapolate.py; Note [a timeline extended in depth], autofit/simulate/depth.py).
     - The estimate under a budget (``MemoryEstimate.under``, an allocator replay under a cap) is the d3 replay under
       the budget less the extrapolated growth, then shifted by it: approximate, and said so in its notes.
 """

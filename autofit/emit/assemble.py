@@ -10,7 +10,8 @@ from typing import Any
 
 from autofit.core.report import MemoryEstimate
 from autofit.emit.plan import Alternative, Plan
-from autofit.solve.search import Candidate, pareto_front
+from autofit.solve.candidate import Candidate
+from autofit.solve.search import pareto_front
 from autofit.training.config import StepConfig
 
 __all__ = ["assemble_plan", "front_with", "selective_note"]

@@ -2,7 +2,7 @@
 forward and their backward (PyTorch's ``save_on_cpu``, Note [offload], autofit/training/step.py). The step's part is
 autofit/training/activation_offload.py; this module says what each stage does with it (Note [step features],
 autofit/features/base.py). Which modules offload is the search's choice, module by module beside recomputation
-(``Candidate.offload``, solve/search.py; its transfers' time: Note [offload time], solve/time_model.py)."""
+(``Candidate.offload``, solve/candidate.py; its transfers' time: Note [offload time], solve/time_model.py)."""
 
 from __future__ import annotations
 

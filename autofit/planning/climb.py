@@ -23,12 +23,13 @@ from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.model_record import record_model
 from autofit.emit.plan import Forgone, Plan
 from autofit.request import Parallel, PlanRequest
+from autofit.solve.candidate import Candidate, SearchSpace
 from autofit.solve.estimator import Estimator
 from autofit.solve.finish import (even_split, no_rows_table_note, optional_pins, pin_cost_notes, rows_table,
                                   rung_notes, zero_grad_note, verify_beside_rows)
 from autofit.solve.ladder import Stage, gpus_for_states, ladder, skipped_note, states_floor
 from autofit.solve.quick import quick_path
-from autofit.solve.search import Candidate, SearchSpace, module_level
+from autofit.solve.search import module_level
 from autofit.solve.space import analyse_policies, searchable
 from autofit.solve.terms import LARGE_SHARE, deferred_gradient_bytes, large_term_notes
 from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, infeasible, search_in_backward,

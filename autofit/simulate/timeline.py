@@ -194,7 +194,7 @@ def segment_peaks(timeline: Timeline, role: Callable[[str], Hashable]) -> dict[t
     """The tensor peak (live bytes, an op's workspace at its own event) of each segment of the step: a segment is a
     stage (the events between two marks, index 0 before the first) and the ``role`` of the module that runs (an op's
     or a new storage's module; a free belongs to the segment of the event before it). What Note [a stage that
-    overtakes] (autofit/solve/depth.py) lines up across depths."""
+    overtakes] (autofit/solve/extrapolate.py) lines up across depths."""
     peaks: dict[tuple[int, Hashable], int] = {}
     marks = [start for start, _, _ in timeline.marks]
     storages, ops = timeline.storages, timeline.ops

@@ -101,7 +101,7 @@ def _solve(problem: CheckpointProblem, budget: float | None, objective: str,
     # once recomputed 84 modules under load, 81 quiet). A node limit would not: but GPT-2 XL on a T4 (725 units)
     # spends 14 s in its root node alone, and 2,000 nodes made that test's plan 135 -> 408 s (50 nodes: 30 s per
     # solve, the same incumbent as at 5 nodes). The program itself is made smaller where it is this large and its
-    # modules repeat over identical blocks (Note [identical blocks solved in groups], solve/depth.py).
+    # modules repeat over identical blocks (Note [identical blocks solved in groups], solve/block_groups.py).
     options = {"mip_rel_gap": 0.0} if n <= 40 else {"mip_rel_gap": 1e-2, "time_limit": 10.0}
     with quiet_native_output((1, 2)):  # HiGHS reports solver internals on the C stdout
         result = milp(c, constraints=constraints, integrality=np.concatenate([np.ones(n), [0]]), bounds=bounds,
@@ -232,7 +232,8 @@ def tied(problem: CheckpointProblem, parts: list[list[int]]) -> CheckpointProble
     """The program whose unit i recomputes every unit of ``parts[i]`` together (a partition of ``problem``'s units,
     each part of one policy): costs and byte coefficients summed over the part, exact for any set of whole parts;
     a nesting or one-policy constraint between two units binds their parts. Named by each part's first unit. Its
-    sets, each part expanded, are sets of ``problem`` (Note [identical blocks solved in groups], solve/depth.py)."""
+    sets, each part expanded, are sets of ``problem`` (Note [identical blocks solved in groups],
+    solve/block_groups.py)."""
     part_of = np.empty(len(problem.names), dtype=np.int64)
     for i, part in enumerate(parts):
         part_of[part] = i

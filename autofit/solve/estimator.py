@@ -2,7 +2,7 @@
 
 Every full estimate the planner makes (the quick path, a search winner's verification, the smallest budget, the fp32
 pins, the even split, the rows at shorter lengths) is this one call on an :class:`Estimator`, the request at one
-data-parallel layout. A configuration is a search :class:`~autofit.solve.search.Candidate` and the precision policy
+data-parallel layout. A configuration is a search :class:`~autofit.solve.candidate.Candidate` and the precision policy
 it runs (its label alone does not carry a pin set the planner adds after the search).
 
 Note [gradients before forward as a plan knob]
@@ -77,8 +77,9 @@ from autofit.simulate.depth import extend_checked
 from autofit.simulate.run import Simulation, probes_kernels, simulate_step
 from autofit.simulate.sample_rows import each_step, sample_micro_batches
 from autofit.simulate.timeline import replay
-from autofit.solve.depth import DepthRun, config_at_depth, depth_grid, depth_runs, extrapolate, extrapolate_grid, fallback_note, overtaken
-from autofit.solve.search import Candidate
+from autofit.solve.candidate import Candidate
+from autofit.solve.depth import DepthRun, config_at_depth, depth_grid, depth_runs
+from autofit.solve.extrapolate import extrapolate, extrapolate_grid, fallback_note, overtaken
 from autofit.training.step import StepConfig, forward_errors
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here

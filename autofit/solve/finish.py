@@ -20,7 +20,7 @@ from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import probes_kernels
 from autofit.solve.estimator import Estimator, with_rows
 from autofit.solve.lengths import first_guesses, rows_by_length
-from autofit.solve.search import Candidate
+from autofit.solve.candidate import Candidate
 from autofit.solve.ladder import Stage
 from autofit.solve.verify import Verified
 from autofit.core.units import format_bytes

@@ -179,7 +179,7 @@ class MemoryModel:
         force is constant (so each stretch's peak is its plain peak plus a constant), the recompute instants, and
         the optimizer stage (which checkpointing does not touch). Units: every module fully recomputed, then (with
         ``selective``) those that may be recomputed selectively (:meth:`variables`); a selective unit costs its
-        module's FLOPs until the search prices it (search.py)."""
+        module's FLOPs until the search prices it (candidate.py)."""
         live = self.profile.live(batch)
         variables = self.variables(batch, selective, always, op_selective)
         n_units = len(variables)

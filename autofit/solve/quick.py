@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
+from autofit.solve.candidate import Candidate
 from autofit.solve.estimator import Estimator, announce
-from autofit.solve.search import Candidate
 from autofit.solve.time_model import build_time_model
 from autofit.solve.verify import Verified
 

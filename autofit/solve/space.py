@@ -18,7 +18,7 @@ from autofit.solve.depth import analysis_depth, config_at_depth, extended_ops, p
 from autofit.solve.estimator import Estimator
 from autofit.solve.ladder import Stage
 from autofit.solve.memory_model import MemoryModel
-from autofit.solve.search import SearchSpace
+from autofit.solve.candidate import SearchSpace
 from autofit.parallel.dimension import RankWork, WorkInputs
 from autofit.solve.time_model import build_time_model
 from autofit.training.step import forward_errors
@@ -115,7 +115,7 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
 
 
 # Note [one search cache per layout]
-#     A search space keeps what its checkpoint MILPs found, by precision label, micro-batch and budget (search.py).
+#     A search space keeps what its checkpoint MILPs found, by precision label, micro-batch and budget (candidate.py).
 #     The ladder's rungs of one layout and one set of step features build their models of a precision from the same
 #     analysis (``analyses`` is keyed by the layout and the features), under the same settings (rows, checkpoint and
 #     offload permissions, blocks), so their spaces share one cache: the rung of every allowed precision after the

@@ -13,10 +13,9 @@ from dataclasses import dataclass, replace
 from autofit.core import progress
 from autofit.core.errors import HostMemoryError, InfeasibleBudgetError
 from autofit.core.report import MemoryEstimate
+from autofit.solve.candidate import Candidate, SearchSpace
 from autofit.solve.host import host_budget_words
 from autofit.solve.search import (
-    Candidate,
-    SearchSpace,
     alternatives,
     fits_somewhere,
     search,
