@@ -208,7 +208,7 @@ def test_private_torch_only_through_the_boundary(path: pathlib.Path) -> None:
     if path in BOUNDARIES:
         return
     found = _private_torch(ast.parse(path.read_text()), OWN)
-    assert not found, "private torch symbols outside autofit/core/_torch.py and _torch_compile.py:\n" + "\n".join(found)
+    assert not found, "private torch symbols outside the torch boundary (BOUNDARIES):\n" + "\n".join(found)
 
 
 def test_the_checks_catch_what_they_should() -> None:

@@ -25,7 +25,7 @@ from autofit.solve.space import analyse_policies as _analyse
 from autofit.solve.space import search_space as _search_space
 from autofit.request import make_request
 from autofit.solve.lengths import first_guesses, rows_by_length
-from autofit.solve.candidate import _evaluate, batch_options
+from autofit.solve.candidate import evaluate, batch_options
 from autofit.solve.search import _time_floor, search
 from zoo import ZOO
 
@@ -336,7 +336,7 @@ def test_time_floor_is_below_every_candidate(name, device):
     for budget in peaks[:: max(1, len(peaks) // 6)]:
         for precision in space.precisions:
             for b, k, last in batch_options(space.batch_size):
-                candidate = _evaluate(space, precision, b, k, last, budget)
+                candidate = evaluate(space, precision, b, k, last, budget)
                 if candidate is not None:
                     tried += 1
                     assert _time_floor(space, precision, b, k, last, budget) <= round(candidate.seconds, 12)

@@ -1,6 +1,6 @@
-"""autofit/core/_torch.py, the one place private torch symbols are read: missing pieces fail with a typed error that
-names them, process-wide patches are restored, serialised and counted, and the profiler primitives
-(autofit/core/_torch_profiler.py) read the allocator's record."""
+"""autofit/core/_torch.py, the torch boundary (with its siblings _torch_*.py, the only modules that read private torch
+symbols): missing pieces fail with a typed error that names them, process-wide patches are restored, serialised and
+counted, and the profiler primitives (autofit/core/_torch_profiler.py) read the allocator's record."""
 
 from __future__ import annotations
 

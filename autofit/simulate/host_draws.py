@@ -50,7 +50,7 @@ from torch import nn
 
 from autofit.core._torch import patch, patch_lock
 from autofit.core.errors import UnsupportedModelError
-from autofit.simulate.unsteered_draws import _locate, _Watch
+from autofit.simulate.unsteered_draws import locate_draws, Watch
 
 __all__ = ["steered_host_draws"]
 
@@ -72,7 +72,7 @@ class _Steering:
     def __init__(self, draws: Any, decision_elements: int) -> None:
         self.draws, self.top, self.limit = draws, draws.extreme == "top", decision_elements
         self.units = 0
-        self.rebase: Callable[[], None] = lambda: None  # the watch's (_Watch.rebase), once it exists
+        self.rebase: Callable[[], None] = lambda: None  # the watch's (Watch.rebase), once it exists
 
     def unit(self, low: float = 0.0, high: float = 1.0) -> float:
         self.draws.count += 1
@@ -330,7 +330,7 @@ def steered_host_draws(draws: Any, model: nn.Module | None, decision_elements: i
     with patch_lock(), contextlib.ExitStack() as stack:
         previous, _STEERING = _STEERING, _Steering(draws, decision_elements)
         stack.callback(lambda: globals().__setitem__("_STEERING", previous))
-        watch = _Watch()
+        watch = Watch()
         _STEERING.rebase = watch.rebase
         legacy = _NumpyDraws(_NUMPY_GLOBAL, watch.rebase)
         for name in _LEGACY:
@@ -348,7 +348,7 @@ def steered_host_draws(draws: Any, model: nn.Module | None, decision_elements: i
         for _, module in modules:
             _steer_holdings(module, watch, stack, classes)
         if locate:
-            _locate(modules, watch, stack)
+            locate_draws(modules, watch, stack)
         yield
         watch.check(None)
 
@@ -359,7 +359,7 @@ def _steer_random(rng: random.Random, stack: contextlib.ExitStack) -> None:
         stack.callback(setattr, rng, "__class__", random.Random)
 
 
-def _steer_holdings(module: nn.Module, watch: _Watch, stack: contextlib.ExitStack, classes: set[type]) -> None:
+def _steer_holdings(module: nn.Module, watch: Watch, stack: contextlib.ExitStack, classes: set[type]) -> None:
     """The generators ``module`` holds (on autofit's copy: replaced) and those its forward's globals name (the
     user's: replaced until the step ends; once per class, in ``classes``)."""
     for attr, value in list(vars(module).items()):

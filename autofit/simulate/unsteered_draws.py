@@ -1,7 +1,7 @@
 """The draws autofit could not steer in a simulated step (Note [random draws outside torch], host_draws.py): the
-global generators' states watched around the step and compared with what steered calls left them (``_Watch``), the
+global generators' states watched around the step and compared with what steered calls left them (``Watch``), the
 error a change raises (:class:`UnsteeredDraw`) and the refusal it becomes, and, when the step is refused, the module
-whose forward made the draw (``_locate``).
+whose forward made the draw (``locate_draws``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from autofit.core.errors import UnsupportedModelError
 
-__all__ = ["UnsteeredDraw"]
+__all__ = ["UnsteeredDraw", "Watch", "locate_draws"]
 
 
 class UnsteeredDraw(Exception):
@@ -46,7 +46,7 @@ def _numpy_state() -> tuple:
     return name, keys.tobytes(), pos, has_gauss, cached
 
 
-class _Watch:
+class Watch:
     """The global generators' states, compared with what steered calls left them (Note [random draws outside
     torch]); ``extra`` Random instances that took the steered class are watched too."""
 
@@ -71,7 +71,7 @@ class _Watch:
                 raise draw.refusal() if module is not None else draw
 
 
-def _locate(modules: list[tuple[str, nn.Module]], watch: _Watch, stack: contextlib.ExitStack) -> None:
+def locate_draws(modules: list[tuple[str, nn.Module]], watch: Watch, stack: contextlib.ExitStack) -> None:
     """States compared around every module's forward: the first change names the module running then."""
     running: list[str] = []
 

@@ -15,7 +15,8 @@ from autofit.solve.block_groups import grouped_by_block, solve_in_block_groups
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.time_model import TimeModel
 
-__all__ = ["Candidate", "SearchSpace", "batch_options"]
+__all__ = ["Candidate", "SearchSpace", "batch_options", "evaluate", "fits_as_is", "space_memory", "checkpoint_problem",
+           "micro_batch_window"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class SearchSpace:
     # the fewest rows any micro-batch may hold, the last one's included (Note [micro-batches a model refuses],
     # autofit/capture/rows.py)
     min_rows: int = 1
-    # what _evaluate found for (precision, b, k, last), by budget: the search, the front and the verification loop
+    # what evaluate found for (precision, b, k, last), by budget: the search, the front and the verification loop
     # ask for the same configurations again, and each may cost a checkpoint MILP
     evaluated: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     problems: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # (precision, b, k) -> MILP
@@ -88,13 +89,13 @@ def batch_options(batch_size: int, min_rows: int = 1) -> list[tuple[int, int, in
         if b in seen:
             continue
         seen.add(b)
-        window = _window(batch_size, b, min_rows)
+        window = micro_batch_window(batch_size, b, min_rows)
         if window is not None:
             options.append(window)
     return options
 
 
-def _window(batch_size: int, b: int, min_rows: int) -> tuple[int, int, int] | None:
+def micro_batch_window(batch_size: int, b: int, min_rows: int) -> tuple[int, int, int] | None:
     """(b, k, last) of micro-batches of ``b`` over ``batch_size`` rows, the last taking the rest, or rows from the
     micro-batch before up to ``min_rows`` (the trainer's ``_bounds``); None where that one cannot spare them."""
     steps = math.ceil(batch_size / b)
@@ -106,11 +107,11 @@ def _window(batch_size: int, b: int, min_rows: int) -> tuple[int, int, int] | No
     return b, steps, last
 
 
-def _evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
+def evaluate(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> Candidate | None:
     known = space.evaluated.setdefault((precision, b, k, last), {})
     if budget not in known:
-        known[budget] = _reused(_memory(space, precision, k), b, known, budget) or _evaluated(space, precision, b, k, last,
-                                                                                         budget)
+        known[budget] = (_reused(space_memory(space, precision, k), b, known, budget)
+                         or _evaluated(space, precision, b, k, last, budget))
     return known[budget][0]
 
 
@@ -148,7 +149,7 @@ def _evaluated(space: SearchSpace, precision: str, b: int, k: int, last: int,
 
 def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int,
                     selective_units: bool) -> tuple[Candidate | None, int]:
-    memory, time = _memory(space, precision, k), space.time[precision]
+    memory, time = space_memory(space, precision, k), space.time[precision]
     device_budget, budget = budget, memory.tensor_budget(budget)  # the models below count tensor bytes
     if memory.optimizer_peak(b) > budget:
         return None, 0
@@ -158,7 +159,7 @@ def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: in
         names, selective = space.fixed_checkpoint, space.fixed_selective
         peak = memory.peak(b, k, names, selective, op_selective)
     else:
-        problem = _problem(space, precision, b, k, selective_units)
+        problem = checkpoint_problem(space, precision, b, k, selective_units)
         if not space.allow_checkpoint:
             chosen = () if problem.peak(()) <= budget else None
         else:
@@ -189,31 +190,31 @@ def chosen_names(problem, chosen) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return names, tuple(problem.names[i] for i in chosen if problem.policy(i) == "selective")
 
 
-def _fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> bool:
-    """Whether (precision, b) fits with the user's fixed set, or with nothing recomputed: what ``_evaluate`` finds
+def fits_as_is(space: SearchSpace, precision: str, b: int, k: int, last: int, budget: int) -> bool:
+    """Whether (precision, b) fits with the user's fixed set, or with nothing recomputed: what ``evaluate`` finds
     without a MILP."""
-    memory = _memory(space, precision, k)
+    memory = space_memory(space, precision, k)
     tensor_budget = memory.tensor_budget(budget)
     if memory.optimizer_peak(b) > tensor_budget:
         return False
     if space.fixed_checkpoint is not None:
         peak = memory.peak(b, k, space.fixed_checkpoint, space.fixed_selective, space.fixed_op_selective)
     else:
-        peak = _problem(space, precision, b, k).peak(())
+        peak = checkpoint_problem(space, precision, b, k).peak(())
     return peak <= tensor_budget and memory.to_device(peak) <= budget
 
 
-def _memory(space: SearchSpace, precision: str, k: int) -> MemoryModel:
+def space_memory(space: SearchSpace, precision: str, k: int) -> MemoryModel:
     """The memory model of ``precision`` for a window of ``k`` micro-batches (:meth:`MemoryModel.window`)."""
     return space.memory[precision].window(k)
 
 
-def _problem(space: SearchSpace, precision: str, b: int, k: int, selective: bool | None = None):
+def checkpoint_problem(space: SearchSpace, precision: str, b: int, k: int, selective: bool | None = None):
     selective = space.allow_selective if selective is None else selective
     key = (precision, b, k, selective)
     if key not in space.problems:
         progress.step(f"the memory model of micro-batch {b} x {k} ({precision})")  # 0.1 to 0.3 s each on a 7B model
-        problem = _memory(space, precision, k).problem(b, k, selective=selective)
+        problem = space_memory(space, precision, k).problem(b, k, selective=selective)
         space.problems[key] = _priced(problem, space.time[precision], b)
     return space.problems[key]
 

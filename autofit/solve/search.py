@@ -22,8 +22,8 @@ from dataclasses import replace
 import numpy as np
 
 from autofit.core import progress
-from autofit.solve.candidate import (Candidate, SearchSpace, _evaluate, _fits_as_is, _memory, _problem, _window,
-                                     batch_options)
+from autofit.solve.candidate import (Candidate, SearchSpace, batch_options, checkpoint_problem, evaluate, fits_as_is,
+                                     micro_batch_window, space_memory)
 from autofit.solve.checkpoint_milp import most_freeing_checkpoint
 
 __all__ = ["alternatives", "search", "smallest_peaks", "pareto_front", "module_level", "time_floor", "fits_somewhere",
@@ -41,7 +41,7 @@ def _options(space: SearchSpace, budget: int) -> list[tuple[str, int, int, int]]
     for precision in space.precisions:
         for b, k, last in batch_options(space.batch_size, space.min_rows):
             options.append((precision, b, k, last))
-            if _fits_as_is(space, precision, b, k, last, budget):
+            if fits_as_is(space, precision, b, k, last, budget):
                 break
     return options
 
@@ -57,11 +57,11 @@ def fits_somewhere(space: SearchSpace, budget: int) -> bool:
     that fits as it is, or with every unit recomputed. A sufficient test (recomputing everything is not always the
     lowest peak), for a rung that loses on its time floor alone (Note [layouts that cannot win], planning/climb.py)."""
     for precision, b, k, last in _options(space, budget):
-        if _fits_as_is(space, precision, b, k, last, budget):
+        if fits_as_is(space, precision, b, k, last, budget):
             return True
         if not space.allow_checkpoint or space.fixed_checkpoint is not None:
             continue
-        memory = _memory(space, precision, k)
+        memory = space_memory(space, precision, k)
         tensor_budget = memory.tensor_budget(budget)
         peak = memory.peak(b, k, tuple(u.name for u in memory.units), ())
         if memory.optimizer_peak(b) <= tensor_budget and peak <= tensor_budget and memory.to_device(peak) <= budget:
@@ -87,7 +87,7 @@ def search(space: SearchSpace, budget: int, *, prune: bool = True) -> tuple[Cand
         if prune and best is not None and floors[o] > round(best.seconds, 12):
             break  # sorted by floor: no later option can win either
         _report_milp(space, o, budget, i, len(options))
-        candidate = _evaluate(space, *o, budget)
+        candidate = evaluate(space, *o, budget)
         if candidate is None:
             continue
         fitting.append(candidate)
@@ -121,8 +121,8 @@ def _time_floor(space: SearchSpace, precision: str, b: int, k: int, last: int, b
     floor = time.step_time(precision, b, k, space.fixed_checkpoint or (), last, (), space.fixed_selective,
                            space.fixed_op_selective).total
     if space.fixed_checkpoint is None and space.allow_checkpoint:
-        problem = _problem(space, precision, b, k)
-        excess = problem.base - _memory(space, precision, k).tensor_budget(budget)
+        problem = checkpoint_problem(space, precision, b, k)
+        excess = problem.base - space_memory(space, precision, k).tensor_budget(budget)
         if np.any(excess > 0):
             for size, times in ((b, k - 1), (last, 1)):
                 seconds = time.cheapest_removal_seconds(problem.names, size, space.allow_offload,
@@ -158,10 +158,10 @@ def alternatives(space: SearchSpace, budget: int) -> list[Candidate]:
     for precision in space.precisions:
         b = space.batch_size
         while True:
-            window = _window(space.batch_size, b, space.min_rows)
+            window = micro_batch_window(space.batch_size, b, space.min_rows)
             if window is not None:
                 _report_milp(space, (precision, *window), budget, None, None, what="alternative ")
-            candidate = _evaluate(space, precision, *window, budget) if window is not None else None
+            candidate = evaluate(space, precision, *window, budget) if window is not None else None
             if candidate is not None:
                 out.append(candidate)
             if b == 1:
@@ -178,7 +178,7 @@ def whole_batch(space: SearchSpace, budget: int) -> list[Candidate]:
     for i, precision in enumerate(space.precisions):
         option = (precision, space.batch_size, 1, space.batch_size)
         _report_milp(space, option, budget, i, len(space.precisions), what="whole-batch ")
-        candidate = _evaluate(space, *option, budget)
+        candidate = evaluate(space, *option, budget)
         if candidate is not None:
             found.append(candidate)
     return found
@@ -197,7 +197,7 @@ def smallest_peaks(space: SearchSpace, *, whole_batch: bool = False) -> list[Can
         # one option at a time, counted for the progress line (issue 56: minutes on a 405B model)
         progress.report(f"the smallest budget: the most freeing checkpoint set for micro-batch {b} x {k} "
                         f"({precision})", i, len(options))
-        memory = _memory(space, precision, k)
+        memory = space_memory(space, precision, k)
         names: tuple[str, ...] = space.fixed_checkpoint or ()
         if space.allow_checkpoint and space.fixed_checkpoint is None:
             # the set that lowers forward and backward most: it also lowers the whole step's peak most (the
