@@ -456,3 +456,20 @@ def test_infeasible_fsdp2_plan_does_not_advise_the_sharding_it_does():
     assert caught.value.dominant == "optimizer_state", message
     assert "sharded over 2 ranks already" in message and "more ranks" in message
     assert "shard it across GPUs" not in message
+
+
+@pytest.mark.sim
+def test_infeasible_plan_names_its_layout_as_the_plan_table_does():
+    """Tensor parallel over both ranks (no FSDP2 shard dim: every rank holds half of each layer, none shards the
+    states) with a 1 MB budget. The message named the layout by its strategy field, "fsdp2 over 2 ranks", a layout
+    the plan did not try; it names it as the plan table does, "tp 2", with its ranks."""
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    x = torch.randn(1, 256)
+    layout = autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
+                            tensor_parallel_plan={"0": "colwise", "2": "rowwise"})
+    with pytest.raises(autofit.InfeasibleBudgetError) as caught:
+        autofit.plan(model, x, "1MB", batch_size=2, target=torch.randn(1, 256), loss_fn=nn.functional.mse_loss,
+                     device="cpu", layout=layout, precision="fp32")
+    message = str(caught.value)
+    assert "tp 2 over 2 ranks" in message, message
+    assert "fsdp2" not in message, message

@@ -240,6 +240,13 @@ class Parallel:
         return self.layout.words(ranks=True)
 
     @property
+    def label_with_ranks(self) -> str:
+        """:attr:`label` with the processes it runs on where the label does not say: 'ddp over 4 ranks', 'tp 2 over
+        2 ranks', 'fsdp2 (ZeRO-3) over 8 ranks' (what an infeasible plan's message names)."""
+        label = self.label
+        return label if label.endswith((" ranks", " rank")) else f"{label} over {self.world_size} ranks"
+
+    @property
     def ranks_per_node(self) -> int:
         """The ranks that share one host's memory (what offloaded states must fit together): 1 for one process."""
         return ranks_per_node(self.world_size, self.gpus_per_node)

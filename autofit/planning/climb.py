@@ -377,7 +377,7 @@ def _smallest(climb: Climb, carried: _Carried) -> tuple[Plan, dict[str, Analysis
     if fitted is not None:  # the models were pessimistic: the smallest configuration fits
         analysed = climb.analyses[(rung_estimator.parallel, *feature_values(rung_estimator.request))]
         return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
-    at = f", {parallel.strategy} over {parallel.world_size} ranks" if parallel.strategy else ""
+    at = f", {parallel.label_with_ranks}" if parallel.strategy else ""
     error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
                        sharded_over=parallel.shard_ranks if parallel.shards_parameters else 0)
     if carried.on_host is not None:
