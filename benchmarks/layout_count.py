@@ -55,7 +55,7 @@ LAYOUT_FIELDS = frozenset({
     "data_ranks", "nodes", "shard_ranks",
     # a dimension's share of memory and the layout's rungs (Note [a dimension's share of memory])
     "model_ways", "state_ways", "kept_gathered", "defers_gradients", "states_on_host",
-    "reducing_every_micro_batch", "label_with_ranks",
+    "reducing_every_micro_batch", "label_with_ranks", "data_rank", "row_copies",
 })
 STRATEGY_NAMES = frozenset({"ddp", "fsdp2"})
 WRAPPING_CALLS = frozenset({"init_device_mesh", "fully_shard", "DistributedDataParallel", "parallelize_module"})

@@ -160,3 +160,20 @@ def test_a_dimensions_share_of_the_work_reaches_the_time_model_through_the_layou
     ops = object()
     assert local.layout(8, [Placement("dp_shard", None)]).rank_work(RankWork(ops, 1000), inputs) == RankWork(ops, 1000)
     assert layout.rank_work(RankWork(ops, 1000, 0.5), inputs) == RankWork(ops, 500, 1.5)
+
+
+def test_the_rows_a_rank_trains_follow_the_mesh():
+    """Ranks fill the mesh row-major (``init_device_mesh``); the ranks along a dimension whose ranks share rows train
+    the same rows. By hand, 8 ranks as dp_shard 2 x toy 2 x tp 2: rank r has coordinates (r // 4, r // 2 % 2, r % 2),
+    and both the toy and tp share rows, so its rows are those of data rank r // 4, each row trained by 4 ranks."""
+    layout = _registry().layout(8, [Placement("tp", 2), Placement("toy", 2), Placement("dp_shard", None)])
+    assert [layout.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert layout.row_copies == 4
+    # without the toy, dp_shard 4 x tp 2: a tensor-parallel group is two consecutive ranks (the trainer's rank // T)
+    plain = DIMENSIONS.layout(8, [Placement("dp_shard", None), Placement("tp", 2)])
+    assert [plain.data_rank(r) for r in range(8)] == [r // 2 for r in range(8)] and plain.row_copies == 2
+    # HSDP 2 x 4: every rank trains its own rows
+    hsdp = DIMENSIONS.layout(8, [Placement("dp_replicate", 2), Placement("dp_shard", None)])
+    assert [hsdp.data_rank(r) for r in range(8)] == list(range(8)) and hsdp.row_copies == 1
+    with pytest.raises(ValueError, match="rank 8 is not one of the layout's 8 ranks"):
+        plain.data_rank(8)

@@ -96,9 +96,8 @@ class DistributedTrainer(Trainer):
                 "plan again with world_size=torch.distributed.get_world_size()"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # the data-parallel ranks: with tensor parallel T, the T consecutive ranks of a group share their rows
-        # (the mesh is (world_size // T, T): parallel/apply.py, device_mesh)
-        self.data_rank, self.data_ranks = self.rank // plan.parallel.tensor_parallel, plan.parallel.data_ranks
+        # the rows this rank trains: the ranks of a tensor-parallel group share theirs (Layout.data_rank)
+        self.data_rank, self.data_ranks = plan.parallel.layout.data_rank(self.rank), plan.parallel.data_ranks
         layout = plan.step.layout  # the layout the plan was verified with (Note [the plan's step])
         if layout.replicates_parameters:
             wrapped, built = _ddp(plan, model, optimizer)
@@ -159,9 +158,10 @@ class DistributedTrainer(Trainer):
         weighted = isinstance(count, float)
         total = torch.tensor([count], dtype=torch.float64 if weighted else torch.int64, device=device)
         dist.all_reduce(total)
+        copies = self.plan.parallel.layout.row_copies  # each row counted once per rank that trains it
         if weighted:
-            return total.item() / self.plan.parallel.tensor_parallel, self.data_ranks
-        return int(total.item()) // self.plan.parallel.tensor_parallel, self.data_ranks
+            return total.item() / copies, self.data_ranks
+        return int(total.item()) // copies, self.data_ranks
 
     def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
         """Every rank runs the same number of micro-batches: DDP broadcasts buffers and FSDP2 gathers parameters in

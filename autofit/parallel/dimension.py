@@ -342,6 +342,29 @@ class Layout:
         return self.world_size // math.prod(p.degree for p in self.placements
                                             if self.registry[p.dimension].shares_rows)
 
+    @property
+    def row_copies(self) -> int:
+        """How many ranks train each row: the product of the degrees of the dimensions whose ranks share rows (a
+        tensor-parallel group's T ranks count the group's rows T times over)."""
+        return self.world_size // self.data_ranks
+
+    def data_rank(self, rank: int) -> int:
+        """Which of the :attr:`data_ranks` global ``rank`` is: the index of the rows it trains. Ranks fill the mesh
+        row-major, the last dim fastest (``init_device_mesh``); the ranks along a dimension whose ranks share rows
+        train the same rows, so only the other dims' coordinates count (dp_shard x tp: ``rank // T``, a
+        tensor-parallel group being consecutive ranks)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not one of the layout's {self.world_size} ranks")
+        coordinates = []
+        for p in reversed(self.placements):  # the last dim first: its coordinate is the rank modulo its degree
+            coordinates.append((p, rank % p.degree))
+            rank //= p.degree
+        index = 0
+        for p, coordinate in reversed(coordinates):  # mesh order again, outer dims first
+            if not self.registry[p.dimension].shares_rows:
+                index = index * p.degree + coordinate
+        return index
+
     def rank_work(self, work: RankWork, inputs: WorkInputs) -> RankWork:
         """One rank's share of ``work`` (the whole model's, as analysed): each dimension's
         (:meth:`Dimension.rank_work`) taken in mesh order."""
