@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from autofit.analyse.analyse import analyse_model

@@ -8,6 +8,7 @@ forward twice per micro-batch, once more in backward), the dtype autocast gives,
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -262,3 +263,27 @@ def test_plan_patches_offloads_the_plans_modules_as_the_trainer_does(monkeypatch
         patched(x).sum().backward()
     assert entered == ["cpu", "cpu"]
     assert all("forward" not in m.__dict__ for m in model)
+
+
+@pytest.mark.sim
+def test_a_plan_that_keeps_its_states_on_the_host_is_refused_by_every_callback():
+    """FSDP2 on one process with the parameters, gradients and optimizer state in host memory (``offload_states``,
+    Note [offload]) fits only as ``fully_shard`` with ``CPUOffloadPolicy`` lays the model out, which ``wrap()`` does
+    and another loop does not: the callbacks let such a plan through (only FSDP2 over several ranks was refused), and
+    Hugging Face's or Lightning's Trainer then trained the whole model on the GPU, over the plan's budget."""
+    from autofit.integrations import checked_plan, plan_patches
+    from autofit.parallel.layout import Parallel
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    plan = autofit.plan(model, torch.randn(4, 16), "1GB", target=torch.randint(0, 4, (4,)), device="cpu",
+                        precision="fp32")
+    on_host = dataclasses.replace(plan, parallel=Parallel(strategy="fsdp2", world_size=1, offload_states=True,
+                                                          shard_units=("",)))
+    with pytest.raises(InvalidInputError, match="keeps the parameters, gradients and optimizer state in host memory"):
+        checked_plan(on_host, "AutofitCallback")
+    with pytest.raises(InvalidInputError, match="plan.wrap"):
+        plan_patches(on_host, model)
+    # FSDP2 over several ranks, refused as before, by the callbacks' construction too
+    sharded = dataclasses.replace(plan, parallel=Parallel(strategy="fsdp2", world_size=2, shard_units=("",)))
+    with pytest.raises(InvalidInputError, match="shards the model over 2 ranks"):
+        checked_plan(sharded, "AutofitLightningCallback")

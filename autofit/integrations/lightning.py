@@ -88,8 +88,6 @@ def _callback_class():
 
         def __init__(self, plan: Plan) -> None:
             plan = checked_plan(plan, "AutofitLightningCallback")
-            if plan.parallel.world_size > 1 and plan.parallel.shards_parameters:
-                raise InvalidInputError("an FSDP2 plan shards the model itself: train it with plan.wrap(...)")
             self.plan = plan
             self._patch = None
             self._checked = False
