@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _WHERE = {
-    "Alternative": "autofit.emit.plan",
+    "Alternative": "autofit.emit.plan_text",
     "Analysis": "autofit.analyse.table",
     "AutofitError": "autofit.core.errors",
     "CardRow": "autofit.compare",
@@ -116,7 +116,8 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, _
     )
     from autofit.core.report import Measurement, MemoryEstimate
     from autofit.cuda.catalog import gpu_spec
-    from autofit.emit.plan import Alternative, Plan
+    from autofit.emit.plan import Plan
+    from autofit.emit.plan_text import Alternative
     from autofit.cli.configs.detect import read_config
     from autofit.cli.configs.run import check_config, plan_config
     from autofit.cli.configs.value import TrainConfig

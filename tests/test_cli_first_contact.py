@@ -102,7 +102,7 @@ def test_bytes_with_their_unit_are_read_as_bytes():
 
 def test_gb_is_ten_to_the_nine_on_every_size_flag():
     """--gpu-memory once read 12GB as GiB while --budget read it as 10^9: one command, two sizes."""
-    from autofit.cli.app import gpu_option
+    from autofit.cli.flags import gpu_option
     from autofit.cuda.catalog import gpu_spec
     from autofit.validate import margin_for, resolve_host_budget
     from autofit.device import resolve_device

@@ -129,11 +129,11 @@ def test_version_and_help_do_not_import_torch():
 
 
 def test_the_light_cli_names_match_the_modules_they_stand_for():
-    from autofit.cli import app as app_module
+    from autofit.cli import flags
     from autofit.cli.tasks import TASKS
     from autofit.emit.export import EXPORTERS
 
-    assert app_module.TASK_NAMES == TASKS and app_module.EXPORT_NAMES == tuple(EXPORTERS)
+    assert flags.TASK_NAMES == TASKS and flags.EXPORT_NAMES == tuple(EXPORTERS)
 
 
 SLOW_FORWARD = '''

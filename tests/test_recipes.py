@@ -11,7 +11,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from autofit.cli.app import EXPORT_NAMES, app
+from autofit.cli.app import app
+from autofit.cli.flags import EXPORT_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()

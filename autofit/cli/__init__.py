@@ -1,1 +1,2 @@
-"""The ``autofit`` command: parser (``app.py``), model specs (``specs.py``), rendering (``render.py``)."""
+"""The ``autofit`` command: parser (``app.py``; the flags it shares, ``flags.py``), model specs (``specs.py``),
+rendering (``render.py``)."""

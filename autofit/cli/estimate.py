@@ -1,7 +1,7 @@
 """``autofit estimate``: the memory of one fixed configuration, per rank, without planning. The command (in
-autofit/cli/app.py) parses with ``plan``'s options; this module holds the pure parts, tested without the CLI: the
-configuration read from the flags (:func:`estimate_setup`), the call of :func:`autofit.estimate`, its figures as
-data (:func:`estimate_data`, the ``--json`` document) and their rendering (:func:`estimate_tables`)."""
+autofit/cli/app.py) parses with ``plan``'s options (autofit/cli/flags.py); this module holds the pure parts, tested
+without the CLI: the configuration read from the flags (:func:`estimate_setup`), the call of :func:`autofit.estimate`,
+its figures as data (:func:`estimate_data`, the ``--json`` document) and their rendering (:func:`estimate_tables`)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def frontier_table(plan: Plan) -> Table:
 
 
 def forgone_table(plan: Plan) -> Table:
-    """The best without each rung the plan climbed (autofit.emit.plan.Forgone), beside the plan: issue 56."""
+    """The best without each rung the plan climbed (autofit.emit.plan_text.Forgone), beside the plan: issue 56."""
     table = Table(title="without the rung the plan climbed (estimated in full)", title_justify="left")
     for column, justify in (("without", "left"), ("fits", "left"), ("precision", "left"), ("micro", "right"),
                             ("accum", "right"), ("checkpointed", "right"), ("on the device", "right"),

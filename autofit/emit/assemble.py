@@ -9,7 +9,8 @@ from types import MappingProxyType
 from typing import Any
 
 from autofit.core.report import MemoryEstimate
-from autofit.emit.plan import Alternative, Plan
+from autofit.emit.plan import Plan
+from autofit.emit.plan_text import Alternative
 from autofit.solve.candidate import Candidate
 from autofit.solve.search import pareto_front
 from autofit.training.config import StepConfig

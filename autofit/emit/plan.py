@@ -1,13 +1,13 @@
 """The plan: the chosen knobs, the verified estimate behind them and the alternatives; data that emit/apply.py
-turns into a trainer (Note [the plan is data])."""
+turns into a trainer (Note [the plan is data]). Its JSON is emit/plan_json.py's (``PlanJson``), its rows and the
+alternatives it reports emit/plan_text.py's (``PlanText``, ``Alternative``, ``Forgone``): both bases of ``Plan``."""
 
 from __future__ import annotations
 
 import functools
-import json
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from torch import nn
@@ -20,15 +20,15 @@ from autofit.training.optim import OPTIMIZER_NAMES, OptimizerSpec, as_optimizer_
 from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
 from autofit.emit.model_record import ModelRecord
+from autofit.emit.plan_json import PlanJson
+from autofit.emit.plan_text import Alternative, Forgone, PlanText
 from autofit.features import FEATURES
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
-from autofit.parallel.layout import Parallel, layout_from_json, trade_words
-from autofit.core.units import format_bytes, format_mib
+from autofit.parallel.layout import Parallel, trade_words
+from autofit.core.units import format_bytes
 
-__all__ = ["Alternative", "Forgone", "Plan", "plan_step", "use_wrap", "why_layout"]
-
-_FORMAT = "autofit.plan/1"
+__all__ = ["Plan", "plan_step", "use_wrap", "why_layout"]
 
 # the function Plan.wrap hands the plan to: autofit.emit.apply.wrap, set by autofit/emit/__init__.py (Note [the plan
 # is data], in Plan.wrap)
@@ -38,43 +38,6 @@ _WRAP: list[Callable[..., Any]] = []
 def use_wrap(wrap: Callable[..., Any]) -> None:
     """Make ``wrap`` the function :meth:`Plan.wrap` calls (autofit/emit/__init__.py does, once)."""
     _WRAP[:] = [wrap]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Alternative:
-    """A point of the memory/time front: another configuration and what the models predict for it."""
-
-    precision: str
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    checkpoint: tuple[str, ...]
-    # on the device (what the budget is checked against): modelled, except the chosen configuration's row, which
-    # is its verified figure, the plan's device_bytes (Note [one configuration, one figure], emit/assemble.py)
-    peak_bytes: int
-    step_seconds: float  # modelled step time
-    selective: tuple[str, ...] = ()  # those of checkpoint recomputed selectively
-    op_selective: tuple[str, ...] = ()  # those of checkpoint recomputed by torchtitan's per-op policy
-
-
-@dataclass(frozen=True, kw_only=True)
-class Forgone:
-    """The best the planner found without a rung the plan climbed (Note [the ladder]: the states on the host, a lower
-    stored precision, an opt-in rung): the plan's configuration run without it, estimated in full, so a user sees
-    what the rung buys. ``fits``: whether that figure fits the budget (the ladder climbs only where nothing fits, so
-    it usually does not); ``gpus``: for a multi-GPU job with its states on the host because their share alone
-    misses the budget, the fewest GPUs whose share would fit each (Note [ruled out by arithmetic]: a floor, below it
-    offload is needed); None where the states fit already and the rest needed the host."""
-
-    without: str  # the rung, as the plan's notes name it ("the states on the host", "stored bf16", ...)
-    fits: bool
-    precision: str | None = None  # None: no configuration estimated (the rung's states alone miss the budget)
-    micro_batch_size: int = 0
-    gradient_accumulation_steps: int = 0
-    checkpoint: tuple[str, ...] = ()
-    peak_bytes: int = 0  # allocated, ~ torch.cuda.max_memory_allocated
-    device_bytes: int = 0  # what the budget is checked against
-    step_seconds: float | None = None  # modelled; None where no configuration was estimated
-    gpus: int | None = None
 
 
 def _flat_layout_field(name: str) -> property:
@@ -88,7 +51,7 @@ def _flat_layout_field(name: str) -> property:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Plan(PlanJson, PlanText):
     """What ``autofit.plan`` decided, with the verified estimate of exactly this configuration as three figures
     (see :class:`~autofit.MemoryEstimate`): ``peak_allocated_bytes`` (~ ``torch.cuda.max_memory_allocated``; the
     same number as ``peak_bytes``), ``peak_reserved_bytes`` (~ ``max_memory_reserved``) and ``device_bytes``
@@ -324,212 +287,6 @@ class Plan:
             "function: pass it again, plan.wrap(model, optimizer, loss_fn=...)"
         )
 
-    # ---- serialisation (plain JSON; loading runs no code) -----------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        data = {}
-        for f in fields(self):
-            if f.name not in ("loss_fn", "parallel", "verified_step"):
-                data[f.name] = getattr(self, f.name)
-            data.update(self.parallel.json_fields(after=f.name))  # Note [the layout in a plan's JSON]
-        data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
-                             "stored": self.precision.stored, "built": self.precision.built}
-        data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it
-        data["estimate"] = self.estimate.to_dict()
-        data["checkpoint"] = list(self.checkpoint)
-        data["selective"] = list(self.selective)
-        data["op_selective"] = list(self.op_selective)
-        data["checkpoint_policies"] = self.checkpoint_policies  # written for readers; from_json ignores it
-        data["frontier"] = [dict(asdict(a), checkpoint=list(a.checkpoint), selective=list(a.selective),
-                                 op_selective=list(a.op_selective))
-                            for a in self.frontier]
-        data["notes"] = list(self.notes)
-        data["alternatives"] = [dict(asdict(a), checkpoint=list(a.checkpoint)) for a in self.alternatives]
-        data["shared"] = list(self.shared)
-        data["made_for"] = None if self.made_for is None else self.made_for.to_dict()
-        if tuple(self.batch_dim) == (0, 0):  # the default's plan is written as before it was a field
-            del data["batch_dim"]
-        else:
-            data["batch_dim"] = list(self.batch_dim)
-        data["lengths"] = None if self.lengths is None else {
-            "length": self.lengths.length, "shapes": [list(s) for s in self.lengths.shapes],
-            "length_tensors": list(self.lengths.length_tensors),
-        }
-        data["rows_by_length"] = [list(r) for r in self.rows_by_length]
-        data["even_split"] = None if self.even_split is None else list(self.even_split)
-        for feature in FEATURES:  # each step feature's value as JSON (Note [step features])
-            data[feature.field] = feature.to_json(feature.in_force(self))
-        for name in ("alloc_conf", "preallocated_grads"):  # derived from the estimate: written after it, as always
-            data[name] = data.pop(name)
-        if self.zero_grad is ZeroGrad.AFTER_STEP:  # the default's plan is written as before it was a field
-            del data["zero_grad"]
-        else:
-            data["zero_grad"] = str(self.zero_grad)
-        return {"format": _FORMAT, **data}
-
-    def to_json(self, *, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InvalidInputError(f"not a plan: invalid JSON ({e})") from e
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise InvalidInputError(f"not an autofit plan: expected \"format\": \"{_FORMAT}\"")
-        data = dict(data)
-        data.pop("format")
-        data.pop("peak_allocated_bytes", None)  # = peak_bytes
-        data.pop("checkpoint_policies", None)  # = checkpoint, selective and op_selective
-        try:
-            data["estimate"] = MemoryEstimate.from_dict(data["estimate"])
-            data["precision"] = PrecisionPolicy(name=data["precision"]["name"],
-                                                fp32_modules=tuple(data["precision"]["fp32_modules"]),
-                                                stored=data["precision"].get("stored"),
-                                                built=data["precision"].get("built"))
-            data["checkpoint"] = tuple(data["checkpoint"])
-            data["selective"] = tuple(data.get("selective", ()))  # absent from plans written before issue 27
-            data["op_selective"] = tuple(data.get("op_selective", ()))  # absent from plans written before issue 58
-            flat = layout_from_json(data)  # Note [the layout in a plan's JSON]: the one reader of the flat fields
-            data = {k: v for k, v in data.items() if k not in flat}
-            data["parallel"] = Parallel(**flat)
-            data["notes"] = tuple(data["notes"])
-            data["shared"] = tuple(data.get("shared", ()))  # absent from plans written before issue 39
-            made_for = data.get("made_for")  # absent from plans written before issue 55: wrap takes any model
-            data["made_for"] = None if made_for is None else ModelRecord.from_dict(made_for)
-            data["batch_dim"] = tuple(data.get("batch_dim", (0, 0)))  # absent from plans written before issue 55
-            data["frontier"] = tuple(Alternative(**dict(a, checkpoint=tuple(a["checkpoint"]),
-                                                        selective=tuple(a.get("selective", ())),
-                                                        op_selective=tuple(a.get("op_selective", ()))))
-                                     for a in data["frontier"])
-            data["alternatives"] = tuple(Forgone(**dict(a, checkpoint=tuple(a["checkpoint"])))  # absent before issue 56
-                                         for a in data.get("alternatives", ()))
-            lengths = data.get("lengths")  # absent from plans written before variable-length batches
-            data["lengths"] = None if lengths is None else LengthSpec(
-                length=lengths["length"], shapes=tuple(tuple(int(d) for d in s) for s in lengths["shapes"]),
-                length_tensors=tuple(bool(b) for b in lengths["length_tensors"]),
-            )
-            data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
-            split = data.get("even_split")
-            data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
-            for feature in FEATURES:  # a field absent (a plan written before the feature) keeps its default
-                if feature.field in data:
-                    data[feature.field] = feature.from_json(data[feature.field])
-            return cls(**data)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, InvalidInputError):
-                raise
-            raise InvalidInputError(f"plan JSON is missing or has a malformed field: {e}") from e
-
-    # ---- the human table the CLI prints ---------------------------------------------------------------------------
-    def memory_rows(self, fmt) -> list[tuple[str, str]]:
-        """The three figures as (label, value) rows, each saying what it compares with; ``fmt`` formats bytes."""
-        if not self.device.caching_allocator:
-            return [("peak (CPU allocator)", fmt(self.device_bytes))]
-        return [
-            ("peak allocated", f"{fmt(self.peak_allocated_bytes)} (~ torch.cuda.max_memory_allocated)"),
-            ("peak reserved", f"{fmt(self.peak_reserved_bytes)} (~ torch.cuda.max_memory_reserved)"),
-            ("on the device", f"{fmt(self.device_bytes)} (~ nvidia-smi: reserved + CUDA context; the budget "
-                              "applies to this)"),
-        ]
-
-    def budget_text(self, fmt, used_where: str = "") -> str:
-        """The budget, the share of it the plan uses and the margin it keeps free; ``fmt`` formats bytes."""
-        used = f"{100 * self.device_bytes / self.budget_bytes:.0f} % used{used_where}"
-        if self.margin_bytes:
-            used += f"; {fmt(self.margin_bytes)} margin kept free for what is not modelled"
-        return f"{fmt(self.budget_bytes)} ({used})"
-
-    def offload_rows(self, fmt) -> list[tuple[str, str]]:
-        """What the plan keeps in host memory, as (label, value) rows; none without offload."""
-        rows = []  # the offloaded activations' row is their step feature's (features/activation_offload.py)
-        if self.parallel.offload_states:
-            rows.append(("offloaded states", "parameters, gradients, optimizer state; the optimizer steps on the CPU "
-                                             "(FSDP2 CPUOffloadPolicy)"))
-        if self.host_bytes:
-            allowed = "" if self.host_budget_bytes is None else f" of {fmt(self.host_budget_bytes)} allowed"
-            pinned = self.estimate.host_pinned_bytes
-            ranks = self.parallel.ranks_per_node
-            node = "" if ranks == 1 else f" per rank, {fmt(ranks * self.host_bytes)} for the {ranks} ranks of a node"
-            rows.append(("host memory", f"{fmt(self.host_bytes)} ({fmt(pinned)} pinned, "
-                                        f"{fmt(self.host_bytes - pinned)} pageable){node}{allowed}"))
-        return rows
-
-    def rows_by_length_text(self) -> str:
-        """``length: rows`` for each tabulated length, longest first (what ``micro_batch_size_for`` reads)."""
-        return ", ".join(f"{n}: {r}" for n, r in self.rows_by_length) + " (length: rows per micro-batch)"
-
-    def summary_rows(self, fmt: Callable[[int], str], *, modules: Callable[[tuple[str, ...]], str] | None = None,
-                     budget_where: str = "") -> list[tuple[str, str]]:
-        """The plan's knobs and figures as (name, value) rows: what ``str(plan)`` and the CLI's table both show.
-        ``fmt`` renders bytes; ``modules`` renders a list of module names (default: joined, cut at 100 characters);
-        ``budget_where`` is appended to the budget's share ("on the device")."""
-        def joined(names: tuple[str, ...]) -> str:
-            text = ", ".join(f"{n} ({self.checkpoint_policy(n)})" for n in names)
-            return text if len(text) <= 100 else f"{len(names)} modules ({_policy_counts(self)}): {text[:90]}..."
-
-        rows = [
-            ("effective batch", f"{self.batch_size}"),
-            ("micro-batch", f"{self.micro_batch_size}"),
-            ("accumulation steps", f"{self.gradient_accumulation_steps}" + (
-                f" (last micro-batch {self.last_micro_batch_size})"
-                if self.last_micro_batch_size != self.micro_batch_size else "")),
-            ("precision", str(self.precision)),
-            ("checkpointed modules", (modules or joined)(self.checkpoint) if self.checkpoint else "none"),
-            ("optimizer", self.optimizer),
-            ("device", self.device + (f" ({self.gpu})" if self.gpu else "")),
-            *self.memory_rows(fmt),
-            ("budget", self.budget_text(fmt, budget_where)),
-            ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
-            *([("zero_grad", _ZERO_GRAD_ROWS[self.zero_grad])] if self.zero_grad is not ZeroGrad.AFTER_STEP else []),
-            *self.offload_rows(fmt),
-            ("predicted step time", f"{self.predicted_step_seconds:.3g} s (time model, for ranking)"),
-        ]
-        _feature_rows(self, rows)
-        if len(self.rows_by_length) > 1:
-            rows.insert(2, ("rows by length", self.rows_by_length_text()))
-        head, sync = self.parallel.table_rows(self.batch_size, self.layout)  # the layout's own rows
-        rows[1:1] = head
-        after = next(i for i, (k, _) in enumerate(rows) if k == "accumulation steps") + 1
-        rows[after:after] = sync
-        return rows
-
-    def __str__(self) -> str:
-        rows = self.summary_rows(format_bytes)
-        width = max(len(k) for k, _ in rows)
-        lines = ["autofit plan", *(f"  {k:<{width}}  {v}" for k, v in rows), "", str(self.estimate)]
-        if self.frontier:
-            lines += ["", "alternatives (front: chosen row verified, others modelled):",
-                      f"  {'precision':<9} {'micro':>5} {'accum':>5} {'ckpt':>4} {'peak MiB':>10} {'step s':>9}"]
-            for a in self.frontier:
-                lines.append(f"  {a.precision:<9} {a.micro_batch_size:>5} {a.gradient_accumulation_steps:>5} "
-                             f"{len(a.checkpoint):>4} {format_mib(a.peak_bytes):>10} {a.step_seconds:>9.3g}")
-        if self.alternatives:
-            lines += ["", "without the rung the plan climbed (estimated in full):",
-                      *(f"  {row}" for row in forgone_rows(self, format_bytes))]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-
-def forgone_rows(plan: Plan, fmt: Callable[[int], str]) -> list[str]:
-    """One line per :class:`Forgone` of ``plan``: what the plan would be without the rung, whether it fits, its peak
-    and step time, against the plan's own (``fmt`` formats bytes)."""
-    rows = []
-    for a in plan.alternatives:
-        if a.precision is None:
-            what = f"without {a.without}: the states alone miss the budget"
-        else:
-            verdict = "fits" if a.fits else "does not fit"
-            what = (f"without {a.without}: {a.micro_batch_size} x {a.gradient_accumulation_steps} ({a.precision}, "
-                    f"{len(a.checkpoint)} recomputed) {verdict}, {fmt(a.device_bytes)} on the device against "
-                    f"{fmt(plan.budget_bytes - plan.margin_bytes)}, {a.step_seconds:.3g} s per step against "
-                    f"{plan.predicted_step_seconds:.3g} s")
-        if a.gpus is not None:
-            what += (f"; fewer than {a.gpus} GPUs cannot keep the states on the GPUs (their share alone misses "
-                     "the budget)")
-        rows.append(what)
-    return rows
-
 
 # Note [the plan's layout]
 #     The plan holds its parallel layout as one value, ``Plan.parallel``, the one the estimate was verified with
@@ -603,14 +360,6 @@ def plan_step(plan: Plan) -> StepConfig:
     return StepConfig(**knobs)
 
 
-# the row str(plan) and the CLI's table show for an order other than the default (Note [where zero_grad falls])
-_ZERO_GRAD_ROWS = {
-    ZeroGrad.BEFORE_FORWARD: "before forward (the PyTorch tutorials' order)",
-    ZeroGrad.AFTER_FORWARD: "after forward, before backward (Lightning's order): last step's gradients live "
-                            "through forward",
-}
-
-
 def _optimizer_named(name: str) -> OptimizerSpec:
     """The optimizer a loaded plan names: as that name builds it, or one whose factory says why it cannot."""
     if name in OPTIMIZER_NAMES:
@@ -623,28 +372,6 @@ def _not_in_json(name: str, params: Any) -> Any:
         f"this plan was loaded from JSON, which names its optimizer ({name!r}) but cannot carry how it is built: "
         "wrap(model, optimizer) steps the optimizer it is given; to estimate, pass the optimizer again"
     )
-
-
-def _feature_rows(plan: Plan, rows: list[tuple[str, str]]) -> None:
-    """Each step feature's rows in ``rows`` (Note [step features]): one named as a row already there replaces it
-    (the optimizer the trainer builds), another goes after the row its feature names (Feature.row_after; by
-    default after the step's knobs, before the device)."""
-    for feature in FEATURES:
-        for name, value in feature.plan_rows(plan):
-            at = next((i for i, (k, _) in enumerate(rows) if k == name), None)
-            if at is not None:
-                rows[at] = (name, value)
-            else:
-                after = (feature.row_after,) if isinstance(feature.row_after, str) else feature.row_after
-                at = (next(i for i, (k, _) in enumerate(rows) if k == "device") if after is None
-                      else next(i for name in after for i, (k, _) in enumerate(rows) if k == name) + 1)
-                rows.insert(at, (name, value))
-
-
-def _policy_counts(plan: Plan) -> str:
-    selective, ops = len(plan.selective), len(plan.op_selective)
-    counts = f"{len(plan.checkpoint) - selective - ops} full, {selective} selective"
-    return counts + (f", {ops} op-selective" if ops else "")
 
 
 def why_layout(chosen: Plan, all_plans: list[Plan]) -> str:

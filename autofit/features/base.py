@@ -26,10 +26,10 @@ Note [step features]
         :meth:`Feature.before_wrap`, what it puts in place before the model is touched (the allocator's setting),
         and :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
       - the simulation's notes (``simulate/run.py``): :meth:`Feature.estimate_notes`;
-      - the plan (``emit/plan.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)`` and the CLI's table, and
-        :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON; a value the search
-        decides in the estimate (the allocator's setting, gradients allocated before forward) is a field the plan
-        derives from its estimate (``init=False``), written to the JSON for readers;
+      - the plan (``emit/plan_text.py``, ``emit/plan_json.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)``
+        and the CLI's table, and :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON;
+        a value the search decides in the estimate (the allocator's setting, gradients allocated before forward) is
+        a field the plan derives from its estimate (``init=False``), written to the JSON for readers;
       - the exports (``emit/export.py``): :meth:`Feature.export_notes`, what another framework must do to run it;
         and the callbacks of other training loops (``integrations/``): :meth:`Feature.outside_wrap`, why they cannot;
     An :class:`OptInFeature` also has a rung the user opens with ``plan(allow=...)``, and says:

@@ -298,8 +298,8 @@ class Parallel:
 #     after ``estimate``, FSDP2's and tensor parallel's after ``notes``, the states' place after ``offload``), and
 #     plans written before the layout was one value load as they always did. Where each field stands, and how a
 #     field that is no plain JSON value is written and read back, is the layout's to say, here beside the fields:
-#     ``emit/plan.py`` writes what :meth:`Parallel.json_fields` gives after each of the plan's fields and reads the
-#     layout back with :func:`layout_from_json`, so a dimension that adds a field to ``Parallel`` adds its place
+#     ``emit/plan_json.py`` writes what :meth:`Parallel.json_fields` gives after each of the plan's fields and reads
+#     the layout back with :func:`layout_from_json`, so a dimension that adds a field to ``Parallel`` adds its place
 #     here and touches no emitter. A field absent from an old plan keeps its default.
 JSON_PLACES: dict[str, tuple[str, ...]] = {
     "estimate": ("world_size", "strategy"),

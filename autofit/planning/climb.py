@@ -21,7 +21,8 @@ from autofit.capture.loss_probe import loss_reduction
 from autofit.training.precision import built_precision
 from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.model_record import record_model
-from autofit.emit.plan import Forgone, Plan
+from autofit.emit.plan import Plan
+from autofit.emit.plan_text import Forgone
 from autofit.request import Parallel, PlanRequest
 from autofit.solve.candidate import Candidate, SearchSpace
 from autofit.solve.estimator import Estimator
