@@ -23,8 +23,8 @@ from autofit.cli.flags import (
     FromOpt, GpuMemoryOpt, GpuOpt, HostBudgetOpt, JsonOpt, LoraOpt, LoraTargetsOpt, MarginOpt, ModelArg, ModelDtypeOpt,
     NodesOpt, OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt, PlanGpuOpt,
     PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt, SequenceOpt, ShapeOpt, StoredOpt,
-    StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt, WriteOpt, ZeroGradOpt, _batch_dims, _spec,
-    default_zero_grad, gpu_option, layout_option, nodes_layout)
+    StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt, WriteOpt, ZeroGradOpt, batch_dims_option,
+    default_zero_grad, gpu_option, layout_option, nodes_layout, spec_option)
 from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot, parse_exports, write_exports
@@ -131,9 +131,9 @@ def plan(
             if model is None or batch_size is None:
                 raise InvalidInputError("give MODEL and --batch-size, or a training config with --from FILE")
             with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
-                spec = _spec(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
-                             lora_targets=lora_targets, qlora=qlora)
-        dims = _batch_dims(batch_dim)
+                spec = spec_option(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
+                                   lora_targets=lora_targets, qlora=qlora)
+        dims = batch_dims_option(batch_dim)
         if dims != (0, 0) and (input_shape or model.startswith(("hf:", "torchvision:"))):
             raise InvalidInputError("--batch-dim reads the sample a factory returns ((module, sample) or (module, "
                                     "sample, target)); generated inputs (--input-shape, hf:, torchvision:) are "
@@ -223,8 +223,8 @@ def verify(
     try:
         check_sizes(budget=budget, margin=margin)
         with one_line_warnings(console):
-            spec = _spec(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
-                         lora_targets=lora_targets, qlora=qlora)
+            spec = spec_option(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
+                               lora_targets=lora_targets, qlora=qlora)
             with planning_progress(console, f"planning for {device}", quiet=quiet):
                 result = make_plan(spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target,
                                    loss_fn=spec.loss_fn, optimizer=optimizer, precision=precision,
@@ -306,8 +306,8 @@ def estimate(
         if note:
             say(console, "note", note)
         with console.status("tracing the model...", spinner="dots"), one_line_warnings(console):
-            spec = _spec(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
-                         lora_targets=lora_targets, qlora=qlora)
+            spec = spec_option(model, input_shape, input_dtype, config, task, model_dtype=model_dtype, lora=lora,
+                               lora_targets=lora_targets, qlora=qlora)
         world_size, _ = nodes_layout(world_size, nodes, gpus_per_node)
         setup = estimate_setup(
             spec, micro_batch_size=micro_batch_size, batch_size=batch_size, precision=precision,

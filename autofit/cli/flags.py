@@ -20,7 +20,8 @@ __all__ = [
     "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PlanGpuOpt", "PrecisionOpt",
     "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "SequenceOpt", "ShapeOpt", "StoredOpt",
     "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt", "WorldOpt", "WriteOpt",
-    "ZeroGradOpt", "default_zero_grad", "gpu_option", "layout_option", "nodes_layout",
+    "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "gpu_option", "layout_option", "nodes_layout",
+    "spec_option",
 ]
 
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
@@ -150,7 +151,7 @@ def default_zero_grad(export: str | None) -> str:
     return "after-forward" if export == "lightning" else "after-step"
 
 
-def _batch_dims(text: str) -> tuple[int, int]:
+def batch_dims_option(text: str) -> tuple[int, int]:
     """``--batch-dim``: "1" or "1,0", as ``batch_dim=`` takes it (Note [the batch dimension])."""
     from autofit.training.batch import as_batch_dims
 
@@ -160,8 +161,8 @@ def _batch_dims(text: str) -> tuple[int, int]:
     return as_batch_dims(int(parts[0]) if len(parts) == 1 else tuple(int(p) for p in parts))
 
 
-def _spec(model: str, input_shape, input_dtype, config, task=None, *, model_dtype="auto", lora=None,
-          lora_targets=None, qlora=False):
+def spec_option(model: str, input_shape, input_dtype, config, task=None, *, model_dtype="auto", lora=None,
+                lora_targets=None, qlora=False):
     from autofit.cli.adapters import Adapter
     from autofit.cli.specs import load_spec, parse_dtype, parse_overrides, parse_shape
 

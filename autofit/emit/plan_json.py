@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, Self
 
 from autofit.core.errors import InvalidInputError
 from autofit.training.config import ZeroGrad
@@ -72,7 +72,7 @@ class PlanJson:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> PlanJson:
+    def from_json(cls, text: str) -> Self:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
