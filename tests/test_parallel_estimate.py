@@ -78,7 +78,7 @@ def test_dtensor_specs_flattened_once_give_the_same_fsdp2_estimate(monkeypatch):
     import contextlib
 
     from autofit.core import _torch
-    from autofit.simulate import parallel
+    from autofit.parallel import simulated as parallel
 
     case = wide_blocks("meta")
 
