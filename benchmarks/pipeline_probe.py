@@ -1,6 +1,89 @@
 """Pipeline parallelism's memory per stage, measured: ``torch.distributed.pipelining`` on this CPU over gloo.
 
-(docstring: Note [pipeline stage memory], filled in below once measured)
+The ground truth for issue 59. One process per pipeline rank (spawned, joined by gloo), each running
+``PipelineStage`` + a schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble) on
+a small decoder built from code (an embedding, MLP blocks x + fc2(gelu(fc1(x))), LayerNorm and a head; no download),
+fp32, AdamW, ``torch.manual_seed``. Per rank, the CPU allocator's peak of one steady-state step (after a warm-up
+step that builds the pipelining buffers and AdamW's state): ``schedule.step(..., return_outputs=False)`` over all
+micro-batches, ``optimizer.step()``, ``zero_grad(set_to_none=True)``; read as autofit measures a rank
+(``core/_torch_profiler.py``'s ``memory_profile`` and ``window_memory``, one profile from the warm-up on, only the
+rank's own thread, the lowest of three windows: Note [gloo's threads in the measured window], measure/ranks.py).
+Each peak is then rebuilt by hand: parameters, AdamW state, the library's buffers, and a replay of the rank's
+actions with figures of the stage module run alone (one process, one micro-batch, the same backward functions),
+and the table prints measured, decomposed and the residual.
+
+    .venv-test/bin/python benchmarks/pipeline_probe.py              # 2 and 4 ranks, all four schedules, M = 2, 4
+    .venv-test/bin/python benchmarks/pipeline_probe.py --worlds 2 --schedules gpipe,1f1b --micro 4
+
+Result (torch 2.13.0, 2 CPU cores, about 45 s): 44 rank rows (2 and 4 ranks x GPipe, 1F1B, Interleaved 1F1B,
+ZBV x M = 2, 4; 1F1B refuses M < ranks), residual 0 bytes in every row.
+
+Note [pipeline stage memory]
+    What a rank holds at its step's peak, each term with the torch code that holds it (torch/distributed/
+    pipelining/, torch 2.13):
+
+    - Parameters P, and AdamW's state 2 P + 4 bytes per parameter tensor (``step``, optim/adam.py). Gradients
+      (P) exist from a stage's first backward of the step on (``zero_grad(set_to_none=True)`` before it).
+    - Receive buffers, allocated at the first ``step()`` (``_PipelineSchedule._initialize_pp_stages`` ->
+      ``PipelineStage._prepare_forward_infra`` / ``_prepare_backward_infra``) and kept for the schedule's life,
+      one per micro-batch: a stage that is not first holds M activation buffers (``_setup_forward_recv_info``,
+      ``_make_tensor_from_meta`` in _utils.py: ``torch.empty_strided``), a stage that is not last M gradient
+      buffers (``_setup_backward_recv_info`` -> ``_create_grad_recv_info``). Columns recvA, recvG. gloo's
+      ``irecv`` writes into them in place. The first step's metadata inference (DYNAMIC mode:
+      ``_forward_metadata_inference``, ``_backward_metadata_inference``) runs a real forward and backward and
+      ``_post_metadata_inference_cleanup`` drops it: no steady-state term.
+    - Per micro-batch in flight, the activations its backward needs (``acts``: the autograd graph;
+      ``forward_one_chunk`` keeps ``(outputs, inputs)`` in ``fwd_cache`` until ``backward_one_chunk`` pops it).
+      Measured alone: 589,824 B on the first stage (embedding output + 2 x 262,144 per block: fc1's output saved
+      by gelu, gelu's by fc2, each 4 x 32 x 256 fp32, and each block's input), 557,056 B on a middle stage (its
+      input is the receive buffer, not counted), 689,156 B on the last (norm, head, log_softmax's output,
+      nll's 4-byte total_weight).
+    - The stage's output (``outs``), beyond its backward where a ``dist.Work`` of its send still references it:
+      ScheduleGPipe keeps every send's Work in ``fwd_sends_to_wait`` to the end of ``_step_microbatches`` (all M);
+      Schedule1F1B's ``send_work`` keeps the warm-up's last fired send (micro-batch warmup - 2) until the
+      cooldown's ``send_work = _batch_p2p(bwd_sends)``; ``_PipelineScheduleRuntime`` (Interleaved, ZBV) keeps
+      every send in ``send_ops`` to the step's end.
+    - The input gradient (``gins``, stages that are not first): ``stage_backward`` (_backward.py) reads
+      ``val.grad`` and sets it to None, ``bwd_cache`` holds it until ``get_bwd_send_ops`` pops it, then the send:
+      GPipe's ``bwd_sends_to_wait`` (to the end), 1F1B's ``bwd_sends`` / ``send_work`` (until the next backward
+      has run), the runtime's ``send_ops`` (to the end).
+    - The last stage: each micro-batch's loss (4 B) in ``_internal_losses`` until ``_update_losses``; its logits
+      are a view (the head's 3-d output), so ``backward_one_chunk``'s ``t.detach_()`` skips them, and they are
+      freed with ``fwd_cache``'s entry, except the one the schedule's local ``output`` still binds (GPipe: the last
+      forward's, to the end; 1F1B: the latest forward's, until the next forward). With ``return_outputs=True``
+      (not measured here) ``output_chunks`` would keep all M logits to the next step's ``clear_runtime_states``,
+      and ``merge_chunks`` would concatenate them once more.
+    - Zero bubble (I then W, ZBV): ``stage_backward_input`` runs ``autograd.grad(..., retain_graph=True)``, so
+      the micro-batch's activations stay until its ``stage_backward_weight``, with the gradients it captured at
+      the graph's "intermediates" (``param_group["grads"]``; ``ihold``: 131,072 B per block and micro-batch here,
+      one 4 x 32 x 256 gradient). The first stage skips I and runs its whole backward at W. ``stage_backward_input``
+      also sets ``inp.grad = dinput`` on the receive buffer and nothing clears it until the next step's
+      ``clear_runtime_states``: M input gradients held between steps (column x.grad; freed before the peak).
+    - ZBV's two stages on one rank hand tensors over in place of a send (Note [V-schedule special case],
+      stage.py): ``set_local_fwd_input`` makes the earlier stage's output the later one's receive buffer and
+      ``set_local_bwd_input`` the later one's input gradient the earlier one's gradient buffer; they stay until
+      the next step's same micro-batch replaces them (in recvA / recvG).
+    - The transient of the op at the peak (the stage alone's peak of that forward, backward, I or W above its
+      start: 196,864 B for a full backward of the MLP stages, 393,220 B for the last stage's I).
+    - AdamW's step (``_single_tensor_adam``: foreach is off on the CPU): ``denom = (exp_avg_sq.sqrt() / ...)``
+      allocates two of a parameter's size while the previous parameter's ``denom`` is still bound, + 12 B of
+      scalar tensors: max over consecutive parameters of prev + 2 x cur + 12 (163,852 B and 132,108 B here, equal
+      to the measurement). Never the peak in these runs: the peak is always in a backward (or a zero-bubble I).
+    - gloo allocates nothing on its own threads for these point-to-point sends and receives: counted on every
+      thread, each window equals the rank's own (column gloo).
+
+    Micro-batches in flight (forwarded, backward not finished) at most, per rank (column fly): GPipe M on every
+    stage; 1F1B min(M, S - s) on stage s of S; Interleaved 1F1B and ZBV from the schedule's own
+    ``pipeline_order`` (two stages per rank: 2 ranks M = 4: 5 and 3 (Interleaved), 4 and 4 (ZBV); 4 ranks
+    M = 4: 8, 8, 7, 5 and 5, 6, 7, 8). The peak is in a backward with the most micro-batches in flight, the latest
+    such once the gradients exist (GPipe: micro-batch 0's, all M in flight, no gradients yet; 1F1B with M above its
+    warm-up: the second backward, warm-up count in flight and the gradients; the last stage: a later one still,
+    4 B per earlier loss), or ZBV's I with its retained activations.
+
+    Found on the way: a probe that keeps a list of the receive buffers across the measured steps keeps ZBV's
+    handed-over tensors alive past their replacement (M outputs + M gradients more); the probe drops the list.
+    Not measured: DDP or FSDP inside a stage, ``return_outputs=True``, schedules other than these four
+    (LoopedBFS, InterleavedZeroBubble, DualPipeV), bf16, attention blocks.
 """
 
 from __future__ import annotations
@@ -186,10 +269,15 @@ def stage_alone(module: StageModule, first: bool, last: bool) -> dict[str, int]:
             r[f"{phase}_peak{n}"], level, prev = ppeak, p0, phase
         r[f"{prev}_delta{n}"] = span(f"E{n}")[0] - level
     o0, r["opt_peak"] = span("O")
-    r["grads"] = _bytes(p.grad for p in module.parameters()) if False else sum(
-        p.numel() * p.element_size() for p in module.parameters())
-    r["params"] = r["grads"]
+    r["params"] = r["grads"] = sum(p.numel() * p.element_size() for p in module.parameters())  # fp32, like them
     r["state"] = _bytes(v for s in optimizer.state.values() for v in s.values())
+    sizes_p = [p.numel() * p.element_size() for p in module.parameters()]
+    # AdamW's state: exp_avg and exp_avg_sq like each parameter, and a 4-byte ``step`` tensor each (adam.py)
+    r["state_hand"] = 2 * sum(sizes_p) + 4 * len(sizes_p)
+    # _single_tensor_adam (foreach is off on the CPU): ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)``
+    # allocates two of a parameter's size while the previous parameter's ``denom`` is still bound, plus 12 bytes
+    # of scalar tensors (an 8-byte wrapped number and its 4-byte copy)
+    r["opt_hand"] = max(prev + 2 * size for prev, size in zip([0] + sizes_p, sizes_p)) + 12
     return r
 
 
@@ -233,19 +321,28 @@ def run_config(name: str, micro: int, world: int, rank: int, windows: int = 3) -
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def buffers(kind: str) -> list[torch.Tensor]:
+    def buffers(kind: str, grad: bool = False) -> list[torch.Tensor]:
         infos = [info for s in stages for per_mb in getattr(s, kind).values() for info in per_mb]
-        return [i.buffer for i in infos if i.buffer is not None]
+        tensors = [i.buffer for i in infos if i.buffer is not None]
+        return [t.grad for t in tensors if t.grad is not None] if grad else tensors
 
     dist.barrier()
     with memory_profile() as prof:
         with record_function(_WINDOW):
             step()
-            gc.collect()
             state = [v for s in optimizer.state.values() for v in s.values()]
-            known_tensors = params + state + buffers("args_recv_info") + buffers("grad_recv_info") + [ids, target]
-            known = {t.untyped_storage().data_ptr() for t in known_tensors}
+            known: set[int] = set()  # the step's own tensors alive when a window begins (ranks.py's categories)
+            recv: list[tuple[int, int, int]] = []  # per window: recvA, recvG, x.grad
             for _ in range(windows):
+                gc.collect()
+                # before each window, as ZBV's same-rank handoffs (receive buffers) change from step to step; no list
+                # of them may outlive this: it would keep the handed-over tensors alive past their replacement
+                known |= {t.untyped_storage().data_ptr() for t in params + state + buffers("args_recv_info")
+                          + buffers("grad_recv_info") + buffers("args_recv_info", grad=True) + [ids, target]}
+                held = buffers("args_recv_info") + buffers("grad_recv_info")
+                recv.append((_bytes(buffers("args_recv_info")), _bytes(buffers("grad_recv_info")),
+                             _bytes(held + buffers("args_recv_info", grad=True)) - _bytes(held)))
+                del held
                 dist.barrier()
                 with record_function(_STEP):
                     step()
@@ -256,13 +353,14 @@ def run_config(name: str, micro: int, world: int, rank: int, windows: int = 3) -
     return {
         "stages": indices, "total": total,
         "params": _bytes(params), "state": _bytes(state),
-        "recv_act": _bytes(buffers("args_recv_info")), "recv_grad": _bytes(buffers("grad_recv_info")),
+        "recv_act": recv[best][0], "recv_grad": recv[best][1], "recv_xgrad": recv[best][2],
         "inputs": _bytes([ids]) if has_first else 0, "targets": _bytes([target]) if has_last else 0,
         # what the profile saw alive when the window began (params and the batch predate it) and the window's
         # high-water mark above that
         "alive": sum(mine[best][0].values()), "peak": mine[best][1],
         "windows": [sum(a.values()) + p for a, p in mine],
-        "every_thread": [sum(a.values()) + p for a, p in every],
+        # the same windows counting every thread's allocations (gloo's workers included) and every tensor alive
+        "gloo": max(sum(e[0].values()) + e[1] - sum(m[0].values()) - m[1] for e, m in zip(every, mine)),
         "order": [str(a) for a in order if a is not None],
     }
 
@@ -368,37 +466,74 @@ def actions(name: str, micro: int, world: int, rank: int, order: list[str]) -> l
     return ops
 
 
-def simulate(ops: list[tuple], alone: dict[int, dict[str, int]]) -> tuple[int, str, int]:
+TERMS = ("grads", "acts", "outs", "logits", "losses", "gins", "ihold", "other", "transient")
+
+
+def terms_of(a: dict[str, int], last: bool) -> dict[str, int]:
+    """One stage's per-micro-batch terms from the stage-alone figures: ``acts`` the activations its backward saves
+    (not the output), ``loss`` (the last stage's loss and nll's total_weight beside it), ``ihold`` what a zero-bubble
+    backward-input keeps until its backward-weight (stage_backward_input's captured intermediate gradients)."""
+    acts = a["grads"] + a["gin"] - a["B_delta1"] - (a["out"] if last else 0)
+    return {"acts": acts, "loss": a["saved1"] - acts - a["out"], "ihold": a["I_delta3"] - a["gin"]}
+
+
+def simulate(ops: list[tuple], alone: dict[int, dict[str, int]], total: int) -> tuple[int, str, dict[str, int]]:
     """Bytes above what exists before the step (parameters, AdamW state, receive buffers, the batch) at the step's
-    peak, from the stage-alone figures: a forward's peak and the bytes it leaves (saved activations, output, loss);
-    a backward's peak above that and the bytes it leaves (the first creates the gradients); the frees of ``ops``.
-    Then AdamW's step over the gradients. Returns (peak, where, bytes the schedule ends holding)."""
-    cur = peak = 0
-    where = ""
+    peak, by term, from the stage-alone figures: a forward's peak and what it leaves (saved activations, output,
+    loss); a backward's peak above its start and what it leaves (frees the activations, creates the gradients the
+    first time, the input gradient); the schedule's frees and holds (``ops``). Then AdamW's step over the gradients.
+    Returns (peak, where, the terms at the peak: ``transient`` is the peak of the op there above its start)."""
+    held = dict.fromkeys(TERMS, 0)
+    peak, where, at = 0, "", dict(held)
     seen: set[int] = set()
+
+    def check(op_peak: int, label: str) -> None:
+        nonlocal peak, where, at
+        if sum(held.values()) + op_peak > peak:
+            peak, where, at = sum(held.values()) + op_peak, label, dict(held, transient=op_peak)
+
     for op in ops:
-        if op[0] == "F":
-            a = alone[op[1]]
-            if cur + a["fwd_peak1"] > peak:
-                peak, where = cur + a["fwd_peak1"], f"F{op[1]}.{op[2]}"
-            cur += a["saved1"]
-        elif op[0] in "BIW":
-            phase, a = op[0], alone[op[1]]
-            n = {"B": 1, "I": 3, "W": 3}[phase] + (1 if op[1] in seen and phase != "I" else 0)
-            if phase != "I":
-                seen.add(op[1])
-            if cur + a[f"{phase}_peak{n}"] > peak:
-                peak, where = cur + a[f"{phase}_peak{n}"], f"{phase}{op[1]}.{op[2]}"
-            cur += a[f"{phase}_delta{n}"]
+        kind, s = op[0], op[1]
+        a = alone[s] if kind in "FBIW" else None
+        if kind == "F":
+            t = terms_of(a, s == total - 1)
+            check(a["fwd_peak1"], f"F{s}.{op[2]}")
+            held["acts"] += t["acts"]
+            held["logits" if s == total - 1 else "outs"] += a["out"]
+            held["losses"] += t["loss"]
+        elif kind in "BIW":
+            t, last = terms_of(a, s == total - 1), s == total - 1
+            n = {"B": 1, "I": 3, "W": 3}[kind] + (1 if s in seen and kind != "I" else 0)
+            check(a[f"{kind}_peak{n}"], f"{kind}{s}.{op[2]}")
+            before = sum(held.values())
+            if kind == "I":
+                held["ihold"] += t["ihold"]
+                held["gins"] += a["gin"]
+            else:
+                held["grads"] += a["grads"] if s not in seen else 0
+                held["acts"] -= t["acts"]
+                held["logits"] -= a["out"] if last else 0
+                if kind == "W":
+                    held["ihold"] -= t["ihold"]
+                else:
+                    held["gins"] += a["gin"]
+                seen.add(s)
+            held["other"] += a[f"{kind}_delta{n}"] - (sum(held.values()) - before)  # 0: the terms add up
         else:
-            kind, what, s, _ = op
-            cur += (1 if kind == "hold" else -1) * alone[s]["gin" if what == "gin" else "out"]
-    grads = sum(alone[s]["grads"] for s in seen)
-    held = cur - grads
-    opt = grads + max(alone[s]["opt_peak"] for s in seen)
-    if opt > peak:
-        peak, where = opt, "optimizer"
-    return peak, where, held
+            _, what, s, _ = op
+            key = {"gin": "gins", "out": "outs", "logits": "logits"}[what]
+            held[key] += (1 if kind == "hold" else -1) * alone[s]["gin" if what == "gin" else "out"]
+    check_opt = max(alone[s]["opt_peak"] for s in seen)
+    held = dict.fromkeys(TERMS, 0) | {"grads": sum(alone[s]["grads"] for s in seen)}  # the step ends: grads stay
+    check(check_opt, "optimizer")
+    return peak, where, at
+
+
+def at_acts(at: dict[str, int], alone: dict[int, dict[str, int]], s: int, where: str) -> str:
+    """The activations at the peak as a count of one micro-batch's (a stage's own backward at the peak has freed
+    part of one: the transient counts that)."""
+    acts = terms_of(alone[s], s == len(alone) - 1)["acts"]
+    return f"{at['acts'] / acts:.2f} x {acts:,}"
 
 
 def in_flight(ops: list[tuple]) -> int:
@@ -425,34 +560,56 @@ def main(argv: list[str] | None = None) -> None:
     names, micros = args.schedules.split(","), [int(m) for m in args.micro.split(",")]
     print(f"torch {torch.__version__}, gloo on this CPU; decoder: embedding {VOCAB}x{H}, {BLOCKS_PER_RANK} MLP blocks "
           f"({H}->{FF}->{H}) per rank, LayerNorm + head; micro-batch {ROWS}x{SEQ} tokens, fp32, AdamW")
-    rows = []
+    rows, alones = [], {}
     for world in (int(w) for w in args.worlds.split(",")):
         configs = [(n, m) for n in names for m in micros if valid(n, m, world)]
-        alone = {}
-        for per_rank in (1, 2):
+        for per_rank in (1, 2) if any(n in MULTI for n in names) else (1,):
             modules = stage_modules(world, per_rank)
-            alone[per_rank] = {i: stage_alone(m, i == 0, i == len(modules) - 1) for i, m in enumerate(modules)}
+            alones[(world, per_rank)] = {i: stage_alone(m, i == 0, i == len(modules) - 1)
+                                         for i, m in enumerate(modules)}
         results = measure(world, configs)
         for name, micro in configs:
             for rank, result in enumerate(results):
                 r = result[(name, micro)]
                 ops = actions(name, micro, world, rank, r["order"])
-                a = alone[2 if name in MULTI else 1]
-                sim, where, held = simulate(ops, a)
+                a = alones[(world, 2 if name in MULTI else 1)]
+                sim, where, at = simulate(ops, a, r["total"])
+                # the step's peak comes after clear_runtime_states() freed recv_xgrad
                 base = r["params"] + r["state"] + r["recv_act"] + r["recv_grad"] + r["inputs"] + r["targets"]
                 measured = r["params"] + r["inputs"] + r["targets"] + r["alive"] + r["peak"]
-                kept = r["alive"] - r["state"] - r["recv_act"] - r["recv_grad"]
+                kept = r["alive"] - r["state"] - r["recv_act"] - r["recv_grad"] - r["recv_xgrad"]
                 rows.append((world, name, micro, rank, r["stages"], in_flight(ops), measured, base + sim,
-                             measured - base - sim, where, r, kept, sim, held,
-                             max(r["every_thread"]) - min(r["windows"])))
-    print(f"\n{'W':>2} {'schedule':<12}{'M':>2} {'rank':>4} {'stages':<7}{'fly':>4} {'measured':>10} {'decomposed':>10} "
-          f"{'resid':>7} {'peak at':<10}{'params':>8}{'state':>8}{'recvA':>8}{'recvG':>8}{'batch':>6}{'kept':>7}"
-          f"{'act+tr':>9} {'gloo':>5}")
-    for (world, name, micro, rank, stages, fly, measured, decomposed, resid, where, r, kept, sim, held,
+                             measured - base - sim, where, r, kept, sim, at,
+                             r["gloo"]))
+    print("\nper micro-batch, one stage module alone (stage_alone): bytes")
+    print(f"{'W':>2} {'per':>3} {'stage':>5} {'params':>8} {'state':>8} {'2P+4n':>8} {'acts':>8} {'out':>7} "
+          f"{'gin':>7} {'loss':>5} {'fwd tr':>7} {'B tr':>8} {'I tr':>8} {'ihold':>8} {'W tr':>7} {'opt tr':>8} "
+          f"{'hand':>8}")
+    for (world, per_rank), stages in sorted(alones.items()):
+        for i, a in stages.items():
+            t = terms_of(a, i == len(stages) - 1)
+            print(f"{world:>2} {per_rank:>3} {i:>5} {a['params']:>8,} {a['state']:>8,} {a['state_hand']:>8,} "
+                  f"{t['acts']:>8,} {a['out']:>7,} {a['gin']:>7,} {t['loss']:>5,} {a['fwd_peak1'] - a['saved1']:>7,} "
+                  f"{a['B_peak1']:>8,} {a['I_peak3']:>8,} {t['ihold']:>8,} {a['W_peak4']:>7,} {a['opt_peak']:>8,} "
+                  f"{a['opt_hand']:>8,}")
+    print("\nper rank, one steady-state step: measured (the allocator, this rank's thread) against the decomposition")
+    print(f"{'W':>2} {'schedule':<12}{'M':>2} {'rank':>4} {'stages':<7}{'fly':>4} {'measured':>10} {'decomposed':>10} "
+          f"{'resid':>6} {'peak at':<10}{'params':>8}{'state':>8}{'recvA':>8}{'recvG':>8}{'x.grad':>8}{'batch':>6}"
+          f"{'kept':>5}{'gloo':>5}")
+    for (world, name, micro, rank, stages, fly, measured, decomposed, resid, where, r, kept, sim, at,
          gloo) in rows:
         print(f"{world:>2} {name:<12}{micro:>2} {rank:>4} {','.join(map(str, stages)):<7}{fly:>4} {measured:>10,} "
-              f"{decomposed:>10,} {resid:>7,} {where:<10}{r['params']:>8,}{r['state']:>8,}{r['recv_act']:>8,}"
-              f"{r['recv_grad']:>8,}{r['inputs'] + r['targets']:>6,}{kept:>7,}{sim:>9,} {gloo:>5,}")
+              f"{decomposed:>10,} {resid:>6,} {where:<10}{r['params']:>8,}{r['state']:>8,}{r['recv_act']:>8,}"
+              f"{r['recv_grad']:>8,}{r['recv_xgrad']:>8,}{r['inputs'] + r['targets']:>6,}{kept:>5,}{gloo:>5,}")
+    print("\nthe step's own bytes at the peak, by term (what the decomposition adds to params, state, buffers, batch)")
+    print(f"{'W':>2} {'schedule':<12}{'M':>2} {'rank':>4} {'peak at':<10}" + "".join(f"{t:>10}" for t in TERMS)
+          + f" {'acts / one micro-batch':<22}")
+    for (world, name, micro, rank, stages, fly, measured, decomposed, resid, where, r, kept, sim, at,
+         gloo) in rows:
+        alone = alones[(world, 2 if name in MULTI else 1)]
+        per = " + ".join(f"{at_acts(at, alone, s, where)}" for s in stages[:1]) if len(stages) == 1 else "-"
+        print(f"{world:>2} {name:<12}{micro:>2} {rank:>4} {where:<10}" + "".join(f"{at[t]:>10,}" for t in TERMS)
+              + f" {per:<22}")
     print(f"\n{time.perf_counter() - start:.1f} s")
 
 
