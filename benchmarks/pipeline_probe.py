@@ -4,8 +4,9 @@ The ground truth for issue 59. One process per pipeline rank (spawned, joined by
 ``PipelineStage`` + a schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble) on
 a small decoder built from code (an embedding, MLP blocks x + fc2(gelu(fc1(x))), LayerNorm and a head; no download),
 fp32, AdamW, ``torch.manual_seed``. Per rank, the CPU allocator's peak of one steady-state step (after a warm-up
-step that builds the pipelining buffers and AdamW's state): ``schedule.step(..., return_outputs=False)`` over all
-micro-batches, ``optimizer.step()``, ``zero_grad(set_to_none=True)``; read as autofit measures a rank
+step that builds the pipelining buffers and AdamW's state): ``schedule.step(..., return_outputs=False)`` (or
+torch's default ``True``: ``--return-outputs``) over all micro-batches, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``; read as autofit measures a rank
 (``core/_torch_profiler.py``'s ``memory_profile`` and ``window_memory``, one profile from the warm-up on, only the
 rank's own thread, the lowest of three windows: Note [gloo's threads in the measured window], measure/ranks.py).
 Each peak is then rebuilt by hand: parameters, AdamW state, the library's buffers, and a replay of the rank's
@@ -14,9 +15,10 @@ and the table prints measured, decomposed and the residual.
 
     .venv-test/bin/python benchmarks/pipeline_probe.py              # 2 and 4 ranks, all four schedules, M = 2, 4
     .venv-test/bin/python benchmarks/pipeline_probe.py --worlds 2 --schedules gpipe,1f1b --micro 4
+    .venv-test/bin/python benchmarks/pipeline_probe.py --return-outputs       # the last stage keeps its outputs
 
-Result (torch 2.13.0, 2 CPU cores, about 45 s): 44 rank rows (2 and 4 ranks x GPipe, 1F1B, Interleaved 1F1B,
-ZBV x M = 2, 4; 1F1B refuses M < ranks), residual 0 bytes in every row.
+Result (torch 2.13.0, 2 CPU cores, about 50 s a run): 44 rank rows (2 and 4 ranks x GPipe, 1F1B, Interleaved
+1F1B, ZBV x M = 2, 4; 1F1B refuses M < ranks), residual 0 bytes in every row, with return_outputs False and True.
 
 Note [pipeline stage memory]
     What a rank holds at its step's peak, each term with the torch code that holds it (torch/distributed/
@@ -50,9 +52,15 @@ Note [pipeline stage memory]
     - The last stage: each micro-batch's loss (4 B) in ``_internal_losses`` until ``_update_losses``; its logits
       are a view (the head's 3-d output), so ``backward_one_chunk``'s ``t.detach_()`` skips them, and they are
       freed with ``fwd_cache``'s entry, except the one the schedule's local ``output`` still binds (GPipe: the last
-      forward's, to the end; 1F1B: the latest forward's, until the next forward). With ``return_outputs=True``
-      (not measured here) ``output_chunks`` would keep all M logits to the next step's ``clear_runtime_states``,
-      and ``merge_chunks`` would concatenate them once more.
+      forward's, to the end; 1F1B: the latest forward's, until the next forward).
+    - ``return_outputs=True`` (torch's default; ``--return-outputs``): ``forward_one_chunk`` appends every logits to
+      ``output_chunks``, kept to the next step's ``clear_runtime_states`` (column chunks, freed before the peak),
+      so the last stage holds all M logits from their forward on, and ``step()`` ends with ``merge_chunks``
+      (microbatch.py: a ``torch.cat``, M logits more for a moment; never the peak here). Under a zero-bubble
+      schedule a kept logits also keeps, through its ``grad_fn`` (not detached: a view), the saved tensors of the
+      nodes only the I ran, which W's ``autograd.grad(..., retain_graph=False)`` never reached: here GeluBackward's
+      saved input, fc1's output, 131,072 B per block and micro-batch (stage_alone's ``stale_split``; 0 after a
+      full backward, which frees every saved tensor it runs through).
     - Zero bubble (I then W, ZBV): ``stage_backward_input`` runs ``autograd.grad(..., retain_graph=True)``, so
       the micro-batch's activations stay until its ``stage_backward_weight``, with the gradients it captured at
       the graph's "intermediates" (``param_group["grads"]``; ``ihold``: 131,072 B per block and micro-batch here,
@@ -82,7 +90,7 @@ Note [pipeline stage memory]
 
     Found on the way: a probe that keeps a list of the receive buffers across the measured steps keeps ZBV's
     handed-over tensors alive past their replacement (M outputs + M gradients more); the probe drops the list.
-    Not measured: DDP or FSDP inside a stage, ``return_outputs=True``, schedules other than these four
+    Not measured: DDP or FSDP inside a stage, schedules other than these four
     (LoopedBFS, InterleavedZeroBubble, DualPipeV), bf16, attention blocks.
 """
 
@@ -116,7 +124,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from autofit.core._torch_profiler import memory_profile, window_memory  # noqa: E402
 
 H, FF, SEQ, ROWS, VOCAB, BLOCKS_PER_RANK = 64, 256, 32, 4, 128, 2
-_WINDOW, _STEP, _MARK = "probe::rank_thread", "probe::step", "probe::mark"
+_WINDOW, _STEP = "probe::rank_thread", "probe::step"
 
 
 # ---------------------------------------------------------------------------------------------------------- model
@@ -182,15 +190,19 @@ def _bytes(tensors) -> int:
 def stage_alone(module: StageModule, first: bool, last: bool) -> dict[str, int]:
     """One stage module alone, one micro-batch, as ``PipelineStage`` runs it (stage.py ``forward_one_chunk``,
     _backward.py ``stage_backward``): the received activation and the received output gradient exist before (the
-    receive buffers), the input gradient is read from ``.grad`` and the ``.grad`` cleared. Twice, the first time
-    with no gradients (they are created), the second accumulating into them; then AdamW's step. All in one memory
-    profile, each phase a ``record_function`` span: bytes relative to the start."""
+    receive buffers), the input gradient is read from ``.grad`` and the ``.grad`` cleared. Rounds: 1, 2 a full
+    backward (``B``), the first with no gradients (they are created), the second accumulating into them; 3, 4 the
+    zero-bubble split, ``stage_backward_input`` (``I``) then ``stage_backward_weight`` (``W``); 5, 6 as 4 and 2 with
+    the last stage's logits kept (``output_chunks``, return_outputs=True); then AdamW's step (``O``). All in one
+    memory profile, each phase a ``record_function`` span, read with ``window_memory``: bytes relative to the
+    start of a phase (``*_peak``) and what it leaves (``*_delta``)."""
     module = copy.deepcopy(module)
     ids, target = batch(1)
     x = ids if first else torch.randn(ROWS, SEQ, H, requires_grad=True)
     grad_out = None if last else torch.randn(ROWS, SEQ, H)
     optimizer = torch.optim.AdamW(module.parameters())
     held: dict[str, object] = {}
+    keep_chunks = False
 
     def forward() -> None:
         held["out"] = module(x)
@@ -211,7 +223,10 @@ def stage_alone(module: StageModule, first: bool, last: bool) -> dict[str, int]:
         if last and not first:
             if not held["out"]._is_view():  # views are not detachable in place (the head's 3-d output is one)
                 held["out"].detach_()
-            held["logits"] = _bytes([held.pop("out")])
+            held["logits"] = _bytes([held["out"]])
+            chunk = held.pop("out")
+            if keep_chunks:  # return_outputs=True: output_chunks keeps the (not detached) logits
+                held["chunk"] = chunk
 
     def backward_input() -> None:  # backward_one_chunk(full_backward=False): the first stage skips it
         if not first:
@@ -230,9 +245,11 @@ def stage_alone(module: StageModule, first: bool, last: bool) -> dict[str, int]:
     forward(), backward(), optimizer.step(), optimizer.zero_grad(set_to_none=True), held.clear()  # lazy state
     sizes = {}
     phases = {"full": [("B", backward)], "split": [("I", backward_input), ("W", backward_weight)]}
-    rounds = [(1, "full"), (2, "full"), (3, "split"), (4, "split")]
+    # 5, 6: as 4 and 2, the logits kept as output_chunks keeps them (return_outputs=True)
+    rounds = [(1, "full"), (2, "full"), (3, "split"), (4, "split"), (5, "split"), (6, "full")]
     with memory_profile() as prof:
         for n, kind in rounds:
+            keep_chunks = n >= 5
             if n == 3:
                 optimizer.zero_grad(set_to_none=True)
             with record_function(f"F{n}"):
@@ -269,6 +286,14 @@ def stage_alone(module: StageModule, first: bool, last: bool) -> dict[str, int]:
             r[f"{phase}_peak{n}"], level, prev = ppeak, p0, phase
         r[f"{prev}_delta{n}"] = span(f"E{n}")[0] - level
     o0, r["opt_peak"] = span("O")
+    # what a kept output keeps besides itself once the backward ran: the split backward's W leaves the nodes only I
+    # ran (here GeluBackward, whose saved input is fc1's output) with their saved tensors, reachable from the
+    # logits' grad_fn; a full backward freed every saved tensor it ran through
+    def left(n: int, phases: tuple[str, ...]) -> int:  # what round n leaves, against what it found
+        return r[f"saved{n}"] + sum(r[f"{phase}_delta{n}"] for phase in phases)
+
+    r["stale_split"] = left(5, ("I", "W")) - left(4, ("I", "W")) - r["out"] if last and not first else 0
+    r["stale_full"] = left(6, ("B",)) - left(2, ("B",)) - r["out"] if last and not first else 0
     r["params"] = r["grads"] = sum(p.numel() * p.element_size() for p in module.parameters())  # fp32, like them
     r["state"] = _bytes(v for s in optimizer.state.values() for v in s.values())
     sizes_p = [p.numel() * p.element_size() for p in module.parameters()]
@@ -293,7 +318,7 @@ def local_stages(name: str, world: int, rank: int) -> list[int]:
     return [rank, rank + world] if MULTI[name] == "loop" else [rank, 2 * world - 1 - rank]
 
 
-def run_config(name: str, micro: int, world: int, rank: int, windows: int = 3) -> dict:
+def run_config(name: str, micro: int, outputs: bool, world: int, rank: int, windows: int = 3) -> dict:
     """This rank's measured step: a warm-up step (the pipelining infra and AdamW's state), then ``windows`` steps,
     each one ``record_function`` span: ``schedule.step`` over all micro-batches, ``optimizer.step()``,
     ``zero_grad(set_to_none=True)``. All under one memory profile (Note [memory from before the window],
@@ -317,9 +342,29 @@ def run_config(name: str, micro: int, world: int, rank: int, windows: int = 3) -
     kwargs = {"target": target} if has_last else {}
 
     def step() -> None:
-        schedule.step(*args, return_outputs=False, **kwargs)
+        schedule.step(*args, return_outputs=outputs, **kwargs)  # the merged output, if any, dropped at once
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def chunks() -> list[torch.Tensor]:  # the last stage's outputs, kept for merge_chunks (return_outputs=True)
+        return [t for s in stages for t in s.output_chunks]
+
+    def stale() -> list[torch.Tensor]:  # the tensors the autograd graph of the kept chunks still saves
+        nodes, seen, found = [t.grad_fn for t in chunks()], set(), []
+        while nodes:
+            node = nodes.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for attr in dir(node):
+                if attr.startswith("_saved_"):
+                    try:
+                        value = getattr(node, attr)
+                    except RuntimeError:  # freed by a backward: "Trying to backward through the graph a second time"
+                        continue
+                    found += [value] if isinstance(value, torch.Tensor) else []
+            nodes += [next_node for next_node, _ in node.next_functions]
+        return found
 
     def buffers(kind: str, grad: bool = False) -> list[torch.Tensor]:
         infos = [info for s in stages for per_mb in getattr(s, kind).values() for info in per_mb]
@@ -332,16 +377,19 @@ def run_config(name: str, micro: int, world: int, rank: int, windows: int = 3) -
             step()
             state = [v for s in optimizer.state.values() for v in s.values()]
             known: set[int] = set()  # the step's own tensors alive when a window begins (ranks.py's categories)
-            recv: list[tuple[int, int, int]] = []  # per window: recvA, recvG, x.grad
+            recv: list[tuple[int, int, int, int]] = []  # per window: recvA, recvG, x.grad, output chunks
             for _ in range(windows):
                 gc.collect()
                 # before each window, as ZBV's same-rank handoffs (receive buffers) change from step to step; no list
                 # of them may outlive this: it would keep the handed-over tensors alive past their replacement
                 known |= {t.untyped_storage().data_ptr() for t in params + state + buffers("args_recv_info")
-                          + buffers("grad_recv_info") + buffers("args_recv_info", grad=True) + [ids, target]}
+                          + buffers("grad_recv_info") + buffers("args_recv_info", grad=True) + chunks() + stale()
+                          + [ids, target]}
                 held = buffers("args_recv_info") + buffers("grad_recv_info")
-                recv.append((_bytes(buffers("args_recv_info")), _bytes(buffers("grad_recv_info")),
-                             _bytes(held + buffers("args_recv_info", grad=True)) - _bytes(held)))
+                xgrad = _bytes(held + buffers("args_recv_info", grad=True)) - _bytes(held)
+                held += params + buffers("args_recv_info", grad=True)
+                recv.append((_bytes(buffers("args_recv_info")), _bytes(buffers("grad_recv_info")), xgrad,
+                             _bytes(held + chunks() + stale()) - _bytes(held)))
                 del held
                 dist.barrier()
                 with record_function(_STEP):
@@ -354,6 +402,7 @@ def run_config(name: str, micro: int, world: int, rank: int, windows: int = 3) -
         "stages": indices, "total": total,
         "params": _bytes(params), "state": _bytes(state),
         "recv_act": recv[best][0], "recv_grad": recv[best][1], "recv_xgrad": recv[best][2],
+        "chunks": recv[best][3],
         "inputs": _bytes([ids]) if has_first else 0, "targets": _bytes([target]) if has_last else 0,
         # what the profile saw alive when the window began (params and the batch predate it) and the window's
         # high-water mark above that
@@ -371,8 +420,8 @@ def _rank_main(rank: int, world: int, port: int, configs: list, out: str) -> Non
     torch.set_num_threads(1)
     results: dict = {}
     try:
-        for name, micro in configs:
-            results[(name, micro)] = run_config(name, micro, world, rank)
+        for name, micro, outputs in configs:
+            results[(name, micro, outputs)] = run_config(name, micro, outputs, world, rank)
     except Exception:
         results["error"] = traceback.format_exc()
     finally:
@@ -395,11 +444,22 @@ def measure(world: int, configs: list) -> list[dict]:
 
 
 # ------------------------------------------------------------------------- the hand decomposition: who holds what
-def actions(name: str, micro: int, world: int, rank: int, order: list[str]) -> list[tuple]:
+def actions(name: str, micro: int, world: int, rank: int, order: list[str], outputs: bool = False) -> list[tuple]:
     """This rank's compute actions in execution order, with the frees the schedule's code makes between them:
     ``("F" | "B", stage, mb)`` and ``("free", what, stage, mb)``, ``what`` in ``out`` (the stage's output), ``gin``
-    (the gradient of its input, sent back), ``logits`` (the last stage's output). Mirrors schedules.py: which local
-    variable or list of ``dist.Work`` still references a tensor once ``fwd_cache`` / ``bwd_cache`` let go of it."""
+    (the gradient of its input, sent back), ``logits`` (the last stage's output), and ``("hold", ...)`` for what
+    stays referenced past the backward that frees it alone. Mirrors schedules.py: which local variable or list of
+    ``dist.Work`` still references a tensor once ``fwd_cache`` / ``bwd_cache`` let go of it. ``outputs``
+    (return_outputs=True): the last stage's ``output_chunks`` keep every micro-batch's logits (forward_one_chunk),
+    and ``step()`` ends with ``merge_chunks`` (``("merge", stage, M)``)."""
+    ops = _actions(name, micro, world, rank, order, outputs)
+    total = world * (2 if name in MULTI else 1)
+    if outputs and total - 1 in local_stages(name, world, rank):
+        ops.append(("merge", total - 1, micro))
+    return ops
+
+
+def _actions(name: str, micro: int, world: int, rank: int, order: list[str], outputs: bool) -> list[tuple]:
     total = world * (2 if name in MULTI else 1)
     first = lambda s: s == 0  # noqa: E731
     last = lambda s: s == total - 1  # noqa: E731
@@ -412,7 +472,7 @@ def actions(name: str, micro: int, world: int, rank: int, order: list[str]) -> l
             # the last stage's logits: fwd_cache popped, backward_one_chunk detach_()es them; only the local
             # ``output`` (the last forward's) outlives its backward. A non-last stage's outputs stay referenced by
             # fwd_sends_to_wait's Work objects, its input gradients by bwd_sends_to_wait's, to the end of the step.
-            if last(s) and k == micro - 1:
+            if last(s) and (k == micro - 1 or outputs):
                 ops.append(("hold", "logits", s, k))
         return ops
     if name == "1f1b":  # Schedule1F1B._step_microbatches
@@ -440,7 +500,7 @@ def actions(name: str, micro: int, world: int, rank: int, order: list[str]) -> l
             if f == micro:
                 break
             ops.append(("F", s, f))
-            if last(s):  # the local ``output`` now holds this forward's logits, not the previous one's
+            if last(s) and not outputs:  # the local ``output`` now holds this forward's logits, not the previous's
                 ops.append(("free", "logits", s, f - 1))
             f += 1
         if held_out is not None:  # send_work = _batch_p2p(bwd_sends): the warm-up's last fired send let go
@@ -460,6 +520,10 @@ def actions(name: str, micro: int, world: int, rank: int, order: list[str]) -> l
         ops.append((kind, stage, mb))
         if kind == "F" and stage + 1 in mine:
             ops.append(("free", "out", stage, mb))  # the previous step's output, the next stage's buffer until now
+        if outputs and last(stage) and kind in "BW":  # the whole backward done: output_chunks keeps the logits
+            ops.append(("hold", "logits", stage, mb))
+            if kind == "W":  # and, through their grad_fn, what only the I ran (stage_alone's stale_split)
+                ops.append(("hold", "stale", stage, mb))
         if kind in "BI":
             if stage - 1 in mine:
                 ops.append(("free", "gin", stage, mb))  # the previous step's, in the previous stage's buffer
@@ -484,7 +548,7 @@ def simulate(ops: list[tuple], alone: dict[int, dict[str, int]], total: int) -> 
     first time, the input gradient); the schedule's frees and holds (``ops``). Then AdamW's step over the gradients.
     Returns (peak, where, the terms at the peak: ``transient`` is the peak of the op there above its start)."""
     held = dict.fromkeys(TERMS, 0)
-    peak, where, at = 0, "", dict(held)
+    peak, where, at, merged = 0, "", dict(held), 0
     seen: set[int] = set()
 
     def check(op_peak: int, label: str) -> None:
@@ -519,12 +583,18 @@ def simulate(ops: list[tuple], alone: dict[int, dict[str, int]], total: int) -> 
                     held["gins"] += a["gin"]
                 seen.add(s)
             held["other"] += a[f"{kind}_delta{n}"] - (sum(held.values()) - before)  # 0: the terms add up
+        elif kind == "merge":  # the schedule returned: its locals and Works are gone, the output chunks stay
+            merged = alone[s]["out"] * op[2]
         else:
             _, what, s, _ = op
-            key = {"gin": "gins", "out": "outs", "logits": "logits"}[what]
-            held[key] += (1 if kind == "hold" else -1) * alone[s]["gin" if what == "gin" else "out"]
+            key = {"gin": "gins", "out": "outs", "logits": "logits", "stale": "acts"}[what]
+            size = {"gin": "gin", "stale": "stale_split"}.get(what, "out")
+            held[key] += (1 if kind == "hold" else -1) * alone[s][size]
     check_opt = max(alone[s]["opt_peak"] for s in seen)
     held = dict.fromkeys(TERMS, 0) | {"grads": sum(alone[s]["grads"] for s in seen)}  # the step ends: grads stay
+    if merged:
+        held["logits"] = merged  # output_chunks, until the next step's clear_runtime_states()
+        check(merged, "merge")  # merge_chunks: torch.cat of the chunks (microbatch.py)
     check(check_opt, "optimizer")
     return peak, where, at
 
@@ -554,30 +624,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worlds", default="2,4", help="pipeline ranks (one stage per rank, two for interleaved, zbv)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--micro", default="2,4", help="micro-batches per step")
+    parser.add_argument("--return-outputs", action="store_true",
+                        help="schedule.step(return_outputs=True), torch's default: the last stage keeps and merges "
+                             "its outputs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
     names, micros = args.schedules.split(","), [int(m) for m in args.micro.split(",")]
     print(f"torch {torch.__version__}, gloo on this CPU; decoder: embedding {VOCAB}x{H}, {BLOCKS_PER_RANK} MLP blocks "
-          f"({H}->{FF}->{H}) per rank, LayerNorm + head; micro-batch {ROWS}x{SEQ} tokens, fp32, AdamW")
+          f"({H}->{FF}->{H}) per rank, LayerNorm + head; micro-batch {ROWS}x{SEQ} tokens, fp32, AdamW; "
+          f"return_outputs={args.return_outputs}")
     rows, alones = [], {}
     for world in (int(w) for w in args.worlds.split(",")):
-        configs = [(n, m) for n in names for m in micros if valid(n, m, world)]
+        configs = [(n, m, args.return_outputs) for n in names for m in micros if valid(n, m, world)]
         for per_rank in (1, 2) if any(n in MULTI for n in names) else (1,):
             modules = stage_modules(world, per_rank)
             alones[(world, per_rank)] = {i: stage_alone(m, i == 0, i == len(modules) - 1)
                                          for i, m in enumerate(modules)}
         results = measure(world, configs)
-        for name, micro in configs:
+        for name, micro, outputs in configs:
             for rank, result in enumerate(results):
-                r = result[(name, micro)]
-                ops = actions(name, micro, world, rank, r["order"])
+                r = result[(name, micro, outputs)]
+                ops = actions(name, micro, world, rank, r["order"], outputs)
                 a = alones[(world, 2 if name in MULTI else 1)]
                 sim, where, at = simulate(ops, a, r["total"])
-                # the step's peak comes after clear_runtime_states() freed recv_xgrad
+                # the step's peak comes after clear_runtime_states() freed recv_xgrad and the output chunks
                 base = r["params"] + r["state"] + r["recv_act"] + r["recv_grad"] + r["inputs"] + r["targets"]
                 measured = r["params"] + r["inputs"] + r["targets"] + r["alive"] + r["peak"]
-                kept = r["alive"] - r["state"] - r["recv_act"] - r["recv_grad"] - r["recv_xgrad"]
+                kept = r["alive"] - r["state"] - r["recv_act"] - r["recv_grad"] - r["recv_xgrad"] - r["chunks"]
                 rows.append((world, name, micro, rank, r["stages"], in_flight(ops), measured, base + sim,
                              measured - base - sim, where, r, kept, sim, at,
                              r["gloo"]))
@@ -594,22 +668,23 @@ def main(argv: list[str] | None = None) -> None:
                   f"{a['opt_hand']:>8,}")
     print("\nper rank, one steady-state step: measured (the allocator, this rank's thread) against the decomposition")
     print(f"{'W':>2} {'schedule':<12}{'M':>2} {'rank':>4} {'stages':<7}{'fly':>4} {'measured':>10} {'decomposed':>10} "
-          f"{'resid':>6} {'peak at':<10}{'params':>8}{'state':>8}{'recvA':>8}{'recvG':>8}{'x.grad':>8}{'batch':>6}"
-          f"{'kept':>5}{'gloo':>5}")
+          f"{'resid':>6} {'peak at':<10}{'params':>8}{'state':>8}{'recvA':>8}{'recvG':>8}{'x.grad':>8}{'chunks':>8}"
+          f"{'batch':>7}{'kept':>6}{'gloo':>5}")
     for (world, name, micro, rank, stages, fly, measured, decomposed, resid, where, r, kept, sim, at,
          gloo) in rows:
         print(f"{world:>2} {name:<12}{micro:>2} {rank:>4} {','.join(map(str, stages)):<7}{fly:>4} {measured:>10,} "
               f"{decomposed:>10,} {resid:>6,} {where:<10}{r['params']:>8,}{r['state']:>8,}{r['recv_act']:>8,}"
-              f"{r['recv_grad']:>8,}{r['recv_xgrad']:>8,}{r['inputs'] + r['targets']:>6,}{kept:>5,}{gloo:>5,}")
+              f"{r['recv_grad']:>8,}{r['recv_xgrad']:>8,}{r['chunks']:>8,}{r['inputs'] + r['targets']:>7,}{kept:>6,}"
+              f"{gloo:>5,}")
     print("\nthe step's own bytes at the peak, by term (what the decomposition adds to params, state, buffers, batch)")
     print(f"{'W':>2} {'schedule':<12}{'M':>2} {'rank':>4} {'peak at':<10}" + "".join(f"{t:>10}" for t in TERMS)
-          + f" {'acts / one micro-batch':<22}")
+          + " acts / one micro-batch")
     for (world, name, micro, rank, stages, fly, measured, decomposed, resid, where, r, kept, sim, at,
          gloo) in rows:
         alone = alones[(world, 2 if name in MULTI else 1)]
         per = " + ".join(f"{at_acts(at, alone, s, where)}" for s in stages[:1]) if len(stages) == 1 else "-"
         print(f"{world:>2} {name:<12}{micro:>2} {rank:>4} {where:<10}" + "".join(f"{at[t]:>10,}" for t in TERMS)
-              + f" {per:<22}")
+              + f" {per}")
     print(f"\n{time.perf_counter() - start:.1f} s")
 
 
