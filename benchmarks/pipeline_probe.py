@@ -72,7 +72,9 @@ Note [pipeline stage memory]
       ``set_local_bwd_input`` the later one's input gradient the earlier one's gradient buffer; they stay until
       the next step's same micro-batch replaces them (in recvA / recvG).
     - The transient of the op at the peak (the stage alone's peak of that forward, backward, I or W above its
-      start: 196,864 B for a full backward of the MLP stages, 393,220 B for the last stage's I).
+      start): 196,864 B for a full backward of the MLP stages, the last block's fc2 backward: the gradient of
+      gelu's output (4 x 32 x 256 fp32, 131,072) with fc2.weight's (65,536) and fc2.bias's (256); 262,144 B for
+      a middle stage's I (gelu's and fc1's output gradients, both kept); 393,220 B for the last stage's I.
     - AdamW's step (``_single_tensor_adam``: foreach is off on the CPU): ``denom = (exp_avg_sq.sqrt() / ...)``
       allocates two of a parameter's size while the previous parameter's ``denom`` is still bound, + 12 B of
       scalar tensors: max over consecutive parameters of prev + 2 x cur + 12 (163,852 B and 132,108 B here, equal
