@@ -73,8 +73,9 @@ Note [pipeline stage memory]
       the next step's same micro-batch replaces them (in recvA / recvG).
     - The transient of the op at the peak (the stage alone's peak of that forward, backward, I or W above its
       start): 196,864 B for a full backward of the MLP stages, the last block's fc2 backward: the gradient of
-      gelu's output (4 x 32 x 256 fp32, 131,072) with fc2.weight's (65,536) and fc2.bias's (256); 262,144 B for
-      a middle stage's I (gelu's and fc1's output gradients, both kept); 393,220 B for the last stage's I.
+      gelu's output (4 x 32 x 256 fp32, 131,072) with fc2.weight's (65,536) and fc2.bias's (256); 262,144 B
+      for a middle stage's I (gelu's and fc1's output gradients at once, one kept to W); 393,220 B for the last
+      stage's I.
     - AdamW's step (``_single_tensor_adam``: foreach is off on the CPU): ``denom = (exp_avg_sq.sqrt() / ...)``
       allocates two of a parameter's size while the previous parameter's ``denom`` is still bound, + 12 B of
       scalar tensors: max over consecutive parameters of prev + 2 x cur + 12 (163,852 B and 132,108 B here, equal
@@ -85,10 +86,10 @@ Note [pipeline stage memory]
     Micro-batches in flight (forwarded, backward not finished) at most, per rank (column fly): GPipe M on every
     stage; 1F1B min(M, S - s) on stage s of S; Interleaved 1F1B and ZBV from the schedule's own
     ``pipeline_order`` (two stages per rank: 2 ranks M = 4: 5 and 3 (Interleaved), 4 and 4 (ZBV); 4 ranks
-    M = 4: 8, 8, 7, 5 and 5, 6, 7, 8). The peak is in a backward with the most micro-batches in flight, the latest
+    M = 4: 8, 8, 7, 5 and 5, 6, 7, 8). The peak is in a backward with the most micro-batches in flight, the first
     such once the gradients exist (GPipe: micro-batch 0's, all M in flight, no gradients yet; 1F1B with M above its
-    warm-up: the second backward, warm-up count in flight and the gradients; the last stage: a later one still,
-    4 B per earlier loss), or ZBV's I with its retained activations.
+    warm-up: the second backward, warm-up count in flight and the gradients; the last stage: a later one, 4 B per
+    earlier loss), or, for ZBV, an I with the activations I and W retain.
 
     Found on the way: a probe that keeps a list of the receive buffers across the measured steps keeps ZBV's
     handed-over tensors alive past their replacement (M outputs + M gradients more); the probe drops the list.
