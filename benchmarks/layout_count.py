@@ -56,6 +56,8 @@ LAYOUT_FIELDS = frozenset({
     # a dimension's share of memory and the layout's rungs (Note [a dimension's share of memory])
     "model_ways", "state_ways", "kept_gathered", "defers_gradients", "states_on_host",
     "reducing_every_micro_batch", "label_with_ranks", "data_rank", "row_copies",
+    # the step's properties derived from its layout (StepConfig: where the states live, where the optimizer runs)
+    "host_states", "optimizer_device",
 })
 STRATEGY_NAMES = frozenset({"ddp", "fsdp2"})
 WRAPPING_CALLS = frozenset({"init_device_mesh", "fully_shard", "DistributedDataParallel", "parallelize_module"})
