@@ -75,19 +75,10 @@ class PlanText:
         return f"{fmt(self.budget_bytes)} ({used})"
 
     def offload_rows(self, fmt) -> list[tuple[str, str]]:
-        """What the plan keeps in host memory, as (label, value) rows; none without offload."""
-        rows = []  # the offloaded activations' row is their step feature's (features/activation_offload.py)
-        if self.parallel.offload_states:
-            rows.append(("offloaded states", "parameters, gradients, optimizer state; the optimizer steps on the CPU "
-                                             "(FSDP2 CPUOffloadPolicy)"))
-        if self.host_bytes:
-            allowed = "" if self.host_budget_bytes is None else f" of {fmt(self.host_budget_bytes)} allowed"
-            pinned = self.estimate.host_pinned_bytes
-            ranks = self.parallel.ranks_per_node
-            node = "" if ranks == 1 else f" per rank, {fmt(ranks * self.host_bytes)} for the {ranks} ranks of a node"
-            rows.append(("host memory", f"{fmt(self.host_bytes)} ({fmt(pinned)} pinned, "
-                                        f"{fmt(self.host_bytes - pinned)} pageable){node}{allowed}"))
-        return rows
+        """What the plan keeps in host memory, as (label, value) rows; none without offload. The offloaded
+        activations' row is their step feature's (features/activation_offload.py); the states' and the host's are
+        the layout's (``Parallel.host_rows``: where the states live, the ranks that share a node's memory)."""
+        return self.parallel.host_rows(self.host_bytes, self.estimate.host_pinned_bytes, self.host_budget_bytes, fmt)
 
     def rows_by_length_text(self) -> str:
         """``length: rows`` for each tabulated length, longest first (what ``micro_batch_size_for`` reads)."""

@@ -285,6 +285,23 @@ class Parallel:
         sync = [("gradient sync", "reduce-scatter after every micro-batch")] if self.reduce_every_micro_batch else []
         return head, sync
 
+    def host_rows(self, host_bytes: int, pinned_bytes: int, host_budget_bytes: int | None,
+                  fmt: Callable[[int], str]) -> list[tuple[str, str]]:
+        """The rows a plan's table shows of what one rank keeps in host memory (``host_bytes``, ``pinned_bytes`` of
+        them pinned, out of ``host_budget_bytes`` per node, or None): the states, where this layout keeps them there
+        (FSDP2's CPUOffloadPolicy), and the host's bytes, for every rank of a node where several share it."""
+        rows = []
+        if self.offload_states:
+            rows.append(("offloaded states", "parameters, gradients, optimizer state; the optimizer steps on the CPU "
+                                             "(FSDP2 CPUOffloadPolicy)"))
+        if host_bytes:
+            allowed = "" if host_budget_bytes is None else f" of {fmt(host_budget_bytes)} allowed"
+            ranks = self.ranks_per_node
+            node = "" if ranks == 1 else f" per rank, {fmt(ranks * host_bytes)} for the {ranks} ranks of a node"
+            rows.append(("host memory", f"{fmt(host_bytes)} ({fmt(pinned_bytes)} pinned, "
+                                        f"{fmt(host_bytes - pinned_bytes)} pageable){node}{allowed}"))
+        return rows
+
     @property
     def least_memory(self) -> bool:
         """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
