@@ -337,16 +337,15 @@ class Layout:
 
     @property
     def data_ranks(self) -> int:
-        """The ranks that train different rows: the world size over the degrees of the dimensions whose ranks share
-        their rows (one tensor-parallel group trains the same rows)."""
-        return self.world_size // math.prod(p.degree for p in self.placements
-                                            if self.registry[p.dimension].shares_rows)
+        """The ranks that train different rows: the world size over :attr:`row_copies` (one tensor-parallel group
+        trains the same rows)."""
+        return self.world_size // self.row_copies
 
     @property
     def row_copies(self) -> int:
         """How many ranks train each row: the product of the degrees of the dimensions whose ranks share rows (a
         tensor-parallel group's T ranks count the group's rows T times over)."""
-        return self.world_size // self.data_ranks
+        return math.prod(p.degree for p in self.placements if self.registry[p.dimension].shares_rows)
 
     def data_rank(self, rank: int) -> int:
         """Which of the :attr:`data_ranks` global ``rank`` is: the index of the rows it trains. Ranks fill the mesh
@@ -355,14 +354,12 @@ class Layout:
         tensor-parallel group being consecutive ranks)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not one of the layout's {self.world_size} ranks")
-        coordinates = []
+        index, stride = 0, 1
         for p in reversed(self.placements):  # the last dim first: its coordinate is the rank modulo its degree
-            coordinates.append((p, rank % p.degree))
-            rank //= p.degree
-        index = 0
-        for p, coordinate in reversed(coordinates):  # mesh order again, outer dims first
             if not self.registry[p.dimension].shares_rows:
-                index = index * p.degree + coordinate
+                index += (rank % p.degree) * stride
+                stride *= p.degree
+            rank //= p.degree
         return index
 
     def rank_work(self, work: RankWork, inputs: WorkInputs) -> RankWork:
