@@ -66,7 +66,7 @@ from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links
 
 __all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts", "ExportInputs", "ExportFragment",
-           "FRAMEWORKS", "merge_settings", "StepKnobs", "RankWork", "WorkInputs"]
+           "FRAMEWORKS", "merge_settings", "StepKnobs", "RankWork", "WorkInputs", "rank_count"]
 
 # the frameworks a plan is exported to (autofit/emit/export.py): Hugging Face's TrainingArguments, DeepSpeed's config,
 # Lightning's Trainer and strategies, Accelerate's config file, torchtitan's TOML
@@ -110,6 +110,11 @@ class ExportFragment:
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
     unexpressed: tuple[str, ...] = ()
+
+
+def rank_count(count: int) -> str:
+    """'1 rank', '8 ranks': a count of ranks in a layout's words."""
+    return f"{count} rank{'s' if count != 1 else ''}"
 
 
 def merge_settings(into: dict[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:

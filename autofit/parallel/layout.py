@@ -18,7 +18,7 @@ from typing import Any
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
 from autofit.parallel.collectives import Links
-from autofit.parallel.dimension import Layout, Placement, StepKnobs
+from autofit.parallel.dimension import Layout, Placement, StepKnobs, rank_count
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words",
            "JSON_PLACES", "layout_from_json", "trade_words"]
@@ -241,10 +241,9 @@ class Parallel:
 
     @property
     def label_with_ranks(self) -> str:
-        """:attr:`label` with the processes it runs on where the label does not say: 'ddp over 4 ranks', 'tp 2 over
-        2 ranks', 'fsdp2 (ZeRO-3) over 8 ranks' (what an infeasible plan's message names)."""
-        label = self.label
-        return label if label.endswith((" ranks", " rank")) else f"{label} over {self.world_size} ranks"
+        """The layout in words with the processes it runs on: 'ddp over 4 ranks', 'tp 2 over 2 ranks', 'fsdp2 (ZeRO-3)
+        over 8 ranks', 'fsdp2 (ZeRO-3) x tp 2 over 4 ranks' (what an infeasible plan's message names)."""
+        return f"{self.layout.words()} over {rank_count(self.world_size)}"
 
     @property
     def ranks_per_node(self) -> int:

@@ -10,7 +10,8 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
-from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs
+from autofit.parallel.dimension import (Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs,
+                                        rank_count)
 
 __all__ = ["SHARD", "reshard_choices"]
 
@@ -74,7 +75,7 @@ class _Shard(Dimension):
         replicate = layout.degree("dp_replicate")
         if replicate > 1:
             return f"hsdp {replicate} x {shard} ({zero})"
-        return f"fsdp2 ({zero})" + (f" over {_ranks(shard)}" if ranks else "")
+        return f"fsdp2 ({zero})" + (f" over {rank_count(shard)}" if ranks else "")
 
     def collective_seconds(self, layout: Layout, placement: Placement, links: Links, param_bytes: float,
                            grad_bytes: float, micro_batches: int) -> float:
@@ -213,8 +214,3 @@ _EXPORTS = {"hf": _hf, "deepspeed": _deepspeed, "lightning": _lightning, "accele
 
 
 SHARD = _Shard(name="dp_shard", mesh_rank=2, shares_rows=False, field="world_size")
-
-
-def _ranks(count: int) -> str:
-    """'1 rank', '8 ranks'."""
-    return f"{count} rank{'s' if count != 1 else ''}"
