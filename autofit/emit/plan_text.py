@@ -74,12 +74,6 @@ class PlanText:
             used += f"; {fmt(self.margin_bytes)} margin kept free for what is not modelled"
         return f"{fmt(self.budget_bytes)} ({used})"
 
-    def offload_rows(self, fmt) -> list[tuple[str, str]]:
-        """What the plan keeps in host memory, as (label, value) rows; none without offload. The offloaded
-        activations' row is their step feature's (features/activation_offload.py); the states' and the host's are
-        the layout's (``Parallel.host_rows``: where the states live, the ranks that share a node's memory)."""
-        return self.parallel.host_rows(self.host_bytes, self.estimate.host_pinned_bytes, self.host_budget_bytes, fmt)
-
     def rows_by_length_text(self) -> str:
         """``length: rows`` for each tabulated length, longest first (what ``micro_batch_size_for`` reads)."""
         return ", ".join(f"{n}: {r}" for n, r in self.rows_by_length) + " (length: rows per micro-batch)"
@@ -107,7 +101,9 @@ class PlanText:
             ("budget", self.budget_text(fmt, budget_where)),
             ("gradient clipping", "none" if self.clip_grad_norm is None else f"clip_grad_norm_ to {self.clip_grad_norm:g}"),
             *([("zero_grad", _ZERO_GRAD_ROWS[self.zero_grad])] if self.zero_grad is not ZeroGrad.AFTER_STEP else []),
-            *self.offload_rows(fmt),
+            # what the plan keeps in host memory: the states' and the host's rows are the layout's; the offloaded
+            # activations' row is their step feature's (features/activation_offload.py)
+            *self.parallel.host_rows(self.host_bytes, self.estimate.host_pinned_bytes, self.host_budget_bytes, fmt),
             ("predicted step time", f"{self.predicted_step_seconds:.3g} s (time model, for ranking)"),
         ]
         _feature_rows(self, rows)
