@@ -14,10 +14,9 @@ from autofit.training.batch import naming_inputs
 from autofit.training.chunked_loss import LossChunks, chunkable
 from autofit.device import resolve_device
 from autofit.features.allocator import put_in_place
-from autofit.core.errors import InvalidInputError, require_int
+from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.measure.allocator import measure_step
-from autofit.measure.ranks import measure_ranks
+from autofit.measure.ranks import measure_laid_out
 from autofit.core.report import Measurement, MemoryEstimate
 from autofit.capture.user_hooks import restores_user_hooks
 from autofit.features.float8 import as_float8, require_fp8
@@ -28,10 +27,8 @@ from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.solve.terms import large_term_notes
-from autofit.parallel.layout import Parallel, Strategy, as_strategy, check_layout
+from autofit.parallel.step_layout import estimate_notes, one_layout, step_layout
 from autofit.training.step import StepConfig, forward_errors, make_step_config
-from autofit.parallel.sequence_parallel import require_sequence_split
-from autofit.parallel.tensor_parallel import resolve_tensor_plan
 
 __all__ = ["analyse", "estimate", "measure"]
 
@@ -50,36 +47,10 @@ class _OneStep:
 
 def _config(model, given: _OneStep, micro_batch_size, optimizer, clip_grad_norm, batch, target,
             loss_fn) -> StepConfig:
-    lay, step = given.layout, given.step
-    world_size, tensor_parallel = lay.world_size, lay.tensor_parallel
-    # offload_states runs FSDP2's CPUOffloadPolicy on one process, sharding the planner's units (Note [offload]);
-    # FSDP2 over world_size ranks shards the same units plan() does (solve/sharding.py)
-    require_int("world_size", world_size)
-    strategy = as_strategy(lay.strategy)  # the user's string, read once: its properties from here on
-    sharded = strategy is not None and strategy.shards_parameters
-    if world_size > 1 and strategy is None:
-        raise InvalidInputError(f"world_size={world_size} needs strategy='ddp' or 'fsdp2': an estimate describes one "
-                                "layout (plan() chooses between them)")
-    if strategy is not None and world_size == 1 and not (sharded and step.offload_states):
-        raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
-    if step.offload_states:
-        strategy, sharded = Strategy.FSDP2, True
-    # a bad layout is named here, before its modules are resolved or anything simulated (docs/multi-gpu.md)
-    check_layout(strategy, world_size, reshard_after_forward=lay.reshard_after_forward, replicate=lay.replicate,
-                 tensor_parallel=tensor_parallel, offload_states=step.offload_states)
-    if lay.tensor_parallel_plan is not None and tensor_parallel == 1:
-        raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T, the "
-                                "number of ranks that split each layer")
-    tensor_plan = resolve_tensor_plan(model, tensor_parallel, lay.tensor_parallel_plan)
-    if batch is not None:
-        require_sequence_split(tensor_plan, tensor_parallel, batch.tensors(), "the sample")
-    units = shard_units(model) if sharded else ()
+    step = given.step
+    # the layout's own rules, before its modules are resolved or anything simulated (autofit/parallel/step_layout.py)
+    layout = step_layout(model, given.layout, step, tensors=batch.tensors(), shard_units=shard_units(model))
     chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
-    layout = Parallel(strategy=strategy, world_size=world_size, shard_units=units,
-                      offload_states=bool(step.offload_states),
-                      reduce_every_micro_batch=bool(step.reduce_every_micro_batch),
-                      reshard_after_forward=lay.reshard_after_forward, replicate=lay.replicate,
-                      tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan))
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=step.accumulation_steps,
                             precision=given.precision, checkpoint=step.checkpoint, optimizer=optimizer,
                             device=given.device, gpu=given.gpu, clip_grad_norm=clip_grad_norm,
@@ -99,19 +70,15 @@ def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any
     layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices are refused."""
     options = gather(function, dict(device=device, precision=precision, layout=layout, step=step), deprecated,
                      groups=STEP_GROUPS)
-    chosen, wants, lay = options["device"], options["precision"], options["layout"]
+    chosen, wants = options["device"], options["precision"]
     if chosen.margin is not None or chosen.host_budget is not None or chosen.allow_over_capacity:
         raise InvalidInputError(f"{function}: Device(margin=, host_budget=, allow_over_capacity=) are what a plan's "
                                 "budget keeps free; an estimate has no budget: leave them out (plan takes them)")
     if wants.min_stored is not None or wants.fp32_modules is not None:
         raise InvalidInputError(f"{function}: Precision(min_stored=, fp32_modules=) are the planner's choices; a step "
                                 "runs one policy: give precision=PrecisionPolicy(name, fp32_modules=..., stored=...)")
-    if lay.tensor_parallel == "auto":
-        raise InvalidInputError(f"{function}: tensor_parallel='auto' is the planner's choice; a step has one "
-                                "degree: give Layout(tensor_parallel=T)")
-    reshard = True if lay.reshard_after_forward == "auto" else lay.reshard_after_forward
-    lay = replace(lay, reshard_after_forward=reshard, replicate=1 if lay.replicate == "auto" else lay.replicate)
-    return _OneStep(device=chosen.kind, gpu=chosen.gpu, precision=wants.compute, layout=lay, step=options["step"],
+    return _OneStep(device=chosen.kind, gpu=chosen.gpu, precision=wants.compute,
+                    layout=one_layout(options["layout"], function), step=options["step"],
                     expandable=chosen.expandable_segments)
 
 
@@ -216,21 +183,10 @@ def estimate(
         model, config, est.device_bytes, device_model,
         flag="reducing every micro-batch (reduce_every_micro_batch=True; autofit estimate --reduce-every-micro-batch)",
         breakdown=est.breakdown))
-    if config.layout.replicates_parameters:
-        est = replace(est, notes=est.notes + (bucket_note(config.gradient_as_bucket_view),))
+    est = replace(est, notes=est.notes + estimate_notes(config.layout, config.gradient_as_bucket_view))
     if len(batch.per_sample_tensors()) < len(batch.tensors()):  # say what the rule did (Note [the batch dimension])
         est = replace(est, notes=(*est.notes, f"inputs by Note [the batch dimension]: {batch.layout()}"))
     return est
-
-
-def bucket_note(views: bool) -> str:
-    """What a DDP estimate assumed of the buckets (Note [DDP's bucket views], autofit/parallel/simulated.py)."""
-    if views:
-        return ("DDP with gradient_as_bucket_view=True (as autofit's trainer wraps it): every gradient is a view into "
-                "the communication buckets; with torch's default (False: Lightning's DDPStrategy, Hugging Face's "
-                "Trainer and Accelerate unless set) the buckets hold one more gradient-sized copy")
-    return ("DDP with gradient_as_bucket_view=False (torch's default): the gradients live apart from the "
-            "communication buckets, which hold a second gradient-sized copy")
 
 
 @keeps_user_rng  # Note [the user's random state]
@@ -266,20 +222,7 @@ def measure(
     if resolve_device(config.device, config.gpu, expandable).caching_allocator and expandable is not None:
         # the setting the figures are measured under (Note [expandable segments as an input], autofit/device.py)
         put_in_place(f"expandable_segments:{expandable}", "measure(device=Device(expandable_segments=...)) runs with")
-    if config.layout.offload_states:
-        raise InvalidInputError(
-            "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
-            "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
-        )
-    if (config.layout.world_size > 1 and config.float8 is not None and config.float8.all_gather
-            and config.device.is_host):
-        raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
-                                "estimate it, or measure on GPUs (Note [Float8 training])")
-    if config.layout.world_size > 1:
-        return measure_ranks(model, batch, target_batch, loss_fn, config, steps=steps)
-    # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
-    with naming_inputs(lambda: batch), forward_errors(config.precision if config.device.is_host else None):
-        return measure_step(model, batch, target_batch, loss_fn, config, steps=steps)
+    return measure_laid_out(model, batch, target_batch, loss_fn, config, steps=steps)
 
 
 @keeps_user_rng  # Note [the user's random state]

@@ -45,13 +45,33 @@ import torch.multiprocessing as mp
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.core.report import Measurement
 from autofit.measure.allocator import measure_step
-from autofit.training.batch import Batch
+from autofit.training.batch import Batch, naming_inputs
 from autofit.training.loss import LossFn
-from autofit.training.step import StepConfig
+from autofit.training.step import StepConfig, forward_errors
 
-__all__ = ["measure_ranks"]
+__all__ = ["measure_laid_out", "measure_ranks"]
 
 _TIMEOUT_SECONDS = 1800  # a hung collective ends the measurement instead of the caller's process
+
+
+def measure_laid_out(model, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig, *,
+                     steps: int) -> Measurement:
+    """``measure``'s step as its layout runs it: one process (:func:`~autofit.measure.allocator.measure_step`), or
+    one per rank (:func:`measure_ranks`); a typed error for the layouts this CPU cannot run."""
+    if config.layout.offload_states:
+        raise InvalidInputError(
+            "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
+            "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
+        )
+    if (config.layout.world_size > 1 and config.float8 is not None and config.float8.all_gather
+            and config.device.is_host):
+        raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
+                                "estimate it, or measure on GPUs (Note [Float8 training])")
+    if config.layout.world_size > 1:
+        return measure_ranks(model, batch, target, loss_fn, config, steps=steps)
+    # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
+    with naming_inputs(lambda: batch), forward_errors(config.precision if config.device.is_host else None):
+        return measure_step(model, batch, target, loss_fn, config, steps=steps)
 
 
 def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig, *,
