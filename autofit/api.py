@@ -27,7 +27,7 @@ from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.sharding import shard_units
 from autofit.solve.terms import large_term_notes
-from autofit.parallel.step_layout import estimate_notes, one_layout, step_layout
+from autofit.parallel.requested import estimate_notes, one_layout, step_layout
 from autofit.training.step import StepConfig, forward_errors, make_step_config
 
 __all__ = ["analyse", "estimate", "measure"]
@@ -48,7 +48,7 @@ class _OneStep:
 def _config(model, given: _OneStep, micro_batch_size, optimizer, clip_grad_norm, batch, target,
             loss_fn) -> StepConfig:
     step = given.step
-    # the layout's own rules, before its modules are resolved or anything simulated (autofit/parallel/step_layout.py)
+    # the layout's own rules, before its modules are resolved or anything simulated (autofit/parallel/requested.py)
     layout = step_layout(model, given.layout, step, tensors=batch.tensors(), shard_units=shard_units(model))
     chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=step.accumulation_steps,

@@ -17,7 +17,7 @@ from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks
 from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
-from autofit.core.errors import InvalidInputError, require_int
+from autofit.core.errors import require_int
 from autofit.features import OPT_IN
 from autofit.features.float8 import as_float8, require_fp8
 from autofit.training.loss import LossFn
@@ -26,10 +26,11 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.config import ZeroGrad, as_zero_grad
 from autofit.training.step import StepConfig, make_step_config
 from autofit.core.units import parse_budget
-from autofit.parallel.layout import Parallel, Strategy, as_strategy  # the layout value (parallel/layout.py); re-exported here
+from autofit.parallel.layout import Parallel, Strategy  # the layout value (parallel/layout.py); re-exported here
+from autofit.parallel.requested import planned_layouts
 from autofit.core._torch_interrupts import import_lazy_modules
-from autofit.validate import (tensor_options, allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
-                              cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names, fsdp2_layouts,
+from autofit.validate import (allow_names, as_inputs, auto_pins, check_capacity, check_model, check_positions,
+                              cpu_precision_notes, fixed_checkpoint, fixed_policies, fp32_module_names,
                               resolve_host_budget, margin_for, pinned, precisions, stored_options)
 
 # plan(extrapolate_depth=True) cuts a run of at least this many identical blocks (Note [depth extrapolation]);
@@ -189,7 +190,11 @@ def make_request(
         batch_size = batch.size
         notes.append(f"no batch_size given: planning for the sample's batch of {batch.size}")
     require_int("batch_size", batch_size)
-    layout_fields = _layouts(model, batch, options.layout, batch_size, clip_grad_norm)
+    layout_fields = planned_layouts(
+        model, options.layout, batch_size, batch.tensors(),
+        # a tensor-parallel layout the user fixed, checked against clipping as the step checks it (StepConfig)
+        check_step=lambda parallel: clip_grad_norm is None or make_step_config(
+            micro_batch_size=1, clip_grad_norm=clip_grad_norm, layout=parallel))
     world_size = layout_fields["world_size"]
     margin_bytes = margin_for(d.margin, budget_bytes, target_device, world_size)
     may_offload = s.offload is not False and target_device.host_offload
@@ -229,30 +234,6 @@ def _float8(value: Any, target_device: DeviceTarget) -> Any:
     value = as_float8(value)
     require_fp8(getattr(target_device, "gpu", None) if value is not None else None)
     return value
-
-
-def _layouts(model: nn.Module, batch: Batch, lay: Layout, batch_size: int, clip_grad_norm: Any) -> dict[str, Any]:
-    """The request's fields of the layouts to plan (docs/multi-gpu.md): the ranks, the strategies, the FSDP2
-    reshards and replicates, the tensor-parallel degrees; each checked against the model and the batch here."""
-    world_size = lay.world_size
-    require_int("world_size", world_size)
-    strategy = as_strategy(lay.strategy)  # the user's string, read once: a Strategy from here on
-    if strategy is not None and world_size == 1:
-        raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
-    if batch_size % world_size:
-        raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
-    per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, lay.gpus_per_node,
-                                                   lay.reshard_after_forward, lay.replicate)
-    tensors = tensor_options(model, world_size, per_node, strategy, lay.tensor_parallel, lay.tensor_parallel_plan,
-                             batch.tensors())
-    if tensors != (1,) and lay.tensor_parallel != "auto" and clip_grad_norm is not None:
-        make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm,  # raises, naming why
-                         layout=Parallel(strategy="fsdp2", world_size=world_size, tensor_parallel=tensors[0],
-                                         tensor_plan=(("", "colwise"),)))
-    return dict(world_size=world_size, per_rank=batch_size // world_size,
-                strategies=(strategy,) if strategy is not None or world_size == 1 else tuple(Strategy),
-                gpus_per_node=per_node, reshard_options=reshards, replicate_options=replicates,
-                tensor_options=tensors, layout_options=lay)
 
 
 def _precisions(model: nn.Module, p: Precision, target_device: DeviceTarget, world_size: int) -> dict[str, Any]:

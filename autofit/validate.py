@@ -6,7 +6,7 @@ precisions and compute precisions to try, a fixed checkpoint set, the FSDP2 layo
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from dataclasses import replace
 from typing import Any
@@ -17,13 +17,8 @@ from torch import nn
 from autofit.training.batch import Batch, as_batches
 from autofit.core._torch_compile import compiled_in_place
 from autofit.device import NCCL_RESERVE_BYTES, DeviceTarget
-from autofit.core.errors import InvalidInputError, UnsupportedModelError, require_int
+from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.features import feature_names
-from autofit.parallel.sequence_parallel import require_sequence_split
-from autofit.parallel.layout import Strategy, as_strategy, check_layout
-from autofit.parallel.replicate import replicate_choices
-from autofit.parallel.shard import reshard_choices
-from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from autofit.training.length import length_spec
 from autofit.training.precision import PRECISION_NAMES, PrecisionPolicy, as_policy
 from autofit.training.config import make_step_config, resolve_modules
@@ -31,7 +26,7 @@ from autofit.core.units import format_bytes, parse_budget
 
 __all__ = ["check_model", "as_inputs", "check_capacity", "check_positions", "margin_for", "NCCL_RESERVE_BYTES",
            "resolve_host_budget", "fp32_module_names", "auto_pins", "pinned", "stored_options", "cpu_precision_notes",
-           "precisions", "fixed_checkpoint", "fixed_policies", "fsdp2_layouts", "tensor_options", "ALLOW_NAMES", "allow_names"]
+           "precisions", "fixed_checkpoint", "fixed_policies", "ALLOW_NAMES", "allow_names"]
 
 
 def check_model(model: Any) -> nn.Module:
@@ -73,59 +68,6 @@ def as_inputs(sample: Any, target: Any, shared: Any = None, batch_dim: Any = 0) 
     """The sample and target as batches with the same number of rows (Note [the batch dimension],
     autofit/training/batch.py); ``shared`` names inputs passed whole; ``batch_dim`` the dim of the batch."""
     return as_batches(sample, target, shared=shared, batch_dim=batch_dim)
-
-
-def fsdp2_layouts(world_size: int, strategy: Strategy | str | None, gpus_per_node: int | None, reshard_after_forward: Any,
-                  replicate: Any) -> tuple[int, tuple[bool | int, ...], tuple[int, ...]]:
-    """The ranks per node and the FSDP2 layouts to plan (docs/multi-gpu.md, "How the planner chooses"): with "auto",
-    ZeRO-3 and ZeRO-2, and across nodes also the reshard to one node's GPUs and HSDP (replicate across nodes)."""
-    per_node = world_size if gpus_per_node is None else require_int("gpus_per_node", gpus_per_node)
-    if world_size % per_node:
-        raise InvalidInputError(f"gpus_per_node {per_node} does not divide world_size {world_size}: world_size is "
-                                "nodes x gpus_per_node")
-    strategy = as_strategy(strategy)
-    if strategy is Strategy.DDP and (reshard_after_forward != "auto" or replicate != "auto"):
-        raise InvalidInputError("reshard_after_forward and replicate are FSDP2 layouts: leave them 'auto' with "
-                                "strategy='ddp', or use strategy='fsdp2'")
-    # "auto" as each dimension expands it (autofit/parallel/replicate.py, shard.py)
-    replicates = replicate_choices(replicate, world_size, per_node)
-    reshards = reshard_choices(reshard_after_forward, world_size, per_node)
-    if world_size > 1 and strategy is not Strategy.DDP:  # the explicit ones are checked here, before any simulation
-        for raf in reshards:
-            for r in replicates:
-                if reshard_after_forward != "auto" or replicate != "auto":
-                    check_layout(Strategy.FSDP2, world_size, reshard_after_forward=raf, replicate=r)
-    return per_node, reshards, replicates
-
-
-TENSOR_DEGREES = (2, 4, 8)  # "auto": the tensor-parallel degrees tried, each dividing one node's GPUs
-
-
-def tensor_options(model: nn.Module, world_size: int, per_node: int, strategy: Strategy | None,
-                   tensor_parallel: Any, user_plan: Mapping[str, Any] | None = None,
-                   sample: Sequence[torch.Tensor] = ()) -> tuple[int, ...]:
-    """``plan(tensor_parallel=...)``: 1 (none, the default), an int T (plan FSDP2 x tensor parallel T only; the
-    model's plan resolved here, so a model that cannot be split is named before any simulation), or "auto" (also
-    each of 2, 4, 8 that divides one node's GPUs, for a model that carries a plan; docs/multi-gpu.md). ``user_plan``:
-    ``plan(tensor_parallel_plan=...)``, for a model without its own; with sequence parallel in it, the ``sample``'s
-    tensors must split evenly along the sequence (``require_sequence_split``; "auto" skips the degrees that do
-    not, ``tensor_layouts``)."""
-    if user_plan is not None and tensor_parallel == 1:
-        raise InvalidInputError("tensor_parallel_plan is given but tensor_parallel is 1: pass tensor_parallel=T or "
-                                "'auto'")
-    if tensor_parallel == "auto":
-        return (1,) + tuple(t for t in TENSOR_DEGREES if t <= per_node and per_node % t == 0)
-    require_int("tensor_parallel", tensor_parallel)
-    if tensor_parallel == 1:
-        return (1,)
-    check_layout(strategy, world_size, tensor_parallel=tensor_parallel)
-    if per_node % tensor_parallel:
-        raise InvalidInputError(
-            f"tensor_parallel {tensor_parallel} does not divide the {per_node} GPUs of a node: its all-reduces run in "
-            "every layer and must stay on NVLink; choose a divisor of gpus_per_node")
-    resolved = resolve_tensor_plan(model, tensor_parallel, user_plan)
-    require_sequence_split(resolved, tensor_parallel, sample, "the sample")
-    return (tensor_parallel,)
 
 
 # plan(allow=...): the rungs that change numerics, climbed only when allowed (Note [the ladder]): the step features'

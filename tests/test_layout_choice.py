@@ -88,7 +88,7 @@ def test_auto_layouts_across_nodes():
     """4 nodes x 8 with "auto": ZeRO-3, ZeRO-2 and the reshard to a node over all 32 ranks, and HSDP 4 x 8 with
     ZeRO-3 and ZeRO-2 (a reshard to 8 inside a shard group of 8 is no reshard: torch refuses it as an int)."""
     from autofit.solve.sharding import layouts
-    from autofit.validate import fsdp2_layouts
+    from autofit.parallel.requested import fsdp2_layouts
 
     assert fsdp2_layouts(32, "fsdp2", 8, "auto", "auto") == (8, (True, False, 8), (1, 4))
     assert fsdp2_layouts(8, "fsdp2", None, "auto", "auto") == (8, (True, False), (1,))
