@@ -56,8 +56,11 @@ def feature_values(request: Any) -> tuple[Any, ...]:
 
 def before_wrap(plan: Any) -> None:
     """What every step feature puts in place before a trainer or a callback touches the model for ``plan``
-    (Feature.before_wrap); raises where one cannot."""
+    (Feature.before_wrap); raises where one cannot, or where one planned for one process only
+    (Feature.one_process) is in force on a plan laid out over processes."""
     for feature in FEATURES:
+        if feature.one_process is not None and feature.in_force(plan):
+            plan.parallel.refuse_laid_out(feature.one_process)
         feature.before_wrap(plan)
 
 

@@ -24,7 +24,8 @@ Note [step features]
         how: a fake copy cannot run what the real one does, compiled kernels for one);
       - the trainer (``emit/trainer.py``, ``emit/distributed.py``, and the callbacks in ``integrations/``):
         :meth:`Feature.before_wrap`, what it puts in place before the model is touched (the allocator's setting),
-        and :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
+        :attr:`Feature.one_process`, why it refuses a plan laid out over processes (the layout raises it), and
+        :meth:`Feature.trainer_optimizer`, the optimizer the trainer steps;
       - the simulation's notes (``simulate/run.py``): :meth:`Feature.estimate_notes`;
       - the plan (``emit/plan_text.py``, ``emit/plan_json.py``): :meth:`Feature.plan_rows`, its rows in ``str(plan)``
         and the CLI's table, and :meth:`Feature.to_json` / :meth:`Feature.from_json`, its value in the plan's JSON;
@@ -88,6 +89,9 @@ class Feature:
     # the user sets its value (plan(compile=True)), not the search: the request carries it under ``field`` and the
     # plan takes it from there (feature_fields)
     user_setting: bool = False
+    # why the feature runs in one process only: the message a plan laid out over processes (DDP, FSDP2) is refused
+    # with when it is wrapped (features.before_wrap asks the layout, Parallel.refuse_laid_out); None: any layout
+    one_process: str | None = None
 
     def in_force(self, carrier: Any) -> Any:
         """The value in force on ``carrier`` (a PlanRequest, a StepConfig or a Plan), or None."""
@@ -123,8 +127,8 @@ class Feature:
     # ---- the trainer and the plan ---------------------------------------------------------------------------------
     def before_wrap(self, plan: Any) -> None:
         """What the feature puts in place before a trainer (or a callback of another training loop) touches the
-        model for ``plan``; raises where it cannot (a feature planned for one process, given a plan with a layout).
-        """
+        model for ``plan``; raises where it cannot. (A feature planned for one process refuses a plan with a
+        layout through :attr:`one_process`, not here.)"""
 
     def trainer_optimizer(self, plan: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the trainer of ``plan`` steps, given the one passed to wrap()."""

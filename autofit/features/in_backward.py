@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from autofit.core.errors import InvalidInputError
 from autofit.features.base import Feature
 from autofit.training.in_backward import stepping_in_backward
 
@@ -36,17 +35,13 @@ class InBackward(Feature):
             return contextlib.nullcontext()
         return stepping_in_backward(model, optimizer, stepped)
 
-    def before_wrap(self, plan: Any) -> None:
-        if plan.optimizer_in_backward and plan.parallel.strategy is not None:  # the distributed trainers' plans
-            raise InvalidInputError(
-                "optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
-                "after the collective that averages it, which runs after autograd's hooks"
-            )
-
     def plan_rows(self, plan: Any) -> tuple[tuple[str, str], ...]:
         if not plan.optimizer_in_backward:
             return ()
         return (("optimizer step", "in backward, parameter by parameter"),)
 
 
-IN_BACKWARD = InBackward(name="optimizer-in-backward", field="optimizer_in_backward", row_after="gradient clipping")
+IN_BACKWARD = InBackward(
+    name="optimizer-in-backward", field="optimizer_in_backward", row_after="gradient clipping",
+    one_process="optimizer_in_backward is planned for one process only: with DDP or FSDP2 a gradient is final only "
+                "after the collective that averages it, which runs after autograd's hooks")

@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from autofit.core.errors import InvalidInputError
 from autofit.features.base import Feature
 from autofit.training.grads import allocate_grads
 
@@ -70,11 +69,6 @@ class PreallocatedGrads(Feature):
         return (("gradients", "allocated before the first forward, zeroed in place after each step (the budget needs "
                               "them apart from the activations; wrap() allocates them)"),)
 
-    def before_wrap(self, plan: Any) -> None:
-        if plan.preallocated_grads and plan.parallel.strategy is not None:  # the distributed trainers' plans
-            raise InvalidInputError("preallocated_grads is planned for one process only: DDP's buckets and FSDP2's "
-                                    "shards own the gradients' storage")
-
     def outside_wrap(self, plan: Any, callback: str) -> str | None:
         if not plan.preallocated_grads:
             return None
@@ -89,5 +83,7 @@ class PreallocatedGrads(Feature):
                 f"after each step (plan.wrap() does it): {_HOW[framework]}",)
 
 
-PREALLOCATED_GRADS = PreallocatedGrads(name="preallocated-grads", field="preallocated_grads",
-                                       row_after=("CUDA allocator", "device"))
+PREALLOCATED_GRADS = PreallocatedGrads(
+    name="preallocated-grads", field="preallocated_grads", row_after=("CUDA allocator", "device"),
+    one_process="preallocated_grads is planned for one process only: DDP's buckets and FSDP2's shards own the "
+                "gradients' storage")

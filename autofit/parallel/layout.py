@@ -262,6 +262,12 @@ class Parallel:
         for placement in layout.placements:
             DIMENSIONS[placement.dimension].check_step(layout, placement, step)
 
+    def refuse_laid_out(self, why: str) -> None:
+        """Raise ``why`` (a typed error) where this is a layout at all: a step feature planned for one process only
+        (its ``Feature.one_process``) refuses a plan laid out over processes when it is wrapped."""
+        if self.strategy is not None:
+            raise InvalidInputError(why)
+
     def json_fields(self, after: str) -> dict[str, Any]:
         """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout
         in a plan's JSON])."""
