@@ -141,3 +141,195 @@ def _register_cpu_ring_attention() -> None:
     register_op_strategy(FWD, schema_info=RuntimeSchemaInfo(3))(strategy(2))
     register_op_strategy(BWD, schema_info=RuntimeSchemaInfo(6))(strategy(3))
     _attention.custom_ops[FWD] = _attention.custom_ops[BWD] = _ring_cpu_handler
+
+
+# -------------------------------------------------------------------------------------------------- one rank's step
+def _cp(mesh, buffers: list[torch.Tensor]):
+    from torch.distributed.tensor.experimental import context_parallel
+
+    return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers))
+
+
+def check(world: int, rank: int, mesh, recompute: bool) -> dict:
+    """One CP step's loss and gradients against the single-process full-sequence step's (computed on every rank,
+    no communication): each rank's loss is the mean over its own tokens and its gradients those of that mean, so
+    the world's are the average (all_reduce SUM / world, what DDP or FSDP over the CP ranks would do)."""
+    reference = Model(recompute)
+    ids, pos, target = batch()
+    ref_loss = reference(ids, pos, target)
+    ref_loss.backward()
+    model = Model(recompute)
+    with _cp(mesh, [ids, pos, target]):
+        loss = model(ids, pos, target)
+        loss.backward()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    loss /= world
+    worst = {"loss": (abs(loss - ref_loss).item(), abs(loss - ref_loss).item() / abs(ref_loss).item())}
+    ok = torch.allclose(loss, ref_loss, rtol=1e-4, atol=0)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        g /= world
+        ok &= torch.allclose(g, r.grad, rtol=1e-4, atol=1e-6)
+        d = (g - r.grad).abs()
+        worst[name] = (d.max().item(), (d / r.grad.abs().clamp_min(1e-6)).max().item())
+    name = max(worst, key=lambda n: worst[n][0])
+    return {"ok": bool(ok), "loss": loss.item(), "ref_loss": ref_loss.item(), "worst": (name, *worst[name])}
+
+
+def run_config(world: int, rank: int, mesh, rotate: str, recompute: bool, windows: int = 3) -> dict:
+    """This rank's measured step under ``context_parallel`` (entered once, before the profile: its sharding of the
+    buffers and its restore copies predate the windows): a warm-up step (AdamW's state), then ``windows`` steps,
+    each one ``record_function`` span: forward and loss, ``backward()``, ``optimizer.step()``,
+    ``zero_grad(set_to_none=True)``. One memory profile, only this thread's memory (Note [gloo's threads in the
+    measured window], measure/ranks.py), the lowest window kept, as ranks.py keeps it."""
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    set_rotate_method(rotate)
+    model = Model(recompute)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params)
+    ids, pos, target = batch()
+    cp = _cp(mesh, [ids, pos, target])
+    cp.__enter__()
+    frame = cp.gen.gi_frame.f_locals  # torch.no_grad() wraps the generator (utils/_contextlib.py _wrap_generator)
+    while "original_buffers" not in frame:
+        frame = frame["gen"].gi_frame.f_locals
+    restore = [b for b in frame["original_buffers"] if b is not None]  # context_parallel's clones, for its exit
+
+    def step() -> None:
+        model(ids, pos, target).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        dist.barrier()
+        with memory_profile() as prof:
+            with record_function(_WINDOW):
+                step()
+                state = [v for s in optimizer.state.values() for v in s.values()]
+                known = {t.untyped_storage().data_ptr() for t in params + state + restore + [ids, pos, target]}
+                for _ in range(windows):
+                    gc.collect()
+                    dist.barrier()
+                    with record_function(_STEP):
+                        step()
+    finally:
+        cp.__exit__(None, None, None)
+    mine = window_memory(prof, _STEP, _WINDOW, known)
+    every = window_memory(prof, _STEP)
+    best = min(range(windows), key=lambda w: sum(mine[w][0].values()) + mine[w][1])
+    return {
+        "params": _bytes(params), "state": _bytes(state), "batch": _bytes([ids, pos, target]),
+        "restore": _bytes(restore), "alive": sum(mine[best][0].values()), "peak": mine[best][1],
+        "windows": [sum(a.values()) + p for a, p in mine],
+        "gloo": max(sum(e[0].values()) + e[1] - sum(m[0].values()) - m[1] for e, m in zip(every, mine)),
+        "holders": peak_holders(prof, best),
+    }
+
+
+def peak_holders(prof, window: int) -> list[tuple[str, int]]:
+    """Where the kept window's peak is and who holds its bytes: of the allocations this rank's thread made in the
+    window (the profile's event tree, each allocation under the op that made it), those alive at the high-water
+    mark, summed by allocating op and ring step, with the op running at the mark first. A reading aid for the
+    decomposition, not a measurement (window_memory's count is the measurement)."""
+    marks, spans, events = set(), [], []
+    stack = [(n, ()) for n in prof.profiler.kineto_results.experimental_event_tree()]
+    from autofit.core._torch import EventType
+    while stack:
+        node, parents = stack.pop()
+        if node.name == _WINDOW:
+            marks.add(node.start_tid)
+        if node.name == _STEP:
+            spans.append((node.start_time_ns, node.end_time_ns))
+        if node.tag == EventType.Allocation:
+            f = node.extra_fields
+            events.append((node.start_time_ns, f.alloc_size, node.start_tid, f.ptr, parents))
+        here = parents + ((node.name,) if node.tag != EventType.Allocation else ())
+        stack.extend((c, here) for c in node.children)
+    events.sort(key=lambda e: e[0])
+    start, end = sorted(spans)[window]
+    live, running, best, at = {}, 0, -1, None
+    for time_, size, tid, ptr, parents in events:
+        if not start <= time_ <= end:
+            continue
+        if size > 0 and tid in marks:
+            live[ptr] = (size, parents)
+            running += size
+        elif size < 0 and ptr in live:
+            running -= live.pop(ptr)[0]
+        if running > best:
+            best, at, snapshot = running, parents, dict(live)
+    by: dict[str, int] = {}
+    for size, parents in snapshot.values():
+        key = " > ".join(p for p in parents if not p.startswith("probe::"))[-90:]
+        by[key] = by.get(key, 0) + size
+    return [("PEAK IN " + " > ".join(at)[-90:], best)] + sorted(by.items(), key=lambda kv: -kv[1])
+
+
+def _rank_main(rank: int, world: int, port: int, configs: list, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results: dict = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        _register_cpu_ring_attention()
+        for rotate, recompute, checked in configs:
+            if checked:
+                from torch.distributed.tensor.experimental._attention import set_rotate_method
+                set_rotate_method(rotate)
+                results[("check", rotate, recompute)] = check(world, rank, mesh, recompute)
+            results[(rotate, recompute)] = run_config(world, rank, mesh, rotate, recompute)
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+
+
+def measure(world: int, configs: list) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="cpprobe-") as out:
+        mp.start_processes(_rank_main, args=(world, port, configs, out), nprocs=world, join=True,
+                           start_method="spawn")
+        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    for rank, r in enumerate(results):
+        if "error" in r:
+            raise RuntimeError(f"rank {rank}:\n{r['error']}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="2,4", help="CP degrees (one process per rank)")
+    parser.add_argument("--rotate", default="allgather,alltoall")
+    parser.add_argument("--recompute", default="off,on")
+    parser.add_argument("--debug", action="store_true", help="print who holds the bytes at each peak")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    configs = [(rot, rec == "on", rot == args.rotate.split(",")[0])
+               for rot in args.rotate.split(",") for rec in args.recompute.split(",")]
+    for world in (int(w) for w in args.worlds.split(",")):
+        results = measure(world, configs)
+        for rotate, recompute, checked in configs:
+            for rank, result in enumerate(results):
+                r = result[(rotate, recompute)]
+                measured = r["params"] + r["batch"] + r["restore"] + r["alive"] + r["peak"]
+                print(world, rotate, recompute, rank, measured, {k: v for k, v in r.items() if k != "holders"})
+                if checked and rank == 0:
+                    print("  check", result[("check", rotate, recompute)])
+                if args.debug:
+                    for k, v in r["holders"]:
+                        print(f"    {v:>10,}  {k}")
+    print(f"\n{time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
