@@ -226,44 +226,44 @@ def run_config(world: int, rank: int, mesh, rotate: str, recompute: bool, window
         "windows": [sum(a.values()) + p for a, p in mine],
         "gloo": max(sum(e[0].values()) + e[1] - sum(m[0].values()) - m[1] for e, m in zip(every, mine)),
         "holders": peak_holders(prof, best),
+        "holders_worst": peak_holders(prof, max(range(windows), key=lambda w: sum(mine[w][0].values()) + mine[w][1])),
     }
 
 
 def peak_holders(prof, window: int) -> list[tuple[str, int]]:
-    """Where the kept window's peak is and who holds its bytes: of the allocations this rank's thread made in the
-    window (the profile's event tree, each allocation under the op that made it), those alive at the high-water
-    mark, summed by allocating op and ring step, with the op running at the mark first. A reading aid for the
-    decomposition, not a measurement (window_memory's count is the measurement)."""
-    marks, spans, events = set(), [], []
-    stack = [(n, ()) for n in prof.profiler.kineto_results.experimental_event_tree()]
+    """Where the kept window's peak is and who holds its bytes: the rank's allocation events as autofit reads them
+    (``_torch_profiler._allocation_events``: this thread's, with the frees gloo's thread made moved back to the
+    rank's last collective wait), each allocation named by the ops the profile's event tree puts it under; of those
+    made in the window, the ones alive at its high-water mark, summed by allocating op, the op running at the mark
+    first. A reading aid for the decomposition, not the measurement (window_memory's count is)."""
     from autofit.core._torch import EventType
+    from autofit.core._torch_profiler import _allocation_events
+
+    where: dict[tuple[int, int], tuple[str, ...]] = {}
+    stack = [(n, ()) for n in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         node, parents = stack.pop()
-        if node.name == _WINDOW:
-            marks.add(node.start_tid)
-        if node.name == _STEP:
-            spans.append((node.start_time_ns, node.end_time_ns))
         if node.tag == EventType.Allocation:
-            f = node.extra_fields
-            events.append((node.start_time_ns, f.alloc_size, node.start_tid, f.ptr, parents))
-        here = parents + ((node.name,) if node.tag != EventType.Allocation else ())
-        stack.extend((c, here) for c in node.children)
-    events.sort(key=lambda e: e[0])
-    start, end = sorted(spans)[window]
-    live, running, best, at = {}, 0, -1, None
-    for time_, size, tid, ptr, parents in events:
+            where[(node.start_time_ns, node.extra_fields.ptr)] = parents
+        else:
+            stack.extend((c, parents + (node.name,)) for c in node.children)
+    events, marks, spans = _allocation_events(prof, _WINDOW, _STEP)
+    start, end = spans[window]
+    live: dict[int, tuple[int, tuple[str, ...], bool]] = {}
+    running, best, at, snapshot = 0, -1, (), {}
+    for time_, size, tid, ptr in events:
         if not start <= time_ <= end:
             continue
         if size > 0 and tid in marks:
-            live[ptr] = (size, parents)
+            live[ptr] = (size, where.get((time_, ptr), ()), False)
             running += size
         elif size < 0 and ptr in live:
             running -= live.pop(ptr)[0]
         if running > best:
-            best, at, snapshot = running, parents, dict(live)
+            best, at, snapshot = running, live[ptr][1] if size > 0 and ptr in live else at, dict(live)
     by: dict[str, int] = {}
-    for size, parents in snapshot.values():
-        key = " > ".join(p for p in parents if not p.startswith("probe::"))[-90:]
+    for size, parents, _ in snapshot.values():
+        key = " > ".join(p for p in parents if not p.startswith("probe::") and p != "PythonSubclass")[-100:]
         by[key] = by.get(key, 0) + size
     return [("PEAK IN " + " > ".join(at)[-90:], best)] + sorted(by.items(), key=lambda kv: -kv[1])
 
@@ -305,6 +305,183 @@ def measure(world: int, configs: list) -> list[dict]:
     return results
 
 
+# ------------------------------------------------------------------------- the hand decomposition: who holds what
+F32 = 4
+
+
+def sizes(world: int) -> dict[str, int]:
+    """One rank's tensor sizes in bytes at local length n = SEQ / world (all fp32): ``u`` a (rows, n, H) activation
+    (and each of q, k, v, out, dout: (rows, HEADS, n, HD)), ``f`` an MLP hidden (rows, n, FF), ``s`` one of a
+    LayerNorm's saved mean / rstd (rows, n), ``l`` the attention's logsumexp (rows, HEADS, n)."""
+    t = ROWS * SEQ // world
+    return {"n": SEQ // world, "u": t * H * F32, "f": t * FF * F32, "s": t * F32, "l": t * HEADS * F32}
+
+
+def param_bytes() -> dict[str, int]:
+    """Parameters by module, by hand (fp32), and the count of tensors (AdamW keeps a 4-byte ``step`` per tensor)."""
+    ln, lin = 2 * H, lambda i, o: i * o + o  # noqa: E731
+    block = {"ln1": ln, "qkv": lin(H, 3 * H), "proj": lin(H, H), "ln2": ln, "fc1": lin(H, FF), "fc2": lin(FF, H)}
+    out = {f"b{b}.{k}": v * F32 for b in range(BLOCKS) for k, v in block.items()}
+    out |= {"embed": VOCAB * H * F32, "pos": SEQ * H * F32, "norm": ln * F32, "head": lin(H, VOCAB) * F32}
+    return out
+
+
+TENSORS = 12 * BLOCKS + 2 + 2 + 2  # per block 2 per LayerNorm and Linear; embed, pos; norm; head
+
+
+def block_acts(z: dict[str, int], through_attention: bool, proj_copy: bool) -> int:
+    """What autograd saves for one block, or its part up to and with the attention (what is left of the block whose
+    attention backward runs): ln1's input x (u) and mean, rstd (2 s); ln1's output, qkv's input (u); qkv's output
+    (3 u, of which q, k, v are views: the attention node saves them); the attention's output and logsumexp (u + l:
+    under CP the ``_SDPAMerger``'s fp32 results); then proj's input (u, where ``proj_copy``: see below), ln2's input
+    (u) and mean, rstd, its output (fc1's input, u), fc1's output (gelu's input, f) and gelu's (fc2's input, f).
+
+    proj's input is ``a.transpose(1, 2).reshape(b, n, H)``: a view where the attention output is laid out (b, n,
+    heads, hd), as the CPU op writes it and the merger's ``out - sigmoid(...) * (out - block_out)`` keeps it; a copy
+    (u) where the merger's last step was partial (``_partial_update``'s ``torch.cat`` of the chunks, contiguous
+    (b, heads, n, hd)): every rank but the last, whose last ring step i = cp - 1 is above its rank."""
+    head = z["u"] + 2 * z["s"] + z["u"] + 3 * z["u"] + z["u"] + z["l"]
+    tail = (z["u"] if proj_copy else 0) + z["u"] + 2 * z["s"] + z["u"] + 2 * z["f"]
+    return head if through_attention else head + tail
+
+
+def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """The peak of one ``_templated_ring_attention_backward`` call above what existed at its start, and what it
+    holds then by kind: a replay of torch's code (_attention.py, torch 2.13) with each tensor's references, a
+    tensor freed when its last reference goes, and the CPU op (the handler's ``op``) as its C++ allocates: three
+    ``zeros`` for the step's dq, dk, dv (attention.cpp ``_scaled_dot_product_flash_attention_cpu_backward``),
+    then in ``flash_attention_backward_kernel_impl`` ``grad_out.contiguous()`` (a copy where dout is the chunk of a
+    batched tensor), ``buf`` (threads x 2 x qSplit x kvSplit fp32; qSplit 32 under 192 query rows, 64 under 768,
+    kvSplit min(512, kv rows)) and ``dsum`` (qSplit fp32), freed on return."""
+    u, l, n = z["u"], z["l"], z["n"]
+    live: dict[int, tuple[int, str]] = {}  # object id -> (bytes, kind)
+    refs: dict[int, set[str]] = {}
+    names: dict[str, int] = {}
+    state = {"now": 0, "peak": 0, "at": {}, "next": 0}
+
+    def check(extra: dict[str, int] | None = None) -> None:
+        now = state["now"] + sum((extra or {}).values())
+        if now > state["peak"]:
+            at: dict[str, int] = {}
+            for size, kind in live.values():
+                at[kind] = at.get(kind, 0) + size
+            for kind, size in (extra or {}).items():
+                at[kind] = at.get(kind, 0) + size
+            state["peak"], state["at"] = now, at
+
+    def new(size: int, kind: str) -> int:
+        state["next"] += 1
+        live[state["next"]], refs[state["next"]] = (size, kind), set()
+        state["now"] += size
+        check()
+        return state["next"]
+
+    def bind(name: str, obj: int | None) -> None:  # ``name = obj`` (None: an outside tensor, or del)
+        old = names.pop(name, None)
+        if obj is not None:
+            names[name] = obj
+            refs[obj].add(name)
+        if old is not None:
+            refs[old].discard(name)
+            if not refs[old]:
+                state["now"] -= live.pop(old)[0]
+                del refs[old]
+
+    def transient(**sizes: int) -> None:
+        check(sizes)
+
+    threads = torch.get_num_threads()
+
+    def op(qn: int, kvn: int, copy_dout: bool) -> None:  # the CPU backward op, qn query and kvn key rows
+        for name, rows in (("dq_", qn), ("dk_", kvn), ("dv_", kvn)):
+            bind("ret" + name, new(u * rows // n, "op dq,dk,dv"))
+        q_split = 32 if qn < 192 else 64 if qn < 768 else 256
+        q_split, kv_split = min(q_split, qn), min(512, kvn)
+        transient(**{"op dout copy": u * qn // n if copy_dout else 0,
+                     "op scratch": threads * 2 * q_split * kv_split * F32 + q_split * F32})
+        for name in ("dq_", "dk_", "dv_"):
+            bind("grad_" + name, names["ret" + name])
+            bind("ret" + name, None)
+
+    bind("grad_query", new(u, "fp32 dq,dk,dv accumulators"))  # zeros_like(query): strided like it
+    bind("grad_key", new(u, "fp32 dq,dk,dv accumulators"))
+    bind("grad_value", new(u, "fp32 dq,dk,dv accumulators"))
+    bind("key", new(u, "k,v contiguous copies"))  # key.contiguous(): the saved k, v are views of qkv's output
+    bind("value", new(u, "k,v contiguous copies"))
+    for i in range(world):
+        if i > 0:
+            bind("buffer", names["kv_rotater"])  # kv_rotater.next_buffer(): the gathered or received K,V
+            bind("key", names["buffer"])
+            bind("value", names["buffer"])
+        if i != world - 1:
+            bind("next_kv", new(2 * u, "k,v cat (sent)"))
+            if rotate == "allgather":
+                if i == 0:  # _AllGatherRotater: one all_gather_single of every rank's K,V, kept to the call's end
+                    bind("kv_rotater", new(2 * world * u, "gathered K,V (cp x local)"))
+                    transient(**{"gather staging": 2 * u})  # c10d allgather_into_tensor_coalesced_'s copy
+            else:  # _AllToAllRotater: permute_tensor's output, the previous rank's K,V
+                bind("kv_rotater", new(2 * u, "received K,V"))
+        partial = i > rank  # the load-balanced else branch: the query's second chunk against all of K,V
+        if partial:
+            bind("lse", new(l // 2, "lse chunk copy"))  # logsumexp.chunk(2)[1].contiguous()
+        else:
+            bind("lse", None)
+        bind("k", names["key"])
+        bind("v", names["value"])
+        op(n // 2 if partial else n, n // 2 if 0 < i <= rank else n, partial and ROWS > 1)
+        if i > 0:
+            bind("next_grad_kv", names["dkv_rotater"])  # dkv_rotater.next_buffer(): the dK,dV passed on to here
+            bind("grad_key", names["next_grad_kv"])
+            bind("grad_value", names["next_grad_kv"])
+            if i <= rank:  # _partial_update: a cat of the chunks, the first chunk added to
+                bind("grad_key", new(u, "dK,dV partial update"))
+                bind("grad_value", new(u, "dK,dV partial update"))
+        if i == 0:  # grad_key is zeros_like(the strided key): flatten() copies it and grad_value for the cat
+            transient(**{"dK,dV flatten copies": 2 * u, "dK,dV cat (sent)": 2 * u})
+        bind("next_grad_kv", new(2 * u, "dK,dV cat (sent)"))
+        bind("dkv_rotater", new(2 * u, "received dK,dV"))  # the all-to-all rotater, whatever the rotate method
+        if partial:
+            bind("grad_query", new(u, "dQ partial update"))
+    return state["peak"], state["at"]
+
+
+RNG_STATE = 5056  # torch.get_rng_state(): the CPU generator's state, a uint8 tensor (mt19937 and its extras)
+
+
+def outside(world: int, rank: int, recompute: bool, block: int) -> dict[str, int]:
+    """What the rank holds besides the ring call while block ``block``'s attention backward runs: parameters, AdamW
+    state, the batch, context_parallel's restore copies; the gradients made so far (head, norm, the later blocks,
+    this block's proj, ln2, fc1, fc2); the activations still saved (earlier blocks whole, or, recomputed, only their
+    checkpointed input; this block's part through the attention); the gradients in flight (the residual stream's
+    and the attention output's, u each); the loss's 4-byte seed and nll_loss's 4-byte total_weight. Recomputed:
+    each block not yet through its backward keeps the CPU RNG state its checkpoint saved (non-reentrant
+    ``checkpoint``'s ``preserve_rng_state=True``: ``torch.get_rng_state()``, 5,056 B)."""
+    z, p = sizes(world), param_bytes()
+    params = sum(p.values())
+    done = [f"b{b}.{k}" for b in range(block + 1, BLOCKS) for k in ("ln1", "qkv", "proj", "ln2", "fc1", "fc2")]
+    done += [f"b{block}.{k}" for k in ("proj", "ln2", "fc1", "fc2")] + ["norm", "head"]
+    earlier = z["u"] if recompute else block_acts(z, False, rank < world - 1)
+    return {
+        "params": params, "state": 2 * params + 4 * TENSORS, "batch": 2 * 3 * ROWS * SEQ * 8,
+        "grads": sum(p[k] for k in done),
+        "acts": block * earlier + block_acts(z, True, False),
+        "in flight": 2 * z["u"] + 8, "rng": (block + 1) * RNG_STATE if recompute else 0,
+    }
+
+
+def decompose(world: int, rank: int, rotate: str, recompute: bool) -> tuple[int, str, dict[str, int]]:
+    """The rank's peak by hand: the largest, over the blocks, of what is held outside the ring call at that block's
+    attention backward plus the ring call's own peak (``ring_backward``). Returns (bytes, where, the terms)."""
+    ring, at = ring_backward(world, rank, rotate, sizes(world))
+    best = None
+    for block in range(BLOCKS):
+        terms = outside(world, rank, recompute, block) | {"ring " + k: v for k, v in at.items()}
+        total = sum(terms.values())
+        if best is None or total > best[0]:
+            best = (total, f"attn bwd b{block}", terms)
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4", help="CP degrees (one process per rank)")
@@ -322,12 +499,19 @@ def main(argv: list[str] | None = None) -> None:
             for rank, result in enumerate(results):
                 r = result[(rotate, recompute)]
                 measured = r["params"] + r["batch"] + r["restore"] + r["alive"] + r["peak"]
-                print(world, rotate, recompute, rank, measured, {k: v for k, v in r.items() if k != "holders"})
+                print(world, rotate, recompute, rank, measured, {k: v for k, v in r.items() if not k.startswith("holders")})
                 if checked and rank == 0:
                     print("  check", result[("check", rotate, recompute)])
                 if args.debug:
                     for k, v in r["holders"]:
                         print(f"    {v:>10,}  {k}")
+                    worst = dict(r["holders_worst"][1:])
+                    for k, v in r["holders"][1:]:
+                        if worst.get(k, 0) != v:
+                            print(f"    worst window: {worst.get(k, 0) - v:>+10,}  {k}")
+                    for k, v in worst.items():
+                        if k not in dict(r["holders"][1:]):
+                            print(f"    worst window: {v:>+10,}  {k}")
     print(f"\n{time.perf_counter() - start:.1f} s")
 
 
