@@ -28,7 +28,8 @@ from torch import nn  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from autofit.core._torch_profiler import memory_profile, window_memory  # noqa: E402
+from autofit.core._torch_profiler import (  # noqa: E402
+    UNRECORDED_THREAD, _allocation_events, memory_profile, window_memory)
 
 H, HEADS, FF, SEQ, ROWS, VOCAB, BLOCKS = 64, 4, 128, 256, 2, 64, 2
 HD = H // HEADS
@@ -220,7 +221,10 @@ def run_config(world: int, rank: int, mesh, rotate: str, recompute: bool, window
     mine = window_memory(prof, _STEP, _WINDOW, known)
     every = window_memory(prof, _STEP)
     best = min(range(windows), key=lambda w: sum(mine[w][0].values()) + mine[w][1])
+    events, _, spans = _allocation_events(prof, _WINDOW, _STEP)
+    inferred = [sum(-e[1] for e in events if a <= e[0] <= b and e[2] == UNRECORDED_THREAD) for a, b in spans]
     return {
+        "inferred": inferred,
         "params": _bytes(params), "state": _bytes(state), "batch": _bytes([ids, pos, target]),
         "restore": _bytes(restore), "alive": sum(mine[best][0].values()), "peak": mine[best][1],
         "windows": [sum(a.values()) + p for a, p in mine],
@@ -237,8 +241,6 @@ def peak_holders(prof, window: int) -> list[tuple[str, int]]:
     made in the window, the ones alive at its high-water mark, summed by allocating op, the op running at the mark
     first. A reading aid for the decomposition, not the measurement (window_memory's count is)."""
     from autofit.core._torch import EventType
-    from autofit.core._torch_profiler import _allocation_events
-
     where: dict[tuple[int, int], tuple[str, ...]] = {}
     stack = [(n, ()) for n in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
@@ -345,7 +347,7 @@ def block_acts(z: dict[str, int], through_attention: bool, proj_copy: bool) -> i
     return head if through_attention else head + tail
 
 
-def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tuple[int, dict[str, int]]:
+def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tuple[int, dict[str, int], str]:
     """The peak of one ``_templated_ring_attention_backward`` call above what existed at its start, and what it
     holds then by kind: a replay of torch's code (_attention.py, torch 2.13) with each tensor's references, a
     tensor freed when its last reference goes, and the CPU op (the handler's ``op``) as its C++ allocates: three
@@ -357,7 +359,7 @@ def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tupl
     live: dict[int, tuple[int, str]] = {}  # object id -> (bytes, kind)
     refs: dict[int, set[str]] = {}
     names: dict[str, int] = {}
-    state = {"now": 0, "peak": 0, "at": {}, "next": 0}
+    state = {"now": 0, "peak": 0, "at": {}, "next": 0, "here": "", "where": ""}
 
     def check(extra: dict[str, int] | None = None) -> None:
         now = state["now"] + sum((extra or {}).values())
@@ -367,7 +369,7 @@ def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tupl
                 at[kind] = at.get(kind, 0) + size
             for kind, size in (extra or {}).items():
                 at[kind] = at.get(kind, 0) + size
-            state["peak"], state["at"] = now, at
+            state["peak"], state["at"], state["where"] = now, at, state["here"]
 
     def new(size: int, kind: str) -> int:
         state["next"] += 1
@@ -409,6 +411,7 @@ def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tupl
     bind("key", new(u, "k,v contiguous copies"))  # key.contiguous(): the saved k, v are views of qkv's output
     bind("value", new(u, "k,v contiguous copies"))
     for i in range(world):
+        state["here"] = f"i={i} rotate"
         if i > 0:
             bind("buffer", names["kv_rotater"])  # kv_rotater.next_buffer(): the gathered or received K,V
             bind("key", names["buffer"])
@@ -428,6 +431,7 @@ def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tupl
             bind("lse", None)
         bind("k", names["key"])
         bind("v", names["value"])
+        state["here"] = f"i={i} op"
         op(n // 2 if partial else n, n // 2 if 0 < i <= rank else n, partial and ROWS > 1)
         if i > 0:
             bind("next_grad_kv", names["dkv_rotater"])  # dkv_rotater.next_buffer(): the dK,dV passed on to here
@@ -436,13 +440,14 @@ def ring_backward(world: int, rank: int, rotate: str, z: dict[str, int]) -> tupl
             if i <= rank:  # _partial_update: a cat of the chunks, the first chunk added to
                 bind("grad_key", new(u, "dK,dV partial update"))
                 bind("grad_value", new(u, "dK,dV partial update"))
+        state["here"] = f"i={i} dK,dV"
         if i == 0:  # grad_key is zeros_like(the strided key): flatten() copies it and grad_value for the cat
             transient(**{"dK,dV flatten copies": 2 * u, "dK,dV cat (sent)": 2 * u})
         bind("next_grad_kv", new(2 * u, "dK,dV cat (sent)"))
         bind("dkv_rotater", new(2 * u, "received dK,dV"))  # the all-to-all rotater, whatever the rotate method
         if partial:
             bind("grad_query", new(u, "dQ partial update"))
-    return state["peak"], state["at"]
+    return state["peak"], state["at"], state["where"]
 
 
 RNG_STATE = 5056  # torch.get_rng_state(): the CPU generator's state, a uint8 tensor (mt19937 and its extras)
@@ -462,7 +467,8 @@ def outside(world: int, rank: int, recompute: bool, block: int) -> dict[str, int
     done += [f"b{block}.{k}" for k in ("proj", "ln2", "fc1", "fc2")] + ["norm", "head"]
     earlier = z["u"] if recompute else block_acts(z, False, rank < world - 1)
     return {
-        "params": params, "state": 2 * params + 4 * TENSORS, "batch": 2 * 3 * ROWS * SEQ * 8,
+        "params": params, "state": 2 * params + 4 * TENSORS, "batch": 3 * ROWS * SEQ * 8,
+        "restore": 3 * ROWS * SEQ * 8,  # context_parallel's clone of each buffer (ids, pos, target), full length
         "grads": sum(p[k] for k in done),
         "acts": block * earlier + block_acts(z, True, False),
         "in flight": 2 * z["u"] + 8, "rng": (block + 1) * RNG_STATE if recompute else 0,
@@ -472,14 +478,24 @@ def outside(world: int, rank: int, recompute: bool, block: int) -> dict[str, int
 def decompose(world: int, rank: int, rotate: str, recompute: bool) -> tuple[int, str, dict[str, int]]:
     """The rank's peak by hand: the largest, over the blocks, of what is held outside the ring call at that block's
     attention backward plus the ring call's own peak (``ring_backward``). Returns (bytes, where, the terms)."""
-    ring, at = ring_backward(world, rank, rotate, sizes(world))
+    ring, at, step = ring_backward(world, rank, rotate, sizes(world))
     best = None
     for block in range(BLOCKS):
         terms = outside(world, rank, recompute, block) | {"ring " + k: v for k, v in at.items()}
         total = sum(terms.values())
         if best is None or total > best[0]:
-            best = (total, f"attn bwd b{block}", terms)
+            best = (total, f"b{block} {step}", terms)
     return best
+
+
+COLUMNS = {  # term -> column header, in the order of the terms table
+    "grads": "grads", "acts": "acts", "in flight": "flight", "rng": "rng",
+    "ring fp32 dq,dk,dv accumulators": "acc", "ring k,v contiguous copies": "kvcopy", "ring k,v cat (sent)": "kvcat",
+    "ring gathered K,V (cp x local)": "gathered", "ring received K,V": "recvKV", "ring lse chunk copy": "lse",
+    "ring op dq,dk,dv": "op out", "ring op dout copy": "op dout", "ring op scratch": "op buf",
+    "ring dK,dV flatten copies": "flatten", "ring dK,dV cat (sent)": "dkvcat", "ring received dK,dV": "recvdKV",
+    "ring dK,dV partial update": "dkv pu", "ring dQ partial update": "dq pu", "ring gather staging": "staging",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -491,27 +507,50 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
-    configs = [(rot, rec == "on", rot == args.rotate.split(",")[0])
-               for rot in args.rotate.split(",") for rec in args.recompute.split(",")]
+    rotates, recomputes = args.rotate.split(","), [r == "on" for r in args.recompute.split(",")]
+    configs = [(rot, rec, rot == rotates[0]) for rot in rotates for rec in recomputes]
+    print(f"torch {torch.__version__}, gloo on this CPU; decoder: embedding {VOCAB}x{H} + positions {SEQ}x{H}, "
+          f"{BLOCKS} blocks (LayerNorm, qkv, causal SDPA {HEADS} heads x {HD}, proj, LayerNorm, MLP {H}->{FF}->{H}), "
+          f"LayerNorm + head; batch {ROWS}x{SEQ} tokens, fp32, AdamW")
+    rows, checks = [], []
     for world in (int(w) for w in args.worlds.split(",")):
         results = measure(world, configs)
         for rotate, recompute, checked in configs:
+            if checked:
+                checks.append((world, recompute, [result[("check", rotate, recompute)] for result in results]))
             for rank, result in enumerate(results):
                 r = result[(rotate, recompute)]
-                measured = r["params"] + r["batch"] + r["restore"] + r["alive"] + r["peak"]
-                print(world, rotate, recompute, rank, measured, {k: v for k, v in r.items() if not k.startswith("holders")})
-                if checked and rank == 0:
-                    print("  check", result[("check", rotate, recompute)])
+                base = r["params"] + r["batch"] + r["restore"]
+                measured, highest = base + min(r["windows"]), base + max(r["windows"])
+                decomposed, where, terms = decompose(world, rank, rotate, recompute)
+                rows.append((world, rotate, recompute, rank, measured, highest, decomposed, where, terms, r))
                 if args.debug:
+                    print(world, rotate, recompute, rank, {k: v for k, v in r.items() if not k.startswith("holders")})
                     for k, v in r["holders"]:
                         print(f"    {v:>10,}  {k}")
-                    worst = dict(r["holders_worst"][1:])
-                    for k, v in r["holders"][1:]:
-                        if worst.get(k, 0) != v:
-                            print(f"    worst window: {worst.get(k, 0) - v:>+10,}  {k}")
-                    for k, v in worst.items():
-                        if k not in dict(r["holders"][1:]):
-                            print(f"    worst window: {v:>+10,}  {k}")
+    print("\ncorrectness: one CP step (loss averaged, gradients all-reduced / cp) against the full-sequence step in one "
+          "process, allclose rtol 1e-4 (gradients atol 1e-6)")
+    for world, recompute, per_rank in checks:
+        c = per_rank[0]
+        print(f"  cp {world} recompute {'on' if recompute else 'off':<3}: {'equal' if all(x['ok'] for x in per_rank) else 'DIFFERENT'}; "
+              f"loss {c['loss']:.7f} vs {c['ref_loss']:.7f}; largest gradient difference {c['worst'][1]:.2e} "
+              f"({c['worst'][0]})")
+    print("\nper rank, one steady-state step: measured (the allocator, this rank's thread, lowest of three windows, as "
+          "autofit keeps it; and the highest) against the decomposition")
+    print(f"{'cp':>2} {'rotate':<9} {'recomp':<6} {'rank':>4} {'measured':>10} {'decomposed':>10} {'resid':>8} "
+          f"{'highest':>10} {'resid':>8}  {'peak at (hand)':<16} {'gloo':>9} {'inferred':>17}")
+    for world, rotate, recompute, rank, measured, highest, decomposed, where, terms, r in rows:
+        print(f"{world:>2} {rotate:<9} {'on' if recompute else 'off':<6} {rank:>4} {measured:>10,} {decomposed:>10,} "
+              f"{measured - decomposed:>8,} {highest:>10,} {highest - decomposed:>8,}  {where:<16} {r['gloo']:>9,} {'/'.join(f'{x:,}' for x in r['inferred']):>17}")
+    print("\nthe decomposition's terms at the peak (bytes); every row also holds params 366,848 (measured "
+          f"{rows[0][9]['params']:,}), AdamW state 2P + 4 x {TENSORS} = {2 * 366848 + 4 * TENSORS:,} (measured "
+          f"{rows[0][9]['state']:,}), the batch {rows[0][8]['batch']:,} and context_parallel's restore copies "
+          f"{rows[0][8]['restore']:,}")
+    used = [k for k in COLUMNS if any(row[8].get(k) for row in rows)]
+    print(f"{'cp':>2} {'rotate':<9} {'recomp':<6} {'rank':>4}" + "".join(f"{COLUMNS[k]:>10}" for k in used))
+    for world, rotate, recompute, rank, measured, highest, decomposed, where, terms, r in rows:
+        print(f"{world:>2} {rotate:<9} {'on' if recompute else 'off':<6} {rank:>4}"
+              + "".join(f"{terms.get(k, 0):>10,}" for k in used))
     print(f"\n{time.perf_counter() - start:.1f} s")
 
 
