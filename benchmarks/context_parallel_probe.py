@@ -1,6 +1,120 @@
 """Context parallelism's memory per rank, measured: torch's ``context_parallel`` on this CPU over gloo.
 
-DOCSTRING-PLACEHOLDER
+The ground truth for issue 60's context-parallel dimension. One process per CP rank (spawned, joined by gloo, a
+one-dimensional ``DeviceMesh``), each running a small decoder built from code (token and position embeddings, two
+pre-norm blocks: LayerNorm, qkv, ``F.scaled_dot_product_attention(is_causal=True)``, proj, LayerNorm, MLP; then
+LayerNorm and a head; no download), fp32, AdamW, ``torch.manual_seed``, inside torch's ``context_parallel(mesh,
+buffers=[ids, positions, targets], buffer_seq_dims=[1, 1, 1])`` with its default head-tail load balancer, under
+``set_rotate_method("allgather")`` and ``("alltoall")``, with and without ``torch.utils.checkpoint`` of each block
+(``use_reentrant=False``). Per rank, the CPU allocator's peak of one steady-state step (after a warm-up step that
+builds AdamW's state): forward and cross-entropy on the rank's 1/cp of the sequence, ``backward()``,
+``optimizer.step()``, ``zero_grad(set_to_none=True)``; read as autofit measures a rank (``core/_torch_profiler.py``'s
+``memory_profile`` and ``window_memory``, one profile from the warm-up on, only the rank's own thread, the lowest of
+three windows: Note [gloo's threads in the measured window], measure/ranks.py). Each peak is then rebuilt by hand
+(Note [context parallel memory]) and the table prints measured, decomposed and the residual, for the lowest window
+(what autofit keeps) and the highest. Once per CP degree (allgather, recompute off and on), one CP step's loss and
+gradients are checked against the single-process full-sequence step's (the ranks' losses averaged, gradients
+all-reduced / cp, as DDP or FSDP over the CP ranks would; ``allclose``, rtol 1e-4, gradients atol 1e-6).
+
+    .venv-test/bin/python benchmarks/context_parallel_probe.py            # cp 2 and 4, both rotations, recompute off/on
+    .venv-test/bin/python benchmarks/context_parallel_probe.py --worlds 2 --rotate alltoall --recompute off
+    .venv-test/bin/python benchmarks/context_parallel_probe.py --worlds 2 --debug   # who holds the bytes at each peak
+
+Result (torch 2.13.0, 2 CPU cores shared with other work, about 95 s a run): 24 rank rows (cp 2 and 4 x allgather,
+alltoall x recompute off, on); the CP step equals the full-sequence step (loss to 7 digits, largest gradient
+difference 1.1e-08); residual 0 bytes in 23 rows against the lowest window and 23 against the highest; the
+exceptions move from run to run (gloo's timing, below).
+
+How the CPU runs it (the one piece of this path that is not torch's). torch 2.13's ring attention has handlers for
+the CUDA SDPA ops only: on the CPU ``context_parallel`` fails at the first attention ("Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"). The probe
+gives the CPU flash op and its backward what ``_enable_context_parallel_dispatcher_impl`` gives the CUDA ones:
+``_register_cpu_ring_attention`` adds ``_ring_cpu_handler`` to ``_attention.custom_ops`` (which
+``_enable_cp_dtensor_dispatcher`` merges into ``DTensor._op_dispatcher._custom_op_handlers`` on entering
+``context_parallel``) and registers the ops' Shard(2) sharding strategy (outputs and tensor inputs sharded on the
+sequence, as ``_sharding_rules.py`` does for the CUDA ops). The handler is ``_sdpa_handler``'s body (unwrap the
+DTensors, propagate, wrap the local results) calling torch's own ``_templated_ring_attention`` /
+``_templated_ring_attention_backward`` with the CPU op as ``op``. No wrapping was needed: the CPU op returns
+``(out, logsumexp)`` and its backward ``(dq, dk, dv)``, what the templated code unpacks (``out, logsumexp, *rest =
+op(...)``; ``grad_query_, grad_key_, grad_value_, *rest = op(...)``), its logsumexp is (batch, heads, seq) fp32
+like CUDA flash's, and it takes the keyword arguments the templated code passes (the backward's ``dropout_p``,
+which has no default, is passed). What differs from the CUDA path is only the attention kernel itself: the CPU op's
+own allocations (the ``op`` columns below) stand where the CUDA kernel's would. Everything else in the measured
+step is torch's: the buffer sharding and load balancer, the SDPA patch and DTensor wrapping, the rotaters, the
+merger, the fp32 accumulators, the collectives, autograd, checkpoint, AdamW.
+
+Note [context parallel memory]
+    What a rank holds at its step's peak, each term with the torch code that holds it (torch 2.13;
+    torch/distributed/tensor/experimental/_context_parallel/_attention.py unless named). Sizes at local length
+    n = S / cp: u = one (rows, n, H) fp32 activation, which is also each of q, k, v, out and dout
+    ((rows, heads, n, hd)); f = an MLP hidden (rows, n, FF); s = a LayerNorm's mean or rstd (rows, n);
+    l = the logsumexp (rows, heads, n).
+
+    - Parameters P, AdamW's state 2 P + 4 bytes per parameter tensor (``step``, optim/adam.py), the gradients made
+      so far (column grads: head, final norm, the later blocks, this block's proj, ln2, fc1, fc2). CP replicates
+      all of them: nothing is divided by cp.
+    - The batch: ``context_parallel`` shards each buffer in place (``buffer.resize_(shard.shape); buffer.copy_
+      (shard)``), and ``resize_`` never shrinks a storage: ids, positions and targets keep their full-length
+      storage (12,288 B here at every cp). It also keeps a full-length clone of each (``original_buffers``, for its
+      exit to restore; ``no_restore_buffers`` drops them): another 12,288 B per rank.
+    - The activations autograd saves (column acts; ``block_acts``), at 1/cp of the sequence: per block ln1's input,
+      output and stats, qkv's output (3 u: q, k, v are views of it, saved by the attention node
+      ScaledDotProductFlashAttentionForCpuBackward0), the attention's out and logsumexp (u + l), and proj's input,
+      ln2's, fc1's and gelu's outputs. Under CP the saved out and logsumexp are the ``_SDPAMerger``'s results,
+      fp32 (``convert_to_f32``; for a bf16 model ``results()`` casts out back, the logsumexp stays fp32). One CP
+      effect: proj's input ``a.transpose(1, 2).reshape(...)`` is a view where the attention output is laid out
+      (rows, n, heads, hd), as the CPU op writes it and the merger's ``out - sigmoid(...) * (out - block_out)``
+      keeps it, but a copy (u) where the merger's last ring step was partial: ``_partial_update``'s ``torch.cat``
+      gives a contiguous (rows, heads, n, hd). That is every rank but the last (rank cp - 1's last step i = cp - 1
+      is not above its rank), so the last rank holds u less per earlier block. With recompute, an earlier block
+      keeps only its checkpointed input (u) and the CPU RNG state non-reentrant ``checkpoint`` saves
+      (``preserve_rng_state``: ``torch.get_rng_state()``, 5,056 B), until its backward.
+    - In flight (column flight): the gradient of the residual stream and of the attention output (u each), the
+      loss's 4-byte seed and nll_loss's 4-byte total_weight.
+    - The forward ring (``_templated_ring_attention``) is never at the peak: its buffers (the K,V ``torch.cat``
+      sent, 2 u; the all-gather's 2 cp u or the all-to-all's 2 u per step; the merger's fp32 temporaries) die with
+      the call, and what stays is the merged out and logsumexp counted in acts.
+    - The backward ring, ``_templated_ring_attention_backward`` (replayed, references counted, in
+      ``ring_backward``): the fp32 accumulators ``zeros_like(query / key / value, dtype=accum_dtype)`` (acc, 3 u;
+      dK and dV give way to the received buffers from step 1); ``key.contiguous()`` and ``value.contiguous()``
+      (kvcopy, 2 u: the saved k, v are strided views of qkv's output) until step 1 rebinds them; per step before
+      the last, the K,V ``torch.cat`` sent (kvcat, 2 u) and the rotater's buffer: ``_AllGatherRotater``'s one
+      ``all_gather_single`` of every rank's K,V (gathered, 2 cp u, kept to the call's end; gloo's
+      ``allgather_into_tensor_coalesced_`` stages 2 u more for a moment) or ``_AllToAllRotater``'s
+      ``permute_tensor`` output (recvKV, 2 u, replaced each step); the dK,dV ``torch.cat`` sent (dkvcat, 2 u; at
+      step 0 ``flatten()`` first copies the strided dK and dV, 2 u for a moment) and the dK,dV received
+      (recvdKV, 2 u; the dK,dV rotater is all-to-all whatever the rotate method); ``_partial_update``'s cats (dkv
+      pu, u each, at steps i <= rank; dq pu, u, at steps i > rank); at steps i > rank the logsumexp chunk's
+      ``.contiguous()`` (lse, l / 2).
+    - The CPU op inside the ring (the handler's ``op``; columns op out, op dout, op buf): attention.cpp
+      ``_scaled_dot_product_flash_attention_cpu_backward`` allocates the step's dq, dk, dv with ``zeros`` (sized
+      by the step's query and key rows: n / 2 query rows at steps i > rank, n / 2 key rows at 0 < i <= rank), kept
+      until the next step's return rebinds them, so two steps' worth are alive at once; FlashAttentionKernel.cpp
+      ``flash_attention_backward_kernel_impl`` copies ``grad_out.contiguous()`` where dout is the chunk of a
+      batched tensor (steps i > rank), and ``cpu_flash_attention_backward`` allocates ``buf`` (threads x 2 x
+      qSplit x kvSplit fp32; qSplit 32 under 192 query rows, kvSplit min(512, key rows)) and ``dsum`` (qSplit
+      fp32), all freed on return.
+
+    Where the peak is (column peak at): inside the backward of a block's attention, the last block's without
+    recompute (every earlier activation still saved), the first block's with recompute (the later block's
+    gradients exist, its recomputed activations are gone); within the ring call at step 1's op for cp 2 and for
+    all-to-all (step 2's on cp 4's rank 1), and for cp 4 all-gather at step 1's K,V cat, while the gathered
+    buffer, the step-0 key/value copies and op outputs are all still alive. The gathered K,V is what separates
+    the two rotate methods: 2 cp u against 2 u, so all-gather costs 2 (cp - 1) u more at the peak (131,072 B at
+    cp 2 and 196,608 B at cp 4 here, less the terms it displaces).
+
+    gloo and the measurement: gloo's threads allocate receive buffers of their own (column gloo: every thread's
+    window above the rank's own). Which window is lowest moves from run to run: in some runs a window of an
+    all-gather or all-to-all rank reads below the others (by 9,216 to 100,480 B), the peak then read at another
+    moment (e.g. step 0's dK,dV cat), while the other windows equal the decomposition; in one run a window read
+    65,536 B above it. The frees gloo's worker makes (the collectives' inputs) are put back by autofit's
+    Note [gloo's threads in the measured window] and Note [a free the profiler did not record]
+    (``_freed_at_completion``); the column inferred gives the bytes of frees inferred from a reused address per
+    window. The lowest-of-three rule keeps the low reading.
+
+    Not measured: bf16 (the merger's and accumulators' fp32 would then be twice the bf16 terms), the CUDA
+    kernels' own buffers, ``_cp_options.enable_load_balance = False``, a sequence not divisible by 2 cp (no load
+    balancer), flex attention, CP combined with FSDP or TP, cp above 4.
 """
 
 from __future__ import annotations
