@@ -81,7 +81,8 @@ Note [context parallel memory]
       the last, the K,V ``torch.cat`` sent (kvcat, 2 u) and the rotater's buffer: ``_AllGatherRotater``'s one
       ``all_gather_single`` of every rank's K,V (gathered, 2 cp u, kept to the call's end; gloo's
       ``allgather_into_tensor_coalesced_`` stages 2 u more for a moment) or ``_AllToAllRotater``'s
-      ``permute_tensor`` output (recvKV, 2 u, replaced each step); the dK,dV ``torch.cat`` sent (dkvcat, 2 u; at
+      ``permute_tensor`` output (recvKV, 2 u a step: from step 1 two are alive, the one in use and the next,
+      4 u); the dK,dV ``torch.cat`` sent (dkvcat, 2 u; at
       step 0 ``flatten()`` first copies the strided dK and dV, 2 u for a moment) and the dK,dV received
       (recvdKV, 2 u; the dK,dV rotater is all-to-all whatever the rotate method); ``_partial_update``'s cats (dkv
       pu, u each, at steps i <= rank; dq pu, u, at steps i > rank); at steps i > rank the logsumexp chunk's
@@ -99,9 +100,9 @@ Note [context parallel memory]
     recompute (every earlier activation still saved), the first block's with recompute (the later block's
     gradients exist, its recomputed activations are gone); within the ring call at step 1's op for cp 2 and for
     all-to-all (step 2's on cp 4's rank 1), and for cp 4 all-gather at step 1's K,V cat, while the gathered
-    buffer, the step-0 key/value copies and op outputs are all still alive. The gathered K,V is what separates
-    the two rotate methods: 2 cp u against 2 u, so all-gather costs 2 (cp - 1) u more at the peak (131,072 B at
-    cp 2 and 196,608 B at cp 4 here, less the terms it displaces).
+    buffer, the step-0 key/value copies and op outputs are all still alive. The gathered K,V (2 cp u, against
+    the all-to-all's 4 u) is what separates the two rotate methods: all-gather's peak is 131,072 B higher at cp 2
+    (2 (cp - 1) u) and 146,304 to 188,288 B higher at cp 4 (its peak falls at another moment of the call).
 
     gloo and the measurement: gloo's threads allocate receive buffers of their own (column gloo: every thread's
     window above the rank's own). Which window is lowest moves from run to run: in some runs a window of an
