@@ -101,7 +101,7 @@ Note [context parallel memory]
     gradients exist, its recomputed activations are gone); within the ring call at step 1's op for cp 2 and for
     all-to-all (step 2's on cp 4's rank 1), and for cp 4 all-gather at step 1's K,V cat, while the gathered
     buffer, the step-0 key/value copies and op outputs are all still alive. The gathered K,V (2 cp u, against
-    the all-to-all's 4 u) is what separates the two rotate methods: all-gather's peak is 131,072 B higher at cp 2
+    the all-to-all's 2 u, 4 u from cp 3) separates the two rotate methods: all-gather's peak is 131,072 B higher at cp 2
     (2 (cp - 1) u) and 146,304 to 188,288 B higher at cp 4 (its peak falls at another moment of the call).
 
     gloo and the measurement: gloo's threads allocate receive buffers of their own (column gloo: every thread's
@@ -643,11 +643,12 @@ def main(argv: list[str] | None = None) -> None:
                     print(world, rotate, recompute, rank, {k: v for k, v in r.items() if not k.startswith("holders")})
                     for k, v in r["holders"]:
                         print(f"    {v:>10,}  {k}")
-    print("\ncorrectness: one CP step (loss averaged, gradients all-reduced / cp) against the full-sequence step in one "
-          "process, allclose rtol 1e-4 (gradients atol 1e-6)")
+    print("\ncorrectness: one CP step (loss averaged, gradients all-reduced / cp) against the full-sequence step in "
+          "one process, allclose rtol 1e-4 (gradients atol 1e-6)")
     for world, recompute, per_rank in checks:
         c = per_rank[0]
-        print(f"  cp {world} recompute {'on' if recompute else 'off':<3}: {'equal' if all(x['ok'] for x in per_rank) else 'DIFFERENT'}; "
+        verdict = "equal" if all(x["ok"] for x in per_rank) else "DIFFERENT"
+        print(f"  cp {world} recompute {'on' if recompute else 'off':<3}: {verdict}; "
               f"loss {c['loss']:.7f} vs {c['ref_loss']:.7f}; largest gradient difference {c['worst'][1]:.2e} "
               f"({c['worst'][0]})")
     print("\nper rank, one steady-state step: measured (the allocator, this rank's thread, lowest of three windows, as "
@@ -656,7 +657,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'highest':>10} {'resid':>8}  {'peak at (hand)':<16} {'gloo':>9} {'inferred':>17}")
     for world, rotate, recompute, rank, measured, highest, decomposed, where, terms, r in rows:
         print(f"{world:>2} {rotate:<9} {'on' if recompute else 'off':<6} {rank:>4} {measured:>10,} {decomposed:>10,} "
-              f"{measured - decomposed:>8,} {highest:>10,} {highest - decomposed:>8,}  {where:<16} {r['gloo']:>9,} {'/'.join(f'{x:,}' for x in r['inferred']):>17}")
+              f"{measured - decomposed:>8,} {highest:>10,} {highest - decomposed:>8,}  {where:<16} {r['gloo']:>9,} "
+              f"{'/'.join(f'{x:,}' for x in r['inferred']):>17}")
     print("\nthe decomposition's terms at the peak (bytes); every row also holds params 366,848 (measured "
           f"{rows[0][9]['params']:,}), AdamW state 2P + 4 x {TENSORS} = {2 * 366848 + 4 * TENSORS:,} (measured "
           f"{rows[0][9]['state']:,}), the batch {rows[0][8]['batch']:,} and context_parallel's restore copies "
