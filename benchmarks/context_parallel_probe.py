@@ -22,8 +22,9 @@ all-reduced / cp, as DDP or FSDP over the CP ranks would; ``allclose``, rtol 1e-
 
 Result (torch 2.13.0, 2 CPU cores shared with other work, about 95 s a run): 24 rank rows (cp 2 and 4 x allgather,
 alltoall x recompute off, on); the CP step equals the full-sequence step (loss to 7 digits, largest gradient
-difference 1.1e-08); residual 0 bytes in 23 rows against the lowest window and 23 against the highest; the
-exceptions move from run to run (gloo's timing, below).
+difference 1.1e-08); residual 0 bytes in 23 of 24 rows against the lowest window in each of the last two full
+runs, and 22 to 23 against the highest. The exceptions are single windows, a different row each run (Note
+[context parallel memory], gloo and the measurement).
 
 How the CPU runs it (the one piece of this path that is not torch's). torch 2.13's ring attention has handlers for
 the CUDA SDPA ops only: on the CPU ``context_parallel`` fails at the first attention ("Operator
@@ -104,14 +105,17 @@ Note [context parallel memory]
     the all-to-all's 2 u, 4 u from cp 3) separates the two rotate methods: all-gather's peak is 131,072 B higher at cp 2
     (2 (cp - 1) u) and 146,304 to 188,288 B higher at cp 4 (its peak falls at another moment of the call).
 
-    gloo and the measurement: gloo's threads allocate receive buffers of their own (column gloo: every thread's
-    window above the rank's own). Which window is lowest moves from run to run: in some runs a window of an
-    all-gather or all-to-all rank reads below the others (by 9,216 to 100,480 B), the peak then read at another
-    moment (e.g. step 0's dK,dV cat), while the other windows equal the decomposition; in one run a window read
-    65,536 B above it. The frees gloo's worker makes (the collectives' inputs) are put back by autofit's
-    Note [gloo's threads in the measured window] and Note [a free the profiler did not record]
-    (``_freed_at_completion``); the column inferred gives the bytes of frees inferred from a reused address per
-    window. The lowest-of-three rule keeps the low reading.
+    gloo and the measurement: gloo's threads allocate buffers of their own (column gloo: every thread's window
+    above the rank's own). In a full run (cp 4: four processes on two busy cores) one window of an all-gather or
+    all-to-all rank now and then reads off the replay while the others equal it: below by 9,216 to 100,480 B (the
+    lowest-of-three rule then keeps it), or above by 65,536 or 131,072 B (a K,V or dK,dV cat at cp 4 or cp 2).
+    Runs of one configuration at cp 2 did not reproduce it. In the one low window looked at (cp 2, all-gather,
+    rank 0) the peak was read at step 0's dK,dV cat, so the step-1 op moment read at least 100,480 B below the
+    other windows': a tensor Python still held counted freed early. The candidates are autofit's placements of
+    the frees gloo's worker makes (Note [gloo's threads in the measured window]: moved to the rank's last
+    collective wait; Note [a free the profiler did not record]: put at the first wait after the allocation, or,
+    where the address is not reused in the window, never seen, which reads high); which free it was is not
+    pinned down. The column inferred gives, per window, the bytes of frees inferred from a reused address.
 
     Not measured: bf16 (the merger's and accumulators' fp32 would then be twice the bf16 terms), the CUDA
     kernels' own buffers, ``_cp_options.enable_load_balance = False``, a sequence not divisible by 2 cp (no load
