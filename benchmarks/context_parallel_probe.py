@@ -228,7 +228,7 @@ def _ring_cpu_handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict)
     a, kw = op_info.local_args, dict(op_info.local_kwargs)
     if op_call is FWD:
         query, key, value, *rest = a
-        dropout_p, is_causal = (list(rest) + [0.0, False])[:2] if len(rest) < 2 else rest[:2]
+        dropout_p, is_causal = (list(rest) + [0.0, False][len(rest):])[:2]  # the schema's defaults where left out
         dropout_p, is_causal = kw.pop("dropout_p", dropout_p), kw.pop("is_causal", is_causal)
         local = _templated_ring_attention(group, 2, FWD, query, key, value, is_causal=is_causal,
                                           dropout_p=dropout_p, **kw)
