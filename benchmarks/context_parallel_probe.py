@@ -22,9 +22,10 @@ all-reduced / cp, as DDP or FSDP over the CP ranks would; ``allclose``, rtol 1e-
 
 Result (torch 2.13.0, 2 CPU cores shared with other work, about 95 s a run): 24 rank rows (cp 2 and 4 x allgather,
 alltoall x recompute off, on); the CP step equals the full-sequence step (loss to 7 digits, largest gradient
-difference 1.1e-08); residual 0 bytes in 23 of 24 rows against the lowest window in each of the last two full
-runs, and 22 to 23 against the highest. The exceptions are single windows, a different row each run (Note
-[context parallel memory], gloo and the measurement).
+difference 1.1e-08); residual 0 bytes in 22 to 23 of the 24 rows against the lowest window over the last three
+full runs, and 22 to 23 against the highest. The exceptions are single windows, a different row each run, where
+autofit's reading of the frees gloo's side makes is off (Note [context parallel memory], gloo and the
+measurement).
 
 How the CPU runs it (the one piece of this path that is not torch's). torch 2.13's ring attention has handlers for
 the CUDA SDPA ops only: on the CPU ``context_parallel`` fails at the first attention ("Operator
@@ -106,16 +107,22 @@ Note [context parallel memory]
     (2 (cp - 1) u) and 146,304 to 188,288 B higher at cp 4 (its peak falls at another moment of the call).
 
     gloo and the measurement: gloo's threads allocate buffers of their own (column gloo: every thread's window
-    above the rank's own). In a full run (cp 4: four processes on two busy cores) one window of an all-gather or
-    all-to-all rank now and then reads off the replay while the others equal it: below by 9,216 to 100,480 B (the
-    lowest-of-three rule then keeps it), or above by 65,536 or 131,072 B (a K,V or dK,dV cat at cp 4 or cp 2).
-    Runs of one configuration at cp 2 did not reproduce it. In the one low window looked at (cp 2, all-gather,
-    rank 0) the peak was read at step 0's dK,dV cat, so the step-1 op moment read at least 100,480 B below the
-    other windows': a tensor Python still held counted freed early. The candidates are autofit's placements of
-    the frees gloo's worker makes (Note [gloo's threads in the measured window]: moved to the rank's last
-    collective wait; Note [a free the profiler did not record]: put at the first wait after the allocation, or,
-    where the address is not reused in the window, never seen, which reads high); which free it was is not
-    pinned down. The column inferred gives, per window, the bytes of frees inferred from a reused address.
+    above the rank's own). In a full run (cp 4: four processes on two busy cores) one window of a rank now and then
+    reads off the replay while the others equal it: below by 9,216 to 100,480 B (the lowest-of-three rule then
+    keeps it), or above by 41,088 to 131,072 B. Runs of one configuration at cp 2 did not reproduce it. ``--debug``
+    compares the lowest and highest windows tensor by tensor (``lifetimes``: the windows run the same code, so the
+    n-th allocation is the same tensor), and in a debug run both kinds came from the dK,dV all-to-all of the ring
+    backward, whose input (the dK,dV cat) and output (the received dK,dV) the profiler recorded no free of in that
+    window (in the others the rank's thread freed them: the last reference went with the Work on gloo's side):
+    - cp 4 all-to-all rank 0, 16,384 B low: the two addresses were reused, so Note [a free the profiler did not
+      record] put both frees at the rank's first collective wait after the allocation (allocation #186), but the
+      received dK,dV is held by the ring's Python (``grad_key`` / ``grad_value`` views, ``dkv_rotater._buffer``)
+      until allocation #201: the inferred free came 15 allocations early, across the peak.
+    - cp 4 all-gather rank 3, 41,088 B high: the addresses were not reused inside the window, so the frees were
+      never seen and both tensors counted alive to the window's end.
+    The first is a limit of the rule's placement (the first wait after the allocation is the earliest the free
+    can be, not when it was, where the code holds the tensor past the wait); the second the gap that Note names.
+    The column inferred gives, per window, the bytes of frees inferred from a reused address.
 
     Not measured: bf16 (the merger's and accumulators' fp32 would then be twice the bf16 terms), the CUDA
     kernels' own buffers, ``_cp_options.enable_load_balance = False``, a sequence not divisible by 2 cp (no load
@@ -349,8 +356,42 @@ def run_config(world: int, rank: int, mesh, rotate: str, recompute: bool, window
         "windows": [sum(a.values()) + p for a, p in mine],
         "gloo": max(sum(e[0].values()) + e[1] - sum(m[0].values()) - m[1] for e, m in zip(every, mine)),
         "holders": peak_holders(prof, best),
-        "holders_worst": peak_holders(prof, max(range(windows), key=lambda w: sum(mine[w][0].values()) + mine[w][1])),
+        "lifetimes": [lifetimes(prof, w) for w in range(windows)],
     }
+
+
+def lifetimes(prof, window: int) -> list[tuple[int, int | None, int, str, str]]:
+    """Of the allocations this rank's thread made in a window (the events as autofit reads them:
+    ``_allocation_events``), in order: (bytes, how many of them had been made when it was counted freed (None: not
+    in the window), the thread of the free: 'rank', 'other' (gloo's, moved back to a wait) or 'inferred' (Note [a
+    free the profiler did not record]), the allocating op). The windows run the same code, so the same ordinal is
+    the same tensor: where two windows' peaks differ, the tensor whose free moved says why (``--debug``)."""
+    from autofit.core._torch import EventType
+
+    where: dict[tuple[int, int], str] = {}
+    stack = [(n, ()) for n in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, parents = stack.pop()
+        if node.tag == EventType.Allocation:
+            where[(node.start_time_ns, node.extra_fields.ptr)] = " > ".join(
+                p for p in parents if not p.startswith("probe::") and p != "PythonSubclass")[-80:]
+        else:
+            stack.extend((c, parents + (node.name,)) for c in node.children)
+    events, marks, spans = _allocation_events(prof, _WINDOW, _STEP)
+    start, end = spans[window]
+    out: list[list] = []
+    open_: dict[int, int] = {}  # address -> index in out
+    for time_, size, tid, ptr in events:
+        if not start <= time_ <= end:
+            continue
+        if size > 0 and tid in marks:
+            open_[ptr] = len(out)
+            out.append([size, None, "", where.get((time_, ptr), "")])
+        elif size < 0 and ptr in open_:
+            i = open_.pop(ptr)
+            out[i][1] = len(out)
+            out[i][2] = "rank" if tid in marks else "inferred" if tid == UNRECORDED_THREAD else "other"
+    return [tuple(x) for x in out]
 
 
 def peak_holders(prof, window: int) -> list[tuple[str, int]]:
@@ -644,9 +685,20 @@ def main(argv: list[str] | None = None) -> None:
                 decomposed, where, terms = decompose(world, rank, rotate, recompute)
                 rows.append((world, rotate, recompute, rank, measured, highest, decomposed, where, terms, r))
                 if args.debug:
-                    print(world, rotate, recompute, rank, {k: v for k, v in r.items() if not k.startswith("holders")})
+                    print(world, rotate, recompute, rank,
+                          {k: v for k, v in r.items() if k not in ("holders", "lifetimes")})
                     for k, v in r["holders"]:
                         print(f"    {v:>10,}  {k}")
+                    low, high = (min(range(3), key=lambda w: r["windows"][w]),
+                                 max(range(3), key=lambda w: r["windows"][w]))
+                    if r["windows"][low] != r["windows"][high]:  # the tensors whose free moved between the two
+                        a, b = r["lifetimes"][low], r["lifetimes"][high]
+                        print(f"    windows {r['windows']}: lowest {low} against highest {high}"
+                              + ("" if len(a) == len(b) else f" (allocation counts differ: {len(a)}, {len(b)})"))
+                        for i, (x, y) in enumerate(zip(a, b)):
+                            if x[:3] != y[:3]:
+                                print(f"      #{i} {x[0]:>8,} freed at #{x[1]} ({x[2]}) against #{y[1]} ({y[2]})  "
+                                      f"{x[3]}")
     print("\ncorrectness: one CP step (loss averaged, gradients all-reduced / cp) against the full-sequence step in "
           "one process, allclose rtol 1e-4 (gradients atol 1e-6)")
     for world, recompute, per_rank in checks:
