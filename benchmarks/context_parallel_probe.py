@@ -113,9 +113,10 @@ Note [context parallel memory]
     compares the lowest and highest windows tensor by tensor (``lifetimes``: the windows run the same code, so the
     n-th allocation is the same tensor), and in a debug run both kinds came from the dK,dV all-to-all of the ring
     backward, whose input (the dK,dV cat) and output (the received dK,dV) the profiler recorded no free of in that
-    window (in the others the rank's thread freed them: the last reference went with the Work on gloo's side):
+    window (in the other windows the rank's thread freed them; here, presumably, gloo's worker dropped the last
+    reference with the Work, on a thread the profiler does not follow):
     - cp 4 all-to-all rank 0, 16,384 B low: the two addresses were reused, so Note [a free the profiler did not
-      record] put both frees at the rank's first collective wait after the allocation (allocation #186), but the
+      record] put both frees at the rank's first collective wait after the allocation (at allocation #186), but the
       received dK,dV is held by the ring's Python (``grad_key`` / ``grad_value`` views, ``dkv_rotater._buffer``)
       until allocation #201: the inferred free came 15 allocations early, across the peak.
     - cp 4 all-gather rank 3, 41,088 B high: the addresses were not reused inside the window, so the frees were
