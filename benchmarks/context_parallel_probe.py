@@ -20,9 +20,9 @@ all-reduced / cp, as DDP or FSDP over the CP ranks would; ``allclose``, rtol 1e-
     .venv-test/bin/python benchmarks/context_parallel_probe.py --worlds 2 --rotate alltoall --recompute off
     .venv-test/bin/python benchmarks/context_parallel_probe.py --worlds 2 --debug   # who holds the bytes at each peak
 
-Result (torch 2.13.0, 2 CPU cores shared with other work, about 95 s a run): 24 rank rows (cp 2 and 4 x allgather,
+Result (torch 2.13.0, 2 CPU cores shared with other work, 70 to 95 s a run): 24 rank rows (cp 2 and 4 x allgather,
 alltoall x recompute off, on); the CP step equals the full-sequence step (loss to 7 digits, largest gradient
-difference 1.1e-08); residual 0 bytes in 22 to 23 of the 24 rows against the lowest window over the last three
+difference 1.1e-08); residual 0 bytes in 22 to 23 of the 24 rows against the lowest window over the last four
 full runs, and 22 to 23 against the highest. The exceptions are single windows, a different row each run, where
 autofit's reading of the frees gloo's side makes is off (Note [context parallel memory], gloo and the
 measurement).
@@ -109,7 +109,7 @@ Note [context parallel memory]
     gloo and the measurement: gloo's threads allocate buffers of their own (column gloo: every thread's window
     above the rank's own). In a full run (cp 4: four processes on two busy cores) one window of a rank now and then
     reads off the replay while the others equal it: below by 9,216 to 100,480 B (the lowest-of-three rule then
-    keeps it), or above by 41,088 to 131,072 B. Runs of one configuration at cp 2 did not reproduce it. ``--debug``
+    keeps it), or above by 41,088 to 262,144 B. Runs of one configuration at cp 2 did not reproduce it. ``--debug``
     compares the lowest and highest windows tensor by tensor (``lifetimes``: the windows run the same code, so the
     n-th allocation is the same tensor), and in a debug run both kinds came from the dK,dV all-to-all of the ring
     backward, whose input (the dK,dV cat) and output (the received dK,dV) the profiler recorded no free of in that
