@@ -262,6 +262,22 @@ class Parallel:
         for placement in layout.placements:
             DIMENSIONS[placement.dimension].check_step(layout, placement, step)
 
+    def refuse_for_callback(self, callback: str) -> None:
+        """Raise :class:`InvalidInputError` where ``callback`` (a loop other than ``wrap()``'s: autofit's callbacks,
+        ``plan_patches``) cannot apply this layout: FSDP2's (over several ranks, or one process with the states on
+        the host: Note [offload]) fits only as FSDP2 lays the model out, which only ``wrap()`` does; another loop
+        would train the whole model on the GPU, over the budget."""
+        if self.shards_parameters:
+            how = ("keeps the parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)"
+                   if self.offload_states else f"shards the model over {self.world_size} ranks")
+            raise InvalidInputError(f"this plan {how}, which {callback} does not apply: train it with "
+                                    "plan.wrap(model, optimizer)")
+
+    def other_ranks(self, ranks: int, words: str) -> str | None:
+        """Where a job of ``ranks`` processes (a Trainer's, a launcher's) cannot run this layout, ``words`` saying so,
+        formatted with ``ranks`` and ``planned`` (the processes this layout runs on); None where it can."""
+        return None if ranks == self.world_size else words.format(ranks=ranks, planned=self.world_size)
+
     def json_fields(self, after: str) -> dict[str, Any]:
         """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout
         in a plan's JSON])."""
