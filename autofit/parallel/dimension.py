@@ -404,10 +404,13 @@ class Layout:
         return tuple(p.dimension for p in self.placements if p.degree > 1) or (self.placements[0].dimension
                                                                                if self.placements else "world",)
 
-    def words(self, *, ranks: bool = False, after_forward: str = "") -> str:
+    def words(self, *, ranks: bool = False, after_forward: str = "", alone: str = "one process") -> str:
         """The layout in words: its dimensions' (:meth:`Dimension.words`) in mesh order, joined by " x " ('ddp',
         'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence
-        parallel'); "one process" without placements."""
+        parallel'); ``alone`` without placements (no strategy: ``Plan.layout`` says "None"), "one process" where
+        every dimension has degree 1 (DDP over one rank)."""
+        if not self.placements:
+            return alone
         parts = [self.registry[p.dimension].words(self, p, ranks=ranks, after_forward=after_forward)
                  for p in self.placements]
         return " x ".join(part for part in parts if part) or "one process"

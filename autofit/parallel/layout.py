@@ -219,6 +219,11 @@ class Parallel:
         dimensions whose ranks share rows, tensor parallel's; the mesh is ``layout.mesh_shape``)."""
         return self.layout.data_ranks
 
+    def held_rows(self, batch_size: int) -> int:
+        """The rows of a batch of ``batch_size`` that one rank holds (``StepConfig.held_rows``, the trainer's slice):
+        its share among the :attr:`data_ranks` (the ranks of a tensor-parallel group hold the same rows)."""
+        return batch_size // self.data_ranks
+
     @property
     def nodes(self) -> int:
         """The hosts the job spans: ``world_size`` over the ranks per node (1 for one process)."""
