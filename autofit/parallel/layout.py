@@ -18,7 +18,7 @@ from typing import Any
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
 from autofit.parallel.collectives import Links
-from autofit.parallel.dimension import Layout, Placement, StepKnobs, rank_count
+from autofit.parallel.dimension import ExportFragment, ExportInputs, Layout, Placement, StepKnobs, rank_count
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words",
            "JSON_PLACES", "layout_from_json", "trade_words"]
@@ -321,6 +321,28 @@ class Parallel:
             rows.append(("host memory", f"{fmt(host_bytes)} ({fmt(pinned_bytes)} pinned, "
                                         f"{fmt(host_bytes - pinned_bytes)} pageable){node}{allowed}"))
         return rows
+
+    def export(self, framework: str, inputs: ExportInputs) -> ExportFragment:
+        """This layout's part of ``framework``'s export (:meth:`Layout.export`), its dimensions given its FSDP2 units
+        beside the plan's values ``inputs``."""
+        return self.layout.export(framework, replace(inputs, shard_units=self.shard_units))
+
+    def export_ranks(self, framework: str, micro_batch_size: int, accumulation_steps: int) -> dict[str, Any]:
+        """What every layout says in ``framework``'s export, in its keys (``emit/export.py`` places them): the samples
+        of an optimizer step over the data ranks (DeepSpeed's, torchtitan's: no training tensor parallel there), the
+        processes and nodes (Accelerate's; Lightning's devices per node, with a strategy); Hugging Face: none."""
+        batch, per_node = micro_batch_size * accumulation_steps * self.data_ranks, self.gpus_per_node or self.world_size
+        nodes = {"num_nodes": self.nodes} if per_node < self.world_size else {}
+        return {"deepspeed": {"train_batch_size": batch}, "torchtitan": {"training": {"global_batch_size": batch}},
+                "accelerate": {"config_file": {"num_machines": self.nodes, "num_processes": self.world_size}},
+                "lightning": {"trainer": {"devices": per_node, **nodes}} if self.strategy is not None else {},
+                }.get(framework, {})
+
+    def batch_words(self, micro_batch_size: int, accumulation_steps: int) -> str:
+        """The samples of an optimizer step over the data ranks, in words: '3 x 1 x 8 = 24 samples per step'."""
+        data = self.data_ranks
+        return (f"{micro_batch_size} x {accumulation_steps} x {data} = {micro_batch_size * accumulation_steps * data}"
+                " samples per step")
 
     @property
     def least_memory(self) -> bool:
