@@ -35,8 +35,9 @@ Hugging Face, whose ``TrainingArguments`` cannot express it, ``ddp_kwargs`` with
 
 The layout's part of each export (its ZeRO stage, FSDP plugin, DDP keywords, degrees, and the notes where a
 framework's nearest setting differs or it cannot express a dimension) is each layout dimension's own
-(``Dimension.export``, autofit/parallel/; Note [layout dimensions]): the exporters here write what every layout
-shares (the batch, the precision, the recomputation, the ranks and nodes) and merge what ``Layout.export`` gives.
+(``Dimension.export``, autofit/parallel/; Note [layout dimensions]): the exporters here write what every plan
+shares (the batch, the precision, the recomputation), place the ranks and nodes the layout states
+(``Parallel.export_ranks``) and merge what its dimensions give (``Parallel.export``, ``Layout.export``).
 
 Stored precision (Note [stored precision], autofit/training/stored.py) maps where the framework has the same scheme: pure bf16
 is Lightning's "bf16-true" and, for Hugging Face, loading the model with ``torch_dtype=torch.bfloat16``; bf16/fp16
