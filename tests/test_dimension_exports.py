@@ -94,3 +94,5 @@ def test_what_every_layout_exports_is_the_layouts():
     assert Parallel(strategy="ddp", world_size=4).export_ranks("lightning", 1, 1) == {"trainer": {"devices": 4}}
     assert Parallel().export_ranks("lightning", 1, 1) == {}
     assert Parallel().export_ranks("accelerate", 1, 1) == {"config_file": {"num_machines": 1, "num_processes": 1}}
+    with pytest.raises(KeyError):  # as EXPORTERS refuses a framework it does not know
+        Parallel().export_ranks("megatron", 1, 1)

@@ -328,15 +328,16 @@ class Parallel:
         return self.layout.export(framework, replace(inputs, shard_units=self.shard_units))
 
     def export_ranks(self, framework: str, micro_batch_size: int, accumulation_steps: int) -> dict[str, Any]:
-        """What every layout says in ``framework``'s export, in its keys (``emit/export.py`` places them): the samples
-        of an optimizer step over the data ranks (DeepSpeed's, torchtitan's: no training tensor parallel there), the
-        processes and nodes (Accelerate's; Lightning's devices per node, with a strategy); Hugging Face: none."""
+        """What every layout writes in ``framework``'s export, in its keys (``emit/export.py`` places them among its
+        own): an optimizer step's samples over the data ranks (DeepSpeed's ``train_batch_size``, torchtitan's
+        ``global_batch_size``: a tensor-parallel group trains the same rows), the processes and nodes (Accelerate's;
+        Lightning's devices per node and nodes, with a strategy); nothing for Hugging Face (its launcher's)."""
         batch, per_node = micro_batch_size * accumulation_steps * self.data_ranks, self.gpus_per_node or self.world_size
         nodes = {"num_nodes": self.nodes} if per_node < self.world_size else {}
-        return {"deepspeed": {"train_batch_size": batch}, "torchtitan": {"training": {"global_batch_size": batch}},
-                "accelerate": {"config_file": {"num_machines": self.nodes, "num_processes": self.world_size}},
+        return {"hf": {}, "deepspeed": {"train_batch_size": batch},
                 "lightning": {"trainer": {"devices": per_node, **nodes}} if self.strategy is not None else {},
-                }.get(framework, {})
+                "accelerate": {"config_file": {"num_machines": self.nodes, "num_processes": self.world_size}},
+                "torchtitan": {"training": {"global_batch_size": batch}}}[framework]
 
     def batch_words(self, micro_batch_size: int, accumulation_steps: int) -> str:
         """The samples of an optimizer step over the data ranks, in words: '3 x 1 x 8 = 24 samples per step'."""
