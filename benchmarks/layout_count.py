@@ -58,6 +58,8 @@ LAYOUT_FIELDS = frozenset({
     "reducing_every_micro_batch", "label_with_ranks", "data_rank", "row_copies",
     # the step's properties derived from its layout (StepConfig: where the states live, where the optimizer runs)
     "host_states", "optimizer_device",
+    # the rows a rank holds of a batch: a number of the layout (issue 54)
+    "rank_rows",
 })
 STRATEGY_NAMES = frozenset({"ddp", "fsdp2"})
 WRAPPING_CALLS = frozenset({"init_device_mesh", "fully_shard", "DistributedDataParallel", "parallelize_module"})

@@ -75,3 +75,24 @@ def test_settings_merge_key_by_key_keeping_each_keys_place():
     merged = merge_settings({}, source)
     merged["k"]["v"] = False  # a copy: the fragment's own mapping is left as it was
     assert source == {"k": {"v": True}}
+
+
+def test_what_every_layout_exports_is_the_layouts():
+    """The ranks and nodes every layout writes (``Parallel.export_ranks``, placed by ``emit/export.py``), by hand:
+    the samples of a step over the data ranks (a tensor-parallel group's ranks train the same rows), the processes
+    and nodes; Lightning's devices only with a strategy; Hugging Face's launcher counts them."""
+    from autofit.parallel.layout import Parallel
+
+    tp = Parallel(strategy="fsdp2", world_size=8, gpus_per_node=4, shard_units=("a",), tensor_parallel=2,
+                  tensor_plan=(("a", "colwise"),))
+    assert tp.export_ranks("deepspeed", 3, 2) == {"train_batch_size": 24}
+    assert tp.export_ranks("torchtitan", 3, 2) == {"training": {"global_batch_size": 24}}
+    assert tp.export_ranks("accelerate", 3, 2) == {"config_file": {"num_machines": 2, "num_processes": 8}}
+    assert tp.export_ranks("lightning", 3, 2) == {"trainer": {"devices": 4, "num_nodes": 2}}
+    assert tp.export_ranks("hf", 3, 2) == {}
+    assert tp.batch_words(3, 2) == "3 x 2 x 4 = 24 samples per step"
+    assert Parallel(strategy="ddp", world_size=4).export_ranks("lightning", 1, 1) == {"trainer": {"devices": 4}}
+    assert Parallel().export_ranks("lightning", 1, 1) == {}
+    assert Parallel().export_ranks("accelerate", 1, 1) == {"config_file": {"num_machines": 1, "num_processes": 1}}
+    with pytest.raises(KeyError):  # as EXPORTERS refuses a framework it does not know
+        Parallel().export_ranks("megatron", 1, 1)

@@ -177,3 +177,16 @@ def test_the_rows_a_rank_trains_follow_the_mesh():
     assert [hsdp.data_rank(r) for r in range(8)] == list(range(8)) and hsdp.row_copies == 1
     with pytest.raises(ValueError, match="rank 8 is not one of the layout's 8 ranks"):
         plain.data_rank(8)
+    # the rows one rank holds of a batch (the step's held_rows): a tensor-parallel group's ranks hold the same ones
+    tp = Parallel(strategy="fsdp2", world_size=8, shard_units=("",), tensor_parallel=2, tensor_plan=(("a", "colwise"),))
+    assert tp.rank_rows(32) == 8 and Parallel(strategy="ddp", world_size=8).rank_rows(32) == 4
+    assert Parallel().rank_rows(32) == 32
+
+
+def test_a_layout_in_words_names_one_process_as_its_reader_does():
+    """``Layout.words``' ``alone`` is what a layout without placements (no strategy) says: "one process" by default,
+    ``Plan.layout``'s "None"; DDP over one rank has a placement and stays "one process"."""
+    assert Parallel().layout.words() == "one process"
+    assert Parallel().layout.words(alone="None") == "None"
+    assert Parallel(strategy="ddp", world_size=1).layout.words(alone="None") == "one process"
+    assert Parallel(strategy="ddp", world_size=4).layout.words(alone="None") == "ddp"

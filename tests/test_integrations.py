@@ -287,3 +287,25 @@ def test_a_plan_that_keeps_its_states_on_the_host_is_refused_by_every_callback()
     sharded = dataclasses.replace(plan, parallel=Parallel(strategy="fsdp2", world_size=2, shard_units=("",)))
     with pytest.raises(InvalidInputError, match="shards the model over 2 ranks"):
         checked_plan(sharded, "AutofitLightningCallback")
+
+
+def test_the_layout_says_which_loops_and_how_many_processes_can_run_it():
+    """The integrations ask the layout (issue 54): ``Parallel.refuse_for_callback`` refuses FSDP2 for every loop but
+    ``wrap()``'s, ``Parallel.other_ranks`` words a job of another size; the messages are the integrations' own."""
+    from autofit.parallel.layout import Parallel
+
+    for runs in (Parallel(), Parallel(strategy="ddp", world_size=2)):
+        runs.refuse_for_callback("AutofitCallback")  # whole replicas: any loop applies them
+    with pytest.raises(InvalidInputError) as e:
+        Parallel(strategy="fsdp2", world_size=4, shard_units=("",)).refuse_for_callback("AutofitCallback")
+    assert str(e.value) == ("this plan shards the model over 4 ranks, which AutofitCallback does not apply: train it "
+                            "with plan.wrap(model, optimizer)")
+    with pytest.raises(InvalidInputError) as e:
+        Parallel(strategy="fsdp2", offload_states=True, shard_units=("",)).refuse_for_callback("another loop")
+    assert str(e.value) == ("this plan keeps the parameters, gradients and optimizer state in host memory (FSDP2's "
+                            "CPUOffloadPolicy), which another loop does not apply: train it with "
+                            "plan.wrap(model, optimizer)")
+    ddp = Parallel(strategy="ddp", world_size=2)
+    assert ddp.other_ranks(2, "{ranks} for {planned}") is None
+    assert ddp.other_ranks(1, "world_size={ranks} (the plan is for {planned} processes)") == (
+        "world_size=1 (the plan is for 2 processes)")

@@ -35,8 +35,9 @@ Hugging Face, whose ``TrainingArguments`` cannot express it, ``ddp_kwargs`` with
 
 The layout's part of each export (its ZeRO stage, FSDP plugin, DDP keywords, degrees, and the notes where a
 framework's nearest setting differs or it cannot express a dimension) is each layout dimension's own
-(``Dimension.export``, autofit/parallel/; Note [layout dimensions]): the exporters here write what every layout
-shares (the batch, the precision, the recomputation, the ranks and nodes) and merge what ``Layout.export`` gives.
+(``Dimension.export``, autofit/parallel/; Note [layout dimensions]): the exporters here write what every plan
+shares (the batch, the precision, the recomputation), place the ranks and nodes the layout states
+(``Parallel.export_ranks``) and merge what its dimensions give (``Parallel.export``, ``Layout.export``).
 
 Stored precision (Note [stored precision], autofit/training/stored.py) maps where the framework has the same scheme: pure bf16
 is Lightning's "bf16-true" and, for Hugging Face, loading the model with ``torch_dtype=torch.bfloat16``; bf16/fp16
@@ -71,10 +72,8 @@ def _split_notes(plan: Plan) -> list[str]:
     if plan.last_micro_batch_size == plan.micro_batch_size:
         return []
     if plan.even_split is None:
-        data = plan.parallel.data_ranks
         return [f"the plan's last micro-batch has {plan.last_micro_batch_size} rows, which this framework cannot "
-                f"express: {micro} x {steps} x {data} = {micro * steps * data} samples per "
-                f"step, not {plan.batch_size}; train with plan.wrap()"]
+                f"express: {plan.parallel.batch_words(micro, steps)}, not {plan.batch_size}; train with plan.wrap()"]
     return [f"the plan runs {plan.micro_batch_size} x {plan.gradient_accumulation_steps} with a last micro-batch of "
             f"{plan.last_micro_batch_size}; exported as the verified even split {micro} x {steps} (same effective "
             f"batch {plan.batch_size})"]
@@ -97,10 +96,10 @@ def _selective_notes(plan: Plan, how: str) -> list[str]:
 
 
 def _layout(plan: Plan, framework: str) -> ExportFragment:
-    """The plan's layout in ``framework``'s terms: its dimensions' fragments merged (``Layout.export``, Note [layout
+    """The plan's layout in ``framework``'s terms: its dimensions' fragments merged (``Parallel.export``, Note [layout
     dimensions]), given the plan's plain values they read."""
-    return plan.parallel.layout.export(framework, ExportInputs(
-        precision=plan.precision.name, recomputes=bool(plan.checkpoint), shard_units=plan.parallel.shard_units,
+    return plan.parallel.export(framework, ExportInputs(
+        precision=plan.precision.name, recomputes=bool(plan.checkpoint),
         gradient_bytes=plan.estimate.breakdown.get("gradients", 0)))
 
 
@@ -169,14 +168,12 @@ def to_hf_training_arguments(plan: Plan) -> dict[str, Any]:
 
 def to_deepspeed_config(plan: Plan) -> dict[str, Any]:
     micro, steps = _split(plan)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": steps,
-        # over the data-parallel ranks: DeepSpeed's config has no training tensor parallelism
-        "train_batch_size": micro * steps * plan.parallel.data_ranks,
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": steps}
+    merge_settings(config, plan.parallel.export_ranks("deepspeed", micro, steps))  # train_batch_size, the layout's
+    config.update({
         "bf16": {"enabled": plan.precision.name == "bf16"},
         "fp16": {"enabled": plan.precision.name == "fp16", "loss_scale": 0},  # 0: dynamic loss scaling
-    }
+    })
     if plan.checkpoint:
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     # ZeRO stage 0 (DeepSpeed's config JSON documentation, "ZeRO Optimizations"): DDP and one process replicate
@@ -218,11 +215,7 @@ def to_lightning_trainer(plan: Plan) -> dict[str, Any]:
     # the strategy (Lightning's name) and its keywords: DDPStrategy's, FSDPStrategy's and ModelParallelStrategy's
     layout = _layout(plan, "lightning")
     merge_settings(out, layout.settings)
-    if plan.parallel.layout.placements:  # DDP or FSDP2 (not one process): the devices per node, and the nodes
-        per_node = plan.parallel.gpus_per_node or plan.parallel.world_size
-        trainer["devices"] = per_node
-        if per_node < plan.parallel.world_size:
-            trainer["num_nodes"] = plan.parallel.nodes
+    merge_settings(out, plan.parallel.export_ranks("lightning", micro, steps))  # the devices per node, the nodes
     notes += _layout_notes(layout)
     if notes:
         out["autofit_notes"] = notes
@@ -236,11 +229,10 @@ def to_accelerate_config(plan: Plan) -> dict[str, Any]:
     ``accelerator``: ``Accelerator(...)`` keyword arguments (the accumulation)."""
     micro, steps = _split(plan)
     mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision.name]
-    config: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed,
-        "num_machines": plan.parallel.nodes, "num_processes": plan.parallel.world_size,
-        "distributed_type": "NO",  # one process; DDP's MULTI_GPU and FSDP's plugin are their dimensions'
-    }
+    config: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed}
+    merge_settings({"config_file": config}, plan.parallel.export_ranks("accelerate", micro, steps))  # the machines
+    config["distributed_type"] = "NO"  # one process; DDP's MULTI_GPU and FSDP's plugin are their dimensions'
+
     notes = _split_notes(plan) + _feature_notes(plan, "accelerate")
     out: dict[str, Any] = {"config_file": config, "accelerator": {"gradient_accumulation_steps": steps}}
     layout = _layout(plan, "accelerate")  # DDP's keywords (beside the config file), FSDP's plugin, HSDP and TP
@@ -261,8 +253,8 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     # a degree no dimension of the layout writes is 1 (one process: every one); the dimensions write theirs, in
     # mesh order, and FSDP's reshard and parameter dtype
     parallelism: dict[str, Any] = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
-    training: dict[str, Any] = {"local_batch_size": micro,
-                                "global_batch_size": micro * steps * plan.parallel.data_ranks}
+    training: dict[str, Any] = {"local_batch_size": micro}
+    merge_settings({"training": training}, plan.parallel.export_ranks("torchtitan", micro, steps))  # global batch
     if plan.precision.name != "fp32":
         training["mixed_precision_param"] = "bfloat16" if plan.precision.name == "bf16" else "float32"
     layout = _layout(plan, "torchtitan")
@@ -391,7 +383,7 @@ def export_file(plan: Plan, name: str) -> tuple[str, list[str]]:
         config = out["config_file"]
         head = [f"autofit plan: micro-batch {micro} (the DataLoader's batch_size), gradient accumulation {steps} "
                 f"(Accelerator(gradient_accumulation_steps={steps})), precision {plan.precision.label}, "
-                f"{plan.parallel.world_size} process(es)"]
+                f"{config['num_processes']} process(es)"]
         if "ddp_kwargs" in out:
             head.append(f"Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**{out['ddp_kwargs']})])")
         if plan.checkpoint and config.get("distributed_type") != "FSDP":

@@ -213,7 +213,7 @@ class Plan(PlanJson, PlanText):
     @property
     def layout(self) -> str:
         """The parallel layout in words: 'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'hsdp 2 x 4 (ZeRO-3)', 'ddp'."""
-        return "None" if self.parallel.strategy is None else self.parallel.layout.words(after_forward=" after forward")
+        return self.parallel.layout.words(after_forward=" after forward", alone="None")
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -351,7 +351,7 @@ def plan_step(plan: Plan) -> StepConfig:
         micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
         precision=plan.precision, checkpoint=plan.checkpoint, selective=plan.selective,
         op_selective=plan.op_selective, optimizer=optimizer,
-        device=plan.device, held_rows=plan.batch_size // plan.parallel.data_ranks, gpu=plan.gpu,
+        device=plan.device, held_rows=plan.parallel.rank_rows(plan.batch_size), gpu=plan.gpu,
         layout=plan.parallel, clip_grad_norm=plan.clip_grad_norm, offload=plan.offload, compile=plan.compile,
         preallocated_grads=plan.preallocated_grads, zero_grad=plan.zero_grad,
     )

@@ -38,7 +38,7 @@ def checked_plan(plan: object, callback: str) -> Plan:
     (``Feature.before_wrap``)."""
     if not isinstance(plan, Plan):
         raise InvalidInputError(f"{callback} needs an autofit.Plan, got {type(plan).__name__}")
-    _refuse_sharded(plan, callback)
+    plan.parallel.refuse_for_callback(callback)  # the layout says which loops can apply it (FSDP2: wrap() only)
     if plan.precision.stored not in (None, "fp32"):
         raise InvalidInputError(
             f"this plan stores the parameters as {plan.precision.stored} (Note [stored precision]), which "
@@ -53,17 +53,6 @@ def checked_plan(plan: object, callback: str) -> Plan:
     return plan
 
 
-def _refuse_sharded(plan: Plan, callback: str) -> None:
-    """An FSDP2 plan (over several ranks, or on one process with the states in host memory: Note [offload]) fits
-    only as FSDP2 lays the model out, which ``wrap()`` does and a callback cannot: another loop would train the
-    whole model on the GPU, over the budget."""
-    if plan.parallel.shards_parameters:
-        how = ("keeps the parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)"
-               if plan.parallel.offload_states else f"shards the model over {plan.parallel.world_size} ranks")
-        raise InvalidInputError(f"this plan {how}, which {callback} does not apply: train it with "
-                                "plan.wrap(model, optimizer)")
-
-
 def _device_type(model: nn.Module) -> str:
     return next((p.device.type for p in model.parameters()), "cpu")
 
@@ -73,7 +62,7 @@ def plan_patches(plan: Plan, model: nn.Module) -> contextlib.AbstractContextMana
     checkpointing, ``plan.offload``'s saved activations on the host, ``plan.precision.fp32_modules`` out of
     autocast), undone on exit: the same patch of the same step, ``plan.step``, the emitted Trainer applies
     (autofit.training.step.patched_model), so another training loop runs the step autofit simulated."""
-    _refuse_sharded(plan, "another training loop")
+    plan.parallel.refuse_for_callback("another training loop")
     if any(feature.in_force(plan) is not None for feature in OPT_IN):  # Note [step features]
         raise InvalidInputError(
             f"this plan climbed the rung {' or '.join(repr(f.name) for f in OPT_IN)}, which replace "

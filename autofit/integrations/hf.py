@@ -105,8 +105,10 @@ def _callback_class():
 def _check_arguments(plan: Plan, args: Any) -> None:
     wrong = [f"{key}={getattr(args, key)!r} (the plan says {value!r})"
              for key, value in plan_argument_values(plan).items() if getattr(args, key) != value]
-    if getattr(args, "world_size", 1) != plan.parallel.world_size:
-        wrong.append(f"world_size={args.world_size} (the plan is for {plan.parallel.world_size} processes)")
+    mismatch = plan.parallel.other_ranks(getattr(args, "world_size", 1), "world_size={ranks} (the plan is for "
+                                         "{planned} processes)")
+    if mismatch is not None:
+        wrong.append(mismatch)
     if wrong:
         raise InvalidInputError("the TrainingArguments are not the plan's: " + "; ".join(wrong) +
                                 ". Build them with autofit.integrations.hf.training_arguments(plan, args)")

@@ -95,9 +95,10 @@ def _callback_class():
         def setup(self, trainer, pl_module, stage: str) -> None:
             if stage != "fit":
                 return
-            if trainer.world_size != self.plan.parallel.world_size:
-                raise InvalidInputError(f"the Trainer runs {trainer.world_size} processes but the plan is for "
-                                        f"{self.plan.parallel.world_size}: plan with world_size={trainer.world_size}")
+            mismatch = self.plan.parallel.other_ranks(trainer.world_size, "the Trainer runs {ranks} processes but "
+                                                      "the plan is for {planned}: plan with world_size={ranks}")
+            if mismatch is not None:
+                raise InvalidInputError(mismatch)
             if getattr(pl_module, "automatic_optimization", False) and self.plan.zero_grad != LIGHTNING_ORDER:
                 warnings.warn(
                     f"this plan was made for zero_grad {self.plan.zero_grad!s}, but Lightning's automatic optimization "

@@ -29,18 +29,18 @@ Note [layout dimensions]
       - what it trades, in words, for the note saying why a layout won the planner's race (:meth:`Dimension.trade`);
       - its part of each framework's export (:meth:`Dimension.export`, one of :data:`FRAMEWORKS`): an
         :class:`ExportFragment` of settings in the framework's own keys, the notes saying how the framework runs it
-        (or the nearest setting it has, and how its memory differs), and, apart, what the framework cannot express
-        of it at all. ``autofit/emit/export.py`` writes what every layout shares (the batch, the precision, the
-        recomputation, the ranks and nodes) and asks :meth:`Layout.export` for the rest, which merges the layout's
-        dimensions' fragments: the settings outermost first (the frameworks lay their keys out in mesh order:
-        torchtitan's replicate, shard, then tensor degree; Accelerate's ``parallelism_config``), a mapping merged
-        into a mapping key by key (:func:`merge_settings`); the notes innermost first, the order a user applies
-        the dimensions (tensor parallel, then FSDP: torchtitan's ``parallelize_llama``, Lightning's
-        ``configure_model``), then what cannot be expressed. A dimension that a framework expresses as an option of
-        another's setting is written by the one that owns the setting: Lightning's and Accelerate's HSDP are
-        options of their FSDP plugins, so the shard dimension writes them, reading the replicate degree. The
-        dimensions see the plan's plain values only (:class:`ExportInputs`), never the ``Plan``: this layer is
-        below ``emit/``.
+        (or the nearest setting it has, and how its memory differs), and, apart, what the framework cannot express of
+        it at all. ``autofit/emit/export.py`` writes what every plan shares (the batch, the precision, the
+        recomputation), places the ranks and nodes every layout states (``Parallel.export_ranks``) and asks
+        :meth:`Layout.export` for the rest, which merges the layout's dimensions' fragments: the settings outermost
+        first (the frameworks lay their keys out in mesh order: torchtitan's replicate, shard, then tensor degree;
+        Accelerate's ``parallelism_config``), a mapping merged into a mapping key by key (:func:`merge_settings`); the
+        notes innermost first, the order a user applies the dimensions (tensor parallel, then FSDP: torchtitan's
+        ``parallelize_llama``, Lightning's ``configure_model``), then what cannot be expressed. A dimension that a
+        framework expresses as an option of another's setting is written by the one that owns the setting: Lightning's
+        and Accelerate's HSDP are options of their FSDP plugins, so the shard dimension writes them, reading the
+        replicate degree. The dimensions see the plan's plain values only (:class:`ExportInputs`), never the ``Plan``:
+        this layer is below ``emit/``.
     A :class:`Layout` is the placements of one layout in mesh order: it derives the world size, the mesh's shape and
     names, and the data ranks (the ranks that train different rows), the only place that divides the world size
     by the dimensions that share rows. :func:`enumerate_layouts` is the planner's enumeration: the product of every
@@ -92,7 +92,7 @@ class Placement:
 class ExportInputs:
     """What a dimension's export fragment reads of a plan besides its layout, as plain values (this layer is below
     the ``Plan``): the precision's name ("fp32", "bf16", "fp16"), whether the plan recomputes any module, FSDP2's
-    units (``Parallel.shard_units``) and the gradients' bytes per GPU at the plan's peak."""
+    units (``Parallel.shard_units``, which ``Parallel.export`` puts in) and the gradients' bytes per GPU at the peak."""
 
     precision: str = "fp32"
     recomputes: bool = False
@@ -404,10 +404,13 @@ class Layout:
         return tuple(p.dimension for p in self.placements if p.degree > 1) or (self.placements[0].dimension
                                                                                if self.placements else "world",)
 
-    def words(self, *, ranks: bool = False, after_forward: str = "") -> str:
+    def words(self, *, ranks: bool = False, after_forward: str = "", alone: str = "one process") -> str:
         """The layout in words: its dimensions' (:meth:`Dimension.words`) in mesh order, joined by " x " ('ddp',
         'fsdp2 (ZeRO-3) over 8 ranks', 'hsdp 2 x 4 (ZeRO-2)', 'fsdp2 (ZeRO-3) x tp 8', 'tp 8 + sequence
-        parallel'); "one process" without placements."""
+        parallel'); ``alone`` without placements (no strategy: ``Plan.layout`` says "None"), "one process" where
+        every dimension has degree 1 (DDP over one rank)."""
+        if not self.placements:
+            return alone
         parts = [self.registry[p.dimension].words(self, p, ranks=ranks, after_forward=after_forward)
                  for p in self.placements]
         return " x ".join(part for part in parts if part) or "one process"

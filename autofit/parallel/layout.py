@@ -18,7 +18,7 @@ from typing import Any
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
 from autofit.parallel.collectives import Links
-from autofit.parallel.dimension import Layout, Placement, StepKnobs, rank_count
+from autofit.parallel.dimension import ExportFragment, ExportInputs, Layout, Placement, StepKnobs, rank_count
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words",
            "JSON_PLACES", "layout_from_json", "trade_words"]
@@ -219,6 +219,11 @@ class Parallel:
         dimensions whose ranks share rows, tensor parallel's; the mesh is ``layout.mesh_shape``)."""
         return self.layout.data_ranks
 
+    def rank_rows(self, batch_size: int) -> int:
+        """The rows of a batch of ``batch_size`` that one rank holds (``StepConfig.held_rows``, the trainer's slice):
+        its share among the :attr:`data_ranks` (the ranks of a tensor-parallel group hold the same rows)."""
+        return batch_size // self.data_ranks
+
     @property
     def nodes(self) -> int:
         """The hosts the job spans: ``world_size`` over the ranks per node (1 for one process)."""
@@ -268,6 +273,22 @@ class Parallel:
         if self.strategy is not None:
             raise InvalidInputError(why)
 
+    def refuse_for_callback(self, callback: str) -> None:
+        """Raise :class:`InvalidInputError` where ``callback`` (a loop other than ``wrap()``'s: autofit's callbacks,
+        ``plan_patches``) cannot apply this layout: FSDP2's (over several ranks, or one process with the states on
+        the host: Note [offload]) fits only as FSDP2 lays the model out, which only ``wrap()`` does; another loop
+        would train the whole model on the GPU, over the budget."""
+        if self.shards_parameters:
+            how = ("keeps the parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)"
+                   if self.offload_states else f"shards the model over {self.world_size} ranks")
+            raise InvalidInputError(f"this plan {how}, which {callback} does not apply: train it with "
+                                    "plan.wrap(model, optimizer)")
+
+    def other_ranks(self, ranks: int, words: str) -> str | None:
+        """Where a job of ``ranks`` processes (a Trainer's, a launcher's) cannot run this layout, ``words`` saying so,
+        formatted with ``ranks`` and ``planned`` (the processes this layout runs on); None where it can."""
+        return None if ranks == self.world_size else words.format(ranks=ranks, planned=self.world_size)
+
     def json_fields(self, after: str) -> dict[str, Any]:
         """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout
         in a plan's JSON])."""
@@ -306,6 +327,29 @@ class Parallel:
             rows.append(("host memory", f"{fmt(host_bytes)} ({fmt(pinned_bytes)} pinned, "
                                         f"{fmt(host_bytes - pinned_bytes)} pageable){node}{allowed}"))
         return rows
+
+    def export(self, framework: str, inputs: ExportInputs) -> ExportFragment:
+        """This layout's part of ``framework``'s export (:meth:`Layout.export`), its dimensions given its FSDP2 units
+        beside the plan's values ``inputs``."""
+        return self.layout.export(framework, replace(inputs, shard_units=self.shard_units))
+
+    def export_ranks(self, framework: str, micro_batch_size: int, accumulation_steps: int) -> dict[str, Any]:
+        """What every layout writes in ``framework``'s export, in its keys (``emit/export.py`` places them among its
+        own): an optimizer step's samples over the data ranks (DeepSpeed's ``train_batch_size``, torchtitan's
+        ``global_batch_size``: a tensor-parallel group trains the same rows), the processes and nodes (Accelerate's;
+        Lightning's devices per node and nodes, with a strategy); nothing for Hugging Face (its launcher's)."""
+        batch, per_node = micro_batch_size * accumulation_steps * self.data_ranks, self.gpus_per_node or self.world_size
+        nodes = {"num_nodes": self.nodes} if per_node < self.world_size else {}
+        return {"hf": {}, "deepspeed": {"train_batch_size": batch},
+                "lightning": {"trainer": {"devices": per_node, **nodes}} if self.strategy is not None else {},
+                "accelerate": {"config_file": {"num_machines": self.nodes, "num_processes": self.world_size}},
+                "torchtitan": {"training": {"global_batch_size": batch}}}[framework]
+
+    def batch_words(self, micro_batch_size: int, accumulation_steps: int) -> str:
+        """The samples of an optimizer step over the data ranks, in words: '3 x 1 x 8 = 24 samples per step'."""
+        data = self.data_ranks
+        return (f"{micro_batch_size} x {accumulation_steps} x {data} = {micro_batch_size * accumulation_steps * data}"
+                " samples per step")
 
     @property
     def least_memory(self) -> bool:
