@@ -10,4 +10,6 @@ from autofit.parallel.collectives import Links, ring_seconds  # re-exported
 from autofit.parallel.layout import Parallel, Strategy, collective_seconds, layout_words, ranks_per_node  # re-exported
 from autofit.parallel.tensor import split_ops, tensor_group_bytes, tensor_reduce_bytes  # re-exported, likewise
 
-__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Links", "Strategy", "ring_seconds"]
+__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops",
+           "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Links",
+           "Strategy", "ring_seconds"]

@@ -38,7 +38,8 @@ from autofit.analyse.table import OpCosts
 from autofit.device import DeviceTarget, Throughput
 from autofit.parallel.collectives import Links
 from autofit.parallel.layout import Parallel
-from autofit.parallel.step_time import HOST_OPTIMIZER_BYTES_PER_SECOND, LayoutTime, layout_time  # the constant re-exported
+# HOST_OPTIMIZER_BYTES_PER_SECOND is re-exported: it was this module's
+from autofit.parallel.step_time import HOST_OPTIMIZER_BYTES_PER_SECOND, LayoutTime, layout_time
 
 __all__ = ["TimeModel", "StepTime", "build_time_model", "HOST_OPTIMIZER_BYTES_PER_SECOND", "LayoutTime"]
 
