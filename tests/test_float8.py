@@ -232,7 +232,7 @@ def test_an_fp8_op_costs_its_flops_at_the_fp8_rate():
         ops = OpCosts(flops_fixed=np.full(1, 1979e12), flops_per_sample=np.zeros(1), bytes_fixed=np.zeros(1),
                       bytes_per_sample=np.zeros(1), precision=(precision,), forward=np.ones(1, dtype=bool),
                       module=("0",))
-        assert TimeModel(tp, ops, optimizer_bytes=0).step_time(precision, 1, 1).total == pytest.approx(seconds)
+        assert TimeModel(tp, ops).step_time(precision, 1, 1).total == pytest.approx(seconds)
 
 
 # ---- the command line, the plan, the trainer and the speed rung ----------------------------------------------------

@@ -21,7 +21,7 @@ from autofit.device import resolve_device
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.layout import Parallel
 from autofit.solve.sharding import shard_units
-from autofit.solve.time_model import HOST_OPTIMIZER_BYTES_PER_SECOND, TimeModel
+from autofit.solve.time_model import HOST_OPTIMIZER_BYTES_PER_SECOND, LayoutTime, TimeModel
 
 BLOCKS = [str(i) for i in range(6)]
 
@@ -199,7 +199,7 @@ def _hand_model(**kw) -> TimeModel:
     ops = OpCosts(flops_fixed=np.array([1e9, 1e9, 2e9]), flops_per_sample=np.zeros(3),
                   bytes_fixed=np.zeros(3), bytes_per_sample=np.zeros(3), precision=("fp32",) * 3,
                   forward=np.array([True, True, False]), module=("a", "a", "a"))
-    return TimeModel(tp, ops, optimizer_bytes=0, host_transfer=10e9, **kw)
+    return TimeModel(tp, ops, host_transfer=10e9, **kw)
 
 
 def test_activation_offload_time_is_two_copies_not_overlapped():
@@ -220,11 +220,11 @@ def test_activation_offload_time_is_two_copies_not_overlapped():
 def test_state_offload_time_hides_copies_behind_compute_and_adds_the_cpu_step():
     # 1 GB of fp32 shards: gathered twice per micro-batch and the gradients sent back each micro-batch (3 GB,
     # 0.3 s at 10 GB/s) against 4 ms of compute, so 0.296 s exposed per micro-batch; the CPU step streams 4 GB
-    model = _hand_model(offload_states=True, state_param_bytes=10**9)
+    model = _hand_model(layout_time=LayoutTime(host_state_bytes=10**9))
     t = model.step_time("fp32", 4, 2)
     assert t.transfer_seconds == pytest.approx(2 * (0.3 - 4e-3))
     assert t.optimizer_seconds == pytest.approx(4e9 / HOST_OPTIMIZER_BYTES_PER_SECOND)
-    small = _hand_model(offload_states=True, state_param_bytes=10**6)  # 0.2 ms of copies: hidden entirely
+    small = _hand_model(layout_time=LayoutTime(host_state_bytes=10**6))  # 0.2 ms of copies: hidden entirely
     assert small.step_time("fp32", 4, 1).transfer_seconds == 0.0
 
 

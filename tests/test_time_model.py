@@ -19,7 +19,7 @@ def test_a_block_is_not_priced_with_its_siblings_that_share_its_prefix():
     ops = OpCosts(flops_fixed=np.full(12, 1e9), flops_per_sample=np.zeros(12), bytes_fixed=np.zeros(12),
                   bytes_per_sample=np.zeros(12), precision=("fp32",) * 12, forward=np.ones(12, dtype=bool),
                   module=names)
-    model = TimeModel(tp, ops, optimizer_bytes=0)
+    model = TimeModel(tp, ops)
     for i in range(12):
         assert model.recompute_seconds(f"layers.{i}", 1) == pytest.approx(1e-3)
     assert model.recompute_seconds("layers.1.mlp", 1) == pytest.approx(1e-3)

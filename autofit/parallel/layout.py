@@ -177,6 +177,13 @@ class Parallel:
         (:attr:`defers_gradients`)."""
         return replace(self, reduce_every_micro_batch=True) if self.defers_gradients else None
 
+    def for_micro_batches(self, accumulation_steps: int) -> Parallel:
+        """The layout a step of ``accumulation_steps`` micro-batches runs: reducing after every micro-batch only where
+        there is more than one (with one, every micro-batch is the last and reduces anyway: the same step)."""
+        if self.reduce_every_micro_batch and accumulation_steps == 1:
+            return replace(self, reduce_every_micro_batch=False)
+        return self
+
     def states_on_host(self, units: Callable[[], tuple[str, ...]]) -> Parallel | None:
         """This layout with the parameters, gradients and optimizer state in host memory, FSDP2's CPUOffloadPolicy
         (Note [offload], autofit/training/step.py): each rank of FSDP2 over several keeps its shard there; one

@@ -104,9 +104,7 @@ class Estimator:
         when ``c`` wins (Note [the plan's step], emit/plan.py). FSDP2's reduce-scatter after every micro-batch is
         the layout's only where there is more than one (with one, every micro-batch is the last and reduces anyway:
         the same step), as the plan says."""
-        parallel = self.parallel
-        if parallel.reduce_every_micro_batch and c.accumulation_steps == 1:
-            parallel = replace(parallel, reduce_every_micro_batch=False)
+        parallel = self.parallel.for_micro_batches(c.accumulation_steps)
         return replace(self.request.step(parallel), micro_batch_size=c.micro_batch_size,
                        accumulation_steps=c.accumulation_steps, precision=policy, checkpoint=c.checkpoint,
                        selective=c.selective, op_selective=c.op_selective, optimizer_in_backward=c.in_backward,

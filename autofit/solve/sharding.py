@@ -1,109 +1,15 @@
-"""Data-parallel choices: which modules FSDP2 shards as units, and what the collectives cost per step.
-
-Units follow FSDP2's documented practice (torchtitan's ``apply_fsdp``: one ``fully_shard`` per transformer block,
-then the root): the children of the model's largest ``nn.ModuleList`` / ``nn.Sequential`` (by parameters) with at
-least two parametrised children; failing that, every top-level child that holds parameters.
-
-The collectives' time of a layout is its dimensions' (``collective_seconds``, autofit/parallel/layout.py, over
-``autofit/parallel/collectives.py``'s links and rings); here, what the planner derives from it: the floor that
-orders layouts. Tensor parallel's share of a step (its rank's parameters and ops, its activation all-reduces) is
-its dimension's, ``autofit/parallel/tensor.py``, re-exported here.
-"""
+"""The layout's choices for the planner, re-exported: they are the layout's, ``autofit/parallel/choices.py`` (the
+layouts to plan, FSDP2's units, the collectives' floor), with the layout value, its collectives and tensor parallel's
+share of a step (``autofit/parallel/layout.py``, ``collectives.py``, ``tensor.py``), so that the modules importing
+them from here keep working."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
-
-from torch import nn
-
-from autofit.parallel import DIMENSIONS, enumerate_layouts
+from autofit.parallel.choices import LayoutRequest, collective_floor, layouts, shard_units  # re-exported
 from autofit.parallel.collectives import Links, ring_seconds  # re-exported
-from autofit.parallel.layout import Parallel, Strategy, collective_seconds, from_layout, layout_words, ranks_per_node  # re-exported: the layout's home is autofit/parallel/
+from autofit.parallel.layout import Parallel, Strategy, collective_seconds, layout_words, ranks_per_node  # re-exported
 from autofit.parallel.tensor import split_ops, tensor_group_bytes, tensor_reduce_bytes  # re-exported, likewise
 
-if TYPE_CHECKING:
-    from autofit.device import DeviceTarget
-    from autofit.training.batch import Batch
-
-__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Links", "Strategy", "ring_seconds"]
-
-
-class LayoutRequest(Protocol):
-    """What :func:`layouts` (through the layout dimensions, autofit/parallel/) and :func:`collective_floor` read of the request
-    (``autofit.request.PlanRequest`` has these fields). The request is built after this stage in the import order,
-    so this module names the fields it reads instead of importing the request (no import against the pipeline,
-    annotations included: tests/test_architecture.py)."""
-
-    @property
-    def model(self) -> nn.Module: ...
-    @property
-    def batch(self) -> Batch: ...
-    @property
-    def device(self) -> DeviceTarget: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def gpus_per_node(self) -> int: ...  # ranks per node (0: one node)
-    @property
-    def reshard_options(self) -> tuple[bool | int, ...]: ...
-    @property
-    def replicate_options(self) -> tuple[int, ...]: ...
-    @property
-    def tensor_options(self) -> tuple[int, ...]: ...
-    @property
-    def layout_options(self) -> Any: ...  # the user's autofit.Layout as given (options.py stands above this layer)
-    @property
-    def clip_grad_norm(self) -> float | None: ...
-
-
-
-
-def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
-    """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): one process, DDP, or
-    FSDP2's, the layout dimensions' enumeration (``autofit.parallel.enumerate_layouts``: every tensor-parallel
-    degree, HSDP replicate size and reshard option the request allows that the dimensions' rules accept)."""
-    if strategy is None:
-        return [Parallel()]
-    base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
-    if not base.shards_parameters:
-        return [base]
-    units = shard_units(request.model)
-    found = (from_layout(layout, gpus_per_node=request.gpus_per_node, shard_units=units)
-             for layout in enumerate_layouts(DIMENSIONS, request.world_size, request))
-    return list(dict.fromkeys(found))
-
-
-def _param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def shard_units(model: nn.Module) -> tuple[str, ...]:
-    best: tuple[int, tuple[str, ...]] = (0, ())
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and module is not model:
-            children = [(f"{name}.{child}" if name else child, m) for child, m in module.named_children()]
-            with_params = [n for n, m in children if _param_count(m) > 0]
-            total = _param_count(module)
-            if len(with_params) >= 2 and total > best[0]:
-                best = (total, tuple(with_params))
-    if best[1]:
-        return best[1]
-    return tuple(name for name, child in model.named_children() if _param_count(child) > 0)
-
-
-def collective_floor(request: LayoutRequest, parallel: Parallel, stored_itemsizes: Iterable[int] = ()) -> float:
-    """Seconds of ``parallel``'s data-parallel collectives in a step of one micro-batch (the fewest all-gathers),
-    over the part of the parameters a rank computes with (``Layout.model_ways``: split T ways under tensor parallel,
-    Note [a dimension's share of memory]), each floating one in the fewest bytes of its own and
-    ``stored_itemsizes`` (the stored precisions a plan may choose; none: as the model holds them). With none, the
-    order the planner tries layouts in (Note [layouts that cannot win], planning/climb.py); with a layout's rungs'
-    stored precisions, a floor of every rung's modelled step, which adds them to the compute, not overlapped
-    (solve/time_model.py; Note [ruled out by arithmetic], planning/race.py). Tensor parallel's all-reduces, which
-    need the analysis' activation sizes, are left out."""
-    if parallel.strategy is None or parallel.data_ranks <= 1:
-        return 0.0
-    least = min(stored_itemsizes, default=None)
-    nbytes = sum(p.numel() * (min(p.element_size(), least) if least is not None and p.is_floating_point()
-                              else p.element_size()) for p in request.model.parameters()) // parallel.layout.model_ways
-    return collective_seconds(parallel.data_parallel, Links.of(request.device), nbytes, nbytes, 1)
+__all__ = ["Parallel", "LayoutRequest", "layouts", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops",
+           "layout_words", "shard_units", "collective_seconds", "collective_floor", "ranks_per_node", "Links",
+           "Strategy", "ring_seconds"]

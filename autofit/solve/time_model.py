@@ -7,8 +7,9 @@ linear in the micro-batch b (the analysis ran at two sizes). Small ops reach a f
 ``f / (f + knee)`` with ``knee`` the FLOPs at which a GPU reaches half its peak, which is why large micro-batches win
 when they fit, together with the per-op launch cost paid once per micro-batch. A recomputed module costs its
 forward ops again. The optimizer streams parameters, gradients and state once per step; with data parallelism
-the strategy's collectives (``sharding.py``) are added, not overlapped with compute. Each op is costed at the
-precision of the dtype it computed in (``precision_of``), so under autocast the ops that stay in fp32 cost fp32.
+the layout's collectives are added, not overlapped with compute (the layout's part of the step,
+``autofit/parallel/step_time.py``). Each op is costed at the precision of the dtype it computed in
+(``precision_of``), so under autocast the ops that stay in fp32 cost fp32.
 Assumptions, and what is not modelled (overlap, cuDNN algorithm choice, data loading): docs/planner.md.
 
 Note [offload time]
@@ -22,30 +23,25 @@ Note [offload time]
       FSDP2 issues these copies with the collectives it runs on their own streams, so they hide behind compute:
       only ``max(0, transfers - compute)`` of each micro-batch is added. The optimizer then steps on the CPU, streaming
       parameters, gradients and state through host memory at ``HOST_OPTIMIZER_BYTES_PER_SECOND``, after backward
-      (not overlapped).
+      (not overlapped). This part is the layout's: ``LayoutTime.optimizer_seconds``, autofit/parallel/step_time.py.
     Both are checked against hand computations in tests/test_offload.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from autofit.analyse.table import OpCosts
 from autofit.device import DeviceTarget, Throughput
-from autofit.solve.sharding import Links, collective_seconds
+from autofit.parallel.collectives import Links
 from autofit.parallel.layout import Parallel
+# HOST_OPTIMIZER_BYTES_PER_SECOND is re-exported: it was this module's
+from autofit.parallel.step_time import HOST_OPTIMIZER_BYTES_PER_SECOND, LayoutTime, layout_time
 
-__all__ = ["TimeModel", "StepTime", "build_time_model", "HOST_OPTIMIZER_BYTES_PER_SECOND"]
-
-# What a CPU optimizer step streams per second through host memory: torch's for-loop (single-tensor) Adam on CPU
-# tensors, which is what a CPU-offloaded FSDP2 step runs (foreach kernels are CUDA-only: torch/utils/_foreach_utils.py).
-# An assumption for ranking, not a measurement: a few GB/s, well under a server's memory bandwidth, as the per-tensor
-# loop and its temporaries cost several passes over memory (the ZeRO-Offload paper, Ren et al. 2021, section 5.1,
-# reports PyTorch's CPU Adam several times slower than its vectorised CPU-Adam for the same reason).
-HOST_OPTIMIZER_BYTES_PER_SECOND = 5e9
+__all__ = ["TimeModel", "StepTime", "build_time_model", "HOST_OPTIMIZER_BYTES_PER_SECOND", "LayoutTime"]
 
 
 @dataclass(frozen=True)
@@ -66,14 +62,12 @@ class StepTime:
 class TimeModel:
     throughput: Throughput
     ops: OpCosts
-    optimizer_bytes: int  # bytes the optimizer step reads and writes
-    collectives: object = None  # micro_batches -> seconds of communication per step (data parallelism)
-    # Note [offload time]: saved bytes of each module (fixed, per sample), the host link (None: no offloading),
-    # and for FSDP2's CPUOffloadPolicy the host copy of the parameters (fp32 shards) and gradients it moves
+    # the layout's part (autofit/parallel/step_time.py): the optimizer's bytes on a rank, the collectives, and the
+    # host copies of states kept on the host
+    layout_time: LayoutTime = LayoutTime()
+    # Note [offload time]: saved bytes of each module (fixed, per sample), the host link (None: no offloading)
     saved_bytes: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     host_transfer: float | None = None
-    offload_states: bool = False
-    state_param_bytes: int = 0
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def offload_seconds(self, names: tuple[str, ...], batch: int) -> float:
@@ -146,15 +140,6 @@ class TimeModel:
                           and self.offload_seconds((n,), batch) < self.recompute_seconds(n, batch))
         return tuple(n for n in dropped if n not in offloaded), offloaded
 
-    def _states_transfer(self, compute_per_micro: list[float]) -> tuple[float, float]:
-        """(exposed transfer seconds, CPU optimizer seconds) of FSDP2's CPUOffloadPolicy (Note [offload time])."""
-        link = self.host_transfer
-        # each micro-batch gathers every unit for forward and for backward (2 shards in), and reduces its fp32
-        # gradients to the host (1 shard out): FSDP2 syncs every micro-batch when offloading (Note [offload])
-        per_micro = 3 * self.state_param_bytes / link
-        exposed = sum(max(0.0, per_micro - c) for c in compute_per_micro)
-        return exposed, 4 * self.state_param_bytes / HOST_OPTIMIZER_BYTES_PER_SECOND
-
     def _op_seconds(self, batch: int) -> np.ndarray:
         if batch not in self._cache:
             ops, tp = self.ops, self.throughput
@@ -187,12 +172,9 @@ class TimeModel:
             per_micro.append(float(seconds.sum()) + float(seconds[mask].sum()))
         launches = len(self.ops.precision) + int(mask.sum())
         overhead = len(sizes) * launches * self.throughput.op_overhead_seconds
-        optimizer = self.optimizer_bytes / self.throughput.bytes_per_second
-        if self.offload_states:
-            exposed, optimizer = self._states_transfer(per_micro)
-            transfer += exposed
-        if self.collectives is not None:
-            optimizer += self.collectives(len(sizes))
+        optimizer, exposed = self.layout_time.optimizer_seconds(self.throughput.bytes_per_second, self.host_transfer,
+                                                                 per_micro)
+        transfer += exposed  # 0.0 where the states stay on the device: the sum is unchanged
         return StepTime(compute, recompute, overhead, optimizer, transfer)
 
     def _recompute_mask(self, checkpoint: tuple[str, ...]) -> np.ndarray:
@@ -201,32 +183,14 @@ class TimeModel:
         return self.ops.under(checkpoint) & self.ops.forward
 
 
-
-
 def build_time_model(ops: OpCosts, param_bytes: int, target: DeviceTarget, parallel: Parallel = Parallel(), *,
                      saved_bytes: Mapping[str, tuple[float, float]] | None = None,
                      dimension_seconds: float = 0.0) -> TimeModel:
-    """The roofline over ``ops`` on ``target``, the optimizer streaming the parameters four times (weight, grad, two
-    states; FSDP2 streams one shard), the data-parallel collectives of ``parallel`` (its data-parallel part:
-    ``Parallel.data_parallel``), and offloading's transfers (``saved_bytes``: each module's saved activations, fixed
-    and per sample; ``parallel.offload_states``: FSDP2's CPUOffloadPolicy) over the target's host link (Note [offload
-    time]); offloading FSDP2 reduce-scatters every micro-batch (Note [offload]), as ``reduce_every_micro_batch`` does
-    (Note [gradient sync under accumulation], autofit/training/step.py); ``dimension_seconds``: the layout
-    dimensions' own collectives per optimizer step (``Layout.rank_work``: tensor parallel's all-reduces)."""
-    world_size = parallel.world_size
-    optimizer_bytes = 4 * param_bytes // parallel.shard_group
-    if parallel.offload_states:
-        parallel = replace(parallel, reduce_every_micro_batch=True)
-    links = Links.of(target)
-
-    def collectives(micro_batches: int) -> float:
-        return collective_seconds(parallel, links, param_bytes, param_bytes, micro_batches) + dimension_seconds
-
-    # one rank holds 1/world_size of the fp32 parameters (FSDP2 keeps fp32 shards whatever it gathers in)
-    shard = param_bytes // parallel.shard_group
-    return TimeModel(target.throughput, ops, optimizer_bytes,
-                     collectives if (parallel.strategy and world_size > 1) or dimension_seconds else None,
+    """The roofline over ``ops`` on ``target``, with ``parallel``'s part of the step (``layout_time``,
+    autofit/parallel/step_time.py: the optimizer's bytes on a rank, the data-parallel collectives and
+    ``dimension_seconds``, the layout dimensions' own per optimizer step, the host copies of states kept on the host)
+    and the offloaded activations' transfers (``saved_bytes``: each module's saved activations, fixed and per sample)
+    over the target's host link (Note [offload time])."""
+    return TimeModel(target.throughput, ops, layout_time(parallel, param_bytes, Links.of(target), dimension_seconds),
                      saved_bytes=dict(saved_bytes or {}),
-                     host_transfer=target.throughput.host_transfer_bytes_per_second,
-                     offload_states=parallel.offload_states,
-                     state_param_bytes=shard if parallel.offload_states else 0)
+                     host_transfer=target.throughput.host_transfer_bytes_per_second)
