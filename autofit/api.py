@@ -25,7 +25,6 @@ from autofit.core._torch_interrupts import import_lazy_modules
 from autofit.options import STEP_GROUPS, Device, Layout, Precision, Step, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
-from autofit.solve.sharding import shard_units
 from autofit.solve.terms import large_term_notes
 from autofit.parallel.requested import estimate_notes, one_layout, step_layout
 from autofit.training.step import StepConfig, forward_errors, make_step_config
@@ -49,7 +48,7 @@ def _config(model, given: _OneStep, micro_batch_size, optimizer, clip_grad_norm,
             loss_fn) -> StepConfig:
     step = given.step
     # the layout's own rules, before its modules are resolved or anything simulated (autofit/parallel/requested.py)
-    layout = step_layout(model, given.layout, step, tensors=batch.tensors(), shard_units=shard_units(model))
+    layout = step_layout(model, given.layout, step, batch.tensors())
     chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=step.accumulation_steps,
                             precision=given.precision, checkpoint=step.checkpoint, optimizer=optimizer,

@@ -24,7 +24,7 @@ from autofit.analyse.analyse import op_costs
 from autofit.request import make_request
 from autofit.solve.candidate import Candidate
 from autofit.solve.estimator import Estimator
-from autofit.solve.sharding import layouts
+from autofit.parallel.choices import layouts
 from autofit.solve.space import analyse_policies, search_space
 from autofit.solve.time_model import build_time_model
 from autofit.simulate.timeline import Phase

@@ -19,7 +19,7 @@ from autofit.solve.candidate import Candidate
 from autofit.solve.depth import depth_runs
 from autofit.solve.estimator import Estimator
 from autofit.solve.extrapolate import extrapolate
-from autofit.solve.sharding import layouts
+from autofit.parallel.choices import layouts
 from benchmarks.llama import Llama, LlamaConfig
 
 LAYERS = 12

@@ -73,7 +73,7 @@ def _forward_gathers(model: nn.Module, float8) -> list[int]:
     """The bytes of each buffer FSDP2 all-gathers into in the simulated forward (the storage the ``empty`` before
     each ``all_gather_copy_in`` made), one rank of 2."""
     from autofit.simulate.run import simulate_step
-    from autofit.solve.sharding import shard_units
+    from autofit.parallel.choices import shard_units
     from autofit.training.step import make_step_config
     from autofit.validate import as_inputs
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import autofit
 from autofit.request import Parallel, make_request
 from autofit.solve.ladder import ladder
-from autofit.solve.sharding import shard_units
+from autofit.parallel.choices import shard_units
 from sharded_models import wide_blocks
 
 MiB = 2**20

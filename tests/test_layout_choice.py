@@ -10,7 +10,9 @@ import pytest
 import autofit
 from autofit.cuda.catalog import gpu_spec
 from autofit.core.errors import InvalidInputError
-from autofit.solve.sharding import Links, Parallel, collective_seconds
+from autofit.parallel.collectives import Links
+from autofit.parallel.layout import Parallel
+from autofit.parallel.step_time import collective_seconds
 from zoo import ZOO
 
 GB = 1e9
@@ -87,7 +89,7 @@ def test_bad_layouts_are_refused_before_any_simulation(kwargs, words):
 def test_auto_layouts_across_nodes():
     """4 nodes x 8 with "auto": ZeRO-3, ZeRO-2 and the reshard to a node over all 32 ranks, and HSDP 4 x 8 with
     ZeRO-3 and ZeRO-2 (a reshard to 8 inside a shard group of 8 is no reshard: torch refuses it as an int)."""
-    from autofit.solve.sharding import layouts
+    from autofit.parallel.choices import layouts
     from autofit.parallel.requested import fsdp2_layouts
 
     assert fsdp2_layouts(32, "fsdp2", 8, "auto", "auto") == (8, (True, False, 8), (1, 4))
@@ -149,7 +151,7 @@ def test_tensor_parallel_layouts_have_no_int_reshard():
     raises "Resharding to smaller mesh is not supported for DTensor parameters yet"), which a 405B plan learned by
     analysing three such layouts."""
     from autofit.request import make_request
-    from autofit.solve.sharding import layouts
+    from autofit.parallel.choices import layouts
     from sharded_models import wide_blocks
 
     case = wide_blocks("meta")
@@ -176,8 +178,7 @@ def _two_linears_over(world: int, per_node: int, reshard, min_stored=None):
 
     from autofit.planning.climb import Climb
     from autofit.request import make_request
-    from autofit.solve.sharding import layouts
-
+    from autofit.parallel.choices import layouts
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
     request = make_request(model, torch.zeros(8, 1024, device="meta"), "8GB", batch_size=8 * world,

@@ -86,7 +86,7 @@ def test_zero2_holds_the_gathered_units_between_forward_and_backward():
     """Same step, ZeRO-2 vs ZeRO-3: ZeRO-2's peak is higher, by at most the units' unsharded parameters (what it
     keeps gathered from forward to backward instead of gathering again)."""
     from autofit.simulate.run import simulate_step
-    from autofit.solve.sharding import shard_units
+    from autofit.parallel.choices import shard_units
     from autofit.training.step import make_step_config
 
     case = ZOO["gpt_sdpa"]()

@@ -20,7 +20,7 @@ from autofit.cuda.catalog import GPUS, pcie_bytes_per_second
 from autofit.device import resolve_device
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.layout import Parallel
-from autofit.solve.sharding import shard_units
+from autofit.parallel.choices import shard_units
 from autofit.solve.time_model import HOST_OPTIMIZER_BYTES_PER_SECOND, LayoutTime, TimeModel
 
 BLOCKS = [str(i) for i in range(6)]

@@ -20,7 +20,7 @@ from autofit.core import progress, workers
 from autofit.analyse.analyse import analyse_model
 from autofit.training.step import make_step_config
 from autofit.core.errors import ForwardError
-from autofit.solve.sharding import Parallel
+from autofit.parallel.layout import Parallel
 from autofit.solve.space import analyse_policies as _analyse
 from autofit.solve.space import search_space as _search_space
 from autofit.request import make_request
@@ -445,7 +445,7 @@ import os, sys
 os.environ["AUTOFIT_WORKERS"] = "1"
 sys.path.insert(0, {tests!r})
 from dataclasses import replace
-from autofit.solve.sharding import Parallel
+from autofit.parallel.layout import Parallel
 from autofit.solve.estimator import Estimator
 from autofit.simulate.run import simulate_step
 from autofit.solve.candidate import Candidate

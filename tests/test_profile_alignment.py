@@ -13,7 +13,8 @@ import torch
 import autofit
 from autofit.request import make_request
 from autofit.simulate.run import simulate_step
-from autofit.solve.sharding import Parallel, shard_units
+from autofit.parallel.layout import Parallel
+from autofit.parallel.choices import shard_units
 from autofit.solve.space import analyse_policies, search_space
 from autofit.training.step import make_step_config
 from autofit.validate import as_inputs

@@ -14,7 +14,7 @@ import autofit
 from autofit.core.errors import UnsupportedModelError
 from autofit.emit.plan import Plan
 from autofit.parallel.layout import Parallel
-from autofit.solve.sharding import shard_units
+from autofit.parallel.choices import shard_units
 from autofit.training.precision import as_policy
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from sharded_models import tiny_llama
@@ -148,8 +148,8 @@ def test_collectives_counted_by_hand():
     attention and MLP move 2 X each (an all-gather and a reduce-scatter in forward, the same in backward, each half
     an all-reduce), the first block's input gradient X / 2 and the final norm's input X / 2: 9 X. The split
     weights per rank are the same."""
-    from autofit.solve.sharding import Parallel, tensor_group_bytes, tensor_reduce_bytes
-
+    from autofit.parallel.layout import Parallel
+    from autofit.parallel.tensor import tensor_group_bytes, tensor_reduce_bytes
     x = TOKENS * HIDDEN * 4
     case = tiny_llama()
     blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
@@ -174,8 +174,8 @@ def test_collectives_are_the_ones_torch_runs(tmp_path):
     case = tiny_llama()
     blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
     jobs, expected = [], []
-    from autofit.solve.sharding import Parallel, tensor_reduce_bytes
-
+    from autofit.parallel.layout import Parallel
+    from autofit.parallel.tensor import tensor_reduce_bytes
     for mapping in (blocks, _mapping(case.model)):
         plan = resolve_tensor_plan(case.model, 2, mapping)
         parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)

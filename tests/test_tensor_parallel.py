@@ -14,7 +14,7 @@ import autofit
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.emit.plan import Plan
 from autofit.parallel.layout import Parallel
-from autofit.solve.sharding import shard_units
+from autofit.parallel.choices import shard_units
 from autofit.training.precision import as_policy
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
 from sharded_models import tiny_llama

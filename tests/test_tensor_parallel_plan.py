@@ -11,7 +11,9 @@ import autofit
 from autofit.analyse.analyse import analyse_model
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.emit.export import to_deepspeed_config, to_torchtitan_config
-from autofit.solve.sharding import Parallel, ring_seconds, tensor_group_bytes, tensor_reduce_bytes
+from autofit.parallel.layout import Parallel
+from autofit.parallel.collectives import ring_seconds
+from autofit.parallel.tensor import tensor_group_bytes, tensor_reduce_bytes
 from autofit.training.batch import as_batch
 from autofit.training.step import make_step_config
 from autofit.parallel.tensor_parallel import resolve_tensor_plan

@@ -17,7 +17,7 @@ import autofit
 from autofit.core.errors import UnsupportedModelError
 from autofit.emit.plan import Plan
 from autofit.parallel.layout import Parallel
-from autofit.solve.sharding import shard_units
+from autofit.parallel.choices import shard_units
 from autofit.training.batch import as_batch
 from autofit.training.precision import as_policy
 from autofit.parallel.tensor_parallel import resolve_tensor_plan
@@ -150,7 +150,8 @@ def test_vocabulary_split_collectives_counted_by_hand():
     the embedding's all-reduced output (32 x 64), and the head's all-gathered logits (32 x 512, priced as half an
     all-reduce) plus the all-reduced gradient of its input (32 x 64). Each rank holds 1/2 of every split weight."""
     from autofit.analyse.analyse import analyse_model
-    from autofit.solve.sharding import Parallel, tensor_group_bytes, tensor_reduce_bytes
+    from autofit.parallel.layout import Parallel
+    from autofit.parallel.tensor import tensor_group_bytes, tensor_reduce_bytes
     from autofit.training.step import make_step_config
 
     tokens = 32

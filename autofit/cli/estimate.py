@@ -19,7 +19,8 @@ from autofit.core.report import MemoryEstimate
 from autofit.core.units import format_mib
 from autofit.options import Device, Layout, Step
 from autofit.device import resolve_device
-from autofit.solve.sharding import layout_words, shard_units
+from autofit.parallel.layout import layout_words
+from autofit.parallel.choices import shard_units
 from autofit.training.config import DeviceKind, as_zero_grad
 from autofit.parallel.layout import as_strategy
 from autofit.training.recompute import POLICIES
@@ -27,7 +28,7 @@ from autofit.training.recompute import POLICIES
 __all__ = ["EstimateSetup", "estimate_setup", "run_estimate", "estimate_data", "estimate_tables", "BLOCKS",
            "sequence_option", "STEP_FLAGS", "NOT_STEP_KNOBS"]
 
-BLOCKS = "blocks"  # --checkpoint blocks: the model's repeated blocks, the units plan shards (solve/sharding.py)
+BLOCKS = "blocks"  # --checkpoint blocks: the model's repeated blocks, the units plan shards (parallel/choices.py)
 
 # Every step knob autofit.estimate takes, with the flag(s) of ``autofit estimate`` that set it (issue 56: a knob the
 # Python call has and the command lacks is a figure the command cannot show); tests/test_cli_estimate.py checks

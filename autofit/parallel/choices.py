@@ -5,9 +5,9 @@ Units follow FSDP2's documented practice (torchtitan's ``apply_fsdp``: one ``ful
 then the root): the children of the model's largest ``nn.ModuleList`` / ``nn.Sequential`` (by parameters) with at
 least two parametrised children; failing that, every top-level child that holds parameters.
 
-The collectives' time of a layout is its dimensions' (``collective_seconds``, autofit/parallel/layout.py, over
+The collectives' time of a layout is its dimensions' (``collective_seconds``, autofit/parallel/step_time.py, over
 ``autofit/parallel/collectives.py``'s links and rings); here, what the planner derives from it: the floor that
-orders layouts. This module was ``autofit/solve/sharding.py``, which re-exports it.
+orders layouts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torch import nn
 
 from autofit.parallel import DIMENSIONS, enumerate_layouts
 from autofit.parallel.collectives import Links
-from autofit.parallel.layout import Parallel, collective_seconds, from_layout
+from autofit.parallel.layout import Parallel, from_layout
+from autofit.parallel.step_time import collective_seconds
 
 __all__ = ["LayoutRequest", "layouts", "shard_units", "collective_floor"]
 

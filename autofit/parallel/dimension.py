@@ -19,7 +19,7 @@ Note [layout dimensions]
       - whether its ranks share their rows (:attr:`Dimension.shares_rows`: tensor and context parallel split a row's
         work, data parallel splits the rows), and where its dim sits in the mesh (:attr:`Dimension.mesh_rank`);
       - its collectives' time in a step (:meth:`Dimension.collective_seconds`, summed by
-        ``autofit.parallel.layout.collective_seconds``), and its share of one rank's work, what the time model
+        ``autofit.parallel.step_time.collective_seconds``), and its share of one rank's work, what the time model
         prices (:meth:`Dimension.rank_work`, folded by :meth:`Layout.rank_work`: tensor parallel's split ops and
         parameters and its all-reduces);
       - its share of the step's memory (Note [a dimension's share of memory]): how many ways it splits the model a

@@ -17,10 +17,9 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
-from autofit.parallel.collectives import Links
 from autofit.parallel.dimension import ExportFragment, ExportInputs, Layout, Placement, StepKnobs, rank_count
 
-__all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "collective_seconds", "Parallel", "ranks_per_node", "layout_words",
+__all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "Parallel", "ranks_per_node", "layout_words",
            "JSON_PLACES", "layout_from_json", "trade_words"]
 
 
@@ -407,22 +406,6 @@ def from_layout(layout: Layout, *, gpus_per_node: int = 0, shard_units: tuple[st
     return Parallel(strategy=Strategy.FSDP2, world_size=layout.world_size, gpus_per_node=gpus_per_node,
                     shard_units=shard_units, reshard_after_forward=raf, replicate=layout.degree("dp_replicate"),
                     tensor_parallel=layout.degree("tp"), tensor_plan=() if tensor is None else tensor.option("plan", ()))
-
-
-def collective_seconds(layout: Parallel, links: Links, param_bytes: float, grad_bytes: float,
-                       micro_batches: int) -> float:
-    """Seconds of communication per optimizer step of ``layout``'s data-parallel part (no overlap with compute
-    assumed: a ranking, not a forecast): each dimension's own (``Dimension.collective_seconds``), the innermost
-    first (FSDP2's shard dim, then HSDP's replicate dim). ``layout`` holds no tensor parallel (its all-reduces are
-    counted apart; callers pass ``Parallel.data_parallel``)."""
-    if layout.strategy is None or layout.world_size <= 1:
-        return 0.0
-    steps = layout.layout
-    seconds = 0.0
-    for placement in reversed(steps.placements):
-        seconds += DIMENSIONS[placement.dimension].collective_seconds(steps, placement, links, param_bytes,
-                                                                      grad_bytes, micro_batches)
-    return seconds
 
 
 def trade_words(parallels: Iterable[Parallel]) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int
+from autofit.parallel.choices import shard_units
 from autofit.parallel.layout import Parallel, Strategy, as_strategy, check_layout
 from autofit.parallel.replicate import replicate_choices
 from autofit.parallel.sequence_parallel import require_sequence_split
@@ -42,13 +43,11 @@ def one_layout(layout: Any, function: str) -> Any:
                                replicate=1 if layout.replicate == "auto" else layout.replicate)
 
 
-def step_layout(model: nn.Module, layout: Any, step: Any, *, tensors: Iterable[torch.Tensor],
-                shard_units: tuple[str, ...]) -> Parallel:
+def step_layout(model: nn.Module, layout: Any, step: Any, tensors: Iterable[torch.Tensor]) -> Parallel:
     """The :class:`Parallel` of one step: ``layout`` as :func:`one_layout` made it; of ``step`` (the user's
     ``autofit.Step``) the knobs that place states: ``offload_states`` (FSDP2's CPUOffloadPolicy on one process,
     sharding the planner's units: Note [offload]) and ``reduce_every_micro_batch``; ``tensors`` (the sample's, which
-    sequence parallel must split evenly) and ``shard_units`` (the modules FSDP2 shards as units, as ``plan`` shards
-    them: ``autofit.solve.sharding.shard_units``; unused without sharding)."""
+    sequence parallel must split evenly). FSDP2 shards the units ``plan`` shards (:func:`shard_units`)."""
     world_size, tensor_parallel = layout.world_size, layout.tensor_parallel
     offload_states, reduce_every_micro_batch = step.offload_states, step.reduce_every_micro_batch
     require_int("world_size", world_size)
@@ -68,7 +67,7 @@ def step_layout(model: nn.Module, layout: Any, step: Any, *, tensors: Iterable[t
                                 "number of ranks that split each layer")
     tensor_plan = resolve_tensor_plan(model, tensor_parallel, layout.tensor_parallel_plan)
     require_sequence_split(tensor_plan, tensor_parallel, tensors, "the sample")
-    return Parallel(strategy=strategy, world_size=world_size, shard_units=shard_units if sharded else (),
+    return Parallel(strategy=strategy, world_size=world_size, shard_units=shard_units(model) if sharded else (),
                     offload_states=bool(offload_states), reduce_every_micro_batch=bool(reduce_every_micro_batch),
                     reshard_after_forward=layout.reshard_after_forward, replicate=layout.replicate,
                     tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan))

@@ -1,6 +1,6 @@
 """The layout's part of a step's time, as the time model prices it (``autofit/solve/time_model.py``): what the
 optimizer step streams on a rank (the whole model, or FSDP2's shard), the data-parallel collectives (each
-dimension's, ``autofit.parallel.layout.collective_seconds``, with the dimensions' own: tensor parallel's all-reduces),
+dimension's, :func:`collective_seconds`, with the dimensions' own: tensor parallel's all-reduces),
 and the host copies and CPU optimizer step of states kept on the host (FSDP2's CPUOffloadPolicy, Note [offload
 time], solve/time_model.py). The time model asks one :class:`LayoutTime` for its seconds and reads no field of the
 layout.
@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from autofit.parallel.collectives import Links
-from autofit.parallel.layout import Parallel, collective_seconds
+from autofit.parallel import DIMENSIONS
+from autofit.parallel.layout import Parallel
 
-__all__ = ["LayoutTime", "layout_time", "HOST_OPTIMIZER_BYTES_PER_SECOND"]
+__all__ = ["LayoutTime", "layout_time", "collective_seconds", "HOST_OPTIMIZER_BYTES_PER_SECOND"]
 
 # What a CPU optimizer step streams per second through host memory: torch's for-loop (single-tensor) Adam on CPU
 # tensors, which is what a CPU-offloaded FSDP2 step runs (foreach kernels are CUDA-only: torch/utils/_foreach_utils.py).
@@ -74,3 +75,19 @@ def layout_time(parallel: Parallel, param_bytes: int, links: Links, dimension_se
     return LayoutTime(optimizer_bytes,
                       collectives if (parallel.strategy and world_size > 1) or dimension_seconds else None,
                       shard if parallel.offload_states else None)
+
+
+def collective_seconds(layout: Parallel, links: Links, param_bytes: float, grad_bytes: float,
+                       micro_batches: int) -> float:
+    """Seconds of communication per optimizer step of ``layout``'s data-parallel part (no overlap with compute
+    assumed: a ranking, not a forecast): each dimension's own (``Dimension.collective_seconds``), the innermost
+    first (FSDP2's shard dim, then HSDP's replicate dim). ``layout`` holds no tensor parallel (its all-reduces are
+    counted apart; callers pass ``Parallel.data_parallel``)."""
+    if layout.strategy is None or layout.world_size <= 1:
+        return 0.0
+    steps = layout.layout
+    seconds = 0.0
+    for placement in reversed(steps.placements):
+        seconds += DIMENSIONS[placement.dimension].collective_seconds(steps, placement, links, param_bytes,
+                                                                      grad_bytes, micro_batches)
+    return seconds

@@ -20,7 +20,7 @@ from autofit.request import Parallel, PlanRequest
 from autofit.solve.host import check_host_before_analysis
 from autofit.solve.ladder import Stage, ladder, states_floor
 from autofit.solve.search import search, time_floor
-from autofit.solve.sharding import collective_floor, layouts
+from autofit.parallel.choices import collective_floor, layouts
 from autofit.core.units import format_bytes
 
 from autofit.planning.climb import Climb, Unplanned, plan_layout

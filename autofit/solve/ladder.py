@@ -38,14 +38,13 @@ from typing import TYPE_CHECKING, Any
 from autofit.features import OPT_IN, OptInFeature
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.precision import stored_dtype
-from autofit.solve.sharding import shard_units
+from autofit.parallel.choices import shard_units
 from autofit.parallel.apply import bitsandbytes_parameters
 from autofit.training.stored import stored_bytes_per_parameter
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
-    from autofit.solve.sharding import Parallel
-
+    from autofit.parallel.layout import Parallel
 __all__ = ["Stage", "gpus_for_states", "ladder", "skipped_note", "states_bytes", "states_floor"]
 
 
