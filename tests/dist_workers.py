@@ -143,7 +143,8 @@ def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: s
                 results.append({"params": params})
             else:  # memory: each rank trains on its own slice (local=True), as with a DistributedSampler
                 # with tensor parallel the ranks of a group share their slice: the data-parallel rank and count
-                data_rank, data_ranks = trainer.data_rank, trainer.data_ranks
+                shape = plan.parallel.layout
+                data_rank, data_ranks = shape.data_rank(trainer.rank), shape.data_ranks
                 rows = plan.batch_size // data_ranks
                 mine = batch.slice(data_rank * rows, (data_rank + 1) * rows).map_tensors(lambda t: t.clone())
                 mine_target = None if target is None else target.slice(

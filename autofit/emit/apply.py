@@ -13,6 +13,7 @@ from torch import nn
 from autofit.emit.model_record import check_made_for
 from autofit.emit.trainer import Trainer
 from autofit.emit.wrapping import refuse_wrapped
+from autofit.parallel.processes import trainer_for
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -29,10 +30,15 @@ def wrap(plan: Plan, model: nn.Module, optimizer: Any, *, loss_fn: Any = None, l
     if isinstance(model, nn.Module):
         refuse_wrapped(model)  # before DDP or FSDP2 wraps it (Note [one trainer per model])
         check_made_for(plan.made_for, model)  # Note [the plan's model]
-    if plan.parallel.world_size > 1 or plan.parallel.strategy is not None:
+
+    def laid_out() -> Trainer:
         # imported here, as before: torch.distributed's trainer is loaded only for a plan that needs it
         from autofit.emit.distributed import DistributedTrainer
 
         return DistributedTrainer(plan, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction,
                                   shared=shared)
-    return Trainer(plan, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
+
+    def one_process() -> Trainer:
+        return Trainer(plan, model, optimizer, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
+
+    return trainer_for(plan.parallel, one_process, laid_out)  # which of the two the layout runs is its own

@@ -38,7 +38,7 @@ from autofit.emit.trainer import Trainer
 from autofit.features import before_wrap, convert_model
 from autofit.core.errors import InvalidInputError
 from autofit.training.loss import LossFn
-from autofit.parallel.apply import apply_layout, device_mesh, wrap_ddp
+from autofit.parallel.processes import join_process_group, lay_out_for_training, rank_rows_of
 
 if TYPE_CHECKING:
     from autofit.emit.plan import Plan
@@ -56,16 +56,6 @@ def _refuse_one_process_knobs(plan: Plan) -> None:
         )
 
 
-def _ddp(plan: Plan, model: nn.Module,
-         optimizer: torch.optim.Optimizer | Callable) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """``model`` in DistributedDataParallel with the plan's bucket mode, and the optimizer (an instance steps the
-    same parameters DDP wraps; a factory is built on them)."""
-    built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
-    device = next(model.parameters()).device
-    ids = [device.index] if device.type == "cuda" else None
-    return wrap_ddp(model, plan.step.gradient_as_bucket_view, device_ids=ids), built
-
-
 class DistributedTrainer(Trainer):
     """Executes a multi-process plan (``plan.parallel.world_size > 1``) on this rank: :meth:`Plan.wrap
     <autofit.Plan.wrap>` returns it. Needs ``torch.distributed`` initialised with ``plan.parallel.world_size``
@@ -77,61 +67,22 @@ class DistributedTrainer(Trainer):
         before_wrap(plan)  # before FSDP2 moves or shards anything (the allocator's setting)
         convert_model(plan.step, model)  # Float8's linears before the layout (Note [step features])
         _refuse_one_process_knobs(plan)
-        self._own_group = False
-        ranks = plan.parallel.world_size
-        if plan.parallel.offload_states and ranks == 1 and dist.is_available() and not dist.is_initialized():
-            # FSDP2 on one process (Note [offload]): a process group of one, torch's own, made and destroyed here
-            backend = plan.device.process_group_backend
-            self._excepthook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]" for good
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            self._own_group = True
-        if not dist.is_available() or not dist.is_initialized():
-            raise InvalidInputError(
-                f"this plan is for {ranks} processes ({plan.parallel.strategy}): call "
-                "torch.distributed.init_process_group() first (e.g. run under torchrun)"
-            )
-        if dist.get_world_size() != ranks:
-            raise InvalidInputError(
-                f"the plan is for world_size {ranks} but this job has {dist.get_world_size()} processes: "
-                "plan again with world_size=torch.distributed.get_world_size()"
-            )
+        hook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]" for good
+        # the job's process group must run the plan's layout; FSDP2 on one process (Note [offload]) makes its own
+        self._own_group = join_process_group(plan.parallel, lambda: plan.device.process_group_backend)
+        if self._own_group:
+            self._excepthook = hook
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # the rows this rank trains: the ranks of a tensor-parallel group share theirs (Layout.data_rank)
-        self.data_rank, self.data_ranks = plan.parallel.layout.data_rank(self.rank), plan.parallel.data_ranks
-        layout = plan.step.layout  # the layout the plan was verified with (Note [the plan's step])
-        if layout.replicates_parameters:
-            wrapped, built = _ddp(plan, model, optimizer)
-        elif layout.shards_parameters:
-            wrapped, built = self._fsdp2(plan, model, optimizer)
-        else:
-            raise InvalidInputError(f"this plan has no data-parallel strategy ({plan.parallel.strategy!r}): plans use "
-                                    "'ddp' or 'fsdp2'")
+        self._rows = rank_rows_of(plan.parallel, self.rank)
+        # the layout the plan was verified with (Note [the plan's step]), applied as the trainer runs it
+        wrapped, built, compute = lay_out_for_training(
+            model, optimizer, plan.step.layout, gradient_as_bucket_view=plan.step.gradient_as_bucket_view,
+            param_dtype=plan.step.precision.param_dtype, planned_device=plan.device)
+        if compute is not None:  # the device the step computes on, kept for the inputs
+            self._compute_device = compute
         self._inner = model
         super().__init__(plan, wrapped, built, loss_fn=loss_fn, loss_reduction=loss_reduction, shared=shared)
-
-    def _fsdp2(self, plan: Plan, model: nn.Module,
-               optimizer: torch.optim.Optimizer | Callable) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """``model`` laid out by FSDP2 (with tensor parallel where the plan splits layers) on this rank's mesh, and
-        the optimizer built on its sharded parameters; the device the step computes on, kept for the inputs."""
-        if isinstance(optimizer, torch.optim.Optimizer):
-            raise InvalidInputError(
-                "FSDP2 replaces the parameters when it shards them, so wrap() needs an optimizer factory: "
-                "plan.wrap(model, lambda params: torch.optim.AdamW(params, lr=...))"
-            )
-        device_type = next(model.parameters()).device.type
-        if plan.parallel.offload_states:  # the parameters stay on the host; the plan's device computes
-            device_type = plan.device
-            if any(p.device.type != "cpu" for p in model.parameters()):
-                raise InvalidInputError(
-                    "this plan keeps the parameters in host memory (FSDP2 CPUOffloadPolicy): give wrap() the "
-                    "model on the CPU (do not move it to the GPU first; FSDP2 copies each unit to the GPU when "
-                    "it runs)"
-                )
-        mesh = device_mesh(device_type, plan.step.layout)
-        self._compute_device = torch.device(device_type, torch.cuda.current_device()) \
-            if device_type == "cuda" else torch.device(device_type)
-        wrapped = apply_layout(model, mesh, plan.step.layout, plan.step.precision.param_dtype, pin_memory=device_type == "cuda")
-        return wrapped, optimizer(wrapped.parameters())
 
     def _input_device(self) -> torch.device:
         return getattr(self, "_compute_device", None) or super()._input_device()
@@ -139,15 +90,7 @@ class DistributedTrainer(Trainer):
     def _shard(self, batch: Batch, target: Batch | None):
         if self._local:
             return batch, target
-        if batch.size != self.plan.batch_size:
-            raise InvalidInputError(
-                f"step() takes the global batch of {self.plan.batch_size} samples on every rank (got {batch.size}); "
-                "pass local=True with this rank's own batch of "
-                f"{self.plan.batch_size // self.data_ranks} samples instead"
-            )
-        rows = batch.size // self.data_ranks
-        start, stop = self.data_rank * rows, (self.data_rank + 1) * rows
-        return batch.slice(start, stop), (None if target is None else target.slice(start, stop))
+        return self._rows.slice(batch, target, self.plan.batch_size)
 
     def _across_ranks(self, count: int | float) -> tuple[int | float, int]:
         """Items (or rows) summed over every rank: DDP and FSDP2 average gradients over ranks, so each rank's
@@ -158,10 +101,8 @@ class DistributedTrainer(Trainer):
         weighted = isinstance(count, float)
         total = torch.tensor([count], dtype=torch.float64 if weighted else torch.int64, device=device)
         dist.all_reduce(total)
-        copies = self.plan.parallel.layout.row_copies  # each row counted once per rank that trains it
-        if weighted:
-            return total.item() / copies, self.data_ranks
-        return int(total.item()) // copies, self.data_ranks
+        # each row counted once per rank that trains it: the layout's to undo
+        return self._rows.across_ranks(total.item() if weighted else int(total.item()))
 
     def _bounds(self, batch_rows: int, rows: int) -> list[tuple[int, int]]:
         """Every rank runs the same number of micro-batches: DDP broadcasts buffers and FSDP2 gathers parameters in

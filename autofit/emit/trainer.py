@@ -34,7 +34,7 @@ from autofit.features import FEATURES, before_wrap, convert_model
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.length import batch_length
 from autofit.parallel.schedule import schedule_of
-from autofit.parallel.sequence_parallel import require_sequence_split
+from autofit.parallel.processes import computes_on, require_split_batch
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import (
     LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter, refusing_ignored_targets,
@@ -119,7 +119,7 @@ class Trainer:
         self.shared = frozenset(plan.shared) if shared is None else as_shared(shared)  # Note [the batch dimension]
         # where the step computes: the parameters' device, but a plan whose parameters live in host memory (FSDP2
         # CPUOffloadPolicy, Note [offload]) computes on the plan's device
-        self.device_type = plan.device if plan.parallel.offload_states else _device_type(model)
+        self.device_type = computes_on(plan.parallel, plan.device, _device_type(model))
         # the step the plan's estimate verified (Note [the plan's step], emit/plan.py), with the two things only the
         # real run knows: the device the step computes on (a plan made for a GPU trains where the parameters are;
         # autocast follows it) and the optimizer given to wrap(), which the planner's factory stood for
@@ -155,8 +155,7 @@ class Trainer:
         batch, target_batch = as_batches(inputs, target, shared=self.shared, what="inputs",
                                          batch_dim=self.plan.batch_dim)  # Note [the batch dimension]
         batch, target_batch = self._shard(batch, target_batch)
-        layout = self.plan.parallel
-        require_sequence_split(layout.tensor_plan, layout.tensor_parallel, batch.tensors(), "this batch")
+        require_split_batch(self.plan.parallel, batch.tensors(), "this batch")
         device = self._input_device()
         bounds = self._bounds(batch.size, self._rows_for(batch, target_batch))
         if self.plan.optimizer_in_backward and len(bounds) > 1:  # each backward would step the optimizer again
