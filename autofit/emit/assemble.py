@@ -11,6 +11,7 @@ from typing import Any
 from autofit.core.report import MemoryEstimate
 from autofit.emit.plan import Plan
 from autofit.emit.plan_text import Alternative
+from autofit.parallel.host import recorded_host_budget
 from autofit.solve.candidate import Candidate
 from autofit.solve.search import pareto_front
 from autofit.training.config import StepConfig
@@ -42,7 +43,7 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
         predicted_step_seconds=chosen.seconds, estimate=replace(est, under=None), parallel=step.layout, gpu=step.gpu,
         frontier=front, notes=tuple(dict.fromkeys(notes)), clip_grad_norm=step.clip_grad_norm, zero_grad=step.zero_grad,
         optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
-        host_budget_bytes=host_budget_bytes if (step.offload or step.layout.offload_states) else None,
+        host_budget_bytes=recorded_host_budget(step.layout, host_budget_bytes, activations=bool(step.offload)),
         peak_reserved_bytes=est.peak_reserved_bytes, margin_bytes=margin_bytes, selective=step.selective,
         op_selective=step.op_selective,
         **features, verified_step=step,
@@ -63,20 +64,13 @@ def assemble_plan(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candida
 #     differ from their full estimates (GPT-2 on a T4, fp16 8 x 4: modelled 14,961.3 MiB, verified 14,618.0 MiB);
 #     the chosen configuration has been verified, so its row shows the verified figure, never the modelled one,
 #     and the plot's front passes through the point it marks as chosen.
-def _knobs(c: Candidate) -> tuple:
-    """What makes two candidates the same configuration (the verification may allocate gradients before forward
-    where only that fits: the same knobs, laid out otherwise)."""
-    return (c.precision, c.micro_batch_size, c.accumulation_steps, c.last_micro_batch_size, c.checkpoint,
-            c.selective, c.op_selective, c.in_backward, c.offload, c.offload_states)
-
-
 def front_with(chosen: Candidate, est: MemoryEstimate, fitting: tuple[Candidate, ...]) -> list[Candidate]:
     """The memory/time front of ``fitting`` with ``chosen`` at its verified figure (``est.device_bytes``) in place
     of its modelled one, and always on it (See Note [one configuration, one figure])."""
     if not fitting:  # the quick path has no front (Note [the quick path], solve/quick.py)
         return []
     verified = replace(chosen, peak_bytes=est.device_bytes)
-    front = pareto_front([c for c in fitting if _knobs(c) != _knobs(chosen)] + [verified])
+    front = pareto_front([c for c in fitting if c.configuration() != chosen.configuration()] + [verified])
     if verified not in front:  # a modelled tie in time with a smaller modelled peak: the plan is still this one
         front = sorted(front + [verified], key=lambda c: (c.seconds, -c.peak_bytes))
     return front

@@ -37,6 +37,13 @@ class Candidate:
     # gradients allocated before the first forward (Note [gradients before forward as a plan knob], estimator.py)
     preallocated_grads: bool = False
 
+    def configuration(self) -> tuple:
+        """What makes two candidates the same configuration: every knob but the figures (the verification may
+        allocate gradients before forward where only that fits: the same knobs, laid out otherwise)."""
+        return (self.precision, self.micro_batch_size, self.accumulation_steps, self.last_micro_batch_size,
+                self.checkpoint, self.selective, self.op_selective, self.in_backward, self.offload,
+                self.offload_states)
+
 
 @dataclass(frozen=True)
 class SearchSpace:
