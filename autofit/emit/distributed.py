@@ -12,6 +12,8 @@
 - Tensor parallel (``plan.parallel.tensor_parallel`` T > 1): ``parallelize_module`` on the "tp" dim of a
   (world_size // T, T) mesh first, then FSDP2 on its "dp_shard" dim (none when T == world_size):
   parallel/apply.py, ``apply_layout``.
+  What the layout decides for this trainer (its process group, the model laid out with its optimizer, the rows each
+  rank trains, the loss normalisation across ranks) is the layout's: parallel/processes.py, asked, never read.
   The micro-batch loop and its gradient sync are the schedule's (parallel/schedule.py, Note [one schedule]).
   The T ranks of a group see the same rows: "rank" below is the data-parallel rank, ``rank // T``, of
   ``world_size // T``.
