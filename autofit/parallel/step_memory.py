@@ -22,7 +22,7 @@ from autofit.parallel.tensor import split_parameters
 
 __all__ = ["rank_states_bytes", "gathered_bytes", "deferred_floor_bytes", "gpus_for_states_bytes", "node_bytes",
            "deferred_gradients_bytes", "DeferredTrade", "deferred_trade", "rung_what", "reducing_notes",
-           "analysis_words"]
+           "host_states_note", "analysis_words"]
 
 
 def rank_states_bytes(parallel: Parallel, whole: int) -> int:
@@ -118,6 +118,16 @@ def reducing_notes(parallel: Parallel, accumulation_steps: int) -> tuple[str, ..
                 "micro-batch every rank would hold the whole model's unsharded gradients until then, and nothing "
                 "fit (Note [gradient sync under accumulation])",)
     return ()
+
+
+def host_states_note(parallel: Parallel, skipped: str) -> str | None:
+    """The note of a plan found with ``parallel`` keeping the states in host memory (FSDP2's CPUOffloadPolicy) after
+    the rungs ``skipped`` (in words, each with its floor) were passed over: why they live there; None where the
+    layout keeps them on the GPU (the ladder's own note then, solve/ladder.py)."""
+    if not parallel.offload_states:
+        return None
+    return ("nothing fits with the parameters, gradients and optimizer state on the GPU (" + skipped + "): they "
+            "live in host memory and the optimizer steps on the CPU (FSDP2 CPUOffloadPolicy, see docs/offload.md)")
 
 
 def analysis_words(parallel: Parallel) -> str:

@@ -41,7 +41,7 @@ from autofit.training.precision import stored_dtype
 from autofit.parallel.choices import shard_units
 from autofit.parallel.apply import bitsandbytes_parameters
 from autofit.parallel.step_memory import (deferred_floor_bytes, gathered_bytes, gpus_for_states_bytes,
-                                          rank_states_bytes, rung_what)
+                                          host_states_note, rank_states_bytes, rung_what)
 from autofit.training.stored import stored_bytes_per_parameter
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
@@ -177,9 +177,9 @@ def skipped_note(stage: Stage, skipped: Sequence[str]) -> tuple[str, ...]:
     if not skipped:
         return ()
     listed = "; ".join(dict.fromkeys(skipped))
-    if stage.parallel.offload_states:
-        return ("nothing fits with the parameters, gradients and optimizer state on the GPU (" + listed + "): they "
-                "live in host memory and the optimizer steps on the CPU (FSDP2 CPUOffloadPolicy, see docs/offload.md)",)
+    host = host_states_note(stage.parallel, listed)  # the layout's words where it keeps the states on the host
+    if host is not None:
+        return (host,)
     return ("skipped without analysis, as their parameters, gradients and optimizer state alone miss the budget: "
             + listed,)
 
