@@ -18,6 +18,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.core.errors import ForwardError
 from autofit.core.report import MemoryEstimate
 from autofit.simulate.run import probes_kernels
+from autofit.parallel.step_memory import reducing_notes
 from autofit.solve.estimator import Estimator, with_rows
 from autofit.solve.lengths import first_guesses, rows_by_length
 from autofit.solve.candidate import Candidate
@@ -230,11 +231,8 @@ def rung_notes(request: PlanRequest, stage: Stage, estimator: Estimator, found: 
     """What the rung a plan was found on did: FSDP2's gradient sync every micro-batch, and what each opt-in rung in
     force saved (Note [the ladder]): the same configuration estimated in full without it, one more simulation per
     rung."""
-    notes = []
-    if stage.parallel.reduce_every_micro_batch and found.candidate.accumulation_steps > 1 and not for_time:
-        notes.append("FSDP2 reduce-scatters the gradients after every micro-batch: with the sync left to the last "
-                     "micro-batch every rank would hold the whole model's unsharded gradients until then, and nothing "
-                     "fit (Note [gradient sync under accumulation])")
+    # the layout's own note (FSDP2 reducing every micro-batch); a plan for time names none
+    notes = [] if for_time else list(reducing_notes(stage.parallel, found.candidate.accumulation_steps))
     policy = estimator.policy(found.candidate.precision)
     peak = found.estimate.device_bytes
     for feature, value in stage.features:  # Note [step features]

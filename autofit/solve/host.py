@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from autofit.core.errors import HostMemoryError
 from autofit.core.units import format_bytes
+from autofit.parallel.step_memory import node_bytes
 from autofit.solve.ladder import ladder, states_bytes
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def host_floor(request: PlanRequest, parallel: Parallel) -> tuple[int, int] | No
         return None
     k = request.optimizer.state_values_per_parameter()
     per_rank = states_bytes(request, host.parallel, host.policies[0], k)
-    return min(on_gpu), per_rank * host.parallel.ranks_per_node
+    return min(on_gpu), node_bytes(host.parallel, per_rank)  # the ranks of one node share its host
 
 
 def check_host_before_analysis(request: PlanRequest, parallels: list[Parallel]) -> None:

@@ -40,6 +40,8 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.precision import stored_dtype
 from autofit.parallel.choices import shard_units
 from autofit.parallel.apply import bitsandbytes_parameters
+from autofit.parallel.step_memory import (deferred_floor_bytes, gathered_bytes, gpus_for_states_bytes,
+                                          host_states_note, rank_states_bytes, rung_what)
 from autofit.training.stored import stored_bytes_per_parameter
 
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
@@ -114,7 +116,7 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
     for i, (policies, layout) in enumerate(zip(stages, layouts)):
         what = f"stored {policies[0].stored}" if policies[0].stored else "the model's own dtype"
         rungs.append(Stage(
-            what="FSDP2 reducing every micro-batch" if layout.reduce_every_micro_batch else what,
+            what=rung_what(layout, what),
             policies=policies, parallel=layout,
             in_backward=_in_backward(request, layout, policies) if i == own else (),
             floor_bytes=states_bytes(request, layout, policies[0], k) + _gathered_bytes(request, layout, policies),
@@ -166,7 +168,7 @@ def _opt_in_floor(request: PlanRequest, parallel: Parallel, policy: PrecisionPol
             master = 4 if str(policy.stored).endswith("-master") else 0
             state = k * (state_bytes if state_bytes is not None else (4 if master else low))
             total += p.numel() * (state + master + (0 if policy in in_backward else low))
-    return total // parallel.shard_group
+    return rank_states_bytes(parallel, total)
 
 
 def skipped_note(stage: Stage, skipped: Sequence[str]) -> tuple[str, ...]:
@@ -175,9 +177,9 @@ def skipped_note(stage: Stage, skipped: Sequence[str]) -> tuple[str, ...]:
     if not skipped:
         return ()
     listed = "; ".join(dict.fromkeys(skipped))
-    if stage.parallel.offload_states:
-        return ("nothing fits with the parameters, gradients and optimizer state on the GPU (" + listed + "): they "
-                "live in host memory and the optimizer steps on the CPU (FSDP2 CPUOffloadPolicy, see docs/offload.md)",)
+    host = host_states_note(stage.parallel, listed)  # the layout's words where it keeps the states on the host
+    if host is not None:
+        return (host,)
     return ("skipped without analysis, as their parameters, gradients and optimizer state alone miss the budget: "
             + listed,)
 
@@ -197,15 +199,13 @@ def gpus_for_states(request: PlanRequest, stages: Sequence[Stage]) -> int | None
     k = request.optimizer.state_values_per_parameter()
     best = None
     for stage in stages:
-        parallel = stage.parallel
-        if stage.host_check or not parallel.shards_parameters or parallel.world_size < 2:
+        if stage.host_check:
             continue
-        whole = states_bytes(request, parallel, stage.policies[0], k) * parallel.shard_group
-        room = request.fit_bytes - _gathered_bytes(request, parallel, stage.policies)
-        if room <= 0:
+        gpus = gpus_for_states_bytes(
+            stage.parallel, lambda s=stage: states_bytes(request, s.parallel, s.policies[0], k),
+            lambda s=stage: request.fit_bytes - _gathered_bytes(request, s.parallel, s.policies))
+        if gpus is None:  # one process, DDP, or no room beside what the layout keeps gathered
             continue
-        group = max(parallel.shard_group, -(-whole // room))
-        gpus = group * parallel.world_size // parallel.shard_group
         best = gpus if best is None else min(best, gpus)
     return best
 
@@ -223,7 +223,7 @@ def states_bytes(request: PlanRequest, parallel: Parallel, policy: PrecisionPoli
             total += p.numel() * size * (2 + k)
         else:
             total += p.numel() * stored_bytes_per_parameter(policy.stored, k)
-    return total // parallel.shard_group
+    return rank_states_bytes(parallel, total)
 
 
 def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]:
@@ -254,12 +254,11 @@ def _gathered_bytes(request: PlanRequest, parallel: Parallel, policies: tuple[Pr
     ``kept_gathered`` share of the model (Note [a dimension's share of memory], autofit/parallel/dimension.py:
     ZeRO-2 all of a rank's tensor-parallel share, an int reshard its group's part, ZeRO-3 and DDP nothing). Part
     of every floor of the layout, on top of the sharded states (or alone, with them on the host)."""
-    share = parallel.layout.kept_gathered
-    if not share:
-        return 0
-    low = min(p.dtype.itemsize for p in policies)
-    total = sum(p.numel() * (low if p.is_floating_point() else p.element_size()) for p in request.model.parameters())
-    return total * share.numerator // share.denominator
+    def whole() -> int:  # the model in the gathering precision: counted only where the layout keeps a share
+        low = min(p.dtype.itemsize for p in policies)
+        return sum(p.numel() * (low if p.is_floating_point() else p.element_size())
+                   for p in request.model.parameters())
+    return gathered_bytes(parallel, whole)
 
 
 # Note [a deferral that cannot fit]
@@ -285,7 +284,7 @@ def _deferred_gradients_floor(request: PlanRequest, stage: Stage) -> int:
         if p.requires_grad:
             unsharded += p.numel() * min(4 if policy.autocast else p.element_size() for policy in stage.policies)
             sharded += p.numel() * p.element_size()
-    return max(unsharded // stage.parallel.layout.model_ways - sharded // stage.parallel.shard_group, 0)
+    return deferred_floor_bytes(stage.parallel, unsharded, sharded)
 
 
 def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:

@@ -20,6 +20,7 @@ from autofit.solve.ladder import Stage
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.candidate import SearchSpace
 from autofit.parallel.dimension import RankWork, WorkInputs
+from autofit.parallel.step_memory import analysis_words
 from autofit.solve.time_model import build_time_model
 from autofit.training.step import forward_errors
 
@@ -34,9 +35,7 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
     """The analysis of every policy not analysed yet. CPU targets probe kernels for their scratch memory (see
     simulate/probe.py); the CUDA model has its own terms."""
     todo = [p for p in policies if p.label not in done]
-    where = " (states on the host)" if parallel.offload_states else (
-        f" ({parallel.strategy} over {parallel.world_size}"
-        f"{', reducing every micro-batch' if parallel.reduce_every_micro_batch else ''})" if parallel.strategy else "")
+    where = analysis_words(parallel)
     analyses = {}
     with forward_errors():
         for i, p in enumerate(todo):

@@ -30,8 +30,7 @@ from torch import nn
 
 from autofit.core.categories import Category
 from autofit.core.units import format_bytes
-from autofit.parallel.tensor import split_parameters
-from autofit.parallel.collectives import Links, ring_seconds
+from autofit.parallel.step_memory import deferred_gradients_bytes, deferred_trade
 __all__ = ["LARGE_SHARE", "deferred_gradient_bytes", "deferred_gradient_note", "large_term_notes"]
 
 LARGE_SHARE = 0.2  # a term over this share of the peak is named, with its reason and its knob
@@ -41,11 +40,7 @@ def deferred_gradient_bytes(model: nn.Module, config) -> int:
     """The unsharded gradients one rank holds across the micro-batches of a step with FSDP2's reduce-scatter deferred
     to the last (Note [deferred reduce-scatter]); 0 where the step does not defer (no FSDP2 over data ranks, one
     micro-batch, reducing every micro-batch, the states on the host)."""
-    if not config.layout.defers_gradients or config.accumulation_steps < 2:
-        return 0
-    tp = config.layout.tensor_parallel
-    return sum((p.numel() // tp if cut else p.numel()) * (4 if config.precision.autocast else p.element_size())
-               for p, cut in split_parameters(model, config.layout.tensor_plan) if p.requires_grad)
+    return deferred_gradients_bytes(config.layout, model, config.accumulation_steps, config.precision.autocast)
 
 
 def deferred_gradient_note(model: nn.Module, config, peak_bytes: int, target, *, flag: str) -> str | None:
@@ -55,13 +50,9 @@ def deferred_gradient_note(model: nn.Module, config, peak_bytes: int, target, *,
     term = deferred_gradient_bytes(model, config)
     if not term or term <= LARGE_SHARE * peak_bytes:
         return None
-    layout, k = config.layout, config.accumulation_steps
-    shard = layout.shard_ranks
-    kept = term // max(shard, 1)
-    links = Links.of(target)
-    data = layout.data_parallel if layout.tensor_parallel > 1 else layout  # the FSDP2 dim's ranks
-    seconds = (k - 1) * ring_seconds("reduce_scatter", shard, term, links.bandwidth(data, shard))
-    whole = "tensor-parallel shard" if layout.tensor_parallel > 1 else "model"
+    k = config.accumulation_steps
+    trade = deferred_trade(config.layout, term, k, target)  # what reducing every micro-batch keeps, and costs
+    shard, kept, seconds, whole = trade.shard, trade.kept, trade.seconds, trade.whole
     dtype = "fp32 " if config.precision.autocast else ""
     return (f"unsharded {dtype}gradients held across {k} micro-batches (deferred reduce-scatter): "
             f"{format_bytes(term)}, {100 * term / peak_bytes:.0f} % of the peak, in 'temporaries': FSDP2 "
