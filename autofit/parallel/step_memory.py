@@ -83,10 +83,10 @@ def deferred_gradients_bytes(parallel: Parallel, model: nn.Module, accumulation_
 @dataclass(frozen=True)
 class DeferredTrade:
     """What reducing every micro-batch trades against ``term`` deferred unsharded gradients: it keeps ``kept``
-    bytes (their share over FSDP2's ``shard`` ranks), for ``seconds`` more of reduce-scatters per step, and the
-    gradients are those of the rank's ``whole`` ("model", or its "tensor-parallel shard")."""
+    bytes (their ``share`` over FSDP2's ranks, in words: "1/8"), for ``seconds`` more of reduce-scatters per step,
+    and the gradients are those of the rank's ``whole`` ("model", or its "tensor-parallel shard")."""
 
-    shard: int
+    share: str
     kept: int
     seconds: float
     whole: str
@@ -101,7 +101,7 @@ def deferred_trade(parallel: Parallel, term: int, accumulation_steps: int, targe
     data = parallel.data_parallel if parallel.tensor_parallel > 1 else parallel  # the FSDP2 dim's ranks
     seconds = (accumulation_steps - 1) * ring_seconds("reduce_scatter", shard, term, links.bandwidth(data, shard))
     whole = "tensor-parallel shard" if parallel.tensor_parallel > 1 else "model"
-    return DeferredTrade(shard, kept, seconds, whole)
+    return DeferredTrade(f"1/{shard}", kept, seconds, whole)
 
 
 def rung_what(parallel: Parallel, what: str) -> str:

@@ -52,12 +52,12 @@ def deferred_gradient_note(model: nn.Module, config, peak_bytes: int, target, *,
         return None
     k = config.accumulation_steps
     trade = deferred_trade(config.layout, term, k, target)  # what reducing every micro-batch keeps, and costs
-    shard, kept, seconds, whole = trade.shard, trade.kept, trade.seconds, trade.whole
+    share, kept, seconds, whole = trade.share, trade.kept, trade.seconds, trade.whole
     dtype = "fp32 " if config.precision.autocast else ""
     return (f"unsharded {dtype}gradients held across {k} micro-batches (deferred reduce-scatter): "
             f"{format_bytes(term)}, {100 * term / peak_bytes:.0f} % of the peak, in 'temporaries': FSDP2 "
             f"reduce-scatters only at the last micro-batch, so every rank keeps the gradients of its whole {whole} "
-            f"until then; {flag}: up to -{format_bytes(term - kept)} (it keeps the 1/{shard} sharded gradients, "
+            f"until then; {flag}: up to -{format_bytes(term - kept)} (it keeps the {share} sharded gradients, "
             f"{format_bytes(kept)}), +{seconds:.3g} s of collectives per step ({k - 1} more reduce-scatters) "
             "(Note [deferred reduce-scatter], autofit/solve/terms.py)")
 
