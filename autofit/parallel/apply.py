@@ -68,7 +68,7 @@ def device_mesh(device_type: str, layout: Parallel):
 
 def wrap_ddp(model: nn.Module, gradient_as_bucket_view: bool, device_ids: list[int] | None = None) -> nn.Module:
     """``model`` in DistributedDataParallel with the step's bucket mode (Note [DDP's bucket views],
-    emit/distributed.py)."""
+    parallel/simulated.py)."""
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=gradient_as_bucket_view)
