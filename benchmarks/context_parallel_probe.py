@@ -134,14 +134,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import pickle
-import socket
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,9 +143,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
+from gloo_ranks import run_ranks  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
@@ -431,40 +426,20 @@ def peak_holders(prof, window: int) -> list[tuple[str, int]]:
     return [("PEAK IN " + " > ".join(at)[-90:], best)] + sorted(by.items(), key=lambda kv: -kv[1])
 
 
-def _rank_main(rank: int, world: int, port: int, configs: list, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    torch.set_num_threads(1)
+def rank_work(world: int, rank: int, configs: list) -> dict:
+    """One rank's rows (and, for the first rotate method, the check against the full-sequence step), run by
+    ``gloo_ranks.run_ranks`` in the rank's own process."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
 
     results: dict = {}
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        _register_cpu_ring_attention()
-        for rotate, recompute, checked in configs:
-            if checked:
-                from torch.distributed.tensor.experimental._attention import set_rotate_method
-                set_rotate_method(rotate)
-                results[("check", rotate, recompute)] = check(world, rank, mesh, recompute)
-            results[(rotate, recompute)] = run_config(world, rank, mesh, rotate, recompute)
-    except Exception:
-        results["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
-
-
-def measure(world: int, configs: list) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="cpprobe-") as out:
-        mp.start_processes(_rank_main, args=(world, port, configs, out), nprocs=world, join=True,
-                           start_method="spawn")
-        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
-    for rank, r in enumerate(results):
-        if "error" in r:
-            raise RuntimeError(f"rank {rank}:\n{r['error']}")
+    mesh = init_device_mesh("cpu", (world,))
+    _register_cpu_ring_attention()
+    for rotate, recompute, checked in configs:
+        if checked:
+            set_rotate_method(rotate)
+            results[("check", rotate, recompute)] = check(world, rank, mesh, recompute)
+        results[(rotate, recompute)] = run_config(world, rank, mesh, rotate, recompute)
     return results
 
 
@@ -675,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
           f"LayerNorm + head; batch {ROWS}x{SEQ} tokens, fp32, AdamW")
     rows, checks = [], []
     for world in (int(w) for w in args.worlds.split(",")):
-        results = measure(world, configs)
+        results = run_ranks(rank_work, world, configs, "cpprobe-")
         for rotate, recompute, checked in configs:
             if checked:
                 checks.append((world, recompute, [result[("check", rotate, recompute)] for result in results]))

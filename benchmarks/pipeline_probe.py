@@ -102,15 +102,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import os
-import pickle
 import re
-import socket
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,8 +112,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
+
+from gloo_ranks import run_ranks  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: E402
@@ -417,33 +412,9 @@ def run_config(name: str, micro: int, outputs: bool, world: int, rank: int, wind
     }
 
 
-def _rank_main(rank: int, world: int, port: int, configs: list, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        for name, micro, outputs in configs:
-            results[(name, micro, outputs)] = run_config(name, micro, outputs, world, rank)
-    except Exception:
-        results["error"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
-
-
-def measure(world: int, configs: list) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="pipeprobe-") as out:
-        mp.start_processes(_rank_main, args=(world, port, configs, out), nprocs=world, join=True,
-                           start_method="spawn")
-        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
-    for rank, r in enumerate(results):
-        if "error" in r:
-            raise RuntimeError(f"rank {rank}:\n{r['error']}")
-    return results
+def rank_work(world: int, rank: int, configs: list) -> dict:
+    """One rank's rows, run by ``gloo_ranks.run_ranks`` in the rank's own process."""
+    return {(name, micro, outputs): run_config(name, micro, outputs, world, rank) for name, micro, outputs in configs}
 
 
 # ------------------------------------------------------------------------- the hand decomposition: who holds what
@@ -644,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
             modules = stage_modules(world, per_rank)
             alones[(world, per_rank)] = {i: stage_alone(m, i == 0, i == len(modules) - 1)
                                          for i, m in enumerate(modules)}
-        results = measure(world, configs)
+        results = run_ranks(rank_work, world, configs, "pipeprobe-")
         for name, micro, outputs in configs:
             for rank, result in enumerate(results):
                 r = result[(name, micro, outputs)]
