@@ -146,7 +146,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from gloo_ranks import run_ranks  # noqa: E402
+from gloo_ranks import run_ranks, storage_bytes as _bytes  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
@@ -200,14 +200,6 @@ def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
     target = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
     return ids, torch.arange(SEQ).expand(ROWS, SEQ).contiguous(), target
-
-
-def _bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 # ------------------------------------------------------------- the CPU handler: torch's ring attention, the CPU op

@@ -1,7 +1,8 @@
 """The ranks of a probe (``pipeline_probe.py``, ``context_parallel_probe.py``): one spawned process per rank on this
 CPU, joined by gloo on a free local port, each running the probe's ``work(world, rank, configs)`` and handing back
 its results (a dict) pickled through a temporary directory; a rank's exception comes back as its traceback and is
-raised here, naming the rank. Each rank runs one intra-op thread, so that the ranks do not contend for the cores."""
+raised here, naming the rank. Each rank runs one intra-op thread, so that the ranks do not contend for the cores.
+Also what both probes count by hand with: :func:`storage_bytes`."""
 
 from __future__ import annotations
 
@@ -47,3 +48,12 @@ def _rank_main(rank: int, world: int, port: int, work: Work, configs: list, out:
     finally:
         dist.destroy_process_group()
     (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (non-tensors skipped): views of one storage count once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())

@@ -114,7 +114,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from gloo_ranks import run_ranks  # noqa: E402
+from gloo_ranks import run_ranks, storage_bytes as _bytes  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: E402
@@ -174,14 +174,6 @@ def batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (micro * ROWS, SEQ), generator=g)
     return ids, torch.randint(0, VOCAB, (micro * ROWS, SEQ), generator=g)
-
-
-def _bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 # ------------------------------------------------------------------------------------- one stage alone, one process
