@@ -354,6 +354,7 @@ def test_check_keeps_the_configs_offload(tmp_path):
     import autofit
     from autofit.cli.configs.run import model_spec
     from autofit.parallel.choices import shard_units
+
     path = tiny(tmp_path, "torchtitan_full.toml", **{"training.enable_cpu_offload": True})
     check = autofit.check_config(path, "RTX-4090")
     spec = model_spec(check.config)

@@ -157,6 +157,7 @@ def test_per_rank_peak_matches_the_estimate(strategy, tmp_path):
 def test_fsdp2_estimate_falls_with_world_size():
     case = ZOO["gpt_sdpa"]()
     from autofit.parallel.choices import shard_units
+
     units = shard_units(case.model)
     peaks, params = [], []
     for world in (2, 4, 8):

@@ -44,6 +44,7 @@ def test_the_gpus_that_keep_the_states_on_them_by_hand():
     from autofit.request import make_request
     from autofit.solve.ladder import gpus_for_states, ladder
     from autofit.parallel.choices import layouts
+
     model = _model()
     n = sum(p.numel() for p in model.parameters())
     x, y = _data(8)

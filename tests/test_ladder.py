@@ -16,6 +16,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.request import Parallel, PlanRequest
 from autofit.solve.ladder import Stage, ladder, skipped_note, states_floor
 from autofit.parallel.choices import shard_units
+
 N = 3 * (64 * 64 + 64)  # parameters of the model below
 BF16, FP32, FP16 = PrecisionPolicy(name="bf16"), PrecisionPolicy(name="fp32"), PrecisionPolicy(name="fp16")
 MASTER, PURE = PrecisionPolicy(name="bf16", stored="bf16-master"), PrecisionPolicy(name="bf16", stored="bf16")

@@ -179,6 +179,7 @@ def _two_linears_over(world: int, per_node: int, reshard, min_stored=None):
     from autofit.planning.climb import Climb
     from autofit.request import make_request
     from autofit.parallel.choices import layouts
+
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
     request = make_request(model, torch.zeros(8, 1024, device="meta"), "8GB", batch_size=8 * world,

@@ -150,6 +150,7 @@ def test_collectives_counted_by_hand():
     weights per rank are the same."""
     from autofit.parallel.layout import Parallel
     from autofit.parallel.tensor import tensor_group_bytes, tensor_reduce_bytes
+
     x = TOKENS * HIDDEN * 4
     case = tiny_llama()
     blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
@@ -176,6 +177,7 @@ def test_collectives_are_the_ones_torch_runs(tmp_path):
     jobs, expected = [], []
     from autofit.parallel.layout import Parallel
     from autofit.parallel.tensor import tensor_reduce_bytes
+
     for mapping in (blocks, _mapping(case.model)):
         plan = resolve_tensor_plan(case.model, 2, mapping)
         parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)

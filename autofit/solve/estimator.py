@@ -85,6 +85,7 @@ from autofit.training.step import StepConfig, forward_errors
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
     from autofit.parallel.layout import Parallel
+
 __all__ = ["Estimator", "announce", "with_rows"]
 
 _PAGE = 20 << 20  # kLargeBuffer: a segment of the large pool, the least that pinned segments can cost

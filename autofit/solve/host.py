@@ -15,6 +15,7 @@ from autofit.solve.ladder import ladder, states_bytes
 if TYPE_CHECKING:
     from autofit.request import PlanRequest
     from autofit.parallel.layout import Parallel
+
 __all__ = ["host_floor", "check_host_before_analysis", "host_budget_words"]
 
 GiB = 2**30

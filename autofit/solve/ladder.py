@@ -47,6 +47,7 @@ from autofit.training.stored import stored_bytes_per_parameter
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
     from autofit.parallel.layout import Parallel
+
 __all__ = ["Stage", "gpus_for_states", "ladder", "skipped_note", "states_bytes", "states_floor"]
 
 

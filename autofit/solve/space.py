@@ -27,6 +27,7 @@ from autofit.training.step import forward_errors
 if TYPE_CHECKING:  # the request is built after this stage in the import order; only its values are read here
     from autofit.request import PlanRequest
     from autofit.parallel.layout import Parallel
+
 __all__ = ["analyse_policies", "search_space", "searchable"]
 
 

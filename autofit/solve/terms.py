@@ -31,6 +31,7 @@ from torch import nn
 from autofit.core.categories import Category
 from autofit.core.units import format_bytes
 from autofit.parallel.step_memory import deferred_gradients_bytes, deferred_trade
+
 __all__ = ["LARGE_SHARE", "deferred_gradient_bytes", "deferred_gradient_note", "large_term_notes"]
 
 LARGE_SHARE = 0.2  # a term over this share of the peak is named, with its reason and its knob

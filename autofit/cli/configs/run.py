@@ -153,6 +153,7 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
     from autofit.cuda.catalog import gpu_spec
     from autofit.options import Device, Layout, Step
     from autofit.parallel.choices import shard_units
+
     config = read_config(path, data_ranks=data_ranks)
     card = gpu_spec(gpu)
     spec = model_spec(config)
