@@ -1,7 +1,8 @@
 """What the user's layout options ask for: the one layout of a step that ``estimate`` and ``measure`` describe, and
-the layouts a ``plan`` may choose among (the request's). The only place that reads the user's ``autofit.Layout``
-(options.py stands above this layer, so its fields are read, not its type imported) and the step's knobs that
-place states (``Step.offload_states``, ``Step.reduce_every_micro_batch``).
+the layouts a ``plan`` may choose among (the request's), from the user's ``autofit.Layout`` (options.py stands above
+this layer, so its fields are read, not its type imported) and the step's knobs that place states
+(``Step.offload_states``, ``Step.reduce_every_micro_batch``). Beyond this, only a dimension reads the user's
+``Layout``, for its own options (``Dimension.choices``: tensor parallel's plan).
 
 ``plan`` enumerates layouts (``enumerate_layouts``, autofit/parallel/dimension.py) over the choices
 :func:`planned_layouts` expands "auto" to; a step has one layout, so :func:`one_layout` reads its "auto" values as the
