@@ -3,9 +3,10 @@
 parameters, gradients and optimizer state, what the layout keeps gathered between forward and backward, the unsharded
 gradients a deferring FSDP2 step holds, the ranks that would shard the states into a budget, and what one node's ranks
 keep on the host. Each takes what the caller counted of the model, whole, and returns the finished term, so that the
-memory model and the ladder read no field of the layout (Note [a dimension's share of memory],
+memory model and the ladder compute no share of the layout themselves (Note [a dimension's share of memory],
 autofit/parallel/dimension.py): the pattern of the layout's part of a step's time (``LayoutTime``,
-autofit/parallel/step_time.py). What a parameter weighs in a precision stays the caller's (this layer does not import
+autofit/parallel/step_time.py). The ladder still reads which rungs a layout has (its states on the host, reducing
+every micro-batch) and whether it is one process. What a parameter weighs in a precision stays the caller's (this layer does not import
 the precisions, autofit/training/).
 """
 
