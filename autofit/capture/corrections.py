@@ -160,24 +160,27 @@ def _mkldnn_rnn_layer():
 
 
 @correction(aten.mkldnn_rnn_layer_backward.default, kind="fake")
-def _mkldnn_rnn_layer_backward(input, weight0, weight1, weight2, weight3, hx_, cx_tmp, output, hy_, cy_,
-                               grad_output_r_opt, grad_hy_r_opt, grad_cy_r_opt, reverse, mode, hidden_size,
-                               *rest):
+def _mkldnn_rnn_layer_backward(*args):
     """The meta kernel (torch/_meta_registrations.py, ``mkldnn_rnn_layer_backward``) returns one tensor for both bias
     gradients; the CPU kernel (aten/src/ATen/native/mkldnn/RNN.cpp, ``mkldnn_rnn_layer_backward``) returns them in
     storages of their own. FakeTensorMode's dispatch cache does not keep outputs aliased either: a cache hit returns
     them apart, the first (uncached) call together, so before this replacement the first simulation of an LSTM in a
     process (on a GPU target, where no probe corrects it) differed from every later one. The replacement returns
     the meta kernel's shapes and dtypes with the two bias gradients apart, every time."""
+    # the op's 23 positional arguments by their schema names (input, weight1..weight4, hx_, cx_tmp, ..., mode,
+    # hidden_size, ...): the replacement reads 8 of them
+    arg = dict(zip((a.name for a in aten.mkldnn_rnn_layer_backward.default._schema.arguments), args))
+    input, hx, cx = arg["input"], arg["hx_"], arg["cx_tmp"]
     diff_x = input.new_empty(input.shape, dtype=torch.float)
-    diff_hx = hx_.new_empty(hx_.shape, dtype=torch.float)
-    diff_cx = cx_tmp.new_empty(cx_tmp.shape, dtype=torch.float)
-    diff_w1 = weight0.new_empty(weight0.shape, dtype=torch.float)
-    diff_w2 = weight1.new_empty(weight1.shape, dtype=torch.float)
+    diff_hx = hx.new_empty(hx.shape, dtype=torch.float)
+    diff_cx = cx.new_empty(cx.shape, dtype=torch.float)
+    diff_w1 = arg["weight1"].new_empty(arg["weight1"].shape, dtype=torch.float)
+    diff_w2 = arg["weight2"].new_empty(arg["weight2"].shape, dtype=torch.float)
     gru = 3  # the GRU mode: its shuffled bias has 4 x hidden entries; LSTM and RNN keep bias_ih's size
-    bias_size = 4 * hidden_size if mode == gru else weight2.shape[0]
-    diff_b1 = weight2.new_empty([bias_size], dtype=torch.float)
-    diff_b2 = weight2.new_empty([bias_size], dtype=torch.float)
+    bias = arg["weight3"]
+    bias_size = 4 * arg["hidden_size"] if arg["mode"] == gru else bias.shape[0]
+    diff_b1 = bias.new_empty([bias_size], dtype=torch.float)
+    diff_b2 = bias.new_empty([bias_size], dtype=torch.float)
     return diff_x, diff_w1, diff_w2, diff_b1, diff_b2, diff_hx, diff_cx
 
 

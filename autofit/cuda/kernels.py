@@ -97,11 +97,12 @@ def flash_backward_scratch(batch: int, heads: int, seq_q: int, head_dim: int, se
     return tuple(scratch)
 
 
-def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                    is_causal, philox_seed, philox_offset, *, scale=None):
+def _flash_backward(grad_out, query, key, value, out, *rest, scale=None):
     """``_scaled_dot_product_flash_attention_backward`` as CUDA runs it: the meta kernel's gradients plus the
     buffers the CUDA kernel holds while it runs. Registered for AutogradCPU during a simulation, so the forward's
-    native autograd node (and what it saves) is untouched."""
+    native autograd node (and what it saves) is untouched. ``rest``: the op's other arguments (logsumexp, the
+    cumulative sequence lengths, the maximum lengths, dropout_p, is_causal, the philox seed and offset), passed on
+    as they came: this replacement reads none of them."""
     # attention_backward.cu, _flash_attention_backward: "CUDA code assumes that dout is contiguous" (in the
     # (batch, seq, heads, dim) layout _scaled_dot_product_flash_attention_backward_cuda transposes to)
     grad_bshd = grad_out.transpose(1, 2).contiguous()
@@ -111,8 +112,7 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
         batch, heads, seq_q, head_dim, key.shape[2], key.shape[1], query.dtype)]
     with exclude_dispatch_key("AutogradCPU"):
         grads = aten._scaled_dot_product_flash_attention_backward(
-            grad_bshd.transpose(1, 2), query, key, value, out_bshd.transpose(1, 2), logsumexp, cum_seq_q, cum_seq_k,
-            max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
+            grad_bshd.transpose(1, 2), query, key, value, out_bshd.transpose(1, 2), *rest, scale=scale)
     del scratch, grad_bshd, out_bshd  # freed when the kernel returns
     return grads
 
