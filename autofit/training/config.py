@@ -23,6 +23,7 @@ from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
 from autofit.parallel.layout import Parallel
+from autofit.parallel.step_rules import gradients_in_buckets, gradients_owner, require_fully_sharded
 
 __all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind",
            "ZeroGrad", "ZERO_GRAD_ORDERS", "as_zero_grad"]
@@ -55,6 +56,11 @@ class DeviceKind(StrEnum):
         """torch's optimizers and clipping take their foreach (multi-tensor) kernels here when not told otherwise
         (Note [optimizer implementation on the target], simulate/foreach.py)."""
         return self is DeviceKind.CUDA
+
+    @property
+    def host(self) -> DeviceKind:
+        """The kind of the host memory this device's offloaded tensors live in: the CPU (for a CPU, itself)."""
+        return DeviceKind.CPU
 
     @property
     def process_group_backend(self) -> str:
@@ -164,19 +170,7 @@ class StepConfig:
         if self.preallocated_grads:
             return True
         return (self.zero_grad.carries_grads and not self.optimizer_in_backward
-                and not (self.layout.replicates_parameters and self.gradient_as_bucket_view))
-
-    @property
-    def optimizer_device(self) -> DeviceKind:
-        """The device whose implementation the optimizer and clipping run: the CPU's where the layout keeps the
-        states in host memory (Note [offload]), torch's pick on the target otherwise (foreach on CUDA)."""
-        return DeviceKind.CPU if self.layout.offload_states else self.device
-
-    @property
-    def host_states(self) -> bool:
-        """The parameters, gradients and optimizer state live in host memory on a GPU target (Note [host
-        storages]): the device's figures do not hold them. On a CPU target the host is the device."""
-        return self.layout.offload_states and not self.device.is_host
+                and not gradients_in_buckets(self.layout, self.gradient_as_bucket_view))
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -220,9 +214,9 @@ class StepConfig:
             raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (as_float8 reads a recipe "
                                     f"name), got {self.float8!r}")
         self.layout.check_step(self)  # the layout's rules on the step's knobs, its dimensions' (autofit/parallel/)
-        if self.float8 is not None and self.float8.all_gather and not self.layout.fully_sharded:
-            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
-                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
+        if self.float8 is not None and self.float8.all_gather:
+            require_fully_sharded(self.layout, "Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: "
+                                  "it needs strategy='fsdp2' over several ranks; leave all_gather out otherwise")
         if not isinstance(self.preallocated_grads, bool):
             raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
         if self.preallocated_grads:
@@ -268,12 +262,9 @@ def make_step_config(
 
 def _check_preallocated(config: StepConfig) -> None:
     """Where gradients allocated before forward cannot be kept (Note [gradients allocated before forward])."""
-    why = None
-    if config.optimizer_in_backward:
-        why = "the optimizer steps in backward and frees each gradient as soon as it is used"
-    elif config.layout.strategy is not None:
-        why = f"{config.layout.strategy} owns the gradients' storage (DDP's buckets, FSDP2's shards)"
-    elif str(config.precision.stored).endswith("-master"):
+    why = ("the optimizer steps in backward and frees each gradient as soon as it is used"
+           if config.optimizer_in_backward else gradients_owner(config.layout))
+    if why is None and str(config.precision.stored).endswith("-master"):
         why = "with an fp32 master copy each step moves the gradients to the master parameters and frees them"
     if why is not None:
         raise InvalidInputError(f"preallocated_grads keeps every gradient allocated from before the first forward to "
