@@ -228,16 +228,16 @@ class StepConfig:
 
 
 def make_step_config(
-    *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
-    optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
-    clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
-    chunked_loss: LossChunks | None = None, compile: bool = False, preallocated_grads: bool = False,
-    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", layout: Parallel | None = None,
-    float8: Any = None,
+    *, micro_batch_size: int, precision: Any = "fp32", checkpoint: Any = (), optimizer: Any = "adamw",
+    device: str = "cpu", offload: Any = (), optimizer_in_backward: bool = False, layout: Parallel | None = None,
+    **knobs: Any,
 ) -> StepConfig:
-    """The step from its knobs as keywords, each read as the user gives it (a checkpoint mapping, a device string,
-    an optimizer name). ``layout``: the parallel layout, one value (:class:`~autofit.parallel.layout.Parallel`);
-    None: one process."""
+    """The step from its knobs as keywords, those the user gives in their own forms read here (a checkpoint mapping, a
+    device string, an optimizer name). ``layout``: the parallel layout, one value
+    (:class:`~autofit.parallel.layout.Parallel`); None: one process. ``knobs``: the step's other fields, which the
+    user gives as the step holds them (``accumulation_steps``, ``held_rows``, ``gpu``, ``clip_grad_norm``,
+    ``chunked_loss``, ``compile``, ``preallocated_grads``, ``gradient_as_bucket_view``, ``zero_grad``, ``float8``:
+    :class:`StepConfig`), validated there."""
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
     if checkpoint == "auto":
@@ -249,14 +249,9 @@ def make_step_config(
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
     layout = Parallel() if layout is None else layout
     return StepConfig(
-        micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
-        checkpoint=checkpoint, selective=selective, op_selective=op_selective, optimizer=as_optimizer_spec(optimizer),
-        device=device,
-        held_rows=held_rows, gpu=gpu, layout=layout,
-        clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
-        offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
-        compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
-        zero_grad=zero_grad, float8=float8,
+        micro_batch_size=micro_batch_size, precision=as_policy(precision), checkpoint=checkpoint, selective=selective,
+        op_selective=op_selective, optimizer=as_optimizer_spec(optimizer), device=device, layout=layout,
+        optimizer_in_backward=bool(optimizer_in_backward), offload=_module_names(offload, "offload"), **knobs,
     )
 
 
