@@ -52,6 +52,7 @@ from autofit.parallel.apply import laid_out
 from autofit.parallel.schedule import schedule_of
 from autofit.training.step import (
     StepConfig,
+    WindowPlace,
     new_grad_scaler,
     optimizer_step,
     patched_model,
@@ -148,8 +149,8 @@ def measure_step(
             # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch_interrupts.py)
             interruption_point()
             micro, micro_target = micro_batches[i]
-            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
-                            scaler=scaler, clear=optimizer if i == 0 else None, features=FEATURES)
+            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type,
+                            place=WindowPlace.of(i, norm, optimizer), scaler=scaler, features=FEATURES)
 
         schedule_of(config.accumulation_steps).run(work, config.layout, one)  # Note [one schedule]
         interruption_point()

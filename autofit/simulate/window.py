@@ -23,7 +23,7 @@ from autofit.training.batch import Batch
 from autofit.training.config import ZeroGrad
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
-from autofit.training.step import StepConfig, optimizer_step, run_micro_batch
+from autofit.training.step import StepConfig, WindowPlace, optimizer_step, run_micro_batch
 from autofit.training.stored import apply_stored
 from autofit.parallel.host import states_off_device
 from autofit.parallel.schedule import schedule_of
@@ -159,8 +159,8 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
         into_buckets = (grads_into_buckets(model, list(buckets), as_ready=config.accumulation_steps == 2)
                         if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
         with forward_errors(tracker), into_buckets:
-            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
-                            scaler=scaler, on_phase=on_phase, clear=optimizer if micro_index == 0 else None,
+            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu",
+                            place=WindowPlace.of(micro_index, norm, optimizer), scaler=scaler, on_phase=on_phase,
                             features=FEATURES)
         for p in model.parameters():
             if p.grad is not None:
