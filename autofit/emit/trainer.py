@@ -41,6 +41,7 @@ from autofit.training.normalisation import (
 )
 from autofit.training.optim import OptimizerSpec
 from autofit.training.step import (
+    WindowPlace,
     new_grad_scaler,
     optimizer_step,
     patched_model,
@@ -176,10 +177,9 @@ class Trainer:
                 micro_target = None
                 if target_batch is not None:
                     micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
-                loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config,
-                                       self.device_type, weight=norm.weight(i), scaler=self.scaler,
-                                       clear=self.optimizer if i == 0 else None,  # Note [where zero_grad falls]
-                                       features=FEATURES)
+                loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config, self.device_type,
+                                       place=WindowPlace.of(i, norm, self.optimizer),  # Note [where zero_grad falls]
+                                       scaler=self.scaler, features=FEATURES)
                 # a float: a loss can hold a buffer as large as the output (CPU mse_loss), not into the next
                 return float(loss)
 

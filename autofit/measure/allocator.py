@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from autofit.core._torch import (
-    ddp_bucket_sizes,
     grad_scaler_state,
     storage_tensors,
 )
@@ -47,11 +46,13 @@ from autofit.features import FEATURES, convert_model
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
+from autofit.parallel.step_rules import kept_buckets, warm_up_windows
 from autofit.training.stored import apply_stored
 from autofit.parallel.apply import laid_out
 from autofit.parallel.schedule import schedule_of
 from autofit.training.step import (
     StepConfig,
+    WindowPlace,
     new_grad_scaler,
     optimizer_step,
     patched_model,
@@ -148,8 +149,8 @@ def measure_step(
             # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch_interrupts.py)
             interruption_point()
             micro, micro_target = micro_batches[i]
-            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, weight=norm.weight(i),
-                            scaler=scaler, clear=optimizer if i == 0 else None, features=FEATURES)
+            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type,
+                            place=WindowPlace.of(i, norm, optimizer), scaler=scaler, features=FEATURES)
 
         schedule_of(config.accumulation_steps).run(work, config.layout, one)  # Note [one schedule]
         interruption_point()
@@ -164,14 +165,13 @@ def measure_step(
             features.enter_context(feature.step_context(config, inner, optimizer))
 
         def warm_up() -> None:
-            window()  # optimizer state now exists, as in the steady state
-            if config.layout.replicates_parameters:
-                window()  # DDP rebuilds its gradient buckets in the order of the first backward, after it
+            for _ in range(warm_up_windows(config.layout)):  # the optimizer state, DDP's rebuilt buckets
+                window()
 
         def settle() -> tuple[tuple[dict[Category, dict[int, int]], list[int]], set[int]]:
             gc.collect()
             # the buckets outlive every step; no gradient points at them after zero_grad
-            buckets = ddp_bucket_sizes(work) if config.layout.replicates_parameters else []
+            buckets = kept_buckets(config.layout, work)
             categories = _categories(inner, optimizer, scaler, whole, whole_target, stored)
             return (categories, buckets), set().union(*categories.values())
 

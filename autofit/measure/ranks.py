@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.core.report import Measurement
 from autofit.measure.allocator import measure_step
+from autofit.parallel.processes import measured_processes
 from autofit.training.batch import Batch, naming_inputs
 from autofit.training.loss import LossFn
 from autofit.training.step import StepConfig, forward_errors
@@ -56,30 +57,28 @@ _TIMEOUT_SECONDS = 1800  # a hung collective ends the measurement instead of the
 
 def measure_laid_out(model, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig, *,
                      steps: int) -> Measurement:
-    """``measure``'s step as its layout runs it: one process (:func:`~autofit.measure.allocator.measure_step`), or
-    one per rank (:func:`measure_ranks`); a typed error for the layouts this CPU cannot run."""
-    if config.layout.offload_states:
-        raise InvalidInputError(
-            "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
-            "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
-        )
-    if (config.layout.world_size > 1 and config.float8 is not None and config.float8.all_gather
-            and config.device.is_host):
-        raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
-                                "estimate it, or measure on GPUs (Note [Float8 training])")
-    if config.layout.world_size > 1:
-        return measure_ranks(model, batch, target, loss_fn, config, steps=steps)
-    # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
-    with naming_inputs(lambda: batch), forward_errors(config.precision if config.device.is_host else None):
-        return measure_step(model, batch, target, loss_fn, config, steps=steps)
+    """``measure``'s step in the processes its layout runs in (:func:`~autofit.parallel.processes.measured_processes`):
+    one (:func:`~autofit.measure.allocator.measure_step`), or one per rank (:func:`measure_ranks`); a typed error for
+    the layouts this CPU cannot run."""
+    def one_process() -> Measurement:
+        # on the CPU, a precision its oneDNN has no kernel for fails inside the step (Note [CPU kernels])
+        with naming_inputs(lambda: batch), forward_errors(config.precision if config.device.is_host else None):
+            return measure_step(model, batch, target, loss_fn, config, steps=steps)
+
+    return measured_processes(config.layout, one_process, lambda ranks: measure_ranks(
+        model, batch, target, loss_fn, config, steps=steps, ranks=ranks))
 
 
 def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig, *,
-                  steps: int) -> Measurement:
-    """Rank 0's measurement (the rank an estimate simulates) with every rank's peak in ``rank_peaks``."""
+                  steps: int, ranks: int) -> Measurement:
+    """Rank 0's measurement (the rank an estimate simulates) with every rank's peak in ``rank_peaks``: the step run
+    by ``ranks`` processes on this CPU, joined by gloo."""
+    if config.float8 is not None and config.float8.all_gather and config.device.is_host:
+        raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
+                                "estimate it, or measure on GPUs (Note [Float8 training])")
     if not config.device.is_host:
         raise InvalidInputError(
-            f"measure with world_size={config.layout.world_size} runs the ranks as processes on this CPU (gloo); on "
+            f"measure with world_size={ranks} runs the ranks as processes on this CPU (gloo); on "
             "GPUs run plan.wrap() under torchrun and read torch.cuda.max_memory_allocated() on each rank"
         )
     if config.optimizer_in_backward or config.preallocated_grads or config.precision.stored not in (None, "fp32"):
@@ -92,22 +91,22 @@ def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | N
         data = pickle.dumps(payload)
     except Exception as e:  # a lambda loss, a local class: spawn cannot hand them to the ranks
         raise InvalidInputError(
-            f"measure with world_size={config.layout.world_size} runs each rank in a new process, which receives the "
+            f"measure with world_size={ranks} runs each rank in a new process, which receives the "
             f"model, sample and loss_fn pickled, and they do not pickle ({type(e).__name__}: {e}): define the model "
             "class and loss function at module level (not a lambda or a local function)"
         ) from e
     with tempfile.TemporaryDirectory(prefix="autofit-ranks-") as out:
         (Path(out) / "payload.pkl").write_bytes(data)
-        context = mp.start_processes(_rank_main, args=(config.layout.world_size, _free_port(), out),
-                                     nprocs=config.layout.world_size, join=False, start_method="spawn")
+        context = mp.start_processes(_rank_main, args=(ranks, _free_port(), out), nprocs=ranks, join=False,
+                                     start_method="spawn")
         deadline = time.monotonic() + _TIMEOUT_SECONDS
         while not _joined(context):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
-                raise UnsupportedModelError(f"the {config.layout.world_size} ranks did not finish within "
+                raise UnsupportedModelError(f"the {ranks} ranks did not finish within "
                                             f"{_TIMEOUT_SECONDS} s (a collective waiting on a rank that failed?)")
-        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(config.layout.world_size)]
+        results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(ranks)]
     for rank, result in enumerate(results):
         if isinstance(result, str):  # the rank's traceback
             raise UnsupportedModelError(f"rank {rank} of the measured layout failed:\n{result}")

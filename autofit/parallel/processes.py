@@ -1,6 +1,6 @@
 """The layout's part of a training job's processes (issue 54): which trainer a layout runs, the process group it
 needs, where its step computes, the model laid out with its optimizer, the batches it can split, the rows each rank
-trains of a batch and the loss normalisation across ranks.
+trains of a batch and the loss normalisation across ranks; and the processes ``measure`` runs a layout's step in.
 
 The trainers (``autofit/emit/trainer.py``, ``emit/distributed.py``) ask these for the finished thing and read no field
 of the layout: what a rank trains, and why a job cannot run a layout, are the layout's to say (Note [layout
@@ -24,8 +24,8 @@ from autofit.parallel.sequence_parallel import require_sequence_split
 if TYPE_CHECKING:
     from autofit.parallel.layout import Parallel
 
-__all__ = ["RankRows", "computes_on", "join_process_group", "lay_out_for_training", "rank_rows_of", "require_split_batch",
-           "trainer_for"]
+__all__ = ["RankRows", "computes_on", "join_process_group", "lay_out_for_training", "measured_processes", "rank_rows_of",
+           "require_split_batch", "trainer_for"]
 
 T = TypeVar("T")
 
@@ -34,6 +34,19 @@ def trainer_for(layout: Parallel, one_process: Callable[[], T], laid_out: Callab
     """The trainer ``layout`` runs: ``laid_out()`` (the distributed trainer) for a layout over several processes or
     with any strategy (FSDP2 on one process keeping the states on the host), ``one_process()`` otherwise."""
     return laid_out() if layout.world_size > 1 or layout.strategy is not None else one_process()
+
+
+def measured_processes(layout: Parallel, one_process: Callable[[], T], ranks: Callable[[int], T]) -> T:
+    """What ``measure`` runs a step of ``layout`` in on this machine: ``one_process()`` (the caller's own) for a layout
+    of one process, ``ranks(n)`` (one process per rank, spawned by the caller) for a layout over ``n``; a typed error
+    where ``layout`` keeps the states on the host, which needs FSDP2 on a process group that only the trainer makes
+    (Note [offload])."""
+    if layout.offload_states:
+        raise InvalidInputError(
+            "measure runs one plain process and offload_states needs FSDP2 on a process group: measure a "
+            "CPU-offloaded step through plan.wrap() (the trainer) and torch's allocator statistics instead"
+        )
+    return ranks(layout.world_size) if layout.world_size > 1 else one_process()
 
 
 def computes_on(layout: Parallel, planned: str, parameters: str) -> str:

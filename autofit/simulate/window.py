@@ -23,8 +23,9 @@ from autofit.training.batch import Batch
 from autofit.training.config import ZeroGrad
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import LossNormalisation
-from autofit.training.step import StepConfig, optimizer_step, run_micro_batch
+from autofit.training.step import StepConfig, WindowPlace, optimizer_step, run_micro_batch
 from autofit.training.stored import apply_stored
+from autofit.parallel.host import states_off_device
 from autofit.parallel.schedule import schedule_of
 from autofit.simulate.offload import host_optimizer
 from autofit.parallel.simulated import grads_into_buckets, simulated_buckets, simulated_sync
@@ -82,7 +83,6 @@ class StepState:
     stored: Any  # training/stored.py's StoredState
     scaler: Any  # a value-free GradScaler, or None
     buckets: list[torch.Tensor]
-    host_states: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
     held: list[torch.Tensor]  # the rest of the batch the trainer slices micro-batches from
 
     @classmethod
@@ -99,14 +99,15 @@ class StepState:
         # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
         views = config.gradient_as_bucket_view and config.accumulation_steps == 1
         buckets = simulated_buckets(work, config.layout, views=views)
-        return cls(optimizer, stored, scaler, buckets, config.host_states,
-                   held_rows(micro, micro_target, config))
+        return cls(optimizer, stored, scaler, buckets, held_rows(micro, micro_target, config))
 
-    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any) -> None:
+    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any, *,
+                 host_states: bool) -> None:
         """Everything that exists before the step, each under its category; the rest of the batch the trainer
-        slices micro-batches from as inputs."""
+        slices micro-batches from as inputs. ``host_states``: the parameters, gradients and optimizer state are
+        host memory apart from the device's (Note [host storages]: a GPU target's offloaded states)."""
         register_state(tracker, work, self.optimizer, self.scaler, micro, micro_target, self.stored,
-                       host_states=self.host_states)
+                       host_states=host_states)
         for bucket in self.buckets:
             tracker.register(bucket, Category.GRADIENTS)
         for t in self.held:
@@ -158,8 +159,8 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
         into_buckets = (grads_into_buckets(model, list(buckets), as_ready=config.accumulation_steps == 2)
                         if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
         with forward_errors(tracker), into_buckets:
-            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu", weight=norm.weight(micro_index),
-                            scaler=scaler, on_phase=on_phase, clear=optimizer if micro_index == 0 else None,
+            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu",
+                            place=WindowPlace.of(micro_index, norm, optimizer), scaler=scaler, on_phase=on_phase,
                             features=FEATURES)
         for p in model.parameters():
             if p.grad is not None:
@@ -179,7 +180,8 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    with host_optimizer(tracker, config.host_states), optimizer_values(optimizer, fake):
+    on_host = states_off_device(config.layout, config.device)  # Note [host storages]: a GPU target's offloaded states
+    with host_optimizer(tracker, on_host), optimizer_values(optimizer, fake):
         progress.step("the optimizer step")
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,

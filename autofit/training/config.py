@@ -23,6 +23,7 @@ from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
 from autofit.parallel.layout import Parallel
+from autofit.parallel.step_rules import gradients_in_buckets, gradients_owner, require_fully_sharded
 
 __all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind",
            "ZeroGrad", "ZERO_GRAD_ORDERS", "as_zero_grad"]
@@ -55,6 +56,11 @@ class DeviceKind(StrEnum):
         """torch's optimizers and clipping take their foreach (multi-tensor) kernels here when not told otherwise
         (Note [optimizer implementation on the target], simulate/foreach.py)."""
         return self is DeviceKind.CUDA
+
+    @property
+    def host(self) -> DeviceKind:
+        """The kind of the host memory this device's offloaded tensors live in: the CPU (for a CPU, itself)."""
+        return DeviceKind.CPU
 
     @property
     def process_group_backend(self) -> str:
@@ -164,19 +170,7 @@ class StepConfig:
         if self.preallocated_grads:
             return True
         return (self.zero_grad.carries_grads and not self.optimizer_in_backward
-                and not (self.layout.replicates_parameters and self.gradient_as_bucket_view))
-
-    @property
-    def optimizer_device(self) -> DeviceKind:
-        """The device whose implementation the optimizer and clipping run: the CPU's where the layout keeps the
-        states in host memory (Note [offload]), torch's pick on the target otherwise (foreach on CUDA)."""
-        return DeviceKind.CPU if self.layout.offload_states else self.device
-
-    @property
-    def host_states(self) -> bool:
-        """The parameters, gradients and optimizer state live in host memory on a GPU target (Note [host
-        storages]): the device's figures do not hold them. On a CPU target the host is the device."""
-        return self.layout.offload_states and not self.device.is_host
+                and not gradients_in_buckets(self.layout, self.gradient_as_bucket_view))
 
     def __post_init__(self) -> None:
         require_int("micro_batch_size", self.micro_batch_size)
@@ -220,9 +214,9 @@ class StepConfig:
             raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (as_float8 reads a recipe "
                                     f"name), got {self.float8!r}")
         self.layout.check_step(self)  # the layout's rules on the step's knobs, its dimensions' (autofit/parallel/)
-        if self.float8 is not None and self.float8.all_gather and not self.layout.fully_sharded:
-            raise InvalidInputError("Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: it needs "
-                                    "strategy='fsdp2' over several ranks; leave all_gather out otherwise")
+        if self.float8 is not None and self.float8.all_gather:
+            require_fully_sharded(self.layout, "Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: "
+                                  "it needs strategy='fsdp2' over several ranks; leave all_gather out otherwise")
         if not isinstance(self.preallocated_grads, bool):
             raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
         if self.preallocated_grads:
@@ -234,16 +228,16 @@ class StepConfig:
 
 
 def make_step_config(
-    *, micro_batch_size: int, accumulation_steps: int = 1, precision: Any = "fp32", checkpoint: Any = (),
-    optimizer: Any = "adamw", device: str = "cpu", held_rows: int = 0, gpu: str | None = None,
-    clip_grad_norm: float | None = None, optimizer_in_backward: bool = False, offload: Any = (),
-    chunked_loss: LossChunks | None = None, compile: bool = False, preallocated_grads: bool = False,
-    gradient_as_bucket_view: bool = True, zero_grad: str = "after-step", layout: Parallel | None = None,
-    float8: Any = None,
+    *, micro_batch_size: int, precision: Any = "fp32", checkpoint: Any = (), optimizer: Any = "adamw",
+    device: str = "cpu", offload: Any = (), optimizer_in_backward: bool = False, layout: Parallel | None = None,
+    **knobs: Any,
 ) -> StepConfig:
-    """The step from its knobs as keywords, each read as the user gives it (a checkpoint mapping, a device string,
-    an optimizer name). ``layout``: the parallel layout, one value (:class:`~autofit.parallel.layout.Parallel`);
-    None: one process."""
+    """The step from its knobs as keywords, those the user gives in their own forms read here (a checkpoint mapping, a
+    device string, an optimizer name). ``layout``: the parallel layout, one value
+    (:class:`~autofit.parallel.layout.Parallel`); None: one process. ``knobs``: the step's other fields, which the
+    user gives as the step holds them (``accumulation_steps``, ``held_rows``, ``gpu``, ``clip_grad_norm``,
+    ``chunked_loss``, ``compile``, ``preallocated_grads``, ``gradient_as_bucket_view``, ``zero_grad``, ``float8``:
+    :class:`StepConfig`), validated there."""
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
     if checkpoint == "auto":
@@ -255,25 +249,17 @@ def make_step_config(
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
     layout = Parallel() if layout is None else layout
     return StepConfig(
-        micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, precision=as_policy(precision),
-        checkpoint=checkpoint, selective=selective, op_selective=op_selective, optimizer=as_optimizer_spec(optimizer),
-        device=device,
-        held_rows=held_rows, gpu=gpu, layout=layout,
-        clip_grad_norm=clip_grad_norm, optimizer_in_backward=bool(optimizer_in_backward),
-        offload=_module_names(offload, "offload"), chunked_loss=chunked_loss,
-        compile=compile, preallocated_grads=preallocated_grads, gradient_as_bucket_view=gradient_as_bucket_view,
-        zero_grad=zero_grad, float8=float8,
+        micro_batch_size=micro_batch_size, precision=as_policy(precision), checkpoint=checkpoint, selective=selective,
+        op_selective=op_selective, optimizer=as_optimizer_spec(optimizer), device=device, layout=layout,
+        optimizer_in_backward=bool(optimizer_in_backward), offload=_module_names(offload, "offload"), **knobs,
     )
 
 
 def _check_preallocated(config: StepConfig) -> None:
     """Where gradients allocated before forward cannot be kept (Note [gradients allocated before forward])."""
-    why = None
-    if config.optimizer_in_backward:
-        why = "the optimizer steps in backward and frees each gradient as soon as it is used"
-    elif config.layout.strategy is not None:
-        why = f"{config.layout.strategy} owns the gradients' storage (DDP's buckets, FSDP2's shards)"
-    elif str(config.precision.stored).endswith("-master"):
+    why = ("the optimizer steps in backward and frees each gradient as soon as it is used"
+           if config.optimizer_in_backward else gradients_owner(config.layout))
+    if why is None and str(config.precision.stored).endswith("-master"):
         why = "with an fp32 master copy each step moves the gradients to the master parameters and frees them"
     if why is not None:
         raise InvalidInputError(f"preallocated_grads keeps every gradient allocated from before the first forward to "

@@ -37,7 +37,8 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
@@ -59,8 +60,11 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.recompute import BufferWrites, context_of
 from autofit.training.stored import StoredState
 
-__all__ = ["StepConfig", "make_step_config", "patched_model", "run_micro_batch", "optimizer_step", "new_grad_scaler",
-           "forward_errors"]
+if TYPE_CHECKING:
+    from autofit.training.normalisation import LossNormalisation
+
+__all__ = ["StepConfig", "make_step_config", "patched_model", "WindowPlace", "run_micro_batch", "optimizer_step",
+           "new_grad_scaler", "forward_errors"]
 
 
 class LossFeature(Protocol):
@@ -225,23 +229,37 @@ def new_grad_scaler(config: StepConfig, device_type: str) -> torch.amp.GradScale
     return torch.amp.GradScaler(device_type) if config.precision.needs_grad_scaler else None
 
 
+@dataclass(frozen=True)
+class WindowPlace:
+    """What a micro-batch does as the micro-batch of its accumulation window it is: ``weight``, its share of the
+    effective batch (its rows, or the items a token-mean loss averages over, out of the batch's:
+    :class:`autofit.training.normalisation.LossNormalisation`), so that summing the weighted mean losses of the
+    micro-batches gives the mean loss of the whole batch (and its gradient); ``clear``, the optimizer whose gradients
+    it clears where ``config.zero_grad`` puts it (the window's first micro-batch; Note [where zero_grad falls]),
+    None where it clears none. The default: a window of one micro-batch that clears nothing."""
+
+    weight: float = 1.0
+    clear: torch.optim.Optimizer | None = None
+
+    @classmethod
+    def of(cls, index: int, norm: LossNormalisation, optimizer: torch.optim.Optimizer) -> WindowPlace:
+        """The ``index``-th micro-batch of a window whose shares are ``norm``'s: the first clears ``optimizer``'s
+        gradients."""
+        return cls(norm.weight(index), optimizer if index == 0 else None)
+
+
 def run_micro_batch(
     model: torch.nn.Module, batch: Batch, target: Batch | None, loss_fn: LossFn | None, config: StepConfig,
-    device_type: str, *, weight: float = 1.0, scaler: torch.amp.GradScaler | None = None,
-    on_phase: Callable[[str], None] | None = None, clear: torch.optim.Optimizer | None = None,
-    features: Sequence[LossFeature],
+    device_type: str, *, place: WindowPlace = WindowPlace(), scaler: torch.amp.GradScaler | None = None,
+    on_phase: Callable[[str], None] | None = None, features: Sequence[LossFeature],
 ) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; gradients accumulate into ``.grad``. Returns the loss, detached.
 
-    ``weight`` is this micro-batch's share of the effective batch (its rows, or the items a token-mean loss averages
-    over, out of the batch's: :class:`autofit.training.normalisation.LossNormalisation`), so that summing the weighted mean
-    losses of the micro-batches gives the mean loss of the whole batch (and its gradient).
+    ``place``: what the micro-batch does as the one of its window it is (its loss's weight, the gradients it clears).
     ``on_phase`` is told "forward" and "backward" as they start (the simulator files allocations by phase).
-    ``clear``: the optimizer whose gradients this micro-batch clears where ``config.zero_grad`` puts it (the first
-    micro-batch of a window; Note [where zero_grad falls]); None: it clears none.
     ``features``: the step features in force (``autofit.features.FEATURES``), asked for the loss they compute.
     """
-    policy = config.precision
+    policy, clear = config.precision, place.clear
     if clear is not None and config.zero_grad is ZeroGrad.BEFORE_FORWARD:
         clear.zero_grad(set_to_none=not config.preallocated_grads)
     if on_phase is not None:
@@ -258,7 +276,7 @@ def run_micro_batch(
             del output  # the logits need not outlive the loss (whatever backward needs, autograd saved)
     if clear is not None and config.zero_grad is ZeroGrad.AFTER_FORWARD:
         clear.zero_grad(set_to_none=not config.preallocated_grads)
-    scaled = loss if weight == 1.0 else loss * weight
+    scaled = loss if place.weight == 1.0 else loss * place.weight
     if scaler is not None:
         scaled = scaler.scale(scaled)
     if on_phase is not None:
