@@ -55,7 +55,6 @@ def computes_on(layout: Parallel, planned: str, parameters: str) -> str:
     return planned if layout.offload_states else parameters
 
 
-
 def require_split_batch(layout: Parallel, tensors, what: str) -> None:
     """A typed error where ``layout``'s sequence parallel cannot split the tensors of a batch (``what``) evenly over
     a tensor-parallel group (:func:`~autofit.parallel.sequence_parallel.require_sequence_split`): the trainer's
@@ -111,9 +110,8 @@ def lay_out_for_training(model: nn.Module, optimizer: torch.optim.Optimizer | Ca
             "FSDP2 replaces the parameters when it shards them, so wrap() needs an optimizer factory: "
             "plan.wrap(model, lambda params: torch.optim.AdamW(params, lr=...))"
         )
-    device_type = next(model.parameters()).device.type
-    if layout.offload_states:  # the parameters stay on the host; the plan's device computes
-        device_type = planned_device
+    device_type = computes_on(layout, planned_device, next(model.parameters()).device.type)
+    if layout.offload_states:  # the parameters stay on the host, FSDP2 copies each unit to the device it computes on
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise InvalidInputError(
                 "this plan keeps the parameters in host memory (FSDP2 CPUOffloadPolicy): give wrap() the "
