@@ -20,6 +20,7 @@ from autofit.core.units import format_bytes, parse_budget
 from autofit.cuda.catalog import GPUS, gpu_spec
 from autofit.emit.plan import Plan
 from autofit.options import Device, Layout
+from autofit.parallel.host import host_words
 
 __all__ = ["CardRow", "compare", "cards", "parse_prices", "TOKENS", "SAMPLES"]
 
@@ -50,8 +51,8 @@ class CardRow:
         """The layout in words ('1 GPU', 'fsdp2 (ZeRO-3)', ...; ', states on the host' when offloaded)."""
         if self.plan is None:
             return None
-        words = "1 GPU" if self.plan.parallel.strategy is None else self.plan.layout
-        return words + (", states on the host" if self.plan.parallel.offload_states else "")
+        layout = self.plan.parallel
+        return layout.layout.words(after_forward=" after forward", alone="1 GPU") + host_words(layout)
 
     @property
     def micro_batch_size(self) -> int | None:

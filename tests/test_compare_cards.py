@@ -277,3 +277,26 @@ def test_a_name_of_one_card_gets_no_note_and_a_family_gets_each_value():
             "--gpu H100-NVL") in result.output
     result = runner.invoke(app, ["plan", "no_such_module_x:f", "--budget", "90%", "-n", "4", "--gpu", "rtx6000"])
     assert "note: --gpu rtx6000 means the RTX-6000-Ada" in result.output and "RTX-3090" not in result.output
+
+
+@pytest.mark.parametrize("parallel, words", [
+    (dict(), "1 GPU"),
+    (dict(strategy="ddp", world_size=4), "ddp"),
+    (dict(strategy="fsdp2", world_size=8), "fsdp2 (ZeRO-3)"),
+    (dict(strategy="fsdp2", world_size=8, offload_states=True), "fsdp2 (ZeRO-3), states on the host"),
+    (dict(strategy="fsdp2", world_size=8, reshard_after_forward=False), "fsdp2 (ZeRO-2)"),
+])
+def test_a_cards_layout_in_words(parallel, words):
+    """A row's layout column (``autofit compare``'s table, its JSON): "1 GPU" for one process, the plan's layout in
+    words otherwise, ", states on the host" where the plan keeps its states there: written out by hand."""
+    from autofit.compare import CardRow
+    from autofit.core.report import MemoryEstimate
+    from autofit.parallel.layout import Parallel
+    from autofit.training.precision import PrecisionPolicy
+
+    plan = autofit.Plan(
+        micro_batch_size=1, gradient_accumulation_steps=1, batch_size=8, last_micro_batch_size=1,
+        precision=PrecisionPolicy(name="fp32"), checkpoint=(), peak_bytes=1, device_bytes=1, budget_bytes=1,
+        device="cuda", optimizer="adamw", predicted_step_seconds=1.0,
+        estimate=MemoryEstimate(peak_bytes=1, breakdown={}), parallel=Parallel(**parallel))
+    assert CardRow(gpu="H100", fits=True, budget_bytes=1, plan=plan).layout == words

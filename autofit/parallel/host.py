@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 # the step's DeviceKind (autofit/training/config.py), which the layout's home does not import: training imports it
 DeviceKind = TypeVar("DeviceKind")
 
-__all__ = ["recorded_host_budget", "optimizer_runs_on", "states_off_device"]
+__all__ = ["recorded_host_budget", "optimizer_runs_on", "states_off_device", "host_words"]
 
 
 def recorded_host_budget(layout: Parallel, host_budget_bytes: int | None, *, activations: bool) -> int | None:
@@ -35,3 +35,9 @@ def states_off_device(layout: Parallel, device: DeviceKind) -> bool:
     storages]): ``layout`` keeps them on the host and the target is not the host itself (a GPU); the device's
     figures then do not hold them."""
     return layout.offload_states and not device.is_host
+
+
+def host_words(layout: Parallel) -> str:
+    """What ``layout`` keeps on the host, in words after the layout's own (``autofit compare``'s rows): ", states on
+    the host" where it keeps the parameters, gradients and optimizer state there, "" otherwise."""
+    return ", states on the host" if layout.offload_states else ""
