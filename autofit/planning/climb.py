@@ -273,8 +273,7 @@ def _forgone(climb: Climb, stage: Stage, below: tuple[SearchSpace, Estimator] | 
     space, estimator = below
     same = [p for p in space.precisions if p.split("/")[0] == chosen.precision.split("/")[0]]
     label = chosen.precision if chosen.precision in space.precisions else (same or list(space.precisions))[0]
-    candidate = replace(chosen, precision=label, offload_states=space.offload_states, in_backward=False,
-                        preallocated_grads=False)
+    candidate = replace(chosen, precision=label, in_backward=False, preallocated_grads=False)
     progress.report(f"the plan without {stage.what}, for comparison: micro-batch {chosen.micro_batch_size} x "
                     f"{chosen.accumulation_steps} ({label}), one full simulation")
     # the figure autofit.estimate gives: no second layout of the gradients tried (Note [gradients before forward as

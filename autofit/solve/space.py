@@ -109,7 +109,7 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
                        fixed_selective=request.fixed_selective, fixed_op_selective=request.fixed_op_selective,
-                       allow_offload=request.offload, offload_states=parallel.offload_states, blocks=request.blocks,
+                       allow_offload=request.offload, blocks=request.blocks,
                        min_rows=request.min_rows)
 
 
