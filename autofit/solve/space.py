@@ -104,7 +104,7 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
         work = parallel.layout.rank_work(RankWork(a.ops, a.table.row("").param_bytes), WorkInputs(
             model=request.model, output_bytes=lambda name, t=a.table: t.row(name).output_bytes_per_sample,
             rows=rows, link_bytes_per_second=request.device.interconnect_bytes_per_second))
-        time[p.label] = build_time_model(work.ops, work.param_bytes, request.device, parallel.data_parallel,
+        time[p.label] = build_time_model(work.ops, work.param_bytes, request.device, parallel,
                                         saved_bytes=saved, dimension_seconds=work.seconds)
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
