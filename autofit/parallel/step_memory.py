@@ -5,9 +5,9 @@ gradients a deferring FSDP2 step holds, the ranks that would shard the states in
 keep on the host. Each takes what the caller counted of the model, whole, and returns the finished term, so that the
 memory model and the ladder compute no share of the layout themselves (Note [a dimension's share of memory],
 autofit/parallel/dimension.py): the pattern of the layout's part of a step's time (``LayoutTime``,
-autofit/parallel/step_time.py). The ladder still reads which rungs a layout has (its states on the host, reducing
-every micro-batch) and whether it is one process. What a parameter weighs in a precision stays the caller's (this layer does not import
-the precisions, autofit/training/).
+autofit/parallel/step_time.py). Which rungs a layout has (its states on the host, reducing every micro-batch) and
+whether it runs what is planned for one process, the ladder asks autofit/parallel/rungs.py. What a parameter weighs
+in a precision stays the caller's (this layer does not import the precisions, autofit/training/).
 """
 
 from __future__ import annotations

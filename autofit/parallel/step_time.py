@@ -56,12 +56,14 @@ class LayoutTime:
 
 
 def layout_time(parallel: Parallel, param_bytes: int, links: Links, dimension_seconds: float = 0.0) -> LayoutTime:
-    """``parallel``'s part of a step's time over ``param_bytes`` of parameters: the optimizer streaming them four
-    times (weight, grad, two states; FSDP2 streams one shard), the data-parallel collectives of ``parallel`` (its
-    data-parallel part: ``Parallel.data_parallel``) over ``links`` with ``dimension_seconds``, the layout dimensions'
-    own per optimizer step (``Layout.rank_work``: tensor parallel's all-reduces), and FSDP2's CPUOffloadPolicy's host
-    copies, which reduce-scatter every micro-batch (Note [offload], autofit/training/step.py), as
+    """``parallel``'s part of a step's time over ``param_bytes`` of parameters (one rank's: its tensor-parallel
+    share, ``Layout.rank_work``): the optimizer streaming them four times (weight, grad, two states; FSDP2 streams
+    one shard), the data-parallel collectives of ``parallel``'s data-parallel part (``Parallel.data_parallel``: FSDP2
+    over the ranks tensor parallel leaves) over ``links`` with ``dimension_seconds``, the layout dimensions' own per
+    optimizer step (``Layout.rank_work``: tensor parallel's all-reduces), and FSDP2's CPUOffloadPolicy's host copies,
+    which reduce-scatter every micro-batch (Note [offload], autofit/training/step.py), as
     ``reduce_every_micro_batch`` does (Note [gradient sync under accumulation])."""
+    parallel = parallel.data_parallel
     world_size = parallel.world_size
     optimizer_bytes = 4 * param_bytes // parallel.shard_group
     if parallel.offload_states:

@@ -23,6 +23,8 @@ from autofit.emit.assemble import assemble_plan, selective_note
 from autofit.emit.model_record import record_model
 from autofit.emit.plan import Plan
 from autofit.emit.plan_text import Forgone
+from autofit.parallel.rungs import (budget_error_at, more_gpus, one_process_features, priced_unanalysed,
+                                    reducing_rival)
 from autofit.request import Parallel, PlanRequest
 from autofit.solve.candidate import Candidate, SearchSpace
 from autofit.solve.estimator import Estimator
@@ -148,7 +150,7 @@ class Climb:
         table to size tensor parallel's all-reduces by: analysed instead."""
         request = self.request
         return (request.quick and request.auto_precision and self.stages[0].floor_bytes <= self.fit
-                and self.parallel.tensor_parallel == 1)
+                and priced_unanalysed(self.parallel))
 
     def searchable(self, stage: Stage) -> tuple[Estimator, SearchSpace, dict[str, Analysis]]:
         """The rung's estimator, search space and analyses (``solve.space.searchable``), built once per rung: the
@@ -233,14 +235,14 @@ def _host_rung(climb: Climb, stage: Stage) -> _Searched:
     request, parallel, fit = climb.request, climb.parallel, climb.fit
     estimator, space, analysed = climb.searchable(stage)
     progress.report("searching with the states on the host (checkpoint MILP)")
-    found = search_verified(space, fit, host_checked(estimator.verify, fit, request.host_budget_bytes,
-                                                     parallel.ranks_per_node), climb.beat, front=not request.quick)
+    found = search_verified(space, fit, host_checked(estimator.verify, fit, request.host_budget_bytes, parallel),
+                            climb.beat, front=not request.quick)
     if found is not None:
         return _Searched(found, estimator, analysed)
     on_host = candidate, est = smallest_verified(space, estimator.verify)
     fitted = est.within(fit)
     if fitted is not None:
-        found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel.ranks_per_node), (candidate,))
+        found = Verified(candidate, host_fits(fitted, request.host_budget_bytes, parallel), (candidate,))
     return _Searched(found, estimator, analysed, on_host=on_host)
 
 
@@ -264,17 +266,15 @@ def _forgone(climb: Climb, stage: Stage, below: tuple[SearchSpace, Estimator] | 
         return ()
     request, chosen = climb.request, found.candidate
     device = [s for s in climb.stages[:climb.stages.index(stage)] if not s.host_check]
-    gpus = gpus_for_states(request, device) if stage.host_check and climb.parallel.world_size > 1 else None
-    if gpus is not None and gpus <= climb.parallel.world_size:  # the states fit already: what needs the host is more
-        gpus = None
+    # where the states fit the GPUs already, what needs the host is more than them: no GPUs to name
+    gpus = more_gpus(climb.parallel, gpus_for_states(request, device)) if stage.host_check else None
     if below is None:  # every rung below passed over by its states' floor
         floor = states_floor(tuple(device)) if device else None
         return (Forgone(without=stage.what, fits=False, device_bytes=floor or 0, gpus=gpus),)
     space, estimator = below
     same = [p for p in space.precisions if p.split("/")[0] == chosen.precision.split("/")[0]]
     label = chosen.precision if chosen.precision in space.precisions else (same or list(space.precisions))[0]
-    candidate = replace(chosen, precision=label, offload_states=space.offload_states, in_backward=False,
-                        preallocated_grads=False)
+    candidate = replace(chosen, precision=label, in_backward=False, preallocated_grads=False)
     progress.report(f"the plan without {stage.what}, for comparison: micro-batch {chosen.micro_batch_size} x "
                     f"{chosen.accumulation_steps} ({label}), one full simulation")
     # the figure autofit.estimate gives: no second layout of the gradients tried (Note [gradients before forward as
@@ -327,9 +327,9 @@ def _reducing_instead(climb: Climb, stage: Stage,
     note saying it was weighed and lost, or None where it was not weighed (Note [defer or reduce every
     micro-batch])."""
     found = searched.found
-    reducing = next((s for s in climb.stages if s.parallel.reduce_every_micro_batch
-                     and s.policies == stage.policies), None)
-    if reducing is None or stage.parallel.reduce_every_micro_batch or found.candidate.accumulation_steps < 2:
+    rival = reducing_rival(stage.parallel, found.candidate.accumulation_steps)
+    reducing = next((s for s in climb.stages if s.parallel == rival and s.policies == stage.policies), None)
+    if rival is None or reducing is None:
         return None
     config = searched.estimator.config(found.candidate, searched.estimator.policy(found.candidate.precision))
     term = deferred_gradient_bytes(climb.request.model, config)
@@ -378,13 +378,12 @@ def _smallest(climb: Climb, carried: _Carried) -> tuple[Plan, dict[str, Analysis
     if fitted is not None:  # the models were pessimistic: the smallest configuration fits
         analysed = climb.analyses[(rung_estimator.parallel, *feature_values(rung_estimator.request))]
         return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
-    at = f", {parallel.label_with_ranks}" if parallel.strategy else ""
-    error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes,
-                       sharded_over=parallel.shard_ranks if parallel.shards_parameters else 0)
+    at, sharded_over = budget_error_at(parallel)
+    error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes, sharded_over=sharded_over)
     if carried.on_host is not None:
         error = with_offload_minimum(error, carried.on_host, request.host_budget_bytes, request.margin_bytes,
-                                     parallel.ranks_per_node)
-    if parallel.strategy is None:  # the opt-in rungs this model could climb (Note [the ladder])
+                                     parallel)
+    if one_process_features(parallel):  # the opt-in rungs this model could climb (Note [the ladder])
         error = with_closed_rungs(error, request.closed_rungs)
     raise error
 

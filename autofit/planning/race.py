@@ -21,6 +21,7 @@ from autofit.solve.host import check_host_before_analysis
 from autofit.solve.ladder import Stage, ladder, states_floor
 from autofit.solve.search import search, time_floor
 from autofit.parallel.choices import collective_floor, layouts
+from autofit.parallel.rungs import host_rung_loses, names_smallest_budget
 from autofit.core.units import format_bytes
 
 from autofit.planning.climb import Climb, Unplanned, plan_layout
@@ -41,7 +42,7 @@ def plan_layouts(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
             progress.report(f"layout {name}", position, len(order))
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
-        if parallel in hopeless and (tally.results or not parallel.least_memory):
+        if parallel in hopeless and not names_smallest_budget(parallel, planned=bool(tally.results)):
             tally.failed.append(_states_alone(request, parallel, floors[parallel]))
             continue
         if parallel in hopeless and tally.unplanned:  # Note [ruled out by arithmetic]
@@ -56,7 +57,7 @@ def plan_layouts(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
         if beat is not None and alone >= beat:  # Note [ruled out by arithmetic]
             tally.failed.append(_collectives_note(parallel, alone, f"the plan found, {beat:.3g} s"))
             continue
-        on_gpus = any(not r[0].parallel.offload_states for r in tally.results)
+        on_gpus = host_rung_loses(r[0].parallel for r in tally.results)
         _attempt(request, name, functools.partial(plan_layout, request, parallel, beat, on_gpus, climb), tally)
         tally.release()  # Note [bounded memory]
     if not tally.results:

@@ -30,7 +30,6 @@ class Candidate:
     seconds: float  # modelled step time for the whole effective batch
     in_backward: bool = False  # the optimizer steps each parameter in backward (Note [optimizer step in backward])
     offload: tuple[str, ...] = ()  # modules whose saved activations go to the host (Note [offload])
-    offload_states: bool = False  # parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
     selective: tuple[str, ...] = ()  # those of ``checkpoint`` recomputed selectively (autofit/training/recompute.py)
     # those of ``checkpoint`` recomputed by torchtitan's per-op policy: the user's fixed choice, never searched
     op_selective: tuple[str, ...] = ()
@@ -38,11 +37,11 @@ class Candidate:
     preallocated_grads: bool = False
 
     def configuration(self) -> tuple:
-        """What makes two candidates the same configuration: every knob but the figures (the verification may
-        allocate gradients before forward where only that fits: the same knobs, laid out otherwise)."""
+        """What makes two candidates of one search space the same configuration: every knob but the figures (the
+        verification may allocate gradients before forward where only that fits: the same knobs, laid out otherwise).
+        Where the states live is the space's layout's, the same for all of them (the estimator's ``parallel``)."""
         return (self.precision, self.micro_batch_size, self.accumulation_steps, self.last_micro_batch_size,
-                self.checkpoint, self.selective, self.op_selective, self.in_backward, self.offload,
-                self.offload_states)
+                self.checkpoint, self.selective, self.op_selective, self.in_backward, self.offload)
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,6 @@ class SearchSpace:
     allow_selective: bool = True
     fixed_selective: tuple[str, ...] = ()  # with fixed_checkpoint: those of the user's set recomputed selectively
     fixed_op_selective: tuple[str, ...] = ()  # with fixed_checkpoint: those of it under torchtitan's per-op policy
-    offload_states: bool = False  # every candidate keeps its states on the host (the planner's last stage)
     # the model's run of identical blocks when estimates extrapolate in depth: the MILP's recomputed units are then
     # grouped by block (Note [recomputation grouped by block], block_groups.py)
     blocks: Blocks | None = None
@@ -188,7 +186,7 @@ def _evaluated_with(space: SearchSpace, precision: str, b: int, k: int, last: in
     if device_peak > device_budget:
         return None, 0
     return Candidate(precision, b, k, last, names, device_peak, seconds, offload=offload,
-                     offload_states=space.offload_states, selective=selective, op_selective=op_selective), peak
+                     selective=selective, op_selective=op_selective), peak
 
 
 def chosen_names(problem, chosen) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from autofit.analyse.table import OpCosts
 from autofit.capture.depth import Blocks, block_of, names_at_depth, period_of, periodic_runs
+from autofit.parallel.depth import at_depth, renamed_in_depth
 from autofit.training.step import StepConfig
 
 
@@ -154,8 +155,8 @@ class DepthGrid:
 
 def _name_lists(config: StepConfig) -> tuple[tuple[str, ...], ...]:
     """Each list of module names the step treats specially (each must repeat over the blocks on its own)."""
-    return (config.checkpoint, config.selective, config.op_selective, config.offload, config.layout.shard_units,
-            config.precision.fp32_modules)
+    return (config.checkpoint, config.selective, config.op_selective, config.offload,
+            *renamed_in_depth(config.layout), config.precision.fp32_modules)
 
 
 def _period(config: StepConfig, blocks: Blocks) -> int | None:
@@ -224,12 +225,8 @@ def config_at_depth(config: StepConfig, blocks: Blocks, depth: int | tuple[int, 
     def cut(names):
         return names_at_depth(names, blocks, depth)
     precision = replace(config.precision, fp32_modules=cut(config.precision.fp32_modules))
-    # the blocks take alike tensor-parallel styles, so the cut's k blocks take the plan's first k as they are named:
-    # no renumbering, and the first block's sequence shard (Note [sequence parallel]) stays on the cut's first
-    # block; names of blocks past the cut go (parallelize_module warns once for each name it cannot resolve)
-    first = depth if isinstance(depth, int) else len(depth)
-    tensor_plan = tuple(pair for pair in config.layout.tensor_plan if names_at_depth((pair[0],), blocks, first))
-    layout = replace(config.layout, shard_units=cut(config.layout.shard_units), tensor_plan=tensor_plan)
+    first = depth if isinstance(depth, int) else len(depth)  # the tensor plan's modules kept as named (at_depth)
+    layout = at_depth(config.layout, cut, lambda name: bool(names_at_depth((name,), blocks, first)))
     return replace(config, checkpoint=cut(config.checkpoint), selective=cut(config.selective),
                    op_selective=cut(config.op_selective), offload=cut(config.offload), precision=precision,
                    layout=layout)

@@ -72,6 +72,7 @@ from autofit.core.report import MemoryEstimate
 from autofit.core.units import format_bytes
 from autofit.analyse.analyse import op_costs
 from autofit.analyse.table import OpCosts
+from autofit.parallel.rungs import one_process_features
 from autofit.capture.depth import truncated
 from autofit.simulate.depth import extend_checked
 from autofit.simulate.run import Simulation, probes_kernels, simulate_step
@@ -323,7 +324,7 @@ class Estimator:
     def _may_preallocate(self, c: Candidate, policy: PrecisionPolicy, est: MemoryEstimate) -> bool:
         """Whether ``c`` is worth simulating with the gradients allocated before forward: a CUDA step of one
         process that StepConfig allows it for, whose smallest budget holds pinned segments beyond its blocks."""
-        if not self.request.device.caching_allocator or self.parallel.strategy is not None or c.in_backward:
+        if not self.request.device.caching_allocator or not one_process_features(self.parallel) or c.in_backward:
             return False
         if c.preallocated_grads or str(policy.stored).endswith("-master"):
             return False

@@ -185,7 +185,7 @@ def guesses_beside(estimator: Estimator, c: Candidate, policy: PrecisionPolicy) 
     if not wants_rows_table(request):
         return []
     spec = length_spec(request.batch, request.target)
-    if spec.length is None or c.micro_batch_size >= request.per_rank or c.in_backward or c.offload_states:
+    if spec.length is None or c.micro_batch_size >= request.per_rank or c.in_backward:
         return []
     free = parallel_available() - 1
     if free < 1 or probes_kernels(estimator.config(with_rows(c, request.per_rank, c.micro_batch_size), policy)):
@@ -195,7 +195,9 @@ def guesses_beside(estimator: Estimator, c: Candidate, policy: PrecisionPolicy) 
 
 def verify_beside_rows(estimator: Estimator, rows_known: dict, c: Candidate) -> MemoryEstimate:
     """The full estimate of a search winner, with the rows table's first guesses for it beside (Note [rows beside the
-    verification]), kept in ``rows_known`` by (candidate, policy)."""
+    verification]), kept in ``rows_known`` by (candidate, policy): the verification of a rung whose states stay on
+    the GPUs (the host rung's checks the host's memory too and guesses nothing beside: planning/climb.py,
+    ``_host_rung``)."""
     policy = estimator.policy(c.precision)
     beside = guesses_beside(estimator, c, policy)
     if not beside:

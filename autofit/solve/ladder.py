@@ -40,6 +40,7 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.training.precision import stored_dtype
 from autofit.parallel.choices import shard_units
 from autofit.parallel.apply import bitsandbytes_parameters
+from autofit.parallel.rungs import ladder_rungs, one_process_features
 from autofit.parallel.step_memory import (deferred_floor_bytes, gathered_bytes, gpus_for_states_bytes,
                                           host_states_note, rank_states_bytes, rung_what)
 from autofit.training.stored import stored_bytes_per_parameter
@@ -72,11 +73,9 @@ class Stage:
     # the step features (plan(allow=...)) in force on this rung, each with its value, in registry order (Note [step
     # features]); (): the user's loss and optimizer
     features: tuple[tuple[OptInFeature, Any], ...] = ()
-
-    @property
-    def host_check(self) -> bool:
-        """The layout keeps the states on the host (the last rung): a fitting estimate must fit the host budget too."""
-        return self.parallel.offload_states
+    # the rung whose layout keeps the states on the host (the last: the layout's ``ladder_rungs``): a fitting estimate
+    # must fit the host budget too
+    host_check: bool = False
 
     @property
     def opt_in(self) -> tuple[str, ...]:
@@ -106,10 +105,9 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
     Pure: reads the request's values (model parameters, precisions, optimizer, device), simulates nothing."""
     k = request.optimizer.state_values_per_parameter()
     stages = _precision_stages(request)
-    host = _host_layout(request, parallel)
+    reducing, host = _layout_rungs(request, parallel)
     own = len(stages) - len(request.stored_options) - 1  # the last rung in the model's own dtype
     layouts = [parallel] * len(stages)
-    reducing = _reducing_layout(request, parallel)
     if reducing is not None:  # after the model's own dtype, before anything is stored lower
         stages.insert(own + 1, request.policies)
         layouts.insert(own + 1, reducing)
@@ -131,14 +129,15 @@ def ladder(request: PlanRequest, parallel: Parallel) -> tuple[Stage, ...]:
         gathered = _gathered_bytes(request, host, request.policies)
         # skipped when what its layout keeps gathered misses the budget; ZeRO-3 has no floor and is always searched
         rungs.append(Stage(what="the states on the host", policies=request.policies, parallel=host,
-                           floor_bytes=gathered or None, skippable=bool(gathered)))
+                           floor_bytes=gathered or None, skippable=bool(gathered), host_check=True))
     return tuple(rungs)
 
 
 def _opt_in(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...], k: int) -> list[Stage]:
     """The rungs ``plan(allow=...)`` opened, one per step feature allowed, cumulative in the registry's order (Note
-    [the ladder], Note [step features]); the optimizer may step in backward on each. One process only."""
-    if parallel.strategy is not None:  # one process only: the distributed trainers build none of them
+    [the ladder], Note [step features]); the optimizer may step in backward on each. One process only: the
+    distributed trainers build none of them."""
+    if not one_process_features(parallel):
         return []
     rungs, in_force, state_bytes = [], [], None
     in_backward = _in_backward(request, parallel, policies)
@@ -237,16 +236,21 @@ def _precision_stages(request: PlanRequest) -> list[tuple[PrecisionPolicy, ...]]
     return stages + [(p,) for p in request.stored_options]
 
 
-def _host_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
-    """FSDP2's CPUOffloadPolicy (Note [offload]): on this one process, or on each rank of an FSDP2 layout, each rank
-    keeping its shard of the states in its node's host memory. None where it does not apply: offload not allowed
-    (or a CPU target), DDP (which keeps whole replicas), tensor parallel (refused with offload, StepConfig), a model
-    with bitsandbytes quantized weights (QLoRA: FSDP2 drops their quantization state, parallel/apply.py). The
-    layout's part is the layout's (``Parallel.states_on_host``); one process is planned only where the request has
-    one rank (``PlanRequest.strategies``)."""
-    if not request.offload or bitsandbytes_parameters(request.model):  # FSDP2 drops their quantization state
-        return None  # (apply_fsdp2 says why)
-    return parallel.states_on_host(lambda: shard_units(request.model))
+def _layout_rungs(request: PlanRequest, parallel: Parallel) -> tuple[Parallel | None, Parallel | None]:
+    """The layouts of ``parallel``'s own rungs, each None where it has none (the layout's ``ladder_rungs``):
+
+    - FSDP2 reduce-scattering after every micro-batch (Note [gradient sync under accumulation],
+      autofit/training/step.py); none where it changes nothing: a layout that defers no reduce-scatter
+      (``Parallel.defers_gradients``: no FSDP2 over data ranks, tensor parallel over every rank included, whose step
+      has no reduce-scatter to move; the states on the host, which reduce every micro-batch already), or one row per
+      rank (no accumulation possible);
+    - FSDP2's CPUOffloadPolicy (Note [offload]): on this one process, or on each rank of an FSDP2 layout, each rank
+      keeping its shard of the states in its node's host memory; none where it does not apply: offload not allowed
+      (or a CPU target), DDP (which keeps whole replicas), tensor parallel (refused with offload, StepConfig), a model
+      with bitsandbytes quantized weights (QLoRA: FSDP2 drops their quantization state, parallel/apply.py). One
+      process is planned only where the request has one rank (``PlanRequest.strategies``)."""
+    allowed = request.offload and not bitsandbytes_parameters(request.model)  # (apply_fsdp2 says why)
+    return ladder_rungs(parallel, request.per_rank, allowed, lambda: shard_units(request.model))
 
 
 def _gathered_bytes(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...]) -> int:
@@ -288,18 +292,9 @@ def _deferred_gradients_floor(request: PlanRequest, stage: Stage) -> int:
     return deferred_floor_bytes(stage.parallel, unsharded, sharded)
 
 
-def _reducing_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
-    """FSDP2 reduce-scattering after every micro-batch (Note [gradient sync under accumulation],
-    autofit/training/step.py), or None where it changes nothing: a layout that defers no reduce-scatter
-    (``Parallel.defers_gradients``: no FSDP2 over data ranks, tensor parallel over every rank included, whose step
-    has no reduce-scatter to move; the states on the host, which reduce every micro-batch already), or one row per
-    rank (no accumulation possible)."""
-    return None if request.per_rank < 2 else parallel.reducing_every_micro_batch()
-
-
 def _in_backward(request: PlanRequest, parallel: Parallel,
                  policies: tuple[PrecisionPolicy, ...]) -> tuple[PrecisionPolicy, ...]:
     """The policies that may step the optimizer in backward (Note [optimizer step in backward])."""
-    if parallel.strategy is not None or request.clip_grad_norm is not None:
+    if not one_process_features(parallel) or request.clip_grad_norm is not None:
         return ()
     return tuple(p for p in policies if not p.needs_grad_scaler and not str(p.stored).endswith("-master"))

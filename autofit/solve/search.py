@@ -213,8 +213,7 @@ def smallest_peaks(space: SearchSpace, *, whole_batch: bool = False) -> list[Can
         if space.allow_offload and space.fixed_checkpoint is None:
             names, offload = time.keep_recompute_or_offload(names, b)
         seconds = time.step_time(precision, b, k, names, last, offload, selective, op_selective).total
-        found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload,
-                               offload_states=space.offload_states, selective=selective,
+        found.append(Candidate(precision, b, k, last, names, peak, seconds, offload=offload, selective=selective,
                                op_selective=op_selective))
     return sorted(found, key=lambda c: c.peak_bytes)
 

@@ -20,6 +20,7 @@ from autofit.solve.ladder import Stage
 from autofit.solve.memory_model import MemoryModel
 from autofit.solve.candidate import SearchSpace
 from autofit.parallel.dimension import RankWork, WorkInputs
+from autofit.parallel.rungs import analysed_windows
 from autofit.parallel.step_memory import analysis_words
 from autofit.solve.time_model import build_time_model
 from autofit.training.step import forward_errors
@@ -69,13 +70,8 @@ def analyse_policies(request: PlanRequest, parallel: Parallel, policies: tuple[P
 #     every micro-batch runs with one micro-batch, so it is priced from that layout's analysis (shared with the
 #     ladder's rung of that layout, Note [the ladder]): exactly, where its own window would have held the gradients
 #     of the whole model unsharded (at 80 layers of a 70B model, hundreds of GiB). With one row per rank there is no
-#     other step, and the layout's own window is not analysed at all.
-def single_step_layout(request: PlanRequest, parallel: Parallel) -> Parallel | None:
-    """The layout whose analysis prices ``parallel``'s step of one micro-batch, where ``parallel``'s own cannot
-    (Note [an accumulation-free FSDP2 step]); None where it can."""
-    return parallel.reducing_every_micro_batch()
-
-
+#     other step, and the layout's own window is not analysed at all. Which windows a rung analyses is the layout's
+#     to say (``analysed_windows``, autofit/parallel/rungs.py).
 def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[PrecisionPolicy, ...],
                  analyses: dict[str, Analysis], single: dict[str, Analysis] | None = None) -> SearchSpace:
     """The memory and time models of each policy, over the rows one rank trains per step; ``single``: the analyses
@@ -104,12 +100,12 @@ def search_space(request: PlanRequest, parallel: Parallel, policies: tuple[Preci
         work = parallel.layout.rank_work(RankWork(a.ops, a.table.row("").param_bytes), WorkInputs(
             model=request.model, output_bytes=lambda name, t=a.table: t.row(name).output_bytes_per_sample,
             rows=rows, link_bytes_per_second=request.device.interconnect_bytes_per_second))
-        time[p.label] = build_time_model(work.ops, work.param_bytes, request.device, parallel.data_parallel,
+        time[p.label] = build_time_model(work.ops, work.param_bytes, request.device, parallel,
                                         saved_bytes=saved, dimension_seconds=work.seconds)
     return SearchSpace(batch_size=rows, memory=memory, time=time, precisions=tuple(p.label for p in policies),
                        allow_checkpoint=request.allow_checkpoint, fixed_checkpoint=request.fixed_checkpoint,
                        fixed_selective=request.fixed_selective, fixed_op_selective=request.fixed_op_selective,
-                       allow_offload=request.offload, offload_states=parallel.offload_states, blocks=request.blocks,
+                       allow_offload=request.offload, blocks=request.blocks,
                        min_rows=request.min_rows)
 
 
@@ -129,12 +125,12 @@ def searchable(request: PlanRequest, stage: Stage, analyses: dict[tuple, dict[st
     as the rung runs it (each step feature in force, Note [step features]). ``caches``: the search caches by the
     same key, shared by the rungs that have one (Note [one search cache per layout])."""
     request = stage.request_for(request)
-    single, single_analysed = single_step_layout(request, stage.parallel), None  # the step of one micro-batch
+    own_window, single = analysed_windows(stage.parallel, request.per_rank)
+    single_analysed = None
     if single is not None:  # Note [an accumulation-free FSDP2 step]
         single_analysed = analyses.setdefault((single, *feature_values(request)), {})
         single_analysed.update(analyse_policies(request, single, stage.policies, single_analysed))
     analysed = analyses.setdefault((stage.parallel, *feature_values(request)), {})
-    own_window = single is None or request.per_rank > 1  # with one row per rank, no step accumulates
     if own_window:
         analysed.update(analyse_policies(request, stage.parallel, stage.policies, analysed))
     else:  # one row per rank: the step of one micro-batch is the only one

@@ -30,6 +30,7 @@ from torch import nn
 
 from autofit.core.categories import Category
 from autofit.core.units import format_bytes
+from autofit.parallel.rungs import climbed_for_memory
 from autofit.parallel.step_memory import deferred_gradients_bytes, deferred_trade
 
 __all__ = ["LARGE_SHARE", "deferred_gradient_bytes", "deferred_gradient_note", "large_term_notes"]
@@ -104,9 +105,9 @@ def large_term_notes(model: nn.Module, config, peak_bytes: int, target, *, flag:
 def _paid_for_memory(config) -> bool:
     """Whether the plan's step gave something up for memory: accumulation, recomputation, offload, a stored
     precision lower than built. A plan that gave up nothing fits with room, and its large terms need no knob."""
-    layout = config.layout
-    return bool(config.accumulation_steps > 1 or config.checkpoint or config.offload or layout.offload_states
-                or config.precision.stored or config.optimizer_in_backward or config.chunked_loss is not None)
+    return bool(config.accumulation_steps > 1 or config.checkpoint or config.offload
+                or climbed_for_memory(config.layout) or config.precision.stored or config.optimizer_in_backward
+                or config.chunked_loss is not None)
 
 
 def _activations(config) -> str:

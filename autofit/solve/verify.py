@@ -13,6 +13,9 @@ from dataclasses import dataclass, replace
 from autofit.core import progress
 from autofit.core.errors import HostMemoryError, InfeasibleBudgetError
 from autofit.core.report import MemoryEstimate
+from autofit.parallel.layout import Parallel
+from autofit.parallel.rungs import node_host_words
+from autofit.parallel.step_memory import node_bytes
 from autofit.solve.candidate import Candidate, SearchSpace
 from autofit.solve.host import host_budget_words
 from autofit.solve.search import (
@@ -239,52 +242,44 @@ def infeasible(smallest: Candidate, est: MemoryEstimate, budget: int, where: str
     )
 
 
-def host_checked(verify: Verify, fit_bytes: int, host_budget: int | None, ranks: int = 1) -> Verify:
-    """``verify``, where an estimate that fits the GPU but whose host memory, times the ``ranks`` sharing one host,
-    exceeds ``host_budget`` raises ``HostMemoryError`` (nothing fit with the states on the GPU: this was the last
-    way)."""
+def host_checked(verify: Verify, fit_bytes: int, host_budget: int | None, layout: Parallel = Parallel()) -> Verify:
+    """``verify``, where an estimate that fits the GPU but whose host memory, for the ranks of ``layout`` sharing one
+    host, exceeds ``host_budget`` raises ``HostMemoryError`` (nothing fit with the states on the GPU: this was the
+    last way)."""
     def checked(c: Candidate) -> MemoryEstimate:
         est = verify(c)
         fitted = est.within(fit_bytes)
-        return est if fitted is None else host_fits(fitted, host_budget, ranks)
+        return est if fitted is None else host_fits(fitted, host_budget, layout)
     return checked
 
 
-def _host_words(est: MemoryEstimate, ranks: int) -> str:
-    """The host memory of ``est`` in words: one process's, or a rank's and its node's."""
-    if ranks == 1:
-        return f"{format_bytes(est.host_bytes)} ({est.host_bytes:,} bytes)"
-    node = est.host_bytes * ranks
-    return (f"{format_bytes(est.host_bytes)} per rank, {format_bytes(node)} ({node:,} bytes) for the {ranks} ranks "
-            "of a node")
-
-
-def host_fits(est: MemoryEstimate, host_budget: int | None, ranks: int = 1) -> MemoryEstimate:
-    """``est``, or ``HostMemoryError`` when its host memory times the ``ranks`` sharing one host (the ranks of a
-    node, each holding its shard) exceeds ``host_budget``, the memory of one host."""
+def host_fits(est: MemoryEstimate, host_budget: int | None, layout: Parallel = Parallel()) -> MemoryEstimate:
+    """``est``, or ``HostMemoryError`` when its host memory for the ranks of ``layout`` sharing one host (the ranks
+    of a node, each holding its shard: ``node_bytes``) exceeds ``host_budget``, the memory of one host."""
     limit = host_budget
-    if limit is not None and est.host_bytes * ranks > limit:
+    node = node_bytes(layout, est.host_bytes)
+    if limit is not None and node > limit:
         raise HostMemoryError(
-            f"the plan that fits the GPU keeps {_host_words(est, ranks)} in host memory (parameters, gradients and "
-            f"optimizer state; {format_bytes(est.host_pinned_bytes * ranks)} pinned), more than the host budget "
-            f"{format_bytes(limit)} ({limit:,} bytes), and nothing fits with them on the GPU: give the training "
-            f"machine's RAM, {host_budget_words(est.host_bytes * ranks)} or more, or use SGD, or more GPUs (FSDP2 "
+            f"the plan that fits the GPU keeps {node_host_words(layout, est.host_bytes)} in host memory (parameters, "
+            f"gradients and optimizer state; {format_bytes(node_bytes(layout, est.host_pinned_bytes))} pinned), more "
+            f"than the host budget {format_bytes(limit)} ({limit:,} bytes), and nothing fits with them on the GPU: "
+            f"give the training machine's RAM, {host_budget_words(node)} or more, or use SGD, or more GPUs (FSDP2 "
             "over world_size ranks)",
-            host_bytes=est.host_bytes * ranks, host_budget_bytes=limit,
+            host_bytes=node, host_budget_bytes=limit,
         )
     return est
 
 
 def with_offload_minimum(error: InfeasibleBudgetError, smallest: tuple[Candidate, MemoryEstimate],
-                         host_budget: int | None, margin: int, ranks: int = 1) -> InfeasibleBudgetError:
+                         host_budget: int | None, margin: int, layout: Parallel = Parallel()) -> InfeasibleBudgetError:
     """The infeasibility error naming the smallest budget with the states offloaded as well as without. The
-    offloaded one counts as a budget that works only when its host memory (times the ``ranks`` of a node) fits
+    offloaded one counts as a budget that works only when its host memory (for the ranks of ``layout``'s node) fits
     ``host_budget``."""
     candidate, est = smallest
     with_offload = est.min_device_bytes + margin
-    on_host = host_budget is None or est.host_bytes * ranks <= host_budget
+    on_host = host_budget is None or node_bytes(layout, est.host_bytes) <= host_budget
     minimum = min(error.min_budget_bytes, with_offload) if on_host else error.min_budget_bytes
-    host = f"{_host_words(est, ranks)} of host memory"
+    host = f"{node_host_words(layout, est.host_bytes)} of host memory"
     if not on_host:
         host += f", more than host_budget {format_bytes(host_budget)}"
     return InfeasibleBudgetError(
