@@ -10,7 +10,7 @@ shortcut (as Lightning takes ``strategy="fsdp"`` or ``FSDPStrategy(...)``):
 - ``layout``: a :class:`Layout`; or an int, the world size (the planner chooses the strategy);
 - ``search``: a :class:`Search`; or "auto", "exact" (no depth extrapolation: every simulation runs the whole model).
 - ``step`` (``estimate`` and ``measure``, in place of ``savers`` and ``search``): a :class:`Step`, the one step's
-  knobs.
+  knobs; or an int, its micro-batch size.
 
 A mapping of field names is accepted for each too (``layout={"world_size": 8, "strategy": "fsdp2"}``), as a
 torchtitan TOML section reads. The things that are no concern group stay keywords: ``model``, ``sample``,
@@ -23,7 +23,8 @@ first version, and ``device="cuda"`` stays the old call); the nodes are the layo
 ranks that share NVLink and one host), the host memory the device's (``Device.host_budget``, per node). ``estimate``
 and ``measure`` take ``device``, ``precision`` and ``layout`` as ``plan`` does, and in place of ``savers`` and
 ``search`` (what the planner may try) one :class:`Step`: the knobs of the one step they describe, fixed
-(``accumulation_steps``, ``checkpoint``, ``offload``, ``compile``, ...; ``step={"accumulation_steps": 4}`` too).
+(``micro_batch_size``, ``accumulation_steps``, ``checkpoint``, ``offload``, ``compile``, ...;
+``step={"micro_batch_size": 8, "accumulation_steps": 4}`` too).
 
 These values hold what the user asked, "auto" included; the request (autofit/request.py) resolves them against the
 model and the device once, and checks what needs the model there.
@@ -33,15 +34,17 @@ Note [flat keywords]
     ``make_request``, ``estimate``, ``measure`` and the command line. The old keywords still work for now: each maps
     to one field of one value in :data:`FLAT_KEYWORDS`, read in one place (:func:`gather`), with a
     ``FutureWarning`` naming the new spelling. A flat keyword beside an option value that sets it too (say
-    ``gpu="H100"`` with ``device=Device(...)``) is ambiguous and refused; beside a shortcut string the keyword refines
-    it, so the old ``device="cuda", gpu="H100"`` reads as ``device=Device(gpu="H100")``. ``estimate`` and
-    ``measure`` read their old step keywords (``accumulation_steps=``, ``checkpoint=``, ``compile=``, ...) the same
-    way, each as the field of :class:`Step` of its name (:data:`STEP_KEYWORDS`): the word ``checkpoint`` is a
-    ``Savers`` field for ``plan``, a ``Step`` field for them.
+    ``gpu="H100"`` with ``device=Device(gpu="T4")``) is ambiguous and refused; a field the value leaves None is unset,
+    and beside a shortcut string the keyword refines it, so the old ``device="cuda", gpu="H100"`` reads as
+    ``device=Device(gpu="H100")``. ``estimate`` and ``measure`` read their old step keywords
+    (``micro_batch_size=``, ``accumulation_steps=``, ``checkpoint=``, ``compile=``, ...) the same way, each as the
+    field of :class:`Step` of its name (:data:`STEP_KEYWORDS`): the word ``checkpoint`` is a ``Savers`` field for
+    ``plan``, a ``Step`` field for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -205,9 +208,13 @@ class Search:
 @dataclass(frozen=True, kw_only=True)
 class Step:
     """The knobs of the one training step ``estimate`` and ``measure`` describe: what ``plan`` would choose (or the
-    user's loop fixes), given. Where ``plan`` searches (``Savers``'s "auto"), a step has one value; the defaults are
-    the plain step: one micro-batch, nothing recomputed or offloaded, the trainer's order of ``zero_grad``."""
+    user's loop fixes), given. Where ``plan`` searches (``Savers``'s "auto"), a step has one value; the micro-batch
+    size has no default (``step=8`` is ``Step(micro_batch_size=8)``), and the other defaults are the plain step: one
+    micro-batch, nothing recomputed or offloaded, the trainer's order of ``zero_grad``."""
 
+    # the rows of one micro-batch, per rank (per tensor-parallel group, whose ranks all see the same rows): the first
+    # knob plan chooses; None, not given, is refused by estimate and measure, as every step has its own
+    micro_batch_size: int | None = None
     # micro-batches per optimizer step, each of ``micro_batch_size`` rows (per rank)
     accumulation_steps: int = 1
     # module qualified names to recompute (``{name: "selective"}`` recomputes only what is cheap): a plan's
@@ -333,8 +340,12 @@ def as_search(value: Any) -> Search:
 
 
 def as_step(value: Any) -> Step:
-    """``step=`` of ``estimate`` / ``measure``: a :class:`Step`, or a mapping of its fields."""
-    return _option(Step, "step", value, lambda v: None, "None (the plain step)")
+    """``step=`` of ``estimate`` / ``measure``: a :class:`Step`, a mapping of its fields, or an int: the micro-batch
+    size, every other knob the plain step's."""
+    def micro_batch_size(v: Any) -> Step | None:
+        return Step(micro_batch_size=v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    return _option(Step, "step", value, micro_batch_size, "an int (the micro-batch size)")
 
 
 _AS = {"device": as_device, "precision": as_precision, "savers": as_savers, "layout": as_layout,
@@ -375,6 +386,15 @@ def _spelling(group: str, field: str, value: Any) -> str:
     return f"{group}=autofit.{_CLASSES[group].__name__}({field}={value!r})"
 
 
+def _holds(value: Any, field: str) -> bool:
+    """Whether an option value as passed sets ``field``: a mapping naming it, or a value whose field is not None (a
+    field left None is unset, so the old ``micro_batch_size=8`` beside ``step=Step(accumulation_steps=2)`` fills it);
+    a shortcut sets none, a flat keyword refines it."""
+    if isinstance(value, Mapping):
+        return field in value
+    return dataclasses.is_dataclass(value) and getattr(value, field) is not None
+
+
 def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
            groups: tuple[str, ...] = PLAN_GROUPS) -> dict[str, Any]:
     """The option values of a call: ``given`` the option keywords as passed (a value, a shortcut or None), ``flat``
@@ -390,7 +410,7 @@ def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
         if owner is None or owner[0] not in groups:
             raise TypeError(f"{function}() got an unexpected keyword argument {keyword!r}")
         group, field = owner
-        if isinstance(given.get(group), (_CLASSES[group], Mapping)):
+        if _holds(given.get(group), field):
             raise InvalidInputError(
                 f"{function}(): {keyword}= and {group}= both given, and {group} holds {field}: drop {keyword}= and "
                 f"write {_spelling(group, field, value)} (or set {field} in the {group} you pass)")
