@@ -22,7 +22,7 @@ from autofit.capture.user_hooks import restores_user_hooks
 from autofit.features.float8 import as_float8, require_fp8
 from autofit.core.rng import keeps_user_rng
 from autofit.core._torch_interrupts import import_lazy_modules
-from autofit.options import STEP_GROUPS, Device, Layout, Precision, Step, gather
+from autofit.options import STEP_GROUPS, BatchDim, Device, Layout, Precision, Step, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.terms import large_term_notes
@@ -42,6 +42,7 @@ class _OneStep:
     layout: Layout  # one layout: its "auto" read as the plain one
     step: Step
     expandable: bool | None  # the allocator's expandable segments (Note [expandable segments as an input])
+    batch_dim: BatchDim  # which rows of the sample are the batch (Note [the batch dimension])
 
 
 def _config(model, given: _OneStep, optimizer, clip_grad_norm, batch, target, loss_fn) -> StepConfig:
@@ -61,14 +62,15 @@ def _config(model, given: _OneStep, optimizer, clip_grad_norm, batch, target, lo
                             float8=as_float8(step.float8))
 
 
-def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any,
+def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any, batch_dim: Any,
               deprecated: dict[str, Any]) -> _OneStep:
     """The options of ``estimate`` / ``measure`` (autofit/options.py; old flat keywords by Note [flat keywords]) as
-    one step runs them: the device kind and GPU, the compute precision, the layout, the step's knobs, and the
-    allocator's expandable segments (Note [expandable segments as an input], autofit/device.py). A step has one
-    layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices are refused."""
-    options = gather(function, dict(device=device, precision=precision, layout=layout, step=step), deprecated,
-                     groups=STEP_GROUPS)
+    one step runs them: the device kind and GPU, the compute precision, the layout, the step's knobs, the
+    allocator's expandable segments (Note [expandable segments as an input], autofit/device.py) and the sample's batch
+    rows. A step has one layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices
+    are refused."""
+    options = gather(function, dict(device=device, precision=precision, layout=layout, step=step,
+                                    batch_dim=batch_dim), deprecated, groups=STEP_GROUPS)
     chosen, wants = options["device"], options["precision"]
     if options["step"].micro_batch_size is None:
         raise InvalidInputError(f"{function}() needs the rows of one micro-batch, got micro_batch_size=None: give "
@@ -82,7 +84,7 @@ def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any
                                 "runs one policy: give precision=PrecisionPolicy(name, fp32_modules=..., stored=...)")
     return _OneStep(device=chosen.kind, gpu=chosen.gpu, precision=wants.compute,
                     layout=one_layout(options["layout"], function), step=options["step"],
-                    expandable=chosen.expandable_segments)
+                    expandable=chosen.expandable_segments, batch_dim=options["batch_dim"])
 
 
 INPUTS = ("batch", "micro-batch")
@@ -116,8 +118,8 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
 @restores_user_hooks  # Note [user hooks]
 def estimate(
     model: nn.Module, sample: Any, *, step: Step | int | Mapping[str, Any] | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    batch_dim: Any = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
+    batch_dim: BatchDim | int | tuple[int, int] = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
     layout: Layout | int | None = None, **deprecated: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
@@ -167,15 +169,16 @@ def estimate(
     you fix ("auto" is the planner's choice), with the same defaults as :func:`measure`, which must run on any
     machine, so that the two calls with the same arguments compare.
 
-    ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
-    every micro-batch; the batch dimension of the others follows Note [the batch dimension]
-    (autofit/training/batch.py): dim 0, or ``batch_dim`` (1 for time-major sequences, ``nn.LSTM``'s default; a pair
-    (the inputs', the target's) when they differ).
+    ``batch_dim``: which rows of the sample are the batch (Note [the batch dimension], autofit/training/batch.py):
+    an ``autofit.BatchDim(dim, shared=...)``, or its dim alone: 0 (the default), 1 for time-major sequences
+    (``nn.LSTM``'s default), a pair (the inputs', the target's) when they differ; ``BatchDim.shared`` names the
+    inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to every
+    micro-batch (the old ``shared=`` keyword, Note [flat keywords]).
     """
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    given = _one_step("estimate", device, precision, layout, step, deprecated)
-    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
+    given = _one_step("estimate", device, precision, layout, step, batch_dim, deprecated)
+    batch, target_batch = as_inputs(sample, target, batch_dim=given.batch_dim)
     config = _config(model, given, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
     device_model = resolve_device(config.device, config.gpu, given.expandable)
     require_fp8(getattr(device_model, "gpu", None) if config.float8 is not None else None)  # Note [Float8 training]
@@ -197,8 +200,8 @@ def estimate(
 @restores_user_hooks  # Note [user hooks]
 def measure(
     model: nn.Module, sample: Any, *, step: Step | int | Mapping[str, Any] | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    batch_dim: Any = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
+    batch_dim: BatchDim | int | tuple[int, int] = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
     layout: Layout | int | None = None, steps: int = 1, **deprecated: Any,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
@@ -217,8 +220,8 @@ def measure(
     pickled to the processes (no lambdas)."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    given = _one_step("measure", device, precision, layout, step, deprecated)
-    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
+    given = _one_step("measure", device, precision, layout, step, batch_dim, deprecated)
+    batch, target_batch = as_inputs(sample, target, batch_dim=given.batch_dim)
     config = _config(model, given, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
     if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")

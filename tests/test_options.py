@@ -188,3 +188,33 @@ def test_estimate_takes_one_layout_and_refuses_the_planners_choices():
         autofit.estimate(model, x, step=2, target=y, layout=Layout(tensor_parallel="auto"))
     with pytest.raises(autofit.InvalidInputError, match="an estimate has no budget"):
         autofit.estimate(model, x, step=2, target=y, device=Device(kind="cpu", margin="5%"))
+
+
+@OLD_SPELLING
+def test_the_micro_batch_size_is_a_field_of_the_step_and_an_int_is_its_shortcut():
+    assert as_step(8) == Step(micro_batch_size=8) and as_step({"micro_batch_size": 8}) == Step(micro_batch_size=8)
+    # the old keyword folds into the Step, also beside one that leaves the field unset (None, its default)
+    with pytest.warns(FutureWarning, match=r"write step=autofit\.Step\(micro_batch_size=8\)"):
+        values = gather("estimate", {"step": Step(accumulation_steps=2)}, {"micro_batch_size": 8}, groups=STEP_GROUPS)
+    assert values["step"] == Step(micro_batch_size=8, accumulation_steps=2)
+    with pytest.raises(autofit.InvalidInputError, match="micro_batch_size= and step= both given"):
+        gather("estimate", {"step": Step(micro_batch_size=4)}, {"micro_batch_size": 8}, groups=STEP_GROUPS)
+    for function in (autofit.estimate, autofit.measure):  # none given: the error names the fix, before any work
+        with pytest.raises(autofit.InvalidInputError, match=r"micro_batch_size=None: give step=N"):
+            function(nn.Linear(4, 4), torch.zeros(2, 4), step=Step(accumulation_steps=2))
+
+
+@OLD_SPELLING
+def test_shared_is_a_field_of_the_batch_dim_and_a_dim_is_its_shortcut():
+    from autofit import BatchDim
+    from autofit.options import as_batch_dim
+
+    assert as_batch_dim(1) == BatchDim(1) and as_batch_dim((1, 0)) == BatchDim(dim=(1, 0))
+    assert as_batch_dim(None) == BatchDim() == BatchDim(0, shared=())
+    for function, groups in (("plan", None), ("estimate", STEP_GROUPS)):
+        kw = {"groups": groups} if groups else {}
+        with pytest.warns(FutureWarning, match=r"write batch_dim=autofit\.BatchDim\(shared=\('mask',\)\)"):
+            values = gather(function, {"batch_dim": 1}, {"shared": ("mask",)}, **kw)
+        assert values["batch_dim"] == BatchDim(1, shared=("mask",))
+    with pytest.raises(autofit.InvalidInputError, match="shared= and batch_dim= both given"):
+        gather("plan", {"batch_dim": BatchDim(0, shared=(0,))}, {"shared": ("mask",)})

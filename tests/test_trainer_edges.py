@@ -426,7 +426,7 @@ def test_a_one_element_option_first_does_not_make_the_batch_one() -> None:
     autofit.estimate(_Scaled(), (scale, x), target=y, step=4, loss_fn=_ce)  # the target's rows: 16
     assert SEEN and set(SEEN) == {((1,), (4, 8))}  # the truth: what the forward received
     SEEN.clear()
-    est = autofit.estimate(_Scaled(), (scale, x), step=4, loss_fn=_mean_of, shared=(0,))
+    est = autofit.estimate(_Scaled(), (scale, x), step=4, loss_fn=_mean_of, batch_dim=autofit.BatchDim(shared=(0,)))
     assert SEEN and set(SEEN) == {((1,), (4, 8))}
     SEEN.clear()
     est = autofit.estimate(_Scaled(), (scale, x), step=4, loss_fn=_mean_of)  # no target, no shared
@@ -441,10 +441,12 @@ def test_a_shared_square_mask_whose_side_equals_the_batch_is_named_in_the_error_
     with pytest.raises(autofit.ForwardError, match=listed):
         autofit.estimate(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of)
     SEEN.clear()
-    autofit.estimate(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of, shared=("mask",))
+    autofit.estimate(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of,
+                     batch_dim=autofit.BatchDim(shared=("mask",)))
     assert SEEN and set(SEEN) == {((2, 6, 8), (6, 6))}
     SEEN.clear()
-    autofit.measure(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of, shared="mask")
+    autofit.measure(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of,
+                    batch_dim=autofit.BatchDim(shared="mask"))
     assert SEEN and set(SEEN) == {((2, 6, 8), (6, 6))}
 
 
@@ -455,7 +457,7 @@ def test_a_plan_records_shared_inputs_and_its_trainer_steps_as_the_full_batch() 
     model, x, mask = _Masked(), torch.randn(6, 6, 8), torch.zeros(6, 6)
     mask[:, 0] = -1.0  # a mask that matters
     plan = autofit.plan(model, {"x": x, "mask": mask}, "100MB", batch_size=6, loss_fn=_mean_of, optimizer="sgd",
-                        device="cpu", shared=("mask",))
+                        device="cpu", batch_dim=autofit.BatchDim(shared=("mask",)))
     assert plan.shared == ("mask",) and Plan.from_json(plan.to_json()).shared == ("mask",)
     ref = copy.deepcopy(model)  # the truth: one plain full-batch step
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)

@@ -49,7 +49,7 @@ STEP_FLAGS: dict[str, tuple[str, ...]] = {
 }
 # What autofit.estimate takes that is not a knob of the step: the model and its data (MODEL, --input-shape,
 # --config and --task build them), and how a sample given in Python is laid out (the CLI generates batch-first inputs)
-NOT_STEP_KNOBS = frozenset({"model", "sample", "target", "loss_fn", "shared", "batch_dim", "deprecated"})
+NOT_STEP_KNOBS = frozenset({"model", "sample", "target", "loss_fn", "batch_dim", "deprecated"})
 
 
 @dataclass(frozen=True, kw_only=True)
