@@ -132,10 +132,10 @@ class PlanRequest:
             chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad, float8=self.float8)
 
     def for_layout(self, parallel: Parallel) -> PlanRequest:
-        """The request as ``parallel`` runs it: each rank trains the rows of its data rank, batch_size // the
-        layout's data ranks (a dimension whose ranks share their rows, tensor parallel's T, divides the world size
-        by its degree first: Note [layout dimensions])."""
-        per_rank = self.batch_size // parallel.data_ranks
+        """The request as ``parallel`` runs it: each rank trains the rows of its data rank, the layout's share of
+        batch_size (``Parallel.rank_rows``: a dimension whose ranks share their rows, tensor parallel's T, divides the
+        world size by its degree first: Note [layout dimensions])."""
+        per_rank = parallel.rank_rows(self.batch_size)
         return self if per_rank == self.per_rank else replace(self, per_rank=per_rank)
 
     @property
