@@ -87,9 +87,11 @@ def test_trainer_step_equals_a_plain_step_and_unwrap_removes_the_hooks(make):
 ])
 def test_invalid_combinations_are_typed_errors(kwargs, match):
     x, y = _data()
+    kwargs = dict(kwargs)  # the step's knob in its Step, the rest as keywords
+    step = autofit.Step(micro_batch_size=1, optimizer_in_backward=True,
+                        accumulation_steps=kwargs.pop("accumulation_steps", 1))
     with pytest.raises(InvalidInputError, match=match):
-        autofit.estimate(_model(), x, target=y, **kwargs,
-                         step=autofit.Step(micro_batch_size=1, optimizer_in_backward=True))
+        autofit.estimate(_model(), x, target=y, **kwargs, step=step)
 
 
 # ---- the planner turns to it when nothing fits with every gradient alive -------------------------------------------
