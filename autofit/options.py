@@ -268,8 +268,7 @@ class BatchDim:
     # the dim of the batch in every per-sample tensor: an int, for the inputs and the target alike (1 for time-major
     # sequences, nn.LSTM's default (seq, batch, feature)), or a pair (the inputs', the target's) when they differ
     dim: Any = 0
-    # inputs that are not per-sample (positions of a tuple sample, keys of a dict sample, or a tuple of them),
-    # passed whole to every micro-batch
+    # inputs passed whole to every micro-batch, not per-sample: positions of a tuple sample, keys of a dict sample
     shared: Any = ()
 
 
@@ -358,10 +357,8 @@ def as_search(value: Any) -> Search:
 def as_step(value: Any) -> Step:
     """``step=`` of ``estimate`` / ``measure``: a :class:`Step`, a mapping of its fields, or an int: the micro-batch
     size, every other knob the plain step's."""
-    def micro_batch_size(v: Any) -> Step | None:
-        return Step(micro_batch_size=v) if isinstance(v, int) and not isinstance(v, bool) else None
-
-    return _option(Step, "step", value, micro_batch_size, "an int (the micro-batch size)")
+    return _option(Step, "step", value, lambda v: Step(micro_batch_size=v) if isinstance(v, int)
+                   and not isinstance(v, bool) else None, "an int (the micro-batch size)")
 
 
 def as_batch_dim(value: Any) -> BatchDim:
@@ -411,16 +408,12 @@ def _spelling(group: str, field: str, value: Any) -> str:
 
 
 def _holds(value: Any, field: str) -> bool:
-    """Whether an option value as passed sets ``field``: a mapping naming it, or a value whose field is not its
-    default (a field left at its default is unset, so the old ``micro_batch_size=8`` beside
-    ``step=Step(accumulation_steps=2)`` fills it, and ``shared=`` beside ``batch_dim=BatchDim(1)``); a shortcut sets
-    none, and a flat keyword refines it."""
+    """Whether an option value as passed sets ``field``: a mapping naming it, or a value whose field is off its
+    default (so the old ``micro_batch_size=8`` beside ``step=Step(accumulation_steps=2)`` fills it)."""
     if isinstance(value, Mapping):
         return field in value
-    if not dataclasses.is_dataclass(value):
-        return False
-    default = next(f.default for f in dataclasses.fields(value) if f.name == field)
-    return getattr(value, field) != default
+    return dataclasses.is_dataclass(value) and getattr(value, field) != next(
+        f.default for f in dataclasses.fields(value) if f.name == field)
 
 
 def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
