@@ -22,6 +22,7 @@ _WHERE = {
     "Alternative": "autofit.emit.plan_text",
     "Analysis": "autofit.analyse.table",
     "AutofitError": "autofit.core.errors",
+    "BatchDim": "autofit.options",
     "CardRow": "autofit.compare",
     "Category": "autofit.core.categories",
     "Device": "autofit.options",
@@ -62,6 +63,7 @@ __all__ = [
     "Alternative",
     "Analysis",
     "AutofitError",
+    "BatchDim",
     "CardRow",
     "Category",
     "Device",
@@ -121,7 +123,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors read; at run time, _
     from autofit.cli.configs.detect import read_config
     from autofit.cli.configs.run import check_config, plan_config
     from autofit.cli.configs.value import TrainConfig
-    from autofit.options import Device, Layout, Precision, Savers, Search, Step
+    from autofit.options import BatchDim, Device, Layout, Precision, Savers, Search, Step
     from autofit.planner import plan
     from autofit.training.normalisation import ItemMeanLoss
     from autofit.training.precision import PrecisionPolicy

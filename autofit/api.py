@@ -22,7 +22,7 @@ from autofit.capture.user_hooks import restores_user_hooks
 from autofit.features.float8 import as_float8, require_fp8
 from autofit.core.rng import keeps_user_rng
 from autofit.core._torch_interrupts import import_lazy_modules
-from autofit.options import STEP_GROUPS, Device, Layout, Precision, Step, gather
+from autofit.options import STEP_GROUPS, BatchDim, Device, Layout, Precision, Step, gather
 from autofit.validate import as_inputs, check_model
 from autofit.simulate.run import simulate_step
 from autofit.solve.terms import large_term_notes
@@ -42,11 +42,12 @@ class _OneStep:
     layout: Layout  # one layout: its "auto" read as the plain one
     step: Step
     expandable: bool | None  # the allocator's expandable segments (Note [expandable segments as an input])
+    batch_dim: BatchDim  # which rows of the sample are the batch (Note [the batch dimension])
 
 
-def _config(model, given: _OneStep, micro_batch_size, optimizer, clip_grad_norm, batch, target,
-            loss_fn) -> StepConfig:
+def _config(model, given: _OneStep, optimizer, clip_grad_norm, batch, target, loss_fn) -> StepConfig:
     step = given.step
+    micro_batch_size = step.micro_batch_size
     # the layout's own rules, before its modules are resolved or anything simulated (autofit/parallel/requested.py)
     layout = step_layout(model, given.layout, step, batch.tensors())
     chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
@@ -61,15 +62,20 @@ def _config(model, given: _OneStep, micro_batch_size, optimizer, clip_grad_norm,
                             float8=as_float8(step.float8))
 
 
-def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any,
+def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any, batch_dim: Any,
               deprecated: dict[str, Any]) -> _OneStep:
     """The options of ``estimate`` / ``measure`` (autofit/options.py; old flat keywords by Note [flat keywords]) as
-    one step runs them: the device kind and GPU, the compute precision, the layout, the step's knobs, and the
-    allocator's expandable segments (Note [expandable segments as an input], autofit/device.py). A step has one
-    layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices are refused."""
-    options = gather(function, dict(device=device, precision=precision, layout=layout, step=step), deprecated,
-                     groups=STEP_GROUPS)
+    one step runs them: the device kind and GPU, the compute precision, the layout, the step's knobs, the
+    allocator's expandable segments (Note [expandable segments as an input], autofit/device.py) and the sample's batch
+    rows. A step has one layout, so "auto" reads as the plain one (ZeRO-3, no replication) and the planner's choices
+    are refused."""
+    options = gather(function, dict(device=device, precision=precision, layout=layout, step=step,
+                                    batch_dim=batch_dim), deprecated, groups=STEP_GROUPS)
     chosen, wants = options["device"], options["precision"]
+    if options["step"].micro_batch_size is None:
+        raise InvalidInputError(f"{function}() needs the rows of one micro-batch, got micro_batch_size=None: give "
+                                "step=N (autofit.Step(micro_batch_size=N)), or set micro_batch_size in the Step you "
+                                "pass")
     if chosen.margin is not None or chosen.host_budget is not None or chosen.allow_over_capacity:
         raise InvalidInputError(f"{function}: Device(margin=, host_budget=, allow_over_capacity=) are what a plan's "
                                 "budget keeps free; an estimate has no budget: leave them out (plan takes them)")
@@ -78,7 +84,7 @@ def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any
                                 "runs one policy: give precision=PrecisionPolicy(name, fp32_modules=..., stored=...)")
     return _OneStep(device=chosen.kind, gpu=chosen.gpu, precision=wants.compute,
                     layout=one_layout(options["layout"], function), step=options["step"],
-                    expandable=chosen.expandable_segments)
+                    expandable=chosen.expandable_segments, batch_dim=options["batch_dim"])
 
 
 INPUTS = ("batch", "micro-batch")
@@ -111,26 +117,27 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
 @keeps_user_rng  # Note [the user's random state]
 @restores_user_hooks  # Note [user hooks]
 def estimate(
-    model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
-    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None, batch_dim: Any = 0,
-    device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
-    step: Step | Mapping[str, Any] | None = None, **deprecated: Any,
+    model: nn.Module, sample: Any, *, step: Step | int | Mapping[str, Any] | None = None, target: Any = None,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
+    batch_dim: BatchDim | int | tuple[int, int] = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
+    layout: Layout | int | None = None, **deprecated: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
 
     The step (docs/memory-model.md): forward and loss under the precision's autocast, backward; after
-    ``step.accumulation_steps`` micro-batches of ``micro_batch_size`` rows, ``optimizer.step()`` and
+    ``step.accumulation_steps`` micro-batches of ``step.micro_batch_size`` rows, ``optimizer.step()`` and
     ``zero_grad(set_to_none=True)``. Parameters, buffers, optimizer state, inputs and targets are counted. ``model``
     may live on the meta device. It is never modified. ``clip_grad_norm``: clip the gradients to this norm before the
     step (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
     runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
 
     ``device``, ``precision`` and ``layout`` are the option values ``plan`` takes (autofit/options.py), with their
-    shortcuts; ``step`` (an ``autofit.Step`` or a mapping of its fields) fixes what ``plan`` would choose:
-    ``accumulation_steps``, ``checkpoint``, ``offload``, ``offload_states``, ``optimizer_in_backward``,
-    ``reduce_every_micro_batch``, ``chunked_loss``, ``compile``, ``preallocated_grads``, ``float8``,
-    ``zero_grad``, ``gradient_as_bucket_view`` and ``inputs``, each documented where ``Step`` declares it. The old
-    flat keywords (``accumulation_steps=4``, ...) still work, with a ``FutureWarning`` (Note [flat keywords]).
+    shortcuts; ``step`` (an ``autofit.Step``, a mapping of its fields, or an int: the micro-batch size alone,
+    ``step=8``) fixes what ``plan`` would choose: ``micro_batch_size`` (required), ``accumulation_steps``,
+    ``checkpoint``, ``offload``, ``offload_states``, ``optimizer_in_backward``, ``reduce_every_micro_batch``,
+    ``chunked_loss``, ``compile``, ``preallocated_grads``, ``float8``, ``zero_grad``, ``gradient_as_bucket_view``
+    and ``inputs``, each documented where ``Step`` declares it. The old flat keywords (``micro_batch_size=8``,
+    ``accumulation_steps=4``, ...) still work, with a ``FutureWarning`` (Note [flat keywords]).
 
     ``device``: "cpu", "cuda", a catalog GPU ("H100") or ``autofit.Device(gpu=...)``. A GPU adds the CUDA model
     (``autofit.cuda``) for that GPU (default: this machine's GPU, else A100-80GB) and three figures:
@@ -143,14 +150,14 @@ def estimate(
     "auto" values read as ZeRO-3 without replication, ``tensor_parallel="auto"`` is refused and ``gpus_per_node``
     changes no figure. ``world_size`` and ``strategy`` ("ddp" or "fsdp2"; required with world_size > 1): the step
     of one rank of a data-parallel job laid out as ``plan`` lays it out (FSDP2 shards the units ``plan`` shards);
-    ``micro_batch_size`` rows per rank. ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int group) and
+    ``Step.micro_batch_size`` rows per rank. ``reshard_after_forward`` (True ZeRO-3, False ZeRO-2, an int group) and
     ``replicate`` (HSDP): FSDP2's layout, as ``plan.parallel.reshard_after_forward`` / ``plan.parallel.replicate``
     give it.
     ``tensor_parallel`` T (with ``strategy="fsdp2"``): one rank of a (world_size // T, T) mesh, the modules of
     ``tensor_parallel_plan`` (``{module name pattern: style}``, the styles of Note [tensor parallel plan]; default
     the Hugging Face model's ``config.base_model_tp_plan``) split over the T ranks of its group with torch's
     ``parallelize_module``, then FSDP2 over the other world_size // T (none when T == world_size);
-    ``micro_batch_size`` rows per tensor-parallel group, which all see the same rows (Note [tensor parallel plan],
+    ``Step.micro_batch_size`` rows per tensor-parallel group, which all see the same rows (Note [tensor parallel plan],
     autofit/parallel/tensor_parallel.py). A DDP estimate's ``notes`` say which bucket mode it assumed
     (``Step.gradient_as_bucket_view``).
 
@@ -162,16 +169,17 @@ def estimate(
     you fix ("auto" is the planner's choice), with the same defaults as :func:`measure`, which must run on any
     machine, so that the two calls with the same arguments compare.
 
-    ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to
-    every micro-batch; the batch dimension of the others follows Note [the batch dimension]
-    (autofit/training/batch.py): dim 0, or ``batch_dim`` (1 for time-major sequences, ``nn.LSTM``'s default; a pair
-    (the inputs', the target's) when they differ).
+    ``batch_dim``: which rows of the sample are the batch (Note [the batch dimension], autofit/training/batch.py):
+    an ``autofit.BatchDim(dim, shared=...)``, or its dim alone: 0 (the default), 1 for time-major sequences
+    (``nn.LSTM``'s default), a pair (the inputs', the target's) when they differ; ``BatchDim.shared`` names the
+    inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to every
+    micro-batch (the old ``shared=`` keyword, Note [flat keywords]).
     """
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    given = _one_step("estimate", device, precision, layout, step, deprecated)
-    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
-    config = _config(model, given, micro_batch_size, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
+    given = _one_step("estimate", device, precision, layout, step, batch_dim, deprecated)
+    batch, target_batch = as_inputs(sample, target, batch_dim=given.batch_dim)
+    config = _config(model, given, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
     device_model = resolve_device(config.device, config.gpu, given.expandable)
     require_fp8(getattr(device_model, "gpu", None) if config.float8 is not None else None)  # Note [Float8 training]
     with naming_inputs(lambda: batch):
@@ -191,14 +199,14 @@ def estimate(
 @keeps_user_rng  # Note [the user's random state]
 @restores_user_hooks  # Note [user hooks]
 def measure(
-    model: nn.Module, sample: Any, *, micro_batch_size: int, target: Any = None, loss_fn: LossFn | None = None,
-    optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None, batch_dim: Any = 0,
-    device: Device | str = "cpu", precision: Precision | Any = "fp32", layout: Layout | int | None = None,
-    step: Step | Mapping[str, Any] | None = None, steps: int = 1, **deprecated: Any,
+    model: nn.Module, sample: Any, *, step: Step | int | Mapping[str, Any] | None = None, target: Any = None,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
+    batch_dim: BatchDim | int | tuple[int, int] = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
+    layout: Layout | int | None = None, steps: int = 1, **deprecated: Any,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
 
-    Same arguments and defaults as :func:`estimate` (the old flat ``gpu=``, ``world_size=``,
+    Same arguments and defaults as :func:`estimate` (the old flat ``micro_batch_size=``, ``gpu=``, ``world_size=``,
     ``accumulation_steps=``, ... too, deprecated: Note [flat keywords], autofit/options.py) (``Step(inputs="batch")``:
     the whole batch is built before the step and every micro-batch is a slice of it, as the trainer runs them;
     ``device="cpu"`` and ``precision="fp32"`` so that it runs on any machine; ``plan`` defaults to ``"cuda"`` and
@@ -212,9 +220,9 @@ def measure(
     pickled to the processes (no lambdas)."""
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    given = _one_step("measure", device, precision, layout, step, deprecated)
-    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
-    config = _config(model, given, micro_batch_size, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
+    given = _one_step("measure", device, precision, layout, step, batch_dim, deprecated)
+    batch, target_batch = as_inputs(sample, target, batch_dim=given.batch_dim)
+    config = _config(model, given, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
     if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     expandable = given.expandable

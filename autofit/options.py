@@ -1,6 +1,6 @@
 """What the user may set, grouped by concern: one frozen value each, every field documented where it is declared.
 
-``autofit.plan(model, sample, budget="8GB")`` is the simplest call; the rest is five values, each also accepted as a
+``autofit.plan(model, sample, budget="8GB")`` is the simplest call; the rest is six values, each also accepted as a
 shortcut (as Lightning takes ``strategy="fsdp"`` or ``FSDPStrategy(...)``):
 
 - ``device``: a :class:`Device`; or "cpu", "cuda" (this machine's GPU, else A100-80GB), a catalog GPU ("H100");
@@ -10,20 +10,21 @@ shortcut (as Lightning takes ``strategy="fsdp"`` or ``FSDPStrategy(...)``):
 - ``layout``: a :class:`Layout`; or an int, the world size (the planner chooses the strategy);
 - ``search``: a :class:`Search`; or "auto", "exact" (no depth extrapolation: every simulation runs the whole model).
 - ``step`` (``estimate`` and ``measure``, in place of ``savers`` and ``search``): a :class:`Step`, the one step's
-  knobs.
+  knobs; or an int, its micro-batch size;
+- ``batch_dim`` (all three): a :class:`BatchDim`, which rows of the sample are the batch; or its dim alone: an int,
+  or a pair (the inputs', the target's).
 
 A mapping of field names is accepted for each too (``layout={"world_size": 8, "strategy": "fsdp2"}``), as a
 torchtitan TOML section reads. The things that are no concern group stay keywords: ``model``, ``sample``,
-``budget``, ``batch_size``, ``target`` (the loss's target), ``loss_fn``, ``optimizer``, ``clip_grad_norm``,
-``shared`` (which inputs of the sample are not per-sample: a property of the sample) and ``batch_dim`` (which dim of
-the sample is the batch: a property of the sample too).
+``budget``, ``batch_size``, ``target`` (the loss's target), ``loss_fn``, ``optimizer`` and ``clip_grad_norm``.
 
 Choices made here: the device's keyword is ``device``, not ``target`` (``target`` is the loss's target since the
 first version, and ``device="cuda"`` stays the old call); the nodes are the layout's (``Layout.gpus_per_node``: the
 ranks that share NVLink and one host), the host memory the device's (``Device.host_budget``, per node). ``estimate``
 and ``measure`` take ``device``, ``precision`` and ``layout`` as ``plan`` does, and in place of ``savers`` and
 ``search`` (what the planner may try) one :class:`Step`: the knobs of the one step they describe, fixed
-(``accumulation_steps``, ``checkpoint``, ``offload``, ``compile``, ...; ``step={"accumulation_steps": 4}`` too).
+(``micro_batch_size``, ``accumulation_steps``, ``checkpoint``, ``offload``, ``compile``, ...;
+``step={"micro_batch_size": 8, "accumulation_steps": 4}`` too).
 
 These values hold what the user asked, "auto" included; the request (autofit/request.py) resolves them against the
 model and the device once, and checks what needs the model there.
@@ -33,15 +34,18 @@ Note [flat keywords]
     ``make_request``, ``estimate``, ``measure`` and the command line. The old keywords still work for now: each maps
     to one field of one value in :data:`FLAT_KEYWORDS`, read in one place (:func:`gather`), with a
     ``FutureWarning`` naming the new spelling. A flat keyword beside an option value that sets it too (say
-    ``gpu="H100"`` with ``device=Device(...)``) is ambiguous and refused; beside a shortcut string the keyword refines
-    it, so the old ``device="cuda", gpu="H100"`` reads as ``device=Device(gpu="H100")``. ``estimate`` and
-    ``measure`` read their old step keywords (``accumulation_steps=``, ``checkpoint=``, ``compile=``, ...) the same
-    way, each as the field of :class:`Step` of its name (:data:`STEP_KEYWORDS`): the word ``checkpoint`` is a
-    ``Savers`` field for ``plan``, a ``Step`` field for them.
+    ``gpu="H100"`` with ``device=Device(gpu="T4")``) is ambiguous and refused; a field the value leaves at its default
+    is unset, and beside a shortcut the keyword refines it, so the old ``device="cuda", gpu="H100"`` reads as
+    ``device=Device(gpu="H100")``. ``estimate`` and ``measure`` read their old step keywords
+    (``micro_batch_size=``, ``accumulation_steps=``, ``checkpoint=``, ``compile=``, ...) the same way, each as the
+    field of :class:`Step` of its name (:data:`STEP_KEYWORDS`): the word ``checkpoint`` is a ``Savers`` field for
+    ``plan``, a ``Step`` field for them. The old ``shared=`` of all three is the field of :class:`BatchDim` that
+    says, beside the batch's dim, which inputs have no batch (``batch_dim=BatchDim(0, shared=("mask",))``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -49,9 +53,9 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 
-__all__ = ["Device", "Precision", "Savers", "Layout", "Search", "Step", "Options", "FLAT_KEYWORDS", "gather",
-           "as_device", "as_precision", "as_savers", "as_layout", "as_search", "as_step", "STEP_GROUPS",
-           "STEP_KEYWORDS", "PLAN_GROUPS"]
+__all__ = ["Device", "Precision", "Savers", "Layout", "Search", "Step", "BatchDim", "Options", "FLAT_KEYWORDS",
+           "gather", "as_device", "as_precision", "as_savers", "as_layout", "as_search", "as_step", "as_batch_dim",
+           "STEP_GROUPS", "STEP_KEYWORDS", "PLAN_GROUPS"]
 
 DEVICE_KINDS = ("cpu", "cuda")
 ZERO_GRAD_ORDERS = ("after-step", "before-forward", "after-forward")  # autofit.training.config.ZeroGrad's names
@@ -205,9 +209,13 @@ class Search:
 @dataclass(frozen=True, kw_only=True)
 class Step:
     """The knobs of the one training step ``estimate`` and ``measure`` describe: what ``plan`` would choose (or the
-    user's loop fixes), given. Where ``plan`` searches (``Savers``'s "auto"), a step has one value; the defaults are
-    the plain step: one micro-batch, nothing recomputed or offloaded, the trainer's order of ``zero_grad``."""
+    user's loop fixes), given. Where ``plan`` searches (``Savers``'s "auto"), a step has one value; the micro-batch
+    size has no default (``step=8`` is ``Step(micro_batch_size=8)``), and the other defaults are the plain step: one
+    micro-batch, nothing recomputed or offloaded, the trainer's order of ``zero_grad``."""
 
+    # the rows of one micro-batch, per rank (per tensor-parallel group, whose ranks all see the same rows): the first
+    # knob plan chooses; None, not given, is refused by estimate and measure, as every step has its own
+    micro_batch_size: int | None = None
     # micro-batches per optimizer step, each of ``micro_batch_size`` rows (per rank)
     accumulation_steps: int = 1
     # module qualified names to recompute (``{name: "selective"}`` recomputes only what is cheap): a plan's
@@ -251,15 +259,29 @@ class Step:
     inputs: str = "batch"
 
 
+@dataclass(frozen=True)
+class BatchDim:
+    """Which rows of the sample are the batch (Note [the batch dimension], autofit/training/batch.py): the dim they
+    run along, and the inputs that have none. Both describe the sample, so ``plan``, ``estimate`` and ``measure``
+    read it alike, and a plan records both for its trainer (``plan.batch_dim``, ``plan.shared``)."""
+
+    # the dim of the batch in every per-sample tensor: an int, for the inputs and the target alike (1 for time-major
+    # sequences, nn.LSTM's default (seq, batch, feature)), or a pair (the inputs', the target's) when they differ
+    dim: Any = 0
+    # inputs passed whole to every micro-batch, not per-sample: positions of a tuple sample, keys of a dict sample
+    shared: Any = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """The five values together, as the request holds them."""
+    """The values together, as the request holds them."""
 
     device: Device = Device()
     precision: Precision = Precision()
     savers: Savers = Savers()
     layout: Layout = Layout()
     search: Search = Search()
+    batch_dim: BatchDim = BatchDim()
 
 
 def _option(cls: type, keyword: str, value: Any, shortcut: Callable[[Any], Any], shortcuts: str) -> Any:
@@ -333,19 +355,28 @@ def as_search(value: Any) -> Search:
 
 
 def as_step(value: Any) -> Step:
-    """``step=`` of ``estimate`` / ``measure``: a :class:`Step`, or a mapping of its fields."""
-    return _option(Step, "step", value, lambda v: None, "None (the plain step)")
+    """``step=`` of ``estimate`` / ``measure``: a :class:`Step`, a mapping of its fields, or an int: the micro-batch
+    size, every other knob the plain step's."""
+    return _option(Step, "step", value, lambda v: Step(micro_batch_size=v) if isinstance(v, int)
+                   and not isinstance(v, bool) else None, "an int (the micro-batch size)")
+
+
+def as_batch_dim(value: Any) -> BatchDim:
+    """``batch_dim=``: a :class:`BatchDim`, a mapping of its fields, or its dim alone (an int, or a pair: the
+    inputs', the target's), checked where the sample is read (Note [the batch dimension])."""
+    return _option(BatchDim, "batch_dim", value, lambda dim: BatchDim(dim=dim), "")
 
 
 _AS = {"device": as_device, "precision": as_precision, "savers": as_savers, "layout": as_layout,
-       "search": as_search, "step": as_step}
+       "search": as_search, "step": as_step, "batch_dim": as_batch_dim}
 _CLASSES = {"device": Device, "precision": Precision, "savers": Savers, "layout": Layout, "search": Search,
-            "step": Step}
+            "step": Step, "batch_dim": BatchDim}
 # estimate's and measure's old keywords, each a field of Step of the same name (Note [flat keywords]); where plan
 # reads the same word as a Savers field (checkpoint, offload, compile), the function's groups say which
 STEP_KEYWORDS = frozenset(f.name for f in fields(Step))
-PLAN_GROUPS = ("device", "precision", "savers", "layout", "search")  # plan's; estimate's and measure's: STEP_GROUPS
-STEP_GROUPS = ("device", "precision", "layout", "step")
+# plan's; estimate's and measure's: STEP_GROUPS
+PLAN_GROUPS = ("device", "precision", "savers", "layout", "search", "batch_dim")
+STEP_GROUPS = ("device", "precision", "layout", "step", "batch_dim")
 
 # Note [flat keywords]: each old keyword of plan / estimate / measure -> (the option value, its field)
 FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
@@ -368,11 +399,21 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "tensor_parallel_plan": ("layout", "tensor_parallel_plan"),
     "extrapolate_depth": ("search", "extrapolate_depth"),
     "alternatives": ("search", "alternatives"),  # plan_with_analysis's
+    "shared": ("batch_dim", "shared"),
 }
 
 
 def _spelling(group: str, field: str, value: Any) -> str:
     return f"{group}=autofit.{_CLASSES[group].__name__}({field}={value!r})"
+
+
+def _holds(value: Any, field: str) -> bool:
+    """Whether an option value as passed sets ``field``: a mapping naming it, or a value whose field is off its
+    default (so the old ``micro_batch_size=8`` beside ``step=Step(accumulation_steps=2)`` fills it)."""
+    if isinstance(value, Mapping):
+        return field in value
+    return dataclasses.is_dataclass(value) and getattr(value, field) != next(
+        f.default for f in dataclasses.fields(value) if f.name == field)
 
 
 def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
@@ -390,7 +431,7 @@ def gather(function: str, given: Mapping[str, Any], flat: Mapping[str, Any],
         if owner is None or owner[0] not in groups:
             raise TypeError(f"{function}() got an unexpected keyword argument {keyword!r}")
         group, field = owner
-        if isinstance(given.get(group), (_CLASSES[group], Mapping)):
+        if _holds(given.get(group), field):
             raise InvalidInputError(
                 f"{function}(): {keyword}= and {group}= both given, and {group} holds {field}: drop {keyword}= and "
                 f"write {_spelling(group, field, value)} (or set {field} in the {group} you pass)")

@@ -31,7 +31,7 @@ from autofit.training.loss import LossFn
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.plan import Plan
-from autofit.options import Device, Layout, Precision, Savers, Search, gather
+from autofit.options import BatchDim, Device, Layout, Precision, Savers, Search, gather
 from autofit.request import PlanRequest, make_request
 from autofit.core.units import format_bytes
 from autofit.planning.race import plan_layouts
@@ -41,8 +41,8 @@ __all__ = ["plan", "plan_with_analysis"]
 
 def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    batch_dim: Any = 0,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
+    batch_dim: BatchDim | int | tuple[int, int] = 0,
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> Plan:
@@ -63,10 +63,11 @@ def plan(
       "before-forward" (the PyTorch tutorials' loop) or "after-forward" (Lightning's automatic optimization: the
       previous step's gradients stay allocated through the forward). The plan and its trainer keep it (Note [where
       zero_grad falls], autofit/training/step.py).
-    - ``shared``: inputs that are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole
-      to every micro-batch (Note [the batch dimension], autofit/training/batch.py); the plan records them.
-    - ``batch_dim``: the dim of the batch in the sample and target (default 0; 1 for time-major sequences,
-      ``nn.LSTM``'s default; a pair (the inputs', the target's) when they differ); the plan records it.
+    - ``batch_dim``: which rows of the sample are the batch (Note [the batch dimension], autofit/training/batch.py):
+      an ``autofit.BatchDim(dim, shared=...)`` or its dim alone: 0 (the default), 1 for time-major sequences
+      (``nn.LSTM``'s default), a pair (the inputs', the target's) when they differ. ``BatchDim.shared``: inputs that
+      are not per-sample (positions of a tuple sample, keys of a dict sample), passed whole to every micro-batch.
+      The plan records both (``plan.batch_dim``, ``plan.shared``).
     - ``device``, ``precision``, ``savers``, ``layout``, ``search``: the options by concern, each a value of
       autofit/options.py (every field documented there) or its shortcut: ``device="H100"``,
       ``precision="bf16"``, ``savers="none"``, ``layout=8`` (the world size), ``search="exact"``.
@@ -78,15 +79,16 @@ def plan(
     plans one rank of a data-parallel job; with no strategy given, DDP and FSDP2's layouts are all planned and the
     fastest wins (docs/multi-gpu.md).
 
-    The old flat keywords (``gpu=``, ``world_size=``, ``checkpoint=``, ...) still work, with a ``FutureWarning``
-    naming the new spelling (Note [flat keywords], autofit/options.py)."""
-    options = gather("plan", dict(device=device, precision=precision, savers=savers, layout=layout, search=search),
-                     deprecated)
+    The old flat keywords (``gpu=``, ``world_size=``, ``checkpoint=``, ``shared=``, ...) still work, with a
+    ``FutureWarning`` naming the new spelling (Note [flat keywords], autofit/options.py)."""
+    options = gather("plan", dict(device=device, precision=precision, savers=savers, layout=layout, search=search,
+                                  batch_dim=batch_dim), deprecated)
     options["search"] = replace(options["search"], alternatives=bool(options["search"].alternatives))
-    with naming_inputs(lambda: as_inputs(sample, target, shared, batch_dim)[0]):  # Note [the batch dimension]
+    rows = options["batch_dim"]
+    with naming_inputs(lambda: as_inputs(sample, target, batch_dim=rows)[0]):  # Note [the batch dimension]
         return plan_with_analysis(
             model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-            clip_grad_norm=clip_grad_norm, shared=shared, batch_dim=batch_dim, **options,
+            clip_grad_norm=clip_grad_norm, **options,
         )[0]
 
 
@@ -94,8 +96,8 @@ def plan(
 @restores_user_hooks  # Note [user hooks]
 def plan_with_analysis(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    batch_dim: Any = 0,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
+    batch_dim: BatchDim | int | tuple[int, int] = 0,
     device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
     layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
 ) -> tuple[Plan, dict[str, Analysis]]:
@@ -106,11 +108,10 @@ def plan_with_analysis(
     front and no analyses. Otherwise (the default here) its front also holds the halving micro-batches (a
     checkpoint MILP each). The old ``alternatives=`` keyword is ``search=Search(alternatives=...)``."""
     options = gather("plan_with_analysis", dict(device=device, precision=precision, savers=savers, layout=layout,
-                                                search=search), deprecated)
+                                                search=search, batch_dim=batch_dim), deprecated)
     alternatives = options["search"].alternatives
     request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
-                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, shared=shared, batch_dim=batch_dim,
-                           quick=alternatives is False, **options)
+                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, quick=alternatives is False, **options)
     return _with_speed_rungs(request, plan_layouts)
 
 

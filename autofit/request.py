@@ -16,7 +16,7 @@ from autofit.capture.rows import smallest_rows
 from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks
 from autofit.device import DeviceTarget, resolve_device
-from autofit.options import Device, Layout, Options, Precision, Savers, Search, gather
+from autofit.options import BatchDim, Device, Layout, Options, Precision, Savers, Search, gather
 from autofit.core.errors import require_int
 from autofit.features import OPT_IN
 from autofit.features.float8 import as_float8, require_fp8
@@ -132,10 +132,10 @@ class PlanRequest:
             chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad, float8=self.float8)
 
     def for_layout(self, parallel: Parallel) -> PlanRequest:
-        """The request as ``parallel`` runs it: each rank trains the rows of its data rank, batch_size // the
-        layout's data ranks (a dimension whose ranks share their rows, tensor parallel's T, divides the world size
-        by its degree first: Note [layout dimensions])."""
-        per_rank = self.batch_size // parallel.data_ranks
+        """The request as ``parallel`` runs it: each rank trains the rows of its data rank, the layout's share of
+        batch_size (``Parallel.rank_rows``: a dimension whose ranks share their rows, tensor parallel's T, divides the
+        world size by its degree first: Note [layout dimensions])."""
+        per_rank = parallel.rank_rows(self.batch_size)
         return self if per_rank == self.per_rank else replace(self, per_rank=per_rank)
 
     @property
@@ -166,19 +166,19 @@ class PlanRequest:
 
 def make_request(
     model: Any, sample: Any, budget: int | str, *, batch_size: int | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None, shared: Any = None,
-    batch_dim: Any = 0, quick: bool = True, device: Device | str = "cuda", precision: Precision | Any = "auto",
-    savers: Savers | str | None = None, layout: Layout | int | None = None, search: Search | str | None = None,
-    **deprecated: Any,
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
+    batch_dim: BatchDim | int | tuple[int, int] = 0, quick: bool = True, device: Device | str = "cuda",
+    precision: Precision | Any = "auto", savers: Savers | str | None = None, layout: Layout | int | None = None,
+    search: Search | str | None = None, **deprecated: Any,
 ) -> PlanRequest:
     """The request of a ``plan`` call (its keywords, autofit/planner.py), validated and resolved once. ``quick``:
     try the quick path first (Note [the quick path])."""
     options = Options(**gather("make_request", dict(device=device, precision=precision, savers=savers, layout=layout,
-                                                    search=search), deprecated))
+                                                    search=search, batch_dim=batch_dim), deprecated))
     d, s = options.device, options.savers
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
-    batch, target_batch = as_inputs(sample, target, shared, batch_dim)
+    batch, target_batch = as_inputs(sample, target, batch_dim=options.batch_dim)
     target_device = resolve_device(d.kind, d.gpu, d.expandable_segments)
     budget_bytes = parse_budget(budget, device_total_bytes=target_device.total_bytes)
     check_capacity(budget_bytes, target_device, d.allow_over_capacity)

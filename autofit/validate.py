@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autofit.training.batch import Batch, as_batches
+from autofit.options import as_batch_dim
 from autofit.core._torch_compile import compiled_in_place
 from autofit.device import NCCL_RESERVE_BYTES, DeviceTarget
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
@@ -66,8 +67,10 @@ def _check_module(name: str, module: nn.Module) -> None:
 
 def as_inputs(sample: Any, target: Any, shared: Any = None, batch_dim: Any = 0) -> tuple[Batch, Batch | None]:
     """The sample and target as batches with the same number of rows (Note [the batch dimension],
-    autofit/training/batch.py); ``shared`` names inputs passed whole; ``batch_dim`` the dim of the batch."""
-    return as_batches(sample, target, shared=shared, batch_dim=batch_dim)
+    autofit/training/batch.py); ``batch_dim``: an ``autofit.BatchDim`` or its dim alone (autofit/options.py);
+    ``shared`` names inputs passed whole, beside a dim (``analyse``'s keyword; None: the BatchDim's)."""
+    rows = as_batch_dim(batch_dim)
+    return as_batches(sample, target, shared=rows.shared if shared is None else shared, batch_dim=rows.dim)
 
 
 # plan(allow=...): the rungs that change numerics, climbed only when allowed (Note [the ladder]): the step features'

@@ -75,9 +75,10 @@ def _settings(case, optimizer: str, precisions: list[str]) -> Iterator[StepSetti
 
 
 def _keywords(case, setting: StepSetting) -> dict:
-    return dict(micro_batch_size=case.micro_batch_size, target=case.target, loss_fn=case.loss_fn,
+    return dict(target=case.target, loss_fn=case.loss_fn,
                 optimizer=setting.optimizer, precision=setting.precision,
-                step=autofit.Step(checkpoint=case.checkpoint if setting.checkpointed else ()))
+                step=autofit.Step(micro_batch_size=case.micro_batch_size,
+                                  checkpoint=case.checkpoint if setting.checkpointed else ()))
 
 
 @contextlib.contextmanager

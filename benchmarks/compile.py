@@ -31,8 +31,8 @@ def cases():
     square = lambda out: out.square().mean()  # noqa: E731
     torch.manual_seed(0)
     yield ("MLP 256-1024-256, 8 rows", nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)),
-           torch.randn(8, 256), dict(micro_batch_size=8, loss_fn=square))
-    yield "pointwise chain 64-512-64, 512 rows", Pointwise(), torch.randn(512, 64), dict(micro_batch_size=512,
+           torch.randn(8, 256), dict(step=8, loss_fn=square))
+    yield "pointwise chain 64-512-64, 512 rows", Pointwise(), torch.randn(512, 64), dict(step=512,
                                                                                           loss_fn=square)
     import transformers
 
@@ -40,7 +40,7 @@ def cases():
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
     ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(1))
     yield ("tiny Llama 1 layer, hidden 64, 8 x 128", transformers.LlamaForCausalLM(config), ids,
-           dict(micro_batch_size=8, loss_fn=lambda out: out.logits.float().square().mean()))
+           dict(step=8, loss_fn=lambda out: out.logits.float().square().mean()))
 
 
 def main() -> None:

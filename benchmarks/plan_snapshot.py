@@ -102,9 +102,9 @@ def _special_cases():
     x, y = torch.randn(2, 512), torch.randint(0, 10, (2,))
     knobs = dict(target=y, device="cpu", precision="fp32", optimizer="adamw")
     yield "in-backward/1B", _record(lambda: autofit.plan(mlp, x, 1, **knobs))
-    plain = autofit.estimate(mlp, x, micro_batch_size=1, step=autofit.Step(accumulation_steps=2), target=y).peak_bytes
-    fused = autofit.estimate(mlp, x, micro_batch_size=2, target=y,
-                             step=autofit.Step(optimizer_in_backward=True)).peak_bytes
+    plain = autofit.estimate(mlp, x, step=autofit.Step(micro_batch_size=1, accumulation_steps=2), target=y).peak_bytes
+    fused = autofit.estimate(mlp, x, target=y,
+                             step=autofit.Step(micro_batch_size=2, optimizer_in_backward=True)).peak_bytes
     yield "in-backward/between", _record(lambda: autofit.plan(mlp, x, (plain + fused) // 2, **knobs))
     yield "in-backward/clipped", _record(lambda: autofit.plan(mlp, x, (plain + fused) // 2, clip_grad_norm=1.0,
                                                               **knobs))

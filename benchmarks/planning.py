@@ -214,7 +214,7 @@ def zoo_rows(hf: bool = False, only: str | None = None, repeat: int = 1):
             kw = dict(target=target, loss_fn=loss_fn)
             # a generous budget over the A100's memory, which plan() refuses unless told (issue 30)
             over = _device(gpu, allow_over_capacity=True)
-            autofit.estimate(model, sample, micro_batch_size=1, device=_device(gpu), **kw)  # first-use costs, untimed
+            autofit.estimate(model, sample, step=1, device=_device(gpu), **kw)  # first-use costs, untimed
             roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, device=over, **kw))
             try:
                 autofit.plan(model, sample, 1, batch_size=batch, device=_device(gpu), **kw,
@@ -237,9 +237,10 @@ def zoo_rows(hf: bool = False, only: str | None = None, repeat: int = 1):
                 for _ in range(repeat):
                     cpu = _cpu()
                     estimates.append((_timed(lambda: autofit.estimate(
-                        model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+                        model, sample, precision=plan.precision,
                         device=_device(gpu), **kw,
-                        step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                        step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                          accumulation_steps=plan.gradient_accumulation_steps,
                                           checkpoint=plan.checkpoint)))[1], _cpu() - cpu))
                 est_s, est_cpu = min(e[0] for e in estimates), min(e[1] for e in estimates)
                 summary = (f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
@@ -344,9 +345,10 @@ def deep(base: bool = True, base_70b: bool = False) -> None:
         # estimate and MemTracker simulate one process: the single-GPU row
         if kw.get("layout", autofit.Layout()).world_size == 1:
             _, est_s = _timed(lambda: autofit.estimate(
-                model, sample, micro_batch_size=plan.micro_batch_size, precision=plan.precision,
+                model, sample, precision=plan.precision,
                 target=target, loss_fn=loss_fn, device=kw["device"],
-                step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
+                step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                  accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint,
                                   offload=plan.offload, offload_states=plan.parallel.offload_states,
                                   inputs="micro-batch")))
             print(f"{label:<20} {'one estimate':<14} {est_s:>7.1f}  (the plan's configuration, whole model)")

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import autofit
+from autofit.options import as_step
 
 from benchmarks.vit import VIT_L_16_PARAMETERS, VitL16
 
@@ -133,7 +134,7 @@ def _adamw_per_parameter(params):
 
 
 # HF Trainer defaults: torch AdamW, max_grad_norm 1.0 (clip_grad_norm_ before every optimizer step)
-_TRAINER_DEFAULTS = {"micro_batch_size": 2, "optimizer": _adamw_torch, "clip_grad_norm": 1.0}
+_TRAINER_DEFAULTS = {"step": 2, "optimizer": _adamw_torch, "clip_grad_norm": 1.0}
 
 
 def _optimum_gpt2() -> Built:
@@ -168,8 +169,9 @@ def _anatomy(micro: int, accumulation: int = 1, precision: str = "fp32", checkpo
                       attn=_bert_self_attention(softmax_saves_input=True), num_labels=2)
         sample = {"input_ids": torch.randint(100, 30000, (4, 512)), "labels": torch.zeros(4, dtype=torch.long)}
         layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
-        return model, sample, {"micro_batch_size": micro, "precision": precision, "optimizer": optimizer,
-                               "step": autofit.Step(accumulation_steps=accumulation, checkpoint=layers),
+        return model, sample, {"precision": precision, "optimizer": optimizer,
+                               "step": autofit.Step(micro_batch_size=micro,
+                                                    accumulation_steps=accumulation, checkpoint=layers),
                                "clip_grad_norm": 1.0}
 
     return build
@@ -187,8 +189,9 @@ def _anatomy_rerun(micro: int = 4, accumulation: int = 1, precision: str = "fp32
         sample = {"input_ids": torch.randint(100, 30000, (micro, 512)),
                   "labels": torch.zeros(micro, dtype=torch.long)}
         layers = tuple(f"bert.encoder.layer.{i}" for i in range(24)) if checkpoint else ()
-        return model, sample, {"micro_batch_size": micro, "precision": precision, "optimizer": optimizer,
-                               "step": autofit.Step(accumulation_steps=accumulation, checkpoint=layers),
+        return model, sample, {"precision": precision, "optimizer": optimizer,
+                               "step": autofit.Step(micro_batch_size=micro,
+                                                    accumulation_steps=accumulation, checkpoint=layers),
                                "clip_grad_norm": 1.0}
 
     return build
@@ -211,8 +214,9 @@ def _amp_recipe(precision: str) -> Callable[[], Built]:
 
         return (_meta(net), torch.randn(512, 4096),
                 # the recipe's batches are made beforehand and counted in outside_bytes: the estimate holds one
-                {"target": torch.randn(512, 4096), "micro_batch_size": 512,
-                 "step": autofit.Step(accumulation_steps=2, inputs="micro-batch"), "precision": precision,
+                {"target": torch.randn(512, 4096),
+                 "step": autofit.Step(micro_batch_size=512,
+                                      accumulation_steps=2, inputs="micro-batch"), "precision": precision,
                  "loss_fn": F.mse_loss,
                  "optimizer": lambda params: torch.optim.SGD(params, lr=1e-3)})
 
@@ -225,7 +229,7 @@ def _vit_tutorial() -> Built:
     model = _meta(VitL16)
     assert sum(p.numel() for p in model.parameters()) == VIT_L_16_PARAMETERS
     return (model, torch.rand(1, 3, 224, 224),
-            {"micro_batch_size": 1, "loss_fn": lambda out: out.sum(),
+            {"step": 1, "loss_fn": lambda out: out.sum(),
              # torch.optim.Adam(model.parameters()): on CUDA torch picks foreach, and so does autofit's CUDA step
              "optimizer": "adam"})
 
@@ -246,8 +250,9 @@ def _fabric_vit(batch: int, precision: str) -> Callable[[], Built]:
             model = model.to(torch.bfloat16)
         policy = "fp32" if true_bf16 else precision
         return (model, torch.rand(batch, 3, 224, 224, dtype=torch.bfloat16 if true_bf16 else torch.float32),
-                {"micro_batch_size": batch, "target": torch.randint(0, 10, (batch,)), "loss_fn": F.cross_entropy,
-                 "optimizer": "adam", "precision": policy, "step": autofit.Step(zero_grad="after-forward")})
+                {"target": torch.randint(0, 10, (batch,)), "loss_fn": F.cross_entropy,
+                 "optimizer": "adam", "precision": policy, "step": autofit.Step(micro_batch_size=batch,
+                                                                                zero_grad="after-forward")})
 
     return build
 
@@ -325,7 +330,7 @@ def _vit_h() -> torch.nn.Module:
 def _torchao_vit(optimizer: Callable) -> Callable[[], Built]:
     def build() -> Built:
         return (_vit_h(), torch.rand(8, 3, 224, 224),
-                {"micro_batch_size": 8, "target": torch.zeros(8, dtype=torch.long), "precision": "bf16",
+                {"step": 8, "target": torch.zeros(8, dtype=torch.long), "precision": "bf16",
                  "optimizer": optimizer})
 
     return build
@@ -337,7 +342,7 @@ def _compiled(build: Callable[[], Built]) -> Callable[[], Built]:
 
     def compiled() -> Built:
         model, sample, kwargs = build()
-        step = kwargs.get("step", autofit.Step())
+        step = as_step(kwargs.get("step"))  # a Step, or the micro-batch size alone
         return model, sample, {**kwargs, "step": dataclasses.replace(step, compile=True)}
 
     return compiled
@@ -414,8 +419,9 @@ def _torchtune(*, checkpoint: bool = True, in_backward: bool = False, lora: bool
         ids = torch.zeros(2, 4096, dtype=torch.long)
         layers = tuple(f"{'base_model.model.' if lora else ''}model.layers.{i}" for i in range(28))
         return model, {"input_ids": ids}, {
-            "micro_batch_size": 2, "target": ids, "loss_fn": _chunked_output_loss,
-            "step": autofit.Step(checkpoint=layers if checkpoint else (), optimizer_in_backward=in_backward),
+            "target": ids, "loss_fn": _chunked_output_loss,
+            "step": autofit.Step(micro_batch_size=2,
+                                 checkpoint=layers if checkpoint else (), optimizer_in_backward=in_backward),
             # the rows override 3B_full_single_device.yaml's PagedAdamW8bit with torch.optim.AdamW (lr 2e-5, torch's
             # choice of implementation: foreach on CUDA); 3B_lora_single_device.yaml has AdamW(fused=True, lr 3e-4,
             # weight_decay 0.01)

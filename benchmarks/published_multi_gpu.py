@@ -98,7 +98,7 @@ def _titan_8b(layers: int = 32, seq: int = 8192, world_size: int = 8) -> Callabl
             blocks[i] = _TitanCheckpoint(blocks[i])
         ids = torch.zeros(2, seq, dtype=torch.long)
         return model, {"input_ids": ids}, {
-            "micro_batch_size": 2, "target": ids, "loss_fn": _titan_loss, "precision": "bf16",
+            "step": 2, "target": ids, "loss_fn": _titan_loss, "precision": "bf16",
             "clip_grad_norm": 1.0, "layout": autofit.Layout(world_size=world_size, strategy="fsdp2"),
             "optimizer": lambda params: torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                                           foreach=True)}
@@ -137,9 +137,10 @@ def _titan_8b_op_sac(layers: int = 32, seq: int = 8192, world_size: int = 8) -> 
         model = _meta(lambda: transformers.LlamaForCausalLM(config))  # fp32 weights, as torchtitan builds them
         ids = torch.zeros(1, seq, dtype=torch.long)
         return model, {"input_ids": ids}, {
-            "micro_batch_size": 1, "target": ids, "loss_fn": _titan_loss, "precision": "bf16",
+            "target": ids, "loss_fn": _titan_loss, "precision": "bf16",
             "clip_grad_norm": 1.0, "layout": autofit.Layout(world_size=world_size, strategy="fsdp2"),
-            "step": autofit.Step(checkpoint={f"model.layers.{i}": "op-selective" for i in range(layers)}),
+            "step": autofit.Step(micro_batch_size=1,
+                                 checkpoint={f"model.layers.{i}": "op-selective" for i in range(layers)}),
             "optimizer": lambda params: torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                                           eps=1e-8, fused=True)}
 

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device("meta"):
         model = Llama(cfg).to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq))
-    keywords = dict(micro_batch_size=1, target=ids, optimizer="adamw", precision="bf16",
-                    step=autofit.Step(checkpoint=[f"layers.{i}" for i in range(cfg.num_layers)]))
+    keywords = dict(target=ids, optimizer="adamw", precision="bf16",
+                    step=autofit.Step(micro_batch_size=1, checkpoint=[f"layers.{i}" for i in range(cfg.num_layers)]))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Llama: {cfg.num_layers} layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
           f"{cfg.num_heads} heads, vocab {cfg.vocab_size}; {n_params / 1e9:.2f} B parameters in bf16 on the meta "

@@ -68,7 +68,7 @@ def main() -> None:
     with torch.device("meta"):
         model = Llama(CONFIG)
     ids = torch.zeros(ROWS, LENGTH, dtype=torch.long, device="meta")
-    full = autofit.estimate(model, ids, target=ids, micro_batch_size=ROWS, precision="bf16", device=GPU)
+    full = autofit.estimate(model, ids, target=ids, step=ROWS, precision="bf16", device=GPU)
     budget = full.device_bytes // 4
     plan, analyses = plan_with_analysis(model, ids, budget, target=ids, device=GPU,
                                         search=autofit.Search(variable_length=True))

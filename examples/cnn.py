@@ -68,7 +68,7 @@ def main() -> None:
     labels = torch.randint(0, CLASSES, (4,))  # integer targets: the default loss is cross-entropy
 
     # 1. The whole batch at once, fp32, no checkpointing: how much would one step need?
-    full = autofit.estimate(model, sample, target=labels, micro_batch_size=BATCH_SIZE, device="cpu")
+    full = autofit.estimate(model, sample, target=labels, step=BATCH_SIZE, device="cpu")
     print(f"one step at batch {BATCH_SIZE}, fp32: {mib(full.peak_bytes)} (peak in {full.peak_phase})")
 
     # 2. Ask for a plan that fits 60 % of that.
@@ -88,8 +88,9 @@ def main() -> None:
             print(f"step {step}: loss {loss:.4f}")
 
     # 4. The planned step, estimated and measured with the same knobs (measure runs it for real on a copy).
-    knobs = dict(micro_batch_size=plan.micro_batch_size, precision=plan.precision, optimizer="adamw", target=labels,
-                 device="cpu", step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+    knobs = dict(precision=plan.precision, optimizer="adamw", target=labels,
+                 device="cpu", step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                                 accumulation_steps=plan.gradient_accumulation_steps,
                                                  checkpoint=plan.checkpoint))
     predicted = autofit.estimate(model, sample, **knobs).peak_bytes
     measured = autofit.measure(model, sample, **knobs).peak_bytes

@@ -41,7 +41,7 @@ def main() -> None:
     sample, target = dataset[:8]  # a few rows: autofit resizes them to the micro-batches it plans
 
     # How much would one step over the whole batch need? Ask for a plan that fits in 40 % of it.
-    full = autofit.estimate(model, sample, target=target, loss_fn=loss_fn, micro_batch_size=BATCH_SIZE,
+    full = autofit.estimate(model, sample, target=target, loss_fn=loss_fn, step=BATCH_SIZE,
                             optimizer="sgd", device="cpu")
     plan = autofit.plan(model, sample, int(0.4 * full.peak_bytes), batch_size=BATCH_SIZE, target=target,
                         loss_fn=loss_fn, optimizer="sgd", precision="fp32", device="cpu")

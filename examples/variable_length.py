@@ -54,7 +54,7 @@ def main() -> None:
     # The sample is the longest batch: BATCH_SIZE rows at MAX_LENGTH. The budget, a quarter of what it needs in one
     # micro-batch, makes the plan split it.
     longest = collate([{"input_ids": [1] * MAX_LENGTH} for _ in range(BATCH_SIZE)])
-    full = autofit.estimate(model, dict(longest), micro_batch_size=BATCH_SIZE).peak_bytes
+    full = autofit.estimate(model, dict(longest), step=BATCH_SIZE).peak_bytes
     plan = autofit.plan(model, dict(longest), budget=full // 4, device="cpu", precision="fp32",
                         search=autofit.Search(variable_length=True))  # the rows-by-length table
     print(plan)

@@ -42,7 +42,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _calls(model: nn.Module, other: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
-    one_step = dict(target=y, micro_batch_size=8, step=autofit.Step(accumulation_steps=4, checkpoint=["3"]))
+    one_step = dict(target=y, step=autofit.Step(micro_batch_size=8, accumulation_steps=4, checkpoint=["3"]))
     return {
         "plan": lambda: autofit.plan(model, x, BUDGET, target=y, device="T4", precision="fp32"),
         "estimate": lambda: autofit.estimate(other, x, device="T4", **one_step),

@@ -7,6 +7,8 @@ peak, the accuracy PyTorch's MemTracker reaches on plain CNNs and transformers (
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import autofit
@@ -28,8 +30,8 @@ def _compare(case: ZooCase, **knobs) -> None:
     reason = cpu_cannot_run(case.name, knobs.get("precision", "fp32"))
     if reason is not None:
         pytest.skip(reason)
-    kwargs = dict(micro_batch_size=case.micro_batch_size, target=case.target, loss_fn=case.loss_fn, device="cpu",
-                  **knobs)
+    step = dataclasses.replace(knobs["step"], micro_batch_size=case.micro_batch_size)  # the case's rows
+    kwargs = dict(target=case.target, loss_fn=case.loss_fn, device="cpu", **dict(knobs, step=step))
     meas = autofit.measure(case.model, case.sample, **kwargs)
     est = autofit.estimate(case.model, case.sample, **kwargs)
     error = (est.peak_bytes - meas.peak_bytes) / meas.peak_bytes

@@ -21,8 +21,8 @@ TOLERANCE = 0.001  # 0.1 % of the measured peak
 
 
 def _error(model, sample, **knobs) -> tuple[int, int]:
-    meas = autofit.measure(model, sample, micro_batch_size=2, **knobs)
-    est = autofit.estimate(model, sample, micro_batch_size=2, **knobs)
+    meas = autofit.measure(model, sample, step=2, **knobs)
+    est = autofit.estimate(model, sample, step=2, **knobs)
     return meas.peak_bytes, est.peak_bytes
 
 
@@ -61,8 +61,8 @@ def test_grouped_mm_peak_does_not_depend_on_routing() -> None:
         assert plan.peak_bytes <= budget
         for name, other in (("uniform", uniform), ("random", random_batch)):  # the plan for one batch holds for both
             if name not in measured:
-                measured[name] = autofit.measure(model, other, micro_batch_size=4,
-                                                 step=autofit.Step(accumulation_steps=2)).peak_bytes
+                measured[name] = autofit.measure(model, other,
+                                                 step=autofit.Step(micro_batch_size=4, accumulation_steps=2)).peak_bytes
             assert measured[name] <= plan.peak_bytes
 
 
@@ -142,7 +142,7 @@ class _SelectLoop(torch.nn.Module):
 def test_in_place_gradient_accumulation() -> None:
     model = _SelectLoop()
     x, y = torch.randn(4, 8), torch.randn(4)
-    kw = dict(micro_batch_size=4, target=y, loss_fn=torch.nn.functional.mse_loss)
+    kw = dict(step=4, target=y, loss_fn=torch.nn.functional.mse_loss)
     measured = autofit.measure(model, x, **kw).peak_bytes
     assert autofit.estimate(model, x, **kw).peak_bytes == measured
 
@@ -155,15 +155,15 @@ def test_per_expert_loop_is_planned_for_the_heaviest_routing() -> None:
     batches' measured peaks, and equals the allocator's peak when that routing is forced on the real model."""
     model, random_batch = mixtral("eager")
     uniform = token_batch(torch.full((2, 16), 7))
-    measured = {name: autofit.measure(model, s, micro_batch_size=2).peak_bytes
+    measured = {name: autofit.measure(model, s, step=2).peak_bytes
                 for name, s in (("uniform", uniform), ("random", random_batch))}
     assert measured["uniform"] != measured["random"], measured  # the peak does depend on the routing
-    estimates = [autofit.estimate(model, s, micro_batch_size=2) for s in (uniform, random_batch)]
+    estimates = [autofit.estimate(model, s, step=2) for s in (uniform, random_batch)]
     assert estimates[0].peak_bytes == estimates[1].peak_bytes >= max(measured.values())
     assert any("heaviest routing" in note for note in estimates[0].notes), estimates[0].notes
     with heavy_routing_during(model) as rerouted:
         assert rerouted == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-        forced = autofit.measure(model, random_batch, micro_batch_size=2).peak_bytes
+        forced = autofit.measure(model, random_batch, step=2).peak_bytes
     assert estimates[0].peak_bytes == forced
 
 
@@ -199,7 +199,7 @@ def test_uncorrected_strict_fake_kernel_falls_back_to_a_real_run(monkeypatch) ->
     model, sample = mixtral()
     measured, estimated = _error(model, sample)
     assert estimated == measured
-    est = autofit.estimate(model, sample, micro_batch_size=2)
+    est = autofit.estimate(model, sample, step=2)
     assert est.method == "real"
     assert any("cannot be simulated" in n and "aten._grouped_mm" in n for n in est.notes), est.notes
 
@@ -217,4 +217,4 @@ def test_genuine_kernel_errors_stay_errors() -> None:
             return x @ self.w  # (4, 8) @ (5, 3): wrong inner size
 
     with pytest.raises(autofit.ForwardError):
-        autofit.estimate(Bad(), torch.randn(4, 8), micro_batch_size=4, loss_fn=lambda out: out.sum())
+        autofit.estimate(Bad(), torch.randn(4, 8), step=4, loss_fn=lambda out: out.sum())

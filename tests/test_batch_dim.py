@@ -59,8 +59,8 @@ def test_time_major_estimate_matches_measure(per_sequence: bool) -> None:
     x, tags, labels = _data()
     model, target = (LastStep(), labels) if per_sequence else (Tagger(), tags)
     dims = (1, 0) if per_sequence else 1
-    kw = dict(target=target, loss_fn=F.cross_entropy if per_sequence else _tokens, micro_batch_size=4,
-              optimizer="adam", batch_dim=dims, step=autofit.Step(accumulation_steps=2))
+    kw = dict(target=target, loss_fn=F.cross_entropy if per_sequence else _tokens,
+              optimizer="adam", batch_dim=dims, step=autofit.Step(micro_batch_size=4, accumulation_steps=2))
     est = autofit.estimate(model, x, **kw)
     meas = autofit.measure(model, x, **kw)
     error = (est.peak_bytes - meas.peak_bytes) / meas.peak_bytes

@@ -93,11 +93,11 @@ def test_checkpointed_dense_block_estimate_equals_measure():
     torch.manual_seed(0)
     model = DenseNet()
     x, y = _data()
-    kwargs = {"target": y, "micro_batch_size": 4, "step": autofit.Step(checkpoint=LAYERS), "optimizer": "adamw"}
+    kwargs = {"target": y, "step": autofit.Step(micro_batch_size=4, checkpoint=LAYERS), "optimizer": "adamw"}
     est = autofit.estimate(model, x, **kwargs)
     meas = autofit.measure(model, x, **kwargs)
     assert est.peak_bytes == meas.peak_bytes, (est.peak_bytes, meas.peak_bytes)
-    plain = autofit.measure(model, x, target=y, micro_batch_size=4, optimizer="adamw")
+    plain = autofit.measure(model, x, target=y, step=4, optimizer="adamw")
     assert meas.peak_bytes < plain.peak_bytes  # checkpointing did drop saved activations (the test is not vacuous)
 
 
@@ -170,8 +170,9 @@ def test_plan_under_a_tight_budget_for_a_densenet():
     rows = {row.name: row for row in autofit.analyse(model, x, target=y, optimizer="sgd").table.rows}
     dense = [f"stages.{b}.layers.{i}" for b in (0, 2) for i in range(3)]
     assert all(rows[n].checkpointable for n in dense), {n: rows[n].reason for n in dense}
-    measured = autofit.measure(model, x, target=y, micro_batch_size=tight.micro_batch_size, optimizer="sgd",
-                               step=autofit.Step(accumulation_steps=tight.gradient_accumulation_steps,
+    measured = autofit.measure(model, x, target=y, optimizer="sgd",
+                               step=autofit.Step(micro_batch_size=tight.micro_batch_size,
+                                                 accumulation_steps=tight.gradient_accumulation_steps,
                                                  checkpoint=tight.checkpoint))
     assert tight.peak_bytes >= measured.peak_bytes * 0.99, (tight.peak_bytes, measured.peak_bytes, str(tight))
     assert measured.peak_bytes <= budget, (measured.peak_bytes, budget, str(tight))
@@ -192,18 +193,20 @@ def test_checkpoint_none_means_none_in_estimate_and_measure(checkpoint):
     torch.manual_seed(0)
     model = DenseNet()
     x, y = _data()
-    kwargs = {"target": y, "micro_batch_size": 4}
-    assert autofit.estimate(model, x, step=autofit.Step(checkpoint=checkpoint), **kwargs).peak_bytes == \
-        autofit.estimate(model, x, **kwargs).peak_bytes
+    kwargs = {"target": y}
+    assert autofit.estimate(model, x, step=autofit.Step(micro_batch_size=4,
+                                                        checkpoint=checkpoint), **kwargs).peak_bytes == \
+        autofit.estimate(model, x, step=4, **kwargs).peak_bytes
     assert make_step_config(micro_batch_size=1, checkpoint=checkpoint).checkpoint == ()
     if checkpoint is None:
-        assert autofit.measure(model, x, step=autofit.Step(checkpoint=None), **kwargs).peak_bytes == \
-            autofit.measure(model, x, **kwargs).peak_bytes
+        assert autofit.measure(model, x, step=autofit.Step(micro_batch_size=4,
+                                                           checkpoint=None), **kwargs).peak_bytes == \
+            autofit.measure(model, x, step=4, **kwargs).peak_bytes
 
 
 def test_checkpoint_auto_is_refused_outside_plan():
     with pytest.raises(autofit.InvalidInputError, match="plan"):
-        autofit.estimate(DenseNet(), _data()[0], micro_batch_size=2, step=autofit.Step(checkpoint="auto"))
+        autofit.estimate(DenseNet(), _data()[0], step=autofit.Step(micro_batch_size=2, checkpoint="auto"))
 
 
 def test_recomputation_replays_dropout_and_keyword_arguments():
@@ -265,7 +268,7 @@ def test_hf_kv_cache_is_not_updated_twice_by_a_recomputed_layer(module):
     # on transformers 5.x is a few dozen bytes off either way, outside what this test is about)
     errors = []
     for checkpoint in ((), (module,)):
-        knobs = dict(micro_batch_size=2, optimizer="sgd", step=autofit.Step(checkpoint=checkpoint))
+        knobs = dict(optimizer="sgd", step=autofit.Step(micro_batch_size=2, checkpoint=checkpoint))
         errors.append(abs(autofit.estimate(model, sample, **knobs).peak_bytes
                           - autofit.measure(model, sample, **knobs).peak_bytes))
     assert errors[1] <= errors[0] <= 64, errors

@@ -187,7 +187,7 @@ def test_progress_shows_the_planners_stages_only_on_long_plans():
     spec = load_spec(FACTORY)
     kw = dict(batch_size=32, target=spec.target, device="cpu", precision="fp32")
     # a budget the fastest configuration misses: the planner analyses, then simulates its winner in full
-    full = autofit.estimate(spec.model, spec.sample, micro_batch_size=32, target=spec.target, precision="fp32")
+    full = autofit.estimate(spec.model, spec.sample, step=32, target=spec.target, precision="fp32")
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120)
     with planning_progress(console, delay=0.0) as stages:

@@ -68,10 +68,10 @@ def test_figures_equal_the_library_estimate(model, extra, kwargs):
         kwargs = dict(kwargs)  # the layout's field of a case goes into its Layout, the step's knobs into its Step
         layout = autofit.Layout(world_size=2, strategy="fsdp2",
                                 reshard_after_forward=kwargs.pop("reshard_after_forward", "auto"))
-        step = autofit.Step(accumulation_steps=2, **{k: kwargs.pop(k) for k in ("checkpoint", "reduce_every_micro_batch")
-                                                     if k in kwargs})
-        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=2,
-                               step=step, device="H100-80GB", layout=layout, **kwargs)
+        step = autofit.Step(micro_batch_size=2, accumulation_steps=2,
+                            **{k: kwargs.pop(k) for k in ("checkpoint", "reduce_every_micro_batch") if k in kwargs})
+        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, step=step,
+                               device="H100-80GB", layout=layout, **kwargs)
     assert data["gpu"] == "H100-80GB" and data["batch_size"] == 8
     assert (data["peak_allocated_bytes"], data["peak_reserved_bytes"], data["device_bytes"]) == (
         est.peak_allocated_bytes, est.peak_reserved_bytes, est.device_bytes)
@@ -90,7 +90,7 @@ def test_tensor_parallel_figures_equal_the_library_estimate():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
-                               micro_batch_size=2, step=autofit.Step(accumulation_steps=2), device="H100-80GB",
+                               step=autofit.Step(micro_batch_size=2, accumulation_steps=2), device="H100-80GB",
                                layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2))
     assert data["accumulation_steps"] == 2 and data["batch_size"] == 8 and data["tensor_parallel"] == 2
     assert "tp 2" in data["layout"], data["layout"]
@@ -114,7 +114,7 @@ def test_sequence_parallel_figures_equal_the_library_estimate():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
-                               micro_batch_size=2, device="H100-80GB",
+                               step=2, device="H100-80GB",
                                layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2,
                                                      tensor_parallel_plan=sequence_parallel_plan(spec.model)))
     assert data["sequence_parallel"] is True and alone["sequence_parallel"] is False
@@ -126,8 +126,8 @@ def test_sequence_parallel_figures_equal_the_library_estimate():
 def test_compile_figures_equal_the_library_estimate():
     data = _estimate(MLP, "--input-shape", "128", "-m", "4", "--device", "cpu", "--compile")
     spec = load_spec(MLP, input_shapes=[(128,)])
-    est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=4,
-                           device="cpu", step=autofit.Step(compile=True))
+    est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
+                           device="cpu", step=autofit.Step(micro_batch_size=4, compile=True))
     assert data["compile"] is True and data["peak_allocated_bytes"] == est.peak_allocated_bytes
     assert data["breakdown"] == dict(est.breakdown)
 

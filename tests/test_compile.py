@@ -43,7 +43,7 @@ class _Pointwise(nn.Module):
         return self.b(h)
 
 
-_KW = dict(micro_batch_size=512, loss_fn=lambda out: out.square().mean())
+_KW = dict(loss_fn=lambda out: out.square().mean())
 
 
 @pytest.mark.sim
@@ -56,10 +56,10 @@ def test_compiled_model_estimate_equals_measure_where_compilation_changes_the_pe
     sample = torch.randn(512, 64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     compiled = torch.compile(model)
-    est = autofit.estimate(compiled, sample, **_KW)
+    est = autofit.estimate(compiled, sample, step=512, **_KW)
     assert any("inductor" in note for note in est.notes)
-    meas = autofit.measure(compiled, sample, **_KW)  # after the estimate: the real compile must still happen
-    eager = autofit.measure(model, sample, **_KW)
+    meas = autofit.measure(compiled, sample, step=512, **_KW)  # after the estimate: the real compile must still happen
+    eager = autofit.measure(model, sample, step=512, **_KW)
     assert meas.peak_bytes < 0.8 * eager.peak_bytes, (meas.peak_bytes, eager.peak_bytes)  # compilation matters here
     assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -71,8 +71,8 @@ def test_eager_backend_is_estimated_as_the_eager_model() -> None:
     torch.manual_seed(0)
     model = _Pointwise()
     sample = torch.randn(512, 64)
-    est = autofit.estimate(torch.compile(model, backend="eager"), sample, **_KW)
-    assert est.peak_bytes == autofit.estimate(model, sample, **_KW).peak_bytes
+    est = autofit.estimate(torch.compile(model, backend="eager"), sample, step=512, **_KW)
+    assert est.peak_bytes == autofit.estimate(model, sample, step=512, **_KW).peak_bytes
 
 
 @pytest.mark.sim
@@ -84,7 +84,7 @@ def test_compiles_autofit_cannot_simulate_are_refused(kwargs, match) -> None:
     """Never silently wrong: a backend or inductor mode the simulation does not reproduce is a typed error."""
     model = _Pointwise()
     with pytest.raises(UnsupportedModelError, match=match):
-        autofit.estimate(torch.compile(model, **kwargs), torch.randn(8, 64), micro_batch_size=8,
+        autofit.estimate(torch.compile(model, **kwargs), torch.randn(8, 64), step=8,
                          loss_fn=lambda out: out.sum())
 
 
@@ -98,7 +98,7 @@ def test_compiled_tiny_llama_estimate_equals_measure() -> None:
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(1))
-    kw = dict(micro_batch_size=8, loss_fn=lambda out: out.logits.float().square().mean())
+    kw = dict(step=8, loss_fn=lambda out: out.logits.float().square().mean())
     compiled = torch.compile(model)
     est = autofit.estimate(compiled, ids, **kw)
     meas = autofit.measure(compiled, ids, **kw)
@@ -112,9 +112,9 @@ def test_compile_knob_estimates_and_measures_the_compiled_step() -> None:
     torch.manual_seed(0)
     model = _Pointwise()
     sample = torch.randn(512, 64)
-    est = autofit.estimate(model, sample, step=autofit.Step(compile=True), **_KW)
-    meas = autofit.measure(model, sample, step=autofit.Step(compile=True), **_KW)
-    assert meas.peak_bytes < 0.8 * autofit.measure(model, sample, **_KW).peak_bytes
+    est = autofit.estimate(model, sample, step=autofit.Step(micro_batch_size=512, compile=True), **_KW)
+    meas = autofit.measure(model, sample, step=autofit.Step(micro_batch_size=512, compile=True), **_KW)
+    assert meas.peak_bytes < 0.8 * autofit.measure(model, sample, step=512, **_KW).peak_bytes
     assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes, dict(est.breakdown))
     assert any("compile=True" in note for note in est.notes)
     assert "_compiled_call_impl" not in vars(model) or vars(model)["_compiled_call_impl"] is None
@@ -122,7 +122,7 @@ def test_compile_knob_estimates_and_measures_the_compiled_step() -> None:
 
 def test_compile_must_be_a_bool() -> None:
     with pytest.raises(autofit.InvalidInputError, match="compile must be True or False"):
-        autofit.estimate(_Pointwise(), torch.randn(8, 64), micro_batch_size=8, step=autofit.Step(compile="yes"),
+        autofit.estimate(_Pointwise(), torch.randn(8, 64), step=autofit.Step(micro_batch_size=8, compile="yes"),
                          loss_fn=lambda out: out.sum())
 
 
@@ -143,8 +143,9 @@ def test_plan_of_a_compiled_model_fits_what_the_compiled_step_measures() -> None
     # below (fp32) would not run
     plan = autofit.plan(compiled, sample, budget="2.5MB", device="cpu", loss_fn=loss_fn, batch_size=512,
                         precision="fp32")
-    kw = dict(micro_batch_size=plan.micro_batch_size, loss_fn=loss_fn,
-              step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint))
+    kw = dict(loss_fn=loss_fn,
+              step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                accumulation_steps=plan.gradient_accumulation_steps, checkpoint=plan.checkpoint))
     meas = autofit.measure(compiled, sample, **kw)
     assert meas.peak_bytes < autofit.measure(model, sample, **kw).peak_bytes  # measure really ran it compiled
     assert abs(_error(autofit.estimate(compiled, sample, **kw), meas)) <= TOLERANCE
@@ -184,9 +185,10 @@ def test_plan_with_compile_true_plans_and_trains_compiled() -> None:
     with plan.wrap(model, optimizer, loss_fn=loss_fn) as trainer:
         loss = trainer.step(sample)
     assert loss == pytest.approx(expected, rel=1e-5)
-    kw = dict(micro_batch_size=512, loss_fn=loss_fn)
+    kw = dict(loss_fn=loss_fn)
     eager, compiled = (autofit.estimate(model, sample, **kw,
-                                        step=autofit.Step(compile=c)).peak_bytes for c in (False, True))
+                                        step=autofit.Step(micro_batch_size=512,
+                                                          compile=c)).peak_bytes for c in (False, True))
     assert eager > compiled
 
 
@@ -214,7 +216,7 @@ def test_model_compiled_in_place_is_refused() -> None:
     model = _Pointwise()
     model.compile()
     with pytest.raises(UnsupportedModelError, match="nn.Module.compile"):
-        autofit.estimate(model, torch.randn(8, 64), micro_batch_size=8, loss_fn=lambda out: out.sum())
+        autofit.estimate(model, torch.randn(8, 64), step=8, loss_fn=lambda out: out.sum())
 
 
 class _Chain(nn.Module):
@@ -231,7 +233,7 @@ def test_compiled_submodule_estimate_equals_measure() -> None:
     model = nn.Sequential()
     model.a, model.c, model.b = nn.Linear(64, 512), torch.compile(_Chain()), nn.Linear(512, 64)
     sample = torch.randn(512, 64)
-    est, meas = autofit.estimate(model, sample, **_KW), autofit.measure(model, sample, **_KW)
+    est, meas = autofit.estimate(model, sample, step=512, **_KW), autofit.measure(model, sample, step=512, **_KW)
     assert abs(_error(est, meas)) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
     assert any(note.startswith("c: torch.compile'd") for note in est.notes)
 
@@ -247,10 +249,10 @@ def test_compiled_estimate_for_a_gpu_is_never_below_the_eager_one() -> None:
     model = _Pointwise()
     sample = torch.randn(512, 64)
     compiled = torch.compile(model)
-    eager_gpu = autofit.estimate(model, sample, device="cuda", **_KW)
-    compiled_gpu = autofit.estimate(compiled, sample, device="cuda", **_KW)
-    compiled_cpu = autofit.estimate(compiled, sample, **_KW)
-    eager_cpu = autofit.estimate(model, sample, **_KW)
+    eager_gpu = autofit.estimate(model, sample, device="cuda", step=512, **_KW)
+    compiled_gpu = autofit.estimate(compiled, sample, device="cuda", step=512, **_KW)
+    compiled_cpu = autofit.estimate(compiled, sample, step=512, **_KW)
+    eager_cpu = autofit.estimate(model, sample, step=512, **_KW)
     assert compiled_cpu.peak_bytes < 0.8 * eager_cpu.peak_bytes
     assert (compiled_gpu.peak_allocated_bytes, compiled_gpu.peak_reserved_bytes, compiled_gpu.device_bytes) == (
         eager_gpu.peak_allocated_bytes, eager_gpu.peak_reserved_bytes, eager_gpu.device_bytes)

@@ -276,10 +276,10 @@ def test_check_exit_codes(tmp_path):
     data = json.loads(result.stdout)
     spec = load_spec(f"hf:{TINY}", input_shapes=[(256,)], task="causal-lm")
     spec.model.to(torch.bfloat16)  # axolotl loads the weights in bf16 under bf16: auto
-    by_hand = autofit.estimate(spec.model, spec.sample, micro_batch_size=2, precision="bf16",
+    by_hand = autofit.estimate(spec.model, spec.sample, precision="bf16",
                                optimizer="adamw", clip_grad_norm=1.0, device=autofit.Device(kind="cuda",
                                                                                            gpu="RTX-4090"),
-                               step=autofit.Step(accumulation_steps=8))
+                               step=autofit.Step(micro_batch_size=2, accumulation_steps=8))
     assert data["fits"] is True and data["device_bytes"] == by_hand.device_bytes
     assert data["capacity_bytes"] == autofit.gpu_spec("RTX-4090").memory_bytes
     big = tmp_path / "big"
@@ -358,9 +358,9 @@ def test_check_keeps_the_configs_offload(tmp_path):
     path = tiny(tmp_path, "torchtitan_full.toml", **{"training.enable_cpu_offload": True})
     check = autofit.check_config(path, "RTX-4090")
     spec = model_spec(check.config)
-    knobs = dict(micro_batch_size=4, precision="bf16", optimizer="adamw", clip_grad_norm=1.0,
+    knobs = dict(precision="bf16", optimizer="adamw", clip_grad_norm=1.0,
                  device=autofit.Device(kind="cuda", gpu="RTX-4090"),
-                 step=autofit.Step(accumulation_steps=8,
+                 step=autofit.Step(micro_batch_size=4, accumulation_steps=8,
                                    checkpoint={u: "op-selective" for u in shard_units(spec.model)}))
     by_hand = autofit.estimate(spec.model, spec.sample,
                                **dict(knobs, step=dataclasses.replace(knobs["step"], offload_states=True)))
@@ -433,6 +433,6 @@ def test_an_8bit_lora_config_builds_int8_weights_hand_count(tmp_path):
     int8 = 2 * sum(i * o + 4 * o for i, o in shapes)
     lora = 2 * sum(32 * (i + o) for i, o in shapes)
     others = 2 * 8192 * 128 + 5 * 128  # embedding, output layer (untied), 5 RMSNorms
-    est = autofit.estimate(spec.model, spec.sample, micro_batch_size=1, optimizer="sgd")
+    est = autofit.estimate(spec.model, spec.sample, step=1, optimizer="sgd")
     assert est.breakdown["parameters"] == int8 + 4 * (lora + others)
     assert "over an int8 base" in spec.description

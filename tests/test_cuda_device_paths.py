@@ -84,7 +84,7 @@ def test_cuda_estimate_of_dropout_counts_the_mask(dtype):
     x = torch.randn(ROWS, DIM, dtype=dtype)
 
     def est(p: float, device: str):
-        return autofit.estimate(_Dropped(p).to(dtype), x, micro_batch_size=ROWS, loss_fn=lambda o: o.float().sum(),
+        return autofit.estimate(_Dropped(p).to(dtype), x, step=ROWS, loss_fn=lambda o: o.float().sum(),
                                 device=device)
 
     off, on = est(0.0, "cuda"), est(0.1, "cuda")
@@ -147,7 +147,7 @@ def test_cuda_estimate_of_rms_norm_by_hand():
     x = torch.randn(ROWS, DIM, dtype=torch.bfloat16)
 
     def est(norm: bool):
-        return autofit.estimate(_Normed(norm).to(torch.bfloat16), x, micro_batch_size=ROWS,
+        return autofit.estimate(_Normed(norm).to(torch.bfloat16), x, step=ROWS,
                                 loss_fn=lambda o: o.float().sum(), device="cuda")
 
     act = Category.ACTIVATIONS.value

@@ -347,7 +347,7 @@ class _Attention(nn.Module):
 def _attention_activations(gpu: str, dim: int, heads: int, precision: str, seq: int) -> int:
     x = torch.randn(2, seq, dim)
     est = autofit.estimate(_Attention(dim, heads), x, target=torch.randn(2, seq, dim), loss_fn=F.mse_loss,
-                           micro_batch_size=2, precision=precision, device=autofit.Device(gpu=gpu))
+                           step=2, precision=precision, device=autofit.Device(gpu=gpu))
     return est.breakdown[Category.ACTIVATIONS.value]
 
 
@@ -502,7 +502,7 @@ def test_cublas_workspace_config(monkeypatch):
     assert cublas_workspace_bytes(a100, ":4096:8") == 32 * MiB
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     assert cublas_workspace_bytes(a100) == 131_072
-    est = autofit.estimate(_Attention(16, 2), torch.randn(2, 8, 16), micro_batch_size=2, loss_fn=lambda o: o.sum(),
+    est = autofit.estimate(_Attention(16, 2), torch.randn(2, 8, 16), step=2, loss_fn=lambda o: o.sum(),
                            device="A100-80GB")
     assert est.breakdown["cublas_workspace"] == 131_072
 
@@ -516,7 +516,7 @@ def test_context_bytes_override(monkeypatch):
     monkeypatch.setenv("AUTOFIT_CUDA_CONTEXT_MIB", "0.5")
     assert context_bytes() == MiB // 2
     monkeypatch.setenv("AUTOFIT_CUDA_CONTEXT_MIB", "300")
-    est = autofit.estimate(_Attention(16, 2), torch.randn(2, 8, 16), micro_batch_size=2, loss_fn=lambda o: o.sum(),
+    est = autofit.estimate(_Attention(16, 2), torch.randn(2, 8, 16), step=2, loss_fn=lambda o: o.sum(),
                            device="A100-80GB")
     assert est.breakdown["cuda_context"] == 300 * MiB
 
@@ -621,7 +621,7 @@ def test_unknown_gpu_lists_the_catalog():
     message = str(info.value)
     assert "Z9000" in message and all(name in message for name in CATALOG)
     with pytest.raises(autofit.InvalidInputError, match="Z9000"):
-        autofit.estimate(nn.Linear(4, 4), torch.randn(2, 4), micro_batch_size=2, loss_fn=lambda o: o.sum(),
+        autofit.estimate(nn.Linear(4, 4), torch.randn(2, 4), step=2, loss_fn=lambda o: o.sum(),
                          device="Z9000")
 
 
@@ -641,7 +641,7 @@ CUDA_TERMS = ("cublas_workspace", "allocator_rounding", "fragmentation", "cuda_c
 def test_cuda_estimate_fixed_terms_by_hand(zoo_case):
     """The terms of a CUDA estimate that do not depend on the model, each computed by hand from its source."""
     case = zoo_case("gpt_sdpa")
-    est = autofit.estimate(case.model, case.sample, target=case.target, micro_batch_size=4, precision="bf16",
+    est = autofit.estimate(case.model, case.sample, target=case.target, step=4, precision="bf16",
                            device="A100-80GB")
     assert est.device == "cuda"
     assert all(term in est.breakdown for term in CUDA_TERMS)

@@ -91,7 +91,7 @@ def test_cuda_default_adam_is_foreach_with_one_parameter_sized_copy(name):
     assert "_foreach_sqrt" in ops and "sqrt" not in ops
     assert _optimizer_tensors(sim) == _param_bytes(model)
     assert _peak_temporaries_in_optimizer(sim) == sum(_param_bytes(model))
-    est = autofit.estimate(model, torch.randn(2, 64), micro_batch_size=2, loss_fn=_loss, optimizer=name,
+    est = autofit.estimate(model, torch.randn(2, 64), step=2, loss_fn=_loss, optimizer=name,
                            device="A100-80GB")
     assert est.peak_phase == "optimizer"
     assert est.breakdown["temporaries"] == sum(_param_bytes(model))
@@ -108,7 +108,7 @@ def test_cpu_target_keeps_the_for_loop_and_the_allocator_agrees():
     ops = _optimizer_ops(sim)
     assert "sqrt" in ops and "_foreach_sqrt" not in ops
     assert _peak_temporaries_in_optimizer(sim) == 2 * 64 * 64 * 4 + 64 * 4
-    kw = dict(micro_batch_size=2, loss_fn=_loss, optimizer="adamw", device="cpu")
+    kw = dict(step=2, loss_fn=_loss, optimizer="adamw", device="cpu")
     x = torch.randn(2, 64)
     assert autofit.estimate(model, x, **kw).peak_bytes == autofit.measure(model, x, **kw).peak_bytes
 
@@ -191,7 +191,7 @@ def test_clip_grad_norm_uses_foreach_norms_one_scalar_per_gradient():
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_clipping_on_the_cpu_matches_the_allocator(optimizer):
     model, x = _mlp(), torch.randn(2, 64)
-    kw = dict(micro_batch_size=2, loss_fn=_loss, optimizer=optimizer, device="cpu", clip_grad_norm=0.5)
+    kw = dict(step=2, loss_fn=_loss, optimizer=optimizer, device="cpu", clip_grad_norm=0.5)
     assert autofit.estimate(model, x, **kw).peak_bytes == autofit.measure(model, x, **kw).peak_bytes
 
 

@@ -83,7 +83,7 @@ def test_hf_export_sets_bucket_views_on_the_trainers_accelerator(ddp_plan, tmp_p
 def test_a_bucket_mode_without_ddp_is_refused():
     model = nn.Linear(4, 2)
     with pytest.raises(autofit.InvalidInputError, match="strategy='ddp'"):
-        autofit.estimate(model, torch.randn(2, 4), micro_batch_size=2, step=autofit.Step(gradient_as_bucket_view=False))
+        autofit.estimate(model, torch.randn(2, 4), step=autofit.Step(micro_batch_size=2, gradient_as_bucket_view=False))
 
 
 def _weight_heavy_mlp():
@@ -116,10 +116,12 @@ def test_estimate_of_each_bucket_mode_is_the_allocators_on_gloo(build, accumulat
     Llama, which peaks in a later micro-batch, holds both copies either way (Note [DDP's bucket views])."""
     model, sample, kw = build()
     kw = dict(kw, layout=autofit.Layout(world_size=2, strategy="ddp"))
+    rows = kw.pop("micro_batch_size")
     gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     peaks = {}
     for views in (True, False):
-        step = autofit.Step(accumulation_steps=accumulation_steps, gradient_as_bucket_view=views)
+        step = autofit.Step(micro_batch_size=rows, accumulation_steps=accumulation_steps,
+                            gradient_as_bucket_view=views)
         est = autofit.estimate(model, sample, step=step, **kw)
         measured = autofit.measure(model, sample, step=step, **kw)
         assert any(f"gradient_as_bucket_view={views}" in n for n in est.notes), est.notes

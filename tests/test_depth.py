@@ -133,8 +133,8 @@ def test_extrapolated_estimate_equals_cpu_allocator(checkpoint):
     policy = estimator.request.policies[0]
     est = estimator.estimate(Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0), policy)
     assert any(n.startswith("depth extrapolation: simulated with 2, 3, 4") for n in est.notes)
-    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss,
-                               step=autofit.Step(checkpoint=checkpoint))
+    measured = autofit.measure(model, _ids(), target=_ids(), loss_fn=_loss,
+                               step=autofit.Step(micro_batch_size=2, checkpoint=checkpoint))
     assert est.peak_bytes == measured.peak_bytes
 
 
@@ -162,8 +162,8 @@ def test_irregular_pattern_cuts_its_longest_periodic_run():
     checkpoint = BLOCKS[:5] + ("layers.7.mlp",)
     est = estimator.estimate(Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0), estimator.request.policies[0])
     assert any(n.startswith("depth extrapolation: simulated with 9, 10, 11") for n in est.notes), est.notes
-    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss,
-                               step=autofit.Step(checkpoint=checkpoint))
+    measured = autofit.measure(model, _ids(), target=_ids(), loss_fn=_loss,
+                               step=autofit.Step(micro_batch_size=2, checkpoint=checkpoint))
     assert est.peak_bytes == measured.peak_bytes
 
 
@@ -178,8 +178,8 @@ def test_a_step_that_misses_by_its_first_cuts_misses_on_the_cpu_allocator(checkp
     estimator = _estimator(model)
     policy = estimator.request.policies[0]
     c = Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0)
-    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss,
-                               step=autofit.Step(checkpoint=checkpoint)).peak_bytes
+    measured = autofit.measure(model, _ids(), target=_ids(), loss_fn=_loss,
+                               step=autofit.Step(micro_batch_size=2, checkpoint=checkpoint)).peak_bytes
     misses, known = estimator.misses(c, policy, measured)
     assert not misses and len(known) == 2
     if not checkpoint:
@@ -205,8 +205,8 @@ def test_every_run_cut_equals_cpu_allocator_and_full_time(checkpoint):
     c = Candidate("fp32", 2, 1, 2, checkpoint, 0, 0.0)
     est, ops = estimator.estimate_and_ops(c, policy)
     assert any(n.startswith("depth extrapolation: simulated with 4, 5, 6, 5, 6") for n in est.notes), est.notes
-    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss,
-                               step=autofit.Step(checkpoint=checkpoint))
+    measured = autofit.measure(model, _ids(), target=_ids(), loss_fn=_loss,
+                               step=autofit.Step(micro_batch_size=2, checkpoint=checkpoint))
     assert est.peak_bytes == measured.peak_bytes
     sim = estimator.simulate(c, policy)
     full = op_costs(sim.timeline, sim.timeline, per_sample_from=2)
@@ -225,8 +225,8 @@ def test_front_recomputed_run_whose_later_stage_overtakes_is_not_extrapolated():
     model = _model()
     estimator = _estimator(model)
     est = estimator.estimate(Candidate("fp32", 2, 1, 2, BLOCKS[:6], 0, 0.0), estimator.request.policies[0])
-    measured = autofit.measure(model, _ids(), micro_batch_size=2, target=_ids(), loss_fn=_loss,
-                               step=autofit.Step(checkpoint=BLOCKS[:6]))
+    measured = autofit.measure(model, _ids(), target=_ids(), loss_fn=_loss,
+                               step=autofit.Step(micro_batch_size=2, checkpoint=BLOCKS[:6]))
     assert est.peak_bytes == measured.peak_bytes
     assert any("a stage of the step overtakes" in n for n in est.notes)
 
@@ -334,8 +334,9 @@ def test_plan_with_extrapolation_equals_plan_without(budget):
         runs = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
         assert len(runs) == len(set(runs)), f"treatments not grouped into runs: {a.checkpoint}"
         checkpoint = {n: "selective" if n in a.selective else "full" for n in a.checkpoint}
-        truth = autofit.measure(model, ids, micro_batch_size=a.micro_batch_size, target=ids, loss_fn=_loss,
-                                precision="fp32", step=autofit.Step(accumulation_steps=a.gradient_accumulation_steps,
+        truth = autofit.measure(model, ids, target=ids, loss_fn=_loss,
+                                precision="fp32", step=autofit.Step(micro_batch_size=a.micro_batch_size,
+                                                                    accumulation_steps=a.gradient_accumulation_steps,
                                                                     checkpoint=checkpoint))
         assert a.peak_bytes == truth.peak_bytes
     assert not any("depth extrapolation" in n for n in b.notes)

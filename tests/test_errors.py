@@ -74,8 +74,8 @@ def _one_step(kw):
     """The entry points called the same way: the step's knobs of a test go into estimate's and measure's Step (as
     ``_plan`` puts ``checkpoint`` into its Savers)."""
     kw.setdefault("micro_batch_size", 2)
-    step = {k: kw.pop(k) for k in ("checkpoint", "accumulation_steps") if k in kw}
-    return dict(kw, step=autofit.Step(**step)) if step else kw
+    step = {k: kw.pop(k) for k in ("micro_batch_size", "checkpoint", "accumulation_steps") if k in kw}
+    return dict(kw, step=autofit.Step(**step))
 
 
 def _analyse(model, sample, **kw):

@@ -50,10 +50,10 @@ def _sample(rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
 def test_eval_mode_model_is_estimated_in_training_mode() -> None:
     model, (x, y) = _mlp(0.1), _sample()
     model.eval()
-    est = autofit.estimate(model, x, target=y, micro_batch_size=512)
+    est = autofit.estimate(model, x, target=y, step=512)
     assert not model.training and not any(m.training for m in model.modules())  # the user's mode, unchanged
     model.train()
-    truth = autofit.measure(model, x, target=y, micro_batch_size=512).peak_bytes  # the allocator, training mode
+    truth = autofit.measure(model, x, target=y, step=512).peak_bytes  # the allocator, training mode
     model.eval()
     assert est.peak_bytes == truth, (est.peak_bytes, truth)  # an MLP is exact
     assert any("was in eval mode" in n and "training mode" in n for n in est.notes), est.notes
@@ -70,8 +70,8 @@ def test_submodule_frozen_in_eval_stays_frozen() -> None:
     model, (x, y) = _mlp(0.1), _sample()
     model[2].eval()
     model[5].eval()  # every dropout off, the model itself training
-    est = autofit.estimate(model, x, target=y, micro_batch_size=512)
-    truth = autofit.measure(_mlp(0.0), x, target=y, micro_batch_size=512).peak_bytes
+    est = autofit.estimate(model, x, target=y, step=512)
+    truth = autofit.measure(_mlp(0.0), x, target=y, step=512).peak_bytes
     assert est.peak_bytes == truth
     assert not any("eval mode" in n for n in est.notes)
     assert model.training and not model[2].training
@@ -87,10 +87,10 @@ def test_gpt2_from_eval_mode_is_its_training_step() -> None:
     model.eval()  # as from_pretrained returns it
     ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
     sample = {"input_ids": ids, "labels": ids}
-    est = autofit.estimate(model, sample, micro_batch_size=4)
+    est = autofit.estimate(model, sample, step=4)
     assert not model.training
     model.train()
-    truth = autofit.measure(model, sample, micro_batch_size=4).peak_bytes
+    truth = autofit.measure(model, sample, step=4).peak_bytes
     assert abs(est.peak_bytes - truth) <= 0.001 * truth, (est.peak_bytes, truth)
     assert any("was in eval mode" in n for n in est.notes)
 
@@ -132,7 +132,7 @@ def test_every_random_source_is_taken_at_its_worst(source: str) -> None:
     torch.manual_seed(0)
     model, wide = RandomWidth(source), RandomWidth(source, forced=True)
     wide.load_state_dict(model.state_dict())
-    truth = autofit.measure(wide, x, target=y, micro_batch_size=128).peak_bytes
+    truth = autofit.measure(wide, x, target=y, step=128).peak_bytes
     for seed in range(3):
         random.seed(seed)
         np.random.seed(seed)
@@ -140,7 +140,7 @@ def test_every_random_source_is_taken_at_its_worst(source: str) -> None:
         model.rng = np.random.default_rng(seed)
         states = (random.getstate(), np.random.get_state()[1].tobytes(), model.rng.bit_generator.state,
                   torch.get_rng_state())
-        est = autofit.estimate(model, x, target=y, micro_batch_size=128)
+        est = autofit.estimate(model, x, target=y, step=128)
         assert est.peak_bytes == truth, (seed, est.peak_bytes, truth)
         assert any("random draws" in n for n in est.notes)
         # the user's generators are where they were (only autofit's copy of the module's generator was steered)
@@ -169,7 +169,7 @@ def test_draws_autofit_cannot_steer_are_refused(draw, says: str) -> None:
     x, y = _sample(8)
     model = nn.Sequential(nn.Linear(64, 64), Gate(draw), nn.Linear(64, 10))
     with pytest.raises(UnsupportedModelError, match="Note \\[random") as e:
-        autofit.estimate(model, x, target=y, micro_batch_size=8)
+        autofit.estimate(model, x, target=y, step=8)
     assert says in str(e.value), str(e.value)
 
 
@@ -205,8 +205,8 @@ def test_value_branch_is_noted_with_its_module() -> None:
     positive = positive.abs()
     figures = []
     for x in (positive, -positive):
-        est = autofit.estimate(model, x, target=y, micro_batch_size=256)
-        truth = autofit.measure(model, x, target=y, micro_batch_size=256).peak_bytes
+        est = autofit.estimate(model, x, target=y, step=256)
+        truth = autofit.measure(model, x, target=y, step=256).peak_bytes
         assert est.peak_bytes == truth
         assert any(n.startswith("module 'gate' read tensor values") for n in est.notes), est.notes
         figures.append(truth)
@@ -235,7 +235,7 @@ def test_hook_keeping_a_gradient_counts_the_previous_steps(kind: str) -> None:
         def keep_grad(m, args, out) -> None:
             out.register_hook(lambda g: setattr(store, "grad", g))
         model[0].register_forward_hook(keep_grad)
-    est = autofit.estimate(model, x, target=y, micro_batch_size=512)
+    est = autofit.estimate(model, x, target=y, step=512)
     assert not vars(store) and kept == []  # given back
 
     def reset() -> None:

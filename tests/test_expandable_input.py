@@ -38,7 +38,7 @@ def _sgd(params):
 
 
 def _estimate(expandable: bool | None):
-    return autofit.estimate(_mlp(), torch.randn(ROWS, WIDTH), micro_batch_size=ROWS, loss_fn=_loss, optimizer=_sgd,
+    return autofit.estimate(_mlp(), torch.randn(ROWS, WIDTH), step=ROWS, loss_fn=_loss, optimizer=_sgd,
                             device=autofit.Device(gpu="H100", expandable_segments=expandable))
 
 
@@ -99,7 +99,7 @@ def test_estimate_with_expandable_segments_reserves_whole_pages() -> None:
 
 def test_expandable_segments_is_refused_on_the_cpu() -> None:
     with pytest.raises(InvalidInputError, match="CUDA caching allocator"):
-        autofit.estimate(_mlp(), torch.randn(4, WIDTH), micro_batch_size=4, loss_fn=_loss,
+        autofit.estimate(_mlp(), torch.randn(4, WIDTH), step=4, loss_fn=_loss,
                          device=autofit.Device(kind="cpu", expandable_segments=True))
     with pytest.raises(InvalidInputError, match="expandable_segments"):
         autofit.Device(gpu="H100", expandable_segments="yes")
@@ -128,7 +128,7 @@ def test_cli_estimate_takes_expandable_segments() -> None:
 
 def test_measure_refuses_it_on_the_cpu() -> None:
     with pytest.raises(InvalidInputError, match="CUDA caching allocator"):
-        autofit.measure(_mlp(), torch.randn(4, WIDTH), micro_batch_size=4, loss_fn=_loss,
+        autofit.measure(_mlp(), torch.randn(4, WIDTH), step=4, loss_fn=_loss,
                         device=autofit.Device(kind="cpu", expandable_segments=True))
 
 

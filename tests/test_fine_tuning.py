@@ -91,8 +91,8 @@ def _trainable_norms(model: nn.Module) -> nn.Module:
 def test_quantized_llama_estimate_matches_measure(kind, double_quant, hidden, rows, length) -> None:
     model = _trainable_norms(_quantize(_llama(hidden), kind, double_quant))
     sample = _tokens(rows, length)
-    est = autofit.estimate(model, sample, micro_batch_size=rows)
-    meas = autofit.measure(model, sample, micro_batch_size=rows)
+    est = autofit.estimate(model, sample, step=rows)
+    meas = autofit.measure(model, sample, step=rows)
     _close(est, meas)
 
 
@@ -110,7 +110,7 @@ def test_quantization_statistics_are_counted_with_the_parameters() -> None:
                                       m.weight.quant_state.state2.code, m.weight.quant_state.offset)}
     assert blocks <= sum(ours.values())
     others = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" not in n)
-    est = autofit.estimate(model, _tokens(2, 16), micro_batch_size=2, optimizer="sgd")
+    est = autofit.estimate(model, _tokens(2, 16), step=2, optimizer="sgd")
     assert est.breakdown["parameters"] == packed + sum(ours.values()) + others
 
 
@@ -122,8 +122,8 @@ def test_peft_qlora_estimate_plan_and_trainer() -> None:
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     sample = _tokens(4, 64)
-    est = autofit.estimate(model, sample, micro_batch_size=4)
-    meas = autofit.measure(model, sample, micro_batch_size=4)
+    est = autofit.estimate(model, sample, step=4)
+    meas = autofit.measure(model, sample, step=4)
     _close(est, meas)
     plan = autofit.plan(model, sample, budget=int(meas.peak_bytes * 0.6), device="cpu", precision="fp32")
     assert plan.peak_bytes <= plan.budget_bytes
@@ -154,7 +154,7 @@ def test_optimizer_step_and_state_match_measure(name) -> None:
     scratch (bitsandbytes' CPU update, torchao's compiled step) both decide it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
-    kw = dict(micro_batch_size=2, optimizer=_optimizer(name), loss_fn=lambda out: out.square().mean())
+    kw = dict(step=2, optimizer=_optimizer(name), loss_fn=lambda out: out.square().mean())
     meas = autofit.measure(model, torch.randn(2, 512), **kw)
     est = autofit.estimate(model, torch.randn(2, 512), **kw)
     assert meas.breakdown["optimizer_state"] == est.breakdown["optimizer_state"]
@@ -165,7 +165,7 @@ def test_optimizer_step_and_state_match_measure(name) -> None:
 def test_optimizer_on_tiny_llama(name) -> None:
     model = _llama(64)
     sample = _tokens(4, 64)
-    kw = dict(micro_batch_size=4, optimizer=_optimizer(name))
+    kw = dict(step=4, optimizer=_optimizer(name))
     _close(autofit.estimate(model, sample, **kw), autofit.measure(model, sample, **kw))
 
 
@@ -183,7 +183,7 @@ class _ReadsValues(torch.optim.SGD):
 def test_optimizer_reading_values_runs_for_real_or_is_refused() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    kw = dict(micro_batch_size=4, optimizer=lambda ps: _ReadsValues(ps, lr=0.1, momentum=0.9),
+    kw = dict(step=4, optimizer=lambda ps: _ReadsValues(ps, lr=0.1, momentum=0.9),
               loss_fn=lambda out: out.square().mean())
     est = autofit.estimate(model, torch.randn(4, 64), **kw)
     assert any("_ReadsValues" in note and "for real" in note for note in est.notes)
@@ -202,7 +202,7 @@ class _Broken(torch.optim.SGD):
 def test_optimizer_that_cannot_step_gets_a_typed_error() -> None:
     model = nn.Linear(8, 8)
     with pytest.raises(UnsupportedModelError, match="_Broken"):
-        autofit.estimate(model, torch.randn(2, 8), micro_batch_size=2, loss_fn=lambda out: out.sum(),
+        autofit.estimate(model, torch.randn(2, 8), step=2, loss_fn=lambda out: out.sum(),
                          optimizer=lambda ps: _Broken(ps, lr=0.1))
 
 
@@ -214,7 +214,7 @@ def test_compiled_model_counts_its_gradients_and_optimizer_state() -> None:
     tests/test_compile.py. Needs a C compiler for inductor."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-    kw = dict(micro_batch_size=8, loss_fn=lambda out: out.square().mean())
+    kw = dict(step=8, loss_fn=lambda out: out.square().mean())
     sample = torch.randn(8, 256)
     eager = autofit.estimate(model, sample, **kw)
     compiled = torch.compile(model)

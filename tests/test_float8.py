@@ -47,7 +47,7 @@ def test_a_converted_llama_estimates_within_half_a_percent_of_measure(recipe, ch
     recomputed), rowwise -1.03 % (-3.07 %), rowwise_with_gw_hp 0.00 % (-1.99 %); now byte for byte."""
     model = _llama()
     ids = torch.randint(0, 256, (2, 32))
-    kw = dict(target=ids, micro_batch_size=2, step=autofit.Step(checkpoint=checkpoint, float8=recipe))
+    kw = dict(target=ids, step=autofit.Step(micro_batch_size=2, checkpoint=checkpoint, float8=recipe))
     predicted = autofit.estimate(model, ids, **kw)
     measured = autofit.measure(model, ids, **kw).peak_bytes
     assert abs(predicted.peak_bytes - measured) <= 0.005 * measured, (predicted.peak_bytes, measured)
@@ -63,9 +63,9 @@ def test_float8_changes_what_the_step_holds():
     high-precision input and weight and adds the float8 casts and _scaled_mm's copies on top)."""
     model = _llama()
     ids = torch.randint(0, 256, (2, 32))
-    plain = autofit.estimate(model, ids, target=ids, micro_batch_size=2).peak_bytes
-    converted = autofit.estimate(model, ids, target=ids, micro_batch_size=2,
-                                 step=autofit.Step(float8="tensorwise")).peak_bytes
+    plain = autofit.estimate(model, ids, target=ids, step=2).peak_bytes
+    converted = autofit.estimate(model, ids, target=ids,
+                                 step=autofit.Step(micro_batch_size=2, float8="tensorwise")).peak_bytes
     assert converted != plain
 
 
@@ -257,8 +257,8 @@ def test_the_cli_estimate_takes_float8_as_the_library_does():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout[result.stdout.index("{"):])
     spec = load_spec(MLP, input_shapes=[(128,)])
-    est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, micro_batch_size=16,
-                           step=autofit.Step(float8="rowwise"))
+    est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
+                           step=autofit.Step(micro_batch_size=16, float8="rowwise"))
     assert data["float8"] == "rowwise" and data["peak_allocated_bytes"] == est.peak_allocated_bytes
     assert converted_linears(spec.model, Float8(recipe="rowwise")) == ("0",)
 
@@ -350,9 +350,9 @@ def test_the_float8_all_gather_needs_fsdp2_and_is_not_measured_on_gloo():
         make_step_config(micro_batch_size=1, float8=Float8(all_gather=True),
                          layout=Parallel(strategy="ddp", world_size=2))
     with pytest.raises(InvalidInputError, match="gloo"):
-        autofit.measure(nn.Linear(64, 64), torch.randn(4, 64), micro_batch_size=2,
+        autofit.measure(nn.Linear(64, 64), torch.randn(4, 64),
                         loss_fn=lambda out: out.sum(), layout=autofit.Layout(world_size=2, strategy="fsdp2"),
-                        step=autofit.Step(float8=Float8(all_gather=True)))
+                        step=autofit.Step(micro_batch_size=2, float8=Float8(all_gather=True)))
 
 
 @pytest.mark.slow
@@ -364,8 +364,8 @@ def test_fsdp2_over_converted_linears_within_half_a_percent_of_each_rank(recipe)
     rank (1,941,024 B tensorwise, 1,934,340 B rowwise on torch 2.13 / torchao 0.18: equal)."""
     model = _llama()
     ids = torch.randint(0, 256, (4, 32))
-    kw = dict(target=ids, micro_batch_size=2, layout=autofit.Layout(world_size=2, strategy="fsdp2"),
-              step=autofit.Step(float8=recipe))
+    kw = dict(target=ids, layout=autofit.Layout(world_size=2, strategy="fsdp2"),
+              step=autofit.Step(micro_batch_size=2, float8=recipe))
     predicted = autofit.estimate(model, ids, **kw).peak_bytes
     for peak in autofit.measure(model, ids, **kw).rank_peaks:
         assert abs(predicted - peak) <= 0.005 * peak, (predicted, peak)
@@ -381,7 +381,7 @@ def test_a_cpu_without_fp8_kernels_refuses_a_cpu_estimate(monkeypatch):
     monkeypatch.setattr(cpu, "fp8_matmul", lambda: False)
     ids = torch.randint(0, 256, (2, 32))
     with pytest.raises(UnsupportedPrecisionError, match="no fp8 kernel for aten::_scaled_mm in module 'layers.0"):
-        autofit.estimate(_llama(), ids, target=ids, micro_batch_size=2, step=autofit.Step(float8="tensorwise"))
+        autofit.estimate(_llama(), ids, target=ids, step=autofit.Step(micro_batch_size=2, float8="tensorwise"))
 
 
 @cpu_fp8
@@ -398,9 +398,8 @@ def test_tensor_parallel_under_fsdp2_over_converted_linears_within_half_a_percen
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (4, 32))
     sample = {"input_ids": ids, "labels": ids}
-    kw = dict(micro_batch_size=2,
-              layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2),
-              step=autofit.Step(float8="tensorwise"))
+    kw = dict(layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2),
+              step=autofit.Step(micro_batch_size=2, float8="tensorwise"))
     predicted = autofit.estimate(model, sample, **kw).peak_bytes
     for peak in autofit.measure(model, sample, **kw).rank_peaks:
         assert abs(predicted - peak) <= 0.005 * peak, (predicted, peak)

@@ -26,8 +26,9 @@ def test_an_offloaded_plan_shows_the_same_configuration_without_offload_and_that
     assert row.without == "the states on the host" and not row.fits
     assert (row.micro_batch_size, row.gradient_accumulation_steps, row.checkpoint) == (
         plan.micro_batch_size, plan.gradient_accumulation_steps, plan.checkpoint)
-    truth = autofit.estimate(model, x, micro_batch_size=row.micro_batch_size, target=y, precision="fp32", device="T4",
-                             step=autofit.Step(accumulation_steps=row.gradient_accumulation_steps,
+    truth = autofit.estimate(model, x, target=y, precision="fp32", device="T4",
+                             step=autofit.Step(micro_batch_size=row.micro_batch_size,
+                                               accumulation_steps=row.gradient_accumulation_steps,
                                                checkpoint=row.checkpoint, offload=plan.offload))
     assert row.peak_bytes == truth.peak_bytes
     assert row.device_bytes == truth.device_bytes > budget - plan.margin_bytes

@@ -87,10 +87,11 @@ def test_fsdp2_reduces_every_micro_batch_where_that_is_faster_though_deferring_f
     assert len(chose) == 1 and "deferring to the last micro-batch" in chose[0] and "8.04 MiB" in chose[0], plan.notes
     seconds = [float(w) for w in chose[0].split() if w.replace(".", "").isdigit()][:2]
     assert seconds[0] == pytest.approx(plan.predicted_step_seconds, rel=1e-2) and seconds[0] < seconds[1]
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+    est = autofit.estimate(case.model, case.sample, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision,
                            layout=autofit.Layout(world_size=8, strategy="fsdp2",
                                                  reshard_after_forward=plan.parallel.reshard_after_forward),
-                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                           step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                             accumulation_steps=plan.gradient_accumulation_steps,
                                              checkpoint=plan.checkpoint, reduce_every_micro_batch=True))
     assert est.peak_bytes == plan.peak_bytes <= 24 * MiB

@@ -34,8 +34,8 @@ def test_estimate_equals_measure_and_the_peak_loses_the_gradients(optimizer):
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     peaks = {}
     for in_backward in (False, True):
-        kw = dict(micro_batch_size=1, target=y, optimizer=optimizer,
-                  step=autofit.Step(optimizer_in_backward=in_backward))
+        kw = dict(target=y, optimizer=optimizer,
+                  step=autofit.Step(micro_batch_size=1, optimizer_in_backward=in_backward))
         est = autofit.estimate(model, x, **kw)
         peaks[in_backward] = autofit.measure(model, x, **kw).peak_bytes
         assert est.peak_bytes == peaks[in_backward]
@@ -87,9 +87,11 @@ def test_trainer_step_equals_a_plain_step_and_unwrap_removes_the_hooks(make):
 ])
 def test_invalid_combinations_are_typed_errors(kwargs, match):
     x, y = _data()
+    kwargs = dict(kwargs)  # the step's knob in its Step, the rest as keywords
+    step = autofit.Step(micro_batch_size=1, optimizer_in_backward=True,
+                        accumulation_steps=kwargs.pop("accumulation_steps", 1))
     with pytest.raises(InvalidInputError, match=match):
-        autofit.estimate(_model(), x, micro_batch_size=1, target=y, **kwargs,
-                         step=autofit.Step(optimizer_in_backward=True))
+        autofit.estimate(_model(), x, target=y, **kwargs, step=step)
 
 
 # ---- the planner turns to it when nothing fits with every gradient alive -------------------------------------------
@@ -102,9 +104,9 @@ def test_planner_steps_in_backward_when_nothing_else_fits_and_the_step_really_fi
     x, y = torch.randn(2, 512), torch.randint(0, 10, (2,))
     knobs = dict(target=y, device="cpu", precision="fp32", optimizer="adamw")
     # by the allocator: the smallest plain step (micro-batch 1 x 2) and the whole batch stepped in backward
-    plain = autofit.measure(model, x, micro_batch_size=1, step=autofit.Step(accumulation_steps=2), target=y).peak_bytes
-    fused = autofit.measure(model, x, micro_batch_size=2, target=y,
-                            step=autofit.Step(optimizer_in_backward=True)).peak_bytes
+    plain = autofit.measure(model, x, step=autofit.Step(micro_batch_size=1, accumulation_steps=2), target=y).peak_bytes
+    fused = autofit.measure(model, x, target=y,
+                            step=autofit.Step(micro_batch_size=2, optimizer_in_backward=True)).peak_bytes
     assert fused < plain
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
         autofit.plan(model, x, 1, **knobs)

@@ -22,7 +22,7 @@ def _notes(notes, category: str) -> list[str]:
 
 def test_an_estimate_names_each_category_over_a_fifth_with_its_knobs() -> None:
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
-    est = autofit.estimate(model, torch.randn(8, WIDTH), micro_batch_size=8, loss_fn=lambda out: out.square().mean())
+    est = autofit.estimate(model, torch.randn(8, WIDTH), step=8, loss_fn=lambda out: out.square().mean())
     # AdamW: two fp32 moments per parameter (+ one 4-byte step counter per parameter tensor, 8 of them)
     moments = 2 * 4 * PARAMETERS
     assert est.breakdown["optimizer_state"] == moments + 8 * 4
@@ -34,7 +34,7 @@ def test_an_estimate_names_each_category_over_a_fifth_with_its_knobs() -> None:
     # on a GPU the CUDA context (hundreds of MiB) joins the peak: four 4096-wide layers, 2 x 4 x 67,125,248 B of
     # moments (537 MB), are over a fifth of it, and the GPU knobs are named
     wide = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(DEPTH)])
-    on_gpu = autofit.estimate(wide, torch.randn(8, 4096), micro_batch_size=8, device=autofit.Device(gpu="A100-80GB"),
+    on_gpu = autofit.estimate(wide, torch.randn(8, 4096), step=8, device=autofit.Device(gpu="A100-80GB"),
                               loss_fn=lambda out: out.square().mean())
     (note,) = _notes(on_gpu.notes, "optimizer_state")
     assert on_gpu.breakdown["optimizer_state"] >= 2 * 4 * DEPTH * (4096 * 4096 + 4096)
@@ -44,7 +44,7 @@ def test_an_estimate_names_each_category_over_a_fifth_with_its_knobs() -> None:
     assert not _notes(est.notes, "inputs")  # 8 x 1024 x 4 B: far under a fifth
     # an estimate names the knobs the user holds: recomputation and the micro-batch are among them
     big = autofit.estimate(nn.Sequential(nn.Linear(64, 4096), nn.GELU(), nn.Linear(4096, 64)), torch.randn(512, 64),
-                           micro_batch_size=512, loss_fn=lambda out: out.square().mean())
+                           step=512, loss_fn=lambda out: out.square().mean())
     (note,) = _notes(big.notes, "activations")
     assert "at micro-batch 512, nothing recomputed" in note and "--checkpoint" in note and "-m)" in note
 

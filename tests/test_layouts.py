@@ -109,10 +109,11 @@ def test_offloaded_states_over_ranks_train_a_full_batch_step_and_match_the_alloc
     case = ZOO["gpt_sdpa"]()
     base = _plan(case, 2, True)
     memory = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, offload_states=True))
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=memory.micro_batch_size, target=case.target,
+    est = autofit.estimate(case.model, case.sample, target=case.target,
                            loss_fn=case.loss_fn, device="cpu", layout=autofit.Layout(world_size=2, strategy="fsdp2"),
                            precision="fp32",
-                           step=autofit.Step(accumulation_steps=memory.gradient_accumulation_steps,
+                           step=autofit.Step(micro_batch_size=memory.micro_batch_size,
+                                             accumulation_steps=memory.gradient_accumulation_steps,
                                              checkpoint=memory.checkpoint, offload_states=True))
     torch.manual_seed(0)
     tied = _plan(ZOO["tied_lm"](), 2, True)

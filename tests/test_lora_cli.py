@@ -70,7 +70,7 @@ def test_qlora_parameter_bytes_hand_count():
     others = 151936 * _WIDE + _LAYERS * 2 * _WIDE + _WIDE  # embedding (tied) and RMSNorms: fp32 after that cast
     lora = _lora_params(16, ("q_proj", "v_proj"))  # peft keeps adapters in fp32
     assert _trainable(model) == lora
-    est = autofit.estimate(model, _tokens(151936, 1, 8), micro_batch_size=1, optimizer="sgd")
+    est = autofit.estimate(model, _tokens(151936, 1, 8), step=1, optimizer="sgd")
     assert est.breakdown["parameters"] == quantized + 2 * biases + 4 * (others + lora)
 
 
@@ -116,8 +116,8 @@ def test_qlora_states_on_the_host_are_refused_and_a_plan_names_its_smallest_budg
     model = autofit.hf_model(str(tmp_path), lora=8, qlora=True)
     sample = _tokens(128, 2, 16)
     with pytest.raises(autofit.UnsupportedModelError, match="bitsandbytes quantized weights.*quant_state"):
-        autofit.estimate(model, sample, micro_batch_size=1, device=autofit.Device(gpu="RTX-4090"),
-                         step=autofit.Step(offload_states=True))
+        autofit.estimate(model, sample, device=autofit.Device(gpu="RTX-4090"),
+                         step=autofit.Step(micro_batch_size=1, offload_states=True))
     with pytest.raises(autofit.InfeasibleBudgetError) as refused:
         autofit.plan(model, sample, 1, batch_size=2, device=autofit.Device(gpu="RTX-4090"))
     with pytest.raises(autofit.InfeasibleBudgetError) as without:
@@ -138,8 +138,8 @@ def test_qlora_on_meta_estimate_matches_measure_of_the_real_model(tmp_path, rows
 
     assert all(c.device.type == "cpu" for c in bnb.functional.name2qmap.values())  # the cache left as found
     sample = _tokens(128, rows, length)
-    est = autofit.estimate(on_meta, sample, micro_batch_size=rows)
-    meas = autofit.measure(real, sample, micro_batch_size=rows)
+    est = autofit.estimate(on_meta, sample, step=rows)
+    meas = autofit.measure(real, sample, step=rows)
     error = est.peak_bytes / meas.peak_bytes - 1
     assert abs(error) <= 0.005, (est.peak_bytes, meas.peak_bytes, f"{100 * error:+.3f} %", dict(est.breakdown))
 
@@ -154,7 +154,7 @@ def test_an_unquantized_4bit_layer_gets_a_typed_error_naming_the_fix():
     model.model.layers[0].self_attn.q_proj = bnb.nn.Linear4bit(256, 256, bias=False, quant_type="nf4",
                                                                device="meta")
     with pytest.raises(autofit.UnsupportedModelError, match="never quantized.*quantize_4bit.*qlora=True"):
-        autofit.estimate(model, _tokens(128, 1, 8), micro_batch_size=1)
+        autofit.estimate(model, _tokens(128, 1, 8), step=1)
 
 
 runner = CliRunner()
@@ -210,7 +210,7 @@ def test_int8_lora_parameter_bytes_hand_count():
     others = 151936 * _WIDE + _LAYERS * 2 * _WIDE + _WIDE
     lora = _lora_params(16, ("q_proj", "v_proj"))
     assert _trainable(model) == lora
-    est = autofit.estimate(model, _tokens(151936, 1, 8), micro_batch_size=1, optimizer="sgd")
+    est = autofit.estimate(model, _tokens(151936, 1, 8), step=1, optimizer="sgd")
     assert est.breakdown["parameters"] == quantized + 4 * (biases + others + lora)
 
 
@@ -248,8 +248,8 @@ def test_int8_lora_on_meta_estimate_matches_measure_of_the_real_model(tmp_path, 
     assert [(n, p.dtype, p.shape) for n, p in on_meta.named_parameters()] == [
         (n, p.dtype, p.shape) for n, p in real.named_parameters()]
     sample = _tokens(128, rows, length)
-    est = autofit.estimate(on_meta, sample, micro_batch_size=rows)
-    meas = autofit.measure(real, sample, micro_batch_size=rows)
+    est = autofit.estimate(on_meta, sample, step=rows)
+    meas = autofit.measure(real, sample, step=rows)
     error = est.peak_bytes / meas.peak_bytes - 1
     assert abs(error) <= 0.005, (est.peak_bytes, meas.peak_bytes, f"{100 * error:+.3f} %", dict(est.breakdown))
 

@@ -116,7 +116,7 @@ def _measure(model_class):
     torch.manual_seed(0)
     model = model_class()
     x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, OUT)
-    return autofit.measure(model, x, target=y, loss_fn=_loss, micro_batch_size=ROWS, optimizer="sgd")
+    return autofit.measure(model, x, target=y, loss_fn=_loss, step=ROWS, optimizer="sgd")
 
 
 @pytest.mark.parametrize("model_class", [KeepsAttribute, RetainsGrad, HookKeepsGrad])

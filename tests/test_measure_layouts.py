@@ -48,10 +48,10 @@ def test_every_rank_measured_and_the_estimate_within_half_a_percent(layout, name
         layout = {**layout, "tensor_parallel_plan": _sequence_parallel_plan()}
     knobs = {k: v for k, v in layout.items() if k == "accumulation_steps"}  # the step's own knob, not the layout's
     options = autofit.Layout(**{k: v for k, v in layout.items() if k not in knobs})
-    knobs = dict(step=autofit.Step(**knobs))
+    knobs = dict(step=autofit.Step(micro_batch_size=ROWS, **knobs))
     before = {n: p.clone() for n, p in case.model.state_dict().items()}
-    measured = autofit.measure(case.model, case.sample, micro_batch_size=ROWS, layout=options, **knobs)
-    predicted = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS, layout=options, **knobs).peak_bytes
+    measured = autofit.measure(case.model, case.sample, layout=options, **knobs)
+    predicted = autofit.estimate(case.model, case.sample, layout=options, **knobs).peak_bytes
     assert len(measured.rank_peaks) == layout["world_size"]
     assert measured.peak_bytes == measured.rank_peaks[0]
     for rank, peak in enumerate(measured.rank_peaks):
@@ -68,13 +68,13 @@ def test_every_rank_measured_and_the_estimate_within_half_a_percent(layout, name
 
 def test_what_cannot_travel_to_the_ranks_or_run_there_is_refused_before_any_process_starts():
     case = tiny_llama()
-    kw = dict(micro_batch_size=ROWS, layout=autofit.Layout(world_size=2, strategy="ddp"))
+    kw = dict(step=ROWS, layout=autofit.Layout(world_size=2, strategy="ddp"))
     with pytest.raises(InvalidInputError, match="pickle"):
         autofit.measure(case.model, case.sample, loss_fn=lambda out, target: out.logits.mean(), **kw)
     with pytest.raises(InvalidInputError, match="one process only"):
         autofit.measure(case.model, case.sample, precision=PrecisionPolicy(name="bf16", stored="bf16"), **kw)
     with pytest.raises(InvalidInputError, match="world_size=2 needs strategy"):
-        autofit.measure(case.model, case.sample, micro_batch_size=ROWS, layout=autofit.Layout(world_size=2))
+        autofit.measure(case.model, case.sample, step=ROWS, layout=autofit.Layout(world_size=2))
 
 
 def _dies_on_rank_1(output, target=None):
@@ -94,7 +94,7 @@ def test_a_rank_that_dies_is_a_typed_error():
     name raised AttributeError while a rank was dying."""
     case = tiny_llama()
     with pytest.raises(autofit.UnsupportedModelError, match="ended abnormally"):
-        autofit.measure(case.model, case.sample, micro_batch_size=ROWS,
+        autofit.measure(case.model, case.sample, step=ROWS,
                         layout=autofit.Layout(world_size=2, strategy="ddp"), loss_fn=_dies_on_rank_1)
 
 
@@ -112,7 +112,7 @@ def test_zero3_of_a_llama_without_hugging_face_within_half_a_percent():
     model = Llama(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                               num_kv_heads=2))
     ids = torch.randint(0, 256, (4, 32))
-    kw = dict(target=ids, micro_batch_size=2, layout=autofit.Layout(world_size=2, strategy="fsdp2"))
+    kw = dict(target=ids, step=2, layout=autofit.Layout(world_size=2, strategy="fsdp2"))
     predicted = autofit.estimate(model, ids, **kw).peak_bytes
     measured = autofit.measure(model, ids, **kw)
     for peak in measured.rank_peaks:

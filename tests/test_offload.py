@@ -87,11 +87,12 @@ def test_on_the_cpu_offloading_activations_is_free_and_estimate_equals_measure()
     (``tensor.cpu()``), so the measured peak does not move, and the estimate follows the allocator."""
     x, y = _data(64)
     model = _model()
-    kw = dict(micro_batch_size=64, target=y)
-    plain = autofit.measure(model, x, **kw).peak_bytes
-    measured = autofit.measure(model, x, step=autofit.Step(offload=BLOCKS), **kw).peak_bytes
+    kw = dict(target=y)
+    plain = autofit.measure(model, x, step=64, **kw).peak_bytes
+    measured = autofit.measure(model, x, step=autofit.Step(micro_batch_size=64, offload=BLOCKS), **kw).peak_bytes
     assert measured == plain
-    assert autofit.estimate(model, x, step=autofit.Step(offload=BLOCKS), **kw).peak_bytes == measured
+    assert autofit.estimate(model, x, step=autofit.Step(micro_batch_size=64,
+                                                        offload=BLOCKS), **kw).peak_bytes == measured
 
 
 @pytest.mark.sim
@@ -102,13 +103,13 @@ def test_on_a_gpu_the_host_holds_exactly_what_save_on_cpu_packs():
     5 x 1,310,720 + 1,048,576 = 7,602,176 B of host memory."""
     x, y = _data(512)
     model = _model()
-    kw = dict(micro_batch_size=512, target=y, device="T4")
-    plain = autofit.estimate(model, x, **kw)
-    offloaded = autofit.estimate(model, x, step=autofit.Step(offload=BLOCKS), **kw)
+    kw = dict(target=y, device="T4")
+    plain = autofit.estimate(model, x, step=512, **kw)
+    offloaded = autofit.estimate(model, x, step=autofit.Step(micro_batch_size=512, offload=BLOCKS), **kw)
     assert plain.host_bytes == 0
     assert offloaded.host_bytes == 5 * (524_288 + 262_144 + 524_288) + (524_288 + 524_288) == 7_602_176
     assert offloaded.peak_bytes < plain.peak_bytes  # the saved activations left the device
-    recomputed = autofit.estimate(model, x, step=autofit.Step(checkpoint=BLOCKS), **kw)
+    recomputed = autofit.estimate(model, x, step=autofit.Step(micro_batch_size=512, checkpoint=BLOCKS), **kw)
     # the memory model counts an offloaded module as recomputed: that must never be below what offloading holds
     assert offloaded.peak_bytes <= recomputed.peak_bytes
 
@@ -117,10 +118,10 @@ def test_on_a_gpu_the_host_holds_exactly_what_save_on_cpu_packs():
 def test_a_module_cannot_be_both_recomputed_and_offloaded():
     x, y = _data(4)
     with pytest.raises(InvalidInputError, match="both recomputed and offloaded"):
-        autofit.estimate(_model(), x, target=y, micro_batch_size=4,
-                         step=autofit.Step(checkpoint=["1"], offload=["1.0"]))
+        autofit.estimate(_model(), x, target=y,
+                         step=autofit.Step(micro_batch_size=4, checkpoint=["1"], offload=["1.0"]))
     with pytest.raises(InvalidInputError, match="no module named|not a module|offload"):
-        autofit.estimate(_model(), x, target=y, micro_batch_size=4, step=autofit.Step(offload=["nope"]))
+        autofit.estimate(_model(), x, target=y, step=autofit.Step(micro_batch_size=4, offload=["nope"]))
 
 
 # ---- states: FSDP2 CPUOffloadPolicy on one process ------------------------------------------------------------------
@@ -152,9 +153,9 @@ def test_offloaded_states_live_on_the_host_of_a_gpu_target():
     model = _model()
     n = sum(p.numel() for p in model.parameters())
     assert n == 397_322
-    kw = dict(micro_batch_size=512, target=y, device="T4")
-    plain = autofit.estimate(model, x, **kw)
-    states = autofit.estimate(model, x, step=autofit.Step(offload_states=True), **kw)
+    kw = dict(target=y, device="T4")
+    plain = autofit.estimate(model, x, step=512, **kw)
+    states = autofit.estimate(model, x, step=autofit.Step(micro_batch_size=512, offload_states=True), **kw)
     host = dict(states.host_breakdown)
     assert host["parameters"] == 4 * n
     assert host["gradients"] == 4 * n
@@ -166,8 +167,9 @@ def test_offloaded_states_live_on_the_host_of_a_gpu_target():
     # under accumulation FSDP2 reduces every micro-batch into the host gradients (Note [offload]): the first
     # micro-batch leaves nothing on the device but a scalar's 512-byte block, where keeping its unsharded gradients
     # for the last micro-batch would add 4 n = 1.59 MB
-    one, two = (autofit.estimate(model, x, micro_batch_size=256, target=y, device="T4",
-                                 step=autofit.Step(accumulation_steps=k, offload_states=True, inputs="micro-batch"))
+    one, two = (autofit.estimate(model, x, target=y, device="T4",
+                                 step=autofit.Step(micro_batch_size=256,
+                                                   accumulation_steps=k, offload_states=True, inputs="micro-batch"))
                 for k in (1, 2))  # one micro-batch of inputs resident: what differs is the gradients alone
     assert two.peak_bytes - one.peak_bytes <= 512
     assert dict(two.host_breakdown)["gradients"] == 4 * n
@@ -176,7 +178,7 @@ def test_offloaded_states_live_on_the_host_of_a_gpu_target():
 def test_measure_refuses_offloaded_states_with_a_reason():
     x, y = _data(4)
     with pytest.raises(InvalidInputError, match="through plan.wrap"):
-        autofit.measure(_model(), x, target=y, micro_batch_size=4, step=autofit.Step(offload_states=True))
+        autofit.measure(_model(), x, target=y, step=autofit.Step(micro_batch_size=4, offload_states=True))
 
 
 # ---- time model: transfer terms against hand computations ---------------------------------------------------------

@@ -52,9 +52,10 @@ def test_the_front_row_of_the_chosen_configuration_is_the_plans_figure_and_its_e
     again = autofit.Plan.from_json(plan.to_json())
     assert again.device_bytes == plan.device_bytes and [a.peak_bytes for a in _chosen_rows(again)] == [
         plan.device_bytes]
-    est = autofit.estimate(model, sample, micro_batch_size=plan.micro_batch_size, target=target,
+    est = autofit.estimate(model, sample, target=target,
                            loss_fn=nn.CrossEntropyLoss(), optimizer="adamw", precision="fp32", device="cpu",
-                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                           step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                             accumulation_steps=plan.gradient_accumulation_steps,
                                              checkpoint=plan.checkpoint))
     assert est.input_rows == plan.estimate.input_rows == 16
     assert est.device_bytes == plan.device_bytes

@@ -141,13 +141,13 @@ def _tokens(rows: int = 8) -> dict[str, torch.Tensor]:
 def test_op_selective_llama_estimate_matches_measure() -> None:
     model, sample = _llama(), _tokens()
     policies = {f"model.layers.{i}": "op-selective" for i in range(2)}
-    est = autofit.estimate(model, sample, micro_batch_size=8, step=autofit.Step(checkpoint=policies))
-    meas = autofit.measure(model, sample, micro_batch_size=8, step=autofit.Step(checkpoint=policies))
+    est = autofit.estimate(model, sample, step=autofit.Step(micro_batch_size=8, checkpoint=policies))
+    meas = autofit.measure(model, sample, step=autofit.Step(micro_batch_size=8, checkpoint=policies))
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
     # measured: it keeps less than "selective" (half the projections' outputs) and more than full recomputation
-    selective = autofit.measure(model, sample, micro_batch_size=8,
-                                step=autofit.Step(checkpoint=dict.fromkeys(policies, "selective")))
-    full = autofit.measure(model, sample, micro_batch_size=8, step=autofit.Step(checkpoint=list(policies)))
+    selective = autofit.measure(model, sample,
+                                step=autofit.Step(micro_batch_size=8, checkpoint=dict.fromkeys(policies, "selective")))
+    full = autofit.measure(model, sample, step=autofit.Step(micro_batch_size=8, checkpoint=list(policies)))
     assert full.peak_bytes < meas.peak_bytes < selective.peak_bytes, (
         full.peak_bytes, meas.peak_bytes, selective.peak_bytes)
 
@@ -194,10 +194,10 @@ def test_op_selective_kept_bytes_of_a_residual_mlp_by_hand() -> None:
     # and the CPU allocator agrees with the estimate of the step
     x = torch.randn(8, S, D)
     policies = {"blocks.0": "op-selective", "blocks.1": "op-selective"}
-    est = autofit.estimate(Residual(), x, micro_batch_size=8, loss_fn=_square_mean,
-                           step=autofit.Step(checkpoint=policies))
-    meas = autofit.measure(Residual(), x, micro_batch_size=8, loss_fn=_square_mean,
-                           step=autofit.Step(checkpoint=policies))
+    est = autofit.estimate(Residual(), x, loss_fn=_square_mean,
+                           step=autofit.Step(micro_batch_size=8, checkpoint=policies))
+    meas = autofit.measure(Residual(), x, loss_fn=_square_mean,
+                           step=autofit.Step(micro_batch_size=8, checkpoint=policies))
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
 
 
@@ -218,8 +218,9 @@ def test_plan_with_op_selective_layers_round_trips_and_exports() -> None:
     # torchtitan's spelling of its own per-op policy (ActivationCheckpointConfig: mode, selective_ac_option)
     assert to_torchtitan_config(plan)["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
     # the CPU allocator's peak of the plan's step, against the plan's figure
-    meas = autofit.measure(model, sample, micro_batch_size=plan.micro_batch_size,
-                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+    meas = autofit.measure(model, sample,
+                           step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                             accumulation_steps=plan.gradient_accumulation_steps,
                                              checkpoint=plan.checkpoint_policies))
     assert abs(plan.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (plan.peak_bytes, meas.peak_bytes)
     # the trainer runs the policy: one step's gradients equal a plain full-batch step's (SGD moves by lr x grad)

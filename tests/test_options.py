@@ -56,7 +56,7 @@ def test_the_values_are_frozen_and_keyword_only():
     (lambda: as_device(3), "a catalog GPU name"),
     (lambda: as_layout({"world": 2}), "its fields are"),
     (lambda: as_step({"acumulation_steps": 2}), "Step has no field 'acumulation_steps'"),
-    (lambda: as_step(4), "an autofit.Step(...), None (the plain step), or a mapping of its fields"),
+    (lambda: as_step("4"), "an autofit.Step(...), an int (the micro-batch size), or a mapping of its fields"),
     (lambda: Layout(world_size=0), "world_size must be an int >= 1"),
     (lambda: Layout(strategy="zero3"), "must be 'ddp', 'fsdp2' or None"),
     (lambda: Savers(offload="sometimes"), "offload must be 'auto'"),
@@ -95,7 +95,7 @@ def test_an_unknown_keyword_is_a_type_error_as_python_names_it():
         gather("plan", {}, {"wrold_size": 2})
     # a flat keyword of a value estimate does not take (Search) is unknown to it
     with pytest.raises(TypeError, match="estimate\\(\\) got an unexpected keyword argument 'extrapolate_depth'"):
-        autofit.estimate(nn.Linear(4, 4), torch.zeros(2, 4), micro_batch_size=1, extrapolate_depth=False)
+        autofit.estimate(nn.Linear(4, 4), torch.zeros(2, 4), step=1, extrapolate_depth=False)
 
 
 def test_plan_estimate_and_measure_take_the_values():
@@ -124,20 +124,22 @@ def test_a_step_is_one_value_and_its_old_flat_keywords_fold_into_it():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
     x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
-    kw = dict(micro_batch_size=128, target=y, optimizer="sgd")  # no state: the activations decide the peak
-    step = Step(accumulation_steps=2, checkpoint=["2"], inputs="micro-batch")
+    kw = dict(target=y, optimizer="sgd")  # no state: the activations decide the peak
+    step = Step(micro_batch_size=128, accumulation_steps=2, checkpoint=["2"], inputs="micro-batch")
     measured = autofit.measure(model, x, step=step, **kw).peak_bytes
     assert autofit.estimate(model, x, step=step, **kw).peak_bytes == measured
-    as_mapping = {"accumulation_steps": 2, "checkpoint": ["2"], "inputs": "micro-batch"}
+    as_mapping = {"micro_batch_size": 128, "accumulation_steps": 2, "checkpoint": ["2"], "inputs": "micro-batch"}
     assert autofit.estimate(model, x, step=as_mapping, **kw).peak_bytes == measured
     with pytest.warns(FutureWarning) as record:
-        flat = autofit.estimate(model, x, accumulation_steps=2, checkpoint=["2"], inputs="micro-batch", **kw)
+        flat = autofit.estimate(model, x, accumulation_steps=2, checkpoint=["2"], inputs="micro-batch",
+                                micro_batch_size=128, **kw)
     assert flat.peak_bytes == measured
     assert "estimate(accumulation_steps=...) is deprecated: write step=autofit.Step(accumulation_steps=2)" in [
         str(w.message) for w in record]
     # each knob reached the step: without it the allocator records another peak
-    for other in (Step(checkpoint=["2"], inputs="micro-batch"), Step(accumulation_steps=2, inputs="micro-batch"),
-                  Step(accumulation_steps=2, checkpoint=["2"])):
+    for other in (Step(micro_batch_size=128, checkpoint=["2"], inputs="micro-batch"),
+                  Step(micro_batch_size=128, accumulation_steps=2, inputs="micro-batch"),
+                  Step(micro_batch_size=128, accumulation_steps=2, checkpoint=["2"])):
         assert autofit.measure(model, x, step=other, **kw).peak_bytes != measured, other
     with pytest.warns(FutureWarning, match="write savers=autofit.Savers"):
         assert gather("plan", {}, {"checkpoint": ()})["savers"] == Savers(checkpoint=())
@@ -146,7 +148,7 @@ def test_a_step_is_one_value_and_its_old_flat_keywords_fold_into_it():
     with pytest.raises(autofit.InvalidInputError, match="accumulation_steps= and step= both given"):
         autofit.estimate(model, x, step=step, accumulation_steps=2, **kw)
     with pytest.raises(TypeError, match="estimate\\(\\) got an unexpected keyword argument 'savers'"):
-        autofit.estimate(model, x, savers="none", **kw)
+        autofit.estimate(model, x, savers="none", step=128, **kw)
 
 
 def _request(**kwargs):
@@ -178,11 +180,41 @@ def test_the_old_keywords_and_the_values_make_the_same_request():
 def test_estimate_takes_one_layout_and_refuses_the_planners_choices():
     model, x = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)), torch.randn(4, 16)
     y = torch.randn(4, 1)
-    old = autofit.estimate(model, x, micro_batch_size=2, target=y, layout=Layout(world_size=2, strategy="fsdp2"))
+    old = autofit.estimate(model, x, step=2, target=y, layout=Layout(world_size=2, strategy="fsdp2"))
     with pytest.warns(FutureWarning):
-        flat = autofit.estimate(model, x, micro_batch_size=2, target=y, world_size=2, strategy="fsdp2")
+        flat = autofit.estimate(model, x, step=2, target=y, world_size=2, strategy="fsdp2")
     assert old.peak_bytes == flat.peak_bytes
     with pytest.raises(autofit.InvalidInputError, match="Layout\\(tensor_parallel=T\\)"):
-        autofit.estimate(model, x, micro_batch_size=2, target=y, layout=Layout(tensor_parallel="auto"))
+        autofit.estimate(model, x, step=2, target=y, layout=Layout(tensor_parallel="auto"))
     with pytest.raises(autofit.InvalidInputError, match="an estimate has no budget"):
-        autofit.estimate(model, x, micro_batch_size=2, target=y, device=Device(kind="cpu", margin="5%"))
+        autofit.estimate(model, x, step=2, target=y, device=Device(kind="cpu", margin="5%"))
+
+
+@OLD_SPELLING
+def test_the_micro_batch_size_is_a_field_of_the_step_and_an_int_is_its_shortcut():
+    assert as_step(8) == Step(micro_batch_size=8) and as_step({"micro_batch_size": 8}) == Step(micro_batch_size=8)
+    # the old keyword folds into the Step, also beside one that leaves the field unset (None, its default)
+    with pytest.warns(FutureWarning, match=r"write step=autofit\.Step\(micro_batch_size=8\)"):
+        values = gather("estimate", {"step": Step(accumulation_steps=2)}, {"micro_batch_size": 8}, groups=STEP_GROUPS)
+    assert values["step"] == Step(micro_batch_size=8, accumulation_steps=2)
+    with pytest.raises(autofit.InvalidInputError, match="micro_batch_size= and step= both given"):
+        gather("estimate", {"step": Step(micro_batch_size=4)}, {"micro_batch_size": 8}, groups=STEP_GROUPS)
+    for function in (autofit.estimate, autofit.measure):  # none given: the error names the fix, before any work
+        with pytest.raises(autofit.InvalidInputError, match=r"micro_batch_size=None: give step=N"):
+            function(nn.Linear(4, 4), torch.zeros(2, 4), step=Step(accumulation_steps=2))
+
+
+@OLD_SPELLING
+def test_shared_is_a_field_of_the_batch_dim_and_a_dim_is_its_shortcut():
+    from autofit import BatchDim
+    from autofit.options import as_batch_dim
+
+    assert as_batch_dim(1) == BatchDim(1) and as_batch_dim((1, 0)) == BatchDim(dim=(1, 0))
+    assert as_batch_dim(None) == BatchDim() == BatchDim(0, shared=())
+    for function, groups in (("plan", None), ("estimate", STEP_GROUPS)):
+        kw = {"groups": groups} if groups else {}
+        with pytest.warns(FutureWarning, match=r"write batch_dim=autofit\.BatchDim\(shared=\('mask',\)\)"):
+            values = gather(function, {"batch_dim": 1}, {"shared": ("mask",)}, **kw)
+        assert values["batch_dim"] == BatchDim(1, shared=("mask",))
+    with pytest.raises(autofit.InvalidInputError, match="shared= and batch_dim= both given"):
+        gather("plan", {"batch_dim": BatchDim(0, shared=(0,))}, {"shared": ("mask",)})

@@ -110,7 +110,7 @@ def test_a_model_whose_reads_every_micro_batch_answers_alike_simulates_once_per_
     monkeypatch.setattr(run, "_simulate_step", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     sample = _sample()
     sample["attention_mask"] = torch.ones_like(sample["attention_mask"])
-    est = autofit.estimate(ChecksMask(), sample, micro_batch_size=4, optimizer="sgd")
+    est = autofit.estimate(ChecksMask(), sample, step=4, optimizer="sgd")
     assert len(calls) == 1
     from autofit.solve.estimator import Estimator
     seen = []
@@ -200,7 +200,7 @@ def _simulation_of(monkeypatch, model, sample, micro: int):
     sims = []
     real = api.simulate_step
     monkeypatch.setattr(api, "simulate_step", lambda *a, **k: sims.append(real(*a, **k)) or sims[-1])
-    autofit.estimate(model, sample, micro_batch_size=micro, optimizer="sgd")
+    autofit.estimate(model, sample, step=micro, optimizer="sgd")
     return sims[-1]
 
 

@@ -21,16 +21,16 @@ def test_estimate_at_world_size_2_is_the_plans_per_rank_figure(strategy):
     plan = autofit.plan(case.model, case.sample, "1GB", batch_size=8, target=case.target, loss_fn=case.loss_fn,
                         device="cpu", precision="fp32", layout=autofit.Layout(world_size=2, strategy=strategy))
     assert plan.gradient_accumulation_steps == 1  # the plan holds one micro-batch of rows, as an estimate does
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+    est = autofit.estimate(case.model, case.sample, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision,
                            layout=autofit.Layout(world_size=2, strategy=strategy,
                                                  reshard_after_forward=plan.parallel.reshard_after_forward,
                                                  replicate=plan.parallel.replicate),
-                           step=autofit.Step(checkpoint=plan.checkpoint))
+                           step=autofit.Step(micro_batch_size=plan.micro_batch_size, checkpoint=plan.checkpoint))
     assert est.peak_bytes == plan.peak_bytes
-    single = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+    single = autofit.estimate(case.model, case.sample, target=case.target,
                               loss_fn=case.loss_fn, precision=plan.precision,
-                              step=autofit.Step(checkpoint=plan.checkpoint))
+                              step=autofit.Step(micro_batch_size=plan.micro_batch_size, checkpoint=plan.checkpoint))
     assert est.peak_bytes != single.peak_bytes  # the layout is simulated, not ignored
 
 
@@ -42,19 +42,21 @@ def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
     plan = autofit.plan(case.model, case.sample, 26 * MiB, batch_size=16, target=case.target, loss_fn=case.loss_fn,
                         device="cpu", precision="fp32", layout=autofit.Layout(world_size=2, strategy="fsdp2"))
     assert plan.parallel.reduce_every_micro_batch and plan.gradient_accumulation_steps > 1
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+    est = autofit.estimate(case.model, case.sample, target=case.target,
                            loss_fn=case.loss_fn, precision=plan.precision,
                            layout=autofit.Layout(world_size=2, strategy="fsdp2"),
-                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                           step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                             accumulation_steps=plan.gradient_accumulation_steps,
                                              checkpoint=plan.checkpoint, reduce_every_micro_batch=True,
                                              inputs="micro-batch"))
     assert est.peak_bytes + (8 - plan.micro_batch_size) * ROW_BYTES == plan.peak_bytes
     # estimate's default holds the rank's whole batch, as the trainer does: the plan's own figure (issue 39)
     assert plan.micro_batch_size * plan.gradient_accumulation_steps == 8
-    whole = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size, target=case.target,
+    whole = autofit.estimate(case.model, case.sample, target=case.target,
                              loss_fn=case.loss_fn, precision=plan.precision,
                              layout=autofit.Layout(world_size=2, strategy="fsdp2"),
-                             step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                             step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                               accumulation_steps=plan.gradient_accumulation_steps,
                                                checkpoint=plan.checkpoint, reduce_every_micro_batch=True))
     assert whole.peak_bytes == plan.peak_bytes and whole.input_rows == 8
 
@@ -62,13 +64,13 @@ def test_estimate_of_an_fsdp2_plan_reducing_every_micro_batch():
 def test_a_layout_without_its_other_half_is_refused():
     case = wide_blocks("meta")
     with pytest.raises(InvalidInputError, match="needs strategy"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=2, layout=autofit.Layout(world_size=2))
+        autofit.estimate(case.model, case.sample, step=2, layout=autofit.Layout(world_size=2))
     with pytest.raises(InvalidInputError, match="needs world_size"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=2, layout=autofit.Layout(strategy="ddp"))
+        autofit.estimate(case.model, case.sample, step=2, layout=autofit.Layout(strategy="ddp"))
     with pytest.raises(InvalidInputError, match="reduce_every_micro_batch"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=2,
+        autofit.estimate(case.model, case.sample,
                          layout=autofit.Layout(world_size=2, strategy="ddp"),
-                         step=autofit.Step(reduce_every_micro_batch=True))
+                         step=autofit.Step(micro_batch_size=2, reduce_every_micro_batch=True))
 
 
 @pytest.mark.sim
@@ -83,7 +85,7 @@ def test_dtensor_specs_flattened_once_give_the_same_fsdp2_estimate(monkeypatch):
     case = wide_blocks("meta")
 
     def figures():
-        est = autofit.estimate(case.model, case.sample, micro_batch_size=4, target=case.target, loss_fn=case.loss_fn,
+        est = autofit.estimate(case.model, case.sample, step=4, target=case.target, loss_fn=case.loss_fn,
                                precision="bf16", device="H100-80GB",
                                layout=autofit.Layout(world_size=8, strategy="fsdp2"))
         return est.peak_bytes, est.device_bytes, est.peak_reserved_bytes, est.breakdown
@@ -112,10 +114,11 @@ def test_deferred_unsharded_gradients_are_named_and_the_flag_removes_them():
     params = 16 * (128 * 512 + 512 + 512 * 128 + 128) + 128 * 10 + 10
     term, block = params * 4, (128 * 512 + 512 + 512 * 128 + 128) * 4
     assert term == 8_434_728
-    kw = dict(micro_batch_size=1, target=y, loss_fn=torch.nn.functional.cross_entropy,
+    kw = dict(target=y, loss_fn=torch.nn.functional.cross_entropy,
               device="cpu", precision="bf16", layout=autofit.Layout(world_size=8, strategy="fsdp2"))
-    deferred = autofit.estimate(model, x, step=autofit.Step(accumulation_steps=4), **kw)
-    reducing = autofit.estimate(model, x, step=autofit.Step(accumulation_steps=4, reduce_every_micro_batch=True), **kw)
+    deferred = autofit.estimate(model, x, step=autofit.Step(micro_batch_size=1, accumulation_steps=4), **kw)
+    reducing = autofit.estimate(model, x, step=autofit.Step(micro_batch_size=1,
+                                                            accumulation_steps=4, reduce_every_micro_batch=True), **kw)
     named = [n for n in deferred.notes if n.startswith("unsharded fp32 gradients held across 4 micro-batches")]
     assert len(named) == 1 and "8.04 MiB" in named[0] and "reduce_every_micro_batch=True" in named[0], deferred.notes
     assert term > deferred.device_bytes / 5 and deferred.breakdown["temporaries"] >= term

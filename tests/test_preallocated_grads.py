@@ -31,8 +31,8 @@ def _mlp(rows: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("micro,steps", [(1024, 1), (512, 2)])
 def test_estimate_equals_the_cpu_allocator_with_the_gradients_allocated_before_forward(micro: int, steps: int):
     model, x, y = _mlp(1024)
-    kw = dict(micro_batch_size=micro, target=y, loss_fn=nn.CrossEntropyLoss())
-    plain_step = autofit.Step(accumulation_steps=steps)
+    kw = dict(target=y, loss_fn=nn.CrossEntropyLoss())
+    plain_step = autofit.Step(micro_batch_size=micro, accumulation_steps=steps)
     step = replace(plain_step, preallocated_grads=True)
     est = autofit.estimate(model, x, step=step, **kw)
     measured = autofit.measure(model, x, step=step, **kw)
@@ -54,9 +54,10 @@ def test_estimate_equals_the_cpu_allocator_on_a_tiny_llama():
 
     case = tiny_llama()
     for steps in (1, 2):
-        step = autofit.Step(accumulation_steps=steps, checkpoint=("model.layers.0",), preallocated_grads=True)
-        est = autofit.estimate(case.model, case.sample, micro_batch_size=2, step=step)
-        assert est.peak_bytes == autofit.measure(case.model, case.sample, micro_batch_size=2, step=step).peak_bytes
+        step = autofit.Step(micro_batch_size=2, accumulation_steps=steps, checkpoint=("model.layers.0",),
+                            preallocated_grads=True)
+        est = autofit.estimate(case.model, case.sample, step=step)
+        assert est.peak_bytes == autofit.measure(case.model, case.sample, step=step).peak_bytes
 
 
 def _plan_with_grads_ahead(model, x, y, budget: int | None = None):

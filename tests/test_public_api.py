@@ -15,6 +15,7 @@ PUBLIC = [
     "Alternative",
     "Analysis",
     "AutofitError",
+    "BatchDim",
     "CardRow",
     "Category",
     "Device",

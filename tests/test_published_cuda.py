@@ -29,7 +29,7 @@ def _error(bytes_: int, published_mb: float) -> float:
 
 def _hf_trainer_estimate(model) -> int:
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
-    est = autofit.estimate(model, {"input_ids": ids, "labels": ids}, micro_batch_size=2, optimizer="adamw",
+    est = autofit.estimate(model, {"input_ids": ids, "labels": ids}, step=2, optimizer="adamw",
                            device="A100-80GB", clip_grad_norm=1.0)
     return est.peak_allocated_bytes
 
@@ -52,7 +52,7 @@ def test_vit_l_16_adam_matches_the_fused_optimizer_tutorial():
     with torch.device("meta"):
         model = transformers.ViTForImageClassification(config)
     assert sum(p.numel() for p in model.parameters()) == 304_326_632  # torchvision vit_l_16's count
-    est = autofit.estimate(model, torch.randn(1, 3, 224, 224), micro_batch_size=1, optimizer="adam",
+    est = autofit.estimate(model, torch.randn(1, 3, 224, 224), step=1, optimizer="adam",
                            loss_fn=lambda out: out.logits.sum(), device="A100-80GB")
     # the tutorial's terms, each "1.2 GB" a parameter-sized fp32 copy (304.3 M x 4 bytes = 1.217 GB)
     assert est.peak_phase == "optimizer"

@@ -66,10 +66,10 @@ def test_layerdrop_estimate_is_the_step_with_nothing_skipped(survival: bool) -> 
     model = LayerDropMLP(0.9 if survival else 0.5, survival=survival)
     never = LayerDropMLP(1.0 if survival else 0.0, survival=survival)  # the same model, no layer ever skipped
     never.load_state_dict(model.state_dict())
-    truth = autofit.measure(never, x, target=y, micro_batch_size=32).peak_bytes
+    truth = autofit.measure(never, x, target=y, step=32).peak_bytes
     for seed in range(4):
         torch.manual_seed(seed)
-        est = autofit.estimate(model, x, target=y, micro_batch_size=32)
+        est = autofit.estimate(model, x, target=y, step=32)
         assert est.peak_bytes == truth, (seed, est.peak_bytes, truth)  # an MLP is exact: equal, not only above
         assert any("random draws" in n for n in est.notes)
 
@@ -81,10 +81,10 @@ def test_python_random_layerdrop_and_plan_note() -> None:
     model = LayerDropMLP(0.5, draw=lambda: random.uniform(0, 1))
     never = LayerDropMLP(0.0)
     never.load_state_dict(model.state_dict())
-    truth = autofit.measure(never, x, target=y, micro_batch_size=32).peak_bytes
+    truth = autofit.measure(never, x, target=y, step=32).peak_bytes
     for seed in range(3):
         random.seed(seed)
-        assert autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes == truth
+        assert autofit.estimate(model, x, target=y, step=32).peak_bytes == truth
     plan = autofit.plan(model, x, truth, target=y, device="cpu", precision="fp32", savers=autofit.Savers(checkpoint=()))
     assert any("random draws" in n for n in plan.notes)
 
@@ -114,11 +114,11 @@ def test_wav2vec2_default_layerdrop_over_seeds() -> None:
 
     torch.manual_seed(0)
     np.random.seed(0)
-    truth = autofit.measure(never, x, loss_fn=loss, micro_batch_size=2).peak_bytes
+    truth = autofit.measure(never, x, loss_fn=loss, step=2).peak_bytes
     for seed in (0, 4, 6):  # with the real generator, 4 and 6 skip a layer: 30,853,606 B against 40,210,742 B
         torch.manual_seed(seed)
         np.random.seed(seed)
-        est = autofit.estimate(model, x, loss_fn=loss, micro_batch_size=2)
+        est = autofit.estimate(model, x, loss_fn=loss, step=2)
         assert est.peak_bytes >= truth, (seed, est.peak_bytes, truth)
         assert est.peak_bytes <= truth * 1.001, (seed, est.peak_bytes, truth)
         assert any("random draws" in n for n in est.notes)

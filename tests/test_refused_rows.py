@@ -64,15 +64,16 @@ def _trainer_step_peak(plan: autofit.Plan, model: nn.Module, x: torch.Tensor, y:
 @pytest.mark.parametrize("share", [0.5, 0.35])
 def test_batchnorm_model_planned_under_a_share_of_the_full_batch(share: float) -> None:
     model, (x, y) = _bn_model(), _data()
-    full = autofit.estimate(model, x, target=y, micro_batch_size=13).peak_bytes
+    full = autofit.estimate(model, x, target=y, step=13).peak_bytes
     budget = int(full * share)
     plan = autofit.plan(model, x, budget, target=y, batch_size=13, device="cpu", precision="fp32",
                         savers=autofit.Savers(checkpoint=()))
     assert plan.micro_batch_size < 13 and plan.min_rows == 2
     assert any("at least 2 rows" in n for n in plan.notes)
     # one micro-batch of inputs resident: estimate's whole batch would be micro x accumulation rows, not the 13 held
-    kw = dict(target=y, micro_batch_size=plan.micro_batch_size,
-              step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps, inputs="micro-batch"))
+    kw = dict(target=y,
+              step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                accumulation_steps=plan.gradient_accumulation_steps, inputs="micro-batch"))
     assert autofit.estimate(model, x, **kw).peak_bytes <= budget
     assert autofit.measure(model, x, **kw).peak_bytes <= budget  # the allocator, micro-batches of the plan's size
     peak, sizes = _trainer_step_peak(plan, model, x, y)

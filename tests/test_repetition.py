@@ -45,8 +45,9 @@ def _same(short, full) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_two_micro_batches_decide_the_window_on_the_cpu(name, monkeypatch, zoo_case):
     case = zoo_case(name)
-    short, full = _estimates(case, monkeypatch, micro_batch_size=2, device="cpu",
-                             step=autofit.Step(accumulation_steps=5, checkpoint=_recomputed(case.model)))
+    short, full = _estimates(case, monkeypatch, device="cpu",
+                             step=autofit.Step(micro_batch_size=2,
+                                               accumulation_steps=5, checkpoint=_recomputed(case.model)))
     _same(short, full)
 
 
@@ -56,6 +57,7 @@ def test_two_micro_batches_decide_the_window_on_a_gpu(name, precision, monkeypat
     """The CUDA model replays the caching allocator over the window: its reserve after the second micro-batch is the
     one every later micro-batch finds."""
     case = zoo_case(name)
-    short, full = _estimates(case, monkeypatch, micro_batch_size=2, precision=precision, device="A100-80GB",
-                             step=autofit.Step(accumulation_steps=4, checkpoint=_recomputed(case.model)))
+    short, full = _estimates(case, monkeypatch, precision=precision, device="A100-80GB",
+                             step=autofit.Step(micro_batch_size=2,
+                                               accumulation_steps=4, checkpoint=_recomputed(case.model)))
     _same(short, full)

@@ -134,8 +134,8 @@ def test_chunked_loss_estimate_equals_measure_and_saves_the_logits():
     model, batch = _llama(), _tokens()
     peaks = {}
     for chunked in (False, True):
-        est = autofit.estimate(model, batch, micro_batch_size=4, step=autofit.Step(chunked_loss=chunked))
-        meas = autofit.measure(model, batch, micro_batch_size=4, step=autofit.Step(chunked_loss=chunked))
+        est = autofit.estimate(model, batch, step=autofit.Step(micro_batch_size=4, chunked_loss=chunked))
+        meas = autofit.measure(model, batch, step=autofit.Step(micro_batch_size=4, chunked_loss=chunked))
         assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (chunked, est.peak_bytes, meas.peak_bytes)
         peaks[chunked] = meas.peak_bytes
     # by hand: the logits are 4 x 64 x 8192 fp32 values = 8.4 MB; the unchunked step holds them, their fp32 copy
@@ -194,9 +194,9 @@ def test_chunked_default_loss_equals_cross_entropy_and_a_transformed_head_is_ref
 
     capped = _Lm(transform=True)
     with pytest.raises(UnsupportedModelError, match="soft-capping"):
-        autofit.estimate(capped, ids, target=target, micro_batch_size=3, step=autofit.Step(chunked_loss=True))
+        autofit.estimate(capped, ids, target=target, step=autofit.Step(micro_batch_size=3, chunked_loss=True))
     with pytest.raises(InvalidInputError, match="chunked_loss=True needs the default loss"):
-        autofit.estimate(model, ids, target=target, micro_batch_size=3, step=autofit.Step(chunked_loss=True),
+        autofit.estimate(model, ids, target=target, step=autofit.Step(micro_batch_size=3, chunked_loss=True),
                          loss_fn=lambda out, t: out.float().mean())
 
 

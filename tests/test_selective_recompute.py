@@ -104,8 +104,8 @@ def test_residual_mlp_estimate_matches_measure(policy: str) -> None:
     torch.manual_seed(0)
     model, x = Residual(), torch.randn(8, S, D)
     checkpoint = {"blocks.0": policy, "blocks.1": policy}
-    est = autofit.estimate(model, x, micro_batch_size=8, step=autofit.Step(checkpoint=checkpoint), loss_fn=_square_mean)
-    meas = autofit.measure(model, x, micro_batch_size=8, step=autofit.Step(checkpoint=checkpoint), loss_fn=_square_mean)
+    est = autofit.estimate(model, x, step=autofit.Step(micro_batch_size=8, checkpoint=checkpoint), loss_fn=_square_mean)
+    meas = autofit.measure(model, x, step=autofit.Step(micro_batch_size=8, checkpoint=checkpoint), loss_fn=_square_mean)
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
 
 
@@ -200,12 +200,12 @@ def test_selective_layers_estimate_matches_measure(arch: str) -> None:
     build, layers = BUILDERS[arch]
     model, sample = build(), _tokens()
     checkpoint = {f"{layers}.{i}": "selective" for i in range(2)}
-    est = autofit.estimate(model, sample, micro_batch_size=ROWS, step=autofit.Step(checkpoint=checkpoint))
-    meas = autofit.measure(model, sample, micro_batch_size=ROWS, step=autofit.Step(checkpoint=checkpoint))
+    est = autofit.estimate(model, sample, step=autofit.Step(micro_batch_size=ROWS, checkpoint=checkpoint))
+    meas = autofit.measure(model, sample, step=autofit.Step(micro_batch_size=ROWS, checkpoint=checkpoint))
     assert abs(est.peak_bytes / meas.peak_bytes - 1) <= TOLERANCE, (est.peak_bytes, meas.peak_bytes)
     # selective lies between none and full, measured
-    full = autofit.measure(model, sample, micro_batch_size=ROWS, step=autofit.Step(checkpoint=list(checkpoint)))
-    none = autofit.measure(model, sample, micro_batch_size=ROWS)
+    full = autofit.measure(model, sample, step=autofit.Step(micro_batch_size=ROWS, checkpoint=list(checkpoint)))
+    none = autofit.measure(model, sample, step=ROWS)
     assert full.peak_bytes < meas.peak_bytes < none.peak_bytes, (full.peak_bytes, meas.peak_bytes, none.peak_bytes)
 
 
@@ -220,7 +220,7 @@ def test_selective_plan_beats_module_level_and_fits(arch: str) -> None:
     build, _ = BUILDERS[arch]
     model, sample = build(), _tokens()
     # a budget where the whole batch does not fit as one micro-batch without recomputation
-    plain = autofit.estimate(model, sample, micro_batch_size=ROWS).peak_bytes
+    plain = autofit.estimate(model, sample, step=ROWS).peak_bytes
     budget = int(plain * 0.8)
     plan = autofit.plan(model, sample, budget=budget, device="cpu", precision="fp32", optimizer="adamw")
     assert plan.checkpoint and plan.selective, str(plan)
@@ -236,8 +236,8 @@ def test_selective_plan_beats_module_level_and_fits(arch: str) -> None:
     again = autofit.Plan.from_json(plan.to_json())
     assert again.selective == plan.selective and again.checkpoint_policies == plan.checkpoint_policies
     # the CPU allocator's peak of exactly this step fits, and the estimate is within 0.5 % of it
-    knobs = dict(micro_batch_size=plan.micro_batch_size,
-                 step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+    knobs = dict(step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                   accumulation_steps=plan.gradient_accumulation_steps,
                                    checkpoint=plan.checkpoint_policies))
     meas = autofit.measure(model, sample, **knobs)
     est = autofit.estimate(model, sample, **knobs)

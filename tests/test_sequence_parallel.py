@@ -77,9 +77,9 @@ def test_a_rank_keeps_the_residual_stream_and_norms_of_its_share_of_the_tokens()
     case = tiny_llama()
     blocks = {f"model.{k}": v for k, v in case.model.config.base_model_tp_plan.items()}
     layout = dict(world_size=2, strategy="fsdp2", tensor_parallel=2)
-    alone = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+    alone = autofit.estimate(case.model, case.sample, step=ROWS,
                              layout=autofit.Layout(**layout, tensor_parallel_plan=blocks))
-    sequence = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+    sequence = autofit.estimate(case.model, case.sample, step=ROWS,
                                 layout=autofit.Layout(**layout, tensor_parallel_plan=_mapping(case.model)))
     assert sequence.breakdown["parameters"] == alone.breakdown["parameters"]
     assert sequence.peak_bytes < alone.peak_bytes
@@ -89,10 +89,10 @@ def _plan(world: int, tp: int, batch_size: int, checkpoint: tuple[str, ...] = ()
     """A plan of the layout, made by hand around the estimate (the estimate is what is under test)."""
     case = tiny_llama()
     mapping = _mapping(case.model)
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+    est = autofit.estimate(case.model, case.sample,
                            layout=autofit.Layout(world_size=world, strategy="fsdp2", tensor_parallel=tp,
                                                  tensor_parallel_plan=mapping),
-                           step=autofit.Step(checkpoint=checkpoint or None))
+                           step=autofit.Step(micro_batch_size=ROWS, checkpoint=checkpoint or None))
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
                 batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=checkpoint,
                 peak_bytes=est.peak_bytes, device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu",
@@ -182,7 +182,7 @@ def test_collectives_are_the_ones_torch_runs(tmp_path):
         plan = resolve_tensor_plan(case.model, 2, mapping)
         parallel = Parallel(strategy="fsdp2", world_size=2, tensor_parallel=2, tensor_plan=plan)
         expected.append(ROWS * tensor_reduce_bytes(case.model, parallel, _output_bytes(case, plan)))
-        est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+        est = autofit.estimate(case.model, case.sample, step=ROWS,
                                layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
                                                      tensor_parallel_plan=mapping))
         memory = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=1, batch_size=ROWS,
@@ -227,7 +227,7 @@ def test_a_sequence_that_the_group_does_not_divide_is_refused_before_anything_ru
     odd = {"input_ids": ids, "labels": ids.clone()}
     mapping = sequence_parallel_plan(case.model)
     with pytest.raises(autofit.InvalidInputError, match="has 31 there .* pad it to a multiple of 2"):
-        autofit.estimate(case.model, odd, micro_batch_size=ROWS,
+        autofit.estimate(case.model, odd, step=ROWS,
                          layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
                                                tensor_parallel_plan=mapping))
     with pytest.raises(autofit.InvalidInputError, match="has 31 there"):

@@ -53,7 +53,7 @@ def test_plan_estimate_and_analyse_run_nothing_of_the_users_model() -> None:
     model, x, y = Counting(), torch.randn(16, 8), torch.randint(0, 4, (16,))
     before = copy.deepcopy(model.state_dict())
     plan = autofit.plan(model, x, "1GB", target=y, loss_fn=_summed_ce, device="cpu")
-    autofit.estimate(model, x, micro_batch_size=4, target=y, loss_fn=_summed_ce)
+    autofit.estimate(model, x, step=4, target=y, loss_fn=_summed_ce)
     autofit.analyse(model, x, target=y, loss_fn=_summed_ce)
     # the truth: the model's own counter and list (before issue 55 the loss probe left calls == 3, 3 tensors kept)
     assert int(model.calls) == 0 and model.seen == []
@@ -168,7 +168,7 @@ def test_planning_leaves_the_seeded_generators_as_they_were(entry: str) -> None:
     if entry == "plan":
         autofit.plan(model, x, "1GB", target=y, device="cpu")
     elif entry == "estimate":
-        autofit.estimate(model, x, micro_batch_size=4, target=y)
+        autofit.estimate(model, x, step=4, target=y)
     else:
         autofit.analyse(model, x, target=y)
     got = _draws()
@@ -233,7 +233,7 @@ class ReadsItsInput(nn.Module):
 @pytest.mark.parametrize("entry", ["estimate", "analyse"])
 def test_a_meta_sample_for_a_forward_that_reads_values_is_a_typed_error(entry: str) -> None:
     x = torch.empty(16, 8, device="meta")
-    call = (lambda: autofit.estimate(ReadsItsInput(), x, micro_batch_size=4)) if entry == "estimate" \
+    call = (lambda: autofit.estimate(ReadsItsInput(), x, step=4)) if entry == "estimate" \
         else (lambda: autofit.analyse(ReadsItsInput(), x))
     # before issue 55: NotImplementedError "Cannot copy out of meta tensor; no data!"
     with pytest.raises(autofit.UnsupportedModelError, match="meta device, which hold no values.*real sample"):

@@ -110,8 +110,9 @@ def test_pins_by_class_and_name_and_their_memory_cost_against_the_allocator():
                                                 "transformer.h.1.ln_1", "transformer.h.1.ln_2", "transformer.ln_f",
                                                 "lm_head"}
     nbytes, _ = _pin_note(plan, "lm_head")
-    knobs = dict(micro_batch_size=plan.micro_batch_size, optimizer="adamw",
-                 step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps))
+    knobs = dict(optimizer="adamw",
+                 step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                   accumulation_steps=plan.gradient_accumulation_steps))
     pinned = autofit.measure(model, sample, precision=plan.precision, **knobs).peak_bytes
     unpinned_policy = autofit.PrecisionPolicy(name="bf16", fp32_modules=tuple(
         n for n in plan.precision.fp32_modules if n != "lm_head"))
@@ -143,8 +144,9 @@ def test_auto_pins_the_final_norm_and_head_when_memory_allows_and_not_otherwise(
     knobs = dict(device="cpu", savers=autofit.Savers(checkpoint=None), optimizer="adamw")
     free = autofit.plan(model, sample, "1GB", precision=autofit.Precision(compute="bf16", fp32_modules="auto"), **knobs)
     assert free.precision.fp32_modules == ("transformer.ln_f", "lm_head")
-    step = dict(micro_batch_size=free.micro_batch_size, optimizer="adamw",
-                step=autofit.Step(accumulation_steps=free.gradient_accumulation_steps))
+    step = dict(optimizer="adamw",
+                step=autofit.Step(micro_batch_size=free.micro_batch_size,
+                                  accumulation_steps=free.gradient_accumulation_steps))
     measured = autofit.measure(model, sample, precision=free.precision, **step).peak_bytes
     # the plan's estimate is of the pinned step: as close to the allocator as the unpinned step's estimate (tiny GPT-2
     # on transformers 5.x is a few dozen bytes off either way)

@@ -45,7 +45,7 @@ def _plan(policy: PrecisionPolicy, optimizer: str = "adamw") -> autofit.Plan:
 @pytest.mark.parametrize("policy", CHOICES, ids=lambda p: p.label)
 def test_estimate_equals_measure(policy, optimizer):
     x, y = _data()
-    kw = dict(micro_batch_size=4, target=y, precision=policy, optimizer=optimizer)
+    kw = dict(step=4, target=y, precision=policy, optimizer=optimizer)
     est = autofit.estimate(_model(), x, **kw)
     assert est.peak_bytes == autofit.measure(_model(), x, **kw).peak_bytes
 
@@ -58,7 +58,7 @@ def test_state_bytes_follow_the_hand_count():
     n = sum(p.numel() for p in _model().parameters())
     for policy, params, state in [(CHOICES[0], 4 * n, 8 * n), (CHOICES[1], 2 * n, (4 + 8) * n),
                                   (CHOICES[3], 2 * n, 4 * n)]:
-        est = autofit.estimate(_model(), x, micro_batch_size=4, target=y, precision=policy, optimizer="adamw")
+        est = autofit.estimate(_model(), x, step=4, target=y, precision=policy, optimizer="adamw")
         assert est.breakdown["parameters"] == params, policy.label
         # + AdamW's per-parameter step counters (one fp32 scalar each)
         steps = 4 * len(list(_model().parameters()))

@@ -27,7 +27,7 @@ ROWS = 4  # rows per micro-batch, per tensor-parallel group
 def _plan(world: int, tp: int, batch_size: int) -> Plan:
     """A plan of the layout, made by hand around the estimate (the estimate is what is under test)."""
     case = tiny_llama()
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+    est = autofit.estimate(case.model, case.sample, step=ROWS,
                            layout=autofit.Layout(world_size=world, strategy="fsdp2", tensor_parallel=tp))
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),
                 batch_size=batch_size, last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(),
@@ -64,7 +64,7 @@ def test_parameters_per_rank_are_the_split_counted_by_hand():
     split = 2 * (4 * 64 * 64 + 3 * 64 * 128)
     whole = 2 * 128 * 64 + 5 * 64
     for world, tp in [(2, 2), (4, 4), (4, 2)]:
-        est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+        est = autofit.estimate(case.model, case.sample, step=ROWS,
                                layout=autofit.Layout(world_size=world, strategy="fsdp2", tensor_parallel=tp))
         assert est.breakdown["parameters"] == 4 * (split // tp + whole) // (world // tp), (world, tp)
 
@@ -82,24 +82,24 @@ def test_the_summary_counts_the_rows_each_process_trains():
 def test_what_cannot_be_split_is_refused():
     case = tiny_llama("meta", heads=4, kv_heads=2)
     with pytest.raises(UnsupportedModelError, match="num_key_value_heads = 2 is not divisible by tensor_parallel=4"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+        autofit.estimate(case.model, case.sample, step=ROWS,
                          layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=4))
     from sharded_models import wide_blocks
 
     blocks = wide_blocks("meta")
     with pytest.raises(UnsupportedModelError, match="carries none"):
         autofit.estimate(blocks.model, blocks.sample, target=blocks.target, loss_fn=blocks.loss_fn,
-                         micro_batch_size=2, layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2))
+                         step=2, layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2))
     with pytest.raises(InvalidInputError, match="match no module"):
         autofit.estimate(blocks.model, blocks.sample, target=blocks.target, loss_fn=blocks.loss_fn,
-                         micro_batch_size=2,
+                         step=2,
                          layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
                                                tensor_parallel_plan={"blocks.*.upp": "colwise"}))
     with pytest.raises(InvalidInputError, match="does not divide world_size"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+        autofit.estimate(case.model, case.sample, step=ROWS,
                          layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=3))
     with pytest.raises(InvalidInputError, match="strategy='fsdp2'"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+        autofit.estimate(case.model, case.sample, step=ROWS,
                          layout=autofit.Layout(world_size=2, strategy="ddp", tensor_parallel=2))
 
 
@@ -111,7 +111,7 @@ def test_a_user_plan_splits_a_model_without_one():
     from sharded_models import wide_blocks
 
     case = wide_blocks("meta")
-    est = autofit.estimate(case.model, case.sample, target=case.target, loss_fn=case.loss_fn, micro_batch_size=2,
+    est = autofit.estimate(case.model, case.sample, target=case.target, loss_fn=case.loss_fn, step=2,
                            layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
                                                  tensor_parallel_plan={"blocks.*.up": ColwiseParallel(),
                                                                        "blocks.*.down": RowwiseParallel()}))
@@ -148,9 +148,9 @@ def test_tensor_parallel_alone_on_cuda_is_refused_and_the_model_is_left_alone():
     turns the user's parameters into DTensors."""
     case = tiny_llama("meta")
     with pytest.raises(InvalidInputError, match="compose it with FSDP2"):
-        autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+        autofit.estimate(case.model, case.sample, step=ROWS,
                          layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2),
                          device="H100-80GB", precision="bf16")
-    autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+    autofit.estimate(case.model, case.sample, step=ROWS,
                      layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2))
     assert all(type(p) is torch.nn.Parameter for p in case.model.parameters())

@@ -53,10 +53,11 @@ def test_plan_with_tensor_parallel_matches_the_estimate_of_its_rank():
     assert (plan.parallel.tensor_parallel, plan.layout) == (2, "fsdp2 (ZeRO-3) x tp 2")
     assert plan.micro_batch_size * plan.gradient_accumulation_steps == 4
     assert dict(plan.parallel.tensor_plan) == dict(resolve_tensor_plan(case.model, 2))
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=plan.micro_batch_size,
+    est = autofit.estimate(case.model, case.sample,
                            precision=plan.precision,
                            layout=autofit.Layout(world_size=4, strategy="fsdp2", tensor_parallel=2),
-                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps,
+                           step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                             accumulation_steps=plan.gradient_accumulation_steps,
                                              checkpoint=plan.checkpoint))
     assert est.peak_bytes == plan.peak_bytes
     again = autofit.Plan.from_json(plan.to_json())
@@ -142,8 +143,8 @@ def test_a_user_plan_is_planned_for_a_model_without_one():
     # the group's two ranks share all 8 rows, one micro-batch of them (1 GB is generous)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (8, 1)
     est = autofit.estimate(case.model, case.sample, target=case.target, loss_fn=case.loss_fn,
-                           micro_batch_size=plan.micro_batch_size,
                            layout=autofit.Layout(world_size=2, strategy="fsdp2", tensor_parallel=2,
                                                  tensor_parallel_plan=mapping),
-                           step=autofit.Step(accumulation_steps=plan.gradient_accumulation_steps))
+                           step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                             accumulation_steps=plan.gradient_accumulation_steps))
     assert est.peak_bytes == plan.peak_bytes

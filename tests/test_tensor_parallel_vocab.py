@@ -70,7 +70,7 @@ def test_parameters_per_rank_are_the_vocabulary_split_counted_by_hand():
     split = 2 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * MLP) + 2 * VOCAB * HIDDEN
     whole = 5 * HIDDEN
     for world, tp in [(2, 2), (4, 2), (4, 4)]:
-        est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+        est = autofit.estimate(case.model, case.sample, step=ROWS,
                                layout=autofit.Layout(world_size=world, strategy="fsdp2", tensor_parallel=tp,
                                                      tensor_parallel_plan=_mapping(case.model)))
         assert est.breakdown["parameters"] == 4 * (split // tp + whole) // (world // tp), (world, tp)
@@ -114,7 +114,7 @@ def _plan(world: int, tp: int, batch_size: int) -> Plan:
     """A plan of the layout, made by hand around the estimate (the estimate is what is under test)."""
     case = tiny_llama_vocab()
     mapping = _mapping(case.model)
-    est = autofit.estimate(case.model, case.sample, micro_batch_size=ROWS,
+    est = autofit.estimate(case.model, case.sample, step=ROWS,
                            layout=autofit.Layout(world_size=world, strategy="fsdp2", tensor_parallel=tp,
                                                  tensor_parallel_plan=mapping))
     return Plan(micro_batch_size=ROWS, gradient_accumulation_steps=batch_size // (ROWS * (world // tp)),

@@ -31,7 +31,7 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
 
 def test_on_the_cpu_the_three_figures_are_the_allocators_peak():
     model, x = _model(), torch.randn(4, 256)
-    kw = dict(micro_batch_size=4, loss_fn=_loss, device="cpu")
+    kw = dict(step=4, loss_fn=_loss, device="cpu")
     est, meas = autofit.estimate(model, x, **kw), autofit.measure(model, x, **kw)
     assert est.peak_allocated_bytes == est.peak_reserved_bytes == est.device_bytes == est.peak_bytes \
         == meas.peak_bytes
@@ -49,7 +49,7 @@ def test_on_cuda_the_three_figures_by_hand():
       one of 1 to 10 MiB (``kMinLargeAlloc``) a 20 MiB segment (``kLargeBuffer``). The small tensors (794,624 B) fit
       one small segment; the workspace takes one large one: 22 MiB.
     - on the device: reserved plus the CUDA context."""
-    est = autofit.estimate(nn.Linear(256, 256), torch.randn(4, 256), micro_batch_size=4, loss_fn=_loss,
+    est = autofit.estimate(nn.Linear(256, 256), torch.randn(4, 256), step=4, loss_fn=_loss,
                            optimizer="sgd", device="A100-80GB")
     states = 3 * (256 * 256 * 4 + 256 * 4)
     workspace = 4096 * 1024 * 2 + 16 * 1024 * 8
@@ -108,7 +108,7 @@ def test_cudnn_workspace_bound_is_stated_where_the_step_runs_convolutions():
     """Conv_v8.cpp: ``run_conv_plan`` allocates the engine's workspace for the call; ``try_configs`` skips engines
     whose workspace allocation fails. The estimate says so wherever a convolution runs, and only there."""
     conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
-    est = autofit.estimate(conv, torch.randn(2, 3, 8, 8), micro_batch_size=2, loss_fn=_loss, device="A100-80GB")
+    est = autofit.estimate(conv, torch.randn(2, 3, 8, 8), step=2, loss_fn=_loss, device="A100-80GB")
     assert any("cuDNN convolution workspaces" in note for note in est.notes)
-    est = autofit.estimate(_model(), torch.randn(2, 256), micro_batch_size=2, loss_fn=_loss, device="A100-80GB")
+    est = autofit.estimate(_model(), torch.randn(2, 256), step=2, loss_fn=_loss, device="A100-80GB")
     assert not any("cuDNN" in note for note in est.notes)

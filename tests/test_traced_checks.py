@@ -98,7 +98,7 @@ def _masks_made(model, made: list):
 def _attention_inputs_agree(model, sample) -> autofit.MemoryEstimate:
     sim_masks, real_masks = [], []
     with _AttentionCalls() as simulated, _masks_made(model, sim_masks):
-        est = autofit.estimate(model, sample, micro_batch_size=_ROWS, optimizer="adam")
+        est = autofit.estimate(model, sample, step=_ROWS, optimizer="adam")
     with _AttentionCalls() as real, _masks_made(model, real_masks):
         model(**sample).loss.backward()
     model.zero_grad(set_to_none=True)
@@ -122,7 +122,7 @@ def test_simulated_attention_inputs_equal_a_real_steps():
 def test_simulated_step_equals_one_real_step_with_use_cache_off(model_type):
     model, sample = _build(model_type)
     est = _attention_inputs_agree(model, sample)
-    meas = autofit.measure(model, sample, micro_batch_size=_ROWS, optimizer="adam")
+    meas = autofit.measure(model, sample, step=_ROWS, optimizer="adam")
     assert abs(est.peak_bytes - meas.peak_bytes) <= 0.001 * meas.peak_bytes
 
 

@@ -58,7 +58,7 @@ def test_a_tuple_output_without_loss_fn_is_refused_by_estimate_and_plan(entry: s
     x, y = _classes()
     with pytest.raises(autofit.LossError, match=r"tuple of 2: \(Tensor \(\d+, 32\), Tensor \(\d+, 4\)\).*loss_fn="):
         if entry == "estimate":
-            autofit.estimate(FeaturesAndLogits(), x, target=y, micro_batch_size=4)
+            autofit.estimate(FeaturesAndLogits(), x, target=y, step=4)
         else:
             autofit.plan(FeaturesAndLogits(), x, "100MB", batch_size=16, target=y, device="cpu")
 
@@ -328,8 +328,8 @@ class _Bags(nn.Module):
 
 def _entries():
     return {
-        "estimate": lambda m, x, y: autofit.estimate(m, x, target=y, micro_batch_size=4, optimizer="sgd"),
-        "measure": lambda m, x, y: autofit.measure(m, x, target=y, micro_batch_size=4, optimizer="sgd"),
+        "estimate": lambda m, x, y: autofit.estimate(m, x, target=y, step=4, optimizer="sgd"),
+        "measure": lambda m, x, y: autofit.measure(m, x, target=y, step=4, optimizer="sgd"),
         "plan": lambda m, x, y: autofit.plan(m, x, "1GB", batch_size=8, target=y, optimizer="sgd", device="cpu"),
         "plan without batch_size": lambda m, x, y: autofit.plan(m, x, "1GB", target=y, optimizer="sgd",
                                                                 device="cpu"),
@@ -423,13 +423,13 @@ def _ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def test_a_one_element_option_first_does_not_make_the_batch_one() -> None:
     scale, (x, y) = torch.tensor([2.0]), _classes()
     SEEN.clear()
-    autofit.estimate(_Scaled(), (scale, x), target=y, micro_batch_size=4, loss_fn=_ce)  # the target's rows: 16
+    autofit.estimate(_Scaled(), (scale, x), target=y, step=4, loss_fn=_ce)  # the target's rows: 16
     assert SEEN and set(SEEN) == {((1,), (4, 8))}  # the truth: what the forward received
     SEEN.clear()
-    est = autofit.estimate(_Scaled(), (scale, x), micro_batch_size=4, loss_fn=_mean_of, shared=(0,))
+    est = autofit.estimate(_Scaled(), (scale, x), step=4, loss_fn=_mean_of, batch_dim=autofit.BatchDim(shared=(0,)))
     assert SEEN and set(SEEN) == {((1,), (4, 8))}
     SEEN.clear()
-    est = autofit.estimate(_Scaled(), (scale, x), micro_batch_size=4, loss_fn=_mean_of)  # no target, no shared
+    est = autofit.estimate(_Scaled(), (scale, x), step=4, loss_fn=_mean_of)  # no target, no shared
     assert set(SEEN) == {((4,), (16, 8))}  # the rule read the first tensor: and the estimate says so
     assert any("per-sample (dim 0 = 1): input 0 (1,); passed whole: input 1 (16, 8)" in n for n in est.notes)
 
@@ -439,12 +439,14 @@ def test_a_shared_square_mask_whose_side_equals_the_batch_is_named_in_the_error_
     x, mask = torch.randn(6, 6, 8), torch.zeros(6, 6)
     listed = r"per-sample \(dim 0 = 6\): 'x' \(6, 6, 8\), 'mask' \(6, 6\).*shared="
     with pytest.raises(autofit.ForwardError, match=listed):
-        autofit.estimate(_Masked(), {"x": x, "mask": mask}, micro_batch_size=2, loss_fn=_mean_of)
+        autofit.estimate(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of)
     SEEN.clear()
-    autofit.estimate(_Masked(), {"x": x, "mask": mask}, micro_batch_size=2, loss_fn=_mean_of, shared=("mask",))
+    autofit.estimate(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of,
+                     batch_dim=autofit.BatchDim(shared=("mask",)))
     assert SEEN and set(SEEN) == {((2, 6, 8), (6, 6))}
     SEEN.clear()
-    autofit.measure(_Masked(), {"x": x, "mask": mask}, micro_batch_size=2, loss_fn=_mean_of, shared="mask")
+    autofit.measure(_Masked(), {"x": x, "mask": mask}, step=2, loss_fn=_mean_of,
+                    batch_dim=autofit.BatchDim(shared="mask"))
     assert SEEN and set(SEEN) == {((2, 6, 8), (6, 6))}
 
 
@@ -455,7 +457,7 @@ def test_a_plan_records_shared_inputs_and_its_trainer_steps_as_the_full_batch() 
     model, x, mask = _Masked(), torch.randn(6, 6, 8), torch.zeros(6, 6)
     mask[:, 0] = -1.0  # a mask that matters
     plan = autofit.plan(model, {"x": x, "mask": mask}, "100MB", batch_size=6, loss_fn=_mean_of, optimizer="sgd",
-                        device="cpu", shared=("mask",))
+                        device="cpu", batch_dim=autofit.BatchDim(shared=("mask",)))
     assert plan.shared == ("mask",) and Plan.from_json(plan.to_json()).shared == ("mask",)
     ref = copy.deepcopy(model)  # the truth: one plain full-batch step
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)

@@ -382,7 +382,7 @@ def test_the_copies_of_written_buffers_are_in_the_estimate_as_in_the_measured_st
     torch.manual_seed(0)
     model = _StatefulNet()
     x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
-    kwargs = {"target": y, "micro_batch_size": 4, "step": autofit.Step(checkpoint=("block",)), "optimizer": "sgd"}
+    kwargs = {"target": y, "step": autofit.Step(micro_batch_size=4, checkpoint=("block",)), "optimizer": "sgd"}
     estimate = autofit.estimate(model, x, **kwargs)
     measured = autofit.measure(model, x, **kwargs)
     assert estimate.peak_bytes == measured.peak_bytes, (estimate.peak_bytes, measured.peak_bytes)

@@ -197,10 +197,12 @@ def _dress(model: nn.Module) -> None:
 def _calls(case: ZooCase) -> dict[str, Any]:
     common = dict(target=case.target, loss_fn=case.loss_fn)
     return {
-        "estimate": lambda: autofit.estimate(case.model, case.sample, micro_batch_size=case.micro_batch_size,
-                                             step=autofit.Step(checkpoint=case.checkpoint), **common),
-        "measure": lambda: autofit.measure(case.model, case.sample, micro_batch_size=case.micro_batch_size,
-                                           step=autofit.Step(checkpoint=case.checkpoint), **common),
+        "estimate": lambda: autofit.estimate(case.model, case.sample,
+                                             step=autofit.Step(micro_batch_size=case.micro_batch_size,
+                                                               checkpoint=case.checkpoint), **common),
+        "measure": lambda: autofit.measure(case.model, case.sample,
+                                           step=autofit.Step(micro_batch_size=case.micro_batch_size,
+                                                             checkpoint=case.checkpoint), **common),
         "analyse": lambda: autofit.analyse(case.model, case.sample, **common),
         "plan": lambda: autofit.plan(case.model, case.sample, "1GB", batch_size=8, device="cpu",
                                      savers=autofit.Savers(checkpoint=case.checkpoint), precision="fp32", **common),
@@ -229,8 +231,8 @@ def test_fp32_pinned_modules_and_bf16_leave_the_model_unchanged() -> None:
     before = snapshot(case.model, case.sample, case.target)
     policy = autofit.PrecisionPolicy(name="bf16", fp32_modules=("head", "layers.1"))
     for fn in (autofit.estimate, autofit.measure):
-        fn(case.model, case.sample, target=case.target, micro_batch_size=2, precision=policy,
-           step=autofit.Step(checkpoint=("layers.0", "layers.2"), accumulation_steps=2))
+        fn(case.model, case.sample, target=case.target, precision=policy,
+           step=autofit.Step(micro_batch_size=2, checkpoint=("layers.0", "layers.2"), accumulation_steps=2))
         assert_unchanged(case.model, before)
         assert not torch.is_autocast_enabled("cpu")
 
@@ -247,10 +249,10 @@ def test_model_with_its_own_forward_override_keeps_it() -> None:
 
     block.forward = own_forward
     before = snapshot(case.model, case.sample, case.target)
-    autofit.estimate(case.model, case.sample, target=case.target, micro_batch_size=2,
-                     step=autofit.Step(checkpoint=("layers.0",)))
-    autofit.measure(case.model, case.sample, target=case.target, micro_batch_size=2,
-                    step=autofit.Step(checkpoint=("layers.0",)))
+    autofit.estimate(case.model, case.sample, target=case.target,
+                     step=autofit.Step(micro_batch_size=2, checkpoint=("layers.0",)))
+    autofit.measure(case.model, case.sample, target=case.target,
+                    step=autofit.Step(micro_batch_size=2, checkpoint=("layers.0",)))
     assert_unchanged(case.model, before)
     assert block.__dict__["forward"] is own_forward
 
@@ -271,7 +273,7 @@ def test_failing_forward_leaves_the_model_unchanged(entry: str) -> None:
         if entry == "analyse":
             autofit.analyse(model, x, target=y)
         else:
-            getattr(autofit, entry)(model, x, target=y, micro_batch_size=2, step=autofit.Step(checkpoint=("2", "1")))
+            getattr(autofit, entry)(model, x, target=y, step=autofit.Step(micro_batch_size=2, checkpoint=("2", "1")))
     assert_unchanged(model, before)
 
 
@@ -289,7 +291,7 @@ def test_meta_model_estimate_and_analyse(name: str) -> None:
     meta = _meta_twin(case)
     assert all(p.is_meta for p in meta.parameters())
     before = snapshot(meta, case.sample, case.target)
-    kwargs = dict(target=case.target, micro_batch_size=2, step=autofit.Step(checkpoint=case.checkpoint))
+    kwargs = dict(target=case.target, step=autofit.Step(micro_batch_size=2, checkpoint=case.checkpoint))
     est = autofit.estimate(meta, case.sample, **kwargs)
     # shapes and dtypes are all an estimate reads: the meta model and the real one give the same number
     assert est.peak_bytes == autofit.estimate(case.model, case.sample, **kwargs).peak_bytes
@@ -306,6 +308,6 @@ def test_meta_model_measure_is_unsupported() -> None:
     meta = _meta_twin(case)
     before = snapshot(meta, case.sample, case.target)
     with pytest.raises(autofit.UnsupportedModelError) as info:
-        autofit.measure(meta, case.sample, target=case.target, micro_batch_size=2)
+        autofit.measure(meta, case.sample, target=case.target, step=2)
     assert "meta" in str(info.value) and "to_empty" in str(info.value)
     assert_unchanged(meta, before)

@@ -67,7 +67,7 @@ def test_kept_outputs_counted_and_no_fake_tensor_left() -> None:
     handles = [model[1].register_forward_hook(lambda m, a, out: kept.append(out)),
                model[0].register_forward_hook(lambda m, a, out: FEATURES["linear"].append(out)),
                model[2].register_forward_hook(keeper.hook)]
-    hooked_est = autofit.estimate(model, x, target=y, micro_batch_size=32)
+    hooked_est = autofit.estimate(model, x, target=y, step=32)
     assert kept == [] and not FEATURES and keeper.outputs == {} and not hasattr(keeper, "last")
     assert any("kept tensors during the step" in n for n in hooked_est.notes)
     plan = autofit.plan(model, x, 10**6, target=y, device="cpu", precision="fp32")
@@ -76,8 +76,8 @@ def test_kept_outputs_counted_and_no_fake_tensor_left() -> None:
     # the figures of the hooks that append (the keeper replaces its tensor each step: the measured steady step frees
     # the warm-up's one inside the window, a term of the step before that neither figure is about)
     handles.pop().remove()
-    appending = autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes
-    hooked = autofit.measure(model, x, target=y, micro_batch_size=32).peak_bytes  # the allocator, hooks running
+    appending = autofit.estimate(model, x, target=y, step=32).peak_bytes
+    hooked = autofit.measure(model, x, target=y, step=32).peak_bytes  # the allocator, hooks running
     assert kept == [] and not FEATURES  # measure's copy gives its real tensors back too
     # the steady step: the lists hold the step before's outputs too (Note [kept across steps]); the truth is a plain
     # loop's second step under the profiler, which sees the earlier step's tensors made inside its window
@@ -86,8 +86,8 @@ def test_kept_outputs_counted_and_no_fake_tensor_left() -> None:
     FEATURES.clear()
     for h in handles:
         h.remove()
-    plain = autofit.measure(model, x, target=y, micro_batch_size=32).peak_bytes
+    plain = autofit.measure(model, x, target=y, step=32).peak_bytes
     assert appending == steady
     assert hooked == steady  # measure counts what its warm-up left alive once (Note [memory from before the window])
     assert hooked > plain  # what the hooks keep costs memory in the real step, and the estimate has it
-    assert autofit.estimate(model, x, target=y, micro_batch_size=32).peak_bytes == plain
+    assert autofit.estimate(model, x, target=y, step=32).peak_bytes == plain

@@ -58,8 +58,8 @@ def test_nn_transformer_estimate_on_fake_tensors_equals_the_cpu_allocator():
     torch.manual_seed(0)
     model = Seq2Seq()
     src, tgt = _tokens(4, 32), _tokens(4, 32)
-    est = autofit.estimate(model, (src, tgt), micro_batch_size=4, target=tgt, loss_fn=_loss)
-    measured = autofit.measure(model, (src, tgt), micro_batch_size=4, target=tgt, loss_fn=_loss)
+    est = autofit.estimate(model, (src, tgt), step=4, target=tgt, loss_fn=_loss)
+    measured = autofit.measure(model, (src, tgt), step=4, target=tgt, loss_fn=_loss)
     assert est.method == "fake"
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes, (est.peak_bytes,
                                                                                        measured.peak_bytes)
@@ -71,8 +71,8 @@ def test_nn_transformer_on_meta_estimates_as_built_on_the_cpu():
     with torch.device("meta"):
         meta = Seq2Seq()
     src, tgt = _tokens(4, 32), _tokens(4, 32)
-    on_meta = autofit.estimate(meta, (src, tgt), micro_batch_size=2, target=tgt, loss_fn=_loss)
-    measured = autofit.measure(real, (src, tgt), micro_batch_size=2, target=tgt, loss_fn=_loss)
+    on_meta = autofit.estimate(meta, (src, tgt), step=2, target=tgt, loss_fn=_loss)
+    measured = autofit.measure(real, (src, tgt), step=2, target=tgt, loss_fn=_loss)
     assert abs(on_meta.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes
 
 
@@ -90,14 +90,14 @@ def test_a_value_read_from_a_weight_still_refuses_on_meta():
     with torch.device("meta"):
         model = WeightGate()
     with pytest.raises(UnsupportedModelError, match="computed from its weights") as info:
-        autofit.estimate(model, torch.randn(4, 16), micro_batch_size=4, loss_fn=lambda out: out.sum())
+        autofit.estimate(model, torch.randn(4, 16), step=4, loss_fn=lambda out: out.sum())
     assert "meta" in str(info.value)  # and what to do: build it with real weights
 
 
 def test_a_value_read_from_a_weight_runs_for_real_with_real_weights():
     torch.manual_seed(0)
     model = WeightGate()
-    est = autofit.estimate(model, torch.randn(4, 16), micro_batch_size=4, loss_fn=lambda out: out.sum())
+    est = autofit.estimate(model, torch.randn(4, 16), step=4, loss_fn=lambda out: out.sum())
     assert est.method == "real"
 
 
@@ -121,7 +121,7 @@ def test_a_twin_written_by_an_op_without_twins_is_forgotten():
     with torch.device("meta"):
         model = Stale()
     with pytest.raises(UnsupportedModelError, match="computed from its weights"):
-        autofit.estimate(model, torch.randn(2, 8), micro_batch_size=2, loss_fn=lambda out: out.sum())
+        autofit.estimate(model, torch.randn(2, 8), step=2, loss_fn=lambda out: out.sum())
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow(seconds=50)),
@@ -133,7 +133,7 @@ def test_a_1b_nn_transformer_on_meta_estimates_and_plans_at_world_size_2(strateg
     params = sum(p.numel() for p in model.parameters())
     assert 0.9e9 < params < 1.3e9, params
     src, tgt = _tokens(2, 512, 32000), _tokens(2, 512, 32000)
-    est = autofit.estimate(model, (src, tgt), micro_batch_size=1, target=tgt, loss_fn=_loss, device="A100-80GB",
+    est = autofit.estimate(model, (src, tgt), step=1, target=tgt, loss_fn=_loss, device="A100-80GB",
                            precision="bf16", layout=autofit.Layout(world_size=2, strategy=strategy))
     plan = autofit.plan(model, (src, tgt), "80GB", batch_size=8, target=tgt, loss_fn=_loss, device="A100-80GB",
                         layout=autofit.Layout(world_size=2, strategy=strategy))
@@ -168,7 +168,7 @@ def test_a_value_read_of_what_compiled_code_computed_refuses_instead_of_answerin
     with torch.device("meta"):
         model = CompiledThenRead()
     with pytest.raises(UnsupportedModelError, match="by compiled code"):
-        autofit.estimate(model, torch.rand(4, 8), micro_batch_size=4, loss_fn=lambda out: out.sum())
+        autofit.estimate(model, torch.rand(4, 8), step=4, loss_fn=lambda out: out.sum())
 
 
 def test_a_compiled_model_whose_eager_code_reads_a_compiled_value_gets_the_typed_refusal_on_meta():
@@ -182,10 +182,10 @@ def test_a_compiled_model_whose_eager_code_reads_a_compiled_value_gets_the_typed
         model = Seq2Seq(d_model=32, layers=1, heads=2, ff=64)
     src, tgt = _tokens(2, 16), _tokens(2, 16)
     with pytest.raises(UnsupportedModelError, match="by compiled code"):
-        autofit.estimate(model, (src, tgt), micro_batch_size=2, target=tgt, loss_fn=_loss,
-                         step=autofit.Step(compile=True))
+        autofit.estimate(model, (src, tgt), target=tgt, loss_fn=_loss,
+                         step=autofit.Step(micro_batch_size=2, compile=True))
     # with real weights the step runs for real instead (Note [data-dependent models]), and the notes say why
     torch.manual_seed(0)
-    est = autofit.estimate(Seq2Seq(d_model=32, layers=1, heads=2, ff=64), (src, tgt), micro_batch_size=2,
-                           target=tgt, loss_fn=_loss, step=autofit.Step(compile=True))
+    est = autofit.estimate(Seq2Seq(d_model=32, layers=1, heads=2, ff=64), (src, tgt),
+                           target=tgt, loss_fn=_loss, step=autofit.Step(micro_batch_size=2, compile=True))
     assert est.method == "real" and any("by compiled code" in note for note in est.notes)

@@ -46,7 +46,7 @@ def planned():
     model, sample = _model(), _batch(LENGTH, seed=0)
     knobs = dict(device="cpu", optimizer="sgd", precision="fp32", savers=autofit.Savers(checkpoint=None),
                  search=autofit.Search(variable_length=True))
-    full = autofit.estimate(model, sample, micro_batch_size=ROWS, optimizer="sgd").peak_bytes
+    full = autofit.estimate(model, sample, step=ROWS, optimizer="sgd").peak_bytes
     with pytest.raises(autofit.InfeasibleBudgetError) as info:
         autofit.plan(model, sample, 1, **knobs)
     budget = info.value.min_budget_bytes + (full - info.value.min_budget_bytes) // 3

@@ -72,9 +72,10 @@ def _estimates(model, sample, target, loss_fn, optimizer, inputs="batch"):
     for b in _divisors(batch):
         for checkpoint in ((), layers):
             yield b, checkpoint, autofit.estimate(
-                model, sample, micro_batch_size=b, target=target, loss_fn=loss_fn, optimizer=optimizer,
+                model, sample, target=target, loss_fn=loss_fn, optimizer=optimizer,
                 precision="fp32", device="cpu",
-                step=autofit.Step(accumulation_steps=batch // b, checkpoint=checkpoint, inputs=inputs))
+                step=autofit.Step(micro_batch_size=b,
+                                  accumulation_steps=batch // b, checkpoint=checkpoint, inputs=inputs))
 
 
 def _plan(model, sample, target, loss_fn, optimizer, budget):
@@ -181,12 +182,13 @@ def test_the_issue_mlp_has_one_figure_and_it_is_the_trainers_step():
     model = nn.Sequential(nn.Linear(24, 192), nn.ReLU(), nn.Linear(192, 192), nn.ReLU(), nn.Linear(192, 6))
     x, y = torch.randn(128, 24), torch.randint(0, 6, (128,))
     kw = dict(target=y, loss_fn=nn.CrossEntropyLoss(), optimizer="adamw", precision="fp32", device="cpu")
-    est = autofit.estimate(model, x, micro_batch_size=1, step=autofit.Step(accumulation_steps=128, checkpoint=()), **kw)
-    loop = autofit.estimate(model, x, micro_batch_size=1, **kw,
-                            step=autofit.Step(accumulation_steps=128, checkpoint=(), inputs="micro-batch"))
+    est = autofit.estimate(model, x, step=autofit.Step(micro_batch_size=1, accumulation_steps=128, checkpoint=()), **kw)
+    loop = autofit.estimate(model, x, **kw,
+                            step=autofit.Step(micro_batch_size=1,
+                                              accumulation_steps=128, checkpoint=(), inputs="micro-batch"))
     assert (est.input_rows, loop.input_rows) == (128, 1)
     assert est.peak_bytes - loop.peak_bytes == 127 * (24 * 4 + 8)
-    assert autofit.measure(model, x, micro_batch_size=1, **kw, step=autofit.Step(
+    assert autofit.measure(model, x, **kw, step=autofit.Step(micro_batch_size=1, 
         accumulation_steps=128, checkpoint=(), inputs="micro-batch")).peak_bytes == loop.peak_bytes
     with pytest.raises(autofit.InfeasibleBudgetError) as e:
         autofit.plan(model, x, est.peak_bytes - 1, batch_size=128, savers=autofit.Savers(checkpoint=()), **kw)
@@ -442,8 +444,9 @@ def _uneven_plan():
     kw = dict(target=target, loss_fn=nn.CrossEntropyLoss(), optimizer="sgd", precision="fp32", device="cpu",
               clip_grad_norm=1.0)  # no recomputation: the plain Step's and, below, the plan's Savers
     row_bytes = 3 * 32 * 32 * 4 + 8
-    peak = {b: autofit.estimate(model, sample, micro_batch_size=b, **kw,
-                                step=autofit.Step(accumulation_steps=-(-10 // b), inputs="micro-batch")).peak_bytes
+    peak = {b: autofit.estimate(model, sample, **kw,
+                                step=autofit.Step(micro_batch_size=b,
+                                                  accumulation_steps=-(-10 // b), inputs="micro-batch")).peak_bytes
             + (10 - b) * row_bytes for b in (4, 5)}
     assert peak[5] > peak[4]
     return (autofit.plan(model, sample, peak[4], batch_size=10, savers=autofit.Savers(checkpoint=()), **kw),
@@ -458,8 +461,8 @@ def test_an_uneven_plan_is_exported_as_a_verified_even_split():
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.last_micro_batch_size) == (4, 3, 2)
     assert plan.even_split == (2, 5)
     # the split fits: its own estimate, with the rows the trainer keeps resident
-    est = autofit.estimate(model, sample, micro_batch_size=2, **kw,
-                           step=autofit.Step(accumulation_steps=5, inputs="micro-batch"))
+    est = autofit.estimate(model, sample, **kw,
+                           step=autofit.Step(micro_batch_size=2, accumulation_steps=5, inputs="micro-batch"))
     assert est.peak_bytes + 8 * row_bytes <= plan.budget_bytes
     hf = EXPORTERS["hf"](plan)["training_arguments"]
     assert hf["per_device_train_batch_size"] * hf["gradient_accumulation_steps"] == plan.batch_size

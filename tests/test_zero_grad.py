@@ -70,8 +70,8 @@ def test_estimate_matches_the_allocator_in_every_order(name, order):
     model, sample, target, loss_fn = MODELS[name]()
     rows = next(iter(sample.values())).shape[0] if isinstance(sample, dict) else sample.shape[0]
     for steps in (1, 2):  # with accumulation the clearing runs at the window's first micro-batch only
-        kw = dict(target=target, loss_fn=loss_fn, micro_batch_size=rows // 2,
-                  step=autofit.Step(accumulation_steps=steps, zero_grad=order))
+        kw = dict(target=target, loss_fn=loss_fn,
+                  step=autofit.Step(micro_batch_size=rows // 2, accumulation_steps=steps, zero_grad=order))
         est = autofit.estimate(model, sample, **kw)
         real = autofit.measure(model, sample, **kw)
         assert abs(est.peak_bytes - real.peak_bytes) <= 0.005 * real.peak_bytes, (steps, est.peak_bytes,
@@ -84,11 +84,11 @@ def test_lightnings_order_raises_a_forward_peak_by_the_gradients_alive_through_i
     # the truth is the allocator: the same real step, in the two orders; the tiny ViT's peak is in forward once the
     # last step's gradients live through it
     model, sample, target, loss_fn = _vit()
-    kw = dict(target=target, loss_fn=loss_fn, micro_batch_size=8)
-    after_step = autofit.measure(model, sample, step=autofit.Step(zero_grad="after-step"), **kw)
-    lightning = autofit.measure(model, sample, step=autofit.Step(zero_grad="after-forward"), **kw)
+    kw = dict(target=target, loss_fn=loss_fn)
+    after_step = autofit.measure(model, sample, step=autofit.Step(micro_batch_size=8, zero_grad="after-step"), **kw)
+    lightning = autofit.measure(model, sample, step=autofit.Step(micro_batch_size=8, zero_grad="after-forward"), **kw)
     assert lightning.peak_bytes > after_step.peak_bytes
-    est = autofit.estimate(model, sample, step=autofit.Step(zero_grad="after-forward"), **kw)
+    est = autofit.estimate(model, sample, step=autofit.Step(micro_batch_size=8, zero_grad="after-forward"), **kw)
     assert est.peak_phase == "forward" and est.breakdown["gradients"] > 0
     assert est.peak_bytes == lightning.peak_bytes
 
@@ -161,8 +161,8 @@ def test_trainer_step_in_lightnings_order_peaks_where_the_plan_says():
     assert abs(peak - plan.peak_bytes) <= 0.005 * peak, (peak, plan.peak_bytes)
     # the note names the order and what it costs, against the same configuration with zero_grad after the step
     note = next(n for n in plan.notes if n.startswith("zero_grad after forward (Lightning's order)"))
-    other = autofit.estimate(model, x, target=y, loss_fn=loss_fn, micro_batch_size=16,
-                             step=autofit.Step(checkpoint=None)).peak_bytes
+    other = autofit.estimate(model, x, target=y, loss_fn=loss_fn,
+                             step=autofit.Step(micro_batch_size=16, checkpoint=None)).peak_bytes
     assert f"({plan.peak_bytes - other:,} B;" in note
 
 

@@ -49,7 +49,7 @@ STEP_FLAGS: dict[str, tuple[str, ...]] = {
 }
 # What autofit.estimate takes that is not a knob of the step: the model and its data (MODEL, --input-shape,
 # --config and --task build them), and how a sample given in Python is laid out (the CLI generates batch-first inputs)
-NOT_STEP_KNOBS = frozenset({"model", "sample", "target", "loss_fn", "shared", "batch_dim", "deprecated"})
+NOT_STEP_KNOBS = frozenset({"model", "sample", "target", "loss_fn", "batch_dim", "deprecated"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,7 +185,7 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
 def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
     """``autofit.estimate`` of the spec's model and sample under ``setup`` (one rank's figures)."""
     return estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
-                    micro_batch_size=setup.micro_batch_size, precision=setup.precision, optimizer=setup.optimizer,
+                    precision=setup.precision, optimizer=setup.optimizer,
                     device=Device(kind=setup.device, gpu=setup.gpu,
                                   expandable_segments=setup.expandable_segments or None),
                     layout=Layout(world_size=setup.world_size, strategy=setup.strategy,
@@ -194,7 +194,8 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                                   tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel,
                                                                        setup.tensor_parallel)),
                     clip_grad_norm=setup.clip_grad_norm,
-                    step=Step(accumulation_steps=setup.accumulation_steps, checkpoint=setup.checkpoint or None,
+                    step=Step(micro_batch_size=setup.micro_batch_size,
+                              accumulation_steps=setup.accumulation_steps, checkpoint=setup.checkpoint or None,
                               compile=setup.compile, zero_grad=setup.zero_grad,
                               reduce_every_micro_batch=setup.reduce_every_micro_batch, offload=setup.offload,
                               offload_states=setup.offload_states, optimizer_in_backward=setup.optimizer_in_backward,

@@ -18,7 +18,10 @@ Note [the batch dimension]
     alike: time-major sequences, ``nn.LSTM``'s default ``(seq, batch, feature)``, are ``batch_dim=1``, and split along
     dim 0 they would be cut along time (a model that reads its last step then trains on another loss). A target whose
     batch is another dim than the inputs' (one label per sequence, ``(batch,)``): ``batch_dim=(1, 0)``, the inputs'
-    then the target's. A sample with another batch dim has no length (Note [the length of a batch]).
+    then the target's. A sample with another batch dim has no length (Note [the length of a batch]). The dim and
+    ``shared`` say the same thing, which rows of the sample are the batch, so ``plan``, ``estimate`` and ``measure``
+    take them as one value, ``batch_dim=autofit.BatchDim(dim, shared=...)`` (autofit/options.py; an int or a pair is
+    the dim alone); ``analyse`` and the trainer still take ``shared`` beside it.
     Rule 2 reads the target first because a target has one row per sample by definition, where an input may be a
     one-element option (``forward(scale, x)`` with ``scale = torch.tensor([2.])``). A shared tensor whose dim 0
     happens to equal N (a (seq, seq) mask with seq == N) cannot be told apart from a per-sample one: name it in

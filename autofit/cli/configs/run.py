@@ -168,9 +168,10 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
     # same), where the layout can hold them: one process, or FSDP2
     offload = config.sharding is not None and config.sharding.offload and (config.data_ranks == 1 or _shards(config))
     est = estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
-                   micro_batch_size=config.micro_batch_size, optimizer=optimizer_for(config),
+                   optimizer=optimizer_for(config),
                    precision=config.precision, clip_grad_norm=config.clip_grad_norm,
                    device=Device(kind="cuda", gpu=card.name), layout=Layout(**layout),
-                   step=Step(accumulation_steps=config.accumulation_steps, checkpoint=checkpoint,
+                   step=Step(micro_batch_size=config.micro_batch_size,
+                             accumulation_steps=config.accumulation_steps, checkpoint=checkpoint,
                              optimizer_in_backward=config.optimizer_in_backward, offload_states=offload))
     return ConfigCheck(config, est, card.name, card.memory_bytes)
