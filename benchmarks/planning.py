@@ -80,6 +80,7 @@ the 70B shape on 4 x 8 H100s planned in 192.6 s (auto; 1 x 1, bf16, resharded to
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -202,6 +203,14 @@ def _device(gpu: str | None, **more) -> autofit.Device:
     return autofit.Device(gpu=gpu, **more) if gpu else autofit.Device(kind="cpu", **more)
 
 
+def _step(micro_batch_size: int, **knobs) -> dict:
+    """``estimate``'s step keywords in the form the autofit loaded understands: ``--against`` runs this script with
+    an older checkout's, whose ``Step`` has no ``micro_batch_size`` (before issue 54 it was a keyword of its own)."""
+    if "micro_batch_size" in {f.name for f in dataclasses.fields(autofit.Step)}:
+        return {"step": autofit.Step(micro_batch_size=micro_batch_size, **knobs)}
+    return {"micro_batch_size": micro_batch_size, "step": autofit.Step(**knobs)}
+
+
 def zoo_rows(hf: bool = False, only: str | None = None, repeat: int = 1):
     """Each zoo case on the CPU and an A100 at a generous and a tight budget: (name, device label, regime, plan
     seconds, estimate seconds, the plan in one line, stage seconds, verifications, a digest of the plan's JSON); the
@@ -214,7 +223,7 @@ def zoo_rows(hf: bool = False, only: str | None = None, repeat: int = 1):
             kw = dict(target=target, loss_fn=loss_fn)
             # a generous budget over the A100's memory, which plan() refuses unless told (issue 30)
             over = _device(gpu, allow_over_capacity=True)
-            autofit.estimate(model, sample, step=1, device=_device(gpu), **kw)  # first-use costs, untimed
+            autofit.estimate(model, sample, device=_device(gpu), **kw, **_step(1))  # first-use costs, untimed
             roomy, _ = _timed(lambda: autofit.plan(model, sample, "1TB", batch_size=batch, device=over, **kw))
             try:
                 autofit.plan(model, sample, 1, batch_size=batch, device=_device(gpu), **kw,
@@ -239,9 +248,8 @@ def zoo_rows(hf: bool = False, only: str | None = None, repeat: int = 1):
                     estimates.append((_timed(lambda: autofit.estimate(
                         model, sample, precision=plan.precision,
                         device=_device(gpu), **kw,
-                        step=autofit.Step(micro_batch_size=plan.micro_batch_size,
-                                          accumulation_steps=plan.gradient_accumulation_steps,
-                                          checkpoint=plan.checkpoint)))[1], _cpu() - cpu))
+                        **_step(plan.micro_batch_size, accumulation_steps=plan.gradient_accumulation_steps,
+                                checkpoint=plan.checkpoint)))[1], _cpu() - cpu))
                 est_s, est_cpu = min(e[0] for e in estimates), min(e[1] for e in estimates)
                 summary = (f"{plan.micro_batch_size}x{plan.gradient_accumulation_steps} {plan.precision.name} "
                            f"ckpt={len(plan.checkpoint)} {plan.device_bytes} B")
