@@ -75,7 +75,7 @@ from autofit.simulate.compiled_model import compiled_for_simulation, compiled_no
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import offloaded_states, tracked_save_on_cpu
-from autofit.parallel.host import optimizer_runs_on, states_off_device
+from autofit.parallel.host import optimizer_runs_on
 from autofit.parallel.simulated import simulated_mesh
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
@@ -231,8 +231,6 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = optimizer_runs_on(config.layout, config.device)
-    # Note [host storages]: on a GPU target, the states the layout keeps on the host are not the device's
-    off_device = states_off_device(config.layout, config.device)
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
     with mesh_ctx as mesh, fake_mode if fake else contextlib.nullcontext(), target_implementation(implementation), \
@@ -246,7 +244,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
         state = StepState.build(work, config, fake, micro, micro_target)
         # the step runs on this CPU's kernels when the CPU is the target, or when it runs for real (Note [CPU kernels])
         tracker = StepTracker(prober=prober, kernels_for=config.device if config.device.is_host or not fake else None)
-        state.register(tracker, work, micro, micro_target, host_states=off_device)
+        state.register(tracker, work, micro, micro_target)
         if previous is not None:  # what the hooks kept in the step before (Note [kept across steps])
             previous.fill(lambda t: tracker.register(t, Category.ACTIVATIONS))
         handles = install_module_stack(work, tracker.module_stack)
@@ -255,7 +253,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
             with contextlib.ExitStack() as stack:
                 caster = device_rules(stack, config) if device_rules is not None else None
                 stack.enter_context(patched_model(work, config, "cpu"))
-                if off_device:
+                if state.host_states:
                     stack.enter_context(offloaded_states(tracker))
                 stepped: set[int] = set()  # parameters the optimizer stepped in backward
                 # Note [host storages]: on a GPU target, what the step holds in host memory is not the device's

@@ -83,6 +83,7 @@ class StepState:
     stored: Any  # training/stored.py's StoredState
     scaler: Any  # a value-free GradScaler, or None
     buckets: list[torch.Tensor]
+    host_states: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
     held: list[torch.Tensor]  # the rest of the batch the trainer slices micro-batches from
 
     @classmethod
@@ -99,15 +100,14 @@ class StepState:
         # Note [DDP's bucket views]: with accumulation the gradients join the buckets in the window's last backward
         views = config.gradient_as_bucket_view and config.accumulation_steps == 1
         buckets = simulated_buckets(work, config.layout, views=views)
-        return cls(optimizer, stored, scaler, buckets, held_rows(micro, micro_target, config))
+        return cls(optimizer, stored, scaler, buckets, states_off_device(config.layout, config.device),
+                   held_rows(micro, micro_target, config))
 
-    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any, *,
-                 host_states: bool) -> None:
+    def register(self, tracker: StepTracker, work: nn.Module, micro: Batch, micro_target: Any) -> None:
         """Everything that exists before the step, each under its category; the rest of the batch the trainer
-        slices micro-batches from as inputs. ``host_states``: the parameters, gradients and optimizer state are
-        host memory apart from the device's (Note [host storages]: a GPU target's offloaded states)."""
+        slices micro-batches from as inputs."""
         register_state(tracker, work, self.optimizer, self.scaler, micro, micro_target, self.stored,
-                       host_states=host_states)
+                       host_states=self.host_states)
         for bucket in self.buckets:
             tracker.register(bucket, Category.GRADIENTS)
         for t in self.held:
@@ -180,8 +180,7 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    on_host = states_off_device(config.layout, config.device)  # Note [host storages]: a GPU target's offloaded states
-    with host_optimizer(tracker, on_host), optimizer_values(optimizer, fake):
+    with host_optimizer(tracker, state.host_states), optimizer_values(optimizer, fake):
         progress.step("the optimizer step")
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
