@@ -253,7 +253,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
             with contextlib.ExitStack() as stack:
                 caster = device_rules(stack, config) if device_rules is not None else None
                 stack.enter_context(patched_model(work, config, "cpu"))
-                if state.host_states:
+                if state.states_apart:
                     stack.enter_context(offloaded_states(tracker))
                 stepped: set[int] = set()  # parameters the optimizer stepped in backward
                 # Note [host storages]: on a GPU target, what the step holds in host memory is not the device's

@@ -83,7 +83,7 @@ class StepState:
     stored: Any  # training/stored.py's StoredState
     scaler: Any  # a value-free GradScaler, or None
     buckets: list[torch.Tensor]
-    host_states: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
+    states_apart: bool  # Note [host storages]: on a GPU target, the offloaded states are not the device's
     held: list[torch.Tensor]  # the rest of the batch the trainer slices micro-batches from
 
     @classmethod
@@ -107,7 +107,7 @@ class StepState:
         """Everything that exists before the step, each under its category; the rest of the batch the trainer
         slices micro-batches from as inputs."""
         register_state(tracker, work, self.optimizer, self.scaler, micro, micro_target, self.stored,
-                       host_states=self.host_states)
+                       host_states=self.states_apart)
         for bucket in self.buckets:
             tracker.register(bucket, Category.GRADIENTS)
         for t in self.held:
@@ -180,7 +180,7 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
     tracker.phase = Phase.OPTIMIZER
     tracker.autocast_device = None
     tracker.timeline.mark(steps - 1, Phase.OPTIMIZER)
-    with host_optimizer(tracker, state.host_states), optimizer_values(optimizer, fake):
+    with host_optimizer(tracker, state.states_apart), optimizer_values(optimizer, fake):
         progress.step("the optimizer step")
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,
