@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from autofit.parallel import DIMENSIONS, Dimension, ExportFragment, ExportInputs, Placement, Registry
-from autofit.parallel.dimension import merge_settings
+from autofit.parallel.exports import merge_settings
 
 
 class _Context(Dimension):

@@ -4,6 +4,7 @@ to autofit/. The truths are hand counts: 8 ranks, a toy dimension of degree 2 wh
 
 from __future__ import annotations
 
+import contextlib
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -190,3 +191,62 @@ def test_a_layout_in_words_names_one_process_as_its_reader_does():
     assert Parallel().layout.words(alone="None") == "None"
     assert Parallel(strategy="ddp", world_size=1).layout.words(alone="None") == "one process"
     assert Parallel(strategy="ddp", world_size=4).layout.words(alone="None") == "ddp"
+
+
+class _Running(Dimension):
+    """A toy that records what a running step asks of it: its apply, its context around each micro-batch, and a
+    schedule of its own when ``schedules``."""
+
+    def __init__(self, *, log: list, schedules: bool = False, **fields):
+        super().__init__(**fields)
+        object.__setattr__(self, "log", log)
+        object.__setattr__(self, "schedules", schedules)
+
+    def apply(self, model, layout, placement, inputs):
+        self.log.append(("apply", self.name, inputs.shard_units))
+        return (self.name, model)
+
+    def micro_batch_context(self, model, layout, placement, *, last):
+        @contextlib.contextmanager
+        def around():
+            self.log.append(("enter", self.name, last))
+            yield
+            self.log.append(("exit", self.name, last))
+        return around()
+
+    def schedule(self, layout, placement, micro_batches):
+        return ("schedule of", self.name, micro_batches) if self.schedules else None
+
+
+def test_a_running_step_asks_each_dimension_innermost_or_outermost_first():
+    # the step's three entry points (autofit/parallel/apply.py, schedule.py) read the layout's placements only:
+    # a layout of two toys over 4 ranks, outer (mesh position 0) and inner (position 3), each of degree 2
+    from autofit.parallel.apply import apply_layout, gradient_sync
+    from autofit.parallel.schedule import Sequential, schedule_of
+
+    log: list = []
+    outer = _Running(log=log, name="outer", mesh_rank=0, shares_rows=False, field="outer_parallel")
+    inner = _Running(log=log, name="inner", mesh_rank=3, shares_rows=True, field="inner_parallel", schedules=True)
+    placed = Registry((inner, outer)).layout(4, (Placement("inner", 2), Placement("outer", 2)))
+    assert placed.mesh_names == ("outer", "inner")
+    step_layout = SimpleNamespace(layout=placed, shard_units=("block",))  # what a Parallel gives them
+    # applied innermost first, each wrapping what the one inside made (torchtitan: TP, then FSDP, then DDP)
+    assert apply_layout("model", step_layout) == ("outer", ("inner", "model"))
+    assert log == [("apply", "inner", ("block",)), ("apply", "outer", ("block",))]
+    log.clear()
+    # a micro-batch's contexts: outermost entered first, left last; ``last`` as the schedule says
+    for last in (False, True):
+        with gradient_sync("model", step_layout, last=last):
+            log.append(("body", last))
+    assert log == [("enter", "outer", False), ("enter", "inner", False), ("body", False), ("exit", "inner", False),
+                   ("exit", "outer", False), ("enter", "outer", True), ("enter", "inner", True), ("body", True),
+                   ("exit", "inner", True), ("exit", "outer", True)]
+    # the first dimension with a schedule of its own runs the window; none: sequential accumulation
+    assert schedule_of(step_layout, 3) == ("schedule of", "inner", 3)
+    alone = SimpleNamespace(layout=Registry((outer,)).layout(2, (Placement("outer", 2),)))
+    assert schedule_of(alone, 3) == Sequential(3)
+    # the sequential schedule runs each micro-batch inside the layout's contexts, the last one marked
+    log.clear()
+    assert Sequential(2).run("model", alone, lambda i: log.append(("micro-batch", i)) or i) == [0, 1]
+    assert log == [("enter", "outer", False), ("micro-batch", 0), ("exit", "outer", False),
+                   ("enter", "outer", True), ("micro-batch", 1), ("exit", "outer", True)]

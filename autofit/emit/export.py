@@ -53,7 +53,7 @@ from typing import Any
 from autofit.emit.plan import Plan
 from autofit.features import FEATURES
 from autofit.features.float8 import torchtitan_float8
-from autofit.parallel.dimension import ExportFragment, ExportInputs, merge_settings
+from autofit.parallel.exports import ExportFragment, ExportInputs, merge_settings
 from autofit.parallel.replicate import DDP_KWARGS
 
 __all__ = ["DDP_KWARGS", "to_hf_training_arguments", "to_deepspeed_config", "to_lightning_trainer", "to_accelerate_config",

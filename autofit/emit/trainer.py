@@ -184,7 +184,7 @@ class Trainer:
                 return float(loss)
 
             try:  # the schedule owns the loop and the gradient sync between micro-batches (Note [one schedule])
-                losses = schedule_of(len(bounds)).run(self.model, self.config.layout, one)
+                losses = schedule_of(self.config.layout, len(bounds)).run(self.model, self.config.layout, one)
             except BaseException:
                 self._clear_grads()  # a failed window leaves no partial gradient behind
                 self._left = None

@@ -152,7 +152,7 @@ def measure_step(
             run_micro_batch(work, micro, micro_target, loss_fn, config, device.type,
                             place=WindowPlace.of(i, norm, optimizer), scaler=scaler, features=FEATURES)
 
-        schedule_of(config.accumulation_steps).run(work, config.layout, one)  # Note [one schedule]
+        schedule_of(config.layout, config.accumulation_steps).run(work, config.layout, one)  # Note [one schedule]
         interruption_point()
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,

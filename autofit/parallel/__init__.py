@@ -7,8 +7,8 @@ tensor parallel before those with it, replicate sizes before reshard options); t
 
 from __future__ import annotations
 
-from autofit.parallel.dimension import (Dimension, ExportFragment, ExportInputs, Layout, Placement, Registry,
-                                        enumerate_layouts)
+from autofit.parallel.dimension import Dimension, Layout, Placement, Registry, enumerate_layouts
+from autofit.parallel.exports import ExportFragment, ExportInputs
 from autofit.parallel.replicate import REPLICATE
 from autofit.parallel.shard import SHARD
 from autofit.parallel.tensor import TENSOR

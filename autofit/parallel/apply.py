@@ -1,12 +1,14 @@
-"""How a parallel layout is applied to a model (DDP, FSDP2, HSDP, tensor parallel composed with FSDP2): the one
-module that builds a device mesh and calls ``init_device_mesh``, ``fully_shard``, ``DistributedDataParallel`` and
-(through ``tensor_parallel.apply_tensor_parallel``) ``parallelize_module``, shared by the simulation (on a fake
-process group), ``measure`` and the distributed trainer, so all three lay a model out exactly alike (see
+"""How a parallel layout is applied to a model (DDP, FSDP2, HSDP, tensor parallel composed with FSDP2): each
+dimension through its ``apply`` and its ``micro_batch_context`` (autofit/parallel/dimension.py), and the one module
+that builds a device mesh and calls ``init_device_mesh``, ``fully_shard``, ``DistributedDataParallel`` and (through
+``tensor_parallel.apply_tensor_parallel``) ``parallelize_module``. The simulation (on a fake process group),
+``measure`` and the distributed trainer all lay a model out through it, so all three lay it out exactly alike (see
 docs/multi-gpu.md)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,27 +16,27 @@ from torch import nn
 
 from autofit.core._torch import unset_fake_temporarily
 from autofit.core.errors import UnsupportedModelError
-from autofit.parallel.tensor_parallel import apply_tensor_parallel
+from autofit.parallel.dimension import ApplyInputs
 
 if TYPE_CHECKING:
     from autofit.parallel.layout import Parallel
 
 __all__ = ["apply_layout", "apply_fsdp2", "bitsandbytes_parameters", "device_mesh", "wrap_ddp",
-           "sub_meshes", "laid_out", "gradient_sync"]
+           "sub_meshes", "laid_out", "gradient_sync", "no_gradient_sync"]
 
 
-def apply_layout(model: nn.Module, mesh, layout: Parallel, param_dtype: torch.dtype | None, *,
-                 pin_memory: bool = False) -> nn.Module:
-    """``layout`` on ``mesh`` (as :func:`device_mesh` lays it out), in torchtitan's order: tensor parallel over the
-    "tp" dim first, then FSDP2 over the data-parallel dim when there is one (``layout.fully_sharded``), gathering
-    parameters in ``param_dtype`` (the step's autocast dtype; None: as stored)."""
-    if layout.tensor_parallel > 1:
-        mesh, tp_mesh = sub_meshes(mesh, layout.tensor_parallel)
-        apply_tensor_parallel(model, layout.tensor_plan, tp_mesh)
-    if layout.fully_sharded:
-        apply_fsdp2(model, layout.shard_units, mesh, param_dtype,
-                    offload=layout.offload_states, pin_memory=pin_memory,
-                    reshard_after_forward=layout.reshard_after_forward, tensor_parallel=layout.tensor_parallel > 1)
+def apply_layout(model: nn.Module, layout: Parallel, *, mesh=None, param_dtype: torch.dtype | None = None,
+                 pin_memory: bool = False, gradient_as_bucket_view: bool = True,
+                 device_ids: list[int] | None = None) -> nn.Module:
+    """``layout`` applied to ``model`` on this rank: each dimension's :meth:`~autofit.parallel.Dimension.apply`,
+    innermost first (torchtitan's order: tensor parallel over the "tp" dim, then FSDP2 over the data-parallel dims;
+    DDP wraps what the others made), over ``mesh`` as :func:`device_mesh` lays it out (None for DDP: the default
+    group). The rest are :class:`~autofit.parallel.dimension.ApplyInputs`' fields."""
+    placed = layout.layout
+    inputs = ApplyInputs(mesh=mesh, shard_units=layout.shard_units, param_dtype=param_dtype, pin_memory=pin_memory,
+                         gradient_as_bucket_view=gradient_as_bucket_view, device_ids=device_ids)
+    for placement in reversed(placed.placements):
+        model = placed.registry[placement.dimension].apply(model, placed, placement, inputs)
     return model
 
 
@@ -42,13 +44,12 @@ def laid_out(model: nn.Module, layout: Parallel, device_type: str, *, gradient_a
              param_dtype: torch.dtype | None) -> nn.Module:
     """``model`` laid out as ``layout`` says over the default process group, which must be initialised with
     ``layout.world_size`` ranks: DDP (``gradient_as_bucket_view`` as the step says: True, as the trainer wraps it)
-    or the FSDP2 / tensor-parallel layout of :func:`apply_layout` on a mesh of ``device_type``. One process:
-    ``model`` itself."""
+    or the FSDP2 / tensor-parallel layout on a mesh of ``device_type``. One process: ``model`` itself."""
     if layout.world_size == 1 and not layout.offload_states:
         return model
-    if layout.replicates_parameters:
-        return wrap_ddp(model, gradient_as_bucket_view)
-    return apply_layout(model, device_mesh(device_type, layout), layout, param_dtype)
+    mesh = None if layout.replicates_parameters else device_mesh(device_type, layout)  # DDP: the default group
+    return apply_layout(model, layout, mesh=mesh, param_dtype=param_dtype,
+                        gradient_as_bucket_view=gradient_as_bucket_view)
 
 
 # The one place a mesh is built and a model wrapped in DDP: the simulation (on a fake process group,
@@ -74,24 +75,23 @@ def wrap_ddp(model: nn.Module, gradient_as_bucket_view: bool, device_ids: list[i
     return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=gradient_as_bucket_view)
 
 
-def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool):
-    """The context one micro-batch of an accumulation window runs in under ``layout``: gradients reduced across
-    ranks on the last micro-batch only (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)`` before it).
-    FSDP2 reduces every micro-batch with the states on the host (Note [offload]: skipping it would keep a full set of
-    unsharded gradients on the device) and with ``reduce_every_micro_batch`` (Note [gradient sync under
-    accumulation], autofit/training/step.py); tensor parallel alone (not ``fully_sharded``) reduces nothing across
-    ranks."""
-    if last or layout.offload_states or layout.reduce_every_micro_batch or layout.strategy is None:
-        return contextlib.nullcontext()
-    if layout.replicates_parameters:
-        return model.no_sync()
-    if not layout.fully_sharded:
-        return contextlib.nullcontext()
-    return _no_gradient_sync(model)
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool) -> Iterator[None]:
+    """The context one micro-batch of an accumulation window runs in under ``layout``: each dimension's
+    :meth:`~autofit.parallel.Dimension.micro_batch_context`, outermost first (DDP's ``no_sync``, FSDP2's deferred
+    reduce-scatter: gradients reduced across ranks on the last micro-batch only; tensor parallel alone reduces
+    nothing across ranks)."""
+    placed = layout.layout
+    with contextlib.ExitStack() as stack:
+        for placement in placed.placements:
+            stack.enter_context(placed.registry[placement.dimension].micro_batch_context(model, placed, placement,
+                                                                                        last=last))
+        yield
 
 
 @contextlib.contextmanager
-def _no_gradient_sync(model: nn.Module):
+def no_gradient_sync(model: nn.Module):
+    """FSDP2's ``set_requires_gradient_sync(False)`` for the context's length: the reduce-scatter deferred."""
     model.set_requires_gradient_sync(False)
     try:
         yield

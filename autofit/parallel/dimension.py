@@ -47,30 +47,32 @@ Note [layout dimensions]
     registered dimension's choices, in registration order (the first outermost), each combination kept when every
     dimension's rules pass and every dimension finds it plannable.
 
-    What the dimensions do not own yet (issue 54's later steps): how each is applied to a model is still written per
-    field of the flat
-    ``Parallel`` (autofit/parallel/layout.py), which the built-in dimensions translate to and from
-    (``Parallel.placements``, ``autofit.parallel.to_parallel``).
+    What a dimension does to a running step, the same in the simulation, ``measure`` and the trainers
+    (autofit/parallel/apply.py, autofit/parallel/schedule.py):
+      - how it is applied to a model (:meth:`Dimension.apply`), innermost dimension first, as torchtitan's
+        ``parallelize_llama`` applies tensor parallel before FSDP and DDP wraps what the others made;
+      - the context one micro-batch runs in (:meth:`Dimension.micro_batch_context`: DDP's ``no_sync``, FSDP2's
+        deferred reduce-scatter), entered outermost first around each micro-batch;
+      - the schedule of the micro-batches (:meth:`Dimension.schedule`): none by default, sequential accumulation;
+        a pipeline dimension returns its own (Note [one schedule]).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from fractions import Fraction
 from typing import Any, Protocol
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links
+from autofit.parallel.exports import FRAMEWORKS, ExportFragment, ExportInputs, merge_settings
 
-__all__ = ["Dimension", "Placement", "Layout", "Registry", "enumerate_layouts", "ExportInputs", "ExportFragment",
-           "FRAMEWORKS", "merge_settings", "StepKnobs", "RankWork", "WorkInputs", "rank_count"]
-
-# the frameworks a plan is exported to (autofit/emit/export.py): Hugging Face's TrainingArguments, DeepSpeed's config,
-# Lightning's Trainer and strategies, Accelerate's config file, torchtitan's TOML
-FRAMEWORKS = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")
+__all__ = ["Dimension", "ApplyInputs", "Placement", "Layout", "Registry", "enumerate_layouts", "StepKnobs", "RankWork",
+           "WorkInputs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,46 +91,18 @@ class Placement:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExportInputs:
-    """What a dimension's export fragment reads of a plan besides its layout, as plain values (this layer is below
-    the ``Plan``): the precision's name ("fp32", "bf16", "fp16"), whether the plan recomputes any module, FSDP2's
-    units (``Parallel.shard_units``, which ``Parallel.export`` puts in) and the gradients' bytes per GPU at the peak."""
+class ApplyInputs:
+    """What a dimension reads where it is applied to a model (:meth:`Dimension.apply`) besides its placement: the
+    layout's device mesh (None where no dimension needs one: DDP runs over the default group), FSDP2's units, the
+    dtype FSDP2 gathers in (the step's autocast dtype; None: as stored), whether its host copies are pinned, DDP's
+    bucket mode and device ids."""
 
-    precision: str = "fp32"
-    recomputes: bool = False
+    mesh: Any = None
     shard_units: tuple[str, ...] = ()
-    gradient_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportFragment:
-    """A dimension's part of one framework's export (Note [layout dimensions]): ``settings`` in the export's own
-    shape (a mapping merged into the export key by key, :func:`merge_settings`), ``notes`` saying how the framework
-    runs the dimension or the nearest setting it has, and ``unexpressed``: what the framework cannot express of it
-    (the export writes nothing for it)."""
-
-    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    notes: tuple[str, ...] = ()
-    unexpressed: tuple[str, ...] = ()
-
-
-def rank_count(count: int) -> str:
-    """'1 rank', '8 ranks': a count of ranks in a layout's words."""
-    return f"{count} rank{'s' if count != 1 else ''}"
-
-
-def merge_settings(into: dict[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
-    """``settings`` merged into ``into``, in place: a mapping into the mapping under its key, key by key (made a new
-    dict where there is none), any other value set; a key already there keeps its place, a new one comes last (the
-    order the CLI prints)."""
-    for key, value in settings.items():
-        if isinstance(value, Mapping):
-            if not isinstance(into.get(key), dict):
-                into[key] = {}
-            merge_settings(into[key], value)
-        else:
-            into[key] = value
-    return into
+    param_dtype: Any = None
+    pin_memory: bool = False
+    gradient_as_bucket_view: bool = True
+    device_ids: list[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +214,22 @@ class Dimension:
         """The share of its part of the model one rank keeps gathered from the end of forward to backward (Note [a
         dimension's share of memory]): nothing by default."""
         return Fraction(0)
+
+    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+        """``model`` (an ``nn.Module``) with this dimension applied on this rank (``apply.apply_layout``, after
+        the dimensions inside it in the mesh): unchanged by default."""
+        return model
+
+    def micro_batch_context(self, model: Any, layout: Layout, placement: Placement, *, last: bool
+                            ) -> contextlib.AbstractContextManager[Any]:
+        """The context one micro-batch of an accumulation window runs in on the laid-out ``model`` (``last``: the
+        window's last): nothing by default."""
+        return contextlib.nullcontext()
+
+    def schedule(self, layout: Layout, placement: Placement, micro_batches: int) -> Any:
+        """The schedule that runs a window's ``micro_batches`` under this dimension (``schedule.schedule_of``), or
+        None where it leaves them to sequential accumulation (the default)."""
+        return None
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """This dimension's part of the layout in words (``Layout.words``: plan notes, ``Parallel.label``,

@@ -17,7 +17,8 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
-from autofit.parallel.dimension import ExportFragment, ExportInputs, Layout, Placement, StepKnobs, rank_count
+from autofit.parallel.dimension import Layout, Placement, StepKnobs
+from autofit.parallel.exports import ExportFragment, ExportInputs, rank_count
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "Parallel", "ranks_per_node", "layout_words",
            "JSON_PLACES", "layout_from_json", "trade_words"]

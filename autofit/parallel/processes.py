@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
-from autofit.parallel.apply import apply_layout, device_mesh, wrap_ddp
+from autofit.parallel.apply import apply_layout, device_mesh
 from autofit.parallel.sequence_parallel import require_sequence_split
 
 if TYPE_CHECKING:
@@ -101,7 +101,8 @@ def lay_out_for_training(model: nn.Module, optimizer: torch.optim.Optimizer | Ca
         built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
-        return wrap_ddp(model, gradient_as_bucket_view, device_ids=ids), built, None
+        wrapped = apply_layout(model, layout, gradient_as_bucket_view=gradient_as_bucket_view, device_ids=ids)
+        return wrapped, built, None
     if not layout.shards_parameters:
         raise InvalidInputError(f"this plan has no data-parallel strategy ({layout.strategy!r}): plans use "
                                 "'ddp' or 'fsdp2'")
@@ -121,7 +122,7 @@ def lay_out_for_training(model: nn.Module, optimizer: torch.optim.Optimizer | Ca
     mesh = device_mesh(device_type, layout)
     compute = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device(device_type)
-    wrapped = apply_layout(model, mesh, layout, param_dtype, pin_memory=device_type == "cuda")
+    wrapped = apply_layout(model, layout, mesh=mesh, param_dtype=param_dtype, pin_memory=device_type == "cuda")
     return wrapped, optimizer(wrapped.parameters()), compute
 
 

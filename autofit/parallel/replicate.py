@@ -3,11 +3,14 @@ other rows. Alone it is DDP; with sharding it is HSDP's outer mesh dim (replicat
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
-from autofit.parallel.dimension import Dimension, ExportFragment, ExportInputs, Layout, Placement
+from autofit.parallel.apply import wrap_ddp
+from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement
+from autofit.parallel.exports import ExportFragment, ExportInputs
 
 __all__ = ["REPLICATE", "DDP_KWARGS", "replicate_choices"]
 
@@ -35,6 +38,21 @@ class _Replicate(Dimension):
         if layout.world_size % replicate:
             raise InvalidInputError(f"replicate {replicate} does not divide world_size {layout.world_size}: HSDP's "
                                     "mesh is (replicate, world_size // replicate); use the number of nodes")
+
+    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+        """Alone, DistributedDataParallel around what the other dimensions made, with the step's bucket mode (Note
+        [DDP's bucket views], autofit/parallel/simulated.py); HSDP's replicate dim is FSDP2's mesh dim, applied by
+        the shard dimension."""
+        if layout.placement("dp_shard") is not None:
+            return model
+        return wrap_ddp(model, inputs.gradient_as_bucket_view, device_ids=inputs.device_ids)
+
+    def micro_batch_context(self, model: Any, layout: Layout, placement: Placement, *, last: bool
+                            ) -> contextlib.AbstractContextManager[Any]:
+        """DDP all-reduces on the window's last micro-batch only: ``no_sync`` before it."""
+        if last or layout.placement("dp_shard") is not None:
+            return contextlib.nullcontext()
+        return model.no_sync()
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """'ddp' alone; HSDP's replicate dim is worded by the shard dim ('hsdp 2 x 4 (...)')."""

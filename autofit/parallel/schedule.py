@@ -3,15 +3,16 @@
 Note [one schedule]
     An optimizer step runs its batch as micro-batches. With gradient accumulation on every rank (what autofit plans
     today) they run one after another, each forward and backward whole, and the gradients are synchronised across
-    ranks on the last one only (``gradient_sync``, autofit/parallel/apply.py; FSDP2's reduce-scatter per
-    micro-batch where the layout says so). torch's ``torch.distributed.pipelining`` makes the loop an object
-    (``PipelineSchedule.step``: GPipe, 1F1B, interleaved), which owns which micro-batch runs when on which stage and
-    how many are in flight; context parallel wraps each micro-batch in a context. So the loop lives here, once: the
-    simulation (``simulate/window.py``), ``measure`` (``measure/allocator.py``) and the trainers (``emit/trainer.py``,
-    ``emit/distributed.py`` through it) each hand the schedule the body of one micro-batch, and a pipeline schedule
-    is another class with the same two answers: how many micro-batches a simulation must run to see the peak
-    (:meth:`Sequential.simulated`), and how many micro-batches' activations are alive at once
-    (:attr:`Sequential.in_flight`).
+    ranks on the last one only (``gradient_sync``, autofit/parallel/apply.py, from each dimension's
+    ``micro_batch_context``; FSDP2's reduce-scatter per micro-batch where the layout says so). torch's
+    ``torch.distributed.pipelining`` makes the loop an object (``PipelineSchedule.step``: GPipe, 1F1B,
+    interleaved), which owns which micro-batch runs when on which stage and how many are in flight; context parallel
+    wraps each micro-batch in a context. So the loop lives here, once: the simulation (``simulate/window.py``),
+    ``measure`` (``measure/allocator.py``) and the trainers (``emit/trainer.py``, ``emit/distributed.py`` through
+    it) each hand the schedule the body of one micro-batch. A pipeline schedule is another class, which its
+    dimension returns from ``Dimension.schedule`` (:func:`schedule_of` asks the layout's dimensions), with the same
+    two answers: how many micro-batches a simulation must run to see the peak (:meth:`Sequential.simulated`), and
+    how many micro-batches' activations are alive at once (:attr:`Sequential.in_flight`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,13 @@ class Sequential:
         return results
 
 
-def schedule_of(accumulation_steps: int) -> Sequential:
-    """The schedule of a step of ``accumulation_steps`` micro-batches: sequential accumulation (the only one planned
-    today)."""
-    return Sequential(accumulation_steps)
+def schedule_of(layout: Parallel, micro_batches: int) -> Any:
+    """The schedule of a step of ``micro_batches`` under ``layout``: the first of its dimensions, outermost first,
+    that has its own (:meth:`~autofit.parallel.Dimension.schedule`: a pipeline's), else sequential accumulation
+    (Note [one schedule])."""
+    placed = layout.layout
+    for placement in placed.placements:
+        schedule = placed.registry[placement.dimension].schedule(placed, placement, micro_batches)
+        if schedule is not None:
+            return schedule
+    return Sequential(micro_batches)

@@ -5,13 +5,15 @@ reshard to) and the states on the host. Its degree is the ranks the other dimens
 
 from __future__ import annotations
 
+import contextlib
 from fractions import Fraction
 from typing import Any
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
-from autofit.parallel.dimension import (Dimension, ExportFragment, ExportInputs, Layout, Placement, StepKnobs,
-                                        rank_count)
+from autofit.parallel.apply import apply_fsdp2, no_gradient_sync, sub_meshes
+from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
+from autofit.parallel.exports import ExportFragment, ExportInputs, rank_count
 
 __all__ = ["SHARD", "reshard_choices"]
 
@@ -64,6 +66,30 @@ class _Shard(Dimension):
         raf = placement.option("reshard_after_forward", True)
         return Fraction(0) if raf is True else Fraction(1) if raf is False else Fraction(1, raf)
 
+    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+        """FSDP2's ``fully_shard`` on each unit, then the root, where it runs (:func:`_fully_shards`): over the
+        data-parallel mesh dims, (dp_replicate, dp_shard) for HSDP, the "dp_shard" sub-mesh beside tensor
+        parallel."""
+        if not _fully_shards(layout, placement):
+            return model
+        tensor = layout.degree("tp")
+        mesh = inputs.mesh if tensor == 1 else sub_meshes(inputs.mesh, tensor)[0]
+        return apply_fsdp2(model, inputs.shard_units, mesh, inputs.param_dtype,
+                           offload=placement.option("offload_states", False), pin_memory=inputs.pin_memory,
+                           reshard_after_forward=placement.option("reshard_after_forward", True),
+                           tensor_parallel=tensor > 1)
+
+    def micro_batch_context(self, model: Any, layout: Layout, placement: Placement, *, last: bool
+                            ) -> contextlib.AbstractContextManager[Any]:
+        """The reduce-scatter deferred to the window's last micro-batch (``set_requires_gradient_sync(False)``
+        before it), except with the states on the host (Note [offload]: skipping it would keep a full set of
+        unsharded gradients on the device) and with ``reduce_every_micro_batch`` (Note [gradient sync under
+        accumulation], autofit/training/step.py)."""
+        if last or placement.option("offload_states", False) or placement.option("reduce_every_micro_batch", False) \
+                or not _fully_shards(layout, placement):
+            return contextlib.nullcontext()
+        return no_gradient_sync(model)
+
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'fsdp2 (resharded to 8)' (``ranks``: with ' over S ranks'), or HSDP
         with the replicate dim's degree, 'hsdp 2 x 4 (ZeRO-2)'; nothing where tensor parallel takes every rank."""
@@ -100,6 +126,12 @@ class _Shard(Dimension):
         """FSDP2 in ``framework``'s terms: its reshard, the states on the host, and (Lightning, Accelerate, whose
         FSDP plugins take it) HSDP's replicate degree; a note where the framework's nearest setting differs."""
         return _EXPORTS[framework](layout, placement, inputs)
+
+
+def _fully_shards(layout: Layout, placement: Placement) -> bool:
+    """``fully_shard`` runs: over more than one data-parallel rank (tensor parallel alone leaves none), or on one
+    process to keep the states on the host."""
+    return layout.world_size > layout.degree("tp") or placement.option("offload_states", False)
 
 
 def _hf(layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:

@@ -13,11 +13,12 @@ import numpy as np
 from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError
+from autofit.parallel.apply import sub_meshes
 from autofit.parallel.collectives import ring_seconds
-from autofit.parallel.dimension import (Dimension, ExportFragment, ExportInputs, Layout, Placement, RankWork, StepKnobs,
-                                       WorkInputs)
+from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, RankWork, StepKnobs, WorkInputs
+from autofit.parallel.exports import ExportFragment, ExportInputs
 from autofit.parallel.sequence_parallel import is_sequence_parallel, require_sequence_split
-from autofit.parallel.tensor_parallel import resolve_tensor_plan
+from autofit.parallel.tensor_parallel import apply_tensor_parallel, resolve_tensor_plan
 
 __all__ = ["TENSOR", "Split", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "split_parameters"]
 
@@ -119,6 +120,13 @@ class _Tensor(Dimension):
         """A rank computes with 1/T of the split layers, counted as 1/T of the model (Note [a dimension's share of
         memory]: a floor's arithmetic; the exact shares are ``split_parameters``')."""
         return placement.degree
+
+    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+        """torch's ``parallelize_module`` with the resolved plan over the "tp" mesh dim, in place, before FSDP2
+        shards what it split (torchtitan's order)."""
+        if placement.degree > 1:
+            apply_tensor_parallel(model, placement.option("plan", ()), sub_meshes(inputs.mesh, placement.degree)[1])
+        return model
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """'tp 8', 'tp 8 + sequence parallel' (its plan's styles split the sequence, or the words are asked for

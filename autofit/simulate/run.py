@@ -237,7 +237,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
             compiled_code_runs_eagerly(), compiled, \
             compiled_for_simulation(work, fake and not eager, config.compile and not eager) as inductor:
         if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
-            apply_layout(work, mesh, config.layout, config.precision.param_dtype)
+            apply_layout(work, config.layout, mesh=mesh, param_dtype=config.precision.param_dtype)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None if target is None else target.map_tensors(to_sim).resize(config.micro_batch_size)

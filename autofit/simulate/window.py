@@ -126,7 +126,7 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
     last (gradients accumulated, then the optimizer step). Micro-batches in between repeat the last one's
     forward and backward exactly, so they cannot raise the peak."""
     optimizer, scaler, stored, buckets = state.optimizer, state.scaler, state.stored, state.buckets
-    schedule = schedule_of(config.accumulation_steps)
+    schedule = schedule_of(config.layout, config.accumulation_steps)
     steps = schedule.simulated(WINDOW_MICRO_BATCHES)
     # the sample's micro-batches are copies of one another: equal shares, however the loss counts (the weight only
     # decides whether a scalar multiply runs, not its size)
