@@ -65,11 +65,16 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links
 from autofit.parallel.exports import FRAMEWORKS, ExportFragment, ExportInputs, merge_settings
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autofit.parallel.schedule import Schedule
 
 __all__ = ["Dimension", "ApplyInputs", "Placement", "Layout", "Registry", "enumerate_layouts", "StepKnobs", "RankWork",
            "WorkInputs"]
@@ -97,7 +102,7 @@ class ApplyInputs:
     dtype FSDP2 gathers in (the step's autocast dtype; None: as stored), whether its host copies are pinned, DDP's
     bucket mode and device ids."""
 
-    mesh: Any = None
+    mesh: Any = None  # a torch DeviceMesh
     shard_units: tuple[str, ...] = ()
     param_dtype: Any = None
     pin_memory: bool = False
@@ -215,18 +220,18 @@ class Dimension:
         dimension's share of memory]): nothing by default."""
         return Fraction(0)
 
-    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+    def apply(self, model: nn.Module, layout: Layout, placement: Placement, inputs: ApplyInputs) -> nn.Module:
         """``model`` (an ``nn.Module``) with this dimension applied on this rank (``apply.apply_layout``, after
         the dimensions inside it in the mesh): unchanged by default."""
         return model
 
-    def micro_batch_context(self, model: Any, layout: Layout, placement: Placement, *, last: bool
+    def micro_batch_context(self, model: nn.Module, layout: Layout, placement: Placement, *, last: bool
                             ) -> contextlib.AbstractContextManager[Any]:
         """The context one micro-batch of an accumulation window runs in on the laid-out ``model`` (``last``: the
         window's last): nothing by default."""
         return contextlib.nullcontext()
 
-    def schedule(self, layout: Layout, placement: Placement, micro_batches: int) -> Any:
+    def schedule(self, layout: Layout, placement: Placement, micro_batches: int) -> Schedule | None:
         """The schedule that runs a window's ``micro_batches`` under this dimension (``schedule.schedule_of``), or
         None where it leaves them to sequential accumulation (the default)."""
         return None

@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from torch import nn
+
 from autofit.core.errors import InvalidInputError
-from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.apply import wrap_ddp
+from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement
 from autofit.parallel.exports import ExportFragment, ExportInputs
 
@@ -39,7 +41,7 @@ class _Replicate(Dimension):
             raise InvalidInputError(f"replicate {replicate} does not divide world_size {layout.world_size}: HSDP's "
                                     "mesh is (replicate, world_size // replicate); use the number of nodes")
 
-    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+    def apply(self, model: nn.Module, layout: Layout, placement: Placement, inputs: ApplyInputs) -> nn.Module:
         """Alone, DistributedDataParallel around what the other dimensions made, with the step's bucket mode (Note
         [DDP's bucket views], autofit/parallel/simulated.py); HSDP's replicate dim is FSDP2's mesh dim, applied by
         the shard dimension."""
@@ -47,7 +49,7 @@ class _Replicate(Dimension):
             return model
         return wrap_ddp(model, inputs.gradient_as_bucket_view, device_ids=inputs.device_ids)
 
-    def micro_batch_context(self, model: Any, layout: Layout, placement: Placement, *, last: bool
+    def micro_batch_context(self, model: nn.Module, layout: Layout, placement: Placement, *, last: bool
                             ) -> contextlib.AbstractContextManager[Any]:
         """DDP all-reduces on the window's last micro-batch only: ``no_sync`` before it."""
         if last or layout.placement("dp_shard") is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from autofit.parallel.apply import gradient_sync
 
@@ -29,10 +29,23 @@ if TYPE_CHECKING:
 
     from autofit.parallel.layout import Parallel
 
-__all__ = ["Sequential", "SyncRule", "schedule_of"]
+__all__ = ["Schedule", "Sequential", "SyncRule", "schedule_of"]
 
 # the context one micro-batch runs in under a layout: (model, layout, last=...) -> context manager
 SyncRule = Callable[..., contextlib.AbstractContextManager[Any]]
+
+
+class Schedule(Protocol):
+    """What a schedule answers (Note [one schedule]): :class:`Sequential`'s, and a dimension's own
+    (``Dimension.schedule``)."""
+
+    micro_batches: int
+    in_flight: int
+
+    def simulated(self, window: int) -> int: ...
+
+    def run(self, model: nn.Module, layout: Parallel, micro_batch: Callable[[int], Any], *, count: int | None = None,
+            sync: SyncRule = ...) -> list[Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +73,7 @@ class Sequential:
         return results
 
 
-def schedule_of(layout: Parallel, micro_batches: int) -> Any:
+def schedule_of(layout: Parallel, micro_batches: int) -> Schedule:
     """The schedule of a step of ``micro_batches`` under ``layout``: the first of its dimensions, outermost first,
     that has its own (:meth:`~autofit.parallel.Dimension.schedule`: a pipeline's), else sequential accumulation
     (Note [one schedule])."""

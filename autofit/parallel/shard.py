@@ -9,9 +9,11 @@ import contextlib
 from fractions import Fraction
 from typing import Any
 
+from torch import nn
+
 from autofit.core.errors import InvalidInputError
-from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.apply import apply_fsdp2, no_gradient_sync, sub_meshes
+from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs, rank_count
 
@@ -66,7 +68,7 @@ class _Shard(Dimension):
         raf = placement.option("reshard_after_forward", True)
         return Fraction(0) if raf is True else Fraction(1) if raf is False else Fraction(1, raf)
 
-    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+    def apply(self, model: nn.Module, layout: Layout, placement: Placement, inputs: ApplyInputs) -> nn.Module:
         """FSDP2's ``fully_shard`` on each unit, then the root, where it runs (:func:`_fully_shards`): over the
         data-parallel mesh dims, (dp_replicate, dp_shard) for HSDP, the "dp_shard" sub-mesh beside tensor
         parallel."""
@@ -79,7 +81,7 @@ class _Shard(Dimension):
                            reshard_after_forward=placement.option("reshard_after_forward", True),
                            tensor_parallel=tensor > 1)
 
-    def micro_batch_context(self, model: Any, layout: Layout, placement: Placement, *, last: bool
+    def micro_batch_context(self, model: nn.Module, layout: Layout, placement: Placement, *, last: bool
                             ) -> contextlib.AbstractContextManager[Any]:
         """The reduce-scatter deferred to the window's last micro-batch (``set_requires_gradient_sync(False)``
         before it), except with the states on the host (Note [offload]: skipping it would keep a full set of

@@ -121,7 +121,7 @@ class _Tensor(Dimension):
         memory]: a floor's arithmetic; the exact shares are ``split_parameters``')."""
         return placement.degree
 
-    def apply(self, model: Any, layout: Layout, placement: Placement, inputs: ApplyInputs) -> Any:
+    def apply(self, model: nn.Module, layout: Layout, placement: Placement, inputs: ApplyInputs) -> nn.Module:
         """torch's ``parallelize_module`` with the resolved plan over the "tp" mesh dim, in place, before FSDP2
         shards what it split (torchtitan's order)."""
         if placement.degree > 1:
