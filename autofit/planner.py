@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from autofit.capture.user_hooks import restores_user_hooks, user_hooks_restored
+from autofit.capture.user_hooks import user_hooks_restored
 from autofit.core._torch_interrupts import interrupts_at_safe_points
 from autofit.core.rng import keeps_user_rng
 from autofit.features import OPT_IN
@@ -40,10 +40,6 @@ from autofit.planning.race import plan_layouts
 __all__ = ["plan", "plan_with_analysis"]
 
 
-# make_request's passes over the model too (its forward at one row, Note [micro-batches a model refuses]) run
-# inside these, with the planning
-@keeps_user_rng  # Note [the user's random state]
-@restores_user_hooks  # Note [user hooks]
 def plan(
     model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
     loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
@@ -105,8 +101,8 @@ def plan_with_analysis(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]
     fastest configuration the time model allows (see Note [the quick path]), and the analysis is skipped when it
     fits; the plan then has no front and no analyses. Otherwise (``None``, the default, or True) its front also holds
     the halving micro-batches (a checkpoint MILP each)."""
-    # what restores_user_hooks does for plan, around the model the request holds (Note [user hooks]): the request is
-    # this entry's first argument, not the model
+    # what restores_user_hooks does for an entry point whose first argument is the model (Note [user hooks]), for
+    # the model the request holds; make_request, which made it, keeps them too
     with interrupts_at_safe_points(), user_hooks_restored(request.model):
         return _with_speed_rungs(request, plan_layouts)
 

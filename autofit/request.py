@@ -13,11 +13,13 @@ from torch import nn
 
 from autofit.capture.depth import Blocks, find_blocks
 from autofit.capture.rows import smallest_rows
+from autofit.capture.user_hooks import restores_user_hooks
 from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks
 from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Layout, Options, Precision
 from autofit.core.errors import require_int
+from autofit.core.rng import keeps_user_rng
 from autofit.features import OPT_IN
 from autofit.features.float8 import as_float8, require_fp8
 from autofit.training.loss import LossFn
@@ -164,6 +166,11 @@ class PlanRequest:
         return total
 
 
+# make_request runs the user's forward (at one row on a fake copy, Note [micro-batches a model refuses]), so it keeps
+# what an entry point keeps; plan_with_analysis keeps them through the planning, so plan, the two in turn, keeps them
+# throughout
+@keeps_user_rng  # Note [the user's random state]
+@restores_user_hooks  # Note [user hooks]
 def make_request(
     model: Any, sample: Any, budget: int | str, *, options: Options = Options(), batch_size: int | None = None,
     target: Any = None, loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
