@@ -188,8 +188,8 @@ class Search:
     # 8 blocks; False: every simulation runs the whole model
     extrapolate_depth: bool | str = "auto"
     # also search the halving micro-batches for the front (one checkpoint MILP each) and skip the quick path (Note
-    # [the quick path]); None: the function's own default, False for plan and True for plan_with_analysis (the
-    # CLI's front)
+    # [the quick path]); None: the caller's default, False for plan and True for a request made by make_request
+    # (the CLI's front)
     alternatives: bool | None = None
     # True: after choosing its configuration the planner tabulates the rows per micro-batch that fit at 1/2, 1/4
     # and 1/8 of the sample's length, a dozen full estimates (Note [rows by length], autofit/solve/lengths.py), for
@@ -282,6 +282,12 @@ class Options:
     layout: Layout = Layout()
     search: Search = Search()
     batch_dim: BatchDim = BatchDim()
+
+    @classmethod
+    def of(cls, **keywords: Any) -> Options:
+        """``plan``'s option keywords as it reads them (shortcuts, old flat keywords), for make_request's callers."""
+        given = {group: keywords.pop(group) for group in PLAN_GROUPS if group in keywords}
+        return cls(**gather("plan", given, keywords))
 
 
 def _option(cls: type, keyword: str, value: Any, shortcut: Callable[[Any], Any], shortcuts: str) -> Any:
@@ -398,7 +404,7 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "tensor_parallel": ("layout", "tensor_parallel"),
     "tensor_parallel_plan": ("layout", "tensor_parallel_plan"),
     "extrapolate_depth": ("search", "extrapolate_depth"),
-    "alternatives": ("search", "alternatives"),  # plan_with_analysis's
+    "alternatives": ("search", "alternatives"),  # plan_with_analysis's, before it took a request
     "shared": ("batch_dim", "shared"),
 }
 

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from autofit.capture.user_hooks import restores_user_hooks
+from autofit.capture.user_hooks import user_hooks_restored
+from autofit.core._torch_interrupts import interrupts_at_safe_points
 from autofit.core.rng import keeps_user_rng
 from autofit.features import OPT_IN
 from autofit.analyse.table import Analysis
@@ -31,7 +32,7 @@ from autofit.training.loss import LossFn
 from autofit.training.batch import naming_inputs
 from autofit.validate import as_inputs
 from autofit.emit.plan import Plan
-from autofit.options import BatchDim, Device, Layout, Precision, Savers, Search, gather
+from autofit.options import BatchDim, Device, Layout, Options, Precision, Savers, Search, gather
 from autofit.request import PlanRequest, make_request
 from autofit.core.units import format_bytes
 from autofit.planning.race import plan_layouts
@@ -81,38 +82,29 @@ def plan(
 
     The old flat keywords (``gpu=``, ``world_size=``, ``checkpoint=``, ``shared=``, ...) still work, with a
     ``FutureWarning`` naming the new spelling (Note [flat keywords], autofit/options.py)."""
-    options = gather("plan", dict(device=device, precision=precision, savers=savers, layout=layout, search=search,
-                                  batch_dim=batch_dim), deprecated)
-    options["search"] = replace(options["search"], alternatives=bool(options["search"].alternatives))
-    rows = options["batch_dim"]
-    with naming_inputs(lambda: as_inputs(sample, target, batch_dim=rows)[0]):  # Note [the batch dimension]
-        return plan_with_analysis(
-            model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn, optimizer=optimizer,
-            clip_grad_norm=clip_grad_norm, **options,
-        )[0]
+    options = Options(**gather("plan", dict(device=device, precision=precision, savers=savers, layout=layout,
+                                            search=search, batch_dim=batch_dim), deprecated))
+    # plan keeps no front: its None is False, and the request takes the quick path first (Note [the quick path])
+    options = replace(options, search=replace(options.search, alternatives=bool(options.search.alternatives)))
+    with naming_inputs(lambda: as_inputs(sample, target, batch_dim=options.batch_dim)[0]):  # Note [the batch dimension]
+        request = make_request(model, sample, budget, options=options, batch_size=batch_size, target=target,
+                               loss_fn=loss_fn, optimizer=optimizer, clip_grad_norm=clip_grad_norm)
+        return plan_with_analysis(request)[0]
 
 
 @keeps_user_rng  # Note [the user's random state]
-@restores_user_hooks  # Note [user hooks]
-def plan_with_analysis(
-    model: nn.Module, sample: Any, budget: int | str = "8GB", *, batch_size: int | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
-    batch_dim: BatchDim | int | tuple[int, int] = 0,
-    device: Device | str = "cuda", precision: Precision | Any = "auto", savers: Savers | str | None = None,
-    layout: Layout | int | None = None, search: Search | str | None = None, **deprecated: Any,
-) -> tuple[Plan, dict[str, Analysis]]:
-    """:func:`plan`, also returning the analysis of each precision considered (the CLI shows its layer table).
+def plan_with_analysis(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
+    """The plan of a request already made (:func:`autofit.request.make_request`), with the analysis of each
+    precision considered (the CLI shows its layer table).
 
-    With ``Search(alternatives=False)`` (what :func:`plan` runs) the planner first checks the fastest configuration
-    the time model allows (see Note [the quick path]) and skips the analysis when it fits; the plan then has no
-    front and no analyses. Otherwise (the default here) its front also holds the halving micro-batches (a
-    checkpoint MILP each). The old ``alternatives=`` keyword is ``search=Search(alternatives=...)``."""
-    options = gather("plan_with_analysis", dict(device=device, precision=precision, savers=savers, layout=layout,
-                                                search=search, batch_dim=batch_dim), deprecated)
-    alternatives = options["search"].alternatives
-    request = make_request(model, sample, budget, batch_size=batch_size, target=target, loss_fn=loss_fn,
-                           optimizer=optimizer, clip_grad_norm=clip_grad_norm, quick=alternatives is False, **options)
-    return _with_speed_rungs(request, plan_layouts)
+    A request whose options say ``Search(alternatives=False)`` (what :func:`plan` makes) is first checked at the
+    fastest configuration the time model allows (see Note [the quick path]), and the analysis is skipped when it
+    fits; the plan then has no front and no analyses. Otherwise (``None``, the default, or True) its front also holds
+    the halving micro-batches (a checkpoint MILP each)."""
+    # what restores_user_hooks does for an entry point whose first argument is the model (Note [user hooks]), for
+    # the model the request holds; make_request, which made it, keeps them too
+    with interrupts_at_safe_points(), user_hooks_restored(request.model):
+        return _with_speed_rungs(request, plan_layouts)
 
 
 # Note [speed rungs]

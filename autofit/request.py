@@ -13,11 +13,13 @@ from torch import nn
 
 from autofit.capture.depth import Blocks, find_blocks
 from autofit.capture.rows import smallest_rows
+from autofit.capture.user_hooks import restores_user_hooks
 from autofit.training.batch import Batch
 from autofit.training.chunked_loss import LossChunks
 from autofit.device import DeviceTarget, resolve_device
-from autofit.options import BatchDim, Device, Layout, Options, Precision, Savers, Search, gather
+from autofit.options import Layout, Options, Precision
 from autofit.core.errors import require_int
+from autofit.core.rng import keeps_user_rng
 from autofit.features import OPT_IN
 from autofit.features.float8 import as_float8, require_fp8
 from autofit.training.loss import LossFn
@@ -164,17 +166,18 @@ class PlanRequest:
         return total
 
 
+# make_request runs the user's forward (at one row on a fake copy, Note [micro-batches a model refuses]), so it keeps
+# what an entry point keeps; plan_with_analysis keeps them through the planning, so plan, the two in turn, keeps them
+# throughout
+@keeps_user_rng  # Note [the user's random state]
+@restores_user_hooks  # Note [user hooks]
 def make_request(
-    model: Any, sample: Any, budget: int | str, *, batch_size: int | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
-    batch_dim: BatchDim | int | tuple[int, int] = 0, quick: bool = True, device: Device | str = "cuda",
-    precision: Precision | Any = "auto", savers: Savers | str | None = None, layout: Layout | int | None = None,
-    search: Search | str | None = None, **deprecated: Any,
+    model: Any, sample: Any, budget: int | str, *, options: Options = Options(), batch_size: int | None = None,
+    target: Any = None, loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
 ) -> PlanRequest:
-    """The request of a ``plan`` call (its keywords, autofit/planner.py), validated and resolved once. ``quick``:
-    try the quick path first (Note [the quick path])."""
-    options = Options(**gather("make_request", dict(device=device, precision=precision, savers=savers, layout=layout,
-                                                    search=search, batch_dim=batch_dim), deprecated))
+    """The request of a ``plan`` call (its keywords, autofit/planner.py), validated and resolved once. ``options``:
+    its option values gathered (``Options.of`` reads them as ``plan`` takes them, shortcuts and old flat keywords
+    included)."""
     d, s = options.device, options.savers
     import_lazy_modules()  # Note [lazy imports and Ctrl-C]
     model = check_model(model)
@@ -213,7 +216,10 @@ def make_request(
     return PlanRequest(
         model=model, batch=batch, target=target_batch, min_rows=min_rows, loss_fn=loss_fn, device=target_device,
         budget_bytes=budget_bytes, margin_bytes=margin_bytes, batch_size=batch_size, optimizer=spec,
-        fixed_checkpoint=fixed_checkpoint(model, s.checkpoint), quick=quick,
+        fixed_checkpoint=fixed_checkpoint(model, s.checkpoint),
+        # the quick path only where the caller said no alternatives: plan() turns its None into False first, while
+        # a request made with None (the CLI's, plan_with_analysis's callers) searches the front (Note [the quick path])
+        quick=options.search.alternatives is False,
         fixed_policies=fixed_policies(s.checkpoint),
         # validated by the step's own rules (StepConfig), before any simulation
         clip_grad_norm=make_step_config(micro_batch_size=1, clip_grad_norm=clip_grad_norm).clip_grad_norm,

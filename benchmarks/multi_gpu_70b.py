@@ -55,13 +55,15 @@ def _arguments(ids, nodes: int, per_node: int, batch: int, host_budget: str | No
 def check_depth(model, ids, plan, nodes: int, per_node: int, batch: int, host_budget: str) -> None:
     """The plan's step simulated with all its blocks, beside the figures the plan carried from cut models (Note
     [segment figures in depth], autofit/solve/extrapolate.py)."""
+    from autofit.options import Options
     from autofit.request import make_request
     from autofit.solve.estimator import Estimator
     from autofit.solve.candidate import Candidate
 
-    request = make_request(model, ids, "80GB", optimizer="adamw", precision="auto", quick=False, loss_fn=None,
-                           savers=autofit.Savers(checkpoint="auto"), **_arguments(ids, nodes, per_node, batch,
-                                                                                    host_budget))
+    arguments = _arguments(ids, nodes, per_node, batch, host_budget)
+    options = Options.of(precision="auto", savers=autofit.Savers(checkpoint="auto"), device=arguments.pop("device"),
+                         layout=arguments.pop("layout"))
+    request = make_request(model, ids, "80GB", options=options, optimizer="adamw", loss_fn=None, **arguments)
     parallel = dataclasses.replace(plan.parallel, tensor_parallel=1, tensor_plan=())  # its data-parallel layout
     estimator = Estimator(request.for_layout(parallel), parallel)
     c = Candidate(precision=plan.precision.label, micro_batch_size=plan.micro_batch_size,

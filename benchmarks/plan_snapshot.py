@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 import autofit  # noqa: E402
 from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
+from autofit.options import Options  # noqa: E402
 from autofit.planner import plan_with_analysis  # noqa: E402
+from autofit.request import make_request  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 GiB = 2**30
@@ -68,8 +70,9 @@ def _zoo_cases(only: set[str] | None = None):
                 half = (least + roomy["plan"]["device_bytes"]) // 2
                 yield f"{name}/{where}/half", _record(lambda: run(half))
                 case = ZOO[name]()
-                yield f"{name}/{where}/half-alternatives", _record(lambda: plan_with_analysis(
-                    case.model, case.sample, half, batch_size=16, target=case.target, loss_fn=case.loss_fn, **kw)[0])
+                yield f"{name}/{where}/half-alternatives", _record(lambda: plan_with_analysis(make_request(
+                    case.model, case.sample, half, options=Options.of(**kw), batch_size=16, target=case.target,
+                    loss_fn=case.loss_fn))[0])
 
 
 def _meta_llama(**overrides):

@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import autofit  # noqa: E402
 from autofit.device import resolve_device  # noqa: E402
+from autofit.options import Options  # noqa: E402
 from autofit.planner import plan_with_analysis  # noqa: E402
+from autofit.request import make_request  # noqa: E402
 from autofit.solve.time_model import build_time_model  # noqa: E402
 from benchmarks.llama import Llama, LlamaConfig  # noqa: E402
 
@@ -70,8 +72,8 @@ def main() -> None:
     ids = torch.zeros(ROWS, LENGTH, dtype=torch.long, device="meta")
     full = autofit.estimate(model, ids, target=ids, step=ROWS, precision="bf16", device=GPU)
     budget = full.device_bytes // 4
-    plan, analyses = plan_with_analysis(model, ids, budget, target=ids, device=GPU,
-                                        search=autofit.Search(variable_length=True))
+    plan, analyses = plan_with_analysis(make_request(
+        model, ids, budget, options=Options.of(device=GPU, search=autofit.Search(variable_length=True)), target=ids))
     analysis = analyses[plan.precision.name]
     time_model = build_time_model(analysis.ops, analysis.table.row("").param_bytes, resolve_device("cuda", GPU))
     print(f"{CONFIG.num_layers} x {CONFIG.hidden_size} decoder, batch {ROWS} x {LENGTH}, {GPU}, budget "

@@ -133,13 +133,15 @@ def test_a_reduced_isa_gets_the_same_typed_error() -> None:
 _AUTO_ON_CPU = """
     import json
     import autofit
+    from autofit.options import Options
     from autofit.request import make_request
     from zoo import ZOO
     case = ZOO["lstm"]()
-    kw = dict(batch_size=8, target=case.target, loss_fn=case.loss_fn, optimizer="sgd", device="cpu")
-    request = make_request(case.model, case.sample, 10**10, precision="auto", savers=autofit.Savers(checkpoint="auto"),
-                           layout=autofit.Layout(world_size=1, strategy=None), quick=True, **kw)
-    plan = autofit.plan(case.model, case.sample, 10**10, **kw)
+    kw = dict(batch_size=8, target=case.target, loss_fn=case.loss_fn, optimizer="sgd")
+    options = Options.of(precision="auto", savers=autofit.Savers(checkpoint="auto"), device="cpu",
+                         layout=autofit.Layout(world_size=1, strategy=None), search=autofit.Search(alternatives=False))
+    request = make_request(case.model, case.sample, 10**10, options=options, **kw)
+    plan = autofit.plan(case.model, case.sample, 10**10, device="cpu", **kw)
     print(json.dumps([[p.name for p in request.policies], plan.precision.name, list(plan.notes)]))
 """
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import autofit
 from autofit.capture.depth import Blocks, find_blocks, period_of, truncated
 from autofit.analyse.analyse import op_costs
+from autofit.options import Options
 from autofit.request import make_request
 from autofit.solve.candidate import Candidate
 from autofit.solve.estimator import Estimator
@@ -53,12 +54,12 @@ def _ids() -> torch.Tensor:
 
 def _estimator(model, device="cpu", extrapolate=True, world_size=1, strategy=None, precision="fp32"):
     ids = _ids()
-    request = make_request(model, ids, "80GB" if device == "cuda" else "1GB", batch_size=2 * world_size,
-                           target=ids, loss_fn=_loss, optimizer="adamw", precision=precision,
-                           savers=autofit.Savers(checkpoint="auto"),
-                           device=autofit.Device(kind=device, gpu="H100-80GB" if device == "cuda" else None),
-                           layout=autofit.Layout(world_size=world_size, strategy=strategy), quick=False,
-                           search=autofit.Search(extrapolate_depth=extrapolate))
+    options = Options.of(precision=precision, savers=autofit.Savers(checkpoint="auto"),
+                         device=autofit.Device(kind=device, gpu="H100-80GB" if device == "cuda" else None),
+                         layout=autofit.Layout(world_size=world_size, strategy=strategy),
+                         search=autofit.Search(extrapolate_depth=extrapolate))
+    request = make_request(model, ids, "80GB" if device == "cuda" else "1GB", options=options,
+                           batch_size=2 * world_size, target=ids, loss_fn=_loss, optimizer="adamw")
     return Estimator(request, layouts(request, strategy)[0])
 
 
@@ -283,10 +284,11 @@ def test_extended_fsdp2_analysis_prices_every_step_as_the_whole_analysis():
     blocks = tuple(f"model.layers.{i}" for i in range(8))
     memory = {}
     for extrapolate in (True, False):
-        request = make_request(model, {"input_ids": ids, "labels": ids}, "80GB", batch_size=32, optimizer="adamw",
-                               precision="bf16", savers=autofit.Savers(checkpoint="auto"), device="A100-80GB",
-                               layout=autofit.Layout(world_size=8, strategy="fsdp2"),
-                               quick=False, search=autofit.Search(extrapolate_depth=extrapolate))
+        options = Options.of(precision="bf16", savers=autofit.Savers(checkpoint="auto"), device="A100-80GB",
+                             layout=autofit.Layout(world_size=8, strategy="fsdp2"),
+                             search=autofit.Search(extrapolate_depth=extrapolate))
+        request = make_request(model, {"input_ids": ids, "labels": ids}, "80GB", options=options, batch_size=32,
+                               optimizer="adamw")
         parallel, policy = layouts(request, "fsdp2")[0], request.policies[0]
         analysis = analyse_policies(request, parallel, (policy,), {})
         memory[extrapolate] = search_space(request, parallel, (policy,), analysis).memory[policy.label]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import autofit
+from autofit.options import Options
 from autofit.request import make_request
 from autofit.simulate.depth import extend_checked
 from autofit.simulate.timeline import replay
@@ -37,11 +38,11 @@ def _estimator(world_size: int = 1, strategy: str | None = None) -> Estimator:
     with torch.device("meta"):
         model = Llama(CFG)
     ids = torch.zeros(2, CFG.max_seq_len, dtype=torch.long)
-    request = make_request(model, ids, "80GB", batch_size=2 * world_size, target=ids, loss_fn=_loss,
-                           optimizer="adamw", precision="bf16", savers=autofit.Savers(checkpoint="auto"),
-                           device="H100-80GB",
-                           layout=autofit.Layout(world_size=world_size, strategy=strategy), quick=False,
-                           search=autofit.Search(extrapolate_depth=True))
+    options = Options.of(precision="bf16", savers=autofit.Savers(checkpoint="auto"), device="H100-80GB",
+                         layout=autofit.Layout(world_size=world_size, strategy=strategy),
+                         search=autofit.Search(extrapolate_depth=True))
+    request = make_request(model, ids, "80GB", options=options, batch_size=2 * world_size, target=ids, loss_fn=_loss,
+                           optimizer="adamw")
     return Estimator(request, layouts(request, strategy)[0])
 
 

@@ -42,6 +42,7 @@ def test_the_gpus_that_keep_the_states_on_them_by_hand():
     """``gpus_for_states``: AdamW in fp32 keeps 16 bytes per parameter (parameter, gradient, two moments); ZeRO-3
     keeps nothing gathered between forward and backward, so with a budget of B bytes the states fit on each of N GPUs
     from N = ceil(16 n / B)."""
+    from autofit.options import Options
     from autofit.request import make_request
     from autofit.solve.ladder import gpus_for_states, ladder
     from autofit.parallel.choices import layouts
@@ -50,9 +51,10 @@ def test_the_gpus_that_keep_the_states_on_them_by_hand():
     n = sum(p.numel() for p in model.parameters())
     x, y = _data(8)
     for budget in (16 * n // 3, 16 * n // 5 + 1):
-        request = make_request(model, x, budget, target=y, device=autofit.Device(gpu="T4", margin=0),
-                               precision="fp32", layout=autofit.Layout(world_size=2, strategy="fsdp2",
-                                                                      reshard_after_forward=True))
+        options = Options.of(device=autofit.Device(gpu="T4", margin=0), precision="fp32",
+                             layout=autofit.Layout(world_size=2, strategy="fsdp2", reshard_after_forward=True),
+                             search=autofit.Search(alternatives=False))
+        request = make_request(model, x, budget, options=options, target=y)
         (parallel,) = layouts(request, "fsdp2")
         expected = -(-16 * n // request.fit_bytes)
         assert gpus_for_states(request, ladder(request, parallel)) == max(2, expected)

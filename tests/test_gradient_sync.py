@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 import autofit
+from autofit.options import Options
 from autofit.request import Parallel, make_request
 from autofit.solve.ladder import ladder
 from autofit.parallel.choices import shard_units
@@ -19,11 +20,10 @@ MiB = 2**20
 
 def _request(strategy, world_size=8, batch_size=64):
     case = wide_blocks("meta")
-    return case, make_request(case.model, case.sample, "1GB", batch_size=batch_size, target=case.target,
-                              loss_fn=case.loss_fn, optimizer="adamw", precision="fp32",
-                              savers=autofit.Savers(checkpoint="auto"),
-                              device="cpu",
-                              layout=autofit.Layout(world_size=world_size, strategy=strategy), quick=False)
+    options = Options.of(precision="fp32", savers=autofit.Savers(checkpoint="auto"), device="cpu",
+                         layout=autofit.Layout(world_size=world_size, strategy=strategy))
+    return case, make_request(case.model, case.sample, "1GB", options=options, batch_size=batch_size,
+                              target=case.target, loss_fn=case.loss_fn, optimizer="adamw")
 
 
 def test_the_ladder_reduces_every_micro_batch_next_for_fsdp2_only():

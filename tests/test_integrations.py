@@ -18,32 +18,36 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 import autofit
 from autofit.core.errors import InvalidInputError
 from autofit.emit.export import to_hf_training_arguments
+from autofit.options import Options
 from autofit.planner import plan_with_analysis
+from autofit.request import make_request
 
 ROWS, SEQ, BATCH = 16, 16, 8
 
 
-def _accumulating_plan(model, sample, **kw) -> autofit.Plan:
+def _accumulating_plan(model, sample, precision, **kw) -> autofit.Plan:
     """A plan that accumulates and checkpoints: the budget lies between the peaks of the two largest front entries
     that accumulate, so the larger of them fits only with some of its activations recomputed."""
-    full, _ = plan_with_analysis(model, sample, "4GB", batch_size=BATCH, device="cpu", **kw)
+    options = Options.of(device="cpu", precision=precision)
+    full, _ = plan_with_analysis(make_request(model, sample, "4GB", options=options, batch_size=BATCH, **kw))
     smaller = sorted((alt.peak_bytes for alt in full.frontier if alt.micro_batch_size < BATCH), reverse=True)
     assert len(smaller) >= 2, "the front should offer smaller micro-batches"
-    plan = autofit.plan(model, sample, (smaller[0] + smaller[1]) // 2, batch_size=BATCH, device="cpu", **kw)
+    plan = autofit.plan(model, sample, (smaller[0] + smaller[1]) // 2, batch_size=BATCH, device="cpu",
+                        precision=precision, **kw)
     assert plan.gradient_accumulation_steps > 1 and plan.checkpoint
     return plan
 
 
-def _half_batch_plan(model, sample, checkpoint: tuple[str, ...], **kw) -> autofit.Plan:
+def _half_batch_plan(model, sample, checkpoint: tuple[str, ...], precision, **kw) -> autofit.Plan:
     """A plan of two micro-batches of BATCH // 2 with the given modules checkpointed (Lightning's DataLoader cannot
     split a batch unevenly): the budget is that configuration's modelled peak on the front plus a quarter of a row
     (the front is modelled; the plan's peak is verified by a simulation, so the budget needs a little room)."""
-    full, _ = plan_with_analysis(model, sample, "4GB", batch_size=BATCH, device="cpu",
-                                 savers=autofit.Savers(checkpoint=checkpoint), **kw)
+    options = Options.of(device="cpu", precision=precision, savers=autofit.Savers(checkpoint=checkpoint))
+    full, _ = plan_with_analysis(make_request(model, sample, "4GB", options=options, batch_size=BATCH, **kw))
     peak = {alt.micro_batch_size: alt.peak_bytes for alt in full.frontier}
     assert BATCH // 2 in peak and BATCH in peak, "the front should offer the whole batch and half of it"
     budget = peak[BATCH // 2] + (peak[BATCH] - peak[BATCH // 2]) // (4 * (BATCH - BATCH // 2))
-    plan = autofit.plan(model, sample, budget, batch_size=BATCH, device="cpu",
+    plan = autofit.plan(model, sample, budget, batch_size=BATCH, device="cpu", precision=precision,
                         savers=autofit.Savers(checkpoint=checkpoint), **kw)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.checkpoint) == (BATCH // 2, 2, checkpoint)
     return plan

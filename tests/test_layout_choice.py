@@ -95,12 +95,14 @@ def test_auto_layouts_across_nodes():
     assert fsdp2_layouts(32, "fsdp2", 8, "auto", "auto") == (8, (True, False, 8), (1, 4))
     assert fsdp2_layouts(8, "fsdp2", None, "auto", "auto") == (8, (True, False), (1,))
     case = ZOO["gpt_sdpa"]()
+    from autofit.options import Options
     from autofit.request import make_request
 
-    request = make_request(case.model, case.sample, "1GB", batch_size=32, target=case.target, loss_fn=case.loss_fn,
-                           optimizer="adamw", precision="auto", savers=autofit.Savers(checkpoint="auto"),
-                           device="cpu",
-                           layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2"), quick=True)
+    options = Options.of(precision="auto", savers=autofit.Savers(checkpoint="auto"), device="cpu",
+                         layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2"),
+                         search=autofit.Search(alternatives=False))
+    request = make_request(case.model, case.sample, "1GB", options=options, batch_size=32, target=case.target,
+                           loss_fn=case.loss_fn, optimizer="adamw")
     labels = [p.label for p in layouts(request, "fsdp2")]
     assert labels == ["fsdp2 (ZeRO-3) over 32 ranks", "fsdp2 (ZeRO-2) over 32 ranks",
                       "fsdp2 (resharded to 8) over 32 ranks", "hsdp 4 x 8 (ZeRO-3)", "hsdp 4 x 8 (ZeRO-2)"]
@@ -150,17 +152,19 @@ def test_tensor_parallel_layouts_have_no_int_reshard():
     reshard_after_forward on tensor-parallel (DTensor) weights (torch 2.13, ``FSDPParam.to_sharded_post_forward``
     raises "Resharding to smaller mesh is not supported for DTensor parameters yet"), which a 405B plan learned by
     analysing three such layouts."""
+    from autofit.options import Options
     from autofit.request import make_request
     from autofit.parallel.choices import layouts
     from sharded_models import wide_blocks
 
     case = wide_blocks("meta")
     mapping = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
-    request = make_request(case.model, case.sample, "1GB", batch_size=32, target=case.target, loss_fn=case.loss_fn,
-                           optimizer="adamw", precision="auto", savers=autofit.Savers(checkpoint="auto"),
-                           device="cpu", quick=True,
-                           layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2",
-                                                 tensor_parallel="auto", tensor_parallel_plan=mapping))
+    options = Options.of(precision="auto", savers=autofit.Savers(checkpoint="auto"), device="cpu",
+                         layout=autofit.Layout(world_size=32, gpus_per_node=8, strategy="fsdp2",
+                                               tensor_parallel="auto", tensor_parallel_plan=mapping),
+                         search=autofit.Search(alternatives=False))
+    request = make_request(case.model, case.sample, "1GB", options=options, batch_size=32, target=case.target,
+                           loss_fn=case.loss_fn, optimizer="adamw")
     found = layouts(request, "fsdp2")
     split = [p for p in found if p.tensor_parallel > 1]
     assert {p.tensor_parallel for p in split} == {2, 4, 8}
@@ -176,18 +180,19 @@ def _two_linears_over(world: int, per_node: int, reshard, min_stored=None):
     import torch
     from torch import nn
 
+    from autofit.options import Options
     from autofit.planning.climb import Climb
     from autofit.request import make_request
     from autofit.parallel.choices import layouts
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
-    request = make_request(model, torch.zeros(8, 1024, device="meta"), "8GB", batch_size=8 * world,
-                           loss_fn=lambda out: out.sum(), optimizer="adamw",
-                           precision=autofit.Precision(compute="auto", min_stored=min_stored),
-                           savers=autofit.Savers(checkpoint="auto"), device="A100-80GB", quick=False,
-                           layout=autofit.Layout(world_size=world, gpus_per_node=per_node, strategy="fsdp2",
-                                                 reshard_after_forward=reshard, replicate=1))
+    options = Options.of(precision=autofit.Precision(compute="auto", min_stored=min_stored),
+                         savers=autofit.Savers(checkpoint="auto"), device="A100-80GB",
+                         layout=autofit.Layout(world_size=world, gpus_per_node=per_node, strategy="fsdp2",
+                                               reshard_after_forward=reshard, replicate=1))
+    request = make_request(model, torch.zeros(8, 1024, device="meta"), "8GB", options=options, batch_size=8 * world,
+                           loss_fn=lambda out: out.sum(), optimizer="adamw")
     (parallel,) = layouts(request, "fsdp2")
     return request, Climb.of(request, parallel)
 

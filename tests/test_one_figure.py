@@ -13,7 +13,9 @@ from torch import nn
 
 import autofit
 from autofit.core.units import format_mib
+from autofit.options import Options
 from autofit.planner import plan_with_analysis
+from autofit.request import make_request
 
 
 def _chosen_rows(plan: autofit.Plan) -> list:
@@ -42,10 +44,10 @@ def test_the_front_row_of_the_chosen_configuration_is_the_plans_figure_and_its_e
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
     sample, target = torch.randn(16, 3, 32, 32), torch.randint(0, 4, (16,))
-    kw = dict(batch_size=16, target=target, loss_fn=nn.CrossEntropyLoss(), optimizer="adamw", precision="fp32",
-              device="cpu")
-    whole, _ = plan_with_analysis(model, sample, "1GB", **kw)
-    plan, _ = plan_with_analysis(model, sample, int(whole.device_bytes * share), **kw)
+    kw = dict(options=Options.of(precision="fp32", device="cpu"), batch_size=16, target=target,
+              loss_fn=nn.CrossEntropyLoss(), optimizer="adamw")
+    whole, _ = plan_with_analysis(make_request(model, sample, "1GB", **kw))
+    plan, _ = plan_with_analysis(make_request(model, sample, int(whole.device_bytes * share), **kw))
     if share < 1.0:
         assert plan.gradient_accumulation_steps > 1
     assert [a.peak_bytes for a in _chosen_rows(plan)] == [plan.device_bytes]

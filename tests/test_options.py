@@ -157,7 +157,7 @@ def _request(**kwargs):
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        request = make_request(model, x, "1GB", batch_size=8, target=y, **kwargs)
+        request = make_request(model, x, "1GB", options=Options.of(**kwargs), batch_size=8, target=y)
     return {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
             if f.name not in ("model", "batch", "target", "options")}
 

@@ -23,6 +23,7 @@ from autofit.core.errors import ForwardError
 from autofit.parallel.layout import Parallel
 from autofit.solve.space import analyse_policies as _analyse
 from autofit.solve.space import search_space as _search_space
+from autofit.options import Options
 from autofit.request import make_request
 from autofit.solve.lengths import first_guesses, rows_by_length
 from autofit.solve.candidate import evaluate, batch_options
@@ -178,10 +179,10 @@ def test_a_refused_fork_plans_in_this_process_with_one_warning(monkeypatch, two_
     from autofit.planner import plan_with_analysis
 
     case = ZOO["gpt_sdpa"]()
-    kw = dict(batch_size=8, target=case.target, loss_fn=case.loss_fn,
-              device=autofit.Device(gpu="A100-80GB"))
+    kw = dict(options=Options.of(device=autofit.Device(gpu="A100-80GB")), batch_size=8, target=case.target,
+              loss_fn=case.loss_fn)
     monkeypatch.setenv(workers.ENV, "1")
-    here, _ = plan_with_analysis(case.model, case.sample, "40GB", **kw)
+    here, _ = plan_with_analysis(make_request(case.model, case.sample, "40GB", **kw))
     monkeypatch.setenv(workers.ENV, "2")
     monkeypatch.setattr(workers, "_fork_refused", False)
     tried = []
@@ -192,7 +193,7 @@ def test_a_refused_fork_plans_in_this_process_with_one_warning(monkeypatch, two_
 
     monkeypatch.setattr(os, "fork", refuse)
     with pytest.warns(RuntimeWarning, match=r"could not start a worker process \(Cannot allocate memory\)") as seen:
-        there, _ = plan_with_analysis(case.model, case.sample, "40GB", **kw)
+        there, _ = plan_with_analysis(make_request(case.model, case.sample, "40GB", **kw))
     assert tried == [1], "a refused fork is not tried again"
     assert len([w for w in seen if "worker process" in str(w.message)]) == 1
     assert there.to_json() == here.to_json()
@@ -202,11 +203,12 @@ def test_a_refused_fork_plans_in_this_process_with_one_warning(monkeypatch, two_
 # ---- simulations in workers equal simulations here ---------------------------------------------------------------
 def _request(name, device="cuda", **kw):
     case = ZOO[name]()
-    kw = dict(batch_size=32, optimizer="adamw", precision="auto", savers=autofit.Savers(checkpoint="auto"),
-              layout=autofit.Layout(world_size=1, strategy=None), quick=True, **kw)
     # a request, not a plan: any budget; 1 TB is over an A100's memory, which make_request refuses unless told
     device = autofit.Device(kind=device, gpu="A100-80GB" if device == "cuda" else None, allow_over_capacity=True)
-    return make_request(case.model, case.sample, "1TB", target=case.target, loss_fn=case.loss_fn, device=device, **kw)
+    options = Options.of(precision="auto", savers=autofit.Savers(checkpoint="auto"), device=device,
+                         layout=autofit.Layout(world_size=1, strategy=None), search=autofit.Search(alternatives=False))
+    return make_request(case.model, case.sample, "1TB", options=options, batch_size=32, optimizer="adamw",
+                        target=case.target, loss_fn=case.loss_fn, **kw)
 
 
 def _analysis(request, policy):

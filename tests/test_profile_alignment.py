@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autofit
+from autofit.options import Options
 from autofit.request import make_request
 from autofit.simulate.run import simulate_step
 from autofit.parallel.layout import Parallel
@@ -46,10 +47,11 @@ def test_fsdp2_memory_model_equals_the_full_simulation_after_other_estimates():
     end) and its memory model priced micro-batch 1 x 4 at 2,329,984 B against the simulation's 2,400,320 B."""
     model = _llama()
     ids = torch.randint(0, 500, (1, 16))
-    request = make_request(model, ids, "1TB", batch_size=8, target=ids,
-                           layout=autofit.Layout(world_size=2, strategy="fsdp2"), loss_fn=None,
-                           optimizer="adamw", precision="fp32", savers=autofit.Savers(checkpoint="auto"),
-                           device="cpu", quick=True)
+    options = Options.of(layout=autofit.Layout(world_size=2, strategy="fsdp2"), precision="fp32",
+                         savers=autofit.Savers(checkpoint="auto"), device="cpu",
+                         search=autofit.Search(alternatives=False))
+    request = make_request(model, ids, "1TB", options=options, batch_size=8, target=ids, loss_fn=None,
+                           optimizer="adamw")
     label = request.policies[0].label
     layouts = [Parallel(strategy="fsdp2", world_size=2, shard_units=shard_units(model), reduce_every_micro_batch=r)
                for r in (False, True)]
@@ -74,11 +76,11 @@ def test_an_accumulation_free_fsdp2_step_is_priced_from_the_layout_reducing_ever
     micro-batch never does, and reduce-scatters each unit's gradients through a padded copy, which that window never
     does. Priced from it, this step of 4 rows was 31,152,384 B against the simulation's 32,082,940 B (-2.9 %)."""
     case = wide_blocks()
-    request = make_request(case.model, case.sample, "1TB", batch_size=8, target=case.target,
-                           layout=autofit.Layout(world_size=2, strategy="fsdp2"),
-                           loss_fn=case.loss_fn, optimizer="adamw", precision="fp32",
-                           savers=autofit.Savers(checkpoint="auto"),
-                           device="cpu", quick=True)
+    options = Options.of(layout=autofit.Layout(world_size=2, strategy="fsdp2"), precision="fp32",
+                         savers=autofit.Savers(checkpoint="auto"), device="cpu",
+                         search=autofit.Search(alternatives=False))
+    request = make_request(case.model, case.sample, "1TB", options=options, batch_size=8, target=case.target,
+                           loss_fn=case.loss_fn, optimizer="adamw")
     label = request.policies[0].label
     parallel = Parallel(strategy="fsdp2", world_size=2, shard_units=shard_units(case.model))
     single = replace(parallel, reduce_every_micro_batch=True)

@@ -105,8 +105,9 @@ def plan(
         from autofit.cli.compare import check_compare_flags, render_rows, rows_json, several_cards
         from autofit.cli.estimate import sequence_option
         from autofit.cli.render import render_plan
-        from autofit.options import Device, Layout, Precision, Savers, Search
+        from autofit.options import Device, Layout, Options, Precision, Savers, Search
         from autofit.planner import plan_with_analysis
+        from autofit.request import make_request
 
         exports = parse_exports(export, EXPORT_NAMES)
         if plot is not None:
@@ -164,9 +165,9 @@ def plan(
                                **options)
         else:
             with planning_progress(console, quiet=quiet), one_line_warnings(console):
-                result, analyses = plan_with_analysis(
-                    spec.model, spec.sample, budget, batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn,
-                    optimizer=optimizer, batch_dim=dims, **options)
+                result, analyses = plan_with_analysis(make_request(
+                    spec.model, spec.sample, budget, options=Options.of(batch_dim=dims, **options),
+                    batch_size=batch_size, target=spec.target, loss_fn=spec.loss_fn, optimizer=optimizer))
     except InfeasibleBudgetError as e:
         _fail(console, _infeasible(e), EXIT_INFEASIBLE)
     except HostMemoryError as e:  # fits the GPU only with more host memory than allowed: infeasible too
