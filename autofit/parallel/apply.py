@@ -1,8 +1,9 @@
-"""How a parallel layout is applied to a model (DDP, FSDP2, HSDP, tensor parallel composed with FSDP2): each
-dimension through its ``apply`` and its ``micro_batch_context`` (autofit/parallel/dimension.py), and the one module
-that builds a device mesh and calls ``init_device_mesh``, ``fully_shard``, ``DistributedDataParallel`` and (through
-``tensor_parallel.apply_tensor_parallel``) ``parallelize_module``. The simulation (on a fake process group),
-``measure`` and the distributed trainer all lay a model out through it, so all three lay it out exactly alike (see
+"""How a parallel layout is applied to a model (DDP, FSDP2, HSDP, tensor parallel composed with FSDP2): the one
+module that builds a device mesh (``init_device_mesh``) and asks each dimension, in order, to apply itself and to
+give the context a micro-batch runs in (``Dimension.apply``, ``Dimension.micro_batch_context``,
+autofit/parallel/dimension.py), which call ``fully_shard``, ``DistributedDataParallel`` and ``parallelize_module``
+through autofit/parallel/wrappers.py and tensor_parallel.py. The simulation (on a fake process group), ``measure``
+and the distributed trainer all lay a model out through it, so all three lay it out exactly alike (see
 docs/multi-gpu.md)."""
 
 from __future__ import annotations
@@ -14,15 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from autofit.core._torch import unset_fake_temporarily
-from autofit.core.errors import UnsupportedModelError
 from autofit.parallel.dimension import ApplyInputs
 
 if TYPE_CHECKING:
     from autofit.parallel.layout import Parallel
 
-__all__ = ["apply_layout", "apply_fsdp2", "bitsandbytes_parameters", "device_mesh", "wrap_ddp",
-           "sub_meshes", "laid_out", "gradient_sync", "no_gradient_sync"]
+__all__ = ["apply_layout", "device_mesh", "laid_out", "gradient_sync"]
 
 
 def apply_layout(model: nn.Module, layout: Parallel, *, mesh=None, param_dtype: torch.dtype | None = None,
@@ -52,9 +50,9 @@ def laid_out(model: nn.Module, layout: Parallel, device_type: str, *, gradient_a
                         gradient_as_bucket_view=gradient_as_bucket_view)
 
 
-# The one place a mesh is built and a model wrapped in DDP: the simulation (on a fake process group,
-# parallel/simulated.py), measure (``laid_out``) and the distributed trainer (emit/distributed.py) all lay a model out
-# through this module, so a layout is applied one way wherever it runs.
+# The one place a mesh is built: the simulation (on a fake process group, parallel/simulated.py), measure
+# (``laid_out``) and the distributed trainer (emit/distributed.py) all lay a model out through this module, so a layout
+# is applied one way wherever it runs.
 def device_mesh(device_type: str, layout: Parallel):
     """The device mesh of ``layout`` over the default process group: one dim per dimension of degree > 1, named as
     the dimension, in mesh order (``Layout.mesh_shape``, ``Layout.mesh_names``, autofit/parallel/dimension.py):
@@ -65,14 +63,6 @@ def device_mesh(device_type: str, layout: Parallel):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, layout.layout.mesh_shape, mesh_dim_names=layout.layout.mesh_names)
-
-
-def wrap_ddp(model: nn.Module, gradient_as_bucket_view: bool, device_ids: list[int] | None = None) -> nn.Module:
-    """``model`` in DistributedDataParallel with the step's bucket mode (Note [DDP's bucket views],
-    parallel/simulated.py)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=gradient_as_bucket_view)
 
 
 @contextlib.contextmanager
@@ -87,69 +77,3 @@ def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool) -> Iterator
             stack.enter_context(placed.registry[placement.dimension].micro_batch_context(model, placed, placement,
                                                                                         last=last))
         yield
-
-
-@contextlib.contextmanager
-def no_gradient_sync(model: nn.Module):
-    """FSDP2's ``set_requires_gradient_sync(False)`` for the context's length: the reduce-scatter deferred."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype: torch.dtype | None, *,
-                offload: bool = False, pin_memory: bool = False,
-                reshard_after_forward: bool | int = True, tensor_parallel: bool = False) -> nn.Module:
-    """``fully_shard`` each unit, then the root (FSDP2's recommended order: leaves before parents). ``offload``:
-    FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory; Note [offload]).
-    ``tensor_parallel``: some parameters are already tensor-parallel DTensors (parallel/tensor_parallel.py); FSDP2
-    then shards them over ``mesh``, the 1-D "dp_shard" sub-mesh, into 2-D DTensors. ``reshard_after_forward``
-    applies to the units (True: ZeRO-3, False: ZeRO-2, an int: reshard to groups of that size); the root keeps torch's default, which does not reshard it (``FSDPState._lazy_init``: backward needs it at
-    once), as torchtitan's ``apply_fsdp`` does. ``mesh`` is 1-D (FSDP) or 2-D (replicate, shard): HSDP."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    quantized = bitsandbytes_parameters(model)
-    if quantized:
-        raise UnsupportedModelError(
-            f"FSDP2 cannot shard the {len(quantized)} bitsandbytes quantized weights of this model ({quantized[0]!r}"
-            f"{', ...' if len(quantized) > 1 else ''}): fully_shard turns each parameter into a plain nn.Parameter "
-            "DTensor (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharded_param), dropping Params4bit's "
-            "quant_state; Accelerate leaves such weights out of sharding (ignored_params, accelerate#3987), which "
-            "autofit does not simulate. Plan a 4-bit or 8-bit model on one process without the states on the host "
-            "(plan(savers=autofit.Savers(offload=False)), --no-offload; estimate without offload_states / "
-            "--offload-states)")
-    policy = MixedPrecisionPolicy(param_dtype=precision_dtype, reduce_dtype=torch.float32) \
-        if precision_dtype is not None else MixedPrecisionPolicy()
-    offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
-    # an int builds the smaller post-forward mesh from the mesh's rank tensor (``_get_post_forward_mesh_info`` calls
-    # ``tolist()``), and a tensor-parallel parameter's 2-D mesh is built from the two meshes' rank tensors
-    # (``FSDPParam._init_sharding_spec_tp``): under a simulation's fake mode those tensors must be read for real. The
-    # parameters stay fake: a fake tensor dispatches to its own mode whether or not one is active.
-    grouped = not isinstance(reshard_after_forward, bool) or tensor_parallel
-    for name in units:
-        with unset_fake_temporarily() if grouped else contextlib.nullcontext():
-            fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
-                        reshard_after_forward=reshard_after_forward)
-    with unset_fake_temporarily() if tensor_parallel else contextlib.nullcontext():
-        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
-    return model
-
-
-def bitsandbytes_parameters(model: nn.Module) -> list[str]:
-    """The names of ``model``'s bitsandbytes quantized weights (``Params4bit``, ``Int8Params``): parameter subclasses
-    whose metadata (the quantization state) FSDP2 does not carry through sharding. Found by their layers
-    (``Linear4bit``, ``Linear8bitLt``), which a simulation's fake copy of the model keeps."""
-    return [f"{name}.weight" for name, m in model.named_modules()
-            if type(m).__module__.split(".")[0] == "bitsandbytes" and getattr(m, "weight", None) is not None]
-
-
-def sub_meshes(mesh, tensor_parallel: int) -> tuple[object | None, object]:
-    """(the mesh FSDP2 shards over, or None when tensor parallel runs alone; the tensor-parallel mesh) of a mesh
-    :func:`device_mesh` laid out with ``tensor_parallel`` > 1. Slicing a mesh reads its rank tensor: done outside
-    any fake mode."""
-    with unset_fake_temporarily():
-        if mesh.mesh_dim_names == ("tp",):
-            return None, mesh
-        return mesh["dp_shard"], mesh["tp"]

@@ -74,10 +74,8 @@ from autofit.parallel.exports import FRAMEWORKS, ExportFragment, ExportInputs, m
 if TYPE_CHECKING:
     from torch import nn
 
-    from autofit.parallel.schedule import Schedule
-
 __all__ = ["Dimension", "ApplyInputs", "Placement", "Layout", "Registry", "enumerate_layouts", "StepKnobs", "RankWork",
-           "WorkInputs"]
+           "WorkInputs", "Schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +96,8 @@ class Placement:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ApplyInputs:
     """What a dimension reads where it is applied to a model (:meth:`Dimension.apply`) besides its placement: the
-    layout's device mesh (None where no dimension needs one: DDP runs over the default group), FSDP2's units, the
-    dtype FSDP2 gathers in (the step's autocast dtype; None: as stored), whether its host copies are pinned, DDP's
-    bucket mode and device ids."""
+    device mesh (None for DDP: the default group), FSDP2's units, the dtype it gathers in (the autocast dtype; None:
+    as stored), whether its host copies are pinned, DDP's bucket mode and device ids."""
 
     mesh: Any = None  # a torch DeviceMesh
     shard_units: tuple[str, ...] = ()
@@ -143,6 +140,19 @@ class StepKnobs(Protocol):
     clip_grad_norm: float | None
     gradient_as_bucket_view: bool
     precision: Any  # a PrecisionPolicy: ``stored``
+
+
+class Schedule(Protocol):
+    """What a schedule answers (Note [one schedule], autofit/parallel/schedule.py): ``Sequential``'s, and a
+    dimension's own (:meth:`Dimension.schedule`). ``layout``: the step's ``Parallel`` (layout.py imports this)."""
+
+    micro_batches: int
+    in_flight: int
+
+    def simulated(self, window: int) -> int: ...
+
+    def run(self, model: nn.Module, layout: Any, micro_batch: Callable[[int], Any], *, count: int | None = None,
+            sync: Callable[..., contextlib.AbstractContextManager[Any]] = ...) -> list[Any]: ...
 
 
 # Note [a dimension's share of memory]
@@ -227,8 +237,7 @@ class Dimension:
 
     def micro_batch_context(self, model: nn.Module, layout: Layout, placement: Placement, *, last: bool
                             ) -> contextlib.AbstractContextManager[Any]:
-        """The context one micro-batch of an accumulation window runs in on the laid-out ``model`` (``last``: the
-        window's last): nothing by default."""
+        """The context one micro-batch runs in on the laid-out ``model`` (``last``: the window's last): none."""
         return contextlib.nullcontext()
 
     def schedule(self, layout: Layout, placement: Placement, micro_batches: int) -> Schedule | None:

@@ -9,10 +9,10 @@ from typing import Any
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
-from autofit.parallel.apply import wrap_ddp
 from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement
 from autofit.parallel.exports import ExportFragment, ExportInputs
+from autofit.parallel.wrappers import wrap_ddp
 
 __all__ = ["REPLICATE", "DDP_KWARGS", "replicate_choices"]
 

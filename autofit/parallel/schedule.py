@@ -20,32 +20,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from autofit.parallel.apply import gradient_sync
+from autofit.parallel.dimension import Schedule
 
 if TYPE_CHECKING:
     from torch import nn
 
     from autofit.parallel.layout import Parallel
 
-__all__ = ["Schedule", "Sequential", "SyncRule", "schedule_of"]
+__all__ = ["Sequential", "SyncRule", "schedule_of"]
 
 # the context one micro-batch runs in under a layout: (model, layout, last=...) -> context manager
 SyncRule = Callable[..., contextlib.AbstractContextManager[Any]]
-
-
-class Schedule(Protocol):
-    """What a schedule answers (Note [one schedule]): :class:`Sequential`'s, and a dimension's own
-    (``Dimension.schedule``)."""
-
-    micro_batches: int
-    in_flight: int
-
-    def simulated(self, window: int) -> int: ...
-
-    def run(self, model: nn.Module, layout: Parallel, micro_batch: Callable[[int], Any], *, count: int | None = None,
-            sync: SyncRule = ...) -> list[Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)

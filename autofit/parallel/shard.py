@@ -12,10 +12,10 @@ from typing import Any
 from torch import nn
 
 from autofit.core.errors import InvalidInputError
-from autofit.parallel.apply import apply_fsdp2, no_gradient_sync, sub_meshes
 from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs, rank_count
+from autofit.parallel.wrappers import apply_fsdp2, no_gradient_sync, sub_meshes
 
 __all__ = ["SHARD", "reshard_choices"]
 

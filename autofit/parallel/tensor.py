@@ -13,12 +13,12 @@ import numpy as np
 from torch import nn
 
 from autofit.core.errors import AutofitError, InvalidInputError
-from autofit.parallel.apply import sub_meshes
 from autofit.parallel.collectives import ring_seconds
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, RankWork, StepKnobs, WorkInputs
 from autofit.parallel.exports import ExportFragment, ExportInputs
 from autofit.parallel.sequence_parallel import is_sequence_parallel, require_sequence_split
 from autofit.parallel.tensor_parallel import apply_tensor_parallel, resolve_tensor_plan
+from autofit.parallel.wrappers import sub_meshes
 
 __all__ = ["TENSOR", "Split", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "split_parameters"]
 

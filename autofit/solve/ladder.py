@@ -39,7 +39,7 @@ from autofit.features import OPT_IN, OptInFeature
 from autofit.training.precision import PrecisionPolicy
 from autofit.training.precision import stored_dtype
 from autofit.parallel.choices import shard_units
-from autofit.parallel.apply import bitsandbytes_parameters
+from autofit.parallel.wrappers import bitsandbytes_parameters
 from autofit.parallel.rungs import ladder_rungs, one_process_features
 from autofit.parallel.step_memory import (deferred_floor_bytes, gathered_bytes, gpus_for_states_bytes,
                                           host_states_note, rank_states_bytes, rung_what)
