@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from autofit.capture.user_hooks import user_hooks_restored
-from autofit.core._torch_interrupts import interrupts_at_safe_points
+from autofit.capture.user_hooks import entry_keeps_hooks
 from autofit.core.rng import keeps_user_rng
 from autofit.features import OPT_IN
 from autofit.analyse.table import Analysis
@@ -101,9 +100,9 @@ def plan_with_analysis(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]
     fastest configuration the time model allows (see Note [the quick path]), and the analysis is skipped when it
     fits; the plan then has no front and no analyses. Otherwise (``None``, the default, or True) its front also holds
     the halving micro-batches (a checkpoint MILP each)."""
-    # what restores_user_hooks does for an entry point whose first argument is the model (Note [user hooks]), for
-    # the model the request holds; make_request, which made it, keeps them too
-    with interrupts_at_safe_points(), user_hooks_restored(request.model):
+    # the model is the request's, not the first argument (restores_user_hooks'); make_request, which made it, keeps
+    # the hooks too
+    with entry_keeps_hooks(request.model):
         return _with_speed_rungs(request, plan_layouts)
 
 

@@ -42,7 +42,7 @@ from torch import nn
 from autofit.core._torch import pytree
 from autofit.core._torch_interrupts import interrupts_at_safe_points
 
-__all__ = ["user_hooks_restored", "HookRecord", "hook_note", "restores_user_hooks", "PreviousStep"]
+__all__ = ["user_hooks_restored", "HookRecord", "hook_note", "entry_keeps_hooks", "restores_user_hooks", "PreviousStep"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 T = TypeVar("T")
@@ -281,12 +281,20 @@ def hook_note(record: HookRecord) -> str:
     return note
 
 
+@contextlib.contextmanager
+def entry_keeps_hooks(model: nn.Module) -> Iterator[None]:
+    """What an entry point runs inside: every pass over ``model``, simulated or real, leaves what its hooks reach as
+    it was (See Note [user hooks]), and Ctrl-C comes only where it leaves nothing half done, this restore included
+    (Note [Ctrl-C at safe points])."""
+    with interrupts_at_safe_points(), user_hooks_restored(model):
+        yield
+
+
 def restores_user_hooks(entry: Callable[..., T]) -> Callable[..., T]:
-    """An entry point (``estimate``, ``measure``, ``plan``, ``analyse``) whose every pass over the model, simulated or
-    real, leaves what the model's hooks reach as it was (See Note [user hooks]); the model is its first argument."""
+    """An entry point (``estimate``, ``measure``, ``make_request``, ``analyse``) run inside
+    :func:`entry_keeps_hooks`; the model is its first argument."""
     @functools.wraps(entry)
     def wrapped(*args: Any, **kwargs: Any) -> T:
-        # Ctrl-C only where it leaves nothing half done, this restore included (Note [Ctrl-C at safe points])
-        with interrupts_at_safe_points(), user_hooks_restored(args[0] if args else kwargs.get("model")):
+        with entry_keeps_hooks(args[0] if args else kwargs.get("model")):
             return entry(*args, **kwargs)
     return wrapped

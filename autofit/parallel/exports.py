@@ -1,6 +1,6 @@
 """A layout dimension's part of each framework's export (Note [layout dimensions], autofit/parallel/dimension.py):
-the frameworks, what a fragment reads of the plan, the fragment, and how fragments merge. Apart from the dimension's
-interface so that ``autofit/emit/export.py`` reads these plain values without the registry."""
+the frameworks, what a fragment reads of the plan, the fragment, and how fragments merge: plain values beside the
+dimension's interface, which ``autofit/emit/export.py`` reads too."""
 
 from __future__ import annotations
 
