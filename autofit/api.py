@@ -45,7 +45,7 @@ class _OneStep:
     batch_dim: BatchDim  # which rows of the sample are the batch (Note [the batch dimension])
 
 
-def _config(model, given: _OneStep, optimizer, clip_grad_norm, batch, target, loss_fn) -> StepConfig:
+def _config(model, given: _OneStep, optimizer, batch, target, loss_fn) -> StepConfig:
     step = given.step
     micro_batch_size = step.micro_batch_size
     # the layout's own rules, before its modules are resolved or anything simulated (autofit/parallel/requested.py)
@@ -53,7 +53,7 @@ def _config(model, given: _OneStep, optimizer, clip_grad_norm, batch, target, lo
     chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=step.accumulation_steps,
                             precision=given.precision, checkpoint=step.checkpoint, optimizer=optimizer,
-                            device=given.device, gpu=given.gpu, clip_grad_norm=clip_grad_norm,
+                            device=given.device, gpu=given.gpu, clip_grad_norm=step.clip_grad_norm,
                             optimizer_in_backward=step.optimizer_in_backward, offload=step.offload,
                             layout=layout, chunked_loss=chunks,
                             compile=step.compile, preallocated_grads=step.preallocated_grads,
@@ -118,8 +118,8 @@ def _loss_chunks(model, batch, target, loss_fn) -> LossChunks:
 @restores_user_hooks  # Note [user hooks]
 def estimate(
     model: nn.Module, sample: Any, *, step: Step | int | Mapping[str, Any] | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
-    batch_dim: BatchDim | int | tuple[int, int] = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", batch_dim: BatchDim | int | tuple[int, int] = 0,
+    device: Device | str = "cpu", precision: Precision | Any = "fp32",
     layout: Layout | int | None = None, **deprecated: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of one steady-state training step, without allocating the model or its activations.
@@ -127,8 +127,8 @@ def estimate(
     The step (docs/memory-model.md): forward and loss under the precision's autocast, backward; after
     ``step.accumulation_steps`` micro-batches of ``step.micro_batch_size`` rows, ``optimizer.step()`` and
     ``zero_grad(set_to_none=True)``. Parameters, buffers, optimizer state, inputs and targets are counted. ``model``
-    may live on the meta device. It is never modified. ``clip_grad_norm``: clip the gradients to this norm before the
-    step (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
+    may live on the meta device. It is never modified. ``Step.clip_grad_norm``: clip the gradients to this norm before
+    the step (``torch.nn.utils.clip_grad_norm_``; Hugging Face's Trainer clips at 1.0); None does not clip. The optimizer
     runs the implementation torch picks on ``device`` (foreach on CUDA, unless the optimizer sets foreach/fused).
 
     ``device``, ``precision`` and ``layout`` are the option values ``plan`` takes (autofit/options.py), with their
@@ -179,7 +179,7 @@ def estimate(
     model = check_model(model)
     given = _one_step("estimate", device, precision, layout, step, batch_dim, deprecated)
     batch, target_batch = as_inputs(sample, target, batch_dim=given.batch_dim)
-    config = _config(model, given, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
+    config = _config(model, given, optimizer, batch, target_batch, loss_fn)
     device_model = resolve_device(config.device, config.gpu, given.expandable)
     require_fp8(getattr(device_model, "gpu", None) if config.float8 is not None else None)  # Note [Float8 training]
     with naming_inputs(lambda: batch):
@@ -200,8 +200,8 @@ def estimate(
 @restores_user_hooks  # Note [user hooks]
 def measure(
     model: nn.Module, sample: Any, *, step: Step | int | Mapping[str, Any] | None = None, target: Any = None,
-    loss_fn: LossFn | None = None, optimizer: Any = "adamw", clip_grad_norm: float | None = None,
-    batch_dim: BatchDim | int | tuple[int, int] = 0, device: Device | str = "cpu", precision: Precision | Any = "fp32",
+    loss_fn: LossFn | None = None, optimizer: Any = "adamw", batch_dim: BatchDim | int | tuple[int, int] = 0,
+    device: Device | str = "cpu", precision: Precision | Any = "fp32",
     layout: Layout | int | None = None, steps: int = 1, **deprecated: Any,
 ) -> Measurement:
     """Run the same step for real on a copy of ``model`` on ``device`` and measure its peak with the allocator.
@@ -222,7 +222,7 @@ def measure(
     model = check_model(model)
     given = _one_step("measure", device, precision, layout, step, batch_dim, deprecated)
     batch, target_batch = as_inputs(sample, target, batch_dim=given.batch_dim)
-    config = _config(model, given, optimizer, clip_grad_norm, batch, target_batch, loss_fn)
+    config = _config(model, given, optimizer, batch, target_batch, loss_fn)
     if not config.device.available():
         raise InvalidInputError("measure(device='cuda') needs a CUDA device; this machine has none")
     expandable = given.expandable

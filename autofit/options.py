@@ -158,8 +158,7 @@ class Layout:
 
     # the number of processes (GPUs); batch_size is the global batch and budget is per device
     world_size: int = 1
-    # GPUs per node: the ranks whose collectives run over NVLink and which share one host; None: every rank on one
-    # node
+    # GPUs per node: the ranks whose collectives run over NVLink and which share one host; None: all on one node
     gpus_per_node: int | None = None
     # "ddp", "fsdp2", or None: one process, or with world_size > 1 the planner plans both and keeps the faster
     strategy: str | None = None
@@ -253,6 +252,8 @@ class Step:
     # buckets); False, torch's default, which Lightning, Hugging Face's Trainer and Accelerate use (a second,
     # gradient-sized copy: Note [DDP's bucket views], autofit/parallel/simulated.py)
     gradient_as_bucket_view: bool = True
+    # the gradients clipped to this norm before the optimizer step (clip_grad_norm_; HF's Trainer: 1.0); None: not
+    clip_grad_norm: float | None = None
     # the rows of inputs and targets resident during the step: "batch" (the whole window's, as plan.wrap's trainer
     # receives the batch and slices it; the figure a plan names) or "micro-batch" (a loop that loads each
     # micro-batch just before it runs) (Note [one configuration, one figure], autofit/emit/assemble.py)
@@ -375,8 +376,6 @@ def as_batch_dim(value: Any) -> BatchDim:
 
 _AS = {"device": as_device, "precision": as_precision, "savers": as_savers, "layout": as_layout,
        "search": as_search, "step": as_step, "batch_dim": as_batch_dim}
-_CLASSES = {"device": Device, "precision": Precision, "savers": Savers, "layout": Layout, "search": Search,
-            "step": Step, "batch_dim": BatchDim}
 # estimate's and measure's old keywords, each a field of Step of the same name (Note [flat keywords]); where plan
 # reads the same word as a Savers field (checkpoint, offload, compile), the function's groups say which
 STEP_KEYWORDS = frozenset(f.name for f in fields(Step))
@@ -410,7 +409,7 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
 
 
 def _spelling(group: str, field: str, value: Any) -> str:
-    return f"{group}=autofit.{_CLASSES[group].__name__}({field}={value!r})"
+    return f"{group}=autofit.{type(_AS[group](None)).__name__}({field}={value!r})"  # the defaults' class
 
 
 def _holds(value: Any, field: str) -> bool:

@@ -199,8 +199,8 @@ def run_config(case: ZooCase, precision: str, checkpoint: tuple[str, ...], micro
                memory: DeviceMemory, context: int, device: torch.device, clip_grad_norm: float | None = None) -> Row:
     row = Row(case.name, precision, bool(checkpoint), micro)
     common = dict(target=case.target, loss_fn=case.loss_fn, optimizer=OPTIMIZER, precision=precision,
-                  device="cuda", clip_grad_norm=clip_grad_norm,
-                  step=autofit.Step(micro_batch_size=micro, checkpoint=checkpoint))
+                  device="cuda",
+                  step=autofit.Step(micro_batch_size=micro, checkpoint=checkpoint, clip_grad_norm=clip_grad_norm))
     est = autofit.estimate(case.model, case.sample, **common)
     row.est_alloc, row.est_reserved, row.est_device = est.peak_allocated_bytes, est.peak_reserved_bytes, \
         est.device_bytes

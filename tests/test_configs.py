@@ -277,9 +277,8 @@ def test_check_exit_codes(tmp_path):
     spec = load_spec(f"hf:{TINY}", input_shapes=[(256,)], task="causal-lm")
     spec.model.to(torch.bfloat16)  # axolotl loads the weights in bf16 under bf16: auto
     by_hand = autofit.estimate(spec.model, spec.sample, precision="bf16",
-                               optimizer="adamw", clip_grad_norm=1.0, device=autofit.Device(kind="cuda",
-                                                                                           gpu="RTX-4090"),
-                               step=autofit.Step(micro_batch_size=2, accumulation_steps=8))
+                               optimizer="adamw", device=autofit.Device(kind="cuda", gpu="RTX-4090"),
+                               step=autofit.Step(micro_batch_size=2, accumulation_steps=8, clip_grad_norm=1.0))
     assert data["fits"] is True and data["device_bytes"] == by_hand.device_bytes
     assert data["capacity_bytes"] == autofit.gpu_spec("RTX-4090").memory_bytes
     big = tmp_path / "big"
@@ -358,9 +357,9 @@ def test_check_keeps_the_configs_offload(tmp_path):
     path = tiny(tmp_path, "torchtitan_full.toml", **{"training.enable_cpu_offload": True})
     check = autofit.check_config(path, "RTX-4090")
     spec = model_spec(check.config)
-    knobs = dict(precision="bf16", optimizer="adamw", clip_grad_norm=1.0,
+    knobs = dict(precision="bf16", optimizer="adamw",
                  device=autofit.Device(kind="cuda", gpu="RTX-4090"),
-                 step=autofit.Step(micro_batch_size=4, accumulation_steps=8,
+                 step=autofit.Step(micro_batch_size=4, accumulation_steps=8, clip_grad_norm=1.0,
                                    checkpoint={u: "op-selective" for u in shard_units(spec.model)}))
     by_hand = autofit.estimate(spec.model, spec.sample,
                                **dict(knobs, step=dataclasses.replace(knobs["step"], offload_states=True)))

@@ -20,6 +20,7 @@ from autofit.core.errors import InvalidInputError
 from autofit.simulate.run import simulate_step
 from autofit.simulate.timeline import EventKind, Phase
 from autofit.training.step import make_step_config
+from autofit.options import STEP_GROUPS, gather
 
 
 def _mlp(layers: int = 6, width: int = 64) -> nn.Module:
@@ -191,8 +192,16 @@ def test_clip_grad_norm_uses_foreach_norms_one_scalar_per_gradient():
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_clipping_on_the_cpu_matches_the_allocator(optimizer):
     model, x = _mlp(), torch.randn(2, 64)
-    kw = dict(step=2, loss_fn=_loss, optimizer=optimizer, device="cpu", clip_grad_norm=0.5)
-    assert autofit.estimate(model, x, **kw).peak_bytes == autofit.measure(model, x, **kw).peak_bytes
+    kw = dict(step=autofit.Step(micro_batch_size=2, clip_grad_norm=0.5), loss_fn=_loss, optimizer=optimizer,
+              device="cpu")
+    measured = autofit.measure(model, x, **kw).peak_bytes
+    assert autofit.estimate(model, x, **kw).peak_bytes == measured
+    # the old keyword of estimate folds into the Step's field, naming the new spelling (Note [flat keywords])
+    with pytest.warns(FutureWarning, match=r"write step=autofit\.Step\(clip_grad_norm=0\.5\)"):
+        flat = autofit.estimate(model, x, step=2, clip_grad_norm=0.5, loss_fn=_loss, optimizer=optimizer, device="cpu")
+    assert flat.peak_bytes == measured
+    with pytest.warns(FutureWarning):
+        assert gather("estimate", {"step": 2}, {"clip_grad_norm": 0.5}, groups=STEP_GROUPS)["step"] == kw["step"]
 
 
 @pytest.mark.sim

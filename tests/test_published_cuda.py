@@ -29,8 +29,8 @@ def _error(bytes_: int, published_mb: float) -> float:
 
 def _hf_trainer_estimate(model) -> int:
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
-    est = autofit.estimate(model, {"input_ids": ids, "labels": ids}, step=2, optimizer="adamw",
-                           device="A100-80GB", clip_grad_norm=1.0)
+    est = autofit.estimate(model, {"input_ids": ids, "labels": ids}, optimizer="adamw", device="A100-80GB",
+                           step=autofit.Step(micro_batch_size=2, clip_grad_norm=1.0))
     return est.peak_allocated_bytes
 
 

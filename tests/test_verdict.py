@@ -441,15 +441,18 @@ def _uneven_plan():
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
     sample, target = torch.randn(10, 3, 32, 32), torch.randint(0, 4, (10,))
-    kw = dict(target=target, loss_fn=nn.CrossEntropyLoss(), optimizer="sgd", precision="fp32", device="cpu",
-              clip_grad_norm=1.0)  # no recomputation: the plain Step's and, below, the plan's Savers
+    # clipping: the step's knob for estimate (Step.clip_grad_norm), plan's own keyword; no recomputation: the plain
+    # Step's and, below, the plan's Savers
+    kw = dict(target=target, loss_fn=nn.CrossEntropyLoss(), optimizer="sgd", precision="fp32", device="cpu")
     row_bytes = 3 * 32 * 32 * 4 + 8
     peak = {b: autofit.estimate(model, sample, **kw,
                                 step=autofit.Step(micro_batch_size=b,
-                                                  accumulation_steps=-(-10 // b), inputs="micro-batch")).peak_bytes
+                                                  accumulation_steps=-(-10 // b), inputs="micro-batch",
+                                                  clip_grad_norm=1.0)).peak_bytes
             + (10 - b) * row_bytes for b in (4, 5)}
     assert peak[5] > peak[4]
-    return (autofit.plan(model, sample, peak[4], batch_size=10, savers=autofit.Savers(checkpoint=()), **kw),
+    return (autofit.plan(model, sample, peak[4], batch_size=10, savers=autofit.Savers(checkpoint=()),
+                         clip_grad_norm=1.0, **kw),
             model, sample, kw, row_bytes)
 
 
@@ -462,7 +465,8 @@ def test_an_uneven_plan_is_exported_as_a_verified_even_split():
     assert plan.even_split == (2, 5)
     # the split fits: its own estimate, with the rows the trainer keeps resident
     est = autofit.estimate(model, sample, **kw,
-                           step=autofit.Step(micro_batch_size=2, accumulation_steps=5, inputs="micro-batch"))
+                           step=autofit.Step(micro_batch_size=2, accumulation_steps=5, inputs="micro-batch",
+                                             clip_grad_norm=1.0))
     assert est.peak_bytes + 8 * row_bytes <= plan.budget_bytes
     hf = EXPORTERS["hf"](plan)["training_arguments"]
     assert hf["per_device_train_batch_size"] * hf["gradient_accumulation_steps"] == plan.batch_size

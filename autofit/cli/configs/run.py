@@ -169,9 +169,9 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
     offload = config.sharding is not None and config.sharding.offload and (config.data_ranks == 1 or _shards(config))
     est = estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn,
                    optimizer=optimizer_for(config),
-                   precision=config.precision, clip_grad_norm=config.clip_grad_norm,
+                   precision=config.precision,
                    device=Device(kind="cuda", gpu=card.name), layout=Layout(**layout),
-                   step=Step(micro_batch_size=config.micro_batch_size,
+                   step=Step(micro_batch_size=config.micro_batch_size, clip_grad_norm=config.clip_grad_norm,
                              accumulation_steps=config.accumulation_steps, checkpoint=checkpoint,
                              optimizer_in_backward=config.optimizer_in_backward, offload_states=offload))
     return ConfigCheck(config, est, card.name, card.memory_bytes)
