@@ -89,7 +89,8 @@ def test_invalid_combinations_are_typed_errors(kwargs, match):
     x, y = _data()
     kwargs = dict(kwargs)  # the step's knob in its Step, the rest as keywords
     step = autofit.Step(micro_batch_size=1, optimizer_in_backward=True,
-                        accumulation_steps=kwargs.pop("accumulation_steps", 1))
+                        accumulation_steps=kwargs.pop("accumulation_steps", 1),
+                        clip_grad_norm=kwargs.pop("clip_grad_norm", None))
     with pytest.raises(InvalidInputError, match=match):
         autofit.estimate(_model(), x, target=y, **kwargs, step=step)
 
