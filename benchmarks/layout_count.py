@@ -47,7 +47,7 @@ ASIDE = ("autofit/options.py", "autofit/cli/")
 LAYOUT_FIELDS = frozenset({
     # Parallel's fields
     "strategy", "world_size", "shard_units", "offload_states", "reduce_every_micro_batch", "reshard_after_forward",
-    "replicate", "gpus_per_node", "tensor_parallel", "tensor_plan",
+    "replicate", "gpus_per_node", "tensor_parallel", "tensor_plan", "more_dimensions",
     # its properties, and Strategy's
     "shards_parameters", "replicates_parameters", "fully_sharded", "shard_group", "data_parallel", "ranks_per_node",
     "least_memory", "sequence_parallel",

@@ -5,6 +5,8 @@ to autofit/. The truths are hand counts: 8 ranks, a toy dimension of degree 2 wh
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -92,6 +94,48 @@ def test_the_step_layout_is_the_dimensions_placements():
     assert Parallel(strategy="ddp", world_size=4).layout.mesh_shape == (4,)
     with pytest.raises(InvalidInputError, match="shard group size 8"):
         Parallel(strategy="fsdp2", world_size=16, replicate=2, reshard_after_forward=3)
+
+
+def test_a_dimension_without_a_field_of_its_own_travels_in_the_step_layout(monkeypatch):
+    """A dimension registered beyond the first ones adds no field to ``Parallel``: its placement rides in
+    ``Parallel.more_dimensions`` from the planner's enumeration (``choices.layouts``) and from the user's layout of
+    one step (``requested.step_layout``) to the mesh, the data ranks, the data-parallel part the collectives run over
+    and a plan's JSON. Hand counts: FSDP2 over 8 ranks with the toy at 2, whose ranks share rows: 4 data ranks."""
+    import json
+
+    import torch
+    from torch import nn
+
+    from autofit.parallel.choices import layouts
+    from autofit.parallel.layout_json import json_fields, layout_from_json
+    from autofit.parallel.requested import step_layout
+
+    monkeypatch.setitem(DIMENSIONS._dimensions, TOY.name, TOY)  # registered for this test only (``Registry``)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    request = SimpleNamespace(**{**vars(SPACE), "model": model, "replicate_options": (1,), "reshard_options": (True,)})
+    (planned,) = layouts(request, "fsdp2")
+    assert planned.more_dimensions == (Placement("toy", 2),)
+    assert planned.layout.mesh_names == ("dp_shard", "toy") and planned.layout.mesh_shape == (4, 2)
+    assert planned.data_ranks == 4 and planned.rank_rows(32) == 8
+    assert planned.label == "fsdp2 (ZeRO-3) over 4 ranks x toy 2"
+    assert planned.fully_sharded  # FSDP2 has the 4 ranks the toy leaves
+    data = planned.data_parallel  # the toy's ranks share rows: the collectives run over the 4 data ranks
+    assert (data.world_size, data.more_dimensions, data.layout.mesh_shape) == (4, (), (4,))
+    # a plan's JSON: the toy's placement written where it is one, read back equal
+    written = json.loads(json.dumps({k: v for after in ("estimate", "notes", "offload")
+                                     for k, v in json_fields(planned, after).items()}))
+    assert written["more_dimensions"] == [["toy", 2, []]]
+    assert Parallel(**layout_from_json(written)) == planned
+    assert "more_dimensions" not in json_fields(Parallel(strategy="fsdp2", world_size=8), "notes")
+    # the user's layout of one step: the toy's choices over the step's values, as estimate reads them
+    user = SimpleNamespace(world_size=8, strategy="fsdp2", reshard_after_forward=True, replicate=1,
+                           tensor_parallel=1, tensor_parallel_plan=None, gpus_per_node=None)
+    one = step_layout(model, user, SimpleNamespace(offload_states=False, reduce_every_micro_batch=False,
+                                                   clip_grad_norm=None), [torch.zeros(8, 4)])
+    assert one.more_dimensions == (Placement("toy", 2),) and one.data_ranks == 4
+    # its rules run where the layout is built: the toy refuses HSDP
+    with pytest.raises(InvalidInputError, match="toy_parallel does not compose with replicate"):
+        Parallel(strategy="fsdp2", world_size=8, replicate=2, more_dimensions=(Placement("toy", 2),))
 
 
 class _Split(_Toy):
@@ -222,7 +266,7 @@ def test_a_running_step_asks_each_dimension_innermost_or_outermost_first():
     # the step's three entry points (autofit/parallel/apply.py, schedule.py) read the layout's placements only:
     # a layout of two toys over 4 ranks, outer (mesh position 0) and inner (position 3), each of degree 2
     from autofit.parallel.apply import apply_layout, gradient_sync
-    from autofit.parallel.schedule import Sequential, schedule_of
+    from autofit.parallel.schedule import Sequential, Window, schedule_of
 
     log: list = []
     outer = _Running(log=log, name="outer", mesh_rank=0, shares_rows=False, field="outer_parallel")
@@ -247,6 +291,100 @@ def test_a_running_step_asks_each_dimension_innermost_or_outermost_first():
     assert schedule_of(alone, 3) == Sequential(3)
     # the sequential schedule runs each micro-batch inside the layout's contexts, the last one marked
     log.clear()
-    assert Sequential(2).run("model", alone, lambda i: log.append(("micro-batch", i)) or i) == [0, 1]
-    assert log == [("enter", "outer", False), ("micro-batch", 0), ("exit", "outer", False),
-                   ("enter", "outer", True), ("micro-batch", 1), ("exit", "outer", True)]
+    window = Window(2, rows=lambda i: (f"rows {i}", None), place=lambda i: f"place {i}", loss_fn=None,
+                    body=lambda i, rows, target, place: log.append(("micro-batch", i, rows, place)) or i)
+    assert Sequential(2).run("model", alone, window) == [0, 1]
+    assert log == [("enter", "outer", False), ("micro-batch", 0, "rows 0", "place 0"), ("exit", "outer", False),
+                   ("enter", "outer", True), ("micro-batch", 1, "rows 1", "place 1"), ("exit", "outer", True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllForwardsFirst:
+    """GPipe's order on one stage (torch/distributed/pipelining/schedules.py, ``ScheduleGPipe``): every
+    micro-batch's forward and loss, then every backward, each inside the layout's context. It computes the losses
+    itself from the window's rows, shares and loss function, as torch's pipeline schedules do, and leaves the body."""
+
+    micro_batches: int
+
+    @property
+    def in_flight(self) -> int:
+        return self.micro_batches
+
+    def simulated(self, window: int) -> int:
+        return self.micro_batches
+
+    def run(self, model, layout, window, *, count=None, sync=None):
+        from autofit.parallel.apply import gradient_sync
+        from autofit.training.loss import compute_loss
+
+        losses = []
+        for i in range(window.size):
+            inputs, target = window.rows(i)
+            window.on_phase(i, "forward")
+            losses.append(compute_loss(window.loss_fn, inputs.call(model), None if target is None else target.value))
+        for i, loss in enumerate(losses):
+            window.on_phase(i, "backward")
+            with (sync or gradient_sync)(model, layout, last=i == window.size - 1):
+                (loss * window.place(i).weight).backward()
+        return [loss.detach() for loss in losses]
+
+
+@pytest.mark.sim
+def test_a_schedule_that_orders_forwards_and_backwards_itself_trains_from_the_window(monkeypatch):
+    """A schedule of a dimension's own (a pipeline's) gets what torch's pipeline schedules take, the window's rows,
+    each micro-batch's share and the loss function (Note [one schedule]): run by the trainer over uneven
+    micro-batches (4, 4, 2 rows), it steps the model as one full-batch step, written by hand here, does."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import autofit.emit.trainer as trainer_module
+    from autofit.core.report import MemoryEstimate
+    from autofit.emit.plan import Plan
+    from autofit.training.precision import PrecisionPolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    x, y = torch.randn(10, 8), torch.randn(10, 1)
+    reference = copy.deepcopy(model)
+    full = F.mse_loss(reference(x), y)
+    full.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+
+    plan = Plan(micro_batch_size=4, gradient_accumulation_steps=3, batch_size=10, last_micro_batch_size=2,
+                precision=PrecisionPolicy(name="fp32"), checkpoint=(), peak_bytes=1, device_bytes=1, budget_bytes=1,
+                device="cpu", optimizer="sgd", predicted_step_seconds=0.0,
+                estimate=MemoryEstimate(peak_bytes=1, breakdown={}))
+    asked = []
+    monkeypatch.setattr(trainer_module, "schedule_of", lambda layout, n: asked.append(n) or _AllForwardsFirst(n))
+    trainer = plan.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    loss = trainer.step(x, y)
+    trainer.unwrap()
+    assert asked == [3]
+    assert loss == pytest.approx(full.item(), rel=1e-6)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.sim
+def test_a_schedule_that_orders_forwards_and_backwards_itself_is_simulated_as_measured(monkeypatch):
+    """The same GPipe-ordered schedule in ``estimate``'s simulation and in ``measure``'s real step, neither caller
+    changed: every micro-batch's activations are alive at once before the first backward, a higher peak than
+    accumulation's, and the simulation sees the peak the CPU allocator measures."""
+    import torch
+    from torch import nn
+
+    import autofit
+    from autofit.measure import allocator
+    from autofit.simulate import window as simulated_window
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    x, y = torch.randn(96, 64), torch.randint(0, 4, (96,))
+    kw = dict(target=y, optimizer="sgd", step=autofit.Step(micro_batch_size=32, accumulation_steps=3))
+    accumulated = autofit.measure(model, x, **kw).peak_bytes
+    for module in (allocator, simulated_window):
+        monkeypatch.setattr(module, "schedule_of", lambda layout, n: _AllForwardsFirst(n))
+    measured = autofit.measure(model, x, **kw).peak_bytes
+    assert measured > accumulated  # three micro-batches' saved activations at once, not one
+    assert autofit.estimate(model, x, **kw).peak_bytes == measured

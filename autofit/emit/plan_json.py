@@ -16,7 +16,8 @@ from autofit.core.report import MemoryEstimate
 from autofit.emit.model_record import ModelRecord
 from autofit.emit.plan_text import Alternative, Forgone
 from autofit.features import FEATURES
-from autofit.parallel.layout import Parallel, layout_from_json
+from autofit.parallel.layout import Parallel
+from autofit.parallel.layout_json import json_fields, layout_from_json
 
 __all__ = ["PlanJson"]
 
@@ -32,7 +33,7 @@ class PlanJson:
         for f in fields(self):
             if f.name not in ("loss_fn", "parallel", "verified_step"):
                 data[f.name] = getattr(self, f.name)
-            data.update(self.parallel.json_fields(after=f.name))  # Note [the layout in a plan's JSON]
+            data.update(json_fields(self.parallel, after=f.name))  # Note [the layout in a plan's JSON]
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
                              "stored": self.precision.stored, "built": self.precision.built}
         data["peak_allocated_bytes"] = self.peak_allocated_bytes  # written for readers; from_json ignores it

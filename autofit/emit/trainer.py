@@ -33,7 +33,7 @@ from autofit.core.errors import InvalidInputError, TrainerStateError
 from autofit.features import FEATURES, before_wrap, convert_model
 from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, release
 from autofit.training.length import batch_length
-from autofit.parallel.schedule import schedule_of
+from autofit.parallel.schedule import Window, schedule_of
 from autofit.parallel.processes import computes_on, require_split_batch
 from autofit.training.loss import LossFn
 from autofit.training.normalisation import (
@@ -171,20 +171,25 @@ class Trainer:
         # enters the plan's own autocast inside this, and backward and the optimizer step run without one
         with _outside_autocast(self.device_type):
             self._clear_grads_not_left()  # Note [the trainer owns its window]: gradients it did not make are not trained on
-            def one(i: int) -> float:
+            def rows(i: int) -> tuple[Batch, Batch | None]:
                 start, stop = bounds[i]
                 micro = batch.slice(start, stop).map_tensors(lambda t: t.to(device))
-                micro_target = None
-                if target_batch is not None:
-                    micro_target = target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+                if target_batch is None:
+                    return micro, None
+                return micro, target_batch.slice(start, stop).map_tensors(lambda t: t.to(device))
+
+            def one(i: int, micro: Batch, micro_target: Batch | None, place: WindowPlace) -> float:
                 loss = run_micro_batch(self.model, micro, micro_target, loss_fn, self.config, self.device_type,
-                                       place=WindowPlace.of(i, norm, self.optimizer),  # Note [where zero_grad falls]
-                                       scaler=self.scaler, features=FEATURES)
+                                       place=place, scaler=self.scaler, features=FEATURES)
                 # a float: a loss can hold a buffer as large as the output (CPU mse_loss), not into the next
                 return float(loss)
 
+            # Note [where zero_grad falls]: the window's first micro-batch clears the optimizer's gradients
+            window = Window(len(bounds), rows=rows, place=lambda i: WindowPlace.of(i, norm, self.optimizer),
+                            loss_fn=loss_fn, body=one)
             try:  # the schedule owns the loop and the gradient sync between micro-batches (Note [one schedule])
-                losses = schedule_of(self.config.layout, len(bounds)).run(self.model, self.config.layout, one)
+                run = schedule_of(self.config.layout, len(bounds)).run(self.model, self.config.layout, window)
+                losses = [float(loss) for loss in run]  # a schedule of its own may give detached tensors
             except BaseException:
                 self._clear_grads()  # a failed window leaves no partial gradient behind
                 self._left = None

@@ -49,7 +49,7 @@ from autofit.core.report import Measurement
 from autofit.parallel.step_rules import kept_buckets, warm_up_windows
 from autofit.training.stored import apply_stored
 from autofit.parallel.apply import laid_out
-from autofit.parallel.schedule import schedule_of
+from autofit.parallel.schedule import Window, schedule_of
 from autofit.training.step import (
     StepConfig,
     WindowPlace,
@@ -145,14 +145,15 @@ def measure_step(
     norm = LossNormalisation.of_rows((config.micro_batch_size,) * config.accumulation_steps)
 
     def window() -> None:  # in the step's order: the gradients cleared where config.zero_grad puts it
-        def one(i: int) -> None:
+        def one(i: int, micro: Batch, micro_target: Batch | None, place: WindowPlace) -> None:
             # a Ctrl-C between micro-batches (Note [Ctrl-C at safe points], core/_torch_interrupts.py)
             interruption_point()
-            micro, micro_target = micro_batches[i]
-            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type,
-                            place=WindowPlace.of(i, norm, optimizer), scaler=scaler, features=FEATURES)
+            run_micro_batch(work, micro, micro_target, loss_fn, config, device.type, place=place, scaler=scaler,
+                            features=FEATURES)
 
-        schedule_of(config.layout, config.accumulation_steps).run(work, config.layout, one)  # Note [one schedule]
+        window = Window(config.accumulation_steps, rows=micro_batches.__getitem__,
+                        place=lambda i: WindowPlace.of(i, norm, optimizer), loss_fn=loss_fn, body=one)
+        schedule_of(config.layout, config.accumulation_steps).run(work, config.layout, window)  # Note [one schedule]
         interruption_point()
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
                        in_backward=config.optimizer_in_backward, keep_grads=config.preallocated_grads,

@@ -144,14 +144,15 @@ class StepKnobs(Protocol):
 
 class Schedule(Protocol):
     """What a schedule answers (Note [one schedule], autofit/parallel/schedule.py): ``Sequential``'s, and a
-    dimension's own (:meth:`Dimension.schedule`). ``layout``: the step's ``Parallel`` (layout.py imports this)."""
+    dimension's own (:meth:`Dimension.schedule`). ``layout``: the step's ``Parallel`` (layout.py imports this);
+    ``window``: the step's micro-batches, a ``schedule.Window`` (which imports this)."""
 
     micro_batches: int
     in_flight: int
 
     def simulated(self, window: int) -> int: ...
 
-    def run(self, model: nn.Module, layout: Any, micro_batch: Callable[[int], Any], *, count: int | None = None,
+    def run(self, model: nn.Module, layout: Any, window: Any, *, count: int | None = None,
             sync: Callable[..., contextlib.AbstractContextManager[Any]] = ...) -> list[Any]: ...
 
 

@@ -10,8 +10,9 @@ a :class:`Strategy`, whose properties are what the core branches on.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -21,7 +22,7 @@ from autofit.parallel.dimension import Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs, rank_count
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "Parallel", "ranks_per_node", "layout_words",
-           "JSON_PLACES", "layout_from_json", "trade_words"]
+           "FIELD_DIMENSIONS", "trade_words"]
 
 
 class Strategy(StrEnum):
@@ -93,8 +94,8 @@ def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forw
     the ranks the others leave."""
     if strategy is None:
         return ()
-    if not strategy.shards_parameters:
-        return (Placement("dp_replicate", world_size),)
+    if not strategy.shards_parameters:  # DDP's replicas: the ranks the other dimensions leave (all, alone)
+        return (Placement("dp_replicate", None),)
     shard = (("reshard_after_forward", reshard_after_forward),) + ((("offload_states", True),) if offload_states
                                                                     else ()) \
         + ((("reduce_every_micro_batch", True),) if reduce_every_micro_batch else ())
@@ -102,6 +103,11 @@ def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forw
                                                                   if sequence_parallel else ())
     return (Placement("dp_replicate", replicate), Placement("dp_shard", None, shard),
             Placement("tp", tensor_parallel, tensor))
+
+
+# the dimensions whose placements Parallel's own fields give (:func:`placements`); any other's is one of its
+# ``more_dimensions``
+FIELD_DIMENSIONS = ("dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +131,11 @@ class Parallel:
     # FSDP2 then runs over the other world_size // tensor_parallel ranks
     tensor_parallel: int = 1
     tensor_plan: tuple[tuple[str, str], ...] = ()
+    # the placements of the registered dimensions that have no field above (Note [layout dimensions]), as the
+    # enumeration (``from_layout``) or the user's layout (``requested.step_layout``) gave them: a dimension added to
+    # the registry adds no field here, and its part reaches the mesh, the data ranks and the plan's JSON through
+    # ``layout``. The fields above are the first dimensions', which plans and users have always read by name.
+    more_dimensions: tuple[Placement, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", as_strategy(self.strategy))
@@ -147,6 +158,8 @@ class Parallel:
                 f"unsharded gradients wait for the last one; it needs strategy='fsdp2', got {self.strategy!r} (DDP "
                 "keeps whole gradients either way)"
             )
+        if self.more_dimensions:  # the whole layout's rules, each dimension's own (the fields' ran above)
+            self.layout  # noqa: B018 - computed and kept: the check is its construction
 
     @property
     def shards_parameters(self) -> bool:
@@ -160,9 +173,15 @@ class Parallel:
 
     @property
     def fully_sharded(self) -> bool:
-        """FSDP2's ``fully_shard`` runs: over the data-parallel ranks (world_size // tensor_parallel > 1), or on one
-        process to keep the states on the host."""
-        return self.shards_parameters and (self.world_size > self.tensor_parallel or self.offload_states)
+        """FSDP2's ``fully_shard`` runs: over the data-parallel ranks (those tensor parallel and the further
+        dimensions leave, when more than one), or on one process to keep the states on the host."""
+        return self.shards_parameters and (self.world_size > self.tensor_parallel * self._more_degree
+                                            or self.offload_states)
+
+    @property
+    def _more_degree(self) -> int:
+        """The ranks the dimensions of :attr:`more_dimensions` take together (1: none)."""
+        return math.prod(p.degree for p in self.more_dimensions)
 
     @property
     def defers_gradients(self) -> bool:
@@ -188,8 +207,9 @@ class Parallel:
         """This layout with the parameters, gradients and optimizer state in host memory, FSDP2's CPUOffloadPolicy
         (Note [offload], autofit/training/step.py): each rank of FSDP2 over several keeps its shard there; one
         process becomes FSDP2 over itself, its units ``units()`` (the modules ``fully_shard`` wraps). None where it
-        does not apply: there already, DDP (whole replicas), tensor parallel (refused with offload)."""
-        if self.offload_states:
+        does not apply: there already, DDP (whole replicas), tensor parallel (refused with offload), a further
+        dimension (``more_dimensions``: not tried, its own rules would have to allow it)."""
+        if self.offload_states or self.more_dimensions:  # a further dimension's states: not tried on the host
             return None
         if self.shards_parameters and self.world_size > 1 and self.tensor_parallel == 1:
             return replace(self, offload_states=True)
@@ -217,8 +237,8 @@ class Parallel:
         return DIMENSIONS.layout(self.world_size, placements(
             self.strategy, self.world_size, reshard_after_forward=self.reshard_after_forward,
             replicate=self.replicate, tensor_parallel=self.tensor_parallel, offload_states=self.offload_states,
-            reduce_every_micro_batch=self.reduce_every_micro_batch, tensor_plan=self.tensor_plan),
-            self.gpus_per_node)
+            reduce_every_micro_batch=self.reduce_every_micro_batch, tensor_plan=self.tensor_plan)
+            + self.more_dimensions, self.gpus_per_node)
 
     @property
     def data_ranks(self) -> int:
@@ -238,13 +258,16 @@ class Parallel:
 
     @property
     def data_parallel(self) -> Parallel:
-        """The layout the data-parallel collectives run over: FSDP2 over world_size // tensor_parallel ranks, and one
-        process when tensor parallel takes every rank (its own all-reduces are counted apart: ``Layout.rank_work``)."""
-        if self.tensor_parallel == 1:
+        """The layout the data-parallel collectives run over: FSDP2 over the :attr:`data_ranks` (world_size //
+        tensor_parallel, and over the ranks the further dimensions whose ranks share rows leave), and one process
+        when those take every rank (their own collectives are counted apart: ``Layout.rank_work``)."""
+        sharing = tuple(p for p in self.more_dimensions if DIMENSIONS[p.dimension].shares_rows)
+        if self.tensor_parallel == 1 and not sharing:
             return self
-        if self.world_size == self.tensor_parallel:
+        if self.data_ranks == 1:
             return Parallel(gpus_per_node=self.gpus_per_node)
-        return replace(self, world_size=self.data_ranks, tensor_parallel=1, tensor_plan=())
+        return replace(self, world_size=self.data_ranks, tensor_parallel=1, tensor_plan=(),
+                       more_dimensions=tuple(p for p in self.more_dimensions if p not in sharing))
 
     @property
     def label(self) -> str:
@@ -295,12 +318,6 @@ class Parallel:
         """Where a job of ``ranks`` processes (a Trainer's, a launcher's) cannot run this layout, ``words`` saying so,
         formatted with ``ranks`` and ``planned`` (the processes this layout runs on); None where it can."""
         return None if ranks == self.world_size else words.format(ranks=ranks, planned=self.world_size)
-
-    def json_fields(self, after: str) -> dict[str, Any]:
-        """The layout's fields that a plan's JSON writes after its field ``after``, as JSON values (Note [the layout
-        in a plan's JSON])."""
-        names = JSON_PLACES.get(after, ())
-        return {name: _TO_JSON.get(name, lambda value: value)(getattr(self, name)) for name in names}
 
     def table_rows(self, batch_size: int, words: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """The rows a plan's table shows of this layout (``Plan.summary_rows``), as (name, value): those after the
@@ -361,40 +378,10 @@ class Parallel:
     @property
     def least_memory(self) -> bool:
         """DDP, or FSDP2's layout that holds least at any configuration: ZeRO-3 over every rank (ZeRO-2 and the int
-        reshard hold more of each unit between forward and backward, HSDP a larger shard)."""
+        reshard hold more of each unit between forward and backward, HSDP a larger shard). Not claimed of a layout
+        with a further dimension (``more_dimensions``), whose share this layer does not know."""
         return not self.shards_parameters or (self.reshard_after_forward is True and self.replicate == 1
-                                              and self.tensor_parallel == 1)
-
-
-# Note [the layout in a plan's JSON]
-#     A plan's JSON has always held its layout's fields flat, among the plan's own (``world_size`` and ``strategy``
-#     after ``estimate``, FSDP2's and tensor parallel's after ``notes``, the states' place after ``offload``), and
-#     plans written before the layout was one value load as they always did. Where each field stands, and how a
-#     field that is no plain JSON value is written and read back, is the layout's to say, here beside the fields:
-#     ``emit/plan_json.py`` writes what :meth:`Parallel.json_fields` gives after each of the plan's fields and reads
-#     the layout back with :func:`layout_from_json`, so a dimension that adds a field to ``Parallel`` adds its place
-#     here and touches no emitter. A field absent from an old plan keeps its default.
-JSON_PLACES: dict[str, tuple[str, ...]] = {
-    "estimate": ("world_size", "strategy"),
-    "notes": ("shard_units", "reshard_after_forward", "replicate", "gpus_per_node", "tensor_parallel", "tensor_plan"),
-    "offload": ("offload_states", "reduce_every_micro_batch"),
-}
-# the fields held as tuples, written as JSON lists, and read back (a field not named here is a plain JSON value)
-_TO_JSON: dict[str, Callable[[Any], Any]] = {
-    "shard_units": list, "tensor_plan": lambda plan: [list(pair) for pair in plan]}
-_FROM_JSON: dict[str, Callable[[Any], Any]] = {
-    "shard_units": tuple, "tensor_plan": lambda plan: tuple((str(n), str(s)) for n, s in plan)}
-# every field has its place: a field without one would be dropped from the plan's JSON unseen
-assert {f.name for f in fields(Parallel)} == {name for names in JSON_PLACES.values() for name in names}
-
-
-def layout_from_json(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The layout's fields of a plan's JSON ``data``, read back (Note [the layout in a plan's JSON]): those present,
-    and the tuple fields always (empty where an old plan has none)."""
-    found = {name: data[name] for names in JSON_PLACES.values() for name in names if name in data}
-    for name, read in _FROM_JSON.items():
-        found[name] = read(found.get(name, ()))
-    return found
+                                              and self.tensor_parallel == 1 and not self.more_dimensions)
 
 
 def from_layout(layout: Layout, *, gpus_per_node: int = 0, shard_units: tuple[str, ...] = ()) -> Parallel:
@@ -406,7 +393,8 @@ def from_layout(layout: Layout, *, gpus_per_node: int = 0, shard_units: tuple[st
         raf = True
     return Parallel(strategy=Strategy.FSDP2, world_size=layout.world_size, gpus_per_node=gpus_per_node,
                     shard_units=shard_units, reshard_after_forward=raf, replicate=layout.degree("dp_replicate"),
-                    tensor_parallel=layout.degree("tp"), tensor_plan=() if tensor is None else tensor.option("plan", ()))
+                    tensor_parallel=layout.degree("tp"), tensor_plan=() if tensor is None else tensor.option("plan", ()),
+                    more_dimensions=tuple(p for p in layout.placements if p.dimension not in FIELD_DIMENSIONS))
 
 
 def trade_words(parallels: Iterable[Parallel]) -> tuple[str, ...]:

@@ -22,7 +22,9 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int
 from autofit.parallel.choices import shard_units
-from autofit.parallel.layout import Parallel, Strategy, as_strategy, check_layout
+from autofit.parallel import DIMENSIONS
+from autofit.parallel.dimension import Placement
+from autofit.parallel.layout import FIELD_DIMENSIONS, Parallel, Strategy, as_strategy, check_layout
 from autofit.parallel.replicate import replicate_choices
 from autofit.parallel.sequence_parallel import require_sequence_split
 from autofit.parallel.shard import reshard_choices
@@ -68,10 +70,44 @@ def step_layout(model: nn.Module, layout: Any, step: Any, tensors: Iterable[torc
                                 "number of ranks that split each layer")
     tensor_plan = resolve_tensor_plan(model, tensor_parallel, layout.tensor_parallel_plan)
     require_sequence_split(tensor_plan, tensor_parallel, tensors, "the sample")
+    space = _StepSpace(model=model, world_size=world_size, gpus_per_node=layout.gpus_per_node or 0,
+                       reshard_options=(layout.reshard_after_forward,), replicate_options=(layout.replicate,),
+                       tensor_options=(tensor_parallel,), layout_options=layout, clip_grad_norm=step.clip_grad_norm)
     return Parallel(strategy=strategy, world_size=world_size, shard_units=shard_units(model) if sharded else (),
                     offload_states=bool(offload_states), reduce_every_micro_batch=bool(reduce_every_micro_batch),
                     reshard_after_forward=layout.reshard_after_forward, replicate=layout.replicate,
-                    tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan))
+                    tensor_parallel=tensor_parallel, tensor_plan=tuple(tensor_plan), more_dimensions=_more(space))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSpace:
+    """The one layout of a step as the space a dimension's ``choices`` read (the request's fields a plan gives them,
+    ``choices.LayoutRequest``), each of the first dimensions' options fixed to the user's value."""
+
+    model: nn.Module
+    world_size: int
+    gpus_per_node: int
+    reshard_options: tuple[Any, ...]
+    replicate_options: tuple[Any, ...]
+    tensor_options: tuple[Any, ...]
+    layout_options: Any  # the user's autofit.Layout
+    clip_grad_norm: float | None
+
+
+def _more(space: _StepSpace) -> tuple[Placement, ...]:
+    """The placements the user's layout asks of the registered dimensions ``Parallel`` has no field for
+    (``Parallel.more_dimensions``): each one's ``choices`` over the step's ``space``, which must be one (several
+    are the planner's to choose among: refused, as ``tensor_parallel="auto"`` is); a degree of 1 is no part."""
+    found = []
+    for dimension in DIMENSIONS:
+        if dimension.name in FIELD_DIMENSIONS:
+            continue
+        choices = tuple(dimension.choices(space))
+        if len(choices) > 1:
+            raise InvalidInputError(f"{dimension.field}: a step has one layout, and this asks for {len(choices)} "
+                                    f"(the planner's choice): give one value of {dimension.field}")
+        found += [p for p in choices if p.degree != 1]
+    return tuple(found)
 
 
 def estimate_notes(layout: Parallel, gradient_as_bucket_view: bool) -> tuple[str, ...]:

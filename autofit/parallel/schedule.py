@@ -9,10 +9,18 @@ Note [one schedule]
     interleaved), which owns which micro-batch runs when on which stage and how many are in flight; context parallel
     wraps each micro-batch in a context. So the loop lives here, once: the simulation (``simulate/window.py``),
     ``measure`` (``measure/allocator.py``) and the trainers (``emit/trainer.py``, ``emit/distributed.py`` through
-    it) each hand the schedule the body of one micro-batch. A pipeline schedule is another class, which its
-    dimension returns from ``Dimension.schedule`` (:func:`schedule_of` asks the layout's dimensions), with the same
-    two answers: how many micro-batches a simulation must run to see the peak (:meth:`Sequential.simulated`), and
-    how many micro-batches' activations are alive at once (:attr:`Sequential.in_flight`).
+    it) each hand the schedule the window as one value (:class:`Window`). A pipeline schedule is another class,
+    which its dimension returns from ``Dimension.schedule`` (:func:`schedule_of` asks the layout's dimensions), with
+    the same two answers: how many micro-batches a simulation must run to see the peak (:meth:`Sequential.simulated`),
+    and how many micro-batches' activations are alive at once (:attr:`Sequential.in_flight`).
+
+    The window is what torch's pipeline schedules take (``PipelineSchedule._step_microbatches(arg_mbs, kwarg_mbs,
+    target_mbs, losses)``, torch/distributed/pipelining/schedules.py, the loss function given when the schedule is
+    built): each micro-batch's rows and target, each one's share of the batch's loss, the loss function, and beside
+    them the body that runs one micro-batch whole (forward, loss, backward), which :class:`Sequential` runs in order.
+    A schedule that orders forwards and backwards itself reads the first three, tells the window each phase as it
+    starts (``on_phase``) and leaves the body, so the callers hand every schedule the same value:
+    tests/test_dimensions.py runs a GPipe-ordered one through the trainer, ``estimate`` and ``measure``.
 """
 
 from __future__ import annotations
@@ -30,10 +38,29 @@ if TYPE_CHECKING:
 
     from autofit.parallel.layout import Parallel
 
-__all__ = ["Sequential", "SyncRule", "schedule_of"]
+__all__ = ["Sequential", "SyncRule", "Window", "schedule_of"]
 
 # the context one micro-batch runs in under a layout: (model, layout, last=...) -> context manager
 SyncRule = Callable[..., contextlib.AbstractContextManager[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """An optimizer step's micro-batches as its caller hands them to the schedule (Note [one schedule]). The types
+    are the step's (``autofit.training``, which imports this folder): a ``Batch`` of rows, a ``WindowPlace``."""
+
+    size: int  # the window's micro-batches
+    rows: Callable[[int], tuple[Any, Any]]  # micro-batch i's inputs and target (None without one), on the device
+    # micro-batch i's place in the window (``WindowPlace``): its share of the batch's loss, the gradients it clears
+    place: Callable[[int], Any]
+    # the loss of a micro-batch's output against its target, before its share weights it (None: the step's default,
+    # ``autofit.training.loss.compute_loss``'s)
+    loss_fn: Any
+    # micro-batch i run whole on its rows, target and place: forward, loss and backward; its result (the loss)
+    body: Callable[[int, Any, Any, Any], Any]
+    # told (i, "forward") and (i, "backward") as micro-batch i's phases start, by a schedule that runs them apart (the
+    # simulation files allocations by them; the body tells them itself)
+    on_phase: Callable[[int, str], None] = lambda index, phase: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +76,16 @@ class Sequential:
         gradients yet, and one with them: every later one starts from the same live set and runs the same ops)."""
         return min(self.micro_batches, window)
 
-    def run(self, model: nn.Module, layout: Parallel, micro_batch: Callable[[int], Any], *, count: int | None = None,
+    def run(self, model: nn.Module, layout: Parallel, window: Window, *, count: int | None = None,
             sync: SyncRule = gradient_sync) -> list[Any]:
-        """Run ``micro_batch(i)`` for each micro-batch in order (``count`` of them: all by default, a simulation's
-        :meth:`simulated`), each inside ``sync(model, layout, last=...)``; their results, in order."""
+        """Run the window's body for each micro-batch in order (``count`` of them: all by default, a simulation's
+        :meth:`simulated`), each inside ``sync(model, layout, last=...)``; their results (the losses), in order."""
         n = self.micro_batches if count is None else count
         results = []
         for i in range(n):
             with sync(model, layout, last=i == n - 1):
-                results.append(micro_batch(i))
+                inputs, target = window.rows(i)
+                results.append(window.body(i, inputs, target, window.place(i)))
         return results
 
 

@@ -26,7 +26,7 @@ from autofit.training.normalisation import LossNormalisation
 from autofit.training.step import StepConfig, WindowPlace, optimizer_step, run_micro_batch
 from autofit.training.stored import apply_stored
 from autofit.parallel.host import states_off_device
-from autofit.parallel.schedule import schedule_of
+from autofit.parallel.schedule import Window, schedule_of
 from autofit.simulate.offload import host_optimizer
 from autofit.parallel.simulated import grads_into_buckets, simulated_buckets, simulated_sync
 from autofit.simulate.state import create_optimizer_state, drop_phantom_state, held_rows, register_state
@@ -151,7 +151,18 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
     # the previous step's gradients (Note [where zero_grad falls]); one a parameter never receives is not real
     carried = {id(p): tracker.sid_of(p.grad) for p in model.parameters() if p.grad is not None}
 
-    def one(index: int) -> None:
+    def phase(index: int, name: str) -> None:  # micro-batch ``index``'s phase, as the schedule runs it
+        nonlocal micro_index
+        micro_index = index
+        on_phase(name)
+
+    def gradients_made() -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                tracker.recategorize(p.grad, Category.GRADIENTS)
+                received_grad.add(id(p))
+
+    def one(index: int, inputs: Batch, target: Any, place: WindowPlace) -> None:
         nonlocal micro_index
         micro_index = index
         joining = (buckets and config.gradient_as_bucket_view and config.accumulation_steps > 1
@@ -159,19 +170,18 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
         into_buckets = (grads_into_buckets(model, list(buckets), as_ready=config.accumulation_steps == 2)
                         if joining else contextlib.nullcontext())  # Note [DDP's bucket views]
         with forward_errors(tracker), into_buckets:
-            run_micro_batch(model, micro, micro_target, loss_fn, config, "cpu",
-                            place=WindowPlace.of(micro_index, norm, optimizer), scaler=scaler, on_phase=on_phase,
-                            features=FEATURES)
-        for p in model.parameters():
-            if p.grad is not None:
-                tracker.recategorize(p.grad, Category.GRADIENTS)
-                received_grad.add(id(p))
+            run_micro_batch(model, inputs, target, loss_fn, config, "cpu", place=place, scaler=scaler,
+                            on_phase=on_phase, features=FEATURES)
+        gradients_made()
 
     # FSDP2 reduce-scatters only on the window's last micro-batch, keeping unsharded gradients until then (Note
     # [gradient sync under accumulation]); with reduce_every_micro_batch, or with the states on the host (Note
     # [offload]), it reduces every micro-batch instead. The schedule applies that rule as on a real rank
     # (gradient_sync); DDP's sync is the buckets' here (the copy is not wrapped in DDP: Note [DDP's bucket views]).
-    schedule.run(model, config.layout, one, count=steps, sync=simulated_sync)
+    window = Window(config.accumulation_steps, rows=lambda _: (micro, micro_target),
+                    place=lambda i: WindowPlace.of(i, norm, optimizer), loss_fn=loss_fn, body=one, on_phase=phase)
+    schedule.run(model, config.layout, window, count=steps, sync=simulated_sync)
+    gradients_made()  # a schedule that runs its own backwards (Note [one schedule]) made them outside the body
     if carried and not config.preallocated_grads:  # each gradient the step leaves in place of the one it freed
         left = {sid: tracker.sid_of(p.grad) for p in model.parameters()
                 if (sid := carried.get(id(p))) is not None and p.grad is not None}
