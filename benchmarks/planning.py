@@ -205,7 +205,10 @@ def _device(gpu: str | None, **more) -> autofit.Device:
 
 def _step(micro_batch_size: int, **knobs) -> dict:
     """``estimate``'s step keywords in the form the autofit loaded understands: ``--against`` runs this script with
-    an older checkout's, whose ``Step`` has no ``micro_batch_size`` (before issue 54 it was a keyword of its own)."""
+    an older checkout's, whose ``Step`` has no ``micro_batch_size`` (before issue 54 it was a keyword of its own), or
+    which has no ``Step`` at all (f8a51ab, issue 54's base: every knob a keyword)."""
+    if not hasattr(autofit, "Step"):
+        return {"micro_batch_size": micro_batch_size, **knobs}
     if "micro_batch_size" in {f.name for f in dataclasses.fields(autofit.Step)}:
         return {"step": autofit.Step(micro_batch_size=micro_batch_size, **knobs)}
     return {"micro_batch_size": micro_batch_size, "step": autofit.Step(**knobs)}

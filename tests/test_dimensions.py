@@ -133,9 +133,38 @@ def test_a_dimension_without_a_field_of_its_own_travels_in_the_step_layout(monke
     one = step_layout(model, user, SimpleNamespace(offload_states=False, reduce_every_micro_batch=False,
                                                    clip_grad_norm=None), [torch.zeros(8, 4)])
     assert one.more_dimensions == (Placement("toy", 2),) and one.data_ranks == 4
-    # its rules run where the layout is built: the toy refuses HSDP
+    # its rules run where the layout is built: the toy refuses HSDP, and so DDP's replicas beside it
     with pytest.raises(InvalidInputError, match="toy_parallel does not compose with replicate"):
         Parallel(strategy="fsdp2", world_size=8, replicate=2, more_dimensions=(Placement("toy", 2),))
+    assert layouts(request, "ddp") == []
+
+
+class _Either(_Toy):
+    """The toy at degree 1 or 2, with no rule of its own."""
+
+    def choices(self, space):
+        return (Placement(self.name, 1), Placement(self.name, 2))
+
+    def check(self, layout):
+        pass
+
+
+def test_a_dimension_without_a_field_of_its_own_joins_ddps_replicas(monkeypatch):
+    """DDP's replicas take the ranks the further dimensions leave: over 8 ranks, DDP alone and DDP 4 x the toy 2 (the
+    toy's ranks share rows: 4 data ranks, the all-reduce over them)."""
+    from torch import nn
+
+    from autofit.parallel.choices import layouts
+
+    either = _Either(name="toy", mesh_rank=3, shares_rows=True, field="toy_parallel")
+    monkeypatch.setitem(DIMENSIONS._dimensions, either.name, either)
+    request = SimpleNamespace(**{**vars(SPACE), "model": nn.Linear(4, 4)})
+    alone, beside = layouts(request, "ddp")
+    assert alone == Parallel(strategy="ddp", world_size=8, gpus_per_node=8) and alone.layout.mesh_shape == (8,)
+    assert beside.more_dimensions == (Placement("toy", 2),)
+    assert beside.layout.mesh_names == ("dp_replicate", "toy") and beside.layout.mesh_shape == (4, 2)
+    assert beside.data_ranks == 4 and beside.data_parallel == Parallel(strategy="ddp", world_size=4, gpus_per_node=8)
+    assert beside.label == "ddp x toy 2"
 
 
 class _Split(_Toy):

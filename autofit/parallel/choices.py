@@ -12,14 +12,17 @@ orders layouts.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from torch import nn
 
 from autofit.parallel import DIMENSIONS, enumerate_layouts
 from autofit.parallel.collectives import Links
-from autofit.parallel.layout import Parallel, from_layout
+from autofit.core.errors import InvalidInputError
+from autofit.parallel.layout import FIELD_DIMENSIONS, Parallel, from_layout
 from autofit.parallel.step_time import collective_seconds
 
 __all__ = ["LayoutRequest", "layouts", "shard_units", "collective_floor"]
@@ -56,12 +59,20 @@ class LayoutRequest(Protocol):
 def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
     """The layouts of ``strategy`` to plan (docs/multi-gpu.md, "How the planner chooses"): one process, DDP, or
     FSDP2's, the layout dimensions' enumeration (``autofit.parallel.enumerate_layouts``: every tensor-parallel
-    degree, HSDP replicate size and reshard option the request allows that the dimensions' rules accept)."""
+    degree, HSDP replicate size and reshard option the request allows that the dimensions' rules accept). The
+    dimensions registered after the first ones (``Parallel.more_dimensions``) join DDP's replicas and FSDP2's layouts
+    alike, where their rules accept them."""
     if strategy is None:
         return [Parallel()]
     base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
-    if not base.shards_parameters:
-        return [base]
+    if not base.shards_parameters:  # DDP's replicas, beside each combination of the further dimensions' choices
+        found = []
+        for more in itertools.product(*(d.choices(request) for d in DIMENSIONS if d.name not in FIELD_DIMENSIONS)):
+            try:
+                found.append(replace(base, more_dimensions=tuple(p for p in more if p.degree != 1)))
+            except InvalidInputError:  # a further dimension's rules refuse replicas beside it
+                continue
+        return found
     units = shard_units(request.model)
     found = (from_layout(layout, gpus_per_node=request.gpus_per_node, shard_units=units)
              for layout in enumerate_layouts(DIMENSIONS, request.world_size, request))

@@ -53,8 +53,9 @@ def ladder_rungs(parallel: Parallel, rows: int, host_allowed: bool,
 
 def priced_unanalysed(parallel: Parallel) -> bool:
     """Whether the quick path's time model can price ``parallel``'s step with no analysis (Note [the quick path],
-    autofit/solve/quick.py): not with tensor parallel, whose all-reduces are sized by the layer table."""
-    return parallel.tensor_parallel == 1
+    autofit/solve/quick.py): not with tensor parallel, whose all-reduces are sized by the layer table, nor with a
+    further dimension (``Parallel.more_dimensions``), whose share of the work (``Dimension.rank_work``) may read it."""
+    return parallel.tensor_parallel == 1 and not parallel.more_dimensions
 
 
 def climbed_for_memory(parallel: Parallel) -> bool:

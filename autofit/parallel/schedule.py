@@ -51,7 +51,9 @@ class Window:
 
     size: int  # the window's micro-batches
     rows: Callable[[int], tuple[Any, Any]]  # micro-batch i's inputs and target (None without one), on the device
-    # micro-batch i's place in the window (``WindowPlace``): its share of the batch's loss, the gradients it clears
+    # micro-batch i's place in the window (``WindowPlace``): its share of the batch's loss, and the gradients it
+    # clears where the step's zero_grad order says (the body does; a schedule that leaves it steps in the default
+    # order, the gradients cleared after the optimizer step, or its dimension refuses the others: ``check_step``)
     place: Callable[[int], Any]
     # the loss of a micro-batch's output against its target, before its share weights it (None: the step's default,
     # ``autofit.training.loss.compute_loss``'s)
