@@ -22,7 +22,7 @@ from torch import nn
 from autofit.parallel import DIMENSIONS, enumerate_layouts
 from autofit.parallel.collectives import Links
 from autofit.core.errors import InvalidInputError
-from autofit.parallel.layout import FIELD_DIMENSIONS, Parallel, from_layout
+from autofit.parallel.layout import Parallel, from_layout, further_dimensions
 from autofit.parallel.step_time import collective_seconds
 
 __all__ = ["LayoutRequest", "layouts", "shard_units", "collective_floor"]
@@ -67,7 +67,7 @@ def layouts(request: LayoutRequest, strategy: str | None) -> list[Parallel]:
     base = Parallel(strategy=strategy, world_size=request.world_size, gpus_per_node=request.gpus_per_node)
     if not base.shards_parameters:  # DDP's replicas, beside each combination of the further dimensions' choices
         found = []
-        for more in itertools.product(*(d.choices(request) for d in DIMENSIONS if d.name not in FIELD_DIMENSIONS)):
+        for more in itertools.product(*(d.choices(request) for d in further_dimensions())):
             try:
                 found.append(replace(base, more_dimensions=tuple(p for p in more if p.degree != 1)))
             except InvalidInputError:  # a further dimension's rules refuse replicas beside it

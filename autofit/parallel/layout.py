@@ -18,11 +18,11 @@ from typing import Any
 
 from autofit.core.errors import InvalidInputError, require_int, require_strategy
 from autofit.parallel import DIMENSIONS
-from autofit.parallel.dimension import Layout, Placement, StepKnobs
+from autofit.parallel.dimension import Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs, rank_count
 
 __all__ = ["Strategy", "as_strategy", "check_layout", "placements", "from_layout", "Parallel", "ranks_per_node", "layout_words",
-           "FIELD_DIMENSIONS", "trade_words"]
+           "FIELD_DIMENSIONS", "further_dimensions", "trade_words"]
 
 
 class Strategy(StrEnum):
@@ -108,6 +108,12 @@ def placements(strategy: Strategy | None, world_size: int, *, reshard_after_forw
 # the dimensions whose placements Parallel's own fields give (:func:`placements`); any other's is one of its
 # ``more_dimensions``
 FIELD_DIMENSIONS = ("dp_replicate", "dp_shard", "tp")
+
+
+def further_dimensions() -> list[Dimension]:
+    """The registered dimensions ``Parallel`` has no field for, in registration order: those whose placements are its
+    ``more_dimensions`` (the planner's choices of them: ``choices.layouts``; a step's: ``requested.step_layout``)."""
+    return [d for d in DIMENSIONS if d.name not in FIELD_DIMENSIONS]
 
 
 @dataclass(frozen=True, kw_only=True)

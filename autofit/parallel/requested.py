@@ -22,9 +22,8 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, require_int
 from autofit.parallel.choices import shard_units
-from autofit.parallel import DIMENSIONS
 from autofit.parallel.dimension import Placement
-from autofit.parallel.layout import FIELD_DIMENSIONS, Parallel, Strategy, as_strategy, check_layout
+from autofit.parallel.layout import Parallel, Strategy, as_strategy, check_layout, further_dimensions
 from autofit.parallel.replicate import replicate_choices
 from autofit.parallel.sequence_parallel import require_sequence_split
 from autofit.parallel.shard import reshard_choices
@@ -99,9 +98,7 @@ def _more(space: _StepSpace) -> tuple[Placement, ...]:
     (``Parallel.more_dimensions``): each one's ``choices`` over the step's ``space``, which must be one (several
     are the planner's to choose among: refused, as ``tensor_parallel="auto"`` is); a degree of 1 is no part."""
     found = []
-    for dimension in DIMENSIONS:
-        if dimension.name in FIELD_DIMENSIONS:
-            continue
+    for dimension in further_dimensions():
         choices = tuple(dimension.choices(space))
         if len(choices) > 1:
             raise InvalidInputError(f"{dimension.field}: a step has one layout, and this asks for {len(choices)} "
