@@ -237,6 +237,7 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
         stack.enter_context(patch(GraphLowering, "_compile_to_module_lines", lambda _: _kernel_free_module))
         stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1))
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        stack.enter_context(_out_kernels_on_meta())
         # Note [a simulation compiles as a fresh process does]
         fresh: dict = defaultdict(pgo.CodeState)
         stack.enter_context(patch(pgo, "get_code_state", lambda _: lambda: fresh))
@@ -257,6 +258,37 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
                 module.__dict__.pop("forward", None)
                 if forward is not None:
                     module.forward = forward
+
+
+# Extern kernels that inductor's wrapper calls as ``out=`` ops whose ``out=`` overload has no meta kernel (torch 2.13
+# registers one for ``_scaled_mm``'s functional form only, torch/_meta_registrations.py). On fake tensors
+# FakeTensorMode then runs the real CPU kernel on zero-filled tensors of full size (its "unsafe fallback"): 119 of the
+# 129 s of one simulated 8B-shaped float8 block at 8192 tokens, and as much host memory as the real matmul. While a
+# simulation compiles, each gets a meta kernel that writes nothing and returns ``out``, as the kernel-free wrapper
+# skips its other kernels; the op still passes through the simulation's dispatch mode, so on a CPU target its
+# scratch is probed as every kernel's is (autofit/simulate/probe.py).
+_OUT_WITHOUT_META = ("_scaled_mm.out", "_scaled_mm_v2.out")
+
+
+def _returns_out(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return kwargs["out"]
+
+
+@contextlib.contextmanager
+def _out_kernels_on_meta() -> Iterator[None]:
+    library = None
+    for name in _OUT_WITHOUT_META:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is None or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+            continue  # this torch lacks the op, or has its own meta kernel
+        library = library or torch.library.Library("aten", "IMPL")  # noqa: TOR901 - removed on exit
+        library.impl(name, _returns_out, "Meta")
+    try:
+        yield
+    finally:
+        if library is not None:
+            library._destroy()
 
 
 def _compiled_while_eager(compiled: Callable) -> Callable:
