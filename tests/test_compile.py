@@ -273,3 +273,34 @@ def test_a_compiled_model_plans_the_same_twice_in_one_process() -> None:
                             batch_size=512, precision="fp32")
         plans.append((plan.micro_batch_size, plan.gradient_accumulation_steps, plan.peak_bytes))
     assert plans[0] == plans[1], plans
+
+
+@pytest.mark.sim
+def test_a_compiled_steps_fused_kernels_are_priced_by_what_they_read_and_write() -> None:
+    """Note [fused kernels in the time model] (autofit/simulate/tracker.py): inductor fuses ``tanh(sigmoid(x * w) *
+    3)`` into one forward kernel and one backward kernel, which the simulation skips; each is recorded as one op
+    whose bytes are its buffers'. By hand, 64 x 256 fp32 tensors of 65,536 B: the forward kernel reads x and w and
+    writes the output (3 x 65,536); the backward kernel reads the output's gradient, x, w and the saved output (tanh's
+    derivative), and writes w's gradient (5 x 65,536). Before, neither was in the timeline, and a compiled step's
+    element-wise work cost nothing in the time model; no eager element-wise op is recorded in its place."""
+    from autofit.device import resolve_device
+    from autofit.simulate.run import simulate_step
+    from autofit.simulate.timeline import Phase
+    from autofit.training.step import make_step_config
+    from autofit.validate import as_inputs
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(64, 256))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(torch.sigmoid(x * self.w) * 3)
+
+    batch, _ = as_inputs(torch.randn(64, 256), None, None, 0)
+    config = make_step_config(micro_batch_size=64, device="cuda", gpu="H100", compile=True)
+    timeline = simulate_step(Chain(), batch, None, lambda out: out.sum(), config,
+                             device_rules=resolve_device("cuda", "H100").simulation_rules).timeline
+    fused = [(op.phase, op.io_bytes, op.flops) for op in timeline.ops if op.name == "inductor_kernel"]
+    assert fused == [(Phase.FORWARD, 3 * 65_536, 0), (Phase.BACKWARD, 5 * 65_536, 0)]
+    assert not {"sigmoid", "tanh", "mul", "sigmoid_backward", "tanh_backward"} & {op.name for op in timeline.ops}

@@ -71,7 +71,8 @@ from autofit.core._torch import patch
 from autofit.core.errors import UnsupportedModelError, UnsupportedTorchError
 
 __all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls", "compiled_in_place",
-           "compiled_code_runs_eagerly", "compile_in_this_thread", "running_compiled_code", "hearing_skipped_writes"]
+           "compiled_code_runs_eagerly", "compile_in_this_thread", "running_compiled_code", "hearing_skipped_writes",
+           "hearing_skipped_kernels"]
 
 # options of the inductor backend that change nothing on the CPU (cudagraphs are a CUDA feature)
 _IGNORED_OPTIONS = frozenset({"triton.cudagraphs"})
@@ -138,6 +139,9 @@ def _kernel_free_module(self: Any, wrapper_code: Any) -> types.ModuleType:
 _RUNNING = contextvars.ContextVar("autofit_running_compiled_code", default=False)
 _SKIPPED_WRITES: contextvars.ContextVar[Callable[[list[torch.Tensor]], None] | None] = contextvars.ContextVar(
     "autofit_skipped_kernel_writes", default=None)
+# Note [fused kernels in the time model]: the listener of each skipped kernel's reads and writes
+_SKIPPED_KERNELS: contextvars.ContextVar[Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None] = (
+    contextvars.ContextVar("autofit_skipped_kernels", default=None))
 
 
 def running_compiled_code() -> bool:
@@ -154,6 +158,17 @@ def hearing_skipped_writes(listener: Callable[[list[torch.Tensor]], None]) -> It
         yield
     finally:
         _SKIPPED_WRITES.reset(token)
+
+
+@contextlib.contextmanager
+def hearing_skipped_kernels(listener: Callable[[list[torch.Tensor], list[torch.Tensor]], None]) -> Iterator[None]:
+    """For a while, ``listener(read, written)`` hears of each skipped kernel the tensors it reads and writes (Note
+    [fused kernels in the time model])."""
+    token = _SKIPPED_KERNELS.set(listener)
+    try:
+        yield
+    finally:
+        _SKIPPED_KERNELS.reset(token)
 
 
 def _without_values(call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
@@ -176,12 +191,20 @@ class _NoKernels:
 
     def cpp_pybinding(self, argtypes: list[str], source_code: str) -> Callable[..., None]:
         # inductor's argument types: "const float*" is read, "float*" written, "const int64_t" a scalar
-        written = [i for i, t in enumerate(argtypes) if t.strip().endswith("*") and not t.strip().startswith("const")]
+        pointers = [t.strip() for t in argtypes]
+        written = [i for i, t in enumerate(pointers) if t.endswith("*") and not t.startswith("const")]
+        read = [i for i, t in enumerate(pointers) if t.endswith("*") and t.startswith("const")]
 
         def kernel(*args: Any) -> None:
+            def tensors(positions: list[int]) -> list[torch.Tensor]:
+                return [args[i] for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+
             listener = _SKIPPED_WRITES.get()
             if listener is not None:
-                listener([args[i] for i in written if i < len(args) and isinstance(args[i], torch.Tensor)])
+                listener(tensors(written))
+            kernels = _SKIPPED_KERNELS.get()
+            if kernels is not None:
+                kernels(tensors(read), tensors(written))
 
         return kernel
 

@@ -32,6 +32,7 @@ from autofit.core._torch import (
     dtensor_local,
     op_schema,
 )
+from autofit.core._torch_compile import hearing_skipped_kernels
 from autofit.core._torch_interrupts import interruption_point
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter, fake_kernel, registered
@@ -191,13 +192,30 @@ class StepTracker(TorchDispatchMode):
 
         self._resize_patch = patch(torch.UntypedStorage, "resize_", tracked)
         self.resize_patch = self._resize_patch.__enter__()
+        self._kernels = hearing_skipped_kernels(self._fused_kernel) if self.count_flops else contextlib.nullcontext()
+        self._kernels.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         self.accumulation.settle()
         self.timeline.closed = True  # Note [a closed timeline]
+        self._kernels.__exit__(None, None, None)
         self._resize_patch.__exit__(None, None, None)
         return super().__exit__(*exc)
+
+    # Note [fused kernels in the time model]
+    #     A compiled step's element-wise work runs in inductor's fused kernels, which the simulation skips (Note
+    #     [inductor without kernels], autofit/core/_torch_compile.py): no aten op of theirs passes through this mode,
+    #     so without a record their time was nothing, and a compiled plan was priced as its matmuls alone (torchao's
+    #     float8 casts among the free work). Each skipped kernel is recorded as one op, ``inductor_kernel``, that
+    #     reads its const pointer arguments and writes the others once each (inductor's argument types): the
+    #     roofline of a fused kernel, memory-bound, no FLOPs, one launch. The GPU's Triton kernels fuse by the same
+    #     scheduler, so the CPU lowering's kernels stand in for them. Memory is untouched: the record has no
+    #     workspace and creates no storage.
+    def _fused_kernel(self, read: list[torch.Tensor], written: list[torch.Tensor]) -> None:
+        record = OpRecord("inductor_kernel", self.module, self.phase)
+        record.io_bytes, record.dtype = _traffic(read, written)
+        self.timeline.new_op(record)
 
     # Note [a closed timeline]
     #     A storage's free is recorded by a weak-reference callback, which fires whenever the storage dies: also after
