@@ -21,7 +21,8 @@ Note [compiled models on a GPU target]
     simulation it took and what the other gave. A CPU target keeps the compiled simulation: there it is the program
     that runs, and the CPU allocator agrees with it. The planner's analysis (a simulation with an observer, whose
     per-layer records must come from one run) models the compiled step; every figure a plan reports comes from a
-    verification simulation, which takes the bound.
+    verification simulation, which takes the bound. Its time does not: the step that runs is the compiled one, so
+    the time model prices the compiled simulation's ops (``Simulation.priced_timeline``) whichever holds the peak.
 """
 
 from __future__ import annotations
@@ -86,4 +87,5 @@ def upper_bound(compiled: Any, eager: Any) -> Any:
             f"on the GPU keeps no more than eager PyTorch, not on Triton's autotuning buffers (see Note [compiled "
             f"models on a GPU target])")
     notes = tuple(n for n in compiled.notes if "torch.compile'd" not in n) + (note,)
-    return replace(chosen, notes=notes, compiled=True)
+    # the time model prices the compiled step's ops either way: eager only bounds its memory
+    return replace(chosen, notes=notes, compiled=True, compiled_timeline=compiled.timeline)

@@ -117,6 +117,14 @@ class Simulation:
     # solve/estimator.py), or None where no read did: then every micro-batch of the sample runs the same step
     row_reader: str | None = None
     row_program: Any = field(default=None, compare=False, repr=False)  # those reads, to run on other rows (RowProgram)
+    # the compiled step's timeline where the eager one bounds the memory (Note [compiled models on a GPU target]): the
+    # time model prices the step that runs, compiled, whichever simulation holds the peak
+    compiled_timeline: Timeline | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def priced_timeline(self) -> Timeline:
+        """The timeline whose ops the time model prices: the compiled step's (see ``compiled_timeline``)."""
+        return self.compiled_timeline if self.compiled_timeline is not None else self.timeline
 
 
 # The target device's part of a simulation: enters its kernel and autocast rules on ``stack`` and returns the

@@ -178,10 +178,11 @@ class Estimator:
         if self.request.blocks is not None:
             est, sims, cut = self._extrapolated(c, policy, None, known)
             if est is not None:
-                return est, cut.ops(lambda keep: op_costs(sims[keep].timeline, sims[keep].timeline, per_sample_from=b))
+                return est, cut.ops(lambda keep: op_costs(sims[keep].priced_timeline, sims[keep].priced_timeline,
+                                                              per_sample_from=b))
         sim = self.simulate(c, policy)
         est = self._full(c, policy, sim)
-        return est, op_costs(sim.timeline, sim.timeline, per_sample_from=b)
+        return est, op_costs(sim.priced_timeline, sim.priced_timeline, per_sample_from=b)
 
     def _full(self, c: Candidate, policy: PrecisionPolicy, sim: Simulation) -> MemoryEstimate:
         """The device's figures of a simulation of the whole model, saying why when depth extrapolation was
