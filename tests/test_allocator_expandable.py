@@ -111,3 +111,25 @@ def test_the_smallest_cap_is_a_cap_the_replay_runs_under_and_a_grain_less_fails(
         assert replay_allocator(t, expandable=True, cap_bytes=cap).fits
         assert not replay_allocator(t, expandable=True, cap_bytes=cap - SEGMENT_GRAIN).fits
         assert cap >= free.peak_allocated
+
+
+def test_each_stream_maps_pages_of_its_own_segment():
+    # get_free_block takes a free block only on the request's stream, and find_expandable_block searches the
+    # unmapped blocks of that stream's segments only (a new ExpandableSegment(device, stream, ...) otherwise): a
+    # 16 MiB block freed on the default stream leaves its 20 MiB page mapped there, and a 16 MiB request on a side
+    # stream (FSDP2's reduce-scatter) maps a page of its own: 40 MiB reserved where one shared segment holds 20
+    a = ExpandableAllocator()
+    a.free(a.malloc(16 * MiB))
+    side = a.malloc(16 * MiB, stream=1)
+    assert (a.allocated, a.reserved) == (16 * MiB, 40 * MiB)
+    # freed, the side stream's page goes back to that stream only: the default stream reuses its own page
+    a.free(side)
+    a.malloc(18 * MiB)
+    assert (a.allocated, a.reserved) == (18 * MiB, 40 * MiB)
+    # under a cap that a third page would pass, the failed map releases every stream's free pages (release_blocks
+    # walks the whole pool) and maps again: the side stream's page is given back, so 20 more MiB fit in 60
+    b = ExpandableAllocator(cap_bytes=40 * MiB)
+    b.free(b.malloc(16 * MiB, stream=1))
+    b.malloc(18 * MiB)
+    b.malloc(18 * MiB)  # 2 MiB left in the default page + 20 MiB more: over 40 with the side page, fits without it
+    assert (b.allocated, b.reserved, b.released) == (36 * MiB, 40 * MiB, 1)

@@ -28,6 +28,14 @@ Note [expandable segments]
       tried once more. So unlike plain segments, a free hole between live blocks gives its pages back, and the next
       ``find_expandable_block`` can map them again: what a cap must hold is close to the pages the live blocks
       touch, not the segments they pin.
+    - Streams stay apart, as without the setting (Note [one pool per stream], allocator.py): ``get_free_block``
+      takes a free block only on the request's stream, and ``find_expandable_block`` looks only at the unmapped
+      blocks of that stream's segments, making a new ``ExpandableSegment(device, stream, ...)`` for a stream that
+      has none. So the pages a side stream mapped (FSDP2's all-gather and reduce-scatter buffers) stay mapped to it,
+      and the default stream's activations cannot use them, nor it theirs, until a failed map releases every
+      stream's free pages. ``reserved`` is then the sum of what each stream's segment grew to: for Llama 3 8B under
+      FSDP2 the reduce-scatter stream alone maps the root module's fp32 gradient buffer (4.2 GB) that one shared
+      segment would have found among freed activations (docs/published.md, torchao's float8 table).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class _Block:
     offset: int
     size: int
     small: bool
+    stream: int = 0
     free: bool = True
     mapped: bool = False
     prev: _Block | None = None
@@ -57,36 +66,43 @@ class _Block:
 
 
 class ExpandableAllocator:
-    """One expandable segment per pool on one stream; the interface of ``CachingAllocator`` (allocator.py)."""
+    """One expandable segment per pool and stream; the interface of ``CachingAllocator`` (allocator.py)."""
 
     def __init__(self, *, cap_bytes: int | None = None) -> None:
         self.cap_bytes = cap_bytes
         self.allocated = 0
         self.reserved = 0
         self.released = 0  # unmap_block calls that gave pages back under the cap
-        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # (size, offset, id) mapped
-        self._unmapped: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (offset, id)
+        # (small?, stream) -> free mapped blocks as (size, offset, id), and unmapped ones as (offset, id)
+        self._free: dict[tuple[bool, int], list[tuple[int, int, int]]] = {}
+        self._unmapped: dict[tuple[bool, int], list[tuple[int, int]]] = {}
         self._by_id: dict[int, _Block] = {}
-        for small in (True, False):
-            self._add_unmapped(_Block(0, _VIRTUAL, small))
+
+    def _segment(self, small: bool, stream: int) -> tuple[bool, int]:
+        """The pool's segment on ``stream``, reserved (all of it unmapped) at the stream's first request."""
+        key = (small, stream)
+        if key not in self._unmapped:
+            self._free[key], self._unmapped[key] = [], []
+            self._add_unmapped(_Block(0, _VIRTUAL, small, stream))
+        return key
 
     # ---- the pools' sorted sets -------------------------------------------------------------------------------------
     def _add_free(self, b: _Block) -> None:
         self._by_id[id(b)] = b
-        bisect.insort(self._free[b.small], (b.size, b.offset, id(b)))
+        bisect.insort(self._free[b.small, b.stream], (b.size, b.offset, id(b)))
 
     def _drop_free(self, b: _Block) -> None:
-        pool, key = self._free[b.small], (b.size, b.offset, id(b))
+        pool, key = self._free[b.small, b.stream], (b.size, b.offset, id(b))
         i = bisect.bisect_left(pool, key)
         assert pool[i] == key
         pool.pop(i)
 
     def _add_unmapped(self, b: _Block) -> None:
         self._by_id[id(b)] = b
-        bisect.insort(self._unmapped[b.small], (b.offset, id(b)))
+        bisect.insort(self._unmapped[b.small, b.stream], (b.offset, id(b)))
 
     def _drop_unmapped(self, b: _Block) -> None:
-        pool, key = self._unmapped[b.small], (b.offset, id(b))
+        pool, key = self._unmapped[b.small, b.stream], (b.offset, id(b))
         i = bisect.bisect_left(pool, key)
         assert pool[i] == key
         pool.pop(i)
@@ -96,9 +112,10 @@ class ExpandableAllocator:
         return PAGE_SMALL if small else PAGE_LARGE
 
     # ---- DeviceCachingAllocator ------------------------------------------------------------------------------------
-    def _free_block(self, size: int, small: bool) -> _Block | None:
-        """``get_free_block`` with expandable segments: best fit, the growing end counted at the size it can reach."""
-        pool = self._free[small]
+    def _free_block(self, size: int, key: tuple[bool, int]) -> _Block | None:
+        """``get_free_block`` with expandable segments: best fit on the stream, the growing end counted at the size it
+        can reach."""
+        pool = self._free[key]
         i = bisect.bisect_left(pool, (size, -1, -1))
         if i == len(pool):
             return None
@@ -138,7 +155,7 @@ class ExpandableAllocator:
         self._drop_unmapped(b)
         b.mapped = True
         if mapped < b.size:
-            rest = _Block(b.offset + mapped, b.size - mapped, b.small, prev=b, next=b.next)
+            rest = _Block(b.offset + mapped, b.size - mapped, b.small, b.stream, prev=b, next=b.next)
             if b.next is not None:
                 b.next.prev = rest
             b.next = rest
@@ -150,10 +167,10 @@ class ExpandableAllocator:
         self.reserved += mapped
         return b
 
-    def _find_expandable(self, size: int, small: bool) -> _Block:
-        """``find_expandable_block``: the lowest-address unmapped block (from a free mapped block before it) whose
-        run of free blocks holds ``size``."""
-        for _, ident in self._unmapped[small]:
+    def _find_expandable(self, size: int, key: tuple[bool, int]) -> _Block:
+        """``find_expandable_block``: the lowest-address unmapped block of the stream's segment (from a free mapped
+        block before it) whose run of free blocks holds ``size``."""
+        for _, ident in self._unmapped[key]:
             c = self._by_id[ident]
             if c.prev is not None and c.prev.free:
                 c = c.prev
@@ -164,11 +181,11 @@ class ExpandableAllocator:
                 return c
         raise AssertionError("the unbounded tail always holds the request")
 
-    def _try_expandable(self, size: int, small: bool) -> _Block | None:
+    def _try_expandable(self, size: int, key: tuple[bool, int]) -> _Block | None:
         """``alloc_block`` -> ``try_allocate_expandable_block``."""
         if self.cap_bytes is not None and self.reserved + segment_size(size) > self.cap_bytes:
             return None  # set_fraction: total_allocated_memory + alloc_size > allowed_memory_maximum
-        c = self._find_expandable(size, small)
+        c = self._find_expandable(size, key)
         if not c.mapped:
             c = self._map_block(c, min(c.size, size))
             if c is None:
@@ -188,13 +205,13 @@ class ExpandableAllocator:
             return
         self._drop_free(b)
         if start > b.offset:
-            before = _Block(b.offset, start - b.offset, b.small, mapped=True, prev=b.prev, next=b)
+            before = _Block(b.offset, start - b.offset, b.small, b.stream, mapped=True, prev=b.prev, next=b)
             if b.prev is not None:
                 b.prev.next = before
             b.prev = before
             self._add_free(before)
         if b.offset + b.size > end:
-            after = _Block(end, b.offset + b.size - end, b.small, mapped=True, prev=b, next=b.next)
+            after = _Block(end, b.offset + b.size - end, b.small, b.stream, mapped=True, prev=b, next=b.next)
             if b.next is not None:
                 b.next.prev = after
             b.next = after
@@ -207,27 +224,28 @@ class ExpandableAllocator:
         self.released += 1
 
     def _release_cached(self) -> None:
-        """``release_cached_blocks`` -> ``release_blocks``: unmap every free mapped block, large pool first."""
-        for small in (False, True):
-            for _, _, ident in list(self._free[small]):
+        """``release_cached_blocks`` -> ``release_blocks``: unmap every free mapped block of every stream, large pool
+        first."""
+        for key in sorted(self._free, key=lambda k: (k[0], k[1])):  # (large, streams in order), then small
+            for _, _, ident in list(self._free[key]):
                 self._unmap_block(self._by_id[ident])
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:
-        # one stream: torch keeps an expandable segment per stream, whose blocks the others do not reuse; that is not
-        # replayed here (Note [one pool per stream] in allocator.py is for the default allocator only)
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._free_block(size, small)
+        key = self._segment(small, stream)
+        block = self._free_block(size, key)
         if block is None:
-            block = self._try_expandable(size, small)
+            block = self._try_expandable(size, key)
             if block is None:
                 self._release_cached()  # release_available_cached_blocks: nothing without max_split_size
-                block = self._try_expandable(size, small)
+                block = self._try_expandable(size, key)
             if block is None:
                 raise AllocatorOutOfMemory(f"{size} bytes more do not fit under {self.cap_bytes} with "
                                            f"{self.allocated} allocated and {self.reserved} mapped")
         if block.size - size >= MIN_BLOCK:  # should_split: expandable segments split any block
-            rest = _Block(block.offset + size, block.size - size, small, mapped=True, prev=block, next=block.next)
+            rest = _Block(block.offset + size, block.size - size, small, stream, mapped=True, prev=block,
+                          next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
