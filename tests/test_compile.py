@@ -328,3 +328,41 @@ def test_where_eager_bounds_a_gpu_estimate_the_compiled_step_is_still_what_is_pr
     priced = {op.name for op in sim.priced_timeline.ops}
     assert {"sigmoid", "tanh"} <= eager and "inductor_kernel" not in eager  # the bound: the eager step
     assert "inductor_kernel" in priced and not {"sigmoid", "tanh"} & priced
+
+
+class _Broken(nn.Module):
+    """A block whose forward breaks dynamo's graph, so dynamo compiles it as a frame of its own (as FSDP2's hooks
+    and transformers' decorators make a Llama's decoder layers), on a code object every copy shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return torch.tanh(torch.sigmoid(self.lin(x)) * 3)
+
+
+@pytest.mark.sim
+def test_a_simulation_leaves_no_cache_entries_for_the_next_one() -> None:
+    """Note [a simulation leaves no cache entries] (autofit/core/_torch_compile.py): each simulation compiles with a
+    backend of its own, so the block's frames, shared by every copy, got one more entry per simulation, and from the
+    ninth simulation of a process (``recompile_limit``, 8) dynamo ran them eagerly: the block's sigmoid and tanh
+    were simulated and priced unfused (a plan's later candidates uncompiled). A fresh process compiles them every
+    time: twelve simulations in a row record the same ops, inductor's fused kernels, and leave no entry behind."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from autofit.device import resolve_device
+    from autofit.simulate.run import simulate_step
+    from autofit.training.step import make_step_config
+    from autofit.validate import as_inputs
+
+    model = nn.Sequential(_Broken(), _Broken())
+    batch, _ = as_inputs(torch.randn(8, 16), None, None, 0)
+    config = make_step_config(micro_batch_size=8, device="cuda", gpu="H100", compile=True)
+    rules = resolve_device("cuda", "H100").simulation_rules
+    names = [tuple(op.name for op in simulate_step(model, batch, None, lambda out: out.sum(), config,
+                                                   device_rules=rules).timeline.ops) for _ in range(12)]
+    assert "inductor_kernel" in names[0] and not {"sigmoid", "tanh"} & set(names[0])
+    assert names == [names[0]] * 12
+    assert _debug_get_cache_entry_list(_Broken.forward.__code__) == []

@@ -41,6 +41,20 @@ Note [a simulation compiles as a fresh process does]
     the simulation begins: each simulation compiles as a fresh process's first step does, and nothing it sees is
     left for the user's later compiles.
 
+Note [a simulation leaves no cache entries]
+    Dynamo keeps its compiled entries on the code object of each frame it compiles, and where the simulated compile
+    breaks its graph those frames are the model's own, shared by every copy of the model and every simulation:
+    transformers' ``deprecate_kwarg`` wrapper (``wrapped_func``, one code object for every decorated ``forward``)
+    gets an entry per decorated class, guarded on the class, and FSDP2 makes its ``FSDP<Block>`` classes afresh for
+    each copy. So the entries of earlier simulations piled up: on a Llama under FSDP2, 3 per simulation, and from
+    the third simulation of a process ``wrapped_func`` reached ``recompile_limit`` (8) and dynamo ran it, each
+    decoder layer's forward with it, eagerly for the rest of the process: a plan's later candidates were simulated
+    and priced uncompiled (Llama-3.1-8B on 8 H100s with ``--allow float8 --compile``: float8's casts unfused, 3.29 s
+    against 1.84 s), and the entries held the copies' fake graphs. On leaving, a simulation resets
+    (``reset_code``) every code object whose entries it changed, so each one starts where a fresh process does.
+    A frame of the user's own compiled model that a simulation also compiled loses its entries and recompiles at its
+    next real call.
+
 Note [values inside compiled code]
     The kernel-free wrapper computes no values: its C++ kernels are skipped, and their writes reach no dispatch
     mode. So nothing it makes or writes may keep a real value twin (Note [value twins], simulate/value_twins.py):
@@ -257,6 +271,7 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
 
     saved = []
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_no_entries_left())  # Note [a simulation leaves no cache entries]; leaves last
         stack.enter_context(patch(GraphLowering, "_compile_to_module_lines", lambda _: _kernel_free_module))
         stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1))
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
@@ -281,6 +296,31 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
                 module.__dict__.pop("forward", None)
                 if forward is not None:
                     module.forward = forward
+
+
+@contextlib.contextmanager
+def _no_entries_left() -> Iterator[None]:
+    """Note [a simulation leaves no cache entries]: reset each code object whose dynamo entries changed inside."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    except ImportError as e:
+        raise UnsupportedTorchError(f"autofit clears what a simulated compile leaves in dynamo's caches through "
+                                    f"input_codes and reset_code, which this torch ({torch.__version__}) lacks: {e}"
+                                    ) from e
+
+    def entries() -> dict[int, tuple[types.CodeType, int]]:
+        codes = (ref() for ref in input_codes.seen)
+        return {id(c): (c, len(_debug_get_cache_entry_list(c))) for c in codes if c is not None}
+
+    before = entries()
+    try:
+        yield
+    finally:
+        for key, (code, count) in entries().items():
+            old = before.get(key)
+            if old is None or old[0] is not code or old[1] != count:
+                reset_code(code)
 
 
 # Extern kernels that inductor's wrapper calls as ``out=`` ops whose ``out=`` overload has no meta kernel (torch 2.13
