@@ -44,7 +44,8 @@ REFUSED = ("import errno, os, sys\n"
            "run()\n")
 
 
-def _timed(label: str, command: list[str]) -> tuple[str, float, float, int, str]:
+def timed(label: str, command: list[str]) -> tuple[subprocess.CompletedProcess, float, float, int]:
+    """``command`` run under GNU time: what it printed, and its wall seconds, CPU seconds and peak resident KiB."""
     done = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{label} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -52,7 +53,11 @@ def _timed(label: str, command: list[str]) -> tuple[str, float, float, int, str]
     minutes, seconds = stats["Elapsed (wall clock) time (h:mm:ss or m:ss)"].rsplit(":", 1)
     wall = 60 * sum(float(x) * 60 ** i for i, x in enumerate(reversed(minutes.split(":")))) + float(seconds)
     cpu = float(stats["User time (seconds)"]) + float(stats["System time (seconds)"])
-    rss = int(stats["Maximum resident set size (kbytes)"])
+    return done, wall, cpu, int(stats["Maximum resident set size (kbytes)"])
+
+
+def _timed(label: str, command: list[str]) -> tuple[str, float, float, int, str]:
+    done, wall, cpu, rss = timed(label, command)
     return label, wall, cpu, rss, _summary(done.stdout, done.stderr)
 
 
