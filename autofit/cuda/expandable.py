@@ -34,8 +34,10 @@ Note [expandable segments]
       has none. So the pages a side stream mapped (FSDP2's all-gather and reduce-scatter buffers) stay mapped to it,
       and the default stream's activations cannot use them, nor it theirs, until a failed map releases every
       stream's free pages. ``reserved`` is then the sum of what each stream's segment grew to: for Llama 3 8B under
-      FSDP2 the reduce-scatter stream alone maps the root module's fp32 gradient buffer (4.2 GB) that one shared
-      segment would have found among freed activations (docs/published.md, torchao's float8 table).
+      FSDP2 over 8 ranks, the all-gather copy-in stream maps up to 2.4 GiB (the root unit's gathered parameters and
+      a block's) and the reduce-scatter stream 3.7 GiB (its output, of which every fp32 gradient shard is a view),
+      which one shared segment found among the pages freed activations leave (docs/published.md, torchao's float8
+      table).
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ class ExpandableAllocator:
     def _release_cached(self) -> None:
         """``release_cached_blocks`` -> ``release_blocks``: unmap every free mapped block of every stream, large pool
         first."""
-        for key in sorted(self._free, key=lambda k: (k[0], k[1])):  # (large, streams in order), then small
+        for key in sorted(self._free):  # (small?, stream): the large pool's streams, then the small pool's
             for _, _, ident in list(self._free[key]):
                 self._unmap_block(self._by_id[ident])
 
