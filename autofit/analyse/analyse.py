@@ -83,7 +83,7 @@ def _analyse(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Loss
     problems = segment_problems(model, graph)
     one, two = obs1.stats, obs2.stats
     rows = tuple(_row(name, module, one, two, problems) for name, module in model.named_modules())
-    ops = op_costs(sim1.timeline, sim2.timeline)
+    ops = op_costs(sim1.priced_timeline, sim2.priced_timeline)  # a compiled step's own ops (compiled_model.py)
     return Analysis(graph, LayerTable(rows, precision.name), profile, sim1.method, sim1.timeline, sim2.timeline, ops)
 
 

@@ -71,7 +71,8 @@ from autofit.core.categories import Category
 from autofit.core.errors import UnsupportedModelError
 from autofit.features import FEATURES, convert_model
 from autofit.training.loss import LossFn
-from autofit.simulate.compiled_model import compiled_for_simulation, compiled_note, upper_bound, warm_up
+from autofit.simulate.compiled_model import (compiled_for_simulation, compiled_note, modelled_as_eager,
+                                             upper_bound, warm_up)
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import offloaded_states, tracked_save_on_cpu
@@ -182,8 +183,10 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
         with _quiet_engines():
             sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, around,
                                                       fake=True), observed=observer is not None)
-            if not config.device.is_host and sim.compiled and observer is None:  # Note [compiled models on a GPU target]
-                sim = upper_bound(sim, _simulate(model, batch, target, loss_fn, config, around, fake=True, eager=True))
+            if not config.device.is_host and sim.compiled:  # Note [compiled models on a GPU target]
+                eager = _simulate(model, batch, target, loss_fn, config, around, fake=True, eager=True)
+                # the analysis (an observer, which keeps what it saw last: the eager run) models the eager step
+                sim = upper_bound(sim, eager) if observer is None else modelled_as_eager(sim, eager)
             return sim
     except DataDependent as e:
         require_real_inputs(batch, target, reader=f"{e.subject} reads tensor values ({e.cause})")
