@@ -10,14 +10,18 @@ layer a dynamo frame of its own). The H100's dense FP8 rate is 1979 TFLOP/s agai
 datasheet, cited in autofit/cuda/cards.py); torchao and torchtitan train float8 compiled (their casts fuse), which
 the plans here do too.
 
-Measured (two cores, AVX-512 Xeon, torch 2.13.0, torchao 0.18.0, 2026-12-01; max RSS as GNU time prints it, KiB):
+Measured (two cores, AVX-512 Xeon, torch 2.13.0, torchao 0.18.0, 2026-12-01, alone; max RSS as GNU time prints it,
+KiB):
 
-    case                 wall s   max RSS KiB  float8      step     rung
-    8B, 2 blocks, 1 GPU     78.2       652,472  tensorwise  0.138 s  taken: 0.1377 s with it, 0.161 s without
-    8B, 8 GPUs FSDP2       308.8     1,070,844  tensorwise  1.88 s   taken: 1.877 s with it, 2.201 s without
+    case                   wall s   max RSS KiB  step     rung                                       chosen
+    8B, 2 blocks, 1 GPU      71.5       641,900  0.138 s  taken: 0.1377 s with it, 0.161 s without   tensorwise, 4 x 1, recomputed: none
+    8B, 8 GPUs FSDP2        325.8     1,415,104  1.01 s   taken: 1.01 s with it, 1.381 s without     tensorwise, 4 x 1, recomputed: model.layers.*.mlp x 31 (full)
 
 Before 085c6a6 (a simulation left dynamo entries that made later simulations run eagerly, Note [a simulation leaves
 no cache entries]) the whole 8B plan did not take the rung: 3.29 s with float8 against 1.844 s without, 12:30 wall.
+Between 085c6a6 and 4a16849 (the analysis modelled the compiled step where the verification takes the eager bound,
+Note [compiled models on a GPU target]) it took it at 1 x 4 after 27.70 GiB of margin: 1.877 s against 2.201 s,
+308.8 s, 1,070,844 KiB.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ WHOLE = ["plan", "hf:meta-llama/Llama-3.1-8B", "--config", "use_cache=false", "-
 
 
 def _case(label: str, command: list[str]) -> tuple[str, float, int, str, str, str]:
+    """The plan's row: wall seconds, peak resident KiB, what it chose, its predicted step, the rung's note."""
     done, wall, _, rss = timed(label, command)
     text = re.sub(r"\s+", " ", done.stdout)  # the table's rows and the notes, wrapped by rich, on one line
     float8 = re.search(r"│ float8 │ (\w+)", text)
@@ -44,7 +49,12 @@ def _case(label: str, command: list[str]) -> tuple[str, float, int, str, str, st
     rung = re.search(r"rung 'float8' (taken|not taken)[^:]*: .*?predicted step ([\d.]+ s) and peak [\d.]+ \w+ with "
                      r"it, ([\d.]+ s)", text)
     verdict = f"{rung[1]}: {rung[2]} with it, {rung[3]} without" if rung else "no rung note"
-    return label, wall, rss, float8[1] if float8 else "none", step[1] if step else "?", verdict
+    micro = re.search(r"│ micro-batch │ (\d+)", text)
+    accumulation = re.search(r"│ accumulation steps │ (\d+)", text)
+    recomputed = re.search(r"│ checkpointed modules │ (.+?) │", text)
+    chosen = (f"{float8[1] if float8 else 'none'}, {micro[1] if micro else '?'} x "
+              f"{accumulation[1] if accumulation else '1'}, recomputed: {recomputed[1] if recomputed else '?'}")
+    return label, wall, rss, chosen, step[1] if step else "?", verdict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("/usr/bin/time") is None:
         raise SystemExit("needs GNU time at /usr/bin/time (apt install time): it reports the peak resident memory")
     cases = [("8B, 2 blocks, 1 GPU", TWO_BLOCKS)] + ([] if "--quick" in argv else [("8B, 8 GPUs FSDP2", WHOLE)])
-    print(f"{'case':20} {'wall s':>8} {'max RSS KiB':>13}  {'float8':10}  {'step':8} rung")
+    print(f"{'case':20} {'wall s':>8} {'max RSS KiB':>13}  {'step':8} {'rung':48} chosen")
     for label, command in cases:
-        name, wall, rss, float8, step, verdict = _case(label, [sys.executable, "-m", "autofit", *command])
-        print(f"{name:20} {wall:8.1f} {rss:13,}  {float8:10}  {step:8} {verdict}", flush=True)
+        name, wall, rss, chosen, step, verdict = _case(label, [sys.executable, "-m", "autofit", *command])
+        print(f"{name:20} {wall:8.1f} {rss:13,}  {step:8} {verdict:48} {chosen}", flush=True)
     return 0
 
 
