@@ -313,13 +313,12 @@ def _no_entries_left() -> Iterator[None]:
         codes = (ref() for ref in input_codes.seen)
         return {id(c): (c, len(_debug_get_cache_entry_list(c))) for c in codes if c is not None}
 
-    before = entries()
+    before = entries()  # holds each code object, so no id is reused while the simulation runs
     try:
         yield
     finally:
         for key, (code, count) in entries().items():
-            old = before.get(key)
-            if old is None or old[0] is not code or old[1] != count:
+            if before.get(key, (code, -1))[1] != count:
                 reset_code(code)
 
 
