@@ -19,7 +19,7 @@ from autofit.training.loss import LossFn
 from autofit.measure.ranks import measure_laid_out
 from autofit.core.report import Measurement, MemoryEstimate
 from autofit.capture.user_hooks import restores_user_hooks
-from autofit.features.float8 import as_float8, require_fp8
+from autofit.features import user_features
 from autofit.core.rng import keeps_user_rng
 from autofit.core._torch_interrupts import import_lazy_modules
 from autofit.options import STEP_GROUPS, BatchDim, Device, Layout, Precision, Step, gather
@@ -51,6 +51,9 @@ def _config(model, given: _OneStep, optimizer, batch, target, loss_fn) -> StepCo
     # the layout's own rules, before its modules are resolved or anything simulated (autofit/parallel/requested.py)
     layout = step_layout(model, given.layout, step, batch.tensors())
     chunks = _loss_chunks(model, batch, target, loss_fn) if step.chunked_loss else None
+    # the step features carried in more_features read the user's options for the target's card (Note [carried
+    # features]): Float8 refuses a card without FP8 tensor cores
+    gpu = getattr(resolve_device(given.device, given.gpu), "gpu", None)
     return make_step_config(micro_batch_size=micro_batch_size, accumulation_steps=step.accumulation_steps,
                             precision=given.precision, checkpoint=step.checkpoint, optimizer=optimizer,
                             device=given.device, gpu=given.gpu, clip_grad_norm=step.clip_grad_norm,
@@ -59,7 +62,7 @@ def _config(model, given: _OneStep, optimizer, batch, target, loss_fn) -> StepCo
                             compile=step.compile, preallocated_grads=step.preallocated_grads,
                             held_rows=_held_rows(step.inputs, micro_batch_size, step.accumulation_steps),
                             gradient_as_bucket_view=step.gradient_as_bucket_view, zero_grad=step.zero_grad,
-                            float8=as_float8(step.float8))
+                            more_features=user_features(step, gpu))
 
 
 def _one_step(function: str, device: Any, precision: Any, layout: Any, step: Any, batch_dim: Any,
@@ -181,7 +184,6 @@ def estimate(
     batch, target_batch = as_inputs(sample, target, batch_dim=given.batch_dim)
     config = _config(model, given, optimizer, batch, target_batch, loss_fn)
     device_model = resolve_device(config.device, config.gpu, given.expandable)
-    require_fp8(getattr(device_model, "gpu", None) if config.float8 is not None else None)  # Note [Float8 training]
     with naming_inputs(lambda: batch):
         sim = simulate_step(model, batch, target_batch, loss_fn, config, device_rules=device_model.simulation_rules)
     est = device_model.estimate(sim)

@@ -20,8 +20,8 @@ from autofit.device import DeviceTarget, resolve_device
 from autofit.options import Layout, Options, Precision
 from autofit.core.errors import require_int
 from autofit.core.rng import keeps_user_rng
-from autofit.features import OPT_IN
-from autofit.features.float8 import as_float8, require_fp8
+from autofit.features import OPT_IN, step_features, user_features
+from autofit.features.base import with_carried
 from autofit.training.loss import LossFn
 from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy
@@ -96,7 +96,6 @@ class PlanRequest:
     # (the notes say why)
     allow_chunked_loss: LossChunks | None = None
     allow_eight_bit: tuple[OptimizerSpec, str] | None = None
-    allow_float8: Any = None  # the Float8 of the speed rung (Note [speed rungs], planner.py)
     closed_rungs: tuple[str, ...] = ()  # rungs that would apply here but were not allowed (the error says so)
     # what a rung of the ladder set for the step it searches (Feature.field): the chunked loss, and the 8-bit
     # optimizer's class
@@ -104,8 +103,10 @@ class PlanRequest:
     low_bit_optimizer: str | None = None
     # plan(compile=True): every step runs the model compiled (Note [compile as a knob], autofit/features/compile.py)
     compile: bool = False
-    # Savers(float8=...) or the float8 rung: every step's linears train in float8 (Note [Float8 training]); a Float8
-    float8: Any = None
+    # the step features registered after the first ones (Note [carried features], autofit/features/base.py), (name,
+    # value) pairs sorted by name: what allow= opened for each (under its allow_field: the Float8 of the speed rung,
+    # Note [speed rungs], planner.py) and its value in force, the user's (Savers(float8=...)) or its rung's
+    more_features: tuple[tuple[str, Any], ...] = ()
     # the model's run of identical blocks, simulated cut to a few of them and extrapolated (plan(extrapolate_depth=),
     # Note [depth extrapolation], autofit/capture/depth.py); None: every simulation runs the whole model
     blocks: Blocks | None = None
@@ -131,7 +132,8 @@ class PlanRequest:
         return make_step_config(
             micro_batch_size=1, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
             gpu=self.device.name, layout=parallel, clip_grad_norm=self.clip_grad_norm,
-            chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad, float8=self.float8)
+            chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad,
+            more_features=step_features(self))
 
     def for_layout(self, parallel: Parallel) -> PlanRequest:
         """The request as ``parallel`` runs it: each rank trains the rows of its data rank, the layout's share of
@@ -207,7 +209,8 @@ def make_request(
     precision_fields = _precisions(model, options.precision, target_device, world_size)
     notes += cpu_precision_notes(options.precision.compute, target_device)
     spec = as_optimizer_spec(optimizer)
-    rung_fields = _rungs(model, batch, target_batch, loss_fn, spec, s.allow, notes)
+    rung_fields = _rungs(model, batch, target_batch, loss_fn, spec, s.allow, notes,
+                         user_features(s, getattr(target_device, "gpu", None)))
     min_rows, refused = smallest_rows(model, batch) if batch_size // world_size > 1 else (1, None)
     if refused is not None:
         notes.append(f"every micro-batch keeps at least {min_rows} rows (a shorter last one takes rows from the one "
@@ -229,17 +232,8 @@ def make_request(
         blocks=_depth_blocks(model, extrapolate_depth, s.compile),
         cheaper_cuts_only=extrapolate_depth == "auto",
         compile=make_step_config(micro_batch_size=1, compile=s.compile).compile,  # validated as the step validates it
-        float8=_float8(s.float8, target_device),
         options=options,
     )
-
-
-def _float8(value: Any, target_device: DeviceTarget) -> Any:
-    """``Savers(float8=...)`` checked against the installed torchao, on a card with FP8 tensor cores (Note [Float8
-    training])."""
-    value = as_float8(value)
-    require_fp8(getattr(target_device, "gpu", None) if value is not None else None)
-    return value
 
 
 def _precisions(model: nn.Module, p: Precision, target_device: DeviceTarget, world_size: int) -> dict[str, Any]:
@@ -253,9 +247,11 @@ def _precisions(model: nn.Module, p: Precision, target_device: DeviceTarget, wor
 
 
 def _rungs(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any, spec: OptimizerSpec, allow: Any,
-           notes: list[str]) -> dict[str, Any]:
+           notes: list[str], more: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
     """The request's fields of the opt-in rungs (Note [step features]): each feature's value where ``allow`` opened
-    it, and the closed rungs that would apply; a rung allowed that does not apply adds its note to ``notes``."""
+    it, and the closed rungs that would apply; a rung allowed that does not apply adds its note to ``notes``. The
+    features carried in ``more_features`` (Note [carried features]) put theirs beside ``more``, the values the user
+    gave them."""
     allowed = allow_names(allow)
     opened, closed = {}, []
     for feature in OPT_IN:
@@ -265,8 +261,11 @@ def _rungs(model: nn.Module, batch: Batch, target: Batch | None, loss_fn: Any, s
             found = None
         elif found is None:
             notes.append(feature.not_applicable(spec))
-        opened[feature.allow_field] = found
-    return dict(opened, closed_rungs=tuple(closed))
+        if feature.own_field:
+            opened[feature.allow_field] = found
+        else:
+            more = with_carried(more, feature.allow_field, found)
+    return dict(opened, closed_rungs=tuple(closed), more_features=more)
 
 
 def _depth_blocks(model: nn.Module, extrapolate_depth: Any, compile: bool) -> Blocks | None:

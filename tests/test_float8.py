@@ -18,7 +18,8 @@ from autofit.parallel.layout import Parallel
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 
-from autofit.features.float8 import Float8, as_float8, converted_linears, gathered_bytes, recipe_names, require_fp8  # noqa: E402
+from autofit.features.float8 import (  # noqa: E402
+    FLOAT8, Float8, as_float8, converted_linears, gathered_bytes, recipe_names, require_fp8)
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # the steps that run on this CPU (estimate and measure on a CPU target) need oneDNN's float8 matmul (Note [CPU
@@ -281,7 +282,7 @@ def test_a_float8_plan_round_trips_and_its_trainer_converts_before_training():
     model = _llama()
     ids = torch.randint(0, 256, (4, 32))
     plan = autofit.plan(model, ids, "8GB", target=ids, device="cpu", savers=autofit.Savers(float8="tensorwise"))
-    assert plan.float8 == Float8(recipe="tensorwise") and plan.step.float8 == plan.float8
+    assert plan.float8 == Float8(recipe="tensorwise") and FLOAT8.in_force(plan.step) == plan.float8
     assert autofit.Plan.from_json(plan.to_json()).float8 == plan.float8
     assert "float8" in str(plan)
     trainer = plan.wrap(model, torch.optim.AdamW(model.parameters()))
@@ -300,10 +301,9 @@ def test_the_speed_rung_takes_the_faster_plan_and_says_what_it_bought():
     from autofit.planner import _with_speed_rungs
 
     @dataclasses.dataclass(frozen=True)
-    class Request:
+    class Request:  # Float8 is carried in more_features (Note [carried features]): what allow= opened, in force
         device: object
-        allow_float8: object = Float8()
-        float8: object = None
+        more_features: tuple = (("allow_float8", Float8()),)
         allow_chunked_loss: object = None
         allow_eight_bit: object = None
 
@@ -318,7 +318,7 @@ def test_the_speed_rung_takes_the_faster_plan_and_says_what_it_bought():
 
     def planner(without, with_float8):
         def planned(request):
-            seconds = with_float8 if request.float8 is not None else without
+            seconds = with_float8 if FLOAT8.in_force(request) is not None else without
             if seconds is None:
                 raise InfeasibleBudgetError("nothing fits", min_budget_bytes=2**40, budget_bytes=2**30)
             return Planned(seconds), {}
@@ -339,7 +339,8 @@ def test_the_speed_rung_takes_the_faster_plan_and_says_what_it_bought():
 
     kept, _ = _with_speed_rungs(Request(A100()), planner(1.0, 0.5))
     assert kept.predicted_step_seconds == 1.0 and "no FP8 tensor cores" in kept.notes[-1]
-    fixed, _ = _with_speed_rungs(Request(Device(), float8=Float8()), planner(1.0, 0.5))
+    fixed, _ = _with_speed_rungs(Request(Device(), more_features=(("allow_float8", Float8()), ("float8", Float8()))),
+                                 planner(1.0, 0.5))
     assert fixed.notes == ()  # the user fixed it: planned once, with it
 
 

@@ -13,18 +13,18 @@ from dataclasses import replace
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 
 from autofit.cli.flags import (
-    AllowOpt, BatchDimOpt, BatchOpt, BudgetOpt, CompileOpt, ConfigOpt, DeviceOpt, DtypeOpt, EXPORT_NAMES, Float8Opt,
+    AllowOpt, BatchDimOpt, BatchOpt, BudgetOpt, CompileOpt, ConfigOpt, DeviceOpt, DtypeOpt, EXPORT_NAMES,
     FromOpt, GpuMemoryOpt, GpuOpt, HostBudgetOpt, JsonOpt, LoraOpt, LoraTargetsOpt, MarginOpt, ModelArg, ModelDtypeOpt,
     NodesOpt, OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt, PlanGpuOpt,
     PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt, SequenceOpt, ShapeOpt, StoredOpt,
     StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt, WriteOpt, ZeroGradOpt, batch_dims_option,
-    default_zero_grad, gpu_option, layout_option, nodes_layout, spec_option)
+    default_zero_grad, feature_flags, gpu_option, layout_option, nodes_layout, spec_option)
 from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot, parse_exports, write_exports
@@ -75,6 +75,7 @@ def _main(version: Annotated[bool, typer.Option("--version", "-V", callback=_ver
 
 
 @app.command(cls=Command)
+@feature_flags  # the step features' own flags (--float8): FEATURE_FLAGS, autofit/cli/flags.py
 def plan(
     budget: BudgetOpt, model: OptionalModelArg = None, batch_size: OptionalBatchOpt = None, input_shape: ShapeOpt = None,
     input_dtype: DtypeOpt = None, device: DeviceOpt = "cuda", gpu: PlanGpuOpt = None, gpu_memory: GpuMemoryOpt = None,
@@ -85,7 +86,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
-    float8: Float8Opt = None, quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
+    quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
     variable_length: VariableLengthOpt = False,
@@ -95,7 +96,7 @@ def plan(
         "--export", metavar="NAME[=PATH]", help="also give the plan as hf (TrainingArguments JSON), deepspeed "
         "(JSON), accelerate (YAML), lightning (YAML) or torchtitan (TOML) settings: printed, or with =PATH written "
         "as the file that framework reads (repeatable; the paths are checked before planning)")] = None,
-    from_file: FromOpt = None, write: WriteOpt = None,
+    from_file: FromOpt = None, write: WriteOpt = None, features: Optional[dict[str, Any]] = None,
 ) -> None:
     """Print the plan for MODEL: the knobs, the predicted peak and its breakdown, the largest layers, the front."""
     console = console_for(stderr=as_json)
@@ -146,7 +147,7 @@ def plan(
                           allow_over_capacity=allow_over_capacity),
             precision=Precision(compute=precision, min_stored=min_stored_precision),
             savers=Savers(offload="auto" if offload else False, allow=tuple(allow or ()), compile=compile,
-                          float8=float8, zero_grad=zero_grad or default_zero_grad(
+                          **(features or {}), zero_grad=zero_grad or default_zero_grad(
                               "lightning" if any(n == "lightning" for n, _ in exports) else None)),
             layout=Layout(world_size=world_size, gpus_per_node=gpus_per_node, strategy=strategy,
                           reshard_after_forward=layout_option("--reshard-after-forward", reshard_after_forward,
@@ -243,6 +244,7 @@ def verify(
 
 
 @app.command(cls=Command)
+@feature_flags  # the step features' own flags (--float8): FEATURE_FLAGS, autofit/cli/flags.py
 def estimate(
     model: ModelArg,
     micro_batch_size: Annotated[int, typer.Option("--micro-batch-size", "-m", help="rows per micro-batch (per rank "
@@ -270,7 +272,7 @@ def estimate(
                                                  "own tp plan; 1: none)")] = "1",
     sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
-    qlora: QloraOpt = False, float8: Float8Opt = None,
+    qlora: QloraOpt = False,
     reduce_every_micro_batch: Annotated[bool, typer.Option(
         "--reduce-every-micro-batch/--defer-reduce", help="FSDP2 with accumulation: reduce-scatter the gradients "
         "after every micro-batch (torchtitan), or defer it to the last one (no_sync; every rank then holds its "
@@ -295,6 +297,7 @@ def estimate(
         "--expandable-segments", help="the CUDA caching allocator runs with PYTORCH_CUDA_ALLOC_CONF="
         "expandable_segments:True (as torchtitan launches)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON (integer bytes)")] = False,
+    features: Optional[dict[str, Any]] = None,
 ) -> None:
     """Print the predicted memory of one fixed configuration of MODEL, per rank: peak allocated, reserved and on the
     device, and the peak's breakdown by category. No search: the knobs are the flags'."""
@@ -321,7 +324,7 @@ def estimate(
             reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
             offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
             preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view,
-            expandable_segments=expandable_segments, float8=float8)
+            expandable_segments=expandable_segments, features=features or {})
         with console.status("simulating one step...", spinner="dots"), one_line_warnings(console):
             result = run_estimate(spec, setup)
     except AutofitError as e:

@@ -5,7 +5,7 @@ its figures as data (:func:`estimate_data`, the ``--json`` document) and their r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Group
@@ -14,6 +14,7 @@ from rich.text import Text
 
 from autofit.api import estimate
 from autofit.cli.specs import ModelSpec
+from autofit.cli.flags import feature_flag_names
 from autofit.core.errors import InvalidInputError
 from autofit.core.report import MemoryEstimate
 from autofit.core.units import format_mib
@@ -45,7 +46,8 @@ STEP_FLAGS: dict[str, tuple[str, ...]] = {
     "reduce_every_micro_batch": ("--reduce-every-micro-batch", "--defer-reduce"),
     "chunked_loss": ("--chunked-loss",), "compile": ("--compile",), "preallocated_grads": ("--preallocated-grads",),
     "inputs": ("--inputs",), "gradient_as_bucket_view": ("--gradient-as-bucket-view",),
-    "zero_grad": ("--zero-grad",), "float8": ("--float8",),
+    "zero_grad": ("--zero-grad",),
+    **feature_flag_names(),  # the step features' own (Note [carried features]): --float8
 }
 # What autofit.estimate takes that is not a knob of the step: the model and its data (MODEL, --input-shape,
 # --config and --task build them), and how a sample given in Python is laid out (the CLI generates batch-first inputs)
@@ -86,7 +88,9 @@ class EstimateSetup:
     # the CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Note [expandable segments as
     # an input], autofit/device.py)
     expandable_segments: bool = False
-    float8: str | None = None  # the torchao recipe the linears train in (Note [Float8 training]); None: not
+    # the options of the step features carried in more_features (Note [carried features]), as their flags gave them
+    # (FEATURE_FLAGS, autofit/cli/flags.py: {"float8": "rowwise"}); None where a flag was not given
+    features: dict[str, Any] = field(default_factory=dict)
 
     @property
     def data_ranks(self) -> int:
@@ -200,7 +204,7 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                               offload_states=setup.offload_states, optimizer_in_backward=setup.optimizer_in_backward,
                               chunked_loss=setup.chunked_loss, preallocated_grads=setup.preallocated_grads,
                               inputs=setup.inputs, gradient_as_bucket_view=setup.gradient_as_bucket_view,
-                              float8=setup.float8))
+                              **setup.features))
 
 
 def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -> dict[str, Any]:
@@ -216,7 +220,7 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "optimizer_in_backward": setup.optimizer_in_backward, "chunked_loss": setup.chunked_loss,
         "preallocated_grads": setup.preallocated_grads, "inputs": setup.inputs,
         "gradient_as_bucket_view": setup.gradient_as_bucket_view, "alloc_conf": est.alloc_conf,
-        "float8": setup.float8,
+        **setup.features,
         "batch_size": setup.micro_batch_size * setup.accumulation_steps * setup.data_ranks,
         "precision": setup.precision, "optimizer": setup.optimizer, "checkpoint": setup.checkpoint,
         "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,

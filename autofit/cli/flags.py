@@ -6,8 +6,11 @@ that build it). Used by autofit/cli/app.py's commands."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional, get_args
 
 import typer
 
@@ -15,13 +18,13 @@ from autofit.core.errors import AutofitError, InvalidInputError
 
 __all__ = [
     "AllowOpt", "BatchDimOpt", "BatchOpt", "BudgetOpt", "CompileOpt", "ConfigOpt", "DeviceOpt", "DtypeOpt",
-    "EXPORT_NAMES", "Float8Opt", "FromOpt", "GpuMemoryOpt", "GpuOpt", "HostBudgetOpt", "JsonOpt", "LoraOpt",
+    "EXPORT_NAMES", "FEATURE_FLAGS", "FromOpt", "GpuMemoryOpt", "GpuOpt", "HostBudgetOpt", "JsonOpt", "LoraOpt",
     "LoraTargetsOpt", "MarginOpt", "ModelArg", "ModelDtypeOpt", "NodesOpt", "OffloadOpt", "OptimizerOpt",
     "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PlanGpuOpt", "PrecisionOpt",
     "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "SequenceOpt", "ShapeOpt", "StoredOpt",
     "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt", "WorldOpt", "WriteOpt",
-    "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "gpu_option", "layout_option", "nodes_layout",
-    "spec_option",
+    "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names", "feature_flags", "gpu_option",
+    "layout_option", "nodes_layout", "spec_option",
 ]
 
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
@@ -93,9 +96,43 @@ AllowOpt = Annotated[Optional[list[str]], typer.Option(
 CompileOpt = Annotated[bool, typer.Option(
     "--compile", help="train the model compiled (torch.compile, inductor): estimated as inductor compiles it, and "
     "the trainer compiles it (docs/fine-tuning.md)")]
-Float8Opt = Annotated[Optional[str], typer.Option(
-    "--float8", metavar="RECIPE", help="train the linear layers in float8 with this torchao recipe (tensorwise, "
-    "rowwise, rowwise_with_gw_hp): converted before the layout, the output head left (docs/float8.md)")]
+# The flags of the step features carried in more_features (Note [carried features], autofit/features/base.py), by
+# the feature's field: options of plan and estimate both (feature_flags), each handed to autofit.Step / Savers as the
+# option of that name, which the feature reads (Feature.from_user). Declared here, not in the feature's module, so
+# that the help lists them without importing torch (tests/test_features.py checks they are the registry's).
+FEATURE_FLAGS: dict[str, Any] = {
+    "float8": Annotated[Optional[str], typer.Option(
+        "--float8", metavar="RECIPE", help="train the linear layers in float8 with this torchao recipe (tensorwise, "
+        "rowwise, rowwise_with_gw_hp): converted before the layout, the output head left (docs/float8.md)")],
+}
+
+
+def feature_flag_names() -> dict[str, tuple[str, ...]]:
+    """Each :data:`FEATURE_FLAGS` entry's option names, by field (in ``Annotated`` typer holds the first name as the
+    option's ``default``)."""
+    names = {}
+    for field, annotation in FEATURE_FLAGS.items():
+        info = get_args(annotation)[1]
+        names[field] = (info.default, *info.param_decls)
+    return names
+
+
+def feature_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` (a typer command taking ``features``) with one option per :data:`FEATURE_FLAGS` entry after its
+    own; the command gets their values as ``features``, ``{field: value}``."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "features"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+             for name, annotation in FEATURE_FLAGS.items()]
+
+    @functools.wraps(command)
+    def with_flags(**kwargs: Any) -> None:
+        features = {name: kwargs.pop(name) for name in FEATURE_FLAGS}
+        return command(**kwargs, features=features)
+
+    with_flags.__signature__ = signature.replace(parameters=own + added)  # type: ignore[attr-defined]
+    with_flags.__annotations__ = {p.name: p.annotation for p in own + added}
+    return with_flags
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="no progress: neither the terminal's progress line nor, when stderr is not a terminal, "
     "the stage lines written there")]

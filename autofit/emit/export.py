@@ -52,7 +52,6 @@ from typing import Any
 
 from autofit.emit.plan import Plan
 from autofit.features import FEATURES
-from autofit.features.float8 import torchtitan_float8
 from autofit.parallel.exports import ExportFragment, ExportInputs, merge_settings
 from autofit.parallel.replicate import DDP_KWARGS
 
@@ -266,10 +265,10 @@ def to_torchtitan_config(plan: Plan) -> dict[str, dict[str, Any]]:
     activation = _torchtitan_recompute(plan, notes)
     out: dict[str, dict[str, Any]] = {"parallelism": parallelism, "training": training,
                                       "activation_checkpoint": activation}
-    if plan.float8 is not None:  # the converter's sections (Note [Float8 training], autofit/features/float8.py)
-        sections, titan_notes = torchtitan_float8(plan.float8)
-        out.update(sections)
-        notes += titan_notes
+    for feature in FEATURES:  # the step features' own sections (Float8's converter: Note [Float8 training])
+        sections, feature_notes = feature.export_sections(plan, "torchtitan")
+        merge_settings(out, sections)
+        notes += feature_notes
     if notes:
         out["autofit"] = {"notes": notes}
     return out

@@ -22,7 +22,7 @@ from autofit.core.report import MemoryEstimate
 from autofit.emit.model_record import ModelRecord
 from autofit.emit.plan_json import PlanJson
 from autofit.emit.plan_text import Alternative, Forgone, PlanText
-from autofit.features import FEATURES
+from autofit.features import FEATURES, FURTHER, step_features
 from autofit.training.chunked_loss import LossChunks
 from autofit.solve.lengths import rows_for_length
 from autofit.parallel.layout import Parallel, trade_words
@@ -106,9 +106,10 @@ class Plan(PlanJson, PlanText):
     low_bit_optimizer: str | None = None
     # plan(compile=True): the trainer compiles the model (the step feature "compile", Note [compile as a knob])
     compile: bool = False
-    # plan(float8=...) or the "float8" rung: the trainer converts the linears to torchao's Float8Linear before the
-    # layout (the step feature "float8", Note [Float8 training]): an autofit.features.float8.Float8, or None
-    float8: Any = None
+    # the step features registered after the first ones (Note [carried features], autofit/features/base.py), (name,
+    # value) pairs sorted by name, each read as ``plan.<name>`` (None where not in force): plan(float8=...) or the
+    # "float8" rung, the linears converted to torchao's Float8Linear before the layout (Note [Float8 training])
+    more_features: tuple[tuple[str, Any], ...] = ()
     # the trainer allocates every gradient before the first forward and keeps it between steps, where only that fits
     # the budget (the step feature "preallocated-grads"; Note [gradients before forward as a plan knob],
     # solve/estimator.py): the estimate's, which the search decided (not an argument)
@@ -325,6 +326,11 @@ def _with_flat_layout(init: Callable[..., None]) -> Callable[..., None]:
 Plan.__init__ = _with_flat_layout(Plan.__init__)
 
 
+# plan.float8: a feature carried in more_features (Note [carried features]), read as a field would be
+for _feature in FURTHER:
+    setattr(Plan, _feature.field, property(_feature.in_force, doc=f"the step feature {_feature.name!r}'s value"))
+
+
 # Note [the plan's step]
 #     The plan carries the step its estimate was verified with, ``Plan.step`` (a StepConfig, training/config.py):
 #     the trainers, the distributed one and the integrations read it, and replace only what the real run knows and
@@ -355,9 +361,10 @@ def plan_step(plan: Plan) -> StepConfig:
         layout=plan.parallel, clip_grad_norm=plan.clip_grad_norm, offload=plan.offload, compile=plan.compile,
         preallocated_grads=plan.preallocated_grads, zero_grad=plan.zero_grad,
     )
-    # each step feature's value, where the step holds one (Note [step features])
-    knobs.update((f.field, getattr(plan, f.field)) for f in FEATURES if f.field in _STEP_FIELDS)
-    return StepConfig(**knobs)
+    # each step feature's value, where the step holds one (Note [step features]); those carried in more_features
+    # all are the step's (Note [carried features])
+    knobs.update((f.field, getattr(plan, f.field)) for f in FEATURES if f.own_field and f.field in _STEP_FIELDS)
+    return StepConfig(**knobs, more_features=step_features(plan))
 
 
 def _optimizer_named(name: str) -> OptimizerSpec:

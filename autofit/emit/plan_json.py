@@ -15,7 +15,8 @@ from autofit.training.precision import PrecisionPolicy
 from autofit.core.report import MemoryEstimate
 from autofit.emit.model_record import ModelRecord
 from autofit.emit.plan_text import Alternative, Forgone
-from autofit.features import FEATURES
+from autofit.features import FEATURES, FURTHER
+from autofit.features.base import with_carried
 from autofit.parallel.layout import Parallel
 from autofit.parallel.layout_json import json_fields, layout_from_json
 
@@ -31,7 +32,9 @@ class PlanJson:
     def to_dict(self) -> dict[str, Any]:
         data = {}
         for f in fields(self):
-            if f.name not in ("loss_fn", "parallel", "verified_step"):
+            if f.name == "more_features":  # each carried feature under its own name, where this field stands
+                data.update((feature.field, None) for feature in FURTHER)
+            elif f.name not in ("loss_fn", "parallel", "verified_step"):
                 data[f.name] = getattr(self, f.name)
             data.update(json_fields(self.parallel, after=f.name))  # Note [the layout in a plan's JSON]
         data["precision"] = {"name": self.precision.name, "fp32_modules": list(self.precision.fp32_modules),
@@ -115,10 +118,13 @@ class PlanJson:
             data["rows_by_length"] = tuple((int(n), int(r)) for n, r in data.get("rows_by_length", ()))
             split = data.get("even_split")
             data["even_split"] = None if split is None else (int(split[0]), int(split[1]))
+            more: tuple[tuple[str, Any], ...] = ()
             for feature in FEATURES:  # a field absent (a plan written before the feature) keeps its default
                 if feature.field in data:
                     data[feature.field] = feature.from_json(data[feature.field])
-            return cls(**data)
+                    if not feature.own_field:  # Note [carried features]
+                        more = with_carried(more, feature.field, data.pop(feature.field))
+            return cls(**data, more_features=more)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidInputError):
                 raise

@@ -7,7 +7,7 @@ from typing import Any
 
 from autofit.features.activation_offload import ACTIVATION_OFFLOAD
 from autofit.features.allocator import ALLOCATOR_SETTING
-from autofit.features.base import Feature, OptInFeature, StepLoss
+from autofit.features.base import Feature, OptInFeature, StepLoss, with_carried
 from autofit.features.chunked_loss import CHUNKED_LOSS
 from autofit.features.compile import COMPILE
 from autofit.features.float8 import FLOAT8
@@ -15,8 +15,9 @@ from autofit.features.in_backward import IN_BACKWARD
 from autofit.features.low_bit_optimizer import LOW_BIT_OPTIMIZER
 from autofit.features.preallocated_grads import PREALLOCATED_GRADS
 
-__all__ = ["FEATURES", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "before_wrap", "convert_model", "feature_fields",
-           "feature_names", "feature_values", "registry"]
+__all__ = ["FEATURES", "FURTHER", "OPT_IN", "Feature", "OptInFeature", "StepLoss", "before_wrap",
+           "convert_model", "feature_fields", "feature_names", "feature_values", "registry", "step_features",
+           "user_features"]
 
 
 def registry(*features: Feature) -> tuple[Feature, ...]:
@@ -35,6 +36,8 @@ def registry(*features: Feature) -> tuple[Feature, ...]:
 FEATURES: tuple[Feature, ...] = registry(FLOAT8, COMPILE, ALLOCATOR_SETTING, PREALLOCATED_GRADS, ACTIVATION_OFFLOAD,
                                          CHUNKED_LOSS, LOW_BIT_OPTIMIZER, IN_BACKWARD)
 OPT_IN: tuple[OptInFeature, ...] = tuple(f for f in FEATURES if isinstance(f, OptInFeature))
+# those carried in the carriers' more_features, not a field of their own (Note [carried features])
+FURTHER: tuple[Feature, ...] = tuple(f for f in FEATURES if not f.own_field)
 
 
 def feature_names() -> tuple[str, ...]:
@@ -44,8 +47,31 @@ def feature_names() -> tuple[str, ...]:
 
 def feature_fields(request: Any) -> dict[str, Any]:
     """The value on ``request`` (a rung's PlanRequest) of every feature it carries, by its field: what the rung set
-    (the opt-in ones) and what the user set (Feature.user_setting), handed on to the plan."""
-    return {f.field: f.in_force(request) for f in FEATURES if isinstance(f, OptInFeature) or f.user_setting}
+    (the opt-in ones) and what the user set (Feature.user_setting), handed on to the plan; those registered after the
+    first ones as its ``more_features`` (Note [carried features])."""
+    own = {f.field: f.in_force(request) for f in FEATURES
+           if f.own_field and (isinstance(f, OptInFeature) or f.user_setting)}
+    return dict(own, more_features=step_features(request))
+
+
+def step_features(carrier: Any) -> tuple[tuple[str, Any], ...]:
+    """The values in force on ``carrier`` of the features carried in ``more_features`` (Note [carried features]),
+    as a step carries them: a request's ``allow=`` values left out."""
+    pairs: tuple[tuple[str, Any], ...] = ()
+    for feature in FURTHER:
+        pairs = with_carried(pairs, feature.field, feature.in_force(carrier))
+    return pairs
+
+
+def user_features(options: Any, gpu: Any) -> tuple[tuple[str, Any], ...]:
+    """The values the user gave the features carried in ``more_features`` (Note [carried features]): each the
+    attribute of ``options`` (an ``autofit.Step`` or ``Savers``) named as its field, read by its
+    :meth:`Feature.from_user` for the target's ``gpu`` (a catalog GPUSpec, or None)."""
+    pairs: tuple[tuple[str, Any], ...] = ()
+    for feature in FURTHER:
+        if hasattr(options, feature.field):
+            pairs = with_carried(pairs, feature.field, feature.from_user(getattr(options, feature.field), gpu))
+    return pairs
 
 
 def feature_values(request: Any) -> tuple[Any, ...]:

@@ -45,13 +45,28 @@ Note [step features]
         :meth:`OptInFeature.climbed`, what the rung saved against the same configuration without it;
       - to other trainers (``integrations/``): :attr:`OptInFeature.replaces`, what of the step a plan applied
         outside ``wrap`` would lose.
-    A feature's value travels in the step, the plan (and for an opt-in one the request) under one field name
+    A feature's value travels in the step, the plan (and for an opt-in one the request) under one name
     (:attr:`Feature.field`); ``None`` (False for a flag, empty for a tuple or a string) there means "not in
     force". A feature the user sets
     (:attr:`Feature.user_setting`: ``plan(compile=True)``) travels in the request too, and the plan takes it from
     there as it is (``feature_fields``, autofit/features/__init__.py). Only what the registered
     features use is declared: a new feature that needs another hook adds it here, with a default that changes
     nothing, and the stage that calls it.
+
+Note [carried features]
+    The first features have a field of their own on each value that carries them (``StepConfig``, ``PlanRequest``,
+    ``Plan``: ``compile``, ``chunked_loss``, ...), read there by the stages that predate the registry. A feature
+    registered after them (:attr:`Feature.own_field` False: Float8) needs none: its value travels in the carriers'
+    ``more_features``, ``(name, value)`` pairs sorted by name, under :attr:`Feature.field` (and, for an opt-in one,
+    the value ``allow=`` opened under :attr:`OptInFeature.allow_field`), as a layout dimension registered after the
+    first ones travels in ``Parallel.more_dimensions``. What such a feature needs of the stages it says through its
+    hooks: the user's value read (:meth:`Feature.from_user`, from the option of ``autofit.Step`` / ``Savers`` named
+    as its field), its rules on the step (the value's own ``check_step``, which ``StepConfig`` runs), what
+    ``measure`` cannot run over gloo (:meth:`Feature.gloo_refusal`), its sections of an export
+    (:meth:`Feature.export_sections`) and the tensor subclasses the tracker looks through
+    (:attr:`Feature.seen_through`). So adding one touches its module, the registry, its option (autofit/options.py)
+    and its flag (``FEATURE_FLAGS``, autofit/cli/flags.py, which the CLI reads without importing torch); and
+    ``plan.<field>`` reads it as a field would.
 """
 
 from __future__ import annotations
@@ -72,7 +87,22 @@ if TYPE_CHECKING:  # annotations only: these are values the stages hand in
     from autofit.training.config import StepConfig
     from autofit.training.optim import OptimizerSpec
 
-__all__ = ["Feature", "OptInFeature", "StepLoss"]
+__all__ = ["Feature", "OptInFeature", "StepLoss", "carried", "with_carried"]
+
+
+def carried(carrier: Any, key: str) -> Any:
+    """The value under ``key`` in ``carrier``'s ``more_features`` (Note [carried features]), or None."""
+    return dict(getattr(carrier, "more_features", ())).get(key)
+
+
+def with_carried(pairs: tuple[tuple[str, Any], ...], key: str, value: Any) -> tuple[tuple[str, Any], ...]:
+    """``pairs`` (a carrier's ``more_features``) with ``key`` set to ``value``, or dropped where it is None; sorted
+    by name, so two carriers of the same values compare equal."""
+    values = dict(pairs)
+    values.pop(key, None)
+    if value is not None:
+        values[key] = value
+    return tuple(sorted(values.items()))
 
 
 
@@ -92,10 +122,34 @@ class Feature:
     # why the feature runs in one process only: the message a plan laid out over processes (DDP, FSDP2) is refused
     # with when it is wrapped (features.before_wrap asks the layout, Parallel.refuse_laid_out); None: any layout
     one_process: str | None = None
+    # the carriers (StepConfig, PlanRequest, Plan) have a field named ``field``; False: the value travels in their
+    # ``more_features`` (Note [carried features]), as every feature registered after the first ones does
+    own_field: bool = True
+    # tensor subclasses the feature's modules make whose ops compute in plain aten ops on inner tensors, by
+    # (module, class name): the tracker looks through them (Note [subclasses that compute in plain ops],
+    # simulate/tracker.py)
+    seen_through: tuple[tuple[str, str], ...] = ()
 
     def in_force(self, carrier: Any) -> Any:
         """The value in force on ``carrier`` (a PlanRequest, a StepConfig or a Plan), or None."""
-        return getattr(carrier, self.field, None)
+        return getattr(carrier, self.field, None) if self.own_field else carried(carrier, self.field)
+
+    def carry(self, carrier: Any, value: Any) -> Any:
+        """``carrier`` (a frozen dataclass: PlanRequest, StepConfig, Plan) with ``value`` in force."""
+        if self.own_field:
+            return dataclasses.replace(carrier, **{self.field: value})
+        return dataclasses.replace(carrier, more_features=with_carried(carrier.more_features, self.field, value))
+
+    # ---- the user's value (Note [carried features]) ---------------------------------------------------------------
+    def from_user(self, value: Any, gpu: Any) -> Any:
+        """The value the user gave (the option of ``autofit.Step`` / ``Savers`` named as :attr:`field`, or the CLI's
+        flag) as the step carries it, checked for the target: ``gpu`` is its catalog GPUSpec (None: a CPU, or a GPU
+        not named). Raises a typed error naming what to change."""
+        return value
+
+    def gloo_refusal(self, config: StepConfig) -> str | None:
+        """Why ``measure`` cannot run ``config``'s step as processes on this CPU joined by gloo, or None."""
+        return None
 
     # ---- the model before its layout: simulated, measured and trained alike ----------------------------------------
     def convert(self, config: StepConfig, model: nn.Module) -> None:
@@ -148,6 +202,12 @@ class Feature:
         "torchtitan"; emit/export.py) says of the feature: what that framework can do to run it."""
         return ()
 
+    def export_sections(self, plan: Any, framework: str) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+        """The sections of ``framework``'s config that run the feature for ``plan`` (torchtitan's converter and
+        its section), merged into the export, and their notes; ``({}, ())`` where it has none (its
+        :meth:`export_notes` say what to do instead)."""
+        return {}, ()
+
     def outside_wrap(self, plan: Any, callback: str) -> str | None:
         """Why ``callback``, applying ``plan`` inside another training loop (``integrations/``), cannot run the
         feature, or None: it can, or the feature is not in force."""
@@ -191,7 +251,7 @@ class OptInFeature(Feature, abc.ABC):
 
     def allowed(self, request: Any) -> Any:
         """The value plan(allow=...) opened on ``request`` (a PlanRequest), or None."""
-        return getattr(request, self.allow_field)
+        return getattr(request, self.allow_field) if self.own_field else carried(request, self.allow_field)
 
     # ---- the ladder -----------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -200,12 +260,12 @@ class OptInFeature(Feature, abc.ABC):
 
     def request_for(self, request: Any, value: Any) -> Any:
         """``request`` (a PlanRequest) as a rung with the feature in force runs it."""
-        return dataclasses.replace(request, **{self.field: value})
+        return self.carry(request, value)
 
     def request_without(self, request: Any, user: Any) -> Any:
         """``request`` (a rung's) without the feature, the rest as the rung runs it; ``user`` is the request as
         the user gave it."""
-        return dataclasses.replace(request, **{self.field: None})
+        return self.carry(request, None)
 
     @abc.abstractmethod
     def climbed(self, value: Any, user: Any) -> str:

@@ -51,6 +51,7 @@ from torch import nn
 
 from autofit.core.errors import InvalidInputError, UnsupportedFeatureError
 from autofit.features.base import OptInFeature
+from autofit.parallel.step_rules import require_fully_sharded
 from autofit.training.chunked_loss import output_head
 
 if TYPE_CHECKING:
@@ -113,6 +114,13 @@ class Float8:
             raise InvalidInputError(
                 f"Float8.all_gather with recipe {self.recipe!r}: only 'tensorwise' weights can be gathered in "
                 "float8 (torchao's enable_fsdp_float8_all_gather); use recipe='tensorwise' or all_gather=False")
+
+    def check_step(self, config: StepConfig) -> None:
+        """The rules on the step that carries it (Note [carried features]): the float8 all-gather is FSDP2's."""
+        if self.all_gather:
+            require_fully_sharded(config.layout, "Float8(all_gather=True) is FSDP2's float8 all-gather of the "
+                                  "weights: it needs strategy='fsdp2' over several ranks; leave all_gather out "
+                                  "otherwise")
 
     def torchao_config(self) -> Any:
         """torchao's ``Float8LinearConfig`` for this recipe."""
@@ -256,7 +264,7 @@ class Float8Training(OptInFeature):
 
     def request_for(self, request: Any, value: Float8) -> Any:
         require_fp8(getattr(request.device, "gpu", None))
-        return dataclasses.replace(request, float8=value)
+        return self.carry(request, value)
 
     def climbed(self, value: Float8, user: Any) -> str:
         return (f"rung 'float8' taken: the linears train in float8 ({value.label()}; torchao's Float8Linear, "
@@ -264,14 +272,25 @@ class Float8Training(OptInFeature):
                 "training]); it changes numerics")
 
     # ---- the stages -----------------------------------------------------------------------------------------------
+    def from_user(self, value: Any, gpu: Any) -> Float8 | None:
+        value = as_float8(value)
+        require_fp8(gpu if value is not None else None)
+        return value
+
+    def gloo_refusal(self, config: StepConfig) -> str | None:
+        value = self.in_force(config)
+        if value is None or not value.all_gather:
+            return None
+        return ("FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); estimate it, or measure on "
+                "GPUs (Note [Float8 training])")
 
     def convert(self, config: StepConfig, model: nn.Module) -> None:
-        value = config.float8
+        value = self.in_force(config)
         if value is not None:
             convert(model, value)
 
     def estimate_notes(self, config: StepConfig) -> tuple[str, ...]:
-        value = config.float8
+        value = self.in_force(config)
         if value is None:
             return ()
         import torchao  # noqa: PLC0415 - converted already, so installed
@@ -280,23 +299,31 @@ class Float8Training(OptInFeature):
                 "simulated as that release runs it, what it saves for backward included (Note [Float8 training])",)
 
     def plan_rows(self, plan: Any) -> tuple[tuple[str, str], ...]:
-        value = plan.float8
+        value = self.in_force(plan)
         if value is None:
             return ()
         return (("float8", f"{value.label()} (torchao Float8Linear, applied by the trainer before the layout)"),)
 
     def export_notes(self, plan: Any, framework: str) -> tuple[str, ...]:
-        value = plan.float8
+        value = self.in_force(plan)
         if value is None or framework == "torchtitan":
             return ()
         return (f"the plan trains the linear layers in float8 ({value.label()}); {framework} has no setting for it: "
                 "convert the model with torchao.float8.convert_to_float8_training(model, config=Float8LinearConfig."
                 f"from_recipe_name({value.recipe!r})) before the framework wraps it, skipping the output head",)
 
+    def export_sections(self, plan: Any, framework: str) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+        value = self.in_force(plan)
+        if value is None or framework != "torchtitan":
+            return {}, ()
+        sections, notes = torchtitan_float8(value)
+        return sections, tuple(notes)
+
     def outside_wrap(self, plan: Any, callback: str) -> str | None:
-        if plan.float8 is None:
+        value = self.in_force(plan)
+        if value is None:
             return None
-        return (f"the plan trains the linear layers in float8 ({plan.float8.label()}): convert the model with "
+        return (f"the plan trains the linear layers in float8 ({value.label()}): convert the model with "
                 "torchao.float8.convert_to_float8_training before training (the callback does not swap modules)")
 
     def to_json(self, value: Float8 | None) -> dict[str, Any] | None:
@@ -308,5 +335,8 @@ class Float8Training(OptInFeature):
                                                 all_gather=bool(data["all_gather"]))
 
 
-FLOAT8 = Float8Training(name="float8", field="float8", allow_field="allow_float8", row_after="optimizer",
-                        user_setting=True, replaces="the model's linear layers", for_speed=True)
+FLOAT8 = Float8Training(
+    name="float8", field="float8", allow_field="allow_float8", row_after="optimizer", user_setting=True,
+    replaces="the model's linear layers", for_speed=True, own_field=False,
+    # Float8Linear's weights and inputs: mm becomes _scaled_mm on the float8 data and scales
+    seen_through=(("torchao.float8.float8_training_tensor", "Float8TrainingTensor"),))

@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.core.report import Measurement
+from autofit.features import FEATURES
 from autofit.measure.allocator import measure_step
 from autofit.parallel.processes import measured_processes
 from autofit.training.batch import Batch, naming_inputs
@@ -73,9 +74,10 @@ def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | N
                   steps: int, ranks: int) -> Measurement:
     """Rank 0's measurement (the rank an estimate simulates) with every rank's peak in ``rank_peaks``: the step run
     by ``ranks`` processes on this CPU, joined by gloo."""
-    if config.float8 is not None and config.float8.all_gather and config.device.is_host:
-        raise InvalidInputError("measure: FSDP2's float8 all-gather does not run on gloo ('Invalid scalar type'); "
-                                "estimate it, or measure on GPUs (Note [Float8 training])")
+    for feature in FEATURES:  # what a step feature cannot run over gloo (Float8's all-gather)
+        why = feature.gloo_refusal(config) if config.device.is_host else None
+        if why is not None:
+            raise InvalidInputError(f"measure: {why}")
     if not config.device.is_host:
         raise InvalidInputError(
             f"measure with world_size={ranks} runs the ranks as processes on this CPU (gloo); on "

@@ -295,7 +295,8 @@ class Parallel:
         """The rules between this layout and ``step``'s knobs (``StepConfig`` runs them where it is built), each
         message naming the knob: the layout's own (what needs DDP), then each of its dimensions'
         (``Dimension.check_step``), in mesh order. A step feature's rules on the layout are the feature's (Float8's
-        all-gather needs FSDP2 over several ranks: ``StepConfig``), so the layout names no feature."""
+        all-gather needs FSDP2 over several ranks: its value's ``check_step``, which ``StepConfig`` runs), so the
+        layout names no feature."""
         if not step.gradient_as_bucket_view and not self.replicates_parameters:
             raise InvalidInputError("gradient_as_bucket_view=False describes DDP's buckets: it needs strategy='ddp' "
                                     "(leave it out for one process or FSDP2)")

@@ -37,6 +37,7 @@ from autofit.core._torch_interrupts import interruption_point
 from autofit.core.categories import Category
 from autofit.capture.corrections import FakeKernelStricter, fake_kernel, registered
 from autofit.core.cpu import require_kernel
+from autofit.features import FEATURES
 from autofit.simulate.accumulation import AccumulationWatch
 from autofit.simulate.probe import KernelProber, real_kernel_accepts
 from autofit.simulate.timeline import OpRecord, Phase, StorageRecord, Timeline
@@ -314,9 +315,10 @@ class StepTracker(TorchDispatchMode):
 #     pops while it handles an op: their temporaries and the ``_scaled_mm`` kernel's own scratch (the CPU kernel
 #     copies a transposed operand) would go unseen, and its FLOPs unpriced. The tracker calls such a subclass's
 #     dispatch itself with the mode pushed again, so each inner op passes through it as in a plain step (and is
-#     probed, counted and priced in its own dtype). The subclasses are named here by module and class, looked up
-#     only where their library is already imported (no library is imported for the check).
-_SEEN_THROUGH = (("torchao.float8.float8_training_tensor", "Float8TrainingTensor"),)
+#     probed, counted and priced in its own dtype). The subclasses are named by the step features whose modules
+#     make them (``Feature.seen_through``), by module and class, looked up only where their library is already
+#     imported (no library is imported for the check).
+_SEEN_THROUGH = tuple(kind for feature in FEATURES for kind in feature.seen_through)
 
 
 def _computing_subclass(inputs: list[torch.Tensor]) -> type | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -23,7 +23,7 @@ from autofit.training.optim import OptimizerSpec, as_optimizer_spec
 from autofit.training.precision import PrecisionPolicy, as_policy
 from autofit.training.recompute import require_policy
 from autofit.parallel.layout import Parallel
-from autofit.parallel.step_rules import gradients_in_buckets, gradients_owner, require_fully_sharded
+from autofit.parallel.step_rules import gradients_in_buckets, gradients_owner
 
 __all__ = ["StepConfig", "make_step_config", "resolve_modules", "overridden_forwards", "DEVICES", "DeviceKind",
            "ZeroGrad", "ZERO_GRAD_ORDERS", "as_zero_grad"]
@@ -144,9 +144,10 @@ class StepConfig:
     # the model runs as torch.compile(model) (inductor, default options) compiles it (Note [compile as a knob],
     # autofit/features/compile.py)
     compile: bool = False
-    # the linears train in float8 (torchao's Float8Linear, converted before the layout: Note [Float8 training],
-    # autofit/features/float8.py): an autofit.features.float8.Float8, or None
-    float8: Any = None
+    # the values of the step features registered after the first ones, (name, value) pairs sorted by name (Note
+    # [carried features], autofit/features/base.py: Float8's under "float8"); each value says its rules on the step
+    # (``check_step``)
+    more_features: tuple[tuple[str, Any], ...] = ()
     # every trainable parameter's gradient allocated before the first forward and zeroed in place after each step
     # (zero_grad(set_to_none=False)), not created in backward (Note [gradients allocated before forward])
     preallocated_grads: bool = False
@@ -210,13 +211,12 @@ class StepConfig:
             )
         if not isinstance(self.compile, bool):
             raise InvalidInputError(f"compile must be True or False, got {self.compile!r}")
-        if self.float8 is not None and type(self.float8).__name__ != "Float8":  # the feature's value, not imported
-            raise InvalidInputError(f"float8 must be an autofit.features.float8.Float8 (as_float8 reads a recipe "
-                                    f"name), got {self.float8!r}")
         self.layout.check_step(self)  # the layout's rules on the step's knobs, its dimensions' (autofit/parallel/)
-        if self.float8 is not None and self.float8.all_gather:
-            require_fully_sharded(self.layout, "Float8(all_gather=True) is FSDP2's float8 all-gather of the weights: "
-                                  "it needs strategy='fsdp2' over several ranks; leave all_gather out otherwise")
+        for name, value in self.more_features:  # a feature's rules on the step: its value's (Note [carried features])
+            if not callable(getattr(value, "check_step", None)):
+                raise InvalidInputError(f"{name}={value!r} is not a step feature's value (one the feature read from "
+                                        "the user's option, with its check_step): give it through autofit.Step")
+            value.check_step(self)
         if not isinstance(self.preallocated_grads, bool):
             raise InvalidInputError(f"preallocated_grads must be True or False, got {self.preallocated_grads!r}")
         if self.preallocated_grads:
@@ -236,8 +236,9 @@ def make_step_config(
     device string, an optimizer name). ``layout``: the parallel layout, one value
     (:class:`~autofit.parallel.layout.Parallel`); None: one process. ``knobs``: the step's other fields, which the
     user gives as the step holds them (``accumulation_steps``, ``held_rows``, ``gpu``, ``clip_grad_norm``,
-    ``chunked_loss``, ``compile``, ``preallocated_grads``, ``gradient_as_bucket_view``, ``zero_grad``, ``float8``:
-    :class:`StepConfig`), validated there."""
+    ``chunked_loss``, ``compile``, ``preallocated_grads``, ``gradient_as_bucket_view``, ``zero_grad``:
+    :class:`StepConfig`), validated there; a knob the step has no field for is a step feature's value (Note [carried
+    features]: ``float8=Float8(...)``), carried in ``more_features``, and None there means not in force."""
     if checkpoint is None or checkpoint is False or checkpoint == "none":  # as plan() reads them: no checkpointing
         checkpoint = ()
     if checkpoint == "auto":
@@ -248,11 +249,17 @@ def make_step_config(
     checkpoint, selective, op_selective = _checkpoint_policies(checkpoint)
     device = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else device
     layout = Parallel() if layout is None else layout
+    further = {name: knobs.pop(name) for name in [n for n in knobs if n not in _FIELDS]}
+    if further:
+        knobs["more_features"] = tuple(sorted((n, v) for n, v in further.items() if v is not None))
     return StepConfig(
         micro_batch_size=micro_batch_size, precision=as_policy(precision), checkpoint=checkpoint, selective=selective,
         op_selective=op_selective, optimizer=as_optimizer_spec(optimizer), device=device, layout=layout,
         optimizer_in_backward=bool(optimizer_in_backward), offload=_module_names(offload, "offload"), **knobs,
     )
+
+
+_FIELDS = frozenset(f.name for f in fields(StepConfig))
 
 
 def _check_preallocated(config: StepConfig) -> None:

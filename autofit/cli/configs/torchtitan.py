@@ -99,8 +99,10 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
         fields.skipped.append(("optimizer.name", f"{optimizer!r}: not mapped; planned as AdamW"))
         optimizer = "adamw"
     fields.unmodelled("compile.enable", "torch.compile: autofit plans it with --compile")
-    fields.unmodelled("model.converters", "model converters (Float8, MX) change the linear layers")
-    fields.unmodelled("quantize.linear.float8.recipe_name", "Float8 linear layers")
+    fields.unmodelled("model.converters", "model converters (Float8, MX) change the linear layers: autofit plans "
+                      "Float8 with --float8 RECIPE")
+    fields.unmodelled("quantize.linear.float8.recipe_name", "Float8 linear layers: autofit plans them with --float8 "
+                      "RECIPE")
     seq = as_int(fields.get("training.seq_len", "tokens per row", 2048), "seq_len")
     clip = fields.get("training.max_norm", "clip the gradients' norm", 1.0)
     model, note = model_ref(str(assets).rstrip("/"), path)

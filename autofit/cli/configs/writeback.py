@@ -22,6 +22,7 @@ from typing import Any
 from autofit.core.errors import InvalidInputError
 from autofit.cli.configs.detect import FORMATS, reader
 from autofit.cli.configs.value import TrainConfig
+from autofit.features import FURTHER
 
 __all__ = ["FsdpKnobs", "PlanKnobs", "knobs_of", "plan_changes", "write_config", "render"]
 
@@ -74,9 +75,8 @@ def knobs_of(plan) -> PlanKnobs:
     if plan.chunked_loss is not None:
         notes.append("the plan computes the loss in chunks (--allow chunked-loss), which the config cannot say: "
                      "train with plan.wrap(), or use the framework's chunked loss")
-    if plan.float8 is not None:
-        notes.append(f"the plan trains the linear layers in float8 ({plan.float8.label()}), which the config does "
-                     "not say: convert the model with torchao's convert_to_float8_training, or train with plan.wrap()")
+    for feature in FURTHER:  # what the features registered after the first ones say (Note [carried features])
+        notes += feature.export_notes(plan, "the config")
     shards = plan.parallel.shards_parameters
     fsdp = FsdpKnobs(plan.parallel.reshard_after_forward is not False, plan.parallel.offload_states) if shards or \
         plan.parallel.offload_states else None
