@@ -388,3 +388,43 @@ def test_a_compiled_gpu_plans_analysis_models_the_bound_the_verification_takes()
     plan = autofit.plan(_Pointwise(), sample, budget, savers=autofit.Savers(compile=True, checkpoint="none"), **kw)
     assert plan.micro_batch_size == 8192
     assert not any("margin" in note for note in plan.notes), plan.notes
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_frame_at_dynamos_recompile_limit_is_named_in_the_estimate(use_cache):
+    """Note [a simulation leaves no cache entries]: a Hugging Face decoder that builds its KV cache in training
+    (use_cache=True), under FSDP2, recompiles transformers' ``forward_with_checkpointing`` for each layer (dynamo
+    guards the cache's layer index), and from the ninth of 12 layers dynamo runs it eagerly, as torch's own warning
+    says. The estimate names the same frame and the fix; with use_cache=False torch warns of nothing and neither does
+    the estimate."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=use_cache)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 32))
+    warned = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if "recompile_limit" in record.getMessage():
+                warned.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        est = autofit.estimate(model, {"input_ids": ids, "labels": ids}, device="H100",
+                               layout=autofit.Layout(world_size=2, strategy="fsdp2"),
+                               step=autofit.Step(micro_batch_size=2, compile=True))
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    notes = [n for n in est.notes if "recompile limit" in n]
+    if use_cache:
+        assert warned and "forward_with_checkpointing" in warned[0], warned
+        assert len(notes) == 1 and "forward_with_checkpointing (transformers/modeling_layers.py:" in notes[0]
+        assert "set use_cache=False" in notes[0]
+    else:
+        assert not warned and not notes

@@ -54,6 +54,11 @@ Note [a simulation leaves no cache entries]
     (``reset_code``) every code object whose entries it changed, so each one starts where a fresh process does.
     A frame of the user's own compiled model that a simulation also compiled loses its entries and recompiles at its
     next real call.
+    A frame that reaches ``recompile_limit`` inside one simulation does so in a real run too, from its first step:
+    a Hugging Face decoder that builds its KV cache in training (``use_cache=True``), under FSDP2, recompiles
+    ``forward_with_checkpointing`` for every layer (dynamo guards the cache's ``layer_idx``), so from the ninth layer
+    on it runs eagerly. The simulation runs it as torch does; before it resets the frame, it names it, and the
+    estimate says so (``limited``, simulate/run.py), where only torch's log line said it before.
 
 Note [values inside compiled code]
     The kernel-free wrapper computes no values: its C++ kernels are skipped, and their writes reach no dispatch
@@ -243,11 +248,12 @@ def _reinterpret_tensor(t: torch.Tensor, size: Any, stride: Any, offset: int) ->
 
 
 @contextlib.contextmanager
-def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.nn.Module | None = None
-                      ) -> Iterator[None]:
+def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.nn.Module | None = None,
+                      limited: list[str] | None = None) -> Iterator[None]:
     """While a simulation runs: each compiled module of the (fake) copy compiles its wrapped module with inductor,
     without kernels (Note [inductor without kernels]), and ``whole`` (the ``compile=True`` knob) is compiled as
-    ``nn.Module.compile()`` compiles it. The copy's forwards are replaced for the duration."""
+    ``nn.Module.compile()`` compiles it. The copy's forwards are replaced for the duration. ``limited`` collects
+    the frames that reached dynamo's ``recompile_limit`` meanwhile (Note [a simulation leaves no cache entries])."""
     if not modules and whole is None:
         yield
         return
@@ -271,7 +277,7 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
 
     saved = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_no_entries_left())  # Note [a simulation leaves no cache entries]; leaves last
+        stack.enter_context(_no_entries_left(limited))  # Note [a simulation leaves no cache entries]; leaves last
         stack.enter_context(patch(GraphLowering, "_compile_to_module_lines", lambda _: _kernel_free_module))
         stack.enter_context(inductor_config.patch(fx_graph_cache=False, compile_threads=1))
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
@@ -299,8 +305,10 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
 
 
 @contextlib.contextmanager
-def _no_entries_left() -> Iterator[None]:
-    """Note [a simulation leaves no cache entries]: reset each code object whose dynamo entries changed inside."""
+def _no_entries_left(limited: list[str] | None = None) -> Iterator[None]:
+    """Note [a simulation leaves no cache entries]: reset each code object whose dynamo entries changed inside; the
+    ones that reached ``recompile_limit`` are named in ``limited`` first ("forward_with_checkpointing
+    (transformers/modeling_layers.py:89)")."""
     try:
         from torch._dynamo.convert_frame import input_codes
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
@@ -317,8 +325,12 @@ def _no_entries_left() -> Iterator[None]:
     try:
         yield
     finally:
+        limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
         for key, (code, count) in entries().items():
             if before.get(key, (code, -1))[1] != count:
+                if limited is not None and count >= limit:
+                    where = "/".join(code.co_filename.split("/")[-2:])
+                    limited.append(f"{code.co_name} ({where}:{code.co_firstlineno})")
                 reset_code(code)
 
 

@@ -44,17 +44,19 @@ from autofit.core._torch_compile import compile_settings, simulated_compile
 from autofit.features import FEATURES
 from autofit.training.step import run_micro_batch
 
-__all__ = ["compiled_for_simulation", "warm_up", "compiled_note", "upper_bound", "modelled_as_eager"]
+__all__ = ["compiled_for_simulation", "warm_up", "compiled_note", "limit_note", "upper_bound", "modelled_as_eager"]
 
 
 @contextlib.contextmanager
-def compiled_for_simulation(work: nn.Module, fake: bool, knob: bool = False) -> Iterator[bool]:
+def compiled_for_simulation(work: nn.Module, fake: bool, knob: bool = False,
+                            limited: list[str] | None = None) -> Iterator[bool]:
     """Compile the fake copy's compiled modules as inductor would (the kernels left out), and with ``knob``
     (``compile=True``) the copy itself unless the user compiled it already; yields whether any was compiled.
-    A real run (Note [data-dependent models]) runs compiled code eagerly."""
+    A real run (Note [data-dependent models]) runs compiled code eagerly. ``limited`` collects the frames that
+    reached dynamo's recompile limit (:func:`limit_note`)."""
     modules = compiled_modules(work) if fake else []
     whole = work if fake and knob and not any(name == "" for name, _ in modules) else None
-    with simulated_compile(modules, whole):
+    with simulated_compile(modules, whole, limited):
         yield whole is not None or any(compile_settings(m).backend == "inductor" for _, m in modules)
 
 
@@ -79,6 +81,22 @@ def compiled_note(model: nn.Module, compiled: bool, knob: bool = False) -> str |
                 "inductor's Triton buffers may differ")
     return (f"{', '.join(names)}: torch.compile'd, simulated eagerly (a real run of a data-dependent step, or the "
             "'eager' backend): what compilation changes is not modelled (see Note [compiled code in a simulation])")
+
+
+def limit_note(model: nn.Module, limited: list[str]) -> str | None:
+    """The estimate's note on the frames that reached dynamo's ``recompile_limit`` in the simulated step (Note [a
+    simulation leaves no cache entries], core/_torch_compile.py), or None."""
+    if not limited:
+        return None
+    import torch._dynamo.config as dynamo_config  # noqa: PLC0415 - compiled already, so imported
+
+    note = (f"torch.compile reached its recompile limit ({dynamo_config.recompile_limit}, torch._dynamo.config."
+            f"recompile_limit) on {', '.join(dict.fromkeys(limited))}: from then on dynamo runs that function "
+            "eagerly, in the simulation as in a real run, so what it calls is estimated and priced uncompiled")
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        note += ("; the model builds a KV cache in training (config.use_cache=True), whose layer index each layer's "
+                 "compiled frame is guarded on: set use_cache=False (training never reads the cache)")
+    return note
 
 
 def upper_bound(compiled: Any, eager: Any) -> Any:

@@ -71,7 +71,7 @@ from autofit.core.categories import Category
 from autofit.core.errors import UnsupportedModelError
 from autofit.features import FEATURES, convert_model
 from autofit.training.loss import LossFn
-from autofit.simulate.compiled_model import (compiled_for_simulation, compiled_note, modelled_as_eager,
+from autofit.simulate.compiled_model import (compiled_for_simulation, compiled_note, limit_note, modelled_as_eager,
                                              upper_bound, warm_up)
 from autofit.simulate.compiled_steps import measured_compiled_steps
 from autofit.simulate.foreach import target_implementation
@@ -244,9 +244,10 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
     implementation = optimizer_runs_on(config.layout, config.device)
     # Note [compiled code in a simulation]; a compiled optimizer step is measured for real (compiled_steps.py)
     compiled = measured_compiled_steps() if fake else contextlib.nullcontext()
+    limited: list[str] = []  # frames that reached dynamo's recompile limit (Note [a simulation leaves no cache entries])
     with mesh_ctx as mesh, fake_mode if fake else contextlib.nullcontext(), target_implementation(implementation), \
             compiled_code_runs_eagerly(), compiled, \
-            compiled_for_simulation(work, fake and not eager, config.compile and not eager) as inductor:
+            compiled_for_simulation(work, fake and not eager, config.compile and not eager, limited) as inductor:
         if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
             apply_layout(work, config.layout, mesh=mesh, param_dtype=config.precision.param_dtype)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
@@ -296,6 +297,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
             for h in handles:
                 h.remove()
     notes = _notes(model, config, inductor, rerouted, tracker, prober)
+    notes += (limit_note(model, limited),) if limited else ()
     if fake and twins.readers:  # the path the sample's values chose (Note [value twins])
         notes += (reader_note(list(twins.readers)),)
     progress.step("replaying the step's allocations")
