@@ -6,6 +6,7 @@ hand count of the layers' elements, and torchtitan's filter rule (``module_filte
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -153,6 +154,12 @@ def test_recipes_are_the_installed_torchaos():
 def test_bad_float8_values_say_what_to_give():
     with pytest.raises(InvalidInputError, match="'tensorwise'"):
         as_float8("columnwise")
+    if importlib.util.find_spec("torchao.prototype.moe_training") is not None:  # where torchao 0.18 keeps MX training
+        from torchao.prototype.moe_training.config import MXFP8TrainingRecipe
+
+        mx = next(iter(MXFP8TrainingRecipe)).value  # "mxfp8_rceil" in 0.18
+        with pytest.raises(InvalidInputError, match="MXFP8TrainingOpConfig.*does not plan"):
+            as_float8(mx)
     with pytest.raises(InvalidInputError, match="only 'tensorwise'"):
         Float8(recipe="rowwise", all_gather=True)
     with pytest.raises(InvalidInputError, match="recipe name"):
