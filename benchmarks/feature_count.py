@@ -8,8 +8,9 @@ most 4"; Note [carried features], autofit/features/base.py).
 
 A module names the feature where its code (not a comment, not a docstring) has an identifier (a name, an attribute,
 a keyword, a parameter, an imported name) or a string constant containing the feature's name. The rows are sorted
-into the feature's registration (``features/__init__.py``), its option (``options.py``), the CLI (``cli/``) and the
-rest, where the rest is split by hand into the engine's own knowledge of the kernels the feature runs (the float8
+into the feature's registration (``features/__init__.py``), its option (``options.py``), the CLI (``cli/``), the
+config readers (``cli/configs/``: a framework's own keys for it read into the plan) and the rest, where the rest is
+split by hand into the engine's own knowledge of the kernels the feature runs (the float8
 dtypes and ``torch._scaled_mm``: the time model's dtype classes, the CPU kernel probe, the compile meta kernel, the
 card catalog's FP8 rate), which any float8 code needs whatever the feature, and the feature's plumbing, which the
 redesign is meant to remove.
@@ -90,6 +91,8 @@ def _kind(path: str) -> str:
         return "registration"
     if path == OPTION:
         return "the option"
+    if path.startswith("autofit/cli/configs/"):
+        return "config readers"
     if path.startswith("autofit/cli/"):
         return "the CLI"
     return "engine (the kernels)" if path in ENGINE else "plumbing"
@@ -109,7 +112,7 @@ def main() -> None:
         by_kind: dict[str, list[str]] = {}
         for path in sorted(found):
             by_kind.setdefault(_kind(path), []).append(path)
-        for kind in ("registration", "the option", "the CLI", "plumbing", "engine (the kernels)"):
+        for kind in ("registration", "the option", "the CLI", "config readers", "plumbing", "engine (the kernels)"):
             paths = by_kind.get(kind, [])
             print(f"  {kind:<22} {len(paths):>3}  {', '.join(p.removeprefix('autofit/') for p in paths)}")
             if args.list:

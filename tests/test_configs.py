@@ -435,3 +435,56 @@ def test_an_8bit_lora_config_builds_int8_weights_hand_count(tmp_path):
     est = autofit.estimate(spec.model, spec.sample, step=1, optimizer="sgd")
     assert est.breakdown["parameters"] == int8 + 4 * (lora + others)
     assert "over an int8 base" in spec.description
+
+
+def _titan_float8(tmp_path, **section):
+    """torchtitan_full.toml (the tiny local model) with its float8 converter turned on and ``section`` in
+    [quantize.linear.float8]."""
+    changes = {"model.converters": ["quantize.linear.float8"]}
+    changes.update({f"quantize.linear.float8.{k}": v for k, v in section.items()})
+    return tiny(tmp_path, "torchtitan_full.toml", **changes)
+
+
+def test_torchtitans_float8_converter_is_read(tmp_path):
+    """[model] converters = ["quantize.linear.float8"] and its section (torchtitan's Float8LinearConverter): the
+    recipe (none: torchao's default, tensorwise), filter_fqns less torchtitan's head "output" (autofit always leaves
+    the head), the float8 all-gather; without the converter the section changes nothing, as in torchtitan."""
+    config = read_config(_titan_float8(tmp_path, recipe_name="rowwise", filter_fqns=["output", "auto_filter_small_kn"]))
+    assert config.float8 == ("rowwise", ("auto_filter_small_kn",), False)
+    assert not config.unknown and not [k for k, _ in config.unmodelled if "float8" in k or "converters" in k]
+    default = read_config(_titan_float8(tmp_path, enable_fsdp_float8_all_gather=True))
+    assert default.float8 == ("tensorwise", (), True)
+    off = read_config(tiny(tmp_path, "torchtitan_full.toml", **{"quantize.linear.float8.recipe_name": "rowwise"}))
+    assert off.float8 is None and not off.unknown
+    other = read_config(tiny(tmp_path, "torchtitan_full.toml", **{"model.converters": ["quantize.linear.mx"]}))
+    assert other.float8 is None and ("model.converters", "'quantize.linear.mx': not modelled (autofit plans "
+                                                         "Float8 only)") in other.unmodelled
+
+
+@pytest.mark.sim
+def test_check_keeps_the_configs_float8(tmp_path):
+    """The converter reaches the estimate: autofit.estimate called by hand with the config's knobs and
+    Step(float8=Float8("rowwise")) gives check's figures, which differ from the same step without float8."""
+    pytest.importorskip("torchao.float8")
+    import autofit
+    from autofit.cli.configs.run import model_spec
+    from autofit.features.float8 import Float8
+    from autofit.parallel.choices import shard_units
+
+    check = autofit.check_config(_titan_float8(tmp_path, recipe_name="rowwise"), "RTX-4090")
+    spec = model_spec(check.config)
+    step = autofit.Step(micro_batch_size=4, accumulation_steps=8, clip_grad_norm=1.0,
+                        checkpoint={u: "op-selective" for u in shard_units(spec.model)})
+    knobs = dict(precision="bf16", optimizer="adamw", device=autofit.Device(kind="cuda", gpu="RTX-4090"))
+    by_hand = autofit.estimate(spec.model, spec.sample, step=dataclasses.replace(step, float8=Float8(recipe="rowwise")),
+                               **knobs)
+    plain = autofit.estimate(spec.model, spec.sample, step=step, **knobs)
+    figures = lambda e: (e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_bytes)  # noqa: E731
+    assert figures(check.estimate) == figures(by_hand)
+    assert by_hand.peak_reserved_bytes != plain.peak_reserved_bytes  # its casts' pages (the peak is at the head)
+    assert any("float8 training (rowwise" in n for n in check.estimate.notes)
+
+
+def test_a_flag_for_a_feature_the_config_turns_on_is_refused(tmp_path):
+    result = _cli("plan", "--from", _titan_float8(tmp_path), "--budget", "8GB", "--gpu", "H100", "--float8", "rowwise")
+    assert result.exit_code == 2 and "turns on float8 itself" in result.output and "drop its flag" in result.output

@@ -58,6 +58,17 @@ def _infeasible(e: InfeasibleBudgetError) -> str:
     return f"{message} Smallest budget that works: {format_bytes(e.min_budget_bytes)} ({e.min_budget_bytes} bytes)."
 
 
+def _config_features(path: Path, read: dict, flags: dict) -> dict:
+    """The step features' options (FEATURE_FLAGS) with those the config at ``path`` turns on itself (torchtitan's
+    float8 converter); a flag for one of those is refused, as --batch-size is, rather than silently preferred."""
+    features = dict(flags)
+    for name, value in read["features"].items():
+        if flags.get(name) is not None:
+            raise InvalidInputError(f"--from {path} turns on {name} itself ({value!r}); drop its flag")
+        features[name] = value
+    return features
+
+
 def _version(value: bool) -> None:
     if value:
         try:
@@ -129,6 +140,7 @@ def plan(
                                    precision=precision, optimizer=optimizer, console=console)
             spec, batch_size, world_size = read["spec"], read["batch_size"], read["world_size"]
             precision, optimizer, model = read["precision"], read["optimizer"], "hf:"
+            features = _config_features(from_file, read, features or {})
         else:
             if model is None or batch_size is None:
                 raise InvalidInputError("give MODEL and --batch-size, or a training config with --from FILE")

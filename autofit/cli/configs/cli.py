@@ -32,7 +32,7 @@ def plan_inputs(path: Path, *, model: str | None, batch_size: int | None, world_
     """The plan command's inputs from the config at ``path``: its spec, effective batch, data ranks, precision and
     optimizer; flags that the config already answers are refused rather than silently preferred."""
     from autofit.cli.configs.detect import read_config
-    from autofit.cli.configs.run import model_spec, optimizer_for, plan_precision
+    from autofit.cli.configs.run import config_features, model_spec, optimizer_for, plan_precision
 
     if model is not None:
         raise InvalidInputError(f"--from {path} names the model; drop MODEL {model!r}")
@@ -44,13 +44,14 @@ def plan_inputs(path: Path, *, model: str | None, batch_size: int | None, world_
     return {"config": config, "spec": model_spec(config), "batch_size": config.effective_batch,
             "world_size": config.data_ranks,
             "precision": plan_precision(config) if precision == "auto" else precision,
-            "optimizer": optimizer_for(config) if optimizer == "adamw" else optimizer}
+            "optimizer": optimizer_for(config) if optimizer == "adamw" else optimizer,
+            "features": config_features(config)}
 
 
 def write_back(console: Console, config, plan, dest: Path) -> None:
     from autofit.cli.configs.writeback import knobs_of, plan_changes, write_config
 
-    knobs = knobs_of(plan)
+    knobs = knobs_of(plan, config)
     changes = plan_changes(config, knobs)
     write_config(config.path, changes, dest)
     what = ", ".join(f"{k} = {v}" for k, v in changes.items()) or "nothing: the config fits as written"

@@ -118,12 +118,24 @@ def plan_config(path: str | Path, budget: int | str, *, gpu: Any = None, data_ra
     result = plan(spec.model, spec.sample, budget, batch_size=config.effective_batch, target=spec.target,
                   loss_fn=spec.loss_fn, optimizer=optimizer_for(config), clip_grad_norm=config.clip_grad_norm,
                   device=Device(kind="cuda", gpu=gpu), precision=Precision(compute=plan_precision(config)),
-                  savers=Savers(allow=tuple(allow)), layout=Layout(**layout_for(config)), **plan_options)
-    knobs = knobs_of(result)
+                  savers=Savers(allow=tuple(allow), **config_features(config)), layout=Layout(**layout_for(config)),
+                  **plan_options)
+    knobs = knobs_of(result, config)
     changes = plan_changes(config, knobs)
     if write is not None:
         write_config(config.path, changes, Path(write))
     return ConfigPlan(config, result, changes, knobs.notes)
+
+
+def config_features(config: TrainConfig) -> dict[str, Any]:
+    """The step features the config turns on itself, as the options of ``autofit.Step`` / ``Savers`` of their names
+    take them (Note [carried features]): torchtitan's float8 converter as an ``autofit.features.float8.Float8``."""
+    if config.float8 is None:
+        return {}
+    from autofit.features.float8 import Float8
+
+    recipe, skip, all_gather = config.float8
+    return {"float8": Float8(recipe=recipe, skip=skip, all_gather=all_gather)}
 
 
 def plan_precision(config: TrainConfig) -> str:
@@ -173,5 +185,6 @@ def check_config(path: str | Path, gpu: Any, *, data_ranks: int | None = None) -
                    device=Device(kind="cuda", gpu=card.name), layout=Layout(**layout),
                    step=Step(micro_batch_size=config.micro_batch_size, clip_grad_norm=config.clip_grad_norm,
                              accumulation_steps=config.accumulation_steps, checkpoint=checkpoint,
-                             optimizer_in_backward=config.optimizer_in_backward, offload_states=offload))
+                             optimizer_in_backward=config.optimizer_in_backward, offload_states=offload,
+                             **config_features(config)))
     return ConfigCheck(config, est, card.name, card.memory_bytes)

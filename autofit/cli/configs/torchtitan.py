@@ -37,8 +37,8 @@ IRRELEVANT = ("job.*", "profiling.*", "metrics.*", "checkpoint.*", "validation.*
               "optimizer.eps", "optimizer.weight_decay", "optimizer.implementation", "training.steps",
               "training.dataset", "training.dataset_path", "training.seed",
               "training.mixed_precision_reduce", "model.tokenizer_path", "comm.*", "experimental.*",
-              "quantize.linear.float8.filter_fqns", "quantize.linear.float8.enable_fsdp_float8_all_gather",
-              "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "compile.components",
+              "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "float8.precompute_float8_dynamic_"
+              "scale_for_fsdp", "compile.components",
               "fault_tolerance.*", "memory_estimation.*", "debug.*", "model.norm_type")
 
 
@@ -99,10 +99,7 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
         fields.skipped.append(("optimizer.name", f"{optimizer!r}: not mapped; planned as AdamW"))
         optimizer = "adamw"
     fields.unmodelled("compile.enable", "torch.compile: autofit plans it with --compile")
-    fields.unmodelled("model.converters", "model converters (Float8, MX) change the linear layers: autofit plans "
-                      "Float8 with --float8 RECIPE")
-    fields.unmodelled("quantize.linear.float8.recipe_name", "Float8 linear layers: autofit plans them with --float8 "
-                      "RECIPE")
+    float8 = _float8(fields)
     seq = as_int(fields.get("training.seq_len", "tokens per row", 2048), "seq_len")
     clip = fields.get("training.max_norm", "clip the gradients' norm", 1.0)
     model, note = model_ref(str(assets).rstrip("/"), path)
@@ -110,8 +107,33 @@ def read(data: Mapping[str, Any], path: Path | None = None) -> TrainConfig:
                  micro_batch_size=local, accumulation_steps=accum, data_ranks=ranks, data_ranks_stated=stated,
                  precision="bf16" if mixed == "bfloat16" else "fp32", model_dtype="fp32",
                  checkpointing=checkpointing, optimizer=optimizer, clip_grad_norm=float(clip) if clip else None,
+                 float8=float8,
                  sharding=Sharding(zero_stage=2 if raf == "never" else 3,
                                    reshard_after_forward=raf != "never", offload=offload))
+
+
+# torchtitan's float8 converter: [model] converters names it ("quantize.linear.float8", "float8" before mid-2025) and
+# its section holds the recipe (None: torchao's default, tensorwise), the module names left in high precision
+# (substrings of torchtitan's own names; "output" is its head, which autofit always leaves) and the all-gather
+_FLOAT8_CONVERTERS = ("quantize.linear.float8", "float8")
+_TITAN_HEAD = "output"
+
+
+def _float8(fields: Fields) -> tuple[str, tuple[str, ...], bool] | None:
+    """The float8 training the config turns on, as (recipe, skip, all_gather) (TrainConfig.float8), or None."""
+    converters = fields.get("model.converters", "model converters applied before parallelize", []) or []
+    section = next((s for s in _FLOAT8_CONVERTERS if s in converters), None)
+    for other in (c for c in converters if c not in _FLOAT8_CONVERTERS):
+        fields.skipped.append(("model.converters", f"{other!r}: not modelled (autofit plans Float8 only)"))
+    for key in ("recipe_name", "filter_fqns", "enable_fsdp_float8_all_gather"):
+        fields.mark(f"quantize.linear.float8.{key}", f"float8.{key}")
+    if section is None:  # a section without its converter changes nothing in torchtitan
+        return None
+    recipe = fields.get(f"{section}.recipe_name", "Float8 recipe (none: tensorwise)", None) or "tensorwise"
+    skip = fields.get(f"{section}.filter_fqns", "linears left in high precision (name substrings)", []) or []
+    all_gather = as_bool(fields.get(f"{section}.enable_fsdp_float8_all_gather", "FSDP2 gathers weights in float8",
+                                    False), "enable_fsdp_float8_all_gather")
+    return str(recipe), tuple(str(s) for s in skip if s != _TITAN_HEAD), all_gather
 
 
 def with_ranks(config: TrainConfig, ranks: int) -> TrainConfig:

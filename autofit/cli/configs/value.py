@@ -122,6 +122,9 @@ class TrainConfig:
     packing: bool = False
     sharding: Sharding | None = None
     clip_grad_norm: float | None = None
+    # float8 training of the linear layers, as (torchao recipe, module-name substrings left in high precision, FSDP2's
+    # float8 all-gather), the feature "float8"'s value (autofit/features/float8.py) spelled without torch; None: off
+    float8: tuple[str, tuple[str, ...], bool] | None = None
     readings: tuple[Reading, ...] = ()
     unmodelled: tuple[tuple[str, str], ...] = ()  # (key, why it is not modelled)
     unknown: tuple[str, ...] = ()

@@ -50,8 +50,9 @@ class PlanKnobs:
     notes: tuple[str, ...] = ()
 
 
-def knobs_of(plan) -> PlanKnobs:
-    """The knobs of an :class:`autofit.Plan` a config can hold, and notes on what it cannot."""
+def knobs_of(plan, config: TrainConfig | None = None) -> PlanKnobs:
+    """The knobs of an :class:`autofit.Plan` a config can hold, and notes on what it cannot; ``config``, the config
+    written back, says which step features it turns on itself (torchtitan's float8 converter)."""
     if plan.last_micro_batch_size != plan.micro_batch_size and plan.even_split is None:
         raise InvalidInputError(f"the plan's last micro-batch has {plan.last_micro_batch_size} rows, which no "
                                 "framework config can express, and it has no even split that fits: train with "
@@ -75,8 +76,9 @@ def knobs_of(plan) -> PlanKnobs:
     if plan.chunked_loss is not None:
         notes.append("the plan computes the loss in chunks (--allow chunked-loss), which the config cannot say: "
                      "train with plan.wrap(), or use the framework's chunked loss")
-    for feature in FURTHER:  # what the features registered after the first ones say (Note [carried features])
-        notes += feature.export_notes(plan, "the config")
+    for feature in FURTHER:  # what the features registered after the first ones say (Note [carried features]),
+        if getattr(config, feature.field, None) is None:  # where the config does not turn them on itself
+            notes += feature.export_notes(plan, "the config")
     shards = plan.parallel.shards_parameters
     fsdp = FsdpKnobs(plan.parallel.reshard_after_forward is not False, plan.parallel.offload_states) if shards or \
         plan.parallel.offload_states else None
