@@ -488,3 +488,31 @@ def test_check_keeps_the_configs_float8(tmp_path):
 def test_a_flag_for_a_feature_the_config_turns_on_is_refused(tmp_path):
     result = _cli("plan", "--from", _titan_float8(tmp_path), "--budget", "8GB", "--gpu", "H100", "--float8", "rowwise")
     assert result.exit_code == 2 and "turns on float8 itself" in result.output and "drop its flag" in result.output
+
+
+@pytest.mark.sim
+def test_a_float8_plan_writes_torchtitans_converter_back(tmp_path):
+    """A plan that trains in float8 (the rung, or Savers(float8=...)) written back to a torchtitan config without
+    the converter: [model] converters and [quantize.linear.float8] as torchtitan's job config spells them (the export's
+    sections: Feature.export_sections), its other converters kept; the written file reads back as the plan's
+    Float8."""
+    pytest.importorskip("torchao.float8")
+    import autofit
+    from autofit.cli.configs.run import model_spec
+    from autofit.cli.configs.writeback import knobs_of
+
+    source = tiny(tmp_path, "torchtitan_full.toml", **{"model.converters": ["quantize.linear.mx"]})
+    config = read_config(source)
+    spec = model_spec(config)
+    plan = autofit.plan(spec.model, spec.sample, "4GB", batch_size=config.effective_batch, target=spec.target,
+                        loss_fn=spec.loss_fn, device="H100", precision="bf16",
+                        savers=autofit.Savers(float8="rowwise", checkpoint="none"))
+    knobs = knobs_of(plan, config)
+    changes = plan_changes(config, knobs)
+    assert changes["model.converters"] == ["quantize.linear.mx", "quantize.linear.float8"]
+    assert changes["quantize.linear.float8.recipe_name"] == "rowwise"
+    assert changes["quantize.linear.float8.filter_fqns"] == ["output"]  # torchtitan's head, as its default
+    assert not any("convert the model with torchao" in n for n in knobs.notes)
+    out = tmp_path / "written.toml"
+    write_config(source, changes, out)
+    assert read_config(out).float8 == ("rowwise", (), False)

@@ -47,6 +47,9 @@ class PlanKnobs:
     eight_bit_optimizer: bool = False
     optimizer_in_backward: bool = False
     fsdp: FsdpKnobs | None = None
+    # the dotted keys the plan's step features set in the config's own framework (Feature.export_sections: torchtitan's
+    # float8 converter and its section), written beside the framework's changes
+    sections: tuple[tuple[str, Any], ...] = ()
     notes: tuple[str, ...] = ()
 
 
@@ -76,8 +79,15 @@ def knobs_of(plan, config: TrainConfig | None = None) -> PlanKnobs:
     if plan.chunked_loss is not None:
         notes.append("the plan computes the loss in chunks (--allow chunked-loss), which the config cannot say: "
                      "train with plan.wrap(), or use the framework's chunked loss")
-    for feature in FURTHER:  # what the features registered after the first ones say (Note [carried features]),
-        if getattr(config, feature.field, None) is None:  # where the config does not turn them on itself
+    sections: dict[str, Any] = {}
+    for feature in FURTHER:  # the features registered after the first ones (Note [carried features]), where the
+        if getattr(config, feature.field, None) is not None:  # config does not turn them on itself
+            continue
+        written, written_notes = feature.export_sections(plan, config.framework) if config is not None else ({}, ())
+        if written:  # the framework has keys for it: written back (a list the config has already is extended)
+            sections.update(_dotted(written, config))
+            notes += written_notes
+        else:
             notes += feature.export_notes(plan, "the config")
     shards = plan.parallel.shards_parameters
     fsdp = FsdpKnobs(plan.parallel.reshard_after_forward is not False, plan.parallel.offload_states) if shards or \
@@ -88,7 +98,22 @@ def knobs_of(plan, config: TrainConfig | None = None) -> PlanKnobs:
                      checkpointing=bool(plan.checkpoint),
                      selective=bool(plan.selective or plan.op_selective),
                      eight_bit_optimizer=plan.low_bit_optimizer is not None,
-                     optimizer_in_backward=plan.optimizer_in_backward, fsdp=fsdp, notes=tuple(notes))
+                     optimizer_in_backward=plan.optimizer_in_backward, fsdp=fsdp, sections=tuple(sections.items()),
+                     notes=tuple(notes))
+
+
+def _dotted(sections: dict[str, dict[str, Any]], config: TrainConfig) -> dict[str, Any]:
+    """``sections`` (an export's: {"model": {"converters": [...]}}) as the config's dotted keys, a list extending
+    the one the config holds under that key (its other converters stay)."""
+    held = {r.key: r.value for r in config.readings}
+    out = {}
+    for section, values in sections.items():
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            old = held.get(dotted)
+            out[dotted] = list(dict.fromkeys([*old, *value])) if isinstance(old, list) and isinstance(value, list) \
+                else value
+    return out
 
 
 def plan_changes(config: TrainConfig, knobs: PlanKnobs) -> dict[str, Any]:
@@ -97,7 +122,7 @@ def plan_changes(config: TrainConfig, knobs: PlanKnobs) -> dict[str, Any]:
         raise InvalidInputError(
             f"the plan's batch {knobs.micro_batch_size} x {knobs.accumulation_steps} x {knobs.data_ranks} is not "
             f"the config's effective batch {config.effective_batch}: plan with the config's batch and ranks")
-    return reader(config.framework).changes(config, knobs)
+    return {**reader(config.framework).changes(config, knobs), **dict(knobs.sections)}
 
 
 def _set(doc: Any, key: str, value: Any, make) -> None:
