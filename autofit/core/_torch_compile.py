@@ -91,7 +91,7 @@ from autofit.core.errors import UnsupportedModelError, UnsupportedTorchError
 
 __all__ = ["CompileSettings", "compile_settings", "simulated_compile", "compiled_calls", "compiled_in_place",
            "compiled_code_runs_eagerly", "compile_in_this_thread", "running_compiled_code", "hearing_skipped_writes",
-           "hearing_skipped_kernels"]
+           "hearing_skipped_kernels", "recompile_limit"]
 
 # options of the inductor backend that change nothing on the CPU (cudagraphs are a CUDA feature)
 _IGNORED_OPTIONS = frozenset({"triton.cudagraphs"})
@@ -304,6 +304,14 @@ def simulated_compile(modules: list[tuple[str, torch.nn.Module]], whole: torch.n
                     module.forward = forward
 
 
+def recompile_limit() -> int:
+    """How many compiled entries dynamo keeps per frame before it runs the frame eagerly
+    (``torch._dynamo.config.recompile_limit``; ``cache_size_limit`` before it was renamed)."""
+    import torch._dynamo.config as config
+
+    return getattr(config, "recompile_limit", None) or config.cache_size_limit
+
+
 @contextlib.contextmanager
 def _no_entries_left(limited: list[str] | None = None) -> Iterator[None]:
     """Note [a simulation leaves no cache entries]: reset each code object whose dynamo entries changed inside; the
@@ -325,7 +333,7 @@ def _no_entries_left(limited: list[str] | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+        limit = recompile_limit()
         for key, (code, count) in entries().items():
             if before.get(key, (code, -1))[1] != count:
                 if limited is not None and count >= limit:

@@ -40,7 +40,7 @@ from typing import Any
 from torch import nn
 
 from autofit.core._torch import compiled_modules
-from autofit.core._torch_compile import compile_settings, simulated_compile
+from autofit.core._torch_compile import compile_settings, recompile_limit, simulated_compile
 from autofit.features import FEATURES
 from autofit.training.step import run_micro_batch
 
@@ -88,9 +88,7 @@ def limit_note(model: nn.Module, limited: list[str]) -> str | None:
     simulation leaves no cache entries], core/_torch_compile.py), or None."""
     if not limited:
         return None
-    import torch._dynamo.config as dynamo_config  # noqa: PLC0415 - compiled already, so imported
-
-    note = (f"torch.compile reached its recompile limit ({dynamo_config.recompile_limit}, torch._dynamo.config."
+    note = (f"torch.compile reached its recompile limit ({recompile_limit()}, torch._dynamo.config."
             f"recompile_limit) on {', '.join(dict.fromkeys(limited))}: from then on dynamo runs that function "
             "eagerly, in the simulation as in a real run, so what it calls is estimated and priced uncompiled")
     if getattr(getattr(model, "config", None), "use_cache", False):

@@ -13,7 +13,7 @@ from autofit.cli.configs.detect import read_config
 from autofit.cli.configs.value import TrainConfig
 
 __all__ = ["model_spec", "optimizer_for", "layout_for", "plan_config", "plan_precision", "check_config", "ConfigPlan",
-           "ConfigCheck"]
+           "ConfigCheck", "config_features"]
 
 
 def _adapter_model(config: TrainConfig):
