@@ -1,0 +1,113 @@
+"""Pipeline stages (autofit/parallel/pipeline.py, Note [pipeline stages]): the stages of a Hugging Face decoder,
+chained, compute the whole model's logits, loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autofit.core.errors import UnsupportedModelError
+from autofit.parallel.pipeline import decoder_stages, layer_split
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_the_split_is_even_with_the_remainder_first():
+    assert layer_split(4, 2) == [range(0, 2), range(2, 4)]
+    assert layer_split(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    with pytest.raises(UnsupportedModelError, match="at most 4 stages"):
+        layer_split(4, 5)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Mistral"])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_chained_stages_are_the_whole_model(family, stages):
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, use_cache=False)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    ids = torch.randint(0, 128, (2, 16))
+    whole = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(whole.flatten(0, 1), ids.flatten())
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    cut = decoder_stages(model, stages)
+    assert len(cut) == stages
+    owned = [{id(p) for p in stage.parameters()} for stage in cut]
+    assert sum(map(len, owned)) == len(list(model.parameters()))  # each parameter in exactly one stage
+    x = ids
+    for stage in cut:
+        x = stage(x)
+    assert torch.equal(x, whole)
+    torch.nn.functional.cross_entropy(x.flatten(0, 1), ids.flatten()).backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[n]), n
+    assert len(model.model.layers) == 4 and not isinstance(model.model.norm, torch.nn.Identity)  # the model as it was
+
+
+def test_a_model_without_a_pipeline_plan_is_refused():
+    with pytest.raises(UnsupportedModelError, match="base_model_pp_plan"):
+        decoder_stages(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2)
+
+
+def _llama():
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _loss(logits, target):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _pipeline_rank(rank: int, world: int, port: int, schedule: str, out: str) -> None:
+    """One pipeline rank on gloo: the model cut to its stage, torch's PipelineStage and ``schedule`` over 4
+    micro-batches, its stage's gradients saved by the whole model's parameter names."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = _llama()
+        names = {id(p): n for n, p in model.named_parameters()}
+        stage_module = decoder_stages(model, world)[rank]
+        stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
+        run = getattr(pipelining, schedule)(stage, n_microbatches=4, loss_fn=_loss)
+        torch.manual_seed(1)
+        ids = torch.randint(0, 128, (8, 16))
+        if rank == 0:
+            run.step(ids, target=ids if world == 1 else None)
+        elif rank == world - 1:
+            run.step(target=ids)
+        else:
+            run.step()
+        torch.save({names[id(p)]: p.grad for p in stage_module.parameters()}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_the_stages_under_torchs_schedule_give_the_full_batch_gradients(tmp_path, schedule):
+    """Two gloo ranks, each the model cut to its stage, torch's schedule over 4 micro-batches of 2 rows: every
+    parameter's gradient equals one full-batch step's (torch scales the micro-batches' sum by 1/4, scale_grads)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_pipeline_rank, args=(2, port, schedule, str(tmp_path)), nprocs=2)
+    model = _llama()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (8, 16))
+    _loss(model(input_ids=ids).logits, ids).backward()
+    got = {**torch.load(tmp_path / "0.pt"), **torch.load(tmp_path / "1.pt")}
+    assert set(got) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
