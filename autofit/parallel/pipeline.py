@@ -1,7 +1,7 @@
 """Pipeline parallelism (issue 59), its first piece: a model cut into the stages a pipeline rank runs.
 
-Work in progress on branch ``pp-stages``: nothing in the planner, the simulation, ``measure`` or the trainers uses
-this module yet, and no layout offers a pipeline. See Note [pipeline stages].
+Work in progress: nothing in the planner, the simulation, ``measure`` or the trainers uses this module yet, and no
+layout offers a pipeline; it is the piece they will all stand on. See Note [pipeline stages].
 
 Note [pipeline stages]
     torch's ``PipelineStage`` (torch/distributed/pipelining/stage.py) runs one module per stage: its forward takes
