@@ -296,8 +296,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
         finally:
             for h in handles:
                 h.remove()
-    notes = _notes(model, config, inductor, rerouted, tracker, prober)
-    notes += (limit_note(model, limited),) if limited else ()
+    notes = _notes(model, config, inductor, limited, rerouted, tracker, prober)
     if fake and twins.readers:  # the path the sample's values chose (Note [value twins])
         notes += (reader_note(list(twins.readers)),)
     progress.step("replaying the step's allocations")
@@ -309,14 +308,13 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
                       row_program=twins.program if twins is not None and twins.sample_reads else None)
 
 
-def _notes(model: nn.Module, config: StepConfig, inductor: Any, rerouted: list[str], tracker: StepTracker,
-           prober: KernelProber | None) -> tuple[str, ...]:
+def _notes(model: nn.Module, config: StepConfig, inductor: Any, limited: list[str], rerouted: list[str],
+           tracker: StepTracker, prober: KernelProber | None) -> tuple[str, ...]:
     """What a simulation says beside its figures: each feature's notes, then what was simulated other than as
-    written (compiled code, MoE routing, corrected kernels, kernels too large to probe)."""
+    written (compiled code, frames at dynamo's recompile limit, MoE routing, corrected kernels, kernels too large to
+    probe)."""
     notes = [note for feature in FEATURES for note in feature.estimate_notes(config)]  # Note [step features]
-    note = compiled_note(model, inductor, config.compile)
-    if note:
-        notes.append(note)
+    notes += [note for note in (compiled_note(model, inductor, config.compile), limit_note(model, limited)) if note]
     if rerouted:
         notes.append(f"{', '.join(rerouted)}: per-expert loops whose peak depends on the routing; simulated with the "
                      "heaviest routing measured (see Note [MoE routing]), not the sample's")
