@@ -230,7 +230,8 @@ class CPUTarget(DeviceTarget):
         phase, at = self._peak(sim)
         return MemoryEstimate(peak_bytes=sim.replay.peak_bytes, breakdown=sim.replay.breakdown, device=self.kind,
                               peak_phase=phase, peak_at=at, method=sim.method, notes=sim.notes,
-                              preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows)
+                              preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows,
+                              rank_peaks=sim.rank_peaks)
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ class CUDATarget(DeviceTarget):
                              peak_reserved_bytes=reserved, peak_phase=phase, peak_at=at, method=sim.method,
                              notes=notes, host_bytes=host, host_breakdown=host_breakdown, min_device_bytes=floor,
                              preallocated_grads=sim.preallocated_grads, input_rows=sim.input_rows,
-                             alloc_conf=EXPANDABLE_SEGMENTS if expandable else "")
+                             alloc_conf=EXPANDABLE_SEGMENTS if expandable else "", rank_peaks=sim.rank_peaks)
         return replace(est, under=lambda budget: self._under(sim, est, budget))
 
     def _under(self, sim: Simulation, est: MemoryEstimate, budget: int) -> MemoryEstimate | None:

@@ -172,9 +172,15 @@ class Layout:
     tensor_parallel: int | str = 1
     # {module name pattern: style} for a model without its own tensor-parallel plan, or to split more than its own
     tensor_parallel_plan: Mapping[str, Any] | None = None
+    # 1 (none) or P: the model cut into P pipeline stages, one per rank, run by torch's schedule pipeline_schedule
+    # ("1F1B" or "GPipe"), the accumulation steps its micro-batches (autofit/parallel/pipeline.py; for now alone:
+    # world_size = P, strategy="fsdp2")
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1F1B"
 
     def __post_init__(self) -> None:
         require_int("world_size", self.world_size)
+        require_int("pipeline_parallel", self.pipeline_parallel)
         require_strategy(self.strategy)
 
 

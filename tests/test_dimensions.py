@@ -320,7 +320,7 @@ def test_a_running_step_asks_each_dimension_innermost_or_outermost_first():
     assert schedule_of(alone, 3) == Sequential(3)
     # the sequential schedule runs each micro-batch inside the layout's contexts, the last one marked
     log.clear()
-    window = Window(2, rows=lambda i: (f"rows {i}", None), place=lambda i: f"place {i}", loss_fn=None,
+    window = Window(2, rows=lambda i: (f"rows {i}", None), place=lambda i: f"place {i}", loss=None,
                     body=lambda i, rows, target, place: log.append(("micro-batch", i, rows, place)) or i)
     assert Sequential(2).run("model", alone, window) == [0, 1]
     assert log == [("enter", "outer", False), ("micro-batch", 0, "rows 0", "place 0"), ("exit", "outer", False),
@@ -331,7 +331,7 @@ def test_a_running_step_asks_each_dimension_innermost_or_outermost_first():
 class _AllForwardsFirst:
     """GPipe's order on one stage (torch/distributed/pipelining/schedules.py, ``ScheduleGPipe``): every
     micro-batch's forward and loss, then every backward, each inside the layout's context. It computes the losses
-    itself from the window's rows, shares and loss function, as torch's pipeline schedules do, and leaves the body."""
+    itself from the window's rows, shares and the step's loss, as torch's pipeline schedules do, and leaves the body."""
 
     micro_batches: int
 
@@ -344,13 +344,12 @@ class _AllForwardsFirst:
 
     def run(self, model, layout, window, *, count=None, sync=None):
         from autofit.parallel.apply import gradient_sync
-        from autofit.training.loss import compute_loss
 
         losses = []
         for i in range(window.size):
             inputs, target = window.rows(i)
             window.on_phase(i, "forward")
-            losses.append(compute_loss(window.loss_fn, inputs.call(model), None if target is None else target.value))
+            losses.append(window.loss(inputs.call(model), None if target is None else target.value))
         for i, loss in enumerate(losses):
             window.on_phase(i, "backward")
             with (sync or gradient_sync)(model, layout, last=i == window.size - 1):

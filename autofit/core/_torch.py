@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ __all__ = [
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "SpectralNormParametrization", "NormBase", "tensor_version",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
-    "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once",
+    "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once", "pipeline_step",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -310,6 +311,75 @@ def fake_store() -> Any:
     """A store for ``init_process_group("fake", ...)``: collectives return at once with the right shapes. Loaded on
     first use: only FSDP2 simulations need it, and it lives in torch's test utilities."""
     return _need("torch.testing._internal.distributed.fake_pg", "FakeStore")()
+
+
+# Note [a pipeline step on a fake process group]
+#     torch's pipeline schedules (torch/distributed/pipelining/schedules.py) begin their first step with a vote that
+#     runs over the stages' point-to-point links (``_PipelineSchedule._warmup_p2p``: each stage sends the product of
+#     its predecessors' votes on, 1 where the user gave its input and output shapes, STATIC, 0 where they must be
+#     inferred by running a step, DYNAMIC). On a fake process group a receive writes nothing, so torch 2.13's vote
+#     reads the zeros its buffer began with and chooses DYNAMIC, whose inference then receives pickled metadata that
+#     never came. torch 2.14 decides locally on a fake group (STATIC where every stage has its shapes), and autofit
+#     gives every stage its shapes, so that on every rank of a real job the result is STATIC too: on 2.13 each stage
+#     of a fake group is given that result. The step runs over micro-batches already split (each micro-batch's own
+#     rows and target, as the step's window holds them): torch 2.14's ``step(arg_mbs=..., target_mbs=...)``, and on
+#     2.13 what its ``step`` does after splitting a whole batch (the stage told whether backward runs, its states of
+#     the last step cleared, then ``_step_microbatches``). ``return_outputs=False``, as torchtitan steps its schedule:
+#     with torch's default True the last stage keeps every micro-batch's output to the step's end.
+def pipeline_step(schedule: Any, arg_mbs: list | None, target_mbs: list | None, losses: list | None, *,
+                  fake_group: bool) -> None:
+    """One step of torch's single-stage pipeline ``schedule`` over micro-batches already split (Note [a pipeline step
+    on a fake process group]); ``fake_group``: its stage's group is a fake one."""
+    stage = schedule._stage
+    if fake_group and torch.__version__ < "2.14" and not getattr(schedule, "_autofit_voted", False):
+        mode = _need("torch.distributed.pipelining._utils", "InferenceMode")
+
+        def voted(*_, **__) -> None:
+            stage._inference_mode = mode.STATIC
+
+        schedule._warmup_p2p = voted
+        schedule._autofit_voted = True
+    schedules = sys.modules[type(schedule).__module__]
+    held = patch(schedules, "_batch_p2p", _holding_sends) if fake_group else contextlib.nullcontext()
+    with held:
+        if "arg_mbs" in inspect.signature(schedule.step).parameters:  # torch 2.14 on
+            schedule.step(arg_mbs=arg_mbs, target_mbs=target_mbs, losses=losses, return_outputs=False)
+            return
+        if schedule._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("a pipeline step with backward needs gradients enabled")
+        stage.has_backward = schedule._has_backward
+        stage.clear_runtime_states()
+        schedule._step_microbatches(arg_mbs, None, target_mbs, losses, return_outputs=False)
+
+
+# Note [a send holds its tensor]
+#     A point-to-point send's ``Work`` keeps the tensor it sends for as long as the Work lives, on gloo (its
+#     ``AsyncWork`` holds the op's tensors) as on NCCL (``WorkNCCL`` stashes them for the caching allocator's safety),
+#     and torch's schedules keep the Works of their sends until they wait on them (ScheduleGPipe every forward send
+#     to the step's end, Schedule1F1B its last warm-up send, benchmarks/pipeline_probe.py): a stage's output outlives
+#     its backward there. A fake process group's Work holds nothing, so on one the sends return Works that hold
+#     their ops' tensors: two gloo ranks of a 4-layer Llama under GPipe measured the first stage's 8,192-B output
+#     (2 x 16 x 64 fp32) still alive at its last backward, which a fake Work had let go.
+class _HeldWork:
+    """A Work and the tensor its op sends or receives, kept together (Note [a send holds its tensor])."""
+
+    def __init__(self, work: Any, tensors: list) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _holding_sends(original: Callable) -> Callable:
+    def batch_p2p(p2p_ops: list, *args: Any, **kwargs: Any) -> list:
+        works = original(p2p_ops, *args, **kwargs)
+        if len(works) == len(p2p_ops):  # one Work per op (no coalescing): each holds its own op's tensor
+            return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
+        return [_HeldWork(w, [op.tensor for op in p2p_ops]) for w in works]
+    return batch_p2p
 
 
 # Note [DTensor's tuple strategies in linear time]

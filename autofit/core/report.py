@@ -70,6 +70,9 @@ class MemoryEstimate:
     # the whole batch of micro_batch_size x accumulation_steps rows that trainer.step receives and slices
     # (estimate's default, inputs="batch", and every plan), or one micro-batch (inputs="micro-batch"); 0: unknown
     input_rows: int = 0
+    # (global rank, its simulated peak of allocated bytes) of each rank whose step differs (a pipeline's stages),
+    # where more than one does; every other figure is the highest one's (Layout.distinct_ranks)
+    rank_peaks: tuple[tuple[int, int], ...] = ()
     # the estimate under a budget below device_bytes, or None when the step does not run under it; set by the
     # device model that can tell (CUDA), None elsewhere
     under: Callable[[int], MemoryEstimate | None] | None = field(default=None, compare=False, repr=False)

@@ -97,9 +97,11 @@ def _selective_notes(plan: Plan, how: str) -> list[str]:
 def _layout(plan: Plan, framework: str) -> ExportFragment:
     """The plan's layout in ``framework``'s terms: its dimensions' fragments merged (``Parallel.export``, Note [layout
     dimensions]), given the plan's plain values they read."""
+    micro, steps = _split(plan)
     return plan.parallel.export(framework, ExportInputs(
         precision=plan.precision.name, recomputes=bool(plan.checkpoint),
-        gradient_bytes=plan.estimate.breakdown.get("gradients", 0)))
+        gradient_bytes=plan.estimate.breakdown.get("gradients", 0), micro_batch_size=micro,
+        accumulation_steps=steps))
 
 
 def _layout_notes(fragment: ExportFragment) -> list[str]:

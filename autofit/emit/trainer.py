@@ -20,6 +20,7 @@ live trainer has patched the model (Note [one trainer per model], autofit/emit/w
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ from autofit.emit.wrapping import check_optimizer, claim, refuse_wrapped, releas
 from autofit.training.length import batch_length
 from autofit.parallel.schedule import Window, schedule_of
 from autofit.parallel.processes import computes_on, require_split_batch
-from autofit.training.loss import LossFn
+from autofit.training.loss import LossFn, compute_loss
 from autofit.training.normalisation import (
     LOSS_REDUCTIONS, LossNormalisation, count_items, item_counter, refusing_ignored_targets,
 )
@@ -186,7 +187,7 @@ class Trainer:
 
             # Note [where zero_grad falls]: the window's first micro-batch clears the optimizer's gradients
             window = Window(len(bounds), rows=rows, place=lambda i: WindowPlace.of(i, norm, self.optimizer),
-                            loss_fn=loss_fn, body=one)
+                            loss=functools.partial(compute_loss, loss_fn), body=one)
             try:  # the schedule owns the loop and the gradient sync between micro-batches (Note [one schedule])
                 run = schedule_of(self.config.layout, len(bounds)).run(self.model, self.config.layout, window)
                 losses = [float(loss) for loss in run]  # a schedule of its own may give detached tensors

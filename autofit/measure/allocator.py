@@ -27,6 +27,7 @@ Note [memory from before the window]
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import gc
 from typing import Any
@@ -43,10 +44,10 @@ from autofit.training.batch import Batch
 from autofit.capture.model_copy import attached_tensors, module_tensor_attributes, real_copy
 from autofit.core.categories import Category
 from autofit.features import FEATURES, convert_model
-from autofit.training.loss import LossFn
+from autofit.training.loss import LossFn, compute_loss
 from autofit.training.normalisation import LossNormalisation
 from autofit.core.report import Measurement
-from autofit.parallel.step_rules import kept_buckets, warm_up_windows
+from autofit.parallel.step_rules import kept_between_steps, kept_buckets, warm_up_windows
 from autofit.training.stored import apply_stored
 from autofit.parallel.apply import laid_out
 from autofit.parallel.schedule import Window, schedule_of
@@ -152,7 +153,8 @@ def measure_step(
                             features=FEATURES)
 
         window = Window(config.accumulation_steps, rows=micro_batches.__getitem__,
-                        place=lambda i: WindowPlace.of(i, norm, optimizer), loss_fn=loss_fn, body=one)
+                        place=lambda i: WindowPlace.of(i, norm, optimizer),
+                        loss=functools.partial(compute_loss, loss_fn), body=one)
         schedule_of(config.layout, config.accumulation_steps).run(work, config.layout, window)  # Note [one schedule]
         interruption_point()
         optimizer_step(optimizer, scaler, clip_grad_norm=config.clip_grad_norm, stored=stored,
@@ -174,6 +176,8 @@ def measure_step(
             # the buckets outlive every step; no gradient points at them after zero_grad
             buckets = kept_buckets(config.layout, work)
             categories = _categories(inner, optimizer, scaler, whole, whole_target, stored)
+            # what the layout's machinery holds across steps (a pipeline's receive buffers) is the step's own
+            categories[Category.BUFFERS].update(_storages(kept_between_steps(config.layout, work)))
             return (categories, buckets), set().union(*categories.values())
 
         if device.type == "cuda":

@@ -20,19 +20,22 @@ from autofit.parallel.dimension import ApplyInputs
 if TYPE_CHECKING:
     from autofit.parallel.layout import Parallel
 
-__all__ = ["apply_layout", "device_mesh", "laid_out", "gradient_sync"]
+__all__ = ["apply_layout", "device_mesh", "laid_out", "gradient_sync", "held_names"]
 
 
 def apply_layout(model: nn.Module, layout: Parallel, *, mesh=None, param_dtype: torch.dtype | None = None,
                  pin_memory: bool = False, gradient_as_bucket_view: bool = True,
                  device_ids: list[int] | None = None) -> nn.Module:
-    """``layout`` applied to ``model`` on this rank: each dimension's :meth:`~autofit.parallel.Dimension.apply`,
+    """``layout`` applied to ``model`` on this rank: each dimension's :meth:`~autofit.parallel.Dimension.cut`,
+    outermost first (a pipeline rank's stage), then each one's :meth:`~autofit.parallel.Dimension.apply`,
     innermost first (torchtitan's order: tensor parallel over the "tp" dim, then FSDP2 over the data-parallel dims;
     DDP wraps what the others made), over ``mesh`` as :func:`device_mesh` lays it out (None for DDP: the default
     group). The rest are :class:`~autofit.parallel.dimension.ApplyInputs`' fields."""
     placed = layout.layout
     inputs = ApplyInputs(mesh=mesh, shard_units=layout.shard_units, param_dtype=param_dtype, pin_memory=pin_memory,
                          gradient_as_bucket_view=gradient_as_bucket_view, device_ids=device_ids)
+    for placement in placed.placements:  # what each rank holds, outermost first: a pipeline's stage
+        model = placed.registry[placement.dimension].cut(model, placed, placement, inputs)
     for placement in reversed(placed.placements):
         model = placed.registry[placement.dimension].apply(model, placed, placement, inputs)
     return model
@@ -77,3 +80,11 @@ def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool) -> Iterator
             stack.enter_context(placed.registry[placement.dimension].micro_batch_context(model, placed, placement,
                                                                                         last=last))
         yield
+
+
+def held_names(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Of the module ``names`` a step's knobs name on the whole model (recomputed, fp32-pinned modules), those this
+    rank's ``model`` still holds: a dimension's cut (``Dimension.cut``: a pipeline stage's) left the others on other
+    ranks, and records them on the model it cut."""
+    gone = getattr(model, "_autofit_cut_away", ())
+    return tuple(n for n in names if not any(n == g or n.startswith(g + ".") for g in gone))

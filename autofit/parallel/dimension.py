@@ -49,8 +49,14 @@ Note [layout dimensions]
 
     What a dimension does to a running step, the same in the simulation, ``measure`` and the trainers
     (autofit/parallel/apply.py, autofit/parallel/schedule.py):
+      - what it cuts of the model before any dimension is applied (:meth:`Dimension.cut`), outermost first: a
+        pipeline rank keeps only its stage, and tensor parallel and FSDP2 then split that (torchtitan's
+        ``pipeline_llm`` cuts each stage before ``parallelize_llama`` runs on it);
       - how it is applied to a model (:meth:`Dimension.apply`), innermost dimension first, as torchtitan's
         ``parallelize_llama`` applies tensor parallel before FSDP and DDP wraps what the others made;
+      - whether the ranks along it run different steps (:meth:`Dimension.ranks_differ`: a pipeline's stages hold
+        different layers), so that the simulation runs one rank per coordinate (``Layout.distinct_ranks``) where
+        otherwise one rank stands for all;
       - the context one micro-batch runs in (:meth:`Dimension.micro_batch_context`: DDP's ``no_sync``, FSDP2's
         deferred reduce-scatter), entered outermost first around each micro-batch;
       - the schedule of the micro-batches (:meth:`Dimension.schedule`): none by default, sequential accumulation;
@@ -139,7 +145,9 @@ class StepKnobs(Protocol):
     device: Any  # a DeviceKind: ``foreach_by_default`` says whether torch's optimizers run foreach there
     clip_grad_norm: float | None
     gradient_as_bucket_view: bool
-    precision: Any  # a PrecisionPolicy: ``stored``
+    precision: Any  # a PrecisionPolicy: ``stored``, ``needs_grad_scaler``
+    accumulation_steps: int  # the window's micro-batches
+    zero_grad: str  # where the gradients are cleared (a ZeroGrad: "after-step", ...)
 
 
 class Schedule(Protocol):
@@ -230,6 +238,21 @@ class Dimension:
         """The share of its part of the model one rank keeps gathered from the end of forward to backward (Note [a
         dimension's share of memory]): nothing by default."""
         return Fraction(0)
+
+    def cut(self, model: nn.Module, layout: Layout, placement: Placement, inputs: ApplyInputs) -> nn.Module:
+        """``model`` (this rank's own copy) with what this rank does not hold removed, before any dimension is
+        applied (``apply.apply_layout``, outermost first): unchanged by default."""
+        return model
+
+    def kept_between_steps(self, model: nn.Module, layout: Layout, placement: Placement) -> list[Any]:
+        """The tensors this dimension's machinery keeps from one step of the laid-out ``model`` to the next (a
+        pipeline's receive buffers), which ``measure`` counts as the step's own: none by default."""
+        return []
+
+    def ranks_differ(self, layout: Layout, placement: Placement) -> bool:
+        """Whether the ranks along this dimension run different steps (a pipeline's stages), each simulated
+        (:attr:`Layout.distinct_ranks`): False by default, one rank standing for the others."""
+        return False
 
     def apply(self, model: nn.Module, layout: Layout, placement: Placement, inputs: ApplyInputs) -> nn.Module:
         """``model`` (an ``nn.Module``) with this dimension applied on this rank (``apply.apply_layout``, after
@@ -397,6 +420,18 @@ class Layout:
         dimensions' (:meth:`Dimension.kept_gathered`) of its part of the model, over :attr:`model_ways`."""
         return sum((self.registry[p.dimension].kept_gathered(self, p) for p in self.placements),
                    Fraction(0)) / self.model_ways
+
+    @property
+    def distinct_ranks(self) -> tuple[int, ...]:
+        """The global ranks whose steps differ, one per coordinate along the dimensions whose ranks differ
+        (:meth:`Dimension.ranks_differ`), every other coordinate 0; ``(0,)`` where one rank stands for all. Ranks
+        fill the mesh row-major, the last dim fastest (``init_device_mesh``)."""
+        ranks, stride = [0], 1
+        for p in reversed(self.placements):
+            if self.registry[p.dimension].ranks_differ(self, p):
+                ranks = [r + c * stride for c in range(p.degree) for r in ranks]
+            stride *= p.degree
+        return tuple(sorted(ranks))
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -19,12 +19,15 @@ FRAMEWORKS = ("hf", "deepspeed", "lightning", "accelerate", "torchtitan")
 class ExportInputs:
     """What a dimension's export fragment reads of a plan besides its layout, as plain values (this layer is below
     the ``Plan``): the precision's name ("fp32", "bf16", "fp16"), whether the plan recomputes any module, FSDP2's
-    units (``Parallel.shard_units``, which ``Parallel.export`` puts in) and the gradients' bytes per GPU at the peak."""
+    units (``Parallel.shard_units``, which ``Parallel.export`` puts in), the gradients' bytes per GPU at the peak, and
+    the step's micro-batches (a pipeline's schedule runs them: torchtitan's ``pipeline_parallel_microbatch_size``)."""
 
     precision: str = "fp32"
     recomputes: bool = False
     shard_units: tuple[str, ...] = ()
     gradient_bytes: int = 0
+    micro_batch_size: int = 1  # the rows of one micro-batch, of which a step runs accumulation_steps per data rank
+    accumulation_steps: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

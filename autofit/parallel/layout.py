@@ -401,7 +401,8 @@ def from_layout(layout: Layout, *, gpus_per_node: int = 0, shard_units: tuple[st
     return Parallel(strategy=Strategy.FSDP2, world_size=layout.world_size, gpus_per_node=gpus_per_node,
                     shard_units=shard_units, reshard_after_forward=raf, replicate=layout.degree("dp_replicate"),
                     tensor_parallel=layout.degree("tp"), tensor_plan=() if tensor is None else tensor.option("plan", ()),
-                    more_dimensions=tuple(p for p in layout.placements if p.dimension not in FIELD_DIMENSIONS))
+                    more_dimensions=tuple(p for p in layout.placements
+                                          if p.dimension not in FIELD_DIMENSIONS and p.degree != 1))
 
 
 def trade_words(parallels: Iterable[Parallel]) -> tuple[str, ...]:

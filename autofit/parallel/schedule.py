@@ -16,7 +16,7 @@ Note [one schedule]
 
     The window is what torch's pipeline schedules take (``PipelineSchedule._step_microbatches(arg_mbs, kwarg_mbs,
     target_mbs, losses)``, torch/distributed/pipelining/schedules.py, the loss function given when the schedule is
-    built): each micro-batch's rows and target, each one's share of the batch's loss, the loss function, and beside
+    built): each micro-batch's rows and target, each one's share of the batch's loss, the step's loss, and beside
     them the body that runs one micro-batch whole (forward, loss, backward), which :class:`Sequential` runs in order.
     A schedule that orders forwards and backwards itself reads the first three, tells the window each phase as it
     starts (``on_phase``) and leaves the body, so the callers hand every schedule the same value:
@@ -55,9 +55,9 @@ class Window:
     # clears where the step's zero_grad order says (the body does; a schedule that leaves it steps in the default
     # order, the gradients cleared after the optimizer step, or its dimension refuses the others: ``check_step``)
     place: Callable[[int], Any]
-    # the loss of a micro-batch's output against its target, before its share weights it (None: the step's default,
-    # ``autofit.training.loss.compute_loss``'s)
-    loss_fn: Any
+    # the step's loss of a micro-batch's output against its target (the value its Batch gives), before its share
+    # weights it: ``autofit.training.loss.compute_loss`` with the user's loss_fn, its default and its checks
+    loss: Callable[[Any, Any], Any]
     # micro-batch i run whole on its rows, target and place: forward, loss and backward; its result (the loss)
     body: Callable[[int, Any, Any, Any], Any]
     # told (i, "forward") and (i, "backward") as micro-batch i's phases start, by a schedule that runs them apart (the

@@ -131,9 +131,9 @@ class _Shard(Dimension):
 
 
 def _fully_shards(layout: Layout, placement: Placement) -> bool:
-    """``fully_shard`` runs: over more than one data-parallel rank (tensor parallel alone leaves none), or on one
-    process to keep the states on the host."""
-    return layout.world_size > layout.degree("tp") or placement.option("offload_states", False)
+    """``fully_shard`` runs: over more than one data-parallel rank (tensor parallel or a pipeline alone leave
+    none), or on one process to keep the states on the host."""
+    return layout.degree("dp_replicate") * placement.degree > 1 or placement.option("offload_states", False)
 
 
 def _hf(layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:

@@ -32,9 +32,9 @@ __all__ = ["fake_mesh", "simulated_mesh", "simulated_buckets", "simulated_sync",
 
 
 @contextlib.contextmanager
-def fake_mesh(layout: Parallel) -> Iterator[object]:
-    """A CPU device mesh of ``layout`` over a fake process group of its ranks (this process is rank 0), built as the
-    real one is (parallel/apply.py, ``device_mesh``)."""
+def fake_mesh(layout: Parallel, rank: int = 0) -> Iterator[object]:
+    """A CPU device mesh of ``layout`` over a fake process group of its ranks (this process is rank ``rank``), built
+    as the real one is (parallel/apply.py, ``device_mesh``)."""
     if dist.is_initialized():
         raise UnsupportedModelError(
             "autofit simulates FSDP2 with a fake process group, which needs the default group to be free: "
@@ -43,7 +43,7 @@ def fake_mesh(layout: Parallel) -> Iterator[object]:
     # init_process_group wraps sys.excepthook to prefix every later traceback with "[rank0]" and
     # destroy_process_group leaves it (torch/distributed/distributed_c10d.py): a plan leaves the process as it was
     excepthook = sys.excepthook
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=layout.world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=layout.world_size)
     try:
         with dtensor_specs_once():  # Note [DTensor's tuple strategies in linear time], core/_torch.py
             yield device_mesh("cpu", layout)
@@ -52,11 +52,11 @@ def fake_mesh(layout: Parallel) -> Iterator[object]:
         sys.excepthook = excepthook
 
 
-def simulated_mesh(layout: Parallel) -> contextlib.AbstractContextManager:
-    """The mesh a simulated step lays its copy out on: a fake one where the layout shards (FSDP2 runs for real on
-    the fake copy); none otherwise, DDP's buckets being modelled by the simulation itself (Note [DDP's bucket
-    views]). The mesh holds real tensors: it is entered before the fake mode."""
-    return fake_mesh(layout) if layout.shards_parameters else contextlib.nullcontext()
+def simulated_mesh(layout: Parallel, rank: int = 0) -> contextlib.AbstractContextManager:
+    """The mesh a simulated step of global rank ``rank`` lays its copy out on: a fake one where the layout shards
+    (FSDP2 runs for real on the fake copy); none otherwise, DDP's buckets being modelled by the simulation itself
+    (Note [DDP's bucket views]). The mesh holds real tensors: it is entered before the fake mode."""
+    return fake_mesh(layout, rank) if layout.shards_parameters else contextlib.nullcontext()
 
 
 def simulated_buckets(model: nn.Module, layout: Parallel, *, views: bool) -> list[torch.Tensor]:

@@ -16,7 +16,8 @@ from autofit.core.errors import InvalidInputError
 if TYPE_CHECKING:
     from autofit.parallel.layout import Parallel
 
-__all__ = ["gradients_in_buckets", "gradients_owner", "require_fully_sharded", "warm_up_windows", "kept_buckets"]
+__all__ = ["gradients_in_buckets", "gradients_owner", "require_fully_sharded", "warm_up_windows", "kept_buckets",
+           "kept_between_steps"]
 
 
 def gradients_in_buckets(layout: Parallel, gradient_as_bucket_view: bool) -> bool:
@@ -50,3 +51,11 @@ def kept_buckets(layout: Parallel, model: nn.Module) -> list[int]:
     """Bytes of each gradient bucket that outlives every step of ``model`` laid out as ``layout``: DDP's (``model``
     is the DistributedDataParallel module), none otherwise."""
     return ddp_bucket_sizes(model) if layout.replicates_parameters else []
+
+
+def kept_between_steps(layout: Parallel, model: nn.Module) -> list:
+    """The tensors the layout's own machinery keeps from one step of ``model`` to the next (a pipeline's receive
+    buffers: ``Dimension.kept_between_steps``), which ``measure`` counts as alive before a window as the step's own."""
+    placed = layout.layout
+    return [t for p in placed.placements
+            for t in placed.registry[p.dimension].kept_between_steps(model, placed, p)]

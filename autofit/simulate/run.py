@@ -82,6 +82,7 @@ from autofit.simulate.probe import KernelProber
 from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
 from autofit.core.shared import shared
+from autofit.core.units import format_bytes
 from autofit.simulate.state import tracked_rng_state
 from autofit.simulate.timeline import Replay, Timeline, replay
 from autofit.simulate.traced_checks import eager_answers
@@ -121,6 +122,9 @@ class Simulation:
     # the compiled step's timeline where the eager one bounds the memory (Note [compiled models on a GPU target]): the
     # time model prices the step that runs, compiled, whichever simulation holds the peak
     compiled_timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    # (global rank, peak) of each rank whose step differs (a pipeline's stages), where more than one does; the rest
+    # of the simulation is the highest one's
+    rank_peaks: tuple[tuple[int, int], ...] = ()
 
     @property
     def priced_timeline(self) -> Timeline:
@@ -178,7 +182,33 @@ def _hooked_step(model: nn.Module, batch: Batch, target: Any, loss_fn: LossFn | 
 def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_kernels: bool,
                    observer: Observer | None, device_rules: DeviceRules | None,
                    previous: PreviousStep | None = None) -> Simulation:
-    around = _Around(probe_kernels, observer, device_rules, previous)
+    """The step of each rank whose step differs (``Layout.distinct_ranks``: one per pipeline stage; rank 0 stands
+    for all in any other layout): the one with the highest peak, every one's peak in ``rank_peaks``. An observer
+    keeps what it saw last, so the highest is run again when another ran after it."""
+    ranks = config.layout.layout.distinct_ranks
+    if ranks == (0,):
+        return _one_rank(model, batch, target, loss_fn, config, _Around(probe_kernels, observer, device_rules,
+                                                                           previous))
+    sims = []
+    for rank in ranks:
+        progress.step(f"rank {rank} of the ranks whose steps differ ({', '.join(map(str, ranks))})")
+        sims.append(_one_rank(model, batch, target, loss_fn, config,
+                              _Around(probe_kernels, observer, device_rules, previous, rank)))
+    peaks = tuple(s.replay.peak_bytes for s in sims)
+    worst = max(range(len(sims)), key=peaks.__getitem__)
+    sim = sims[worst]
+    if observer is not None and worst != len(sims) - 1:
+        sim = _one_rank(model, batch, target, loss_fn, config,
+                        _Around(probe_kernels, observer, device_rules, previous, ranks[worst]))
+    note = (f"the ranks' steps differ ({config.layout.label}): each was simulated, and the figures are rank "
+            f"{ranks[worst]}'s, the highest peak; every rank's peak: "
+            + ", ".join(f"rank {r} {format_bytes(p)}" for r, p in zip(ranks, peaks)))
+    return replace(sim, notes=sim.notes + (note,), rank_peaks=tuple(zip(ranks, peaks)))
+
+
+def _one_rank(model, batch, target, loss_fn, config: StepConfig, around: _Around) -> Simulation:
+    """The step of the rank ``around.rank``."""
+    observer = around.observer
     try:
         with _quiet_engines():
             sim = worst_of_extremes(functools.partial(_simulate, model, batch, target, loss_fn, config, around,
@@ -225,6 +255,7 @@ class _Around:
     observer: Observer | None
     device_rules: DeviceRules | None
     previous: PreviousStep | None
+    rank: int = 0  # the global rank simulated (Layout.distinct_ranks)
 
 
 def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around, *, fake: bool,
@@ -238,7 +269,7 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
         prober.skipped = prober.failed = 0
     work = convert_model(config, fake_copy(model, fake_mode) if fake else real_copy(model).to("cpu"))
     # the device mesh holds real tensors: it is made before the fake mode is entered
-    mesh_ctx = simulated_mesh(config.layout)
+    mesh_ctx = simulated_mesh(config.layout, around.rank)
     # the optimizer and clipping take the implementation torch picks on the target (foreach on CUDA)
     # the optimizer of a CPU-offloaded step steps host tensors: torch picks its CPU implementation (Note [offload])
     implementation = optimizer_runs_on(config.layout, config.device)
@@ -248,8 +279,8 @@ def _simulate(model, batch, target, loss_fn, config: StepConfig, around: _Around
     with mesh_ctx as mesh, fake_mode if fake else contextlib.nullcontext(), target_implementation(implementation), \
             compiled_code_runs_eagerly(), compiled, \
             compiled_for_simulation(work, fake and not eager, config.compile and not eager, limited) as inductor:
-        if mesh is not None:  # split and shard before the optimizer is built, as the trainer does
-            apply_layout(work, config.layout, mesh=mesh, param_dtype=config.precision.param_dtype)
+        if mesh is not None:  # cut, split and shard before the optimizer is built, as the trainer does
+            work = apply_layout(work, config.layout, mesh=mesh, param_dtype=config.precision.param_dtype)
         to_sim = functools.partial(fake_input, fake_mode) if fake else (lambda t: t.to("cpu"))
         micro = batch.map_tensors(to_sim).resize(config.micro_batch_size)
         micro_target = None if target is None else target.map_tensors(to_sim).resize(config.micro_batch_size)

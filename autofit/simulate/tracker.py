@@ -285,7 +285,8 @@ class StepTracker(TorchDispatchMode):
         for t in (x for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)
                   for x in storage_tensors(_local(leaf))):
             st = t.untyped_storage()
-            if not self._is_known_or_external(st) and st.nbytes() > 0:
+            # a tensor on the meta device holds no memory (a shape handed to torch: a pipeline stage's)
+            if not self._is_known_or_external(st) and st.nbytes() > 0 and t.device.type != "meta":
                 sid = self._track(st, category, op_index, nbytes=max(real_bytes.get(id(t), 0), st.nbytes()))
                 self.accumulation.created(sid, epoch)
         self.timeline.new_op(record)

@@ -6,6 +6,7 @@ and the typed errors the user's code and optimizer raise in it (:class:`DataDepe
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from autofit.capture.corrections import FakeKernelStricter
 from autofit.features import FEATURES
 from autofit.training.batch import Batch
 from autofit.training.config import ZeroGrad
-from autofit.training.loss import LossFn
+from autofit.training.loss import LossFn, compute_loss
 from autofit.training.normalisation import LossNormalisation
 from autofit.training.step import StepConfig, WindowPlace, optimizer_step, run_micro_batch
 from autofit.training.stored import apply_stored
@@ -179,7 +180,8 @@ def run_window(tracker: StepTracker, model: nn.Module, state: StepState, micro: 
     # [offload]), it reduces every micro-batch instead. The schedule applies that rule as on a real rank
     # (gradient_sync); DDP's sync is the buckets' here (the copy is not wrapped in DDP: Note [DDP's bucket views]).
     window = Window(config.accumulation_steps, rows=lambda _: (micro, micro_target),
-                    place=lambda i: WindowPlace.of(i, norm, optimizer), loss_fn=loss_fn, body=one, on_phase=phase)
+                    place=lambda i: WindowPlace.of(i, norm, optimizer), loss=functools.partial(compute_loss, loss_fn),
+                    body=one, on_phase=phase)
     schedule.run(model, config.layout, window, count=steps, sync=simulated_sync)
     gradients_made()  # a schedule that runs its own backwards (Note [one schedule]) made them outside the body
     if carried and not config.preallocated_grads:  # each gradient the step leaves in place of the one it freed

@@ -49,6 +49,7 @@ from autofit.core._torch import (
     module_call_codes,
     tree_map,
 )
+from autofit.parallel.apply import held_names
 from autofit.training.batch import Batch
 from autofit.training.config import (  # noqa: F401 - the step's value, re-exported
     StepConfig, ZeroGrad, make_step_config, overridden_forwards, resolve_modules,
@@ -215,9 +216,11 @@ def patched_model(model: torch.nn.Module, config: StepConfig, device_type: str) 
     The knobs are instance-level ``forward`` overrides, so the class, the parameters and the user's hooks stay as
     they are, and leaving the context restores the module exactly (``forward`` removed from the instance dict).
     """
-    pinned = resolve_modules(model, config.precision.fp32_modules, what="precision.fp32_modules")
-    ckpt = resolve_modules(model, config.checkpoint, what="checkpoint")
-    names = {id(m): n for m, n in zip(ckpt, config.checkpoint)}
+    # a pipeline rank holds only its stage's modules (parallel/pipeline.py): the knobs of the others are theirs
+    pinned = resolve_modules(model, held_names(model, config.precision.fp32_modules), what="precision.fp32_modules")
+    checkpoint = held_names(model, config.checkpoint)
+    ckpt = resolve_modules(model, checkpoint, what="checkpoint")
+    names = {id(m): n for m, n in zip(ckpt, checkpoint)}
     overrides = [(m, lambda forward: functools.partial(_fp32_forward, forward, device_type)) for m in pinned]
     overrides += [(m, lambda forward, m=m: functools.partial(_checkpointed_forward, m, forward,
                                                              config.policy(names[id(m)]))) for m in ckpt]

@@ -1,0 +1,185 @@
+"""Pipeline parallelism as a layout dimension (autofit/parallel/pipeline.py): each rank's stage estimated by running
+torch's own schedule on a fake process group, against the CPU allocator of the same stage run by torch's schedule
+on gloo (``measure``, one process per rank), every rank; and the trainer's step on the stages against one
+single-process full-batch step. The tiny Llama is four layers (tests/sharded_models.py, ``tiny_llama_pipeline``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autofit
+from autofit.core.errors import InvalidInputError, UnsupportedModelError
+from autofit.parallel import DIMENSIONS, Dimension, Placement, Registry
+from autofit.parallel.apply import held_names
+from autofit.parallel.exports import ExportInputs
+from autofit.parallel.layout import Parallel
+from autofit.parallel.pipeline import PIPELINE, cut_to_stage
+from autofit.parallel.tensor import TENSOR
+from sharded_models import tiny_llama_pipeline
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+ROWS = 2
+
+
+def _layout(stages: int, schedule: str) -> autofit.Layout:
+    return autofit.Layout(world_size=stages, strategy="fsdp2", pipeline_parallel=stages, pipeline_schedule=schedule)
+
+
+def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool) -> None:
+    case = tiny_llama_pipeline()
+    step = autofit.Step(micro_batch_size=ROWS, accumulation_steps=micro_batches,
+                        checkpoint=case.checkpoint if recompute else ())
+    kw = dict(target=case.target, optimizer="adamw", layout=_layout(stages, schedule), step=step)
+    estimated = autofit.estimate(case.model, case.sample, **kw)
+    measured = autofit.measure(case.model, case.sample, **kw)
+    assert [rank for rank, _ in estimated.rank_peaks] == list(range(stages))  # every stage simulated
+    assert estimated.peak_bytes == max(peak for _, peak in estimated.rank_peaks)
+    assert len(measured.rank_peaks) == stages
+    for (rank, predicted), peak in zip(estimated.rank_peaks, measured.rank_peaks, strict=True):
+        print(f"pp {stages} {schedule} x {micro_batches} recompute={recompute} rank {rank}: predicted {predicted} "
+              f"measured {peak} ({(predicted - peak) / peak:+.4%})")
+        assert abs(predicted - peak) <= 0.005 * peak, (rank, predicted, peak)
+    # the stages differ (the embedding on the first, the head and the loss on the last): one rank cannot stand for all
+    assert len({peak for peak in measured.rank_peaks}) > 1
+
+
+# (stages, schedule, micro-batches, recomputation): one case of each schedule in the sim tier, which CI also runs on
+# the newest torch (its buffers are allocated otherwise), the rest with the gloo tests
+@pytest.mark.sim
+@pytest.mark.parametrize("stages,schedule,micro_batches,recompute",
+                         [(2, "GPipe", 4, False), (2, "1F1B", 4, True)])
+def test_every_stage_estimated_as_measured(stages, schedule, micro_batches, recompute):
+    _every_rank(stages, schedule, micro_batches, recompute)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,schedule,micro_batches,recompute",
+                         [(2, "GPipe", 4, True), (2, "1F1B", 4, False), (2, "1F1B", 2, False),
+                          (4, "GPipe", 4, False), (4, "1F1B", 4, False), (4, "GPipe", 4, True),
+                          (4, "1F1B", 4, True)])
+def test_every_stage_estimated_as_measured_more(stages, schedule, micro_batches, recompute):
+    _every_rank(stages, schedule, micro_batches, recompute)
+
+
+class _Stages(Dimension):
+    """A dimension whose ranks run different steps (a pipeline's stages), degree 2, outermost."""
+
+    def choices(self, space):
+        return (Placement(self.name, 2),)
+
+    def ranks_differ(self, layout, placement):
+        return True
+
+
+def test_a_simulation_runs_one_rank_per_stage():
+    """``Layout.distinct_ranks``: one global rank per coordinate of a dimension whose ranks differ, the others at 0.
+    Hand counts, ranks filling the mesh row-major: stages 2 x tensor parallel 4 over 8 ranks are ranks 0-3 (stage
+    0) and 4-7 (stage 1), simulated as 0 and 4; a pipeline alone of 4 runs all four; no such dimension: rank 0."""
+    stages = _Stages(name="stages", mesh_rank=0, shares_rows=True, field="stages")
+    placed = Registry((TENSOR, stages)).layout(8, (Placement("stages", 2), Placement("tp", 4, (("plan", ()),))))
+    assert placed.distinct_ranks == (0, 4)
+    pipeline = Parallel(strategy="fsdp2", world_size=4, more_dimensions=(Placement("pp", 4, (("schedule", "1f1b"),)),))
+    assert pipeline.layout.distinct_ranks == (0, 1, 2, 3)
+    assert pipeline.data_ranks == 1 and pipeline.label == "pp 4 (1F1B) x fsdp2 (ZeRO-3) over 1 rank"
+    assert Parallel(strategy="fsdp2", world_size=4).layout.distinct_ranks == (0,)
+    assert "pp" in DIMENSIONS and DIMENSIONS["pp"] is PIPELINE
+
+
+def test_a_stage_keeps_its_own_modules_under_their_names():
+    """The cut (``cut_to_stage``) of stage 1 of 2: layers 2 and 3 under their own names, no embedding; the head and
+    the final norm stay; the knobs naming layers 0 and 1 (or the embedding) are the other rank's (``held_names``)."""
+    model = tiny_llama_pipeline("meta").model
+    cut_to_stage(model, 1, 2)
+    names = {n for n, _ in model.named_modules()}
+    assert {"model.layers.2", "model.layers.3", "model.norm", "lm_head"} <= names
+    assert not names & {"model.layers.0", "model.layers.1", "model.embed_tokens"}
+    asked = ("model.layers.0", "model.layers.1.mlp", "model.layers.3", "model.embed_tokens", "lm_head")
+    assert held_names(model, asked) == ("model.layers.3", "lm_head")
+    first = tiny_llama_pipeline("meta").model
+    cut_to_stage(first, 0, 2)
+    assert first.lm_head is None and isinstance(first.model.norm, torch.nn.Identity)
+    assert held_names(first, asked) == ("model.layers.0", "model.layers.1.mlp", "model.embed_tokens")
+
+
+@pytest.mark.sim
+def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
+    case = tiny_llama_pipeline()
+
+    def estimate(layout, sample=case.sample, model=case.model, **step):
+        step = autofit.Step(micro_batch_size=ROWS, **{"accumulation_steps": 4, **step})
+        return autofit.estimate(model, sample, target=case.target, layout=layout, step=step)
+
+    with pytest.raises(InvalidInputError, match="needs at least 4 micro-batches .* accumulation_steps to 4"):
+        estimate(_layout(4, "1F1B"), accumulation_steps=2)
+    with pytest.raises(InvalidInputError, match="pipeline_schedule 'zbvzerobubble' .* GPipe, 1F1B"):
+        estimate(_layout(2, "ZBVZeroBubble"))
+    with pytest.raises(InvalidInputError, match="alone for now"):
+        estimate(autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2))
+    with pytest.raises(InvalidInputError, match="token ids alone"):
+        estimate(_layout(2, "GPipe"), sample={"input_ids": case.sample, "attention_mask": torch.ones_like(case.sample)})
+    with pytest.raises(InvalidInputError, match="zero_grad='after-step'"):
+        estimate(_layout(2, "GPipe"), zero_grad="before-forward")
+    tied = tiny_llama_pipeline().model
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    with pytest.raises(UnsupportedModelError, match="tie_word_embeddings=False"):
+        estimate(_layout(2, "GPipe"), model=tied)
+
+
+@pytest.mark.slow
+def test_the_trainer_steps_the_stages_as_one_full_batch_step(tmp_path):
+    """Two gloo ranks run ``plan.wrap``'s trainer over the pipeline (1F1B, 4 micro-batches of 2 rows): each rank's
+    parameters after one SGD step equal those after one full-batch SGD step in one process (cross-entropy of the
+    logits against the ids, as the default loss computes it), and the two ranks hold every parameter once."""
+    import dist_workers
+
+    from autofit.emit.plan import Plan
+    from autofit.training.precision import as_policy
+
+    case = tiny_llama_pipeline()
+    layout = Parallel(strategy="fsdp2", world_size=2, more_dimensions=(Placement("pp", 2, (("schedule", "1f1b"),)),))
+    est = autofit.estimate(case.model, case.sample, target=case.target, layout=_layout(2, "1F1B"),
+                           step=autofit.Step(micro_batch_size=ROWS, accumulation_steps=4))
+    plan = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=4, batch_size=4 * ROWS, last_micro_batch_size=ROWS,
+                precision=as_policy("fp32"), checkpoint=(), peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
+                budget_bytes=2**30, device="cpu", optimizer="sgd", predicted_step_seconds=0.0, estimate=est,
+                parallel=layout)
+    ranks = dist_workers.launch([{"kind": "equivalence", "case": "tiny_llama_pipeline", "plan": plan.to_json(),
+                                  "optimizer": "sgd"}], tmp_path, 2)
+
+    reference = tiny_llama_pipeline()
+    model = reference.model
+    ids = torch.cat([reference.sample, reference.sample])  # the batch the workers resize the sample to: 8 rows
+    logits = model(ids).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    held = [set(results[0]["params"]) for results in ranks]
+    assert not held[0] & held[1] and held[0] | held[1] == {n for n, _ in model.named_parameters()}
+    assert "model.embed_tokens.weight" in held[0] and "lm_head.weight" in held[1]
+    for name, p in model.named_parameters():
+        rank = 0 if name in held[0] else 1
+        got = torch.tensor(ranks[rank][0]["params"][name], dtype=p.dtype)
+        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def test_the_torchtitan_export_names_the_degree_and_the_schedule():
+    """torchtitan's ``[parallelism]`` keys (torchtitan/config/job_config.py: ``pipeline_parallel_degree``,
+    ``pipeline_parallel_schedule`` with its names "1F1B", "GPipe", ``pipeline_parallel_microbatch_size``, the rows of
+    one micro-batch of the local batch); the other frameworks say they cannot express it."""
+    placed = Parallel(strategy="fsdp2", world_size=2, more_dimensions=(Placement("pp", 2, (("schedule", "gpipe"),)),))
+    inputs = ExportInputs(micro_batch_size=2, accumulation_steps=8)
+    fragment = PIPELINE.export("torchtitan", placed.layout, placed.layout.placement("pp"), inputs)
+    # the schedule's 8 micro-batches of 2 rows: a local batch of 16 that torchtitan splits into 16 // 2
+    assert fragment.settings == {"parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "GPipe",
+                                                 "pipeline_parallel_microbatch_size": 2},
+                                 "training": {"local_batch_size": 16}}
+    other = PIPELINE.export("lightning", placed.layout, placed.layout.placement("pp"), inputs)
+    assert other.settings == {} and "pipeline parallel 2" in other.unexpressed[0]
+
+
+def test_the_planner_says_it_does_not_choose_pipelines_yet():
+    case = tiny_llama_pipeline("meta")
+    with pytest.raises(InvalidInputError, match="planner does not choose pipelines yet.*autofit.estimate"):
+        autofit.plan(case.model, case.sample, budget="8GB", target=case.target, batch_size=8,
+                     layout=_layout(2, "1F1B"))
