@@ -80,8 +80,8 @@ def tiny_llama_vocab(device: str | None = None) -> ZooCase:
 EXTRA_CASES = {"wide_blocks": wide_blocks, "tiny_llama": tiny_llama, "tiny_llama_vocab": tiny_llama_vocab}
 
 
-def tiny_llama_pipeline(device: str | None = None) -> ZooCase:
-    """A four-layer Llama for pipeline stages (autofit/parallel/pipeline.py): hidden 64, MLP 128, vocab 128, its head
+def tiny_llama_pipeline(device: str | None = None, layers: int = 4) -> ZooCase:
+    """A four-layer (or ``layers``) Llama for pipeline stages (autofit/parallel/pipeline.py): hidden 64, MLP 128, vocab 128, its head
     not tied to its embedding (the two sit on the first and the last stage); the sample is 4 rows of 16 token ids and
     the target the same ids (the default loss: cross-entropy of the logits against them), the one input a first
     stage takes."""
@@ -89,14 +89,15 @@ def tiny_llama_pipeline(device: str | None = None) -> ZooCase:
 
     transformers = pytest.importorskip("transformers", reason="the test extras' transformers builds the tiny Llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, attn_implementation="sdpa",
+                                      tie_word_embeddings=False, use_cache=False)
     with torch.device(device or "cpu"):
         model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (4, 16))
     return ZooCase("tiny_llama_pipeline", model, ids, ids.clone(), checkpoint=tuple(f"model.layers.{i}"
-                                                                                      for i in range(4)))
+                                                                                      for i in range(layers)))
 
 
 EXTRA_CASES["tiny_llama_pipeline"] = tiny_llama_pipeline

@@ -11,10 +11,11 @@ import torch
 import autofit
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.parallel import DIMENSIONS, Dimension, Placement, Registry
-from autofit.parallel.apply import held_names
+from autofit.parallel.wrappers import held_names
 from autofit.parallel.exports import ExportInputs
+from autofit.parallel.choices import shard_units
 from autofit.parallel.layout import Parallel
-from autofit.parallel.pipeline import PIPELINE, cut_to_stage
+from autofit.parallel.pipeline import PIPELINE, cut_to_stages
 from autofit.parallel.tensor import TENSOR
 from sharded_models import tiny_llama_pipeline
 
@@ -23,33 +24,40 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 ROWS = 2
 
 
-def _layout(stages: int, schedule: str) -> autofit.Layout:
-    return autofit.Layout(world_size=stages, strategy="fsdp2", pipeline_parallel=stages, pipeline_schedule=schedule)
+def _layout(stages: int, schedule: str, world: int | None = None) -> autofit.Layout:
+    """A pipeline of ``stages`` ranks, FSDP2 over the ``world // stages`` ranks of each stage (none by default)."""
+    return autofit.Layout(world_size=world or stages, strategy="fsdp2", pipeline_parallel=stages,
+                          pipeline_schedule=schedule)
 
 
-def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool) -> None:
-    case = tiny_llama_pipeline()
+def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool, world: int | None = None) -> None:
+    # two stages per rank under the multi-stage schedules: 8 layers over 4 ranks
+    case = tiny_llama_pipeline(layers=max(4, 2 * stages))
     step = autofit.Step(micro_batch_size=ROWS, accumulation_steps=micro_batches,
                         checkpoint=case.checkpoint if recompute else ())
-    kw = dict(target=case.target, optimizer="adamw", layout=_layout(stages, schedule), step=step)
+    kw = dict(target=case.target, optimizer="adamw", layout=_layout(stages, schedule, world), step=step)
     estimated = autofit.estimate(case.model, case.sample, **kw)
     measured = autofit.measure(case.model, case.sample, **kw)
-    assert [rank for rank, _ in estimated.rank_peaks] == list(range(stages))  # every stage simulated
+    world = world or stages
+    # one rank per stage simulated: the mesh is (pp, dp_shard), a stage's FSDP2 ranks consecutive
+    assert [rank for rank, _ in estimated.rank_peaks] == list(range(0, world, world // stages))
     assert estimated.peak_bytes == max(peak for _, peak in estimated.rank_peaks)
-    assert len(measured.rank_peaks) == stages
-    for (rank, predicted), peak in zip(estimated.rank_peaks, measured.rank_peaks, strict=True):
-        print(f"pp {stages} {schedule} x {micro_batches} recompute={recompute} rank {rank}: predicted {predicted} "
-              f"measured {peak} ({(predicted - peak) / peak:+.4%})")
+    assert len(measured.rank_peaks) == world
+    for rank, peak in enumerate(measured.rank_peaks):
+        predicted = dict(estimated.rank_peaks)[rank - rank % (world // stages)]  # its stage's simulated rank
+        print(f"pp {stages} {schedule} x {micro_batches} over {world} recompute={recompute} rank {rank}: predicted "
+              f"{predicted} measured {peak} ({(predicted - peak) / peak:+.4%})")
         assert abs(predicted - peak) <= 0.005 * peak, (rank, predicted, peak)
     # the stages differ (the embedding on the first, the head and the loss on the last): one rank cannot stand for all
     assert len({peak for peak in measured.rank_peaks}) > 1
 
 
-# (stages, schedule, micro-batches, recomputation): one case of each schedule in the sim tier, which CI also runs on
-# the newest torch (its buffers are allocated otherwise), the rest with the gloo tests
+# (ranks, schedule, micro-batches, recomputation): one case of each kind of schedule in the sim tier, which CI also
+# runs on the newest torch (its pipelining allocates otherwise), the rest with the gloo tests
 @pytest.mark.sim
 @pytest.mark.parametrize("stages,schedule,micro_batches,recompute",
-                         [(2, "GPipe", 4, False), (2, "1F1B", 4, True)])
+                         [(2, "GPipe", 4, False), (2, "1F1B", 4, True), (2, "Interleaved1F1B", 4, False),
+                          (2, "ZBVZeroBubble", 4, True)])
 def test_every_stage_estimated_as_measured(stages, schedule, micro_batches, recompute):
     _every_rank(stages, schedule, micro_batches, recompute)
 
@@ -58,9 +66,20 @@ def test_every_stage_estimated_as_measured(stages, schedule, micro_batches, reco
 @pytest.mark.parametrize("stages,schedule,micro_batches,recompute",
                          [(2, "GPipe", 4, True), (2, "1F1B", 4, False), (2, "1F1B", 2, False),
                           (4, "GPipe", 4, False), (4, "1F1B", 4, False), (4, "GPipe", 4, True),
-                          (4, "1F1B", 4, True)])
+                          (4, "1F1B", 4, True), (2, "LoopedBFS", 4, False), (2, "InterleavedZeroBubble", 4, True),
+                          (2, "ZBVZeroBubble", 4, False), (4, "Interleaved1F1B", 8, True),
+                          (4, "ZBVZeroBubble", 4, False)])
 def test_every_stage_estimated_as_measured_more(stages, schedule, micro_batches, recompute):
     _every_rank(stages, schedule, micro_batches, recompute)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,recompute", [("1F1B", False), ("GPipe", True), ("ZBVZeroBubble", False),
+                                                ("Interleaved1F1B", True)])
+def test_every_stage_with_fsdp2_inside_estimated_as_measured(schedule, recompute):
+    """PP 2 x FSDP2 2 over 4 gloo ranks: each stage's blocks and the stage itself sharded over its two ranks
+    (torchtitan's layout), the reduce-scatter where torch's PipelineStage runs it, after the stage's last backward."""
+    _every_rank(2, schedule, 4, recompute, world=4)
 
 
 class _Stages(Dimension):
@@ -82,23 +101,25 @@ def test_a_simulation_runs_one_rank_per_stage():
     assert placed.distinct_ranks == (0, 4)
     pipeline = Parallel(strategy="fsdp2", world_size=4, more_dimensions=(Placement("pp", 4, (("schedule", "1f1b"),)),))
     assert pipeline.layout.distinct_ranks == (0, 1, 2, 3)
-    assert pipeline.data_ranks == 1 and pipeline.label == "pp 4 (1F1B) x fsdp2 (ZeRO-3) over 1 rank"
+    assert pipeline.data_ranks == 1 and pipeline.label == "pp 4 (1F1B)"  # FSDP2 over one rank does not run
+    with_fsdp = Parallel(strategy="fsdp2", world_size=8, more_dimensions=(Placement("pp", 4, (("schedule", "gpipe"),)),))
+    assert with_fsdp.label == "pp 4 (GPipe) x fsdp2 (ZeRO-3) over 2 ranks" and with_fsdp.layout.distinct_ranks == (0, 2, 4, 6)
     assert Parallel(strategy="fsdp2", world_size=4).layout.distinct_ranks == (0,)
     assert "pp" in DIMENSIONS and DIMENSIONS["pp"] is PIPELINE
 
 
 def test_a_stage_keeps_its_own_modules_under_their_names():
-    """The cut (``cut_to_stage``) of stage 1 of 2: layers 2 and 3 under their own names, no embedding; the head and
+    """The cut (``cut_to_stages``) of stage 1 of 2: layers 2 and 3 under their own names, no embedding; the head and
     the final norm stay; the knobs naming layers 0 and 1 (or the embedding) are the other rank's (``held_names``)."""
     model = tiny_llama_pipeline("meta").model
-    cut_to_stage(model, 1, 2)
+    cut_to_stages(model, [1], 2)
     names = {n for n, _ in model.named_modules()}
     assert {"model.layers.2", "model.layers.3", "model.norm", "lm_head"} <= names
     assert not names & {"model.layers.0", "model.layers.1", "model.embed_tokens"}
     asked = ("model.layers.0", "model.layers.1.mlp", "model.layers.3", "model.embed_tokens", "lm_head")
     assert held_names(model, asked) == ("model.layers.3", "lm_head")
     first = tiny_llama_pipeline("meta").model
-    cut_to_stage(first, 0, 2)
+    cut_to_stages(first, [0], 2)
     assert first.lm_head is None and isinstance(first.model.norm, torch.nn.Identity)
     assert held_names(first, asked) == ("model.layers.0", "model.layers.1.mlp", "model.embed_tokens")
 
@@ -113,10 +134,14 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
 
     with pytest.raises(InvalidInputError, match="needs at least 4 micro-batches .* accumulation_steps to 4"):
         estimate(_layout(4, "1F1B"), accumulation_steps=2)
-    with pytest.raises(InvalidInputError, match="pipeline_schedule 'zbvzerobubble' .* GPipe, 1F1B"):
-        estimate(_layout(2, "ZBVZeroBubble"))
-    with pytest.raises(InvalidInputError, match="alone for now"):
-        estimate(autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2))
+    with pytest.raises(InvalidInputError, match="pipeline_schedule 'dualpipev' .* GPipe, 1F1B, Interleaved1F1B"):
+        estimate(_layout(2, "DualPipeV"))
+    # torch's rounds of P micro-batches (ScheduleInterleaved1F1B: n_microbatches % max(1, n // P)): 9 over 4 ranks
+    # make 2.25 rounds, 10 make 2 rounds of 5
+    with pytest.raises(InvalidInputError, match="whole number of rounds .* accumulation_steps=10"):
+        estimate(_layout(4, "Interleaved1F1B"), accumulation_steps=9)
+    with pytest.raises(InvalidInputError, match="replicate 2: .* HSDP, tensor parallel and offload inside a stage"):
+        estimate(autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2, replicate=2))
     with pytest.raises(InvalidInputError, match="token ids alone"):
         estimate(_layout(2, "GPipe"), sample={"input_ids": case.sample, "attention_mask": torch.ones_like(case.sample)})
     with pytest.raises(InvalidInputError, match="zero_grad='after-step'"):
@@ -128,39 +153,45 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
 
 
 @pytest.mark.slow
-def test_the_trainer_steps_the_stages_as_one_full_batch_step(tmp_path):
-    """Two gloo ranks run ``plan.wrap``'s trainer over the pipeline (1F1B, 4 micro-batches of 2 rows): each rank's
-    parameters after one SGD step equal those after one full-batch SGD step in one process (cross-entropy of the
-    logits against the ids, as the default loss computes it), and the two ranks hold every parameter once."""
+@pytest.mark.parametrize("world,schedule", [(2, "1F1B"), (4, "Interleaved1F1B")])
+def test_the_trainer_steps_the_stages_as_one_full_batch_step(world, schedule, tmp_path):
+    """``plan.wrap``'s trainer on gloo ranks over the pipeline, 4 micro-batches of 2 rows per data rank: a pipeline
+    of 2 ranks (1F1B), and 2 ranks x FSDP2 over 2 holding two stages each (Interleaved 1F1B, 4 stages of one layer):
+    each rank's parameters after one SGD step equal those after one full-batch SGD step in one process
+    (cross-entropy of the logits against the ids, as the default loss computes it), and the pipeline ranks hold
+    every parameter once."""
     import dist_workers
 
     from autofit.emit.plan import Plan
     from autofit.training.precision import as_policy
 
     case = tiny_llama_pipeline()
-    layout = Parallel(strategy="fsdp2", world_size=2, more_dimensions=(Placement("pp", 2, (("schedule", "1f1b"),)),))
-    est = autofit.estimate(case.model, case.sample, target=case.target, layout=_layout(2, "1F1B"),
+    data = world // 2
+    est = autofit.estimate(case.model, case.sample, target=case.target, layout=_layout(2, schedule, world),
                            step=autofit.Step(micro_batch_size=ROWS, accumulation_steps=4))
-    plan = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=4, batch_size=4 * ROWS, last_micro_batch_size=ROWS,
-                precision=as_policy("fp32"), checkpoint=(), peak_bytes=est.peak_bytes, device_bytes=est.device_bytes,
-                budget_bytes=2**30, device="cpu", optimizer="sgd", predicted_step_seconds=0.0, estimate=est,
-                parallel=layout)
+    layout = Parallel(strategy="fsdp2", world_size=world, shard_units=shard_units(case.model),
+                      more_dimensions=(Placement("pp", 2, (("schedule", schedule.lower()),)),))
+    plan = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=4, batch_size=4 * ROWS * data,
+                last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(), peak_bytes=est.peak_bytes,
+                device_bytes=est.device_bytes, budget_bytes=2**30, device="cpu", optimizer="sgd",
+                predicted_step_seconds=0.0, estimate=est, parallel=layout)
     ranks = dist_workers.launch([{"kind": "equivalence", "case": "tiny_llama_pipeline", "plan": plan.to_json(),
-                                  "optimizer": "sgd"}], tmp_path, 2)
+                                  "optimizer": "sgd"}], tmp_path, world)
 
     reference = tiny_llama_pipeline()
     model = reference.model
-    ids = torch.cat([reference.sample, reference.sample])  # the batch the workers resize the sample to: 8 rows
+    ids = reference.sample.repeat(2 * data, 1)  # the batch the workers resize the sample to
     logits = model(ids).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     held = [set(results[0]["params"]) for results in ranks]
-    assert not held[0] & held[1] and held[0] | held[1] == {n for n, _ in model.named_parameters()}
-    assert "model.embed_tokens.weight" in held[0] and "lm_head.weight" in held[1]
+    first, last = held[0], held[-1]  # a stage's FSDP2 ranks are consecutive: rank 0 is pipeline rank 0's
+    assert not first & last and first | last == {n for n, _ in model.named_parameters()}
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
     for name, p in model.named_parameters():
-        rank = 0 if name in held[0] else 1
-        got = torch.tensor(ranks[rank][0]["params"][name], dtype=p.dtype)
-        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+        for rank in (r for r in range(world) if name in held[r]):
+            got = torch.tensor(ranks[rank][0]["params"][name], dtype=p.dtype)
+            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
 
 
 def test_the_torchtitan_export_names_the_degree_and_the_schedule():
@@ -183,3 +214,34 @@ def test_the_planner_says_it_does_not_choose_pipelines_yet():
     with pytest.raises(InvalidInputError, match="planner does not choose pipelines yet.*autofit.estimate"):
         autofit.plan(case.model, case.sample, budget="8GB", target=case.target, batch_size=8,
                      layout=_layout(2, "1F1B"))
+
+
+@pytest.mark.sim
+def test_the_command_line_estimates_every_stage_as_the_library_does():
+    """``autofit estimate hf:llama ... --pipeline-parallel 2 --schedule 1F1B``: the sample a Hugging Face model is
+    given (ids and labels: the model's own loss on the last stage), every rank's peak as ``autofit.estimate``'s."""
+    import json
+    import warnings
+
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+    from autofit.cli.specs import load_spec
+
+    config = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512)
+    flags = [a for k, v in config.items() for a in ("--config", f"{k}={v}")]
+    result = CliRunner().invoke(app, ["estimate", "hf:llama", *flags, "--input-shape", "16", "-m", "2", "-n", "8",
+                                      "--device", "cpu", "--world-size", "2", "--strategy", "fsdp2",
+                                      "--pipeline-parallel", "2", "--schedule", "1F1B", "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert data["layout"] == "pp 2 (1F1B) over 2 ranks" and data["accumulation_steps"] == 4 and data["batch_size"] == 8
+    spec = load_spec("hf:llama", input_shapes=[(16,)], config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, device="cpu",
+                               layout=_layout(2, "1F1B"), step=autofit.Step(micro_batch_size=2, accumulation_steps=4))
+    assert [(r["rank"], r["peak_allocated_bytes"]) for r in data["rank_peaks"]] == list(est.rank_peaks)
+    assert data["peak_allocated_bytes"] == est.peak_allocated_bytes == max(b for _, b in est.rank_peaks)

@@ -21,10 +21,10 @@ from rich.console import Console
 from autofit.cli.flags import (
     AllowOpt, BatchDimOpt, BatchOpt, BudgetOpt, CompileOpt, ConfigOpt, DeviceOpt, DtypeOpt, EXPORT_NAMES,
     FromOpt, GpuMemoryOpt, GpuOpt, HostBudgetOpt, JsonOpt, LoraOpt, LoraTargetsOpt, MarginOpt, ModelArg, ModelDtypeOpt,
-    NodesOpt, OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt, PlanGpuOpt,
-    PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt, SequenceOpt, ShapeOpt, StoredOpt,
-    StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt, WriteOpt, ZeroGradOpt, batch_dims_option,
-    default_zero_grad, feature_flags, gpu_option, layout_option, nodes_layout, spec_option)
+    NodesOpt, OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt, PipelineOpt,
+    PlanGpuOpt, PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt, ScheduleOpt, SequenceOpt,
+    ShapeOpt, StoredOpt, StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt, WriteOpt, ZeroGradOpt,
+    batch_dims_option, default_zero_grad, feature_flags, gpu_option, layout_option, nodes_layout, spec_option)
 from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot, parse_exports, write_exports
@@ -97,6 +97,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
+    pipeline_parallel: PipelineOpt = 1, schedule: ScheduleOpt = "1F1B",
     quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
@@ -166,7 +167,8 @@ def plan(
                                                               boolean=True),
                           replicate=layout_option("--replicate", replicate),
                           tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
-                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel)),
+                          tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel),
+                          pipeline_parallel=pipeline_parallel, pipeline_schedule=schedule),
             search=Search(variable_length=variable_length))
         if cards:
             from autofit.compare import compare
@@ -282,6 +284,7 @@ def estimate(
                                                              "norm before the step")] = None,
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
                                                  "own tp plan; 1: none)")] = "1",
+    pipeline_parallel: PipelineOpt = 1, schedule: ScheduleOpt = "1F1B",
     sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
@@ -333,6 +336,7 @@ def estimate(
             replicate=layout_option("--replicate", replicate), checkpoint=checkpoint, clip_grad_norm=clip_grad_norm,
             tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile,
             sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step",
+            pipeline_parallel=pipeline_parallel, pipeline_schedule=schedule,
             reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
             offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
             preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view,

@@ -40,7 +40,7 @@ STEP_FLAGS: dict[str, tuple[str, ...]] = {
     "device": ("--device", "--gpu", "--expandable-segments"),
     "precision": ("--precision",),
     "layout": ("--world-size", "--strategy", "--reshard-after-forward", "--replicate", "--tensor-parallel",
-               "--sequence-parallel"),
+               "--sequence-parallel", "--pipeline-parallel", "--schedule"),
     "checkpoint": ("--checkpoint",), "offload": ("--offload-activations",), "offload_states": ("--offload-states",),
     "optimizer_in_backward": ("--optimizer-in-backward",),
     "reduce_every_micro_batch": ("--reduce-every-micro-batch", "--defer-reduce"),
@@ -88,23 +88,39 @@ class EstimateSetup:
     # the CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Note [expandable segments as
     # an input], autofit/device.py)
     expandable_segments: bool = False
+    pipeline_parallel: int = 1  # P pipeline stages, one per rank (autofit/parallel/pipeline.py)
+    pipeline_schedule: str = "1F1B"  # torch's schedule that runs them
     # the options of the step features carried in more_features (Note [carried features]), as their flags gave them
     # (FEATURE_FLAGS, autofit/cli/flags.py: {"float8": "rowwise"}); None where a flag was not given
     features: dict[str, Any] = field(default_factory=dict)
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that train different rows: the T ranks of a tensor-parallel group share theirs."""
-        return self.world_size // self.tensor_parallel
+        """Ranks that train different rows: the T ranks of a tensor-parallel group share theirs, as the P ranks of a
+        pipeline do."""
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
     @property
     def layout(self) -> str:
         """The layout in the plan's words ('fsdp2 (ZeRO-3) over 8 ranks'), 'one process' without one."""
         if self.strategy is None:
             return "one process"
+        if self.pipeline_parallel > 1:  # the layout's own words (Layout.words): the pipeline first, as in the mesh
+            return _pipeline_layout(self).label_with_ranks
         words = layout_words(self.strategy, self.world_size, self.reshard_after_forward, self.replicate, ranks=True,
                              tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         return words if as_strategy(self.strategy).shards_parameters else f"{words} over {self.world_size} ranks"
+
+
+def _pipeline_layout(setup: EstimateSetup) -> Any:
+    """The setup's layout as the step holds it, where a pipeline is part of it."""
+    from autofit.parallel import Placement
+    from autofit.parallel.layout import Parallel
+
+    return Parallel(strategy=setup.strategy, world_size=setup.world_size, replicate=setup.replicate,
+                    reshard_after_forward=setup.reshard_after_forward,
+                    more_dimensions=(Placement("pp", setup.pipeline_parallel,
+                                               (("schedule", setup.pipeline_schedule.lower()),)),))
 
 
 def _fixed(flag: str, value: object) -> object:
@@ -162,7 +178,8 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
                    optimizer: str, device: str, gpu: str | None, world_size: int, strategy: str | None,
                    reshard_after_forward: object, replicate: object, checkpoint: list[str] | None,
                    clip_grad_norm: float | None, tensor_parallel: object = 1, compile: bool = False,
-                   sequence_parallel: bool = False, zero_grad: str = "after-step", **step: Any) -> EstimateSetup:
+                   sequence_parallel: bool = False, zero_grad: str = "after-step", pipeline_parallel: int = 1,
+                   pipeline_schedule: str = "1F1B", **step: Any) -> EstimateSetup:
     """The configuration the flags describe (``reshard_after_forward`` and ``replicate`` as ``layout_option`` read
     them); "auto" anywhere is refused, since only ``plan`` chooses. ``step``: the other knobs of STEP_FLAGS, by the
     field names of :class:`EstimateSetup`."""
@@ -173,9 +190,13 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
         raise InvalidInputError(f"--tensor-parallel {tp} must be a positive divisor of --world-size {world_size}")
     sequence_option(spec.model, sequence_parallel, tp)  # refuses the flag without tensor parallel
+    if pipeline_parallel < 1 or world_size % (tp * pipeline_parallel):
+        raise InvalidInputError(f"--pipeline-parallel {pipeline_parallel} must be a positive divisor of --world-size "
+                                f"{world_size}" + (f" // --tensor-parallel {tp}" if tp > 1 else ""))
     return EstimateSetup(
         micro_batch_size=micro_batch_size,
-        accumulation_steps=_accumulation(batch_size, micro_batch_size, world_size // tp),
+        accumulation_steps=_accumulation(batch_size, micro_batch_size, world_size // (tp * pipeline_parallel)),
+        pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
         precision=_fixed("--precision", precision), optimizer=optimizer, device=device,
         gpu=resolve_device(device, gpu).name if device == "cuda" else gpu,  # the catalog's name; refuses bad ones
         world_size=world_size, strategy=strategy,
@@ -196,7 +217,9 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                                   reshard_after_forward=setup.reshard_after_forward, replicate=setup.replicate,
                                   tensor_parallel=setup.tensor_parallel,
                                   tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel,
-                                                                       setup.tensor_parallel)),
+                                                                       setup.tensor_parallel),
+                                  pipeline_parallel=setup.pipeline_parallel,
+                                  pipeline_schedule=setup.pipeline_schedule),
                     step=Step(micro_batch_size=setup.micro_batch_size, clip_grad_norm=setup.clip_grad_norm,
                               accumulation_steps=setup.accumulation_steps, checkpoint=setup.checkpoint or None,
                               compile=setup.compile, zero_grad=setup.zero_grad,
@@ -215,6 +238,9 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "reshard_after_forward": setup.reshard_after_forward, "replicate": setup.replicate,
         "micro_batch_size": setup.micro_batch_size, "accumulation_steps": setup.accumulation_steps,
         "tensor_parallel": setup.tensor_parallel, "sequence_parallel": setup.sequence_parallel,
+        "pipeline_parallel": setup.pipeline_parallel, "pipeline_schedule": setup.pipeline_schedule,
+        # each rank's simulated peak where the ranks' steps differ (a pipeline's stages); the figures are the highest
+        "rank_peaks": [{"rank": r, "peak_allocated_bytes": b} for r, b in est.rank_peaks],
         "compile": setup.compile, "reduce_every_micro_batch": setup.reduce_every_micro_batch,
         "offload_activations": list(setup.offload), "offload_states": setup.offload_states,
         "optimizer_in_backward": setup.optimizer_in_backward, "chunked_loss": setup.chunked_loss,
@@ -244,6 +270,8 @@ def estimate_tables(est: MemoryEstimate, setup: EstimateSetup, description: str)
     if sync is not None:
         rows.append(("gradient sync", sync))
     rows.append(("peak allocated", mib(est.peak_allocated_bytes)))
+    if est.rank_peaks:  # the ranks' steps differ (a pipeline's stages): each one's, the figures the highest's
+        rows.append(("per rank", ", ".join(f"rank {r} {mib(b)}" for r, b in est.rank_peaks)))
     if DeviceKind(est.device).caching_allocator:  # reserved and on-device figures differ from allocated
         rows += [("peak reserved", mib(est.peak_reserved_bytes)), ("on the device", mib(est.device_bytes))]
         if est.alloc_conf:

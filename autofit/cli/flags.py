@@ -150,6 +150,13 @@ ReplicateOpt = Annotated[str, typer.Option(
 TensorOpt = Annotated[str, typer.Option(
     "--tensor-parallel", help="FSDP2 x tensor parallel T (T GPUs of a node split each block's linear layers; the "
     "model's own tp plan, e.g. a Hugging Face config's base_model_tp_plan), 1 for none, or auto (also 2, 4, 8)")]
+PipelineOpt = Annotated[int, typer.Option(
+    "--pipeline-parallel", help="pipeline stages P: the model cut into P stages, one per rank, run by torch's "
+    "pipeline schedule (--schedule), the accumulation steps its micro-batches; FSDP2 over the world size // P ranks "
+    "of each stage (1: none; the planner does not choose pipelines yet)")]
+ScheduleOpt = Annotated[str, typer.Option(
+    "--schedule", help="with --pipeline-parallel: torch's schedule, GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
+    "InterleavedZeroBubble or ZBVZeroBubble (the last four hold two stages per rank)")]
 SequenceOpt = Annotated[bool, typer.Option(
     "--sequence-parallel", help="with --tensor-parallel: the blocks' norms and residual stream split along the "
     "sequence too (torchtitan's layout; less activation memory, no more communication)")]

@@ -328,14 +328,15 @@ def fake_store() -> Any:
 #     with torch's default True the last stage keeps every micro-batch's output to the step's end.
 def pipeline_step(schedule: Any, arg_mbs: list | None, target_mbs: list | None, losses: list | None, *,
                   fake_group: bool) -> None:
-    """One step of torch's single-stage pipeline ``schedule`` over micro-batches already split (Note [a pipeline step
-    on a fake process group]); ``fake_group``: its stage's group is a fake one."""
-    stage = schedule._stage
+    """One step of torch's pipeline ``schedule`` over micro-batches already split (Note [a pipeline step on a fake
+    process group]); ``fake_group``: its stages' group is a fake one."""
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])  # a multi-stage schedule's, or its one
     if fake_group and torch.__version__ < "2.14" and not getattr(schedule, "_autofit_voted", False):
         mode = _need("torch.distributed.pipelining._utils", "InferenceMode")
 
         def voted(*_, **__) -> None:
-            stage._inference_mode = mode.STATIC
+            for stage in stages:
+                stage._inference_mode = mode.STATIC
 
         schedule._warmup_p2p = voted
         schedule._autofit_voted = True
@@ -347,8 +348,9 @@ def pipeline_step(schedule: Any, arg_mbs: list | None, target_mbs: list | None, 
             return
         if schedule._has_backward and not torch.is_grad_enabled():
             raise RuntimeError("a pipeline step with backward needs gradients enabled")
-        stage.has_backward = schedule._has_backward
-        stage.clear_runtime_states()
+        for stage in stages:
+            stage.has_backward = schedule._has_backward
+            stage.clear_runtime_states()
         schedule._step_microbatches(arg_mbs, None, target_mbs, losses, return_outputs=False)
 
 

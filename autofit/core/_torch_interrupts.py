@@ -27,7 +27,10 @@ __all__ = [
 #     'torch._inductor'``) and the process cannot plan again. So every entry point (``estimate``, ``measure``,
 #     ``plan``, ``analyse``) first imports these modules, once per process, with SIGINT held until they are done (in
 #     the main thread, where Python delivers signals); an interrupt that arrives meanwhile is raised right after, as
-#     a KeyboardInterrupt between two imports, which leaves nothing half done.
+#     a KeyboardInterrupt between two imports, which leaves nothing half done. Imported here, a module's own tensors
+#     are not the step's either: ``torch.distributed.pipelining`` makes a 0-d tensor at import
+#     (``microbatch.sum_reducer``), which the first pipeline simulation of a process counted (4 bytes on its first
+#     stage) when the schedule imported it there.
 LAZY_MODULES = (
     "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy", "torch.utils._sympy.functions",
     "torch._inductor.config", "torch._numpy", "torch._functorch.aot_autograd", "torch._functorch.make_functional",
@@ -35,7 +38,7 @@ LAZY_MODULES = (
     "torch._decomp.decompositions_for_rng", "torch.nn.utils._expanded_weights", "torch.onnx",
     "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed._functional_collectives",
     "torch.distributed._composable", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
-    "torch.distributed._state_dict_utils", "cProfile", "pstats",
+    "torch.distributed._state_dict_utils", "torch.distributed.pipelining", "cProfile", "pstats",
 )
 _lazy_imported = False
 

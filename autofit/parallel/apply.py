@@ -9,6 +9,7 @@ docs/multi-gpu.md)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from autofit.parallel.dimension import ApplyInputs
 if TYPE_CHECKING:
     from autofit.parallel.layout import Parallel
 
-__all__ = ["apply_layout", "device_mesh", "laid_out", "gradient_sync", "held_names"]
+__all__ = ["apply_layout", "device_mesh", "laid_out", "gradient_sync"]
 
 
 def apply_layout(model: nn.Module, layout: Parallel, *, mesh=None, param_dtype: torch.dtype | None = None,
@@ -36,6 +37,9 @@ def apply_layout(model: nn.Module, layout: Parallel, *, mesh=None, param_dtype: 
                          gradient_as_bucket_view=gradient_as_bucket_view, device_ids=device_ids)
     for placement in placed.placements:  # what each rank holds, outermost first: a pipeline's stage
         model = placed.registry[placement.dimension].cut(model, placed, placement, inputs)
+    roots = next((found for p in placed.placements if (found := placed.registry[p.dimension].runs(model, placed, p))),
+                 ())
+    inputs = dataclasses.replace(inputs, roots=roots)
     for placement in reversed(placed.placements):
         model = placed.registry[placement.dimension].apply(model, placed, placement, inputs)
     return model
@@ -81,10 +85,3 @@ def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool) -> Iterator
                                                                                         last=last))
         yield
 
-
-def held_names(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
-    """Of the module ``names`` a step's knobs name on the whole model (recomputed, fp32-pinned modules), those this
-    rank's ``model`` still holds: a dimension's cut (``Dimension.cut``: a pipeline stage's) left the others on other
-    ranks, and records them on the model it cut."""
-    gone = getattr(model, "_autofit_cut_away", ())
-    return tuple(n for n in names if not any(n == g or n.startswith(g + ".") for g in gone))

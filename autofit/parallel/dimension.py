@@ -103,7 +103,7 @@ class Placement:
 class ApplyInputs:
     """What a dimension reads where it is applied to a model (:meth:`Dimension.apply`) besides its placement: the
     device mesh (None for DDP: the default group), FSDP2's units, the dtype it gathers in (the autocast dtype; None:
-    as stored), whether its host copies are pinned, DDP's bucket mode and device ids."""
+    as stored), whether its host copies are pinned, DDP's bucket mode and device ids, the modules the step calls."""
 
     mesh: Any = None  # a torch DeviceMesh
     shard_units: tuple[str, ...] = ()
@@ -111,6 +111,9 @@ class ApplyInputs:
     pin_memory: bool = False
     gradient_as_bucket_view: bool = True
     device_ids: list[int] | None = None
+    # the modules the rank's step calls, each its own root, where a dimension's cut made them (a pipeline's stages:
+    # ``Dimension.runs``); () where the model itself is called
+    roots: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +251,11 @@ class Dimension:
         """The tensors this dimension's machinery keeps from one step of the laid-out ``model`` to the next (a
         pipeline's receive buffers), which ``measure`` counts as the step's own: none by default."""
         return []
+
+    def runs(self, model: nn.Module, layout: Layout, placement: Placement) -> tuple[nn.Module, ...]:
+        """The modules this rank's step calls on the cut ``model``, each a root of its own (FSDP2 shards each as
+        torchtitan shards each model part of a pipeline): () by default, the model itself."""
+        return ()
 
     def ranks_differ(self, layout: Layout, placement: Placement) -> bool:
         """Whether the ranks along this dimension run different steps (a pipeline's stages), each simulated

@@ -24,7 +24,7 @@ Note [pipeline stages]
     computes its own rotary embeddings and causal mask from the hidden states' shape, as the whole model does, so
     the stages chained compute exactly the whole model's logits (tests/test_pipeline_stages.py).
     :func:`decoder_stages` makes every stage sharing the model's modules (the tests' chain); a pipeline rank cuts
-    its own copy in place (:func:`cut_to_stage`, as torchtitan deletes what a stage does not hold), the kept layers
+    its own copy in place (:func:`cut_to_stages`, as torchtitan deletes what a stage does not hold), the kept layers
     under their own names (``model.layers.5`` stays ``model.layers.5``), so that recomputation, the optimizer and
     every per-module rule name the same modules as on the whole model.
 """
@@ -48,12 +48,37 @@ from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs
 
-__all__ = ["PIPELINE", "PipelineSchedule", "SCHEDULES", "cut_to_stage", "decoder_stages", "layer_split"]
+__all__ = ["PIPELINE", "PipelineSchedule", "SCHEDULES", "ScheduleKind", "cut_to_stages", "decoder_stages",
+           "layer_split"]
 
-# The schedules a pipeline runs, by the name torchtitan's ``pipeline_parallel_schedule`` and torch's
-# ``get_schedule_class`` give them, with torch's class: one stage per rank (the multi-stage ones, Interleaved 1F1B,
-# Looped BFS and the zero-bubble and V schedules, are refused for now, with this list in the message).
-SCHEDULES = {"gpipe": ("GPipe", "ScheduleGPipe"), "1f1b": ("1F1B", "Schedule1F1B")}
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """One of torch's pipeline schedules: its name as torchtitan's ``pipeline_parallel_schedule`` and torch's
+    ``get_schedule_class`` spell it, its class in torch/distributed/pipelining/schedules.py, the stages each rank
+    holds (1, or 2 for the multi-stage schedules: torchtitan's default of two virtual stages per rank), and how
+    stages are dealt to ranks ("loop": rank r holds r, r + P, ...; "v": r and 2P - 1 - r, torch's
+    ``generate_stage_to_rank_mapping``)."""
+
+    title: str
+    torch_class: str
+    per_rank: int = 1
+    style: str = "loop"
+
+    def stages_of(self, rank: int, ranks: int) -> list[int]:
+        """The stage indices rank ``rank`` of ``ranks`` holds, in order."""
+        if self.style == "v":
+            return [rank, 2 * ranks - 1 - rank]
+        return [rank + k * ranks for k in range(self.per_rank)]
+
+
+# By lower-case name (torch's get_schedule_class matches names without case). DualPipeV is left out: it overlaps a
+# forward with a backward through callbacks the user's model must give.
+SCHEDULES = {kind.title.lower(): kind for kind in (
+    ScheduleKind("GPipe", "ScheduleGPipe"), ScheduleKind("1F1B", "Schedule1F1B"),
+    ScheduleKind("Interleaved1F1B", "ScheduleInterleaved1F1B", 2),
+    ScheduleKind("LoopedBFS", "ScheduleLoopedBFS", 2),
+    ScheduleKind("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", 2),
+    ScheduleKind("ZBVZeroBubble", "ScheduleZBVZeroBubble", 2, "v"))}
 
 
 def layer_split(layers: int, stages: int) -> list[range]:
@@ -120,11 +145,13 @@ def decoder_stages(model: nn.Module, stages: int) -> list[nn.Module]:
     return cut
 
 
-def cut_to_stage(model: nn.Module, stage: int, stages: int) -> None:
-    """Cut ``model`` (a copy a pipeline rank owns) in place to stage ``stage`` of ``stages``: only its layers, under
-    their own names; the embedding on the first stage only, the final norm and the head on the last only (Note
-    [pipeline stages]). A model whose head shares the embedding's weight is refused: the two are on different
-    stages, and keeping them equal is a collective autofit does not plan."""
+def cut_to_stages(model: nn.Module, held: list[int], stages: int,
+                  autocast: tuple[str, torch.dtype | None, bool] = ("cpu", None, False)) -> list[nn.Module]:
+    """Cut ``model`` (a copy a pipeline rank owns) in place to the stages ``held`` of ``stages``: only their layers,
+    under their own names; the embedding where the first stage is held, the final norm and the head where the last
+    is (Note [pipeline stages]). Returns one module per held stage, in order, sharing the cut model's modules (each
+    a stage torch's ``PipelineStage`` runs). A model whose head shares the embedding's weight is refused: the two
+    are on different stages, and keeping them equal is a collective autofit does not plan."""
     base, head = _decoder(model)
     if stages > 1 and head.weight is getattr(base.embed_tokens, "weight", None):
         raise UnsupportedModelError(
@@ -132,52 +159,78 @@ def cut_to_stage(model: nn.Module, stage: int, stages: int) -> None:
             "first and the last pipeline stage: autofit does not plan the tied weight's sync across stages; build "
             "the model with tie_word_embeddings=False, or use no pipeline")
     names = {id(m): n for n, m in model.named_modules()}
-    held = layer_split(len(base.layers), stages)[stage]
-    removed = [names[id(layer)] for i, layer in enumerate(base.layers) if i not in held]
+    split = layer_split(len(base.layers), stages)
+    kept_layers = sorted(i for s in held for i in split[s])
+    removed = [names[id(layer)] for i, layer in enumerate(base.layers) if i not in kept_layers]
+    layers = list(base.layers)
     kept = nn.ModuleList()
-    for i in held:
-        kept.add_module(str(i), base.layers[i])  # its own name: model.layers.5 stays model.layers.5
+    for i in kept_layers:
+        kept.add_module(str(i), layers[i])  # its own name: model.layers.5 stays model.layers.5
+    embedding, norm = base.embed_tokens, base.norm
     base.layers = kept
-    if stage > 0:
-        removed.append(names[id(base.embed_tokens)])
+    if 0 not in held:
+        removed.append(names[id(embedding)])
         base.embed_tokens = None
-    if stage < stages - 1:
-        removed += [names[id(base.norm)], names[id(head)]]
+    if stages - 1 not in held:
+        removed += [names[id(norm)], names[id(head)]]
         base.norm = nn.Identity()
         model.lm_head = None
-    model._autofit_cut_away = tuple(removed)  # what the step's per-module knobs skip (apply.cut_away)
+    model._autofit_cut_away = tuple(removed)  # what the step's per-module knobs skip (apply.held_names)
+    modules = []
+    for s in held:
+        part = copy.copy(base)  # a shallow copy: the same submodules, in a module dict of its own
+        part._modules = dict(base._modules)
+        part.layers = nn.ModuleList(layers[i] for i in split[s])
+        part.embed_tokens = embedding if s == 0 else None
+        part.norm = norm if s == stages - 1 else nn.Identity()
+        modules.append(_Stage(part, head if s == stages - 1 else None, s == 0, autocast))
+    return modules
 
 
 # Note [a pipeline rank's step]
-#     A pipeline rank runs the window's micro-batches through torch's own schedule: ``PipelineStage`` over its stage
-#     and the schedule's class (``ScheduleGPipe``, ``Schedule1F1B``), built once per model and micro-batch count and
-#     kept, as a training loop keeps them: the receive buffers the schedule allocates at its first step are held for
-#     its life (benchmarks/pipeline_probe.py, Note [pipeline stage memory]). Every stage is given its input and
-#     output shapes (torch's STATIC mode: no step is run to infer them), by the decoder's rule: the first stage takes
-#     the micro-batch's ``input_ids`` (rows x sequence), every later one hidden states (rows x sequence x hidden
-#     size, in the decoder's parameter dtype: under autocast the residual stream stays in it), the last gives logits
-#     (rows x sequence x the head's outputs, in the autocast dtype where autocast runs). The loss of micro-batch i is
-#     the step's loss of its logits and target (``compute_loss``, under the step's autocast), weighted by its share of
-#     the batch's (the window's ``place(i).weight``), so the gradients are one full-batch step's. The simulation runs
-#     the same schedule on a fake process group (Note [a pipeline step on a fake process group], core/_torch.py) and
-#     is told each forward and backward as it starts.
-_SCHEDULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(name, M): torch's schedule}
+#     A pipeline rank runs the window's micro-batches through torch's own schedule: a ``PipelineStage`` over each
+#     stage it holds and the schedule's class (``ScheduleGPipe``, ``Schedule1F1B``, the multi-stage ones over two
+#     stages per rank), built once per model and micro-batch count and kept, as a training loop keeps them: the
+#     receive buffers the schedule allocates at its first step are held for its life (benchmarks/pipeline_probe.py,
+#     Note [pipeline stage memory]). Every stage is given its input and output shapes (torch's STATIC mode: no step is
+#     run to infer them), by the decoder's rule: the first stage takes the micro-batch's ``input_ids`` (rows x
+#     sequence), every later one hidden states (rows x sequence x hidden size, in the decoder's parameter dtype: under
+#     autocast the residual stream stays in it), the last gives logits (rows x sequence x the head's outputs, in the
+#     autocast dtype where autocast runs). The loss of micro-batch i is the step's loss of its logits and target
+#     (the window's ``loss``, under the step's autocast), weighted by its share of the batch's (the window's
+#     ``place(i).weight``), so the gradients are one full-batch step's. The simulation runs the same schedule on a
+#     fake process group (Note [a pipeline step on a fake process group], core/_torch.py) and is told each forward
+#     and backward (a zero-bubble schedule's input and weight halves both as backward) as it starts.
+_SCHEDULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(name, M): (schedule, stages)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankStages:
+    """What a rank's cut (``Dimension.cut``) left for its schedule: the stage indices it holds of ``stages``, one
+    module per held stage, the group the stages send over, and the step's autocast."""
+
+    held: tuple[int, ...]
+    stages: int
+    modules: tuple[nn.Module, ...]
+    group: Any
+    autocast: tuple[str, torch.dtype | None, bool]
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
-    """torch's pipeline schedule ``name`` (a key of :data:`SCHEDULES`) over ``stages`` ranks, running a window of
+    """torch's pipeline schedule ``name`` (a key of :data:`SCHEDULES`) over ``ranks`` ranks, running a window of
     ``micro_batches`` (Note [one schedule], Note [a pipeline rank's step])."""
 
     name: str
-    stages: int
+    ranks: int
     micro_batches: int
 
     @property
     def in_flight(self) -> int:
-        """The micro-batches whose activations the first stage holds at once: all of them under GPipe, its warm-up
-        under 1F1B (min(M, S); stage s holds min(M, S - s))."""
-        return self.micro_batches if self.name == "gpipe" else min(self.micro_batches, self.stages)
+        """The micro-batches whose activations the first rank holds at once, at most: all of them under GPipe and
+        the multi-stage schedules (bounded by their warm-up, which the simulation runs), its warm-up under 1F1B
+        (min(M, P); rank r holds min(M, P - r))."""
+        return min(self.micro_batches, self.ranks) if self.name == "1f1b" else self.micro_batches
 
     def simulated(self, window: int) -> int:
         """Every micro-batch: how many are in flight, and when, is the schedule's order over all of them."""
@@ -185,12 +238,11 @@ class PipelineSchedule:
 
     def run(self, model: nn.Module, layout: Any, window: Any, *, count: int | None = None,
             sync: Callable[..., contextlib.AbstractContextManager[Any]] | None = None) -> list[Any]:
-        from torch.distributed.pipelining import PipelineStage, schedules
-
-        stage_index, group, autocast = model._autofit_stage
-        first, last = stage_index == 0, stage_index == self.stages - 1
+        rank: _RankStages = model._autofit_stage
+        holds_first, holds_last = 0 in rank.held, rank.stages - 1 in rank.held
         inputs = [window.rows(i) for i in range(window.size)]
         ids = [_input_ids(batch) for batch, _ in inputs]
+        labels = [batch.kwargs.get("labels") if batch.kind == "dict" else None for batch, _ in inputs]
         if len({tuple(i.shape) for i in ids}) > 1:  # the stages' buffers are shaped once, for every micro-batch
             raise InvalidInputError(
                 f"a pipeline's micro-batches all have one shape, and this window's are "
@@ -199,74 +251,95 @@ class PipelineSchedule:
         running = _SCHEDULES.setdefault(model, {})
         key = (self.name, window.size)
         if key not in running:
-            base, _ = _decoder_parts(model)
-            module = _Stage(base, model.lm_head if last else None, first, autocast)
-            rows, length = ids[0].shape
-            dtype = next(p.dtype for p in base.parameters() if p.is_floating_point())
-            # shapes only: on the meta device, nothing allocated (torch keeps their metadata, not them)
-            hidden = torch.empty(rows, length, model.config.hidden_size, dtype=dtype, device="meta",
-                                 requires_grad=True)
-            given = ids[0] if first else hidden
-            if last:
-                out = torch.empty(rows, length, model.lm_head.out_features, device="meta",
-                                  dtype=autocast[1] if autocast[2] else dtype, requires_grad=True)
-            else:
-                out = hidden
-            stage = PipelineStage(module, stage_index, self.stages, ids[0].device, input_args=(given,),
-                                  output_args=(out,), group=group)
-            _tell_phases(stage, window)
-
-            def loss_fn(output, target):
-                value, weight = target
-                with torch.autocast(autocast[0], dtype=autocast[1], enabled=autocast[2]):
-                    loss = window.loss(output, value)
-                return loss if weight == 1.0 else loss * weight
-
-            torch_class = getattr(schedules, SCHEDULES[self.name][1])
-            running[key] = (torch_class(stage, window.size, loss_fn=loss_fn, scale_grads=False), stage)
-        schedule, stage = running[key]
-        stage._autofit_window = window
-        losses: list[Any] = [] if last else None
-        targets = [(None if target is None else target.value, window.place(i).weight)
-                   for i, (_, target) in enumerate(inputs)] if last else None
-        arguments = [(i,) for i in ids] if first else None
-        fake = dist.get_backend(group) == "fake"
-        pipeline_step(schedule, arguments, targets, losses, fake_group=fake)
+            running[key] = _torch_schedule(self, model, rank, window, ids[0])
+        schedule, stages = running[key]
+        for stage in stages:
+            stage._autofit_window = window
+        losses: list[Any] | None = [] if holds_last else None
+        # a sample that carries its labels is trained on the model's own loss, as its forward computes it
+        targets = [(labels[i], window.place(i).weight, True) if target is None and labels[i] is not None
+                   else (None if target is None else target.value, window.place(i).weight, False)
+                   for i, (_, target) in enumerate(inputs)] if holds_last else None
+        arguments = [(i,) for i in ids] if holds_first else None
+        pipeline_step(schedule, arguments, targets, losses, fake_group=dist.get_backend(rank.group) == "fake")
         # the losses are the last stage's (torchtitan reports them from there): NaN on the other ranks
-        return [loss.detach() for loss in losses] if last else [math.nan] * window.size
+        return [loss.detach() for loss in losses] if losses is not None else [math.nan] * window.size
 
 
-def _tell_phases(stage: Any, window_holder: Any) -> None:
+def _torch_schedule(schedule: PipelineSchedule, model: nn.Module, rank: _RankStages, window: Any,
+                    ids: torch.Tensor) -> tuple[Any, list]:
+    """torch's schedule of ``schedule`` over the rank's stages, each given its shapes (Note [a pipeline rank's
+    step])."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    rows, length = ids.shape
+    device_type, dtype_autocast, autocast = rank.autocast
+    dtype = next(p.dtype for m in rank.modules for p in m.parameters() if p.is_floating_point())
+    # shapes only: on the meta device, nothing allocated (torch keeps their metadata, not them)
+    hidden = torch.empty(rows, length, model.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    stages = []
+    for index, module in zip(rank.held, rank.modules, strict=True):
+        given = ids if index == 0 else hidden
+        out = hidden
+        if index == rank.stages - 1:
+            out = torch.empty(rows, length, module.head.out_features, device="meta",
+                              dtype=dtype_autocast if autocast else dtype, requires_grad=True)
+        stage = PipelineStage(module, index, rank.stages, ids.device, input_args=(given,), output_args=(out,),
+                              group=rank.group)
+        _tell_phases(stage)
+        stages.append(stage)
+
+    def loss_fn(output, target):  # the step's loss of the window now running (each step hands its own)
+        value, weight, own = target
+        loss_of = stages[0]._autofit_window.loss
+        with torch.autocast(device_type, dtype=dtype_autocast, enabled=autocast):
+            if own:  # the model's own loss of its logits and labels (transformers' ``loss_function``), checked
+                loss = loss_of(model.loss_function(logits=output, labels=value, vocab_size=model.config.vocab_size),
+                               None)
+            else:
+                loss = loss_of(output, value)
+        return loss if weight == 1.0 else loss * weight
+
+    torch_class = getattr(schedules, SCHEDULES[schedule.name].torch_class)
+    try:
+        built = torch_class(stages[0] if SCHEDULES[schedule.name].per_rank == 1 else stages, window.size,
+                            loss_fn=loss_fn, scale_grads=False)
+    except ValueError as e:  # a micro-batch count the schedule refuses (PipelineDimension.check_step's rules)
+        raise InvalidInputError(f"pipeline_schedule {SCHEDULES[schedule.name].title!r} with {window.size} "
+                                f"micro-batches over {schedule.ranks} ranks: {e}") from e
+    return built, stages
+
+
+def _tell_phases(stage: Any) -> None:
     """The stage tells the step's window (``stage._autofit_window``, the current one) each micro-batch's forward and
-    backward as torch's schedule starts them (the simulation files allocations by phase)."""
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    backward as torch's schedule starts them (the simulation files allocations by phase); a zero-bubble schedule's
+    weight half of a backward is a backward too."""
+    for name, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                        ("backward_weight_one_chunk", "backward")):
+        original = getattr(stage, name, None)
+        if original is None:
+            continue
 
-    def forward_one_chunk(chunk, *args, **kwargs):
-        stage._autofit_window.on_phase(chunk, "forward")
-        return forward(chunk, *args, **kwargs)
+        def told(chunk, *args, _original=original, _phase=phase, **kwargs):
+            stage._autofit_window.on_phase(chunk, _phase)
+            return _original(chunk, *args, **kwargs)
 
-    def backward_one_chunk(chunk, *args, **kwargs):
-        stage._autofit_window.on_phase(chunk, "backward")
-        return backward(chunk, *args, **kwargs)
-
-    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
-
-
-def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-    base = getattr(model, "base_model", None)
-    return base, getattr(model, "lm_head", None)
+        setattr(stage, name, told)
 
 
 def _input_ids(batch: Any) -> torch.Tensor:
-    """The micro-batch's token ids, the one input the first stage takes; a typed error for any other input."""
-    given = [*batch.args, *batch.kwargs.values()]
-    names = [f"input {i}" for i in range(len(batch.args))] + [repr(k) for k in batch.kwargs]
-    if len(given) != 1 or not isinstance(given[0], torch.Tensor) or given[0].dim() != 2 or \
-            given[0].is_floating_point() or (batch.kwargs and "input_ids" not in batch.kwargs):
+    """The micro-batch's token ids, the one input the first stage takes (a dict sample may carry its ``labels``
+    beside them, for the model's own loss); a typed error for any other input."""
+    given = dict(enumerate(batch.args)) | {k: v for k, v in batch.kwargs.items() if k != "labels"}
+    ids = next(iter(given.values()), None)
+    if len(given) != 1 or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or \
+            (batch.kwargs and "input_ids" not in batch.kwargs):
+        names = [f"input {k}" if isinstance(k, int) else repr(k) for k in (*range(len(batch.args)), *batch.kwargs)]
         raise InvalidInputError(
-            f"a pipeline's first stage takes the token ids alone (rows x sequence, integers), and the sample holds "
-            f"{', '.join(names) or 'nothing'}: give the input_ids as the sample and the labels as target=")
-    return given[0]
+            f"a pipeline's first stage takes the token ids alone (rows x sequence, integers; 'labels' beside them "
+            f"for the model's own loss), and the sample holds {', '.join(names) or 'nothing'}: give the input_ids "
+            "as the sample and the labels as target= (or in the sample as 'labels')")
+    return ids
 
 
 class _Pipeline(Dimension):
@@ -283,8 +356,7 @@ class _Pipeline(Dimension):
         if name not in SCHEDULES:
             raise InvalidInputError(
                 f"pipeline_schedule {name!r} is not one autofit runs: one of "
-                f"{', '.join(title for title, _ in SCHEDULES.values())} (one stage per rank; the interleaved, "
-                "zero-bubble and V schedules are not planned yet)")
+                f"{', '.join(kind.title for kind in SCHEDULES.values())} (torch's names; DualPipeV is not planned)")
         return (Placement(self.name, degree, (("schedule", name),)),)
 
     def check(self, layout: Layout) -> None:
@@ -297,13 +369,13 @@ class _Pipeline(Dimension):
         if layout.partial:
             return
         others = [f"{layout.registry[p.dimension].field} {p.degree}" for p in layout.placements
-                  if p.dimension != self.name and p.degree > 1]
+                  if p.dimension not in (self.name, "dp_shard") and p.degree > 1]
         shard = layout.placement("dp_shard")
         if others or (shard is not None and shard.option("offload_states", False)):
             raise InvalidInputError(
                 f"pipeline_parallel={pp} beside {', '.join(others) or 'offload_states'}: autofit runs a pipeline "
-                f"alone for now (world_size = pipeline_parallel = {pp}, strategy='fsdp2'); FSDP2, HSDP and tensor "
-                "parallel inside a stage are not planned yet")
+                "with FSDP2 inside each stage (strategy='fsdp2', world_size a multiple of pipeline_parallel, "
+                "replicate=1); HSDP, tensor parallel and offload inside a stage are not planned yet")
 
     def check_step(self, layout: Layout, placement: Placement, step: StepKnobs) -> None:
         """torch's schedule runs the forwards and backwards itself: the gradients are cleared after the optimizer
@@ -318,20 +390,33 @@ class _Pipeline(Dimension):
         if step.precision.needs_grad_scaler:
             raise InvalidInputError(f"precision {step.precision.name!r} scales the loss (GradScaler), which a "
                                     f"pipeline schedule does not do: use bf16 with pipeline_parallel={pp}")
-        micro = step.accumulation_steps
-        if placement.option("schedule") == "1f1b" and micro < pp:
+        micro, kind = step.accumulation_steps, SCHEDULES[placement.option("schedule", "1f1b")]
+        if kind.title == "1F1B" and micro < pp:
             raise InvalidInputError(
                 f"the 1F1B schedule over {pp} stages needs at least {pp} micro-batches (torch's Schedule1F1B refuses "
                 f"fewer) and the step has {micro}: raise accumulation_steps to {pp} or use pipeline_schedule='GPipe'")
+        rounds = max(1, micro // pp)  # torch's number_of_rounds (ScheduleInterleaved1F1B, ...InterleavedZeroBubble)
+        if kind.title in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
+            fits = [m for m in range(micro, micro + pp * rounds + 1) if m % max(1, m // pp) == 0][0]
+            raise InvalidInputError(
+                f"the {kind.title} schedule over {pp} ranks runs its micro-batches in rounds of {pp} and needs a "
+                f"whole number of rounds ({micro} micro-batches make {micro / pp:.2f}; torch refuses them): use "
+                f"accumulation_steps={fits}")
 
     def kept_between_steps(self, model: nn.Module, layout: Layout, placement: Placement) -> list[Any]:
         """The receive buffers of the rank's running schedules (activations from the previous stage, gradients from
         the next), allocated at their first step and kept for their life (Note [a pipeline rank's step])."""
         kept = []
-        for _, stage in _SCHEDULES.get(model, {}).values():
-            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        for _, stages in _SCHEDULES.get(model, {}).values():
+            for infos in (*(i for stage in stages for i in stage.args_recv_info.values()),
+                          *(i for stage in stages for i in stage.grad_recv_info.values())):
                 kept += [buffer for info in infos if isinstance(buffer := getattr(info, "buffer", None), torch.Tensor)]
         return kept
+
+    def runs(self, model: nn.Module, layout: Layout, placement: Placement) -> tuple[nn.Module, ...]:
+        """The rank's stages, which torch's ``PipelineStage`` calls (FSDP2 shards each as a root)."""
+        rank = getattr(model, "_autofit_stage", None)
+        return () if rank is None else rank.modules
 
     def ranks_differ(self, layout: Layout, placement: Placement) -> bool:
         return placement.degree > 1
@@ -345,11 +430,13 @@ class _Pipeline(Dimension):
         if placement.degree == 1:
             return model
         mesh = inputs.mesh[self.name]
-        stage = mesh.get_local_rank()
-        cut_to_stage(model, stage, placement.degree)
+        kind = SCHEDULES[placement.option("schedule", "1f1b")]
+        held = kind.stages_of(mesh.get_local_rank(), placement.degree)
+        stages = placement.degree * kind.per_rank
         # the step's autocast (FSDP2's gather dtype is the autocast dtype, None without: ApplyInputs.param_dtype)
         autocast = (mesh.device_type, inputs.param_dtype, inputs.param_dtype is not None)
-        model._autofit_stage = (stage, mesh.get_group(), autocast)
+        modules = cut_to_stages(model, held, stages, autocast)
+        model._autofit_stage = _RankStages(tuple(held), stages, tuple(modules), mesh.get_group(), autocast)
         return model
 
     def schedule(self, layout: Layout, placement: Placement, micro_batches: int) -> PipelineSchedule | None:
@@ -360,7 +447,7 @@ class _Pipeline(Dimension):
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         if placement.degree == 1:
             return ""
-        return f"pp {placement.degree} ({SCHEDULES[placement.option('schedule', '1f1b')][0]})"
+        return f"pp {placement.degree} ({SCHEDULES[placement.option('schedule', '1f1b')].title})"
 
     def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
         """torchtitan's degree and schedule name; the other frameworks' exports say they cannot express it."""
@@ -372,7 +459,7 @@ class _Pipeline(Dimension):
                 # pipeline_parallel_microbatch_size rows (torchtitan/distributed/pipeline_parallel.py,
                 # build_pipeline_schedule): the plan's window is one local batch, its accumulation the schedule's
                 settings["parallelism"].update(
-                    pipeline_parallel_schedule=SCHEDULES[placement.option("schedule", "1f1b")][0],
+                    pipeline_parallel_schedule=SCHEDULES[placement.option("schedule", "1f1b")].title,
                     pipeline_parallel_microbatch_size=inputs.micro_batch_size)
                 settings["training"] = {"local_batch_size": inputs.micro_batch_size * inputs.accumulation_steps}
             return ExportFragment(settings)

@@ -15,7 +15,7 @@ from autofit.core.errors import InvalidInputError
 from autofit.parallel.collectives import Links, ring_seconds
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs, rank_count
-from autofit.parallel.wrappers import apply_fsdp2, no_gradient_sync, sub_meshes
+from autofit.parallel.wrappers import apply_fsdp2, data_mesh, held_names, no_gradient_sync, sub_meshes
 
 __all__ = ["SHARD", "reshard_choices"]
 
@@ -76,10 +76,13 @@ class _Shard(Dimension):
             return model
         tensor = layout.degree("tp")
         mesh = inputs.mesh if tensor == 1 else sub_meshes(inputs.mesh, tensor)[0]
-        return apply_fsdp2(model, inputs.shard_units, mesh, inputs.param_dtype,
+        if tensor == 1 and layout.degree("pp") > 1:  # the data-parallel dims of a pipeline's mesh
+            mesh = data_mesh(inputs.mesh)
+        # a pipeline rank shards the units its stages hold (apply.held_names), each stage a root of its own
+        return apply_fsdp2(model, held_names(model, inputs.shard_units), mesh, inputs.param_dtype,
                            offload=placement.option("offload_states", False), pin_memory=inputs.pin_memory,
                            reshard_after_forward=placement.option("reshard_after_forward", True),
-                           tensor_parallel=tensor > 1)
+                           tensor_parallel=tensor > 1, roots=inputs.roots)
 
     def micro_batch_context(self, model: nn.Module, layout: Layout, placement: Placement, *, last: bool
                             ) -> contextlib.AbstractContextManager[Any]:
@@ -94,9 +97,10 @@ class _Shard(Dimension):
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:
         """'fsdp2 (ZeRO-3)', 'fsdp2 (ZeRO-2)', 'fsdp2 (resharded to 8)' (``ranks``: with ' over S ranks'), or HSDP
-        with the replicate dim's degree, 'hsdp 2 x 4 (ZeRO-2)'; nothing where tensor parallel takes every rank."""
+        with the replicate dim's degree, 'hsdp 2 x 4 (ZeRO-2)'; nothing where the other dimensions take every rank
+        (tensor parallel, a pipeline: ``fully_shard`` does not run)."""
         shard = placement.degree
-        if shard == 1 and layout.degree("tp") > 1:
+        if shard == 1 and layout.world_size > 1 and not _fully_shards(layout, placement):
             return ""
         raf = placement.option("reshard_after_forward", True)
         zero = "ZeRO-3" if raf is True else "ZeRO-2" if raf is False else f"resharded to {raf}{after_forward}"

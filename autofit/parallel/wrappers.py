@@ -13,7 +13,8 @@ from torch import nn
 from autofit.core._torch import unset_fake_temporarily
 from autofit.core.errors import UnsupportedModelError
 
-__all__ = ["wrap_ddp", "no_gradient_sync", "apply_fsdp2", "bitsandbytes_parameters", "sub_meshes"]
+__all__ = ["wrap_ddp", "no_gradient_sync", "apply_fsdp2", "bitsandbytes_parameters", "sub_meshes", "data_mesh",
+           "held_names"]
 
 
 def wrap_ddp(model: nn.Module, gradient_as_bucket_view: bool, device_ids: list[int] | None = None) -> nn.Module:
@@ -36,13 +37,16 @@ def no_gradient_sync(model: nn.Module):
 
 def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype: torch.dtype | None, *,
                 offload: bool = False, pin_memory: bool = False,
-                reshard_after_forward: bool | int = True, tensor_parallel: bool = False) -> nn.Module:
+                reshard_after_forward: bool | int = True, tensor_parallel: bool = False,
+                roots: tuple[nn.Module, ...] = ()) -> nn.Module:
     """``fully_shard`` each unit, then the root (FSDP2's recommended order: leaves before parents). ``offload``:
     FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory; Note [offload]).
     ``tensor_parallel``: some parameters are already tensor-parallel DTensors (parallel/tensor_parallel.py); FSDP2
     then shards them over ``mesh``, the 1-D "dp_shard" sub-mesh, into 2-D DTensors. ``reshard_after_forward``
     applies to the units (True: ZeRO-3, False: ZeRO-2, an int: reshard to groups of that size); the root keeps torch's default, which does not reshard it (``FSDPState._lazy_init``: backward needs it at
-    once), as torchtitan's ``apply_fsdp`` does. ``mesh`` is 1-D (FSDP) or 2-D (replicate, shard): HSDP."""
+    once), as torchtitan's ``apply_fsdp`` does. ``mesh`` is 1-D (FSDP) or 2-D (replicate, shard): HSDP. ``roots``:
+    the modules the step calls where they are not ``model`` (a pipeline rank's stages, each a root of its own, as
+    torchtitan shards each model part)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     quantized = bitsandbytes_parameters(model)
@@ -67,8 +71,9 @@ def apply_fsdp2(model: nn.Module, units: tuple[str, ...], mesh, precision_dtype:
         with unset_fake_temporarily() if grouped else contextlib.nullcontext():
             fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
                         reshard_after_forward=reshard_after_forward)
-    with unset_fake_temporarily() if tensor_parallel else contextlib.nullcontext():
-        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
+    for root in roots or (model,):
+        with unset_fake_temporarily() if tensor_parallel else contextlib.nullcontext():
+            fully_shard(root, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
 
 
@@ -88,3 +93,19 @@ def sub_meshes(mesh, tensor_parallel: int) -> tuple[object | None, object]:
         if mesh.mesh_dim_names == ("tp",):
             return None, mesh
         return mesh["dp_shard"], mesh["tp"]
+
+
+def data_mesh(mesh):
+    """The data-parallel dims ("dp_replicate", "dp_shard") of a mesh with others (a pipeline's "pp"), as the 1-D or
+    2-D mesh FSDP2 shards over. Slicing a mesh reads its rank tensor: done outside any fake mode."""
+    names = tuple(n for n in mesh.mesh_dim_names if n in ("dp_replicate", "dp_shard"))
+    with unset_fake_temporarily():
+        return mesh[names if len(names) > 1 else names[0]]
+
+
+def held_names(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Of the module ``names`` a step's knobs name on the whole model (recomputed, fp32-pinned modules), those this
+    rank's ``model`` still holds: a dimension's cut (``Dimension.cut``: a pipeline stage's) left the others on other
+    ranks, and records them on the model it cut."""
+    gone = getattr(model, "_autofit_cut_away", ())
+    return tuple(n for n in names if not any(n == g or n.startswith(g + ".") for g in gone))

@@ -49,7 +49,7 @@ from autofit.core._torch import (
     module_call_codes,
     tree_map,
 )
-from autofit.parallel.apply import held_names
+from autofit.parallel.wrappers import held_names
 from autofit.training.batch import Batch
 from autofit.training.config import (  # noqa: F401 - the step's value, re-exported
     StepConfig, ZeroGrad, make_step_config, overridden_forwards, resolve_modules,
