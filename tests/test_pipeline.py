@@ -24,28 +24,32 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 ROWS = 2
 
 
-def _layout(stages: int, schedule: str, world: int | None = None) -> autofit.Layout:
-    """A pipeline of ``stages`` ranks, FSDP2 over the ``world // stages`` ranks of each stage (none by default)."""
+def _layout(stages: int, schedule: str, world: int | None = None, tensor: int = 1) -> autofit.Layout:
+    """A pipeline of ``stages`` ranks, tensor parallel ``tensor`` and FSDP2 over the rest of each stage's
+    ``world // stages`` ranks (none by default)."""
     return autofit.Layout(world_size=world or stages, strategy="fsdp2", pipeline_parallel=stages,
-                          pipeline_schedule=schedule)
+                          pipeline_schedule=schedule, tensor_parallel=tensor)
 
 
-def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool, world: int | None = None) -> None:
+def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool, world: int | None = None,
+                tensor: int = 1) -> None:
     # two stages per rank under the multi-stage schedules: 8 layers over 4 ranks
     case = tiny_llama_pipeline(layers=max(4, 2 * stages))
     step = autofit.Step(micro_batch_size=ROWS, accumulation_steps=micro_batches,
                         checkpoint=case.checkpoint if recompute else ())
-    kw = dict(target=case.target, optimizer="adamw", layout=_layout(stages, schedule, world), step=step)
+    kw = dict(target=case.target, optimizer="adamw", layout=_layout(stages, schedule, world, tensor), step=step)
     estimated = autofit.estimate(case.model, case.sample, **kw)
     measured = autofit.measure(case.model, case.sample, **kw)
     world = world or stages
-    # one rank per stage simulated: the mesh is (pp, dp_shard), a stage's FSDP2 ranks consecutive
+    # one rank per stage simulated: the mesh is (pp, dp_shard, tp), a stage's FSDP2 and tensor-parallel ranks
+    # consecutive
     assert [rank for rank, _ in estimated.rank_peaks] == list(range(0, world, world // stages))
     assert estimated.peak_bytes == max(peak for _, peak in estimated.rank_peaks)
     assert len(measured.rank_peaks) == world
     for rank, peak in enumerate(measured.rank_peaks):
         predicted = dict(estimated.rank_peaks)[rank - rank % (world // stages)]  # its stage's simulated rank
-        print(f"pp {stages} {schedule} x {micro_batches} over {world} recompute={recompute} rank {rank}: predicted "
+        print(f"pp {stages} {schedule} x {micro_batches} over {world}, tp {tensor}, recompute={recompute} rank {rank}: "
+              f"predicted "
               f"{predicted} measured {peak} ({(predicted - peak) / peak:+.4%})")
         assert abs(predicted - peak) <= 0.005 * peak, (rank, predicted, peak)
     # the stages differ (the embedding on the first, the head and the loss on the last): one rank cannot stand for all
@@ -74,12 +78,15 @@ def test_every_stage_estimated_as_measured_more(stages, schedule, micro_batches,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,recompute", [("1F1B", False), ("GPipe", True), ("ZBVZeroBubble", False),
-                                                ("Interleaved1F1B", True)])
-def test_every_stage_with_fsdp2_inside_estimated_as_measured(schedule, recompute):
-    """PP 2 x FSDP2 2 over 4 gloo ranks: each stage's blocks and the stage itself sharded over its two ranks
-    (torchtitan's layout), the reduce-scatter where torch's PipelineStage runs it, after the stage's last backward."""
-    _every_rank(2, schedule, 4, recompute, world=4)
+@pytest.mark.parametrize("schedule,recompute,world,tensor",
+                         [("1F1B", False, 4, 1), ("GPipe", True, 4, 1), ("ZBVZeroBubble", False, 4, 1),
+                          ("Interleaved1F1B", True, 4, 1), ("1F1B", False, 4, 2), ("Interleaved1F1B", True, 8, 2)])
+def test_every_stage_with_fsdp2_and_tensor_parallel_inside_estimated_as_measured(schedule, recompute, world, tensor):
+    """PP 2 x FSDP2 2 over 4 gloo ranks: each stage's blocks and the stage itself sharded over its two ranks, the
+    reduce-scatter where torch's PipelineStage runs it, after the stage's last backward; PP 2 x tensor parallel 2;
+    and torchtitan's three dims, PP 2 x FSDP2 2 x tensor parallel 2 over 8 ranks (the stage's blocks split by
+    Llama's own plan, then sharded)."""
+    _every_rank(2, schedule, 4, recompute, world=world, tensor=tensor)
 
 
 class _Stages(Dimension):
@@ -102,8 +109,10 @@ def test_a_simulation_runs_one_rank_per_stage():
     pipeline = Parallel(strategy="fsdp2", world_size=4, more_dimensions=(Placement("pp", 4, (("schedule", "1f1b"),)),))
     assert pipeline.layout.distinct_ranks == (0, 1, 2, 3)
     assert pipeline.data_ranks == 1 and pipeline.label == "pp 4 (1F1B)"  # FSDP2 over one rank does not run
-    with_fsdp = Parallel(strategy="fsdp2", world_size=8, more_dimensions=(Placement("pp", 4, (("schedule", "gpipe"),)),))
-    assert with_fsdp.label == "pp 4 (GPipe) x fsdp2 (ZeRO-3) over 2 ranks" and with_fsdp.layout.distinct_ranks == (0, 2, 4, 6)
+    with_fsdp = Parallel(strategy="fsdp2", world_size=8,
+                         more_dimensions=(Placement("pp", 4, (("schedule", "gpipe"),)),))
+    assert with_fsdp.label == "pp 4 (GPipe) x fsdp2 (ZeRO-3) over 2 ranks"
+    assert with_fsdp.layout.distinct_ranks == (0, 2, 4, 6)
     assert Parallel(strategy="fsdp2", world_size=4).layout.distinct_ranks == (0,)
     assert "pp" in DIMENSIONS and DIMENSIONS["pp"] is PIPELINE
 
@@ -140,7 +149,7 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
     # make 2.25 rounds, 10 make 2 rounds of 5
     with pytest.raises(InvalidInputError, match="whole number of rounds .* accumulation_steps=10"):
         estimate(_layout(4, "Interleaved1F1B"), accumulation_steps=9)
-    with pytest.raises(InvalidInputError, match="replicate 2: .* HSDP, tensor parallel and offload inside a stage"):
+    with pytest.raises(InvalidInputError, match="replicate 2: .* HSDP, sequence parallel and offload inside a stage"):
         estimate(autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2, replicate=2))
     with pytest.raises(InvalidInputError, match="token ids alone"):
         estimate(_layout(2, "GPipe"), sample={"input_ids": case.sample, "attention_mask": torch.ones_like(case.sample)})

@@ -20,11 +20,11 @@ __all__ = [
     "AllowOpt", "BatchDimOpt", "BatchOpt", "BudgetOpt", "CompileOpt", "ConfigOpt", "DeviceOpt", "DtypeOpt",
     "EXPORT_NAMES", "FEATURE_FLAGS", "FromOpt", "GpuMemoryOpt", "GpuOpt", "HostBudgetOpt", "JsonOpt", "LoraOpt",
     "LoraTargetsOpt", "MarginOpt", "ModelArg", "ModelDtypeOpt", "NodesOpt", "OffloadOpt", "OptimizerOpt",
-    "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PlanGpuOpt", "PrecisionOpt",
-    "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "SequenceOpt", "ShapeOpt", "StoredOpt",
-    "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt", "WorldOpt", "WriteOpt",
-    "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names", "feature_flags", "gpu_option",
-    "layout_option", "nodes_layout", "spec_option",
+    "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PipelineOpt", "PlanGpuOpt",
+    "PrecisionOpt", "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "ScheduleOpt", "SequenceOpt",
+    "ShapeOpt", "StoredOpt", "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt", "WorldOpt",
+    "WriteOpt", "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names", "feature_flags",
+    "gpu_option", "layout_option", "nodes_layout", "spec_option",
 ]
 
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch

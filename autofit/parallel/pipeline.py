@@ -3,10 +3,11 @@ schedules (``torch.distributed.pipelining``). A layout dimension (Note [layout d
 the ranks along it hold different layers (so each is simulated: ``ranks_differ``), train the same rows, and run the
 window's micro-batches as torch's schedule orders them (Note [one schedule], parallel/schedule.py).
 
-Work in progress: ``estimate`` and ``measure`` run it (2 and 4 stages, GPipe and 1F1B, beside FSDP2 of degree 1); the
-planner does not offer it yet, FSDP2 or tensor parallel inside a stage are refused, and so are the multi-stage
-schedules (Interleaved 1F1B, Looped BFS, the zero-bubble and V schedules). See Note [pipeline stages] and Note [a
-pipeline rank's step].
+``estimate``, ``measure``, the trainer, the CLI (``--pipeline-parallel``, ``--schedule``) and the torchtitan export run
+it: every torch schedule but DualPipeV, with FSDP2 and tensor parallel inside each stage. Not yet: the planner does
+not choose a pipeline (``plan`` refuses one), nor HSDP, sequence parallel or offload inside a stage, nor a split
+other than the even one. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md ("Pipeline
+parallel").
 
 Note [pipeline stages]
     torch's ``PipelineStage`` (torch/distributed/pipelining/stage.py) runs one module per stage: its forward takes
@@ -47,6 +48,7 @@ from autofit.core._torch import pipeline_step
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs
+from autofit.parallel.sequence_parallel import is_sequence_parallel
 
 __all__ = ["PIPELINE", "PipelineSchedule", "SCHEDULES", "ScheduleKind", "cut_to_stages", "decoder_stages",
            "layer_split"]
@@ -304,7 +306,7 @@ def _torch_schedule(schedule: PipelineSchedule, model: nn.Module, rank: _RankSta
     try:
         built = torch_class(stages[0] if SCHEDULES[schedule.name].per_rank == 1 else stages, window.size,
                             loss_fn=loss_fn, scale_grads=False)
-    except ValueError as e:  # a micro-batch count the schedule refuses (PipelineDimension.check_step's rules)
+    except ValueError as e:  # a micro-batch count the schedule refuses (_Pipeline.check_step's rules first)
         raise InvalidInputError(f"pipeline_schedule {SCHEDULES[schedule.name].title!r} with {window.size} "
                                 f"micro-batches over {schedule.ranks} ranks: {e}") from e
     return built, stages
@@ -369,13 +371,17 @@ class _Pipeline(Dimension):
         if layout.partial:
             return
         others = [f"{layout.registry[p.dimension].field} {p.degree}" for p in layout.placements
-                  if p.dimension not in (self.name, "dp_shard") and p.degree > 1]
+                  if p.dimension not in (self.name, "dp_shard", "tp") and p.degree > 1]
+        tensor = layout.placement("tp")
+        if tensor is not None and is_sequence_parallel(tensor.option("plan", ())):
+            others.append("sequence parallel")  # a stage's hidden states would be split along the sequence
         shard = layout.placement("dp_shard")
         if others or (shard is not None and shard.option("offload_states", False)):
             raise InvalidInputError(
                 f"pipeline_parallel={pp} beside {', '.join(others) or 'offload_states'}: autofit runs a pipeline "
-                "with FSDP2 inside each stage (strategy='fsdp2', world_size a multiple of pipeline_parallel, "
-                "replicate=1); HSDP, tensor parallel and offload inside a stage are not planned yet")
+                "with FSDP2 and tensor parallel inside each stage (strategy='fsdp2', world_size a multiple of "
+                "pipeline_parallel x tensor_parallel, replicate=1); HSDP, sequence parallel and offload inside a "
+                "stage are not planned yet")
 
     def check_step(self, layout: Layout, placement: Placement, step: StepKnobs) -> None:
         """torch's schedule runs the forwards and backwards itself: the gradients are cleared after the optimizer

@@ -18,7 +18,7 @@ from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement
 from autofit.parallel.exports import ExportFragment, ExportInputs
 from autofit.parallel.sequence_parallel import is_sequence_parallel, require_sequence_split
 from autofit.parallel.tensor_parallel import apply_tensor_parallel, resolve_tensor_plan
-from autofit.parallel.wrappers import sub_meshes
+from autofit.parallel.wrappers import held_names, sub_meshes
 
 __all__ = ["TENSOR", "Split", "tensor_group_bytes", "tensor_reduce_bytes", "split_ops", "split_parameters"]
 
@@ -80,9 +80,10 @@ class _Tensor(Dimension):
     def check_step(self, layout: Layout, placement: Placement, step: StepKnobs) -> None:
         """Over every rank, not on CUDA's foreach optimizers; never with clipping."""
         tp, world_size = placement.degree, layout.world_size
-        if 1 < tp == world_size and step.device.foreach_by_default:
+        if tp > 1 and layout.data_ranks == 1 and step.device.foreach_by_default:
             raise InvalidInputError(
-                f"tensor parallel alone (world_size == tensor_parallel == {world_size}) on CUDA: the embedding, "
+                f"tensor parallel without FSDP2 (tensor_parallel {tp} and the other dims take world_size {world_size}) "
+                "on CUDA: the embedding, "
                 "norms and head stay plain tensors beside the split DTensors, and torch's foreach optimizers (the "
                 "default on CUDA) cannot step the two together (aten._foreach_*: mixed torch.Tensor and DTensor); "
                 f"compose it with FSDP2 (world_size = 2 x {tp} or more), which makes every parameter a DTensor")
@@ -124,8 +125,10 @@ class _Tensor(Dimension):
     def apply(self, model: nn.Module, layout: Layout, placement: Placement, inputs: ApplyInputs) -> nn.Module:
         """torch's ``parallelize_module`` with the resolved plan over the "tp" mesh dim, in place, before FSDP2
         shards what it split (torchtitan's order)."""
-        if placement.degree > 1:
-            apply_tensor_parallel(model, placement.option("plan", ()), sub_meshes(inputs.mesh, placement.degree)[1])
+        if placement.degree > 1:  # the plan's modules this rank holds (a pipeline stage's: wrappers.held_names)
+            held = set(held_names(model, tuple(name for name, _ in placement.option("plan", ()))))
+            apply_tensor_parallel(model, tuple((n, s) for n, s in placement.option("plan", ()) if n in held),
+                                  sub_meshes(inputs.mesh, placement.degree)[1])
         return model
 
     def words(self, layout: Layout, placement: Placement, *, ranks: bool = False, after_forward: str = "") -> str:

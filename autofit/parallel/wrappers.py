@@ -92,7 +92,8 @@ def sub_meshes(mesh, tensor_parallel: int) -> tuple[object | None, object]:
     with unset_fake_temporarily():
         if mesh.mesh_dim_names == ("tp",):
             return None, mesh
-        return mesh["dp_shard"], mesh["tp"]
+        # beside a pipeline the mesh has its "pp" dim too, and no "dp_shard" where tensor parallel takes the rest
+        return (mesh["dp_shard"] if "dp_shard" in mesh.mesh_dim_names else None), mesh["tp"]
 
 
 def data_mesh(mesh):

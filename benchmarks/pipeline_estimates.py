@@ -1,0 +1,70 @@
+"""Pipeline estimates of a Llama-3.1-8B shape (issue 59): every stage's peak under each schedule, and what it costs.
+
+A Hugging Face Llama built on the meta device from Llama-3.1-8B's config (32 layers, hidden 4096, MLP 14336, 32
+heads, 8 KV heads, vocabulary 128256, head untied as in the released model; no weights), bf16 autocast, AdamW, on 8
+H100-80GB of one node: pipeline 2 x FSDP2 4, one row of 4096 tokens per micro-batch, 8 micro-batches, every block
+recomputed. ``autofit.estimate`` simulates one rank per stage with torch's own schedule (docs/multi-gpu.md,
+"Pipeline parallel"); the table prints each stage's simulated peak of allocated bytes, the worst stage's bytes on the
+device (the CUDA caching allocator's reserve and context included) and the seconds the estimate took. The planner
+does not choose pipelines yet: this is what one estimate costs, the figure its search would have to afford.
+
+    .venv-test/bin/python benchmarks/pipeline_estimates.py                      # the four schedules, 32 layers
+    .venv-test/bin/python benchmarks/pipeline_estimates.py --layers 8 --schedules 1F1B,GPipe
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import autofit  # noqa: E402
+
+GIB = 2**30
+
+
+def _model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                         tie_word_embeddings=False, use_cache=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--sequence", type=int, default=4096)
+    args = parser.parse_args()
+    model = _model(args.layers)
+    ids = torch.randint(0, 128256, (args.micro_batches, args.sequence))
+    checkpoint = tuple(f"model.layers.{i}" for i in range(args.layers))
+    print(f"Llama-3.1-8B shape, {args.layers} layers, 8 x H100-80GB: pp 2 x fsdp2 4, 1 x {args.sequence} tokens x "
+          f"{args.micro_batches} micro-batches, bf16, AdamW, every block recomputed (torch {torch.__version__})")
+    print(f"{'schedule':<16} {'stage peaks (GiB allocated)':<40} {'worst on device':>16} {'seconds':>8}")
+    for schedule in args.schedules.split(","):
+        layout = autofit.Layout(world_size=8, gpus_per_node=8, strategy="fsdp2", pipeline_parallel=2,
+                                pipeline_schedule=schedule)
+        step = autofit.Step(micro_batch_size=1, accumulation_steps=args.micro_batches, checkpoint=checkpoint)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = autofit.estimate(model, ids, target=ids, device="H100-80GB", precision="bf16", layout=layout,
+                                   step=step)
+        seconds = time.perf_counter() - start
+        peaks = ", ".join(f"rank {r} {b / GIB:.2f}" for r, b in est.rank_peaks)
+        print(f"{schedule:<16} {peaks:<40} {est.device_bytes / GIB:>12.2f} GiB {seconds:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
