@@ -151,6 +151,8 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
         estimate(_layout(4, "Interleaved1F1B"), accumulation_steps=9)
     with pytest.raises(InvalidInputError, match="replicate 2: .* HSDP, sequence parallel and offload inside a stage"):
         estimate(autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2, replicate=2))
+    with pytest.raises(InvalidInputError, match="strategy='ddp': .* use strategy='fsdp2'"):
+        estimate(autofit.Layout(world_size=2, strategy="ddp", pipeline_parallel=2))
     with pytest.raises(InvalidInputError, match="token ids alone"):
         estimate(_layout(2, "GPipe"), sample={"input_ids": case.sample, "attention_mask": torch.ones_like(case.sample)})
     with pytest.raises(InvalidInputError, match="zero_grad='after-step'"):

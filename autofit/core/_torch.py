@@ -355,13 +355,14 @@ def pipeline_step(schedule: Any, arg_mbs: list | None, target_mbs: list | None, 
 
 
 # Note [a send holds its tensor]
-#     A point-to-point send's ``Work`` keeps the tensor it sends for as long as the Work lives, on gloo (its
-#     ``AsyncWork`` holds the op's tensors) as on NCCL (``WorkNCCL`` stashes them for the caching allocator's safety),
-#     and torch's schedules keep the Works of their sends until they wait on them (ScheduleGPipe every forward send
-#     to the step's end, Schedule1F1B its last warm-up send, benchmarks/pipeline_probe.py): a stage's output outlives
-#     its backward there. A fake process group's Work holds nothing, so on one the sends return Works that hold
-#     their ops' tensors: two gloo ranks of a 4-layer Llama under GPipe measured the first stage's 8,192-B output
-#     (2 x 16 x 64 fp32) still alive at its last backward, which a fake Work had let go.
+#     A point-to-point send's ``Work`` keeps the tensor it sends for as long as the Work lives on gloo (measured, below;
+#     NCCL's ``WorkNCCL`` stashes an op's tensors for the caching allocator's safety too, read in ProcessGroupNCCL.cpp
+#     for its collectives, not checked on a GPU for its sends), and torch's schedules keep the Works of their sends
+#     until they wait on them (ScheduleGPipe every forward send to the step's end, Schedule1F1B its last warm-up send,
+#     benchmarks/pipeline_probe.py): a stage's output outlives its backward there. A fake process group's Work holds
+#     nothing, so on one the sends return Works that hold their ops' tensors: two gloo ranks of a 4-layer Llama under
+#     GPipe measured the first stage's 8,192-B output (2 x 16 x 64 fp32) still alive at its last backward, which a
+#     fake Work had let go.
 class _HeldWork:
     """A Work and the tensor its op sends or receives, kept together (Note [a send holds its tensor])."""
 

@@ -84,4 +84,3 @@ def gradient_sync(model: nn.Module, layout: Parallel, *, last: bool) -> Iterator
             stack.enter_context(placed.registry[placement.dimension].micro_batch_context(model, placed, placement,
                                                                                         last=last))
         yield
-

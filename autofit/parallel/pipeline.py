@@ -370,6 +370,11 @@ class _Pipeline(Dimension):
                                     "mesh's pipeline dim takes pipeline_parallel of its ranks")
         if layout.partial:
             return
+        if layout.placement("dp_shard") is None:  # DDP's layout: its replicas take no mesh, the stages need one
+            raise InvalidInputError(
+                f"pipeline_parallel={pp} with strategy='ddp': autofit runs a pipeline on a device mesh, with FSDP2 "
+                "over the ranks of each stage (FSDP2 over one rank where the pipeline takes every rank): use "
+                "strategy='fsdp2'")
         others = [f"{layout.registry[p.dimension].field} {p.degree}" for p in layout.placements
                   if p.dimension not in (self.name, "dp_shard", "tp") and p.degree > 1]
         tensor = layout.placement("tp")
