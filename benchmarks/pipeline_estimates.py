@@ -20,8 +20,9 @@ Result (torch 2.13.0, 2 shared CPU cores, another job beside it, 2026-12-01):
     ZBVZeroBubble    rank 0 37.98, rank 4 67.18                      74.14 GiB     97.7
 
 GPipe's last stage holds all eight micro-batches' activations and their logits' saved tensors (128256 words each);
-1F1B's holds one; ZBV puts the first and the last stage on one rank (rank 0: stages 0 and 3), and its rank 4 holds
-the middle stages' split backwards. One estimate takes about a minute (16 blocks x 8 micro-batches per stage,
+1F1B's holds its warm-up's one; ZBV puts the first and the last stage on one rank (rank 0: stages 0 and 3), and the
+middle stages (rank 4) hold the most, in the order torch's ZBV schedule runs them (not decomposed here; the same
+schedule is checked against the allocator at small size in tests/test_pipeline.py). One estimate takes about a minute (16 blocks x 8 micro-batches per stage,
 simulated whole): a planner that tries pipelines needs each stage cut in depth, as whole models are (Note [depth
 extrapolation]).
 """
