@@ -76,8 +76,8 @@ class _Shard(Dimension):
             return model
         tensor = layout.degree("tp")
         mesh = inputs.mesh if tensor == 1 else sub_meshes(inputs.mesh, tensor)[0]
-        if tensor == 1 and layout.degree("pp") > 1:  # the data-parallel dims of a pipeline's mesh
-            mesh = data_mesh(inputs.mesh)
+        if tensor == 1 and set(inputs.mesh.mesh_dim_names) - {"dp_replicate", "dp_shard"}:
+            mesh = data_mesh(inputs.mesh)  # the data-parallel dims of a mesh with others (a pipeline's "pp")
         # a pipeline rank shards the units its stages hold (apply.held_names), each stage a root of its own
         return apply_fsdp2(model, held_names(model, inputs.shard_units), mesh, inputs.param_dtype,
                            offload=placement.option("offload_states", False), pin_memory=inputs.pin_memory,
