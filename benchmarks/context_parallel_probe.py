@@ -332,7 +332,7 @@ def run_config(world: int, rank: int, mesh, rotate: str, recompute: bool, window
                         step()
     finally:
         cp.__exit__(None, None, None)
-    mine = window_memory(prof, _STEP, _WINDOW, known)
+    mine = window_memory(prof, _STEP, _WINDOW, [known] * windows)
     every = window_memory(prof, _STEP)
     best = min(range(windows), key=lambda w: sum(mine[w][0].values()) + mine[w][1])
     events, _, spans = _allocation_events(prof, _WINDOW, _STEP)

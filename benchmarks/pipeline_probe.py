@@ -384,7 +384,7 @@ def run_config(name: str, micro: int, outputs: bool, world: int, rank: int, wind
                 dist.barrier()
                 with record_function(_STEP):
                     step()
-    mine = window_memory(prof, _STEP, _WINDOW, known)
+    mine = window_memory(prof, _STEP, _WINDOW, [known] * windows)
     every = window_memory(prof, _STEP)  # every thread's memory: gloo's included
     best = min(range(windows), key=lambda w: sum(mine[w][0].values()) + mine[w][1])
     order = schedule.pipeline_order[rank] if schedule.pipeline_order else []

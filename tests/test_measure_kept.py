@@ -143,3 +143,32 @@ def test_measure_callable_with_a_warm_up_counts_a_replaced_tensor_once() -> None
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     live = [*model.parameters(), *state, x, y]
     assert measure_callable(step, live, warm_up=step) == _whole_run_peak(KeepsAttribute)
+
+
+def test_a_tensor_a_step_keeps_for_the_next_is_read_again_before_every_window() -> None:
+    """A step that keeps a new tensor for the next at a new address, and frees its predecessor before its own
+    peak (a V schedule's hand-offs between the two stages of one rank: the last step's activations and input
+    gradients, torch's ``set_local_fwd_input``). Each window is measured as a rank is, of its own thread's
+    memory, with the step's own tensors those alive then; read once before the first window, the second and third
+    counted the predecessor before the window and its successor inside it (a CI run measured a ZBV rank 65,536 B
+    high)."""
+    import gc
+
+    from autofit.measure.allocator import _measure_window
+
+    kept = {"t": torch.empty(1024)}  # 4,096 B
+
+    def window() -> None:
+        kept["t"] = torch.empty(1024)  # the successor, allocated while its predecessor lives: another address
+        peak = torch.empty(4096)  # 16,384 B after the predecessor is freed
+        del peak
+
+    def settle():
+        gc.collect()
+        counted = {kept["t"].untyped_storage().data_ptr(): 4096}
+        return counted, set(counted)
+
+    windows, settled = _measure_window(window, torch.device("cpu"), own_thread=True, settle=settle, windows=3)
+    # hand count: the kept tensor (4,096) and the temporary (16,384); the predecessor and its successor together
+    # are only 8,192
+    assert [sum(counted.values()) + peak for (_, peak), counted in zip(windows, settled)] == [20480] * 3

@@ -13,7 +13,7 @@ import bisect
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -113,14 +113,14 @@ def allocation_sizes(prof: torch.profiler.profile, thread_of: str | None = None)
 
 
 def window_memory(prof: torch.profiler.profile, span: str, thread_of: str | None = None,
-                  known: set[int] | None = None) -> list[tuple[dict[int, int], int]]:
+                  known: Sequence[set[int]] = ()) -> list[tuple[dict[int, int], int]]:
     """Of a ``profile_memory=True`` CPU profile whose code ran ``record_function(span)`` one or more times, one after
     another, for each span: what the profile had seen allocated and not freed when it began (``{address: bytes}``),
     and its high-water mark above the bytes alive then. One profile holds what comes before the spans and the spans
     themselves, so no free between them goes unseen (Note [memory from before the window], measure/allocator.py).
     ``thread_of``: only the memory of the thread that ran the ``record_function`` of that name, as
     :func:`thread_memory` counts it; and of what was alive when a span began, only the ``known`` addresses (the
-    step's own tensors) count, and the frees of the rest do not: a rank's tensor still alive when a window begins
+    step's own tensors, read before each span: one set per span) count, and the frees of the rest do not: a rank's tensor still alive when a window begins
     may be in gloo's hands, freed by its thread whenever it gets there (Note [gloo's threads in the measured
     window])."""
     events, marks, spans = _allocation_events(prof, thread_of, span)
@@ -130,13 +130,14 @@ def window_memory(prof: torch.profiler.profile, span: str, thread_of: str | None
     live: dict[int, int] = {}  # address -> bytes of what counts and is not freed yet
     windows: list[tuple[dict[int, int], int]] = []
     position = 0
-    for start, end in spans:
+    for i, (start, end) in enumerate(spans):
         while position < len(events) and events[position][0] < start:
             _count(events[position], live, ours)
             position += 1
         unknown: set[int] = set()  # alive at the start, not the step's own: neither it nor its free counts
         if thread_of is not None:
-            unknown = {a for a in live if a not in (known or ())}
+            ours_then = known[i] if i < len(known) else set()
+            unknown = {a for a in live if a not in ours_then}
             for address in unknown:
                 del live[address]
         at_start, running, peak = dict(live), 0, 0

@@ -21,7 +21,12 @@ Note [memory from before the window]
     window], measure/ranks.py) counts of what was alive only the step's own tensors (the categories), and their
     frees: a tensor of the rank's that gloo still holds when a window begins is freed by gloo's thread whenever it
     gets there (a tensor-parallel rank measured 32 to 113 KiB high, a DDP rank 4 or 64 B), and a GPU job's NCCL
-    holds no such tensor.
+    holds no such tensor. The step's own tensors are read again before each window, not once after the warm-up:
+    what a step keeps for the next may be new tensors every step (a V schedule's hand-offs between its two stages on
+    one rank, torch's ``set_local_fwd_input``: the last step's activations and input gradients, 8 x 8 KiB on a tiny
+    Llama), and when the allocator put a successor at another address, the first reading counted the old tensors
+    before the window and their successors again inside it (a CI run measured a ZBV rank 65,536 B high in all three
+    windows; idle machines reuse the address and hid it).
 """
 
 from __future__ import annotations
@@ -184,11 +189,12 @@ def measure_step(
             warm_up()
             (categories, buckets), _ = settle()
             return _measure_cuda(window, device, _live_before(categories, {}, buckets), steps)
-        windows, (categories, buckets) = _measure_window(window, device, own_thread=lowest, warm_up=warm_up,
-                                                         settle=settle, windows=steps)
+        windows, settled = _measure_window(window, device, own_thread=lowest, warm_up=warm_up, settle=settle,
+                                           windows=steps)
         # each window: what was alive when it began, and its high-water mark above that; the highest, or for a rank
         # the lowest (Note [gloo's threads in the measured window]: what gloo's thread has not freed yet is a race)
-        measured = [(_live_before(categories, alive, buckets), peak) for alive, peak in windows]
+        measured = [(_live_before(categories, alive, buckets), peak)
+                    for (alive, peak), (categories, buckets) in zip(windows, settled)]
         before, peak_step = (min if lowest else max)(measured, key=lambda m: sum(m[0].values()) + m[1])
     breakdown = dict(before)
     breakdown[Category.STEP] = peak_step
@@ -223,17 +229,21 @@ _SPAN = "autofit::measured_window_span"
 
 
 def _measure_window(window, device: torch.device, own_thread: bool = False, *, warm_up=None, settle=None,
-                    windows: int = 1) -> tuple[list[tuple[dict[int, int], int]], Any]:
-    """Under one CPU memory profile: ``warm_up()``, then ``settle()``, then ``windows`` runs of ``window``. Returns,
-    for each window, what the allocator's record saw alive when it began (``{address: bytes}``: Note [memory from
-    before the window]) and its high-water mark above that; and what ``settle`` returned. ``own_thread``: of the allocations made on this thread only (Note [gloo's threads in the measured
-    window], autofit/measure/ranks.py)."""
+                    windows: int = 1) -> tuple[list[tuple[dict[int, int], int]], list[Any]]:
+    """Under one CPU memory profile: ``warm_up()``, then ``windows`` times ``settle()`` and a run of ``window``.
+    Returns, for each window, what the allocator's record saw alive when it began (``{address: bytes}``: Note
+    [memory from before the window]) and its high-water mark above that; and what ``settle`` returned before each
+    (the step's own tensors then: a step may keep new ones for the next). ``own_thread``: of the allocations made
+    on this thread only (Note [gloo's threads in the measured window], autofit/measure/ranks.py)."""
+    settled, known = [], []
     with memory_profile() as prof:
         with torch.profiler.record_function(_WINDOW) if own_thread else contextlib.nullcontext():
             if warm_up is not None:
                 warm_up()
-            settled, known = settle() if settle is not None else (None, set())
             for _ in range(windows):
+                result, addresses = settle() if settle is not None else (None, set())
+                settled.append(result)
+                known.append(addresses)
                 with torch.profiler.record_function(_SPAN):
                     window()
     return window_memory(prof, _SPAN, _WINDOW if own_thread else None, known), settled
@@ -263,6 +273,7 @@ def measure_callable(fn, live: list[torch.Tensor], *, device: str = "cpu", own_t
         counted = _storages(live)
         return counted, set(counted)
 
-    [(alive, peak)], counted = _measure_window(fn, torch.device(device), own_thread, warm_up=warm_up, settle=settle)
+    [(alive, peak)], [counted] = _measure_window(fn, torch.device(device), own_thread, warm_up=warm_up,
+                                                 settle=settle)
     kept = sum(size for address, size in alive.items() if address not in counted)
     return sum(counted.values()) + kept + peak
