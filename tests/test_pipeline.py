@@ -256,3 +256,20 @@ def test_the_command_line_estimates_every_stage_as_the_library_does():
                                layout=_layout(2, "1F1B"), step=autofit.Step(micro_batch_size=2, accumulation_steps=4))
     assert [(r["rank"], r["peak_allocated_bytes"]) for r in data["rank_peaks"]] == list(est.rank_peaks)
     assert data["peak_allocated_bytes"] == est.peak_allocated_bytes == max(b for _, b in est.rank_peaks)
+
+
+@pytest.mark.quick
+def test_plan_on_the_command_line_refuses_a_pipeline_before_building_the_model_naming_estimate():
+    """``autofit plan ... --pipeline-parallel 2``: code 2 and the ``autofit estimate`` command that runs one, before
+    the model is built (a model name that does not exist is never read)."""
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    result = CliRunner().invoke(app, ["plan", "hf:no-such-model", "-b", "8GB", "-n", "8", "--world-size", "2",
+                                      "--pipeline-parallel", "2", "--schedule", "Interleaved1F1B"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "--pipeline-parallel 2: plan does not choose pipelines yet" in text
+    assert "autofit estimate MODEL -m ROWS -n BATCH --world-size W --pipeline-parallel 2 --schedule Interleaved1F1B" in text
+    assert "no-such-model" not in text

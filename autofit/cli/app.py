@@ -131,6 +131,11 @@ def plan(
         note = gpu_note(gpu) if device == "cuda" and not cards else None
         if note:
             say(console, "note", note)
+        if pipeline_parallel != 1:  # refused before the model is built, in the command line's words (issue 59)
+            raise InvalidInputError(
+                f"--pipeline-parallel {pipeline_parallel}: plan does not choose pipelines yet (its time model prices "
+                f"no schedule's bubble); estimate runs one and shows every stage's peak: autofit estimate MODEL "
+                f"-m ROWS -n BATCH --world-size W --pipeline-parallel {pipeline_parallel} --schedule {schedule}")
         if write is not None and from_file is None:
             raise InvalidInputError("--write writes back the config given with --from FILE")
         if from_file is not None:  # the model, batch, ranks, precision and optimizer from the config
