@@ -84,8 +84,10 @@ SCHEDULES = {kind.title.lower(): kind for kind in (
 
 
 def layer_split(layers: int, stages: int) -> list[range]:
-    """The layers of each stage, an even split by count with the remainder on the first stages (torchtitan's
-    default, ``generate_llm_fqn_per_model_part`` without weights for the embedding and head)."""
+    """The layers of each stage, an even split by count with the remainder on the first stages: torchtitan's
+    ``_generate_llm_fqn_per_model_part`` with ``pipeline_parallel_first_stage_less_layers`` and
+    ``..._last_stage_less_layers`` 0 (torchtitan/distributed/pipeline_parallel.py; its default of 1 counts the
+    embedding and the head as a layer each, so its default split differs where the layers do not divide)."""
     if not 1 <= stages <= layers:
         raise UnsupportedModelError(f"{layers} layers cannot be split over {stages} pipeline stages: give at most "
                                     f"{layers} stages")
