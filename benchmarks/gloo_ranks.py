@@ -1,14 +1,12 @@
 """The ranks of a probe (``pipeline_probe.py``, ``context_parallel_probe.py``): one spawned process per rank on this
-CPU, joined by gloo on a free local port, each running the probe's ``work(world, rank, configs)`` and handing back
+CPU, joined by gloo through a file store, each running the probe's ``work(world, rank, configs)`` and handing back
 its results (a dict) pickled through a temporary directory; a rank's exception comes back as its traceback and is
 raised here, naming the rank. Each rank runs one intra-op thread, so that the ranks do not contend for the cores.
 Also what both probes count by hand with: :func:`storage_bytes`."""
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -24,11 +22,8 @@ Work = Callable[[int, int, list], dict]
 
 def run_ranks(work: Work, world: int, configs: list, prefix: str) -> list[dict]:
     """Every rank's ``work(world, rank, configs)`` (a module-level function: spawn pickles it), in rank order."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix=prefix) as out:
-        mp.start_processes(_rank_main, args=(world, port, work, configs, out), nprocs=world, join=True,
+        mp.start_processes(_rank_main, args=(world, work, configs, out), nprocs=world, join=True,
                            start_method="spawn")
         results = [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     for rank, r in enumerate(results):
@@ -37,9 +32,10 @@ def run_ranks(work: Work, world: int, configs: list, prefix: str) -> list[dict]:
     return results
 
 
-def _rank_main(rank: int, world: int, port: int, work: Work, configs: list, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+def _rank_main(rank: int, world: int, work: Work, configs: list, out: str) -> None:
+    # the ranks meet in a file of the run's folder, as measure's do (autofit/measure/ranks.py): no port to race for
+    store = dist.FileStore(str(Path(out) / "rendezvous"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     try:
         results = work(world, rank, configs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,12 +19,6 @@ from autofit.training.batch import as_batch
 from autofit.measure.allocator import measure_callable
 from sharded_models import EXTRA_CASES
 from zoo import ZOO
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Note [ranks from a fork server]
@@ -43,7 +37,10 @@ def launch(jobs: list[dict], tmp_path: Path, world: int) -> list[list[dict]]:
 
     # Note [ranks from a fork server]; the tiny Llama's ranks build it with transformers (skipped where it is missing)
     mp.set_forkserver_preload([__name__, "transformers.models.llama.modeling_llama"])
-    context = mp.start_processes(run_jobs, args=(world, _free_port(), jobs, str(tmp_path)), nprocs=world, join=False,
+    # a file of its own for each launch: a test may launch twice into one folder, and a launch whose rank failed
+    # leaves its file behind (the last rank to close the store removes it)
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="rendezvous-", dir=tmp_path), "store")
+    context = mp.start_processes(run_jobs, args=(world, rendezvous, jobs, str(tmp_path)), nprocs=world, join=False,
                                  start_method="forkserver")
     deadline = time.monotonic() + 600
     # join() returns False while some workers still run (it raises if one failed): wait for all, up to the deadline
@@ -106,9 +103,9 @@ class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def run_jobs(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def run_jobs(rank: int, world_size: int, rendezvous: str, jobs: list[dict], out_dir: str) -> None:
+    # the ranks meet in a file (launch): a free port handed to them can be taken before rank 0 listens on it
+    dist.init_process_group("gloo", store=dist.FileStore(rendezvous, world_size), rank=rank, world_size=world_size)
     results = []
     try:
         for job in jobs:

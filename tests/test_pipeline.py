@@ -57,11 +57,12 @@ def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool,
 
 
 # (ranks, schedule, micro-batches, recomputation): one case of each kind of schedule in the sim tier, which CI also
-# runs on the newest torch (its pipelining allocates otherwise), the rest with the gloo tests
+# runs on the newest torch (its pipelining allocates otherwise), the rest with the gloo tests. ZBV's case is the one
+# without recomputation: with it, it took 55-57 CPU seconds alone and 71 beside another worker (sim budget: 60)
 @pytest.mark.sim
 @pytest.mark.parametrize("stages,schedule,micro_batches,recompute",
                          [(2, "GPipe", 4, False), (2, "1F1B", 4, True), (2, "Interleaved1F1B", 4, False),
-                          (2, "ZBVZeroBubble", 4, True)])
+                          (2, "ZBVZeroBubble", 4, False)])
 def test_every_stage_estimated_as_measured(stages, schedule, micro_batches, recompute):
     _every_rank(stages, schedule, micro_batches, recompute)
 
@@ -71,7 +72,7 @@ def test_every_stage_estimated_as_measured(stages, schedule, micro_batches, reco
                          [(2, "GPipe", 4, True), (2, "1F1B", 4, False), (2, "1F1B", 2, False),
                           (4, "GPipe", 4, False), (4, "1F1B", 4, False), (4, "GPipe", 4, True),
                           (4, "1F1B", 4, True), (2, "LoopedBFS", 4, False), (2, "InterleavedZeroBubble", 4, True),
-                          (2, "ZBVZeroBubble", 4, False), (4, "Interleaved1F1B", 8, True),
+                          (2, "ZBVZeroBubble", 4, True), (4, "Interleaved1F1B", 8, True),
                           (4, "ZBVZeroBubble", 4, False)])
 def test_every_stage_estimated_as_measured_more(stages, schedule, micro_batches, recompute):
     _every_rank(stages, schedule, micro_batches, recompute)

@@ -64,13 +64,13 @@ def _loss(logits, target):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def _pipeline_rank(rank: int, world: int, port: int, schedule: str, out: str) -> None:
+def _pipeline_rank(rank: int, world: int, schedule: str, out: str) -> None:
     """One pipeline rank on gloo: the model cut to its stage, torch's PipelineStage and ``schedule`` over 4
     micro-batches, its stage's gradients saved by the whole model's parameter names."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     try:
         model = _llama()
         names = {id(p): n for n, p in model.named_parameters()}
@@ -95,14 +95,9 @@ def _pipeline_rank(rank: int, world: int, port: int, schedule: str, out: str) ->
 def test_the_stages_under_torchs_schedule_give_the_full_batch_gradients(tmp_path, schedule):
     """Two gloo ranks, each the model cut to its stage, torch's schedule over 4 micro-batches of 2 rows: every
     parameter's gradient equals one full-batch step's (torch scales the micro-batches' sum by 1/4, scale_grads)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_pipeline_rank, args=(2, port, schedule, str(tmp_path)), nprocs=2)
+    mp.spawn(_pipeline_rank, args=(2, schedule, str(tmp_path)), nprocs=2)
     model = _llama()
     torch.manual_seed(1)
     ids = torch.randint(0, 128, (8, 16))

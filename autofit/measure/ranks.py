@@ -30,9 +30,7 @@ Note [gloo's threads in the measured window]
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -99,7 +97,7 @@ def measure_ranks(model, batch: Batch, target: Batch | None, loss_fn: LossFn | N
         ) from e
     with tempfile.TemporaryDirectory(prefix="autofit-ranks-") as out:
         (Path(out) / "payload.pkl").write_bytes(data)
-        context = mp.start_processes(_rank_main, args=(ranks, _free_port(), out), nprocs=ranks, join=False,
+        context = mp.start_processes(_rank_main, args=(ranks, out), nprocs=ranks, join=False,
                                      start_method="spawn")
         deadline = time.monotonic() + _TIMEOUT_SECONDS
         while not _joined(context):
@@ -125,16 +123,13 @@ def _joined(context) -> bool:
         raise UnsupportedModelError(f"a rank of the measured layout ended abnormally: {e}") from e
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # a rank that fails leaves the others waiting in a collective: gloo gives up after this long
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+def _rank_main(rank: int, world_size: int, out: str) -> None:
+    # The ranks meet in a file of the job's own folder, not on a TCP port: a port found free and handed to the ranks
+    # can be taken before rank 0 listens on it (gloo's connections of other jobs take ephemeral ports; a run with
+    # two test workers failed with EADDRINUSE). A rank that fails leaves the others waiting in a collective: gloo
+    # gives up after the timeout.
+    store = dist.FileStore(str(Path(out) / "rendezvous"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     result: tuple | str
     try:
         model, batch, target, loss_fn, config, steps = pickle.loads((Path(out) / "payload.pkl").read_bytes())
