@@ -73,7 +73,7 @@ def test_every_stage_estimated_as_measured(stages, schedule, micro_batches, reco
                           (4, "GPipe", 4, False), (4, "1F1B", 4, False), (4, "GPipe", 4, True),
                           (4, "1F1B", 4, True), (2, "LoopedBFS", 4, False), (2, "InterleavedZeroBubble", 4, True),
                           (2, "ZBVZeroBubble", 4, True), (4, "Interleaved1F1B", 8, True),
-                          (4, "ZBVZeroBubble", 4, False)])
+                          (4, "ZBVZeroBubble", 4, False), (2, "DualPipeV", 4, False), (2, "DualPipeV", 4, True)])
 def test_every_stage_estimated_as_measured_more(stages, schedule, micro_batches, recompute):
     _every_rank(stages, schedule, micro_batches, recompute)
 
@@ -144,8 +144,12 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
 
     with pytest.raises(InvalidInputError, match="needs at least 4 micro-batches .* accumulation_steps to 4"):
         estimate(_layout(4, "1F1B"), accumulation_steps=2)
-    with pytest.raises(InvalidInputError, match="pipeline_schedule 'dualpipev' .* GPipe, 1F1B, Interleaved1F1B"):
-        estimate(_layout(2, "DualPipeV"))
+    with pytest.raises(InvalidInputError, match="pipeline_schedule 'dualpipe' .* GPipe, 1F1B, Interleaved1F1B"):
+        estimate(_layout(2, "DualPipe"))
+    # torch's ScheduleDualPipeV: n_microbatches >= its stages, two per rank
+    with pytest.raises(InvalidInputError,
+                       match=r"DualPipeV .*\(4 stages\).* step has 3: raise accumulation_steps to 4"):
+        estimate(_layout(2, "DualPipeV"), accumulation_steps=3)
     # torch's rounds of P micro-batches (ScheduleInterleaved1F1B: n_microbatches % max(1, n // P)): 9 over 4 ranks
     # make 2.25 rounds, 10 make 2 rounds of 5
     with pytest.raises(InvalidInputError, match="whole number of rounds .* accumulation_steps=10"):
@@ -165,10 +169,11 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,schedule", [(2, "1F1B"), (4, "Interleaved1F1B")])
+@pytest.mark.parametrize("world,schedule", [(2, "1F1B"), (4, "Interleaved1F1B"), (2, "DualPipeV")])
 def test_the_trainer_steps_the_stages_as_one_full_batch_step(world, schedule, tmp_path):
     """``plan.wrap``'s trainer on gloo ranks over the pipeline, 4 micro-batches of 2 rows per data rank: a pipeline
-    of 2 ranks (1F1B), and 2 ranks x FSDP2 over 2 holding two stages each (Interleaved 1F1B, 4 stages of one layer):
+    of 2 ranks (1F1B; DualPipeV, two stages of one layer each, V-placed), and 2 ranks x FSDP2 over 2 holding two
+    stages each (Interleaved 1F1B, 4 stages of one layer):
     each rank's parameters after one SGD step equal those after one full-batch SGD step in one process
     (cross-entropy of the logits against the ids, as the default loss computes it), and the pipeline ranks hold
     every parameter once."""
@@ -199,7 +204,8 @@ def test_the_trainer_steps_the_stages_as_one_full_batch_step(world, schedule, tm
     held = [set(results[0]["params"]) for results in ranks]
     first, last = held[0], held[-1]  # a stage's FSDP2 ranks are consecutive: rank 0 is pipeline rank 0's
     assert not first & last and first | last == {n for n, _ in model.named_parameters()}
-    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
+    # a V schedule's rank 0 holds the first stage and the last (stages 0 and 2P - 1)
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in (first if schedule == "DualPipeV" else last)
     for name, p in model.named_parameters():
         for rank in (r for r in range(world) if name in held[r]):
             got = torch.tensor(ranks[rank][0]["params"][name], dtype=p.dtype)

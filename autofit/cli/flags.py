@@ -156,7 +156,7 @@ PipelineOpt = Annotated[int, typer.Option(
     "of each stage (1: none; the planner does not choose pipelines yet)")]
 ScheduleOpt = Annotated[str, typer.Option(
     "--schedule", help="with --pipeline-parallel: torch's schedule, GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
-    "InterleavedZeroBubble or ZBVZeroBubble (the last four hold two stages per rank)")]
+    "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last five hold two stages per rank)")]
 SequenceOpt = Annotated[bool, typer.Option(
     "--sequence-parallel", help="with --tensor-parallel: the blocks' norms and residual stream split along the "
     "sequence too (torchtitan's layout; less activation memory, no more communication)")]

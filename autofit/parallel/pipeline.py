@@ -4,10 +4,10 @@ the ranks along it hold different layers (so each is simulated: ``ranks_differ``
 window's micro-batches as torch's schedule orders them (Note [one schedule], parallel/schedule.py).
 
 ``estimate``, ``measure``, the trainer, the CLI (``--pipeline-parallel``, ``--schedule``) and the torchtitan export run
-it: every torch schedule but DualPipeV, with FSDP2 and tensor parallel inside each stage. Not yet: the planner does
-not choose a pipeline (``plan`` refuses one), nor HSDP, sequence parallel or offload inside a stage, nor a split
-other than the even one. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md ("Pipeline
-parallel").
+it: every torch schedule (DualPipeV's overlapped halves one after the other, as torch runs them), with FSDP2 and
+tensor parallel inside each stage. Not yet: the planner does not choose a pipeline (``plan`` refuses one), nor HSDP,
+sequence parallel or offload inside a stage, nor a split other than the even one. See Note [pipeline stages], Note [a
+pipeline rank's step] and docs/multi-gpu.md ("Pipeline parallel").
 
 Note [pipeline stages]
     torch's ``PipelineStage`` (torch/distributed/pipelining/stage.py) runs one module per stage: its forward takes
@@ -73,14 +73,18 @@ class ScheduleKind:
         return [rank + k * ranks for k in range(self.per_rank)]
 
 
-# By lower-case name (torch's get_schedule_class matches names without case). DualPipeV is left out: it overlaps a
-# forward with a backward through callbacks the user's model must give.
+# By lower-case name (torch's get_schedule_class matches names without case). DualPipeV's "overlapped" actions
+# (OVERLAP_F_B: one micro-batch's forward beside another's backward) run their two halves one after the other unless a
+# function is registered for them (``_PipelineScheduleRuntime.register_custom_function``; without one its step runs
+# each sub-action in turn, torch/distributed/pipelining/schedules.py, 2.13 to 2.15): autofit runs and plans it so,
+# as torch does for a model that registers none (DeepSeek's overlap of communication with compute is not modelled).
 SCHEDULES = {kind.title.lower(): kind for kind in (
     ScheduleKind("GPipe", "ScheduleGPipe"), ScheduleKind("1F1B", "Schedule1F1B"),
     ScheduleKind("Interleaved1F1B", "ScheduleInterleaved1F1B", 2),
     ScheduleKind("LoopedBFS", "ScheduleLoopedBFS", 2),
     ScheduleKind("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", 2),
-    ScheduleKind("ZBVZeroBubble", "ScheduleZBVZeroBubble", 2, "v"))}
+    ScheduleKind("ZBVZeroBubble", "ScheduleZBVZeroBubble", 2, "v"),
+    ScheduleKind("DualPipeV", "ScheduleDualPipeV", 2, "v"))}
 
 
 def layer_split(layers: int, stages: int) -> list[range]:
@@ -360,7 +364,7 @@ class _Pipeline(Dimension):
         if name not in SCHEDULES:
             raise InvalidInputError(
                 f"pipeline_schedule {name!r} is not one autofit runs: one of "
-                f"{', '.join(kind.title for kind in SCHEDULES.values())} (torch's names; DualPipeV is not planned)")
+                f"{', '.join(kind.title for kind in SCHEDULES.values())} (torch's names)")
         return (Placement(self.name, degree, (("schedule", name),)),)
 
     def check(self, layout: Layout) -> None:
@@ -408,6 +412,11 @@ class _Pipeline(Dimension):
             raise InvalidInputError(
                 f"the 1F1B schedule over {pp} stages needs at least {pp} micro-batches (torch's Schedule1F1B refuses "
                 f"fewer) and the step has {micro}: raise accumulation_steps to {pp} or use pipeline_schedule='GPipe'")
+        if kind.title == "DualPipeV" and micro < 2 * pp:
+            raise InvalidInputError(
+                f"the DualPipeV schedule over {pp} ranks ({2 * pp} stages) needs at least {2 * pp} micro-batches "
+                f"(torch's ScheduleDualPipeV refuses fewer) and the step has {micro}: raise accumulation_steps to "
+                f"{2 * pp} or use pipeline_schedule='ZBVZeroBubble'")
         rounds = max(1, micro // pp)  # torch's number_of_rounds (ScheduleInterleaved1F1B, ...InterleavedZeroBubble)
         if kind.title in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
             fits = [m for m in range(micro, micro + pp * rounds + 1) if m % max(1, m // pp) == 0][0]
