@@ -172,9 +172,11 @@ class Layout:
     tensor_parallel: int | str = 1
     # {module name pattern: style} for a model without its own tensor-parallel plan, or to split more than its own
     tensor_parallel_plan: Mapping[str, Any] | None = None
-    # 1 (none) or P: the model cut into P pipeline stages, one per rank, run by torch's schedule pipeline_schedule
-    # ("1F1B" or "GPipe"), the accumulation steps its micro-batches (autofit/parallel/pipeline.py; for now alone:
-    # world_size = P, strategy="fsdp2")
+    # 1 (none) or P: the model cut into P pipeline stages (2P under the schedules that hold two per rank), run by
+    # torch's schedule pipeline_schedule (torch's name: "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
+    # "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"), the accumulation steps its micro-batches, with FSDP2
+    # and tensor parallel inside each stage (strategy="fsdp2"; autofit/parallel/pipeline.py). estimate and measure
+    # run it; plan does not choose pipelines yet
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1F1B"
 

@@ -8,7 +8,7 @@ recomputed. ``autofit.estimate`` simulates one rank per stage with torch's own s
 device (the CUDA caching allocator's reserve and context included) and the seconds the estimate took. The planner
 does not choose pipelines yet: this is what one estimate costs, the figure its search would have to afford.
 
-    .venv-test/bin/python benchmarks/pipeline_estimates.py                      # the four schedules, 32 layers
+    .venv-test/bin/python benchmarks/pipeline_estimates.py                      # the five schedules, 32 layers
     .venv-test/bin/python benchmarks/pipeline_estimates.py --layers 8 --schedules 1F1B,GPipe
 
 Result (torch 2.13.0, 2 shared CPU cores, another job beside it, 2026-12-01):
@@ -19,12 +19,17 @@ Result (torch 2.13.0, 2 shared CPU cores, another job beside it, 2026-12-01):
     Interleaved1F1B  rank 0 38.01, rank 4 39.87                      51.02 GiB     56.6
     ZBVZeroBubble    rank 0 37.98, rank 4 67.18                      74.14 GiB     97.7
 
+    DualPipeV        rank 0 43.59, rank 4 76.84                      83.60 GiB    125.7   (2026-12-02, beside ZBV's
+    ZBVZeroBubble    rank 0 37.98, rank 4 67.18                      74.14 GiB    125.4    same figures again)
+
 GPipe's last stage holds all eight micro-batches' activations and their logits' saved tensors (128256 words each);
 1F1B's holds its warm-up's one; ZBV puts the first and the last stage on one rank (rank 0: stages 0 and 3), and the
-middle stages (rank 4) hold the most, in the order torch's ZBV schedule runs them (not decomposed here; the same
-schedule is checked against the allocator at small size in tests/test_pipeline.py). One estimate takes about a minute (16 blocks x 8 micro-batches per stage,
-simulated whole): a planner that tries pipelines needs each stage cut in depth, as whole models are (Note [depth
-extrapolation]).
+middle stages (rank 4) hold the most, in the order torch's ZBV schedule runs them. DualPipeV, the same V placement,
+holds more on both ranks, in the order its schedule runs (its overlapped actions' halves one after the other, as
+torch runs them without a registered overlap). Neither is decomposed here; both schedules are checked against the
+allocator at small size in tests/test_pipeline.py. One estimate takes one to two minutes (16 blocks x 8
+micro-batches per stage, simulated whole): a planner that tries pipelines needs each stage cut in depth, as whole
+models are (Note [depth extrapolation]).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _model(layers: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble")
+    parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble,DualPipeV")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--sequence", type=int, default=4096)
     args = parser.parse_args()
