@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -179,11 +179,22 @@ class Layout:
     # run it; plan does not choose pipelines yet
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1F1B"
+    # the decoder layers of each pipeline stage, in stage order (P numbers, 2P under the schedules that hold two
+    # stages per rank), summing to the model's layers; None: an even split, the remainder on the first stages
+    # (pipeline.layer_split). Checked against the model where it is known
+    pipeline_layers: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         require_int("world_size", self.world_size)
         require_int("pipeline_parallel", self.pipeline_parallel)
         require_strategy(self.strategy)
+        if self.pipeline_layers is not None:
+            layers = self.pipeline_layers
+            if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers or \
+                    any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
+                raise InvalidInputError(f"pipeline_layers must be the decoder layers of each stage, positive ints in "
+                                        f"stage order (e.g. (15, 16, 16, 15)), got {layers!r}")
+            object.__setattr__(self, "pipeline_layers", tuple(layers))  # hashable, as the layout's options are
 
 
 @dataclass(frozen=True, kw_only=True)

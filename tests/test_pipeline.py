@@ -90,6 +90,33 @@ def test_every_stage_with_fsdp2_and_tensor_parallel_inside_estimated_as_measured
     _every_rank(2, schedule, 4, recompute, world=world, tensor=tensor)
 
 
+@pytest.mark.slow
+def test_a_given_split_is_the_one_estimated_and_measured():
+    """``Layout(pipeline_layers=...)`` over 2 gloo ranks (1F1B, 4 micro-batches, AdamW): (1, 3) and (3, 1) of the
+    four layers, each rank's estimate against the allocator; and the split is the one run: the rank holding 3 layers
+    rather than 1 holds at least two layers' weight, gradient and two AdamW moments more (4 x 36,992 fp32 parameters
+    each: q 64x64, k and v 64x32, o 64x64, gate, up and down 64x128, two norms of 64)."""
+    case = tiny_llama_pipeline()
+    layer_bytes = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3 + 2 * 64)
+    step = autofit.Step(micro_batch_size=ROWS, accumulation_steps=4)
+    peaks = {}
+    for split in ((1, 3), (3, 1)):
+        layout = autofit.Layout(world_size=2, strategy="fsdp2", pipeline_parallel=2, pipeline_layers=split)
+        kw = dict(target=case.target, optimizer="adamw", layout=layout, step=step)
+        estimated = autofit.estimate(case.model, case.sample, **kw)
+        measured = autofit.measure(case.model, case.sample, **kw)
+        for (rank, predicted), peak in zip(estimated.rank_peaks, measured.rank_peaks, strict=True):
+            print(f"pipeline_layers {split} rank {rank}: predicted {predicted} measured {peak}")
+            assert abs(predicted - peak) <= 0.005 * peak, (split, rank, predicted, peak)
+        peaks[split] = measured.rank_peaks
+    assert peaks[(1, 3)][1] - peaks[(3, 1)][1] >= 2 * 4 * layer_bytes
+    assert peaks[(3, 1)][0] - peaks[(1, 3)][0] >= 2 * 4 * layer_bytes
+    with pytest.raises(InvalidInputError, match=r"pipeline_layers \[1, 2\] gives 2 stages 3 layers"):
+        autofit.estimate(case.model, case.sample, target=case.target, step=step,
+                         layout=autofit.Layout(world_size=2, strategy="fsdp2", pipeline_parallel=2,
+                                               pipeline_layers=(1, 2)))
+
+
 class _Stages(Dimension):
     """A dimension whose ranks run different steps (a pipeline's stages), degree 2, outermost."""
 
@@ -153,7 +180,7 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
     # torch's rounds of P micro-batches (ScheduleInterleaved1F1B: n_microbatches % max(1, n // P)): 9 over 4 ranks
     # make 2.25 rounds, 10 make 2 rounds of 5
     with pytest.raises(InvalidInputError, match="whole number of rounds .* accumulation_steps=10"):
-        estimate(_layout(4, "Interleaved1F1B"), accumulation_steps=9)
+        estimate(_layout(4, "Interleaved1F1B"), model=tiny_llama_pipeline(layers=8).model, accumulation_steps=9)
     with pytest.raises(InvalidInputError, match="replicate 2: .* HSDP, sequence parallel and offload inside a stage"):
         estimate(autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2, replicate=2))
     with pytest.raises(InvalidInputError, match="strategy='ddp': .* use strategy='fsdp2'"):
@@ -225,6 +252,14 @@ def test_the_torchtitan_export_names_the_degree_and_the_schedule():
                                  "training": {"local_batch_size": 16}}
     other = PIPELINE.export("lightning", placed.layout, placed.layout.placement("pp"), inputs)
     assert other.settings == {} and "pipeline parallel 2" in other.unexpressed[0]
+    # the split the layout places (Layout.pipeline_layers, or the even one), in torchtitan's module names
+    # (torchtitan/distributed/pipeline_parallel.py: "tok_embeddings" with the first stage, "norm" and "output" with
+    # the last), so that torchtitan runs the stages autofit estimated and not its own default split
+    placed = Parallel(strategy="fsdp2", world_size=2,
+                      more_dimensions=(Placement("pp", 2, (("schedule", "1f1b"), ("layers", (1, 3)))),))
+    fragment = PIPELINE.export("torchtitan", placed.layout, placed.layout.placement("pp"), inputs)
+    assert fragment.settings["parallelism"]["module_fqns_per_model_part"] == [
+        ["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
 
 
 def test_the_planner_says_it_does_not_choose_pipelines_yet():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autofit.core.errors import UnsupportedModelError
+import autofit
+from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.parallel.pipeline import decoder_stages, layer_split
 
 transformers = pytest.importorskip("transformers")
@@ -17,6 +18,24 @@ def test_the_split_is_even_with_the_remainder_first():
     assert layer_split(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
     with pytest.raises(UnsupportedModelError, match="at most 4 stages"):
         layer_split(4, 5)
+
+
+def test_a_given_split_is_taken_as_given_and_checked_against_the_model():
+    """``Layout(pipeline_layers=...)``: each stage's layer count in stage order; torchtitan's ``generate_split_points``
+    of late 2024 put 126 layers over 8 stages as 15, six of 16, 15 (the even share first, the remainder in the
+    middle: base 126 // 8 = 15, 6 extra)."""
+    split = layer_split(126, 8, (15, 16, 16, 16, 16, 16, 16, 15))
+    assert [len(r) for r in split] == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert split[0] == range(0, 15) and split[-1] == range(111, 126)
+    with pytest.raises(InvalidInputError, match=r"pipeline_layers \[1, 2\] gives 2 stages 3 layers.* 4 layers run "
+                                                r"in 2 stages.* summing to 4"):
+        layer_split(4, 2, (1, 2))
+    with pytest.raises(InvalidInputError, match="gives 3 stages 4 layers.*in 2 stages"):
+        layer_split(4, 2, (1, 2, 1))
+    for bad in ((2, 0), "22", (2.0, 2), (True, 3), ()):
+        with pytest.raises(InvalidInputError, match="pipeline_layers must be the decoder layers of each stage"):
+            autofit.Layout(pipeline_parallel=2, pipeline_layers=bad)
+    assert autofit.Layout(pipeline_parallel=2, pipeline_layers=[1, 3]).pipeline_layers == (1, 3)
 
 
 @pytest.mark.parametrize("family", ["Llama", "Qwen3", "Mistral"])

@@ -5,9 +5,10 @@ window's micro-batches as torch's schedule orders them (Note [one schedule], par
 
 ``estimate``, ``measure``, the trainer, the CLI (``--pipeline-parallel``, ``--schedule``) and the torchtitan export run
 it: every torch schedule (DualPipeV's overlapped halves one after the other, as torch runs them), with FSDP2 and
-tensor parallel inside each stage. Not yet: the planner does not choose a pipeline (``plan`` refuses one), nor HSDP,
-sequence parallel or offload inside a stage, nor a split other than the even one. See Note [pipeline stages], Note [a
-pipeline rank's step] and docs/multi-gpu.md ("Pipeline parallel").
+tensor parallel inside each stage, each stage's layers the even split or the user's (``Layout.pipeline_layers``).
+Not yet: the planner does not choose a pipeline (``plan`` refuses one) nor balances the split, nor HSDP, sequence
+parallel or offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md
+("Pipeline parallel").
 
 Note [pipeline stages]
     torch's ``PipelineStage`` (torch/distributed/pipelining/stage.py) runs one module per stage: its forward takes
@@ -87,20 +88,31 @@ SCHEDULES = {kind.title.lower(): kind for kind in (
     ScheduleKind("DualPipeV", "ScheduleDualPipeV", 2, "v"))}
 
 
-def layer_split(layers: int, stages: int) -> list[range]:
-    """The layers of each stage, an even split by count with the remainder on the first stages: torchtitan's
-    ``_generate_llm_fqn_per_model_part`` with ``pipeline_parallel_first_stage_less_layers`` and
+def layer_split(layers: int, stages: int, given: tuple[int, ...] | None = None) -> list[range]:
+    """The layers of each stage: ``given`` (the user's ``pipeline_layers``, each stage's count in stage order),
+    checked against the model's ``layers``, or an even split by count with the remainder on the first stages:
+    torchtitan's ``_generate_llm_fqn_per_model_part`` with ``pipeline_parallel_first_stage_less_layers`` and
     ``..._last_stage_less_layers`` 0 (torchtitan/distributed/pipeline_parallel.py; its default of 1 counts the
-    embedding and the head as a layer each, so its default split differs where the layers do not divide)."""
-    if not 1 <= stages <= layers:
-        raise UnsupportedModelError(f"{layers} layers cannot be split over {stages} pipeline stages: give at most "
-                                    f"{layers} stages")
-    size, extra = divmod(layers, stages)
+    embedding and the head as a layer each, so its default split differs where the layers do not divide, and its
+    ``generate_split_points`` of late 2024 gave the first stage the even share and the middle stages the remainder:
+    ``pipeline_layers`` rebuilds either)."""
+    if given is not None:
+        if len(given) != stages or sum(given) != layers:
+            raise InvalidInputError(
+                f"pipeline_layers {list(given)} gives {len(given)} stages {sum(given)} layers, and the model's "
+                f"{layers} layers run in {stages} stages (pipeline_parallel x the schedule's stages per rank): give "
+                f"{stages} positive counts summing to {layers}, or None for the even split")
+        counts = list(given)
+    else:
+        if not 1 <= stages <= layers:
+            raise UnsupportedModelError(f"{layers} layers cannot be split over {stages} pipeline stages: give at "
+                                        f"most {layers} stages")
+        size, extra = divmod(layers, stages)
+        counts = [size + (1 if s < extra else 0) for s in range(stages)]
     bounds, start = [], 0
-    for s in range(stages):
-        end = start + size + (1 if s < extra else 0)
-        bounds.append(range(start, end))
-        start = end
+    for count in counts:
+        bounds.append(range(start, start + count))
+        start += count
     return bounds
 
 
@@ -135,12 +147,13 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return base, head
 
 
-def decoder_stages(model: nn.Module, stages: int) -> list[nn.Module]:
+def decoder_stages(model: nn.Module, stages: int, layers: tuple[int, ...] | None = None) -> list[nn.Module]:
     """``model`` (a Hugging Face causal LM whose config declares ``base_model_pp_plan``) cut into ``stages``
-    modules that share its parameters, in order (Note [pipeline stages])."""
+    modules that share its parameters, in order, ``layers`` decoder layers each (None: :func:`layer_split`'s even
+    split; Note [pipeline stages])."""
     base, head = _decoder(model)
     cut = []
-    for s, layers in enumerate(layer_split(len(base.layers), stages)):
+    for s, layers in enumerate(layer_split(len(base.layers), stages, layers)):
         part = copy.copy(base)  # a shallow copy: the same submodules, in a module dict of its own
         part._modules = dict(base._modules)
         part.layers = nn.ModuleList(base.layers[i] for i in layers)
@@ -154,8 +167,10 @@ def decoder_stages(model: nn.Module, stages: int) -> list[nn.Module]:
 
 
 def cut_to_stages(model: nn.Module, held: list[int], stages: int,
-                  autocast: tuple[str, torch.dtype | None, bool] = ("cpu", None, False)) -> list[nn.Module]:
-    """Cut ``model`` (a copy a pipeline rank owns) in place to the stages ``held`` of ``stages``: only their layers,
+                  autocast: tuple[str, torch.dtype | None, bool] = ("cpu", None, False),
+                  layers: tuple[int, ...] | None = None) -> list[nn.Module]:
+    """Cut ``model`` (a copy a pipeline rank owns) in place to the stages ``held`` of ``stages`` (``layers`` decoder
+    layers each, or :func:`layer_split`'s even split where None): only their layers,
     under their own names; the embedding where the first stage is held, the final norm and the head where the last
     is (Note [pipeline stages]). Returns one module per held stage, in order, sharing the cut model's modules (each
     a stage torch's ``PipelineStage`` runs). A model whose head shares the embedding's weight is refused: the two
@@ -167,7 +182,7 @@ def cut_to_stages(model: nn.Module, held: list[int], stages: int,
             "first and the last pipeline stage: autofit does not plan the tied weight's sync across stages; build "
             "the model with tie_word_embeddings=False, or use no pipeline")
     names = {id(m): n for n, m in model.named_modules()}
-    split = layer_split(len(base.layers), stages)
+    split = layer_split(len(base.layers), stages, layers)
     kept_layers = sorted(i for s in held for i in split[s])
     removed = [names[id(layer)] for i, layer in enumerate(base.layers) if i not in kept_layers]
     layers = list(base.layers)
@@ -354,18 +369,26 @@ class _Pipeline(Dimension):
     """The pipeline dimension (Note [pipeline stages]): its degree is the stage count, its option the schedule."""
 
     def choices(self, space: Any):
-        """The user's ``pipeline_parallel`` and ``pipeline_schedule`` (``autofit.Layout``); the planner offers no
-        pipeline yet."""
-        options = getattr(space, "layout_options", None)
-        degree = getattr(options, "pipeline_parallel", 1) or 1
+        """The user's ``pipeline_parallel``, ``pipeline_schedule`` and ``pipeline_layers`` (``autofit.Layout``); the
+        planner offers no pipeline yet. Where the model is known, each stage's layers are placed with the schedule
+        (the even split where none are given), checked against it before anything runs: the cut, the trainer and the
+        torchtitan export read the one split."""
+        user = getattr(space, "layout_options", None)
+        degree = getattr(user, "pipeline_parallel", 1) or 1
         if degree == 1:
             return (Placement(self.name),)
-        name = str(getattr(options, "pipeline_schedule", "1f1b")).lower()
+        name = str(getattr(user, "pipeline_schedule", "1f1b")).lower()
         if name not in SCHEDULES:
             raise InvalidInputError(
                 f"pipeline_schedule {name!r} is not one autofit runs: one of "
                 f"{', '.join(kind.title for kind in SCHEDULES.values())} (torch's names)")
-        return (Placement(self.name, degree, (("schedule", name),)),)
+        options: tuple[tuple[str, Any], ...] = (("schedule", name),)
+        model = getattr(space, "model", None)
+        if model is not None:
+            split = layer_split(len(_decoder(model)[0].layers), degree * SCHEDULES[name].per_rank,
+                                getattr(user, "pipeline_layers", None))
+            options += (("layers", tuple(len(r) for r in split)),)
+        return (Placement(self.name, degree, options),)
 
     def check(self, layout: Layout) -> None:
         pp = layout.degree(self.name)
@@ -457,7 +480,7 @@ class _Pipeline(Dimension):
         stages = placement.degree * kind.per_rank
         # the step's autocast (FSDP2's gather dtype is the autocast dtype, None without: ApplyInputs.param_dtype)
         autocast = (mesh.device_type, inputs.param_dtype, inputs.param_dtype is not None)
-        modules = cut_to_stages(model, held, stages, autocast)
+        modules = cut_to_stages(model, held, stages, autocast, placement.option("layers"))
         model._autofit_stage = _RankStages(tuple(held), stages, tuple(modules), mesh.get_group(), autocast)
         return model
 
@@ -472,7 +495,8 @@ class _Pipeline(Dimension):
         return f"pp {placement.degree} ({SCHEDULES[placement.option('schedule', '1f1b')].title})"
 
     def export(self, framework: str, layout: Layout, placement: Placement, inputs: ExportInputs) -> ExportFragment:
-        """torchtitan's degree and schedule name; the other frameworks' exports say they cannot express it."""
+        """torchtitan's degree, schedule name and each stage's modules; the other frameworks' exports say they
+        cannot express it."""
         pp = placement.degree
         if framework == "torchtitan":
             settings: dict[str, Any] = {"parallelism": {"pipeline_parallel_degree": pp}}
@@ -483,12 +507,28 @@ class _Pipeline(Dimension):
                 settings["parallelism"].update(
                     pipeline_parallel_schedule=SCHEDULES[placement.option("schedule", "1f1b")].title,
                     pipeline_parallel_microbatch_size=inputs.micro_batch_size)
+                layers = placement.option("layers")
+                if layers is not None:  # the split planned, not torchtitan's own default (layer_split)
+                    settings["parallelism"]["module_fqns_per_model_part"] = _torchtitan_stages(layers)
                 settings["training"] = {"local_batch_size": inputs.micro_batch_size * inputs.accumulation_steps}
             return ExportFragment(settings)
         if pp == 1:
             return ExportFragment()
         return ExportFragment(unexpressed=(f"pipeline parallel {pp} ({framework} has no pipeline schedule in this "
                                            "export: run it with torchtitan or torch.distributed.pipelining)",))
+
+
+def _torchtitan_stages(layers: tuple[int, ...]) -> list[list[str]]:
+    """Each stage's modules in torchtitan's decoder names (its Llama, Qwen3 and DeepSeek models: ``tok_embeddings``,
+    ``layers.i``, ``norm``, ``output``), as its ``parallelism.module_fqns_per_model_part`` takes them in place of its
+    own default split (torchtitan/distributed/pipeline_parallel.py, ``pipeline_llm``)."""
+    stages, start = [], 0
+    for s, count in enumerate(layers):
+        names = [f"layers.{i}" for i in range(start, start + count)]
+        stages.append((["tok_embeddings"] if s == 0 else []) + names + (["norm", "output"] if s == len(layers) - 1
+                                                                        else []))
+        start += count
+    return stages
 
 
 PIPELINE = _Pipeline(name="pp", mesh_rank=0, shares_rows=True, field="pipeline_parallel")
