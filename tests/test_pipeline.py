@@ -271,8 +271,9 @@ def test_the_planner_says_it_does_not_choose_pipelines_yet():
 
 @pytest.mark.sim
 def test_the_command_line_estimates_every_stage_as_the_library_does():
-    """``autofit estimate hf:llama ... --pipeline-parallel 2 --schedule 1F1B``: the sample a Hugging Face model is
-    given (ids and labels: the model's own loss on the last stage), every rank's peak as ``autofit.estimate``'s."""
+    """``autofit estimate hf:llama ... --pipeline-parallel 2 --schedule 1F1B --pipeline-layers 1,3``: the sample a
+    Hugging Face model is given (ids and labels: the model's own loss on the last stage), every rank's peak as
+    ``autofit.estimate``'s of the same split."""
     import json
     import warnings
 
@@ -286,18 +287,37 @@ def test_the_command_line_estimates_every_stage_as_the_library_does():
     flags = [a for k, v in config.items() for a in ("--config", f"{k}={v}")]
     result = CliRunner().invoke(app, ["estimate", "hf:llama", *flags, "--input-shape", "16", "-m", "2", "-n", "8",
                                       "--device", "cpu", "--world-size", "2", "--strategy", "fsdp2",
-                                      "--pipeline-parallel", "2", "--schedule", "1F1B", "--json"],
+                                      "--pipeline-parallel", "2", "--schedule", "1F1B", "--pipeline-layers", "1,3",
+                                      "--json"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout[result.stdout.index("{"):])
     assert data["layout"] == "pp 2 (1F1B) over 2 ranks" and data["accumulation_steps"] == 4 and data["batch_size"] == 8
+    assert data["pipeline_layers"] == [1, 3]
     spec = load_spec("hf:llama", input_shapes=[(16,)], config=config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, device="cpu",
-                               layout=_layout(2, "1F1B"), step=autofit.Step(micro_batch_size=2, accumulation_steps=4))
+                               layout=autofit.Layout(world_size=2, strategy="fsdp2", pipeline_parallel=2,
+                                                     pipeline_layers=(1, 3)),
+                               step=autofit.Step(micro_batch_size=2, accumulation_steps=4))
     assert [(r["rank"], r["peak_allocated_bytes"]) for r in data["rank_peaks"]] == list(est.rank_peaks)
     assert data["peak_allocated_bytes"] == est.peak_allocated_bytes == max(b for _, b in est.rank_peaks)
+
+
+@pytest.mark.quick
+def test_a_bad_split_on_the_command_line_is_refused_naming_the_flag():
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    common = ["estimate", "hf:llama", "--config", "num_hidden_layers=4", "--input-shape", "16", "-m", "2",
+              "--device", "cpu", "--world-size", "2", "--strategy", "fsdp2"]
+    result = CliRunner().invoke(app, [*common, "--pipeline-parallel", "2", "--pipeline-layers", "1,x"])
+    assert result.exit_code == 2 and "--pipeline-layers '1,x': each stage's decoder layers" in \
+        " ".join(result.output.split())
+    result = CliRunner().invoke(app, [*common, "--pipeline-layers", "2,2"])
+    assert result.exit_code == 2 and "give --pipeline-parallel P too" in " ".join(result.output.split())
 
 
 @pytest.mark.quick

@@ -21,10 +21,12 @@ from rich.console import Console
 from autofit.cli.flags import (
     AllowOpt, BatchDimOpt, BatchOpt, BudgetOpt, CompileOpt, ConfigOpt, DeviceOpt, DtypeOpt, EXPORT_NAMES,
     FromOpt, GpuMemoryOpt, GpuOpt, HostBudgetOpt, JsonOpt, LoraOpt, LoraTargetsOpt, MarginOpt, ModelArg, ModelDtypeOpt,
-    NodesOpt, OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt, PipelineOpt,
-    PlanGpuOpt, PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt, ScheduleOpt, SequenceOpt,
-    ShapeOpt, StoredOpt, StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt, WriteOpt, ZeroGradOpt,
-    batch_dims_option, default_zero_grad, feature_flags, gpu_option, layout_option, nodes_layout, spec_option)
+    NodesOpt, OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt,
+    PipelineLayersOpt, PipelineOpt, PlanGpuOpt, PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt,
+    ScheduleOpt, SequenceOpt, ShapeOpt, StoredOpt, StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt,
+    WriteOpt, ZeroGradOpt, batch_dims_option, default_zero_grad, feature_flags, gpu_option, layout_option,
+    nodes_layout, spec_option)
+from autofit.cli.flags import pipeline_layers as parse_pipeline_layers
 from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
 from autofit.cli.outputs import check_plot, parse_exports, write_exports
@@ -289,7 +291,7 @@ def estimate(
                                                              "norm before the step")] = None,
     tensor_parallel: Annotated[str, typer.Option("--tensor-parallel", help="tensor-parallel degree T (the model's "
                                                  "own tp plan; 1: none)")] = "1",
-    pipeline_parallel: PipelineOpt = 1, schedule: ScheduleOpt = "1F1B",
+    pipeline_parallel: PipelineOpt = 1, schedule: ScheduleOpt = "1F1B", pipeline_layers: PipelineLayersOpt = None,
     sequence_parallel: SequenceOpt = False, compile: CompileOpt = False, zero_grad: ZeroGradOpt = None,
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
@@ -342,6 +344,7 @@ def estimate(
             tensor_parallel=layout_option("--tensor-parallel", tensor_parallel), compile=compile,
             sequence_parallel=sequence_parallel, zero_grad=zero_grad or "after-step",
             pipeline_parallel=pipeline_parallel, pipeline_schedule=schedule,
+            pipeline_layers=parse_pipeline_layers(pipeline_layers),
             reduce_every_micro_batch=reduce_every_micro_batch, offload=offload_activations,
             offload_states=offload_states, optimizer_in_backward=optimizer_in_backward, chunked_loss=chunked_loss,
             preallocated_grads=preallocated_grads, inputs=inputs, gradient_as_bucket_view=gradient_as_bucket_view,

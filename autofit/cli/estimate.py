@@ -90,6 +90,7 @@ class EstimateSetup:
     expandable_segments: bool = False
     pipeline_parallel: int = 1  # P pipeline stages, one per rank (autofit/parallel/pipeline.py)
     pipeline_schedule: str = "1F1B"  # torch's schedule that runs them
+    pipeline_layers: tuple[int, ...] | None = None  # each stage's decoder layers; None: the even split
     # the options of the step features carried in more_features (Note [carried features]), as their flags gave them
     # (FEATURE_FLAGS, autofit/cli/flags.py: {"float8": "rowwise"}); None where a flag was not given
     features: dict[str, Any] = field(default_factory=dict)
@@ -179,7 +180,8 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
                    reshard_after_forward: object, replicate: object, checkpoint: list[str] | None,
                    clip_grad_norm: float | None, tensor_parallel: object = 1, compile: bool = False,
                    sequence_parallel: bool = False, zero_grad: str = "after-step", pipeline_parallel: int = 1,
-                   pipeline_schedule: str = "1F1B", **step: Any) -> EstimateSetup:
+                   pipeline_schedule: str = "1F1B", pipeline_layers: tuple[int, ...] | None = None,
+                   **step: Any) -> EstimateSetup:
     """The configuration the flags describe (``reshard_after_forward`` and ``replicate`` as ``layout_option`` read
     them); "auto" anywhere is refused, since only ``plan`` chooses. ``step``: the other knobs of STEP_FLAGS, by the
     field names of :class:`EstimateSetup`."""
@@ -193,10 +195,13 @@ def estimate_setup(spec: ModelSpec, *, micro_batch_size: int, batch_size: int | 
     if pipeline_parallel < 1 or world_size % (tp * pipeline_parallel):
         raise InvalidInputError(f"--pipeline-parallel {pipeline_parallel} must be a positive divisor of --world-size "
                                 f"{world_size}" + (f" // --tensor-parallel {tp}" if tp > 1 else ""))
+    if pipeline_layers is not None and pipeline_parallel == 1:
+        raise InvalidInputError("--pipeline-layers splits the layers over pipeline stages: give --pipeline-parallel "
+                                "P too")
     return EstimateSetup(
         micro_batch_size=micro_batch_size,
         accumulation_steps=_accumulation(batch_size, micro_batch_size, world_size // (tp * pipeline_parallel)),
-        pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
+        pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule, pipeline_layers=pipeline_layers,
         precision=_fixed("--precision", precision), optimizer=optimizer, device=device,
         gpu=resolve_device(device, gpu).name if device == "cuda" else gpu,  # the catalog's name; refuses bad ones
         world_size=world_size, strategy=strategy,
@@ -219,7 +224,8 @@ def run_estimate(spec: ModelSpec, setup: EstimateSetup) -> MemoryEstimate:
                                   tensor_parallel_plan=sequence_option(spec.model, setup.sequence_parallel,
                                                                        setup.tensor_parallel),
                                   pipeline_parallel=setup.pipeline_parallel,
-                                  pipeline_schedule=setup.pipeline_schedule),
+                                  pipeline_schedule=setup.pipeline_schedule,
+                                  pipeline_layers=setup.pipeline_layers),
                     step=Step(micro_batch_size=setup.micro_batch_size, clip_grad_norm=setup.clip_grad_norm,
                               accumulation_steps=setup.accumulation_steps, checkpoint=setup.checkpoint or None,
                               compile=setup.compile, zero_grad=setup.zero_grad,
@@ -239,6 +245,7 @@ def estimate_data(est: MemoryEstimate, setup: EstimateSetup, description: str) -
         "micro_batch_size": setup.micro_batch_size, "accumulation_steps": setup.accumulation_steps,
         "tensor_parallel": setup.tensor_parallel, "sequence_parallel": setup.sequence_parallel,
         "pipeline_parallel": setup.pipeline_parallel, "pipeline_schedule": setup.pipeline_schedule,
+        "pipeline_layers": None if setup.pipeline_layers is None else list(setup.pipeline_layers),
         # each rank's simulated peak where the ranks' steps differ (a pipeline's stages); the figures are the highest
         "rank_peaks": [{"rank": r, "peak_allocated_bytes": b} for r, b in est.rank_peaks],
         "compile": setup.compile, "reduce_every_micro_batch": setup.reduce_every_micro_batch,

@@ -20,11 +20,11 @@ __all__ = [
     "AllowOpt", "BatchDimOpt", "BatchOpt", "BudgetOpt", "CompileOpt", "ConfigOpt", "DeviceOpt", "DtypeOpt",
     "EXPORT_NAMES", "FEATURE_FLAGS", "FromOpt", "GpuMemoryOpt", "GpuOpt", "HostBudgetOpt", "JsonOpt", "LoraOpt",
     "LoraTargetsOpt", "MarginOpt", "ModelArg", "ModelDtypeOpt", "NodesOpt", "OffloadOpt", "OptimizerOpt",
-    "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PipelineOpt", "PlanGpuOpt",
-    "PrecisionOpt", "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "ScheduleOpt", "SequenceOpt",
-    "ShapeOpt", "StoredOpt", "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt", "WorldOpt",
-    "WriteOpt", "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names", "feature_flags",
-    "gpu_option", "layout_option", "nodes_layout", "spec_option",
+    "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PipelineLayersOpt", "PipelineOpt",
+    "PlanGpuOpt", "PrecisionOpt", "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "ScheduleOpt",
+    "SequenceOpt", "ShapeOpt", "StoredOpt", "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt",
+    "WorldOpt", "WriteOpt", "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names", "feature_flags",
+    "gpu_option", "layout_option", "nodes_layout", "pipeline_layers", "spec_option",
 ]
 
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
@@ -157,6 +157,23 @@ PipelineOpt = Annotated[int, typer.Option(
 ScheduleOpt = Annotated[str, typer.Option(
     "--schedule", help="with --pipeline-parallel: torch's schedule, GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
     "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last five hold two stages per rank)")]
+PipelineLayersOpt = Annotated[Optional[str], typer.Option(
+    "--pipeline-layers", metavar="N,N,...", help="with --pipeline-parallel: each stage's decoder layers in stage "
+    "order, summing to the model's (P counts, 2P under the schedules that hold two stages per rank); default: an "
+    "even split, the remainder on the first stages")]
+
+
+def pipeline_layers(text: str | None) -> tuple[int, ...] | None:
+    """``--pipeline-layers 15,16,16,15`` as ``Layout.pipeline_layers`` takes it; a typed error for anything else."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidInputError(f"--pipeline-layers {text!r}: each stage's decoder layers, comma-separated "
+                                "integers in stage order (e.g. 15,16,16,15)") from None
+
+
 SequenceOpt = Annotated[bool, typer.Option(
     "--sequence-parallel", help="with --tensor-parallel: the blocks' norms and residual stream split along the "
     "sequence too (torchtitan's layout; less activation memory, no more communication)")]
