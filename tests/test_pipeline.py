@@ -24,20 +24,26 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 ROWS = 2
 
 
-def _layout(stages: int, schedule: str, world: int | None = None, tensor: int = 1) -> autofit.Layout:
+def _layout(stages: int, schedule: str, world: int | None = None, tensor: int = 1, sequence_of=None
+            ) -> autofit.Layout:
     """A pipeline of ``stages`` ranks, tensor parallel ``tensor`` and FSDP2 over the rest of each stage's
-    ``world // stages`` ranks (none by default)."""
+    ``world // stages`` ranks (none by default); ``sequence_of``: a model whose blocks' norms tensor parallel splits
+    along the sequence too (its sequence-parallel plan)."""
+    from autofit.parallel.tensor_parallel import sequence_parallel_plan
+
     return autofit.Layout(world_size=world or stages, strategy="fsdp2", pipeline_parallel=stages,
-                          pipeline_schedule=schedule, tensor_parallel=tensor)
+                          pipeline_schedule=schedule, tensor_parallel=tensor,
+                          tensor_parallel_plan=None if sequence_of is None else sequence_parallel_plan(sequence_of))
 
 
 def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool, world: int | None = None,
-                tensor: int = 1) -> None:
+                tensor: int = 1, sequence: bool = False) -> None:
     # two stages per rank under the multi-stage schedules: 8 layers over 4 ranks
     case = tiny_llama_pipeline(layers=max(4, 2 * stages))
     step = autofit.Step(micro_batch_size=ROWS, accumulation_steps=micro_batches,
                         checkpoint=case.checkpoint if recompute else ())
-    kw = dict(target=case.target, optimizer="adamw", layout=_layout(stages, schedule, world, tensor), step=step)
+    layout = _layout(stages, schedule, world, tensor, case.model if sequence else None)
+    kw = dict(target=case.target, optimizer="adamw", layout=layout, step=step)
     estimated = autofit.estimate(case.model, case.sample, **kw)
     measured = autofit.measure(case.model, case.sample, **kw)
     world = world or stages
@@ -48,9 +54,9 @@ def _every_rank(stages: int, schedule: str, micro_batches: int, recompute: bool,
     assert len(measured.rank_peaks) == world
     for rank, peak in enumerate(measured.rank_peaks):
         predicted = dict(estimated.rank_peaks)[rank - rank % (world // stages)]  # its stage's simulated rank
-        print(f"pp {stages} {schedule} x {micro_batches} over {world}, tp {tensor}, recompute={recompute} rank {rank}: "
-              f"predicted "
-              f"{predicted} measured {peak} ({(predicted - peak) / peak:+.4%})")
+        print(f"pp {stages} {schedule} x {micro_batches} over {world}, tp {tensor}{' + sp' if sequence else ''}, "
+              f"recompute={recompute} rank {rank}: predicted {predicted} measured {peak} "
+              f"({(predicted - peak) / peak:+.4%})")
         assert abs(predicted - peak) <= 0.005 * peak, (rank, predicted, peak)
     # the stages differ (the embedding on the first, the head and the loss on the last): one rank cannot stand for all
     assert len({peak for peak in measured.rank_peaks}) > 1
@@ -79,15 +85,20 @@ def test_every_stage_estimated_as_measured_more(stages, schedule, micro_batches,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,recompute,world,tensor",
-                         [("1F1B", False, 4, 1), ("GPipe", True, 4, 1), ("ZBVZeroBubble", False, 4, 1),
-                          ("Interleaved1F1B", True, 4, 1), ("1F1B", False, 4, 2), ("Interleaved1F1B", True, 8, 2)])
-def test_every_stage_with_fsdp2_and_tensor_parallel_inside_estimated_as_measured(schedule, recompute, world, tensor):
+@pytest.mark.parametrize("schedule,recompute,world,tensor,sequence",
+                         [("1F1B", False, 4, 1, False), ("GPipe", True, 4, 1, False),
+                          ("ZBVZeroBubble", False, 4, 1, False), ("Interleaved1F1B", True, 4, 1, False),
+                          ("1F1B", False, 4, 2, False), ("Interleaved1F1B", True, 8, 2, False),
+                          ("GPipe", False, 4, 2, True), ("1F1B", False, 4, 2, True)])
+def test_every_stage_with_fsdp2_and_tensor_parallel_inside_estimated_as_measured(schedule, recompute, world, tensor,
+                                                                                sequence):
     """PP 2 x FSDP2 2 over 4 gloo ranks: each stage's blocks and the stage itself sharded over its two ranks, the
-    reduce-scatter where torch's PipelineStage runs it, after the stage's last backward; PP 2 x tensor parallel 2;
-    and torchtitan's three dims, PP 2 x FSDP2 2 x tensor parallel 2 over 8 ranks (the stage's blocks split by
-    Llama's own plan, then sharded)."""
-    _every_rank(2, schedule, 4, recompute, world=world, tensor=tensor)
+    reduce-scatter where torch's PipelineStage runs it, after the stage's last backward; PP 2 x tensor parallel 2,
+    with sequence parallel too (the stages exchange sequence shards: Note [sequence parallel across stages]); and
+    torchtitan's three dims, PP 2 x FSDP2 2 x tensor parallel 2 over 8 ranks (the stage's blocks split by Llama's
+    own plan, then sharded). Sequence parallel under 1F1B: the first stage measured 4,224 B (0.38 %) above its
+    estimate on torch 2.13, not yet explained (GPipe's stages and 1F1B's last: to 24 B)."""
+    _every_rank(2, schedule, 4, recompute, world=world, tensor=tensor, sequence=sequence)
 
 
 @pytest.mark.slow
@@ -181,7 +192,7 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
     # make 2.25 rounds, 10 make 2 rounds of 5
     with pytest.raises(InvalidInputError, match="whole number of rounds .* accumulation_steps=10"):
         estimate(_layout(4, "Interleaved1F1B"), model=tiny_llama_pipeline(layers=8).model, accumulation_steps=9)
-    with pytest.raises(InvalidInputError, match="replicate 2: .* HSDP, sequence parallel and offload inside a stage"):
+    with pytest.raises(InvalidInputError, match="replicate 2: .* HSDP and offload inside a stage"):
         estimate(autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2, replicate=2))
     with pytest.raises(InvalidInputError, match="strategy='ddp': .* use strategy='fsdp2'"):
         estimate(autofit.Layout(world_size=2, strategy="ddp", pipeline_parallel=2))
@@ -196,24 +207,34 @@ def test_what_a_pipeline_cannot_run_is_refused_with_the_fix():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,schedule", [(2, "1F1B"), (4, "Interleaved1F1B"), (2, "DualPipeV")])
-def test_the_trainer_steps_the_stages_as_one_full_batch_step(world, schedule, tmp_path):
+@pytest.mark.parametrize("world,schedule,sequence", [(2, "1F1B", False), (4, "Interleaved1F1B", False),
+                                                     (2, "DualPipeV", False), (4, "1F1B", True)])
+def test_the_trainer_steps_the_stages_as_one_full_batch_step(world, schedule, sequence, tmp_path):
     """``plan.wrap``'s trainer on gloo ranks over the pipeline, 4 micro-batches of 2 rows per data rank: a pipeline
-    of 2 ranks (1F1B; DualPipeV, two stages of one layer each, V-placed), and 2 ranks x FSDP2 over 2 holding two
-    stages each (Interleaved 1F1B, 4 stages of one layer):
-    each rank's parameters after one SGD step equal those after one full-batch SGD step in one process
-    (cross-entropy of the logits against the ids, as the default loss computes it), and the pipeline ranks hold
-    every parameter once."""
+    of 2 ranks (1F1B; DualPipeV, two stages of one layer each, V-placed), 2 ranks x FSDP2 over 2 holding two
+    stages each (Interleaved 1F1B, 4 stages of one layer), and 2 ranks x tensor parallel 2 with sequence parallel
+    (the stages exchange each rank's shard of the sequence and a later stage positions it in the whole one: Note
+    [sequence parallel across stages]): each rank's parameters after one SGD step equal those after one full-batch
+    SGD step in one process (cross-entropy of the logits against the ids, as the default loss computes it), and the
+    pipeline ranks hold every parameter once."""
     import dist_workers
 
     from autofit.emit.plan import Plan
+    from autofit.parallel.tensor_parallel import resolve_tensor_plan, sequence_parallel_plan
     from autofit.training.precision import as_policy
 
     case = tiny_llama_pipeline()
-    data = world // 2
-    est = autofit.estimate(case.model, case.sample, target=case.target, layout=_layout(2, schedule, world),
+    tensor = 2 if sequence else 1
+    data = world // (2 * tensor)
+    mapping = sequence_parallel_plan(case.model) if sequence else None
+    est = autofit.estimate(case.model, case.sample, target=case.target,
+                           layout=autofit.Layout(world_size=world, strategy="fsdp2", pipeline_parallel=2,
+                                                 pipeline_schedule=schedule, tensor_parallel=tensor,
+                                                 tensor_parallel_plan=mapping),
                            step=autofit.Step(micro_batch_size=ROWS, accumulation_steps=4))
     layout = Parallel(strategy="fsdp2", world_size=world, shard_units=shard_units(case.model),
+                      tensor_parallel=tensor,
+                      tensor_plan=tuple(resolve_tensor_plan(case.model, tensor, mapping)) if sequence else (),
                       more_dimensions=(Placement("pp", 2, (("schedule", schedule.lower()),)),))
     plan = Plan(micro_batch_size=ROWS, gradient_accumulation_steps=4, batch_size=4 * ROWS * data,
                 last_micro_batch_size=ROWS, precision=as_policy("fp32"), checkpoint=(), peak_bytes=est.peak_bytes,
@@ -229,7 +250,7 @@ def test_the_trainer_steps_the_stages_as_one_full_batch_step(world, schedule, tm
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     held = [set(results[0]["params"]) for results in ranks]
-    first, last = held[0], held[-1]  # a stage's FSDP2 ranks are consecutive: rank 0 is pipeline rank 0's
+    first, last = held[0], held[-1]  # a stage's FSDP2 and tensor ranks are consecutive: rank 0 is pipeline rank 0's
     assert not first & last and first | last == {n for n, _ in model.named_parameters()}
     # a V schedule's rank 0 holds the first stage and the last (stages 0 and 2P - 1)
     assert "model.embed_tokens.weight" in first and "lm_head.weight" in (first if schedule == "DualPipeV" else last)

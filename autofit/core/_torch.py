@@ -39,7 +39,7 @@ __all__ = [
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "SpectralNormParametrization", "NormBase", "tensor_version",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
-    "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once", "pipeline_step",
+    "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once", "forget_dtensor_shardings", "pipeline_step",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -443,6 +443,25 @@ def dtensor_specs_once() -> Iterator[None]:
 
     with patch(module, "_propagate_use_strided_shard_flag", make):
         yield
+
+
+# Note [one process, several simulated ranks]
+#     DTensor caches each op's sharding by its inputs' specs (``ShardingPropagator.propagate_op_sharding``, an LRU
+#     cache), and a spec's mesh compares equal to any mesh of the same rank map, layout and dim names
+#     (``DeviceMesh.__eq__``): the coordinate of the rank that built it, and so the process groups of its dims, are
+#     not part of the key. A real process is one rank and builds its meshes once, so that cannot matter there. The
+#     simulation is several ranks in turn in one process (a pipeline's stages: ``Layout.distinct_ranks``), each on a
+#     fake process group of its own: rank 2's tensor-parallel mesh over ranks 2 and 3 found rank 0's output specs,
+#     whose mesh's group ("3", ranks 0 and 1) the next fake group no longer held, and its first sequence-parallel
+#     all-gather failed to resolve it. And after a plan, the cache would hand the user's own DTensor ops meshes of a
+#     destroyed fake group. So the cache is cleared when a simulated rank's fake group is made and when it goes.
+def forget_dtensor_shardings() -> None:
+    """Clear DTensor's caches of op shardings, the Python one and the C++ fast path's, as torch's own
+    ``_clear_sharding_prop_cache`` does (torch/distributed/tensor/debug; Note [one process, several simulated
+    ranks])."""
+    if not torch.distributed.is_available():  # a torch without distributed: no DTensor, nothing cached
+        return
+    _need("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")()
 
 
 def fsdp_internals() -> tuple[type, type]:

@@ -5,10 +5,10 @@ window's micro-batches as torch's schedule orders them (Note [one schedule], par
 
 ``estimate``, ``measure``, the trainer, the CLI (``--pipeline-parallel``, ``--schedule``) and the torchtitan export run
 it: every torch schedule (DualPipeV's overlapped halves one after the other, as torch runs them), with FSDP2 and
-tensor parallel inside each stage, each stage's layers the even split or the user's (``Layout.pipeline_layers``).
-Not yet: the planner does not choose a pipeline (``plan`` refuses one) nor balances the split, nor HSDP, sequence
-parallel or offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md
-("Pipeline parallel").
+tensor parallel (sequence parallel too) inside each stage, each stage's layers the even split or the user's
+(``Layout.pipeline_layers``). Not yet: the planner does not choose a pipeline (``plan`` refuses one) nor balances the
+split, nor HSDP or offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and
+docs/multi-gpu.md ("Pipeline parallel").
 
 Note [pipeline stages]
     torch's ``PipelineStage`` (torch/distributed/pipelining/stage.py) runs one module per stage: its forward takes
@@ -121,17 +121,36 @@ class _Stage(nn.Module):
     as a micro-batch's forward does (``training.step.run_micro_batch``)."""
 
     def __init__(self, base: nn.Module, head: nn.Module | None, first: bool,
-                 autocast: tuple[str, torch.dtype | None, bool] = ("cpu", None, False)) -> None:
+                 autocast: tuple[str, torch.dtype | None, bool] = ("cpu", None, False), sequence_split: int = 1,
+                 ) -> None:
         super().__init__()
         self.base, self.head, self.first = base, head, first
         self._autocast = autocast
+        self._sequence_split = sequence_split
 
     def forward(self, x):
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if not self.first and self._sequence_split > 1:
+            # Note [sequence parallel across stages]: the rank's shard of the sequence, positioned in the whole one
+            length = x.shape[1] * self._sequence_split
+            given["position_ids"] = torch.arange(length, device=x.device).unsqueeze(0)
         device_type, dtype, enabled = self._autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             hidden = self.base(**given, use_cache=False).last_hidden_state
             return hidden if self.head is None else self.head(hidden)
+
+
+# Note [sequence parallel across stages]
+#     With sequence parallel inside the stages (tensor parallel's norms and residual stream split along the
+#     sequence: Note [sequence parallel], parallel/sequence_parallel.py) the hidden states between blocks are each
+#     rank's shard of the sequence, and so are those a stage sends to the next: torchtitan's stages exchange them so
+#     (its blocks' outputs are sequence-sharded local tensors, torchtitan/models/llama3/parallelize.py), 1/T of the
+#     whole in every send, receive buffer and gradient. The first block of the model cuts the whole embedding to the
+#     shard ("sequence_shard", on the first stage only) and the final norm gathers it back ("sequence_gather_whole",
+#     on the last only), as without a pipeline. A later stage is given its shard as ``inputs_embeds`` and the
+#     whole sequence's positions (``position_ids``, 0 to T x its length), from which the decoder derives the rotary
+#     embeddings every block's attention applies after gathering the sequence; its causal mask is the whole one
+#     (SDPA's is_causal). The stages' gradients equal one full-batch step's (tests/test_pipeline.py).
 
 
 def _decoder(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -168,11 +187,12 @@ def decoder_stages(model: nn.Module, stages: int, layers: tuple[int, ...] | None
 
 def cut_to_stages(model: nn.Module, held: list[int], stages: int,
                   autocast: tuple[str, torch.dtype | None, bool] = ("cpu", None, False),
-                  layers: tuple[int, ...] | None = None) -> list[nn.Module]:
+                  layers: tuple[int, ...] | None = None, sequence_split: int = 1) -> list[nn.Module]:
     """Cut ``model`` (a copy a pipeline rank owns) in place to the stages ``held`` of ``stages`` (``layers`` decoder
-    layers each, or :func:`layer_split`'s even split where None): only their layers,
-    under their own names; the embedding where the first stage is held, the final norm and the head where the last
-    is (Note [pipeline stages]). Returns one module per held stage, in order, sharing the cut model's modules (each
+    layers each, or :func:`layer_split`'s even split where None): only their layers, under their own names; the
+    embedding where the first stage is held, the final norm and the head where the last is (Note [pipeline
+    stages]); ``sequence_split``: the T ranks sequence parallel splits the hidden states over (Note [sequence
+    parallel across stages]). Returns one module per held stage, in order, sharing the cut model's modules (each
     a stage torch's ``PipelineStage`` runs). A model whose head shares the embedding's weight is refused: the two
     are on different stages, and keeping them equal is a collective autofit does not plan."""
     base, head = _decoder(model)
@@ -206,7 +226,7 @@ def cut_to_stages(model: nn.Module, held: list[int], stages: int,
         part.layers = nn.ModuleList(layers[i] for i in split[s])
         part.embed_tokens = embedding if s == 0 else None
         part.norm = norm if s == stages - 1 else nn.Identity()
-        modules.append(_Stage(part, head if s == stages - 1 else None, s == 0, autocast))
+        modules.append(_Stage(part, head if s == stages - 1 else None, s == 0, autocast, sequence_split))
     return modules
 
 
@@ -230,13 +250,17 @@ _SCHEDULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 
 @dataclasses.dataclass(frozen=True)
 class _RankStages:
     """What a rank's cut (``Dimension.cut``) left for its schedule: the stage indices it holds of ``stages``, one
-    module per held stage, the group the stages send over, and the step's autocast."""
+    module per held stage, the group the stages send over, the step's autocast, and sequence parallel's split of the
+    hidden states the stages exchange."""
 
     held: tuple[int, ...]
     stages: int
     modules: tuple[nn.Module, ...]
     group: Any
     autocast: tuple[str, torch.dtype | None, bool]
+    # sequence parallel's T: the hidden states between stages are 1/T of the sequence (Note [sequence parallel
+    # across stages])
+    sequence_split: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +323,8 @@ def _torch_schedule(schedule: PipelineSchedule, model: nn.Module, rank: _RankSta
     device_type, dtype_autocast, autocast = rank.autocast
     dtype = next(p.dtype for m in rank.modules for p in m.parameters() if p.is_floating_point())
     # shapes only: on the meta device, nothing allocated (torch keeps their metadata, not them)
-    hidden = torch.empty(rows, length, model.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    hidden = torch.empty(rows, length // rank.sequence_split, model.config.hidden_size, dtype=dtype, device="meta",
+                         requires_grad=True)
     stages = []
     for index, module in zip(rank.held, rank.modules, strict=True):
         given = ids if index == 0 else hidden
@@ -406,16 +431,13 @@ class _Pipeline(Dimension):
                 "strategy='fsdp2'")
         others = [f"{layout.registry[p.dimension].field} {p.degree}" for p in layout.placements
                   if p.dimension not in (self.name, "dp_shard", "tp") and p.degree > 1]
-        tensor = layout.placement("tp")
-        if tensor is not None and is_sequence_parallel(tensor.option("plan", ())):
-            others.append("sequence parallel")  # a stage's hidden states would be split along the sequence
         shard = layout.placement("dp_shard")
         if others or (shard is not None and shard.option("offload_states", False)):
             raise InvalidInputError(
                 f"pipeline_parallel={pp} beside {', '.join(others) or 'offload_states'}: autofit runs a pipeline "
                 "with FSDP2 and tensor parallel inside each stage (strategy='fsdp2', world_size a multiple of "
-                "pipeline_parallel x tensor_parallel, replicate=1); HSDP, sequence parallel and offload inside a "
-                "stage are not planned yet")
+                "pipeline_parallel x tensor_parallel, replicate=1); HSDP and offload inside a stage are not "
+                "planned yet")
 
     def check_step(self, layout: Layout, placement: Placement, step: StepKnobs) -> None:
         """torch's schedule runs the forwards and backwards itself: the gradients are cleared after the optimizer
@@ -480,8 +502,10 @@ class _Pipeline(Dimension):
         stages = placement.degree * kind.per_rank
         # the step's autocast (FSDP2's gather dtype is the autocast dtype, None without: ApplyInputs.param_dtype)
         autocast = (mesh.device_type, inputs.param_dtype, inputs.param_dtype is not None)
-        modules = cut_to_stages(model, held, stages, autocast, placement.option("layers"))
-        model._autofit_stage = _RankStages(tuple(held), stages, tuple(modules), mesh.get_group(), autocast)
+        tensor = layout.placement("tp")
+        split = tensor.degree if tensor is not None and is_sequence_parallel(tensor.option("plan", ())) else 1
+        modules = cut_to_stages(model, held, stages, autocast, placement.option("layers"), split)
+        model._autofit_stage = _RankStages(tuple(held), stages, tuple(modules), mesh.get_group(), autocast, split)
         return model
 
     def schedule(self, layout: Layout, placement: Placement, micro_batches: int) -> PipelineSchedule | None:
