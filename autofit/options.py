@@ -194,6 +194,9 @@ class Layout:
                     any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
                 raise InvalidInputError(f"pipeline_layers must be the decoder layers of each stage, positive ints in "
                                         f"stage order (e.g. (15, 16, 16, 15)), got {layers!r}")
+            if self.pipeline_parallel == 1:  # no stages to split: said, not dropped
+                raise InvalidInputError(f"pipeline_layers={layers!r} splits the layers over pipeline stages, and "
+                                        "pipeline_parallel is 1: give pipeline_parallel=P too, or leave the split out")
             object.__setattr__(self, "pipeline_layers", tuple(layers))  # hashable, as the layout's options are
 
 

@@ -36,6 +36,8 @@ def test_a_given_split_is_taken_as_given_and_checked_against_the_model():
         with pytest.raises(InvalidInputError, match="pipeline_layers must be the decoder layers of each stage"):
             autofit.Layout(pipeline_parallel=2, pipeline_layers=bad)
     assert autofit.Layout(pipeline_parallel=2, pipeline_layers=[1, 3]).pipeline_layers == (1, 3)
+    with pytest.raises(InvalidInputError, match="pipeline_parallel is 1: give pipeline_parallel=P too"):
+        autofit.Layout(pipeline_layers=(1, 3))
 
 
 @pytest.mark.parametrize("family", ["Llama", "Qwen3", "Mistral"])

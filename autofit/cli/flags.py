@@ -23,8 +23,8 @@ __all__ = [
     "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PipelineLayersOpt", "PipelineOpt",
     "PlanGpuOpt", "PrecisionOpt", "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "ScheduleOpt",
     "SequenceOpt", "ShapeOpt", "StoredOpt", "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt",
-    "WorldOpt", "WriteOpt", "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names", "feature_flags",
-    "gpu_option", "layout_option", "nodes_layout", "pipeline_layers", "spec_option",
+    "WorldOpt", "WriteOpt", "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names",
+    "feature_flags", "gpu_option", "layout_option", "nodes_layout", "pipeline_layers", "spec_option",
 ]
 
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch

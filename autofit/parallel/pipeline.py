@@ -546,13 +546,9 @@ def _torchtitan_stages(layers: tuple[int, ...]) -> list[list[str]]:
     """Each stage's modules in torchtitan's decoder names (its Llama, Qwen3 and DeepSeek models: ``tok_embeddings``,
     ``layers.i``, ``norm``, ``output``), as its ``parallelism.module_fqns_per_model_part`` takes them in place of its
     own default split (torchtitan/distributed/pipeline_parallel.py, ``pipeline_llm``)."""
-    stages, start = [], 0
-    for s, count in enumerate(layers):
-        names = [f"layers.{i}" for i in range(start, start + count)]
-        stages.append((["tok_embeddings"] if s == 0 else []) + names + (["norm", "output"] if s == len(layers) - 1
-                                                                        else []))
-        start += count
-    return stages
+    runs = layer_split(sum(layers), len(layers), layers)
+    return [(["tok_embeddings"] if s == 0 else []) + [f"layers.{i}" for i in run]
+            + (["norm", "output"] if s == len(runs) - 1 else []) for s, run in enumerate(runs)]
 
 
 PIPELINE = _Pipeline(name="pp", mesh_rank=0, shares_rows=True, field="pipeline_parallel")
