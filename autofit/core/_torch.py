@@ -40,6 +40,7 @@ __all__ = [
     "SpectralNormParametrization", "NormBase", "tensor_version",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
     "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once", "forget_dtensor_shardings", "pipeline_step",
+    "pipeline_order",
 ]
 
 SUPPORTED_TORCH = ">=2.13"  # pyproject.toml says the same
@@ -352,6 +353,47 @@ def pipeline_step(schedule: Any, arg_mbs: list | None, target_mbs: list | None, 
             stage.has_backward = schedule._has_backward
             stage.clear_runtime_states()
         schedule._step_microbatches(arg_mbs, None, target_mbs, losses, return_outputs=False)
+
+
+# Note [a schedule's order without its stages]
+#     Every schedule of torch.distributed.pipelining builds, when it is made, the compute actions of every rank in the
+#     order that rank runs them (``pipeline_order``: rank -> [_Action(stage, type, micro-batch) or None], None a step
+#     the rank waits). The order depends on the degree, the stages and the micro-batch count only, so a schedule made
+#     over stand-ins that carry those (the stage fields its constructor reads: ``num_stages``, ``group_size``,
+#     ``group_rank``, ``stage_index``, and ``submod``, which the runtime schedules inspect for FSDP2) gives torch's own
+#     order without a model, a process group or a step: checked on 2.13 and 2.14 for the seven schedules of
+#     ``autofit.parallel.pipeline.SCHEDULES``. DualPipeV's overlapped action (OVERLAP_F_B) runs its sub-actions one
+#     after the other where no function is registered for it (``_PipelineScheduleRuntime``), so it is given as them.
+def pipeline_order(torch_class: str, ranks: int, held: list[int], stages: int, micro_batches: int
+                   ) -> dict[int, list[tuple[int, str, int]]]:
+    """torch's order of compute actions for schedule class ``torch_class`` of ``schedules.py`` over ``ranks`` ranks
+    and ``stages`` stages running ``micro_batches``, rank 0 holding the stage indices ``held``: for each rank its
+    actions in order as ``(stage, kind, micro-batch)``, kind one of "F" (forward), "B" (full backward), "I" (the
+    input-gradient half of a split backward), "W" (its weight half) (Note [a schedule's order without its stages])."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    kinds = {_need("torch.distributed.pipelining.schedules", name): kind for name, kind in (
+        ("FORWARD", "F"), ("FULL_BACKWARD", "B"), ("BACKWARD_INPUT", "I"), ("BACKWARD_WEIGHT", "W"))}
+    overlapped = _need("torch.distributed.pipelining.schedules", "OVERLAP_F_B")
+    standins = [SimpleNamespace(num_stages=stages, group_size=ranks, group_rank=0, stage_index=index,
+                                is_first=index == 0, is_last=index == stages - 1,
+                                submod=torch.nn.Module()) for index in held]
+    cls = getattr(schedules, torch_class)
+    single = issubclass(cls, schedules.PipelineScheduleSingle)
+    built = cls(standins[0] if single else standins, micro_batches, loss_fn=lambda output, target: output,
+                scale_grads=False)
+
+    def plain(action: Any) -> list[tuple[int, str, int]]:
+        if action is None:
+            return []
+        if action.computation_type == overlapped:
+            return [a for sub in action.sub_actions for a in plain(sub)]
+        kind = kinds.get(action.computation_type)  # UNSHARD, RESHARD, REDUCE_GRAD: no compute of their own here
+        return [] if kind is None else [(action.stage_index, kind, action.microbatch_index)]
+
+    return {rank: [a for action in actions for a in plain(action)] for rank, actions in built.pipeline_order.items()}
 
 
 # Note [a send holds its tensor]

@@ -163,6 +163,8 @@ class Schedule(Protocol):
 
     def simulated(self, window: int) -> int: ...
 
+    def note(self) -> str: ...  # what the schedule costs in time, for the estimate's notes ("" where nothing)
+
     def run(self, model: nn.Module, layout: Any, window: Any, *, count: int | None = None,
             sync: Callable[..., contextlib.AbstractContextManager[Any]] = ...) -> list[Any]: ...
 

@@ -6,9 +6,10 @@ window's micro-batches as torch's schedule orders them (Note [one schedule], par
 ``estimate``, ``measure``, the trainer, the CLI (``--pipeline-parallel``, ``--schedule``) and the torchtitan export run
 it: every torch schedule (DualPipeV's overlapped halves one after the other, as torch runs them), with FSDP2 and
 tensor parallel (sequence parallel too) inside each stage, each stage's layers the even split or the user's
-(``Layout.pipeline_layers``). Not yet: the planner does not choose a pipeline (``plan`` refuses one) nor balances the
-split, nor HSDP or offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and
-docs/multi-gpu.md ("Pipeline parallel").
+(``Layout.pipeline_layers``); :func:`pipeline_time` runs a schedule's order for its step's time (Note [a schedule's
+time]). Not yet: the planner does not choose a pipeline (``plan`` refuses one) nor balances the split, nor HSDP or
+offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md ("Pipeline
+parallel").
 
 Note [pipeline stages]
     torch's ``PipelineStage`` (torch/distributed/pipelining/stage.py) runs one module per stage: its forward takes
@@ -45,14 +46,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autofit.core._torch import pipeline_step
+from autofit.core._torch import pipeline_order, pipeline_step
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs
 from autofit.parallel.sequence_parallel import is_sequence_parallel
 
-__all__ = ["PIPELINE", "PipelineSchedule", "SCHEDULES", "ScheduleKind", "cut_to_stages", "decoder_stages",
-           "layer_split"]
+__all__ = ["PIPELINE", "PipelineSchedule", "PipelineTime", "SCHEDULES", "ScheduleKind", "StageSeconds",
+           "cut_to_stages", "decoder_stages", "layer_split", "micro_batch_rule", "pipeline_time"]
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleKind:
@@ -114,6 +115,160 @@ def layer_split(layers: int, stages: int, given: tuple[int, ...] | None = None) 
         bounds.append(range(start, start + count))
         start += count
     return bounds
+
+
+# Note [a schedule's time]
+#     A pipeline's step takes longer than its ranks compute: a rank waits for what the stage before it sends (in
+#     forward) or the stage after it (in backward), and how long depends on the schedule's order, which torch builds
+#     for every rank (Note [a schedule's order without its stages], core/_torch.py). :func:`pipeline_time` runs that
+#     order: each rank takes its actions in turn, an action starting when the rank is free and what it needs has
+#     ended (a forward: the previous stage's forward of its micro-batch; a backward, or the input half of a split
+#     one: the next stage's; the last stage's backward: its own forward; a weight half: its input half), plus the
+#     transfer where the two stages sit on different ranks. Sends do not hold the sender (torch's are asynchronous),
+#     and a rank's wait steps (None in torch's order) are the waits this finds. So the bubble is the order's, on the
+#     installed torch, not a formula's: at equal stages and no transfers it is GPipe's and 1F1B's (P - 1)(F + B)
+#     and interleaved 1F1B's (P - 1)(F + B) / v (Narayanan et al., SC 2021, section 2.2), which the tests check.
+#     Not modelled: compute overlapping a transfer on the same rank (a send's own time), FSDP2's gathers and
+#     reduce-scatters inside a stage (priced apart, as for any FSDP2 layout), and DualPipeV's overlap of one
+#     micro-batch's forward with another's backward, which torch runs one after the other unless the model registers
+#     a function for it.
+@dataclasses.dataclass(frozen=True)
+class StageSeconds:
+    """One stage's compute for one micro-batch: its forward, and its backward's two halves, the input gradients
+    and the weight gradients (a full backward is both; the zero-bubble schedules run them apart)."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineTime:
+    """A schedule's step (Note [a schedule's time]): ``step_seconds`` from the first action to the last rank's
+    last, ``busy_seconds`` each rank's compute within it."""
+
+    step_seconds: float
+    busy_seconds: tuple[float, ...]
+
+    @property
+    def idle_share(self) -> float:
+        """The share of the step the least idle rank waits (the bubble every rank sits through at least)."""
+        return 1.0 - max(self.busy_seconds) / self.step_seconds if self.step_seconds else 0.0
+
+
+def pipeline_time(schedule: str, ranks: int, micro_batches: int, stages: list[StageSeconds],
+                  transfer_seconds: float = 0.0) -> PipelineTime:
+    """The step of ``schedule`` (a key of :data:`SCHEDULES`) over ``ranks`` ranks and ``micro_batches``, each stage
+    computing ``stages[s]`` per micro-batch (one entry per stage: ``ranks`` times the schedule's stages per rank),
+    a hand-off between stages on different ranks taking ``transfer_seconds`` (Note [a schedule's time])."""
+    kind = SCHEDULES[schedule]
+    count = ranks * kind.per_rank
+    if len(stages) != count:
+        raise InvalidInputError(f"{kind.title} over {ranks} ranks runs {count} stages, and {len(stages)} stage "
+                                "times were given: one per stage")
+    rank_of = {stage: rank for rank in range(ranks) for stage in kind.stages_of(rank, ranks)}
+    order = _order(kind, ranks, micro_batches)
+    ended: dict[tuple[int, str, int], float] = {}
+
+    def hop(stage: int, other: int) -> float:
+        return 0.0 if rank_of[stage] == rank_of[other] else transfer_seconds
+
+    def ready(stage: int, kind_: str, micro: int) -> float | None:
+        """When what the action needs has ended (and reached its rank), or None: not yet run."""
+        if kind_ == "F":
+            needs = [((stage - 1, "F", micro), hop(stage, stage - 1))] if stage > 0 else []
+        elif kind_ == "W":
+            needs = [((stage, "I", micro), 0.0)]
+        elif stage == count - 1:
+            needs = [((stage, "F", micro), 0.0)]
+        else:
+            done = (stage + 1, "B", micro) if (stage + 1, "B", micro) in ended else (stage + 1, "I", micro)
+            needs = [(done, hop(stage, stage + 1))]
+        if any(need not in ended for need, _ in needs):
+            return None
+        return max((ended[need] + transfer for need, transfer in needs), default=0.0)
+
+    def seconds(stage: int, kind_: str) -> float:
+        s = stages[stage]
+        return {"F": s.forward, "B": s.backward_input + s.backward_weight, "I": s.backward_input,
+                "W": s.backward_weight}[kind_]
+
+    position, clock, busy = dict.fromkeys(order, 0), dict.fromkeys(order, 0.0), dict.fromkeys(order, 0.0)
+    left = sum(len(actions) for actions in order.values())
+    while left:
+        moved = False
+        for rank, actions in order.items():
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                start = ready(*action)
+                if start is None:
+                    break
+                took = seconds(action[0], action[1])
+                clock[rank] = ended[action] = max(clock[rank], start) + took
+                busy[rank] += took
+                position[rank] += 1
+                left -= 1
+                moved = True
+        if not moved:  # torch's own orders never wait on each other; a new schedule that did is named
+            waiting = {rank: actions[position[rank]] for rank, actions in order.items()
+                       if position[rank] < len(actions)}
+            raise UnsupportedModelError(f"{kind.title}'s order over {ranks} ranks and {micro_batches} micro-batches "
+                                        f"waits for ever: each rank's next action {waiting}")
+    return PipelineTime(max(clock.values()), tuple(busy[rank] for rank in sorted(busy)))
+
+
+def _equal_stages(kind: ScheduleKind, ranks: int, micro_batches: int) -> PipelineTime:
+    """``kind``'s step with every stage's forward 1, its backward 2 (1 + 1 split), per rank."""
+    stage = StageSeconds(1 / kind.per_rank, 1 / kind.per_rank, 1 / kind.per_rank)
+    return pipeline_time(kind.title.lower(), ranks, micro_batches, [stage] * (ranks * kind.per_rank))
+
+
+def _order(kind: ScheduleKind, ranks: int, micro_batches: int) -> dict[int, list[tuple[int, str, int]]]:
+    """Each rank's compute actions in the order its step runs them: the multi-stage schedules run torch's
+    ``pipeline_order`` (Note [a schedule's order without its stages]); GPipe and 1F1B run a loop of their own
+    (``_step_microbatches``), written here as it runs: GPipe every forward then every backward; 1F1B stage s
+    min(M, P - s) forwards first, then a backward and a forward in turn while forwards remain, then the rest of the
+    backwards. (Their ``pipeline_order``, which torch builds to draw them, differs: 1F1B's leaves the last stage's
+    first forward out, on 2.13 and 2.14.)"""
+    if kind.per_rank > 1:
+        return pipeline_order(kind.torch_class, ranks, kind.stages_of(0, ranks), ranks * kind.per_rank,
+                              micro_batches)
+    order = {}
+    for stage in range(ranks):
+        forwards = [(stage, "F", m) for m in range(micro_batches)]
+        backwards = [(stage, "B", m) for m in range(micro_batches)]
+        if kind.title == "GPipe":
+            order[stage] = forwards + backwards
+            continue
+        warm = min(micro_batches, ranks - stage)
+        actions = forwards[:warm]
+        for m in range(micro_batches):
+            actions.append(backwards[m])
+            if warm + m < micro_batches:
+                actions.append(forwards[warm + m])
+        order[stage] = actions
+    return order
+
+
+def micro_batch_rule(kind: ScheduleKind, ranks: int, micro: int) -> str | None:
+    """Why torch's ``kind`` refuses ``micro`` micro-batches over ``ranks`` ranks, with the fix, or None: 1F1B needs
+    at least as many micro-batches as stages, DualPipeV twice as many, the interleaved schedules whole rounds of
+    ``ranks`` (torch raises these when the schedule is made or stepped; a planner reads them as rules)."""
+    if kind.title == "1F1B" and micro < ranks:
+        return (f"the 1F1B schedule over {ranks} stages needs at least {ranks} micro-batches (torch's Schedule1F1B "
+                f"refuses fewer) and the step has {micro}: raise accumulation_steps to {ranks} or use "
+                "pipeline_schedule='GPipe'")
+    if kind.title == "DualPipeV" and micro < 2 * ranks:
+        return (f"the DualPipeV schedule over {ranks} ranks ({2 * ranks} stages) needs at least {2 * ranks} "
+                f"micro-batches (torch's ScheduleDualPipeV refuses fewer) and the step has {micro}: raise "
+                f"accumulation_steps to {2 * ranks} or use pipeline_schedule='ZBVZeroBubble'")
+    rounds = max(1, micro // ranks)  # torch's number_of_rounds (ScheduleInterleaved1F1B, ...InterleavedZeroBubble)
+    if kind.title in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
+        fits = [m for m in range(micro, micro + ranks * rounds + 1) if m % max(1, m // ranks) == 0][0]
+        return (f"the {kind.title} schedule over {ranks} ranks runs its micro-batches in rounds of {ranks} and "
+                f"needs a whole number of rounds ({micro} micro-batches make {micro / ranks:.2f}; torch refuses "
+                f"them): use accumulation_steps={fits}")
+    return None
 
 
 class _Stage(nn.Module):
@@ -282,6 +437,19 @@ class PipelineSchedule:
     def simulated(self, window: int) -> int:
         """Every micro-batch: how many are in flight, and when, is the schedule's order over all of them."""
         return self.micro_batches
+
+    def note(self) -> str:
+        """The share of the step each rank waits under this schedule's order and under the others that run these
+        micro-batches, at equal stage times and no transfers (Note [a schedule's time]): the time side of the
+        schedule's memory."""
+        idle = {kind.title: _equal_stages(kind, self.ranks, self.micro_batches).idle_share
+                for kind in SCHEDULES.values() if micro_batch_rule(kind, self.ranks, self.micro_batches) is None}
+        own = SCHEDULES[self.name].title
+        others = ", ".join(f"{title} {share:.1%}" for title, share in idle.items() if title != own)
+        return (f"{own}'s order over {self.ranks} ranks and {self.micro_batches} micro-batches keeps every rank "
+                f"waiting at least {idle[own]:.1%} of the step at equal stage times and no transfers ({others}; "
+                "Note [a schedule's time], autofit/parallel/pipeline.py): more micro-batches or another schedule "
+                "waits less")
 
     def run(self, model: nn.Module, layout: Any, window: Any, *, count: int | None = None,
             sync: Callable[..., contextlib.AbstractContextManager[Any]] | None = None) -> list[Any]:
@@ -452,23 +620,9 @@ class _Pipeline(Dimension):
         if step.precision.needs_grad_scaler:
             raise InvalidInputError(f"precision {step.precision.name!r} scales the loss (GradScaler), which a "
                                     f"pipeline schedule does not do: use bf16 with pipeline_parallel={pp}")
-        micro, kind = step.accumulation_steps, SCHEDULES[placement.option("schedule", "1f1b")]
-        if kind.title == "1F1B" and micro < pp:
-            raise InvalidInputError(
-                f"the 1F1B schedule over {pp} stages needs at least {pp} micro-batches (torch's Schedule1F1B refuses "
-                f"fewer) and the step has {micro}: raise accumulation_steps to {pp} or use pipeline_schedule='GPipe'")
-        if kind.title == "DualPipeV" and micro < 2 * pp:
-            raise InvalidInputError(
-                f"the DualPipeV schedule over {pp} ranks ({2 * pp} stages) needs at least {2 * pp} micro-batches "
-                f"(torch's ScheduleDualPipeV refuses fewer) and the step has {micro}: raise accumulation_steps to "
-                f"{2 * pp} or use pipeline_schedule='ZBVZeroBubble'")
-        rounds = max(1, micro // pp)  # torch's number_of_rounds (ScheduleInterleaved1F1B, ...InterleavedZeroBubble)
-        if kind.title in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
-            fits = [m for m in range(micro, micro + pp * rounds + 1) if m % max(1, m // pp) == 0][0]
-            raise InvalidInputError(
-                f"the {kind.title} schedule over {pp} ranks runs its micro-batches in rounds of {pp} and needs a "
-                f"whole number of rounds ({micro} micro-batches make {micro / pp:.2f}; torch refuses them): use "
-                f"accumulation_steps={fits}")
+        why = micro_batch_rule(SCHEDULES[placement.option("schedule", "1f1b")], pp, step.accumulation_steps)
+        if why is not None:
+            raise InvalidInputError(why)
 
     def kept_between_steps(self, model: nn.Module, layout: Layout, placement: Placement) -> list[Any]:
         """The receive buffers of the rank's running schedules (activations from the previous stage, gradients from

@@ -78,6 +78,10 @@ class Sequential:
         gradients yet, and one with them: every later one starts from the same live set and runs the same ops)."""
         return min(self.micro_batches, window)
 
+    def note(self) -> str:
+        """Nothing to say: accumulation keeps no rank waiting on another."""
+        return ""
+
     def run(self, model: nn.Module, layout: Parallel, window: Window, *, count: int | None = None,
             sync: SyncRule = gradient_sync) -> list[Any]:
         """Run the window's body for each micro-batch in order (``count`` of them: all by default, a simulation's

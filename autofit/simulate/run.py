@@ -78,6 +78,7 @@ from autofit.simulate.foreach import target_implementation
 from autofit.simulate.offload import offloaded_states, tracked_save_on_cpu
 from autofit.parallel.host import optimizer_runs_on
 from autofit.parallel.simulated import simulated_mesh
+from autofit.parallel.schedule import schedule_of
 from autofit.simulate.probe import KernelProber
 from autofit.simulate.randomness import Draws, draws_at, worst_of_extremes
 from autofit.simulate.routing import heavy_routing_during
@@ -203,7 +204,8 @@ def _simulate_step(model, batch, target, loss_fn, config: StepConfig, *, probe_k
     note = (f"the ranks' steps differ ({config.layout.label}): each was simulated, and the figures are rank "
             f"{ranks[worst]}'s, the highest peak; every rank's peak: "
             + ", ".join(f"rank {r} {format_bytes(p)}" for r, p in zip(ranks, peaks)))
-    return replace(sim, notes=sim.notes + (note,), rank_peaks=tuple(zip(ranks, peaks)))
+    timed = schedule_of(config.layout, config.accumulation_steps).note()  # a pipeline's wait (Note [one schedule])
+    return replace(sim, notes=sim.notes + (note,) + ((timed,) if timed else ()), rank_peaks=tuple(zip(ranks, peaks)))
 
 
 def _one_rank(model, batch, target, loss_fn, config: StepConfig, around: _Around) -> Simulation:
