@@ -235,3 +235,36 @@ def test_fsdp2_reducing_every_micro_batch_peak_matches_the_allocator(tmp_path):
     for rank, results in enumerate(ranks):
         measured = min(results[0]["peaks"])
         assert abs(plan.peak_bytes - measured) <= 0.005 * measured, (rank, plan.peak_bytes, results[0]["peaks"])
+
+
+@pytest.mark.sim
+def test_dtensors_cached_shardings_are_kept_for_the_same_rank_and_left_empty_after_a_call():
+    """Note [one process, several simulated ranks] (autofit/core/_torch.py), read off DTensor's own cache statistics
+    (torch.distributed.tensor.debug): a second simulated session of the same rank of the same mesh finds the
+    shardings the first cached (a hit, none computed again); another rank's session starts from an empty cache (its
+    meshes' groups differ, which the cache key does not see); and after an entry point nothing is left that names a
+    fake group's mesh, for the user's own DTensor ops."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import _get_fast_path_sharding_prop_cache_stats as fast_path
+    from torch.distributed.tensor.debug import _get_python_sharding_prop_cache_info as python_cache
+
+    from autofit.parallel.simulated import fake_mesh
+
+    layout = Parallel(strategy="fsdp2", world_size=WORLD)
+
+    def two_ops(rank: int) -> tuple[int, int]:
+        """The (hits, misses) of DTensor's fast-path cache for two element-wise ops on rank ``rank``'s fake mesh."""
+        with fake_mesh(layout, rank) as mesh:
+            hits, misses = fast_path()
+            shard = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+            _ = shard + shard, shard * 2.0
+            after = fast_path()
+        return after[0] - hits, after[1] - misses
+
+    two_ops(0)
+    assert two_ops(0) == (2, 0)  # the same rank again: both found
+    assert two_ops(1) == (0, 2)  # another rank: computed for its own meshes
+    case = ZOO["gpt_sdpa"]()
+    autofit.estimate(case.model, case.sample, step=2, target=case.target, loss_fn=case.loss_fn,
+                     layout=autofit.Layout(world_size=WORLD, strategy="fsdp2"))
+    assert fast_path() == (0, 0) and python_cache().currsize == 0  # cleared, nothing of the fake meshes left

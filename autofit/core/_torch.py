@@ -39,7 +39,8 @@ __all__ = [
     "value_free_grad_scaler", "patch_lock", "fake_store", "fsdp_internals", "Patch", "patch", "BatchNormBase",
     "SpectralNormParametrization", "NormBase", "tensor_version",
     "onednn_low_precision", "op_schema", "dtensor_local", "allocator_settings", "set_allocator_settings",
-    "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once", "forget_dtensor_shardings", "pipeline_step",
+    "ddp_bucket_bytes", "ddp_bucket_sizes", "dtensor_specs_once", "dtensor_shardings_of", "forget_dtensor_shardings",
+    "pipeline_step",
     "pipeline_order",
 ]
 
@@ -496,11 +497,30 @@ def dtensor_specs_once() -> Iterator[None]:
 #     fake process group of its own: rank 2's tensor-parallel mesh over ranks 2 and 3 found rank 0's output specs,
 #     whose mesh's group ("3", ranks 0 and 1) the next fake group no longer held, and its first sequence-parallel
 #     all-gather failed to resolve it. And after a plan, the cache would hand the user's own DTensor ops meshes of a
-#     destroyed fake group. So the cache is cleared when a simulated rank's fake group is made and when it goes.
+#     destroyed fake group. So the cache is cleared when a simulation's fake group is made for another mesh or
+#     another rank than the last one's, and at the start and end of each of autofit's entry points (``keeps_user_rng``,
+#     core/rng.py: the user's own DTensor ops neither find a fake group's mesh nor leave theirs for a simulation).
+#     Within one call it is kept: the simulations of one rank of one mesh make their fake groups again under the same
+#     names, and a plan's simulations of an FSDP2 layout share the sharding of each op, which DTensor computes slowly
+#     for a foreach op over hundreds of parameters (clearing it at every simulation made the planning of a 1B
+#     seq2seq model over two FSDP2 ranks take about 2.4 times as long: 30 s of 132 in ``expanded_foreach_strategy``).
+_SHARDINGS_OF: list[Any] = [None]  # the simulated mesh and rank DTensor's cached shardings are of, None: empty
+
+
+def dtensor_shardings_of(mesh: tuple) -> None:
+    """DTensor's cached shardings kept where they are of ``mesh`` (a simulation's world size, mesh shape, names and
+    rank), else cleared: also where nothing was simulated since the last clearing, the user's own ops may have
+    filled them (Note [one process, several simulated ranks])."""
+    if _SHARDINGS_OF[0] != mesh:
+        forget_dtensor_shardings()
+    _SHARDINGS_OF[0] = mesh
+
+
 def forget_dtensor_shardings() -> None:
     """Clear DTensor's caches of op shardings, the Python one and the C++ fast path's, as torch's own
     ``_clear_sharding_prop_cache`` does (torch/distributed/tensor/debug; Note [one process, several simulated
     ranks])."""
+    _SHARDINGS_OF[0] = None
     if not torch.distributed.is_available():  # a torch without distributed: no DTensor, nothing cached
         return
     _need("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")()

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from autofit.core._torch import forget_dtensor_shardings
+
 __all__ = ["user_rng_kept", "keeps_user_rng"]
 
 T = TypeVar("T")
@@ -59,6 +61,12 @@ def keeps_user_rng(entry: Callable[..., T]) -> Callable[..., T]:
     """An entry point that leaves the global random generators as it found them (Note [the user's random state])."""
     @functools.wraps(entry)
     def wrapped(*args: Any, **kwargs: Any) -> T:
-        with user_rng_kept():
-            return entry(*args, **kwargs)
+        # and DTensor's sharding caches empty of the user's meshes on the way in and of the simulations' fake ones
+        # on the way out (Note [one process, several simulated ranks], core/_torch.py)
+        forget_dtensor_shardings()
+        try:
+            with user_rng_kept():
+                return entry(*args, **kwargs)
+        finally:
+            forget_dtensor_shardings()
     return wrapped

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autofit.core._torch import dtensor_specs_once, fake_store, forget_dtensor_shardings
+from autofit.core._torch import dtensor_shardings_of, dtensor_specs_once, fake_store
 from autofit.core.errors import UnsupportedModelError
 from autofit.parallel.layout import Parallel
 from autofit.parallel.apply import device_mesh, gradient_sync
@@ -45,13 +45,13 @@ def fake_mesh(layout: Parallel, rank: int = 0) -> Iterator[object]:
     excepthook = sys.excepthook
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=layout.world_size)
     # DTensor's cached shardings hold the meshes of the rank simulated before (Note [one process, several simulated
-    # ranks], core/_torch.py): none survive into this rank's fake group, nor out of it
-    forget_dtensor_shardings()
+    # ranks], core/_torch.py): kept for another simulation of the same rank of the same mesh, whose fake groups are
+    # made again under the same names, cleared for any other
+    dtensor_shardings_of((layout.world_size, layout.layout.mesh_shape, layout.layout.mesh_names, rank))
     try:
         with dtensor_specs_once():  # Note [DTensor's tuple strategies in linear time], core/_torch.py
             yield device_mesh("cpu", layout)
     finally:
-        forget_dtensor_shardings()
         dist.destroy_process_group()
         sys.excepthook = excepthook
 
