@@ -1,16 +1,17 @@
 """What each pipeline schedule costs in time (issue 59): the step of torch's own order of actions, every rank's
 share of it spent waiting, and torchtitan's Table 5 throughput ratio rebuilt.
 
-``autofit.parallel.pipeline.pipeline_time`` runs each rank's actions in the order torch runs them (Note [a schedule's
-time], autofit/parallel/pipeline.py). Here every stage computes alike: per micro-batch a forward of 1 and a backward
-of 2 per rank (1 + 1 where a schedule splits it into its input and weight halves), the multi-stage schedules' two
-stages per rank each half of that; the hand-off between ranks is free unless ``--transfer`` gives it, in units of one
-rank's forward (the first table and Table 5's equal row). The first table is the step in those units and the share of it the least idle rank waits; the second
-rebuilds torchtitan's Table 5 (Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 8 micro-batches; 1F1B 100 and Interleaved 1F1B
-128 tokens/s/GPU, benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan): the ratio of the two steps,
-with equal stages and with the split torchtitan's ``generate_split_points`` of late 2024 gave (15, 16 x 6, 15 layers
-for 1F1B; 7, 8 x 14, 7 interleaved), each stage's time its layers (the head, on the last stage, about 0.57 of a layer
-by FLOPs: 2 x 16384 x 128256 against 2 x (4 x 16384^2 + 3 x 16384 x 53248) per token, attention left out).
+``autofit.parallel.pipeline.pipeline_time`` runs each rank's actions in the order torch runs them (Note [a
+schedule's time], autofit/parallel/pipeline.py). Here every stage computes alike: per micro-batch a forward of 1 and
+a backward of 2 per rank (1 + 1 where a schedule splits it into its input and weight halves), the multi-stage
+schedules' two stages per rank each half of that; the hand-off between ranks is free unless ``--transfer`` gives it,
+in units of one rank's forward (the first table and Table 5's equal row). The first table is the step in those units
+and the share of it the least idle rank waits; the second rebuilds torchtitan's Table 5 (Llama 3.1 405B, FSDP 8 x TP
+8 x PP 8, 8 micro-batches; 1F1B 100 and Interleaved 1F1B 128 tokens/s/GPU,
+benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan): the ratio of the two steps, with equal stages
+and with the split torchtitan's ``generate_split_points`` of late 2024 gave (15, 16 x 6, 15 layers for 1F1B; 7, 8 x
+14, 7 interleaved), each stage's time its layers (the head, on the last stage, about 0.57 of a layer by FLOPs: 2 x
+16384 x 128256 against 2 x (4 x 16384^2 + 3 x 16384 x 53248) per token, attention left out).
 
     .venv-test/bin/python benchmarks/pipeline_bubbles.py
     .venv-test/bin/python benchmarks/pipeline_bubbles.py --ranks 4,8 --micro 1,2,4 --transfer 0.05
