@@ -512,18 +512,27 @@ def dtensor_shardings_of(mesh: tuple) -> None:
     rank), else cleared: also where nothing was simulated since the last clearing, the user's own ops may have
     filled them (Note [one process, several simulated ranks])."""
     if _SHARDINGS_OF[0] != mesh:
-        forget_dtensor_shardings()
+        _clear_shardings()
     _SHARDINGS_OF[0] = mesh
 
 
 def forget_dtensor_shardings() -> None:
-    """Clear DTensor's caches of op shardings, the Python one and the C++ fast path's, as torch's own
-    ``_clear_sharding_prop_cache`` does (torch/distributed/tensor/debug; Note [one process, several simulated
-    ranks])."""
+    """Clear DTensor's cached shardings at an entry point's start and end (Note [one process, several simulated
+    ranks]) where DTensor's debug module is loaded. Where it is not, no simulation ran (the entry points import it
+    with torch's lazy modules, SIGINT held: Note [lazy imports and Ctrl-C], core/_torch_interrupts.py), and
+    importing it here, before them, a Ctrl-C could leave DTensor and sympy half initialised
+    (tests/test_interrupts.py); a simulation's mesh clears what the user's own ops cached
+    (:func:`dtensor_shardings_of`)."""
     _SHARDINGS_OF[0] = None
-    if not torch.distributed.is_available():  # a torch without distributed: no DTensor, nothing cached
-        return
-    _need("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")()
+    if "torch.distributed.tensor.debug" in sys.modules:
+        _clear_shardings()
+
+
+def _clear_shardings() -> None:
+    """DTensor's caches of op shardings cleared, the Python one and the C++ fast path's, as torch's own
+    ``_clear_sharding_prop_cache`` does (torch/distributed/tensor/debug)."""
+    if torch.distributed.is_available():  # a torch without distributed: no DTensor, nothing cached
+        _need("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")()
 
 
 def fsdp_internals() -> tuple[type, type]:

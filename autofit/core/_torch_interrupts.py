@@ -36,7 +36,8 @@ LAZY_MODULES = (
     "torch._inductor.config", "torch._numpy", "torch._functorch.aot_autograd", "torch._functorch.make_functional",
     "torch._subclasses.schema_check_mode", "torch._higher_order_ops.triton_kernel_wrap",
     "torch._decomp.decompositions_for_rng", "torch.nn.utils._expanded_weights", "torch.onnx",
-    "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed._functional_collectives",
+    "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.debug",
+    "torch.distributed._functional_collectives",
     "torch.distributed._composable", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
     "torch.distributed._state_dict_utils", "torch.distributed.pipelining", "cProfile", "pstats",
 )
