@@ -357,18 +357,22 @@ def pipeline_step(schedule: Any, arg_mbs: list | None, target_mbs: list | None, 
 
 
 # Note [a schedule's order without its stages]
-#     Every schedule of torch.distributed.pipelining builds, when it is made, the compute actions of every rank in the
-#     order that rank runs them (``pipeline_order``: rank -> [_Action(stage, type, micro-batch) or None], None a step
-#     the rank waits). The order depends on the degree, the stages and the micro-batch count only, so a schedule made
-#     over stand-ins that carry those (the stage fields its constructor reads: ``num_stages``, ``group_size``,
-#     ``group_rank``, ``stage_index``, and ``submod``, which the runtime schedules inspect for FSDP2) gives torch's own
-#     order without a model, a process group or a step: checked on 2.13 and 2.14 for the seven schedules of
-#     ``autofit.parallel.pipeline.SCHEDULES``. DualPipeV's overlapped action (OVERLAP_F_B) runs its sub-actions one
-#     after the other where no function is registered for it (``_PipelineScheduleRuntime``), so it is given as them.
+#     Every multi-stage schedule of torch.distributed.pipelining (``PipelineScheduleMulti``) builds, when it is made,
+#     the compute actions of every rank in the order that rank runs them (``pipeline_order``: rank -> [_Action(stage,
+#     type, micro-batch) or None], None a step the rank waits), and its step runs that list. The order depends on the
+#     degree, the stages and the micro-batch count only, so a schedule made over stand-ins that carry those (the stage
+#     fields its constructor reads: ``num_stages``, ``group_size``, ``group_rank``, ``stage_index``, and ``submod``,
+#     which the runtime schedules inspect for FSDP2) gives torch's own order without a model, a process group or a
+#     step: checked on 2.13 and 2.14 for the five multi-stage schedules of ``autofit.parallel.pipeline.SCHEDULES``.
+#     GPipe and 1F1B step a loop of their own, and the ``pipeline_order`` they build only to be drawn is not it
+#     (1F1B's leaves the last stage's first forward out): their orders are written in parallel/pipeline.py.
+#     DualPipeV's overlapped action (OVERLAP_F_B) runs its sub-actions one after the other where no function is
+#     registered for it (``_PipelineScheduleRuntime``), so it is given as them.
 def pipeline_order(torch_class: str, ranks: int, held: list[int], stages: int, micro_batches: int
                    ) -> dict[int, list[tuple[int, str, int]]]:
-    """torch's order of compute actions for schedule class ``torch_class`` of ``schedules.py`` over ``ranks`` ranks
-    and ``stages`` stages running ``micro_batches``, rank 0 holding the stage indices ``held``: for each rank its
+    """torch's order of compute actions for multi-stage schedule class ``torch_class`` of ``schedules.py`` over
+    ``ranks`` ranks and ``stages`` stages running ``micro_batches``, rank 0 holding the stage indices ``held``: for
+    each rank its
     actions in order as ``(stage, kind, micro-batch)``, kind one of "F" (forward), "B" (full backward), "I" (the
     input-gradient half of a split backward), "W" (its weight half) (Note [a schedule's order without its stages])."""
     from types import SimpleNamespace
@@ -381,10 +385,8 @@ def pipeline_order(torch_class: str, ranks: int, held: list[int], stages: int, m
     standins = [SimpleNamespace(num_stages=stages, group_size=ranks, group_rank=0, stage_index=index,
                                 is_first=index == 0, is_last=index == stages - 1,
                                 submod=torch.nn.Module()) for index in held]
-    cls = getattr(schedules, torch_class)
-    single = issubclass(cls, schedules.PipelineScheduleSingle)
-    built = cls(standins[0] if single else standins, micro_batches, loss_fn=lambda output, target: output,
-                scale_grads=False)
+    built = getattr(schedules, torch_class)(standins, micro_batches, loss_fn=lambda output, target: output,
+                                            scale_grads=False)
 
     def plain(action: Any) -> list[tuple[int, str, int]]:
         if action is None:

@@ -58,7 +58,9 @@ def user_rng_kept() -> Iterator[None]:
 
 
 def keeps_user_rng(entry: Callable[..., T]) -> Callable[..., T]:
-    """An entry point that leaves the global random generators as it found them (Note [the user's random state])."""
+    """An entry point that leaves the global random generators as it found them (Note [the user's random state]),
+    and DTensor's cached shardings empty of the simulations' fake meshes (Note [one process, several simulated
+    ranks], core/_torch.py)."""
     @functools.wraps(entry)
     def wrapped(*args: Any, **kwargs: Any) -> T:
         # and DTensor's sharding caches empty of the user's meshes on the way in and of the simulations' fake ones
