@@ -176,7 +176,8 @@ class Layout:
     # torch's schedule pipeline_schedule (torch's name: "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
     # "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"), the accumulation steps its micro-batches, with FSDP2
     # and tensor parallel inside each stage (strategy="fsdp2"; autofit/parallel/pipeline.py). estimate and measure
-    # run it; plan does not choose pipelines yet
+    # run it; plan chooses its micro-batches and recomputation, and with pipeline_schedule="auto" the schedule
+    # (autofit/planning/pipeline.py)
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1F1B"
     # the decoder layers of each pipeline stage, in stage order (P numbers, 2P under the schedules that hold two

@@ -124,13 +124,14 @@ class PlanRequest:
         """What a plan's estimate must fit: the budget less the margin."""
         return self.budget_bytes - self.margin_bytes
 
-    def step(self, parallel: Parallel) -> StepConfig:
+    def step(self, parallel: Parallel, accumulation_steps: int = 1) -> StepConfig:
         """The step every configuration of this request shares at ``parallel``'s layout: the knobs the user fixed
         (optimizer, clipping, the target) and the layout's. A stage or a search candidate sets the rest (micro-batch,
         accumulation, precision, recomputation, offload, in-backward stepping) with ``dataclasses.replace``, so the
-        whole step travels as one value through the analysis, the search and the full estimates."""
+        whole step travels as one value through the analysis, the search and the full estimates.
+        ``accumulation_steps``: where the layout's rules read them (a pipeline schedule's micro-batches)."""
         return make_step_config(
-            micro_batch_size=1, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
+            micro_batch_size=1, accumulation_steps=accumulation_steps, optimizer=self.optimizer, device=self.device.kind, held_rows=self.per_rank,
             gpu=self.device.name, layout=parallel, clip_grad_norm=self.clip_grad_norm,
             chunked_loss=self.chunked_loss, compile=self.compile, zero_grad=self.zero_grad,
             more_features=step_features(self))

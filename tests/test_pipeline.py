@@ -362,11 +362,71 @@ def test_a_schedules_time_needs_one_time_per_stage():
         pipeline_time("interleaved1f1b", 2, 4, [StageSeconds(1, 1, 1)] * 2)
 
 
-def test_the_planner_says_it_does_not_choose_pipelines_yet():
-    case = tiny_llama_pipeline("meta")
-    with pytest.raises(InvalidInputError, match="planner does not choose pipelines yet.*autofit.estimate"):
-        autofit.plan(case.model, case.sample, budget="8GB", target=case.target, batch_size=8,
-                     layout=_layout(2, "1F1B"))
+def _planned(case, budget, schedule="1F1B", **kw):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autofit.plan(case.model, case.sample, budget=budget, target=case.target, batch_size=8, device="cpu",
+                            optimizer="adamw", layout=_layout(2, schedule), **kw)
+
+
+def _estimated(case, plan):
+    """``autofit.estimate`` of the plan's knobs, and their measured peaks (gloo processes, the CPU allocator)."""
+    import warnings
+
+    kw = dict(target=case.target, optimizer="adamw", device="cpu", layout=_layout(2, plan.parallel.layout.placement(
+        "pp").option("schedule")), step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                                     accumulation_steps=plan.gradient_accumulation_steps,
+                                                     checkpoint=plan.checkpoint))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autofit.estimate(case.model, case.sample, **kw), kw
+
+
+@pytest.mark.slow
+def test_the_planner_chooses_a_pipelines_micro_batches_and_recomputation_within_the_budget():
+    """Note [planning a pipeline] (autofit/planning/pipeline.py): 1F1B over two stages, 8 rows a step. With room,
+    the fastest configuration the schedule takes (at least 2 micro-batches: torch's 1F1B refuses fewer), its peak the
+    one ``autofit.estimate`` gives for those knobs. A budget under that peak makes the planner take another
+    configuration, whose every rank's peak, measured by the CPU allocator over gloo, is within the budget; under the
+    smallest configuration's peak the error names that peak as the smallest budget."""
+    case = tiny_llama_pipeline()
+    roomy = _planned(case, "8GB")
+    assert roomy.parallel.layout.degree("pp") == 2
+    assert roomy.gradient_accumulation_steps >= 2 and roomy.micro_batch_size * roomy.gradient_accumulation_steps == 8
+    assert roomy.checkpoint == ()
+    est, _ = _estimated(case, roomy)
+    assert roomy.peak_bytes == est.peak_bytes and roomy.estimate.rank_peaks == est.rank_peaks
+    assert any(n.startswith("pipeline: 1F1B over 2 stages") for n in roomy.notes)
+    tight = _planned(case, est.peak_bytes - 1)
+    assert (tight.micro_batch_size, tight.checkpoint) != (roomy.micro_batch_size, roomy.checkpoint)
+    assert tight.peak_bytes <= est.peak_bytes - 1
+    measured = autofit.measure(case.model, case.sample, **_estimated(case, tight)[1])
+    assert max(measured.rank_peaks) <= est.peak_bytes - 1, (measured.rank_peaks, est.peak_bytes)
+    with pytest.raises(autofit.InfeasibleBudgetError, match="micro-batch 1, fp32, 4 modules checkpointed, pp 2") as e:
+        _planned(case, 2**20)
+    least = autofit.estimate(case.model, case.sample, target=case.target, optimizer="adamw", device="cpu",
+                             layout=_layout(2, "1F1B"),
+                             step=autofit.Step(micro_batch_size=1, accumulation_steps=8, checkpoint=case.checkpoint))
+    assert f"({least.device_bytes:,} bytes" in str(e.value)
+
+
+@pytest.mark.sim
+def test_the_planner_races_every_schedule_when_told_auto():
+    """``pipeline_schedule="auto"``: each schedule torch has is a layout of the race, and the plan names the one it
+    chose and why the others lost; one split cannot serve them all (one or two stages per rank)."""
+    case = tiny_llama_pipeline(layers=8)
+    plan = _planned(case, "8GB", "auto")
+    chosen = plan.parallel.layout.placement("pp").option("schedule")
+    assert any(n.startswith(f"pipeline: {autofit.parallel.pipeline.SCHEDULES[chosen].title} over 2 stages")
+               for n in plan.notes)
+    raced = [n for n in plan.notes if n.startswith("pp 2 (") and "not planned" in n]
+    assert len(raced) >= 6, plan.notes
+    with pytest.raises(InvalidInputError, match="pipeline_layers .* with pipeline_schedule='auto'"):
+        autofit.plan(case.model, case.sample, budget="8GB", target=case.target, batch_size=8, device="cpu",
+                     layout=autofit.Layout(world_size=2, strategy="fsdp2", pipeline_parallel=2,
+                                           pipeline_schedule="auto", pipeline_layers=(4, 4)))
 
 
 @pytest.mark.sim
@@ -420,18 +480,26 @@ def test_a_bad_split_on_the_command_line_is_refused_naming_the_flag():
     assert result.exit_code == 2 and "give --pipeline-parallel P too" in " ".join(result.output.split())
 
 
-@pytest.mark.quick
-def test_plan_on_the_command_line_refuses_a_pipeline_before_building_the_model_naming_estimate():
-    """``autofit plan ... --pipeline-parallel 2``: code 2 and the ``autofit estimate`` command that runs one, before
-    the model is built (a model name that does not exist is never read)."""
+@pytest.mark.sim
+def test_plan_on_the_command_line_chooses_for_the_pipeline_it_is_given():
+    """``autofit plan hf:llama ... --pipeline-parallel 2 --schedule GPipe --pipeline-layers 1,3``: the plan keeps the
+    layout, the schedule and the split it was given, and its micro-batches fill the rows a step trains."""
+    import json
+
     from typer.testing import CliRunner
 
     from autofit.cli.app import app
 
-    result = CliRunner().invoke(app, ["plan", "hf:no-such-model", "-b", "8GB", "-n", "8", "--world-size", "2",
-                                      "--pipeline-parallel", "2", "--schedule", "Interleaved1F1B"])
-    assert result.exit_code == 2, result.output
-    text = " ".join(result.output.split())
-    assert "--pipeline-parallel 2: plan does not choose pipelines yet" in text
-    assert "autofit estimate MODEL -m ROWS -n BATCH --world-size W --pipeline-parallel 2 --schedule Interleaved1F1B" in text
-    assert "no-such-model" not in text
+    config = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512)
+    flags = [a for k, v in config.items() for a in ("--config", f"{k}={v}")]
+    result = CliRunner().invoke(app, ["plan", "hf:llama", *flags, "--input-shape", "16", "-b", "8GB", "-n", "8",
+                                      "--device", "cpu", "--world-size", "2", "--strategy", "fsdp2",
+                                      "--pipeline-parallel", "2", "--schedule", "GPipe", "--pipeline-layers", "1,3",
+                                      "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert data["more_dimensions"] == [["pp", 2, [["schedule", "gpipe"], ["layers", [1, 3]]]]]
+    assert data["micro_batch_size"] * data["gradient_accumulation_steps"] == 8
+    assert any(n.startswith("pipeline: GPipe over 2 stages") for n in data["notes"])

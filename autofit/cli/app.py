@@ -99,7 +99,7 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
-    pipeline_parallel: PipelineOpt = 1, schedule: ScheduleOpt = "1F1B",
+    pipeline_parallel: PipelineOpt = 1, schedule: ScheduleOpt = "1F1B", pipeline_layers: PipelineLayersOpt = None,
     quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
@@ -133,11 +133,6 @@ def plan(
         note = gpu_note(gpu) if device == "cuda" and not cards else None
         if note:
             say(console, "note", note)
-        if pipeline_parallel != 1:  # refused before the model is built, in the command line's words (issue 59)
-            raise InvalidInputError(
-                f"--pipeline-parallel {pipeline_parallel}: plan does not choose pipelines yet (its time model prices "
-                f"no schedule's bubble); estimate runs one and shows every stage's peak: autofit estimate MODEL "
-                f"-m ROWS -n BATCH --world-size W --pipeline-parallel {pipeline_parallel} --schedule {schedule}")
         if write is not None and from_file is None:
             raise InvalidInputError("--write writes back the config given with --from FILE")
         if from_file is not None:  # the model, batch, ranks, precision and optimizer from the config
@@ -175,7 +170,8 @@ def plan(
                           replicate=layout_option("--replicate", replicate),
                           tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
                           tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel),
-                          pipeline_parallel=pipeline_parallel, pipeline_schedule=schedule),
+                          pipeline_parallel=pipeline_parallel, pipeline_schedule=schedule,
+                          pipeline_layers=parse_pipeline_layers(pipeline_layers)),
             search=Search(variable_length=variable_length))
         if cards:
             from autofit.compare import compare

@@ -153,10 +153,11 @@ TensorOpt = Annotated[str, typer.Option(
 PipelineOpt = Annotated[int, typer.Option(
     "--pipeline-parallel", help="pipeline stages P: the model cut into P stages, one per rank, run by torch's "
     "pipeline schedule (--schedule), the accumulation steps its micro-batches; FSDP2 over the world size // P ranks "
-    "of each stage (1: none; the planner does not choose pipelines yet)")]
+    "of each stage (1: none); plan chooses the micro-batches and recomputation for it")]
 ScheduleOpt = Annotated[str, typer.Option(
     "--schedule", help="with --pipeline-parallel: torch's schedule, GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
-    "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last five hold two stages per rank)")]
+    "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last five hold two stages per rank); on plan also auto "
+    "(every schedule raced, the fastest that fits kept)")]
 PipelineLayersOpt = Annotated[Optional[str], typer.Option(
     "--pipeline-layers", metavar="N,N,...", help="with --pipeline-parallel: each stage's decoder layers in stage "
     "order, summing to the model's (P counts, 2P under the schedules that hold two stages per rank); default: an "

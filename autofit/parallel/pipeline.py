@@ -7,8 +7,9 @@ window's micro-batches as torch's schedule orders them (Note [one schedule], par
 it: every torch schedule (DualPipeV's overlapped halves one after the other, as torch runs them), with FSDP2 and
 tensor parallel (sequence parallel too) inside each stage, each stage's layers the even split or the user's
 (``Layout.pipeline_layers``); :func:`pipeline_time` runs a schedule's order for its step's time (Note [a schedule's
-time]). Not yet: the planner does not choose a pipeline (``plan`` refuses one) nor balances the split, nor HSDP or
-offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md ("Pipeline
+time]), with which ``plan`` chooses a given pipeline's micro-batches, recomputation and (``"auto"``) schedule
+(Note [planning a pipeline], autofit/planning/pipeline.py). Not yet: the planner does not choose the degree nor
+balances the split, nor HSDP or offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md ("Pipeline
 parallel").
 
 Note [pipeline stages]
@@ -46,14 +47,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autofit.core._torch import pipeline_order, pipeline_step
+from autofit.core._torch import is_view, pipeline_order, pipeline_step
 from autofit.core.errors import InvalidInputError, UnsupportedModelError
 from autofit.parallel.dimension import ApplyInputs, Dimension, Layout, Placement, StepKnobs
 from autofit.parallel.exports import ExportFragment, ExportInputs
 from autofit.parallel.sequence_parallel import is_sequence_parallel
 
 __all__ = ["PIPELINE", "PipelineSchedule", "PipelineTime", "SCHEDULES", "ScheduleKind", "StageSeconds",
-           "cut_to_stages", "decoder_stages", "layer_split", "micro_batch_rule", "pipeline_time"]
+           "cut_to_stages", "decoder_names", "decoder_stages", "layer_split", "micro_batch_rule", "pipeline_time"]
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleKind:
@@ -321,6 +322,16 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return base, head
 
 
+def decoder_names(model: nn.Module) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+    """The names in ``model`` of its decoder layers, in order, and of the modules outside them that the first stage
+    holds (``"first"``: the embedding) and the last (``"last"``: the final norm and the head); Note [pipeline
+    stages]."""
+    base, head = _decoder(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    return ([names[id(layer)] for layer in base.layers],
+            {"first": (names[id(base.embed_tokens)],), "last": (names[id(base.norm)], names[id(head)])})
+
+
 def decoder_stages(model: nn.Module, stages: int, layers: tuple[int, ...] | None = None) -> list[nn.Module]:
     """``model`` (a Hugging Face causal LM whose config declares ``base_model_pp_plan``) cut into ``stages``
     modules that share its parameters, in order, ``layers`` decoder layers each (None: :func:`layer_split`'s even
@@ -514,7 +525,10 @@ def _torch_schedule(schedule: PipelineSchedule, model: nn.Module, rank: _RankSta
                                None)
             else:
                 loss = loss_of(output, value)
-        return loss if weight == 1.0 else loss * weight
+        # torch's split backward (the zero-bubble schedules) detaches the loss in place (``stage_backward_input``,
+        # torch/distributed/pipelining/_backward.py), which a view refuses (a model's own loss may be one): the
+        # product is not, and times 1.0 it is the same value
+        return loss * weight if weight != 1.0 or is_view(loss) else loss
 
     torch_class = getattr(schedules, SCHEDULES[schedule.name].torch_class)
     try:
@@ -562,8 +576,9 @@ class _Pipeline(Dimension):
     """The pipeline dimension (Note [pipeline stages]): its degree is the stage count, its option the schedule."""
 
     def choices(self, space: Any):
-        """The user's ``pipeline_parallel``, ``pipeline_schedule`` and ``pipeline_layers`` (``autofit.Layout``); the
-        planner offers no pipeline yet. Where the model is known, each stage's layers are placed with the schedule
+        """The user's ``pipeline_parallel``, ``pipeline_schedule`` (``"auto"``: every schedule, each a layout the
+        planner races) and ``pipeline_layers`` (``autofit.Layout``); the planner offers no pipeline of its own yet.
+        Where the model is known, each stage's layers are placed with the schedule
         (the even split where none are given), checked against it before anything runs: the cut, the trainer and the
         torchtitan export read the one split."""
         user = getattr(space, "layout_options", None)
@@ -571,17 +586,24 @@ class _Pipeline(Dimension):
         if degree == 1:
             return (Placement(self.name),)
         name = str(getattr(user, "pipeline_schedule", "1f1b")).lower()
-        if name not in SCHEDULES:
+        if name != "auto" and name not in SCHEDULES:
             raise InvalidInputError(
                 f"pipeline_schedule {name!r} is not one autofit runs: one of "
-                f"{', '.join(kind.title for kind in SCHEDULES.values())} (torch's names)")
-        options: tuple[tuple[str, Any], ...] = (("schedule", name),)
-        model = getattr(space, "model", None)
-        if model is not None:
-            split = layer_split(len(_decoder(model)[0].layers), degree * SCHEDULES[name].per_rank,
-                                getattr(user, "pipeline_layers", None))
-            options += (("layers", tuple(len(r) for r in split)),)
-        return (Placement(self.name, degree, options),)
+                f"{', '.join(kind.title for kind in SCHEDULES.values())} (torch's names), or 'auto' (plan chooses)")
+        given = getattr(user, "pipeline_layers", None)
+        if name == "auto" and given is not None and len({kind.per_rank for kind in SCHEDULES.values()}) > 1:
+            raise InvalidInputError(
+                f"pipeline_layers {list(given)} with pipeline_schedule='auto': the schedules hold one or two stages "
+                "per rank, so one split cannot serve them all: name the schedule, or leave the split out")
+        found = []
+        for key in (SCHEDULES if name == "auto" else (name,)):  # "auto": every schedule, each a layout to race
+            options: tuple[tuple[str, Any], ...] = (("schedule", key),)
+            model = getattr(space, "model", None)
+            if model is not None:
+                split = layer_split(len(_decoder(model)[0].layers), degree * SCHEDULES[key].per_rank, given)
+                options += (("layers", tuple(len(r) for r in split)),)
+            found.append(Placement(self.name, degree, options))
+        return tuple(found)
 
     def check(self, layout: Layout) -> None:
         pp = layout.degree(self.name)

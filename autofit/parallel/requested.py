@@ -133,11 +133,6 @@ def planned_layouts(model: nn.Module, layout: Any, batch_size: int, tensors: Seq
         raise InvalidInputError(f"strategy={strategy!r} needs world_size > 1 (the number of processes)")
     if batch_size % world_size:
         raise InvalidInputError(f"batch_size {batch_size} does not split evenly over world_size {world_size}")
-    if getattr(layout, "pipeline_parallel", 1) != 1:  # issue 59: the time model has no bubble yet
-        raise InvalidInputError(
-            f"pipeline_parallel={layout.pipeline_parallel}: the planner does not choose pipelines yet (its time model "
-            "prices no schedule's bubble); estimate and measure run one: autofit.estimate(model, sample, "
-            "layout=autofit.Layout(world_size=P, strategy='fsdp2', pipeline_parallel=P, pipeline_schedule='1F1B'))")
     per_node, reshards, replicates = fsdp2_layouts(world_size, strategy, layout.gpus_per_node,
                                                    layout.reshard_after_forward, layout.replicate)
     degrees = tensor_options(model, world_size, per_node, strategy, layout.tensor_parallel,

@@ -40,7 +40,7 @@ from autofit.solve.verify import (Slower, Verified, host_checked, host_fits, inf
                                   with_offload_minimum)
 from autofit.core.units import format_bytes
 
-__all__ = ["Climb", "Unplanned", "plan_layout"]
+__all__ = ["Climb", "Unplanned", "plan_layout", "plan_of"]
 
 
 class Unplanned(Exception):
@@ -85,7 +85,7 @@ def plan_layout(request: PlanRequest, parallel: Parallel, beat: float | None = N
         estimator = Estimator(request, parallel)
         found = quick_path(estimator, climb.fit)
         if found is not None:
-            return _plan_of(estimator, found), {}
+            return plan_of(estimator, found), {}
     carried = _Carried()
     for rung, stage in enumerate(climb.stages):
         if len(climb.stages) > 1 and not stage.skipped(climb.fit):  # the ladder's climb, how far
@@ -301,7 +301,7 @@ def _rung_plan(climb: Climb, stage: Stage, carried: _Carried, searched: _Searche
     found = searched.found
     found = replace(found, notes=found.notes + skipped_note(stage, carried.skipped)
                     + rung_notes(climb.request, stage, searched.estimator, found, for_time=for_time))
-    plan = _plan_of(searched.estimator, found, searched.analysed, climb.rows_known)
+    plan = plan_of(searched.estimator, found, searched.analysed, climb.rows_known)
     if searched.versus is not None:
         plan = replace(plan, module_level_step_seconds=searched.versus.seconds, notes=plan.notes + (
             selective_note(plan, searched.versus),))
@@ -377,7 +377,7 @@ def _smallest(climb: Climb, carried: _Carried) -> tuple[Plan, dict[str, Analysis
     fitted = est.within(climb.fit)
     if fitted is not None:  # the models were pessimistic: the smallest configuration fits
         analysed = climb.analyses[(rung_estimator.parallel, *feature_values(rung_estimator.request))]
-        return _plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
+        return plan_of(rung_estimator, Verified(least, fitted, (least,)), analysed), analysed
     at, sharded_over = budget_error_at(parallel)
     error = infeasible(least, est, request.budget_bytes, at, margin=request.margin_bytes, sharded_over=sharded_over)
     if carried.on_host is not None:
@@ -388,7 +388,7 @@ def _smallest(climb: Climb, carried: _Carried) -> tuple[Plan, dict[str, Analysis
     raise error
 
 
-def _plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis] | None = None,
+def plan_of(estimator: Estimator, found: Verified, analyses: dict[str, Analysis] | None = None,
              rows_known: dict[tuple, dict[tuple[int, int], int]] | None = None) -> Plan:
     """The Plan of a verified choice, finished (solve/finish.py): optional fp32 pins, the cost of each pin, the even
     split for the exports, the rows per micro-batch at shorter lengths."""

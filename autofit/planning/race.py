@@ -25,6 +25,7 @@ from autofit.parallel.rungs import host_rung_loses, names_smallest_budget
 from autofit.core.units import format_bytes
 
 from autofit.planning.climb import Climb, Unplanned, plan_layout
+from autofit.planning.pipeline import pipelined, plan_pipeline
 
 __all__ = ["plan_layouts"]
 
@@ -36,13 +37,19 @@ def plan_layouts(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
     deferred: list[Parallel] = []
+    # where no layout is known to hold least at any configuration (a further dimension's: a pipeline's), the one
+    # whose states floor is least names the smallest budget when nothing fits
+    namer = None if any(p.least_memory for p in parallels) else min(hopeless, key=lambda p: floors[p] or 0,
+                                                                    default=None)
     for position, parallel in enumerate(order):
         name, climb = parallel.label, climbs.pop(parallel)  # dropped after its turn (Note [bounded memory])
         if len(order) > 1:  # the layout race, how far (issue 56)
             progress.report(f"layout {name}", position, len(order))
         # when the layout that holds least misses the budget, the others' smallest budgets are no smaller, and only
         # the smallest is ever reported
-        if parallel in hopeless and not names_smallest_budget(parallel, planned=bool(tally.results)):
+        names = names_smallest_budget(parallel, planned=bool(tally.results)) or (parallel is namer
+                                                                                  and not tally.results)
+        if parallel in hopeless and not names:
             tally.failed.append(_states_alone(request, parallel, floors[parallel]))
             continue
         if parallel in hopeless and tally.unplanned:  # Note [ruled out by arithmetic]
@@ -58,7 +65,8 @@ def plan_layouts(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
             tally.failed.append(_collectives_note(parallel, alone, f"the plan found, {beat:.3g} s"))
             continue
         on_gpus = host_rung_loses(r[0].parallel for r in tally.results)
-        _attempt(request, name, functools.partial(plan_layout, request, parallel, beat, on_gpus, climb), tally)
+        planned = plan_pipeline if pipelined(parallel) else plan_layout  # Note [planning a pipeline]
+        _attempt(request, name, functools.partial(planned, request, parallel, beat, on_gpus, climb), tally)
         tally.release()  # Note [bounded memory]
     if not tally.results:
         _fallbacks(request, tally, deferred, floors)
@@ -154,7 +162,8 @@ def _fallbacks(request: PlanRequest, tally: _Tally, deferred: list[Parallel] = (
         if tally.results or tally.over_host() or (smallest is not None and floor >= smallest):
             ruled_out.append(_states_alone(request, parallel, floor))
             continue
-        _attempt(request, parallel.label, functools.partial(plan_layout, request, parallel), tally, now=True)
+        planned = plan_pipeline if pipelined(parallel) else plan_layout
+        _attempt(request, parallel.label, functools.partial(planned, request, parallel), tally, now=True)
     tally.failed += ruled_out
     if tally.results:
         return tally.results
@@ -231,7 +240,7 @@ def _by_bound(order: list[Parallel], climbs: dict[Parallel, Climb], last: set[Pa
     """``order`` with the layouts searched by their models put in order of their bounds (Note [the layout to
     verify first]); those in ``last`` (planned only when nothing else fits) and those the quick path tries stay where
     they were."""
-    ranked = [p for p in order if p not in last and not climbs[p].quick]
+    ranked = [p for p in order if p not in last and not climbs[p].quick and not pipelined(p)]
     if len(ranked) < 2:
         return order
     bounds: dict[Parallel, float] = {}

@@ -106,7 +106,7 @@ class Estimator:
         the layout's only where there is more than one (with one, every micro-batch is the last and reduces anyway:
         the same step), as the plan says."""
         parallel = self.parallel.for_micro_batches(c.accumulation_steps)
-        return replace(self.request.step(parallel), micro_batch_size=c.micro_batch_size,
+        return replace(self.request.step(parallel, c.accumulation_steps), micro_batch_size=c.micro_batch_size,
                        accumulation_steps=c.accumulation_steps, precision=policy, checkpoint=c.checkpoint,
                        selective=c.selective, op_selective=c.op_selective, optimizer_in_backward=c.in_backward,
                        offload=c.offload,

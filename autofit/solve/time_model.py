@@ -140,6 +140,11 @@ class TimeModel:
                           and self.offload_seconds((n,), batch) < self.recompute_seconds(n, batch))
         return tuple(n for n in dropped if n not in offloaded), offloaded
 
+    def op_seconds(self, batch: int) -> np.ndarray:
+        """Each op's seconds for one micro-batch of ``batch`` rows, by the roofline (a pipeline's stages sum their
+        own: autofit/planning/pipeline.py)."""
+        return self._op_seconds(batch)
+
     def _op_seconds(self, batch: int) -> np.ndarray:
         if batch not in self._cache:
             ops, tp = self.ops, self.throughput
