@@ -177,8 +177,10 @@ class Layout:
     # "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"), the accumulation steps its micro-batches, with FSDP2
     # and tensor parallel inside each stage (strategy="fsdp2"; autofit/parallel/pipeline.py). estimate and measure
     # run it; plan chooses its micro-batches and recomputation, and with pipeline_schedule="auto" the schedule
-    # (autofit/planning/pipeline.py)
-    pipeline_parallel: int = 1
+    # (autofit/planning/pipeline.py); pipeline_parallel="auto": plan also races P = 2, 4, 8, 16 dividing world_size
+    # (at least one layer a stage) beside no pipeline, for a model it can cut (a Hugging Face causal LM declaring
+    # base_model_pp_plan, its head untied)
+    pipeline_parallel: int | str = 1
     pipeline_schedule: str = "1F1B"
     # the decoder layers of each pipeline stage, in stage order (P numbers, 2P under the schedules that hold two
     # stages per rank), summing to the model's layers; None: an even split, the remainder on the first stages
@@ -187,7 +189,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         require_int("world_size", self.world_size)
-        require_int("pipeline_parallel", self.pipeline_parallel)
+        if self.pipeline_parallel != "auto":
+            require_int("pipeline_parallel", self.pipeline_parallel)
         require_strategy(self.strategy)
         if self.pipeline_layers is not None:
             layers = self.pipeline_layers
@@ -195,9 +198,10 @@ class Layout:
                     any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
                 raise InvalidInputError(f"pipeline_layers must be the decoder layers of each stage, positive ints in "
                                         f"stage order (e.g. (15, 16, 16, 15)), got {layers!r}")
-            if self.pipeline_parallel == 1:  # no stages to split: said, not dropped
+            if self.pipeline_parallel in (1, "auto"):  # no stages, or several counts of them: said, not dropped
                 raise InvalidInputError(f"pipeline_layers={layers!r} splits the layers over pipeline stages, and "
-                                        "pipeline_parallel is 1: give pipeline_parallel=P too, or leave the split out")
+                                        f"pipeline_parallel is {self.pipeline_parallel!r}: give pipeline_parallel=P "
+                                        "too, or leave the split out")
             object.__setattr__(self, "pipeline_layers", tuple(layers))  # hashable, as the layout's options are
 
 

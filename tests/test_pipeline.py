@@ -503,3 +503,44 @@ def test_plan_on_the_command_line_chooses_for_the_pipeline_it_is_given():
     assert data["more_dimensions"] == [["pp", 2, [["schedule", "gpipe"], ["layers", [1, 3]]]]]
     assert data["micro_batch_size"] * data["gradient_accumulation_steps"] == 8
     assert any(n.startswith("pipeline: GPipe over 2 stages") for n in data["notes"])
+
+
+@pytest.mark.slow
+def test_the_planner_takes_a_pipeline_where_nothing_else_fits():
+    """``pipeline_parallel="auto"`` races no pipeline and P = 2 and 4 over 4 ranks. An 8-layer Llama's smallest
+    FSDP2 step (ZeRO-3 over 4, every block recomputed, its weights stored in bf16) holds 1,668,724 bytes on a rank and
+    a 4-stage 1F1B pipeline's 1,559,052 (each found by plan at a 64 KiB budget): at 1.6 MB only the pipeline fits, and
+    the plan takes it; every rank of it, run over gloo, peaks within the budget (the CPU allocator). With room, the
+    race keeps the faster layout without a pipeline (the schedule's bubble and hand-offs cost more than DDP's
+    all-reduce at this size)."""
+    import warnings
+
+    case = tiny_llama_pipeline(layers=8)
+    kw = dict(target=case.target, batch_size=8, device="cpu", optimizer="adamw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        roomy = autofit.plan(case.model, case.sample, budget="8GB", **kw,
+                             layout=autofit.Layout(world_size=4, pipeline_parallel="auto"))
+        assert roomy.parallel.layout.degree("pp") == 1
+        assert "pp 4 (1F1B)" in " ".join(roomy.notes) and "pp 2 (1F1B)" in " ".join(roomy.notes)  # raced
+        budget = 1_600_000
+        tight = autofit.plan(case.model, case.sample, budget=budget, **kw,
+                             layout=autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel="auto"))
+    assert tight.parallel.layout.degree("pp") == 4, tight.parallel.label
+    measured = autofit.measure(case.model, case.sample, target=case.target, optimizer="adamw",
+                               layout=autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=4),
+                               step=autofit.Step(micro_batch_size=tight.micro_batch_size,
+                                                 accumulation_steps=tight.gradient_accumulation_steps,
+                                                 checkpoint=tight.checkpoint))
+    assert len(measured.rank_peaks) == 4 and max(measured.rank_peaks) <= budget, measured.rank_peaks
+    assert max(measured.rank_peaks) == tight.peak_bytes
+
+
+@pytest.mark.quick
+def test_an_estimate_asks_for_one_pipeline_degree():
+    case = tiny_llama_pipeline("meta")
+    with pytest.raises(InvalidInputError, match="pipeline_parallel: a step has one layout"):
+        autofit.estimate(case.model, case.sample, target=case.target, step=autofit.Step(micro_batch_size=1),
+                         layout=autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel="auto"))
+    with pytest.raises(InvalidInputError, match="pipeline_parallel is 'auto': give pipeline_parallel=P"):
+        autofit.Layout(world_size=4, pipeline_parallel="auto", pipeline_layers=(2, 2))

@@ -19,13 +19,13 @@ import typer
 from rich.console import Console
 
 from autofit.cli.flags import (
-    AllowOpt, BatchDimOpt, BatchOpt, BudgetOpt, CompileOpt, ConfigOpt, DeviceOpt, DtypeOpt, EXPORT_NAMES,
-    FromOpt, GpuMemoryOpt, GpuOpt, HostBudgetOpt, JsonOpt, LoraOpt, LoraTargetsOpt, MarginOpt, ModelArg, ModelDtypeOpt,
-    NodesOpt, OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt,
-    PipelineLayersOpt, PipelineOpt, PlanGpuOpt, PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt,
+    AllowOpt, BatchDimOpt, BatchOpt, BudgetOpt, CompileOpt, ConfigOpt, DeviceOpt, DtypeOpt, EXPORT_NAMES, FromOpt,
+    GpuMemoryOpt, GpuOpt, HostBudgetOpt, JsonOpt, LoraOpt, LoraTargetsOpt, MarginOpt, ModelArg, ModelDtypeOpt, NodesOpt,
+    OffloadOpt, OptimizerOpt, OptionalBatchOpt, OptionalModelArg, OverCapacityOpt, PerNodeOpt, PipelineLayersOpt,
+    PipelineOpt, PlanGpuOpt, PlanPipelineOpt, PrecisionOpt, PriceOpt, QloraOpt, QuietOpt, ReplicateOpt, ReshardOpt,
     ScheduleOpt, SequenceOpt, ShapeOpt, StoredOpt, StrategyOpt, TaskOpt, TensorOpt, VariableLengthOpt, WorldOpt,
-    WriteOpt, ZeroGradOpt, batch_dims_option, default_zero_grad, feature_flags, gpu_option, layout_option,
-    nodes_layout, spec_option)
+    WriteOpt, ZeroGradOpt, batch_dims_option, default_zero_grad, feature_flags, gpu_option, layout_option, nodes_layout,
+    spec_option)
 from autofit.cli.flags import pipeline_layers as parse_pipeline_layers
 from autofit.cli.help import CONTEXT, Command, Group
 from autofit.cli.messages import console_for, gpu_note, one_line_warnings, say
@@ -99,8 +99,9 @@ def plan(
     allow_over_capacity: OverCapacityOpt = False, nodes: NodesOpt = None, gpus_per_node: PerNodeOpt = None,
     reshard_after_forward: ReshardOpt = "auto", replicate: ReplicateOpt = "auto", allow: AllowOpt = None,
     tensor_parallel: TensorOpt = "1", sequence_parallel: SequenceOpt = False, compile: CompileOpt = False,
-    pipeline_parallel: PipelineOpt = 1, schedule: ScheduleOpt = "1F1B", pipeline_layers: PipelineLayersOpt = None,
-    quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None, batch_dim: BatchDimOpt = "0",
+    pipeline_parallel: PlanPipelineOpt = "1", schedule: ScheduleOpt = "1F1B",
+    pipeline_layers: PipelineLayersOpt = None, quiet: QuietOpt = False, zero_grad: ZeroGradOpt = None,
+    batch_dim: BatchDimOpt = "0",
     model_dtype: ModelDtypeOpt = "auto", lora: LoraOpt = None, lora_targets: LoraTargetsOpt = None,
     qlora: QloraOpt = False,
     variable_length: VariableLengthOpt = False,
@@ -170,8 +171,8 @@ def plan(
                           replicate=layout_option("--replicate", replicate),
                           tensor_parallel=layout_option("--tensor-parallel", tensor_parallel),
                           tensor_parallel_plan=sequence_option(spec.model, sequence_parallel, tensor_parallel),
-                          pipeline_parallel=pipeline_parallel, pipeline_schedule=schedule,
-                          pipeline_layers=parse_pipeline_layers(pipeline_layers)),
+                          pipeline_parallel=layout_option("--pipeline-parallel", pipeline_parallel),
+                          pipeline_schedule=schedule, pipeline_layers=parse_pipeline_layers(pipeline_layers)),
             search=Search(variable_length=variable_length))
         if cards:
             from autofit.compare import compare

@@ -21,10 +21,11 @@ __all__ = [
     "EXPORT_NAMES", "FEATURE_FLAGS", "FromOpt", "GpuMemoryOpt", "GpuOpt", "HostBudgetOpt", "JsonOpt", "LoraOpt",
     "LoraTargetsOpt", "MarginOpt", "ModelArg", "ModelDtypeOpt", "NodesOpt", "OffloadOpt", "OptimizerOpt",
     "OptionalBatchOpt", "OptionalModelArg", "OverCapacityOpt", "PerNodeOpt", "PipelineLayersOpt", "PipelineOpt",
-    "PlanGpuOpt", "PrecisionOpt", "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt", "ScheduleOpt",
-    "SequenceOpt", "ShapeOpt", "StoredOpt", "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt", "VariableLengthOpt",
-    "WorldOpt", "WriteOpt", "ZeroGradOpt", "batch_dims_option", "default_zero_grad", "feature_flag_names",
-    "feature_flags", "gpu_option", "layout_option", "nodes_layout", "pipeline_layers", "spec_option",
+    "PlanGpuOpt", "PlanPipelineOpt", "PrecisionOpt", "PriceOpt", "QloraOpt", "QuietOpt", "ReplicateOpt", "ReshardOpt",
+    "ScheduleOpt", "SequenceOpt", "ShapeOpt", "StoredOpt", "StrategyOpt", "TASK_NAMES", "TaskOpt", "TensorOpt",
+    "VariableLengthOpt", "WorldOpt", "WriteOpt", "ZeroGradOpt", "batch_dims_option", "default_zero_grad",
+    "feature_flag_names", "feature_flags", "gpu_option", "layout_option", "nodes_layout", "pipeline_layers",
+    "spec_option",
 ]
 
 TASK_NAMES = ("classification", "regression", "causal-lm", "masked-lm")  # autofit.cli.tasks.TASKS, without torch
@@ -154,6 +155,11 @@ PipelineOpt = Annotated[int, typer.Option(
     "--pipeline-parallel", help="pipeline stages P: the model cut into P stages, one per rank, run by torch's "
     "pipeline schedule (--schedule), the accumulation steps its micro-batches; FSDP2 over the world size // P ranks "
     "of each stage (1: none); plan chooses the micro-batches and recomputation for it")]
+PlanPipelineOpt = Annotated[str, typer.Option(
+    "--pipeline-parallel", help="pipeline stages P: the model cut into P stages, one per rank, run by torch's "
+    "pipeline schedule (--schedule), the accumulation steps its micro-batches; FSDP2 over the world size // P ranks "
+    "of each stage (1: none); plan chooses the micro-batches and recomputation for it; auto: also races P = 2, 4, "
+    "8, 16 dividing --world-size beside no pipeline")]
 ScheduleOpt = Annotated[str, typer.Option(
     "--schedule", help="with --pipeline-parallel: torch's schedule, GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
     "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last five hold two stages per rank); on plan also auto "

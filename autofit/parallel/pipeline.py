@@ -7,10 +7,10 @@ window's micro-batches as torch's schedule orders them (Note [one schedule], par
 it: every torch schedule (DualPipeV's overlapped halves one after the other, as torch runs them), with FSDP2 and
 tensor parallel (sequence parallel too) inside each stage, each stage's layers the even split or the user's
 (``Layout.pipeline_layers``); :func:`pipeline_time` runs a schedule's order for its step's time (Note [a schedule's
-time]), with which ``plan`` chooses a given pipeline's micro-batches, recomputation and (``"auto"``) schedule
-(Note [planning a pipeline], autofit/planning/pipeline.py). Not yet: the planner does not choose the degree nor
-balances the split, nor HSDP or offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md ("Pipeline
-parallel").
+time]), with which ``plan`` chooses a pipeline's micro-batches and recomputation, and (``"auto"``) its schedule and
+degree (Note [planning a pipeline], autofit/planning/pipeline.py). Not yet: the planner does not balance the split,
+nor HSDP or offload inside a stage. See Note [pipeline stages], Note [a pipeline rank's step] and docs/multi-gpu.md
+("Pipeline parallel").
 
 Note [pipeline stages]
     torch's ``PipelineStage`` (torch/distributed/pipelining/stage.py) runs one module per stage: its forward takes
@@ -572,19 +572,42 @@ def _input_ids(batch: Any) -> torch.Tensor:
     return ids
 
 
+def _degrees(space: Any) -> tuple[int, ...]:
+    """The pipeline degrees ``pipeline_parallel="auto"`` races beside none: 2, 4, 8 and 16 dividing the world size,
+    each stage at least one layer (two stages a rank under the multi-stage schedules), for a model autofit can cut
+    (a Hugging Face causal LM declaring its pipeline cut, its head untied: Note [pipeline stages]); () otherwise."""
+    model = getattr(space, "model", None)
+    try:
+        base, head = _decoder(model)
+    except UnsupportedModelError:
+        return ()
+    if head.weight is getattr(base.embed_tokens, "weight", None):
+        return ()
+    layers, world = len(base.layers), getattr(space, "world_size", 1)
+    return tuple(d for d in (2, 4, 8, 16) if world % d == 0 and 2 * d <= layers)
+
+
 class _Pipeline(Dimension):
     """The pipeline dimension (Note [pipeline stages]): its degree is the stage count, its option the schedule."""
 
     def choices(self, space: Any):
-        """The user's ``pipeline_parallel``, ``pipeline_schedule`` (``"auto"``: every schedule, each a layout the
-        planner races) and ``pipeline_layers`` (``autofit.Layout``); the planner offers no pipeline of its own yet.
-        Where the model is known, each stage's layers are placed with the schedule
-        (the even split where none are given), checked against it before anything runs: the cut, the trainer and the
+        """The user's ``pipeline_parallel`` (``"auto"``: none and every degree :func:`_degrees` allows),
+        ``pipeline_schedule`` (``"auto"``: every schedule), each a layout the planner races, and ``pipeline_layers``
+        (``autofit.Layout``). Where the model is known, each stage's layers are placed with the schedule (the even
+        split where none are given), checked against it before anything runs: the cut, the trainer and the
         torchtitan export read the one split."""
         user = getattr(space, "layout_options", None)
         degree = getattr(user, "pipeline_parallel", 1) or 1
+        if degree == "auto":  # no pipeline, and every degree the model and the ranks allow
+            return (Placement(self.name),) + tuple(p for d in _degrees(space) for p in self._placements(space, d))
         if degree == 1:
             return (Placement(self.name),)
+        return self._placements(space, degree)
+
+    def _placements(self, space: Any, degree: int) -> tuple[Placement, ...]:
+        """The placements of a pipeline of ``degree`` stages: one per schedule the user's ``pipeline_schedule``
+        names (every one under "auto")."""
+        user = getattr(space, "layout_options", None)
         name = str(getattr(user, "pipeline_schedule", "1f1b")).lower()
         if name != "auto" and name not in SCHEDULES:
             raise InvalidInputError(

@@ -26,10 +26,11 @@ Note [planning a pipeline]
       - verified in that order: the first whose simulation of every stage fits the budget is the plan, the rank
         with the highest peak its figure. Nothing fits: the smallest budget is the peak of the candidate that holds
         least (one micro-batch's smallest rows, every layer recomputed), simulated.
-    Where the user leaves the schedule to the planner (``pipeline_schedule="auto"``) each schedule torch has is a
-    layout of its own in the planner's race (docs/multi-gpu.md, "How the planner chooses"), and the fastest plan
-    wins. Not planned yet: the degree (the user's ``pipeline_parallel``), the split (the even one or the user's), a
-    recomputation other than none or every layer, precisions other than the preferred one, offload.
+    Where the user leaves the schedule or the degree to the planner (``pipeline_schedule="auto"``,
+    ``pipeline_parallel="auto"``) each schedule torch has and each degree is a layout of its own in the planner's
+    race, beside the layouts without a pipeline (docs/multi-gpu.md, "How the planner chooses"), and the fastest plan
+    wins. Not planned yet: the split (the even one or the user's), a recomputation other than none or every layer,
+    precisions other than the preferred one (the ladder's lower stored precisions), offload.
 """
 
 from __future__ import annotations
