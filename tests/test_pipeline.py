@@ -544,3 +544,60 @@ def test_an_estimate_asks_for_one_pipeline_degree():
                          layout=autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel="auto"))
     with pytest.raises(InvalidInputError, match="pipeline_parallel is 'auto': give pipeline_parallel=P"):
         autofit.Layout(world_size=4, pipeline_parallel="auto", pipeline_layers=(2, 2))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("layers,stages,first,last", [(16, 4, 0.5, 3.2), (8, 2, 0.0, 2.5), (12, 4, 1.5, 0.2),
+                                                       (9, 3, 0.0, 0.0)])
+def test_a_balanced_split_makes_the_slowest_stage_as_fast_as_any_split_can(layers, stages, first, last):
+    """Note [a balanced split] (autofit/planning/pipeline.py): every layer costs 1 (forward 1/3, backward 2/3), the
+    first stage ``first`` more (the embedding), the last ``last`` more (the head and the loss); the split it finds has
+    the slowest stage of every composition of the layers into the stages, counted exhaustively."""
+    import itertools
+
+    from autofit.parallel.pipeline import StageSeconds
+    from autofit.planning.pipeline import balanced_split
+
+    def seconds(counts):
+        extra = [first if s == 0 else 0.0 for s in range(len(counts))]
+        extra[-1] += last
+        return [StageSeconds((n + e) / 3, (n + e) / 3, (n + e) / 3) for n, e in zip(counts, extra)]
+
+    def slowest(counts):
+        return max(s.forward + s.backward_input + s.backward_weight for s in seconds(counts))
+
+    even = tuple(layers // stages + (s < layers % stages) for s in range(stages))
+    found = balanced_split(seconds, even)
+    assert sum(found) == layers and min(found) >= 1
+    best = min(slowest(tuple(b - a for a, b in zip((0, *cuts), (*cuts, layers))))
+               for cuts in itertools.combinations(range(1, layers), stages - 1))
+    assert slowest(found) == pytest.approx(best)
+    assert slowest(found) <= slowest(even)
+
+
+@pytest.mark.sim
+def test_the_planner_gives_the_head_stage_fewer_layers_and_the_export_names_them():
+    """A Llama whose head over 32,000 words outweighs its 8 small layers: the planner's split gives the last stage
+    fewer layers than the first, the plan's note says it balanced them, and torchtitan's export names that split
+    (so torchtitan runs the stages estimated, not its own default)."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(4, 16, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autofit.plan(model, ids, target=ids, budget="8GB", batch_size=8, device="cpu", optimizer="adamw",
+                            layout=autofit.Layout(world_size=2, strategy="fsdp2", pipeline_parallel=2))
+    layers = plan.parallel.layout.placement("pp").option("layers")
+    assert sum(layers) == 8 and layers[-1] < layers[0], layers
+    assert any(f"layers {list(layers)} per stage, balanced by their times" in n for n in plan.notes)
+    from autofit.emit.export import to_torchtitan_config
+
+    parts = to_torchtitan_config(plan)["parallelism"]["module_fqns_per_model_part"]
+    assert [sum(name.startswith("layers.") for name in part) for part in parts] == list(layers)

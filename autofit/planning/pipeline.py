@@ -15,28 +15,43 @@ Note [planning a pipeline]
       - each one's time: the schedule's order run with each stage's forward and backward seconds
         (:func:`autofit.parallel.pipeline.pipeline_time`, Note [a schedule's time]), the stage's ops priced by the
         roofline of the planner's time model over the whole model's analysis (the ops under the stage's modules, each
-        with its launch;
-        those under none, the loss and the decoder's own rotary embedding, on the last stage), a recomputed layer's
-        forward again in its backward, the backward's two halves (input and weight gradients, which the zero-bubble
+        with its launch; the forward ops under none, the loss and the decoder's rotary embedding, on the last stage;
+        the backward ops the analysis names no module of, autograd's, most of the backward, shared in proportion to
+        the stages' forward), a recomputed layer's forward again in its backward, the backward's two halves (input and weight gradients, which the zero-bubble
         schedules run apart) taken as equal halves (their FLOPs are: two matmuls of a linear's three), the hand-off
         between stages one micro-batch's hidden states over the link between the stages' ranks (the inter-node link
         where a stage's ranks fill a node, else within one), plus the optimizer and FSDP2's collectives of the
         heaviest stage's parameters, gathered and reduced once per step as the schedule's stages run them
         (Note [pipeline stage memory]);
+      - each with the even split and, where the user gave none, the balanced one (Note [a balanced split]);
       - verified in that order: the first whose simulation of every stage fits the budget is the plan, the rank
         with the highest peak its figure. Nothing fits: the smallest budget is the peak of the candidate that holds
         least (one micro-batch's smallest rows, every layer recomputed), simulated.
     Where the user leaves the schedule or the degree to the planner (``pipeline_schedule="auto"``,
     ``pipeline_parallel="auto"``) each schedule torch has and each degree is a layout of its own in the planner's
     race, beside the layouts without a pipeline (docs/multi-gpu.md, "How the planner chooses"), and the fastest plan
-    wins. Not planned yet: the split (the even one or the user's), a recomputation other than none or every layer,
-    precisions other than the preferred one (the ladder's lower stored precisions), offload.
+    wins. Not planned yet: a recomputation other than none or every layer, precisions other than the preferred one
+    (the ladder's lower stored precisions), offload, and a depth cut of the stages (each verification simulates
+    every stage whole, so a 70B or 405B plan is beyond what two cores do in a minute: docs/multi-gpu.md).
+
+Note [a balanced split]
+    The stages run in lock-step, so the slowest one sets the pace: an even split by layers leaves the first stage
+    (the embedding) and, more, the last (the final norm, the head over the vocabulary and the loss) slower than the
+    middle ones, which is why torchtitan's default counts the embedding and the head as a layer each
+    (``pipeline_parallel_first_stage_less_layers``, ``..._last_stage_less_layers``) and Megatron-Bridge users
+    rebalance by hand (Megatron-Bridge#5077). :func:`balanced_split` starts from the even split and moves one layer
+    at a time off a slowest stage to whichever stage makes the slowest stage fastest, by the stages' seconds of
+    this candidate (its micro-batch rows and recomputation), until no move helps. The stages' times are the
+    planner's roofline, so the split is as good as those; its memory is not modelled but simulated: a balanced
+    split that moves layers onto a stage that then misses the budget loses to the even split of the same
+    configuration, verified after it.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,7 +75,7 @@ from autofit.solve.space import analyse_policies
 from autofit.solve.time_model import TimeModel, build_time_model
 from autofit.solve.verify import Verified, infeasible
 
-__all__ = ["PipelineCandidate", "pipeline_candidates", "plan_pipeline", "pipelined"]
+__all__ = ["PipelineCandidate", "balanced_split", "pipeline_candidates", "plan_pipeline", "pipelined"]
 
 
 def pipelined(parallel: Parallel) -> bool:
@@ -71,32 +86,58 @@ def pipelined(parallel: Parallel) -> bool:
 @dataclass(frozen=True)
 class PipelineCandidate:
     """One configuration of a pipelined step and its time by the schedule's order (Note [planning a pipeline]):
-    ``compute_seconds`` the schedule's step, ``idle_share`` the share of it the least idle rank waits,
-    ``optimizer_seconds`` the optimizer and FSDP2's collectives of the heaviest stage."""
+    ``parallel`` the layout with its split (each stage's layers), ``compute_seconds`` the schedule's step,
+    ``idle_share`` the share of it the least idle rank waits, ``optimizer_seconds`` the optimizer and FSDP2's
+    collectives of the heaviest stage; ``balanced``: the split is the planner's, not the even one."""
 
     candidate: Candidate
+    parallel: Parallel
     compute_seconds: float
     idle_share: float
     optimizer_seconds: float
+    balanced: bool = False
+
+
+def balanced_split(stage_seconds: Callable[[tuple[int, ...]], list[StageSeconds]], counts: tuple[int, ...],
+                   ) -> tuple[int, ...]:
+    """The layers of each stage that make the slowest stage fastest (Note [a balanced split]), from ``counts`` (the
+    even split); ``stage_seconds(counts)``: each stage's seconds for a split."""
+    def slowest(split: tuple[int, ...]) -> float:
+        return max(s.forward + s.backward_input + s.backward_weight for s in stage_seconds(split))
+
+    best, worst = counts, slowest(counts)
+    while True:
+        times = [s.forward + s.backward_input + s.backward_weight for s in stage_seconds(best)]
+        moves = [(slowest(split), split) for src in range(len(best)) if best[src] > 1 and times[src] == max(times)
+                 for dst in range(len(best)) if dst != src
+                 for split in [tuple(n - (i == src) + (i == dst) for i, n in enumerate(best))]]
+        if not moves:
+            return best
+        seconds, split = min(moves)
+        if seconds >= worst:
+            return best
+        best, worst = split, seconds
 
 
 def _stage_seconds(time: TimeModel, batch: int, stage_names: list[tuple[str, ...]], recomputed: frozenset[str],
                    ) -> list[StageSeconds]:
     """Each stage's forward and backward halves for one micro-batch of ``batch`` rows (Note [planning a
-    pipeline]): the ops under its modules (each with its launch), those under none on the last stage, the recomputed
-    modules' forward again in the backward."""
+    pipeline]): the ops under its modules (each with its launch); the forward ops under none (the loss) on the last
+    stage; the backward ops the analysis names no module of (autograd's, most of them) shared in proportion to the
+    stages' forward; the recomputed modules' forward again in the backward."""
     ops = time.ops
     seconds = time.op_seconds(batch) + time.throughput.op_overhead_seconds  # each op's launch, on its stage's rank
     masks = [ops.under(names) for names in stage_names]
     owned = masks[0].copy()
     for mask in masks[1:]:
         owned |= mask
-    masks[-1] = masks[-1] | ~owned
+    masks[-1] = masks[-1] | (~owned & ops.forward)
+    unnamed = float(seconds[~owned & ~ops.forward].sum())
+    forwards = [float(seconds[mask & ops.forward].sum()) for mask in masks]
     again = ops.under(recomputed) & ops.forward if recomputed else None
     stages = []
-    for mask in masks:
-        forward = float(seconds[mask & ops.forward].sum())
-        backward = float(seconds[mask & ~ops.forward].sum())
+    for mask, forward in zip(masks, forwards):
+        backward = float(seconds[mask & ~ops.forward].sum()) + unnamed * forward / (sum(forwards) or 1.0)
         if again is not None:
             backward += float(seconds[mask & again].sum())
         stages.append(StageSeconds(forward, backward / 2, backward / 2))
@@ -110,14 +151,20 @@ def pipeline_candidates(request: PlanRequest, parallel: Parallel, analysis: Anal
     kind, ranks = SCHEDULES[placement.option("schedule", "1f1b")], placement.degree
     model, rows = request.model, request.per_rank
     layers, outside = decoder_names(model)
-    split = layer_split(len(layers), ranks * kind.per_rank, placement.option("layers"))
-    stage_names = [tuple(layers[i] for i in run) + (outside["first"] if s == 0 else ())
-                   + (outside["last"] if s == len(split) - 1 else ()) for s, run in enumerate(split)]
+    even = tuple(len(run) for run in layer_split(len(layers), ranks * kind.per_rank, placement.option("layers")))
+    # the planner's own split where the user gave none (Note [a balanced split])
+    balance = getattr(request.layout_options, "pipeline_layers", None) is None
+
+    def names_of(counts: tuple[int, ...]) -> list[tuple[str, ...]]:
+        split = layer_split(len(layers), len(counts), counts)
+        return [tuple(layers[i] for i in run) + (outside["first"] if s == 0 else ())
+                + (outside["last"] if s == len(split) - 1 else ()) for s, run in enumerate(split)]
+    stage_names = names_of(even)
     # one rank's share of the work: tensor parallel's split ops and its all-reduces (Dimension.rank_work), the
     # all-reduces of the whole model's layers, of which a stage runs its own
     table = analysis.table
     row = {r.name: r for r in table.rows}
-    work = parallel.layout.rank_work(RankWork(analysis.ops, table.row("").param_bytes), WorkInputs(
+    work = parallel.layout.rank_work(RankWork(analysis.ops, row[""].param_bytes), WorkInputs(
         model=model, output_bytes=lambda name: table.row(name).output_bytes_per_sample, rows=rows,
         link_bytes_per_second=request.device.interconnect_bytes_per_second))
     time = build_time_model(work.ops, work.param_bytes, request.device)
@@ -128,7 +175,7 @@ def pipeline_candidates(request: PlanRequest, parallel: Parallel, analysis: Anal
     stage_layout = replace(parallel, more_dimensions=tuple(p for p in parallel.more_dimensions if p.dimension != "pp"),
                            world_size=parallel.world_size // ranks)
     links = Links.of(request.device)
-    per_stage = layout_time(stage_layout, heaviest, links, work.seconds / len(split) * kind.per_rank)
+    per_stage = layout_time(stage_layout, heaviest, links, work.seconds / len(even) * kind.per_rank)
     optimizer, _ = per_stage.optimizer_seconds(request.device.throughput.bytes_per_second, None, [0.0])
     # a hand-off: one micro-batch's hidden states per row (the first layer's output), over the link between ranks
     # (the pp dim is the mesh's outermost: neighbouring stages are world_size / P ranks apart, on other nodes where
@@ -143,12 +190,23 @@ def pipeline_candidates(request: PlanRequest, parallel: Parallel, analysis: Anal
         if micro_batch_rule(kind, ranks, micro) is not None:
             continue
         for checkpoint in ((), tuple(layers)):
-            stages = _stage_seconds(time, b, stage_names, frozenset(checkpoint))
-            step = pipeline_time(kind.title.lower(), ranks, micro, stages, hidden * b / between)
-            seconds = step.step_seconds + optimizer
-            found.append(PipelineCandidate(Candidate(policy.label, b, micro, b, checkpoint, 0, seconds),
-                                           step.step_seconds, step.idle_share, optimizer))
+            def seconds_of(counts, b=b, recomputed=frozenset(checkpoint)):
+                return _stage_seconds(time, b, names_of(counts), recomputed)
+            splits = [even] + ([split] if balance and (split := balanced_split(seconds_of, even)) != even else [])
+            for counts in splits:
+                step = pipeline_time(kind.title.lower(), ranks, micro, seconds_of(counts), hidden * b / between)
+                seconds = step.step_seconds + optimizer
+                found.append(PipelineCandidate(Candidate(policy.label, b, micro, b, checkpoint, 0, seconds),
+                                               _with_split(parallel, counts), step.step_seconds, step.idle_share,
+                                               optimizer, balanced=counts != even))
     return sorted(found, key=lambda c: (c.candidate.seconds, -c.candidate.micro_batch_size))
+
+
+def _with_split(parallel: Parallel, counts: tuple[int, ...]) -> Parallel:
+    """``parallel`` with its pipeline's stages holding ``counts`` layers each."""
+    placed = tuple(replace(p, options=tuple((k, counts if k == "layers" else v) for k, v in p.options))
+                   if p.dimension == "pp" else p for p in parallel.more_dimensions)
+    return replace(parallel, more_dimensions=placed)
 
 
 # the whole model's analysis by (precision, rows per rank, device), per request model: every pipelined layout of one
@@ -184,28 +242,30 @@ def plan_pipeline(request: PlanRequest, parallel: Parallel, beat: float | None =
             "batch_size or use pipeline_schedule='GPipe'")
     # the stages are simulated whole: the depth cut of a pipeline's stages is not built yet (Note [depth
     # extrapolation] cuts the whole model's run of blocks, which the stages' split names)
-    estimator = Estimator(replace(request, blocks=None), parallel)
+    whole = replace(request, blocks=None)
     tried = []
     for position, found in enumerate(candidates):
         c = found.candidate
+        estimator = Estimator(whole, found.parallel)
         if beat is not None and c.seconds >= beat:
             raise Unplanned(f"its fastest configuration left, {c.seconds:.3g} s by the schedule's order, is no "
                             f"faster than {beat:.3g} s")
         progress.report(f"verifying {kind.title} with {c.accumulation_steps} micro-batches of {c.micro_batch_size} "
                         f"row{'s' if c.micro_batch_size > 1 else ''}"
-                        f"{', every layer recomputed' if c.checkpoint else ''} (every stage simulated)",
+                        f"{', every layer recomputed' if c.checkpoint else ''}, layers "
+                        f"{found.parallel.layout.placement('pp').option('layers')} (every stage simulated)",
                         position, len(candidates))
         est = estimator.estimate(c, policy)
         fitted = est.within(request.fit_bytes)
         if fitted is None:
-            tried.append((c, est))
+            tried.append((found, est))
             continue
         note = _chosen_note(kind.title, placement.degree, found, tried, len(candidates))
         chosen = Verified(replace(c, peak_bytes=fitted.device_bytes), fitted, (c,), (note,))
         return plan_of(estimator, chosen, analysed), analysed
     least_c, least = min(tried, key=lambda t: t[1].min_device_bytes)
-    at, sharded_over = budget_error_at(parallel)
-    error = infeasible(least_c, least, request.budget_bytes, at, margin=request.margin_bytes,
+    at, sharded_over = budget_error_at(least_c.parallel)
+    error = infeasible(least_c.candidate, least, request.budget_bytes, at, margin=request.margin_bytes,
                        sharded_over=sharded_over)
     raise Unplanned("nothing fits", fallback=functools.partial(_raise, error))
 
@@ -219,11 +279,17 @@ def _raise(error: Exception) -> tuple[Plan, dict[str, Analysis]]:
 def _chosen_note(title: str, ranks: int, found: PipelineCandidate, tried: list, weighed: int) -> str:
     """What the plan says of its pipeline: the schedule's micro-batches, the bubble, what did not fit before it."""
     c = found.candidate
-    missed = "; ".join(f"{t.accumulation_steps} x {t.micro_batch_size} row{'s' if t.micro_batch_size > 1 else ''}"
-                       f"{' recomputed' if t.checkpoint else ''} {format_bytes(e.device_bytes)}" for t, e in tried)
+    missed = "; ".join(f"{t.candidate.accumulation_steps} x {t.candidate.micro_batch_size} "
+                       f"row{'s' if t.candidate.micro_batch_size > 1 else ''}"
+                       f"{' recomputed' if t.candidate.checkpoint else ''}"
+                       f"{' balanced' if t.balanced else ''} {format_bytes(e.device_bytes)}" for t, e in tried)
+    layers = found.parallel.layout.placement("pp").option("layers")
+    split = (f"layers {list(layers)} per stage, balanced by their times (Note [a balanced split])" if found.balanced
+             else f"layers {list(layers)} per stage")
     return (f"pipeline: {title} over {ranks} stages, {c.accumulation_steps} micro-batch"
             f"{'es' if c.accumulation_steps > 1 else ''} of {c.micro_batch_size} "
-            f"row{'s' if c.micro_batch_size > 1 else ''}{', every decoder layer recomputed' if c.checkpoint else ''}; "
+            f"row{'s' if c.micro_batch_size > 1 else ''}{', every decoder layer recomputed' if c.checkpoint else ''}, "
+            f"{split}; "
             f"by the schedule's order the step is {found.compute_seconds:.4g} s of compute, every rank waiting at "
             f"least {found.idle_share:.1%} of it, and {found.optimizer_seconds:.3g} s of optimizer and collectives "
             f"(Note [planning a pipeline]); {weighed} configurations weighed"
