@@ -17,8 +17,9 @@ Note [planning a pipeline]
         roofline of the planner's time model over the whole model's analysis (the ops under the stage's modules, each
         with its launch; the forward ops under none, the loss and the decoder's rotary embedding, on the last stage;
         the backward ops the analysis names no module of, autograd's, most of the backward, shared in proportion to
-        the stages' forward), a recomputed layer's forward again in its backward, the backward's two halves (input and weight gradients, which the zero-bubble
-        schedules run apart) taken as equal halves (their FLOPs are: two matmuls of a linear's three), the hand-off
+        the stages' forward), a recomputed layer's forward again in its backward, the backward's two halves (input
+        and weight gradients, which the zero-bubble schedules run apart) taken as equal halves (a linear's two
+        backward matmuls have equal FLOPs), the hand-off
         between stages one micro-batch's hidden states over the link between the stages' ranks (the inter-node link
         where a stage's ranks fill a node, else within one), plus the optimizer and FSDP2's collectives of the
         heaviest stage's parameters, gathered and reduced once per step as the schedule's stages run them
