@@ -80,16 +80,16 @@ def tiny_llama_vocab(device: str | None = None) -> ZooCase:
 EXTRA_CASES = {"wide_blocks": wide_blocks, "tiny_llama": tiny_llama, "tiny_llama_vocab": tiny_llama_vocab}
 
 
-def tiny_llama_pipeline(device: str | None = None, layers: int = 4) -> ZooCase:
+def tiny_llama_pipeline(device: str | None = None, layers: int = 4, vocab: int = 128) -> ZooCase:
     """A four-layer (or ``layers``) Llama for pipeline stages (autofit/parallel/pipeline.py): hidden 64, MLP 128,
-    vocab 128, its head not tied to its embedding (the two sit on the first and the last stage); the sample is 4
+    vocab 128 (or ``vocab``: a heavier head), its head not tied to its embedding (the two sit on the first and the last stage); the sample is 4
     rows of 16 token ids and the target the same ids (the default loss: cross-entropy of the logits against them),
     the one input a first stage takes."""
     import pytest
 
     transformers = pytest.importorskip("transformers", reason="the test extras' transformers builds the tiny Llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=64, attn_implementation="sdpa",
                                       tie_word_embeddings=False, use_cache=False)
@@ -101,3 +101,4 @@ def tiny_llama_pipeline(device: str | None = None, layers: int = 4) -> ZooCase:
 
 
 EXTRA_CASES["tiny_llama_pipeline"] = tiny_llama_pipeline
+EXTRA_CASES["tiny_llama_pipeline_16384"] = lambda: tiny_llama_pipeline(vocab=16384)  # a head heavier than a layer

@@ -260,6 +260,39 @@ def test_the_trainer_steps_the_stages_as_one_full_batch_step(world, schedule, se
             torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
 
 
+@pytest.mark.slow
+def test_the_trainer_runs_the_pipeline_the_planner_chose(tmp_path):
+    """The plan ``autofit.plan`` makes for a 2-stage pipeline of a Llama whose head over 16,384 words outweighs its
+    layers (its micro-batches and its balanced split, Note [a balanced split]), run by ``plan.wrap``'s trainer on two
+    gloo ranks: each rank's parameters after one SGD step equal those after one full-batch SGD step in one
+    process."""
+    import warnings
+
+    import dist_workers
+
+    case = tiny_llama_pipeline(vocab=16384)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autofit.plan(case.model, case.sample, budget="1GB", target=case.target, batch_size=8, device="cpu",
+                            optimizer="sgd", layout=autofit.Layout(world_size=2, strategy="fsdp2",
+                                                                   pipeline_parallel=2))
+    layers = plan.parallel.layout.placement("pp").option("layers")
+    assert layers != (2, 2), layers  # the planner's own split
+    ranks = dist_workers.launch([{"kind": "equivalence", "case": "tiny_llama_pipeline_16384", "plan": plan.to_json(),
+                                  "optimizer": "sgd"}], tmp_path, 2)
+    reference = tiny_llama_pipeline(vocab=16384).model
+    ids = case.sample.repeat(2, 1)  # the batch of 8 the workers resize the sample to
+    logits = reference(ids).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    held = [set(results[0]["params"]) for results in ranks]
+    assert not held[0] & held[1] and held[0] | held[1] == {n for n, _ in reference.named_parameters()}
+    for name, p in reference.named_parameters():
+        rank = 0 if name in held[0] else 1
+        got = torch.tensor(ranks[rank][0]["params"][name], dtype=p.dtype)
+        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
 def test_the_torchtitan_export_names_the_degree_and_the_schedule():
     """torchtitan's ``[parallelism]`` keys (torchtitan/config/job_config.py: ``pipeline_parallel_degree``,
     ``pipeline_parallel_schedule`` with its names "1F1B", "GPipe", ``pipeline_parallel_microbatch_size``, the rows of
