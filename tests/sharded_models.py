@@ -82,9 +82,9 @@ EXTRA_CASES = {"wide_blocks": wide_blocks, "tiny_llama": tiny_llama, "tiny_llama
 
 def tiny_llama_pipeline(device: str | None = None, layers: int = 4, vocab: int = 128) -> ZooCase:
     """A four-layer (or ``layers``) Llama for pipeline stages (autofit/parallel/pipeline.py): hidden 64, MLP 128,
-    vocab 128 (or ``vocab``: a heavier head), its head not tied to its embedding (the two sit on the first and the last stage); the sample is 4
-    rows of 16 token ids and the target the same ids (the default loss: cross-entropy of the logits against them),
-    the one input a first stage takes."""
+    vocab 128 (or ``vocab``: a heavier head), its head not tied to its embedding (the two sit on the first and the
+    last stage); the sample is 4 rows of 16 token ids (below 128) and the target the same ids (the default loss:
+    cross-entropy of the logits against them), the one input a first stage takes."""
     import pytest
 
     transformers = pytest.importorskip("transformers", reason="the test extras' transformers builds the tiny Llama")
