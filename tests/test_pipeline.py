@@ -462,32 +462,40 @@ def test_the_planner_races_every_schedule_when_told_auto():
                                            pipeline_schedule="auto", pipeline_layers=(4, 4)))
 
 
+_CLI_CONFIG = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512)
+
+
+def _command_line_json(command: str, *flags: str) -> dict:
+    """``autofit COMMAND hf:llama`` (the 4-layer config above) over a pipeline of 2 ranks, layers 1 and 3, 8 rows,
+    with ``flags``: its JSON."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from autofit.cli.app import app
+
+    config = [a for k, v in _CLI_CONFIG.items() for a in ("--config", f"{k}={v}")]
+    result = CliRunner().invoke(app, [command, "hf:llama", *config, "--input-shape", "16", "-n", "8", "--device",
+                                      "cpu", "--world-size", "2", "--strategy", "fsdp2", "--pipeline-parallel", "2",
+                                      "--pipeline-layers", "1,3", *flags, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout[result.stdout.index("{"):])
+
+
 @pytest.mark.sim
 def test_the_command_line_estimates_every_stage_as_the_library_does():
     """``autofit estimate hf:llama ... --pipeline-parallel 2 --schedule 1F1B --pipeline-layers 1,3``: the sample a
     Hugging Face model is given (ids and labels: the model's own loss on the last stage), every rank's peak as
     ``autofit.estimate``'s of the same split."""
-    import json
     import warnings
 
-    from typer.testing import CliRunner
-
-    from autofit.cli.app import app
     from autofit.cli.specs import load_spec
 
-    config = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512)
-    flags = [a for k, v in config.items() for a in ("--config", f"{k}={v}")]
-    result = CliRunner().invoke(app, ["estimate", "hf:llama", *flags, "--input-shape", "16", "-m", "2", "-n", "8",
-                                      "--device", "cpu", "--world-size", "2", "--strategy", "fsdp2",
-                                      "--pipeline-parallel", "2", "--schedule", "1F1B", "--pipeline-layers", "1,3",
-                                      "--json"],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout[result.stdout.index("{"):])
+    data = _command_line_json("estimate", "-m", "2", "--schedule", "1F1B")
     assert data["layout"] == "pp 2 (1F1B) over 2 ranks" and data["accumulation_steps"] == 4 and data["batch_size"] == 8
     assert data["pipeline_layers"] == [1, 3]
-    spec = load_spec("hf:llama", input_shapes=[(16,)], config=config)
+    spec = load_spec("hf:llama", input_shapes=[(16,)], config=_CLI_CONFIG)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = autofit.estimate(spec.model, spec.sample, target=spec.target, loss_fn=spec.loss_fn, device="cpu",
@@ -517,22 +525,7 @@ def test_a_bad_split_on_the_command_line_is_refused_naming_the_flag():
 def test_plan_on_the_command_line_chooses_for_the_pipeline_it_is_given():
     """``autofit plan hf:llama ... --pipeline-parallel 2 --schedule GPipe --pipeline-layers 1,3``: the plan keeps the
     layout, the schedule and the split it was given, and its micro-batches fill the rows a step trains."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from autofit.cli.app import app
-
-    config = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512)
-    flags = [a for k, v in config.items() for a in ("--config", f"{k}={v}")]
-    result = CliRunner().invoke(app, ["plan", "hf:llama", *flags, "--input-shape", "16", "-b", "8GB", "-n", "8",
-                                      "--device", "cpu", "--world-size", "2", "--strategy", "fsdp2",
-                                      "--pipeline-parallel", "2", "--schedule", "GPipe", "--pipeline-layers", "1,3",
-                                      "--json"],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout[result.stdout.index("{"):])
+    data = _command_line_json("plan", "-b", "8GB", "--schedule", "GPipe")
     assert data["more_dimensions"] == [["pp", 2, [["schedule", "gpipe"], ["layers", [1, 3]]]]]
     assert data["micro_batch_size"] * data["gradient_accumulation_steps"] == 8
     assert any(n.startswith("pipeline: GPipe over 2 stages") for n in data["notes"])
