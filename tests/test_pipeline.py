@@ -627,3 +627,31 @@ def test_the_planner_gives_the_head_stage_fewer_layers_and_the_export_names_them
 
     parts = to_torchtitan_config(plan)["parallelism"]["module_fqns_per_model_part"]
     assert [sum(name.startswith("layers.") for name in part) for part in parts] == list(layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_a_pipeline_cut_in_depth_carries_every_rank_to_its_measured_peak(schedule):
+    """Note [a pipeline cut in depth] (autofit/planning/pipeline.py): a 16-layer Llama over a 2-stage pipeline (4
+    stages under Interleaved 1F1B), every stage simulated cut to 1 to 3 (5 to 7) of its layers and carried along
+    its line; each rank's carried peak against the CPU allocator's over gloo, running the plan's configuration whole."""
+    import warnings
+
+    case = tiny_llama_pipeline(layers=16)
+    layout = _layout(2, schedule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autofit.plan(case.model, case.sample, budget="8GB", target=case.target, batch_size=8, device="cpu",
+                            optimizer="adamw", layout=layout, search=autofit.Search(extrapolate_depth=True))
+    assert any(n.startswith("depth extrapolation: simulated with") for n in plan.notes), plan.notes
+    split = plan.parallel.layout.placement("pp").option("layers")
+    measured = autofit.measure(case.model, case.sample, target=case.target, optimizer="adamw",
+                               layout=autofit.Layout(world_size=2, strategy="fsdp2", pipeline_parallel=2,
+                                                     pipeline_schedule=schedule, pipeline_layers=split),
+                               step=autofit.Step(micro_batch_size=plan.micro_batch_size,
+                                                 accumulation_steps=plan.gradient_accumulation_steps,
+                                                 checkpoint=plan.checkpoint))
+    for rank, carried in plan.estimate.rank_peaks:
+        peak = measured.rank_peaks[rank]
+        print(f"{schedule} rank {rank}: carried {carried} measured {peak} ({(carried - peak) / peak:+.4%})")
+        assert abs(carried - peak) <= 0.005 * peak, (rank, carried, peak)

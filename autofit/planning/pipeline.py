@@ -31,9 +31,9 @@ Note [planning a pipeline]
     Where the user leaves the schedule or the degree to the planner (``pipeline_schedule="auto"``,
     ``pipeline_parallel="auto"``) each schedule torch has and each degree is a layout of its own in the planner's
     race, beside the layouts without a pipeline (docs/multi-gpu.md, "How the planner chooses"), and the fastest plan
-    wins. Not planned yet: a recomputation other than none or every layer, precisions other than the preferred one
-    (the ladder's lower stored precisions), offload, and a depth cut of the stages (each verification simulates
-    every stage whole, so a 70B or 405B plan is beyond what two cores do in a minute: docs/multi-gpu.md).
+    wins. Where the stages hold several identical blocks, each verification simulates them cut in depth (Note [a
+    pipeline cut in depth]). Not planned yet: a recomputation other than none or every layer, precisions other than
+    the preferred one (the ladder's lower stored precisions), offload.
 
 Note [a balanced split]
     The stages run in lock-step, so the slowest one sets the pace: an even split by layers leaves the first stage
@@ -70,7 +70,10 @@ from autofit.parallel.rungs import budget_error_at
 from autofit.parallel.step_time import layout_time
 from autofit.planning.climb import Climb, Unplanned, plan_of
 from autofit.request import PlanRequest
+from autofit.core.report import MemoryEstimate
 from autofit.solve.candidate import Candidate
+from autofit.solve.depth import DepthRun
+from autofit.solve.extrapolate import extrapolate
 from autofit.solve.estimator import Estimator
 from autofit.solve.space import analyse_policies
 from autofit.solve.time_model import TimeModel, build_time_model
@@ -256,7 +259,8 @@ def plan_pipeline(request: PlanRequest, parallel: Parallel, beat: float | None =
                         f"{', every layer recomputed' if c.checkpoint else ''}, layers "
                         f"{found.parallel.layout.placement('pp').option('layers')} (every stage simulated)",
                         position, len(candidates))
-        est = estimator.estimate(c, policy)
+        est = _in_depth(request, found.parallel, c, policy) if request.blocks is not None else None
+        est = est if est is not None else estimator.estimate(c, policy)
         fitted = est.within(request.fit_bytes)
         if fitted is None:
             tried.append((found, est))
@@ -275,6 +279,56 @@ def _raise(error: Exception) -> tuple[Plan, dict[str, Analysis]]:
     """The fallback of a pipeline where nothing fits: its smallest budget, simulated already (the race reports the
     least of every layout's)."""
     raise error
+
+
+# Note [a pipeline cut in depth]
+#     A stage's figures grow by the same bytes with each layer it holds (its parameters, gradients, optimizer state
+#     and FSDP2 units; every micro-batch in flight saves the layer's activations), and the schedule's order, so the
+#     micro-batches in flight, does not depend on the layers. So where each stage holds several of the model's
+#     identical blocks, the stages are simulated cut: every stage missing the same D layers (the first ones of its
+#     run kept), at three cuts one layer apart (n_s - D - 2, n_s - D - 1, n_s - D for a stage of n_s layers, the
+#     smallest at 1, 2 and 3), and each rank's figures carried D steps along its line, as a whole model's are (Note
+#     [depth extrapolation], autofit/capture/depth.py; ``extrapolate``: tensor figures on their line to the byte,
+#     the third cut checking the first two). The figures are those of the rank the cuts found highest at all three
+#     and whose carried peak is highest of every rank's; where another rank's line overtakes it, or a figure is off
+#     its line, the stages are simulated whole. On the CPU allocator, every rank's carried peak equals the whole
+#     simulation's to the byte (tests/test_pipeline.py).
+def _in_depth(request: PlanRequest, parallel: Parallel, c: Candidate, policy: Any) -> MemoryEstimate | None:
+    """The estimate of ``c`` on ``parallel``'s pipeline from its stages cut in depth (Note [a pipeline cut in
+    depth]), or None where that cannot be done or is not cheaper: the stages are then simulated whole."""
+    blocks = request.blocks
+    pp = parallel.layout.placement("pp")
+    counts = pp.option("layers")
+    layers, _ = decoder_names(request.model)
+    if counts is None or blocks.count != len(layers) or min(counts) < 4:
+        return None
+    missing = min(counts) - 3
+    runs = layer_split(len(layers), len(counts), counts)
+    keeps = tuple(tuple(i for n, run in zip(counts, runs) for i in run[:n - missing - 2 + j]) for j in range(3))
+    if request.cheaper_cuts_only and sum(map(len, keeps)) >= blocks.count:
+        return None  # three cuts of more layers than the whole model: simulated whole (exact, and cheaper)
+    ests = []
+    for j, keep in enumerate(keeps):
+        # the cut's split; FSDP2's units and the recomputed layers are renamed by the cut (config_at_depth)
+        cut = _with_split(parallel, tuple(n - missing - 2 + j for n in counts))
+        progress.report(f"stages cut to {[n - missing - 2 + j for n in counts]} layers", j, 3)
+        ests.append(request.device.estimate(Estimator(request, cut).simulate(c, policy, depth=keep)))
+    worst = [dict(e.rank_peaks) for e in ests]
+    ranks = list(worst[0])
+    carried = {}
+    for r in ranks:
+        values = [w[r] for w in worst]
+        if values[1] - values[0] != values[2] - values[1]:
+            return None
+        carried[r] = values[2] + missing * (values[2] - values[1])
+    top = max(ranks, key=carried.__getitem__)
+    if any(max(w, key=w.__getitem__) != top for w in worst):  # the estimates are another rank's at some cut
+        return None
+    run = DepthRun(blocks, 1, keeps, missing, 0, blocks.count)
+    est = extrapolate(run, tuple(ests), request.fit_bytes)
+    if est is None or est.peak_bytes - est.breakdown.get("allocator_rounding", 0) > carried[top]:
+        return None
+    return replace(est, rank_peaks=tuple((r, carried[r]) for r in ranks))
 
 
 def _chosen_note(title: str, ranks: int, found: PipelineCandidate, tried: list, weighed: int) -> str:
