@@ -58,8 +58,8 @@ def main() -> None:
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autofit.plan(model, ids, target=ids, budget=args.budget, batch_size=args.batch, device="cuda",
-                            gpu="H100-80GB", precision="bf16", layout=layout)
+        plan = autofit.plan(model, ids, target=ids, budget=args.budget, batch_size=args.batch,
+                            device=autofit.Device(gpu="H100-80GB"), precision="bf16", layout=layout)
     seconds = time.perf_counter() - start
     pp = plan.parallel.layout.placement("pp")
     print(f"{'layout':<34} {'micro-batches':>13} {'rows':>5} {'recomputed':>10} {'layers':>10} "

@@ -655,3 +655,16 @@ def test_a_pipeline_cut_in_depth_carries_every_rank_to_its_measured_peak(schedul
         peak = measured.rank_peaks[rank]
         print(f"{schedule} rank {rank}: carried {carried} measured {peak} ({(carried - peak) / peak:+.4%})")
         assert abs(carried - peak) <= 0.005 * peak, (rank, carried, peak)
+
+
+@pytest.mark.quick
+def test_a_pipeline_and_tensor_parallel_over_every_rank_is_refused_with_the_fix():
+    """Pipeline 2 x tensor parallel 2 over 4 ranks on CUDA leaves FSDP2 no rank, so the embedding and head stay plain
+    tensors beside the split DTensors, which torch's foreach optimizers cannot step together: no layout can be
+    planned, said with the fix before anything is simulated (it once raised an empty 'no data-parallel strategy')."""
+    case = tiny_llama_pipeline("meta")
+    with pytest.raises(InvalidInputError, match="no layout of the 4 ranks asked for can be planned.*smaller "
+                                                "tensor_parallel or pipeline_parallel"):
+        autofit.plan(case.model, case.sample, budget="80GB", target=case.target, batch_size=8,
+                     device=autofit.Device(gpu="H100-80GB"),
+                     layout=autofit.Layout(world_size=4, strategy="fsdp2", pipeline_parallel=2, tensor_parallel=2))

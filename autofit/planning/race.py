@@ -13,7 +13,8 @@ from typing import Callable
 
 from autofit.core import progress
 from autofit.analyse.table import Analysis
-from autofit.core.errors import AutofitError, HostMemoryError, InfeasibleBudgetError, UnsupportedModelError
+from autofit.core.errors import (AutofitError, HostMemoryError, InfeasibleBudgetError, InvalidInputError,
+                                 UnsupportedModelError)
 from autofit.training.precision import stored_dtype
 from autofit.emit.plan import Plan, why_layout
 from autofit.request import Parallel, PlanRequest
@@ -34,6 +35,13 @@ def plan_layouts(request: PlanRequest) -> tuple[Plan, dict[str, Analysis]]:
     """The plan of ``request`` over every layout it allows (the fastest wins), with the analyses."""
     tally = _Tally()
     parallels = [p for name in request.strategies for p in layouts(request, name)]
+    if not parallels:  # every layout the rules accept is one torch refuses to run (Dimension.plannable)
+        raise InvalidInputError(
+            f"no layout of the {request.world_size} ranks asked for can be planned: each one the layout's rules "
+            "accept is one torch refuses to run (tensor parallel over every rank the other dimensions leave, so no "
+            "FSDP2 to make every parameter a DTensor, with torch's foreach optimizers on CUDA; an int reshard of "
+            "tensor-parallel weights): leave ranks to FSDP2 (a smaller tensor_parallel or pipeline_parallel, or a "
+            "larger world_size)")
     check_host_before_analysis(request, parallels)  # Note [the host of the target], autofit/validate.py
     order, climbs, floors, hopeless, host_only = _layout_order(request, parallels)
     deferred: list[Parallel] = []
