@@ -457,7 +457,8 @@ class PipelineSchedule:
                 for kind in SCHEDULES.values() if micro_batch_rule(kind, self.ranks, self.micro_batches) is None}
         own = SCHEDULES[self.name].title
         others = ", ".join(f"{title} {share:.1%}" for title, share in idle.items() if title != own)
-        return (f"{own}'s order over {self.ranks} ranks and {self.micro_batches} micro-batches keeps every rank "
+        micro = f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}"
+        return (f"{own}'s order over {self.ranks} ranks and {micro} keeps every rank "
                 f"waiting at least {idle[own]:.1%} of the step at equal stage times and no transfers ({others}; "
                 "Note [a schedule's time], autofit/parallel/pipeline.py): more micro-batches or another schedule "
                 "waits less")
