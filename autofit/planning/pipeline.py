@@ -244,8 +244,8 @@ def plan_pipeline(request: PlanRequest, parallel: Parallel, beat: float | None =
             f"{parallel.label}: no micro-batch count of the {request.per_rank} rows a rank trains per step suits "
             f"{kind.title} over {placement.degree} stages ({micro_batch_rule(kind, placement.degree, 1)}): raise "
             "batch_size or use pipeline_schedule='GPipe'")
-    # the stages are simulated whole: the depth cut of a pipeline's stages is not built yet (Note [depth
-    # extrapolation] cuts the whole model's run of blocks, which the stages' split names)
+    # a whole simulation never cuts the model's run of blocks (Note [depth extrapolation]), which the stages' split
+    # names: a pipeline's cut is its own, every stage cut alike (Note [a pipeline cut in depth], _in_depth)
     whole = replace(request, blocks=None)
     tried = []
     for position, found in enumerate(candidates):
